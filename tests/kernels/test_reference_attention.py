@@ -1,0 +1,243 @@
+"""The jnp ragged paged attention against a dense numpy attention, one Python loop per sequence.
+
+Every case poisons what the function must not read: pages no live sequence uses are NaN, page-table
+slots past a sequence's needed pages point at NaN pages, slots past kv_len inside a used page are
+NaN, padding tokens of q/k/v are NaN, and padding rows of kv_lens / page_indices / cu_q_lens hold
+garbage. Pages are handed out in shuffled order. Shapes are shared within groups so that the
+default run compiles few programs.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+
+STATIC = ("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_pages")
+attention = jax.jit(ragged_paged_attention, static_argnames=STATIC)
+
+HEAD_DIM = 32
+NUM_Q_HEADS = 8
+SM_SCALE = 1.0 / math.sqrt(HEAD_DIM)
+
+
+def make_case(rng, seqs, *, max_seqs, num_tokens, page_size, pages_per_seq, num_pages,
+              num_kv_heads, num_q_heads=NUM_Q_HEADS, head_dim=HEAD_DIM, dtype=np.float32):
+    """seqs: (q_len, kv_len) of each live sequence. Returns the inputs as numpy arrays."""
+    dtype = np.dtype(dtype)
+    q_lens = np.array([s[0] for s in seqs], np.int32)
+    kv_lens_live = np.array([s[1] for s in seqs], np.int32)
+    num_live, total = len(seqs), int(q_lens.sum())
+    assert num_live <= max_seqs and total <= num_tokens and np.all(q_lens <= kv_lens_live)
+
+    needed = [-(-int(kv) // page_size) for kv in kv_lens_live]
+    assert max(needed, default=0) <= pages_per_seq and sum(needed) < num_pages
+    perm = rng.permutation(num_pages)
+    used, unused = list(perm[:sum(needed)]), perm[sum(needed):]
+    page_indices = rng.integers(-num_pages, 3 * num_pages, (max_seqs, pages_per_seq)).astype(np.int32)
+    for s, n in enumerate(needed):
+        page_indices[s, :n] = [used.pop() for _ in range(n)]
+        page_indices[s, n:] = rng.choice(unused, pages_per_seq - n)
+
+    kv_lens = rng.integers(-1000, 10**6, max_seqs).astype(np.int32)
+    kv_lens[:num_live] = kv_lens_live
+    cu_q_lens = rng.integers(-5, 3 * num_tokens, max_seqs + 1).astype(np.int32)
+    cu_q_lens[:num_live + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+
+    cache = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), np.nan, np.float32)
+    for s, (q_len, kv_len) in enumerate(seqs):
+        for pos in range(kv_len - q_len):
+            cache[page_indices[s, pos // page_size], pos % page_size] = rng.standard_normal(
+                (2 * num_kv_heads, head_dim))
+
+    def tokens(heads):
+        x = rng.standard_normal((num_tokens, heads, head_dim)).astype(np.float32)
+        x[total:] = np.nan
+        return x.astype(dtype)
+
+    return dict(q=tokens(num_q_heads), k=tokens(num_kv_heads), v=tokens(num_kv_heads),
+                kv_cache=cache.astype(dtype), kv_lens=kv_lens, page_indices=page_indices,
+                cu_q_lens=cu_q_lens, num_seqs=np.array([num_live], np.int32))
+
+
+def expected_result(case, sliding_window=None, soft_cap=None):
+    """Dense attention in float64 over each sequence's full K/V; the cache after the writes."""
+    q = case["q"].astype(np.float64)
+    num_kv_heads = case["k"].shape[1]
+    group = q.shape[1] // num_kv_heads
+    page_size = case["kv_cache"].shape[1]
+    cache = case["kv_cache"].astype(np.float32)
+    new_kv = np.stack([case["k"], case["v"]], axis=2).reshape(len(q), 2 * num_kv_heads, -1)
+    new_kv = new_kv.astype(case["kv_cache"].dtype).astype(np.float32)  # what the cache can hold
+    out = np.zeros_like(q)
+    cu, pages = case["cu_q_lens"], case["page_indices"]
+    for s in range(int(case["num_seqs"][0])):
+        q_len, kv_len = int(cu[s + 1] - cu[s]), int(case["kv_lens"][s])
+        for r in range(q_len):
+            pos = kv_len - q_len + r
+            cache[pages[s, pos // page_size], pos % page_size] = new_kv[cu[s] + r]
+        positions = np.arange(kv_len)
+        kv = cache[pages[s, positions // page_size], positions % page_size].astype(np.float64)
+        keys = np.repeat(kv[:, 0::2], group, axis=1)  # [kv_len, Hq, D]
+        values = np.repeat(kv[:, 1::2], group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q[cu[s]:cu[s + 1]], keys) * SM_SCALE
+        if soft_cap is not None:
+            scores = soft_cap * np.tanh(scores / soft_cap)
+        q_pos = kv_len - q_len + np.arange(q_len)
+        mask = positions[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= q_pos[:, None] - positions[None, :] < sliding_window
+        scores = np.where(mask, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out[cu[s]:cu[s + 1]] = np.einsum("hqk,khd->qhd", probs, values)
+    return out, cache
+
+
+def check(case, tol=1e-5, **static):
+    """Runs the jitted reference and compares output rows and the whole cache."""
+    out, new_cache = attention(**{k: jnp.asarray(v) for k, v in case.items()},
+                               sm_scale=SM_SCALE, **static)
+    out, new_cache = np.asarray(out.astype(jnp.float32)), np.asarray(new_cache.astype(jnp.float32))
+    assert out.dtype == np.float32 and new_cache.shape == case["kv_cache"].shape
+    want_out, want_cache = expected_result(case, static.get("sliding_window"), static.get("soft_cap"))
+    total = int(case["cu_q_lens"][case["num_seqs"][0]])
+    np.testing.assert_allclose(out[:total], want_out[:total], rtol=tol, atol=tol)
+    assert np.all(np.isfinite(out[total:])), "padding rows must be finite"
+    np.testing.assert_array_equal(new_cache, want_cache)
+
+
+# Batch kinds, each with its own fixed shapes so that every GQA ratio compiles once per kind.
+DECODE_SHAPES = dict(max_seqs=8, num_tokens=8, page_size=16, pages_per_seq=8, num_pages=64)
+RAGGED_SHAPES = dict(max_seqs=8, num_tokens=32, page_size=16, pages_per_seq=8, num_pages=64)
+BATCHES = {
+    # kv_len 16 / 32 / 128 are exact multiples of the page size, 17 / 33 one past.
+    "decode": (DECODE_SHAPES, [(1, 17), (1, 16), (1, 128), (1, 1), (1, 33), (1, 100)]),
+    "prefill": (RAGGED_SHAPES, [(10, 10), (5, 5), (1, 1), (16, 16)]),
+    "mixed": (RAGGED_SHAPES, [(1, 17), (8, 40), (1, 128), (12, 12), (3, 16), (1, 33), (1, 2)]),
+    "zero_history_chunk_of_1": (RAGGED_SHAPES, [(1, 1)] * 7),
+    "one_sequence": (RAGGED_SHAPES, [(30, 100)]),
+    "no_padding": (RAGGED_SHAPES, [(4, 20), (4, 4), (4, 64), (4, 9), (4, 4), (4, 50), (4, 4), (4, 7)]),
+}
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1], ids=lambda h: f"gqa{NUM_Q_HEADS // h}")
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_matches_dense_attention_and_writes_cache_for_batch_kind(batch, num_kv_heads):
+    shapes, seqs = BATCHES[batch]
+    check(make_case(np.random.default_rng(0), seqs, num_kv_heads=num_kv_heads, **shapes))
+
+
+@pytest.mark.parametrize("page_size,pages_per_seq,num_pages", [(1, 128, 160), (16, 8, 48), (64, 2, 12)])
+def test_page_sizes_with_lengths_on_and_one_past_page_boundaries(page_size, pages_per_seq, num_pages):
+    ps, full = page_size, page_size * pages_per_seq
+    lengths = [(1, ps), (3, ps + 1), (2, 2 * ps), (5, min(2 * ps + 1, full)), (4, 4), (1, full)]
+    seqs = [(min(q_len, kv_len), kv_len) for q_len, kv_len in lengths]
+    case = make_case(np.random.default_rng(1), seqs, max_seqs=8, num_tokens=32, page_size=ps,
+                     pages_per_seq=pages_per_seq, num_pages=num_pages, num_kv_heads=2)
+    check(case)
+
+
+@pytest.mark.parametrize("static", [dict(sliding_window=5), dict(sliding_window=20),
+                                    dict(soft_cap=2.0), dict(sliding_window=7, soft_cap=3.0)],
+                         ids=["window5", "window20", "softcap", "window_and_softcap"])
+def test_sliding_window_and_soft_cap(static):
+    shapes, seqs = BATCHES["mixed"]
+    check(make_case(np.random.default_rng(2), seqs, num_kv_heads=4, **shapes), **static)
+
+
+LONG_AND_SHORT = [(1, 128), (6, 9), (1, 20), (12, 40), (1, 3)]
+SHORT_ONLY = [(1, 30), (6, 9), (1, 20), (12, 40), (1, 3)]  # 3 chunks of 1 page out of 8 needed
+
+
+@pytest.mark.parametrize("seqs", [LONG_AND_SHORT, SHORT_ONLY], ids=["long_and_short", "short_only"])
+@pytest.mark.parametrize("kv_block_pages", [1, 3])
+def test_several_kv_chunks_with_online_softmax(seqs, kv_block_pages):
+    case = make_case(np.random.default_rng(3), seqs, num_kv_heads=2, **RAGGED_SHAPES)
+    check(case, kv_block_pages=kv_block_pages)
+
+
+def test_several_kv_chunks_with_sliding_window_skipping_whole_chunks():
+    case = make_case(np.random.default_rng(4), LONG_AND_SHORT, num_kv_heads=2, **RAGGED_SHAPES)
+    check(case, kv_block_pages=1, sliding_window=10, soft_cap=5.0)
+
+
+@pytest.mark.parametrize("q_block", [1, 3, 4, 16, 32, None])
+def test_query_block_sizes_including_ones_that_straddle_sequences(q_block):
+    shapes, seqs = BATCHES["mixed"]
+    check(make_case(np.random.default_rng(5), seqs, num_kv_heads=2, **shapes), q_block=q_block)
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_bfloat16_inputs_and_cache(batch):
+    shapes, seqs = BATCHES[batch]
+    case = make_case(np.random.default_rng(6), seqs, num_kv_heads=2, dtype=jnp.bfloat16, **shapes)
+    out, new_cache = attention(**{k: jnp.asarray(v) for k, v in case.items()}, sm_scale=SM_SCALE)
+    assert out.dtype == jnp.bfloat16 and new_cache.dtype == jnp.bfloat16
+    check(case, tol=2e-2)
+
+
+def test_live_sequence_without_new_tokens_is_skipped():
+    shapes, _ = BATCHES["mixed"]
+    seqs = [(3, 10), (0, 20), (0, 5), (16, 16), (0, 7), (2, 9)]
+    for q_block in (4, 16):  # 16: few item slots, which empty sequences must not use up
+        check(make_case(np.random.default_rng(7), seqs, num_kv_heads=2, **shapes), q_block=q_block)
+
+
+def test_no_live_sequences_leaves_cache_unchanged():
+    shapes, _ = BATCHES["mixed"]
+    case = make_case(np.random.default_rng(8), [], num_kv_heads=2, **shapes)
+    check(case)
+
+
+def test_traced_program_does_not_loop_over_sequences():
+    def num_equations(max_seqs, num_tokens):
+        case = make_case(np.random.default_rng(9), [(1, 5)], max_seqs=max_seqs, num_tokens=num_tokens,
+                         page_size=16, pages_per_seq=4, num_pages=8, num_kv_heads=2)
+        jaxpr = jax.make_jaxpr(lambda *a: ragged_paged_attention(*a, sm_scale=1.0, q_block=2))(
+            *case.values())
+        return len(jaxpr.eqns)
+
+    assert num_equations(2, 4) == num_equations(64, 128)
+
+
+def test_backend_selection():
+    assert get_attention_fn() is ragged_paged_attention
+    assert get_attention_fn("reference") is ragged_paged_attention
+    with pytest.raises(ValueError, match="reference"):
+        get_attention_fn("pallas")
+    with pytest.raises(ValueError, match="unknown"):
+        get_attention_fn("cuda")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(40))
+def test_random_batches_match_dense_attention(seed):
+    rng = np.random.default_rng(100 + seed)
+    page_size = int(rng.choice([1, 4, 16, 64]))
+    pages_per_seq = int(rng.integers(1, 513 // page_size + 1))
+    max_seqs = int(rng.choice([1, 4, 16]))
+    num_tokens = int(rng.choice([16, 64, 256]))
+    num_kv_heads = int(rng.choice([1, 2, 4, 8]))
+    seqs, budget = [], num_tokens
+    for _ in range(int(rng.integers(1, max_seqs + 1))):
+        if budget == 0:
+            break
+        kv_len = int(rng.integers(1, pages_per_seq * page_size + 1))
+        q_len = int(rng.integers(1, min(kv_len, budget) + 1)) if rng.random() < 0.5 else 1
+        seqs.append((q_len, kv_len))
+        budget -= q_len
+    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + int(rng.integers(1, 8))
+    dtype = jnp.bfloat16 if rng.random() < 0.25 else np.float32
+    case = make_case(rng, seqs, max_seqs=max_seqs, num_tokens=num_tokens, page_size=page_size,
+                     pages_per_seq=pages_per_seq, num_pages=num_pages, num_kv_heads=num_kv_heads,
+                     dtype=dtype)
+    static = dict(
+        sliding_window=int(rng.integers(1, 300)) if rng.random() < 0.3 else None,
+        soft_cap=float(rng.uniform(1, 30)) if rng.random() < 0.3 else None,
+        q_block=int(rng.choice([1, 2, 8, 32])) if rng.random() < 0.5 else None,
+        kv_block_pages=int(rng.integers(1, pages_per_seq + 1)) if rng.random() < 0.5 else None)
+    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 2e-5, **static)

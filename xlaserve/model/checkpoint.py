@@ -1,0 +1,61 @@
+"""Converted weights saved with Orbax, so a model converted once (a dequantized GGUF, say) loads
+again without conversion, and restores straight into any mesh's sharded layout.
+
+Layout of a checkpoint directory: `xlaserve_model.json` (our ModelConfig and the dtype), `params/`
+(an Orbax checkpoint of the parameter tree), and the tokenizer files.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.registry import model_class
+from xlaserve.model.transformer import abstract_model, partition_spec
+
+MARKER = "xlaserve_model.json"
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def save(path: str, config: ModelConfig, model, tokenizer=None) -> None:
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    _, state = nnx.split(model)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(path, "params"), nnx.to_pure_dict(state), force=True)
+    checkpointer.wait_until_finished()
+    dtype = jax.tree.leaves(state)[0].dtype
+    with open(os.path.join(path, MARKER), "w") as f:
+        json.dump({"config": config.to_dict(), "dtype": jnp.dtype(dtype).name}, f, indent=1)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load(path: str, *, dtype, mesh: Mesh):
+    """Restore into `mesh` with each parameter's partition spec, cast to `dtype`."""
+    import orbax.checkpoint as ocp
+
+    with open(os.path.join(path, MARKER)) as f:
+        config = ModelConfig.from_dict(json.load(f)["config"])
+    graphdef, abstract_state = nnx.split(abstract_model(config, dtype, model_class(config.architecture)))
+    flat = nnx.to_flat_state(abstract_state)
+    target = nnx.State.from_flat_path({
+        p: jax.ShapeDtypeStruct(v.get_value().shape, dtype,
+                                sharding=NamedSharding(mesh, partition_spec(p)))
+        for p, v in flat
+    })
+    restored = ocp.StandardCheckpointer().restore(
+        os.path.join(os.path.abspath(path), "params"), nnx.to_pure_dict(target)
+    )
+    nnx.replace_by_pure_dict(abstract_state, restored)
+    return config, nnx.merge(graphdef, abstract_state)

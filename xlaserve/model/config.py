@@ -1,0 +1,169 @@
+"""ModelConfig: the few numbers and switches our decoder needs, read from a Hugging Face config.
+
+Llama, Mistral, Qwen2 and Qwen3 differ only in switches (qkv bias, per-head q/k norm, sliding
+window, tied embeddings, explicit head_dim), so one frozen dataclass covers them. It is built from
+`transformers`' config object so every field name quirk (`rope_scaling` vs `rope_parameters`,
+missing `head_dim`, Qwen's `layer_types`) is resolved in exactly one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """Per-pair rotation frequencies, float32, the way transformers computes them."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        if self.kind == "linear":
+            inv_freq = inv_freq / self.factor
+        elif self.kind == "llama3":
+            inv_freq = _llama3_scale(inv_freq, self)
+        return inv_freq.astype(np.float32)
+
+
+def _llama3_scale(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, blended, scaled)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    # One entry per layer: the sliding window size, or None for full attention.
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if len(self.sliding_windows) != self.num_layers:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        data = dict(data)
+        data["rope"] = RopeConfig(**data["rope"])
+        data["sliding_windows"] = tuple(data["sliding_windows"])
+        data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        return cls(**data)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, architecture: str) -> "ModelConfig":
+        """Build from a `transformers.PretrainedConfig` of a supported `architecture` (see
+        `registry.py`, which checks that first)."""
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError(f"{architecture} with mlp_bias=True is not supported")
+        if getattr(hf_config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            architecture=architecture,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope=_rope_from_hf(hf_config),
+            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            # Qwen2 has q/k/v biases but no output bias; Llama's attention_bias covers o_proj too.
+            o_bias=attention_bias and not is_qwen2,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_windows=_sliding_windows_from_hf(hf_config, architecture),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_from_hf(hf_config: Any) -> RopeConfig:
+    # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`; older configs
+    # (and older transformers) keep them apart.
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    if not params:
+        params = dict(scaling)
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", 10000.0)),
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_windows_from_hf(hf_config: Any, architecture: str) -> tuple[int | None, ...]:
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if architecture == "MistralForCausalLM" and window:
+        return (window,) * num_layers
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window and getattr(
+        hf_config, "use_sliding_window", False
+    ):
+        first_sliding = getattr(hf_config, "max_window_layers", num_layers)
+        return tuple(window if i >= first_sliding else None for i in range(num_layers))
+    return (None,) * num_layers

@@ -1,0 +1,111 @@
+"""GGUF files (llama.cpp's format): tensors, config and tokenizer.
+
+Tensors are dequantized with the `gguf` package (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, BF16, F32 and
+the rest it knows) and renamed to the Hugging Face names, so `weights.convert` handles them like
+any other checkpoint. llama.cpp stores q/k rows of Llama-style models permuted for its interleaved
+RoPE; we undo that so the rotate-half RoPE of the transformers layout applies.
+Config and tokenizer (with the chat template from the metadata) come from `transformers`, which
+reads GGUF metadata itself.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+
+# llama.cpp tensor name (without the blk.N. prefix) -> Hugging Face name.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Architectures whose q/k rows llama.cpp's converter permutes (it uses interleaved RoPE for them).
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row permutation of q/k (interleaved pairs -> two halves)."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+    )
+
+
+class GGUFSource:
+    """Tensors of one GGUF file, dequantized to float32 on demand, under Hugging Face names."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        self._gguf = gguf
+        self.reader = gguf.GGUFReader(path)
+        self.architecture = self._field("general.architecture")
+        self.num_heads = self._field(f"{self.architecture}.attention.head_count")
+        self.num_kv_heads = self._field(f"{self.architecture}.attention.head_count_kv") or self.num_heads
+        self._tensors = {}
+        for tensor in self.reader.tensors:
+            name = hf_name(tensor.name)
+            if name is not None:
+                self._tensors[name] = tensor
+
+    def _field(self, key: str):
+        field = self.reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        tensor = self._tensors[name]
+        array = self._gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # GGUF lists dims fastest-first; numpy wants them slowest-first.
+        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+        if self.architecture in _PERMUTED_ARCHITECTURES:
+            if name.endswith("self_attn.q_proj.weight"):
+                array = unpermute_rows(array, self.num_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                array = unpermute_rows(array, self.num_kv_heads)
+        return array
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    directory, filename = os.path.split(os.path.abspath(path))
+    return AutoConfig.from_pretrained(directory, gguf_file=filename)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    directory, filename = os.path.split(os.path.abspath(path))
+    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)

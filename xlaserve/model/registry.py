@@ -1,0 +1,36 @@
+"""Architecture name (`architectures[0]` of a Hugging Face config) -> the module class that runs it."""
+from __future__ import annotations
+
+from xlaserve.model.transformer import CausalLM
+
+# The Llama family differs only in config switches, so one class serves all of them.
+MODEL_CLASSES = {
+    "LlamaForCausalLM": CausalLM,
+    "MistralForCausalLM": CausalLM,
+    "Qwen2ForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+}
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def architecture_of(hf_config) -> str:
+    """The architecture name; configs read from GGUF metadata only carry a model_type."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if architectures:
+        return architectures[0]
+    model_type = getattr(hf_config, "model_type", None)
+    return _BY_MODEL_TYPE.get(model_type, f"<model_type {model_type!r}>")
+
+
+def model_class(architecture: str):
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"Unsupported architecture {architecture!r}. Supported: {', '.join(MODEL_CLASSES)}"
+        ) from None

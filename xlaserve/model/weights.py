@@ -1,0 +1,139 @@
+"""Checkpoint tensors -> our parameter layout.
+
+A *tensor source* answers `get(hf_name) -> np.ndarray` in the Hugging Face naming and layout
+(`[out_features, in_features]` for linear weights). Safetensors directories are one source, GGUF
+files another (they translate llama.cpp names and undo its q/k row permutation), so the conversion
+to our fused layouts below is written once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Iterator, Protocol
+
+import ml_dtypes
+import numpy as np
+
+from xlaserve.model.config import ModelConfig
+
+
+class TensorSource(Protocol):
+    def names(self) -> set[str]: ...
+
+    def get(self, name: str) -> np.ndarray: ...
+
+
+class WeightError(ValueError):
+    """A tensor is missing from the checkpoint or has the wrong shape."""
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class SafetensorsSource:
+    """All `*.safetensors` files of a directory, memory-mapped.
+
+    Read through the documented file layout (8-byte header size, JSON header, raw data) rather
+    than `safe_open(framework="numpy")`, which cannot return bfloat16 tensors.
+    """
+
+    def __init__(self, directory: str):
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {directory}")
+        self._where: dict[str, tuple[np.memmap, dict]] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} is listed in model.safetensors.index.json but missing")
+            with open(path, "rb") as f:
+                (header_size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_size))
+            header.pop("__metadata__", None)
+            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
+            for tensor_name, info in header.items():
+                self._where[tensor_name] = (data, info)
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> np.ndarray:
+        data, info = self._where[name]
+        start, end = info["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise WeightError(f"tensor {name}: unsupported safetensors dtype {info['dtype']}")
+        return data[start:end].view(dtype).reshape(info["shape"])
+
+
+def _fetch(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in source.names():
+        raise WeightError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+    array = source.get(name)
+    if tuple(array.shape) != tuple(shape):
+        raise WeightError(
+            f"tensor {name!r} has shape {list(array.shape)}, expected {list(shape)} from the config"
+        )
+    return array
+
+
+def convert(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
+    """Yield `(param_path, array)` for every parameter of `CausalLM`, in our layouts."""
+    c = config
+    hidden, group, head_dim = c.hidden_size, c.queries_per_kv, c.head_dim
+    q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads * head_dim
+
+    yield ("embedding",), _fetch(source, "model.embed_tokens.weight", (c.vocab_size, hidden))
+    for i in range(c.num_layers):
+        prefix = f"model.layers.{i}."
+        attn = prefix + "self_attn."
+        layer = ("layers", i)
+        yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
+        q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden))
+        k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
+        v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
+        yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
+        if c.qkv_bias:
+            qb = _fetch(source, attn + "q_proj.bias", (q_rows,))
+            kb = _fetch(source, attn + "k_proj.bias", (kv_rows,))
+            vb = _fetch(source, attn + "v_proj.bias", (kv_rows,))
+            yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
+        o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
+        yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
+        if c.o_bias:
+            yield layer + ("attn", "o_bias"), _fetch(source, attn + "o_proj.bias", (hidden,))
+        if c.qk_norm:
+            yield layer + ("attn", "q_norm", "scale"), _fetch(source, attn + "q_norm.weight", (head_dim,))
+            yield layer + ("attn", "k_norm", "scale"), _fetch(source, attn + "k_norm.weight", (head_dim,))
+        yield layer + ("post_attention_norm", "scale"), _fetch(
+            source, prefix + "post_attention_layernorm.weight", (hidden,)
+        )
+        inter = c.intermediate_size
+        gate = _fetch(source, prefix + "mlp.gate_proj.weight", (inter, hidden))
+        up = _fetch(source, prefix + "mlp.up_proj.weight", (inter, hidden))
+        yield layer + ("mlp", "gate_up"), np.stack([gate.T, up.T], axis=1)
+        yield layer + ("mlp", "down"), _fetch(source, prefix + "mlp.down_proj.weight", (hidden, inter)).T
+    yield ("final_norm", "scale"), _fetch(source, "model.norm.weight", (hidden,))
+    if not c.tie_word_embeddings:
+        yield ("lm_head",), _fetch(source, "lm_head.weight", (c.vocab_size, hidden)).T
+
+
+def _fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """[..., Hq*D], [..., Hkv*D], [..., Hkv*D] -> [..., Hkv, G + 2, D]: each kv head's group of
+    query heads, then its k, then its v (query head h belongs to kv head h // G)."""
+    lead = q.shape[:-1]
+    q = q.reshape(*lead, c.num_kv_heads, c.queries_per_kv, c.head_dim)
+    k = k.reshape(*lead, c.num_kv_heads, 1, c.head_dim)
+    v = v.reshape(*lead, c.num_kv_heads, 1, c.head_dim)
+    return np.concatenate([q, k, v], axis=-2)

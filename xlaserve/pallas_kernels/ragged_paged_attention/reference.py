@@ -1,0 +1,152 @@
+"""Ragged paged attention in pure jnp: the specification every kernel is tested against, and the
+CPU production path.
+
+The batch is cut into *work items*: a work item is one block of `q_block` query rows restricted to
+one sequence. Each item gathers its sequence's KV pages once and attends with all of its rows in one
+batched matmul. Decode batches (one new token per sequence) get `q_block == 1`, so there is one item
+and one KV gather per sequence and no wasted query rows; prefill and mixed batches get big query
+blocks, so a long prompt reads its KV once per block of rows instead of once per token. A block
+that straddles a sequence boundary becomes several items, which bounds the item count statically by
+`min(num_blocks * q_block, num_blocks + S - 1)` and keeps every shape static for jit.
+
+Long contexts are read in chunks of `kv_block_pages` pages with an online softmax; the loop runs only
+as many chunks as the longest live sequence needs, so an over-provisioned page table costs nothing.
+
+Unused pages and padding rows may hold anything, NaN included, so masks are applied with
+`jnp.where` (NaN * 0 is NaN) and masked scores are a large finite negative, never -inf.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MASK_VALUE = -1e30
+DEFAULT_KV_BLOCK_TOKENS = 1024
+
+
+def default_q_block(num_tokens: int, num_seqs: int) -> int:
+    """The power of two nearest the mean new tokens per sequence, clamped to [1, 512]."""
+    mean = max(num_tokens // max(num_seqs, 1), 1)
+    return int(min(max(2 ** round(math.log2(mean)), 1), 512))
+
+
+def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           sm_scale, sliding_window=None, soft_cap=None,
+                           q_block=None, kv_block_pages=None):
+    """Attends the new tokens `q` of all sequences to their paged KV; returns (out, kv_cache).
+
+    q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [num_pages, page_size, 2*Hkv, D] (K of kv head h at
+    2h, V at 2h+1); kv_lens i32[S]; page_indices i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
+    New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
+    padding tokens are 0. See DESIGN.md, "Ragged paged attention".
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    num_pages, page_size = kv_cache.shape[:2]
+    max_seqs, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+
+    # Rows >= num_seqs are padding and may hold garbage: neutralise them once, up front. Sequence id
+    # `max_seqs` is a sentinel "no sequence" (kv_len 0, page 0) that padding tokens and unused work
+    # items point at, so every later gather is in range without special cases.
+    n_live = jnp.clip(num_seqs[0], 0, max_seqs)
+    live = jnp.arange(max_seqs) < n_live
+    cu_q_lens = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
+    total_tokens = cu_q_lens[n_live]
+    cu_q_lens = jnp.where(jnp.arange(max_seqs + 1) <= n_live, cu_q_lens, total_tokens)
+    q_starts = jnp.append(cu_q_lens[:-1], total_tokens)
+    q_lens = jnp.append(cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    kv_lens = jnp.append(jnp.where(live, kv_lens, 0), 0)
+    page_indices = jnp.where(live[:, None], page_indices, 0)
+    page_indices = jnp.concatenate([page_indices, jnp.zeros((1, pages_per_seq), jnp.int32)])
+
+    # Write the new K/V first, so that attention reads every key from one place: the cache.
+    # Padding tokens scatter to page `num_pages` and are dropped (-1 would wrap to the last page).
+    token = jnp.arange(num_tokens)
+    seq_of_token = jnp.searchsorted(cu_q_lens[1:], token, side="right")  # max_seqs for padding
+    token_pos = kv_lens[seq_of_token] - q_lens[seq_of_token] + token - q_starts[seq_of_token]
+    token_page = page_indices[seq_of_token, jnp.clip(token_pos // page_size, 0, pages_per_seq - 1)]
+    token_page = jnp.where(token < total_tokens, token_page, num_pages)
+    new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
+    kv_cache = kv_cache.at[token_page, token_pos % page_size].set(
+        new_kv.astype(kv_cache.dtype), mode="drop")
+
+    # Work items: one per (query block, sequence) pair that shares a token. An item starts at a
+    # live token that opens a block or a sequence; counting starts (rather than the sequences
+    # between a block's first and last) keeps sequences with no new tokens from taking item slots.
+    if q_block is None:
+        q_block = default_q_block(num_tokens, max_seqs)
+    num_blocks = -(-num_tokens // q_block)
+    padded_tokens = num_blocks * q_block
+    max_items = min(padded_tokens, num_blocks + max_seqs - 1)
+    row = jnp.arange(padded_tokens)
+    seq_of_row = jnp.searchsorted(cu_q_lens[1:], row, side="right")
+    opens_item = (row % q_block == 0) | (seq_of_row != jnp.roll(seq_of_row, 1))
+    opens_item &= row < total_tokens
+    (item_start,) = jnp.nonzero(opens_item, size=max_items, fill_value=padded_tokens)
+    item_seq = jnp.where(item_start < padded_tokens,
+                         seq_of_row[jnp.minimum(item_start, padded_tokens - 1)], max_seqs)
+    item_rows = (item_start // q_block)[:, None] * q_block + jnp.arange(q_block)  # [W, q_block]
+    item_rows = jnp.minimum(item_rows, padded_tokens - 1)
+    row_valid = (seq_of_row[item_rows] == item_seq[:, None]) & (item_seq[:, None] < max_seqs)
+    item_kv_len = kv_lens[item_seq]
+    row_pos = (item_kv_len - q_lens[item_seq])[:, None] + item_rows - q_starts[item_seq][:, None]
+
+    q_items = q.at[jnp.minimum(item_rows, num_tokens - 1)].get(mode="clip")
+    q_items = q_items.reshape(max_items, q_block, num_kv_heads, group, head_dim)
+    item_pages = page_indices[item_seq]  # [W, P]
+
+    if kv_block_pages is None:
+        kv_block_pages = max(1, DEFAULT_KV_BLOCK_TOKENS // page_size)
+    kv_block_pages = min(kv_block_pages, pages_per_seq)
+    num_chunks = -(-pages_per_seq // kv_block_pages)
+    if num_chunks * kv_block_pages > pages_per_seq:  # page 0 is in range; its keys get masked
+        item_pages = jnp.pad(item_pages, ((0, 0), (0, num_chunks * kv_block_pages - pages_per_seq)))
+    chunk_tokens = kv_block_pages * page_size
+    # Broadcast shapes against scores [W, Hkv, G, q_block, chunk_tokens].
+    row_pos_b = row_pos[:, None, None, :, None]
+    row_valid_b = row_valid[:, None, None, :, None]
+    kv_len_b = item_kv_len[:, None, None, None]  # against keys [W, chunk_tokens, Hkv, D]
+
+    def attend_chunk(chunk, carry):
+        m_prev, l_prev, acc_prev = carry
+        pages = lax.dynamic_slice_in_dim(item_pages, chunk * kv_block_pages, kv_block_pages, 1)
+        kv = kv_cache.at[pages].get(mode="clip")  # [W, C, page_size, 2*Hkv, D]
+        kv = kv.reshape(max_items, chunk_tokens, num_kv_heads, 2, head_dim)
+        key_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens)
+        # Slots past kv_len hold stale data or NaN: zero V there, since p * NaN is NaN even at p=0.
+        v_chunk = jnp.where(key_pos[None, :, None, None] < kv_len_b, kv[..., 1, :], 0)
+        s = jnp.einsum("wbhgd,wlhd->whgbl", q_items, kv[..., 0, :],
+                       preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = row_valid_b & (key_pos <= row_pos_b)
+        if sliding_window is not None:
+            mask &= row_pos_b - key_pos < sliding_window
+        s = jnp.where(mask, s, MASK_VALUE)
+        # A row whose chunk is all masked gets p = 1 junk here; the next real score rescales it by
+        # exp(MASK_VALUE - m) = 0, and every valid row has a real score (its own key).
+        m = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+        p = jnp.exp(s - m)
+        alpha = jnp.exp(m_prev - m)
+        l = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+        pv = jnp.einsum("whgbl,wlhd->whgbd", p.astype(v_chunk.dtype), v_chunk,
+                        preferred_element_type=jnp.float32)
+        return m, l, alpha * acc_prev + pv
+
+    stat_shape = (max_items, num_kv_heads, group, q_block, 1)
+    carry = (jnp.full(stat_shape, MASK_VALUE, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
+             jnp.zeros(stat_shape[:-1] + (head_dim,), jnp.float32))
+    if num_chunks == 1:
+        _, l, acc = attend_chunk(0, carry)
+    else:
+        chunks_needed = jnp.minimum(-(-jnp.max(kv_lens) // chunk_tokens), num_chunks)
+        _, l, acc = lax.fori_loop(0, chunks_needed, attend_chunk, carry)
+
+    out = (acc / l).astype(q.dtype)  # l >= 1 on live rows: the row max contributes exp(0)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(max_items, q_block, num_q_heads, head_dim)
+    # Each live row belongs to exactly one item; everything else is dropped, so padding rows stay 0.
+    dest = jnp.where(row_valid, item_rows, num_tokens)
+    out = jnp.zeros_like(q).at[dest].set(out, mode="drop")
+    return out, kv_cache
