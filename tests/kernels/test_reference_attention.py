@@ -37,7 +37,7 @@ def make_case(rng, seqs, *, max_seqs, num_tokens, page_size, pages_per_seq, num_
     assert max(needed, default=0) <= pages_per_seq and sum(needed) < num_pages
     perm = rng.permutation(num_pages)
     used, unused = list(perm[:sum(needed)]), perm[sum(needed):]
-    page_indices = rng.integers(-num_pages, 3 * num_pages, (max_seqs, pages_per_seq)).astype(np.int32)
+    page_indices = rng.integers(-num_pages, 3 * num_pages, (max_seqs, pages_per_seq), np.int32)
     for s, n in enumerate(needed):
         page_indices[s, :n] = [used.pop() for _ in range(n)]
         page_indices[s, n:] = rng.choice(unused, pages_per_seq - n)
@@ -103,7 +103,8 @@ def check(case, tol=1e-5, **static):
                                sm_scale=SM_SCALE, **static)
     out, new_cache = np.asarray(out.astype(jnp.float32)), np.asarray(new_cache.astype(jnp.float32))
     assert out.dtype == np.float32 and new_cache.shape == case["kv_cache"].shape
-    want_out, want_cache = expected_result(case, static.get("sliding_window"), static.get("soft_cap"))
+    want_out, want_cache = expected_result(case, static.get("sliding_window"),
+                                           static.get("soft_cap"))
     total = int(case["cu_q_lens"][case["num_seqs"][0]])
     np.testing.assert_allclose(out[:total], want_out[:total], rtol=tol, atol=tol)
     assert np.all(np.isfinite(out[total:])), "padding rows must be finite"
@@ -120,7 +121,7 @@ BATCHES = {
     "mixed": (RAGGED_SHAPES, [(1, 17), (8, 40), (1, 128), (12, 12), (3, 16), (1, 33), (1, 2)]),
     "zero_history_chunk_of_1": (RAGGED_SHAPES, [(1, 1)] * 7),
     "one_sequence": (RAGGED_SHAPES, [(30, 100)]),
-    "no_padding": (RAGGED_SHAPES, [(4, 20), (4, 4), (4, 64), (4, 9), (4, 4), (4, 50), (4, 4), (4, 7)]),
+    "no_padding": (RAGGED_SHAPES, [(4, kv) for kv in (20, 4, 64, 9, 4, 50, 4, 7)]),
 }
 
 
@@ -131,8 +132,10 @@ def test_matches_dense_attention_and_writes_cache_for_batch_kind(batch, num_kv_h
     check(make_case(np.random.default_rng(0), seqs, num_kv_heads=num_kv_heads, **shapes))
 
 
-@pytest.mark.parametrize("page_size,pages_per_seq,num_pages", [(1, 128, 160), (16, 8, 48), (64, 2, 12)])
-def test_page_sizes_with_lengths_on_and_one_past_page_boundaries(page_size, pages_per_seq, num_pages):
+@pytest.mark.parametrize("page_size,pages_per_seq,num_pages",
+                         [(1, 128, 160), (16, 8, 48), (64, 2, 12)])
+def test_page_sizes_with_lengths_on_and_one_past_page_boundaries(page_size, pages_per_seq,
+                                                                 num_pages):
     ps, full = page_size, page_size * pages_per_seq
     lengths = [(1, ps), (3, ps + 1), (2, 2 * ps), (5, min(2 * ps + 1, full)), (4, 4), (1, full)]
     seqs = [(min(q_len, kv_len), kv_len) for q_len, kv_len in lengths]
@@ -160,8 +163,10 @@ def test_several_kv_chunks_with_online_softmax(seqs, kv_block_pages):
     check(case, kv_block_pages=kv_block_pages)
 
 
-def test_several_kv_chunks_with_sliding_window_skipping_whole_chunks():
-    case = make_case(np.random.default_rng(4), LONG_AND_SHORT, num_kv_heads=2, **RAGGED_SHAPES)
+@pytest.mark.parametrize("seqs", [LONG_AND_SHORT, [(1, 128), (4, 100), (1, 60), (9, 70)]],
+                         ids=["from_first_chunk", "all_windows_past_three_chunks"])
+def test_several_kv_chunks_with_sliding_window_skipping_whole_chunks(seqs):
+    case = make_case(np.random.default_rng(4), seqs, num_kv_heads=2, **RAGGED_SHAPES)
     check(case, kv_block_pages=1, sliding_window=10, soft_cap=5.0)
 
 
@@ -180,6 +185,17 @@ def test_bfloat16_inputs_and_cache(batch):
     check(case, tol=2e-2)
 
 
+@pytest.mark.parametrize("q_block,q_lens", [(16, [3, 4, 4, 4, 4, 4, 4, 5]),
+                                             (4, [1, 4, 4, 4, 4, 4, 4, 7]),
+                                             (1, [4] * 8)])
+def test_work_item_count_reaching_its_static_bound(q_block, q_lens):
+    # Every sequence boundary falls inside a block, so the items fill all
+    # min(num_blocks * q_block, num_blocks + S - 1) slots.
+    seqs = [(q_len, q_len + 3 * s) for s, q_len in enumerate(q_lens)]
+    case = make_case(np.random.default_rng(10), seqs, num_kv_heads=2, **RAGGED_SHAPES)
+    check(case, q_block=q_block)
+
+
 def test_live_sequence_without_new_tokens_is_skipped():
     shapes, _ = BATCHES["mixed"]
     seqs = [(3, 10), (0, 20), (0, 5), (16, 16), (0, 7), (2, 9)]
@@ -195,11 +211,11 @@ def test_no_live_sequences_leaves_cache_unchanged():
 
 def test_traced_program_does_not_loop_over_sequences():
     def num_equations(max_seqs, num_tokens):
-        case = make_case(np.random.default_rng(9), [(1, 5)], max_seqs=max_seqs, num_tokens=num_tokens,
-                         page_size=16, pages_per_seq=4, num_pages=8, num_kv_heads=2)
-        jaxpr = jax.make_jaxpr(lambda *a: ragged_paged_attention(*a, sm_scale=1.0, q_block=2))(
-            *case.values())
-        return len(jaxpr.eqns)
+        case = make_case(np.random.default_rng(9), [(1, 5)], max_seqs=max_seqs,
+                         num_tokens=num_tokens, page_size=16, pages_per_seq=4, num_pages=8,
+                         num_kv_heads=2)
+        fn = lambda *a: ragged_paged_attention(*a, sm_scale=1.0, q_block=2, kv_block_pages=1)
+        return len(jax.make_jaxpr(fn)(*case.values()).eqns)
 
     assert num_equations(2, 4) == num_equations(64, 128)
 

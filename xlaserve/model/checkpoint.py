@@ -49,7 +49,7 @@ def load(path: str, *, dtype, mesh: Mesh):
         config = ModelConfig.from_dict(json.load(f)["config"])
     graphdef, abstract_state = nnx.split(abstract_model(config, dtype, model_class(config.architecture)))
     flat = nnx.to_flat_state(abstract_state)
-    target = nnx.State.from_flat_path({
+    target = nnx.from_flat_state({
         p: jax.ShapeDtypeStruct(v.get_value().shape, dtype,
                                 sharding=NamedSharding(mesh, partition_spec(p)))
         for p, v in flat

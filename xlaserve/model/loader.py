@@ -188,7 +188,7 @@ def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: boo
     missing = set(expected) - set(loaded)
     if missing:
         raise WeightError(f"no weights were loaded for {sorted(missing)}")
-    state = nnx.State.from_flat_path(loaded)
+    state = nnx.from_flat_state(loaded)
     return nnx.merge(graphdef, state)
 
 

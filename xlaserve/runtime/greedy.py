@@ -97,6 +97,7 @@ def _pow2(n: int) -> int:
 def greedy_generate(
     model, prompt_ids: list[int], max_new_tokens: int, *, page_size: int = 16,
     stop_token_ids: tuple[int, ...] = (), mesh: Mesh | None = None,
+    attention_backend: str = "auto",
 ) -> list[int]:
     """Greedy decoding of one prompt; returns the new token ids (stopping at a stop id)."""
     config = model.config
@@ -105,7 +106,7 @@ def greedy_generate(
     dtype = model.embedding.get_value().dtype
     mesh = mesh or model.embedding.get_value().sharding.mesh
     kv_caches = init_kv_caches(config, batch.num_pages, page_size, dtype, mesh)
-    forward = make_forward(model)
+    forward = make_forward(model, attention_backend)
     _, state = nnx.split(model)
     output: list[int] = []
     chunk = list(prompt_ids)

