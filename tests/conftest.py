@@ -3,13 +3,10 @@ import os
 
 import pytest
 
-# Must be set before jax compiles anything; the cache survives across CI runs on the same machine.
-os.environ.setdefault("XLASERVE_CACHE_DIR", os.path.expanduser("~/.cache/xlaserve"))
+from xlaserve.runtime.compilation import enable_persistent_cache
 
-import jax  # noqa: E402
-
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["XLASERVE_CACHE_DIR"], "xla"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Set before anything compiles; the cache survives across CI runs on the same machine.
+enable_persistent_cache(os.environ.get("XLASERVE_TEST_CACHE_DIR"))
 
 
 def pytest_addoption(parser):

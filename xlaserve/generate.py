@@ -22,11 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
+    if server_args.skip_tokenizer_init:
+        parser.error("--skip-tokenizer-init: this command takes text, so it needs the tokenizer")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
 
     from xlaserve.model.loader import load_model
+    from xlaserve.runtime.compilation import enable_persistent_cache
     from xlaserve.runtime.greedy import greedy_generate
 
+    enable_persistent_cache(server_args.compilation_cache_dir)
     loaded = load_model(server_args.model_path, dtype=server_args.dtype,
                         tokenizer_path=server_args.tokenizer_path)
     tokenizer = loaded.tokenizer

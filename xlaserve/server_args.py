@@ -27,6 +27,8 @@ class ServerArgs:
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
                                    choices=["auto", "reference", "pallas"])
     page_size: int = _flag(16, "tokens per KV cache page")
+    compilation_cache_dir: Optional[str] = _flag(
+        None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

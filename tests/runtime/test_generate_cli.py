@@ -1,0 +1,34 @@
+"""`python -m xlaserve.generate` on the embedded default model, as `make serve` runs it."""
+import json
+import subprocess
+import sys
+
+from xlaserve.server_args import ServerArgs
+
+
+def test_generate_cli_prints_json_with_the_greedy_answer():
+    result = subprocess.run(
+        [sys.executable, "-m", "xlaserve.generate", "--prompt", "What is the capital of France?",
+         "--max-new-tokens", "8", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "Paris" in output["text"]
+    assert 1 <= output["meta_info"]["completion_tokens"] == len(output["output_ids"]) <= 8
+    assert output["meta_info"]["prompt_tokens"] > 8  # the chat template was applied
+    assert output["meta_info"]["finish_reason"] in ("stop", "length")
+
+
+def test_server_args_flags_use_sglang_names_and_types():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(
+        ["--model-path", "Qwen/Qwen2.5-0.5B-Instruct", "--dtype", "bfloat16", "--page-size", "32",
+         "--skip-tokenizer-init"]))
+    assert args == ServerArgs(model_path="Qwen/Qwen2.5-0.5B-Instruct", dtype="bfloat16",
+                              page_size=32, skip_tokenizer_init=True)
+    defaults = ServerArgs.from_cli_args(parser.parse_args([]))
+    assert defaults == ServerArgs()
