@@ -65,9 +65,9 @@ def test_logits_match_transformers_for_ragged_batch_then_decode(
     directory, hf_model = tiny_checkpoints[family]
     loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
     references = [_hf_reference(hf_model, p) for p in PROMPTS]
-    sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references)]
+    sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
     ours = _run_ours(loaded, sequences, prefill_chunk, page_size)
-    for (full, expected), got in zip(references, ours):
+    for (full, expected), got in zip(references, ours, strict=True):
         np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
         # The continuation transformers chose greedily is also our argmax at every step.
         prompt_len = len(full) - NEW_TOKENS

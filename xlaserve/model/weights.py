@@ -91,7 +91,7 @@ def _fetch(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarra
 def convert(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
     """Yield `(param_path, array)` for every parameter of `CausalLM`, in our layouts."""
     c = config
-    hidden, group, head_dim = c.hidden_size, c.queries_per_kv, c.head_dim
+    hidden, head_dim = c.hidden_size, c.head_dim
     q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads * head_dim
 
     yield ("embedding",), _fetch(source, "model.embed_tokens.weight", (c.vocab_size, hidden))
