@@ -8,7 +8,8 @@ import torch
 import transformers
 
 from xlaserve.model.loader import load_model
-from xlaserve.runtime.greedy import PagedBatch, init_kv_caches, make_forward
+from xlaserve.runtime.greedy import PagedBatch, make_forward
+from xlaserve.runtime.kv_cache import init_kv_pool
 
 from .gguf_writer import write_llama_gguf
 
@@ -35,7 +36,7 @@ def _our_logits(path):
     from flax import nnx
 
     batch = PagedBatch(1, 2, 16)
-    kv_caches = init_kv_caches(loaded.config, batch.num_pages, 16, loaded.dtype, loaded.mesh)
+    kv_caches = init_kv_pool(loaded.config, batch.num_pages, 16, loaded.dtype, loaded.mesh)
     input_ids, positions, metadata, logits_indices, _ = batch.step_inputs([PROMPT], logits="all")
     logits, _ = make_forward(loaded.model)(nnx.split(loaded.model)[1], input_ids, positions,
                                            kv_caches, metadata, logits_indices)

@@ -11,13 +11,14 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh
     from flax import nnx
     from xlaserve.model.loader import load_model
-    from xlaserve.runtime.greedy import PagedBatch, init_kv_caches, make_forward
+    from xlaserve.runtime.greedy import PagedBatch, make_forward
+    from xlaserve.runtime.kv_cache import init_kv_pool
 
     def logits(mesh):
         loaded = load_model(sys.argv[1], dtype="float32", mesh=mesh, skip_tokenizer_init=True,
                             progress=False)
         batch = PagedBatch(2, 2, 8)
-        caches = init_kv_caches(loaded.config, batch.num_pages, 8, loaded.dtype, mesh)
+        caches = init_kv_pool(loaded.config, batch.num_pages, 8, loaded.dtype, mesh)
         ids, pos, md, rows, _ = batch.step_inputs([[5, 6, 7, 8, 9], [10, 11, 12]], logits="all")
         out, caches = make_forward(loaded.model)(nnx.split(loaded.model)[1], ids, pos, caches, md, rows)
         return loaded, caches, np.asarray(out)
@@ -30,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     qkv = loaded.model.layers[0].attn.qkv.get_value()
     # [hidden, kv_heads, group + 2, head_dim]: each device holds one kv head with its query heads.
     assert {s.data.shape for s in qkv.addressable_shards} == {(64, 1, 4, 16)}, qkv.sharding
-    assert {s.data.shape for s in caches[0].addressable_shards} == {(4, 8, 2, 16)}
+    assert {s.data.shape for s in caches[0].addressable_shards} == {(5, 8, 2, 16)}
     embedding = loaded.model.embedding.get_value()
     assert {s.data.shape for s in embedding.addressable_shards} == {(256, 64)}
     print("ok")

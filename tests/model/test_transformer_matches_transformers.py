@@ -5,7 +5,8 @@ import torch
 from flax import nnx
 
 from xlaserve.model.loader import load_model
-from xlaserve.runtime.greedy import PagedBatch, init_kv_caches, make_forward
+from xlaserve.runtime.greedy import PagedBatch, make_forward
+from xlaserve.runtime.kv_cache import init_kv_pool
 
 from .conftest import FAMILIES
 
@@ -37,7 +38,7 @@ def _run_ours(loaded, sequences, prefill_chunk, page_size):
     model = loaded.model
     longest = max(len(s) for s, _ in sequences)
     batch = PagedBatch(len(sequences), -(-longest // page_size), page_size)
-    kv_caches = init_kv_caches(loaded.config, batch.num_pages, page_size, loaded.dtype, loaded.mesh)
+    kv_caches = init_kv_pool(loaded.config, batch.num_pages, page_size, loaded.dtype, loaded.mesh)
     forward = make_forward(model)
     _, state = nnx.split(model)
     ours = [np.full((len(s), loaded.config.vocab_size), np.nan, np.float32) for s, _ in sequences]

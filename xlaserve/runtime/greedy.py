@@ -10,17 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from xlaserve.model.config import ModelConfig
-from xlaserve.model.transformer import KV_CACHE_SPEC, AttentionMetadata, kv_cache_shape
+from xlaserve.model.transformer import AttentionMetadata
+from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
 from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
-
-
-def init_kv_caches(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh):
-    sharding = NamedSharding(mesh, KV_CACHE_SPEC)
-    shape = kv_cache_shape(config, num_pages, page_size)
-    return [jax.device_put(jnp.zeros(shape, dtype), sharding) for _ in range(config.num_layers)]
 
 
 def make_forward(model, attention_backend: str = "auto"):
@@ -43,14 +37,15 @@ class PagedBatch:
 
     def __init__(self, num_seqs: int, pages_per_seq: int, page_size: int):
         self.page_size = page_size
-        self.page_indices = np.arange(num_seqs * pages_per_seq, dtype=np.int32).reshape(
+        first = NULL_PAGE + 1
+        self.page_indices = np.arange(first, first + num_seqs * pages_per_seq, dtype=np.int32).reshape(
             num_seqs, pages_per_seq
         )
         self.lengths = np.zeros(num_seqs, np.int32)  # tokens already in the cache
 
     @property
     def num_pages(self) -> int:
-        return self.page_indices.size
+        return self.page_indices.size + 1  # and the null page
 
     def step_inputs(self, chunks: list[list[int]], logits: str = "last"):
         """Inputs for one forward over `chunks[i]` new tokens of sequence i (may be empty).
@@ -79,7 +74,8 @@ class PagedBatch:
         pad_seqs = num_seqs - len(seqs)
         metadata = AttentionMetadata(
             kv_lens=jnp.asarray(kv_lens + [0] * pad_seqs, jnp.int32),
-            page_indices=jnp.asarray(np.pad(self.page_indices[seqs], ((0, pad_seqs), (0, 0)))),
+            page_indices=jnp.asarray(np.pad(self.page_indices[seqs], ((0, pad_seqs), (0, 0)),
+                                            constant_values=NULL_PAGE)),
             cu_q_lens=jnp.asarray(cu_q_lens + [cu_q_lens[-1]] * pad_seqs, jnp.int32),
             num_seqs=jnp.asarray([len(seqs)], jnp.int32),
         )
@@ -105,7 +101,7 @@ def greedy_generate(
     batch = PagedBatch(1, -(-total // page_size), page_size)
     dtype = model.embedding.get_value().dtype
     mesh = mesh or model.embedding.get_value().sharding.mesh
-    kv_caches = init_kv_caches(config, batch.num_pages, page_size, dtype, mesh)
+    kv_caches = init_kv_pool(config, batch.num_pages, page_size, dtype, mesh)
     forward = make_forward(model, attention_backend)
     _, state = nnx.split(model)
     output: list[int] = []

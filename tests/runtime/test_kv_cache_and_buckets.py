@@ -1,0 +1,76 @@
+"""Page allocator, KV pool sizing and padding buckets."""
+import logging
+
+import jax.numpy as jnp
+import pytest
+
+from xlaserve.model.config import ModelConfig, RopeConfig
+from xlaserve.model.loader import default_mesh
+from xlaserve.runtime.buckets import Buckets, bucket_for, pow2_buckets
+from xlaserve.runtime.kv_cache import (NULL_PAGE, OutOfPagesError, PageAllocator, bytes_per_token,
+                                       init_kv_pool, num_pages_for, pages_for_tokens)
+
+CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64,
+                     intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     rms_norm_eps=1e-6, rope=RopeConfig(), max_position_embeddings=256)
+
+
+def test_allocator_never_hands_out_the_null_page_and_tracks_usage():
+    allocator = PageAllocator(5)
+    assert allocator.capacity == 4
+    pages = allocator.allocate(4)
+    assert sorted(pages) == [1, 2, 3, 4] and NULL_PAGE not in pages
+    assert allocator.num_free == 0 and allocator.usage() == 1.0
+    assert not allocator.can_allocate(1)
+    with pytest.raises(OutOfPagesError):
+        allocator.allocate(1)
+    allocator.free(pages[:2])
+    assert allocator.num_free == 2 and allocator.usage() == 0.5
+    assert sorted(allocator.allocate(2)) == sorted(pages[:2])
+
+
+def test_allocator_rejects_double_free_and_foreign_pages():
+    allocator = PageAllocator(4)
+    pages = allocator.allocate(2)
+    allocator.free(pages)
+    with pytest.raises(ValueError, match="double free"):
+        allocator.free(pages[:1])
+    with pytest.raises(ValueError):
+        allocator.free([NULL_PAGE])
+
+
+def test_pool_size_from_max_total_tokens_rounds_up_to_pages_plus_null_page():
+    assert pages_for_tokens(33, 16) == 3
+    assert num_pages_for(CONFIG, jnp.float32, 16, max_total_tokens=100, mem_fraction_static=0.9) == 8
+
+
+def test_pool_size_from_free_memory_respects_the_fraction():
+    small = num_pages_for(CONFIG, jnp.float32, 16, max_total_tokens=None, mem_fraction_static=0.1)
+    large = num_pages_for(CONFIG, jnp.float32, 16, max_total_tokens=None, mem_fraction_static=0.2)
+    assert 1.8 < large / small < 2.2
+    assert bytes_per_token(CONFIG, jnp.bfloat16) == 2 * 2 * 2 * 16 * 2
+
+
+def test_kv_pool_is_zeroed_per_layer_and_logged(caplog):
+    with caplog.at_level(logging.INFO):
+        pool = init_kv_pool(CONFIG, 6, 4, jnp.float32, default_mesh())
+    assert len(pool) == 2 and pool[0].shape == (6, 4, 4, 16) and float(abs(pool[1]).sum()) == 0
+    assert "KV Cache is allocated. #tokens: 20, K size:" in caplog.text
+
+
+def test_power_of_two_buckets_and_lookup():
+    assert pow2_buckets(8, 100) == (8, 16, 32, 64, 128)
+    assert pow2_buckets(3, 4) == (4,)
+    assert bucket_for(1, (8, 16)) == 8 and bucket_for(9, (8, 16)) == 16
+    with pytest.raises(ValueError, match="over the largest bucket 16"):
+        bucket_for(17, (8, 16))
+
+
+def test_step_shapes_and_precompile_set():
+    buckets = Buckets.for_limits(max_tokens_per_step=64, max_seqs=16, max_pages_per_seq=8)
+    assert buckets.shape_for(num_tokens=37, num_seqs=5, pages_per_seq=3) == (64, 8, 4)
+    shapes = buckets.all_shapes()
+    assert (8, 16, 1) not in shapes  # more sequences than token slots can't happen
+    assert (64, 16, 8) in shapes and len(shapes) == len(set(shapes))
+    custom = Buckets.for_limits(64, 16, 8, token_paddings=[48, 16, 16])
+    assert custom.tokens == (16, 48)

@@ -1,0 +1,116 @@
+"""The paged KV cache: device page pools (one array per layer) and the host-side page allocator.
+
+A page holds `page_size` consecutive tokens of one sequence for every layer. Requests own lists of
+page ids (their page table); pages go back to the free list the moment a request finishes, is
+aborted or is retracted. Page 0 is never handed out: padding rows of page tables point at it, so
+a padded slot can never alias a live request's data.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.transformer import KV_CACHE_SPEC, kv_cache_shape
+
+logger = logging.getLogger(__name__)
+
+NULL_PAGE = 0
+
+
+class OutOfPagesError(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    """A free list of page ids 1..num_pages-1 (page 0 is the null page)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError("the KV cache needs at least 2 pages (one is the null page)")
+        self.num_pages = num_pages
+        # Popped from the end: low ids first, which keeps a lightly used pool compact.
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+        self._in_use: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._in_use)
+
+    def usage(self) -> float:
+        return self.num_used / self.capacity
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._in_use.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            if page not in self._in_use:
+                raise ValueError(f"page {page} is not allocated (double free?)")
+            self._in_use.remove(page)
+            self._free.append(page)
+
+
+def pages_for_tokens(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def bytes_per_token(config: ModelConfig, dtype) -> int:
+    """K and V of one token across all layers."""
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def free_memory_bytes(device) -> int:
+    """Bytes this device can still give; on CPU, the host's available RAM."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_tokens: int | None,
+                  mem_fraction_static: float, device=None, tensor_parallel: int = 1) -> int:
+    """Pages from `--max-total-tokens`, else from the share of free memory left after weights.
+
+    `mem_fraction_static` is SGLang's meaning: the fraction of the device's memory for weights plus
+    KV cache; since weights are already loaded, the KV cache takes what remains of that fraction
+    of the currently free memory."""
+    if max_total_tokens is not None:
+        return pages_for_tokens(max_total_tokens, page_size) + 1  # + the null page
+    device = device or jax.devices()[0]
+    budget = free_memory_bytes(device) * mem_fraction_static
+    per_page = bytes_per_token(config, dtype) * page_size // tensor_parallel
+    return max(2, int(budget // per_page))
+
+
+def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh):
+    """One zeroed `[num_pages, page_size, 2 * kv_heads, head_dim]` array per layer, split by kv head."""
+    sharding = NamedSharding(mesh, KV_CACHE_SPEC)
+    shape = kv_cache_shape(config, num_pages, page_size)
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    caches = [make() for _ in range(config.num_layers)]
+    half_gb = num_pages * page_size * bytes_per_token(config, dtype) / 2 / 1e9
+    logger.info("KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB",
+                (num_pages - 1) * page_size, half_gb, half_gb)
+    return caches
