@@ -12,7 +12,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from xlaserve.model.transformer import AttentionMetadata
+from xlaserve.runtime.batch import SeqChunk, pack
+from xlaserve.runtime.buckets import Buckets, pow2_buckets
 from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
 from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
 
@@ -42,6 +43,9 @@ class PagedBatch:
             num_seqs, pages_per_seq
         )
         self.lengths = np.zeros(num_seqs, np.int32)  # tokens already in the cache
+        max_tokens = num_seqs * pages_per_seq * page_size
+        self.buckets = Buckets.for_limits(max_tokens, num_seqs, pages_per_seq,
+                                          token_paddings=pow2_buckets(1, max_tokens))
 
     @property
     def num_pages(self) -> int:
@@ -55,34 +59,18 @@ class PagedBatch:
         (sequence, position) of each logits row.
         """
         seqs = [i for i, chunk in enumerate(chunks) if chunk]
-        input_ids, positions, cu_q_lens, kv_lens, rows, logits_indices = [], [], [0], [], [], []
-        for i in seqs:
-            chunk = chunks[i]
-            start = int(self.lengths[i])
-            input_ids += chunk
-            positions += range(start, start + len(chunk))
-            cu_q_lens.append(cu_q_lens[-1] + len(chunk))
-            kv_lens.append(start + len(chunk))
-            wanted = range(len(chunk)) if logits == "all" else [len(chunk) - 1]
-            for r in wanted:
-                logits_indices.append(cu_q_lens[-2] + r)
-                rows.append((i, start + r))
-            self.lengths[i] += len(chunk)
-        # Pad tokens, sequences and logits rows to powers of two so few shapes get compiled; the
-        # padding rows are dead (num_seqs and cu_q_lens say so).
-        num_tokens, num_seqs = _pow2(len(input_ids)), _pow2(len(seqs))
-        pad_seqs = num_seqs - len(seqs)
-        metadata = AttentionMetadata(
-            kv_lens=jnp.asarray(kv_lens + [0] * pad_seqs, jnp.int32),
-            page_indices=jnp.asarray(np.pad(self.page_indices[seqs], ((0, pad_seqs), (0, 0)),
-                                            constant_values=NULL_PAGE)),
-            cu_q_lens=jnp.asarray(cu_q_lens + [cu_q_lens[-1]] * pad_seqs, jnp.int32),
-            num_seqs=jnp.asarray([len(seqs)], jnp.int32),
-        )
-        pad = num_tokens - len(input_ids)
+        batch = pack([SeqChunk(chunks[i], int(self.lengths[i]), self.page_indices[i].tolist())
+                      for i in seqs], self.buckets, self.page_size)
+        rows, logits_indices = [], []
+        for i, start in zip(seqs, batch.metadata.cu_q_lens, strict=False):
+            n = len(chunks[i])
+            wanted = range(n) if logits == "all" else [n - 1]
+            logits_indices += [int(start) + r for r in wanted]
+            rows += [(i, int(self.lengths[i]) + r) for r in wanted]
+            self.lengths[i] += n
         logits_indices += [0] * (_pow2(len(logits_indices)) - len(logits_indices))
-        return (jnp.asarray(input_ids + [0] * pad, jnp.int32),
-                jnp.asarray(positions + [0] * pad, jnp.int32), metadata,
+        device = jax.device_put(batch)
+        return (device.input_ids, device.positions, device.metadata,
                 jnp.asarray(logits_indices, jnp.int32), rows)
 
 
