@@ -3,58 +3,7 @@ import os
 
 import pytest
 
-FAMILIES = {
-    # Llama 3 style RoPE scaling, separate lm_head.
-    "llama": dict(
-        cls="LlamaConfig",
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        max_position_embeddings=256,
-    ),
-    # Linear RoPE scaling, tied embeddings.
-    "llama_tied_linear": dict(
-        cls="LlamaConfig", rope_scaling={"rope_type": "linear", "factor": 2.0},
-        tie_word_embeddings=True,
-    ),
-    # q/k/v biases.
-    "qwen2": dict(cls="Qwen2Config"),
-    # per-head q/k RMSNorm, head_dim not hidden/heads.
-    "qwen3": dict(cls="Qwen3Config", head_dim=32),
-    # sliding window shorter than the prompts.
-    "mistral": dict(cls="MistralConfig", sliding_window=6),
-}
-
-
-def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: int = 0,
-                         max_shard_size=None):
-    """Save a random tiny model of `family` (2 layers, hidden 64, GQA 4:2, vocab 512) to `directory`.
-
-    Every weight, bias and norm scale is randomized (transformers initializes biases to zero and
-    norms to one, which would hide a missing bias or a misplaced norm)."""
-    import torch
-    import transformers
-
-    spec = dict(FAMILIES[family])
-    config_cls = getattr(transformers, spec.pop("cls"))
-    config = config_cls(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, vocab_size=512, rms_norm_eps=1e-6, **spec,
-    )
-    config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif "embed" in name:
-                param.copy_(0.5 * torch.randn_like(param))
-            else:
-                param.copy_(0.08 * torch.randn_like(param))
-    model = model.to(getattr(torch, dtype))
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(directory, **kwargs)
-    return model.float().eval()
+from tests.tiny_models import FAMILIES, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from xlaserve.model.loader import ModelNotFoundError, load_model
 from xlaserve.model.registry import UnsupportedArchitectureError
 from xlaserve.model.weights import WeightError
 
-from .conftest import make_tiny_checkpoint
+from tests.tiny_models import make_tiny_checkpoint
 
 
 def _params(loaded):

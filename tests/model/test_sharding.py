@@ -3,7 +3,7 @@ import subprocess
 import sys
 import textwrap
 
-from .conftest import make_tiny_checkpoint
+from tests.tiny_models import make_tiny_checkpoint
 
 SCRIPT = textwrap.dedent("""
     import sys

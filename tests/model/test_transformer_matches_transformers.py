@@ -8,7 +8,7 @@ from xlaserve.model.loader import load_model
 from xlaserve.runtime.greedy import PagedBatch, make_forward
 from xlaserve.runtime.kv_cache import init_kv_pool
 
-from .conftest import FAMILIES
+from tests.tiny_models import FAMILIES
 
 PROMPTS = [
     [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64],

@@ -11,7 +11,7 @@ BUCKETS = Buckets.for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_s
 
 def test_mixed_prefill_chunk_and_decodes_pack_to_the_contract():
     chunks = [
-        SeqChunk(token_ids=[11, 12, 13], num_cached=5, page_ids=[7, 3]),  # chunked prefill, page 4
+        SeqChunk(token_ids=[11, 12, 13], num_cached=5, page_ids=[7, 3], sample=False),  # mid-prompt
         SeqChunk(token_ids=[21], num_cached=9, page_ids=[2, 9, 4]),  # decode at position 9
         SeqChunk(token_ids=[31, 32], num_cached=0, page_ids=[5]),  # new prompt
     ]
@@ -26,6 +26,7 @@ def test_mixed_prefill_chunk_and_decodes_pack_to_the_contract():
     np.testing.assert_array_equal(md.page_indices, [[7, 3, 0, 0], [2, 9, 4, 0], [5, 0, 0, 0], [0, 0, 0, 0]])
     assert (md.page_indices[3] == NULL_PAGE).all()
     np.testing.assert_array_equal(batch.logits_indices, [2, 3, 5, 0])
+    np.testing.assert_array_equal(batch.sample_rows, [False, True, True, False])
 
 
 def test_a_sequence_without_enough_pages_is_refused():

@@ -26,6 +26,7 @@ class SeqChunk:
     token_ids: list[int]  # new tokens, at least one
     num_cached: int  # tokens of this sequence already in the KV cache (= first new position)
     page_ids: list[int]  # the sequence's page table; covers num_cached + len(token_ids)
+    sample: bool = True  # False for a prefill chunk that does not reach the prompt's end
 
 
 @jax.tree_util.register_dataclass
@@ -35,6 +36,7 @@ class ForwardBatch:
     positions: np.ndarray  # i32[T]
     metadata: AttentionMetadata
     logits_indices: np.ndarray  # i32[S]: the last new token of each sequence
+    sample_rows: np.ndarray  # bool[S]: rows whose sampled token is kept (and counted)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -55,6 +57,7 @@ def pack(chunks: list[SeqChunk], buckets: Buckets, page_size: int) -> ForwardBat
     page_indices = np.full((padded_seqs, padded_pages), NULL_PAGE, np.int32)
     cu_q_lens = np.full(padded_seqs + 1, num_tokens, np.int32)
     logits_indices = np.zeros(padded_seqs, np.int32)
+    sample_rows = np.zeros(padded_seqs, np.bool_)
     offset = 0
     for i, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -70,6 +73,7 @@ def pack(chunks: list[SeqChunk], buckets: Buckets, page_size: int) -> ForwardBat
         cu_q_lens[i] = offset
         offset += n
         logits_indices[i] = offset - 1
+        sample_rows[i] = chunk.sample
     metadata = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu_q_lens,
                                  num_seqs=np.array([len(chunks)], np.int32))
-    return ForwardBatch(input_ids, positions, metadata, logits_indices)
+    return ForwardBatch(input_ids, positions, metadata, logits_indices, sample_rows)

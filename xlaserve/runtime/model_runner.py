@@ -1,0 +1,131 @@
+"""ModelRunner: the one jitted step (model forward + sampling) over a packed ragged batch.
+
+    step(state, kv_caches, output_counts, prompt_masks, batch, sampling, slots)
+        -> (SampleOutput, kv_caches, output_counts)
+
+The KV caches and the penalty counts are donated, so XLA updates them in place. A program is
+compiled per bucket shape (tokens, seqs, pages per seq, logit-bias width, suppressed width);
+`precompile` compiles the expected ones at start-up, and any compile afterwards is logged as a
+warning with the shape, because a compile while serving stalls every request for seconds.
+
+Penalty state lives on the device, one row per request slot: `output_counts i32[slots, V]` (tokens
+generated so far) and `prompt_masks bool[slots, V]` (tokens of the prompt). Slot 0 is the null slot
+that padding rows use.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from xlaserve.model.transformer import AttentionMetadata
+from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
+from xlaserve.runtime.batch import ForwardBatch
+from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
+from xlaserve.runtime.sampler import (RowSamplingParams, SampleOutput, SamplingMetadata,
+                                      build_sampling_metadata, sample)
+
+logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; always computed, so one program serves every request
+NULL_SLOT = 0
+
+
+class ModelRunner:
+    def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
+                 attention_backend: str = "auto"):
+        self.config = loaded.config
+        self.mesh = loaded.mesh
+        self.page_size = page_size
+        self.num_pages = num_pages
+        graphdef, self.state = nnx.split(loaded.model)
+        dtype = loaded.dtype
+        self.kv_caches = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh)
+        num_slots = max_running_requests + 1  # + the null slot
+        vocab = self.config.vocab_size
+        # Every persistent array keeps one explicit sharding in and out of the jitted functions:
+        # an array whose sharding changed between calls would be a cache miss, i.e. a compile.
+        replicated = NamedSharding(self.mesh, P())
+        kv_sharding = [cache.sharding for cache in self.kv_caches]
+        self.output_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
+        self.prompt_masks = jax.device_put(np.zeros((num_slots, vocab), np.bool_), replicated)
+        attention_fn = get_attention_fn(attention_backend)
+
+        @functools.partial(jax.jit, donate_argnums=(1, 2),
+                           out_shardings=(replicated, kv_sharding, replicated))
+        def step(state, kv_caches, output_counts, prompt_masks, batch: ForwardBatch,
+                 sampling: SamplingMetadata, slots):
+            model = nnx.merge(graphdef, state)
+            logits, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.metadata,
+                                      batch.logits_indices, attention_fn)
+            out = sample(logits, sampling, output_counts[slots], prompt_masks[slots],
+                         num_top_logprobs=MAX_TOP_LOGPROBS)
+            counted = jnp.where(batch.sample_rows, 1, 0)
+            output_counts = output_counts.at[slots, out.tokens].add(counted, mode="drop")
+            return out, kv_caches, output_counts
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
+        def reset_slot(output_counts, prompt_masks, slot, prompt_mask_row):
+            return output_counts.at[slot].set(0), prompt_masks.at[slot].set(prompt_mask_row)
+
+        self._step = step
+        self._reset_slot = reset_slot
+        self._precompiled = False
+
+    def assign_slot(self, slot: int, prompt_ids: list[int]) -> None:
+        """Start a request in `slot`: zero its output counts, mark its prompt tokens."""
+        row = np.zeros(self.config.vocab_size, np.bool_)
+        row[np.asarray(prompt_ids, np.int64)] = True
+        self.output_counts, self.prompt_masks = self._reset_slot(
+            self.output_counts, self.prompt_masks, jnp.int32(slot), row)
+
+    def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> SampleOutput:
+        """Run one step; returns device arrays (the caller's `np.asarray` is the sync point)."""
+        compiled_before = self._step._cache_size()
+        replicated = self.output_counts.sharding
+        batch = jax.device_put(batch, replicated)
+        sampling = jax.device_put(sampling, replicated)
+        out, self.kv_caches, self.output_counts = self._step(
+            self.state, self.kv_caches, self.output_counts, self.prompt_masks, batch, sampling,
+            jax.device_put(np.asarray(slots, np.int32), replicated))
+        if self._precompiled and self._step._cache_size() > compiled_before:
+            logger.warning(
+                "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias width "
+                "%d, suppressed width %d was not precompiled; every request waited for it. "
+                "Add the shape to the padding buckets.", batch.shape,
+                sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1])
+        return out
+
+    def compile_count(self) -> int:
+        return self._step._cache_size()
+
+    def precompile(self, shapes, *, progress: bool = True) -> None:
+        """Compile one step per (tokens, seqs, pages) shape, with every row padding: nothing is
+        written to a live page (padding tokens write to no page at all)."""
+        for tokens, seqs, pages in tqdm(shapes, desc="Precompiling", unit="shape",
+                                        disable=not progress):
+            batch = empty_batch(tokens, seqs, pages)
+            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs)
+            out = self.step(batch, sampling, np.full(seqs, NULL_SLOT, np.int32))
+            jax.block_until_ready(out.tokens)
+        self._precompiled = True
+
+
+def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:
+    """A batch of the given bucket shape with no live sequence."""
+    metadata = AttentionMetadata(
+        kv_lens=np.zeros(seqs, np.int32),
+        page_indices=np.full((seqs, pages), NULL_PAGE, np.int32),
+        cu_q_lens=np.zeros(seqs + 1, np.int32),
+        num_seqs=np.zeros(1, np.int32),
+    )
+    return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
+                        metadata=metadata, logits_indices=np.zeros(seqs, np.int32),
+                        sample_rows=np.zeros(seqs, np.bool_))

@@ -1,0 +1,258 @@
+"""On-device sampling for a batch of sequences, each row with its own sampling parameters.
+
+Everything is vectorized over the S rows (S padded to a bucket) with static shapes, so one program
+serves any mix of requests. Processing order, as in vLLM/SGLang:
+
+    logits (f32) -> logit_bias -> repetition penalty -> frequency & presence penalties
+    -> suppressed ids masked  ==> "penalized" logits: logprobs and greedy argmax come from these
+    -> temperature -> top_k -> top_p -> min_p  ==> "processed" logits: sampled from
+
+A row's token depends only on its own logits, parameters, seed and sample_index, never on which
+other rows share the batch or at which row index it sits: every row draws from its own key
+`fold_in(key(seed), sample_index)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Masked-out logits get a large finite value: -inf turns into NaN in softmax of a fully masked row
+# and in `-inf - -inf`; -1e30 stays finite through division by any sane temperature.
+MASKED = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingMetadata:
+    """Device arrays, one row per sequence (padding rows are greedy with everything off)."""
+
+    temperature: jax.Array  # f32[S]; 0 means greedy (argmax)
+    top_k: jax.Array  # i32[S]; <= 0 means off
+    top_p: jax.Array  # f32[S]; 1.0 means off
+    min_p: jax.Array  # f32[S]; 0.0 means off
+    presence_penalty: jax.Array  # f32[S]; subtracted once from every token in the output so far
+    frequency_penalty: jax.Array  # f32[S]; subtracted per occurrence in the output so far
+    repetition_penalty: jax.Array  # f32[S]; 1.0 off; prompt or output tokens: l>0 -> l/p, else l*p
+    logit_bias_ids: jax.Array  # i32[S, K]; -1 pads
+    logit_bias_values: jax.Array  # f32[S, K]; added to the logits
+    suppressed_ids: jax.Array  # i32[S, M]; -1 pads; these tokens are never picked
+    seeds: jax.Array  # u32[S]
+    sample_index: jax.Array  # i32[S]; position of the token being sampled in the request's output
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleOutput:
+    tokens: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]; of the chosen token, under the penalized distribution
+    top_ids: jax.Array  # i32[S, N]; the N most likely tokens, most likely first
+    top_logprobs: jax.Array  # f32[S, N]
+
+
+@dataclasses.dataclass
+class RowSamplingParams:
+    """One request's parameters as Python values; the defaults switch everything off except
+    temperature, which defaults to OpenAI's 1.0."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    suppressed_ids: Sequence[int] = ()
+    seed: int | None = None  # None: a random seed is drawn when the metadata is built
+    sample_index: int = 0
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def build_sampling_metadata(
+    rows: Sequence[RowSamplingParams], padded_size: int
+) -> SamplingMetadata:
+    """Pads `rows` to `padded_size` greedy rows and the bias/suppression widths to a power of two,
+    so a handful of shapes covers every batch. Rows without a seed get a fresh random one, so
+    every row is seeded; a caller that re-builds each step must remember the drawn seed
+    (`int(metadata.seeds[i])`) to keep the request's sequence consistent."""
+    if len(rows) > padded_size:
+        raise ValueError(f"{len(rows)} rows do not fit in padded_size={padded_size}")
+    pad = [RowSamplingParams(temperature=0.0, seed=0)] * (padded_size - len(rows))
+    rows = list(rows) + pad
+    k = _pow2_at_least(max((len(r.logit_bias) for r in rows), default=0))
+    m = _pow2_at_least(max((len(r.suppressed_ids) for r in rows), default=0))
+
+    bias_ids = np.full((padded_size, k), -1, np.int32)
+    bias_values = np.zeros((padded_size, k), np.float32)
+    suppressed = np.full((padded_size, m), -1, np.int32)
+    for i, r in enumerate(rows):
+        bias_ids[i, : len(r.logit_bias)] = list(r.logit_bias.keys())
+        bias_values[i, : len(r.logit_bias)] = list(r.logit_bias.values())
+        suppressed[i, : len(r.suppressed_ids)] = list(r.suppressed_ids)
+    # OpenAI seeds are 64-bit ints; JAX keys take 32 bits, so seeds equal mod 2**32 coincide.
+    seeds = [secrets.randbits(32) if r.seed is None else r.seed % 2**32 for r in rows]
+
+    def column(name, dtype):
+        return jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
+
+    return SamplingMetadata(
+        temperature=column("temperature", np.float32),
+        top_k=column("top_k", np.int32),
+        top_p=column("top_p", np.float32),
+        min_p=column("min_p", np.float32),
+        presence_penalty=column("presence_penalty", np.float32),
+        frequency_penalty=column("frequency_penalty", np.float32),
+        repetition_penalty=column("repetition_penalty", np.float32),
+        logit_bias_ids=jnp.asarray(bias_ids),
+        logit_bias_values=jnp.asarray(bias_values),
+        suppressed_ids=jnp.asarray(suppressed),
+        seeds=jnp.asarray(np.array(seeds, np.uint32)),
+        sample_index=column("sample_index", np.int32),
+    )
+
+
+# --- penalty state: per-row token counts, kept on device -----------------------------------
+
+
+def _valid_or_out_of_range(ids: jax.Array, vocab_size: int) -> jax.Array:
+    # Negative ids are padding. JAX would wrap them around, so send them past the end instead,
+    # where scatters with mode="drop" ignore them.
+    return jnp.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+
+
+def count_tokens(token_ids: jax.Array, lengths: jax.Array, vocab_size: int) -> jax.Array:
+    """i32[S, V]: how often each token occurs in the first `lengths[s]` entries of row s of
+    `token_ids` (i32[S, L]). For the prompt mask take `count_tokens(...) > 0`."""
+    num_rows, max_len = token_ids.shape
+    live = jnp.arange(max_len)[None, :] < lengths[:, None]
+    ids = _valid_or_out_of_range(jnp.where(live, token_ids, -1), vocab_size)
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+    counts = jnp.zeros((num_rows, vocab_size), jnp.int32)
+    return counts.at[rows, ids].add(1, mode="drop")
+
+
+def add_sampled(counts: jax.Array, tokens: jax.Array, live: jax.Array) -> jax.Array:
+    """Counts the token just sampled for each live row (bool[S]); padding rows stay unchanged."""
+    rows = jnp.arange(counts.shape[0])
+    return counts.at[rows, tokens].add(live.astype(counts.dtype), mode="drop")
+
+
+# --- the pipeline --------------------------------------------------------------------------
+
+
+@jax.jit
+def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_mask):
+    """f32[S, V]: logits after bias, penalties and suppression; the distribution logprobs report."""
+    num_rows, vocab_size = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
+    x = logits.astype(jnp.float32)
+
+    bias_ids = _valid_or_out_of_range(metadata.logit_bias_ids, vocab_size)
+    x = x.at[rows, bias_ids].add(metadata.logit_bias_values, mode="drop")
+
+    seen = prompt_mask | (output_counts > 0)
+    rep = metadata.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+
+    x = x - metadata.frequency_penalty[:, None] * output_counts.astype(jnp.float32)
+    x = x - metadata.presence_penalty[:, None] * (output_counts > 0).astype(jnp.float32)
+
+    suppressed = _valid_or_out_of_range(metadata.suppressed_ids, vocab_size)
+    return x.at[rows, suppressed].set(MASKED, mode="drop")
+
+
+def _truncate(scaled, metadata: SamplingMetadata):
+    """Masks everything outside top_k, top_p and min_p. Each filter becomes a threshold on the
+    logit value, so tokens tied with the last kept one are kept too (top_k may keep more than k
+    on exact ties)."""
+    vocab_size = scaled.shape[-1]
+    # One full descending sort per row. Faster path for big vocabularies: when every row's top_k
+    # is on and below a static bound B (or for top_p alone, a B that holds enough mass), use
+    # jax.lax.top_k(scaled, B) here and index into those B values instead.
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    top = sorted_desc[:, :1]
+
+    k = jnp.where(metadata.top_k > 0, jnp.minimum(metadata.top_k, vocab_size), vocab_size)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+
+    # top_p over the distribution left by top_k: keep the smallest prefix reaching top_p, i.e.
+    # every token whose predecessors hold less than top_p (the top token always qualifies).
+    in_top_k = sorted_desc >= kth
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, MASKED), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    top_p = metadata.top_p[:, None]
+    # top_p >= 1 is off outright, so rounding in the cumsum can't clip the tail.
+    in_top_p = in_top_k & ((mass_before < top_p) | (top_p >= 1.0))
+    num_kept = jnp.maximum(jnp.sum(in_top_p, axis=-1), 1)
+    top_p_threshold = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)
+
+    # p < min_p * p_max  <=>  logit < top_logit + log(min_p), whatever the normalization.
+    min_p = metadata.min_p[:, None]
+    min_p_threshold = jnp.where(min_p > 0, top + jnp.log(jnp.maximum(min_p, 1e-30)), MASKED)
+
+    threshold = jnp.maximum(jnp.maximum(kth, top_p_threshold), min_p_threshold)
+    return jnp.where(scaled >= threshold, scaled, MASKED)
+
+
+def _is_greedy(metadata: SamplingMetadata) -> jax.Array:
+    return (metadata.temperature <= 0) | (metadata.top_k == 1)
+
+
+def _processed_from_penalized(penalized, metadata: SamplingMetadata):
+    # Greedy rows divide by 1: their processed logits are never sampled from, only kept finite.
+    temperature = jnp.where(metadata.temperature > 0, metadata.temperature, 1.0)
+    # The floor keeps masked entries at MASKED (not -inf) after dividing by a tiny temperature.
+    scaled = jnp.maximum(penalized / temperature[:, None], MASKED)
+    return _truncate(scaled, metadata)
+
+
+@jax.jit
+def processed_logits(logits, metadata: SamplingMetadata, output_counts, prompt_mask):
+    """f32[S, V]: penalized, temperature-scaled and truncated logits, masked entries = MASKED.
+    Sampling rows draw from softmax of these; greedy rows (temperature 0) ignore them."""
+    penalized = penalized_logits(logits, metadata, output_counts, prompt_mask)
+    return _processed_from_penalized(penalized, metadata)
+
+
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs",))
+def sample(
+    logits, metadata: SamplingMetadata, output_counts, prompt_mask, *, num_top_logprobs: int = 0
+) -> SampleOutput:
+    """Picks one token per row from `logits` (f32/bf16[S, V]).
+
+    `output_counts` (i32[S, V]) counts each token in the request's output so far and
+    `prompt_mask` (bool[S, V]) marks the prompt's tokens; see `count_tokens` and `add_sampled`.
+
+    Logprobs (the chosen token's and the `num_top_logprobs` best) are log_softmax of the
+    penalized logits: after bias, penalties and suppression, but before temperature and
+    top_k/top_p/min_p, as vLLM reports them by default. So they describe the model's adjusted
+    distribution rather than the truncated one sampled from, and a greedy row reports the same
+    logprobs it would at temperature 1.
+    """
+    penalized = penalized_logits(logits, metadata, output_counts, prompt_mask)
+    logprobs = jax.nn.log_softmax(penalized, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
+
+    processed = _processed_from_penalized(penalized, metadata)
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
+        metadata.seeds, metadata.sample_index
+    )
+    sampled = jax.vmap(jax.random.categorical)(keys, processed)
+    greedy = jnp.argmax(penalized, axis=-1)
+    tokens = jnp.where(_is_greedy(metadata), greedy, sampled).astype(jnp.int32)
+
+    return SampleOutput(
+        tokens=tokens,
+        logprobs=jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0],
+        top_ids=top_ids.astype(jnp.int32),
+        top_logprobs=top_logprobs,
+    )
