@@ -29,6 +29,21 @@ class ServerArgs:
     page_size: int = _flag(16, "tokens per KV cache page")
     compilation_cache_dir: Optional[str] = _flag(
         None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")
+    context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)")
+    max_running_requests: int = _flag(64, "requests decoded together at most")
+    max_total_tokens: Optional[int] = _flag(
+        None, "KV cache size in tokens (default: from --mem-fraction-static)")
+    mem_fraction_static: float = _flag(
+        0.5, "fraction of free device memory (host RAM on CPU) for weights and KV cache")
+    chunked_prefill_size: int = _flag(256, "longest prompt piece per step; <= 0 disables chunking")
+    max_prefill_tokens: int = _flag(512, "new prompt tokens per step at most")
+    disable_precompile: bool = _flag(False, "compile step shapes on first use instead of at start")
+    precompile_token_paddings: Optional[str] = _flag(
+        None, "comma-separated token-count buckets (default: powers of two)")
+    precompile_bs_paddings: Optional[str] = _flag(
+        None, "comma-separated sequence-count buckets (default: powers of two)")
+    random_seed: Optional[int] = _flag(None, "seed for requests that do not give one")
+    log_level: str = _flag("info", "logging level", choices=["debug", "info", "warning", "error"])
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from xlaserve.model.loader import load_model
 from xlaserve.runtime.batch import SeqChunk, pack
 from xlaserve.runtime.buckets import Buckets
 from xlaserve.runtime.greedy import greedy_generate
-from xlaserve.runtime.model_runner import ModelRunner
+from xlaserve.runtime.model_runner import SAMPLING_WIDTHS, ModelRunner
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
 
 PAGE_SIZE = 4
@@ -37,7 +37,7 @@ def _greedy_together(runner, prompts, new_tokens):
         batch = pack(chunks, BUCKETS, PAGE_SIZE)
         sampling = build_sampling_metadata(
             [RowSamplingParams(temperature=0.0, seed=0, sample_index=step)] * len(prompts),
-            batch.shape[1])
+            batch.shape[1], SAMPLING_WIDTHS)
         padded_slots = np.zeros(batch.shape[1], np.int32)
         padded_slots[:len(prompts)] = slots
         tokens = np.asarray(runner.step(batch, sampling, padded_slots).tokens)
@@ -81,3 +81,8 @@ def test_no_compile_after_precompile_and_a_loud_warning_for_a_new_shape(loaded, 
                     np.array([1], np.int32))
     assert runner.compile_count() == compiled + 1
     assert "COMPILED WHILE SERVING" in caplog.text and "(8, 1, 3)" in caplog.text
+    # ... and so does a step whose sampling tables are not padded to the fixed widths.
+    batch = pack([SeqChunk([1, 2], 0, [1, 2])], BUCKETS, PAGE_SIZE)
+    runner.step(batch, build_sampling_metadata([RowSamplingParams(seed=1)], batch.shape[1]),
+                np.array([1], np.int32))
+    assert runner.compile_count() == compiled + 2

@@ -35,6 +35,11 @@ from xlaserve.runtime.sampler import (RowSamplingParams, SampleOutput, SamplingM
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; always computed, so one program serves every request
+# Fixed widths of the per-row logit_bias and suppressed-id tables, so no request picks a new
+# program: OpenAI accepts up to 300 logit_bias entries; suppressed ids are EOS + stop_token_ids.
+MAX_LOGIT_BIAS = 300
+MAX_SUPPRESSED_IDS = 64
+SAMPLING_WIDTHS = (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS)
 NULL_SLOT = 0
 
 
@@ -72,19 +77,22 @@ class ModelRunner:
             return out, kv_caches, output_counts
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
-        def reset_slot(output_counts, prompt_masks, slot, prompt_mask_row):
-            return output_counts.at[slot].set(0), prompt_masks.at[slot].set(prompt_mask_row)
+        def reset_slot(output_counts, prompt_masks, slot, counts_row, prompt_mask_row):
+            return output_counts.at[slot].set(counts_row), prompt_masks.at[slot].set(prompt_mask_row)
 
         self._step = step
         self._reset_slot = reset_slot
         self._precompiled = False
 
-    def assign_slot(self, slot: int, prompt_ids: list[int]) -> None:
-        """Start a request in `slot`: zero its output counts, mark its prompt tokens."""
-        row = np.zeros(self.config.vocab_size, np.bool_)
-        row[np.asarray(prompt_ids, np.int64)] = True
+    def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
+        """Start (or, after a retraction, resume) a request in `slot`: its output counts and
+        prompt mask, built on the host and sent as one row each."""
+        vocab = self.config.vocab_size
+        mask = np.zeros(vocab, np.bool_)
+        mask[np.asarray(prompt_ids, np.int64)] = True
+        counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab).astype(np.int32)
         self.output_counts, self.prompt_masks = self._reset_slot(
-            self.output_counts, self.prompt_masks, jnp.int32(slot), row)
+            self.output_counts, self.prompt_masks, jnp.int32(slot), counts, mask)
 
     def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> SampleOutput:
         """Run one step; returns device arrays (the caller's `np.asarray` is the sync point)."""
@@ -112,7 +120,8 @@ class ModelRunner:
         for tokens, seqs, pages in tqdm(shapes, desc="Precompiling", unit="shape",
                                         disable=not progress):
             batch = empty_batch(tokens, seqs, pages)
-            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs)
+            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+                                               SAMPLING_WIDTHS)
             out = self.step(batch, sampling, np.full(seqs, NULL_SLOT, np.int32))
             jax.block_until_ready(out.tokens)
         self._precompiled = True

@@ -78,7 +78,8 @@ def _pow2_at_least(n: int) -> int:
 
 
 def build_sampling_metadata(
-    rows: Sequence[RowSamplingParams], padded_size: int
+    rows: Sequence[RowSamplingParams], padded_size: int,
+    fixed_widths: tuple[int, int] | None = None,
 ) -> SamplingMetadata:
     """Pads `rows` to `padded_size` greedy rows and the bias/suppression widths to a power of two,
     so a handful of shapes covers every batch. Rows without a seed get a fresh random one, so
@@ -90,6 +91,11 @@ def build_sampling_metadata(
     rows = list(rows) + pad
     k = _pow2_at_least(max((len(r.logit_bias) for r in rows), default=0))
     m = _pow2_at_least(max((len(r.suppressed_ids) for r in rows), default=0))
+    if fixed_widths is not None:
+        # A server pads to fixed widths so that a request's logit_bias never picks a new program.
+        if k > fixed_widths[0] or m > fixed_widths[1]:
+            raise ValueError(f"logit_bias/suppressed widths {k}/{m} exceed {fixed_widths}")
+        k, m = fixed_widths
 
     bias_ids = np.full((padded_size, k), -1, np.int32)
     bias_values = np.zeros((padded_size, k), np.float32)

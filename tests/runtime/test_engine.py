@@ -1,0 +1,144 @@
+"""The engine end to end on a tiny model: continuous batching equals solo runs, retraction,
+abort, no compiles after precompile, seeds, the offline API."""
+import asyncio
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_checkpoint
+from xlaserve.offline import Engine
+
+PROMPTS = [
+    [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64, 8, 91, 13],
+    [1, 2],
+    [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412, 413, 414, 415, 416, 417, 418,
+     419, 420, 421, 422, 423, 424, 425],
+    [99],
+    [7, 7, 7, 7, 7, 7, 7],
+    [33, 44, 55, 66],
+]
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=4,
+             chunked_prefill_size=8, max_prefill_tokens=12, context_length=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("llama"))
+    hf_model = make_tiny_checkpoint(directory, "llama")
+    return directory, hf_model
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    with Engine(checkpoint[0], max_total_tokens=512, **SMALL) as engine:
+        yield engine
+
+
+def _hf_greedy(hf_model, prompt, n):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_concurrent_greedy_requests_equal_solo_runs_and_transformers(engine, checkpoint):
+    together = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    for prompt, result in zip(PROMPTS, together, strict=True):
+        solo = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert result["output_ids"] == solo["output_ids"] == _hf_greedy(checkpoint[1], prompt, 12)
+        assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+        assert result["meta_info"]["prompt_tokens"] == len(prompt)
+        assert result["meta_info"]["completion_tokens"] == 12
+
+
+def test_staggered_arrivals_join_the_running_batch(engine):
+    expected = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+    results = [None] * len(PROMPTS)
+
+    def run(i):
+        time.sleep(0.05 * i)
+        results[i] = engine.generate(input_ids=PROMPTS[i], sampling_params=GREEDY)["output_ids"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+
+
+def test_no_compile_after_precompile_during_a_mixed_workload(engine):
+    compiled = engine.core.runner.compile_count()
+    engine.generate(input_ids=PROMPTS + PROMPTS[:3], sampling_params=[
+        {**GREEDY, "max_new_tokens": 3 + i} for i in range(len(PROMPTS) + 3)])
+    engine.generate(input_ids=PROMPTS[0], sampling_params={"temperature": 0.7, "seed": 3, "max_new_tokens": 8,
+                                                          "logit_bias": {5: 2.0, 6: -1.0}})
+    assert engine.core.runner.compile_count() == compiled
+
+
+def test_seeded_sampling_is_the_same_whatever_else_is_in_the_batch(engine):
+    params = {"max_new_tokens": 10, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    alone = engine.generate(input_ids=PROMPTS[0], sampling_params=params)["output_ids"]
+    crowd = engine.generate(input_ids=[PROMPTS[0]] + PROMPTS[1:4],
+                            sampling_params=[params] + [{"temperature": 1.0, "max_new_tokens": 10}] * 3)
+    assert crowd[0]["output_ids"] == alone
+    other_seed = engine.generate(input_ids=PROMPTS[0], sampling_params={**params, "seed": 99})
+    assert other_seed["output_ids"] != alone
+
+
+def test_stop_token_ids_and_min_new_tokens(engine):
+    free = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)["output_ids"]
+    stop_at = free[3]
+    stopped = engine.generate(input_ids=PROMPTS[2], sampling_params={**GREEDY, "stop_token_ids": [stop_at]})
+    assert stopped["output_ids"] == free[:free.index(stop_at) + 1]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    late = engine.generate(input_ids=PROMPTS[2], sampling_params={
+        **GREEDY, "stop_token_ids": [stop_at], "min_new_tokens": 12})
+    assert late["meta_info"]["completion_tokens"] == 12 and stop_at not in late["output_ids"]
+
+
+def test_tiny_page_pool_retracts_and_still_finishes_every_request_correctly(checkpoint, caplog):
+    with Engine(checkpoint[0], max_total_tokens=48, disable_precompile=True, **SMALL) as small:
+        with caplog.at_level(logging.INFO):
+            results = small.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert "Retract requests" in caplog.text
+        assert small.core.scheduler.token_usage() == 0
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result["output_ids"] == _hf_greedy(checkpoint[1], prompt, 12)
+
+
+def test_abort_mid_stream_frees_the_pages(engine):
+    async def consume_three():
+        stream = await engine.async_generate(input_ids=PROMPTS[0], sampling_params={
+            **GREEDY, "max_new_tokens": 40}, stream=True)
+        seen = []
+        async for chunk in stream:
+            seen.append(chunk)
+            if len(seen) == 3:
+                break
+        await stream.aclose()
+        return seen
+
+    seen = asyncio.run(consume_three())
+    assert len(seen) == 3 and not seen[-1]["finished"]
+    deadline = time.time() + 10
+    while engine.core.scheduler.token_usage() != 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.core.scheduler.token_usage() == 0
+
+
+def test_bad_sampling_params_are_rejected_before_queueing(engine):
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(input_ids=[1, 2], sampling_params={"top_p": 0})
+    with pytest.raises(ValueError, match="unknown sampling parameters"):
+        engine.generate(input_ids=[1, 2], sampling_params={"topp": 0.5})
+    with pytest.raises(ValueError, match="512"):
+        engine.generate(input_ids=[1, 600], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="64"):
+        engine.generate(input_ids=[1] * 60, sampling_params=GREEDY)
+    assert np.all(np.asarray(engine.generate(input_ids=[1, 2], sampling_params=GREEDY)["output_ids"]) >= 0)

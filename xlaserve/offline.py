@@ -1,0 +1,142 @@
+"""The offline Python API, shaped like SGLang's `sglang.Engine` so users can switch:
+
+    engine = xlaserve.Engine(model_path=None, max_running_requests=16)
+    out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+    outs = engine.generate(["a", "b"], [{"temperature": 0}, {"temperature": 0.8, "seed": 1}])
+    engine.shutdown()   # or use `with xlaserve.Engine(...) as engine:`
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+from typing import Any, AsyncIterator
+
+from xlaserve.runtime.engine import EngineCore, SamplingParams
+from xlaserve.server_args import ServerArgs
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingParams, int]:
+    """SGLang-style dict -> (SamplingParams, n). Unknown keys are an error, not ignored."""
+    if isinstance(params, SamplingParams):
+        return params, 1
+    params = dict(params or {})
+    n = int(params.pop("n", 1))
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    unknown = set(params) - _SAMPLING_FIELDS
+    if unknown:
+        raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+    return SamplingParams(**params), n
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **server_args: Any):
+        self.server_args = ServerArgs(model_path=model_path, **server_args)
+        self.core = EngineCore(self.server_args)
+        self.tokenizer = self.core.tokenizer
+
+    # --- inputs -------------------------------------------------------------------------------
+
+    def _requests(self, prompt, sampling_params, input_ids) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
+        """Flatten prompts x n into (prompt_ids, params) pairs; also say whether input was a list."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if prompt is not None:
+            batched = not isinstance(prompt, str)
+            prompts = list(prompt) if batched else [prompt]
+            if self.tokenizer is None:
+                raise ValueError("text prompts need the tokenizer (started with skip_tokenizer_init)")
+            id_lists = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            batched = bool(input_ids) and isinstance(input_ids[0], (list, tuple))
+            id_lists = [list(x) for x in input_ids] if batched else [list(input_ids)]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
+        if len(params) != len(id_lists):
+            raise ValueError(f"{len(params)} sampling_params for {len(id_lists)} prompts")
+        requests = []
+        for ids, p in zip(id_lists, params, strict=True):
+            parsed, n = to_sampling_params(p)
+            for i in range(n):
+                # Each of n samples needs its own seed, or they would all draw the same tokens.
+                seed = None if parsed.seed is None else parsed.seed + i
+                requests.append((ids, dataclasses.replace(parsed, seed=seed)))
+        return requests, batched or len(requests) > 1
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False):
+        requests, batched = self._requests(prompt, sampling_params, input_ids)
+        sinks = []
+        for ids, params in requests:
+            sink: queue.Queue = queue.Queue()
+            self.core.submit(ids, params, sink.put)
+            sinks.append(sink)
+        results = [self._collect(iter(sink.get, None), return_logprob) for sink in sinks]
+        return results if batched else results[0]
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
+                             return_logprob=False, stream=False):
+        requests, batched = self._requests(prompt, sampling_params, input_ids)
+        if stream:
+            if batched:
+                raise ValueError("stream=True takes one prompt")
+            return self._stream(*requests[0], return_logprob)
+        results = await asyncio.gather(*[self._collect_async(ids, params, return_logprob)
+                                         for ids, params in requests])
+        return list(results) if batched else results[0]
+
+    async def _chunks(self, ids, params) -> AsyncIterator[dict]:
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        rid = self.core.submit(ids, params, lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c))
+        finished = False
+        try:
+            while not finished:
+                chunk = await chunks.get()
+                finished = chunk["finished"]
+                yield chunk
+        finally:
+            if not finished:
+                self.core.abort(rid)  # the consumer went away mid-stream: free the slot now
+
+    async def _stream(self, ids, params, return_logprob) -> AsyncIterator[dict]:
+        async for chunk in self._chunks(ids, params):
+            out = {"text": chunk["text"], "output_ids": [] if chunk["token_id"] is None else [chunk["token_id"]],
+                   "finished": chunk["finished"]}
+            if chunk["finished"]:
+                out["meta_info"] = chunk["meta_info"]
+            yield out
+
+    async def _collect_async(self, ids, params, return_logprob) -> dict:
+        return self._collect([c async for c in self._chunks(ids, params)], return_logprob)
+
+    @staticmethod
+    def _collect(chunks, return_logprob: bool) -> dict:
+        text, output_ids, logprobs, meta_info = [], [], [], None
+        for chunk in chunks:
+            text.append(chunk["text"])
+            if chunk["token_id"] is not None:
+                output_ids.append(chunk["token_id"])
+                logprobs.append((chunk["logprob"], chunk["token_id"], None))
+            if chunk["finished"]:
+                meta_info = dict(chunk["meta_info"])
+                if "error" in chunk:
+                    meta_info["error"] = chunk["error"]
+                break
+        if return_logprob:
+            meta_info["output_token_logprobs"] = logprobs
+        return {"text": "".join(text), "output_ids": output_ids, "meta_info": meta_info}
+
+    # --- lifetime ---------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

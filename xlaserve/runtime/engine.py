@@ -1,0 +1,270 @@
+"""Engine: owns the model runner and the scheduler, runs the step loop in its own thread.
+
+Requests come in through a thread-safe `submit` and leave as a stream of output chunks; the loop
+thread is the only one that touches the scheduler, the page allocator and the device state, so
+none of them needs a lock. `xlaserve.Engine` (the offline API) wraps this class.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import threading
+import uuid
+from typing import Callable
+
+import numpy as np
+
+from xlaserve.model.loader import load_model
+from xlaserve.runtime.batch import pack
+from xlaserve.runtime.buckets import Buckets, pow2_buckets
+from xlaserve.runtime.compilation import enable_persistent_cache
+from xlaserve.runtime.detokenizer import IncrementalDetokenizer
+from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for, pages_for_tokens
+from xlaserve.runtime.model_runner import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, SAMPLING_WIDTHS,
+                                           ModelRunner)
+from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
+from xlaserve.runtime.scheduler import Request, Scheduler
+from xlaserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling parameters, with SGLang's names."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        checks = [
+            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
+            (0 <= self.min_new_tokens, "min_new_tokens must be >= 0"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"),
+            (len(self.stop_token_ids or ()) < MAX_SUPPRESSED_IDS - 4,
+             f"stop_token_ids takes at most {MAX_SUPPRESSED_IDS - 5} ids"),
+            (all(0 <= int(t) < vocab_size for t in self.logit_bias),
+             f"logit_bias token ids must be in [0, {vocab_size})"),
+            (all(0 <= t < vocab_size for t in self.stop_token_ids or ()),
+             f"stop_token_ids must be in [0, {vocab_size})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclasses.dataclass
+class _Live:
+    """Engine-side state of one request: its sink and its detokenizer."""
+
+    request: Request
+    params: SamplingParams
+    emit: Callable[[dict], None]
+    detokenizer: IncrementalDetokenizer | None
+
+
+class EngineCore:
+    def __init__(self, server_args: ServerArgs):
+        self.args = args = server_args
+        enable_persistent_cache(args.compilation_cache_dir)
+        self.loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
+                                 skip_tokenizer_init=args.skip_tokenizer_init)
+        config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.context_length = args.context_length or config.max_position_embeddings
+        page_size = args.page_size
+        num_pages = num_pages_for(config, self.loaded.dtype, page_size,
+                                  max_total_tokens=args.max_total_tokens,
+                                  mem_fraction_static=args.mem_fraction_static)
+        self.runner = ModelRunner(self.loaded, num_pages=num_pages, page_size=page_size,
+                                  max_running_requests=args.max_running_requests,
+                                  attention_backend=args.attention_backend)
+        max_step_tokens = args.max_running_requests + args.max_prefill_tokens
+        self.buckets = Buckets.for_limits(
+            max_step_tokens, args.max_running_requests,
+            pages_for_tokens(self.context_length, page_size),
+            token_paddings=_int_list(args.precompile_token_paddings) or pow2_buckets(1, max_step_tokens),
+            seq_paddings=_int_list(args.precompile_bs_paddings),
+            # One page-table width: the attention loop stops at the longest live sequence, so a
+            # wide table costs little, and each extra width would multiply the compiled programs.
+            page_paddings=[pages_for_tokens(self.context_length, page_size)],
+        )
+        self.scheduler = Scheduler(
+            PageAllocator(num_pages), page_size, args.max_running_requests,
+            args.chunked_prefill_size, args.max_prefill_tokens, self.context_length)
+        self.eos_token_ids = set(config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._seeds = random.Random(args.random_seed)
+        if not args.disable_precompile:
+            self.runner.precompile(self.buckets.all_shapes())
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="xlaserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- called from any thread -----------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
+               rid: str | None = None) -> str:
+        """Queue a request; `emit` is called from the engine thread with each output chunk."""
+        params.validate(self.loaded.config.vocab_size)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        rid = rid or uuid.uuid4().hex
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        sampling = RowSamplingParams(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            min_p=params.min_p, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias={int(k): float(v) for k, v in params.logit_bias.items()}, seed=seed)
+        request = Request(rid=rid, prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
+                          sampling=sampling, stop_token_ids=frozenset(stop_ids),
+                          min_new_tokens=params.min_new_tokens)
+        self.scheduler.check_fits(request)  # raises ValueError before anything is queued
+        self._inbox.put(("add", request, params, emit))
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid, None, None))
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._inbox.put(("wake", None, None, None))
+        self._thread.join(timeout=30)
+
+    # --- the engine thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._drain_inbox(block=not self.scheduler.has_work())
+                if self._stopping:
+                    break
+                batch = self.scheduler.schedule()
+                if batch is not None:
+                    self._run(batch)
+            except Exception:  # a bug must not kill the loop silently: fail what is in flight
+                logger.exception("engine step failed; aborting the running requests")
+                for rid in list(self._live):
+                    self.scheduler.abort(rid)
+                    self._finish_aborted(rid, "internal error")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload, params, emit = item
+            if kind == "add":
+                detok = None
+                if self.tokenizer is not None:
+                    detok = IncrementalDetokenizer(
+                        self.tokenizer, prompt_ids=payload.prompt_ids,
+                        skip_special_tokens=params.skip_special_tokens,
+                        stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
+                        no_stop_trim=params.no_stop_trim)
+                self._live[payload.rid] = _Live(payload, params, emit, detok)
+                self.scheduler.add(payload)
+            elif kind == "abort" and payload in self._live:
+                self.scheduler.abort(payload)
+                self._finish_aborted(payload, None)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self, batch) -> None:
+        for request in batch.admitted:
+            self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
+        fb = pack(batch.chunks, self.buckets, self.runner.page_size)
+        padded_seqs = fb.shape[1]
+        rows = [dataclasses.replace(r.sampling, sample_index=len(r.output_ids),
+                                    suppressed_ids=self.scheduler.suppressed_ids(r))
+                for r in batch.requests]
+        sampling = build_sampling_metadata(rows, padded_seqs, SAMPLING_WIDTHS)
+        slots = np.zeros(padded_seqs, np.int32)
+        slots[:len(batch.slots)] = batch.slots
+        out = self.runner.step(fb, sampling, slots)
+        tokens = np.asarray(out.tokens)[:len(batch.requests)]
+        logprobs = np.asarray(out.logprobs)[:len(batch.requests)]
+        finished = {r.rid for r in self.scheduler.process_results(batch, tokens.tolist())}
+        for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True)):
+            if chunk.sample:
+                self._deliver(request, int(tokens[i]), float(logprobs[i]), request.rid in finished)
+
+    def _deliver(self, request: Request, token: int, logprob: float, finished: bool) -> None:
+        live = self._live[request.rid]
+        stopped_by_token = finished and request.finish_reason[0] == "stop"
+        delta = ""
+        if live.detokenizer is not None and not stopped_by_token:
+            delta = live.detokenizer.append(token)
+            if live.detokenizer.matched_stop is not None and not finished:
+                self.scheduler.finish(request.rid, "stop", live.detokenizer.matched_stop)
+                finished = True
+        if finished and live.detokenizer is not None:
+            delta += live.detokenizer.finish()
+        chunk = {"token_id": token, "logprob": logprob, "text": delta, "finished": finished}
+        if finished:
+            chunk["meta_info"] = self._meta_info(request)
+            del self._live[request.rid]
+        live.emit(chunk)
+
+    def _finish_aborted(self, rid: str, message: str | None) -> None:
+        live = self._live.pop(rid)
+        live.request.finish_reason = live.request.finish_reason or ("abort", None)
+        chunk = {"token_id": None, "logprob": None, "text": "", "finished": True,
+                 "meta_info": self._meta_info(live.request)}
+        if message:
+            chunk["error"] = message
+        live.emit(chunk)
+
+    def _meta_info(self, request: Request) -> dict:
+        kind, matched = request.finish_reason or ("abort", None)
+        finish_reason = {"type": kind}
+        if kind == "length":
+            finish_reason["length"] = len(request.output_ids)
+        elif kind == "stop":
+            finish_reason["matched"] = matched
+        return {"id": request.rid, "prompt_tokens": len(request.prompt_ids),
+                "completion_tokens": len(request.output_ids),
+                "cached_tokens": request.num_cached_prompt_tokens,
+                "finish_reason": finish_reason}
+
+
+def _int_list(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
+

@@ -1,0 +1,320 @@
+"""Continuous batching on the host: which requests run which tokens in the next step.
+
+Pure bookkeeping (no JAX, no model), driven by the engine thread:
+
+    batch = scheduler.schedule()                  # decodes first, then prefill chunks
+    tokens = run the model on batch.chunks
+    finished = scheduler.process_results(batch, tokens)
+
+A request's KV state is `num_computed`: how many of `all_ids()` are in the cache. It is
+*decoding* when everything but the last sampled token is computed; otherwise it is prefilling
+`all_ids()[num_computed:]`, in chunks. When the page pool runs dry for the decodes, the newest
+running requests are retracted: pages dropped, generated tokens kept, and on re-admission their
+prompt plus output so far is prefilled again (DESIGN.md, Memory).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from xlaserve.runtime.batch import SeqChunk
+from xlaserve.runtime.kv_cache import PageAllocator, pages_for_tokens
+
+if TYPE_CHECKING:
+    from xlaserve.runtime.sampler import RowSamplingParams
+
+logger = logging.getLogger(__name__)
+
+FinishReason = tuple[Literal["length", "stop", "abort"], "int | str | None"]
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: RowSamplingParams  # the engine fills the seed once, so a retracted request resamples alike
+    stop_token_ids: frozenset[int] = frozenset()  # EOS ids + user stop ids, merged by the engine
+    min_new_tokens: int = 0  # stop ids cannot finish the request before this many tokens
+    priority: int = 0  # larger = more urgent; FCFS within equal priority
+    arrival_time: float = field(default_factory=time.monotonic)
+    # --- state, managed by the scheduler ---
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of all_ids() whose KV is in the cache
+    page_ids: list[int] = field(default_factory=list)
+    slot: int | None = None  # row of the device penalty state, 1..max_running_requests
+    status: Literal["waiting", "running", "finished"] = "waiting"
+    finish_reason: FinishReason | None = None
+    num_cached_prompt_tokens: int = 0  # prefix cache hits (none yet)
+    retracted_count: int = 0
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    chunks: list[SeqChunk]  # chunks[i] is what requests[i] runs this step
+    slots: list[int]  # slots[i] is requests[i].slot
+    kind: Literal["prefill", "decode", "mixed"]
+    # Requests that got their slot this step: the engine resets that slot's penalty state.
+    admitted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
+                 chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
+                 log_interval: int = 40):
+        if max_running_requests < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_running_requests = max_running_requests
+        # <= 0 or None: no chunking, a prompt runs in one step.
+        self.chunk_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.max_prefill_tokens = max_prefill_tokens
+        self.context_length = context_length
+        self.log_interval = log_interval
+        self.waiting: list[Request] = []  # kept sorted by _queue_key
+        self.running: list[Request] = []  # in admission order: the last one is the newest
+        self.requests: dict[str, Request] = {}  # every unfinished request, by rid
+        self._free_slots = list(range(max_running_requests, 0, -1))  # pop() hands out low ids first
+        self._arrivals = itertools.count()
+        self._arrival_order: dict[str, int] = {}
+        self._decode_steps = 0
+        self._decode_tokens = 0
+        self._interval_start = 0.0
+
+    # --- queue --------------------------------------------------------------------------------
+
+    def check_fits(self, request: Request) -> None:
+        """Raises ValueError for a request that could never run, whatever else is going on."""
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        total = len(request.prompt_ids) + request.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(
+                f"the prompt ({len(request.prompt_ids)} tokens) plus max_new_tokens "
+                f"({request.max_new_tokens}) is {total} tokens, more than the context length "
+                f"({self.context_length})")
+        # The last sampled token never enters the cache, so the KV peaks at total - 1 tokens.
+        pages = pages_for_tokens(total - 1, self.page_size)
+        if pages > self.allocator.capacity:
+            raise ValueError(
+                f"the request needs {pages} KV pages ({total - 1} tokens) but the whole pool has "
+                f"{self.allocator.capacity} pages ({self.allocator.capacity * self.page_size} tokens)")
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        if request.rid in self.requests:
+            raise ValueError(f"request id {request.rid!r} is already in use")
+        request.status = "waiting"
+        self.requests[request.rid] = request
+        self._arrival_order[request.rid] = next(self._arrivals)
+        self._enqueue(request)
+
+    def _queue_key(self, request: Request):
+        # Priority first; within it, retracted requests go to the front so they resume first,
+        # then first come first served (arrival order breaks equal timestamps).
+        return (-request.priority, request.retracted_count == 0, request.arrival_time,
+                self._arrival_order[request.rid])
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._queue_key)
+
+    # --- leaving ------------------------------------------------------------------------------
+
+    def abort(self, rid: str) -> Request | None:
+        return self.finish(rid, "abort", None)
+
+    def finish(self, rid: str, reason: str, matched: int | str | None = None) -> Request | None:
+        """Ends a request now (stop string, abort): its pages and slot are free at once."""
+        request = self.requests.pop(rid, None)
+        if request is None:
+            return None
+        if request.status == "waiting":
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            self._release(request)
+        del self._arrival_order[rid]
+        request.status = "finished"
+        request.finish_reason = (reason, matched)
+        return request
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.page_ids)
+        request.page_ids = []
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+
+    def _retract(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed = 0  # recomputed from prompt + output so far on re-admission
+        request.retracted_count += 1
+        request.status = "waiting"
+        self._enqueue(request)
+
+    # --- scheduling ---------------------------------------------------------------------------
+
+    def _new_pages(self, request: Request, kv_len: int) -> int:
+        return max(0, pages_for_tokens(kv_len, self.page_size) - len(request.page_ids))
+
+    def _grow(self, request: Request, kv_len: int) -> None:
+        request.page_ids += self.allocator.allocate(self._new_pages(request, kv_len))
+
+    def schedule(self) -> ScheduledBatch | None:
+        rows = self._schedule_decodes()
+        num_decodes = len(rows)
+        admitted: list[Request] = []
+        rows += self._schedule_prefills(admitted)
+        # Only prefilling requests are running and none can get pages: retract the newest so the
+        # older ones can finish their prompts (a lone request always fits, add() checked). No
+        # admissions in this step, or the retracted one would take its pages right back.
+        while not rows and self.running:
+            self._retract(self.running[-1])
+            logger.info("KV cache pool is full. Retract requests. #retracted_reqs: 1")
+            rows = self._schedule_prefills(admitted, admit=False)
+        if not rows:
+            return None
+        requests = [r for r, _ in rows]
+        chunks = [c for _, c in rows]
+        kind = "decode" if num_decodes == len(rows) else "prefill" if num_decodes == 0 else "mixed"
+        self._log_step(kind, num_decodes, chunks[num_decodes:])
+        return ScheduledBatch(requests, chunks, [r.slot for r in requests], kind, admitted)
+
+    def _schedule_decodes(self) -> list[tuple[Request, SeqChunk]]:
+        """One token for every decoding request; retracts the newest running requests when the
+        pool cannot give every decode the page it may need."""
+        num_retracted = 0
+        while True:
+            decoding = [r for r in self.running if r.is_decoding]
+            needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
+            if needed <= self.allocator.num_free or len(self.running) <= 1:
+                break
+            self._retract(self.running[-1])
+            num_retracted += 1
+        if num_retracted:
+            logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d", num_retracted)
+        rows = []
+        for r in decoding:
+            self._grow(r, r.num_computed + 1)
+            rows.append((r, SeqChunk([r.output_ids[-1]], r.num_computed, list(r.page_ids), True)))
+        return rows
+
+    def _schedule_prefills(self, admitted: list[Request], admit: bool = True,
+                           ) -> list[tuple[Request, SeqChunk]]:
+        """Chunks of unfinished prompts: running ones first, then new admissions in queue order,
+        within the step's token budget and the free pages. Stops at the first request that does
+        not fit, so a big request at the head of the queue is not starved by smaller ones."""
+        budget = self.max_prefill_tokens
+        rows = []
+        candidates = [r for r in self.running if not r.is_decoding] + (list(self.waiting) if admit else [])
+        for r in candidates:
+            is_new = r.status == "waiting"
+            if is_new and len(self.running) >= self.max_running_requests:
+                break
+            remaining = r.num_tokens - r.num_computed
+            n = min(remaining, budget, self.chunk_size or remaining)
+            if n < remaining and self.chunk_size is None:
+                if rows:
+                    break  # an unchunked prompt over the budget runs alone, in a step of its own
+                n = remaining
+            if n <= 0 or self._new_pages(r, r.num_computed + n) > self.allocator.num_free:
+                break
+            if is_new:
+                self.waiting.remove(r)
+                r.status = "running"
+                r.slot = self._free_slots.pop()
+                self.running.append(r)
+                admitted.append(r)
+            self._grow(r, r.num_computed + n)
+            token_ids = r.all_ids()[r.num_computed:r.num_computed + n]
+            rows.append((r, SeqChunk(token_ids, r.num_computed, list(r.page_ids), n == remaining)))
+            budget -= n
+        return rows
+
+    def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
+        """Advances every row by its chunk; rows that sampled get their token. Returns the
+        requests that finished (their pages and slots are already free)."""
+        finished = []
+        for request, chunk, token in zip(batch.requests, batch.chunks, sampled_tokens, strict=True):
+            if request.status != "running":
+                continue  # aborted or finished since it was scheduled
+            request.num_computed += len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            token = int(token)
+            # A stop id counts only where the sampler would not have suppressed it.
+            stops = token in request.stop_token_ids and len(request.output_ids) >= request.min_new_tokens
+            request.output_ids.append(token)
+            if stops:
+                finished.append(self.finish(request.rid, "stop", token))
+            elif len(request.output_ids) >= request.max_new_tokens:
+                finished.append(self.finish(request.rid, "length", None))
+        return finished
+
+    def suppressed_ids(self, request: Request) -> list[int]:
+        """Stop ids the sampler must not pick yet (min_new_tokens)."""
+        if len(request.output_ids) < request.min_new_tokens:
+            return sorted(request.stop_token_ids)
+        return []
+
+    # --- state and logs -----------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def token_usage(self) -> float:
+        return self.allocator.usage()
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _log_step(self, kind: str, num_decodes: int, prefill_chunks: list[SeqChunk]) -> None:
+        if prefill_chunks:
+            logger.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+                "#running-req: %d, #queue-req: %d", len(prefill_chunks),
+                sum(len(c.token_ids) for c in prefill_chunks), self.token_usage(), num_decodes,
+                self.num_waiting)
+        if kind != "decode":
+            return
+        # Throughput over the interval: tokens of steps 2..N over the time from step 1 to step N.
+        now = time.monotonic()
+        if self._decode_steps == 0:
+            self._interval_start = now
+        else:
+            self._decode_tokens += num_decodes
+        self._decode_steps += 1
+        if self._decode_steps >= self.log_interval:
+            elapsed = now - self._interval_start
+            throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
+            logger.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "gen throughput (token/s): %.2f, #queue-req: %d", self.num_running,
+                sum(r.num_computed for r in self.running), self.token_usage(), throughput,
+                self.num_waiting)
+            self._decode_steps = self._decode_tokens = 0
