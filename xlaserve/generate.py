@@ -1,7 +1,4 @@
-"""python -m xlaserve.generate --prompt "..." : generate offline, no server.
-
-Until the engine (continuous batching and sampling) lands, this decodes greedily.
-"""
+"""python -m xlaserve.generate --prompt "..." : generate offline through the engine, no server."""
 from __future__ import annotations
 
 import argparse
@@ -15,49 +12,48 @@ from xlaserve.server_args import ServerArgs
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m xlaserve.generate", description=__doc__)
-    parser.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt", required=True, action="append",
+                        help="a user message (or raw text with --raw); repeat for a batch")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
     if server_args.skip_tokenizer_init:
         parser.error("--skip-tokenizer-init: this command takes text, so it needs the tokenizer")
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+    logging.basicConfig(level=server_args.log_level.upper(), format="[%(asctime)s] %(message)s")
 
-    from xlaserve.model.loader import load_model
-    from xlaserve.runtime.compilation import enable_persistent_cache
-    from xlaserve.runtime.greedy import greedy_generate
+    from xlaserve.offline import Engine
 
-    enable_persistent_cache(server_args.compilation_cache_dir)
-    loaded = load_model(server_args.model_path, dtype=server_args.dtype,
-                        tokenizer_path=server_args.tokenizer_path)
-    tokenizer = loaded.tokenizer
-    if args.raw or not tokenizer.chat_template:
-        prompt_ids = tokenizer.encode(args.prompt)
-    else:
-        prompt_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_dict=False)
-    stop_ids = set(loaded.config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        stop_ids.add(tokenizer.eos_token_id)
-    start = time.perf_counter()
-    output_ids = greedy_generate(loaded.model, prompt_ids, args.max_new_tokens,
-                                 page_size=server_args.page_size, stop_token_ids=tuple(stop_ids),
-                                 attention_backend=server_args.attention_backend)
-    elapsed = time.perf_counter() - start
-    finished_by_stop = bool(output_ids) and output_ids[-1] in stop_ids
-    text = tokenizer.decode(output_ids, skip_special_tokens=True)
-    if args.json:
-        print(json.dumps({
-            "text": text, "output_ids": output_ids,
-            "meta_info": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(output_ids),
-                          "finish_reason": "stop" if finished_by_stop else "length",
-                          "e2e_latency": round(elapsed, 3)},
-        }))
-    else:
-        print(text)
+    # One-shot use runs a handful of shapes: compiling them on first use beats precompiling all;
+    # and the KV cache only needs room for these prompts (a context's worth each at most).
+    fields = {k: v for k, v in vars(server_args).items() if k not in ("model_path", "disable_precompile")}
+    if fields["max_total_tokens"] is None:
+        fields["max_total_tokens"] = len(args.prompt) * (args.max_new_tokens + 4096)
+    with Engine(server_args.model_path, disable_precompile=True, **fields) as engine:
+        tokenizer = engine.tokenizer
+        if args.raw or not tokenizer.chat_template:
+            input_ids = [tokenizer.encode(p) for p in args.prompt]
+        else:
+            input_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                       add_generation_prompt=True, return_dict=False)
+                         for p in args.prompt]
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                  "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
+        start = time.perf_counter()
+        results = engine.generate(input_ids=input_ids, sampling_params=params)
+        elapsed = time.perf_counter() - start
+    for result in results:
+        if args.json:
+            result["meta_info"]["e2e_latency"] = round(elapsed, 3)
+            print(json.dumps(result))
+        else:
+            print(result["text"])
     return 0
 
 

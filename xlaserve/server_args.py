@@ -33,8 +33,9 @@ class ServerArgs:
     max_running_requests: int = _flag(64, "requests decoded together at most")
     max_total_tokens: Optional[int] = _flag(
         None, "KV cache size in tokens (default: from --mem-fraction-static)")
-    mem_fraction_static: float = _flag(
-        0.5, "fraction of free device memory (host RAM on CPU) for weights and KV cache")
+    mem_fraction_static: Optional[float] = _flag(
+        None, "fraction of free device memory for the KV cache (default 0.85 on TPU/GPU, "
+              "0.1 of free host RAM on CPU, which the rest of the machine shares)")
     chunked_prefill_size: int = _flag(256, "longest prompt piece per step; <= 0 disables chunking")
     max_prefill_tokens: int = _flag(512, "new prompt tokens per step at most")
     disable_precompile: bool = _flag(False, "compile step shapes on first use instead of at start")

@@ -17,7 +17,7 @@ def test_generate_cli_prints_json_with_the_greedy_answer():
     assert "Paris" in output["text"]
     assert 1 <= output["meta_info"]["completion_tokens"] == len(output["output_ids"]) <= 8
     assert output["meta_info"]["prompt_tokens"] > 8  # the chat template was applied
-    assert output["meta_info"]["finish_reason"] in ("stop", "length")
+    assert output["meta_info"]["finish_reason"]["type"] in ("stop", "length")
 
 
 def test_server_args_flags_use_sglang_names_and_types():

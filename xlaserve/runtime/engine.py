@@ -14,6 +14,7 @@ import threading
 import uuid
 from typing import Callable
 
+import jax
 import numpy as np
 
 from xlaserve.model.loader import load_model
@@ -99,7 +100,7 @@ class EngineCore:
         page_size = args.page_size
         num_pages = num_pages_for(config, self.loaded.dtype, page_size,
                                   max_total_tokens=args.max_total_tokens,
-                                  mem_fraction_static=args.mem_fraction_static)
+                                  mem_fraction_static=_mem_fraction(args.mem_fraction_static))
         self.runner = ModelRunner(self.loaded, num_pages=num_pages, page_size=page_size,
                                   max_running_requests=args.max_running_requests,
                                   attention_backend=args.attention_backend)
@@ -263,6 +264,12 @@ class EngineCore:
                 "completion_tokens": len(request.output_ids),
                 "cached_tokens": request.num_cached_prompt_tokens,
                 "finish_reason": finish_reason}
+
+
+def _mem_fraction(requested: float | None) -> float:
+    if requested is not None:
+        return requested
+    return 0.1 if jax.default_backend() == "cpu" else 0.85
 
 
 def _int_list(text: str | None) -> list[int] | None:
