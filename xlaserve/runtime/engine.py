@@ -83,7 +83,6 @@ class _Live:
     """Engine-side state of one request: its sink and its detokenizer."""
 
     request: Request
-    params: SamplingParams
     emit: Callable[[dict], None]
     detokenizer: IncrementalDetokenizer | None
 
@@ -137,8 +136,6 @@ class EngineCore:
                rid: str | None = None) -> str:
         """Queue a request; `emit` is called from the engine thread with each output chunk."""
         params.validate(self.loaded.config.vocab_size)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -200,7 +197,7 @@ class EngineCore:
                         skip_special_tokens=params.skip_special_tokens,
                         stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
                         no_stop_trim=params.no_stop_trim)
-                self._live[payload.rid] = _Live(payload, params, emit, detok)
+                self._live[payload.rid] = _Live(payload, emit, detok)
                 self.scheduler.add(payload)
             elif kind == "abort" and payload in self._live:
                 self.scheduler.abort(payload)

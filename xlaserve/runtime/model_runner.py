@@ -30,7 +30,7 @@ from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
 from xlaserve.runtime.batch import ForwardBatch
 from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
 from xlaserve.runtime.sampler import (RowSamplingParams, SampleOutput, SamplingMetadata,
-                                      build_sampling_metadata, sample)
+                                      add_sampled, build_sampling_metadata, sample)
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ class ModelRunner:
                                       batch.logits_indices, attention_fn)
             out = sample(logits, sampling, output_counts[slots], prompt_masks[slots],
                          num_top_logprobs=MAX_TOP_LOGPROBS)
-            counted = jnp.where(batch.sample_rows, 1, 0)
-            output_counts = output_counts.at[slots, out.tokens].add(counted, mode="drop")
+            output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
             return out, kv_caches, output_counts
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))

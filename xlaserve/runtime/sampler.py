@@ -146,9 +146,13 @@ def count_tokens(token_ids: jax.Array, lengths: jax.Array, vocab_size: int) -> j
     return counts.at[rows, ids].add(1, mode="drop")
 
 
-def add_sampled(counts: jax.Array, tokens: jax.Array, live: jax.Array) -> jax.Array:
-    """Counts the token just sampled for each live row (bool[S]); padding rows stay unchanged."""
-    rows = jnp.arange(counts.shape[0])
+def add_sampled(counts: jax.Array, tokens: jax.Array, live: jax.Array,
+                rows: jax.Array | None = None) -> jax.Array:
+    """Counts the token just sampled for each live row (bool[S]); padding rows stay unchanged.
+    `rows` (i32[S]) says which row of `counts` each sample belongs to (a request's slot when
+    `counts` holds every slot); by default sample i counts in row i."""
+    if rows is None:
+        rows = jnp.arange(tokens.shape[0])
     return counts.at[rows, tokens].add(live.astype(counts.dtype), mode="drop")
 
 
