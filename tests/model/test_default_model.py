@@ -39,8 +39,10 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(default_model, hf_ggu
     prompt_ids = default_model.tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_dict=False)
     with torch.no_grad():
-        expected = hf_gguf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
-                                     eos_token_id=None, pad_token_id=2)[0, len(prompt_ids):].tolist()
+        # An explicit mask: the chat prompt holds <|im_end|> (id 2), which must not count as padding.
+        expected = hf_gguf_model.generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt_ids):].tolist()
     ours = greedy_generate(default_model.model, prompt_ids, 32)
     assert ours == expected, (default_model.tokenizer.decode(ours), default_model.tokenizer.decode(expected))
 

@@ -6,7 +6,8 @@ from xlaserve.runtime.batch import SeqChunk, pack
 from xlaserve.runtime.buckets import Buckets
 from xlaserve.runtime.kv_cache import NULL_PAGE
 
-BUCKETS = Buckets.for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_seq=8)
+BUCKETS = Buckets.for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_seq=8,
+                             seq_paddings=[1, 2, 4, 8])
 
 
 def test_mixed_prefill_chunk_and_decodes_pack_to_the_contract():

@@ -59,18 +59,31 @@ def test_kv_pool_is_zeroed_per_layer_and_logged(caplog):
 
 
 def test_power_of_two_buckets_and_lookup():
-    assert pow2_buckets(8, 100) == (8, 16, 32, 64, 128)
+    assert pow2_buckets(8, 100) == (8, 16, 32, 64, 100)  # the largest is the limit itself
+    assert pow2_buckets(8, 64) == (8, 16, 32, 64)
     assert pow2_buckets(3, 4) == (4,)
     assert bucket_for(1, (8, 16)) == 8 and bucket_for(9, (8, 16)) == 16
     with pytest.raises(ValueError, match="over the largest bucket 16"):
         bucket_for(17, (8, 16))
 
 
-def test_step_shapes_and_precompile_set():
-    buckets = Buckets.for_limits(max_tokens_per_step=64, max_seqs=16, max_pages_per_seq=8)
-    assert buckets.shape_for(num_tokens=37, num_seqs=5, pages_per_seq=3) == (64, 8, 4)
+def test_default_buckets_compile_one_program_per_token_bucket_and_page_width():
+    buckets = Buckets.for_limits(max_tokens_per_step=64, max_seqs=16, max_pages_per_seq=8,
+                                 page_paddings=[8])
+    assert buckets.step_shapes() == [(8, 8), (16, 16), (32, 16), (64, 16)]
+    assert buckets.shape_for(num_tokens=37, num_seqs=5, pages_per_seq=3) == (64, 16, 8)
+    assert buckets.shape_for(num_tokens=8, num_seqs=8, pages_per_seq=1) == (8, 8, 8)
+    assert buckets.all_shapes() == [(8, 8, 8), (16, 16, 8), (32, 16, 8), (64, 16, 8)]
+    with pytest.raises(ValueError, match="over the largest bucket"):
+        buckets.shape_for(num_tokens=65, num_seqs=1, pages_per_seq=1)
+
+
+def test_explicit_sequence_buckets_give_the_grid_without_more_seqs_than_tokens():
+    buckets = Buckets.for_limits(max_tokens_per_step=64, max_seqs=16, max_pages_per_seq=8,
+                                 seq_paddings=[1, 4, 16])
+    assert buckets.shape_for(num_tokens=37, num_seqs=3, pages_per_seq=3) == (64, 4, 4)
     shapes = buckets.all_shapes()
     assert (8, 16, 1) not in shapes  # more sequences than token slots can't happen
-    assert (64, 16, 8) in shapes and len(shapes) == len(set(shapes))
+    assert (64, 16, 8) in shapes and (64, 1, 8) in shapes and len(shapes) == len(set(shapes))
     custom = Buckets.for_limits(64, 16, 8, token_paddings=[48, 16, 16])
     assert custom.tokens == (16, 48)

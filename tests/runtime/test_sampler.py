@@ -26,21 +26,22 @@ def no_counts(rows=S, vocab=V):
     return np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), bool)
 
 
-def run_sample(rows, logits, counts=None, prompt=None, num_top_logprobs=0):
+def run_sample(rows, logits, counts=None, prompt=None, num_top_logprobs=0, num_candidates=256):
     if counts is None:
         counts, prompt = no_counts(*logits.shape)
     metadata = build_sampling_metadata(rows, logits.shape[0])
-    return sample(logits, metadata, counts, prompt, num_top_logprobs=num_top_logprobs)
+    return sample(logits, metadata, counts, prompt, num_top_logprobs=num_top_logprobs,
+                  num_candidates=num_candidates)
 
 
-def run_pipeline(rows, logits, counts=None, prompt=None):
+def run_pipeline(rows, logits, counts=None, prompt=None, num_candidates=256):
     """(penalized, processed) logits as NumPy arrays."""
     if counts is None:
         counts, prompt = no_counts(*logits.shape)
     metadata = build_sampling_metadata(rows, logits.shape[0])
     return (
         np.asarray(penalized_logits(logits, metadata, counts, prompt)),
-        np.asarray(processed_logits(logits, metadata, counts, prompt)),
+        np.asarray(processed_logits(logits, metadata, counts, prompt, num_candidates=num_candidates)),
     )
 
 
@@ -165,13 +166,16 @@ TRUNCATIONS = {
 }
 
 
+# num_candidates=V: every row takes the top-candidates fast path; 4: most rows need more than 4
+# candidates and take the bisection path, in the same batch as rows that fit.
+@pytest.mark.parametrize("num_candidates", [V, 4])
 @pytest.mark.parametrize("name", list(TRUNCATIONS))
-def test_truncation_keeps_the_same_tokens_as_numpy(name):
+def test_truncation_keeps_the_same_tokens_as_numpy(name, num_candidates):
     logits = random_logits(6)
     counts = np.random.default_rng(7).integers(0, 3, (S, V)).astype(np.int32)
     prompt = np.random.default_rng(8).random((S, V)) < 0.1
     rows = [RowSamplingParams(**kwargs) for kwargs in TRUNCATIONS[name]]
-    _, processed = run_pipeline(rows, logits, counts, prompt)
+    _, processed = run_pipeline(rows, logits, counts, prompt, num_candidates=num_candidates)
     for i, p in enumerate(rows):
         expected_penalized = np_penalized(logits[i], p, counts[i], prompt[i])
         keep = np_kept(expected_penalized, p)
@@ -267,9 +271,9 @@ N, SMALL_V = 2000, 8
 SMALL_LOGITS = np.array([1.0, 0.5, 2.0, -1.0, 0.0, 1.5, -0.5, 0.8], np.float32)
 
 
-def empirical(**kwargs):
+def empirical(num_candidates=256, **kwargs):
     rows = [RowSamplingParams(seed=7, sample_index=i, **kwargs) for i in range(N)]
-    tokens = np.asarray(run_sample(rows, np.tile(SMALL_LOGITS, (N, 1))).tokens)
+    tokens = np.asarray(run_sample(rows, np.tile(SMALL_LOGITS, (N, 1)), num_candidates=num_candidates).tokens)
     return np.bincount(tokens, minlength=SMALL_V) / N
 
 
@@ -279,14 +283,15 @@ def test_samples_follow_softmax_of_logits_over_temperature(temperature):
     assert 0.5 * np.abs(empirical(temperature=temperature) - expected).sum() < 0.05
 
 
+@pytest.mark.parametrize("num_candidates", [256, 2])
 @pytest.mark.parametrize("kwargs", [dict(top_k=3), dict(top_p=0.7), dict(min_p=0.3)])
-def test_truncated_samples_come_from_kept_set_in_renormalized_proportions(kwargs):
+def test_truncated_samples_come_from_kept_set_in_renormalized_proportions(kwargs, num_candidates):
     params = RowSamplingParams(**kwargs)
     keep = np_kept(SMALL_LOGITS.astype(np.float64), params)
     assert 1 < keep.sum() < SMALL_V
     expected = np.where(keep, np_softmax(SMALL_LOGITS), 0.0)
     expected /= expected.sum()
-    observed = empirical(**kwargs)
+    observed = empirical(num_candidates=num_candidates, **kwargs)
     assert (observed[~keep] == 0).all()
     assert 0.5 * np.abs(observed - expected).sum() < 0.05
 

@@ -70,7 +70,7 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             logits, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.metadata,
                                       batch.logits_indices, attention_fn)
-            out = sample(logits, sampling, output_counts[slots], prompt_masks[slots],
+            out = sample(logits, sampling, output_counts, prompt_masks, slots,
                          num_top_logprobs=MAX_TOP_LOGPROBS)
             output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
             return out, kv_caches, output_counts

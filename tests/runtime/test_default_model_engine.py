@@ -1,0 +1,68 @@
+"""The engine on the embedded default model (SmolLM2-135M GGUF): chat prompts run together, with
+staggered arrivals and chunked prefill, give each prompt's solo greedy output, which equals
+transformers' greedy generation on the same GGUF."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from xlaserve.model.loader import default_model_file
+from xlaserve.offline import Engine
+
+QUESTIONS = ["List 3 countries and their capitals.", "What is 7 times 8?",
+             "Write a haiku about the sea.", "Name two primary colors."]
+NEW_TOKENS = 20
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # Two step shapes (8 and 64 tokens, 4 sequences), so the test compiles two programs.
+    with Engine(None, max_running_requests=4, chunked_prefill_size=24, max_prefill_tokens=48,
+                precompile_token_paddings="8,64", max_total_tokens=1024, context_length=512,
+                log_level="warning") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                 add_generation_prompt=True, return_dict=False)
+            for q in QUESTIONS]
+
+
+def test_default_model_batched_staggered_greedy_equals_solo_and_transformers(engine, prompts):
+    from transformers import AutoModelForCausalLM
+
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = engine.generate(input_ids=prompts[i], sampling_params=GREEDY)
+
+    threads = []
+    for i in range(len(prompts)):  # arrivals while earlier requests are prefilling or decoding
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.3)
+    for thread in threads:
+        thread.join()
+
+    directory, filename = os.path.split(default_model_file())
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename,
+                                                    dtype=torch.float32).eval()
+    for prompt, result in zip(prompts, results, strict=True):
+        solo = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        with torch.no_grad():
+            # An explicit attention mask: chat prompts contain <|im_end|> (id 2, also EOS), which
+            # generate() would otherwise take for padding if it were the pad id.
+            expected = hf_model.generate(torch.tensor([prompt]),
+                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                         max_new_tokens=NEW_TOKENS, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0)
+        expected = expected[0, len(prompt):].tolist()
+        assert solo == expected, ("solo", engine.tokenizer.decode(solo), engine.tokenizer.decode(expected))
+        assert result["output_ids"] == solo, ("batched", result["text"], engine.tokenizer.decode(solo))
+    assert results[0]["text"] == engine.tokenizer.decode(results[0]["output_ids"])
+    assert engine.core.runner.compile_count() == 2  # nothing compiled after precompile
