@@ -115,7 +115,9 @@ class Attention(nnx.Module):
             q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
             metadata.num_seqs, sm_scale=c.head_dim**-0.5, sliding_window=self.sliding_window,
         )
-        out = jnp.einsum("thd,hdm->tm", out, self.o_proj[...])
+        # As one [T, Hq*D] x [Hq*D, hidden] matmul: with the 3-d einsum, XLA's CPU layout pass
+        # transposed the whole o_proj weight on every step rather than the small activation.
+        out = out.reshape(num_tokens, -1) @ self.o_proj[...].reshape(-1, c.hidden_size)
         if c.o_bias:
             out = out + self.o_bias[...]
         return out, kv_cache
