@@ -141,4 +141,10 @@ def test_bad_sampling_params_are_rejected_before_queueing(engine):
         engine.generate(input_ids=[1, 600], sampling_params=GREEDY)
     with pytest.raises(ValueError, match="64"):
         engine.generate(input_ids=[1] * 60, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 0})
+    with pytest.raises(ValueError, match="stop_token_ids takes at most 64"):
+        engine.generate(input_ids=[1, 2], sampling_params={"stop_token_ids": list(range(65))})
+    with pytest.raises(ValueError, match="plus the model's EOS ids come to 65"):  # EOS is not in 3..66
+        engine.generate(input_ids=[1, 2], sampling_params={"stop_token_ids": list(range(3, 67))})
     assert np.all(np.asarray(engine.generate(input_ids=[1, 2], sampling_params=GREEDY)["output_ids"]) >= 0)

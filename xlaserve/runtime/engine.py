@@ -55,7 +55,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         checks = [
-            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+            # 0 (prompt only, for prompt logprobs) needs echo/prompt logprobs: not served yet.
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
@@ -66,8 +67,8 @@ class SamplingParams:
             (0 <= self.min_new_tokens, "min_new_tokens must be >= 0"),
             (len(self.logit_bias) <= MAX_LOGIT_BIAS,
              f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"),
-            (len(self.stop_token_ids or ()) < MAX_SUPPRESSED_IDS - 4,
-             f"stop_token_ids takes at most {MAX_SUPPRESSED_IDS - 5} ids"),
+            (len(self.stop_token_ids or ()) <= MAX_SUPPRESSED_IDS,
+             f"stop_token_ids takes at most {MAX_SUPPRESSED_IDS} ids"),
             (all(0 <= int(t) < vocab_size for t in self.logit_bias),
              f"logit_bias token ids must be in [0, {vocab_size})"),
             (all(0 <= t < vocab_size for t in self.stop_token_ids or ()),
@@ -143,6 +144,9 @@ class EngineCore:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        if len(stop_ids) > MAX_SUPPRESSED_IDS:  # min_new_tokens masks all of them in one table row
+            raise ValueError(f"stop_token_ids plus the model's EOS ids come to {len(stop_ids)}; "
+                             f"at most {MAX_SUPPRESSED_IDS} are supported")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         sampling = RowSamplingParams(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,

@@ -101,7 +101,15 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
     device = device or jax.devices()[0]
     budget = free_memory_bytes(device) * mem_fraction_static
     per_page = bytes_per_token(config, dtype) * page_size // tensor_parallel
-    return max(2, int(budget // per_page))
+    return max(2, round_down_coarsely(int(budget // per_page)))
+
+
+def round_down_coarsely(n: int, significant_bits: int = 4) -> int:
+    """`n` with all but its top 4 bits cleared (less than 1/8 less). The pool's page count is part of
+    every compiled program's shape: sized from free memory as is, it changed from one start to
+    the next, and the persistent compilation cache missed every time (100 s of compiles)."""
+    drop = max(n.bit_length() - significant_bits, 0)
+    return (n >> drop) << drop
 
 
 def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh):
