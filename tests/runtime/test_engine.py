@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
+from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 
@@ -39,18 +39,11 @@ def engine(checkpoint):
         yield engine
 
 
-def _hf_greedy(hf_model, prompt, n):
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                                pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 def test_concurrent_greedy_requests_equal_solo_runs_and_transformers(engine, checkpoint):
     together = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     for prompt, result in zip(PROMPTS, together, strict=True):
         solo = engine.generate(input_ids=prompt, sampling_params=GREEDY)
-        assert result["output_ids"] == solo["output_ids"] == _hf_greedy(checkpoint[1], prompt, 12)
+        assert result["output_ids"] == solo["output_ids"] == hf_greedy(checkpoint[1], prompt, 12)
         assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
         assert result["meta_info"]["prompt_tokens"] == len(prompt)
         assert result["meta_info"]["completion_tokens"] == 12
@@ -109,7 +102,7 @@ def test_tiny_page_pool_retracts_and_still_finishes_every_request_correctly(chec
         assert "Retract requests" in caplog.text
         assert small.core.scheduler.token_usage() == 0
     for prompt, result in zip(PROMPTS, results, strict=True):
-        assert result["output_ids"] == _hf_greedy(checkpoint[1], prompt, 12)
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, 12)
 
 
 def test_abort_mid_stream_frees_the_pages(engine):
