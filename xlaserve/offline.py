@@ -16,6 +16,7 @@ from xlaserve.runtime.engine import EngineCore, SamplingParams
 from xlaserve.server_args import ServerArgs
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_LIVENESS_POLL_S = 1.0  # how often a waiting caller checks that the engine loop still runs
 
 
 def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingParams, int]:
@@ -74,8 +75,21 @@ class Engine:
             sink: queue.Queue = queue.Queue()
             self.core.submit(ids, params, sink.put)
             sinks.append(sink)
-        results = [self._collect(iter(sink.get, None), return_logprob) for sink in sinks]
+        results = [self._collect(self._drain(sink), return_logprob) for sink in sinks]
         return results if batched else results[0]
+
+    def _drain(self, sink: queue.Queue):
+        """The chunks of one request as they come; raises if the engine loop has died, which
+        would otherwise leave the caller waiting forever."""
+        while True:
+            try:
+                yield sink.get(timeout=_LIVENESS_POLL_S)
+            except queue.Empty:
+                self._check_alive()
+
+    def _check_alive(self) -> None:
+        if not self.core.is_alive():
+            raise RuntimeError("the engine loop has stopped; see the log for the error")
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob=False, stream=False):
@@ -95,7 +109,11 @@ class Engine:
         finished = False
         try:
             while not finished:
-                chunk = await chunks.get()
+                try:
+                    chunk = await asyncio.wait_for(chunks.get(), _LIVENESS_POLL_S)
+                except asyncio.TimeoutError:
+                    self._check_alive()
+                    continue
                 finished = chunk["finished"]
                 yield chunk
         finally:

@@ -11,6 +11,7 @@ import pytest
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
+from xlaserve.runtime.engine import SamplingParams
 
 PROMPTS = [
     [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64, 8, 91, 13],
@@ -141,3 +142,44 @@ def test_bad_sampling_params_are_rejected_before_queueing(engine):
     with pytest.raises(ValueError, match="plus the model's EOS ids come to 65"):  # EOS is not in 3..66
         engine.generate(input_ids=[1, 2], sampling_params={"stop_token_ids": list(range(3, 67))})
     assert np.all(np.asarray(engine.generate(input_ids=[1, 2], sampling_params=GREEDY)["output_ids"]) >= 0)
+
+
+def test_a_consumer_that_raises_is_dropped_and_the_engine_keeps_serving(engine):
+    # What an asyncio consumer does once its event loop has closed: every emit raises.
+    calls = []
+
+    def closed_loop(chunk):
+        calls.append(chunk)
+        raise RuntimeError("Event loop is closed")
+
+    expected = engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
+    engine.core.submit(PROMPTS[0], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True),
+                       closed_loop)
+    deadline = time.time() + 30
+    while (not calls or engine.core.scheduler.token_usage() != 0) and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(calls) == 1 and engine.core.scheduler.token_usage() == 0
+    assert engine.core.is_alive()
+    assert engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"] == expected
+
+
+def test_a_duplicate_request_id_fails_alone(engine):
+    import queue
+
+    first, second = queue.Queue(), queue.Queue()
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    engine.core.submit(PROMPTS[0], params, first.put, rid="same-id")
+    engine.core.submit(PROMPTS[1], params, second.put, rid="same-id")
+    rejected = second.get(timeout=30)
+    assert rejected["finished"] and "already in use" in rejected["error"]
+    chunks = [first.get(timeout=60)]
+    while not chunks[-1]["finished"]:
+        chunks.append(first.get(timeout=60))
+    assert "error" not in chunks[-1] and len([c for c in chunks if c["token_id"] is not None]) == 30
+
+
+def test_a_stopped_engine_refuses_requests_instead_of_hanging(checkpoint):
+    stopped = Engine(checkpoint[0], max_total_tokens=64, disable_precompile=True, **SMALL)
+    stopped.shutdown()
+    with pytest.raises(RuntimeError, match="not running"):
+        stopped.generate(input_ids=[1, 2], sampling_params=GREEDY)

@@ -136,6 +136,8 @@ class EngineCore:
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
                rid: str | None = None) -> str:
         """Queue a request; `emit` is called from the engine thread with each output chunk."""
+        if not self.is_alive():
+            raise RuntimeError("the engine loop is not running (shut down, or it failed; see the log)")
         params.validate(self.loaded.config.vocab_size)
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
@@ -171,6 +173,9 @@ class EngineCore:
 
     # --- the engine thread ------------------------------------------------------------------
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         while not self._stopping:
             try:
@@ -201,8 +206,14 @@ class EngineCore:
                         skip_special_tokens=params.skip_special_tokens,
                         stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
                         no_stop_trim=params.no_stop_trim)
-                self._live[payload.rid] = _Live(payload, emit, detok)
-                self.scheduler.add(payload)
+                live = _Live(payload, emit, detok)
+                try:
+                    self.scheduler.add(payload)
+                except ValueError as error:  # e.g. a duplicate request id: fail this one only
+                    payload.finish_reason = ("abort", None)
+                    self._emit(live, self._final_chunk(payload, str(error)))
+                else:
+                    self._live[payload.rid] = live
             elif kind == "abort" and payload in self._live:
                 self.scheduler.abort(payload)
                 self._finish_aborted(payload, None)
@@ -231,7 +242,9 @@ class EngineCore:
                 self._deliver(request, int(tokens[i]), float(logprobs[i]), request.rid in finished)
 
     def _deliver(self, request: Request, token: int, logprob: float, finished: bool) -> None:
-        live = self._live[request.rid]
+        live = self._live.get(request.rid)
+        if live is None:  # dropped earlier in this step (its consumer failed)
+            return
         stopped_by_token = finished and request.finish_reason[0] == "stop"
         delta = ""
         if live.detokenizer is not None and not stopped_by_token:
@@ -245,16 +258,30 @@ class EngineCore:
         if finished:
             chunk["meta_info"] = self._meta_info(request)
             del self._live[request.rid]
-        live.emit(chunk)
+        self._emit(live, chunk)
+
+    def _emit(self, live: _Live, chunk: dict) -> None:
+        """Hands a chunk to the request's consumer. A consumer that raises (its event loop closed,
+        say) is gone: its request is aborted, and nothing it did reaches the loop or other requests."""
+        try:
+            live.emit(chunk)
+        except Exception:
+            logger.warning("dropping request %s: its output consumer failed", live.request.rid,
+                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            if self._live.pop(live.request.rid, None) is not None:
+                self.scheduler.abort(live.request.rid)
 
     def _finish_aborted(self, rid: str, message: str | None) -> None:
         live = self._live.pop(rid)
         live.request.finish_reason = live.request.finish_reason or ("abort", None)
+        self._emit(live, self._final_chunk(live.request, message))
+
+    def _final_chunk(self, request: Request, error: str | None) -> dict:
         chunk = {"token_id": None, "logprob": None, "text": "", "finished": True,
-                 "meta_info": self._meta_info(live.request)}
-        if message:
-            chunk["error"] = message
-        live.emit(chunk)
+                 "meta_info": self._meta_info(request)}
+        if error:
+            chunk["error"] = error
+        return chunk
 
     def _meta_info(self, request: Request) -> dict:
         kind, matched = request.finish_reason or ("abort", None)
