@@ -86,3 +86,14 @@ def test_no_compile_after_precompile_and_a_loud_warning_for_a_new_shape(loaded, 
     runner.step(batch, build_sampling_metadata([RowSamplingParams(seed=1)], batch.shape[1]),
                 np.array([1], np.int32))
     assert runner.compile_count() == compiled + 2
+
+
+def test_the_step_updates_the_donated_kv_cache_in_place(loaded):
+    # A pool much larger than anything else in the step. Where the attention loop read the
+    # updated cache from outside the loop, XLA copied every layer's whole cache (seen at 1-token
+    # steps whose page table needs several KV chunks): the copies show in the temporary memory.
+    runner = ModelRunner(loaded, num_pages=16384, page_size=PAGE_SIZE, max_running_requests=4)
+    layer_bytes = runner.kv_caches[0].nbytes  # 32 MiB; the step's own buffers are a few MiB
+    for tokens, seqs, pages in [(1, 1, 64), (1, 1, 1024), (8, 4, 1024)]:
+        stats = runner.compiled_step(tokens, seqs, pages).memory_analysis()
+        assert stats.temp_size_in_bytes < layer_bytes / 2, (tokens, seqs, pages, stats.temp_size_in_bytes)

@@ -113,6 +113,14 @@ class ModelRunner:
     def compile_count(self) -> int:
         return self._step._cache_size()
 
+    def compiled_step(self, tokens: int, seqs: int, pages: int):
+        """The step compiled for one bucket shape (for its memory analysis and HLO text)."""
+        sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+                                           SAMPLING_WIDTHS)
+        return self._step.lower(self.state, self.kv_caches, self.output_counts, self.prompt_masks,
+                                empty_batch(tokens, seqs, pages), sampling,
+                                np.zeros(seqs, np.int32)).compile()
+
     def precompile(self, shapes, *, progress: bool = True) -> None:
         """Compile one step per (tokens, seqs, pages) shape, with every row padding: nothing is
         written to a live page (padding tokens write to no page at all)."""
