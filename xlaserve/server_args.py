@@ -25,7 +25,7 @@ class ServerArgs:
                        choices=["auto", "float32", "bfloat16", "float16"])
     skip_tokenizer_init: bool = _flag(False, "do not load a tokenizer (token ids in and out)")
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
-                                   choices=["auto", "reference", "pallas"])
+                                   choices=["auto", "reference", "cpu", "pallas"])
     page_size: int = _flag(16, "tokens per KV cache page")
     compilation_cache_dir: Optional[str] = _flag(
         None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")

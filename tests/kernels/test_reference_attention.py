@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
 STATIC = ("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_pages")
@@ -218,15 +217,6 @@ def test_traced_program_does_not_loop_over_sequences():
         return len(jax.make_jaxpr(fn)(*case.values()).eqns)
 
     assert num_equations(2, 4) == num_equations(64, 128)
-
-
-def test_backend_selection():
-    assert get_attention_fn() is ragged_paged_attention
-    assert get_attention_fn("reference") is ragged_paged_attention
-    with pytest.raises(ValueError, match="reference"):
-        get_attention_fn("pallas")
-    with pytest.raises(ValueError, match="unknown"):
-        get_attention_fn("cuda")
 
 
 @pytest.mark.slow

@@ -108,9 +108,7 @@ class EngineCore:
         self.buckets = Buckets.for_limits(
             max_step_tokens, args.max_running_requests,
             pages_for_tokens(self.context_length, page_size),
-            # At least 8 token slots: on XLA CPU a 1-token step measured ~5x slower than an 8-token
-            # one (532 vs 110 ms on the default model), so small batches pad up.
-            token_paddings=_int_list(args.precompile_token_paddings) or pow2_buckets(8, max_step_tokens),
+            token_paddings=_int_list(args.precompile_token_paddings) or pow2_buckets(1, max_step_tokens),
             seq_paddings=_int_list(args.precompile_bs_paddings),
             # One page-table width: the attention loop stops at the longest live sequence, so a
             # wide table costs little, and each extra width would multiply the compiled programs.

@@ -22,7 +22,7 @@ def make_forward(model, attention_backend: str = "auto"):
     """A jitted `forward(state, input_ids, positions, kv_caches, metadata, logits_indices)` with
     the KV caches donated (updated in place)."""
     graphdef, _ = nnx.split(model)
-    attention_fn = get_attention_fn(attention_backend)
+    attention_fn = get_attention_fn(attention_backend, _mesh_of(model))
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def forward(state, input_ids, positions, kv_caches, metadata, logits_indices):
@@ -31,6 +31,12 @@ def make_forward(model, attention_backend: str = "auto"):
         )
 
     return forward
+
+
+def _mesh_of(model) -> Mesh | None:
+    """The mesh the model's parameters are placed on (None for unplaced ones)."""
+    sharding = getattr(jax.tree.leaves(nnx.state(model))[0], "sharding", None)
+    return getattr(sharding, "mesh", None)
 
 
 class PagedBatch:

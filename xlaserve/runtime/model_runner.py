@@ -61,7 +61,7 @@ class ModelRunner:
         kv_sharding = [cache.sharding for cache in self.kv_caches]
         self.output_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = jax.device_put(np.zeros((num_slots, vocab), np.bool_), replicated)
-        attention_fn = get_attention_fn(attention_backend)
+        attention_fn = get_attention_fn(attention_backend, self.mesh)
 
         @functools.partial(jax.jit, donate_argnums=(1, 2),
                            out_shardings=(replicated, kv_sharding, replicated))

@@ -1,0 +1,551 @@
+// Ragged paged attention for the CPU, as an XLA FFI custom call (see kernel_cpu.py and the kernel
+// contract in DESIGN.md; reference.py is the specification this must equal).
+//
+// Why native code: XLA's CPU backend runs the jnp reference as gathers, transposes and many tiny
+// batched matmuls, which reach 2-4 GB/s; decode attention is a stream over the KV pages and should
+// run near memory bandwidth. Here a work item is one sequence's block of up to 16 query rows with
+// all their heads: it reads each key's cache row (every kv head's K and V) once, front to back, in
+// tiles of 32 keys with an online softmax in float32. Items are spread over XLA's intra-op pool.
+//
+// Built by kernel_cpu.py with the host compiler (-O3 -march=native). The inner loops use GCC
+// vector extensions (16 floats), which compile to whatever vector registers the CPU has.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kKeyTile = 32;       // keys scored together
+constexpr int kQueryBlock = 16;    // query rows of one sequence per work item
+constexpr int kTransposeRows = 8;  // from this many (row, head) pairs, score against a transposed tile
+
+inline float Bf16ToF32(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// exp(x) for x <= 0, ~1 ulp (Cephes' polynomial); vectorizes, unlike std::exp without fast-math.
+inline float ExpNonPositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// The inner loops work on 16-float vectors (GCC vector extensions: 512-bit registers where the
+// CPU has them, pairs or quads of narrower ones elsewhere) and on blocks of up to 4 query rows that
+// read the same kv head, so each K or V chunk is loaded once for the block and the rows' sums are
+// independent chains. (A plain `omp simd reduction` dot summed its 16 lanes one by one through
+// the stack: 16 dependent adds per dot, the kernel's bottleneck.)
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+constexpr int kRowBlock = 4;
+
+inline Vec16 Load16(const float* x) {
+  Vec16 v;
+  std::memcpy(&v, x, 64);
+  return v;
+}
+
+inline void Store16(float* x, Vec16 v) { std::memcpy(x, &v, 64); }
+
+inline float Sum16(Vec16 v) {
+  Vec8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  Vec4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) +
+                 __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+// scores[g * stride] = q[g] . k for N rows q (stride d) and one key k; d is a multiple of 16.
+template <int N>
+void ScoreBlock(const float* q, int64_t d, const float* k, float* scores, int64_t stride) {
+  Vec16 acc[N] = {};
+  for (int64_t x = 0; x < d; x += 16) {
+    const Vec16 kx = Load16(k + x);
+    for (int g = 0; g < N; ++g) acc[g] += Load16(q + g * d + x) * kx;
+  }
+  for (int g = 0; g < N; ++g) scores[g * stride] = Sum16(acc[g]);
+}
+
+// Scores of N rows q against a whole tile of keys held transposed (keys_t[x][j], kKeyTile
+// columns): each key chunk is loaded once for the N rows. kKeyTile is a multiple of 16.
+template <int N>
+void ScoreTileBlock(const float* q, int64_t d, const float* keys_t, float* scores) {
+  constexpr int kChunks = kKeyTile / 16;
+  Vec16 acc[N][kChunks] = {};
+  for (int64_t x = 0; x < d; ++x) {
+    Vec16 kx[kChunks];
+    for (int c = 0; c < kChunks; ++c) kx[c] = Load16(keys_t + x * kKeyTile + 16 * c);
+    for (int g = 0; g < N; ++g) {
+      const float qx = q[g * d + x];
+      for (int c = 0; c < kChunks; ++c) acc[g][c] += qx * kx[c];
+    }
+  }
+  for (int g = 0; g < N; ++g)
+    for (int c = 0; c < kChunks; ++c) Store16(scores + g * kKeyTile + 16 * c, acc[g][c]);
+}
+
+void ScoreTileRows(const float* q, int64_t rows, int64_t d, const float* keys_t, float* scores) {
+  for (int64_t b = 0; b < rows; b += kRowBlock) {
+    const float* qb = q + b * d;
+    float* sb = scores + b * kKeyTile;
+    switch (std::min<int64_t>(kRowBlock, rows - b)) {
+      case 1: ScoreTileBlock<1>(qb, d, keys_t, sb); break;
+      case 2: ScoreTileBlock<2>(qb, d, keys_t, sb); break;
+      case 3: ScoreTileBlock<3>(qb, d, keys_t, sb); break;
+      default: ScoreTileBlock<4>(qb, d, keys_t, sb); break;
+    }
+  }
+}
+
+// acc[g] += sum_j probs[g][j] v_j for N rows (stride d), the values at key_rows[j] + offset.
+template <int N>
+void AccumulateBlock(float* acc, int64_t d, const float* const* key_rows, int64_t offset, int64_t n,
+                     const float* probs, int64_t prob_stride) {
+  for (int64_t x = 0; x < d; x += 16) {
+    Vec16 a[N];
+    for (int g = 0; g < N; ++g) a[g] = Load16(acc + g * d + x);
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec16 vx = Load16(key_rows[j] + offset + x);
+      for (int g = 0; g < N; ++g) a[g] += probs[g * prob_stride + j] * vx;
+    }
+    for (int g = 0; g < N; ++g) Store16(acc + g * d + x, a[g]);
+  }
+}
+
+// Rows [0, rows) in blocks of up to kRowBlock; scores/probs have kKeyTile columns per row.
+// Scores one key (column j of `scores`).
+void ScoreRows(const float* q, int64_t rows, int64_t d, const float* k, float* scores) {
+  for (int64_t b = 0; b < rows; b += kRowBlock) {
+    const float* qb = q + b * d;
+    float* sb = scores + b * kKeyTile;
+    switch (std::min<int64_t>(kRowBlock, rows - b)) {
+      case 1: ScoreBlock<1>(qb, d, k, sb, kKeyTile); break;
+      case 2: ScoreBlock<2>(qb, d, k, sb, kKeyTile); break;
+      case 3: ScoreBlock<3>(qb, d, k, sb, kKeyTile); break;
+      default: ScoreBlock<4>(qb, d, k, sb, kKeyTile); break;
+    }
+  }
+}
+
+void AccumulateRows(float* acc, int64_t rows, int64_t d, const float* const* key_rows,
+                    int64_t offset, int64_t n, const float* probs) {
+  for (int64_t b = 0; b < rows; b += kRowBlock) {
+    float* ab = acc + b * d;
+    const float* pb = probs + b * kKeyTile;
+    switch (std::min<int64_t>(kRowBlock, rows - b)) {
+      case 1: AccumulateBlock<1>(ab, d, key_rows, offset, n, pb, kKeyTile); break;
+      case 2: AccumulateBlock<2>(ab, d, key_rows, offset, n, pb, kKeyTile); break;
+      case 3: AccumulateBlock<3>(ab, d, key_rows, offset, n, pb, kKeyTile); break;
+      default: AccumulateBlock<4>(ab, d, key_rows, offset, n, pb, kKeyTile); break;
+    }
+  }
+}
+
+// The same for any d, one row at a time.
+void ScoreRowsScalar(const float* q, int64_t rows, int64_t d, const float* k, float* scores) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float dot = 0.0f;
+    for (int64_t x = 0; x < d; ++x) dot += q[i * d + x] * k[x];
+    scores[i * kKeyTile] = dot;
+  }
+}
+
+void AccumulateRowsScalar(float* acc, int64_t rows, int64_t d, const float* const* key_rows,
+                          int64_t offset, int64_t n, const float* probs) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t x = 0; x < d; ++x) acc[i * d + x] += probs[i * kKeyTile + j] * key_rows[j][offset + x];
+}
+
+struct Problem {
+  bool bf16;
+  const void* q;
+  const void* k;
+  const void* v;
+  void* cache;  // the output cache (the input's contents, updated)
+  void* out;
+  int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, num_pages, page_size, max_seqs,
+      pages_per_seq;
+  const int32_t* kv_lens;
+  const int32_t* page_indices;
+  const int32_t* cu_q_lens;
+  int32_t num_seqs;
+  float sm_scale;
+  int32_t sliding_window;  // <= 0: none
+  float soft_cap;          // <= 0: none
+};
+
+struct WorkItem {
+  int32_t seq, first_row, num_rows;  // rows are token indices into q; every kv head of them
+};
+
+// Sequence s: its new tokens [cu[s], cu[s+1]) sit at positions [kv_len - q_len, kv_len).
+struct SeqSpan {
+  int64_t first_token, q_len, first_pos;
+  bool ok;
+};
+
+SeqSpan Span(const Problem& p, int64_t s) {
+  int64_t begin = p.cu_q_lens[s], end = p.cu_q_lens[s + 1];
+  int64_t kv_len = p.kv_lens[s];
+  SeqSpan span{begin, end - begin, kv_len - (end - begin), true};
+  // Garbage metadata never reads or writes out of bounds: such a sequence is skipped (output 0).
+  span.ok = begin >= 0 && end >= begin && end <= p.num_tokens && span.first_pos >= 0 &&
+            kv_len <= p.pages_per_seq * p.page_size;
+  return span;
+}
+
+// Offset of the cache row (all 2 * kv_heads K/V vectors) of sequence s at position pos, or -1.
+inline int64_t TokenRow(const Problem& p, int64_t s, int64_t pos) {
+  int64_t page = p.page_indices[s * p.pages_per_seq + pos / p.page_size];
+  if (page < 0 || page >= p.num_pages) return -1;
+  return (page * p.page_size + pos % p.page_size) * 2 * p.num_kv_heads * p.head_dim;
+}
+
+template <typename T>
+void LoadRow(const T* src, float* dst, int64_t n);
+template <>
+void LoadRow<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <>
+void LoadRow<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
+}
+
+template <typename T>
+void StoreRow(const float* src, T* dst, int64_t n);
+template <>
+void StoreRow<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <>
+void StoreRow<uint16_t>(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
+}
+
+// Writes the new tokens' K and V into their pages (before attention, which reads every key from
+// the cache, the new ones included).
+template <typename T>
+void WriteNewKv(const Problem& p) {
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  T* cache = static_cast<T*>(p.cache);
+  const int64_t d = p.head_dim;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    SeqSpan span = Span(p, s);
+    if (!span.ok) continue;
+    for (int64_t i = 0; i < span.q_len; ++i) {
+      int64_t t = span.first_token + i, row = TokenRow(p, s, span.first_pos + i);
+      if (row < 0) continue;
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+        std::memcpy(cache + row + 2 * h * d, k + (t * p.num_kv_heads + h) * d, d * sizeof(T));
+        std::memcpy(cache + row + (2 * h + 1) * d, v + (t * p.num_kv_heads + h) * d, d * sizeof(T));
+      }
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores, converted, keys_t, zeros;
+  explicit Scratch(const Problem& p) {
+    const int64_t rows = kQueryBlock * p.num_q_heads, d = p.head_dim;
+    const int64_t token_row = 2 * p.num_kv_heads * d;
+    q.resize(rows * d);
+    acc.resize(rows * d);
+    m.resize(rows);
+    l.resize(rows);
+    scores.resize(rows * kKeyTile);
+    converted.resize(kKeyTile * token_row);
+    keys_t.resize(kKeyTile * d);
+    zeros.resize(token_row);
+  }
+};
+
+// One sequence's block of query rows, all heads. Row i of the scratch is (query row i / Hq,
+// query head i % Hq); query head hq reads kv head hq / G (GQA). Keys are visited tile by tile in
+// position order, each token's cache row (every head's K and V, contiguous) read once.
+template <typename T>
+void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
+  const int64_t d = p.head_dim, hq_count = p.num_q_heads, group = p.num_q_heads / p.num_kv_heads;
+  const int64_t rows = item.num_rows * hq_count, token_row = 2 * p.num_kv_heads * d;
+  const T* q = static_cast<const T*>(p.q);
+  const T* cache = static_cast<const T*>(p.cache);
+  T* out = static_cast<T*>(p.out);
+  SeqSpan span = Span(p, item.seq);
+  const int64_t first_pos = span.first_pos + (item.first_row - span.first_token);
+  const int64_t last_pos = first_pos + item.num_rows - 1;
+  int64_t lowest_key = 0;
+  if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, first_pos - p.sliding_window + 1);
+  const bool transposed = item.num_rows * group >= kTransposeRows;
+
+  float* qs = scratch.q.data();
+  float* acc = scratch.acc.data();
+  float* m = scratch.m.data();
+  float* l = scratch.l.data();
+  float* scores = scratch.scores.data();
+  float* keys_t = scratch.keys_t.data();
+  LoadRow<T>(q + item.first_row * hq_count * d, qs, rows * d);
+#pragma omp simd
+  for (int64_t x = 0; x < rows * d; ++x) qs[x] *= p.sm_scale;
+  std::fill(acc, acc + rows * d, 0.0f);
+  std::fill(m, m + rows, -INFINITY);
+  std::fill(l, l + rows, 0.0f);
+
+  const bool vectors = d % 16 == 0;
+  auto* score_rows = vectors ? ScoreRows : ScoreRowsScalar;
+  auto* accumulate_rows = vectors ? AccumulateRows : AccumulateRowsScalar;
+  const float* key_rows[kKeyTile];
+  bool key_ok[kKeyTile];
+  for (int64_t tile_start = lowest_key; tile_start <= last_pos; tile_start += kKeyTile) {
+    const int64_t n = std::min<int64_t>(kKeyTile, last_pos - tile_start + 1);
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t row = TokenRow(p, item.seq, tile_start + j);
+      key_ok[j] = row >= 0;  // a page id outside the pool: the key is masked out
+      if (!key_ok[j]) {
+        key_rows[j] = scratch.zeros.data();
+      } else if constexpr (std::is_same_v<T, float>) {
+        key_rows[j] = cache + row;
+      } else {
+        float* converted = scratch.converted.data() + j * token_row;
+        LoadRow<T>(cache + row, converted, token_row);
+        key_rows[j] = converted;
+      }
+    }
+    // While this tile computes, ask for the next tile's rows, one row per key scored: a page is
+    // only 16-64 rows, too short for the hardware prefetcher to ramp up on its own, and one burst
+    // of requests for a whole tile stalls on the core's few outstanding misses.
+    const int64_t row_bytes = token_row * static_cast<int64_t>(sizeof(T));
+    auto prefetch_next = [&](int64_t j) {
+      const int64_t pos = tile_start + kKeyTile + j;
+      if (pos > last_pos) return;
+      const int64_t row = TokenRow(p, item.seq, pos);
+      if (row < 0) return;
+      const char* bytes = reinterpret_cast<const char*>(cache + row);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(bytes + b, 0, 2);
+    };
+    // scores[i][j] = q_i . k_j, for the kv head of row i
+    if (transposed) {
+      for (int64_t j = 0; j < kKeyTile; ++j) prefetch_next(j);
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t x = 0; x < d; ++x) keys_t[x * kKeyTile + j] = key_rows[j][2 * h * d + x];
+        for (int64_t r = 0; r < item.num_rows; ++r) {
+          const int64_t i = r * hq_count + h * group;
+          ScoreTileRows(qs + i * d, group, d, keys_t, scores + i * kKeyTile);
+        }
+      }
+    } else {
+      // Key by key, every head of a key at once: each token's cache row is read front to back
+      // in one go, which the hardware prefetcher follows (head by head over the tile read it in
+      // 256-byte strides, at a third of the memory bandwidth).
+      for (int64_t j = 0; j < n; ++j) {
+        prefetch_next(j);
+        for (int64_t r = 0; r < item.num_rows; ++r)
+          for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+            const int64_t i = r * hq_count + h * group;
+            score_rows(qs + i * d, group, d, key_rows[j] + 2 * h * d, scores + i * kKeyTile + j);
+          }
+      }
+    }
+    // Online softmax over this tile, row by row; masked keys get probability exactly 0.
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t pos = first_pos + i / hq_count;
+      int64_t lo = 0, hi = std::min<int64_t>(n, pos - tile_start + 1);  // keys <= pos
+      if (p.sliding_window > 0) lo = std::max<int64_t>(0, pos - p.sliding_window + 1 - tile_start);
+      float* s = scores + i * kKeyTile;
+      float live[kKeyTile];
+      float tile_max = -INFINITY;
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        live[j] = (j >= lo && j < hi && key_ok[j]) ? 1.0f : 0.0f;
+        if (live[j] == 0.0f) continue;
+        if (p.soft_cap > 0) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
+        tile_max = std::max(tile_max, s[j]);
+      }
+      if (tile_max == -INFINITY) {  // nothing to attend to here
+        std::fill(s, s + kKeyTile, 0.0f);
+        continue;
+      }
+      const float new_max = std::max(m[i], tile_max);
+      const float alpha = m[i] == -INFINITY ? 0.0f : ExpNonPositive(m[i] - new_max);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        // Masked lanes may hold stale scores (NaN included): pin them to 0 before the exp.
+        const float x = live[j] != 0.0f ? s[j] - new_max : 0.0f;
+        const float prob = ExpNonPositive(x) * live[j];
+        s[j] = prob;
+        sum += prob;
+      }
+      m[i] = new_max;
+      l[i] = l[i] * alpha + sum;
+      float* a = acc + i * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) a[x] *= alpha;
+    }
+    // acc[i] += sum_j p[i][j] v_j
+    for (int64_t r = 0; r < item.num_rows; ++r)
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+        const int64_t i = r * hq_count + h * group;
+        accumulate_rows(acc + i * d, group, d, key_rows, (2 * h + 1) * d, n, scores + i * kKeyTile);
+      }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    float* a = acc + i * d;
+    const float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
+#pragma omp simd
+    for (int64_t x = 0; x < d; ++x) a[x] *= inv;
+  }
+  StoreRow<T>(acc, out + item.first_row * hq_count * d, rows * d);
+}
+
+// Items claimed from a shared counter by the caller and the pool's threads. The caller can finish
+// every item alone, so a busy pool only costs parallelism, never a deadlock; tasks that start late
+// find nothing left and touch nothing but the shared counters.
+struct Shared {
+  Problem problem;
+  std::vector<WorkItem> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename T>
+void Work(Shared& shared) {
+  std::unique_ptr<Scratch> scratch;
+  const int64_t total = static_cast<int64_t>(shared.items.size());
+  for (int64_t i = shared.next.fetch_add(1); i < total; i = shared.next.fetch_add(1)) {
+    if (!scratch) scratch = std::make_unique<Scratch>(shared.problem);
+    Attend<T>(shared.problem, shared.items[i], *scratch);
+    shared.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename T>
+void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> shared) {
+  const Problem& p = shared->problem;
+  T* out = static_cast<T*>(p.out);
+  std::fill(out, out + p.num_tokens * p.num_q_heads * p.head_dim, T(0));  // padding rows are 0
+  WriteNewKv<T>(p);
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    SeqSpan span = Span(p, s);
+    if (!span.ok) continue;
+    for (int64_t r = 0; r < span.q_len; r += kQueryBlock) {
+      int32_t n = static_cast<int32_t>(std::min<int64_t>(kQueryBlock, span.q_len - r));
+      shared->items.push_back({s, static_cast<int32_t>(span.first_token + r), n});
+    }
+  }
+  const int64_t total = static_cast<int64_t>(shared->items.size());
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Work<T>(*shared); });
+  Work<T>(*shared);
+  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                    ffi::AnyBuffer v, ffi::AnyBuffer kv_cache,
+                                    ffi::Buffer<ffi::S32> kv_lens,
+                                    ffi::Buffer<ffi::S32> page_indices,
+                                    ffi::Buffer<ffi::S32> cu_q_lens,
+                                    ffi::Buffer<ffi::S32> num_seqs,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> kv_cache_out, float sm_scale,
+                                    int32_t sliding_window, float soft_cap) {
+  const auto dtype = q.element_type();
+  if (dtype != ffi::F32 && dtype != ffi::BF16)
+    return ffi::Error::InvalidArgument("ragged paged attention (CPU): float32 or bfloat16 only");
+  if (k.element_type() != dtype || v.element_type() != dtype || kv_cache.element_type() != dtype)
+    return ffi::Error::InvalidArgument("ragged paged attention (CPU): q, k, v and cache dtypes differ");
+  auto qd = q.dimensions(), kd = k.dimensions(), cd = kv_cache.dimensions(),
+       pd = page_indices.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || cd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("ragged paged attention (CPU): bad ranks");
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->problem;
+  p.bf16 = dtype == ffi::BF16;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.cache = kv_cache_out->untyped_data();
+  p.out = out->untyped_data();
+  p.num_tokens = qd[0];
+  p.num_q_heads = qd[1];
+  p.head_dim = qd[2];
+  p.num_kv_heads = kd[1];
+  p.num_pages = cd[0];
+  p.page_size = cd[1];
+  p.max_seqs = pd[0];
+  p.pages_per_seq = pd[1];
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads || cd[2] != 2 * p.num_kv_heads ||
+      cd[3] != p.head_dim || kv_lens.element_count() != static_cast<size_t>(p.max_seqs) ||
+      cu_q_lens.element_count() != static_cast<size_t>(p.max_seqs + 1))
+    return ffi::Error::InvalidArgument("ragged paged attention (CPU): inconsistent shapes");
+  p.kv_lens = kv_lens.typed_data();
+  p.page_indices = page_indices.typed_data();
+  p.cu_q_lens = cu_q_lens.typed_data();
+  p.num_seqs = std::clamp<int32_t>(num_seqs.typed_data()[0], 0, static_cast<int32_t>(p.max_seqs));
+  p.sm_scale = sm_scale;
+  p.sliding_window = sliding_window;
+  p.soft_cap = soft_cap;
+  if (kv_cache_out->untyped_data() != kv_cache.untyped_data())  // XLA chose not to alias
+    std::memcpy(kv_cache_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes());
+  if (p.bf16)
+    Run<uint16_t>(pool, shared);
+  else
+    Run<float>(pool, shared);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRaggedPagedAttention, RaggedPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Ret<ffi::AnyBuffer>()         // kv_cache (aliases the input)
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
