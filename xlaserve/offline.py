@@ -68,14 +68,21 @@ class Engine:
 
     # --- generation -----------------------------------------------------------------------------
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False):
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                 top_logprobs_num=0):
+        """SGLang's `Engine.generate`: one prompt (or token id list) and a dict of sampling
+        params, or lists of them; returns a dict or a list of dicts with `text`, `output_ids` and
+        `meta_info` (with `return_logprob`: `output_token_logprobs` [(logprob, token_id, None)]
+        and, with `top_logprobs_num`, `output_top_logprobs`)."""
         requests, batched = self._requests(prompt, sampling_params, input_ids)
+        logprobs = (return_logprob, top_logprobs_num)
         sinks = []
         for ids, params in requests:
             sink: queue.Queue = queue.Queue()
-            self.core.submit(ids, params, sink.put)
+            self.core.submit(ids, params, sink.put, return_logprob=return_logprob,
+                             top_logprobs_num=top_logprobs_num)
             sinks.append(sink)
-        results = [self._collect(self._drain(sink), return_logprob) for sink in sinks]
+        results = [self._collect(self._drain(sink), logprobs) for sink in sinks]
         return results if batched else results[0]
 
     def _drain(self, sink: queue.Queue):
@@ -92,20 +99,22 @@ class Engine:
             raise RuntimeError("the engine loop has stopped; see the log for the error")
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             return_logprob=False, stream=False):
+                             return_logprob=False, top_logprobs_num=0, stream=False):
         requests, batched = self._requests(prompt, sampling_params, input_ids)
+        logprobs = (return_logprob, top_logprobs_num)
         if stream:
             if batched:
                 raise ValueError("stream=True takes one prompt")
-            return self._stream(*requests[0], return_logprob)
-        results = await asyncio.gather(*[self._collect_async(ids, params, return_logprob)
+            return self._stream(*requests[0], logprobs)
+        results = await asyncio.gather(*[self._collect_async(ids, params, logprobs)
                                          for ids, params in requests])
         return list(results) if batched else results[0]
 
-    async def _chunks(self, ids, params) -> AsyncIterator[dict]:
+    async def _chunks(self, ids, params, logprobs) -> AsyncIterator[dict]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
-        rid = self.core.submit(ids, params, lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c))
+        rid = self.core.submit(ids, params, lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c),
+                               return_logprob=logprobs[0], top_logprobs_num=logprobs[1])
         finished = False
         try:
             while not finished:
@@ -120,32 +129,36 @@ class Engine:
             if not finished:
                 self.core.abort(rid)  # the consumer went away mid-stream: free the slot now
 
-    async def _stream(self, ids, params, return_logprob) -> AsyncIterator[dict]:
-        async for chunk in self._chunks(ids, params):
+    async def _stream(self, ids, params, logprobs) -> AsyncIterator[dict]:
+        async for chunk in self._chunks(ids, params, logprobs):
             out = {"text": chunk["text"], "output_ids": [] if chunk["token_id"] is None else [chunk["token_id"]],
                    "finished": chunk["finished"]}
             if chunk["finished"]:
                 out["meta_info"] = chunk["meta_info"]
             yield out
 
-    async def _collect_async(self, ids, params, return_logprob) -> dict:
-        return self._collect([c async for c in self._chunks(ids, params)], return_logprob)
+    async def _collect_async(self, ids, params, logprobs) -> dict:
+        return self._collect([c async for c in self._chunks(ids, params, logprobs)], logprobs)
 
     @staticmethod
-    def _collect(chunks, return_logprob: bool) -> dict:
-        text, output_ids, logprobs, meta_info = [], [], [], None
+    def _collect(chunks, logprobs: tuple[bool, int]) -> dict:
+        text, output_ids, token_logprobs, top_logprobs, meta_info = [], [], [], [], None
         for chunk in chunks:
             text.append(chunk["text"])
             if chunk["token_id"] is not None:
                 output_ids.append(chunk["token_id"])
-                logprobs.append((chunk["logprob"], chunk["token_id"], None))
+                token_logprobs.append((chunk["logprob"], chunk["token_id"], None))
+                top_logprobs.append([(lp, t, None) for lp, t in chunk.get("top_logprobs", ())])
             if chunk["finished"]:
                 meta_info = dict(chunk["meta_info"])
                 if "error" in chunk:
                     meta_info["error"] = chunk["error"]
                 break
-        if return_logprob:
-            meta_info["output_token_logprobs"] = logprobs
+        return_logprob, top_logprobs_num = logprobs
+        if return_logprob or top_logprobs_num:
+            meta_info["output_token_logprobs"] = token_logprobs
+        if top_logprobs_num:
+            meta_info["output_top_logprobs"] = top_logprobs
         return {"text": "".join(text), "output_ids": output_ids, "meta_info": meta_info}
 
     # --- lifetime ---------------------------------------------------------------------------------

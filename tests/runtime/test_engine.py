@@ -183,3 +183,27 @@ def test_a_stopped_engine_refuses_requests_instead_of_hanging(checkpoint):
     stopped.shutdown()
     with pytest.raises(RuntimeError, match="not running"):
         stopped.generate(input_ids=[1, 2], sampling_params=GREEDY)
+
+
+def test_logprobs_of_chosen_tokens_and_top_alternatives_match_transformers(engine, checkpoint):
+    import torch
+
+    plain = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    result = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, return_logprob=True,
+                             top_logprobs_num=3)
+    assert result["output_ids"] == plain["output_ids"]
+    assert "output_token_logprobs" not in plain["meta_info"]
+    chosen = result["meta_info"]["output_token_logprobs"]
+    top = result["meta_info"]["output_top_logprobs"]
+    assert [token for _, token, _ in chosen] == result["output_ids"]
+    with torch.no_grad():
+        logits = checkpoint[1](torch.tensor([PROMPTS[0] + result["output_ids"]])).logits[0].double()
+    expected = torch.log_softmax(logits, dim=-1)[len(PROMPTS[0]) - 1:-1]  # the rows that predicted
+    for i, ((logprob, token, _), alternatives) in enumerate(zip(chosen, top, strict=True)):
+        assert logprob == pytest.approx(float(expected[i, token]), abs=1e-4)
+        assert len(alternatives) == 3 and alternatives[0][1] == token  # greedy: the best one
+        best = torch.topk(expected[i], 3)
+        assert [t for _, t, _ in alternatives] == best.indices.tolist()
+        np.testing.assert_allclose([lp for lp, _, _ in alternatives], best.values.numpy(), atol=1e-4)
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        engine.generate(input_ids=[1, 2], sampling_params=GREEDY, top_logprobs_num=21)

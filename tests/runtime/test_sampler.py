@@ -10,6 +10,7 @@ from xlaserve.runtime.sampler import (
     add_sampled,
     build_sampling_metadata,
     count_tokens,
+    first_argmax,
     penalized_logits,
     processed_logits,
     sample,
@@ -210,7 +211,8 @@ def test_logprobs_equal_log_softmax_of_penalized_logits_and_top_logprobs_are_sor
     counts = np.random.default_rng(14).integers(0, 2, (S, V)).astype(np.int32)
     prompt = np.zeros((S, V), bool)
     rows = [
-        RowSamplingParams(temperature=t, top_k=5, frequency_penalty=0.5, suppressed_ids=[2], seed=i)
+        RowSamplingParams(temperature=t, top_k=5, frequency_penalty=0.5, suppressed_ids=[2], seed=i,
+                          return_logprob=i == 3)  # one row asking computes them for every row
         for i, t in enumerate([0.0, 0.3, 0.7, 1.0, 1.3, 2.0, 0.0, 1.0])
     ]
     out = run_sample(rows, logits, counts, prompt, num_top_logprobs=5)
@@ -222,6 +224,26 @@ def test_logprobs_equal_log_softmax_of_penalized_logits_and_top_logprobs_are_sor
         np.testing.assert_array_equal(np.asarray(out.top_ids[i]), best)
         np.testing.assert_allclose(np.asarray(out.top_logprobs[i]), expected[best], rtol=1e-5, atol=1e-5)
         assert (np.diff(np.asarray(out.top_logprobs[i])) <= 0).all()
+
+
+def test_logprobs_are_skipped_when_no_row_asks():
+    rows = [RowSamplingParams(temperature=0.7, seed=i) for i in range(S)]
+    out = run_sample(rows, random_logits(15), num_top_logprobs=5)
+    assert not np.any(np.asarray(out.logprobs)) and not np.any(np.asarray(out.top_logprobs))
+    asked = run_sample([RowSamplingParams(temperature=0.7, seed=i, return_logprob=True)
+                        for i in range(S)], random_logits(15), num_top_logprobs=5)
+    np.testing.assert_array_equal(np.asarray(asked.tokens), np.asarray(out.tokens))
+    assert np.all(np.asarray(asked.logprobs) < 0)
+
+
+@pytest.mark.parametrize("vocab", [64, 256, 1000])
+def test_first_argmax_equals_argmax_with_ties_and_padding(vocab):
+    x = random_logits(16, rows=6, vocab=vocab)
+    x[1, [3, vocab - 1]] = 100.0  # a tie: the first index wins
+    x[2, :] = -1e30  # all masked
+    x[3, vocab - 1] = 100.0  # the maximum in the padded last block
+    x[4, 0] = np.inf
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
 
 
 # --- seeding ---------------------------------------------------------------------------------

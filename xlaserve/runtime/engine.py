@@ -23,8 +23,8 @@ from xlaserve.runtime.buckets import Buckets, pow2_buckets
 from xlaserve.runtime.compilation import enable_persistent_cache
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
 from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for, pages_for_tokens
-from xlaserve.runtime.model_runner import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, SAMPLING_WIDTHS,
-                                           ModelRunner)
+from xlaserve.runtime.model_runner import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
+                                           SAMPLING_WIDTHS, ModelRunner)
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
 from xlaserve.runtime.scheduler import Request, Scheduler
 from xlaserve.server_args import ServerArgs
@@ -86,6 +86,7 @@ class _Live:
     request: Request
     emit: Callable[[dict], None]
     detokenizer: IncrementalDetokenizer | None
+    top_logprobs_num: int = 0  # alternatives per token in the chunks (needs return_logprob)
 
 
 class EngineCore:
@@ -132,8 +133,13 @@ class EngineCore:
     # --- called from any thread -----------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
-               rid: str | None = None) -> str:
-        """Queue a request; `emit` is called from the engine thread with each output chunk."""
+               rid: str | None = None, return_logprob: bool = False,
+               top_logprobs_num: int = 0) -> str:
+        """Queue a request; `emit` is called from the engine thread with each output chunk: the
+        token id, its text delta, `finished`, and with `return_logprob` its logprob and
+        `top_logprobs_num` (at most MAX_TOP_LOGPROBS) [(logprob, token_id)] alternatives."""
+        if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         if not self.is_alive():
             raise RuntimeError("the engine loop is not running (shut down, or it failed; see the log)")
         params.validate(self.loaded.config.vocab_size)
@@ -153,12 +159,13 @@ class EngineCore:
             min_p=params.min_p, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
-            logit_bias={int(k): float(v) for k, v in params.logit_bias.items()}, seed=seed)
+            logit_bias={int(k): float(v) for k, v in params.logit_bias.items()}, seed=seed,
+            return_logprob=return_logprob or top_logprobs_num > 0)
         request = Request(rid=rid, prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
                           min_new_tokens=params.min_new_tokens)
         self.scheduler.check_fits(request)  # raises ValueError before anything is queued
-        self._inbox.put(("add", request, params, emit))
+        self._inbox.put(("add", request, params, (emit, top_logprobs_num)))
         return rid
 
     def abort(self, rid: str) -> None:
@@ -195,8 +202,9 @@ class EngineCore:
         except queue.Empty:
             return
         while True:
-            kind, payload, params, emit = item
+            kind, payload, params, extra = item
             if kind == "add":
+                emit, top_logprobs_num = extra
                 detok = None
                 if self.tokenizer is not None:
                     detok = IncrementalDetokenizer(
@@ -204,7 +212,7 @@ class EngineCore:
                         skip_special_tokens=params.skip_special_tokens,
                         stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
                         no_stop_trim=params.no_stop_trim)
-                live = _Live(payload, emit, detok)
+                live = _Live(payload, emit, detok, top_logprobs_num)
                 try:
                     self.scheduler.add(payload)
                 except ValueError as error:  # e.g. a duplicate request id: fail this one only
@@ -232,14 +240,18 @@ class EngineCore:
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
         out = self.runner.step(fb, sampling, slots)
-        tokens = np.asarray(out.tokens)[:len(batch.requests)]
-        logprobs = np.asarray(out.logprobs)[:len(batch.requests)]
+        num_rows = len(batch.requests)
+        tokens = np.asarray(out.tokens)[:num_rows]
+        logprobs = top = None
+        if any(r.sampling.return_logprob for r in batch.requests):
+            logprobs = np.asarray(out.logprobs)[:num_rows]
+            top = (np.asarray(out.top_logprobs)[:num_rows], np.asarray(out.top_ids)[:num_rows])
         finished = {r.rid for r in self.scheduler.process_results(batch, tokens.tolist())}
         for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True)):
             if chunk.sample:
-                self._deliver(request, int(tokens[i]), float(logprobs[i]), request.rid in finished)
+                self._deliver(request, int(tokens[i]), request.rid in finished, logprobs, top, i)
 
-    def _deliver(self, request: Request, token: int, logprob: float, finished: bool) -> None:
+    def _deliver(self, request: Request, token: int, finished: bool, logprobs, top, row) -> None:
         live = self._live.get(request.rid)
         if live is None:  # dropped earlier in this step (its consumer failed)
             return
@@ -252,7 +264,11 @@ class EngineCore:
                 finished = True
         if finished and live.detokenizer is not None:
             delta += live.detokenizer.finish()
-        chunk = {"token_id": token, "logprob": logprob, "text": delta, "finished": finished}
+        chunk = {"token_id": token, "logprob": None, "text": delta, "finished": finished}
+        if request.sampling.return_logprob:
+            chunk["logprob"] = float(logprobs[row])
+            n = live.top_logprobs_num
+            chunk["top_logprobs"] = list(zip(top[0][row, :n].tolist(), top[1][row, :n].tolist()))
         if finished:
             chunk["meta_info"] = self._meta_info(request)
             del self._live[request.rid]

@@ -44,6 +44,7 @@ class SamplingMetadata:
     suppressed_ids: jax.Array  # i32[S, M]; -1 pads; these tokens are never picked
     seeds: jax.Array  # u32[S]
     sample_index: jax.Array  # i32[S]; position of the token being sampled in the request's output
+    return_logprob: jax.Array  # bool[S]; logprobs are computed when any row asks (else zeros)
 
 
 @jax.tree_util.register_dataclass
@@ -71,6 +72,7 @@ class RowSamplingParams:
     suppressed_ids: Sequence[int] = ()
     seed: int | None = None  # None: a random seed is drawn when the metadata is built
     sample_index: int = 0
+    return_logprob: bool = False
 
 
 def _pow2_at_least(n: int) -> int:
@@ -123,6 +125,7 @@ def build_sampling_metadata(
         suppressed_ids=jnp.asarray(suppressed),
         seeds=jnp.asarray(np.array(seeds, np.uint32)),
         sample_index=column("sample_index", np.int32),
+        return_logprob=column("return_logprob", np.bool_),
     )
 
 
@@ -253,6 +256,31 @@ def _draw(penalized, metadata: SamplingMetadata, num_candidates: int):
     return _inverse_cdf(processed, uniforms)
 
 
+_ARGMAX_BLOCK = 256
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """i32[S]: jnp.argmax over the last axis (the first index of the maximum), computed as a max
+    per block of 256, then an argmax over the small block maxima and inside the chosen block.
+    XLA's CPU argmax over [64, 49152] took 7.3 ms (a variadic reduce of value and index); this
+    takes 0.3 ms."""
+    num_rows, vocab_size = x.shape
+    pad = -vocab_size % _ARGMAX_BLOCK
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    blocks = x.reshape(num_rows, -1, _ARGMAX_BLOCK)
+    block = jnp.argmax(blocks.max(axis=-1), axis=-1)  # the first block that holds the maximum
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    return (block * _ARGMAX_BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
+
+
+def _logprobs(penalized, tokens, num_top_logprobs: int):
+    log_norm = jax.nn.logsumexp(penalized, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(penalized, num_top_logprobs)
+    return (row_take(penalized, tokens) - log_norm, top_ids.astype(jnp.int32),
+            top_logprobs - log_norm[:, None])
+
+
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs", "num_candidates"))
 def sample(
     logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None, *,
@@ -265,7 +293,9 @@ def sample(
     With `rows`, they are per-slot tables indexed by `rows` (see `penalized_logits`).
 
     Work that no row of the batch needs is skipped at run time (`lax.cond`): penalties, the
-    random draw when every row is greedy, truncation when no row truncates.
+    random draw when every row is greedy, truncation when no row truncates, and logprobs when no
+    row asks for them (zeros then; their log-normalizer and top-k over the vocabulary cost as much
+    as the rest of the sampler at 64 rows).
 
     Logprobs (the chosen token's and the `num_top_logprobs` best) are log_softmax of the
     penalized logits: after bias, penalties and suppression, but before temperature and
@@ -274,16 +304,15 @@ def sample(
     logprobs it would at temperature 1.
     """
     penalized = penalized_logits(logits, metadata, output_counts, prompt_mask, rows)
-    log_norm = jax.nn.logsumexp(penalized, axis=-1)
-    greedy = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(penalized)
     is_greedy = _is_greedy(metadata)
     tokens = jax.lax.cond(
         jnp.all(is_greedy), lambda: greedy,
         lambda: jnp.where(is_greedy, greedy, _draw(penalized, metadata, num_candidates)))
-    top_logprobs, top_ids = jax.lax.top_k(penalized, num_top_logprobs)
-    return SampleOutput(
-        tokens=tokens,
-        logprobs=row_take(penalized, tokens) - log_norm,
-        top_ids=top_ids.astype(jnp.int32),
-        top_logprobs=top_logprobs - log_norm[:, None],
-    )
+    num_rows = logits.shape[0]
+    skipped = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
+               jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
+    logprobs, top_ids, top_logprobs = jax.lax.cond(
+        jnp.any(metadata.return_logprob),
+        lambda: _logprobs(penalized, tokens, num_top_logprobs), lambda: skipped)
+    return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
