@@ -73,3 +73,20 @@ def test_logits_match_transformers_for_ragged_batch_then_decode(
         # The continuation transformers chose greedily is also our argmax at every step.
         prompt_len = len(full) - NEW_TOKENS
         assert got[prompt_len - 1:-1].argmax(-1).tolist() == full[prompt_len:]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_checkpoints, family):
+    """Mixed precision: bfloat16 weights, KV cache and matmul inputs, float32 everything else."""
+    directory, hf_model = tiny_checkpoints[family]
+    loaded = load_model(directory, dtype="bfloat16", skip_tokenizer_init=True, progress=False)
+    assert loaded.model.layers[0].attn.qkv.get_value().dtype == np.dtype("bfloat16")
+    references = [_hf_reference(hf_model, p) for p in PROMPTS]
+    sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
+    ours = _run_ours(loaded, sequences, prefill_chunk=3, page_size=4)
+    for (_, expected), got in zip(references, ours, strict=True):
+        bound = 0.02 * np.abs(expected).max()  # measured: under 1% of the logit scale
+        np.testing.assert_allclose(got, expected, atol=bound, rtol=0)
+        top2 = np.sort(expected, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * bound  # no near-tie: the argmax must agree
+        assert (got.argmax(-1) == expected.argmax(-1))[clear].all()

@@ -94,3 +94,14 @@ def test_explicit_sequence_buckets_give_the_grid_without_more_seqs_than_tokens()
     assert (64, 16, 8) in shapes and (64, 1, 8) in shapes and len(shapes) == len(set(shapes))
     custom = Buckets.for_limits(64, 16, 8, token_paddings=[48, 16, 16])
     assert custom.tokens == (16, 48)
+
+
+def test_default_token_buckets_follow_what_cpu_matmuls_cost():
+    import jax.numpy as jnp
+
+    from xlaserve.runtime.buckets import default_token_buckets
+
+    assert default_token_buckets(576, jnp.float32, "cpu") == (1, 4, 8, 16, 32, 64, 128, 256, 512, 576)
+    assert default_token_buckets(576, jnp.bfloat16, "cpu") == (2, 4, 8, 16, 32, 64, 128, 256, 512, 576)
+    assert default_token_buckets(576, jnp.bfloat16, "tpu") == (8, 16, 32, 64, 128, 256, 512, 576)
+    assert default_token_buckets(2, jnp.float32, "cpu") == (1, 2)  # the largest is always there

@@ -15,6 +15,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+import jax.numpy as jnp
+
 
 def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     """Powers of two from `smallest` below `largest`, then `largest` itself (so 576 tokens at most
@@ -26,6 +28,20 @@ def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
         buckets.append(size)
         size *= 2
     return tuple(buckets) + (largest,)
+
+
+def default_token_buckets(max_tokens: int, dtype, platform: str) -> tuple[int, ...]:
+    """Token-count buckets by default: powers of two, shaped by what XLA's matmuls cost.
+
+    On the CPU, a 1-row float32 step runs as matrix-vector products (the default model: 26 ms),
+    but 2 rows cost more than 4 (50 vs 38 ms), so float32 skips 2; a 1-row bfloat16 step falls off
+    the fast bfloat16 path (186 ms against 29 ms for 2 rows), so bfloat16 starts at 2. On TPU and
+    GPU, steps under 8 tokens cost about the same as 8, and fewer programs compile faster."""
+    if platform != "cpu":
+        return pow2_buckets(min(8, max_tokens), max_tokens)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return pow2_buckets(min(2, max_tokens), max_tokens)
+    return tuple(b for b in pow2_buckets(1, max_tokens) if b != 2 or b == max_tokens)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 
 from xlaserve.model.loader import load_model
 from xlaserve.runtime.batch import pack
-from xlaserve.runtime.buckets import Buckets, pow2_buckets
+from xlaserve.runtime.buckets import Buckets, default_token_buckets
 from xlaserve.runtime.compilation import enable_persistent_cache
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
 from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for, pages_for_tokens
@@ -109,7 +109,8 @@ class EngineCore:
         self.buckets = Buckets.for_limits(
             max_step_tokens, args.max_running_requests,
             pages_for_tokens(self.context_length, page_size),
-            token_paddings=_int_list(args.precompile_token_paddings) or pow2_buckets(1, max_step_tokens),
+            token_paddings=_int_list(args.precompile_token_paddings) or default_token_buckets(
+                max_step_tokens, self.loaded.dtype, jax.default_backend()),
             seq_paddings=_int_list(args.precompile_bs_paddings),
             # One page-table width: the attention loop stops at the longest live sequence, so a
             # wide table costs little, and each extra width would multiply the compiled programs.
