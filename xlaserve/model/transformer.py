@@ -15,7 +15,7 @@ Layers are a Python loop (unrolled in the trace): a `lax.scan` over stacked laye
 
 Precision: weights and the KV cache are in the model dtype; the residual stream, norms, RoPE and
 softmax statistics are float32, and every matmul takes model-dtype inputs with float32
-accumulation (`matmul`). With bfloat16 weights that is the usual mixed precision, and on XLA's
+accumulation (`linear`). With bfloat16 weights that is the usual mixed precision, and on XLA's
 CPU backend it is what makes bfloat16 fast: a bfloat16 x bfloat16 -> float32 dot runs on the
 CPU's bfloat16 instructions (1.9x float32 at 128 rows), where a dot with a bfloat16 output made
 XLA convert every weight to float32 on every step.
@@ -65,9 +65,34 @@ def _init(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
     return 0.02 * jax.random.normal(rngs.params(), shape, dtype)
 
 
-def matmul(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """einsum(spec, x, weight) with x cast to the weight's dtype, accumulated in float32."""
-    return jnp.einsum(spec, x.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
+# Steps of at most this many token rows run their matmuls through `Kernels.few_row_matmul` when
+# there is one (the CPU's native kernel: 1 row of bfloat16 weights 8.8 ms for the default model's
+# layers, against 21 ms for XLA's best; from 4 rows XLA's dots win).
+FEW_ROWS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The platform's kernels the forward pass calls: attention (the ragged paged attention
+    contract) and, optionally, a matmul for steps of few rows, `(x [M, K], w2d, transposed) ->
+    float32 [M, N]`."""
+
+    attention: Callable
+    few_row_matmul: Callable | None = None
+
+
+def linear(x: jax.Array, weight: jax.Array, kernels: Kernels, transposed: bool = False) -> jax.Array:
+    """x [T, K] @ weight [K, ...] (or @ weight[N, K].T), float32 out: inputs in the weight's dtype,
+    float32 accumulation. Weights are used as 2-d matrices (a free reshape): XLA's CPU layout pass
+    transposed a whole 3-d o_proj weight every step for a 3-d einsum."""
+    rows, k = x.shape
+    matrix = weight.reshape(-1, k) if transposed else weight.reshape(k, -1)
+    if kernels.few_row_matmul is not None and rows <= FEW_ROWS:
+        y = kernels.few_row_matmul(x, matrix, transposed)
+    else:
+        y = jnp.dot(x.astype(matrix.dtype), matrix.T if transposed else matrix,
+                    preferred_element_type=jnp.float32)
+    return y if transposed else y.reshape(rows, *weight.shape[1:])
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -111,10 +136,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
-    def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, attention_fn):
+    def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels):
         c = self.config
         group = c.queries_per_kv
-        qkv = matmul("th,hkjd->tkjd", x, self.qkv[...])
+        qkv = linear(x, self.qkv[...], kernels)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
         num_tokens = x.shape[0]
@@ -125,14 +150,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # Attention takes its inputs in the cache's dtype (the model dtype).
         q, k, v = (y.astype(kv_cache.dtype) for y in (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v))
-        out, kv_cache = attention_fn(
+        out, kv_cache = kernels.attention(
             q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
             metadata.num_seqs, sm_scale=c.head_dim**-0.5, sliding_window=self.sliding_window,
         )
-        # As one [T, Hq*D] x [Hq*D, hidden] matmul: with the 3-d einsum, XLA's CPU layout pass
-        # transposed the whole o_proj weight on every step rather than the small activation.
-        out = matmul("tf,fh->th", out.reshape(num_tokens, -1),
-                     self.o_proj[...].reshape(-1, c.hidden_size))
+        out = linear(out.reshape(num_tokens, -1), self.o_proj[...].reshape(-1, c.hidden_size),
+                     kernels)
         if c.o_bias:
             out = out + self.o_bias[...].astype(jnp.float32)
         return out, kv_cache
@@ -143,9 +166,9 @@ class MLP(nnx.Module):
         self.gate_up = nnx.Param(_init(rngs, (config.hidden_size, 2, config.intermediate_size), dtype))
         self.down = nnx.Param(_init(rngs, (config.intermediate_size, config.hidden_size), dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate_up = matmul("th,hji->tji", x, self.gate_up[...])
-        return matmul("ti,ih->th", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...])
+    def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
+        gate_up = linear(x, self.gate_up[...], kernels)
+        return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], kernels)
 
 
 class DecoderLayer(nnx.Module):
@@ -155,10 +178,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, metadata, attention_fn):
-        attn_out, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, attention_fn)
+    def __call__(self, x, cos, sin, kv_cache, metadata, kernels: Kernels):
+        attn_out, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, kernels)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_norm(x))
+        x = x + self.mlp(self.post_attention_norm(x), kernels)
         return x, kv_cache
 
 
@@ -183,7 +206,7 @@ class CausalLM(nnx.Module):
         kv_caches: list[jax.Array],  # one [num_pages, page_size, 2*kv_heads, head_dim] per layer
         metadata: AttentionMetadata,
         logits_indices: jax.Array,  # i32[R] rows of the batch whose logits are wanted
-        attention_fn: Callable,
+        kernels: Kernels,
     ) -> tuple[jax.Array, list[jax.Array]]:
         x = self.embedding[...][input_ids].astype(jnp.float32)
         inv_freq = self.config.rope.inv_freq(self.config.head_dim)  # numpy: a trace-time constant
@@ -191,13 +214,13 @@ class CausalLM(nnx.Module):
         cos, sin = jnp.cos(angles), jnp.sin(angles)
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, cos, sin, kv_cache, metadata, attention_fn)
+            x, kv_cache = layer(x, cos, sin, kv_cache, metadata, kernels)
             new_caches.append(kv_cache)
         x = self.final_norm(x[logits_indices])
         if self.config.tie_word_embeddings:
-            logits = matmul("th,vh->tv", x, self.embedding[...])
+            logits = linear(x, self.embedding[...], kernels, transposed=True)
         else:
-            logits = matmul("th,hv->tv", x, self.lm_head[...])
+            logits = linear(x, self.lm_head[...], kernels)
         return logits, new_caches
 
 

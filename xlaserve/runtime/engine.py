@@ -110,7 +110,8 @@ class EngineCore:
             max_step_tokens, args.max_running_requests,
             pages_for_tokens(self.context_length, page_size),
             token_paddings=_int_list(args.precompile_token_paddings) or default_token_buckets(
-                max_step_tokens, self.loaded.dtype, jax.default_backend()),
+                max_step_tokens, self.loaded.dtype, jax.default_backend(),
+                few_row_kernel=self.runner.kernels.few_row_matmul is not None),
             seq_paddings=_int_list(args.precompile_bs_paddings),
             # One page-table width: the attention loop stops at the longest live sequence, so a
             # wide table costs little, and each extra width would multiply the compiled programs.

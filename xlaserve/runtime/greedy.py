@@ -15,19 +15,19 @@ from jax.sharding import Mesh
 from xlaserve.runtime.batch import SeqChunk, pack
 from xlaserve.runtime.buckets import Buckets, pow2_buckets
 from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
-from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
+from xlaserve.runtime.kernels import kernels_for
 
 
 def make_forward(model, attention_backend: str = "auto"):
     """A jitted `forward(state, input_ids, positions, kv_caches, metadata, logits_indices)` with
     the KV caches donated (updated in place)."""
     graphdef, _ = nnx.split(model)
-    attention_fn = get_attention_fn(attention_backend, _mesh_of(model))
+    kernels = kernels_for(attention_backend, _mesh_of(model))
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def forward(state, input_ids, positions, kv_caches, metadata, logits_indices):
         return nnx.merge(graphdef, state)(
-            input_ids, positions, kv_caches, metadata, logits_indices, attention_fn
+            input_ids, positions, kv_caches, metadata, logits_indices, kernels
         )
 
     return forward

@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from xlaserve.model.transformer import AttentionMetadata
-from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
 from xlaserve.runtime.batch import ForwardBatch
+from xlaserve.runtime.kernels import kernels_for
 from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
 from xlaserve.runtime.sampler import (RowSamplingParams, SampleOutput, SamplingMetadata,
                                       add_sampled, build_sampling_metadata, sample)
@@ -61,7 +61,7 @@ class ModelRunner:
         kv_sharding = [cache.sharding for cache in self.kv_caches]
         self.output_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = jax.device_put(np.zeros((num_slots, vocab), np.bool_), replicated)
-        attention_fn = get_attention_fn(attention_backend, self.mesh)
+        self.kernels = kernels = kernels_for(attention_backend, self.mesh)
 
         @functools.partial(jax.jit, donate_argnums=(1, 2),
                            out_shardings=(replicated, kv_sharding, replicated))
@@ -69,7 +69,7 @@ class ModelRunner:
                  sampling: SamplingMetadata, slots):
             model = nnx.merge(graphdef, state)
             logits, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.metadata,
-                                      batch.logits_indices, attention_fn)
+                                      batch.logits_indices, kernels)
             out = sample(logits, sampling, output_counts, prompt_masks, slots,
                          num_top_logprobs=MAX_TOP_LOGPROBS)
             output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
@@ -97,11 +97,12 @@ class ModelRunner:
         """Run one step; returns device arrays (the caller's `np.asarray` is the sync point)."""
         compiled_before = self._step._cache_size()
         replicated = self.output_counts.sharding
-        batch = jax.device_put(batch, replicated)
-        sampling = jax.device_put(sampling, replicated)
+        # Host numpy arrays, sent in one transfer.
+        batch, sampling, slots = jax.device_put((batch, sampling, np.asarray(slots, np.int32)),
+                                                replicated)
         out, self.kv_caches, self.output_counts = self._step(
             self.state, self.kv_caches, self.output_counts, self.prompt_masks, batch, sampling,
-            jax.device_put(np.asarray(slots, np.int32), replicated))
+            slots)
         if self._precompiled and self._step._cache_size() > compiled_before:
             logger.warning(
                 "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias width "

@@ -30,7 +30,8 @@ from xlaserve.runtime.truncation import MASKED, NUM_CANDIDATES, row_take, trunca
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingMetadata:
-    """Device arrays, one row per sequence (padding rows are greedy with everything off)."""
+    """One row per sequence (padding rows are greedy with everything off): numpy arrays from
+    `build_sampling_metadata`, device arrays once the step has sent them."""
 
     temperature: jax.Array  # f32[S]; 0 means greedy (argmax)
     top_k: jax.Array  # i32[S]; <= 0 means off
@@ -110,7 +111,7 @@ def build_sampling_metadata(
     seeds = [secrets.randbits(32) if r.seed is None else r.seed % 2**32 for r in rows]
 
     def column(name, dtype):
-        return jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
+        return np.array([getattr(r, name) for r in rows], dtype)
 
     return SamplingMetadata(
         temperature=column("temperature", np.float32),
@@ -120,10 +121,10 @@ def build_sampling_metadata(
         presence_penalty=column("presence_penalty", np.float32),
         frequency_penalty=column("frequency_penalty", np.float32),
         repetition_penalty=column("repetition_penalty", np.float32),
-        logit_bias_ids=jnp.asarray(bias_ids),
-        logit_bias_values=jnp.asarray(bias_values),
-        suppressed_ids=jnp.asarray(suppressed),
-        seeds=jnp.asarray(np.array(seeds, np.uint32)),
+        logit_bias_ids=bias_ids,
+        logit_bias_values=bias_values,
+        suppressed_ids=suppressed,
+        seeds=np.array(seeds, np.uint32),
         sample_index=column("sample_index", np.int32),
         return_logprob=column("return_logprob", np.bool_),
     )

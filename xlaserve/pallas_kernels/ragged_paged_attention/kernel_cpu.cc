@@ -11,31 +11,29 @@
 // vector extensions (16 floats), which compile to whatever vector registers the CPU has.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"  // xlaserve/native: ParallelFor, Vec16 helpers
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using xlaserve::Bf16ToF32;
+using xlaserve::Load16;
+using xlaserve::Store16;
+using xlaserve::Sum16;
+using xlaserve::Vec16;
+
 constexpr int kKeyTile = 32;       // keys scored together
 constexpr int kQueryBlock = 16;    // query rows of one sequence per work item
 constexpr int kTransposeRows = 8;  // from this many (row, head) pairs, score against a transposed tile
-
-inline float Bf16ToF32(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 inline uint16_t F32ToBf16(float f) {  // round to nearest even, as XLA's convert
   uint32_t u;
@@ -64,31 +62,11 @@ inline float ExpNonPositive(float x) {
   return p * scale;
 }
 
-// The inner loops work on 16-float vectors (GCC vector extensions: 512-bit registers where the
-// CPU has them, pairs or quads of narrower ones elsewhere) and on blocks of up to 4 query rows that
-// read the same kv head, so each K or V chunk is loaded once for the block and the rows' sums are
+// The inner loops work on 16-float vectors and on blocks of up to 4 query rows that read the
+// same kv head, so each K or V chunk is loaded once for the block and the rows' sums are
 // independent chains. (A plain `omp simd reduction` dot summed its 16 lanes one by one through
 // the stack: 16 dependent adds per dot, the kernel's bottleneck.)
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
 constexpr int kRowBlock = 4;
-
-inline Vec16 Load16(const float* x) {
-  Vec16 v;
-  std::memcpy(&v, x, 64);
-  return v;
-}
-
-inline void Store16(float* x, Vec16 v) { std::memcpy(x, &v, 64); }
-
-inline float Sum16(Vec16 v) {
-  Vec8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  Vec4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) +
-                 __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
 
 // scores[g * stride] = q[g] . k for N rows q (stride d) and one key k; d is a multiple of 16.
 template <int N>
@@ -435,46 +413,32 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
   StoreRow<T>(acc, out + item.first_row * hq_count * d, rows * d);
 }
 
-// Items claimed from a shared counter by the caller and the pool's threads. The caller can finish
-// every item alone, so a busy pool only costs parallelism, never a deadlock; tasks that start late
-// find nothing left and touch nothing but the shared counters.
-struct Shared {
-  Problem problem;
-  std::vector<WorkItem> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename T>
-void Work(Shared& shared) {
-  std::unique_ptr<Scratch> scratch;
-  const int64_t total = static_cast<int64_t>(shared.items.size());
-  for (int64_t i = shared.next.fetch_add(1); i < total; i = shared.next.fetch_add(1)) {
-    if (!scratch) scratch = std::make_unique<Scratch>(shared.problem);
-    Attend<T>(shared.problem, shared.items[i], *scratch);
-    shared.done.fetch_add(1, std::memory_order_release);
+Scratch& LocalScratch(const Problem& p) {  // one per thread, regrown for bigger problems
+  thread_local std::unique_ptr<Scratch> scratch;
+  thread_local int64_t heads = 0, dim = 0, kv_heads = 0;
+  if (!scratch || heads != p.num_q_heads || dim != p.head_dim || kv_heads != p.num_kv_heads) {
+    scratch = std::make_unique<Scratch>(p);
+    heads = p.num_q_heads, dim = p.head_dim, kv_heads = p.num_kv_heads;
   }
+  return *scratch;
 }
 
 template <typename T>
-void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> shared) {
-  const Problem& p = shared->problem;
+void Run(ffi::ThreadPool& pool, const Problem& p) {
   T* out = static_cast<T*>(p.out);
   std::fill(out, out + p.num_tokens * p.num_q_heads * p.head_dim, T(0));  // padding rows are 0
   WriteNewKv<T>(p);
+  std::vector<WorkItem> items;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     SeqSpan span = Span(p, s);
     if (!span.ok) continue;
     for (int64_t r = 0; r < span.q_len; r += kQueryBlock) {
       int32_t n = static_cast<int32_t>(std::min<int64_t>(kQueryBlock, span.q_len - r));
-      shared->items.push_back({s, static_cast<int32_t>(span.first_token + r), n});
+      items.push_back({s, static_cast<int32_t>(span.first_token + r), n});
     }
   }
-  const int64_t total = static_cast<int64_t>(shared->items.size());
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { Work<T>(*shared); });
-  Work<T>(*shared);
-  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  xlaserve::ParallelFor(pool, static_cast<int64_t>(items.size()),
+                        [&](int64_t i) { Attend<T>(p, items[i], LocalScratch(p)); });
 }
 
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -495,8 +459,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
        pd = page_indices.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || cd.size() != 4 || pd.size() != 2)
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): bad ranks");
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->problem;
+  Problem p;
   p.bf16 = dtype == ffi::BF16;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
@@ -525,9 +488,9 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   if (kv_cache_out->untyped_data() != kv_cache.untyped_data())  // XLA chose not to alias
     std::memcpy(kv_cache_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes());
   if (p.bf16)
-    Run<uint16_t>(pool, shared);
+    Run<uint16_t>(pool, p);
   else
-    Run<float>(pool, shared);
+    Run<float>(pool, p);
   return ffi::Error::Success();
 }
 

@@ -1,86 +1,27 @@
 """Ragged paged attention on the CPU: `kernel_cpu.cc` as an XLA FFI custom call.
 
-Same signature and semantics as `reference.ragged_paged_attention` (the specification), at memory
-speed: the jnp reference runs on XLA's CPU backend as gathers, transposes and tiny batched matmuls
-(3 ms per layer for 64 decoding sequences of 100 tokens, where reading their KV takes 0.5 ms).
-
-The C++ source is compiled on first use with the host's compiler (`$CXX`, else `c++`) for the
-host's instruction set, into `~/.cache/xlaserve/kernels` (or `$XLASERVE_CACHE_DIR/kernels`), named
-by a hash of the source, the flags and the CPU, so an edit or another machine rebuilds it. Without
-a compiler `KernelUnavailable` is raised and `api.py` falls back to the reference.
+Same signature and semantics as `reference.ragged_paged_attention` (the specification), near
+memory speed: the jnp reference runs on XLA's CPU backend as gathers, transposes and tiny batched
+matmuls (3 ms per layer for 64 decoding sequences of 100 tokens, where reading their KV takes
+0.5 ms). Built on first use by `xlaserve.native`; `KernelUnavailable` without a compiler.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from xlaserve.native import KernelUnavailable, register  # noqa: F401 (KernelUnavailable: re-export)
+
 TARGET_NAME = "xlaserve_ragged_paged_attention_cpu"
 _SOURCE = Path(__file__).with_name("kernel_cpu.cc")
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
-          "-fno-math-errno"]
 
 
-class KernelUnavailable(RuntimeError):
-    """The CPU kernel could not be built or loaded here."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("XLASERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                "xlaserve")
-    return Path(root) / "kernels"
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its CPU flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return platform.machine() + flags
-
-
-def _build(compiler: str, library: Path) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a temporary name and rename: processes building at once never load half a file.
-    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        partial = Path(tmp) / library.name
-        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise KernelUnavailable(f"compiling the CPU attention kernel failed:\n{' '.join(command)}\n"
-                                    f"{result.stderr[-4000:]}")
-        os.replace(partial, library)
-
-
-@functools.cache
 def load() -> None:
-    """Builds (once per source, flags and CPU) and registers the custom call target."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise KernelUnavailable("no C++ compiler found (set $CXX)")
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(),
-                                     compiler.encode(), _cpu_signature().encode(),
-                                     jax.ffi.include_dir().encode()])).hexdigest()[:20]
-    library = cache_dir() / f"ragged_paged_attention_cpu-{key}.so"
-    if not library.exists():
-        _build(compiler, library)
-    try:
-        handler = ctypes.cdll.LoadLibrary(str(library)).XlaserveRaggedPagedAttention
-    except (OSError, AttributeError) as error:
-        raise KernelUnavailable(f"loading {library} failed: {error}") from error
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(handler), platform="cpu")
+    """Builds and registers the custom call (once); raises KernelUnavailable."""
+    register(_SOURCE, "XlaserveRaggedPagedAttention", TARGET_NAME)
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,

@@ -1,0 +1,84 @@
+"""Native CPU kernels: C++ sources compiled on first use with the host's compiler and called from
+jitted code as XLA FFI custom calls.
+
+XLA's CPU backend leaves two things slow that matter for serving: attention over a paged KV cache
+(gathers and tiny batched matmuls) and matmuls of a few rows (one thread, and a slow path for
+bfloat16 weights). The kernels for those live next to their callers; this module builds them.
+
+A library is compiled with -O3 -march=native into `~/.cache/xlaserve/kernels` (or
+`$XLASERVE_CACHE_DIR/kernels`), named by a hash of its source, the shared header, the flags, the
+compiler and the CPU, so an edit or another machine rebuilds it. With no compiler (or a failing
+one) `KernelUnavailable` is raised, and callers fall back to plain XLA.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+HEADER_DIR = Path(__file__).parent  # parallel.h
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
+          "-fno-math-errno"]
+
+
+class KernelUnavailable(RuntimeError):
+    """A native kernel could not be built or loaded here."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XLASERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                "xlaserve")
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _compile(compiler: str, source: Path, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a temporary name and rename: processes building at once never load half a file.
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        partial = Path(tmp) / library.name
+        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADER_DIR}", str(source),
+                   "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"compiling {source.name} failed:\n{' '.join(command)}\n"
+                                    f"{result.stderr[-4000:]}")
+        os.replace(partial, library)
+
+
+@functools.cache
+def register(source: Path, symbol: str, target_name: str) -> None:
+    """Builds `source` (once per source, flags and CPU) and registers its handler `symbol` as the
+    CPU custom call `target_name`."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found (set $CXX)")
+    key = hashlib.sha256(b"\0".join([
+        source.read_bytes(), (HEADER_DIR / "parallel.h").read_bytes(), " ".join(_FLAGS).encode(),
+        compiler.encode(), _cpu_signature().encode(), jax.ffi.include_dir().encode()])).hexdigest()
+    library = cache_dir() / f"{source.stem}-{key[:20]}.so"
+    if not library.exists():
+        _compile(compiler, source, library)
+    try:
+        handler = getattr(ctypes.cdll.LoadLibrary(str(library)), symbol)
+    except (OSError, AttributeError) as error:
+        raise KernelUnavailable(f"loading {library} failed: {error}") from error
+    jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(handler), platform="cpu")

@@ -1,0 +1,77 @@
+// Shared pieces of the native CPU kernels: work spread over XLA's intra-op thread pool, and
+// 16-float vectors (GCC vector extensions: 512-bit registers where the CPU has them, pairs or
+// quads of narrower ones elsewhere).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace xlaserve {
+
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+typedef uint16_t Bf16x16 __attribute__((vector_size(32)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+
+inline Vec16 Load16(const float* x) {
+  Vec16 v;
+  std::memcpy(&v, x, 64);
+  return v;
+}
+
+inline Vec16 Load16(const uint16_t* x) {  // bfloat16 -> float32: the high half of the bits
+  Bf16x16 h;
+  std::memcpy(&h, x, 32);
+  U32x16 bits = __builtin_convertvector(h, U32x16) << 16;
+  Vec16 v;
+  std::memcpy(&v, &bits, 64);
+  return v;
+}
+
+inline void Store16(float* x, Vec16 v) { std::memcpy(x, &v, 64); }
+
+inline float Sum16(Vec16 v) {
+  Vec8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  Vec4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) +
+                 __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+inline float Bf16ToF32(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Runs body(i) for every i in [0, n), on the calling thread and the pool's. Items are claimed from
+// a shared counter; the caller can finish every item alone, so a busy pool costs parallelism,
+// never a deadlock. Tasks that start late find nothing left and never call body, so body may
+// refer to the caller's stack.
+template <typename Body>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, Body body) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, body] {
+    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
+      body(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));  // a copy each
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+}  // namespace xlaserve
