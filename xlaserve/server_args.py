@@ -43,6 +43,9 @@ class ServerArgs:
         None, "comma-separated token-count buckets (default: powers of two)")
     precompile_bs_paddings: Optional[str] = _flag(
         None, "comma-separated sequence-count buckets (default: powers of two)")
+    disable_overlap_schedule: bool = _flag(
+        False, "wait for each step before handing out its tokens (default: detokenize and hand "
+               "out a step's tokens while the next step computes)")
     random_seed: Optional[int] = _flag(None, "seed for requests that do not give one")
     log_level: str = _flag("info", "logging level", choices=["debug", "info", "warning", "error"])
 

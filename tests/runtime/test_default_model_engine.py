@@ -53,3 +53,17 @@ def test_default_model_batched_staggered_greedy_equals_solo_and_transformers(eng
         assert result["output_ids"] == solo, ("batched", result["text"], engine.tokenizer.decode(solo))
     assert results[0]["text"] == engine.tokenizer.decode(results[0]["output_ids"])
     assert engine.core.runner.compile_count() == 2  # nothing compiled after precompile
+
+
+def test_stop_string_ends_the_request_where_it_matches(engine, prompts):
+    # With overlap on (the default), the step after the one that completes the stop string is
+    # already running when the detokenizer sees it: that step's token must not leak out.
+    full = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+    text = full["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    result = engine.generate(input_ids=prompts[0], sampling_params={**GREEDY, "stop": [stop]})
+    assert result["text"] == text[:text.index(stop)]
+    assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    n = result["meta_info"]["completion_tokens"]
+    assert result["output_ids"] == full["output_ids"][:n] and n < NEW_TOKENS
+    assert engine.core.scheduler.token_usage() == 0 or engine.core.scheduler.has_work()

@@ -97,3 +97,23 @@ def test_the_step_updates_the_donated_kv_cache_in_place(loaded):
     for tokens, seqs, pages in [(1, 1, 64), (1, 1, 1024), (8, 4, 1024)]:
         stats = runner.compiled_step(tokens, seqs, pages).memory_analysis()
         assert stats.temp_size_in_bytes < layer_bytes / 2, (tokens, seqs, pages, stats.temp_size_in_bytes)
+
+
+def test_bfloat16_steps_never_convert_a_weight_to_float32(tmp_path):
+    # XLA's CPU backend converted whole bfloat16 weights to float32 every step when a dot's
+    # output was bfloat16, or when the tied LM head was written with an explicit transpose.
+    import re
+
+    import jax
+    from flax import nnx
+
+    make_tiny_checkpoint(str(tmp_path), "llama_tied_linear")
+    loaded = load_model(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, progress=False)
+    runner = ModelRunner(loaded, num_pages=64, page_size=PAGE_SIZE, max_running_requests=8)
+    weight_shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(nnx.state(loaded.model))
+                     if x.ndim >= 2}
+    for tokens, seqs in [(1, 1), (8, 8), (32, 8)]:
+        text = runner.compiled_step(tokens, seqs, 8).as_text()
+        entry = text[text.index("\nENTRY"):]  # buffers the step materializes (not fused code)
+        converted = set(re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} (?:convert|fusion)\(", entry))
+        assert not converted & weight_shapes, (tokens, converted & weight_shapes)

@@ -90,8 +90,11 @@ def linear(x: jax.Array, weight: jax.Array, kernels: Kernels, transposed: bool =
     if kernels.few_row_matmul is not None and rows <= FEW_ROWS:
         y = kernels.few_row_matmul(x, matrix, transposed)
     else:
-        y = jnp.dot(x.astype(matrix.dtype), matrix.T if transposed else matrix,
-                    preferred_element_type=jnp.float32)
+        # Contracting the weight's last axis directly: with an explicit `.T`, XLA converted the
+        # whole bfloat16 tied embedding to float32 on every step (28 ms at 128 rows).
+        y = jax.lax.dot_general(x.astype(matrix.dtype), matrix,
+                                (((1,), (1 if transposed else 0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
     return y if transposed else y.reshape(rows, *weight.shape[1:])
 
 

@@ -184,16 +184,30 @@ class EngineCore:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
+        """One step per iteration. With overlap (the default), the host work on a step's results
+        that the next step does not need (detokenizing, stop strings, handing chunks out) runs
+        while the next step computes: JAX dispatches a step asynchronously, and only the sampled
+        tokens must be back before the next batch can be scheduled. A request that a stop string
+        ends meanwhile still has a row in the step in flight; its result is dropped."""
+        in_flight = None  # (batch, step output) dispatched and not yet read
         while not self._stopping:
             try:
-                self._drain_inbox(block=not self.scheduler.has_work())
+                self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
                 if self._stopping:
                     break
+                results = self._read(*in_flight) if in_flight is not None else None
+                in_flight = None
                 batch = self.scheduler.schedule()
                 if batch is not None:
-                    self._run(batch)
+                    in_flight = (batch, self._dispatch(batch))
+                    if self.args.disable_overlap_schedule:
+                        results = (results or []) + self._read(*in_flight)
+                        in_flight = None
+                for delivery in results or ():
+                    self._deliver(*delivery)
             except Exception:  # a bug must not kill the loop silently: fail what is in flight
                 logger.exception("engine step failed; aborting the running requests")
+                in_flight = None
                 for rid in list(self._live):
                     self.scheduler.abort(rid)
                     self._finish_aborted(rid, "internal error")
@@ -230,7 +244,8 @@ class EngineCore:
             except queue.Empty:
                 return
 
-    def _run(self, batch) -> None:
+    def _dispatch(self, batch):
+        """Sends the step to the device; returns its (asynchronous) output."""
         for request in batch.admitted:
             self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
         fb = pack(batch.chunks, self.buckets, self.runner.page_size)
@@ -241,17 +256,23 @@ class EngineCore:
         sampling = build_sampling_metadata(rows, padded_seqs, SAMPLING_WIDTHS)
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
-        out = self.runner.step(fb, sampling, slots)
+        return self.runner.step(fb, sampling, slots)
+
+    def _read(self, batch, out) -> list[tuple]:
+        """Waits for the step's tokens and advances the scheduler; returns the deliveries
+        (`_deliver` arguments) of the rows that sampled."""
         num_rows = len(batch.requests)
         tokens = np.asarray(out.tokens)[:num_rows]
         logprobs = top = None
         if any(r.sampling.return_logprob for r in batch.requests):
             logprobs = np.asarray(out.logprobs)[:num_rows]
             top = (np.asarray(out.top_logprobs)[:num_rows], np.asarray(out.top_ids)[:num_rows])
+        # Requests that ended while the step ran (abort, stop string) have no row to advance.
+        live_before = {r.rid for r in batch.requests if r.status == "running"}
         finished = {r.rid for r in self.scheduler.process_results(batch, tokens.tolist())}
-        for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True)):
-            if chunk.sample:
-                self._deliver(request, int(tokens[i]), request.rid in finished, logprobs, top, i)
+        return [(request, int(tokens[i]), request.rid in finished, logprobs, top, i)
+                for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True))
+                if chunk.sample and request.rid in live_before]
 
     def _deliver(self, request: Request, token: int, finished: bool, logprobs, top, row) -> None:
         live = self._live.get(request.rid)
