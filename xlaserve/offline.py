@@ -12,11 +12,12 @@ import dataclasses
 import queue
 from typing import Any, AsyncIterator
 
+from xlaserve.runtime.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
+                                             sglang_output)
 from xlaserve.runtime.engine import EngineCore, SamplingParams
 from xlaserve.server_args import ServerArgs
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_LIVENESS_POLL_S = 1.0  # how often a waiting caller checks that the engine loop still runs
 
 
 def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingParams, int]:
@@ -90,7 +91,7 @@ class Engine:
         would otherwise leave the caller waiting forever."""
         while True:
             try:
-                yield sink.get(timeout=_LIVENESS_POLL_S)
+                yield sink.get(timeout=LIVENESS_POLL_S)
             except queue.Empty:
                 self._check_alive()
 
@@ -111,23 +112,13 @@ class Engine:
         return list(results) if batched else results[0]
 
     async def _chunks(self, ids, params, logprobs) -> AsyncIterator[dict]:
-        loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue = asyncio.Queue()
-        rid = self.core.submit(ids, params, lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c),
-                               return_logprob=logprobs[0], top_logprobs_num=logprobs[1])
-        finished = False
+        group = AsyncRequestGroup(self.core)
+        group.submit(0, ids, params, return_logprob=logprobs[0], top_logprobs_num=logprobs[1])
         try:
-            while not finished:
-                try:
-                    chunk = await asyncio.wait_for(chunks.get(), _LIVENESS_POLL_S)
-                except asyncio.TimeoutError:
-                    self._check_alive()
-                    continue
-                finished = chunk["finished"]
+            async for _, chunk in group.chunks():
                 yield chunk
         finally:
-            if not finished:
-                self.core.abort(rid)  # the consumer went away mid-stream: free the slot now
+            group.abort()  # a no-op once finished; else the consumer went away: free the slot now
 
     async def _stream(self, ids, params, logprobs) -> AsyncIterator[dict]:
         async for chunk in self._chunks(ids, params, logprobs):
@@ -142,24 +133,12 @@ class Engine:
 
     @staticmethod
     def _collect(chunks, logprobs: tuple[bool, int]) -> dict:
-        text, output_ids, token_logprobs, top_logprobs, meta_info = [], [], [], [], None
+        choice = Choice(0, 0)
         for chunk in chunks:
-            text.append(chunk["text"])
-            if chunk["token_id"] is not None:
-                output_ids.append(chunk["token_id"])
-                token_logprobs.append((chunk["logprob"], chunk["token_id"], None))
-                top_logprobs.append([(lp, t, None) for lp, t in chunk.get("top_logprobs", ())])
+            choice.add(chunk)
             if chunk["finished"]:
-                meta_info = dict(chunk["meta_info"])
-                if "error" in chunk:
-                    meta_info["error"] = chunk["error"]
                 break
-        return_logprob, top_logprobs_num = logprobs
-        if return_logprob or top_logprobs_num:
-            meta_info["output_token_logprobs"] = token_logprobs
-        if top_logprobs_num:
-            meta_info["output_top_logprobs"] = top_logprobs
-        return {"text": "".join(text), "output_ids": output_ids, "meta_info": meta_info}
+        return sglang_output(choice, *logprobs)
 
     # --- lifetime ---------------------------------------------------------------------------------
 

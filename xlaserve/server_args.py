@@ -23,10 +23,19 @@ class ServerArgs:
     dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on TPU/GPU, float32 on CPU), "
                                "float32, bfloat16, float16",
                        choices=["auto", "float32", "bfloat16", "float16"])
+    served_model_name: Optional[str] = _flag(
+        None, "model name in the API (default: the model path, or 'default' for the embedded model)")
+    chat_template: Optional[str] = _flag(
+        None, "chat template: a Jinja file, Jinja text, or a built-in name (chatml, "
+              "llama-3-instruct); default: the tokenizer's")
+    reasoning_parser: Optional[str] = _flag(
+        None, "split reasoning from the answer for thinking models",
+        choices=["qwen3", "qwen3-thinking", "deepseek-r1"])
     skip_tokenizer_init: bool = _flag(False, "do not load a tokenizer (token ids in and out)")
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
                                    choices=["auto", "reference", "cpu", "pallas"])
     page_size: int = _flag(16, "tokens per KV cache page")
+    tp_size: int = _flag(1, "tensor parallel size: devices that split each layer's heads")
     compilation_cache_dir: Optional[str] = _flag(
         None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")
     context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)")
@@ -48,6 +57,16 @@ class ServerArgs:
                "out a step's tokens while the next step computes)")
     random_seed: Optional[int] = _flag(None, "seed for requests that do not give one")
     log_level: str = _flag("info", "logging level", choices=["debug", "info", "warning", "error"])
+    # --- the HTTP server ---
+    host: str = _flag("127.0.0.1", "address to listen on")
+    port: int = _flag(30000, "port to listen on")
+    api_key: Optional[str] = _flag(None, "require 'Authorization: Bearer <key>' on every route "
+                                         "but /health and /metrics")
+    max_payload_size: int = _flag(32 * 1024 * 1024, "largest request body in bytes (413 above)")
+    enable_metrics: bool = _flag(False, "serve Prometheus metrics at /metrics")
+    log_requests: bool = _flag(False, "log every HTTP request")
+    stream_interval: int = _flag(1, "tokens per streamed chunk")
+    skip_server_warmup: bool = _flag(False, "do not run a warm-up generation before ready")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

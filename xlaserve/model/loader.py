@@ -63,7 +63,16 @@ def resolve_dtype(dtype: str | Any = "auto"):
 
 
 def default_mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+    return tensor_parallel_mesh(1)
+
+
+def tensor_parallel_mesh(tp_size: int) -> Mesh:
+    """A ("data", "tensor") mesh over the first `tp_size` devices."""
+    devices = jax.devices()
+    if not 1 <= tp_size <= len(devices):
+        raise ValueError(f"--tp-size {tp_size} needs that many devices; this host has {len(devices)} "
+                         f"({jax.default_backend()})")
+    return Mesh(np.array(devices[:tp_size]).reshape(1, tp_size), ("data", "tensor"))
 
 
 def default_model_file() -> str:

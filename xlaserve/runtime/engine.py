@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from xlaserve.model.loader import load_model
+from xlaserve.model.loader import load_model, tensor_parallel_mesh
 from xlaserve.runtime.batch import pack
 from xlaserve.runtime.buckets import Buckets, default_token_buckets
 from xlaserve.runtime.compilation import enable_persistent_cache
@@ -94,7 +94,8 @@ class EngineCore:
         self.args = args = server_args
         enable_persistent_cache(args.compilation_cache_dir)
         self.loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
-                                 skip_tokenizer_init=args.skip_tokenizer_init)
+                                 skip_tokenizer_init=args.skip_tokenizer_init,
+                                 mesh=tensor_parallel_mesh(args.tp_size))
         config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.context_length = args.context_length or config.max_position_embeddings
@@ -136,10 +137,11 @@ class EngineCore:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
                rid: str | None = None, return_logprob: bool = False,
-               top_logprobs_num: int = 0) -> str:
+               top_logprobs_num: int = 0, priority: int = 0) -> str:
         """Queue a request; `emit` is called from the engine thread with each output chunk: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
-        `top_logprobs_num` (at most MAX_TOP_LOGPROBS) [(logprob, token_id)] alternatives."""
+        `top_logprobs_num` (at most MAX_TOP_LOGPROBS) [(logprob, token_id)] alternatives.
+        A larger `priority` is scheduled first (batch work runs below interactive requests)."""
         if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         if not self.is_alive():
@@ -165,10 +167,24 @@ class EngineCore:
             return_logprob=return_logprob or top_logprobs_num > 0)
         request = Request(rid=rid, prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
-                          min_new_tokens=params.min_new_tokens)
+                          min_new_tokens=params.min_new_tokens, priority=priority)
         self.scheduler.check_fits(request)  # raises ValueError before anything is queued
         self._inbox.put(("add", request, params, (emit, top_logprobs_num)))
         return rid
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest prompt + output one request may have: the context length, or what the
+        whole KV pool holds if that is less (the last sampled token needs no KV)."""
+        pool_tokens = self.scheduler.allocator.capacity * self.args.page_size + 1
+        return min(self.context_length, pool_tokens)
+
+    def stats(self) -> dict:
+        """Scheduler figures for /metrics and /get_server_info (read from another thread: each
+        is one attribute read, and a stale value is harmless there)."""
+        return {"num_running_reqs": self.scheduler.num_running,
+                "num_queue_reqs": self.scheduler.num_waiting,
+                "token_usage": self.scheduler.token_usage()}
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid, None, None))

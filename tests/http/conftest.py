@@ -1,0 +1,101 @@
+"""A real server for the HTTP tests: uvicorn on a free port, in a thread of the test process.
+
+The model is a tiny random Qwen2 with the default model's vocabulary, saved with the default
+model's tokenizer (and its ChatML template), so the whole text path runs (chat template, byte-level
+BPE, multi-byte characters, <|im_end|>) at a tiny model's speed. Outputs are gibberish, but
+deterministic, which is all the tests need; transformers runs the same checkpoint as the oracle.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.tiny_models import make_tiny_checkpoint
+
+VOCAB = 49152
+SERVER_DEFAULTS = dict(dtype="float32", page_size=16, max_running_requests=16, context_length=512,
+                       chunked_prefill_size=64, max_prefill_tokens=128, max_total_tokens=8192,
+                       random_seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    from xlaserve.model import gguf_file
+    from xlaserve.model.loader import default_model_file
+
+    directory = str(tmp_path_factory.mktemp("tiny-chat-qwen2"))
+    hf_model = make_tiny_checkpoint(directory, "qwen2", vocab_size=VOCAB)
+    gguf_file.load_tokenizer(default_model_file()).save_pretrained(directory)
+    return directory, hf_model
+
+
+class AppServer:
+    """uvicorn serving `app` on a free port from a thread of this process."""
+
+    def __init__(self, app, ctx):
+        import uvicorn
+
+        self.app, self.ctx = app, ctx
+        self.port = _free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_keep_alive=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.thread.start()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("the server did not become ready")
+
+    def openai(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "EMPTY"),
+                      max_retries=0, **kwargs)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+class RunningServer(AppServer):
+    """The whole server (engine, app, warm-up) as `launch_server` builds it."""
+
+    def __init__(self, model_path: str | None, **overrides):
+        from xlaserve.launch_server import build_app, make_context
+        from xlaserve.server_args import ServerArgs
+
+        self.args = ServerArgs(model_path=model_path, **{**SERVER_DEFAULTS, **overrides})
+        ctx = make_context(self.args)
+        super().__init__(build_app(self.args, ctx), ctx)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_model):
+    running = RunningServer(tiny_chat_model[0], served_model_name="tiny", enable_metrics=True)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return server.openai()

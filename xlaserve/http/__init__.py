@@ -1,0 +1,1 @@
+"""The OpenAI-compatible and SGLang-native HTTP surface (FastAPI)."""

@@ -1,0 +1,157 @@
+"""The FastAPI app: routes, API-key check, payload limit, and OpenAI-shaped errors everywhere.
+
+`create_app(ctx, api_key=..., max_payload_size=...)` builds it around a ServingContext; the
+launch script runs it with uvicorn. Nothing outside `xlaserve/http/` imports FastAPI.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from xlaserve.http import native
+from xlaserve.http.chat import ChatCall
+from xlaserve.http.completions import CompletionCall
+from xlaserve.http.errors import APIError, validation_message
+from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from xlaserve.http.serving import ServingContext
+
+logger = logging.getLogger(__name__)
+
+# Routes a load balancer or Prometheus reaches without the API key (as in SGLang).
+_OPEN_ROUTES = ("/health", "/metrics")
+_DISCONNECT_POLL_S = 0.5
+
+
+def create_app(ctx: ServingContext, *, api_key: str | None = None,
+               max_payload_size: int | None = None, log_requests: bool = False,
+               lifespan=None) -> FastAPI:
+    app = FastAPI(title="xlaserve", version="0.1.0", lifespan=lifespan)
+    app.state.ctx = ctx
+
+    @app.exception_handler(APIError)
+    async def api_error(_, error: APIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, error: RequestValidationError):
+        message, param = validation_message(error.errors())
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, error: StarletteHTTPException):
+        message = error.detail if isinstance(error.detail, str) else str(error.detail)
+        return APIError(error.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, error: Exception):
+        logger.exception("internal error while serving a request")
+        return APIError(500, f"internal server error ({type(error).__name__})").response()
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key and request.url.path not in _OPEN_ROUTES and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                code="invalid_api_key").response()
+        response = await call_next(request)
+        if log_requests:
+            logger.info("%s %s -> %d", request.method, request.url.path, response.status_code)
+        if ctx.metrics is not None:
+            ctx.metrics.http_request(request.url.path, response.status_code)
+        return response
+
+    if max_payload_size:
+        app.add_middleware(PayloadLimit, max_bytes=max_payload_size)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await respond(request, ChatCall(ctx, parse_body(await request.body(), ChatCompletionRequest)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await respond(request, CompletionCall(ctx, parse_body(await request.body(), CompletionRequest)))
+
+    @app.get("/metrics")
+    async def metrics():
+        if ctx.metrics is None:
+            raise APIError(404, "metrics are off: start the server with --enable-metrics")
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    app.include_router(native.router)
+    return app
+
+
+async def respond(request: Request, call: ChatCall | CompletionCall):
+    """SSE for `stream: true`, else one JSON body once every choice has finished."""
+    if call.req.stream:
+        return StreamingResponse(call.stream(), media_type="text/event-stream")
+    return JSONResponse(await until_disconnect(request, call.response(), call.generation.group.abort))
+
+
+async def until_disconnect(request: Request, work, abort):
+    """Runs a non-streamed generation; if the client goes away first, `abort` frees its slots at
+    once (the work may not have started, so cancelling it alone would not)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection")
+    finally:
+        if not task.done():
+            task.cancel()
+            abort()
+
+
+class PayloadLimit:
+    """Refuses bodies over `max_bytes` with a 413, whether announced (Content-Length) or streamed:
+    the body is read here first (the routes read all of it anyway) and replayed to the app."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _too_large(self.max_bytes)(scope, receive, send)
+        body, more = [], True
+        size = 0
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before the body ended
+                return
+            body.append(message.get("body", b""))
+            size += len(body[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await _too_large(self.max_bytes)(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(body), "more_body": False}
+            return await receive()  # after the body: disconnect notices
+
+        await self.app(scope, replay, send)
+
+
+def _too_large_message(max_bytes: int) -> str:
+    return f"Payload Too Large: the request body is over --max-payload-size ({max_bytes} bytes)"
+
+
+def _too_large(max_bytes: int) -> JSONResponse:
+    return APIError(413, _too_large_message(max_bytes), code="payload_too_large").response()

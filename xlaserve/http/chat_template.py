@@ -1,0 +1,105 @@
+"""Chat templates: the tokenizer's own, or `--chat-template` (a file, a built-in name, or Jinja),
+and messages in OpenAI's shape turned into what HF templates expect.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from xlaserve.http.errors import bad_request, not_supported
+
+_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+BUILTIN_TEMPLATES = {"chatml": _CHATML, "llama-3-instruct": _LLAMA3}
+
+# Tokens that end an assistant turn in common templates: generation stops there, as at EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                      "<|end_of_text|>", "</s>")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file path, a built-in name, or Jinja text; None keeps the tokenizer's."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+        if value.endswith(".json"):  # a tokenizer_config.json-style file
+            text = json.loads(text)["chat_template"]
+        return text
+    if value in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[value]
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is not a file, a Jinja template or one of "
+                     f"{sorted(BUILTIN_TEMPLATES)}")
+
+
+def template_stop_ids(tokenizer, template: str | None) -> frozenset[int]:
+    """End-of-turn tokens that appear in the template and are single tokens of the vocabulary."""
+    template = template or getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates: look at all of them
+        template = "".join(template.values())
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab)
+
+
+def template_messages(messages) -> list[dict]:
+    """OpenAI messages (pydantic) -> plain dicts for Jinja: `developer` is a system message to
+    templates that predate it, text parts are joined, tool-call arguments become objects."""
+    result = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text":
+                    raise not_supported("messages", f"content part of type {part.type!r} "
+                                                    "(this server takes text only)")
+                texts.append(part.text or "")
+            content = "\n".join(texts)
+        message = {"role": "system" if m.role == "developer" else m.role,
+                   "content": "" if content is None else content}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, key):
+                message[key] = getattr(m, key)
+        if m.tool_calls:
+            message["tool_calls"] = [_with_parsed_arguments(call) for call in m.tool_calls]
+        result.append(message)
+    return result
+
+
+def _with_parsed_arguments(call: dict) -> dict:
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            raise bad_request("tool call arguments must be a JSON object", "messages") from None
+        call = {**call, "function": {**function, "arguments": arguments}}
+    return call
+
+
+def render(tokenizer, messages: list[dict], *, template: str | None, tools, add_generation_prompt: bool,
+           continue_final_message: bool, template_kwargs: dict | None) -> str:
+    """Applies the template; a template error (say, roles that must alternate) is the client's."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; start the server with --chat-template "
+                          "or use /v1/completions", "messages")
+    if continue_final_message and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs an assistant message last", "messages")
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **(template_kwargs or {}))
+    except Exception as error:  # jinja2's TemplateError, raise_exception(), bad kwargs
+        raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None

@@ -1,0 +1,67 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, whatever went wrong.
+
+The official SDK reads `body["error"]` to build its exception, and FastAPI's own `{"detail": ..}`
+would reach users as an unreadable message, so every error path of the app ends here.
+"""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in a route: becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def not_supported(param: str, what: str | None = None) -> APIError:
+    """A parameter we parse but do not implement: a 400 that says so, never silently ignored."""
+    return APIError(400, f"{what or param} is not supported by this server", param=param,
+                    code="unsupported_parameter")
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A pydantic / FastAPI validation error list -> (one readable message, the offending field)."""
+    parts, param = [], None
+    for error in errors[:3]:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        message = error.get("msg", "invalid value")
+        if error.get("type") == "json_invalid":
+            message = "the request body is not valid JSON: " + str(error.get("ctx", {}).get("error", ""))
+        elif error.get("type") == "extra_forbidden":
+            message = "unknown or unsupported parameter"
+        elif error.get("type") == "model_attributes_type" and not loc:
+            message = "the request body must be a JSON object"
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts), param

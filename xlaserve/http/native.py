@@ -1,0 +1,164 @@
+"""SGLang's native routes: /generate, /health, /health_generate, /get_model_info,
+/get_server_info, /flush_cache; and the OpenAI model list."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+import xlaserve
+from xlaserve.http.errors import APIError, bad_request
+from xlaserve.http.protocol import GenerateRequest, parse_body
+from xlaserve.http.serving import SSE_DONE, Generation, ServingContext, sse, sse_error
+from xlaserve.offline import to_sampling_params
+from xlaserve.runtime.async_requests import EngineDeadError, sglang_output
+from xlaserve.runtime.engine import SamplingParams
+
+router = APIRouter()
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.ctx
+
+
+def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Generation, bool]:
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", "text")
+    if req.text is not None:
+        if ctx.tokenizer is None:
+            raise bad_request("text needs the tokenizer (--skip-tokenizer-init is set)", "text")
+        batched = isinstance(req.text, list)
+        prompts = [ctx.tokenizer.encode(t) for t in (req.text if batched else [req.text])]
+    else:
+        batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = req.input_ids if batched else [req.input_ids]
+    if req.logprob_start_len not in (-1, None) and req.logprob_start_len >= 0:
+        raise APIError(400, "logprob_start_len (input token logprobs) is not supported by this "
+                            "server yet", param="logprob_start_len", code="unsupported_parameter")
+    raw = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
+    if len(raw) != len(prompts):
+        raise bad_request(f"{len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
+    try:
+        parsed = [to_sampling_params(p) for p in raw]
+    except (TypeError, ValueError) as error:
+        raise bad_request(str(error), "sampling_params") from None
+    ns = {n for _, n in parsed}
+    if len(ns) != 1:
+        raise bad_request("every prompt of one call must ask for the same n", "sampling_params")
+    n = ns.pop()
+    params: list[SamplingParams] = [p for p, _ in parsed]
+    rid = req.rid if isinstance(req.rid, str) else None
+    generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
+                            return_logprob=req.return_logprob, rid=rid)
+    return generation, batched or n > 1
+
+
+@router.post("/generate")
+async def generate(request: Request):
+    req = parse_body(await request.body(), GenerateRequest)
+    ctx = _ctx(request)
+    if not 0 <= req.top_logprobs_num <= 20:
+        raise bad_request("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
+    generation, batched = _generation(ctx, req)
+    logprobs = (req.return_logprob, req.top_logprobs_num)
+    if req.stream:
+        if batched:
+            generation.group.abort()
+            raise bad_request("stream takes one prompt with n=1", "stream")
+        return StreamingResponse(_stream(generation, logprobs), media_type="text/event-stream")
+    start = time.perf_counter()
+    choices = await generation.collect()
+    outputs = []
+    for choice in choices:
+        out = sglang_output(choice, *logprobs)
+        out["meta_info"]["e2e_latency"] = round(time.perf_counter() - start, 4)
+        outputs.append(out)
+    return outputs if batched else outputs[0]
+
+
+async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
+    """SGLang's stream: each event holds everything so far (cumulative text and ids)."""
+    try:
+        async for choice, chunk in generation.stream():
+            out = sglang_output(dataclasses.replace(choice, meta_info=choice.meta_info or _partial_meta(choice)),
+                                *logprobs)
+            if "error" in chunk:
+                yield sse_error(APIError(500, f"generation failed: {chunk['error']}"))
+            yield sse(out)
+    except EngineDeadError as error:
+        yield sse_error(APIError(503, str(error)))
+    yield SSE_DONE
+
+
+def _partial_meta(choice) -> dict:
+    return {"id": None, "finish_reason": None, "completion_tokens": len(choice.token_ids)}
+
+
+@router.get("/health")
+async def health(request: Request):
+    if not _ctx(request).ready:
+        raise APIError(503, "the server is starting: the model is not ready yet")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    """Generates one token: checks that the engine loop really runs, not only the HTTP server."""
+    ctx = _ctx(request)
+    if not ctx.ready:
+        raise APIError(503, "the server is starting: the model is not ready yet")
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    try:
+        await Generation(ctx, [[0]], params, 1, priority=1 << 20).collect()
+    except (APIError, EngineDeadError) as error:
+        raise APIError(503, f"the engine cannot generate: {error}") from None
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request):
+    ctx = _ctx(request)
+    return {"model_path": ctx.model_path, "tokenizer_path": ctx.engine.server_args.tokenizer_path or ctx.model_path,
+            "is_generation": True, "preferred_sampling_params": None,
+            "served_model_name": ctx.served_model_name, "context_length": ctx.context_length,
+            "vocab_size": ctx.vocab_size}
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request):
+    ctx = _ctx(request)
+    core = ctx.engine.core
+    return {**dataclasses.asdict(ctx.engine.server_args), "version": xlaserve.__version__,
+            "max_total_num_tokens": core.scheduler.allocator.capacity * core.args.page_size,
+            "max_request_tokens": core.max_request_tokens, **core.stats()}
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request):
+    core = _ctx(request).engine.core
+    flush = getattr(core, "flush_cache", None)
+    if flush is not None:  # without a prefix cache nothing is kept to flush
+        await asyncio.to_thread(flush)  # waits for the engine thread to empty the tree
+    return Response("Cache flushed.\n", status_code=200)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(_ctx(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request):
+    ctx = _ctx(request)
+    if model != ctx.served_model_name:
+        raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+    return _model_card(ctx)
+
+
+def _model_card(ctx: ServingContext) -> dict:
+    return {"id": ctx.served_model_name, "object": "model", "created": ctx.created,
+            "owned_by": "xlaserve", "root": ctx.model_path, "max_model_len": ctx.context_length}

@@ -1,0 +1,251 @@
+"""What chat, completions and /generate share: the serving context, request -> sampling
+parameters with OpenAI's checks, submitting n x prompts as one group, collecting choices, usage,
+SSE framing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import orjson
+
+from xlaserve.http.errors import APIError, bad_request, not_supported
+from xlaserve.http.metrics import Metrics
+from xlaserve.http.protocol import SamplingFields
+from xlaserve.offline import Engine
+from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice
+from xlaserve.runtime.engine import SamplingParams
+from xlaserve.runtime.model_runner import MAX_TOP_LOGPROBS
+
+MAX_N = 128  # choices per request (every one is a running request)
+
+
+@dataclasses.dataclass
+class ServingContext:
+    """Everything a route needs, built once by the app factory."""
+
+    engine: Engine
+    served_model_name: str
+    model_path: str
+    chat_template: str | None  # None: the tokenizer's own
+    template_stop_ids: frozenset[int]  # end-of-turn tokens of the chat template
+    reasoning_parser: str | None
+    stream_interval: int
+    metrics: Metrics | None
+    ready: bool = False  # set once the warm-up generation has passed
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.core.loaded.config.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.core.context_length
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", "default", self.served_model_name):
+            raise APIError(404, f"The model '{model}' does not exist", param="model",
+                           code="model_not_found")
+
+
+def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | None,
+                    prompt_len: int, extra_stop_ids: frozenset[int] = frozenset()) -> SamplingParams:
+    """The request's sampling fields -> engine parameters, refusing out-of-range values with
+    OpenAI's 400. `max_tokens` None means "until the context (or the KV pool) is full"."""
+    limit = ctx.engine.core.max_request_tokens
+    if max_tokens is None:
+        max_tokens = limit - prompt_len
+        if max_tokens < 1:
+            raise context_error(ctx, prompt_len, 1)
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    checks = [
+        (1 <= req.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}"),
+        (max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+        (temperature >= 0, "temperature", "temperature must be non-negative"),
+        (0 < top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+        (req.top_k == -1 or req.top_k >= 1, "top_k", "top_k must be -1 (disable) or at least 1"),
+        (0 <= req.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+        (-2 <= req.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+        (-2 <= req.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+        (0 < req.repetition_penalty <= 2, "repetition_penalty", "repetition_penalty must be in (0, 2]"),
+        (0 <= req.min_tokens <= max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]"),
+        (not (req.stream_options and not req.stream), "stream_options",
+         "stream_options is only allowed with stream=true"),
+    ]
+    for ok, param, message in checks:
+        if not ok:
+            raise bad_request(message, param)
+    _refuse_constraints(req)
+    logit_bias = _logit_bias(req.logit_bias, ctx.vocab_size)
+    stop_ids = list(req.stop_token_ids or ())
+    if any(not 0 <= t < ctx.vocab_size for t in stop_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {ctx.vocab_size})", "stop_token_ids")
+    if not req.ignore_eos:
+        stop_ids += sorted(extra_stop_ids - set(stop_ids))
+    if prompt_len + max_tokens > limit:
+        raise context_error(ctx, prompt_len, max_tokens)
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
+        min_p=req.min_p, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        logit_bias=logit_bias, stop=req.stop, stop_token_ids=stop_ids or None,
+        ignore_eos=req.ignore_eos, min_new_tokens=req.min_tokens, seed=req.seed,
+        skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim)
+
+
+def _refuse_constraints(req: SamplingFields) -> None:
+    given = [name for name in ("regex", "ebnf", "json_schema") if getattr(req, name) is not None]
+    if len(given) > 1:
+        raise bad_request("Only one of regex, json_schema, or ebnf can be set.", given[1])
+    if given:
+        raise not_supported(given[0], f"{given[0]} (constrained decoding)")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise not_supported("response_format", f"response_format {kind!r} (constrained decoding)")
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    result = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias token id {token} is outside [0, {vocab_size})", "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        result[token] = float(value)
+    return result
+
+
+def context_error(ctx: ServingContext, prompt_len: int, max_tokens: int) -> APIError:
+    limit = ctx.engine.core.max_request_tokens
+    where = "context length" if limit == ctx.context_length else "KV cache capacity"
+    if prompt_len >= limit:
+        message = (f"The input ({prompt_len} tokens) is longer than the model's {where} "
+                   f"({limit} tokens).")
+    else:
+        message = (f"This model's maximum context length is {limit} tokens ({where}). However, you "
+                   f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                   f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+    return bad_request(message, "max_tokens" if prompt_len < limit else "messages",
+                       code="context_length_exceeded")
+
+
+def check_prompt_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
+    if not ids:
+        raise bad_request("the prompt is empty", param)
+    if any(not 0 <= t < ctx.vocab_size for t in ids):
+        raise bad_request(f"prompt token ids must be in [0, {ctx.vocab_size})", param)
+
+
+class Generation:
+    """The requests of one API call (prompts x n), submitted at once, read as one stream."""
+
+    def __init__(self, ctx: ServingContext, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams], n: int,
+                 *, top_logprobs_num: int = 0, return_logprob: bool = False,
+                 priority: int = 0, rid: str | None = None):
+        self.ctx = ctx
+        self.prompts = prompts
+        self.n = n
+        self.id = rid or uuid.uuid4().hex
+        self.created = int(time.time())
+        self.group = AsyncRequestGroup(ctx.engine.core)
+        self.choices = [Choice(i, i // n) for i in range(len(prompts) * n)]
+        self._start = time.perf_counter()
+        self._last_token_at: dict[int, float] = {}
+        if ctx.metrics is not None:
+            ctx.metrics.request_started(sum(len(p) for p in prompts))
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        try:
+            for choice in self.choices:
+                # Each of n samples needs its own seed, or they would all draw the same tokens.
+                p = per_prompt[choice.prompt_index]
+                seed = None if p.seed is None else p.seed + choice.index % n
+                self.group.submit(choice.index, prompts[choice.prompt_index],
+                                  dataclasses.replace(p, seed=seed),
+                                  rid=f"{self.id}-{choice.index}" if len(self.choices) > 1 else self.id,
+                                  return_logprob=return_logprob or top_logprobs_num > 0,
+                                  top_logprobs_num=top_logprobs_num, priority=priority)
+        except ValueError as error:
+            self.group.abort()
+            raise bad_request(str(error)) from None
+        except RuntimeError as error:  # the engine loop is not running
+            self.group.abort()
+            raise APIError(503, str(error)) from None
+
+    async def stream(self) -> AsyncIterator[tuple[Choice, dict]]:
+        """(choice, chunk) as chunks arrive; aborts whatever is unfinished if the consumer stops."""
+        try:
+            async for index, chunk in self.group.chunks():
+                choice = self.choices[index]
+                choice.add(chunk)
+                self._observe(index, chunk)
+                yield choice, chunk
+        finally:
+            self.group.abort()
+
+    async def collect(self) -> list[Choice]:
+        async for _ in self.stream():
+            pass
+        for choice in self.choices:
+            if choice.meta_info.get("error"):
+                raise APIError(500, f"generation failed: {choice.meta_info['error']}")
+        return self.choices
+
+    def _observe(self, index: int, chunk: dict) -> None:
+        metrics = self.ctx.metrics
+        if metrics is None:
+            return
+        now = time.perf_counter()
+        if chunk["token_id"] is not None:
+            last = self._last_token_at.get(index)
+            if last is None:
+                metrics.time_to_first_token.observe(now - self._start)
+            else:
+                metrics.inter_token_latency.observe(now - last)
+            self._last_token_at[index] = now
+        if chunk["finished"]:
+            meta = chunk["meta_info"]
+            metrics.request_finished(meta["finish_reason"]["type"], meta["completion_tokens"],
+                                     now - self._start)
+
+    def usage(self) -> dict:
+        """Prompt tokens counted once per prompt, not per choice; cached tokens are the least
+        any of a prompt's choices had (the choices after the first hit the first one's pages)."""
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion_tokens = sum(c.meta_info["completion_tokens"] for c in self.choices)
+        cached = 0
+        for p in range(len(self.prompts)):
+            cached += min(c.meta_info.get("cached_tokens", 0) for c in self.choices[p * self.n:(p + 1) * self.n])
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def check_top_logprobs(num: int | None, param: str) -> int:
+    num = num or 0
+    if not 0 <= num <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{param} must be in [0, {MAX_TOP_LOGPROBS}]", param)
+    return num
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error(error: APIError) -> bytes:
+    return sse(error.body())

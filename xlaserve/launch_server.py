@@ -1,0 +1,106 @@
+"""python -m xlaserve.launch_server [--model-path ...] [--port 30000]: the OpenAI-compatible server.
+
+Start-up, as in SGLang: the arguments, the weights, the KV cache and the precompiled programs are
+logged; uvicorn starts listening; one warm-up generation runs; then /health answers 200 and the
+log says the server is ready. Until then /health answers 503.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import sys
+
+from xlaserve.server_args import ServerArgs
+
+logger = logging.getLogger("xlaserve")
+
+READY_MESSAGE = "The server is fired up and ready to roll!"
+
+
+def make_context(args: ServerArgs):
+    """Loads the engine (weights, KV cache, precompile) and everything the routes need."""
+    from xlaserve.http.chat_template import load_chat_template, template_stop_ids
+    from xlaserve.http.metrics import Metrics
+    from xlaserve.http.reasoning import PARSERS
+    from xlaserve.http.serving import ServingContext
+    from xlaserve.offline import Engine
+
+    template = load_chat_template(args.chat_template)  # before loading: fail fast on a bad flag
+    if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
+        raise ValueError(f"unknown --reasoning-parser {args.reasoning_parser!r}")
+    fields = {k: v for k, v in dataclasses.asdict(args).items() if k != "model_path"}
+    engine = Engine(args.model_path, **fields)
+    loaded = engine.core.loaded
+    name = args.served_model_name or (args.model_path.rstrip("/") if args.model_path else loaded.name)
+    tokenizer = engine.tokenizer
+    metrics = Metrics(name, engine.core.stats) if args.enable_metrics else None
+    return ServingContext(
+        engine=engine, served_model_name=name, model_path=args.model_path or loaded.source,
+        chat_template=template,
+        template_stop_ids=template_stop_ids(tokenizer, template) if tokenizer is not None else frozenset(),
+        reasoning_parser=args.reasoning_parser, stream_interval=max(1, args.stream_interval),
+        metrics=metrics)
+
+
+async def warm_up(ctx) -> None:
+    """One short generation through the whole path; /health turns 200 only after it passed."""
+    from xlaserve.runtime.engine import SamplingParams
+    from xlaserve.http.serving import Generation
+
+    prompt = ctx.tokenizer.encode("The capital of France is") if ctx.tokenizer is not None else [1, 2, 3]
+    await Generation(ctx, [prompt], SamplingParams(max_new_tokens=4, temperature=0.0), 1).collect()
+    ctx.ready = True
+    logger.info(READY_MESSAGE)
+
+
+def build_app(args: ServerArgs, ctx):
+    """The app, with a lifespan that warms up after uvicorn listens and stops the engine at exit."""
+    from xlaserve.http.app import create_app
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        if args.skip_server_warmup:
+            ctx.ready = True
+            logger.info(READY_MESSAGE)
+        else:
+            task = asyncio.get_running_loop().create_task(warm_up(ctx))
+            task.add_done_callback(_log_failed_warm_up)
+        yield
+        ctx.engine.shutdown()
+
+    return create_app(ctx, api_key=args.api_key, max_payload_size=args.max_payload_size,
+                      log_requests=args.log_requests, lifespan=lifespan)
+
+
+def _log_failed_warm_up(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("warm-up generation failed; /health stays 503: %r", task.exception())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xlaserve.launch_server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    shown = dataclasses.replace(args, api_key="***" if args.api_key else None)
+    logger.info("server_args=%s", shown)
+    import uvicorn
+
+    try:
+        ctx = make_context(args)
+    except (ValueError, FileNotFoundError) as error:
+        logger.error("%s", error)
+        return 2
+    app = build_app(args, ctx)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_keep_alive=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
