@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PROMPT ?= List 3 countries and their capitals.
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 .PHONY: install serve test clean
 
@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The HTTP server arrives with the server issue; until then this generates on the default model.
+# The OpenAI-compatible server on the embedded default model (port 30000); add flags with
+# SERVE_ARGS="--model-path ... --port ...".
 serve: $(STAMP)
-	$(PY) -m xlaserve.generate --prompt "$(PROMPT)"
+	$(PY) -m xlaserve.launch_server $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

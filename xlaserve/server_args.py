@@ -76,7 +76,9 @@ class ServerArgs:
             if field.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=field.metadata["help"])
                 continue
-            kind = {"int": int, "float": float}.get(str(field.type), str)
+            # `from __future__ import annotations` makes types strings: "int", "Optional[float]"...
+            type_name = str(field.type).removeprefix("Optional[").removesuffix("]")
+            kind = {"int": int, "float": float}.get(type_name, str)
             parser.add_argument(flag, type=kind, default=field.default, help=field.metadata["help"],
                                 **extra)
 

@@ -35,17 +35,24 @@ class ReasoningParser:
         self.state = "start"  # -> "reasoning" -> "content", or "start" -> "content"
         self.had_reasoning = False
         self._buffer = ""
+        self._skip_newlines = False  # right after a tag: the newlines that set it apart
+
 
     def feed(self, text: str) -> tuple[str, str]:
         """A new piece of output -> (reasoning delta, content delta)."""
         self._buffer += text
         reasoning, content = [], []
         while self._buffer:
+            if self._skip_newlines:
+                self._buffer = self._buffer.lstrip("\n")
+                if not self._buffer:
+                    break
+                self._skip_newlines = False
             if self.state == "start":
                 stripped = self._buffer.lstrip()
                 if stripped.startswith(THINK_START):  # the model opens the block itself
-                    self._buffer = stripped[len(THINK_START):].lstrip("\n")
-                    self.state = "reasoning"
+                    self._buffer = stripped[len(THINK_START):]
+                    self.state, self._skip_newlines = "reasoning", True
                 elif THINK_START.startswith(stripped):
                     break  # only whitespace or a partial `<think>` so far
                 else:
@@ -55,8 +62,8 @@ class ReasoningParser:
                 at = self._buffer.find(THINK_END)
                 if at != -1:
                     reasoning.append(self._buffer[:at])
-                    self._buffer = self._buffer[at + len(THINK_END):].lstrip("\n")
-                    self.state = "content"
+                    self._buffer = self._buffer[at + len(THINK_END):]
+                    self.state, self._skip_newlines = "content", True
                     continue
                 keep = _held_suffix(self._buffer, THINK_END)
                 reasoning.append(self._buffer[:len(self._buffer) - keep])

@@ -16,6 +16,7 @@ from typing import Callable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from xlaserve.model.loader import load_model, tensor_parallel_mesh
 from xlaserve.runtime.batch import pack
@@ -97,6 +98,10 @@ class EngineCore:
                                  skip_tokenizer_init=args.skip_tokenizer_init,
                                  mesh=tensor_parallel_mesh(args.tp_size))
         config = self.loaded.config
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(self.loaded.model)))
+        logger.info("Load weight end. type=%s, dtype=%s, mem usage=%.2f GB, from %s",
+                    config.architecture, np.dtype(self.loaded.dtype).name, weight_bytes / 2**30,
+                    self.loaded.source)
         self.tokenizer = self.loaded.tokenizer
         self.context_length = args.context_length or config.max_position_embeddings
         page_size = args.page_size

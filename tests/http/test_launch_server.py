@@ -1,0 +1,74 @@
+"""`python -m xlaserve.launch_server` on the embedded default model, as `make serve` runs it: the
+start-up log, /health, a real answer through the openai SDK, and a clean stop on SIGTERM."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.http.conftest import _free_port
+
+# Two step programs (the default-model engine test compiles the same ones), a small KV pool.
+FLAGS = ["--max-running-requests", "4", "--precompile-token-paddings", "8,64",
+         "--chunked-prefill-size", "24", "--max-prefill-tokens", "48", "--max-total-tokens", "1024",
+         "--context-length", "512", "--enable-metrics"]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("launch") / "server.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen([sys.executable, "-m", "xlaserve.launch_server", "--port", str(port), *FLAGS],
+                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("the server did not become ready:\n" + log_path.read_text()[-3000:])
+    yield process, base_url, log_path
+    if process.poll() is None:
+        process.kill()
+    log.close()
+
+
+def test_startup_log_tells_what_happened_in_order(launched):
+    text = launched[2].read_text()
+    marks = ["server_args=ServerArgs(", "Load weight end. type=LlamaForCausalLM", "KV Cache is allocated. #tokens: 1024",
+             "Precompiling", "Uvicorn running on", "The server is fired up and ready to roll!"]
+    positions = [text.find(mark) for mark in marks]
+    assert -1 not in positions and positions == sorted(positions), list(zip(marks, positions))
+
+
+def test_the_default_model_answers_through_the_openai_sdk(launched):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=launched[1] + "/v1", api_key="EMPTY", max_retries=0)
+    assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+    reply = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=16)
+    assert "Paris" in reply.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=16, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == reply.choices[0].message.content
+    assert "xlaserve:generation_tokens_total" in httpx.get(launched[1] + "/metrics").text
+
+
+def test_sigterm_stops_the_server_cleanly(launched):
+    process = launched[0]
+    process.send_signal(signal.SIGTERM)
+    # uvicorn shuts down gracefully, then re-raises the signal so the exit status tells it.
+    assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    assert "Finished server process" in launched[2].read_text()
