@@ -55,6 +55,9 @@ class ServerArgs:
     disable_overlap_schedule: bool = _flag(
         False, "wait for each step before handing out its tokens (default: detokenize and hand "
                "out a step's tokens while the next step computes)")
+    disable_radix_cache: bool = _flag(
+        False, "free the KV pages of finished requests instead of keeping them for later prompts "
+               "that start with the same tokens (the prefix cache)")
     random_seed: Optional[int] = _flag(None, "seed for requests that do not give one")
     log_level: str = _flag("info", "logging level", choices=["debug", "info", "warning", "error"])
     # --- the HTTP server ---

@@ -1,5 +1,5 @@
 """The engine end to end on a tiny model: continuous batching equals solo runs, retraction,
-abort, no compiles after precompile, seeds, the offline API."""
+abort, no compiles after precompile, seeds, the offline API, the prefix cache (on by default)."""
 import asyncio
 import logging
 import threading
@@ -207,3 +207,54 @@ def test_logprobs_of_chosen_tokens_and_top_alternatives_match_transformers(engin
         np.testing.assert_allclose([lp for lp, _, _ in alternatives], best.values.numpy(), atol=1e-4)
     with pytest.raises(ValueError, match="top_logprobs_num"):
         engine.generate(input_ids=[1, 2], sampling_params=GREEDY, top_logprobs_num=21)
+
+
+# --- the prefix cache (on in `engine`) --------------------------------------------------------------
+
+SYSTEM = [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64, 8]  # 3 whole pages of 4
+
+
+@pytest.fixture(scope="module")
+def uncached_engine(checkpoint):
+    with Engine(checkpoint[0], max_total_tokens=512, disable_precompile=True,
+                disable_radix_cache=True, **SMALL) as engine:
+        yield engine
+
+
+def test_multi_turn_prompts_reuse_the_cache_with_the_same_greedy_outputs(engine, uncached_engine,
+                                                                          checkpoint):
+    engine.core.flush_cache()
+    turn1 = SYSTEM + [91, 13, 400, 401, 402, 403, 404, 405]  # 20 tokens
+    first = engine.generate(input_ids=turn1, sampling_params=GREEDY)
+    turn2 = turn1 + first["output_ids"] + [33, 44, 55, 66, 7, 7]  # 38 tokens
+    second = engine.generate(input_ids=turn2, sampling_params=GREEDY)
+    other = engine.generate(input_ids=SYSTEM + [99, 98, 97], sampling_params=GREEDY)
+    # turn 1 computed 20 + 11 tokens (its last sampled token never enters the cache): 7 pages.
+    assert [r["meta_info"]["cached_tokens"] for r in (first, second, other)] == [0, 28, 12]
+    for prompt, result in [(turn1, first), (turn2, second), (SYSTEM + [99, 98, 97], other)]:
+        plain = uncached_engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert plain["meta_info"]["cached_tokens"] == 0
+        assert result["output_ids"] == plain["output_ids"] == hf_greedy(checkpoint[1], prompt, 12)
+
+
+def test_seeded_samples_of_one_prompt_prefill_it_once_and_sample_as_without_the_cache(
+        engine, uncached_engine):
+    engine.core.flush_cache()
+    prompt = SYSTEM + [1, 2, 3, 4, 5, 6, 7, 8]  # 20 tokens: 16 reusable, the last page recomputed
+    params = {"n": 3, "max_new_tokens": 10, "temperature": 1.0, "seed": 7, "ignore_eos": True,
+              "frequency_penalty": 0.5}
+    cached = engine.generate(input_ids=prompt, sampling_params=params)
+    plain = uncached_engine.generate(input_ids=prompt, sampling_params=params)
+    assert [r["output_ids"] for r in cached] == [r["output_ids"] for r in plain]
+    assert len({tuple(r["output_ids"]) for r in cached}) == 3  # seeds 7, 8, 9 differ
+    assert [r["meta_info"]["cached_tokens"] for r in cached] == [0, 16, 16]
+
+
+def test_flush_cache_brings_an_idle_pool_back_to_zero(engine):
+    engine.core.flush_cache()
+    engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)
+    allocator = engine.core.scheduler.allocator
+    # 26 + 11 computed tokens: 9 whole pages stay cached, though no request uses them.
+    assert engine.core.scheduler.token_usage() == 0 and allocator.num_used == 9
+    assert engine.core.flush_cache() == 9
+    assert allocator.num_used == 0 and allocator.usage() == 0

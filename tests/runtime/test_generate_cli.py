@@ -27,8 +27,8 @@ def test_server_args_flags_use_sglang_names_and_types():
     ServerArgs.add_cli_args(parser)
     args = ServerArgs.from_cli_args(parser.parse_args(
         ["--model-path", "Qwen/Qwen2.5-0.5B-Instruct", "--dtype", "bfloat16", "--page-size", "32",
-         "--skip-tokenizer-init"]))
+         "--skip-tokenizer-init", "--disable-radix-cache"]))
     assert args == ServerArgs(model_path="Qwen/Qwen2.5-0.5B-Instruct", dtype="bfloat16",
-                              page_size=32, skip_tokenizer_init=True)
+                              page_size=32, skip_tokenizer_init=True, disable_radix_cache=True)
     defaults = ServerArgs.from_cli_args(parser.parse_args([]))
     assert defaults == ServerArgs()

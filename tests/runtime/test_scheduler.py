@@ -159,10 +159,12 @@ def test_pages_are_allocated_at_page_boundaries_and_never_leaked():
     pages_held = []
     while s.has_work():
         model.run_step()
-        pages_held.append(s.allocator.num_used)
+        pages_held.append(s.num_pages_in_use)
     # kv after each step: 6 (prompt), then 7..13 for the decodes; the last step frees everything.
     assert pages_held == [2, 2, 2, 3, 3, 3, 3, 0]
-    assert s.allocator.num_used == 0 and s.token_usage() == 0
+    assert s.token_usage() == 0
+    assert s.allocator.num_used == 3 == s.cache.evictable_pages  # 13 computed tokens: 3 whole pages
+    assert s.flush_cache() == 3 and s.allocator.num_used == 0
 
 
 def test_finishes_after_exactly_max_new_tokens():
@@ -197,14 +199,16 @@ def test_abort_frees_pages_and_slot_at_once_in_every_state():
     assert s.requests["decoding"].is_decoding and s.requests["prefilling"].num_computed == 16
     assert s.requests["waiting"].status == "waiting"
     for rid in ["waiting", "prefilling", "decoding"]:
-        used, free_slots = s.allocator.num_used, len(s._free_slots)
+        used, free_slots = s.num_pages_in_use, len(s._free_slots)
         held = len(s.requests[rid].page_ids)
         aborted = s.abort(rid)
         assert aborted.finish_reason == ("abort", None) and aborted.status == "finished"
-        assert aborted.page_ids == [] and aborted.slot is None
-        assert s.allocator.num_used == used - held
+        assert aborted.page_ids == [] and aborted.slot is None and aborted.cache_node is None
+        assert s.num_pages_in_use == used - held
         assert len(s._free_slots) == free_slots + (rid != "waiting")
-    assert s.allocator.num_used == 0 and not s.has_work() and s.schedule() is None
+    assert s.num_pages_in_use == 0 and not s.has_work() and s.schedule() is None
+    # What they computed stays cached: prefilling's 16 prompt tokens, decoding's 6 (one whole page).
+    assert s.cache.evictable_pages == 4 + 1
     assert s.abort("decoding") is None and s.abort("nobody") is None
 
 
@@ -217,14 +221,17 @@ def test_a_request_aborted_while_its_step_runs_is_not_advanced():
     assert s.allocator.num_used == 0
 
 
-def test_a_pool_far_too_small_still_completes_everything_with_the_same_outputs(caplog):
+@pytest.mark.parametrize("radix_cache", [True, False])
+def test_a_pool_far_too_small_still_completes_everything_with_the_same_outputs(caplog, radix_cache):
     def run(num_pages):
-        s = make_scheduler(num_pages=num_pages, max_running=8, chunk=8, budget=16)
+        s = make_scheduler(num_pages=num_pages, max_running=8, chunk=8, budget=16, radix_cache=radix_cache)
         for i in range(10):
             s.add(req(f"r{i}", prompt_len=5 + 3 * i % 17, max_new=10 + 5 * i % 13, priority=int(i % 3 == 0)))
         model = FakeModel(s)
         outputs = {r.rid: (r.output_ids, r.finish_reason) for r in model.run_all()}
-        assert s.allocator.num_used == 0 and s.token_usage() == 0
+        assert s.num_pages_in_use == 0 and s.token_usage() == 0
+        s.flush_cache()
+        assert s.allocator.num_used == 0 and s.cache.num_pages == 0
         assert sorted(s._free_slots) == list(range(1, 9))
         return outputs, s
 
@@ -298,4 +305,4 @@ def test_prefills_stuck_without_pages_retract_the_newest_so_the_oldest_finishes(
     assert [r.rid for r in batch.requests] == ["a"] and s.requests["b"].retracted_count == 1
     assert "KV cache pool is full. Retract requests. #retracted_reqs: 1" in caplog.text
     finished = s.process_results(batch, model.step(batch)) + model.run_all()
-    assert [r.rid for r in finished] == ["a", "b"] and s.allocator.num_used == 0
+    assert [r.rid for r in finished] == ["a", "b"] and s.num_pages_in_use == 0

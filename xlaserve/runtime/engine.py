@@ -12,6 +12,7 @@ import queue
 import random
 import threading
 import uuid
+from concurrent.futures import Future
 from typing import Callable
 
 import jax
@@ -125,7 +126,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(
             PageAllocator(num_pages), page_size, args.max_running_requests,
-            args.chunked_prefill_size, args.max_prefill_tokens, self.context_length)
+            args.chunked_prefill_size, args.max_prefill_tokens, self.context_length,
+            radix_cache=not args.disable_radix_cache)
         self.eos_token_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -194,6 +196,18 @@ class EngineCore:
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid, None, None))
 
+    def flush_cache(self) -> int:
+        """Empties the prefix cache of the pages no running request uses, on the engine thread
+        between steps; returns how many pages it freed, once done."""
+        done: Future = Future()
+        self._inbox.put(("flush", done, None, None))
+        while True:
+            try:
+                return done.result(timeout=1.0)
+            except TimeoutError:
+                if not self.is_alive():
+                    raise RuntimeError("the engine loop is not running (shut down, or it failed)") from None
+
     def shutdown(self) -> None:
         self._stopping = True
         self._inbox.put(("wake", None, None, None))
@@ -260,6 +274,11 @@ class EngineCore:
             elif kind == "abort" and payload in self._live:
                 self.scheduler.abort(payload)
                 self._finish_aborted(payload, None)
+            elif kind == "flush":
+                try:
+                    payload.set_result(self.scheduler.flush_cache())
+                except Exception as error:  # the caller waits on the future: hand it the error
+                    payload.set_exception(error)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -1,8 +1,8 @@
 """The paged KV cache: device page pools (one array per layer) and the host-side page allocator.
 
 A page holds `page_size` consecutive tokens of one sequence for every layer. Requests own lists of
-page ids (their page table); pages go back to the free list the moment a request finishes, is
-aborted or is retracted. Page 0 is never handed out: padding rows of page tables point at it, so
+page ids (their page table); when a request finishes, is aborted or is retracted, its pages go back
+to the free list at once, or to the prefix cache (prefix_cache.py), which frees them on eviction. Page 0 is never handed out: padding rows of page tables point at it, so
 a padded slot can never alias a live request's data.
 """
 from __future__ import annotations

@@ -11,6 +11,16 @@ A request's KV state is `num_computed`: how many of `all_ids()` are in the cache
 `all_ids()[num_computed:]`, in chunks. When the page pool runs dry for the decodes, the newest
 running requests are retracted: pages dropped, generated tokens kept, and on re-admission their
 prompt plus output so far is prefilled again (DESIGN.md, Memory).
+
+Prefix cache (prefix_cache.py; `radix_cache=False` keeps it empty). A request's whole pages enter
+the radix tree as soon as a step completes them and stay there when it ends or is retracted.
+An admitted request starts at its longest cached prefix: at most `num_tokens - 1` tokens (the last
+must run, to sample) in whole pages, none with `no_prefix_reuse`. It locks that tree path, so
+`page_ids[:cache_node.prefix_pages]` are tree pages, the rest its own. Unlocked cached pages count
+as free: evicted (LRU leaves) before anything is retracted, left out of `token_usage`.
+Shared prompts are prefilled once: a waiting request is passed over (without blocking the queue
+behind it) while its next page to match is one that a running request has yet to prefill, and is
+admitted with the hit once that page is in the tree; so `n` copies of a prompt compute it once.
 """
 from __future__ import annotations
 
@@ -23,8 +33,10 @@ from typing import TYPE_CHECKING, Literal
 
 from xlaserve.runtime.batch import SeqChunk
 from xlaserve.runtime.kv_cache import PageAllocator, pages_for_tokens
+from xlaserve.runtime.prefix_cache import RadixCache
 
 if TYPE_CHECKING:
+    from xlaserve.runtime.prefix_cache import TreeNode
     from xlaserve.runtime.sampler import RowSamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,6 +54,7 @@ class Request:
     min_new_tokens: int = 0  # stop ids cannot finish the request before this many tokens
     priority: int = 0  # larger = more urgent; FCFS within equal priority
     arrival_time: float = field(default_factory=time.monotonic)
+    no_prefix_reuse: bool = False  # compute every prompt token (prompt logprobs need them all)
     # --- state, managed by the scheduler ---
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids() whose KV is in the cache
@@ -49,7 +62,8 @@ class Request:
     slot: int | None = None  # row of the device penalty state, 1..max_running_requests
     status: Literal["waiting", "running", "finished"] = "waiting"
     finish_reason: FinishReason | None = None
-    num_cached_prompt_tokens: int = 0  # prefix cache hits (none yet)
+    num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at first admission
+    cache_node: TreeNode | None = None  # the prefix-cache path this running request locks
     retracted_count: int = 0
 
     def all_ids(self) -> list[int]:
@@ -77,11 +91,14 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
                  chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
-                 log_interval: int = 40):
+                 log_interval: int = 40, radix_cache: bool = True):
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
         self.page_size = page_size
+        # Disabled, the tree stays empty: nothing is inserted, so nothing matches or is evictable.
+        self.radix_cache = radix_cache
+        self.cache = RadixCache(allocator, page_size)
         self.max_running_requests = max_running_requests
         # <= 0 or None: no chunking, a prompt runs in one step.
         self.chunk_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
@@ -158,8 +175,11 @@ class Scheduler:
         return request
 
     def _release(self, request: Request) -> None:
-        self.allocator.free(request.page_ids)
-        request.page_ids = []
+        """Its computed whole pages stay cached (unlocked by it); the rest go back to the free list."""
+        self._share_computed_pages(request)
+        self.cache.unlock(request.cache_node)
+        self.allocator.free(request.page_ids[request.cache_node.prefix_pages:])
+        request.page_ids, request.cache_node = [], None
         if request.slot is not None:
             self._free_slots.append(request.slot)
             request.slot = None
@@ -178,7 +198,50 @@ class Scheduler:
         return max(0, pages_for_tokens(kv_len, self.page_size) - len(request.page_ids))
 
     def _grow(self, request: Request, kv_len: int) -> None:
-        request.page_ids += self.allocator.allocate(self._new_pages(request, kv_len))
+        request.page_ids += self.cache.allocate(self._new_pages(request, kv_len))
+
+    # --- the prefix cache -----------------------------------------------------------------------
+
+    def _reusable_tokens(self, request: Request) -> int:
+        """How much of a waiting request may come from the cache (module docstring)."""
+        if not self.radix_cache or request.no_prefix_reuse:
+            return 0
+        return (request.num_tokens - 1) // self.page_size * self.page_size
+
+    def _attach_prefix(self, request: Request) -> None:
+        """Starts a waiting request on its longest cached prefix, locked."""
+        pages, node = self.cache.match(request.all_ids()[:self._reusable_tokens(request)])
+        self.cache.lock(node)
+        request.cache_node, request.page_ids = node, pages
+        request.num_computed = len(pages) * self.page_size
+
+    def _detach_prefix(self, request: Request) -> None:  # not admitted after all
+        self.cache.unlock(request.cache_node)
+        request.cache_node, request.page_ids, request.num_computed = None, [], 0
+
+    def _share_computed_pages(self, request: Request) -> None:
+        """Puts the request's newly completed whole pages in the tree, so that a later prompt can
+        reuse them before this request ends."""
+        num_full = request.num_computed // self.page_size
+        if not self.radix_cache or num_full <= request.cache_node.prefix_pages:
+            return
+        request.page_ids[:num_full], request.cache_node = self.cache.insert_locked(
+            request.all_ids()[:num_full * self.page_size], request.page_ids[:num_full],
+            request.cache_node)
+
+    def _waits_for_a_running_prefill(self, request: Request) -> bool:
+        """Whether a running request has yet to prefill the next page this waiting request would
+        match (module docstring): admitting it now would compute that page twice."""
+        end = request.num_computed + self.page_size
+        if end > self._reusable_tokens(request):
+            return False
+        head = request.all_ids()[:end]
+        return any(not other.is_decoding and other.num_computed < end <= other.num_tokens
+                   and other.all_ids()[:end] == head for other in self.running)
+
+    def flush_cache(self) -> int:
+        """Evicts every cached page that no running request uses; returns how many."""
+        return self.cache.flush()
 
     def schedule(self) -> ScheduledBatch | None:
         rows = self._schedule_decodes()
@@ -197,7 +260,8 @@ class Scheduler:
         requests = [r for r, _ in rows]
         chunks = [c for _, c in rows]
         kind = "decode" if num_decodes == len(rows) else "prefill" if num_decodes == 0 else "mixed"
-        self._log_step(kind, num_decodes, chunks[num_decodes:])
+        cached = sum(c.num_cached for r, c in rows if any(r is a for a in admitted))
+        self._log_step(kind, num_decodes, chunks[num_decodes:], cached)
         return ScheduledBatch(requests, chunks, [r.slot for r in requests], kind, admitted)
 
     def _schedule_decodes(self) -> list[tuple[Request, SeqChunk]]:
@@ -207,7 +271,7 @@ class Scheduler:
         while True:
             decoding = [r for r in self.running if r.is_decoding]
             needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
-            if needed <= self.allocator.num_free or len(self.running) <= 1:
+            if needed <= self.cache.available_pages or len(self.running) <= 1:
                 break
             self._retract(self.running[-1])
             num_retracted += 1
@@ -229,15 +293,21 @@ class Scheduler:
         candidates = [r for r in self.running if not r.is_decoding] + (list(self.waiting) if admit else [])
         for r in candidates:
             is_new = r.status == "waiting"
-            if is_new and len(self.running) >= self.max_running_requests:
-                break
+            if is_new:
+                if len(self.running) >= self.max_running_requests:
+                    break
+                self._attach_prefix(r)
+                if self._waits_for_a_running_prefill(r):
+                    self._detach_prefix(r)
+                    continue
             remaining = r.num_tokens - r.num_computed
             n = min(remaining, budget, self.chunk_size or remaining)
-            if n < remaining and self.chunk_size is None:
-                if rows:
-                    break  # an unchunked prompt over the budget runs alone, in a step of its own
-                n = remaining
-            if n <= 0 or self._new_pages(r, r.num_computed + n) > self.allocator.num_free:
+            # Without chunking, a prompt over the budget runs alone, in a step of its own.
+            alone = n < remaining and self.chunk_size is None
+            n = remaining if alone else n
+            if (alone and rows) or n <= 0 or self._new_pages(r, r.num_computed + n) > self.cache.available_pages:
+                if is_new:
+                    self._detach_prefix(r)
                 break
             if is_new:
                 self.waiting.remove(r)
@@ -245,6 +315,8 @@ class Scheduler:
                 r.slot = self._free_slots.pop()
                 self.running.append(r)
                 admitted.append(r)
+                if r.retracted_count == 0:
+                    r.num_cached_prompt_tokens = r.num_computed
             self._grow(r, r.num_computed + n)
             token_ids = r.all_ids()[r.num_computed:r.num_computed + n]
             rows.append((r, SeqChunk(token_ids, r.num_computed, list(r.page_ids), n == remaining)))
@@ -259,6 +331,7 @@ class Scheduler:
             if request.status != "running":
                 continue  # aborted or finished since it was scheduled
             request.num_computed += len(chunk.token_ids)
+            self._share_computed_pages(request)
             if not chunk.sample:
                 continue
             token = int(token)
@@ -287,19 +360,25 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_pages_in_use(self) -> int:
+        """Pages that running requests hold (cached pages nobody uses count as free, as in SGLang)."""
+        return self.allocator.num_used - self.cache.evictable_pages
+
     def token_usage(self) -> float:
-        return self.allocator.usage()
+        return self.num_pages_in_use / self.allocator.capacity
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def _log_step(self, kind: str, num_decodes: int, prefill_chunks: list[SeqChunk]) -> None:
+    def _log_step(self, kind: str, num_decodes: int, prefill_chunks: list[SeqChunk],
+                  cached_tokens: int) -> None:
         if prefill_chunks:
             logger.info(
-                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                 "#running-req: %d, #queue-req: %d", len(prefill_chunks),
-                sum(len(c.token_ids) for c in prefill_chunks), self.token_usage(), num_decodes,
-                self.num_waiting)
+                sum(len(c.token_ids) for c in prefill_chunks), cached_tokens, self.token_usage(),
+                num_decodes, self.num_waiting)
         if kind != "decode":
             return
         # Throughput over the interval: tokens of steps 2..N over the time from step 1 to step N.
