@@ -2,6 +2,8 @@
 would fail if its parameter were ignored."""
 import threading
 
+import httpx
+
 import numpy as np
 import torch
 
@@ -104,6 +106,21 @@ def test_n_gives_distinct_indexed_choices_and_counts_the_prompt_once(client):
     assert len({c.message.content for c in reply.choices}) == 3
     assert reply.usage.prompt_tokens == single.usage.prompt_tokens
     assert reply.usage.completion_tokens == 24
+
+
+def test_n_prefills_the_prompt_once_and_repeats_hit_the_prefix_cache(server, client):
+    prompt = "A long enough prompt to fill more than one sixteen-token page of the KV cache, twice over."
+    ids = server.ctx.tokenizer.encode(prompt)
+    assert len(ids) > 16
+    outs = httpx.post(server.base_url + "/generate", timeout=60, json={
+        "text": prompt, "sampling_params": {"n": 3, "max_new_tokens": 2, "temperature": 1.0, "seed": 5}}).json()
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    whole_pages = (len(ids) - 1) // 16 * 16  # the last prompt token is always computed
+    assert sorted(cached) == [0, whole_pages, whole_pages]  # one prefill, two cache hits
+    messages = [{"role": "user", "content": prompt}]
+    first = chat(client, messages=messages, max_tokens=2)
+    again = chat(client, messages=messages, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16 > 0
 
 
 def test_top_k_1_top_p_tiny_and_min_p_1_all_sample_the_argmax(client):
