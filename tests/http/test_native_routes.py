@@ -30,6 +30,17 @@ def test_generate_takes_batches_of_token_ids_and_returns_logprobs(server):
         assert all(len(alts) == 2 and alts[0][1] == t for alts, t in zip(tops, out["output_ids"]))
 
 
+def test_a_client_rid_names_the_answer_and_may_repeat(server):
+    import concurrent.futures
+
+    body = {"text": "Hi", "rid": "my-request", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(lambda _: httpx.post(server.base_url + "/generate", json=body, timeout=60),
+                                  range(2)))
+    assert [r.status_code for r in responses] == [200, 200]
+    assert [r.json()["meta_info"]["id"] for r in responses] == ["my-request", "my-request"]
+
+
 def test_generate_stream_sends_cumulative_text(server):
     body = {"text": "Hello", "stream": True,
             "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}

@@ -75,6 +75,7 @@ async def generate(request: Request):
     outputs = []
     for choice in choices:
         out = sglang_output(choice, *logprobs)
+        out["meta_info"]["id"] = generation.id if len(choices) == 1 else f"{generation.id}-{choice.index}"
         out["meta_info"]["e2e_latency"] = round(time.perf_counter() - start, 4)
         outputs.append(out)
     return outputs if batched else outputs[0]

@@ -167,6 +167,7 @@ class Generation:
         if ctx.metrics is not None:
             ctx.metrics.request_started(sum(len(p) for p in prompts))
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        engine_rid = uuid.uuid4().hex
         try:
             for choice in self.choices:
                 # Each of n samples needs its own seed, or they would all draw the same tokens.
@@ -174,7 +175,8 @@ class Generation:
                 seed = None if p.seed is None else p.seed + choice.index % n
                 self.group.submit(choice.index, prompts[choice.prompt_index],
                                   dataclasses.replace(p, seed=seed),
-                                  rid=f"{self.id}-{choice.index}" if len(self.choices) > 1 else self.id,
+                                  # The engine's ids stay unique whatever `rid` a client sends.
+                                  rid=f"{engine_rid}-{choice.index}",
                                   return_logprob=return_logprob or top_logprobs_num > 0,
                                   top_logprobs_num=top_logprobs_num, priority=priority)
         except ValueError as error:
