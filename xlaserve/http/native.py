@@ -101,8 +101,11 @@ def _partial_meta(choice) -> dict:
 
 @router.get("/health")
 async def health(request: Request):
-    if not _ctx(request).ready:
+    ctx = _ctx(request)
+    if not ctx.ready:
         raise APIError(503, "the server is starting: the model is not ready yet")
+    if not ctx.engine.core.is_alive():
+        raise APIError(503, "the engine loop has stopped; see the server log")
     return Response(status_code=200)
 
 

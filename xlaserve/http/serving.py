@@ -15,7 +15,7 @@ from xlaserve.http.errors import APIError, bad_request, not_supported
 from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
-from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice
+from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice, EngineDeadError
 from xlaserve.runtime.engine import SamplingParams
 from xlaserve.runtime.model_runner import MAX_TOP_LOGPROBS
 
@@ -198,8 +198,11 @@ class Generation:
             self.group.abort()
 
     async def collect(self) -> list[Choice]:
-        async for _ in self.stream():
-            pass
+        try:
+            async for _ in self.stream():
+                pass
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from None
         for choice in self.choices:
             if choice.meta_info.get("error"):
                 raise APIError(500, f"generation failed: {choice.meta_info['error']}")
