@@ -20,6 +20,29 @@ from xlaserve.server_args import ServerArgs
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
+@dataclasses.dataclass(frozen=True)
+class LogprobOptions:
+    """What logprobs a request returns: SGLang's return_logprob, top_logprobs_num and
+    logprob_start_len (0: every prompt token too; None or -1: the output only)."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int | None = None
+
+    def __post_init__(self):
+        if self.logprob_start_len not in (None, -1, 0):
+            raise ValueError(f"logprob_start_len={self.logprob_start_len} is not supported: "
+                             "0 (from the first prompt token) or -1 / None (output only)")
+
+    @property
+    def on(self) -> bool:
+        return bool(self.return_logprob or self.top_logprobs_num)
+
+    def submit_kwargs(self) -> dict:
+        return dict(return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
+                    return_prompt_logprob=self.on and self.logprob_start_len == 0)
+
+
 def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingParams, int]:
     """SGLang-style dict -> (SamplingParams, n). Unknown keys are an error, not ignored."""
     if isinstance(params, SamplingParams):
@@ -70,18 +93,19 @@ class Engine:
     # --- generation -----------------------------------------------------------------------------
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 top_logprobs_num=0):
+                 top_logprobs_num=0, logprob_start_len=None):
         """SGLang's `Engine.generate`: one prompt (or token id list) and a dict of sampling
         params, or lists of them; returns a dict or a list of dicts with `text`, `output_ids` and
         `meta_info` (with `return_logprob`: `output_token_logprobs` [(logprob, token_id, None)]
-        and, with `top_logprobs_num`, `output_top_logprobs`)."""
+        and, with `top_logprobs_num`, `output_top_logprobs`; with `logprob_start_len=0` too,
+        `input_token_logprobs` [(logprob | None, token_id, None)] for every prompt token, the
+        first None, and with `top_logprobs_num`, `input_top_logprobs`)."""
+        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
         requests, batched = self._requests(prompt, sampling_params, input_ids)
-        logprobs = (return_logprob, top_logprobs_num)
         sinks = []
         for ids, params in requests:
             sink: queue.Queue = queue.Queue()
-            self.core.submit(ids, params, sink.put, return_logprob=return_logprob,
-                             top_logprobs_num=top_logprobs_num)
+            self.core.submit(ids, params, sink.put, **logprobs.submit_kwargs())
             sinks.append(sink)
         results = [self._collect(self._drain(sink), logprobs) for sink in sinks]
         return results if batched else results[0]
@@ -100,9 +124,10 @@ class Engine:
             raise RuntimeError("the engine loop has stopped; see the log for the error")
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             return_logprob=False, top_logprobs_num=0, stream=False):
+                             return_logprob=False, top_logprobs_num=0, stream=False,
+                             logprob_start_len=None):
+        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
         requests, batched = self._requests(prompt, sampling_params, input_ids)
-        logprobs = (return_logprob, top_logprobs_num)
         if stream:
             if batched:
                 raise ValueError("stream=True takes one prompt")
@@ -113,7 +138,7 @@ class Engine:
 
     async def _chunks(self, ids, params, logprobs) -> AsyncIterator[dict]:
         group = AsyncRequestGroup(self.core)
-        group.submit(0, ids, params, return_logprob=logprobs[0], top_logprobs_num=logprobs[1])
+        group.submit(0, ids, params, **logprobs.submit_kwargs())
         try:
             async for _, chunk in group.chunks():
                 yield chunk
@@ -132,13 +157,13 @@ class Engine:
         return self._collect([c async for c in self._chunks(ids, params, logprobs)], logprobs)
 
     @staticmethod
-    def _collect(chunks, logprobs: tuple[bool, int]) -> dict:
+    def _collect(chunks, logprobs: LogprobOptions) -> dict:
         choice = Choice(0, 0)
         for chunk in chunks:
             choice.add(chunk)
             if chunk["finished"]:
                 break
-        return sglang_output(choice, *logprobs)
+        return sglang_output(choice, logprobs.return_logprob, logprobs.top_logprobs_num)
 
     # --- lifetime ---------------------------------------------------------------------------------
 

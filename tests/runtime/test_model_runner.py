@@ -40,7 +40,7 @@ def _greedy_together(runner, prompts, new_tokens):
             batch.shape[1], SAMPLING_WIDTHS)
         padded_slots = np.zeros(batch.shape[1], np.int32)
         padded_slots[:len(prompts)] = slots
-        tokens = np.asarray(runner.step(batch, sampling, padded_slots).tokens)
+        tokens = np.asarray(runner.step(batch, sampling, padded_slots).sample.tokens)
         for i in range(len(prompts)):
             outputs[i].append(int(tokens[i]))
         chunks = [SeqChunk([outputs[i][-1]], c.num_cached + len(c.token_ids), c.page_ids)

@@ -211,6 +211,15 @@ class CausalLM(nnx.Module):
         logits_indices: jax.Array,  # i32[R] rows of the batch whose logits are wanted
         kernels: Kernels,
     ) -> tuple[jax.Array, list[jax.Array]]:
+        hidden, new_caches = self.hidden_states(input_ids, positions, kv_caches, metadata, kernels)
+        return self.logits(hidden[logits_indices], kernels), new_caches
+
+    def hidden_states(self, input_ids, positions, kv_caches, metadata: AttentionMetadata,
+                      kernels: Kernels) -> tuple[jax.Array, list[jax.Array]]:
+        """float32[T, hidden]: the residual stream after the last layer (before the final norm)
+        for every token row, and the updated KV caches. Split from `logits` so that a step can
+        take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
+        logprobs)."""
         x = self.embedding[...][input_ids].astype(jnp.float32)
         inv_freq = self.config.rope.inv_freq(self.config.head_dim)  # numpy: a trace-time constant
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
@@ -219,12 +228,14 @@ class CausalLM(nnx.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, kv_cache = layer(x, cos, sin, kv_cache, metadata, kernels)
             new_caches.append(kv_cache)
-        x = self.final_norm(x[logits_indices])
+        return x, new_caches
+
+    def logits(self, hidden: jax.Array, kernels: Kernels) -> jax.Array:
+        """float32[R, V]: final norm and LM head (tied to the embedding or not) of `hidden` rows."""
+        x = self.final_norm(hidden)
         if self.config.tie_word_embeddings:
-            logits = linear(x, self.embedding[...], kernels, transposed=True)
-        else:
-            logits = linear(x, self.lm_head[...], kernels)
-        return logits, new_caches
+            return linear(x, self.embedding[...], kernels, transposed=True)
+        return linear(x, self.lm_head[...], kernels)
 
 
 def partition_spec(path: tuple) -> P:

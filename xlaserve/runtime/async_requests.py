@@ -97,7 +97,8 @@ class Choice:
 
 def sglang_output(choice: Choice, return_logprob: bool = False, top_logprobs_num: int = 0) -> dict:
     """SGLang's output dict: `text`, `output_ids`, `meta_info` (with `output_token_logprobs`
-    [(logprob, token_id, None)] and `output_top_logprobs` when asked)."""
+    [(logprob, token_id, None)] and `output_top_logprobs` when asked; `input_token_logprobs` and
+    `input_top_logprobs` come in the final meta_info when the request asked for prompt logprobs)."""
     meta_info = dict(choice.meta_info)
     if return_logprob or top_logprobs_num:
         meta_info["output_token_logprobs"] = [(lp, t, None) for lp, t in
@@ -105,4 +106,6 @@ def sglang_output(choice: Choice, return_logprob: bool = False, top_logprobs_num
     if top_logprobs_num:
         meta_info["output_top_logprobs"] = [[(lp, t, None) for lp, t in alternatives]
                                             for alternatives in choice.top_logprobs]
+    else:  # SGLang returns top alternatives only when asked for a number of them
+        meta_info.pop("input_top_logprobs", None)
     return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta_info}

@@ -27,6 +27,9 @@ class SeqChunk:
     num_cached: int  # tokens of this sequence already in the KV cache (= first new position)
     page_ids: list[int]  # the sequence's page table; covers num_cached + len(token_ids)
     sample: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    # Per new token, the id whose logprob the step computes at that row (prompt logprobs: the
+    # next prompt token), -1 for none; None: no row of this chunk has a target.
+    target_ids: list[int] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -37,6 +40,9 @@ class ForwardBatch:
     metadata: AttentionMetadata
     logits_indices: np.ndarray  # i32[S]: the last new token of each sequence
     sample_rows: np.ndarray  # bool[S]: rows whose sampled token is kept (and counted)
+    # i32[T]: per token row, the id whose logprob and top alternatives the step returns, -1 for
+    # none (padding too). Data, not a static argument: any mix runs in the bucket's one program.
+    target_ids: np.ndarray
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -58,12 +64,17 @@ def pack(chunks: list[SeqChunk], buckets: Buckets, page_size: int) -> ForwardBat
     cu_q_lens = np.full(padded_seqs + 1, num_tokens, np.int32)
     logits_indices = np.zeros(padded_seqs, np.int32)
     sample_rows = np.zeros(padded_seqs, np.bool_)
+    target_ids = np.full(padded_tokens, -1, np.int32)
     offset = 0
     for i, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         if n == 0:
             raise ValueError("a scheduled sequence must run at least one token")
         input_ids[offset:offset + n] = chunk.token_ids
+        if chunk.target_ids is not None:
+            if len(chunk.target_ids) != n:
+                raise ValueError(f"sequence {i} has {n} tokens but {len(chunk.target_ids)} targets")
+            target_ids[offset:offset + n] = chunk.target_ids
         positions[offset:offset + n] = np.arange(chunk.num_cached, chunk.num_cached + n)
         kv_lens[i] = chunk.num_cached + n
         pages_needed = -(-kv_lens[i] // page_size)
@@ -76,4 +87,4 @@ def pack(chunks: list[SeqChunk], buckets: Buckets, page_size: int) -> ForwardBat
         sample_rows[i] = chunk.sample
     metadata = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu_q_lens,
                                  num_seqs=np.array([len(chunks)], np.int32))
-    return ForwardBatch(input_ids, positions, metadata, logits_indices, sample_rows)
+    return ForwardBatch(input_ids, positions, metadata, logits_indices, sample_rows, target_ids)

@@ -26,7 +26,8 @@ from xlaserve.runtime.compilation import enable_persistent_cache
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
 from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for, pages_for_tokens
 from xlaserve.runtime.model_runner import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
-                                           SAMPLING_WIDTHS, ModelRunner)
+                                           SAMPLING_WIDTHS, ModelRunner, StepOutput)
+from xlaserve.runtime.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
 from xlaserve.runtime.scheduler import Request, Scheduler
 from xlaserve.server_args import ServerArgs
@@ -89,6 +90,8 @@ class _Live:
     emit: Callable[[dict], None]
     detokenizer: IncrementalDetokenizer | None
     top_logprobs_num: int = 0  # alternatives per token in the chunks (needs return_logprob)
+    prompt_logprobs: PromptLogprobCollector | None = None  # with return_prompt_logprob
+    prompt_logprobs_sent: bool = False  # they go out once, with the first output chunk
 
 
 class EngineCore:
@@ -144,11 +147,18 @@ class EngineCore:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
                rid: str | None = None, return_logprob: bool = False,
-               top_logprobs_num: int = 0, priority: int = 0) -> str:
+               top_logprobs_num: int = 0, return_prompt_logprob: bool = False,
+               priority: int = 0) -> str:
         """Queue a request; `emit` is called from the engine thread with each output chunk: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
         `top_logprobs_num` (at most MAX_TOP_LOGPROBS) [(logprob, token_id)] alternatives.
-        A larger `priority` is scheduled first (batch work runs below interactive requests)."""
+        A larger `priority` is scheduled first (batch work runs below interactive requests).
+
+        With `return_prompt_logprob`, the first output chunk and the final `meta_info` also hold
+        SGLang's `input_token_logprobs` [(logprob | None, token_id, None)] and
+        `input_top_logprobs` [None | [(logprob, token_id, None)] * top_logprobs_num], one entry
+        per prompt token (the first has none), under the raw model distribution. Such a request
+        computes its whole prompt (no prefix reuse)."""
         if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         if not self.is_alive():
@@ -174,9 +184,10 @@ class EngineCore:
             return_logprob=return_logprob or top_logprobs_num > 0)
         request = Request(rid=rid, prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
-                          min_new_tokens=params.min_new_tokens, priority=priority)
+                          min_new_tokens=params.min_new_tokens, priority=priority,
+                          no_prefix_reuse=return_prompt_logprob)
         self.scheduler.check_fits(request)  # raises ValueError before anything is queued
-        self._inbox.put(("add", request, params, (emit, top_logprobs_num)))
+        self._inbox.put(("add", request, params, (emit, top_logprobs_num, return_prompt_logprob)))
         return rid
 
     @property
@@ -255,7 +266,7 @@ class EngineCore:
         while True:
             kind, payload, params, extra = item
             if kind == "add":
-                emit, top_logprobs_num = extra
+                emit, top_logprobs_num, return_prompt_logprob = extra
                 detok = None
                 if self.tokenizer is not None:
                     detok = IncrementalDetokenizer(
@@ -264,6 +275,8 @@ class EngineCore:
                         stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
                         no_stop_trim=params.no_stop_trim)
                 live = _Live(payload, emit, detok, top_logprobs_num)
+                if return_prompt_logprob:
+                    live.prompt_logprobs = PromptLogprobCollector(payload.prompt_ids, top_logprobs_num)
                 try:
                     self.scheduler.add(payload)
                 except ValueError as error:  # e.g. a duplicate request id: fail this one only
@@ -288,7 +301,9 @@ class EngineCore:
         """Sends the step to the device; returns its (asynchronous) output."""
         for request in batch.admitted:
             self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
-        fb = pack(batch.chunks, self.buckets, self.runner.page_size)
+        chunks = [self._with_prompt_targets(r, c)
+                  for r, c in zip(batch.requests, batch.chunks, strict=True)]
+        fb = pack(chunks, self.buckets, self.runner.page_size)
         padded_seqs = fb.shape[1]
         rows = [dataclasses.replace(r.sampling, sample_index=len(r.output_ids),
                                     suppressed_ids=self.scheduler.suppressed_ids(r))
@@ -298,15 +313,45 @@ class EngineCore:
         slots[:len(batch.slots)] = batch.slots
         return self.runner.step(fb, sampling, slots)
 
-    def _read(self, batch, out) -> list[tuple]:
+    def _prompt_collector(self, request: Request) -> PromptLogprobCollector | None:
+        """The request's prompt-logprob collector while it still has entries to fill."""
+        live = self._live.get(request.rid)
+        collector = live.prompt_logprobs if live is not None else None
+        return None if collector is None or collector.complete else collector
+
+    def _with_prompt_targets(self, request: Request, chunk):
+        collector = self._prompt_collector(request)
+        if collector is None:
+            return chunk
+        return dataclasses.replace(
+            chunk, target_ids=collector.targets(chunk.num_cached, len(chunk.token_ids)))
+
+    def _collect_prompt_logprobs(self, batch, out: StepOutput) -> None:
+        """Hands each prompt-logprob request its rows of the step. Nothing changed its collector
+        since `_dispatch` (one step is in flight at a time), so it takes the rows it targeted."""
+        collecting = [(i, c) for i, r in enumerate(batch.requests)
+                      if r.status == "running" and (c := self._prompt_collector(r)) is not None]
+        if not collecting:
+            return  # an ordinary step: its prompt outputs are zeros, not worth the transfer
+        logprobs, top_ids, top_logprobs = jax.device_get(
+            (out.prompt.logprobs, out.prompt.top_ids, out.prompt.top_logprobs))
+        starts = np.cumsum([0] + [len(c.token_ids) for c in batch.chunks])
+        for i, collector in collecting:
+            rows = slice(starts[i], starts[i + 1])
+            collector.collect(batch.chunks[i].num_cached, logprobs[rows], top_ids[rows],
+                              top_logprobs[rows])
+
+    def _read(self, batch, out: StepOutput) -> list[tuple]:
         """Waits for the step's tokens and advances the scheduler; returns the deliveries
         (`_deliver` arguments) of the rows that sampled."""
         num_rows = len(batch.requests)
-        tokens = np.asarray(out.tokens)[:num_rows]
+        sampled = out.sample
+        tokens = np.asarray(sampled.tokens)[:num_rows]
         logprobs = top = None
         if any(r.sampling.return_logprob for r in batch.requests):
-            logprobs = np.asarray(out.logprobs)[:num_rows]
-            top = (np.asarray(out.top_logprobs)[:num_rows], np.asarray(out.top_ids)[:num_rows])
+            logprobs = np.asarray(sampled.logprobs)[:num_rows]
+            top = (np.asarray(sampled.top_logprobs)[:num_rows], np.asarray(sampled.top_ids)[:num_rows])
+        self._collect_prompt_logprobs(batch, out)
         # Requests that ended while the step ran (abort, stop string) have no row to advance.
         live_before = {r.rid for r in batch.requests if r.status == "running"}
         finished = {r.rid for r in self.scheduler.process_results(batch, tokens.tolist())}
@@ -332,8 +377,13 @@ class EngineCore:
             chunk["logprob"] = float(logprobs[row])
             n = live.top_logprobs_num
             chunk["top_logprobs"] = list(zip(top[0][row, :n].tolist(), top[1][row, :n].tolist()))
+        if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
+            # The sampling chunk ended the prompt, so every entry is in (`_read` collected it).
+            chunk["input_token_logprobs"], chunk["input_top_logprobs"] = \
+                live.prompt_logprobs.sglang_lists()
+            live.prompt_logprobs_sent = True
         if finished:
-            chunk["meta_info"] = self._meta_info(request)
+            chunk["meta_info"] = self._meta_info(request, live)
             del self._live[request.rid]
         self._emit(live, chunk)
 
@@ -351,26 +401,30 @@ class EngineCore:
     def _finish_aborted(self, rid: str, message: str | None) -> None:
         live = self._live.pop(rid)
         live.request.finish_reason = live.request.finish_reason or ("abort", None)
-        self._emit(live, self._final_chunk(live.request, message))
+        self._emit(live, self._final_chunk(live.request, message, live))
 
-    def _final_chunk(self, request: Request, error: str | None) -> dict:
+    def _final_chunk(self, request: Request, error: str | None, live: _Live | None = None) -> dict:
         chunk = {"token_id": None, "logprob": None, "text": "", "finished": True,
-                 "meta_info": self._meta_info(request)}
+                 "meta_info": self._meta_info(request, live)}
         if error:
             chunk["error"] = error
         return chunk
 
-    def _meta_info(self, request: Request) -> dict:
+    def _meta_info(self, request: Request, live: _Live | None = None) -> dict:
         kind, matched = request.finish_reason or ("abort", None)
         finish_reason = {"type": kind}
         if kind == "length":
             finish_reason["length"] = len(request.output_ids)
         elif kind == "stop":
             finish_reason["matched"] = matched
-        return {"id": request.rid, "prompt_tokens": len(request.prompt_ids),
+        info = {"id": request.rid, "prompt_tokens": len(request.prompt_ids),
                 "completion_tokens": len(request.output_ids),
                 "cached_tokens": request.num_cached_prompt_tokens,
                 "finish_reason": finish_reason}
+        collector = live.prompt_logprobs if live is not None else None
+        if collector is not None and collector.complete:  # not for one aborted mid-prompt
+            info["input_token_logprobs"], info["input_top_logprobs"] = collector.sglang_lists()
+        return info
 
 
 def _mem_fraction(requested: float | None) -> float:

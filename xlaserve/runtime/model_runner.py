@@ -1,7 +1,7 @@
 """ModelRunner: the one jitted step (model forward + sampling) over a packed ragged batch.
 
     step(state, kv_caches, output_counts, prompt_masks, batch, sampling, slots)
-        -> (SampleOutput, kv_caches, output_counts)
+        -> (StepOutput, kv_caches, output_counts)
 
 The KV caches and the penalty counts are donated, so XLA updates them in place. A program is
 compiled per bucket shape (tokens, seqs, pages per seq, logit-bias width, suppressed width);
@@ -11,9 +11,14 @@ warning with the shape, because a compile while serving stalls every request for
 Penalty state lives on the device, one row per request slot: `output_counts i32[slots, V]` (tokens
 generated so far) and `prompt_masks bool[slots, V]` (tokens of the prompt). Slot 0 is the null slot
 that padding rows use.
+
+Prompt logprobs (runtime/prompt_logprobs.py) ride in the same program: the model returns every
+row's final hidden state, the sampler takes the LM head of the sampled rows only, and the LM head
+over all rows runs in a `lax.cond` branch only in steps where some row has a target id.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -29,6 +34,7 @@ from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.batch import ForwardBatch
 from xlaserve.runtime.kernels import kernels_for
 from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
+from xlaserve.runtime.prompt_logprobs import NO_TARGET, PromptLogprobs, prompt_logprobs
 from xlaserve.runtime.sampler import (RowSamplingParams, SampleOutput, SamplingMetadata,
                                       add_sampled, build_sampling_metadata, sample)
 
@@ -41,6 +47,13 @@ MAX_LOGIT_BIAS = 300
 MAX_SUPPRESSED_IDS = 64
 SAMPLING_WIDTHS = (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS)
 NULL_SLOT = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    sample: SampleOutput  # one row per sequence
+    prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
 
 
 class ModelRunner:
@@ -68,12 +81,15 @@ class ModelRunner:
         def step(state, kv_caches, output_counts, prompt_masks, batch: ForwardBatch,
                  sampling: SamplingMetadata, slots):
             model = nnx.merge(graphdef, state)
-            logits, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.metadata,
-                                      batch.logits_indices, kernels)
+            hidden, kv_caches = model.hidden_states(batch.input_ids, batch.positions, kv_caches,
+                                                    batch.metadata, kernels)
+            logits = model.logits(hidden[batch.logits_indices], kernels)
             out = sample(logits, sampling, output_counts, prompt_masks, slots,
                          num_top_logprobs=MAX_TOP_LOGPROBS)
             output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
-            return out, kv_caches, output_counts
+            prompt = prompt_logprobs(lambda rows: model.logits(rows, kernels), hidden,
+                                     batch.target_ids, MAX_TOP_LOGPROBS)
+            return StepOutput(out, prompt), kv_caches, output_counts
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
         def reset_slot(output_counts, prompt_masks, slot, counts_row, prompt_mask_row):
@@ -93,7 +109,7 @@ class ModelRunner:
         self.output_counts, self.prompt_masks = self._reset_slot(
             self.output_counts, self.prompt_masks, jnp.int32(slot), counts, mask)
 
-    def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> SampleOutput:
+    def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> StepOutput:
         """Run one step; returns device arrays (the caller's `np.asarray` is the sync point)."""
         compiled_before = self._step._cache_size()
         replicated = self.output_counts.sharding
@@ -131,7 +147,7 @@ class ModelRunner:
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                SAMPLING_WIDTHS)
             out = self.step(batch, sampling, np.full(seqs, NULL_SLOT, np.int32))
-            jax.block_until_ready(out.tokens)
+            jax.block_until_ready(out.sample.tokens)
         self._precompiled = True
 
 
@@ -145,4 +161,5 @@ def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:
     )
     return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
                         metadata=metadata, logits_indices=np.zeros(seqs, np.int32),
-                        sample_rows=np.zeros(seqs, np.bool_))
+                        sample_rows=np.zeros(seqs, np.bool_),
+                        target_ids=np.full(tokens, NO_TARGET, np.int32))

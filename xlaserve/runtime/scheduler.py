@@ -53,6 +53,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # EOS ids + user stop ids, merged by the engine
     min_new_tokens: int = 0  # stop ids cannot finish the request before this many tokens
     priority: int = 0  # larger = more urgent; FCFS within equal priority
+    # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
+    no_prefix_reuse: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     no_prefix_reuse: bool = False  # compute every prompt token (prompt logprobs need them all)
     # --- state, managed by the scheduler ---
