@@ -47,7 +47,7 @@ def make_context(args: ServerArgs):
 
 async def warm_up(ctx) -> None:
     """One short generation through the whole path; /health turns 200 only after it passed."""
-    from xlaserve.runtime.engine import SamplingParams
+    from xlaserve.runtime.sampling_params import SamplingParams
     from xlaserve.http.serving import Generation
 
     prompt = ctx.tokenizer.encode("The capital of France is") if ctx.tokenizer is not None else [1, 2, 3]

@@ -14,7 +14,8 @@ from typing import Any, AsyncIterator
 
 from xlaserve.runtime.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              sglang_output)
-from xlaserve.runtime.engine import EngineCore, SamplingParams
+from xlaserve.runtime.engine import EngineCore
+from xlaserve.runtime.sampling_params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -30,6 +30,17 @@ def test_generate_takes_batches_of_token_ids_and_returns_logprobs(server):
         assert all(len(alts) == 2 and alts[0][1] == t for alts, t in zip(tops, out["output_ids"]))
 
 
+def test_generate_returns_prompt_logprobs_from_logprob_start_len_0(server):
+    body = {"input_ids": [5, 6, 7, 8], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+    meta = httpx.post(server.base_url + "/generate", json=body, timeout=60).json()["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == [5, 6, 7, 8]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    assert all(lp < 0 for lp, _, _ in meta["input_token_logprobs"][1:])
+    response = httpx.post(server.base_url + "/generate", json={**body, "logprob_start_len": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprob_start_len"
+
+
 def test_a_client_rid_names_the_answer_and_may_repeat(server):
     import concurrent.futures
 

@@ -184,3 +184,29 @@ def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(client):
     assert client.completions.create(**kwargs).choices[0].text == ""
     kept = client.completions.create(**kwargs, extra_body={"skip_special_tokens": False})
     assert kept.choices[0].text == "<|im_start|><|im_start|>"
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, client, tiny_chat_model):
+    prompt = "The quick brown fox jumps"
+    ids = server.ctx.tokenizer.encode(prompt)
+    with torch.no_grad():
+        logits = tiny_chat_model[1](torch.tensor([ids])).logits[0]
+    expected = torch.log_softmax(logits.double(), -1).numpy()
+    for max_tokens in (0, 3):
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, echo=True,
+                                          logprobs=2, temperature=0, extra_body=NO_EOS)
+        choice, lp = reply.choices[0], reply.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens and choice.text.startswith(prompt)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:len(ids)],
+                                   [expected[i - 1, ids[i]] for i in range(1, len(ids))], atol=1e-4)
+        best = server.ctx.tokenizer.decode([int(np.argmax(expected[0]))])
+        assert max(lp.top_logprobs[1], key=lp.top_logprobs[1].get) == best
+        assert reply.usage.completion_tokens == max_tokens and choice.finish_reason == "length"
+    assert choice.text == prompt + client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, extra_body=NO_EOS).choices[0].text
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=0,
+                                       stream=True)
+    chunks = [c.choices[0] for c in stream]
+    assert chunks[0].text == prompt and len(chunks[0].logprobs.tokens) == len(ids)
+    assert [c.finish_reason for c in chunks] == [None, "length"]

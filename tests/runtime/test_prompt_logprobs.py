@@ -12,7 +12,7 @@ from xlaserve.model.loader import load_model
 from xlaserve.offline import Engine
 from xlaserve.runtime.batch import SeqChunk, pack
 from xlaserve.runtime.buckets import Buckets
-from xlaserve.runtime.engine import SamplingParams
+from xlaserve.runtime.sampling_params import SamplingParams
 from xlaserve.runtime.model_runner import MAX_TOP_LOGPROBS, SAMPLING_WIDTHS, ModelRunner
 from xlaserve.runtime.prompt_logprobs import NO_TARGET, PromptLogprobCollector
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata

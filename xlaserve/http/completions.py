@@ -48,22 +48,34 @@ class CompletionCall:
         if req.logprobs is not None and req.logprobs < 0:
             raise bad_request("logprobs must be non-negative", "logprobs")
         self.num_top = check_top_logprobs(req.logprobs, "logprobs")
-        if req.echo and req.logprobs is not None:
-            raise not_supported("logprobs", "logprobs of echoed prompt tokens")
         self.prompt_ids, texts = prompt_id_lists(ctx, req.prompt)
         self.echo_texts = [t if t is not None or ctx.tokenizer is None
                            else ctx.tokenizer.decode(ids) for t, ids in zip(texts, self.prompt_ids, strict=True)]
-        params = sampling_params(ctx, req, req.max_tokens, max(len(p) for p in self.prompt_ids))
+        # echo with max_tokens=0 scores the prompt (its logprobs) without generating: the engine
+        # samples one token, which is dropped.
+        self.prompt_only = req.echo and req.max_tokens == 0
+        max_tokens = 1 if self.prompt_only else req.max_tokens
+        params = sampling_params(ctx, req, max_tokens, max(len(p) for p in self.prompt_ids))
         self.generation = Generation(ctx, self.prompt_ids, params, req.n,
                                      top_logprobs_num=self.num_top,
                                      return_logprob=req.logprobs is not None,
+                                     return_prompt_logprob=req.echo and req.logprobs is not None,
                                      priority=priority + req.priority, rid=req.rid)
         self.id = f"cmpl-{self.generation.id}"
 
     def _echo(self, choice: Choice) -> str:
         return (self.echo_texts[choice.prompt_index] or "") if self.req.echo else ""
 
-    def _logprobs(self, choice: Choice, token_entries, offset: int) -> dict | None:
+    def _prompt_entries(self, choice: Choice) -> list[tuple]:
+        """(token id, logprob, alternatives) of each echoed prompt token: the first has no logprob."""
+        chunk = choice.first_chunk or {}
+        if not (self.req.echo and "input_token_logprobs" in chunk):
+            return []
+        tops = chunk.get("input_top_logprobs") or [None] * len(chunk["input_token_logprobs"])
+        return [(t, lp, None if top is None else [(alt_lp, alt_t) for alt_lp, alt_t, _ in top])
+                for (lp, t, _), top in zip(chunk["input_token_logprobs"], tops, strict=True)]
+
+    def _logprobs(self, token_entries, offset: int) -> dict | None:
         if self.req.logprobs is None or self.ctx.tokenizer is None:
             return None
         builder = CompletionLogprobs(self.ctx.tokenizer, self.num_top, offset)
@@ -76,51 +88,64 @@ class CompletionCall:
             body["usage"] = usage
         return body
 
+    def _usage(self) -> dict:
+        usage = self.generation.usage()
+        if self.prompt_only:
+            usage["total_tokens"] -= usage["completion_tokens"]
+            usage["completion_tokens"] = 0
+        return usage
+
+    def _finish(self, choice: Choice) -> dict:
+        reason = "length" if self.prompt_only else choice.finish_reason
+        return {"finish_reason": reason, "matched_stop": None if self.prompt_only else choice.matched_stop}
+
     async def response(self) -> dict:
         choices = []
         for c in await self.generation.collect():
-            entries = list(zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True))
-            echo = self._echo(c)
-            choices.append({"index": c.index, "text": echo + c.text,
-                            "logprobs": self._logprobs(c, entries, len(echo)),
-                            "finish_reason": c.finish_reason, "matched_stop": c.matched_stop})
-        return self._body(choices, self.generation.usage(), chunk=False)
+            output = [] if self.prompt_only else list(zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True))
+            text = self._echo(c) + ("" if self.prompt_only else c.text)
+            choices.append({"index": c.index, "text": text,
+                            "logprobs": self._logprobs(self._prompt_entries(c) + output, 0),
+                            **self._finish(c)})
+        return self._body(choices, self._usage(), chunk=False)
 
     async def stream(self) -> AsyncIterator[bytes]:
         num = len(self.generation.choices)
         offsets = [0] * num
-        pending: list[list] = [[] for _ in range(num)]  # (text, token entry) since the last chunk
-        if self.req.echo:
-            for c in self.generation.choices:
-                echo = self._echo(c)
-                offsets[c.index] = len(echo)
-                yield sse(self._body([{"index": c.index, "text": echo, "logprobs": None,
-                                       "finish_reason": None}], None, chunk=True))
+        pending: list[list] = [[] for _ in range(num)]  # chunks since the last SSE event
+        started = [False] * num
         try:
             async for choice, chunk in self.generation.stream():
-                held = pending[choice.index]
-                held.append(chunk)
-                tokens = sum(c["token_id"] is not None for c in held)
-                if chunk["finished"] or tokens >= self.ctx.stream_interval:
-                    text = "".join(c["text"] for c in held)
+                i = choice.index
+                if not started[i]:  # the echo goes first, with the prompt's logprobs once known
+                    started[i] = True
+                    if self.req.echo:
+                        logprobs = self._logprobs(self._prompt_entries(choice), 0)
+                        offsets[i] = len(self._echo(choice))
+                        yield sse(self._body([{"index": i, "text": self._echo(choice), "logprobs": logprobs,
+                                               "finish_reason": None}], None, chunk=True))
+                if not self.prompt_only:
+                    pending[i].append(chunk)
+                tokens = sum(c["token_id"] is not None for c in pending[i])
+                if pending[i] and (chunk["finished"] or tokens >= self.ctx.stream_interval):
+                    text = "".join(c["text"] for c in pending[i])
                     entries = [(c["token_id"], c["logprob"], c.get("top_logprobs", []))
-                               for c in held if c["token_id"] is not None]
-                    pending[choice.index] = []
+                               for c in pending[i] if c["token_id"] is not None]
+                    pending[i] = []
                     if text or entries:
-                        logprobs = self._logprobs(choice, entries, offsets[choice.index])
-                        offsets[choice.index] += sum(len(t) for t in (logprobs or {}).get("tokens", ()))
-                        yield sse(self._body([{"index": choice.index, "text": text, "logprobs": logprobs,
+                        logprobs = self._logprobs(entries, offsets[i])
+                        offsets[i] += sum(len(t) for t in (logprobs or {}).get("tokens", ()))
+                        yield sse(self._body([{"index": i, "text": text, "logprobs": logprobs,
                                                "finish_reason": None}], None, chunk=True))
                 if chunk["finished"]:
                     if "error" in chunk:
                         yield sse_error(APIError(500, f"generation failed: {chunk['error']}"))
-                    yield sse(self._body([{"index": choice.index, "text": "", "logprobs": None,
-                                           "finish_reason": choice.finish_reason,
-                                           "matched_stop": choice.matched_stop}], None, chunk=True))
+                    yield sse(self._body([{"index": i, "text": "", "logprobs": None, **self._finish(choice)}],
+                                         None, chunk=True))
         except EngineDeadError as error:
             yield sse_error(APIError(503, str(error)))
             yield SSE_DONE
             return
         if self.req.stream_options and self.req.stream_options.include_usage:
-            yield sse(self._body([], self.generation.usage(), chunk=True))
+            yield sse(self._body([], self._usage(), chunk=True))
         yield SSE_DONE

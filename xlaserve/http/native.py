@@ -16,7 +16,7 @@ from xlaserve.http.protocol import GenerateRequest, parse_body
 from xlaserve.http.serving import SSE_DONE, Generation, ServingContext, sse, sse_error
 from xlaserve.offline import to_sampling_params
 from xlaserve.runtime.async_requests import EngineDeadError, sglang_output
-from xlaserve.runtime.engine import SamplingParams
+from xlaserve.runtime.sampling_params import SamplingParams
 
 router = APIRouter()
 
@@ -36,9 +36,9 @@ def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Generation, 
     else:
         batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
         prompts = req.input_ids if batched else [req.input_ids]
-    if req.logprob_start_len not in (-1, None) and req.logprob_start_len >= 0:
-        raise APIError(400, "logprob_start_len (input token logprobs) is not supported by this "
-                            "server yet", param="logprob_start_len", code="unsupported_parameter")
+    if req.logprob_start_len not in (-1, 0):
+        raise APIError(400, "logprob_start_len takes 0 (logprobs of every prompt token too) or -1 "
+                            "(the output only)", param="logprob_start_len", code="unsupported_parameter")
     raw = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
     if len(raw) != len(prompts):
         raise bad_request(f"{len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
@@ -52,8 +52,10 @@ def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Generation, 
     n = ns.pop()
     params: list[SamplingParams] = [p for p, _ in parsed]
     rid = req.rid if isinstance(req.rid, str) else None
+    wants_logprobs = req.return_logprob or req.top_logprobs_num > 0
     generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
-                            return_logprob=req.return_logprob, rid=rid)
+                            return_logprob=req.return_logprob, rid=rid,
+                            return_prompt_logprob=wants_logprobs and req.logprob_start_len == 0)
     return generation, batched or n > 1
 
 

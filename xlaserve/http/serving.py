@@ -16,7 +16,7 @@ from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
 from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice, EngineDeadError
-from xlaserve.runtime.engine import SamplingParams
+from xlaserve.runtime.sampling_params import SamplingParams
 from xlaserve.runtime.model_runner import MAX_TOP_LOGPROBS
 
 MAX_N = 128  # choices per request (every one is a running request)
@@ -154,6 +154,7 @@ class Generation:
     def __init__(self, ctx: ServingContext, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams], n: int,
                  *, top_logprobs_num: int = 0, return_logprob: bool = False,
+                 return_prompt_logprob: bool = False,
                  priority: int = 0, rid: str | None = None):
         self.ctx = ctx
         self.prompts = prompts
@@ -178,7 +179,8 @@ class Generation:
                                   # The engine's ids stay unique whatever `rid` a client sends.
                                   rid=f"{engine_rid}-{choice.index}",
                                   return_logprob=return_logprob or top_logprobs_num > 0,
-                                  top_logprobs_num=top_logprobs_num, priority=priority)
+                                  top_logprobs_num=top_logprobs_num, priority=priority,
+                                  return_prompt_logprob=return_prompt_logprob)
         except ValueError as error:
             self.group.abort()
             raise bad_request(str(error)) from None

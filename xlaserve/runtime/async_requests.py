@@ -11,7 +11,8 @@ import asyncio
 import dataclasses
 from typing import AsyncIterator
 
-from xlaserve.runtime.engine import EngineCore, SamplingParams
+from xlaserve.runtime.engine import EngineCore
+from xlaserve.runtime.sampling_params import SamplingParams
 
 LIVENESS_POLL_S = 1.0  # how often a waiting reader checks that the engine loop still runs
 
