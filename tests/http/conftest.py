@@ -8,6 +8,7 @@ deterministic, which is all the tests need; transformers runs the same checkpoin
 from __future__ import annotations
 
 import socket
+import tempfile
 import threading
 import time
 
@@ -78,6 +79,8 @@ class RunningServer(AppServer):
         from xlaserve.launch_server import build_app, make_context
         from xlaserve.server_args import ServerArgs
 
+        # Files and batches in a temporary folder of their own, never the default one.
+        overrides.setdefault("file_storage_path", tempfile.mkdtemp(prefix="xlaserve-storage-"))
         self.args = ServerArgs(model_path=model_path, **{**SERVER_DEFAULTS, **overrides})
         ctx = make_context(self.args)
         super().__init__(build_app(self.args, ctx), ctx)
