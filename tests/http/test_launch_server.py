@@ -22,7 +22,9 @@ def launched(tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("launch") / "server.log"
     log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "xlaserve.launch_server", "--port", str(port), *FLAGS],
+    storage = str(log_path.parent / "storage")
+    process = subprocess.Popen([sys.executable, "-m", "xlaserve.launch_server", "--port", str(port), *FLAGS,
+                                "--file-storage-path", storage],
                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
