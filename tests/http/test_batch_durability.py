@@ -104,3 +104,48 @@ def test_a_batch_survives_sigkill_and_resumes_without_losing_or_repeating_a_line
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
+
+
+def test_a_batch_stopped_with_its_server_resumes_in_the_next_one(server, tmp_path):
+    """The graceful path (SIGTERM, or the app's lifespan ending): lines in flight are aborted,
+    the batch stays in_progress on disk, and the next app on the folder finishes it."""
+    from tests.http.conftest import AppServer
+    from xlaserve.http.app import create_app
+    from xlaserve.http.batch_runner import BatchRunner
+    from xlaserve.http.storage import Storage
+
+    def app_on(folder):
+        runner = BatchRunner(server.ctx, Storage(folder), max_file_size=1 << 20, max_lines=1000,
+                             concurrency=8)
+        return AppServer(create_app(server.ctx, batch_runner=runner), server.ctx)
+
+    first = app_on(str(tmp_path))
+    client = first.openai()
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": f"Item {i}", "max_tokens": 6, "logit_bias": {"0": -100}}}
+             for i in range(120)]
+    uploaded = client.files.create(file=("in.jsonl", "\n".join(json.dumps(x) for x in lines).encode()),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    while batch.request_counts.completed < 10:
+        time.sleep(0.02)
+        batch = client.batches.retrieve(batch.id)
+    first.close()
+    deadline = time.monotonic() + 2
+    while sum(server.ctx.engine.core.stats()[k] for k in ("num_running_reqs", "num_queue_reqs")):
+        assert time.monotonic() < deadline, "the stopped batch's lines were not aborted"
+        time.sleep(0.01)
+
+    second = app_on(str(tmp_path))
+    try:
+        client = second.openai()
+        deadline = time.monotonic() + 60
+        while batch.status != "completed":
+            assert time.monotonic() < deadline and batch.status in ("in_progress", "finalizing"), batch
+            time.sleep(0.05)
+            batch = client.batches.retrieve(batch.id)
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (120, 0)
+        text = client.files.content(batch.output_file_id).read().decode()
+        assert sorted(json.loads(x)["custom_id"] for x in text.splitlines()) == sorted(x["custom_id"] for x in lines)
+    finally:
+        second.close()

@@ -114,7 +114,7 @@ def _check_line(item: Any, endpoint: str) -> tuple[str | None, str] | None:
 async def run_line(ctx: ServingContext, endpoint: str, line: Line) -> tuple[bool, dict]:
     """Runs one request exactly as the live endpoint would (same validation, same response
     body), below interactive requests; -> (succeeded, output line). Cancelling it aborts its
-    generation at once."""
+    generation at once. Raises EngineDeadError when the engine cannot run anything."""
     request_model, call_class = ENDPOINTS[endpoint]
     call = None
     request_id = uuid.uuid4().hex
@@ -130,9 +130,9 @@ async def run_line(ctx: ServingContext, endpoint: str, line: Line) -> tuple[bool
             call.generation.group.abort()
         raise
     except APIError as error:
+        if error.status == 503:  # the engine loop is not running: no line can run now
+            raise EngineDeadError(error.message) from None
         status, body = error.status, error.body()
-    except EngineDeadError as error:
-        status, body = 503, APIError(503, str(error)).body()
     except Exception as error:  # a bug in one line must not stop the batch
         logger.exception("batch line %r failed", line.custom_id)
         status, body = 500, APIError(500, f"internal server error ({type(error).__name__})").body()

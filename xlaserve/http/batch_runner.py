@@ -27,6 +27,7 @@ from xlaserve.http.files import FileStore
 from xlaserve.http.protocol import BatchRequest
 from xlaserve.http.serving import ServingContext
 from xlaserve.http.storage import Storage, new_id
+from xlaserve.runtime.async_requests import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -301,13 +302,22 @@ class BatchRunner:
         return True
 
     async def _line(self, run: _Run, line: Line) -> None:
-        ok, result = await run_line(self.ctx, run.batch["endpoint"], line)
+        try:
+            ok, result = await run_line(self.ctx, run.batch["endpoint"], line)
+        except EngineDeadError as error:  # not the line's fault: stop, and resume at restart
+            if not run.halted.is_set():
+                logger.error("batch %s stops: %s; it resumes when the server starts again",
+                             run.batch["id"], error)
+                run.shutdown = True
+                run.halted.set()
+            return
         run.finished.append((ok, result))
         run.wake.set()
 
     async def _writer(self, run: _Run, out, err) -> None:
         """Appends finished results in groups (whatever finished during the last write), each
-        group on disk (fsync) before the counts that include it are saved."""
+        group on disk (fsync) before the counts include it. The counts are saved at status
+        changes; a resumed batch counts what its blobs hold."""
         batch = run.batch
         while True:
             await run.wake.wait()
@@ -320,7 +330,6 @@ class BatchRunner:
                     counts["completed" if ok else "failed"] += 1
                     if ok:
                         _add_usage(batch["usage"], result)
-                self.storage.save_batch(batch)
             if run.closing and not run.finished:
                 return
 
