@@ -7,7 +7,10 @@ deterministic, which is all the tests need; transformers runs the same checkpoin
 """
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -84,6 +87,27 @@ class RunningServer(AppServer):
         self.args = ServerArgs(model_path=model_path, **{**SERVER_DEFAULTS, **overrides})
         ctx = make_context(self.args)
         super().__init__(build_app(self.args, ctx), ctx)
+
+
+def launch_server_process(flags: list[str], log_path, timeout: float = 600):
+    """`python -m xlaserve.launch_server` in a subprocess on a free port, its output appended
+    to `log_path`; -> (process, base URL) once /health answers 200 (the test fails otherwise)."""
+    port = _free_port()
+    with open(log_path, "a") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "xlaserve.launch_server", "--port", str(port), *flags],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return process, base_url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    pytest.fail("the server did not become ready:\n" + open(log_path).read()[-3000:])
 
 
 def _free_port() -> int:

@@ -6,40 +6,22 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
-import pytest
 from openai import OpenAI
 
-from tests.http.conftest import _free_port
+from tests.http.conftest import SERVER_DEFAULTS, launch_server_process
 
 NUM_LINES = 400
-FLAGS = ["--dtype", "float32", "--page-size", "16", "--max-running-requests", "16",
-         "--context-length", "512", "--chunked-prefill-size", "64", "--max-prefill-tokens", "128",
-         "--max-total-tokens", "8192", "--random-seed", "0", "--served-model-name", "tiny",
-         "--enable-metrics"]
+# The in-process test server's engine settings, as flags.
+FLAGS = [x for k, v in SERVER_DEFAULTS.items() for x in (f"--{k.replace('_', '-')}", str(v))] + [
+    "--served-model-name", "tiny", "--enable-metrics"]
 
 
 def _start(model_dir: str, storage: str, log_path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    log = open(log_path, "a")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "xlaserve.launch_server", "--model-path", model_dir, "--port", str(port),
-         "--file-storage-path", storage, *FLAGS],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return process, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    pytest.fail("the server did not become ready:\n" + open(log_path).read()[-3000:])
+    return launch_server_process(["--model-path", model_dir, "--file-storage-path", storage, *FLAGS],
+                                 log_path, timeout=300)
 
 
 def _requests_run(base_url: str) -> int:
