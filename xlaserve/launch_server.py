@@ -2,7 +2,8 @@
 
 Start-up, as in SGLang: the arguments, the weights, the KV cache and the precompiled programs are
 logged; uvicorn starts listening; one warm-up generation runs; then /health answers 200 and the
-log says the server is ready. Until then /health answers 503.
+log says the server is ready. Until then /health answers 503. Batches left unfinished under
+--file-storage-path (a crash, a stop) resume once the warm-up has passed.
 """
 from __future__ import annotations
 

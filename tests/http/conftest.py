@@ -82,7 +82,7 @@ class RunningServer(AppServer):
         from xlaserve.launch_server import build_app, make_context
         from xlaserve.server_args import ServerArgs
 
-        # Files and batches in a temporary folder of their own, never the default one.
+        # Files and batches in a folder of their own, never the default one.
         overrides.setdefault("file_storage_path", tempfile.mkdtemp(prefix="xlaserve-storage-"))
         self.args = ServerArgs(model_path=model_path, **{**SERVER_DEFAULTS, **overrides})
         ctx = make_context(self.args)
@@ -117,8 +117,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_chat_model):
-    running = RunningServer(tiny_chat_model[0], served_model_name="tiny", enable_metrics=True)
+def server(tiny_chat_model, tmp_path_factory):
+    running = RunningServer(tiny_chat_model[0], served_model_name="tiny", enable_metrics=True,
+                            file_storage_path=str(tmp_path_factory.mktemp("storage")))
     yield running
     running.close()
 
