@@ -2,7 +2,8 @@
 
 Start-up, as in SGLang: the arguments, the weights, the KV cache and the precompiled programs are
 logged; uvicorn starts listening; one warm-up generation runs; then /health answers 200 and the
-log says the server is ready. Until then /health answers 503.
+log says the server is ready. Until then /health answers 503. Batches left unfinished under
+--file-storage-path (a crash, a stop) resume once the warm-up has passed.
 """
 from __future__ import annotations
 
@@ -56,9 +57,19 @@ async def warm_up(ctx) -> None:
     logger.info(READY_MESSAGE)
 
 
-def build_app(args: ServerArgs, ctx):
-    """The app, with a lifespan that warms up after uvicorn listens and stops the engine at exit."""
+def open_storage(args: ServerArgs):
+    """The files and batches folder, locked for this process (before the model loads: a folder
+    another server uses is refused at once)."""
+    from xlaserve.http.storage import Storage
+
+    return Storage(args.file_storage_path)
+
+
+def build_app(args: ServerArgs, ctx, storage=None):
+    """The app, with a lifespan that warms up after uvicorn listens and stops the engine at exit;
+    unfinished batches resume once the warm-up has passed."""
     from xlaserve.http.app import create_app
+    from xlaserve.http.batch_runner import BatchRunner, default_concurrency
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -71,8 +82,12 @@ def build_app(args: ServerArgs, ctx):
         yield
         ctx.engine.shutdown()
 
+    runner = BatchRunner(
+        ctx, storage if storage is not None else open_storage(args), max_file_size=args.max_file_size,
+        max_lines=args.batch_max_lines,
+        concurrency=args.batch_concurrency or default_concurrency(args.max_running_requests))
     return create_app(ctx, api_key=args.api_key, max_payload_size=args.max_payload_size,
-                      log_requests=args.log_requests, lifespan=lifespan)
+                      log_requests=args.log_requests, lifespan=lifespan, batch_runner=runner)
 
 
 def _log_failed_warm_up(task: asyncio.Task) -> None:
@@ -92,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     try:
+        storage = open_storage(args)
         ctx = make_context(args)
     except (ValueError, FileNotFoundError) as error:
         logger.error("%s", error)
         return 2
-    app = build_app(args, ctx)
+    app = build_app(args, ctx, storage)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=5)
     return 0

@@ -70,6 +70,15 @@ class ServerArgs:
     log_requests: bool = _flag(False, "log every HTTP request")
     stream_interval: int = _flag(1, "tokens per streamed chunk")
     skip_server_warmup: bool = _flag(False, "do not run a warm-up generation before ready")
+    # --- files and batches ---
+    file_storage_path: str = _flag(
+        "xlaserve_storage", "folder of uploaded files, batch results and their metadata "
+                            "(SQLite); unfinished batches resume from it at start")
+    max_file_size: int = _flag(200 * 1024 * 1024, "largest file upload in bytes (413 above)")
+    batch_max_lines: int = _flag(50000, "most requests in one batch input file")
+    batch_concurrency: Optional[int] = _flag(
+        None, "batch requests in flight at once, all batches together (default: "
+              "--max-running-requests less an eighth, left to interactive requests)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

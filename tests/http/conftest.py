@@ -7,7 +7,11 @@ deterministic, which is all the tests need; transformers runs the same checkpoin
 """
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -78,9 +82,32 @@ class RunningServer(AppServer):
         from xlaserve.launch_server import build_app, make_context
         from xlaserve.server_args import ServerArgs
 
+        # Files and batches in a folder of their own, never the default one.
+        overrides.setdefault("file_storage_path", tempfile.mkdtemp(prefix="xlaserve-storage-"))
         self.args = ServerArgs(model_path=model_path, **{**SERVER_DEFAULTS, **overrides})
         ctx = make_context(self.args)
         super().__init__(build_app(self.args, ctx), ctx)
+
+
+def launch_server_process(flags: list[str], log_path, timeout: float = 600):
+    """`python -m xlaserve.launch_server` in a subprocess on a free port, its output appended
+    to `log_path`; -> (process, base URL) once /health answers 200 (the test fails otherwise)."""
+    port = _free_port()
+    with open(log_path, "a") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "xlaserve.launch_server", "--port", str(port), *flags],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return process, base_url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    pytest.fail("the server did not become ready:\n" + open(log_path).read()[-3000:])
 
 
 def _free_port() -> int:
@@ -90,8 +117,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_chat_model):
-    running = RunningServer(tiny_chat_model[0], served_model_name="tiny", enable_metrics=True)
+def server(tiny_chat_model, tmp_path_factory):
+    running = RunningServer(tiny_chat_model[0], served_model_name="tiny", enable_metrics=True,
+                            file_storage_path=str(tmp_path_factory.mktemp("storage")))
     yield running
     running.close()
 

@@ -1,15 +1,11 @@
 """`python -m xlaserve.launch_server` on the embedded default model, as `make serve` runs it: the
 start-up log, /health, a real answer through the openai SDK, and a clean stop on SIGTERM."""
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from tests.http.conftest import _free_port
+from tests.http.conftest import launch_server_process
 
 # Two step programs (the default-model engine test compiles the same ones), a small KV pool.
 FLAGS = ["--max-running-requests", "4", "--precompile-token-paddings", "8,64",
@@ -19,27 +15,12 @@ FLAGS = ["--max-running-requests", "4", "--precompile-token-paddings", "8,64",
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("launch") / "server.log"
-    log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "xlaserve.launch_server", "--port", str(port), *FLAGS],
-                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("the server did not become ready:\n" + log_path.read_text()[-3000:])
+    storage = str(log_path.parent / "storage")
+    process, base_url = launch_server_process([*FLAGS, "--file-storage-path", storage], log_path)
     yield process, base_url, log_path
     if process.poll() is None:
         process.kill()
-    log.close()
 
 
 def test_startup_log_tells_what_happened_in_order(launched):

@@ -6,6 +6,7 @@ launch script runs it with uvicorn. Nothing outside `xlaserve/http/` imports Fas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 
@@ -14,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xlaserve.http import native
+from xlaserve.http import batches, files, native
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, validation_message
@@ -30,9 +31,12 @@ _DISCONNECT_POLL_S = 0.5
 
 def create_app(ctx: ServingContext, *, api_key: str | None = None,
                max_payload_size: int | None = None, log_requests: bool = False,
-               lifespan=None) -> FastAPI:
-    app = FastAPI(title="xlaserve", version="0.1.0", lifespan=lifespan)
+               lifespan=None, batch_runner=None) -> FastAPI:
+    """`batch_runner` (batch_runner.BatchRunner) adds the files and batches routes; it starts
+    (resuming unfinished batches) and stops with the app, inside `lifespan`."""
+    app = FastAPI(title="xlaserve", version="0.1.0", lifespan=_with_batches(lifespan, batch_runner))
     app.state.ctx = ctx
+    app.state.batch_runner = batch_runner
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
@@ -67,8 +71,9 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
             ctx.metrics.http_request(request.url.path, response.status_code)
         return response
 
-    if max_payload_size:
-        app.add_middleware(PayloadLimit, max_bytes=max_payload_size)
+    if max_payload_size:  # uploads have their own limit, --max-file-size (files.py)
+        app.add_middleware(PayloadLimit, max_bytes=max_payload_size,
+                           exempt=("/v1/files",) if batch_runner is not None else ())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -85,7 +90,26 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(native.router)
+    if batch_runner is not None:
+        app.include_router(files.router)
+        app.include_router(batches.router)
     return app
+
+
+def _with_batches(lifespan, batch_runner):
+    if batch_runner is None:
+        return lifespan
+
+    @contextlib.asynccontextmanager
+    async def both(app):
+        async with lifespan(app) if lifespan is not None else contextlib.nullcontext():
+            batch_runner.start()
+            try:
+                yield
+            finally:
+                await batch_runner.stop()  # before the outer lifespan stops the engine
+
+    return both
 
 
 async def respond(request: Request, call: ChatCall | CompletionCall):
@@ -116,12 +140,13 @@ class PayloadLimit:
     """Refuses bodies over `max_bytes` with a 413, whether announced (Content-Length) or streamed:
     the body is read here first (the routes read all of it anyway) and replayed to the app."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, exempt: tuple[str, ...] = ()):
         self.app = app
         self.max_bytes = max_bytes
+        self.exempt = exempt
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.exempt:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:

@@ -118,6 +118,16 @@ class GenerateRequest(_Strict):
     rid: Optional[Union[str, list[str]]] = None
 
 
+class BatchRequest(_Strict):
+    """`POST /v1/batches`."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: Optional[dict[str, str]] = None
+    output_expires_after: Optional[dict[str, Any]] = None  # refused by name
+
+
 def parse_body(body: bytes, model: type[BaseModel]):
     """A JSON body as `model`; any problem is a 400 naming the field (FastAPI would answer 422,
     and misread a body sent without a JSON content type)."""
@@ -125,6 +135,11 @@ def parse_body(body: bytes, model: type[BaseModel]):
         data = orjson.loads(body)
     except orjson.JSONDecodeError as error:
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
+    return validate_body(data, model)
+
+
+def validate_body(data: Any, model: type[BaseModel]):
+    """Already-parsed JSON (a batch line's `body`) as `model`, with parse_body's 400s."""
     try:
         return model.model_validate(data)
     except ValidationError as error:
