@@ -31,3 +31,16 @@ def test_refuses_too_many_rows_and_other_dtypes():
         few_row_matmul(jnp.ones((MAX_ROWS + 1, 8)), jnp.ones((8, 8)))
     with pytest.raises(ValueError, match="float32/bfloat16"):
         few_row_matmul(jnp.ones((1, 8)), jnp.ones((8, 8), jnp.float16))
+
+
+def test_the_native_matmul_is_used_only_where_it_measured_faster(monkeypatch):
+    from xlaserve.runtime import kernels
+
+    if not kernels._matmul_builds():
+        pytest.skip("the native CPU matmul does not build here")
+    for faster in (True, False):
+        monkeypatch.setattr(kernels, "_native_matmul_is_faster", lambda shape, dtype: faster)
+        chosen = kernels.kernels_for(matmul_shape=(64, 256), dtype="float32").few_row_matmul
+        assert (chosen is not None) == faster
+    monkeypatch.undo()
+    assert isinstance(kernels._native_matmul_is_faster((64, 256), "float32"), bool)

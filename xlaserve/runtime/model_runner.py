@@ -74,7 +74,10 @@ class ModelRunner:
         kv_sharding = [cache.sharding for cache in self.kv_caches]
         self.output_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = jax.device_put(np.zeros((num_slots, vocab), np.bool_), replicated)
-        self.kernels = kernels = kernels_for(attention_backend, self.mesh)
+        # The widest layer (gate and up together) decides whether the native matmul pays here.
+        self.kernels = kernels = kernels_for(
+            attention_backend, self.mesh, dtype=dtype,
+            matmul_shape=(self.config.hidden_size, 2 * self.config.intermediate_size))
 
         @functools.partial(jax.jit, donate_argnums=(1, 2),
                            out_shardings=(replicated, kv_sharding, replicated))
