@@ -13,7 +13,8 @@ from fastapi.responses import Response, StreamingResponse
 import xlaserve
 from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.protocol import GenerateRequest, parse_body
-from xlaserve.http.serving import SSE_DONE, Generation, ServingContext, sse, sse_error
+from xlaserve.http.serving import (SSE_DONE, Generation, ServingContext, check_top_logprobs, sse,
+                                   sse_error)
 from xlaserve.offline import to_sampling_params
 from xlaserve.runtime.async_requests import EngineDeadError, sglang_output
 from xlaserve.runtime.sampling_params import SamplingParams
@@ -63,8 +64,7 @@ def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Generation, 
 async def generate(request: Request):
     req = parse_body(await request.body(), GenerateRequest)
     ctx = _ctx(request)
-    if not 0 <= req.top_logprobs_num <= 20:
-        raise bad_request("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
+    check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
     generation, batched = _generation(ctx, req)
     logprobs = (req.return_logprob, req.top_logprobs_num)
     if req.stream:

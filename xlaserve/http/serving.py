@@ -16,10 +16,12 @@ from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
 from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice, EngineDeadError
-from xlaserve.runtime.sampling_params import SamplingParams
+from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams
 from xlaserve.runtime.model_runner import MAX_TOP_LOGPROBS
 
 MAX_N = 128  # choices per request (every one is a running request)
+# SamplingParams' names as OpenAI spells them, for error messages and `param`.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 @dataclasses.dataclass
@@ -64,41 +66,31 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
         max_tokens = limit - prompt_len
         if max_tokens < 1:
             raise context_error(ctx, prompt_len, 1)
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    checks = [
-        (1 <= req.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}"),
-        (max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
-        (temperature >= 0, "temperature", "temperature must be non-negative"),
-        (0 < top_p <= 1, "top_p", "top_p must be in (0, 1]"),
-        (req.top_k == -1 or req.top_k >= 1, "top_k", "top_k must be -1 (disable) or at least 1"),
-        (0 <= req.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
-        (-2 <= req.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
-        (-2 <= req.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
-        (0 < req.repetition_penalty <= 2, "repetition_penalty", "repetition_penalty must be in (0, 2]"),
-        (0 <= req.min_tokens <= max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]"),
-        (not (req.stream_options and not req.stream), "stream_options",
-         "stream_options is only allowed with stream=true"),
-    ]
-    for ok, param, message in checks:
-        if not ok:
-            raise bad_request(message, param)
-    _refuse_constraints(req)
-    logit_bias = _logit_bias(req.logit_bias, ctx.vocab_size)
     stop_ids = list(req.stop_token_ids or ())
-    if any(not 0 <= t < ctx.vocab_size for t in stop_ids):
-        raise bad_request(f"stop_token_ids must be in [0, {ctx.vocab_size})", "stop_token_ids")
     if not req.ignore_eos:
         stop_ids += sorted(extra_stop_ids - set(stop_ids))
-    if prompt_len + max_tokens > limit:
-        raise context_error(ctx, prompt_len, max_tokens)
-    return SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}", "n")
+    params = SamplingParams(
+        max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
         min_p=req.min_p, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logit_bias=logit_bias, stop=req.stop, stop_token_ids=stop_ids or None,
+        logit_bias=_logit_bias(req.logit_bias), stop=req.stop, stop_token_ids=stop_ids or None,
         ignore_eos=req.ignore_eos, min_new_tokens=req.min_tokens, seed=req.seed,
         skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim)
+    try:  # the engine's range checks, in OpenAI's names
+        params.validate(ctx.vocab_size, names=_OPENAI_NAMES)
+    except InvalidSamplingParam as error:
+        raise bad_request(str(error), error.param) from None
+    if req.min_tokens > max_tokens:
+        raise bad_request("min_tokens must be in [0, max_tokens]", "min_tokens")
+    if req.stream_options and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    _refuse_constraints(req)
+    if prompt_len + max_tokens > limit:
+        raise context_error(ctx, prompt_len, max_tokens)
+    return params
 
 
 def _refuse_constraints(req: SamplingFields) -> None:
@@ -112,15 +104,14 @@ def _refuse_constraints(req: SamplingFields) -> None:
         raise not_supported("response_format", f"response_format {kind!r} (constrained decoding)")
 
 
-def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's string keys as token ids (the ids' range is SamplingParams.validate's)."""
     result = {}
     for key, value in (bias or {}).items():
         try:
             token = int(key)
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        if not 0 <= token < vocab_size:
-            raise bad_request(f"logit_bias token id {token} is outside [0, {vocab_size})", "logit_bias")
         if not -100 <= value <= 100:
             raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
         result[token] = float(value)

@@ -27,27 +27,35 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
 
-    def validate(self, vocab_size: int) -> None:
+    def validate(self, vocab_size: int, names: dict[str, str] | None = None) -> None:
+        """Raises InvalidSamplingParam for the first value out of range; `names` renames fields in
+        the message and `param` (the HTTP layer says max_tokens for max_new_tokens)."""
         checks = [
-            # 0 (prompt only, for prompt logprobs) needs echo/prompt logprobs: not served yet.
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
-            (0 <= self.min_new_tokens, "min_new_tokens must be >= 0"),
-            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
-             f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"),
-            (len(self.stop_token_ids or ()) <= MAX_SUPPRESSED_IDS,
-             f"stop_token_ids takes at most {MAX_SUPPRESSED_IDS} ids"),
-            (all(0 <= int(t) < vocab_size for t in self.logit_bias),
-             f"logit_bias token ids must be in [0, {vocab_size})"),
-            (all(0 <= t < vocab_size for t in self.stop_token_ids or ()),
-             f"stop_token_ids must be in [0, {vocab_size})"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "{} must be >= 1"),
+            ("temperature", self.temperature >= 0, "{} must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "{} must be in (0, 1]"),
+            ("top_k", self.top_k == -1 or self.top_k >= 1, "{} must be -1 (off) or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "{} must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "{} must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "{} must be in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "{} must be in (0, 2]"),
+            ("min_new_tokens", 0 <= self.min_new_tokens, "{} must be >= 0"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"{{}} takes at most {MAX_LOGIT_BIAS} entries"),
+            ("stop_token_ids", len(self.stop_token_ids or ()) <= MAX_SUPPRESSED_IDS,
+             f"{{}} takes at most {MAX_SUPPRESSED_IDS} ids"),
+            ("logit_bias", all(0 <= int(t) < vocab_size for t in self.logit_bias),
+             f"{{}} token ids must be in [0, {vocab_size})"),
+            ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids or ()),
+             f"{{}} must be in [0, {vocab_size})"),
         ]
-        for ok, message in checks:
+        for field, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                name = (names or {}).get(field, field)
+                raise InvalidSamplingParam(name, message.format(name))
+
+
+class InvalidSamplingParam(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
