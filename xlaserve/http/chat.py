@@ -8,8 +8,9 @@ from xlaserve.http.errors import APIError, bad_request, not_supported
 from xlaserve.http.logprobs import chat_logprobs
 from xlaserve.http.protocol import ChatCompletionRequest
 from xlaserve.http.reasoning import THINK_START, ReasoningParser
-from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, check_prompt_ids,
-                                   check_top_logprobs, sampling_params, sse, sse_error)
+from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
+                                   check_prompt_ids, check_top_logprobs, sampling_params, sse,
+                                   sse_error)
 from xlaserve.runtime.async_requests import EngineDeadError
 
 
@@ -90,19 +91,18 @@ class ChatCall:
     async def stream(self) -> AsyncIterator[bytes]:
         req = self.req
         num_choices = len(self.generation.choices)
-        parsers = [self._parser() for _ in range(num_choices)]
-        pending = [_Pending() for _ in range(num_choices)]
+        splits = [_ReasoningSplit(self._parser(), req.stream_reasoning) for _ in range(num_choices)]
+        pending = [StreamBuffer(self.ctx.stream_interval) for _ in range(num_choices)]
         for index in range(num_choices):
             yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]))
         try:
             async for choice, chunk in self.generation.stream():
-                held = pending[choice.index]
-                held.add(chunk, parsers[choice.index], stream_reasoning=req.stream_reasoning)
-                if chunk["finished"] or held.tokens >= self.ctx.stream_interval:
-                    delta = held.take()
-                    if delta is not None:
-                        yield sse(self._chunk([self._delta_choice(choice.index, *delta)],
+                if pending[choice.index].add(chunk):
+                    text, tokens = pending[choice.index].take()
+                    reasoning, content = splits[choice.index].split(text, chunk["finished"])
+                    if reasoning or content or tokens:
+                        yield sse(self._chunk([self._delta_choice(choice.index, reasoning, content, tokens)],
                                               self._running_usage()))
                 if chunk["finished"]:
                     if "error" in chunk:
@@ -141,38 +141,25 @@ class ChatCall:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
-class _Pending:
-    """What one choice has produced since its last SSE chunk (for --stream-interval, and for
-    reasoning held back with stream_reasoning=false)."""
+class _ReasoningSplit:
+    """One choice's streamed text -> (reasoning, content) deltas; with stream_reasoning=false the
+    reasoning is held back and leaves in one piece once the block has closed (or output ended)."""
 
-    def __init__(self):
-        self.reasoning, self.content, self.token_entries, self.tokens = "", "", [], 0
+    def __init__(self, parser: ReasoningParser | None, stream_reasoning: bool):
+        self.parser = parser
+        self.stream_reasoning = stream_reasoning
         self._held_reasoning = ""
 
-    def add(self, chunk: dict, parser: ReasoningParser | None, stream_reasoning: bool) -> None:
-        text = chunk["text"]
-        if parser is None:
-            reasoning, content = "", text
-        else:
-            reasoning, content = parser.feed(text)
-            if chunk["finished"]:
-                more_reasoning, more_content = parser.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
-        if not stream_reasoning and parser is not None:
-            # Reasoning leaves in one piece, once the block has closed (or the output ended).
+    def split(self, text: str, finished: bool) -> tuple[str, str]:
+        if self.parser is None:
+            return "", text
+        reasoning, content = self.parser.feed(text)
+        if finished:
+            more_reasoning, more_content = self.parser.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if not self.stream_reasoning:
             self._held_reasoning += reasoning
             reasoning = ""
-            if parser.state == "content" or chunk["finished"]:
+            if self.parser.state == "content" or finished:
                 reasoning, self._held_reasoning = self._held_reasoning, ""
-        self.reasoning += reasoning
-        self.content += content
-        if chunk["token_id"] is not None:
-            self.tokens += 1
-            self.token_entries.append((chunk["token_id"], chunk["logprob"], chunk.get("top_logprobs", [])))
-
-    def take(self) -> tuple[str, str, list] | None:
-        if not (self.reasoning or self.content or self.token_entries):
-            return None
-        delta = (self.reasoning, self.content, self.token_entries)
-        self.reasoning, self.content, self.token_entries, self.tokens = "", "", [], 0
-        return delta
+        return reasoning, content

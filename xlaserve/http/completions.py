@@ -6,8 +6,9 @@ from typing import AsyncIterator
 from xlaserve.http.errors import APIError, bad_request, not_supported
 from xlaserve.http.logprobs import CompletionLogprobs
 from xlaserve.http.protocol import CompletionRequest
-from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, check_prompt_ids,
-                                   check_top_logprobs, sampling_params, sse, sse_error)
+from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
+                                   check_prompt_ids, check_top_logprobs, sampling_params, sse,
+                                   sse_error)
 from xlaserve.runtime.async_requests import EngineDeadError
 
 
@@ -112,7 +113,7 @@ class CompletionCall:
     async def stream(self) -> AsyncIterator[bytes]:
         num = len(self.generation.choices)
         offsets = [0] * num
-        pending: list[list] = [[] for _ in range(num)]  # chunks since the last SSE event
+        pending = [StreamBuffer(self.ctx.stream_interval) for _ in range(num)]
         started = [False] * num
         try:
             async for choice, chunk in self.generation.stream():
@@ -124,14 +125,8 @@ class CompletionCall:
                         offsets[i] = len(self._echo(choice))
                         yield sse(self._body([{"index": i, "text": self._echo(choice), "logprobs": logprobs,
                                                "finish_reason": None}], None, chunk=True))
-                if not self.prompt_only:
-                    pending[i].append(chunk)
-                tokens = sum(c["token_id"] is not None for c in pending[i])
-                if pending[i] and (chunk["finished"] or tokens >= self.ctx.stream_interval):
-                    text = "".join(c["text"] for c in pending[i])
-                    entries = [(c["token_id"], c["logprob"], c.get("top_logprobs", []))
-                               for c in pending[i] if c["token_id"] is not None]
-                    pending[i] = []
+                if not self.prompt_only and pending[i].add(chunk):
+                    text, entries = pending[i].take()
                     if text or entries:
                         logprobs = self._logprobs(entries, offsets[i])
                         offsets[i] += sum(len(t) for t in (logprobs or {}).get("tokens", ()))

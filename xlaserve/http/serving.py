@@ -231,6 +231,27 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+class StreamBuffer:
+    """One choice's chunks since its last SSE event: `--stream-interval` tokens go out together,
+    and whatever is left goes out with the final chunk."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self._chunks: list[dict] = []
+
+    def add(self, chunk: dict) -> bool:
+        """Holds the chunk; says whether the held ones should go out now."""
+        self._chunks.append(chunk)
+        return chunk["finished"] or sum(c["token_id"] is not None for c in self._chunks) >= self.interval
+
+    def take(self) -> tuple[str, list[tuple]]:
+        """(their text, (token id, logprob, alternatives) of each token), and empties it."""
+        chunks, self._chunks = self._chunks, []
+        return ("".join(c["text"] for c in chunks),
+                [(c["token_id"], c["logprob"], c.get("top_logprobs", [])) for c in chunks
+                 if c["token_id"] is not None])
+
+
 def check_top_logprobs(num: int | None, param: str) -> int:
     num = num or 0
     if not 0 <= num <= MAX_TOP_LOGPROBS:
