@@ -26,7 +26,7 @@ import jax
 
 HEADER_DIR = Path(__file__).parent  # parallel.h
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
-          "-fno-math-errno"]
+          "-fno-math-errno", "-ffp-contract=fast"]
 
 
 class KernelUnavailable(RuntimeError):
