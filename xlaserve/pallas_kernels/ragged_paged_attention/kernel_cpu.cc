@@ -3,9 +3,10 @@
 //
 // Why native code: XLA's CPU backend runs the jnp reference as gathers, transposes and many tiny
 // batched matmuls, which reach 2-4 GB/s; decode attention is a stream over the KV pages and should
-// run near memory bandwidth. Here a work item is one sequence's block of up to 16 query rows with
-// all their heads: it reads each key's cache row (every kv head's K and V) once, front to back, in
-// tiles of 32 keys with an online softmax in float32. Items are spread over XLA's intra-op pool.
+// run near memory bandwidth. Here a work item is one query row with all its heads (`AttendOneRow`,
+// head dims that are a multiple of 8) or, for other head dims, one sequence's block of up to 16
+// query rows (`Attend`); either reads each key's cache row (every kv head's K and V) front to back
+// in tiles, with an online softmax in float32. Items are spread over XLA's intra-op pool.
 //
 // Built by kernel_cpu.py with the host compiler (-O3 -march=native). The inner loops use GCC
 // vector extensions (16 floats), which compile to whatever vector registers the CPU has.
@@ -419,14 +420,16 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
   StoreRow<T>(acc, out + item.first_row * hq_count * d, rows * d);
 }
 
-// --- decode items: one query row, every head -------------------------------------------------
+// --- items of one query row, every head ---------------------------------------------------
 //
-// A decoding sequence has one query row per head, so the general path above scores key by key with
+// A decoding sequence has one query row per head, and the general path above scores key by key with
 // a horizontal sum per (head, key) and runs its softmax and value loop one key at a time: about
 // 150 cycles per (query head, key) on an AVX2 core, 20x the arithmetic. Here a tile of 16 keys is
 // scored as 16 dot products in independent accumulators whose horizontal sums come out together
-// (`Sums8`), the softmax runs on 8-lane vectors, and the value sum keeps the whole output row of a
-// head (64 floats) in registers. Takes head dims that are a multiple of 64.
+// (`Sums8`), the softmax runs on 8-lane vectors, and the value sum keeps 64 floats of the head's
+// output row in registers. Prefill rows run the same way, one item per row: a block of rows
+// scored through transposed key tiles (the general path) was 4-8x slower. Takes head dims that are
+// a multiple of 8; others take the general path.
 constexpr int kDecodeTile = 16;
 typedef int32_t Vec8i __attribute__((vector_size(32)));
 using xlaserve::Vec8;
@@ -498,19 +501,27 @@ inline void ScoreTile16(const float* q, int64_t d, const float* const* key_rows,
   }
 }
 
-// acc[0:d] = acc * alpha + sum_j probs[j] * key_rows[j][offset:offset + d], 64 floats at a time.
+// acc[x0:x0 + 8C] = acc * alpha + sum_j probs[j] * key_rows[j][offset + x0:...], in registers.
+template <int C>
+inline void AccumulateChunks(float* acc, int64_t x0, float alpha, const float* const* key_rows,
+                             int64_t offset, int64_t n, const float* probs) {
+  Vec8 o[C];
+  for (int c = 0; c < C; ++c) o[c] = Load8(acc + x0 + 8 * c) * alpha;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = key_rows[j] + offset + x0;
+    const Vec8 pj = Splat8(probs[j]);
+    for (int c = 0; c < C; ++c) o[c] += pj * Load8(v + 8 * c);
+  }
+  for (int c = 0; c < C; ++c) Store8(acc + x0 + 8 * c, o[c]);
+}
+
+// acc[0:d] = acc * alpha + sum_j probs[j] * key_rows[j][offset:offset + d]: 64 floats at a time
+// (8 accumulators), then 8 at a time.
 inline void AccumulateTile(float* acc, int64_t d, float alpha, const float* const* key_rows,
                            int64_t offset, int64_t n, const float* probs) {
-  for (int64_t x0 = 0; x0 < d; x0 += 64) {
-    Vec8 o[8];
-    for (int c = 0; c < 8; ++c) o[c] = Load8(acc + x0 + 8 * c) * alpha;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* v = key_rows[j] + offset + x0;
-      const Vec8 pj = Splat8(probs[j]);
-      for (int c = 0; c < 8; ++c) o[c] += pj * Load8(v + 8 * c);
-    }
-    for (int c = 0; c < 8; ++c) Store8(acc + x0 + 8 * c, o[c]);
-  }
+  int64_t x0 = 0;
+  for (; x0 + 64 <= d; x0 += 64) AccumulateChunks<8>(acc, x0, alpha, key_rows, offset, n, probs);
+  for (; x0 < d; x0 += 8) AccumulateChunks<1>(acc, x0, alpha, key_rows, offset, n, probs);
 }
 
 template <typename T>
@@ -598,18 +609,20 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
   T* out = static_cast<T*>(p.out);
   std::fill(out, out + p.num_tokens * p.num_q_heads * p.head_dim, T(0));  // padding rows are 0
   WriteNewKv<T>(p);
+  const bool one_row_items = p.head_dim % 8 == 0;
   std::vector<WorkItem> items;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     SeqSpan span = Span(p, s);
     if (!span.ok) continue;
-    for (int64_t r = 0; r < span.q_len; r += kQueryBlock) {
-      int32_t n = static_cast<int32_t>(std::min<int64_t>(kQueryBlock, span.q_len - r));
+    const int64_t block = one_row_items ? 1 : kQueryBlock;
+    for (int64_t r = 0; r < span.q_len; r += block) {
+      int32_t n = static_cast<int32_t>(std::min<int64_t>(block, span.q_len - r));
       items.push_back({s, static_cast<int32_t>(span.first_token + r), n});
     }
   }
   xlaserve::ParallelFor(pool, static_cast<int64_t>(items.size()),
                         [&](int64_t i) {
-                          if (items[i].num_rows == 1 && p.head_dim % 64 == 0)
+                          if (one_row_items)
                             AttendOneRow<T>(p, items[i], LocalScratch(p));
                           else
                             Attend<T>(p, items[i], LocalScratch(p));
