@@ -7,6 +7,11 @@ sequence's pages, cache slots past kv_len and padding tokens hold NaN or garbage
 fails. Interpret mode is slow (seconds per call), so the default set is one representative case
 per feature; `--slow` adds the full grid and random batches.
 """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +122,37 @@ def test_pallas_backend_is_refused_on_cpu_unless_interpreted():
     want_out, want_cache = attention(**args, sm_scale=SM_SCALE)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache), np.asarray(want_cache))
+
+
+TENSOR_PARALLEL_SCRIPT = """
+import functools
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh
+from tests.kernels.test_reference_attention import BATCHES, SM_SCALE, attention, make_case
+from xlaserve.pallas_kernels.ragged_paged_attention import api, kernel_gpu
+mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("data", "tensor"))
+shapes, seqs = BATCHES["mixed"]
+case = make_case(np.random.default_rng(12), seqs, num_kv_heads=2, **shapes)
+args = {k: jnp.asarray(v) for k, v in case.items()}
+kernel = functools.partial(kernel_gpu.ragged_paged_attention, interpret=True)
+fn = jax.jit(api._split_by_kv_head(kernel, mesh), static_argnames=("sm_scale",))
+out, cache = fn(**args, sm_scale=SM_SCALE)
+want_out, want_cache = attention(**args, sm_scale=SM_SCALE)
+np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+np.testing.assert_array_equal(np.asarray(cache), np.asarray(want_cache))
+print("ok")
+"""
+
+
+def test_tensor_parallel_mesh_splits_the_kernel_by_kv_head():
+    # Two CPU devices, one kv head each: the kernel runs under shard_map on its own heads. The
+    # GPU kernel stands for both: the TPU interpreter, simulating every device's memory, hung
+    # under shard_map on two CPU devices.
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).parents[2])}
+    result = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL_SCRIPT], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-4000:]
 
 
 @pytest.mark.slow
