@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tests.kernels.test_reference_attention import (BATCHES, NUM_Q_HEADS, SM_SCALE, attention,
-                                                    expected_result, make_case)
+                                                    expected_result, make_case,
+                                                    random_kernel_case)
 from xlaserve.pallas_kernels.ragged_paged_attention import api, kernel_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
@@ -133,26 +134,5 @@ def test_without_a_compiler_auto_falls_back_to_the_reference(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(40))
 def test_random_batches_equal_the_reference(seed):
-    rng = np.random.default_rng(200 + seed)
-    page_size = int(rng.choice([16, 32, 64]))
-    pages_per_seq = int(rng.integers(1, 2048 // page_size + 1))
-    max_seqs = int(rng.choice([1, 4, 16]))
-    num_tokens = int(rng.choice([16, 64, 320]))
-    num_kv_heads = int(rng.choice([1, 2, 4, 8]))
-    head_dim = int(rng.choice([64, 128]))
-    seqs, budget = [], num_tokens
-    for _ in range(int(rng.integers(1, max_seqs + 1))):
-        if budget == 0:
-            break
-        kv_len = int(rng.integers(1, pages_per_seq * page_size + 1))
-        q_len = int(rng.integers(1, min(kv_len, budget, 300) + 1)) if rng.random() < 0.5 else 1
-        seqs.append((q_len, kv_len))
-        budget -= q_len
-    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + int(rng.integers(1, 8))
-    dtype = jnp.bfloat16 if rng.random() < 0.25 else np.float32
-    case = make_case(rng, seqs, max_seqs=max_seqs, num_tokens=num_tokens, page_size=page_size,
-                     pages_per_seq=pages_per_seq, num_pages=num_pages, num_kv_heads=num_kv_heads,
-                     head_dim=head_dim, dtype=dtype)
-    static = dict(sliding_window=int(rng.integers(1, 300)) if rng.random() < 0.3 else None,
-                  soft_cap=float(rng.uniform(1, 30)) if rng.random() < 0.3 else None)
-    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 2e-5, **static)
+    case, static, tol = random_kernel_case(np.random.default_rng(200 + seed))
+    check(case, tol=tol, **static)

@@ -110,6 +110,34 @@ def check(case, tol=1e-5, **static):
     np.testing.assert_array_equal(new_cache, want_cache)
 
 
+def random_kernel_case(rng):
+    """A random ragged batch at a kernel's production shapes: page sizes 16 to 64, kv lengths up
+    to 2048, q lengths up to 300, 1 to 16 sequences, GQA 1 to 8, head dims 64 and 128, a quarter
+    bfloat16, some with sliding window or soft cap. Returns (case, static options, tolerance)."""
+    page_size = int(rng.choice([16, 32, 64]))
+    pages_per_seq = int(rng.integers(1, 2048 // page_size + 1))
+    max_seqs = int(rng.choice([1, 4, 16]))
+    num_tokens = int(rng.choice([16, 64, 320]))
+    num_kv_heads = int(rng.choice([1, 2, 4, 8]))
+    head_dim = int(rng.choice([64, 128]))
+    seqs, budget = [], num_tokens
+    for _ in range(int(rng.integers(1, max_seqs + 1))):
+        if budget == 0:
+            break
+        kv_len = int(rng.integers(1, pages_per_seq * page_size + 1))
+        q_len = int(rng.integers(1, min(kv_len, budget, 300) + 1)) if rng.random() < 0.5 else 1
+        seqs.append((q_len, kv_len))
+        budget -= q_len
+    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + int(rng.integers(1, 8))
+    dtype = jnp.bfloat16 if rng.random() < 0.25 else np.float32
+    case = make_case(rng, seqs, max_seqs=max_seqs, num_tokens=num_tokens, page_size=page_size,
+                     pages_per_seq=pages_per_seq, num_pages=num_pages, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, dtype=dtype)
+    static = dict(sliding_window=int(rng.integers(1, 300)) if rng.random() < 0.3 else None,
+                  soft_cap=float(rng.uniform(1, 30)) if rng.random() < 0.3 else None)
+    return case, static, 2e-2 if dtype == jnp.bfloat16 else 2e-5
+
+
 # Batch kinds, each with its own fixed shapes so that every GQA ratio compiles once per kind.
 DECODE_SHAPES = dict(max_seqs=8, num_tokens=8, page_size=16, pages_per_seq=8, num_pages=64)
 RAGGED_SHAPES = dict(max_seqs=8, num_tokens=32, page_size=16, pages_per_seq=8, num_pages=64)

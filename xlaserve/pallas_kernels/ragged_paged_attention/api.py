@@ -3,8 +3,11 @@
 Every backend has the signature of `reference.ragged_paged_attention` (the specification):
 - "reference": the pure-jnp version, on any platform;
 - "cpu": `kernel_cpu` (C++ through XLA's FFI, built on first use), the CPU's fast path;
-- "pallas": the Pallas TPU and GPU kernels (issue 6; not built yet).
-"auto" takes the platform's kernel, and the reference where there is none or it cannot be built.
+- "pallas": `kernel_tpu` (Mosaic) on TPU, `kernel_gpu` (Triton) on NVIDIA GPU; on CPU only when
+  interpret mode is asked for (`interpret=True`: the TPU kernel under `pltpu.InterpretParams()`,
+  which simulates its DMAs and semaphores; for tests and debugging, it is very slow).
+"auto" takes the platform's kernel: the Pallas one on TPU and GPU, the CPU kernel on CPU, and the
+reference where there is none or it cannot be built.
 
 A kernel is a custom call that XLA's partitioner cannot split, so on a mesh with a "tensor" axis
 it runs under `shard_map`, each device on its own kv heads (the cache is split by kv head too).
@@ -19,30 +22,59 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.pallas_kernels.ragged_paged_attention import kernel_cpu
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+from xlaserve.pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_gpu, kernel_tpu
+from xlaserve.pallas_kernels.ragged_paged_attention import reference
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "reference", "cpu", "pallas")
 
 
-def get_attention_fn(backend: str = "auto", mesh: Mesh | None = None) -> Callable:
-    """The attention function for `backend` ("auto", "reference", "cpu" or "pallas")."""
+def get_attention_fn(backend: str = "auto", mesh: Mesh | None = None, *,
+                     interpret: bool = False) -> Callable:
+    """The attention function for `backend` ("auto", "reference", "cpu" or "pallas");
+    `interpret` runs the Pallas TPU kernel in interpret mode (on any platform)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     platform = jax.default_backend()
     if backend == "auto":
-        backend = "cpu" if platform == "cpu" and _cpu_kernel_builds() else "reference"
+        if platform in ("tpu", "gpu"):
+            backend = "pallas"
+        else:
+            backend = "cpu" if platform == "cpu" and _cpu_kernel_builds() else "reference"
     if backend == "reference":
-        return ragged_paged_attention
+        return reference.ragged_paged_attention
     if backend == "pallas":
-        raise ValueError("the Pallas attention kernels are not built yet; "
-                         "use --attention-backend reference")
+        return _split_by_kv_head(_pallas_kernel(platform, interpret), mesh)
     if platform != "cpu":
         raise ValueError(f"--attention-backend cpu runs on the CPU, not on {platform}")
     kernel_cpu.load()  # raises KernelUnavailable with the compiler's message
     return _split_by_kv_head(kernel_cpu.ragged_paged_attention, mesh)
+
+
+def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           sm_scale, sliding_window=None, soft_cap=None, **options):
+    """`reference.ragged_paged_attention` on the platform's "auto" backend: the Pallas TPU or GPU
+    kernel, the CPU kernel (or the reference) on CPU. `options`: the Pallas kernels' block sizes
+    (`q_block`, `kv_block_pages`) and `interpret`; the CPU kernel takes none."""
+    interpret = options.pop("interpret", False)
+    attention = get_attention_fn("pallas" if interpret else "auto", interpret=bool(interpret))
+    return attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **options)
+
+
+def _pallas_kernel(platform: str, interpret: bool) -> Callable:
+    if interpret:
+        from jax.experimental.pallas import tpu as pltpu
+        return functools.partial(kernel_tpu.ragged_paged_attention,
+                                 interpret=pltpu.InterpretParams())
+    if platform == "tpu":
+        return kernel_tpu.ragged_paged_attention
+    if platform == "gpu":
+        return kernel_gpu.ragged_paged_attention
+    raise ValueError(f"the Pallas attention kernels run on TPU and GPU, not on {platform} (they "
+                     "only run there in interpret mode, for tests); use --attention-backend cpu "
+                     "or reference")
 
 
 @functools.cache

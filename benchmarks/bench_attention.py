@@ -1,0 +1,120 @@
+"""Times the ragged paged attention implementations of this platform on two batches:
+decode (64 sequences x 1 new token, 1024 keys each) and prefill (8 sequences x 512 new tokens).
+
+    python benchmarks/bench_attention.py [--dtype bfloat16] [--iters 20]
+
+Per implementation: milliseconds per call, achieved HBM (memory) bandwidth over the bytes the call
+must move (every attended K/V once, q, out, the new K/V written) and TFLOP/s over the causal
+attention's two matmuls. Platforms: the reference (XLA) everywhere, plus the Pallas TPU kernel on
+TPU, the Pallas GPU (Triton) kernel on GPU, the native CPU kernel on CPU. The Pallas kernels do not
+run natively on CPU (only in interpret mode, far too slow to time), which the output says.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaserve.pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_gpu, kernel_tpu
+from xlaserve.pallas_kernels.ragged_paged_attention import reference
+
+BATCHES = {"decode": (64, 1, 1024), "prefill": (8, 512, 512)}  # seqs, new tokens, kv length
+
+
+def implementations(platform: str) -> dict:
+    found = {"reference (XLA)": reference.ragged_paged_attention}
+    if platform == "tpu":
+        found["pallas tpu"] = kernel_tpu.ragged_paged_attention
+    elif platform == "gpu":
+        found["pallas gpu (triton)"] = kernel_gpu.ragged_paged_attention
+    else:
+        print(f"{platform}: the Pallas TPU and GPU kernels need a TPU or an NVIDIA GPU (on CPU they "
+              "only run in interpret mode, for tests); timing the reference and the CPU kernel")
+        try:
+            kernel_cpu.load()
+            found["cpu kernel"] = kernel_cpu.ragged_paged_attention
+        except kernel_cpu.KernelUnavailable as error:
+            print(f"the CPU kernel is unavailable: {error}")
+    return found
+
+
+def make_batch(num_seqs, q_len, kv_len, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
+               seed=0):
+    """Each sequence's pages in shuffled order, kv_len keys of which the last q_len are new."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-kv_len // page_size)
+    num_pages = num_seqs * pages_per_seq + 1
+    page_indices = rng.permutation(np.arange(1, num_pages)).reshape(num_seqs, pages_per_seq)
+    num_tokens = num_seqs * q_len
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    return dict(
+        q=normal(num_tokens, num_q_heads, head_dim), k=normal(num_tokens, num_kv_heads, head_dim),
+        v=normal(num_tokens, num_kv_heads, head_dim),
+        kv_cache=normal(num_pages, page_size, 2 * num_kv_heads, head_dim),
+        kv_lens=jnp.full((num_seqs,), kv_len, jnp.int32),
+        page_indices=jnp.asarray(page_indices, jnp.int32),
+        cu_q_lens=jnp.arange(0, num_tokens + 1, q_len, dtype=jnp.int32),
+        num_seqs=jnp.array([num_seqs], jnp.int32))
+
+
+def traffic_and_flops(num_seqs, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, itemsize):
+    """Bytes a call must move at least and the flops of QK^T and PV under the causal mask."""
+    kv_bytes = num_seqs * kv_len * 2 * num_kv_heads * head_dim * itemsize
+    q_out_bytes = 2 * num_seqs * q_len * num_q_heads * head_dim * itemsize
+    new_kv_bytes = num_seqs * q_len * 2 * num_kv_heads * head_dim * itemsize
+    attended = sum(kv_len - q_len + r + 1 for r in range(q_len))  # keys seen by the q_len rows
+    flops = 4 * num_seqs * attended * num_q_heads * head_dim
+    return kv_bytes + q_out_bytes + new_kv_bytes, flops
+
+
+def seconds_per_call(fn, batch, iters: int) -> float:
+    """Median over `iters` calls; the cache is donated and threaded through, as in serving."""
+    step = jax.jit(lambda cache, rest: fn(kv_cache=cache, **rest, sm_scale=0.1), donate_argnums=0)
+    rest = {k: v for k, v in batch.items() if k != "kv_cache"}
+    cache = jnp.copy(batch["kv_cache"])
+    out, cache = step(cache, rest)  # compile
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        out, cache = step(cache, rest)
+        jax.block_until_ready((out, cache))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    platform = jax.default_backend()
+    parser.add_argument("--dtype", default="float32" if platform == "cpu" else "bfloat16")
+    parser.add_argument("--iters", type=int, default=5 if platform == "cpu" else 20)
+    parser.add_argument("--num-q-heads", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--batches", nargs="+", default=list(BATCHES), choices=list(BATCHES))
+    args = parser.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    heads = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
+                 head_dim=args.head_dim)
+    print(f"device: {jax.devices()[0].device_kind} ({platform}), {dtype.name}, "
+          f"{args.num_q_heads} q heads, {args.num_kv_heads} kv heads, head dim {args.head_dim}, "
+          f"page size {args.page_size}")
+    found = implementations(platform)
+    print(f"{'batch':<28} {'implementation':<22} {'ms':>9} {'GB/s':>9} {'TFLOP/s':>9}")
+    for name in args.batches:
+        num_seqs, q_len, kv_len = BATCHES[name]
+        batch = make_batch(num_seqs, q_len, kv_len, page_size=args.page_size, dtype=dtype, **heads)
+        nbytes, flops = traffic_and_flops(num_seqs, q_len, kv_len, itemsize=dtype.itemsize, **heads)
+        label = f"{name} {num_seqs}x{q_len} new, {kv_len} kv"
+        for impl, fn in found.items():
+            s = seconds_per_call(fn, batch, args.iters)
+            print(f"{label:<28} {impl:<22} {s * 1e3:9.3f} {nbytes / s / 1e9:9.1f} "
+                  f"{flops / s / 1e12:9.3f}")
+
+
+if __name__ == "__main__":
+    main()

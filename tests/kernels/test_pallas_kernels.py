@@ -1,0 +1,187 @@
+"""The Pallas TPU and GPU kernels against their specification, the jnp reference, on CPU in Pallas
+interpret mode (the TPU kernel under `pltpu.InterpretParams()`, which simulates its DMAs and
+semaphores and raises on any out-of-bounds read; the GPU kernel with `interpret=True`).
+
+Same NaN-poisoned cases as test_reference_attention: unused pages, page-table slots past a
+sequence's pages, cache slots past kv_len and padding tokens hold NaN or garbage, so a stray read
+fails. Interpret mode is slow (seconds per call), so the default set is one representative case
+per feature; `--slow` adds the full grid and random batches.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from tests.kernels.test_reference_attention import (BATCHES, LONG_AND_SHORT, RAGGED_SHAPES,
+                                                    SM_SCALE, attention, make_case,
+                                                    random_kernel_case)
+from xlaserve.pallas_kernels.ragged_paged_attention import api, kernel_gpu, kernel_tpu
+
+STATIC = ("sm_scale", "sliding_window", "soft_cap", "interpret", "q_block", "kv_block_pages")
+KERNELS = {
+    "tpu": (jax.jit(kernel_tpu.ragged_paged_attention, static_argnames=STATIC),
+            pltpu.InterpretParams()),
+    "gpu": (jax.jit(kernel_gpu.ragged_paged_attention, static_argnames=STATIC), True),
+}
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernel(request):
+    """Runs one kernel in interpret mode; static options go through to it (the block sizes are
+    only given to the kernel, the reference picks its own)."""
+    fn, interpret = KERNELS[request.param]
+
+    def run(case, tol=1e-5, **static):
+        args = {k: jnp.asarray(v) for k, v in case.items()}
+        try:
+            out, cache = fn(**args, sm_scale=SM_SCALE, interpret=interpret, **static)
+        finally:
+            pltpu.reset_tpu_interpret_mode_state()  # required after an error, harmless otherwise
+        assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
+        spec = {k: v for k, v in static.items() if k in ("sliding_window", "soft_cap")}
+        want_out, want_cache = attention(**args, sm_scale=SM_SCALE, **spec)
+        as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
+        np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))  # NaN where NaN
+        np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)  # pad rows: 0
+
+    return run
+
+
+def boundary_case(rng, page_size, head_dim, **shapes):
+    """kv lengths on a page boundary and one past it, a full page table, a 4-token prefill."""
+    ps, full = page_size, page_size * shapes["pages_per_seq"]
+    lengths = [(1, ps), (3, ps + 1), (2, 2 * ps), (5, min(2 * ps + 1, full)), (4, 4), (1, full)]
+    seqs = [(min(q_len, kv_len), kv_len) for q_len, kv_len in lengths]
+    return make_case(rng, seqs, max_seqs=8, num_tokens=32, page_size=ps, num_kv_heads=2,
+                     head_dim=head_dim, **shapes)
+
+
+@pytest.mark.parametrize("batch,num_kv_heads", [("decode", 1), ("prefill", 8), ("mixed", 4),
+                                                ("mixed", 2)],
+                         ids=["decode_gqa8", "prefill_gqa1", "mixed_gqa2", "mixed_gqa4"])
+def test_equals_the_reference_for_batch_kind_and_gqa_ratio(kernel, batch, num_kv_heads):
+    shapes, seqs = BATCHES[batch]
+    kernel(make_case(np.random.default_rng(0), seqs, num_kv_heads=num_kv_heads, **shapes))
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(16, 64), (64, 128)], ids=["ps16_d64", "ps64_d128"])
+def test_lengths_on_and_one_past_page_boundaries(kernel, page_size, head_dim):
+    pages_per_seq = 128 // page_size
+    kernel(boundary_case(np.random.default_rng(1), page_size, head_dim,
+                         pages_per_seq=pages_per_seq, num_pages=6 * pages_per_seq))
+
+
+def test_online_softmax_over_several_kv_blocks_and_query_blocks(kernel):
+    # Blocks of 2 pages over up to 8 pages per sequence (the TPU kernel's double buffer turns
+    # over several times), prefills split into items of 4 tokens.
+    case = make_case(np.random.default_rng(2), LONG_AND_SHORT, num_kv_heads=2, **RAGGED_SHAPES)
+    kernel(case, q_block=4, kv_block_pages=2)
+
+
+@pytest.mark.parametrize("static", [dict(sliding_window=10), dict(sliding_window=7, soft_cap=3.0)],
+                         ids=["window", "window_and_softcap"])
+def test_sliding_window_and_soft_cap(kernel, static):
+    # One-page KV blocks, so windows that have passed whole blocks skip them.
+    seqs = [(1, 128), (4, 100), (1, 60), (9, 70), (1, 3)]
+    case = make_case(np.random.default_rng(3), seqs, num_kv_heads=2, **RAGGED_SHAPES)
+    kernel(case, kv_block_pages=1, **static)
+
+
+def test_soft_cap_alone(kernel):
+    shapes, seqs = BATCHES["mixed"]
+    kernel(make_case(np.random.default_rng(4), seqs, num_kv_heads=4, **shapes), soft_cap=2.0)
+
+
+def test_bfloat16_inputs_and_cache(kernel):
+    shapes, seqs = BATCHES["mixed"]
+    kernel(make_case(np.random.default_rng(5), seqs, num_kv_heads=2, head_dim=128,
+                     dtype=jnp.bfloat16, **shapes), tol=2e-2)
+
+
+def test_live_sequence_without_new_tokens_and_no_live_sequences(kernel):
+    shapes, _ = BATCHES["mixed"]
+    kernel(make_case(np.random.default_rng(6), [(3, 10), (0, 20), (16, 16), (0, 7), (2, 9)],
+                     num_kv_heads=2, **shapes))
+    kernel(make_case(np.random.default_rng(7), [], num_kv_heads=2, **shapes))
+
+
+def test_pallas_backend_is_refused_on_cpu_unless_interpreted():
+    with pytest.raises(ValueError, match="TPU and GPU.*interpret"):
+        api.get_attention_fn("pallas")
+    shapes, seqs = BATCHES["decode"]
+    case = make_case(np.random.default_rng(8), seqs, num_kv_heads=2, **shapes)
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    out, cache = jax.jit(api.get_attention_fn("pallas", interpret=True),
+                         static_argnames=("sm_scale",))(**args, sm_scale=SM_SCALE)
+    want_out, want_cache = attention(**args, sm_scale=SM_SCALE)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache), np.asarray(want_cache))
+
+
+TENSOR_PARALLEL_SCRIPT = """
+import functools
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh
+from tests.kernels.test_reference_attention import BATCHES, SM_SCALE, attention, make_case
+from xlaserve.pallas_kernels.ragged_paged_attention import api, kernel_gpu
+mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("data", "tensor"))
+shapes, seqs = BATCHES["mixed"]
+case = make_case(np.random.default_rng(12), seqs, num_kv_heads=2, **shapes)
+args = {k: jnp.asarray(v) for k, v in case.items()}
+kernel = functools.partial(kernel_gpu.ragged_paged_attention, interpret=True)
+fn = jax.jit(api._split_by_kv_head(kernel, mesh), static_argnames=("sm_scale",))
+out, cache = fn(**args, sm_scale=SM_SCALE)
+want_out, want_cache = attention(**args, sm_scale=SM_SCALE)
+np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+np.testing.assert_array_equal(np.asarray(cache), np.asarray(want_cache))
+print("ok")
+"""
+
+
+def test_tensor_parallel_mesh_splits_the_kernel_by_kv_head():
+    # Two CPU devices, one kv head each: the kernel runs under shard_map on its own heads. The
+    # GPU kernel stands for both: the TPU interpreter, simulating every device's memory, hung
+    # under shard_map on two CPU devices.
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).parents[2])}
+    result = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL_SCRIPT], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_page_sizes_and_head_dims_full_grid(kernel, page_size, head_dim):
+    pages_per_seq = 256 // page_size
+    kernel(boundary_case(np.random.default_rng(9), page_size, head_dim,
+                         pages_per_seq=pages_per_seq, num_pages=6 * pages_per_seq))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1], ids=lambda h: f"gqa{8 // h}")
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_every_batch_kind_and_gqa_ratio(kernel, batch, num_kv_heads):
+    shapes, seqs = BATCHES[batch]
+    kernel(make_case(np.random.default_rng(10), seqs, num_kv_heads=num_kv_heads, **shapes))
+
+
+@pytest.mark.slow
+def test_long_prefill_and_long_decodes(kernel):
+    # A 300-token chunk over 2048 keys beside decodes, one exactly on a page boundary.
+    seqs = [(300, 2048), (1, 2000), (1, 1024), (1, 1), (5, 777)]
+    kernel(make_case(np.random.default_rng(11), seqs, max_seqs=8, num_tokens=320, page_size=64,
+                     pages_per_seq=32, num_pages=160, num_kv_heads=2, head_dim=64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(20))
+def test_random_batches_equal_the_reference(kernel, seed):
+    case, static, tol = random_kernel_case(np.random.default_rng(300 + seed))
+    kernel(case, tol=tol, **static)
