@@ -31,6 +31,7 @@ using xlaserve::Load16;
 using xlaserve::Store16;
 using xlaserve::Sum16;
 using xlaserve::Vec16;
+using xlaserve::Vec8;
 
 constexpr int kKeyTile = 32;       // keys scored together
 constexpr int kQueryBlock = 16;    // query rows of one sequence per work item
@@ -44,22 +45,32 @@ inline uint16_t F32ToBf16(float f) {  // round to nearest even, as XLA's convert
   return static_cast<uint16_t>(u >> 16);
 }
 
-// exp(x) for x <= 0, ~1 ulp (Cephes' polynomial); vectorizes, unlike std::exp without fast-math.
-inline float ExpNonPositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+typedef int32_t Vec8i __attribute__((vector_size(32)));
+
+// exp(x) for x <= 0, ~1 ulp (Cephes' polynomial), for a float or an 8-float vector (`Vec8`);
+// vectorizes, unlike std::exp without fast-math.
+template <typename V>
+inline V ExpNonPositive(V x) {
+  const V lowest = V{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const V shifter = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (x * 1.44269504088896341f + shifter) - shifter;
+  const V r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
+  V scale;
+  if constexpr (std::is_same_v<V, float>) {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    std::memcpy(&scale, &bits, 4);
+  } else {
+    const Vec8i bits = (__builtin_convertvector(n, Vec8i) + 127) << 23;
+    std::memcpy(&scale, &bits, sizeof(scale));
+  }
   return p * scale;
 }
 
@@ -430,9 +441,7 @@ void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
 // output row in registers. Prefill rows run the same way, one item per row: a block of rows
 // scored through transposed key tiles (the general path) was 4-8x slower. Takes head dims that are
 // a multiple of 8; others take the general path.
-constexpr int kDecodeTile = 16;
-typedef int32_t Vec8i __attribute__((vector_size(32)));
-using xlaserve::Vec8;
+constexpr int kRowTile = 16;
 
 inline Vec8 Load8(const float* x) {
   Vec8 v;
@@ -466,25 +475,6 @@ inline float Sum8(Vec8 v) {
   const xlaserve::Vec4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) +
                               __builtin_shufflevector(v, v, 4, 5, 6, 7);
   return (half[0] + half[2]) + (half[1] + half[3]);
-}
-
-// ExpNonPositive on 8 lanes.
-inline Vec8 Exp8NonPositive(Vec8 x) {
-  x = x < Splat8(-87.0f) ? Splat8(-87.0f) : x;
-  const Vec8 shifter = Splat8(12582912.0f);
-  const Vec8 n = (x * 1.44269504088896341f + shifter) - shifter;
-  const Vec8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  Vec8 poly = Splat8(1.9875691500e-4f);
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  poly = poly * r * r + r + 1.0f;
-  const Vec8i bits = (__builtin_convertvector(n, Vec8i) + 127) << 23;
-  Vec8 scale;
-  std::memcpy(&scale, &bits, 32);
-  return poly * scale;
 }
 
 // scores[j] = q . key_rows[j][offset:offset + d] for the 16 keys of a tile.
@@ -546,17 +536,17 @@ void AttendOneRow(const Problem& p, const WorkItem& item, Scratch& scratch) {
   std::fill(m, m + hq_count, -INFINITY);
   std::fill(l, l + hq_count, 0.0f);
 
-  const float* key_rows[kDecodeTile];
-  int64_t next_rows[kDecodeTile];
-  float live_lanes[kDecodeTile];
+  const float* key_rows[kRowTile];
+  int64_t next_rows[kRowTile];
+  float live_lanes[kRowTile];
   const int64_t row_bytes = token_row * static_cast<int64_t>(sizeof(T));
-  for (int64_t tile_start = lowest_key; tile_start <= pos; tile_start += kDecodeTile) {
-    const int64_t n = std::min<int64_t>(kDecodeTile, pos - tile_start + 1);
-    for (int64_t j = 0; j < kDecodeTile; ++j) {
+  for (int64_t tile_start = lowest_key; tile_start <= pos; tile_start += kRowTile) {
+    const int64_t n = std::min<int64_t>(kRowTile, pos - tile_start + 1);
+    for (int64_t j = 0; j < kRowTile; ++j) {
       const int64_t row = j < n ? TokenRow(p, item.seq, tile_start + j) : -1;
       live_lanes[j] = row >= 0 ? 1.0f : 0.0f;  // past the tile's end, or a page outside the pool
       key_rows[j] = KeyRow<T>(cache, row, token_row, scratch, j);
-      const int64_t next = tile_start + kDecodeTile + j;
+      const int64_t next = tile_start + kRowTile + j;
       next_rows[j] = next <= pos ? TokenRow(p, item.seq, next) : -1;
     }
     const Vec8 live[2] = {Load8(live_lanes), Load8(live_lanes + 8)};
@@ -565,7 +555,7 @@ void AttendOneRow(const Problem& p, const WorkItem& item, Scratch& scratch) {
     // prefetch instructions themselves stalled (16% of the kernel's time).
     int64_t prefetched = 0;
     for (int64_t hq = 0; hq < hq_count; ++hq) {
-      for (const int64_t until = (hq + 1) * kDecodeTile / hq_count; prefetched < until; ++prefetched) {
+      for (const int64_t until = (hq + 1) * kRowTile / hq_count; prefetched < until; ++prefetched) {
         if (next_rows[prefetched] < 0) continue;
         const char* bytes = reinterpret_cast<const char*>(cache + next_rows[prefetched]);
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(bytes + b, 0, 2);
@@ -582,10 +572,10 @@ void AttendOneRow(const Problem& p, const WorkItem& item, Scratch& scratch) {
       if (tile_max == -INFINITY) continue;  // no live key in this tile
       const float new_max = std::max(m[hq], tile_max);
       const float alpha = m[hq] == -INFINITY ? 0.0f : ExpNonPositive(m[hq] - new_max);
-      float probs[kDecodeTile];
+      float probs[kRowTile];
       for (int half = 0; half < 2; ++half) {
         const Vec8 x = live[half] > Splat8(0.0f) ? s[half] - new_max : Splat8(0.0f);
-        Store8(probs + 8 * half, live[half] > Splat8(0.0f) ? Exp8NonPositive(x) : Splat8(0.0f));
+        Store8(probs + 8 * half, live[half] > Splat8(0.0f) ? ExpNonPositive(x) : Splat8(0.0f));
       }
       m[hq] = new_max;
       l[hq] = l[hq] * alpha + Sum8(Load8(probs) + Load8(probs + 8));
