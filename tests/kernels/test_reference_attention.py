@@ -110,6 +110,22 @@ def check(case, tol=1e-5, **static):
     np.testing.assert_array_equal(new_cache, want_cache)
 
 
+def random_sequences(rng, max_seqs, num_tokens, pages_per_seq, page_size, max_q_len=None):
+    """Random (q_len, kv_len) pairs within `num_tokens` new tokens, half of them decodes, and a
+    page pool a few pages larger than they need. Returns (seqs, num_pages)."""
+    seqs, budget = [], num_tokens
+    for _ in range(int(rng.integers(1, max_seqs + 1))):
+        if budget == 0:
+            break
+        kv_len = int(rng.integers(1, pages_per_seq * page_size + 1))
+        longest = min(kv_len, budget, max_q_len or budget)
+        q_len = int(rng.integers(1, longest + 1)) if rng.random() < 0.5 else 1
+        seqs.append((q_len, kv_len))
+        budget -= q_len
+    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + int(rng.integers(1, 8))
+    return seqs, num_pages
+
+
 def random_kernel_case(rng):
     """A random ragged batch at a kernel's production shapes: page sizes 16 to 64, kv lengths up
     to 2048, q lengths up to 300, 1 to 16 sequences, GQA 1 to 8, head dims 64 and 128, a quarter
@@ -120,15 +136,8 @@ def random_kernel_case(rng):
     num_tokens = int(rng.choice([16, 64, 320]))
     num_kv_heads = int(rng.choice([1, 2, 4, 8]))
     head_dim = int(rng.choice([64, 128]))
-    seqs, budget = [], num_tokens
-    for _ in range(int(rng.integers(1, max_seqs + 1))):
-        if budget == 0:
-            break
-        kv_len = int(rng.integers(1, pages_per_seq * page_size + 1))
-        q_len = int(rng.integers(1, min(kv_len, budget, 300) + 1)) if rng.random() < 0.5 else 1
-        seqs.append((q_len, kv_len))
-        budget -= q_len
-    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + int(rng.integers(1, 8))
+    seqs, num_pages = random_sequences(rng, max_seqs, num_tokens, pages_per_seq, page_size,
+                                       max_q_len=300)
     dtype = jnp.bfloat16 if rng.random() < 0.25 else np.float32
     case = make_case(rng, seqs, max_seqs=max_seqs, num_tokens=num_tokens, page_size=page_size,
                      pages_per_seq=pages_per_seq, num_pages=num_pages, num_kv_heads=num_kv_heads,
@@ -256,15 +265,7 @@ def test_random_batches_match_dense_attention(seed):
     max_seqs = int(rng.choice([1, 4, 16]))
     num_tokens = int(rng.choice([16, 64, 256]))
     num_kv_heads = int(rng.choice([1, 2, 4, 8]))
-    seqs, budget = [], num_tokens
-    for _ in range(int(rng.integers(1, max_seqs + 1))):
-        if budget == 0:
-            break
-        kv_len = int(rng.integers(1, pages_per_seq * page_size + 1))
-        q_len = int(rng.integers(1, min(kv_len, budget) + 1)) if rng.random() < 0.5 else 1
-        seqs.append((q_len, kv_len))
-        budget -= q_len
-    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + int(rng.integers(1, 8))
+    seqs, num_pages = random_sequences(rng, max_seqs, num_tokens, pages_per_seq, page_size)
     dtype = jnp.bfloat16 if rng.random() < 0.25 else np.float32
     case = make_case(rng, seqs, max_seqs=max_seqs, num_tokens=num_tokens, page_size=page_size,
                      pages_per_seq=pages_per_seq, num_pages=num_pages, num_kv_heads=num_kv_heads,

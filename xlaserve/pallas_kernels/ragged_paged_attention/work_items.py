@@ -18,13 +18,14 @@ Padding rows of the metadata may hold garbage, so everything here first flattens
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-MASK_VALUE = -1e30  # the reference's: masked scores are finite, exp(MASK_VALUE - m) == 0
+from xlaserve.pallas_kernels.ragged_paged_attention import reference
+# The reference's: masked scores are finite, exp(MASK_VALUE - m) == 0. Re-exported for the kernels.
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import MASK_VALUE  # noqa: F401
 
 
 def query_group(q, k) -> int:
@@ -146,9 +147,7 @@ def default_q_block(num_tokens: int, max_seqs: int, group: int, max_rows: int = 
     """Tokens per item: a power of two near the mean new tokens per sequence (1 for decode
     batches, so no query row is wasted), capped so that an item's rows (q_block * G) stay within
     one MXU/tensor-core friendly tile of `max_rows`."""
-    mean = max(num_tokens // max(max_seqs, 1), 1)
-    q_block = 2 ** round(math.log2(mean))
-    return int(max(1, min(q_block, max_rows // group)))
+    return max(1, min(reference.default_q_block(num_tokens, max_seqs), max_rows // group))
 
 
 def round_up(x: int, multiple: int) -> int:
