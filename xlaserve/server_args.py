@@ -34,6 +34,9 @@ class ServerArgs:
     skip_tokenizer_init: bool = _flag(False, "do not load a tokenizer (token ids in and out)")
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
                                    choices=["auto", "reference", "cpu", "pallas"])
+    matmul_backend: str = _flag(
+        "auto", "matmuls: auto (the native GEMM over packed weights on a single CPU device, XLA's "
+                "dots elsewhere), native, xla", choices=["auto", "native", "xla"])
     page_size: int = _flag(16, "tokens per KV cache page")
     tp_size: int = _flag(1, "tensor parallel size: devices that split each layer's heads")
     compilation_cache_dir: Optional[str] = _flag(

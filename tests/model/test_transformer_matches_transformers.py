@@ -1,10 +1,12 @@
-"""Our Flax decoder over the paged KV cache gives transformers' logits, for every family."""
+"""Our Flax decoder over the paged KV cache gives transformers' logits, for every family, with the
+weights in their own layout (XLA's dots) and packed for the CPU's native GEMM."""
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 
 from xlaserve.model.loader import load_model
+from xlaserve.model.packed import PackedMatrix, pack_model
 from xlaserve.runtime.greedy import PagedBatch, make_forward
 from xlaserve.runtime.kv_cache import init_kv_pool
 
@@ -19,6 +21,18 @@ PROMPTS = [
 ]
 NEW_TOKENS = 5
 TOLERANCE = 1e-4
+WEIGHT_LAYOUTS = ["xla", "packed"]
+
+
+def _lay_out(loaded, layout):
+    if layout == "packed":
+        from xlaserve.native import KernelUnavailable, gemm_cpu
+        try:
+            gemm_cpu.load()
+        except KernelUnavailable as error:
+            pytest.skip(f"the native CPU GEMM does not build here: {error}")
+        pack_model(loaded.model, loaded.config.tie_word_embeddings)
+        assert isinstance(loaded.model.layers[0].attn.qkv.get_value(), PackedMatrix)
 
 
 def _hf_reference(hf_model, prompt):
@@ -58,13 +72,15 @@ def _run_ours(loaded, sequences, prefill_chunk, page_size):
     return ours
 
 
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("prefill_chunk,page_size", [(64, 16), (3, 4)],
                          ids=["one_ragged_batch", "chunked_prefill_by_3"])
 def test_logits_match_transformers_for_ragged_batch_then_decode(
-        tiny_checkpoints, family, prefill_chunk, page_size):
+        tiny_checkpoints, family, prefill_chunk, page_size, layout):
     directory, hf_model = tiny_checkpoints[family]
     loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
+    _lay_out(loaded, layout)
     references = [_hf_reference(hf_model, p) for p in PROMPTS]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
     ours = _run_ours(loaded, sequences, prefill_chunk, page_size)
@@ -75,12 +91,15 @@ def test_logits_match_transformers_for_ragged_batch_then_decode(
         assert got[prompt_len - 1:-1].argmax(-1).tolist() == full[prompt_len:]
 
 
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_checkpoints, family):
+def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_checkpoints, family,
+                                                                         layout):
     """Mixed precision: bfloat16 weights, KV cache and matmul inputs, float32 everything else."""
     directory, hf_model = tiny_checkpoints[family]
     loaded = load_model(directory, dtype="bfloat16", skip_tokenizer_init=True, progress=False)
     assert loaded.model.layers[0].attn.qkv.get_value().dtype == np.dtype("bfloat16")
+    _lay_out(loaded, layout)
     references = [_hf_reference(hf_model, p) for p in PROMPTS]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
     ours = _run_ours(loaded, sequences, prefill_chunk=3, page_size=4)

@@ -105,4 +105,4 @@ def test_default_token_buckets_follow_what_cpu_matmuls_cost():
     assert default_token_buckets(576, jnp.bfloat16, "cpu") == (2, 4, 8, 16, 32, 64, 128, 256, 512, 576)
     assert default_token_buckets(576, jnp.bfloat16, "tpu") == (8, 16, 32, 64, 128, 256, 512, 576)
     assert default_token_buckets(2, jnp.float32, "cpu") == (1, 2)  # the largest is always there
-    assert default_token_buckets(16, jnp.bfloat16, "cpu", few_row_kernel=True) == (1, 2, 4, 8, 16)
+    assert default_token_buckets(16, jnp.bfloat16, "cpu", native_matmul=True) == (1, 2, 4, 8, 16)

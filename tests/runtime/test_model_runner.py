@@ -99,11 +99,13 @@ def test_the_step_updates_the_donated_kv_cache_in_place(loaded):
         assert stats.temp_size_in_bytes < layer_bytes / 2, (tokens, seqs, pages, stats.temp_size_in_bytes)
 
 
-def test_bfloat16_steps_never_convert_a_weight_to_float32(tmp_path, monkeypatch):
+@pytest.mark.parametrize("matmul_backend,shapes", [("native", [(1, 1), (8, 8), (32, 8)]),
+                                                   ("xla", [(8, 8), (32, 8)])])
+def test_bfloat16_steps_never_convert_a_weight_to_float32(tmp_path, matmul_backend, shapes):
     # XLA's CPU backend converted whole bfloat16 weights to float32 every step when a dot's
-    # output was bfloat16, or when the tied LM head was written with an explicit transpose.
-    # Few-row steps go to the native matmul, as on machines where it is the faster one (on
-    # others XLA's 1-row bfloat16 dot does convert, and the buckets skip 1-row steps there).
+    # output was bfloat16, or when the tied LM head was written with an explicit transpose. The
+    # native GEMM widens bfloat16 in registers; XLA's 1-row bfloat16 dot does convert (the default
+    # buckets skip 1-row steps there).
     import re
 
     import jax
@@ -111,17 +113,37 @@ def test_bfloat16_steps_never_convert_a_weight_to_float32(tmp_path, monkeypatch)
 
     from xlaserve.runtime import kernels
 
-    if not kernels._matmul_builds():
-        pytest.skip("the native CPU matmul does not build here")
-    monkeypatch.setattr(kernels, "_native_matmul_is_faster", lambda shape, dtype: True)
-
+    if matmul_backend == "native" and not kernels._gemm_builds():
+        pytest.skip("the native CPU GEMM does not build here")
     make_tiny_checkpoint(str(tmp_path), "llama_tied_linear")
     loaded = load_model(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, progress=False)
-    runner = ModelRunner(loaded, num_pages=64, page_size=PAGE_SIZE, max_running_requests=8)
     weight_shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(nnx.state(loaded.model))
                      if x.ndim >= 2}
-    for tokens, seqs in [(1, 1), (8, 8), (32, 8)]:
+    runner = ModelRunner(loaded, num_pages=64, page_size=PAGE_SIZE, max_running_requests=8,
+                         matmul_backend=matmul_backend)
+    weight_shapes |= {",".join(map(str, x.shape)) for x in runner._state_leaves if x.ndim >= 2}
+    for tokens, seqs in shapes:
         text = runner.compiled_step(tokens, seqs, 8).as_text()
         entry = text[text.index("\nENTRY"):]  # buffers the step materializes (not fused code)
         converted = set(re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} (?:convert|fusion)\(", entry))
         assert not converted & weight_shapes, (tokens, converted & weight_shapes)
+
+
+def test_cpu_weights_are_packed_for_the_native_gemm_unless_xla_dots_are_asked(tmp_path):
+    from xlaserve.model.packed import PackedMatrix
+    from xlaserve.runtime import kernels
+
+    if not kernels._gemm_builds():
+        pytest.skip("the native CPU GEMM does not build here")
+    make_tiny_checkpoint(str(tmp_path), "llama_tied_linear")
+    outputs = {}
+    for backend in ("auto", "xla"):
+        loaded = load_model(str(tmp_path), dtype="float32", skip_tokenizer_init=True, progress=False)
+        runner = ModelRunner(loaded, num_pages=64, page_size=PAGE_SIZE, max_running_requests=4,
+                             matmul_backend=backend)
+        packed = isinstance(loaded.model.embedding.get_value(), PackedMatrix)
+        assert packed == (backend == "auto") == (runner.kernels.packed_matmul is not None)
+        outputs[backend] = greedy_generate(loaded.model, PROMPTS[0], 6, page_size=PAGE_SIZE)
+    assert outputs["auto"] == outputs["xla"]
+    with pytest.raises(ValueError, match="not one of"):
+        kernels.kernels_for(matmul_backend="blas")

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.packed import PackedMatrix, embed, output_axes
 
 
 @jax.tree_util.register_dataclass
@@ -65,37 +66,35 @@ def _init(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
     return 0.02 * jax.random.normal(rngs.params(), shape, dtype)
 
 
-# Steps of at most this many token rows run their matmuls through `Kernels.few_row_matmul` when
-# there is one (the CPU's native kernel: 1 row of bfloat16 weights 8.8 ms for the default model's
-# layers, against 21 ms for XLA's best; from 4 rows XLA's dots win).
-FEW_ROWS = 2
-
-
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The platform's kernels the forward pass calls: attention (the ragged paged attention
-    contract) and, optionally, a matmul for steps of few rows, `(x [M, K], w2d, transposed) ->
-    float32 [M, N]`."""
+    contract) and, on a single CPU device, the native GEMM over packed weights,
+    `(x [M, K], panels, N) -> float32 [M, N]` (model/packed.py)."""
 
     attention: Callable
-    few_row_matmul: Callable | None = None
+    packed_matmul: Callable | None = None
 
 
-def linear(x: jax.Array, weight: jax.Array, kernels: Kernels, transposed: bool = False) -> jax.Array:
-    """x [T, K] @ weight [K, ...] (or @ weight[N, K].T), float32 out: inputs in the weight's dtype,
-    float32 accumulation. Weights are used as 2-d matrices (a free reshape): XLA's CPU layout pass
-    transposed a whole 3-d o_proj weight every step for a 3-d einsum."""
+def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> jax.Array:
+    """x [T, K] @ weight -> float32 [T, *output axes]: the weight's leading axes that multiply to
+    K are contracted (or weight [N, K] is used as weight.T). Inputs go in the weight's dtype with
+    float32 accumulation. A `PackedMatrix` goes to the native GEMM. Otherwise the weight is used
+    as a 2-d matrix (a free reshape): XLA's CPU layout pass transposed a whole 3-d o_proj weight
+    every step for a 3-d einsum."""
     rows, k = x.shape
-    matrix = weight.reshape(-1, k) if transposed else weight.reshape(k, -1)
-    if kernels.few_row_matmul is not None and rows <= FEW_ROWS:
-        y = kernels.few_row_matmul(x, matrix, transposed)
-    else:
+    if isinstance(weight, PackedMatrix):
+        y = kernels.packed_matmul(x, weight.panels, weight.columns)
+        return y.reshape(rows, *weight.output_axes)
+    if transposed:
         # Contracting the weight's last axis directly: with an explicit `.T`, XLA converted the
         # whole bfloat16 tied embedding to float32 on every step (28 ms at 128 rows).
-        y = jax.lax.dot_general(x.astype(matrix.dtype), matrix,
-                                (((1,), (1 if transposed else 0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-    return y if transposed else y.reshape(rows, *weight.shape[1:])
+        return jax.lax.dot_general(x.astype(weight.dtype), weight, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    axes = output_axes(weight.shape, k)
+    y = jax.lax.dot_general(x.astype(weight.dtype), weight.reshape(k, -1), (((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.reshape(rows, *axes)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -157,8 +156,7 @@ class Attention(nnx.Module):
             q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
             metadata.num_seqs, sm_scale=c.head_dim**-0.5, sliding_window=self.sliding_window,
         )
-        out = linear(out.reshape(num_tokens, -1), self.o_proj[...].reshape(-1, c.hidden_size),
-                     kernels)
+        out = linear(out.reshape(num_tokens, -1), self.o_proj[...], kernels)
         if c.o_bias:
             out = out + self.o_bias[...].astype(jnp.float32)
         return out, kv_cache
@@ -220,7 +218,7 @@ class CausalLM(nnx.Module):
         for every token row, and the updated KV caches. Split from `logits` so that a step can
         take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
         logprobs)."""
-        x = self.embedding[...][input_ids].astype(jnp.float32)
+        x = embed(self.embedding[...], input_ids).astype(jnp.float32)
         inv_freq = self.config.rope.inv_freq(self.config.head_dim)  # numpy: a trace-time constant
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)

@@ -2,8 +2,9 @@
 jitted code as XLA FFI custom calls.
 
 XLA's CPU backend leaves two things slow that matter for serving: attention over a paged KV cache
-(gathers and tiny batched matmuls) and matmuls of a few rows (one thread, and a slow path for
-bfloat16 weights). The kernels for those live next to their callers; this module builds them.
+(gathers and tiny batched matmuls; its kernel lives with the other attention implementations) and
+matmuls of a few rows (2-32 rows at a third of the memory bandwidth; `gemm_cpu`). This module
+builds them.
 
 A library is compiled with -O3 -march=native into `~/.cache/xlaserve/kernels` (or
 `$XLASERVE_CACHE_DIR/kernels`), named by a hash of its source, the shared header, the flags, the
@@ -65,9 +66,9 @@ def _compile(compiler: str, source: Path, library: Path) -> None:
 
 
 @functools.cache
-def register(source: Path, symbol: str, target_name: str) -> None:
-    """Builds `source` (once per source, flags and CPU) and registers its handler `symbol` as the
-    CPU custom call `target_name`."""
+def register(source: Path, symbol: str, target_name: str) -> ctypes.CDLL:
+    """Builds `source` (once per source, flags and CPU), registers its handler `symbol` as the
+    CPU custom call `target_name`, and returns the library (for its other exported functions)."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set $CXX)")
@@ -78,7 +79,9 @@ def register(source: Path, symbol: str, target_name: str) -> None:
     if not library.exists():
         _compile(compiler, source, library)
     try:
-        handler = getattr(ctypes.cdll.LoadLibrary(str(library)), symbol)
+        loaded = ctypes.cdll.LoadLibrary(str(library))
+        handler = getattr(loaded, symbol)
     except (OSError, AttributeError) as error:
         raise KernelUnavailable(f"loading {library} failed: {error}") from error
     jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(handler), platform="cpu")
+    return loaded

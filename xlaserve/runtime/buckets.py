@@ -31,10 +31,11 @@ def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
 
 
 def default_token_buckets(max_tokens: int, dtype, platform: str,
-                          few_row_kernel: bool = False) -> tuple[int, ...]:
+                          native_matmul: bool = False) -> tuple[int, ...]:
     """Token-count buckets by default: powers of two, shaped by what matmuls cost.
 
-    On the CPU with the native few-row matmul (steps of 1-2 rows), every power of two from 1.
+    On the CPU with the native GEMM (its cost grows smoothly with the rows), every power of two
+    from 1.
     Without it, XLA's dots decide: a 1-row float32 step runs as matrix-vector products (the
     default model: 26 ms) but 2 rows cost more than 4 (50 vs 38 ms), so float32 skips 2; a 1-row
     bfloat16 step falls off the fast bfloat16 path (186 ms against 29 ms for 2 rows), so
@@ -42,7 +43,7 @@ def default_token_buckets(max_tokens: int, dtype, platform: str,
     programs compile faster."""
     if platform != "cpu":
         return pow2_buckets(min(8, max_tokens), max_tokens)
-    if few_row_kernel:
+    if native_matmul:
         return pow2_buckets(1, max_tokens)
     if jnp.dtype(dtype) == jnp.bfloat16:
         return pow2_buckets(min(2, max_tokens), max_tokens)

@@ -68,14 +68,15 @@ class EngineCore:
                                   mem_fraction_static=_mem_fraction(args.mem_fraction_static))
         self.runner = ModelRunner(self.loaded, num_pages=num_pages, page_size=page_size,
                                   max_running_requests=args.max_running_requests,
-                                  attention_backend=args.attention_backend)
+                                  attention_backend=args.attention_backend,
+                                  matmul_backend=args.matmul_backend)
         max_step_tokens = args.max_running_requests + args.max_prefill_tokens
         self.buckets = Buckets.for_limits(
             max_step_tokens, args.max_running_requests,
             pages_for_tokens(self.context_length, page_size),
             token_paddings=_int_list(args.precompile_token_paddings) or default_token_buckets(
                 max_step_tokens, self.loaded.dtype, jax.default_backend(),
-                few_row_kernel=self.runner.kernels.few_row_matmul is not None),
+                native_matmul=self.runner.kernels.packed_matmul is not None),
             seq_paddings=_int_list(args.precompile_bs_paddings),
             # One page-table width: the attention loop stops at the longest live sequence, so a
             # wide table costs little, and each extra width would multiply the compiled programs.

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from xlaserve.model.packed import pack_model
 from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.batch import ForwardBatch
 from xlaserve.runtime.kernels import kernels_for
@@ -59,13 +60,16 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", matmul_backend: str = "auto"):
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
         self.num_pages = num_pages
-        graphdef, self.state = nnx.split(loaded.model)
         dtype = loaded.dtype
+        self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
+        if kernels.packed_matmul is not None:
+            pack_model(loaded.model, self.config.tie_word_embeddings)
+        graphdef, self.state = nnx.split(loaded.model)
         self.kv_caches = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh)
         num_slots = max_running_requests + 1  # + the null slot
         vocab = self.config.vocab_size
@@ -75,10 +79,6 @@ class ModelRunner:
         kv_sharding = [cache.sharding for cache in self.kv_caches]
         self.output_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = jax.device_put(np.zeros((num_slots, vocab), np.bool_), replicated)
-        # The widest layer (gate and up together) decides whether the native matmul pays here.
-        self.kernels = kernels = kernels_for(
-            attention_backend, self.mesh, dtype=dtype,
-            matmul_shape=(self.config.hidden_size, 2 * self.config.intermediate_size))
 
         # The weights go in as a flat list: flattening the nnx.State (182 Variables for the default
         # model) on every call cost ~0.4 ms of host time per step.

@@ -1,0 +1,82 @@
+"""Weights in the panel layout of the CPU's native GEMM (xlaserve/native/gemm_cpu.py).
+
+On a single CPU device every matmul weight is packed once, when the ModelRunner is built: a
+`PackedMatrix` replaces the array as the value of its nnx Variable, and `transformer.linear` sends
+it to `Kernels.packed_matmul`. The weight is not kept in its own layout as well (that would double
+the model's memory); a tied embedding is looked up from its panels (`embed`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from flax import nnx
+
+from xlaserve.native import gemm_cpu
+
+# The leaves that are matmul weights, with how many of their leading axes are contracted.
+MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedMatrix:
+    panels: jax.Array  # [ceil(N/P), K, P]
+    output_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # N, unflattened
+
+    def __getitem__(self, index):
+        """nnx reads a Variable's value as `variable[...]`: the whole matrix."""
+        if index is not Ellipsis:
+            raise TypeError("a packed weight is read whole (`[...]`)")
+        return self
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @property
+    def columns(self) -> int:
+        return math.prod(self.output_axes)
+
+
+def output_axes(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """The output axes of x [T, K] @ weight: what follows the leading axes that multiply to K."""
+    for i in range(1, len(shape)):
+        if math.prod(shape[:i]) == k:
+            return tuple(shape[i:])
+    raise ValueError(f"no leading axes of a weight of shape {shape} multiply to {k}")
+
+
+def pack(weight: jax.Array, k: int | None = None, transposed: bool = False) -> PackedMatrix:
+    """`weight` [K, ...] (its leading axes that multiply to `k`, default the first, are
+    contracted), or [N, K] used as x @ weight.T with `transposed`, in panels."""
+    if transposed:
+        return PackedMatrix(gemm_cpu.pack_rows(weight), (weight.shape[0],))
+    axes = output_axes(weight.shape, weight.shape[0] if k is None else k)
+    return PackedMatrix(gemm_cpu.pack_columns(weight.reshape(-1, math.prod(axes))), axes)
+
+
+def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
+    """Packs `model`'s matmul weights in place, one at a time (each array is freed as its packed
+    copy replaces it). A model already packed is left as it is."""
+    graphdef, state = nnx.split(model)
+    values = {}
+    for path, variable in nnx.to_flat_state(state):
+        value = variable.get_value()
+        name = str(path[-1])
+        if isinstance(value, PackedMatrix):
+            pass
+        elif name in MATMUL_WEIGHTS:
+            value = pack(value, math.prod(value.shape[:MATMUL_WEIGHTS[name]]))
+        elif name == "embedding" and tie_word_embeddings:
+            value = pack(value, transposed=True)
+        values[path] = value
+    nnx.update(model, nnx.from_flat_state(values))
+
+
+def embed(embedding, ids: jax.Array) -> jax.Array:
+    """embedding[ids] for an embedding array or a packed tied one."""
+    if isinstance(embedding, PackedMatrix):
+        return gemm_cpu.packed_rows(embedding.panels, ids)
+    return embedding[ids]
