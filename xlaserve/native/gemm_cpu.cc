@@ -182,24 +182,34 @@ void Gemm(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t m
   });
 }
 
+// W is one matrix's panels [ceil(N/kPanel), K, kPanel], or a stack of such matrices (one per layer)
+// [L, ceil(N/kPanel), K, kPanel] of which `layer` is used: a stack is one argument of the step
+// for all layers, and indexing it here costs no copy (an XLA slice would copy the weight).
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("packed GEMM (CPU): x [M, K], W [panels, K, kPanel], y [M, N]");
+  const size_t wr = wd.size();
+  if (xd.size() != 2 || (wr != 3 && wr != 4) || yd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "packed GEMM (CPU): x [M, K], W [(L,) panels, K, kPanel], y [M, N]");
   const int64_t m = xd[0], k = xd[1], n = yd[1];
-  if (wd[1] != k || wd[2] != kPanel || yd[0] != m || wd[0] != (n + kPanel - 1) / kPanel)
+  if (wd[wr - 2] != k || wd[wr - 1] != kPanel || yd[0] != m ||
+      wd[wr - 3] != (n + kPanel - 1) / kPanel)
     return ffi::Error::InvalidArgument("packed GEMM (CPU): shapes do not match");
+  const int64_t layers = wr == 4 ? wd[0] : 1;
+  if (layer < 0 || layer >= layers)
+    return ffi::Error::InvalidArgument("packed GEMM (CPU): layer out of range");
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {
     std::memset(y->typed_data(), 0, m * n * sizeof(float));
     return ffi::Error::Success();
   }
+  const int64_t offset = layer * wd[wr - 3] * k * kPanel;
   if (w.element_type() == ffi::F32)
-    Gemm<float>(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(),
-                m, k, n);
+    Gemm<float>(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()) + offset,
+                y->typed_data(), m, k, n);
   else if (w.element_type() == ffi::BF16)
-    Gemm<uint16_t>(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()),
+    Gemm<uint16_t>(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()) + offset,
                    y->typed_data(), m, k, n);
   else
     return ffi::Error::InvalidArgument("packed GEMM (CPU): float32 or bfloat16 weights");
@@ -214,5 +224,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemm, GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()         // W packed [ceil(N/kPanel), K, kPanel]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Arg<ffi::AnyBuffer>()         // W packed, or a stack of them
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("layer"));

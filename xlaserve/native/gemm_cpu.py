@@ -3,6 +3,7 @@
     packed = pack_columns(w)          # w [K, N] -> [ceil(N/P), K, P]
     packed = pack_rows(e)             # e [N, K], used as x @ e.T (a tied LM head) -> the same
     y = packed_matmul(x, packed, n)   # x [M, K] -> float32 [M, N]
+    y = packed_matmul(x, jnp.stack([packed, ...]), n, layer=i)  # one of a stack, no copy
     rows = packed_rows(packed, ids)   # e[ids] from pack_rows(e): the embedding lookup
 
 P, the panel width, is the kernel's (`panel_width()`: 16, or 32 on CPUs with AVX-512). Packing is
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xlaserve.native import register
 
@@ -67,14 +69,17 @@ def packed_rows(packed: jax.Array, ids: jax.Array) -> jax.Array:
     return packed[ids // panel, :, ids % panel]
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0) -> jax.Array:
     """x [M, K] @ W [K, N] -> float32 [M, N], W given as `pack_columns(W)` (or `pack_rows(W.T)`),
-    float32 or bfloat16."""
+    float32 or bfloat16, or as a stack of such [L, ...] of which `layer` is used (passing the
+    stack costs no copy, where slicing it in XLA would)."""
     panel = panel_width()
-    if x.ndim != 2 or packed.ndim != 3 or packed.shape[1:] != (x.shape[1], panel) or (
-            packed.shape[0] != _panels(n, panel)) or packed.dtype not in (jnp.float32, jnp.bfloat16):
+    matrix = packed.shape[-3:]
+    if x.ndim != 2 or packed.ndim not in (3, 4) or matrix != (_panels(n, panel), x.shape[1], panel) or (
+            packed.dtype not in (jnp.float32, jnp.bfloat16)) or not (
+            0 <= layer < (packed.shape[0] if packed.ndim == 4 else 1)):
         raise ValueError(f"packed_matmul takes x [M, K] and float32/bfloat16 panels "
-                         f"[ceil(N/{panel}), K, {panel}]; got {x.shape}, {packed.shape} "
-                         f"{packed.dtype} for N={n}")
+                         f"[(L,) ceil(N/{panel}), K, {panel}] (and a layer < L); got {x.shape}, "
+                         f"{packed.shape} {packed.dtype} for N={n}, layer {layer}")
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(jnp.float32), packed)
+    return call(x.astype(jnp.float32), packed, layer=np.int64(layer))

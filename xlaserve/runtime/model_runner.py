@@ -39,6 +39,7 @@ from xlaserve.runtime.packing import pack_leaves, unpack_leaves
 from xlaserve.runtime.prompt_logprobs import NO_TARGET, PromptLogprobs, prompt_logprobs
 from xlaserve.runtime.sampler import (RowSamplingParams, SampleOutput, SamplingMetadata,
                                       add_sampled, build_sampling_metadata, sample)
+from xlaserve.runtime.weight_args import leaves_from_args, weight_args
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +81,19 @@ class ModelRunner:
         self.output_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = jax.device_put(np.zeros((num_slots, vocab), np.bool_), replicated)
 
-        # The weights go in as a flat list: flattening the nnx.State (182 Variables for the default
-        # model) on every call cost ~0.4 ms of host time per step.
-        self._state_leaves, state_treedef = jax.tree.flatten(self.state)
+        # The weights go in as a flat list (flattening the nnx.State, 182 Variables for the
+        # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
+        # (runtime/weight_args.py).
+        leaves, state_treedef = jax.tree.flatten(self.state)
+        self._weight_args, weight_layout = weight_args(leaves, stack_small=self.mesh.size == 1)
+        del leaves
 
         @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnames=("layout",),
                            out_shardings=(replicated, kv_sharding, replicated))
-        def step(state_leaves, kv_caches, output_counts, prompt_masks, ints, floats, layout):
+        def step(weights, kv_caches, output_counts, prompt_masks, ints, floats, layout):
             batch, sampling, slots = unpack_leaves(ints, floats, layout)
-            model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
+            state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
+            model = nnx.merge(graphdef, state)
             hidden, kv_caches = model.hidden_states(batch.input_ids, batch.positions, kv_caches,
                                                     batch.metadata, kernels)
             logits = model.logits(hidden[batch.logits_indices], kernels)
@@ -122,7 +127,7 @@ class ModelRunner:
         compiled_before = self._step._cache_size()
         ints, floats, layout = self._send(batch, sampling, slots)
         out, self.kv_caches, self.output_counts = self._step(
-            self._state_leaves, self.kv_caches, self.output_counts, self.prompt_masks, ints, floats,
+            self._weight_args, self.kv_caches, self.output_counts, self.prompt_masks, ints, floats,
             layout=layout)
         if self._precompiled and self._step._cache_size() > compiled_before:
             logger.warning(
@@ -147,7 +152,7 @@ class ModelRunner:
                                            SAMPLING_WIDTHS)
         ints, floats, layout = self._send(empty_batch(tokens, seqs, pages), sampling,
                                           np.zeros(seqs, np.int32))
-        return self._step.lower(self._state_leaves, self.kv_caches, self.output_counts,
+        return self._step.lower(self._weight_args, self.kv_caches, self.output_counts,
                                 self.prompt_masks, ints, floats, layout=layout).compile()
 
     def precompile(self, shapes, *, progress: bool = True) -> None:
