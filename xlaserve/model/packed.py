@@ -49,12 +49,12 @@ def output_axes(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
     raise ValueError(f"no leading axes of a weight of shape {shape} multiply to {k}")
 
 
-def pack(weight: jax.Array, k: int | None = None, transposed: bool = False) -> PackedMatrix:
-    """`weight` [K, ...] (its leading axes that multiply to `k`, default the first, are
-    contracted), or [N, K] used as x @ weight.T with `transposed`, in panels."""
+def pack(weight: jax.Array, contracted_axes: int = 1, transposed: bool = False) -> PackedMatrix:
+    """`weight` [K..., N...] (its first `contracted_axes` axes are contracted), or [N, K] used as
+    x @ weight.T with `transposed`, in panels."""
     if transposed:
         return PackedMatrix(gemm_cpu.pack_rows(weight), (weight.shape[0],))
-    axes = output_axes(weight.shape, weight.shape[0] if k is None else k)
+    axes = tuple(weight.shape[contracted_axes:])
     return PackedMatrix(gemm_cpu.pack_columns(weight.reshape(-1, math.prod(axes))), axes)
 
 
@@ -76,13 +76,13 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
             stacks.setdefault(path[2:], []).append((path, value))
             continue
         elif name in MATMUL_WEIGHTS:
-            value = pack(value, math.prod(value.shape[:MATMUL_WEIGHTS[name]]))
+            value = pack(value, MATMUL_WEIGHTS[name])
         elif name == "embedding" and tie_word_embeddings:
             value = pack(value, transposed=True)
         values[path] = value
     for members in stacks.values():
-        name = str(members[0][0][-1])
-        packed = [pack(value, math.prod(value.shape[:MATMUL_WEIGHTS[name]])) for _, value in members]
+        contracted_axes = MATMUL_WEIGHTS[str(members[0][0][-1])]
+        packed = [pack(value, contracted_axes) for _, value in members]
         stack = jax.numpy.stack([p.panels for p in packed])
         for layer, ((path, _), p) in enumerate(zip(members, packed, strict=True)):
             values[path] = PackedMatrix(stack, p.output_axes, layer)

@@ -70,7 +70,7 @@ class ModelRunner:
         self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
         if kernels.packed_matmul is not None:
             pack_model(loaded.model, self.config.tie_word_embeddings)
-        graphdef, self.state = nnx.split(loaded.model)
+        graphdef, state = nnx.split(loaded.model)
         self.kv_caches = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh)
         num_slots = max_running_requests + 1  # + the null slot
         vocab = self.config.vocab_size
@@ -84,9 +84,9 @@ class ModelRunner:
         # The weights go in as a flat list (flattening the nnx.State, 182 Variables for the
         # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
         # (runtime/weight_args.py).
-        leaves, state_treedef = jax.tree.flatten(self.state)
+        leaves, state_treedef = jax.tree.flatten(state)
         self._weight_args, weight_layout = weight_args(leaves, stack_small=self.mesh.size == 1)
-        del leaves
+        del leaves, state
 
         @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnames=("layout",),
                            out_shardings=(replicated, kv_sharding, replicated))
