@@ -106,6 +106,53 @@ def test_tiny_page_pool_retracts_and_still_finishes_every_request_correctly(chec
         assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, 12)
 
 
+def test_overlapped_steps_give_what_steps_read_one_at_a_time_give(engine, checkpoint):
+    # With overlap (the default), a decode step is dispatched before the host has read the step
+    # that samples its input token; every sampling parameter must come out as without it.
+    free = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)["output_ids"]
+    params = [
+        {"max_new_tokens": 11, "temperature": 1.0, "seed": 5, "top_k": 20, "ignore_eos": True,
+         "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+        {"max_new_tokens": 12, "temperature": 0.8, "seed": 6, "top_p": 0.9, "min_p": 0.05,
+         "presence_penalty": 0.7, "ignore_eos": True},
+        {**GREEDY, "stop_token_ids": [free[3]]},  # ends on a stop id: one row too many in flight
+        {**GREEDY, "stop_token_ids": [free[3]], "min_new_tokens": 6},
+        {**GREEDY, "max_new_tokens": 1},
+        {**GREEDY, "max_new_tokens": 2, "logit_bias": {"7": 5.0}},
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[2], PROMPTS[3], PROMPTS[4]]
+    continuations = []
+    original = engine.core.scheduler.schedule_continuation
+
+    def counting(batch):
+        following = original(batch)
+        continuations.append(following is not None)
+        return following
+
+    engine.core.scheduler.schedule_continuation = counting
+    try:
+        overlapped = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                     top_logprobs_num=3)
+    finally:
+        del engine.core.scheduler.schedule_continuation
+    assert sum(continuations) >= 3  # the others waited for admissions (4 run at once)
+    with Engine(checkpoint[0], max_total_tokens=512, disable_overlap_schedule=True,
+                **SMALL) as serial_engine:
+        serial = serial_engine.generate(input_ids=prompts, sampling_params=params,
+                                        return_logprob=True, top_logprobs_num=3)
+    for a, b in zip(overlapped, serial, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+        np.testing.assert_allclose([x[0] for x in a["meta_info"]["output_token_logprobs"]],
+                                   [x[0] for x in b["meta_info"]["output_token_logprobs"]],
+                                   rtol=1e-5, atol=1e-5)
+        assert [[t for _, t, _ in top] for top in a["meta_info"]["output_top_logprobs"]] == \
+            [[t for _, t, _ in top] for top in b["meta_info"]["output_top_logprobs"]]
+    assert overlapped[2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": free[3]}
+    assert len(overlapped[3]["output_ids"]) >= 6
+    assert engine.core.scheduler.token_usage() == 0
+
+
 def test_abort_mid_stream_frees_the_pages(engine):
     async def consume_three():
         stream = await engine.async_generate(input_ids=PROMPTS[0], sampling_params={

@@ -78,13 +78,13 @@ def test_no_compile_after_precompile_and_a_loud_warning_for_a_new_shape(loaded, 
     batch = pack([SeqChunk([1, 2], 0, [1, 2, 3])], odd, PAGE_SIZE)
     with caplog.at_level(logging.WARNING):
         runner.step(batch, build_sampling_metadata([RowSamplingParams(seed=1)], batch.shape[1]),
-                    np.array([1], np.int32))
+                    np.array([1, 0, 0, 0], np.int32))
     assert runner.compile_count() == compiled + 1
     assert "COMPILED WHILE SERVING" in caplog.text and "(8, 4, 3)" in caplog.text
     # ... and so does a step whose sampling tables are not padded to the fixed widths.
     batch = pack([SeqChunk([1, 2], 0, [1, 2])], BUCKETS, PAGE_SIZE)
     runner.step(batch, build_sampling_metadata([RowSamplingParams(seed=1)], batch.shape[1]),
-                np.array([1], np.int32))
+                np.array([1, 0, 0, 0], np.int32))
     assert runner.compile_count() == compiled + 2
 
 

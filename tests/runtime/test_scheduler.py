@@ -29,8 +29,11 @@ class FakeModel:
         self.pages: dict[int, list] = {}
         self.script = script or {}
         self.batches = []
+        self.last_tokens: dict[int, int] = {}  # per slot, like the device's
 
     def step(self, batch):
+        """Runs `batch` at once, as the device would when it was dispatched: a continuation
+        (batch.ahead) reads its input token from the slot, not from the request."""
         self.batches.append(batch)
         assert len(set(batch.slots)) == len(batch.slots)
         assert all(1 <= s <= self.scheduler.max_running_requests for s in batch.slots)
@@ -38,16 +41,39 @@ class FakeModel:
         for request, chunk in zip(batch.requests, batch.chunks, strict=True):
             kv_len = chunk.num_cached + len(chunk.token_ids)
             assert len(chunk.page_ids) == pages_for_tokens(kv_len, PAGE)  # covers it, exactly
-            for i, token in enumerate(chunk.token_ids):
+            token_ids = chunk.token_ids
+            if chunk.input_slot >= 0:
+                token_ids = [self.last_tokens[chunk.input_slot]]
+            for i, token in enumerate(token_ids):
                 pos = chunk.num_cached + i
                 self.pages.setdefault(chunk.page_ids[pos // PAGE], [None] * PAGE)[pos % PAGE] = token
             seen = [self.pages[chunk.page_ids[p // PAGE]][p % PAGE] for p in range(kv_len)]
-            assert seen == request.all_ids()[:kv_len]
+            unread = token_ids if batch.ahead else []  # sampled by the step still unprocessed
+            assert seen == (request.all_ids() + unread)[:kv_len]
             if request.rid in self.script:
-                tokens.append(self.script[request.rid][len(request.output_ids)])
+                tokens.append(self.script[request.rid][len(request.output_ids) + batch.ahead])
             else:
                 tokens.append(sum((i + 1) * t for i, t in enumerate(seen)) % 50 + 10)
+            if chunk.sample:
+                self.last_tokens[request.slot] = tokens[-1]
         return tokens
+
+    def run_overlapped(self, max_steps=10_000):
+        """The engine's loop: the continuation of the step in flight is dispatched before that
+        step's results are processed; otherwise the next step is scheduled after them."""
+        finished, in_flight = [], None
+        for _ in range(max_steps):
+            if not self.scheduler.has_work() and in_flight is None:
+                return finished
+            following = None
+            if in_flight is not None:
+                batch = self.scheduler.schedule_continuation(in_flight[0])
+                following = (batch, self.step(batch)) if batch is not None else None
+                finished += self.scheduler.process_results(*in_flight)
+            in_flight = following
+            if in_flight is None and (batch := self.scheduler.schedule()) is not None:
+                in_flight = (batch, self.step(batch))
+        raise AssertionError("the scheduler did not finish its work")
 
     def run_step(self):
         batch = self.scheduler.schedule()
@@ -306,3 +332,78 @@ def test_prefills_stuck_without_pages_retract_the_newest_so_the_oldest_finishes(
     assert "KV cache pool is full. Retract requests. #retracted_reqs: 1" in caplog.text
     finished = s.process_results(batch, model.step(batch)) + model.run_all()
     assert [r.rid for r in finished] == ["a", "b"] and s.num_pages_in_use == 0
+
+
+def _outputs(finished):
+    return {r.rid: (r.output_ids, r.finish_reason) for r in finished}
+
+
+@pytest.mark.parametrize("num_pages", [64, 9])  # 9: retractions
+def test_overlapped_loop_gives_the_same_outputs_and_frees_every_page(num_pages):
+    def run(overlapped):
+        s = make_scheduler(num_pages=num_pages, max_running=4, chunk=5)
+        for i, rid in enumerate("abcdef"):
+            s.add(req(rid, prompt_len=3 + 2 * i, max_new=1 + 3 * i))
+        model = FakeModel(s)
+        finished = model.run_overlapped() if overlapped else model.run_all()
+        assert s.num_pages_in_use == 0 and not s.has_work()
+        assert any(r.retracted_count for r in finished) == (num_pages == 9)
+        return _outputs(finished), model
+
+    (plain, _), (overlapped, model) = run(False), run(True)
+    assert overlapped == plain
+    assert any(b.ahead for b in model.batches)  # continuations did run
+
+
+def test_a_continuation_runs_every_sampling_request_one_token_further():
+    s = make_scheduler()
+    s.add(req("a", prompt_len=6, max_new=8))
+    s.add(req("b", prompt_len=3, max_new=8))
+    model = FakeModel(s)
+    first = s.schedule()  # both prompts whole: both sample
+    model.step(first)
+    following = s.schedule_continuation(first)
+    assert following.ahead == 1 and following.kind == "decode"
+    assert [c.input_slot for c in following.chunks] == [r.slot for r in first.requests]
+    assert [c.num_cached for c in following.chunks] == [6, 3]
+    assert all(len(c.page_ids) == pages_for_tokens(c.num_cached + 1, PAGE) for c in following.chunks)
+
+
+def test_no_continuation_while_a_request_waits_or_a_prompt_chunk_samples_nothing():
+    s = make_scheduler(chunk=4)
+    s.add(req("long", prompt_len=10))
+    batch = s.schedule()  # a 4-token chunk of 10: samples nothing
+    assert s.schedule_continuation(batch) is None
+    s = make_scheduler()
+    s.add(req("a"))
+    batch = s.schedule()
+    s.add(req("late"))  # waiting: the next step is scheduled the usual way, to admit it
+    assert s.schedule_continuation(batch) is None
+
+
+def test_a_continuation_leaves_out_requests_the_step_in_flight_ends_by_length():
+    s = make_scheduler()
+    s.add(req("one", max_new=1))
+    s.add(req("more", max_new=5))
+    batch = s.schedule()
+    following = s.schedule_continuation(batch)
+    assert [r.rid for r in following.requests] == ["more"]
+
+
+def test_no_continuation_without_a_free_page_for_it():
+    s = make_scheduler(num_pages=3)  # 2 pages (and the null page); each prompt fills one
+    s.add(req("a", prompt_len=PAGE))
+    s.add(req("b", prompt_len=PAGE))
+    batch = s.schedule()
+    assert s.schedule_continuation(batch) is None
+    assert s.num_pages_in_use == 2
+
+
+def test_the_continuation_row_of_a_request_a_stop_id_ended_is_dropped():
+    s = make_scheduler()
+    s.add(req("stops", max_new=10, stop_token_ids=frozenset({7})))
+    s.add(req("goes_on", max_new=4))
+    script = {"stops": [1, 7, 2, 2, 2, 2], "goes_on": [3, 4, 5, 6]}
+    finished = _outputs(FakeModel(s, script).run_overlapped())
+    assert finished == {"stops": ([1, 7], ("stop", 7)), "goes_on": ([3, 4, 5, 6], ("length", None))}
+    assert s.num_pages_in_use == 0

@@ -36,7 +36,9 @@ constexpr int kTileRows = 6;        // rows of x per register tile: 6 x 2 accumu
 constexpr int64_t kMaxDepth = 768;  // K per pass: a panel's slice stays in L1 or L2
 constexpr int64_t kRowBlock = 96;   // rows of x per pass: their K block stays in L2
 // Bytes of the panel stream read ahead of use: the hardware prefetcher alone left steps of 4-16
-// rows 20-30% slower (the first row tile over a panel waits on memory, the others hit L1).
+// rows 20-30% slower (the first row tile over a panel waits on memory, the others hit L1). A
+// one-row tile does not prefetch: it is a plain stream, which the hardware prefetcher keeps
+// at memory speed, and the prefetch instructions made it 9-14% slower.
 constexpr int64_t kPrefetchBytes = 2048;
 
 inline Vec Load(const float* p) {
@@ -80,7 +82,7 @@ inline void Tile(const float* x, int64_t ldx, const T* panel, int64_t depth, Vec
   for (; k + kUnroll <= depth; k += kUnroll) {
 #pragma GCC unroll 8
     for (int u = 0; u < kUnroll; ++u) {
-      Prefetch<T>(panel, k + u);
+      if constexpr (kRows > 1) Prefetch<T>(panel, k + u);
       const Vec w0 = Load(panel + (k + u) * kPanel), w1 = Load(panel + (k + u) * kPanel + kLanes);
 #pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {

@@ -30,6 +30,9 @@ class SeqChunk:
     # Per new token, the id whose logprob the step computes at that row (prompt logprobs: the
     # next prompt token), -1 for none; None: no row of this chunk has a target.
     target_ids: list[int] | None = None
+    # >= 0: the one new token is the one the previous step sampled in this slot, still on the
+    # device (a step dispatched before that one was read; `token_ids` holds a placeholder).
+    input_slot: int = -1
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +46,9 @@ class ForwardBatch:
     # i32[T]: per token row, the id whose logprob and top alternatives the step returns, -1 for
     # none (padding too). Data, not a static argument: any mix runs in the bucket's one program.
     target_ids: np.ndarray
+    # i32[T]: per token row, the slot whose last sampled token (device state) is the input, -1
+    # where `input_ids` holds it.
+    input_slots: np.ndarray
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -65,12 +71,17 @@ def pack(chunks: list[SeqChunk], buckets: Buckets, page_size: int) -> ForwardBat
     logits_indices = np.zeros(padded_seqs, np.int32)
     sample_rows = np.zeros(padded_seqs, np.bool_)
     target_ids = np.full(padded_tokens, -1, np.int32)
+    input_slots = np.full(padded_tokens, -1, np.int32)
     offset = 0
     for i, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         if n == 0:
             raise ValueError("a scheduled sequence must run at least one token")
         input_ids[offset:offset + n] = chunk.token_ids
+        if chunk.input_slot >= 0:
+            if n != 1:
+                raise ValueError(f"sequence {i} takes its input from a slot but runs {n} tokens")
+            input_slots[offset] = chunk.input_slot
         if chunk.target_ids is not None:
             if len(chunk.target_ids) != n:
                 raise ValueError(f"sequence {i} has {n} tokens but {len(chunk.target_ids)} targets")
@@ -87,4 +98,5 @@ def pack(chunks: list[SeqChunk], buckets: Buckets, page_size: int) -> ForwardBat
         sample_rows[i] = chunk.sample
     metadata = AttentionMetadata(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu_q_lens,
                                  num_seqs=np.array([len(chunks)], np.int32))
-    return ForwardBatch(input_ids, positions, metadata, logits_indices, sample_rows, target_ids)
+    return ForwardBatch(input_ids, positions, metadata, logits_indices, sample_rows, target_ids,
+                        input_slots)

@@ -185,23 +185,36 @@ class EngineCore:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
-        """One step per iteration. With overlap (the default), the host work on a step's results
-        that the next step does not need (detokenizing, stop strings, handing chunks out) runs
-        while the next step computes: JAX dispatches a step asynchronously, and only the sampled
-        tokens must be back before the next batch can be scheduled. A request that a stop string
-        ends meanwhile still has a row in the step in flight; its result is dropped."""
+        """One step per iteration, overlapped with the host work around it (the default; SGLang's
+        overlap scheduler). JAX dispatches a step asynchronously, so:
+
+        - while step k computes, the host schedules and dispatches step k+1, when it is a plain
+          continuation (every request of k decodes the token k samples, read from the device:
+          `Scheduler.schedule_continuation`); the device goes from one step to the next without
+          waiting for the host to read tokens, pack a batch and dispatch it;
+        - otherwise (admissions, prompt chunks, retraction) step k is read first and k+1 scheduled
+          from its results;
+        - either way, the host work on k's results that no step needs (detokenizing, stop
+          strings, handing chunks out) runs while k+1 computes.
+
+        A request that ends in step k (a stop id or string, an abort) may still have a row in
+        k+1; that row's result is dropped."""
         in_flight = None  # (batch, step output) dispatched and not yet read
+        overlap = not self.args.disable_overlap_schedule
         while not self._stopping:
             try:
                 self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
                 if self._stopping:
                     break
+                following = None
+                if in_flight is not None and overlap:
+                    batch = self.scheduler.schedule_continuation(in_flight[0])
+                    following = (batch, self._dispatch(batch)) if batch is not None else None
                 results = self._read(*in_flight) if in_flight is not None else None
-                in_flight = None
-                batch = self.scheduler.schedule()
-                if batch is not None:
+                in_flight = following
+                if in_flight is None and (batch := self.scheduler.schedule()) is not None:
                     in_flight = (batch, self._dispatch(batch))
-                    if self.args.disable_overlap_schedule:
+                    if not overlap:
                         results = (results or []) + self._read(*in_flight)
                         in_flight = None
                 for delivery in results or ():
@@ -260,8 +273,8 @@ class EngineCore:
                   for r, c in zip(batch.requests, batch.chunks, strict=True)]
         fb = pack(chunks, self.buckets, self.runner.page_size)
         padded_seqs = fb.shape[1]
-        rows = [dataclasses.replace(r.sampling, sample_index=len(r.output_ids),
-                                    suppressed_ids=self.scheduler.suppressed_ids(r))
+        rows = [dataclasses.replace(r.sampling, sample_index=len(r.output_ids) + batch.ahead,
+                                    suppressed_ids=self.scheduler.suppressed_ids(r, batch.ahead))
                 for r in batch.requests]
         sampling = build_sampling_metadata(rows, padded_seqs, SAMPLING_WIDTHS)
         slots = np.zeros(padded_seqs, np.int32)
@@ -276,14 +289,15 @@ class EngineCore:
 
     def _with_prompt_targets(self, request: Request, chunk):
         collector = self._prompt_collector(request)
-        if collector is None:
+        if collector is None or chunk.input_slot >= 0:  # a continuation runs no prompt token
             return chunk
         return dataclasses.replace(
             chunk, target_ids=collector.targets(chunk.num_cached, len(chunk.token_ids)))
 
     def _collect_prompt_logprobs(self, batch, out: StepOutput) -> None:
         """Hands each prompt-logprob request its rows of the step. Nothing changed its collector
-        since `_dispatch` (one step is in flight at a time), so it takes the rows it targeted."""
+        since `_dispatch` (steps are read in order, and a continuation has no prompt rows), so it
+        takes the rows it targeted."""
         collecting = [(i, c) for i, r in enumerate(batch.requests)
                       if r.status == "running" and (c := self._prompt_collector(r)) is not None]
         if not collecting:

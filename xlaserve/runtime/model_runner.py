@@ -1,16 +1,19 @@
 """ModelRunner: the one jitted step (model forward + sampling) over a packed ragged batch.
 
-    step(state, kv_caches, output_counts, prompt_masks, batch, sampling, slots)
-        -> (StepOutput, kv_caches, output_counts)
+    step(state, kv_caches, output_counts, last_tokens, prompt_masks, batch, sampling, slots)
+        -> (StepOutput, kv_caches, output_counts, last_tokens)
 
-The KV caches and the penalty counts are donated, so XLA updates them in place. A program is
+The KV caches, the penalty counts and the last sampled tokens are donated, so XLA updates them in
+place. A program is
 compiled per bucket shape (tokens, seqs, pages per seq, logit-bias width, suppressed width);
 `precompile` compiles the expected ones at start-up, and any compile afterwards is logged as a
 warning with the shape, because a compile while serving stalls every request for seconds.
 
 Penalty state lives on the device, one row per request slot: `output_counts i32[slots, V]` (tokens
 generated so far) and `prompt_masks bool[slots, V]` (tokens of the prompt). Slot 0 is the null slot
-that padding rows use.
+that padding rows use. `last_tokens i32[slots]` holds each slot's last sampled token, so a decode
+step can be dispatched before the host has read the step that samples its input (the engine's
+overlap: a row with `input_slots >= 0` reads its token there).
 
 Prompt logprobs (runtime/prompt_logprobs.py) ride in the same program: the model returns every
 row's final hidden state, the sampler takes the LM head of the sampled rows only, and the LM head
@@ -33,6 +36,7 @@ from tqdm.auto import tqdm
 from xlaserve.model.packed import pack_model
 from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.batch import ForwardBatch
+from xlaserve.runtime.huge_pages import advise_huge_pages
 from xlaserve.runtime.kernels import kernels_for
 from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
 from xlaserve.runtime.packing import pack_leaves, unpack_leaves
@@ -80,6 +84,7 @@ class ModelRunner:
         kv_sharding = [cache.sharding for cache in self.kv_caches]
         self.output_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = jax.device_put(np.zeros((num_slots, vocab), np.bool_), replicated)
+        self.last_tokens = jax.device_put(np.zeros(num_slots, np.int32), replicated)
 
         # The weights go in as a flat list (flattening the nnx.State, 182 Variables for the
         # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
@@ -87,22 +92,29 @@ class ModelRunner:
         leaves, state_treedef = jax.tree.flatten(state)
         self._weight_args, weight_layout = weight_args(leaves, stack_small=self.mesh.size == 1)
         del leaves, state
+        if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
+            logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 
-        @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnames=("layout",),
-                           out_shardings=(replicated, kv_sharding, replicated))
-        def step(weights, kv_caches, output_counts, prompt_masks, ints, floats, layout):
+        @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout",),
+                           out_shardings=(replicated, kv_sharding, replicated, replicated))
+        def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats, layout):
             batch, sampling, slots = unpack_leaves(ints, floats, layout)
             state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
             model = nnx.merge(graphdef, state)
-            hidden, kv_caches = model.hidden_states(batch.input_ids, batch.positions, kv_caches,
+            input_ids = jnp.where(batch.input_slots >= 0,
+                                  last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
+            hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
                                                     batch.metadata, kernels)
             logits = model.logits(hidden[batch.logits_indices], kernels)
             out = sample(logits, sampling, output_counts, prompt_masks, slots,
                          num_top_logprobs=MAX_TOP_LOGPROBS)
             output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
+            # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
+            last_tokens = last_tokens.at[slots].set(
+                jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
             prompt = prompt_logprobs(lambda rows: model.logits(rows, kernels), hidden,
                                      batch.target_ids, MAX_TOP_LOGPROBS)
-            return StepOutput(out, prompt), kv_caches, output_counts
+            return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
         def reset_slot(output_counts, prompt_masks, slot, counts_row, prompt_mask_row):
@@ -123,12 +135,15 @@ class ModelRunner:
             self.output_counts, self.prompt_masks, jnp.int32(slot), counts, mask)
 
     def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> StepOutput:
-        """Run one step; returns device arrays (the caller's `np.asarray` is the sync point)."""
+        """Run one step; returns device arrays (the caller's `np.asarray` is the sync point).
+        `slots` has a row per sequence row of the batch, NULL_SLOT for padding."""
+        if len(slots) != batch.shape[1]:
+            raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
         compiled_before = self._step._cache_size()
         ints, floats, layout = self._send(batch, sampling, slots)
-        out, self.kv_caches, self.output_counts = self._step(
-            self._weight_args, self.kv_caches, self.output_counts, self.prompt_masks, ints, floats,
-            layout=layout)
+        out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
+            self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
+            self.prompt_masks, ints, floats, layout=layout)
         if self._precompiled and self._step._cache_size() > compiled_before:
             logger.warning(
                 "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias width "
@@ -153,7 +168,8 @@ class ModelRunner:
         ints, floats, layout = self._send(empty_batch(tokens, seqs, pages), sampling,
                                           np.zeros(seqs, np.int32))
         return self._step.lower(self._weight_args, self.kv_caches, self.output_counts,
-                                self.prompt_masks, ints, floats, layout=layout).compile()
+                                self.last_tokens, self.prompt_masks, ints, floats,
+                                layout=layout).compile()
 
     def precompile(self, shapes, *, progress: bool = True) -> None:
         """Compile one step per (tokens, seqs, pages) shape, with every row padding: nothing is
@@ -179,4 +195,5 @@ def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:
     return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
                         metadata=metadata, logits_indices=np.zeros(seqs, np.int32),
                         sample_rows=np.zeros(seqs, np.bool_),
-                        target_ids=np.full(tokens, NO_TARGET, np.int32))
+                        target_ids=np.full(tokens, NO_TARGET, np.int32),
+                        input_slots=np.full(tokens, -1, np.int32))

@@ -88,6 +88,9 @@ class ScheduledBatch:
     kind: Literal["prefill", "decode", "mixed"]
     # Requests that got their slot this step: the engine resets that slot's penalty state.
     admitted: list[Request] = field(default_factory=list)
+    # Tokens each row has sampled in steps not yet processed (1 for a continuation): the row
+    # samples output token number len(output_ids) + ahead.
+    ahead: int = 0
 
 
 class Scheduler:
@@ -325,6 +328,31 @@ class Scheduler:
             budget -= n
         return rows
 
+    def schedule_continuation(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch`, scheduled while `batch` still runs (its tokens unread):
+        each of its requests decodes the token `batch` samples, which the step reads from the
+        device (`SeqChunk.input_slot`). None when the next step should be scheduled the usual way,
+        after the results: requests are waiting to be admitted, `batch` has a prompt chunk that
+        samples nothing, or the pool lacks a page (retraction needs the results).
+
+        A request that `batch` ends by length is left out. One that it ends by a stop id (or
+        that a stop string or an abort ends meanwhile) runs one row too many: `process_results`
+        drops that row, and freeing its pages is safe because the device runs steps in order, so
+        whoever gets them next writes after this step."""
+        if self.waiting or not all(c.sample for c in batch.chunks):
+            return None
+        rows = [(r, c.num_cached + len(c.token_ids)) for r, c in zip(batch.requests, batch.chunks)
+                if r.status == "running" and len(r.output_ids) + 1 < r.max_new_tokens]
+        if not rows or sum(self._new_pages(r, n + 1) for r, n in rows) > self.cache.available_pages:
+            return None
+        chunks = []
+        for r, num_cached in rows:
+            self._grow(r, num_cached + 1)
+            chunks.append(SeqChunk([0], num_cached, list(r.page_ids), True, input_slot=r.slot))
+        self._log_step("decode", len(rows), [], 0)
+        requests = [r for r, _ in rows]
+        return ScheduledBatch(requests, chunks, [r.slot for r in requests], "decode", ahead=1)
+
     def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
         """Advances every row by its chunk; rows that sampled get their token. Returns the
         requests that finished (their pages and slots are already free)."""
@@ -346,9 +374,10 @@ class Scheduler:
                 finished.append(self.finish(request.rid, "length", None))
         return finished
 
-    def suppressed_ids(self, request: Request) -> list[int]:
-        """Stop ids the sampler must not pick yet (min_new_tokens)."""
-        if len(request.output_ids) < request.min_new_tokens:
+    def suppressed_ids(self, request: Request, ahead: int = 0) -> list[int]:
+        """Stop ids the sampler must not pick yet (min_new_tokens), for the token sampled
+        `ahead` tokens after the output so far (ScheduledBatch.ahead)."""
+        if len(request.output_ids) + ahead < request.min_new_tokens:
             return sorted(request.stop_token_ids)
         return []
 
