@@ -369,16 +369,22 @@ def test_a_continuation_runs_every_sampling_request_one_token_further():
     assert all(len(c.page_ids) == pages_for_tokens(c.num_cached + 1, PAGE) for c in following.chunks)
 
 
-def test_no_continuation_while_a_request_waits_or_a_prompt_chunk_samples_nothing():
+def test_no_continuation_while_a_request_could_be_admitted_or_a_chunk_samples_nothing():
     s = make_scheduler(chunk=4)
     s.add(req("long", prompt_len=10))
     batch = s.schedule()  # a 4-token chunk of 10: samples nothing
     assert s.schedule_continuation(batch) is None
-    s = make_scheduler()
+    s = make_scheduler(max_running=2)
+    model = FakeModel(s)
     s.add(req("a"))
     batch = s.schedule()
-    s.add(req("late"))  # waiting: the next step is scheduled the usual way, to admit it
+    s.add(req("late"))  # waiting, with a free slot: the next step is scheduled to admit it
     assert s.schedule_continuation(batch) is None
+    s.process_results(batch, model.step(batch))
+    batch = s.schedule()
+    assert [r.rid for r in batch.requests] == ["a", "late"]
+    s.add(req("later"))  # no free slot: it waits either way, and the decodes go on overlapped
+    assert [r.rid for r in s.schedule_continuation(batch).requests] == ["a", "late"]
 
 
 def test_a_continuation_leaves_out_requests_the_step_in_flight_ends_by_length():

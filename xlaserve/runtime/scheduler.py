@@ -332,14 +332,16 @@ class Scheduler:
         """The decode step after `batch`, scheduled while `batch` still runs (its tokens unread):
         each of its requests decodes the token `batch` samples, which the step reads from the
         device (`SeqChunk.input_slot`). None when the next step should be scheduled the usual way,
-        after the results: requests are waiting to be admitted, `batch` has a prompt chunk that
-        samples nothing, or the pool lacks a page (retraction needs the results).
+        after the results: a waiting request could be admitted (a slot is free), `batch` has a
+        prompt chunk that samples nothing, or the pool lacks a page (retraction needs the
+        results).
 
         A request that `batch` ends by length is left out. One that it ends by a stop id (or
         that a stop string or an abort ends meanwhile) runs one row too many: `process_results`
         drops that row, and freeing its pages is safe because the device runs steps in order, so
         whoever gets them next writes after this step."""
-        if self.waiting or not all(c.sample for c in batch.chunks):
+        admissible = self.waiting and len(self.running) < self.max_running_requests
+        if admissible or not all(c.sample for c in batch.chunks):
             return None
         rows = [(r, c.num_cached + len(c.token_ids)) for r, c in zip(batch.requests, batch.chunks)
                 if r.status == "running" and len(r.output_ids) + 1 < r.max_new_tokens]
