@@ -136,7 +136,7 @@ def main(argv=None) -> None:
             print(f"round {round_index + 1} {name}: {rounds[name][-1]}", file=sys.stderr)
     for name, runs in rounds.items():
         tok_s = [r["output_tok_s"] for r in runs]
-        results[name] = {**runs[-1], "output_tok_s": float(np.median(tok_s))}
+        results[name] = {**runs[-1], "output_tok_s": round(float(np.median(tok_s)), 1)}
         if args.rounds > 1:
             results[name]["output_tok_s_by_round"] = tok_s
     if peer_names:
