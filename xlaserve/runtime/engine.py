@@ -289,7 +289,7 @@ class EngineCore:
 
     def _with_prompt_targets(self, request: Request, chunk):
         collector = self._prompt_collector(request)
-        if collector is None or chunk.input_slot >= 0:  # a continuation runs no prompt token
+        if collector is None:
             return chunk
         return dataclasses.replace(
             chunk, target_ids=collector.targets(chunk.num_cached, len(chunk.token_ids)))

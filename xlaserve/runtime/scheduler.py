@@ -343,7 +343,8 @@ class Scheduler:
         admissible = self.waiting and len(self.running) < self.max_running_requests
         if admissible or not all(c.sample for c in batch.chunks):
             return None
-        rows = [(r, c.num_cached + len(c.token_ids)) for r, c in zip(batch.requests, batch.chunks)
+        rows = [(r, c.num_cached + len(c.token_ids))
+                for r, c in zip(batch.requests, batch.chunks, strict=True)
                 if r.status == "running" and len(r.output_ids) + 1 < r.max_new_tokens]
         if not rows or sum(self._new_pages(r, n + 1) for r, n in rows) > self.cache.available_pages:
             return None
