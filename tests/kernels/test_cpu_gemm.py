@@ -1,7 +1,8 @@
 """The CPU GEMM over packed weights (C++ through XLA's FFI) against numpy in float64: float32 and
-bfloat16 weights, W and a [N, K] matrix used as W^T, every row count its tiles split into (6-row
-tiles and the 1-5 row remainders, blocks of 96 rows), K in one block and in several (partial sums
-added into y), and N that is not a multiple of the panel width."""
+bfloat16 weights (widened, and in k-pairs for VDPBF16PS where the CPU has AVX512_BF16), W and a
+[N, K] matrix used as W^T, every row count its tiles split into (6-row tiles and the 1-5 row
+remainders, blocks of 96 rows), K in one block and in several (partial sums added into y), and N
+that is not a multiple of the panel width."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,35 +15,65 @@ try:
 except KernelUnavailable as error:  # no compiler here: the model runs on XLA's dots
     pytest.skip(f"the native CPU GEMM does not build here: {error}", allow_module_level=True)
 
-matmul = jax.jit(gemm_cpu.packed_matmul, static_argnames=("n",))
+matmul = jax.jit(gemm_cpu.packed_matmul, static_argnames=("n", "bf16_pairs"))
+needs_pairs = pytest.mark.skipif(not gemm_cpu.bf16_pairs_supported(),
+                                 reason="k-pair panels need a CPU with AVX512_BF16")
+# (weight dtype, k-pair panels)
+LAYOUTS = [pytest.param(np.float32, False, id="f32"),
+           pytest.param(jnp.bfloat16, False, id="bf16_widened"),
+           pytest.param(jnp.bfloat16, True, id="bf16_pairs", marks=needs_pairs)]
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,pairs", LAYOUTS)
 @pytest.mark.parametrize("rows,k,n", [(1, 576, 3072), (2, 1536, 576), (5, 64, 4100),
-                                      (13, 40, 19), (100, 1700, 96), (7, 1, 33)],
+                                      (13, 40, 19), (100, 1700, 96), (7, 2, 33), (3, 50, 40)],
                          ids=["decode", "two_blocks_of_k", "wide_tail", "tiles_and_rest",
-                              "row_blocks", "k1"])
+                              "row_blocks", "k2", "x_tail"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_t"])
-def test_equals_numpy(dtype, rows, k, n, transposed):
+def test_equals_numpy(dtype, pairs, rows, k, n, transposed):
     rng = np.random.default_rng(rows * k + n)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32), dtype)
-    expected = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
-    packed = gemm_cpu.pack_rows(w.T) if transposed else gemm_cpu.pack_columns(w)
-    y = matmul(jnp.asarray(x), packed, n=n)
+    # k-pair panels multiply x rounded to bfloat16 (as XLA's bfloat16 dot does); the error of
+    # ignoring that rounding (~2^-9 per product) is far above the tolerance.
+    x_used = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)) if pairs else x
+    expected = x_used.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    packed = gemm_cpu.pack_rows(w.T, pairs) if transposed else gemm_cpu.pack_columns(w, pairs)
+    y = matmul(jnp.asarray(x), packed, n=n, bf16_pairs=pairs)
     assert y.dtype == jnp.float32 and y.shape == (rows, n)
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-4 * np.sqrt(k))
 
 
-def test_packing_round_trips_and_the_embedding_lookup_reads_the_panels():
+def test_odd_k_in_float32_and_widened_bfloat16():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((7, 1)).astype(np.float32)
+    for dtype in (np.float32, jnp.bfloat16):
+        w = jnp.asarray(rng.standard_normal((1, 33)).astype(np.float32), dtype)
+        assert not gemm_cpu.uses_bf16_pairs(w.dtype, 1)
+        y = matmul(jnp.asarray(x), gemm_cpu.pack_columns(w), n=33, bf16_pairs=False)
+        np.testing.assert_allclose(np.asarray(y), x @ np.asarray(w.astype(jnp.float32)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,pairs", LAYOUTS)
+def test_packing_round_trips_and_the_embedding_lookup_reads_the_panels(dtype, pairs):
     rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((24, 70)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((24, 70)).astype(np.float32), dtype)
     panel = gemm_cpu.panel_width()
-    packed = gemm_cpu.pack_columns(w)
+    packed = gemm_cpu.pack_columns(w, pairs)
     assert packed.shape == (-(-70 // panel), 24, panel)
-    np.testing.assert_array_equal(gemm_cpu.unpack_columns(packed, 70), w)
+    np.testing.assert_array_equal(gemm_cpu.unpack_columns(packed, 70, pairs), w)
     ids = jnp.asarray([0, 69, 17, panel, 3])
-    np.testing.assert_array_equal(gemm_cpu.packed_rows(gemm_cpu.pack_rows(w.T), ids), w.T[ids])
+    np.testing.assert_array_equal(
+        gemm_cpu.packed_rows(gemm_cpu.pack_rows(w.T, pairs), ids, pairs), w.T[ids])
+
+
+def test_bfloat16_weights_default_to_k_pairs_where_the_cpu_has_avx512_bf16():
+    supported = gemm_cpu.bf16_pairs_supported()
+    assert gemm_cpu.uses_bf16_pairs(jnp.bfloat16, 576) == supported
+    assert not gemm_cpu.uses_bf16_pairs(jnp.float32, 576)
+    assert not gemm_cpu.uses_bf16_pairs(jnp.bfloat16, 575)
+    with pytest.raises(ValueError, match="even K"):
+        gemm_cpu.pack_columns(jnp.ones((5, 8), jnp.bfloat16), bf16_pairs=True)
 
 
 def test_refuses_mismatched_shapes_and_other_dtypes():
@@ -53,6 +84,8 @@ def test_refuses_mismatched_shapes_and_other_dtypes():
         gemm_cpu.packed_matmul(jnp.ones((1, 8)), packed, 8 + gemm_cpu.panel_width())
     with pytest.raises(ValueError, match="float32/bfloat16"):
         gemm_cpu.packed_matmul(jnp.ones((1, 8)), packed.astype(jnp.float16), 8)
+    with pytest.raises(ValueError, match="k-pair"):  # float32 panels are never in k-pairs
+        gemm_cpu.packed_matmul(jnp.ones((1, 8)), packed, 8, bf16_pairs=True)
 
 
 def test_a_layer_of_a_stack_is_that_layers_matrix():

@@ -100,6 +100,9 @@ def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_c
     loaded = load_model(directory, dtype="bfloat16", skip_tokenizer_init=True, progress=False)
     assert loaded.model.layers[0].attn.qkv.get_value().dtype == np.dtype("bfloat16")
     _lay_out(loaded, layout)
+    if layout == "packed":  # k-pairs (VDPBF16PS, x rounded to bfloat16) where the CPU has them
+        from xlaserve.native import gemm_cpu
+        assert loaded.model.layers[0].attn.qkv.get_value().bf16_pairs == gemm_cpu.bf16_pairs_supported()
     references = [_hf_reference(hf_model, p) for p in PROMPTS]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
     ours = _run_ours(loaded, sequences, prefill_chunk=3, page_size=4)

@@ -25,6 +25,8 @@ class PackedMatrix:
     panels: jax.Array  # [ceil(N/P), K, P], or a stack of every layer's [L, ceil(N/P), K, P]
     output_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # N, unflattened
     layer: int = dataclasses.field(default=0, metadata=dict(static=True))  # which of a stack
+    # bfloat16 panels in k-pairs, multiplied with VDPBF16PS (native/gemm_cpu.py)
+    bf16_pairs: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __getitem__(self, index):
         """nnx reads a Variable's value as `variable[...]`: the whole matrix."""
@@ -53,9 +55,12 @@ def pack(weight: jax.Array, contracted_axes: int = 1, transposed: bool = False) 
     """`weight` [K..., N...] (its first `contracted_axes` axes are contracted), or [N, K] used as
     x @ weight.T with `transposed`, in panels."""
     if transposed:
-        return PackedMatrix(gemm_cpu.pack_rows(weight), (weight.shape[0],))
+        pairs = gemm_cpu.uses_bf16_pairs(weight.dtype, weight.shape[1])
+        return PackedMatrix(gemm_cpu.pack_rows(weight, pairs), (weight.shape[0],), bf16_pairs=pairs)
     axes = tuple(weight.shape[contracted_axes:])
-    return PackedMatrix(gemm_cpu.pack_columns(weight.reshape(-1, math.prod(axes))), axes)
+    matrix = weight.reshape(-1, math.prod(axes))
+    pairs = gemm_cpu.uses_bf16_pairs(weight.dtype, matrix.shape[0])
+    return PackedMatrix(gemm_cpu.pack_columns(matrix, pairs), axes, bf16_pairs=pairs)
 
 
 def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
@@ -85,7 +90,7 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
         packed = [pack(value, contracted_axes) for _, value in members]
         stack = jax.numpy.stack([p.panels for p in packed])
         for layer, ((path, _), p) in enumerate(zip(members, packed, strict=True)):
-            values[path] = PackedMatrix(stack, p.output_axes, layer)
+            values[path] = PackedMatrix(stack, p.output_axes, layer, p.bf16_pairs)
         del packed
     nnx.update(model, nnx.from_flat_state(values))
 
@@ -93,5 +98,5 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
 def embed(embedding, ids: jax.Array) -> jax.Array:
     """embedding[ids] for an embedding array or a packed tied one."""
     if isinstance(embedding, PackedMatrix):
-        return gemm_cpu.packed_rows(embedding.panels, ids)
+        return gemm_cpu.packed_rows(embedding.panels, ids, embedding.bf16_pairs)
     return embedding[ids]

@@ -70,7 +70,7 @@ def _init(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
 class Kernels:
     """The platform's kernels the forward pass calls: attention (the ragged paged attention
     contract) and, on a single CPU device, the native GEMM over packed weights,
-    `(x [M, K], panels, N) -> float32 [M, N]` (model/packed.py)."""
+    `(x [M, K], panels, N, layer, bf16_pairs) -> float32 [M, N]` (model/packed.py)."""
 
     attention: Callable
     packed_matmul: Callable | None = None
@@ -84,7 +84,7 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
     every step for a 3-d einsum."""
     rows, k = x.shape
     if isinstance(weight, PackedMatrix):
-        y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer)
+        y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer, weight.bf16_pairs)
         return y.reshape(rows, *weight.output_axes)
     if transposed:
         # Contracting the weight's last axis directly: with an explicit `.T`, XLA converted the

@@ -9,11 +9,25 @@
 //   runs;
 // - many rows: register-blocked 6 x P tiles (12 vector accumulators), the panel's slice
 //   staying in L1 while every 6-row group of x passes over it.
-// x and y are float32; W is float32 or bfloat16 (widened in registers); sums are float32.
+// x and y are float32; W is float32 or bfloat16; sums are float32. bfloat16 W comes in one of two
+// layouts, which the caller picks at packing time and passes as `bf16_pairs`:
+// - widened: the [ceil(N / P), K, P] layout, each weight widened to float32 in registers and
+//   multiplied by float32 x (x keeps its precision; float32 FMA speed);
+// - pairs (CPUs with AVX512_BF16 only): [ceil(N / P), K / 2, P, 2], the two weights of a k-pair
+//   side by side, which VDPBF16PS multiplies by x rounded to bfloat16 (round to nearest even),
+//   summing in float32: twice the products per instruction of float32 FMAs. x rounded to
+//   bfloat16 is what XLA's bfloat16 dot does too (transformer.linear casts x to the weight's
+//   dtype).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -60,46 +74,84 @@ inline Vec Load(const uint16_t* p) {  // bfloat16 -> float32: the high half of t
 
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
 
-// Prefetches the panel stream kPrefetchBytes ahead of row k, one 64-byte line at a time.
-template <typename T>
-inline void Prefetch(const T* panel, int64_t k) {
-  constexpr int64_t kRowBytes = kPanel * sizeof(T);
-  const char* ahead = reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes;
-  if constexpr (kRowBytes >= 64) {
-    for (int64_t line = 0; line < kRowBytes; line += 64) __builtin_prefetch(ahead + line);
-  } else if (k % (64 / kRowBytes) == 0) {
+// What a kernel instance multiplies: x's element type, W's, and how many k one element of x (and
+// one row of a panel) covers.
+struct F32Weights {
+  using X = float;
+  using W = float;
+  static constexpr int64_t kStep = 1;
+};
+struct Bf16Weights {  // widened in registers
+  using X = float;
+  using W = uint16_t;
+  static constexpr int64_t kStep = 1;
+};
+struct Bf16Pairs {  // x as bfloat16 pairs (one uint32 per k-pair), W in k-pairs: VDPBF16PS
+  using X = uint32_t;
+  using W = uint16_t;
+  static constexpr int64_t kStep = 2;
+};
+#ifdef __AVX512BF16__
+constexpr bool kHasBf16Pairs = true;
+#else
+constexpr bool kHasBf16Pairs = false;
+#endif
+
+// Prefetches the panel stream kPrefetchBytes ahead of depth unit d, one 64-byte line at a time.
+template <typename Mode>
+inline void Prefetch(const typename Mode::W* panel, int64_t d) {
+  constexpr int64_t kUnitBytes = Mode::kStep * kPanel * sizeof(typename Mode::W);
+  const char* ahead = reinterpret_cast<const char*>(panel + d * Mode::kStep * kPanel) + kPrefetchBytes;
+  if constexpr (kUnitBytes >= 64) {
+    for (int64_t line = 0; line < kUnitBytes; line += 64) __builtin_prefetch(ahead + line);
+  } else if (d % (64 / kUnitBytes) == 0) {
     __builtin_prefetch(ahead);
   }
 }
 
-// tile[r, 0:kPanel] = sum over k < depth of x[r, k] * panel[k, 0:kPanel] for r < kRows; x rows `ldx`
-// apart. kUnroll independent accumulator sets hide the FMA latency when the tile has few rows
-// (one row alone would otherwise wait on two dependent FMA chains).
-template <int kRows, int kUnroll, typename T>
-inline void Tile(const float* x, int64_t ldx, const T* panel, int64_t depth, Vec (&out)[kRows][2]) {
-  Vec acc[kUnroll][kRows][2] = {};
-  int64_t k = 0;
-  for (; k + kUnroll <= depth; k += kUnroll) {
-#pragma GCC unroll 8
-    for (int u = 0; u < kUnroll; ++u) {
-      if constexpr (kRows > 1) Prefetch<T>(panel, k + u);
-      const Vec w0 = Load(panel + (k + u) * kPanel), w1 = Load(panel + (k + u) * kPanel + kLanes);
-#pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        const float xr = x[r * ldx + k + u];
-        acc[u][r][0] += xr * w0;
-        acc[u][r][1] += xr * w1;
-      }
-    }
-  }
-  for (; k < depth; ++k) {
-    const Vec w0 = Load(panel + k * kPanel), w1 = Load(panel + k * kPanel + kLanes);
+// acc[r, 0:kPanel] += x[r, d] * panel[d, 0:kPanel] for one depth unit d (one k, or one k-pair).
+template <int kRows, typename Mode>
+inline void MultiplyAdd(Vec (&acc)[kRows][2], const typename Mode::X* x, int64_t ldx,
+                        const typename Mode::W* panel, int64_t d) {
+  if constexpr (std::is_same_v<Mode, Bf16Pairs>) {
+#ifdef __AVX512BF16__
+    const uint16_t* row = panel + d * 2 * kPanel;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + 2 * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
-      acc[0][r][0] += x[r * ldx + k] * w0;
-      acc[0][r][1] += x[r * ldx + k] * w1;
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + d]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+    }
+#endif
+  } else {
+    const Vec w0 = Load(panel + d * kPanel), w1 = Load(panel + d * kPanel + kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const float xr = x[r * ldx + d];
+      acc[r][0] += xr * w0;
+      acc[r][1] += xr * w1;
     }
   }
+}
+
+// tile[r, 0:kPanel] = sum over d < depth of x[r, d] * panel[d, 0:kPanel] for r < kRows; x rows
+// `ldx` apart. kUnroll independent accumulator sets hide the multiply-add latency when the tile
+// has few rows (one row alone would otherwise wait on two dependent chains).
+template <int kRows, int kUnroll, typename Mode>
+inline void Tile(const typename Mode::X* x, int64_t ldx, const typename Mode::W* panel,
+                 int64_t depth, Vec (&out)[kRows][2]) {
+  Vec acc[kUnroll][kRows][2] = {};
+  int64_t d = 0;
+  for (; d + kUnroll <= depth; d += kUnroll) {
+#pragma GCC unroll 8
+    for (int u = 0; u < kUnroll; ++u) {
+      if constexpr (kRows > 1) Prefetch<Mode>(panel, d + u);
+      MultiplyAdd<kRows, Mode>(acc[u], x, ldx, panel, d + u);
+    }
+  }
+  for (; d < depth; ++d) MultiplyAdd<kRows, Mode>(acc[0], x, ldx, panel, d);
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) {
     out[r][0] = acc[0][r][0];
@@ -114,12 +166,12 @@ inline void Tile(const float* x, int64_t ldx, const T* panel, int64_t depth, Vec
 
 // y[r, cols] (= or +=) the tile of rows [0, kRows) of x over one panel's K block; `width` <= kPanel
 // valid columns (the last panel of an N that is not a multiple of kPanel is zero-padded).
-template <int kRows, typename T>
-inline void TileInto(const float* x, int64_t ldx, const T* panel, int64_t depth, float* y,
-                     int64_t ldy, int64_t width, bool accumulate) {
+template <int kRows, typename Mode>
+inline void TileInto(const typename Mode::X* x, int64_t ldx, const typename Mode::W* panel,
+                     int64_t depth, float* y, int64_t ldy, int64_t width, bool accumulate) {
   constexpr int kUnroll = kRows == 1 ? 4 : kRows == 2 ? 2 : 1;
   Vec out[kRows][2];
-  Tile<kRows, kUnroll, T>(x, ldx, panel, depth, out);
+  Tile<kRows, kUnroll, Mode>(x, ldx, panel, depth, out);
   for (int r = 0; r < kRows; ++r) {
     float* row = y + r * ldy;
     if (width == kPanel) {
@@ -138,57 +190,83 @@ inline void TileInto(const float* x, int64_t ldx, const T* panel, int64_t depth,
   }
 }
 
-template <typename T>
-void Rows(const float* x, int64_t ldx, const T* panel, int64_t depth, float* y, int64_t ldy,
-          int64_t rows, int64_t width, bool accumulate) {
+template <typename Mode>
+void Rows(const typename Mode::X* x, int64_t ldx, const typename Mode::W* panel, int64_t depth,
+          float* y, int64_t ldy, int64_t rows, int64_t width, bool accumulate) {
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows)
-    TileInto<kTileRows, T>(x + r * ldx, ldx, panel, depth, y + r * ldy, ldy, width, accumulate);
-  const float* xr = x + r * ldx;
+    TileInto<kTileRows, Mode>(x + r * ldx, ldx, panel, depth, y + r * ldy, ldy, width, accumulate);
+  const typename Mode::X* xr = x + r * ldx;
   float* yr = y + r * ldy;
   switch (rows - r) {
-    case 1: TileInto<1, T>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
-    case 2: TileInto<2, T>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
-    case 3: TileInto<3, T>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
-    case 4: TileInto<4, T>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
-    case 5: TileInto<5, T>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
+    case 1: TileInto<1, Mode>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
+    case 2: TileInto<2, Mode>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
+    case 3: TileInto<3, Mode>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
+    case 4: TileInto<4, Mode>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
+    case 5: TileInto<5, Mode>(xr, ldx, panel, depth, yr, ldy, width, accumulate); break;
     default: break;
   }
 }
 
 // Threads take runs of whole panels (each a contiguous stream of W); within a run, x goes in
-// blocks of rows and K so that a panel's K block is reused from L1 by every row group.
-template <typename T>
-void Gemm(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t m, int64_t k,
-          int64_t n) {
+// blocks of rows and K so that a panel's K block is reused from L1 by every row group. `units`
+// is K in depth units (K / Mode::kStep), which is also x's row stride.
+template <typename Mode>
+void Gemm(ffi::ThreadPool& pool, const typename Mode::X* x, const typename Mode::W* w, float* y,
+          int64_t m, int64_t units, int64_t n) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t parts = std::min<int64_t>(panels, 4 * std::max<int64_t>(pool.num_threads(), 1));
   const int64_t run = (panels + parts - 1) / parts;
   // K in equal blocks of at most kMaxDepth: every block after the first adds into y, and a short
   // last block would cost a pass over y for little work.
-  const int64_t depth_blocks = (k + kMaxDepth - 1) / kMaxDepth;
-  const int64_t depth_block = (k + depth_blocks - 1) / depth_blocks;
+  const int64_t max_units = kMaxDepth / Mode::kStep;
+  const int64_t depth_blocks = (units + max_units - 1) / max_units;
+  const int64_t depth_block = (units + depth_blocks - 1) / depth_blocks;
+  constexpr int64_t kUnitSize = Mode::kStep * kPanel;  // W elements per depth unit of a panel
   xlaserve::ParallelFor(pool, (panels + run - 1) / run, [&](int64_t part) {
     const int64_t first = part * run, last = std::min(panels, first + run);
     for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, m - r0);
-      for (int64_t k0 = 0; k0 < k; k0 += depth_block) {
-        const int64_t depth = std::min(depth_block, k - k0);
+      for (int64_t d0 = 0; d0 < units; d0 += depth_block) {
+        const int64_t depth = std::min(depth_block, units - d0);
         for (int64_t p = first; p < last; ++p) {
           const int64_t col = p * kPanel;
-          Rows<T>(x + r0 * k + k0, k, w + (p * k + k0) * kPanel, depth, y + r0 * n + col, n,
-                  rows, std::min(kPanel, n - col), k0 > 0);
+          Rows<Mode>(x + r0 * units + d0, units, w + (p * units + d0) * kUnitSize, depth,
+                     y + r0 * n + col, n, rows, std::min(kPanel, n - col), d0 > 0);
         }
       }
     }
   });
 }
 
+#ifdef __AVX512BF16__
+// x [M, K] float32 -> [M, K / 2] bfloat16 pairs (round to nearest even), into a buffer of the
+// calling thread that lives as long as it does (no allocation per call once it has grown).
+const uint32_t* Bf16PairsOf(const float* x, int64_t count) {
+  thread_local std::vector<uint32_t> pairs;
+  if (static_cast<int64_t>(pairs.size()) < count / 2) pairs.resize(count / 2);
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(pairs.data() + i / 2, (__m512i)both);
+  }
+  for (; i + 16 <= count; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs.data() + i / 2),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  if (i < count) {  // fewer than 16 left (count is even): the same conversion, masked
+    const __mmask16 live = static_cast<__mmask16>((1u << (count - i)) - 1);
+    const __m256bh tail = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, x + i));
+    _mm256_mask_storeu_epi16(pairs.data() + i / 2, live, (__m256i)tail);
+  }
+  return pairs.data();
+}
+#endif
+
 // W is one matrix's panels [ceil(N/kPanel), K, kPanel], or a stack of such matrices (one per layer)
 // [L, ceil(N/kPanel), K, kPanel] of which `layer` is used: a stack is one argument of the step
 // for all layers, and indexing it here costs no copy (an XLA slice would copy the weight).
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer, bool bf16_pairs) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const size_t wr = wd.size();
   if (xd.size() != 2 || (wr != 3 && wr != 4) || yd.size() != 2)
@@ -201,26 +279,38 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   const int64_t layers = wr == 4 ? wd[0] : 1;
   if (layer < 0 || layer >= layers)
     return ffi::Error::InvalidArgument("packed GEMM (CPU): layer out of range");
+  if (bf16_pairs && (!kHasBf16Pairs || w.element_type() != ffi::BF16 || k % 2 != 0))
+    return ffi::Error::InvalidArgument(
+        "packed GEMM (CPU): k-pair panels need bfloat16 weights, an even K and AVX512_BF16");
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {
     std::memset(y->typed_data(), 0, m * n * sizeof(float));
     return ffi::Error::Success();
   }
   const int64_t offset = layer * wd[wr - 3] * k * kPanel;
-  if (w.element_type() == ffi::F32)
-    Gemm<float>(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()) + offset,
-                y->typed_data(), m, k, n);
-  else if (w.element_type() == ffi::BF16)
-    Gemm<uint16_t>(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()) + offset,
-                   y->typed_data(), m, k, n);
-  else
+  const float* xs = x.typed_data();
+  if (w.element_type() == ffi::F32) {
+    Gemm<F32Weights>(pool, xs, static_cast<const float*>(w.untyped_data()) + offset,
+                     y->typed_data(), m, k, n);
+  } else if (w.element_type() == ffi::BF16) {
+    const uint16_t* ws = static_cast<const uint16_t*>(w.untyped_data()) + offset;
+#ifdef __AVX512BF16__
+    if (bf16_pairs) {
+      Gemm<Bf16Pairs>(pool, Bf16PairsOf(xs, m * k), ws, y->typed_data(), m, k / 2, n);
+      return ffi::Error::Success();
+    }
+#endif
+    Gemm<Bf16Weights>(pool, xs, ws, y->typed_data(), m, k, n);
+  } else {
     return ffi::Error::InvalidArgument("packed GEMM (CPU): float32 or bfloat16 weights");
+  }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 extern "C" int64_t XlaservePackedGemmPanel() { return kPanel; }
+extern "C" int64_t XlaservePackedGemmBf16Pairs() { return kHasBf16Pairs; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemm, GemmImpl,
                               ffi::Ffi::Bind()
@@ -228,4 +318,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemm, GemmImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()         // W packed, or a stack of them
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<int64_t>("layer"));
+                                  .Attr<int64_t>("layer")
+                                  .Attr<bool>("bf16_pairs"));

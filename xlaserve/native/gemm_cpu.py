@@ -1,14 +1,21 @@
 """Matmuls on the CPU over weights pre-packed in panels: `gemm_cpu.cc` as an XLA FFI custom call.
 
-    packed = pack_columns(w)          # w [K, N] -> [ceil(N/P), K, P]
-    packed = pack_rows(e)             # e [N, K], used as x @ e.T (a tied LM head) -> the same
-    y = packed_matmul(x, packed, n)   # x [M, K] -> float32 [M, N]
-    y = packed_matmul(x, jnp.stack([packed, ...]), n, layer=i)  # one of a stack, no copy
-    rows = packed_rows(packed, ids)   # e[ids] from pack_rows(e): the embedding lookup
+    pairs = uses_bf16_pairs(w.dtype, k)     # the layout a weight gets (see below)
+    packed = pack_columns(w, pairs)         # w [K, N] -> [ceil(N/P), K, P]
+    packed = pack_rows(e, pairs)            # e [N, K], used as x @ e.T (a tied LM head) -> the same
+    y = packed_matmul(x, packed, n, bf16_pairs=pairs)  # x [M, K] -> float32 [M, N]
+    y = packed_matmul(x, jnp.stack([packed, ...]), n, layer=i, bf16_pairs=pairs)  # no copy
+    rows = packed_rows(packed, ids, pairs)  # e[ids] from pack_rows(e): the embedding lookup
 
 P, the panel width, is the kernel's (`panel_width()`: 16, or 32 on CPUs with AVX-512). Packing is
 done once, when the weights are placed (runtime/model_runner.py); a panel is then one contiguous
 stream, which is what lets steps of a few rows run near memory speed.
+
+bfloat16 weights with an even K, on a CPU with AVX512_BF16, are packed in k-pairs (`bf16_pairs`:
+each panel [K/2, P, 2], stored as the same [K, P] shape): the kernel then multiplies them by x
+rounded to bfloat16 with VDPBF16PS, twice the products per instruction of float32 FMAs, as XLA's
+bfloat16 dot (x cast to bfloat16, float32 sums) would. Elsewhere bfloat16 weights are widened in
+registers and multiply float32 x.
 """
 from __future__ import annotations
 
@@ -39,40 +46,82 @@ def load() -> None:
     panel_width()
 
 
+@functools.cache
+def bf16_pairs_supported() -> bool:
+    """Whether the kernel was built with AVX512_BF16 (VDPBF16PS) for k-pair panels."""
+    library = register(_SOURCE, "XlaservePackedGemm", TARGET_NAME)
+    library.XlaservePackedGemmBf16Pairs.restype = ctypes.c_int64
+    return bool(library.XlaservePackedGemmBf16Pairs())
+
+
+def uses_bf16_pairs(dtype, k: int) -> bool:
+    """The layout `pack_columns` / `pack_rows` give a weight of this dtype and depth by default."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and k % 2 == 0 and bf16_pairs_supported()
+
+
+def _to_pairs(packed: jax.Array) -> jax.Array:
+    """[panels, K, P] -> the k-pair layout: [panels, K/2, P, 2], seen as [panels, K, P]."""
+    panels, k, panel = packed.shape
+    return packed.reshape(panels, k // 2, 2, panel).transpose(0, 1, 3, 2).reshape(panels, k, panel)
+
+
+def _from_pairs(packed: jax.Array) -> jax.Array:
+    panels, k, panel = packed.shape
+    return packed.reshape(panels, k // 2, panel, 2).transpose(0, 1, 3, 2).reshape(panels, k, panel)
+
+
 def _panels(n: int, panel: int) -> int:
     return -(-n // panel)
 
 
-def pack_rows(e: jax.Array) -> jax.Array:
-    """[N, K] -> [ceil(N/P), K, P]: panel p, row k, lane j holds e[P*p + j, k] (zero padding)."""
+def pack_rows(e: jax.Array, bf16_pairs: bool | None = None) -> jax.Array:
+    """[N, K] -> [ceil(N/P), K, P]: panel p, row k, lane j holds e[P*p + j, k] (zero padding), or
+    in k-pairs (`bf16_pairs`; by default `uses_bf16_pairs`)."""
     panel, (n, k) = panel_width(), e.shape
     e = jnp.pad(e, ((0, _panels(n, panel) * panel - n), (0, 0)))
-    return e.reshape(_panels(n, panel), panel, k).transpose(0, 2, 1)
+    packed = e.reshape(_panels(n, panel), panel, k).transpose(0, 2, 1)
+    return _to_pairs(packed) if _pairs(bf16_pairs, e.dtype, k) else packed
 
 
-def pack_columns(w: jax.Array) -> jax.Array:
-    """[K, N] -> [ceil(N/P), K, P]: panel p, row k, lane j holds w[k, P*p + j] (zero padding)."""
+def pack_columns(w: jax.Array, bf16_pairs: bool | None = None) -> jax.Array:
+    """[K, N] -> [ceil(N/P), K, P]: panel p, row k, lane j holds w[k, P*p + j] (zero padding), or
+    in k-pairs (`bf16_pairs`; by default `uses_bf16_pairs`)."""
     panel, (k, n) = panel_width(), w.shape
     w = jnp.pad(w, ((0, 0), (0, _panels(n, panel) * panel - n)))
-    return w.reshape(k, _panels(n, panel), panel).transpose(1, 0, 2)
+    packed = w.reshape(k, _panels(n, panel), panel).transpose(1, 0, 2)
+    return _to_pairs(packed) if _pairs(bf16_pairs, w.dtype, k) else packed
 
 
-def unpack_columns(packed: jax.Array, n: int) -> jax.Array:
+def _pairs(bf16_pairs: bool | None, dtype, k: int) -> bool:
+    if bf16_pairs is None:
+        return uses_bf16_pairs(dtype, k)
+    if bf16_pairs and not (jnp.dtype(dtype) == jnp.bfloat16 and k % 2 == 0):
+        raise ValueError(f"k-pair panels take bfloat16 weights with an even K; got {dtype}, K={k}")
+    return bf16_pairs
+
+
+def unpack_columns(packed: jax.Array, n: int, bf16_pairs: bool = False) -> jax.Array:
     """The inverse of `pack_columns`: [K, N]."""
+    packed = _from_pairs(packed) if bf16_pairs else packed
     panels, k, panel = packed.shape
     return packed.transpose(1, 0, 2).reshape(k, panels * panel)[:, :n]
 
 
-def packed_rows(packed: jax.Array, ids: jax.Array) -> jax.Array:
-    """e[ids] [T, K] for packed = pack_rows(e)."""
-    panel = packed.shape[2]
+def packed_rows(packed: jax.Array, ids: jax.Array, bf16_pairs: bool = False) -> jax.Array:
+    """e[ids] [T, K] for packed = pack_rows(e, bf16_pairs)."""
+    panels, k, panel = packed.shape
+    if bf16_pairs:
+        pairs = packed.reshape(panels, k // 2, panel, 2)[ids // panel, :, ids % panel]
+        return pairs.reshape(ids.shape[0], k)
     return packed[ids // panel, :, ids % panel]
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0) -> jax.Array:
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
+                  bf16_pairs: bool = False) -> jax.Array:
     """x [M, K] @ W [K, N] -> float32 [M, N], W given as `pack_columns(W)` (or `pack_rows(W.T)`),
     float32 or bfloat16, or as a stack of such [L, ...] of which `layer` is used (passing the
-    stack costs no copy, where slicing it in XLA would)."""
+    stack costs no copy, where slicing it in XLA would). `bf16_pairs` says the panels are in
+    k-pairs (and x is then rounded to bfloat16)."""
     panel = panel_width()
     matrix = packed.shape[-3:]
     if x.ndim != 2 or packed.ndim not in (3, 4) or matrix != (_panels(n, panel), x.shape[1], panel) or (
@@ -81,5 +130,8 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0) -> ja
         raise ValueError(f"packed_matmul takes x [M, K] and float32/bfloat16 panels "
                          f"[(L,) ceil(N/{panel}), K, {panel}] (and a layer < L); got {x.shape}, "
                          f"{packed.shape} {packed.dtype} for N={n}, layer {layer}")
+    if bf16_pairs and not (packed.dtype == jnp.bfloat16 and x.shape[1] % 2 == 0
+                           and bf16_pairs_supported()):
+        raise ValueError("k-pair panels need bfloat16 weights, an even K and a CPU with AVX512_BF16")
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(jnp.float32), packed, layer=np.int64(layer))
+    return call(x.astype(jnp.float32), packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs))
