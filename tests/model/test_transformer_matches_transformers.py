@@ -112,3 +112,23 @@ def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_c
         top2 = np.sort(expected, axis=-1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 2 * bound  # no near-tie: the argmax must agree
         assert (got.argmax(-1) == expected.argmax(-1))[clear].all()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rope_computed_on_the_host_equals_the_traced_rope(tiny_checkpoints, family):
+    """The serving step takes RoPE's cos/sin from the host (`rope_cos_sin`, so that XLA does not
+    recompute them in every layer); they must be what `hidden_states` computes when not given."""
+    import jax
+    import jax.numpy as jnp
+
+    from xlaserve.model.transformer import rope_cos_sin
+
+    directory, _ = tiny_checkpoints[family]
+    config = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False).config
+    positions = np.array([0, 1, 2, 17, 255, 4096, 32767, 131071], np.int32)
+    inv_freq = config.rope.inv_freq(config.head_dim)
+    traced = jax.jit(lambda p: (jnp.cos(p.astype(jnp.float32)[:, None] * inv_freq[None, :]),
+                                jnp.sin(p.astype(jnp.float32)[:, None] * inv_freq[None, :])))
+    for host, device in zip(rope_cos_sin(config, positions), traced(positions), strict=True):
+        assert host.dtype == np.float32 and host.shape == (len(positions), config.head_dim // 2)
+        np.testing.assert_allclose(host, np.asarray(device), rtol=0, atol=2e-6)

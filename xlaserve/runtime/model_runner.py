@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from xlaserve.model.packed import pack_model
-from xlaserve.model.transformer import AttentionMetadata
+from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
 from xlaserve.runtime.batch import ForwardBatch
 from xlaserve.runtime.huge_pages import advise_huge_pages
 from xlaserve.runtime.kernels import kernels_for
@@ -98,13 +98,13 @@ class ModelRunner:
         @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout",),
                            out_shardings=(replicated, kv_sharding, replicated, replicated))
         def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats, layout):
-            batch, sampling, slots = unpack_leaves(ints, floats, layout)
+            batch, sampling, slots, rope = unpack_leaves(ints, floats, layout)
             state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
             model = nnx.merge(graphdef, state)
             input_ids = jnp.where(batch.input_slots >= 0,
                                   last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
             hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
-                                                    batch.metadata, kernels)
+                                                    batch.metadata, kernels, rope)
             logits = model.logits(hidden[batch.logits_indices], kernels)
             out = sample(logits, sampling, output_counts, prompt_masks, slots,
                          num_top_logprobs=MAX_TOP_LOGPROBS)
@@ -153,8 +153,10 @@ class ModelRunner:
         return out
 
     def _send(self, batch: ForwardBatch, sampling: SamplingMetadata, slots):
-        """The step's host arrays as two device vectors (runtime/packing.py) and their layout."""
-        ints, floats, layout = pack_leaves((batch, sampling, np.asarray(slots, np.int32)))
+        """The step's host arrays, with the rows' RoPE cos/sin, as two device vectors
+        (runtime/packing.py) and their layout."""
+        rope = rope_cos_sin(self.config, batch.positions)
+        ints, floats, layout = pack_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
         ints, floats = jax.device_put((ints, floats), self.output_counts.sharding)
         return ints, floats, layout
 
