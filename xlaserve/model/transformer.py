@@ -218,12 +218,11 @@ class CausalLM(nnx.Module):
         """float32[T, hidden]: the residual stream after the last layer (before the final norm)
         for every token row, and the updated KV caches. Split from `logits` so that a step can
         take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
-        logprobs). `rope`: the rows' (cos, sin), `rope_cos_sin(config, positions)` computed on
+        logprobs). `rope`: the rows' (cos, sin), `rope_cos_sin(inv_freq, positions)` computed on
         the host; computed here when not given."""
         x = embed(self.embedding[...], input_ids).astype(jnp.float32)
         if rope is None:
-            inv_freq = self.config.rope.inv_freq(self.config.head_dim)  # a trace-time constant
-            angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+            angles = rope_angles(self.config.rope.inv_freq(self.config.head_dim), positions)
             rope = jnp.cos(angles), jnp.sin(angles)
         cos, sin = rope
         new_caches = []
@@ -240,14 +239,18 @@ class CausalLM(nnx.Module):
         return linear(x, self.lm_head[...], kernels)
 
 
-def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions`, on the host. Inside a
-    step, XLA's CPU fusion recomputed cos and sin in every layer's RoPE fusion, for every head
-    (~3M sincos per 128-row step of the default model, 4% of it); as step inputs they are
-    computed once. The angles are float32 products as in the traced version; cos and sin are
-    taken in float64 and rounded."""
-    inv_freq = config.rope.inv_freq(config.head_dim)
-    angles = (positions.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
+def rope_angles(inv_freq: np.ndarray, positions):
+    """float32 [T, head_dim / 2]: position x frequency, traced (jax) or on the host (numpy)."""
+    return positions.astype(np.float32)[:, None] * inv_freq[None, :]
+
+
+def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions`, on the host, for
+    `inv_freq = config.rope.inv_freq(head_dim)`. Inside a step, XLA's CPU fusion recomputed cos
+    and sin in every layer's RoPE fusion, for every head (~3M sincos per 128-row step of the
+    default model, 4% of it); as step inputs they are computed once. The angles are the traced
+    version's float32 products; cos and sin are taken in float64 and rounded."""
+    angles = rope_angles(inv_freq, positions).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 

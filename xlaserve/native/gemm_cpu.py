@@ -54,9 +54,14 @@ def bf16_pairs_supported() -> bool:
     return bool(library.XlaservePackedGemmBf16Pairs())
 
 
+def _pairs_fit(dtype, k: int) -> bool:
+    """k-pair panels hold bfloat16 weights with an even K."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and k % 2 == 0
+
+
 def uses_bf16_pairs(dtype, k: int) -> bool:
     """The layout `pack_columns` / `pack_rows` give a weight of this dtype and depth by default."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and k % 2 == 0 and bf16_pairs_supported()
+    return _pairs_fit(dtype, k) and bf16_pairs_supported()
 
 
 def _to_pairs(packed: jax.Array) -> jax.Array:
@@ -95,7 +100,7 @@ def pack_columns(w: jax.Array, bf16_pairs: bool | None = None) -> jax.Array:
 def _pairs(bf16_pairs: bool | None, dtype, k: int) -> bool:
     if bf16_pairs is None:
         return uses_bf16_pairs(dtype, k)
-    if bf16_pairs and not (jnp.dtype(dtype) == jnp.bfloat16 and k % 2 == 0):
+    if bf16_pairs and not _pairs_fit(dtype, k):
         raise ValueError(f"k-pair panels take bfloat16 weights with an even K; got {dtype}, K={k}")
     return bf16_pairs
 
@@ -130,8 +135,7 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
         raise ValueError(f"packed_matmul takes x [M, K] and float32/bfloat16 panels "
                          f"[(L,) ceil(N/{panel}), K, {panel}] (and a layer < L); got {x.shape}, "
                          f"{packed.shape} {packed.dtype} for N={n}, layer {layer}")
-    if bf16_pairs and not (packed.dtype == jnp.bfloat16 and x.shape[1] % 2 == 0
-                           and bf16_pairs_supported()):
+    if bf16_pairs and not uses_bf16_pairs(packed.dtype, x.shape[1]):
         raise ValueError("k-pair panels need bfloat16 weights, an even K and a CPU with AVX512_BF16")
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x.astype(jnp.float32), packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs))

@@ -69,6 +69,7 @@ class ModelRunner:
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
+        self._inv_freq = self.config.rope.inv_freq(self.config.head_dim)  # for rope_cos_sin
         self.num_pages = num_pages
         dtype = loaded.dtype
         self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
@@ -155,7 +156,7 @@ class ModelRunner:
     def _send(self, batch: ForwardBatch, sampling: SamplingMetadata, slots):
         """The step's host arrays, with the rows' RoPE cos/sin, as two device vectors
         (runtime/packing.py) and their layout."""
-        rope = rope_cos_sin(self.config, batch.positions)
+        rope = rope_cos_sin(self._inv_freq, batch.positions)
         ints, floats, layout = pack_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
         ints, floats = jax.device_put((ints, floats), self.output_counts.sharding)
         return ints, floats, layout
