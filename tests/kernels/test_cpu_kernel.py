@@ -11,21 +11,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.test_reference_attention import (BATCHES, NUM_Q_HEADS, SM_SCALE, attention,
+from tests.kernels.test_reference_attention import (BATCHES, DECODE_SHAPES, NUM_Q_HEADS, SM_SCALE, attention,
                                                     expected_result, make_case,
                                                     random_kernel_case)
 from xlaserve.pallas_kernels.ragged_paged_attention import api, kernel_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
 kernel = jax.jit(kernel_cpu.ragged_paged_attention,
-                 static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+                 static_argnames=("sm_scale", "sliding_window", "soft_cap", "bf16_pairs"))
+# The two bfloat16 paths: VDPBF16PS on bfloat16 pairs (CPUs with AVX512_BF16), and float32
+# arithmetic on the widened cache (every CPU).
+BF16_PATHS = [pytest.param(True, id="bf16_pairs", marks=pytest.mark.skipif(
+                  not kernel_cpu.bf16_pairs_supported(), reason="no AVX512_BF16 on this CPU")),
+              pytest.param(False, id="widened")]
 
 
-def check(case, tol=1e-5, **static):
+def check(case, tol=1e-5, bf16_pairs=None, **static):
     """Kernel output rows (padding rows included: 0) and the whole written cache against the
     reference; live rows also against dense float64 attention."""
     args = {k: jnp.asarray(v) for k, v in case.items()}
-    out, cache = kernel(**args, sm_scale=SM_SCALE, **static)
+    out, cache = kernel(**args, sm_scale=SM_SCALE, bf16_pairs=bf16_pairs, **static)
     assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
     want_out, want_cache = attention(**args, sm_scale=SM_SCALE, **static)
     as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
@@ -82,11 +87,40 @@ def test_sixteen_decoding_sequences():
                     num_pages=300, num_kv_heads=1, head_dim=128))
 
 
+@pytest.mark.parametrize("bf16_pairs", BF16_PATHS)
 @pytest.mark.parametrize("batch", ["decode", "mixed"])
-def test_bfloat16_inputs_and_cache(batch):
+def test_bfloat16_inputs_and_cache(batch, bf16_pairs):
     shapes, seqs = BATCHES[batch]
     check(make_case(np.random.default_rng(6), seqs, num_kv_heads=2, dtype=jnp.bfloat16, **shapes),
-          tol=2e-2)
+          tol=2e-2, bf16_pairs=bf16_pairs)
+
+
+@pytest.mark.parametrize("bf16_pairs", BF16_PATHS)
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1], ids=lambda h: f"gqa{NUM_Q_HEADS // h}")
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 40])
+def test_bfloat16_head_dims_and_gqa_groups(head_dim, num_kv_heads, bf16_pairs):
+    # Groups of 1, 4 and 8 query heads (the pairs path scores them 3 at a time: 1, 3+1, 3+3+2);
+    # head dim 40 is not a multiple of 32 and takes the widened path either way.
+    shapes, seqs = BATCHES["mixed"]
+    check(make_case(np.random.default_rng(10), seqs, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=jnp.bfloat16, **shapes), tol=2e-2, bf16_pairs=bf16_pairs)
+
+
+@pytest.mark.parametrize("bf16_pairs", BF16_PATHS)
+@pytest.mark.parametrize("static", [dict(sliding_window=5), dict(sliding_window=7, soft_cap=3.0)],
+                         ids=["window5", "window_and_softcap"])
+def test_bfloat16_sliding_window_and_soft_cap(static, bf16_pairs):
+    shapes, seqs = BATCHES["mixed"]
+    check(make_case(np.random.default_rng(11), seqs, num_kv_heads=4, dtype=jnp.bfloat16,
+                    **shapes), tol=2e-2, bf16_pairs=bf16_pairs, **static)
+
+
+def test_bfloat16_pairs_refused_where_the_cpu_lacks_them(monkeypatch):
+    monkeypatch.setattr(kernel_cpu, "bf16_pairs_supported", lambda: False)
+    case = make_case(np.random.default_rng(12), [(1, 5)], num_kv_heads=2, dtype=jnp.bfloat16,
+                     **DECODE_SHAPES)
+    with pytest.raises(ValueError, match="AVX512_BF16"):
+        kernel_cpu.ragged_paged_attention(**case, sm_scale=SM_SCALE, bf16_pairs=True)
 
 
 def test_live_sequence_without_new_tokens_and_no_live_sequences():

@@ -7,9 +7,10 @@ matmuls of a few rows (2-32 rows at a third of the memory bandwidth; `gemm_cpu`)
 builds them.
 
 A library is compiled with -O3 -march=native into `~/.cache/xlaserve/kernels` (or
-`$XLASERVE_CACHE_DIR/kernels`), named by a hash of its source, the shared header, the flags, the
-compiler and the CPU, so an edit or another machine rebuilds it. With no compiler (or a failing
-one) `KernelUnavailable` is raised, and callers fall back to plain XLA.
+`$XLASERVE_CACHE_DIR/kernels`), named by a hash of its source, the headers beside it and the
+shared ones, the flags, the compiler and the CPU, so an edit or another machine rebuilds it.
+With no compiler (or a failing one) `KernelUnavailable` is raised, and callers fall back to
+plain XLA.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import jax
 
-HEADER_DIR = Path(__file__).parent  # parallel.h
+HEADER_DIR = Path(__file__).parent  # parallel.h, shared by every kernel
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-fno-math-errno", "-ffp-contract=fast"]
 
@@ -72,8 +73,9 @@ def register(source: Path, symbol: str, target_name: str) -> ctypes.CDLL:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set $CXX)")
+    headers = sorted(set(HEADER_DIR.glob("*.h")) | set(source.parent.glob("*.h")))
     key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), (HEADER_DIR / "parallel.h").read_bytes(), " ".join(_FLAGS).encode(),
+        source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(_FLAGS).encode(),
         compiler.encode(), _cpu_signature().encode(), jax.ffi.include_dir().encode()])).hexdigest()
     library = cache_dir() / f"{source.stem}-{key[:20]}.so"
     if not library.exists():

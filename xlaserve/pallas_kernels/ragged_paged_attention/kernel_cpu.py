@@ -7,6 +7,7 @@ matmuls (3 ms per layer for 64 decoding sequences of 100 tokens, where reading t
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
@@ -19,16 +20,30 @@ TARGET_NAME = "xlaserve_ragged_paged_attention_cpu"
 _SOURCE = Path(__file__).with_name("kernel_cpu.cc")
 
 
-def load() -> None:
+def load():
     """Builds and registers the custom call (once); raises KernelUnavailable."""
-    register(_SOURCE, "XlaserveRaggedPagedAttention", TARGET_NAME)
+    return register(_SOURCE, "XlaserveRaggedPagedAttention", TARGET_NAME)
+
+
+@functools.cache
+def bf16_pairs_supported() -> bool:
+    """Whether this CPU has AVX512_BF16, so that bfloat16 attention multiplies bfloat16 pairs
+    (VDPBF16PS) instead of widening the cache to float32."""
+    library = load()
+    library.XlaserveAttentionBf16Pairs.restype = ctypes.c_int64
+    return bool(library.XlaserveAttentionBf16Pairs())
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None):
+                           sm_scale, sliding_window=None, soft_cap=None, bf16_pairs=None):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache), the cache updated in place
-    (the custom call's cache output aliases its input)."""
+    (the custom call's cache output aliases its input). `bf16_pairs`: bfloat16 dot products on
+    VDPBF16PS (None: where the CPU has them; False: widen to float32, for tests)."""
     load()
+    if bf16_pairs is None:
+        bf16_pairs = bf16_pairs_supported()
+    elif bf16_pairs and not bf16_pairs_supported():
+        raise ValueError("bf16_pairs needs a CPU with AVX512_BF16")
     if q.dtype not in (np.float32, jax.numpy.bfloat16) or kv_cache.dtype != q.dtype:
         raise ValueError("the CPU attention kernel takes q and a KV cache of one dtype, float32 or "
                          f"bfloat16; got {q.dtype} and {kv_cache.dtype}")
@@ -41,4 +56,4 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     return call(q, k.astype(q.dtype), v.astype(q.dtype), kv_cache, as_i32(kv_lens),
                 as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0), bf16_pairs=bool(bf16_pairs))

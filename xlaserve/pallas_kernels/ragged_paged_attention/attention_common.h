@@ -1,0 +1,252 @@
+// Shared pieces of the CPU attention kernel (kernel_cpu.cc): the problem, its sequences and
+// cache rows, per-thread scratch, and small vector helpers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "parallel.h"  // xlaserve/native: ParallelFor, Vec16 helpers
+
+namespace xlaserve::attention_cpu {
+
+using xlaserve::Bf16ToF32;
+using xlaserve::Load16;
+using xlaserve::Store16;
+using xlaserve::Sum16;
+using xlaserve::Vec16;
+using xlaserve::Vec8;
+
+constexpr int kKeyTile = 32;       // keys scored together
+constexpr int kQueryBlock = 16;    // query rows of one sequence per work item
+constexpr int kTransposeRows = 8;  // from this many (row, head) pairs, score a transposed tile
+constexpr int kRowTile = 16;       // keys per tile of a one-row item
+#ifdef __AVX512BF16__
+constexpr bool kHasBf16Pairs = true;
+#else
+constexpr bool kHasBf16Pairs = false;
+#endif
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+typedef int32_t Vec8i __attribute__((vector_size(32)));
+
+// exp(x) for x <= 0, ~1 ulp (Cephes' polynomial), for a float or an 8-float vector (`Vec8`);
+// vectorizes, unlike std::exp without fast-math.
+template <typename V>
+inline V ExpNonPositive(V x) {
+  const V lowest = V{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const V shifter = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (x * 1.44269504088896341f + shifter) - shifter;
+  const V r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  V scale;
+  if constexpr (std::is_same_v<V, float>) {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    std::memcpy(&scale, &bits, 4);
+  } else {
+    const Vec8i bits = (__builtin_convertvector(n, Vec8i) + 127) << 23;
+    std::memcpy(&scale, &bits, sizeof(scale));
+  }
+  return p * scale;
+}
+
+
+struct Problem {
+  bool bf16;
+  bool bf16_pairs;  // bfloat16 dot products on VDPBF16PS (AttendOneRowBf16) where the head dim fits
+  const void* q;
+  const void* k;
+  const void* v;
+  void* cache;  // the output cache (the input's contents, updated)
+  void* out;
+  int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, num_pages, page_size, max_seqs,
+      pages_per_seq;
+  const int32_t* kv_lens;
+  const int32_t* page_indices;
+  const int32_t* cu_q_lens;
+  int32_t num_seqs;
+  float sm_scale;
+  int32_t sliding_window;  // <= 0: none
+  float soft_cap;          // <= 0: none
+};
+
+struct WorkItem {
+  int32_t seq, first_row, num_rows;  // rows are token indices into q; every kv head of them
+};
+
+// Sequence s: its new tokens [cu[s], cu[s+1]) sit at positions [kv_len - q_len, kv_len).
+struct SeqSpan {
+  int64_t first_token, q_len, first_pos;
+  bool ok;
+};
+
+SeqSpan Span(const Problem& p, int64_t s) {
+  int64_t begin = p.cu_q_lens[s], end = p.cu_q_lens[s + 1];
+  int64_t kv_len = p.kv_lens[s];
+  SeqSpan span{begin, end - begin, kv_len - (end - begin), true};
+  // Garbage metadata never reads or writes out of bounds: such a sequence is skipped (output 0).
+  span.ok = begin >= 0 && end >= begin && end <= p.num_tokens && span.first_pos >= 0 &&
+            kv_len <= p.pages_per_seq * p.page_size;
+  return span;
+}
+
+// Offset of the cache row (all 2 * kv_heads K/V vectors) of sequence s at position pos, or -1.
+inline int64_t TokenRow(const Problem& p, int64_t s, int64_t pos) {
+  int64_t page = p.page_indices[s * p.pages_per_seq + pos / p.page_size];
+  if (page < 0 || page >= p.num_pages) return -1;
+  return (page * p.page_size + pos % p.page_size) * 2 * p.num_kv_heads * p.head_dim;
+}
+
+// The keys [start, start + kRowTile) of a one-row item whose query sits at `pos`, and the next
+// tile's: `rows[j]` is key j's cache row, or -1 past `pos` or on a page outside the pool (a
+// dead lane; `live[j]` is 0).
+struct KeyTile {
+  int64_t rows[kRowTile], next_rows[kRowTile];
+  float live[kRowTile];
+  bool any_live = false;
+  int64_t prefetched = 0;
+
+  KeyTile(const Problem& p, int64_t seq, int64_t start, int64_t pos) {
+    for (int64_t j = 0; j < kRowTile; ++j) {
+      rows[j] = start + j <= pos ? TokenRow(p, seq, start + j) : -1;
+      live[j] = rows[j] >= 0 ? 1.0f : 0.0f;
+      any_live |= rows[j] >= 0;
+      const int64_t next = start + kRowTile + j;
+      next_rows[j] = next <= pos ? TokenRow(p, seq, next) : -1;
+    }
+  }
+
+  // Asks for the next tile's rows up to `until` (of kRowTile). Callers spread the requests
+  // between heads while this tile computes: asked for all at once, they overflowed the core's
+  // miss buffers and the prefetch instructions themselves stalled (16% of the kernel's time).
+  template <typename T>
+  void PrefetchNext(const T* cache, int64_t until, int64_t row_bytes) {
+    for (; prefetched < until; ++prefetched) {
+      if (next_rows[prefetched] < 0) continue;
+      const char* bytes = reinterpret_cast<const char*>(cache + next_rows[prefetched]);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(bytes + b, 0, 2);
+    }
+  }
+};
+
+template <typename T>
+void LoadRow(const T* src, float* dst, int64_t n);
+template <>
+void LoadRow<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <>
+void LoadRow<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
+}
+
+template <typename T>
+void StoreRow(const float* src, T* dst, int64_t n);
+template <>
+void StoreRow<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <>
+void StoreRow<uint16_t>(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores, converted, keys_t, zeros;
+  explicit Scratch(const Problem& p) {
+    const int64_t rows = kQueryBlock * p.num_q_heads, d = p.head_dim;
+    const int64_t token_row = 2 * p.num_kv_heads * d;
+    q.resize(rows * d);
+    acc.resize(rows * d);
+    m.resize(rows);
+    l.resize(rows);
+    scores.resize(rows * kKeyTile);
+    converted.resize(kKeyTile * token_row);
+    keys_t.resize(kKeyTile * d);
+    zeros.resize(token_row);
+  }
+};
+
+// The cache row at `row` (every head's K and V) as floats: in place for float32, widened into
+// slot j of the scratch for bfloat16; a row of zeros for a key outside the pool (row < 0).
+template <typename T>
+const float* KeyRow(const T* cache, int64_t row, int64_t token_row, Scratch& scratch, int64_t j) {
+  if (row < 0) return scratch.zeros.data();
+  if constexpr (std::is_same_v<T, float>) {
+    return cache + row;
+  } else {
+    float* converted = scratch.converted.data() + j * token_row;
+    LoadRow<T>(cache + row, converted, token_row);
+    return converted;
+  }
+}
+
+// A one-row item's query position and first key (0, or where the sliding window starts); clears
+// the running softmax sums of its heads (acc, m, l in the scratch).
+struct OneRow {
+  int64_t pos, lowest_key = 0;
+
+  OneRow(const Problem& p, const WorkItem& item, Scratch& scratch) {
+    const SeqSpan span = Span(p, item.seq);
+    pos = span.first_pos + (item.first_row - span.first_token);
+    if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, pos - p.sliding_window + 1);
+    std::fill(scratch.acc.begin(), scratch.acc.begin() + p.num_q_heads * p.head_dim, 0.0f);
+    std::fill(scratch.m.begin(), scratch.m.begin() + p.num_q_heads, -INFINITY);
+    std::fill(scratch.l.begin(), scratch.l.begin() + p.num_q_heads, 0.0f);
+  }
+};
+
+inline Vec8 Load8(const float* x) {
+  Vec8 v;
+  std::memcpy(&v, x, 32);
+  return v;
+}
+inline void Store8(float* x, Vec8 v) { std::memcpy(x, &v, 32); }
+inline Vec8 Splat8(float f) { return Vec8{} + f; }
+
+// Sums of neighbouring pairs within each 128-bit half, a's then b's (x86's `hadd`).
+inline Vec8 PairSums(Vec8 a, Vec8 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// {sum(a[0]), ..., sum(a[7])}: eight horizontal sums for the price of about two.
+inline Vec8 Sums8(const Vec8* a) {
+  const Vec8 low = PairSums(PairSums(a[0], a[1]), PairSums(a[2], a[3]));
+  const Vec8 high = PairSums(PairSums(a[4], a[5]), PairSums(a[6], a[7]));
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+inline float Max8(Vec8 v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float Sum8(Vec8 v) {
+  const xlaserve::Vec4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) +
+                              __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (half[0] + half[2]) + (half[1] + half[3]);
+}
+
+
+}  // namespace xlaserve::attention_cpu
