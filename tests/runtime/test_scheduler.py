@@ -5,7 +5,7 @@ import pytest
 
 from xlaserve.runtime.kv_cache import PageAllocator, pages_for_tokens
 from xlaserve.runtime.sampler import RowSamplingParams
-from xlaserve.runtime.scheduler import Request, Scheduler
+from xlaserve.runtime.scheduler import Request, Scheduler, max_step_tokens
 
 PAGE = 4
 
@@ -163,6 +163,20 @@ def test_token_budget_caps_prompt_tokens_per_step_and_chunks_the_last_request():
     model.run_all()
     assert all(sum(len(c.token_ids) for r, c in zip(b.requests, b.chunks, strict=True) if not r.is_decoding) <= 20
                for b in model.batches)
+
+
+def test_decodes_take_their_share_of_the_step_budget_and_prompts_keep_a_quarter():
+    for decoding, prompt_tokens in [(8, 12), (18, 5)]:  # 20 - 8; a quarter of 20
+        s = make_scheduler(num_pages=256, max_running=24, chunk=16, budget=20)
+        for i in range(decoding):
+            s.add(req(f"d{i}", prompt_len=1, max_new=50))
+        model = FakeModel(s)
+        model.run_step()  # every one-token prompt in one step; all of them decode from now on
+        s.add(req("long", prompt_len=40, max_new=2))
+        batch = s.schedule()
+        assert [len(c.token_ids) for c in batch.chunks] == [1] * decoding + [prompt_tokens]
+        assert batch.requests[-1].rid == "long"
+    assert max_step_tokens(24, 20) == 24 + 5 and max_step_tokens(4, 20) == 20
 
 
 def test_without_chunking_a_prompt_over_the_budget_runs_alone_in_one_step():

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.model.loader import load_model, tensor_parallel_mesh
+from xlaserve.runtime import malloc_tuning
 from xlaserve.runtime.batch import pack
 from xlaserve.runtime.buckets import Buckets, default_token_buckets
 from xlaserve.runtime.compilation import enable_persistent_cache
@@ -30,7 +31,7 @@ from xlaserve.runtime.model_runner import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
 from xlaserve.runtime.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
 from xlaserve.runtime.sampling_params import SamplingParams
-from xlaserve.runtime.scheduler import Request, Scheduler
+from xlaserve.runtime.scheduler import Request, Scheduler, max_step_tokens
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class _Live:
 class EngineCore:
     def __init__(self, server_args: ServerArgs):
         self.args = args = server_args
+        malloc_tuning.limit_arenas()  # before XLA's threads allocate
         enable_persistent_cache(args.compilation_cache_dir)
         self.loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
                                  skip_tokenizer_init=args.skip_tokenizer_init,
@@ -70,12 +72,12 @@ class EngineCore:
                                   max_running_requests=args.max_running_requests,
                                   attention_backend=args.attention_backend,
                                   matmul_backend=args.matmul_backend)
-        max_step_tokens = args.max_running_requests + args.max_prefill_tokens
+        step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
         self.buckets = Buckets.for_limits(
-            max_step_tokens, args.max_running_requests,
+            step_tokens, args.max_running_requests,
             pages_for_tokens(self.context_length, page_size),
             token_paddings=_int_list(args.precompile_token_paddings) or default_token_buckets(
-                max_step_tokens, self.loaded.dtype, jax.default_backend(),
+                step_tokens, self.loaded.dtype, jax.default_backend(),
                 native_matmul=self.runner.kernels.packed_matmul is not None),
             seq_paddings=_int_list(args.precompile_bs_paddings),
             # One page-table width: the attention loop stops at the longest live sequence, so a
@@ -92,6 +94,8 @@ class EngineCore:
         self._seeds = random.Random(args.random_seed)
         if not args.disable_precompile:
             self.runner.precompile(self.buckets.all_shapes())
+        if jax.default_backend() == "cpu":
+            malloc_tuning.keep_freed_memory()
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._stopping = False

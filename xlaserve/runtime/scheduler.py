@@ -56,7 +56,6 @@ class Request:
     # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
     no_prefix_reuse: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
-    no_prefix_reuse: bool = False  # compute every prompt token (prompt logprobs need them all)
     # --- state, managed by the scheduler ---
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids() whose KV is in the cache
@@ -91,6 +90,21 @@ class ScheduledBatch:
     # Tokens each row has sampled in steps not yet processed (1 for a continuation): the row
     # samples output token number len(output_ids) + ahead.
     ahead: int = 0
+
+
+def prefill_budget(max_prefill_tokens: int, num_decodes: int) -> int:
+    """Prompt tokens a step may run beside `num_decodes` decode rows. As in SGLang's mixed
+    chunks, decodes take their share of `max_prefill_tokens`, so a mixed step is no bigger than a
+    prefill step (and pads to the same bucket, not the next one up); prompts keep at least a
+    quarter of it, so new requests still start under a full decode load."""
+    return max(max_prefill_tokens - num_decodes, max_prefill_tokens // 4, 1)
+
+
+def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
+    """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
+    or a whole prefill step)."""
+    return max(max_prefill_tokens,
+               max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
 
 
 class Scheduler:
@@ -252,14 +266,15 @@ class Scheduler:
         rows = self._schedule_decodes()
         num_decodes = len(rows)
         admitted: list[Request] = []
-        rows += self._schedule_prefills(admitted)
+        rows += self._schedule_prefills(admitted, budget=prefill_budget(self.max_prefill_tokens,
+                                                                        num_decodes))
         # Only prefilling requests are running and none can get pages: retract the newest so the
         # older ones can finish their prompts (a lone request always fits, add() checked). No
         # admissions in this step, or the retracted one would take its pages right back.
         while not rows and self.running:
             self._retract(self.running[-1])
             logger.info("KV cache pool is full. Retract requests. #retracted_reqs: 1")
-            rows = self._schedule_prefills(admitted, admit=False)
+            rows = self._schedule_prefills(admitted, budget=self.max_prefill_tokens, admit=False)
         if not rows:
             return None
         requests = [r for r, _ in rows]
@@ -288,12 +303,11 @@ class Scheduler:
             rows.append((r, SeqChunk([r.output_ids[-1]], r.num_computed, list(r.page_ids), True)))
         return rows
 
-    def _schedule_prefills(self, admitted: list[Request], admit: bool = True,
+    def _schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,
                            ) -> list[tuple[Request, SeqChunk]]:
         """Chunks of unfinished prompts: running ones first, then new admissions in queue order,
-        within the step's token budget and the free pages. Stops at the first request that does
+        within `budget` prompt tokens and the free pages. Stops at the first request that does
         not fit, so a big request at the head of the queue is not starved by smaller ones."""
-        budget = self.max_prefill_tokens
         rows = []
         candidates = [r for r in self.running if not r.is_decoding] + (list(self.waiting) if admit else [])
         for r in candidates:
