@@ -146,27 +146,24 @@ struct KeyTile {
   }
 };
 
+// n values of a float32 or bfloat16 (uint16_t) row as float32, and back.
 template <typename T>
-void LoadRow(const T* src, float* dst, int64_t n);
-template <>
-void LoadRow<float>(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-template <>
-void LoadRow<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
+void LoadRow(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
+  }
 }
 
 template <typename T>
-void StoreRow(const float* src, T* dst, int64_t n);
-template <>
-void StoreRow<float>(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-template <>
-void StoreRow<uint16_t>(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
+void StoreRow(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
+  }
 }
 
 struct Scratch {
