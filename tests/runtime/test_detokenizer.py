@@ -62,3 +62,33 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
     assert "".join(_stream(IncrementalDetokenizer(tokenizer), ids)) == "hi"
     kept = "".join(_stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=False), ids))
     assert kept == "hi" + tokenizer.eos_token
+
+
+class _WordPieceLike:
+    """A tokenizer whose `decode` post-processes the backend's text, as transformers' WordPiece
+    clean-up does: the detokenizer must keep calling `decode`, not the backend."""
+
+    clean_up_tokenization_spaces = True
+
+    def __init__(self, inner):
+        self.backend_tokenizer = inner.backend_tokenizer
+        self.inner = inner
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens).replace(" !", "!")
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_direct_backend_decode_gives_what_the_tokenizer_decode_gives(tokenizer, skip_special_tokens):
+    import random
+    rng = random.Random(0)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(400)] + tokenizer.all_special_ids
+    rng.shuffle(ids)
+    pieces = _stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens), ids)
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer):
+    ids = tokenizer.encode("wow ! really !", add_special_tokens=False)
+    pieces = _stream(IncrementalDetokenizer(_WordPieceLike(tokenizer)), ids)
+    assert "".join(pieces) == "wow! really!"

@@ -9,13 +9,13 @@
 //   runs;
 // - many rows: register-blocked 6 x P tiles (12 vector accumulators), the panel's slice
 //   staying in L1 while every 6-row group of x passes over it.
-// x and y are float32; W is float32 or bfloat16; sums are float32. bfloat16 W comes in one of two
+// y is float32; W is float32 or bfloat16; sums are float32; x is float32, or bfloat16 with pairs. bfloat16 W comes in one of two
 // layouts, which the caller picks at packing time and passes as `bf16_pairs`:
 // - widened: the [ceil(N / P), K, P] layout, each weight widened to float32 in registers and
 //   multiplied by float32 x (x keeps its precision; float32 FMA speed);
 // - pairs (CPUs with AVX512_BF16 only): [ceil(N / P), K / 2, P, 2], the two weights of a k-pair
-//   side by side, which VDPBF16PS multiplies by x rounded to bfloat16 (round to nearest even),
-//   summing in float32: twice the products per instruction of float32 FMAs. x rounded to
+//   side by side, which VDPBF16PS multiplies by x in bfloat16 (the caller rounds it, to nearest
+//   even, in the XLA fusion that produces x, so no pass here converts it), summing in float32: twice the products per instruction of float32 FMAs. x rounded to
 //   bfloat16 is what XLA's bfloat16 dot does too (transformer.linear casts x to the weight's
 //   dtype).
 
@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -239,33 +238,10 @@ void Gemm(ffi::ThreadPool& pool, const typename Mode::X* x, const typename Mode:
   });
 }
 
-#ifdef __AVX512BF16__
-// x [M, K] float32 -> [M, K / 2] bfloat16 pairs (round to nearest even), into a buffer of the
-// calling thread that lives as long as it does (no allocation per call once it has grown).
-const uint32_t* Bf16PairsOf(const float* x, int64_t count) {
-  thread_local std::vector<uint32_t> pairs;
-  if (static_cast<int64_t>(pairs.size()) < count / 2) pairs.resize(count / 2);
-  int64_t i = 0;
-  for (; i + 32 <= count; i += 32) {
-    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-    _mm512_storeu_si512(pairs.data() + i / 2, (__m512i)both);
-  }
-  for (; i + 16 <= count; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs.data() + i / 2),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-  if (i < count) {  // fewer than 16 left (count is even): the same conversion, masked
-    const __mmask16 live = static_cast<__mmask16>((1u << (count - i)) - 1);
-    const __m256bh tail = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, x + i));
-    _mm256_mask_storeu_epi16(pairs.data() + i / 2, live, (__m256i)tail);
-  }
-  return pairs.data();
-}
-#endif
-
 // W is one matrix's panels [ceil(N/kPanel), K, kPanel], or a stack of such matrices (one per layer)
 // [L, ceil(N/kPanel), K, kPanel] of which `layer` is used: a stack is one argument of the step
 // for all layers, and indexing it here costs no copy (an XLA slice would copy the weight).
-ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                     ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer, bool bf16_pairs) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const size_t wr = wd.size();
@@ -279,16 +255,19 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   const int64_t layers = wr == 4 ? wd[0] : 1;
   if (layer < 0 || layer >= layers)
     return ffi::Error::InvalidArgument("packed GEMM (CPU): layer out of range");
-  if (bf16_pairs && (!kHasBf16Pairs || w.element_type() != ffi::BF16 || k % 2 != 0))
+  if (bf16_pairs && (!kHasBf16Pairs || w.element_type() != ffi::BF16 || k % 2 != 0 ||
+                     x.element_type() != ffi::BF16))
     return ffi::Error::InvalidArgument(
-        "packed GEMM (CPU): k-pair panels need bfloat16 weights, an even K and AVX512_BF16");
+        "packed GEMM (CPU): k-pair panels need bfloat16 x and weights, an even K and AVX512_BF16");
+  if (!bf16_pairs && x.element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("packed GEMM (CPU): x is float32 (bfloat16 with k-pairs)");
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {
     std::memset(y->typed_data(), 0, m * n * sizeof(float));
     return ffi::Error::Success();
   }
   const int64_t offset = layer * wd[wr - 3] * k * kPanel;
-  const float* xs = x.typed_data();
+  const float* xs = static_cast<const float*>(x.untyped_data());
   if (w.element_type() == ffi::F32) {
     Gemm<F32Weights>(pool, xs, static_cast<const float*>(w.untyped_data()) + offset,
                      y->typed_data(), m, k, n);
@@ -296,7 +275,9 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
     const uint16_t* ws = static_cast<const uint16_t*>(w.untyped_data()) + offset;
 #ifdef __AVX512BF16__
     if (bf16_pairs) {
-      Gemm<Bf16Pairs>(pool, Bf16PairsOf(xs, m * k), ws, y->typed_data(), m, k / 2, n);
+      // x's bfloat16 row, read two at a time, is the pair layout: k in the low half, k+1 high.
+      Gemm<Bf16Pairs>(pool, static_cast<const uint32_t*>(x.untyped_data()), ws, y->typed_data(),
+                      m, k / 2, n);
       return ffi::Error::Success();
     }
 #endif
@@ -315,7 +296,7 @@ extern "C" int64_t XlaservePackedGemmBf16Pairs() { return kHasBf16Pairs; }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemm, GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // x [M, K]: f32 (bf16: pairs)
                                   .Arg<ffi::AnyBuffer>()         // W packed, or a stack of them
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("layer")

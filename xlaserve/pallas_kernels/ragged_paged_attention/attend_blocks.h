@@ -119,7 +119,8 @@ void AccumulateRowsScalar(float* acc, int64_t rows, int64_t d, const float* cons
 // query head i % Hq); query head hq reads kv head hq / G (GQA). Keys are visited tile by tile in
 // position order, each token's cache row (every head's K and V, contiguous) read once.
 template <typename T>
-void Attend(const Problem& p, const WorkItem& item, Scratch& scratch) {
+void Attend(const Problem& p, const WorkItem& item, const WorkItem* /*following*/,
+            Scratch& scratch) {
   const int64_t d = p.head_dim, hq_count = p.num_q_heads, group = p.num_q_heads / p.num_kv_heads;
   const int64_t rows = item.num_rows * hq_count, token_row = 2 * p.num_kv_heads * d;
   const T* q = static_cast<const T*>(p.q);

@@ -55,7 +55,8 @@ inline void AccumulateTile(float* acc, int64_t d, float alpha, const float* cons
 }
 
 template <typename T>
-void AttendOneRow(const Problem& p, const WorkItem& item, Scratch& scratch) {
+void AttendOneRow(const Problem& p, const WorkItem& item, const WorkItem* following,
+                  Scratch& scratch) {
   const int64_t d = p.head_dim, hq_count = p.num_q_heads, group = p.num_q_heads / p.num_kv_heads;
   const int64_t token_row = 2 * p.num_kv_heads * d;
   const T* q = static_cast<const T*>(p.q);
@@ -74,6 +75,7 @@ void AttendOneRow(const Problem& p, const WorkItem& item, Scratch& scratch) {
   for (int64_t tile_start = lowest_key; tile_start <= pos; tile_start += kRowTile) {
     const int64_t n = std::min<int64_t>(kRowTile, pos - tile_start + 1);
     KeyTile tile(p, item.seq, tile_start, pos);
+    tile.NextIsFirstOf(p, following);
     for (int64_t j = 0; j < kRowTile; ++j)
       key_rows[j] = KeyRow<T>(cache, tile.rows[j], token_row, scratch, j);
     const Vec8 live[2] = {Load8(tile.live), Load8(tile.live + 8)};

@@ -132,7 +132,8 @@ void AttendHeadsBf16(const Problem& p, const uint16_t* q, int64_t first, int64_t
 }
 
 template <int C>
-void AttendOneRowBf16(const Problem& p, const WorkItem& item, Scratch& scratch) {
+void AttendOneRowBf16(const Problem& p, const WorkItem& item, const WorkItem* following,
+                      Scratch& scratch) {
   const int64_t d = 32 * C, hq_count = p.num_q_heads, group = p.num_q_heads / p.num_kv_heads;
   const int64_t token_row = 2 * p.num_kv_heads * d;
   const uint16_t* q = static_cast<const uint16_t*>(p.q) + item.first_row * hq_count * d;
@@ -148,6 +149,7 @@ void AttendOneRowBf16(const Problem& p, const WorkItem& item, Scratch& scratch) 
   const int64_t row_bytes = token_row * static_cast<int64_t>(sizeof(uint16_t));
   for (int64_t tile_start = lowest_key; tile_start <= pos; tile_start += kRowTile) {
     KeyTile tile(p, item.seq, tile_start, pos);
+    tile.NextIsFirstOf(p, following);
     if (!tile.any_live) continue;
     // Dead lanes read a row of zeros: no NaN reaches the value sum.
     for (int64_t j = 0; j < kRowTile; ++j)

@@ -114,6 +114,17 @@ inline int64_t TokenRow(const Problem& p, int64_t s, int64_t pos) {
   return (page * p.page_size + pos % p.page_size) * 2 * p.num_kv_heads * p.head_dim;
 }
 
+// A one-row item's query position and first key (0, or where the sliding window starts).
+struct RowKeys {
+  int64_t pos, lowest_key = 0;
+
+  RowKeys(const Problem& p, const WorkItem& item) {
+    const SeqSpan span = Span(p, item.seq);
+    pos = span.first_pos + (item.first_row - span.first_token);
+    if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, pos - p.sliding_window + 1);
+  }
+};
+
 // The keys [start, start + kRowTile) of a one-row item whose query sits at `pos`, and the next
 // tile's: `rows[j]` is key j's cache row, or -1 past `pos` or on a page outside the pool (a
 // dead lane; `live[j]` is 0).
@@ -131,6 +142,15 @@ struct KeyTile {
       const int64_t next = start + kRowTile + j;
       next_rows[j] = next <= pos ? TokenRow(p, seq, next) : -1;
     }
+  }
+
+  // On an item's last tile: the tile to prefetch is the first of the item its thread runs next
+  // (`following`, if any), whose first rows would otherwise wait on memory.
+  void NextIsFirstOf(const Problem& p, const WorkItem* following) {
+    if (next_rows[0] >= 0 || following == nullptr) return;  // not the last tile, or no next item
+    const RowKeys next(p, *following);
+    for (int64_t j = 0; j < kRowTile; ++j)
+      next_rows[j] = next.lowest_key + j <= next.pos ? TokenRow(p, following->seq, next.lowest_key + j) : -1;
   }
 
   // Asks for the next tile's rows up to `until` (of kRowTile). Callers spread the requests
@@ -196,15 +216,10 @@ const float* KeyRow(const T* cache, int64_t row, int64_t token_row, Scratch& scr
   }
 }
 
-// A one-row item's query position and first key (0, or where the sliding window starts); clears
-// the running softmax sums of its heads (acc, m, l in the scratch).
-struct OneRow {
-  int64_t pos, lowest_key = 0;
-
-  OneRow(const Problem& p, const WorkItem& item, Scratch& scratch) {
-    const SeqSpan span = Span(p, item.seq);
-    pos = span.first_pos + (item.first_row - span.first_token);
-    if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, pos - p.sliding_window + 1);
+// RowKeys of an item about to run; clears the running softmax sums of its heads (acc, m, l in
+// the scratch).
+struct OneRow : RowKeys {
+  OneRow(const Problem& p, const WorkItem& item, Scratch& scratch) : RowKeys(p, item) {
     std::fill(scratch.acc.begin(), scratch.acc.begin() + p.num_q_heads * p.head_dim, 0.0f);
     std::fill(scratch.m.begin(), scratch.m.begin() + p.num_q_heads, -INFINITY);
     std::fill(scratch.l.begin(), scratch.l.begin() + p.num_q_heads, 0.0f);

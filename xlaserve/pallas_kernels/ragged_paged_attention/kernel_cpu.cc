@@ -81,7 +81,7 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
       items.push_back({s, static_cast<int32_t>(span.first_token + r), n});
     }
   }
-  void (*attend)(const Problem&, const WorkItem&, Scratch&) =
+  void (*attend)(const Problem&, const WorkItem&, const WorkItem*, Scratch&) =
       one_row_items ? AttendOneRow<T> : Attend<T>;
 #ifdef __AVX512BF16__
   if (std::is_same_v<T, uint16_t> && p.bf16_pairs) {
@@ -94,8 +94,9 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
     }
   }
 #endif
-  xlaserve::ParallelFor(pool, static_cast<int64_t>(items.size()),
-                        [&](int64_t i) { attend(p, items[i], LocalScratch(p)); });
+  xlaserve::ParallelForAhead(pool, static_cast<int64_t>(items.size()), [&](int64_t i, int64_t next) {
+    attend(p, items[i], next >= 0 ? &items[next] : nullptr, LocalScratch(p));
+  });
 }
 
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
