@@ -129,11 +129,12 @@ def test_bfloat16_steps_never_convert_a_weight_to_float32(tmp_path, matmul_backe
         assert not converted & weight_shapes, (tokens, converted & weight_shapes)
 
 
-def test_cpu_weights_are_packed_for_the_native_gemm_unless_xla_dots_are_asked(tmp_path):
+def test_cpu_weights_are_packed_for_the_native_kernels_unless_xla_dots_are_asked(tmp_path):
     import jax
     from flax import nnx
 
     from xlaserve.model.packed import PackedMatrix
+    from xlaserve.native import norm_cpu, swiglu_cpu
     from xlaserve.runtime import kernels
 
     if not kernels._gemm_builds():
@@ -146,6 +147,10 @@ def test_cpu_weights_are_packed_for_the_native_gemm_unless_xla_dots_are_asked(tm
                              matmul_backend=backend)
         packed = isinstance(loaded.model.embedding.get_value(), PackedMatrix)
         assert packed == (backend == "auto") == (runner.kernels.packed_matmul is not None)
+        # the norms and the MLP activation are native where the GEMM is (when they build)
+        native_elementwise = packed and kernels._elementwise_builds()
+        assert (runner.kernels.add_rms_norm is norm_cpu.add_rms_norm) == native_elementwise
+        assert (runner.kernels.swiglu is swiglu_cpu.swiglu) == native_elementwise
         if packed:  # the layers' weights of one kind are views of one stack, one argument
             first, second = (layer.mlp.down.get_value() for layer in loaded.model.layers[:2])
             assert first.panels is second.panels and (first.layer, second.layer) == (0, 1)

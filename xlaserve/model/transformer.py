@@ -66,14 +66,50 @@ def _init(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
     return 0.02 * jax.random.normal(rngs.params(), shape, dtype)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """float32 in, float32 out."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(jnp.float32) * normed
+
+
+def rms_norm_xla(x: jax.Array, scale: jax.Array, eps: float, out_dtype) -> jax.Array:
+    return rms_norm(x, scale, eps).astype(out_dtype)
+
+
+def add_rms_norm_xla(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: float,
+                     out_dtype) -> tuple[jax.Array, jax.Array]:
+    total = x + delta
+    return total, rms_norm(total, scale, eps).astype(out_dtype)
+
+
+def swiglu_xla(gate_up: jax.Array, out_dtype) -> jax.Array:
+    """silu(gate) * up for gate_up [T, 2, I]."""
+    return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(out_dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The platform's kernels the forward pass calls: attention (the ragged paged attention
-    contract) and, on a single CPU device, the native GEMM over packed weights,
-    `(x [M, K], panels, N, layer, bf16_pairs) -> float32 [M, N]` (model/packed.py)."""
+    contract); on a single CPU device, the native GEMM over packed weights,
+    `(x [M, K], panels, N, layer, bf16_pairs) -> float32 [M, N]` (model/packed.py); and the
+    residual stream's norms, `rms_norm(x, scale, eps, out_dtype)` and `add_rms_norm(x, delta,
+    scale, eps, out_dtype) -> (x + delta, its norm)`, and the MLP's `swiglu(gate_up, out_dtype)`
+    (native ones on the CPU: native/norm_cpu.py, native/swiglu_cpu.py)."""
 
     attention: Callable
     packed_matmul: Callable | None = None
+    rms_norm: Callable = rms_norm_xla
+    add_rms_norm: Callable = add_rms_norm_xla
+    swiglu: Callable = swiglu_xla
+
+
+def matmul_input_dtype(weight) -> jnp.dtype:
+    """The dtype `linear` gives x before multiplying it by `weight`: a norm in front of the matmul
+    rounds to it directly."""
+    if isinstance(weight, PackedMatrix):
+        return jnp.dtype(jnp.bfloat16 if weight.bf16_pairs else jnp.float32)
+    return jnp.dtype(weight.dtype)
 
 
 def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> jax.Array:
@@ -95,13 +131,6 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
     y = jax.lax.dot_general(x.astype(weight.dtype), weight.reshape(k, -1), (((1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return y.reshape(rows, *axes)
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """float32 in, float32 out."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return scale.astype(jnp.float32) * normed
 
 
 class RMSNorm(nnx.Module):
@@ -169,7 +198,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         gate_up = linear(x, self.gate_up[...], kernels)
-        return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], kernels)
+        down = self.down[...]
+        return linear(kernels.swiglu(gate_up, matmul_input_dtype(down)), down, kernels)
 
 
 class DecoderLayer(nnx.Module):
@@ -179,11 +209,23 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, metadata, kernels: Kernels):
-        attn_out, kv_cache = self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, kernels)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_norm(x), kernels)
-        return x, kv_cache
+    def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels):
+        """`x` is the residual stream and `normed` its input norm (`input_rms_norm`), which the
+        caller takes together with the residual add in front of it. Returns x + attention, the
+        MLP's output (the caller adds it) and the KV cache."""
+        attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels)
+        norm = self.post_attention_norm
+        x, normed = kernels.add_rms_norm(x, attn_out, norm.scale[...], norm.eps,
+                                         matmul_input_dtype(self.mlp.gate_up[...]))
+        return x, self.mlp(normed, kernels), kv_cache
+
+    def input_rms_norm(self, x, delta, kernels: Kernels):
+        """(x + delta, input_norm(x + delta)) in the dtype the qkv matmul takes; no add when delta
+        is None."""
+        norm, dtype = self.input_norm, matmul_input_dtype(self.attn.qkv[...])
+        if delta is None:
+            return x, kernels.rms_norm(x, norm.scale[...], norm.eps, dtype)
+        return kernels.add_rms_norm(x, delta, norm.scale[...], norm.eps, dtype)
 
 
 class CausalLM(nnx.Module):
@@ -225,11 +267,12 @@ class CausalLM(nnx.Module):
             angles = rope_angles(self.config.rope.inv_freq(self.config.head_dim), positions)
             rope = jnp.cos(angles), jnp.sin(angles)
         cos, sin = rope
-        new_caches = []
+        new_caches, mlp_out = [], None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, cos, sin, kv_cache, metadata, kernels)
+            x, normed = layer.input_rms_norm(x, mlp_out, kernels)
+            x, mlp_out, kv_cache = layer(x, normed, cos, sin, kv_cache, metadata, kernels)
             new_caches.append(kv_cache)
-        return x, new_caches
+        return x + mlp_out, new_caches
 
     def logits(self, hidden: jax.Array, kernels: Kernels) -> jax.Array:
         """float32[R, V]: final norm and LM head (tied to the embedding or not) of `hidden` rows."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import jax
 
-HEADER_DIR = Path(__file__).parent  # parallel.h, shared by every kernel
+HEADER_DIR = Path(__file__).parent  # parallel.h and vectors.h, shared by every kernel
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-fno-math-errno", "-ffp-contract=fast"]
 

@@ -1,56 +1,15 @@
-// Shared pieces of the native CPU kernels: work spread over XLA's intra-op thread pool, and
-// 16-float vectors (GCC vector extensions: 512-bit registers where the CPU has them, pairs or
-// quads of narrower ones elsewhere).
+// Work of the native CPU kernels spread over XLA's intra-op thread pool.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace xlaserve {
-
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
-typedef uint16_t Bf16x16 __attribute__((vector_size(32)));
-typedef uint32_t U32x16 __attribute__((vector_size(64)));
-
-inline Vec16 Load16(const float* x) {
-  Vec16 v;
-  std::memcpy(&v, x, 64);
-  return v;
-}
-
-inline Vec16 Load16(const uint16_t* x) {  // bfloat16 -> float32: the high half of the bits
-  Bf16x16 h;
-  std::memcpy(&h, x, 32);
-  U32x16 bits = __builtin_convertvector(h, U32x16) << 16;
-  Vec16 v;
-  std::memcpy(&v, &bits, 64);
-  return v;
-}
-
-inline void Store16(float* x, Vec16 v) { std::memcpy(x, &v, 64); }
-
-inline float Sum16(Vec16 v) {
-  Vec8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  Vec4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) +
-                 __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
-
-inline float Bf16ToF32(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // Items are claimed from a shared counter; `done` counts the finished ones.
 struct Claims {

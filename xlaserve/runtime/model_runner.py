@@ -133,7 +133,7 @@ class ModelRunner:
         mask[np.asarray(prompt_ids, np.int64)] = True
         counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab).astype(np.int32)
         self.output_counts, self.prompt_masks = self._reset_slot(
-            self.output_counts, self.prompt_masks, jnp.int32(slot), counts, mask)
+            self.output_counts, self.prompt_masks, np.int32(slot), counts, mask)
 
     def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> StepOutput:
         """Run one step; returns device arrays (the caller's `np.asarray` is the sync point).

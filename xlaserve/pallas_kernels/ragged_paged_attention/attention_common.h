@@ -9,11 +9,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "parallel.h"  // xlaserve/native: ParallelFor, Vec16 helpers
+#include "vectors.h"  // xlaserve/native: Vec16 helpers, bfloat16, exp
 
 namespace xlaserve::attention_cpu {
 
 using xlaserve::Bf16ToF32;
+using xlaserve::ExpNonPositive;
+using xlaserve::F32ToBf16;
 using xlaserve::Load16;
 using xlaserve::Store16;
 using xlaserve::Sum16;
@@ -29,44 +31,6 @@ constexpr bool kHasBf16Pairs = true;
 #else
 constexpr bool kHasBf16Pairs = false;
 #endif
-
-inline uint16_t F32ToBf16(float f) {  // round to nearest even, as XLA's convert
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-typedef int32_t Vec8i __attribute__((vector_size(32)));
-
-// exp(x) for x <= 0, ~1 ulp (Cephes' polynomial), for a float or an 8-float vector (`Vec8`);
-// vectorizes, unlike std::exp without fast-math.
-template <typename V>
-inline V ExpNonPositive(V x) {
-  const V lowest = V{} - 87.0f;
-  x = x < lowest ? lowest : x;
-  const V shifter = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const V n = (x * 1.44269504088896341f + shifter) - shifter;
-  const V r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  V scale;
-  if constexpr (std::is_same_v<V, float>) {
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    std::memcpy(&scale, &bits, 4);
-  } else {
-    const Vec8i bits = (__builtin_convertvector(n, Vec8i) + 127) << 23;
-    std::memcpy(&scale, &bits, sizeof(scale));
-  }
-  return p * scale;
-}
-
 
 struct Problem {
   bool bf16;
