@@ -83,6 +83,24 @@ def add_rms_norm_xla(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: floa
     return total, rms_norm(total, scale, eps).astype(out_dtype)
 
 
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the transformers layout); x [T, H, D], cos/sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def qkv_rope_xla(qkv: jax.Array, cos: jax.Array, sin: jax.Array, out_dtype):
+    """qkv [T, kv_heads, group + 2, D] -> RoPE'd q [T, heads, D], RoPE'd k and v [T, kv_heads, D]."""
+    tokens, kv_heads, width, d = qkv.shape
+    q = qkv[:, :, :width - 2, :].reshape(tokens, kv_heads * (width - 2), d)
+    k, v = qkv[:, :, width - 2, :], qkv[:, :, width - 1, :]
+    return (apply_rope(q, cos, sin).astype(out_dtype), apply_rope(k, cos, sin).astype(out_dtype),
+            v.astype(out_dtype))
+
+
 def swiglu_xla(gate_up: jax.Array, out_dtype) -> jax.Array:
     """silu(gate) * up for gate_up [T, 2, I]."""
     return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(out_dtype)
@@ -94,13 +112,15 @@ class Kernels:
     contract); on a single CPU device, the native GEMM over packed weights,
     `(x [M, K], panels, N, layer, bf16_pairs) -> float32 [M, N]` (model/packed.py); and the
     residual stream's norms, `rms_norm(x, scale, eps, out_dtype)` and `add_rms_norm(x, delta,
-    scale, eps, out_dtype) -> (x + delta, its norm)`, and the MLP's `swiglu(gate_up, out_dtype)`
-    (native ones on the CPU: native/norm_cpu.py, native/swiglu_cpu.py)."""
+    scale, eps, out_dtype) -> (x + delta, its norm)`, the attention's inputs `qkv_rope(qkv, cos,
+    sin, out_dtype) -> (q, k, v)` and the MLP's `swiglu(gate_up, out_dtype)` (native ones on the
+    CPU: native/norm_cpu.py, native/qkv_rope_cpu.py, native/swiglu_cpu.py)."""
 
     attention: Callable
     packed_matmul: Callable | None = None
     rms_norm: Callable = rms_norm_xla
     add_rms_norm: Callable = add_rms_norm_xla
+    qkv_rope: Callable = qkv_rope_xla
     swiglu: Callable = swiglu_xla
 
 
@@ -142,15 +162,6 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the transformers layout); x [T, H, D], cos/sin [T, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
         c = config
@@ -174,13 +185,14 @@ class Attention(nnx.Module):
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
         num_tokens = x.shape[0]
-        q = qkv[:, :, :group, :].reshape(num_tokens, c.num_heads, c.head_dim)
-        k = qkv[:, :, group, :]
-        v = qkv[:, :, group + 1, :]
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         # Attention takes its inputs in the cache's dtype (the model dtype).
-        q, k, v = (y.astype(kv_cache.dtype) for y in (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v))
+        if c.qk_norm:
+            q = self.q_norm(qkv[:, :, :group, :].reshape(num_tokens, c.num_heads, c.head_dim))
+            k, v = self.k_norm(qkv[:, :, group, :]), qkv[:, :, group + 1, :]
+            q, k, v = (y.astype(kv_cache.dtype)
+                       for y in (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v))
+        else:
+            q, k, v = kernels.qkv_rope(qkv, cos, sin, kv_cache.dtype)
         out, kv_cache = kernels.attention(
             q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
             metadata.num_seqs, sm_scale=c.head_dim**-0.5, sliding_window=self.sliding_window,

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh
 
 from xlaserve.model.transformer import Kernels
-from xlaserve.native import KernelUnavailable, gemm_cpu, norm_cpu, swiglu_cpu
+from xlaserve.native import KernelUnavailable, gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,11 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
             packed_matmul = gemm_cpu.packed_matmul
     kernels = Kernels(attention=get_attention_fn(attention_backend, mesh), packed_matmul=packed_matmul)
     if packed_matmul is not None and _elementwise_builds():
-        # The norms and the activation go with the GEMM: where XLA's dots are kept, so are XLA's
-        # fusions.
+        # The norms, RoPE and the activation go with the GEMM: where XLA's dots are kept, so are
+        # XLA's fusions.
         kernels = dataclasses.replace(kernels, rms_norm=norm_cpu.rms_norm,
-                                      add_rms_norm=norm_cpu.add_rms_norm, swiglu=swiglu_cpu.swiglu)
+                                      add_rms_norm=norm_cpu.add_rms_norm,
+                                      qkv_rope=qkv_rope_cpu.qkv_rope, swiglu=swiglu_cpu.swiglu)
     return kernels
 
 
@@ -64,9 +65,10 @@ def _gemm_builds(required: bool = False) -> bool:
 def _elementwise_builds() -> bool:
     try:
         norm_cpu.load()
+        qkv_rope_cpu.load()
         swiglu_cpu.load()
         return True
     except KernelUnavailable as error:
-        logger.warning("The native CPU RMSNorm and SwiGLU are unavailable; XLA's fusions run them: "
-                       "%s", error)
+        logger.warning("The native CPU RMSNorm, RoPE and SwiGLU are unavailable; XLA's fusions run "
+                       "them: %s", error)
         return False
