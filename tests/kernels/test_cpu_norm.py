@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from xlaserve.model.transformer import add_rms_norm_xla, rms_norm_xla
+from tests.kernels.rounding import assert_close_to_xla
 from xlaserve.native import KernelUnavailable, norm_cpu
 
 try:
@@ -31,13 +32,7 @@ def _inputs(rows, hidden, scale_dtype, seed=0):
 
 
 def _close(actual, expected, out_dtype):
-    assert actual.dtype == jnp.dtype(out_dtype) and actual.shape == expected.shape
-    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    if out_dtype == jnp.bfloat16:  # float32 sums in another order may round the other way
-        np.testing.assert_allclose(actual, expected, rtol=2 ** -7, atol=1e-6)
-        assert actual.size == 0 or np.mean(actual == expected) > 0.97
-    else:
-        np.testing.assert_allclose(actual, expected, rtol=2e-6, atol=1e-6)
+    assert_close_to_xla(actual, expected, out_dtype, f32_rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows,hidden", SHAPES)

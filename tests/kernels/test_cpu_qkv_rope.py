@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from xlaserve.model.transformer import qkv_rope_xla, rope_cos_sin
+from tests.kernels.rounding import assert_close_to_xla
 from xlaserve.native import KernelUnavailable, qkv_rope_cpu
 
 try:
@@ -27,13 +28,7 @@ def test_equals_xla(tokens, kv_heads, group, d, out_dtype):
     actual = jax.jit(qkv_rope_cpu.qkv_rope, static_argnums=3)(qkv, cos, sin, out_dtype)
     expected = qkv_rope_xla(qkv, jnp.asarray(cos), jnp.asarray(sin), out_dtype)
     for a, e in zip(actual, expected, strict=True):
-        assert a.dtype == jnp.dtype(out_dtype) and a.shape == e.shape
-        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
-        if out_dtype == jnp.bfloat16:  # a last-bit difference in float32 may round the other way
-            np.testing.assert_allclose(a, e, rtol=2 ** -7, atol=1e-5)
-        else:
-            np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
-
+        assert_close_to_xla(a, e, out_dtype, f32_rtol=1e-6, atol=1e-5)
 
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="qkv_rope"):
