@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.kernels.rounding import assert_close_to_xla
 from xlaserve.native import KernelUnavailable, gemm_cpu
 
 try:
@@ -99,3 +100,23 @@ def test_a_layer_of_a_stack_is_that_layers_matrix():
         np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="layer"):
         gemm_cpu.packed_matmul(jnp.asarray(x), stack, 50, layer=3)
+
+
+@pytest.mark.parametrize("dtype,pairs", LAYOUTS)
+@pytest.mark.parametrize("rows,k,width", [(1, 576, 1536), (13, 64, 64), (100, 40, 96), (7, 30, 40)],
+                         ids=["decode", "tiles_and_rest", "row_blocks", "width_not_whole_panels"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["out_f32", "out_bf16"])
+def test_fused_swiglu_equals_the_matmul_then_silu_times_up(dtype, pairs, rows, k, width, out_dtype):
+    # The fused kernel takes widths that are whole panels (the last case falls back to the matmul
+    # and XLA's activation); both sides sum the same products, so they agree to float32 rounding.
+    rng = np.random.default_rng(rows + k + width)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    weights = [jnp.asarray(rng.standard_normal((k, 2 * width)) * 0.3, dtype) for _ in range(2)]
+    stack = jnp.stack([gemm_cpu.pack_columns(w, pairs) for w in weights])
+    fused = jax.jit(gemm_cpu.packed_matmul_swiglu, static_argnames=("n", "layer", "bf16_pairs",
+                                                                    "out_dtype"))
+    for layer in range(2):
+        actual = fused(x, stack, n=2 * width, layer=layer, bf16_pairs=pairs, out_dtype=out_dtype)
+        y = matmul(x, stack[layer], n=2 * width, bf16_pairs=pairs)
+        expected = (jax.nn.silu(y[:, :width]) * y[:, width:]).astype(out_dtype)
+        assert_close_to_xla(actual, expected, out_dtype, f32_rtol=1e-5, atol=1e-5)

@@ -151,6 +151,7 @@ def test_cpu_weights_are_packed_for_the_native_kernels_unless_xla_dots_are_asked
         native_elementwise = packed and kernels._elementwise_builds()
         assert (runner.kernels.add_rms_norm is norm_cpu.add_rms_norm) == native_elementwise
         assert (runner.kernels.swiglu is swiglu_cpu.swiglu) == native_elementwise
+        assert (runner.kernels.packed_matmul_swiglu is not None) == native_elementwise
         if packed:  # the layers' weights of one kind are views of one stack, one argument
             first, second = (layer.mlp.down.get_value() for layer in loaded.model.layers[:2])
             assert first.panels is second.panels and (first.layer, second.layer) == (0, 1)

@@ -118,6 +118,8 @@ class Kernels:
 
     attention: Callable
     packed_matmul: Callable | None = None
+    # `(x, panels, N, layer, bf16_pairs, out_dtype) -> swiglu(x @ W)` for a packed gate_up
+    packed_matmul_swiglu: Callable | None = None
     rms_norm: Callable = rms_norm_xla
     add_rms_norm: Callable = add_rms_norm_xla
     qkv_rope: Callable = qkv_rope_xla
@@ -209,9 +211,14 @@ class MLP(nnx.Module):
         self.down = nnx.Param(_init(rngs, (config.intermediate_size, config.hidden_size), dtype))
 
     def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
-        gate_up = linear(x, self.gate_up[...], kernels)
-        down = self.down[...]
-        return linear(kernels.swiglu(gate_up, matmul_input_dtype(down)), down, kernels)
+        gate_up, down = self.gate_up[...], self.down[...]
+        dtype = matmul_input_dtype(down)
+        if isinstance(gate_up, PackedMatrix) and kernels.packed_matmul_swiglu is not None:
+            activation = kernels.packed_matmul_swiglu(x, gate_up.panels, gate_up.columns,
+                                                      gate_up.layer, gate_up.bf16_pairs, dtype)
+        else:
+            activation = kernels.swiglu(linear(x, gate_up, kernels), dtype)
+        return linear(activation, down, kernels)
 
 
 class DecoderLayer(nnx.Module):

@@ -29,6 +29,7 @@
 #endif
 
 #include "parallel.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -238,6 +239,79 @@ void Gemm(ffi::ThreadPool& pool, const typename Mode::X* x, const typename Mode:
   });
 }
 
+// --- the gated MLP's first matmul with its activation --------------------------------------
+//
+// out[r, c] = silu(g[r, c]) * u[r, c] for [g | u] = x @ W, W's N = 2I columns the gate's then the
+// up projection's (gate_up in transformer.py). A row block's tiles over gate panel p go to a
+// scratch block in L1, then its tiles over up panel p + I / kPanel read them back as they write
+// `out` [M, I] (float32, or bfloat16 for the k-pair down GEMM): the [M, 2I] float32 product, 4x
+// the bytes, is never written to memory. (Computing a row tile's gate and up tiles back to back
+// was no faster: the two panels no longer fit L1 together.) I is a multiple of kPanel; K is one
+// block.
+template <int kRows, typename Mode, typename O>
+inline void SwigluTile(const typename Mode::X* x, int64_t ldx, const typename Mode::W* up,
+                       int64_t depth, const float* gates, O* out, int64_t ldo) {
+  constexpr int kUnroll = kRows == 1 ? 4 : kRows == 2 ? 2 : 1;
+  Vec u[kRows][2];
+  Tile<kRows, kUnroll, Mode>(x, ldx, up, depth, u);
+  for (int r = 0; r < kRows; ++r) {
+    O* row = out + r * ldo;
+    const float* g = gates + r * kPanel;
+    const Vec v0 = xlaserve::Silu(Load(g)) * u[r][0];
+    const Vec v1 = xlaserve::Silu(Load(g + kLanes)) * u[r][1];
+    if constexpr (std::is_same_v<O, float>) {
+      Store(row, v0);
+      Store(row + kLanes, v1);
+    } else {
+      float values[kPanel];  // kPanel is 16 or 32: whole 16-float vectors
+      Store(values, v0);
+      Store(values + kLanes, v1);
+      for (int c = 0; c < kPanel; c += 16) xlaserve::StoreBf16(row + c, xlaserve::Load16(values + c));
+    }
+  }
+}
+
+template <typename Mode, typename O>
+void SwigluRows(const typename Mode::X* x, int64_t ldx, const typename Mode::W* gate,
+                const typename Mode::W* up, int64_t depth, O* out, int64_t ldo, int64_t rows) {
+  float gates[kRowBlock * kPanel];
+  Rows<Mode>(x, ldx, gate, depth, gates, kPanel, rows, kPanel, false);
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows)
+    SwigluTile<kTileRows, Mode>(x + r * ldx, ldx, up, depth, gates + r * kPanel, out + r * ldo, ldo);
+  const typename Mode::X* xr = x + r * ldx;
+  const float* gr = gates + r * kPanel;
+  O* outr = out + r * ldo;
+  switch (rows - r) {
+    case 1: SwigluTile<1, Mode>(xr, ldx, up, depth, gr, outr, ldo); break;
+    case 2: SwigluTile<2, Mode>(xr, ldx, up, depth, gr, outr, ldo); break;
+    case 3: SwigluTile<3, Mode>(xr, ldx, up, depth, gr, outr, ldo); break;
+    case 4: SwigluTile<4, Mode>(xr, ldx, up, depth, gr, outr, ldo); break;
+    case 5: SwigluTile<5, Mode>(xr, ldx, up, depth, gr, outr, ldo); break;
+    default: break;
+  }
+}
+
+// As Gemm, over the gate panels (each with its up panel), K in one block.
+template <typename Mode, typename O>
+void GemmSwiglu(ffi::ThreadPool& pool, const typename Mode::X* x, const typename Mode::W* w,
+                O* out, int64_t m, int64_t units, int64_t width) {
+  const int64_t panels = width / kPanel;  // gate panels; the up panels follow them
+  const int64_t parts = std::min<int64_t>(panels, 4 * std::max<int64_t>(pool.num_threads(), 1));
+  const int64_t run = (panels + parts - 1) / parts;
+  constexpr int64_t kUnitSize = Mode::kStep * kPanel;
+  xlaserve::ParallelFor(pool, (panels + run - 1) / run, [&](int64_t part) {
+    const int64_t first = part * run, last = std::min(panels, first + run);
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, m - r0);
+      for (int64_t p = first; p < last; ++p)
+        SwigluRows<Mode>(x + r0 * units, units, w + p * units * kUnitSize,
+                         w + (p + panels) * units * kUnitSize, units, out + r0 * width + p * kPanel,
+                         width, rows);
+    }
+  });
+}
+
 // W is one matrix's panels [ceil(N/kPanel), K, kPanel], or a stack of such matrices (one per layer)
 // [L, ceil(N/kPanel), K, kPanel] of which `layer` is used: a stack is one argument of the step
 // for all layers, and indexing it here costs no copy (an XLA slice would copy the weight).
@@ -288,6 +362,59 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
+ffi::Error GemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t layer, bool bf16_pairs) {
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const size_t wr = wd.size();
+  if (xd.size() != 2 || (wr != 3 && wr != 4) || od.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "packed GEMM + SwiGLU (CPU): x [M, K], W [(L,) panels, K, kPanel], out [M, I]");
+  const int64_t m = xd[0], k = xd[1], width = od[1];
+  if (wd[wr - 2] != k || wd[wr - 1] != kPanel || od[0] != m || width % kPanel != 0 ||
+      wd[wr - 3] != 2 * width / kPanel)
+    return ffi::Error::InvalidArgument(
+        "packed GEMM + SwiGLU (CPU): shapes do not match (I a multiple of the panel width)");
+  const int64_t layers = wr == 4 ? wd[0] : 1;
+  if (layer < 0 || layer >= layers)
+    return ffi::Error::InvalidArgument("packed GEMM + SwiGLU (CPU): layer out of range");
+  if (bf16_pairs && (!kHasBf16Pairs || w.element_type() != ffi::BF16 || k % 2 != 0 ||
+                     x.element_type() != ffi::BF16))
+    return ffi::Error::InvalidArgument(
+        "packed GEMM + SwiGLU (CPU): k-pair panels need bfloat16 x and weights, an even K and "
+        "AVX512_BF16");
+  if (!bf16_pairs && x.element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("packed GEMM + SwiGLU (CPU): x is float32 (bfloat16 with k-pairs)");
+  const bool out_bf16 = out->element_type() == ffi::BF16;
+  if (!out_bf16 && out->element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("packed GEMM + SwiGLU (CPU): out is float32 or bfloat16");
+  if (m == 0 || width == 0) return ffi::Error::Success();
+  const int64_t offset = layer * wd[wr - 3] * k * kPanel;
+  auto run = [&](auto* o) {
+    if (w.element_type() == ffi::F32) {
+      GemmSwiglu<F32Weights>(pool, static_cast<const float*>(x.untyped_data()),
+                             static_cast<const float*>(w.untyped_data()) + offset, o, m, k, width);
+      return;
+    }
+    const uint16_t* ws = static_cast<const uint16_t*>(w.untyped_data()) + offset;
+#ifdef __AVX512BF16__
+    if (bf16_pairs) {
+      GemmSwiglu<Bf16Pairs>(pool, static_cast<const uint32_t*>(x.untyped_data()), ws, o, m, k / 2,
+                            width);
+      return;
+    }
+#endif
+    GemmSwiglu<Bf16Weights>(pool, static_cast<const float*>(x.untyped_data()), ws, o, m, k, width);
+  };
+  if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument("packed GEMM + SwiGLU (CPU): float32 or bfloat16 weights");
+  if (out_bf16) {
+    run(static_cast<uint16_t*>(out->untyped_data()));
+  } else {
+    run(static_cast<float*>(out->untyped_data()));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" int64_t XlaservePackedGemmPanel() { return kPanel; }
@@ -299,5 +426,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemm, GemmImpl,
                                   .Arg<ffi::AnyBuffer>()         // x [M, K]: f32 (bf16: pairs)
                                   .Arg<ffi::AnyBuffer>()         // W packed, or a stack of them
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("layer")
+                                  .Attr<bool>("bf16_pairs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemmSwiglu, GemmSwigluImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K]: f32 (bf16: pairs)
+                                  .Arg<ffi::AnyBuffer>()  // W [(L,) 2I/kPanel, K, kPanel]
+                                  .Ret<ffi::AnyBuffer>()  // out [M, I]: f32 or bf16
                                   .Attr<int64_t>("layer")
                                   .Attr<bool>("bf16_pairs"));

@@ -5,6 +5,7 @@
     packed = pack_rows(e, pairs)            # e [N, K], used as x @ e.T (a tied LM head) -> the same
     y = packed_matmul(x, packed, n, bf16_pairs=pairs)  # x [M, K] -> float32 [M, N]
     y = packed_matmul(x, jnp.stack([packed, ...]), n, layer=i, bf16_pairs=pairs)  # no copy
+    a = packed_matmul_swiglu(x, packed, 2 * i, ...)  # silu(x @ W[:, :i]) * (x @ W[:, i:])
     rows = packed_rows(packed, ids, pairs)  # e[ids] from pack_rows(e): the embedding lookup
 
 P, the panel width, is the kernel's (`panel_width()`: 16, or 32 on CPUs with AVX-512). Packing is
@@ -30,6 +31,7 @@ import numpy as np
 from xlaserve.native import register
 
 TARGET_NAME = "xlaserve_packed_gemm_cpu"
+SWIGLU_TARGET_NAME = "xlaserve_packed_gemm_swiglu_cpu"
 _SOURCE = Path(__file__).with_name("gemm_cpu.cc")
 
 
@@ -44,6 +46,7 @@ def panel_width() -> int:
 
 def load() -> None:
     panel_width()
+    register(_SOURCE, "XlaservePackedGemmSwiglu", SWIGLU_TARGET_NAME)
 
 
 @functools.cache
@@ -121,12 +124,24 @@ def packed_rows(packed: jax.Array, ids: jax.Array, bf16_pairs: bool = False) -> 
     return packed[ids // panel, :, ids % panel]
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
-                  bf16_pairs: bool = False) -> jax.Array:
-    """x [M, K] @ W [K, N] -> float32 [M, N], W given as `pack_columns(W)` (or `pack_rows(W.T)`),
-    float32 or bfloat16, or as a stack of such [L, ...] of which `layer` is used (passing the
-    stack costs no copy, where slicing it in XLA would). `bf16_pairs` says the panels are in
-    k-pairs (and x is then rounded to bfloat16)."""
+def packed_matmul_swiglu(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
+                         bf16_pairs: bool = False, out_dtype=jnp.float32) -> jax.Array:
+    """silu(g) * u for [g | u] = x @ W, W [K, N = 2I] packed as for `packed_matmul` (the gate's
+    columns, then the up projection's): [M, I] in `out_dtype` (float32 or bfloat16). Where I is a
+    multiple of the panel width the kernel computes it without writing the [M, 2I] product;
+    otherwise it is `packed_matmul` and XLA's activation."""
+    width = n // 2
+    if n % 2 or width % panel_width():
+        y = packed_matmul(x, packed, n, layer, bf16_pairs)
+        return (jax.nn.silu(y[:, :width]) * y[:, width:]).astype(out_dtype)
+    _check(x, packed, n, layer, bf16_pairs)
+    load()
+    call = jax.ffi.ffi_call(SWIGLU_TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], width), out_dtype))
+    x = x.astype(jnp.bfloat16 if bf16_pairs else jnp.float32)
+    return call(x, packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs))
+
+
+def _check(x: jax.Array, packed: jax.Array, n: int, layer: int, bf16_pairs: bool) -> None:
     panel = panel_width()
     matrix = packed.shape[-3:]
     if x.ndim != 2 or packed.ndim not in (3, 4) or matrix != (_panels(n, panel), x.shape[1], panel) or (
@@ -137,6 +152,15 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
                          f"{packed.shape} {packed.dtype} for N={n}, layer {layer}")
     if bf16_pairs and not uses_bf16_pairs(packed.dtype, x.shape[1]):
         raise ValueError("k-pair panels need bfloat16 weights, an even K and a CPU with AVX512_BF16")
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
+                  bf16_pairs: bool = False) -> jax.Array:
+    """x [M, K] @ W [K, N] -> float32 [M, N], W given as `pack_columns(W)` (or `pack_rows(W.T)`),
+    float32 or bfloat16, or as a stack of such [L, ...] of which `layer` is used (passing the
+    stack costs no copy, where slicing it in XLA would). `bf16_pairs` says the panels are in
+    k-pairs (and x is then rounded to bfloat16)."""
+    _check(x, packed, n, layer, bf16_pairs)
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     # With pairs, x is rounded here, where XLA fuses the rounding into the op that produces x:
     # a separate pass over x in the kernel cost ~5% of a 128-row decode step.

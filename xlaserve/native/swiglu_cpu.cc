@@ -22,21 +22,11 @@ using xlaserve::Vec16;
 
 constexpr int64_t kRowsPerItem = 4;
 
-// sigmoid(g) from exp of a non-positive argument only: 1 / (1 + e^-g) for g >= 0, and
-// e^g / (1 + e^g) below (no overflow on either side). Past |g| = 87, e^-|g| is below the
-// smallest normal float and counts as 0 (ExpNonPositive clamps there instead).
-inline Vec16 Silu(Vec16 g) {
-  const Vec16 magnitude = g < 0.0f ? -g : g;
-  const Vec16 e = magnitude > 87.0f ? Vec16{} : xlaserve::ExpNonPositive(-magnitude);
-  const Vec16 sigmoid = (g < 0.0f ? e : Vec16{} + 1.0f) / (1.0f + e);
-  return g * sigmoid;
-}
-
 template <typename O>
 void SwigluRow(const float* gate, const float* up, O* out, int64_t width) {
   int64_t i = 0;
   for (; i + 16 <= width; i += 16) {
-    const Vec16 v = Silu(xlaserve::Load16(gate + i)) * xlaserve::Load16(up + i);
+    const Vec16 v = xlaserve::Silu(xlaserve::Load16(gate + i)) * xlaserve::Load16(up + i);
     if constexpr (std::is_same_v<O, float>) {
       xlaserve::Store16(out + i, v);
     } else {

@@ -94,4 +94,15 @@ inline V ExpNonPositive(V x) {
   return p * scale;
 }
 
+// silu(g) = g * sigmoid(g), with exp of a non-positive argument only: sigmoid is 1 / (1 + e^-g)
+// for g >= 0 and e^g / (1 + e^g) below (no overflow on either side). Past |g| = 87, e^-|g| is
+// below the smallest normal float and counts as 0 (ExpNonPositive clamps there instead).
+template <typename V>
+inline V Silu(V g) {
+  const V magnitude = g < 0.0f ? -g : g;
+  const V e = magnitude > 87.0f ? V{} : ExpNonPositive(V{} - magnitude);
+  const V sigmoid = (g < 0.0f ? e : V{} + 1.0f) / (1.0f + e);
+  return g * sigmoid;
+}
+
 }  // namespace xlaserve

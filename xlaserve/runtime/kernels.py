@@ -44,7 +44,8 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         # XLA's fusions.
         kernels = dataclasses.replace(kernels, rms_norm=norm_cpu.rms_norm,
                                       add_rms_norm=norm_cpu.add_rms_norm,
-                                      qkv_rope=qkv_rope_cpu.qkv_rope, swiglu=swiglu_cpu.swiglu)
+                                      qkv_rope=qkv_rope_cpu.qkv_rope, swiglu=swiglu_cpu.swiglu,
+                                      packed_matmul_swiglu=gemm_cpu.packed_matmul_swiglu)
     return kernels
 
 
