@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #ifdef __AVX512BF16__
@@ -312,106 +313,103 @@ void GemmSwiglu(ffi::ThreadPool& pool, const typename Mode::X* x, const typename
   });
 }
 
-// W is one matrix's panels [ceil(N/kPanel), K, kPanel], or a stack of such matrices (one per layer)
-// [L, ceil(N/kPanel), K, kPanel] of which `layer` is used: a stack is one argument of the step
-// for all layers, and indexing it here costs no copy (an XLA slice would copy the weight).
-ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer, bool bf16_pairs) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+// x [M, K] and W checked against each other and the output's M and N. W is one matrix's panels
+// [ceil(N/kPanel), K, kPanel], or a stack of such matrices (one per layer) [L, ceil(N/kPanel), K,
+// kPanel] of which `layer` is used: a stack is one argument of the step for all layers, and
+// indexing it here costs no copy (an XLA slice would copy the weight). x is float32, or bfloat16
+// with k-pair panels.
+struct Operands {
+  int64_t m, k, offset;  // offset: the layer's first element in W
+};
+
+ffi::Error CheckOperands(const std::string& what, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                         int64_t out_rows, int64_t n, int64_t layer, bool bf16_pairs,
+                         Operands& ops) {
+  auto xd = x.dimensions(), wd = w.dimensions();
   const size_t wr = wd.size();
-  if (xd.size() != 2 || (wr != 3 && wr != 4) || yd.size() != 2)
-    return ffi::Error::InvalidArgument(
-        "packed GEMM (CPU): x [M, K], W [(L,) panels, K, kPanel], y [M, N]");
-  const int64_t m = xd[0], k = xd[1], n = yd[1];
-  if (wd[wr - 2] != k || wd[wr - 1] != kPanel || yd[0] != m ||
+  if (xd.size() != 2 || (wr != 3 && wr != 4))
+    return ffi::Error::InvalidArgument(what + ": x [M, K], W [(L,) panels, K, kPanel]");
+  ops.m = xd[0];
+  ops.k = xd[1];
+  if (wd[wr - 2] != ops.k || wd[wr - 1] != kPanel || out_rows != ops.m ||
       wd[wr - 3] != (n + kPanel - 1) / kPanel)
-    return ffi::Error::InvalidArgument("packed GEMM (CPU): shapes do not match");
+    return ffi::Error::InvalidArgument(what + ": shapes do not match");
   const int64_t layers = wr == 4 ? wd[0] : 1;
-  if (layer < 0 || layer >= layers)
-    return ffi::Error::InvalidArgument("packed GEMM (CPU): layer out of range");
-  if (bf16_pairs && (!kHasBf16Pairs || w.element_type() != ffi::BF16 || k % 2 != 0 ||
+  if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument(what + ": layer out of range");
+  if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument(what + ": float32 or bfloat16 weights");
+  if (bf16_pairs && (!kHasBf16Pairs || w.element_type() != ffi::BF16 || ops.k % 2 != 0 ||
                      x.element_type() != ffi::BF16))
     return ffi::Error::InvalidArgument(
-        "packed GEMM (CPU): k-pair panels need bfloat16 x and weights, an even K and AVX512_BF16");
+        what + ": k-pair panels need bfloat16 x and weights, an even K and AVX512_BF16");
   if (!bf16_pairs && x.element_type() != ffi::F32)
-    return ffi::Error::InvalidArgument("packed GEMM (CPU): x is float32 (bfloat16 with k-pairs)");
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::memset(y->typed_data(), 0, m * n * sizeof(float));
+    return ffi::Error::InvalidArgument(what + ": x is float32 (bfloat16 with k-pairs)");
+  ops.offset = layer * wd[wr - 3] * ops.k * kPanel;
+  return ffi::Error::Success();
+}
+
+// run(Mode{}, x, W, K in depth units) with the kernel instance the operands take.
+template <typename Run>
+void WithMode(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const Operands& ops,
+              bool bf16_pairs, Run run) {
+  if (w.element_type() == ffi::F32) {
+    run(F32Weights{}, static_cast<const float*>(x.untyped_data()),
+        static_cast<const float*>(w.untyped_data()) + ops.offset, ops.k);
+    return;
+  }
+  const uint16_t* ws = static_cast<const uint16_t*>(w.untyped_data()) + ops.offset;
+#ifdef __AVX512BF16__
+  if (bf16_pairs) {
+    // x's bfloat16 row, read two at a time, is the pair layout: k in the low half, k+1 high.
+    run(Bf16Pairs{}, static_cast<const uint32_t*>(x.untyped_data()), ws, ops.k / 2);
+    return;
+  }
+#endif
+  run(Bf16Weights{}, static_cast<const float*>(x.untyped_data()), ws, ops.k);
+}
+
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer, bool bf16_pairs) {
+  auto yd = y->dimensions();
+  if (yd.size() != 2) return ffi::Error::InvalidArgument("packed GEMM (CPU): y [M, N]");
+  const int64_t n = yd[1];
+  Operands ops;
+  if (auto error = CheckOperands("packed GEMM (CPU)", x, w, yd[0], n, layer, bf16_pairs, ops);
+      error.failure())
+    return error;
+  if (ops.m == 0 || n == 0) return ffi::Error::Success();
+  if (ops.k == 0) {
+    std::memset(y->typed_data(), 0, ops.m * n * sizeof(float));
     return ffi::Error::Success();
   }
-  const int64_t offset = layer * wd[wr - 3] * k * kPanel;
-  const float* xs = static_cast<const float*>(x.untyped_data());
-  if (w.element_type() == ffi::F32) {
-    Gemm<F32Weights>(pool, xs, static_cast<const float*>(w.untyped_data()) + offset,
-                     y->typed_data(), m, k, n);
-  } else if (w.element_type() == ffi::BF16) {
-    const uint16_t* ws = static_cast<const uint16_t*>(w.untyped_data()) + offset;
-#ifdef __AVX512BF16__
-    if (bf16_pairs) {
-      // x's bfloat16 row, read two at a time, is the pair layout: k in the low half, k+1 high.
-      Gemm<Bf16Pairs>(pool, static_cast<const uint32_t*>(x.untyped_data()), ws, y->typed_data(),
-                      m, k / 2, n);
-      return ffi::Error::Success();
-    }
-#endif
-    Gemm<Bf16Weights>(pool, xs, ws, y->typed_data(), m, k, n);
-  } else {
-    return ffi::Error::InvalidArgument("packed GEMM (CPU): float32 or bfloat16 weights");
-  }
+  WithMode(x, w, ops, bf16_pairs, [&](auto mode, const auto* xs, const auto* ws, int64_t units) {
+    Gemm<decltype(mode)>(pool, xs, ws, y->typed_data(), ops.m, units, n);
+  });
   return ffi::Error::Success();
 }
 
 ffi::Error GemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                           ffi::Result<ffi::AnyBuffer> out, int64_t layer, bool bf16_pairs) {
-  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  const size_t wr = wd.size();
-  if (xd.size() != 2 || (wr != 3 && wr != 4) || od.size() != 2)
-    return ffi::Error::InvalidArgument(
-        "packed GEMM + SwiGLU (CPU): x [M, K], W [(L,) panels, K, kPanel], out [M, I]");
-  const int64_t m = xd[0], k = xd[1], width = od[1];
-  if (wd[wr - 2] != k || wd[wr - 1] != kPanel || od[0] != m || width % kPanel != 0 ||
-      wd[wr - 3] != 2 * width / kPanel)
-    return ffi::Error::InvalidArgument(
-        "packed GEMM + SwiGLU (CPU): shapes do not match (I a multiple of the panel width)");
-  const int64_t layers = wr == 4 ? wd[0] : 1;
-  if (layer < 0 || layer >= layers)
-    return ffi::Error::InvalidArgument("packed GEMM + SwiGLU (CPU): layer out of range");
-  if (bf16_pairs && (!kHasBf16Pairs || w.element_type() != ffi::BF16 || k % 2 != 0 ||
-                     x.element_type() != ffi::BF16))
-    return ffi::Error::InvalidArgument(
-        "packed GEMM + SwiGLU (CPU): k-pair panels need bfloat16 x and weights, an even K and "
-        "AVX512_BF16");
-  if (!bf16_pairs && x.element_type() != ffi::F32)
-    return ffi::Error::InvalidArgument("packed GEMM + SwiGLU (CPU): x is float32 (bfloat16 with k-pairs)");
+  auto od = out->dimensions();
   const bool out_bf16 = out->element_type() == ffi::BF16;
-  if (!out_bf16 && out->element_type() != ffi::F32)
-    return ffi::Error::InvalidArgument("packed GEMM + SwiGLU (CPU): out is float32 or bfloat16");
-  if (m == 0 || width == 0) return ffi::Error::Success();
-  const int64_t offset = layer * wd[wr - 3] * k * kPanel;
-  auto run = [&](auto* o) {
-    if (w.element_type() == ffi::F32) {
-      GemmSwiglu<F32Weights>(pool, static_cast<const float*>(x.untyped_data()),
-                             static_cast<const float*>(w.untyped_data()) + offset, o, m, k, width);
-      return;
+  if (od.size() != 2 || (!out_bf16 && out->element_type() != ffi::F32) || od[1] % kPanel != 0)
+    return ffi::Error::InvalidArgument(
+        "packed GEMM + SwiGLU (CPU): out [M, I] is float32 or bfloat16, I whole panels");
+  const int64_t width = od[1];
+  Operands ops;
+  if (auto error = CheckOperands("packed GEMM + SwiGLU (CPU)", x, w, od[0], 2 * width, layer,
+                                 bf16_pairs, ops);
+      error.failure())
+    return error;
+  if (ops.m == 0 || width == 0) return ffi::Error::Success();
+  WithMode(x, w, ops, bf16_pairs, [&](auto mode, const auto* xs, const auto* ws, int64_t units) {
+    using Mode = decltype(mode);
+    if (out_bf16) {
+      GemmSwiglu<Mode>(pool, xs, ws, static_cast<uint16_t*>(out->untyped_data()), ops.m, units, width);
+    } else {
+      GemmSwiglu<Mode>(pool, xs, ws, static_cast<float*>(out->untyped_data()), ops.m, units, width);
     }
-    const uint16_t* ws = static_cast<const uint16_t*>(w.untyped_data()) + offset;
-#ifdef __AVX512BF16__
-    if (bf16_pairs) {
-      GemmSwiglu<Bf16Pairs>(pool, static_cast<const uint32_t*>(x.untyped_data()), ws, o, m, k / 2,
-                            width);
-      return;
-    }
-#endif
-    GemmSwiglu<Bf16Weights>(pool, static_cast<const float*>(x.untyped_data()), ws, o, m, k, width);
-  };
-  if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16)
-    return ffi::Error::InvalidArgument("packed GEMM + SwiGLU (CPU): float32 or bfloat16 weights");
-  if (out_bf16) {
-    run(static_cast<uint16_t*>(out->untyped_data()));
-  } else {
-    run(static_cast<float*>(out->untyped_data()));
-  }
+  });
   return ffi::Error::Success();
 }
 
