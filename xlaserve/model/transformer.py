@@ -92,13 +92,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def qkv_rope_xla(qkv: jax.Array, cos: jax.Array, sin: jax.Array, out_dtype):
-    """qkv [T, kv_heads, group + 2, D] -> RoPE'd q [T, heads, D], RoPE'd k and v [T, kv_heads, D]."""
+def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qkv [T, kv_heads, group + 2, D] -> q [T, heads, D], k and v [T, kv_heads, D]."""
     tokens, kv_heads, width, d = qkv.shape
     q = qkv[:, :, :width - 2, :].reshape(tokens, kv_heads * (width - 2), d)
-    k, v = qkv[:, :, width - 2, :], qkv[:, :, width - 1, :]
+    return q, qkv[:, :, width - 2, :], qkv[:, :, width - 1, :]
+
+
+def rope_qk(q, k, v, cos: jax.Array, sin: jax.Array, out_dtype):
+    """RoPE on q and k, and all three in `out_dtype` (the attention's inputs)."""
     return (apply_rope(q, cos, sin).astype(out_dtype), apply_rope(k, cos, sin).astype(out_dtype),
             v.astype(out_dtype))
+
+
+def qkv_rope_xla(qkv: jax.Array, cos: jax.Array, sin: jax.Array, out_dtype):
+    """qkv [T, kv_heads, group + 2, D] -> RoPE'd q [T, heads, D], RoPE'd k and v [T, kv_heads, D]."""
+    return rope_qk(*split_qkv(qkv), cos, sin, out_dtype)
 
 
 def swiglu_xla(gate_up: jax.Array, out_dtype) -> jax.Array:
@@ -182,17 +191,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels):
         c = self.config
-        group = c.queries_per_kv
         qkv = linear(x, self.qkv[...], kernels)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
         num_tokens = x.shape[0]
         # Attention takes its inputs in the cache's dtype (the model dtype).
-        if c.qk_norm:
-            q = self.q_norm(qkv[:, :, :group, :].reshape(num_tokens, c.num_heads, c.head_dim))
-            k, v = self.k_norm(qkv[:, :, group, :]), qkv[:, :, group + 1, :]
-            q, k, v = (y.astype(kv_cache.dtype)
-                       for y in (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v))
+        if c.qk_norm:  # the norms come between the split and RoPE: XLA's path
+            q, k, v = split_qkv(qkv)
+            q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, kv_cache.dtype)
         else:
             q, k, v = kernels.qkv_rope(qkv, cos, sin, kv_cache.dtype)
         out, kv_cache = kernels.attention(

@@ -43,12 +43,7 @@ template <typename S, typename O>
 void ScaleRow(const float* x, const S* scale, float inv_rms, O* out, int64_t h) {
   int64_t i = 0;
   for (; i + 16 <= h; i += 16) {
-    const Vec16 v = xlaserve::Load16(scale + i) * (xlaserve::Load16(x + i) * inv_rms);
-    if constexpr (std::is_same_v<O, float>) {
-      xlaserve::Store16(out + i, v);
-    } else {
-      xlaserve::StoreBf16(out + i, v);
-    }
+    xlaserve::StoreAs(out + i, xlaserve::Load16(scale + i) * (xlaserve::Load16(x + i) * inv_rms));
   }
   for (; i < h; ++i) {
     float s;
@@ -57,11 +52,7 @@ void ScaleRow(const float* x, const S* scale, float inv_rms, O* out, int64_t h) 
     } else {
       s = xlaserve::Bf16ToF32(scale[i]);
     }
-    if constexpr (std::is_same_v<O, float>) {
-      out[i] = s * (x[i] * inv_rms);
-    } else {
-      out[i] = xlaserve::F32ToBf16(s * (x[i] * inv_rms));
-    }
+    xlaserve::StoreAs(out + i, s * (x[i] * inv_rms));
   }
 }
 

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "parallel.h"
 #include "vectors.h"
@@ -24,24 +23,6 @@ using xlaserve::Vec16;
 
 constexpr int64_t kTokensPerItem = 4;
 
-template <typename O>
-inline void Put16(O* dst, Vec16 v) {
-  if constexpr (std::is_same_v<O, float>) {
-    xlaserve::Store16(dst, v);
-  } else {
-    xlaserve::StoreBf16(dst, v);
-  }
-}
-
-template <typename O>
-inline void Put(O* dst, float v) {
-  if constexpr (std::is_same_v<O, float>) {
-    *dst = v;
-  } else {
-    *dst = xlaserve::F32ToBf16(v);
-  }
-}
-
 // dst = x rotated by the token's angles: [x1 cos - x2 sin, x2 cos + x1 sin] (halves of x).
 template <typename O>
 void Rope(const float* x, const float* cos, const float* sin, O* dst, int64_t half) {
@@ -49,20 +30,20 @@ void Rope(const float* x, const float* cos, const float* sin, O* dst, int64_t ha
   for (; i + 16 <= half; i += 16) {
     const Vec16 x1 = xlaserve::Load16(x + i), x2 = xlaserve::Load16(x + half + i);
     const Vec16 c = xlaserve::Load16(cos + i), s = xlaserve::Load16(sin + i);
-    Put16(dst + i, x1 * c - x2 * s);
-    Put16(dst + half + i, x2 * c + x1 * s);
+    xlaserve::StoreAs(dst + i, x1 * c - x2 * s);
+    xlaserve::StoreAs(dst + half + i, x2 * c + x1 * s);
   }
   for (; i < half; ++i) {
-    Put(dst + i, x[i] * cos[i] - x[half + i] * sin[i]);
-    Put(dst + half + i, x[half + i] * cos[i] + x[i] * sin[i]);
+    xlaserve::StoreAs(dst + i, x[i] * cos[i] - x[half + i] * sin[i]);
+    xlaserve::StoreAs(dst + half + i, x[half + i] * cos[i] + x[i] * sin[i]);
   }
 }
 
 template <typename O>
 void Copy(const float* x, O* dst, int64_t d) {
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) Put16(dst + i, xlaserve::Load16(x + i));
-  for (; i < d; ++i) Put(dst + i, x[i]);
+  for (; i + 16 <= d; i += 16) xlaserve::StoreAs(dst + i, xlaserve::Load16(x + i));
+  for (; i < d; ++i) xlaserve::StoreAs(dst + i, x[i]);
 }
 
 template <typename O>

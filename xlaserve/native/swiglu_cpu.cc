@@ -26,25 +26,14 @@ template <typename O>
 void SwigluRow(const float* gate, const float* up, O* out, int64_t width) {
   int64_t i = 0;
   for (; i + 16 <= width; i += 16) {
-    const Vec16 v = xlaserve::Silu(xlaserve::Load16(gate + i)) * xlaserve::Load16(up + i);
-    if constexpr (std::is_same_v<O, float>) {
-      xlaserve::Store16(out + i, v);
-    } else {
-      xlaserve::StoreBf16(out + i, v);
-    }
+    xlaserve::StoreAs(out + i, xlaserve::Silu(xlaserve::Load16(gate + i)) * xlaserve::Load16(up + i));
   }
   if (i < width) {  // the tail through a zero-padded vector
     float g[16] = {}, u[16] = {}, o[16];
     std::memcpy(g, gate + i, (width - i) * sizeof(float));
     std::memcpy(u, up + i, (width - i) * sizeof(float));
     SwigluRow(g, u, o, 16);
-    for (int64_t j = 0; j < width - i; ++j) {
-      if constexpr (std::is_same_v<O, float>) {
-        out[i + j] = o[j];
-      } else {
-        out[i + j] = xlaserve::F32ToBf16(o[j]);
-      }
-    }
+    for (int64_t j = 0; j < width - i; ++j) xlaserve::StoreAs(out + i + j, o[j]);
   }
 }
 

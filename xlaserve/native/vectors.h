@@ -66,6 +66,25 @@ inline void StoreBf16(uint16_t* dst, Vec16 v) {
   std::memcpy(dst, &halves, 32);
 }
 
+// A float32 or bfloat16 output (O = float or uint16_t) written from 16 floats, or from one.
+template <typename O>
+inline void StoreAs(O* dst, Vec16 v) {
+  if constexpr (std::is_same_v<O, float>) {
+    Store16(dst, v);
+  } else {
+    StoreBf16(dst, v);
+  }
+}
+
+template <typename O>
+inline void StoreAs(O* dst, float v) {
+  if constexpr (std::is_same_v<O, float>) {
+    *dst = v;
+  } else {
+    *dst = F32ToBf16(v);
+  }
+}
+
 // exp(x) for x <= 0, ~1 ulp (Cephes' polynomial), for a float or a float vector (`Vec8`,
 // `Vec16`); vectorizes, unlike std::exp without fast-math.
 template <typename V>

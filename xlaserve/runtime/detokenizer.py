@@ -31,7 +31,6 @@ def _fast_decode(tokenizer):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, *, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
                  stop_strings: Sequence[str] = (), no_stop_trim: bool = False):
-        self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.no_stop_trim = no_stop_trim
@@ -43,7 +42,6 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of `text` already handed out
         self.matched_stop: str | None = None
         self._decode_ids = _fast_decode(tokenizer)
-
 
     def _decode(self, ids) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
