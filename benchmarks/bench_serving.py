@@ -7,10 +7,16 @@ TTFT / ITL / end-to-end latency mean, median and p99.
     .venv/bin/python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --max-concurrency 16
     # side by side: start each server in turn on the same weights, same workload, one table
     .venv/bin/python benchmarks/bench_serving.py --launch xlaserve,llama.cpp --max-concurrency 16
+    # a real model's shapes with random weights (configs in benchmarks/configs)
+    .venv/bin/python benchmarks/bench_serving.py --launch xlaserve --max-concurrency 16 \\
+        --model-path benchmarks/configs/qwen2.5-0.5b --load-format dummy
 
 Prompts are random token ids of the default model's vocabulary, decoded to text (every server
 tokenizes them itself, so lengths match within a few tokens). End-of-text tokens are banned with
 `logit_bias`, which llama.cpp's server honours too, so every request generates all its tokens.
+A model without tokenizer files (the configs in benchmarks/configs) is served with
+--skip-tokenizer-init: prompts stay token ids, sent to SGLang's native /generate as `input_ids`
+with `ignore_eos`, and its stream's `output_ids` are counted.
 `--launch llama.cpp` runs llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`) on
 an F32 GGUF of the very weights xlaserve serves (see peers.py).
 """
@@ -28,36 +34,55 @@ import time
 import httpx
 import numpy as np
 
+import model_options
+
 BANNED = {"0": -100, "2": -100}  # <|endoftext|>, <|im_end|> of the default model
 
 
-def make_prompts(num: int, input_len: tuple[int, int], seed: int) -> list[str]:
-    from xlaserve.model import gguf_file
-    from xlaserve.model.loader import default_model_file
-
-    tokenizer = gguf_file.load_tokenizer(default_model_file())
-    special = set(tokenizer.all_special_ids)
-    allowed = [t for t in range(len(tokenizer)) if t not in special]
+def make_prompts(num: int, input_len: tuple[int, int], seed: int,
+                 vocabulary: model_options.Vocabulary) -> list[str] | list[list[int]]:
+    """Random token ids, decoded to text when the model has a tokenizer."""
     rng = random.Random(seed)
-    return [tokenizer.decode([rng.choice(allowed) for _ in range(rng.randint(*input_len))])
-            for _ in range(num)]
+    id_lists = [[rng.choice(vocabulary.allowed_ids) for _ in range(rng.randint(*input_len))]
+                for _ in range(num)]
+    if vocabulary.tokenizer is None:
+        return id_lists
+    return [vocabulary.tokenizer.decode(ids) for ids in id_lists]
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: str, output_len: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "stream": True, "logit_bias": BANNED}
+def request_body(model: str, prompt: str | list[int], output_len: int,
+                 logit_bias: dict) -> tuple[str, dict]:
+    """(route, body): text to /v1/completions, token ids to /generate (no tokenizer needed)."""
+    if isinstance(prompt, str):
+        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": output_len,
+                                   "temperature": 0.0, "stream": True, "logit_bias": logit_bias}
+    return "/generate", {"input_ids": prompt, "stream": True, "sampling_params": {
+        "max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}
+
+
+def new_tokens(chunk: dict, seen: int) -> int:
+    """Tokens a stream event adds: /generate's events hold every output id so far; a
+    /v1/completions chunk with text counts as one."""
+    if "output_ids" in chunk:
+        return len(chunk["output_ids"]) - seen
+    return int(bool(chunk.get("choices") and chunk["choices"][0].get("text")))
+
+
+async def one_request(http: httpx.AsyncClient, model: str, prompt: str | list[int],
+                      output_len: int, logit_bias: dict = BANNED) -> dict:
+    route, body = request_body(model, prompt, output_len, logit_bias)
     start = time.perf_counter()
     token_times, tokens = [], 0
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    async with http.stream("POST", route, json=body) as response:
         if response.status_code != 200:
             return {"ok": False, "error": (await response.aread()).decode()[:300]}
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            added = new_tokens(json.loads(line[6:]), tokens)
+            if added > 0:
                 token_times.append(time.perf_counter())
-                tokens += 1
+                tokens += added
     end = time.perf_counter()
     if not token_times:
         return {"ok": False, "error": "no tokens"}
@@ -66,17 +91,18 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, output_l
             "output_tokens": tokens}
 
 
-async def run_load(base_url: str, model: str, prompts: list[str], output_len: int,
-                   max_concurrency: int | None, request_rate: float, seed: int) -> dict:
+async def run_load(base_url: str, model: str, prompts: list, output_len: int,
+                   max_concurrency: int | None, request_rate: float, seed: int,
+                   logit_bias: dict = BANNED) -> dict:
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
     semaphore = asyncio.Semaphore(max_concurrency or len(prompts))
     rng = np.random.default_rng(seed)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as http:
-        await one_request(http, model, prompts[0], min(output_len, 8))  # warm-up
+        await one_request(http, model, prompts[0], min(output_len, 8), logit_bias)  # warm-up
 
         async def limited(prompt):
             async with semaphore:
-                return await one_request(http, model, prompt, output_len)
+                return await one_request(http, model, prompt, output_len, logit_bias)
 
         start = time.perf_counter()
         tasks = []
@@ -109,11 +135,12 @@ def summarize(results: list[dict], duration: float) -> dict:
 
 # --- launching servers side by side ------------------------------------------------------------
 
-def launch(kind: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
+def launch(kind: str, port: int, args: argparse.Namespace, model_flags: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if kind == "xlaserve":
         command = [sys.executable, "-m", "xlaserve.launch_server", "--port", str(port),
-                   "--max-running-requests", str(args.max_concurrency or 64), *args.xlaserve_arg]
+                   "--max-running-requests", str(args.max_concurrency or 64),
+                   *model_flags, *args.xlaserve_arg]
     elif kind == "llama.cpp":
         from peers import f32_gguf
 
@@ -139,6 +166,18 @@ def launch(kind: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
     raise TimeoutError(f"{kind} did not start; see {log.name}")
 
 
+def _model_flags(engine_model_args: dict) -> list[str]:
+    """launch_server flags for model_options.engine_model_args (only those not at defaults)."""
+    flags = []
+    if engine_model_args["model_path"]:
+        flags += ["--model-path", engine_model_args["model_path"]]
+    if engine_model_args["load_format"] != "auto":
+        flags += ["--load-format", engine_model_args["load_format"]]
+    if engine_model_args["skip_tokenizer_init"]:
+        flags.append("--skip-tokenizer-init")
+    return flags
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", help="a running OpenAI-compatible server")
@@ -154,22 +193,33 @@ def main(argv=None) -> None:
     parser.add_argument("--xlaserve-arg", action="append", default=[], help="extra launch_server flag")
     parser.add_argument("--log-dir", default="/tmp", help="server logs for --launch")
     parser.add_argument("--json", action="store_true")
+    model_options.add_model_args(parser)  # with --base-url: the model the server runs
     args = parser.parse_args(argv)
     if bool(args.base_url) == bool(args.launch):
         parser.error("give --base-url or --launch")
+    custom_model = args.model_path or args.load_format != "auto"
+    if custom_model and "llama.cpp" in (args.launch or ""):
+        parser.error("llama.cpp runs the embedded model only: --launch xlaserve with --model-path "
+                     "or --load-format dummy")
+    vocabulary = model_options.model_vocabulary(args.model_path, args.load_format)
+    # The default model's end-of-text ids are not another model's.
+    logit_bias = {str(i): -100 for i in vocabulary.stop_ids} if custom_model else BANNED
+    model_flags = _model_flags(model_options.engine_model_args(args, vocabulary))
     lo, hi = (int(x) for x in args.input_len.split("-"))
-    prompts = make_prompts(args.num_prompts, (lo, hi), args.seed)
+    prompts = make_prompts(args.num_prompts, (lo, hi), args.seed, vocabulary)
     workload = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
-                                              "max_concurrency", "request_rate")}
+                                              "max_concurrency", "request_rate", "model_path",
+                                              "load_format")}
     print(f"workload: {workload}", file=sys.stderr)
     results = {}
     targets = [("server", args.base_url, None)] if args.base_url else [
         (kind, f"http://127.0.0.1:{args.port}", kind) for kind in args.launch.split(",")]
     for name, url, kind in targets:
-        process = launch(kind, args.port, args) if kind else None
+        process = launch(kind, args.port, args, model_flags) if kind else None
         try:
             results[name] = asyncio.run(run_load(url, args.model, prompts, args.output_len,
-                                                 args.max_concurrency, args.request_rate, args.seed))
+                                                 args.max_concurrency, args.request_rate, args.seed,
+                                                 logit_bias))
         finally:
             if process is not None:
                 process.terminate()

@@ -8,6 +8,9 @@ runs in a process of its own (see peers.py).
         --systems xlaserve-float32 --peers transformers-float32,llama.cpp
     .venv/bin/python benchmarks/offline_throughput.py --single-stream 5 --rounds 3 \\
         --systems xlaserve-float32 --peers llama.cpp
+    # a real model's shapes with random weights (configs in benchmarks/configs), xlaserve only
+    .venv/bin/python benchmarks/offline_throughput.py --model-path benchmarks/configs/qwen2.5-0.5b \\
+        --load-format dummy --systems xlaserve-bfloat16 --peers none
 
 With --rounds R every system runs R times, in turn (A, B, A, B, ...): each round gives a ratio
 of runs minutes apart, and the table shows the median ratio and each round's, so that the
@@ -29,16 +32,17 @@ import time
 
 import numpy as np
 
+import model_options
 import peers
 
 XLASERVE = ("xlaserve-float32", "xlaserve-bfloat16")
 PEERS = ("transformers-float32", "transformers-bfloat16", "llama.cpp")
 
 
-def make_prompts(num_prompts: int, input_len: tuple[int, int], vocab_size: int, seed: int,
-                 special_ids: set[int]) -> list[list[int]]:
+def make_prompts(num_prompts: int, input_len: tuple[int, int], allowed_ids: list[int],
+                 seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    allowed = np.array([t for t in range(vocab_size) if t not in special_ids])
+    allowed = np.array(allowed_ids)
     lengths = rng.integers(input_len[0], input_len[1] + 1, size=num_prompts)
     return [rng.choice(allowed, size=int(n)).tolist() for n in lengths]
 
@@ -68,8 +72,7 @@ def run_xlaserve(prompts, output_len: int, single: int, engine_args: dict) -> di
 def child(kind: str, options: dict) -> dict:
     prompts, output_len, single = options["prompts"], options["output_len"], options["single"]
     if kind.startswith("xlaserve-"):
-        args = {"model_path": None, "log_level": "warning", "dtype": kind.split("-", 1)[1],
-                **options["engine_args"]}
+        args = {"log_level": "warning", "dtype": kind.split("-", 1)[1], **options["engine_args"]}
         return run_xlaserve(prompts, output_len, single, args)
     if kind.startswith("transformers-"):
         return peers.run_transformers(prompts[:options["peer_num_prompts"]], output_len,
@@ -100,6 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system this many times, in turn; report median ratios")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    model_options.add_model_args(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-options", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -107,14 +111,11 @@ def main(argv=None) -> None:
         print(json.dumps(child(args.child, json.loads(args.child_options))))
         return
 
-    from xlaserve.model import gguf_file
-    from xlaserve.model.loader import default_model_file
-
-    tokenizer = gguf_file.load_tokenizer(default_model_file())
+    vocabulary = model_options.model_vocabulary(args.model_path, args.load_format)
     lo, hi = (int(x) for x in args.input_len.split("-"))
-    prompts = make_prompts(args.num_prompts, (lo, hi), len(tokenizer), args.seed,
-                           set(tokenizer.all_special_ids))
-    engine_args = {"max_running_requests": args.max_running_requests}
+    prompts = make_prompts(args.num_prompts, (lo, hi), vocabulary.allowed_ids, args.seed)
+    engine_args = {"max_running_requests": args.max_running_requests,
+                   **model_options.engine_model_args(args, vocabulary)}
     for item in args.engine_arg:
         name, value = item.split("=", 1)
         engine_args[name] = _parse_value(value)
@@ -126,9 +127,13 @@ def main(argv=None) -> None:
     for name in systems + peer_names:
         if name not in XLASERVE + PEERS:
             parser.error(f"unknown system {name!r}")
+    if peer_names and (args.model_path or args.load_format != "auto"):
+        parser.error("the peers run the embedded model only: add --peers none to --model-path "
+                     "or --load-format dummy")
     results = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                             "output_len": args.output_len, "single_stream": args.single_stream,
-                            "max_running_requests": args.max_running_requests}}
+                            "max_running_requests": args.max_running_requests,
+                            "model": args.model_path or "default", "load_format": args.load_format}}
     print(f"workload: {results['workload']}", file=sys.stderr)
     rounds = {name: [] for name in systems + peer_names}
     for round_index in range(args.rounds):

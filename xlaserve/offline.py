@@ -4,6 +4,11 @@
     out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
     outs = engine.generate(["a", "b"], [{"temperature": 0}, {"temperature": 0.8, "seed": 1}])
     engine.shutdown()   # or use `with xlaserve.Engine(...) as engine:`
+
+    # A model's shapes with random weights (SGLang's --load-format dummy), token ids in and out:
+    engine = xlaserve.Engine(model_path="benchmarks/configs/qwen2.5-0.5b", load_format="dummy",
+                             skip_tokenizer_init=True)
+    out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8})
 """
 from __future__ import annotations
 

@@ -20,6 +20,12 @@ class ServerArgs:
         None, "Hugging Face directory, hub id, .gguf file or xlaserve checkpoint; "
               "default: the embedded SmolLM2-135M-Instruct")
     tokenizer_path: Optional[str] = _flag(None, "tokenizer directory, if not the model's")
+    load_format: str = _flag(
+        "auto", 'the format of the model weights to load: "auto" reads them from --model-path '
+                '(safetensors, GGUF or an xlaserve checkpoint); "dummy" initializes them with random '
+                "values (seeded by --random-seed), mainly for profiling: --model-path then needs "
+                "only a config.json (the file, or a directory holding it)",
+        choices=["auto", "dummy"])
     dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on TPU/GPU, float32 on CPU), "
                                "float32, bfloat16, float16",
                        choices=["auto", "float32", "bfloat16", "float16"])
@@ -37,7 +43,9 @@ class ServerArgs:
     matmul_backend: str = _flag(
         "auto", "matmuls: auto (the native GEMM over packed weights on a single CPU device, XLA's "
                 "dots elsewhere), native, xla", choices=["auto", "native", "xla"])
-    page_size: int = _flag(16, "tokens per KV cache page")
+    page_size: Optional[int] = _flag(
+        None, "tokens per KV cache page (default 16; on TPU the smallest power of two from 16 "
+              "whose page table fits the attention kernel's scalar memory)")
     tp_size: int = _flag(1, "tensor parallel size: devices that split each layer's heads")
     compilation_cache_dir: Optional[str] = _flag(
         None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")
@@ -61,7 +69,8 @@ class ServerArgs:
     disable_radix_cache: bool = _flag(
         False, "free the KV pages of finished requests instead of keeping them for later prompts "
                "that start with the same tokens (the prefix cache)")
-    random_seed: Optional[int] = _flag(None, "seed for requests that do not give one")
+    random_seed: Optional[int] = _flag(
+        None, "seed for requests that do not give one, and of --load-format dummy's weights (0 if unset)")
     log_level: str = _flag("info", "logging level", choices=["debug", "info", "warning", "error"])
     # --- the HTTP server ---
     host: str = _flag("127.0.0.1", "address to listen on")

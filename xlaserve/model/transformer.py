@@ -58,8 +58,9 @@ PARTITION_SPECS = {
     "lm_head": P(None, "tensor"),
     "scale": P(),
 }
-# The KV cache of one layer, [num_pages, page_size, 2 * kv_heads, head_dim], split by kv head.
-KV_CACHE_SPEC = P(None, None, "tensor", None)
+# The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
+# split by kv head: each device holds the K|V pairs of its own heads, contiguous.
+KV_CACHE_SPEC = P(None, None, "tensor")
 
 
 def _init(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
@@ -271,7 +272,7 @@ class CausalLM(nnx.Module):
         self,
         input_ids: jax.Array,  # i32[T] packed new tokens
         positions: jax.Array,  # i32[T] absolute position of each token in its sequence
-        kv_caches: list[jax.Array],  # one [num_pages, page_size, 2*kv_heads, head_dim] per layer
+        kv_caches: list[jax.Array],  # one [num_pages, page_size, 2*kv_heads*head_dim] per layer
         metadata: AttentionMetadata,
         logits_indices: jax.Array,  # i32[R] rows of the batch whose logits are wanted
         kernels: Kernels,
@@ -333,7 +334,11 @@ def abstract_model(config: ModelConfig, dtype, model_class=CausalLM) -> CausalLM
 
 
 def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    return (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+    """One layer's cache: the attention contract's `[pages, page_size, 2*Hkv, D]` stored flat, as
+    `[pages, page_size, 2*Hkv*D]`. Every kernel views it as it needs; this is the TPU kernel's own
+    layout, where viewing a 4-D array flat would copy it (TPU arrays are tiled by their last two
+    dims). On CPU and GPU, layouts are dense and any view is free."""
+    return (num_pages, page_size, 2 * config.num_kv_heads * config.head_dim)
 
 
 def param_count(state: nnx.State) -> int:

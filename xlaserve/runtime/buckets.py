@@ -98,3 +98,27 @@ class Buckets:
 
 def _sorted(values) -> tuple[int, ...] | None:
     return tuple(sorted(set(int(v) for v in values))) if values else None
+
+
+def serving_buckets(args, context_length: int, dtype, platform: str,
+                    native_matmul: bool = False) -> Buckets:
+    """The buckets a server with `args` (ServerArgs) precompiles on `platform`."""
+    # Imported here: the scheduler imports batch.py, which imports this module.
+    from xlaserve.runtime.kv_cache import pages_for_tokens
+    from xlaserve.runtime.scheduler import max_step_tokens
+
+    step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
+    pages = pages_for_tokens(context_length, args.page_size)
+    return Buckets.for_limits(
+        step_tokens, args.max_running_requests, pages,
+        token_paddings=_int_list(args.precompile_token_paddings) or default_token_buckets(
+            step_tokens, dtype, platform, native_matmul=native_matmul),
+        seq_paddings=_int_list(args.precompile_bs_paddings),
+        # One page-table width: the attention loop stops at the longest live sequence, so a
+        # wide table costs little, and each extra width would multiply the compiled programs.
+        page_paddings=[pages],
+    )
+
+
+def _int_list(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None

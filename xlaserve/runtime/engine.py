@@ -20,18 +20,19 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.model.loader import load_model, tensor_parallel_mesh
+from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, default_page_size
 from xlaserve.runtime import malloc_tuning
 from xlaserve.runtime.batch import pack
-from xlaserve.runtime.buckets import Buckets, default_token_buckets
+from xlaserve.runtime.buckets import serving_buckets
 from xlaserve.runtime.compilation import enable_persistent_cache
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
-from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for, pages_for_tokens
+from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for
 from xlaserve.runtime.model_runner import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
                                            SAMPLING_WIDTHS, ModelRunner, StepOutput)
 from xlaserve.runtime.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
 from xlaserve.runtime.sampling_params import SamplingParams
-from xlaserve.runtime.scheduler import Request, Scheduler, max_step_tokens
+from xlaserve.runtime.scheduler import Request, Scheduler
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -56,15 +57,19 @@ class EngineCore:
         enable_persistent_cache(args.compilation_cache_dir)
         self.loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
                                  skip_tokenizer_init=args.skip_tokenizer_init,
-                                 mesh=tensor_parallel_mesh(args.tp_size))
+                                 mesh=tensor_parallel_mesh(args.tp_size),
+                                 load_format=args.load_format, seed=args.random_seed or 0)
         config = self.loaded.config
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(self.loaded.model)))
-        logger.info("Load weight end. type=%s, dtype=%s, mem usage=%.2f GB, from %s",
+        logger.info("Load weight end. type=%s, dtype=%s, mem usage=%.2f GB, from %s%s",
                     config.architecture, np.dtype(self.loaded.dtype).name, weight_bytes / 2**30,
-                    self.loaded.source)
+                    self.loaded.source, " (dummy weights)" if args.load_format == "dummy" else "")
         self.tokenizer = self.loaded.tokenizer
         self.context_length = args.context_length or config.max_position_embeddings
-        page_size = args.page_size
+        platform = jax.default_backend()
+        page_size = args.page_size or default_page_size(platform, args.max_running_requests,
+                                                        self.context_length)
+        self.args = args = dataclasses.replace(args, page_size=page_size)
         num_pages = num_pages_for(config, self.loaded.dtype, page_size,
                                   max_total_tokens=args.max_total_tokens,
                                   mem_fraction_static=_mem_fraction(args.mem_fraction_static))
@@ -72,18 +77,11 @@ class EngineCore:
                                   max_running_requests=args.max_running_requests,
                                   attention_backend=args.attention_backend,
                                   matmul_backend=args.matmul_backend)
-        step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
-        self.buckets = Buckets.for_limits(
-            step_tokens, args.max_running_requests,
-            pages_for_tokens(self.context_length, page_size),
-            token_paddings=_int_list(args.precompile_token_paddings) or default_token_buckets(
-                step_tokens, self.loaded.dtype, jax.default_backend(),
-                native_matmul=self.runner.kernels.packed_matmul is not None),
-            seq_paddings=_int_list(args.precompile_bs_paddings),
-            # One page-table width: the attention loop stops at the longest live sequence, so a
-            # wide table costs little, and each extra width would multiply the compiled programs.
-            page_paddings=[pages_for_tokens(self.context_length, page_size)],
-        )
+        self.buckets = serving_buckets(args, self.context_length, self.loaded.dtype, platform,
+                                       native_matmul=self.runner.kernels.packed_matmul is not None)
+        check_shapes(args.attention_backend, platform, page_size=page_size,
+                     head_dim=config.head_dim, dtype=self.loaded.dtype,
+                     max_seqs=max(self.buckets.seqs), pages_per_seq=max(self.buckets.pages))
         self.scheduler = Scheduler(
             PageAllocator(num_pages), page_size, args.max_running_requests,
             args.chunked_prefill_size, args.max_prefill_tokens, self.context_length,
@@ -407,8 +405,3 @@ def _mem_fraction(requested: float | None) -> float:
     if requested is not None:
         return requested
     return 0.1 if jax.default_backend() == "cpu" else 0.85
-
-
-def _int_list(text: str | None) -> list[int] | None:
-    return [int(x) for x in text.split(",")] if text else None
-

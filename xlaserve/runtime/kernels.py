@@ -25,20 +25,24 @@ MATMUL_BACKENDS = ("auto", "native", "xla")
 
 
 def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
-                matmul_backend: str = "auto") -> Kernels:
+                matmul_backend: str = "auto", platform: str | None = None) -> Kernels:
     """`matmul_backend`: `auto` takes the native GEMM where it applies (a single CPU device, a
-    compiler), `native` insists on it, `xla` keeps XLA's dots."""
+    compiler), `native` insists on it, `xla` keeps XLA's dots. `platform`: the one the step will
+    be compiled for (default: JAX's default backend; "tpu" or "gpu" to compile for hardware that
+    is not here, runtime/aot.py)."""
+    platform = platform or jax.default_backend()
     if matmul_backend not in MATMUL_BACKENDS:
         raise ValueError(f"matmul backend {matmul_backend!r} is not one of {MATMUL_BACKENDS}")
     packed_matmul = None
     if matmul_backend != "xla":
         # A custom call is not split by XLA's partitioner: on a mesh the dots stay XLA's.
-        applies = jax.default_backend() == "cpu" and (mesh is None or mesh.size == 1)
+        applies = platform == "cpu" and (mesh is None or mesh.size == 1)
         if matmul_backend == "native" and not applies:
             raise ValueError("the native GEMM runs on a single CPU device only")
         if applies and _gemm_builds(required=matmul_backend == "native"):
             packed_matmul = gemm_cpu.packed_matmul
-    kernels = Kernels(attention=get_attention_fn(attention_backend, mesh), packed_matmul=packed_matmul)
+    kernels = Kernels(attention=get_attention_fn(attention_backend, mesh, platform=platform),
+                      packed_matmul=packed_matmul)
     if packed_matmul is not None and _elementwise_builds():
         # The norms, RoPE and the activation go with the GEMM: where XLA's dots are kept, so are
         # XLA's fusions.

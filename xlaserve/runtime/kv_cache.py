@@ -113,7 +113,7 @@ def round_down_coarsely(n: int, significant_bits: int = 4) -> int:
 
 
 def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh):
-    """One zeroed `[num_pages, page_size, 2 * kv_heads, head_dim]` array per layer, split by kv head."""
+    """One zeroed `transformer.kv_cache_shape` array per layer, split by kv head."""
     sharding = NamedSharding(mesh, KV_CACHE_SPEC)
     shape = kv_cache_shape(config, num_pages, page_size)
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

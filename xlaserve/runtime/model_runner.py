@@ -96,26 +96,7 @@ class ModelRunner:
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 
-        @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout",),
-                           out_shardings=(replicated, kv_sharding, replicated, replicated))
-        def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats, layout):
-            batch, sampling, slots, rope = unpack_leaves(ints, floats, layout)
-            state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
-            model = nnx.merge(graphdef, state)
-            input_ids = jnp.where(batch.input_slots >= 0,
-                                  last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
-            hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
-                                                    batch.metadata, kernels, rope)
-            logits = model.logits(hidden[batch.logits_indices], kernels)
-            out = sample(logits, sampling, output_counts, prompt_masks, slots,
-                         num_top_logprobs=MAX_TOP_LOGPROBS)
-            output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
-            # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
-            last_tokens = last_tokens.at[slots].set(
-                jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
-            prompt = prompt_logprobs(lambda rows: model.logits(rows, kernels), hidden,
-                                     batch.target_ids, MAX_TOP_LOGPROBS)
-            return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
+        step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding)
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
         def reset_slot(output_counts, prompt_masks, slot, counts_row, prompt_mask_row):
@@ -166,10 +147,8 @@ class ModelRunner:
 
     def compiled_step(self, tokens: int, seqs: int, pages: int):
         """The step compiled for one bucket shape (for its memory analysis and HLO text)."""
-        sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
-                                           SAMPLING_WIDTHS)
-        ints, floats, layout = self._send(empty_batch(tokens, seqs, pages), sampling,
-                                          np.zeros(seqs, np.int32))
+        ints, floats, layout = step_inputs(self._inv_freq, tokens, seqs, pages)
+        ints, floats = jax.device_put((ints, floats), self.output_counts.sharding)
         return self._step.lower(self._weight_args, self.kv_caches, self.output_counts,
                                 self.last_tokens, self.prompt_masks, ints, floats,
                                 layout=layout).compile()
@@ -185,6 +164,45 @@ class ModelRunner:
             out = self.step(batch, sampling, np.full(seqs, NULL_SLOT, np.int32))
             jax.block_until_ready(out.sample.tokens)
         self._precompiled = True
+
+
+def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding):
+    """The jitted serving step: forward, sampling, penalty counts and last tokens. A pure function
+    of its arguments, so that it can also be compiled for hardware that is not here
+    (runtime/aot.py)."""
+    replicated = NamedSharding(mesh, P())
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout",),
+                       out_shardings=(replicated, kv_sharding, replicated, replicated))
+    def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats, layout):
+        batch, sampling, slots, rope = unpack_leaves(ints, floats, layout)
+        state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
+        model = nnx.merge(graphdef, state)
+        input_ids = jnp.where(batch.input_slots >= 0,
+                              last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
+        hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
+                                                batch.metadata, kernels, rope)
+        logits = model.logits(hidden[batch.logits_indices], kernels)
+        out = sample(logits, sampling, output_counts, prompt_masks, slots,
+                     num_top_logprobs=MAX_TOP_LOGPROBS)
+        output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
+        # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
+        last_tokens = last_tokens.at[slots].set(
+            jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
+        prompt = prompt_logprobs(lambda rows: model.logits(rows, kernels), hidden,
+                                 batch.target_ids, MAX_TOP_LOGPROBS)
+        return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
+
+    return step
+
+
+def step_inputs(inv_freq, tokens: int, seqs: int, pages: int):
+    """(ints, floats, layout) of a step of the given bucket shape with no live row, on the host."""
+    sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+                                       SAMPLING_WIDTHS)
+    batch = empty_batch(tokens, seqs, pages)
+    rope = rope_cos_sin(inv_freq, batch.positions)
+    return pack_leaves((batch, sampling, np.zeros(seqs, np.int32), rope))
 
 
 def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:

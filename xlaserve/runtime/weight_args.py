@@ -15,6 +15,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 SMALL_LEAF_BYTES = 1 << 16
 
@@ -34,7 +36,7 @@ def weight_args(leaves: list, stack_small: bool) -> tuple[list[jax.Array], Weigh
     for i, leaf in enumerate(leaves):
         if id(leaf) in seen:
             sources[i] = (seen[id(leaf)], -1)
-        elif stack_small and leaf.nbytes <= SMALL_LEAF_BYTES:
+        elif stack_small and leaf.size * np.dtype(leaf.dtype).itemsize <= SMALL_LEAF_BYTES:
             small.setdefault((leaf.shape, np.dtype(leaf.dtype).name), []).append(i)
         else:
             seen[id(leaf)] = len(args)
@@ -47,8 +49,18 @@ def weight_args(leaves: list, stack_small: bool) -> tuple[list[jax.Array], Weigh
             continue
         for row, i in enumerate(members):
             sources[i] = (len(args), row)
-        args.append(jnp.stack([leaves[i] for i in members]))
+        args.append(_stack([leaves[i] for i in members]))
     return args, WeightLayout(tuple(sources))
+
+
+def _stack(leaves: list):
+    """jnp.stack, or the stack's ShapeDtypeStruct for abstract leaves (runtime/aot.py compiles
+    the step without arrays; stacking only happens on a single device, so it is replicated)."""
+    first = leaves[0]
+    if isinstance(first, jax.ShapeDtypeStruct):
+        sharding = first.sharding and NamedSharding(first.sharding.mesh, P())
+        return jax.ShapeDtypeStruct((len(leaves),) + first.shape, first.dtype, sharding=sharding)
+    return jnp.stack(leaves)
 
 
 def leaves_from_args(args: list, layout: WeightLayout) -> list:

@@ -31,12 +31,13 @@ BACKENDS = ("auto", "reference", "cpu", "pallas")
 
 
 def get_attention_fn(backend: str = "auto", mesh: Mesh | None = None, *,
-                     interpret: bool = False) -> Callable:
+                     interpret: bool = False, platform: str | None = None) -> Callable:
     """The attention function for `backend` ("auto", "reference", "cpu" or "pallas");
-    `interpret` runs the Pallas TPU kernel in interpret mode (on any platform)."""
+    `interpret` runs the Pallas TPU kernel in interpret mode (on any platform). `platform`: where
+    it will run (default: JAX's default backend; another one to compile for absent hardware)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     if backend == "auto":
         if platform in ("tpu", "gpu"):
             backend = "pallas"
@@ -50,6 +51,27 @@ def get_attention_fn(backend: str = "auto", mesh: Mesh | None = None, *,
         raise ValueError(f"--attention-backend cpu runs on the CPU, not on {platform}")
     kernel_cpu.load()  # raises KernelUnavailable with the compiler's message
     return _split_by_kv_head(kernel_cpu.ragged_paged_attention, mesh)
+
+
+def default_page_size(platform: str, max_seqs: int, context_length: int) -> int:
+    """--page-size by default: 16 tokens, or on TPU more where the page table would not fit the
+    kernel's scalar memory (kernel_tpu.check_shapes)."""
+    if platform == "tpu":
+        return kernel_tpu.default_page_size(max_seqs, context_length)
+    return 16
+
+
+def check_shapes(backend: str, platform: str, *, page_size: int, head_dim: int, dtype,
+                 max_seqs: int, pages_per_seq: int) -> None:
+    """Raises ValueError, at start-up, where the kernel `backend` picks on `platform` cannot take
+    these shapes (it would fail inside XLA's compile otherwise)."""
+    if backend not in ("auto", "pallas") or platform not in ("tpu", "gpu"):
+        return
+    if platform == "tpu":
+        kernel_tpu.check_shapes(page_size, dtype, max_seqs, pages_per_seq)
+    else:
+        block_pages = kernel_gpu.default_kv_block_pages(page_size, pages_per_seq)
+        kernel_gpu.check_shapes(block_pages * page_size, head_dim)
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -92,11 +114,12 @@ def _split_by_kv_head(kernel: Callable, mesh: Mesh | None) -> Callable:
     if mesh is None or mesh.shape.get("tensor", 1) == 1:
         return kernel
     heads = P(None, "tensor", None)  # q [T, Hq, D], k and v [T, Hkv, D]
-    cache = P(None, None, "tensor", None)  # [pages, page_size, 2 * Hkv, D], K/V pairs per head
     metadata = P()
 
     @functools.wraps(kernel)
     def sharded(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        # [pages, page_size, 2 * Hkv (, D)]: each device's K|V pairs of its own heads.
+        cache = P(*(None, None, "tensor", None)[:kv_cache.ndim])
         body = functools.partial(kernel, **options)
         return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, cache) + (metadata,) * 4,
                              out_specs=(heads, cache), check_vma=False)(

@@ -44,6 +44,16 @@ def default_kv_block_pages(page_size, pages_per_seq):
     return max(1, min(KV_BLOCK_TOKENS // page_size, next_power_of_two(pages_per_seq)))
 
 
+def check_shapes(block_tokens: int, head_dim: int) -> None:
+    """Triton's dot wants power-of-two dims of at least 16: raises ValueError for a head dim or a
+    KV block (a page, or KV_BLOCK_TOKENS of smaller pages) that is not."""
+    if block_tokens != next_power_of_two(block_tokens) or block_tokens < 16 or (
+            head_dim != next_power_of_two(head_dim)):
+        raise ValueError("the Pallas GPU attention kernel needs power-of-two head dims and pages "
+                         f"(KV blocks) of at least 16 tokens; got head dim {head_dim}, "
+                         f"{block_tokens}-token blocks")
+
+
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, interpret=False,
                            q_block=None, kv_block_pages=None, num_warps=4, num_stages=2):
@@ -55,10 +65,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     if kv_block_pages is None:
         kv_block_pages = default_kv_block_pages(page_size, pages_per_seq)
     block_tokens = kv_block_pages * page_size
-    if block_tokens != next_power_of_two(block_tokens) or block_tokens < 16 or (
-            head_dim != next_power_of_two(head_dim)):
-        raise ValueError("the Triton kernel needs power-of-two head dims and KV blocks of at least "
-                         f"16 tokens; got head_dim {head_dim}, {kv_block_pages} x {page_size}")
+    check_shapes(block_tokens, head_dim)
     kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
 

@@ -4,23 +4,27 @@ Same signature and semantics as `reference.ragged_paged_attention` (the specific
 `interpret` (passed to `pallas_call`: False on a TPU, `pltpu.InterpretParams()` to simulate one on
 CPU, DMAs and semaphores included) and the block sizes `q_block` / `kv_block_pages`.
 
-Two kernels, one after the other in the caller's jit:
-1. `_write_new_kv`: a DMA per new token from HBM straight into its cache slot (the cache is an
-   aliased HBM operand, so it is updated in place when donated).
-2. `_attention`: one grid step per work item (see work_items.py: up to `q_block` new tokens of one
-   sequence), so decode-only, prefill-only and mixed batches run the same grid. The metadata is
-   scalar-prefetched into SMEM; the step walks the item's KV pages `kv_block_pages` at a time,
-   each page one async DMA from HBM into a double-buffered VMEM block (block b+1 is in flight
-   while b is attended), and keeps an online softmax in float32 VMEM scratch. Every page of a
-   block is read once for all kv heads; each kv head attends with the G query heads of its group
-   stacked as rows of one matmul.
+New K/V are written into the cache by XLA's scatter before the kernel, in place (the cache is
+donated). A DMA per token from a Pallas kernel compiled for float32 only: a bfloat16 token row is
+half of a packed 32-bit sublane, and Mosaic refuses DMAs at unaligned offsets along tiled
+dimensions (found by compiling for v5e/v6e; see tests/kernels/test_compile_tpu.py).
 
-Layout: the cache `[pages, page_size, 2*Hkv, D]` is viewed (free reshape) as
-`[pages, page_size, 2*Hkv*D]`: a page is one contiguous DMA, tokens are sublanes, and K and V of
-head h are the lane ranges [2hD, 2hD+D) and [2hD+D, 2hD+2D). With D = 64 a head's K|V pair is
-exactly 128 lanes, so head dim 64 needs no padding of the cache (which would be a copy). On a real
-TPU `page_size` should be a multiple of 8 (16 for bfloat16) so that each page DMA lands on whole
-sublane tiles.
+`_attention` runs one grid step per work item (see work_items.py: up to `q_block` new tokens of
+one sequence), so decode-only, prefill-only and mixed batches run the same grid. The metadata is
+scalar-prefetched into SMEM; the step walks the item's KV pages `kv_block_pages` at a time, each
+page one async DMA from HBM into a double-buffered VMEM block (block b+1 is in flight while b is
+attended), and keeps an online softmax in float32 VMEM scratch. Every page of a block is read
+once for all kv heads; each kv head attends with the G query heads of its group stacked as rows
+of one matmul.
+
+Layout: the kernel works on the cache as `[pages, page_size, 2*Hkv*D]`: a page is one contiguous
+DMA, tokens are sublanes, and K and V of head h are the lane ranges [2hD, 2hD+D) and
+[2hD+D, 2hD+2D). With D = 64 a head's K|V pair is exactly 128 lanes, so head dim 64 needs no
+padding. The runtime stores the cache in this shape (`transformer.kv_cache_shape`): a
+`[pages, page_size, 2*Hkv, D]` array is tiled on TPU by its last two dims (a 64-wide head dim
+padded to 128 lanes), so viewing it flat is a relayout copy of the whole cache per layer and step,
+which compiling for v6e showed. `page_size` must be a multiple of 8 (16 for bfloat16) so that
+each page DMA lands on whole sublane tiles (`check_shapes`).
 
 Nothing past a sequence's needed pages is fetched; slots past the last attended position (stale
 or uninitialised VMEM) are masked in the scores and zeroed in V, since p * NaN is NaN even at p=0.
@@ -37,12 +41,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, new_token_slots,
-    query_group, round_up, sanitize_metadata, scatter_outputs)
+    query_group, round_up, sanitize_metadata, scatter_outputs, write_new_kv_with_xla)
 
 LANES = 128
 KV_BUFFER_BYTES = 4 << 20  # one of the two KV blocks in VMEM
 MAX_KV_BLOCK_TOKENS = 512
-WRITE_TOKENS_PER_STEP = 64  # DMAs in flight per grid step of the cache update
+# The page table's share of SMEM (scalar memory, 1 MiB on v5e/v6e): half, for 4-byte entries; the
+# other scalar-prefetched operands are a few entries per sequence or work item.
+MAX_PAGE_TABLE_ENTRIES = (512 << 10) // 4
 
 
 def default_kv_block_pages(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq):
@@ -66,14 +72,16 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
+    check_shapes(page_size, kv_cache.dtype, max_seqs, pages_per_seq)
     kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
 
+    # Free only when the cache is stored flat (the runtime's layout); a [.., 2*Hkv, D] array is
+    # tiled on its last two dims on TPU, and this reshape would copy the whole cache.
     flat_cache = kv_cache.reshape(num_pages, page_size, 2 * num_kv_heads * head_dim)
     token_page, token_slot = new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens,
                                              page_size)
-    new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 1, -1).astype(kv_cache.dtype)
-    flat_cache = _write_new_kv(new_kv, flat_cache, token_page, token_slot, interpret)
+    flat_cache = write_new_kv_with_xla(flat_cache, k, v, token_page, token_slot)
 
     if q_block is None:
         q_block = default_q_block(num_tokens, max_seqs, group)
@@ -92,46 +100,29 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     return out, flat_cache.reshape(kv_cache.shape)
 
 
-def _write_new_kv(new_kv, flat_cache, token_page, token_slot, interpret):
-    """new_kv [T, 1, 2*Hkv*D] into flat_cache [pages, page_size, 2*Hkv*D] at (page, slot);
-    tokens with page -1 (padding) are skipped."""
-    num_tokens = new_kv.shape[0]
-    padded = round_up(num_tokens, WRITE_TOKENS_PER_STEP)
-    token_page = jnp.pad(token_page, (0, padded - num_tokens), constant_values=-1)
-    token_slot = jnp.pad(token_slot, (0, padded - num_tokens))
+def check_shapes(page_size: int, dtype, max_seqs: int, pages_per_seq: int) -> None:
+    """Raises ValueError for what Mosaic cannot compile, so that a server says so at start-up
+    rather than failing inside XLA:
+    - each page lands in the VMEM block at a multiple of `page_size` rows, which must be whole
+      sublane tiles (8 rows of 32 bits, 16 of bfloat16);
+    - the page table is scalar-prefetched into SMEM (1 MiB on v5e and v6e; compiling Llama-3.1-8B's
+      128K context at 64 sequences and 16-token pages asked for 2 MiB)."""
+    if page_size % sublanes(dtype):
+        raise ValueError(f"the Pallas TPU attention kernel needs --page-size a multiple of "
+                         f"{sublanes(dtype)} for {jnp.dtype(dtype).name}; got {page_size}")
+    if max_seqs * pages_per_seq > MAX_PAGE_TABLE_ENTRIES:
+        raise ValueError(
+            f"the TPU attention kernel keeps the page table in scalar memory, at most "
+            f"{MAX_PAGE_TABLE_ENTRIES} entries; {max_seqs} sequences x {pages_per_seq} pages is "
+            "over: raise --page-size, or lower --context-length or --max-running-requests")
 
-    def kernel(token_page_ref, token_slot_ref, new_kv_hbm, _cache_in, cache_hbm, sem):
-        first = pl.program_id(0) * WRITE_TOKENS_PER_STEP
 
-        def for_each_live_token(action):
-            def body(t, carry):
-                token = first + t
-                page = token_page_ref[token]
-
-                @pl.when(page >= 0)
-                def _():
-                    action(pltpu.make_async_copy(
-                        new_kv_hbm.at[token], cache_hbm.at[page, pl.ds(token_slot_ref[token], 1)],
-                        sem.at[0]))
-                return carry
-            lax.fori_loop(0, WRITE_TOKENS_PER_STEP, body, 0)
-
-        # Start them all, then wait for them all: the DMAs of a step overlap one another.
-        for_each_live_token(lambda copy: copy.start())
-        for_each_live_token(lambda copy: copy.wait())
-
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(padded // WRITE_TOKENS_PER_STEP,),
-            in_specs=[any_spec, any_spec], out_specs=any_spec,
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))]),
-        input_output_aliases={3: 0},  # operands count the scalar-prefetch ones: the cache is 3
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=interpret,
-    )(token_page, token_slot, new_kv, flat_cache)
+def default_page_size(max_seqs: int, context_length: int, smallest: int = 16) -> int:
+    """The smallest power of two from `smallest` whose page table fits `check_shapes`."""
+    page_size = smallest
+    while max_seqs * -(-context_length // page_size) > MAX_PAGE_TABLE_ENTRIES:
+        page_size *= 2
+    return page_size
 
 
 def _attention(q_items, flat_cache, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,

@@ -49,12 +49,14 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     """Attends the new tokens `q` of all sequences to their paged KV; returns (out, kv_cache).
 
     q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [num_pages, page_size, 2*Hkv, D] (K of kv head h at
-    2h, V at 2h+1); kv_lens i32[S]; page_indices i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
+    2h, V at 2h+1), or the same stored flat as [num_pages, page_size, 2*Hkv*D] (the runtime's
+    layout; the cache comes back in the shape it came in); kv_lens i32[S]; page_indices i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
     New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
     padding tokens are 0. See DESIGN.md, "Ragged paged attention".
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    stored_shape, kv_cache = kv_cache.shape, by_head(kv_cache, head_dim)
     num_pages, page_size = kv_cache.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
     if num_q_heads % num_kv_heads:
@@ -177,4 +179,9 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     # Each live row belongs to exactly one item; everything else is dropped, so padding rows stay 0.
     dest = jnp.where(row_valid, item_rows, num_tokens)
     out = jnp.zeros_like(q).at[dest].set(out, mode="drop")
-    return out, kv_cache
+    return out, kv_cache.reshape(stored_shape)
+
+
+def by_head(kv_cache, head_dim: int):
+    """The cache as [num_pages, page_size, 2*Hkv, D], whether stored so or flat."""
+    return kv_cache.reshape(kv_cache.shape[:2] + (-1, head_dim))

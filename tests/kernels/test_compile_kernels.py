@@ -1,0 +1,122 @@
+"""The Pallas attention kernels compiled for their real targets, without the hardware: Mosaic for
+TPU v5e and v6e (libtpu's compile-only topologies), Triton for an H100 (the jax CUDA plugin's
+deviceless target). Interpret mode on CPU (test_pallas_kernels.py) checks what the kernels
+compute; only these compiles check what Mosaic and Triton accept: layouts, tile alignment, VMEM,
+SMEM and shared memory. Bfloat16 failed Mosaic's alignment check here before the new K/V went
+through XLA's scatter.
+
+The shapes are those of real models, per device (a tensor-parallel mesh splits the heads), in
+the runtime's flat cache layout, at the bucket shapes a server steps with: decode (one token per
+sequence), mixed (two per sequence: the q-block heuristic's next size) and prefill (eight). The
+default set is one dtype and page size per head layout plus the page sizes and float32 on a
+few; --slow runs the full grid.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from tests.compile_targets import compile_for, devices
+from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
+from xlaserve.runtime import aot
+
+# Per-device (q heads, kv heads, head dim) of real models.
+HEAD_LAYOUTS = {
+    "qwen2.5-0.5b": (14, 2, 64),
+    "smollm2-135m": (9, 3, 64),
+    "qwen2.5-7b": (28, 4, 128),
+    "llama-3.1-8b": (32, 8, 128),  # Qwen3-8B has the same
+    "llama-3.1-8b-tp4": (8, 2, 128),
+    "qwen2.5-7b-tp4": (7, 1, 128),
+}
+# (tokens, sequences) of a step: runtime buckets at 64 running requests.
+BATCHES = {"decode": (64, 64), "mixed": (128, 64), "prefill": (512, 64)}
+CONTEXT = 4096  # tokens a page table covers
+CACHE_BYTES = 256 << 20  # a cache this big stays in HBM, as a real one does
+PAGE_SIZES = (16, 32, 64, 128)
+KERNELS = {"tpu": kernel_tpu.ragged_paged_attention, "gpu": kernel_gpu.ragged_paged_attention}
+
+
+def grid(slow: bool):
+    """(layout, batch, page_size, dtype): every combination with --slow; by default (a compile
+    takes 2-5 s here) every layout decoding in bfloat16 at 16-token pages, the other batches and
+    page sizes on one layout, and float32 on two."""
+    if slow:
+        return [(layout, batch, ps, dtype) for layout in HEAD_LAYOUTS for batch in BATCHES
+                for ps in PAGE_SIZES for dtype in ("bfloat16", "float32")]
+    cases = [(layout, "decode", 16, "bfloat16") for layout in HEAD_LAYOUTS]
+    cases += [("llama-3.1-8b-tp4", batch, 16, "bfloat16") for batch in ("mixed", "prefill")]
+    cases += [("llama-3.1-8b-tp4", "prefill", ps, "bfloat16") for ps in (64, 128)]
+    cases += [("qwen2.5-0.5b", "prefill", 16, "float32"), ("llama-3.1-8b", "decode", 32, "float32")]
+    return cases
+
+
+def pytest_generate_tests(metafunc):
+    if "attention_case" in metafunc.fixturenames:
+        cases = grid(metafunc.config.getoption("--slow"))
+        metafunc.parametrize("attention_case", cases, ids=["-".join(map(str, c)) for c in cases])
+
+
+def attention_args(mesh, layout, batch, page_size, dtype):
+    num_q_heads, num_kv_heads, head_dim = HEAD_LAYOUTS[layout]
+    tokens, seqs = BATCHES[batch]
+    pages_per_seq = CONTEXT // page_size
+    token_bytes = 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    num_pages = max(seqs * pages_per_seq + 1, CACHE_BYTES // (page_size * token_bytes))
+    at = lambda shape, dt=dtype: aot.abstract(shape, jnp.dtype(dt), mesh, P())
+    return dict(q=at((tokens, num_q_heads, head_dim)), k=at((tokens, num_kv_heads, head_dim)),
+                v=at((tokens, num_kv_heads, head_dim)),
+                kv_cache=at((num_pages, page_size, 2 * num_kv_heads * head_dim)),
+                kv_lens=at((seqs,), "int32"), page_indices=at((seqs, pages_per_seq), "int32"),
+                cu_q_lens=at((seqs + 1,), "int32"), num_seqs=at((1,), "int32"))
+
+
+def cache_copies(hlo: str, cache) -> list[str]:
+    """Instructions of the compiled program that copy a whole cache-shaped array (a relayout)."""
+    shape = f"{jnp.dtype(cache.dtype).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}" \
+            f"[{','.join(map(str, cache.shape))}]"
+    return [line.strip()[:200] for line in hlo.splitlines()
+            if re.search(r"= " + re.escape(shape) + r"\{[^}]*\} copy\(", line)]
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "v5e:2x2", "h100"])
+def test_attention_kernel_compiles_for_the_target(target, attention_case):
+    platform, target_devices = devices(target)
+    mesh = aot.mesh_of(target_devices, 1)
+    args = attention_args(mesh, *attention_case)
+    kernel = jax.jit(KERNELS[platform], static_argnames=("sm_scale",), donate_argnames=("kv_cache",))
+    compiled = compile_for(mesh, kernel, **args, sm_scale=0.125)
+    hlo = compiled.as_text()
+    assert not cache_copies(hlo, args["kv_cache"]), "the KV cache is copied (relayout)"
+    assert "input_output_alias" in hlo.splitlines()[0], "the cache is not updated in place"
+
+
+def test_a_cache_stored_by_head_would_be_copied_on_tpu():
+    # Why the runtime stores the cache flat: TPU tiles an array by its last two dims, so the
+    # kernel's flat view of a [pages, page_size, 2*Hkv, D] cache is a relayout of all of it.
+    _, target_devices = devices("v6e:2x2")
+    mesh = aot.mesh_of(target_devices, 1)
+    args = attention_args(mesh, "qwen2.5-0.5b", "decode", 16, "bfloat16")
+    flat = args["kv_cache"]
+    args["kv_cache"] = aot.abstract(flat.shape[:2] + (4, 64), flat.dtype, mesh, P())
+    kernel = jax.jit(kernel_tpu.ragged_paged_attention, static_argnames=("sm_scale",),
+                     donate_argnames=("kv_cache",))
+    hlo = compile_for(mesh, kernel, **args, sm_scale=0.125).as_text()
+    assert cache_copies(hlo, jax.ShapeDtypeStruct(flat.shape, flat.dtype))
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "h100"])
+def test_unsupported_page_sizes_are_refused_before_compiling(target):
+    platform, _ = devices(target)
+    if platform == "tpu":  # a bfloat16 page must be whole (16-row) sublane tiles
+        with pytest.raises(ValueError, match="multiple of 16"):
+            kernel_tpu.check_shapes(8, jnp.bfloat16, 64, 512)
+        with pytest.raises(ValueError, match="scalar memory"):  # 128K context, 64 seqs, 16-token pages
+            kernel_tpu.check_shapes(16, jnp.bfloat16, 64, 131072 // 16)
+        assert kernel_tpu.default_page_size(64, 131072) == 64
+    else:
+        with pytest.raises(ValueError, match="power-of-two head dims"):
+            kernel_gpu.check_shapes(64, 80)
