@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Compile-only TPU and GPU packages for the tests (runtime/aot.py), outside the serving environment:
-# libtpu (the version jax[tpu] pins) and the CUDA 13 plugin of the installed jax, ~1.1 GB.
-AOT := $(VENV)/aot
-AOT_STAMP := $(AOT)/.installed
+# libtpu (the version jax[tpu] pins) and the CUDA 13 plugin of the installed jax, ~1.1 GB. One
+# folder per venv (VENV/aot, where aot.use_compile_only_packages looks): each matches its own jax.
+AOT_STAMP := $(VENV)/aot/.installed
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
@@ -16,6 +16,7 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 VENV011 := .venv-jax011
 PY011 := $(VENV011)/bin/python
 STAMP011 := $(VENV011)/.installed
+AOT011_STAMP := $(VENV011)/aot/.installed
 
 .PHONY: install serve test test-jax011 clean
 
@@ -29,12 +30,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-$(AOT_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --no-deps --target $(AOT) --upgrade \
-	  "$$($(PY) -c 'import importlib.metadata as m; print(next(r.split(";")[0] for r in m.requires("jax") if r.startswith("libtpu")))')" \
-	  "jax-cuda13-plugin==$$($(PY) -c 'import jax; print(jax.__version__)')" \
-	  "jax-cuda13-pjrt==$$($(PY) -c 'import jax; print(jax.__version__)')"
-	touch $(AOT_STAMP)
+%/aot/.installed: %/.installed
+	$*/bin/python -m pip install --quiet --no-deps --target $*/aot --upgrade \
+	  "$$($*/bin/python -c 'import importlib.metadata as m; print(next(r.split(";")[0] for r in m.requires("jax") if r.startswith("libtpu")))')" \
+	  "jax-cuda13-plugin==$$($*/bin/python -c 'import jax; print(jax.__version__)')" \
+	  "jax-cuda13-pjrt==$$($*/bin/python -c 'import jax; print(jax.__version__)')"
+	touch $@
 
 $(STAMP011): pyproject.toml
 	test -x $(PY011) || $(PYTHON312) -m venv $(VENV011)
@@ -52,7 +53,7 @@ test: $(STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The same suite on JAX 0.11.
-test-jax011: $(STAMP011)
+test-jax011: $(STAMP011) $(AOT011_STAMP)
 	$(PY011) -m pytest -q $(PYTEST_ARGS)
 
 clean:

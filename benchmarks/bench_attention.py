@@ -86,6 +86,20 @@ def seconds_per_call(fn, batch, iters: int) -> float:
     return float(np.median(times))
 
 
+def attention_timings(found: dict, batches: dict, *, dtype, iters: int, page_size: int, **heads):
+    """Yields one row per (batch, implementation) as it is timed: the batch's label, ms per call,
+    GB/s over the bytes it must move, TFLOP/s. `batches`: name -> (seqs, new tokens, kv length);
+    `heads`: num_q_heads, num_kv_heads, head_dim."""
+    for name, (num_seqs, q_len, kv_len) in batches.items():
+        batch = make_batch(num_seqs, q_len, kv_len, page_size=page_size, dtype=dtype, **heads)
+        nbytes, flops = traffic_and_flops(num_seqs, q_len, kv_len, itemsize=dtype.itemsize, **heads)
+        label = f"{name} {num_seqs}x{q_len} new, {kv_len} kv"
+        for impl, fn in found.items():
+            s = seconds_per_call(fn, batch, iters)
+            yield {"batch": label, "implementation": impl, "ms": s * 1e3,
+                   "gb_s": nbytes / s / 1e9, "tflop_s": flops / s / 1e12}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     platform = jax.default_backend()
@@ -105,15 +119,11 @@ def main():
           f"page size {args.page_size}")
     found = implementations(platform)
     print(f"{'batch':<28} {'implementation':<22} {'ms':>9} {'GB/s':>9} {'TFLOP/s':>9}")
-    for name in args.batches:
-        num_seqs, q_len, kv_len = BATCHES[name]
-        batch = make_batch(num_seqs, q_len, kv_len, page_size=args.page_size, dtype=dtype, **heads)
-        nbytes, flops = traffic_and_flops(num_seqs, q_len, kv_len, itemsize=dtype.itemsize, **heads)
-        label = f"{name} {num_seqs}x{q_len} new, {kv_len} kv"
-        for impl, fn in found.items():
-            s = seconds_per_call(fn, batch, args.iters)
-            print(f"{label:<28} {impl:<22} {s * 1e3:9.3f} {nbytes / s / 1e9:9.1f} "
-                  f"{flops / s / 1e12:9.3f}")
+    batches = {name: BATCHES[name] for name in args.batches}
+    for row in attention_timings(found, batches, dtype=dtype, iters=args.iters,
+                                 page_size=args.page_size, **heads):
+        print(f"{row['batch']:<28} {row['implementation']:<22} {row['ms']:9.3f} "
+              f"{row['gb_s']:9.1f} {row['tflop_s']:9.3f}")
 
 
 if __name__ == "__main__":

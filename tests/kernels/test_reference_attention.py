@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from xlaserve.pallas_kernels.ragged_paged_attention import cases
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
 STATIC = ("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_pages")
@@ -23,43 +24,8 @@ NUM_Q_HEADS = 8
 SM_SCALE = 1.0 / math.sqrt(HEAD_DIM)
 
 
-def make_case(rng, seqs, *, max_seqs, num_tokens, page_size, pages_per_seq, num_pages,
-              num_kv_heads, num_q_heads=NUM_Q_HEADS, head_dim=HEAD_DIM, dtype=np.float32):
-    """seqs: (q_len, kv_len) of each live sequence. Returns the inputs as numpy arrays."""
-    dtype = np.dtype(dtype)
-    q_lens = np.array([s[0] for s in seqs], np.int32)
-    kv_lens_live = np.array([s[1] for s in seqs], np.int32)
-    num_live, total = len(seqs), int(q_lens.sum())
-    assert num_live <= max_seqs and total <= num_tokens and np.all(q_lens <= kv_lens_live)
-
-    needed = [-(-int(kv) // page_size) for kv in kv_lens_live]
-    assert max(needed, default=0) <= pages_per_seq and sum(needed) < num_pages
-    perm = rng.permutation(num_pages)
-    used, unused = list(perm[:sum(needed)]), perm[sum(needed):]
-    page_indices = rng.integers(-num_pages, 3 * num_pages, (max_seqs, pages_per_seq), np.int32)
-    for s, n in enumerate(needed):
-        page_indices[s, :n] = [used.pop() for _ in range(n)]
-        page_indices[s, n:] = rng.choice(unused, pages_per_seq - n)
-
-    kv_lens = rng.integers(-1000, 10**6, max_seqs).astype(np.int32)
-    kv_lens[:num_live] = kv_lens_live
-    cu_q_lens = rng.integers(-5, 3 * num_tokens, max_seqs + 1).astype(np.int32)
-    cu_q_lens[:num_live + 1] = np.concatenate([[0], np.cumsum(q_lens)])
-
-    cache = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), np.nan, np.float32)
-    for s, (q_len, kv_len) in enumerate(seqs):
-        for pos in range(kv_len - q_len):
-            cache[page_indices[s, pos // page_size], pos % page_size] = rng.standard_normal(
-                (2 * num_kv_heads, head_dim))
-
-    def tokens(heads):
-        x = rng.standard_normal((num_tokens, heads, head_dim)).astype(np.float32)
-        x[total:] = np.nan
-        return x.astype(dtype)
-
-    return dict(q=tokens(num_q_heads), k=tokens(num_kv_heads), v=tokens(num_kv_heads),
-                kv_cache=cache.astype(dtype), kv_lens=kv_lens, page_indices=page_indices,
-                cu_q_lens=cu_q_lens, num_seqs=np.array([num_live], np.int32))
+def make_case(rng, seqs, *, num_q_heads=NUM_Q_HEADS, head_dim=HEAD_DIM, **shapes):
+    return cases.make_case(rng, seqs, num_q_heads=num_q_heads, head_dim=head_dim, **shapes)
 
 
 def expected_result(case, sliding_window=None, soft_cap=None):

@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent("""
     qkv = loaded.model.layers[0].attn.qkv.get_value()
     # [hidden, kv_heads, group + 2, head_dim]: each device holds one kv head with its query heads.
     assert {s.data.shape for s in qkv.addressable_shards} == {(64, 1, 4, 16)}, qkv.sharding
-    assert {s.data.shape for s in caches[0].addressable_shards} == {(5, 8, 2, 16)}
+    # The cache is stored flat, [pages, page_size, 2 * kv_heads * head_dim]: one head's K|V each.
+    assert {s.data.shape for s in caches[0].addressable_shards} == {(5, 8, 2 * 16)}
     embedding = loaded.model.embedding.get_value()
     assert {s.data.shape for s in embedding.addressable_shards} == {(256, 64)}
     print("ok")

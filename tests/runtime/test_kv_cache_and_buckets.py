@@ -61,7 +61,7 @@ def test_pool_size_from_memory_is_rounded_so_programs_keep_their_shape_across_st
 def test_kv_pool_is_zeroed_per_layer_and_logged(caplog):
     with caplog.at_level(logging.INFO):
         pool = init_kv_pool(CONFIG, 6, 4, jnp.float32, default_mesh())
-    assert len(pool) == 2 and pool[0].shape == (6, 4, 4, 16) and float(abs(pool[1]).sum()) == 0
+    assert len(pool) == 2 and pool[0].shape == (6, 4, 4 * 16) and float(abs(pool[1]).sum()) == 0
     assert "KV Cache is allocated. #tokens: 20, K size:" in caplog.text
 
 

@@ -178,19 +178,26 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         batch, sampling, slots, rope = unpack_leaves(ints, floats, layout)
         state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
         model = nnx.merge(graphdef, state)
+
+        def whole_vocab_logits(rows):
+            # The vocabulary whole on every device (an all-gather under tensor parallelism)
+            # before the sampler's and prompt logprobs' top_k: libtpu's SPMD partitioning of a
+            # top_k over a sharded axis returns indices of 0 (libtpu 0.0.42, jax 0.10) or aborts
+            # the compile ("Stable sort expects more than 1 operand"; 0.0.48, jax 0.11).
+            return jax.lax.with_sharding_constraint(model.logits(rows, kernels), replicated)
+
         input_ids = jnp.where(batch.input_slots >= 0,
                               last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
         hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
                                                 batch.metadata, kernels, rope)
-        logits = model.logits(hidden[batch.logits_indices], kernels)
+        logits = whole_vocab_logits(hidden[batch.logits_indices])
         out = sample(logits, sampling, output_counts, prompt_masks, slots,
                      num_top_logprobs=MAX_TOP_LOGPROBS)
         output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
         # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
         last_tokens = last_tokens.at[slots].set(
             jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
-        prompt = prompt_logprobs(lambda rows: model.logits(rows, kernels), hidden,
-                                 batch.target_ids, MAX_TOP_LOGPROBS)
+        prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS)
         return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
 
     return step

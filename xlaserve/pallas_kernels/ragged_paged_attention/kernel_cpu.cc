@@ -115,7 +115,10 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): q, k, v and cache dtypes differ");
   auto qd = q.dimensions(), kd = k.dimensions(), cd = kv_cache.dimensions(),
        pd = page_indices.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || cd.size() != 4 || pd.size() != 2)
+  // The cache is [pages, page_size, 2 * Hkv, D] or the same memory flat, [pages, page_size,
+  // 2 * Hkv * D] (the runtime's): taking both means no reshape around this call, which XLA's
+  // copy insertion answered with a copy of the whole (donated, aliased) cache.
+  if (qd.size() != 3 || kd.size() != 3 || (cd.size() != 3 && cd.size() != 4) || pd.size() != 2)
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): bad ranks");
   if (bf16_pairs && !kHasBf16Pairs)
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): bf16_pairs needs AVX512_BF16");
@@ -135,8 +138,10 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   p.page_size = cd[1];
   p.max_seqs = pd[0];
   p.pages_per_seq = pd[1];
-  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads || cd[2] != 2 * p.num_kv_heads ||
-      cd[3] != p.head_dim || kv_lens.element_count() != static_cast<size_t>(p.max_seqs) ||
+  const int64_t token_row = cd.size() == 4 ? cd[2] * cd[3] : cd[2];
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads ||
+      token_row != 2 * p.num_kv_heads * p.head_dim ||
+      (cd.size() == 4 && cd[3] != p.head_dim) || kv_lens.element_count() != static_cast<size_t>(p.max_seqs) ||
       cu_q_lens.element_count() != static_cast<size_t>(p.max_seqs + 1))
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): inconsistent shapes");
   p.kv_lens = kv_lens.typed_data();

@@ -15,7 +15,6 @@ import jax
 import numpy as np
 
 from xlaserve.native import KernelUnavailable, register  # noqa: F401 (KernelUnavailable: re-export)
-from xlaserve.pallas_kernels.ragged_paged_attention import reference
 
 TARGET_NAME = "xlaserve_ragged_paged_attention_cpu"
 _SOURCE = Path(__file__).with_name("kernel_cpu.cc")
@@ -48,15 +47,15 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     if q.dtype not in (np.float32, jax.numpy.bfloat16) or kv_cache.dtype != q.dtype:
         raise ValueError("the CPU attention kernel takes q and a KV cache of one dtype, float32 or "
                          f"bfloat16; got {q.dtype} and {kv_cache.dtype}")
-    stored_shape, kv_cache = kv_cache.shape, reference.by_head(kv_cache, q.shape[2])  # free on CPU
     call = jax.ffi.ffi_call(
         TARGET_NAME,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
         input_output_aliases={3: 1},
     )
     as_i32 = functools.partial(jax.numpy.asarray, dtype=np.int32)
-    out, kv_cache = call(q, k.astype(q.dtype), v.astype(q.dtype), kv_cache, as_i32(kv_lens),
-                         as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs),
-                         sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-                         soft_cap=np.float32(soft_cap or 0.0), bf16_pairs=bool(bf16_pairs))
-    return out, kv_cache.reshape(stored_shape)
+    # The cache goes in as stored (flat or by head; the kernel takes both): a reshape around
+    # this aliased call made XLA copy the whole cache, every layer and step.
+    return call(q, k.astype(q.dtype), v.astype(q.dtype), kv_cache, as_i32(kv_lens),
+                as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs),
+                sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0), bf16_pairs=bool(bf16_pairs))

@@ -1,0 +1,334 @@
+"""The one command to run on a GPU (or TPU) machine: is xlaserve correct there, and how far from
+the hardware's floor is it? In under 10 minutes on an H100 / H200:
+
+    python benchmarks/accelerator_check.py [--out accelerator_check.json] [--hbm-gbps 3350]
+    python benchmarks/accelerator_check.py --quick      # CPU-sized, for a test: a couple of minutes
+
+1. the environment: Python, package versions, devices, device memory, optional packages;
+2. the Pallas attention kernel compiled for this device (on CPU: the GPU kernel interpreted)
+   against the jnp reference on NaN-poisoned decode, prefill, mixed and ragged batches, float32
+   and bfloat16: max abs error, pass / fail;
+3. a device copy's bandwidth, and bench_attention.py's timings against the HBM bandwidth;
+4. the server: launch_server on dummy weights in a subprocess, /health, one completion through
+   the openai SDK (skipped, with the reason, when fastapi / uvicorn / openai are missing);
+5. decode steps at batch 1 / 32 / 256 and offline throughput of dummy-weight Qwen2.5-0.5B and
+   Llama-3.1-8B against the roofline: a decode step cannot beat (weights + KV it reads) / HBM
+   bandwidth.
+
+Every step is guarded (a failure is recorded and the rest runs) and the JSON (--out) is rewritten
+after each, so a run cut short keeps what it measured. Exit code 0 only if every correctness
+check passed and no step failed. The server runs before the models, so that a run short of time
+loses a timing rather than a check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import accelerator_lib as lib  # noqa: E402
+import bench_attention  # noqa: E402
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # as tests/kernels: bf16 output is rounded
+
+# Sizes per mode. "full" is an accelerator's; "quick" is sized for a 2-core CPU, where the
+# attention kernel runs interpreted (seconds per call).
+PLANS = {
+    "full": dict(
+        attention_heads=dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16),  # Llama 8B
+        ragged_heads=dict(num_q_heads=14, num_kv_heads=2, head_dim=64, page_size=16),  # Qwen 0.5B
+        longest=2048, extra_decodes=32, prefill=[(512, 512), (200, 200), (17, 17), (1, 1), (64, 64)],
+        mixed=[(1, 1000), (128, 300), (1, 17), (64, 64), (1, 2048), (33, 100), (1, 1)],
+        ragged=(16, 300), copy_bytes=1 << 30, iters=20,
+        bench_batches=bench_attention.BATCHES, bench_dtype="bfloat16",
+        bench_heads=dict(num_q_heads=16, num_kv_heads=4, head_dim=128),
+        # A decode step is (T(long) - T(short)) / (long - short): `short` must outlast the
+        # prefill of the biggest batch, 256 x 128 tokens at up to 4096 a step (about 9 steps).
+        models=["qwen2.5-0.5b", "llama-3.1-8b"], batches=[1, 32, 256], input_len=128,
+        short=16, long=80, max_running=256, context=256, max_prefill=4096,
+        offline=dict(num_prompts=512, input_len=(32, 64), output_len=128),
+        server_timeout_s=300, time_budget_s=540),  # the device machine stops a command at 600 s
+    "quick": dict(
+        attention_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16),
+        ragged_heads=dict(num_q_heads=6, num_kv_heads=2, head_dim=32, page_size=16),
+        longest=64, extra_decodes=0, prefill=[(10, 10), (16, 16), (1, 1), (17, 17)],
+        mixed=[(1, 17), (8, 40), (3, 16), (1, 2), (5, 5)],
+        ragged=(5, 24), copy_bytes=256 << 20, iters=3,
+        bench_batches={"decode": (8, 1, 256), "prefill": (2, 64, 64)}, bench_dtype="float32",
+        bench_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32),
+        models=["tiny"], batches=[1, 8], input_len=8, short=4, long=12, max_running=8,
+        context=64, max_prefill=64, offline=dict(num_prompts=16, input_len=(8, 16), output_len=8),
+        server_timeout_s=150, time_budget_s=None),
+}
+
+
+# --- the steps ---------------------------------------------------------------------------------
+
+def show_environment() -> dict:
+    env = lib.environment()
+    print(json.dumps(env, indent=1), flush=True)
+    return env
+
+
+def check_attention(plan: dict) -> dict:
+    name, kernel = lib.kernel_under_test(jax.default_backend())
+    rng = np.random.default_rng(0)
+    heads, longest = plan["attention_heads"], plan["longest"]
+    decode_lens = lib.boundary_lengths(heads["page_size"], longest) + list(
+        rng.integers(1, longest + 1, plan["extra_decodes"]))
+    batches = {
+        "decode": (heads, [(1, int(n)) for n in decode_lens]),
+        "prefill": (heads, plan["prefill"]),
+        "mixed": (heads, plan["mixed"]),
+        "ragged": (plan["ragged_heads"], lib.random_sequences(rng, *plan["ragged"], longest)),
+    }
+    cases = []
+    for dtype in ("float32", "bfloat16"):
+        for batch, (shape, seqs) in batches.items():
+            case = lib.make_attention_case(rng, seqs, dtype=jnp.dtype(dtype), **shape)
+            start = time.perf_counter()  # compile and run: compile costs show on a new device
+            try:
+                result = lib.compare_with_reference(kernel, case, TOLERANCE[dtype])
+            except Exception as error:  # one case failing to compile must not hide the others
+                result = {"passed": False, "error": _describe(error)}
+            cases.append({"batch": batch, "dtype": dtype, "num_seqs": len(seqs), **shape, **result,
+                          "seconds": round(time.perf_counter() - start, 1)})
+            print(f"  attention {batch:<8} {dtype:<9} {_status(result)} {_error_text(result)}",
+                  flush=True)
+    return {"kernel": name, "cases": cases, "passed": all(c["passed"] for c in cases)}
+
+
+def measure_bandwidth(plan: dict, hbm_flag: float | None) -> dict:
+    copy = lib.copy_bandwidth_gbps(plan["copy_bytes"], plan["iters"])
+    published = lib.published_hbm_gbps(jax.devices()[0].device_kind)
+    hbm, source = next((v, s) for v, s in ((hbm_flag, "--hbm-gbps"), (published, "device kind"),
+                                           (copy, "measured copy")) if v)
+    return {"copy_gbps": copy, "copy_bytes": plan["copy_bytes"], "hbm_gbps": hbm, "hbm_source": source}
+
+
+def time_attention(plan: dict, hbm_gbps: float) -> dict:
+    found = bench_attention.implementations(jax.default_backend())
+    rows = list(bench_attention.attention_timings(
+        found, plan["bench_batches"], dtype=jnp.dtype(plan["bench_dtype"]), iters=plan["iters"],
+        page_size=16, **plan["bench_heads"]))
+    for row in rows:
+        row["of_hbm"] = row["gb_s"] / hbm_gbps
+    return {"dtype": plan["bench_dtype"], **plan["bench_heads"], "rows": rows}
+
+
+def check_server(model_path: str, timeout_s: float) -> dict:
+    if jax.default_backend() == "tpu":
+        return {"skipped": "a TPU chip serves one process: this one holds it"}
+    missing = [name for name in lib.SERVER_NEEDS if not lib.importable(name)]
+    if missing:
+        return {"skipped": f"not importable here: {', '.join(missing)} (carry them as wheels: "
+                           "docs/accelerator_check.md)"}
+    return {"model": model_path, **lib.server_check(model_path, timeout_s=timeout_s)}
+
+
+def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, result: dict,
+                    save) -> dict:
+    """Fills `result`, which is already in the results, saving after each figure: a run stopped
+    mid-model keeps the figures it had, and one batch failing (out of memory, say) keeps the rest."""
+    bench = lib.ModelBench(model_path, hbm_gbps=hbm_gbps, max_running=plan["max_running"],
+                           context_length=plan["context"], max_prefill_tokens=plan["max_prefill"],
+                           token_buckets=plan["batches"])
+    try:
+        result.update(startup_s=bench.startup_s, dtype=np.dtype(bench.dtype).name,
+                      weight_bytes_per_step=bench.weight_bytes, decode=[])
+        bench.generate_seconds(bench.prompts(2, 8, 8), 4)  # warm the whole path once
+        for batch in plan["batches"]:
+            try:
+                step = bench.decode_step(batch, plan["input_len"], plan["short"], plan["long"])
+                print(f"  {name} batch {batch}: {_step_text(step)}", flush=True)
+            except Exception as error:
+                step = {"batch": batch, "error": _describe(error)}
+            result["decode"].append(step)
+            save()
+        try:
+            result["offline"] = bench.offline_throughput(max_running=plan["max_running"],
+                                                         **plan["offline"])
+        except Exception as error:
+            result["offline"] = {"error": _describe(error)}
+        return result
+    finally:
+        bench.close()
+
+
+# --- running, recording, summing up -----------------------------------------------------------
+
+class Run:
+    """The results so far, rewritten to --out after every step."""
+
+    def __init__(self, out: str, time_budget_s: float | None):
+        self.out, self.results = out, {"mode": None}
+        self.deadline = time.monotonic() + time_budget_s if time_budget_s else None
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def step(self, name: str, fn, *args, into: dict | None = None) -> dict:
+        print(f"== {name}", flush=True)
+        start = time.perf_counter()
+        if self.out_of_time():
+            result = {"skipped": "the time budget is spent (--time-budget-s)"}
+        else:
+            try:
+                result = fn(*args)
+            except Exception as error:
+                result = {"error": _describe(error), "traceback": traceback.format_exc()[-4000:]}
+                print(result["traceback"], file=sys.stderr, flush=True)
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        (self.results if into is None else into)[name] = result
+        self.save()
+        return result
+
+    def save(self) -> None:
+        with open(self.out, "w") as f:
+            json.dump(self.results, f, indent=1, default=str)
+
+
+def failures(results, path="") -> list[str]:
+    """Where a step raised or a check did not pass."""
+    if isinstance(results, list):
+        return [f for i, item in enumerate(results) for f in failures(item, f"{path}[{i}]")]
+    if not isinstance(results, dict):
+        return []
+    own = [path] if "error" in results or results.get("passed") is False else []
+    return own + [f for key, value in results.items() for f in failures(value, f"{path}/{key}")]
+
+
+def _describe(error: Exception) -> str:
+    """Type and message, cut: a compiler's message can carry a whole IR dump."""
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
+def _status(result: dict) -> str:
+    """PASS / FAIL for checks, FAIL for errors, SKIP, and nothing for a plain figure."""
+    if "skipped" in result:
+        return "SKIP"
+    if "error" in result or result.get("passed") is False:
+        return "FAIL"
+    return "PASS" if result.get("passed") else ""
+
+
+def _error_text(result: dict) -> str:
+    if "error" in result:
+        return result["error"][:100]
+    error = result["max_abs_error"]
+    shown = "non-finite" if error is None else f"{error:.2e}"
+    cache = "" if result["cache_equal"] else ", cache differs"
+    return f"max abs error {shown} (tol {result['tolerance']}){cache}"
+
+
+def _step_text(step: dict) -> str:
+    return (f"{step['step_ms']:.2f} ms/step, floor {step['floor_ms']:.2f} ms "
+            f"({100 * step['of_roofline']:.0f}% of roofline), {step['tok_s']:.0f} tok/s")
+
+
+def print_summary(results: dict) -> None:
+    rows = []
+    env = results.get("environment", {})
+    if "device_kind" in env:
+        rows.append(("environment", f"{env['device_kind']} ({env['backend']})",
+                     f"jax {env['versions']['jax']}, python {env['python']}", ""))
+    for case in results.get("attention_correctness", {}).get("cases", []):
+        rows.append(("attention", f"{case['batch']} {case['dtype']}", _error_text(case), _status(case)))
+    bw = results.get("bandwidth", {})
+    if "copy_gbps" in bw:
+        rows.append(("bandwidth", "device copy", f"{bw['copy_gbps']:.0f} GB/s; roofline uses "
+                     f"{bw['hbm_gbps']:.0f} ({bw['hbm_source']})", ""))
+    for row in results.get("attention_timing", {}).get("rows", []):
+        rows.append(("attention timing", f"{row['batch']}, {row['implementation']}",
+                     f"{row['ms']:.3f} ms, {row['gb_s']:.0f} GB/s ({100 * row['of_hbm']:.0f}% of HBM)", ""))
+    server = results.get("server", {})
+    if server:
+        figure = server.get("skipped") or server.get("error") or (
+            f"{server['status_code']}, {server['completion_tokens']} tokens, ready in {server['ready_s']:.0f} s")
+        rows.append(("server", "/v1/completions", figure, _status(server)))
+    for model, result in results.get("models", {}).items():
+        for step in result.get("decode", []):
+            figure = step.get("error") or _step_text(step)
+            rows.append(("decode step", f"{model} batch {step['batch']}", figure, _status(step)))
+        o = result.get("offline", {})
+        if o:
+            figure = o.get("error") or (f"{o['output_tok_s']:.0f} tok/s from {o['num_prompts']} prompts, "
+                                        f"ceiling {o['ceiling_tok_s']:.0f} ({100 * o['of_ceiling']:.0f}%)")
+            rows.append(("offline", model, figure, _status(o)))
+        for key in ("error", "skipped"):
+            if key in result:
+                rows.append(("model", model, str(result[key]), _status(result)))
+    print(f"\n{'section':<17} {'item':<40} {'figure':<72} status")
+    for section, item, figure, status in rows:
+        print(f"{section:<17} {item[:40]:<40} {figure[:72]:<72} {status}")
+    print(f"\n{'PASSED' if results['passed'] else 'FAILED: ' + ', '.join(results['failures'])}")
+
+
+def run_steps(run: Run, plan: dict, args, tiny_dir: str) -> None:
+    models = [lib.write_tiny_config(tiny_dir) if name == "tiny" else lib.config_dir(name)
+              for name in args.model_configs or plan["models"]]
+
+    run.step("environment", show_environment)
+    run.step("attention_correctness", check_attention, plan)
+    bandwidth = run.step("bandwidth", measure_bandwidth, plan, args.hbm_gbps)
+    hbm = bandwidth.get("hbm_gbps") or args.hbm_gbps or 1.0  # 1.0: a failed measure, figures moot
+    run.step("attention_timing", time_attention, plan, hbm)
+    if args.skip_server:
+        run.results["server"] = {"skipped": "--skip-server"}
+    else:
+        run.step("server", check_server, models[0], plan["server_timeout_s"])
+    run.results["models"] = {}
+    for path in models:
+        name = "tiny" if path == tiny_dir else os.path.basename(path.rstrip("/"))
+        partial = run.results["models"][name] = {}
+        run.step(name, benchmark_model, plan, name, path, hbm, partial, run.save,
+                 into=run.results["models"])
+
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CPU-sized everything (the test's mode)")
+    parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--model-configs", nargs="+", default=None, metavar="NAME_OR_DIR",
+                        help="folders of benchmarks/configs or paths to config.json folders "
+                             "(default: qwen2.5-0.5b llama-3.1-8b; --quick: a 2-layer model)")
+    parser.add_argument("--hbm-gbps", type=float, default=None,
+                        help="HBM bandwidth of the roofline (default: H100 3350, H200 4800, "
+                             "else the measured device copy)")
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="skip the steps that would start after this many seconds "
+                             "(default: 540, none with --quick)")
+    parser.add_argument("--out", default="accelerator_check.json")
+    args = parser.parse_args(argv)
+    plan = PLANS["quick" if args.quick else "full"]
+    run = Run(args.out, args.time_budget_s or plan["time_budget_s"])
+    run.results["mode"] = "quick" if args.quick else "full"
+    started = time.perf_counter()
+    tiny_dir = tempfile.mkdtemp(prefix="accelerator_check_tiny_")
+    try:
+        run_steps(run, plan, args, tiny_dir)
+    finally:
+        shutil.rmtree(tiny_dir, ignore_errors=True)
+    run.results["failures"] = failures(run.results)
+    run.results["passed"] = not run.results["failures"]
+    run.results["elapsed_s"] = round(time.perf_counter() - started, 1)
+    run.save()
+    print_summary(run.results)
+    print(f"\nwritten to {args.out} ({run.results['elapsed_s']:.0f} s)")
+    return 0 if run.results["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
