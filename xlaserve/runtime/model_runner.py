@@ -181,9 +181,10 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
 
         def whole_vocab_logits(rows):
             # The vocabulary whole on every device (an all-gather under tensor parallelism)
-            # before the sampler's and prompt logprobs' top_k: libtpu's SPMD partitioning of a
-            # top_k over a sharded axis returns indices of 0 (libtpu 0.0.42, jax 0.10) or aborts
-            # the compile ("Stable sort expects more than 1 operand"; 0.0.48, jax 0.11).
+            # before the sampler's and prompt logprobs' top_k. JAX 0.11's XLA left the logits
+            # sharded into it, and libtpu's SPMD partitioning of a top_k over a sharded axis
+            # aborts the compile there ("Stable sort expects more than 1 operand", libtpu
+            # 0.0.48); libtpu 0.0.42 (JAX 0.10) compiles it but returns indices of 0.
             return jax.lax.with_sharding_constraint(model.logits(rows, kernels), replicated)
 
         input_ids = jnp.where(batch.input_slots >= 0,
