@@ -5,9 +5,10 @@ Same signature and semantics as `reference.ragged_paged_attention` (the specific
 CPU, DMAs and semaphores included) and the block sizes `q_block` / `kv_block_pages`.
 
 New K/V are written into the cache by XLA's scatter before the kernel, in place (the cache is
-donated). A DMA per token from a Pallas kernel compiled for float32 only: a bfloat16 token row is
-half of a packed 32-bit sublane, and Mosaic refuses DMAs at unaligned offsets along tiled
-dimensions (found by compiling for v5e/v6e; see tests/kernels/test_compile_tpu.py).
+donated). The earlier design, a DMA per token from a Pallas kernel, compiled for float32 only: a
+bfloat16 token row is half of a packed 32-bit sublane, and Mosaic refuses DMAs at unaligned
+offsets along tiled dimensions (found by compiling for v5e/v6e, tests/kernels/
+test_compile_kernels.py).
 
 `_attention` runs one grid step per work item (see work_items.py: up to `q_block` new tokens of
 one sequence), so decode-only, prefill-only and mixed batches run the same grid. The metadata is
