@@ -118,4 +118,6 @@ def test_unsupported_page_sizes_are_refused_before_compiling(target):
         assert kernel_tpu.default_page_size(64, 131072) == 64
     else:
         with pytest.raises(ValueError, match="power-of-two head dims"):
-            kernel_gpu.check_shapes(64, 80)
+            kernel_gpu.check_shapes(64, 80, 2)
+        with pytest.raises(ValueError, match="shared memory"):  # float32 256-token pages, d 128
+            kernel_gpu.check_shapes(256, 128, 4)

@@ -19,6 +19,7 @@ import logging
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -71,7 +72,7 @@ def check_shapes(backend: str, platform: str, *, page_size: int, head_dim: int, 
         kernel_tpu.check_shapes(page_size, dtype, max_seqs, pages_per_seq)
     else:
         block_pages = kernel_gpu.default_kv_block_pages(page_size, pages_per_seq)
-        kernel_gpu.check_shapes(block_pages * page_size, head_dim)
+        kernel_gpu.check_shapes(block_pages * page_size, head_dim, jnp.dtype(dtype).itemsize)
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,

@@ -33,6 +33,9 @@ from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     query_group, sanitize_metadata, scatter_outputs, write_new_kv_with_xla)
 
 KV_BLOCK_TOKENS = 64  # keys per loop step; K and V of one step stay in registers/shared memory
+# Shared memory for the KV blocks: an H100 gives a block 227 KiB (A100: 163), less the queries
+# and scores (up to 128 rows x 128 dims in float32: 64 KiB).
+SHARED_MEMORY_FOR_KV = 160 << 10
 
 
 def next_power_of_two(x: int) -> int:
@@ -44,19 +47,35 @@ def default_kv_block_pages(page_size, pages_per_seq):
     return max(1, min(KV_BLOCK_TOKENS // page_size, next_power_of_two(pages_per_seq)))
 
 
-def check_shapes(block_tokens: int, head_dim: int) -> None:
-    """Triton's dot wants power-of-two dims of at least 16: raises ValueError for a head dim or a
-    KV block (a page, or KV_BLOCK_TOKENS of smaller pages) that is not."""
+def check_shapes(block_tokens: int, head_dim: int, itemsize: int) -> None:
+    """Raises ValueError for shapes Triton cannot compile: its dot wants power-of-two dims of at
+    least 16 (the head dim, and a KV block: a page, or KV_BLOCK_TOKENS of smaller pages), and one
+    KV block's K and V must fit in shared memory."""
     if block_tokens != next_power_of_two(block_tokens) or block_tokens < 16 or (
             head_dim != next_power_of_two(head_dim)):
         raise ValueError("the Pallas GPU attention kernel needs power-of-two head dims and pages "
                          f"(KV blocks) of at least 16 tokens; got head dim {head_dim}, "
                          f"{block_tokens}-token blocks")
+    if kv_block_bytes(block_tokens, head_dim, itemsize) > SHARED_MEMORY_FOR_KV:
+        raise ValueError(f"the Pallas GPU attention kernel holds a page's K and V in shared "
+                         f"memory: {block_tokens}-token pages of head dim {head_dim} are too big; "
+                         "use a smaller --page-size")
+
+
+def kv_block_bytes(block_tokens: int, head_dim: int, itemsize: int) -> int:
+    return 2 * block_tokens * head_dim * itemsize  # K and V
+
+
+def default_num_stages(block_tokens: int, head_dim: int, itemsize: int) -> int:
+    """Triton's software pipeline keeps `num_stages` KV blocks in shared memory: two where they
+    fit, else one (float32 128-token pages of head dim 128 asked for 264 KiB against an H100's
+    227, compiled deviceless)."""
+    return 2 if 2 * kv_block_bytes(block_tokens, head_dim, itemsize) <= SHARED_MEMORY_FOR_KV else 1
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, interpret=False,
-                           q_block=None, kv_block_pages=None, num_warps=4, num_stages=2):
+                           q_block=None, kv_block_pages=None, num_warps=4, num_stages=None):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
@@ -65,7 +84,9 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     if kv_block_pages is None:
         kv_block_pages = default_kv_block_pages(page_size, pages_per_seq)
     block_tokens = kv_block_pages * page_size
-    check_shapes(block_tokens, head_dim)
+    check_shapes(block_tokens, head_dim, kv_cache.dtype.itemsize)
+    if num_stages is None:
+        num_stages = default_num_stages(block_tokens, head_dim, kv_cache.dtype.itemsize)
     kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
 
