@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_attention import median_seconds
 from xlaserve.pallas_kernels.ragged_paged_attention import cases
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,17 +132,6 @@ def compare_with_reference(kernel, case: dict, tol: float) -> dict:
 
 
 # --- bandwidth and the roofline ----------------------------------------------------------------
-
-def median_seconds(fn, iters: int) -> float:
-    """Median wall time of `fn()` (which must block) over `iters` calls after one warm call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
 
 def copy_bandwidth_gbps(nbytes: int, iters: int) -> float:
     """Device read + write bandwidth of an elementwise pass over `nbytes` (x + 1, so that XLA

@@ -70,20 +70,29 @@ def traffic_and_flops(num_seqs, q_len, kv_len, num_q_heads, num_kv_heads, head_d
     return kv_bytes + q_out_bytes + new_kv_bytes, flops
 
 
+def median_seconds(fn, iters: int) -> float:
+    """Median wall time of `fn()` (which must block) over `iters` calls after one warm call (the
+    compile)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def seconds_per_call(fn, batch, iters: int) -> float:
     """Median over `iters` calls; the cache is donated and threaded through, as in serving."""
     step = jax.jit(lambda cache, rest: fn(kv_cache=cache, **rest, sm_scale=0.1), donate_argnums=0)
     rest = {k: v for k, v in batch.items() if k != "kv_cache"}
-    cache = jnp.copy(batch["kv_cache"])
-    out, cache = step(cache, rest)  # compile
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        out, cache = step(cache, rest)
-        jax.block_until_ready((out, cache))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    cache = [jnp.copy(batch["kv_cache"])]
+
+    def call():
+        out, cache[0] = step(cache[0], rest)
+        jax.block_until_ready((out, cache[0]))
+
+    return median_seconds(call, iters)
 
 
 def attention_timings(found: dict, batches: dict, *, dtype, iters: int, page_size: int, **heads):

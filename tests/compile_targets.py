@@ -1,8 +1,10 @@
 """Compile-only TPU and GPU devices for the tests (runtime/aot.py), skipped with the reason where
 the package that provides them is not installed (`make test` installs both into .venv/aot)."""
 import functools
+import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from xlaserve.runtime import aot
@@ -22,6 +24,14 @@ def devices(target: str):
     if isinstance(found, str):
         pytest.skip(found)
     return found
+
+
+def cache_copies(hlo: str, shape, dtype) -> list[str]:
+    """Instructions of a compiled program (its HLO text) that copy a whole array of the cache's
+    shape: a relayout, or a copy XLA inserted for an in-place update it could not do in place."""
+    name = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(dtype).name]
+    pattern = "= " + re.escape(f"{name}[{','.join(map(str, shape))}]") + r"\{[^}]*\} copy\("
+    return [line.strip()[:200] for line in hlo.splitlines() if re.search(pattern, line)]
 
 
 def compile_for(mesh, fn, *args, **kwargs):

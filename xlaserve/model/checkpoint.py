@@ -12,11 +12,11 @@ import os
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.registry import model_class
-from xlaserve.model.transformer import abstract_model, partition_spec
+from xlaserve.model.transformer import abstract_parameters
 
 MARKER = "xlaserve_model.json"
 
@@ -51,13 +51,9 @@ def load(path: str, *, dtype, mesh: Mesh):
     import orbax.checkpoint as ocp
 
     config = load_config(path)
-    graphdef, abstract_state = nnx.split(abstract_model(config, dtype, model_class(config.architecture)))
-    flat = nnx.to_flat_state(abstract_state)
-    target = nnx.from_flat_state({
-        p: jax.ShapeDtypeStruct(v.get_value().shape, dtype,
-                                sharding=NamedSharding(mesh, partition_spec(p)))
-        for p, v in flat
-    })
+    graphdef, abstract_state, parameters = abstract_parameters(
+        config, dtype, mesh, model_class(config.architecture))
+    target = nnx.from_flat_state(parameters)
     restored = ocp.StandardCheckpointer().restore(
         os.path.join(os.path.abspath(path), "params"), nnx.to_pure_dict(target)
     )

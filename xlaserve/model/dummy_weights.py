@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.registry import model_class
-from xlaserve.model.transformer import abstract_model, partition_spec
+from xlaserve.model.transformer import abstract_parameters
 
 INIT_STD = 0.02
 _NORM_SCALE = "scale"  # the leaf name of every RMSNorm's weight (transformer.RMSNorm)
@@ -33,14 +33,12 @@ _NORM_SCALE = "scale"  # the leaf name of every RMSNorm's weight (transformer.RM
 
 def dummy_model(config: ModelConfig, *, dtype, mesh: Mesh, seed: int = 0):
     """The model of `config` with random weights, each parameter sharded by its partition spec."""
-    cls = model_class(config.architecture)
-    graphdef, abstract_state = nnx.split(abstract_model(config, dtype, cls))
+    graphdef, _, parameters = abstract_parameters(config, jnp.dtype(dtype), mesh,
+                                                  model_class(config.architecture))
     values = {}
-    for path, variable in nnx.to_flat_state(abstract_state):
-        shape = tuple(variable.get_value().shape)
+    for path, parameter in parameters.items():
         kind = "ones" if str(path[-1]) == _NORM_SCALE else "uniform"
-        sharding = NamedSharding(mesh, partition_spec(path))
-        initializer = _initializer(kind, shape, jnp.dtype(dtype), sharding)
+        initializer = _initializer(kind, tuple(parameter.shape), parameter.dtype, parameter.sharding)
         values[path] = initializer(np.uint32(parameter_key(seed, path)))
     return nnx.merge(graphdef, nnx.from_flat_state(values))
 

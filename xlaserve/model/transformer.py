@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
@@ -331,6 +332,16 @@ def partition_spec(path: tuple) -> P:
 def abstract_model(config: ModelConfig, dtype, model_class=CausalLM) -> CausalLM:
     """The model's structure with ShapeDtypeStruct leaves: no memory, no random numbers."""
     return nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def abstract_parameters(config: ModelConfig, dtype, mesh, model_class=CausalLM):
+    """(graphdef, abstract state, {path: ShapeDtypeStruct of the parameter in `dtype`, with its
+    partition spec on `mesh`}): where each weight goes, before any is made, loaded or restored."""
+    graphdef, state = nnx.split(abstract_model(config, dtype, model_class))
+    parameters = {path: jax.ShapeDtypeStruct(variable.get_value().shape, dtype,
+                                             sharding=NamedSharding(mesh, partition_spec(path)))
+                  for path, variable in nnx.to_flat_state(state)}
+    return graphdef, state, parameters
 
 
 def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:

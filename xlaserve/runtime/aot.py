@@ -29,13 +29,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.loader import model_class_check, resolve_dtype
+from xlaserve.model.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
-from xlaserve.model.transformer import KV_CACHE_SPEC, abstract_model, kv_cache_shape, partition_spec
-from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, default_page_size
-from xlaserve.runtime.buckets import serving_buckets
+from xlaserve.model.transformer import KV_CACHE_SPEC, abstract_parameters, kv_cache_shape
+from xlaserve.runtime.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.kernels import kernels_for
-from xlaserve.runtime.model_runner import make_step, step_inputs
+from xlaserve.runtime.model_runner import idle_step, make_step, pack_step
 from xlaserve.runtime.weight_args import weight_args
 from xlaserve.server_args import ServerArgs
 
@@ -105,7 +104,7 @@ class StepProgram:
     mesh: Mesh
 
     def compile(self, tokens: int, seqs: int, pages: int):
-        ints, floats, layout = step_inputs(self.inv_freq, tokens, seqs, pages)
+        ints, floats, layout = pack_step(self.inv_freq, *idle_step(tokens, seqs, pages))
         inputs = (abstract(ints.shape, ints.dtype, self.mesh), abstract(floats.shape, floats.dtype,
                                                                         self.mesh))
         with jax.set_mesh(self.mesh):
@@ -117,10 +116,9 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                  attention_backend: str = "auto") -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
-    graphdef, state = nnx.split(abstract_model(config, dtype, model_class(config.architecture)))
-    flat = [(path, abstract(var.get_value().shape, var.get_value().dtype, mesh,
-                            partition_spec(path))) for path, var in nnx.to_flat_state(state)]
-    leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(flat))
+    graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
+                                                  model_class(config.architecture))
+    leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1)
     cache = abstract(kv_cache_shape(config, num_pages, page_size), dtype, mesh, KV_CACHE_SPEC)
     caches = [cache] * config.num_layers
@@ -132,31 +130,18 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     return StepProgram(step, args, config.rope.inv_freq(config.head_dim), mesh)
 
 
-def load_config(model_path: str) -> ModelConfig:
-    """ModelConfig from a directory holding a config.json (or the file itself)."""
-    from transformers import AutoConfig
-
-    path = Path(model_path)
-    hf_config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
-    return ModelConfig.from_hf(hf_config, model_class_check(hf_config))
-
-
 def server_step(target: str, server_args: ServerArgs) -> tuple[StepProgram, list, str]:
     """The step a server started with `server_args` would run on `target`, the bucket shapes it
     would precompile, and a one-line description. `server_args.model_path`: a directory with the
     model's config.json (weights are not read)."""
     platform, devices = target_devices(target)
     mesh = mesh_of(devices, server_args.tp_size)
-    config = load_config(server_args.model_path)
+    config, _ = read_config(server_args.model_path, load_format="dummy")  # reads no weights
     dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
     context_length = server_args.context_length or config.max_position_embeddings
-    page_size = server_args.page_size or default_page_size(
-        platform, server_args.max_running_requests, context_length)
-    server_args = dataclasses.replace(server_args, page_size=page_size)
-    buckets = serving_buckets(server_args, context_length, dtype, platform)
-    check_shapes(server_args.attention_backend, platform, page_size=page_size,
-                 head_dim=config.head_dim, dtype=dtype, max_seqs=max(buckets.seqs),
-                 pages_per_seq=max(buckets.pages))
+    server_args = with_page_size(server_args, platform, context_length)
+    page_size = server_args.page_size
+    buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform)
     num_pages = (server_args.max_total_tokens or DEFAULT_KV_TOKENS) // page_size + 1
     program = step_program(config, dtype, mesh, platform, num_pages=num_pages,
                            page_size=page_size,

@@ -17,6 +17,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, default_page_size
+
 
 def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     """Powers of two from `smallest` below `largest`, then `largest` itself (so 576 tokens at most
@@ -100,16 +102,27 @@ def _sorted(values) -> tuple[int, ...] | None:
     return tuple(sorted(set(int(v) for v in values))) if values else None
 
 
-def serving_buckets(args, context_length: int, dtype, platform: str,
+def with_page_size(args, platform: str, context_length: int):
+    """`args` (ServerArgs) with --page-size resolved: as given, or the platform's default
+    (api.default_page_size)."""
+    if args.page_size:
+        return args
+    page_size = default_page_size(platform, args.max_running_requests, context_length)
+    return dataclasses.replace(args, page_size=page_size)
+
+
+def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: str,
                     native_matmul: bool = False) -> Buckets:
-    """The buckets a server with `args` (ServerArgs) precompiles on `platform`."""
+    """The buckets a server with `args` (ServerArgs, --page-size resolved) precompiles on
+    `platform`. Raises ValueError where the attention kernel cannot take them (api.check_shapes),
+    so that a server says so at start-up instead of failing inside XLA's compile."""
     # Imported here: the scheduler imports batch.py, which imports this module.
     from xlaserve.runtime.kv_cache import pages_for_tokens
     from xlaserve.runtime.scheduler import max_step_tokens
 
     step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
     pages = pages_for_tokens(context_length, args.page_size)
-    return Buckets.for_limits(
+    buckets = Buckets.for_limits(
         step_tokens, args.max_running_requests, pages,
         token_paddings=_int_list(args.precompile_token_paddings) or default_token_buckets(
             step_tokens, dtype, platform, native_matmul=native_matmul),
@@ -118,6 +131,9 @@ def serving_buckets(args, context_length: int, dtype, platform: str,
         # wide table costs little, and each extra width would multiply the compiled programs.
         page_paddings=[pages],
     )
+    check_shapes(args.attention_backend, platform, page_size=args.page_size, head_dim=head_dim,
+                 dtype=dtype, max_seqs=max(buckets.seqs), pages_per_seq=max(buckets.pages))
+    return buckets
 
 
 def _int_list(text: str | None) -> list[int] | None:

@@ -20,10 +20,9 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.model.loader import load_model, tensor_parallel_mesh
-from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, default_page_size
 from xlaserve.runtime import malloc_tuning
 from xlaserve.runtime.batch import pack
-from xlaserve.runtime.buckets import serving_buckets
+from xlaserve.runtime.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.compilation import enable_persistent_cache
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
 from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for
@@ -67,9 +66,8 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.context_length = args.context_length or config.max_position_embeddings
         platform = jax.default_backend()
-        page_size = args.page_size or default_page_size(platform, args.max_running_requests,
-                                                        self.context_length)
-        self.args = args = dataclasses.replace(args, page_size=page_size)
+        self.args = args = with_page_size(args, platform, self.context_length)
+        page_size = args.page_size
         num_pages = num_pages_for(config, self.loaded.dtype, page_size,
                                   max_total_tokens=args.max_total_tokens,
                                   mem_fraction_static=_mem_fraction(args.mem_fraction_static))
@@ -77,11 +75,9 @@ class EngineCore:
                                   max_running_requests=args.max_running_requests,
                                   attention_backend=args.attention_backend,
                                   matmul_backend=args.matmul_backend)
-        self.buckets = serving_buckets(args, self.context_length, self.loaded.dtype, platform,
+        self.buckets = serving_buckets(args, self.context_length, config.head_dim,
+                                       self.loaded.dtype, platform,
                                        native_matmul=self.runner.kernels.packed_matmul is not None)
-        check_shapes(args.attention_backend, platform, page_size=page_size,
-                     head_dim=config.head_dim, dtype=self.loaded.dtype,
-                     max_seqs=max(self.buckets.seqs), pages_per_seq=max(self.buckets.pages))
         self.scheduler = Scheduler(
             PageAllocator(num_pages), page_size, args.max_running_requests,
             args.chunked_prefill_size, args.max_prefill_tokens, self.context_length,

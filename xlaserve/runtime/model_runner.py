@@ -137,8 +137,7 @@ class ModelRunner:
     def _send(self, batch: ForwardBatch, sampling: SamplingMetadata, slots):
         """The step's host arrays, with the rows' RoPE cos/sin, as two device vectors
         (runtime/packing.py) and their layout."""
-        rope = rope_cos_sin(self._inv_freq, batch.positions)
-        ints, floats, layout = pack_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
+        ints, floats, layout = pack_step(self._inv_freq, batch, sampling, slots)
         ints, floats = jax.device_put((ints, floats), self.output_counts.sharding)
         return ints, floats, layout
 
@@ -147,21 +146,16 @@ class ModelRunner:
 
     def compiled_step(self, tokens: int, seqs: int, pages: int):
         """The step compiled for one bucket shape (for its memory analysis and HLO text)."""
-        ints, floats, layout = step_inputs(self._inv_freq, tokens, seqs, pages)
-        ints, floats = jax.device_put((ints, floats), self.output_counts.sharding)
+        ints, floats, layout = self._send(*idle_step(tokens, seqs, pages))
         return self._step.lower(self._weight_args, self.kv_caches, self.output_counts,
                                 self.last_tokens, self.prompt_masks, ints, floats,
                                 layout=layout).compile()
 
     def precompile(self, shapes, *, progress: bool = True) -> None:
-        """Compile one step per (tokens, seqs, pages) shape, with every row padding: nothing is
-        written to a live page (padding tokens write to no page at all)."""
+        """Compile one step per (tokens, seqs, pages) shape, with every row padding."""
         for tokens, seqs, pages in tqdm(shapes, desc="Precompiling", unit="shape",
                                         disable=not progress):
-            batch = empty_batch(tokens, seqs, pages)
-            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
-                                               SAMPLING_WIDTHS)
-            out = self.step(batch, sampling, np.full(seqs, NULL_SLOT, np.int32))
+            out = self.step(*idle_step(tokens, seqs, pages))
             jax.block_until_ready(out.sample.tokens)
         self._precompiled = True
 
@@ -204,13 +198,19 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     return step
 
 
-def step_inputs(inv_freq, tokens: int, seqs: int, pages: int):
-    """(ints, floats, layout) of a step of the given bucket shape with no live row, on the host."""
+def pack_step(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots):
+    """The step's host arrays, with the rows' RoPE cos/sin, as one int32 and one float32 vector
+    (runtime/packing.py) and their layout."""
+    rope = rope_cos_sin(inv_freq, batch.positions)
+    return pack_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
+
+
+def idle_step(tokens: int, seqs: int, pages: int):
+    """(batch, sampling, slots) of a step of the given bucket shape with every row padding:
+    nothing is written to a live page (padding tokens write to no page at all)."""
     sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                        SAMPLING_WIDTHS)
-    batch = empty_batch(tokens, seqs, pages)
-    rope = rope_cos_sin(inv_freq, batch.positions)
-    return pack_leaves((batch, sampling, np.zeros(seqs, np.int32), rope))
+    return empty_batch(tokens, seqs, pages), sampling, np.full(seqs, NULL_SLOT, np.int32)
 
 
 def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:

@@ -50,7 +50,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
 
     q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [num_pages, page_size, 2*Hkv, D] (K of kv head h at
     2h, V at 2h+1), or the same stored flat as [num_pages, page_size, 2*Hkv*D] (the runtime's
-    layout; the cache comes back in the shape it came in); kv_lens i32[S]; page_indices i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
+    layout; the cache comes back in the shape it came in); kv_lens i32[S]; page_indices
+    i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
     New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
     padding tokens are 0. See DESIGN.md, "Ragged paged attention".
     """
