@@ -10,6 +10,9 @@ TTFT / ITL / end-to-end latency mean, median and p99.
     # a real model's shapes with random weights (configs in benchmarks/configs)
     .venv/bin/python benchmarks/bench_serving.py --launch xlaserve --max-concurrency 16 \\
         --model-path benchmarks/configs/qwen2.5-0.5b --load-format dummy
+    # structured outputs: the same prompts unconstrained, then each under a JSON schema, one server
+    .venv/bin/python benchmarks/bench_serving.py --launch xlaserve --max-concurrency 16 \\
+        --num-prompts 64 --json-schema benchmarks/schemas/long_records.json [--repeat 3]
 
 Prompts are random token ids of the default model's vocabulary, decoded to text (every server
 tokenizes them itself, so lengths match within a few tokens). End-of-text tokens are banned with
@@ -18,7 +21,21 @@ A model without tokenizer files (the configs in benchmarks/configs) is served wi
 --skip-tokenizer-init: prompts stay token ids, sent to SGLang's native /generate as `input_ids`
 with `ignore_eos`, and its stream's `output_ids` are counted.
 `--launch llama.cpp` runs llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`) on
-an F32 GGUF of the very weights xlaserve serves (see peers.py).
+an F32 GGUF of the very weights xlaserve serves (see peers.py). Output tokens are the server's
+`usage.completion_tokens` where the stream reports it (xlaserve does, asked with
+`stream_options`), else one per chunk with text.
+
+Structured outputs: with `--json-schema FILE` each server gets, after a warm-up of both, two
+passes over the same prompts: unconstrained (as above) and constrained, each request also
+carrying the schema (SGLang's extra body key `json_schema`, a JSON string; on /generate
+`sampling_params.json_schema`; a model without a tokenizer cannot be constrained). With
+`--repeat K`, K rounds alternate which pass goes first, each row the median over its rounds. The
+prefix cache is flushed (SGLang's POST /flush_cache) before each pass, as they share prompts.
+It prints both rows and the ratio of their output tok/s. For a fair ratio the schema should not
+fit in --output-len, so that constrained requests too run to max_tokens (finish "length"), with
+the same end-of-text ban: benchmarks/schemas/long_records.json asks for 50+ records (2000+
+tokens). The constrained row counts finish reasons, and the outputs that begin with "{" (0 would
+mean the server ignored the schema).
 """
 from __future__ import annotations
 
@@ -51,13 +68,19 @@ def make_prompts(num: int, input_len: tuple[int, int], seed: int,
 
 
 def request_body(model: str, prompt: str | list[int], output_len: int,
-                 logit_bias: dict) -> tuple[str, dict]:
-    """(route, body): text to /v1/completions, token ids to /generate (no tokenizer needed)."""
+                 logit_bias: dict, json_schema: str | None = None) -> tuple[str, dict]:
+    """(route, body): text to /v1/completions, token ids to /generate (no tokenizer needed);
+    `json_schema` (a JSON string) constrains the output (SGLang's key on both routes)."""
     if isinstance(prompt, str):
-        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": output_len,
-                                   "temperature": 0.0, "stream": True, "logit_bias": logit_bias}
-    return "/generate", {"input_ids": prompt, "stream": True, "sampling_params": {
-        "max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}, "logit_bias": logit_bias}
+        if json_schema is not None:
+            body["json_schema"] = json_schema
+        return "/v1/completions", body
+    sampling_params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    if json_schema is not None:
+        sampling_params["json_schema"] = json_schema
+    return "/generate", {"input_ids": prompt, "stream": True, "sampling_params": sampling_params}
 
 
 def new_tokens(chunk: dict, seen: int) -> int:
@@ -68,54 +91,132 @@ def new_tokens(chunk: dict, seen: int) -> int:
     return int(bool(chunk.get("choices") and chunk["choices"][0].get("text")))
 
 
+def chunk_text(chunk: dict, text: str) -> str:
+    """The output text so far: /generate's events hold all of it, completions chunks a piece."""
+    if "output_ids" in chunk:
+        return chunk.get("text") or text
+    return text + "".join(c.get("text") or "" for c in chunk.get("choices") or ())
+
+
+def finish_reason(chunk: dict) -> str | None:
+    """The finish reason a stream event carries: /generate's meta_info, a completions choice."""
+    if "meta_info" in chunk:
+        return ((chunk["meta_info"] or {}).get("finish_reason") or {}).get("type")
+    return next((c["finish_reason"] for c in chunk.get("choices") or () if c.get("finish_reason")), None)
+
+
 async def one_request(http: httpx.AsyncClient, model: str, prompt: str | list[int],
-                      output_len: int, logit_bias: dict = BANNED) -> dict:
-    route, body = request_body(model, prompt, output_len, logit_bias)
+                      output_len: int, logit_bias: dict = BANNED, json_schema: str | None = None) -> dict:
+    route, body = request_body(model, prompt, output_len, logit_bias, json_schema)
     start = time.perf_counter()
-    token_times, tokens = [], 0
+    token_times, tokens, usage_tokens, text, finish = [], 0, None, "", None
     async with http.stream("POST", route, json=body) as response:
         if response.status_code != 200:
             return {"ok": False, "error": (await response.aread()).decode()[:300]}
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            added = new_tokens(json.loads(line[6:]), tokens)
+            chunk = json.loads(line[6:])
+            if "error" in chunk and "choices" not in chunk and "output_ids" not in chunk:
+                return {"ok": False, "error": json.dumps(chunk["error"])[:300]}
+            added = new_tokens(chunk, tokens)
             if added > 0:
                 token_times.append(time.perf_counter())
                 tokens += added
+            if (chunk.get("usage") or {}).get("completion_tokens") is not None:
+                usage_tokens = chunk["usage"]["completion_tokens"]
+            text = chunk_text(chunk, text)
+            finish = finish_reason(chunk) or finish
     end = time.perf_counter()
     if not token_times:
         return {"ok": False, "error": "no tokens"}
     itl = np.diff(token_times).tolist()
     return {"ok": True, "ttft": token_times[0] - start, "itl": itl, "e2e": end - start,
-            "output_tokens": tokens}
+            "output_tokens": tokens if usage_tokens is None else usage_tokens,
+            "finish_reason": finish, "text": text}
+
+
+async def run_pass(http: httpx.AsyncClient, model: str, prompts: list, output_len: int,
+                   max_concurrency: int | None, request_rate: float, seed: int,
+                   logit_bias: dict = BANNED, json_schema: str | None = None) -> dict:
+    """One pass over the prompts (arrivals seeded, so every pass has the same schedule)."""
+    semaphore = asyncio.Semaphore(max_concurrency or len(prompts))
+    rng = np.random.default_rng(seed)
+
+    async def limited(prompt):
+        async with semaphore:
+            return await one_request(http, model, prompt, output_len, logit_bias, json_schema)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(limited(prompt)))
+        if request_rate != float("inf"):
+            await asyncio.sleep(rng.exponential(1.0 / request_rate))
+    results = await asyncio.gather(*tasks)
+    return summarize(results, time.perf_counter() - start, constrained=json_schema is not None)
 
 
 async def run_load(base_url: str, model: str, prompts: list, output_len: int,
                    max_concurrency: int | None, request_rate: float, seed: int,
-                   logit_bias: dict = BANNED) -> dict:
+                   logit_bias: dict = BANNED, json_schema: str | None = None,
+                   repeat: int = 1) -> dict:
+    """Without `json_schema` and `repeat`: one pass's stats. Otherwise {"unconstrained": stats,
+    "json_schema": stats (with a schema), "ratio": constrained / unconstrained output tok/s}:
+    after a warm-up of both kinds, `repeat` rounds, the first unconstrained then constrained, the
+    next the other way round, and so on; each kind's stats the median over its rounds."""
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
-    semaphore = asyncio.Semaphore(max_concurrency or len(prompts))
-    rng = np.random.default_rng(seed)
+    kinds = {"unconstrained": None} | ({} if json_schema is None else {"json_schema": json_schema})
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as http:
-        await one_request(http, model, prompts[0], min(output_len, 8), logit_bias)  # warm-up
+        for schema in kinds.values():  # warm-up (with a schema: its compile, the mask path)
+            warm = await one_request(http, model, prompts[0], min(output_len, 8), logit_bias, schema)
+            if not warm["ok"] and schema is not None:
+                raise RuntimeError(f"the constrained warm-up request failed: {warm['error']}")
+        if json_schema is None and repeat == 1:
+            return await run_pass(http, model, prompts, output_len, max_concurrency,
+                                  request_rate, seed, logit_bias)
+        rounds = {kind: [] for kind in kinds}
+        for i in range(repeat):
+            for kind in (list(kinds) if i % 2 == 0 else list(kinds)[::-1]):
+                # The passes share their prompts: without a flush the later one would find every
+                # prompt in the prefix cache. Servers without SGLang's /flush_cache keep theirs.
+                await http.post("/flush_cache")
+                stats = await run_pass(http, model, prompts, output_len, max_concurrency,
+                                       request_rate, seed, logit_bias, kinds[kind])
+                print(f"  round {i + 1}/{repeat} {kind}: {stats['output_tok_s']} output tok/s",
+                      file=sys.stderr)
+                rounds[kind].append(stats)
+    combined = {kind: median_stats(runs) for kind, runs in rounds.items()}
+    if json_schema is not None:
+        combined["ratio"] = round(combined["json_schema"]["output_tok_s"]
+                                  / combined["unconstrained"]["output_tok_s"], 3)
+        if repeat > 1:
+            combined["round_ratios"] = [round(c["output_tok_s"] / u["output_tok_s"], 3) for u, c in
+                                        zip(rounds["unconstrained"], rounds["json_schema"])]
+    return combined
 
-        async def limited(prompt):
-            async with semaphore:
-                return await one_request(http, model, prompt, output_len, logit_bias)
 
-        start = time.perf_counter()
-        tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(results, duration)
+def median_stats(runs: list[dict]) -> dict:
+    """Several passes' stats as one: request counts and finish reasons summed, the rest medians
+    (each its own: the rows need not come from one pass); `round_output_tok_s` lists them all."""
+    if len(runs) == 1:
+        return runs[0]
+    combined = {}
+    for key, value in runs[0].items():
+        values = [run[key] for run in runs]
+        if key in ("completed", "failed", "starts_with_brace"):
+            combined[key] = sum(values)
+        elif isinstance(value, str):
+            combined[key] = value
+        elif key == "finish_reasons":
+            combined[key] = {k: sum(v.get(k, 0) for v in values) for k in sorted({k for v in values for k in v})}
+        else:
+            combined[key] = round(float(np.median(values)), 3)
+    combined["round_output_tok_s"] = [run["output_tok_s"] for run in runs]
+    return combined
 
 
-def summarize(results: list[dict], duration: float) -> dict:
+def summarize(results: list[dict], duration: float, constrained: bool = False) -> dict:
     done = [r for r in results if r["ok"]]
     if not done:
         raise RuntimeError(f"every request failed, e.g. {results[0].get('error')}")
@@ -130,6 +231,11 @@ def summarize(results: list[dict], duration: float) -> dict:
         stats[f"mean_{name}"] = round(float(values.mean()), 2)
         stats[f"median_{name}"] = round(float(np.median(values)), 2)
         stats[f"p99_{name}"] = round(float(np.percentile(values, 99)), 2)
+    reasons = [str(r["finish_reason"]) for r in done]
+    stats["finish_reasons"] = {k: reasons.count(k) for k in sorted(set(reasons))}
+    if constrained:  # a server that ignored the schema would not start every output with "{"
+        stats["starts_with_brace"] = sum(r["text"].lstrip().startswith("{") for r in done)
+        stats["sample_output"] = done[0]["text"][:240]  # to eyeball (cut at max_tokens)
     return stats
 
 
@@ -193,10 +299,24 @@ def main(argv=None) -> None:
     parser.add_argument("--xlaserve-arg", action="append", default=[], help="extra launch_server flag")
     parser.add_argument("--log-dir", default="/tmp", help="server logs for --launch")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="also run every prompt constrained by this JSON schema (same server, "
+                             "same prompts) and report constrained / unconstrained output tok/s; "
+                             "e.g. benchmarks/schemas/long_records.json")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of passes, alternating which kind goes first; medians reported")
     model_options.add_model_args(parser)  # with --base-url: the model the server runs
     args = parser.parse_args(argv)
     if bool(args.base_url) == bool(args.launch):
         parser.error("give --base-url or --launch")
+    if args.repeat < 1:
+        parser.error("--repeat takes 1 or more")
+    json_schema = None
+    if args.json_schema:
+        if "llama.cpp" in (args.launch or ""):
+            parser.error("--json-schema measures xlaserve's constrained decoding: --launch xlaserve")
+        with open(args.json_schema) as f:
+            json_schema = json.dumps(json.load(f))  # the JSON string SGLang's json_schema takes
     custom_model = args.model_path or args.load_format != "auto"
     if custom_model and "llama.cpp" in (args.launch or ""):
         parser.error("llama.cpp runs the embedded model only: --launch xlaserve with --model-path "
@@ -210,29 +330,50 @@ def main(argv=None) -> None:
     workload = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
                                               "max_concurrency", "request_rate", "model_path",
                                               "load_format")}
+    if json_schema is not None or args.repeat > 1:
+        workload.update(json_schema=args.json_schema, repeat=args.repeat)
     print(f"workload: {workload}", file=sys.stderr)
-    results = {}
+    results, ratios = {}, {}
     targets = [("server", args.base_url, None)] if args.base_url else [
         (kind, f"http://127.0.0.1:{args.port}", kind) for kind in args.launch.split(",")]
     for name, url, kind in targets:
         process = launch(kind, args.port, args, model_flags) if kind else None
         try:
-            results[name] = asyncio.run(run_load(url, args.model, prompts, args.output_len,
-                                                 args.max_concurrency, args.request_rate, args.seed,
-                                                 logit_bias))
+            result = asyncio.run(run_load(url, args.model, prompts, args.output_len,
+                                          args.max_concurrency, args.request_rate, args.seed,
+                                          logit_bias, json_schema, args.repeat))
         finally:
             if process is not None:
                 process.terminate()
                 process.wait(timeout=60)
-        print(f"{name}: {results[name]}", file=sys.stderr)
+        if "unconstrained" not in result:  # one plain pass
+            result = {"unconstrained": result}
+        results[name] = result["unconstrained"]
+        if "json_schema" in result:
+            results[f"{name} json_schema"] = result["json_schema"]
+            ratios[name] = {k: result[k] for k in ("ratio", "round_ratios") if k in result}
+        for row in (name, f"{name} json_schema"):
+            if row in results:
+                print(f"{row}: {results[row]}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"workload": workload, **results}))
+        print(json.dumps({"workload": workload, **results,
+                          **({"constrained_over_unconstrained": ratios} if ratios else {})}))
         return
     columns = ["request_throughput", "output_tok_s", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
                "mean_itl_ms", "median_itl_ms", "p99_itl_ms"]
-    print(f"\n{'':<12}" + "".join(f"{c:>17}" for c in columns))
+    width = max(12, *(len(name) + 1 for name in results))
+    print(f"\n{'':<{width}}" + "".join(f"{c:>17}" for c in columns))
     for name, stats in results.items():
-        print(f"{name:<12}" + "".join(f"{stats[c]:>17}" for c in columns))
+        print(f"{name:<{width}}" + "".join(f"{stats[c]:>17}" for c in columns))
+    for name, ratio in ratios.items():
+        constrained = results[f"{name} json_schema"]
+        rounds = f" (rounds: {ratio['round_ratios']})" if "round_ratios" in ratio else ""
+        print(f"{name}: constrained / unconstrained output tok/s = {ratio['ratio']}{rounds}; "
+              f"constrained finish reasons {constrained['finish_reasons']}, "
+              f"{constrained['starts_with_brace']} of {constrained['completed']} outputs start with '{{'")
+        if constrained["finish_reasons"].get("stop"):
+            print(f"  (not like for like: {constrained['finish_reasons']['stop']} constrained requests "
+                  "completed their schema before --output-len; give a longer schema)")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,14 @@ class ServerArgs:
     disable_radix_cache: bool = _flag(
         False, "free the KV pages of finished requests instead of keeping them for later prompts "
                "that start with the same tokens (the prefix cache)")
+    grammar_backend: str = _flag(
+        "llguidance", "structured outputs (json_schema, regex, ebnf, response_format): "
+                      "llguidance, or none to refuse them with a 400",
+        choices=["llguidance", "none"])
+    constrained_json_whitespace_pattern: Optional[str] = _flag(
+        None, "regex of the whitespace allowed between JSON tokens in JSON-constrained output "
+              "(default '[ ]?': one optional space, so a model cannot pad with whitespace until "
+              "max_tokens; '[\\n\\t ]*' allows any)")
     random_seed: Optional[int] = _flag(
         None, "seed for requests that do not give one, and of --load-format dummy's weights (0 if unset)")
     log_level: str = _flag("info", "logging level", choices=["debug", "info", "warning", "error"])

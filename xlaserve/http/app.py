@@ -77,11 +77,13 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await respond(request, ChatCall(ctx, parse_body(await request.body(), ChatCompletionRequest)))
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        return await respond(request, await ChatCall.create(ctx, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await respond(request, CompletionCall(ctx, parse_body(await request.body(), CompletionRequest)))
+        body = parse_body(await request.body(), CompletionRequest)
+        return await respond(request, await CompletionCall.create(ctx, body))
 
     @app.get("/metrics")
     async def metrics():

@@ -122,7 +122,7 @@ async def run_line(ctx: ServingContext, endpoint: str, line: Line) -> tuple[bool
         req = validate_body(line.body, request_model)
         if req.stream:
             raise bad_request("stream is not supported in a batch request", "stream")
-        call = call_class(ctx, req, priority=BATCH_PRIORITY)
+        call = await call_class.create(ctx, req, priority=BATCH_PRIORITY)
         request_id = call.generation.id
         status, body = 200, await call.response()
     except asyncio.CancelledError:

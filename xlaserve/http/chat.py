@@ -9,15 +9,16 @@ from xlaserve.http.logprobs import chat_logprobs
 from xlaserve.http.protocol import ChatCompletionRequest
 from xlaserve.http.reasoning import THINK_START, ReasoningParser
 from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
-                                   check_prompt_ids, check_top_logprobs, sampling_params, sse,
-                                   sse_error)
+                                   check_prompt_ids, check_top_logprobs, compile_constraints,
+                                   constraint_param, sampling_params, sse, sse_error)
 from xlaserve.runtime.async_requests import EngineDeadError
 
 
 class ChatCall:
     """One chat request: its prompt, its generation, and the response in either shape."""
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0):
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest):
+        """The synchronous checks; `create` builds the grammar and submits."""
         ctx.check_model(req.model)
         if ctx.tokenizer is None:
             raise bad_request("chat needs the tokenizer (the server runs with --skip-tokenizer-init)")
@@ -32,11 +33,20 @@ class ChatCall:
         prompt_ids = ctx.tokenizer.encode(self.prompt_text, add_special_tokens=False)
         check_prompt_ids(ctx, prompt_ids, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(ctx, req, max_tokens, len(prompt_ids), ctx.template_stop_ids)
-        self.generation = Generation(ctx, [prompt_ids], params, req.n, top_logprobs_num=self.num_top,
-                                     return_logprob=req.logprobs, priority=priority + req.priority,
-                                     rid=req.rid)
-        self.id = f"chatcmpl-{self.generation.id}"
+        self.prompt_ids = prompt_ids
+        self.params = sampling_params(ctx, req, max_tokens, len(prompt_ids), ctx.template_stop_ids)
+        self.generation: Generation | None = None
+
+    @classmethod
+    async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
+        """Checks the request, builds its grammar off the event loop, submits it."""
+        call = cls(ctx, req)
+        await compile_constraints(ctx, [call.params], constraint_param(req))
+        call.generation = Generation(ctx, [call.prompt_ids], call.params, req.n,
+                                     top_logprobs_num=call.num_top, return_logprob=req.logprobs,
+                                     priority=priority + req.priority, rid=req.rid)
+        call.id = f"chatcmpl-{call.generation.id}"
+        return call
 
     def _render(self) -> str:
         req, ctx = self.req, self.ctx

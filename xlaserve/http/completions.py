@@ -7,8 +7,8 @@ from xlaserve.http.errors import APIError, bad_request, not_supported
 from xlaserve.http.logprobs import CompletionLogprobs
 from xlaserve.http.protocol import CompletionRequest
 from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
-                                   check_prompt_ids, check_top_logprobs, sampling_params, sse,
-                                   sse_error)
+                                   check_prompt_ids, check_top_logprobs, compile_constraints,
+                                   constraint_param, sampling_params, sse, sse_error)
 from xlaserve.runtime.async_requests import EngineDeadError
 
 
@@ -37,7 +37,8 @@ def prompt_id_lists(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[
 
 
 class CompletionCall:
-    def __init__(self, ctx: ServingContext, req: CompletionRequest, priority: int = 0):
+    def __init__(self, ctx: ServingContext, req: CompletionRequest):
+        """The synchronous checks; `create` builds the grammar and submits."""
         ctx.check_model(req.model)
         self.ctx, self.req = ctx, req
         if req.suffix:
@@ -56,13 +57,21 @@ class CompletionCall:
         # samples one token, which is dropped.
         self.prompt_only = req.echo and req.max_tokens == 0
         max_tokens = 1 if self.prompt_only else req.max_tokens
-        params = sampling_params(ctx, req, max_tokens, max(len(p) for p in self.prompt_ids))
-        self.generation = Generation(ctx, self.prompt_ids, params, req.n,
-                                     top_logprobs_num=self.num_top,
+        self.params = sampling_params(ctx, req, max_tokens, max(len(p) for p in self.prompt_ids))
+        self.generation: Generation | None = None
+
+    @classmethod
+    async def create(cls, ctx: ServingContext, req: CompletionRequest, priority: int = 0) -> "CompletionCall":
+        """Checks the request, builds its grammar off the event loop, submits it."""
+        call = cls(ctx, req)
+        await compile_constraints(ctx, [call.params], constraint_param(req))
+        call.generation = Generation(ctx, call.prompt_ids, call.params, req.n,
+                                     top_logprobs_num=call.num_top,
                                      return_logprob=req.logprobs is not None,
                                      return_prompt_logprob=req.echo and req.logprobs is not None,
                                      priority=priority + req.priority, rid=req.rid)
-        self.id = f"cmpl-{self.generation.id}"
+        call.id = f"cmpl-{call.generation.id}"
+        return call
 
     def _echo(self, choice: Choice) -> str:
         return (self.echo_texts[choice.prompt_index] or "") if self.req.echo else ""

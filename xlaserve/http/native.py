@@ -13,8 +13,8 @@ from fastapi.responses import Response, StreamingResponse
 import xlaserve
 from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.protocol import GenerateRequest, parse_body
-from xlaserve.http.serving import (SSE_DONE, Generation, ServingContext, check_top_logprobs, sse,
-                                   sse_error)
+from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Generation, ServingContext,
+                                   check_top_logprobs, compile_constraints, sse, sse_error)
 from xlaserve.offline import to_sampling_params
 from xlaserve.runtime.async_requests import EngineDeadError, sglang_output
 from xlaserve.runtime.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ def _ctx(request: Request) -> ServingContext:
     return request.app.state.ctx
 
 
-def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Generation, bool]:
+async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Generation, bool]:
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("give exactly one of text and input_ids", "text")
     if req.text is not None:
@@ -52,6 +52,13 @@ def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Generation, 
         raise bad_request("every prompt of one call must ask for the same n", "sampling_params")
     n = ns.pop()
     params: list[SamplingParams] = [p for p, _ in parsed]
+    for p in params:
+        for name in CONSTRAINTS:
+            if getattr(p, name) is not None and not isinstance(getattr(p, name), str):
+                raise bad_request(f"sampling_params.{name} must be a string"
+                                  + (" (the schema as JSON text)" if name == "json_schema" else ""),
+                                  f"sampling_params.{name}")
+    await compile_constraints(ctx, params, prefix="sampling_params.")
     rid = req.rid if isinstance(req.rid, str) else None
     wants_logprobs = req.return_logprob or req.top_logprobs_num > 0
     generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
@@ -65,7 +72,7 @@ async def generate(request: Request):
     req = parse_body(await request.body(), GenerateRequest)
     ctx = _ctx(request)
     check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
-    generation, batched = _generation(ctx, req)
+    generation, batched = await _generation(ctx, req)
     logprobs = (req.return_logprob, req.top_logprobs_num)
     if req.stream:
         if batched:

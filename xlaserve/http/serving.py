@@ -4,10 +4,12 @@ SSE framing.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 import orjson
 
@@ -16,12 +18,16 @@ from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
 from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice, EngineDeadError
+from xlaserve.runtime.grammar import CONSTRAINT_FIELDS, InvalidGrammar
 from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams
 from xlaserve.runtime.model_runner import MAX_TOP_LOGPROBS
 
 MAX_N = 128  # choices per request (every one is a running request)
 # SamplingParams' names as OpenAI spells them, for error messages and `param`.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+CONSTRAINTS = CONSTRAINT_FIELDS  # SamplingParams' fields and SGLang's request keys, in order
+_RESPONSE_FORMAT_KEYS = {"type", "json_schema", "schema"}
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 
 @dataclasses.dataclass
@@ -87,21 +93,81 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
         raise bad_request("min_tokens must be in [0, max_tokens]", "min_tokens")
     if req.stream_options and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-    _refuse_constraints(req)
+    constraint = request_constraint(req)
+    if constraint is not None:
+        setattr(params, constraint[0], constraint[1])
     if prompt_len + max_tokens > limit:
         raise context_error(ctx, prompt_len, max_tokens)
     return params
 
 
-def _refuse_constraints(req: SamplingFields) -> None:
-    given = [name for name in ("regex", "ebnf", "json_schema") if getattr(req, name) is not None]
+def request_constraint(req: SamplingFields) -> tuple[str, str] | None:
+    """The request's output constraint as (SamplingParams field, text), or None: SGLang's
+    `regex`, `ebnf`, `json_schema` (JSON text) keys, or OpenAI's `response_format`; at most one."""
+    given = [(name, name, getattr(req, name)) for name in CONSTRAINTS if getattr(req, name) is not None]
+    from_format = response_format_schema(req.response_format)
+    if from_format is not None:
+        given.append(("response_format", "json_schema", from_format))
     if len(given) > 1:
-        raise bad_request("Only one of regex, json_schema, or ebnf can be set.", given[1])
-    if given:
-        raise not_supported(given[0], f"{given[0]} (constrained decoding)")
+        raise bad_request("Only one of regex, json_schema, or ebnf can be set.", given[1][0])
+    return given[0][1:] if given else None
+
+
+def constraint_param(req: SamplingFields) -> str | None:
+    """The request parameter that set the constraint (an invalid grammar's 400 names it)."""
     kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise not_supported("response_format", f"response_format {kind!r} (constrained decoding)")
+    return "response_format" if kind != "text" else None
+
+
+def response_format_schema(response_format: dict | None) -> str | None:
+    """OpenAI's `response_format` -> the JSON schema text it asks for, or None (text)."""
+    if response_format is None:
+        return None
+    param = "response_format"
+    kind = response_format.get("type")
+    if kind == "structural_tag":
+        raise not_supported(param, "response_format 'structural_tag'")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                          f"got {kind!r}", param)
+    unknown = set(response_format) - _RESPONSE_FORMAT_KEYS
+    if unknown:
+        raise bad_request(f"unknown response_format fields: {sorted(unknown)}", param)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'  # as SGLang: any JSON object
+    spec = response_format.get("json_schema")
+    if spec is None and "schema" in response_format:  # SGLang's shorthand
+        spec = {"schema": response_format["schema"]}
+    if not isinstance(spec, dict):
+        raise bad_request("response_format 'json_schema' needs a json_schema object: "
+                          '{"name": ..., "schema": {...}}', param)
+    unknown = set(spec) - _JSON_SCHEMA_KEYS
+    if unknown:
+        raise bad_request(f"unknown response_format.json_schema fields: {sorted(unknown)}", param)
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object", param)
+    return json.dumps(schema)
+
+
+async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingParams],
+                              param: str | None = None, prefix: str = "") -> None:
+    """Builds (or finds in the engine's cache) each distinct grammar of `params` in a worker
+    thread, so a slow build never stalls the event loop; an invalid one is a 400 naming `param`
+    (else the field, after `prefix`). Requests without a constraint cost nothing here."""
+    seen = set()
+    for p in params:
+        key = tuple(getattr(p, name) for name in CONSTRAINTS)
+        if key == (None,) * len(CONSTRAINTS) or key in seen:
+            continue
+        seen.add(key)
+        try:
+            await asyncio.to_thread(ctx.engine.core.compile_grammar, p)
+        except InvalidGrammar as error:
+            name = param or (prefix + error.param if error.param else None)
+            raise bad_request(str(error), name) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -172,6 +238,9 @@ class Generation:
                                   return_logprob=return_logprob or top_logprobs_num > 0,
                                   top_logprobs_num=top_logprobs_num, priority=priority,
                                   return_prompt_logprob=return_prompt_logprob)
+        except InvalidGrammar as error:  # compile_constraints checked it: a cache miss here
+            self.group.abort()
+            raise bad_request(str(error), error.param) from None
         except ValueError as error:
             self.group.abort()
             raise bad_request(str(error)) from None

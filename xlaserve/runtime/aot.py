@@ -105,8 +105,10 @@ class StepProgram:
 
     def compile(self, tokens: int, seqs: int, pages: int):
         ints, floats, layout = pack_step(self.inv_freq, *idle_step(tokens, seqs, pages))
-        inputs = (abstract(ints.shape, ints.dtype, self.mesh), abstract(floats.shape, floats.dtype,
-                                                                        self.mesh))
+        vocab = self.args[2].shape[1]
+        inputs = (abstract(ints.shape, ints.dtype, self.mesh),
+                  abstract(floats.shape, floats.dtype, self.mesh),
+                  abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
         with jax.set_mesh(self.mesh):
             return self.step.trace(*self.args, *inputs, layout=layout).lower().compile()
 

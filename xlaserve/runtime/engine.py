@@ -25,6 +25,7 @@ from xlaserve.runtime.batch import pack
 from xlaserve.runtime.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.compilation import enable_persistent_cache
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
+from xlaserve.runtime.grammar import GrammarBackend, InvalidGrammar, constraint_of
 from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for
 from xlaserve.runtime.model_runner import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
                                            SAMPLING_WIDTHS, ModelRunner, StepOutput)
@@ -86,6 +87,11 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._seeds = random.Random(args.random_seed)
+        self.grammar_backend = None  # structured outputs; off without a tokenizer or with "none"
+        if args.grammar_backend != "none" and self.tokenizer is not None:
+            self.grammar_backend = GrammarBackend(
+                self.tokenizer, config.vocab_size, sorted(self.eos_token_ids),
+                args.constrained_json_whitespace_pattern)
         if not args.disable_precompile:
             self.runner.precompile(self.buckets.all_shapes())
         if jax.default_backend() == "cpu":
@@ -97,6 +103,21 @@ class EngineCore:
         self._thread.start()
 
     # --- called from any thread -----------------------------------------------------------
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles the constraint of `params` (json_schema, regex or ebnf) into the backend's
+        cache; raises InvalidGrammar (naming the field) for one that cannot be used. The first
+        call builds the token table (~0.3 s at 49K tokens) and a big schema can take longer, so
+        servers call it off their event loop before `submit`, which then hits the cache."""
+        constraint = constraint_of(params)
+        if constraint is None:
+            return
+        kind, text = constraint
+        if self.grammar_backend is None:
+            why = ("--grammar-backend none" if self.args.grammar_backend == "none"
+                   else "--skip-tokenizer-init (the grammar needs the tokenizer)")
+            raise InvalidGrammar(kind, f"{kind} needs constrained decoding, which is off: {why}")
+        self.grammar_backend.compile(kind, text)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
                rid: str | None = None, return_logprob: bool = False,
@@ -117,6 +138,7 @@ class EngineCore:
         if not self.is_alive():
             raise RuntimeError("the engine loop is not running (shut down, or it failed; see the log)")
         params.validate(self.loaded.config.vocab_size)
+        self.compile_grammar(params)  # a cache hit where the server compiled it already
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -135,10 +157,13 @@ class EngineCore:
             repetition_penalty=params.repetition_penalty,
             logit_bias={int(k): float(v) for k, v in params.logit_bias.items()}, seed=seed,
             return_logprob=return_logprob or top_logprobs_num > 0)
+        grammar = None
+        if (constraint := constraint_of(params)) is not None:
+            grammar = self.grammar_backend.new_grammar(*constraint, stop_token_ids=stop_ids)
         request = Request(rid=rid, prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
                           min_new_tokens=params.min_new_tokens, priority=priority,
-                          no_prefix_reuse=return_prompt_logprob)
+                          no_prefix_reuse=return_prompt_logprob, grammar=grammar)
         self.scheduler.check_fits(request)  # raises ValueError before anything is queued
         self._inbox.put(("add", request, params, (emit, top_logprobs_num, return_prompt_logprob)))
         return rid
@@ -194,6 +219,10 @@ class EngineCore:
           from its results;
         - either way, the host work on k's results that no step needs (detokenizing, stop
           strings, handing chunks out) runs while k+1 computes.
+        - a continuation with a constrained row (structured outputs) needs k's tokens for its
+          grammar masks: it is scheduled and packed while k computes, and sent once k is read
+          and the masks are filled (~5 us a row), so only that much host time stands between
+          the two steps.
 
         A request that ends in step k (a stop id or string, an abort) may still have a row in
         k+1; that row's result is dropped."""
@@ -204,11 +233,18 @@ class EngineCore:
                 self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
                 if self._stopping:
                     break
-                following = None
+                following = waiting_for_masks = None
                 if in_flight is not None and overlap:
                     batch = self.scheduler.schedule_continuation(in_flight[0])
-                    following = (batch, self._dispatch(batch)) if batch is not None else None
+                    if batch is not None:
+                        prepared = self._prepare(batch)
+                        if any(r.grammar is not None for r in batch.requests):
+                            waiting_for_masks = (batch, prepared)
+                        else:
+                            following = (batch, self._send(batch, prepared))
                 results = self._read(*in_flight) if in_flight is not None else None
+                if waiting_for_masks is not None:  # the grammars have consumed k's tokens
+                    following = (waiting_for_masks[0], self._send(*waiting_for_masks))
                 in_flight = following
                 if in_flight is None and (batch := self.scheduler.schedule()) is not None:
                     in_flight = (batch, self._dispatch(batch))
@@ -265,6 +301,10 @@ class EngineCore:
 
     def _dispatch(self, batch):
         """Sends the step to the device; returns its (asynchronous) output."""
+        return self._send(batch, self._prepare(batch))
+
+    def _prepare(self, batch):
+        """The step's inputs, packed and sent: all but the grammar masks."""
         for request in batch.admitted:
             self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
         chunks = [self._with_prompt_targets(r, c)
@@ -280,7 +320,18 @@ class EngineCore:
         sampling.sample_index[:len(rows)] = [len(r.output_ids) + batch.ahead for r in batch.requests]
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
-        return self.runner.step(fb, sampling, slots)
+        return self.runner.pack(fb, sampling, slots)
+
+    def _send(self, batch, packed):
+        """Fills the grammar masks of the constrained rows that sample, from their grammars'
+        current state, and dispatches the step; returns its (asynchronous) output."""
+        constrained = [(r.grammar, i) for i, (r, c) in enumerate(zip(batch.requests, batch.chunks))
+                       if r.grammar is not None and c.sample and r.status == "running"]
+        bitmask = None
+        if constrained:
+            bitmask = self.grammar_backend.empty_bitmask(packed.shape[1])
+            self.grammar_backend.fill_masks(constrained, bitmask)
+        return self.runner.run(packed, bitmask)
 
     def _prompt_collector(self, request: Request) -> PromptLogprobCollector | None:
         """The request's prompt-logprob collector while it still has entries to fill."""
@@ -333,7 +384,10 @@ class EngineCore:
         live = self._live.get(request.rid)
         if live is None:  # dropped earlier in this step (its consumer failed)
             return
-        stopped_by_token = finished and request.finish_reason[0] == "stop"
+        # A stop id is not part of the text; a grammar's last token (finish "stop" with no
+        # matched id) is.
+        stopped_by_token = finished and request.finish_reason[0] == "stop" and isinstance(
+            request.finish_reason[1], int)
         delta = ""
         if live.detokenizer is not None and not stopped_by_token:
             delta = live.detokenizer.append(token)

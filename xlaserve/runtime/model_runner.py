@@ -1,7 +1,7 @@
 """ModelRunner: the one jitted step (model forward + sampling) over a packed ragged batch.
 
-    step(state, kv_caches, output_counts, last_tokens, prompt_masks, batch, sampling, slots)
-        -> (StepOutput, kv_caches, output_counts, last_tokens)
+    step(state, kv_caches, output_counts, last_tokens, prompt_masks, batch, sampling, slots,
+         token_bitmask) -> (StepOutput, kv_caches, output_counts, last_tokens)
 
 The KV caches, the penalty counts and the last sampled tokens are donated, so XLA updates them in
 place. A program is
@@ -18,6 +18,11 @@ overlap: a row with `input_slots >= 0` reads its token there).
 Prompt logprobs (runtime/prompt_logprobs.py) ride in the same program: the model returns every
 row's final hidden state, the sampler takes the LM head of the sampled rows only, and the LM head
 over all rows runs in a `lax.cond` branch only in steps where some row has a target id.
+
+Structured outputs: `token_bitmask i32[seqs, ceil(V/32)]` holds the tokens each row's grammar
+allows (runtime/grammar.py), a fixed-shape argument so a constrained request never compiles a
+program. A step without a constrained row sends a bitmask of all ones that stays on the device
+(one per sequence bucket), and the sampler skips the mask at run time.
 """
 from __future__ import annotations
 
@@ -63,6 +68,17 @@ class StepOutput:
     prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
 
 
+@dataclasses.dataclass
+class PackedStep:
+    """A step's inputs on the device, but its grammar masks (ModelRunner.pack)."""
+
+    ints: jax.Array
+    floats: jax.Array
+    layout: tuple
+    shape: tuple[int, int, int]  # (tokens, seqs, pages)
+    widths: tuple[int, int]  # logit-bias and suppressed-id table widths
+
+
 class ModelRunner:
     def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
                  attention_backend: str = "auto", matmul_backend: str = "auto"):
@@ -105,6 +121,9 @@ class ModelRunner:
         self._step = step
         self._reset_slot = reset_slot
         self._precompiled = False
+        self._replicated = replicated
+        self.bitmask_words = -(-vocab // 32)
+        self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
 
     def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
         """Start (or, after a retraction, resume) a request in `slot`: its output counts and
@@ -116,22 +135,34 @@ class ModelRunner:
         self.output_counts, self.prompt_masks = self._reset_slot(
             self.output_counts, self.prompt_masks, np.int32(slot), counts, mask)
 
-    def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> StepOutput:
+    def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray,
+             token_bitmask: np.ndarray | None = None) -> StepOutput:
         """Run one step; returns device arrays (the caller's `np.asarray` is the sync point).
-        `slots` has a row per sequence row of the batch, NULL_SLOT for padding."""
+        `slots` has a row per sequence row of the batch, NULL_SLOT for padding.
+        `token_bitmask` (i32[seqs, bitmask_words]): the grammar masks, None when no row has one."""
+        return self.run(self.pack(batch, sampling, slots), token_bitmask)
+
+    def pack(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "PackedStep":
+        """The step's inputs but the grammar masks, packed and sent to the device: the engine
+        packs a step before the tokens its masks depend on are known (engine._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        compiled_before = self._step._cache_size()
         ints, floats, layout = self._send(batch, sampling, slots)
+        return PackedStep(ints, floats, layout, batch.shape,
+                          (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]))
+
+    def run(self, packed: "PackedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
+        """Dispatches a packed step with its grammar masks (None: no row has one)."""
+        compiled_before = self._step._cache_size()
         out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
             self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
-            self.prompt_masks, ints, floats, layout=layout)
+            self.prompt_masks, packed.ints, packed.floats,
+            self._bitmask(packed.shape[1], token_bitmask), layout=packed.layout)
         if self._precompiled and self._step._cache_size() > compiled_before:
             logger.warning(
                 "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias width "
                 "%d, suppressed width %d was not precompiled; every request waited for it. "
-                "Add the shape to the padding buckets.", batch.shape,
-                sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1])
+                "Add the shape to the padding buckets.", packed.shape, *packed.widths)
         return out
 
     def _send(self, batch: ForwardBatch, sampling: SamplingMetadata, slots):
@@ -141,6 +172,17 @@ class ModelRunner:
         ints, floats = jax.device_put((ints, floats), self.output_counts.sharding)
         return ints, floats, layout
 
+    def _bitmask(self, seqs: int, token_bitmask: np.ndarray | None) -> jax.Array:
+        if token_bitmask is not None:
+            if token_bitmask.shape != (seqs, self.bitmask_words):
+                raise ValueError(f"token_bitmask of shape {token_bitmask.shape}, expected "
+                                 f"{(seqs, self.bitmask_words)}")
+            return jax.device_put(token_bitmask, self._replicated)
+        if seqs not in self._all_allowed:
+            self._all_allowed[seqs] = jax.device_put(
+                np.full((seqs, self.bitmask_words), -1, np.int32), self._replicated)
+        return self._all_allowed[seqs]
+
     def compile_count(self) -> int:
         return self._step._cache_size()
 
@@ -149,7 +191,7 @@ class ModelRunner:
         ints, floats, layout = self._send(*idle_step(tokens, seqs, pages))
         return self._step.lower(self._weight_args, self.kv_caches, self.output_counts,
                                 self.last_tokens, self.prompt_masks, ints, floats,
-                                layout=layout).compile()
+                                self._bitmask(seqs, None), layout=layout).compile()
 
     def precompile(self, shapes, *, progress: bool = True) -> None:
         """Compile one step per (tokens, seqs, pages) shape, with every row padding."""
@@ -168,7 +210,8 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
 
     @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout",),
                        out_shardings=(replicated, kv_sharding, replicated, replicated))
-    def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats, layout):
+    def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
+             token_bitmask, layout):
         batch, sampling, slots, rope = unpack_leaves(ints, floats, layout)
         state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
         model = nnx.merge(graphdef, state)
@@ -186,7 +229,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
                                                 batch.metadata, kernels, rope)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
-        out = sample(logits, sampling, output_counts, prompt_masks, slots,
+        out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
                      num_top_logprobs=MAX_TOP_LOGPROBS)
         output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
         # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.

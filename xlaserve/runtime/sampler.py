@@ -4,7 +4,8 @@ Everything is vectorized over the S rows (S padded to a bucket) with static shap
 serves any mix of requests. Processing order, as in vLLM/SGLang:
 
     logits (f32) -> logit_bias -> repetition penalty -> frequency & presence penalties
-    -> suppressed ids masked  ==> "penalized" logits: logprobs and greedy argmax come from these
+    -> suppressed ids masked -> grammar bitmask (structured outputs)
+    ==> "penalized" logits: logprobs and greedy argmax come from these
     -> temperature -> top_k -> top_p -> min_p  ==> "processed" logits: sampled from
 
 A row's token depends only on its own logits, parameters, seed and sample_index, never on which
@@ -170,12 +171,30 @@ def _any_penalty(metadata: SamplingMetadata) -> jax.Array:
                    | (metadata.presence_penalty != 0.0))
 
 
+def apply_token_bitmask(x: jax.Array, token_bitmask: jax.Array) -> jax.Array:
+    """Sets to MASKED every logit whose bit is clear in `token_bitmask` (i32[S, ceil(V/32)]: token t
+    is allowed iff bit t % 32 of word t // 32 is set, llguidance's layout). Only in steps where
+    some row has a clear bit (a constrained row): all-ones rows are unconstrained or padding."""
+    num_rows, vocab_size = x.shape
+
+    def masked(x):
+        bits = jnp.right_shift(token_bitmask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+        allowed = bits.reshape(num_rows, -1)[:, :vocab_size].astype(jnp.bool_)
+        return jnp.where(allowed, x, MASKED)
+
+    return jax.lax.cond(jnp.any(token_bitmask != -1), masked, lambda x: x, x)
+
+
 @jax.jit
-def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None):
-    """f32[S, V]: logits after bias, penalties and suppression; the distribution logprobs report.
-    `output_counts`/`prompt_mask` hold one row per sample, or, with `rows` (i32[S]), a table that
-    `rows` indexes (the engine's per-slot state): then the [S, V] gathers only happen in steps
-    where some row has a penalty on."""
+def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
+                     token_bitmask=None):
+    """f32[S, V]: logits after bias, penalties, suppression and the grammar mask; the
+    distribution logprobs report. `output_counts`/`prompt_mask` hold one row per sample, or, with
+    `rows` (i32[S]), a table that `rows` indexes (the engine's per-slot state): then the [S, V]
+    gathers only happen in steps where some row has a penalty on.
+
+    The grammar mask comes last, as a set (not an addition before the penalties): a repetition
+    penalty divides a negative logit, which would lift a masked MASKED above MASKED."""
     num_rows, vocab_size = logits.shape
     row_ids = jnp.arange(num_rows)[:, None]
     x = logits.astype(jnp.float32)
@@ -194,7 +213,8 @@ def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_m
 
     x = jax.lax.cond(_any_penalty(metadata), apply_penalties, lambda x: x, x)
     suppressed = _valid_or_out_of_range(metadata.suppressed_ids, vocab_size)
-    return x.at[row_ids, suppressed].set(MASKED, mode="drop")
+    x = x.at[row_ids, suppressed].set(MASKED, mode="drop")
+    return x if token_bitmask is None else apply_token_bitmask(x, token_bitmask)
 
 
 def _is_greedy(metadata: SamplingMetadata) -> jax.Array:
@@ -286,14 +306,16 @@ def _logprobs(penalized, tokens, num_top_logprobs: int):
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs", "num_candidates"))
 def sample(
-    logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None, *,
-    num_top_logprobs: int = 0, num_candidates: int = NUM_CANDIDATES,
+    logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
+    token_bitmask=None, *, num_top_logprobs: int = 0, num_candidates: int = NUM_CANDIDATES,
 ) -> SampleOutput:
     """Picks one token per row from `logits` (f32/bf16[S, V]).
 
     `output_counts` (i32[S, V]) counts each token in the request's output so far and
     `prompt_mask` (bool[S, V]) marks the prompt's tokens; see `count_tokens` and `add_sampled`.
     With `rows`, they are per-slot tables indexed by `rows` (see `penalized_logits`).
+    `token_bitmask` (i32[S, ceil(V/32)], optional) holds the tokens each row's grammar allows
+    (`apply_token_bitmask`); a constrained row never picks another, greedy or sampled.
 
     Work that no row of the batch needs is skipped at run time (`lax.cond`): penalties, the
     random draw when every row is greedy, truncation when no row truncates, and logprobs when no
@@ -306,7 +328,7 @@ def sample(
     distribution rather than the truncated one sampled from, and a greedy row reports the same
     logprobs it would at temperature 1.
     """
-    penalized = penalized_logits(logits, metadata, output_counts, prompt_mask, rows)
+    penalized = penalized_logits(logits, metadata, output_counts, prompt_mask, rows, token_bitmask)
     greedy = first_argmax(penalized)
     is_greedy = _is_greedy(metadata)
     tokens = jax.lax.cond(

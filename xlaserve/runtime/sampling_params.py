@@ -26,6 +26,11 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Structured outputs (runtime/grammar.py), at most one: a JSON schema as a JSON string, a
+    # regular expression, or an EBNF grammar in GBNF syntax (`root ::= "red" | "green"`).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def validate(self, vocab_size: int, names: dict[str, str] | None = None) -> None:
         """Raises InvalidSamplingParam for the first value out of range; `names` renames fields in

@@ -29,7 +29,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from xlaserve.runtime.batch import SeqChunk
 from xlaserve.runtime.kv_cache import PageAllocator, pages_for_tokens
@@ -55,6 +55,9 @@ class Request:
     priority: int = 0  # larger = more urgent; FCFS within equal priority
     # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
     no_prefix_reuse: bool = False
+    # Structured outputs: the request's grammar state (runtime/grammar.Grammar), advanced by
+    # every sampled token here; it survives retraction, having consumed exactly output_ids.
+    grammar: Any = None
     arrival_time: float = field(default_factory=time.monotonic)
     # --- state, managed by the scheduler ---
     output_ids: list[int] = field(default_factory=list)
@@ -387,6 +390,14 @@ class Scheduler:
             request.output_ids.append(token)
             if stops:
                 finished.append(self.finish(request.rid, "stop", token))
+            elif request.grammar is not None and not request.grammar.consume(token):
+                # The mask allows only the grammar's tokens, so this is a bug, not bad input.
+                logger.error("request %s: its grammar rejected token %d (%s)", request.rid, token,
+                             request.grammar.error())
+                finished.append(self.finish(request.rid, "abort", None))
+            elif request.grammar is not None and request.grammar.is_stopped():
+                # Complete (e.g. a JSON object's closing brace): "stop", with no stop token.
+                finished.append(self.finish(request.rid, "stop", None))
             elif len(request.output_ids) >= request.max_new_tokens:
                 finished.append(self.finish(request.rid, "length", None))
         return finished
