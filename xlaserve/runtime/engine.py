@@ -94,6 +94,9 @@ class EngineCore:
                 args.constrained_json_whitespace_pattern)
         if not args.disable_precompile:
             self.runner.precompile(self.buckets.all_shapes())
+        if self.grammar_backend is not None:  # the token table (~0.3 s), before a request waits on it
+            threading.Thread(target=self.grammar_backend.prepare, name="xlaserve-grammar",
+                             daemon=True).start()
         if jax.default_backend() == "cpu":
             malloc_tuning.keep_freed_memory()
         self._inbox: queue.Queue = queue.Queue()

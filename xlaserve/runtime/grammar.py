@@ -135,6 +135,14 @@ class GrammarBackend:
                 self._executor = llguidance.LLExecutor()
             return self._token_table
 
+    def prepare(self) -> None:
+        """Builds the token table now (at start-up, in a thread); a tokenizer llguidance cannot
+        take is reported when a constraint asks for it, not here."""
+        try:
+            self.token_table()
+        except InvalidGrammar:
+            pass
+
     def new_grammar(self, kind: str, text: str, stop_token_ids: Iterable[int] = ()) -> Grammar:
         """A fresh matcher for the constraint; raises InvalidGrammar for a bad one."""
         return Grammar(self._compile(kind, text).deep_copy(), stop_token_ids)
