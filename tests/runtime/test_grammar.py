@@ -191,3 +191,20 @@ def test_a_json_schema_given_as_a_dict_is_its_json_text():
         "json_schema", '{"type": "object"}')
     with pytest.raises(InvalidGrammar, match="must be a string"):
         constraint_of(SamplingParams(regex=["a"]))
+
+
+@pytest.mark.parametrize("pattern, text", [
+    (r"^(Paris|London)$", "London"),
+    (r"(?P<city>Paris|London)\Z", "Paris"),  # Python's named group and end of text
+    (r"(?i)paris", "PARIS"),
+    (r"\d{3}-\d{4}", "555-1234"),
+])
+def test_regexes_as_python_users_write_them(backend, tokenizer, pattern, text):
+    grammar = backend.new_grammar("regex", pattern)
+    feed(tokenizer, grammar, text)
+    assert grammar.is_stopped()
+
+
+def test_regex_features_rust_lacks_are_refused_by_name(backend):
+    with pytest.raises(InvalidGrammar, match="lookarounds not supported"):
+        backend.new_grammar("regex", r"\bword\b")

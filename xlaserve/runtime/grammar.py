@@ -61,6 +61,13 @@ def constraint_of(params) -> tuple[str, str] | None:
     return kind, text
 
 
+def python_regex_to_rust(pattern: str) -> str:
+    """Python's end-of-text `\\Z` is `\\z` in the Rust syntax llguidance reads (named groups
+    `(?P<name>...)`, classes, `(?i)` and the rest are common to both); what Rust lacks
+    (lookarounds, backreferences, `\\b`) is refused when the grammar compiles, naming it."""
+    return re.sub(r"(?<!\\)((?:\\\\)*)\\Z", r"\1\\z", pattern)
+
+
 def closed_objects(schema):
     """The schema with `"additionalProperties": false` on every object schema that lists
     `properties` and says nothing about others: SGLang's default backend (xgrammar, strict mode)
@@ -166,7 +173,7 @@ class GrammarBackend:
                 json.dumps(closed_objects(schema)),
                 defaults={"whitespace_pattern": self.whitespace_pattern})
         elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(text)
+            grammar = llguidance.LLMatcher.grammar_from_regex(python_regex_to_rust(text))
         elif kind == "ebnf":
             try:
                 grammar = llguidance.grammar_from("ebnf", text)
