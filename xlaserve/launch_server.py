@@ -43,7 +43,7 @@ def make_context(args: ServerArgs):
         chat_template=template,
         template_stop_ids=template_stop_ids(tokenizer, template) if tokenizer is not None else frozenset(),
         reasoning_parser=args.reasoning_parser, stream_interval=max(1, args.stream_interval),
-        metrics=metrics)
+        metrics=metrics, tool_call_parser=args.tool_call_parser)
 
 
 async def warm_up(ctx) -> None:

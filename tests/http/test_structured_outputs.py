@@ -453,11 +453,29 @@ def test_an_unknown_format_is_named(server):
     assert "weird" in _assert_openai_error(response, "json_schema")["message"]
 
 
-def test_structural_tag_is_refused_as_unsupported(server):
+STRUCTURES = [{"begin": "<function=get_weather>", "end": "</function>",
+               "schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}]
+
+
+def test_a_structural_tag_response_format_is_served(server):
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json=_chat(
+        "hi", max_tokens=8, response_format={"type": "structural_tag", "structures": STRUCTURES,
+                                             "triggers": ["<function="]}))
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("response_format, says", [
+    ({"type": "structural_tag", "structures": [], "triggers": []}, "needs a list of structures"),
+    ({"type": "structural_tag", "structures": STRUCTURES, "triggers": ["<tool>"]},
+     "starts with none of the triggers"),
+    ({"type": "structural_tag", "structures": [{**STRUCTURES[0], "schema": {"type": "strnig"}}],
+      "triggers": ["<function="]}, "strnig"),
+])
+def test_a_bad_structural_tag_is_a_400(server, response_format, says):
     response = httpx.post(server.base_url + "/v1/chat/completions", json=_chat(
-        "hi", max_tokens=4, response_format={"type": "structural_tag", "structures": [], "triggers": []}))
-    error = _assert_openai_error(response, "response_format")
-    assert error["code"] == "unsupported_parameter" and "structural_tag" in error["message"]
+        "hi", max_tokens=4, response_format=response_format))
+    assert says in _assert_openai_error(response, "response_format")["message"]
 
 
 @pytest.mark.parametrize("extra,param", [({"regex": "[a-"}, "regex"), ({"ebnf": "root ::= foo"}, "ebnf"),

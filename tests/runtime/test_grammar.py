@@ -208,3 +208,16 @@ def test_regexes_as_python_users_write_them(backend, tokenizer, pattern, text):
 def test_regex_features_rust_lacks_are_refused_by_name(backend):
     with pytest.raises(InvalidGrammar, match="lookarounds not supported"):
         backend.new_grammar("regex", r"\bword\b")
+
+
+def test_a_structural_tag_constrains_only_the_tagged_segments(backend, tokenizer):
+    tag = json.dumps({"triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "end": "</function>",
+         "schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                    "required": ["city"]}}]})
+    grammar = backend.new_grammar("structural_tag", tag)
+    feed(tokenizer, grammar, 'Any text at all. <function=get_weather>{"city": "Paris"}</function> more')
+    assert not grammar.is_stopped()  # free text may go on
+    bad = backend.new_grammar("structural_tag", tag)
+    feed(tokenizer, bad, "ok <function=get_weather>")
+    assert not all(bad.consume(t) for t in tokenizer.encode('{"town": "x"}', add_special_tokens=False))

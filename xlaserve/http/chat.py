@@ -4,13 +4,21 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from xlaserve.http import chat_template
-from xlaserve.http.errors import APIError, bad_request, not_supported
+from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.logprobs import chat_logprobs
 from xlaserve.http.protocol import ChatCompletionRequest
-from xlaserve.http.reasoning import THINK_START, ReasoningParser
-from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
-                                   check_prompt_ids, check_top_logprobs, compile_constraints,
-                                   constraint_param, sampling_params, sse, sse_error)
+from xlaserve.http.reasoning import ReasoningParser, needs_special_tokens
+from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Choice, Generation, ServingContext,
+                                   StreamBuffer, check_prompt_ids, check_top_logprobs,
+                                   compile_constraints, constraint_param, sampling_params, sse,
+                                   sse_error)
+from xlaserve.http.tool_parsers import TOOL_CALL_PARSERS
+
+# Parsers whose call markers are special tokens of their models (`<|python_tag|>`,
+# `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`): the text must keep special tokens.
+SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31")
+from xlaserve.http.tools import (check_tool_schemas, check_tools, forced_calls, forced_schema,
+                                 new_call_id, strict_tool_tag, tool_call_dict, tool_choice_of)
 from xlaserve.runtime.async_requests import EngineDeadError
 
 
@@ -35,13 +43,37 @@ class ChatCall:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.prompt_ids = prompt_ids
         self.params = sampling_params(ctx, req, max_tokens, len(prompt_ids), ctx.template_stop_ids)
+        if req.separate_reasoning and needs_special_tokens(ctx.reasoning_parser):
+            self.params.skip_special_tokens = False  # gpt-oss: the Harmony markers are special tokens
+        # A forced tool_choice is a JSON-schema constraint on the output (http/tools.py).
+        self.parallel = req.parallel_tool_calls is not False
+        self.forced = forced_schema(self.tool_choice, self.functions, self.parallel)
+        user_constraint = constraint_param(req) or any(
+            getattr(req, name, None) is not None for name in CONSTRAINTS)
+        if self.forced is not None:
+            if user_constraint:
+                raise bad_request("tool_choice 'required' or a named function constrains the output "
+                                  "itself: it cannot be combined with response_format, regex, ebnf "
+                                  "or json_schema", "tool_choice")
+            self.params.json_schema = self.forced
+        elif self._tool_parser() is not None:
+            if ctx.tool_call_parser in SPECIAL_TOKEN_MARKERS:
+                self.params.skip_special_tokens = False  # its markers are special tokens
+            if (tag := strict_tool_tag(ctx.tool_call_parser, self.functions)) is not None:
+                if user_constraint:
+                    raise bad_request("strict tools constrain the output: they cannot be combined "
+                                      "with response_format, regex, ebnf or json_schema", "tools")
+                self.params.structural_tag = tag
         self.generation: Generation | None = None
 
     @classmethod
     async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
         """Checks the request, builds its grammar off the event loop, submits it."""
         call = cls(ctx, req)
-        await compile_constraints(ctx, [call.params], constraint_param(req))
+        await check_tool_schemas(ctx, call.functions)
+        param = ("tool_choice" if call.forced else "tools" if call.params.structural_tag
+                 and not constraint_param(req) else constraint_param(req))
+        await compile_constraints(ctx, [call.params], param)
         call.generation = Generation(ctx, [call.prompt_ids], call.params, req.n,
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,
                                      priority=priority + req.priority, rid=req.rid)
@@ -50,11 +82,9 @@ class ChatCall:
 
     def _render(self) -> str:
         req, ctx = self.req, self.ctx
-        if req.tool_choice is not None and req.tools is None:
-            raise bad_request("tool_choice needs tools", "tool_choice")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise not_supported("tool_choice", f"tool_choice {req.tool_choice!r}")
-        tools = None if req.tool_choice == "none" else req.tools
+        self.functions = check_tools(req.tools)
+        self.tool_choice = tool_choice_of(req.tool_choice, self.functions)
+        tools = None if self.tool_choice.mode == "none" else req.tools
         return chat_template.render(
             ctx.tokenizer, chat_template.template_messages(req.messages), template=ctx.chat_template,
             tools=tools, add_generation_prompt=True,
@@ -64,9 +94,10 @@ class ChatCall:
     def _parser(self) -> ReasoningParser | None:
         if self.ctx.reasoning_parser is None or not self.req.separate_reasoning:
             return None
-        # A template that opened the thinking block in the prompt: the output starts inside it.
-        thinking_in_prompt = self.prompt_text.rstrip().endswith(THINK_START)
-        return ReasoningParser(self.ctx.reasoning_parser, thinking_in_prompt=thinking_in_prompt)
+        # A template that opened the thinking block in the prompt (or deepseek-v3's `thinking`
+        # template kwarg): the output starts inside it.
+        return ReasoningParser.for_request(self.ctx.reasoning_parser, prompt_text=self.prompt_text,
+                                           chat_template_kwargs=self.req.chat_template_kwargs)
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.generation.created,
@@ -83,17 +114,34 @@ class ChatCall:
                 "model": self.ctx.served_model_name, "system_fingerprint": None,
                 "choices": [self._choice(c) for c in choices], "usage": self.generation.usage()}
 
+    def _tool_parser(self):
+        """The --tool-call-parser for an `auto` choice with tools, else None."""
+        if self.tool_choice.mode != "auto" or self.ctx.tool_call_parser is None:
+            return None
+        return TOOL_CALL_PARSERS[self.ctx.tool_call_parser](self.req.tools)
+
     def _choice(self, choice: Choice) -> dict:
         parser = self._parser()
         reasoning, content = parser.parse(choice.text) if parser else (None, choice.text)
+        tool_calls = None
+        if self.forced is not None:
+            calls = forced_calls(self.tool_choice, content)
+            if calls is not None:  # None: cut by max_tokens, the text stays content
+                content, tool_calls = None, [tool_call_dict(*call) for call in calls]
+        elif (tool_parser := self._tool_parser()) is not None:
+            content, calls = tool_parser.parse(content)
+            calls = calls if self.parallel else calls[:1]
+            if calls:
+                tool_calls = [tool_call_dict(c.name, c.arguments) for c in calls]
+                content = content or None
         logprobs = None
         if self.req.logprobs:
             logprobs = chat_logprobs(self.ctx.tokenizer, choice.token_ids, choice.logprobs,
                                      choice.top_logprobs, self.num_top)
         return {"index": choice.index,
                 "message": {"role": "assistant", "content": content, "reasoning_content": reasoning,
-                            "tool_calls": None},
-                "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                            "tool_calls": tool_calls},
+                "logprobs": logprobs, "finish_reason": _finish_reason(choice, bool(tool_calls)),
                 "matched_stop": choice.matched_stop}
 
     # --- SSE --------------------------------------------------------------------------------
@@ -102,6 +150,7 @@ class ChatCall:
         req = self.req
         num_choices = len(self.generation.choices)
         splits = [_ReasoningSplit(self._parser(), req.stream_reasoning) for _ in range(num_choices)]
+        tool_splits = [_ToolSplit(self) for _ in range(num_choices)]
         pending = [StreamBuffer(self.ctx.stream_interval) for _ in range(num_choices)]
         for index in range(num_choices):
             yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -111,14 +160,17 @@ class ChatCall:
                 if pending[choice.index].add(chunk):
                     text, tokens = pending[choice.index].take()
                     reasoning, content = splits[choice.index].split(text, chunk["finished"])
-                    if reasoning or content or tokens:
-                        yield sse(self._chunk([self._delta_choice(choice.index, reasoning, content, tokens)],
+                    content, calls = tool_splits[choice.index].split(content, chunk["finished"])
+                    if reasoning or content or tokens or calls:
+                        yield sse(self._chunk([self._delta_choice(choice.index, reasoning, content,
+                                                                  tokens, calls)],
                                               self._running_usage()))
                 if chunk["finished"]:
                     if "error" in chunk:
                         yield sse_error(APIError(500, f"generation failed: {chunk['error']}"))
+                    finish_reason = _finish_reason(choice, tool_splits[choice.index].called)
                     yield sse(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                            "finish_reason": choice.finish_reason,
+                                            "finish_reason": finish_reason,
                                             "matched_stop": choice.matched_stop}],
                                           self._running_usage()))
         except EngineDeadError as error:
@@ -138,17 +190,72 @@ class ChatCall:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _delta_choice(self, index: int, reasoning: str, content: str, tokens: list) -> dict:
+    def _delta_choice(self, index: int, reasoning: str, content: str, tokens: list,
+                      tool_calls: list[dict] = ()) -> dict:
         delta = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if content or not reasoning:
+        if content or not (reasoning or tool_calls):
             delta["content"] = content
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         logprobs = None
         if self.req.logprobs:
             logprobs = chat_logprobs(self.ctx.tokenizer, *zip(*tokens), self.num_top) if tokens \
                 else {"content": []}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+
+def _finish_reason(choice: Choice, called: bool) -> str | None:
+    """OpenAI's "tool_calls" where a complete output made calls; "length" stays "length"."""
+    return "tool_calls" if called and choice.finish_reason == "stop" else choice.finish_reason
+
+
+class _ToolSplit:
+    """One choice's streamed content -> (content delta, `delta.tool_calls` entries). A call goes
+    out once complete: a first entry with its index, id, type and name, then its arguments. A
+    forced choice's output is the calls' JSON: held back, and sent as calls once it ended."""
+
+    def __init__(self, call: ChatCall):
+        self.call = call
+        self.parser = call._tool_parser() if call.forced is None else None
+        self.held = ""
+        self.ids: dict[int, str] = {}
+        self.called = False
+
+    def split(self, content: str, finished: bool) -> tuple[str, list[dict]]:
+        if self.call.forced is not None:
+            self.held += content
+            if not finished:
+                return "", []
+            calls = forced_calls(self.call.tool_choice, self.held)
+            if calls is None:
+                return self.held, []
+            self.called = True
+            return "", [entry for index, (name, arguments) in enumerate(calls)
+                        for entry in self._entries(index, name, arguments)]
+        if self.parser is None:
+            return content, []
+        text, deltas = self.parser.feed(content)
+        if finished:
+            more_text, more_deltas = self.parser.finish()
+            text, deltas = text + more_text, deltas + more_deltas
+        entries = []
+        for delta in deltas:
+            if delta.index > 0 and not self.call.parallel:
+                continue  # parallel_tool_calls: false keeps the first call only
+            if delta.name is not None:
+                entries += self._entries(delta.index, delta.name, delta.arguments)
+            elif delta.arguments:
+                entries.append({"index": delta.index, "function": {"arguments": delta.arguments}})
+        self.called = self.called or bool(entries)
+        return text, entries
+
+    def _entries(self, index: int, name: str, arguments: str) -> list[dict]:
+        self.ids[index] = new_call_id()
+        first = {"index": index, "id": self.ids[index], "type": "function",
+                 "function": {"name": name, "arguments": ""}}
+        return [first] + ([{"index": index, "function": {"arguments": arguments}}] if arguments else [])
 
 
 class _ReasoningSplit:

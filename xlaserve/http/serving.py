@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Iterable
 
 import orjson
 
-from xlaserve.http.errors import APIError, bad_request, not_supported
+from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
@@ -42,6 +42,7 @@ class ServingContext:
     reasoning_parser: str | None
     stream_interval: int
     metrics: Metrics | None
+    tool_call_parser: str | None = None  # --tool-call-parser: calls parsed out of `auto` output
     ready: bool = False  # set once the warm-up generation has passed
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -104,10 +105,11 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
 def request_constraint(req: SamplingFields) -> tuple[str, str] | None:
     """The request's output constraint as (SamplingParams field, text), or None: SGLang's
     `regex`, `ebnf`, `json_schema` (JSON text) keys, or OpenAI's `response_format`; at most one."""
-    given = [(name, name, getattr(req, name)) for name in CONSTRAINTS if getattr(req, name) is not None]
-    from_format = response_format_schema(req.response_format)
+    given = [(name, name, getattr(req, name)) for name in CONSTRAINTS
+             if getattr(req, name, None) is not None]
+    from_format = response_format_constraint(req.response_format)
     if from_format is not None:
-        given.append(("response_format", "json_schema", from_format))
+        given.append(("response_format", *from_format))
     if len(given) > 1:
         raise bad_request("Only one of regex, json_schema, or ebnf can be set.", given[1][0])
     return given[0][1:] if given else None
@@ -119,24 +121,30 @@ def constraint_param(req: SamplingFields) -> str | None:
     return "response_format" if kind != "text" else None
 
 
-def response_format_schema(response_format: dict | None) -> str | None:
-    """OpenAI's `response_format` -> the JSON schema text it asks for, or None (text)."""
+def response_format_constraint(response_format: dict | None) -> tuple[str, str] | None:
+    """OpenAI's `response_format` -> the constraint it asks for (SamplingParams field, text), or
+    None (text). SGLang's `structural_tag` type is the structures and triggers as JSON text."""
     if response_format is None:
         return None
     param = "response_format"
     kind = response_format.get("type")
     if kind == "structural_tag":
-        raise not_supported(param, "response_format 'structural_tag'")
+        unknown = set(response_format) - {"type", "structures", "triggers"}
+        if unknown:
+            raise bad_request(f"unknown response_format fields: {sorted(unknown)}", param)
+        return "structural_tag", json.dumps(
+            {"structures": response_format.get("structures"),
+             "triggers": response_format.get("triggers")})
     if kind not in ("text", "json_object", "json_schema"):
-        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
-                          f"got {kind!r}", param)
+        raise bad_request(f"response_format.type must be 'text', 'json_object', 'json_schema' or "
+                          f"'structural_tag', got {kind!r}", param)
     unknown = set(response_format) - _RESPONSE_FORMAT_KEYS
     if unknown:
         raise bad_request(f"unknown response_format fields: {sorted(unknown)}", param)
     if kind == "text":
         return None
     if kind == "json_object":
-        return '{"type": "object"}'  # as SGLang: any JSON object
+        return "json_schema", '{"type": "object"}'  # as SGLang: any JSON object
     spec = response_format.get("json_schema")
     if spec is None and "schema" in response_format:  # SGLang's shorthand
         spec = {"schema": response_format["schema"]}
@@ -149,7 +157,7 @@ def response_format_schema(response_format: dict | None) -> str | None:
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema must be a JSON schema object", param)
-    return json.dumps(schema)
+    return "json_schema", json.dumps(schema)
 
 
 async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingParams],

@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 GRAMMAR_BACKENDS = ("llguidance", "none")
-CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # JSON whitespace between tokens when --constrained-json-whitespace-pattern is not given: one
 # optional space (outlines' and SGLang's default for their JSON grammars), so `{"a": 1}` and
 # `{"a":1}` both parse but a small model cannot pad with spaces or newlines until max_tokens.
@@ -50,11 +50,12 @@ def constraint_of(params) -> tuple[str, str] | None:
     given = [(name, getattr(params, name)) for name in CONSTRAINT_FIELDS
              if getattr(params, name, None) is not None]
     if len(given) > 1:
-        raise InvalidGrammar(given[1][0], "Only one of regex, json_schema, or ebnf can be set.")
+        raise InvalidGrammar(given[1][0], "Only one of regex, json_schema, ebnf or structural_tag "
+                                          "can be set.")
     if not given:
         return None
     kind, text = given[0]
-    if kind == "json_schema" and isinstance(text, dict):
+    if kind in ("json_schema", "structural_tag") and isinstance(text, dict):
         text = json.dumps(text)
     if not isinstance(text, str):
         raise InvalidGrammar(kind, f"{kind} must be a string, got {type(text).__name__}")
@@ -174,6 +175,8 @@ class GrammarBackend:
                 defaults={"whitespace_pattern": self.whitespace_pattern})
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(python_regex_to_rust(text))
+        elif kind == "structural_tag":
+            grammar = self._structural_tag_grammar(text)
         elif kind == "ebnf":
             try:
                 grammar = llguidance.grammar_from("ebnf", text)
@@ -187,6 +190,41 @@ class GrammarBackend:
         if matcher.is_error():
             raise InvalidGrammar(kind, f"invalid {kind}: {_first_line(matcher.get_error())}")
         return matcher
+
+    def _structural_tag_grammar(self, text: str) -> str:
+        """SGLang's structural tag: free text in which each `begin` (from one of `triggers`)
+        starts a segment whose body follows `schema`, closed by `end`; e.g. tool calls written
+        as `<function=f>{...}</function>` inside an answer. Built with llguidance's StructTag:
+        the text runs lazily up to a trigger, then the tag is constrained."""
+        import llguidance
+
+        try:
+            spec = json.loads(text)
+        except ValueError as error:
+            raise InvalidGrammar("structural_tag", f"structural_tag is not valid JSON: {error}") from None
+        structures = spec.get("structures") if isinstance(spec, dict) else None
+        triggers = spec.get("triggers") if isinstance(spec, dict) else None
+        if not structures or not isinstance(structures, list) or not triggers \
+                or not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+            raise InvalidGrammar("structural_tag", "structural_tag needs a list of structures "
+                                 '({"begin", "schema", "end"}) and a list of triggers')
+        tags = []
+        for i, structure in enumerate(structures):
+            if not isinstance(structure, dict) or not isinstance(structure.get("begin"), str) \
+                    or not isinstance(structure.get("end"), str) \
+                    or not isinstance(structure.get("schema"), dict):
+                raise InvalidGrammar("structural_tag", f"structures[{i}] needs begin and end "
+                                                       "strings and a schema object")
+            trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
+            if trigger is None:
+                raise InvalidGrammar("structural_tag", f"structures[{i}].begin "
+                                     f"{structure['begin']!r} starts with none of the triggers")
+            schema = {**closed_objects(structure["schema"]),
+                      "x-guidance": {"whitespace_pattern": self.whitespace_pattern}}
+            tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"],
+                                             grammar=schema, end=structure["end"]))
+        # Triggers are text here: `<tool_call>` is several tokens in most vocabularies.
+        return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
     def empty_bitmask(self, rows: int) -> np.ndarray:
         """i32[rows, words]: every token allowed (unconstrained and padding rows)."""

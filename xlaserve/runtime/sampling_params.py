@@ -27,10 +27,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     # Structured outputs (runtime/grammar.py), at most one: a JSON schema as a JSON string, a
-    # regular expression, or an EBNF grammar in GBNF syntax (`root ::= "red" | "green"`).
+    # regular expression, an EBNF grammar in GBNF syntax (`root ::= "red" | "green"`), or a
+    # structural tag (JSON: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
     def validate(self, vocab_size: int, names: dict[str, str] | None = None) -> None:
         """Raises InvalidSamplingParam for the first value out of range; `names` renames fields in

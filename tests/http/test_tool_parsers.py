@@ -1,0 +1,366 @@
+"""The tool-call parsers (xlaserve/http/tool_parsers.py) on recorded outputs of each model family:
+fed whole, one character at a time, one token at a time (the default model's tokenizer) and cut in
+two at every position, they give the same content and the same calls; markup never reaches the
+streamed content, and a call cut off by the end of the output never shows up."""
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+import pytest
+
+from xlaserve.http.tool_parsers import TOOL_CALL_PARSERS, ToolCall, ToolCallDelta
+
+
+def tool(name):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+TOOLS = [tool(n) for n in ("get_weather", "get_time", "search")]
+W = "get_weather"
+
+# Markers of each format, for the "no markup in the content" checks.
+MARKERS = {
+    "qwen25": ["<tool_call>", "</tool_call>"],
+    "llama3": ["<|python_tag|>"],
+    "mistral": ["[TOOL_CALLS]", "[ARGS]"],
+    "deepseekv3": ["<｜tool", "```"],
+    "deepseekv31": ["<｜tool"],
+    "pythonic": ["<|python_start|>", "<|python_end|>"],
+}
+
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+
+
+def ds3(name, args):
+    return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"
+
+
+def ds31(name, args):
+    return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"
+
+
+def qwen(body):
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+# (parser, case id, model output, expected content, expected calls as (name, arguments dict)).
+# Where the output has calls or a cut call and nothing malformed, the content has no markup.
+CASES = [
+    # --- qwen25 (Hermes) ---
+    ("qwen25", "single", qwen('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'),
+     "", [(W, {"city": "Paris", "unit": "celsius"})]),
+    ("qwen25", "parallel", "I'll check both.\n\n" + qwen('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+     + "\n" + qwen('{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}'),
+     "I'll check both.", [(W, {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]),
+    ("qwen25", "text-after", "Sure: " + qwen('{"name": "search", "arguments": {"q": "a <b> c"}}') + "\n\nDone.",
+     "Sure:Done.", [("search", {"q": "a <b> c"})]),
+    ("qwen25", "unicode", qwen('{"name": "get_weather", "arguments": {"city": "東京", "note": "🌧 \\u00e9"}}'),
+     "", [(W, {"city": "東京", "note": "🌧 é"})]),
+    ("qwen25", "args-as-string", qwen('{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'),
+     "", [(W, {"city": "Rome"})]),
+    ("qwen25", "malformed", "Hmm " + qwen('{"name": "get_weather", "arguments": {"city": "Paris"}') + " ok",
+     "Hmm " + qwen('{"name": "get_weather", "arguments": {"city": "Paris"}') + " ok", []),
+    ("qwen25", "malformed-then-good", qwen("{'name': 'get_time'}") + qwen('{"name": "get_time", "arguments": {}}'),
+     qwen("{'name': 'get_time'}"), [("get_time", {})]),
+    ("qwen25", "cut", "Let me look.\n" + qwen('{"name": "get_weather", "arguments": {}}')
+     + '\n<tool_call>\n{"name": "get_time", "argu', "Let me look.", [(W, {})]),
+    ("qwen25", "cut-in-end-tag", '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_',
+     "", [("get_time", {"tz": "UTC"})]),
+    ("qwen25", "cut-at-marker", "Checking <tool_", "Checking <tool_", []),
+    ("qwen25", "no-call", "Plain answer with <b>tags</b> and a { brace.\n",
+     "Plain answer with <b>tags</b> and a { brace.\n", []),
+    # --- llama3 ---
+    ("llama3", "single-tag", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     "", [(W, {"city": "Paris"})]),
+    ("llama3", "bare", '  {"type": "function", "name": "get_weather", "parameters": {"city": "Oslo"}}',
+     "", [(W, {"city": "Oslo"})]),
+    ("llama3", "parallel", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+     '{"name": "get_time", "arguments": {"tz": "CET"}}',
+     "", [(W, {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ("llama3", "bare-parallel", '{"name": "get_time", "parameters": {}};{"name": "search", "parameters": {"q": ";"}}',
+     "", [("get_time", {}), ("search", {"q": ";"})]),
+    ("llama3", "text-before", 'Let me check that.<|python_tag|>{"name": "search", "parameters": {"q": "{x}"}}',
+     "Let me check that.", [("search", {"q": "{x}"})]),
+    ("llama3", "text-after", '{"name": "get_time", "parameters": {"tz": "UTC"}}\nAnything else?',
+     "Anything else?", [("get_time", {"tz": "UTC"})]),
+    ("llama3", "unicode", '<|python_tag|>{"name": "search", "parameters": {"q": "naïve café ☕ 北京"}}',
+     "", [("search", {"q": "naïve café ☕ 北京"})]),
+    ("llama3", "prose-with-json", 'The JSON is {"name": "get_time", "parameters": {}}.',
+     'The JSON is {"name": "get_time", "parameters": {}}.', []),
+    ("llama3", "json-answer", '{"name": "Alice", "age": 30}', '{"name": "Alice", "age": 30}', []),
+    ("llama3", "malformed", '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC",}}',
+     '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC",}}', []),
+    ("llama3", "cut", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_ti',
+     "", [(W, {"city": "Paris"})]),
+    ("llama3", "bare-cut", '{"name": "get_weather", "parameters": {"city": "Pa', "", []),
+    ("llama3", "bare-json-cut", '{"answer": [1, 2', '{"answer": [1, 2', []),
+    # --- mistral ---
+    ("mistral", "single", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"location": "Paris, France"}}]',
+     "", [(W, {"location": "Paris, France"})]),
+    ("mistral", "parallel", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Nice"}}, '
+     '{"name": "get_time", "arguments": {"tz": "[CET]"}}]',
+     "", [(W, {"city": "Nice"}), ("get_time", {"tz": "[CET]"})]),
+    ("mistral", "text-around", 'Let me see. [TOOL_CALLS] [{"name": "search", "arguments": {"q": "x"}}] Thanks.',
+     "Let me see.Thanks.", [("search", {"q": "x"})]),
+    ("mistral", "compact", '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]get_time[ARGS]{}',
+     "", [(W, {"city": "Lyon"}), ("get_time", {})]),
+    ("mistral", "unicode", '[TOOL_CALLS] [{"name": "search", "arguments": {"q": "Zürich – 😀"}}]',
+     "", [("search", {"q": "Zürich – 😀"})]),
+    ("mistral", "malformed", '[TOOL_CALLS] [{"name": "search", "arguments": {q: 1}}]',
+     '[TOOL_CALLS] [{"name": "search", "arguments": {q: 1}}]', []),
+    ("mistral", "cut", 'Ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice"}}, {"name": "ge',
+     "Ok", []),
+    ("mistral", "compact-cut", '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[AR', "", [("get_time", {})]),
+    ("mistral", "no-call", "Arrays like [1, 2] and [TOOL] stay.", "Arrays like [1, 2] and [TOOL] stay.", []),
+    # --- deepseekv3 / deepseekv31 ---
+    ("deepseekv3", "single", DS_BEGIN + ds3(W, '{"location": "Tokyo"}') + DS_END,
+     "", [(W, {"location": "Tokyo"})]),
+    ("deepseekv3", "parallel", "Checking both." + DS_BEGIN + ds3(W, '{"location": "Tokyo"}') + "\n"
+     + ds3(W, '{"location": "Paris"}') + DS_END, "Checking both.",
+     [(W, {"location": "Tokyo"}), (W, {"location": "Paris"})]),
+    ("deepseekv3", "unicode", DS_BEGIN + ds3("search", '{"q": "東京の天気 ⛅"}') + DS_END,
+     "", [("search", {"q": "東京の天気 ⛅"})]),
+    ("deepseekv3", "malformed", DS_BEGIN + ds3("search", '{"q": "x"') + DS_END, ds3("search", '{"q": "x"'), []),
+    ("deepseekv3", "cut", "Sure." + DS_BEGIN + ds3(W, '{"location": "Tokyo"}')
+     + '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"loc',
+     "Sure.", [(W, {"location": "Tokyo"})]),
+    ("deepseekv31", "parallel", "Hi" + DS_BEGIN + ds31(W, '{"location": "Tokyo"}') + ds31("get_time", "{}") + DS_END,
+     "Hi", [(W, {"location": "Tokyo"}), ("get_time", {})]),
+    ("deepseekv31", "cut", DS_BEGIN + '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"location": "To', "", []),
+    # --- pythonic ---
+    ("pythonic", "single", '[get_weather(city="San Francisco", days=3)]', "", [(W, {"city": "San Francisco", "days": 3})]),
+    ("pythonic", "parallel", "[get_weather(city='Paris', units=None, opts={'x': [1, -2.5, True]}), get_time(tz=\"CET\")]",
+     "", [(W, {"city": "Paris", "units": None, "opts": {"x": [1, -2.5, True]}}), ("get_time", {"tz": "CET"})]),
+    ("pythonic", "text-around", "Sure, see [1].\n[search(q='a ] b', n=(1, 2))]\nDone [ok].",
+     "Sure, see [1].Done [ok].", [("search", {"q": "a ] b", "n": [1, 2]})]),
+    ("pythonic", "llama4-tokens", '<|python_start|>[get_time(tz="UTC")]<|python_end|>', "", [("get_time", {"tz": "UTC"})]),
+    ("pythonic", "unicode", '[search(q="Ωmega 🚀 日本")]', "", [("search", {"q": "Ωmega 🚀 日本"})]),
+    ("pythonic", "malformed", "[get_time(tz=UTC)] and [search('positional')]",
+     "[get_time(tz=UTC)] and [search('positional')]", []),
+    ("pythonic", "cut", 'Ok. [get_weather(city="Paris"), get_time(tz="CE', "Ok.", []),
+    ("pythonic", "prose-brackets", "a[0] + [x, y] and [see below", "a[0] + [x, y] and [see below", []),
+]
+
+IDS = [f"{c[0]}-{c[1]}" for c in CASES]
+
+
+@functools.cache
+def tokenizer():
+    from xlaserve.model.loader import default_model_file, load_tokenizer
+
+    return load_tokenizer(default_model_file())
+
+
+def token_pieces(text: str) -> list[str]:
+    """The text as a server streams it: one piece per token (a character split across tokens
+    comes with the token that completes it)."""
+    tok = tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces, sent = [], ""
+    for k in range(len(ids)):
+        decoded = tok.decode(ids[:k + 1])
+        if decoded.endswith("\ufffd") and k + 1 < len(ids):
+            continue
+        assert decoded.startswith(sent)
+        pieces.append(decoded[len(sent):])
+        sent = decoded
+    assert "".join(pieces) == text
+    return pieces
+
+
+def stream(name, pieces, tools=None):
+    """Feed the pieces, then finish: (content, calls, every piece's (content, deltas))."""
+    parser = TOOL_CALL_PARSERS[name](tools)
+    steps = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    content = "".join(c for c, _ in steps)
+    deltas = [d for _, ds in steps for d in ds]
+    return content, assemble(deltas), steps
+
+
+def assemble(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """Calls from their deltas, checking the delta rules: a call's first delta has its index (the
+    next one) and its name, its later deltas no name."""
+    calls: list[ToolCall] = []
+    for d in deltas:
+        if d.name is not None:
+            assert d.index == len(calls) and d.arguments == ""
+            calls.append(ToolCall(d.name, ""))
+        else:
+            assert d.index == len(calls) - 1, "fragments follow their call's first delta"
+            calls[d.index].arguments += d.arguments
+    return calls
+
+
+def as_pairs(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("name,case,text,content,calls", CASES, ids=IDS)
+def test_whole_output(name, case, text, content, calls):
+    got_content, got_calls = TOOL_CALL_PARSERS[name](TOOLS).parse(text)
+    assert (got_content, as_pairs(got_calls)) == (content, calls)
+    for call in got_calls:
+        assert call.arguments == json.dumps(json.loads(call.arguments), ensure_ascii=False)
+    if (calls or case.startswith("cut")) and "malformed" not in case:
+        assert not any(m in got_content for m in MARKERS[name]), "markup left in the content"
+
+
+@pytest.mark.parametrize("name,case,text,content,calls", CASES, ids=IDS)
+def test_per_character_and_per_token_streams_match_the_whole(name, case, text, content, calls):
+    whole = TOOL_CALL_PARSERS[name](TOOLS).parse(text)
+    rng = random.Random(case)
+    splits = {
+        "char": list(text),
+        "token": token_pieces(text),
+        "random": [],
+    }
+    at = 0
+    while at < len(text):
+        n = rng.randint(1, 9)
+        splits["random"].append(text[at:at + n])
+        at += n
+    for how, pieces in splits.items():
+        got_content, got_calls, _ = stream(name, pieces, TOOLS)
+        assert (got_content, got_calls) == whole, how  # arguments: exactly the same text
+
+
+@pytest.mark.parametrize("name,case,text,content,calls", CASES, ids=IDS)
+def test_cut_in_two_anywhere(name, case, text, content, calls):
+    """Streamed in two pieces, cut at every position: the same result; and what the first piece
+    gives is final: its content a prefix of the whole content (no markup shown, then taken back),
+    its calls the first calls of the whole, complete (a call is only sent once complete)."""
+    whole_content, whole_calls = TOOL_CALL_PARSERS[name](TOOLS).parse(text)
+    for k in range(len(text) + 1):
+        got_content, got_calls, steps = stream(name, [text[:k], text[k:]], TOOLS)
+        assert (got_content, got_calls) == (whole_content, whole_calls), k
+        first_content, first_deltas = steps[0]
+        assert whole_content.startswith(first_content), k
+        first_calls = assemble(first_deltas)
+        assert first_calls == whole_calls[:len(first_calls)], k
+
+
+@pytest.mark.parametrize("name,case,text,content,calls", CASES, ids=IDS)
+def test_output_ended_early_never_gives_a_half_call(name, case, text, content, calls):
+    """The output cut at any point (max_tokens): its calls are whole calls of the full output."""
+    _, whole_calls = TOOL_CALL_PARSERS[name](TOOLS).parse(text)
+    for k in range(len(text)):
+        _, got = TOOL_CALL_PARSERS[name](TOOLS).parse(text[:k])
+        assert got == whole_calls[:len(got)], k
+
+
+def test_parser_names_are_sglangs():
+    assert {"qwen25", "llama3", "mistral", "deepseekv3", "pythonic"} <= set(TOOL_CALL_PARSERS)
+
+
+UNKNOWN = {
+    "qwen25": (qwen('{"name": "delete_all", "arguments": {}}') + qwen('{"name": "get_time", "arguments": {}}'),
+               qwen('{"name": "delete_all", "arguments": {}}')),
+    "llama3": ('<|python_tag|>{"name": "delete_all", "parameters": {}}', '<|python_tag|>{"name": "delete_all", "parameters": {}}'),
+    "mistral": ('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "delete_all", "arguments": {}}]',
+                '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "delete_all", "arguments": {}}]'),
+    "deepseekv3": (DS_BEGIN + ds3("delete_all", "{}") + ds3("get_time", "{}") + DS_END, ds3("delete_all", "{}")),
+    "pythonic": ("[delete_all()]", "[delete_all()]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNKNOWN))
+def test_a_call_to_a_function_not_in_tools_stays_content(name):
+    text, content = UNKNOWN[name]
+    expected_calls = [("get_time", {})] if name in ("qwen25", "deepseekv3") else []
+    got_content, got_calls = TOOL_CALL_PARSERS[name](TOOLS).parse(text)
+    assert (got_content, as_pairs(got_calls)) == (content, expected_calls)
+    assert stream(name, list(text), TOOLS)[:2] == (got_content, got_calls)
+    # Without `tools`, any name is a call.
+    assert "delete_all" in [c.name for c in TOOL_CALL_PARSERS[name]().parse(text)[1]]
+
+
+def test_each_call_streams_as_a_name_delta_then_its_arguments():
+    parser = TOOL_CALL_PARSERS["qwen25"](TOOLS)
+    out = []
+    for piece in ["Hi\n<tool", "_call>\n{\"name\": \"get_time\", ", '"arguments": {"tz": "UTC"}}\n</tool_call>',
+                  "\n<tool_call>", '\n{"name": "search", "arguments": {}}\n</tool_call>']:
+        out.append(parser.feed(piece))
+    out.append(parser.finish())
+    assert out == [
+        ("Hi", []), ("", []),
+        ("", [ToolCallDelta(0, "get_time", ""), ToolCallDelta(0, None, '{"tz": "UTC"}')]),
+        ("", []),
+        ("", [ToolCallDelta(1, "search", ""), ToolCallDelta(1, None, "{}")]),
+        ("", []),
+    ]
+
+
+def test_possible_marker_starts_are_held_back_until_decided():
+    parser = TOOL_CALL_PARSERS["qwen25"](TOOLS)
+    assert parser.feed("Answer <tool") == ("Answer", [])  # the space too: a call may follow
+    assert parser.feed("box> here\n") == (" <toolbox> here", [])
+    assert parser.finish() == ("\n", [])
+    llama = TOOL_CALL_PARSERS["llama3"](TOOLS)
+    assert llama.feed("  {") == ("", [])  # a leading brace: maybe a bare JSON call
+    assert llama.feed('"a": 1') == ("", [])
+    assert llama.feed("}") == ('  {"a": 1}', [])  # a whole object, not a call: content
+    assert llama.finish() == ("", [])
+
+
+def test_pythonic_only_accepts_keyword_literals():
+    parse = TOOL_CALL_PARSERS["pythonic"]().parse
+    for text in ["[f(x=os.system('ls'))]", "[f(**kw)]", "[f(1)]", "[f(x={1, 2})]", "[obj.f(x=1)]", "[f(x=1), 2]"]:
+        assert parse(text) == (text, []), text
+    assert parse("[f(x=1e400)]") == ("[f(x=1e400)]", [])  # inf is not JSON
+
+
+def test_non_json_numbers_are_not_arguments():
+    text = qwen('{"name": "get_time", "arguments": {"x": NaN}}')
+    assert TOOL_CALL_PARSERS["qwen25"](TOOLS).parse(text) == (text, [])
+
+
+def test_parse_leaves_the_streaming_state_alone():
+    parser = TOOL_CALL_PARSERS["qwen25"](TOOLS)
+    parser.feed("<tool_call>\n")
+    assert parser.parse("x")[0] == "x"
+    assert parser.feed('{"name": "get_time", "arguments": {}}</tool_call>')[1][0].name == "get_time"
+
+
+# Pieces of each format's markup (whole and broken) and of text, for random outputs.
+FUZZ_VOCAB = {
+    "qwen25": ["<tool_call>", "</tool_call>", "<tool_", "\n", " ", '{"name": "f", "arguments": {"a": 1}}',
+               '{"name": "g"', "}", '"', "x", "{", "é"],
+    "llama3": ["<|python_tag|>", "<|py", ";", " ", "\n", '{"name": "f", "parameters": {"a": "}"}}', '{"name": ',
+               "{", "}", '"', "x", '\\"'],
+    "mistral": ["[TOOL_CALLS]", "[TOOL", " [", "]", "f[ARGS]", "[ARGS]", '{"a": 1}',
+                '{"name": "f", "arguments": {}}', ",", " ", "x", '"'],
+    "deepseekv3": [DS_BEGIN, DS_END, "<｜tool▁call▁begin｜>", "function<｜tool▁sep｜>f\n```json\n", '{"a": 1}',
+                   "\n```", "<｜tool▁call▁end｜>", "<｜tool", " ", "x"],
+    "deepseekv31": [DS_BEGIN, "<｜tool▁call▁begin｜>", "f<｜tool▁sep｜>", '{"a": 1}', "<｜tool▁call▁end｜>", "<｜tool",
+                    " ", "x"],
+    "pythonic": ["[", "]", "f(", ")", "a=1", ", ", "'", '"', "x", " ", "<|python_start|>", "<|python_end|>", "<|py",
+                 "g(b='])')"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUZZ_VOCAB))
+def test_random_outputs_and_random_pieces_agree_with_the_whole(name):
+    rng = random.Random(name)
+    vocab = FUZZ_VOCAB[name]
+    for _ in range(300):
+        text = "".join(rng.choice(vocab) for _ in range(rng.randint(0, 12)))
+        whole = TOOL_CALL_PARSERS[name]().parse(text)
+        pieces, at = [], 0
+        while at < len(text):
+            n = rng.randint(1, 6)
+            pieces.append(text[at:at + n])
+            at += n
+        assert stream(name, pieces)[:2] == whole, text
+
+
+def test_bare_llama3_json_calling_an_unknown_function_is_content():
+    text = '{"name": "delete_all", "parameters": {}}'
+    assert TOOL_CALL_PARSERS["llama3"](TOOLS).parse(text) == (text, [])
+
+
+def test_empty_output():
+    for cls in TOOL_CALL_PARSERS.values():
+        assert cls(TOOLS).parse("") == ("", [])
+        assert cls(TOOLS).parse(" \n") == (" \n", [])
