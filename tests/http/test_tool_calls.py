@@ -300,3 +300,38 @@ def test_a_tool_calling_batch_line_answers_what_the_live_endpoint_does(qwen, tmp
         for call in reply["choices"][0]["message"]["tool_calls"]:
             assert call.pop("id").startswith("call_")  # fresh per response
     assert got == live
+
+
+@pytest.fixture(scope="module")
+def thinking_qwen(tiny_chat_model):
+    running = RunningServer(tiny_chat_model[0], served_model_name="tiny", chat_template=TEMPLATE,
+                            tool_call_parser="qwen25", reasoning_parser="qwen3")
+    yield running
+    running.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_that_thinks_then_calls_a_tool_gives_both(thinking_qwen, stream):
+    output = "<think>\nThe user wants the weather.\n</think>\n\n" + CALL_TEXT
+    regex = "".join("\\" + c if c in "{}.()[]?*+|^$\\" else c for c in output)
+    kwargs = dict(model="tiny", messages=QUESTION, tools=[WEATHER], temperature=0, max_tokens=96,
+                  extra_body={"regex": regex})
+    client = thinking_qwen.openai()
+    if not stream:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+        (call,) = message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    else:
+        reasoning = content = arguments = ""
+        name = None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                content += choice.delta.content or ""
+                for delta in choice.delta.tool_calls or ():
+                    name = name or delta.function.name
+                    arguments += delta.function.arguments or ""
+    assert reasoning.strip() == "The user wants the weather."
+    assert content.strip() == "Let me check." and name == "get_weather"
+    assert json.loads(arguments) == {"city": "Paris", "unit": "celsius"}
