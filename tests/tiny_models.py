@@ -23,8 +23,9 @@ FAMILIES = {
 
 
 def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: int = 0,
-                         max_shard_size=None, vocab_size: int = 512):
-    """Save a random tiny model of `family` (2 layers, hidden 64, GQA 4:2, vocab 512) to `directory`.
+                         max_shard_size=None, vocab_size: int = 512, **config_overrides):
+    """Save a random tiny model of `family` (2 layers, hidden 64, GQA 4:2, vocab 512) to `directory`;
+    `config_overrides` change config fields (e.g. num_key_value_heads=4 to split over 4 devices).
 
     Every weight, bias and norm scale is randomized (transformers initializes biases to zero and
     norms to one, which would hide a missing bias or a misplaced norm)."""
@@ -33,10 +34,10 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
 
     spec = dict(FAMILIES[family])
     config_cls = getattr(transformers, spec.pop("cls"))
-    config = config_cls(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, vocab_size=vocab_size, rms_norm_eps=1e-6, **spec,
-    )
+    config = config_cls(**{
+        **dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=2, vocab_size=vocab_size, rms_norm_eps=1e-6),
+        **spec, **config_overrides})
     config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")

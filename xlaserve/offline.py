@@ -9,6 +9,9 @@
     engine = xlaserve.Engine(model_path="benchmarks/configs/qwen2.5-0.5b", load_format="dummy",
                              skip_tokenizer_init=True)
     out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8})
+
+    # Two replicas of a 4-device tensor parallel model on 8 devices (runtime/data_parallel.py):
+    engine = xlaserve.Engine(model_path=..., tp_size=4, dp_size=2)
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Any, AsyncIterator
 
 from xlaserve.runtime.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              sglang_output)
-from xlaserve.runtime.engine import EngineCore
+from xlaserve.runtime.data_parallel import make_engine_core
 from xlaserve.runtime.sampling_params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -66,7 +69,8 @@ def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingPa
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         self.server_args = ServerArgs(model_path=model_path, **server_args)
-        self.core = EngineCore(self.server_args)
+        # An EngineCore, or with dp_size > 1 replicas behind one (runtime/data_parallel.py).
+        self.core = make_engine_core(self.server_args)
         self.tokenizer = self.core.tokenizer
 
     # --- inputs -------------------------------------------------------------------------------

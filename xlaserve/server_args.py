@@ -52,7 +52,21 @@ class ServerArgs:
     page_size: Optional[int] = _flag(
         None, "tokens per KV cache page (default 16; on TPU the smallest power of two from 16 "
               "whose page table fits the attention kernel's scalar memory)")
-    tp_size: int = _flag(1, "tensor parallel size: devices that split each layer's heads")
+    tp_size: int = _flag(1, "tensor parallel size: devices that split each layer's heads (across "
+                            "every process's devices with --nnodes)")
+    dp_size: int = _flag(
+        1, "data parallel size: replicas of the model on disjoint slices of --tp-size devices, "
+           "each with its own scheduler and KV cache, requests spread by --load-balance-method")
+    load_balance_method: str = _flag(
+        "round_robin", "how --dp-size replicas share requests: round_robin, or shortest_queue "
+                       "(the replica with the fewest running + waiting requests)",
+        choices=["round_robin", "shortest_queue"])
+    nnodes: int = _flag(1, "processes (hosts) the model spans; each runs this same command with "
+                           "its --node-rank; rank 0 serves HTTP, the others follow its steps")
+    node_rank: int = _flag(0, "this process's rank among --nnodes (0: the leader)")
+    dist_init_addr: Optional[str] = _flag(
+        None, "HOST:PORT of rank 0 for jax.distributed's coordinator (with --nnodes > 1); the "
+              "leader's step channel listens on PORT + 1")
     compilation_cache_dir: Optional[str] = _flag(
         None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")
     context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)")

@@ -16,17 +16,28 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 
 class _SchedulerGauges:
+    """running / queued requests and KV usage; with --dp-size > 1 one series per replica,
+    labelled `dp_rank` as SGLang does (`sum(...)` in PromQL gives the server's total)."""
+
     def __init__(self, stats: Callable[[], dict], model_name: str):
         self._stats = stats
         self._model_name = model_name
 
     def collect(self):
         stats = self._stats()
+        replicas = stats.get("replicas")
         for name, doc in (("num_running_reqs", "requests running (decoding or prefilling)"),
                           ("num_queue_reqs", "requests waiting to be scheduled"),
                           ("token_usage", "fraction of the KV cache pool in use")):
-            gauge = GaugeMetricFamily(f"xlaserve:{name}", doc, labels=["model_name"])
-            gauge.add_metric([self._model_name], float(stats[name]))
+            if replicas is None:
+                gauge = GaugeMetricFamily(f"xlaserve:{name}", doc, labels=["model_name"])
+                gauge.add_metric([self._model_name], float(stats[name]))
+            else:
+                gauge = GaugeMetricFamily(f"xlaserve:{name}", doc + ", per data parallel replica",
+                                          labels=["model_name", "dp_rank"])
+                for replica in replicas:
+                    gauge.add_metric([self._model_name, str(replica["dp_rank"])],
+                                     float(replica[name]))
             yield gauge
 
 

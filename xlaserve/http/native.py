@@ -146,7 +146,7 @@ async def get_server_info(request: Request):
     ctx = _ctx(request)
     core = ctx.engine.core
     return {**dataclasses.asdict(ctx.engine.server_args), "version": xlaserve.__version__,
-            "max_total_num_tokens": core.scheduler.allocator.capacity * core.args.page_size,
+            "max_total_num_tokens": core.max_total_num_tokens,
             "max_request_tokens": core.max_request_tokens, **core.stats()}
 
 

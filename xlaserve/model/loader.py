@@ -81,13 +81,31 @@ def default_mesh() -> Mesh:
     return tensor_parallel_mesh(1)
 
 
-def tensor_parallel_mesh(tp_size: int) -> Mesh:
-    """A ("data", "tensor") mesh over the first `tp_size` devices."""
+def tensor_parallel_mesh(tp_size: int, first_device: int = 0) -> Mesh:
+    """A ("data", "tensor") mesh over devices [first_device, first_device + tp_size): a data
+    parallel replica's slice (runtime/data_parallel.py), or the first `tp_size` devices."""
     devices = jax.devices()
-    if not 1 <= tp_size <= len(devices):
-        raise ValueError(f"--tp-size {tp_size} needs that many devices; this host has {len(devices)} "
+    if tp_size < 1 or first_device < 0 or first_device + tp_size > len(devices):
+        needed = (f"devices {first_device}..{first_device + tp_size - 1}" if first_device
+                  else "that many devices")
+        raise ValueError(f"--tp-size {tp_size} needs {needed}; this host has {len(devices)} "
                          f"({jax.default_backend()})")
-    return Mesh(np.array(devices[:tp_size]).reshape(1, tp_size), ("data", "tensor"))
+    return Mesh(np.array(devices[first_device:first_device + tp_size]).reshape(1, tp_size),
+                ("data", "tensor"))
+
+
+def check_replica_devices(tp_size: int, dp_size: int) -> None:
+    """`dp_size` replicas of `tp_size` devices each must fit on this process's devices (one
+    process: the rest stay idle; with --nnodes the global count must match exactly, which the
+    multi-host start-up checks)."""
+    if tp_size < 1 or dp_size < 1:
+        raise ValueError(f"--tp-size and --dp-size must be at least 1 (got {tp_size}, {dp_size})")
+    devices = jax.devices()
+    if tp_size * dp_size > len(devices):
+        raise ValueError(
+            f"--dp-size {dp_size} x --tp-size {tp_size} needs {tp_size * dp_size} devices; found "
+            f"{len(devices)} {jax.default_backend()} device{'s' if len(devices) != 1 else ''} "
+            f"({', '.join(str(d) for d in devices[:8])}{', ...' if len(devices) > 8 else ''})")
 
 
 def default_model_file() -> str:

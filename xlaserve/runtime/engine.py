@@ -51,18 +51,26 @@ class _Live:
 
 
 class EngineCore:
-    def __init__(self, server_args: ServerArgs):
+    def __init__(self, server_args: ServerArgs, dp_rank: int = 0,
+                 share_with: "EngineCore | None" = None):
+        """`dp_rank`: the data parallel replica this is (runtime/data_parallel.py): its model
+        and KV pool live on devices [dp_rank * tp_size, (dp_rank + 1) * tp_size).
+        `share_with`: another replica whose tokenizer and grammar backend this one uses."""
         self.args = args = server_args
+        self.dp_rank = dp_rank
         malloc_tuning.limit_arenas()  # before XLA's threads allocate
         enable_persistent_cache(args.compilation_cache_dir)
         self.loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
-                                 skip_tokenizer_init=args.skip_tokenizer_init,
-                                 mesh=tensor_parallel_mesh(args.tp_size),
+                                 skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
+                                 mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size),
                                  load_format=args.load_format, seed=args.random_seed or 0)
+        if share_with is not None:
+            self.loaded.tokenizer = share_with.tokenizer
         config = self.loaded.config
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(self.loaded.model)))
-        logger.info("Load weight end. type=%s, dtype=%s, mem usage=%.2f GB, from %s%s",
-                    config.architecture, np.dtype(self.loaded.dtype).name, weight_bytes / 2**30,
+        logger.info("Load weight end.%s type=%s, dtype=%s, mem usage=%.2f GB, from %s%s",
+                    f" [DP{dp_rank}]" if args.dp_size > 1 else "", config.architecture,
+                    np.dtype(self.loaded.dtype).name, weight_bytes / 2**30,
                     self.loaded.source, " (dummy weights)" if args.load_format == "dummy" else "")
         self.tokenizer = self.loaded.tokenizer
         self.context_length = args.context_length or config.max_position_embeddings
@@ -71,7 +79,11 @@ class EngineCore:
         page_size = args.page_size
         num_pages = num_pages_for(config, self.loaded.dtype, page_size,
                                   max_total_tokens=args.max_total_tokens,
-                                  mem_fraction_static=_mem_fraction(args.mem_fraction_static))
+                                  mem_fraction_static=_mem_fraction(args.mem_fraction_static),
+                                  device=self.loaded.mesh.devices.flat[0],  # this replica's
+                                  # Each device holds 1/tp of every page; CPU "devices" share
+                                  # one host's memory, so there the whole page counts.
+                                  tensor_parallel=args.tp_size if platform != "cpu" else 1)
         self.runner = ModelRunner(self.loaded, num_pages=num_pages, page_size=page_size,
                                   max_running_requests=args.max_running_requests,
                                   attention_backend=args.attention_backend,
@@ -83,18 +95,23 @@ class EngineCore:
             PageAllocator(num_pages), page_size, args.max_running_requests,
             args.chunked_prefill_size, args.max_prefill_tokens, self.context_length,
             radix_cache=not args.disable_radix_cache)
+        if args.dp_size > 1:
+            self.scheduler.log_prefix = f"[DP{dp_rank}] "
         self.eos_token_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._seeds = random.Random(args.random_seed)
         self.grammar_backend = None  # structured outputs; off without a tokenizer or with "none"
-        if args.grammar_backend != "none" and self.tokenizer is not None:
+        if share_with is not None:
+            self.grammar_backend = share_with.grammar_backend
+        elif args.grammar_backend != "none" and self.tokenizer is not None:
             self.grammar_backend = GrammarBackend(
                 self.tokenizer, config.vocab_size, sorted(self.eos_token_ids),
                 args.constrained_json_whitespace_pattern)
         if not args.disable_precompile:
             self.runner.precompile(self.buckets.all_shapes())
-        if self.grammar_backend is not None:  # the token table (~0.3 s), before a request waits on it
+        if self.grammar_backend is not None and share_with is None:
+            # The token table (~0.3 s), before a request waits on it.
             threading.Thread(target=self.grammar_backend.prepare, name="xlaserve-grammar",
                              daemon=True).start()
         if jax.default_backend() == "cpu":
@@ -102,7 +119,8 @@ class EngineCore:
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="xlaserve-engine", daemon=True)
+        name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     # --- called from any thread -----------------------------------------------------------
@@ -177,6 +195,11 @@ class EngineCore:
         whole KV pool holds if that is less (the last sampled token needs no KV)."""
         pool_tokens = self.scheduler.allocator.capacity * self.args.page_size + 1
         return min(self.context_length, pool_tokens)
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.scheduler.allocator.capacity * self.args.page_size
 
     def stats(self) -> dict:
         """Scheduler figures for /metrics and /get_server_info (read from another thread: each

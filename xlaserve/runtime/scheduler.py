@@ -118,6 +118,7 @@ class Scheduler:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
         self.page_size = page_size
+        self.log_prefix = ""  # "[DP1] " for a data parallel replica's lines
         # Disabled, the tree stays empty: nothing is inserted, so nothing matches or is evictable.
         self.radix_cache = radix_cache
         self.cache = RadixCache(allocator, page_size)
@@ -434,8 +435,8 @@ class Scheduler:
                   cached_tokens: int) -> None:
         if prefill_chunks:
             logger.info(
-                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                "#running-req: %d, #queue-req: %d", len(prefill_chunks),
+                "%sPrefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                "#running-req: %d, #queue-req: %d", self.log_prefix, len(prefill_chunks),
                 sum(len(c.token_ids) for c in prefill_chunks), cached_tokens, self.token_usage(),
                 num_decodes, self.num_waiting)
         if kind != "decode":
@@ -451,8 +452,8 @@ class Scheduler:
             elapsed = now - self._interval_start
             throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
             logger.info(
-                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                "gen throughput (token/s): %.2f, #queue-req: %d", self.num_running,
+                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "gen throughput (token/s): %.2f, #queue-req: %d", self.log_prefix, self.num_running,
                 sum(r.num_computed for r in self.running), self.token_usage(), throughput,
                 self.num_waiting)
             self._decode_steps = self._decode_tokens = 0
