@@ -107,9 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     try:
+        if args.nnodes > 1:  # jax.distributed first; ranks > 0 replay rank 0's steps, no HTTP
+            from xlaserve.runtime import distributed
+
+            distributed.initialize(args)
+            if args.node_rank > 0:
+                return distributed.follow(args)
         storage = open_storage(args)
         ctx = make_context(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, TimeoutError) as error:
         logger.error("%s", error)
         return 2
     app = build_app(args, ctx, storage)

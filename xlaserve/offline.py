@@ -69,6 +69,12 @@ def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingPa
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         self.server_args = ServerArgs(model_path=model_path, **server_args)
+        if self.server_args.nnodes > 1:  # multi-host (runtime/distributed.py): jax.distributed first
+            from xlaserve.runtime import distributed
+
+            distributed.initialize(self.server_args)
+            if self.server_args.node_rank > 0:  # a follower replays rank 0's steps, then exits
+                raise SystemExit(distributed.follow(self.server_args))
         # An EngineCore, or with dp_size > 1 replicas behind one (runtime/data_parallel.py).
         self.core = make_engine_core(self.server_args)
         self.tokenizer = self.core.tokenizer

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from xlaserve.model import checkpoint, gguf_file
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.dummy_weights import dummy_model
+from xlaserve.model.placement import put
 from xlaserve.model.registry import architecture_of, model_class
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.model.weights import SafetensorsSource, WeightError, convert
@@ -271,7 +272,8 @@ def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: boo
             want = expected[path]
             if tuple(array.shape) != tuple(want.shape):
                 raise WeightError(f"parameter {path}: got shape {array.shape}, expected {want.shape}")
-            loaded[path] = jax.device_put(np.asarray(array, dtype=dtype), want.sharding)
+            # Multi-host: each process puts only its own devices' shards (model/placement.py).
+            loaded[path] = put(np.asarray(array, dtype=dtype), want.sharding)
             bar.update(1)
     missing = set(expected) - set(loaded)
     if missing:

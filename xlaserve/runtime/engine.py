@@ -25,6 +25,7 @@ from xlaserve.runtime.batch import pack
 from xlaserve.runtime.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.compilation import enable_persistent_cache
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
+from xlaserve.runtime.distributed import lead
 from xlaserve.runtime.grammar import GrammarBackend, InvalidGrammar, constraint_of
 from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for
 from xlaserve.runtime.model_runner import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
@@ -88,6 +89,9 @@ class EngineCore:
                                   max_running_requests=args.max_running_requests,
                                   attention_backend=args.attention_backend,
                                   matmul_backend=args.matmul_backend)
+        self.failure: str | None = None  # why a multi-host group broke: the engine takes no work
+        # --nnodes > 1: the followers replay this runner's device calls (runtime/distributed.py).
+        self._leader = lead(self) if args.nnodes > 1 else None
         self.buckets = serving_buckets(args, self.context_length, config.head_dim,
                                        self.loaded.dtype, platform,
                                        native_matmul=self.runner.kernels.packed_matmul is not None)
@@ -157,7 +161,8 @@ class EngineCore:
         if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         if not self.is_alive():
-            raise RuntimeError("the engine loop is not running (shut down, or it failed; see the log)")
+            raise RuntimeError(self.failure or
+                               "the engine loop is not running (shut down, or it failed; see the log)")
         params.validate(self.loaded.config.vocab_size)
         self.compile_grammar(params)  # a cache hit where the server compiled it already
         vocab = self.loaded.config.vocab_size
@@ -227,11 +232,13 @@ class EngineCore:
         self._stopping = True
         self._inbox.put(("wake", None, None, None))
         self._thread.join(timeout=30)
+        if self._leader is not None:  # the followers stop too
+            self._leader.close()
 
     # --- the engine thread ------------------------------------------------------------------
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.failure is None and self._thread.is_alive()
 
     def _loop(self) -> None:
         """One step per iteration, overlapped with the host work around it (the default; SGLang's
@@ -279,12 +286,14 @@ class EngineCore:
                         in_flight = None
                 for delivery in results or ():
                     self._deliver(*delivery)
-            except Exception:  # a bug must not kill the loop silently: fail what is in flight
+            except Exception as error:  # a bug must not kill the loop silently: fail what is in flight
                 logger.exception("engine step failed; aborting the running requests")
+                if self._leader is not None:  # the followers may have diverged: the group breaks
+                    self._leader.step_failed(error)
                 in_flight = None
                 for rid in list(self._live):
                     self.scheduler.abort(rid)
-                    self._finish_aborted(rid, "internal error")
+                    self._finish_aborted(rid, self.failure or "internal error")
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -23,6 +23,13 @@ Structured outputs: `token_bitmask i32[seqs, ceil(V/32)]` holds the tokens each 
 allows (runtime/grammar.py), a fixed-shape argument so a constrained request never compiles a
 program. A step without a constrained row sends a bitmask of all ones that stays on the device
 (one per sequence bucket), and the sampler skips the mask at run time.
+
+Multi-host (--nnodes > 1, runtime/distributed.py): the mesh spans every process's devices, and
+every process must make the same device calls in the same order. The leader's runner has a
+command sink: `assign_slot` and each step (its packed host vectors, bucket shape, table widths and
+grammar masks) go to the followers before the leader makes the call, and a follower's runner
+replays them (`assign_slot`, `run(packed_from_host(...))`). Outputs are replicated; the leader
+reads its own copy. In one process the sink is None and nothing of this runs.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from xlaserve.model.packed import pack_model
+from xlaserve.model.placement import put
 from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
 from xlaserve.runtime.batch import ForwardBatch
 from xlaserve.runtime.huge_pages import advise_huge_pages
@@ -77,6 +85,7 @@ class PackedStep:
     layout: tuple
     shape: tuple[int, int, int]  # (tokens, seqs, pages)
     widths: tuple[int, int]  # logit-bias and suppressed-id table widths
+    host: tuple[np.ndarray, np.ndarray] | None = None  # (ints, floats) for a multi-host leader
 
 
 class ModelRunner:
@@ -98,10 +107,14 @@ class ModelRunner:
         # Every persistent array keeps one explicit sharding in and out of the jitted functions:
         # an array whose sharding changed between calls would be a cache miss, i.e. a compile.
         replicated = NamedSharding(self.mesh, P())
+        # Over several processes' devices, each puts its own copies (model/placement.py).
+        self._put = jax.device_put if replicated.is_fully_addressable else put
+        # The multi-host leader's followers (runtime/distributed.py); None in one process.
+        self.sink = None
         kv_sharding = [cache.sharding for cache in self.kv_caches]
-        self.output_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
-        self.prompt_masks = jax.device_put(np.zeros((num_slots, vocab), np.bool_), replicated)
-        self.last_tokens = jax.device_put(np.zeros(num_slots, np.int32), replicated)
+        self.output_counts = self._put(np.zeros((num_slots, vocab), np.int32), replicated)
+        self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
+        self.last_tokens = self._put(np.zeros(num_slots, np.int32), replicated)
 
         # The weights go in as a flat list (flattening the nnx.State, 182 Variables for the
         # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
@@ -124,10 +137,13 @@ class ModelRunner:
         self._replicated = replicated
         self.bitmask_words = -(-vocab // 32)
         self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
+        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> packing.Layout (multi-host)
 
     def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
         """Start (or, after a retraction, resume) a request in `slot`: its output counts and
         prompt mask, built on the host and sent as one row each."""
+        if self.sink is not None:
+            self.sink.assign_slot(slot, prompt_ids, output_ids)
         vocab = self.config.vocab_size
         mask = np.zeros(vocab, np.bool_)
         mask[np.asarray(prompt_ids, np.int64)] = True
@@ -147,17 +163,51 @@ class ModelRunner:
         packs a step before the tokens its masks depend on are known (engine._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        ints, floats, layout = self._send(batch, sampling, slots)
-        return PackedStep(ints, floats, layout, batch.shape,
-                          (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]))
+        host = pack_step(self._inv_freq, batch, sampling, slots)
+        ints, floats = self._put(host[:2], self.output_counts.sharding)
+        return PackedStep(ints, floats, host[2], batch.shape,
+                          (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
+                          host[:2] if self.sink is not None else None)
+
+    def packed_from_host(self, ints: np.ndarray, floats: np.ndarray, shape, widths) -> "PackedStep":
+        """A follower's PackedStep from the leader's host vectors: the layout is a function of
+        the bucket shape and the table widths alone (`layout_for`)."""
+        shape, widths = tuple(shape), tuple(widths)
+        layout = self.layout_for(shape, widths)
+        sizes = {"int32": 0, "float32": 0}
+        for buffer, offset, leaf_shape, _ in layout.leaves:
+            sizes[buffer] = max(sizes[buffer], offset + int(np.prod(leaf_shape, dtype=np.int64)))
+        if (ints.dtype, floats.dtype) != (np.int32, np.float32) or \
+                (ints.shape, floats.shape) != ((sizes["int32"],), (sizes["float32"],)):
+            raise ValueError(f"a step of shape {shape}, widths {widths} needs int32[{sizes['int32']}] "
+                             f"and float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} "
+                             f"and {floats.dtype}{list(floats.shape)}")
+        ints, floats = self._put((ints, floats), self.output_counts.sharding)
+        return PackedStep(ints, floats, layout, shape, widths)
+
+    def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int]):
+        """The layout of every packed step of this bucket shape and logit-bias / suppressed-id
+        widths: that of an idle step of the same shape."""
+        key = (shape, widths)
+        if key not in self._layouts:
+            tokens, seqs, pages = shape
+            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+                                               widths)
+            self._layouts[key] = pack_step(self._inv_freq, empty_batch(tokens, seqs, pages), sampling,
+                                           np.full(seqs, NULL_SLOT, np.int32))[2]
+        return self._layouts[key]
 
     def run(self, packed: "PackedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
         """Dispatches a packed step with its grammar masks (None: no row has one)."""
+        if self.sink is not None:  # the followers make the same call
+            self.sink.step(packed, token_bitmask)
         compiled_before = self._step._cache_size()
         out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
             self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
             self.prompt_masks, packed.ints, packed.floats,
             self._bitmask(packed.shape[1], token_bitmask), layout=packed.layout)
+        if self.sink is not None:  # replicated over every process: read this one's copy
+            out = jax.tree.map(lambda x: x.addressable_data(0), out)
         if self._precompiled and self._step._cache_size() > compiled_before:
             logger.warning(
                 "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias width "
@@ -169,7 +219,7 @@ class ModelRunner:
         """The step's host arrays, with the rows' RoPE cos/sin, as two device vectors
         (runtime/packing.py) and their layout."""
         ints, floats, layout = pack_step(self._inv_freq, batch, sampling, slots)
-        ints, floats = jax.device_put((ints, floats), self.output_counts.sharding)
+        ints, floats = self._put((ints, floats), self.output_counts.sharding)
         return ints, floats, layout
 
     def _bitmask(self, seqs: int, token_bitmask: np.ndarray | None) -> jax.Array:
@@ -177,9 +227,9 @@ class ModelRunner:
             if token_bitmask.shape != (seqs, self.bitmask_words):
                 raise ValueError(f"token_bitmask of shape {token_bitmask.shape}, expected "
                                  f"{(seqs, self.bitmask_words)}")
-            return jax.device_put(token_bitmask, self._replicated)
+            return self._put(token_bitmask, self._replicated)
         if seqs not in self._all_allowed:
-            self._all_allowed[seqs] = jax.device_put(
+            self._all_allowed[seqs] = self._put(
                 np.full((seqs, self.bitmask_words), -1, np.int32), self._replicated)
         return self._all_allowed[seqs]
 
