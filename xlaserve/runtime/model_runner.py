@@ -215,13 +215,6 @@ class ModelRunner:
                 "Add the shape to the padding buckets.", packed.shape, *packed.widths)
         return out
 
-    def _send(self, batch: ForwardBatch, sampling: SamplingMetadata, slots):
-        """The step's host arrays, with the rows' RoPE cos/sin, as two device vectors
-        (runtime/packing.py) and their layout."""
-        ints, floats, layout = pack_step(self._inv_freq, batch, sampling, slots)
-        ints, floats = self._put((ints, floats), self.output_counts.sharding)
-        return ints, floats, layout
-
     def _bitmask(self, seqs: int, token_bitmask: np.ndarray | None) -> jax.Array:
         if token_bitmask is not None:
             if token_bitmask.shape != (seqs, self.bitmask_words):
@@ -238,10 +231,10 @@ class ModelRunner:
 
     def compiled_step(self, tokens: int, seqs: int, pages: int):
         """The step compiled for one bucket shape (for its memory analysis and HLO text)."""
-        ints, floats, layout = self._send(*idle_step(tokens, seqs, pages))
+        packed = self.pack(*idle_step(tokens, seqs, pages))
         return self._step.lower(self._weight_args, self.kv_caches, self.output_counts,
-                                self.last_tokens, self.prompt_masks, ints, floats,
-                                self._bitmask(seqs, None), layout=layout).compile()
+                                self.last_tokens, self.prompt_masks, packed.ints, packed.floats,
+                                self._bitmask(seqs, None), layout=packed.layout).compile()
 
     def precompile(self, shapes, *, progress: bool = True) -> None:
         """Compile one step per (tokens, seqs, pages) shape, with every row padding."""
