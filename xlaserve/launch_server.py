@@ -108,15 +108,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.nnodes > 1:  # jax.distributed first; ranks > 0 replay rank 0's steps, no HTTP
-            from xlaserve.runtime import distributed
+            from xlaserve.runtime import distributed, follower
 
             distributed.initialize(args)
             if args.node_rank > 0:
-                return distributed.follow(args)
+                return follower.follow(args)
         storage = open_storage(args)
         ctx = make_context(args)
-    except (ValueError, FileNotFoundError, TimeoutError) as error:
-        logger.error("%s", error)
+    except (ValueError, FileNotFoundError, TimeoutError, ConnectionError) as error:
+        logger.error("%s", error)  # ConnectionError: a multi-host group broke while starting
         return 2
     app = build_app(args, ctx, storage)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -21,7 +21,7 @@ import queue
 from typing import Any, AsyncIterator
 
 from xlaserve.runtime.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
-                                             sglang_output)
+                                             EngineDeadError, sglang_output)
 from xlaserve.runtime.data_parallel import make_engine_core
 from xlaserve.runtime.sampling_params import SamplingParams
 from xlaserve.server_args import ServerArgs
@@ -70,11 +70,11 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         self.server_args = ServerArgs(model_path=model_path, **server_args)
         if self.server_args.nnodes > 1:  # multi-host (runtime/distributed.py): jax.distributed first
-            from xlaserve.runtime import distributed
+            from xlaserve.runtime import distributed, follower
 
             distributed.initialize(self.server_args)
             if self.server_args.node_rank > 0:  # a follower replays rank 0's steps, then exits
-                raise SystemExit(distributed.follow(self.server_args))
+                raise SystemExit(follower.follow(self.server_args))
         # An EngineCore, or with dp_size > 1 replicas behind one (runtime/data_parallel.py).
         self.core = make_engine_core(self.server_args)
         self.tokenizer = self.core.tokenizer
@@ -137,7 +137,8 @@ class Engine:
 
     def _check_alive(self) -> None:
         if not self.core.is_alive():
-            raise RuntimeError("the engine loop has stopped; see the log for the error")
+            raise EngineDeadError(self.core.failure or "the engine loop has stopped; see the log "
+                                                       "for the error")
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob=False, top_logprobs_num=0, stream=False,

@@ -67,6 +67,15 @@ class ServerArgs:
     dist_init_addr: Optional[str] = _flag(
         None, "HOST:PORT of rank 0 for jax.distributed's coordinator (with --nnodes > 1); the "
               "leader's step channel listens on PORT + 1")
+    watchdog_timeout: float = _flag(
+        300.0, "seconds the engine loop may spend in one step before the server declares it hung "
+               "and answers 503 (a hung device, or a multi-host peer that stopped responding); "
+               "0 = never")
+    debug_step_hash_interval: int = _flag(
+        0, "debug (--nnodes > 1, set on rank 0): every N-th step each follower hashes the tokens "
+           "and logprobs it sampled and the leader compares them with its own; a mismatch stops "
+           "the group (503s naming the step and rank). Costs followers a device sync per checked "
+           "step; 0 = off")
     compilation_cache_dir: Optional[str] = _flag(
         None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")
     context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)")

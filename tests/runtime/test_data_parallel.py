@@ -34,6 +34,7 @@ class FakeReplica:
         self.live: dict[str, tuple] = {}  # rid -> (emit, params)
         self.aborted: list[str] = []
         self.alive = True
+        self.failure = None
 
     def submit(self, prompt_ids, params, emit, rid=None, **options):
         if prompt_ids == [666]:
@@ -153,8 +154,10 @@ def test_stats_sum_the_replicas_and_list_each():
     assert core.runner.compile_count() == 3 and core.runner.page_size == 4
     assert core.flush_cache() == 6 and core.max_total_num_tokens == 256
     assert core.is_alive()
-    replicas[1].alive = False
-    assert not core.is_alive()  # one dead replica fails /health
+    assert core.failure is None
+    replicas[1].alive, replicas[1].failure = False, "stuck"
+    assert not core.is_alive()  # one dead replica fails /health, and says which and why
+    assert core.failure == "[DP1] stuck"
 
 
 def test_dp_with_several_nodes_is_refused():

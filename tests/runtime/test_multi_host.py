@@ -2,7 +2,8 @@
 `--nnodes 2`, each with 2 fake CPU devices, tensor parallel over all four (gloo collectives), a
 tiny model with the default model's tokenizer. Greedy tokens through the leader's HTTP equal a
 one-process tp=1 run's, for a mixed workload (concurrent prompts, a stream, n > 1, an abort,
-retraction in a small KV pool, a regex-constrained request, a text completion); killing
+retraction in a small KV pool, a regex-constrained request, a text completion), and every 2nd
+step's sampled outputs hash the same in both processes (--debug-step-hash-interval); killing
 the follower mid-stream fails the stream and turns the leader's answers to 503 instead of
 hanging; a follower ends with its leader (status 0 on a clean stop, 1 when the leader is lost).
 Every process is stopped by its pid."""
@@ -88,11 +89,12 @@ def _dist_port() -> int:
 class Pair:
     """A leader and a follower on 127.0.0.1; `stop()` kills whatever still runs, by pid."""
 
-    def __init__(self, model: str, tmp_path, monkeypatch):
+    def __init__(self, model: str, tmp_path, monkeypatch, leader_flags=()):
         for name, value in FAKE_DEVICES.items():
             monkeypatch.setenv(name, value)
         address = f"127.0.0.1:{_dist_port()}"
-        common = [*_flags(model), "--dist-init-addr", address]
+        # Every 2nd step's sampled outputs are compared across the processes (a debug check).
+        common = [*_flags(model), "--dist-init-addr", address, "--debug-step-hash-interval", "2"]
         self.follower_log = tmp_path / "follower.log"
         self.leader_log = tmp_path / "leader.log"
         self.processes = []
@@ -104,7 +106,8 @@ class Pair:
         self.processes.append(self.follower)
         try:
             self.leader, self.base_url = launch_server_process(
-                [*common, "--node-rank", "0", "--file-storage-path", str(tmp_path / "storage-0")],
+                [*common, "--node-rank", "0", "--file-storage-path", str(tmp_path / "storage-0"),
+                 *leader_flags],
                 self.leader_log, timeout=180)
         except BaseException:
             self.stop()
@@ -207,6 +210,7 @@ def test_two_processes_serve_the_one_process_tokens_then_fail_fast_without_the_f
     assert results["completion"] == reference["text"]
     log = pair.leader_log.read_text()
     assert "Retract requests" in log
+    assert "Step hash check: 1 step(s) agree on every follower" in log and "diverged" not in log
     deadline = time.monotonic() + 30  # the abort frees its slot
     while httpx.get(url + "/get_server_info").json()["num_running_reqs"] and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -235,6 +239,32 @@ def test_two_processes_serve_the_one_process_tokens_then_fail_fast_without_the_f
     refused = httpx.post(url + "/generate", json={"input_ids": [1, 2]}, timeout=10)
     assert refused.status_code == 503, refused.text
     assert pair.leader.poll() is None  # it answers; it does not hang and has not crashed
+
+
+@pytest.mark.timeout(180)
+def test_a_follower_that_stops_answering_turns_the_leader_to_503_within_the_watchdog_timeout(
+        model, tmp_path, monkeypatch):
+    # SIGSTOP: the follower's connections stay open and its heartbeats have 100 s to go, so only
+    # the leader's --watchdog-timeout notices the step that cannot finish.
+    pair = Pair(model, tmp_path, monkeypatch, leader_flags=["--watchdog-timeout", "4"])
+    try:
+        url = pair.base_url
+        reply = httpx.post(url + "/generate", json={"input_ids": PROMPTS[3], "sampling_params": {
+            **GREEDY, "max_new_tokens": 4}}, timeout=60)
+        assert reply.status_code == 200
+        os.kill(pair.follower.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        body = {"input_ids": PROMPTS[1], "stream": True,
+                "sampling_params": {**GREEDY, "max_new_tokens": 100}}
+        with httpx.stream("POST", url + "/generate", json=body, timeout=60) as response:
+            events = _events(response)
+        assert time.monotonic() - stopped_at < 30
+        assert "stuck in one step" in str(events[-1]), events[-1]
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and "--watchdog-timeout 4" in health.text, health.text
+        assert pair.leader.poll() is None
+    finally:
+        pair.stop()  # SIGKILL ends a stopped process too
 
 
 @pytest.mark.timeout(180)

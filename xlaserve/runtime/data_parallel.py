@@ -197,3 +197,9 @@ class DataParallelEngineCore:
     def is_alive(self) -> bool:
         """All replicas run: a dead one fails /health (its requests could never finish)."""
         return all(r.is_alive() for r in self.replicas)
+
+    @property
+    def failure(self) -> str | None:
+        """Why a replica stopped taking work (its watchdog), if one did."""
+        return next((f"[DP{i}] {r.failure}" for i, r in enumerate(self.replicas) if r.failure),
+                    None)

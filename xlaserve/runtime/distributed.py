@@ -14,7 +14,7 @@ shapes in the same order, so the server replicates its scheduled steps, not its 
   packed int32/float32 host vectors, bucket shape, table widths and grammar masks) to the
   followers before making it, over the step channel (runtime/step_channel.py: TCP on the
   coordinator's port + 1, every message HMAC-authenticated, never unpickled).
-- ranks > 0, the followers (`follow`), load the same model, build the same ModelRunner (with the
+- ranks > 0, the followers (runtime/follower.py), load the same model, build the same ModelRunner (with the
   leader's KV pool size, which the leader sends first: free memory differs between hosts) and
   replay the commands in order. They have no scheduler, no clock and no random state: the seeds
   are in the leader's arrays. Outputs are replicated; only the leader reads them.
@@ -24,27 +24,33 @@ follower (its connection closes, a send fails, a step fails) is broken for good:
 is set, so /health and new requests answer 503, and readers of running requests get the error
 at their next liveness poll (1 s) even where the engine thread is stuck in a collective that
 will never complete (with gloo a lost peer fails the collective at once, and the engine thread
-fails its requests itself). The other followers are disconnected, so they exit too. JAX's
+fails its requests itself). A follower that is alive but stuck (stopped, swapping) closes
+nothing: the leader's step waits in a collective, and its --watchdog-timeout (runtime/watchdog.py)
+breaks the group the same way. The other followers are disconnected, so they exit too. JAX's
 coordination service then ends the leader's process once the lost process has missed its
 heartbeats (100 s): restart every process.
 
-Not done: a step hash check across hosts (a debug aid the issue mentions). Divergence in what
-the followers replay is ruled out by construction (one ordered, sequence-numbered log), and the
-leader checks once per bucket shape that a follower rebuilds the same packing layout.
+Divergence: what the followers replay is the leader's log by construction (one ordered,
+sequence-numbered, authenticated stream), and the leader checks once per bucket shape that a
+follower rebuilds the same packing layout. What construction cannot rule out is a process whose
+own copy of replicated state drifts (the sampled tokens, the penalty counts: each process computes
+its copy itself, so a bug, a different jax/XLA build or a faulty device shows there first and then
+feeds garbage into the collectives, silently). `--debug-step-hash-interval N` checks for it: every
+N-th step each follower hashes the outputs it sampled (tokens, logprobs, top logprobs) and sends
+the digest back; the leader compares it with the digest of its own copy and breaks the group at
+the first mismatch, naming the step and the rank.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
-import os
-import sys
 import threading
 
 import jax
 import numpy as np
 
 from xlaserve.runtime.step_channel import (SECRET_KEY, TO_FOLLOWER, ChannelClosed, ChannelError,
-                                           Listener, channel_port, connect, encode, new_secret,
-                                           split_address)
+                                           Listener, encode, new_secret, split_address)
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +58,9 @@ CONNECT_TIMEOUT_S = 600  # followers reach the leader's step channel (the model 
 _listener: Listener | None = None  # the leader's, from `initialize` until `lead`
 
 
-class PeerLost(RuntimeError):
-    """The multi-host group is broken: a follower is gone, or a step failed."""
+class PeerLost(ConnectionError):
+    """The multi-host group is broken: a follower is gone, a step failed, or the processes
+    diverged (launch_server reports it like any other start-up error)."""
 
 
 def initialize(args) -> None:
@@ -68,6 +75,8 @@ def initialize(args) -> None:
                          "that every process can reach")
     if not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank {args.node_rank} is not in [0, --nnodes {args.nnodes})")
+    if args.debug_step_hash_interval < 0:
+        raise ValueError(f"--debug-step-hash-interval {args.debug_step_hash_interval} < 0")
     if args.dp_size != 1:
         raise ValueError("--dp-size > 1 runs replicas inside one process; across hosts, run one "
                          "server per replica group and put a router (sglang_router) in front")
@@ -83,7 +92,7 @@ def initialize(args) -> None:
     if args.node_rank == 0 and _listener is None:
         secret = new_secret()
         _listener = Listener(port + 1, secret, args.nnodes - 1)
-        _client().key_value_set(SECRET_KEY, secret.hex())
+        client().key_value_set(SECRET_KEY, secret.hex())
         logger.info("Step channel listening on port %d for %d follower(s)", port + 1,
                     args.nnodes - 1)
 
@@ -104,7 +113,7 @@ def _check_devices(args) -> None:
             f"devices ({counts})")
 
 
-def _client():
+def client():
     from jax._src.distributed import global_state
 
     return global_state.client
@@ -120,19 +129,37 @@ def lead(core) -> "Leader":
     if _listener is None:
         raise RuntimeError("--nnodes > 1: call distributed.initialize(args) before the engine")
     connections = _listener.wait(CONNECT_TIMEOUT_S)
-    leader = Leader(core, connections, _listener.secret)
     runner, args = core.runner, core.args
+    leader = Leader(core, connections, _listener.secret, args.debug_step_hash_interval)
     leader.broadcast("runner", {
         "num_pages": int(runner.num_pages), "page_size": int(runner.page_size),
         "max_running_requests": int(args.max_running_requests),
         "attention_backend": args.attention_backend, "matmul_backend": args.matmul_backend})
     runner.sink = _Sink(leader, runner)
+    if leader.hash_interval:
+        logger.info("Step hash check on: every %d-th step's sampled outputs are compared with "
+                    "the followers'", leader.hash_interval)
     return leader
 
 
+def step_digest(sample) -> str:
+    """SHA-256 of this process's copy of a step's sampled outputs (a SampleOutput): equal on every
+    process while they compute the same thing. Reads them to the host (a sync)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(sample):
+        local = np.asarray(leaf.addressable_data(0))
+        digest.update(f"{local.dtype}{local.shape}".encode())
+        digest.update(local.tobytes())
+    return digest.hexdigest()
+
+
 class Leader:
-    def __init__(self, core, connections: dict, secret: bytes):
+    def __init__(self, core, connections: dict, secret: bytes, hash_interval: int = 0):
         self.core = core
+        self.hash_interval = hash_interval
+        self.steps_checked = 0  # steps every follower's digest agreed on
+        self._hashed: dict[int, list] = {}  # step -> [own sample, own digest or None, reports]
+        self._hash_lock = threading.Lock()
         self.nnodes = len(connections) + 1
         self._connections = connections  # rank -> step_channel.Connection
         self._secret = secret
@@ -199,17 +226,76 @@ class Leader:
             logger.info("Waiting for the followers to shut down")
             jax.distributed.shutdown()
 
+    def expect(self, step: int) -> None:
+        """A step whose digest the followers will send: before the step goes to them."""
+        with self._hash_lock:
+            self._hashed[step] = _Check()
+
+    def record(self, step: int, sample) -> None:
+        """The leader's own outputs of that step, once its call is made."""
+        with self._hash_lock:
+            check = self._hashed.get(step)
+        if check is not None:
+            check.sample = sample
+            check.made.set()
+
     def _monitor(self, rank: int, connection) -> None:
-        """Followers send nothing but a last word when they fail: any end of their stream
-        breaks the group."""
+        """Followers send step digests (with --debug-step-hash-interval) and a last word when
+        they fail: anything else, or any end of their stream, breaks the group."""
         try:
-            kind, meta, _ = connection.receive()
-            reason = (f"follower rank {rank} failed: {meta.get('message')}" if kind == "error"
-                      else f"follower rank {rank} sent an unexpected {kind!r}")
+            while True:
+                kind, meta, _ = connection.receive()
+                if kind == "step_hash":
+                    if (reason := self._compare(rank, meta)) is None:
+                        continue
+                elif kind == "error":
+                    reason = f"follower rank {rank} failed: {meta.get('message')}"
+                else:
+                    reason = f"follower rank {rank} sent an unexpected {kind!r}"
+                break
         except (ChannelClosed, ChannelError) as error:
             reason = f"lost follower rank {rank}: {error}"
         if not self._closing:
             self.fail(reason)
+
+    def _compare(self, rank: int, meta: dict) -> str | None:
+        """A follower's digest of a step against the leader's own: None when they agree, else
+        why the group breaks."""
+        step, theirs = meta.get("step"), meta.get("digest")
+        with self._hash_lock:
+            check = self._hashed.get(step)
+        if check is None:
+            return f"follower rank {rank} sent a digest of step {step!r}, which was not checked"
+        while not check.made.wait(1.0):  # a follower may run the step before the leader has
+            if self._failed.is_set():
+                return self.core.failure
+        with self._hash_lock:
+            if check.digest is None:
+                check.digest, check.sample = step_digest(check.sample), None
+            check.reports += 1
+            checked = 0
+            if check.reports == len(self._connections):
+                del self._hashed[step]
+                self.steps_checked += 1
+                checked = self.steps_checked
+        if theirs != check.digest:
+            return (f"step {step} diverged: follower rank {rank} sampled other outputs than the "
+                    f"leader (digest {str(theirs)[:16]} vs {check.digest[:16]}); the processes no "
+                    "longer compute the same model (a different jax/XLA build, model files or "
+                    "flags on one host, or a faulty device)")
+        if checked == 1 or (checked and checked % 1000 == 0):
+            logger.info("Step hash check: %d step(s) agree on every follower", checked)
+        return None
+
+
+class _Check:
+    """A step under the hash check: the leader's outputs, their digest, the followers' reports."""
+
+    def __init__(self):
+        self.made = threading.Event()
+        self.sample = None
+        self.digest: str | None = None
+        self.reports = 0
 
 
 class _Sink:
@@ -220,6 +306,8 @@ class _Sink:
         self._leader = leader
         self._runner = runner
         self._checked: set = set()
+        self._steps = 0
+        self._recording: int | None = None  # the step whose outputs `ran` keeps for the check
 
     def assign_slot(self, slot: int, prompt_ids, output_ids) -> None:
         self._leader.broadcast("assign_slot", {"slot": int(slot)},
@@ -237,87 +325,17 @@ class _Sink:
         arrays = {"ints": packed.host[0], "floats": packed.host[1]}
         if token_bitmask is not None:
             arrays["bitmask"] = token_bitmask
-        self._leader.broadcast("step", {"shape": shape, "widths": widths}, **arrays)
+        step, interval = self._steps, self._leader.hash_interval
+        self._steps += 1
+        meta = {"shape": shape, "widths": widths}
+        if interval and step % interval == 0:
+            meta.update(step=step, hash=True)
+            self._recording = step
+            self._leader.expect(step)
+        self._leader.broadcast("step", meta, **arrays)
 
-
-# --- a follower ----------------------------------------------------------------------------------
-
-
-def follow(args) -> int:
-    """A rank > 0: loads the model, then replays the leader's commands until the leader shuts
-    down (returns 0). Losing the leader, or any failure, ends the process with status 1 (os._exit:
-    JAX's exit handler would wait for the lost leader at a shutdown barrier)."""
-    from xlaserve.model.loader import load_model, tensor_parallel_mesh
-    from xlaserve.runtime import malloc_tuning
-    from xlaserve.runtime.compilation import enable_persistent_cache
-    from xlaserve.runtime.model_runner import ModelRunner
-
-    host, port = channel_port(args.dist_init_addr)
-    secret = bytes.fromhex(_client().blocking_key_value_get(SECRET_KEY, CONNECT_TIMEOUT_S * 1000))
-    connection = connect(host, port, secret, args.node_rank, CONNECT_TIMEOUT_S)
-    logger.info("Node rank %d follows rank 0 (step channel %s:%d)", args.node_rank, host, port)
-    try:
-        malloc_tuning.limit_arenas()
-        enable_persistent_cache(args.compilation_cache_dir)
-        loaded = load_model(args.model_path, dtype=args.dtype, skip_tokenizer_init=True,
-                            mesh=tensor_parallel_mesh(args.tp_size), load_format=args.load_format,
-                            seed=args.random_seed or 0)
-        logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
-                    loaded.config.architecture, loaded.source)
-        kind, meta, _ = connection.receive()
-        if kind != "runner":
-            raise ChannelError(f"expected the runner's configuration first, got {kind!r}")
-        runner = ModelRunner(loaded, num_pages=meta["num_pages"], page_size=meta["page_size"],
-                             max_running_requests=meta["max_running_requests"],
-                             attention_backend=meta["attention_backend"],
-                             matmul_backend=meta["matmul_backend"])
-        logger.info("Following rank 0's steps")
-        _replay(connection, runner)
-    except ChannelClosed as error:
-        _exit(f"node rank {args.node_rank} lost the leader (rank 0): {error}; exiting")
-    except Exception as error:  # noqa: BLE001: anything here ends this follower, loudly
-        logger.exception("node rank %d failed", args.node_rank)
-        try:
-            connection.send("error", {"message": f"{type(error).__name__}: {error}"[:2000]})
-        except (ChannelClosed, OSError):
-            pass
-        _exit(f"node rank {args.node_rank} failed ({type(error).__name__}: {error}); exiting")
-    logger.info("The leader shut down; node rank %d exits", args.node_rank)
-    connection.close()
-    jax.distributed.shutdown()  # with the leader's (a barrier)
-    return 0
-
-
-def _replay(connection, runner) -> None:
-    """The leader's commands, in order, until it says shutdown. Each step is dispatched before the
-    previous one is waited for, as on the leader; waiting at all surfaces a failed collective
-    here and keeps this process at most a step behind."""
-    pending = None
-    while True:
-        kind, meta, arrays = connection.receive()
-        if kind == "step":
-            packed = runner.packed_from_host(arrays["ints"], arrays["floats"], meta["shape"],
-                                             meta["widths"])
-            bitmask = arrays.get("bitmask")
-            if bitmask is not None and bitmask.dtype != np.int32:
-                raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")
-            out = runner.run(packed, bitmask)
-            if pending is not None:
-                pending.block_until_ready()
-            pending = out.sample.tokens
-        elif kind == "assign_slot":
-            runner.assign_slot(int(meta["slot"]), arrays["prompt_ids"], arrays["output_ids"])
-        elif kind == "shutdown":
-            if pending is not None:
-                pending.block_until_ready()
-            return
-        else:
-            raise ChannelError(f"unknown command {kind!r}")
-
-
-def _exit(message: str) -> None:
-    logger.error("%s", message)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    def ran(self, out) -> None:
+        """After the leader made the step's call: its outputs (this process's copy)."""
+        if self._recording is not None:
+            self._leader.record(self._recording, out.sample)
+            self._recording = None

@@ -34,6 +34,7 @@ from xlaserve.runtime.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
 from xlaserve.runtime.sampling_params import SamplingParams
 from xlaserve.runtime.scheduler import Request, Scheduler
+from xlaserve.runtime.watchdog import Watchdog
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class EngineCore:
         self._stopping = False
         name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
+                                  name.replace("engine", "watchdog"))
         self._thread.start()
 
     # --- called from any thread -----------------------------------------------------------
@@ -230,6 +233,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._stopping = True
+        self._watchdog.stop()
         self._inbox.put(("wake", None, None, None))
         self._thread.join(timeout=30)
         if self._leader is not None:  # the followers stop too
@@ -239,6 +243,13 @@ class EngineCore:
 
     def is_alive(self) -> bool:
         return self.failure is None and self._thread.is_alive()
+
+    def _hung(self, reason: str) -> None:
+        """The watchdog's verdict: no more work; in a multi-host group the followers go too."""
+        if self._leader is not None:
+            self._leader.fail(reason)
+        else:
+            self.failure = reason
 
     def _loop(self) -> None:
         """One step per iteration, overlapped with the host work around it (the default; SGLang's
@@ -262,6 +273,7 @@ class EngineCore:
         in_flight = None  # (batch, step output) dispatched and not yet read
         overlap = not self.args.disable_overlap_schedule
         while not self._stopping:
+            self._watchdog.beat()
             try:
                 self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
                 if self._stopping:

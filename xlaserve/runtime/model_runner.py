@@ -208,6 +208,7 @@ class ModelRunner:
             self._bitmask(packed.shape[1], token_bitmask), layout=packed.layout)
         if self.sink is not None:  # replicated over every process: read this one's copy
             out = jax.tree.map(lambda x: x.addressable_data(0), out)
+            self.sink.ran(out)
         if self._precompiled and self._step._cache_size() > compiled_before:
             logger.warning(
                 "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias width "
