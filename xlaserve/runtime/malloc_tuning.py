@@ -17,7 +17,7 @@ The process keeps its peak heap (a step's buffers), as servers on jemalloc or tc
 
 Measured on a 2-core Zen 4 (AVX512_BF16), the default model in bfloat16:
 - a synthetic 128-row decode step: faults 7200 -> 200 per step, 123-134 ms -> 111-115 ms;
-- the offline benchmark (256 prompts): see README, Performance.
+- the offline benchmark (256 prompts): see docs/performance.md.
 """
 from __future__ import annotations
 
