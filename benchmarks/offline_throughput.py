@@ -11,6 +11,9 @@ runs in a process of its own (see peers.py).
     # a real model's shapes with random weights (configs in benchmarks/configs), xlaserve only
     .venv/bin/python benchmarks/offline_throughput.py --model-path benchmarks/configs/qwen2.5-0.5b \\
         --load-format dummy --systems xlaserve-bfloat16 --peers none
+    # the working tree against an earlier commit (a git worktree of it), before/after a change
+    .venv/bin/python benchmarks/offline_throughput.py --rounds 4 --systems xlaserve-bfloat16 \\
+        --peers xlaserve-bfloat16@1febdd7
 
 With --rounds R every system runs R times, in turn (A, B, A, B, ...): each round gives a ratio
 of runs minutes apart, and the table shows the median ratio and each round's, so that the
@@ -26,8 +29,12 @@ llama.cpp (llama-cpp-python, F32 weights) decodes one sequence at a time: single
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -52,7 +59,8 @@ def run_xlaserve(prompts, output_len: int, single: int, engine_args: dict) -> di
 
     start = time.perf_counter()
     engine = xlaserve.Engine(**engine_args)
-    result = {"startup_s": round(time.perf_counter() - start, 1)}
+    result = {"startup_s": round(time.perf_counter() - start, 1),
+              "source": os.path.dirname(os.path.dirname(xlaserve.__file__))}
     params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
     try:
         engine.generate(input_ids=prompts[:2], sampling_params=params)  # warm caches and threads
@@ -71,8 +79,9 @@ def run_xlaserve(prompts, output_len: int, single: int, engine_args: dict) -> di
 
 def child(kind: str, options: dict) -> dict:
     prompts, output_len, single = options["prompts"], options["output_len"], options["single"]
-    if kind.startswith("xlaserve-"):
-        args = {"log_level": "warning", "dtype": kind.split("-", 1)[1], **options["engine_args"]}
+    if kind.startswith("xlaserve-"):  # "xlaserve-DTYPE" or "xlaserve-DTYPE@REV"
+        dtype = kind.split("@", 1)[0].split("-", 1)[1]
+        args = {"log_level": "warning", "dtype": dtype, **options["engine_args"]}
         return run_xlaserve(prompts, output_len, single, args)
     if kind.startswith("transformers-"):
         return peers.run_transformers(prompts[:options["peer_num_prompts"]], output_len,
@@ -94,7 +103,8 @@ def main(argv=None) -> None:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="any other ServerArgs field, e.g. --engine-arg max_prefill_tokens=1024")
     parser.add_argument("--peers", default="transformers-float32,transformers-bfloat16",
-                        help=f"comma-separated: {', '.join(PEERS)}, or none")
+                        help=f"comma-separated: {', '.join(PEERS)}, xlaserve-DTYPE@REV (an "
+                             "earlier commit, from a git worktree), or none")
     # transformers' best batch was 16 on a Xeon with AMX and 128 on a Zen 4 (bfloat16 and float32)
     parser.add_argument("--peer-batch-sizes", default="16,32,64,128")
     parser.add_argument("--peer-num-prompts", type=int, default=128)
@@ -125,9 +135,10 @@ def main(argv=None) -> None:
     systems = [s for s in args.systems.split(",") if s]
     peer_names = [p for p in args.peers.split(",") if p and p != "none"]
     for name in systems + peer_names:
-        if name not in XLASERVE + PEERS:
+        if name.split("@", 1)[0] not in XLASERVE + PEERS or (
+                "@" in name and not name.startswith("xlaserve-")):
             parser.error(f"unknown system {name!r}")
-    if peer_names and (args.model_path or args.load_format != "auto"):
+    if any("@" not in p for p in peer_names) and (args.model_path or args.load_format != "auto"):
         parser.error("the peers run the embedded model only: add --peers none to --model-path "
                      "or --load-format dummy")
     results = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
@@ -136,10 +147,13 @@ def main(argv=None) -> None:
                             "model": args.model_path or "default", "load_format": args.load_format}}
     print(f"workload: {results['workload']}", file=sys.stderr)
     rounds = {name: [] for name in systems + peer_names}
-    for round_index in range(args.rounds):
-        for name in systems + peer_names:
-            rounds[name].append(peers.run_in_child(__file__, name, options))
-            print(f"round {round_index + 1} {name}: {rounds[name][-1]}", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        trees = {name: stack.enter_context(_worktree(name.split("@", 1)[1]))
+                 for name in systems + peer_names if "@" in name}
+        for round_index in range(args.rounds):
+            for name in systems + peer_names:
+                rounds[name].append(peers.run_in_child(__file__, name, options, trees.get(name)))
+                print(f"round {round_index + 1} {name}: {rounds[name][-1]}", file=sys.stderr)
     for name, runs in rounds.items():
         tok_s = [r["output_tok_s"] for r in runs]
         results[name] = {**runs[-1], "output_tok_s": round(float(np.median(tok_s)), 1)}
@@ -158,6 +172,19 @@ def main(argv=None) -> None:
         print(json.dumps(results))
     else:
         _print_table(results, systems + peer_names)
+
+
+@contextlib.contextmanager
+def _worktree(rev: str):
+    """A detached git worktree of `rev` in a temporary folder, removed afterwards."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = tempfile.mkdtemp(prefix=f"xlaserve-{rev}-")
+    subprocess.run(["git", "-C", root, "worktree", "add", "-f", "--detach", "-q", folder, rev],
+                   check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "-C", root, "worktree", "remove", "--force", folder], check=False)
 
 
 def _parse_value(text: str):

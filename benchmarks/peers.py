@@ -19,10 +19,14 @@ import time
 import numpy as np
 
 
-def run_in_child(script: str, kind: str, options: dict) -> dict:
-    """Runs `script --child KIND --child-options JSON` and returns the JSON of its last line."""
+def run_in_child(script: str, kind: str, options: dict, source_tree: str | None = None) -> dict:
+    """Runs `script --child KIND --child-options JSON` and returns the JSON of its last line;
+    with `source_tree`, the child imports xlaserve from there (an earlier commit's worktree)."""
     command = [sys.executable, script, "--child", kind, "--child-options", json.dumps(options)]
-    result = subprocess.run(command, capture_output=True, text=True)
+    env = None
+    if source_tree is not None:  # PYTHONPATH goes before the editable install's finder
+        env = {**os.environ, "PYTHONPATH": source_tree}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=source_tree)
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
         raise RuntimeError(f"{kind} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
