@@ -1,7 +1,10 @@
 """Shared test setup: a persistent XLA compilation cache so reruns skip compiles, --slow, and the
 compile-only TPU/GPU packages (`make test` installs them into .venv/aot, outside the serving
 environment) on the path, with JAX kept on the CPU."""
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -12,6 +15,12 @@ use_compile_only_packages()  # before any backend starts
 
 # Set before anything compiles; the cache survives across CI runs on the same machine.
 enable_persistent_cache(os.environ.get("XLASERVE_TEST_CACHE_DIR"))
+
+# Converted models (model/conversion_cache.py), of this process and the servers it starts, go to
+# a folder of this session, never the user's cache (unless XLASERVE_CONVERSION_CACHE_DIR is set).
+if not os.environ.get("XLASERVE_CONVERSION_CACHE_DIR"):
+    os.environ["XLASERVE_CONVERSION_CACHE_DIR"] = tempfile.mkdtemp(prefix="xlaserve-converted-")
+    atexit.register(shutil.rmtree, os.environ["XLASERVE_CONVERSION_CACHE_DIR"], True)
 
 
 def pytest_addoption(parser):

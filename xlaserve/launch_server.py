@@ -2,8 +2,9 @@
 
 Start-up, as in SGLang: the arguments, the weights, the KV cache and the precompiled programs are
 logged; uvicorn starts listening; one warm-up generation runs; then /health answers 200 and the
-log says the server is ready. Until then /health answers 503. Batches left unfinished under
---file-storage-path (a crash, a stop) resume once the warm-up has passed.
+log says the server is ready, then where the seconds went ("Start-up: load_model ..., total").
+Until then /health answers 503. Batches left unfinished under --file-storage-path (a crash, a
+stop) resume once the warm-up has passed.
 """
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import time
 
 from xlaserve.server_args import ServerArgs
 
+_LAUNCHED = time.perf_counter()  # `python -m` imports this module first: the start-up clock
 logger = logging.getLogger("xlaserve")
 
 READY_MESSAGE = "The server is fired up and ready to roll!"
@@ -51,10 +54,30 @@ async def warm_up(ctx) -> None:
     from xlaserve.runtime.sampling_params import SamplingParams
     from xlaserve.http.serving import Generation
 
+    started = time.perf_counter()
     prompt = ctx.tokenizer.encode("The capital of France is") if ctx.tokenizer is not None else [1, 2, 3]
     await Generation(ctx, [prompt], SamplingParams(max_new_tokens=4, temperature=0.0), 1).collect()
     ctx.ready = True
     logger.info(READY_MESSAGE)
+    log_startup(ctx.engine.core, time.perf_counter() - started)
+
+
+def log_startup(core, warmup_seconds: float | None) -> None:
+    """One line: where the seconds from launch to ready went (each replica's phases summed)."""
+    phases: dict[str, float] = {}
+    for replica in getattr(core, "replicas", [core]):
+        for phase, seconds in getattr(replica, "startup_timings", {}).items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
+    if warmup_seconds is not None:
+        phases["warm-up"] = warmup_seconds
+    total = time.perf_counter() - _LAUNCHED
+    parts = [f"{phase} {seconds:.1f} s" for phase, seconds in phases.items()]
+    if "precompile" in phases:
+        programs = len(core.buckets.all_shapes()) if hasattr(core, "buckets") else None
+        if programs is not None:
+            parts[list(phases).index("precompile")] += f" ({programs} programs)"
+    parts.append(f"other {total - sum(phases.values()):.1f} s (imports, HTTP server)")
+    logger.info("Start-up: %s, total %.1f s", ", ".join(parts), total)
 
 
 def open_storage(args: ServerArgs):
@@ -76,6 +99,7 @@ def build_app(args: ServerArgs, ctx, storage=None):
         if args.skip_server_warmup:
             ctx.ready = True
             logger.info(READY_MESSAGE)
+            log_startup(ctx.engine.core, None)
         else:
             task = asyncio.get_running_loop().create_task(warm_up(ctx))
             task.add_done_callback(_log_failed_warm_up)

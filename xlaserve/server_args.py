@@ -78,6 +78,14 @@ class ServerArgs:
            "step; 0 = off")
     compilation_cache_dir: Optional[str] = _flag(
         None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")
+    conversion_cache_dir: Optional[str] = _flag(
+        None, "where converted models (a GGUF file's dequantized weights, config and tokenizer) "
+              "are kept so later starts skip the conversion (default: "
+              "$XLASERVE_CONVERSION_CACHE_DIR, else $XLASERVE_CACHE_DIR/converted, else "
+              "$XDG_CACHE_HOME/xlaserve/converted, else ~/.cache/xlaserve/converted)")
+    disable_conversion_cache: bool = _flag(
+        False, "convert a GGUF model on every start instead of loading it from (and writing it "
+               "to) the conversion cache")
     context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)")
     max_running_requests: int = _flag(64, "requests decoded together at most")
     max_total_tokens: Optional[int] = _flag(

@@ -6,9 +6,16 @@ any other checkpoint. llama.cpp stores q/k rows of Llama-style models permuted f
 RoPE; we undo that so the rotate-half RoPE of the transformers layout applies.
 Config and tokenizer (with the chat template from the metadata) come from `transformers`, which
 reads GGUF metadata itself.
+
+gguf's reader slices its np.memmap once per metadata string, and each slice of a memmap subclass
+costs Python time (`__array_finalize__`): the default model's 98K vocabulary strings took 2.25 s
+to read, 0.72 s over a plain ndarray view of the same map (`_fast_reader`). transformers reads the
+file with gguf's reader twice, for the config and the tokenizer, so those reads use it too.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 
@@ -60,6 +67,36 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+@functools.cache
+def _fast_reader():
+    """gguf.GGUFReader reading through a plain ndarray view of its np.memmap (kept alive as the
+    view's base): the same fields and tensors, 3x faster on a large vocabulary."""
+    import gguf
+
+    class FastGGUFReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, value):
+            self._data = np.asarray(value)
+
+    return FastGGUFReader
+
+
+@contextlib.contextmanager
+def _fast_reader_for_transformers():
+    """transformers imports `gguf.GGUFReader` when it reads a file: it gets the fast one."""
+    import gguf
+
+    original, gguf.GGUFReader = gguf.GGUFReader, _fast_reader()
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 class GGUFSource:
     """Tensors of one GGUF file, dequantized to float32 on demand, under Hugging Face names."""
 
@@ -67,7 +104,7 @@ class GGUFSource:
         import gguf
 
         self._gguf = gguf
-        self.reader = gguf.GGUFReader(path)
+        self.reader = _fast_reader()(path)
         self.architecture = self._field("general.architecture")
         self.num_heads = self._field(f"{self.architecture}.attention.head_count")
         self.num_kv_heads = self._field(f"{self.architecture}.attention.head_count_kv") or self.num_heads
@@ -101,11 +138,13 @@ def load_hf_config(path: str):
     from transformers import AutoConfig
 
     directory, filename = os.path.split(os.path.abspath(path))
-    return AutoConfig.from_pretrained(directory, gguf_file=filename)
+    with _fast_reader_for_transformers():
+        return AutoConfig.from_pretrained(directory, gguf_file=filename)
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     directory, filename = os.path.split(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    with _fast_reader_for_transformers():
+        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)

@@ -11,12 +11,19 @@ Accepted `model_path` values:
 With `load_format="dummy"` no weight file is read: the config comes from a `config.json` (the file
 itself, or a directory holding it and optionally tokenizer files), a GGUF file's metadata or a
 checkpoint's, and the weights are random (dummy_weights.py).
+
+A GGUF file is converted once: later loads read config, tokenizer and weights from the conversion
+cache (conversion_cache.py) unless `conversion_cache=False`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import json
+import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -28,6 +35,7 @@ from tqdm.auto import tqdm
 
 from xlaserve.model import checkpoint, gguf_file
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.conversion_cache import ConversionCache, ParamsWriter
 from xlaserve.model.dummy_weights import dummy_model
 from xlaserve.model.placement import put
 from xlaserve.model.registry import architecture_of, model_class
@@ -44,6 +52,10 @@ LOAD_FORMATS = ("auto", "dummy")
 # tokenizer.model, vocab.json + merges.txt, spiece.model, tekken.json, *.tiktoken, ...).
 _TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "spiece", "tekken")
 _TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken")
+# Tokenizer classes that are PreTrainedTokenizerFast itself (TokenizersBackend in transformers 5).
+_GENERIC_FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -168,9 +180,13 @@ def load_model(
     progress: bool = True,
     load_format: str = "auto",
     seed: int = 0,
+    conversion_cache: bool = True,
+    conversion_cache_dir: str | None = None,
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
-    for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`."""
+    for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
+    A GGUF file goes through the conversion cache (under `conversion_cache_dir`, default
+    conversion_cache.default_root()) unless `conversion_cache` is False."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -179,6 +195,14 @@ def load_model(
     mesh = mesh or default_mesh()
     name = DEFAULT_MODEL_NAME if model_path is None else _served_name(model_path)
 
+    gguf_path = None if dummy else _gguf_in(path)
+    if gguf_path is not None:
+        cache = ConversionCache(conversion_cache_dir) if conversion_cache else None
+        config, model, tokenizer = _load_gguf(
+            gguf_path, cache, dtype=dtype, mesh=mesh, progress=progress,
+            tokenizer_path=None if skip_tokenizer_init else tokenizer_path,
+            need_tokenizer=not skip_tokenizer_init)
+        return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
     source_path, config = _read_config(path, config_file_allowed=dummy)
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
     tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or _folder_of(source_path))
@@ -187,10 +211,69 @@ def load_model(
     elif checkpoint.is_checkpoint(source_path):
         model = checkpoint.load(source_path, dtype=dtype, mesh=mesh)
     else:
-        source = (gguf_file.GGUFSource(source_path) if source_path.endswith(".gguf")
-                  else SafetensorsSource(source_path))
-        model = build_model(config, source, dtype=dtype, mesh=mesh, progress=progress)
+        model = build_model(config, SafetensorsSource(source_path), dtype=dtype, mesh=mesh,
+                            progress=progress)
     return LoadedModel(config, model, tokenizer, dtype, mesh, source_path, name)
+
+
+def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, progress: bool,
+               tokenizer_path: str | None, need_tokenizer: bool):
+    """(config, model, tokenizer) of a GGUF file: from its conversion cache entry, or converted
+    (and cached, with the file's own tokenizer, when `cache` is given)."""
+    start = time.perf_counter()
+    entry = cache.lookup(path, dtype) if cache is not None else None
+    if entry is not None:
+        tokenizer = None
+        if need_tokenizer:
+            tokenizer = load_tokenizer(tokenizer_path or (entry.directory if entry.has_tokenizer
+                                                          else path))
+        model = place_model(entry.config, entry.tensors(), dtype=dtype, mesh=mesh,
+                            progress=progress)
+        logger.info("Loaded converted weights from cache %s (%.1f s)", entry.directory,
+                    time.perf_counter() - start)
+        return entry.config, model, tokenizer
+    hf_config = gguf_file.load_hf_config(path)
+    config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
+    # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
+    # The file's own is converted for the cache even when another is used (it costs ~3 s once).
+    own_tokenizer = None
+    if cache is not None or (need_tokenizer and tokenizer_path is None):
+        try:
+            own_tokenizer = gguf_file.load_tokenizer(path)
+        except Exception:  # noqa: BLE001 - some files carry none that transformers converts
+            if need_tokenizer and tokenizer_path is None:
+                raise
+    tokenizer = None
+    if need_tokenizer:
+        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else own_tokenizer
+    tensors = convert(config, gguf_file.GGUFSource(path))
+    if cache is None:
+        model = place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress)
+        logger.info("Converted GGUF %s in %.1f s (conversion cache disabled)", path,
+                    time.perf_counter() - start)
+        return config, model, tokenizer
+    abstract = _expected(config, dtype, mesh)
+    with cache.writing(path, dtype, config) as directory, (
+            contextlib.nullcontext() if directory is None else
+            ParamsWriter(directory, {p: s.shape for p, s in abstract[1].items()}, dtype)) as writer:
+        if writer is not None:
+            if own_tokenizer is not None:
+                own_tokenizer.save_pretrained(directory)
+            tensors = _tee(tensors, writer, dtype)
+        model = place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
+                            abstract=abstract)
+    logger.info("Converted GGUF %s in %.1f s; %s", path, time.perf_counter() - start,
+                "not cached" if directory is None else f"cached in {cache.entry_dir(path, dtype)}")
+    return config, model, tokenizer
+
+
+def _tee(tensors, writer: ParamsWriter, dtype):
+    """`tensors` in `dtype`, each written to the cache entry on its way to the device (as one
+    contiguous copy, which both the file and the device take faster than a transposed view)."""
+    for path, array in tensors:
+        array = np.ascontiguousarray(array, dtype=dtype)
+        writer.write(path, array)
+        yield path, array
 
 
 def _served_name(model_path: str) -> str:
@@ -249,9 +332,28 @@ def load_tokenizer(source: str):
         raise MissingTokenizerError(
             f"{source} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): "
             "pass --skip-tokenizer-init to send token ids instead of text, or --tokenizer-path")
+    if _generic_fast_tokenizer(source):
+        # The class AutoTokenizer would pick, without AutoTokenizer's imports: they pull in torch
+        # through transformers' config machinery (3.9 s against 0.9 s on a 2-core CPU).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(source)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source)
+
+
+def _generic_fast_tokenizer(directory: str) -> bool:
+    """Whether `directory` holds a tokenizer.json whose tokenizer_config.json names the generic
+    fast tokenizer class (and no custom code)."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            tokenizer_config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (tokenizer_config.get("tokenizer_class") in _GENERIC_FAST_TOKENIZERS
+            and "auto_map" not in tokenizer_config
+            and os.path.isfile(os.path.join(directory, "tokenizer.json")))
 
 
 def model_class_check(hf_config) -> str:
@@ -263,10 +365,23 @@ def model_class_check(hf_config) -> str:
 
 def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True):
     """Convert every tensor of `source` and put it on `mesh` with its partition spec."""
+    return place_model(config, convert(config, source), dtype=dtype, mesh=mesh, progress=progress)
+
+
+def _expected(config: ModelConfig, dtype, mesh: Mesh):
+    """(graphdef, {parameter path: ShapeDtypeStruct with its sharding})."""
     graphdef, _, expected = abstract_parameters(config, dtype, mesh, model_class(config.architecture))
+    return graphdef, expected
+
+
+def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bool = True,
+                abstract=None):
+    """The model from `(parameter path, array)` pairs in our layout, each put on `mesh` with its
+    partition spec. `abstract`: `_expected(config, dtype, mesh)`, where the caller has it."""
+    graphdef, expected = abstract or _expected(config, dtype, mesh)
     loaded = {}
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for path, array in convert(config, source):
+        for path, array in tensors:
             if path not in expected:
                 raise WeightError(f"converted tensor {path} has no place in {config.architecture}")
             want = expected[path]

@@ -11,6 +11,7 @@ import logging
 import queue
 import random
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from typing import Callable
@@ -60,12 +61,18 @@ class EngineCore:
         `share_with`: another replica whose tokenizer and grammar backend this one uses."""
         self.args = args = server_args
         self.dp_rank = dp_rank
+        # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
+        self.startup_timings: dict[str, float] = {}
+        clock = time.perf_counter()
         malloc_tuning.limit_arenas()  # before XLA's threads allocate
         enable_persistent_cache(args.compilation_cache_dir)
         self.loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
                                  skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
                                  mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size),
-                                 load_format=args.load_format, seed=args.random_seed or 0)
+                                 load_format=args.load_format, seed=args.random_seed or 0,
+                                 conversion_cache=not args.disable_conversion_cache,
+                                 conversion_cache_dir=args.conversion_cache_dir)
+        clock = self._lap("load_model", clock)
         if share_with is not None:
             self.loaded.tokenizer = share_with.tokenizer
         config = self.loaded.config
@@ -90,6 +97,7 @@ class EngineCore:
                                   max_running_requests=args.max_running_requests,
                                   attention_backend=args.attention_backend,
                                   matmul_backend=args.matmul_backend)
+        clock = self._lap("runner (pack, KV pool)", clock)  # and the huge pages advice
         self.failure: str | None = None  # why a multi-host group broke: the engine takes no work
         # --nnodes > 1: the followers replay this runner's device calls (runtime/distributed.py).
         self._leader = lead(self) if args.nnodes > 1 else None
@@ -114,7 +122,9 @@ class EngineCore:
                 self.tokenizer, config.vocab_size, sorted(self.eos_token_ids),
                 args.constrained_json_whitespace_pattern)
         if not args.disable_precompile:
+            clock = time.perf_counter()
             self.runner.precompile(self.buckets.all_shapes())
+            self._lap("precompile", clock)
         if self.grammar_backend is not None and share_with is None:
             # The token table (~0.3 s), before a request waits on it.
             threading.Thread(target=self.grammar_backend.prepare, name="xlaserve-grammar",
@@ -129,6 +139,11 @@ class EngineCore:
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
                                   name.replace("engine", "watchdog"))
         self._thread.start()
+
+    def _lap(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.startup_timings[phase] = now - since
+        return now
 
     # --- called from any thread -----------------------------------------------------------
 
