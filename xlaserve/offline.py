@@ -137,8 +137,7 @@ class Engine:
 
     def _check_alive(self) -> None:
         if not self.core.is_alive():
-            raise EngineDeadError(self.core.failure or "the engine loop has stopped; see the log "
-                                                       "for the error")
+            raise EngineDeadError(self.core.stopped_reason())
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob=False, top_logprobs_num=0, stream=False,

@@ -65,6 +65,9 @@ class FakeReplica:
     def is_alive(self):
         return self.alive
 
+    def stopped_reason(self):
+        return self.failure
+
 
 def fake_core(method: str, n: int = 2, random_seed: int | None = 0):
     args = ServerArgs(dp_size=n, load_balance_method=method, random_seed=random_seed)
@@ -154,10 +157,9 @@ def test_stats_sum_the_replicas_and_list_each():
     assert core.runner.compile_count() == 3 and core.runner.page_size == 4
     assert core.flush_cache() == 6 and core.max_total_num_tokens == 256
     assert core.is_alive()
-    assert core.failure is None
     replicas[1].alive, replicas[1].failure = False, "stuck"
     assert not core.is_alive()  # one dead replica fails /health, and says which and why
-    assert core.failure == "[DP1] stuck"
+    assert core.stopped_reason() == "[DP1] stuck"
 
 
 def test_dp_with_several_nodes_is_refused():

@@ -113,9 +113,8 @@ async def health(request: Request):
     ctx = _ctx(request)
     if not ctx.ready:
         raise APIError(503, "the server is starting: the model is not ready yet")
-    if not ctx.engine.core.is_alive():  # `failure`: a multi-host group broke, or the watchdog
-        raise APIError(503, ctx.engine.core.failure or "the engine loop has stopped; see the "
-                                                       "server log")
+    if not ctx.engine.core.is_alive():  # a multi-host group broke, the watchdog, or a crash
+        raise APIError(503, ctx.engine.core.stopped_reason())
     return Response(status_code=200)
 
 

@@ -48,8 +48,7 @@ class AsyncRequestGroup:
                 index, chunk = await asyncio.wait_for(self._queue.get(), LIVENESS_POLL_S)
             except asyncio.TimeoutError:
                 if not self.core.is_alive():
-                    raise EngineDeadError(self.core.failure or "the engine loop has stopped; see "
-                                          "the server log") from None
+                    raise EngineDeadError(self.core.stopped_reason()) from None
                 continue
             if chunk["finished"]:
                 self._unfinished.pop(index, None)

@@ -198,8 +198,7 @@ class DataParallelEngineCore:
         """All replicas run: a dead one fails /health (its requests could never finish)."""
         return all(r.is_alive() for r in self.replicas)
 
-    @property
-    def failure(self) -> str | None:
-        """Why a replica stopped taking work (its watchdog), if one did."""
-        return next((f"[DP{i}] {r.failure}" for i, r in enumerate(self.replicas) if r.failure),
-                    None)
+    def stopped_reason(self) -> str:
+        """Why the first replica that takes no work stopped, with its rank."""
+        return next((f"[DP{i}] {r.stopped_reason()}" for i, r in enumerate(self.replicas)
+                     if not r.is_alive()), "the engine loop is not running")

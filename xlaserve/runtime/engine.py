@@ -179,8 +179,7 @@ class EngineCore:
         if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         if not self.is_alive():
-            raise RuntimeError(self.failure or
-                               "the engine loop is not running (shut down, or it failed; see the log)")
+            raise RuntimeError(self.stopped_reason())
         params.validate(self.loaded.config.vocab_size)
         self.compile_grammar(params)  # a cache hit where the server compiled it already
         vocab = self.loaded.config.vocab_size
@@ -244,7 +243,7 @@ class EngineCore:
                 return done.result(timeout=1.0)
             except TimeoutError:
                 if not self.is_alive():
-                    raise RuntimeError("the engine loop is not running (shut down, or it failed)") from None
+                    raise RuntimeError(self.stopped_reason()) from None
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -258,6 +257,10 @@ class EngineCore:
 
     def is_alive(self) -> bool:
         return self.failure is None and self._thread.is_alive()
+
+    def stopped_reason(self) -> str:
+        """Why the engine takes no work (when `is_alive()` is false), for errors and /health."""
+        return self.failure or "the engine loop is not running (shut down, or it failed; see the log)"
 
     def _hung(self, reason: str) -> None:
         """The watchdog's verdict: no more work; in a multi-host group the followers go too."""
