@@ -22,6 +22,11 @@ if not os.environ.get("XLASERVE_CONVERSION_CACHE_DIR"):
     os.environ["XLASERVE_CONVERSION_CACHE_DIR"] = tempfile.mkdtemp(prefix="xlaserve-converted-")
     atexit.register(shutil.rmtree, os.environ["XLASERVE_CONVERSION_CACHE_DIR"], True)
 
+# Serving steps compile as they always did, through JAX's cache: the executable cache compiles
+# afresh on each miss (runtime/executable_cache.py), which every change of xlaserve makes, so it
+# stays off for this process and the servers it starts, but in tests/runtime/test_executable_cache.py.
+os.environ.setdefault("XLASERVE_EXECUTABLE_CACHE", "0")
+
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False, help="run slow tests too")

@@ -72,10 +72,8 @@ def log_startup(core, warmup_seconds: float | None) -> None:
         phases["warm-up"] = warmup_seconds
     total = time.perf_counter() - _LAUNCHED
     parts = [f"{phase} {seconds:.1f} s" for phase, seconds in phases.items()]
-    if "precompile" in phases:
-        programs = len(core.buckets.all_shapes()) if hasattr(core, "buckets") else None
-        if programs is not None:
-            parts[list(phases).index("precompile")] += f" ({programs} programs)"
+    if "precompile" in phases:  # every replica's programs (data parallel: _Runners sums them)
+        parts[list(phases).index("precompile")] += f" ({core.runner.compile_count()} programs)"
     parts.append(f"other {total - sum(phases.values()):.1f} s (imports, HTTP server)")
     logger.info("Start-up: %s, total %.1f s", ", ".join(parts), total)
 

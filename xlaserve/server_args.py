@@ -77,7 +77,12 @@ class ServerArgs:
            "the group (503s naming the step and rank). Costs followers a device sync per checked "
            "step; 0 = off")
     compilation_cache_dir: Optional[str] = _flag(
-        None, "JAX persistent compilation cache (default ~/.cache/xlaserve/xla)")
+        None, "JAX persistent compilation cache, and in its `executables` folder the serving "
+              "steps compiled (default: $XLASERVE_CACHE_DIR/xla, else ~/.cache/xlaserve/xla)")
+    disable_executable_cache: bool = _flag(
+        False, "trace and lower every serving step at start-up (JAX's persistent cache still "
+               "skips the compiles) instead of loading the compiled steps a previous start "
+               "stored; XLASERVE_EXECUTABLE_CACHE=0 does the same")
     conversion_cache_dir: Optional[str] = _flag(
         None, "where converted models (a GGUF file's dequantized weights, config and tokenizer) "
               "are kept so later starts skip the conversion (default: "

@@ -46,6 +46,7 @@ from typing import Iterator
 
 import numpy as np
 
+from xlaserve.cache_root import xlaserve_cache_dir
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.weights import SafetensorsSource
 
@@ -63,15 +64,6 @@ _CODE = ("config.py", "weights.py", "gguf_file.py", "transformer.py", "conversio
 _PACKAGES = ("gguf", "transformers", "tokenizers")
 _SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _STALE_TEMP_SECONDS = 24 * 3600  # a temporary directory this old belongs to a crashed conversion
-
-
-def xlaserve_cache_dir() -> str:
-    """xlaserve's cache root: $XLASERVE_CACHE_DIR, else $XDG_CACHE_HOME/xlaserve, else
-    ~/.cache/xlaserve."""
-    if os.environ.get("XLASERVE_CACHE_DIR"):
-        return os.environ["XLASERVE_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "xlaserve")
 
 
 def default_root() -> str:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import jax
 
+from xlaserve.cache_root import xlaserve_cache_dir
+
 HEADER_DIR = Path(__file__).parent  # parallel.h and vectors.h, shared by every kernel
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-fno-math-errno", "-ffp-contract=fast"]
@@ -36,9 +38,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XLASERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                "xlaserve")
-    return Path(root) / "kernels"
+    return Path(xlaserve_cache_dir()) / "kernels"
 
 
 def _cpu_signature() -> str:

@@ -5,11 +5,14 @@ import os
 
 import jax
 
-DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "xla")
+from xlaserve.cache_root import xlaserve_cache_dir
+
 
 
 def enable_persistent_cache(cache_dir: str | None = None, min_compile_seconds: float = 0.5) -> str:
-    cache_dir = os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)
+    """Turns JAX's persistent compilation cache on in `cache_dir` (default: the `xla` folder of
+    xlaserve's cache root); returns the folder."""
+    cache_dir = os.path.expanduser(cache_dir or os.path.join(xlaserve_cache_dir(), "xla"))
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import random
 import threading
@@ -25,6 +26,7 @@ from xlaserve.runtime import malloc_tuning
 from xlaserve.runtime.batch import pack
 from xlaserve.runtime.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.compilation import enable_persistent_cache
+from xlaserve.runtime.executable_cache import ExecutableCache, enabled_by_environment
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
 from xlaserve.runtime.distributed import lead
 from xlaserve.runtime.grammar import GrammarBackend, InvalidGrammar, constraint_of
@@ -65,7 +67,7 @@ class EngineCore:
         self.startup_timings: dict[str, float] = {}
         clock = time.perf_counter()
         malloc_tuning.limit_arenas()  # before XLA's threads allocate
-        enable_persistent_cache(args.compilation_cache_dir)
+        compilation_cache_dir = enable_persistent_cache(args.compilation_cache_dir)
         self.loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
                                  skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
                                  mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size),
@@ -97,7 +99,7 @@ class EngineCore:
                                   max_running_requests=args.max_running_requests,
                                   attention_backend=args.attention_backend,
                                   matmul_backend=args.matmul_backend)
-        clock = self._lap("runner (pack, KV pool)", clock)  # and the huge pages advice
+        clock = self._lap("runner (pack)", clock)  # and the huge pages advice
         self.failure: str | None = None  # why a multi-host group broke: the engine takes no work
         # --nnodes > 1: the followers replay this runner's device calls (runtime/distributed.py).
         self._leader = lead(self) if args.nnodes > 1 else None
@@ -123,8 +125,16 @@ class EngineCore:
                 args.constrained_json_whitespace_pattern)
         if not args.disable_precompile:
             clock = time.perf_counter()
-            self.runner.precompile(self.buckets.all_shapes())
-            self._lap("precompile", clock)
+            cache = None
+            if not args.disable_executable_cache and enabled_by_environment():
+                cache = ExecutableCache(os.path.join(compilation_cache_dir, "executables"))
+            self.runner.precompile(self.buckets.all_shapes(), cache=cache)
+            if cache is not None:
+                logger.info("Serving steps: %d loaded from, %d compiled into %s", cache.loaded,
+                            cache.compiled, cache.directory)
+            clock = self._lap("precompile", clock)
+            self.runner.kv_caches  # noqa: B018 - waits for the pool's thread
+            self._lap("KV pool (left to wait for)", clock)
         if self.grammar_backend is not None and share_with is None:
             # The token table (~0.3 s), before a request waits on it.
             threading.Thread(target=self.grammar_backend.prepare, name="xlaserve-grammar",

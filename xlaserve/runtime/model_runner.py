@@ -33,9 +33,11 @@ reads its own copy. In one process the sink is None and nothing of this runs.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +53,8 @@ from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
 from xlaserve.runtime.batch import ForwardBatch
 from xlaserve.runtime.huge_pages import advise_huge_pages
 from xlaserve.runtime.kernels import kernels_for
-from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool
+from xlaserve.runtime.executable_cache import ExecutableCache, describe
+from xlaserve.runtime.kv_cache import NULL_PAGE, init_kv_pool, kv_pool_specs
 from xlaserve.runtime.packing import pack_leaves, unpack_leaves
 from xlaserve.runtime.prompt_logprobs import NO_TARGET, PromptLogprobs, prompt_logprobs
 from xlaserve.runtime.sampler import (RowSamplingParams, SampleOutput, SamplingMetadata,
@@ -98,10 +101,15 @@ class ModelRunner:
         self.num_pages = num_pages
         dtype = loaded.dtype
         self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
+        # Zeroed on a thread while the weights are packed and the programs loaded (kv_cache.py);
+        # the first step that needs the pool waits for it (`kv_caches`).
+        self._kv_pool = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh,
+                                     in_background=True)
+        self._kv_caches = None
+        self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh)
         if kernels.packed_matmul is not None:
             pack_model(loaded.model, self.config.tie_word_embeddings)
         graphdef, state = nnx.split(loaded.model)
-        self.kv_caches = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh)
         num_slots = max_running_requests + 1  # + the null slot
         vocab = self.config.vocab_size
         # Every persistent array keeps one explicit sharding in and out of the jitted functions:
@@ -111,7 +119,7 @@ class ModelRunner:
         self._put = jax.device_put if replicated.is_fully_addressable else put
         # The multi-host leader's followers (runtime/distributed.py); None in one process.
         self.sink = None
-        kv_sharding = [cache.sharding for cache in self.kv_caches]
+        kv_sharding = [spec.sharding for spec in self._kv_specs]
         self.output_counts = self._put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
         self.last_tokens = self._put(np.zeros(num_slots, np.int32), replicated)
@@ -120,6 +128,9 @@ class ModelRunner:
         # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
         # (runtime/weight_args.py).
         leaves, state_treedef = jax.tree.flatten(state)
+        # What the step is made of besides its arguments' shapes: part of its executable cache key.
+        self._description = "\n".join([repr(self.config), np.dtype(dtype).name, str(state_treedef),
+                                        describe(kernels)])
         self._weight_args, weight_layout = weight_args(leaves, stack_small=self.mesh.size == 1)
         del leaves, state
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
@@ -134,10 +145,23 @@ class ModelRunner:
         self._step = step
         self._reset_slot = reset_slot
         self._precompiled = False
+        self._programs: dict[tuple, object] = {}  # (shape, widths) -> its compiled step
         self._replicated = replicated
         self.bitmask_words = -(-vocab // 32)
         self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
         self._layouts: dict[tuple, object] = {}  # (shape, widths) -> packing.Layout (multi-host)
+
+    @property
+    def kv_caches(self) -> list[jax.Array]:
+        """The KV pool, once zeroed (the first call waits for the thread)."""
+        if self._kv_caches is None:
+            self._kv_caches = self._kv_pool.result()
+            self._kv_pool = None
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[jax.Array]) -> None:
+        self._kv_caches = caches
 
     def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
         """Start (or, after a retraction, resume) a request in `slot`: its output counts and
@@ -201,19 +225,24 @@ class ModelRunner:
         """Dispatches a packed step with its grammar masks (None: no row has one)."""
         if self.sink is not None:  # the followers make the same call
             self.sink.step(packed, token_bitmask)
-        compiled_before = self._step._cache_size()
-        out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
-            self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
-            self.prompt_masks, packed.ints, packed.floats,
-            self._bitmask(packed.shape[1], token_bitmask), layout=packed.layout)
+        args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
+                self.prompt_masks, packed.ints, packed.floats,
+                self._bitmask(packed.shape[1], token_bitmask))
+        program = self._programs.get((packed.shape, packed.widths))
+        if program is not None:
+            out, self.kv_caches, self.output_counts, self.last_tokens = program(*args)
+        else:
+            compiled_before = self._step._cache_size()
+            out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
+                *args, layout=packed.layout)
+            if self._precompiled and self._step._cache_size() > compiled_before:
+                logger.warning(
+                    "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
+                    "width %d, suppressed width %d was not precompiled; every request waited for "
+                    "it. Add the shape to the padding buckets.", packed.shape, *packed.widths)
         if self.sink is not None:  # replicated over every process: read this one's copy
             out = jax.tree.map(lambda x: x.addressable_data(0), out)
             self.sink.ran(out)
-        if self._precompiled and self._step._cache_size() > compiled_before:
-            logger.warning(
-                "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias width "
-                "%d, suppressed width %d was not precompiled; every request waited for it. "
-                "Add the shape to the padding buckets.", packed.shape, *packed.widths)
         return out
 
     def _bitmask(self, seqs: int, token_bitmask: np.ndarray | None) -> jax.Array:
@@ -228,22 +257,55 @@ class ModelRunner:
         return self._all_allowed[seqs]
 
     def compile_count(self) -> int:
-        return self._step._cache_size()
+        """Programs compiled or loaded: the precompiled ones and any the jitted step compiled."""
+        return len(self._programs) + self._step._cache_size()
 
     def compiled_step(self, tokens: int, seqs: int, pages: int):
         """The step compiled for one bucket shape (for its memory analysis and HLO text)."""
-        packed = self.pack(*idle_step(tokens, seqs, pages))
-        return self._step.lower(self._weight_args, self.kv_caches, self.output_counts,
-                                self.last_tokens, self.prompt_masks, packed.ints, packed.floats,
-                                self._bitmask(seqs, None), layout=packed.layout).compile()
+        args, kwargs = self._lowering_args((tokens, seqs, pages))
+        return self._step.lower(*args, **kwargs).compile()
 
-    def precompile(self, shapes, *, progress: bool = True) -> None:
-        """Compile one step per (tokens, seqs, pages) shape, with every row padding."""
-        for tokens, seqs, pages in tqdm(shapes, desc="Precompiling", unit="shape",
-                                        disable=not progress):
-            out = self.step(*idle_step(tokens, seqs, pages))
-            jax.block_until_ready(out.sample.tokens)
+    def precompile(self, shapes, *, cache: ExecutableCache | None = None,
+                   progress: bool = True) -> None:
+        """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape. Compiled,
+        not run: a run of each with padding rows cost ~1.3 s of the default model's start."""
+        if self.sink is not None:
+            # Multi-host: a step runs on every process, so the followers compile it as they
+            # replay it; it goes through the jitted step, on every process alike.
+            for shape in tqdm(shapes, desc="Precompiling", unit="shape", disable=not progress):
+                jax.block_until_ready(self.step(*idle_step(*shape)).sample.tokens)
+            self._precompiled = True
+            return
+        shapes = [tuple(shape) for shape in shapes]
+        lowering = {shape: self._lowering_args(shape) for shape in shapes}
+        found = {}
+        if cache is not None:
+            paths = {shape: cache.path(*lowering[shape], name="serving step",
+                                       description=self._description) for shape in shapes}
+            devices = list(self.mesh.devices.flat)  # the mesh's order is jit's device assignment
+
+            def load(shape):
+                return cache.load(paths[shape], devices)
+
+            with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as threads:
+                found = dict(zip(shapes, threads.map(load, shapes)))
+        missing = [shape for shape in shapes if found.get(shape) is None]
+        for shape in tqdm(missing, desc="Compiling", unit="shape", disable=not progress):
+            args, kwargs = lowering[shape]
+            found[shape] = (self._step.lower(*args, **kwargs).compile() if cache is None else
+                            cache.compile_and_store(self._step, args, kwargs, paths[shape]))
+        for shape in shapes:
+            self._programs[(shape, SAMPLING_WIDTHS)] = found[shape]
         self._precompiled = True
+
+    def _lowering_args(self, shape):
+        """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be
+        zeroed yet), and its static layout."""
+        host_ints, host_floats, layout = pack_step(self._inv_freq, *idle_step(*shape))
+        ints, floats = self._put((host_ints, host_floats), self.output_counts.sharding)
+        args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
+                self.prompt_masks, ints, floats, self._bitmask(shape[1], None))
+        return args, {"layout": layout}
 
 
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding):
