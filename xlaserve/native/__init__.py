@@ -41,7 +41,8 @@ def cache_dir() -> Path:
     return Path(xlaserve_cache_dir()) / "kernels"
 
 
-def _cpu_signature() -> str:
+@functools.cache
+def cpu_signature() -> str:
     """What -march=native depends on: the machine and its CPU flags."""
     flags = ""
     try:
@@ -76,7 +77,7 @@ def register(source: Path, symbol: str, target_name: str) -> ctypes.CDLL:
     headers = sorted(set(HEADER_DIR.glob("*.h")) | set(source.parent.glob("*.h")))
     key = hashlib.sha256(b"\0".join([
         source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(_FLAGS).encode(),
-        compiler.encode(), _cpu_signature().encode(), jax.ffi.include_dir().encode()])).hexdigest()
+        compiler.encode(), cpu_signature().encode(), jax.ffi.include_dir().encode()])).hexdigest()
     library = cache_dir() / f"{source.stem}-{key[:20]}.so"
     if not library.exists():
         _compile(compiler, source, library)
