@@ -2,6 +2,10 @@
 model, a free port) to the first token of a /v1/completions request (max_tokens 1), cold and warm.
 
     .venv/bin/python benchmarks/bench_startup.py [--rounds 3] [--xlaserve-arg=--dtype=bfloat16]
+    # a real model's shapes with random weights (no tokenizer: token ids to /generate)
+    .venv/bin/python benchmarks/bench_startup.py --rounds 1 \
+        --xlaserve-arg=--model-path=benchmarks/configs/llama-3.1-8b \
+        --xlaserve-arg=--load-format=dummy --xlaserve-arg=--skip-tokenizer-init ...
 
 - cold: an empty persistent compilation cache (--compilation-cache-dir) and an empty conversion
   cache (--conversion-cache-dir), fresh temporary folders each round: XLA compiles every program
@@ -44,10 +48,22 @@ def server_command(port: int, caches: str, storage: str, extra: list[str]) -> li
             "--file-storage-path", storage, *extra]
 
 
+def first_token_request(command: list[str]) -> tuple[str, dict, callable]:
+    """(route, body, answered) of the request that waits for the first token: a completion, or
+    with --skip-tokenizer-init (a dummy-weight config without tokenizer files) SGLang's native
+    /generate with token ids."""
+    if "--skip-tokenizer-init" in command:
+        return ("/generate", {"input_ids": [1, 450, 7483, 310, 3444, 338],
+                              "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
+                lambda reply: bool(reply["output_ids"]))
+    return ("/v1/completions", {"model": "default", "prompt": "The capital of France is",
+                                "max_tokens": 1, "temperature": 0.0},
+            lambda reply: bool(reply["choices"][0]["text"]))
+
+
 def time_to_first_token(command: list[str], port: int, log_path: str, timeout: float) -> float:
-    """Seconds from Popen to a /v1/completions answer with one token; the server is stopped."""
-    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 1,
-            "temperature": 0.0}
+    """Seconds from Popen to the answer of `first_token_request`; the server is stopped."""
+    route, body, answered = first_token_request(command)
     with open(log_path, "w") as log:
         started = time.monotonic()
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
@@ -58,8 +74,8 @@ def time_to_first_token(command: list[str], port: int, log_path: str, timeout: f
                     if process.poll() is not None:
                         raise RuntimeError(f"the server exited ({process.returncode}); see {log_path}")
                     try:
-                        response = client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
-                        if response.status_code == 200 and response.json()["choices"][0]["text"]:
+                        response = client.post(f"http://127.0.0.1:{port}{route}", json=body)
+                        if response.status_code == 200 and answered(response.json()):
                             return time.monotonic() - started
                     except httpx.TransportError:  # not listening yet
                         pass
@@ -116,7 +132,7 @@ def main(argv=None) -> None:
         print(json.dumps({"command": shown, "seconds": results,
                           "median": {m: statistics.median(v) for m, v in results.items()}}))
         return
-    print(f"\ncommand: {shown}\n(launch -> first token of POST /v1/completions, max_tokens 1; "
+    print(f"\ncommand: {shown}\n(launch -> first token of POST {first_token_request(command or [])[0]}, max_tokens 1; "
           f"CACHES: a temporary folder per cold round, the first cold round's for warm)\n")
     print(f"{'':<6}" + "".join(f"{f'round {i}':>10}" for i in range(1, args.rounds + 1))
           + f"{'median':>10}{'target':>10}")
