@@ -28,6 +28,7 @@ import uuid
 from typing import Callable
 
 from xlaserve.model.loader import check_replica_devices
+from xlaserve.runtime.distributed import refuse_data_parallel_across_hosts
 from xlaserve.runtime.engine import EngineCore
 from xlaserve.runtime.sampling_params import SamplingParams
 from xlaserve.server_args import ServerArgs
@@ -68,9 +69,7 @@ class DataParallelEngineCore:
         if args.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"unknown --load-balance-method {args.load_balance_method!r}; choose "
                              f"{' or '.join(LOAD_BALANCE_METHODS)}")
-        if args.nnodes > 1:
-            raise ValueError("--dp-size > 1 runs replicas inside one process; across hosts, run one "
-                             "server per replica group and put a router (sglang_router) in front")
+        refuse_data_parallel_across_hosts(args)
         if replicas is None:
             check_replica_devices(args.tp_size, args.dp_size)
             replicas = []

@@ -2,41 +2,34 @@
 
 Requests come in through a thread-safe `submit` and leave as a stream of output chunks; the loop
 thread is the only one that touches the scheduler, the page allocator and the device state, so
-none of them needs a lock. `xlaserve.Engine` (the offline API) wraps this class.
+none of them needs a lock. `xlaserve.Engine` (the offline API) wraps this class. The runner,
+the scheduler and the rest the engine serves with are built at start-up by engine_startup.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import random
 import threading
-import time
 import uuid
 from concurrent.futures import Future
 from typing import Callable
 
 import jax
 import numpy as np
-from flax import nnx
 
-from xlaserve.model.loader import load_model, tensor_parallel_mesh
-from xlaserve.runtime import malloc_tuning
+from xlaserve.runtime import engine_startup, malloc_tuning
 from xlaserve.runtime.batch import pack
-from xlaserve.runtime.buckets import serving_buckets, with_page_size
-from xlaserve.runtime.compilation import enable_persistent_cache
-from xlaserve.runtime.executable_cache import ExecutableCache, enabled_by_environment
 from xlaserve.runtime.detokenizer import IncrementalDetokenizer
 from xlaserve.runtime.distributed import lead
-from xlaserve.runtime.grammar import GrammarBackend, InvalidGrammar, constraint_of
-from xlaserve.runtime.kv_cache import PageAllocator, num_pages_for
+from xlaserve.runtime.grammar import InvalidGrammar, constraint_of
 from xlaserve.runtime.model_runner import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
                                            SAMPLING_WIDTHS, ModelRunner, StepOutput)
 from xlaserve.runtime.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
 from xlaserve.runtime.sampling_params import SamplingParams
-from xlaserve.runtime.scheduler import Request, Scheduler
+from xlaserve.runtime.scheduler import Request
 from xlaserve.runtime.watchdog import Watchdog
 from xlaserve.server_args import ServerArgs
 
@@ -61,80 +54,23 @@ class EngineCore:
         """`dp_rank`: the data parallel replica this is (runtime/data_parallel.py): its model
         and KV pool live on devices [dp_rank * tp_size, (dp_rank + 1) * tp_size).
         `share_with`: another replica whose tokenizer and grammar backend this one uses."""
-        self.args = args = server_args
         self.dp_rank = dp_rank
-        # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
-        self.startup_timings: dict[str, float] = {}
-        clock = time.perf_counter()
-        malloc_tuning.limit_arenas()  # before XLA's threads allocate
-        compilation_cache_dir = enable_persistent_cache(args.compilation_cache_dir)
-        self.loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
-                                 skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
-                                 mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size),
-                                 load_format=args.load_format, seed=args.random_seed or 0,
-                                 conversion_cache=not args.disable_conversion_cache,
-                                 conversion_cache_dir=args.conversion_cache_dir)
-        clock = self._lap("load_model", clock)
-        if share_with is not None:
-            self.loaded.tokenizer = share_with.tokenizer
-        config = self.loaded.config
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(self.loaded.model)))
-        logger.info("Load weight end.%s type=%s, dtype=%s, mem usage=%.2f GB, from %s%s",
-                    f" [DP{dp_rank}]" if args.dp_size > 1 else "", config.architecture,
-                    np.dtype(self.loaded.dtype).name, weight_bytes / 2**30,
-                    self.loaded.source, " (dummy weights)" if args.load_format == "dummy" else "")
-        self.tokenizer = self.loaded.tokenizer
-        self.context_length = args.context_length or config.max_position_embeddings
-        platform = jax.default_backend()
-        self.args = args = with_page_size(args, platform, self.context_length)
-        page_size = args.page_size
-        num_pages = num_pages_for(config, self.loaded.dtype, page_size,
-                                  max_total_tokens=args.max_total_tokens,
-                                  mem_fraction_static=_mem_fraction(args.mem_fraction_static),
-                                  device=self.loaded.mesh.devices.flat[0],  # this replica's
-                                  # Each device holds 1/tp of every page; CPU "devices" share
-                                  # one host's memory, so there the whole page counts.
-                                  tensor_parallel=args.tp_size if platform != "cpu" else 1)
-        self.runner = ModelRunner(self.loaded, num_pages=num_pages, page_size=page_size,
-                                  max_running_requests=args.max_running_requests,
-                                  attention_backend=args.attention_backend,
-                                  matmul_backend=args.matmul_backend)
-        clock = self._lap("runner (pack)", clock)  # and the huge pages advice
         self.failure: str | None = None  # why a multi-host group broke: the engine takes no work
-        # --nnodes > 1: the followers replay this runner's device calls (runtime/distributed.py).
-        self._leader = lead(self) if args.nnodes > 1 else None
-        self.buckets = serving_buckets(args, self.context_length, config.head_dim,
-                                       self.loaded.dtype, platform,
-                                       native_matmul=self.runner.kernels.packed_matmul is not None)
-        self.scheduler = Scheduler(
-            PageAllocator(num_pages), page_size, args.max_running_requests,
-            args.chunked_prefill_size, args.max_prefill_tokens, self.context_length,
-            radix_cache=not args.disable_radix_cache)
-        if args.dp_size > 1:
-            self.scheduler.log_prefix = f"[DP{dp_rank}] "
-        self.eos_token_ids = set(config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._leader = None
+        parts = engine_startup.build(server_args, dp_rank, share_with,
+                                     on_runner=self._lead if server_args.nnodes > 1 else None)
+        self.args = args = parts.args  # with --page-size resolved
+        self.loaded = parts.loaded
+        self.tokenizer = parts.tokenizer
+        self.context_length = parts.context_length
+        self.runner = parts.runner
+        self.buckets = parts.buckets
+        self.scheduler = parts.scheduler
+        self.eos_token_ids = parts.eos_token_ids
+        self.grammar_backend = parts.grammar_backend
+        # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
+        self.startup_timings = parts.startup_timings
         self._seeds = random.Random(args.random_seed)
-        self.grammar_backend = None  # structured outputs; off without a tokenizer or with "none"
-        if share_with is not None:
-            self.grammar_backend = share_with.grammar_backend
-        elif args.grammar_backend != "none" and self.tokenizer is not None:
-            self.grammar_backend = GrammarBackend(
-                self.tokenizer, config.vocab_size, sorted(self.eos_token_ids),
-                args.constrained_json_whitespace_pattern)
-        if not args.disable_precompile:
-            clock = time.perf_counter()
-            cache = None
-            if not args.disable_executable_cache and enabled_by_environment():
-                cache = ExecutableCache(os.path.join(compilation_cache_dir, "executables"))
-            self.runner.precompile(self.buckets.all_shapes(), cache=cache)
-            if cache is not None:
-                logger.info("Serving steps: %d loaded from, %d compiled into %s", cache.loaded,
-                            cache.compiled, cache.directory)
-            clock = self._lap("precompile", clock)
-            self.runner.kv_caches  # noqa: B018 - waits for the pool's thread
-            self._lap("KV pool (left to wait for)", clock)
         if self.grammar_backend is not None and share_with is None:
             # The token table (~0.3 s), before a request waits on it.
             threading.Thread(target=self.grammar_backend.prepare, name="xlaserve-grammar",
@@ -150,10 +86,13 @@ class EngineCore:
                                   name.replace("engine", "watchdog"))
         self._thread.start()
 
-    def _lap(self, phase: str, since: float) -> float:
-        now = time.perf_counter()
-        self.startup_timings[phase] = now - since
-        return now
+    def _lead(self, args: ServerArgs, runner: ModelRunner) -> None:
+        """--nnodes > 1: the followers replay this runner's device calls (runtime/distributed.py).
+        `build` calls this between the runner and the precompile, which then runs on the
+        followers too. `lead` takes the core itself, not the parts: it reads `args` and `runner`
+        off it now and sets its `failure` when the group breaks, so those two are set first."""
+        self.args, self.runner = args, runner
+        self._leader = lead(self)
 
     # --- called from any thread -----------------------------------------------------------
 
@@ -525,8 +464,3 @@ class EngineCore:
             info["input_token_logprobs"], info["input_top_logprobs"] = collector.sglang_lists()
         return info
 
-
-def _mem_fraction(requested: float | None) -> float:
-    if requested is not None:
-        return requested
-    return 0.1 if jax.default_backend() == "cpu" else 0.85

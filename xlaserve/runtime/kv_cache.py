@@ -137,11 +137,13 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
     def zeroed_pool():
         caches = [make() for _ in range(config.num_layers)]
         jax.block_until_ready(caches)
-        half_gb = num_pages * page_size * bytes_per_token(config, dtype) / 2 / 1e9
-        logger.info("KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB",
-                    (num_pages - 1) * page_size, half_gb, half_gb)
         return caches
 
+    # SGLang's line, where SGLang has it in the log (before the programs); with `in_background`
+    # the zeroing goes on, and what start-up still waits for it is in the "Start-up:" line.
+    half_gb = num_pages * page_size * bytes_per_token(config, dtype) / 2 / 1e9
+    logger.info("KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB",
+                (num_pages - 1) * page_size, half_gb, half_gb)
     if not in_background:
         return zeroed_pool()
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xlaserve-kv-pool")

@@ -290,7 +290,7 @@ class ModelRunner:
             with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as threads:
                 found = dict(zip(shapes, threads.map(load, shapes)))
         missing = [shape for shape in shapes if found.get(shape) is None]
-        for shape in tqdm(missing, desc="Compiling", unit="shape", disable=not progress):
+        for shape in tqdm(missing, desc="Precompiling", unit="shape", disable=not progress):
             args, kwargs = lowering[shape]
             found[shape] = (self._step.lower(*args, **kwargs).compile() if cache is None else
                             cache.compile_and_store(self._step, args, kwargs, paths[shape]))
