@@ -76,7 +76,11 @@ def time_to_first_token(command: list[str], port: int, log_path: str, timeout: f
                     try:
                         response = client.post(f"http://127.0.0.1:{port}{route}", json=body)
                         if response.status_code == 200 and answered(response.json()):
-                            return time.monotonic() - started
+                            seconds = time.monotonic() - started
+                            # A request may be answered before the server's own warm-up ends
+                            # (a large model): give it time to log its "Start-up:" line.
+                            wait_for_startup_line(log_path, process, 120)
+                            return seconds
                     except httpx.TransportError:  # not listening yet
                         pass
                     time.sleep(0.05)
@@ -84,6 +88,15 @@ def time_to_first_token(command: list[str], port: int, log_path: str, timeout: f
         finally:
             process.terminate()
             process.wait(timeout=60)
+
+
+def wait_for_startup_line(log_path: str, process, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        with open(log_path) as f:
+            if "Start-up:" in f.read():
+                return
+        time.sleep(0.1)
 
 
 def startup_line(log_path: str) -> str:
