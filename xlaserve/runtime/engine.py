@@ -3,7 +3,8 @@
 Requests come in through a thread-safe `submit` and leave as a stream of output chunks; the loop
 thread is the only one that touches the scheduler, the page allocator and the device state, so
 none of them needs a lock. `xlaserve.Engine` (the offline API) wraps this class. The runner,
-the scheduler and the rest the engine serves with are built at start-up by engine_startup.py.
+the scheduler and the rest the engine serves with are built at start-up by engine_startup.py;
+the chunks a step's tokens become (text, logprobs, finish) are made by delivery.py.
 """
 from __future__ import annotations
 
@@ -21,12 +22,11 @@ import numpy as np
 
 from xlaserve.runtime import engine_startup, malloc_tuning
 from xlaserve.runtime.batch import pack
-from xlaserve.runtime.detokenizer import IncrementalDetokenizer
+from xlaserve.runtime.delivery import Delivery
 from xlaserve.runtime.distributed import lead
 from xlaserve.runtime.grammar import InvalidGrammar, constraint_of
 from xlaserve.runtime.model_runner import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
                                            SAMPLING_WIDTHS, ModelRunner, StepOutput)
-from xlaserve.runtime.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
 from xlaserve.runtime.sampling_params import SamplingParams
 from xlaserve.runtime.scheduler import Request
@@ -34,18 +34,6 @@ from xlaserve.runtime.watchdog import Watchdog
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Live:
-    """Engine-side state of one request: its sink and its detokenizer."""
-
-    request: Request
-    emit: Callable[[dict], None]
-    detokenizer: IncrementalDetokenizer | None
-    top_logprobs_num: int = 0  # alternatives per token in the chunks (needs return_logprob)
-    prompt_logprobs: PromptLogprobCollector | None = None  # with return_prompt_logprob
-    prompt_logprobs_sent: bool = False  # they go out once, with the first output chunk
 
 
 class EngineCore:
@@ -78,7 +66,7 @@ class EngineCore:
         if jax.default_backend() == "cpu":
             malloc_tuning.keep_freed_memory()
         self._inbox: queue.Queue = queue.Queue()
-        self._live: dict[str, _Live] = {}
+        self._delivery = Delivery(self.scheduler, self.tokenizer)  # the live requests' output
         self._stopping = False
         name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -264,15 +252,14 @@ class EngineCore:
                         results = (results or []) + self._read(*in_flight)
                         in_flight = None
                 for delivery in results or ():
-                    self._deliver(*delivery)
+                    self._delivery.deliver(*delivery)
             except Exception as error:  # a bug must not kill the loop silently: fail what is in flight
                 logger.exception("engine step failed; aborting the running requests")
                 if self._leader is not None:  # the followers may have diverged: the group breaks
                     self._leader.step_failed(error)
                 in_flight = None
-                for rid in list(self._live):
-                    self.scheduler.abort(rid)
-                    self._finish_aborted(rid, self.failure or "internal error")
+                for rid in self._delivery.rids():
+                    self._delivery.abort(rid, self.failure or "internal error")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -282,27 +269,9 @@ class EngineCore:
         while True:
             kind, payload, params, extra = item
             if kind == "add":
-                emit, top_logprobs_num, return_prompt_logprob = extra
-                detok = None
-                if self.tokenizer is not None:
-                    detok = IncrementalDetokenizer(
-                        self.tokenizer, prompt_ids=payload.prompt_ids,
-                        skip_special_tokens=params.skip_special_tokens,
-                        stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
-                        no_stop_trim=params.no_stop_trim)
-                live = _Live(payload, emit, detok, top_logprobs_num)
-                if return_prompt_logprob:
-                    live.prompt_logprobs = PromptLogprobCollector(payload.prompt_ids, top_logprobs_num)
-                try:
-                    self.scheduler.add(payload)
-                except ValueError as error:  # e.g. a duplicate request id: fail this one only
-                    payload.finish_reason = ("abort", None)
-                    self._emit(live, self._final_chunk(payload, str(error)))
-                else:
-                    self._live[payload.rid] = live
-            elif kind == "abort" and payload in self._live:
-                self.scheduler.abort(payload)
-                self._finish_aborted(payload, None)
+                self._delivery.admit(payload, params, *extra)
+            elif kind == "abort" and payload in self._delivery:
+                self._delivery.abort(payload, None)
             elif kind == "flush":
                 try:
                     payload.set_result(self.scheduler.flush_cache())
@@ -321,7 +290,7 @@ class EngineCore:
         """The step's inputs, packed and sent: all but the grammar masks."""
         for request in batch.admitted:
             self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
-        chunks = [self._with_prompt_targets(r, c)
+        chunks = [self._delivery.prompt_targets(r, c)
                   for r, c in zip(batch.requests, batch.chunks, strict=True)]
         fb = pack(chunks, self.buckets, self.runner.page_size)
         padded_seqs = fb.shape[1]
@@ -347,38 +316,9 @@ class EngineCore:
             self.grammar_backend.fill_masks(constrained, bitmask)
         return self.runner.run(packed, bitmask)
 
-    def _prompt_collector(self, request: Request) -> PromptLogprobCollector | None:
-        """The request's prompt-logprob collector while it still has entries to fill."""
-        live = self._live.get(request.rid)
-        collector = live.prompt_logprobs if live is not None else None
-        return None if collector is None or collector.complete else collector
-
-    def _with_prompt_targets(self, request: Request, chunk):
-        collector = self._prompt_collector(request)
-        if collector is None:
-            return chunk
-        return dataclasses.replace(
-            chunk, target_ids=collector.targets(chunk.num_cached, len(chunk.token_ids)))
-
-    def _collect_prompt_logprobs(self, batch, out: StepOutput) -> None:
-        """Hands each prompt-logprob request its rows of the step. Nothing changed its collector
-        since `_dispatch` (steps are read in order, and a continuation has no prompt rows), so it
-        takes the rows it targeted."""
-        collecting = [(i, c) for i, r in enumerate(batch.requests)
-                      if r.status == "running" and (c := self._prompt_collector(r)) is not None]
-        if not collecting:
-            return  # an ordinary step: its prompt outputs are zeros, not worth the transfer
-        logprobs, top_ids, top_logprobs = jax.device_get(
-            (out.prompt.logprobs, out.prompt.top_ids, out.prompt.top_logprobs))
-        starts = np.cumsum([0] + [len(c.token_ids) for c in batch.chunks])
-        for i, collector in collecting:
-            rows = slice(starts[i], starts[i + 1])
-            collector.collect(batch.chunks[i].num_cached, logprobs[rows], top_ids[rows],
-                              top_logprobs[rows])
-
     def _read(self, batch, out: StepOutput) -> list[tuple]:
         """Waits for the step's tokens and advances the scheduler; returns the deliveries
-        (`_deliver` arguments) of the rows that sampled."""
+        (`Delivery.deliver` arguments) of the rows that sampled."""
         num_rows = len(batch.requests)
         sampled = out.sample
         tokens = np.asarray(sampled.tokens)[:num_rows]
@@ -386,81 +326,10 @@ class EngineCore:
         if any(r.sampling.return_logprob for r in batch.requests):
             logprobs = np.asarray(sampled.logprobs)[:num_rows]
             top = (np.asarray(sampled.top_logprobs)[:num_rows], np.asarray(sampled.top_ids)[:num_rows])
-        self._collect_prompt_logprobs(batch, out)
+        self._delivery.collect_prompt_logprobs(batch, out)
         # Requests that ended while the step ran (abort, stop string) have no row to advance.
         live_before = {r.rid for r in batch.requests if r.status == "running"}
         finished = {r.rid for r in self.scheduler.process_results(batch, tokens.tolist())}
         return [(request, int(tokens[i]), request.rid in finished, logprobs, top, i)
                 for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True))
                 if chunk.sample and request.rid in live_before]
-
-    def _deliver(self, request: Request, token: int, finished: bool, logprobs, top, row) -> None:
-        live = self._live.get(request.rid)
-        if live is None:  # dropped earlier in this step (its consumer failed)
-            return
-        # A stop id is not part of the text; a grammar's last token (finish "stop" with no
-        # matched id) is.
-        stopped_by_token = finished and request.finish_reason[0] == "stop" and isinstance(
-            request.finish_reason[1], int)
-        delta = ""
-        if live.detokenizer is not None and not stopped_by_token:
-            delta = live.detokenizer.append(token)
-            if live.detokenizer.matched_stop is not None and not finished:
-                self.scheduler.finish(request.rid, "stop", live.detokenizer.matched_stop)
-                finished = True
-        if finished and live.detokenizer is not None:
-            delta += live.detokenizer.finish()
-        chunk = {"token_id": token, "logprob": None, "text": delta, "finished": finished}
-        if request.sampling.return_logprob:
-            chunk["logprob"] = float(logprobs[row])
-            n = live.top_logprobs_num
-            chunk["top_logprobs"] = list(zip(top[0][row, :n].tolist(), top[1][row, :n].tolist()))
-        if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
-            # The sampling chunk ended the prompt, so every entry is in (`_read` collected it).
-            chunk["input_token_logprobs"], chunk["input_top_logprobs"] = \
-                live.prompt_logprobs.sglang_lists()
-            live.prompt_logprobs_sent = True
-        if finished:
-            chunk["meta_info"] = self._meta_info(request, live)
-            del self._live[request.rid]
-        self._emit(live, chunk)
-
-    def _emit(self, live: _Live, chunk: dict) -> None:
-        """Hands a chunk to the request's consumer. A consumer that raises (its event loop closed,
-        say) is gone: its request is aborted, and nothing it did reaches the loop or other requests."""
-        try:
-            live.emit(chunk)
-        except Exception:
-            logger.warning("dropping request %s: its output consumer failed", live.request.rid,
-                           exc_info=logger.isEnabledFor(logging.DEBUG))
-            if self._live.pop(live.request.rid, None) is not None:
-                self.scheduler.abort(live.request.rid)
-
-    def _finish_aborted(self, rid: str, message: str | None) -> None:
-        live = self._live.pop(rid)
-        live.request.finish_reason = live.request.finish_reason or ("abort", None)
-        self._emit(live, self._final_chunk(live.request, message, live))
-
-    def _final_chunk(self, request: Request, error: str | None, live: _Live | None = None) -> dict:
-        chunk = {"token_id": None, "logprob": None, "text": "", "finished": True,
-                 "meta_info": self._meta_info(request, live)}
-        if error:
-            chunk["error"] = error
-        return chunk
-
-    def _meta_info(self, request: Request, live: _Live | None = None) -> dict:
-        kind, matched = request.finish_reason or ("abort", None)
-        finish_reason = {"type": kind}
-        if kind == "length":
-            finish_reason["length"] = len(request.output_ids)
-        elif kind == "stop":
-            finish_reason["matched"] = matched
-        info = {"id": request.rid, "prompt_tokens": len(request.prompt_ids),
-                "completion_tokens": len(request.output_ids),
-                "cached_tokens": request.num_cached_prompt_tokens,
-                "finish_reason": finish_reason}
-        collector = live.prompt_logprobs if live is not None else None
-        if collector is not None and collector.complete:  # not for one aborted mid-prompt
-            info["input_token_logprobs"], info["input_top_logprobs"] = collector.sglang_lists()
-        return info
-

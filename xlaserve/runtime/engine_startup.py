@@ -125,8 +125,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None,
             cache = ExecutableCache(os.path.join(compilation_cache_dir, "executables"))
         runner.precompile(buckets.all_shapes(), cache=cache)
         if cache is not None:
-            logger.info("Serving steps: %d loaded from, %d compiled into %s", cache.loaded,
-                        cache.compiled, cache.directory)
+            logger.info("Serving steps: %d loaded, %d compiled (executable cache: %s)",
+                        cache.loaded, cache.compiled, cache.directory)
         clock = _lap(timings, "precompile", clock)
         runner.kv_caches  # noqa: B018 - waits for the pool's thread
         _lap(timings, "KV pool (left to wait for)", clock)
