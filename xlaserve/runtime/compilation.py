@@ -8,7 +8,6 @@ import jax
 from xlaserve.cache_root import xlaserve_cache_dir
 
 
-
 def enable_persistent_cache(cache_dir: str | None = None, min_compile_seconds: float = 0.5) -> str:
     """Turns JAX's persistent compilation cache on in `cache_dir` (default: the `xla` folder of
     xlaserve's cache root); returns the folder."""

@@ -98,7 +98,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None,
                          max_running_requests=args.max_running_requests,
                          attention_backend=args.attention_backend,
                          matmul_backend=args.matmul_backend)
-    clock = _lap(timings, "runner (pack)", clock)  # and the huge pages advice
+    _lap(timings, "runner (pack)", clock)  # and the huge pages advice
     if on_runner is not None:
         on_runner(args, runner)
     buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,

@@ -121,8 +121,8 @@ def _cell_contents(function) -> list:
     return contents
 
 
-def _argument_signature(args, kwargs) -> str:
-    leaves, treedef = jax.tree.flatten((args, kwargs))
+def _argument_signature(args) -> str:
+    leaves, treedef = jax.tree.flatten(args)
     parts = [str(treedef)]
     for leaf in leaves:
         sharding = getattr(leaf, "sharding", None)
@@ -147,7 +147,7 @@ def program_key(name: str, description: str, args, kwargs) -> str:
         f"LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS', '')}",
         f"x64 {jax.config.jax_enable_x64}, matmul precision "
         f"{jax.config.jax_default_matmul_precision}",
-        _argument_signature(args, {}), repr(sorted(kwargs.items())),
+        _argument_signature(args), repr(sorted(kwargs.items())),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 

@@ -128,11 +128,11 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
     `in_background`: a Future of that list, zeroed on a thread. On a CPU the pool's pages fault
     in as they are zeroed, at ~0.8 GB/s (the default model's 2.3 GB: 1.8-2.9 s on a 2-core Zen 4),
     a wait the runner overlaps with packing the weights and loading the programs."""
-    sharding = NamedSharding(mesh, KV_CACHE_SPEC)
-    shape = kv_cache_shape(config, num_pages, page_size)
+    spec = kv_pool_specs(config, num_pages, page_size, dtype, mesh)[0]
     # Compiled here, not on the thread: no compile runs beside another (executable_cache.py
     # turns JAX's persistent cache off around its own).
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding).lower().compile()
+    make = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype),
+                   out_shardings=spec.sharding).lower().compile()
 
     def zeroed_pool():
         caches = [make() for _ in range(config.num_layers)]

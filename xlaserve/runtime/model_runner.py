@@ -301,11 +301,10 @@ class ModelRunner:
     def _lowering_args(self, shape):
         """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be
         zeroed yet), and its static layout."""
-        host_ints, host_floats, layout = pack_step(self._inv_freq, *idle_step(*shape))
-        ints, floats = self._put((host_ints, host_floats), self.output_counts.sharding)
+        packed = self.pack(*idle_step(*shape))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
-                self.prompt_masks, ints, floats, self._bitmask(shape[1], None))
-        return args, {"layout": layout}
+                self.prompt_masks, packed.ints, packed.floats, self._bitmask(shape[1], None))
+        return args, {"layout": packed.layout}
 
 
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding):
