@@ -4,7 +4,8 @@ Start-up, as in SGLang: the arguments, the weights, the KV cache and the precomp
 logged; uvicorn starts listening; one warm-up generation runs; then /health answers 200 and the
 log says the server is ready, then where the seconds went ("Start-up: load_model ..., total").
 Until then /health answers 503. Batches left unfinished under --file-storage-path (a crash, a
-stop) resume once the warm-up has passed.
+stop) resume once the warm-up has passed. SIGTERM or SIGINT drains the server, for at most
+--graceful-shutdown-timeout seconds, then it exits with status 0 (http/shutdown.py).
 """
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ def build_app(args: ServerArgs, ctx, storage=None):
         max_lines=args.batch_max_lines,
         concurrency=args.batch_concurrency or default_concurrency(args.max_running_requests))
     return create_app(ctx, api_key=args.api_key, max_payload_size=args.max_payload_size,
-                      log_requests=args.log_requests, lifespan=lifespan, batch_runner=runner)
+                      log_requests=args.log_requests, lifespan=lifespan, batch_runner=runner,
+                      host=args.host, allowed_origins=(args.allowed_origins or "").split(","))
 
 
 def _log_failed_warm_up(task: asyncio.Task) -> None:
@@ -126,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                         format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     shown = dataclasses.replace(args, api_key="***" if args.api_key else None)
     logger.info("server_args=%s", shown)
-    import uvicorn
 
     try:
         if args.nnodes > 1:  # jax.distributed first; ranks > 0 replay rank 0's steps, no HTTP
@@ -141,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", error)  # ConnectionError: a multi-host group broke while starting
         return 2
     app = build_app(args, ctx, storage)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_keep_alive=5)
-    return 0
+    from xlaserve.http.shutdown import serve
+
+    return serve(app, ctx, app.state.batch_runner, args)  # SIGTERM / SIGINT: drains, then 0
 
 
 if __name__ == "__main__":

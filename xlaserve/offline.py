@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 from xlaserve.runtime.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              EngineDeadError, sglang_output)
 from xlaserve.runtime.data_parallel import make_engine_core
-from xlaserve.runtime.sampling_params import SamplingParams
+from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams
 from xlaserve.server_args import ServerArgs
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -56,13 +56,15 @@ def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingPa
     """SGLang-style dict -> (SamplingParams, n). Unknown keys are an error, not ignored."""
     if isinstance(params, SamplingParams):
         return params, 1
+    if not isinstance(params, (dict, type(None))):
+        raise InvalidSamplingParam("sampling_params", "sampling_params must be an object")
     params = dict(params or {})
-    n = int(params.pop("n", 1))
-    if n < 1:
-        raise ValueError("n must be >= 1")
+    n = params.pop("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidSamplingParam("n", "n must be an integer >= 1")
     unknown = set(params) - _SAMPLING_FIELDS
     if unknown:
-        raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+        raise ValueError(f"unknown sampling parameters: {[k[:40] for k in sorted(unknown)[:10]]}")
     return SamplingParams(**params), n
 
 

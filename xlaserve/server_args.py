@@ -1,13 +1,18 @@
 """ServerArgs: every command-line flag in one dataclass, with SGLang's flag names.
 
 The argparse parser is built from the dataclass fields (name -> `--name-with-dashes`, default,
-help from the field metadata), so a flag is declared exactly once.
+help from the field metadata), so a flag is declared exactly once. A flag's metadata may also
+name an environment variable read when the flag is not given (`env`), and mark it `secret`: shown
+as "***" wherever the arguments are logged or served (`redacted`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Optional
+
+_OWN_METADATA = ("help", "env", "secret")  # the rest of a field's metadata goes to argparse
 
 
 def _flag(default, help: str, **argparse_kwargs):
@@ -119,19 +124,54 @@ class ServerArgs:
         None, "regex of the whitespace allowed between JSON tokens in JSON-constrained output "
               "(default '[ ]?': one optional space, so a model cannot pad with whitespace until "
               "max_tokens; '[\\n\\t ]*' allows any)")
+    # --- what one request may ask (runtime/sampling_params.RequestLimits; 400 naming the field) ---
+    max_n: int = _flag(128, "most choices (n) per prompt of one request")
+    max_sequences_per_request: int = _flag(
+        256, "most sequences one request generates: prompts x n (completions and /generate take "
+             "lists of prompts)")
+    max_stop_sequences: int = _flag(16, "most stop strings per request (OpenAI allows 4)")
+    max_stop_sequence_length: int = _flag(256, "longest stop string, in characters")
+    max_constraint_size: int = _flag(
+        256 * 1024, "longest JSON schema, regex or EBNF grammar (structured outputs, and each "
+                    "tool's parameters schema), in characters")
+    grammar_compile_timeout: float = _flag(
+        10.0, "seconds a request's grammar (structured outputs, strict tools) may take to compile "
+              "before the request is refused with a 400")
+    max_tools: int = _flag(128, "most tools per chat request (OpenAI's limit)")
+    max_prompt_logprob_entries: int = _flag(
+        1 << 20, "most prompt logprob entries one request may ask for (completions' echo with "
+                 "logprobs, /generate's logprob_start_len 0): prompt tokens x (1 + top "
+                 "logprobs), summed over its sequences")
+    max_queued_requests: int = _flag(
+        4096, "most requests waiting for a running slot, all clients together; beyond it a "
+              "request is refused with 503 and Retry-After (never an unbounded queue)")
+    enable_priority_scheduling: bool = _flag(
+        False, "honour a request's `priority` (larger runs first); without it a request that "
+               "sets one is refused with a 400")
     random_seed: Optional[int] = _flag(
         None, "seed for requests that do not give one, and of --load-format dummy's weights (0 if unset)")
     log_level: str = _flag("info", "logging level", choices=["debug", "info", "warning", "error"])
     # --- the HTTP server ---
     host: str = _flag("127.0.0.1", "address to listen on")
     port: int = _flag(30000, "port to listen on")
-    api_key: Optional[str] = _flag(None, "require 'Authorization: Bearer <key>' on every route "
-                                         "but /health and /metrics")
+    api_key: Optional[str] = _flag(
+        None, "require 'Authorization: Bearer <key>' on every route but /health and /metrics; "
+              "default: $XLASERVE_API_KEY. Prefer the variable: a key on the command line is "
+              "visible to every user of the machine (ps, /proc)",
+        env="XLASERVE_API_KEY", secret=True)
+    allowed_origins: Optional[str] = _flag(
+        None, "comma-separated browser origins (scheme://host[:port]) allowed to call the server, "
+              "answered with CORS headers; * allows any. A request from any other Origin than "
+              "the server's own is refused (403)")
     max_payload_size: int = _flag(32 * 1024 * 1024, "largest request body in bytes (413 above)")
     enable_metrics: bool = _flag(False, "serve Prometheus metrics at /metrics")
     log_requests: bool = _flag(False, "log every HTTP request")
     stream_interval: int = _flag(1, "tokens per streamed chunk")
     skip_server_warmup: bool = _flag(False, "do not run a warm-up generation before ready")
+    graceful_shutdown_timeout: float = _flag(
+        30.0, "seconds that running requests and batch lines may take to finish after SIGTERM or "
+              "SIGINT (new ones get 503 meanwhile); the rest are then aborted with an error and "
+              "the server exits (status 0; a second signal ends the wait at once)")
     # --- files and batches ---
     file_storage_path: str = _flag(
         "xlaserve_storage", "folder of uploaded files, batch results and their metadata "
@@ -146,7 +186,7 @@ class ServerArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for field in dataclasses.fields(cls):
             flag = "--" + field.name.replace("_", "-")
-            extra = {k: v for k, v in field.metadata.items() if k != "help"}
+            extra = {k: v for k, v in field.metadata.items() if k not in _OWN_METADATA}
             if field.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=field.metadata["help"])
                 continue
@@ -158,4 +198,14 @@ class ServerArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        for field in dataclasses.fields(cls):
+            variable = field.metadata.get("env")
+            if variable and values[field.name] is None and os.environ.get(variable):
+                values[field.name] = os.environ[variable]
+        return cls(**values)
+
+    def redacted(self) -> "ServerArgs":
+        """A copy fit to log or serve (/get_server_info): each secret that is set is "***"."""
+        return dataclasses.replace(self, **{f.name: "***" for f in dataclasses.fields(self)
+                                            if f.metadata.get("secret") and getattr(self, f.name)})

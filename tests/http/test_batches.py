@@ -80,6 +80,16 @@ def test_tutorial_cell_two_requests_to_completion(server, client, tmp_path):
     client.files.delete(batch_response.output_file_id)
 
 
+def _rounded(value):
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def test_a_batch_body_is_what_the_live_endpoint_answers(server, client, tmp_path):
     bodies = {
         "chat": ("/v1/chat/completions", dict(model=MODEL, temperature=0, max_tokens=6, n=2, logprobs=True,
@@ -96,7 +106,9 @@ def test_a_batch_body_is_what_the_live_endpoint_answers(server, client, tmp_path
             live = httpx.post(server.base_url + endpoint, json=body).json()
             for key in ("id", "created"):
                 got.pop(key), live.pop(key)
-            assert got == live
+            # Logprobs agree to float32 rounding: which rows share a step (the two choices
+            # arrive together or one step apart) changes the last bits.
+            assert _rounded(got) == _rounded(live)
 
 
 def test_tutorial_cell_twenty_requests_polled_with_counts(client, tmp_path):

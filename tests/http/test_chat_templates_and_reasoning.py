@@ -139,3 +139,17 @@ def test_continue_final_message_continues_the_assistant_turn(server):
     text = server.ctx.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     assert text.endswith("My answer is")
     assert count == len(server.ctx.tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_tool_call_arguments_nested_past_what_json_parses_are_a_400():
+    """Found by test_fuzz.py: arguments nested 1000 deep raised RecursionError (a 500)."""
+    from xlaserve.http.chat_template import template_messages
+    from xlaserve.http.errors import APIError
+    from xlaserve.http.protocol import ChatMessage
+
+    arguments = '{"a": ' * 1000 + "1" + "}" * 1000
+    message = ChatMessage(role="assistant", tool_calls=[
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}])
+    with pytest.raises(APIError, match="must be a JSON object") as error:
+        template_messages([message])
+    assert error.value.status == 400 and error.value.param == "messages"

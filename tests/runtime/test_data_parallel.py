@@ -46,7 +46,7 @@ class FakeReplica:
         emit, _ = self.live.pop(rid)
         emit({"token_id": None, "text": "", "finished": True, "meta_info": {"id": rid}})
 
-    def abort(self, rid):
+    def abort(self, rid, message=None):
         self.aborted.append(rid)
 
     def stats(self):

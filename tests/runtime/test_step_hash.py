@@ -116,3 +116,44 @@ def test_a_follower_with_other_weights_breaks_the_group_at_the_first_checked_ste
     follower = follower or Follower.last
     follower.join(timeout=30)
     assert follower.outcome == "lost the leader"
+
+
+@pytest.mark.timeout(300)
+def test_a_refused_or_failing_request_never_breaks_the_group(checkpoints, reference, monkeypatch):
+    """A request refused in submit reaches no follower; one whose output fails on the leader
+    (after its step ran everywhere) fails alone. The group goes on with the same tokens."""
+    import queue
+
+    from xlaserve.runtime import delivery
+
+    engine, follower = _group(monkeypatch, checkpoints[0], checkpoints[0], 0)
+    original = delivery.Delivery._deliver
+
+    def fails_for_one(self, request, *args):
+        if request.rid == "faulty":
+            raise RuntimeError("a bug tied to this request")
+        return original(self, request, *args)
+
+    with engine:
+        with pytest.raises(ValueError, match="top_k"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "top_k": 2**31})
+        with pytest.raises(ValueError, match="stop must be"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "stop": 5})
+        monkeypatch.setattr(delivery.Delivery, "_deliver", fails_for_one)
+        sink: queue.Queue = queue.Queue()
+        engine.core.submit(PROMPTS[1], engine_params(GREEDY), sink.put, rid="faulty")
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        chunk = sink.get(timeout=60)
+        while not chunk["finished"]:
+            chunk = sink.get(timeout=60)
+        assert chunk["error"] == "internal error (RuntimeError)"
+        assert [o["output_ids"] for o in outputs] == reference
+        assert engine.core.failure is None and engine.core.is_alive()
+    follower.join(timeout=30)
+    assert follower.outcome == "shutdown"
+
+
+def engine_params(params: dict):
+    from xlaserve.offline import to_sampling_params
+
+    return to_sampling_params(params)[0]

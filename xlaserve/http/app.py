@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, API-key check, payload limit, and OpenAI-shaped errors everywhere.
+"""The FastAPI app: routes, who may call them (guards.py), payload limit, request log and
+metrics, and OpenAI-shaped errors everywhere.
 
 `create_app(ctx, api_key=..., max_payload_size=...)` builds it around a ServingContext; the
 launch script runs it with uvicorn. Nothing outside `xlaserve/http/` imports FastAPI.
@@ -7,19 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
+from typing import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from xlaserve.http import batches, files, native
+from xlaserve.http import batches, files, native, off_loop
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, validation_message
-from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from xlaserve.http.guards import add_guards
+from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest
 from xlaserve.http.serving import ServingContext
 
 logger = logging.getLogger(__name__)
@@ -27,13 +30,17 @@ logger = logging.getLogger(__name__)
 # Routes a load balancer or Prometheus reaches without the API key (as in SGLang).
 _OPEN_ROUTES = ("/health", "/metrics")
 _DISCONNECT_POLL_S = 0.5
+UNMATCHED_ROUTE = "unmatched"  # the metrics label of every path no route matches
 
 
 def create_app(ctx: ServingContext, *, api_key: str | None = None,
                max_payload_size: int | None = None, log_requests: bool = False,
-               lifespan=None, batch_runner=None) -> FastAPI:
+               lifespan=None, batch_runner=None, host: str = "127.0.0.1",
+               allowed_origins: Iterable[str] = ()) -> FastAPI:
     """`batch_runner` (batch_runner.BatchRunner) adds the files and batches routes; it starts
-    (resuming unfinished batches) and stops with the app, inside `lifespan`."""
+    (resuming unfinished batches) and stops with the app, inside `lifespan`. `host`: the address
+    the server listens on (on a loopback one without `api_key`, only loopback Host headers are
+    answered); `allowed_origins`: browser origins answered with CORS (guards.py)."""
     app = FastAPI(title="xlaserve", version="0.1.0", lifespan=_with_batches(lifespan, batch_runner))
     app.state.ctx = ctx
     app.state.batch_runner = batch_runner
@@ -57,32 +64,25 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
         logger.exception("internal error while serving a request")
         return APIError(500, f"internal server error ({type(error).__name__})").response()
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path not in _OPEN_ROUTES and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-        response = await call_next(request)
-        if log_requests:
-            logger.info("%s %s -> %d", request.method, request.url.path, response.status_code)
-        if ctx.metrics is not None:
-            ctx.metrics.http_request(request.url.path, response.status_code)
-        return response
-
+    # Starlette runs the middleware added last first: the recorder sees every answer, and the
+    # Host, Origin and key checks answer before PayloadLimit reads a body.
     if max_payload_size:  # uploads have their own limit, --max-file-size (files.py)
         app.add_middleware(PayloadLimit, max_bytes=max_payload_size,
                            exempt=("/v1/files",) if batch_runner is not None else ())
+    add_guards(app, api_key=api_key, host=host, allowed_origins=allowed_origins,
+               open_paths=_OPEN_ROUTES)
+    if log_requests or ctx.metrics is not None:
+        app.add_middleware(RecordRequests, routes=app.router.routes, metrics=ctx.metrics,
+                           log_requests=log_requests)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = await off_loop.parse(await request.body(), ChatCompletionRequest)
         return await respond(request, await ChatCall.create(ctx, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await request.body(), CompletionRequest)
+        body = await off_loop.parse(await request.body(), CompletionRequest)
         return await respond(request, await CompletionCall.create(ctx, body))
 
     @app.get("/metrics")
@@ -115,10 +115,13 @@ def _with_batches(lifespan, batch_runner):
 
 
 async def respond(request: Request, call: ChatCall | CompletionCall):
-    """SSE for `stream: true`, else one JSON body once every choice has finished."""
+    """SSE for `stream: true`, else one JSON body once every choice has finished (a large one
+    rendered off the event loop)."""
     if call.req.stream:
         return StreamingResponse(call.stream(), media_type="text/event-stream")
-    return JSONResponse(await until_disconnect(request, call.response(), call.generation.group.abort))
+    content = await until_disconnect(request, call.response(), call.generation.group.abort)
+    return await off_loop.run(call.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES, JSONResponse,
+                              content)
 
 
 async def until_disconnect(request: Request, work, abort):
@@ -136,6 +139,49 @@ async def until_disconnect(request: Request, work, abort):
         if not task.done():
             task.cancel()
             abort()
+
+
+class RecordRequests:
+    """Logs each request (--log-requests) and counts it in /metrics by route and status. The
+    route is the matched route's template (`/v1/files/{file_id}`), never the raw path, so a
+    client cannot add series without end; a path no route matches counts as "unmatched"."""
+
+    def __init__(self, app, routes: list, metrics, log_requests: bool):
+        self.app = app
+        self.routes = routes  # the app's, matched here for answers given before routing (401)
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def send_and_record(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                self._record(scope, status)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        except Exception:
+            if status is None:  # the app's 500 handler answers outside this middleware
+                self._record(scope, 500)
+            raise
+
+    def _record(self, scope, status: int) -> None:
+        if self.log_requests:
+            logger.info("%s %s -> %d", scope["method"], scope["path"], status)
+        if self.metrics is not None:
+            self.metrics.http_request(self._route(scope), status)
+
+    def _route(self, scope) -> str:
+        route = scope.get("route")
+        if route is None:
+            route = next((r for r in self.routes if r.matches(scope)[0] is not Match.NONE), None)
+        return getattr(route, "path", UNMATCHED_ROUTE)
 
 
 class PayloadLimit:

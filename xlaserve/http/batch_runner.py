@@ -111,6 +111,10 @@ class BatchRunner:
                 task.cancel()
         self.storage.close()
 
+    def lines_in_flight(self) -> int:
+        """Lines running now, all batches together (the graceful shutdown waits for them)."""
+        return sum(len(run.in_flight) for run in self._runs.values())
+
     # --- what the routes call -------------------------------------------------------------------
 
     def create(self, req: BatchRequest) -> dict:
@@ -205,6 +209,8 @@ class BatchRunner:
         batch = run.batch
         try:
             while not self.ctx.ready:  # resumed at start: wait for the warm-up
+                if run.shutdown:  # the server stopped before its warm-up passed
+                    return
                 await asyncio.sleep(0.1)
             lines = None
             if batch["status"] in ("validating", "in_progress"):
@@ -217,6 +223,8 @@ class BatchRunner:
                 self._set(batch, "in_progress")
             if batch["status"] == "in_progress" and not run.halted.is_set():
                 await self._run_lines(run, lines)
+            if self.ctx.draining:  # the server stops: the lines not run go at the next start
+                run.shutdown = True
             if not run.shutdown:
                 await self._finalize(batch)
         except Exception as error:  # a bug or a full disk: fail this batch, not the server
@@ -283,8 +291,9 @@ class BatchRunner:
                 await writer
 
     async def _take_slot(self, run: _Run) -> bool:
-        """Waits for a free line slot of the server; False if the run is halted meanwhile."""
-        if run.halted.is_set():
+        """Waits for a free line slot of the server; False if the run is halted, or the server
+        starts draining (shutdown.py), meanwhile."""
+        if run.halted.is_set() or self.ctx.draining:
             return False
         if not self._slots.locked():
             await self._slots.acquire()  # free: returns without waiting
@@ -296,7 +305,7 @@ class BatchRunner:
         if not acquire.done():
             acquire.cancel()
             return False
-        if run.halted.is_set():
+        if run.halted.is_set() or self.ctx.draining:
             self._slots.release()
             return False
         return True
@@ -305,6 +314,8 @@ class BatchRunner:
         try:
             ok, result = await run_line(self.ctx, run.batch["endpoint"], line)
         except EngineDeadError as error:  # not the line's fault: stop, and resume at restart
+            if self.ctx.draining:  # refused or aborted by the shutdown: the other lines finish
+                return
             if not run.halted.is_set():
                 logger.error("batch %s stops: %s; it resumes when the server starts again",
                              run.batch["id"], error)

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from xlaserve.http import chat_template
-from xlaserve.http.errors import APIError, bad_request
+from xlaserve.http import chat_template, off_loop
+from xlaserve.http.errors import APIError, bad_request, generation_error
 from xlaserve.http.logprobs import chat_logprobs
+from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatCompletionRequest
 from xlaserve.http.reasoning import ReasoningParser, needs_special_tokens
 from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Choice, Generation, ServingContext,
                                    StreamBuffer, check_prompt_ids, check_top_logprobs,
-                                   compile_constraints, constraint_param, sampling_params, sse,
-                                   sse_error)
+                                   client_priority, compile_constraints, constraint_param,
+                                   sampling_params, sse, sse_error)
 from xlaserve.http.tool_parsers import TOOL_CALL_PARSERS
 
 # Parsers whose call markers are special tokens of their models (`<|python_tag|>`,
@@ -38,6 +39,7 @@ class ChatCall:
                 and req.max_tokens != req.max_completion_tokens:
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_tokens")
         self.prompt_text = self._render()
+        check_not_too_long(ctx, self.prompt_text, "messages")
         prompt_ids = ctx.tokenizer.encode(self.prompt_text, add_special_tokens=False)
         check_prompt_ids(ctx, prompt_ids, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -68,21 +70,23 @@ class ChatCall:
 
     @classmethod
     async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
-        """Checks the request, builds its grammar off the event loop, submits it."""
-        call = cls(ctx, req)
+        """Checks the request (templating and tokenizing a long one off the event loop), builds
+        its grammar off the loop, submits it."""
+        call = await off_loop.run(_message_chars(req), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
         await check_tool_schemas(ctx, call.functions)
         param = ("tool_choice" if call.forced else "tools" if call.params.structural_tag
                  and not constraint_param(req) else constraint_param(req))
         await compile_constraints(ctx, [call.params], param)
         call.generation = Generation(ctx, [call.prompt_ids], call.params, req.n,
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,
-                                     priority=priority + req.priority, rid=req.rid)
+                                     priority=priority + client_priority(ctx, req.priority),
+                                     rid=req.rid)
         call.id = f"chatcmpl-{call.generation.id}"
         return call
 
     def _render(self) -> str:
         req, ctx = self.req, self.ctx
-        self.functions = check_tools(req.tools)
+        self.functions = check_tools(req.tools, ctx.engine.core.limits)
         self.tool_choice = tool_choice_of(req.tool_choice, self.functions)
         tools = None if self.tool_choice.mode == "none" else req.tools
         return chat_template.render(
@@ -110,6 +114,15 @@ class ChatCall:
 
     async def response(self) -> dict:
         choices = await self.generation.collect()
+        return await off_loop.run(self.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES,
+                                  self._body, choices)
+
+    def response_entries(self) -> int:
+        """Logprob entries (a token or an alternative) of the answer: what building it costs."""
+        tokens = sum(len(c.token_ids) for c in self.generation.choices)
+        return tokens * (1 + self.num_top) if self.req.logprobs else 0
+
+    def _body(self, choices: list[Choice]) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.generation.created,
                 "model": self.ctx.served_model_name, "system_fingerprint": None,
                 "choices": [self._choice(c) for c in choices], "usage": self.generation.usage()}
@@ -167,7 +180,7 @@ class ChatCall:
                                               self._running_usage()))
                 if chunk["finished"]:
                     if "error" in chunk:
-                        yield sse_error(APIError(500, f"generation failed: {chunk['error']}"))
+                        yield sse_error(generation_error(chunk["error"]))
                     finish_reason = _finish_reason(choice, tool_splits[choice.index].called)
                     yield sse(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
                                             "finish_reason": finish_reason,
@@ -204,6 +217,15 @@ class ChatCall:
             logprobs = chat_logprobs(self.ctx.tokenizer, *zip(*tokens), self.num_top) if tokens \
                 else {"content": []}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+
+def _message_chars(req: ChatCompletionRequest) -> int:
+    """The characters of the messages' texts: what templating and tokenizing them cost."""
+    total = 0
+    for m in req.messages:
+        texts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or ()]
+        total += sum(len(t or "") for t in texts) + len(m.reasoning_content or "")
+    return total
 
 
 def _finish_reason(choice: Choice, called: bool) -> str | None:

@@ -82,7 +82,7 @@ def _with_parsed_arguments(call: dict) -> dict:
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         try:
             arguments = json.loads(function["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what json parses
             raise bad_request("tool call arguments must be a JSON object", "messages") from None
         call = {**call, "function": {**function, "arguments": arguments}}
     return call

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from xlaserve.http.errors import APIError, bad_request, not_supported
+from xlaserve.http import off_loop
+from xlaserve.http.errors import APIError, bad_request, generation_error, not_supported
 from xlaserve.http.logprobs import CompletionLogprobs
+from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import CompletionRequest
 from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
-                                   check_prompt_ids, check_top_logprobs, compile_constraints,
-                                   constraint_param, sampling_params, sse, sse_error)
+                                   check_prompt_ids, check_prompt_logprob_entries,
+                                   check_top_logprobs, client_priority,
+                                   compile_constraints, constraint_param, sampling_params, sse,
+                                   sse_error)
 from xlaserve.runtime.async_requests import EngineDeadError
 
 
@@ -27,6 +31,7 @@ def prompt_id_lists(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[
         if isinstance(p, str):
             if ctx.tokenizer is None:
                 raise bad_request("text prompts need the tokenizer (--skip-tokenizer-init is set)", "prompt")
+            check_not_too_long(ctx, p, "prompt")
             ids.append(ctx.tokenizer.encode(p))
             texts.append(p)
         else:
@@ -34,6 +39,13 @@ def prompt_id_lists(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[
             texts.append(None)
         check_prompt_ids(ctx, ids[-1], "prompt")
     return ids, texts
+
+
+def _prompt_size(prompt) -> int:
+    """Characters of text plus token ids in the prompt(s): what tokenizing and checking cost."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return len(prompt)
+    return sum(len(p) for p in prompt)
 
 
 class CompletionCall:
@@ -51,6 +63,8 @@ class CompletionCall:
             raise bad_request("logprobs must be non-negative", "logprobs")
         self.num_top = check_top_logprobs(req.logprobs, "logprobs")
         self.prompt_ids, texts = prompt_id_lists(ctx, req.prompt)
+        if req.echo and req.logprobs is not None:
+            check_prompt_logprob_entries(ctx, self.prompt_ids, req.n, self.num_top, "echo")
         self.echo_texts = [t if t is not None or ctx.tokenizer is None
                            else ctx.tokenizer.decode(ids) for t, ids in zip(texts, self.prompt_ids, strict=True)]
         # echo with max_tokens=0 scores the prompt (its logprobs) without generating: the engine
@@ -62,14 +76,16 @@ class CompletionCall:
 
     @classmethod
     async def create(cls, ctx: ServingContext, req: CompletionRequest, priority: int = 0) -> "CompletionCall":
-        """Checks the request, builds its grammar off the event loop, submits it."""
-        call = cls(ctx, req)
+        """Checks the request (tokenizing a long prompt off the event loop), builds its grammar
+        off the loop, submits it."""
+        call = await off_loop.run(_prompt_size(req.prompt), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
         await compile_constraints(ctx, [call.params], constraint_param(req))
         call.generation = Generation(ctx, call.prompt_ids, call.params, req.n,
                                      top_logprobs_num=call.num_top,
                                      return_logprob=req.logprobs is not None,
                                      return_prompt_logprob=req.echo and req.logprobs is not None,
-                                     priority=priority + req.priority, rid=req.rid)
+                                     priority=priority + client_priority(ctx, req.priority),
+                                     rid=req.rid)
         call.id = f"cmpl-{call.generation.id}"
         return call
 
@@ -110,8 +126,23 @@ class CompletionCall:
         return {"finish_reason": reason, "matched_stop": None if self.prompt_only else choice.matched_stop}
 
     async def response(self) -> dict:
+        choices = await self.generation.collect()
+        return await off_loop.run(self.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES,
+                                  self._response_body, choices)
+
+    def response_entries(self) -> int:
+        """Logprob entries (a token or an alternative, echoed prompt included) of the answer:
+        what building it costs."""
+        if self.req.logprobs is None:
+            return 0
+        echoed = sum(len(self.prompt_ids[c.prompt_index]) for c in self.generation.choices) \
+            if self.req.echo else 0
+        tokens = echoed + sum(len(c.token_ids) for c in self.generation.choices)
+        return tokens * (1 + self.num_top)
+
+    def _response_body(self, collected: list[Choice]) -> dict:
         choices = []
-        for c in await self.generation.collect():
+        for c in collected:
             output = [] if self.prompt_only else list(zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True))
             text = self._echo(c) + ("" if self.prompt_only else c.text)
             choices.append({"index": c.index, "text": text,
@@ -143,7 +174,7 @@ class CompletionCall:
                                                "finish_reason": None}], None, chunk=True))
                 if chunk["finished"]:
                     if "error" in chunk:
-                        yield sse_error(APIError(500, f"generation failed: {chunk['error']}"))
+                        yield sse_error(generation_error(chunk["error"]))
                     yield sse(self._body([{"index": i, "text": "", "logprobs": None, **self._finish(choice)}],
                                          None, chunk=True))
         except EngineDeadError as error:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -17,25 +18,46 @@ _TYPES = {
     503: "service_unavailable",
 }
 
+# The error of every request the stopping server refuses or aborts (the engine's final chunks
+# carry it too, so a cut-off generation is told apart from a failed one).
+SHUTDOWN_MESSAGE = "the server is shutting down"
+SHUTDOWN_RETRY_AFTER_S = 5
+
 
 class APIError(Exception):
     """Raised anywhere in a route: becomes an OpenAI-shaped error response."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def shutting_down() -> APIError:
+    """The 503 of a request refused, or cut off, because the server is stopping (shutdown.py):
+    a client or load balancer retries it elsewhere, or here once the server is back."""
+    return APIError(503, SHUTDOWN_MESSAGE, headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+
+
+def generation_error(message: str) -> APIError:
+    """The error a request's final chunk carried: the engine's abort at shutdown is a 503 a client
+    may retry; anything else failed this request (a 500 naming what went wrong)."""
+    if message == SHUTDOWN_MESSAGE:
+        return shutting_down()
+    return APIError(500, f"generation failed: {message}")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -53,9 +75,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     parts, param = [], None
     for error in errors[:3]:
         loc = [str(x) for x in error.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
+        where = ".".join(loc)[:200]  # a client's key names are echoed: bounded
         if param is None and loc:
-            param = loc[0]
+            param = loc[0][:200]
         message = error.get("msg", "invalid value")
         if error.get("type") == "json_invalid":
             message = "the request body is not valid JSON: " + str(error.get("ctx", {}).get("error", ""))

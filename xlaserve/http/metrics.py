@@ -71,6 +71,8 @@ class Metrics:
         self._e2e.labels(self.model_name).observe(latency_s)
 
     def http_request(self, route: str, status: int) -> None:
+        """`route`: a route's path template or "unmatched" (app.RecordRequests), never a raw
+        path: one series per URL a client makes up would grow without bound."""
         self.http_requests.labels(self.model_name, route, str(status)).inc()
 
     def render(self) -> bytes:

@@ -8,16 +8,20 @@ import time
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import xlaserve
-from xlaserve.http.errors import APIError, bad_request
-from xlaserve.http.protocol import GenerateRequest, parse_body
+from xlaserve.http import off_loop
+from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
+from xlaserve.http.prompt_bound import check_not_too_long
+from xlaserve.http.protocol import GenerateRequest
 from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Generation, ServingContext,
-                                   check_top_logprobs, compile_constraints, sse, sse_error)
+                                   check_prompt_logprob_entries, check_top_logprobs,
+                                   compile_constraints, sse, sse_error)
 from xlaserve.offline import to_sampling_params
 from xlaserve.runtime.async_requests import EngineDeadError, sglang_output
-from xlaserve.runtime.sampling_params import SamplingParams
+from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams
 
 router = APIRouter()
 
@@ -33,7 +37,9 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
         if ctx.tokenizer is None:
             raise bad_request("text needs the tokenizer (--skip-tokenizer-init is set)", "text")
         batched = isinstance(req.text, list)
-        prompts = [ctx.tokenizer.encode(t) for t in (req.text if batched else [req.text])]
+        texts = req.text if batched else [req.text]
+        prompts = await off_loop.run(sum(map(len, texts)), off_loop.LARGE_PROMPT_CHARS, _tokenize,
+                                     ctx, texts)
     else:
         batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
         prompts = req.input_ids if batched else [req.input_ids]
@@ -43,14 +49,27 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     raw = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
     if len(raw) != len(prompts):
         raise bad_request(f"{len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
-    try:
+    if not prompts:
+        raise bad_request("no prompt given", "text" if req.text is not None else "input_ids")
+    limits = ctx.engine.core.limits
+    try:  # SGLang's fields, typed and in range, before anything reaches the engine
         parsed = [to_sampling_params(p) for p in raw]
+        for p, _ in parsed:
+            p.validate(ctx.vocab_size, limits=limits)
+    except InvalidSamplingParam as error:
+        raise bad_request(str(error), f"sampling_params.{error.param}") from None
     except (TypeError, ValueError) as error:
         raise bad_request(str(error), "sampling_params") from None
     ns = {n for _, n in parsed}
     if len(ns) != 1:
         raise bad_request("every prompt of one call must ask for the same n", "sampling_params")
     n = ns.pop()
+    if n > limits.max_n:
+        raise bad_request(f"n must be between 1 and {limits.max_n} (--max-n)", "sampling_params.n")
+    wants_prompt_logprobs = (req.return_logprob or req.top_logprobs_num > 0) \
+        and req.logprob_start_len == 0
+    if wants_prompt_logprobs:
+        check_prompt_logprob_entries(ctx, prompts, n, req.top_logprobs_num, "logprob_start_len")
     params: list[SamplingParams] = [p for p, _ in parsed]
     for p in params:
         for name in CONSTRAINTS:
@@ -60,16 +79,15 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
                                   f"sampling_params.{name}")
     await compile_constraints(ctx, params, prefix="sampling_params.")
     rid = req.rid if isinstance(req.rid, str) else None
-    wants_logprobs = req.return_logprob or req.top_logprobs_num > 0
     generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
                             return_logprob=req.return_logprob, rid=rid,
-                            return_prompt_logprob=wants_logprobs and req.logprob_start_len == 0)
+                            return_prompt_logprob=wants_prompt_logprobs)
     return generation, batched or n > 1
 
 
 @router.post("/generate")
 async def generate(request: Request):
-    req = parse_body(await request.body(), GenerateRequest)
+    req = await off_loop.parse(await request.body(), GenerateRequest)
     ctx = _ctx(request)
     check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
     generation, batched = await _generation(ctx, req)
@@ -87,7 +105,21 @@ async def generate(request: Request):
         out["meta_info"]["id"] = generation.id if len(choices) == 1 else f"{generation.id}-{choice.index}"
         out["meta_info"]["e2e_latency"] = round(time.perf_counter() - start, 4)
         outputs.append(out)
-    return outputs if batched else outputs[0]
+    entries = sum(len(c.token_ids) + len(generation.prompts[c.prompt_index]) for c in choices) \
+        * (2 + req.top_logprobs_num)  # at most: an id, a logprob and the alternatives per token
+    return await off_loop.run(entries, off_loop.LARGE_RESPONSE_ENTRIES, _json_response,
+                              outputs if batched else outputs[0])
+
+
+def _tokenize(ctx: ServingContext, texts: list[str]) -> list[list[int]]:
+    for text in texts:
+        check_not_too_long(ctx, text, "text")
+    return [ctx.tokenizer.encode(text) for text in texts]
+
+
+def _json_response(content) -> JSONResponse:
+    """What FastAPI makes of a returned dict or list (built off the loop when large)."""
+    return JSONResponse(jsonable_encoder(content))
 
 
 async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
@@ -97,7 +129,7 @@ async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
             out = sglang_output(dataclasses.replace(choice, meta_info=choice.meta_info or _partial_meta(choice)),
                                 *logprobs)
             if "error" in chunk:
-                yield sse_error(APIError(500, f"generation failed: {chunk['error']}"))
+                yield sse_error(generation_error(chunk["error"]))
             yield sse(out)
     except EngineDeadError as error:
         yield sse_error(APIError(503, str(error)))
@@ -111,6 +143,8 @@ def _partial_meta(choice) -> dict:
 @router.get("/health")
 async def health(request: Request):
     ctx = _ctx(request)
+    if ctx.draining:  # a load balancer sends no more requests here
+        raise shutting_down()
     if not ctx.ready:
         raise APIError(503, "the server is starting: the model is not ready yet")
     if not ctx.engine.core.is_alive():  # a multi-host group broke, the watchdog, or a crash
@@ -145,7 +179,8 @@ async def get_model_info(request: Request):
 async def get_server_info(request: Request):
     ctx = _ctx(request)
     core = ctx.engine.core
-    return {**dataclasses.asdict(ctx.engine.server_args), "version": xlaserve.__version__,
+    args = dataclasses.asdict(ctx.engine.server_args.redacted())  # the API key as "***"
+    return {**args, "version": xlaserve.__version__,
             "max_total_num_tokens": core.max_total_num_tokens,
             "max_request_tokens": core.max_request_tokens, **core.stats()}
 

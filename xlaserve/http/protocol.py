@@ -52,7 +52,7 @@ class SamplingFields(_Strict):
     json_schema: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None
     rid: Optional[str] = None
-    priority: int = 0
+    priority: Optional[int] = None  # honoured with --enable-priority-scheduling only
 
 
 class TextPart(BaseModel):

@@ -13,19 +13,20 @@ from typing import Any, AsyncIterator, Iterable
 
 import orjson
 
-from xlaserve.http.errors import APIError, bad_request
+from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
 from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice, EngineDeadError
 from xlaserve.runtime.grammar import CONSTRAINT_FIELDS, InvalidGrammar
-from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams
+from xlaserve.runtime.engine import QueueFull
+from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams, token_id
 from xlaserve.runtime.model_runner import MAX_TOP_LOGPROBS
 
-MAX_N = 128  # choices per request (every one is a running request)
 # SamplingParams' names as OpenAI spells them, for error messages and `param`.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 CONSTRAINTS = CONSTRAINT_FIELDS  # SamplingParams' fields and SGLang's request keys, in order
+RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
 _RESPONSE_FORMAT_KEYS = {"type", "json_schema", "schema"}
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
@@ -44,6 +45,7 @@ class ServingContext:
     metrics: Metrics | None
     tool_call_parser: str | None = None  # --tool-call-parser: calls parsed out of `auto` output
     ready: bool = False  # set once the warm-up generation has passed
+    draining: bool = False  # set on SIGTERM / SIGINT: no new generations (shutdown.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -76,8 +78,9 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
     stop_ids = list(req.stop_token_ids or ())
     if not req.ignore_eos:
         stop_ids += sorted(extra_stop_ids - set(stop_ids))
-    if not 1 <= req.n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}", "n")
+    limits = ctx.engine.core.limits
+    if not 1 <= req.n <= limits.max_n:
+        raise bad_request(f"n must be between 1 and {limits.max_n} (--max-n)", "n")
     params = SamplingParams(
         max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
@@ -87,11 +90,9 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
         ignore_eos=req.ignore_eos, min_new_tokens=req.min_tokens, seed=req.seed,
         skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim)
     try:  # the engine's range checks, in OpenAI's names
-        params.validate(ctx.vocab_size, names=_OPENAI_NAMES)
+        params.validate(ctx.vocab_size, names=_OPENAI_NAMES, limits=limits)
     except InvalidSamplingParam as error:
         raise bad_request(str(error), error.param) from None
-    if req.min_tokens > max_tokens:
-        raise bad_request("min_tokens must be in [0, max_tokens]", "min_tokens")
     if req.stream_options and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     constraint = request_constraint(req)
@@ -165,31 +166,52 @@ async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingPara
     """Builds (or finds in the engine's cache) each distinct grammar of `params` in a worker
     thread, so a slow build never stalls the event loop; an invalid one is a 400 naming `param`
     (else the field, after `prefix`). Requests without a constraint cost nothing here."""
+    limits = ctx.engine.core.limits
     seen = set()
     for p in params:
         key = tuple(getattr(p, name) for name in CONSTRAINTS)
         if key == (None,) * len(CONSTRAINTS) or key in seen:
             continue
         seen.add(key)
+        field = next(name for name, text in zip(CONSTRAINTS, key) if text is not None)
+        name = param or prefix + field
+        # Tools' schemas become one constraint: bounded as a whole, whatever each one's size.
+        if len(str(key[CONSTRAINTS.index(field)])) > limits.max_constraint_size:
+            raise bad_request(f"the output constraint is longer than {limits.max_constraint_size} "
+                              f"characters (--max-constraint-size)", name)
         try:
-            await asyncio.to_thread(ctx.engine.core.compile_grammar, p)
+            await asyncio.wait_for(asyncio.to_thread(ctx.engine.core.compile_grammar, p),
+                                   limits.grammar_compile_timeout)
         except InvalidGrammar as error:
             name = param or (prefix + error.param if error.param else None)
             raise bad_request(str(error), name) from None
+        except asyncio.TimeoutError:  # the thread finishes on its own (llguidance bounds it)
+            raise bad_request(f"the output constraint took longer than "
+                              f"{limits.grammar_compile_timeout:g} s to compile "
+                              f"(--grammar-compile-timeout)", name) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's string keys as token ids (the ids' range is SamplingParams.validate's)."""
+    """OpenAI's string keys as token ids (ids' and values' ranges are SamplingParams.validate's)."""
     result = {}
     for key, value in (bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        if not -100 <= value <= 100:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
-        result[token] = float(value)
+        if (token := token_id(key)) is None:
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+        result[token] = value
     return result
+
+
+def client_priority(ctx: ServingContext, priority: int | None) -> int:
+    """A request's `priority`, honoured only with --enable-priority-scheduling (SGLang's flag):
+    otherwise one client could put itself ahead of every other."""
+    if priority is None:
+        return 0
+    if not ctx.engine.server_args.enable_priority_scheduling:
+        raise bad_request("priority is not enabled on this server (--enable-priority-scheduling)",
+                          "priority")
+    if not -2**31 <= priority < 2**31:
+        raise bad_request("priority must be a 32-bit integer", "priority")
+    return priority
 
 
 def context_error(ctx: ServingContext, prompt_len: int, max_tokens: int) -> APIError:
@@ -221,11 +243,18 @@ class Generation:
                  *, top_logprobs_num: int = 0, return_logprob: bool = False,
                  return_prompt_logprob: bool = False,
                  priority: int = 0, rid: str | None = None):
+        if ctx.draining:
+            raise shutting_down()
         self.ctx = ctx
         self.prompts = prompts
         self.n = n
         self.id = rid or uuid.uuid4().hex
         self.created = int(time.time())
+        limits = ctx.engine.core.limits
+        if len(prompts) * n > limits.max_sequences_per_request:
+            raise bad_request(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences; "
+                              f"at most {limits.max_sequences_per_request} per request "
+                              f"(--max-sequences-per-request)", "n" if n > 1 else "prompt")
         self.group = AsyncRequestGroup(ctx.engine.core)
         self.choices = [Choice(i, i // n) for i in range(len(prompts) * n)]
         self._start = time.perf_counter()
@@ -246,12 +275,16 @@ class Generation:
                                   return_logprob=return_logprob or top_logprobs_num > 0,
                                   top_logprobs_num=top_logprobs_num, priority=priority,
                                   return_prompt_logprob=return_prompt_logprob)
-        except InvalidGrammar as error:  # compile_constraints checked it: a cache miss here
+        except (InvalidGrammar, InvalidSamplingParam) as error:  # the routes checked: a miss here
             self.group.abort()
             raise bad_request(str(error), error.param) from None
         except ValueError as error:
             self.group.abort()
             raise bad_request(str(error)) from None
+        except QueueFull as error:  # the OpenAI SDK retries a 503 after Retry-After
+            self.group.abort()
+            raise APIError(503, str(error), code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except RuntimeError as error:  # the engine loop is not running
             self.group.abort()
             raise APIError(503, str(error)) from None
@@ -275,7 +308,7 @@ class Generation:
             raise APIError(503, str(error)) from None
         for choice in self.choices:
             if choice.meta_info.get("error"):
-                raise APIError(500, f"generation failed: {choice.meta_info['error']}")
+                raise generation_error(choice.meta_info["error"])
         return self.choices
 
     def _observe(self, index: int, chunk: dict) -> None:
@@ -327,6 +360,18 @@ class StreamBuffer:
         return ("".join(c["text"] for c in chunks),
                 [(c["token_id"], c["logprob"], c.get("top_logprobs", [])) for c in chunks
                  if c["token_id"] is not None])
+
+
+def check_prompt_logprob_entries(ctx: ServingContext, prompts: list[list[int]], n: int,
+                                 num_top: int, param: str) -> None:
+    """Prompt logprobs cost a whole-prompt prefill per sequence (no prefix reuse) and an entry
+    per prompt token and alternative in the response: bounded by --max-prompt-logprob-entries."""
+    limit = ctx.engine.core.limits.max_prompt_logprob_entries
+    entries = sum(len(p) for p in prompts) * n * (1 + num_top)
+    if entries > limit:
+        raise bad_request(f"prompt logprobs asked for {entries} entries (prompt tokens x n x "
+                          f"(1 + top logprobs)); at most {limit} (--max-prompt-logprob-entries)",
+                          param)
 
 
 def check_top_logprobs(num: int | None, param: str) -> int:

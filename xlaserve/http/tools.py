@@ -28,6 +28,7 @@ import uuid
 
 from xlaserve.http.errors import bad_request
 from xlaserve.runtime.grammar import InvalidGrammar
+from xlaserve.runtime.sampling_params import RequestLimits
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -38,8 +39,14 @@ class ToolChoice:
     name: str | None = None  # the function of a named choice
 
 
-def check_tools(tools: list[dict] | None) -> dict[str, dict]:
-    """OpenAI's `tools` -> {name: function}; anything malformed is a 400 naming `tools`."""
+def check_tools(tools: list[dict] | None, limits: RequestLimits | None = None) -> dict[str, dict]:
+    """OpenAI's `tools` -> {name: function}; anything malformed, more than --max-tools tools or a
+    parameters schema over --max-constraint-size (each becomes a grammar) is a 400 naming
+    `tools`."""
+    limits = limits or RequestLimits.defaults()
+    if len(tools or ()) > limits.max_tools:
+        raise bad_request(f"{len(tools)} tools given; at most {limits.max_tools} (--max-tools)",
+                          "tools")
     functions = {}
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -51,6 +58,10 @@ def check_tools(tools: list[dict] | None) -> dict[str, dict]:
         parameters = function.get("parameters", NO_PARAMETERS)
         if not isinstance(parameters, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if len(json.dumps(parameters)) > limits.max_constraint_size:
+            raise bad_request(f"tools[{i}].function.parameters is longer than "
+                              f"{limits.max_constraint_size} characters (--max-constraint-size)",
+                              "tools")
         if function["name"] in functions:
             raise bad_request(f"tools[{i}]: the function name {function['name']!r} is used twice",
                               "tools")
@@ -65,13 +76,17 @@ async def check_tool_schemas(ctx, functions: dict[str, dict]) -> None:
     backend = ctx.engine.core.grammar_backend
     if backend is None:
         return
+    timeout = ctx.engine.core.limits.grammar_compile_timeout
     for name, function in functions.items():
         try:
-            await asyncio.to_thread(backend.compile, "json_schema",
-                                    json.dumps(parameters_of(function)))
+            await asyncio.wait_for(asyncio.to_thread(backend.compile, "json_schema",
+                                                     json.dumps(parameters_of(function))), timeout)
         except InvalidGrammar as error:
             raise bad_request(f"tool {name!r}: parameters is not a usable JSON schema: {error}",
                               "tools") from None
+        except asyncio.TimeoutError:
+            raise bad_request(f"tool {name!r}: parameters took longer than {timeout:g} s to "
+                              f"compile (--grammar-compile-timeout)", "tools") from None
 
 
 def tool_choice_of(choice, functions: dict[str, dict]) -> ToolChoice:

@@ -46,7 +46,7 @@ from typing import Iterator
 
 import numpy as np
 
-from xlaserve.cache_root import xlaserve_cache_dir
+from xlaserve.cache_root import private_dir, xlaserve_cache_dir
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.weights import SafetensorsSource
 
@@ -175,6 +175,9 @@ class ParamsWriter:
 class ConversionCache:
     def __init__(self, root: str | None = None):
         self.root = os.path.expanduser(root or default_root())
+        # Entries are loaded as they are (a tokenizer's files, the weights): a root another user
+        # could write to is neither read nor written (cache_root.private_dir warned).
+        self.usable = private_dir(self.root) is not None
 
     def entry_dir(self, source: str, dtype) -> str:
         return os.path.join(self.root, entry_key(source, dtype))
@@ -183,7 +186,7 @@ class ConversionCache:
         """The valid entry for `source` converted to `dtype`, or None. An invalid one is removed."""
         key = entry_key(source, dtype)
         directory = os.path.join(self.root, key)
-        if not os.path.isdir(directory):
+        if not self.usable or not os.path.isdir(directory):
             return None
         try:
             problem = _problem(directory, key)
@@ -201,10 +204,12 @@ class ConversionCache:
         """Yields a temporary directory for the caller to fill (ParamsWriter, tokenizer files);
         when the block ends without an error, the config and the manifest are added and the
         entry is published. Yields None where the cache cannot be written (a read-only home, a
-        full disk): the caller converts without caching."""
+        full disk) or is refused (`usable`): the caller converts without caching."""
         key = entry_key(source, dtype)
+        if not self.usable:
+            yield None
+            return
         try:
-            os.makedirs(self.root, exist_ok=True)
             temporary = tempfile.mkdtemp(prefix=f".{key}.", dir=self.root)
         except OSError as error:
             logger.warning("Conversion cache %s is not writable (%s); not caching", self.root, error)

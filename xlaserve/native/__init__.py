@@ -9,8 +9,9 @@ builds them.
 A library is compiled with -O3 -march=native into `~/.cache/xlaserve/kernels` (or
 `$XLASERVE_CACHE_DIR/kernels`), named by a hash of its source, the headers beside it and the
 shared ones, the flags, the compiler and the CPU, so an edit or another machine rebuilds it.
-With no compiler (or a failing one) `KernelUnavailable` is raised, and callers fall back to
-plain XLA.
+Where another user could write to that folder (cache_root.private_dir), it is not used: each
+library is built afresh in a temporary folder and loaded from there. With no compiler (or a
+failing one) `KernelUnavailable` is raised, and callers fall back to plain XLA.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-from xlaserve.cache_root import xlaserve_cache_dir
+from xlaserve.cache_root import private_dir, xlaserve_cache_dir
 
 HEADER_DIR = Path(__file__).parent  # parallel.h and vectors.h, shared by every kernel
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
@@ -78,13 +79,23 @@ def register(source: Path, symbol: str, target_name: str) -> ctypes.CDLL:
     key = hashlib.sha256(b"\0".join([
         source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(_FLAGS).encode(),
         compiler.encode(), cpu_signature().encode(), jax.ffi.include_dir().encode()])).hexdigest()
-    library = cache_dir() / f"{source.stem}-{key[:20]}.so"
+    name = f"{source.stem}-{key[:20]}.so"
+    cached = private_dir(cache_dir())
+    if cached is None:  # built where no one else writes; a loaded library needs its file no more
+        with tempfile.TemporaryDirectory(prefix="xlaserve-kernels-") as folder:
+            loaded, handler = _build_and_load(compiler, source, Path(folder) / name, symbol)
+    else:
+        loaded, handler = _build_and_load(compiler, source, cached / name, symbol)
+    jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(handler), platform="cpu")
+    return loaded
+
+
+def _build_and_load(compiler: str, source: Path, library: Path, symbol: str):
+    """(the library, its function `symbol`), compiled first unless `library` exists."""
     if not library.exists():
         _compile(compiler, source, library)
     try:
         loaded = ctypes.cdll.LoadLibrary(str(library))
-        handler = getattr(loaded, symbol)
+        return loaded, getattr(loaded, symbol)
     except (OSError, AttributeError) as error:
         raise KernelUnavailable(f"loading {library} failed: {error}") from error
-    jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(handler), platform="cpu")
-    return loaded

@@ -54,10 +54,11 @@ class AsyncRequestGroup:
                 self._unfinished.pop(index, None)
             yield index, chunk
 
-    def abort(self) -> None:
-        """Aborts every request that has not finished (the consumer went away, or failed)."""
+    def abort(self, message: str | None = None) -> None:
+        """Aborts every request that has not finished (the consumer went away, or failed); with
+        `message`, their final chunks carry it as an error."""
         for rid in self._unfinished.values():
-            self.core.abort(rid)
+            self.core.abort(rid, message)
         self._unfinished.clear()
 
 

@@ -160,10 +160,14 @@ class DataParallelEngineCore:
         """The rank of the replica running `rid` (None once it finished)."""
         return self._where.get(rid)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, message: str | None = None) -> None:
         index = self._where.get(rid)
         if index is not None:
-            self.replicas[index].abort(rid)
+            self.replicas[index].abort(rid, message)
+
+    def abort_all(self, message: str) -> None:
+        for replica in self.replicas:
+            replica.abort_all(message)
 
     def flush_cache(self) -> int:
         """Empties every replica's prefix cache; returns the pages freed in all."""
@@ -172,6 +176,11 @@ class DataParallelEngineCore:
     @property
     def max_request_tokens(self) -> int:
         return min(r.max_request_tokens for r in self.replicas)
+
+    @property
+    def limits(self):
+        """What one request may ask (the same for every replica, built from one ServerArgs)."""
+        return self.replicas[0].limits
 
     @property
     def max_total_num_tokens(self) -> int:

@@ -3,12 +3,14 @@ request's sink receives.
 
 `Delivery` holds the live state of every request the engine has admitted and not yet finished
 (`_Live`: its sink, its detokenizer, its prompt-logprob collector), by request id:
-- `admit` builds that state and hands the request to the scheduler; one the scheduler refuses (a
-  duplicate id) gets a final chunk with the error and is not kept;
+- `live_state` builds that state in the submitting thread (EngineCore.submit), `admit` keeps it
+  and hands the request to the scheduler; one the scheduler refuses (a duplicate id) gets a
+  final chunk with the error and is not kept;
 - `deliver` makes one sampled token a chunk: its text delta (a stop string found here finishes
   the request in the scheduler), with `return_logprob` its logprob and top alternatives, with
   the first chunk the prompt logprobs, and with the last one `meta_info`;
-- `abort` ends a request early (an abort, a failed step) with a final chunk;
+- `abort` ends a request early (an abort, a failed step) with a final chunk, `abort_many` many;
+- an exception while making one request's chunk fails that request alone;
 - a sink that raises is dropped: its request is aborted, the loop and the other requests go on.
 The prompt-logprob collectors live here too: `prompt_targets` gives a prefill chunk the ids its
 rows score, and `collect_prompt_logprobs` hands each collector its rows of a step.
@@ -46,11 +48,27 @@ class _Live:
     prompt_logprobs_sent: bool = False  # they go out once, with the first output chunk
 
 
+def live_state(request: Request, params: SamplingParams, emit: Callable[[dict], None], tokenizer,
+               top_logprobs_num: int, return_prompt_logprob: bool) -> _Live:
+    """A submitted request's state for `Delivery.admit`, built in the submitting thread so that
+    anything wrong with it (a stop string, say) is that caller's error, never the loop's.
+    `tokenizer`: None with --skip-tokenizer-init (chunks then carry no text)."""
+    detok = None
+    if tokenizer is not None:
+        detok = IncrementalDetokenizer(
+            tokenizer, prompt_ids=request.prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
+            no_stop_trim=params.no_stop_trim)
+    live = _Live(request, emit, detok, top_logprobs_num)
+    if return_prompt_logprob:
+        live.prompt_logprobs = PromptLogprobCollector(request.prompt_ids, top_logprobs_num)
+    return live
+
+
 class Delivery:
-    def __init__(self, scheduler: Scheduler, tokenizer):
-        """`tokenizer`: None with --skip-tokenizer-init (chunks then carry no text)."""
+    def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
-        self.tokenizer = tokenizer
         self._live: dict[str, _Live] = {}
 
     def __contains__(self, rid: str) -> bool:
@@ -60,19 +78,10 @@ class Delivery:
         """The live requests' ids (a copy: aborting them changes the set)."""
         return list(self._live)
 
-    def admit(self, request: Request, params: SamplingParams, emit: Callable[[dict], None],
-              top_logprobs_num: int, return_prompt_logprob: bool) -> None:
-        """Takes a submitted request in: its live state, then the scheduler's queue."""
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids=request.prompt_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
-                no_stop_trim=params.no_stop_trim)
-        live = _Live(request, emit, detok, top_logprobs_num)
-        if return_prompt_logprob:
-            live.prompt_logprobs = PromptLogprobCollector(request.prompt_ids, top_logprobs_num)
+    def admit(self, live: _Live) -> None:
+        """Takes a submitted request in (its state built by `live_state` in the submitting
+        thread): its live state, then the scheduler's queue."""
+        request = live.request
         try:
             self.scheduler.add(request)
         except ValueError as error:  # e.g. a duplicate request id: fail this one only
@@ -84,14 +93,30 @@ class Delivery:
     def abort(self, rid: str, message: str | None) -> None:
         """Ends a live request in the scheduler and sends its final chunk (with `message` as its
         error, if any)."""
-        self.scheduler.abort(rid)
-        live = self._live.pop(rid)
-        live.request.finish_reason = live.request.finish_reason or ("abort", None)
-        self._emit(live, _final_chunk(live.request, message, live))
+        self.abort_many([rid], message)
+
+    def abort_many(self, rids: list[str], message: str | None) -> None:
+        """`abort` for many live requests at once, in time linear in their number (a client
+        that cancels thousands of queued choices must not stall the loop)."""
+        rids = [rid for rid in dict.fromkeys(rids) if rid in self._live]
+        self.scheduler.abort_many(rids)
+        for rid in rids:
+            live = self._live.pop(rid)
+            live.request.finish_reason = live.request.finish_reason or ("abort", None)
+            self._emit(live, _final_chunk(live.request, message, live))
 
     def deliver(self, request: Request, token: int, finished: bool, logprobs, top, row) -> None:
         """Sends the chunk of the token `request` sampled in row `row` of a step (`logprobs` and
-        `top`, the step's, are read with `return_logprob`)."""
+        `top`, the step's, are read with `return_logprob`). Whatever fails here (detokenizing,
+        say) fails this request alone, with an error chunk; the other rows go on."""
+        try:
+            self._deliver(request, token, finished, logprobs, top, row)
+        except Exception as error:
+            logger.exception("request %s failed while its output was made", request.rid)
+            if request.rid in self._live:
+                self.abort(request.rid, f"internal error ({type(error).__name__})")
+
+    def _deliver(self, request: Request, token: int, finished: bool, logprobs, top, row) -> None:
         live = self._live.get(request.rid)
         if live is None:  # dropped earlier in this step (its consumer failed)
             return

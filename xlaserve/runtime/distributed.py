@@ -176,6 +176,11 @@ class Leader:
             threading.Thread(target=self._monitor, args=(rank, connection), daemon=True,
                              name=f"xlaserve-follower-{rank}").start()
 
+    @property
+    def sent(self) -> int:
+        """Commands sent so far (the engine loop compares it around a step that failed)."""
+        return self._sent
+
     def broadcast(self, kind: str, meta: dict | None = None, **arrays: np.ndarray) -> None:
         """One command to every follower, in order; raises PeerLost once the group is broken."""
         with self._lock:

@@ -22,18 +22,23 @@ import numpy as np
 
 from xlaserve.runtime import engine_startup, malloc_tuning
 from xlaserve.runtime.batch import pack
-from xlaserve.runtime.delivery import Delivery
+from xlaserve.runtime.delivery import Delivery, live_state
 from xlaserve.runtime.distributed import lead
 from xlaserve.runtime.grammar import InvalidGrammar, constraint_of
 from xlaserve.runtime.model_runner import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
                                            SAMPLING_WIDTHS, ModelRunner, StepOutput)
 from xlaserve.runtime.sampler import RowSamplingParams, build_sampling_metadata
-from xlaserve.runtime.sampling_params import SamplingParams
+from xlaserve.runtime.sampling_params import (InvalidSamplingParam, RequestLimits, SamplingParams,
+                                              prompt_token_ids, token_id)
 from xlaserve.runtime.scheduler import Request
 from xlaserve.runtime.watchdog import Watchdog
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More requests wait than --max-queued-requests: the HTTP layer answers 503 + Retry-After."""
 
 
 class EngineCore:
@@ -56,6 +61,7 @@ class EngineCore:
         self.scheduler = parts.scheduler
         self.eos_token_ids = parts.eos_token_ids
         self.grammar_backend = parts.grammar_backend
+        self.limits = RequestLimits.from_server_args(args)
         # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
         self.startup_timings = parts.startup_timings
         self._seeds = random.Random(args.random_seed)
@@ -66,7 +72,10 @@ class EngineCore:
         if jax.default_backend() == "cpu":
             malloc_tuning.keep_freed_memory()
         self._inbox: queue.Queue = queue.Queue()
-        self._delivery = Delivery(self.scheduler, self.tokenizer)  # the live requests' output
+        # Requests put in the inbox, and taken from it by the loop (queued_requests).
+        self._submitted = self._admitted = 0
+        self._submit_lock = threading.Lock()
+        self._delivery = Delivery(self.scheduler)  # the live requests' output
         self._stopping = False
         name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -112,41 +121,65 @@ class EngineCore:
         SGLang's `input_token_logprobs` [(logprob | None, token_id, None)] and
         `input_top_logprobs` [None | [(logprob, token_id, None)] * top_logprobs_num], one entry
         per prompt token (the first has none), under the raw model distribution. Such a request
-        computes its whole prompt (no prefix reuse)."""
-        if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        computes its whole prompt (no prefix reuse).
+
+        Everything the request will need on the engine thread (its sampling row, grammar,
+        detokenizer and stop matcher, prompt-logprob collector) is built and checked here, in the
+        caller's thread: a request the engine cannot serve raises ValueError (InvalidSamplingParam
+        naming the field, InvalidGrammar) or QueueFull, and never reaches the loop."""
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise InvalidSamplingParam(
+                "top_logprobs_num", f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         if not self.is_alive():
             raise RuntimeError(self.stopped_reason())
-        params.validate(self.loaded.config.vocab_size)
-        self.compile_grammar(params)  # a cache hit where the server compiled it already
+        queued = self.queued_requests()
+        if queued >= self.limits.max_queued_requests:
+            raise QueueFull(f"the server's queue is full ({queued} requests wait, "
+                            f"--max-queued-requests {self.limits.max_queued_requests}): retry later")
         vocab = self.loaded.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.validate(vocab, limits=self.limits)
+        self.compile_grammar(params)  # a cache hit where the server compiled it already
+        prompt_ids = prompt_token_ids(prompt_ids, vocab)
         rid = rid or uuid.uuid4().hex
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         if len(stop_ids) > MAX_SUPPRESSED_IDS:  # min_new_tokens masks all of them in one table row
-            raise ValueError(f"stop_token_ids plus the model's EOS ids come to {len(stop_ids)}; "
-                             f"at most {MAX_SUPPRESSED_IDS} are supported")
+            raise InvalidSamplingParam(
+                "stop_token_ids", f"stop_token_ids plus the model's EOS ids come to "
+                                  f"{len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} are supported")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         sampling = RowSamplingParams(
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-            min_p=params.min_p, presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
-            logit_bias={int(k): float(v) for k, v in params.logit_bias.items()}, seed=seed,
-            return_logprob=return_logprob or top_logprobs_num > 0)
+            temperature=float(params.temperature), top_k=params.top_k, top_p=float(params.top_p),
+            min_p=float(params.min_p), presence_penalty=float(params.presence_penalty),
+            frequency_penalty=float(params.frequency_penalty),
+            repetition_penalty=float(params.repetition_penalty),
+            logit_bias={token_id(k): float(v) for k, v in params.logit_bias.items()}, seed=seed,
+            return_logprob=bool(return_logprob or top_logprobs_num > 0))
+        # The row as the step will pack it, so a value its columns cannot hold fails here.
+        build_sampling_metadata([sampling], 1, SAMPLING_WIDTHS)
         grammar = None
         if (constraint := constraint_of(params)) is not None:
             grammar = self.grammar_backend.new_grammar(*constraint, stop_token_ids=stop_ids)
-        request = Request(rid=rid, prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
+        request = Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=params.max_new_tokens,
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
                           min_new_tokens=params.min_new_tokens, priority=priority,
                           no_prefix_reuse=return_prompt_logprob, grammar=grammar)
         self.scheduler.check_fits(request)  # raises ValueError before anything is queued
-        self._inbox.put(("add", request, params, (emit, top_logprobs_num, return_prompt_logprob)))
+        live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
+                          return_prompt_logprob)
+        with self._submit_lock:
+            self._submitted += 1
+        self._inbox.put(("add", live, None, None))
         return rid
+
+    def queued_requests(self) -> int:
+        """Requests submitted that wait for a running slot: those in the scheduler's queue and
+        those not yet taken from the inbox, less the free slots (read from other threads: an
+        estimate, which is all a bound on the queue needs)."""
+        pending = self._submitted - self._admitted
+        free = self.args.max_running_requests - self.scheduler.num_running
+        return max(0, pending + self.scheduler.num_waiting - free)
 
     @property
     def max_request_tokens(self) -> int:
@@ -167,8 +200,15 @@ class EngineCore:
                 "num_queue_reqs": self.scheduler.num_waiting,
                 "token_usage": self.scheduler.token_usage()}
 
-    def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid, None, None))
+    def abort(self, rid: str, message: str | None = None) -> None:
+        """Ends the request (waiting or running) on the engine thread; its final chunk carries
+        `message` as its error, if given."""
+        self._inbox.put(("abort", rid, message, None))
+
+    def abort_all(self, message: str) -> None:
+        """Ends every request the engine holds, each with a final chunk whose error is `message`
+        (the server's graceful shutdown ran out of time)."""
+        self._inbox.put(("abort_all", None, message, None))
 
     def flush_cache(self) -> int:
         """Empties the prefix cache of the pages no running request uses, on the engine thread
@@ -229,14 +269,19 @@ class EngineCore:
         overlap = not self.args.disable_overlap_schedule
         while not self._stopping:
             self._watchdog.beat()
+            stepping: list = []  # the batches this iteration touched: a failure fails their rows
+            sent = self._leader.sent if self._leader is not None else 0
             try:
                 self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
                 if self._stopping:
                     break
+                if in_flight is not None:
+                    stepping.append(in_flight[0])
                 following = waiting_for_masks = None
                 if in_flight is not None and overlap:
                     batch = self.scheduler.schedule_continuation(in_flight[0])
                     if batch is not None:
+                        stepping.append(batch)
                         prepared = self._prepare(batch)
                         if any(r.grammar is not None for r in batch.requests):
                             waiting_for_masks = (batch, prepared)
@@ -247,40 +292,71 @@ class EngineCore:
                     following = (waiting_for_masks[0], self._send(*waiting_for_masks))
                 in_flight = following
                 if in_flight is None and (batch := self.scheduler.schedule()) is not None:
+                    stepping.append(batch)
                     in_flight = (batch, self._dispatch(batch))
                     if not overlap:
                         results = (results or []) + self._read(*in_flight)
                         in_flight = None
+                stepping = []  # the steps ran: what fails from here is one request's own
                 for delivery in results or ():
                     self._delivery.deliver(*delivery)
-            except Exception as error:  # a bug must not kill the loop silently: fail what is in flight
-                logger.exception("engine step failed; aborting the running requests")
-                if self._leader is not None:  # the followers may have diverged: the group breaks
-                    self._leader.step_failed(error)
+            except Exception as error:  # a bug must not kill the loop silently
                 in_flight = None
-                for rid in self._delivery.rids():
-                    self._delivery.abort(rid, self.failure or "internal error")
+                self._step_failed(error, stepping, broadcast=self._leader is not None
+                                  and self._leader.sent != sent)
+
+    def _step_failed(self, error: Exception, batches: list, broadcast: bool) -> None:
+        """A step failed: its rows (the requests of `batches`) end with an error; requests that
+        were not in it go on. A failure outside any step (the scheduler itself) fails every live
+        request, its state being unknown. In a multi-host group, a failure after the leader sent
+        the followers something breaks the group (they may have made a call the leader did not);
+        one before (a request's host-side packing, say) does not."""
+        rids = list(dict.fromkeys(r.rid for batch in batches for r in batch.requests
+                                  if r.rid in self._delivery))
+        logger.exception("engine step failed; aborting %s",
+                         f"its {len(rids)} requests" if batches else "every live request")
+        if broadcast:
+            self._leader.step_failed(error)
+        if not batches:
+            rids = self._delivery.rids()
+        self._delivery.abort_many(rids, self.failure or f"internal error ({type(error).__name__})")
 
     def _drain_inbox(self, block: bool) -> None:
+        """Takes in what other threads sent, in order; consecutive aborts are done together
+        (`Delivery.abort_many`: linear in their number, however long the queue)."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
-        while True:
-            kind, payload, params, extra = item
-            if kind == "add":
-                self._delivery.admit(payload, params, *extra)
-            elif kind == "abort" and payload in self._delivery:
-                self._delivery.abort(payload, None)
-            elif kind == "flush":
-                try:
-                    payload.set_result(self.scheduler.flush_cache())
-                except Exception as error:  # the caller waits on the future: hand it the error
-                    payload.set_exception(error)
+        aborts: list[str] = []
+        message = None
+        while item is not None:
+            kind, payload, params, _ = item
+            if kind == "abort" and (not aborts or params == message):
+                aborts.append(payload)
+                message = params
+            else:
+                if aborts:
+                    self._delivery.abort_many(aborts, message)
+                    aborts = []
+                if kind == "abort":
+                    aborts, message = [payload], params
+                elif kind == "add":
+                    self._admitted += 1
+                    self._delivery.admit(payload)
+                elif kind == "abort_all":
+                    self._delivery.abort_many(self._delivery.rids(), params)
+                elif kind == "flush":
+                    try:
+                        payload.set_result(self.scheduler.flush_cache())
+                    except Exception as error:  # the caller waits on the future: hand it the error
+                        payload.set_exception(error)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                item = None
+        if aborts:
+            self._delivery.abort_many(aborts, message)
 
     def _dispatch(self, batch):
         """Sends the step to the device; returns its (asynchronous) output."""

@@ -121,8 +121,10 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None,
     if not args.disable_precompile:
         clock = time.perf_counter()
         cache = None
-        if not args.disable_executable_cache and enabled_by_environment():
-            cache = ExecutableCache(os.path.join(compilation_cache_dir, "executables"))
+        # No compilation cache folder: it was refused (cache_root.private_dir), so is any in it.
+        if (compilation_cache_dir is not None and not args.disable_executable_cache
+                and enabled_by_environment()):
+            cache = ExecutableCache.open(os.path.join(compilation_cache_dir, "executables"))
         runner.precompile(buckets.all_shapes(), cache=cache)
         if cache is not None:
             logger.info("Serving steps: %d loaded, %d compiled (executable cache: %s)",

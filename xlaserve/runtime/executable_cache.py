@@ -44,6 +44,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
+from xlaserve.cache_root import private_dir
 from xlaserve.native import cpu_signature
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,14 @@ def _fresh_compiles():
 
 
 class ExecutableCache:
-    def __init__(self, directory: str):
+    @classmethod
+    def open(cls, directory: str) -> "ExecutableCache | None":
+        """The cache in `directory`, or None where another user could write to it (it would
+        load their pickles): cache_root.private_dir has warned, every program compiles."""
+        checked = private_dir(directory)
+        return None if checked is None else cls(checked)
+
+    def __init__(self, directory: str | Path):
         self.directory = Path(directory).expanduser()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.loaded = 0  # entries loaded by this process
