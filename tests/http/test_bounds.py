@@ -10,6 +10,7 @@ than starting a server per flag.
 import contextlib
 import dataclasses
 import threading
+import time
 
 import httpx
 import pytest
@@ -162,3 +163,19 @@ def test_priority_is_honoured_only_with_its_flag(server, monkeypatch):
     monkeypatch.setattr(server.ctx.engine.server_args, "enable_priority_scheduling", True)
     assert httpx.post(server.base_url + "/v1/completions", timeout=30,
                       json={**OK_COMPLETION, "priority": 1}).status_code == 200
+
+
+def test_a_batch_line_waits_out_a_full_queue_instead_of_failing(server, client, monkeypatch,
+                                                                tmp_path):
+    from tests.http.test_batches import chat_line, results, upload, wait
+
+    _limits(monkeypatch, server, max_queued_requests=0)  # every submission is refused for now
+    uploaded = upload(client, tmp_path, [chat_line("queued", "hello", max_tokens=2)])
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    time.sleep(2.5)  # the line meets the full queue a few times
+    assert client.batches.retrieve(batch.id).status == "in_progress"
+    monkeypatch.undo()
+    batch = wait(client, batch)
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    assert results(client, batch.output_file_id)["queued"]["response"]["status_code"] == 200

@@ -22,7 +22,7 @@ from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest, validate_body
-from xlaserve.http.serving import ServingContext
+from xlaserve.http.serving import RETRY_AFTER_S, ServingContext
 from xlaserve.runtime.async_requests import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,19 @@ def _check_line(item: Any, endpoint: str) -> tuple[str | None, str] | None:
     return None
 
 
+async def _create_when_queued(call_class, ctx: ServingContext, req):
+    """`call_class.create` below interactive requests; while the server's queue is full
+    (--max-queued-requests: a 503 a live client retries) the line waits and tries again, rather
+    than failing or halting its batch."""
+    while True:
+        try:
+            return await call_class.create(ctx, req, priority=BATCH_PRIORITY)
+        except APIError as error:
+            if error.code != "queue_full":
+                raise
+            await asyncio.sleep(RETRY_AFTER_S)
+
+
 async def run_line(ctx: ServingContext, endpoint: str, line: Line) -> tuple[bool, dict]:
     """Runs one request exactly as the live endpoint would (same validation, same response
     body), below interactive requests; -> (succeeded, output line). Cancelling it aborts its
@@ -122,7 +135,7 @@ async def run_line(ctx: ServingContext, endpoint: str, line: Line) -> tuple[bool
         req = validate_body(line.body, request_model)
         if req.stream:
             raise bad_request("stream is not supported in a batch request", "stream")
-        call = await call_class.create(ctx, req, priority=BATCH_PRIORITY)
+        call = await _create_when_queued(call_class, ctx, req)
         request_id = call.generation.id
         status, body = 200, await call.response()
     except asyncio.CancelledError:
