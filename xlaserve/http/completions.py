@@ -71,7 +71,8 @@ class CompletionCall:
         # samples one token, which is dropped.
         self.prompt_only = req.echo and req.max_tokens == 0
         max_tokens = 1 if self.prompt_only else req.max_tokens
-        self.params = sampling_params(ctx, req, max_tokens, max(len(p) for p in self.prompt_ids))
+        self.params = sampling_params(ctx, req, max_tokens, max(len(p) for p in self.prompt_ids),
+                                      prompt_param="prompt")
         self.generation: Generation | None = None
 
     @classmethod

@@ -74,7 +74,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """A pydantic / FastAPI validation error list -> (one readable message, the offending field)."""
     parts, param = [], None
     for error in errors[:3]:
-        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in error.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path"):  # where in the request, not a name
+            loc = loc[1:]
         where = ".".join(loc)[:200]  # a client's key names are echoed: bounded
         if param is None and loc:
             param = loc[0][:200]

@@ -17,8 +17,9 @@ from xlaserve.http.errors import APIError, bad_request, generation_error, shutti
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import GenerateRequest
 from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Generation, ServingContext,
-                                   check_prompt_logprob_entries, check_top_logprobs,
-                                   compile_constraints, sse, sse_error)
+                                   check_prompt_ids, check_prompt_logprob_entries,
+                                   check_top_logprobs, compile_constraints, context_error, sse,
+                                   sse_error)
 from xlaserve.offline import to_sampling_params
 from xlaserve.runtime.async_requests import EngineDeadError, sglang_output
 from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams
@@ -49,8 +50,11 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     raw = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
     if len(raw) != len(prompts):
         raise bad_request(f"{len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
+    prompt_param = "text" if req.text is not None else "input_ids"
     if not prompts:
-        raise bad_request("no prompt given", "text" if req.text is not None else "input_ids")
+        raise bad_request("no prompt given", prompt_param)
+    for ids in prompts:
+        check_prompt_ids(ctx, ids, prompt_param)
     limits = ctx.engine.core.limits
     try:  # SGLang's fields, typed and in range, before anything reaches the engine
         parsed = [to_sampling_params(p) for p in raw]
@@ -71,6 +75,11 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     if wants_prompt_logprobs:
         check_prompt_logprob_entries(ctx, prompts, n, req.top_logprobs_num, "logprob_start_len")
     params: list[SamplingParams] = [p for p, _ in parsed]
+    limit = ctx.engine.core.max_request_tokens
+    for ids, p in zip(prompts, params, strict=True):
+        if len(ids) + p.max_new_tokens > limit:
+            raise context_error(ctx, len(ids), p.max_new_tokens, prompt_param,
+                                "sampling_params.max_new_tokens")
     for p in params:
         for name in CONSTRAINTS:
             if getattr(p, name) is not None and not isinstance(getattr(p, name), str):
@@ -81,7 +90,8 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     rid = req.rid if isinstance(req.rid, str) else None
     generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
                             return_logprob=req.return_logprob, rid=rid,
-                            return_prompt_logprob=wants_prompt_logprobs)
+                            return_prompt_logprob=wants_prompt_logprobs,
+                            param_prefix="sampling_params.")
     return generation, batched or n > 1
 
 

@@ -18,10 +18,10 @@ from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
 from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice, EngineDeadError
-from xlaserve.runtime.grammar import CONSTRAINT_FIELDS, InvalidGrammar
+from xlaserve.runtime.grammar import CONSTRAINT_FIELDS, MAX_JSON_DEPTH, InvalidGrammar, json_depth
 from xlaserve.runtime.engine import QueueFull
 from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams, token_id
-from xlaserve.runtime.model_runner import MAX_TOP_LOGPROBS
+from xlaserve.runtime.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS
 
 # SamplingParams' names as OpenAI spells them, for error messages and `param`.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -67,17 +67,23 @@ class ServingContext:
 
 
 def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | None,
-                    prompt_len: int, extra_stop_ids: frozenset[int] = frozenset()) -> SamplingParams:
+                    prompt_len: int, extra_stop_ids: frozenset[int] = frozenset(),
+                    prompt_param: str = "messages") -> SamplingParams:
     """The request's sampling fields -> engine parameters, refusing out-of-range values with
-    OpenAI's 400. `max_tokens` None means "until the context (or the KV pool) is full"."""
+    OpenAI's 400. `max_tokens` None means "until the context (or the KV pool) is full".
+    `prompt_param`: the field a prompt over the context is blamed on."""
     limit = ctx.engine.core.max_request_tokens
     if max_tokens is None:
         max_tokens = limit - prompt_len
         if max_tokens < 1:
-            raise context_error(ctx, prompt_len, 1)
+            raise context_error(ctx, prompt_len, 1, prompt_param)
     stop_ids = list(req.stop_token_ids or ())
     if not req.ignore_eos:
         stop_ids += sorted(extra_stop_ids - set(stop_ids))
+        if len(stop_ids) > MAX_SUPPRESSED_IDS >= len(req.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids plus the chat template's end-of-turn ids come to "
+                              f"{len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} are supported",
+                              "stop_token_ids")
     limits = ctx.engine.core.limits
     if not 1 <= req.n <= limits.max_n:
         raise bad_request(f"n must be between 1 and {limits.max_n} (--max-n)", "n")
@@ -99,7 +105,7 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
     if constraint is not None:
         setattr(params, constraint[0], constraint[1])
     if prompt_len + max_tokens > limit:
-        raise context_error(ctx, prompt_len, max_tokens)
+        raise context_error(ctx, prompt_len, max_tokens, prompt_param)
     return params
 
 
@@ -133,6 +139,7 @@ def response_format_constraint(response_format: dict | None) -> tuple[str, str] 
         unknown = set(response_format) - {"type", "structures", "triggers"}
         if unknown:
             raise bad_request(f"unknown response_format fields: {sorted(unknown)}", param)
+        _check_depth(response_format, param)
         return "structural_tag", json.dumps(
             {"structures": response_format.get("structures"),
              "triggers": response_format.get("triggers")})
@@ -158,7 +165,14 @@ def response_format_constraint(response_format: dict | None) -> tuple[str, str] 
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema must be a JSON schema object", param)
+    _check_depth(schema, param)
     return "json_schema", json.dumps(schema)
+
+
+def _check_depth(value, param: str) -> None:
+    """A schema nested past MAX_JSON_DEPTH is refused before anything walks it recursively."""
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise bad_request(f"{param} nests objects and arrays more than {MAX_JSON_DEPTH} deep", param)
 
 
 async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingParams],
@@ -214,7 +228,8 @@ def client_priority(ctx: ServingContext, priority: int | None) -> int:
     return priority
 
 
-def context_error(ctx: ServingContext, prompt_len: int, max_tokens: int) -> APIError:
+def context_error(ctx: ServingContext, prompt_len: int, max_tokens: int,
+                  prompt_param: str = "messages", tokens_param: str = "max_tokens") -> APIError:
     limit = ctx.engine.core.max_request_tokens
     where = "context length" if limit == ctx.context_length else "KV cache capacity"
     if prompt_len >= limit:
@@ -224,7 +239,7 @@ def context_error(ctx: ServingContext, prompt_len: int, max_tokens: int) -> APIE
         message = (f"This model's maximum context length is {limit} tokens ({where}). However, you "
                    f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                    f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
-    return bad_request(message, "max_tokens" if prompt_len < limit else "messages",
+    return bad_request(message, tokens_param if prompt_len < limit else prompt_param,
                        code="context_length_exceeded")
 
 
@@ -242,7 +257,9 @@ class Generation:
                  params: SamplingParams | list[SamplingParams], n: int,
                  *, top_logprobs_num: int = 0, return_logprob: bool = False,
                  return_prompt_logprob: bool = False,
-                 priority: int = 0, rid: str | None = None):
+                 priority: int = 0, rid: str | None = None, param_prefix: str = ""):
+        """`param_prefix`: what the fields of a parameter the engine refuses are under
+        ("sampling_params." on /generate)."""
         if ctx.draining:
             raise shutting_down()
         self.ctx = ctx
@@ -277,7 +294,7 @@ class Generation:
                                   return_prompt_logprob=return_prompt_logprob)
         except (InvalidGrammar, InvalidSamplingParam) as error:  # the routes checked: a miss here
             self.group.abort()
-            raise bad_request(str(error), error.param) from None
+            raise bad_request(str(error), param_prefix + error.param) from None
         except ValueError as error:
             self.group.abort()
             raise bad_request(str(error)) from None

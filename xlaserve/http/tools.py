@@ -27,7 +27,7 @@ import json
 import uuid
 
 from xlaserve.http.errors import bad_request
-from xlaserve.runtime.grammar import InvalidGrammar
+from xlaserve.runtime.grammar import MAX_JSON_DEPTH, InvalidGrammar, json_depth
 from xlaserve.runtime.sampling_params import RequestLimits
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -58,6 +58,9 @@ def check_tools(tools: list[dict] | None, limits: RequestLimits | None = None) -
         parameters = function.get("parameters", NO_PARAMETERS)
         if not isinstance(parameters, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if json_depth(parameters) > MAX_JSON_DEPTH:
+            raise bad_request(f"tools[{i}].function.parameters nests objects and arrays more "
+                              f"than {MAX_JSON_DEPTH} deep", "tools")
         if len(json.dumps(parameters)) > limits.max_constraint_size:
             raise bad_request(f"tools[{i}].function.parameters is longer than "
                               f"{limits.max_constraint_size} characters (--max-constraint-size)",
@@ -101,8 +104,8 @@ def tool_choice_of(choice, functions: dict[str, dict]) -> ToolChoice:
     if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in functions:
-            raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
+        if not isinstance(name, str) or name not in functions:
+            raise bad_request(f"tool_choice names the function {str(name)[:64]!r}, which is not in tools "
                               f"({', '.join(sorted(functions))})", "tool_choice")
         return ToolChoice("named", name)
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or "

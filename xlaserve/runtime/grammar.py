@@ -34,6 +34,10 @@ CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # `{"a":1}` both parse but a small model cannot pad with spaces or newlines until max_tokens.
 DEFAULT_JSON_WHITESPACE = r"[ ]?"
 _CACHE_SIZE = 256  # compiled grammars kept, by (kind, text)
+# Deepest nesting of a schema (objects and arrays) a constraint may have: far past any real
+# schema, and short of the recursion limit of the code that walks one (ours, json, llguidance's
+# conversion), where a schema 500 deep was a RecursionError.
+MAX_JSON_DEPTH = 64
 
 
 class InvalidGrammar(ValueError):
@@ -60,6 +64,48 @@ def constraint_of(params) -> tuple[str, str] | None:
     if not isinstance(text, str):
         raise InvalidGrammar(kind, f"{kind} must be a string, got {type(text).__name__}")
     return kind, text
+
+
+def json_depth(value) -> int:
+    """How deeply objects and arrays nest in `value` (a scalar: 0; counted level by level, not
+    recursively, and only up to just past MAX_JSON_DEPTH)."""
+    depth, level = 0, [value]
+    while True:
+        containers = [item for item in level if isinstance(item, (dict, list))]
+        if not containers or depth > MAX_JSON_DEPTH:
+            return depth
+        depth += 1
+        level = [child for item in containers
+                 for child in (item.values() if isinstance(item, dict) else item)]
+
+
+def parse_json(text: str, kind: str):
+    """A constraint's JSON text, parsed strictly (no NaN, Infinity or numbers past a float, which
+    Python's json reads and llguidance does not) and no deeper than MAX_JSON_DEPTH; else
+    InvalidGrammar naming `kind`."""
+    try:
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except (ValueError, RecursionError) as error:
+        raise InvalidGrammar(kind, f"{kind} is not valid JSON: {_first_line(str(error))}") from None
+    check_depth(value, kind)
+    return value
+
+
+def check_depth(value, kind: str) -> None:
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise InvalidGrammar(kind, f"{kind} nests objects and arrays more than {MAX_JSON_DEPTH} "
+                                   "deep")
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of a number's range")
+    return value
 
 
 def python_regex_to_rust(pattern: str) -> str:
@@ -164,15 +210,15 @@ class GrammarBackend:
 
         table = self.token_table()
         if kind == "json_schema":
-            try:
-                schema = json.loads(text)
-            except ValueError as error:
-                raise InvalidGrammar(kind, f"json_schema is not valid JSON: {error}") from None
+            schema = parse_json(text, kind)
             if not isinstance(schema, (dict, bool)):
                 raise InvalidGrammar(kind, "json_schema must be a JSON object (a JSON schema)")
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(closed_objects(schema)),
-                defaults={"whitespace_pattern": self.whitespace_pattern})
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(closed_objects(schema)),
+                    defaults={"whitespace_pattern": self.whitespace_pattern})
+            except ValueError as error:  # e.g. a boolean schema, which takes no options
+                raise InvalidGrammar(kind, f"invalid json_schema: {_first_line(str(error))}") from None
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(python_regex_to_rust(text))
         elif kind == "structural_tag":
@@ -198,10 +244,7 @@ class GrammarBackend:
         the text runs lazily up to a trigger, then the tag is constrained."""
         import llguidance
 
-        try:
-            spec = json.loads(text)
-        except ValueError as error:
-            raise InvalidGrammar("structural_tag", f"structural_tag is not valid JSON: {error}") from None
+        spec = parse_json(text, "structural_tag")
         structures = spec.get("structures") if isinstance(spec, dict) else None
         triggers = spec.get("triggers") if isinstance(spec, dict) else None
         if not structures or not isinstance(structures, list) or not triggers \
@@ -224,7 +267,11 @@ class GrammarBackend:
             tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"],
                                              grammar=schema, end=structure["end"]))
         # Triggers are text here: `<tool_call>` is several tokens in most vocabularies.
-        return llguidance.StructTag.to_grammar(tags, assume_special=False)
+        try:
+            return llguidance.StructTag.to_grammar(tags, assume_special=False)
+        except ValueError as error:
+            raise InvalidGrammar("structural_tag",
+                                 f"invalid structural_tag: {_first_line(str(error))}") from None
 
     def empty_bitmask(self, rows: int) -> np.ndarray:
         """i32[rows, words]: every token allowed (unconstrained and padding rows)."""

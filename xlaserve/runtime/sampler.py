@@ -93,13 +93,16 @@ def build_sampling_metadata(
         raise ValueError(f"{len(rows)} rows do not fit in padded_size={padded_size}")
     pad = [RowSamplingParams(temperature=0.0, seed=0)] * (padded_size - len(rows))
     rows = list(rows) + pad
-    k = _pow2_at_least(max((len(r.logit_bias) for r in rows), default=0))
-    m = _pow2_at_least(max((len(r.suppressed_ids) for r in rows), default=0))
+    k = max((len(r.logit_bias) for r in rows), default=0)
+    m = max((len(r.suppressed_ids) for r in rows), default=0)
     if fixed_widths is not None:
         # A server pads to fixed widths so that a request's logit_bias never picks a new program.
         if k > fixed_widths[0] or m > fixed_widths[1]:
-            raise ValueError(f"logit_bias/suppressed widths {k}/{m} exceed {fixed_widths}")
+            raise ValueError(f"{k} logit_bias entries / {m} suppressed ids exceed the step's "
+                             f"widths {fixed_widths}")
         k, m = fixed_widths
+    else:
+        k, m = _pow2_at_least(k), _pow2_at_least(m)
 
     bias_ids = np.full((padded_size, k), -1, np.int32)
     bias_values = np.zeros((padded_size, k), np.float32)
