@@ -209,6 +209,11 @@ def test_two_processes_serve_the_one_process_tokens_then_fail_fast_without_the_f
     assert results["regex"][0] == reference["regex"] and re.fullmatch(REGEX, results["regex"][1])
     assert results["completion"] == reference["text"]
     log = pair.leader_log.read_text()
+    if "Retract requests" not in log:
+        # The mix shares the four slots, and did not fill the pool this time (a busy machine
+        # spreads the requests out); the batch's first four alone need 52 of the 40 pages.
+        assert batch() == tokens
+        log = pair.leader_log.read_text()
     assert "Retract requests" in log
     assert "Step hash check: 1 step(s) agree on every follower" in log and "diverged" not in log
     deadline = time.monotonic() + 30  # the abort frees its slot
