@@ -435,11 +435,15 @@ def test_the_valid_bodies_fuzzing_starts_from_are_answered(http, path, bases):
         check_answer(response, 0.0, body)
 
 
-def test_chat_completions_fuzz(http, neighbour):
-    @settings(FUZZ, max_examples=300)
-    @given(mutated(CHAT_BASES, CHAT_PATHS))
+@pytest.mark.parametrize("path,bases,paths,examples", [
+    ("/v1/chat/completions", CHAT_BASES, CHAT_PATHS, 300),
+    ("/v1/completions", COMPLETION_BASES, COMPLETION_PATHS, 200),
+    ("/generate", GENERATE_BASES, GENERATE_PATHS, 300)])
+def test_json_route_fuzz(http, neighbour, path, bases, paths, examples):
+    @settings(FUZZ, max_examples=examples)
+    @given(mutated(bases, paths))
     def fuzz(body):
-        post_json(http, "/v1/chat/completions", body)
+        post_json(http, path, body)
 
     fuzz()
     neighbour.check()
@@ -476,26 +480,6 @@ def test_chat_completions_with_parsers_fuzz(parser_clients, neighbour):
            mutated(CHAT_BASES + [strict, {**strict, "stream": True}], CHAT_PATHS))
     def fuzz(which, body):
         post_json(parser_clients[which], "/v1/chat/completions", body)
-
-    fuzz()
-    neighbour.check()
-
-
-def test_completions_fuzz(http, neighbour):
-    @settings(FUZZ, max_examples=200)
-    @given(mutated(COMPLETION_BASES, COMPLETION_PATHS))
-    def fuzz(body):
-        post_json(http, "/v1/completions", body)
-
-    fuzz()
-    neighbour.check()
-
-
-def test_generate_fuzz(http, neighbour):
-    @settings(FUZZ, max_examples=300)
-    @given(mutated(GENERATE_BASES, GENERATE_PATHS))
-    def fuzz(body):
-        post_json(http, "/generate", body)
 
     fuzz()
     neighbour.check()

@@ -17,7 +17,7 @@ from xlaserve.http.errors import APIError, bad_request, generation_error, shutti
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import GenerateRequest
 from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Generation, ServingContext,
-                                   check_prompt_ids, check_prompt_logprob_entries,
+                                   check_n, check_prompt_ids, check_prompt_logprob_entries,
                                    check_top_logprobs, compile_constraints, context_error, sse,
                                    sse_error)
 from xlaserve.offline import to_sampling_params
@@ -68,8 +68,7 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     if len(ns) != 1:
         raise bad_request("every prompt of one call must ask for the same n", "sampling_params")
     n = ns.pop()
-    if n > limits.max_n:
-        raise bad_request(f"n must be between 1 and {limits.max_n} (--max-n)", "sampling_params.n")
+    check_n(ctx, n, "sampling_params.n")
     wants_prompt_logprobs = (req.return_logprob or req.top_logprobs_num > 0) \
         and req.logprob_start_len == 0
     if wants_prompt_logprobs:

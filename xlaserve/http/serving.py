@@ -18,7 +18,7 @@ from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
 from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice, EngineDeadError
-from xlaserve.runtime.grammar import CONSTRAINT_FIELDS, MAX_JSON_DEPTH, InvalidGrammar, json_depth
+from xlaserve.runtime.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
 from xlaserve.runtime.engine import QueueFull
 from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams, token_id
 from xlaserve.runtime.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS
@@ -85,8 +85,7 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
                               f"{len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} are supported",
                               "stop_token_ids")
     limits = ctx.engine.core.limits
-    if not 1 <= req.n <= limits.max_n:
-        raise bad_request(f"n must be between 1 and {limits.max_n} (--max-n)", "n")
+    check_n(ctx, req.n, "n")
     params = SamplingParams(
         max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
@@ -139,7 +138,7 @@ def response_format_constraint(response_format: dict | None) -> tuple[str, str] 
         unknown = set(response_format) - {"type", "structures", "triggers"}
         if unknown:
             raise bad_request(f"unknown response_format fields: {sorted(unknown)}", param)
-        _check_depth(response_format, param)
+        check_schema_depth(response_format, param, param)
         return "structural_tag", json.dumps(
             {"structures": response_format.get("structures"),
              "triggers": response_format.get("triggers")})
@@ -165,14 +164,17 @@ def response_format_constraint(response_format: dict | None) -> tuple[str, str] 
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema must be a JSON schema object", param)
-    _check_depth(schema, param)
+    check_schema_depth(schema, param, param)
     return "json_schema", json.dumps(schema)
 
 
-def _check_depth(value, param: str) -> None:
-    """A schema nested past MAX_JSON_DEPTH is refused before anything walks it recursively."""
-    if json_depth(value) > MAX_JSON_DEPTH:
-        raise bad_request(f"{param} nests objects and arrays more than {MAX_JSON_DEPTH} deep", param)
+def check_schema_depth(value, what: str, param: str) -> None:
+    """grammar.check_depth as a 400 naming `param`: a schema nested past MAX_JSON_DEPTH is
+    refused before anything walks it recursively (json.dumps, closed_objects)."""
+    try:
+        check_depth(value, what)
+    except InvalidGrammar as error:
+        raise bad_request(str(error), param) from None
 
 
 async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingParams],
@@ -187,10 +189,10 @@ async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingPara
         if key == (None,) * len(CONSTRAINTS) or key in seen:
             continue
         seen.add(key)
-        field = next(name for name, text in zip(CONSTRAINTS, key) if text is not None)
+        field, text = next((f, t) for f, t in zip(CONSTRAINTS, key) if t is not None)
         name = param or prefix + field
         # Tools' schemas become one constraint: bounded as a whole, whatever each one's size.
-        if len(str(key[CONSTRAINTS.index(field)])) > limits.max_constraint_size:
+        if len(str(text)) > limits.max_constraint_size:
             raise bad_request(f"the output constraint is longer than {limits.max_constraint_size} "
                               f"characters (--max-constraint-size)", name)
         try:
@@ -213,6 +215,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
             raise bad_request(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
         result[token] = value
     return result
+
+
+def check_n(ctx: ServingContext, n: int, param: str) -> None:
+    limit = ctx.engine.core.limits.max_n
+    if not 1 <= n <= limit:
+        raise bad_request(f"n must be between 1 and {limit} (--max-n)", param)
 
 
 def client_priority(ctx: ServingContext, priority: int | None) -> int:

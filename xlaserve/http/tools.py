@@ -27,7 +27,7 @@ import json
 import uuid
 
 from xlaserve.http.errors import bad_request
-from xlaserve.runtime.grammar import MAX_JSON_DEPTH, InvalidGrammar, json_depth
+from xlaserve.runtime.grammar import InvalidGrammar, check_depth
 from xlaserve.runtime.sampling_params import RequestLimits
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -58,9 +58,10 @@ def check_tools(tools: list[dict] | None, limits: RequestLimits | None = None) -
         parameters = function.get("parameters", NO_PARAMETERS)
         if not isinstance(parameters, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-        if json_depth(parameters) > MAX_JSON_DEPTH:
-            raise bad_request(f"tools[{i}].function.parameters nests objects and arrays more "
-                              f"than {MAX_JSON_DEPTH} deep", "tools")
+        try:
+            check_depth(parameters, f"tools[{i}].function.parameters")
+        except InvalidGrammar as error:
+            raise bad_request(str(error), "tools") from None
         if len(json.dumps(parameters)) > limits.max_constraint_size:
             raise bad_request(f"tools[{i}].function.parameters is longer than "
                               f"{limits.max_constraint_size} characters (--max-constraint-size)",

@@ -170,7 +170,7 @@ class EngineCore:
                           return_prompt_logprob)
         with self._submit_lock:
             self._submitted += 1
-        self._inbox.put(("add", live, None, None))
+        self._inbox.put(("add", live, None))
         return rid
 
     def queued_requests(self) -> int:
@@ -203,18 +203,18 @@ class EngineCore:
     def abort(self, rid: str, message: str | None = None) -> None:
         """Ends the request (waiting or running) on the engine thread; its final chunk carries
         `message` as its error, if given."""
-        self._inbox.put(("abort", rid, message, None))
+        self._inbox.put(("abort", rid, message))
 
     def abort_all(self, message: str) -> None:
         """Ends every request the engine holds, each with a final chunk whose error is `message`
         (the server's graceful shutdown ran out of time)."""
-        self._inbox.put(("abort_all", None, message, None))
+        self._inbox.put(("abort_all", None, message))
 
     def flush_cache(self) -> int:
         """Empties the prefix cache of the pages no running request uses, on the engine thread
         between steps; returns how many pages it freed, once done."""
         done: Future = Future()
-        self._inbox.put(("flush", done, None, None))
+        self._inbox.put(("flush", done, None))
         while True:
             try:
                 return done.result(timeout=1.0)
@@ -225,7 +225,7 @@ class EngineCore:
     def shutdown(self) -> None:
         self._stopping = True
         self._watchdog.stop()
-        self._inbox.put(("wake", None, None, None))
+        self._inbox.put(("wake", None, None))
         self._thread.join(timeout=30)
         if self._leader is not None:  # the followers stop too
             self._leader.close()
@@ -311,14 +311,15 @@ class EngineCore:
         request, its state being unknown. In a multi-host group, a failure after the leader sent
         the followers something breaks the group (they may have made a call the leader did not);
         one before (a request's host-side packing, say) does not."""
-        rids = list(dict.fromkeys(r.rid for batch in batches for r in batch.requests
-                                  if r.rid in self._delivery))
-        logger.exception("engine step failed; aborting %s",
-                         f"its {len(rids)} requests" if batches else "every live request")
+        if batches:
+            rids = list(dict.fromkeys(r.rid for batch in batches for r in batch.requests
+                                      if r.rid in self._delivery))
+            logger.exception("engine step failed; aborting its %d requests", len(rids))
+        else:
+            rids = self._delivery.rids()
+            logger.exception("engine loop failed outside a step; aborting every live request")
         if broadcast:
             self._leader.step_failed(error)
-        if not batches:
-            rids = self._delivery.rids()
         self._delivery.abort_many(rids, self.failure or f"internal error ({type(error).__name__})")
 
     def _drain_inbox(self, block: bool) -> None:
@@ -328,29 +329,26 @@ class EngineCore:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
-        aborts: list[str] = []
+        aborts: list[str] = []  # consecutive aborts with one message
         message = None
         while item is not None:
-            kind, payload, params, _ = item
-            if kind == "abort" and (not aborts or params == message):
+            kind, payload, item_message = item
+            if aborts and (kind != "abort" or item_message != message):
+                self._delivery.abort_many(aborts, message)
+                aborts = []
+            if kind == "abort":
                 aborts.append(payload)
-                message = params
-            else:
-                if aborts:
-                    self._delivery.abort_many(aborts, message)
-                    aborts = []
-                if kind == "abort":
-                    aborts, message = [payload], params
-                elif kind == "add":
-                    self._admitted += 1
-                    self._delivery.admit(payload)
-                elif kind == "abort_all":
-                    self._delivery.abort_many(self._delivery.rids(), params)
-                elif kind == "flush":
-                    try:
-                        payload.set_result(self.scheduler.flush_cache())
-                    except Exception as error:  # the caller waits on the future: hand it the error
-                        payload.set_exception(error)
+                message = item_message
+            elif kind == "add":
+                self._admitted += 1
+                self._delivery.admit(payload)
+            elif kind == "abort_all":
+                self._delivery.abort_many(self._delivery.rids(), item_message)
+            elif kind == "flush":
+                try:
+                    payload.set_result(self.scheduler.flush_cache())
+                except Exception as error:  # the caller waits on the future: hand it the error
+                    payload.set_exception(error)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

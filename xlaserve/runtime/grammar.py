@@ -91,9 +91,10 @@ def parse_json(text: str, kind: str):
     return value
 
 
-def check_depth(value, kind: str) -> None:
+def check_depth(value, what: str) -> None:
+    """InvalidGrammar naming `what` for a value nested past MAX_JSON_DEPTH."""
     if json_depth(value) > MAX_JSON_DEPTH:
-        raise InvalidGrammar(kind, f"{kind} nests objects and arrays more than {MAX_JSON_DEPTH} "
+        raise InvalidGrammar(what, f"{what} nests objects and arrays more than {MAX_JSON_DEPTH} "
                                    "deep")
 
 
