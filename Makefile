@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Compile-only TPU and GPU packages for the tests (runtime/aot.py), outside the serving environment:
+# Compile-only TPU and GPU packages for the tests (executor/aot.py), outside the serving environment:
 # libtpu (the version jax[tpu] pins) and the CUDA 13 plugin of the installed jax, ~1.1 GB. One
 # folder per venv (VENV/aot, where aot.use_compile_only_packages looks): each matches its own jax.
 AOT_STAMP := $(VENV)/aot/.installed
@@ -60,7 +60,8 @@ test: $(STAMP) $(AOT_STAMP)
 # On JAX 0.11, what depends on JAX's version: kernels, models, the engine and its compiled steps.
 # The HTTP layer (tests/http: FastAPI, pydantic, the same engine underneath) and the README checks
 # run once, on JAX 0.10: a second run would double their minutes and test nothing new.
-JAX_DEPENDENT_TESTS := tests/kernels tests/model tests/runtime tests/test_accelerator_check.py
+JAX_DEPENDENT_TESTS := tests/kernels tests/model tests/engine tests/executor tests/sampling \
+  tests/distributed tests/test_accelerator_check.py
 test-jax011: $(STAMP011) $(AOT011_STAMP)
 	$(PY011) -m pytest -q $(JAX_DEPENDENT_TESTS) $(PYTEST_ARGS)
 

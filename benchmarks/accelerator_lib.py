@@ -192,7 +192,7 @@ class ModelBench:
     def __init__(self, model_path: str, *, hbm_gbps: float, max_running: int, context_length: int,
                  max_prefill_tokens: int, token_buckets: list[int], dtype: str = "auto"):
         import xlaserve
-        from xlaserve.runtime.scheduler import max_step_tokens
+        from xlaserve.scheduler.scheduler import max_step_tokens
 
         self.hbm_gbps, self.rng = hbm_gbps, np.random.default_rng(0)
         # The buckets the runs need and the largest step, not every power of two: each program
@@ -233,7 +233,7 @@ class ModelBench:
     def floor_step_s(self, batch: int, context: float) -> tuple[float, int]:
         """(seconds, bytes): the roofline floor of a decode step of `batch` sequences of
         `context` tokens each: weights plus every sequence's KV, read once at HBM bandwidth."""
-        from xlaserve.runtime.kv_cache import bytes_per_token
+        from xlaserve.executor.kv_pool import bytes_per_token
 
         nbytes = self.weight_bytes + int(batch * context * bytes_per_token(self.config, self.dtype))
         return nbytes / (self.hbm_gbps * 1e9), nbytes
@@ -289,7 +289,7 @@ def server_check(model_path: str, *, timeout_s: float, max_tokens: int = 8) -> d
     one completion of a token-id prompt with the openai SDK; checks a 200 and every token."""
     import openai
 
-    from xlaserve.runtime.scheduler import max_step_tokens
+    from xlaserve.scheduler.scheduler import max_step_tokens
 
     port, storage = free_port(), tempfile.mkdtemp(prefix="accelerator_check_")
     log_path = os.path.join(storage, "server.log")

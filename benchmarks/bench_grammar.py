@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from xlaserve.model.loader import default_model_file, load_tokenizer, read_config
-    from xlaserve.runtime.grammar import GrammarBackend
+    from xlaserve.sampling.grammar import GrammarBackend
 
     config, _ = read_config(None, "auto")
     tokenizer = load_tokenizer(default_model_file())

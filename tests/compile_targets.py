@@ -1,4 +1,4 @@
-"""Compile-only TPU and GPU devices for the tests (runtime/aot.py), skipped with the reason where
+"""Compile-only TPU and GPU devices for the tests (executor/aot.py), skipped with the reason where
 the package that provides them is not installed (`make test` installs both into .venv/aot)."""
 import functools
 import re
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from xlaserve.runtime import aot
+from xlaserve.executor import aot
 
 
 @functools.cache

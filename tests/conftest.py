@@ -8,8 +8,8 @@ import tempfile
 
 import pytest
 
-from xlaserve.runtime.aot import use_compile_only_packages
-from xlaserve.runtime.compilation import enable_persistent_cache
+from xlaserve.executor.aot import use_compile_only_packages
+from xlaserve.compile.persistent_cache import enable_persistent_cache
 
 use_compile_only_packages()  # before any backend starts
 
@@ -23,8 +23,8 @@ if not os.environ.get("XLASERVE_CONVERSION_CACHE_DIR"):
     atexit.register(shutil.rmtree, os.environ["XLASERVE_CONVERSION_CACHE_DIR"], True)
 
 # Serving steps compile as they always did, through JAX's cache: the executable cache compiles
-# afresh on each miss (runtime/executable_cache.py), which every change of xlaserve makes, so it
-# stays off for this process and the servers it starts, but in tests/runtime/test_executable_cache.py.
+# afresh on each miss (compile/executable_cache.py), which every change of xlaserve makes, so it
+# stays off for this process and the servers it starts, but in tests/executor/test_executable_cache.py.
 os.environ.setdefault("XLASERVE_EXECUTABLE_CACHE", "0")
 
 

@@ -27,9 +27,9 @@ READY_MESSAGE = "The server is fired up and ready to roll!"
 
 def make_context(args: ServerArgs):
     """Loads the engine (weights, KV cache, precompile) and everything the routes need."""
-    from xlaserve.http.chat_template import load_chat_template, template_stop_ids
+    from xlaserve.http.parsing.chat_template import load_chat_template, template_stop_ids
     from xlaserve.http.metrics import Metrics
-    from xlaserve.http.reasoning import PARSERS
+    from xlaserve.http.parsing.reasoning import PARSERS
     from xlaserve.http.serving import ServingContext
     from xlaserve.offline import Engine
 
@@ -52,7 +52,7 @@ def make_context(args: ServerArgs):
 
 async def warm_up(ctx) -> None:
     """One short generation through the whole path; /health turns 200 only after it passed."""
-    from xlaserve.runtime.sampling_params import SamplingParams
+    from xlaserve.sampling.params import SamplingParams
     from xlaserve.http.serving import Generation
 
     started = time.perf_counter()
@@ -82,7 +82,7 @@ def log_startup(core, warmup_seconds: float | None) -> None:
 def open_storage(args: ServerArgs):
     """The files and batches folder, locked for this process (before the model loads: a folder
     another server uses is refused at once)."""
-    from xlaserve.http.storage import Storage
+    from xlaserve.http.batches.storage import Storage
 
     return Storage(args.file_storage_path)
 
@@ -91,7 +91,7 @@ def build_app(args: ServerArgs, ctx, storage=None):
     """The app, with a lifespan that warms up after uvicorn listens and stops the engine at exit;
     unfinished batches resume once the warm-up has passed."""
     from xlaserve.http.app import create_app
-    from xlaserve.http.batch_runner import BatchRunner, default_concurrency
+    from xlaserve.http.batches.runner import BatchRunner, default_concurrency
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.nnodes > 1:  # jax.distributed first; ranks > 0 replay rank 0's steps, no HTTP
-            from xlaserve.runtime import distributed, follower
+            from xlaserve.distributed import follower, setup
 
-            distributed.initialize(args)
+            setup.initialize(args)
             if args.node_rank > 0:
                 return follower.follow(args)
         storage = open_storage(args)

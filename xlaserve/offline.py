@@ -10,7 +10,7 @@
                              skip_tokenizer_init=True)
     out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8})
 
-    # Two replicas of a 4-device tensor parallel model on 8 devices (runtime/data_parallel.py):
+    # Two replicas of a 4-device tensor parallel model on 8 devices (engine/data_parallel.py):
     engine = xlaserve.Engine(model_path=..., tp_size=4, dp_size=2)
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ import dataclasses
 import queue
 from typing import Any, AsyncIterator
 
-from xlaserve.runtime.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
+from xlaserve.engine.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              EngineDeadError, sglang_output)
-from xlaserve.runtime.data_parallel import make_engine_core
-from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams
+from xlaserve.engine.data_parallel import make_engine_core
+from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve.server_args import ServerArgs
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -71,13 +71,13 @@ def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingPa
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         self.server_args = ServerArgs(model_path=model_path, **server_args)
-        if self.server_args.nnodes > 1:  # multi-host (runtime/distributed.py): jax.distributed first
-            from xlaserve.runtime import distributed, follower
+        if self.server_args.nnodes > 1:  # multi-host (distributed/leader.py): jax.distributed first
+            from xlaserve.distributed import follower, setup
 
-            distributed.initialize(self.server_args)
+            setup.initialize(self.server_args)
             if self.server_args.node_rank > 0:  # a follower replays rank 0's steps, then exits
                 raise SystemExit(follower.follow(self.server_args))
-        # An EngineCore, or with dp_size > 1 replicas behind one (runtime/data_parallel.py).
+        # An EngineCore, or with dp_size > 1 replicas behind one (engine/data_parallel.py).
         self.core = make_engine_core(self.server_args)
         self.tokenizer = self.core.tokenizer
 

@@ -93,8 +93,8 @@ def test_a_batch_stopped_with_its_server_resumes_in_the_next_one(server, tmp_pat
     the batch stays in_progress on disk, and the next app on the folder finishes it."""
     from tests.http.conftest import AppServer
     from xlaserve.http.app import create_app
-    from xlaserve.http.batch_runner import BatchRunner
-    from xlaserve.http.storage import Storage
+    from xlaserve.http.batches.runner import BatchRunner
+    from xlaserve.http.batches.storage import Storage
 
     def app_on(folder):
         runner = BatchRunner(server.ctx, Storage(folder), max_file_size=1 << 20, max_lines=1000,

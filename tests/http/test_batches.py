@@ -198,8 +198,8 @@ def test_failing_lines_go_to_the_error_file_and_the_batch_completes(client, tmp_
 def small(server, tmp_path_factory):
     """The same engine behind an app with its own storage, 10 lines per batch at most."""
     from xlaserve.http.app import create_app
-    from xlaserve.http.batch_runner import BatchRunner
-    from xlaserve.http.storage import Storage
+    from xlaserve.http.batches.runner import BatchRunner
+    from xlaserve.http.batches.storage import Storage
 
     runner = BatchRunner(server.ctx, Storage(str(tmp_path_factory.mktemp("batches"))),
                          max_file_size=1 << 20, max_lines=10, concurrency=2)

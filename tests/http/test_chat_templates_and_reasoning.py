@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from tests.http.conftest import AppServer
-from xlaserve.http.chat_template import load_chat_template
-from xlaserve.http.reasoning import ReasoningParser
+from xlaserve.http.parsing.chat_template import load_chat_template
+from xlaserve.http.parsing.reasoning import ReasoningParser
 
 NO_EOS = {"logit_bias": {"2": -100}}
 
@@ -143,7 +143,7 @@ def test_continue_final_message_continues_the_assistant_turn(server):
 
 def test_tool_call_arguments_nested_past_what_json_parses_are_a_400():
     """Found by test_fuzz.py: arguments nested 1000 deep raised RecursionError (a 500)."""
-    from xlaserve.http.chat_template import template_messages
+    from xlaserve.http.parsing.chat_template import template_messages
     from xlaserve.http.errors import APIError
     from xlaserve.http.protocol import ChatMessage
 

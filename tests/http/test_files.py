@@ -23,8 +23,8 @@ def _error(response: httpx.Response, status: int) -> dict:
 def small(server, tmp_path_factory):
     """The same engine behind an app with its own storage and a 4 KiB upload limit."""
     from xlaserve.http.app import create_app
-    from xlaserve.http.batch_runner import BatchRunner
-    from xlaserve.http.storage import Storage
+    from xlaserve.http.batches.runner import BatchRunner
+    from xlaserve.http.batches.storage import Storage
 
     root = tmp_path_factory.mktemp("small-storage")
     runner = BatchRunner(server.ctx, Storage(str(root)), max_file_size=4096, max_lines=10,
@@ -130,7 +130,7 @@ def test_upload_over_max_file_size_is_413_announced_or_streamed(small):
 
 
 def test_a_second_server_on_the_same_folder_is_refused(small):
-    from xlaserve.http.storage import Storage, StorageBusy
+    from xlaserve.http.batches.storage import Storage, StorageBusy
 
     with pytest.raises(StorageBusy, match="in use"):
         Storage(str(small.root))

@@ -37,10 +37,10 @@ from hypothesis import HealthCheck, configuration, given, settings
 from hypothesis import strategies as st
 
 from tests.http.conftest import SERVER_DEFAULTS, AppServer, launch_server_process
-from xlaserve.http.files import UPLOAD_PURPOSES
+from xlaserve.http.batches.files import UPLOAD_PURPOSES
 from xlaserve.http.protocol import (BatchRequest, ChatCompletionRequest, CompletionRequest,
                                     GenerateRequest)
-from xlaserve.runtime.sampling_params import SamplingParams
+from xlaserve.sampling.params import SamplingParams
 
 REQUEST_TIMEOUT_S = 30.0  # an answer later than this is a hang
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
@@ -527,13 +527,13 @@ FOUND = [
         '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "assistant", "tool_calls": '
         '[{"id": "1", "type": "function", "function": {"name": "f", "arguments": '
         + json.dumps(_nested(1000)) + "}}]}]}").encode()),
-    # Fixed (runtime/grammar.py): llguidance refuses a boolean schema with options, and the
+    # Fixed (sampling/grammar.py): llguidance refuses a boolean schema with options, and the
     # Infinity / NaN that Python's json reads: ValueError, a 500.
     ("/generate", _generate_with({"json_schema": "false"})),
     ("/v1/chat/completions", _chat_with('"json_schema": "true"')),
     ("/generate", _generate_with({"json_schema": '{"type": "string", "minLength": 1e400}'})),
     ("/generate", _generate_with({"json_schema": '{"type": "integer", "maximum": NaN}'})),
-    # Fixed (runtime/grammar.py closed_objects, its json.loads): a schema nested 500 deep is a
+    # Fixed (sampling/grammar.py closed_objects, its json.loads): a schema nested 500 deep is a
     # RecursionError, a 500.
     ("/v1/chat/completions", _chat_with('"response_format": {"type": "json_schema", "json_schema": '
                                         '{"name": "x", "schema": ' + _nested(500) + "}}")),
@@ -541,14 +541,14 @@ FOUND = [
     ("/generate", _generate_with({"json_schema": _nested(1000)})),
     ("/generate", _generate_with({"structural_tag": json.dumps({"structures": [
         {"begin": "<a>", "schema": json.loads(_nested(500)), "end": "</a>"}], "triggers": ["<a"]})})),
-    # Fixed (http/serving.py response_format_constraint, http/tools.py check_tools: json.dumps):
+    # Fixed (http/serving.py response_format_constraint, http/parsing/tools.py check_tools: json.dumps):
     # nested 1000 deep, a RecursionError before the grammar.
     ("/v1/chat/completions", _chat_with(
         '"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": '
         + _nested(1000) + ', "end": "</a>"}], "triggers": ["<a"]}')),
     ("/v1/chat/completions", _chat_with('"tools": [{"type": "function", "function": {"name": "f", '
                                         '"parameters": ' + _nested(1000) + "}}]")),
-    # Fixed (http/tools.py tool_choice_of): an unhashable name is a TypeError, a 500.
+    # Fixed (http/parsing/tools.py tool_choice_of): an unhashable name is a TypeError, a 500.
     ("/v1/chat/completions", _chat_with(TOOL + ', "tool_choice": {"type": "function", "function": '
                                                 '{"name": []}}')),
     # Fixed (runtime: SamplingParams.validate allows MAX_LOGIT_BIAS=300 entries, the sampler pads

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from xlaserve.http.reasoning import PARSERS, ReasoningParser, needs_special_tokens
+from xlaserve.http.parsing.reasoning import PARSERS, ReasoningParser, needs_special_tokens
 from xlaserve.server_args import ServerArgs
 
 ANALYSIS = "<|channel|>analysis<|message|>"

@@ -159,7 +159,7 @@ def test_what_outlives_the_timeout_is_aborted_and_the_server_exits_0(tiny_chat_m
     assert response.status_code == 503 and response.json() == {"error": SHUTDOWN_ERROR}
     assert response.headers["retry-after"].isdigit()
 
-    from xlaserve.http.storage import Storage  # the folder, as the next server will find it
+    from xlaserve.http.batches.storage import Storage  # the folder, as the next server will find it
 
     storage = Storage(str(tmp_path / "storage"))
     try:

@@ -236,7 +236,7 @@ def test_an_unknown_tool_call_parser_is_a_start_up_error_listing_the_names():
 
 
 def test_the_launch_flag_offers_every_parser():
-    from xlaserve.http.tool_parsers import TOOL_CALL_PARSERS
+    from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
     from xlaserve.server_args import ServerArgs
 
     field = next(f for f in ServerArgs.__dataclass_fields__.values() if f.name == "tool_call_parser")
@@ -247,7 +247,7 @@ STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "stric
 
 
 def test_strict_tools_under_auto_are_held_to_their_schema(qwen):
-    from xlaserve.http.tools import check_tools, strict_tool_tag
+    from xlaserve.http.parsing.tools import check_tools, strict_tool_tag
 
     tag = strict_tool_tag("qwen25", check_tools([STRICT_WEATHER, TIME]))
     backend = qwen.ctx.engine.core.grammar_backend
@@ -271,7 +271,7 @@ def test_strict_tools_under_auto_are_held_to_their_schema(qwen):
 
 def test_strict_tools_under_auto_with_a_parser_that_cannot_hold_them_are_a_400():
     from xlaserve.http.errors import APIError
-    from xlaserve.http.tools import check_tools, strict_tool_tag
+    from xlaserve.http.parsing.tools import check_tools, strict_tool_tag
 
     with pytest.raises(APIError) as error:
         strict_tool_tag("llama3", check_tools([STRICT_WEATHER]))

@@ -1,4 +1,4 @@
-"""The tool-call parsers (xlaserve/http/tool_parsers.py) on recorded outputs of each model family:
+"""The tool-call parsers (xlaserve/http/parsing/tool_parsers.py) on recorded outputs of each model family:
 fed whole, one character at a time, one token at a time (the default model's tokenizer) and cut in
 two at every position, they give the same content and the same calls; markup never reaches the
 streamed content, and a call cut off by the end of the output never shows up."""
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from xlaserve.http.tool_parsers import TOOL_CALL_PARSERS, ToolCall, ToolCallDelta
+from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS, ToolCall, ToolCallDelta
 
 
 def tool(name):

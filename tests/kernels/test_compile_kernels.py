@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from tests.compile_targets import cache_copies, compile_for, devices
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
-from xlaserve.runtime import aot
+from xlaserve.executor import aot
 
 # Per-device (q heads, kv heads, head dim) of real models.
 HEAD_LAYOUTS = {

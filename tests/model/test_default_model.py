@@ -4,7 +4,7 @@ import pytest
 
 from tests.hf_reference import default_model_in_transformers, hf_greedy
 from xlaserve.model.loader import default_model_file, load_model
-from xlaserve.runtime.greedy import greedy_generate
+from xlaserve.executor.greedy import greedy_generate
 
 PROMPT = "List 3 countries and their capitals."
 

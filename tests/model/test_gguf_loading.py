@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from xlaserve.model.loader import load_model
-from xlaserve.runtime.greedy import PagedBatch, make_forward
-from xlaserve.runtime.kv_cache import init_kv_pool
+from xlaserve.executor.greedy import PagedBatch, make_forward
+from xlaserve.executor.kv_pool import init_kv_pool
 
 from .gguf_writer import write_llama_gguf
 

@@ -11,8 +11,8 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh
     from flax import nnx
     from xlaserve.model.loader import load_model
-    from xlaserve.runtime.greedy import PagedBatch, make_forward
-    from xlaserve.runtime.kv_cache import init_kv_pool
+    from xlaserve.executor.greedy import PagedBatch, make_forward
+    from xlaserve.executor.kv_pool import init_kv_pool
 
     def logits(mesh):
         loaded = load_model(sys.argv[1], dtype="float32", mesh=mesh, skip_tokenizer_init=True,

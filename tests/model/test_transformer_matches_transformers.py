@@ -7,8 +7,8 @@ from flax import nnx
 
 from xlaserve.model.loader import load_model
 from xlaserve.model.packed import PackedMatrix, pack_model
-from xlaserve.runtime.greedy import PagedBatch, make_forward
-from xlaserve.runtime.kv_cache import init_kv_pool
+from xlaserve.executor.greedy import PagedBatch, make_forward
+from xlaserve.executor.kv_pool import init_kv_pool
 
 from tests.tiny_models import FAMILIES
 

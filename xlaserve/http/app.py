@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from xlaserve.http import batches, files, native, off_loop
+from xlaserve.http import native, off_loop
+from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, validation_message

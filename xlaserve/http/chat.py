@@ -3,24 +3,25 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from xlaserve.http import chat_template, off_loop
+from xlaserve.http import off_loop
+from xlaserve.http.parsing import chat_template
 from xlaserve.http.errors import APIError, bad_request, generation_error
 from xlaserve.http.logprobs import chat_logprobs
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatCompletionRequest
-from xlaserve.http.reasoning import ReasoningParser, needs_special_tokens
+from xlaserve.http.parsing.reasoning import ReasoningParser, needs_special_tokens
 from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Choice, Generation, ServingContext,
                                    StreamBuffer, check_prompt_ids, check_top_logprobs,
                                    client_priority, compile_constraints, constraint_param,
                                    sampling_params, sse, sse_error)
-from xlaserve.http.tool_parsers import TOOL_CALL_PARSERS
+from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
 
 # Parsers whose call markers are special tokens of their models (`<|python_tag|>`,
 # `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`): the text must keep special tokens.
 SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31")
-from xlaserve.http.tools import (check_tool_schemas, check_tools, forced_calls, forced_schema,
+from xlaserve.http.parsing.tools import (check_tool_schemas, check_tools, forced_calls, forced_schema,
                                  new_call_id, strict_tool_tag, tool_call_dict, tool_choice_of)
-from xlaserve.runtime.async_requests import EngineDeadError
+from xlaserve.engine.async_requests import EngineDeadError
 
 
 class ChatCall:
@@ -47,7 +48,7 @@ class ChatCall:
         self.params = sampling_params(ctx, req, max_tokens, len(prompt_ids), ctx.template_stop_ids)
         if req.separate_reasoning and needs_special_tokens(ctx.reasoning_parser):
             self.params.skip_special_tokens = False  # gpt-oss: the Harmony markers are special tokens
-        # A forced tool_choice is a JSON-schema constraint on the output (http/tools.py).
+        # A forced tool_choice is a JSON-schema constraint on the output (http/parsing/tools.py).
         self.parallel = req.parallel_tool_calls is not False
         self.forced = forced_schema(self.tool_choice, self.functions, self.parallel)
         user_constraint = constraint_param(req) or any(

@@ -21,8 +21,8 @@ from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Generation, ServingCon
                                    check_top_logprobs, compile_constraints, context_error, sse,
                                    sse_error)
 from xlaserve.offline import to_sampling_params
-from xlaserve.runtime.async_requests import EngineDeadError, sglang_output
-from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams
+from xlaserve.engine.async_requests import EngineDeadError, sglang_output
+from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
 
 router = APIRouter()
 

@@ -17,11 +17,11 @@ from xlaserve.http.errors import APIError, bad_request, generation_error, shutti
 from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
-from xlaserve.runtime.async_requests import AsyncRequestGroup, Choice, EngineDeadError
-from xlaserve.runtime.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
-from xlaserve.runtime.engine import QueueFull
-from xlaserve.runtime.sampling_params import InvalidSamplingParam, SamplingParams, token_id
-from xlaserve.runtime.model_runner import MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS
+from xlaserve.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
+from xlaserve.sampling.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
+from xlaserve.engine.core import QueueFull
+from xlaserve.sampling.params import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, InvalidSamplingParam,
+                                      SamplingParams, token_id)
 
 # SamplingParams' names as OpenAI spells them, for error messages and `param`.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

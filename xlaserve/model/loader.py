@@ -96,7 +96,7 @@ def default_mesh() -> Mesh:
 
 def tensor_parallel_mesh(tp_size: int, first_device: int = 0) -> Mesh:
     """A ("data", "tensor") mesh over devices [first_device, first_device + tp_size): a data
-    parallel replica's slice (runtime/data_parallel.py), or the first `tp_size` devices."""
+    parallel replica's slice (engine/data_parallel.py), or the first `tp_size` devices."""
     devices = jax.devices()
     if tp_size < 1 or first_device < 0 or first_device + tp_size > len(devices):
         needed = (f"devices {first_device}..{first_device + tp_size - 1}" if first_device

@@ -69,7 +69,7 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
     qkv, ...) become one stack, each layer's Variable a view of it (the layers of the supported
     architectures all have the same shapes): a step then takes 4 weight arrays for all layers
     instead of 4 per layer, and each argument of a jitted call costs host time (with
-    runtime/weight_args.py, 182 weight arguments became 6 and the host dispatch of a one-token
+    executor/weight_args.py, 182 weight arguments became 6 and the host dispatch of a one-token
     step went from 3.2 to 2.1 ms on a 2-core CPU). A model already packed is left as it is."""
     _, state = nnx.split(model)
     values, stacks = {}, {}

@@ -9,7 +9,7 @@
     rows = packed_rows(packed, ids, pairs)  # e[ids] from pack_rows(e): the embedding lookup
 
 P, the panel width, is the kernel's (`panel_width()`: 16, or 32 on CPUs with AVX-512). Packing is
-done once, when the weights are placed (runtime/model_runner.py); a panel is then one contiguous
+done once, when the weights are placed (executor/model_runner.py); a panel is then one contiguous
 stream, which is what lets steps of a few rows run near memory speed.
 
 bfloat16 weights with an even K, on a CPU with AVX512_BF16, are packed in k-pairs (`bf16_pairs`:

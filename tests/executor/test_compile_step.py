@@ -1,0 +1,38 @@
+"""The whole serving step (forward with the Pallas attention inside, sampler, penalty state) of a
+real-size model, compiled for TPU v6e (2x2, tensor parallel over 4 chips) and for one H100,
+without the hardware (executor/aot.py): what a server on those machines would precompile at
+start-up, at the largest bucket (the q-block heuristic's biggest blocks). Weights are not read:
+Llama-3.1-8B's config.json (benchmarks/configs) gives the shapes.
+"""
+from pathlib import Path
+
+import pytest
+
+from tests.compile_targets import cache_copies, devices
+from xlaserve.executor import aot
+from xlaserve.server_args import ServerArgs
+
+LLAMA_8B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
+WEIGHT_BYTES = 16.06e9  # Llama-3.1-8B in bfloat16
+
+
+@pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), ("h100", 1)])
+def test_llama_8b_serving_step_compiles_for_the_target(target, tp_size):
+    devices(target)  # skips where the compile-only package is absent
+    args = ServerArgs(model_path=LLAMA_8B, tp_size=tp_size, max_running_requests=64)
+    program, shapes, description = aot.server_step(target, args)
+    tokens, seqs, pages = shapes[-1]
+    assert (tokens, seqs) == (512, 64), description  # --max-prefill-tokens, 64 requests
+    compiled = program.compile(tokens, seqs, pages)
+
+    memory = compiled.memory_analysis()
+    kv_bytes = sum(cache.size * cache.dtype.itemsize for cache in program.args[1])
+    per_device = (WEIGHT_BYTES + kv_bytes) / tp_size
+    assert 0.95 * per_device < memory.argument_size_in_bytes < 1.1 * per_device, description
+    hlo = compiled.as_text()
+    # The 32 caches (and the penalty state) are donated and updated in place: no cache is copied.
+    cache = program.args[1][0]
+    local = (cache.shape[0], cache.shape[1], cache.shape[2] // tp_size)  # one device's shard
+    assert not cache_copies(hlo, local, cache.dtype), "a KV cache is copied"
+    header = hlo.splitlines()[0]  # HloModule ..., input_output_alias={ {i}: (arg, {}, may-alias), ...
+    assert header.count("may-alias") >= 32 + 2, description  # caches, counts, last tokens

@@ -1,0 +1,131 @@
+"""The executable cache (compile/executable_cache.py): a second start loads every serving step
+instead of lowering it, the loaded steps give the tokens of the jitted ones and compile nothing
+while serving, a corrupt or partial entry is compiled again and never loaded, the key follows
+what the program is made of, and the flag and the environment variable turn it off."""
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from tests.executor.test_model_runner import BUCKETS, PAGE_SIZE, PROMPTS, _greedy_together
+from tests.tiny_models import make_tiny_checkpoint
+from xlaserve.model.loader import load_model
+from xlaserve.compile import executable_cache
+from xlaserve.compile.executable_cache import MAGIC, ExecutableCache, describe, program_key
+from xlaserve.executor.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("llama"))
+    make_tiny_checkpoint(directory, "llama")
+    return load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
+
+
+def _runner(loaded, cache=None):
+    runner = ModelRunner(loaded, num_pages=1 + 8 * len(PROMPTS), page_size=PAGE_SIZE,
+                         max_running_requests=4)
+    runner.precompile(BUCKETS.all_shapes(), cache=cache, progress=False)
+    return runner
+
+
+def _greedy(runner):
+    return _greedy_together(runner, PROMPTS, 5)
+
+
+def test_a_second_start_loads_every_step_and_gives_the_jitted_tokens(loaded, tmp_path, caplog):
+    shapes = len(BUCKETS.all_shapes())
+    first = ExecutableCache(str(tmp_path))
+    _runner(loaded, first)
+    assert (first.loaded, first.compiled) == (0, shapes)
+    assert len(list(tmp_path.glob("*.exe"))) == shapes
+    # JAX's persistent cache is back on once the fresh compiles are done.
+    assert jax.config.jax_enable_compilation_cache
+
+    second = ExecutableCache(str(tmp_path))
+    runner = _runner(loaded, second)
+    assert (second.loaded, second.compiled) == (shapes, 0)
+    programs = runner.compile_count()
+    with caplog.at_level(logging.WARNING):
+        tokens = _greedy(runner)
+    assert runner.compile_count() == programs and "COMPILED WHILE SERVING" not in caplog.text
+    assert tokens == _greedy(_runner(loaded, cache=None))
+
+
+def test_a_corrupt_or_partial_entry_is_compiled_again_never_loaded(loaded, tmp_path, caplog):
+    _runner(loaded, ExecutableCache(str(tmp_path)))
+    entries = sorted(tmp_path.glob("*.exe"))
+    truncated, flipped = entries[0], entries[1]
+    truncated.write_bytes(truncated.read_bytes()[: len(MAGIC) + 40])
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    cache = ExecutableCache(str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        runner = _runner(loaded, cache)
+    assert (cache.loaded, cache.compiled) == (len(entries) - 2, 2)
+    assert caplog.text.count("is corrupt or partial; compiling it again") == 2
+    assert _greedy(runner) == _greedy(_runner(loaded, cache=None))
+    again = ExecutableCache(str(tmp_path))  # rewritten whole
+    _runner(loaded, again)
+    assert (again.loaded, again.compiled) == (len(entries), 0)
+
+
+def test_the_key_follows_the_description_the_shapes_and_the_static_arguments():
+    replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    args = (jax.ShapeDtypeStruct((4, 8), np.float32, sharding=replicated),)
+    key = program_key("step", "model A", args, {"layout": "L1"})
+    assert key == program_key("step", "model A", args, {"layout": "L1"})
+    other_shape = (jax.ShapeDtypeStruct((4, 16), np.float32, sharding=replicated),)
+    other_dtype = (jax.ShapeDtypeStruct((4, 8), np.int32, sharding=replicated),)
+    assert len({key, program_key("step", "model B", args, {"layout": "L1"}),
+                program_key("step", "model A", other_shape, {"layout": "L1"}),
+                program_key("step", "model A", other_dtype, {"layout": "L1"}),
+                program_key("step", "model A", args, {"layout": "L2"})}) == 5
+
+
+def test_kernels_are_described_by_name_not_by_address():
+    from xlaserve.executor.kernels import kernels_for
+
+    text = describe(kernels_for())
+    assert "0x" not in text and "ragged_paged_attention" in text
+    assert text == describe(kernels_for())
+    assert describe(kernels_for(matmul_backend="xla")) != describe(kernels_for(matmul_backend="auto")) \
+        or kernels_for().packed_matmul is None
+
+
+@pytest.fixture
+def jax_cache_dir_restored():
+    """An engine points JAX's cache at its --compilation-cache-dir, and a fresh compile makes JAX
+    open the configured folder again: the rest of the session keeps its own."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+    compilation_cache.reset_cache()
+
+
+def test_the_flag_and_the_environment_variable_leave_only_jax_cache(tmp_path, monkeypatch,
+                                                                    jax_cache_dir_restored):
+    from xlaserve.offline import Engine
+
+    make_tiny_checkpoint(str(tmp_path / "model"), "llama")
+    small = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=2,
+                 max_total_tokens=64, context_length=32, precompile_token_paddings="8",
+                 compilation_cache_dir=str(tmp_path / "xla"), log_level="warning")
+    monkeypatch.setenv("XLASERVE_EXECUTABLE_CACHE", "1")
+    with Engine(str(tmp_path / "model"), disable_executable_cache=True, **small):
+        pass
+    monkeypatch.setenv("XLASERVE_EXECUTABLE_CACHE", "0")
+    with Engine(str(tmp_path / "model"), **small):
+        pass
+    assert not list((tmp_path / "xla").glob("executables/*.exe"))
+    monkeypatch.setenv("XLASERVE_EXECUTABLE_CACHE", "1")
+    with Engine(str(tmp_path / "model"), **small) as engine:
+        out = engine.generate(input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 3,
+                                                                       "temperature": 0})
+    assert list((tmp_path / "xla").glob("executables/*.exe"))
+    assert len(out[0]["output_ids"]) == 3
+    assert executable_cache.enabled_by_environment()

@@ -1,0 +1,263 @@
+"""The radix prefix cache: the tree on its own, then through the scheduler with the fake model
+(which reads every token back through the page table, so a wrong or stale shared page fails)."""
+import logging
+
+import pytest
+
+from tests.scheduler.test_scheduler import PAGE, FakeModel, make_scheduler, req
+from xlaserve.scheduler.page_allocator import PageAllocator
+from xlaserve.scheduler.prefix_cache import RadixCache
+from xlaserve.sampling.params import RowSamplingParams
+from xlaserve.scheduler.request import Request
+
+A = list(range(100, 112))  # three pages of 4 tokens
+
+
+def make_cache(num_pages=32):
+    return RadixCache(PageAllocator(num_pages), PAGE)
+
+
+def cached(cache, token_ids, pages_of):
+    """Inserts `token_ids` with freshly allocated pages, as a request that computed them would."""
+    pages = cache.allocator.allocate(pages_of)
+    return pages, cache.insert(token_ids, pages)
+
+
+# --- the tree -------------------------------------------------------------------------------------
+
+
+def test_insert_keeps_whole_pages_only_and_match_stops_at_the_last_equal_page():
+    cache = make_cache()
+    pages, (tree_pages, node) = cached(cache, A + [1, 2], 4)  # the 4th page is partial
+    assert tree_pages == pages[:3] and node.prefix_pages == 3 and node.key == A
+    assert cache.evictable_pages == 3 and cache.locked_pages == 0
+    cache.allocator.free(pages[3:])  # the partial page stays its request's
+    assert cache.match(A + [1, 2])[0] == pages[:3]
+    assert cache.match(A[:11])[0] == pages[:2]  # a partial page is never matched
+    assert cache.match(A[:5] + [0, 0, 0])[0] == pages[:1]  # differs inside the 2nd page
+    assert cache.match([0] + A[1:]) == ([], cache.root)  # differs in the first page
+    assert cache.match(A[:3]) == ([], cache.root)
+
+
+def test_a_match_ending_inside_a_node_splits_it_at_the_page_boundary():
+    cache = make_cache()
+    pages, _ = cached(cache, A, 3)
+    head_pages, head = cache.match(A[:8] + [7, 7, 7, 7])
+    assert head_pages == pages[:2] and head.key == A[:8] and head.prefix_pages == 2
+    (tail,) = head.children.values()
+    assert tail.key == A[8:] and tail.pages == pages[2:] and tail.prefix_pages == 3
+    assert cache.root.children == {tuple(A[:4]): head} and cache.evictable_pages == 3
+    # Inserting the diverging sequence shares the head and adds a sibling of the tail.
+    other, (tree_pages, leaf) = cached(cache, A[:8] + [7, 7, 7, 7], 3)
+    assert tree_pages == pages[:2] + other[2:]  # the tree's pages win where it had them
+    assert leaf.parent is head and len(head.children) == 2 and cache.evictable_pages == 4
+
+
+def test_lock_counts_references_along_the_path_and_unlock_releases_them():
+    cache = make_cache()
+    cached(cache, A, 3)
+    _, head = cache.match(A[:8])  # splits: head (2 pages) -> tail (1 page)
+    _, tail = cache.match(A)
+    cache.lock(tail)
+    cache.lock(head)
+    assert (cache.locked_pages, cache.evictable_pages) == (3, 0)
+    assert (head.lock_ref, tail.lock_ref) == (2, 1)
+    cache.unlock(tail)
+    assert (cache.locked_pages, cache.evictable_pages) == (2, 1)
+    cache.unlock(head)
+    assert (cache.locked_pages, cache.evictable_pages) == (0, 3)
+    with pytest.raises(ValueError, match="not locked"):
+        cache.unlock(head)
+
+
+def test_eviction_takes_least_recently_used_leaves_first_then_their_parents():
+    cache = make_cache()
+    x, y, z = [[k] * 4 + A[:4] for k in (1, 2, 3)]  # two pages each, disjoint
+    pages = {name: cached(cache, ids, 2)[0] for name, ids in zip("xyz", (x, y, z), strict=True)}
+    cache.match(x)  # x is now the most recently used
+    free_before = cache.allocator.num_free
+    assert cache.evict(1) == 2  # whole leaves: y's node holds both its pages
+    assert cache.match(y)[0] == [] and cache.match(z)[0] == pages["z"]  # the match touched z
+    assert cache.allocator.num_free == free_before + 2
+    assert cache.evict(1) == 2 and cache.match(z)[0] == pages["z"] and cache.match(x)[0] == []
+    # A split leaves head + tail: the tail goes first, then the head, now a leaf.
+    cache.match(z[:4])
+    assert cache.evict(1) == 1 and cache.match(z)[0] == pages["z"][:1]
+    assert cache.evict(1) == 1 and cache.num_pages == 0 and cache.allocator.num_used == 0
+
+
+def test_eviction_never_takes_a_locked_page():
+    cache = make_cache()
+    kept, (_, node) = cached(cache, A, 3)
+    cached(cache, [5] * 8, 2)
+    cache.lock(node)
+    assert cache.evict(100) == 2 and cache.flush() == 0
+    assert cache.match(A)[0] == kept and cache.locked_pages == 3
+    assert cache.available_pages == cache.allocator.num_free == 31 - 3
+    cache.unlock(node)
+    assert cache.flush() == 3 and cache.allocator.num_used == 0
+
+
+def test_allocate_evicts_only_what_the_free_list_lacks():
+    cache = make_cache(num_pages=7)  # 6 usable pages
+    cached(cache, A, 3)
+    cached(cache, [5] * 8, 2)
+    assert cache.available_pages == 6 and cache.allocator.num_free == 1
+    assert len(cache.allocate(3)) == 3  # 1 free + the least recently used leaf (A: 3 pages)
+    assert cache.match(A)[0] == [] and cache.evictable_pages == 2 and cache.allocator.num_free == 1
+
+
+def test_insert_locked_frees_duplicates_and_moves_the_lock():
+    cache = make_cache()
+    first, (_, first_node) = cached(cache, A[:8], 2)
+    cache.lock(first_node)
+    second = cache.allocator.allocate(3)  # computed the same 8 tokens on its own, then 4 more
+    _, start = cache.match([])
+    cache.lock(start)
+    pages, node = cache.insert_locked(A, second, start)
+    assert pages == first + second[2:] and node.prefix_pages == 3
+    assert cache.allocator.num_used == 3  # second[:2] were duplicates, freed
+    assert (cache.locked_pages, cache.evictable_pages) == (3, 0)
+    cache.unlock(first_node)
+    cache.unlock(node)
+    assert cache.flush() == 3
+
+
+# --- through the scheduler ------------------------------------------------------------------------
+
+
+def run_counting_prefill(model):
+    """Runs the scheduler dry; returns the finished requests and how many prompt (not decode)
+    tokens the model computed."""
+    scheduler, finished, prefill = model.scheduler, [], 0
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        prefill += sum(len(c.token_ids) for r, c in zip(batch.requests, batch.chunks, strict=True)
+                       if not r.is_decoding)
+        finished += scheduler.process_results(batch, model.step(batch))
+    return finished, prefill
+
+
+def same_prompt(rid, prompt, **kw):
+    return Request(rid=rid, prompt_ids=list(prompt), max_new_tokens=kw.pop("max_new", 4),
+                   sampling=RowSamplingParams(), **kw)
+
+
+@pytest.mark.parametrize("prompt_len, expected_cached", [(9, 8), (8, 4), (5, 4), (4, 0), (1, 0)])
+def test_a_repeated_prompt_reuses_whole_pages_but_recomputes_at_least_its_last_token(
+        prompt_len, expected_cached, caplog):
+    s = make_scheduler()
+    model = FakeModel(s)
+    s.add(req("first", prompt_len=prompt_len))
+    first = model.run_all()[0]
+    again = req("first", prompt_len=prompt_len)  # same rid: same prompt ids
+    with caplog.at_level(logging.INFO, logger="xlaserve.scheduler.scheduler"):
+        s.add(again)
+        batch = s.schedule()
+    assert batch.chunks[0].num_cached == expected_cached == again.num_cached_prompt_tokens
+    assert len(batch.chunks[0].token_ids) == prompt_len - expected_cached
+    assert f"#new-token: {prompt_len - expected_cached}, #cached-token: {expected_cached}," in caplog.text
+    s.process_results(batch, model.step(batch))
+    assert model.run_all()[0].output_ids == first.output_ids and first.num_cached_prompt_tokens == 0
+
+
+def test_no_prefix_reuse_computes_the_whole_prompt():
+    s = make_scheduler()
+    model = FakeModel(s)
+    s.add(req("a", prompt_len=9))
+    model.run_all()
+    s.add(req("a", prompt_len=9, no_prefix_reuse=True))
+    s.add(same_prompt("b", s.requests["a"].prompt_ids, no_prefix_reuse=True))  # not held back either
+    batch = s.schedule()
+    assert [(c.num_cached, len(c.token_ids)) for c in batch.chunks] == [(0, 9), (0, 9)]
+    assert [r.num_cached_prompt_tokens for r in batch.requests] == [0, 0]
+
+
+@pytest.mark.parametrize("radix_cache, expected_prefill", [(True, 18 + 3 * 2), (False, 4 * 18)])
+def test_identical_prompts_submitted_together_prefill_the_prompt_once(radix_cache, expected_prefill):
+    s = make_scheduler(chunk=8, budget=64, radix_cache=radix_cache)
+    prompt = req("p", prompt_len=18).prompt_ids
+    for i in range(4):
+        s.add(same_prompt(f"n{i}", prompt, max_new=5))
+    finished, prefill = run_counting_prefill(FakeModel(s))
+    assert prefill == expected_prefill  # 16 of the 18 tokens are whole pages to share
+    assert len({tuple(r.output_ids) for r in finished}) == 1
+    assert [r.num_cached_prompt_tokens for r in finished] == [0] + [16 if radix_cache else 0] * 3
+
+
+def test_prompts_sharing_a_prefix_compute_it_once_and_their_own_tails_apart():
+    s = make_scheduler(chunk=8, budget=64)
+    system = list(range(60, 72))  # 3 whole pages
+    for i in range(3):
+        s.add(same_prompt(f"q{i}", system + [80 + i] * 5))
+    finished, prefill = run_counting_prefill(FakeModel(s))
+    assert prefill == 17 + 2 * 5
+    assert [r.num_cached_prompt_tokens for r in finished] == [0, 12, 12]
+
+
+def test_pool_pressure_evicts_cached_pages_before_retracting(caplog):
+    s = make_scheduler(num_pages=9, max_running=2, chunk=None)  # 8 usable pages
+    model = FakeModel(s)
+    old = req("old", prompt_len=12, max_new=5)
+    s.add(old)
+    model.run_all()  # 16 computed tokens stay cached: 4 pages
+    assert s.cache.evictable_pages == 4 and s.allocator.num_free == 4 and s.token_usage() == 0
+    s.add(req("b", prompt_len=8, max_new=8))  # each peaks at 15 tokens: 4 pages, 8 together
+    s.add(req("c", prompt_len=8, max_new=8))
+    with caplog.at_level(logging.INFO, logger="xlaserve.scheduler.scheduler"):
+        finished = model.run_all()
+    assert "Retract" not in caplog.text
+    assert [r.retracted_count for r in finished] == [0, 0]
+    assert s.cache.match(old.prompt_ids)[0] == []
+    assert s.allocator.num_used == 6 and s.num_pages_in_use == 0  # b's and c's 15 tokens, cached
+    assert s.flush_cache() == 6 and s.allocator.num_used == 0 and s.allocator.usage() == 0
+
+
+def test_flush_keeps_the_pages_of_running_requests():
+    s = make_scheduler()
+    model = FakeModel(s)
+    s.add(req("done", prompt_len=8, max_new=1))
+    model.run_all()
+    s.add(req("live", prompt_len=10, max_new=6))
+    model.run_step()
+    model.run_step()  # live: 11 tokens computed, 2 whole pages in the tree, locked
+    assert s.flush_cache() == 2  # done's 2 pages
+    assert s.cache.locked_pages == 2 and s.num_pages_in_use == 3
+    model.run_all()
+    assert s.num_pages_in_use == 0 and s.flush_cache() == 3 and s.allocator.num_used == 0
+
+
+def test_abort_releases_references_and_pages_shared_with_a_running_request_stay_locked():
+    s = make_scheduler()
+    model = FakeModel(s)
+    prompt = req("p", prompt_len=13).prompt_ids
+    s.add(same_prompt("first", prompt, max_new=20))
+    model.run_step()  # 13 computed: 3 whole pages, locked by first
+    s.add(same_prompt("second", prompt, max_new=20))
+    model.run_step()
+    assert s.requests["second"].num_cached_prompt_tokens == 12 and s.cache.locked_pages == 3
+    s.abort("second")
+    assert s.cache.locked_pages == 3 and s.cache.evictable_pages == 0  # first still uses them
+    s.abort("first")
+    assert s.num_pages_in_use == 0 and s.cache.locked_pages == 0 and s.cache.evictable_pages == 3
+
+
+def test_a_retracted_request_resumes_from_its_own_cached_pages():
+    s = make_scheduler(num_pages=7, max_running=2, chunk=None)  # 6 usable pages = 24 tokens
+    s.add(req("old", prompt_len=8, max_new=6))
+    s.add(req("new", prompt_len=8, max_new=10))
+    model = FakeModel(s)
+    while s.requests["new"].retracted_count == 0:
+        model.run_step()
+    new = s.requests["new"]
+    assert new.status == "waiting" and new.cache_node is None and new.page_ids == []
+    finished = {r.rid: r for r in model.run_all()}
+    admissions = [c for b in model.batches for r, c in zip(b.requests, b.chunks, strict=True)
+                  if r.rid == "new" and any(r is a for a in b.admitted)]
+    assert len(admissions) == 2
+    resumed = admissions[1]
+    # Retracted at 12 computed tokens (3 whole pages); old's last page took the LRU leaf (the
+    # 3rd); the prompt's 2 pages were still there when old finished and new came back.
+    assert resumed.num_cached == 8 and len(resumed.token_ids) == 13 - 8
+    assert finished["new"].num_cached_prompt_tokens == 0  # counted at first admission only
+    assert len(finished["new"].output_ids) == 10 and s.num_pages_in_use == 0

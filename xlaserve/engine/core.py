@@ -1,0 +1,410 @@
+"""Engine: owns the model runner and the scheduler, runs the step loop in its own thread.
+
+Requests come in through a thread-safe `submit` and leave as a stream of output chunks; the loop
+thread is the only one that touches the scheduler, the page allocator and the device state, so
+none of them needs a lock. `xlaserve.Engine` (the offline API) wraps this class. The runner,
+the scheduler and the rest the engine serves with are built at start-up by startup.py;
+the chunks a step's tokens become (text, logprobs, finish) are made by delivery.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Callable
+
+import jax
+import numpy as np
+
+from xlaserve.distributed.leader import lead
+from xlaserve.engine import startup
+from xlaserve.engine.delivery import Delivery, live_state
+from xlaserve.engine.watchdog import Watchdog
+from xlaserve.executor.forward_batch import pack
+from xlaserve.executor.model_runner import SAMPLING_WIDTHS, ModelRunner, StepOutput
+from xlaserve.host import malloc_tuning
+from xlaserve.sampling.grammar import InvalidGrammar, constraint_of
+from xlaserve.sampling.params import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, InvalidSamplingParam,
+                                      RequestLimits, RowSamplingParams, SamplingParams,
+                                      prompt_token_ids, token_id)
+from xlaserve.sampling.sampler import build_sampling_metadata
+from xlaserve.scheduler.request import Request
+from xlaserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More requests wait than --max-queued-requests: the HTTP layer answers 503 + Retry-After."""
+
+
+class EngineCore:
+    def __init__(self, server_args: ServerArgs, dp_rank: int = 0,
+                 share_with: "EngineCore | None" = None):
+        """`dp_rank`: the data parallel replica this is (engine/data_parallel.py): its model
+        and KV pool live on devices [dp_rank * tp_size, (dp_rank + 1) * tp_size).
+        `share_with`: another replica whose tokenizer and grammar backend this one uses."""
+        self.dp_rank = dp_rank
+        self.failure: str | None = None  # why a multi-host group broke: the engine takes no work
+        self._leader = None
+        parts = startup.build(server_args, dp_rank, share_with,
+                                     on_runner=self._lead if server_args.nnodes > 1 else None)
+        self.args = args = parts.args  # with --page-size resolved
+        self.loaded = parts.loaded
+        self.tokenizer = parts.tokenizer
+        self.context_length = parts.context_length
+        self.runner = parts.runner
+        self.buckets = parts.buckets
+        self.scheduler = parts.scheduler
+        self.eos_token_ids = parts.eos_token_ids
+        self.grammar_backend = parts.grammar_backend
+        self.limits = RequestLimits.from_server_args(args)
+        # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
+        self.startup_timings = parts.startup_timings
+        self._seeds = random.Random(args.random_seed)
+        if self.grammar_backend is not None and share_with is None:
+            # The token table (~0.3 s), before a request waits on it.
+            threading.Thread(target=self.grammar_backend.prepare, name="xlaserve-grammar",
+                             daemon=True).start()
+        if jax.default_backend() == "cpu":
+            malloc_tuning.keep_freed_memory()
+        self._inbox: queue.Queue = queue.Queue()
+        # Requests put in the inbox, and taken from it by the loop (queued_requests).
+        self._submitted = self._admitted = 0
+        self._submit_lock = threading.Lock()
+        self._delivery = Delivery(self.scheduler)  # the live requests' output
+        self._stopping = False
+        name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
+                                  name.replace("engine", "watchdog"))
+        self._thread.start()
+
+    def _lead(self, args: ServerArgs, runner: ModelRunner) -> None:
+        """--nnodes > 1: the followers replay this runner's device calls (distributed/leader.py).
+        `build` calls this between the runner and the precompile, which then runs on the
+        followers too. `lead` takes the core itself, not the parts: it reads `args` and `runner`
+        off it now and sets its `failure` when the group breaks, so those two are set first."""
+        self.args, self.runner = args, runner
+        self._leader = lead(self)
+
+    # --- called from any thread -----------------------------------------------------------
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles the constraint of `params` (json_schema, regex or ebnf) into the backend's
+        cache; raises InvalidGrammar (naming the field) for one that cannot be used. The first
+        call builds the token table (~0.3 s at 49K tokens) and a big schema can take longer, so
+        servers call it off their event loop before `submit`, which then hits the cache."""
+        constraint = constraint_of(params)
+        if constraint is None:
+            return
+        kind, text = constraint
+        if self.grammar_backend is None:
+            why = ("--grammar-backend none" if self.args.grammar_backend == "none"
+                   else "--skip-tokenizer-init (the grammar needs the tokenizer)")
+            raise InvalidGrammar(kind, f"{kind} needs constrained decoding, which is off: {why}")
+        self.grammar_backend.compile(kind, text)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
+               rid: str | None = None, return_logprob: bool = False,
+               top_logprobs_num: int = 0, return_prompt_logprob: bool = False,
+               priority: int = 0) -> str:
+        """Queue a request; `emit` is called from the engine thread with each output chunk: the
+        token id, its text delta, `finished`, and with `return_logprob` its logprob and
+        `top_logprobs_num` (at most MAX_TOP_LOGPROBS) [(logprob, token_id)] alternatives.
+        A larger `priority` is scheduled first (batch work runs below interactive requests).
+
+        With `return_prompt_logprob`, the first output chunk and the final `meta_info` also hold
+        SGLang's `input_token_logprobs` [(logprob | None, token_id, None)] and
+        `input_top_logprobs` [None | [(logprob, token_id, None)] * top_logprobs_num], one entry
+        per prompt token (the first has none), under the raw model distribution. Such a request
+        computes its whole prompt (no prefix reuse).
+
+        Everything the request will need on the engine thread (its sampling row, grammar,
+        detokenizer and stop matcher, prompt-logprob collector) is built and checked here, in the
+        caller's thread: a request the engine cannot serve raises ValueError (InvalidSamplingParam
+        naming the field, InvalidGrammar) or QueueFull, and never reaches the loop."""
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise InvalidSamplingParam(
+                "top_logprobs_num", f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        if not self.is_alive():
+            raise RuntimeError(self.stopped_reason())
+        queued = self.queued_requests()
+        if queued >= self.limits.max_queued_requests:
+            raise QueueFull(f"the server's queue is full ({queued} requests wait, "
+                            f"--max-queued-requests {self.limits.max_queued_requests}): retry later")
+        vocab = self.loaded.config.vocab_size
+        params.validate(vocab, limits=self.limits)
+        self.compile_grammar(params)  # a cache hit where the server compiled it already
+        prompt_ids = prompt_token_ids(prompt_ids, vocab)
+        rid = rid or uuid.uuid4().hex
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        if len(stop_ids) > MAX_SUPPRESSED_IDS:  # min_new_tokens masks all of them in one table row
+            raise InvalidSamplingParam(
+                "stop_token_ids", f"stop_token_ids plus the model's EOS ids come to "
+                                  f"{len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} are supported")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        sampling = RowSamplingParams(
+            temperature=float(params.temperature), top_k=params.top_k, top_p=float(params.top_p),
+            min_p=float(params.min_p), presence_penalty=float(params.presence_penalty),
+            frequency_penalty=float(params.frequency_penalty),
+            repetition_penalty=float(params.repetition_penalty),
+            logit_bias={token_id(k): float(v) for k, v in params.logit_bias.items()}, seed=seed,
+            return_logprob=bool(return_logprob or top_logprobs_num > 0))
+        # The row as the step will pack it, so a value its columns cannot hold fails here.
+        build_sampling_metadata([sampling], 1, SAMPLING_WIDTHS)
+        grammar = None
+        if (constraint := constraint_of(params)) is not None:
+            grammar = self.grammar_backend.new_grammar(*constraint, stop_token_ids=stop_ids)
+        request = Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=params.max_new_tokens,
+                          sampling=sampling, stop_token_ids=frozenset(stop_ids),
+                          min_new_tokens=params.min_new_tokens, priority=priority,
+                          no_prefix_reuse=return_prompt_logprob, grammar=grammar)
+        self.scheduler.check_fits(request)  # raises ValueError before anything is queued
+        live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
+                          return_prompt_logprob)
+        with self._submit_lock:
+            self._submitted += 1
+        self._inbox.put(("add", live, None))
+        return rid
+
+    def queued_requests(self) -> int:
+        """Requests submitted that wait for a running slot: those in the scheduler's queue and
+        those not yet taken from the inbox, less the free slots (read from other threads: an
+        estimate, which is all a bound on the queue needs)."""
+        pending = self._submitted - self._admitted
+        free = self.args.max_running_requests - self.scheduler.num_running
+        return max(0, pending + self.scheduler.num_waiting - free)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest prompt + output one request may have: the context length, or what the
+        whole KV pool holds if that is less (the last sampled token needs no KV)."""
+        pool_tokens = self.scheduler.allocator.capacity * self.args.page_size + 1
+        return min(self.context_length, pool_tokens)
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.scheduler.allocator.capacity * self.args.page_size
+
+    def stats(self) -> dict:
+        """Scheduler figures for /metrics and /get_server_info (read from another thread: each
+        is one attribute read, and a stale value is harmless there)."""
+        return {"num_running_reqs": self.scheduler.num_running,
+                "num_queue_reqs": self.scheduler.num_waiting,
+                "token_usage": self.scheduler.token_usage()}
+
+    def abort(self, rid: str, message: str | None = None) -> None:
+        """Ends the request (waiting or running) on the engine thread; its final chunk carries
+        `message` as its error, if given."""
+        self._inbox.put(("abort", rid, message))
+
+    def abort_all(self, message: str) -> None:
+        """Ends every request the engine holds, each with a final chunk whose error is `message`
+        (the server's graceful shutdown ran out of time)."""
+        self._inbox.put(("abort_all", None, message))
+
+    def flush_cache(self) -> int:
+        """Empties the prefix cache of the pages no running request uses, on the engine thread
+        between steps; returns how many pages it freed, once done."""
+        done: Future = Future()
+        self._inbox.put(("flush", done, None))
+        while True:
+            try:
+                return done.result(timeout=1.0)
+            except TimeoutError:
+                if not self.is_alive():
+                    raise RuntimeError(self.stopped_reason()) from None
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._watchdog.stop()
+        self._inbox.put(("wake", None, None))
+        self._thread.join(timeout=30)
+        if self._leader is not None:  # the followers stop too
+            self._leader.close()
+
+    # --- the engine thread ------------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
+
+    def stopped_reason(self) -> str:
+        """Why the engine takes no work (when `is_alive()` is false), for errors and /health."""
+        return self.failure or "the engine loop is not running (shut down, or it failed; see the log)"
+
+    def _hung(self, reason: str) -> None:
+        """The watchdog's verdict: no more work; in a multi-host group the followers go too."""
+        if self._leader is not None:
+            self._leader.fail(reason)
+        else:
+            self.failure = reason
+
+    def _loop(self) -> None:
+        """One step per iteration, overlapped with the host work around it (the default; SGLang's
+        overlap scheduler). JAX dispatches a step asynchronously, so:
+
+        - while step k computes, the host schedules and dispatches step k+1, when it is a plain
+          continuation (every request of k decodes the token k samples, read from the device:
+          `Scheduler.schedule_continuation`); the device goes from one step to the next without
+          waiting for the host to read tokens, pack a batch and dispatch it;
+        - otherwise (admissions, prompt chunks, retraction) step k is read first and k+1 scheduled
+          from its results;
+        - either way, the host work on k's results that no step needs (detokenizing, stop
+          strings, handing chunks out) runs while k+1 computes.
+        - a continuation with a constrained row (structured outputs) needs k's tokens for its
+          grammar masks: it is scheduled and packed while k computes, and sent once k is read
+          and the masks are filled (~5 us a row), so only that much host time stands between
+          the two steps.
+
+        A request that ends in step k (a stop id or string, an abort) may still have a row in
+        k+1; that row's result is dropped."""
+        in_flight = None  # (batch, step output) dispatched and not yet read
+        overlap = not self.args.disable_overlap_schedule
+        while not self._stopping:
+            self._watchdog.beat()
+            stepping: list = []  # the batches this iteration touched: a failure fails their rows
+            sent = self._leader.sent if self._leader is not None else 0
+            try:
+                self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
+                if self._stopping:
+                    break
+                if in_flight is not None:
+                    stepping.append(in_flight[0])
+                following = waiting_for_masks = None
+                if in_flight is not None and overlap:
+                    batch = self.scheduler.schedule_continuation(in_flight[0])
+                    if batch is not None:
+                        stepping.append(batch)
+                        prepared = self._prepare(batch)
+                        if any(r.grammar is not None for r in batch.requests):
+                            waiting_for_masks = (batch, prepared)
+                        else:
+                            following = (batch, self._send(batch, prepared))
+                results = self._read(*in_flight) if in_flight is not None else None
+                if waiting_for_masks is not None:  # the grammars have consumed k's tokens
+                    following = (waiting_for_masks[0], self._send(*waiting_for_masks))
+                in_flight = following
+                if in_flight is None and (batch := self.scheduler.schedule()) is not None:
+                    stepping.append(batch)
+                    in_flight = (batch, self._dispatch(batch))
+                    if not overlap:
+                        results = (results or []) + self._read(*in_flight)
+                        in_flight = None
+                stepping = []  # the steps ran: what fails from here is one request's own
+                for delivery in results or ():
+                    self._delivery.deliver(*delivery)
+            except Exception as error:  # a bug must not kill the loop silently
+                in_flight = None
+                self._step_failed(error, stepping, broadcast=self._leader is not None
+                                  and self._leader.sent != sent)
+
+    def _step_failed(self, error: Exception, batches: list, broadcast: bool) -> None:
+        """A step failed: its rows (the requests of `batches`) end with an error; requests that
+        were not in it go on. A failure outside any step (the scheduler itself) fails every live
+        request, its state being unknown. In a multi-host group, a failure after the leader sent
+        the followers something breaks the group (they may have made a call the leader did not);
+        one before (a request's host-side packing, say) does not."""
+        if batches:
+            rids = list(dict.fromkeys(r.rid for batch in batches for r in batch.requests
+                                      if r.rid in self._delivery))
+            logger.exception("engine step failed; aborting its %d requests", len(rids))
+        else:
+            rids = self._delivery.rids()
+            logger.exception("engine loop failed outside a step; aborting every live request")
+        if broadcast:
+            self._leader.step_failed(error)
+        self._delivery.abort_many(rids, self.failure or f"internal error ({type(error).__name__})")
+
+    def _drain_inbox(self, block: bool) -> None:
+        """Takes in what other threads sent, in order; consecutive aborts are done together
+        (`Delivery.abort_many`: linear in their number, however long the queue)."""
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        aborts: list[str] = []  # consecutive aborts with one message
+        message = None
+        while item is not None:
+            kind, payload, item_message = item
+            if aborts and (kind != "abort" or item_message != message):
+                self._delivery.abort_many(aborts, message)
+                aborts = []
+            if kind == "abort":
+                aborts.append(payload)
+                message = item_message
+            elif kind == "add":
+                self._admitted += 1
+                self._delivery.admit(payload)
+            elif kind == "abort_all":
+                self._delivery.abort_many(self._delivery.rids(), item_message)
+            elif kind == "flush":
+                try:
+                    payload.set_result(self.scheduler.flush_cache())
+                except Exception as error:  # the caller waits on the future: hand it the error
+                    payload.set_exception(error)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+        if aborts:
+            self._delivery.abort_many(aborts, message)
+
+    def _dispatch(self, batch):
+        """Sends the step to the device; returns its (asynchronous) output."""
+        return self._send(batch, self._prepare(batch))
+
+    def _prepare(self, batch):
+        """The step's inputs, packed and sent: all but the grammar masks."""
+        for request in batch.admitted:
+            self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
+        chunks = [self._delivery.prompt_targets(r, c)
+                  for r, c in zip(batch.requests, batch.chunks, strict=True)]
+        fb = pack(chunks, self.buckets, self.runner.page_size)
+        padded_seqs = fb.shape[1]
+        # Most rows suppress nothing: a copy of their parameters per step would cost more host
+        # time than the rest of the packing (a few ms at 128 rows).
+        rows = [dataclasses.replace(r.sampling, suppressed_ids=suppressed)
+                if (suppressed := self.scheduler.suppressed_ids(r, batch.ahead)) else r.sampling
+                for r in batch.requests]
+        sampling = build_sampling_metadata(rows, padded_seqs, SAMPLING_WIDTHS)
+        sampling.sample_index[:len(rows)] = [len(r.output_ids) + batch.ahead for r in batch.requests]
+        slots = np.zeros(padded_seqs, np.int32)
+        slots[:len(batch.slots)] = batch.slots
+        return self.runner.pack(fb, sampling, slots)
+
+    def _send(self, batch, packed):
+        """Fills the grammar masks of the constrained rows that sample, from their grammars'
+        current state, and dispatches the step; returns its (asynchronous) output."""
+        constrained = [(r.grammar, i) for i, (r, c) in enumerate(zip(batch.requests, batch.chunks))
+                       if r.grammar is not None and c.sample and r.status == "running"]
+        bitmask = None
+        if constrained:
+            bitmask = self.grammar_backend.empty_bitmask(packed.shape[1])
+            self.grammar_backend.fill_masks(constrained, bitmask)
+        return self.runner.run(packed, bitmask)
+
+    def _read(self, batch, out: StepOutput) -> list[tuple]:
+        """Waits for the step's tokens and advances the scheduler; returns the deliveries
+        (`Delivery.deliver` arguments) of the rows that sampled."""
+        num_rows = len(batch.requests)
+        sampled = out.sample
+        tokens = np.asarray(sampled.tokens)[:num_rows]
+        logprobs = top = None
+        if any(r.sampling.return_logprob for r in batch.requests):
+            logprobs = np.asarray(sampled.logprobs)[:num_rows]
+            top = (np.asarray(sampled.top_logprobs)[:num_rows], np.asarray(sampled.top_ids)[:num_rows])
+        self._delivery.collect_prompt_logprobs(batch, out)
+        # Requests that ended while the step ran (abort, stop string) have no row to advance.
+        live_before = {r.rid for r in batch.requests if r.status == "running"}
+        finished = {r.rid for r in self.scheduler.process_results(batch, tokens.tolist())}
+        return [(request, int(tokens[i]), request.rid in finished, logprobs, top, i)
+                for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True))
+                if chunk.sample and request.rid in live_before]

@@ -1,0 +1,184 @@
+"""Compiles the serving step for hardware that is not here: TPU through libtpu's compile-only
+topologies, NVIDIA H100 through the jax CUDA plugin's deviceless target, from a CPU machine.
+
+    python -m xlaserve.executor.aot --target v6e:2x2 --tp-size 4 \
+        --model-path benchmarks/configs/llama-3.1-8b
+    python -m xlaserve.executor.aot --target h100 --model-path benchmarks/configs/qwen2.5-7b
+
+Nothing is allocated: weights, KV caches and step inputs are ShapeDtypeStructs carrying the
+shardings a server gives them, and the program is `model_runner.make_step`, the one a server
+runs, with the platform's kernels (Pallas Mosaic on TPU, Pallas Triton on GPU). XLA compiles it
+for the target, and Mosaic or Triton compile the kernels inside it, with their layout, alignment
+and memory checks, which interpret mode on CPU skips. Needs `libtpu` (TPU targets) or
+`jax-cuda13-plugin` + `jax-cuda13-pjrt` (GPU) importable, and JAX_PLATFORMS=cpu.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.loader import read_config, resolve_dtype
+from xlaserve.model.registry import model_class
+from xlaserve.model.transformer import KV_CACHE_SPEC, abstract_parameters, kv_cache_shape
+from xlaserve.executor.buckets import serving_buckets, with_page_size
+from xlaserve.executor.kernels import kernels_for
+from xlaserve.executor.model_runner import idle_step, make_step, pack_step
+from xlaserve.executor.weight_args import weight_args
+from xlaserve.server_args import ServerArgs
+
+TPU_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")  # libtpu refuses single-chip ones (v6e:1x1)
+GPU_TARGETS = ("h100",)
+DEFAULT_KV_TOKENS = 1 << 16  # the KV pool without --max-total-tokens (no memory to size it from)
+
+
+class TargetUnavailable(RuntimeError):
+    """The compile-only package for this target is not installed."""
+
+
+def use_compile_only_packages(path: str | os.PathLike | None = None) -> None:
+    """Makes the compile-only packages importable: `make test` installs libtpu and the CUDA plugin
+    into `.venv/aot`, outside the serving environment, where a CPU server would otherwise try to
+    start them. Call before JAX starts a backend. Keeps JAX itself on the CPU, and lets several
+    processes load libtpu (it takes a lock file otherwise, and a second process fails). Does
+    nothing where the folder is absent."""
+    path = Path(path or Path(sys.prefix) / "aot")
+    if not path.is_dir():  # e.g. on a GPU machine, whose JAX must keep its own platforms
+        return
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
+    if not jax.config.jax_platforms:  # the environment's JAX_PLATFORMS, read at import
+        jax.config.update("jax_platforms", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def target_devices(target: str) -> tuple[str, list]:
+    """(platform, devices) of a compile-only target: "v5e:2x2", "v6e:2x2", "v5p:2x2x1", "h100"."""
+    from jax.experimental import topologies
+
+    try:
+        if target in TPU_TOPOLOGIES:
+            return "tpu", topologies.get_topology_desc(topology_name=target, platform="tpu").devices
+        if target in GPU_TARGETS:
+            return "gpu", topologies.get_topology_desc(
+                platform="cuda", target_config=h100_target_config(), topology="1x1x1").devices
+    except Exception as error:  # no libtpu / CUDA plugin: jax says so in several ways
+        raise TargetUnavailable(f"cannot make compile-only {target} devices (install libtpu for "
+                                f"TPU, jax-cuda13-plugin and jax-cuda13-pjrt for GPU): "
+                                f"{str(error).strip().splitlines()[0]}") from None
+    raise ValueError(f"unknown target {target!r}; one of {TPU_TOPOLOGIES + GPU_TARGETS}")
+
+
+def h100_target_config() -> str:
+    """What XLA needs to know of an H100 SXM to compile for it (GpuTargetConfigProto text)."""
+    return Path(__file__).with_name("h100_target_config.txtpb").read_text()
+
+
+def mesh_of(devices, tp_size: int) -> Mesh:
+    if tp_size > len(devices):
+        raise ValueError(f"--tp-size {tp_size} needs that many devices; the target has {len(devices)}")
+    return Mesh(np.array(devices[:tp_size]).reshape(1, tp_size), ("data", "tensor"))
+
+
+def abstract(shape, dtype, mesh: Mesh, spec=P()) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, spec))
+
+
+@dataclasses.dataclass
+class StepProgram:
+    """The serving step and abstract arguments for one bucket shape at a time."""
+    step: callable
+    args: tuple  # weights, kv caches, output counts, last tokens, prompt masks
+    inv_freq: np.ndarray
+    mesh: Mesh
+
+    def compile(self, tokens: int, seqs: int, pages: int):
+        ints, floats, layout = pack_step(self.inv_freq, *idle_step(tokens, seqs, pages))
+        vocab = self.args[2].shape[1]
+        inputs = (abstract(ints.shape, ints.dtype, self.mesh),
+                  abstract(floats.shape, floats.dtype, self.mesh),
+                  abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
+        with jax.set_mesh(self.mesh):
+            return self.step.trace(*self.args, *inputs, layout=layout).lower().compile()
+
+
+def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
+                 page_size: int, max_running_requests: int,
+                 attention_backend: str = "auto") -> StepProgram:
+    """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`."""
+    kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
+    graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
+                                                  model_class(config.architecture))
+    leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
+    weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1)
+    cache = abstract(kv_cache_shape(config, num_pages, page_size), dtype, mesh, KV_CACHE_SPEC)
+    caches = [cache] * config.num_layers
+    step = make_step(graphdef, state_treedef, weight_layout, kernels, mesh,
+                     [cache.sharding] * config.num_layers)
+    num_slots, vocab = max_running_requests + 1, config.vocab_size
+    args = (weights, caches, abstract((num_slots, vocab), jnp.int32, mesh),
+            abstract((num_slots,), jnp.int32, mesh), abstract((num_slots, vocab), jnp.bool_, mesh))
+    return StepProgram(step, args, config.rope.inv_freq(config.head_dim), mesh)
+
+
+def server_step(target: str, server_args: ServerArgs) -> tuple[StepProgram, list, str]:
+    """The step a server started with `server_args` would run on `target`, the bucket shapes it
+    would precompile, and a one-line description. `server_args.model_path`: a directory with the
+    model's config.json (weights are not read)."""
+    platform, devices = target_devices(target)
+    mesh = mesh_of(devices, server_args.tp_size)
+    config, _ = read_config(server_args.model_path, load_format="dummy")  # reads no weights
+    dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
+    context_length = server_args.context_length or config.max_position_embeddings
+    server_args = with_page_size(server_args, platform, context_length)
+    page_size = server_args.page_size
+    buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform)
+    num_pages = (server_args.max_total_tokens or DEFAULT_KV_TOKENS) // page_size + 1
+    program = step_program(config, dtype, mesh, platform, num_pages=num_pages,
+                           page_size=page_size,
+                           max_running_requests=server_args.max_running_requests,
+                           attention_backend=server_args.attention_backend)
+    description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
+                   f"{np.dtype(dtype).name}, tp {server_args.tp_size}, {num_pages} pages of "
+                   f"{page_size}")
+    return program, buckets.all_shapes(), description
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, choices=TPU_TOPOLOGIES + GPU_TARGETS)
+    parser.add_argument("--all-shapes", action="store_true",
+                        help="every bucket a server would precompile (default: smallest and largest)")
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    use_compile_only_packages()
+    server_args = ServerArgs.from_cli_args(args)
+    if server_args.model_path is None:
+        parser.error("--model-path: a directory with the model's config.json")
+    program, shapes, description = server_step(args.target, server_args)
+    if not args.all_shapes:
+        shapes = sorted({shapes[0], shapes[-1]})
+    print(description)
+    for tokens, seqs, pages in shapes:
+        start = time.perf_counter()
+        compiled = program.compile(tokens, seqs, pages)
+        memory = compiled.memory_analysis()
+        print(f"  step (tokens {tokens}, seqs {seqs}, pages {pages}): compiled in "
+              f"{time.perf_counter() - start:.1f} s; per device: arguments "
+              f"{memory.argument_size_in_bytes / 2**30:.2f} GiB, temporaries "
+              f"{memory.temp_size_in_bytes / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""ModelRunner: the one jitted step (model forward + sampling) over a packed ragged batch.
+
+    step(state, kv_caches, output_counts, last_tokens, prompt_masks, batch, sampling, slots,
+         token_bitmask) -> (StepOutput, kv_caches, output_counts, last_tokens)
+
+The KV caches, the penalty counts and the last sampled tokens are donated, so XLA updates them in
+place. A program is
+compiled per bucket shape (tokens, seqs, pages per seq, logit-bias width, suppressed width);
+`precompile` compiles the expected ones at start-up, and any compile afterwards is logged as a
+warning with the shape, because a compile while serving stalls every request for seconds.
+
+Penalty state lives on the device, one row per request slot: `output_counts i32[slots, V]` (tokens
+generated so far) and `prompt_masks bool[slots, V]` (tokens of the prompt). Slot 0 is the null slot
+that padding rows use. `last_tokens i32[slots]` holds each slot's last sampled token, so a decode
+step can be dispatched before the host has read the step that samples its input (the engine's
+overlap: a row with `input_slots >= 0` reads its token there).
+
+Prompt logprobs (sampling/prompt_logprobs.py) ride in the same program: the model returns every
+row's final hidden state, the sampler takes the LM head of the sampled rows only, and the LM head
+over all rows runs in a `lax.cond` branch only in steps where some row has a target id.
+
+Structured outputs: `token_bitmask i32[seqs, ceil(V/32)]` holds the tokens each row's grammar
+allows (sampling/grammar.py), a fixed-shape argument so a constrained request never compiles a
+program. A step without a constrained row sends a bitmask of all ones that stays on the device
+(one per sequence bucket), and the sampler skips the mask at run time.
+
+Multi-host (--nnodes > 1, distributed/leader.py): the mesh spans every process's devices, and
+every process must make the same device calls in the same order. The leader's runner has a
+command sink: `assign_slot` and each step (its packed host vectors, bucket shape, table widths and
+grammar masks) go to the followers before the leader makes the call, and a follower's runner
+replays them (`assign_slot`, `run(packed_from_host(...))`). Outputs are replicated; the leader
+reads its own copy. In one process the sink is None and nothing of this runs.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from xlaserve.model.packed import pack_model
+from xlaserve.model.placement import put
+from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
+from xlaserve.executor.forward_batch import ForwardBatch
+from xlaserve.host.huge_pages import advise_huge_pages
+from xlaserve.executor.kernels import kernels_for
+from xlaserve.compile.executable_cache import ExecutableCache, describe
+from xlaserve.executor.kv_pool import init_kv_pool, kv_pool_specs
+from xlaserve.scheduler.page_allocator import NULL_PAGE
+from xlaserve.executor.transfer import pack_leaves, unpack_leaves
+from xlaserve.sampling.prompt_logprobs import NO_TARGET, PromptLogprobs, prompt_logprobs
+from xlaserve.sampling.params import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
+                                     RowSamplingParams)
+from xlaserve.sampling.sampler import (SampleOutput, SamplingMetadata, add_sampled,
+                                      build_sampling_metadata, sample)
+from xlaserve.executor.weight_args import leaves_from_args, weight_args
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_WIDTHS = (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS)
+NULL_SLOT = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    sample: SampleOutput  # one row per sequence
+    prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
+
+
+@dataclasses.dataclass
+class PackedStep:
+    """A step's inputs on the device, but its grammar masks (ModelRunner.pack)."""
+
+    ints: jax.Array
+    floats: jax.Array
+    layout: tuple
+    shape: tuple[int, int, int]  # (tokens, seqs, pages)
+    widths: tuple[int, int]  # logit-bias and suppressed-id table widths
+    host: tuple[np.ndarray, np.ndarray] | None = None  # (ints, floats) for a multi-host leader
+
+
+class ModelRunner:
+    def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
+                 attention_backend: str = "auto", matmul_backend: str = "auto"):
+        self.config = loaded.config
+        self.mesh = loaded.mesh
+        self.page_size = page_size
+        self._inv_freq = self.config.rope.inv_freq(self.config.head_dim)  # for rope_cos_sin
+        self.num_pages = num_pages
+        dtype = loaded.dtype
+        self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
+        # Zeroed on a thread while the weights are packed and the programs loaded (kv_cache.py);
+        # the first step that needs the pool waits for it (`kv_caches`).
+        self._kv_pool = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh,
+                                     in_background=True)
+        self._kv_caches = None
+        self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh)
+        if kernels.packed_matmul is not None:
+            pack_model(loaded.model, self.config.tie_word_embeddings)
+        graphdef, state = nnx.split(loaded.model)
+        num_slots = max_running_requests + 1  # + the null slot
+        vocab = self.config.vocab_size
+        # Every persistent array keeps one explicit sharding in and out of the jitted functions:
+        # an array whose sharding changed between calls would be a cache miss, i.e. a compile.
+        replicated = NamedSharding(self.mesh, P())
+        # Over several processes' devices, each puts its own copies (model/placement.py).
+        self._put = jax.device_put if replicated.is_fully_addressable else put
+        # The multi-host leader's followers (distributed/leader.py); None in one process.
+        self.sink = None
+        kv_sharding = [spec.sharding for spec in self._kv_specs]
+        self.output_counts = self._put(np.zeros((num_slots, vocab), np.int32), replicated)
+        self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
+        self.last_tokens = self._put(np.zeros(num_slots, np.int32), replicated)
+
+        # The weights go in as a flat list (flattening the nnx.State, 182 Variables for the
+        # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
+        # (executor/weight_args.py).
+        leaves, state_treedef = jax.tree.flatten(state)
+        # What the step is made of besides its arguments' shapes: part of its executable cache key.
+        self._description = "\n".join([repr(self.config), np.dtype(dtype).name, str(state_treedef),
+                                        describe(kernels)])
+        self._weight_args, weight_layout = weight_args(leaves, stack_small=self.mesh.size == 1)
+        del leaves, state
+        if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
+            logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
+
+        step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
+        def reset_slot(output_counts, prompt_masks, slot, counts_row, prompt_mask_row):
+            return output_counts.at[slot].set(counts_row), prompt_masks.at[slot].set(prompt_mask_row)
+
+        self._step = step
+        self._reset_slot = reset_slot
+        self._precompiled = False
+        self._programs: dict[tuple, object] = {}  # (shape, widths) -> its compiled step
+        self._replicated = replicated
+        self.bitmask_words = -(-vocab // 32)
+        self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
+        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> packing.Layout (multi-host)
+
+    @property
+    def kv_caches(self) -> list[jax.Array]:
+        """The KV pool, once zeroed (the first call waits for the thread)."""
+        if self._kv_caches is None:
+            self._kv_caches = self._kv_pool.result()
+            self._kv_pool = None
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[jax.Array]) -> None:
+        self._kv_caches = caches
+
+    def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
+        """Start (or, after a retraction, resume) a request in `slot`: its output counts and
+        prompt mask, built on the host and sent as one row each."""
+        if self.sink is not None:
+            self.sink.assign_slot(slot, prompt_ids, output_ids)
+        vocab = self.config.vocab_size
+        mask = np.zeros(vocab, np.bool_)
+        mask[np.asarray(prompt_ids, np.int64)] = True
+        counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab).astype(np.int32)
+        self.output_counts, self.prompt_masks = self._reset_slot(
+            self.output_counts, self.prompt_masks, np.int32(slot), counts, mask)
+
+    def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray,
+             token_bitmask: np.ndarray | None = None) -> StepOutput:
+        """Run one step; returns device arrays (the caller's `np.asarray` is the sync point).
+        `slots` has a row per sequence row of the batch, NULL_SLOT for padding.
+        `token_bitmask` (i32[seqs, bitmask_words]): the grammar masks, None when no row has one."""
+        return self.run(self.pack(batch, sampling, slots), token_bitmask)
+
+    def pack(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "PackedStep":
+        """The step's inputs but the grammar masks, packed and sent to the device: the engine
+        packs a step before the tokens its masks depend on are known (engine._loop)."""
+        if len(slots) != batch.shape[1]:
+            raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
+        host = pack_step(self._inv_freq, batch, sampling, slots)
+        ints, floats = self._put(host[:2], self.output_counts.sharding)
+        return PackedStep(ints, floats, host[2], batch.shape,
+                          (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
+                          host[:2] if self.sink is not None else None)
+
+    def packed_from_host(self, ints: np.ndarray, floats: np.ndarray, shape, widths) -> "PackedStep":
+        """A follower's PackedStep from the leader's host vectors: the layout is a function of
+        the bucket shape and the table widths alone (`layout_for`)."""
+        shape, widths = tuple(shape), tuple(widths)
+        layout = self.layout_for(shape, widths)
+        sizes = {"int32": 0, "float32": 0}
+        for buffer, offset, leaf_shape, _ in layout.leaves:
+            sizes[buffer] = max(sizes[buffer], offset + int(np.prod(leaf_shape, dtype=np.int64)))
+        if (ints.dtype, floats.dtype) != (np.int32, np.float32) or \
+                (ints.shape, floats.shape) != ((sizes["int32"],), (sizes["float32"],)):
+            raise ValueError(f"a step of shape {shape}, widths {widths} needs int32[{sizes['int32']}] "
+                             f"and float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} "
+                             f"and {floats.dtype}{list(floats.shape)}")
+        ints, floats = self._put((ints, floats), self.output_counts.sharding)
+        return PackedStep(ints, floats, layout, shape, widths)
+
+    def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int]):
+        """The layout of every packed step of this bucket shape and logit-bias / suppressed-id
+        widths: that of an idle step of the same shape."""
+        key = (shape, widths)
+        if key not in self._layouts:
+            tokens, seqs, pages = shape
+            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+                                               widths)
+            self._layouts[key] = pack_step(self._inv_freq, empty_batch(tokens, seqs, pages), sampling,
+                                           np.full(seqs, NULL_SLOT, np.int32))[2]
+        return self._layouts[key]
+
+    def run(self, packed: "PackedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
+        """Dispatches a packed step with its grammar masks (None: no row has one)."""
+        if self.sink is not None:  # the followers make the same call
+            self.sink.step(packed, token_bitmask)
+        args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
+                self.prompt_masks, packed.ints, packed.floats,
+                self._bitmask(packed.shape[1], token_bitmask))
+        program = self._programs.get((packed.shape, packed.widths))
+        if program is not None:
+            out, self.kv_caches, self.output_counts, self.last_tokens = program(*args)
+        else:
+            compiled_before = self._step._cache_size()
+            out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
+                *args, layout=packed.layout)
+            if self._precompiled and self._step._cache_size() > compiled_before:
+                logger.warning(
+                    "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
+                    "width %d, suppressed width %d was not precompiled; every request waited for "
+                    "it. Add the shape to the padding buckets.", packed.shape, *packed.widths)
+        if self.sink is not None:  # replicated over every process: read this one's copy
+            out = jax.tree.map(lambda x: x.addressable_data(0), out)
+            self.sink.ran(out)
+        return out
+
+    def _bitmask(self, seqs: int, token_bitmask: np.ndarray | None) -> jax.Array:
+        if token_bitmask is not None:
+            if token_bitmask.shape != (seqs, self.bitmask_words):
+                raise ValueError(f"token_bitmask of shape {token_bitmask.shape}, expected "
+                                 f"{(seqs, self.bitmask_words)}")
+            return self._put(token_bitmask, self._replicated)
+        if seqs not in self._all_allowed:
+            self._all_allowed[seqs] = self._put(
+                np.full((seqs, self.bitmask_words), -1, np.int32), self._replicated)
+        return self._all_allowed[seqs]
+
+    def compile_count(self) -> int:
+        """Programs compiled or loaded: the precompiled ones and any the jitted step compiled."""
+        return len(self._programs) + self._step._cache_size()
+
+    def compiled_step(self, tokens: int, seqs: int, pages: int):
+        """The step compiled for one bucket shape (for its memory analysis and HLO text)."""
+        args, kwargs = self._lowering_args((tokens, seqs, pages))
+        return self._step.lower(*args, **kwargs).compile()
+
+    def precompile(self, shapes, *, cache: ExecutableCache | None = None,
+                   progress: bool = True) -> None:
+        """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape. Compiled,
+        not run: a run of each with padding rows cost ~1.3 s of the default model's start."""
+        if self.sink is not None:
+            # Multi-host: a step runs on every process, so the followers compile it as they
+            # replay it; it goes through the jitted step, on every process alike.
+            for shape in tqdm(shapes, desc="Precompiling", unit="shape", disable=not progress):
+                jax.block_until_ready(self.step(*idle_step(*shape)).sample.tokens)
+            self._precompiled = True
+            return
+        shapes = [tuple(shape) for shape in shapes]
+        lowering = {shape: self._lowering_args(shape) for shape in shapes}
+        found = {}
+        if cache is not None:
+            paths = {shape: cache.path(*lowering[shape], name="serving step",
+                                       description=self._description) for shape in shapes}
+            devices = list(self.mesh.devices.flat)  # the mesh's order is jit's device assignment
+
+            def load(shape):
+                return cache.load(paths[shape], devices)
+
+            with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as threads:
+                found = dict(zip(shapes, threads.map(load, shapes)))
+        missing = [shape for shape in shapes if found.get(shape) is None]
+        for shape in tqdm(missing, desc="Precompiling", unit="shape", disable=not progress):
+            args, kwargs = lowering[shape]
+            found[shape] = (self._step.lower(*args, **kwargs).compile() if cache is None else
+                            cache.compile_and_store(self._step, args, kwargs, paths[shape]))
+        for shape in shapes:
+            self._programs[(shape, SAMPLING_WIDTHS)] = found[shape]
+        self._precompiled = True
+
+    def _lowering_args(self, shape):
+        """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be
+        zeroed yet), and its static layout."""
+        packed = self.pack(*idle_step(*shape))
+        args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
+                self.prompt_masks, packed.ints, packed.floats, self._bitmask(shape[1], None))
+        return args, {"layout": packed.layout}
+
+
+def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding):
+    """The jitted serving step: forward, sampling, penalty counts and last tokens. A pure function
+    of its arguments, so that it can also be compiled for hardware that is not here
+    (executor/aot.py)."""
+    replicated = NamedSharding(mesh, P())
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout",),
+                       out_shardings=(replicated, kv_sharding, replicated, replicated))
+    def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
+             token_bitmask, layout):
+        batch, sampling, slots, rope = unpack_leaves(ints, floats, layout)
+        state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
+        model = nnx.merge(graphdef, state)
+
+        def whole_vocab_logits(rows):
+            # The vocabulary whole on every device (an all-gather under tensor parallelism)
+            # before the sampler's and prompt logprobs' top_k. JAX 0.11's XLA left the logits
+            # sharded into it, and libtpu's SPMD partitioning of a top_k over a sharded axis
+            # aborts the compile there ("Stable sort expects more than 1 operand", libtpu
+            # 0.0.48); libtpu 0.0.42 (JAX 0.10) compiles it but returns indices of 0.
+            return jax.lax.with_sharding_constraint(model.logits(rows, kernels), replicated)
+
+        input_ids = jnp.where(batch.input_slots >= 0,
+                              last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
+        hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
+                                                batch.metadata, kernels, rope)
+        logits = whole_vocab_logits(hidden[batch.logits_indices])
+        out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
+                     num_top_logprobs=MAX_TOP_LOGPROBS)
+        output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
+        # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
+        last_tokens = last_tokens.at[slots].set(
+            jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
+        prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS)
+        return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
+
+    return step
+
+
+def pack_step(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots):
+    """The step's host arrays, with the rows' RoPE cos/sin, as one int32 and one float32 vector
+    (executor/transfer.py) and their layout."""
+    rope = rope_cos_sin(inv_freq, batch.positions)
+    return pack_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
+
+
+def idle_step(tokens: int, seqs: int, pages: int):
+    """(batch, sampling, slots) of a step of the given bucket shape with every row padding:
+    nothing is written to a live page (padding tokens write to no page at all)."""
+    sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+                                       SAMPLING_WIDTHS)
+    return empty_batch(tokens, seqs, pages), sampling, np.full(seqs, NULL_SLOT, np.int32)
+
+
+def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:
+    """A batch of the given bucket shape with no live sequence."""
+    metadata = AttentionMetadata(
+        kv_lens=np.zeros(seqs, np.int32),
+        page_indices=np.full((seqs, pages), NULL_PAGE, np.int32),
+        cu_q_lens=np.zeros(seqs + 1, np.int32),
+        num_seqs=np.zeros(1, np.int32),
+    )
+    return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
+                        metadata=metadata, logits_indices=np.zeros(seqs, np.int32),
+                        sample_rows=np.zeros(seqs, np.bool_),
+                        target_ids=np.full(tokens, NO_TARGET, np.int32),
+                        input_slots=np.full(tokens, -1, np.int32))

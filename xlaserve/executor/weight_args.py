@@ -1,0 +1,68 @@
+"""The model's weights as few arguments of the jitted step.
+
+Every argument of a jitted call costs host time on every call (PjRt's per-buffer bookkeeping:
+~10 us each on a 2-core CPU), and the default model has 182 weight leaves, ~2 ms of a 27 ms
+one-token step. So a leaf that is the same array as another (the layers' views of one stack of
+packed weights, model/packed.py) goes once, and on a single device the small leaves of one shape
+and dtype (norm scales, biases) go as one stacked array that the step slices back: a slice of a
+few KiB costs nothing next to the step (of a weight it would be a copy, so big leaves are never
+stacked here).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+SMALL_LEAF_BYTES = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    # For each leaf: (argument index, row of that stacked argument, or -1 for the argument itself)
+    sources: tuple[tuple[int, int], ...]
+
+
+def weight_args(leaves: list, stack_small: bool) -> tuple[list[jax.Array], WeightLayout]:
+    """(arguments, layout) for `leaves` (a flattened weight pytree)."""
+    args: list[jax.Array] = []
+    sources: list[tuple[int, int] | None] = [None] * len(leaves)
+    seen: dict[int, int] = {}
+    small: dict[tuple, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if id(leaf) in seen:
+            sources[i] = (seen[id(leaf)], -1)
+        elif stack_small and leaf.size * np.dtype(leaf.dtype).itemsize <= SMALL_LEAF_BYTES:
+            small.setdefault((leaf.shape, np.dtype(leaf.dtype).name), []).append(i)
+        else:
+            seen[id(leaf)] = len(args)
+            sources[i] = (len(args), -1)
+            args.append(leaf)
+    for members in small.values():
+        if len(members) == 1:
+            sources[members[0]] = (len(args), -1)
+            args.append(leaves[members[0]])
+            continue
+        for row, i in enumerate(members):
+            sources[i] = (len(args), row)
+        args.append(_stack([leaves[i] for i in members]))
+    return args, WeightLayout(tuple(sources))
+
+
+def _stack(leaves: list):
+    """jnp.stack, or the stack's ShapeDtypeStruct for abstract leaves (executor/aot.py compiles
+    the step without arrays; stacking only happens on a single device, so it is replicated)."""
+    first = leaves[0]
+    if isinstance(first, jax.ShapeDtypeStruct):
+        sharding = first.sharding and NamedSharding(first.sharding.mesh, P())
+        return jax.ShapeDtypeStruct((len(leaves),) + first.shape, first.dtype, sharding=sharding)
+    return jnp.stack(leaves)
+
+
+def leaves_from_args(args: list, layout: WeightLayout) -> list:
+    """The leaves again, inside the jitted step."""
+    return [args[index] if row < 0 else args[index][row] for index, row in layout.sources]

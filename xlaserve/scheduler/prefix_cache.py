@@ -1,0 +1,202 @@
+"""Radix prefix cache: KV pages keyed by the token ids they hold (SGLang's RadixAttention, by page).
+
+Every edge of the tree holds whole pages: `key` is `page_size * len(pages)` token ids and `pages`
+are the KV pages that cache them, so a path from the root spells a token prefix and lists its pages.
+Only whole pages are shared: a partial page is still being written by its request, and a page's KV
+depends on nothing but the tokens up to its end, so equal keys mean interchangeable pages.
+
+A request reusing (or contributing) a path *locks* the path's last node: `lock_ref` counts the
+locked paths that run through a node, and a locked node is never evicted. Unlocked leaves are
+evicted least recently used first; evicting a leaf may turn its parent into an evictable leaf.
+Since locking a node locks its ancestors, every node under an unlocked node is unlocked too.
+
+Tree pages are allocated in the PageAllocator (off its free list); the tree frees them when it
+evicts. Host-only bookkeeping, used from the engine thread alone.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from xlaserve.scheduler.page_allocator import PageAllocator
+
+
+class TreeNode:
+    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "prefix_pages")
+
+    def __init__(self, parent: TreeNode | None, key: list[int], pages: list[int], prefix_pages: int,
+                 last_access: int = 0):
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}  # by the tokens of their first page
+        self.key = key
+        self.pages = pages
+        self.lock_ref = 0
+        self.last_access = last_access  # a tick of RadixCache._clock: LRU order without clock ties
+        # Pages from the root to the end of this node. A split keeps the tail as the same object
+        # with the same end, so a request holding a node keeps a valid count.
+        self.prefix_pages = prefix_pages
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = TreeNode(None, [], [], 0)
+        self.root.lock_ref = 1  # the root holds no pages and is never evicted
+        self.evictable_pages = 0  # pages of unlocked nodes: free for the asking
+        self.locked_pages = 0
+        self._clock = itertools.count(1)
+
+    @property
+    def num_pages(self) -> int:
+        return self.evictable_pages + self.locked_pages
+
+    # --- lookups ------------------------------------------------------------------------------
+
+    def match(self, token_ids: list[int]) -> tuple[list[int], TreeNode]:
+        """The pages of the longest cached prefix of `token_ids` in whole pages, and the node that
+        ends exactly there (split if the match ends inside one), for `lock`."""
+        token_ids = list(token_ids)
+        node, pages, _ = self._walk(token_ids, len(token_ids) // self.page_size)
+        return pages, node
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[list[int], TreeNode]:
+        """Caches the whole pages of `token_ids`, held by `pages` (a trailing partial page is left
+        out). Where the tree already holds a page for the same tokens, the tree's page wins: the
+        returned list is the tree's pages for the prefix, so the caller can free its duplicates.
+        Also returns the node ending the prefix. New pages belong to the tree from now on."""
+        token_ids = list(token_ids)
+        num_pages = min(len(token_ids) // self.page_size, len(pages))
+        node, tree_pages, matched = self._walk(token_ids, num_pages)
+        if matched < num_pages:
+            size = self.page_size
+            leaf = TreeNode(node, token_ids[matched * size:num_pages * size],
+                            list(pages[matched:num_pages]), num_pages, next(self._clock))
+            node.children[self._first_page(leaf.key)] = leaf
+            self.evictable_pages += len(leaf.pages)
+            tree_pages += leaf.pages
+            node = leaf
+        return tree_pages, node
+
+    def insert_locked(self, token_ids: list[int], pages: list[int], locked: TreeNode,
+                      ) -> tuple[list[int], TreeNode]:
+        """`insert` for a request that locks `locked` and has computed `pages`: pages that another
+        request cached first (same tokens, so same KV) replace the request's, which are freed, and
+        the lock moves to the new end. Returns the request's new pages and locked node."""
+        tree_pages, node = self.insert(token_ids, pages)
+        self.allocator.free([mine for mine, tree in zip(pages, tree_pages) if mine != tree])
+        self.lock(node)  # before the unlock, so the shared part never counts as evictable
+        self.unlock(locked)
+        return tree_pages, node
+
+    def _walk(self, token_ids: list[int], num_pages: int) -> tuple[TreeNode, list[int], int]:
+        """Follows the first `num_pages` pages of `token_ids` down the tree: the last node reached
+        (ending exactly at the match), the pages on the way, and how many pages matched."""
+        node, pages, matched = self.root, [], 0
+        tick = next(self._clock)
+        while matched < num_pages:
+            child = node.children.get(self._first_page(token_ids, matched * self.page_size))
+            if child is None:
+                break
+            equal = self._equal_pages(child, token_ids, matched * self.page_size, num_pages - matched)
+            if equal < len(child.pages):
+                child = self._split(child, equal)
+            child.last_access = tick
+            pages += child.pages
+            matched += equal
+            node = child
+        return node, pages, matched
+
+    def _equal_pages(self, node: TreeNode, token_ids: list[int], start: int, max_pages: int) -> int:
+        """Leading whole pages of `node.key` equal to `token_ids[start:]`, at most `max_pages`.
+        The first page is known equal (the children dict matched it)."""
+        size = self.page_size
+        n = min(len(node.pages), max_pages)
+        if node.key[:n * size] == token_ids[start:start + n * size]:  # the common case, in C
+            return n
+        equal = 1
+        while node.key[equal * size:(equal + 1) * size] == token_ids[start + equal * size:
+                                                                     start + (equal + 1) * size]:
+            equal += 1
+        return equal
+
+    def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
+        """Cuts `node` after `num_pages` pages; returns the new head, which takes its place."""
+        size = self.page_size
+        parent = node.parent
+        head = TreeNode(parent, node.key[:num_pages * size], node.pages[:num_pages],
+                        parent.prefix_pages + num_pages, node.last_access)
+        head.lock_ref = node.lock_ref  # the same paths run through both halves
+        node.key, node.pages, node.parent = node.key[num_pages * size:], node.pages[num_pages:], head
+        head.children[self._first_page(node.key)] = node
+        parent.children[self._first_page(head.key)] = head
+        return head
+
+    def _first_page(self, token_ids: list[int], start: int = 0) -> tuple[int, ...]:
+        return tuple(token_ids[start:start + self.page_size])
+
+    # --- references -----------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """A request uses the path to `node`: none of its pages may be evicted until `unlock`."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.locked_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise ValueError("unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.locked_pages -= len(node.pages)
+                self.evictable_pages += len(node.pages)
+            node = node.parent
+
+    # --- eviction -------------------------------------------------------------------------------
+
+    @property
+    def available_pages(self) -> int:
+        """Free pages plus cached pages that no request uses (evicted when asked for)."""
+        return self.allocator.num_free + self.evictable_pages
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """`num_pages` pages off the free list, evicting LRU cached pages first if it is short."""
+        if num_pages > self.allocator.num_free:
+            self.evict(num_pages - self.allocator.num_free)
+        return self.allocator.allocate(num_pages)
+
+    def evict(self, num_pages: int) -> int:
+        """Frees at least `num_pages` pages (fewer only if fewer are evictable), whole unlocked
+        leaves, least recently used first; returns how many it freed."""
+        order = itertools.count()  # breaks last_access ties without comparing nodes
+        heap = [(leaf.last_access, next(order), leaf) for leaf in self._unlocked_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.allocator.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            parent = leaf.parent
+            del parent.children[self._first_page(leaf.key)]
+            if not parent.children and parent.lock_ref == 0:  # the root's lock_ref is 1
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+        return freed
+
+    def flush(self) -> int:
+        """Evicts every page no request uses; returns how many."""
+        return self.evict(self.evictable_pages)
+
+    def _unlocked_leaves(self) -> list[TreeNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.lock_ref == 0:
+                leaves.append(node)
+        return leaves

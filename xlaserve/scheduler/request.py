@@ -1,0 +1,83 @@
+"""What the scheduler keeps per request and hands the executor per step: a `Request` (its ids,
+parameters and KV state), the `SeqChunk` of it one step runs, and the `ScheduledBatch` of them.
+Standard library only (the scheduler's contract in pyproject.toml)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from xlaserve.scheduler.prefix_cache import TreeNode
+    from xlaserve.sampling.params import RowSamplingParams
+
+
+@dataclass
+class SeqChunk:
+    """The part of one sequence that a step runs."""
+
+    token_ids: list[int]  # new tokens, at least one
+    num_cached: int  # tokens of this sequence already in the KV cache (= first new position)
+    page_ids: list[int]  # the sequence's page table; covers num_cached + len(token_ids)
+    sample: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    # Per new token, the id whose logprob the step computes at that row (prompt logprobs: the
+    # next prompt token), -1 for none; None: no row of this chunk has a target.
+    target_ids: list[int] | None = None
+    # >= 0: the one new token is the one the previous step sampled in this slot, still on the
+    # device (a step dispatched before that one was read; `token_ids` holds a placeholder).
+    input_slot: int = -1
+
+
+
+FinishReason = tuple[Literal["length", "stop", "abort"], "int | str | None"]
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: RowSamplingParams  # the engine fills the seed once, so a retracted request resamples alike
+    stop_token_ids: frozenset[int] = frozenset()  # EOS ids + user stop ids, merged by the engine
+    min_new_tokens: int = 0  # stop ids cannot finish the request before this many tokens
+    priority: int = 0  # larger = more urgent; FCFS within equal priority
+    # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
+    no_prefix_reuse: bool = False
+    # Structured outputs: the request's grammar state (runtime/grammar.Grammar), advanced by
+    # every sampled token here; it survives retraction, having consumed exactly output_ids.
+    grammar: Any = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # --- state, managed by the scheduler ---
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of all_ids() whose KV is in the cache
+    page_ids: list[int] = field(default_factory=list)
+    slot: int | None = None  # row of the device penalty state, 1..max_running_requests
+    status: Literal["waiting", "running", "finished"] = "waiting"
+    finish_reason: FinishReason | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at first admission
+    cache_node: TreeNode | None = None  # the prefix-cache path this running request locks
+    retracted_count: int = 0
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    chunks: list[SeqChunk]  # chunks[i] is what requests[i] runs this step
+    slots: list[int]  # slots[i] is requests[i].slot
+    kind: Literal["prefill", "decode", "mixed"]
+    # Requests that got their slot this step: the engine resets that slot's penalty state.
+    admitted: list[Request] = field(default_factory=list)
+    # Tokens each row has sampled in steps not yet processed (1 for a continuation): the row
+    # samples output token number len(output_ids) + ahead.
+    ahead: int = 0

@@ -1,0 +1,417 @@
+"""Continuous batching on the host: which requests run which tokens in the next step.
+
+Pure bookkeeping (no JAX, no model), driven by the engine thread:
+
+    batch = scheduler.schedule()                  # decodes first, then prefill chunks
+    tokens = run the model on batch.chunks
+    finished = scheduler.process_results(batch, tokens)
+
+A request's KV state is `num_computed`: how many of `all_ids()` are in the cache. It is
+*decoding* when everything but the last sampled token is computed; otherwise it is prefilling
+`all_ids()[num_computed:]`, in chunks. When the page pool runs dry for the decodes, the newest
+running requests are retracted: pages dropped, generated tokens kept, and on re-admission their
+prompt plus output so far is prefilled again (DESIGN.md, Memory).
+
+Prefix cache (prefix_cache.py; `radix_cache=False` keeps it empty). A request's whole pages enter
+the radix tree as soon as a step completes them and stay there when it ends or is retracted.
+An admitted request starts at its longest cached prefix: at most `num_tokens - 1` tokens (the last
+must run, to sample) in whole pages, none with `no_prefix_reuse`. It locks that tree path, so
+`page_ids[:cache_node.prefix_pages]` are tree pages, the rest its own. Unlocked cached pages count
+as free: evicted (LRU leaves) before anything is retracted, left out of `token_usage`.
+Shared prompts are prefilled once: a waiting request is passed over (without blocking the queue
+behind it) while its next page to match is one that a running request has yet to prefill, and is
+admitted with the hit once that page is in the tree; so `n` copies of a prompt compute it once.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+
+from xlaserve.scheduler.page_allocator import PageAllocator, pages_for_tokens
+from xlaserve.scheduler.prefix_cache import RadixCache
+from xlaserve.scheduler.request import FinishReason, Request, ScheduledBatch, SeqChunk
+
+logger = logging.getLogger(__name__)
+
+
+def prefill_budget(max_prefill_tokens: int, num_decodes: int) -> int:
+    """Prompt tokens a step may run beside `num_decodes` decode rows. As in SGLang's mixed
+    chunks, decodes take their share of `max_prefill_tokens`, so a mixed step is no bigger than a
+    prefill step (and pads to the same bucket, not the next one up); prompts keep at least a
+    quarter of it, so new requests still start under a full decode load."""
+    return max(max_prefill_tokens - num_decodes, max_prefill_tokens // 4, 1)
+
+
+def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
+    """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
+    or a whole prefill step)."""
+    return max(max_prefill_tokens,
+               max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
+                 chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
+                 log_interval: int = 40, radix_cache: bool = True):
+        if max_running_requests < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.log_prefix = ""  # "[DP1] " for a data parallel replica's lines
+        # Disabled, the tree stays empty: nothing is inserted, so nothing matches or is evictable.
+        self.radix_cache = radix_cache
+        self.cache = RadixCache(allocator, page_size)
+        self.max_running_requests = max_running_requests
+        # <= 0 or None: no chunking, a prompt runs in one step.
+        self.chunk_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.max_prefill_tokens = max_prefill_tokens
+        self.context_length = context_length
+        self.log_interval = log_interval
+        self.waiting: list[Request] = []  # kept sorted by _queue_key
+        self.running: list[Request] = []  # in admission order: the last one is the newest
+        self.requests: dict[str, Request] = {}  # every unfinished request, by rid
+        self._free_slots = list(range(max_running_requests, 0, -1))  # pop() hands out low ids first
+        self._arrivals = itertools.count()
+        self._arrival_order: dict[str, int] = {}
+        self._decode_steps = 0
+        self._decode_tokens = 0
+        self._interval_start = 0.0
+
+    # --- queue --------------------------------------------------------------------------------
+
+    def check_fits(self, request: Request) -> None:
+        """Raises ValueError for a request that could never run, whatever else is going on."""
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        total = len(request.prompt_ids) + request.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(
+                f"the prompt ({len(request.prompt_ids)} tokens) plus max_new_tokens "
+                f"({request.max_new_tokens}) is {total} tokens, more than the context length "
+                f"({self.context_length})")
+        # The last sampled token never enters the cache, so the KV peaks at total - 1 tokens.
+        pages = pages_for_tokens(total - 1, self.page_size)
+        if pages > self.allocator.capacity:
+            raise ValueError(
+                f"the request needs {pages} KV pages ({total - 1} tokens) but the whole pool has "
+                f"{self.allocator.capacity} pages ({self.allocator.capacity * self.page_size} tokens)")
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        if request.rid in self.requests:
+            raise ValueError(f"request id {request.rid!r} is already in use")
+        request.status = "waiting"
+        self.requests[request.rid] = request
+        self._arrival_order[request.rid] = next(self._arrivals)
+        self._enqueue(request)
+
+    def _queue_key(self, request: Request):
+        # Priority first; within it, retracted requests go to the front so they resume first,
+        # then first come first served (arrival order breaks equal timestamps).
+        return (-request.priority, request.retracted_count == 0, request.arrival_time,
+                self._arrival_order[request.rid])
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._queue_key)
+
+    # --- leaving ------------------------------------------------------------------------------
+
+    def abort(self, rid: str) -> Request | None:
+        return self.finish(rid, "abort", None)
+
+    def abort_many(self, rids) -> None:
+        """Aborts these requests (unknown ids are skipped) with one pass over the queue, where
+        `abort` one by one would search it once each."""
+        requests = list({rid: r for rid in rids if (r := self.requests.get(rid)) is not None}.values())
+        waiting = {r.rid for r in requests if r.status == "waiting"}
+        if waiting:
+            self.waiting = [r for r in self.waiting if r.rid not in waiting]
+        for request in requests:
+            if request.status != "waiting":
+                self.running.remove(request)
+                self._release(request)
+            self._end(request, "abort", None)
+
+    def finish(self, rid: str, reason: str, matched: int | str | None = None) -> Request | None:
+        """Ends a request now (stop string, abort): its pages and slot are free at once."""
+        request = self.requests.get(rid)
+        if request is None:
+            return None
+        if request.status == "waiting":
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            self._release(request)
+        self._end(request, reason, matched)
+        return request
+
+    def _end(self, request: Request, reason: str, matched: int | str | None) -> None:
+        del self.requests[request.rid]
+        del self._arrival_order[request.rid]
+        request.status = "finished"
+        request.finish_reason = (reason, matched)
+
+    def _release(self, request: Request) -> None:
+        """Its computed whole pages stay cached (unlocked by it); the rest go back to the free list."""
+        self._share_computed_pages(request)
+        self.cache.unlock(request.cache_node)
+        self.allocator.free(request.page_ids[request.cache_node.prefix_pages:])
+        request.page_ids, request.cache_node = [], None
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+
+    def _retract(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed = 0  # recomputed from prompt + output so far on re-admission
+        request.retracted_count += 1
+        request.status = "waiting"
+        self._enqueue(request)
+
+    # --- scheduling ---------------------------------------------------------------------------
+
+    def _new_pages(self, request: Request, kv_len: int) -> int:
+        return max(0, pages_for_tokens(kv_len, self.page_size) - len(request.page_ids))
+
+    def _grow(self, request: Request, kv_len: int) -> None:
+        request.page_ids += self.cache.allocate(self._new_pages(request, kv_len))
+
+    # --- the prefix cache -----------------------------------------------------------------------
+
+    def _reusable_tokens(self, request: Request) -> int:
+        """How much of a waiting request may come from the cache (module docstring)."""
+        if not self.radix_cache or request.no_prefix_reuse:
+            return 0
+        return (request.num_tokens - 1) // self.page_size * self.page_size
+
+    def _attach_prefix(self, request: Request) -> None:
+        """Starts a waiting request on its longest cached prefix, locked."""
+        pages, node = self.cache.match(request.all_ids()[:self._reusable_tokens(request)])
+        self.cache.lock(node)
+        request.cache_node, request.page_ids = node, pages
+        request.num_computed = len(pages) * self.page_size
+
+    def _detach_prefix(self, request: Request) -> None:  # not admitted after all
+        self.cache.unlock(request.cache_node)
+        request.cache_node, request.page_ids, request.num_computed = None, [], 0
+
+    def _share_computed_pages(self, request: Request) -> None:
+        """Puts the request's newly completed whole pages in the tree, so that a later prompt can
+        reuse them before this request ends."""
+        num_full = request.num_computed // self.page_size
+        if not self.radix_cache or num_full <= request.cache_node.prefix_pages:
+            return
+        request.page_ids[:num_full], request.cache_node = self.cache.insert_locked(
+            request.all_ids()[:num_full * self.page_size], request.page_ids[:num_full],
+            request.cache_node)
+
+    def _waits_for_a_running_prefill(self, request: Request) -> bool:
+        """Whether a running request has yet to prefill the next page this waiting request would
+        match (module docstring): admitting it now would compute that page twice."""
+        end = request.num_computed + self.page_size
+        if end > self._reusable_tokens(request):
+            return False
+        head = request.all_ids()[:end]
+        return any(not other.is_decoding and other.num_computed < end <= other.num_tokens
+                   and other.all_ids()[:end] == head for other in self.running)
+
+    def flush_cache(self) -> int:
+        """Evicts every cached page that no running request uses; returns how many."""
+        return self.cache.flush()
+
+    def schedule(self) -> ScheduledBatch | None:
+        rows = self._schedule_decodes()
+        num_decodes = len(rows)
+        admitted: list[Request] = []
+        rows += self._schedule_prefills(admitted, budget=prefill_budget(self.max_prefill_tokens,
+                                                                        num_decodes))
+        # Only prefilling requests are running and none can get pages: retract the newest so the
+        # older ones can finish their prompts (a lone request always fits, add() checked). No
+        # admissions in this step, or the retracted one would take its pages right back.
+        while not rows and self.running:
+            self._retract(self.running[-1])
+            logger.info("KV cache pool is full. Retract requests. #retracted_reqs: 1")
+            rows = self._schedule_prefills(admitted, budget=self.max_prefill_tokens, admit=False)
+        if not rows:
+            return None
+        requests = [r for r, _ in rows]
+        chunks = [c for _, c in rows]
+        kind = "decode" if num_decodes == len(rows) else "prefill" if num_decodes == 0 else "mixed"
+        cached = sum(c.num_cached for r, c in rows if any(r is a for a in admitted))
+        self._log_step(kind, num_decodes, chunks[num_decodes:], cached)
+        return ScheduledBatch(requests, chunks, [r.slot for r in requests], kind, admitted)
+
+    def _schedule_decodes(self) -> list[tuple[Request, SeqChunk]]:
+        """One token for every decoding request; retracts the newest running requests when the
+        pool cannot give every decode the page it may need."""
+        num_retracted = 0
+        while True:
+            decoding = [r for r in self.running if r.is_decoding]
+            needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
+            if needed <= self.cache.available_pages or len(self.running) <= 1:
+                break
+            self._retract(self.running[-1])
+            num_retracted += 1
+        if num_retracted:
+            logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d", num_retracted)
+        rows = []
+        for r in decoding:
+            self._grow(r, r.num_computed + 1)
+            rows.append((r, SeqChunk([r.output_ids[-1]], r.num_computed, list(r.page_ids), True)))
+        return rows
+
+    def _schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,
+                           ) -> list[tuple[Request, SeqChunk]]:
+        """Chunks of unfinished prompts: running ones first, then new admissions in queue order,
+        within `budget` prompt tokens and the free pages. Stops at the first request that does
+        not fit, so a big request at the head of the queue is not starved by smaller ones."""
+        rows = []
+        candidates = [r for r in self.running if not r.is_decoding] + (list(self.waiting) if admit else [])
+        for r in candidates:
+            is_new = r.status == "waiting"
+            if is_new:
+                if len(self.running) >= self.max_running_requests:
+                    break
+                self._attach_prefix(r)
+                if self._waits_for_a_running_prefill(r):
+                    self._detach_prefix(r)
+                    continue
+            remaining = r.num_tokens - r.num_computed
+            n = min(remaining, budget, self.chunk_size or remaining)
+            # Without chunking, a prompt over the budget runs alone, in a step of its own.
+            alone = n < remaining and self.chunk_size is None
+            n = remaining if alone else n
+            if (alone and rows) or n <= 0 or self._new_pages(r, r.num_computed + n) > self.cache.available_pages:
+                if is_new:
+                    self._detach_prefix(r)
+                break
+            if is_new:
+                self.waiting.remove(r)
+                r.status = "running"
+                r.slot = self._free_slots.pop()
+                self.running.append(r)
+                admitted.append(r)
+                if r.retracted_count == 0:
+                    r.num_cached_prompt_tokens = r.num_computed
+            self._grow(r, r.num_computed + n)
+            token_ids = r.all_ids()[r.num_computed:r.num_computed + n]
+            rows.append((r, SeqChunk(token_ids, r.num_computed, list(r.page_ids), n == remaining)))
+            budget -= n
+        return rows
+
+    def schedule_continuation(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch`, scheduled while `batch` still runs (its tokens unread):
+        each of its requests decodes the token `batch` samples, which the step reads from the
+        device (`SeqChunk.input_slot`). None when the next step should be scheduled the usual way,
+        after the results: a waiting request could be admitted (a slot is free), `batch` has a
+        prompt chunk that samples nothing, or the pool lacks a page (retraction needs the
+        results).
+
+        A request that `batch` ends by length is left out. One that it ends by a stop id (or
+        that a stop string or an abort ends meanwhile) runs one row too many: `process_results`
+        drops that row, and freeing its pages is safe because the device runs steps in order, so
+        whoever gets them next writes after this step."""
+        admissible = self.waiting and len(self.running) < self.max_running_requests
+        if admissible or not all(c.sample for c in batch.chunks):
+            return None
+        rows = [(r, c.num_cached + len(c.token_ids))
+                for r, c in zip(batch.requests, batch.chunks, strict=True)
+                if r.status == "running" and len(r.output_ids) + 1 < r.max_new_tokens]
+        if not rows or sum(self._new_pages(r, n + 1) for r, n in rows) > self.cache.available_pages:
+            return None
+        chunks = []
+        for r, num_cached in rows:
+            self._grow(r, num_cached + 1)
+            chunks.append(SeqChunk([0], num_cached, list(r.page_ids), True, input_slot=r.slot))
+        self._log_step("decode", len(rows), [], 0)
+        requests = [r for r, _ in rows]
+        return ScheduledBatch(requests, chunks, [r.slot for r in requests], "decode", ahead=1)
+
+    def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
+        """Advances every row by its chunk; rows that sampled get their token. Returns the
+        requests that finished (their pages and slots are already free)."""
+        finished = []
+        for request, chunk, token in zip(batch.requests, batch.chunks, sampled_tokens, strict=True):
+            if request.status != "running":
+                continue  # aborted or finished since it was scheduled
+            request.num_computed += len(chunk.token_ids)
+            self._share_computed_pages(request)
+            if not chunk.sample:
+                continue
+            token = int(token)
+            # A stop id counts only where the sampler would not have suppressed it.
+            stops = token in request.stop_token_ids and len(request.output_ids) >= request.min_new_tokens
+            request.output_ids.append(token)
+            if stops:
+                finished.append(self.finish(request.rid, "stop", token))
+            elif request.grammar is not None and not request.grammar.consume(token):
+                # The mask allows only the grammar's tokens, so this is a bug, not bad input.
+                logger.error("request %s: its grammar rejected token %d (%s)", request.rid, token,
+                             request.grammar.error())
+                finished.append(self.finish(request.rid, "abort", None))
+            elif request.grammar is not None and request.grammar.is_stopped():
+                # Complete (e.g. a JSON object's closing brace): "stop", with no stop token.
+                finished.append(self.finish(request.rid, "stop", None))
+            elif len(request.output_ids) >= request.max_new_tokens:
+                finished.append(self.finish(request.rid, "length", None))
+        return finished
+
+    def suppressed_ids(self, request: Request, ahead: int = 0) -> list[int]:
+        """Stop ids the sampler must not pick yet (min_new_tokens), for the token sampled
+        `ahead` tokens after the output so far (ScheduledBatch.ahead)."""
+        if len(request.output_ids) + ahead < request.min_new_tokens:
+            return sorted(request.stop_token_ids)
+        return []
+
+    # --- state and logs -----------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_pages_in_use(self) -> int:
+        """Pages that running requests hold (cached pages nobody uses count as free, as in SGLang)."""
+        return self.allocator.num_used - self.cache.evictable_pages
+
+    def token_usage(self) -> float:
+        return self.num_pages_in_use / self.allocator.capacity
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _log_step(self, kind: str, num_decodes: int, prefill_chunks: list[SeqChunk],
+                  cached_tokens: int) -> None:
+        if prefill_chunks:
+            logger.info(
+                "%sPrefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                "#running-req: %d, #queue-req: %d", self.log_prefix, len(prefill_chunks),
+                sum(len(c.token_ids) for c in prefill_chunks), cached_tokens, self.token_usage(),
+                num_decodes, self.num_waiting)
+        if kind != "decode":
+            return
+        # Throughput over the interval: tokens of steps 2..N over the time from step 1 to step N.
+        now = time.monotonic()
+        if self._decode_steps == 0:
+            self._interval_start = now
+        else:
+            self._decode_tokens += num_decodes
+        self._decode_steps += 1
+        if self._decode_steps >= self.log_interval:
+            elapsed = now - self._interval_start
+            throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
+            logger.info(
+                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "gen throughput (token/s): %.2f, #queue-req: %d", self.log_prefix, self.num_running,
+                sum(r.num_computed for r in self.running), self.token_usage(), throughput,
+                self.num_waiting)
+            self._decode_steps = self._decode_tokens = 0
