@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import queue
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 from xlaserve.engine.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              EngineDeadError, sglang_output)
 from xlaserve.engine.data_parallel import make_engine_core
+from xlaserve.engine.messages import OutputChunk
 from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -122,13 +123,13 @@ class Engine:
         requests, batched = self._requests(prompt, sampling_params, input_ids)
         sinks = []
         for ids, params in requests:
-            sink: queue.Queue = queue.Queue()
+            sink: queue.Queue[OutputChunk] = queue.Queue()
             self.core.submit(ids, params, sink.put, **logprobs.submit_kwargs())
             sinks.append(sink)
         results = [self._collect(self._drain(sink), logprobs) for sink in sinks]
         return results if batched else results[0]
 
-    def _drain(self, sink: queue.Queue):
+    def _drain(self, sink: queue.Queue[OutputChunk]) -> Iterator[OutputChunk]:
         """The chunks of one request as they come; raises if the engine loop has died, which
         would otherwise leave the caller waiting forever."""
         while True:
@@ -154,7 +155,7 @@ class Engine:
                                          for ids, params in requests])
         return list(results) if batched else results[0]
 
-    async def _chunks(self, ids, params, logprobs) -> AsyncIterator[dict]:
+    async def _chunks(self, ids, params, logprobs) -> AsyncIterator[OutputChunk]:
         group = AsyncRequestGroup(self.core)
         group.submit(0, ids, params, **logprobs.submit_kwargs())
         try:
@@ -164,22 +165,24 @@ class Engine:
             group.abort()  # a no-op once finished; else the consumer went away: free the slot now
 
     async def _stream(self, ids, params, logprobs) -> AsyncIterator[dict]:
+        """SGLang's stream dicts: each chunk's text delta, its token id and `finished`, with the
+        final one's `meta_info`."""
         async for chunk in self._chunks(ids, params, logprobs):
-            out = {"text": chunk["text"], "output_ids": [] if chunk["token_id"] is None else [chunk["token_id"]],
-                   "finished": chunk["finished"]}
-            if chunk["finished"]:
-                out["meta_info"] = chunk["meta_info"]
+            ids = [] if chunk.token_id is None else [chunk.token_id]
+            out = {"text": chunk.text, "output_ids": ids, "finished": chunk.finished}
+            if chunk.finished:
+                out["meta_info"] = chunk.meta_info
             yield out
 
     async def _collect_async(self, ids, params, logprobs) -> dict:
         return self._collect([c async for c in self._chunks(ids, params, logprobs)], logprobs)
 
     @staticmethod
-    def _collect(chunks, logprobs: LogprobOptions) -> dict:
+    def _collect(chunks: Iterable[OutputChunk], logprobs: LogprobOptions) -> dict:
         choice = Choice(0, 0)
         for chunk in chunks:
             choice.add(chunk)
-            if chunk["finished"]:
+            if chunk.finished:
                 break
         return sglang_output(choice, logprobs.return_logprob, logprobs.top_logprobs_num)
 

@@ -124,7 +124,7 @@ class ServerArgs:
         None, "regex of the whitespace allowed between JSON tokens in JSON-constrained output "
               "(default '[ ]?': one optional space, so a model cannot pad with whitespace until "
               "max_tokens; '[\\n\\t ]*' allows any)")
-    # --- what one request may ask (runtime/sampling_params.RequestLimits; 400 naming the field) ---
+    # --- what one request may ask (sampling/params.RequestLimits; 400 naming the field) ---
     max_n: int = _flag(128, "most choices (n) per prompt of one request")
     max_sequences_per_request: int = _flag(
         256, "most sequences one request generates: prompts x n (completions and /generate take "

@@ -129,10 +129,10 @@ def test_a_refused_or_failing_request_never_breaks_the_group(checkpoints, refere
     engine, follower = _group(monkeypatch, checkpoints[0], checkpoints[0], 0)
     original = delivery.Delivery._deliver
 
-    def fails_for_one(self, request, *args):
-        if request.rid == "faulty":
+    def fails_for_one(self, sampled, *args):
+        if sampled.request.rid == "faulty":
             raise RuntimeError("a bug tied to this request")
-        return original(self, request, *args)
+        return original(self, sampled, *args)
 
     with engine:
         with pytest.raises(ValueError, match="top_k"):
@@ -144,9 +144,9 @@ def test_a_refused_or_failing_request_never_breaks_the_group(checkpoints, refere
         engine.core.submit(PROMPTS[1], engine_params(GREEDY), sink.put, rid="faulty")
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         chunk = sink.get(timeout=60)
-        while not chunk["finished"]:
+        while not chunk.finished:
             chunk = sink.get(timeout=60)
-        assert chunk["error"] == "internal error (RuntimeError)"
+        assert chunk.error == "internal error (RuntimeError)"
         assert [o["output_ids"] for o in outputs] == reference
         assert engine.core.failure is None and engine.core.is_alive()
     follower.join(timeout=30)

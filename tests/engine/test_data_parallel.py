@@ -13,6 +13,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.engine.data_parallel import DataParallelEngineCore
+from xlaserve.engine.messages import OutputChunk
 from xlaserve.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -44,7 +45,7 @@ class FakeReplica:
 
     def finish(self, rid: str) -> None:
         emit, _ = self.live.pop(rid)
-        emit({"token_id": None, "text": "", "finished": True, "meta_info": {"id": rid}})
+        emit(OutputChunk(None, "", True, meta_info={"id": rid}))
 
     def abort(self, rid, message=None):
         self.aborted.append(rid)
@@ -232,9 +233,9 @@ SCRIPT = textwrap.dedent("""
     core.abort(rids[victim])
 
     def final(sink):
-        while not (chunk := sink.get(timeout=120))["finished"]:
+        while not (chunk := sink.get(timeout=120)).finished:
             pass
-        return chunk["meta_info"]
+        return chunk.meta_info
 
     metas = [final(s) for s in sinks]
     out["abort"] = {"replicas": on, "victim": metas[victim]["finish_reason"]["type"],

@@ -218,11 +218,11 @@ def test_a_duplicate_request_id_fails_alone(engine):
     engine.core.submit(PROMPTS[0], params, first.put, rid="same-id")
     engine.core.submit(PROMPTS[1], params, second.put, rid="same-id")
     rejected = second.get(timeout=30)
-    assert rejected["finished"] and "already in use" in rejected["error"]
+    assert rejected.finished and "already in use" in rejected.error
     chunks = [first.get(timeout=60)]
-    while not chunks[-1]["finished"]:
+    while not chunks[-1].finished:
         chunks.append(first.get(timeout=60))
-    assert "error" not in chunks[-1] and len([c for c in chunks if c["token_id"] is not None]) == 30
+    assert chunks[-1].error is None and len([c for c in chunks if c.token_id is not None]) == 30
 
 
 def test_a_stopped_engine_refuses_requests_instead_of_hanging(checkpoint):

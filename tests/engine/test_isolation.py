@@ -12,6 +12,7 @@ from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 from xlaserve.engine import delivery as delivery_module
 from xlaserve.engine.core import QueueFull
+from xlaserve.engine.messages import OutputChunk
 from xlaserve.scheduler.page_allocator import PageAllocator
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
@@ -31,12 +32,12 @@ def engine(tmp_path_factory):
         yield engine
 
 
-def _finals(sinks: list[queue.Queue], timeout: float = 60) -> list[dict]:
+def _finals(sinks: list[queue.Queue], timeout: float = 60) -> list[OutputChunk]:
     """Each request's final chunk (every submitted request must get one)."""
     finals = []
     for sink in sinks:
         chunk = sink.get(timeout=timeout)
-        while not chunk["finished"]:
+        while not chunk.finished:
             chunk = sink.get(timeout=timeout)
         finals.append(chunk)
     return finals
@@ -88,17 +89,17 @@ def test_bad_prompt_ids_and_n_are_refused_before_queueing(engine):
 def test_a_failure_making_one_requests_output_fails_it_alone(engine, monkeypatch):
     original = delivery_module.Delivery._deliver
 
-    def fails_for_one(self, request, *args):
-        if request.rid == "faulty":
+    def fails_for_one(self, sampled, *args):
+        if sampled.request.rid == "faulty":
             raise RuntimeError("a bug tied to this request")
-        return original(self, request, *args)
+        return original(self, sampled, *args)
 
     monkeypatch.setattr(delivery_module.Delivery, "_deliver", fails_for_one)
     neighbour = _submit(engine, [5, 6, 7])
     faulty = _submit(engine, [8, 9], rid="faulty")
     ok, failed = _finals([neighbour, faulty])
-    assert "error" not in ok and ok["meta_info"]["finish_reason"]["type"] == "length"
-    assert failed["error"] == "internal error (RuntimeError)"
+    assert ok.error is None and ok.meta_info["finish_reason"]["type"] == "length"
+    assert failed.error == "internal error (RuntimeError)"
     assert engine.core.is_alive() and engine.core.scheduler.token_usage() == 0
 
 
@@ -120,9 +121,9 @@ def test_a_failed_step_fails_its_rows_and_the_waiting_requests_go_on(engine, mon
     sinks = [_submit(engine, [10 + i, 11]) for i in range(6)]
     gate.set()
     finals = _finals(sinks)
-    errors = [f for f in finals if "error" in f]
-    lengths = [f for f in finals if f["meta_info"]["finish_reason"]["type"] == "length"]
-    assert 1 <= len(errors) <= 4 and all("RuntimeError" in f["error"] for f in errors)
+    errors = [f for f in finals if f.error is not None]
+    lengths = [f for f in finals if f.meta_info["finish_reason"]["type"] == "length"]
+    assert 1 <= len(errors) <= 4 and all("RuntimeError" in f.error for f in errors)
     assert len(lengths) == 6 - len(errors) >= 2
     assert engine.core.is_alive()
 
@@ -148,7 +149,7 @@ def test_the_queue_is_bounded(engine, monkeypatch):
             _submit(engine, [1, 2])
     finally:
         gate.set()
-    assert all("error" not in f for f in _finals(sinks))
+    assert all(f.error is None for f in _finals(sinks))
     assert engine.core.queued_requests() == 0
 
 
@@ -172,7 +173,7 @@ def test_aborting_thousands_of_queued_requests_is_linear(engine):
     finally:
         gate.set()
         del engine.core.runner.run
-    assert sum(f.get("error") == "cancelled" for f in finals) >= 3000 - 4
+    assert sum(f.error == "cancelled" for f in finals) >= 3000 - 4
     assert elapsed < 10  # one by one over a 3000-long queue took minutes (Request.__eq__ scans)
     assert not engine.core.scheduler.has_work()
 

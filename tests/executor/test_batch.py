@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from xlaserve.executor.forward_batch import pack
+from xlaserve.executor.forward_batch import make_forward_batch
 
 from xlaserve.scheduler.request import SeqChunk
 from xlaserve.executor.buckets import Buckets
@@ -12,13 +12,13 @@ BUCKETS = Buckets.for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_s
                              seq_paddings=[1, 2, 4, 8])
 
 
-def test_mixed_prefill_chunk_and_decodes_pack_to_the_contract():
+def test_mixed_prefill_chunk_and_decodes_make_a_batch_to_the_contract():
     chunks = [
         SeqChunk(token_ids=[11, 12, 13], num_cached=5, page_ids=[7, 3], sample=False),  # mid-prompt
         SeqChunk(token_ids=[21], num_cached=9, page_ids=[2, 9, 4]),  # decode at position 9
         SeqChunk(token_ids=[31, 32], num_cached=0, page_ids=[5]),  # new prompt
     ]
-    batch = pack(chunks, BUCKETS, page_size=4)
+    batch = make_forward_batch(chunks, BUCKETS, page_size=4)
     assert batch.shape == (8, 4, 4)  # 6 tokens -> 8, 3 seqs -> 4, 3 pages -> 4
     np.testing.assert_array_equal(batch.input_ids, [11, 12, 13, 21, 31, 32, 0, 0])
     np.testing.assert_array_equal(batch.positions[:6], [5, 6, 7, 9, 0, 1])
@@ -34,9 +34,11 @@ def test_mixed_prefill_chunk_and_decodes_pack_to_the_contract():
 
 def test_a_sequence_without_enough_pages_is_refused():
     with pytest.raises(ValueError, match="needs 2 pages, has 1"):
-        pack([SeqChunk(token_ids=[1, 2], num_cached=3, page_ids=[1])], BUCKETS, page_size=4)
+        make_forward_batch([SeqChunk(token_ids=[1, 2], num_cached=3, page_ids=[1])], BUCKETS,
+                           page_size=4)
 
 
 def test_an_empty_chunk_is_refused():
     with pytest.raises(ValueError, match="at least one token"):
-        pack([SeqChunk(token_ids=[], num_cached=3, page_ids=[1])], BUCKETS, page_size=4)
+        make_forward_batch([SeqChunk(token_ids=[], num_cached=3, page_ids=[1])], BUCKETS,
+                           page_size=4)

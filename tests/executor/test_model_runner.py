@@ -6,7 +6,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.model.loader import load_model
-from xlaserve.executor.forward_batch import pack
+from xlaserve.executor.forward_batch import make_forward_batch
 from xlaserve.scheduler.request import SeqChunk
 from xlaserve.executor.buckets import Buckets
 from xlaserve.executor.greedy import greedy_generate
@@ -36,7 +36,7 @@ def _greedy_together(runner, prompts, new_tokens):
     outputs = [[] for _ in prompts]
     chunks = [SeqChunk(list(p), 0, pages[i]) for i, p in enumerate(prompts)]
     for step in range(new_tokens):
-        batch = pack(chunks, BUCKETS, PAGE_SIZE)
+        batch = make_forward_batch(chunks, BUCKETS, PAGE_SIZE)
         sampling = build_sampling_metadata(
             [RowSamplingParams(temperature=0.0, seed=0, sample_index=step)] * len(prompts),
             batch.shape[1], SAMPLING_WIDTHS)
@@ -77,14 +77,14 @@ def test_no_compile_after_precompile_and_a_loud_warning_for_a_new_shape(loaded, 
     assert "COMPILED WHILE SERVING" not in caplog.text
     # A page-table width outside the buckets compiles, and says so.
     odd = Buckets.for_limits(32, 4, 8, page_paddings=[3])
-    batch = pack([SeqChunk([1, 2], 0, [1, 2, 3])], odd, PAGE_SIZE)
+    batch = make_forward_batch([SeqChunk([1, 2], 0, [1, 2, 3])], odd, PAGE_SIZE)
     with caplog.at_level(logging.WARNING):
         runner.step(batch, build_sampling_metadata([RowSamplingParams(seed=1)], batch.shape[1]),
                     np.array([1, 0, 0, 0], np.int32))
     assert runner.compile_count() == compiled + 1
     assert "COMPILED WHILE SERVING" in caplog.text and "(8, 4, 3)" in caplog.text
     # ... and so does a step whose sampling tables are not padded to the fixed widths.
-    batch = pack([SeqChunk([1, 2], 0, [1, 2])], BUCKETS, PAGE_SIZE)
+    batch = make_forward_batch([SeqChunk([1, 2], 0, [1, 2])], BUCKETS, PAGE_SIZE)
     runner.step(batch, build_sampling_metadata([RowSamplingParams(seed=1)], batch.shape[1]),
                 np.array([1, 0, 0, 0], np.int32))
     assert runner.compile_count() == compiled + 2

@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS, ToolCall, ToolCallDelta
+from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
+from xlaserve.http.parsing.tool_regions import ToolCall, ToolCallDelta
 
 
 def tool(name):

@@ -10,7 +10,7 @@ import torch
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.model.loader import load_model
 from xlaserve.offline import Engine
-from xlaserve.executor.forward_batch import pack
+from xlaserve.executor.forward_batch import make_forward_batch
 from xlaserve.scheduler.request import SeqChunk
 from xlaserve.executor.buckets import Buckets
 from xlaserve.sampling.params import SamplingParams
@@ -114,7 +114,7 @@ def qwen3(tmp_path_factory):
 
 
 def _step(runner, chunks, slots):
-    batch = pack(chunks, BUCKETS, PAGE_SIZE)
+    batch = make_forward_batch(chunks, BUCKETS, PAGE_SIZE)
     sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)] * len(chunks),
                                        batch.shape[1], SAMPLING_WIDTHS)
     padded = np.zeros(batch.shape[1], np.int32)
@@ -186,9 +186,9 @@ def _submit(engine, prompt, **logprobs) -> queue.Queue:
     return sink
 
 
-def _chunks(sink) -> list[dict]:
+def _chunks(sink) -> list:
     chunks = [sink.get(timeout=120)]
-    while not chunks[-1]["finished"]:
+    while not chunks[-1].finished:
         chunks.append(sink.get(timeout=120))
     return chunks
 
@@ -222,15 +222,15 @@ def test_a_request_beside_one_with_prompt_logprobs_is_unchanged_and_nothing_comp
                         return_prompt_logprob=True)
     plain_sink = _submit(engine, SHORT_PROMPT)
     echo, plain = _chunks(echo_sink), _chunks(plain_sink)
-    assert [c["token_id"] for c in plain] == alone["output_ids"]
-    assert not any("input_token_logprobs" in c for c in plain)
-    assert "input_token_logprobs" not in plain[-1]["meta_info"]
+    assert [c.token_id for c in plain] == alone["output_ids"]
+    assert all(c.input_token_logprobs is None for c in plain)
+    assert "input_token_logprobs" not in plain[-1].meta_info
     # Delivered once, with the first output chunk, and again in the final meta_info.
-    assert "input_token_logprobs" in echo[0]
-    assert not any("input_token_logprobs" in c for c in echo[1:])
-    assert echo[-1]["meta_info"]["input_token_logprobs"] == echo[0]["input_token_logprobs"]
-    assert_matches_transformers(tied[1], LONG_PROMPT, echo[0]["input_token_logprobs"],
-                                echo[0]["input_top_logprobs"], 3)
+    assert echo[0].input_token_logprobs is not None
+    assert all(c.input_token_logprobs is None for c in echo[1:])
+    assert echo[-1].meta_info["input_token_logprobs"] == echo[0].input_token_logprobs
+    assert_matches_transformers(tied[1], LONG_PROMPT, echo[0].input_token_logprobs,
+                                echo[0].input_top_logprobs, 3)
     assert engine.core.runner.compile_count() == compiled
     # Every prompt row must be computed: a prefix cache may not serve this request.
     assert [r.no_prefix_reuse for r in added] == [True, False]

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from tests.scheduler.test_scheduler import PAGE, FakeModel, make_scheduler, req
+from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, req
 from xlaserve.scheduler.page_allocator import PageAllocator
 from xlaserve.scheduler.prefix_cache import RadixCache
 from xlaserve.sampling.params import RowSamplingParams

@@ -77,12 +77,12 @@ def replay(connection, loaded) -> None:
     while True:
         kind, meta, arrays = connection.receive()
         if kind == "step":
-            packed = runner.packed_from_host(arrays["ints"], arrays["floats"], meta["shape"],
+            staged = runner.staged_from_host(arrays["ints"], arrays["floats"], meta["shape"],
                                              meta["widths"])
             bitmask = arrays.get("bitmask")
             if bitmask is not None and bitmask.dtype != np.int32:
                 raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")
-            out = runner.run(packed, bitmask)
+            out = runner.run(staged, bitmask)
             if meta.get("hash"):  # --debug-step-hash-interval: a sync, this step's outputs
                 connection.send("step_hash", {"step": meta["step"],
                                               "digest": step_digest(out.sample)})

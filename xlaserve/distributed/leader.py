@@ -16,16 +16,15 @@ from xlaserve.distributed.setup import CONNECT_TIMEOUT_S, PeerLost
 logger = logging.getLogger(__name__)
 
 
-def lead(core) -> "Leader":
-    """Rank 0, once its ModelRunner is built: waits for the followers, sends them the runner's
-    configuration and puts the command sink on the runner. `core`: the EngineCore; its `failure`
-    is set when the group breaks."""
+def lead(args, runner) -> "Leader":
+    """Rank 0, once its ModelRunner is built (engine/startup.py): waits for the followers, sends
+    them the runner's configuration and puts the command sink on the runner. The Leader's
+    `failure` says why the group broke, once it has (the EngineCore reports it)."""
     listener = setup.listener()
     if listener is None:
         raise RuntimeError("--nnodes > 1: call distributed.setup.initialize(args) before the engine")
     connections = listener.wait(CONNECT_TIMEOUT_S)
-    runner, args = core.runner, core.args
-    leader = Leader(core, connections, listener.secret, args.debug_step_hash_interval)
+    leader = Leader(connections, listener.secret, args.debug_step_hash_interval)
     leader.broadcast("runner", {
         "num_pages": int(runner.num_pages), "page_size": int(runner.page_size),
         "max_running_requests": int(args.max_running_requests),
@@ -49,14 +48,14 @@ def step_digest(sample) -> str:
 
 
 class Leader:
-    def __init__(self, core, connections: dict, secret: bytes, hash_interval: int = 0):
-        self.core = core
+    def __init__(self, connections: dict, secret: bytes, hash_interval: int = 0):
+        self.failure: str | None = None  # why the group broke; then no more commands go out
         self.hash_interval = hash_interval
         self.steps_checked = 0  # steps every follower's digest agreed on
         self._hashed: dict[int, list] = {}  # step -> [own sample, own digest or None, reports]
         self._hash_lock = threading.Lock()
         self.nnodes = len(connections) + 1
-        self._connections = connections  # rank -> step_channel.Connection
+        self._connections = connections  # rank -> channel.Connection
         self._secret = secret
         self._sent = 0
         self._lock = threading.Lock()
@@ -75,7 +74,7 @@ class Leader:
         """One command to every follower, in order; raises PeerLost once the group is broken."""
         with self._lock:
             if self._failed.is_set():
-                raise PeerLost(self.core.failure)
+                raise PeerLost(self.failure)
             message = encode(self._secret, TO_FOLLOWER, self._sent, kind, meta, arrays)
             self._sent += 1
             for rank, connection in self._connections.items():
@@ -87,17 +86,17 @@ class Leader:
             else:
                 return
         self.fail(lost)
-        raise PeerLost(self.core.failure)
+        raise PeerLost(self.failure)
 
     def fail(self, reason: str) -> None:
         """Marks the group broken (once) and disconnects every follower, which then exit."""
         with self._lock:
             if self._failed.is_set():
                 return
-            self.core.failure = (f"multi-host serving stopped: {reason}; restart every process "
+            self.failure = (f"multi-host serving stopped: {reason}; restart every process "
                                  f"(--nnodes {self.nnodes})")
             self._failed.set()
-        logger.error("%s", self.core.failure)
+        logger.error("%s", self.failure)
         for connection in self._connections.values():
             connection.close()
 
@@ -168,7 +167,7 @@ class Leader:
             return f"follower rank {rank} sent a digest of step {step!r}, which was not checked"
         while not check.made.wait(1.0):  # a follower may run the step before the leader has
             if self._failed.is_set():
-                return self.core.failure
+                return self.failure
         with self._hash_lock:
             if check.digest is None:
                 check.digest, check.sample = step_digest(check.sample), None
@@ -214,15 +213,15 @@ class _Sink:
                                prompt_ids=np.asarray(prompt_ids, np.int32),
                                output_ids=np.asarray(output_ids, np.int32))
 
-    def step(self, packed, token_bitmask: np.ndarray | None) -> None:
-        shape = tuple(int(n) for n in packed.shape)
-        widths = tuple(int(n) for n in packed.widths)
+    def step(self, staged, token_bitmask: np.ndarray | None) -> None:
+        shape = tuple(int(n) for n in staged.shape)
+        widths = tuple(int(n) for n in staged.widths)
         if (shape, widths) not in self._checked:  # once per bucket: followers rebuild the layout
-            if self._runner.layout_for(shape, widths) != packed.layout:
-                raise RuntimeError(f"the packing layout of a step of shape {shape}, widths {widths} "
-                                   "is not a function of its shape: followers cannot unpack it")
+            if self._runner.layout_for(shape, widths) != staged.layout:
+                raise RuntimeError(f"the vector layout of a step of shape {shape}, widths {widths} "
+                                   "is not a function of its shape: followers cannot split it")
             self._checked.add((shape, widths))
-        arrays = {"ints": packed.host[0], "floats": packed.host[1]}
+        arrays = {"ints": staged.host[0], "floats": staged.host[1]}
         if token_bitmask is not None:
             arrays["bitmask"] = token_bitmask
         step, interval = self._steps, self._leader.hash_interval

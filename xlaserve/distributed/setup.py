@@ -11,7 +11,7 @@ shapes in the same order, so the server replicates its scheduled steps, not its 
 
 - rank 0, the leader, is the whole server (HTTP, tokenizer, scheduler, prefix cache, seeds). Its
   ModelRunner's command sink (`_Sink`) sends each device call (slot assignments; steps: the
-  packed int32/float32 host vectors, bucket shape, table widths and grammar masks) to the
+  int32/float32 host vectors, bucket shape, table widths and grammar masks) to the
   followers before making it, over the step channel (distributed/channel.py: TCP on the
   coordinator's port + 1, every message HMAC-authenticated, never unpickled).
 - ranks > 0, the followers (distributed/follower.py), load the same model, build the same ModelRunner (with the
@@ -20,7 +20,7 @@ shapes in the same order, so the server replicates its scheduled steps, not its 
   are in the leader's arrays. Outputs are replicated; only the leader reads them.
 
 Failure: a follower that loses the leader exits with status 1 and says so. A leader that loses a
-follower (its connection closes, a send fails, a step fails) is broken for good: `core.failure`
+follower (its connection closes, a send fails, a step fails) is broken for good: `Leader.failure`
 is set, so /health and new requests answer 503, and readers of running requests get the error
 at their next liveness poll (1 s) even where the engine thread is stuck in a collective that
 will never complete (with gloo a lost peer fails the collective at once, and the engine thread
@@ -32,7 +32,7 @@ heartbeats (100 s): restart every process.
 
 Divergence: what the followers replay is the leader's log by construction (one ordered,
 sequence-numbered, authenticated stream), and the leader checks once per bucket shape that a
-follower rebuilds the same packing layout. What construction cannot rule out is a process whose
+follower rebuilds the same vector layout. What construction cannot rule out is a process whose
 own copy of replicated state drifts (the sampled tokens, the penalty counts: each process computes
 its copy itself, so a bug, a different jax/XLA build or a faulty device shows there first and then
 feeds garbage into the collectives, silently). `--debug-step-hash-interval N` checks for it: every

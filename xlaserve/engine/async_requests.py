@@ -1,6 +1,6 @@
 """Requests submitted together from an asyncio event loop, read back as one stream of chunks.
 
-The engine thread calls each request's `emit` with output chunks; here they cross into the event
+The engine thread calls each request's `emit` with OutputChunks; here they cross into the event
 loop (`call_soon_threadsafe`) and come out of one queue tagged with the caller's index, so `n`
 choices or several prompts of one HTTP request are read by a single consumer in arrival order.
 Submission is synchronous, so a request the engine refuses raises before anything is streamed.
@@ -12,6 +12,7 @@ import dataclasses
 from typing import AsyncIterator
 
 from xlaserve.engine.core import EngineCore
+from xlaserve.engine.messages import OutputChunk
 from xlaserve.sampling.params import SamplingParams
 
 LIVENESS_POLL_S = 1.0  # how often a waiting reader checks that the engine loop still runs
@@ -34,14 +35,14 @@ class AsyncRequestGroup:
         put = self._queue.put_nowait
         loop = self._loop
 
-        def emit(chunk: dict) -> None:
+        def emit(chunk: OutputChunk) -> None:
             loop.call_soon_threadsafe(put, (index, chunk))
 
         rid = self.core.submit(prompt_ids, params, emit, **options)
         self._unfinished[index] = rid
         return rid
 
-    async def chunks(self) -> AsyncIterator[tuple[int, dict]]:
+    async def chunks(self) -> AsyncIterator[tuple[int, OutputChunk]]:
         """(index, chunk) pairs until every request has sent its final chunk."""
         while self._unfinished:
             try:
@@ -50,7 +51,7 @@ class AsyncRequestGroup:
                 if not self.core.is_alive():
                     raise EngineDeadError(self.core.stopped_reason()) from None
                 continue
-            if chunk["finished"]:
+            if chunk.finished:
                 self._unfinished.pop(index, None)
             yield index, chunk
 
@@ -73,20 +74,20 @@ class Choice:
     logprobs: list[float | None] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     meta_info: dict | None = None
-    first_chunk: dict | None = None  # carries prompt logprobs when asked
+    first_chunk: OutputChunk | None = None  # carries prompt logprobs when asked
 
-    def add(self, chunk: dict) -> None:
+    def add(self, chunk: OutputChunk) -> None:
         if self.first_chunk is None:
             self.first_chunk = chunk
-        self.text += chunk["text"]
-        if chunk["token_id"] is not None:
-            self.token_ids.append(chunk["token_id"])
-            self.logprobs.append(chunk["logprob"])
-            self.top_logprobs.append(chunk.get("top_logprobs", []))
-        if chunk["finished"]:
-            self.meta_info = chunk["meta_info"]
-            if "error" in chunk:
-                self.meta_info = {**self.meta_info, "error": chunk["error"]}
+        self.text += chunk.text
+        if chunk.token_id is not None:
+            self.token_ids.append(chunk.token_id)
+            self.logprobs.append(chunk.logprob)
+            self.top_logprobs.append([] if chunk.top_logprobs is None else chunk.top_logprobs)
+        if chunk.finished:
+            self.meta_info = chunk.meta_info
+            if chunk.error is not None:
+                self.meta_info = {**self.meta_info, "error": chunk.error}
 
     @property
     def finish_reason(self) -> str:

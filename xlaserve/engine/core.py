@@ -1,10 +1,11 @@
 """Engine: owns the model runner and the scheduler, runs the step loop in its own thread.
 
-Requests come in through a thread-safe `submit` and leave as a stream of output chunks; the loop
+Requests come in through a thread-safe `submit` and leave as a stream of `OutputChunk`s; the loop
 thread is the only one that touches the scheduler, the page allocator and the device state, so
 none of them needs a lock. `xlaserve.Engine` (the offline API) wraps this class. The runner,
 the scheduler and the rest the engine serves with are built at start-up by startup.py;
-the chunks a step's tokens become (text, logprobs, finish) are made by delivery.py.
+the chunks a step's tokens become (text, logprobs, finish) are made by delivery.py; what other
+threads send the loop, and what it sends them, are the typed messages of messages.py.
 """
 from __future__ import annotations
 
@@ -20,17 +21,18 @@ from typing import Callable
 import jax
 import numpy as np
 
-from xlaserve.distributed.leader import lead
 from xlaserve.engine import startup
+from xlaserve.engine.admission import check_request
 from xlaserve.engine.delivery import Delivery, live_state
+from xlaserve.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
+                                      OutputChunk, SampledRow, StepResult, Wake)
 from xlaserve.engine.watchdog import Watchdog
-from xlaserve.executor.forward_batch import pack
-from xlaserve.executor.model_runner import SAMPLING_WIDTHS, ModelRunner, StepOutput
+from xlaserve.executor.forward_batch import make_forward_batch
+from xlaserve.executor.model_runner import SAMPLING_WIDTHS, StepOutput
 from xlaserve.host import malloc_tuning
 from xlaserve.sampling.grammar import InvalidGrammar, constraint_of
-from xlaserve.sampling.params import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, InvalidSamplingParam,
-                                      RequestLimits, RowSamplingParams, SamplingParams,
-                                      prompt_token_ids, token_id)
+from xlaserve.sampling.params import (RequestLimits, RowSamplingParams, SamplingParams,
+                                      prompt_token_ids, stop_token_set)
 from xlaserve.sampling.sampler import build_sampling_metadata
 from xlaserve.scheduler.request import Request
 from xlaserve.server_args import ServerArgs
@@ -49,10 +51,9 @@ class EngineCore:
         and KV pool live on devices [dp_rank * tp_size, (dp_rank + 1) * tp_size).
         `share_with`: another replica whose tokenizer and grammar backend this one uses."""
         self.dp_rank = dp_rank
-        self.failure: str | None = None  # why a multi-host group broke: the engine takes no work
-        self._leader = None
-        parts = startup.build(server_args, dp_rank, share_with,
-                                     on_runner=self._lead if server_args.nnodes > 1 else None)
+        self._failure: str | None = None  # why the watchdog stopped the engine
+        parts = startup.build(server_args, dp_rank, share_with)
+        self._leader = parts.leader  # --nnodes > 1: rank 0 of a multi-host group
         self.args = args = parts.args  # with --page-size resolved
         self.loaded = parts.loaded
         self.tokenizer = parts.tokenizer
@@ -72,7 +73,7 @@ class EngineCore:
                              daemon=True).start()
         if jax.default_backend() == "cpu":
             malloc_tuning.keep_freed_memory()
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue[InboxMessage] = queue.Queue()
         # Requests put in the inbox, and taken from it by the loop (queued_requests).
         self._submitted = self._admitted = 0
         self._submit_lock = threading.Lock()
@@ -84,13 +85,12 @@ class EngineCore:
                                   name.replace("engine", "watchdog"))
         self._thread.start()
 
-    def _lead(self, args: ServerArgs, runner: ModelRunner) -> None:
-        """--nnodes > 1: the followers replay this runner's device calls (distributed/leader.py).
-        `build` calls this between the runner and the precompile, which then runs on the
-        followers too. `lead` takes the core itself, not the parts: it reads `args` and `runner`
-        off it now and sets its `failure` when the group breaks, so those two are set first."""
-        self.args, self.runner = args, runner
-        self._leader = lead(self)
+    @property
+    def failure(self) -> str | None:
+        """Why the engine takes no more work (a hung step, a broken multi-host group), else None."""
+        if self._leader is not None and self._leader.failure is not None:
+            return self._leader.failure
+        return self._failure
 
     # --- called from any thread -----------------------------------------------------------
 
@@ -109,11 +109,19 @@ class EngineCore:
             raise InvalidGrammar(kind, f"{kind} needs constrained decoding, which is off: {why}")
         self.grammar_backend.compile(kind, text)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
-               rid: str | None = None, return_logprob: bool = False,
-               top_logprobs_num: int = 0, return_prompt_logprob: bool = False,
-               priority: int = 0) -> str:
-        """Queue a request; `emit` is called from the engine thread with each output chunk: the
+    def check_request(self, prompt_len: int, params: SamplingParams, top_logprobs_num: int = 0,
+                      **options) -> None:
+        """The one check of a request's parameters and size (engine/admission.py): raises
+        InvalidSamplingParam or RequestTooLong. `submit` runs it; servers run it first, to refuse
+        a call before submitting any of its copies. `options`: its `names`, `template_stop_ids`."""
+        check_request(self.scheduler, self.limits, self.loaded.config.vocab_size,
+                      self.eos_token_ids, prompt_len, params, top_logprobs_num, **options)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               emit: Callable[[OutputChunk], None], rid: str | None = None,
+               return_logprob: bool = False, top_logprobs_num: int = 0,
+               return_prompt_logprob: bool = False, priority: int = 0) -> str:
+        """Queue a request; `emit` is called from the engine thread with each OutputChunk: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
         `top_logprobs_num` (at most MAX_TOP_LOGPROBS) [(logprob, token_id)] alternatives.
         A larger `priority` is scheduled first (batch work runs below interactive requests).
@@ -127,36 +135,22 @@ class EngineCore:
         Everything the request will need on the engine thread (its sampling row, grammar,
         detokenizer and stop matcher, prompt-logprob collector) is built and checked here, in the
         caller's thread: a request the engine cannot serve raises ValueError (InvalidSamplingParam
-        naming the field, InvalidGrammar) or QueueFull, and never reaches the loop."""
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise InvalidSamplingParam(
-                "top_logprobs_num", f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        naming the field, RequestTooLong, from `check_request`; InvalidGrammar) or QueueFull,
+        and never reaches the loop."""
+        prompt_ids = prompt_token_ids(prompt_ids, self.loaded.config.vocab_size)
+        self.check_request(len(prompt_ids), params, top_logprobs_num)
         if not self.is_alive():
             raise RuntimeError(self.stopped_reason())
         queued = self.queued_requests()
         if queued >= self.limits.max_queued_requests:
             raise QueueFull(f"the server's queue is full ({queued} requests wait, "
                             f"--max-queued-requests {self.limits.max_queued_requests}): retry later")
-        vocab = self.loaded.config.vocab_size
-        params.validate(vocab, limits=self.limits)
         self.compile_grammar(params)  # a cache hit where the server compiled it already
-        prompt_ids = prompt_token_ids(prompt_ids, vocab)
         rid = rid or uuid.uuid4().hex
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        if len(stop_ids) > MAX_SUPPRESSED_IDS:  # min_new_tokens masks all of them in one table row
-            raise InvalidSamplingParam(
-                "stop_token_ids", f"stop_token_ids plus the model's EOS ids come to "
-                                  f"{len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} are supported")
+        stop_ids = stop_token_set(params, self.eos_token_ids)  # checked: only the set here
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        sampling = RowSamplingParams(
-            temperature=float(params.temperature), top_k=params.top_k, top_p=float(params.top_p),
-            min_p=float(params.min_p), presence_penalty=float(params.presence_penalty),
-            frequency_penalty=float(params.frequency_penalty),
-            repetition_penalty=float(params.repetition_penalty),
-            logit_bias={token_id(k): float(v) for k, v in params.logit_bias.items()}, seed=seed,
-            return_logprob=bool(return_logprob or top_logprobs_num > 0))
+        sampling = RowSamplingParams.from_params(
+            params, seed, return_logprob=bool(return_logprob or top_logprobs_num > 0))
         # The row as the step will pack it, so a value its columns cannot hold fails here.
         build_sampling_metadata([sampling], 1, SAMPLING_WIDTHS)
         grammar = None
@@ -166,12 +160,11 @@ class EngineCore:
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
                           min_new_tokens=params.min_new_tokens, priority=priority,
                           no_prefix_reuse=return_prompt_logprob, grammar=grammar)
-        self.scheduler.check_fits(request)  # raises ValueError before anything is queued
         live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
                           return_prompt_logprob)
         with self._submit_lock:
             self._submitted += 1
-        self._inbox.put(("add", live, None))
+        self._inbox.put(AddRequest(live))
         return rid
 
     def queued_requests(self) -> int:
@@ -186,8 +179,7 @@ class EngineCore:
     def max_request_tokens(self) -> int:
         """The longest prompt + output one request may have: the context length, or what the
         whole KV pool holds if that is less (the last sampled token needs no KV)."""
-        pool_tokens = self.scheduler.allocator.capacity * self.args.page_size + 1
-        return min(self.context_length, pool_tokens)
+        return self.scheduler.max_request_tokens
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -204,18 +196,18 @@ class EngineCore:
     def abort(self, rid: str, message: str | None = None) -> None:
         """Ends the request (waiting or running) on the engine thread; its final chunk carries
         `message` as its error, if given."""
-        self._inbox.put(("abort", rid, message))
+        self._inbox.put(Abort(rid, message))
 
     def abort_all(self, message: str) -> None:
         """Ends every request the engine holds, each with a final chunk whose error is `message`
         (the server's graceful shutdown ran out of time)."""
-        self._inbox.put(("abort_all", None, message))
+        self._inbox.put(AbortAll(message))
 
     def flush_cache(self) -> int:
         """Empties the prefix cache of the pages no running request uses, on the engine thread
         between steps; returns how many pages it freed, once done."""
         done: Future = Future()
-        self._inbox.put(("flush", done, None))
+        self._inbox.put(FlushCache(done))
         while True:
             try:
                 return done.result(timeout=1.0)
@@ -226,7 +218,7 @@ class EngineCore:
     def shutdown(self) -> None:
         self._stopping = True
         self._watchdog.stop()
-        self._inbox.put(("wake", None, None))
+        self._inbox.put(Wake())
         self._thread.join(timeout=30)
         if self._leader is not None:  # the followers stop too
             self._leader.close()
@@ -245,7 +237,7 @@ class EngineCore:
         if self._leader is not None:
             self._leader.fail(reason)
         else:
-            self.failure = reason
+            self._failure = reason
 
     def _loop(self) -> None:
         """One step per iteration, overlapped with the host work around it (the default; SGLang's
@@ -260,7 +252,7 @@ class EngineCore:
         - either way, the host work on k's results that no step needs (detokenizing, stop
           strings, handing chunks out) runs while k+1 computes.
         - a continuation with a constrained row (structured outputs) needs k's tokens for its
-          grammar masks: it is scheduled and packed while k computes, and sent once k is read
+          grammar masks: it is scheduled and staged while k computes, and sent once k is read
           and the masks are filled (~5 us a row), so only that much host time stands between
           the two steps.
 
@@ -288,19 +280,19 @@ class EngineCore:
                             waiting_for_masks = (batch, prepared)
                         else:
                             following = (batch, self._send(batch, prepared))
-                results = self._read(*in_flight) if in_flight is not None else None
+                results = [self._read(*in_flight)] if in_flight is not None else []
                 if waiting_for_masks is not None:  # the grammars have consumed k's tokens
                     following = (waiting_for_masks[0], self._send(*waiting_for_masks))
                 in_flight = following
                 if in_flight is None and (batch := self.scheduler.schedule()) is not None:
                     stepping.append(batch)
-                    in_flight = (batch, self._dispatch(batch))
+                    in_flight = (batch, self._send(batch, self._prepare(batch)))
                     if not overlap:
-                        results = (results or []) + self._read(*in_flight)
+                        results.append(self._read(*in_flight))
                         in_flight = None
                 stepping = []  # the steps ran: what fails from here is one request's own
-                for delivery in results or ():
-                    self._delivery.deliver(*delivery)
+                for step in results:
+                    self._delivery.deliver(step)
             except Exception as error:  # a bug must not kill the loop silently
                 in_flight = None
                 self._step_failed(error, stepping, broadcast=self._leader is not None
@@ -333,23 +325,23 @@ class EngineCore:
         aborts: list[str] = []  # consecutive aborts with one message
         message = None
         while item is not None:
-            kind, payload, item_message = item
-            if aborts and (kind != "abort" or item_message != message):
+            if aborts and (not isinstance(item, Abort) or item.message != message):
                 self._delivery.abort_many(aborts, message)
                 aborts = []
-            if kind == "abort":
-                aborts.append(payload)
-                message = item_message
-            elif kind == "add":
-                self._admitted += 1
-                self._delivery.admit(payload)
-            elif kind == "abort_all":
-                self._delivery.abort_many(self._delivery.rids(), item_message)
-            elif kind == "flush":
-                try:
-                    payload.set_result(self.scheduler.flush_cache())
-                except Exception as error:  # the caller waits on the future: hand it the error
-                    payload.set_exception(error)
+            match item:  # a Wake (shutdown's) only ends the wait: the loop sees _stopping
+                case Abort():
+                    aborts.append(item.rid)
+                    message = item.message
+                case AddRequest():
+                    self._admitted += 1
+                    self._delivery.admit(item.live)
+                case AbortAll():
+                    self._delivery.abort_many(self._delivery.rids(), item.message)
+                case FlushCache():
+                    try:
+                        item.done.set_result(self.scheduler.flush_cache())
+                    except Exception as error:  # the caller waits on it: hand it the error
+                        item.done.set_exception(error)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -357,17 +349,13 @@ class EngineCore:
         if aborts:
             self._delivery.abort_many(aborts, message)
 
-    def _dispatch(self, batch):
-        """Sends the step to the device; returns its (asynchronous) output."""
-        return self._send(batch, self._prepare(batch))
-
     def _prepare(self, batch):
-        """The step's inputs, packed and sent: all but the grammar masks."""
+        """The step's inputs, staged on the device: all but the grammar masks."""
         for request in batch.admitted:
             self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
         chunks = [self._delivery.prompt_targets(r, c)
                   for r, c in zip(batch.requests, batch.chunks, strict=True)]
-        fb = pack(chunks, self.buckets, self.runner.page_size)
+        fb = make_forward_batch(chunks, self.buckets, self.runner.page_size)
         padded_seqs = fb.shape[1]
         # Most rows suppress nothing: a copy of their parameters per step would cost more host
         # time than the rest of the packing (a few ms at 128 rows).
@@ -378,33 +366,34 @@ class EngineCore:
         sampling.sample_index[:len(rows)] = [len(r.output_ids) + batch.ahead for r in batch.requests]
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
-        return self.runner.pack(fb, sampling, slots)
+        return self.runner.stage(fb, sampling, slots)
 
-    def _send(self, batch, packed):
+    def _send(self, batch, staged):
         """Fills the grammar masks of the constrained rows that sample, from their grammars'
         current state, and dispatches the step; returns its (asynchronous) output."""
         constrained = [(r.grammar, i) for i, (r, c) in enumerate(zip(batch.requests, batch.chunks))
                        if r.grammar is not None and c.sample and r.status == "running"]
         bitmask = None
         if constrained:
-            bitmask = self.grammar_backend.empty_bitmask(packed.shape[1])
+            bitmask = self.grammar_backend.empty_bitmask(staged.shape[1])
             self.grammar_backend.fill_masks(constrained, bitmask)
-        return self.runner.run(packed, bitmask)
+        return self.runner.run(staged, bitmask)
 
-    def _read(self, batch, out: StepOutput) -> list[tuple]:
-        """Waits for the step's tokens and advances the scheduler; returns the deliveries
-        (`Delivery.deliver` arguments) of the rows that sampled."""
+    def _read(self, batch, out: StepOutput) -> StepResult:
+        """Waits for the step's tokens and advances the scheduler; returns the rows that sampled
+        (with the step's logprobs, when a row asked for them) for `Delivery.deliver`."""
         num_rows = len(batch.requests)
         sampled = out.sample
         tokens = np.asarray(sampled.tokens)[:num_rows]
-        logprobs = top = None
+        logprobs = top_logprobs = top_ids = None
         if any(r.sampling.return_logprob for r in batch.requests):
-            logprobs = np.asarray(sampled.logprobs)[:num_rows]
-            top = (np.asarray(sampled.top_logprobs)[:num_rows], np.asarray(sampled.top_ids)[:num_rows])
+            logprobs, top_logprobs, top_ids = (np.asarray(a)[:num_rows] for a in (
+                sampled.logprobs, sampled.top_logprobs, sampled.top_ids))
         self._delivery.collect_prompt_logprobs(batch, out)
         # Requests that ended while the step ran (abort, stop string) have no row to advance.
         live_before = {r.rid for r in batch.requests if r.status == "running"}
-        finished = {r.rid for r in self.scheduler.process_results(batch, tokens.tolist())}
-        return [(request, int(tokens[i]), request.rid in finished, logprobs, top, i)
+        self.scheduler.process_results(batch, tokens.tolist())
+        rows = [SampledRow(request, int(tokens[i]), i)
                 for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True))
                 if chunk.sample and request.rid in live_before]
+        return StepResult(rows, logprobs, top_logprobs, top_ids)

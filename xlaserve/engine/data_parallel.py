@@ -30,6 +30,7 @@ from typing import Callable
 from xlaserve.model.loader import check_replica_devices
 from xlaserve.distributed.setup import refuse_data_parallel_across_hosts
 from xlaserve.engine.core import EngineCore
+from xlaserve.engine.messages import OutputChunk
 from xlaserve.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -105,8 +106,15 @@ class DataParallelEngineCore:
     def compile_grammar(self, params: SamplingParams) -> None:
         self.replicas[0].compile_grammar(params)  # the backend (and its cache) is shared
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Callable[[dict], None],
-               rid: str | None = None, **options) -> str:
+    def check_request(self, prompt_len: int, params: SamplingParams, top_logprobs_num: int = 0,
+                      **options) -> None:
+        """EngineCore.check_request against the replica that holds the least per request (the
+        pools' sizes may differ), so what passes here fits whichever replica it goes to."""
+        smallest = min(self.replicas, key=lambda r: r.max_request_tokens)
+        smallest.check_request(prompt_len, params, top_logprobs_num, **options)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               emit: Callable[[OutputChunk], None], rid: str | None = None, **options) -> str:
         """EngineCore.submit on the replica the load-balance method picks."""
         rid = rid or uuid.uuid4().hex
         with self._lock:
@@ -135,12 +143,13 @@ class DataParallelEngineCore:
         self._next += 1
         return index
 
-    def _tracking(self, rid: str, index: int, emit: Callable[[dict], None]) -> Callable:
+    def _tracking(self, rid: str, index: int,
+                  emit: Callable[[OutputChunk], None]) -> Callable[[OutputChunk], None]:
         """`emit` that forgets the request's replica with its final chunk (or when `emit`
         raises: the engine then drops the request)."""
 
-        def tracked(chunk: dict) -> None:
-            if chunk["finished"]:
+        def tracked(chunk: OutputChunk) -> None:
+            if chunk.finished:
                 self._forget(rid, index)
             try:
                 emit(chunk)

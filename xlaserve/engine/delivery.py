@@ -1,14 +1,14 @@
-"""The output side of an EngineCore: what turns a step's sampled tokens into the chunks a
-request's sink receives.
+"""The output side of an EngineCore: what turns a step's sampled tokens (a `StepResult`) into
+the `OutputChunk`s a request's sink receives (both in messages.py).
 
 `Delivery` holds the live state of every request the engine has admitted and not yet finished
 (`_Live`: its sink, its detokenizer, its prompt-logprob collector), by request id:
 - `live_state` builds that state in the submitting thread (EngineCore.submit), `admit` keeps it
   and hands the request to the scheduler; one the scheduler refuses (a duplicate id) gets a
   final chunk with the error and is not kept;
-- `deliver` makes one sampled token a chunk: its text delta (a stop string found here finishes
-  the request in the scheduler), with `return_logprob` its logprob and top alternatives, with
-  the first chunk the prompt logprobs, and with the last one `meta_info`;
+- `deliver` makes each sampled token of a step a chunk: its text delta (a stop string found
+  here finishes the request in the scheduler), with `return_logprob` its logprob and top
+  alternatives, with the first chunk the prompt logprobs, and with the last one `meta_info`;
 - `abort` ends a request early (an abort, a failed step) with a final chunk, `abort_many` many;
 - an exception while making one request's chunk fails that request alone;
 - a sink that raises is dropped: its request is aborted, the loop and the other requests go on.
@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from xlaserve.engine.detokenizer import IncrementalDetokenizer
+from xlaserve.engine.messages import OutputChunk, SampledRow, StepResult
 from xlaserve.executor.model_runner import StepOutput
 from xlaserve.sampling.prompt_logprobs import PromptLogprobCollector
 from xlaserve.sampling.params import SamplingParams
@@ -42,15 +43,15 @@ class _Live:
     """Engine-side state of one request: its sink and its detokenizer."""
 
     request: Request
-    emit: Callable[[dict], None]
+    emit: Callable[[OutputChunk], None]
     detokenizer: IncrementalDetokenizer | None
     top_logprobs_num: int = 0  # alternatives per token in the chunks (needs return_logprob)
     prompt_logprobs: PromptLogprobCollector | None = None  # with return_prompt_logprob
     prompt_logprobs_sent: bool = False  # they go out once, with the first output chunk
 
 
-def live_state(request: Request, params: SamplingParams, emit: Callable[[dict], None], tokenizer,
-               top_logprobs_num: int, return_prompt_logprob: bool) -> _Live:
+def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputChunk], None],
+               tokenizer, top_logprobs_num: int, return_prompt_logprob: bool) -> _Live:
     """A submitted request's state for `Delivery.admit`, built in the submitting thread so that
     anything wrong with it (a stop string, say) is that caller's error, never the loop's.
     `tokenizer`: None with --skip-tokenizer-init (chunks then carry no text)."""
@@ -106,21 +107,29 @@ class Delivery:
             live.request.finish_reason = live.request.finish_reason or ("abort", None)
             self._emit(live, _final_chunk(live.request, message, live))
 
-    def deliver(self, request: Request, token: int, finished: bool, logprobs, top, row) -> None:
-        """Sends the chunk of the token `request` sampled in row `row` of a step (`logprobs` and
-        `top`, the step's, are read with `return_logprob`). Whatever fails here (detokenizing,
-        say) fails this request alone, with an error chunk; the other rows go on."""
-        try:
-            self._deliver(request, token, finished, logprobs, top, row)
-        except Exception as error:
-            logger.exception("request %s failed while its output was made", request.rid)
-            if request.rid in self._live:
-                self.abort(request.rid, f"internal error ({type(error).__name__})")
+    def deliver(self, step: StepResult) -> None:
+        """Sends the chunk of each token a live request sampled in the step, in row order (the
+        step's logprob arrays are read for a request with `return_logprob`). Whatever fails
+        making one row's chunk (detokenizing, say) fails that request alone, with an error
+        chunk; the other rows go on."""
+        for sampled in step.rows:
+            request = sampled.request
+            try:
+                self._deliver(sampled, step)
+            except Exception as error:
+                logger.exception("request %s failed while its output was made", request.rid)
+                if request.rid in self._live:
+                    self.abort(request.rid, f"internal error ({type(error).__name__})")
 
-    def _deliver(self, request: Request, token: int, finished: bool, logprobs, top, row) -> None:
+    def _deliver(self, sampled: SampledRow, step: StepResult) -> None:
+        request, token = sampled.request, sampled.token
         live = self._live.get(request.rid)
         if live is None:  # dropped earlier in this step (its consumer failed)
             return
+        # Whether a request is finished is the scheduler's one decision (`Scheduler._end` is the
+        # only writer of an admitted request's `status` and `finish_reason`): a stop id, the
+        # length or the grammar's end in `process_results`, a stop string found here (`finish`).
+        finished = request.status == "finished"
         # A stop id is not part of the text; a grammar's last token (finish "stop" with no
         # matched id) is.
         stopped_by_token = finished and request.finish_reason[0] == "stop" and isinstance(
@@ -130,26 +139,29 @@ class Delivery:
             delta = live.detokenizer.append(token)
             if live.detokenizer.matched_stop is not None and not finished:
                 self.scheduler.finish(request.rid, "stop", live.detokenizer.matched_stop)
-                finished = True
+                finished = request.status == "finished"
         if finished and live.detokenizer is not None:
             delta += live.detokenizer.finish()
-        chunk = {"token_id": token, "logprob": None, "text": delta, "finished": finished}
+        logprob = top_logprobs = input_token_logprobs = input_top_logprobs = meta_info = None
         if request.sampling.return_logprob:
-            chunk["logprob"] = float(logprobs[row])
-            n = live.top_logprobs_num
-            chunk["top_logprobs"] = list(zip(top[0][row, :n].tolist(), top[1][row, :n].tolist()))
+            row, n = sampled.row, live.top_logprobs_num
+            logprob = float(step.logprobs[row])
+            top_logprobs = list(zip(step.top_logprobs[row, :n].tolist(),
+                                    step.top_ids[row, :n].tolist()))
         if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
             # The sampling chunk ended the prompt, so every entry is in (the step's read
             # collected it).
-            chunk["input_token_logprobs"], chunk["input_top_logprobs"] = \
-                live.prompt_logprobs.sglang_lists()
+            input_token_logprobs, input_top_logprobs = live.prompt_logprobs.sglang_lists()
             live.prompt_logprobs_sent = True
         if finished:
-            chunk["meta_info"] = _meta_info(request, live)
+            meta_info = _meta_info(request, live)
             del self._live[request.rid]
-        self._emit(live, chunk)
+        self._emit(live, OutputChunk(
+            token, delta, finished, logprob=logprob, top_logprobs=top_logprobs,
+            input_token_logprobs=input_token_logprobs, input_top_logprobs=input_top_logprobs,
+            meta_info=meta_info))
 
-    def _emit(self, live: _Live, chunk: dict) -> None:
+    def _emit(self, live: _Live, chunk: OutputChunk) -> None:
         """Hands a chunk to the request's consumer. A consumer that raises (its event loop closed,
         say) is gone: its request is aborted, and nothing it did reaches the loop or other requests."""
         try:
@@ -194,13 +206,9 @@ class Delivery:
                               top_logprobs[rows])
 
 
-def _final_chunk(request: Request, error: str | None, live: _Live | None = None) -> dict:
+def _final_chunk(request: Request, error: str | None, live: _Live | None = None) -> OutputChunk:
     """The chunk that ends a request without a token (an abort, a refused request)."""
-    chunk = {"token_id": None, "logprob": None, "text": "", "finished": True,
-             "meta_info": _meta_info(request, live)}
-    if error:
-        chunk["error"] = error
-    return chunk
+    return OutputChunk(None, "", True, meta_info=_meta_info(request, live), error=error or None)
 
 
 def _meta_info(request: Request, live: _Live | None = None) -> dict:

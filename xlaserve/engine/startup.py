@@ -4,9 +4,9 @@
 2. the KV pool's size (`--page-size` resolved for the platform, pages from --max-total-tokens
    or the free memory left after the weights) and the ModelRunner, which starts zeroing the
    pool on a thread and then packs the weights;
-3. with --nnodes > 1, the caller's `on_runner`: the leader waits for its followers, sends them
-   the runner's configuration and puts its command sink on the runner (distributed/leader.py),
-   so the followers build theirs meanwhile and replay the precompile and every later call;
+3. with --nnodes > 1, the Leader (distributed/leader.py `lead`): it waits for the followers,
+   sends them the runner's configuration and puts its command sink on the runner, so the
+   followers build theirs meanwhile and replay the precompile and every later call;
 4. the serving buckets, the scheduler, the EOS ids and the grammar backend (host objects);
 5. the precompile: each bucket's step loaded from the executable cache or compiled, and then
    the wait for the KV pool, whose zeroing has overlapped the packing and the precompile.
@@ -21,12 +21,12 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable
 
 import jax
 import numpy as np
 from flax import nnx
 
+from xlaserve.distributed.leader import Leader, lead
 from xlaserve.model.loader import LoadedModel, load_model, tensor_parallel_mesh
 from xlaserve.host import malloc_tuning
 from xlaserve.executor.buckets import Buckets, serving_buckets, with_page_size
@@ -56,13 +56,12 @@ class EngineParts:
     eos_token_ids: set[int]
     grammar_backend: GrammarBackend | None  # structured outputs; off without a tokenizer or "none"
     startup_timings: dict[str, float]  # seconds per phase, in order
+    leader: Leader | None = None  # --nnodes > 1: the followers replay the runner's device calls
 
 
-def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None,
-          on_runner: Callable[[ServerArgs, ModelRunner], None] | None = None) -> EngineParts:
+def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
     """The parts of replica `dp_rank` (EngineCore's arguments). `share_with`: an EngineCore whose
-    tokenizer and grammar backend these parts use. `on_runner(args, runner)` is called once the
-    runner is built, before anything else uses it (the multi-host leader's hook)."""
+    tokenizer and grammar backend these parts use."""
     args = server_args
     timings: dict[str, float] = {}
     clock = time.perf_counter()
@@ -100,8 +99,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None,
                          attention_backend=args.attention_backend,
                          matmul_backend=args.matmul_backend)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
-    if on_runner is not None:
-        on_runner(args, runner)
+    leader = lead(args, runner) if args.nnodes > 1 else None
     buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
                               native_matmul=runner.kernels.packed_matmul is not None)
     scheduler = Scheduler(
@@ -136,7 +134,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None,
     return EngineParts(args=args, loaded=loaded, tokenizer=tokenizer,
                        context_length=context_length, runner=runner, buckets=buckets,
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
-                       grammar_backend=grammar_backend, startup_timings=timings)
+                       grammar_backend=grammar_backend, startup_timings=timings, leader=leader)
 
 
 def _lap(timings: dict[str, float], phase: str, since: float) -> float:

@@ -34,7 +34,7 @@ from xlaserve.model.registry import model_class
 from xlaserve.model.transformer import KV_CACHE_SPEC, abstract_parameters, kv_cache_shape
 from xlaserve.executor.buckets import serving_buckets, with_page_size
 from xlaserve.executor.kernels import kernels_for
-from xlaserve.executor.model_runner import idle_step, make_step, pack_step
+from xlaserve.executor.model_runner import idle_step, make_step, step_vectors
 from xlaserve.executor.weight_args import weight_args
 from xlaserve.server_args import ServerArgs
 
@@ -104,7 +104,7 @@ class StepProgram:
     mesh: Mesh
 
     def compile(self, tokens: int, seqs: int, pages: int):
-        ints, floats, layout = pack_step(self.inv_freq, *idle_step(tokens, seqs, pages))
+        ints, floats, layout = step_vectors(self.inv_freq, *idle_step(tokens, seqs, pages))
         vocab = self.args[2].shape[1]
         inputs = (abstract(ints.shape, ints.dtype, self.mesh),
                   abstract(floats.shape, floats.dtype, self.mesh),

@@ -1,9 +1,9 @@
-"""ForwardBatch: one step's model inputs, packed and padded to a bucket on the host, then sent to
-the device in one transfer.
+"""ForwardBatch: one step's model inputs, concatenated and padded to a bucket on the host, then
+sent to the device in one transfer.
 
 Each scheduled sequence contributes a chunk of new tokens (a whole prompt, a piece of a chunked
 prefill, or one decode token). Chunks are concatenated into one ragged token array; `cu_q_lens`,
-`kv_lens` and `page_indices` say which tokens belong to whom (DESIGN.md, the kernel contract).
+`kv_lens` and `page_indices` say which tokens belong to whom (docs/architecture.md, the kernel contract).
 Padding tokens and padding sequences are dead: `num_seqs` and `cu_q_lens` exclude them, and their
 page-table rows point at the null page.
 """
@@ -42,8 +42,8 @@ class ForwardBatch:
                 self.metadata.page_indices.shape[1])
 
 
-def pack(chunks: list[SeqChunk], buckets: Buckets, page_size: int) -> ForwardBatch:
-    """Pack `chunks` into host arrays padded to the smallest fitting bucket."""
+def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int) -> ForwardBatch:
+    """`chunks` concatenated into host arrays padded to the smallest fitting bucket."""
     num_tokens = sum(len(c.token_ids) for c in chunks)
     most_pages = max(-(-(c.num_cached + len(c.token_ids)) // page_size) for c in chunks)
     padded_tokens, padded_seqs, padded_pages = buckets.shape_for(num_tokens, len(chunks), most_pages)

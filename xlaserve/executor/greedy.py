@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from xlaserve.executor.forward_batch import pack
+from xlaserve.executor.forward_batch import make_forward_batch
 
 from xlaserve.scheduler.request import SeqChunk
 from xlaserve.executor.buckets import Buckets, pow2_buckets
@@ -68,8 +68,9 @@ class PagedBatch:
         (sequence, position) of each logits row.
         """
         seqs = [i for i, chunk in enumerate(chunks) if chunk]
-        batch = pack([SeqChunk(chunks[i], int(self.lengths[i]), self.page_indices[i].tolist())
-                      for i in seqs], self.buckets, self.page_size)
+        batch = make_forward_batch(
+            [SeqChunk(chunks[i], int(self.lengths[i]), self.page_indices[i].tolist())
+             for i in seqs], self.buckets, self.page_size)
         rows, logits_indices = [], []
         for i, start in zip(seqs, batch.metadata.cu_q_lens, strict=False):
             n = len(chunks[i])

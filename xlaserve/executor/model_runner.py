@@ -1,4 +1,4 @@
-"""ModelRunner: the one jitted step (model forward + sampling) over a packed ragged batch.
+"""ModelRunner: the one jitted step (model forward + sampling) over a ragged batch.
 
     step(state, kv_caches, output_counts, last_tokens, prompt_masks, batch, sampling, slots,
          token_bitmask) -> (StepOutput, kv_caches, output_counts, last_tokens)
@@ -26,9 +26,9 @@ program. A step without a constrained row sends a bitmask of all ones that stays
 
 Multi-host (--nnodes > 1, distributed/leader.py): the mesh spans every process's devices, and
 every process must make the same device calls in the same order. The leader's runner has a
-command sink: `assign_slot` and each step (its packed host vectors, bucket shape, table widths and
-grammar masks) go to the followers before the leader makes the call, and a follower's runner
-replays them (`assign_slot`, `run(packed_from_host(...))`). Outputs are replicated; the leader
+command sink: `assign_slot` and each step (its int32/float32 host vectors, bucket shape, table
+widths and grammar masks) go to the followers before the leader makes the call, and a follower's
+runner replays them (`assign_slot`, `run(staged_from_host(...))`). Outputs are replicated; the leader
 reads its own copy. In one process the sink is None and nothing of this runs.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ from xlaserve.executor.kernels import kernels_for
 from xlaserve.compile.executable_cache import ExecutableCache, describe
 from xlaserve.executor.kv_pool import init_kv_pool, kv_pool_specs
 from xlaserve.scheduler.page_allocator import NULL_PAGE
-from xlaserve.executor.transfer import pack_leaves, unpack_leaves
+from xlaserve.executor.transfer import concat_leaves, split_leaves
 from xlaserve.sampling.prompt_logprobs import NO_TARGET, PromptLogprobs, prompt_logprobs
 from xlaserve.sampling.params import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
                                      RowSamplingParams)
@@ -78,8 +78,8 @@ class StepOutput:
 
 
 @dataclasses.dataclass
-class PackedStep:
-    """A step's inputs on the device, but its grammar masks (ModelRunner.pack)."""
+class StagedStep:
+    """A step's inputs on the device, but its grammar masks (ModelRunner.stage)."""
 
     ints: jax.Array
     floats: jax.Array
@@ -99,7 +99,7 @@ class ModelRunner:
         self.num_pages = num_pages
         dtype = loaded.dtype
         self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
-        # Zeroed on a thread while the weights are packed and the programs loaded (kv_cache.py);
+        # Zeroed on a thread while the weights are packed and the programs loaded (kv_pool.py);
         # the first step that needs the pool waits for it (`kv_caches`).
         self._kv_pool = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh,
                                      in_background=True)
@@ -147,7 +147,7 @@ class ModelRunner:
         self._replicated = replicated
         self.bitmask_words = -(-vocab // 32)
         self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
-        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> packing.Layout (multi-host)
+        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> transfer.Layout (multi-host)
 
     @property
     def kv_caches(self) -> list[jax.Array]:
@@ -178,21 +178,21 @@ class ModelRunner:
         """Run one step; returns device arrays (the caller's `np.asarray` is the sync point).
         `slots` has a row per sequence row of the batch, NULL_SLOT for padding.
         `token_bitmask` (i32[seqs, bitmask_words]): the grammar masks, None when no row has one."""
-        return self.run(self.pack(batch, sampling, slots), token_bitmask)
+        return self.run(self.stage(batch, sampling, slots), token_bitmask)
 
-    def pack(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "PackedStep":
-        """The step's inputs but the grammar masks, packed and sent to the device: the engine
-        packs a step before the tokens its masks depend on are known (engine._loop)."""
+    def stage(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "StagedStep":
+        """The step's inputs but the grammar masks, sent to the device as two vectors: the engine
+        stages a step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        host = pack_step(self._inv_freq, batch, sampling, slots)
+        host = step_vectors(self._inv_freq, batch, sampling, slots)
         ints, floats = self._put(host[:2], self.output_counts.sharding)
-        return PackedStep(ints, floats, host[2], batch.shape,
+        return StagedStep(ints, floats, host[2], batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
                           host[:2] if self.sink is not None else None)
 
-    def packed_from_host(self, ints: np.ndarray, floats: np.ndarray, shape, widths) -> "PackedStep":
-        """A follower's PackedStep from the leader's host vectors: the layout is a function of
+    def staged_from_host(self, ints: np.ndarray, floats: np.ndarray, shape, widths) -> "StagedStep":
+        """A follower's StagedStep from the leader's host vectors: the layout is a function of
         the bucket shape and the table widths alone (`layout_for`)."""
         shape, widths = tuple(shape), tuple(widths)
         layout = self.layout_for(shape, widths)
@@ -205,39 +205,39 @@ class ModelRunner:
                              f"and float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} "
                              f"and {floats.dtype}{list(floats.shape)}")
         ints, floats = self._put((ints, floats), self.output_counts.sharding)
-        return PackedStep(ints, floats, layout, shape, widths)
+        return StagedStep(ints, floats, layout, shape, widths)
 
     def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int]):
-        """The layout of every packed step of this bucket shape and logit-bias / suppressed-id
+        """The layout of every staged step of this bucket shape and logit-bias / suppressed-id
         widths: that of an idle step of the same shape."""
         key = (shape, widths)
         if key not in self._layouts:
             tokens, seqs, pages = shape
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                widths)
-            self._layouts[key] = pack_step(self._inv_freq, empty_batch(tokens, seqs, pages), sampling,
-                                           np.full(seqs, NULL_SLOT, np.int32))[2]
+            self._layouts[key] = step_vectors(self._inv_freq, empty_batch(tokens, seqs, pages),
+                                              sampling, np.full(seqs, NULL_SLOT, np.int32))[2]
         return self._layouts[key]
 
-    def run(self, packed: "PackedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
-        """Dispatches a packed step with its grammar masks (None: no row has one)."""
+    def run(self, staged: "StagedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
+        """Dispatches a staged step with its grammar masks (None: no row has one)."""
         if self.sink is not None:  # the followers make the same call
-            self.sink.step(packed, token_bitmask)
+            self.sink.step(staged, token_bitmask)
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
-                self.prompt_masks, packed.ints, packed.floats,
-                self._bitmask(packed.shape[1], token_bitmask))
-        program = self._programs.get((packed.shape, packed.widths))
+                self.prompt_masks, staged.ints, staged.floats,
+                self._bitmask(staged.shape[1], token_bitmask))
+        program = self._programs.get((staged.shape, staged.widths))
         if program is not None:
             out, self.kv_caches, self.output_counts, self.last_tokens = program(*args)
         else:
             compiled_before = self._step._cache_size()
             out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
-                *args, layout=packed.layout)
+                *args, layout=staged.layout)
             if self._precompiled and self._step._cache_size() > compiled_before:
                 logger.warning(
                     "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
                     "width %d, suppressed width %d was not precompiled; every request waited for "
-                    "it. Add the shape to the padding buckets.", packed.shape, *packed.widths)
+                    "it. Add the shape to the padding buckets.", staged.shape, *staged.widths)
         if self.sink is not None:  # replicated over every process: read this one's copy
             out = jax.tree.map(lambda x: x.addressable_data(0), out)
             self.sink.ran(out)
@@ -299,10 +299,10 @@ class ModelRunner:
     def _lowering_args(self, shape):
         """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be
         zeroed yet), and its static layout."""
-        packed = self.pack(*idle_step(*shape))
+        staged = self.stage(*idle_step(*shape))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
-                self.prompt_masks, packed.ints, packed.floats, self._bitmask(shape[1], None))
-        return args, {"layout": packed.layout}
+                self.prompt_masks, staged.ints, staged.floats, self._bitmask(shape[1], None))
+        return args, {"layout": staged.layout}
 
 
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding):
@@ -315,7 +315,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                        out_shardings=(replicated, kv_sharding, replicated, replicated))
     def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
              token_bitmask, layout):
-        batch, sampling, slots, rope = unpack_leaves(ints, floats, layout)
+        batch, sampling, slots, rope = split_leaves(ints, floats, layout)
         state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
         model = nnx.merge(graphdef, state)
 
@@ -344,11 +344,11 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     return step
 
 
-def pack_step(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots):
+def step_vectors(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots):
     """The step's host arrays, with the rows' RoPE cos/sin, as one int32 and one float32 vector
     (executor/transfer.py) and their layout."""
     rope = rope_cos_sin(inv_freq, batch.positions)
-    return pack_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
+    return concat_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
 
 
 def idle_step(tokens: int, seqs: int, pages: int):

@@ -24,13 +24,13 @@ _PLACES = {np.dtype(np.float32): (_FLOAT, "float32"), np.dtype(np.int32): (_INT,
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where each leaf of a pytree lives in the packed vectors (hashable: a static argument)."""
+    """Where each leaf of a pytree lives in the two vectors (hashable: a static argument)."""
 
     treedef: Any
     leaves: tuple[tuple[str, int, tuple[int, ...], str], ...]  # (buffer, offset, shape, dtype)
 
 
-def pack_leaves(tree) -> tuple[np.ndarray, np.ndarray, Layout]:
+def concat_leaves(tree) -> tuple[np.ndarray, np.ndarray, Layout]:
     """(int32 vector, float32 vector, layout) holding every numpy leaf of `tree`."""
     leaves, treedef = jax.tree.flatten(tree)
     parts = {_INT: [], _FLOAT: []}
@@ -39,7 +39,7 @@ def pack_leaves(tree) -> tuple[np.ndarray, np.ndarray, Layout]:
     for leaf in leaves:
         leaf = np.asarray(leaf)
         if leaf.dtype not in _PLACES:
-            raise TypeError(f"cannot pack a {leaf.dtype} leaf")
+            raise TypeError(f"cannot transfer a {leaf.dtype} leaf")
         buffer, dtype_name = _PLACES[leaf.dtype]
         flat = leaf.reshape(-1)
         if dtype_name == "uint32":
@@ -54,8 +54,8 @@ def pack_leaves(tree) -> tuple[np.ndarray, np.ndarray, Layout]:
     return ints, floats, Layout(treedef, tuple(placed))
 
 
-def unpack_leaves(ints: jax.Array, floats: jax.Array, layout: Layout):
-    """The pytree `pack_leaves` packed, inside a jitted function (static slices)."""
+def split_leaves(ints: jax.Array, floats: jax.Array, layout: Layout):
+    """The pytree `concat_leaves` concatenated, inside a jitted function (static slices)."""
     leaves = []
     for buffer, offset, shape, dtype in layout.leaves:
         source = ints if buffer == _INT else floats

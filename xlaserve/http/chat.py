@@ -10,9 +10,9 @@ from xlaserve.http.logprobs import chat_logprobs
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatCompletionRequest
 from xlaserve.http.parsing.reasoning import ReasoningParser, needs_special_tokens
-from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Choice, Generation, ServingContext,
-                                   StreamBuffer, check_prompt_ids, check_top_logprobs,
-                                   client_priority, compile_constraints, constraint_param,
+from xlaserve.http.constraints import CONSTRAINTS, compile_constraints, constraint_param
+from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
+                                   check_prompt_ids, check_top_logprobs, client_priority,
                                    sampling_params, sse, sse_error)
 from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
 
@@ -173,15 +173,15 @@ class ChatCall:
             async for choice, chunk in self.generation.stream():
                 if pending[choice.index].add(chunk):
                     text, tokens = pending[choice.index].take()
-                    reasoning, content = splits[choice.index].split(text, chunk["finished"])
-                    content, calls = tool_splits[choice.index].split(content, chunk["finished"])
+                    reasoning, content = splits[choice.index].split(text, chunk.finished)
+                    content, calls = tool_splits[choice.index].split(content, chunk.finished)
                     if reasoning or content or tokens or calls:
                         yield sse(self._chunk([self._delta_choice(choice.index, reasoning, content,
                                                                   tokens, calls)],
                                               self._running_usage()))
-                if chunk["finished"]:
-                    if "error" in chunk:
-                        yield sse_error(generation_error(chunk["error"]))
+                if chunk.finished:
+                    if chunk.error is not None:
+                        yield sse_error(generation_error(chunk.error))
                     finish_reason = _finish_reason(choice, tool_splits[choice.index].called)
                     yield sse(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
                                             "finish_reason": finish_reason,

@@ -6,12 +6,12 @@ from typing import AsyncIterator
 from xlaserve.http import off_loop
 from xlaserve.http.errors import APIError, bad_request, generation_error, not_supported
 from xlaserve.http.logprobs import CompletionLogprobs
+from xlaserve.http.constraints import compile_constraints, constraint_param
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import CompletionRequest
 from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
                                    check_prompt_ids, check_prompt_logprob_entries,
-                                   check_top_logprobs, client_priority,
-                                   compile_constraints, constraint_param, sampling_params, sse,
+                                   check_top_logprobs, client_priority, sampling_params, sse,
                                    sse_error)
 from xlaserve.engine.async_requests import EngineDeadError
 
@@ -95,12 +95,12 @@ class CompletionCall:
 
     def _prompt_entries(self, choice: Choice) -> list[tuple]:
         """(token id, logprob, alternatives) of each echoed prompt token: the first has no logprob."""
-        chunk = choice.first_chunk or {}
-        if not (self.req.echo and "input_token_logprobs" in chunk):
+        chunk = choice.first_chunk
+        if not (self.req.echo and chunk is not None and chunk.input_token_logprobs is not None):
             return []
-        tops = chunk.get("input_top_logprobs") or [None] * len(chunk["input_token_logprobs"])
+        tops = chunk.input_top_logprobs or [None] * len(chunk.input_token_logprobs)
         return [(t, lp, None if top is None else [(alt_lp, alt_t) for alt_lp, alt_t, _ in top])
-                for (lp, t, _), top in zip(chunk["input_token_logprobs"], tops, strict=True)]
+                for (lp, t, _), top in zip(chunk.input_token_logprobs, tops, strict=True)]
 
     def _logprobs(self, token_entries, offset: int) -> dict | None:
         if self.req.logprobs is None or self.ctx.tokenizer is None:
@@ -173,9 +173,9 @@ class CompletionCall:
                         offsets[i] += sum(len(t) for t in (logprobs or {}).get("tokens", ()))
                         yield sse(self._body([{"index": i, "text": text, "logprobs": logprobs,
                                                "finish_reason": None}], None, chunk=True))
-                if chunk["finished"]:
-                    if "error" in chunk:
-                        yield sse_error(generation_error(chunk["error"]))
+                if chunk.finished:
+                    if chunk.error is not None:
+                        yield sse_error(generation_error(chunk.error))
                     yield sse(self._body([{"index": i, "text": "", "logprobs": None, **self._finish(choice)}],
                                          None, chunk=True))
         except EngineDeadError as error:

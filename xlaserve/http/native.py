@@ -13,13 +13,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import xlaserve
 from xlaserve.http import off_loop
+from xlaserve.http.constraints import CONSTRAINTS, compile_constraints
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import GenerateRequest
-from xlaserve.http.serving import (CONSTRAINTS, SSE_DONE, Generation, ServingContext,
-                                   check_n, check_prompt_ids, check_prompt_logprob_entries,
-                                   check_top_logprobs, compile_constraints, context_error, sse,
-                                   sse_error)
+from xlaserve.http.serving import (SSE_DONE, Generation, ServingContext, check_n,
+                                   check_prompt_ids, check_prompt_logprob_entries, check_request,
+                                   check_top_logprobs, sse, sse_error)
 from xlaserve.offline import to_sampling_params
 from xlaserve.engine.async_requests import EngineDeadError, sglang_output
 from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
@@ -55,15 +55,15 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
         raise bad_request("no prompt given", prompt_param)
     for ids in prompts:
         check_prompt_ids(ctx, ids, prompt_param)
-    limits = ctx.engine.core.limits
-    try:  # SGLang's fields, typed and in range, before anything reaches the engine
+    try:  # SGLang's fields, as SamplingParams
         parsed = [to_sampling_params(p) for p in raw]
-        for p, _ in parsed:
-            p.validate(ctx.vocab_size, limits=limits)
     except InvalidSamplingParam as error:
         raise bad_request(str(error), f"sampling_params.{error.param}") from None
     except (TypeError, ValueError) as error:
         raise bad_request(str(error), "sampling_params") from None
+    for ids, (p, _) in zip(prompts, parsed, strict=True):  # typed, in range, and each fits
+        check_request(ctx, len(ids), p, prompt_param, "sampling_params.max_new_tokens",
+                      prefix="sampling_params.")
     ns = {n for _, n in parsed}
     if len(ns) != 1:
         raise bad_request("every prompt of one call must ask for the same n", "sampling_params")
@@ -74,11 +74,6 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     if wants_prompt_logprobs:
         check_prompt_logprob_entries(ctx, prompts, n, req.top_logprobs_num, "logprob_start_len")
     params: list[SamplingParams] = [p for p, _ in parsed]
-    limit = ctx.engine.core.max_request_tokens
-    for ids, p in zip(prompts, params, strict=True):
-        if len(ids) + p.max_new_tokens > limit:
-            raise context_error(ctx, len(ids), p.max_new_tokens, prompt_param,
-                                "sampling_params.max_new_tokens")
     for p in params:
         for name in CONSTRAINTS:
             if getattr(p, name) is not None and not isinstance(getattr(p, name), str):
@@ -137,8 +132,8 @@ async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
         async for choice, chunk in generation.stream():
             out = sglang_output(dataclasses.replace(choice, meta_info=choice.meta_info or _partial_meta(choice)),
                                 *logprobs)
-            if "error" in chunk:
-                yield sse_error(generation_error(chunk["error"]))
+            if chunk.error is not None:
+                yield sse_error(generation_error(chunk.error))
             yield sse(out)
     except EngineDeadError as error:
         yield sse_error(APIError(503, str(error)))

@@ -1,34 +1,32 @@
 """What chat, completions and /generate share: the serving context, request -> sampling
 parameters with OpenAI's checks, submitting n x prompts as one group, collecting choices, usage,
-SSE framing.
+SSE framing. The output constraint's checks and compiling are constraints.py's.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator
 
 import orjson
 
+from xlaserve.http.constraints import request_constraint
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.metrics import Metrics
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
 from xlaserve.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
-from xlaserve.sampling.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
+from xlaserve.engine.messages import OutputChunk
+from xlaserve.sampling.grammar import InvalidGrammar
 from xlaserve.engine.core import QueueFull
-from xlaserve.sampling.params import (MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS, InvalidSamplingParam,
-                                      SamplingParams, token_id)
+from xlaserve.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
+                                      token_id)
+from xlaserve.scheduler.request import RequestTooLong
 
 # SamplingParams' names as OpenAI spells them, for error messages and `param`.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-CONSTRAINTS = CONSTRAINT_FIELDS  # SamplingParams' fields and SGLang's request keys, in order
 RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
-_RESPONSE_FORMAT_KEYS = {"type", "json_schema", "schema"}
-_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 
 @dataclasses.dataclass
@@ -69,23 +67,15 @@ class ServingContext:
 def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | None,
                     prompt_len: int, extra_stop_ids: frozenset[int] = frozenset(),
                     prompt_param: str = "messages") -> SamplingParams:
-    """The request's sampling fields -> engine parameters, refusing out-of-range values with
-    OpenAI's 400. `max_tokens` None means "until the context (or the KV pool) is full".
-    `prompt_param`: the field a prompt over the context is blamed on."""
-    limit = ctx.engine.core.max_request_tokens
-    if max_tokens is None:
-        max_tokens = limit - prompt_len
-        if max_tokens < 1:
-            raise context_error(ctx, prompt_len, 1, prompt_param)
-    stop_ids = list(req.stop_token_ids or ())
-    if not req.ignore_eos:
-        stop_ids += sorted(extra_stop_ids - set(stop_ids))
-        if len(stop_ids) > MAX_SUPPRESSED_IDS >= len(req.stop_token_ids or ()):
-            raise bad_request(f"stop_token_ids plus the chat template's end-of-turn ids come to "
-                              f"{len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} are supported",
-                              "stop_token_ids")
-    limits = ctx.engine.core.limits
+    """The request's sampling fields -> engine parameters, checked by the engine's one check
+    (`check_request`) and refused with OpenAI's 400. `max_tokens` None means "until the context
+    (or the KV pool) is full". `extra_stop_ids`: the chat template's end-of-turn ids, which stop
+    the request too unless ignore_eos. `prompt_param`: the field a prompt over the context is
+    blamed on."""
+    if max_tokens is None:  # a prompt that leaves no room: the check's context_length_exceeded
+        max_tokens = max(1, ctx.engine.core.max_request_tokens - prompt_len)
     check_n(ctx, req.n, "n")
+    stop_ids = list(req.stop_token_ids or ())
     params = SamplingParams(
         max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
@@ -94,117 +84,35 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
         logit_bias=_logit_bias(req.logit_bias), stop=req.stop, stop_token_ids=stop_ids or None,
         ignore_eos=req.ignore_eos, min_new_tokens=req.min_tokens, seed=req.seed,
         skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim)
-    try:  # the engine's range checks, in OpenAI's names
-        params.validate(ctx.vocab_size, names=_OPENAI_NAMES, limits=limits)
-    except InvalidSamplingParam as error:
-        raise bad_request(str(error), error.param) from None
+    # In OpenAI's names; the template's ids are counted with the user's, then added to them.
+    check_request(ctx, prompt_len, params, prompt_param, names=_OPENAI_NAMES,
+                  template_stop_ids=extra_stop_ids)
+    added = extra_stop_ids - set(stop_ids)
+    if added and not req.ignore_eos:
+        params.stop_token_ids = list(dict.fromkeys(stop_ids)) + sorted(added)
     if req.stream_options and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     constraint = request_constraint(req)
     if constraint is not None:
         setattr(params, constraint[0], constraint[1])
-    if prompt_len + max_tokens > limit:
-        raise context_error(ctx, prompt_len, max_tokens, prompt_param)
     return params
 
 
-def request_constraint(req: SamplingFields) -> tuple[str, str] | None:
-    """The request's output constraint as (SamplingParams field, text), or None: SGLang's
-    `regex`, `ebnf`, `json_schema` (JSON text) keys, or OpenAI's `response_format`; at most one."""
-    given = [(name, name, getattr(req, name)) for name in CONSTRAINTS
-             if getattr(req, name, None) is not None]
-    from_format = response_format_constraint(req.response_format)
-    if from_format is not None:
-        given.append(("response_format", *from_format))
-    if len(given) > 1:
-        raise bad_request("Only one of regex, json_schema, or ebnf can be set.", given[1][0])
-    return given[0][1:] if given else None
-
-
-def constraint_param(req: SamplingFields) -> str | None:
-    """The request parameter that set the constraint (an invalid grammar's 400 names it)."""
-    kind = (req.response_format or {}).get("type", "text")
-    return "response_format" if kind != "text" else None
-
-
-def response_format_constraint(response_format: dict | None) -> tuple[str, str] | None:
-    """OpenAI's `response_format` -> the constraint it asks for (SamplingParams field, text), or
-    None (text). SGLang's `structural_tag` type is the structures and triggers as JSON text."""
-    if response_format is None:
-        return None
-    param = "response_format"
-    kind = response_format.get("type")
-    if kind == "structural_tag":
-        unknown = set(response_format) - {"type", "structures", "triggers"}
-        if unknown:
-            raise bad_request(f"unknown response_format fields: {sorted(unknown)}", param)
-        check_schema_depth(response_format, param, param)
-        return "structural_tag", json.dumps(
-            {"structures": response_format.get("structures"),
-             "triggers": response_format.get("triggers")})
-    if kind not in ("text", "json_object", "json_schema"):
-        raise bad_request(f"response_format.type must be 'text', 'json_object', 'json_schema' or "
-                          f"'structural_tag', got {kind!r}", param)
-    unknown = set(response_format) - _RESPONSE_FORMAT_KEYS
-    if unknown:
-        raise bad_request(f"unknown response_format fields: {sorted(unknown)}", param)
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "json_schema", '{"type": "object"}'  # as SGLang: any JSON object
-    spec = response_format.get("json_schema")
-    if spec is None and "schema" in response_format:  # SGLang's shorthand
-        spec = {"schema": response_format["schema"]}
-    if not isinstance(spec, dict):
-        raise bad_request("response_format 'json_schema' needs a json_schema object: "
-                          '{"name": ..., "schema": {...}}', param)
-    unknown = set(spec) - _JSON_SCHEMA_KEYS
-    if unknown:
-        raise bad_request(f"unknown response_format.json_schema fields: {sorted(unknown)}", param)
-    schema = spec.get("schema")
-    if not isinstance(schema, dict):
-        raise bad_request("response_format.json_schema.schema must be a JSON schema object", param)
-    check_schema_depth(schema, param, param)
-    return "json_schema", json.dumps(schema)
-
-
-def check_schema_depth(value, what: str, param: str) -> None:
-    """grammar.check_depth as a 400 naming `param`: a schema nested past MAX_JSON_DEPTH is
-    refused before anything walks it recursively (json.dumps, closed_objects)."""
+def check_request(ctx: ServingContext, prompt_len: int, params: SamplingParams,
+                  prompt_param: str, tokens_param: str = "max_tokens", prefix: str = "",
+                  **options) -> None:
+    """The engine's one check of a request (`EngineCore.check_request`: the parameters' types
+    and ranges, the stop ids, whether it fits), made before any copy is submitted; its refusals
+    as OpenAI's 400s: a bad value names its field (after `prefix`), a request over what one
+    request may hold is `context_length_exceeded` (`context_error`)."""
     try:
-        check_depth(value, what)
-    except InvalidGrammar as error:
-        raise bad_request(str(error), param) from None
-
-
-async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingParams],
-                              param: str | None = None, prefix: str = "") -> None:
-    """Builds (or finds in the engine's cache) each distinct grammar of `params` in a worker
-    thread, so a slow build never stalls the event loop; an invalid one is a 400 naming `param`
-    (else the field, after `prefix`). Requests without a constraint cost nothing here."""
-    limits = ctx.engine.core.limits
-    seen = set()
-    for p in params:
-        key = tuple(getattr(p, name) for name in CONSTRAINTS)
-        if key == (None,) * len(CONSTRAINTS) or key in seen:
-            continue
-        seen.add(key)
-        field, text = next((f, t) for f, t in zip(CONSTRAINTS, key) if t is not None)
-        name = param or prefix + field
-        # Tools' schemas become one constraint: bounded as a whole, whatever each one's size.
-        if len(str(text)) > limits.max_constraint_size:
-            raise bad_request(f"the output constraint is longer than {limits.max_constraint_size} "
-                              f"characters (--max-constraint-size)", name)
-        try:
-            await asyncio.wait_for(asyncio.to_thread(ctx.engine.core.compile_grammar, p),
-                                   limits.grammar_compile_timeout)
-        except InvalidGrammar as error:
-            name = param or (prefix + error.param if error.param else None)
-            raise bad_request(str(error), name) from None
-        except asyncio.TimeoutError:  # the thread finishes on its own (llguidance bounds it)
-            raise bad_request(f"the output constraint took longer than "
-                              f"{limits.grammar_compile_timeout:g} s to compile "
-                              f"(--grammar-compile-timeout)", name) from None
+        ctx.engine.core.check_request(prompt_len, params, **options)
+    except RequestTooLong as error:
+        raise context_error(error, prompt_param, tokens_param) from None
+    except InvalidSamplingParam as error:
+        raise bad_request(str(error), prefix + error.param) from None
+    except ValueError as error:  # an empty prompt
+        raise bad_request(str(error)) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -236,10 +144,12 @@ def client_priority(ctx: ServingContext, priority: int | None) -> int:
     return priority
 
 
-def context_error(ctx: ServingContext, prompt_len: int, max_tokens: int,
-                  prompt_param: str = "messages", tokens_param: str = "max_tokens") -> APIError:
-    limit = ctx.engine.core.max_request_tokens
-    where = "context length" if limit == ctx.context_length else "KV cache capacity"
+def context_error(error: RequestTooLong, prompt_param: str = "messages",
+                  tokens_param: str = "max_tokens") -> APIError:
+    """The engine's RequestTooLong as OpenAI's `context_length_exceeded` 400, blaming the prompt
+    if it alone is too long, else the tokens asked for."""
+    prompt_len, max_tokens, limit, where = (error.prompt_tokens, error.max_new_tokens,
+                                            error.limit, error.where)
     if prompt_len >= limit:
         message = (f"The input ({prompt_len} tokens) is longer than the model's {where} "
                    f"({limit} tokens).")
@@ -314,7 +224,7 @@ class Generation:
             self.group.abort()
             raise APIError(503, str(error)) from None
 
-    async def stream(self) -> AsyncIterator[tuple[Choice, dict]]:
+    async def stream(self) -> AsyncIterator[tuple[Choice, OutputChunk]]:
         """(choice, chunk) as chunks arrive; aborts whatever is unfinished if the consumer stops."""
         try:
             async for index, chunk in self.group.chunks():
@@ -336,20 +246,20 @@ class Generation:
                 raise generation_error(choice.meta_info["error"])
         return self.choices
 
-    def _observe(self, index: int, chunk: dict) -> None:
+    def _observe(self, index: int, chunk: OutputChunk) -> None:
         metrics = self.ctx.metrics
         if metrics is None:
             return
         now = time.perf_counter()
-        if chunk["token_id"] is not None:
+        if chunk.token_id is not None:
             last = self._last_token_at.get(index)
             if last is None:
                 metrics.time_to_first_token.observe(now - self._start)
             else:
                 metrics.inter_token_latency.observe(now - last)
             self._last_token_at[index] = now
-        if chunk["finished"]:
-            meta = chunk["meta_info"]
+        if chunk.finished:
+            meta = chunk.meta_info
             metrics.request_finished(meta["finish_reason"]["type"], meta["completion_tokens"],
                                      now - self._start)
 
@@ -372,19 +282,19 @@ class StreamBuffer:
 
     def __init__(self, interval: int):
         self.interval = interval
-        self._chunks: list[dict] = []
+        self._chunks: list[OutputChunk] = []
 
-    def add(self, chunk: dict) -> bool:
+    def add(self, chunk: OutputChunk) -> bool:
         """Holds the chunk; says whether the held ones should go out now."""
         self._chunks.append(chunk)
-        return chunk["finished"] or sum(c["token_id"] is not None for c in self._chunks) >= self.interval
+        return chunk.finished or sum(c.token_id is not None for c in self._chunks) >= self.interval
 
     def take(self) -> tuple[str, list[tuple]]:
         """(their text, (token id, logprob, alternatives) of each token), and empties it."""
         chunks, self._chunks = self._chunks, []
-        return ("".join(c["text"] for c in chunks),
-                [(c["token_id"], c["logprob"], c.get("top_logprobs", [])) for c in chunks
-                 if c["token_id"] is not None])
+        return ("".join(c.text for c in chunks),
+                [(c.token_id, c.logprob, [] if c.top_logprobs is None else c.top_logprobs)
+                 for c in chunks if c.token_id is not None])
 
 
 def check_prompt_logprob_entries(ctx: ServingContext, prompts: list[list[int]], n: int,

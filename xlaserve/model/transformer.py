@@ -39,7 +39,7 @@ from xlaserve.model.packed import PackedMatrix, embed, output_axes
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Where each sequence's new tokens and cached pages are (see DESIGN.md, the kernel contract)."""
+    """Where each sequence's new tokens and cached pages are (docs/architecture.md, the kernel contract)."""
 
     kv_lens: jax.Array  # i32[S] full length of each sequence, new tokens included
     page_indices: jax.Array  # i32[S, pages_per_seq]

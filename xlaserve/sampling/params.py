@@ -217,3 +217,38 @@ class RowSamplingParams:
     seed: int | None = None  # None: a random seed is drawn when the metadata is built
     sample_index: int = 0
     return_logprob: bool = False
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, seed: int,
+                    return_logprob: bool) -> "RowSamplingParams":
+        """A request's row, from its (validated) SamplingParams and the seed it samples with."""
+        return cls(temperature=float(params.temperature), top_k=params.top_k,
+                   top_p=float(params.top_p), min_p=float(params.min_p),
+                   presence_penalty=float(params.presence_penalty),
+                   frequency_penalty=float(params.frequency_penalty),
+                   repetition_penalty=float(params.repetition_penalty),
+                   logit_bias={token_id(k): float(v) for k, v in params.logit_bias.items()},
+                   seed=seed, return_logprob=return_logprob)
+
+
+def stop_token_set(params: SamplingParams, eos_token_ids,
+                   template_stop_ids: frozenset[int] = frozenset()) -> set[int]:
+    """The ids that end a request: its stop_token_ids, and the model's EOS ids unless ignore_eos.
+    min_new_tokens masks all of them in one table row: at most MAX_SUPPRESSED_IDS, or
+    InvalidSamplingParam. `template_stop_ids`: a chat template's end-of-turn ids, which the HTTP
+    layer adds to stop_token_ids (unless ignore_eos) once this passed; the error names them."""
+    stop_ids = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        if template_stop_ids:
+            stop_ids |= template_stop_ids
+            if len(stop_ids) > MAX_SUPPRESSED_IDS:
+                raise InvalidSamplingParam(
+                    "stop_token_ids", f"stop_token_ids plus the chat template's end-of-turn ids "
+                                      f"come to {len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} "
+                                      f"are supported")
+        stop_ids |= eos_token_ids
+    if len(stop_ids) > MAX_SUPPRESSED_IDS:
+        raise InvalidSamplingParam(
+            "stop_token_ids", f"stop_token_ids plus the model's EOS ids come to "
+                              f"{len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} are supported")
+    return stop_ids

@@ -1,6 +1,7 @@
 """What the scheduler keeps per request and hands the executor per step: a `Request` (its ids,
-parameters and KV state), the `SeqChunk` of it one step runs, and the `ScheduledBatch` of them.
-Standard library only (the scheduler's contract in pyproject.toml)."""
+parameters and KV state), the `SeqChunk` of it one step runs, and the `ScheduledBatch` of them;
+`RequestTooLong`, the refusal of a request that could never fit. Standard library only (the
+scheduler's contract in pyproject.toml)."""
 from __future__ import annotations
 
 import time
@@ -32,6 +33,22 @@ class SeqChunk:
 FinishReason = tuple[Literal["length", "stop", "abort"], "int | str | None"]
 
 
+class RequestTooLong(ValueError):
+    """A prompt plus max_new_tokens that no state of the engine could ever hold
+    (`Scheduler.check_fits`): more than `limit`, the tokens one request may hold (the context
+    length, or the whole KV pool's tokens + 1 if that is less), which `where` names
+    ("context length" or "KV cache capacity"). The HTTP layer answers OpenAI's
+    `context_length_exceeded` from these fields."""
+
+    def __init__(self, message: str, prompt_tokens: int, max_new_tokens: int, limit: int,
+                 where: Literal["context length", "KV cache capacity"]):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.limit = limit
+        self.where = where
+
+
 @dataclass
 class Request:
     rid: str
@@ -43,7 +60,7 @@ class Request:
     priority: int = 0  # larger = more urgent; FCFS within equal priority
     # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
     no_prefix_reuse: bool = False
-    # Structured outputs: the request's grammar state (runtime/grammar.Grammar), advanced by
+    # Structured outputs: the request's grammar state (sampling/grammar.Grammar), advanced by
     # every sampled token here; it survives retraction, having consumed exactly output_ids.
     grammar: Any = None
     arrival_time: float = field(default_factory=time.monotonic)

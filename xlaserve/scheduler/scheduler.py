@@ -10,17 +10,10 @@ A request's KV state is `num_computed`: how many of `all_ids()` are in the cache
 *decoding* when everything but the last sampled token is computed; otherwise it is prefilling
 `all_ids()[num_computed:]`, in chunks. When the page pool runs dry for the decodes, the newest
 running requests are retracted: pages dropped, generated tokens kept, and on re-admission their
-prompt plus output so far is prefilled again (DESIGN.md, Memory).
+prompt plus output so far is prefilled again (docs/architecture.md, Memory).
 
-Prefix cache (prefix_cache.py; `radix_cache=False` keeps it empty). A request's whole pages enter
-the radix tree as soon as a step completes them and stay there when it ends or is retracted.
-An admitted request starts at its longest cached prefix: at most `num_tokens - 1` tokens (the last
-must run, to sample) in whole pages, none with `no_prefix_reuse`. It locks that tree path, so
-`page_ids[:cache_node.prefix_pages]` are tree pages, the rest its own. Unlocked cached pages count
-as free: evicted (LRU leaves) before anything is retracted, left out of `token_usage`.
-Shared prompts are prefilled once: a waiting request is passed over (without blocking the queue
-behind it) while its next page to match is one that a running request has yet to prefill, and is
-admitted with the hit once that page is in the tree; so `n` copies of a prompt compute it once.
+Prefix cache: an admitted request starts at its longest cached prefix, and its whole pages enter
+the radix tree as steps complete them (prefix_reuse.py).
 """
 from __future__ import annotations
 
@@ -31,7 +24,8 @@ import time
 
 from xlaserve.scheduler.page_allocator import PageAllocator, pages_for_tokens
 from xlaserve.scheduler.prefix_cache import RadixCache
-from xlaserve.scheduler.request import FinishReason, Request, ScheduledBatch, SeqChunk
+from xlaserve.scheduler.prefix_reuse import PrefixReuse
+from xlaserve.scheduler.request import Request, RequestTooLong, ScheduledBatch, SeqChunk
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +54,8 @@ class Scheduler:
         self.allocator = allocator
         self.page_size = page_size
         self.log_prefix = ""  # "[DP1] " for a data parallel replica's lines
-        # Disabled, the tree stays empty: nothing is inserted, so nothing matches or is evictable.
-        self.radix_cache = radix_cache
         self.cache = RadixCache(allocator, page_size)
+        self.prefix = PrefixReuse(self.cache, page_size, enabled=radix_cache)
         self.max_running_requests = max_running_requests
         # <= 0 or None: no chunking, a prompt runs in one step.
         self.chunk_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
@@ -81,27 +74,38 @@ class Scheduler:
 
     # --- queue --------------------------------------------------------------------------------
 
-    def check_fits(self, request: Request) -> None:
-        """Raises ValueError for a request that could never run, whatever else is going on."""
-        if not request.prompt_ids:
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest prompt + output one request may have: the context length, or what the
+        whole KV pool holds if that is less (the last sampled token needs no KV)."""
+        return min(self.context_length, self.allocator.capacity * self.page_size + 1)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """The one decision whether a request could ever run, whatever else is going on: the
+        engine's admission check (engine/admission.py) asks it before a request is built, and
+        `add` again for direct callers. Raises RequestTooLong (a ValueError) for a prompt plus
+        max_new_tokens over `max_request_tokens`, ValueError for an empty prompt or no tokens."""
+        if prompt_tokens < 1:
             raise ValueError("the prompt is empty")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
-        total = len(request.prompt_ids) + request.max_new_tokens
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        total = prompt_tokens + max_new_tokens
+        limit = self.max_request_tokens
+        if total <= limit:
+            return
         if total > self.context_length:
-            raise ValueError(
-                f"the prompt ({len(request.prompt_ids)} tokens) plus max_new_tokens "
-                f"({request.max_new_tokens}) is {total} tokens, more than the context length "
-                f"({self.context_length})")
-        # The last sampled token never enters the cache, so the KV peaks at total - 1 tokens.
-        pages = pages_for_tokens(total - 1, self.page_size)
-        if pages > self.allocator.capacity:
-            raise ValueError(
-                f"the request needs {pages} KV pages ({total - 1} tokens) but the whole pool has "
-                f"{self.allocator.capacity} pages ({self.allocator.capacity * self.page_size} tokens)")
+            message = (f"the prompt ({prompt_tokens} tokens) plus max_new_tokens "
+                       f"({max_new_tokens}) is {total} tokens, more than the context length "
+                       f"({self.context_length})")
+        else:  # the last sampled token never enters the cache: the KV peaks at total - 1 tokens
+            message = (f"the request needs {pages_for_tokens(total - 1, self.page_size)} KV pages "
+                       f"({total - 1} tokens) but the whole pool has {self.allocator.capacity} "
+                       f"pages ({self.allocator.capacity * self.page_size} tokens)")
+        where = "context length" if limit == self.context_length else "KV cache capacity"
+        raise RequestTooLong(message, prompt_tokens, max_new_tokens, limit, where)
 
     def add(self, request: Request) -> None:
-        self.check_fits(request)
+        self.check_fits(len(request.prompt_ids), request.max_new_tokens)
         if request.rid in self.requests:
             raise ValueError(f"request id {request.rid!r} is already in use")
         request.status = "waiting"
@@ -157,7 +161,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Its computed whole pages stay cached (unlocked by it); the rest go back to the free list."""
-        self._share_computed_pages(request)
+        self.prefix.share_computed_pages(request)
         self.cache.unlock(request.cache_node)
         self.allocator.free(request.page_ids[request.cache_node.prefix_pages:])
         request.page_ids, request.cache_node = [], None
@@ -180,45 +184,6 @@ class Scheduler:
 
     def _grow(self, request: Request, kv_len: int) -> None:
         request.page_ids += self.cache.allocate(self._new_pages(request, kv_len))
-
-    # --- the prefix cache -----------------------------------------------------------------------
-
-    def _reusable_tokens(self, request: Request) -> int:
-        """How much of a waiting request may come from the cache (module docstring)."""
-        if not self.radix_cache or request.no_prefix_reuse:
-            return 0
-        return (request.num_tokens - 1) // self.page_size * self.page_size
-
-    def _attach_prefix(self, request: Request) -> None:
-        """Starts a waiting request on its longest cached prefix, locked."""
-        pages, node = self.cache.match(request.all_ids()[:self._reusable_tokens(request)])
-        self.cache.lock(node)
-        request.cache_node, request.page_ids = node, pages
-        request.num_computed = len(pages) * self.page_size
-
-    def _detach_prefix(self, request: Request) -> None:  # not admitted after all
-        self.cache.unlock(request.cache_node)
-        request.cache_node, request.page_ids, request.num_computed = None, [], 0
-
-    def _share_computed_pages(self, request: Request) -> None:
-        """Puts the request's newly completed whole pages in the tree, so that a later prompt can
-        reuse them before this request ends."""
-        num_full = request.num_computed // self.page_size
-        if not self.radix_cache or num_full <= request.cache_node.prefix_pages:
-            return
-        request.page_ids[:num_full], request.cache_node = self.cache.insert_locked(
-            request.all_ids()[:num_full * self.page_size], request.page_ids[:num_full],
-            request.cache_node)
-
-    def _waits_for_a_running_prefill(self, request: Request) -> bool:
-        """Whether a running request has yet to prefill the next page this waiting request would
-        match (module docstring): admitting it now would compute that page twice."""
-        end = request.num_computed + self.page_size
-        if end > self._reusable_tokens(request):
-            return False
-        head = request.all_ids()[:end]
-        return any(not other.is_decoding and other.num_computed < end <= other.num_tokens
-                   and other.all_ids()[:end] == head for other in self.running)
 
     def flush_cache(self) -> int:
         """Evicts every cached page that no running request uses; returns how many."""
@@ -277,9 +242,9 @@ class Scheduler:
             if is_new:
                 if len(self.running) >= self.max_running_requests:
                     break
-                self._attach_prefix(r)
-                if self._waits_for_a_running_prefill(r):
-                    self._detach_prefix(r)
+                self.prefix.attach(r)
+                if self.prefix.waits_for_a_running_prefill(r, self.running):
+                    self.prefix.detach(r)
                     continue
             remaining = r.num_tokens - r.num_computed
             n = min(remaining, budget, self.chunk_size or remaining)
@@ -288,7 +253,7 @@ class Scheduler:
             n = remaining if alone else n
             if (alone and rows) or n <= 0 or self._new_pages(r, r.num_computed + n) > self.cache.available_pages:
                 if is_new:
-                    self._detach_prefix(r)
+                    self.prefix.detach(r)
                 break
             if is_new:
                 self.waiting.remove(r)
@@ -340,7 +305,7 @@ class Scheduler:
             if request.status != "running":
                 continue  # aborted or finished since it was scheduled
             request.num_computed += len(chunk.token_ids)
-            self._share_computed_pages(request)
+            self.prefix.share_computed_pages(request)
             if not chunk.sample:
                 continue
             token = int(token)

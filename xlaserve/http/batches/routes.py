@@ -1,5 +1,5 @@
 """Batches API: `POST /v1/batches`, `GET /v1/batches/{id}`, `GET /v1/batches` (newest first,
-`after` + `limit`), `POST /v1/batches/{id}/cancel`. The work is done by batch_runner.py."""
+`after` + `limit`), `POST /v1/batches/{id}/cancel`. The work is done by runner.py."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request

@@ -5,7 +5,7 @@
     validating | in_progress -> cancelling -> cancelled
 
 Each status change is saved in SQLite (storage.py) as it happens. Lines run through the live
-endpoints' code (batch_lines.py) at most `concurrency` at a time for the whole server, below
+endpoints' code (lines.py) at most `concurrency` at a time for the whole server, below
 interactive requests in priority. A finished line is appended to the batch's output (or error)
 blob, in groups: one write and fsync per group, then the counts are saved. The blobs become
 files (`output_file_id`, `error_file_id`) when the batch ends; the output is kept on cancel.

@@ -1,5 +1,5 @@
 // Ragged paged attention for the CPU, as an XLA FFI custom call (see kernel_cpu.py and the kernel
-// contract in DESIGN.md; reference.py is the specification this must equal).
+// contract in docs/architecture.md; reference.py is the specification this must equal).
 //
 // Why native code: XLA's CPU backend runs the jnp reference as gathers, transposes and many tiny
 // batched matmuls, which reach 2-4 GB/s; decode attention is a stream over the KV pages and should

@@ -53,7 +53,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     layout; the cache comes back in the shape it came in); kv_lens i32[S]; page_indices
     i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
     New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
-    padding tokens are 0. See DESIGN.md, "Ragged paged attention".
+    padding tokens are 0. See docs/architecture.md, "The kernel contract".
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

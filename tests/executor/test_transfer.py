@@ -1,8 +1,9 @@
-"""Packing a step's host inputs into one int32 and one float32 vector, and back inside jit."""
+"""A step's host inputs concatenated into one int32 and one float32 vector, and split back
+inside jit (executor/transfer.py)."""
 import jax
 import numpy as np
 
-from xlaserve.executor.transfer import pack_leaves, unpack_leaves
+from xlaserve.executor.transfer import concat_leaves, split_leaves
 
 
 def test_every_leaf_comes_back_with_its_dtype_shape_and_bits():
@@ -14,11 +15,11 @@ def test_every_leaf_comes_back_with_its_dtype_shape_and_bits():
         "num_seqs": np.array([5], np.int32),
         "empty": np.zeros((0, 4), np.float32),
     }
-    ints, floats, layout = pack_leaves(tree)
+    ints, floats, layout = concat_leaves(tree)
     assert ints.dtype == np.int32 and floats.dtype == np.float32
     assert ints.size == 6 + 3 + 3 + 1 and floats.size == 3
 
-    out = jax.jit(unpack_leaves, static_argnums=2)(ints, floats, layout)
+    out = jax.jit(split_leaves, static_argnums=2)(ints, floats, layout)
     for name, expected in tree.items():
         got = np.asarray(out[name])
         assert got.dtype == expected.dtype and got.shape == expected.shape, name
@@ -26,8 +27,8 @@ def test_every_leaf_comes_back_with_its_dtype_shape_and_bits():
 
 
 def test_equal_shapes_give_equal_layouts_so_a_bucket_compiles_once():
-    first = pack_leaves({"a": np.zeros(4, np.int32), "b": np.ones(2, np.float32)})[2]
-    second = pack_leaves({"a": np.full(4, 7, np.int32), "b": np.zeros(2, np.float32)})[2]
-    other = pack_leaves({"a": np.zeros(8, np.int32), "b": np.ones(2, np.float32)})[2]
+    first = concat_leaves({"a": np.zeros(4, np.int32), "b": np.ones(2, np.float32)})[2]
+    second = concat_leaves({"a": np.full(4, 7, np.int32), "b": np.zeros(2, np.float32)})[2]
+    other = concat_leaves({"a": np.zeros(8, np.int32), "b": np.ones(2, np.float32)})[2]
     assert first == second and hash(first) == hash(second)
     assert first != other

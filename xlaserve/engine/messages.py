@@ -1,0 +1,108 @@
+"""The typed messages that cross between the engine's threads and stages.
+
+- Into the engine loop (any thread -> the loop thread, through EngineCore's inbox): `AddRequest`
+  (EngineCore.submit), `Abort` (abort), `AbortAll` (abort_all), `FlushCache` (flush_cache, which
+  waits on its future) and `Wake` (shutdown: unblocks a loop waiting on an empty inbox).
+  `InboxMessage` is their union.
+- From a step to its output, on the loop thread: `EngineCore._read` turns a step's sampled
+  tokens into a `StepResult` (the step-wide logprob arrays and one `SampledRow` per row that
+  sampled for a live request), which `Delivery.deliver` makes into chunks.
+- Out of the engine (the loop thread -> the request's consumer, through its `emit` callback):
+  one `OutputChunk` per sampled token, and a final one without a token when a request ends early
+  (an abort, a refusal, a failure). Consumers that need SGLang's JSON shape (offline.Engine,
+  /generate) build their dicts from it; `meta_info` is already that shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xlaserve.engine.delivery import _Live
+    from xlaserve.scheduler.request import Request
+
+
+# --- the inbox: any thread -> the engine loop ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AddRequest:
+    """A submitted request, its state built and checked in the submitting thread."""
+
+    live: _Live
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort:
+    """End the request `rid` (waiting or running); its final chunk carries `message` as error."""
+
+    rid: str
+    message: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbortAll:
+    """End every request the engine holds, each with `message` as its error."""
+
+    message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlushCache:
+    """Empty the prefix cache between steps; `done` gets the pages freed (or the error)."""
+
+    done: Future
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Wake:
+    """Nothing to do: wakes a loop blocked on an empty inbox (to see that it is stopping)."""
+
+
+InboxMessage = AddRequest | Abort | AbortAll | FlushCache | Wake
+
+
+# --- a step's sampled tokens: EngineCore._read -> Delivery.deliver (the loop thread) -----------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampledRow:
+    """The token a live request sampled in one row of a step."""
+
+    request: Request  # its `status` says whether this token finished it (the scheduler decides)
+    token: int
+    row: int  # the row's index in the step's arrays
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """The rows of a step that sampled for a live request, in row order, and the step's logprob
+    arrays (read from the device only when one of its rows asked for logprobs, else None)."""
+
+    rows: list[SampledRow]
+    logprobs: Any = None  # f32[rows]: each row's sampled token's logprob
+    top_logprobs: Any = None  # f32[rows, k]: each row's best alternatives' logprobs
+    top_ids: Any = None  # i32[rows, k]: their token ids
+
+
+# --- the engine -> a request's consumer (its `emit`, called on the loop thread) ---------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputChunk:
+    """One piece of a request's output: a sampled token and its text delta, or (`token_id` None)
+    the final chunk of a request that ended without one.
+
+    `logprob` and `top_logprobs` [(logprob, token_id)] are set with return_logprob;
+    `input_token_logprobs` and `input_top_logprobs` (SGLang's lists) on the first chunk of a
+    request that asked for prompt logprobs; `meta_info` (SGLang's dict: id, token counts,
+    finish_reason, ...) on the final chunk; `error` on a final chunk that ended the request
+    early with a message."""
+
+    token_id: int | None
+    text: str
+    finished: bool
+    logprob: float | None = None
+    top_logprobs: list[tuple[float, int]] | None = None
+    input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+    meta_info: dict | None = None
+    error: str | None = None
