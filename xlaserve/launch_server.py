@@ -60,7 +60,7 @@ async def warm_up(ctx) -> None:
     await Generation(ctx, [prompt], SamplingParams(max_new_tokens=4, temperature=0.0), 1).collect()
     ctx.ready = True
     logger.info(READY_MESSAGE)
-    log_startup(ctx.engine.core, time.perf_counter() - started)
+    log_startup(ctx.core, time.perf_counter() - started)
 
 
 def log_startup(core, warmup_seconds: float | None) -> None:
@@ -98,7 +98,7 @@ def build_app(args: ServerArgs, ctx, storage=None):
         if args.skip_server_warmup:
             ctx.ready = True
             logger.info(READY_MESSAGE)
-            log_startup(ctx.engine.core, None)
+            log_startup(ctx.core, None)
         else:
             task = asyncio.get_running_loop().create_task(warm_up(ctx))
             task.add_done_callback(_log_failed_warm_up)

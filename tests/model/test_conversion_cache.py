@@ -13,7 +13,7 @@ import safetensors.numpy
 from flax import nnx
 
 from xlaserve.model import conversion_cache
-from xlaserve.model.conversion_cache import MANIFEST, PARAMS, ConversionCache, entry_key
+from xlaserve.model.conversion_cache import MANIFEST, PARAMS, entry_key
 from xlaserve.model.loader import default_model_file, load_model
 from xlaserve.server_args import ServerArgs
 

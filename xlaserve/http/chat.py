@@ -87,7 +87,7 @@ class ChatCall:
 
     def _render(self) -> str:
         req, ctx = self.req, self.ctx
-        self.functions = check_tools(req.tools, ctx.engine.core.limits)
+        self.functions = check_tools(req.tools, ctx.core.limits)
         self.tool_choice = tool_choice_of(req.tool_choice, self.functions)
         tools = None if self.tool_choice.mode == "none" else req.tools
         return chat_template.render(

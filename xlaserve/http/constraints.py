@@ -94,7 +94,7 @@ async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingPara
     """Builds (or finds in the engine's cache) each distinct grammar of `params` in a worker
     thread, so a slow build never stalls the event loop; an invalid one is a 400 naming `param`
     (else the field, after `prefix`). Requests without a constraint cost nothing here."""
-    limits = ctx.engine.core.limits
+    limits = ctx.core.limits
     seen = set()
     for p in params:
         key = tuple(getattr(p, name) for name in CONSTRAINTS)
@@ -108,7 +108,7 @@ async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingPara
             raise bad_request(f"the output constraint is longer than {limits.max_constraint_size} "
                               f"characters (--max-constraint-size)", name)
         try:
-            await asyncio.wait_for(asyncio.to_thread(ctx.engine.core.compile_grammar, p),
+            await asyncio.wait_for(asyncio.to_thread(ctx.core.compile_grammar, p),
                                    limits.grammar_compile_timeout)
         except InvalidGrammar as error:
             name = param or (prefix + error.param if error.param else None)

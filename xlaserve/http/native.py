@@ -151,8 +151,8 @@ async def health(request: Request):
         raise shutting_down()
     if not ctx.ready:
         raise APIError(503, "the server is starting: the model is not ready yet")
-    if not ctx.engine.core.is_alive():  # a multi-host group broke, the watchdog, or a crash
-        raise APIError(503, ctx.engine.core.stopped_reason())
+    if not ctx.core.is_alive():  # a multi-host group broke, the watchdog, or a crash
+        raise APIError(503, ctx.core.stopped_reason())
     return Response(status_code=200)
 
 
@@ -182,7 +182,7 @@ async def get_model_info(request: Request):
 @router.get("/get_server_info")
 async def get_server_info(request: Request):
     ctx = _ctx(request)
-    core = ctx.engine.core
+    core = ctx.core
     args = dataclasses.asdict(ctx.engine.server_args.redacted())  # the API key as "***"
     return {**args, "version": xlaserve.__version__,
             "max_total_num_tokens": core.max_total_num_tokens,
@@ -191,7 +191,7 @@ async def get_server_info(request: Request):
 
 @router.post("/flush_cache")
 async def flush_cache(request: Request):
-    core = _ctx(request).engine.core
+    core = _ctx(request).core
     flush = getattr(core, "flush_cache", None)
     if flush is not None:  # without a prefix cache nothing is kept to flush
         await asyncio.to_thread(flush)  # waits for the engine thread to empty the tree

@@ -40,7 +40,7 @@ def check_not_too_long(ctx: ServingContext, text: str, param: str) -> None:
     may hold; a text that may fit passes (tokenizing it decides)."""
     if len(text) < LARGE_PROMPT_CHARS:  # cheap to tokenize, on the loop: the bound's first
         return                          # computation waits for a text tokenized off it
-    limit = ctx.engine.core.max_request_tokens
+    limit = ctx.core.max_request_tokens
     per_token = chars_per_token(ctx.tokenizer)
     if per_token is not None and len(text) > limit * per_token:
         where = "context length" if limit == ctx.context_length else "KV cache capacity"

@@ -19,7 +19,7 @@ from xlaserve.offline import Engine
 from xlaserve.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
 from xlaserve.engine.messages import OutputChunk
 from xlaserve.sampling.grammar import InvalidGrammar
-from xlaserve.engine.core import QueueFull
+from xlaserve.engine.core import EngineCore, QueueFull
 from xlaserve.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
                                       token_id)
 from xlaserve.scheduler.request import RequestTooLong
@@ -31,7 +31,9 @@ RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
 
 @dataclasses.dataclass
 class ServingContext:
-    """Everything a route needs, built once by the app factory."""
+    """Everything a route needs, built once by the app factory. Routes talk to `core` (the engine
+    core: an EngineCore, or the --dp-size facade with its surface); `engine`, the offline API that
+    built it, is kept for its server_args and shutdown."""
 
     engine: Engine
     served_model_name: str
@@ -45,6 +47,10 @@ class ServingContext:
     ready: bool = False  # set once the warm-up generation has passed
     draining: bool = False  # set on SIGTERM / SIGINT: no new generations (shutdown.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    core: EngineCore = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.core = self.engine.core
 
     @property
     def tokenizer(self):
@@ -52,11 +58,11 @@ class ServingContext:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.core.loaded.config.vocab_size
+        return self.core.loaded.config.vocab_size
 
     @property
     def context_length(self) -> int:
-        return self.engine.core.context_length
+        return self.core.context_length
 
     def check_model(self, model: str | None) -> None:
         if model not in (None, "", "default", self.served_model_name):
@@ -73,7 +79,7 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
     the request too unless ignore_eos. `prompt_param`: the field a prompt over the context is
     blamed on."""
     if max_tokens is None:  # a prompt that leaves no room: the check's context_length_exceeded
-        max_tokens = max(1, ctx.engine.core.max_request_tokens - prompt_len)
+        max_tokens = max(1, ctx.core.max_request_tokens - prompt_len)
     check_n(ctx, req.n, "n")
     stop_ids = list(req.stop_token_ids or ())
     params = SamplingParams(
@@ -106,7 +112,7 @@ def check_request(ctx: ServingContext, prompt_len: int, params: SamplingParams,
     as OpenAI's 400s: a bad value names its field (after `prefix`), a request over what one
     request may hold is `context_length_exceeded` (`context_error`)."""
     try:
-        ctx.engine.core.check_request(prompt_len, params, **options)
+        ctx.core.check_request(prompt_len, params, **options)
     except RequestTooLong as error:
         raise context_error(error, prompt_param, tokens_param) from None
     except InvalidSamplingParam as error:
@@ -126,7 +132,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 
 def check_n(ctx: ServingContext, n: int, param: str) -> None:
-    limit = ctx.engine.core.limits.max_n
+    limit = ctx.core.limits.max_n
     if not 1 <= n <= limit:
         raise bad_request(f"n must be between 1 and {limit} (--max-n)", param)
 
@@ -185,12 +191,12 @@ class Generation:
         self.n = n
         self.id = rid or uuid.uuid4().hex
         self.created = int(time.time())
-        limits = ctx.engine.core.limits
+        limits = ctx.core.limits
         if len(prompts) * n > limits.max_sequences_per_request:
             raise bad_request(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences; "
                               f"at most {limits.max_sequences_per_request} per request "
                               f"(--max-sequences-per-request)", "n" if n > 1 else "prompt")
-        self.group = AsyncRequestGroup(ctx.engine.core)
+        self.group = AsyncRequestGroup(ctx.core)
         self.choices = [Choice(i, i // n) for i in range(len(prompts) * n)]
         self._start = time.perf_counter()
         self._last_token_at: dict[int, float] = {}
@@ -301,7 +307,7 @@ def check_prompt_logprob_entries(ctx: ServingContext, prompts: list[list[int]], 
                                  num_top: int, param: str) -> None:
     """Prompt logprobs cost a whole-prompt prefill per sequence (no prefix reuse) and an entry
     per prompt token and alternative in the response: bounded by --max-prompt-logprob-entries."""
-    limit = ctx.engine.core.limits.max_prompt_logprob_entries
+    limit = ctx.core.limits.max_prompt_logprob_entries
     entries = sum(len(p) for p in prompts) * n * (1 + num_top)
     if entries > limit:
         raise bad_request(f"prompt logprobs asked for {entries} entries (prompt tokens x n x "

@@ -89,7 +89,7 @@ class GracefulServer(uvicorn.Server):
         if requests or lines:
             logger.warning("Graceful shutdown: aborting %d requests and %d batch lines still "
                            "running", requests, lines)
-            self.ctx.engine.core.abort_all(SHUTDOWN_MESSAGE)
+            self.ctx.core.abort_all(SHUTDOWN_MESSAGE)
         else:
             logger.info("Graceful shutdown: every request has finished")
 

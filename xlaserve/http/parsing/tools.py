@@ -77,10 +77,10 @@ async def check_tool_schemas(ctx, functions: dict[str, dict]) -> None:
     """Each tool's `parameters` must be a JSON schema the grammar backend takes (cached by text,
     built off the event loop); a 400 naming `tools` otherwise. Without a grammar backend only
     their shape was checked (check_tools)."""
-    backend = ctx.engine.core.grammar_backend
+    backend = ctx.core.grammar_backend
     if backend is None:
         return
-    timeout = ctx.engine.core.limits.grammar_compile_timeout
+    timeout = ctx.core.limits.grammar_compile_timeout
     for name, function in functions.items():
         try:
             await asyncio.wait_for(asyncio.to_thread(backend.compile, "json_schema",
