@@ -49,13 +49,11 @@ $(STAMP011): pyproject.toml
 serve: $(STAMP)
 	$(PY) -m xlaserve.launch_server $(SERVE_ARGS)
 
-# The suite on JAX 0.10 (Python 3.10+), then what depends on JAX's version on JAX 0.11 where a
-# Python 3.12 is found (the GPU machines run 0.11.2).
+# The suite on JAX 0.10 (Python 3.10+) and, beside it, what depends on JAX's version on JAX 0.11
+# where a Python 3.12 is found (the GPU machines run 0.11.2); then the HTTP tests alone
+# (tests/run_suite.sh says why). PYTEST_ARGS: pytest options for every run (--slow, -x, ...).
 test: $(STAMP) $(AOT_STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-	@if $(PYTHON312) -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then \
-	  $(MAKE) --no-print-directory test-jax011; \
-	else echo "No Python 3.12 ($(PYTHON312)): the JAX 0.11 suite (make test-jax011) did not run"; fi
+	@PY="$(PY)" PYTHON312="$(PYTHON312)" PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/run_suite.sh
 
 # On JAX 0.11, what depends on JAX's version: kernels, models, the engine and its compiled steps.
 # The HTTP layer (tests/http: FastAPI, pydantic, the same engine underneath) and the README checks
