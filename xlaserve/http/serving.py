@@ -47,10 +47,10 @@ class ServingContext:
     ready: bool = False  # set once the warm-up generation has passed
     draining: bool = False  # set on SIGTERM / SIGINT: no new generations (shutdown.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    core: EngineCore = dataclasses.field(init=False)
 
-    def __post_init__(self):
-        self.core = self.engine.core
+    @property
+    def core(self) -> EngineCore:
+        return self.engine.core
 
     @property
     def tokenizer(self):

@@ -237,18 +237,17 @@ def stop_token_set(params: SamplingParams, eos_token_ids,
     min_new_tokens masks all of them in one table row: at most MAX_SUPPRESSED_IDS, or
     InvalidSamplingParam. `template_stop_ids`: a chat template's end-of-turn ids, which the HTTP
     layer adds to stop_token_ids (unless ignore_eos) once this passed; the error names them."""
+    def check(ids: set[int], added: str) -> None:
+        if len(ids) > MAX_SUPPRESSED_IDS:
+            raise InvalidSamplingParam(
+                "stop_token_ids", f"stop_token_ids plus {added} come to {len(ids)}; at most "
+                                  f"{MAX_SUPPRESSED_IDS} are supported")
+
     stop_ids = set(params.stop_token_ids or ())
     if not params.ignore_eos:
         if template_stop_ids:
             stop_ids |= template_stop_ids
-            if len(stop_ids) > MAX_SUPPRESSED_IDS:
-                raise InvalidSamplingParam(
-                    "stop_token_ids", f"stop_token_ids plus the chat template's end-of-turn ids "
-                                      f"come to {len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} "
-                                      f"are supported")
+            check(stop_ids, "the chat template's end-of-turn ids")
         stop_ids |= eos_token_ids
-    if len(stop_ids) > MAX_SUPPRESSED_IDS:
-        raise InvalidSamplingParam(
-            "stop_token_ids", f"stop_token_ids plus the model's EOS ids come to "
-                              f"{len(stop_ids)}; at most {MAX_SUPPRESSED_IDS} are supported")
+    check(stop_ids, "the model's EOS ids")
     return stop_ids
