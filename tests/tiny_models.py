@@ -19,6 +19,17 @@ FAMILIES = {
     "qwen3": dict(cls="Qwen3Config", head_dim=32),
     # sliding window shorter than the prompts.
     "mistral": dict(cls="MistralConfig", sliding_window=6),
+    # Mixtures of experts (model/moe.py). Qwen3-MoE: top 2 of 8, renormalized, qk norms.
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", head_dim=32, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, norm_topk_prob=True),
+    # Qwen2-MoE: a shared expert with its sigmoid gate, top-k weights not renormalized, the second
+    # layer dense (mlp_only_layers), q/k/v biases.
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                      norm_topk_prob=False, mlp_only_layers=[1]),
+    # Mixtral: experts as wide as intermediate_size, block_sparse_moe names, a sliding window.
+    "mixtral": dict(cls="MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=6),
 }
 
 
@@ -46,6 +57,10 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
             if "norm" in name:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif "embed" in name:
+                param.copy_(0.5 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                # Decisive routers (logits ~N(0, 4^2)): bfloat16 then picks the same experts as
+                # float32 at most positions, which the bfloat16 test compares.
                 param.copy_(0.5 * torch.randn_like(param))
             else:
                 param.copy_(0.08 * torch.randn_like(param))

@@ -1,4 +1,4 @@
-"""The CPU RMSNorm (C++ through XLA's FFI) against `transformer.rms_norm` (XLA): with and without
+"""The CPU RMSNorm (C++ through XLA's FFI) against `layers.rms_norm` (XLA): with and without
 the residual add in front, float32 and bfloat16 scales and outputs, hidden sizes that are and are
 not a multiple of the vector width, row counts that do and do not fill a work item, and the
 bfloat16 rounding of special values."""
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.model.transformer import add_rms_norm_xla, rms_norm_xla
+from xlaserve.model.layers import add_rms_norm_xla, rms_norm_xla
 from tests.kernels.rounding import assert_close_to_xla
 from xlaserve.native import KernelUnavailable, norm_cpu
 

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.model.transformer import qkv_rope_xla, rope_cos_sin
+from xlaserve.model.layers import qkv_rope_xla
+from xlaserve.model.transformer import rope_cos_sin
 from tests.kernels.rounding import assert_close_to_xla
 from xlaserve.native import KernelUnavailable, qkv_rope_cpu
 

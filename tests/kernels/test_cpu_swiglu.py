@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.model.transformer import swiglu_xla
+from xlaserve.model.layers import swiglu_xla
 from tests.kernels.rounding import assert_close_to_xla
 from xlaserve.native import KernelUnavailable, swiglu_cpu
 

@@ -106,12 +106,40 @@ def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_c
     references = [_hf_reference(hf_model, p) for p in PROMPTS]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
     ours = _run_ours(loaded, sequences, prefill_chunk=3, page_size=4)
-    for (_, expected), got in zip(references, ours, strict=True):
+    checked = 0
+    for (full, expected), got in zip(references, ours, strict=True):
+        rows = _decisive_routing_rows(hf_model, full)
+        checked += rows.sum()
         bound = 0.02 * np.abs(expected).max()  # measured: under 1% of the logit scale
-        np.testing.assert_allclose(got, expected, atol=bound, rtol=0)
+        np.testing.assert_allclose(got[rows], expected[rows], atol=bound, rtol=0)
         top2 = np.sort(expected, axis=-1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 2 * bound  # no near-tie: the argmax must agree
-        assert (got.argmax(-1) == expected.argmax(-1))[clear].all()
+        assert (got.argmax(-1) == expected.argmax(-1))[clear & rows].all()
+    assert checked >= sum(len(full) for full, _ in references) // 2
+
+
+# The smallest gap between the router's k-th and (k+1)-th logit for which bfloat16 must pick the
+# same experts as float32: the tiny models' router logits are ~N(0, 4^2) (tests/tiny_models.py),
+# and rounding the router's inputs and weights to bfloat16 moves them by a few hundredths.
+ROUTING_MARGIN = 0.1
+
+
+def _decisive_routing_rows(hf_model, ids) -> np.ndarray:
+    """bool per position: True for a dense model; for a mixture of experts, True up to the first
+    position where some layer's router has a near-tie between its k-th and (k+1)-th expert. There
+    bfloat16 may pick the other expert, as any bfloat16 implementation may, and through attention
+    that changes every later position."""
+    if not getattr(hf_model.config, "num_experts_per_tok", None):
+        return np.ones(len(ids), bool)
+    with torch.no_grad():
+        router_logits = hf_model(torch.tensor([ids]), output_router_logits=True).router_logits
+    k = hf_model.config.num_experts_per_tok
+    margins = []
+    for logits in router_logits:
+        ranked = np.sort(logits.float().numpy(), axis=-1)[:, ::-1]
+        margins.append(ranked[:, k - 1] - ranked[:, k])
+    decisive = np.min(margins, axis=0) > ROUTING_MARGIN
+    return np.cumprod(decisive).astype(bool)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -1,7 +1,8 @@
 """ModelConfig: the few numbers and switches our decoder needs, read from a Hugging Face config.
 
 Llama, Mistral, Qwen2 and Qwen3 differ only in switches (qkv bias, per-head q/k norm, sliding
-window, tied embeddings, explicit head_dim), so one frozen dataclass covers them. It is built from
+window, tied embeddings, explicit head_dim), and Qwen2-MoE, Qwen3-MoE and Mixtral add experts in
+place of some or all MLPs, so one frozen dataclass covers them. It is built from
 `transformers`' config object so every field name quirk (`rope_scaling` vs `rope_parameters`,
 missing `head_dim`, Qwen's `layer_types`) is resolved in exactly one place.
 """
@@ -67,6 +68,14 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (model/moe.py); num_experts == 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top k router weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    # One entry per layer: whether its MLP is the experts (decoder_sparse_step, mlp_only_layers).
+    moe_layers: tuple[bool, ...] = ()
 
     @property
     def queries_per_kv(self) -> int:
@@ -80,6 +89,11 @@ class ModelConfig:
             )
         if len(self.sliding_windows) != self.num_layers:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers:
+            object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 "
+                             f"and num_experts ({self.num_experts})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -90,6 +104,7 @@ class ModelConfig:
         data["rope"] = RopeConfig(**data["rope"])
         data["sliding_windows"] = tuple(data["sliding_windows"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        data["moe_layers"] = tuple(data.get("moe_layers", ()))
         return cls(**data)
 
     @classmethod
@@ -103,7 +118,7 @@ class ModelConfig:
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -120,13 +135,14 @@ class ModelConfig:
             rope=_rope_from_hf(hf_config),
             max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
+            qkv_bias=(is_qwen2 and bool(getattr(hf_config, "qkv_bias", True))) or attention_bias,
             # Qwen2 has q/k/v biases but no output bias; Llama's attention_bias covers o_proj too.
             o_bias=attention_bias and not is_qwen2,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_windows=_sliding_windows_from_hf(hf_config, architecture),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_ids=eos_ids,
+            **_experts_from_hf(hf_config, architecture),
         )
 
 
@@ -159,11 +175,42 @@ def _sliding_windows_from_hf(hf_config: Any, architecture: str) -> tuple[int | N
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types:
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    if architecture == "MistralForCausalLM" and window:
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM") and window:
         return (window,) * num_layers
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window and getattr(
+    if architecture in _QWEN_ARCHITECTURES and window and getattr(
         hf_config, "use_sliding_window", False
     ):
         first_sliding = getattr(hf_config, "max_window_layers", num_layers)
         return tuple(window if i >= first_sliding else None for i in range(num_layers))
     return (None,) * num_layers
+
+
+_QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                       "Qwen3MoeForCausalLM")
+
+
+def _experts_from_hf(hf_config: Any, architecture: str) -> dict:
+    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE or Mixtral config ({} for others)."""
+    num_layers = hf_config.num_hidden_layers
+    if architecture == "MixtralForCausalLM":
+        # Every layer is sparse; the experts' width is `intermediate_size`; the top-k weights are
+        # always renormalized.
+        return dict(num_experts=hf_config.num_local_experts,
+                    num_experts_per_tok=hf_config.num_experts_per_tok,
+                    moe_intermediate_size=hf_config.intermediate_size, norm_topk_prob=True,
+                    moe_layers=(True,) * num_layers)
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    num_experts = hf_config.num_experts
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    dense_layers = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    # transformers' rule (Qwen2MoeDecoderLayer): a layer is sparse unless listed in
+    # mlp_only_layers, when there are experts and (layer + 1) is a multiple of the step.
+    moe_layers = tuple(i not in dense_layers and num_experts > 0 and (i + 1) % step == 0
+                       for i in range(num_layers))
+    shared = (hf_config.shared_expert_intermediate_size
+              if architecture == "Qwen2MoeForCausalLM" else 0)
+    return dict(num_experts=num_experts, num_experts_per_tok=hf_config.num_experts_per_tok,
+                moe_intermediate_size=hf_config.moe_intermediate_size,
+                norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+                shared_expert_intermediate_size=shared, moe_layers=moe_layers)

@@ -28,7 +28,7 @@ from xlaserve.model.registry import model_class
 from xlaserve.model.transformer import abstract_parameters
 
 INIT_STD = 0.02
-_NORM_SCALE = "scale"  # the leaf name of every RMSNorm's weight (transformer.RMSNorm)
+_NORM_SCALE = "scale"  # the leaf name of every RMSNorm's weight (layers.RMSNorm)
 
 
 def dummy_model(config: ModelConfig, *, dtype, mesh: Mesh, seed: int = 0):

@@ -1,7 +1,7 @@
 """Weights in the panel layout of the CPU's native GEMM (xlaserve/native/gemm_cpu.py).
 
 On a single CPU device every matmul weight is packed once, when the ModelRunner is built: a
-`PackedMatrix` replaces the array as the value of its nnx Variable, and `transformer.linear` sends
+`PackedMatrix` replaces the array as the value of its nnx Variable, and `layers.linear` sends
 it to `Kernels.packed_matmul`. The weight is not kept in its own layout as well (that would double
 the model's memory); a tied embedding is looked up from its panels (`embed`).
 """

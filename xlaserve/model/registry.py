@@ -3,15 +3,23 @@ from __future__ import annotations
 
 from xlaserve.model.transformer import CausalLM
 
-# The Llama family differs only in config switches, so one class serves all of them.
+# The Llama family and its mixture-of-experts kin differ only in config switches, so one class
+# serves all of them.
 MODEL_CLASSES = {
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    "Qwen2MoeForCausalLM": CausalLM,
+    "Qwen3MoeForCausalLM": CausalLM,
+    "MixtralForCausalLM": CausalLM,
 }
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+# GGUF files of the MoE families keep their experts in merged tensors (ffn_gate_exps, ...) that
+# model/gguf_file.py does not translate: their model_types stay unmapped, so they are refused.
 
 
 class UnsupportedArchitectureError(ValueError):

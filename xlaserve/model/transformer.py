@@ -1,4 +1,6 @@
-"""One Flax NNX decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), switched by config.
+"""One Flax NNX decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its
+mixture-of-experts kin (Qwen2-MoE, Qwen3-MoE, Mixtral: moe.py), switched by config. Its building
+blocks (norms, RoPE, `linear`, the MLP, `Kernels`) are in layers.py.
 
 The forward pass works on a packed ragged batch: the new tokens of every sequence in one array,
 with the attention metadata saying which tokens belong to which sequence and where each
@@ -23,7 +25,6 @@ XLA convert every weight to float32 on every step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.packed import PackedMatrix, embed, output_axes
+from xlaserve.model.layers import (
+    MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, rope_qk, split_qkv)
+from xlaserve.model.moe import MoE
+from xlaserve.model.packed import embed
 
 
 @jax.tree_util.register_dataclass
@@ -58,121 +62,16 @@ PARTITION_SPECS = {
     "down": P("tensor", None),
     "lm_head": P(None, "tensor"),
     "scale": P(),
+    # Mixture of experts (moe.py): every device holds every expert's slice of the intermediate
+    # axis, as the dense MLP splits it.
+    "router": P(),
+    "experts_gate_up": P(None, None, None, "tensor"),
+    "experts_down": P(None, "tensor", None),
+    "shared_expert_gate": P(),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.
 KV_CACHE_SPEC = P(None, None, "tensor")
-
-
-def _init(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
-    return 0.02 * jax.random.normal(rngs.params(), shape, dtype)
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """float32 in, float32 out."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return scale.astype(jnp.float32) * normed
-
-
-def rms_norm_xla(x: jax.Array, scale: jax.Array, eps: float, out_dtype) -> jax.Array:
-    return rms_norm(x, scale, eps).astype(out_dtype)
-
-
-def add_rms_norm_xla(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: float,
-                     out_dtype) -> tuple[jax.Array, jax.Array]:
-    total = x + delta
-    return total, rms_norm(total, scale, eps).astype(out_dtype)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the transformers layout); x [T, H, D], cos/sin [T, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """qkv [T, kv_heads, group + 2, D] -> q [T, heads, D], k and v [T, kv_heads, D]."""
-    tokens, kv_heads, width, d = qkv.shape
-    q = qkv[:, :, :width - 2, :].reshape(tokens, kv_heads * (width - 2), d)
-    return q, qkv[:, :, width - 2, :], qkv[:, :, width - 1, :]
-
-
-def rope_qk(q, k, v, cos: jax.Array, sin: jax.Array, out_dtype):
-    """RoPE on q and k, and all three in `out_dtype` (the attention's inputs)."""
-    return (apply_rope(q, cos, sin).astype(out_dtype), apply_rope(k, cos, sin).astype(out_dtype),
-            v.astype(out_dtype))
-
-
-def qkv_rope_xla(qkv: jax.Array, cos: jax.Array, sin: jax.Array, out_dtype):
-    """qkv [T, kv_heads, group + 2, D] -> RoPE'd q [T, heads, D], RoPE'd k and v [T, kv_heads, D]."""
-    return rope_qk(*split_qkv(qkv), cos, sin, out_dtype)
-
-
-def swiglu_xla(gate_up: jax.Array, out_dtype) -> jax.Array:
-    """silu(gate) * up for gate_up [T, 2, I]."""
-    return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(out_dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernels:
-    """The platform's kernels the forward pass calls: attention (the ragged paged attention
-    contract); on a single CPU device, the native GEMM over packed weights,
-    `(x [M, K], panels, N, layer, bf16_pairs) -> float32 [M, N]` (model/packed.py); and the
-    residual stream's norms, `rms_norm(x, scale, eps, out_dtype)` and `add_rms_norm(x, delta,
-    scale, eps, out_dtype) -> (x + delta, its norm)`, the attention's inputs `qkv_rope(qkv, cos,
-    sin, out_dtype) -> (q, k, v)` and the MLP's `swiglu(gate_up, out_dtype)` (native ones on the
-    CPU: native/norm_cpu.py, native/qkv_rope_cpu.py, native/swiglu_cpu.py)."""
-
-    attention: Callable
-    packed_matmul: Callable | None = None
-    # `(x, panels, N, layer, bf16_pairs, out_dtype) -> swiglu(x @ W)` for a packed gate_up
-    packed_matmul_swiglu: Callable | None = None
-    rms_norm: Callable = rms_norm_xla
-    add_rms_norm: Callable = add_rms_norm_xla
-    qkv_rope: Callable = qkv_rope_xla
-    swiglu: Callable = swiglu_xla
-
-
-def matmul_input_dtype(weight) -> jnp.dtype:
-    """The dtype `linear` gives x before multiplying it by `weight`: a norm in front of the matmul
-    rounds to it directly."""
-    if isinstance(weight, PackedMatrix):
-        return jnp.dtype(jnp.bfloat16 if weight.bf16_pairs else jnp.float32)
-    return jnp.dtype(weight.dtype)
-
-
-def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> jax.Array:
-    """x [T, K] @ weight -> float32 [T, *output axes]: the weight's leading axes that multiply to
-    K are contracted (or weight [N, K] is used as weight.T). Inputs go in the weight's dtype with
-    float32 accumulation. A `PackedMatrix` goes to the native GEMM. Otherwise the weight is used
-    as a 2-d matrix (a free reshape): XLA's CPU layout pass transposed a whole 3-d o_proj weight
-    every step for a 3-d einsum."""
-    rows, k = x.shape
-    if isinstance(weight, PackedMatrix):
-        y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer, weight.bf16_pairs)
-        return y.reshape(rows, *weight.output_axes)
-    if transposed:
-        # Contracting the weight's last axis directly: with an explicit `.T`, XLA converted the
-        # whole bfloat16 tied embedding to float32 on every step (28 ms at 128 rows).
-        return jax.lax.dot_general(x.astype(weight.dtype), weight, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-    axes = output_axes(weight.shape, k)
-    y = jax.lax.dot_general(x.astype(weight.dtype), weight.reshape(k, -1), (((1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return y.reshape(rows, *axes)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -181,10 +80,10 @@ class Attention(nnx.Module):
         self.config = c
         self.sliding_window = c.sliding_windows[layer_index]
         group = c.queries_per_kv
-        self.qkv = nnx.Param(_init(rngs, (c.hidden_size, c.num_kv_heads, group + 2, c.head_dim), dtype))
+        self.qkv = nnx.Param(init_weight(rngs, (c.hidden_size, c.num_kv_heads, group + 2, c.head_dim), dtype))
         if c.qkv_bias:
             self.qkv_bias = nnx.Param(jnp.zeros((c.num_kv_heads, group + 2, c.head_dim), dtype))
-        self.o_proj = nnx.Param(_init(rngs, (c.num_heads, c.head_dim, c.hidden_size), dtype))
+        self.o_proj = nnx.Param(init_weight(rngs, (c.num_heads, c.head_dim, c.hidden_size), dtype))
         if c.o_bias:
             self.o_bias = nnx.Param(jnp.zeros((c.hidden_size,), dtype))
         if c.qk_norm:
@@ -213,28 +112,13 @@ class Attention(nnx.Module):
         return out, kv_cache
 
 
-class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.gate_up = nnx.Param(_init(rngs, (config.hidden_size, 2, config.intermediate_size), dtype))
-        self.down = nnx.Param(_init(rngs, (config.intermediate_size, config.hidden_size), dtype))
-
-    def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
-        gate_up, down = self.gate_up[...], self.down[...]
-        dtype = matmul_input_dtype(down)
-        if isinstance(gate_up, PackedMatrix) and kernels.packed_matmul_swiglu is not None:
-            activation = kernels.packed_matmul_swiglu(x, gate_up.panels, gate_up.columns,
-                                                      gate_up.layer, gate_up.bf16_pairs, dtype)
-        else:
-            activation = kernels.swiglu(linear(x, gate_up, kernels), dtype)
-        return linear(activation, down, kernels)
-
-
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.attn = Attention(config, layer_index, dtype, rngs)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs)
+        self.mlp = (MoE(config, dtype, rngs) if config.moe_layers[layer_index]
+                    else MLP(config.hidden_size, config.intermediate_size, dtype, rngs))
 
     def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels):
         """`x` is the residual stream and `normed` its input norm (`input_rms_norm`), which the
@@ -243,7 +127,7 @@ class DecoderLayer(nnx.Module):
         attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels)
         norm = self.post_attention_norm
         x, normed = kernels.add_rms_norm(x, attn_out, norm.scale[...], norm.eps,
-                                         matmul_input_dtype(self.mlp.gate_up[...]))
+                                         self.mlp.input_dtype())
         return x, self.mlp(normed, kernels), kv_cache
 
     def input_rms_norm(self, x, delta, kernels: Kernels):
@@ -261,13 +145,13 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
-        self.embedding = nnx.Param(_init(rngs, (config.vocab_size, config.hidden_size), dtype))
+        self.embedding = nnx.Param(init_weight(rngs, (config.vocab_size, config.hidden_size), dtype))
         self.layers = nnx.List(
             [DecoderLayer(config, i, dtype, rngs) for i in range(config.num_layers)]
         )
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Param(_init(rngs, (config.hidden_size, config.vocab_size), dtype))
+            self.lm_head = nnx.Param(init_weight(rngs, (config.hidden_size, config.vocab_size), dtype))
 
     def __call__(
         self,

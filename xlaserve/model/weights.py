@@ -119,14 +119,46 @@ def convert(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, 
         yield layer + ("post_attention_norm", "scale"), _fetch(
             source, prefix + "post_attention_layernorm.weight", (hidden,)
         )
-        inter = c.intermediate_size
-        gate = _fetch(source, prefix + "mlp.gate_proj.weight", (inter, hidden))
-        up = _fetch(source, prefix + "mlp.up_proj.weight", (inter, hidden))
-        yield layer + ("mlp", "gate_up"), np.stack([gate.T, up.T], axis=1)
-        yield layer + ("mlp", "down"), _fetch(source, prefix + "mlp.down_proj.weight", (hidden, inter)).T
+        if c.moe_layers[i]:
+            yield from _experts(source, c, prefix, layer + ("mlp",))
+        else:
+            yield from _mlp(source, prefix + "mlp.", c.intermediate_size, hidden, layer + ("mlp",))
     yield ("final_norm", "scale"), _fetch(source, "model.norm.weight", (hidden,))
     if not c.tie_word_embeddings:
         yield ("lm_head",), _fetch(source, "lm_head.weight", (c.vocab_size, hidden)).T
+
+
+def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple,
+         names=("gate_proj", "up_proj", "down_proj")):
+    """A SwiGLU MLP's gate_up [hidden, 2, inter] and down [inter, hidden]."""
+    gate = _fetch(source, f"{prefix}{names[0]}.weight", (inter, hidden))
+    up = _fetch(source, f"{prefix}{names[1]}.weight", (inter, hidden))
+    yield path + ("gate_up",), np.stack([gate.T, up.T], axis=1)
+    yield path + ("down",), _fetch(source, f"{prefix}{names[2]}.weight", (hidden, inter)).T
+
+
+def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
+    """A mixture-of-experts MLP (model/moe.py): the router, every expert stacked, the shared expert
+    and its gate. Checkpoints keep one tensor per expert; Mixtral names them w1 (gate), w3 (up) and
+    w2 (down) under `block_sparse_moe`."""
+    hidden, inter = c.hidden_size, c.moe_intermediate_size
+    if c.architecture == "MixtralForCausalLM":
+        prefix, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        prefix, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    yield path + ("router",), _fetch(source, prefix + "gate.weight", (c.num_experts, hidden)).T
+    gate_up, down = [], []
+    for expert in range(c.num_experts):
+        tensors = dict(_mlp(source, f"{prefix}experts.{expert}.", inter, hidden, (), names))
+        gate_up.append(tensors[("gate_up",)])
+        down.append(tensors[("down",)])
+    yield path + ("experts_gate_up",), np.stack(gate_up)
+    yield path + ("experts_down",), np.stack(down)
+    if c.shared_expert_intermediate_size:
+        yield from _mlp(source, prefix + "shared_expert.", c.shared_expert_intermediate_size,
+                        hidden, path + ("shared_expert",))
+        yield path + ("shared_expert_gate",), _fetch(
+            source, prefix + "shared_expert_gate.weight", (1, hidden)).T
 
 
 def _fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, c: ModelConfig) -> np.ndarray:

@@ -6,7 +6,7 @@ rows spread over XLA's thread pool: `norm_cpu.cc` as XLA FFI custom calls.
 
 x and delta are float32 [T, H] (the residual stream and a sublayer's output); `out_dtype` is
 float32, or bfloat16 where the next matmul takes bfloat16 x (the k-pair GEMM). The math is
-`transformer.rms_norm`'s: float32 throughout, the scale widened to float32, one rounding at the
+`layers.rms_norm`'s: float32 throughout, the scale widened to float32, one rounding at the
 end. XLA's CPU backend ran a norm as three or four single-threaded kernels (the add, a YNNPACK
 sum of squares, the rsqrt, the scaling), ~90 us each at 128 rows, ~5 ms of a decode step.
 """

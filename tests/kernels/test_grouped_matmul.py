@@ -1,0 +1,72 @@
+"""The experts' grouped matmul (model/grouped_matmul.py): the CPU's tiled loop and XLA's
+ragged_dot against a float64 numpy reference, with empty groups, groups that do not fill a tile,
+one group taking every row, rows past the groups' total (zero by ragged_dot's contract), and
+bfloat16 weights."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xlaserve.model.grouped_matmul import (grouped_matmul_ragged_dot, grouped_matmul_tiled,
+                                           tile_rows)
+
+IMPLEMENTATIONS = {"tiled": grouped_matmul_tiled, "ragged_dot": grouped_matmul_ragged_dot}
+
+
+def _reference(x, weights, group_sizes):
+    out = np.zeros((x.shape[0], weights.shape[2]))
+    start = 0
+    for group, size in enumerate(group_sizes):
+        out[start:start + size] = x[start:start + size].astype(np.float64) @ weights[group].astype(np.float64)
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("group_sizes", [
+    [3, 0, 5, 1, 0, 7, 0, 0],  # empty groups, groups smaller and larger than a tile
+    [16, 0, 0, 0, 0, 0, 0, 0],  # every row in the first group
+    [0, 0, 0, 0, 0, 0, 0, 16],  # every row in the last group
+    [2, 2, 2, 2, 2, 2, 2, 2],
+    [1, 0, 2, 0, 0, 3, 0, 0],  # 6 of 16 rows: the rest must be zero
+], ids=["ragged", "all_first", "all_last", "even", "fewer_rows_than_x"])
+def test_each_group_is_multiplied_by_its_own_matrix(name, group_sizes):
+    rng = np.random.default_rng(sum(group_sizes) + len(name))
+    x = rng.standard_normal((16, 24)).astype(np.float32)
+    weights = rng.standard_normal((8, 24, 40)).astype(np.float32)
+    sizes = np.array(group_sizes, np.int32)
+    got = jax.jit(IMPLEMENTATIONS[name])(x, weights, sizes)
+    assert got.dtype == jnp.float32 and got.shape == (16, 40)
+    np.testing.assert_allclose(np.asarray(got), _reference(x, weights, sizes), rtol=1e-5, atol=1e-5)
+
+
+def test_one_program_serves_any_routing():
+    """Group sizes are data: a new routing does not recompile."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    weights = rng.standard_normal((4, 32, 8)).astype(np.float32)
+    tiled = jax.jit(lambda *args: grouped_matmul_tiled(*args))  # a cache of its own
+    for sizes in ([64, 0, 0, 0], [10, 20, 30, 4], [0, 1, 0, 63]):
+        sizes = np.array(sizes, np.int32)
+        np.testing.assert_allclose(np.asarray(tiled(x, weights, sizes)),
+                                   _reference(x, weights, sizes), rtol=1e-5, atol=1e-5)
+    assert tiled._cache_size() == 1
+
+
+def test_bfloat16_weights_take_bfloat16_inputs_with_float32_accumulation():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((12, 64)).astype(np.float32)
+    weights = jnp.asarray(rng.standard_normal((3, 64, 16)), jnp.bfloat16)
+    sizes = np.array([5, 0, 7], np.int32)
+    rounded_x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    expected = _reference(rounded_x, np.asarray(weights.astype(jnp.float32)), sizes)
+    for implementation in IMPLEMENTATIONS.values():
+        got = jax.jit(implementation)(x, weights, sizes)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,groups,tile", [(8, 128, 1), (64, 128, 1), (2048, 128, 16),
+                                              (4096, 8, 64), (3, 1, 4)])
+def test_a_tile_is_about_the_mean_group_size(rows, groups, tile):
+    assert tile_rows(rows, groups) == tile

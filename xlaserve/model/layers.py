@@ -1,0 +1,155 @@
+"""The building blocks every decoder shares: norms, RoPE, the matmul (`linear`), the SwiGLU MLP,
+and `Kernels`, the platform's implementations the forward pass calls (executor/kernels.py picks
+them). Pure functions of arrays, and two small modules.
+
+Precision: matmuls take model-dtype inputs with float32 accumulation; norms, RoPE and the
+activation work in float32 (transformer.py says why).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot
+from xlaserve.model.packed import PackedMatrix, output_axes
+
+
+def init_weight(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
+    """Random init: only for tests and shape checks (real weights come from the loader)."""
+    return 0.02 * jax.random.normal(rngs.params(), shape, dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """float32 in, float32 out."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(jnp.float32) * normed
+
+
+def rms_norm_xla(x: jax.Array, scale: jax.Array, eps: float, out_dtype) -> jax.Array:
+    return rms_norm(x, scale, eps).astype(out_dtype)
+
+
+def add_rms_norm_xla(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: float,
+                     out_dtype) -> tuple[jax.Array, jax.Array]:
+    total = x + delta
+    return total, rms_norm(total, scale, eps).astype(out_dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the transformers layout); x [T, H, D], cos/sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qkv [T, kv_heads, group + 2, D] -> q [T, heads, D], k and v [T, kv_heads, D]."""
+    tokens, kv_heads, width, d = qkv.shape
+    q = qkv[:, :, :width - 2, :].reshape(tokens, kv_heads * (width - 2), d)
+    return q, qkv[:, :, width - 2, :], qkv[:, :, width - 1, :]
+
+
+def rope_qk(q, k, v, cos: jax.Array, sin: jax.Array, out_dtype):
+    """RoPE on q and k, and all three in `out_dtype` (the attention's inputs)."""
+    return (apply_rope(q, cos, sin).astype(out_dtype), apply_rope(k, cos, sin).astype(out_dtype),
+            v.astype(out_dtype))
+
+
+def qkv_rope_xla(qkv: jax.Array, cos: jax.Array, sin: jax.Array, out_dtype):
+    """qkv [T, kv_heads, group + 2, D] -> RoPE'd q [T, heads, D], RoPE'd k and v [T, kv_heads, D]."""
+    return rope_qk(*split_qkv(qkv), cos, sin, out_dtype)
+
+
+def swiglu_xla(gate_up: jax.Array, out_dtype) -> jax.Array:
+    """silu(gate) * up for gate_up [T, 2, I]."""
+    return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The platform's kernels the forward pass calls: attention (the ragged paged attention
+    contract); on a single CPU device, the native GEMM over packed weights,
+    `(x [M, K], panels, N, layer, bf16_pairs) -> float32 [M, N]` (model/packed.py); and the
+    residual stream's norms, `rms_norm(x, scale, eps, out_dtype)` and `add_rms_norm(x, delta,
+    scale, eps, out_dtype) -> (x + delta, its norm)`, the attention's inputs `qkv_rope(qkv, cos,
+    sin, out_dtype) -> (q, k, v)`, the MLP's `swiglu(gate_up, out_dtype)` (native ones on the
+    CPU: native/norm_cpu.py, native/qkv_rope_cpu.py, native/swiglu_cpu.py)."""
+
+    attention: Callable
+    packed_matmul: Callable | None = None
+    # `(x, panels, N, layer, bf16_pairs, out_dtype) -> swiglu(x @ W)` for a packed gate_up
+    packed_matmul_swiglu: Callable | None = None
+    rms_norm: Callable = rms_norm_xla
+    add_rms_norm: Callable = add_rms_norm_xla
+    qkv_rope: Callable = qkv_rope_xla
+    swiglu: Callable = swiglu_xla
+    # `(x [M, K], weights [E, K, N], group_sizes i32[E]) -> float32 [M, N]`: rows sorted by group,
+    # group g multiplied by weights[g] (the experts of a mixture-of-experts layer, model/moe.py)
+    grouped_matmul: Callable = grouped_matmul_ragged_dot
+
+
+def matmul_input_dtype(weight) -> jnp.dtype:
+    """The dtype `linear` gives x before multiplying it by `weight`: a norm in front of the matmul
+    rounds to it directly."""
+    if isinstance(weight, PackedMatrix):
+        return jnp.dtype(jnp.bfloat16 if weight.bf16_pairs else jnp.float32)
+    return jnp.dtype(weight.dtype)
+
+
+def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> jax.Array:
+    """x [T, K] @ weight -> float32 [T, *output axes]: the weight's leading axes that multiply to
+    K are contracted (or weight [N, K] is used as weight.T). Inputs go in the weight's dtype with
+    float32 accumulation. A `PackedMatrix` goes to the native GEMM. Otherwise the weight is used
+    as a 2-d matrix (a free reshape): XLA's CPU layout pass transposed a whole 3-d o_proj weight
+    every step for a 3-d einsum."""
+    rows, k = x.shape
+    if isinstance(weight, PackedMatrix):
+        y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer, weight.bf16_pairs)
+        return y.reshape(rows, *weight.output_axes)
+    if transposed:
+        # Contracting the weight's last axis directly: with an explicit `.T`, XLA converted the
+        # whole bfloat16 tied embedding to float32 on every step (28 ms at 128 rows).
+        return jax.lax.dot_general(x.astype(weight.dtype), weight, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    axes = output_axes(weight.shape, k)
+    y = jax.lax.dot_general(x.astype(weight.dtype), weight.reshape(k, -1), (((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.reshape(rows, *axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, rngs: nnx.Rngs):
+        self.gate_up = nnx.Param(init_weight(rngs, (hidden_size, 2, intermediate_size), dtype))
+        self.down = nnx.Param(init_weight(rngs, (intermediate_size, hidden_size), dtype))
+
+    def input_dtype(self) -> jnp.dtype:
+        """The dtype x should come in (the norm in front rounds to it)."""
+        return matmul_input_dtype(self.gate_up[...])
+
+    def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
+        gate_up, down = self.gate_up[...], self.down[...]
+        dtype = matmul_input_dtype(down)
+        if isinstance(gate_up, PackedMatrix) and kernels.packed_matmul_swiglu is not None:
+            activation = kernels.packed_matmul_swiglu(x, gate_up.panels, gate_up.columns,
+                                                      gate_up.layer, gate_up.bf16_pairs, dtype)
+        else:
+            activation = kernels.swiglu(linear(x, gate_up, kernels), dtype)
+        return linear(activation, down, kernels)
