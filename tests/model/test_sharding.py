@@ -39,11 +39,30 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_tensor_parallel_logits_equal_single_device(tmp_path):
-    make_tiny_checkpoint(str(tmp_path), "qwen2")
+MOE_CHECKS = textwrap.dedent("""
+    experts = loaded.model.layers[0].mlp.experts_gate_up.get_value()
+    # [experts, hidden, 2, moe_intermediate]: every expert, half of its intermediate axis each.
+    assert {s.data.shape for s in experts.addressable_shards} == {(8, 64, 2, 24)}, experts.sharding
+""")
+
+
+def _run(script: str, directory) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", script, str(directory)], capture_output=True, text=True, timeout=600,
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
              "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error"},
     )
     assert result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def test_tensor_parallel_logits_equal_single_device(tmp_path):
+    make_tiny_checkpoint(str(tmp_path), "qwen2")
+    _run(SCRIPT, tmp_path)
+
+
+def test_tensor_parallel_mixture_of_experts_logits_equal_single_device(tmp_path):
+    """Qwen3-MoE's experts split on their intermediate axis, the grouped matmuls under XLA's
+    partitioner, the same logits as one device."""
+    make_tiny_checkpoint(str(tmp_path), "qwen3_moe")
+    _run(SCRIPT.replace('    print("ok")', MOE_CHECKS + '    print("ok")').replace(
+        "(64, 1, 4, 16)", "(64, 1, 4, 32)").replace("(5, 8, 2 * 16)", "(5, 8, 2 * 32)"), tmp_path)
