@@ -151,3 +151,26 @@ def test_orbax_checkpoint_round_trip_keeps_config_and_weights(tmp_path, qwen2_di
         np.testing.assert_array_equal(before[path], after[path], err_msg=str(path))
     as_bf16 = _params(_load(tmp_path / "converted", dtype="bfloat16"))
     assert all(a.dtype == jnp.bfloat16 for a in as_bf16.values())
+
+
+def test_orbax_checkpoint_round_trip_of_a_mixture_of_experts(tmp_path, tiny_checkpoints):
+    """The experts' stacked weights, the router, the shared expert and its gate, and the config's
+    per-layer MoE flags survive a save and restore (Qwen2-MoE: its second layer is dense)."""
+    loaded = _load(tiny_checkpoints["qwen2_moe"][0])
+    assert loaded.config.moe_layers == (True, False) and loaded.config.num_experts == 4
+    checkpoint.save(str(tmp_path / "converted"), loaded.config, loaded.model)
+    restored = _load(tmp_path / "converted")
+    assert restored.config == loaded.config
+    before, after = _params(loaded), _params(restored)
+    assert ("layers", 0, "mlp", "shared_expert_gate") in before and before.keys() == after.keys()
+    for path in before:
+        np.testing.assert_array_equal(before[path], after[path], err_msg=str(path))
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path, tiny_checkpoints):
+    shutil.copytree(tiny_checkpoints["mixtral"][0], tmp_path, dirs_exist_ok=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"missing tensor 'model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight'"):
+        _load(tmp_path)
