@@ -32,6 +32,7 @@ def main() -> None:
     import transformers
     from flax import nnx
 
+    from xlaserve.model.config import ModelConfig
     from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
     from xlaserve.model.layers import Kernels
     from xlaserve.model.moe import MoE
@@ -46,7 +47,7 @@ def main() -> None:
     with torch.no_grad():
         for param in block.parameters():
             param.normal_(0, 0.05)
-    config = _model_config(hf_config)
+    config = ModelConfig.from_hf(hf_config, "Qwen3MoeForCausalLM")
     ours = MoE(config, jax.numpy.float32, nnx.Rngs(0))
     nnx.update(ours, nnx.from_flat_state(dict(_experts(_BlockSource(block, args.experts), config,
                                                         "", ()))))
@@ -62,7 +63,7 @@ def main() -> None:
         x = np.random.default_rng(tokens).standard_normal((tokens, args.hidden)).astype(np.float32)
         with torch.no_grad():
             reference = block(torch.from_numpy(x)[None]).numpy()[0]
-        hf_ms = _time(lambda: block(torch.from_numpy(x)[None]), args.iters, torch_no_grad=True)
+        hf_ms = _time(lambda: block(torch.from_numpy(x)[None]), args.iters)
         row = f"{tokens:>6} {hf_ms:>16.2f} "
         for kernel in kernels.values():
             step = jax.jit(lambda state, x, k=kernel: nnx.merge(graphdef, state)(x, k))
@@ -92,18 +93,11 @@ class _BlockSource:
         return self.tensors[name]
 
 
-def _model_config(hf_config):
-    from xlaserve.model.config import ModelConfig
-
-    return ModelConfig.from_hf(hf_config, "Qwen3MoeForCausalLM")
-
-
-def _time(fn, iters: int, torch_no_grad: bool = False) -> float:
-    import contextlib
-
+def _time(fn, iters: int) -> float:
+    """Milliseconds per call of `fn` after one warm-up call (without autograd for PyTorch)."""
     import torch
 
-    with torch.no_grad() if torch_no_grad else contextlib.nullcontext():
+    with torch.no_grad():
         fn()
         start = time.perf_counter()
         for _ in range(iters):

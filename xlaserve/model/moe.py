@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.layers import MLP, Kernels, init_weight, linear, matmul_input_dtype
+from xlaserve.model.layers import MLP, Kernels, init_weight, linear
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -74,7 +74,6 @@ class MoE(nnx.Module):
         out = run_experts(x, weights, experts, self.experts_gate_up[...], self.experts_down[...],
                           kernels)
         if c.shared_expert_intermediate_size:
-            shared = self.shared_expert
-            shared_out = shared(x.astype(matmul_input_dtype(shared.gate_up[...])), kernels)
+            shared_out = self.shared_expert(x.astype(self.shared_expert.input_dtype()), kernels)
             out = out + jax.nn.sigmoid(linear(x, self.shared_expert_gate[...], kernels)) * shared_out
         return out
