@@ -39,7 +39,23 @@ def _quantize(array: np.ndarray, qtype, rng) -> np.ndarray:
     return gguf.quants.quantize(array, qtype)
 
 
-def write_llama_gguf(path: str, hf_model, matrix_type, seed: int = 0) -> None:
+def _add_rope_scaling(writer, rope: dict) -> None:
+    """The rope.scaling.* keys llama.cpp's converter writes for linear and YaRN scaling."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+    writer.add_rope_scaling_factor(rope["factor"])
+    if kind == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if "beta_fast" in rope:
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def write_llama_gguf(path: str, hf_model, matrix_type, seed: int = 0,
+                     extra_metadata: dict | None = None) -> None:
+    """`extra_metadata`: more string keys (e.g. a rope scaling type we do not support)."""
     config = hf_model.config
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "llama")
@@ -53,6 +69,9 @@ def write_llama_gguf(path: str, hf_model, matrix_type, seed: int = 0) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(config.head_dim)
+    _add_rope_scaling(writer, config.rope_parameters)
+    for key, value in (extra_metadata or {}).items():
+        writer.add_string(key, value)
     for name, tensor in hf_model.state_dict().items():
         array = tensor.float().numpy()
         if name == "model.embed_tokens.weight":

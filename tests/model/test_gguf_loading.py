@@ -17,11 +17,11 @@ Q = gguf.GGMLQuantizationType
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
 
 
-def _tiny_llama(hidden: int):
+def _tiny_llama(hidden: int, **config_fields):
     config = transformers.LlamaConfig(
         hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=2, vocab_size=512, rms_norm_eps=1e-6,
-        rope_theta=10000.0)
+        rope_theta=10000.0, **config_fields)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -69,3 +69,29 @@ def test_quantized_gguf_logits_equal_transformers_gguf_loader(tmp_path, qtype):
     path = str(tmp_path / f"tiny-{qtype.name}.gguf")
     write_llama_gguf(path, _tiny_llama(hidden), qtype)
     np.testing.assert_allclose(_our_logits(path), _transformers_logits(path), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    {"rope_type": "yarn", "factor": 4.0, "beta_fast": 0.2, "beta_slow": 0.02,  # pairs 1 to 4
+     "original_max_position_embeddings": 8},
+    {"rope_type": "linear", "factor": 2.0},
+], ids=["yarn", "yarn_betas", "linear"])
+def test_gguf_rope_scaling_metadata_gives_the_original_models_logits(tmp_path, rope_scaling):
+    """transformers maps llama.cpp's rope.scaling.* keys for gpt-oss only; we map them for the
+    others (unmapped, the model would run with unscaled RoPE)."""
+    hf_model = _tiny_llama(64, rope_scaling=rope_scaling, max_position_embeddings=64)
+    path = str(tmp_path / "tiny-scaled.gguf")
+    write_llama_gguf(path, hf_model, Q.F32)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([PROMPT])).logits[0].numpy()
+    np.testing.assert_allclose(_our_logits(path), expected, atol=1e-4, rtol=0)
+
+
+def test_gguf_with_a_rope_scaling_we_do_not_map_is_refused_with_one_line(tmp_path):
+    path = str(tmp_path / "tiny-longrope.gguf")
+    write_llama_gguf(path, _tiny_llama(64), Q.F32,
+                     extra_metadata={"llama.rope.scaling.type": "longrope"})
+    with pytest.raises(ValueError, match="GGUF rope scaling 'longrope' .* not supported") as error:
+        load_model(path, dtype="float32", skip_tokenizer_init=True, progress=False)
+    assert "\n" not in str(error.value)

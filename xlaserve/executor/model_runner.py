@@ -95,7 +95,9 @@ class ModelRunner:
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
-        self._inv_freq = self.config.rope.inv_freq(self.config.head_dim)  # for rope_cos_sin
+        # For rope_cos_sin: the frequencies and YaRN's cos/sin scale (1.0 for other RoPEs).
+        self._inv_freq = self.config.rope.inv_freq(self.config.head_dim)
+        self._rope_scale = self.config.rope.attention_factor
         self.num_pages = num_pages
         dtype = loaded.dtype
         self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
@@ -185,7 +187,7 @@ class ModelRunner:
         stages a step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        host = step_vectors(self._inv_freq, batch, sampling, slots)
+        host = step_vectors(self._inv_freq, batch, sampling, slots, self._rope_scale)
         ints, floats = self._put(host[:2], self.output_counts.sharding)
         return StagedStep(ints, floats, host[2], batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
@@ -344,10 +346,12 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     return step
 
 
-def step_vectors(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots):
-    """The step's host arrays, with the rows' RoPE cos/sin, as one int32 and one float32 vector
-    (executor/transfer.py) and their layout."""
-    rope = rope_cos_sin(inv_freq, batch.positions)
+def step_vectors(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots,
+                 rope_scale: float = 1.0):
+    """The step's host arrays, with the rows' RoPE cos/sin (times `rope_scale`, the config's
+    `rope.attention_factor`), as one int32 and one float32 vector (executor/transfer.py) and
+    their layout (which the values do not change)."""
+    rope = rope_cos_sin(inv_freq, batch.positions, rope_scale)
     return concat_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
 
 

@@ -87,12 +87,21 @@ def _fast_reader():
 
 @contextlib.contextmanager
 def _fast_reader_for_transformers():
-    """transformers imports `gguf.GGUFReader` when it reads a file: it gets the fast one."""
+    """transformers imports `gguf.GGUFReader` when it reads a file: it gets the fast one. Yields
+    the readers transformers made, for the metadata it does not map (`_rope_scaling`) without
+    reading the file once more."""
     import gguf
 
-    original, gguf.GGUFReader = gguf.GGUFReader, _fast_reader()
+    readers = []
+
+    class RecordingReader(_fast_reader()):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            readers.append(self)
+
+    original, gguf.GGUFReader = gguf.GGUFReader, RecordingReader
     try:
-        yield
+        yield readers
     finally:
         gguf.GGUFReader = original
 
@@ -138,8 +147,50 @@ def load_hf_config(path: str):
     from transformers import AutoConfig
 
     directory, filename = os.path.split(os.path.abspath(path))
-    with _fast_reader_for_transformers():
-        return AutoConfig.from_pretrained(directory, gguf_file=filename)
+    with _fast_reader_for_transformers() as readers:
+        config = AutoConfig.from_pretrained(directory, gguf_file=filename)
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") == "default":  # not mapped by transformers (gpt-oss is)
+        scaling = _rope_scaling(readers[-1].fields)
+        if scaling is not None:
+            config.rope_parameters = {**rope, **scaling}
+    return config
+
+
+# llama.cpp's rope.scaling.* keys -> transformers' rope_parameters keys. transformers maps them
+# for gpt-oss only; for the others it drops them, and the model would run with unscaled RoPE.
+# llama.cpp's YaRN is transformers' with truncate=True (ggml_rope_yarn_corr_dims floors and
+# ceils the ramp's ends) and, with ext_factor and attn_factor 1 (the defaults), the same cos/sin
+# scale, 0.1 ln(factor) + 1.
+_ROPE_SCALING_KEYS = {
+    "linear": {"factor": "factor"},
+    "yarn": {"factor": "factor", "original_context_length": "original_max_position_embeddings",
+             "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"},
+}
+_NEUTRAL_ROPE_SCALING = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_ext_factor": 1.0}
+
+
+def _rope_scaling(fields) -> dict | None:
+    """transformers' rope_parameters for the file's rope.scaling.* metadata (None: unscaled);
+    a kind or key whose meaning we have not matched to transformers' is refused."""
+    prefix = f"{fields['general.architecture'].contents()}.rope.scaling."
+    values = {name[len(prefix):]: field.contents() for name, field in fields.items()
+              if name.startswith(prefix)}
+    kind = values.pop("type", "none")
+    values.pop("finetuned", None)  # says whether the model was trained at the scaled length
+    if kind == "none":
+        return None
+    values = {key: value for key, value in values.items()
+              if _NEUTRAL_ROPE_SCALING.get(key) != value}
+    known = _ROPE_SCALING_KEYS.get(kind, {})
+    if "factor" not in values or (kind == "yarn" and "original_context_length" not in values) \
+            or not set(values) <= set(known):
+        supported = "; ".join(f"{name} with {', '.join(keys)}"
+                              for name, keys in _ROPE_SCALING_KEYS.items())
+        raise ValueError(f"GGUF rope scaling {kind!r} with {sorted(values)} is not supported "
+                         f"(supported: {supported})")
+    return {"rope_type": kind, **{known[key]: int(value) if key == "original_context_length"
+                                  else float(value) for key, value in values.items()}}
 
 
 def load_tokenizer(path: str):

@@ -171,12 +171,13 @@ class CausalLM(nnx.Module):
         """float32[T, hidden]: the residual stream after the last layer (before the final norm)
         for every token row, and the updated KV caches. Split from `logits` so that a step can
         take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
-        logprobs). `rope`: the rows' (cos, sin), `rope_cos_sin(inv_freq, positions)` computed on
-        the host; computed here when not given."""
+        logprobs). `rope`: the rows' (cos, sin), `rope_cos_sin(inv_freq, positions,
+        attention_factor)` computed on the host; computed here when not given."""
         x = embed(self.embedding[...], input_ids).astype(jnp.float32)
         if rope is None:
             angles = rope_angles(self.config.rope.inv_freq(self.config.head_dim), positions)
-            rope = jnp.cos(angles), jnp.sin(angles)
+            scale = self.config.rope.attention_factor  # YaRN's; 1.0 for the other kinds
+            rope = jnp.cos(angles) * scale, jnp.sin(angles) * scale
         cos, sin = rope
         new_caches, mlp_out = [], None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -198,14 +199,21 @@ def rope_angles(inv_freq: np.ndarray, positions):
     return positions.astype(np.float32)[:, None] * inv_freq[None, :]
 
 
-def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray, attention_factor: float = 1.0
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions`, on the host, for
-    `inv_freq = config.rope.inv_freq(head_dim)`. Inside a step, XLA's CPU fusion recomputed cos
+    `inv_freq = config.rope.inv_freq(head_dim)`, both times `config.rope.attention_factor` (YaRN
+    scales them, as transformers does). Inside a step, XLA's CPU fusion recomputed cos
     and sin in every layer's RoPE fusion, for every head (~3M sincos per 128-row step of the
     default model, 4% of it); as step inputs they are computed once. The angles are the traced
-    version's float32 products; cos and sin are taken in float64 and rounded."""
+    version's float32 products; cos and sin are taken in float64 and rounded, then scaled in
+    float32 like transformers' `cos() * attention_scaling`."""
     angles = rope_angles(inv_freq, positions).astype(np.float64)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    if attention_factor != 1.0:
+        cos *= np.float32(attention_factor)
+        sin *= np.float32(attention_factor)
+    return cos, sin
 
 
 def partition_spec(path: tuple) -> P:
