@@ -1,14 +1,22 @@
-"""The experts' grouped matmul (model/grouped_matmul.py): the CPU's tiled loop and XLA's
-ragged_dot against a float64 numpy reference, with empty groups, groups that do not fill a tile,
-one group taking every row, rows past the groups' total (zero by ragged_dot's contract), and
-bfloat16 weights."""
+"""The experts' grouped matmul (model/grouped_matmul.py): the CPU's tiled loop, XLA's ragged_dot
+and the megablox Pallas kernel (in TPU interpret mode) against a float64 numpy reference, with
+empty groups, groups that do not fill a tile, one group taking every row, rows past the groups'
+total (zero), and bfloat16 weights; and what ragged_dot compiles to for TPU v6e, the reason TPU
+keeps it."""
+import functools
+import importlib.util
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
-from xlaserve.model.grouped_matmul import (grouped_matmul_ragged_dot, grouped_matmul_tiled,
-                                           tile_rows)
+from tests.compile_targets import compile_for, devices
+from xlaserve.executor.aot import abstract
+from xlaserve.model.grouped_matmul import (grouped_matmul_megablox, grouped_matmul_ragged_dot,
+                                           grouped_matmul_tiled, tile_rows)
 
 IMPLEMENTATIONS = {"tiled": grouped_matmul_tiled, "ragged_dot": grouped_matmul_ragged_dot}
 
@@ -76,3 +84,40 @@ def test_bfloat16_weights_take_bfloat16_inputs_with_float32_accumulation():
                                               (4096, 8, 64), (3, 1, 4)])
 def test_a_tile_is_about_the_mean_group_size(rows, groups, tile):
     assert tile_rows(rows, groups) == tile
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax.experimental.pallas.ops.tpu.megablox") is None,
+                    reason="this JAX ships no megablox")
+def test_megablox_matches_the_reference_in_interpret_mode():
+    """One program, 300 rows: two 256-row tiles, the second padded. Interpret mode fills memory
+    the kernel never writes with NaN, so rows past the groups' total fail unless zeroed."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((300, 24)).astype(np.float32)
+    weights = jnp.asarray(rng.standard_normal((8, 24, 40)), jnp.bfloat16)
+    rounded_x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    megablox = jax.jit(functools.partial(grouped_matmul_megablox, interpret=True))
+    for sizes in ([3, 0, 5, 1, 0, 7, 0, 0],  # 16 rows: the rest of the tile, and the next one
+                  [40, 0, 0, 200, 0, 0, 0, 60],  # a group across the tiles' boundary
+                  [0, 0, 0, 0, 0, 0, 0, 300],
+                  [0, 250, 0, 0, 0, 0, 10, 0]):  # the total ends in the second tile
+        sizes = np.array(sizes, np.int32)
+        got = megablox(x, weights, sizes)
+        assert got.dtype == jnp.float32 and got.shape == (300, 40)
+        expected = _reference(rounded_x, np.asarray(weights.astype(jnp.float32)), sizes)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_ragged_dot_compiles_to_a_grouped_kernel_for_tpu():
+    """Why TPU keeps ragged_dot (model/grouped_matmul.py): XLA compiles it to Mosaic grouped
+    kernels doing one dense pass's flops, not one per expert. Qwen3-30B-A3B's gate_up, 128 tokens."""
+    _, target = devices("v6e:2x2")
+    mesh = Mesh(np.array(target[:1]), ("device",))
+    rows, k, n, experts = 1024, 2048, 1536, 128
+    compiled = compile_for(mesh, jax.jit(grouped_matmul_ragged_dot),
+                           abstract((rows, k), jnp.bfloat16, mesh),
+                           abstract((experts, k, n), jnp.bfloat16, mesh),
+                           abstract((experts,), jnp.int32, mesh))
+    hlo = compiled.as_text()
+    assert "%ragged-dot-metadata = " in hlo and 'custom_call_target="tpu_custom_call"' in hlo
+    assert not re.search(r"= \S+ (dot|convolution)\(", hlo)
+    assert compiled.cost_analysis()["flops"] == 2 * rows * k * n
