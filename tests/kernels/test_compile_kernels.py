@@ -3,7 +3,8 @@ TPU v5e and v6e (libtpu's compile-only topologies), Triton for an H100 (the jax 
 deviceless target). Interpret mode on CPU (test_pallas_kernels.py) checks what the kernels
 compute; only these compiles check what Mosaic and Triton accept: layouts, tile alignment, VMEM,
 SMEM and shared memory. Bfloat16 failed Mosaic's alignment check here before the new K/V went
-through XLA's scatter.
+through XLA's scatter. Attention sinks (gpt-oss) add an operand to each kernel: SMEM scalars on
+TPU, a [Hkv, rows] block on GPU.
 
 The shapes are those of real models, per device (a tensor-parallel mesh splits the heads), in
 the runtime's flat cache layout, at the bucket shapes a server steps with: decode (one token per
@@ -13,7 +14,9 @@ few; --slow runs the full grid.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tests.compile_targets import cache_copies, compile_for, devices
@@ -29,6 +32,9 @@ HEAD_LAYOUTS = {
     "llama-3.1-8b-tp4": (8, 2, 128),
     "qwen2.5-7b-tp4": (7, 1, 128),
 }
+# gpt-oss-20b and -120b: attention sinks on every layer, a 128-token window on every other one.
+SINK_LAYOUTS = {"gpt-oss": (64, 8, 64), "gpt-oss-tp4": (16, 2, 64)}
+GPT_OSS_WINDOW = 128
 # (tokens, sequences) of a step: runtime buckets at 64 running requests.
 BATCHES = {"decode": (64, 64), "mixed": (128, 64), "prefill": (512, 64)}
 CONTEXT = 4096  # tokens a page table covers
@@ -51,14 +57,30 @@ def grid(slow: bool):
     return cases
 
 
+def sink_grid(slow: bool):
+    """(layout, batch, page_size, dtype, sliding_window) of the kernels with sinks: by default one
+    per target, the whole gpt-oss layer mix with --slow."""
+    if slow:
+        return [(layout, batch, 16, dtype, window) for layout in SINK_LAYOUTS for batch in BATCHES
+                for dtype in ("bfloat16", "float32") for window in (None, GPT_OSS_WINDOW)]
+    return [("gpt-oss", "mixed", 16, "bfloat16", GPT_OSS_WINDOW)]
+
+
 def pytest_generate_tests(metafunc):
-    if "attention_case" in metafunc.fixturenames:
-        cases = grid(metafunc.config.getoption("--slow"))
-        metafunc.parametrize("attention_case", cases, ids=["-".join(map(str, c)) for c in cases])
+    slow = metafunc.config.getoption("--slow")
+    for name, cases in (("attention_case", grid), ("sinks_case", sink_grid)):
+        if name in metafunc.fixturenames:
+            cases = cases(slow)
+            metafunc.parametrize(name, cases, ids=["-".join(map(str, c)) for c in cases])
 
 
-def attention_args(mesh, layout, batch, page_size, dtype):
-    num_q_heads, num_kv_heads, head_dim = HEAD_LAYOUTS[layout]
+def one_device_mesh(devices) -> Mesh:
+    """The kernels' shapes are per device: one device of the target runs them."""
+    return Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "tensor"))
+
+
+def attention_args(mesh, layout, batch, page_size, dtype, sinks=False):
+    num_q_heads, num_kv_heads, head_dim = {**HEAD_LAYOUTS, **SINK_LAYOUTS}[layout]
     tokens, seqs = BATCHES[batch]
     pages_per_seq = CONTEXT // page_size
     token_bytes = 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
@@ -68,27 +90,40 @@ def attention_args(mesh, layout, batch, page_size, dtype):
                 v=at((tokens, num_kv_heads, head_dim)),
                 kv_cache=at((num_pages, page_size, 2 * num_kv_heads * head_dim)),
                 kv_lens=at((seqs,), "int32"), page_indices=at((seqs, pages_per_seq), "int32"),
-                cu_q_lens=at((seqs + 1,), "int32"), num_seqs=at((1,), "int32"))
+                cu_q_lens=at((seqs + 1,), "int32"), num_seqs=at((1,), "int32"),
+                **({"sinks": at((num_q_heads,), "float32")} if sinks else {}))
+
+
+def check_compiles_in_place(target, case, sinks=False, **static):
+    """Compiles the target's kernel for `case` (attention_args); the cache must be updated in
+    place, uncopied."""
+    platform, target_devices = devices(target)
+    mesh = one_device_mesh(target_devices)
+    args = attention_args(mesh, *case, sinks=sinks)
+    kernel = jax.jit(KERNELS[platform], static_argnames=("sm_scale", *static),
+                     donate_argnames=("kv_cache",))
+    hlo = compile_for(mesh, kernel, **args, sm_scale=0.125, **static).as_text()
+    cache = args["kv_cache"]
+    assert not cache_copies(hlo, cache.shape, cache.dtype), "the KV cache is copied (relayout)"
+    assert "input_output_alias" in hlo.splitlines()[0], "the cache is not updated in place"
 
 
 @pytest.mark.parametrize("target", ["v6e:2x2", "v5e:2x2", "h100"])
 def test_attention_kernel_compiles_for_the_target(target, attention_case):
-    platform, target_devices = devices(target)
-    mesh = aot.mesh_of(target_devices, 1)
-    args = attention_args(mesh, *attention_case)
-    kernel = jax.jit(KERNELS[platform], static_argnames=("sm_scale",), donate_argnames=("kv_cache",))
-    compiled = compile_for(mesh, kernel, **args, sm_scale=0.125)
-    hlo = compiled.as_text()
-    cache = args["kv_cache"]
-    assert not cache_copies(hlo, cache.shape, cache.dtype), "the KV cache is copied (relayout)"
-    assert "input_output_alias" in hlo.splitlines()[0], "the cache is not updated in place"
+    check_compiles_in_place(target, attention_case)
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "v5e:2x2", "h100"])
+def test_attention_kernel_with_sinks_compiles_for_the_target(target, sinks_case):
+    *case, window = sinks_case
+    check_compiles_in_place(target, case, sinks=True, sliding_window=window)
 
 
 def test_a_cache_stored_by_head_would_be_copied_on_tpu():
     # Why the runtime stores the cache flat: TPU tiles an array by its last two dims, so the
     # kernel's flat view of a [pages, page_size, 2*Hkv, D] cache is a relayout of all of it.
     _, target_devices = devices("v6e:2x2")
-    mesh = aot.mesh_of(target_devices, 1)
+    mesh = one_device_mesh(target_devices)
     args = attention_args(mesh, "qwen2.5-0.5b", "decode", 16, "bfloat16")
     flat = args["kv_cache"]
     args["kv_cache"] = aot.abstract(flat.shape[:2] + (4, 64), flat.dtype, mesh, P())

@@ -14,7 +14,7 @@ import pytest
 from tests.kernels.test_reference_attention import (BATCHES, DECODE_SHAPES, NUM_Q_HEADS, SM_SCALE, attention,
                                                     expected_result, make_case,
                                                     random_kernel_case)
-from xlaserve.pallas_kernels.ragged_paged_attention import api, kernel_cpu
+from xlaserve.pallas_kernels.ragged_paged_attention import api, cases, kernel_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
 kernel = jax.jit(kernel_cpu.ragged_paged_attention,
@@ -26,17 +26,17 @@ BF16_PATHS = [pytest.param(True, id="bf16_pairs", marks=pytest.mark.skipif(
               pytest.param(False, id="widened")]
 
 
-def check(case, tol=1e-5, bf16_pairs=None, **static):
+def check(case, tol=1e-5, bf16_pairs=None, sinks=None, **static):
     """Kernel output rows (padding rows included: 0) and the whole written cache against the
     reference; live rows also against dense float64 attention."""
     args = {k: jnp.asarray(v) for k, v in case.items()}
-    out, cache = kernel(**args, sm_scale=SM_SCALE, bf16_pairs=bf16_pairs, **static)
+    out, cache = kernel(**args, sm_scale=SM_SCALE, bf16_pairs=bf16_pairs, sinks=sinks, **static)
     assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
-    want_out, want_cache = attention(**args, sm_scale=SM_SCALE, **static)
+    want_out, want_cache = attention(**args, sm_scale=SM_SCALE, sinks=sinks, **static)
     as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
     np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)
     np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))  # NaN where NaN
-    dense, _ = expected_result(case, static.get("sliding_window"), static.get("soft_cap"))
+    dense, _ = expected_result(case, static.get("sliding_window"), static.get("soft_cap"), sinks)
     total = int(case["cu_q_lens"][case["num_seqs"][0]])
     np.testing.assert_allclose(as_f32(out)[:total], dense[:total], rtol=tol, atol=tol)
 
@@ -113,6 +113,37 @@ def test_bfloat16_sliding_window_and_soft_cap(static, bf16_pairs):
     shapes, seqs = BATCHES["mixed"]
     check(make_case(np.random.default_rng(11), seqs, num_kv_heads=4, dtype=jnp.bfloat16,
                     **shapes), tol=2e-2, bf16_pairs=bf16_pairs, **static)
+
+
+@pytest.mark.parametrize("dtype,head_dim,bf16_pairs,static", [
+    pytest.param(np.float32, 64, None, {}, id="float32_one_row_items"),
+    pytest.param(np.float32, 40, None, dict(sliding_window=5), id="float32_d40_blocks_window"),
+    pytest.param(jnp.bfloat16, 64, True, dict(sliding_window=7), id="bfloat16_pairs_window",
+                 marks=BF16_PATHS[0].marks),
+    pytest.param(jnp.bfloat16, 64, False, {}, id="bfloat16_widened")])
+def test_attention_sinks_on_every_item_kind(dtype, head_dim, bf16_pairs, static):
+    # Each of the kernel's three item kinds starts its online softmax at the sinks: one-row items
+    # (float32, or bfloat16 widened), blocks of rows (head dims not a multiple of 8), and
+    # bfloat16 pairs; GQA 4, decodes beside prefills.
+    shapes, seqs = BATCHES["mixed"]
+    rng = np.random.default_rng(13)
+    case = make_case(rng, seqs, num_kv_heads=2, head_dim=head_dim, dtype=dtype, **shapes)
+    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 1e-5, bf16_pairs=bf16_pairs,
+          sinks=jnp.asarray(cases.make_sinks(rng, NUM_Q_HEADS)), **static)
+
+
+def test_every_cpu_backend_takes_sinks_as_a_keyword():
+    # What the model calls: api's attention function, with sinks=None (none) or one per head.
+    shapes, seqs = BATCHES["decode"]
+    rng = np.random.default_rng(14)
+    args = {k: jnp.asarray(v) for k, v in make_case(rng, seqs, num_kv_heads=2, **shapes).items()}
+    sinks = jnp.asarray(cases.make_sinks(rng, NUM_Q_HEADS))
+    for backend in ("auto", "reference", "cpu"):
+        fn = jax.jit(api.get_attention_fn(backend), static_argnames=("sm_scale",))
+        for s in (None, sinks):
+            out, _ = fn(**args, sm_scale=SM_SCALE, sinks=s)
+            want, _ = attention(**args, sm_scale=SM_SCALE, sinks=s)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_pairs_refused_where_the_cpu_lacks_them(monkeypatch):

@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tests.kernels.test_reference_attention import (BATCHES, LONG_AND_SHORT, RAGGED_SHAPES,
                                                     SM_SCALE, attention, make_case,
                                                     random_kernel_case)
-from xlaserve.pallas_kernels.ragged_paged_attention import api, kernel_gpu, kernel_tpu
+from xlaserve.pallas_kernels.ragged_paged_attention import api, cases, kernel_gpu, kernel_tpu
 
 STATIC = ("sm_scale", "sliding_window", "soft_cap", "interpret", "q_block", "kv_block_pages")
 KERNELS = {
@@ -37,16 +37,16 @@ def kernel(request):
     only given to the kernel, the reference picks its own)."""
     fn, interpret = KERNELS[request.param]
 
-    def run(case, tol=1e-5, **static):
+    def run(case, tol=1e-5, sinks=None, **static):
         args = {k: jnp.asarray(v) for k, v in case.items()}
         try:
-            out, cache = fn(**args, sm_scale=SM_SCALE, interpret=interpret, **static)
+            out, cache = fn(**args, sm_scale=SM_SCALE, interpret=interpret, sinks=sinks, **static)
         finally:
             pltpu.reset_tpu_interpret_mode_state()  # required after an error, harmless otherwise
         assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
         assert cache.shape == case["kv_cache"].shape  # as it came in, flat or by head
         spec = {k: v for k, v in static.items() if k in ("sliding_window", "soft_cap")}
-        want_out, want_cache = attention(**args, sm_scale=SM_SCALE, **spec)
+        want_out, want_cache = attention(**args, sm_scale=SM_SCALE, sinks=sinks, **spec)
         as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
         np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))  # NaN where NaN
         np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)  # pad rows: 0
@@ -94,6 +94,17 @@ def test_sliding_window_and_soft_cap(kernel, static):
     kernel(case, kv_block_pages=1, **static)
 
 
+@pytest.mark.parametrize("static", [dict(q_block=4), dict(sliding_window=10, kv_block_pages=1)],
+                         ids=["query_blocks", "window_skipping_blocks"])
+def test_attention_sinks(kernel, static):
+    # GQA 4, so a kv head's rows hold four query heads' sinks; prefills split into several items,
+    # or one-page KV blocks that a window skips.
+    seqs = [(1, 128), (4, 100), (1, 60), (9, 70), (1, 3)]
+    rng = np.random.default_rng(15)
+    case = make_case(rng, seqs, num_kv_heads=2, **RAGGED_SHAPES)
+    kernel(case, sinks=jnp.asarray(cases.make_sinks(rng, 8)), **static)
+
+
 def test_soft_cap_alone(kernel):
     shapes, seqs = BATCHES["mixed"]
     kernel(make_case(np.random.default_rng(4), seqs, num_kv_heads=4, **shapes), soft_cap=2.0)
@@ -130,25 +141,29 @@ import functools
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from tests.kernels.test_reference_attention import BATCHES, SM_SCALE, attention, make_case
-from xlaserve.pallas_kernels.ragged_paged_attention import api, kernel_gpu
+from xlaserve.pallas_kernels.ragged_paged_attention import api, cases, kernel_cpu, kernel_gpu
 mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("data", "tensor"))
 shapes, seqs = BATCHES["mixed"]
-case = make_case(np.random.default_rng(12), seqs, num_kv_heads=2, **shapes)
+rng = np.random.default_rng(12)
+case = make_case(rng, seqs, num_kv_heads=2, **shapes)
 args = {k: jnp.asarray(v) for k, v in case.items()}
-kernel = functools.partial(kernel_gpu.ragged_paged_attention, interpret=True)
-fn = jax.jit(api._split_by_kv_head(kernel, mesh), static_argnames=("sm_scale",))
-out, cache = fn(**args, sm_scale=SM_SCALE)
-want_out, want_cache = attention(**args, sm_scale=SM_SCALE)
-np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
-np.testing.assert_array_equal(np.asarray(cache), np.asarray(want_cache))
+sinks = jnp.asarray(cases.make_sinks(rng, 8))  # each device gets its 4 query heads' sinks
+gpu_kernel = functools.partial(kernel_gpu.ragged_paged_attention, interpret=True)
+cpu_kernel = kernel_cpu.ragged_paged_attention
+for kernel, s in ((gpu_kernel, None), (gpu_kernel, sinks), (cpu_kernel, sinks)):
+    fn = jax.jit(api._split_by_kv_head(kernel, mesh), static_argnames=("sm_scale",))
+    out, cache = fn(**args, sm_scale=SM_SCALE, sinks=s)
+    want_out, want_cache = attention(**args, sm_scale=SM_SCALE, sinks=s)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache), np.asarray(want_cache))
 print("ok")
 """
 
 
 def test_tensor_parallel_mesh_splits_the_kernel_by_kv_head():
-    # Two CPU devices, one kv head each: the kernel runs under shard_map on its own heads. The
-    # GPU kernel stands for both: the TPU interpreter, simulating every device's memory, hung
-    # under shard_map on two CPU devices.
+    # Two CPU devices, one kv head each: the kernel runs under shard_map on its own heads (and
+    # their sinks). The GPU kernel stands for both Pallas ones: the TPU interpreter, simulating
+    # every device's memory, hung under shard_map on two CPU devices. The CPU kernel, with sinks.
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).parents[2])}
     result = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL_SCRIPT], capture_output=True,

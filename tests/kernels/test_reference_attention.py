@@ -28,8 +28,9 @@ def make_case(rng, seqs, *, num_q_heads=NUM_Q_HEADS, head_dim=HEAD_DIM, **shapes
     return cases.make_case(rng, seqs, num_q_heads=num_q_heads, head_dim=head_dim, **shapes)
 
 
-def expected_result(case, sliding_window=None, soft_cap=None):
-    """Dense attention in float64 over each sequence's full K/V; the cache after the writes."""
+def expected_result(case, sliding_window=None, soft_cap=None, sinks=None):
+    """Dense attention in float64 over each sequence's full K/V; the cache after the writes.
+    Attention sinks join each head's softmax as one more column, dropped after it (gpt-oss)."""
     q = case["q"].astype(np.float64)
     num_kv_heads = case["k"].shape[1]
     group = q.shape[1] // num_kv_heads
@@ -56,20 +57,25 @@ def expected_result(case, sliding_window=None, soft_cap=None):
         if sliding_window is not None:
             mask &= q_pos[:, None] - positions[None, :] < sliding_window
         scores = np.where(mask, scores, -np.inf)
+        if sinks is not None:  # [Hq] -> a column [Hq, q_len, 1]
+            sink_column = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None],
+                                          scores.shape[:2] + (1,))
+            scores = np.concatenate([scores, sink_column], axis=-1)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
+        probs = probs[..., :kv_len]  # without the sink's column, which has no value
         out[cu[s]:cu[s + 1]] = np.einsum("hqk,khd->qhd", probs, values)
     return out, cache
 
 
-def check(case, tol=1e-5, **static):
+def check(case, tol=1e-5, sinks=None, **static):
     """Runs the jitted reference and compares output rows and the whole cache."""
     out, new_cache = attention(**{k: jnp.asarray(v) for k, v in case.items()},
-                               sm_scale=SM_SCALE, **static)
+                               sm_scale=SM_SCALE, sinks=sinks, **static)
     out, new_cache = np.asarray(out.astype(jnp.float32)), np.asarray(new_cache.astype(jnp.float32))
     assert out.dtype == np.float32 and new_cache.shape == case["kv_cache"].shape
     want_out, want_cache = expected_result(case, static.get("sliding_window"),
-                                           static.get("soft_cap"))
+                                           static.get("soft_cap"), sinks)
     total = int(case["cu_q_lens"][case["num_seqs"][0]])
     np.testing.assert_allclose(out[:total], want_out[:total], rtol=tol, atol=tol)
     assert np.all(np.isfinite(out[total:])), "padding rows must be finite"
@@ -95,7 +101,7 @@ def random_sequences(rng, max_seqs, num_tokens, pages_per_seq, page_size, max_q_
 def random_kernel_case(rng):
     """A random ragged batch at a kernel's production shapes: page sizes 16 to 64, kv lengths up
     to 2048, q lengths up to 300, 1 to 16 sequences, GQA 1 to 8, head dims 64 and 128, a quarter
-    bfloat16, some with sliding window or soft cap. Returns (case, static options, tolerance)."""
+    bfloat16, some with sliding window, soft cap or sinks. Returns (case, options, tolerance)."""
     page_size = int(rng.choice([16, 32, 64]))
     pages_per_seq = int(rng.integers(1, 2048 // page_size + 1))
     max_seqs = int(rng.choice([1, 4, 16]))
@@ -110,7 +116,14 @@ def random_kernel_case(rng):
                      head_dim=head_dim, dtype=dtype)
     static = dict(sliding_window=int(rng.integers(1, 300)) if rng.random() < 0.3 else None,
                   soft_cap=float(rng.uniform(1, 30)) if rng.random() < 0.3 else None)
+    static["sinks"] = random_sinks(rng, NUM_Q_HEADS)
     return case, static, 2e-2 if dtype == jnp.bfloat16 else 2e-5
+
+
+def random_sinks(rng, num_q_heads):
+    """Attention sinks for a third of the random cases, else None (drawn after everything else,
+    so that the cases without them are those the seeds gave before sinks)."""
+    return jnp.asarray(cases.make_sinks(rng, num_q_heads)) if rng.random() < 0.3 else None
 
 
 # Batch kinds, each with its own fixed shapes so that every GQA ratio compiles once per kind.
@@ -198,6 +211,32 @@ def test_work_item_count_reaching_its_static_bound(q_block, q_lens):
     check(case, q_block=q_block)
 
 
+@pytest.mark.parametrize("dtype,static", [
+    (np.float32, {}), (np.float32, dict(sliding_window=7)),
+    (np.float32, dict(sliding_window=10, kv_block_pages=1, q_block=4)),
+    (jnp.bfloat16, dict(sliding_window=7))],
+    ids=["float32", "float32_window", "float32_window_skipping_chunks", "bfloat16_window"])
+def test_attention_sinks_join_each_heads_softmax_denominator(dtype, static):
+    # GQA 4, decodes beside prefills; with one-page chunks a window skips whole chunks, and
+    # every live row's first chunk is then one it attends after the sink.
+    seqs = LONG_AND_SHORT + [(1, 100), (9, 70)]
+    rng = np.random.default_rng(11)
+    case = make_case(rng, seqs, num_kv_heads=2, dtype=dtype, **RAGGED_SHAPES)
+    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
+          sinks=cases.make_sinks(rng, NUM_Q_HEADS), **static)
+
+
+def test_sinks_not_floats_one_per_query_head_are_refused():
+    shapes, seqs = BATCHES["decode"]
+    case = make_case(np.random.default_rng(12), seqs, num_kv_heads=2, **shapes)
+    with pytest.raises(ValueError, match=r"one per query head, \[8\]; got float32\[2\]"):
+        attention(**{k: jnp.asarray(v) for k, v in case.items()}, sm_scale=SM_SCALE,
+                  sinks=jnp.zeros(2, jnp.float32))
+    with pytest.raises(ValueError, match=r"must be floats.*; got int32\[8\]"):
+        attention(**{k: jnp.asarray(v) for k, v in case.items()}, sm_scale=SM_SCALE,
+                  sinks=jnp.zeros(8, jnp.int32))
+
+
 def test_live_sequence_without_new_tokens_is_skipped():
     shapes, _ = BATCHES["mixed"]
     seqs = [(3, 10), (0, 20), (0, 5), (16, 16), (0, 7), (2, 9)]
@@ -241,4 +280,5 @@ def test_random_batches_match_dense_attention(seed):
         soft_cap=float(rng.uniform(1, 30)) if rng.random() < 0.3 else None,
         q_block=int(rng.choice([1, 2, 8, 32])) if rng.random() < 0.5 else None,
         kv_block_pages=int(rng.integers(1, pages_per_seq + 1)) if rng.random() < 0.5 else None)
-    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 2e-5, **static)
+    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 2e-5, sinks=random_sinks(rng, NUM_Q_HEADS),
+          **static)

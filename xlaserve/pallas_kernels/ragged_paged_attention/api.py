@@ -76,14 +76,15 @@ def check_shapes(backend: str, platform: str, *, page_size: int, head_dim: int, 
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, **options):
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None, **options):
     """`reference.ragged_paged_attention` on the platform's "auto" backend: the Pallas TPU or GPU
     kernel, the CPU kernel (or the reference) on CPU. `options`: the Pallas kernels' block sizes
     (`q_block`, `kv_block_pages`) and `interpret`; the CPU kernel takes none."""
     interpret = options.pop("interpret", False)
     attention = get_attention_fn("pallas" if interpret else "auto", interpret=bool(interpret))
     return attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **options)
+                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                     sinks=sinks, **options)
 
 
 def _pallas_kernel(platform: str, interpret: bool) -> Callable:
@@ -118,12 +119,18 @@ def _split_by_kv_head(kernel: Callable, mesh: Mesh | None) -> Callable:
     metadata = P()
 
     @functools.wraps(kernel)
-    def sharded(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+    def sharded(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sinks=None,
+                **options):
         # [pages, page_size, 2 * Hkv (, D)]: each device's K|V pairs of its own heads.
         cache = P(*(None, None, "tensor", None)[:kv_cache.ndim])
+        args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+        in_specs = (heads, heads, heads, cache) + (metadata,) * 4
         body = functools.partial(kernel, **options)
-        return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, cache) + (metadata,) * 4,
-                             out_specs=(heads, cache), check_vma=False)(
-            q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+        if sinks is not None:  # sinks [Hq], split as q's heads: each device's own heads' sinks
+            args, in_specs = args + (sinks,), in_specs + (P(heads[1]),)
+            body = lambda *args_and_sinks: kernel(*args_and_sinks[:-1], sinks=args_and_sinks[-1],
+                                                  **options)
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(heads, cache),
+                             check_vma=False)(*args)
 
     return sharded

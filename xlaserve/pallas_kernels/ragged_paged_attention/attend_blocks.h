@@ -143,8 +143,7 @@ void Attend(const Problem& p, const WorkItem& item, const WorkItem* /*following*
 #pragma omp simd
   for (int64_t x = 0; x < rows * d; ++x) qs[x] *= p.sm_scale;
   std::fill(acc, acc + rows * d, 0.0f);
-  std::fill(m, m + rows, -INFINITY);
-  std::fill(l, l + rows, 0.0f);
+  StartSums(p, rows, m, l);
 
   const bool vectors = d % 16 == 0;
   auto* score_rows = vectors ? ScoreRows : ScoreRowsScalar;

@@ -49,6 +49,7 @@ struct Problem {
   float sm_scale;
   int32_t sliding_window;  // <= 0: none
   float soft_cap;          // <= 0: none
+  const float* sinks;      // [num_q_heads] attention sinks (gpt-oss), or nullptr: none
 };
 
 struct WorkItem {
@@ -180,13 +181,22 @@ const float* KeyRow(const T* cache, int64_t row, int64_t token_row, Scratch& scr
   }
 }
 
-// RowKeys of an item about to run; clears the running softmax sums of its heads (acc, m, l in
+// The online softmax's state before any key, for `rows` rows of which row i is query head
+// i % num_q_heads: nothing seen (max -inf, denominator 0), or the head's attention sink seen (max
+// sinks[h], denominator e^0 = 1: the sink's term, which has no value vector).
+inline void StartSums(const Problem& p, int64_t rows, float* m, float* l) {
+  for (int64_t i = 0; i < rows; ++i) {
+    m[i] = p.sinks ? p.sinks[i % p.num_q_heads] : -INFINITY;
+    l[i] = p.sinks ? 1.0f : 0.0f;
+  }
+}
+
+// RowKeys of an item about to run; starts the running softmax sums of its heads (acc, m, l in
 // the scratch).
 struct OneRow : RowKeys {
   OneRow(const Problem& p, const WorkItem& item, Scratch& scratch) : RowKeys(p, item) {
     std::fill(scratch.acc.begin(), scratch.acc.begin() + p.num_q_heads * p.head_dim, 0.0f);
-    std::fill(scratch.m.begin(), scratch.m.begin() + p.num_q_heads, -INFINITY);
-    std::fill(scratch.l.begin(), scratch.l.begin() + p.num_q_heads, 0.0f);
+    StartSums(p, p.num_q_heads, scratch.m.data(), scratch.l.data());
   }
 };
 

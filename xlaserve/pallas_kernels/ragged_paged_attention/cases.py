@@ -3,6 +3,13 @@
 import numpy as np
 
 
+def make_sinks(rng, num_q_heads):
+    """Attention sinks f32[Hq] from -4 to 6 in shuffled head order: against scores of unit
+    variance, the sink outweighs every key on some heads and hardly counts on others, and a
+    kernel that gives a head another head's sink is off by far more than rounding."""
+    return rng.permutation(np.linspace(-4.0, 6.0, num_q_heads)).astype(np.float32)
+
+
 def make_case(rng, seqs, *, max_seqs, num_tokens, page_size, pages_per_seq, num_pages,
               num_kv_heads, num_q_heads, head_dim, dtype=np.float32):
     """seqs: (q_len, kv_len) of each live sequence. Returns the inputs as numpy arrays, with

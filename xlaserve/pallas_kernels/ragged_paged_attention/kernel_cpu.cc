@@ -8,7 +8,8 @@
 // head dims that are a multiple of 32, `AttendOneRowBf16`, attend_one_row_bf16.h), or one
 // sequence's block of up to 16 query rows for other head dims (`Attend`, attend_blocks.h). Each
 // reads each key's cache row (every kv head's K and V) front to back in tiles, with an online
-// softmax in float32. Items are spread over XLA's intra-op pool; this file sets them up.
+// softmax in float32 (started at the attention sinks where the optional last operand gives them:
+// `StartSums`). Items are spread over XLA's intra-op pool; this file sets them up.
 //
 // Built by kernel_cpu.py with the host compiler (-O3 -march=native). The inner loops use GCC
 // vector extensions (16 floats), which compile to whatever vector registers the CPU has.
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -105,6 +107,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::Buffer<ffi::S32> page_indices,
                                     ffi::Buffer<ffi::S32> cu_q_lens,
                                     ffi::Buffer<ffi::S32> num_seqs,
+                                    std::optional<ffi::Buffer<ffi::F32>> sinks,
                                     ffi::Result<ffi::AnyBuffer> out,
                                     ffi::Result<ffi::AnyBuffer> kv_cache_out, float sm_scale,
                                     int32_t sliding_window, float soft_cap, bool bf16_pairs) {
@@ -144,6 +147,9 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
       (cd.size() == 4 && cd[3] != p.head_dim) || kv_lens.element_count() != static_cast<size_t>(p.max_seqs) ||
       cu_q_lens.element_count() != static_cast<size_t>(p.max_seqs + 1))
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): inconsistent shapes");
+  if (sinks && sinks->element_count() != static_cast<size_t>(p.num_q_heads))
+    return ffi::Error::InvalidArgument("ragged paged attention (CPU): one sink per query head");
+  p.sinks = sinks ? sinks->typed_data() : nullptr;
   p.kv_lens = kv_lens.typed_data();
   p.page_indices = page_indices.typed_data();
   p.cu_q_lens = cu_q_lens.typed_data();
@@ -175,6 +181,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .OptionalArg<ffi::Buffer<ffi::F32>>()  // sinks [Hq]
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::AnyBuffer>()         // kv_cache (aliases the input)
                                   .Attr<float>("sm_scale")

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from xlaserve.native import KernelUnavailable, register  # noqa: F401 (KernelUnavailable: re-export)
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_sinks
 
 TARGET_NAME = "xlaserve_ragged_paged_attention_cpu"
 _SOURCE = Path(__file__).with_name("kernel_cpu.cc")
@@ -35,7 +36,8 @@ def bf16_pairs_supported() -> bool:
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, bf16_pairs=None):
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                           bf16_pairs=None):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache), the cache updated in place
     (the custom call's cache output aliases its input). `bf16_pairs`: bfloat16 dot products on
     VDPBF16PS (None: where the CPU has them; False: widen to float32, for tests)."""
@@ -53,9 +55,11 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         input_output_aliases={3: 1},
     )
     as_i32 = functools.partial(jax.numpy.asarray, dtype=np.int32)
+    # Sinks are an optional last operand: without them the call is what it was before sinks.
+    optional = () if sinks is None else (check_sinks(sinks, q.shape[1]),)
     # The cache goes in as stored (flat or by head; the kernel takes both): a reshape around
     # this aliased call made XLA copy the whole cache, every layer and step.
     return call(q, k.astype(q.dtype), v.astype(q.dtype), kv_cache, as_i32(kv_lens),
-                as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs),
+                as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs), *optional,
                 sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0), bf16_pairs=bool(bf16_pairs))

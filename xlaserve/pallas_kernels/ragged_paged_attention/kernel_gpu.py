@@ -12,6 +12,9 @@ pages' K and V by page index, with an online softmax in float32. Only the pages 
 last query position are read; page-table slots past them may hold garbage and are replaced by
 page 0 before use, whose keys are masked.
 
+Attention sinks (one logit per query head, `sinks`) come in laid out as the rows, [Hkv, rows]:
+a program starts its running max at its rows' sinks and its denominator at 1.
+
 Triton's dot wants power-of-two dimensions of at least 16, so the row block is padded up to one
 (padding rows are masked and dropped) and a KV block is a power of two of at least 16 tokens.
 
@@ -28,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, new_token_slots,
     query_group, sanitize_metadata, scatter_outputs, write_new_kv_with_xla)
@@ -74,8 +78,9 @@ def default_num_stages(block_tokens: int, head_dim: int, itemsize: int) -> int:
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, interpret=False,
-                           q_block=None, kv_block_pages=None, num_warps=4, num_stages=None):
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                           interpret=False, q_block=None, kv_block_pages=None, num_warps=4,
+                           num_stages=None):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
@@ -105,7 +110,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
 
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        q_block=q_block, group=group, page_size=page_size, kv_block_pages=kv_block_pages)
+        q_block=q_block, group=group, page_size=page_size, kv_block_pages=kv_block_pages,
+        has_sinks=sinks is not None)
     # The cache as [pages, page_size, Hkv, 2, D]: program (w, h) sees K of head h as one
     # [pages, page_size, D] operand and V as another, both views of the same buffer.
     cache = kv_cache.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
@@ -113,6 +119,9 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     item_spec = pl.BlockSpec((None, None, rows, head_dim), lambda w, h: (w, h, 0, 0))
     metadata = [pl.BlockSpec(x.shape, lambda w, h, n=x.ndim: (0,) * n)
                 for x in (item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices)]
+    sinks_in = []
+    if sinks is not None:
+        sinks_in = [sinks_by_row(check_sinks(sinks, num_q_heads), num_kv_heads, q_block, rows)]
     out_items = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q_items.shape, q.dtype),
@@ -121,19 +130,29 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
             item_spec,
             pl.BlockSpec(whole_cache, lambda w, h: (0, 0, h, 0, 0)),  # K
             pl.BlockSpec(whole_cache, lambda w, h: (0, 0, h, 1, 0)),  # V
-        ],
+        ] + [pl.BlockSpec((None, rows), lambda w, h: (h, 0))] * len(sinks_in),
         out_specs=item_spec,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-    )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, cache, cache)
+    )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, cache, cache,
+      *sinks_in)
     out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
                           num_q_heads)
     return out, kv_cache
 
 
+def sinks_by_row(sinks, num_kv_heads, q_block, rows):
+    """f32[Hq] -> [Hkv, rows]: row r * G + g of kv head h gets sinks[h * G + g] (the layout of
+    gather_queries); rows past q_block * G (padding, dropped) get 0."""
+    by_head = sinks.reshape(num_kv_heads, 1, -1)
+    by_row = jnp.tile(by_head, (1, q_block, 1)).reshape(num_kv_heads, -1)
+    return jnp.pad(by_row, ((0, 0), (0, rows - by_row.shape[1])))
+
+
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
-                      page_indices_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale, sliding_window,
-                      soft_cap, q_block, group, page_size, kv_block_pages):
+                      page_indices_ref, q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window,
+                      soft_cap, q_block, group, page_size, kv_block_pages, has_sinks):
+    sinks_ref, o_ref = refs if has_sinks else (None, *refs)
     rows, head_dim = q_ref.shape
     max_seqs = kv_lens_ref.shape[0]
     block_tokens = kv_block_pages * page_size
@@ -180,8 +199,13 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                              preferred_element_type=jnp.float32)
         return m_next, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc_prev + pv
 
-    carry = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+    if sinks_ref is None:
+        m_start, l_start = jnp.full((rows,), MASK_VALUE, jnp.float32), 0.0
+    else:
+        m_start, l_start = sinks_ref[...], 1.0
+    carry = (m_start, jnp.full((rows,), l_start, jnp.float32),
              jnp.zeros((rows, head_dim), jnp.float32))
     _, l, acc = lax.fori_loop(start_block, end_block, attend_block, carry)
-    # l >= 1 on real rows (their own key scores exp(0)); 0 only where nothing was attended.
+    # l >= 1 on real rows (their own key or sink scores exp(0)); 0 only where nothing was
+    # attended and there is no sink.
     o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)

@@ -27,6 +27,9 @@ padded to 128 lanes), so viewing it flat is a relayout copy of the whole cache p
 which compiling for v6e showed. `page_size` must be a multiple of 8 (16 for bfloat16) so that
 each page DMA lands on whole sublane tiles (`check_shapes`).
 
+Attention sinks (one logit per query head, `sinks`) sit in SMEM; each item starts the running max
+of row r * G + g of kv head h at sinks[h * G + g] and the denominator at 1.
+
 Nothing past a sequence's needed pages is fetched; slots past the last attended position (stale
 or uninitialised VMEM) are masked in the scores and zeroed in V, since p * NaN is NaN even at p=0.
 """
@@ -40,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, new_token_slots,
     query_group, round_up, sanitize_metadata, scatter_outputs, write_new_kv_with_xla)
@@ -66,14 +70,16 @@ def sublanes(dtype) -> int:
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, interpret=False,
-                           q_block=None, kv_block_pages=None):
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                           interpret=False, q_block=None, kv_block_pages=None):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
     check_shapes(page_size, kv_cache.dtype, max_seqs, pages_per_seq)
+    if sinks is not None:
+        sinks = check_sinks(sinks, num_q_heads)
     kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
 
@@ -92,8 +98,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
     rows = round_up(q_block * group, sublanes(q.dtype))
     q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
-    out_items = _attention(q_items, flat_cache, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
-                           page_indices, sm_scale=sm_scale, sliding_window=sliding_window,
+    out_items = _attention(q_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,
+                           num_seqs, page_indices, sm_scale=sm_scale, sliding_window=sliding_window,
                            soft_cap=soft_cap, q_block=q_block, group=group,
                            kv_block_pages=kv_block_pages, interpret=interpret)
     out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
@@ -126,15 +132,19 @@ def default_page_size(max_seqs: int, context_length: int, smallest: int = 16) ->
     return page_size
 
 
-def _attention(q_items, flat_cache, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
+def _attention(q_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
                page_indices, *, kv_block_pages, interpret, **static):
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     page_size = flat_cache.shape[1]
     pages_per_seq = page_indices.shape[1]
     block_tokens = kv_block_pages * page_size
     kernel = functools.partial(_attention_kernel, page_size=page_size, pages_per_seq=pages_per_seq,
-                               kv_block_pages=kv_block_pages, **static)
+                               kv_block_pages=kv_block_pages, has_sinks=sinks is not None, **static)
     item_spec = pl.BlockSpec((1, num_kv_heads, rows, head_dim), lambda w, *_: (w, 0, 0, 0))
+    in_specs, inputs = [item_spec, pl.BlockSpec(memory_space=pl.ANY)], [q_items, flat_cache]
+    if sinks is not None:  # a few scalars, read once per item
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        inputs.append(sinks)
     scratch = [
         pltpu.VMEM((2, block_tokens, flat_cache.shape[2]), flat_cache.dtype),  # KV double buffer
         pltpu.SemaphoreType.DMA((2,)),  # one per buffer: all page DMAs of a block signal it
@@ -147,20 +157,21 @@ def _attention(q_items, flat_cache, item_seq, item_row0, kv_lens, cu_q_lens, num
         out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6, grid=(num_items,),
-            in_specs=[item_spec, pl.BlockSpec(memory_space=pl.ANY)], out_specs=item_spec,
+            in_specs=in_specs, out_specs=item_spec,
             scratch_shapes=scratch),
         # Items are independent (all DMAs are started and waited within a step), so megacore
         # chips may split them between their cores.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
-    )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices.reshape(-1), q_items,
-      flat_cache)
+    )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices.reshape(-1), *inputs)
 
 
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
-                      page_indices_ref, q_ref, cache_hbm, o_ref, kv_buf, sems, m_ref, l_ref,
-                      acc_ref, *, sm_scale, sliding_window, soft_cap, q_block, group, page_size,
-                      pages_per_seq, kv_block_pages):
+                      page_indices_ref, q_ref, cache_hbm, *refs, sm_scale, sliding_window,
+                      soft_cap, q_block, group, page_size, pages_per_seq, kv_block_pages,
+                      has_sinks):
+    sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    o_ref, kv_buf, sems, m_ref, l_ref, acc_ref = refs
     item = pl.program_id(0)
     seq = item_seq_ref[item]
 
@@ -185,8 +196,11 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
             count = jnp.clip(pages_needed - block * kv_block_pages, 0, kv_block_pages)
             lax.fori_loop(0, count, body, 0)
 
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        if sinks_ref is None:
+            m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        else:
+            _start_at_sinks(sinks_ref, m_ref, l_ref, group)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         for_each_page(start_block, start_block % 2, lambda copy: copy.start())
 
@@ -207,9 +221,30 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
 
         lax.fori_loop(start_block, end_block, attend_block, 0)
         for h in range(o_ref.shape[1]):
-            # l >= 1 on every real row (its own key scores exp(0)); padding rows only see
-            # MASK_VALUE scores, so l counts the block's keys there and is never 0 either.
+            # l >= 1 on every real row (its own key or its sink scores exp(0)); padding rows only
+            # see MASK_VALUE scores, so l counts the block's keys there (or is the sink's 1).
             o_ref[0, h] = (acc_ref[h] / l_ref[h][:, :1]).astype(o_ref.dtype)
+
+
+def _token_of_row(row, group: int):
+    """Row i of a kv head's block is the item's token i // G (query head i % G of the group).
+    Vector integer division is not a TPU instruction; i + 0.5 keeps the float quotient away from
+    integers, so the floor is exact."""
+    return jnp.floor((row.astype(jnp.float32) + 0.5) * (1.0 / group)).astype(jnp.int32)
+
+
+def _start_at_sinks(sinks_ref, m_ref, l_ref, group):
+    """The online softmax's state before any key: the running max of row (token, g) of kv head h
+    at its query head's sink, sinks[h * G + g], and the denominator at e^0 = 1."""
+    num_kv_heads, rows, lanes = m_ref.shape
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    head_in_group = row - _token_of_row(row, group) * group
+    for h in range(num_kv_heads):
+        m = jnp.zeros((rows, lanes), jnp.float32)
+        for g in range(group):  # G selects from scalars, once per item
+            m = jnp.where(head_in_group == g, sinks_ref[h * group + g], m)
+        m_ref[h] = m
+    l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
 
 
 def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, last_pos, num_rows,
@@ -219,10 +254,7 @@ def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, l
     num_kv_heads, rows, head_dim = acc_ref.shape
     block_tokens = kv.shape[0]
     key_pos = key0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-    # Row i is token i // group of the item. Vector integer division is not a TPU instruction;
-    # i + 0.5 keeps the float quotient away from integers, so the floor is exact.
-    row_in_item = jnp.floor((lax.broadcasted_iota(jnp.int32, (rows, 1), 0).astype(jnp.float32)
-                             + 0.5) * (1.0 / group)).astype(jnp.int32)
+    row_in_item = _token_of_row(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
     row_pos = first_pos + row_in_item
     mask = (row_in_item < num_rows) & (key_pos <= row_pos)
     if sliding_window is not None:

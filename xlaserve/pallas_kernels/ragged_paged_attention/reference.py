@@ -13,6 +13,11 @@ Long contexts are read in chunks of `kv_block_pages` pages with an online softma
 only as many chunks as the longest live sequence needs, so an over-provisioned page table costs
 nothing, and it skips chunks that every query's sliding window has left behind.
 
+Attention sinks (gpt-oss): an optional learned logit per query head, `sinks[h]`, that joins each
+row's softmax denominator with no value vector: out = sum_j e^(s_j - m) v_j / (e^(sinks[h] - m) +
+sum_j e^(s_j - m)), m = max(sinks[h], max_j s_j). In the online softmax this is the starting
+state: running max sinks[h] and running denominator 1 (e^0) instead of "nothing seen yet".
+
 Unused pages and padding rows may hold anything, NaN included, so masks are applied with
 `jnp.where` (NaN * 0 is NaN) and masked scores are a large finite negative, never -inf.
 """
@@ -44,7 +49,7 @@ def default_kv_block_pages(page_size, num_items, q_block, num_q_heads, num_kv_he
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None,
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
                            q_block=None, kv_block_pages=None):
     """Attends the new tokens `q` of all sequences to their paged KV; returns (out, kv_cache).
 
@@ -52,6 +57,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     2h, V at 2h+1), or the same stored flat as [num_pages, page_size, 2*Hkv*D] (the runtime's
     layout; the cache comes back in the shape it came in); kv_lens i32[S]; page_indices
     i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
+    sinks: f32[Hq] attention sinks (see the module docstring), or None for none.
     New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
     padding tokens are 0. See docs/architecture.md, "The kernel contract".
     """
@@ -63,6 +69,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} kv heads")
     group = num_q_heads // num_kv_heads
+    if sinks is not None:
+        sinks = check_sinks(sinks, num_q_heads)
 
     # Rows >= num_seqs are padding and may hold garbage. Padding tokens and unused work items all
     # map to the sentinel sequence `max_seqs` (no tokens, kv_len 0, page 0), so no padding row of
@@ -163,7 +171,12 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         return m, l, alpha * acc_prev + pv, kv_cache
 
     stat_shape = (max_items, num_kv_heads, group, q_block, 1)
-    carry = (jnp.full(stat_shape, MASK_VALUE, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
+    if sinks is None:
+        m_start, l_start = jnp.full(stat_shape, MASK_VALUE, jnp.float32), 0.0
+    else:  # query head h = kv head * G + g, as q_items is laid out
+        sinks = sinks.reshape(1, num_kv_heads, group, 1, 1)
+        m_start, l_start = jnp.broadcast_to(sinks, stat_shape), 1.0
+    carry = (m_start, jnp.full(stat_shape, l_start, jnp.float32),
              jnp.zeros(stat_shape[:-1] + (head_dim,), jnp.float32), kv_cache)
     if num_chunks == 1:
         _, l, acc, kv_cache = attend_chunk(0, carry)
@@ -175,12 +188,23 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
             first_chunk = jnp.maximum(oldest_key - sliding_window + 1, 0) // chunk_tokens
         _, l, acc, kv_cache = lax.fori_loop(first_chunk, chunks_needed, attend_chunk, carry)
 
-    out = (acc / l).astype(q.dtype)  # l >= 1 on live rows: the row max contributes exp(0)
+    # l >= 1 on live rows: the max (a score or the sink) contributes exp(0).
+    out = (acc / l).astype(q.dtype)
     out = out.transpose(0, 3, 1, 2, 4).reshape(max_items, q_block, num_q_heads, head_dim)
     # Each live row belongs to exactly one item; everything else is dropped, so padding rows stay 0.
     dest = jnp.where(row_valid, item_rows, num_tokens)
     out = jnp.zeros_like(q).at[dest].set(out, mode="drop")
     return out, kv_cache.reshape(stored_shape)
+
+
+def check_sinks(sinks, num_q_heads: int):
+    """The sinks as f32[Hq] (float32 holds any float's value); ValueError for any other shape or a
+    non-float dtype. (One sink per query head: a tensor-parallel mesh hands each device the sinks
+    of its own heads.)"""
+    if sinks.shape != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"attention sinks must be floats, one per query head, [{num_q_heads}]; "
+                         f"got {sinks.dtype}{list(sinks.shape)}")
+    return jnp.asarray(sinks, jnp.float32)
 
 
 def by_head(kv_cache, head_dim: int):
