@@ -27,7 +27,8 @@ READY_MESSAGE = "The server is fired up and ready to roll!"
 
 def make_context(args: ServerArgs):
     """Loads the engine (weights, KV cache, precompile) and everything the routes need."""
-    from xlaserve.http.parsing.chat_template import load_chat_template, template_stop_ids
+    from xlaserve.http.parsing.chat_template import load_chat_template
+    from xlaserve.http.parsing.harmony import chat_format
     from xlaserve.http.metrics import Metrics
     from xlaserve.http.parsing.reasoning import PARSERS
     from xlaserve.http.serving import ServingContext
@@ -42,12 +43,12 @@ def make_context(args: ServerArgs):
     name = args.served_model_name or (args.model_path.rstrip("/") if args.model_path else loaded.name)
     tokenizer = engine.tokenizer
     metrics = Metrics(name, engine.core.stats) if args.enable_metrics else None
+    harmony, stop_ids = chat_format(loaded.config.architecture, tokenizer, template)
     return ServingContext(
         engine=engine, served_model_name=name, model_path=args.model_path or loaded.source,
-        chat_template=template,
-        template_stop_ids=template_stop_ids(tokenizer, template) if tokenizer is not None else frozenset(),
+        chat_template=template, template_stop_ids=stop_ids,
         reasoning_parser=args.reasoning_parser, stream_interval=max(1, args.stream_interval),
-        metrics=metrics, tool_call_parser=args.tool_call_parser)
+        metrics=metrics, tool_call_parser=args.tool_call_parser, harmony=harmony)
 
 
 async def warm_up(ctx) -> None:

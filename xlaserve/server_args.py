@@ -46,8 +46,10 @@ class ServerArgs:
         None, "parse tool calls out of the model's output (tool_choice auto) in this model "
               "family's format: qwen25 (<tool_call> JSON, Qwen2.5/Qwen3 and Hermes-style), llama3 "
               "(<|python_tag|> or bare JSON), mistral ([TOOL_CALLS]), deepseekv3, pythonic "
-              "([f(a=1)]); forced tool_choice (required or a named function) needs none",
-        choices=["qwen25", "qwen", "llama3", "mistral", "deepseekv3", "deepseekv31", "pythonic"])
+              "([f(a=1)]), gpt-oss (Harmony messages to functions.NAME; with --reasoning-parser "
+              "gpt-oss); forced tool_choice (required or a named function) needs none",
+        choices=["qwen25", "qwen", "llama3", "mistral", "deepseekv3", "deepseekv31", "pythonic",
+                 "gpt-oss"])
     skip_tokenizer_init: bool = _flag(False, "do not load a tokenizer (token ids in and out)")
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
                                    choices=["auto", "reference", "cpu", "pallas"])

@@ -72,17 +72,21 @@ def test_json_route_fuzz(http, neighbour, path, bases, paths, examples):
 # Tool-call and reasoning parsers: the same engine behind an app per pair (the fixture server
 # has neither), so tools, tool_choice and chat_template_kwargs reach every parser.
 PARSER_PAIRS = [("qwen25", "deepseek-v3"), ("llama3", "qwen3"), ("pythonic", "gpt-oss"),
-                ("mistral", "kimi"), ("deepseekv31", "qwen3-thinking"), ("deepseekv3", "deepseek-r1")]
+                ("mistral", "kimi"), ("deepseekv31", "qwen3-thinking"), ("deepseekv3", "deepseek-r1"),
+                ("gpt-oss", "gpt-oss")]  # the last with gpt-oss's Harmony chat format too
 
 
 @pytest.fixture(scope="module")
-def parser_clients(server):
+def parser_clients(server, tmp_path_factory):
+    from tests.http.harmony_support import harmony_chat
     from xlaserve.http.app import create_app
 
     apps = []
     for tool_call_parser, reasoning_parser in PARSER_PAIRS:
+        harmony = harmony_chat(str(tmp_path_factory.mktemp("o200k"))) \
+            if tool_call_parser == "gpt-oss" else None
         ctx = dataclasses.replace(server.ctx, tool_call_parser=tool_call_parser,
-                                  reasoning_parser=reasoning_parser)
+                                  reasoning_parser=reasoning_parser, harmony=harmony)
         apps.append(AppServer(create_app(ctx), ctx))
     clients = [fresh_connections(app.base_url) for app in apps]
     yield clients

@@ -67,6 +67,9 @@ RECORDED = [
      ("x", '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>')),
     ("gpt-oss", {}, ANALYSIS + "x<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constr",
      ("x", "<|start|>assistant<|channel|>commentary to=functions.f <|constr")),  # cut in the header
+    # a call not ended by <|call|> (not a stop token here): the next message ends it
+    ("gpt-oss", {}, '<|channel|>commentary to=functions.f json<|message|>{"a": 1}' + FINAL + "Done",
+     (None, '<|channel|>commentary to=functions.f json<|message|>{"a": 1}<|call|>Done')),
     # a preamble (commentary without recipient) is shown to the user: content
     ("gpt-oss", {}, ANALYSIS + "plan<|end|><|start|>assistant<|channel|>commentary<|message|>"
      "Checking the weather.<|end|>" + FINAL + "Sunny.", ("plan", "Checking the weather.\nSunny.")),

@@ -29,6 +29,7 @@ MARKERS = {
     "deepseekv3": ["<｜tool", "```"],
     "deepseekv31": ["<｜tool"],
     "pythonic": ["<|python_start|>", "<|python_end|>"],
+    "gpt-oss": ["<|channel|>", "<|message|>", "<|start|>", "<|call|>", "<|constrain|>"],
 }
 
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -40,6 +41,11 @@ def ds3(name, args):
 
 def ds31(name, args):
     return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"
+
+
+def oss(header, body):
+    """A Harmony message (`<|call|>` is a stop token: usually absent from the text)."""
+    return f"<|channel|>{header}<|message|>{body}"
 
 
 def qwen(body):
@@ -142,6 +148,30 @@ CASES = [
      "[get_time(tz=UTC)] and [search('positional')]", []),
     ("pythonic", "cut", 'Ok. [get_weather(city="Paris"), get_time(tz="CE', "Ok.", []),
     ("pythonic", "prose-brackets", "a[0] + [x, y] and [see below", "a[0] + [x, y] and [see below", []),
+    # --- gpt-oss (Harmony; what the gpt-oss reasoning parser leaves in the content) ---
+    ("gpt-oss", "single", oss("commentary to=functions.get_weather <|constrain|>json", '{"city":"Paris"}'),
+     "", [(W, {"city": "Paris"})]),
+    ("gpt-oss", "call-token", oss("commentary to=functions.get_weather <|constrain|>json",
+                                  '{"city":"Paris","unit":"celsius"}') + "<|call|>",
+     "", [(W, {"city": "Paris", "unit": "celsius"})]),
+    ("gpt-oss", "recipient-first", '<|start|>assistant to=functions.get_time<|channel|>commentary json'
+                                   '<|message|>{"tz":"UTC"}<|call|>', "", [("get_time", {"tz": "UTC"})]),
+    ("gpt-oss", "preamble", "Let me check.\n\n<|start|>assistant"
+     + oss("commentary to=functions.search <|constrain|>json", '{"q": "a <b> c"}'),
+     "Let me check.", [("search", {"q": "a <b> c"})]),
+    ("gpt-oss", "unicode", oss("commentary to=functions.get_weather <|constrain|>json",
+                               '{"city": "東京", "note": "🌧 \\u00e9"}'), "", [(W, {"city": "東京", "note": "🌧 é"})]),
+    ("gpt-oss", "no-arguments", "<|channel|>commentary to=functions.get_time<|call|>", "", [("get_time", {})]),
+    ("gpt-oss", "cut", oss("commentary to=functions.get_weather <|constrain|>json", '{"city": "Pa'), "", []),
+    ("gpt-oss", "cut-header", "Sure.<|start|>assistant<|channel|>commentary to=functions.get_wea", "Sure.", []),
+    ("gpt-oss", "malformed", oss("commentary to=functions.get_weather <|constrain|>json", "{city: Paris}")
+     + "<|call|>", oss("commentary to=functions.get_weather <|constrain|>json", "{city: Paris}") + "<|call|>",
+     []),
+    ("gpt-oss", "malformed-array", oss("commentary to=functions.search json", "[1, 2]") + "<|call|>",
+     oss("commentary to=functions.search json", "[1, 2]") + "<|call|>", []),
+    ("gpt-oss", "builtin-tool", oss("analysis to=browser.search <|constrain|>json", '{"q":"x"}'),
+     oss("analysis to=browser.search <|constrain|>json", '{"q":"x"}'), []),
+    ("gpt-oss", "plain", "Plain answer with <b>tags</b> and a { brace.", "Plain answer with <b>tags</b> and a { brace.", []),
 ]
 
 IDS = [f"{c[0]}-{c[1]}" for c in CASES]
@@ -263,6 +293,8 @@ UNKNOWN = {
                 '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "delete_all", "arguments": {}}]'),
     "deepseekv3": (DS_BEGIN + ds3("delete_all", "{}") + ds3("get_time", "{}") + DS_END, ds3("delete_all", "{}")),
     "pythonic": ("[delete_all()]", "[delete_all()]"),
+    "gpt-oss": (oss("commentary to=functions.delete_all <|constrain|>json", "{}") + "<|call|>",
+                oss("commentary to=functions.delete_all <|constrain|>json", "{}") + "<|call|>"),
 }
 
 

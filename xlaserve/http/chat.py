@@ -1,14 +1,16 @@
 """POST /v1/chat/completions: chat template -> generation -> `chat.completion` or SSE chunks."""
 from __future__ import annotations
 
+import datetime
 from typing import AsyncIterator
 
 from xlaserve.http import off_loop
 from xlaserve.http.parsing import chat_template
-from xlaserve.http.errors import APIError, bad_request, generation_error
+from xlaserve.http.errors import APIError, bad_request, generation_error, not_supported
 from xlaserve.http.logprobs import chat_logprobs
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatCompletionRequest
+from xlaserve.http.parsing.harmony import harmony_options
 from xlaserve.http.parsing.reasoning import ReasoningParser, needs_special_tokens
 from xlaserve.http.constraints import CONSTRAINTS, compile_constraints, constraint_param
 from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
@@ -17,8 +19,8 @@ from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext,
 from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
 
 # Parsers whose call markers are special tokens of their models (`<|python_tag|>`,
-# `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`): the text must keep special tokens.
-SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31")
+# `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Harmony's): the text must keep special tokens.
+SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31", "gpt-oss")
 from xlaserve.http.parsing.tools import (check_tool_schemas, check_tools, forced_calls, forced_schema,
                                  new_call_id, strict_tool_tag, tool_call_dict, tool_choice_of)
 from xlaserve.engine.async_requests import EngineDeadError
@@ -39,9 +41,10 @@ class ChatCall:
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_tokens")
-        self.prompt_text = self._render()
+        self.prompt_text, prompt_ids = self._render()
         check_not_too_long(ctx, self.prompt_text, "messages")
-        prompt_ids = ctx.tokenizer.encode(self.prompt_text, add_special_tokens=False)
+        if prompt_ids is None:
+            prompt_ids = ctx.tokenizer.encode(self.prompt_text, add_special_tokens=False)
         check_prompt_ids(ctx, prompt_ids, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.prompt_ids = prompt_ids
@@ -85,16 +88,26 @@ class ChatCall:
         call.id = f"chatcmpl-{call.generation.id}"
         return call
 
-    def _render(self) -> str:
+    def _render(self) -> tuple[str, list[int] | None]:
+        """(the prompt text, its ids where the chat format made them: gpt-oss's Harmony)."""
         req, ctx = self.req, self.ctx
         self.functions = check_tools(req.tools, ctx.core.limits)
         self.tool_choice = tool_choice_of(req.tool_choice, self.functions)
         tools = None if self.tool_choice.mode == "none" else req.tools
+        if ctx.harmony is not None:  # gpt-oss (http/parsing/harmony.py)
+            if req.continue_final_message:
+                raise not_supported("continue_final_message",
+                                    "continue_final_message with gpt-oss's Harmony format")
+            return ctx.harmony.prompt(req.messages, tools, today=datetime.date.today().isoformat(),
+                                      **harmony_options(req.reasoning_effort,
+                                                        req.chat_template_kwargs))
         return chat_template.render(
             ctx.tokenizer, chat_template.template_messages(req.messages), template=ctx.chat_template,
             tools=tools, add_generation_prompt=True,
             continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs)
+            template_kwargs=chat_template.with_reasoning_effort(
+                ctx.tokenizer, ctx.chat_template, req.chat_template_kwargs,
+                req.reasoning_effort)), None
 
     def _parser(self) -> ReasoningParser | None:
         if self.ctx.reasoning_parser is None or not self.req.separate_reasoning:

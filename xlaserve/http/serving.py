@@ -14,6 +14,7 @@ import orjson
 from xlaserve.http.constraints import request_constraint
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.metrics import Metrics
+from xlaserve.http.parsing.harmony import HarmonyChat
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.offline import Engine
 from xlaserve.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
@@ -44,6 +45,7 @@ class ServingContext:
     stream_interval: int
     metrics: Metrics | None
     tool_call_parser: str | None = None  # --tool-call-parser: calls parsed out of `auto` output
+    harmony: HarmonyChat | None = None  # gpt-oss: chat prompts in Harmony format, not a template
     ready: bool = False  # set once the warm-up generation has passed
     draining: bool = False  # set on SIGTERM / SIGINT: no new generations (shutdown.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))

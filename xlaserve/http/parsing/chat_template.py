@@ -43,13 +43,33 @@ def load_chat_template(value: str | None) -> str | None:
                      f"{sorted(BUILTIN_TEMPLATES)}")
 
 
-def template_stop_ids(tokenizer, template: str | None) -> frozenset[int]:
-    """End-of-turn tokens that appear in the template and are single tokens of the vocabulary."""
+def template_text(tokenizer, template: str | None) -> str:
+    """The Jinja source in use: `--chat-template`'s, else the tokenizer's (all of its named ones)."""
     template = template or getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):  # named templates: look at all of them
         template = "".join(template.values())
+    return template
+
+
+def template_stop_ids(tokenizer, template: str | None) -> frozenset[int]:
+    """End-of-turn tokens that appear in the template and are single tokens of the vocabulary."""
+    template = template_text(tokenizer, template)
     vocab = tokenizer.get_vocab()
     return frozenset(vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab)
+
+
+def message_text(message) -> str:
+    """A message's content as one text: its text parts joined by newlines (other parts refused)."""
+    content = message.content
+    if not isinstance(content, list):
+        return "" if content is None else content
+    texts = []
+    for part in content:
+        if part.type != "text":
+            raise not_supported("messages", f"content part of type {part.type!r} "
+                                            "(this server takes text only)")
+        texts.append(part.text or "")
+    return "\n".join(texts)
 
 
 def template_messages(messages) -> list[dict]:
@@ -57,17 +77,7 @@ def template_messages(messages) -> list[dict]:
     templates that predate it, text parts are joined, tool-call arguments become objects."""
     result = []
     for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text":
-                    raise not_supported("messages", f"content part of type {part.type!r} "
-                                                    "(this server takes text only)")
-                texts.append(part.text or "")
-            content = "\n".join(texts)
-        message = {"role": "system" if m.role == "developer" else m.role,
-                   "content": "" if content is None else content}
+        message = {"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, key):
                 message[key] = getattr(m, key)
@@ -77,15 +87,36 @@ def template_messages(messages) -> list[dict]:
     return result
 
 
+def parse_arguments(text: str):
+    """A tool call's arguments (JSON text, as OpenAI sends them) parsed; a 400 if not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested past what json parses
+        raise bad_request("tool call arguments must be a JSON object", "messages") from None
+
+
 def _with_parsed_arguments(call: dict) -> dict:
     function = call.get("function")
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        try:
-            arguments = json.loads(function["arguments"])
-        except (ValueError, RecursionError):  # not JSON, or nested past what json parses
-            raise bad_request("tool call arguments must be a JSON object", "messages") from None
-        call = {**call, "function": {**function, "arguments": arguments}}
+        call = {**call, "function": {**function, "arguments": parse_arguments(function["arguments"])}}
     return call
+
+
+def with_reasoning_effort(tokenizer, template: str | None, template_kwargs: dict | None,
+                          effort: str | None) -> dict | None:
+    """The template kwargs with the request's `reasoning_effort`, for a template that reads a
+    variable of that name (gpt-oss's own, given as --chat-template); any other template cannot
+    honour it, so it is a 400 rather than ignored."""
+    if effort is None:
+        return template_kwargs
+    if "reasoning_effort" not in template_text(tokenizer, template):
+        raise bad_request("reasoning_effort is honoured for gpt-oss models and chat templates that "
+                          "read it; this model's template does not", "reasoning_effort")
+    given = (template_kwargs or {}).get("reasoning_effort", effort)
+    if given != effort:
+        raise bad_request("reasoning_effort and chat_template_kwargs.reasoning_effort differ; "
+                          "give one", "reasoning_effort")
+    return {**(template_kwargs or {}), "reasoning_effort": effort}
 
 
 def render(tokenizer, messages: list[dict], *, template: str | None, tools, add_generation_prompt: bool,

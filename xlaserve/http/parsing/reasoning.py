@@ -200,7 +200,8 @@ class _HarmonySplitter:
       the body is content; a later such message's text follows a newline.
     Text outside any message (an output with no markers at all) is content, but not whitespace
     between messages; stray markers go.
-    A `<|start|>` or `<|channel|>` inside a body closes it, as if its terminator had come.
+    A `<|start|>` or `<|channel|>` inside a body closes it, as if its terminator had come (for a
+    tool call, `<|call|>` is then put in the content, so the call's arguments end there).
     """
 
     def __init__(self, forced: bool):
@@ -280,6 +281,8 @@ class _HarmonySplitter:
         self._started = True
         if self.mode == "body":
             if marker in (H_START, H_CHANNEL):  # a new message: this one ended without terminator
+                if self.kind == "tool":  # the tool-call parser must see where its call ended
+                    out["content"].append(H_CALL)
                 self.mode, self.kind = "idle", None
             else:
                 if self.kind == "tool":

@@ -18,6 +18,16 @@ The names and formats are SGLang's:
 - `pythonic`: `[f(a=1), g(b="x")]`, Python call syntax parsed with `ast`: keyword arguments with
   literal values only (a positional argument or a non-literal makes it not a call).
   `<|python_start|>`/`<|python_end|>` (Llama 4) are dropped.
+- `gpt-oss`: OpenAI Harmony messages whose header names a function as recipient, the `to=` after
+  the channel or before it:
+  `<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>`
+  or `<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{...}<|call|>`; the
+  first message of the output has no `<|start|>assistant` (the prompt ends with it), and
+  `<|call|>`, a stop token, is usually absent. The markers are special tokens. With
+  `--reasoning-parser gpt-oss` the content is the final channel's text (the reasoning parser
+  passes only tool-call messages through with their markers); without it, the other messages stay
+  in the content, markers and all. A message to anyone else (a built-in tool such as
+  `browser.search`) is not a function call: content.
 
 How the output is split into content and call regions, whole or streamed: tool_regions.py.
 
@@ -28,6 +38,8 @@ from __future__ import annotations
 import ast
 import re
 
+from xlaserve.http.parsing.reasoning import (H_CALL, H_CHANNEL, H_END, H_MESSAGE, H_RETURN,
+                                            H_START, held_suffix)
 from xlaserve.http.parsing.tool_regions import (EndMarkerParser, RegionParser, ToolCall,
                                                 cut_region, dumps, json_calls, loads, skip_ws,
                                                 to_call)
@@ -160,6 +172,47 @@ class PythonicParser(RegionParser):
             return None
 
 
+class GptOssParser(RegionParser):
+    starts = (H_START, H_CHANNEL)
+    _RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+    _TERMINATORS = (H_CALL, H_END, H_RETURN)
+
+    def _region(self, s, final):
+        header_end, marker = _first(s, len(H_START if s.startswith(H_START) else H_CHANNEL),
+                                    (H_MESSAGE, H_START) + self._TERMINATORS)
+        recipient = self._RECIPIENT.search(s, 0, header_end)
+        if marker is None:  # the header goes on
+            if not final:
+                return None
+            return len(s), [] if recipient else None
+        if recipient is None or marker == H_START:  # not a call: the header is content
+            return header_end + (len(marker) if marker == H_MESSAGE else 0), None
+        if marker != H_MESSAGE:  # a terminator right after the header: a call without arguments
+            return header_end + len(marker), [ToolCall(recipient[1], "{}")] if marker == H_CALL else None
+        body = header_end + len(H_MESSAGE)
+        # The body ends at its terminator, or where the next message starts.
+        end, marker = _first(s, body, (H_START, H_CHANNEL) + self._TERMINATORS)
+        if marker is None:
+            if not final:
+                return None
+            return len(s), self._call(recipient[1], s[body:len(s) - held_suffix(s, *self._TERMINATORS)]) or []
+        return end + (len(marker) if marker in self._TERMINATORS else 0), self._call(recipient[1], s[body:end])
+
+    @staticmethod
+    def _call(name: str, arguments: str) -> list[ToolCall] | None:
+        try:
+            value = loads(arguments)
+        except ValueError:
+            return None
+        return [ToolCall(name, dumps(value))] if isinstance(value, dict) else None
+
+
+def _first(s: str, start: int, markers: tuple[str, ...]) -> tuple[int, str | None]:
+    """Where the first of `markers` occurs in s from `start`, and which: (len(s), None) if none."""
+    found = [(at, m) for m in markers if (at := s.find(m, start)) != -1]
+    return min(found) if found else (len(s), None)
+
+
 TOOL_CALL_PARSERS: dict[str, type] = {
     "qwen25": Qwen25Parser,
     "qwen": Qwen25Parser,
@@ -168,4 +221,5 @@ TOOL_CALL_PARSERS: dict[str, type] = {
     "deepseekv3": DeepSeekV3Parser,
     "deepseekv31": DeepSeekV31Parser,
     "pythonic": PythonicParser,
+    "gpt-oss": GptOssParser,
 }
