@@ -30,6 +30,15 @@ FAMILIES = {
     # Mixtral: experts as wide as intermediate_size, block_sparse_moe names, a sliding window.
     "mixtral": dict(cls="MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=6),
+    # gpt-oss: attention sinks, sliding and full layers in turn, YaRN past 16 positions, biases on
+    # attention, router and experts, the clamped SwiGLU with gate and up interleaved.
+    "gpt_oss": dict(cls="GptOssConfig", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                    intermediate_size=48, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 16},
+                    max_position_embeddings=256),
 }
 
 
@@ -58,6 +67,11 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif "embed" in name:
                 param.copy_(0.5 * torch.randn_like(param))
+            elif name.endswith("sinks"):  # as large as the logits, so that they matter
+                param.copy_(torch.randn_like(param))
+            elif name.endswith("mlp.router.weight"):
+                # gpt-oss: twice as decisive (at 0.5, half its positions had a near-tie).
+                param.copy_(torch.randn_like(param))
             elif name.endswith("mlp.gate.weight"):
                 # Decisive routers (logits ~N(0, 4^2)): bfloat16 then picks the same experts as
                 # float32 at most positions, which the bfloat16 test compares.

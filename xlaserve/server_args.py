@@ -61,6 +61,10 @@ class ServerArgs:
               "whose page table fits the attention kernel's scalar memory)")
     tp_size: int = _flag(1, "tensor parallel size: devices that split each layer's heads (across "
                             "every process's devices with --nnodes)")
+    ep_size: int = _flag(
+        1, "expert parallel size: a mixture-of-experts layer's experts are split into this many "
+           "groups over the --tp-size devices, which it must divide (attention stays split over "
+           "all of them); within a group, each expert's width is split over tp/ep devices")
     dp_size: int = _flag(
         1, "data parallel size: replicas of the model on disjoint slices of --tp-size devices, "
            "each with its own scheduler and KV cache, requests spread by --load-balance-method")

@@ -1,7 +1,12 @@
 """A mixture-of-experts model (tiny random Qwen3-MoE) through the engine: continuous batching,
 chunked prefill and the prefix cache change which rows share a step and how many padding rows it
 has, never a request's tokens; they stay transformers' greedy tokens, and nothing compiles after
-the precompile."""
+the precompile; with --ep-size, too."""
+import json
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from tests.hf_reference import hf_greedy
@@ -48,3 +53,31 @@ def test_a_prompt_that_reuses_cached_pages_gives_the_same_tokens(engine, checkpo
     second = engine.generate(input_ids=system + [400, 401, 402], sampling_params=GREEDY)
     assert [first["meta_info"]["cached_tokens"], second["meta_info"]["cached_tokens"]] == [0, 8]
     assert second["output_ids"] == hf_greedy(checkpoint[1], system + [400, 401, 402], 10)
+
+
+EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    from xlaserve.offline import Engine
+
+    assert len(jax.devices()) == 2, jax.devices()
+    prompts, greedy, small = json.loads(sys.argv[2])
+    with Engine(sys.argv[1], tp_size=2, ep_size=2, **small) as engine:
+        compiles = engine.core.runner.compile_count()
+        out = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert engine.core.runner.compile_count() == compiles, "compiled while serving"
+    print(json.dumps([o["output_ids"] for o in out]))
+""")
+
+
+def test_expert_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
+    """--tp-size 2 --ep-size 2 on two CPU devices: four experts each, the batched and chunked
+    greedy tokens still transformers' own, and the precompiled steps are the only ones."""
+    result = subprocess.run(
+        [sys.executable, "-c", EXPERT_PARALLEL_SCRIPT, checkpoint[0],
+         json.dumps([PROMPTS, GREEDY, SMALL])], capture_output=True, text=True, timeout=600,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+             "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    tokens = json.loads(result.stdout.strip().splitlines()[-1])
+    assert tokens == [hf_greedy(checkpoint[1], prompt, 10) for prompt in PROMPTS]

@@ -38,27 +38,41 @@ def test_llama_8b_serving_step_compiles_for_the_target(target, tp_size):
     assert header.count("may-alias") >= 32 + 2, description  # caches, counts, last tokens
 
 
-QWEN3_30B_A3B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-30b-a3b")
-QWEN3_30B_A3B_WEIGHT_BYTES = 61.06e9  # 30.5B parameters in bfloat16
+CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
+WEIGHT_BYTES_OF = {"qwen3-30b-a3b": 61.06e9,  # 30.5B parameters in bfloat16
+                   "mixtral-8x7b": 93.4e9}  # 46.7B
 
 
-@pytest.mark.parametrize("target,tp_size,bucket", [
-    ("v6e:2x2", 4, "smallest"),
-    pytest.param("v6e:2x2", 4, "largest", marks=pytest.mark.slow),
-    pytest.param("h100", 1, "smallest", marks=pytest.mark.slow),
-    pytest.param("h100", 1, "largest", marks=pytest.mark.slow),
+@pytest.mark.parametrize("config,target,tp_size,ep_size,bucket", [
+    ("qwen3-30b-a3b", "v6e:2x2", 4, 1, "smallest"),
+    ("qwen3-30b-a3b", "v6e:2x2", 4, 4, "smallest"),
+    pytest.param("qwen3-30b-a3b", "v6e:2x2", 4, 1, "largest", marks=pytest.mark.slow),
+    pytest.param("qwen3-30b-a3b", "v6e:2x2", 4, 4, "largest", marks=pytest.mark.slow),
+    pytest.param("qwen3-30b-a3b", "h100", 1, 1, "smallest", marks=pytest.mark.slow),
+    pytest.param("qwen3-30b-a3b", "h100", 1, 1, "largest", marks=pytest.mark.slow),
+    # Qwen3-30B-A3B's 4 kv heads split over 4 devices at most: eight take Mixtral's 8.
+    pytest.param("mixtral-8x7b", "v6e:2x4", 8, 8, "smallest", marks=pytest.mark.slow),
+    pytest.param("mixtral-8x7b", "v6e:2x4", 8, 2, "largest", marks=pytest.mark.slow),
+    pytest.param("mixtral-8x7b", "h100x8", 8, 8, "smallest", marks=pytest.mark.slow),
+    pytest.param("mixtral-8x7b", "h100x8", 8, 8, "largest", marks=pytest.mark.slow),
 ])
-def test_qwen3_moe_30b_serving_step_compiles_for_the_target(target, tp_size, bucket):
-    """The mixture of experts at its real size: 48 layers of 128 experts, top 8, each layer's
-    experts as two ragged dots (model/moe.py) inside the step, which lowers them to the target's
-    grouped kernels; weights and caches sharded as loaded (~40 s a compile on a 2-core CPU, so
-    only the first runs without --slow)."""
+def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target, tp_size, ep_size,
+                                                                 bucket):
+    """The mixture of experts at its real size (Qwen3-30B-A3B: 48 layers of 128 experts, top 8),
+    each layer's experts as two ragged dots (model/moe.py) inside the step, which lowers them to
+    the target's grouped kernels; with --ep-size, under shard_map, each device on its own experts;
+    weights and caches sharded as loaded (~40 s a compile on a 2-core CPU, so only the smallest
+    buckets on v6e run without --slow)."""
     devices(target)
-    args = ServerArgs(model_path=QWEN3_30B_A3B, tp_size=tp_size, max_running_requests=64)
+    args = ServerArgs(model_path=str(CONFIGS / config), tp_size=tp_size, ep_size=ep_size,
+                      max_running_requests=64)
     program, shapes, description = aot.server_step(target, args)
     tokens, seqs, pages = shapes[0] if bucket == "smallest" else shapes[-1]
     compiled = program.compile(tokens, seqs, pages)
     kv_bytes = sum(cache.size * cache.dtype.itemsize for cache in program.args[1])
-    per_device = (QWEN3_30B_A3B_WEIGHT_BYTES + kv_bytes) / tp_size
+    # Expert parallelism holds as many weights per device as tensor parallelism (sharding.py).
+    per_device = (WEIGHT_BYTES_OF[config] + kv_bytes) / tp_size
     argument_bytes = compiled.memory_analysis().argument_size_in_bytes
     assert 0.95 * per_device < argument_bytes < 1.1 * per_device, description
+    if ep_size > 1:  # one all-reduce combines the experts' outputs; no token is exchanged
+        assert "all-to-all" not in compiled.as_text(), description

@@ -15,14 +15,16 @@ from jax.sharding import NamedSharding
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.loader import MissingTokenizerError, default_mesh, load_model
 from xlaserve.model.registry import architecture_of
-from xlaserve.model.transformer import abstract_model, param_count, partition_spec
+from xlaserve.model.sharding import partition_spec
+from xlaserve.model.transformer import abstract_model, param_count
 from xlaserve.offline import Engine
 
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs")
 # Published sizes, in billions of parameters (the model cards' figures).
 PUBLISHED_SIZES = {"smollm2-135m": 0.135, "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.6,
                    "llama-3.1-8b": 8.0, "qwen3-8b": 8.2, "qwen3-30b-a3b": 30.5,
-                   "mixtral-8x7b": 46.7, "qwen1.5-moe-a2.7b": 14.3}
+                   "mixtral-8x7b": 46.7, "qwen1.5-moe-a2.7b": 14.3, "gpt-oss-20b": 20.9,
+                   "gpt-oss-120b": 116.8}
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 SMALL_ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, page_size=4,
                     max_running_requests=2, max_total_tokens=128, context_length=64,
@@ -155,7 +157,7 @@ TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
     from flax import nnx
     from jax.sharding import NamedSharding
     from xlaserve.model.loader import load_model
-    from xlaserve.model.transformer import partition_spec
+    from xlaserve.model.sharding import partition_spec
     from xlaserve.offline import Engine
 
     assert len(jax.devices()) == 2, jax.devices()

@@ -225,3 +225,18 @@ def test_encode_rounds_ties_to_the_even_code_and_saturates_at_six():
     assert scales.tolist() == [[[127]]]
     decoded = decode_mxfp4(blocks, scales, np.float32)[0, :len(row), 0]
     assert decoded.tolist() == [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -4.0, 6.0, -6.0]
+
+
+def test_mxfp4_gpt_oss_checkpoint_gives_transformers_logits_and_greedy_tokens(tiny_gpt_oss):
+    """Our loader decodes the MXFP4 experts, de-interleaves gate and up, and the decoder (sinks,
+    sliding and full layers, YaRN, biases, clamped SwiGLU) gives transformers' logits."""
+    from tests.model.test_transformer_matches_transformers import PROMPTS, _hf_reference, _run_ours
+    from xlaserve.model.loader import load_model
+
+    directory, hf_model = tiny_gpt_oss
+    loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
+    references = [_hf_reference(hf_model, prompt) for prompt in PROMPTS[:3]]
+    sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references)]
+    for (full, expected), got in zip(references, _run_ours(loaded, sequences, 3, 4), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+        assert got[:-1].argmax(-1).tolist()[-5:] == full[-5:]

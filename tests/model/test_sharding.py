@@ -1,14 +1,19 @@
-"""Tensor parallel: weights land sharded by their partition specs, logits stay the same."""
+"""Tensor and expert parallel: weights land sharded by their partition specs, logits stay the same."""
 import subprocess
 import sys
 import textwrap
 
+import jax
+import pytest
+
 from tests.tiny_models import make_tiny_checkpoint
+from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 
 SCRIPT = textwrap.dedent("""
     import sys
     import jax, numpy as np
     from jax.sharding import Mesh
+    from xlaserve.model.sharding import MESH_AXES
     from flax import nnx
     from xlaserve.model.loader import load_model
     from xlaserve.executor.greedy import PagedBatch, make_forward
@@ -25,8 +30,9 @@ SCRIPT = textwrap.dedent("""
 
     devices = np.array(jax.devices())
     assert len(devices) == 8, devices
-    _, _, single = logits(Mesh(devices[:1].reshape(1, 1), ("data", "tensor")))
-    loaded, caches, split = logits(Mesh(devices[:4].reshape(2, 2), ("data", "tensor")))
+    _, _, single = logits(Mesh(devices[:1].reshape(1, 1, 1), MESH_AXES))
+    # Two data-parallel rows (the weights replicated on each) of two tensor-parallel devices.
+    loaded, caches, split = logits(Mesh(devices[:4].reshape(2, 1, 2), MESH_AXES))
     np.testing.assert_allclose(split, single, atol=1e-5, rtol=0)
     qkv = loaded.model.layers[0].attn.qkv.get_value()
     # [hidden, kv_heads, group + 2, head_dim]: each device holds one kv head with its query heads.
@@ -43,6 +49,21 @@ MOE_CHECKS = textwrap.dedent("""
     experts = loaded.model.layers[0].mlp.experts_gate_up.get_value()
     # [experts, hidden, 2, moe_intermediate]: every expert, half of its intermediate axis each.
     assert {s.data.shape for s in experts.addressable_shards} == {(8, 64, 2, 24)}, experts.sharding
+""")
+
+
+EXPERT_PARALLEL = textwrap.dedent("""
+    # (ep, tp): whole experts per device (4 of 8, 2 of 8), and experts over 2 x width over 2.
+    for ep, tp, expert_shard in [(2, 2, (4, 64, 2, 48)), (4, 4, (2, 64, 2, 48)),
+                                 (2, 4, (4, 64, 2, 24))]:
+        mesh = Mesh(devices[:tp].reshape(1, ep, tp // ep), MESH_AXES)
+        loaded, _, split = logits(mesh)
+        np.testing.assert_allclose(split, single, atol=1e-5, rtol=0)
+        experts = loaded.model.layers[0].mlp.experts_gate_up.get_value()
+        assert {s.data.shape for s in experts.addressable_shards} == {expert_shard}, (ep, tp)
+        down = loaded.model.layers[0].mlp.experts_down.get_value()
+        assert {s.data.shape for s in down.addressable_shards} == {
+            (expert_shard[0], expert_shard[3], 64)}, (ep, tp)
 """)
 
 
@@ -66,3 +87,28 @@ def test_tensor_parallel_mixture_of_experts_logits_equal_single_device(tmp_path)
     make_tiny_checkpoint(str(tmp_path), "qwen3_moe")
     _run(SCRIPT.replace('    print("ok")', MOE_CHECKS + '    print("ok")').replace(
         "(64, 1, 4, 16)", "(64, 1, 4, 32)").replace("(5, 8, 2 * 16)", "(5, 8, 2 * 32)"), tmp_path)
+
+
+def test_expert_parallel_logits_equal_single_device(tmp_path):
+    """--ep-size 2 and 4, alone and with the tensor axis (ep 2 x tp 4): each device runs its own
+    experts on the tokens routed to them, and the logits equal one device's."""
+    make_tiny_checkpoint(str(tmp_path), "qwen3_moe", num_key_value_heads=4)
+    script = SCRIPT[:SCRIPT.index("# Two data-parallel rows")] + EXPERT_PARALLEL + 'print("ok")\n'
+    _run(script, tmp_path)
+
+
+def test_ep_size_must_divide_tp_size_and_the_experts():
+    with pytest.raises(ValueError, match="--ep-size 3 must divide --tp-size 4"):
+        serving_mesh(jax.devices(), 4, 3)
+    with pytest.raises(ValueError, match="--tp-size 2 needs that many devices; found 1"):
+        serving_mesh(jax.devices(), 2, 2)
+    mesh = serving_mesh(jax.devices(), 1, 1)
+    assert dict(mesh.shape) == {"data": 1, "expert": 1, "tensor": 1}
+    check_expert_parallel(8, mesh)  # one group holds every expert
+
+    class EightDevices:  # only the mesh's shape is read
+        shape = {"data": 1, "expert": 8, "tensor": 1}
+
+    check_expert_parallel(16, EightDevices())
+    with pytest.raises(ValueError, match="--ep-size 8 does not divide the model's 60 experts"):
+        check_expert_parallel(60, EightDevices())

@@ -36,8 +36,8 @@ def follow(args) -> int:
         malloc_tuning.limit_arenas()
         enable_persistent_cache(args.compilation_cache_dir)
         loaded = load_model(args.model_path, dtype=args.dtype, skip_tokenizer_init=True,
-                            mesh=tensor_parallel_mesh(args.tp_size), load_format=args.load_format,
-                            seed=args.random_seed or 0,
+                            mesh=tensor_parallel_mesh(args.tp_size, ep_size=args.ep_size),
+                            load_format=args.load_format, seed=args.random_seed or 0,
                             conversion_cache=not args.disable_conversion_cache,
                             conversion_cache_dir=args.conversion_cache_dir)
         logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",

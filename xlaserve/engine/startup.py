@@ -69,7 +69,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     compilation_cache_dir = enable_persistent_cache(args.compilation_cache_dir)
     loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
                         skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
-                        mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size),
+                        mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size,
+                                                  args.ep_size),
                         load_format=args.load_format, seed=args.random_seed or 0,
                         conversion_cache=not args.disable_conversion_cache,
                         conversion_cache_dir=args.conversion_cache_dir)

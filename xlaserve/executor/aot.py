@@ -31,15 +31,16 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
-from xlaserve.model.transformer import KV_CACHE_SPEC, abstract_parameters, kv_cache_shape
+from xlaserve.model.sharding import KV_CACHE_SPEC, check_expert_parallel, serving_mesh
+from xlaserve.model.transformer import abstract_parameters, kv_cache_shape
 from xlaserve.executor.buckets import serving_buckets, with_page_size
 from xlaserve.executor.kernels import kernels_for
 from xlaserve.executor.model_runner import idle_step, make_step, step_vectors
 from xlaserve.executor.weight_args import weight_args
 from xlaserve.server_args import ServerArgs
 
-TPU_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")  # libtpu refuses single-chip ones (v6e:1x1)
-GPU_TARGETS = ("h100",)
+TPU_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v6e:2x4", "v5p:2x2x1")  # libtpu refuses single-chip ones (v6e:1x1)
+GPU_TARGETS = ("h100", "h100x8")  # one H100 SXM; one host of eight
 DEFAULT_KV_TOKENS = 1 << 16  # the KV pool without --max-total-tokens (no memory to size it from)
 
 
@@ -64,15 +65,18 @@ def use_compile_only_packages(path: str | os.PathLike | None = None) -> None:
 
 
 def target_devices(target: str) -> tuple[str, list]:
-    """(platform, devices) of a compile-only target: "v5e:2x2", "v6e:2x2", "v5p:2x2x1", "h100"."""
+    """(platform, devices) of a compile-only target: "v5e:2x2", "v6e:2x2", "v6e:2x4", "v5p:2x2x1",
+    "h100", "h100x8"."""
     from jax.experimental import topologies
 
     try:
         if target in TPU_TOPOLOGIES:
             return "tpu", topologies.get_topology_desc(topology_name=target, platform="tpu").devices
         if target in GPU_TARGETS:
+            # slices x hosts x devices per host
+            topology = "1x1x8" if target == "h100x8" else "1x1x1"
             return "gpu", topologies.get_topology_desc(
-                platform="cuda", target_config=h100_target_config(), topology="1x1x1").devices
+                platform="cuda", target_config=h100_target_config(), topology=topology).devices
     except Exception as error:  # no libtpu / CUDA plugin: jax says so in several ways
         raise TargetUnavailable(f"cannot make compile-only {target} devices (install libtpu for "
                                 f"TPU, jax-cuda13-plugin and jax-cuda13-pjrt for GPU): "
@@ -83,12 +87,6 @@ def target_devices(target: str) -> tuple[str, list]:
 def h100_target_config() -> str:
     """What XLA needs to know of an H100 SXM to compile for it (GpuTargetConfigProto text)."""
     return Path(__file__).with_name("h100_target_config.txtpb").read_text()
-
-
-def mesh_of(devices, tp_size: int) -> Mesh:
-    if tp_size > len(devices):
-        raise ValueError(f"--tp-size {tp_size} needs that many devices; the target has {len(devices)}")
-    return Mesh(np.array(devices[:tp_size]).reshape(1, tp_size), ("data", "tensor"))
 
 
 def abstract(shape, dtype, mesh: Mesh, spec=P()) -> jax.ShapeDtypeStruct:
@@ -137,8 +135,9 @@ def server_step(target: str, server_args: ServerArgs) -> tuple[StepProgram, list
     would precompile, and a one-line description. `server_args.model_path`: a directory with the
     model's config.json (weights are not read)."""
     platform, devices = target_devices(target)
-    mesh = mesh_of(devices, server_args.tp_size)
+    mesh = serving_mesh(devices, server_args.tp_size, server_args.ep_size)
     config, _ = read_config(server_args.model_path, load_format="dummy")  # reads no weights
+    check_expert_parallel(config.num_experts, mesh)
     dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
     context_length = server_args.context_length or config.max_position_embeddings
     server_args = with_page_size(server_args, platform, context_length)
@@ -150,8 +149,8 @@ def server_step(target: str, server_args: ServerArgs) -> tuple[StepProgram, list
                            max_running_requests=server_args.max_running_requests,
                            attention_backend=server_args.attention_backend)
     description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
-                   f"{np.dtype(dtype).name}, tp {server_args.tp_size}, {num_pages} pages of "
-                   f"{page_size}")
+                   f"{np.dtype(dtype).name}, tp {server_args.tp_size}, ep {server_args.ep_size}, "
+                   f"{num_pages} pages of {page_size}")
     return program, buckets.all_shapes(), description
 
 

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from xlaserve.model.grouped_matmul import grouped_matmul_tiled
 from xlaserve.model.layers import Kernels
+from xlaserve.model.moe import expert_parallel
 from xlaserve.native import KernelUnavailable, gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
 
@@ -45,6 +46,8 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
             packed_matmul = gemm_cpu.packed_matmul
     kernels = Kernels(attention=get_attention_fn(attention_backend, mesh, platform=platform),
                       packed_matmul=packed_matmul)
+    if mesh is not None and mesh.shape.get("expert", 1) > 1:
+        kernels = dataclasses.replace(kernels, run_experts=expert_parallel(mesh))
     if platform == "cpu":
         # XLA's CPU ragged_dot multiplies every row by every expert (model/grouped_matmul.py).
         kernels = dataclasses.replace(kernels, grouped_matmul=grouped_matmul_tiled)

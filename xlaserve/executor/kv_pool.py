@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.transformer import KV_CACHE_SPEC, kv_cache_shape
+from xlaserve.model.sharding import KV_CACHE_SPEC
+from xlaserve.model.transformer import kv_cache_shape
 from xlaserve.scheduler.page_allocator import pages_for_tokens
 
 logger = logging.getLogger(__name__)

@@ -132,6 +132,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
     # One entry per layer: whether its MLP is the experts (decoder_sparse_step, mlp_only_layers).
     moe_layers: tuple[bool, ...] = ()
+    # gpt-oss: a learned logit per query head in every softmax's denominator ("attention sinks"),
+    # biases on the router and the experts, and a clamped SwiGLU (moe.py, clamped_swiglu).
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: the plain SwiGLU
+    swiglu_alpha: float = 1.0
 
     @property
     def queries_per_kv(self) -> int:
@@ -280,7 +287,8 @@ _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausa
 
 
 def _experts_from_hf(hf_config: Any, architecture: str) -> dict:
-    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE or Mixtral config ({} for others)."""
+    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE, Mixtral or gpt-oss config ({} for
+    others)."""
     num_layers = hf_config.num_hidden_layers
     if architecture == "MixtralForCausalLM":
         # Every layer is sparse; the experts' width is `intermediate_size`; the top-k weights are
@@ -289,6 +297,15 @@ def _experts_from_hf(hf_config: Any, architecture: str) -> dict:
                     num_experts_per_tok=hf_config.num_experts_per_tok,
                     moe_intermediate_size=hf_config.intermediate_size, norm_topk_prob=True,
                     moe_layers=(True,) * num_layers)
+    if architecture == "GptOssForCausalLM":
+        # Every layer is sparse; the router's top k logits go through a softmax, which is the
+        # softmax over all experts renormalized over the top k.
+        return dict(num_experts=hf_config.num_local_experts,
+                    num_experts_per_tok=hf_config.num_experts_per_tok,
+                    moe_intermediate_size=hf_config.intermediate_size, norm_topk_prob=True,
+                    moe_layers=(True,) * num_layers, attention_sinks=True, router_bias=True,
+                    expert_bias=True, swiglu_limit=float(hf_config.swiglu_limit),
+                    swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)))
     if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
     num_experts = hf_config.num_experts

@@ -93,6 +93,9 @@ class Kernels:
     # `(x [M, K], weights [E, K, N], group_sizes i32[E]) -> float32 [M, N]`: rows sorted by group,
     # group g multiplied by weights[g] (the experts of a mixture-of-experts layer, model/moe.py)
     grouped_matmul: Callable = grouped_matmul_ragged_dot
+    # The experts with expert parallelism (`moe.expert_parallel(mesh)`); None: `moe.run_experts`,
+    # whose weights XLA's partitioner splits by their intermediate axis like the dense MLP's.
+    run_experts: Callable | None = None
 
 
 def matmul_input_dtype(weight) -> jnp.dtype:

@@ -39,6 +39,8 @@ from xlaserve.model.conversion_cache import ConversionCache, ParamsWriter
 from xlaserve.model.dummy_weights import dummy_model
 from xlaserve.model.placement import put
 from xlaserve.model.registry import architecture_of, model_class
+from xlaserve.model.mxfp4 import check_quantization_config
+from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.model.weights import SafetensorsSource, WeightError, convert
 
@@ -94,17 +96,16 @@ def default_mesh() -> Mesh:
     return tensor_parallel_mesh(1)
 
 
-def tensor_parallel_mesh(tp_size: int, first_device: int = 0) -> Mesh:
-    """A ("data", "tensor") mesh over devices [first_device, first_device + tp_size): a data
-    parallel replica's slice (engine/data_parallel.py), or the first `tp_size` devices."""
+def tensor_parallel_mesh(tp_size: int, first_device: int = 0, ep_size: int = 1) -> Mesh:
+    """A replica's mesh (model/sharding.py) over devices [first_device, first_device + tp_size):
+    a data parallel replica's slice (engine/data_parallel.py), or the first `tp_size` devices."""
     devices = jax.devices()
     if tp_size < 1 or first_device < 0 or first_device + tp_size > len(devices):
         needed = (f"devices {first_device}..{first_device + tp_size - 1}" if first_device
                   else "that many devices")
         raise ValueError(f"--tp-size {tp_size} needs {needed}; this host has {len(devices)} "
                          f"({jax.default_backend()})")
-    return Mesh(np.array(devices[first_device:first_device + tp_size]).reshape(1, tp_size),
-                ("data", "tensor"))
+    return serving_mesh(devices[first_device:], tp_size, ep_size)
 
 
 def check_replica_devices(tp_size: int, dp_size: int) -> None:
@@ -204,6 +205,7 @@ def load_model(
             need_tokenizer=not skip_tokenizer_init)
         return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
     source_path, config = _read_config(path, config_file_allowed=dummy)
+    check_expert_parallel(config.num_experts, mesh)
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
     tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or _folder_of(source_path))
     if dummy:
@@ -302,6 +304,8 @@ def _read_config(path: str, config_file_allowed: bool) -> tuple[str, ModelConfig
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(path)  # a directory or the file itself
+        # Only gpt-oss's MXFP4 experts are decoded; any other quantization stops here.
+        check_quantization_config(hf_config.to_dict())
         source_path = path
     return source_path, ModelConfig.from_hf(hf_config, model_class_check(hf_config))
 

@@ -1,9 +1,10 @@
-"""The mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE and Mixtral.
+"""The mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE, Mixtral and gpt-oss.
 
 A router scores every expert for each token; the top `num_experts_per_tok` run, and their
 outputs are summed with the router's weights (softmax over all experts, then the top k,
-renormalized to sum to one when `norm_topk_prob`, as Mixtral always does). Qwen2-MoE adds a
-shared expert that every token runs, scaled by a sigmoid gate.
+renormalized to sum to one when `norm_topk_prob`, as Mixtral and gpt-oss always do). Qwen2-MoE
+adds a shared expert that every token runs, scaled by a sigmoid gate. gpt-oss adds biases (router,
+gate|up, down) and clamps its SwiGLU (`clamped_swiglu`).
 
 The experts run without a loop over experts and without a shape that depends on the routing: the
 T x k (token, expert) pairs are sorted by expert, so that each expert's tokens are one contiguous
@@ -13,16 +14,23 @@ permutation and are summed over k with the router's weights.
 
 Weights: `experts_gate_up [E, hidden, 2, moe_intermediate]` and `experts_down [E,
 moe_intermediate, hidden]`, the dense MLP's layout with an expert axis in front; `router
-[hidden, E]`.
+[hidden, E]`; gpt-oss's `router_bias [E]`, `experts_gate_up_bias [E, 2, moe_intermediate]` and
+`experts_down_bias [E, hidden]`.
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.layers import MLP, Kernels, init_weight, linear
+from xlaserve.model.sharding import PARTITION_SPECS
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -34,21 +42,72 @@ def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Ar
     return weights, experts.astype(jnp.int32)
 
 
-def run_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
-                down: jax.Array, kernels: Kernels) -> jax.Array:
-    """float32 [T, hidden]: sum over k of weights[t, k] * expert experts[t, k] applied to x[t]."""
+def clamped_swiglu(gate_up: jax.Array, out_dtype, *, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's activation for gate_up [T, 2, I]: (clamp(up, -limit, limit) + 1) * g *
+    sigmoid(alpha * g), with g = min(gate, limit)."""
+    gate = jnp.minimum(gate_up[:, 0], limit)
+    up = jnp.clip(gate_up[:, 1], -limit, limit)
+    return ((up + 1) * gate * jax.nn.sigmoid(alpha * gate)).astype(out_dtype)
+
+
+def run_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
+                kernels: Kernels, activation: Callable, first_expert=0) -> jax.Array:
+    """float32 [T, hidden]: sum over k of weights[t, k] * expert experts[t, k] applied to x[t],
+    without the down projection's bias, for the experts held here: `first_expert` onwards, as
+    many as `expert_weights` holds (all of them without expert parallelism); pairs routed
+    elsewhere add nothing. `expert_weights`: experts_gate_up, experts_down, and
+    experts_gate_up_bias where the model has it."""
+    gate_up, down = expert_weights["experts_gate_up"], expert_weights["experts_down"]
     tokens, top_k = experts.shape
     num_experts, hidden, _, intermediate = gate_up.shape
-    flat_experts = experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)  # (token, slot) pairs sorted by expert
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    local = experts.reshape(-1) - first_expert
+    # Pairs for other devices' experts sort last, as group `num_experts`, which bincount drops:
+    # they are rows past sum(group_sizes), which no expert multiplies (TPU's ragged_dot leaves
+    # whatever was in them, so they are dropped below).
+    held = (local >= 0) & (local < num_experts)
+    local = jnp.where(held, local, num_experts)
+    order = jnp.argsort(local, stable=True)  # (token, slot) pairs sorted by expert
+    group_sizes = jnp.bincount(local, length=num_experts).astype(jnp.int32)
     sorted_x = x[order // top_k]
     gate_up_out = kernels.grouped_matmul(
         sorted_x, gate_up.reshape(num_experts, hidden, 2 * intermediate), group_sizes)
-    activation = kernels.swiglu(gate_up_out.reshape(-1, 2, intermediate), down.dtype)
-    sorted_out = kernels.grouped_matmul(activation, down, group_sizes)
+    gate_up_out = gate_up_out.reshape(-1, 2, intermediate)
+    if "experts_gate_up_bias" in expert_weights:  # rows past the groups take any: dropped below
+        bias = expert_weights["experts_gate_up_bias"].astype(jnp.float32)
+        gate_up_out = gate_up_out + jnp.take(bias, local[order], axis=0, mode="clip")
+    sorted_out = kernels.grouped_matmul(activation(gate_up_out, down.dtype), down, group_sizes)
     out = sorted_out[jnp.argsort(order)].reshape(tokens, top_k, hidden)
+    out = jnp.where(held.reshape(tokens, top_k, 1), out, 0.0)
     return jnp.einsum("tkh,tk->th", out, weights)
+
+
+def expert_parallel(mesh: Mesh) -> Callable:
+    """`run_experts` with the experts split over the mesh's "expert" axis (and each expert's
+    width over "tensor"): every device runs its own experts on the pairs routed to them, and one
+    all-reduce sums the devices' outputs.
+
+    The tokens need no exchange: attention is tensor-parallel over the same devices, so after its
+    output projection's all-reduce every device already holds every token (and routes them all,
+    the router being replicated). Dispatch is a local mask, and the combine is the all-reduce of
+    [T, hidden] that a tensor-parallel MLP ends with anyway. An all-to-all dispatch and combine
+    would only pay where tokens are split across devices (data-parallel attention), which
+    xlaserve does not do."""
+
+    def body(x, weights, experts, expert_weights, kernels, activation):
+        first_expert = jax.lax.axis_index("expert") * expert_weights["experts_gate_up"].shape[0]
+        out = run_experts(x, weights, experts, expert_weights, kernels, activation, first_expert)
+        return jax.lax.psum(out, ("expert", "tensor"))
+
+    def sharded(x, weights, experts, expert_weights, kernels, activation):
+        specs = {name: PARTITION_SPECS[name] for name in expert_weights}
+        return jax.shard_map(
+            functools.partial(body, kernels=kernels, activation=activation), mesh=mesh,
+            in_specs=(P(), P(), P(), specs),
+            # Unchecked, like the attention kernel's: the CPU grouped matmul's loop carries a
+            # replicated zero into a per-device sum, which the check refuses.
+            out_specs=P(), check_vma=False)(x, weights, experts, expert_weights)
+
+    return sharded
 
 
 class MoE(nnx.Module):
@@ -60,6 +119,12 @@ class MoE(nnx.Module):
             rngs, (c.num_experts, c.hidden_size, 2, c.moe_intermediate_size), dtype))
         self.experts_down = nnx.Param(init_weight(
             rngs, (c.num_experts, c.moe_intermediate_size, c.hidden_size), dtype))
+        if c.router_bias:
+            self.router_bias = nnx.Param(jnp.zeros((c.num_experts,), dtype))
+        if c.expert_bias:
+            self.experts_gate_up_bias = nnx.Param(
+                jnp.zeros((c.num_experts, 2, c.moe_intermediate_size), dtype))
+            self.experts_down_bias = nnx.Param(jnp.zeros((c.num_experts, c.hidden_size), dtype))
         if c.shared_expert_intermediate_size:
             self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, dtype, rngs)
             self.shared_expert_gate = nnx.Param(init_weight(rngs, (c.hidden_size, 1), dtype))
@@ -69,10 +134,25 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         c = self.config
-        weights, experts = route(linear(x, self.router[...], kernels), c.num_experts_per_tok,
-                                 c.norm_topk_prob)
-        out = run_experts(x, weights, experts, self.experts_gate_up[...], self.experts_down[...],
-                          kernels)
+        router_logits = linear(x, self.router[...], kernels)
+        if c.router_bias:
+            router_logits = router_logits + self.router_bias[...].astype(jnp.float32)
+        weights, experts = route(router_logits, c.num_experts_per_tok, c.norm_topk_prob)
+        expert_weights = {"experts_gate_up": self.experts_gate_up[...],
+                          "experts_down": self.experts_down[...]}
+        activation = kernels.swiglu
+        if c.expert_bias:
+            expert_weights["experts_gate_up_bias"] = self.experts_gate_up_bias[...]
+        if c.swiglu_limit is not None:
+            activation = functools.partial(clamped_swiglu, limit=c.swiglu_limit,
+                                           alpha=c.swiglu_alpha)
+        out = (kernels.run_experts or run_experts)(x, weights, experts, expert_weights, kernels,
+                                                   activation)
+        if c.expert_bias:
+            # The down projection's bias, weighted like its expert's output: outside the experts'
+            # matmuls, which under --tp-size sum partial products across devices.
+            down_bias = self.experts_down_bias[...].astype(jnp.float32)
+            out = out + jnp.einsum("tkh,tk->th", down_bias[experts], weights)
         if c.shared_expert_intermediate_size:
             shared_out = self.shared_expert(x.astype(self.shared_expert.input_dtype()), kernels)
             out = out + jax.nn.sigmoid(linear(x, self.shared_expert_gate[...], kernels)) * shared_out

@@ -13,6 +13,7 @@ MODEL_CLASSES = {
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
+    "GptOssForCausalLM": CausalLM,
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
 # in merged tensors (ffn_gate_exps, ...) that model/gguf_file.py does not translate: their

@@ -1,5 +1,5 @@
 """One Flax NNX decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its
-mixture-of-experts kin (Qwen2-MoE, Qwen3-MoE, Mixtral: moe.py), switched by config. Its building
+mixture-of-experts kin (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss: moe.py), switched by config. Its building
 blocks (norms, RoPE, `linear`, the MLP, `Kernels`) are in layers.py.
 
 The forward pass works on a packed ragged batch: the new tokens of every sequence in one array,
@@ -31,13 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, rope_qk, split_qkv)
 from xlaserve.model.moe import MoE
 from xlaserve.model.packed import embed
+from xlaserve.model.sharding import partition_spec
 
 
 @jax.tree_util.register_dataclass
@@ -49,29 +49,6 @@ class AttentionMetadata:
     page_indices: jax.Array  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array  # i32[S+1] start of each sequence's new tokens in the packed batch
     num_seqs: jax.Array  # i32[1] live rows of the S padded ones
-
-
-# Partition spec of every parameter, by its leaf name; mesh axes are ("data", "tensor").
-PARTITION_SPECS = {
-    "embedding": P("tensor", None),
-    "qkv": P(None, "tensor", None, None),
-    "qkv_bias": P("tensor", None, None),
-    "o_proj": P("tensor", None, None),
-    "o_bias": P(),
-    "gate_up": P(None, None, "tensor"),
-    "down": P("tensor", None),
-    "lm_head": P(None, "tensor"),
-    "scale": P(),
-    # Mixture of experts (moe.py): every device holds every expert's slice of the intermediate
-    # axis, as the dense MLP splits it.
-    "router": P(),
-    "experts_gate_up": P(None, None, None, "tensor"),
-    "experts_down": P(None, "tensor", None),
-    "shared_expert_gate": P(),
-}
-# The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
-# split by kv head: each device holds the K|V pairs of its own heads, contiguous.
-KV_CACHE_SPEC = P(None, None, "tensor")
 
 
 class Attention(nnx.Module):
@@ -86,6 +63,8 @@ class Attention(nnx.Module):
         self.o_proj = nnx.Param(init_weight(rngs, (c.num_heads, c.head_dim, c.hidden_size), dtype))
         if c.o_bias:
             self.o_bias = nnx.Param(jnp.zeros((c.hidden_size,), dtype))
+        if c.attention_sinks:
+            self.sinks = nnx.Param(jnp.zeros((c.num_heads,), dtype))
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
@@ -102,9 +81,11 @@ class Attention(nnx.Module):
             q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, kv_cache.dtype)
         else:
             q, k, v = kernels.qkv_rope(qkv, cos, sin, kv_cache.dtype)
+        sinks = self.sinks[...].astype(jnp.float32) if c.attention_sinks else None
         out, kv_cache = kernels.attention(
             q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
             metadata.num_seqs, sm_scale=c.head_dim**-0.5, sliding_window=self.sliding_window,
+            sinks=sinks,
         )
         out = linear(out.reshape(num_tokens, -1), self.o_proj[...], kernels)
         if c.o_bias:
@@ -214,11 +195,6 @@ def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray, attention_factor: 
         cos *= np.float32(attention_factor)
         sin *= np.float32(attention_factor)
     return cos, sin
-
-
-def partition_spec(path: tuple) -> P:
-    """The PartitionSpec of the parameter at `path` (a tuple of state keys)."""
-    return PARTITION_SPECS[str(path[-1])]
 
 
 def abstract_model(config: ModelConfig, dtype, model_class=CausalLM) -> CausalLM:

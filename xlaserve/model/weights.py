@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.mxfp4 import read_expert_weight
 
 
 class TensorSource(Protocol):
@@ -113,13 +114,17 @@ def convert(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, 
         yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
         if c.o_bias:
             yield layer + ("attn", "o_bias"), _fetch(source, attn + "o_proj.bias", (hidden,))
+        if c.attention_sinks:
+            yield layer + ("attn", "sinks"), _fetch(source, attn + "sinks", (c.num_heads,))
         if c.qk_norm:
             yield layer + ("attn", "q_norm", "scale"), _fetch(source, attn + "q_norm.weight", (head_dim,))
             yield layer + ("attn", "k_norm", "scale"), _fetch(source, attn + "k_norm.weight", (head_dim,))
         yield layer + ("post_attention_norm", "scale"), _fetch(
             source, prefix + "post_attention_layernorm.weight", (hidden,)
         )
-        if c.moe_layers[i]:
+        if c.architecture == "GptOssForCausalLM":
+            yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",))
+        elif c.moe_layers[i]:
             yield from _experts(source, c, prefix, layer + ("mlp",))
         else:
             yield from _mlp(source, prefix + "mlp.", c.intermediate_size, hidden, layer + ("mlp",))
@@ -159,6 +164,35 @@ def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
                         hidden, path + ("shared_expert",))
         yield path + ("shared_expert_gate",), _fetch(
             source, prefix + "shared_expert_gate.weight", (1, hidden)).T
+
+
+def _gpt_oss_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
+    """gpt-oss's experts: stacked tensors `gate_up_proj [E, hidden, 2 * inter]`, its gate and up
+    columns interleaved (gate 2i, up 2i + 1), and `down_proj [E, inter, hidden]`, each stored
+    plain or as MXFP4 blocks and scales (model/mxfp4.py, decoded here into bfloat16, which holds
+    every MXFP4 value exactly); biases on the router and both projections."""
+    experts, hidden, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    yield path + ("router",), _fetch(source, prefix + "router.weight", (experts, hidden)).T
+    yield path + ("router_bias",), _fetch(source, prefix + "router.bias", (experts,))
+    prefix += "experts."
+    gate_up = _expert_matrix(source, prefix + "gate_up_proj", (experts, hidden, 2 * inter))
+    yield path + ("experts_gate_up",), _deinterleave(gate_up.reshape(experts, hidden, inter, 2))
+    bias = _fetch(source, prefix + "gate_up_proj_bias", (experts, 2 * inter))
+    yield path + ("experts_gate_up_bias",), _deinterleave(bias.reshape(experts, inter, 2))
+    yield path + ("experts_down",), _expert_matrix(source, prefix + "down_proj",
+                                                   (experts, inter, hidden))
+    yield path + ("experts_down_bias",), _fetch(source, prefix + "down_proj_bias", (experts, hidden))
+
+
+def _expert_matrix(source: TensorSource, name: str, shape: tuple[int, int, int]) -> np.ndarray:
+    if name in source.names():  # stored unquantized, in its own dtype
+        return _fetch(source, name, shape)
+    return read_expert_weight(source, name, shape, ml_dtypes.bfloat16)
+
+
+def _deinterleave(pairs: np.ndarray) -> np.ndarray:
+    """[..., inter, 2] (gate, up pairs) -> [..., 2, inter] (gate | up): our gate_up layout."""
+    return np.ascontiguousarray(np.swapaxes(pairs, -1, -2))
 
 
 def _fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, c: ModelConfig) -> np.ndarray:

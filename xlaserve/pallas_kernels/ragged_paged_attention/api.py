@@ -9,13 +9,14 @@ Every backend has the signature of `reference.ragged_paged_attention` (the speci
 "auto" takes the platform's kernel: the Pallas one on TPU and GPU, the CPU kernel on CPU, and the
 reference where there is none or it cannot be built.
 
-A kernel is a custom call that XLA's partitioner cannot split, so on a mesh with a "tensor" axis
-it runs under `shard_map`, each device on its own kv heads (the cache is split by kv head too).
+A kernel is a custom call that XLA's partitioner cannot split, so on a mesh of several devices it
+runs under `shard_map`, each device on its own kv heads (the cache is split by kv head too).
 """
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Callable
 
 import jax
@@ -113,16 +114,18 @@ def _cpu_kernel_builds() -> bool:
 
 
 def _split_by_kv_head(kernel: Callable, mesh: Mesh | None) -> Callable:
-    if mesh is None or mesh.shape.get("tensor", 1) == 1:
+    # Heads split over every axis but "data": the tensor-parallel devices (model/sharding.py).
+    head_axes = tuple(name for name in (mesh.axis_names if mesh else ()) if name != "data")
+    if mesh is None or math.prod(mesh.shape[name] for name in head_axes) == 1:
         return kernel
-    heads = P(None, "tensor", None)  # q [T, Hq, D], k and v [T, Hkv, D]
+    heads = P(None, head_axes, None)  # q [T, Hq, D], k and v [T, Hkv, D]
     metadata = P()
 
     @functools.wraps(kernel)
     def sharded(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sinks=None,
                 **options):
         # [pages, page_size, 2 * Hkv (, D)]: each device's K|V pairs of its own heads.
-        cache = P(*(None, None, "tensor", None)[:kv_cache.ndim])
+        cache = P(*(None, None, head_axes, None)[:kv_cache.ndim])
         args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
         in_specs = (heads, heads, heads, cache) + (metadata,) * 4
         body = functools.partial(kernel, **options)

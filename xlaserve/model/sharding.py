@@ -1,0 +1,79 @@
+"""How a model is split across devices: the serving mesh and every parameter's partition spec.
+
+One replica runs on a mesh of `tp_size` devices with axes ("data", "expert", "tensor"), shaped
+(1, ep_size, tp_size / ep_size). Attention, the dense MLP, the embedding and the LM head are
+tensor-parallel over all of them (`TP`, the two axes together, in device order); the experts of a
+mixture-of-experts layer are split by expert over "expert" (`--ep-size`) and, within a group of
+experts, by their intermediate axis over "tensor", as the dense MLP is. Without expert
+parallelism the expert axis has size 1 and everything splits over "tensor".
+
+Per device, expert parallelism holds as many expert weights as tensor parallelism does (E / ep
+experts of I / (tp / ep) columns each, E * I / tp either way); what changes is the shape of the
+work: whole experts make wider matmuls (Qwen3-30B-A3B's experts are 768 wide, 96 columns a device
+at tp 8 without EP). How tokens meet their experts: model/moe.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "expert", "tensor")
+# The tensor-parallel devices: all of a replica's, the expert axis times the tensor axis.
+TP = ("expert", "tensor")
+
+# Partition spec of every parameter, by its leaf name.
+PARTITION_SPECS = {
+    "embedding": P(TP, None),
+    "qkv": P(None, TP, None, None),
+    "qkv_bias": P(TP, None, None),
+    "o_proj": P(TP, None, None),
+    "o_bias": P(),
+    "sinks": P(TP),  # one per query head
+    "gate_up": P(None, None, TP),
+    "down": P(TP, None),
+    "lm_head": P(None, TP),
+    "scale": P(),
+    # Mixture of experts (moe.py): experts over "expert", each one's intermediate axis over
+    # "tensor"; the router is replicated (every device routes every token).
+    "router": P(),
+    "experts_gate_up": P("expert", None, None, "tensor"),
+    "experts_down": P("expert", "tensor", None),
+    "shared_expert_gate": P(),
+    "router_bias": P(),
+    "experts_gate_up_bias": P("expert", None, "tensor"),
+    # Added once, outside the experts' matmuls (moe.py), where every device holds every token.
+    "experts_down_bias": P(),
+}
+# The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
+# split by kv head: each device holds the K|V pairs of its own heads, contiguous.
+KV_CACHE_SPEC = P(None, None, TP)
+
+
+def partition_spec(path: tuple) -> P:
+    """The PartitionSpec of the parameter at `path` (a tuple of state keys)."""
+    return PARTITION_SPECS[str(path[-1])]
+
+
+def serving_mesh(devices, tp_size: int, ep_size: int = 1) -> Mesh:
+    """The mesh of one replica over the first `tp_size` of `devices`."""
+    check_parallel_sizes(tp_size, ep_size)
+    if tp_size > len(devices):
+        raise ValueError(f"--tp-size {tp_size} needs that many devices; found {len(devices)}")
+    grid = np.array(list(devices)[:tp_size]).reshape(1, ep_size, tp_size // ep_size)
+    return Mesh(grid, MESH_AXES)
+
+
+def check_parallel_sizes(tp_size: int, ep_size: int) -> None:
+    if tp_size < 1 or ep_size < 1:
+        raise ValueError(f"--tp-size and --ep-size must be at least 1 (got {tp_size}, {ep_size})")
+    if tp_size % ep_size:
+        raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp_size}: the experts are "
+                         "split over the tensor-parallel devices")
+
+
+def check_expert_parallel(num_experts: int, mesh: Mesh) -> None:
+    """A model's experts must split evenly over the mesh's expert axis."""
+    ep_size = mesh.shape.get("expert", 1)
+    if ep_size > 1 and num_experts % ep_size:
+        raise ValueError(f"--ep-size {ep_size} does not divide the model's {num_experts} experts")
