@@ -1,7 +1,7 @@
-"""A mixture-of-experts model (tiny random Qwen3-MoE) through the engine: continuous batching,
-chunked prefill and the prefix cache change which rows share a step and how many padding rows it
-has, never a request's tokens; they stay transformers' greedy tokens, and nothing compiles after
-the precompile; with --ep-size, too."""
+"""Mixture-of-experts models (tiny random Qwen3-MoE and gpt-oss) through the engine: continuous
+batching, chunked prefill and the prefix cache change which rows share a step and how many padding
+rows it has, never a request's tokens; they stay transformers' greedy tokens, and nothing compiles
+after the precompile; with --ep-size, too."""
 import json
 import subprocess
 import sys
@@ -25,10 +25,12 @@ SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running
              chunked_prefill_size=8, max_prefill_tokens=12, context_length=64, max_total_tokens=512)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("qwen3_moe"))
-    return directory, make_tiny_checkpoint(directory, "qwen3_moe")
+# gpt-oss adds attention sinks and a sliding window (6 tokens, shorter than the prompts) in the
+# CPU attention kernel, and expert biases under --ep-size.
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def checkpoint(tmp_path_factory, request):
+    directory = str(tmp_path_factory.mktemp(request.param))
+    return directory, make_tiny_checkpoint(directory, request.param)
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,19 @@ def test_expert_parallel_logits_equal_single_device(tmp_path):
     _run(script, tmp_path)
 
 
+def test_gpt_oss_expert_parallel_logits_equal_single_device(tmp_path):
+    """gpt-oss under --ep-size 4 and 2 (x tp 2): the gate|up bias split with its experts, the
+    down bias added once, the sinks split with the query heads."""
+    make_tiny_checkpoint(str(tmp_path), "gpt_oss", num_key_value_heads=4)
+    script = SCRIPT[:SCRIPT.index("# Two data-parallel rows")] + textwrap.dedent("""
+        for ep, tp in [(4, 4), (2, 4)]:
+            _, _, split = logits(Mesh(devices[:tp].reshape(1, ep, tp // ep), MESH_AXES))
+            np.testing.assert_allclose(split, single, atol=1e-5, rtol=0)
+        print("ok")
+    """)
+    _run(script, tmp_path)
+
+
 def test_ep_size_must_divide_tp_size_and_the_experts():
     with pytest.raises(ValueError, match="--ep-size 3 must divide --tp-size 4"):
         serving_mesh(jax.devices(), 4, 3)
