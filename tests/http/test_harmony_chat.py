@@ -155,13 +155,36 @@ def test_harmony_options_a_template_kwarg_harmony_cannot_honour_is_a_400(effort,
     assert (error.value.status, error.value.param) == (400, param)
 
 
-def test_reasoning_effort_outside_low_medium_high_is_a_400_naming_it():
+def test_reasoning_effort_outside_openais_values_is_a_400_naming_it():
     body = {"messages": [{"role": "user", "content": "Hi"}]}
-    assert validate_body({**body, "reasoning_effort": "low"}, ChatCompletionRequest).reasoning_effort == "low"
-    for bad in ("extreme", "none", 1):
+    for good in ("none", "minimal", "low", "medium", "high"):
+        assert validate_body({**body, "reasoning_effort": good},
+                             ChatCompletionRequest).reasoning_effort == good
+    for bad in ("extreme", 1):
         with pytest.raises(APIError) as error:
             validate_body({**body, "reasoning_effort": bad}, ChatCompletionRequest)
         assert (error.value.status, error.value.param) == (400, "reasoning_effort")
+
+
+@pytest.mark.parametrize("effort", ["none", "minimal"])
+def test_gpt_oss_takes_only_low_medium_and_high(effort):
+    with pytest.raises(APIError, match="takes low, medium, high") as error:
+        harmony.harmony_options(effort, None)
+    assert (error.value.status, error.value.param) == (400, "reasoning_effort")
+
+
+def test_reasoning_effort_on_other_templates_is_sglangs():
+    """Given to a template that reads it; "none" turns thinking off; else nothing changes."""
+    from xlaserve.http.parsing.chat_template import with_reasoning_effort
+    from xlaserve.model.loader import default_model_file, load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_file())  # its template reads neither variable
+    assert with_reasoning_effort(tokenizer, None, {"x": 1}, "high") == {"x": 1}
+    assert with_reasoning_effort(tokenizer, None, None, "none") == {"enable_thinking": False}
+    with pytest.raises(APIError, match="contradict"):
+        with_reasoning_effort(tokenizer, None, {"enable_thinking": True}, "none")
+    reads_it = "{{ reasoning_effort }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert with_reasoning_effort(tokenizer, reads_it, None, "low") == {"reasoning_effort": "low"}
 
 
 def test_a_tool_message_must_answer_an_earlier_call(chat):
@@ -415,8 +438,10 @@ def test_a_gpt_oss_server_answers_and_refuses_what_harmony_cannot_render(server,
 def test_reasoning_effort_reaches_only_a_template_that_reads_it(server, variant):
     from xlaserve.http.parsing.chat_template import load_chat_template
 
+    plain = _post(server.base_url, messages=PARIS)
     response = _post(server.base_url, messages=PARIS, reasoning_effort="high")  # ChatML: no use
-    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"
+    assert response.status_code == 200  # as SGLang: accepted, and the prompt is unchanged
+    assert response.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
     reads_it = variant(chat_template=load_chat_template(
         "{{ reasoning_effort }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"))
     response = _post(reads_it.base_url, messages=PARIS, reasoning_effort="high")

@@ -86,7 +86,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     # gpt-oss: the Harmony system message's `Reasoning:` line (default medium); other models: a
     # template variable of that name, where their template reads one (else a 400).
-    reasoning_effort: Optional[Literal["low", "medium", "high"]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     # Accepted for compatibility; they do not change what is generated.
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None

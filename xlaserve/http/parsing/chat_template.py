@@ -104,19 +104,22 @@ def _with_parsed_arguments(call: dict) -> dict:
 
 def with_reasoning_effort(tokenizer, template: str | None, template_kwargs: dict | None,
                           effort: str | None) -> dict | None:
-    """The template kwargs with the request's `reasoning_effort`, for a template that reads a
-    variable of that name (gpt-oss's own, given as --chat-template); any other template cannot
-    honour it, so it is a 400 rather than ignored."""
+    """The template kwargs with the request's `reasoning_effort`, as SGLang takes it: given to a
+    template that reads a variable of that name (gpt-oss's own, as --chat-template); "none" turns
+    thinking off (`enable_thinking: false`, Qwen3's switch); otherwise the model has no effort
+    setting and it changes nothing (docs/server.md)."""
     if effort is None:
         return template_kwargs
-    if "reasoning_effort" not in template_text(tokenizer, template):
-        raise bad_request("reasoning_effort is honoured for gpt-oss models and chat templates that "
-                          "read it; this model's template does not", "reasoning_effort")
-    given = (template_kwargs or {}).get("reasoning_effort", effort)
-    if given != effort:
-        raise bad_request("reasoning_effort and chat_template_kwargs.reasoning_effort differ; "
-                          "give one", "reasoning_effort")
-    return {**(template_kwargs or {}), "reasoning_effort": effort}
+    kwargs = dict(template_kwargs or {})
+    if "reasoning_effort" in template_text(tokenizer, template):
+        if kwargs.setdefault("reasoning_effort", effort) != effort:
+            raise bad_request("reasoning_effort and chat_template_kwargs.reasoning_effort differ; "
+                              "give one", "reasoning_effort")
+    elif effort == "none":
+        if kwargs.setdefault("enable_thinking", False) is not False:
+            raise bad_request("reasoning_effort 'none' and chat_template_kwargs.enable_thinking "
+                              "true contradict each other", "reasoning_effort")
+    return kwargs
 
 
 def render(tokenizer, messages: list[dict], *, template: str | None, tools, add_generation_prompt: bool,

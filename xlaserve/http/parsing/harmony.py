@@ -88,6 +88,9 @@ def harmony_options(reasoning_effort: str | None,
     if unknown:
         raise bad_request(f"chat_template_kwargs {unknown} are not used by gpt-oss's Harmony "
                           f"format (it takes {list(TEMPLATE_KWARGS)})", "chat_template_kwargs")
+    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
+        raise bad_request(f"reasoning_effort {reasoning_effort!r}: gpt-oss's Harmony format takes "
+                          f"{', '.join(REASONING_EFFORTS)}", "reasoning_effort")
     effort = kwargs.get("reasoning_effort")
     if effort is not None and effort not in REASONING_EFFORTS:
         raise bad_request(f"chat_template_kwargs.reasoning_effort must be one of "
