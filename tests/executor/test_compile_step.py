@@ -40,7 +40,8 @@ def test_llama_8b_serving_step_compiles_for_the_target(target, tp_size):
 
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
 WEIGHT_BYTES_OF = {"qwen3-30b-a3b": 61.06e9,  # 30.5B parameters in bfloat16
-                   "mixtral-8x7b": 93.4e9}  # 46.7B
+                   "mixtral-8x7b": 93.4e9,  # 46.7B
+                   "gpt-oss-120b": 233.66e9}  # 116.8B, the MXFP4 experts decoded
 
 
 @pytest.mark.parametrize("config,target,tp_size,ep_size,bucket", [
@@ -55,6 +56,9 @@ WEIGHT_BYTES_OF = {"qwen3-30b-a3b": 61.06e9,  # 30.5B parameters in bfloat16
     pytest.param("mixtral-8x7b", "v6e:2x4", 8, 2, "largest", marks=pytest.mark.slow),
     pytest.param("mixtral-8x7b", "h100x8", 8, 8, "smallest", marks=pytest.mark.slow),
     pytest.param("mixtral-8x7b", "h100x8", 8, 8, "largest", marks=pytest.mark.slow),
+    # Sinks in the Pallas kernels, sliding and full layers, expert biases.
+    pytest.param("gpt-oss-120b", "v6e:2x4", 8, 8, "smallest", marks=pytest.mark.slow),
+    pytest.param("gpt-oss-120b", "h100x8", 8, 8, "largest", marks=pytest.mark.slow),
 ])
 def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target, tp_size, ep_size,
                                                                  bucket):
