@@ -89,12 +89,13 @@ def _dist_port() -> int:
 class Pair:
     """A leader and a follower on 127.0.0.1; `stop()` kills whatever still runs, by pid."""
 
-    def __init__(self, model: str, tmp_path, monkeypatch, leader_flags=()):
+    def __init__(self, model: str, tmp_path, monkeypatch, leader_flags=(), flags=()):
         for name, value in FAKE_DEVICES.items():
             monkeypatch.setenv(name, value)
         address = f"127.0.0.1:{_dist_port()}"
         # Every 2nd step's sampled outputs are compared across the processes (a debug check).
-        common = [*_flags(model), "--dist-init-addr", address, "--debug-step-hash-interval", "2"]
+        common = [*_flags(model), *flags, "--dist-init-addr", address,
+                  "--debug-step-hash-interval", "2"]
         self.follower_log = tmp_path / "follower.log"
         self.leader_log = tmp_path / "leader.log"
         self.processes = []
@@ -311,3 +312,31 @@ def test_a_tp_size_that_is_not_every_device_is_refused_on_every_rank(model, tmp_
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
+
+
+@pytest.mark.slow  # two more processes and a reference run: ~1 min on a 2-core CPU
+@pytest.mark.timeout(300)
+def test_expert_parallel_across_two_processes_serves_the_one_process_tokens(tmp_path_factory,
+                                                                           tmp_path, monkeypatch):
+    """--ep-size composes with --nnodes: a tiny Qwen3-MoE's 8 experts over 4 devices of two
+    processes (2 each), attention over the same 4; the leader's greedy tokens equal one process
+    with one device."""
+    from xlaserve.model import gguf_file
+    from xlaserve.model.loader import default_model_file
+    from xlaserve.offline import Engine
+
+    directory = str(tmp_path_factory.mktemp("tiny-qwen3-moe-kv4"))
+    make_tiny_checkpoint(directory, "qwen3_moe", vocab_size=49152, num_key_value_heads=4)
+    gguf_file.load_tokenizer(default_model_file()).save_pretrained(directory)
+    sampling = {**GREEDY, "max_new_tokens": 12}
+    with Engine(directory, **SERVER) as engine:
+        expected = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS[:4],
+                                                             sampling_params=sampling)]
+    pair = Pair(directory, tmp_path, monkeypatch, flags=["--ep-size", "4"])
+    try:
+        response = httpx.post(pair.base_url + "/generate", timeout=120,
+                              json={"input_ids": PROMPTS[:4], "sampling_params": sampling})
+        response.raise_for_status()
+        assert [o["output_ids"] for o in response.json()] == expected
+    finally:
+        pair.stop()
