@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from tests.model.dict_source import DictSource
 from tests.model.mxfp4_writer import (EXPERT_MATRICES, QUANTIZATION_CONFIG, encode_mxfp4,
                                       write_tiny_gpt_oss_checkpoint)
-from xlaserve.model.mxfp4 import (FP4_VALUES, Mxfp4Error, check_quantization_config, decode_mxfp4,
-                                  read_expert_weight)
+from xlaserve.model.mxfp4 import FP4_VALUES, Mxfp4Error, decode_mxfp4, read_expert_weight
+from xlaserve.model.quantization import QuantizationError, check_quantization_config
 from xlaserve.model.weights import SafetensorsSource
 
 DTYPES = {"bfloat16": (ml_dtypes.bfloat16, torch.bfloat16, np.uint16),
@@ -115,27 +116,23 @@ def test_encode_takes_the_ocp_scale_and_the_nearest_fp4_value():
 
 
 @pytest.mark.parametrize("hf_config, expected", [
-    ({"model_type": "gpt_oss"}, False),
-    ({"model_type": "gpt_oss", "quantization_config": QUANTIZATION_CONFIG}, True),
-    ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}, True),
+    ({"model_type": "gpt_oss"}, None),
+    ({"model_type": "gpt_oss", "quantization_config": QUANTIZATION_CONFIG}, "mxfp4"),
+    ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}, "mxfp4"),
 ])
 def test_quantization_config_accepts_mxfp4_gpt_oss(hf_config, expected):
-    assert check_quantization_config(hf_config) is expected
+    assert check_quantization_config(hf_config) == expected
 
 
 @pytest.mark.parametrize("hf_config, message", [
-    ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "fp8"}},
-     "quant_method 'fp8' is not supported"),
-    ({"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4}},
-     "quant_method 'gptq' is not supported"),
     ({"model_type": "qwen3_moe", "quantization_config": {"quant_method": "mxfp4"}},
      "gpt_oss expert weights only, not model_type 'qwen3_moe'"),
     ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}},
      "modules_to_not_convert must be a list"),
     ({"model_type": "gpt_oss", "quantization_config": "mxfp4"}, "must be a JSON object"),
 ])
-def test_quantization_config_refuses_anything_else_in_one_line(hf_config, message):
-    with pytest.raises(Mxfp4Error, match=message) as error:
+def test_mxfp4_quantization_config_refuses_other_models_and_malformed_fields_in_one_line(hf_config, message):
+    with pytest.raises(QuantizationError, match=message) as error:
         check_quantization_config(hf_config)
     assert "\n" not in str(error.value)
 
@@ -167,7 +164,7 @@ def test_tiny_checkpoint_has_the_gpt_oss_on_disk_layout(tiny_gpt_oss):
     with open(os.path.join(directory, "config.json")) as f:
         hf_config = json.load(f)
     assert hf_config["quantization_config"] == QUANTIZATION_CONFIG
-    assert check_quantization_config(hf_config)
+    assert check_quantization_config(hf_config) == "mxfp4"
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
@@ -190,30 +187,19 @@ def test_transformers_loads_the_tiny_checkpoint_to_the_experts_we_decode(tiny_gp
             assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-class _Tensors:
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def names(self):
-        return set(self.tensors)
-
-    def get(self, name):
-        return self.tensors[name]
-
-
 def test_read_expert_weight_reads_a_plain_matrix_and_names_what_is_missing():
     plain = np.arange(2 * 64 * 8, dtype=np.float32).reshape(2, 64, 8)
     name = "model.layers.0.mlp.experts.down_proj"
-    read = read_expert_weight(_Tensors({name: plain}), name, (2, 64, 8), ml_dtypes.bfloat16)
+    read = read_expert_weight(DictSource({name: plain}), name, (2, 64, 8), ml_dtypes.bfloat16)
     np.testing.assert_array_equal(read, plain.astype(ml_dtypes.bfloat16))
     blocks, scales = encode_mxfp4(plain)
     with pytest.raises(Mxfp4Error, match=f"missing tensor '{name}_scales' \\(expected shape \\[2, 8, 2\\]\\)"):
-        read_expert_weight(_Tensors({name + "_blocks": blocks}), name, (2, 64, 8), np.float32)
+        read_expert_weight(DictSource({name + "_blocks": blocks}), name, (2, 64, 8), np.float32)
     with pytest.raises(Mxfp4Error, match=r"_blocks' has shape \[2, 8, 2, 16\], expected \[2, 4, 4, 16\]"):
-        read_expert_weight(_Tensors({name + "_blocks": blocks, name + "_scales": scales}), name,
+        read_expert_weight(DictSource({name + "_blocks": blocks, name + "_scales": scales}), name,
                            (2, 128, 4), np.float32)
     with pytest.raises(Mxfp4Error, match=f"neither '{name}' nor its MXFP4 '{name}_blocks'"):
-        read_expert_weight(_Tensors({}), name, (2, 64, 8), np.float32)
+        read_expert_weight(DictSource({}), name, (2, 64, 8), np.float32)
 
 
 def test_encode_rounds_ties_to_the_even_code_and_saturates_at_six():

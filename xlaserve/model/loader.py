@@ -38,8 +38,8 @@ from xlaserve.model.config import ModelConfig
 from xlaserve.model.conversion_cache import ConversionCache, ParamsWriter
 from xlaserve.model.dummy_weights import dummy_model
 from xlaserve.model.placement import put
+from xlaserve.model.quantization import check_quantization_config, dequantizing_source
 from xlaserve.model.registry import architecture_of, model_class
-from xlaserve.model.mxfp4 import check_quantization_config
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.model.weights import SafetensorsSource, WeightError, convert
@@ -204,7 +204,7 @@ def load_model(
             tokenizer_path=None if skip_tokenizer_init else tokenizer_path,
             need_tokenizer=not skip_tokenizer_init)
         return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
-    source_path, config = _read_config(path, config_file_allowed=dummy)
+    source_path, config, hf_config = _read_config(path, config_file_allowed=dummy)
     check_expert_parallel(config.num_experts, mesh)
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
     tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or _folder_of(source_path))
@@ -213,8 +213,8 @@ def load_model(
     elif checkpoint.is_checkpoint(source_path):
         model = checkpoint.load(source_path, dtype=dtype, mesh=mesh)
     else:
-        model = build_model(config, SafetensorsSource(source_path), dtype=dtype, mesh=mesh,
-                            progress=progress)
+        source = dequantizing_source(SafetensorsSource(source_path), hf_config, dtype)
+        model = build_model(config, source, dtype=dtype, mesh=mesh, progress=progress)
     return LoadedModel(config, model, tokenizer, dtype, mesh, source_path, name)
 
 
@@ -287,11 +287,12 @@ def _folder_of(path: str) -> str:
     return os.path.dirname(path) if os.path.basename(path) == "config.json" else path
 
 
-def _read_config(path: str, config_file_allowed: bool) -> tuple[str, ModelConfig]:
+def _read_config(path: str, config_file_allowed: bool) -> tuple[str, ModelConfig, dict]:
     """(where the model is: checkpoint directory, GGUF file, Hugging Face directory, or, when
-    `config_file_allowed`, a config.json file; its ModelConfig)."""
+    `config_file_allowed`, a config.json file; its ModelConfig; its Hugging Face config as a dict,
+    whose quantization has been checked)."""
     if checkpoint.is_checkpoint(path):
-        return path, checkpoint.load_config(path)
+        return path, checkpoint.load_config(path), {}
     gguf_path = _gguf_in(path)
     if gguf_path is not None:
         hf_config = gguf_file.load_hf_config(gguf_path)
@@ -304,16 +305,17 @@ def _read_config(path: str, config_file_allowed: bool) -> tuple[str, ModelConfig
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(path)  # a directory or the file itself
-        # Only gpt-oss's MXFP4 experts are decoded; any other quantization stops here.
+        # FP8 and gpt-oss's MXFP4 are decoded; any other quantization stops here.
         check_quantization_config(hf_config.to_dict())
         source_path = path
-    return source_path, ModelConfig.from_hf(hf_config, model_class_check(hf_config))
+    config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
+    return source_path, config, hf_config.to_dict()
 
 
 def read_config(model_path: str | None, load_format: str = "auto") -> tuple[ModelConfig, str | None]:
     """A model's config and where its tokenizer is (None: it has none), reading no weights."""
     path = resolve_model_path(model_path, with_weights=load_format != "dummy")
-    source_path, config = _read_config(path, config_file_allowed=load_format == "dummy")
+    source_path, config, _ = _read_config(path, config_file_allowed=load_format == "dummy")
     tokenizer_source = _folder_of(source_path)
     return config, tokenizer_source if has_tokenizer(tokenizer_source) else None
 

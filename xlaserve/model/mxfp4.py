@@ -21,10 +21,15 @@ spec) give inf/NaN in transformers; we refuse them instead.
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
+
+from xlaserve.model.quantization import check_float_tensor
+
+if TYPE_CHECKING:  # weights.py imports this module
+    from xlaserve.model.weights import TensorSource
 
 FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
@@ -40,43 +45,7 @@ _ROW_TILE = 256
 
 
 class Mxfp4Error(ValueError):
-    """An MXFP4 tensor or quantization_config this loader does not handle."""
-
-
-class TensorSource(Protocol):  # the protocol of xlaserve.model.weights, restated to avoid a cycle
-    def names(self) -> set[str]: ...
-
-    def get(self, name: str) -> np.ndarray: ...
-
-
-def check_quantization_config(hf_config: dict) -> bool:
-    """True for a gpt-oss MXFP4 checkpoint, False for an unquantized one; any other quantization
-    is refused with one line naming it.
-
-    `modules_to_not_convert` (the real checkpoints list attention, router, embeddings and lm_head)
-    only tells transformers which GptOssMLP modules to swap for its Triton MXFP4 module; when it
-    dequantizes at load, as it does on CPU and as we do everywhere, the tensors in the file decide:
-    `<name>_blocks` + `<name>_scales` are decoded, a plain `<name>` is read as is
-    (`read_expert_weight`). So the list is checked for form only.
-    """
-    quant = hf_config.get("quantization_config")
-    if quant is None:
-        return False
-    if not isinstance(quant, dict):
-        raise Mxfp4Error(f"quantization_config must be a JSON object, got {type(quant).__name__}")
-    method = quant.get("quant_method")
-    if method != "mxfp4":
-        raise Mxfp4Error(f"quantization_config.quant_method {method!r} is not supported "
-                         "(only 'mxfp4', the expert weights of gpt-oss)")
-    model_type = hf_config.get("model_type")
-    if model_type != "gpt_oss":
-        raise Mxfp4Error(f"mxfp4 quantization is defined for gpt_oss expert weights only, "
-                         f"not model_type {model_type!r}")
-    skip = quant.get("modules_to_not_convert")
-    if skip is not None and not (isinstance(skip, list) and all(isinstance(s, str) for s in skip)):
-        raise Mxfp4Error(f"quantization_config.modules_to_not_convert must be a list of module "
-                         f"names, got {skip!r}")
-    return True
+    """An MXFP4 tensor this loader does not handle (the config is checked in quantization.py)."""
 
 
 def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype, name: str = "MXFP4 tensor") -> np.ndarray:
@@ -126,7 +95,7 @@ def read_expert_weight(source: TensorSource, name: str, shape: tuple[int, int, i
     if name not in names:
         raise Mxfp4Error(f"checkpoint has neither {name!r} nor its MXFP4 {name + '_blocks'!r} "
                          f"(expected shape {list(shape)})")
-    plain = source.get(name)
+    plain = check_float_tensor(name, source.get(name))
     if tuple(plain.shape) != tuple(shape):
         raise Mxfp4Error(f"tensor {name!r} has shape {list(plain.shape)}, expected {list(shape)} from the config")
     return plain.astype(_decoded_dtype(dtype, name))

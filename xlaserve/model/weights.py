@@ -17,6 +17,7 @@ import numpy as np
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.mxfp4 import read_expert_weight
+from xlaserve.model.quantization import check_float_tensor
 
 
 class TensorSource(Protocol):
@@ -79,9 +80,11 @@ class SafetensorsSource:
 
 
 def _fetch(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The float tensor `name` of `shape`; a missing, misshapen or non-float one raises.
+    (Quantized tensors reach here dequantized by the source: quantization.dequantizing_source.)"""
     if name not in source.names():
         raise WeightError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
-    array = source.get(name)
+    array = check_float_tensor(name, source.get(name))  # before the shape: packed codes differ
     if tuple(array.shape) != tuple(shape):
         raise WeightError(
             f"tensor {name!r} has shape {list(array.shape)}, expected {list(shape)} from the config"
