@@ -14,20 +14,12 @@ import pytest
 from jax.sharding import Mesh
 
 from tests.compile_targets import compile_for, devices
+from tests.kernels.grouped_reference import grouped_reference
 from xlaserve.executor.aot import abstract
 from xlaserve.model.grouped_matmul import (grouped_matmul_megablox, grouped_matmul_ragged_dot,
                                            grouped_matmul_tiled, tile_rows)
 
 IMPLEMENTATIONS = {"tiled": grouped_matmul_tiled, "ragged_dot": grouped_matmul_ragged_dot}
-
-
-def _reference(x, weights, group_sizes):
-    out = np.zeros((x.shape[0], weights.shape[2]))
-    start = 0
-    for group, size in enumerate(group_sizes):
-        out[start:start + size] = x[start:start + size].astype(np.float64) @ weights[group].astype(np.float64)
-        start += size
-    return out
 
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
@@ -45,7 +37,7 @@ def test_each_group_is_multiplied_by_its_own_matrix(name, group_sizes):
     sizes = np.array(group_sizes, np.int32)
     got = jax.jit(IMPLEMENTATIONS[name])(x, weights, sizes)
     assert got.dtype == jnp.float32 and got.shape == (16, 40)
-    np.testing.assert_allclose(np.asarray(got), _reference(x, weights, sizes), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), grouped_reference(x, weights, sizes), rtol=1e-5, atol=1e-5)
 
 
 def test_one_program_serves_any_routing():
@@ -63,7 +55,7 @@ def test_one_program_serves_any_routing():
     for sizes in ([64, 0, 0, 0], [10, 20, 30, 4], [0, 1, 0, 63]):
         sizes = np.array(sizes, np.int32)
         np.testing.assert_allclose(np.asarray(tiled(x, weights, sizes)),
-                                   _reference(x, weights, sizes), rtol=1e-5, atol=1e-5)
+                                   grouped_reference(x, weights, sizes), rtol=1e-5, atol=1e-5)
     assert len(traces) == 1
 
 
@@ -73,7 +65,7 @@ def test_bfloat16_weights_take_bfloat16_inputs_with_float32_accumulation():
     weights = jnp.asarray(rng.standard_normal((3, 64, 16)), jnp.bfloat16)
     sizes = np.array([5, 0, 7], np.int32)
     rounded_x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-    expected = _reference(rounded_x, np.asarray(weights.astype(jnp.float32)), sizes)
+    expected = grouped_reference(rounded_x, np.asarray(weights.astype(jnp.float32)), sizes)
     for implementation in IMPLEMENTATIONS.values():
         got = jax.jit(implementation)(x, weights, sizes)
         assert got.dtype == jnp.float32
@@ -103,7 +95,7 @@ def test_megablox_matches_the_reference_in_interpret_mode():
         sizes = np.array(sizes, np.int32)
         got = megablox(x, weights, sizes)
         assert got.dtype == jnp.float32 and got.shape == (300, 40)
-        expected = _reference(rounded_x, np.asarray(weights.astype(jnp.float32)), sizes)
+        expected = grouped_reference(rounded_x, np.asarray(weights.astype(jnp.float32)), sizes)
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-4)
 
 

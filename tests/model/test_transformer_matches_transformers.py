@@ -6,7 +6,7 @@ import torch
 from flax import nnx
 
 from xlaserve.model.loader import load_model
-from xlaserve.model.packed import PackedMatrix, pack_model
+from xlaserve.model.packed import PackedExperts, PackedMatrix, pack_model
 from xlaserve.executor.greedy import PagedBatch, make_forward
 from xlaserve.executor.kv_pool import init_kv_pool
 
@@ -33,6 +33,12 @@ def _lay_out(loaded, layout):
             pytest.skip(f"the native CPU GEMM does not build here: {error}")
         pack_model(loaded.model, loaded.config.tie_word_embeddings)
         assert isinstance(loaded.model.layers[0].attn.qkv.get_value(), PackedMatrix)
+        # Every mixture-of-experts layer's experts packed: only the native grouped GEMM takes them
+        experts = [weight.get_value() for layer in loaded.model.layers
+                   for weight in (getattr(layer.mlp, "experts_gate_up", None),
+                                  getattr(layer.mlp, "experts_down", None)) if weight is not None]
+        assert len(experts) == 2 * sum(loaded.config.moe_layers)
+        assert all(isinstance(weight, PackedExperts) for weight in experts)
 
 
 def _hf_reference(hf_model, prompt):

@@ -1,7 +1,8 @@
 """The kernels a forward pass runs with (`layers.Kernels`), picked for the platform: the
 attention backend (see pallas_kernels/ragged_paged_attention/api.py); on a single CPU device, the
-native GEMM over packed weights (xlaserve/native/gemm_cpu.cc); on the CPU, the experts' grouped
-matmul in tiles (model/grouped_matmul.py).
+native GEMM over packed weights (xlaserve/native/gemm_cpu.cc), and the experts' grouped GEMM over
+packed experts (native/grouped_gemm_cpu.cc); for experts not packed on the CPU (on a mesh, or with
+`matmul_backend="xla"`), the grouped matmul in tiles (model/grouped_matmul.py).
 
 The native GEMM beat XLA's CPU dot at every row count measured on the default model's shapes
 (AMD EPYC, float32): 2-2.5x for steps of 2-32 rows, where XLA runs at a third of the memory
@@ -45,7 +46,9 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         if applies and _gemm_builds(required=matmul_backend == "native"):
             packed_matmul = gemm_cpu.packed_matmul
     kernels = Kernels(attention=get_attention_fn(attention_backend, mesh, platform=platform),
-                      packed_matmul=packed_matmul)
+                      packed_matmul=packed_matmul,
+                      packed_grouped_matmul=(gemm_cpu.packed_grouped_matmul
+                                             if packed_matmul is not None else None))
     if mesh is not None and mesh.shape.get("expert", 1) > 1:
         kernels = dataclasses.replace(kernels, run_experts=expert_parallel(mesh))
     if platform == "cpu":

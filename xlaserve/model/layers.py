@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot
-from xlaserve.model.packed import PackedMatrix, output_axes
+from xlaserve.model.packed import PackedExperts, PackedMatrix, output_axes
 
 
 def init_weight(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
@@ -93,6 +93,9 @@ class Kernels:
     # `(x [M, K], weights [E, K, N], group_sizes i32[E]) -> float32 [M, N]`: rows sorted by group,
     # group g multiplied by weights[g] (the experts of a mixture-of-experts layer, model/moe.py)
     grouped_matmul: Callable = grouped_matmul_ragged_dot
+    # The same over packed experts (`PackedExperts`), on a single CPU device: `(x, panels,
+    # group_sizes, N, layer, bf16_pairs) -> float32 [M, N]` (native/gemm_cpu.py)
+    packed_grouped_matmul: Callable | None = None
     # The experts with expert parallelism (`moe.expert_parallel(mesh)`); None: `moe.run_experts`,
     # whose weights XLA's partitioner splits by their intermediate axis like the dense MLP's.
     run_experts: Callable | None = None
@@ -101,7 +104,7 @@ class Kernels:
 def matmul_input_dtype(weight) -> jnp.dtype:
     """The dtype `linear` gives x before multiplying it by `weight`: a norm in front of the matmul
     rounds to it directly."""
-    if isinstance(weight, PackedMatrix):
+    if isinstance(weight, (PackedMatrix, PackedExperts)):
         return jnp.dtype(jnp.bfloat16 if weight.bf16_pairs else jnp.float32)
     return jnp.dtype(weight.dtype)
 

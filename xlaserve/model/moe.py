@@ -8,9 +8,10 @@ gate|up, down) and clamps its SwiGLU (`clamped_swiglu`).
 
 The experts run without a loop over experts and without a shape that depends on the routing: the
 T x k (token, expert) pairs are sorted by expert, so that each expert's tokens are one contiguous
-group, and two grouped matmuls (`Kernels.grouped_matmul`, model/grouped_matmul.py) multiply each
-group by its expert's gate|up and down weights. The outputs go back to token order by the inverse
-permutation and are summed over k with the router's weights.
+group, and two grouped matmuls (`grouped_matmul`: `Kernels.grouped_matmul`,
+model/grouped_matmul.py, or on a single CPU device the native one over packed experts) multiply
+each group by its expert's gate|up and down weights. The outputs go back to token order by the
+inverse permutation and are summed over k with the router's weights.
 
 Weights: `experts_gate_up [E, hidden, 2, moe_intermediate]` and `experts_down [E,
 moe_intermediate, hidden]`, the dense MLP's layout with an expert axis in front; `router
@@ -29,7 +30,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.layers import MLP, Kernels, init_weight, linear
+from xlaserve.model.layers import MLP, Kernels, init_weight, linear, matmul_input_dtype
+from xlaserve.model.packed import PackedExperts
 from xlaserve.model.sharding import PARTITION_SPECS
 
 
@@ -48,6 +50,15 @@ def clamped_swiglu(gate_up: jax.Array, out_dtype, *, limit: float, alpha: float)
     gate = jnp.minimum(gate_up[:, 0], limit)
     up = jnp.clip(gate_up[:, 1], -limit, limit)
     return ((up + 1) * gate * jax.nn.sigmoid(alpha * gate)).astype(out_dtype)
+
+
+def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, kernels: Kernels) -> jax.Array:
+    """x [M, K], its rows sorted by expert, times each group's expert of `weight` [E, K, N...]:
+    float32 [M, N...flattened]. `PackedExperts` go to the native grouped GEMM."""
+    if isinstance(weight, PackedExperts):
+        return kernels.packed_grouped_matmul(x, weight.panels, group_sizes, weight.columns,
+                                             weight.layer, weight.bf16_pairs)
+    return kernels.grouped_matmul(x, weight.reshape(weight.shape[0], x.shape[1], -1), group_sizes)
 
 
 def run_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
@@ -69,13 +80,13 @@ def run_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
     order = jnp.argsort(local, stable=True)  # (token, slot) pairs sorted by expert
     group_sizes = jnp.bincount(local, length=num_experts).astype(jnp.int32)
     sorted_x = x[order // top_k]
-    gate_up_out = kernels.grouped_matmul(
-        sorted_x, gate_up.reshape(num_experts, hidden, 2 * intermediate), group_sizes)
+    gate_up_out = grouped_matmul(sorted_x, gate_up, group_sizes, kernels)
     gate_up_out = gate_up_out.reshape(-1, 2, intermediate)
     if "experts_gate_up_bias" in expert_weights:  # rows past the groups take any: dropped below
         bias = expert_weights["experts_gate_up_bias"].astype(jnp.float32)
         gate_up_out = gate_up_out + jnp.take(bias, local[order], axis=0, mode="clip")
-    sorted_out = kernels.grouped_matmul(activation(gate_up_out, down.dtype), down, group_sizes)
+    sorted_out = grouped_matmul(activation(gate_up_out, matmul_input_dtype(down)), down,
+                                group_sizes, kernels)
     out = sorted_out[jnp.argsort(order)].reshape(tokens, top_k, hidden)
     out = jnp.where(held.reshape(tokens, top_k, 1), out, 0.0)
     return jnp.einsum("tkh,tk->th", out, weights)
@@ -130,7 +141,7 @@ class MoE(nnx.Module):
             self.shared_expert_gate = nnx.Param(init_weight(rngs, (c.hidden_size, 1), dtype))
 
     def input_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.experts_gate_up[...].dtype)
+        return matmul_input_dtype(self.experts_gate_up[...])
 
     def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         c = self.config

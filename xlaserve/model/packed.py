@@ -2,8 +2,10 @@
 
 On a single CPU device every matmul weight is packed once, when the ModelRunner is built: a
 `PackedMatrix` replaces the array as the value of its nnx Variable, and `layers.linear` sends
-it to `Kernels.packed_matmul`. The weight is not kept in its own layout as well (that would double
-the model's memory); a tied embedding is looked up from its panels (`embed`).
+it to `Kernels.packed_matmul`; the experts' weights of a mixture-of-experts layer become a
+`PackedExperts` (each expert's matrix packed), which `moe.run_experts` sends to
+`Kernels.packed_grouped_matmul`. The weight is not kept in its own layout as well (that would
+double the model's memory); a tied embedding is looked up from its panels (`embed`).
 """
 from __future__ import annotations
 
@@ -18,19 +20,22 @@ from xlaserve.native import gemm_cpu
 
 # The leaves that are matmul weights, with how many of their leading axes are contracted.
 MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1}
+# The experts' weights [E, K, N...] (model/moe.py): one contracted axis after the experts'.
+EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class PackedMatrix:
-    panels: jax.Array  # [ceil(N/P), K, P], or a stack of every layer's [L, ceil(N/P), K, P]
+class _Panels:
+    """What both packed kinds hold: panels, and how to read them."""
+
+    panels: jax.Array
     output_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # N, unflattened
     layer: int = dataclasses.field(default=0, metadata=dict(static=True))  # which of a stack
     # bfloat16 panels in k-pairs, multiplied with VDPBF16PS (native/gemm_cpu.py)
     bf16_pairs: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __getitem__(self, index):
-        """nnx reads a Variable's value as `variable[...]`: the whole matrix."""
+        """nnx reads a Variable's value as `variable[...]`: the whole weight."""
         if index is not Ellipsis:
             raise TypeError("a packed weight is read whole (`[...]`)")
         return self
@@ -42,6 +47,24 @@ class PackedMatrix:
     @property
     def columns(self) -> int:
         return math.prod(self.output_axes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedMatrix(_Panels):
+    """A matmul weight: panels [ceil(N/P), K, P], or a stack of every layer's [L, ...]."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedExperts(_Panels):
+    """The experts' weight [E, K, N...] as each expert's panels [E, ceil(N/P), K, P], or a stack of
+    every mixture-of-experts layer's [L, E, ...]."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape in its own layout: [E, K, N...]."""
+        return (self.panels.shape[-4], self.panels.shape[-2], *self.output_axes)
 
 
 def output_axes(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
@@ -64,11 +87,25 @@ def pack(weight: jax.Array, contracted_axes: int = 1, transposed: bool = False) 
     return PackedMatrix(gemm_cpu.pack_columns(matrix, pairs), axes, bf16_pairs=pairs)
 
 
+def pack_experts(weight: jax.Array) -> PackedExperts:
+    """The experts' `weight` [E, K, N...] in panels, expert by expert."""
+    experts, k = weight.shape[:2]
+    pairs = gemm_cpu.uses_bf16_pairs(weight.dtype, k)
+    return PackedExperts(gemm_cpu.pack_groups(weight.reshape(experts, k, -1), pairs),
+                         tuple(weight.shape[2:]), bf16_pairs=pairs)
+
+
+def _pack_leaf(name: str, weight: jax.Array) -> PackedMatrix | PackedExperts:
+    if name in EXPERT_WEIGHTS:
+        return pack_experts(weight)
+    return pack(weight, MATMUL_WEIGHTS[name])
+
+
 def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
-    """Packs `model`'s matmul weights in place. The layers' weights of one kind (every layer's
-    qkv, ...) become one stack, each layer's Variable a view of it (the layers of the supported
-    architectures all have the same shapes): a step then takes 4 weight arrays for all layers
-    instead of 4 per layer, and each argument of a jitted call costs host time (with
+    """Packs `model`'s matmul and experts' weights in place. The layers' weights of one kind
+    (every layer's qkv, ...) become one stack, each layer's Variable a view of it (the layers of
+    the supported architectures all have the same shapes): a step then takes 4 weight arrays for
+    all layers instead of 4 per layer, and each argument of a jitted call costs host time (with
     executor/weight_args.py, 182 weight arguments became 6 and the host dispatch of a one-token
     step went from 3.2 to 2.1 ms on a 2-core CPU). A model already packed is left as it is."""
     _, state = nnx.split(model)
@@ -76,33 +113,33 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value()
         name = str(path[-1])
-        if isinstance(value, PackedMatrix):
+        packs = name in MATMUL_WEIGHTS or name in EXPERT_WEIGHTS
+        if isinstance(value, _Panels):
             pass
-        elif name in MATMUL_WEIGHTS and path[0] == "layers":
+        elif packs and path[0] == "layers":
             stacks.setdefault(path[2:], []).append((path, value))
             continue
-        elif name in MATMUL_WEIGHTS:
-            value = pack(value, MATMUL_WEIGHTS[name])
+        elif packs:
+            value = _pack_leaf(name, value)
         elif name == "embedding" and tie_word_embeddings:
             value = pack(value, transposed=True)
         values[path] = value
     for members in stacks.values():
-        contracted_axes = MATMUL_WEIGHTS[str(members[0][0][-1])]
-        first = members[0][1]
-        axes = tuple(first.shape[contracted_axes:])  # as `pack` gives them
-        pairs = gemm_cpu.uses_bf16_pairs(first.dtype, math.prod(first.shape[:contracted_axes]))
-        stack = _packed_stack([value for _, value in members], contracted_axes)
+        name = str(members[0][0][-1])
+        # What packing one layer's weight gives, but its panels: axes, k-pairs (no work done)
+        packed = jax.eval_shape(functools.partial(_pack_leaf, name), members[0][1])
+        stack = _packed_stack([value for _, value in members], name)
         for layer, (path, _) in enumerate(members):
-            values[path] = PackedMatrix(stack, axes, layer, pairs)
+            values[path] = dataclasses.replace(packed, panels=stack, layer=layer)
     nnx.update(model, nnx.from_flat_state(values))
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _packed_stack(weights: list[jax.Array], contracted_axes: int) -> jax.Array:
+def _packed_stack(weights: list[jax.Array], name: str) -> jax.Array:
     """Every layer's weight of one kind packed, as one stack. One program, where packing op by op
     (337 small ops for the default model) took 1.3 s of a start, 2.9 s beside the KV pool's
     zeroing; compiled and run: 0.76 s (2-core Zen 4)."""
-    return jax.numpy.stack([pack(w, contracted_axes).panels for w in weights])
+    return jax.numpy.stack([_pack_leaf(name, w).panels for w in weights])
 
 
 def embed(embedding, ids: jax.Array) -> jax.Array:

@@ -7,10 +7,13 @@
     y = packed_matmul(x, jnp.stack([packed, ...]), n, layer=i, bf16_pairs=pairs)  # no copy
     a = packed_matmul_swiglu(x, packed, 2 * i, ...)  # silu(x @ W[:, :i]) * (x @ W[:, i:])
     rows = packed_rows(packed, ids, pairs)  # e[ids] from pack_rows(e): the embedding lookup
+    groups = pack_groups(ws, pairs)         # ws [G, K, N] -> [G, ceil(N/P), K, P]: the experts
+    y = packed_grouped_matmul(x, groups, group_sizes, n, bf16_pairs=pairs)  # rows sorted by group
 
 P, the panel width, is the kernel's (`panel_width()`: 16, or 32 on CPUs with AVX-512). Packing is
 done once, when the weights are placed (executor/model_runner.py); a panel is then one contiguous
-stream, which is what lets steps of a few rows run near memory speed.
+stream, which is what lets steps of a few rows run near memory speed. The experts' grouped matmul
+(`grouped_gemm_cpu.cc`) runs the same panel kernels over each group's expert.
 
 bfloat16 weights with an even K, on a CPU with AVX512_BF16, are packed in k-pairs (`bf16_pairs`:
 each panel [K/2, P, 2], stored as the same [K, P] shape): the kernel then multiplies them by x
@@ -32,7 +35,9 @@ from xlaserve.native import register
 
 TARGET_NAME = "xlaserve_packed_gemm_cpu"
 SWIGLU_TARGET_NAME = "xlaserve_packed_gemm_swiglu_cpu"
+GROUPED_TARGET_NAME = "xlaserve_grouped_packed_gemm_cpu"
 _SOURCE = Path(__file__).with_name("gemm_cpu.cc")
+_GROUPED_SOURCE = Path(__file__).with_name("grouped_gemm_cpu.cc")
 
 
 @functools.cache
@@ -45,8 +50,10 @@ def panel_width() -> int:
 
 
 def load() -> None:
+    """Builds and registers every custom call of this module (raises KernelUnavailable)."""
     panel_width()
     register(_SOURCE, "XlaservePackedGemmSwiglu", SWIGLU_TARGET_NAME)
+    register(_GROUPED_SOURCE, "XlaserveGroupedPackedGemm", GROUPED_TARGET_NAME)
 
 
 @functools.cache
@@ -141,15 +148,19 @@ def packed_matmul_swiglu(x: jax.Array, packed: jax.Array, n: int, layer: int = 0
     return call(x, packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs))
 
 
-def _check(x: jax.Array, packed: jax.Array, n: int, layer: int, bf16_pairs: bool) -> None:
+def _check(x: jax.Array, packed: jax.Array, n: int, layer: int, bf16_pairs: bool,
+           grouped: bool = False) -> None:
     panel = panel_width()
     matrix = packed.shape[-3:]
-    if x.ndim != 2 or packed.ndim not in (3, 4) or matrix != (_panels(n, panel), x.shape[1], panel) or (
+    axes = 4 if grouped else 3  # without the layers' axis
+    shape = f"[(L,){' G,' if grouped else ''} ceil(N/{panel}), K, {panel}]"
+    if x.ndim != 2 or packed.ndim not in (axes, axes + 1) or matrix != (
+            _panels(n, panel), x.shape[1], panel) or (
             packed.dtype not in (jnp.float32, jnp.bfloat16)) or not (
-            0 <= layer < (packed.shape[0] if packed.ndim == 4 else 1)):
-        raise ValueError(f"packed_matmul takes x [M, K] and float32/bfloat16 panels "
-                         f"[(L,) ceil(N/{panel}), K, {panel}] (and a layer < L); got {x.shape}, "
-                         f"{packed.shape} {packed.dtype} for N={n}, layer {layer}")
+            0 <= layer < (packed.shape[0] if packed.ndim == axes + 1 else 1)):
+        raise ValueError(f"packed_matmul takes x [M, K] and float32/bfloat16 panels {shape} (and "
+                         f"a layer < L); got {x.shape}, {packed.shape} {packed.dtype} for N={n}, "
+                         f"layer {layer}")
     if bf16_pairs and not uses_bf16_pairs(packed.dtype, x.shape[1]):
         raise ValueError("k-pair panels need bfloat16 weights, an even K and a CPU with AVX512_BF16")
 
@@ -166,3 +177,28 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
     # a separate pass over x in the kernel cost ~5% of a 128-row decode step.
     x = x.astype(jnp.bfloat16 if bf16_pairs else jnp.float32)
     return call(x, packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs))
+
+
+def pack_groups(weights: jax.Array, bf16_pairs: bool | None = None) -> jax.Array:
+    """[G, K, N] -> [G, ceil(N/P), K, P]: each group's matrix as `pack_columns` packs it."""
+    pairs = _pairs(bf16_pairs, weights.dtype, weights.shape[1])
+    return jax.vmap(functools.partial(pack_columns, bf16_pairs=pairs))(weights)
+
+
+def packed_grouped_matmul(x: jax.Array, packed: jax.Array, group_sizes: jax.Array, n: int,
+                          layer: int = 0, bf16_pairs: bool = False) -> jax.Array:
+    """model/grouped_matmul.py's contract over packed matrices: x [M, K], its rows sorted by
+    group, group g (`group_sizes[g]` rows) times W_g [K, N] -> float32 [M, N], zero past
+    sum(group_sizes). `packed` is `pack_groups(W)` [G, ...], or a stack of such [L, G, ...] of
+    which `layer` is used (no copy). A group with no rows costs nothing: its panels are not read.
+    sum(group_sizes) > M is refused (the custom call fails)."""
+    _check(x, packed, n, layer, bf16_pairs, grouped=True)
+    if group_sizes.shape != (packed.shape[-4],):
+        raise ValueError(f"packed_grouped_matmul takes one group size per matrix: "
+                         f"{group_sizes.shape} for {packed.shape[-4]} matrices")
+    load()
+    call = jax.ffi.ffi_call(GROUPED_TARGET_NAME,
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    x = x.astype(jnp.bfloat16 if bf16_pairs else jnp.float32)  # as in packed_matmul
+    return call(x, group_sizes.astype(jnp.int32), packed, layer=np.int64(layer),
+                bf16_pairs=bool(bf16_pairs))
