@@ -204,8 +204,6 @@ def test_fp8_checkpoint_loads_exactly_the_dequantized_weights(fp8_checkpoint, dt
 
 
 def test_fp8_checkpoint_gives_transformers_logits_and_greedy_tokens(fp8_checkpoint):
-    from tests.model.test_transformer_matches_transformers import PROMPTS, _hf_reference, _run_ours
-
     fp8, dequantized, hf_model = fp8_checkpoint
     if hf_model.name_or_path == fp8:  # transformers' own FP8 loading: its weights are ours
         import transformers
@@ -213,7 +211,15 @@ def test_fp8_checkpoint_gives_transformers_logits_and_greedy_tokens(fp8_checkpoi
         plain = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
         for name, value in plain.state_dict().items():
             assert torch.equal(hf_model.state_dict()[name], value), name
-    loaded = load_model(fp8, dtype="float32", skip_tokenizer_init=True, progress=False)
+    assert_gives_transformers_logits_and_greedy_tokens(fp8, hf_model)
+
+
+def assert_gives_transformers_logits_and_greedy_tokens(directory, hf_model):
+    """The checkpoint in `directory`, loaded in float32, gives `hf_model`'s logits (1e-4) and
+    greedy tokens on three prompts (also used by test_awq_gptq.py)."""
+    from tests.model.test_transformer_matches_transformers import PROMPTS, _hf_reference, _run_ours
+
+    loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
     references = [_hf_reference(hf_model, prompt) for prompt in PROMPTS[:3]]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references)]
     for (full, expected), got in zip(references, _run_ours(loaded, sequences, 3, 4), strict=True):

@@ -21,14 +21,9 @@ from xlaserve.model.quantization import (SUPPORTED_METHODS, QuantizationError,
 Q_PROJ = "model.layers.0.self_attn.q_proj."  # [64, 64] in the tiny Llama
 FP8, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 # Each method's quantization_config as its tools write it, and the tensors its q_proj becomes
-# (name suffix -> dtype, shape): AutoAWQ's GEMM packing, AutoGPTQ's, llm-compressor's FP8,
+# (name suffix -> dtype, shape): llm-compressor's FP8,
 # bitsandbytes' NF4 and LLM.int8 (an older config: load_in_8bit, no quant_method), ...
 REFUSED = {
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
-            {"qweight": (np.int32, (64, 8)), "qzeros": (np.int32, (2, 8)), "scales": (np.float16, (2, 64))}),
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
-             {"qweight": (np.int32, (8, 64)), "qzeros": (np.int32, (2, 8)),
-              "scales": (np.float16, (2, 64)), "g_idx": (np.int32, (64,))}),
     "compressed-tensors": (
         {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
          "quantization_status": "compressed",
@@ -54,6 +49,18 @@ REFUSED = {
     "quanto": ({"quant_method": "quanto", "weights": "int8"},
                {"weight._data": (np.int8, (64, 64)), "weight._scale": (np.float32, (64, 1))}),
     "gguf": ({"quant_method": "gguf"}, {"weight": (np.uint8, (64, 36))}),
+}
+
+# AWQ and GPTQ load (tests/model/test_awq_gptq.py), but not in a packing we do not decode: AutoAWQ's
+# GEMV layout, and 3-bit GPTQ (codes across word boundaries).
+REFUSED_VARIANTS = {
+    "awq_gemv": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemv"},
+                 {"qweight": (np.int32, (64, 8)), "qzeros": (np.int32, (64, 1)), "scales": (np.float16, (64, 2))},
+                 "awq quantization_config version 'gemv' is not supported"),
+    "gptq_3bit": ({"quant_method": "gptq", "bits": 3, "group_size": 32, "desc_act": False, "sym": True},
+                  {"qweight": (np.int32, (6, 64)), "qzeros": (np.int32, (2, 6)),
+                   "scales": (np.float16, (2, 64)), "g_idx": (np.int32, (64,))},
+                  "gptq quantization_config.bits 3 is not supported"),
 }
 
 
@@ -107,6 +114,15 @@ def test_a_checkpoint_of_an_unsupported_method_is_refused_at_load_naming_it(plai
     named = quantization_config.get("quant_method", "bitsandbytes")
     assert f"quant_method {named!r} is not supported" in message
     assert all(repr(supported) in message for supported in SUPPORTED_METHODS)
+
+
+@pytest.mark.parametrize("variant", list(REFUSED_VARIANTS))
+def test_an_awq_or_gptq_packing_we_do_not_decode_is_refused_at_load_naming_it(plain_llama, tmp_path, variant):
+    quantization_config, layout, expected = REFUSED_VARIANTS[variant]
+    q_proj = {suffix: np.zeros(shape, dtype) for suffix, (dtype, shape) in layout.items()}
+    with pytest.raises(ValueError, match=expected) as error:  # awq_gptq.PackedIntError
+        _load(_rewrite(plain_llama, str(tmp_path), q_proj, quantization_config))
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("method", [m.value for m in QuantizationMethod if m.value not in SUPPORTED_METHODS])

@@ -3,8 +3,9 @@ in one line, what we do not decode, so that no checkpoint loads silently wrong.
 
 Two decisions, both made before any weight is used:
 - the config: `check_quantization_config` accepts no quantization, "fp8" (model/fp8.py: dequantized
-  at load) and gpt-oss's "mxfp4" (model/mxfp4.py); every other `quant_method` (AWQ, GPTQ,
-  compressed-tensors, bitsandbytes, torchao, ...) stops start-up naming it.
+  at load), "awq" and "gptq" (model/awq_gptq.py: dequantized at load) and gpt-oss's "mxfp4"
+  (model/mxfp4.py); every other `quant_method` (compressed-tensors, bitsandbytes, torchao, ...)
+  and every AWQ/GPTQ variant whose packing we do not decode stops start-up naming it.
 - the tensors: `check_float_tensor` refuses a stored tensor that is not float16, bfloat16, float32
   or float64 where a weight is read (an FP8, int8 or packed-int tensor that no accepted method
   has dequantized), naming it and its dtype, instead of casting its codes as if they were values.
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING
 import ml_dtypes
 import numpy as np
 
+from xlaserve.model.awq_gptq import (PackedIntSource, check_awq_config, check_gptq_config,
+                                     log_dequantizing)
 from xlaserve.model.fp8 import Fp8Source, check_fp8_config
 
 if TYPE_CHECKING:  # weights.py imports this module
@@ -27,6 +30,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_METHODS = {
     "fp8": "float8_e4m3fn weights with weight_scale_inv per block, channel or tensor",
     "mxfp4": "gpt-oss's MXFP4 experts",
+    "awq": "AutoAWQ's 4-bit GEMM packing",
+    "gptq": "2, 4 or 8-bit GPTQ, v1 or v2 checkpoint format",
 }
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))
@@ -37,12 +42,14 @@ class QuantizationError(ValueError):
 
 
 def supported_methods() -> str:
-    return " and ".join(f"{method!r} ({what})" for method, what in SUPPORTED_METHODS.items())
+    named = [f"{method!r} ({what})" for method, what in SUPPORTED_METHODS.items()]
+    return ", ".join(named[:-1]) + " and " + named[-1]
 
 
 def check_quantization_config(hf_config: dict) -> str | None:
-    """The quantization method of a Hugging Face config as a dict: None (unquantized), "fp8" or
-    "mxfp4". Any other method, or a field of these two that we do not decode, raises one line."""
+    """The quantization method of a Hugging Face config as a dict: None (unquantized), "fp8",
+    "awq", "gptq" or "mxfp4". Any other method, or a field of these that we do not decode,
+    raises one line."""
     quant = hf_config.get("quantization_config")
     if quant is None:
         return None
@@ -60,6 +67,12 @@ def check_quantization_config(hf_config: dict) -> str | None:
     if method == "fp8":
         check_fp8_config(quant)
         return "fp8"
+    if method == "awq":
+        check_awq_config(quant)
+        return "awq"
+    if method == "gptq":
+        check_gptq_config(quant)
+        return "gptq"
     if method == "mxfp4":
         _check_mxfp4_config(quant, hf_config.get("model_type"))
         return "mxfp4"
@@ -69,9 +82,14 @@ def check_quantization_config(hf_config: dict) -> str | None:
 
 
 def dequantizing_source(source: TensorSource, hf_config: dict, dtype) -> TensorSource:
-    """`source` as the conversion reads it: FP8 weights dequantized into `dtype` for an "fp8"
-    checkpoint (MXFP4 experts are decoded by the conversion itself), else as stored."""
-    if check_quantization_config(hf_config) != "fp8":
+    """`source` as the conversion reads it: FP8, AWQ and GPTQ weights dequantized into `dtype`
+    (MXFP4 experts are decoded by the conversion itself), else as stored."""
+    method = check_quantization_config(hf_config)
+    if method in ("awq", "gptq"):
+        packed = PackedIntSource(source, method, hf_config["quantization_config"], dtype)
+        log_dequantizing(method, packed.bits, dtype)
+        return packed
+    if method != "fp8":
         return source
     quant = hf_config["quantization_config"]
     block_size = check_fp8_config(quant)
