@@ -1,0 +1,215 @@
+"""Predicted step times and decode throughput on H100 and TPU v6e, from the compiled programs
+(issue 33, item 1): no accelerator is used; XLA compiles the serving step for a compile-only
+target (executor/aot.py) and its own analyses give the figures.
+
+    .venv/bin/python benchmarks/predict_accelerators.py            # Llama-3.1-8B, H100 and v6e 2x2
+    .venv/bin/python benchmarks/predict_accelerators.py --all      # + Qwen3-8B on v6e tp 1 and 4
+    .venv/bin/python benchmarks/predict_accelerators.py --target h100 --tp-size 1 \
+        --model benchmarks/configs/qwen3-8b --tokens 8,256
+
+Per bucket (tokens, seqs) of the server's own bucket list (--max-running-requests 256,
+--max-prefill-tokens 4096, so a 256-row decode bucket and a 4096-token prefill bucket exist):
+- flops and bytes accessed: XLA's cost analysis of the optimised program, per device. The
+  deviceless GPU executable returns none, so the optimised module's text is analysed by the
+  CPU client's HloCostAnalysis (the same pass, target-independent).
+- cache writes: XLA charges each in-place KV-cache update (a scatter fused into the donated
+  cache) as a read and a write of the whole cache; the row is that charge taken back and the
+  rows really written (tokens x 2 x kv heads x head dim) put in.
+- attention KV read (analytic): the Pallas attention is a custom call, which the cost analysis
+  counts as nothing. Added: layers x seqs x context x 2 x kv heads x head dim x dtype bytes / tp,
+  every sequence at --context tokens (an assumption, printed).
+- predicted time = max(bytes / HBM bandwidth, flops / peak), the data sheets' figures (below);
+  collectives (tp > 1) and launch gaps are not in it, so it is a lower bound on a step.
+- floor: the same, with the bytes a step must move (each weight once, the KV read, the rows
+  written) in place of XLA's; XLA's figure is above it where the analysis charges a
+  conditional's dearest branch (the sampler's truncation loops, the prompt-logprobs LM head),
+  a gather its whole table, or where the program moves more than it must.
+- decode tok/s = seqs / time for a decode bucket (one token per row); tokens / time for prefill.
+- counts from the optimised HLO: conditionals and while loops (on GPU each one reads its
+  predicate on the host between kernels), custom calls by target, fusions.
+These are predictions from compiled programs, not measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import time
+from pathlib import Path
+
+from xlaserve.executor import aot
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+# Data sheets: H100 SXM5 (NVIDIA: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16); TPU v6e (Google Cloud
+# TPU v6e page: 1638 GB/s HBM, 918 TFLOP/s bf16 per chip). Measured on an H100 80 GB
+# (shared/MEASURED.md): ~3.0 TB/s copy, ~798 TFLOP/s matmul, so real steps are >= 10% slower.
+PEAKS = {"h100": (3.35e12, 989e12), "h100x8": (3.35e12, 989e12),
+         "v6e:2x2": (1.638e12, 918e12), "v6e:2x4": (1.638e12, 918e12)}
+DTYPE_NAMES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+# (target, model, tp): the default set, and what --all adds. "v6e-1" is tp 1 on the first chip of
+# the 2x2 topology (libtpu refuses a single-chip v6e:1x1 topology).
+DEFAULT_RUNS = [("h100", "llama-3.1-8b", 1), ("v6e:2x2", "llama-3.1-8b", 4)]
+MORE_RUNS = [("v6e:2x2", "qwen3-8b", 1), ("v6e:2x2", "qwen3-8b", 4)]
+
+
+def unfused_computations(hlo: str) -> list[str]:
+    """The bodies of the computations that run as a program (the entry, while and conditional
+    bodies), not those inside fusions, which a fusion's one kernel computes."""
+    blocks = re.split(r"\n(?=(?:ENTRY )?%[\w.\-]+ \()", hlo)
+    fused = set(re.findall(r" fusion\(.*?calls=%([\w.\-]+)", hlo))
+    names = [re.match(r"(?:ENTRY )?%([\w.\-]+) \(", block) for block in blocks]
+    return [block for block, name in zip(blocks, names) if name and name.group(1) not in fused]
+
+
+def hlo_counts(hlo: str) -> dict:
+    """What one step runs, counted in the optimised HLO text outside fusions: conditionals,
+    while loops, fusions and custom calls (by target), each one kernel or host decision."""
+    text = "\n".join(unfused_computations(hlo))
+    return {"conditional": len(re.findall(r" conditional\(", text)),
+            "while": len(re.findall(r" while\(", text)),
+            "fusion": len(re.findall(r" fusion\(", text)),
+            "custom_calls": dict(collections.Counter(
+                re.findall(r'custom-call\(.*?custom_call_target="([^"]+)"', text))),
+            "command_buffers": len(re.findall(r"command_buffer", text))}
+
+
+def xla_costs(compiled) -> dict:
+    """flops and bytes accessed of a compiled step, per device (see the module's docstring)."""
+    costs = compiled.cost_analysis()
+    if isinstance(costs, list):
+        costs = costs[0]
+    if not costs:  # the deviceless GPU executable has no cost analysis of its own
+        import jax
+        from jax._src.lib import _jax
+        from jaxlib import _hlo
+
+        module = _hlo.hlo_module_from_text(compiled.as_text())
+        costs = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+    return {"flops": float(costs["flops"]), "bytes": float(costs["bytes accessed"])}
+
+
+def cache_write_fusions(hlo: str, local_shape, dtype_name: str) -> int:
+    """Instructions that write a whole cache-shaped array (the in-place updates of the donated
+    caches): fusions, scatters or dynamic-update-slices producing the cache's per-device shape,
+    outside fusions."""
+    shape = re.escape(f"{DTYPE_NAMES[dtype_name]}[{','.join(map(str, local_shape))}]")
+    pattern = rf"= {shape}(\{{[^}}]*\}})? (fusion|scatter|dynamic-update-slice)\("
+    return sum(len(re.findall(pattern, block)) for block in unfused_computations(hlo))
+
+
+def predict(program, compiled, target: str, tokens: int, seqs: int, context: int,
+            config) -> dict:
+    """The row of the table for one compiled bucket."""
+    tp = program.mesh.size
+    hlo = compiled.as_text()
+    costs = xla_costs(compiled)
+    memory = compiled.memory_analysis()
+    cache = program.args[1][0]
+    local = (*cache.shape[:-1], cache.shape[-1] // tp)  # the caches split their last axis
+    itemsize = cache.dtype.itemsize
+    local_cache_bytes = itemsize * local[0] * local[1] * local[2]
+    writes = cache_write_fusions(hlo, local, cache.dtype.name)
+    row_bytes = 2 * config.num_kv_heads * config.head_dim * itemsize / tp  # a token's K and V
+    write_bytes = config.num_layers * tokens * row_bytes
+    cache_correction = write_bytes - 2 * writes * local_cache_bytes
+    kv_read = config.num_layers * seqs * context * row_bytes
+    total = costs["bytes"] + cache_correction + kv_read
+    bandwidth, peak = PEAKS[target]
+    seconds = max(total / bandwidth, costs["flops"] / peak)
+    # The floor: each weight read once, the KV read and the new rows written, nothing else.
+    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in program.args[0]) / tp
+    floor_seconds = max((weights + kv_read + write_bytes) / bandwidth, costs["flops"] / peak)
+    decode = tokens == seqs
+    return {"target": target, "tp": tp, "tokens": tokens, "seqs": seqs,
+            "flops": costs["flops"], "xla_bytes": costs["bytes"],
+            "cache_write_correction": cache_correction, "cache_writes": writes,
+            "kv_read": kv_read, "bytes": total, "weights": weights,
+            "floor_seconds": floor_seconds, "arguments": memory.argument_size_in_bytes,
+            "temporaries": memory.temp_size_in_bytes, "seconds": seconds,
+            "bound": "memory" if total / bandwidth >= costs["flops"] / peak else "compute",
+            "tok_s": (seqs if decode else tokens) / seconds,
+            "floor_tok_s": (seqs if decode else tokens) / floor_seconds, "kind": "decode" if decode else
+            "prefill", **hlo_counts(hlo)}
+
+
+def server_args(model: str, tp: int):
+    from xlaserve.server_args import ServerArgs
+    return ServerArgs(model_path=str(CONFIGS / model) if "/" not in model else model,
+                      tp_size=tp, max_running_requests=256, max_prefill_tokens=4096)
+
+
+def run(target: str, model: str, tp: int, wanted_tokens, context: int):
+    """Rows for the buckets of `wanted_tokens` that the server has, each compiled once."""
+    from xlaserve.model.loader import read_config
+
+    args = server_args(model, tp)
+    program, shapes, description = aot.server_step(target, args)
+    config, _ = read_config(args.model_path, load_format="dummy")
+    print(description, flush=True)
+    have = {tokens: (tokens, seqs, pages) for tokens, seqs, pages in shapes}
+    missing = [t for t in wanted_tokens if t not in have]
+    if missing:
+        print(f"  no bucket of {missing} tokens (buckets: {sorted(have)})")
+    rows = []
+    for tokens in (t for t in wanted_tokens if t in have):
+        start = time.perf_counter()
+        compiled = program.compile(*have[tokens])
+        row = predict(program, compiled, target, tokens, have[tokens][1], context, config)
+        row["model"], row["compile_s"] = Path(model).name, time.perf_counter() - start
+        rows.append(row)
+        print(f"  compiled {tokens} tokens / {row['seqs']} seqs in {row['compile_s']:.0f} s",
+              flush=True)
+    return rows
+
+
+def print_table(rows, context: int) -> None:
+    gb = 1e9
+    print(f"\nPredicted from compiled programs (not measured); attention KV read at {context} "
+          "tokens of context per sequence; per device; time = max(bytes/HBM, flops/peak)")
+    print(f"{'model':<13}{'target':<9}{'tp':>3}{'tokens':>7}{'seqs':>5}{'GFLOP':>8}"
+          f"{'XLA GB':>8}{'cacheW':>8}{'KV GB':>7}{'GB':>7}{'args GB':>8}{'temp GB':>8}"
+          f"{'ms':>7} {'bound':<8}{'tok/s':>9}{'floor ms':>9}{'tok/s':>8}{'cond':>5}{'while':>6}{'fus':>5}{'cc':>4}")
+    for r in rows:
+        calls = sum(r["custom_calls"].values())
+        print(f"{r['model']:<13}{r['target']:<9}{r['tp']:>3}{r['tokens']:>7}{r['seqs']:>5}"
+              f"{r['flops'] / 1e9:>8.0f}{r['xla_bytes'] / gb:>8.2f}"
+              f"{r['cache_write_correction'] / gb:>8.2f}{r['kv_read'] / gb:>7.2f}"
+              f"{r['bytes'] / gb:>7.2f}{r['arguments'] / gb:>8.2f}{r['temporaries'] / gb:>8.2f}"
+              f"{r['seconds'] * 1e3:>7.2f} {r['bound']:<8}{r['tok_s']:>9.0f}"
+              f"{r['floor_seconds'] * 1e3:>9.2f}{r['floor_tok_s']:>8.0f}"
+              f"{r['conditional']:>5}{r['while']:>6}{r['fusion']:>5}{calls:>4}")
+    print("\ncustom calls by target (first row of each target):")
+    seen = set()
+    for r in rows:
+        if (r["target"], r["model"], r["tp"]) not in seen:
+            seen.add((r["target"], r["model"], r["tp"]))
+            print(f"  {r['model']} {r['target']} tp {r['tp']}: {r['custom_calls']}; "
+                  f"command-buffer names in the HLO: {r['command_buffers']}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="also Qwen3-8B on v6e, tp 1 and 4")
+    parser.add_argument("--target", choices=sorted(PEAKS), help="one target instead of the set")
+    parser.add_argument("--model", default="llama-3.1-8b", help="with --target: a config folder")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--tokens", default="8,256,4096", help="token buckets to compile")
+    parser.add_argument("--context", type=int, default=1024,
+                        help="tokens of context each sequence's attention reads (assumed)")
+    args = parser.parse_args(argv)
+    aot.use_compile_only_packages()
+    runs = ([(args.target, args.model, args.tp_size)] if args.target
+            else DEFAULT_RUNS + (MORE_RUNS if args.all else []))
+    wanted = [int(t) for t in args.tokens.split(",")]
+    rows = []
+    for target, model, tp in runs:
+        try:
+            rows += run(target, model, tp, wanted, args.context)
+        except aot.TargetUnavailable as error:
+            print(f"{target}: {error}", file=sys.stderr)
+    print_table(rows, args.context)
+
+
+if __name__ == "__main__":
+    main()
