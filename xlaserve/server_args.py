@@ -34,6 +34,12 @@ class ServerArgs:
     dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on TPU/GPU, float32 on CPU), "
                                "float32, bfloat16, float16",
                        choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: Optional[str] = _flag(
+        None, "int8: the attention and MLP weights quantized at load to int8 with a float32 scale "
+              "per output channel (symmetric, weight-only; half the bytes of bfloat16), from a "
+              "float checkpoint; multiplied by XLA's dots on every platform (on CPU instead of "
+              "the native GEMM); the embedding, LM head and experts stay in --dtype",
+        choices=["int8"])
     served_model_name: Optional[str] = _flag(
         None, "model name in the API (default: the model path, or 'default' for the embedded model)")
     chat_template: Optional[str] = _flag(

@@ -39,7 +39,8 @@ def follow(args) -> int:
                             mesh=tensor_parallel_mesh(args.tp_size, ep_size=args.ep_size),
                             load_format=args.load_format, seed=args.random_seed or 0,
                             conversion_cache=not args.disable_conversion_cache,
-                            conversion_cache_dir=args.conversion_cache_dir)
+                            conversion_cache_dir=args.conversion_cache_dir,
+                            quantization=args.quantization)
         logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
                     loaded.config.architecture, loaded.source)
         replay(connection, loaded)

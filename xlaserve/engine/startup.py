@@ -73,7 +73,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                                                   args.ep_size),
                         load_format=args.load_format, seed=args.random_seed or 0,
                         conversion_cache=not args.disable_conversion_cache,
-                        conversion_cache_dir=args.conversion_cache_dir)
+                        conversion_cache_dir=args.conversion_cache_dir,
+                        quantization=args.quantization)
     clock = _lap(timings, "load_model", clock)
     if share_with is not None:
         loaded.tokenizer = share_with.tokenizer
@@ -100,6 +101,10 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          attention_backend=args.attention_backend,
                          matmul_backend=args.matmul_backend)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
+    if args.quantization is not None and runner.kernels.packed_matmul is not None:
+        logger.info("--quantization %s: the %s weights are multiplied by XLA's dots, not the "
+                    "native CPU GEMM (it has no int8 panels); the embedding and LM head stay on it",
+                    args.quantization, args.quantization)
     leader = lead(args, runner) if args.nnodes > 1 else None
     buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
                               native_matmul=runner.kernels.packed_matmul is not None)

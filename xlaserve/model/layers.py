@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot
+from xlaserve.model.int8 import Int8Matrix
 from xlaserve.model.packed import PackedExperts, PackedMatrix, output_axes
 
 
@@ -106,15 +107,18 @@ def matmul_input_dtype(weight) -> jnp.dtype:
     rounds to it directly."""
     if isinstance(weight, (PackedMatrix, PackedExperts)):
         return jnp.dtype(jnp.bfloat16 if weight.bf16_pairs else jnp.float32)
+    if isinstance(weight, Int8Matrix):
+        return jnp.dtype(weight.compute_dtype)
     return jnp.dtype(weight.dtype)
 
 
 def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> jax.Array:
     """x [T, K] @ weight -> float32 [T, *output axes]: the weight's leading axes that multiply to
     K are contracted (or weight [N, K] is used as weight.T). Inputs go in the weight's dtype with
-    float32 accumulation. A `PackedMatrix` goes to the native GEMM. Otherwise the weight is used
-    as a 2-d matrix (a free reshape): XLA's CPU layout pass transposed a whole 3-d o_proj weight
-    every step for a 3-d einsum."""
+    float32 accumulation. A `PackedMatrix` goes to the native GEMM; an `Int8Matrix` (int8.py)
+    is converted to the model dtype inside the dot, whose float32 result is scaled per column.
+    Otherwise the weight is used as a 2-d matrix (a free reshape): XLA's CPU layout pass
+    transposed a whole 3-d o_proj weight every step for a 3-d einsum."""
     rows, k = x.shape
     if isinstance(weight, PackedMatrix):
         y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer, weight.bf16_pairs)
@@ -124,6 +128,16 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
         # whole bfloat16 tied embedding to float32 on every step (28 ms at 128 rows).
         return jax.lax.dot_general(x.astype(weight.dtype), weight, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
+    if isinstance(weight, Int8Matrix):
+        # The convert feeds the dot: XLA fuses it into the matmul on TPU and GPU, no model-dtype
+        # copy of the weight is made (tests/executor/test_compile_int8.py). The output axes are
+        # not merged: gate_up [K, 2, I] is split over I, and merging 2 and I made XLA gather the
+        # whole weight onto every device each step (TPU v6e, tensor parallel 4).
+        dtype = jnp.dtype(weight.compute_dtype)
+        values = weight.values.reshape(k, *weight.scales.shape).astype(dtype)
+        y = jax.lax.dot_general(x.astype(dtype), values, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return y * weight.scales
     axes = output_axes(weight.shape, k)
     y = jax.lax.dot_general(x.astype(weight.dtype), weight.reshape(k, -1), (((1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)

@@ -37,6 +37,8 @@ from xlaserve.model import checkpoint, gguf_file
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.conversion_cache import ConversionCache, ParamsWriter
 from xlaserve.model.dummy_weights import dummy_model
+from xlaserve.model.int8 import (Int8Matrix, check_quantization, quantize_model, quantize_placed,
+                                 refuse_quantized_checkpoint)
 from xlaserve.model.placement import put
 from xlaserve.model.quantization import check_quantization_config, dequantizing_source
 from xlaserve.model.registry import architecture_of, model_class
@@ -183,14 +185,17 @@ def load_model(
     seed: int = 0,
     conversion_cache: bool = True,
     conversion_cache_dir: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
     for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
     A GGUF file goes through the conversion cache (under `conversion_cache_dir`, default
-    conversion_cache.default_root()) unless `conversion_cache` is False."""
+    conversion_cache.default_root()) unless `conversion_cache` is False. `quantization="int8"`:
+    the dense matmuls' weights quantized at load (int8.py), from a float checkpoint only."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
+    check_quantization(quantization)
     path = resolve_model_path(model_path, with_weights=not dummy)
     dtype = resolve_dtype(dtype)
     mesh = mesh or default_mesh()
@@ -198,6 +203,7 @@ def load_model(
 
     gguf_path = None if dummy else _gguf_in(path)
     if gguf_path is not None:
+        refuse_quantized_checkpoint(quantization, "GGUF", gguf_path)
         cache = ConversionCache(conversion_cache_dir) if conversion_cache else None
         config, model, tokenizer = _load_gguf(
             gguf_path, cache, dtype=dtype, mesh=mesh, progress=progress,
@@ -209,12 +215,21 @@ def load_model(
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
     tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or _folder_of(source_path))
     if dummy:
-        model = dummy_model(config, dtype=dtype, mesh=mesh, seed=seed)
+        model = dummy_model(config, dtype=dtype, mesh=mesh, seed=seed, quantization=quantization)
     elif checkpoint.is_checkpoint(source_path):
         model = checkpoint.load(source_path, dtype=dtype, mesh=mesh)
+        if quantization == "int8":
+            quantize_model(model)
     else:
+        refuse_quantized_checkpoint(quantization, check_quantization_config(hf_config),
+                                    source_path)
         source = dequantizing_source(SafetensorsSource(source_path), hf_config, dtype)
-        model = build_model(config, source, dtype=dtype, mesh=mesh, progress=progress)
+        model = build_model(config, source, dtype=dtype, mesh=mesh, progress=progress,
+                            quantization=quantization)
+    if quantization is not None:
+        logger.info("Quantized the attention and MLP weights to %s per output channel at load; "
+                    "the embedding, LM head and experts stay %s", quantization,
+                    np.dtype(dtype).name)
     return LoadedModel(config, model, tokenizer, dtype, mesh, source_path, name)
 
 
@@ -369,21 +384,26 @@ def model_class_check(hf_config) -> str:
     return architecture
 
 
-def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True):
+def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True,
+                quantization: str | None = None):
     """Convert every tensor of `source` and put it on `mesh` with its partition spec."""
-    return place_model(config, convert(config, source), dtype=dtype, mesh=mesh, progress=progress)
+    return place_model(config, convert(config, source), dtype=dtype, mesh=mesh, progress=progress,
+                       abstract=_expected(config, dtype, mesh, quantization))
 
 
-def _expected(config: ModelConfig, dtype, mesh: Mesh):
-    """(graphdef, {parameter path: ShapeDtypeStruct with its sharding})."""
-    graphdef, _, expected = abstract_parameters(config, dtype, mesh, model_class(config.architecture))
+def _expected(config: ModelConfig, dtype, mesh: Mesh, quantization: str | None = None):
+    """(graphdef, {parameter path: ShapeDtypeStruct with its sharding, or an int8.Int8Matrix of
+    them})."""
+    graphdef, _, expected = abstract_parameters(config, dtype, mesh, model_class(config.architecture),
+                                                quantization)
     return graphdef, expected
 
 
 def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bool = True,
                 abstract=None):
     """The model from `(parameter path, array)` pairs in our layout, each put on `mesh` with its
-    partition spec. `abstract`: `_expected(config, dtype, mesh)`, where the caller has it."""
+    partition spec (an int8 weight is put in float32 and quantized where it lies). `abstract`:
+    `_expected(config, dtype, mesh)`, where the caller has it."""
     graphdef, expected = abstract or _expected(config, dtype, mesh)
     loaded = {}
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
@@ -394,7 +414,11 @@ def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bo
             if tuple(array.shape) != tuple(want.shape):
                 raise WeightError(f"parameter {path}: got shape {array.shape}, expected {want.shape}")
             # Multi-host: each process puts only its own devices' shards (model/placement.py).
-            loaded[path] = put(np.asarray(array, dtype=dtype), want.sharding)
+            if isinstance(want, Int8Matrix):
+                loaded[path] = quantize_placed(
+                    put(np.asarray(array, dtype=np.float32), want.values.sharding), want)
+            else:
+                loaded[path] = put(np.asarray(array, dtype=dtype), want.sharding)
             bar.update(1)
     missing = set(expected) - set(loaded)
     if missing:

@@ -16,6 +16,7 @@ import math
 import jax
 from flax import nnx
 
+from xlaserve.model.int8 import Int8Matrix
 from xlaserve.native import gemm_cpu
 
 # The leaves that are matmul weights, with how many of their leading axes are contracted.
@@ -114,7 +115,9 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
         value = variable.get_value()
         name = str(path[-1])
         packs = name in MATMUL_WEIGHTS or name in EXPERT_WEIGHTS
-        if isinstance(value, _Panels):
+        if isinstance(value, (_Panels, Int8Matrix)):
+            # int8 weights are never packed: the native GEMM has no int8 panels, XLA's dot
+            # multiplies them (layers.linear)
             pass
         elif packs and path[0] == "layers":
             stacks.setdefault(path[2:], []).append((path, value))

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.int8 import check_quantization, quantized_parameters
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, rope_qk, split_qkv)
 from xlaserve.model.moe import MoE
@@ -202,13 +203,19 @@ def abstract_model(config: ModelConfig, dtype, model_class=CausalLM) -> CausalLM
     return nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-def abstract_parameters(config: ModelConfig, dtype, mesh, model_class=CausalLM):
+def abstract_parameters(config: ModelConfig, dtype, mesh, model_class=CausalLM,
+                        quantization: str | None = None):
     """(graphdef, abstract state, {path: ShapeDtypeStruct of the parameter in `dtype`, with its
-    partition spec on `mesh`}): where each weight goes, before any is made, loaded or restored."""
+    partition spec on `mesh`}): where each weight goes, before any is made, loaded or restored.
+    With `quantization="int8"`, the quantized weights are `Int8Matrix`es of ShapeDtypeStructs
+    (int8.py); the abstract state stays the float model's."""
     graphdef, state = nnx.split(abstract_model(config, dtype, model_class))
     parameters = {path: jax.ShapeDtypeStruct(variable.get_value().shape, dtype,
                                              sharding=NamedSharding(mesh, partition_spec(path)))
                   for path, variable in nnx.to_flat_state(state)}
+    check_quantization(quantization)
+    if quantization == "int8":
+        parameters = quantized_parameters(parameters)
     return graphdef, state, parameters
 
 

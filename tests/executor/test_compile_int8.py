@@ -1,0 +1,90 @@
+"""`--quantization int8` (model/int8.py) in the serving step of Llama-3.1-8B compiled for one H100
+and for TPU v6e (2x2, tensor parallel over 4 chips), without the hardware (executor/aot.py): the
+weights go in as int8 with float32 scales per output column (the embedding and LM head stay
+bfloat16), and every int8 weight is converted to bfloat16 inside the matmul's own fusion, so no
+bfloat16 copy of a weight is made.
+"""
+import functools
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.compile_targets import devices
+from xlaserve.executor import aot
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.transformer import abstract_parameters
+from xlaserve.server_args import ServerArgs
+
+LLAMA_8B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
+
+
+def int8_weight_bytes(c: ModelConfig) -> int:
+    """Llama-3.1-8B's weights with --quantization int8, from its shapes: the embedding, LM head
+    and norms in bfloat16, each layer's qkv, o_proj, gate_up and down one byte a weight and a
+    float32 scale a column."""
+    q, kv, h, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    bfloat16 = 2 * (2 * c.vocab_size * h + (2 * c.num_layers + 1) * h)
+    int8 = h * (q + 2 * kv) + q * h + 2 * h * inter + inter * h
+    scales = 4 * ((q + 2 * kv) + h + 2 * inter + h)
+    return bfloat16 + c.num_layers * (int8 + scales)
+
+
+def unfused_int8_converts(hlo: str) -> list[str]:
+    """Converts of an int8 array to another type in a computation without a dot: a dequantized
+    copy of a weight written to memory instead of read inside the matmul."""
+    found = []
+    for block in re.split(r"\n(?=\S)", hlo):  # computations start at column 0
+        types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", block))
+        has_dot = re.search(r"\b(dot|convolution)\(", block) is not None
+        for line in block.splitlines():
+            convert = re.search(r"= (\w+)\[[^\]]*\]\S* convert\((%[\w.\-]+)\)", line)
+            if convert and types.get(convert.group(2)) == "s8" and not has_dot:
+                found.append(line.strip()[:200])
+    return found
+
+
+def test_unfused_int8_converts_finds_a_weight_dequantized_outside_the_matmul():
+    """XLA's CPU backend converts the int8 operand in a fusion of its own, then multiplies."""
+    step = jax.jit(lambda x, w: x @ w.astype(jnp.float32)).lower(
+        jax.ShapeDtypeStruct((8, 256), jnp.float32), jax.ShapeDtypeStruct((256, 512), jnp.int8))
+    found = unfused_int8_converts(step.compile().as_text())
+    assert len(found) == 1 and "f32[256,512]" in found[0]
+
+
+def _compiled(target, tp_size, quantization, monkeypatch):
+    # Until executor/aot.py passes ServerArgs.quantization to abstract_parameters itself.
+    monkeypatch.setattr(aot, "abstract_parameters",
+                        functools.partial(abstract_parameters, quantization=quantization))
+    program, shapes, description = aot.server_step(
+        target, ServerArgs(model_path=LLAMA_8B, tp_size=tp_size, max_running_requests=64))
+    return program, program.compile(*shapes[0]), description
+
+
+def _per_device_bytes(weights) -> int:
+    return int(sum(np.prod(w.sharding.shard_shape(w.shape)) * w.dtype.itemsize for w in weights))
+
+
+@pytest.mark.parametrize("target,tp_size", [("h100", 1), ("v6e:2x2", 4)])
+def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target, tp_size,
+                                                                           monkeypatch):
+    devices(target)  # skips where the compile-only package is absent
+    program, compiled, description = _compiled(target, tp_size, "int8", monkeypatch)
+    weights = jax.tree.leaves(program.args[0])
+    config, _ = aot.read_config(LLAMA_8B, load_format="dummy")
+    assert sum(w.size * w.dtype.itemsize for w in weights) == int8_weight_bytes(config)
+    assert sum(w.dtype == np.int8 for w in weights) == 4 * config.num_layers
+    hlo = compiled.as_text()
+    assert not unfused_int8_converts(hlo), unfused_int8_converts(hlo)[:3]
+
+    float_program, float_step, _ = _compiled(target, tp_size, None, monkeypatch)
+    ours, theirs = compiled.memory_analysis(), float_step.memory_analysis()
+    # Per device, the arguments shrink by exactly the weights' bytes saved (the scales of o_proj
+    # and down, [hidden], are replicated like the layers' outputs) ...
+    saved = _per_device_bytes(jax.tree.leaves(float_program.args[0])) - _per_device_bytes(weights)
+    assert theirs.argument_size_in_bytes - ours.argument_size_in_bytes == saved, description
+    # ... and the temporaries do not grow: no bfloat16 weight is materialized.
+    assert ours.temp_size_in_bytes <= theirs.temp_size_in_bytes, description
