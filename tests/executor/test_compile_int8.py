@@ -4,7 +4,6 @@ weights go in as int8 with float32 scales per output column (the embedding and L
 bfloat16), and every int8 weight is converted to bfloat16 inside the matmul's own fusion, so no
 bfloat16 copy of a weight is made.
 """
-import functools
 import re
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import pytest
 from tests.compile_targets import devices
 from xlaserve.executor import aot
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.transformer import abstract_parameters
 from xlaserve.server_args import ServerArgs
 
 LLAMA_8B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
@@ -55,12 +53,9 @@ def test_unfused_int8_converts_finds_a_weight_dequantized_outside_the_matmul():
     assert len(found) == 1 and "f32[256,512]" in found[0]
 
 
-def _compiled(target, tp_size, quantization, monkeypatch):
-    # Until executor/aot.py passes ServerArgs.quantization to abstract_parameters itself.
-    monkeypatch.setattr(aot, "abstract_parameters",
-                        functools.partial(abstract_parameters, quantization=quantization))
-    program, shapes, description = aot.server_step(
-        target, ServerArgs(model_path=LLAMA_8B, tp_size=tp_size, max_running_requests=64))
+def _compiled(target, tp_size, quantization):
+    program, shapes, description = aot.server_step(target, ServerArgs(
+        model_path=LLAMA_8B, tp_size=tp_size, max_running_requests=64, quantization=quantization))
     return program, program.compile(*shapes[0]), description
 
 
@@ -69,10 +64,9 @@ def _per_device_bytes(weights) -> int:
 
 
 @pytest.mark.parametrize("target,tp_size", [("h100", 1), ("v6e:2x2", 4)])
-def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target, tp_size,
-                                                                           monkeypatch):
+def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target, tp_size):
     devices(target)  # skips where the compile-only package is absent
-    program, compiled, description = _compiled(target, tp_size, "int8", monkeypatch)
+    program, compiled, description = _compiled(target, tp_size, "int8")
     weights = jax.tree.leaves(program.args[0])
     config, _ = aot.read_config(LLAMA_8B, load_format="dummy")
     assert sum(w.size * w.dtype.itemsize for w in weights) == int8_weight_bytes(config)
@@ -80,7 +74,7 @@ def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target
     hlo = compiled.as_text()
     assert not unfused_int8_converts(hlo), unfused_int8_converts(hlo)[:3]
 
-    float_program, float_step, _ = _compiled(target, tp_size, None, monkeypatch)
+    float_program, float_step, _ = _compiled(target, tp_size, None)
     ours, theirs = compiled.memory_analysis(), float_step.memory_analysis()
     # Per device, the arguments shrink by exactly the weights' bytes saved (the scales of o_proj
     # and down, [hidden], are replicated like the layers' outputs) ...

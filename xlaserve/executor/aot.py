@@ -113,11 +113,11 @@ class StepProgram:
 
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
                  page_size: int, max_running_requests: int,
-                 attention_backend: str = "auto") -> StepProgram:
+                 attention_backend: str = "auto", quantization: str | None = None) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
     graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
-                                                  model_class(config.architecture))
+                                                  model_class(config.architecture), quantization)
     leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1)
     cache = abstract(kv_cache_shape(config, num_pages, page_size), dtype, mesh, KV_CACHE_SPEC)
@@ -147,9 +147,11 @@ def server_step(target: str, server_args: ServerArgs) -> tuple[StepProgram, list
     program = step_program(config, dtype, mesh, platform, num_pages=num_pages,
                            page_size=page_size,
                            max_running_requests=server_args.max_running_requests,
-                           attention_backend=server_args.attention_backend)
+                           attention_backend=server_args.attention_backend,
+                           quantization=server_args.quantization)
     description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
-                   f"{np.dtype(dtype).name}, tp {server_args.tp_size}, ep {server_args.ep_size}, "
+                   f"{np.dtype(dtype).name}{', int8 weights' if server_args.quantization else ''}, "
+                   f"tp {server_args.tp_size}, ep {server_args.ep_size}, "
                    f"{num_pages} pages of {page_size}")
     return program, buckets.all_shapes(), description
 

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from xlaserve.model.packed import pack_model
 from xlaserve.model.placement import put
+from xlaserve.model.sharding import TP
 from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
 from xlaserve.executor.forward_batch import ForwardBatch
 from xlaserve.host.huge_pages import advise_huge_pages
@@ -312,6 +313,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     of its arguments, so that it can also be compiled for hardware that is not here
     (executor/aot.py)."""
     replicated = NamedSharding(mesh, P())
+    by_vocab = NamedSharding(mesh, P(None, TP))
 
     @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout",),
                        out_shardings=(replicated, kv_sharding, replicated, replicated))
@@ -327,7 +329,11 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             # sharded into it, and libtpu's SPMD partitioning of a top_k over a sharded axis
             # aborts the compile there ("Stable sort expects more than 1 operand", libtpu
             # 0.0.48); libtpu 0.0.42 (JAX 0.10) compiles it but returns indices of 0.
-            return jax.lax.with_sharding_constraint(model.logits(rows, kernels), replicated)
+            # Computed where the LM head's vocabulary columns are, then gathered: left to itself
+            # XLA gathered the 1 GB LM head onto every device instead of the logits (Llama-3.1-8B,
+            # v6e, tp 4: an all-gather of bf16[4096, 128256] twice a step).
+            logits = jax.lax.with_sharding_constraint(model.logits(rows, kernels), by_vocab)
+            return jax.lax.with_sharding_constraint(logits, replicated)
 
         input_ids = jnp.where(batch.input_slots >= 0,
                               last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
