@@ -4,6 +4,7 @@ without the hardware (executor/aot.py): what a server on those machines would pr
 start-up, at the largest bucket (the q-block heuristic's biggest blocks). Weights are not read:
 Llama-3.1-8B's config.json (benchmarks/configs) gives the shapes.
 """
+import re
 from pathlib import Path
 
 import pytest
@@ -80,5 +81,9 @@ def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target,
     per_device = (WEIGHT_BYTES_OF[config] + kv_bytes) / tp_size
     argument_bytes = compiled.memory_analysis().argument_size_in_bytes
     assert 0.95 * per_device < argument_bytes < 1.1 * per_device, description
+    hlo = compiled.as_text()
     if ep_size > 1:  # one all-reduce combines the experts' outputs; no token is exchanged
-        assert "all-to-all" not in compiled.as_text(), description
+        assert "all-to-all" not in hlo, description
+    # No weight is gathered: the only all-gathers are the logits' (sampling, prompt logprobs).
+    gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+    assert len(gathers) <= 2 and all(g.startswith("f32[") for g in gathers), (gathers, description)

@@ -82,8 +82,8 @@ def test_tensor_parallel_logits_equal_single_device(tmp_path):
 
 
 def test_tensor_parallel_mixture_of_experts_logits_equal_single_device(tmp_path):
-    """Qwen3-MoE's experts split on their intermediate axis, the grouped matmuls under XLA's
-    partitioner, the same logits as one device."""
+    """Qwen3-MoE's experts split on their intermediate axis, the grouped matmuls under shard_map
+    (moe.expert_parallel with an expert axis of 1), the same logits as one device."""
     make_tiny_checkpoint(str(tmp_path), "qwen3_moe")
     _run(SCRIPT.replace('    print("ok")', MOE_CHECKS + '    print("ok")').replace(
         "(64, 1, 4, 16)", "(64, 1, 4, 32)").replace("(5, 8, 2 * 16)", "(5, 8, 2 * 32)"), tmp_path)

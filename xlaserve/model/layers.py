@@ -97,8 +97,8 @@ class Kernels:
     # The same over packed experts (`PackedExperts`), on a single CPU device: `(x, panels,
     # group_sizes, N, layer, bf16_pairs) -> float32 [M, N]` (native/gemm_cpu.py)
     packed_grouped_matmul: Callable | None = None
-    # The experts with expert parallelism (`moe.expert_parallel(mesh)`); None: `moe.run_experts`,
-    # whose weights XLA's partitioner splits by their intermediate axis like the dense MLP's.
+    # The experts on a mesh of several devices (`moe.expert_parallel(mesh)`, each device on its
+    # own experts and its slice of their width); None: `moe.run_experts` on one device.
     run_experts: Callable | None = None
 
 

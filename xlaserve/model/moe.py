@@ -95,7 +95,9 @@ def run_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
 def expert_parallel(mesh: Mesh) -> Callable:
     """`run_experts` with the experts split over the mesh's "expert" axis (and each expert's
     width over "tensor"): every device runs its own experts on the pairs routed to them, and one
-    all-reduce sums the devices' outputs.
+    all-reduce sums the devices' outputs. With an expert axis of 1 (no --ep-size) every device
+    holds every expert's slice of the width, and the all-reduce sums the down projection's
+    partial products, which is what the dense MLP's split does.
 
     The tokens need no exchange: attention is tensor-parallel over the same devices, so after its
     output projection's all-reduce every device already holds every token (and routes them all,
