@@ -4,6 +4,8 @@ target (executor/aot.py) and its own analyses give the figures.
 
     .venv/bin/python benchmarks/predict_accelerators.py            # Llama-3.1-8B, H100 and v6e 2x2
     .venv/bin/python benchmarks/predict_accelerators.py --all      # + Qwen3-8B on v6e tp 1 and 4
+    .venv/bin/python benchmarks/predict_accelerators.py --weights --tokens 8,256
+        # Llama-3.1-8B decode with bf16, int8 and fp8 weights on H100, bf16 and int8 on v6e 2x2
     .venv/bin/python benchmarks/predict_accelerators.py --target h100 --tp-size 1 \
         --model benchmarks/configs/qwen3-8b --tokens 8,256
 
@@ -25,6 +27,9 @@ Per bucket (tokens, seqs) of the server's own bucket list (--max-running-request
   conditional's dearest branch (the sampler's truncation loops, the prompt-logprobs LM head),
   a gather its whole table, or where the program moves more than it must.
 - decode tok/s = seqs / time for a decode bucket (one token per row); tokens / time for prefill.
+  On TPU and GPU the smallest bucket is 8 tokens: a batch of 1 to 8 runs that step.
+- weights: --quantization's (int8, fp8) or the model dtype's; the peaks stay bfloat16's (H100's
+  FP8 tensor cores are twice as fast, which only a compute-bound step would show).
 - counts from the optimised HLO: conditionals and while loops (on GPU each one reads its
   predicate on the host between kernels), custom calls by target, fusions.
 These are predictions from compiled programs, not measurements.
@@ -51,6 +56,10 @@ DTYPE_NAMES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 # the 2x2 topology (libtpu refuses a single-chip v6e:1x1 topology).
 DEFAULT_RUNS = [("h100", "llama-3.1-8b", 1), ("v6e:2x2", "llama-3.1-8b", 4)]
 MORE_RUNS = [("v6e:2x2", "qwen3-8b", 1), ("v6e:2x2", "qwen3-8b", 4)]
+# --weights: (target, model, tp, --quantization), the weight formats each platform serves.
+WEIGHT_RUNS = [("h100", "llama-3.1-8b", 1, None), ("h100", "llama-3.1-8b", 1, "int8"),
+               ("h100", "llama-3.1-8b", 1, "fp8"), ("v6e:2x2", "llama-3.1-8b", 4, None),
+               ("v6e:2x2", "llama-3.1-8b", 4, "int8")]
 
 
 def unfused_computations(hlo: str) -> list[str]:
@@ -133,17 +142,19 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
             "prefill", **hlo_counts(hlo)}
 
 
-def server_args(model: str, tp: int):
+def server_args(model: str, tp: int, quantization: str | None = None):
     from xlaserve.server_args import ServerArgs
     return ServerArgs(model_path=str(CONFIGS / model) if "/" not in model else model,
-                      tp_size=tp, max_running_requests=256, max_prefill_tokens=4096)
+                      tp_size=tp, max_running_requests=256, max_prefill_tokens=4096,
+                      quantization=quantization)
 
 
-def run(target: str, model: str, tp: int, wanted_tokens, context: int):
+def run(target: str, model: str, tp: int, wanted_tokens, context: int,
+        quantization: str | None = None):
     """Rows for the buckets of `wanted_tokens` that the server has, each compiled once."""
     from xlaserve.model.loader import read_config
 
-    args = server_args(model, tp)
+    args = server_args(model, tp, quantization)
     program, shapes, description = aot.server_step(target, args)
     config, _ = read_config(args.model_path, load_format="dummy")
     print(description, flush=True)
@@ -157,6 +168,7 @@ def run(target: str, model: str, tp: int, wanted_tokens, context: int):
         compiled = program.compile(*have[tokens])
         row = predict(program, compiled, target, tokens, have[tokens][1], context, config)
         row["model"], row["compile_s"] = Path(model).name, time.perf_counter() - start
+        row["weight_format"] = quantization or DTYPE_NAMES[program.args[1][0].dtype.name]
         rows.append(row)
         print(f"  compiled {tokens} tokens / {row['seqs']} seqs in {row['compile_s']:.0f} s",
               flush=True)
@@ -167,12 +179,13 @@ def print_table(rows, context: int) -> None:
     gb = 1e9
     print(f"\nPredicted from compiled programs (not measured); attention KV read at {context} "
           "tokens of context per sequence; per device; time = max(bytes/HBM, flops/peak)")
-    print(f"{'model':<13}{'target':<9}{'tp':>3}{'tokens':>7}{'seqs':>5}{'GFLOP':>8}"
+    print(f"{'model':<13}{'target':<9}{'tp':>3}{'wts':>5}{'tokens':>7}{'seqs':>5}{'GFLOP':>8}"
           f"{'XLA GB':>8}{'cacheW':>8}{'KV GB':>7}{'GB':>7}{'args GB':>8}{'temp GB':>8}"
           f"{'ms':>7} {'bound':<8}{'tok/s':>9}{'floor ms':>9}{'tok/s':>8}{'cond':>5}{'while':>6}{'fus':>5}{'cc':>4}")
     for r in rows:
         calls = sum(r["custom_calls"].values())
-        print(f"{r['model']:<13}{r['target']:<9}{r['tp']:>3}{r['tokens']:>7}{r['seqs']:>5}"
+        print(f"{r['model']:<13}{r['target']:<9}{r['tp']:>3}{r['weight_format']:>5}"
+              f"{r['tokens']:>7}{r['seqs']:>5}"
               f"{r['flops'] / 1e9:>8.0f}{r['xla_bytes'] / gb:>8.2f}"
               f"{r['cache_write_correction'] / gb:>8.2f}{r['kv_read'] / gb:>7.2f}"
               f"{r['bytes'] / gb:>7.2f}{r['arguments'] / gb:>8.2f}{r['temporaries'] / gb:>8.2f}"
@@ -182,15 +195,20 @@ def print_table(rows, context: int) -> None:
     print("\ncustom calls by target (first row of each target):")
     seen = set()
     for r in rows:
-        if (r["target"], r["model"], r["tp"]) not in seen:
-            seen.add((r["target"], r["model"], r["tp"]))
-            print(f"  {r['model']} {r['target']} tp {r['tp']}: {r['custom_calls']}; "
+        if (r["target"], r["model"], r["tp"], r["weight_format"]) not in seen:
+            seen.add((r["target"], r["model"], r["tp"], r["weight_format"]))
+            print(f"  {r['model']} {r['target']} tp {r['tp']} {r['weight_format']}: "
+                  f"{r['custom_calls']}; "
                   f"command-buffer names in the HLO: {r['command_buffers']}")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="also Qwen3-8B on v6e, tp 1 and 4")
+    parser.add_argument("--weights", action="store_true",
+                        help="Llama-3.1-8B with bf16, int8 and fp8 weights on H100, bf16 and "
+                             "int8 on v6e 2x2 (tp 4), instead of the default set")
+    parser.add_argument("--quantization", choices=["int8", "fp8"], help="with --target")
     parser.add_argument("--target", choices=sorted(PEAKS), help="one target instead of the set")
     parser.add_argument("--model", default="llama-3.1-8b", help="with --target: a config folder")
     parser.add_argument("--tp-size", type=int, default=1)
@@ -199,13 +217,17 @@ def main(argv=None) -> None:
                         help="tokens of context each sequence's attention reads (assumed)")
     args = parser.parse_args(argv)
     aot.use_compile_only_packages()
-    runs = ([(args.target, args.model, args.tp_size)] if args.target
-            else DEFAULT_RUNS + (MORE_RUNS if args.all else []))
+    if args.target:
+        runs = [(args.target, args.model, args.tp_size, args.quantization)]
+    elif args.weights:
+        runs = WEIGHT_RUNS
+    else:
+        runs = [(*r, None) for r in DEFAULT_RUNS + (MORE_RUNS if args.all else [])]
     wanted = [int(t) for t in args.tokens.split(",")]
     rows = []
-    for target, model, tp in runs:
+    for target, model, tp, quantization in runs:
         try:
-            rows += run(target, model, tp, wanted, args.context)
+            rows += run(target, model, tp, wanted, args.context, quantization)
         except aot.TargetUnavailable as error:
             print(f"{target}: {error}", file=sys.stderr)
     print_table(rows, args.context)

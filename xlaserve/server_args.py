@@ -38,8 +38,12 @@ class ServerArgs:
         None, "int8: the attention and MLP weights quantized at load to int8 with a float32 scale "
               "per output channel (symmetric, weight-only; half the bytes of bfloat16), from a "
               "float checkpoint; multiplied by XLA's dots on every platform (on CPU instead of "
-              "the native GEMM); the embedding, LM head and experts stay in --dtype",
-        choices=["int8"])
+              "the native GEMM); the embedding, LM head and experts stay in --dtype. "
+              "fp8: the same weights as float8_e4m3fn with a float32 scale per output channel, "
+              "activations quantized to FP8 per token at each step, FP8 x FP8 matmuls; NVIDIA "
+              "GPUs of compute capability 8.9+ (H100) only. FP8 checkpoints need no flag: "
+              "they stay FP8 where FP8 matmuls run and are dequantized at load elsewhere",
+        choices=["int8", "fp8"])
     served_model_name: Optional[str] = _flag(
         None, "model name in the API (default: the model path, or 'default' for the embedded model)")
     chat_template: Optional[str] = _flag(

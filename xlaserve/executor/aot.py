@@ -113,8 +113,9 @@ class StepProgram:
 
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
                  page_size: int, max_running_requests: int,
-                 attention_backend: str = "auto", quantization: str | None = None) -> StepProgram:
-    """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`."""
+                 attention_backend: str = "auto", quantization=None) -> StepProgram:
+    """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`.
+    `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint)."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
     graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
                                                   model_class(config.architecture), quantization)
@@ -130,10 +131,12 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     return StepProgram(step, args, config.rope.inv_freq(config.head_dim), mesh)
 
 
-def server_step(target: str, server_args: ServerArgs) -> tuple[StepProgram, list, str]:
+def server_step(target: str, server_args: ServerArgs,
+                fp8_checkpoint=None) -> tuple[StepProgram, list, str]:
     """The step a server started with `server_args` would run on `target`, the bucket shapes it
     would precompile, and a one-line description. `server_args.model_path`: a directory with the
-    model's config.json (weights are not read)."""
+    model's config.json (weights are not read). `fp8_checkpoint` (int8.Fp8Checkpoint): the weights
+    of an FP8 checkpoint kept in FP8, as the loader keeps them on a GPU with FP8 matmuls."""
     platform, devices = target_devices(target)
     mesh = serving_mesh(devices, server_args.tp_size, server_args.ep_size)
     config, _ = read_config(server_args.model_path, load_format="dummy")  # reads no weights
@@ -148,9 +151,13 @@ def server_step(target: str, server_args: ServerArgs) -> tuple[StepProgram, list
                            page_size=page_size,
                            max_running_requests=server_args.max_running_requests,
                            attention_backend=server_args.attention_backend,
-                           quantization=server_args.quantization)
+                           quantization=fp8_checkpoint or server_args.quantization)
+    weights = f", {server_args.quantization} weights" if server_args.quantization else ""
+    if fp8_checkpoint is not None:
+        weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"
+                   if fp8_checkpoint.block_k else ", FP8 checkpoint weights (per-channel scales)")
     description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
-                   f"{np.dtype(dtype).name}{', int8 weights' if server_args.quantization else ''}, "
+                   f"{np.dtype(dtype).name}{weights}, "
                    f"tp {server_args.tp_size}, ep {server_args.ep_size}, "
                    f"{num_pages} pages of {page_size}")
     return program, buckets.all_shapes(), description

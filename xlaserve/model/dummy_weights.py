@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.int8 import Int8Matrix, quantize_placed
+from xlaserve.model.int8 import QUANTIZED_TYPES, float_weight, quantize_placed
 from xlaserve.model.registry import model_class
 from xlaserve.model.transformer import abstract_parameters
 
@@ -35,19 +35,19 @@ _NORM_SCALE = "scale"  # the leaf name of every RMSNorm's weight (layers.RMSNorm
 def dummy_model(config: ModelConfig, *, dtype, mesh: Mesh, seed: int = 0,
                 quantization: str | None = None):
     """The model of `config` with random weights, each parameter sharded by its partition spec;
-    with `quantization="int8"`, the quantized weights are the same random floats quantized."""
+    with `quantization` "int8" or "fp8", the quantized weights are the same random floats
+    quantized."""
     graphdef, _, parameters = abstract_parameters(config, jnp.dtype(dtype), mesh,
                                                   model_class(config.architecture), quantization)
     values = {}
     for path, parameter in parameters.items():
         kind = "ones" if str(path[-1]) == _NORM_SCALE else "uniform"
         want = parameter
-        if isinstance(want, Int8Matrix):
-            parameter = jax.ShapeDtypeStruct(want.shape, want.compute_dtype,
-                                             sharding=want.values.sharding)
+        if isinstance(want, QUANTIZED_TYPES):
+            parameter = float_weight(want)
         initializer = _initializer(kind, tuple(parameter.shape), parameter.dtype, parameter.sharding)
         values[path] = initializer(np.uint32(parameter_key(seed, path)))
-        if isinstance(want, Int8Matrix):
+        if isinstance(want, QUANTIZED_TYPES):
             values[path] = quantize_placed(values[path], want)
     return nnx.merge(graphdef, nnx.from_flat_state(values))
 

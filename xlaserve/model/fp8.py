@@ -92,12 +92,16 @@ def check_fp8_config(quant: dict) -> tuple[int, int] | None:
 
 class Fp8Source:
     """`source` with every FP8 tensor that has a `<name>_scale_inv` dequantized into `dtype`, the
-    scales (and static activation scales) hidden, every other tensor passed through as stored."""
+    scales (and static activation scales) hidden, every other tensor passed through as stored.
+    `decode(weight, scale_inv, block_size, dtype, name)`: what such a tensor becomes instead of
+    `dequantize_fp8`'s result (fp8_kept.py reads its codes and scales apart)."""
 
-    def __init__(self, source: TensorSource, block_size: tuple[int, int] | None, dtype):
+    def __init__(self, source: TensorSource, block_size: tuple[int, int] | None, dtype,
+                 decode=None):
         self._source = source
         self._block_size = block_size
         self._dtype = np.dtype(dtype)
+        self._decode = decode or dequantize_fp8
         self._all = source.names()
         self._names = {n for n in self._all
                        if not n.endswith((SCALE_SUFFIX, *_ACTIVATION_SCALE_SUFFIXES))}
@@ -105,14 +109,18 @@ class Fp8Source:
     def names(self) -> set[str]:
         return self._names
 
+    def is_fp8(self, name: str) -> bool:
+        """Whether `name` has a scale: an FP8 tensor that `get` decodes."""
+        return name + SCALE_SUFFIX in self._all
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._names:
             raise KeyError(name)
         array = self._source.get(name)
         scale_name = name + SCALE_SUFFIX
         if scale_name in self._all:
-            return dequantize_fp8(array, self._source.get(scale_name), self._block_size,
-                                  self._dtype, name)
+            return self._decode(array, self._source.get(scale_name), self._block_size,
+                                self._dtype, name)
         if array.dtype in _FP8_DTYPES:
             raise Fp8Error(f"FP8 tensor {name!r} ({array.dtype.name}) has no {scale_name!r} "
                            "to dequantize it with")
@@ -125,16 +133,8 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block_size: tuple[
     per-tensor; see the module docstring), rounded once from float32 into `dtype`. A value that
     is not finite in `dtype` (a NaN code, or a product beyond float16's range) is refused."""
     dtype = np.dtype(dtype)
-    if weight.dtype != FP8_DTYPE:
-        raise Fp8Error(f"tensor {name!r} has a {name + SCALE_SUFFIX!r} but is {weight.dtype.name}, "
-                       f"not float8_e4m3fn")
-    if scale_inv.dtype not in _SCALE_DTYPES:
-        raise Fp8Error(f"tensor {name + SCALE_SUFFIX!r} is {scale_inv.dtype.name}; FP8 scales are "
-                       f"read as float32, bfloat16 or float16")
-    if weight.ndim < 2:
-        raise Fp8Error(f"FP8 tensor {name!r} has shape {list(weight.shape)}; a matrix was expected")
+    block_rows, block_cols = check_fp8_tensor(weight, scale_inv, block_size, name)
     rows, cols = weight.shape[-2:]
-    block_rows, block_cols = _scale_block(weight.shape, scale_inv.shape, block_size, name)
     flat_weight = weight.reshape(-1, rows, cols)
     flat_scale = np.asarray(scale_inv, np.float32).reshape(
         len(flat_weight), math.ceil(rows / block_rows), math.ceil(cols / block_cols))
@@ -152,6 +152,22 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block_size: tuple[
                 lead = np.unravel_index(matrix, weight.shape[:-2]) if weight.ndim > 2 else ()
                 _refuse_non_finite(out[matrix, r0:r1], values, scales, dtype, name, lead, r0)
     return out.reshape(weight.shape)
+
+
+def check_fp8_tensor(weight: np.ndarray, scale_inv: np.ndarray, block_size: tuple[int, int] | None,
+                     name: str) -> tuple[int, int]:
+    """(rows, cols) of the block of `weight` [..., out, in] one scale of `scale_inv` covers, after
+    refusing in one line a weight that is not float8_e4m3fn or not a matrix, a scale dtype we do
+    not read, or a scale shape that fits no scheme."""
+    if weight.dtype != FP8_DTYPE:
+        raise Fp8Error(f"tensor {name!r} has a {name + SCALE_SUFFIX!r} but is {weight.dtype.name}, "
+                       f"not float8_e4m3fn")
+    if scale_inv.dtype not in _SCALE_DTYPES:
+        raise Fp8Error(f"tensor {name + SCALE_SUFFIX!r} is {scale_inv.dtype.name}; FP8 scales are "
+                       f"read as float32, bfloat16 or float16")
+    if weight.ndim < 2:
+        raise Fp8Error(f"FP8 tensor {name!r} has shape {list(weight.shape)}; a matrix was expected")
+    return _scale_block(weight.shape, scale_inv.shape, block_size, name)
 
 
 def _scale_block(weight_shape, scale_shape, block_size, name: str) -> tuple[int, int]:

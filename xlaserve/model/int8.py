@@ -16,6 +16,10 @@ Quantized: the dense matmuls of attention and the MLP (qkv, o_proj, gate_up, dow
 expert's too). Kept in the model dtype: the embedding and the LM head (their logits are the most
 sensitive to rounding and a tied embedding is also a lookup table), norms, biases, routers and the
 mixture-of-experts' experts (their grouped matmuls take plain arrays).
+
+The same leaves, placed the same way, are `--quantization fp8`'s and an FP8 checkpoint's kept in
+FP8 (fp8_weights.py): `quantized_parameters`, `quantize_placed` and `quantize_model` below serve
+every quantization.
 """
 from __future__ import annotations
 
@@ -28,7 +32,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-QUANTIZATIONS = ("int8",)
+from xlaserve.model import fp8_weights
+from xlaserve.model.fp8_weights import FP8_TYPES, Fp8Matrix
+
+QUANTIZATIONS = ("int8", "fp8")
 # The quantized leaves, by name, with how many of their leading axes are contracted.
 QUANTIZED_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1}
 INT8_MAX = 127
@@ -59,15 +66,34 @@ class Int8Matrix:
         return len(self.values.shape) - len(self.scales.shape)
 
 
-def check_quantization(quantization: str | None) -> None:
-    if quantization is not None and quantization not in QUANTIZATIONS:
+@dataclasses.dataclass(frozen=True)
+class Fp8Checkpoint:
+    """The quantization of an FP8 checkpoint kept in FP8 (model/fp8_kept.py): its weights as
+    `Fp8BlockMatrix`es of `block_k` K blocks, or per-channel `Fp8Matrix`es (block_k None)."""
+
+    block_k: int | None = None
+
+
+QUANTIZED_TYPES = (Int8Matrix, *FP8_TYPES)
+
+
+def check_quantization(quantization: str | Fp8Checkpoint | None) -> None:
+    if (quantization is not None and quantization not in QUANTIZATIONS
+            and not isinstance(quantization, Fp8Checkpoint)):
         raise ValueError(f"unknown quantization {quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
+
+
+def check_platform(quantization: str | Fp8Checkpoint | None, device) -> None:
+    """FP8 weights need a device with FP8 matmuls (fp8_weights.check_fp8_platform); int8 runs
+    everywhere."""
+    if quantization == "fp8" or isinstance(quantization, Fp8Checkpoint):
+        fp8_weights.check_fp8_platform(device)
 
 
 def refuse_quantized_checkpoint(quantization: str | None, checkpoint_method: str | None,
                                 where: str) -> None:
-    """--quantization int8 quantizes float weights; a checkpoint already quantized (FP8, AWQ,
-    GPTQ, MXFP4, a GGUF file) would be quantized twice, so it is refused in one line."""
+    """--quantization int8 or fp8 quantizes float weights; a checkpoint already quantized (FP8,
+    AWQ, GPTQ, MXFP4, a GGUF file) would be quantized twice, so it is refused in one line."""
     if quantization is not None and checkpoint_method is not None:
         raise ValueError(f"--quantization {quantization} needs a float checkpoint; {where} is "
                          f"already quantized ({checkpoint_method}): serve it without --quantization")
@@ -106,35 +132,61 @@ def abstract_int8(path: tuple, weight: jax.ShapeDtypeStruct) -> Int8Matrix:
                       jnp.dtype(weight.dtype).name)
 
 
-def quantized_parameters(parameters: dict) -> dict:
-    """`{path: ShapeDtypeStruct}` with every quantized weight as its `abstract_int8`."""
-    return {path: abstract_int8(path, p) if quantizes(path) else p
+def abstract_quantized(path: tuple, weight: jax.ShapeDtypeStruct,
+                       quantization: str | Fp8Checkpoint):
+    """The quantized matrix of ShapeDtypeStructs the float parameter at `path` becomes."""
+    if quantization == "int8":
+        return abstract_int8(path, weight)
+    contracted = QUANTIZED_WEIGHTS[str(path[-1])]
+    block_k = quantization.block_k if isinstance(quantization, Fp8Checkpoint) else None
+    return fp8_weights.abstract_fp8(weight, contracted, block_k)
+
+
+def quantized_parameters(parameters: dict, quantization: str | Fp8Checkpoint = "int8") -> dict:
+    """`{path: ShapeDtypeStruct}` with every quantized weight as its `abstract_quantized`; FP8
+    ones only where the mesh's devices have FP8 matmuls (else one line says so)."""
+    meshes = [p.sharding.mesh for p in parameters.values() if hasattr(p.sharding, "mesh")]
+    if meshes:
+        check_platform(quantization, meshes[0].devices.flat[0])
+    return {path: abstract_quantized(path, p, quantization) if quantizes(path) else p
             for path, p in parameters.items()}
 
 
-def quantize_placed(weight: jax.Array, want: Int8Matrix) -> Int8Matrix:
-    """`weight` (on its devices) quantized into `want`'s shardings (`abstract_int8`): each device
-    quantizes its own columns, no host copy."""
-    return _quantizer(want.contracted, want.compute_dtype, want.values.sharding,
+def float_weight(want) -> jax.ShapeDtypeStruct:
+    """The float parameter (shape, model dtype, sharding) an abstract quantized matrix stands for:
+    what the loader puts on the devices before `quantize_placed`."""
+    if isinstance(want, Int8Matrix):
+        return jax.ShapeDtypeStruct(want.shape, want.compute_dtype, sharding=want.values.sharding)
+    return fp8_weights.float_weight(want)
+
+
+def quantize_placed(weight: jax.Array, want: Int8Matrix | Fp8Matrix) -> Int8Matrix | Fp8Matrix:
+    """`weight` (on its devices) quantized into `want`'s shardings (`abstract_quantized`): each
+    device quantizes its own columns, no host copy."""
+    if not isinstance(want, (Int8Matrix, Fp8Matrix)):
+        raise TypeError(f"{type(want).__name__} weights come quantized from their checkpoint")
+    return _quantizer(type(want), want.contracted, want.compute_dtype, want.values.sharding,
                       want.scales.sharding)(weight)
 
 
 @functools.lru_cache(maxsize=None)
-def _quantizer(contracted: int, compute_dtype: str, values_sharding, scales_sharding):
-    out = Int8Matrix(values_sharding, scales_sharding, compute_dtype)
-    return jax.jit(functools.partial(quantize, contracted=contracted, compute_dtype=compute_dtype),
+def _quantizer(kind: type, contracted: int, compute_dtype: str, values_sharding, scales_sharding):
+    out = kind(values_sharding, scales_sharding, compute_dtype)
+    method = quantize if kind is Int8Matrix else fp8_weights.quantize_fp8
+    return jax.jit(functools.partial(method, contracted=contracted, compute_dtype=compute_dtype),
                    out_shardings=out)
 
 
-def quantize_model(model) -> None:
+def quantize_model(model, quantization: str = "int8") -> None:
     """Quantizes a float `model`'s quantized weights in place (a restored Orbax checkpoint)."""
     _, state = nnx.split(model)
     values = {}
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value()
-        if quantizes(path) and not isinstance(value, Int8Matrix):
-            want = abstract_int8(path, jax.ShapeDtypeStruct(value.shape, value.dtype,
-                                                            sharding=value.sharding))
+        if quantizes(path) and not isinstance(value, QUANTIZED_TYPES):
+            check_platform(quantization, value.sharding.mesh.devices.flat[0])
+            want = abstract_quantized(path, jax.ShapeDtypeStruct(
+                value.shape, value.dtype, sharding=value.sharding), quantization)
             value = quantize_placed(value, want)
         values[path] = value
     nnx.update(model, nnx.from_flat_state(values))

@@ -207,15 +207,16 @@ def abstract_parameters(config: ModelConfig, dtype, mesh, model_class=CausalLM,
                         quantization: str | None = None):
     """(graphdef, abstract state, {path: ShapeDtypeStruct of the parameter in `dtype`, with its
     partition spec on `mesh`}): where each weight goes, before any is made, loaded or restored.
-    With `quantization="int8"`, the quantized weights are `Int8Matrix`es of ShapeDtypeStructs
-    (int8.py); the abstract state stays the float model's."""
+    With a `quantization` ("int8", "fp8", an int8.Fp8Checkpoint), the quantized weights are
+    `Int8Matrix`es or FP8 matrices of ShapeDtypeStructs (int8.py, fp8_weights.py); the abstract
+    state stays the float model's."""
     graphdef, state = nnx.split(abstract_model(config, dtype, model_class))
     parameters = {path: jax.ShapeDtypeStruct(variable.get_value().shape, dtype,
                                              sharding=NamedSharding(mesh, partition_spec(path)))
                   for path, variable in nnx.to_flat_state(state)}
     check_quantization(quantization)
-    if quantization == "int8":
-        parameters = quantized_parameters(parameters)
+    if quantization is not None:
+        parameters = quantized_parameters(parameters, quantization)
     return graphdef, state, parameters
 
 
