@@ -54,8 +54,10 @@ def _add_rope_scaling(writer, rope: dict) -> None:
 
 
 def write_llama_gguf(path: str, hf_model, matrix_type, seed: int = 0,
-                     extra_metadata: dict | None = None) -> None:
-    """`extra_metadata`: more string keys (e.g. a rope scaling type we do not support)."""
+                     extra_metadata: dict | None = None, tensor_types: dict | None = None) -> None:
+    """`extra_metadata`: more string keys (e.g. a rope scaling type we do not support);
+    `tensor_types`: {GGUF tensor name: type} for matrices not of `matrix_type` (a Q4_K_M file's
+    Q6_K attn_v and ffn_down)."""
     config = hf_model.config
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "llama")
@@ -87,7 +89,8 @@ def write_llama_gguf(path: str, hf_model, matrix_type, seed: int = 0,
             array = llama_cpp_permute(array, config.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             array = llama_cpp_permute(array, config.num_key_value_heads)
-        qtype = matrix_type if array.ndim == 2 else gguf.GGMLQuantizationType.F32
+        qtype = ((tensor_types or {}).get(gguf_name, matrix_type) if array.ndim == 2
+                 else gguf.GGMLQuantizationType.F32)
         data = _quantize(array, qtype, rng)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)  # uint8 data: shape is in bytes
     writer.write_header_to_file()

@@ -34,7 +34,10 @@ def gguf_path(tmp_path, tiny_model):
 
 
 def _load(path, cache_dir, caplog, **kwargs):
-    """(loaded model, the loader's log lines) for one load."""
+    """(loaded model, the loader's log lines) for one load, dequantized (XLA's dots: the
+    conversion these tests are about; a kept-quantized load caches its float parameters only,
+    tests/model/test_gguf_kept.py)."""
+    kwargs.setdefault("matmul_backend", "xla")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="xlaserve.model"):
         loaded = load_model(path, skip_tokenizer_init=kwargs.pop("skip_tokenizer_init", True),

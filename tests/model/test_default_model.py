@@ -4,6 +4,7 @@ import pytest
 
 from tests.hf_reference import default_model_in_transformers, hf_greedy
 from xlaserve.model.loader import default_model_file, load_model
+from xlaserve.model.quantized_rows import QuantizedLinear, dequantized
 from xlaserve.executor.greedy import greedy_generate
 
 PROMPT = "List 3 countries and their capitals."
@@ -36,15 +37,22 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(default_model, hf_ggu
     assert ours == expected, (default_model.tokenizer.decode(ours), default_model.tokenizer.decode(expected))
 
 
+def _float(weight) -> np.ndarray:
+    """A weight in our layout as float32: kept quantized (on a CPU where the quantized GEMM
+    builds, the default) or dequantized at load."""
+    return dequantized(weight) if isinstance(weight, QuantizedLinear) else np.asarray(weight)
+
+
 def test_gguf_tensors_dequantize_to_what_transformers_loads(default_model, hf_gguf_model):
-    """Q4_1/Q8_0 dequantization and the undone q/k permutation, tensor by tensor."""
+    """Q4_1/Q8_0 dequantization and the undone q/k permutation, tensor by tensor (the weights the
+    quantized GEMM multiplies, where it runs)."""
     hf = {k: v.numpy() for k, v in hf_gguf_model.state_dict().items()}
     layer = default_model.model.layers[3]
     config = default_model.config
-    qkv = np.asarray(layer.attn.qkv.get_value())  # [hidden, kv_heads, group + 2, head_dim]
+    qkv = _float(layer.attn.qkv.get_value())  # [hidden, kv_heads, group + 2, head_dim]
     q = qkv[:, :, :config.queries_per_kv, :].reshape(config.hidden_size, -1).T
     k = qkv[:, :, config.queries_per_kv, :].reshape(config.hidden_size, -1).T
     np.testing.assert_array_equal(q, hf["model.layers.3.self_attn.q_proj.weight"])
     np.testing.assert_array_equal(k, hf["model.layers.3.self_attn.k_proj.weight"])
-    np.testing.assert_array_equal(np.asarray(default_model.model.embedding.get_value()),
+    np.testing.assert_array_equal(_float(default_model.model.embedding.get_value()),
                                   hf["model.embed_tokens.weight"])

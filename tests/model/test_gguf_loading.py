@@ -31,8 +31,13 @@ def _tiny_llama(hidden: int, **config_fields):
     return model
 
 
-def _our_logits(path):
-    loaded = load_model(path, dtype="float32", skip_tokenizer_init=True, progress=False)
+def _our_logits(path, **load_options):
+    loaded = load_model(path, dtype="float32", skip_tokenizer_init=True, progress=False,
+                        **load_options)
+    return _logits_of(loaded)
+
+
+def _logits_of(loaded):
     from flax import nnx
 
     batch = PagedBatch(1, 2, 16)

@@ -21,6 +21,7 @@ from xlaserve.model.int8 import Int8Matrix, dequantize, quantize
 from xlaserve.model.layers import Kernels, linear
 from xlaserve.model.loader import load_model
 from xlaserve.model.packed import PackedMatrix, pack_model
+from xlaserve.model.quantized_rows import QuantizedLinear, native_gemm_available
 
 # The Hugging Face weights --quantization int8 quantizes: every attention and dense MLP projection
 # (a shared expert's too), not the experts of a mixture of experts.
@@ -121,8 +122,8 @@ def test_mixture_of_experts_keeps_its_experts_and_quantizes_its_shared_expert(tm
 @pytest.mark.parametrize("layout", ["xla", "packed"])
 def test_int8_llama_gives_transformers_logits_on_the_int8_dequantized_weights(int8_llama, layout):
     """Quantized at load from the float checkpoint: transformers' logits (1e-4) and greedy tokens
-    on the reference's dequantized weights. `packed`: the CPU runner's packing leaves the int8
-    weights to XLA's dots (the LM head is packed)."""
+    on the reference's dequantized weights. `packed`: the CPU runner's packing gives the int8
+    weights to the native quantized GEMM as "i8_row" rows (the LM head is packed in float)."""
     plain, _, reference = int8_llama
     loaded = load_model(plain, dtype="float32", skip_tokenizer_init=True, progress=False,
                         quantization="int8")
@@ -133,9 +134,13 @@ def test_int8_llama_gives_transformers_logits_on_the_int8_dequantized_weights(in
     if layout == "packed":
         if kernels_for().packed_matmul is None:  # what the server's runner asks
             pytest.skip("the native CPU GEMM does not build here")
-        pack_model(loaded.model, loaded.config.tie_word_embeddings)
+        if not native_gemm_available():
+            pytest.skip("the native quantized GEMM does not build here")
+        pack_model(loaded.model, loaded.config.tie_word_embeddings, int8_as_rows=True)
         assert isinstance(loaded.model.lm_head.get_value(), PackedMatrix)
-        assert isinstance(loaded.model.layers[1].mlp.down.get_value(), Int8Matrix)
+        down = [layer.mlp.down.get_value() for layer in loaded.model.layers]
+        assert all(isinstance(d, QuantizedLinear) and d.formats == ("i8_row",) for d in down)
+        assert down[0].parts[0].rows is down[1].parts[0].rows  # one stack for every layer
     _assert_gives_reference_logits(loaded, reference)
 
 
@@ -149,8 +154,8 @@ def _assert_gives_reference_logits(loaded, reference):
 
 
 def test_engine_with_quantization_int8_generates_transformers_greedy_tokens(int8_llama, caplog):
-    """The flag end to end: ServerArgs -> start-up -> load_model, on the CPU's runner (which keeps
-    XLA's dots for the int8 weights and says so)."""
+    """The flag end to end: ServerArgs -> start-up -> load_model, on the CPU's runner (which gives
+    the int8 weights to the native quantized GEMM and says so)."""
     from xlaserve import Engine
 
     plain, _, reference = int8_llama
@@ -164,8 +169,8 @@ def test_engine_with_quantization_int8_generates_transformers_greedy_tokens(int8
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output["output_ids"] == hf_greedy(reference, prompt, 6)
     assert "Quantized the attention and MLP weights to int8" in caplog.text
-    if engine.core.runner.kernels.packed_matmul is not None:  # the CPU's native GEMM runs
-        assert "multiplied by XLA's dots, not the native CPU GEMM" in caplog.text
+    if engine.core.runner.kernels.packed_matmul is not None and native_gemm_available():
+        assert "int8 weights are multiplied by the native quantized CPU GEMM" in caplog.text
 
 
 def test_dummy_weights_with_int8_are_the_float_dummy_weights_quantized(int8_llama):

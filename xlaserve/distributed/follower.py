@@ -40,7 +40,8 @@ def follow(args) -> int:
                             load_format=args.load_format, seed=args.random_seed or 0,
                             conversion_cache=not args.disable_conversion_cache,
                             conversion_cache_dir=args.conversion_cache_dir,
-                            quantization=args.quantization)
+                            quantization=args.quantization,
+                            matmul_backend=args.matmul_backend)
         logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
                     loaded.config.architecture, loaded.source)
         replay(connection, loaded)

@@ -35,6 +35,7 @@ from xlaserve.compile.executable_cache import ExecutableCache, enabled_by_enviro
 from xlaserve.sampling.grammar import GrammarBackend
 from xlaserve.executor.kv_pool import num_pages_for
 from xlaserve.scheduler.page_allocator import PageAllocator
+from xlaserve.model.quantized_rows import native_gemm_available
 from xlaserve.executor.model_runner import ModelRunner
 from xlaserve.scheduler.scheduler import Scheduler
 from xlaserve.server_args import ServerArgs
@@ -74,7 +75,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                         load_format=args.load_format, seed=args.random_seed or 0,
                         conversion_cache=not args.disable_conversion_cache,
                         conversion_cache_dir=args.conversion_cache_dir,
-                        quantization=args.quantization)
+                        quantization=args.quantization,
+                        matmul_backend=args.matmul_backend)
     clock = _lap(timings, "load_model", clock)
     if share_with is not None:
         loaded.tokenizer = share_with.tokenizer
@@ -101,10 +103,11 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          attention_backend=args.attention_backend,
                          matmul_backend=args.matmul_backend)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
-    if args.quantization is not None and runner.kernels.packed_matmul is not None:
-        logger.info("--quantization %s: the %s weights are multiplied by XLA's dots, not the "
-                    "native CPU GEMM (it has no int8 panels); the embedding and LM head stay on it",
-                    args.quantization, args.quantization)
+    if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
+        logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "
+                    "and LM head stay on the float GEMM",
+                    "the native quantized CPU GEMM" if native_gemm_available()
+                    else "XLA's dots (the native quantized CPU GEMM does not build here)")
     leader = lead(args, runner) if args.nnodes > 1 else None
     buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
                               native_matmul=runner.kernels.packed_matmul is not None)

@@ -97,7 +97,7 @@ def greedy_generate(
     config = model.config
     total = len(prompt_ids) + max_new_tokens
     batch = PagedBatch(1, -(-total // page_size), page_size)
-    dtype = model.embedding.get_value().dtype  # an array, or a PackedMatrix (model/packed.py)
+    dtype = model.final_norm.scale.get_value().dtype  # the model dtype (norms are never quantized)
     mesh = mesh or _mesh_of(model)
     kv_caches = init_kv_pool(config, batch.num_pages, page_size, dtype, mesh)
     forward = make_forward(model, attention_backend)

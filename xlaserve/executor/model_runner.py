@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from xlaserve.model.packed import pack_model
+from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
 from xlaserve.model.placement import put
 from xlaserve.model.sharding import TP
 from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
@@ -109,7 +110,9 @@ class ModelRunner:
         self._kv_caches = None
         self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh)
         if kernels.packed_matmul is not None:
-            pack_model(loaded.model, self.config.tie_word_embeddings)
+            pack_model(loaded.model, self.config.tie_word_embeddings,
+                       int8_as_rows=native_gemm_available())
+        check_quantized_rows(loaded.model, kernels)
         graphdef, state = nnx.split(loaded.model)
         num_slots = max_running_requests + 1  # + the null slot
         vocab = self.config.vocab_size

@@ -28,9 +28,18 @@ def is_checkpoint(path: str) -> bool:
 def save(path: str, config: ModelConfig, model, tokenizer=None) -> None:
     import orbax.checkpoint as ocp
 
+    _, state = nnx.split(model)
+    # Kept GGUF blocks, int8 weights, packed panels: a checkpoint holds the float model.
+    quantized = [(where, type(variable.get_value()).__name__)
+                 for where, variable in nnx.to_flat_state(state)
+                 if not isinstance(variable.get_value(), jax.Array)]
+    if quantized:
+        (where, kind), = quantized[:1]
+        raise ValueError(f"a checkpoint holds float weights; {'.'.join(map(str, where))} is a "
+                         f"{kind}: save a model loaded with matmul_backend='xla' and no "
+                         "quantization, before a ModelRunner packs it")
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
-    _, state = nnx.split(model)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.join(path, "params"), nnx.to_pure_dict(state), force=True)
     checkpointer.wait_until_finished()

@@ -60,7 +60,8 @@ TOKENIZER_FILE = "tokenizer_config.json"  # written by every Hugging Face tokeni
 # What a conversion's output depends on besides the source file: these modules of xlaserve/model
 # (transformer.py: the parameter tree it fills) and these packages (gguf reads the tensors,
 # transformers and tokenizers build config and tokenizer). An edit converts again, once.
-_CODE = ("config.py", "weights.py", "gguf_file.py", "transformer.py", "conversion_cache.py")
+_CODE = ("config.py", "weights.py", "gguf_file.py", "gguf_kept.py", "transformer.py",
+         "conversion_cache.py")
 _PACKAGES = ("gguf", "transformers", "tokenizers")
 _SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _STALE_TEMP_SECONDS = 24 * 3600  # a temporary directory this old belongs to a crashed conversion
@@ -99,8 +100,13 @@ def source_identity(path: str) -> dict:
     return {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def entry_key(source: str, dtype) -> str:
-    what = {"format": FORMAT, "source": source_identity(source), "dtype": np.dtype(dtype).name,
+def _label(dtype, variant: str) -> str:
+    """The dtype's name, and the variant of the conversion if any (gguf_kept.CACHE_VARIANT)."""
+    return np.dtype(dtype).name + (f"+{variant}" if variant else "")
+
+
+def entry_key(source: str, dtype, variant: str = "") -> str:
+    what = {"format": FORMAT, "source": source_identity(source), "dtype": _label(dtype, variant),
             "code": _code_version()}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -179,12 +185,13 @@ class ConversionCache:
         # could write to is neither read nor written (cache_root.private_dir warned).
         self.usable = private_dir(self.root) is not None
 
-    def entry_dir(self, source: str, dtype) -> str:
-        return os.path.join(self.root, entry_key(source, dtype))
+    def entry_dir(self, source: str, dtype, variant: str = "") -> str:
+        return os.path.join(self.root, entry_key(source, dtype, variant))
 
-    def lookup(self, source: str, dtype) -> Entry | None:
-        """The valid entry for `source` converted to `dtype`, or None. An invalid one is removed."""
-        key = entry_key(source, dtype)
+    def lookup(self, source: str, dtype, variant: str = "") -> Entry | None:
+        """The valid entry for `source` converted to `dtype` (and `variant`), or None. An invalid
+        one is removed."""
+        key = entry_key(source, dtype, variant)
         directory = os.path.join(self.root, key)
         if not self.usable or not os.path.isdir(directory):
             return None
@@ -200,12 +207,13 @@ class ConversionCache:
         return None
 
     @contextlib.contextmanager
-    def writing(self, source: str, dtype, config: ModelConfig) -> Iterator[str | None]:
+    def writing(self, source: str, dtype, config: ModelConfig,
+                variant: str = "") -> Iterator[str | None]:
         """Yields a temporary directory for the caller to fill (ParamsWriter, tokenizer files);
         when the block ends without an error, the config and the manifest are added and the
         entry is published. Yields None where the cache cannot be written (a read-only home, a
         full disk) or is refused (`usable`): the caller converts without caching."""
-        key = entry_key(source, dtype)
+        key = entry_key(source, dtype, variant)
         if not self.usable:
             yield None
             return
@@ -217,18 +225,19 @@ class ConversionCache:
             return
         try:
             yield temporary
-            self._publish(temporary, key, source, dtype, config)
+            self._publish(temporary, key, source, _label(dtype, variant), config)
         finally:
             shutil.rmtree(temporary, ignore_errors=True)  # gone already when published
 
-    def _publish(self, temporary: str, key: str, source: str, dtype, config: ModelConfig) -> None:
+    def _publish(self, temporary: str, key: str, source: str, label: str,
+                 config: ModelConfig) -> None:
         try:
             with open(os.path.join(temporary, MODEL_CONFIG), "w") as f:
                 json.dump(config.to_dict(), f, indent=1)
             files = {name: _fingerprint(os.path.join(temporary, name))
                      for name in sorted(os.listdir(temporary))}
             manifest = {"format": FORMAT, "key": key, "source": source_identity(source),
-                        "dtype": np.dtype(dtype).name, "written": time.time(), "files": files}
+                        "dtype": label, "written": time.time(), "files": files}
             with open(os.path.join(temporary, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
             final = os.path.join(self.root, key)

@@ -130,17 +130,29 @@ class GGUFSource:
     def names(self) -> set[str]:
         return set(self._tensors)
 
+    def raw(self, name: str) -> tuple[str, np.ndarray, int]:
+        """(type name, the stored bytes [N, row bytes], K) of a 2-D tensor [N, K] as the file holds
+        it (memory-mapped), q/k rows in the transformers order as `get` gives them
+        (model/gguf_kept.py keeps such rows quantized)."""
+        tensor = self._tensors[name]
+        k, n = (int(d) for d in tensor.shape)  # fastest-first
+        rows = np.asarray(tensor.data).reshape(n, -1)
+        return tensor.tensor_type.name, self._unpermuted(name, rows), k
+
+    def _unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
+        if self.architecture in _PERMUTED_ARCHITECTURES:
+            if name.endswith("self_attn.q_proj.weight"):
+                return unpermute_rows(rows, self.num_heads)
+            if name.endswith("self_attn.k_proj.weight"):
+                return unpermute_rows(rows, self.num_kv_heads)
+        return rows
+
     def get(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         array = self._gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
-        if self.architecture in _PERMUTED_ARCHITECTURES:
-            if name.endswith("self_attn.q_proj.weight"):
-                array = unpermute_rows(array, self.num_heads)
-            elif name.endswith("self_attn.k_proj.weight"):
-                array = unpermute_rows(array, self.num_kv_heads)
-        return array
+        return self._unpermuted(name, array)
 
 
 def load_hf_config(path: str):

@@ -15,8 +15,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot
+from xlaserve.model.fp8_weights import FP8_TYPES, Fp8Matrix, fp8_block_linear, fp8_matmul
 from xlaserve.model.int8 import Int8Matrix
 from xlaserve.model.packed import PackedExperts, PackedMatrix, output_axes
+from xlaserve.model.quantized_rows import QuantizedLinear, quantized_linear
+from xlaserve.native import quantized_gemm_cpu
 
 
 def init_weight(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
@@ -100,6 +103,10 @@ class Kernels:
     # The experts on a mesh of several devices (`moe.expert_parallel(mesh)`, each device on its
     # own experts and its slice of their width); None: `moe.run_experts` on one device.
     run_experts: Callable | None = None
+    # `(x [T, K], values f8 [N, K], scales f32 [K blocks, N], block_k) -> float32 [T, N]` for an
+    # FP8 checkpoint's block-scaled weights (fp8_weights.Fp8BlockMatrix), on a single GPU
+    # (pallas_kernels/fp8_block_matmul.py); None where they are dequantized at load instead.
+    fp8_block_matmul: Callable | None = None
 
 
 def matmul_input_dtype(weight) -> jnp.dtype:
@@ -107,22 +114,28 @@ def matmul_input_dtype(weight) -> jnp.dtype:
     rounds to it directly."""
     if isinstance(weight, (PackedMatrix, PackedExperts)):
         return jnp.dtype(jnp.bfloat16 if weight.bf16_pairs else jnp.float32)
-    if isinstance(weight, Int8Matrix):
+    if isinstance(weight, (Int8Matrix, *FP8_TYPES)):
         return jnp.dtype(weight.compute_dtype)
+    if isinstance(weight, QuantizedLinear):  # dequantized exactly, multiplied in float32
+        return jnp.dtype(jnp.float32)
     return jnp.dtype(weight.dtype)
 
 
 def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> jax.Array:
     """x [T, K] @ weight -> float32 [T, *output axes]: the weight's leading axes that multiply to
     K are contracted (or weight [N, K] is used as weight.T). Inputs go in the weight's dtype with
-    float32 accumulation. A `PackedMatrix` goes to the native GEMM; an `Int8Matrix` (int8.py)
-    is converted to the model dtype inside the dot, whose float32 result is scaled per column.
+    float32 accumulation. A `PackedMatrix` goes to the native GEMM, a `QuantizedLinear` to the
+    native quantized GEMM (quantized_rows.py); an `Int8Matrix` (int8.py)
+    is converted to the model dtype inside the dot, whose float32 result is scaled per column;
+    FP8 weights (fp8_weights.py) multiply FP8-quantized activations.
     Otherwise the weight's contracted axes are merged into one (a free reshape: XLA's CPU layout
     pass transposed a whole 3-d o_proj weight every step for a 3-d einsum) and its output axes
     are kept: gate_up [K, 2, I] is split over I, and merging 2 and I made XLA gather the whole
     weight onto every device each step (Llama-3.1-8B on v6e, tp 4: 34 all-gathers a step, 2
     after)."""
     rows, k = x.shape
+    if isinstance(weight, QuantizedLinear):  # rows of quantized blocks, [N, K] either way
+        return quantized_linear(x, weight, quantized_gemm_cpu.quantized_matmul)
     if isinstance(weight, PackedMatrix):
         y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer, weight.bf16_pairs)
         return y.reshape(rows, *weight.output_axes)
@@ -140,6 +153,10 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
         y = jax.lax.dot_general(x.astype(dtype), values, (((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         return y * weight.scales
+    if isinstance(weight, Fp8Matrix):  # FP8 x FP8 on the tensor cores (fp8_weights.py)
+        return fp8_matmul(x, weight)
+    if isinstance(weight, FP8_TYPES):
+        return fp8_block_linear(x, weight, kernels.fp8_block_matmul)
     axes = output_axes(weight.shape, k)
     return jax.lax.dot_general(x.astype(weight.dtype), weight.reshape(k, *axes),
                                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)

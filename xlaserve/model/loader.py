@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -33,14 +34,17 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from xlaserve.model import checkpoint, gguf_file
+from xlaserve.model import checkpoint, gguf_file, gguf_kept
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.conversion_cache import ConversionCache, ParamsWriter
 from xlaserve.model.dummy_weights import dummy_model
-from xlaserve.model.int8 import (Int8Matrix, check_quantization, quantize_model, quantize_placed,
-                                 refuse_quantized_checkpoint)
+from xlaserve.model.fp8_kept import convert_kept, kept_quantization
+from xlaserve.model.fp8_weights import FP8_TYPES
+from xlaserve.model.int8 import (QUANTIZED_TYPES, check_platform, check_quantization, float_weight,
+                                 quantize_model, quantize_placed, refuse_quantized_checkpoint)
 from xlaserve.model.placement import put
 from xlaserve.model.quantization import check_quantization_config, dequantizing_source
+from xlaserve.model.quantized_rows import QuantizedLinear
 from xlaserve.model.registry import architecture_of, model_class
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.model.transformer import abstract_parameters
@@ -186,12 +190,17 @@ def load_model(
     conversion_cache: bool = True,
     conversion_cache_dir: str | None = None,
     quantization: str | None = None,
+    matmul_backend: str = "auto",
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
     for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
     A GGUF file goes through the conversion cache (under `conversion_cache_dir`, default
-    conversion_cache.default_root()) unless `conversion_cache` is False. `quantization="int8"`:
-    the dense matmuls' weights quantized at load (int8.py), from a float checkpoint only."""
+    conversion_cache.default_root()) unless `conversion_cache` is False. `quantization` "int8" or
+    "fp8": the dense matmuls' weights quantized at load (int8.py, fp8_weights.py; fp8 only where
+    the mesh's devices have FP8 matmuls), from a float checkpoint only. An FP8 checkpoint stays
+    FP8 there too (fp8_kept.py), and is dequantized at load elsewhere.
+    `matmul_backend` (executor/kernels.py): a GGUF's quantized weights stay quantized unless it is
+    "xla" (XLA's dots take float weights) or the mesh is not a single CPU device."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -199,6 +208,7 @@ def load_model(
     path = resolve_model_path(model_path, with_weights=not dummy)
     dtype = resolve_dtype(dtype)
     mesh = mesh or default_mesh()
+    check_platform(quantization, mesh.devices.flat[0])  # fp8: before anything is read
     name = DEFAULT_MODEL_NAME if model_path is None else _served_name(model_path)
 
     gguf_path = None if dummy else _gguf_in(path)
@@ -208,7 +218,8 @@ def load_model(
         config, model, tokenizer = _load_gguf(
             gguf_path, cache, dtype=dtype, mesh=mesh, progress=progress,
             tokenizer_path=None if skip_tokenizer_init else tokenizer_path,
-            need_tokenizer=not skip_tokenizer_init)
+            need_tokenizer=not skip_tokenizer_init,
+            keep_quantized=gguf_kept.keeps_quantized(mesh, matmul_backend))
         return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
     source_path, config, hf_config = _read_config(path, config_file_allowed=dummy)
     check_expert_parallel(config.num_experts, mesh)
@@ -218,14 +229,26 @@ def load_model(
         model = dummy_model(config, dtype=dtype, mesh=mesh, seed=seed, quantization=quantization)
     elif checkpoint.is_checkpoint(source_path):
         model = checkpoint.load(source_path, dtype=dtype, mesh=mesh)
-        if quantization == "int8":
-            quantize_model(model)
+        if quantization is not None:
+            quantize_model(model, quantization)
     else:
-        refuse_quantized_checkpoint(quantization, check_quantization_config(hf_config),
-                                    source_path)
-        source = dequantizing_source(SafetensorsSource(source_path), hf_config, dtype)
-        model = build_model(config, source, dtype=dtype, mesh=mesh, progress=progress,
-                            quantization=quantization)
+        method = check_quantization_config(hf_config)
+        refuse_quantized_checkpoint(quantization, method, source_path)
+        source = SafetensorsSource(source_path)
+        kept = None
+        if method == "fp8":  # kept in FP8 where the devices multiply FP8 (fp8_kept.py)
+            kept = kept_quantization(hf_config["quantization_config"], source,
+                                     _expected(config, dtype, mesh)[1], mesh)
+        if kept is not None:
+            abstract = _expected(config, dtype, mesh, kept)
+            tensors = convert_kept(config, source, hf_config["quantization_config"], dtype,
+                                   abstract[1])
+            model = place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
+                                abstract=abstract)
+        else:
+            model = build_model(config, dequantizing_source(source, hf_config, dtype),
+                                dtype=dtype, mesh=mesh, progress=progress,
+                                quantization=quantization)
     if quantization is not None:
         logger.info("Quantized the attention and MLP weights to %s per output channel at load; "
                     "the embedding, LM head and experts stay %s", quantization,
@@ -234,18 +257,24 @@ def load_model(
 
 
 def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, progress: bool,
-               tokenizer_path: str | None, need_tokenizer: bool):
+               tokenizer_path: str | None, need_tokenizer: bool, keep_quantized: bool):
     """(config, model, tokenizer) of a GGUF file: from its conversion cache entry, or converted
-    (and cached, with the file's own tokenizer, when `cache` is given)."""
+    (and cached, with the file's own tokenizer, when `cache` is given). `keep_quantized`: its
+    quantized matmul weights stay in their blocks (gguf_kept.py), read from the file on every
+    load; the cache then holds the other parameters only."""
     start = time.perf_counter()
-    entry = cache.lookup(path, dtype) if cache is not None else None
+    variant = gguf_kept.CACHE_VARIANT if keep_quantized else ""
+    entry = cache.lookup(path, dtype, variant) if cache is not None else None
     if entry is not None:
         tokenizer = None
         if need_tokenizer:
             tokenizer = load_tokenizer(tokenizer_path or (entry.directory if entry.has_tokenizer
                                                           else path))
-        model = place_model(entry.config, entry.tensors(), dtype=dtype, mesh=mesh,
-                            progress=progress)
+        tensors = entry.tensors()
+        if keep_quantized:
+            kept = gguf_kept.kept_weights(entry.config, gguf_file.GGUFSource(path))
+            tensors = itertools.chain(tensors, gguf_kept.placed(kept, mesh).items())
+        model = place_model(entry.config, tensors, dtype=dtype, mesh=mesh, progress=progress)
         logger.info("Loaded converted weights from cache %s (%.1f s)", entry.directory,
                     time.perf_counter() - start)
         return entry.config, model, tokenizer
@@ -263,24 +292,30 @@ def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, p
     tokenizer = None
     if need_tokenizer:
         tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else own_tokenizer
-    tensors = convert(config, gguf_file.GGUFSource(path))
+    source = gguf_file.GGUFSource(path)
+    kept = gguf_kept.kept_weights(config, source) if keep_quantized else {}
+    tensors = convert(config, source, skip=frozenset(kept))
+    kept_tensors = gguf_kept.placed(kept, mesh).items()
     if cache is None:
-        model = place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress)
+        model = place_model(config, itertools.chain(tensors, kept_tensors), dtype=dtype,
+                            mesh=mesh, progress=progress)
         logger.info("Converted GGUF %s in %.1f s (conversion cache disabled)", path,
                     time.perf_counter() - start)
         return config, model, tokenizer
     abstract = _expected(config, dtype, mesh)
-    with cache.writing(path, dtype, config) as directory, (
+    cached_shapes = {p: s.shape for p, s in abstract[1].items() if p not in kept}
+    with cache.writing(path, dtype, config, variant) as directory, (
             contextlib.nullcontext() if directory is None else
-            ParamsWriter(directory, {p: s.shape for p, s in abstract[1].items()}, dtype)) as writer:
+            ParamsWriter(directory, cached_shapes, dtype)) as writer:
         if writer is not None:
             if own_tokenizer is not None:
                 own_tokenizer.save_pretrained(directory)
             tensors = _tee(tensors, writer, dtype)
-        model = place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
-                            abstract=abstract)
+        model = place_model(config, itertools.chain(tensors, kept_tensors), dtype=dtype,
+                            mesh=mesh, progress=progress, abstract=abstract)
     logger.info("Converted GGUF %s in %.1f s; %s", path, time.perf_counter() - start,
-                "not cached" if directory is None else f"cached in {cache.entry_dir(path, dtype)}")
+                "not cached" if directory is None
+                else f"cached in {cache.entry_dir(path, dtype, variant)}")
     return config, model, tokenizer
 
 
@@ -392,7 +427,7 @@ def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: boo
 
 
 def _expected(config: ModelConfig, dtype, mesh: Mesh, quantization: str | None = None):
-    """(graphdef, {parameter path: ShapeDtypeStruct with its sharding, or an int8.Int8Matrix of
+    """(graphdef, {parameter path: ShapeDtypeStruct with its sharding, or a quantized matrix of
     them})."""
     graphdef, _, expected = abstract_parameters(config, dtype, mesh, model_class(config.architecture),
                                                 quantization)
@@ -402,8 +437,9 @@ def _expected(config: ModelConfig, dtype, mesh: Mesh, quantization: str | None =
 def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bool = True,
                 abstract=None):
     """The model from `(parameter path, array)` pairs in our layout, each put on `mesh` with its
-    partition spec (an int8 weight is put in float32 and quantized where it lies). `abstract`:
-    `_expected(config, dtype, mesh)`, where the caller has it."""
+    partition spec (a weight to quantize is put in float32 and quantized where it lies; an FP8
+    matrix kept from its checkpoint is put as it is). `abstract`: `_expected(config, dtype,
+    mesh)`, where the caller has it."""
     graphdef, expected = abstract or _expected(config, dtype, mesh)
     loaded = {}
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
@@ -414,9 +450,14 @@ def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bo
             if tuple(array.shape) != tuple(want.shape):
                 raise WeightError(f"parameter {path}: got shape {array.shape}, expected {want.shape}")
             # Multi-host: each process puts only its own devices' shards (model/placement.py).
-            if isinstance(want, Int8Matrix):
+            if isinstance(array, QuantizedLinear):  # GGUF blocks, placed already (gguf_kept.py)
+                loaded[path] = array
+            elif isinstance(array, FP8_TYPES):  # kept from an FP8 checkpoint (fp8_kept.py)
+                loaded[path] = jax.tree.map(lambda part, where: put(part, where.sharding),
+                                            array, want)
+            elif isinstance(want, QUANTIZED_TYPES):
                 loaded[path] = quantize_placed(
-                    put(np.asarray(array, dtype=np.float32), want.values.sharding), want)
+                    put(np.asarray(array, dtype=np.float32), float_weight(want).sharding), want)
             else:
                 loaded[path] = put(np.asarray(array, dtype=dtype), want.sharding)
             bar.update(1)

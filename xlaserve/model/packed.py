@@ -17,7 +17,8 @@ import jax
 from flax import nnx
 
 from xlaserve.model.int8 import Int8Matrix
-from xlaserve.native import gemm_cpu
+from xlaserve.model.quantized_rows import QuantizedLinear, embed_rows, int8_rows, stack_layers
+from xlaserve.native import gemm_cpu, quantized_gemm_cpu
 
 # The leaves that are matmul weights, with how many of their leading axes are contracted.
 MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1}
@@ -102,22 +103,26 @@ def _pack_leaf(name: str, weight: jax.Array) -> PackedMatrix | PackedExperts:
     return pack(weight, MATMUL_WEIGHTS[name])
 
 
-def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
+def pack_model(model: nnx.Module, tie_word_embeddings: bool, int8_as_rows: bool = False) -> None:
     """Packs `model`'s matmul and experts' weights in place. The layers' weights of one kind
     (every layer's qkv, ...) become one stack, each layer's Variable a view of it (the layers of
     the supported architectures all have the same shapes): a step then takes 4 weight arrays for
     all layers instead of 4 per layer, and each argument of a jitted call costs host time (with
     executor/weight_args.py, 182 weight arguments became 6 and the host dispatch of a one-token
-    step went from 3.2 to 2.1 ms on a 2-core CPU). A model already packed is left as it is."""
+    step went from 3.2 to 2.1 ms on a 2-core CPU). A model already packed is left as it is.
+    `int8_as_rows`: `--quantization int8` weights become "i8_row" QuantizedLinears for the native
+    quantized GEMM (stacked the same way), else XLA's dot multiplies them."""
     _, state = nnx.split(model)
     values, stacks = {}, {}
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value()
         name = str(path[-1])
         packs = name in MATMUL_WEIGHTS or name in EXPERT_WEIGHTS
-        if isinstance(value, (_Panels, Int8Matrix)):
-            # int8 weights are never packed: the native GEMM has no int8 panels, XLA's dot
-            # multiplies them (layers.linear)
+        if isinstance(value, Int8Matrix) and int8_as_rows:
+            value = int8_rows(value, quantized_gemm_cpu.i8_rows)
+        elif isinstance(value, (_Panels, Int8Matrix, QuantizedLinear)):
+            # quantized weights are not packed in float panels: quantized rows have their own
+            # GEMM, and int8 weights without it are XLA's (layers.linear)
             pass
         elif packs and path[0] == "layers":
             stacks.setdefault(path[2:], []).append((path, value))
@@ -134,7 +139,7 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool) -> None:
         stack = _packed_stack([value for _, value in members], name)
         for layer, (path, _) in enumerate(members):
             values[path] = dataclasses.replace(packed, panels=stack, layer=layer)
-    nnx.update(model, nnx.from_flat_state(values))
+    nnx.update(model, nnx.from_flat_state(stack_layers(values)))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -146,7 +151,10 @@ def _packed_stack(weights: list[jax.Array], name: str) -> jax.Array:
 
 
 def embed(embedding, ids: jax.Array) -> jax.Array:
-    """embedding[ids] for an embedding array or a packed tied one."""
+    """embedding[ids] for an embedding array, a packed tied one or a quantized one (only the rows
+    looked up are dequantized)."""
+    if isinstance(embedding, QuantizedLinear):
+        return embed_rows(embedding, ids, quantized_gemm_cpu.quantized_rows)
     if isinstance(embedding, PackedMatrix):
         return gemm_cpu.packed_rows(embedding.panels, ids, embedding.bf16_pairs)
     return embedding[ids]

@@ -92,29 +92,35 @@ def _fetch(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarra
     return array
 
 
-def convert(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
-    """Yield `(param_path, array)` for every parameter of `CausalLM`, in our layouts."""
+def convert(config: ModelConfig, source: TensorSource,
+            skip: frozenset = frozenset()) -> Iterator[tuple[tuple, np.ndarray]]:
+    """Yield `(param_path, array)` for every parameter of `CausalLM`, in our layouts, but those in
+    `skip` (the caller has them: a GGUF's weights kept quantized, model/gguf_kept.py), whose
+    tensors are not read."""
     c = config
     hidden, head_dim = c.hidden_size, c.head_dim
     q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads * head_dim
 
-    yield ("embedding",), _fetch(source, "model.embed_tokens.weight", (c.vocab_size, hidden))
+    if ("embedding",) not in skip:
+        yield ("embedding",), _fetch(source, "model.embed_tokens.weight", (c.vocab_size, hidden))
     for i in range(c.num_layers):
         prefix = f"model.layers.{i}."
         attn = prefix + "self_attn."
         layer = ("layers", i)
         yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
-        q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden))
-        k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
-        v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
-        yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
+        if layer + ("attn", "qkv") not in skip:
+            q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden))
+            k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
+            v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
+            yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
         if c.qkv_bias:
             qb = _fetch(source, attn + "q_proj.bias", (q_rows,))
             kb = _fetch(source, attn + "k_proj.bias", (kv_rows,))
             vb = _fetch(source, attn + "v_proj.bias", (kv_rows,))
             yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
-        o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
-        yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
+        if layer + ("attn", "o_proj") not in skip:
+            o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
+            yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
         if c.o_bias:
             yield layer + ("attn", "o_bias"), _fetch(source, attn + "o_proj.bias", (hidden,))
         if c.attention_sinks:
@@ -130,19 +136,22 @@ def convert(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, 
         elif c.moe_layers[i]:
             yield from _experts(source, c, prefix, layer + ("mlp",))
         else:
-            yield from _mlp(source, prefix + "mlp.", c.intermediate_size, hidden, layer + ("mlp",))
+            yield from _mlp(source, prefix + "mlp.", c.intermediate_size, hidden, layer + ("mlp",),
+                            skip=skip)
     yield ("final_norm", "scale"), _fetch(source, "model.norm.weight", (hidden,))
-    if not c.tie_word_embeddings:
+    if not c.tie_word_embeddings and ("lm_head",) not in skip:
         yield ("lm_head",), _fetch(source, "lm_head.weight", (c.vocab_size, hidden)).T
 
 
 def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple,
-         names=("gate_proj", "up_proj", "down_proj")):
-    """A SwiGLU MLP's gate_up [hidden, 2, inter] and down [inter, hidden]."""
-    gate = _fetch(source, f"{prefix}{names[0]}.weight", (inter, hidden))
-    up = _fetch(source, f"{prefix}{names[1]}.weight", (inter, hidden))
-    yield path + ("gate_up",), np.stack([gate.T, up.T], axis=1)
-    yield path + ("down",), _fetch(source, f"{prefix}{names[2]}.weight", (hidden, inter)).T
+         names=("gate_proj", "up_proj", "down_proj"), skip: frozenset = frozenset()):
+    """A SwiGLU MLP's gate_up [hidden, 2, inter] and down [inter, hidden] (but those in `skip`)."""
+    if path + ("gate_up",) not in skip:
+        gate = _fetch(source, f"{prefix}{names[0]}.weight", (inter, hidden))
+        up = _fetch(source, f"{prefix}{names[1]}.weight", (inter, hidden))
+        yield path + ("gate_up",), np.stack([gate.T, up.T], axis=1)
+    if path + ("down",) not in skip:
+        yield path + ("down",), _fetch(source, f"{prefix}{names[2]}.weight", (hidden, inter)).T
 
 
 def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
