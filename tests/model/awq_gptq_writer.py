@@ -84,14 +84,19 @@ def act_order_g_idx(rows: int, group_size: int, rng) -> np.ndarray:
 def write_checkpoint(plain: str, directory: str, quantization_config: dict, seed: int = 0) -> dict:
     """Quantize every `*_proj.weight` of the float32 checkpoint in `plain` into `directory` in the
     format of `quantization_config` (awq; gptq with its bits, group_size, sym, desc_act,
-    checkpoint_format). Returns {name: float64 dequantized value [out, in]}."""
+    checkpoint_format), experts' included; MoE routers (`mlp.gate.weight`) stay float, as both
+    writers leave them. A module whose name contains an entry of `modules_to_not_convert` stays
+    float too: AutoAWQ's substring rule (`exclude_layers_to_not_quantize`), so its MoE default
+    ["gate"] also leaves every expert's `gate_proj` float. Returns {name: float64 dequantized
+    value [out, in]}."""
     rng = np.random.default_rng(seed)
     tensors, config = _read(plain)
     method = quantization_config["quant_method"]
     bits, group_size = quantization_config.get("bits", 4), quantization_config.get("group_size", 128)
+    not_converted = quantization_config.get("modules_to_not_convert") or []
     dequantized = {}
     for name, value in list(tensors.items()):
-        if not QUANTIZED.search(name):
+        if not QUANTIZED.search(name) or any(key in name for key in not_converted):
             continue
         weight = value.T  # a Linear's [out, in] -> [in, out]
         rows = weight.shape[0]

@@ -1,7 +1,8 @@
 """AWQ and GPTQ checkpoints (xlaserve/model/awq_gptq.py): weights dequantized exactly (a float64
 reference of (q - z) * s rounded once into the serving dtype), AutoAWQ's nibble order, GPTQ's v1
-zeros-minus-one and act-order g_idx, tiny Llamas that give transformers' logits and greedy tokens
-on the dequantized weights, and every variant we do not decode refused in one line.
+zeros-minus-one and act-order g_idx, tiny Llamas and Qwen3-MoEs (every expert packed, the router
+float) that give transformers' logits and greedy tokens on the dequantized weights, and every
+variant we do not decode refused in one line.
 
 transformers 5.24 loads AWQ and GPTQ only through gptqmodel (AwqQuantizer/GptqHfQuantizer
 .validate_environment), which is not installed here, so the reference is transformers running
@@ -21,6 +22,7 @@ from tests.model.test_fp8 import _params, assert_gives_transformers_logits_and_g
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.model.awq_gptq import PackedIntError, PackedIntSource, dequantize_awq, dequantize_gptq
 from xlaserve.model.quantization import check_quantization_config
+from xlaserve.model.weights import SafetensorsSource
 
 DTYPES = {"float32": (np.float32, np.uint32), "bfloat16": (ml_dtypes.bfloat16, np.uint16),
           "float16": (np.float16, np.uint16)}
@@ -197,14 +199,24 @@ def test_packed_tensors_we_cannot_read_exactly_are_refused_in_one_line():
         lambda: PackedIntSource(dangling, "awq", AWQ, np.float32))
 
 
-# name, quantization_config for the tiny Llama (hidden 64, intermediate 128: groups of 32 divide both)
+# A tiny Qwen3-MoE: 2 layers, 4 experts, top 2, hidden 64, expert intermediate 128 (groups of 32
+# divide both), every expert's gate/up/down and the attention quantized, the router float.
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+# name: (family, config overrides, quantization_config); the Llama's hidden is 64, intermediate 128.
 VARIANTS = {
-    "awq": AWQ,
-    "gptq_v1_sym": GPTQ,
-    "gptq_v1_act_order": {**GPTQ, "desc_act": True},
-    "gptq_v2_asym_act_order_8bit": {**GPTQ, "checkpoint_format": "gptq_v2", "sym": False,
-                                    "desc_act": True, "bits": 8},
-    "gptq_v1_asym_per_channel": {**GPTQ, "sym": False, "group_size": -1},
+    "awq": ("llama", {}, AWQ),
+    "gptq_v1_sym": ("llama", {}, GPTQ),
+    "gptq_v1_act_order": ("llama", {}, {**GPTQ, "desc_act": True}),
+    "gptq_v2_asym_act_order_8bit": ("llama", {}, {**GPTQ, "checkpoint_format": "gptq_v2",
+                                                  "sym": False, "desc_act": True, "bits": 8}),
+    "gptq_v1_asym_per_channel": ("llama", {}, {**GPTQ, "sym": False, "group_size": -1}),
+    "qwen3_moe_awq": ("qwen3_moe", MOE, AWQ),
+    # AutoAWQ's MoE models set modules_to_not_convert ["gate"]; matched as a substring it leaves
+    # the experts' gate_proj float beside their packed up_proj and down_proj.
+    "qwen3_moe_awq_not_convert_gate": ("qwen3_moe", MOE, {**AWQ, "modules_to_not_convert": ["gate"]}),
+    "qwen3_moe_gptq_v1_act_order": ("qwen3_moe", MOE, {**GPTQ, "desc_act": True}),
+    "qwen3_moe_gptq_v2_asym_8bit": ("qwen3_moe", MOE, {**GPTQ, "checkpoint_format": "gptq_v2",
+                                                       "sym": False, "bits": 8}),
 }
 
 
@@ -213,15 +225,35 @@ def packed_checkpoint(request, tmp_path_factory):
     """(packed checkpoint, the same with its weights dequantized to float32, transformers on those)."""
     import transformers
 
+    family, overrides, quantization_config = VARIANTS[request.param]
     plain, packed, dequantized = (str(tmp_path_factory.mktemp(f"{request.param}_{kind}"))
                                   for kind in ("plain", "packed", "dequantized"))
-    make_tiny_checkpoint(plain, "llama")
-    values = write_checkpoint(plain, packed, VARIANTS[request.param])
+    make_tiny_checkpoint(plain, family, **overrides)
+    values = write_checkpoint(plain, packed, quantization_config)
     # float32 holds (q - z) * s exactly (fp16 scale x small integer)
     write_dequantized_checkpoint(plain, dequantized, {n: v.astype(np.float32) for n, v in values.items()})
     model = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32,
                                                               attn_implementation="eager").eval()
     return packed, dequantized, model
+
+
+def test_packed_checkpoint_holds_the_packed_tensors_the_tests_below_decode(packed_checkpoint):
+    """Attention packed in every variant; in the MoE ones every expert's projections packed (but
+    gate_proj under AutoAWQ's ["gate"]) and the router float, as the real writers leave it."""
+    packed, _, hf_model = packed_checkpoint
+    names = SafetensorsSource(packed).names()
+    for layer in range(2):
+        assert f"model.layers.{layer}.self_attn.q_proj.qweight" in names
+        if hf_model.config.model_type != "qwen3_moe":
+            assert f"model.layers.{layer}.mlp.gate_proj.qweight" in names
+            continue
+        assert f"model.layers.{layer}.mlp.gate.weight" in names  # the router
+        not_converted = "not_convert_gate" in packed
+        for expert in range(MOE["num_experts"]):
+            module = f"model.layers.{layer}.mlp.experts.{expert}."
+            assert {module + "up_proj.qweight", module + "down_proj.qweight"} <= names
+            assert (module + "gate_proj.weight" in names) == not_converted
+            assert (module + "gate_proj.qweight" in names) != not_converted
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])

@@ -13,7 +13,7 @@ from tests.model.mxfp4_writer import (EXPERT_MATRICES, QUANTIZATION_CONFIG, enco
                                       write_tiny_gpt_oss_checkpoint)
 from xlaserve.model.mxfp4 import FP4_VALUES, Mxfp4Error, decode_mxfp4, read_expert_weight
 from xlaserve.model.quantization import QuantizationError, check_quantization_config
-from xlaserve.model.weights import SafetensorsSource
+from xlaserve.model.weights import SafetensorsSource, WeightError, expert_matrix
 
 DTYPES = {"bfloat16": (ml_dtypes.bfloat16, torch.bfloat16, np.uint16),
           "float32": (np.float32, torch.float32, np.uint32),
@@ -187,19 +187,25 @@ def test_transformers_loads_the_tiny_checkpoint_to_the_experts_we_decode(tiny_gp
             assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-def test_read_expert_weight_reads_a_plain_matrix_and_names_what_is_missing():
+def test_an_expert_matrix_is_read_plain_or_decoded_from_mxfp4_and_what_is_missing_is_named():
+    """weights.expert_matrix chooses: a plain matrix as stored, else MXFP4 blocks and scales
+    (read_expert_weight), else one line naming both."""
     plain = np.arange(2 * 64 * 8, dtype=np.float32).reshape(2, 64, 8)
     name = "model.layers.0.mlp.experts.down_proj"
-    read = read_expert_weight(DictSource({name: plain}), name, (2, 64, 8), ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(read, plain.astype(ml_dtypes.bfloat16))
+    assert expert_matrix(DictSource({name: plain}), name, (2, 64, 8)) is plain
     blocks, scales = encode_mxfp4(plain)
+    packed = DictSource({name + "_blocks": blocks, name + "_scales": scales})
+    decoded = expert_matrix(packed, name, (2, 64, 8))
+    assert decoded.dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(bits_of(decoded, "bfloat16"), transformers_decode(blocks, scales, "bfloat16"))
     with pytest.raises(Mxfp4Error, match=f"missing tensor '{name}_scales' \\(expected shape \\[2, 8, 2\\]\\)"):
-        read_expert_weight(DictSource({name + "_blocks": blocks}), name, (2, 64, 8), np.float32)
+        expert_matrix(DictSource({name + "_blocks": blocks}), name, (2, 64, 8))
     with pytest.raises(Mxfp4Error, match=r"_blocks' has shape \[2, 8, 2, 16\], expected \[2, 4, 4, 16\]"):
-        read_expert_weight(DictSource({name + "_blocks": blocks, name + "_scales": scales}), name,
-                           (2, 128, 4), np.float32)
-    with pytest.raises(Mxfp4Error, match=f"neither '{name}' nor its MXFP4 '{name}_blocks'"):
-        read_expert_weight(DictSource({}), name, (2, 64, 8), np.float32)
+        read_expert_weight(packed, name, (2, 128, 4), np.float32)
+    with pytest.raises(WeightError, match=f"neither '{name}' nor its MXFP4 '{name}_blocks'"):
+        expert_matrix(DictSource({}), name, (2, 64, 8))
+    with pytest.raises(WeightError, match=r"has shape \[2, 64, 8\], expected \[2, 8, 64\]"):
+        expert_matrix(DictSource({name: plain}), name, (2, 8, 64))
 
 
 def test_encode_rounds_ties_to_the_even_code_and_saturates_at_six():

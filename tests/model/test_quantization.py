@@ -14,9 +14,9 @@ from transformers.utils.quantization_config import QuantizationMethod
 from tests.model.dict_source import DictSource
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.model.loader import load_model
-from xlaserve.model.mxfp4 import read_expert_weight
 from xlaserve.model.quantization import (SUPPORTED_METHODS, QuantizationError,
                                          check_quantization_config)
+from xlaserve.model.weights import expert_matrix
 
 Q_PROJ = "model.layers.0.self_attn.q_proj."  # [64, 64] in the tiny Llama
 FP8, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
@@ -159,7 +159,7 @@ def test_a_packed_tensor_is_refused_for_its_dtype_before_its_shape(plain_llama, 
 def test_a_plain_gpt_oss_expert_matrix_stored_as_int8_is_refused():
     name = "model.layers.0.mlp.experts.down_proj"
     with pytest.raises(QuantizationError, match=f"tensor '{name}' is stored as int8, not float"):
-        read_expert_weight(DictSource({name: np.ones((2, 64, 8), np.int8)}), name, (2, 64, 8), np.float32)
+        expert_matrix(DictSource({name: np.ones((2, 64, 8), np.int8)}), name, (2, 64, 8))
 
 
 @pytest.mark.parametrize("stored", ["float16", "bfloat16", "float64"])

@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING
 import ml_dtypes
 import numpy as np
 
-from xlaserve.model.quantization import check_float_tensor
-
 if TYPE_CHECKING:  # weights.py imports this module
     from xlaserve.model.weights import TensorSource
 
@@ -72,33 +70,24 @@ def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype, name: str = "MXF
 
 
 def read_expert_weight(source: TensorSource, name: str, shape: tuple[int, int, int], dtype) -> np.ndarray:
-    """The expert matrix `name` (e.g. `model.layers.0.mlp.experts.gate_up_proj`) in transformers'
-    orientation `shape` = [E, in, out], decoded from `<name>_blocks`/`<name>_scales` when the file
-    has them, else read plain and cast to `dtype`."""
+    """The MXFP4 expert matrix `name` (e.g. `model.layers.0.mlp.experts.gate_up_proj`) decoded from
+    `<name>_blocks` and `<name>_scales` into `dtype`, in transformers' orientation `shape` =
+    [E, in, out]. (weights.expert_matrix chooses between this and a plain `<name>`.)"""
     experts, cols, rows = shape
-    names = source.names()
-    if f"{name}_blocks" in names or f"{name}_scales" in names:
-        if cols % GROUP:
-            raise Mxfp4Error(f"{name}: {cols} input features is not a multiple of the MXFP4 group of {GROUP}")
-        packed = ((f"{name}_blocks", (experts, rows, cols // GROUP, GROUP // 2)),
-                  (f"{name}_scales", (experts, rows, cols // GROUP)))
-        tensors = []
-        for tensor_name, expected in packed:
-            if tensor_name not in names:
-                raise Mxfp4Error(f"checkpoint is missing tensor {tensor_name!r} (expected shape {list(expected)})")
-            tensor = source.get(tensor_name)
-            if tuple(tensor.shape) != expected:
-                raise Mxfp4Error(f"tensor {tensor_name!r} has shape {list(tensor.shape)}, "
-                                 f"expected {list(expected)} from the config")
-            tensors.append(tensor)
-        return decode_mxfp4(*tensors, dtype, name=name)
-    if name not in names:
-        raise Mxfp4Error(f"checkpoint has neither {name!r} nor its MXFP4 {name + '_blocks'!r} "
-                         f"(expected shape {list(shape)})")
-    plain = check_float_tensor(name, source.get(name))
-    if tuple(plain.shape) != tuple(shape):
-        raise Mxfp4Error(f"tensor {name!r} has shape {list(plain.shape)}, expected {list(shape)} from the config")
-    return plain.astype(_decoded_dtype(dtype, name))
+    if cols % GROUP:
+        raise Mxfp4Error(f"{name}: {cols} input features is not a multiple of the MXFP4 group of {GROUP}")
+    packed = ((f"{name}_blocks", (experts, rows, cols // GROUP, GROUP // 2)),
+              (f"{name}_scales", (experts, rows, cols // GROUP)))
+    tensors = []
+    for tensor_name, expected in packed:
+        if tensor_name not in source.names():
+            raise Mxfp4Error(f"checkpoint is missing tensor {tensor_name!r} (expected shape {list(expected)})")
+        tensor = source.get(tensor_name)
+        if tuple(tensor.shape) != expected:
+            raise Mxfp4Error(f"tensor {tensor_name!r} has shape {list(tensor.shape)}, "
+                             f"expected {list(expected)} from the config")
+        tensors.append(tensor)
+    return decode_mxfp4(*tensors, dtype, name=name)
 
 
 def _decoded_dtype(dtype, name: str) -> np.dtype:

@@ -115,7 +115,7 @@ def _check_mxfp4_config(quant: dict, model_type) -> None:
     lm_head) only tells transformers which GptOssMLP modules to swap for its Triton MXFP4 module;
     when it dequantizes at load, as it does on CPU and as we do everywhere, the tensors in the
     file decide: `<name>_blocks` + `<name>_scales` are decoded, a plain `<name>` is read as is
-    (mxfp4.read_expert_weight). So the list is checked for form only, as for fp8."""
+    (weights.expert_matrix). So the list is checked for form only, as for fp8."""
     if model_type != "gpt_oss":
         raise QuantizationError(f"mxfp4 quantization is defined for gpt_oss expert weights only, "
                                 f"not model_type {model_type!r}")

@@ -187,19 +187,26 @@ def _gpt_oss_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tu
     yield path + ("router",), _fetch(source, prefix + "router.weight", (experts, hidden)).T
     yield path + ("router_bias",), _fetch(source, prefix + "router.bias", (experts,))
     prefix += "experts."
-    gate_up = _expert_matrix(source, prefix + "gate_up_proj", (experts, hidden, 2 * inter))
+    gate_up = expert_matrix(source, prefix + "gate_up_proj", (experts, hidden, 2 * inter))
     yield path + ("experts_gate_up",), _deinterleave(gate_up.reshape(experts, hidden, inter, 2))
     bias = _fetch(source, prefix + "gate_up_proj_bias", (experts, 2 * inter))
     yield path + ("experts_gate_up_bias",), _deinterleave(bias.reshape(experts, inter, 2))
-    yield path + ("experts_down",), _expert_matrix(source, prefix + "down_proj",
-                                                   (experts, inter, hidden))
+    yield path + ("experts_down",), expert_matrix(source, prefix + "down_proj",
+                                                  (experts, inter, hidden))
     yield path + ("experts_down_bias",), _fetch(source, prefix + "down_proj_bias", (experts, hidden))
 
 
-def _expert_matrix(source: TensorSource, name: str, shape: tuple[int, int, int]) -> np.ndarray:
-    if name in source.names():  # stored unquantized, in its own dtype
+def expert_matrix(source: TensorSource, name: str, shape: tuple[int, int, int]) -> np.ndarray:
+    """gpt-oss's expert matrix `name` [E, in, out]: the one place that chooses between a plain
+    `<name>` (read in its own dtype, refused if not float) and MXFP4 `<name>_blocks`/`_scales`
+    (decoded into bfloat16, which holds every MXFP4 value exactly); the plain one first."""
+    names = source.names()
+    if name in names:
         return _fetch(source, name, shape)
-    return read_expert_weight(source, name, shape, ml_dtypes.bfloat16)
+    if f"{name}_blocks" in names or f"{name}_scales" in names:
+        return read_expert_weight(source, name, shape, ml_dtypes.bfloat16)
+    raise WeightError(f"checkpoint has neither {name!r} nor its MXFP4 {name + '_blocks'!r} "
+                      f"(expected shape {list(shape)})")
 
 
 def _deinterleave(pairs: np.ndarray) -> np.ndarray:
