@@ -1,12 +1,16 @@
 """Serving benchmark in the spirit of `sglang.bench_serving`: random prompts of given input and
 output lengths sent to an OpenAI-compatible `/v1/completions` (streamed), at a request rate
-and/or a maximum concurrency, after a warm-up; prints request throughput, output tok/s, and
-TTFT / ITL / end-to-end latency mean, median and p99.
+and/or a maximum concurrency, after a warm-up; prints request throughput, output tok/s, TTFT /
+TPOT / ITL / end-to-end latency mean, median and p99, and a launched server's peak memory.
 
     # against any running server
     .venv/bin/python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --max-concurrency 16
     # side by side: start each server in turn on the same weights, same workload, one table
     .venv/bin/python benchmarks/bench_serving.py --launch xlaserve,llama.cpp --max-concurrency 16
+    # against llama.cpp's C++ llama-server on the same Q8_0 GGUF, single stream then 64 concurrent
+    .venv/bin/python benchmarks/bench_serving.py --launch xlaserve,llama-server --gguf Q8_0 \\
+        --llama-server-bin /tmp/llamacpp/build/bin/llama-server --max-concurrency 1,64 \\
+        --num-prompts 8,128
     # a real model's shapes with random weights (configs in benchmarks/configs)
     .venv/bin/python benchmarks/bench_serving.py --launch xlaserve --max-concurrency 16 \\
         --model-path benchmarks/configs/qwen2.5-0.5b --load-format dummy
@@ -24,6 +28,21 @@ with `ignore_eos`, and its stream's `output_ids` are counted.
 an F32 GGUF of the very weights xlaserve serves (see peers.py). Output tokens are the server's
 `usage.completion_tokens` where the stream reports it (xlaserve does, asked with
 `stream_options`), else one per chunk with text.
+
+`--launch llama-server` runs llama.cpp's C++ server (a build of your own, --llama-server-bin) with
+`-np` = the largest --max-concurrency, continuous batching, a thread per core (or
+--llama-server-threads), and no prompt cache in host RAM (`--cache-ram 0`: it would keep prompts'
+KV states between passes, and count in the memory).
+`--gguf F32|Q8_0|Q4_K_M` makes every launched server serve one file: the embedded model as an F32
+GGUF, or quantized from it by the llama-quantize beside --llama-server-bin (peers.py; cached in
+~/.cache/xlaserve/bench); xlaserve gets it as --model-path. With llama-server launched, both hold
+the same KV capacity: its `-c` and xlaserve's --max-total-tokens are the largest --max-concurrency
+x (2 x the longest prompt + --output-len) tokens (each llama-server slot gets 1/np of `-c`).
+Several --max-concurrency values (`1,64`) are passes on the same launched server, each on prompts
+of its own (--seed + its index, so no pass finds another's prompts cached), with --num-prompts
+one value or one per pass. A launched server's row has its peak RSS during the pass
+(`peak_rss_mib`: VmHWM of it and its children, reset before the pass; process_memory.py) and at
+start-up (`startup_peak_rss_mib`, in --json).
 
 Structured outputs: with `--json-schema FILE` each server gets, after a warm-up of both, two
 passes over the same prompts: unconstrained (as above) and constrained, each request also
@@ -44,7 +63,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -52,6 +70,9 @@ import httpx
 import numpy as np
 
 import model_options
+import process_memory
+from launch_servers import (LLAMA_KINDS, gguf_file, kv_tokens, launch, launch_flags,
+                            llama_server_version)
 
 BANNED = {"0": -100, "2": -100}  # <|endoftext|>, <|im_end|> of the default model
 
@@ -165,7 +186,10 @@ async def run_load(base_url: str, model: str, prompts: list, output_len: int,
     "json_schema": stats (with a schema), "ratio": constrained / unconstrained output tok/s}:
     after a warm-up of both kinds, `repeat` rounds, the first unconstrained then constrained, the
     next the other way round, and so on; each kind's stats the median over its rounds."""
-    limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
+    # A new connection per request: llama-server (cpp-httplib) now and then dropped a kept-alive
+    # connection as the next request went out on it ("Server disconnected without sending a
+    # response"). A local connect costs well under a millisecond.
+    limits = httpx.Limits(max_connections=max_concurrency or len(prompts), max_keepalive_connections=0)
     kinds = {"unconstrained": None} | ({} if json_schema is None else {"json_schema": json_schema})
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as http:
         for schema in kinds.values():  # warm-up (with a schema: its compile, the mask path)
@@ -222,12 +246,15 @@ def summarize(results: list[dict], duration: float, constrained: bool = False) -
         raise RuntimeError(f"every request failed, e.g. {results[0].get('error')}")
     ttft = np.array([r["ttft"] for r in done]) * 1000
     itl = np.array([x for r in done for x in r["itl"]] or [0.0]) * 1000
+    # time per output token after the first, per request (sglang.bench_serving's TPOT)
+    tpot = np.array([(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in done
+                     if r["output_tokens"] > 1] or [0.0]) * 1000
     e2e = np.array([r["e2e"] for r in done])
     output_tokens = sum(r["output_tokens"] for r in done)
     stats = {"completed": len(done), "failed": len(results) - len(done), "duration_s": round(duration, 2),
              "request_throughput": round(len(done) / duration, 3),
              "output_tok_s": round(output_tokens / duration, 1)}
-    for name, values in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_s", e2e)):
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_s", e2e)):
         stats[f"mean_{name}"] = round(float(values.mean()), 2)
         stats[f"median_{name}"] = round(float(np.median(values)), 2)
         stats[f"p99_{name}"] = round(float(np.percentile(values, 99)), 2)
@@ -239,64 +266,54 @@ def summarize(results: list[dict], duration: float, constrained: bool = False) -
     return stats
 
 
-# --- launching servers side by side ------------------------------------------------------------
-
-def launch(kind: str, port: int, args: argparse.Namespace, model_flags: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if kind == "xlaserve":
-        command = [sys.executable, "-m", "xlaserve.launch_server", "--port", str(port),
-                   "--max-running-requests", str(args.max_concurrency or 64),
-                   *model_flags, *args.xlaserve_arg]
-    elif kind == "llama.cpp":
-        from peers import f32_gguf
-
-        command = [sys.executable, "-m", "llama_cpp.server", "--model", f32_gguf(), "--port", str(port),
-                   "--n_ctx", "2048", "--n_threads", str(os.cpu_count()),
-                   "--interrupt_requests", "False"]  # else a new request cuts the running one off
-    else:
-        raise ValueError(f"unknown server {kind!r}: xlaserve or llama.cpp")
-    log = open(os.path.join(args.log_dir, f"{kind}.log"), "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{kind} exited; see {log.name}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200 and (
-                    kind != "xlaserve" or httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200):
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    process.kill()
-    raise TimeoutError(f"{kind} did not start; see {log.name}")
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
-def _model_flags(engine_model_args: dict) -> list[str]:
-    """launch_server flags for model_options.engine_model_args (only those not at defaults)."""
-    flags = []
-    if engine_model_args["model_path"]:
-        flags += ["--model-path", engine_model_args["model_path"]]
-    if engine_model_args["load_format"] != "auto":
-        flags += ["--load-format", engine_model_args["load_format"]]
-    if engine_model_args["skip_tokenizer_init"]:
-        flags.append("--skip-tokenizer-init")
-    return flags
+def _record(results: dict, ratios: dict, row: str, result: dict, memory: dict) -> None:
+    """One pass's rows (unconstrained, and constrained with --json-schema), printed to stderr."""
+    if "unconstrained" not in result:  # one plain pass
+        result = {"unconstrained": result}
+    results[row] = result["unconstrained"] | memory
+    if "json_schema" in result:
+        results[f"{row} json_schema"] = result["json_schema"] | memory
+        ratios[row] = {k: result[k] for k in ("ratio", "round_ratios") if k in result}
+    for name in (row, f"{row} json_schema"):
+        if name in results:
+            print(f"{name}: {results[name]}", file=sys.stderr)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", help="a running OpenAI-compatible server")
-    parser.add_argument("--launch", help="comma-separated servers to start in turn: xlaserve, llama.cpp")
+    parser.add_argument("--launch", help="comma-separated servers to start in turn: xlaserve, llama.cpp "
+                                         "(llama-cpp-python), llama-server (llama.cpp's C++ server)")
     parser.add_argument("--model", default="default", help="the model name to send")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=_int_list, default=[64], metavar="N[,N...]",
+                        help="prompts per pass: one, or one per --max-concurrency value (8,128)")
     parser.add_argument("--input-len", default="32-64", help="prompt length range in tokens, 'lo-hi'")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--max-concurrency", type=_int_list, default=None,
+                        dest="concurrency_levels", metavar="N[,N...]",
+                        help="requests in flight at most; several (1,64) are passes in turn on the "
+                             "same server, which is launched for the largest")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=30100, help="port for --launch")
     parser.add_argument("--xlaserve-arg", action="append", default=[], help="extra launch_server flag")
+    parser.add_argument("--gguf", choices=["F32", "Q8_0", "Q4_K_M"],
+                        help="every launched server serves this GGUF of the embedded model "
+                             "(made by peers.py; the quantized ones with the llama-quantize beside "
+                             "--llama-server-bin, else on PATH); xlaserve as --model-path")
+    parser.add_argument("--llama-server-bin", metavar="PATH", help="llama.cpp's llama-server, for "
+                        "--launch llama-server (its llama-quantize beside it makes --gguf files)")
+    parser.add_argument("--llama-server-threads", type=int, metavar="N",
+                        help="llama-server's -t and -tb (default: one per core). Where others keep "
+                             "the cores busy, 1: its threads meet at a barrier after every op, so "
+                             "one descheduled thread stalls all (2-core machine, ~1.2 cores busy "
+                             "elsewhere, Q8_0 single stream: 52 tok/s with 1 thread, 1.4-26 with 2)")
+    parser.add_argument("--llama-server-arg", action="append", default=[],
+                        help="extra llama-server flag, e.g. --llama-server-arg=--no-repack")
     parser.add_argument("--log-dir", default="/tmp", help="server logs for --launch")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--json-schema", metavar="FILE",
@@ -311,60 +328,87 @@ def main(argv=None) -> None:
         parser.error("give --base-url or --launch")
     if args.repeat < 1:
         parser.error("--repeat takes 1 or more")
+    kinds = args.launch.split(",") if args.launch else []
+    if set(kinds) - {"xlaserve", *LLAMA_KINDS}:
+        parser.error(f"--launch takes xlaserve, llama.cpp, llama-server, not {args.launch}")
+    if "llama-server" in kinds and not args.llama_server_bin:
+        parser.error("--launch llama-server needs --llama-server-bin PATH (a llama.cpp build)")
+    if args.gguf and not kinds:
+        parser.error("--gguf picks the file launched servers serve: give --launch")
+    levels = args.concurrency_levels or [None]
+    if len(args.num_prompts) not in (1, len(levels)):
+        parser.error("--num-prompts takes one value or one per --max-concurrency value")
+    num_prompts = args.num_prompts * len(levels) if len(args.num_prompts) == 1 else args.num_prompts
+    args.max_concurrency = None if levels == [None] else max(levels)  # what launch() sizes for
+    llama_launched = any(kind in LLAMA_KINDS for kind in kinds)
     json_schema = None
     if args.json_schema:
-        if "llama.cpp" in (args.launch or ""):
+        if llama_launched:
             parser.error("--json-schema measures xlaserve's constrained decoding: --launch xlaserve")
         with open(args.json_schema) as f:
             json_schema = json.dumps(json.load(f))  # the JSON string SGLang's json_schema takes
     custom_model = args.model_path or args.load_format != "auto"
-    if custom_model and "llama.cpp" in (args.launch or ""):
-        parser.error("llama.cpp runs the embedded model only: --launch xlaserve with --model-path "
-                     "or --load-format dummy")
+    if custom_model and (llama_launched or args.gguf):
+        parser.error("llama.cpp, llama-server and --gguf run the embedded model only: --launch "
+                     "xlaserve with --model-path or --load-format dummy")
     vocabulary = model_options.model_vocabulary(args.model_path, args.load_format)
     # The default model's end-of-text ids are not another model's.
     logit_bias = {str(i): -100 for i in vocabulary.stop_ids} if custom_model else BANNED
-    model_flags = _model_flags(model_options.engine_model_args(args, vocabulary))
+    model_flags = launch_flags(model_options.engine_model_args(args, vocabulary))
+    gguf = gguf_file(args.gguf, args.llama_server_bin) if args.gguf else None
+    if gguf:
+        model_flags += ["--model-path", gguf]
+    if "llama-server" in kinds:  # the same KV capacity as llama-server's -c
+        model_flags += ["--max-total-tokens", str(kv_tokens(args))]
     lo, hi = (int(x) for x in args.input_len.split("-"))
-    prompts = make_prompts(args.num_prompts, (lo, hi), args.seed, vocabulary)
-    workload = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len",
-                                              "max_concurrency", "request_rate", "model_path",
-                                              "load_format")}
+    # Each pass its own prompts: a later pass would find an earlier one's in a prefix cache.
+    passes = [(level, make_prompts(num, (lo, hi), args.seed + i, vocabulary))
+              for i, (level, num) in enumerate(zip(levels, num_prompts))]
+    workload = {"num_prompts": num_prompts if len(levels) > 1 else num_prompts[0],
+                "max_concurrency": levels if len(levels) > 1 else levels[0],
+                **{k: getattr(args, k) for k in ("input_len", "output_len", "request_rate",
+                                                 "model_path", "load_format")}}
+    if gguf:
+        workload["gguf"] = gguf
+    if "llama-server" in kinds:
+        workload.update(llama_server=llama_server_version(args.llama_server_bin),
+                        llama_server_threads=args.llama_server_threads or os.cpu_count(),
+                        llama_server_args=args.llama_server_arg, kv_tokens=kv_tokens(args))
     if json_schema is not None or args.repeat > 1:
         workload.update(json_schema=args.json_schema, repeat=args.repeat)
     print(f"workload: {workload}", file=sys.stderr)
     results, ratios = {}, {}
     targets = [("server", args.base_url, None)] if args.base_url else [
-        (kind, f"http://127.0.0.1:{args.port}", kind) for kind in args.launch.split(",")]
+        (kind, f"http://127.0.0.1:{args.port}", kind) for kind in kinds]
     for name, url, kind in targets:
-        process = launch(kind, args.port, args, model_flags) if kind else None
+        process = launch(kind, args.port, args, model_flags, gguf) if kind else None
         try:
-            result = asyncio.run(run_load(url, args.model, prompts, args.output_len,
-                                          args.max_concurrency, args.request_rate, args.seed,
-                                          logit_bias, json_schema, args.repeat))
+            startup_peak = process_memory.peak_rss_mib(process.pid) if process else None
+            for concurrency, prompts in passes:
+                if process:
+                    process_memory.reset_peak_rss(process.pid)
+                result = asyncio.run(run_load(url, args.model, prompts, args.output_len,
+                                              concurrency, args.request_rate, args.seed,
+                                              logit_bias, json_schema, args.repeat))
+                # with --json-schema or --repeat, the peak over all of the pass's rounds
+                memory = {"peak_rss_mib": process_memory.peak_rss_mib(process.pid),
+                          "startup_peak_rss_mib": startup_peak} if process else {}
+                row = name if len(passes) == 1 else f"{name} c={concurrency}"
+                _record(results, ratios, row, result, memory)
         finally:
             if process is not None:
                 process.terminate()
                 process.wait(timeout=60)
-        if "unconstrained" not in result:  # one plain pass
-            result = {"unconstrained": result}
-        results[name] = result["unconstrained"]
-        if "json_schema" in result:
-            results[f"{name} json_schema"] = result["json_schema"]
-            ratios[name] = {k: result[k] for k in ("ratio", "round_ratios") if k in result}
-        for row in (name, f"{name} json_schema"):
-            if row in results:
-                print(f"{row}: {results[row]}", file=sys.stderr)
     if args.json:
         print(json.dumps({"workload": workload, **results,
                           **({"constrained_over_unconstrained": ratios} if ratios else {})}))
         return
     columns = ["request_throughput", "output_tok_s", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-               "mean_itl_ms", "median_itl_ms", "p99_itl_ms"]
+               "median_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "peak_rss_mib"]
     width = max(12, *(len(name) + 1 for name in results))
     print(f"\n{'':<{width}}" + "".join(f"{c:>17}" for c in columns))
     for name, stats in results.items():
-        print(f"{name:<{width}}" + "".join(f"{stats[c]:>17}" for c in columns))
+        print(f"{name:<{width}}" + "".join(f"{stats.get(c, '-'):>17}" for c in columns))
     for name, ratio in ratios.items():
         constrained = results[f"{name} json_schema"]
         rounds = f" (rounds: {ratio['round_ratios']})" if "round_ratios" in ratio else ""

@@ -2,7 +2,9 @@
 
 - Hugging Face `transformers` batched `generate` (PyTorch CPU), float32 or bfloat16;
 - llama.cpp through `llama-cpp-python` (`pip install 'llama-cpp-python[server]'`), on an F32 GGUF
-  made from the embedded model's GGUF (`f32_gguf`), so it runs the very weights xlaserve runs.
+  made from the embedded model's GGUF (`f32_gguf`), so it runs the very weights xlaserve runs;
+- llama.cpp's C++ `llama-server` (bench_serving.py), on that F32 GGUF or on a Q8_0 / Q4_K_M one
+  made from it by llama.cpp's own `llama-quantize` (`quantized_gguf`), served by both.
 
 Each runs in a process of its own (`run_in_child`): two runtimes in one process share its two
 cores' threads and memory, and measured each other (transformers ran 3-6x slower after JAX had
@@ -33,6 +35,15 @@ def run_in_child(script: str, kind: str, options: dict, source_tree: str | None 
     return json.loads(lines[-1])
 
 
+def _bench_gguf_path(kind: str, cache_dir: str | None) -> str:
+    """Where the embedded model's GGUF of `kind` (F32, Q8_0...) is cached: ~/.cache/xlaserve/bench."""
+    from xlaserve.model.loader import default_model_file
+
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "bench")
+    stem = os.path.basename(default_model_file()).rsplit(".", 2)[0]  # SmolLM2-135M-Instruct
+    return os.path.join(cache_dir, f"{stem}.{kind}.gguf")
+
+
 def f32_gguf(cache_dir: str | None = None) -> str:
     """The embedded model as an all-F32 GGUF (its Q4_1/Q8_0 tensors dequantized, metadata kept),
     written once to ~/.cache/xlaserve/bench."""
@@ -41,11 +52,10 @@ def f32_gguf(cache_dir: str | None = None) -> str:
     from xlaserve.model.loader import default_model_file
 
     source = default_model_file()
-    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "bench")
-    target = os.path.join(cache_dir, os.path.basename(source).rsplit(".", 2)[0] + ".F32.gguf")
+    target = _bench_gguf_path("F32", cache_dir)
     if os.path.exists(target):
         return target
-    os.makedirs(cache_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(target + ".partial", arch)
@@ -65,6 +75,32 @@ def f32_gguf(cache_dir: str | None = None) -> str:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    os.replace(target + ".partial", target)
+    return target
+
+
+QUANTIZED_KINDS = ("Q8_0", "Q4_K_M")
+
+
+def quantized_gguf(kind: str, llama_quantize: str, cache_dir: str | None = None) -> str:
+    """The embedded model quantized to `kind` (Q8_0 or Q4_K_M) by llama.cpp's `llama-quantize`
+    from `f32_gguf`, written once beside it. The F32 file holds the embedded Q4_1 weights
+    dequantized, so these are requantized weights (a peer comparison, not a quality one). The
+    model's hidden size (576) is no multiple of the 256-wide K-quant blocks, so llama-quantize
+    stores the tensors whose rows are 576 long in its fallback types: this Q4_K_M file (101 MiB)
+    holds Q5_0 (q, k, v, o, gate, up: 51 MiB), Q8_0 (the embedding and some v: 30 MiB), Q6_K and
+    Q4_K (down only: 9.7 and 7.6 MiB), so its figures are mostly Q5_0's, not Q4_K's."""
+    if kind not in QUANTIZED_KINDS:
+        raise ValueError(f"GGUF kind {kind!r} is not one of {', '.join(QUANTIZED_KINDS)}")
+    target = _bench_gguf_path(kind, cache_dir)
+    if os.path.exists(target):
+        return target
+    source = f32_gguf(cache_dir)
+    result = subprocess.run([llama_quantize, source, target + ".partial", kind],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{llama_quantize} {kind} failed (exit {result.returncode}):\n"
+                           f"{result.stderr[-3000:]}")
     os.replace(target + ".partial", target)
     return target
 
