@@ -2,7 +2,8 @@
 packed float GEMM (native/gemm_cpu.cc) on bfloat16 and float32 panels, on the same shapes.
 
     python benchmarks/bench_quantized_gemm.py [--shapes 2048x8192 8192x2048 576x1536 1536x576]
-        [--rows 1 8 64 256] [--formats q8_0 q4_0 q4_k q6_k i8_row] [--iters 5] [--runs 5]
+        [--rows 1 8 64 256] [--formats q8_0 q4_0 q5_0 q5_1 q4_k q6_k i8_row] [--iters 5]
+        [--runs 5]
 
 A shape is KxN (y [M, N] = x [M, K] @ W.T): a Llama-3.2-1B-ish MLP's two matmuls, and the
 embedded default model's (SmolLM2-135M: hidden 576, intermediate 1536). Each run times every
@@ -11,7 +12,8 @@ over runs of the mean of `iters` calls. Columns: milliseconds, GB/s of weight by
 figure that matters at M = 1, where a matmul streams its weight once), GFLOP/s (2MNK / time: the
 one that matters at large M), and speed relative to bfloat16 panels (bf16's time over this one's:
 above 1 is faster). A format whose block does not divide K (the K-quants' 256 at K = 576) is left
-out, as llama.cpp's files store such tensors in another format.
+out, as llama.cpp's files store such tensors in another format (Q5_0 in a Q4_K_M file, Q5_1 in a
+Q5_K_M one).
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def main() -> None:
                                                          "1536x576"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--formats", nargs="+", choices=list(quantized.FORMATS),
-                        default=["q8_0", "q4_0", "q4_k", "q6_k", "i8_row"])
+                        default=["q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q6_k", "i8_row"])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()

@@ -26,7 +26,8 @@ ROW_COUNTS = [1, 2, 5, 7, 13, 100, 200]
 # at most 1024 weights of a row at a time, 512 without AVX-512: 1056 is chunks of 544 and 512,
 # 1280 of 768 and 512); for i8_row (no blocks) K that ends in part of a vector, in either chunk.
 DEPTHS = {"q8_0": [32, 576, 1056], "q4_0": [32, 576, 1056], "q4_1": [32, 576, 1056],
-          "q4_k": [256, 768, 1280], "q6_k": [256, 768, 1280], "i8_row": [1, 100, 577, 1100]}
+          "q5_0": [32, 576, 1056], "q5_1": [32, 576, 1056], "q4_k": [256, 768, 1280],
+          "q6_k": [256, 768, 1280], "i8_row": [1, 100, 577, 1100]}
 CASES = [pytest.param(fmt, k, id=f"{fmt}-k{k}") for fmt, ks in DEPTHS.items() for k in ks]
 
 
@@ -53,7 +54,7 @@ def test_matmul_equals_float64_on_the_dequantized_weights(fmt, k):
                                    weights)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "i8_row", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q5_1", "i8_row", "q4_k"])
 def test_many_rows_of_x_take_runs_of_groups_and_blocks_of_rows(fmt):
     """M * K above the kernel's small-x bound (1 MB of x): threads take runs of groups, and x's
     rows go in blocks of 96 with K in chunks."""
@@ -66,7 +67,8 @@ def test_many_rows_of_x_take_runs_of_groups_and_blocks_of_rows(fmt):
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
-                                   gguf.GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
+                                   gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q5_0,
+                                   gguf.GGMLQuantizationType.Q5_1], ids=lambda t: t.name)
 def test_weights_quantized_by_gguf_multiply_as_dequantized(qtype):
     rng = np.random.default_rng(1)
     k, n = 576, 37
@@ -105,7 +107,7 @@ def test_rows_are_the_dequantized_rows_bit_for_bit(fmt):
                                   expected)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q6_k", "i8_row"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q5_0", "q5_1", "q6_k", "i8_row"])
 def test_a_stack_of_layers_reads_the_given_layer(fmt):
     rng = np.random.default_rng(4)
     k, n = DEPTHS[fmt][1], 21
@@ -150,6 +152,8 @@ def test_row_bytes_follow_the_block_layouts():
     assert quantized.row_bytes("q8_0", 64) == 68
     assert quantized.row_bytes("q4_0", 64) == 36
     assert quantized.row_bytes("q4_1", 64) == 40
+    assert quantized.row_bytes("q5_0", 64) == 44
+    assert quantized.row_bytes("q5_1", 64) == 48
     assert quantized.row_bytes("q4_k", 512) == 288
     assert quantized.row_bytes("q6_k", 512) == 420
     assert quantized.row_bytes("i8_row", 7) == 11

@@ -35,7 +35,8 @@ def _load(path, **options):
                       conversion_cache=False, **options)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K],
+                         ids=lambda q: q.name)
 def test_kept_weights_give_the_dequantized_models_logits(tmp_path, qtype):
     hidden = 256 if qtype in K_QUANTS else 64
     path = str(tmp_path / f"tiny-{qtype.name}.gguf")

@@ -3,8 +3,9 @@ single CPU device (model/quantized_rows.py, native/quantized_gemm_cpu.py), inste
 dequantized at load.
 
 Kept: each layer's attention (q, k, v, output) and MLP (gate, up, down) weights, the token
-embedding and the output head, where stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K (what llama.cpp
-users download most: a Q4_K_M file is Q4_K and Q6_K; the embedded default model Q4_1 and Q8_0).
+embedding and the output head, where stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K (what
+llama.cpp users download most: a Q4_K_M file is Q4_K and Q6_K, with Q5_0 where a matrix's K is
+not a multiple of 256 (Q5_1 in a Q5_K_M file); the embedded default model Q4_1 and Q8_0).
 Their bytes are the file's own: a row of a GGUF [N, K] tensor is output n's K inputs as
 consecutive blocks, which is the GEMM's layout, so nothing is repacked. q and k rows are put
 back in the transformers order (llama.cpp permutes them for its interleaved RoPE), whole rows at
@@ -34,7 +35,8 @@ from xlaserve.model.quantized_rows import (QuantizedLinear, QuantizedRows, nativ
 logger = logging.getLogger(__name__)
 
 # GGUF tensor types kept quantized -> the GEMM's format names.
-KEPT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+KEPT_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1",
+              "Q4_K": "q4_k", "Q6_K": "q6_k"}
 # The conversion cache entry of a file loaded this way holds only the parameters not kept.
 CACHE_VARIANT = "gguf-kept"
 

@@ -1,5 +1,5 @@
 // Decoders of the weight formats the quantized CPU GEMM reads (quantized_gemm_cpu.cc): GGUF's
-// Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks as ggml (ggml-common.h, dequantize_row_* in
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K blocks as ggml (ggml-common.h, dequantize_row_* in
 // ggml-quants.c) and gguf-py (gguf/quants.py) define them, and xlaserve's own i8_row (a float32
 // scale, then the row's K int8 values).
 //
@@ -33,7 +33,9 @@ using gemm::Store;
 using gemm::Vec;
 
 // The formats' codes, shared with quantized_gemm_cpu.py: ggml's type ids, and one of our own.
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kI8Row = 256 };
+enum Format : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kI8Row = 256
+};
 
 typedef int32_t Ints __attribute__((vector_size(4 * kLanes)));
 
@@ -149,6 +151,61 @@ struct Q4_1 {  // f16 d, f16 m, 16 bytes of nibbles as Q4_0's: w = d * q + m
     const float d = HalfToFloat(block), m = HalfToFloat(block + 2);
     const auto weight = [d, m](Vec q) XLASERVE_INLINE_LAMBDA { return q * d + m; };
     DecodeNibbles<16>(block + 4, weight, weight, sink);
+  }
+};
+
+// 16 bytes of nibbles as Q4_0's and 32 high bits qh, bit j weight j's fifth: sink(i, weight(q))
+// for q = nibble | bit << 4 (0..31), weights 0 ... 31 in order. With AVX-512, as DecodeNibbles,
+// weight() is evaluated once on q = 0..31, as two tables that VPERMT2PS looks up by the 5-bit q,
+// the fifth bit set from a mask register of qh's 16 bits.
+template <typename Weight, typename Sink>
+XLASERVE_INLINE void DecodeFiveBits(const uint8_t* qs, uint32_t qh, Weight weight, Sink sink) {
+#ifdef __AVX512F__
+  const Vec iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const __m512 low_table = reinterpret_cast<__m512>(weight(iota));
+  const __m512 high_table = reinterpret_cast<__m512>(weight(iota + 16.0f));
+  const __m512i q = reinterpret_cast<__m512i>(Widen(qs)), fifth = _mm512_set1_epi32(16);
+  const __m512i nibbles[2] = {_mm512_and_si512(q, _mm512_set1_epi32(15)), _mm512_srli_epi32(q, 4)};
+  for (int half = 0; half < 2; ++half) {
+    const __mmask16 fifth_bits = static_cast<__mmask16>(qh >> 16 * half);
+    const __m512i index = _mm512_mask_or_epi32(nibbles[half], fifth_bits, nibbles[half], fifth);
+    sink(16 * half, reinterpret_cast<Vec>(_mm512_permutex2var_ps(low_table, index, high_table)));
+  }
+#else
+  Ints lane, q[16 / kLanes];
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  for (int i = 0; i < 16; i += kLanes) q[i / kLanes] = Widen(qs + i);
+  for (int half = 0; half < 2; ++half) {
+    for (int i = 0; i < 16; i += kLanes) {
+      const Ints nibble = half ? q[i / kLanes] >> 4 : q[i / kLanes] & 15;
+      const Ints bit = ((Ints{} + static_cast<int32_t>(qh >> (16 * half + i))) >> lane) & 1;
+      sink(16 * half + i, weight(ToFloat(nibble | bit << 4)));
+    }
+  }
+#endif
+}
+
+struct Q5_0 {  // f16 d, 4 bytes qh, 16 bytes of nibbles (DecodeFiveBits): w = d * (q - 16)
+  static constexpr int64_t kBlock = 32, kBytes = 22;
+  template <typename Sink>
+  XLASERVE_INLINE static void Decode(const uint8_t* block, Sink sink) {
+    const float d = HalfToFloat(block);
+    uint32_t qh;
+    std::memcpy(&qh, block + 2, 4);
+    DecodeFiveBits(
+        block + 6, qh, [d](Vec q) XLASERVE_INLINE_LAMBDA { return (q - 16.0f) * d; }, sink);
+  }
+};
+
+struct Q5_1 {  // f16 d, f16 m, 4 bytes qh, 16 bytes of nibbles (DecodeFiveBits): w = d * q + m
+  static constexpr int64_t kBlock = 32, kBytes = 24;
+  template <typename Sink>
+  XLASERVE_INLINE static void Decode(const uint8_t* block, Sink sink) {
+    const float d = HalfToFloat(block), m = HalfToFloat(block + 2);
+    uint32_t qh;
+    std::memcpy(&qh, block + 4, 4);
+    DecodeFiveBits(
+        block + 8, qh, [d, m](Vec q) XLASERVE_INLINE_LAMBDA { return q * d + m; }, sink);
   }
 };
 
@@ -304,6 +361,8 @@ bool WithFormat(int64_t code, Run run) {
     case kQ8_0: run(Q8_0{}); return true;
     case kQ4_0: run(Q4_0{}); return true;
     case kQ4_1: run(Q4_1{}); return true;
+    case kQ5_0: run(Q5_0{}); return true;
+    case kQ5_1: run(Q5_1{}); return true;
     case kQ4_K: run(Q4_K{}); return true;
     case kQ6_K: run(Q6_K{}); return true;
     case kI8Row: run(I8Row{}); return true;

@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ W^T on the CPU with W kept in a quantized format (GGUF's Q8_0, Q4_0, Q4_1,
-// Q4_K, Q6_K blocks, or our i8_row; quantized_blocks.h), as XLA FFI custom calls
+// Q5_0, Q5_1, Q4_K, Q6_K blocks, or our i8_row; quantized_blocks.h), as XLA FFI custom calls
 // (quantized_gemm_cpu.py); and W[ids], the rows an embedding lookup reads.
 //
 // W is `rows` [N, row_bytes], row n the K weights of output n as the file stores them, or a stack

@@ -8,8 +8,9 @@
 
 A weight W [N, K] (used as y = x @ W.T) stays in memory as `rows`, uint8 [N, row_bytes]: row n is
 output n's K weights in consecutive blocks of its format (`FORMATS`):
-- GGUF's q8_0, q4_0, q4_1 (blocks of 32) and q4_k, q6_k (blocks of 256; a Q4_K_M file is Q4_K and
-  Q6_K tensors), exactly the bytes of the file's [N, K] tensor;
+- GGUF's q8_0, q4_0, q4_1, q5_0, q5_1 (blocks of 32) and q4_k, q6_k (blocks of 256; a Q4_K_M file
+  is Q4_K and Q6_K tensors, and Q5_0 where K is not a multiple of 256), exactly the bytes of the
+  file's [N, K] tensor;
 - "i8_row", ours for --quantization int8: each row a float32 scale then K int8 values (per output
   channel symmetric int8), any K.
 The kernel decodes blocks to float32 weights equal to gguf.quants.dequantize's and multiplies
@@ -31,10 +32,11 @@ ROWS_TARGET_NAME = "xlaserve_quantized_rows_cpu"
 _SOURCE = Path(__file__).with_name("quantized_gemm_cpu.cc")
 
 # name -> (weights per block, bytes per block); an i8_row row also starts with its 4-byte scale.
-FORMATS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144),
-           "q6_k": (256, 210), "i8_row": (1, 1)}
+FORMATS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22),
+           "q5_1": (32, 24), "q4_k": (256, 144), "q6_k": (256, 210), "i8_row": (1, 1)}
 # The kernel's format codes (quantized_blocks.h): ggml's type ids; 256 for ours.
-_CODES = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q6_k": 14, "i8_row": 256}
+_CODES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q6_k": 14,
+          "i8_row": 256}
 _ROW_HEADER = {"i8_row": 4}
 
 
@@ -118,14 +120,16 @@ def dequantize(rows: np.ndarray, fmt: str, k: int) -> np.ndarray:
     return quants.dequantize(rows, GGMLQuantizationType(_CODES[fmt])).reshape(rows.shape[0], k)
 
 
-# Where each format keeps its float16 scales (d, and Q4_1's m, Q4_K's dmin) within a block.
-_HALF_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
+# Where each format keeps its float16 scales (d, and Q4_1's and Q5_1's m, Q4_K's dmin) in a block.
+_HALF_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2),
+                 "q4_k": (0, 2), "q6_k": (208,)}
 
 
 def random_rows(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random weights in format `fmt`, uint8 [N, row_bytes]: every byte random (all quantized
-    values, K-quants' packed scales) except the float scales, drawn from [1e-3, 1e-2) so that no
-    weight is inf or NaN. For tests and benchmarks (gguf-py cannot quantize the K-quants)."""
+    values, Q5's high bits, K-quants' packed scales) except the float scales, drawn from
+    [1e-3, 1e-2) so that no weight is inf or NaN. For tests and benchmarks (gguf-py cannot
+    quantize the K-quants)."""
     size = row_bytes(fmt, k)
     rows = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     if fmt == "i8_row":
