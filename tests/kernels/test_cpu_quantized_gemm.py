@@ -1,9 +1,10 @@
 """The CPU matmul over quantized weights (native/quantized_gemm_cpu.cc) against numpy in float64 on
 the weights gguf.quants.dequantize gives (our i8_row: scale * values), for every format: each row
-count the kernel splits differently (1-4 rows streamed, 5+ through the decoded buffer in 4-row tiles
-and their remainders, blocks of 96 rows, x large enough for runs of groups), N not a multiple of
-the tiles, K of one block and of several (chunks of K added into y), stacked layers; and the rows an
-embedding lookup reads, equal bit for bit to gguf's."""
+count the kernel splits differently (with AVX-512: 1-4 rows streamed, 5-31 through the decoded
+buffer in 4-row tiles and their remainders, x large enough for runs of groups, 32+ through decoded
+float32 panels in 6-row tiles and their remainders; without: 1-2 streamed, 3-4 the buffer, 5+
+panels), N not a multiple of the tiles or panels, K of one block and of several (chunks of K added
+into y), stacked layers; and the rows an embedding lookup reads, equal bit for bit to gguf's."""
 import gguf
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ except KernelUnavailable as error:  # no compiler here: the model dequantizes at
 
 matmul = jax.jit(quantized.quantized_matmul, static_argnames=("fmt", "k", "layer"))
 rows_of = jax.jit(quantized.quantized_rows, static_argnames=("fmt", "k", "layer"))
-ROW_COUNTS = [1, 2, 5, 7, 13, 100, 200]
+ROW_COUNTS = [1, 2, 3, 5, 7, 13, 31, 32, 100, 200]
 # K per format: one block, several, and enough for two unequal chunks of K (the kernel decodes
 # at most 1024 weights of a row at a time, 512 without AVX-512: 1056 is chunks of 544 and 512,
 # 1280 of 768 and 512); for i8_row (no blocks) K that ends in part of a vector, in either chunk.
@@ -55,11 +56,13 @@ def test_matmul_equals_float64_on_the_dequantized_weights(fmt, k):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q5_1", "i8_row", "q4_k"])
-def test_many_rows_of_x_take_runs_of_groups_and_blocks_of_rows(fmt):
-    """M * K above the kernel's small-x bound (1 MB of x): threads take runs of groups, and x's
-    rows go in blocks of 96 with K in chunks."""
+@pytest.mark.parametrize("m,k", [(20, 14336), (300, 2048)], ids=["groups", "panels"])
+def test_large_x_takes_runs_of_groups_or_panels_over_chunks_of_k(fmt, m, k):
+    """With AVX-512, below 32 rows with M * K above the kernel's small-x bound (1 MB of x),
+    threads take runs of groups with K in chunks; 300 rows take runs of panels (two, or three
+    without AVX-512, the last part filled) with K in three depth blocks."""
     rng = np.random.default_rng(3)
-    k, n, m = 2048, 45, 300
+    n = 45
     rows = quantized.random_rows(fmt, n, k, rng)
     x = rng.standard_normal((m, k)).astype(np.float32)
     assert_matches_float64(matmul(jnp.asarray(x), jnp.asarray(rows), fmt=fmt, k=k), x,

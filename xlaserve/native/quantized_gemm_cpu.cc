@@ -10,7 +10,7 @@
 // x @ dequantize(W).T. (llama.cpp instead rounds x to 8 bits and multiplies integers with VNNI
 // dot products, which is faster but changes the numerics; we do not.)
 //
-// Two ways through W, by the rows of x (M):
+// Three ways through W, by the rows of x (M):
 // - a few rows (decode steps, M <= kStreamRows): each block of W is decoded into vector registers
 //   and multiplied into accumulators right away (StreamTile): a stream over the blocks, at the
 //   speed of reading and decoding them (one row: 1.3-1.6x faster than decoding into the buffer
@@ -18,9 +18,11 @@
 // - more rows: a thread decodes a group of kGroupRows rows of W, a chunk of K (at most kMaxDepth
 //   weights) at a time, into float32 in an L1 buffer, then every row of x's row block (up to
 //   kRowBlock) runs over it in register tiles (DotTile): the decode is paid once per row block,
-//   and the tiles run at the speed of float32 multiply-adds.
-// Either way an accumulator is a vector of lanes along k (a dot product, summed across lanes at
-// the end of the chunk or row).
+//   and the tiles run at the speed of float32 multiply-adds;
+// - many rows (M >= kPanelRows): W decoded into the packed GEMM's float32 panels, one at a time,
+//   and multiplied by its register tiles (quantized_panels.h).
+// In the first two an accumulator is a vector of lanes along k (a dot product, summed across
+// lanes at the end of the chunk or row).
 
 #include <algorithm>
 #include <cstdint>
@@ -30,6 +32,7 @@
 
 #include "parallel.h"
 #include "quantized_blocks.h"
+#include "quantized_panels.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -58,6 +61,16 @@ constexpr int64_t kRowBlock = 96;   // rows of x per pass: their K chunk stays i
 // one by one, each group's rows one stream; above it, threads take runs of groups, over which
 // x's row block and K chunk stay in cache.
 constexpr int64_t kSmallX = 256 * 1024;
+// From this many rows of x, the panels of quantized_panels.h. Their decode costs more per weight
+// (a transpose): on a 2-core AVX-512 Xeon they ran at 0.55-0.9x the groups' speed at M = 8-16,
+// 0.9-1.14x at 32, 1.14-1.27x at 64 and 1.9x at 256 (K x N 576x1536 and 2048x8192). Built for
+// AVX2 (on the same Xeon; elsewhere not measured) the groups' 4 x 2 tiles are slower: panels ran
+// 1.1-1.5x faster from M = 5, 1.9-2.2x at 64.
+#ifdef __AVX512F__
+constexpr int64_t kPanelRows = 32;
+#else
+constexpr int64_t kPanelRows = 5;
+#endif
 
 inline float SumLanes(Vec v) {
 #ifdef __AVX512F__
@@ -234,13 +247,6 @@ struct Problem {
   int64_t chunk;  // K per decoded chunk: whole blocks, at most kMaxDepth
 };
 
-template <typename F>
-int64_t ChunkDepth(int64_t k) {  // K in equal chunks of whole steps (a short last chunk wastes)
-  const int64_t chunks = (k + kMaxDepth - 1) / kMaxDepth;
-  const int64_t depth = (k + chunks - 1) / chunks;
-  return (depth + kStep<F> - 1) / kStep<F> * kStep<F>;
-}
-
 // y[:, the rows of W in groups [first, last)) for every row of x.
 template <typename F>
 void GroupRange(const Problem& p, int64_t first, int64_t last) {
@@ -278,6 +284,10 @@ void Gemm(ffi::ThreadPool& pool, const Problem& p) {
   const int64_t groups = (p.n + kGroupRows - 1) / kGroupRows;
   if (p.m <= kStreamRows) {
     xlaserve::ParallelFor(pool, groups, [&](int64_t g) { StreamGroups<F>(p, g, g + 1); });
+    return;
+  }
+  if (p.m >= kPanelRows) {
+    PanelGemm<F>(pool, p.x, p.w, p.y, p.m, p.k, p.n, p.row_bytes);
     return;
   }
   int64_t run = 1;
@@ -341,7 +351,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   WithFormat(format, [&](auto f) {
     using F = decltype(f);
-    p.chunk = ChunkDepth<F>(p.k);
+    p.chunk = DepthBlock<F>(p.k, kMaxDepth);
     Gemm<F>(pool, p);
   });
   return ffi::Error::Success();
