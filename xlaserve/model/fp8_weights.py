@@ -30,19 +30,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.model.whole_weight import ReadWhole
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 MIN_COMPUTE_CAPABILITY = (8, 9)  # Ada and Hopper: the first NVIDIA GPUs with FP8 tensor cores
 
 
-class _Fp8Weight:
+class _Fp8Weight(ReadWhole):
     """What both FP8 weight types share: nnx reads them whole; their float weight's shape."""
-
-    def __getitem__(self, index):
-        """nnx reads a Variable's value as `variable[...]`: the whole weight."""
-        if index is not Ellipsis:
-            raise TypeError("an FP8 weight is read whole (`[...]`)")
-        return self
 
     @property
     def output_shape(self) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model import fp8_weights
 from xlaserve.model.fp8_weights import FP8_TYPES, Fp8Matrix
+from xlaserve.model.whole_weight import ReadWhole
 
 QUANTIZATIONS = ("int8", "fp8")
 # The quantized leaves, by name, with how many of their leading axes are contracted.
@@ -43,7 +44,7 @@ INT8_MAX = 127
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Int8Matrix:
+class Int8Matrix(ReadWhole):
     """A matmul weight as int8 values [K..., N...] and float32 scales [N...] (module docstring)."""
 
     values: jax.Array
@@ -51,11 +52,6 @@ class Int8Matrix:
     # The dtype x and the values go into the dot in (the model dtype).
     compute_dtype: str = dataclasses.field(metadata=dict(static=True))
 
-    def __getitem__(self, index):
-        """nnx reads a Variable's value as `variable[...]`: the whole weight."""
-        if index is not Ellipsis:
-            raise TypeError("an int8 weight is read whole (`[...]`)")
-        return self
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from flax import nnx
 
 from xlaserve.model.int8 import Int8Matrix
 from xlaserve.model.quantized_rows import QuantizedLinear, embed_rows, int8_rows, stack_layers
+from xlaserve.model.whole_weight import ReadWhole
 from xlaserve.native import gemm_cpu, quantized_gemm_cpu
 
 # The leaves that are matmul weights, with how many of their leading axes are contracted.
@@ -27,7 +28,7 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
 
 
 @dataclasses.dataclass
-class _Panels:
+class _Panels(ReadWhole):
     """What both packed kinds hold: panels, and how to read them."""
 
     panels: jax.Array
@@ -36,11 +37,6 @@ class _Panels:
     # bfloat16 panels in k-pairs, multiplied with VDPBF16PS (native/gemm_cpu.py)
     bf16_pairs: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
-    def __getitem__(self, index):
-        """nnx reads a Variable's value as `variable[...]`: the whole weight."""
-        if index is not Ellipsis:
-            raise TypeError("a packed weight is read whole (`[...]`)")
-        return self
 
     @property
     def dtype(self):

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.model.whole_weight import ReadWhole
 from xlaserve.native import KernelUnavailable, quantized_gemm_cpu
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class QuantizedRows:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class QuantizedLinear:
+class QuantizedLinear(ReadWhole):
     """A model weight of shape `weight_shape` (our layout) as `parts` (module docstring).
     `qkv_heads`: (kv_heads, queries_per_kv, head_dim) when the parts are q, k and v unfused."""
 
@@ -73,11 +74,6 @@ class QuantizedLinear:
     # The weight's own layout is the rows' [N, K] (an embedding, used as x @ E.T for the LM head)
     rows_layout: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
-    def __getitem__(self, index):
-        """nnx reads a Variable's value as `variable[...]`: the whole weight."""
-        if index is not Ellipsis:
-            raise TypeError("a quantized weight is read whole (`[...]`)")
-        return self
 
     @property
     def shape(self) -> tuple[int, ...]:
