@@ -5,20 +5,26 @@ the hardware's floor is it? In under 10 minutes on an H100 / H200:
     python benchmarks/accelerator_check.py --quick      # CPU-sized, for a test: a couple of minutes
 
 1. the environment: Python, package versions, devices, device memory, optional packages;
-2. the Pallas attention kernel compiled for this device (on CPU: the GPU kernel interpreted)
-   against the jnp reference on NaN-poisoned decode, prefill, mixed and ragged batches, float32
-   and bfloat16: max abs error, pass / fail;
-3. a device copy's bandwidth, and bench_attention.py's timings against the HBM bandwidth;
-4. the server: launch_server on dummy weights in a subprocess, /health, one completion through
-   the openai SDK (skipped, with the reason, when fastapi / uvicorn / openai are missing);
-5. decode steps at batch 1 / 32 / 256 and offline throughput of dummy-weight Qwen2.5-0.5B and
+2. a device copy's bandwidth (the roofline's, unless the device kind names a published figure);
+3. decode steps at batch 1 / 32 / 256 and offline throughput of dummy-weight Qwen2.5-0.5B and
    Llama-3.1-8B against the roofline: a decode step cannot beat (weights + KV it reads) / HBM
-   bandwidth.
+   bandwidth;
+4. the Pallas attention kernel compiled for this device (on CPU: the GPU kernel interpreted)
+   against the jnp reference on NaN-poisoned decode, prefill, mixed and ragged batches, float32
+   and bfloat16: max abs error, pass / fail; then bench_attention.py's timings against the HBM
+   bandwidth;
+5. the server: launch_server on dummy weights in a subprocess, /health, one completion through
+   the openai SDK (skipped, with the reason, when fastapi / uvicorn / openai are missing).
 
 Every step is guarded (a failure is recorded and the rest runs) and the JSON (--out) is rewritten
 after each, so a run cut short keeps what it measured. Exit code 0 only if every correctness
-check passed and no step failed. The server runs before the models, so that a run short of time
-loses a timing rather than a check.
+check passed and no step failed. The models run first: they are what a first run on a new
+machine is for, and a cold start (every program compiled, GEMMs autotuned) is slowest there.
+Each step has its own share of the time budget (`BUDGETS`): past it, a step skips what it has
+left (the next batch, the next attention case) and says so, so one slow step cannot starve the
+others, and the whole run stays inside the device machine's 600 s per command. The attention
+cases and the models' steps are compiled for an H100 in CI (tests/test_accelerator_check.py), so
+a shape Triton refuses shows there first.
 """
 from __future__ import annotations
 
@@ -58,7 +64,11 @@ PLANS = {
         models=["qwen2.5-0.5b", "llama-3.1-8b"], batches=[1, 32, 256], input_len=128,
         short=16, long=80, max_running=256, context=256, max_prefill=4096,
         offline=dict(num_prompts=512, input_len=(32, 64), output_len=128),
-        server_timeout_s=300, time_budget_s=540),  # the device machine stops a command at 600 s
+        server_timeout_s=300, time_budget_s=540,  # the device machine stops a command at 600 s
+        # Seconds each step may take before it skips what it has left (a model: its own name).
+        # A cold Llama-3.1-8B start compiles 4 programs with GEMM autotuning: the largest share.
+        budgets={"qwen2.5-0.5b": 120, "llama-3.1-8b": 210, "attention_correctness": 60,
+                 "attention_timing": 40, "server": 90}),
     "quick": dict(
         attention_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16),
         ragged_heads=dict(num_q_heads=6, num_kv_heads=2, head_dim=32, page_size=16),
@@ -69,7 +79,7 @@ PLANS = {
         bench_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32),
         models=["tiny"], batches=[1, 8], input_len=8, short=4, long=12, max_running=8,
         context=64, max_prefill=64, offline=dict(num_prompts=16, input_len=(8, 16), output_len=8),
-        server_timeout_s=150, time_budget_s=None),
+        server_timeout_s=150, time_budget_s=None, budgets={}),
 }
 
 
@@ -81,21 +91,31 @@ def show_environment() -> dict:
     return env
 
 
-def check_attention(plan: dict) -> dict:
-    name, kernel = lib.kernel_under_test(jax.default_backend())
-    rng = np.random.default_rng(0)
+def attention_batches(plan: dict, rng) -> dict[str, tuple[dict, list[tuple[int, int]]]]:
+    """The correctness check's batches: name -> (head layout, [(q_len, kv_len)] per sequence)."""
     heads, longest = plan["attention_heads"], plan["longest"]
     decode_lens = lib.boundary_lengths(heads["page_size"], longest) + list(
         rng.integers(1, longest + 1, plan["extra_decodes"]))
-    batches = {
+    return {
         "decode": (heads, [(1, int(n)) for n in decode_lens]),
         "prefill": (heads, plan["prefill"]),
         "mixed": (heads, plan["mixed"]),
         "ragged": (plan["ragged_heads"], lib.random_sequences(rng, *plan["ragged"], longest)),
     }
+
+
+def check_attention(plan: dict, out_of_time=lambda: False) -> dict:
+    name, kernel = lib.kernel_under_test(jax.default_backend())
+    rng = np.random.default_rng(0)
+    batches = attention_batches(plan, rng)
     cases = []
     for dtype in ("float32", "bfloat16"):
         for batch, (shape, seqs) in batches.items():
+            if out_of_time():
+                result = {"skipped": "the step's time budget is spent"}
+                cases.append({"batch": batch, "dtype": dtype, **result})
+                print(f"  attention {batch:<8} {dtype:<9} SKIP", flush=True)
+                continue
             case = lib.make_attention_case(rng, seqs, dtype=jnp.dtype(dtype), **shape)
             start = time.perf_counter()  # compile and run: compile costs show on a new device
             try:
@@ -106,7 +126,8 @@ def check_attention(plan: dict) -> dict:
                           "seconds": round(time.perf_counter() - start, 1)})
             print(f"  attention {batch:<8} {dtype:<9} {_status(result)} {_error_text(result)}",
                   flush=True)
-    return {"kernel": name, "cases": cases, "passed": all(c["passed"] for c in cases)}
+    return {"kernel": name, "cases": cases,
+            "passed": all(c.get("passed", True) for c in cases)}
 
 
 def measure_bandwidth(plan: dict, hbm_flag: float | None) -> dict:
@@ -117,17 +138,22 @@ def measure_bandwidth(plan: dict, hbm_flag: float | None) -> dict:
     return {"copy_gbps": copy, "copy_bytes": plan["copy_bytes"], "hbm_gbps": hbm, "hbm_source": source}
 
 
-def time_attention(plan: dict, hbm_gbps: float) -> dict:
+def time_attention(plan: dict, hbm_gbps: float, out_of_time=lambda: False) -> dict:
     found = bench_attention.implementations(jax.default_backend())
-    rows = list(bench_attention.attention_timings(
-        found, plan["bench_batches"], dtype=jnp.dtype(plan["bench_dtype"]), iters=plan["iters"],
-        page_size=16, **plan["bench_heads"]))
-    for row in rows:
+    rows = []
+    for row in bench_attention.attention_timings(
+            found, plan["bench_batches"], dtype=jnp.dtype(plan["bench_dtype"]),
+            iters=plan["iters"], page_size=16, **plan["bench_heads"]):
         row["of_hbm"] = row["gb_s"] / hbm_gbps
+        rows.append(row)
+        if out_of_time():
+            return {"dtype": plan["bench_dtype"], **plan["bench_heads"], "rows": rows,
+                    "cut_short": "the step's time budget is spent"}
     return {"dtype": plan["bench_dtype"], **plan["bench_heads"], "rows": rows}
 
 
-def check_server(model_path: str, timeout_s: float) -> dict:
+def check_server(model_path: str, timeout_s: float, out_of_time=None) -> dict:
+    """`out_of_time` is unused: the server's own `timeout_s` (at most the step's budget) bounds it."""
     if jax.default_backend() == "tpu":
         return {"skipped": "a TPU chip serves one process: this one holds it"}
     missing = [name for name in lib.SERVER_NEEDS if not lib.importable(name)]
@@ -138,7 +164,7 @@ def check_server(model_path: str, timeout_s: float) -> dict:
 
 
 def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, result: dict,
-                    save) -> dict:
+                    save, out_of_time=lambda: False) -> dict:
     """Fills `result`, which is already in the results, saving after each figure: a run stopped
     mid-model keeps the figures it had, and one batch failing (out of memory, say) keeps the rest."""
     bench = lib.ModelBench(model_path, hbm_gbps=hbm_gbps, max_running=plan["max_running"],
@@ -149,6 +175,9 @@ def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, res
                       weight_bytes_per_step=bench.weight_bytes, decode=[])
         bench.generate_seconds(bench.prompts(2, 8, 8), 4)  # warm the whole path once
         for batch in plan["batches"]:
+            if out_of_time():
+                result["decode"].append({"batch": batch, "skipped": "the step's time budget is spent"})
+                continue
             try:
                 step = bench.decode_step(batch, plan["input_len"], plan["short"], plan["long"])
                 print(f"  {name} batch {batch}: {_step_text(step)}", flush=True)
@@ -156,6 +185,9 @@ def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, res
                 step = {"batch": batch, "error": _describe(error)}
             result["decode"].append(step)
             save()
+        if out_of_time():
+            result["offline"] = {"skipped": "the step's time budget is spent"}
+            return result
         try:
             result["offline"] = bench.offline_throughput(max_running=plan["max_running"],
                                                          **plan["offline"])
@@ -171,24 +203,36 @@ def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, res
 class Run:
     """The results so far, rewritten to --out after every step."""
 
-    def __init__(self, out: str, time_budget_s: float | None):
+    def __init__(self, out: str, time_budget_s: float | None, budgets: dict | None = None):
         self.out, self.results = out, {"mode": None}
         self.deadline = time.monotonic() + time_budget_s if time_budget_s else None
+        self.budgets = budgets or {}
+        self.step_deadline = None
 
     def out_of_time(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
+        """The whole run's budget, or the running step's own, is spent."""
+        now = time.monotonic()
+        return any(d is not None and now > d for d in (self.deadline, self.step_deadline))
 
     def step(self, name: str, fn, *args, into: dict | None = None) -> dict:
+        """Runs `fn(*args)` guarded; a step named in the budgets gets `out_of_time` as its last
+        argument, true once its own share (or the run's) is spent."""
         print(f"== {name}", flush=True)
         start = time.perf_counter()
         if self.out_of_time():
             result = {"skipped": "the time budget is spent (--time-budget-s)"}
         else:
+            budget = self.budgets.get(name)
+            if budget is not None:
+                self.step_deadline = time.monotonic() + budget
+                args = (*args, self.out_of_time)
             try:
                 result = fn(*args)
             except Exception as error:
                 result = {"error": _describe(error), "traceback": traceback.format_exc()[-4000:]}
                 print(result["traceback"], file=sys.stderr, flush=True)
+            finally:
+                self.step_deadline = None
         result["seconds"] = round(time.perf_counter() - start, 1)
         (self.results if into is None else into)[name] = result
         self.save()
@@ -280,21 +324,21 @@ def run_steps(run: Run, plan: dict, args, tiny_dir: str) -> None:
               for name in args.model_configs or plan["models"]]
 
     run.step("environment", show_environment)
-    run.step("attention_correctness", check_attention, plan)
     bandwidth = run.step("bandwidth", measure_bandwidth, plan, args.hbm_gbps)
     hbm = bandwidth.get("hbm_gbps") or args.hbm_gbps or 1.0  # 1.0: a failed measure, figures moot
-    run.step("attention_timing", time_attention, plan, hbm)
-    if args.skip_server:
-        run.results["server"] = {"skipped": "--skip-server"}
-    else:
-        run.step("server", check_server, models[0], plan["server_timeout_s"])
     run.results["models"] = {}
     for path in models:
         name = "tiny" if path == tiny_dir else os.path.basename(path.rstrip("/"))
         partial = run.results["models"][name] = {}
         run.step(name, benchmark_model, plan, name, path, hbm, partial, run.save,
                  into=run.results["models"])
-
+    run.step("attention_correctness", check_attention, plan)
+    run.step("attention_timing", time_attention, plan, hbm)
+    if args.skip_server:
+        run.results["server"] = {"skipped": "--skip-server"}
+    else:
+        timeout_s = min(plan["server_timeout_s"], plan["budgets"].get("server", float("inf")))
+        run.step("server", check_server, models[0], timeout_s)
 
 
 def main(argv=None) -> int:
@@ -313,7 +357,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="accelerator_check.json")
     args = parser.parse_args(argv)
     plan = PLANS["quick" if args.quick else "full"]
-    run = Run(args.out, args.time_budget_s or plan["time_budget_s"])
+    run = Run(args.out, args.time_budget_s or plan["time_budget_s"], plan["budgets"])
     run.results["mode"] = "quick" if args.quick else "full"
     started = time.perf_counter()
     tiny_dir = tempfile.mkdtemp(prefix="accelerator_check_tiny_")

@@ -50,3 +50,92 @@ def test_a_failed_check_or_a_step_error_fails_the_run():
                "models": {"tiny": {"error": "OOM"}}}
     assert failures(results) == ["/attention_correctness", "/attention_correctness/cases[1]",
                                  "/models/tiny"]
+
+
+# --- compiled for an H100 in CI, before a GPU runs them ------------------------------------------
+
+def _full_plan_modules():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import accelerator_check
+    import accelerator_lib
+    import bench_attention
+
+    return accelerator_check, accelerator_lib, bench_attention
+
+
+def test_every_attention_shape_of_the_gpu_check_compiles_for_an_h100():
+    """The full plan's correctness cases (both dtypes) and its timing batches, compiled by Triton
+    for the deviceless H100 as the check would run them: a shape the GPU kernel refuses fails
+    here, not in the first minutes of a lent GPU."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from tests.compile_targets import compile_for, devices
+    from xlaserve.executor import aot
+    from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu
+
+    _, h100 = devices("h100")
+    check, lib, bench = _full_plan_modules()
+    plan = check.PLANS["full"]
+    mesh = Mesh(np.array(h100[:1]).reshape(1, 1), ("data", "tensor"))
+    kernel = jax.jit(kernel_gpu.ragged_paged_attention, static_argnames=("sm_scale",))
+    abstract = lambda arrays: {k: aot.abstract(v.shape, v.dtype, mesh, P()) for k, v in arrays.items()}
+    rng = np.random.default_rng(0)
+    compiled = []
+    for dtype in ("float32", "bfloat16"):
+        for name, (heads, seqs) in check.attention_batches(plan, rng).items():
+            case = lib.make_attention_case(rng, seqs, dtype=jnp.dtype(dtype), **heads)
+            compile_for(mesh, kernel, **abstract(case), sm_scale=case["q"].shape[-1] ** -0.5)
+            compiled.append((name, dtype))
+    for name, (num_seqs, q_len, kv_len) in plan["bench_batches"].items():
+        batch = jax.eval_shape(lambda: bench.make_batch(
+            num_seqs, q_len, kv_len, page_size=16, dtype=jnp.dtype(plan["bench_dtype"]),
+            **plan["bench_heads"]))
+        compile_for(mesh, kernel, **abstract(batch), sm_scale=0.1)
+        compiled.append((name, plan["bench_dtype"]))
+    assert len(compiled) == 8 + len(plan["bench_batches"])
+
+
+def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
+    """The executable cache stores a compiled H100 serving step (its Triton attention kernel, its
+    cuBLAS GEMMs): serialized, written whole, readable back. Loading needs the GPU itself, which
+    the server's first start there does (compile/executable_cache.py)."""
+    import pickle
+
+    import jax
+    import jax.numpy as jnp
+
+    from tests.compile_targets import devices
+    from xlaserve.compile import executable_cache
+    from xlaserve.executor import aot
+    from xlaserve.executor.model_runner import idle_step, step_vectors
+    from xlaserve.server_args import ServerArgs
+
+    devices("h100")
+    check, lib, _ = _full_plan_modules()
+    plan = check.PLANS["full"]
+    args = ServerArgs(model_path=lib.config_dir("qwen2.5-0.5b"), max_running_requests=8,
+                      max_prefill_tokens=64, context_length=plan["context"],
+                      max_total_tokens=8 * plan["context"])
+    program, shapes, description = aot.server_step("h100", args)
+    tokens, seqs, pages = shapes[0]
+    ints, floats, layout = step_vectors(program.inv_freq, *idle_step(tokens, seqs, pages))
+    vocab = program.args[2].shape[1]
+    inputs = (aot.abstract(ints.shape, ints.dtype, program.mesh),
+              aot.abstract(floats.shape, floats.dtype, program.mesh),
+              aot.abstract((seqs, -(-vocab // 32)), jnp.int32, program.mesh))
+    cache = executable_cache.ExecutableCache(tmp_path)
+    step_args, kwargs = (*program.args, *inputs), {"layout": layout}
+    path = cache.path(step_args, kwargs, name="serving step", description=description)
+    with jax.set_mesh(program.mesh):
+        cache.compile_and_store(program.step, step_args, kwargs, path)
+
+    data = path.read_bytes()
+    header = executable_cache._HEADER
+    magic, _, length = header.unpack_from(data)
+    assert magic == executable_cache.MAGIC and length == len(data) - header.size, description
+    executable, in_tree, out_tree = pickle.loads(data[header.size:])
+    assert len(executable) > 100_000 and in_tree.num_leaves == len(jax.tree.leaves(step_args))

@@ -17,6 +17,7 @@ import logging
 import sys
 import time
 
+from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
 
 _LAUNCHED = time.perf_counter()  # `python -m` imports this module first: the start-up clock
@@ -109,7 +110,9 @@ def build_app(args: ServerArgs, ctx, storage=None):
     runner = BatchRunner(
         ctx, storage if storage is not None else open_storage(args), max_file_size=args.max_file_size,
         max_lines=args.batch_max_lines,
-        concurrency=args.batch_concurrency or default_concurrency(args.max_running_requests))
+        concurrency=args.batch_concurrency or default_concurrency(
+            # The engine's: the platform's default where the flag was not given.
+            args.max_running_requests or ctx.core.args.max_running_requests))
     return create_app(ctx, api_key=args.api_key, max_payload_size=args.max_payload_size,
                       log_requests=args.log_requests, lifespan=lifespan, batch_runner=runner,
                       host=args.host, allowed_origins=(args.allowed_origins or "").split(","))
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = dataclasses.replace(args, api_key="***" if args.api_key else None)
     logger.info("server_args=%s", shown)
 
+    platform_defaults.prepare_gpu_memory()  # before JAX starts a GPU client
     try:
         if args.nnodes > 1:  # jax.distributed first; ranks > 0 replay rank 0's steps, no HTTP
             from xlaserve.distributed import follower, setup

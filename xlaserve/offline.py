@@ -25,6 +25,7 @@ from xlaserve.engine.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, 
 from xlaserve.engine.data_parallel import make_engine_core
 from xlaserve.engine.messages import OutputChunk
 from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
+from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -72,6 +73,7 @@ def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingPa
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         self.server_args = ServerArgs(model_path=model_path, **server_args)
+        platform_defaults.prepare_gpu_memory()  # before JAX starts a GPU client, if it has not
         if self.server_args.nnodes > 1:  # multi-host (distributed/leader.py): jax.distributed first
             from xlaserve.distributed import follower, setup
 

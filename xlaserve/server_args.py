@@ -113,14 +113,23 @@ class ServerArgs:
         False, "convert a GGUF model on every start instead of loading it from (and writing it "
                "to) the conversion cache")
     context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)")
-    max_running_requests: int = _flag(64, "requests decoded together at most")
+    max_running_requests: Optional[int] = _flag(
+        None, "requests decoded together at most (default 64 on CPU, 256 on TPU/GPU: the "
+              "largest sequence bucket of the compiled steps)")
     max_total_tokens: Optional[int] = _flag(
         None, "KV cache size in tokens (default: from --mem-fraction-static)")
     mem_fraction_static: Optional[float] = _flag(
-        None, "fraction of free device memory for the KV cache (default 0.85 on TPU/GPU, "
-              "0.1 of free host RAM on CPU, which the rest of the machine shares)")
-    chunked_prefill_size: int = _flag(256, "longest prompt piece per step; <= 0 disables chunking")
-    max_prefill_tokens: int = _flag(512, "new prompt tokens per step at most")
+        None, "TPU/GPU: fraction of the memory XLA may allocate that holds the weights and the "
+              "KV cache, the rest left to the steps' temporaries (default 0.9; on a GPU XLA may "
+              "take 0.95 of the device unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise). "
+              "CPU: fraction of free host RAM for the KV cache (default 0.1: the rest of the "
+              "machine shares it)")
+    chunked_prefill_size: Optional[int] = _flag(
+        None, "longest prompt piece per step; <= 0 disables chunking (default 256 on CPU; on "
+              "TPU/GPU 8192, or 2048 on a device of under 35 GB, as SGLang)")
+    max_prefill_tokens: Optional[int] = _flag(
+        None, "new prompt tokens per step at most (default 512 on CPU, the prompt piece's size "
+              "on TPU/GPU)")
     disable_precompile: bool = _flag(False, "compile step shapes on first use instead of at start")
     precompile_token_paddings: Optional[str] = _flag(
         None, "comma-separated token-count buckets (default: powers of two)")

@@ -20,7 +20,9 @@ WEIGHT_BYTES = 16.06e9  # Llama-3.1-8B in bfloat16
 @pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), ("h100", 1)])
 def test_llama_8b_serving_step_compiles_for_the_target(target, tp_size):
     devices(target)  # skips where the compile-only package is absent
-    args = ServerArgs(model_path=LLAMA_8B, tp_size=tp_size, max_running_requests=64)
+    # The CPU's step sizes, as before the accelerator defaults (test_platform_defaults.py).
+    args = ServerArgs(model_path=LLAMA_8B, tp_size=tp_size, max_running_requests=64,
+                      max_prefill_tokens=512)
     program, shapes, description = aot.server_step(target, args)
     tokens, seqs, pages = shapes[-1]
     assert (tokens, seqs) == (512, 64), description  # --max-prefill-tokens, 64 requests
@@ -72,7 +74,7 @@ def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target,
     without --slow)."""
     devices(target)
     args = ServerArgs(model_path=str(CONFIGS / config), tp_size=tp_size, ep_size=ep_size,
-                      max_running_requests=64)
+                      max_running_requests=64, max_prefill_tokens=512)
     program, shapes, description = aot.server_step(target, args)
     tokens, seqs, pages = shapes[0] if bucket == "smallest" else shapes[-1]
     compiled = program.compile(tokens, seqs, pages)

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.distributed.leader import Leader, lead
+from xlaserve import platform_defaults
 from xlaserve.model.loader import LoadedModel, load_model, tensor_parallel_mesh
 from xlaserve.host import malloc_tuning
 from xlaserve.executor.buckets import Buckets, serving_buckets, with_page_size
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 class EngineParts:
     """What an EngineCore serves with; each becomes the core's attribute of the same name."""
 
-    args: ServerArgs  # with --page-size resolved
+    args: ServerArgs  # with --page-size and the platform's defaults resolved
     loaded: LoadedModel
     tokenizer: object | None  # None with --skip-tokenizer-init
     context_length: int
@@ -89,11 +90,13 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     tokenizer = loaded.tokenizer
     context_length = args.context_length or config.max_position_embeddings
     platform = jax.default_backend()
+    args, defaulted = platform_defaults.resolve(args, platform, loaded.mesh.devices.flat[0])
+    platform_defaults.log_resolved(args, platform, defaulted)
     args = with_page_size(args, platform, context_length)
     page_size = args.page_size
     num_pages = num_pages_for(config, loaded.dtype, page_size,
                               max_total_tokens=args.max_total_tokens,
-                              mem_fraction_static=_mem_fraction(args.mem_fraction_static),
+                              mem_fraction_static=args.mem_fraction_static,
                               device=loaded.mesh.devices.flat[0],  # this replica's
                               # Each device holds 1/tp of every page; CPU "devices" share
                               # one host's memory, so there the whole page counts.
@@ -150,9 +153,3 @@ def _lap(timings: dict[str, float], phase: str, since: float) -> float:
     now = time.perf_counter()
     timings[phase] = now - since
     return now
-
-
-def _mem_fraction(requested: float | None) -> float:
-    if requested is not None:
-        return requested
-    return 0.1 if jax.default_backend() == "cpu" else 0.85

@@ -37,6 +37,7 @@ from xlaserve.executor.buckets import serving_buckets, with_page_size
 from xlaserve.executor.kernels import kernels_for
 from xlaserve.executor.model_runner import idle_step, make_step, step_vectors
 from xlaserve.executor.weight_args import weight_args
+from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
 
 TPU_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v6e:2x4", "v5p:2x2x1")  # libtpu refuses single-chip ones (v6e:1x1)
@@ -138,6 +139,7 @@ def server_step(target: str, server_args: ServerArgs,
     model's config.json (weights are not read). `fp8_checkpoint` (int8.Fp8Checkpoint): the weights
     of an FP8 checkpoint kept in FP8, as the loader keeps them on a GPU with FP8 matmuls."""
     platform, devices = target_devices(target)
+    server_args, _ = platform_defaults.resolve(server_args, platform)
     mesh = serving_mesh(devices, server_args.tp_size, server_args.ep_size)
     config, _ = read_config(server_args.model_path, load_format="dummy")  # reads no weights
     check_expert_parallel(config.num_experts, mesh)

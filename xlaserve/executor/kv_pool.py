@@ -34,21 +34,30 @@ def free_memory_bytes(device) -> int:
 
 def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_tokens: int | None,
                   mem_fraction_static: float, device=None, tensor_parallel: int = 1) -> int:
-    """Pages from `--max-total-tokens`, else from the share of free memory left after weights.
+    """Pages from `--max-total-tokens`, else from the device's memory.
 
-    `mem_fraction_static` is SGLang's meaning: the fraction of the device's memory for weights plus
-    KV cache; since weights are already loaded, the KV cache takes what remains of that fraction
-    of the currently free memory."""
+    TPU/GPU, SGLang's meaning: `mem_fraction_static` of the memory XLA may allocate holds the
+    weights (already loaded: in use) and the KV pool; the rest is left to the steps' temporaries.
+    CPU: that fraction of the host's free RAM, which other programs share."""
     if max_total_tokens is not None:
         return pages_for_tokens(max_total_tokens, page_size) + 1  # + the null page
     device = device or jax.devices()[0]
-    budget = free_memory_bytes(device) * mem_fraction_static
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        in_use = stats.get("bytes_in_use", 0)
+        budget = min(stats["bytes_limit"] * mem_fraction_static - in_use,
+                     stats["bytes_limit"] - in_use)
+        # A device's memory does not move between starts as a host's free RAM does: finer steps.
+        significant_bits = 6
+    else:
+        budget = free_memory_bytes(device) * mem_fraction_static
+        significant_bits = 4
     per_page = bytes_per_token(config, dtype) * page_size // tensor_parallel
-    return max(2, round_down_coarsely(int(budget // per_page)))
+    return max(2, round_down_coarsely(max(int(budget // per_page), 0), significant_bits))
 
 
 def round_down_coarsely(n: int, significant_bits: int = 4) -> int:
-    """`n` with all but its top 4 bits cleared (less than 1/8 less). The pool's page count is part of
+    """`n` with all but its top `significant_bits` bits cleared (4: less than 1/8 less; 6: 1/32). The pool's page count is part of
     every compiled program's shape: sized from free memory as is, it changed from one start to
     the next, and the persistent compilation cache missed every time (100 s of compiles)."""
     drop = max(n.bit_length() - significant_bits, 0)

@@ -1,0 +1,82 @@
+"""The flags whose best value depends on the hardware: filled in once the platform is known.
+
+`--max-running-requests`, `--chunked-prefill-size`, `--max-prefill-tokens` and
+`--mem-fraction-static` default to None on the command line; `resolve` gives each its
+platform's value (a value the user gives is kept), and `startup.build` logs the result in one line.
+
+CPU: the defaults this project measured on 2-8 cores (64 running requests, 256-token prompt
+pieces, 512 new tokens a step: a bigger step only adds latency where the matmuls already fill the
+cores; KV from 0.1 of free RAM, which the rest of the machine shares).
+
+TPU and GPU follow SGLang's choices per GPU (its `server_args.py`, for an H100 at tp < 4):
+8192-token prompt pieces from 35 GB of device memory (2048 below), and 256 decoded requests (its
+CUDA-graph batch limit there; here the largest sequence bucket, so one compiled step covers them
+all); a step takes a whole 8192-token piece. At 64 running requests an 8B model's decode step
+on an H100 reads its 16 GB of weights for 64 tokens; at 256 for 256 (predicted 13.3k against 3.4k
+tok/s, docs/tpu-gpu.md). Memory: `mem_fraction_static` of what XLA may allocate holds the
+weights and the KV pool, the rest is the steps' temporaries (an 8192-token prefill of an 8B
+model needs ~2 GB). JAX lets XLA take 75% of a GPU by default (XLA_PYTHON_CLIENT_MEM_FRACTION), so
+an 80 GB H100 gave the KV pool 37 GB where SGLang takes ~54 GB: `prepare_gpu_memory` raises it
+to 0.95 before JAX starts its GPU client, unless the variable is set.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+GPU_CLIENT_MEMORY_FRACTION = "0.95"  # XLA's GPU allocator pool, of the device's memory
+
+# (max_running_requests, chunked_prefill_size, max_prefill_tokens, mem_fraction_static)
+CPU_DEFAULTS = (64, 256, 512, 0.1)
+ACCELERATOR_RUNNING_REQUESTS = 256
+ACCELERATOR_MEM_FRACTION = 0.9  # of XLA's limit: 0.9 x 0.95 = 0.855 of an H100 (SGLang: 0.88)
+SMALL_DEVICE_BYTES = 35 * 2**30  # SGLang's line between 2048- and 8192-token prompt pieces
+
+
+def prepare_gpu_memory() -> None:
+    """Lets XLA's GPU allocator take 95% of the device instead of JAX's 75% (the KV pool is
+    sized from it). Effective only before JAX starts its GPU client; a no-op on CPU and TPU."""
+    if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = GPU_CLIENT_MEMORY_FRACTION
+
+
+def device_memory_limit(device) -> int | None:
+    """Bytes XLA may allocate on `device` (None on CPU or where the runtime does not say)."""
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+
+
+def defaults_for(platform: str, memory_limit: int | None) -> dict[str, float | int]:
+    """Each hardware-dependent flag's default on `platform` ("cpu", "gpu", "tpu") with
+    `memory_limit` bytes that XLA may allocate on one device."""
+    if platform == "cpu":
+        running, chunk, prefill, fraction = CPU_DEFAULTS
+    else:
+        chunk = 2048 if memory_limit is not None and memory_limit < SMALL_DEVICE_BYTES else 8192
+        running, prefill, fraction = ACCELERATOR_RUNNING_REQUESTS, chunk, ACCELERATOR_MEM_FRACTION
+    return {"max_running_requests": running, "chunked_prefill_size": chunk,
+            "max_prefill_tokens": prefill, "mem_fraction_static": fraction}
+
+
+def resolve(args, platform: str, device=None) -> tuple[object, list[str]]:
+    """`args` (ServerArgs) with every hardware-dependent flag left None set to its platform
+    default (`device`: one of the devices it will run on; None for compile-only targets, which
+    have no memory to ask about); and the names of those it set (for the log line)."""
+    unset = [name for name in ("max_running_requests", "chunked_prefill_size",
+                               "max_prefill_tokens", "mem_fraction_static")
+             if getattr(args, name) is None]
+    if not unset:
+        return args, []
+    defaults = defaults_for(platform, device_memory_limit(device) if device else None)
+    return dataclasses.replace(args, **{name: defaults[name] for name in unset}), unset
+
+
+def log_resolved(args, platform: str, names: list[str]) -> None:
+    if names:
+        logger.info("Defaults for %s: %s", platform,
+                    ", ".join(f"{name}={getattr(args, name)}" for name in names))
