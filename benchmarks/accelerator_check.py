@@ -20,11 +20,11 @@ Every step is guarded (a failure is recorded and the rest runs) and the JSON (--
 after each, so a run cut short keeps what it measured. Exit code 0 only if every correctness
 check passed and no step failed. The models run first: they are what a first run on a new
 machine is for, and a cold start (every program compiled, GEMMs autotuned) is slowest there.
-Each step has its own share of the time budget (`BUDGETS`): past it, a step skips what it has
-left (the next batch, the next attention case) and says so, so one slow step cannot starve the
-others, and the whole run stays inside the device machine's 600 s per command. The attention
-cases and the models' steps are compiled for an H100 in CI (tests/test_accelerator_check.py), so
-a shape Triton refuses shows there first.
+Each step has its own share of the time budget (the plan's `budgets`): past it, a step skips
+what it has left (the next batch, the next attention case) and says so, so one slow step cannot
+starve the others, and the whole run stays inside the device machine's 600 s per command. The
+attention cases, and a serving step stored in the executable cache, are compiled for an H100 in
+CI (tests/test_accelerator_check.py), so a shape Triton refuses shows there first.
 """
 from __future__ import annotations
 
