@@ -12,6 +12,8 @@ sequence), mixed (two per sequence: the q-block heuristic's next size) and prefi
 default set is one dtype and page size per head layout plus the page sizes and float32 on a
 few; --slow runs the full grid.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.predict_accelerators import hlo_counts
 from tests.compile_targets import cache_copies, compile_for, devices
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
 from xlaserve.executor import aot
@@ -81,7 +84,7 @@ def one_device_mesh(devices) -> Mesh:
 
 def attention_args(mesh, layout, batch, page_size, dtype, sinks=False):
     num_q_heads, num_kv_heads, head_dim = {**HEAD_LAYOUTS, **SINK_LAYOUTS}[layout]
-    tokens, seqs = BATCHES[batch]
+    tokens, seqs = BATCHES[batch] if isinstance(batch, str) else batch  # or (tokens, seqs)
     pages_per_seq = CONTEXT // page_size
     token_bytes = 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
     num_pages = max(seqs * pages_per_seq + 1, CACHE_BYTES // (page_size * token_bytes))
@@ -117,6 +120,45 @@ def test_attention_kernel_compiles_for_the_target(target, attention_case):
 def test_attention_kernel_with_sinks_compiles_for_the_target(target, sinks_case):
     *case, window = sinks_case
     check_compiles_in_place(target, case, sinks=True, sliding_window=window)
+
+
+@pytest.mark.parametrize("layout,sinks,window", [("llama-3.1-8b", False, None),
+                                                  ("gpt-oss", True, GPT_OSS_WINDOW)])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_split_kv_decode_compiles_for_h100(layout, sinks, window, rows):
+    # Small decode buckets take the split-KV path by default: 8 rows x 8 kv heads is 64
+    # programs, 4 splits each (kernel_gpu.default_num_kv_splits); a 1-row bucket, 16 splits.
+    check_compiles_in_place("h100", (layout, (rows, rows), 16, "bfloat16"), sinks=sinks,
+                            sliding_window=window)
+
+
+def test_gpu_attention_metadata_is_computed_once_for_all_layers_without_while_loops():
+    # Every layer calls the kernel with the same kv_lens / cu_q_lens / page table: XLA computes
+    # the work items once (CSE), and the sequence lookups are unrolled binary searches, not while
+    # loops (each iteration a host sync on a GPU): every layer's kernel reads the same metadata
+    # buffers (its first six operands: item_seq, item_row0, kv_lens, cu_q_lens, num_seqs and the
+    # page table, as computed from the step's arguments).
+    _, target_devices = devices("h100")
+    mesh = one_device_mesh(target_devices)
+    args = attention_args(mesh, "llama-3.1-8b", "decode", 16, "bfloat16")
+
+    def layers(num_layers):
+        def step(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs):
+            outs = []
+            for layer in range(num_layers):  # each layer's own queries, as a model's are
+                out, kv_cache = kernel_gpu.ragged_paged_attention(
+                    q * (layer + 1), k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                    sm_scale=0.125)
+                outs.append(out)
+            return sum(outs), kv_cache
+        return jax.jit(step, donate_argnames=("kv_cache",))
+
+    hlo = compile_for(mesh, layers(3), **args).as_text()
+    assert hlo_counts(hlo)["while"] == 0, hlo_counts(hlo)
+    kernel_operands = re.findall(r" custom-call\(([^)]*)\), custom_call_target=\"[^\"]*triton", hlo)
+    assert len(kernel_operands) == 3, kernel_operands
+    metadata = {tuple(operands.split(", ")[:6]) for operands in kernel_operands}
+    assert len(metadata) == 1, metadata
 
 
 def test_a_cache_stored_by_head_would_be_copied_on_tpu():

@@ -7,6 +7,7 @@ sequence's pages, cache slots past kv_len and padding tokens hold NaN or garbage
 fails. Interpret mode is slow (seconds per call), so the default set is one representative case
 per feature; `--slow` adds the full grid and random batches.
 """
+import functools
 import os
 import subprocess
 import sys
@@ -27,31 +28,33 @@ STATIC = ("sm_scale", "sliding_window", "soft_cap", "interpret", "q_block", "kv_
 KERNELS = {
     "tpu": (jax.jit(kernel_tpu.ragged_paged_attention, static_argnames=STATIC),
             pltpu.InterpretParams()),
-    "gpu": (jax.jit(kernel_gpu.ragged_paged_attention, static_argnames=STATIC), True),
+    "gpu": (jax.jit(kernel_gpu.ragged_paged_attention,
+                    static_argnames=STATIC + ("num_kv_splits",)), True),
 }
+
+
+def check_kernel(name, case, tol=1e-5, sinks=None, **static):
+    """Runs kernel `name` in interpret mode against the reference; static options go through to
+    it (the block sizes and splits are only given to the kernel, the reference picks its own)."""
+    fn, interpret = KERNELS[name]
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    try:
+        out, cache = fn(**args, sm_scale=SM_SCALE, interpret=interpret, sinks=sinks, **static)
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()  # required after an error, harmless otherwise
+    assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
+    assert cache.shape == case["kv_cache"].shape  # as it came in, flat or by head
+    spec = {k: v for k, v in static.items() if k in ("sliding_window", "soft_cap")}
+    want_out, want_cache = attention(**args, sm_scale=SM_SCALE, sinks=sinks, **spec)
+    as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))  # NaN where NaN
+    np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)  # pad rows: 0
 
 
 @pytest.fixture(params=list(KERNELS))
 def kernel(request):
-    """Runs one kernel in interpret mode; static options go through to it (the block sizes are
-    only given to the kernel, the reference picks its own)."""
-    fn, interpret = KERNELS[request.param]
-
-    def run(case, tol=1e-5, sinks=None, **static):
-        args = {k: jnp.asarray(v) for k, v in case.items()}
-        try:
-            out, cache = fn(**args, sm_scale=SM_SCALE, interpret=interpret, sinks=sinks, **static)
-        finally:
-            pltpu.reset_tpu_interpret_mode_state()  # required after an error, harmless otherwise
-        assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
-        assert cache.shape == case["kv_cache"].shape  # as it came in, flat or by head
-        spec = {k: v for k, v in static.items() if k in ("sliding_window", "soft_cap")}
-        want_out, want_cache = attention(**args, sm_scale=SM_SCALE, sinks=sinks, **spec)
-        as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
-        np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))  # NaN where NaN
-        np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)  # pad rows: 0
-
-    return run
+    """`check_kernel` of one kernel."""
+    return functools.partial(check_kernel, request.param)
 
 
 def boundary_case(rng, page_size, head_dim, **shapes):
@@ -121,6 +124,42 @@ def test_live_sequence_without_new_tokens_and_no_live_sequences(kernel):
     kernel(make_case(np.random.default_rng(6), [(3, 10), (0, 20), (16, 16), (0, 7), (2, 9)],
                      num_kv_heads=2, **shapes))
     kernel(make_case(np.random.default_rng(7), [], num_kv_heads=2, **shapes))
+
+
+@pytest.mark.parametrize("num_kv_splits", [4, 7])
+def test_gpu_split_kv_decode_over_long_contexts_and_empty_splits(num_kv_splits):
+    # 16-token KV blocks: the 1000-token context is 63 blocks over the splits, the short ones
+    # leave later splits with no pages (cases.SPLIT_KV_DECODE). GQA 4.
+    case = make_case(np.random.default_rng(16), cases.SPLIT_KV_DECODE, num_kv_heads=2,
+                     **cases.SPLIT_KV_SHAPES)
+    check_kernel("gpu", case, kv_block_pages=1, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.parametrize("static", [{"q_block": 4}, {"sliding_window": 100, "soft_cap": 3.0}],
+                         ids=["sinks_prefill_items", "sinks_window_soft_cap"])
+def test_gpu_split_kv_counts_sinks_once_with_prefill_items_windows_and_soft_cap(static):
+    # Prefill items of 4 rows whose early rows see no key in the later splits; a 100-token window
+    # that skips most of the 1000-token context's blocks before they are split.
+    rng = np.random.default_rng(17)
+    case = make_case(rng, cases.SPLIT_KV_MIXED, num_kv_heads=2, **cases.SPLIT_KV_MIXED_SHAPES)
+    check_kernel("gpu", case, sinks=jnp.asarray(cases.make_sinks(rng, 8)), kv_block_pages=1,
+                 num_kv_splits=5, **static)
+
+
+def test_gpu_split_kv_in_bfloat16():
+    case = make_case(np.random.default_rng(18), cases.SPLIT_KV_DECODE, num_kv_heads=2,
+                     head_dim=128, dtype=jnp.bfloat16, **cases.SPLIT_KV_SHAPES)
+    check_kernel("gpu", case, tol=2e-2, num_kv_splits=3)  # 64-token blocks: 16 over 3 splits
+
+
+def test_gpu_default_kv_splits_fill_an_h100_only_where_the_grid_is_small():
+    # (work items, kv heads, KV blocks of a full page table) -> splits; see the docstring.
+    assert kernel_gpu.default_num_kv_splits(8, 8, 64) == 4  # Llama-3.1-8B, 8-row decode bucket
+    assert kernel_gpu.default_num_kv_splits(16, 8, 64) == 2
+    assert kernel_gpu.default_num_kv_splits(32, 8, 64) == 1
+    assert kernel_gpu.default_num_kv_splits(256, 8, 64) == 1
+    assert kernel_gpu.default_num_kv_splits(8, 2, 64) == kernel_gpu.MAX_KV_SPLITS  # TP4
+    assert kernel_gpu.default_num_kv_splits(8, 2, 3) == 3  # no more splits than KV blocks
 
 
 def test_pallas_backend_is_refused_on_cpu_unless_interpreted():

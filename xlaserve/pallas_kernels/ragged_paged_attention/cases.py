@@ -51,3 +51,15 @@ def make_case(rng, seqs, *, max_seqs, num_tokens, page_size, pages_per_seq, num_
     return dict(q=tokens(num_q_heads), k=tokens(num_kv_heads), v=tokens(num_kv_heads),
                 kv_cache=cache.astype(dtype), kv_lens=kv_lens, page_indices=page_indices,
                 cu_q_lens=cu_q_lens, num_seqs=np.array([num_live], np.int32))
+
+
+# Split-KV decode (kernel_gpu's flash-decoding path): with 16-token KV blocks a 1000-token context
+# is 63 blocks, so 4 or 7 splits each walk many; the 17-, 64- and 1-token contexts (2, 4 and 1
+# blocks) leave later splits with no pages; 513 is one past a page boundary.
+SPLIT_KV_SHAPES = {"max_seqs": 6, "num_tokens": 8, "page_size": 16, "pages_per_seq": 64,
+                   "num_pages": 160}
+SPLIT_KV_DECODE = [(1, 1000), (1, 17), (1, 513), (1, 1), (1, 64)]
+# Beside a long decode, prefill items whose first rows have no key in the later splits (their
+# causal limit falls before those splits' blocks), and a 2-token sequence split into nothing.
+SPLIT_KV_MIXED_SHAPES = {**SPLIT_KV_SHAPES, "num_tokens": 16}
+SPLIT_KV_MIXED = [(1, 1000), (7, 300), (1, 17), (2, 2)]

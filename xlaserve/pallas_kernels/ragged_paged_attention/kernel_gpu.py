@@ -15,6 +15,15 @@ page 0 before use, whose keys are masked.
 Attention sinks (one logit per query head, `sinks`) come in laid out as the rows, [Hkv, rows]:
 a program starts its running max at its rows' sinks and its denominator at 1.
 
+Split KV (flash-decoding): where (work items x kv heads) alone would leave most of the GPU idle
+(small decode buckets: batch 1 of Llama-3.1-8B is 8 programs on 132 SMs), the grid gets a third
+axis of `num_kv_splits`: program (w, h, s) attends the s-th of `num_kv_splits` equal shares of the
+item's KV blocks and writes its partial state (unnormalized float32 output, running max and
+denominator); `combine_kv_splits` merges the partials in XLA after the kernel with the
+log-sum-exp rule. Only split 0 starts from the sink, so a sink is counted once. The shares are
+cut from each item's own block range, so a short sequence leaves its later splits empty (they
+write max MASK_VALUE, denominator 0, and weigh nothing in the merge).
+
 Triton's dot wants power-of-two dimensions of at least 16, so the row block is padded up to one
 (padding rows are masked and dropped) and a KV block is a power of two of at least 16 tokens.
 
@@ -40,6 +49,14 @@ KV_BLOCK_TOKENS = 64  # keys per loop step; K and V of one step stay in register
 # Shared memory for the KV blocks: an H100 gives a block 227 KiB (A100: 163), less the queries
 # and scores (up to 128 rows x 128 dims in float32: 64 KiB).
 SHARED_MEMORY_FOR_KV = 160 << 10
+# Split KV: the programs a grid should have before its KV is split further. An H100 has 132 SMs;
+# a 4-warp program whose two pipelined bfloat16 KV blocks (64 tokens x D 128, K and V) take
+# 64 KiB of shared memory runs ~3 to an SM, so 264 programs (2 per SM) keep every SM busy and
+# ~2/3 of the resident slots filled, while bounding the partials each split adds (below).
+TARGET_PROGRAMS = 264
+# At most 16 shares (SGLang's Triton decode kernel takes 8, jax's Pallas GPU decode 16): a
+# 4096-token context is 64 blocks, 4 a share; more add partials and programs for less KV each.
+MAX_KV_SPLITS = 16
 
 
 def next_power_of_two(x: int) -> int:
@@ -77,11 +94,29 @@ def default_num_stages(block_tokens: int, head_dim: int, itemsize: int) -> int:
     return 2 if 2 * kv_block_bytes(block_tokens, head_dim, itemsize) <= SHARED_MEMORY_FOR_KV else 1
 
 
+def default_num_kv_splits(num_items: int, num_kv_heads: int, num_kv_blocks: int) -> int:
+    """KV splits per (work item, kv head): as many as bring the grid to TARGET_PROGRAMS, at most
+    MAX_KV_SPLITS and the KV blocks a full page table has; 1 (no split) where the grid has half
+    of TARGET_PROGRAMS already. Static: the kernel is compiled per bucket shape.
+
+    Llama-3.1-8B (8 kv heads), 64-token KV blocks, 4096-token context (64 blocks), decode buckets
+    (one item per row): 8 rows -> 64 programs x 4 splits = 256 (batch 1 runs 32 programs of 16
+    blocks each, not 8 of 64); 16 rows -> 2 splits; 32 rows and more -> 1 (the kernel as before).
+    TP4 (2 kv heads per device): 8 rows -> 16 splits, 64 rows -> 2. Prefill buckets of many
+    items (512 tokens over 64 sequences: 120 items) are not split. The cost: each program writes
+    rows x (D + 2) float32 partials that the merge reads back; for decode items (16 rows) at most
+    264 x 16 x 130 x 4 B = 2.2 MB per layer each way (~1.3 us at 3.35 TB/s), against a single
+    sequence's KV of 4 MB per layer per 1024 tokens of context."""
+    programs = num_items * num_kv_heads
+    return max(1, min(TARGET_PROGRAMS // programs, MAX_KV_SPLITS, num_kv_blocks))
+
+
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           interpret=False, q_block=None, kv_block_pages=None, num_warps=4,
-                           num_stages=None):
-    """See `reference.ragged_paged_attention`; returns (out, kv_cache)."""
+                           interpret=False, q_block=None, kv_block_pages=None, num_kv_splits=None,
+                           num_warps=4, num_stages=None):
+    """See `reference.ragged_paged_attention`; returns (out, kv_cache). `num_kv_splits`: split-KV
+    programs per (work item, kv head), default `default_num_kv_splits`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
@@ -108,37 +143,68 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     padded_pages = -(-pages_per_seq // kv_block_pages) * kv_block_pages
     page_indices = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))
 
+    num_items = q_items.shape[0]
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(num_items, num_kv_heads,
+                                              padded_pages // kv_block_pages)
+
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         q_block=q_block, group=group, page_size=page_size, kv_block_pages=kv_block_pages,
-        has_sinks=sinks is not None)
-    # The cache as [pages, page_size, Hkv, 2, D]: program (w, h) sees K of head h as one
+        num_kv_splits=num_kv_splits, has_sinks=sinks is not None)
+    # The cache as [pages, page_size, Hkv, 2, D]: program (w, h, s) sees K of head h as one
     # [pages, page_size, D] operand and V as another, both views of the same buffer.
     cache = kv_cache.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
     whole_cache = (num_pages, page_size, None, None, head_dim)
-    item_spec = pl.BlockSpec((None, None, rows, head_dim), lambda w, h: (w, h, 0, 0))
-    metadata = [pl.BlockSpec(x.shape, lambda w, h, n=x.ndim: (0,) * n)
+    item_spec = pl.BlockSpec((None, None, rows, head_dim), lambda w, h, s: (w, h, 0, 0))
+    metadata = [pl.BlockSpec(x.shape, lambda w, h, s, n=x.ndim: (0,) * n)
                 for x in (item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices)]
     sinks_in = []
     if sinks is not None:
         sinks_in = [sinks_by_row(check_sinks(sinks, num_q_heads), num_kv_heads, q_block, rows)]
-    out_items = pl.pallas_call(
+    if num_kv_splits == 1:  # the output itself, normalized
+        out_shape = jax.ShapeDtypeStruct(q_items.shape, q.dtype)
+        out_specs = item_spec
+    else:  # per split: unnormalized output [W, Hkv, splits, rows, D], max and denominator
+        split_shape = (num_items, num_kv_heads, num_kv_splits, rows)
+        out_shape = (jax.ShapeDtypeStruct(split_shape + (head_dim,), jnp.float32),
+                     jax.ShapeDtypeStruct(split_shape, jnp.float32),
+                     jax.ShapeDtypeStruct(split_shape, jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, None, rows, head_dim),
+                                  lambda w, h, s: (w, h, s, 0, 0)),) + (
+            pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),) * 2
+    result = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(q_items.shape, q.dtype),
-        grid=(q_items.shape[0], num_kv_heads),
+        out_shape=out_shape,
+        grid=(num_items, num_kv_heads, num_kv_splits),
         in_specs=metadata + [
             item_spec,
-            pl.BlockSpec(whole_cache, lambda w, h: (0, 0, h, 0, 0)),  # K
-            pl.BlockSpec(whole_cache, lambda w, h: (0, 0, h, 1, 0)),  # V
-        ] + [pl.BlockSpec((None, rows), lambda w, h: (h, 0))] * len(sinks_in),
-        out_specs=item_spec,
+            pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 0, 0)),  # K
+            pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 1, 0)),  # V
+        ] + [pl.BlockSpec((None, rows), lambda w, h, s: (h, 0))] * len(sinks_in),
+        out_specs=out_specs,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, cache, cache,
       *sinks_in)
+    out_items = result if num_kv_splits == 1 else combine_kv_splits(*result).astype(q.dtype)
     out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
                           num_q_heads)
     return out, kv_cache
+
+
+def combine_kv_splits(acc, m, l):
+    """Merges split-KV partials (acc [W, Hkv, splits, rows, D], m and l [W, Hkv, splits, rows]:
+    each split's unnormalized output, running max and denominator) into the normalized output
+    [W, Hkv, rows, D] (float32), by the log-sum-exp rule: weight exp(m_s - max_s m_s) on each.
+    An empty split (m = MASK_VALUE, l = 0) weighs 0 beside any real one; a row with no key and
+    no sink in any split comes out 0. A split whose keys were all masked for a row holds junk
+    with m = MASK_VALUE, and weighs exp(MASK_VALUE - m_real) = 0 beside the row's own key."""
+    m_all = m.max(axis=2, keepdims=True)
+    weight = jnp.exp(m - m_all)
+    l_all = (weight * l).sum(axis=2)
+    acc_all = (weight[..., None] * acc).sum(axis=2)
+    return acc_all / jnp.where(l_all == 0, 1.0, l_all)[..., None]
 
 
 def sinks_by_row(sinks, num_kv_heads, q_block, rows):
@@ -151,8 +217,9 @@ def sinks_by_row(sinks, num_kv_heads, q_block, rows):
 
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
                       page_indices_ref, q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window,
-                      soft_cap, q_block, group, page_size, kv_block_pages, has_sinks):
-    sinks_ref, o_ref = refs if has_sinks else (None, *refs)
+                      soft_cap, q_block, group, page_size, kv_block_pages, num_kv_splits,
+                      has_sinks):
+    sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     rows, head_dim = q_ref.shape
     max_seqs = kv_lens_ref.shape[0]
     block_tokens = kv_block_pages * page_size
@@ -165,6 +232,11 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                      block_tokens=block_tokens, sliding_window=sliding_window)
     first_pos, num_rows, last_pos, pages_needed, start_block, end_block = span
     end_block = jnp.where(live, end_block, 0)
+    split = pl.program_id(2)
+    if num_kv_splits > 1:  # this program's share of the item's blocks; later ones may be empty
+        share = (jnp.maximum(end_block - start_block, 0) + num_kv_splits - 1) // num_kv_splits
+        start_block = start_block + split * share
+        end_block = jnp.minimum(end_block, start_block + share)
 
     row_in_item = jnp.arange(rows) // group  # row r * G + g is the item's token r
     row_pos = first_pos + row_in_item
@@ -199,13 +271,18 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                              preferred_element_type=jnp.float32)
         return m_next, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc_prev + pv
 
-    if sinks_ref is None:
-        m_start, l_start = jnp.full((rows,), MASK_VALUE, jnp.float32), 0.0
+    m_start = jnp.full((rows,), MASK_VALUE, jnp.float32)
+    l_start = jnp.zeros((rows,), jnp.float32)
+    if sinks_ref is not None:  # the sink joins one split's softmax (the merge adds up the rest)
+        m_start = jnp.where(split == 0, sinks_ref[...], m_start)
+        l_start = jnp.where(split == 0, 1.0, l_start)
+    carry = (m_start, l_start, jnp.zeros((rows, head_dim), jnp.float32))
+    m, l, acc = lax.fori_loop(start_block, end_block, attend_block, carry)
+    if num_kv_splits == 1:
+        # l >= 1 on real rows (their own key or sink scores exp(0)); 0 only where nothing was
+        # attended and there is no sink.
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
     else:
-        m_start, l_start = sinks_ref[...], 1.0
-    carry = (m_start, jnp.full((rows,), l_start, jnp.float32),
-             jnp.zeros((rows, head_dim), jnp.float32))
-    _, l, acc = lax.fori_loop(start_block, end_block, attend_block, carry)
-    # l >= 1 on real rows (their own key or sink scores exp(0)); 0 only where nothing was
-    # attended and there is no sink.
-    o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l

@@ -52,7 +52,7 @@ def new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens, page_size):
     Takes sanitized metadata. Token r of sequence s sits at position kv_len - q_len + r."""
     max_seqs, pages_per_seq = page_indices.shape
     token = jnp.arange(num_tokens)
-    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
+    seq = jnp.minimum(reference.searchsorted_right(cu_q_lens[1:], token), max_seqs - 1)
     live = token < cu_q_lens[max_seqs]
     pos = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]) + token - cu_q_lens[seq]
     page = page_indices[seq, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
@@ -82,7 +82,7 @@ def make_work_items(cu_q_lens, num_tokens: int, q_block: int):
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     items_end = jnp.cumsum((q_lens + q_block - 1) // q_block)
     item = jnp.arange(num_items)
-    item_seq = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
+    item_seq = reference.searchsorted_right(items_end, item).astype(jnp.int32)
     items_start = jnp.append(items_end - (q_lens + q_block - 1) // q_block, items_end[-1])
     item_row0 = ((item - items_start[item_seq]) * q_block).astype(jnp.int32)
     return item_seq, item_row0
