@@ -109,6 +109,25 @@ def check_compiles_in_place(target, case, sinks=False, **static):
     cache = args["kv_cache"]
     assert not cache_copies(hlo, cache.shape, cache.dtype), "the KV cache is copied (relayout)"
     assert "input_output_alias" in hlo.splitlines()[0], "the cache is not updated in place"
+    if platform == "tpu":  # the kernel writes the new K/V itself, no XLA scatter into the cache
+        assert not cache_scatters(hlo, cache.shape, cache.dtype), "the new K/V are scattered"
+
+
+def cache_scatters(hlo: str, shape, dtype) -> list[str]:
+    """Scatters of a compiled program (its HLO text) whose result has the cache's shape."""
+    name = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(dtype).name]
+    pattern = "= " + re.escape(f"{name}[{','.join(map(str, shape))}]") + r"\{[^}]*\} scatter\("
+    return [line.strip()[:200] for line in hlo.splitlines() if re.search(pattern, line)]
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "v5e:2x2"])
+@pytest.mark.parametrize("layout,q_block,dtype", [("llama-3.1-8b-tp4", 64, "bfloat16"),
+                                                  ("qwen2.5-0.5b", 36, "float32")])
+def test_tpu_kernel_writing_long_prefill_items_into_pages_compiles(target, layout, q_block, dtype):
+    # Items longer than a page plus a sublane tile (the q-block heuristic's blocks for long
+    # prompts: 256 rows / G): the kernel's K/V write slides a tile-aligned window over the item's
+    # rows, where decode items broadcast their one row and short items pad theirs.
+    check_compiles_in_place(target, (layout, "prefill", 16, dtype), q_block=q_block)
 
 
 @pytest.mark.parametrize("target", ["v6e:2x2", "v5e:2x2", "h100"])

@@ -126,6 +126,36 @@ def test_live_sequence_without_new_tokens_and_no_live_sequences(kernel):
     kernel(make_case(np.random.default_rng(7), [], num_kv_heads=2, **shapes))
 
 
+@pytest.mark.parametrize("dtype,q_block", [("float32", 40), ("bfloat16", 40), ("bfloat16", 6)],
+                         ids=["f32_items_of_40", "bf16_items_of_40", "bf16_items_of_6"])
+def test_tpu_kernel_writes_pages_that_consecutive_items_share_in_order(dtype, q_block):
+    # The TPU kernel writes the new K/V itself, whole pages merged in VMEM: prefills cut into
+    # items that start mid-page, so consecutive items of a sequence write the same page and the
+    # later one must fetch it after the earlier one's write; items of 40 rows take the merge's
+    # sliding window over their rows, items of 6 the zero-padded one. KV blocks of 4 pages: an
+    # item reads one or two, and the next item's first block, prefetched during this item's last,
+    # may hold pages this one writes there. DMAs run as soon as started (the interpreter's
+    # default runs them at the wait), so a fetch started before a write it depends on reads the
+    # poisoned slot: fetching the next block of the same sequence before this item's writes are
+    # done made this test fail.
+    seqs = [(90, 100), (1, 37), (70, 75), (2, 16)]
+    case = make_case(np.random.default_rng(16), seqs, max_seqs=8, num_tokens=176, page_size=16,
+                     pages_per_seq=8, num_pages=40, num_kv_heads=2, head_dim=64,
+                     dtype=jnp.dtype(dtype))
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    params = pltpu.InterpretParams(dma_execution_mode="eager")
+    try:
+        out, cache = KERNELS["tpu"][0](**args, sm_scale=SM_SCALE, interpret=params,
+                                       q_block=q_block, kv_block_pages=4)
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    want_out, want_cache = attention(**args, sm_scale=SM_SCALE)
+    as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("num_kv_splits", [4, 7])
 def test_gpu_split_kv_decode_over_long_contexts_and_empty_splits(num_kv_splits):
     # 16-token KV blocks: the 1000-token context is 63 blocks over the splits, the short ones

@@ -4,12 +4,6 @@ Same signature and semantics as `reference.ragged_paged_attention` (the specific
 `interpret` (passed to `pallas_call`: False on a TPU, `pltpu.InterpretParams()` to simulate one on
 CPU, DMAs and semaphores included) and the block sizes `q_block` / `kv_block_pages`.
 
-New K/V are written into the cache by XLA's scatter before the kernel, in place (the cache is
-donated). The earlier design, a DMA per token from a Pallas kernel, compiled for float32 only: a
-bfloat16 token row is half of a packed 32-bit sublane, and Mosaic refuses DMAs at unaligned
-offsets along tiled dimensions (found by compiling for v5e/v6e, tests/kernels/
-test_compile_kernels.py).
-
 `_attention` runs one grid step per work item (see work_items.py: up to `q_block` new tokens of
 one sequence), so decode-only, prefill-only and mixed batches run the same grid. The metadata is
 scalar-prefetched into SMEM; the step walks the item's KV pages `kv_block_pages` at a time, each
@@ -17,6 +11,26 @@ page one async DMA from HBM into a double-buffered VMEM block (block b+1 is in f
 attended), and keeps an online softmax in float32 VMEM scratch. Every page of a block is read
 once for all kv heads; each kv head attends with the G query heads of its group stacked as rows
 of one matmul.
+
+Across work items: while an item attends its last KV block, the next item's first block is
+already being fetched into the other buffer, so a sequence boundary does not wait on a cold
+fetch. The grid therefore runs in order ("arbitrary": the buffer slot and whether the next block
+is in flight pass from step to step in SMEM); v5e and v6e have one TensorCore a chip, so no
+megacore split is lost there.
+
+New K/V are written by the kernel, not by an XLA scatter before it (which was one more pass over
+the step's new rows and a scatter fusion per layer). The cache is aliased in -> out and stays in
+HBM. A token-sized DMA cannot do it: a bfloat16 token is half of a packed 32-bit sublane, and
+Mosaic refuses DMAs at unaligned offsets along tiled dimensions (the first design, a DMA per
+token, compiled for float32 only; tests/kernels/test_compile_kernels.py). So the kernel writes
+whole pages: each page that receives new tokens is already in the VMEM block for attention; the
+item's new rows (gathered per item in the cache layout, a small [W, rows, 2*Hkv*D] input) are
+merged into it there (a dynamic sublane roll and a select, in float32, exact), the block is
+attended (so the item sees its own new keys), and the page is DMA'd back to HBM. A later item of
+the same sequence reads those pages, so before its first block is fetched the writes are waited
+for; another sequence's pages are never written in the same step (the prefix cache shares whole
+pages only, and never the page a request writes: scheduler/prefix_reuse.py), so its prefetch
+starts before the writes.
 
 Layout: the kernel works on the cache as `[pages, page_size, 2*Hkv*D]`: a page is one contiguous
 DMA, tokens are sublanes, and K and V of head h are the lane ranges [2hD, 2hD+D) and
@@ -32,6 +46,7 @@ of row r * G + g of kv head h at sinks[h * G + g] and the denominator at 1.
 
 Nothing past a sequence's needed pages is fetched; slots past the last attended position (stale
 or uninitialised VMEM) are masked in the scores and zeroed in V, since p * NaN is NaN even at p=0.
+Padding tokens belong to no work item, so they write nothing.
 """
 from __future__ import annotations
 
@@ -45,8 +60,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
-    MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, new_token_slots,
-    query_group, round_up, sanitize_metadata, scatter_outputs, write_new_kv_with_xla)
+    MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, query_group, round_up,
+    sanitize_metadata, scatter_outputs)
 
 LANES = 128
 KV_BUFFER_BYTES = 4 << 20  # one of the two KV blocks in VMEM
@@ -86,10 +101,6 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     # Free only when the cache is stored flat (the runtime's layout); a [.., 2*Hkv, D] array is
     # tiled on its last two dims on TPU, and this reshape would copy the whole cache.
     flat_cache = kv_cache.reshape(num_pages, page_size, 2 * num_kv_heads * head_dim)
-    token_page, token_slot = new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens,
-                                             page_size)
-    flat_cache = write_new_kv_with_xla(flat_cache, k, v, token_page, token_slot)
-
     if q_block is None:
         q_block = default_q_block(num_tokens, max_seqs, group)
     if kv_block_pages is None:
@@ -98,13 +109,27 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
     rows = round_up(q_block * group, sublanes(q.dtype))
     q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
-    out_items = _attention(q_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,
-                           num_seqs, page_indices, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap, q_block=q_block, group=group,
-                           kv_block_pages=kv_block_pages, interpret=interpret)
+    new_kv_items = gather_new_kv(k, v, flat_cache.dtype, cu_q_lens, item_seq, item_row0, q_block)
+    out_items, flat_cache = _attention(
+        q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,
+        num_seqs, page_indices, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, q_block=q_block, group=group, kv_block_pages=kv_block_pages,
+        interpret=interpret)
     out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
                           num_q_heads)
     return out, flat_cache.reshape(kv_cache.shape)
+
+
+def gather_new_kv(k, v, dtype, cu_q_lens, item_seq, item_row0, q_block):
+    """The new K/V of each work item in the cache's token layout, [W, rows, 2*Hkv*D] (K of kv head
+    h at lanes [2hD, 2hD+D), V after it): row r is the item's token r, rows past its tokens are 0.
+    One row for decode items (a 1-row block is the whole dim, so the DMA moves one row), else
+    q_block rounded up to whole sublane tiles, which the in-kernel merge slices at tile
+    boundaries."""
+    num_tokens = k.shape[0]
+    new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 1, -1).astype(dtype)
+    rows = 1 if q_block == 1 else round_up(q_block, sublanes(dtype))
+    return gather_queries(new_kv, cu_q_lens, item_seq, item_row0, q_block, 1, rows)[:, 0]
 
 
 def check_shapes(page_size: int, dtype, max_seqs: int, pages_per_seq: int) -> None:
@@ -132,8 +157,8 @@ def default_page_size(max_seqs: int, context_length: int, smallest: int = 16) ->
     return page_size
 
 
-def _attention(q_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
-               page_indices, *, kv_block_pages, interpret, **static):
+def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,
+               num_seqs, page_indices, *, kv_block_pages, interpret, **static):
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     page_size = flat_cache.shape[1]
     pages_per_seq = page_indices.shape[1]
@@ -141,60 +166,120 @@ def _attention(q_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_le
     kernel = functools.partial(_attention_kernel, page_size=page_size, pages_per_seq=pages_per_seq,
                                kv_block_pages=kv_block_pages, has_sinks=sinks is not None, **static)
     item_spec = pl.BlockSpec((1, num_kv_heads, rows, head_dim), lambda w, *_: (w, 0, 0, 0))
-    in_specs, inputs = [item_spec, pl.BlockSpec(memory_space=pl.ANY)], [q_items, flat_cache]
+    new_kv_spec = pl.BlockSpec((1,) + new_kv_items.shape[1:], lambda w, *_: (w, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    in_specs = [item_spec, new_kv_spec, hbm]
+    inputs = [q_items, new_kv_items, flat_cache]
     if sinks is not None:  # a few scalars, read once per item
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         inputs.append(sinks)
     scratch = [
         pltpu.VMEM((2, block_tokens, flat_cache.shape[2]), flat_cache.dtype),  # KV double buffer
-        pltpu.SemaphoreType.DMA((2,)),  # one per buffer: all page DMAs of a block signal it
+        # One per buffer (all page reads of a block signal it), and one for the page writes.
+        pltpu.SemaphoreType.DMA((3,)),
+        # From one item to the next: the buffer of its first KV block, and whether the previous
+        # item already started fetching that block.
+        pltpu.SMEM((2,), jnp.int32),
         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running max, lane-replicated
         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running denominator
         pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # running numerator
     ]
+    num_scalars = 6
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
+        out_shape=(jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
+                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6, grid=(num_items,),
-            in_specs=in_specs, out_specs=item_spec,
+            num_scalar_prefetch=num_scalars, grid=(num_items,),
+            in_specs=in_specs, out_specs=(item_spec, hbm),
             scratch_shapes=scratch),
-        # Items are independent (all DMAs are started and waited within a step), so megacore
-        # chips may split them between their cores.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        input_output_aliases={num_scalars + 2: 1},  # the cache, updated in place
+        # In order: an item waits for the KV block the previous one prefetched, and reads the
+        # pages an earlier item of its sequence wrote.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
     )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices.reshape(-1), *inputs)
 
 
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
-                      page_indices_ref, q_ref, cache_hbm, *refs, sm_scale, sliding_window,
-                      soft_cap, q_block, group, page_size, pages_per_seq, kv_block_pages,
-                      has_sinks):
+                      page_indices_ref, q_ref, new_kv_ref, _cache_in, *refs, sm_scale,
+                      sliding_window, soft_cap, q_block, group, page_size, pages_per_seq,
+                      kv_block_pages, has_sinks):
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
-    o_ref, kv_buf, sems, m_ref, l_ref, acc_ref = refs
-    item = pl.program_id(0)
+    # The cache is read and written through the output, the same HBM buffer as the input.
+    o_ref, cache_hbm, kv_buf, sems, state_ref, m_ref, l_ref, acc_ref = refs
+    write_sem = sems.at[2]
+    item, num_items = pl.program_id(0), pl.num_programs(0)
+    block_tokens = kv_block_pages * page_size
+    live_seqs, max_seqs = num_seqs_ref[0], kv_lens_ref.shape[0]
+
+    def span_of(w, seq):
+        return item_span(kv_lens_ref[seq], cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq],
+                         item_row0_ref[w], q_block=q_block, page_size=page_size,
+                         block_tokens=block_tokens, sliding_window=sliding_window)
+
+    def for_each_page(seq, pages_needed, block, slot, action):
+        """action(copy) on the page reads of KV block `block` of `seq` into buffer `slot`."""
+        def body(p, carry):
+            page = page_indices_ref[seq * pages_per_seq + block * kv_block_pages + p]
+            dst = kv_buf.at[slot, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
+            action(pltpu.make_async_copy(cache_hbm.at[page], dst, sems.at[slot]))
+            return carry
+        count = jnp.clip(pages_needed - block * kv_block_pages, 0, kv_block_pages)
+        lax.fori_loop(0, count, body, 0)
+
+    @pl.when(item == 0)
+    def _():
+        state_ref[0], state_ref[1] = 0, 0
+
     seq = item_seq_ref[item]
 
-    @pl.when(seq >= num_seqs_ref[0])
-    def _():  # an unused item slot; its rows are dropped by the wrapper
+    @pl.when(seq >= live_seqs)
+    def _():  # an unused item slot (they all come last); its rows are dropped by the wrapper
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        state_ref[1] = 0
 
-    @pl.when(seq < num_seqs_ref[0])
+    @pl.when(seq < live_seqs)
     def _():
-        block_tokens = kv_block_pages * page_size
-        span = item_span(kv_lens_ref[seq], cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq],
-                         item_row0_ref[item], q_block=q_block, page_size=page_size,
-                         block_tokens=block_tokens, sliding_window=sliding_window)
-        first_pos, num_rows, last_pos, pages_needed, start_block, end_block = span
+        span = span_of(item, seq)
+        first_slot = state_ref[0]
 
-        def for_each_page(block, slot, action):
-            def body(p, carry):
-                page = page_indices_ref[seq * pages_per_seq + block * kv_block_pages + p]
-                dst = kv_buf.at[slot, pl.ds(pl.multiple_of(p * page_size, page_size), page_size)]
-                action(pltpu.make_async_copy(cache_hbm.at[page], dst, sems.at[slot]))
+        @pl.when(state_ref[1] == 0)
+        def _():  # the first item (or one whose block nobody prefetched)
+            for_each_page(seq, span.pages_needed, span.start_block, first_slot,
+                          lambda copy: copy.start())
+
+        following = jnp.minimum(item + 1, num_items - 1)
+        next_seq = item_seq_ref[following]
+        next_live = (item + 1 < num_items) & (next_seq < live_seqs)
+        next_span = span_of(following, jnp.minimum(next_seq, max_seqs - 1))
+        # A next item of this sequence reads the pages this one writes: it is fetched only after
+        # the writes are done. Another sequence's first block is fetched at once.
+        next_same_seq = next_live & (next_seq == seq)
+
+        def prefetch_next(slot):
+            for_each_page(next_seq, next_span.pages_needed, next_span.start_block, slot,
+                          lambda copy: copy.start())
+
+        def for_each_written_page(block, slot, action):
+            """action(page, rows in VMEM, copy to HBM) on each page of the block that receives
+            some of the item's new tokens (positions first_pos .. last_pos)."""
+            block_page0 = block * kv_block_pages
+            first = jnp.maximum(span.first_pos // page_size, block_page0)
+            last = jnp.minimum(span.last_pos // page_size, block_page0 + kv_block_pages - 1)
+
+            def body(page, carry):
+                offset = pl.multiple_of((page - block_page0) * page_size, page_size)
+                rows = kv_buf.at[slot, pl.ds(offset, page_size)]
+                dst = cache_hbm.at[page_indices_ref[seq * pages_per_seq + page]]
+                action(page, rows, pltpu.make_async_copy(rows, dst, write_sem))
                 return carry
-            count = jnp.clip(pages_needed - block * kv_block_pages, 0, kv_block_pages)
-            lax.fori_loop(0, count, body, 0)
+            lax.fori_loop(first, last + 1, body, 0)
+
+        def write_page(page, rows, copy):
+            _merge_new_rows(rows, new_kv_ref, page_pos=page * page_size,
+                            first_pos=span.first_pos, last_pos=span.last_pos)
+            copy.start()
 
         if sinks_ref is None:
             m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
@@ -202,28 +287,80 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
         else:
             _start_at_sinks(sinks_ref, m_ref, l_ref, group)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        for_each_page(start_block, start_block % 2, lambda copy: copy.start())
 
         def attend_block(block, carry):
-            slot = block % 2
+            slot = (first_slot + block - span.start_block) % 2
+            last = block + 1 == span.end_block
 
-            @pl.when(block + 1 < end_block)
+            @pl.when(jnp.logical_not(last))
             def _():
-                for_each_page(block + 1, 1 - slot, lambda copy: copy.start())
+                for_each_page(seq, span.pages_needed, block + 1, 1 - slot,
+                              lambda copy: copy.start())
 
-            for_each_page(block, slot, lambda copy: copy.wait())
+            @pl.when(last & next_live & jnp.logical_not(next_same_seq))
+            def _():
+                prefetch_next(1 - slot)
+
+            for_each_page(seq, span.pages_needed, block, slot, lambda copy: copy.wait())
+            for_each_written_page(block, slot, write_page)  # before attending: own keys too
+            wait_writes = lambda: for_each_written_page(block, slot,
+                                                        lambda page, rows, copy: copy.wait())
+
+            @pl.when(last & next_same_seq)
+            def _():
+                wait_writes()
+                prefetch_next(1 - slot)
+
             _online_softmax_step(q_ref, kv_buf.at[slot], m_ref, l_ref, acc_ref,
-                                 key0=block * block_tokens, first_pos=first_pos,
-                                 last_pos=last_pos, num_rows=num_rows, group=group,
+                                 key0=block * block_tokens, first_pos=span.first_pos,
+                                 last_pos=span.last_pos, num_rows=span.num_rows, group=group,
                                  sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap)
+
+            @pl.when(jnp.logical_not(last & next_same_seq))
+            def _():  # the buffer is refilled two blocks on; the next item may read these pages
+                wait_writes()
             return carry
 
-        lax.fori_loop(start_block, end_block, attend_block, 0)
+        lax.fori_loop(span.start_block, span.end_block, attend_block, 0)
+        num_blocks = jnp.maximum(span.end_block - span.start_block, 0)
+        state_ref[0] = (first_slot + num_blocks) % 2
+        state_ref[1] = (next_live & (num_blocks > 0)).astype(jnp.int32)
         for h in range(o_ref.shape[1]):
             # l >= 1 on every real row (its own key or its sink scores exp(0)); padding rows only
             # see MASK_VALUE scores, so l counts the block's keys there (or is the sink's 1).
             o_ref[0, h] = (acc_ref[h] / l_ref[h][:, :1]).astype(o_ref.dtype)
+
+
+def _merge_new_rows(rows, new_kv_ref, *, page_pos, first_pos, last_pos):
+    """Overwrites, in the VMEM copy `rows` [page_size, 2*Hkv*D] of the page holding positions
+    page_pos.., the item's new tokens (positions first_pos..last_pos) with their rows of
+    new_kv_ref [1, n, 2*Hkv*D] (row j: position first_pos + j).
+
+    A bfloat16 row cannot be stored at an odd sublane (two rows share a 32-bit sublane), so the
+    rows are lined up with the page by a dynamic sublane roll of a tile-aligned window of the new
+    rows, in float32 (exact both ways), and selected by position."""
+    page_size, lanes = rows.shape
+    new_rows = new_kv_ref.shape[1]
+    pos = page_pos + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+    is_new = (pos >= first_pos) & (pos <= last_pos)
+    if new_rows == 1:  # a decode item: one token
+        new = jnp.broadcast_to(new_kv_ref[0, 0:1].astype(jnp.float32), (page_size, lanes))
+    else:
+        align = sublanes(rows.dtype)
+        window = page_size + align  # any page_size rows starting in an aligned tile
+        first_row = page_pos - first_pos  # the new row that lands on the page's row 0 (or < 0)
+        if new_rows >= window:
+            start = jnp.clip(first_row, 0, new_rows - window) // align * align
+            x = new_kv_ref[0, pl.ds(pl.multiple_of(start, align), window)].astype(jnp.float32)
+        else:
+            start = 0
+            x = jnp.concatenate([new_kv_ref[0].astype(jnp.float32),
+                                 jnp.zeros((window - new_rows, lanes), jnp.float32)])
+        lag = first_row - start  # in (-page_size, window): page row r takes x[r + lag]
+        x = pltpu.roll(x, jnp.where(lag > 0, window - lag, -lag), 0)  # x'[r] = x[r - shift]
+        new = x[:page_size]
+    rows[...] = jnp.where(is_new, new.astype(rows.dtype), rows[...])
 
 
 def _token_of_row(row, group: int):
