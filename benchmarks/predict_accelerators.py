@@ -8,6 +8,8 @@ target (executor/aot.py) and its own analyses give the figures.
         # Llama-3.1-8B decode with bf16, int8 and fp8 weights on H100, bf16 and int8 on v6e 2x2
     .venv/bin/python benchmarks/predict_accelerators.py --target h100 --tp-size 1 \
         --model benchmarks/configs/qwen3-8b --tokens 8,256
+    .venv/bin/python benchmarks/predict_accelerators.py --target h100 --tokens 8,256 \
+        --variants plain,sampled,everything   # each program variant of the buckets
 
 Per bucket (tokens, seqs) of the server's own bucket list (--max-running-requests 256,
 --max-prefill-tokens 4096, so a 256-row decode bucket and a 4096-token prefill bucket exist):
@@ -23,15 +25,20 @@ Per bucket (tokens, seqs) of the server's own bucket list (--max-running-request
 - predicted time = max(bytes / HBM bandwidth, flops / peak), the data sheets' figures (below);
   collectives (tp > 1) and launch gaps are not in it, so it is a lower bound on a step.
 - floor: the same, with the bytes a step must move (each weight once, the KV read, the rows
-  written) in place of XLA's; XLA's figure is above it where the analysis charges a
-  conditional's dearest branch (the sampler's truncation loops, the prompt-logprobs LM head),
-  a gather its whole table, or where the program moves more than it must.
+  written) in place of XLA's; XLA's figure is above it where the variant computes more than a
+  greedy argmax (the sampled variant's truncation search, the prompt logprobs' LM head), the
+  analysis charges a gather its whole table, or the program moves more than it must.
 - decode tok/s = seqs / time for a decode bucket (one token per row); tokens / time for prefill.
   On TPU and GPU the smallest bucket is 8 tokens: a batch of 1 to 8 runs that step.
 - weights: --quantization's (int8, fp8) or the model dtype's; the peaks stay bfloat16's (H100's
   FP8 tensor cores are twice as fast, which only a compute-bound step would show).
-- counts from the optimised HLO: conditionals and while loops (on GPU each one reads its
-  predicate on the host between kernels), custom calls by target, fusions.
+- variant: which of the accelerator's programs per bucket (sampling/step_needs.py): "plain"
+  (greedy rows, nothing else: the default, what a greedy decode runs), "sampled" (penalties,
+  grammar mask, random draw, top_k/top_p/min_p and logprobs, branch-free), "everything" (+ the
+  prompt logprobs' LM head over every token row).
+- counts from the optimised HLO: conditionals and while loops (on GPU a conditional reads its
+  predicate on the host between kernels; so does a while loop whose trip count XLA does not
+  know), custom calls by target, fusions.
 These are predictions from compiled programs, not measurements.
 """
 from __future__ import annotations
@@ -44,6 +51,7 @@ import time
 from pathlib import Path
 
 from xlaserve.executor import aot
+from xlaserve.sampling.step_needs import VARIANT_NAMES
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # Data sheets: H100 SXM5 (NVIDIA: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16); TPU v6e (Google Cloud
@@ -149,9 +157,12 @@ def server_args(model: str, tp: int, quantization: str | None = None):
                       quantization=quantization)
 
 
+VARIANTS = {name: needs for needs, name in VARIANT_NAMES.items() if needs is not None}
+
+
 def run(target: str, model: str, tp: int, wanted_tokens, context: int,
-        quantization: str | None = None):
-    """Rows for the buckets of `wanted_tokens` that the server has, each compiled once."""
+        quantization: str | None = None, variants=("plain",)):
+    """Rows for the buckets of `wanted_tokens` that the server has, each variant compiled once."""
     from xlaserve.model.loader import read_config
 
     args = server_args(model, tp, quantization)
@@ -163,15 +174,16 @@ def run(target: str, model: str, tp: int, wanted_tokens, context: int,
     if missing:
         print(f"  no bucket of {missing} tokens (buckets: {sorted(have)})")
     rows = []
-    for tokens in (t for t in wanted_tokens if t in have):
+    for tokens, variant in [(t, v) for t in wanted_tokens if t in have for v in variants]:
         start = time.perf_counter()
-        compiled = program.compile(*have[tokens])
+        compiled = program.compile(*have[tokens], VARIANTS[variant])
         row = predict(program, compiled, target, tokens, have[tokens][1], context, config)
         row["model"], row["compile_s"] = Path(model).name, time.perf_counter() - start
         row["weight_format"] = quantization or DTYPE_NAMES[program.args[1][0].dtype.name]
+        row["variant"] = variant
         rows.append(row)
-        print(f"  compiled {tokens} tokens / {row['seqs']} seqs in {row['compile_s']:.0f} s",
-              flush=True)
+        print(f"  compiled {tokens} tokens / {row['seqs']} seqs ({variant}) in "
+              f"{row['compile_s']:.0f} s", flush=True)
     return rows
 
 
@@ -179,13 +191,14 @@ def print_table(rows, context: int) -> None:
     gb = 1e9
     print(f"\nPredicted from compiled programs (not measured); attention KV read at {context} "
           "tokens of context per sequence; per device; time = max(bytes/HBM, flops/peak)")
-    print(f"{'model':<13}{'target':<9}{'tp':>3}{'wts':>5}{'tokens':>7}{'seqs':>5}{'GFLOP':>8}"
+    print(f"{'model':<13}{'target':<9}{'tp':>3}{'wts':>5}{'variant':>11}{'tokens':>7}{'seqs':>5}"
+          f"{'GFLOP':>8}"
           f"{'XLA GB':>8}{'cacheW':>8}{'KV GB':>7}{'GB':>7}{'args GB':>8}{'temp GB':>8}"
           f"{'ms':>7} {'bound':<8}{'tok/s':>9}{'floor ms':>9}{'tok/s':>8}{'cond':>5}{'while':>6}{'fus':>5}{'cc':>4}")
     for r in rows:
         calls = sum(r["custom_calls"].values())
         print(f"{r['model']:<13}{r['target']:<9}{r['tp']:>3}{r['weight_format']:>5}"
-              f"{r['tokens']:>7}{r['seqs']:>5}"
+              f"{r['variant']:>11}{r['tokens']:>7}{r['seqs']:>5}"
               f"{r['flops'] / 1e9:>8.0f}{r['xla_bytes'] / gb:>8.2f}"
               f"{r['cache_write_correction'] / gb:>8.2f}{r['kv_read'] / gb:>7.2f}"
               f"{r['bytes'] / gb:>7.2f}{r['arguments'] / gb:>8.2f}{r['temporaries'] / gb:>8.2f}"
@@ -213,6 +226,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="llama-3.1-8b", help="with --target: a config folder")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--tokens", default="8,256,4096", help="token buckets to compile")
+    parser.add_argument("--variants", default="plain",
+                        help=f"program variants to compile, of {','.join(VARIANTS)}")
     parser.add_argument("--context", type=int, default=1024,
                         help="tokens of context each sequence's attention reads (assumed)")
     args = parser.parse_args(argv)
@@ -224,10 +239,13 @@ def main(argv=None) -> None:
     else:
         runs = [(*r, None) for r in DEFAULT_RUNS + (MORE_RUNS if args.all else [])]
     wanted = [int(t) for t in args.tokens.split(",")]
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"--variants: unknown {unknown}; of {list(VARIANTS)}")
     rows = []
     for target, model, tp, quantization in runs:
         try:
-            rows += run(target, model, tp, wanted, args.context, quantization)
+            rows += run(target, model, tp, wanted, args.context, quantization, variants)
         except aot.TargetUnavailable as error:
             print(f"{target}: {error}", file=sys.stderr)
     print_table(rows, args.context)

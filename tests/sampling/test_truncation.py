@@ -1,11 +1,13 @@
-"""Sort-free top_k/top_p/min_p thresholds (fast candidate path and bisection path) and the
-one-uniform categorical draw, against NumPy sorts."""
+"""Sort-free top_k/top_p/min_p thresholds (fast candidate path; exact search by bisection, or 4
+bits a pass branch-free) and the one-uniform categorical draw, against NumPy sorts."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from xlaserve.sampling.sampler import _inverse_cdf
-from xlaserve.sampling.truncation import MASKED, _from_ordered_keys, _ordered_keys, truncate
+from xlaserve.sampling.truncation import (MASKED, _from_ordered_keys, _ordered_keys,
+                                          _searched_thresholds, truncate)
 
 
 def np_truncate(x, top_k, top_p, min_p):
@@ -39,10 +41,12 @@ def test_ordered_keys_preserve_order_and_round_trip():
     np.testing.assert_array_equal(back, values)
 
 
+@pytest.mark.parametrize("branch_free", [False, True])
 @pytest.mark.parametrize("num_candidates", [256, 16, 1])
-def test_thresholds_equal_a_full_sort_on_a_real_vocabulary_size(num_candidates):
+def test_thresholds_equal_a_full_sort_on_a_real_vocabulary_size(num_candidates, branch_free):
     """49152 tokens, flat and peaked rows, ties, masked entries: the fast path covers the peaked
-    rows; the flat ones with a high top_p need the bisection path."""
+    rows; the flat ones with a high top_p need the exact search (under a lax.cond, or in every
+    call of an accelerator's branch-free program)."""
     rng = np.random.default_rng(0)
     rows, vocab = 8, 49152
     x = rng.normal(size=(rows, vocab)).astype(np.float32)
@@ -55,11 +59,57 @@ def test_thresholds_equal_a_full_sort_on_a_real_vocabulary_size(num_candidates):
     top_p = np.array([0.95, 0.9, 1.0, 0.8, 0.99, 1.0, 1.0, 0.5], np.float32)
     min_p = np.array([0.0, 0.0, 0.0, 0.01, 0.0, 0.2, 0.0, 0.0], np.float32)
     ours = np.asarray(truncate(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p),
-                               jnp.asarray(min_p), num_candidates))
+                               jnp.asarray(min_p), num_candidates, branch_free))
     expected = np_truncate(x, top_k, top_p, min_p)
     for i in range(rows):
         np.testing.assert_array_equal(ours[i] > MASKED, expected[i] > MASKED, err_msg=f"row {i}")
     assert (ours[2] > MASKED).sum() == 100  # top_k=50 inside a 100-way tie keeps the whole tie
+
+
+def _bisection(scaled, k, top_k_on, top_p):
+    """The exact search as it was before the 4-bit one: two 32-step bisections."""
+    keys = _ordered_keys(scaled)
+    lowest, highest = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
+
+    def halve(condition):
+        def body(_, bounds):
+            lo, hi = bounds
+            mid = lo + (hi - lo) // 2
+            ok = condition(mid)
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+        return body
+
+    kth_key, _ = jax.lax.fori_loop(
+        0, 32, halve(lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k), (lowest, highest + 1))
+    in_top_k = jnp.where(top_k_on[:, None], keys >= kth_key[:, None], True)
+    norm = jax.nn.logsumexp(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1)
+    probs = jnp.where(in_top_k, jnp.exp(scaled - norm[:, None]), 0.0)
+    _, top_p_key = jax.lax.fori_loop(0, 32, halve(
+        lambda t: jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) >= top_p),
+        (lowest - 1, highest))
+    return _from_ordered_keys(kth_key), _from_ordered_keys(top_p_key)
+
+
+@pytest.mark.parametrize("bits_per_pass", [1, 4])
+def test_searched_thresholds_equal_two_bisections_at_the_edges(bits_per_pass):
+    """Every key boundary case: top_k 1 and the whole vocabulary, top_p 0 (reached everywhere),
+    a top_p just under 1 (which rounding may leave unreached), all-masked and constant rows,
+    infinities among the keys' neighbours."""
+    rng = np.random.default_rng(1)
+    rows, vocab = 10, 3000
+    x = rng.normal(size=(rows, vocab)).astype(np.float32) * 4
+    x[4] = MASKED
+    x[5] = 1.25
+    x[6, :5] = 3e38
+    x[7] = np.round(x[7])
+    k = np.array([1, vocab, 17, 2999, 1, vocab, 3, 1000, 2, 500], np.int32)
+    top_p = np.array([0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5, 0.999, 0.9, 0.3,
+                      0.6, 0.95, 1e-8, 0.7], np.float32)
+    args = (jnp.asarray(x), jnp.asarray(k), jnp.asarray(k < vocab), jnp.asarray(top_p))
+    expected = jax.jit(_bisection)(*args)
+    got = jax.jit(_searched_thresholds, static_argnums=4)(*args, bits_per_pass)
+    for ours, theirs in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
 def test_inverse_cdf_draw_skips_zero_probability_tokens_at_both_ends():

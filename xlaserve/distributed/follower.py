@@ -80,7 +80,7 @@ def replay(connection, loaded) -> None:
         kind, meta, arrays = connection.receive()
         if kind == "step":
             staged = runner.staged_from_host(arrays["ints"], arrays["floats"], meta["shape"],
-                                             meta["widths"])
+                                             meta["widths"], meta["needs"])
             bitmask = arrays.get("bitmask")
             if bitmask is not None and bitmask.dtype != np.int32:
                 raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")

@@ -226,7 +226,9 @@ class _Sink:
             arrays["bitmask"] = token_bitmask
         step, interval = self._steps, self._leader.hash_interval
         self._steps += 1
-        meta = {"shape": shape, "widths": widths}
+        # The program variant's needs (sampling/step_needs.py): None (RUN_TIME) on the CPU.
+        meta = {"shape": shape, "widths": widths,
+                "needs": None if staged.needs is None else staged.needs.as_list()}
         if interval and step % interval == 0:
             meta.update(step=step, hash=True)
             self._recording = step

@@ -7,7 +7,8 @@ topologies, NVIDIA H100 through the jax CUDA plugin's deviceless target, from a 
 
 Nothing is allocated: weights, KV caches and step inputs are ShapeDtypeStructs carrying the
 shardings a server gives them, and the program is `model_runner.make_step`, the one a server
-runs, with the platform's kernels (Pallas Mosaic on TPU, Pallas Triton on GPU). XLA compiles it
+runs, with the platform's kernels (Pallas Mosaic on TPU, Pallas Triton on GPU) and its program
+variants (sampling/step_needs.py: no conditional on an accelerator). XLA compiles it
 for the target, and Mosaic or Triton compile the kernels inside it, with their layout, alignment
 and memory checks, which interpret mode on CPU skips. Needs `libtpu` (TPU targets) or
 `jax-cuda13-plugin` + `jax-cuda13-pjrt` (GPU) importable, and JAX_PLATFORMS=cpu.
@@ -37,6 +38,7 @@ from xlaserve.executor.buckets import serving_buckets, with_page_size
 from xlaserve.executor.kernels import kernels_for
 from xlaserve.executor.model_runner import idle_step, make_step, step_vectors
 from xlaserve.executor.weight_args import weight_args
+from xlaserve.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
 from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
 
@@ -102,14 +104,17 @@ class StepProgram:
     inv_freq: np.ndarray
     mesh: Mesh
 
-    def compile(self, tokens: int, seqs: int, pages: int):
+    def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
+        """The program of one bucket shape and variant (by default the one with every part, the
+        most memory and work an accelerator server precompiles for the shape)."""
         ints, floats, layout = step_vectors(self.inv_freq, *idle_step(tokens, seqs, pages))
         vocab = self.args[2].shape[1]
         inputs = (abstract(ints.shape, ints.dtype, self.mesh),
                   abstract(floats.shape, floats.dtype, self.mesh),
                   abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
         with jax.set_mesh(self.mesh):
-            return self.step.trace(*self.args, *inputs, layout=layout).lower().compile()
+            return self.step.trace(*self.args, *inputs, layout=layout,
+                                   needs=needs).lower().compile()
 
 
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
@@ -180,12 +185,12 @@ def main(argv=None) -> None:
     if not args.all_shapes:
         shapes = sorted({shapes[0], shapes[-1]})
     print(description)
-    for tokens, seqs, pages in shapes:
+    for (tokens, seqs, pages), needs in [(s, n) for s in shapes for n in ACCELERATOR_VARIANTS]:
         start = time.perf_counter()
-        compiled = program.compile(tokens, seqs, pages)
+        compiled = program.compile(tokens, seqs, pages, needs)
         memory = compiled.memory_analysis()
-        print(f"  step (tokens {tokens}, seqs {seqs}, pages {pages}): compiled in "
-              f"{time.perf_counter() - start:.1f} s; per device: arguments "
+        print(f"  step (tokens {tokens}, seqs {seqs}, pages {pages}), {VARIANT_NAMES[needs]}: "
+              f"compiled in {time.perf_counter() - start:.1f} s; per device: arguments "
               f"{memory.argument_size_in_bytes / 2**30:.2f} GiB, temporaries "
               f"{memory.temp_size_in_bytes / 2**30:.2f} GiB")
 

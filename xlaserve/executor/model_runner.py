@@ -1,7 +1,7 @@
 """ModelRunner: the one jitted step (model forward + sampling) over a ragged batch.
 
     step(state, kv_caches, output_counts, last_tokens, prompt_masks, batch, sampling, slots,
-         token_bitmask) -> (StepOutput, kv_caches, output_counts, last_tokens)
+         token_bitmask, *, layout, needs) -> (StepOutput, kv_caches, output_counts, last_tokens)
 
 The KV caches, the penalty counts and the last sampled tokens are donated, so XLA updates them in
 place. A program is
@@ -17,17 +17,25 @@ overlap: a row with `input_slots >= 0` reads its token there).
 
 Prompt logprobs (sampling/prompt_logprobs.py) ride in the same program: the model returns every
 row's final hidden state, the sampler takes the LM head of the sampled rows only, and the LM head
-over all rows runs in a `lax.cond` branch only in steps where some row has a target id.
+over all rows runs only in steps where some row has a target id.
+
+What a step computes beyond a greedy argmax (penalties, grammar mask, random draw, truncation,
+logprobs, prompt logprobs) is a static argument, `needs` (sampling/step_needs.py), that `stage`
+computes from the rows' parameters and `run` completes with whether the step sends grammar masks.
+On the CPU it is RUN_TIME: one program per bucket, each part under a `lax.cond` on the device
+(free there). On TPU and GPU, where a conditional is a host sync mid-step, it is one of
+ACCELERATOR_VARIANTS, three programs per bucket with no conditional: greedy only, everything but
+prompt logprobs, everything; `run` picks the smallest that covers the step.
 
 Structured outputs: `token_bitmask i32[seqs, ceil(V/32)]` holds the tokens each row's grammar
 allows (sampling/grammar.py), a fixed-shape argument so a constrained request never compiles a
 program. A step without a constrained row sends a bitmask of all ones that stays on the device
-(one per sequence bucket), and the sampler skips the mask at run time.
+(one per sequence bucket), and the sampler skips the mask.
 
 Multi-host (--nnodes > 1, distributed/leader.py): the mesh spans every process's devices, and
 every process must make the same device calls in the same order. The leader's runner has a
 command sink: `assign_slot` and each step (its int32/float32 host vectors, bucket shape, table
-widths and grammar masks) go to the followers before the leader makes the call, and a follower's
+widths, needs and grammar masks) go to the followers before the leader makes the call, and a follower's
 runner replays them (`assign_slot`, `run(staged_from_host(...))`). Outputs are replicated; the leader
 reads its own copy. In one process the sink is None and nothing of this runs.
 """
@@ -64,6 +72,8 @@ from xlaserve.sampling.params import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, MAX_TO
                                      RowSamplingParams)
 from xlaserve.sampling.sampler import (SampleOutput, SamplingMetadata, add_sampled,
                                       build_sampling_metadata, sample)
+from xlaserve.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME, StepNeeds, needs_of, part,
+                                         program_needs)
 from xlaserve.executor.weight_args import leaves_from_args, weight_args
 
 logger = logging.getLogger(__name__)
@@ -89,14 +99,23 @@ class StagedStep:
     shape: tuple[int, int, int]  # (tokens, seqs, pages)
     widths: tuple[int, int]  # logit-bias and suppressed-id table widths
     host: tuple[np.ndarray, np.ndarray] | None = None  # (ints, floats) for a multi-host leader
+    # What the rows need but the grammar mask (known at `run`); RUN_TIME on the CPU.
+    needs: StepNeeds | None = RUN_TIME
 
 
 class ModelRunner:
     def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
-                 attention_backend: str = "auto", matmul_backend: str = "auto"):
+                 attention_backend: str = "auto", matmul_backend: str = "auto",
+                 static_variants: bool | None = None):
+        """`static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
+        bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
+        None: on TPU and GPU, not on the CPU."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
+        if static_variants is None:
+            static_variants = self.mesh.devices.flat[0].platform != "cpu"
+        self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
         # For rope_cos_sin: the frequencies and YaRN's cos/sin scale (1.0 for other RoPEs).
         self._inv_freq = self.config.rope.inv_freq(self.config.head_dim)
         self._rope_scale = self.config.rope.attention_factor
@@ -149,7 +168,7 @@ class ModelRunner:
         self._step = step
         self._reset_slot = reset_slot
         self._precompiled = False
-        self._programs: dict[tuple, object] = {}  # (shape, widths) -> its compiled step
+        self._programs: dict[tuple, object] = {}  # (shape, widths, needs) -> its compiled step
         self._replicated = replicated
         self.bitmask_words = -(-vocab // 32)
         self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
@@ -193,13 +212,19 @@ class ModelRunner:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
         host = step_vectors(self._inv_freq, batch, sampling, slots, self._rope_scale)
         ints, floats = self._put(host[:2], self.output_counts.sharding)
+        # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
+        # engine can stage a step before it reads the previous one.
+        needs = (RUN_TIME if self.step_variants is None else
+                 needs_of(sampling, batch.target_ids, grammar=False))
         return StagedStep(ints, floats, host[2], batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
-                          host[:2] if self.sink is not None else None)
+                          host[:2] if self.sink is not None else None, needs)
 
-    def staged_from_host(self, ints: np.ndarray, floats: np.ndarray, shape, widths) -> "StagedStep":
-        """A follower's StagedStep from the leader's host vectors: the layout is a function of
-        the bucket shape and the table widths alone (`layout_for`)."""
+    def staged_from_host(self, ints: np.ndarray, floats: np.ndarray, shape, widths,
+                         needs: list[bool] | None = None) -> "StagedStep":
+        """A follower's StagedStep from the leader's host vectors and needs (StepNeeds.as_list,
+        or None for RUN_TIME): the layout is a function of the bucket shape and the table
+        widths alone (`layout_for`)."""
         shape, widths = tuple(shape), tuple(widths)
         layout = self.layout_for(shape, widths)
         sizes = {"int32": 0, "float32": 0}
@@ -211,7 +236,8 @@ class ModelRunner:
                              f"and float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} "
                              f"and {floats.dtype}{list(floats.shape)}")
         ints, floats = self._put((ints, floats), self.output_counts.sharding)
-        return StagedStep(ints, floats, layout, shape, widths)
+        return StagedStep(ints, floats, layout, shape, widths,
+                          needs=RUN_TIME if needs is None else StepNeeds(*map(bool, needs)))
 
     def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int]):
         """The layout of every staged step of this bucket shape and logit-bias / suppressed-id
@@ -232,22 +258,32 @@ class ModelRunner:
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
                 self.prompt_masks, staged.ints, staged.floats,
                 self._bitmask(staged.shape[1], token_bitmask))
-        program = self._programs.get((staged.shape, staged.widths))
+        needs = self._program_needs(staged.needs, token_bitmask is not None)
+        program = self._programs.get((staged.shape, staged.widths, needs))
         if program is not None:
             out, self.kv_caches, self.output_counts, self.last_tokens = program(*args)
         else:
             compiled_before = self._step._cache_size()
             out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
-                *args, layout=staged.layout)
+                *args, layout=staged.layout, needs=needs)
             if self._precompiled and self._step._cache_size() > compiled_before:
                 logger.warning(
                     "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
-                    "width %d, suppressed width %d was not precompiled; every request waited for "
-                    "it. Add the shape to the padding buckets.", staged.shape, *staged.widths)
+                    "width %d, suppressed width %d, needs %s was not precompiled; every request "
+                    "waited for it. Add the shape to the padding buckets.", staged.shape,
+                    *staged.widths, needs)
         if self.sink is not None:  # replicated over every process: read this one's copy
             out = jax.tree.map(lambda x: x.addressable_data(0), out)
             self.sink.ran(out)
         return out
+
+    def _program_needs(self, needs: StepNeeds | None, grammar: bool) -> StepNeeds | None:
+        """The program a step with `needs` (and grammar masks, or not) runs."""
+        if needs is RUN_TIME:
+            return RUN_TIME
+        # A follower runs what its leader staged, whatever its own `step_variants`.
+        return program_needs(dataclasses.replace(needs, grammar=grammar),
+                             self.step_variants or ACCELERATOR_VARIANTS)
 
     def _bitmask(self, seqs: int, token_bitmask: np.ndarray | None) -> jax.Array:
         if token_bitmask is not None:
@@ -264,24 +300,36 @@ class ModelRunner:
         """Programs compiled or loaded: the precompiled ones and any the jitted step compiled."""
         return len(self._programs) + self._step._cache_size()
 
-    def compiled_step(self, tokens: int, seqs: int, pages: int):
-        """The step compiled for one bucket shape (for its memory analysis and HLO text)."""
-        args, kwargs = self._lowering_args((tokens, seqs, pages))
+    def compiled_step(self, tokens: int, seqs: int, pages: int,
+                      needs: StepNeeds | None = RUN_TIME):
+        """The step compiled for one bucket shape (for its memory analysis and HLO text): the
+        program of a step with `needs` (RUN_TIME: of an idle step)."""
+        needs = needs or StepNeeds()
+        args, kwargs = self._lowering_args((tokens, seqs, pages),
+                                           self._program_needs(needs, needs.grammar))
         return self._step.lower(*args, **kwargs).compile()
+
+    def program_variants(self) -> list[StepNeeds | None]:
+        """The programs precompiled per bucket: RUN_TIME alone, or each static variant."""
+        return [RUN_TIME] if self.step_variants is None else list(self.step_variants)
 
     def precompile(self, shapes, *, cache: ExecutableCache | None = None,
                    progress: bool = True) -> None:
-        """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape. Compiled,
-        not run: a run of each with padding rows cost ~1.3 s of the default model's start."""
+        """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape and program
+        variant (`program_variants`). Compiled, not run: a run of each with padding rows cost
+        ~1.3 s of the default model's start."""
+        variants = self.program_variants()
         if self.sink is not None:
             # Multi-host: a step runs on every process, so the followers compile it as they
             # replay it; it goes through the jitted step, on every process alike.
             for shape in tqdm(shapes, desc="Precompiling", unit="shape", disable=not progress):
-                jax.block_until_ready(self.step(*idle_step(*shape)).sample.tokens)
+                for needs in variants:
+                    staged = dataclasses.replace(self.stage(*idle_step(*shape)), needs=needs)
+                    jax.block_until_ready(self.run(staged).sample.tokens)
             self._precompiled = True
             return
-        shapes = [tuple(shape) for shape in shapes]
-        lowering = {shape: self._lowering_args(shape) for shape in shapes}
+        shapes = [(tuple(shape), needs) for shape in shapes for needs in variants]
+        lowering = {shape: self._lowering_args(*shape) for shape in shapes}
         found = {}
         if cache is not None:
             paths = {shape: cache.path(*lowering[shape], name="serving step",
@@ -298,17 +346,17 @@ class ModelRunner:
             args, kwargs = lowering[shape]
             found[shape] = (self._step.lower(*args, **kwargs).compile() if cache is None else
                             cache.compile_and_store(self._step, args, kwargs, paths[shape]))
-        for shape in shapes:
-            self._programs[(shape, SAMPLING_WIDTHS)] = found[shape]
+        for shape, needs in shapes:
+            self._programs[(shape, SAMPLING_WIDTHS, needs)] = found[(shape, needs)]
         self._precompiled = True
 
-    def _lowering_args(self, shape):
+    def _lowering_args(self, shape, needs: StepNeeds | None):
         """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be
-        zeroed yet), and its static layout."""
+        zeroed yet), and its static layout and needs."""
         staged = self.stage(*idle_step(*shape))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
                 self.prompt_masks, staged.ints, staged.floats, self._bitmask(shape[1], None))
-        return args, {"layout": staged.layout}
+        return args, {"layout": staged.layout, "needs": needs}
 
 
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding):
@@ -318,10 +366,10 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     replicated = NamedSharding(mesh, P())
     by_vocab = NamedSharding(mesh, P(None, TP))
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout",),
+    @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout", "needs"),
                        out_shardings=(replicated, kv_sharding, replicated, replicated))
     def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
-             token_bitmask, layout):
+             token_bitmask, layout, needs: StepNeeds | None = RUN_TIME):
         batch, sampling, slots, rope = split_leaves(ints, floats, layout)
         state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
         model = nnx.merge(graphdef, state)
@@ -344,12 +392,13 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                                 batch.metadata, kernels, rope)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
-                     num_top_logprobs=MAX_TOP_LOGPROBS)
+                     num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs)
         output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
         # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
         last_tokens = last_tokens.at[slots].set(
             jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
-        prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS)
+        prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
+                                 part(needs, "prompt_logprobs"))
         return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
 
     return step

@@ -5,8 +5,9 @@ the logits: no bias, penalties or temperature).
 
 Device side (`prompt_logprobs`, inside the jitted step): every token row t of the packed batch
 has a target id `target_ids[t]`, the prompt token that follows it, or -1. Only when some row has
-a target does the step run the LM head over all rows; `lax.cond` on that data keeps one program
-per bucket, and an ordinary step skips the work at run time.
+a target does the step run the LM head over all rows: on the CPU a `lax.cond` on that data keeps
+one program per bucket, and an ordinary step skips the work at run time; on an accelerator the
+host picks a program with the LM head or without it (sampling/step_needs.py).
 
 Host side (`PromptLogprobCollector`, in the engine): builds a request's targets for each of its
 prefill chunks (the target of a chunk's last token is the next chunk's first one) and gathers the
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.sampling.step_needs import only_if_needed, zeros_unless
 from xlaserve.sampling.truncation import row_take
 
 NO_TARGET = -1
@@ -62,17 +64,23 @@ def _all_rows(logits_fn, hidden, target_ids, num_top: int) -> PromptLogprobs:
 
 
 def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array,
-                    target_ids: jax.Array, num_top: int) -> PromptLogprobs:
+                    target_ids: jax.Array, num_top: int,
+                    needed: bool | None = None) -> PromptLogprobs:
     """`logits_fn` maps hidden rows f32[R, H] to logits [R, V] (the model's final norm + LM head);
     `hidden` f32[T, H] are the final hidden states of every token row. Zeros when no row has a
-    target, without running the LM head."""
+    target, without running the LM head. `needed` (static): None decides at run time whether
+    some row has a target; True runs the LM head, False does not (step_needs.only_if_needed)."""
     num_rows = hidden.shape[0]
     skipped = PromptLogprobs(jnp.zeros(num_rows, jnp.float32),
                              jnp.zeros((num_rows, num_top), jnp.int32),
                              jnp.zeros((num_rows, num_top), jnp.float32))
-    return jax.lax.cond(jnp.any(target_ids >= 0),
-                        lambda: _all_rows(logits_fn, hidden, target_ids, num_top),
-                        lambda: skipped)
+    any_target = jnp.any(target_ids >= 0)
+
+    def computed():
+        # Zeros in a step without a target, as when it is skipped: f32/i32[T, N], next to nothing.
+        return zeros_unless(any_target, _all_rows(logits_fn, hidden, target_ids, num_top), skipped)
+
+    return only_if_needed(needed, lambda: any_target, computed, lambda: skipped)
 
 
 class PromptLogprobCollector:

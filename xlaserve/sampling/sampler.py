@@ -26,6 +26,8 @@ import numpy as np
 # Masked-out logits get a large finite value (MASKED = -1e30): -inf turns into NaN in softmax of a
 # fully masked row and in `-inf - -inf`; -1e30 stays finite through division by any sane temperature.
 from xlaserve.sampling.params import RowSamplingParams
+from xlaserve.sampling.step_needs import (StepNeeds, greedy_rows, only_if_needed, part,
+                                         penalty_rows, truncating_rows, zeros_unless)
 from xlaserve.sampling.truncation import MASKED, NUM_CANDIDATES, row_take, truncate
 
 
@@ -151,32 +153,30 @@ def add_sampled(counts: jax.Array, tokens: jax.Array, live: jax.Array,
 # --- the pipeline --------------------------------------------------------------------------
 
 
-def _any_penalty(metadata: SamplingMetadata) -> jax.Array:
-    return jnp.any((metadata.repetition_penalty != 1.0) | (metadata.frequency_penalty != 0.0)
-                   | (metadata.presence_penalty != 0.0))
-
-
-def apply_token_bitmask(x: jax.Array, token_bitmask: jax.Array) -> jax.Array:
+def apply_token_bitmask(x: jax.Array, token_bitmask: jax.Array,
+                        needed: bool | None = None) -> jax.Array:
     """Sets to MASKED every logit whose bit is clear in `token_bitmask` (i32[S, ceil(V/32)]: token t
     is allowed iff bit t % 32 of word t // 32 is set, llguidance's layout). Only in steps where
-    some row has a clear bit (a constrained row): all-ones rows are unconstrained or padding."""
+    some row has a clear bit (a constrained row): all-ones rows are unconstrained or padding.
+    `needed`: see step_needs.only_if_needed."""
     num_rows, vocab_size = x.shape
 
-    def masked(x):
+    def masked():
         bits = jnp.right_shift(token_bitmask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
         allowed = bits.reshape(num_rows, -1)[:, :vocab_size].astype(jnp.bool_)
         return jnp.where(allowed, x, MASKED)
 
-    return jax.lax.cond(jnp.any(token_bitmask != -1), masked, lambda x: x, x)
+    return only_if_needed(needed, lambda: jnp.any(token_bitmask != -1), masked, lambda: x)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("needs",))
 def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
-                     token_bitmask=None):
+                     token_bitmask=None, needs: StepNeeds | None = None):
     """f32[S, V]: logits after bias, penalties, suppression and the grammar mask; the
     distribution logprobs report. `output_counts`/`prompt_mask` hold one row per sample, or, with
     `rows` (i32[S]), a table that `rows` indexes (the engine's per-slot state): then the [S, V]
-    gathers only happen in steps where some row has a penalty on.
+    gathers only happen in steps where some row has a penalty on. `needs` (static): the parts
+    in the program (step_needs.py); None decides them at run time.
 
     The grammar mask comes last, as a set (not an addition before the penalties): a repetition
     penalty divides a negative logit, which would lift a masked MASKED above MASKED."""
@@ -185,25 +185,24 @@ def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_m
     x = logits.astype(jnp.float32)
 
     bias_ids = _valid_or_out_of_range(metadata.logit_bias_ids, vocab_size)
-    x = x.at[row_ids, bias_ids].add(metadata.logit_bias_values, mode="drop")
+    biased = x.at[row_ids, bias_ids].add(metadata.logit_bias_values, mode="drop")
 
-    def apply_penalties(x):
+    def apply_penalties():
         counts = output_counts if rows is None else output_counts[rows]
         prompt = prompt_mask if rows is None else prompt_mask[rows]
         seen = prompt | (counts > 0)
         rep = metadata.repetition_penalty[:, None]
-        x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+        x = jnp.where(seen, jnp.where(biased > 0, biased / rep, biased * rep), biased)
         x = x - metadata.frequency_penalty[:, None] * counts.astype(jnp.float32)
         return x - metadata.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
 
-    x = jax.lax.cond(_any_penalty(metadata), apply_penalties, lambda x: x, x)
+    x = only_if_needed(part(needs, "penalties"), lambda: jnp.any(penalty_rows(metadata)),
+                       apply_penalties, lambda: biased)
     suppressed = _valid_or_out_of_range(metadata.suppressed_ids, vocab_size)
     x = x.at[row_ids, suppressed].set(MASKED, mode="drop")
-    return x if token_bitmask is None else apply_token_bitmask(x, token_bitmask)
-
-
-def _is_greedy(metadata: SamplingMetadata) -> jax.Array:
-    return (metadata.temperature <= 0) | (metadata.top_k == 1)
+    if token_bitmask is None:
+        return x
+    return apply_token_bitmask(x, token_bitmask, part(needs, "grammar"))
 
 
 def _scaled(penalized, metadata: SamplingMetadata):
@@ -249,14 +248,13 @@ def _inverse_cdf(logits, uniforms):
     return (block * _CDF_BLOCK + jnp.minimum(offset, last_live)).astype(jnp.int32)
 
 
-def _draw(penalized, metadata: SamplingMetadata, num_candidates: int):
+def _draw(penalized, metadata: SamplingMetadata, num_candidates: int, needs: StepNeeds | None):
     """Sampled tokens for every row (greedy rows' draws are discarded by the caller)."""
     scaled = _scaled(penalized, metadata)
-    sampling = ~_is_greedy(metadata)
-    truncating = sampling & ((metadata.top_k > 0) | (metadata.top_p < 1.0) | (metadata.min_p > 0))
-    processed = jax.lax.cond(
-        jnp.any(truncating),
-        lambda: truncate(scaled, metadata.top_k, metadata.top_p, metadata.min_p, num_candidates),
+    processed = only_if_needed(
+        part(needs, "truncation"), lambda: jnp.any(truncating_rows(metadata)),
+        lambda: truncate(scaled, metadata.top_k, metadata.top_p, metadata.min_p, num_candidates,
+                         branch_free=needs is not None),
         lambda: scaled)
     keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
         metadata.seeds, metadata.sample_index)
@@ -289,10 +287,11 @@ def _logprobs(penalized, tokens, num_top_logprobs: int):
             top_logprobs - log_norm[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "num_candidates"))
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "num_candidates", "needs"))
 def sample(
     logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
     token_bitmask=None, *, num_top_logprobs: int = 0, num_candidates: int = NUM_CANDIDATES,
+    needs: StepNeeds | None = None,
 ) -> SampleOutput:
     """Picks one token per row from `logits` (f32/bf16[S, V]).
 
@@ -302,10 +301,11 @@ def sample(
     `token_bitmask` (i32[S, ceil(V/32)], optional) holds the tokens each row's grammar allows
     (`apply_token_bitmask`); a constrained row never picks another, greedy or sampled.
 
-    Work that no row of the batch needs is skipped at run time (`lax.cond`): penalties, the
-    random draw when every row is greedy, truncation when no row truncates, and logprobs when no
-    row asks for them (zeros then; their log-normalizer and top-k over the vocabulary cost as much
-    as the rest of the sampler at 64 rows).
+    Work that no row of the batch needs is skipped: penalties, the random draw when every row is
+    greedy, truncation when no row truncates, and logprobs when no row asks for them (zeros then;
+    their log-normalizer and top-k over the vocabulary cost as much as the rest of the sampler at
+    64 rows). `needs` (static, step_needs.py) says which parts the program has; None (the CPU's
+    program) decides each at run time with a `lax.cond`.
 
     Logprobs (the chosen token's and the `num_top_logprobs` best) are log_softmax of the
     penalized logits: after bias, penalties and suppression, but before temperature and
@@ -313,16 +313,24 @@ def sample(
     distribution rather than the truncated one sampled from, and a greedy row reports the same
     logprobs it would at temperature 1.
     """
-    penalized = penalized_logits(logits, metadata, output_counts, prompt_mask, rows, token_bitmask)
+    penalized = penalized_logits(logits, metadata, output_counts, prompt_mask, rows, token_bitmask,
+                                 needs=needs)
     greedy = first_argmax(penalized)
-    is_greedy = _is_greedy(metadata)
-    tokens = jax.lax.cond(
-        jnp.all(is_greedy), lambda: greedy,
-        lambda: jnp.where(is_greedy, greedy, _draw(penalized, metadata, num_candidates)))
+    is_greedy = greedy_rows(metadata)
+    tokens = only_if_needed(
+        part(needs, "sampling"), lambda: ~jnp.all(is_greedy),
+        lambda: jnp.where(is_greedy, greedy, _draw(penalized, metadata, num_candidates, needs)),
+        lambda: greedy)
     num_rows = logits.shape[0]
     skipped = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
                jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
-    logprobs, top_ids, top_logprobs = jax.lax.cond(
-        jnp.any(metadata.return_logprob),
-        lambda: _logprobs(penalized, tokens, num_top_logprobs), lambda: skipped)
+    asked = jnp.any(metadata.return_logprob)
+
+    def computed():
+        # Zeros where no row asks, as the run-time program returns them ([S, N]: nothing to
+        # speak of), so that a program computing logprobs for every step returns the same.
+        return zeros_unless(asked, _logprobs(penalized, tokens, num_top_logprobs), skipped)
+
+    logprobs, top_ids, top_logprobs = only_if_needed(part(needs, "logprobs"), lambda: asked,
+                                                     computed, lambda: skipped)
     return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
