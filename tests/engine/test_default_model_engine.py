@@ -8,6 +8,7 @@ import pytest
 
 from tests.hf_reference import default_model_in_transformers, hf_greedy
 from xlaserve.offline import Engine
+from xlaserve.sampling.params import SamplingParams
 
 # Its outcome does not depend on JAX's version (the default model's numerics are checked on JAX 0.11
 # by tests/model/test_default_model.py, the engine by test_engine.py): make test-jax011 leaves it
@@ -72,3 +73,26 @@ def test_stop_string_ends_the_request_where_it_matches(engine, prompts):
     n = result["meta_info"]["completion_tokens"]
     assert result["output_ids"] == full["output_ids"][:n] and n < NEW_TOKENS
     assert engine.core.scheduler.token_usage() == 0 or engine.core.scheduler.has_work()
+
+
+def test_chunks_are_made_off_the_engine_loop_and_a_stop_string_frees_the_request_first(
+        engine, prompts):
+    # The chunk thread detokenizes and finds the stop string; the loop must have ended the
+    # request (slot and pages free) before its final chunk goes out, and nothing follows it.
+    text = engine.generate(input_ids=prompts[1], sampling_params=GREEDY)["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    seen, done = [], threading.Event()
+
+    def emit(chunk):
+        seen.append((threading.current_thread().name, chunk, engine.core.scheduler.num_running))
+        if chunk.finished:
+            done.set()
+
+    engine.core.submit(prompts[1], SamplingParams(**GREEDY, stop=[stop]), emit)
+    assert done.wait(60)
+    time.sleep(0.5)  # a chunk after the final one would arrive by now
+    assert {name for name, _, _ in seen} == {"xlaserve-delivery"}
+    assert [chunk.finished for _, chunk, _ in seen].count(True) == 1 and seen[-1][1].finished
+    assert seen[-1][2] == 0  # the request had left the scheduler
+    assert "".join(chunk.text for _, chunk, _ in seen) == text[:text.index(stop)]
+    assert seen[-1][1].meta_info["finish_reason"] == {"type": "stop", "matched": stop}

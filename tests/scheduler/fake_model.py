@@ -32,12 +32,14 @@ class FakeModel:
 
     def step(self, batch):
         """Runs `batch` at once, as the device would when it was dispatched: a continuation
-        (batch.ahead) reads its input token from the slot, not from the request."""
+        row (input_slot >= 0, ScheduledBatch.row_ahead) reads its input token from the slot, not
+        from the request."""
         self.batches.append(batch)
         assert len(set(batch.slots)) == len(batch.slots)
         assert all(1 <= s <= self.scheduler.max_running_requests for s in batch.slots)
         tokens = []
-        for request, chunk in zip(batch.requests, batch.chunks, strict=True):
+        for request, chunk, ahead in zip(batch.requests, batch.chunks, batch.row_ahead(),
+                                         strict=True):
             kv_len = chunk.num_cached + len(chunk.token_ids)
             assert len(chunk.page_ids) == pages_for_tokens(kv_len, PAGE)  # covers it, exactly
             token_ids = chunk.token_ids
@@ -47,10 +49,10 @@ class FakeModel:
                 pos = chunk.num_cached + i
                 self.pages.setdefault(chunk.page_ids[pos // PAGE], [None] * PAGE)[pos % PAGE] = token
             seen = [self.pages[chunk.page_ids[p // PAGE]][p % PAGE] for p in range(kv_len)]
-            unread = token_ids if batch.ahead else []  # sampled by the step still unprocessed
+            unread = token_ids if ahead else []  # sampled by the step still unprocessed
             assert seen == (request.all_ids() + unread)[:kv_len]
             if request.rid in self.script:
-                tokens.append(self.script[request.rid][len(request.output_ids) + batch.ahead])
+                tokens.append(self.script[request.rid][len(request.output_ids) + ahead])
             else:
                 tokens.append(sum((i + 1) * t for i, t in enumerate(seen)) % 50 + 10)
             if chunk.sample:

@@ -4,6 +4,7 @@ import pytest
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, outputs, req
 from xlaserve.scheduler.page_allocator import pages_for_tokens
+from xlaserve.scheduler.request import ScheduledBatch
 
 
 @pytest.mark.parametrize("num_pages", [64, 9])  # 9: retractions
@@ -37,7 +38,7 @@ def test_a_continuation_runs_every_sampling_request_one_token_further():
     assert all(len(c.page_ids) == pages_for_tokens(c.num_cached + 1, PAGE) for c in following.chunks)
 
 
-def test_no_continuation_while_a_request_could_be_admitted_or_a_chunk_samples_nothing():
+def test_a_continuation_admits_waiting_requests_but_not_beside_a_chunk_that_samples_nothing():
     s = make_scheduler(chunk=4)
     s.add(req("long", prompt_len=10))
     batch = s.schedule()  # a 4-token chunk of 10: samples nothing
@@ -46,13 +47,30 @@ def test_no_continuation_while_a_request_could_be_admitted_or_a_chunk_samples_no
     model = FakeModel(s)
     s.add(req("a"))
     batch = s.schedule()
-    s.add(req("late"))  # waiting, with a free slot: the next step is scheduled to admit it
-    assert s.schedule_continuation(batch) is None
-    s.process_results(batch, model.step(batch))
+    tokens = model.step(batch)
+    s.add(req("late", prompt_len=5))  # waiting, with a free slot: admitted beside a's decode
+    following = s.schedule_continuation(batch)
+    assert [r.rid for r in following.requests] == ["a", "late"] and following.kind == "mixed"
+    assert [r.rid for r in following.admitted] == ["late"]
+    assert [c.input_slot >= 0 for c in following.chunks] == [True, False]
+    assert following.row_ahead() == [1, 0]  # late's first token is its output token 0
+    assert following.chunks[1].token_ids == s.requests["late"].prompt_ids
+    s.process_results(batch, tokens)
+    s.add(req("later"))  # no free slot: it waits, and the decodes go on overlapped
+    assert [r.rid for r in s.schedule_continuation(following).requests] == ["a", "late"]
+
+
+def test_no_admission_in_a_continuation_while_a_running_request_is_left_out_of_it():
+    s = make_scheduler(max_running=4)
+    s.add(req("a"))
+    s.add(req("b"))
     batch = s.schedule()
-    assert [r.rid for r in batch.requests] == ["a", "late"]
-    s.add(req("later"))  # no free slot: it waits either way, and the decodes go on overlapped
-    assert [r.rid for r in s.schedule_continuation(batch).requests] == ["a", "late"]
+    # A step that left b out (as a prompt chunk beyond the budget is): b's next chunk is
+    # scheduled with the results, and so are admissions.
+    only_a = ScheduledBatch(batch.requests[:1], batch.chunks[:1], batch.slots[:1], "prefill")
+    s.add(req("c"))
+    assert s.schedule_continuation(only_a) is None
+    assert [r.rid for r in s.schedule_continuation(batch).requests] == ["a", "b", "c"]
 
 
 def test_a_continuation_leaves_out_requests_the_step_in_flight_ends_by_length():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import queue
 import random
 import threading
@@ -25,7 +26,7 @@ from xlaserve.engine import startup
 from xlaserve.engine.admission import check_request
 from xlaserve.engine.delivery import Delivery, live_state
 from xlaserve.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
-                                      OutputChunk, SampledRow, StepResult, Wake)
+                                      OutputChunk, RequestsEnded, SampledRow, StepResult, Wake)
 from xlaserve.engine.watchdog import Watchdog
 from xlaserve.executor.forward_batch import make_forward_batch
 from xlaserve.executor.model_runner import SAMPLING_WIDTHS, StepOutput
@@ -77,9 +78,12 @@ class EngineCore:
         # Requests put in the inbox, and taken from it by the loop (queued_requests).
         self._submitted = self._admitted = 0
         self._submit_lock = threading.Lock()
-        self._delivery = Delivery(self.scheduler)  # the live requests' output
         self._stopping = False
         name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
+        # The live requests' output; its chunk thread sends the loop what it ended.
+        self._delivery = Delivery(self.scheduler, self._inbox.put,
+                                  name.replace("engine", "delivery"))
+        self._last_sampling = None  # (padded seqs, rows, metadata) of the last step prepared
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
                                   name.replace("engine", "watchdog"))
@@ -121,7 +125,8 @@ class EngineCore:
                emit: Callable[[OutputChunk], None], rid: str | None = None,
                return_logprob: bool = False, top_logprobs_num: int = 0,
                return_prompt_logprob: bool = False, priority: int = 0) -> str:
-        """Queue a request; `emit` is called from the engine thread with each OutputChunk: the
+        """Queue a request; `emit` is called from the engine's chunk thread (delivery.py) with
+        each OutputChunk, in order: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
         `top_logprobs_num` (at most MAX_TOP_LOGPROBS) [(logprob, token_id)] alternatives.
         A larger `priority` is scheduled first (batch work runs below interactive requests).
@@ -220,6 +225,7 @@ class EngineCore:
         self._watchdog.stop()
         self._inbox.put(Wake())
         self._thread.join(timeout=30)
+        self._delivery.close(timeout=30)
         if self._leader is not None:  # the followers stop too
             self._leader.close()
 
@@ -243,14 +249,17 @@ class EngineCore:
         """One step per iteration, overlapped with the host work around it (the default; SGLang's
         overlap scheduler). JAX dispatches a step asynchronously, so:
 
-        - while step k computes, the host schedules and dispatches step k+1, when it is a plain
-          continuation (every request of k decodes the token k samples, read from the device:
-          `Scheduler.schedule_continuation`); the device goes from one step to the next without
-          waiting for the host to read tokens, pack a batch and dispatch it;
-        - otherwise (admissions, prompt chunks, retraction) step k is read first and k+1 scheduled
-          from its results;
+        - while step k computes, the host schedules and dispatches step k+1, when it is a
+          continuation (every request of k decodes the token k samples, read from the device,
+          and waiting requests are admitted beside them: `Scheduler.schedule_continuation`);
+          the device goes from one step to the next without waiting for the host to read
+          tokens, pack a batch and dispatch it;
+        - otherwise (a prompt chunk that samples nothing, retraction) step k is read first and
+          k+1 scheduled from its results;
         - either way, the host work on k's results that no step needs (detokenizing, stop
-          strings, handing chunks out) runs while k+1 computes.
+          strings, handing chunks out) is not the loop's: `Delivery.deliver` queues it for the
+          chunk thread (delivery.py), and a stop string that thread finds comes back through
+          the inbox (the request ends at the next iteration's start).
         - a continuation with a constrained row (structured outputs) needs k's tokens for its
           grammar masks: it is scheduled and staged while k computes, and sent once k is read
           and the masks are filled (~5 us a row), so only that much host time stands between
@@ -335,6 +344,8 @@ class EngineCore:
                 case AddRequest():
                     self._admitted += 1
                     self._delivery.admit(item.live)
+                case RequestsEnded():
+                    self._delivery.end_requests(item)
                 case AbortAll():
                     self._delivery.abort_many(self._delivery.rids(), item.message)
                 case FlushCache():
@@ -353,20 +364,36 @@ class EngineCore:
         """The step's inputs, staged on the device: all but the grammar masks."""
         for request in batch.admitted:
             self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
-        chunks = [self._delivery.prompt_targets(r, c)
-                  for r, c in zip(batch.requests, batch.chunks, strict=True)]
+        chunks = self._delivery.chunks_for_step(batch)
         fb = make_forward_batch(chunks, self.buckets, self.runner.page_size)
         padded_seqs = fb.shape[1]
         # Most rows suppress nothing: a copy of their parameters per step would cost more host
         # time than the rest of the packing (a few ms at 128 rows).
+        ahead = batch.row_ahead()
         rows = [dataclasses.replace(r.sampling, suppressed_ids=suppressed)
-                if (suppressed := self.scheduler.suppressed_ids(r, batch.ahead)) else r.sampling
-                for r in batch.requests]
-        sampling = build_sampling_metadata(rows, padded_seqs, SAMPLING_WIDTHS)
-        sampling.sample_index[:len(rows)] = [len(r.output_ids) + batch.ahead for r in batch.requests]
+                if (suppressed := self.scheduler.suppressed_ids(r, a)) else r.sampling
+                for r, a in zip(batch.requests, ahead)]
+        sampling = self._sampling_metadata(rows, padded_seqs)
+        sampling.sample_index[:len(rows)] = [len(r.output_ids) + a
+                                             for r, a in zip(batch.requests, ahead)]
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
         return self.runner.stage(fb, sampling, slots)
+
+    def _sampling_metadata(self, rows: list, padded_seqs: int):
+        """The rows' sampling metadata; that of the previous step when its rows were the same
+        parameter objects (a run of decode steps over the same requests: every column but
+        `sample_index`, which the caller writes, is a function of the rows alone). Rebuilding
+        it cost ~0.4 ms of a 256-row step (benchmarks/bench_host_step.py); the check, ~10 us.
+        The metadata is only read into the step's host vectors (`ModelRunner.stage` copies it)
+        before the next step is prepared, so reusing the arrays is safe."""
+        cached = self._last_sampling
+        if (cached is not None and cached[0] == padded_seqs and len(cached[1]) == len(rows)
+                and all(map(operator.is_, cached[1], rows))):
+            return cached[2]
+        sampling = build_sampling_metadata(rows, padded_seqs, SAMPLING_WIDTHS)
+        self._last_sampling = (padded_seqs, rows, sampling)
+        return sampling
 
     def _send(self, batch, staged):
         """Fills the grammar masks of the constrained rows that sample, from their grammars'
@@ -391,9 +418,11 @@ class EngineCore:
                 sampled.logprobs, sampled.top_logprobs, sampled.top_ids))
         self._delivery.collect_prompt_logprobs(batch, out)
         # Requests that ended while the step ran (abort, stop string) have no row to advance.
-        live_before = {r.rid for r in batch.requests if r.status == "running"}
-        self.scheduler.process_results(batch, tokens.tolist())
-        rows = [SampledRow(request, int(tokens[i]), i)
-                for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True))
-                if chunk.sample and request.rid in live_before]
+        live_before = [r.status == "running" for r in batch.requests]
+        token_list = tokens.tolist()
+        self.scheduler.process_results(batch, token_list)
+        rows = [SampledRow(request, token_list[i], i, len(request.output_ids))
+                for i, (request, chunk, live) in enumerate(zip(batch.requests, batch.chunks,
+                                                               live_before, strict=True))
+                if live and chunk.sample]
         return StepResult(rows, logprobs, top_logprobs, top_ids)

@@ -3,11 +3,13 @@
 - Into the engine loop (any thread -> the loop thread, through EngineCore's inbox): `AddRequest`
   (EngineCore.submit), `Abort` (abort), `AbortAll` (abort_all), `FlushCache` (flush_cache, which
   waits on its future) and `Wake` (shutdown: unblocks a loop waiting on an empty inbox).
-  `InboxMessage` is their union.
-- From a step to its output, on the loop thread: `EngineCore._read` turns a step's sampled
-  tokens into a `StepResult` (the step-wide logprob arrays and one `SampledRow` per row that
-  sampled for a live request), which `Delivery.deliver` makes into chunks.
-- Out of the engine (the loop thread -> the request's consumer, through its `emit` callback):
+  From the chunk thread (delivery.py): `RequestsEnded`, the requests it ended (`StopMatched`: a
+  stop string; `DropRequest`: a failure of its own or a sink that raised), for the loop to end in
+  the scheduler. `InboxMessage` is their union.
+- From a step to its output: `EngineCore._read` turns a step's sampled tokens into a
+  `StepResult` (the step-wide logprob arrays and one `SampledRow` per row that sampled for a
+  live request), which `Delivery.deliver` queues for the chunk thread to make into chunks.
+- Out of the engine (the chunk thread -> the request's consumer, through its `emit` callback):
   one `OutputChunk` per sampled token, and a final one without a token when a request ends early
   (an abort, a refusal, a failure). Consumers that need SGLang's JSON shape (offline.Engine,
   /generate) build their dicts from it; `meta_info` is already that shape.
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -55,11 +58,36 @@ class FlushCache:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class StopMatched:
+    """The chunk thread found stop string `stop` in the request's text (its final chunk waits
+    for the loop to end the request)."""
+
+    rid: str
+    stop: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DropRequest:
+    """The chunk thread failed the request, or its sink raised: abort it, with no other chunk."""
+
+    rid: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestsEnded:
+    """Requests the chunk thread ended; the loop sets `done` once it has ended them in the
+    scheduler (their slots and pages free)."""
+
+    requests: tuple  # of StopMatched | DropRequest
+    done: threading.Event
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Wake:
     """Nothing to do: wakes a loop blocked on an empty inbox (to see that it is stopping)."""
 
 
-InboxMessage = AddRequest | Abort | AbortAll | FlushCache | Wake
+InboxMessage = AddRequest | Abort | AbortAll | FlushCache | RequestsEnded | Wake
 
 
 # --- a step's sampled tokens: EngineCore._read -> Delivery.deliver (the loop thread) -----------
@@ -71,6 +99,7 @@ class SampledRow:
     request: Request  # its `status` says whether this token finished it (the scheduler decides)
     token: int
     row: int  # the row's index in the step's arrays
+    num_output: int  # the request's output tokens with this one
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -95,6 +95,11 @@ class ScheduledBatch:
     kind: Literal["prefill", "decode", "mixed"]
     # Requests that got their slot this step: the engine resets that slot's penalty state.
     admitted: list[Request] = field(default_factory=list)
-    # Tokens each row has sampled in steps not yet processed (1 for a continuation): the row
-    # samples output token number len(output_ids) + ahead.
+    # Tokens each row that takes its input from a slot (`SeqChunk.input_slot >= 0`) has sampled
+    # in steps not yet processed (1 for a continuation): the row samples output token number
+    # len(output_ids) + ahead. Other rows (a prompt admitted beside them) have none ahead.
     ahead: int = 0
+
+    def row_ahead(self) -> list[int]:
+        """`ahead` per row: 0 for the rows that do not read their input from a slot."""
+        return [self.ahead if c.input_slot >= 0 else 0 for c in self.chunks]
