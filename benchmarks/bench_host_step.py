@@ -254,7 +254,7 @@ def main(argv=None) -> None:
         model_path=folder, load_format="dummy", tokenizer_path=default_model_file(),
         dtype="float32", matmul_backend="xla", max_running_requests=most,
         max_total_tokens=most * 160, max_prefill_tokens=4096, chunked_prefill_size=4096,
-        disable_precompile=True, disable_radix_cache=True, random_seed=0,
+        disable_precompile=True, random_seed=0,
         disable_overlap_schedule=args.disable_overlap_schedule, watchdog_timeout=600.0))
     weight_count = len(core.runner._weight_args)
     print(f"step arguments: {weight_count} weights + {CONFIG['num_hidden_layers']} KV caches + 6 "

@@ -371,8 +371,8 @@ class EngineCore:
         # time than the rest of the packing (a few ms at 128 rows).
         ahead = batch.row_ahead()
         rows = [dataclasses.replace(r.sampling, suppressed_ids=suppressed)
-                if (suppressed := self.scheduler.suppressed_ids(r, a)) else r.sampling
-                for r, a in zip(batch.requests, ahead)]
+                if r.min_new_tokens and (suppressed := self.scheduler.suppressed_ids(r, a))
+                else r.sampling for r, a in zip(batch.requests, ahead)]
         sampling = self._sampling_metadata(rows, padded_seqs)
         sampling.sample_index[:len(rows)] = [len(r.output_ids) + a
                                              for r, a in zip(batch.requests, ahead)]
@@ -399,7 +399,8 @@ class EngineCore:
         """Fills the grammar masks of the constrained rows that sample, from their grammars'
         current state, and dispatches the step; returns its (asynchronous) output."""
         constrained = [(r.grammar, i) for i, (r, c) in enumerate(zip(batch.requests, batch.chunks))
-                       if r.grammar is not None and c.sample and r.status == "running"]
+                       if r.grammar is not None and c.sample and r.status == "running"
+                       ] if any(r.grammar is not None for r in batch.requests) else None
         bitmask = None
         if constrained:
             bitmask = self.grammar_backend.empty_bitmask(staged.shape[1])

@@ -65,7 +65,7 @@ class _Live:
     done: bool = False  # its final chunk has been handed out (the chunk thread's flag alone)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: its __init__ costs a third (one per row per step)
 class _Row:
     """A sampled row as the engine loop saw it when the step was read: the chunk thread makes
     the chunk from this, never from the request's state, which the loop goes on changing."""
