@@ -80,5 +80,9 @@ def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target
     # and down, [hidden], are replicated like the layers' outputs) ...
     saved = _per_device_bytes(jax.tree.leaves(float_program.args[0])) - _per_device_bytes(weights)
     assert theirs.argument_size_in_bytes - ours.argument_size_in_bytes == saved, description
-    # ... and the temporaries do not grow: no bfloat16 weight is materialized.
-    assert ours.temp_size_in_bytes <= theirs.temp_size_in_bytes, description
+    # ... and the temporaries grow by less than any int8 weight would take in bfloat16: no
+    # bfloat16 weight is materialized. (Without the sampler's lax.conds, whose branches held the
+    # bf16 step's largest temporaries (issue 33 item 2), the int8 step on v6e tp 4 keeps 7.1 MB
+    # more, at 8 and at 64 rows alike; the smallest bf16 weight copy, o_proj's, is 8.4 MB.)
+    smallest_copy = min(2 * _per_device_bytes([w]) for w in weights if w.dtype == np.int8)
+    assert ours.temp_size_in_bytes < theirs.temp_size_in_bytes + smallest_copy, description
