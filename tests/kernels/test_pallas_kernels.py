@@ -156,6 +156,58 @@ def test_tpu_kernel_writes_pages_that_consecutive_items_share_in_order(dtype, q_
     np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)
 
 
+def cache_writes(fn, args):
+    """(primitive, rows, lanes) of each DMA start and wait into the cache (HBM) in the kernel's
+    jaxpr, loops and conditionals included: the sizes are static, the counts are not."""
+    pages, page_size, *token = args["kv_cache"].shape
+    cache_shape = (pages, page_size, int(np.prod(token)))  # the kernel's flat view
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("dma_start", "dma_wait"):
+                _, dst, *_ = eqn.params["tree"].unflatten([v.aval for v in eqn.invars])
+                if dst.ref.shape == cache_shape:  # not the VMEM double buffer
+                    yield (eqn.primitive.name,) + tuple(dst.shape)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else [param]:
+                    if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                        yield from walk(getattr(sub, "jaxpr", sub))
+    return list(walk(jax.make_jaxpr(fn)(args).jaxpr))
+
+
+@pytest.mark.parametrize("dtype,tile", [("bfloat16", 16), ("float32", 8)])
+def test_tpu_kernel_writes_back_only_the_sublane_tiles_holding_new_tokens(dtype, tile):
+    # The written rows equal what the reference writes either way (a wider write copies back
+    # what it read), so the write-back's width is checked on the kernel itself: every DMA into the
+    # cache moves one sublane tile of rows, never a whole 64-token page (256 on v6e at 256
+    # requests: 16x the bytes). With whole-page write-back this found (64, lanes).
+    seqs = [(1, 40), (1, 70), (30, 100)]
+    case = make_case(np.random.default_rng(5), seqs, max_seqs=4, num_tokens=40, page_size=64,
+                     pages_per_seq=4, num_pages=12, num_kv_heads=2, head_dim=64,
+                     dtype=jnp.dtype(dtype))
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    writes = cache_writes(lambda a: kernel_tpu.ragged_paged_attention(
+        **a, sm_scale=SM_SCALE, interpret=pltpu.InterpretParams()), args)
+    lanes = int(np.prod(case["kv_cache"].shape[2:]))
+    assert set(writes) == {("dma_start", tile, lanes), ("dma_wait", tile, lanes)}
+
+
+def test_tpu_written_tiles_cover_the_new_tokens_of_a_page_and_nothing_more():
+    tiles = lambda page_pos, first, last: tuple(int(x) for x in kernel_tpu.written_tiles(
+        page_pos, first, last, page_size=256, tile=16))
+    assert tiles(0, 40, 40) == (2, 3)  # a decode token: one tile
+    assert tiles(256, 511, 511) == (15, 16)  # the page's last row
+    assert tiles(256, 256, 256) == (0, 1)  # its first
+    assert tiles(0, 20, 100) == (1, 7)  # partial first and last tiles
+    assert tiles(256, 100, 300) == (0, 3)  # a span that starts on an earlier page
+    assert tiles(256, 500, 600) == (15, 16)  # and one that goes on to the next
+    assert tiles(0, 0, 1000) == (0, 16)  # the whole page
+    # Llama-3.1-8B at tp 4 on v6e (2 kv heads of 128 a chip, bfloat16, 256-token pages): a decode
+    # item writes 16 token rows a layer, 16 KiB, where a whole page was 256 KiB.
+    first, end = tiles(0, 40, 40)
+    assert (end - first) * 16 * (2 * 2 * 128) * 2 == 16 << 10
+
+
 @pytest.mark.parametrize("num_kv_splits", [4, 7])
 def test_gpu_split_kv_decode_over_long_contexts_and_empty_splits(num_kv_splits):
     # 16-token KV blocks: the 1000-token context is 63 blocks over the splits, the short ones
