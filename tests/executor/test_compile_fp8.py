@@ -122,14 +122,15 @@ def test_llama_8b_fp8_decode_step_multiplies_fp8_by_fp8_and_reads_one_byte_a_wei
     hlo = compiled.as_text()
     assert fp8_gemms(hlo) == 4 * config.num_layers
     assert not fp8_upcasts(hlo), fp8_upcasts(hlo)[:3]
-    # XLA's bytes (the caches' updates counted as the rows written) against each weight read once
-    # plus the two bfloat16 tables the analysis charges again (tests/executor/
-    # test_predicted_costs.py says why): 10.84 GB against 11.19 (0.97; bfloat16's step: 17.76
-    # against 18.16, 0.98), where a bfloat16 copy of the FP8 weights would add 14 GB.
+    # XLA's bytes (the caches' updates counted as the rows written) against each weight read once,
+    # plus, in the variant with prompt logprobs compiled here, the LM head again (over every token
+    # row), and the embedding table, which JAX 0.10's XLA charges whole for a gather of 8 rows and
+    # JAX 0.11's does not: 10.84 GB (0.10) and 9.90 GB (0.11) against 10.14-11.19; a bfloat16
+    # copy of the FP8 weights would add 14 GB.
     table_bytes = 2 * config.vocab_size * config.hidden_size
     moved = row["xla_bytes"] + row["cache_write_correction"]
-    expected = row["weights"] + 2 * table_bytes
-    assert 0.95 * expected < moved < 1.05 * expected, (moved / 1e9, expected / 1e9)
+    low, high = row["weights"] + table_bytes, row["weights"] + 2 * table_bytes
+    assert 0.95 * low < moved < 1.05 * high, (moved / 1e9, low / 1e9, high / 1e9)
     assert compiled.memory_analysis().temp_size_in_bytes < _smallest_bf16_weight(config)
 
 
