@@ -91,8 +91,10 @@ def replay(connection, loaded) -> None:
             if pending is not None:
                 pending.block_until_ready()
             pending = out.sample.tokens
-        elif kind == "assign_slot":
-            runner.assign_slot(int(meta["slot"]), arrays["prompt_ids"], arrays["output_ids"])
+        elif kind == "assign_slots":
+            prompts = np.split(arrays["prompt_ids"], np.cumsum(arrays["prompt_lens"])[:-1])
+            outputs = np.split(arrays["output_ids"], np.cumsum(arrays["output_lens"])[:-1])
+            runner.assign_slots(list(zip(meta["slots"], prompts, outputs, strict=True)))
         elif kind == "shutdown":
             if pending is not None:
                 pending.block_until_ready()

@@ -362,8 +362,7 @@ class EngineCore:
 
     def _prepare(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""
-        for request in batch.admitted:
-            self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
+        self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
         chunks = self._delivery.chunks_for_step(batch)
         fb = make_forward_batch(chunks, self.buckets, self.runner.page_size)
         padded_seqs = fb.shape[1]

@@ -34,9 +34,9 @@ program. A step without a constrained row sends a bitmask of all ones that stays
 
 Multi-host (--nnodes > 1, distributed/leader.py): the mesh spans every process's devices, and
 every process must make the same device calls in the same order. The leader's runner has a
-command sink: `assign_slot` and each step (its int32/float32 host vectors, bucket shape, table
+command sink: `assign_slots` and each step (its int32/float32 host vectors, bucket shape, table
 widths, needs and grammar masks) go to the followers before the leader makes the call, and a follower's
-runner replays them (`assign_slot`, `run(staged_from_host(...))`). Outputs are replicated; the leader
+runner replays them (`assign_slots`, `run(staged_from_host(...))`). Outputs are replicated; the leader
 reads its own copy. In one process the sink is None and nothing of this runs.
 """
 from __future__ import annotations
@@ -162,11 +162,12 @@ class ModelRunner:
         step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding)
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
-        def reset_slot(output_counts, prompt_masks, slot, counts_row, prompt_mask_row):
-            return output_counts.at[slot].set(counts_row), prompt_masks.at[slot].set(prompt_mask_row)
+        def reset_slots(output_counts, prompt_masks, slots, counts_rows, prompt_mask_rows):
+            return (output_counts.at[slots].set(counts_rows),
+                    prompt_masks.at[slots].set(prompt_mask_rows))
 
         self._step = step
-        self._reset_slot = reset_slot
+        self._reset_slots = reset_slots
         self._precompiled = False
         self._programs: dict[tuple, object] = {}  # (shape, widths, needs) -> its compiled step
         self._replicated = replicated
@@ -187,16 +188,31 @@ class ModelRunner:
         self._kv_caches = caches
 
     def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
-        """Start (or, after a retraction, resume) a request in `slot`: its output counts and
-        prompt mask, built on the host and sent as one row each."""
+        """Start (or, after a retraction, resume) a request in `slot` (`assign_slots` of one)."""
+        self.assign_slots([(slot, prompt_ids, output_ids)])
+
+    def assign_slots(self, assignments) -> None:
+        """Start (or, after a retraction, resume) requests in their slots: each (slot, prompt_ids,
+        output_ids) gets its output counts and prompt mask, built on the host, in one device call
+        for them all. The rows are padded to a power of two with rows for the null slot (zeros,
+        what it holds: padding rows sample nothing), so that a handful of programs serve any
+        number; a call per request cost ~0.3 ms of the engine thread each, i.e. several ms of
+        a step that admits several (benchmarks/bench_host_step.py, the admission case)."""
+        if not assignments:
+            return
         if self.sink is not None:
-            self.sink.assign_slot(slot, prompt_ids, output_ids)
+            self.sink.assign_slots(assignments)
         vocab = self.config.vocab_size
-        mask = np.zeros(vocab, np.bool_)
-        mask[np.asarray(prompt_ids, np.int64)] = True
-        counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab).astype(np.int32)
-        self.output_counts, self.prompt_masks = self._reset_slot(
-            self.output_counts, self.prompt_masks, np.int32(slot), counts, mask)
+        rows = 1 << (len(assignments) - 1).bit_length()
+        slots = np.full(rows, NULL_SLOT, np.int32)
+        masks = np.zeros((rows, vocab), np.bool_)
+        counts = np.zeros((rows, vocab), np.int32)
+        for i, (slot, prompt_ids, output_ids) in enumerate(assignments):
+            slots[i] = slot
+            masks[i, np.asarray(prompt_ids, np.int64)] = True
+            counts[i] = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab)
+        self.output_counts, self.prompt_masks = self._reset_slots(
+            self.output_counts, self.prompt_masks, slots, counts, masks)
 
     def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray,
              token_bitmask: np.ndarray | None = None) -> StepOutput:
