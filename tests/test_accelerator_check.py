@@ -122,7 +122,7 @@ def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
                       max_total_tokens=8 * plan["context"])
     program, shapes, description = aot.server_step("h100", args)
     tokens, seqs, pages = shapes[0]
-    ints, floats, layout = step_vectors(program.inv_freq, *idle_step(tokens, seqs, pages))
+    ints, floats, layout = step_vectors(*idle_step(tokens, seqs, pages))
     vocab = program.args[2].shape[1]
     inputs = (aot.abstract(ints.shape, ints.dtype, program.mesh),
               aot.abstract(floats.shape, floats.dtype, program.mesh),

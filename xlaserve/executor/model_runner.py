@@ -59,7 +59,7 @@ from xlaserve.model.packed import pack_model
 from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
 from xlaserve.model.placement import put
 from xlaserve.model.sharding import TP
-from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
+from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.executor.forward_batch import ForwardBatch
 from xlaserve.host.huge_pages import advise_huge_pages
 from xlaserve.executor.kernels import kernels_for
@@ -116,9 +116,6 @@ class ModelRunner:
         if static_variants is None:
             static_variants = self.mesh.devices.flat[0].platform != "cpu"
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
-        # For rope_cos_sin: the frequencies and YaRN's cos/sin scale (1.0 for other RoPEs).
-        self._inv_freq = self.config.rope.inv_freq(self.config.head_dim)
-        self._rope_scale = self.config.rope.attention_factor
         self.num_pages = num_pages
         dtype = loaded.dtype
         self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
@@ -226,7 +223,7 @@ class ModelRunner:
         stages a step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        host = step_vectors(self._inv_freq, batch, sampling, slots, self._rope_scale)
+        host = step_vectors(batch, sampling, slots)
         ints, floats = self._put(host[:2], self.output_counts.sharding)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
         # engine can stage a step before it reads the previous one.
@@ -263,8 +260,8 @@ class ModelRunner:
             tokens, seqs, pages = shape
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                widths)
-            self._layouts[key] = step_vectors(self._inv_freq, empty_batch(tokens, seqs, pages),
-                                              sampling, np.full(seqs, NULL_SLOT, np.int32))[2]
+            self._layouts[key] = step_vectors(empty_batch(tokens, seqs, pages), sampling,
+                                              np.full(seqs, NULL_SLOT, np.int32))[2]
         return self._layouts[key]
 
     def run(self, staged: "StagedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
@@ -386,7 +383,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                        out_shardings=(replicated, kv_sharding, replicated, replicated))
     def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
              token_bitmask, layout, needs: StepNeeds | None = RUN_TIME):
-        batch, sampling, slots, rope = split_leaves(ints, floats, layout)
+        batch, sampling, slots = split_leaves(ints, floats, layout)
         state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
         model = nnx.merge(graphdef, state)
 
@@ -405,7 +402,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         input_ids = jnp.where(batch.input_slots >= 0,
                               last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
         hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
-                                                batch.metadata, kernels, rope)
+                                                batch.metadata, kernels)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
                      num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs)
@@ -420,13 +417,11 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     return step
 
 
-def step_vectors(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots,
-                 rope_scale: float = 1.0):
-    """The step's host arrays, with the rows' RoPE cos/sin (times `rope_scale`, the config's
-    `rope.attention_factor`), as one int32 and one float32 vector (executor/transfer.py) and
-    their layout (which the values do not change)."""
-    rope = rope_cos_sin(inv_freq, batch.positions, rope_scale)
-    return concat_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
+def step_vectors(batch: ForwardBatch, sampling: SamplingMetadata, slots):
+    """The step's host arrays as one int32 and one float32 vector (executor/transfer.py) and
+    their layout (which the values do not change). RoPE's cos/sin are computed in the step from
+    the positions (transformer.rope_cos_sin_traced)."""
+    return concat_leaves((batch, sampling, np.asarray(slots, np.int32)))
 
 
 def idle_step(tokens: int, seqs: int, pages: int):
