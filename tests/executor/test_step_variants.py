@@ -120,8 +120,8 @@ def test_a_followers_step_carries_the_leaders_needs_through_json(loaded):
     runner = _runner(loaded, static_variants=True)
     shape = BUCKETS.all_shapes()[0]
     staged = runner.stage(*idle_step(*shape))
-    ints, floats = np.asarray(staged.ints), np.asarray(staged.floats)
+    vectors = [np.asarray(v) for v in (staged.ints, staged.floats, *staged.tables)]
     for needs in (SAMPLED, RUN_TIME):
         sent = json.loads(json.dumps(None if needs is None else needs.as_list()))
-        follower = runner.staged_from_host(ints, floats, shape, staged.widths, sent)
+        follower = runner.staged_from_host(vectors, shape, staged.widths, sent)
         assert follower.needs == needs

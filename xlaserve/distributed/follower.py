@@ -79,8 +79,9 @@ def replay(connection, loaded) -> None:
     while True:
         kind, meta, arrays = connection.receive()
         if kind == "step":
-            staged = runner.staged_from_host(arrays["ints"], arrays["floats"], meta["shape"],
-                                             meta["widths"], meta["needs"])
+            vectors = [arrays[k] for k in ("ints", "floats", "table_ints", "table_floats")]
+            staged = runner.staged_from_host(vectors, meta["shape"], meta["widths"],
+                                             meta["needs"])
             bitmask = arrays.get("bitmask")
             if bitmask is not None and bitmask.dtype != np.int32:
                 raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")

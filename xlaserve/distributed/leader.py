@@ -227,7 +227,8 @@ class _Sink:
                 raise RuntimeError(f"the vector layout of a step of shape {shape}, widths {widths} "
                                    "is not a function of its shape: followers cannot split it")
             self._checked.add((shape, widths))
-        arrays = {"ints": staged.host[0], "floats": staged.host[1]}
+        arrays = dict(zip(("ints", "floats", "table_ints", "table_floats"), staged.host,
+                          strict=True))
         if token_bitmask is not None:
             arrays["bitmask"] = token_bitmask
         step, interval = self._steps, self._leader.hash_interval

@@ -95,10 +95,12 @@ class StagedStep:
 
     ints: jax.Array
     floats: jax.Array
-    layout: tuple
+    tables: tuple[jax.Array, jax.Array]  # the sampling tables' int32 and float32 vectors
+    layout: tuple  # (the step vectors' transfer.Layout, the tables')
     shape: tuple[int, int, int]  # (tokens, seqs, pages)
     widths: tuple[int, int]  # logit-bias and suppressed-id table widths
-    host: tuple[np.ndarray, np.ndarray] | None = None  # (ints, floats) for a multi-host leader
+    # (ints, floats, table ints, table floats) for a multi-host leader
+    host: tuple[np.ndarray, ...] | None = None
     # What the rows need but the grammar mask (known at `run`); RUN_TIME on the CPU.
     needs: StepNeeds | None = RUN_TIME
 
@@ -170,7 +172,10 @@ class ModelRunner:
         self._replicated = replicated
         self.bitmask_words = -(-vocab // 32)
         self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
-        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> transfer.Layout (multi-host)
+        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> its layouts (multi-host)
+        # The last step's sampling tables: (their numpy arrays, host vectors, device vectors,
+        # layout), reused while a step's tables are the same arrays (`_tables`).
+        self._last_tables = None
 
     @property
     def kv_caches(self) -> list[jax.Array]:
@@ -219,37 +224,59 @@ class ModelRunner:
         return self.run(self.stage(batch, sampling, slots), token_bitmask)
 
     def stage(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "StagedStep":
-        """The step's inputs but the grammar masks, sent to the device as two vectors: the engine
-        stages a step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
+        """The step's inputs but the grammar masks, sent to the device as two vectors, and the
+        sampling tables as two more (or those already there: `_tables`): the engine stages a
+        step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
         host = step_vectors(batch, sampling, slots)
         ints, floats = self._put(host[:2], self.output_counts.sharding)
+        _, table_host, tables, table_layout = self._tables(sampling)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
         # engine can stage a step before it reads the previous one.
         needs = (RUN_TIME if self.step_variants is None else
                  needs_of(sampling, batch.target_ids, grammar=False))
-        return StagedStep(ints, floats, host[2], batch.shape,
+        return StagedStep(ints, floats, tables, (host[2], table_layout), batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
-                          host[:2] if self.sink is not None else None, needs)
+                          (*host[:2], *table_host) if self.sink is not None else None, needs)
 
-    def staged_from_host(self, ints: np.ndarray, floats: np.ndarray, shape, widths,
+    def _tables(self, sampling: SamplingMetadata):
+        """(arrays, host vectors, device vectors, layout) of the sampling metadata's tables
+        (logit bias ids and values, suppressed ids: 300 + 300 + 64 entries a row, 680 KB of a
+        256-row step's 960 KB of inputs). Sent again only when they are other arrays than the
+        last step's: the engine reuses a run of decode steps' metadata
+        (EngineCore._sampling_metadata), and packing and sending them cost ~0.3 ms of the engine
+        thread per 256-row decode step (benchmarks/bench_host_step.py). The tables' arrays are
+        read as immutable (build_sampling_metadata makes new ones)."""
+        arrays = table_arrays(sampling)
+        last = self._last_tables
+        if last is None or any(a is not b for a, b in zip(last[0], arrays, strict=True)):
+            *host, layout = concat_leaves(arrays)
+            device = tuple(self._put(tuple(host), self.output_counts.sharding))
+            last = self._last_tables = (arrays, tuple(host), device, layout)
+        return last
+
+    def staged_from_host(self, vectors, shape, widths,
                          needs: list[bool] | None = None) -> "StagedStep":
-        """A follower's StagedStep from the leader's host vectors and needs (StepNeeds.as_list,
-        or None for RUN_TIME): the layout is a function of the bucket shape and the table
-        widths alone (`layout_for`)."""
+        """A follower's StagedStep from the leader's host vectors (StagedStep.host: the step's
+        int32 and float32 vectors, then the sampling tables') and needs (StepNeeds.as_list, or
+        None for RUN_TIME): the layouts are a function of the bucket shape and the table widths
+        alone (`layout_for`)."""
         shape, widths = tuple(shape), tuple(widths)
         layout = self.layout_for(shape, widths)
-        sizes = {"int32": 0, "float32": 0}
-        for buffer, offset, leaf_shape, _ in layout.leaves:
-            sizes[buffer] = max(sizes[buffer], offset + int(np.prod(leaf_shape, dtype=np.int64)))
-        if (ints.dtype, floats.dtype) != (np.int32, np.float32) or \
-                (ints.shape, floats.shape) != ((sizes["int32"],), (sizes["float32"],)):
-            raise ValueError(f"a step of shape {shape}, widths {widths} needs int32[{sizes['int32']}] "
-                             f"and float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} "
-                             f"and {floats.dtype}{list(floats.shape)}")
-        ints, floats = self._put((ints, floats), self.output_counts.sharding)
-        return StagedStep(ints, floats, layout, shape, widths,
+        for (ints, floats), part_layout in zip((vectors[:2], vectors[2:]), layout, strict=True):
+            sizes = {"int32": 0, "float32": 0}
+            for buffer, offset, leaf_shape, _ in part_layout.leaves:
+                sizes[buffer] = max(sizes[buffer],
+                                    offset + int(np.prod(leaf_shape, dtype=np.int64)))
+            if (ints.dtype, floats.dtype) != (np.int32, np.float32) or \
+                    (ints.shape, floats.shape) != ((sizes["int32"],), (sizes["float32"],)):
+                raise ValueError(
+                    f"a step of shape {shape}, widths {widths} needs int32[{sizes['int32']}] and "
+                    f"float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} and "
+                    f"{floats.dtype}{list(floats.shape)}")
+        ints, floats, *tables = self._put(tuple(vectors), self.output_counts.sharding)
+        return StagedStep(ints, floats, tuple(tables), layout, shape, widths,
                           needs=RUN_TIME if needs is None else StepNeeds(*map(bool, needs)))
 
     def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int]):
@@ -260,8 +287,9 @@ class ModelRunner:
             tokens, seqs, pages = shape
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                widths)
-            self._layouts[key] = step_vectors(empty_batch(tokens, seqs, pages), sampling,
-                                              np.full(seqs, NULL_SLOT, np.int32))[2]
+            self._layouts[key] = (step_vectors(empty_batch(tokens, seqs, pages), sampling,
+                                               np.full(seqs, NULL_SLOT, np.int32))[2],
+                                  concat_leaves(table_arrays(sampling))[2])
         return self._layouts[key]
 
     def run(self, staged: "StagedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
@@ -269,7 +297,7 @@ class ModelRunner:
         if self.sink is not None:  # the followers make the same call
             self.sink.step(staged, token_bitmask)
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
-                self.prompt_masks, staged.ints, staged.floats,
+                self.prompt_masks, staged.ints, staged.floats, *staged.tables,
                 self._bitmask(staged.shape[1], token_bitmask))
         needs = self._program_needs(staged.needs, token_bitmask is not None)
         program = self._programs.get((staged.shape, staged.widths, needs))
@@ -368,7 +396,8 @@ class ModelRunner:
         zeroed yet), and its static layout and needs."""
         staged = self.stage(*idle_step(*shape))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
-                self.prompt_masks, staged.ints, staged.floats, self._bitmask(shape[1], None))
+                self.prompt_masks, staged.ints, staged.floats, *staged.tables,
+                self._bitmask(shape[1], None))
         return args, {"layout": staged.layout, "needs": needs}
 
 
@@ -382,8 +411,11 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout", "needs"),
                        out_shardings=(replicated, kv_sharding, replicated, replicated))
     def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
-             token_bitmask, layout, needs: StepNeeds | None = RUN_TIME):
-        batch, sampling, slots = split_leaves(ints, floats, layout)
+             table_ints, table_floats, token_bitmask, layout, needs: StepNeeds | None = RUN_TIME):
+        batch, sampling, slots = split_leaves(ints, floats, layout[0])
+        bias_ids, bias_values, suppressed = split_leaves(table_ints, table_floats, layout[1])
+        sampling = dataclasses.replace(sampling, logit_bias_ids=bias_ids,
+                                       logit_bias_values=bias_values, suppressed_ids=suppressed)
         state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
         model = nnx.merge(graphdef, state)
 
@@ -418,10 +450,27 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
 
 
 def step_vectors(batch: ForwardBatch, sampling: SamplingMetadata, slots):
-    """The step's host arrays as one int32 and one float32 vector (executor/transfer.py) and
-    their layout (which the values do not change). RoPE's cos/sin are computed in the step from
-    the positions (transformer.rope_cos_sin_traced)."""
-    return concat_leaves((batch, sampling, np.asarray(slots, np.int32)))
+    """The step's host arrays but the sampling tables (`table_arrays`, sent apart) as one int32
+    and one float32 vector (executor/transfer.py) and their layout (which the values do not
+    change). RoPE's cos/sin are computed in the step from the positions
+    (transformer.rope_cos_sin_traced)."""
+    rest = dataclasses.replace(sampling, logit_bias_ids=None, logit_bias_values=None,
+                               suppressed_ids=None)
+    return concat_leaves((batch, rest, np.asarray(slots, np.int32)))
+
+
+def table_arrays(sampling: SamplingMetadata) -> tuple:
+    """The sampling tables the step takes as vectors of their own (ModelRunner._tables)."""
+    return sampling.logit_bias_ids, sampling.logit_bias_values, sampling.suppressed_ids
+
+
+def idle_vectors(tokens: int, seqs: int, pages: int):
+    """((ints, floats, table ints, table floats), layout) of an idle step of the bucket shape:
+    the step's transfer arguments, for compiling it ahead of time (executor/aot.py)."""
+    batch, sampling, slots = idle_step(tokens, seqs, pages)
+    ints, floats, layout = step_vectors(batch, sampling, slots)
+    table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
+    return (ints, floats, table_ints, table_floats), (layout, table_layout)
 
 
 def idle_step(tokens: int, seqs: int, pages: int):
