@@ -122,7 +122,7 @@ def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
                       max_total_tokens=8 * plan["context"])
     program, shapes, description = aot.server_step("h100", args)
     tokens, seqs, pages = shapes[0]
-    vectors, layout = idle_vectors(tokens, seqs, pages)
+    vectors, layout = idle_vectors(program.inv_freq, tokens, seqs, pages)
     vocab = program.args[2].shape[1]
     inputs = (*(aot.abstract(v.shape, v.dtype, program.mesh) for v in vectors),
               aot.abstract((seqs, -(-vocab // 32)), jnp.int32, program.mesh))

@@ -149,19 +149,20 @@ def _decisive_routing_rows(hf_model, ids) -> np.ndarray:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_rope_computed_in_the_step_equals_the_float64_host_rope(tiny_checkpoints, family):
-    """The serving step computes RoPE's cos/sin once from the positions (`rope_cos_sin_traced`,
-    behind an optimization barrier); they must be the float64 host reference (`rope_cos_sin`)
-    rounded to float32, up to float32's sin/cos error, out to long positions."""
+def test_rope_computed_on_the_host_equals_the_traced_rope(tiny_checkpoints, family):
+    """The serving step takes RoPE's cos/sin from the host (`rope_cos_sin`, so that XLA does not
+    recompute them in every layer); they must be what `hidden_states` computes when not given."""
     import jax
+    import jax.numpy as jnp
 
-    from xlaserve.model.transformer import rope_cos_sin, rope_cos_sin_traced
+    from xlaserve.model.transformer import rope_cos_sin
 
     directory, _ = tiny_checkpoints[family]
     config = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False).config
     positions = np.array([0, 1, 2, 17, 255, 4096, 32767, 131071], np.int32)
     inv_freq = config.rope.inv_freq(config.head_dim)
-    traced = jax.jit(lambda p: rope_cos_sin_traced(inv_freq, p))
+    traced = jax.jit(lambda p: (jnp.cos(p.astype(jnp.float32)[:, None] * inv_freq[None, :]),
+                                jnp.sin(p.astype(jnp.float32)[:, None] * inv_freq[None, :])))
     for host, device in zip(rope_cos_sin(inv_freq, positions), traced(positions), strict=True):
-        assert device.dtype == np.float32 and device.shape == (len(positions), config.head_dim // 2)
-        np.testing.assert_allclose(np.asarray(device), host, rtol=0, atol=2e-6)
+        assert host.dtype == np.float32 and host.shape == (len(positions), config.head_dim // 2)
+        np.testing.assert_allclose(host, np.asarray(device), rtol=0, atol=2e-6)

@@ -1,6 +1,5 @@
 """YaRN RoPE scaling: frequencies and cos/sin scale as transformers computes them, and tiny YaRN
 models whose logits and greedy tokens are transformers' past the original context length."""
-import jax
 import numpy as np
 import pytest
 import torch
@@ -14,7 +13,7 @@ from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.executor.model_runner import ModelRunner
 from xlaserve.model.config import ModelConfig, RopeConfig
 from xlaserve.model.loader import load_model
-from xlaserve.model.transformer import rope_cos_sin, rope_cos_sin_traced
+from xlaserve.model.transformer import rope_cos_sin
 
 # (config class, its fields): published shapes with YaRN as their model cards enable it.
 YARN_CONFIGS = {
@@ -71,9 +70,9 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(name):
     assert config.rope.attention_factor != 1.0
 
 
-def test_yarn_cos_sin_equal_transformers_rotary_embedding():
-    """The serving step's cos/sin (rope_cos_sin_traced) and the host reference (rope_cos_sin)
-    are transformers' RotaryEmbedding output: the YaRN frequencies, times the attention factor."""
+def test_yarn_host_cos_sin_equal_transformers_rotary_embedding():
+    """The serving step's cos/sin (rope_cos_sin) are transformers' RotaryEmbedding output:
+    the YaRN frequencies, times the attention factor."""
     config_class, fields = YARN_CONFIGS["qwen3_factor4"]
     hf_config = config_class(**fields)
     config = ModelConfig.from_hf(hf_config, "Qwen3ForCausalLM")
@@ -84,12 +83,10 @@ def test_yarn_cos_sin_equal_transformers_rotary_embedding():
     x = torch.zeros(1, len(positions), config.head_dim)
     expected = rotary(x, torch.from_numpy(positions[None].astype(np.int64)))
     half = config.head_dim // 2
-    inv_freq, factor = config.rope.inv_freq(config.head_dim), config.rope.attention_factor
-    traced = jax.jit(lambda p: rope_cos_sin_traced(inv_freq, p, factor))(positions)
-    for ours in (traced, rope_cos_sin(inv_freq, positions, factor)):
-        for got, want in zip(ours, expected, strict=True):
-            np.testing.assert_allclose(np.asarray(got), want[0, :, :half].numpy(), rtol=0,
-                                       atol=3e-6)
+    ours = rope_cos_sin(config.rope.inv_freq(config.head_dim), positions,
+                        config.rope.attention_factor)
+    for got, want in zip(ours, expected, strict=True):
+        np.testing.assert_allclose(got, want[0, :, :half].numpy(), rtol=0, atol=3e-6)
 
 
 def test_rope_config_round_trips_and_an_old_cache_entry_loads_unscaled():
@@ -149,9 +146,8 @@ def test_tiny_yarn_qwen3_logits_match_transformers_past_the_original_context(tmp
 
 
 def test_serving_step_of_tiny_yarn_llama_gives_transformers_greedy_tokens(tmp_path):
-    """ModelRunner: cos/sin computed in the step (rope_cos_sin_traced, YaRN's attention factor
-    included) and, where they build, the native CPU kernels (the QKV RoPE one takes cos/sin as
-    inputs)."""
+    """ModelRunner: cos/sin from the host (rope_cos_sin) and, where they build, the native CPU
+    kernels (the QKV RoPE one takes cos/sin as inputs)."""
     hf_model, loaded = _tiny_yarn(tmp_path, "llama")
     prompts = [LONG_PROMPT[:22], LONG_PROMPT[30:33]]
     runner = ModelRunner(loaded, num_pages=1 + 8 * len(prompts), page_size=4,

@@ -101,12 +101,13 @@ class StepProgram:
     """The serving step and abstract arguments for one bucket shape at a time."""
     step: callable
     args: tuple  # weights, kv caches, output counts, last tokens, prompt masks
+    inv_freq: np.ndarray
     mesh: Mesh
 
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
         """The program of one bucket shape and variant (by default the one with every part, the
         most memory and work an accelerator server precompiles for the shape)."""
-        vectors, layout = idle_vectors(tokens, seqs, pages)
+        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages)
         vocab = self.args[2].shape[1]
         inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
                   abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
@@ -132,7 +133,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     num_slots, vocab = max_running_requests + 1, config.vocab_size
     args = (weights, caches, abstract((num_slots, vocab), jnp.int32, mesh),
             abstract((num_slots,), jnp.int32, mesh), abstract((num_slots, vocab), jnp.bool_, mesh))
-    return StepProgram(step, args, mesh)
+    return StepProgram(step, args, config.rope.inv_freq(config.head_dim), mesh)
 
 
 def server_step(target: str, server_args: ServerArgs,

@@ -59,7 +59,7 @@ from xlaserve.model.packed import pack_model
 from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
 from xlaserve.model.placement import put
 from xlaserve.model.sharding import TP
-from xlaserve.model.transformer import AttentionMetadata
+from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
 from xlaserve.executor.forward_batch import ForwardBatch
 from xlaserve.host.huge_pages import advise_huge_pages
 from xlaserve.executor.kernels import kernels_for
@@ -118,6 +118,9 @@ class ModelRunner:
         if static_variants is None:
             static_variants = self.mesh.devices.flat[0].platform != "cpu"
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
+        # For rope_cos_sin: the frequencies and YaRN's cos/sin scale (1.0 for other RoPEs).
+        self._inv_freq = self.config.rope.inv_freq(self.config.head_dim)
+        self._rope_scale = self.config.rope.attention_factor
         self.num_pages = num_pages
         dtype = loaded.dtype
         self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
@@ -229,7 +232,7 @@ class ModelRunner:
         step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        host = step_vectors(batch, sampling, slots)
+        host = step_vectors(self._inv_freq, batch, sampling, slots, self._rope_scale)
         ints, floats = self._put(host[:2], self.output_counts.sharding)
         _, table_host, tables, table_layout = self._tables(sampling)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
@@ -287,8 +290,8 @@ class ModelRunner:
             tokens, seqs, pages = shape
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                widths)
-            self._layouts[key] = (step_vectors(empty_batch(tokens, seqs, pages), sampling,
-                                               np.full(seqs, NULL_SLOT, np.int32))[2],
+            self._layouts[key] = (step_vectors(self._inv_freq, empty_batch(tokens, seqs, pages),
+                                               sampling, np.full(seqs, NULL_SLOT, np.int32))[2],
                                   concat_leaves(table_arrays(sampling))[2])
         return self._layouts[key]
 
@@ -412,7 +415,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                        out_shardings=(replicated, kv_sharding, replicated, replicated))
     def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
              table_ints, table_floats, token_bitmask, layout, needs: StepNeeds | None = RUN_TIME):
-        batch, sampling, slots = split_leaves(ints, floats, layout[0])
+        batch, sampling, slots, rope = split_leaves(ints, floats, layout[0])
         bias_ids, bias_values, suppressed = split_leaves(table_ints, table_floats, layout[1])
         sampling = dataclasses.replace(sampling, logit_bias_ids=bias_ids,
                                        logit_bias_values=bias_values, suppressed_ids=suppressed)
@@ -434,7 +437,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         input_ids = jnp.where(batch.input_slots >= 0,
                               last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
         hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
-                                                batch.metadata, kernels)
+                                                batch.metadata, kernels, rope)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
                      num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs)
@@ -449,14 +452,18 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     return step
 
 
-def step_vectors(batch: ForwardBatch, sampling: SamplingMetadata, slots):
-    """The step's host arrays but the sampling tables (`table_arrays`, sent apart) as one int32
+def step_vectors(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots,
+                 rope_scale: float = 1.0):
+    """The step's host arrays but the sampling tables (`table_arrays`, sent apart), with the
+    rows' RoPE cos/sin (times `rope_scale`, the config's `rope.attention_factor`), as one int32
     and one float32 vector (executor/transfer.py) and their layout (which the values do not
-    change). RoPE's cos/sin are computed in the step from the positions
-    (transformer.rope_cos_sin_traced)."""
+    change). RoPE stays on the host: computed in the step, XLA's CPU fusion recomputes cos/sin
+    in each layer's RoPE fusion (an optimization barrier does not stop it: the CPU compiler
+    removes barriers before fusion; 64 cos fusions in the 32-layer step)."""
     rest = dataclasses.replace(sampling, logit_bias_ids=None, logit_bias_values=None,
                                suppressed_ids=None)
-    return concat_leaves((batch, rest, np.asarray(slots, np.int32)))
+    rope = rope_cos_sin(inv_freq, batch.positions, rope_scale)
+    return concat_leaves((batch, rest, np.asarray(slots, np.int32), rope))
 
 
 def table_arrays(sampling: SamplingMetadata) -> tuple:
@@ -464,11 +471,11 @@ def table_arrays(sampling: SamplingMetadata) -> tuple:
     return sampling.logit_bias_ids, sampling.logit_bias_values, sampling.suppressed_ids
 
 
-def idle_vectors(tokens: int, seqs: int, pages: int):
+def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int):
     """((ints, floats, table ints, table floats), layout) of an idle step of the bucket shape:
     the step's transfer arguments, for compiling it ahead of time (executor/aot.py)."""
     batch, sampling, slots = idle_step(tokens, seqs, pages)
-    ints, floats, layout = step_vectors(batch, sampling, slots)
+    ints, floats, layout = step_vectors(inv_freq, batch, sampling, slots)
     table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
     return (ints, floats, table_ints, table_floats), (layout, table_layout)
 

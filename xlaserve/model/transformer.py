@@ -148,14 +148,19 @@ class CausalLM(nnx.Module):
         return self.logits(hidden[logits_indices], kernels), new_caches
 
     def hidden_states(self, input_ids, positions, kv_caches, metadata: AttentionMetadata,
-                      kernels: Kernels) -> tuple[jax.Array, list[jax.Array]]:
+                      kernels: Kernels, rope: tuple[jax.Array, jax.Array] | None = None
+                      ) -> tuple[jax.Array, list[jax.Array]]:
         """float32[T, hidden]: the residual stream after the last layer (before the final norm)
         for every token row, and the updated KV caches. Split from `logits` so that a step can
         take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
-        logprobs)."""
+        logprobs). `rope`: the rows' (cos, sin), `rope_cos_sin(inv_freq, positions,
+        attention_factor)` computed on the host; computed here when not given."""
         x = embed(self.embedding[...], input_ids).astype(jnp.float32)
-        cos, sin = rope_cos_sin_traced(self.config.rope.inv_freq(self.config.head_dim), positions,
-                                       self.config.rope.attention_factor)
+        if rope is None:
+            angles = rope_angles(self.config.rope.inv_freq(self.config.head_dim), positions)
+            scale = self.config.rope.attention_factor  # YaRN's; 1.0 for the other kinds
+            rope = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+        cos, sin = rope
         new_caches, mlp_out = [], None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
@@ -176,26 +181,15 @@ def rope_angles(inv_freq: np.ndarray, positions):
     return positions.astype(np.float32)[:, None] * inv_freq[None, :]
 
 
-def rope_cos_sin_traced(inv_freq: np.ndarray, positions: jax.Array,
-                        attention_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions`, inside a step, once
-    for every layer: the optimization barrier keeps XLA from fusing them into each layer's RoPE,
-    where its CPU fusion recomputed them for every layer and head (~3M sincos per 128-row step of
-    the default model, 4% of it). Computed here rather than sent from the host: on the host they
-    cost ~0.3 ms of the engine thread per 256-row step (computing them, packing and sending 64 KB
-    of floats; benchmarks/bench_host_step.py). `attention_factor`: the config's
-    `rope.attention_factor` (YaRN scales cos and sin, as transformers does; 1.0 otherwise)."""
-    angles = rope_angles(inv_freq, positions)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if attention_factor != 1.0:
-        cos, sin = cos * np.float32(attention_factor), sin * np.float32(attention_factor)
-    return jax.lax.optimization_barrier((cos, sin))
-
-
 def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray, attention_factor: float = 1.0
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """`rope_cos_sin_traced` on the host in float64, rounded to float32 (the reference the tests
-    hold the traced one to, and the inputs of the native CPU QKV RoPE kernel's tests)."""
+    """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions`, on the host, for
+    `inv_freq = config.rope.inv_freq(head_dim)`, both times `config.rope.attention_factor` (YaRN
+    scales them, as transformers does). Inside a step, XLA's CPU fusion recomputed cos
+    and sin in every layer's RoPE fusion, for every head (~3M sincos per 128-row step of the
+    default model, 4% of it); as step inputs they are computed once. The angles are the traced
+    version's float32 products; cos and sin are taken in float64 and rounded, then scaled in
+    float32 like transformers' `cos() * attention_scaling`."""
     angles = rope_angles(inv_freq, positions).astype(np.float64)
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     if attention_factor != 1.0:
