@@ -80,6 +80,9 @@ logger = logging.getLogger(__name__)
 
 SAMPLING_WIDTHS = (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS)
 NULL_SLOT = 0
+# Slots set up per device call when a step admits several (assign_slots): 8 rows of a
+# 151936-token vocabulary are ~6 MB to send (int32 counts and a bool mask per row).
+ASSIGN_ROWS = 8
 
 
 @jax.tree_util.register_dataclass
@@ -170,6 +173,7 @@ class ModelRunner:
 
         self._step = step
         self._reset_slots = reset_slots
+        self._reset_programs: dict[int, object] = {}  # rows -> assign_slots' compiled program
         self._precompiled = False
         self._programs: dict[tuple, object] = {}  # (shape, widths, needs) -> its compiled step
         self._replicated = replicated
@@ -198,26 +202,37 @@ class ModelRunner:
 
     def assign_slots(self, assignments) -> None:
         """Start (or, after a retraction, resume) requests in their slots: each (slot, prompt_ids,
-        output_ids) gets its output counts and prompt mask, built on the host, in one device call
-        for them all. The rows are padded to a power of two with rows for the null slot (zeros,
-        what it holds: padding rows sample nothing), so that a handful of programs serve any
-        number; a call per request cost ~0.3 ms of the engine thread each, i.e. several ms of
-        a step that admits several (benchmarks/bench_host_step.py, the admission case)."""
+        output_ids) gets its output counts and prompt mask, built on the host, one device call
+        for one request and one per `ASSIGN_ROWS` for more. A call per request cost ~0.3 ms of
+        the engine thread each, i.e. several ms of a step that admits several
+        (benchmarks/bench_host_step.py, the admission case). A partial call's rows are padded
+        with rows for the null slot (zeros, what it holds: padding rows sample nothing), so two
+        programs serve any number; `precompile` compiles both."""
         if not assignments:
             return
         if self.sink is not None:
             self.sink.assign_slots(assignments)
         vocab = self.config.vocab_size
-        rows = 1 << (len(assignments) - 1).bit_length()
-        slots = np.full(rows, NULL_SLOT, np.int32)
-        masks = np.zeros((rows, vocab), np.bool_)
-        counts = np.zeros((rows, vocab), np.int32)
-        for i, (slot, prompt_ids, output_ids) in enumerate(assignments):
-            slots[i] = slot
-            masks[i, np.asarray(prompt_ids, np.int64)] = True
-            counts[i] = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab)
-        self.output_counts, self.prompt_masks = self._reset_slots(
-            self.output_counts, self.prompt_masks, slots, counts, masks)
+        rows = 1 if len(assignments) == 1 else ASSIGN_ROWS
+        for start in range(0, len(assignments), rows):
+            slots = np.full(rows, NULL_SLOT, np.int32)
+            masks = np.zeros((rows, vocab), np.bool_)
+            counts = np.zeros((rows, vocab), np.int32)
+            for i, (slot, prompt_ids, output_ids) in enumerate(assignments[start:start + rows]):
+                slots[i] = slot
+                masks[i, np.asarray(prompt_ids, np.int64)] = True
+                counts[i] = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab)
+            reset = self._reset_programs.get(rows, self._reset_slots)
+            self.output_counts, self.prompt_masks = reset(
+                self.output_counts, self.prompt_masks, slots, counts, masks)
+
+    def _compile_reset_slots(self) -> None:
+        """The two `assign_slots` programs, compiled before serving."""
+        vocab = self.config.vocab_size
+        for rows in (1, ASSIGN_ROWS):
+            self._reset_programs[rows] = self._reset_slots.lower(
+                self.output_counts, self.prompt_masks, np.zeros(rows, np.int32),
+                np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), np.bool_)).compile()
 
     def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray,
              token_bitmask: np.ndarray | None = None) -> StepOutput:
@@ -392,6 +407,7 @@ class ModelRunner:
                             cache.compile_and_store(self._step, args, kwargs, paths[shape]))
         for shape, needs in shapes:
             self._programs[(shape, SAMPLING_WIDTHS, needs)] = found[(shape, needs)]
+        self._compile_reset_slots()
         self._precompiled = True
 
     def _lowering_args(self, shape, needs: StepNeeds | None):
