@@ -111,7 +111,7 @@ def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
     from tests.compile_targets import devices
     from xlaserve.compile import executable_cache
     from xlaserve.executor import aot
-    from xlaserve.executor.model_runner import idle_vectors
+    from xlaserve.executor.step_program import idle_vectors
     from xlaserve.server_args import ServerArgs
 
     devices("h100")

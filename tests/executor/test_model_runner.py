@@ -10,7 +10,8 @@ from xlaserve.executor.forward_batch import make_forward_batch
 from xlaserve.scheduler.request import SeqChunk
 from xlaserve.executor.buckets import Buckets
 from xlaserve.executor.greedy import greedy_generate
-from xlaserve.executor.model_runner import SAMPLING_WIDTHS, ModelRunner
+from xlaserve.executor.model_runner import ModelRunner
+from xlaserve.executor.step_program import SAMPLING_WIDTHS
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.sampler import build_sampling_metadata
 

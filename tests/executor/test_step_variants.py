@@ -10,7 +10,8 @@ import pytest
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.executor.buckets import Buckets
 from xlaserve.executor.forward_batch import make_forward_batch
-from xlaserve.executor.model_runner import SAMPLING_WIDTHS, ModelRunner, idle_step
+from xlaserve.executor.model_runner import ModelRunner
+from xlaserve.executor.step_program import SAMPLING_WIDTHS, idle_step
 from xlaserve.model.loader import load_model
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.prompt_logprobs import NO_TARGET

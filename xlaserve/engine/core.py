@@ -29,7 +29,7 @@ from xlaserve.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, I
                                       OutputChunk, RequestsEnded, SampledRow, StepResult, Wake)
 from xlaserve.engine.watchdog import Watchdog
 from xlaserve.executor.forward_batch import make_forward_batch
-from xlaserve.executor.model_runner import SAMPLING_WIDTHS, StepOutput
+from xlaserve.executor.step_program import SAMPLING_WIDTHS, StepOutput
 from xlaserve.host import malloc_tuning
 from xlaserve.sampling.grammar import InvalidGrammar, constraint_of
 from xlaserve.sampling.params import (RequestLimits, RowSamplingParams, SamplingParams,
