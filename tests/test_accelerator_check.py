@@ -111,7 +111,7 @@ def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
     from tests.compile_targets import devices
     from xlaserve.compile import executable_cache
     from xlaserve.executor import aot
-    from xlaserve.executor.model_runner import idle_step, step_vectors
+    from xlaserve.executor.step_program import idle_vectors
     from xlaserve.server_args import ServerArgs
 
     devices("h100")
@@ -122,10 +122,9 @@ def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
                       max_total_tokens=8 * plan["context"])
     program, shapes, description = aot.server_step("h100", args)
     tokens, seqs, pages = shapes[0]
-    ints, floats, layout = step_vectors(program.inv_freq, *idle_step(tokens, seqs, pages))
+    vectors, layout = idle_vectors(program.inv_freq, tokens, seqs, pages)
     vocab = program.args[2].shape[1]
-    inputs = (aot.abstract(ints.shape, ints.dtype, program.mesh),
-              aot.abstract(floats.shape, floats.dtype, program.mesh),
+    inputs = (*(aot.abstract(v.shape, v.dtype, program.mesh) for v in vectors),
               aot.abstract((seqs, -(-vocab // 32)), jnp.int32, program.mesh))
     cache = executable_cache.ExecutableCache(tmp_path)
     step_args, kwargs = (*program.args, *inputs), {"layout": layout}

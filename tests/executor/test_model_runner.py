@@ -10,7 +10,8 @@ from xlaserve.executor.forward_batch import make_forward_batch
 from xlaserve.scheduler.request import SeqChunk
 from xlaserve.executor.buckets import Buckets
 from xlaserve.executor.greedy import greedy_generate
-from xlaserve.executor.model_runner import SAMPLING_WIDTHS, ModelRunner
+from xlaserve.executor.model_runner import ModelRunner
+from xlaserve.executor.step_program import SAMPLING_WIDTHS
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.sampler import build_sampling_metadata
 
@@ -162,3 +163,23 @@ def test_cpu_weights_are_packed_for_the_native_kernels_unless_xla_dots_are_asked
     assert outputs["auto"] == outputs["xla"]
     with pytest.raises(ValueError, match="not one of"):
         kernels.kernels_for(matmul_backend="blas")
+
+
+def test_many_admissions_set_the_same_slot_state_as_one_at_a_time(loaded):
+    """assign_slots runs 8 rows a call (the last padded with null-slot rows), from two
+    precompiled programs: the penalty state it leaves is what one call per request leaves."""
+    vocab = loaded.config.vocab_size
+    rng = np.random.default_rng(0)
+    assignments = [(slot, rng.integers(0, vocab, 5).tolist(), rng.integers(0, vocab, 3).tolist())
+                   for slot in range(1, 11)]  # 10: one full call of 8 and one padded
+    together = ModelRunner(loaded, num_pages=8, page_size=4, max_running_requests=12)
+    together.precompile([], progress=False)
+    assert set(together._reset_programs) == {1, 8}
+    together.assign_slots(assignments)
+    alone = ModelRunner(loaded, num_pages=8, page_size=4, max_running_requests=12)
+    for assignment in assignments:
+        alone.assign_slot(*assignment)
+    np.testing.assert_array_equal(np.asarray(together.output_counts), np.asarray(alone.output_counts))
+    np.testing.assert_array_equal(np.asarray(together.prompt_masks), np.asarray(alone.prompt_masks))
+    assert np.asarray(together.output_counts)[0].sum() == 0  # the null slot stays zeros
+    assert int(np.asarray(together.output_counts)[3].sum()) == 3

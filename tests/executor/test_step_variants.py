@@ -10,7 +10,8 @@ import pytest
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.executor.buckets import Buckets
 from xlaserve.executor.forward_batch import make_forward_batch
-from xlaserve.executor.model_runner import SAMPLING_WIDTHS, ModelRunner, idle_step
+from xlaserve.executor.model_runner import ModelRunner
+from xlaserve.executor.step_program import SAMPLING_WIDTHS, idle_step
 from xlaserve.model.loader import load_model
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.prompt_logprobs import NO_TARGET
@@ -120,8 +121,8 @@ def test_a_followers_step_carries_the_leaders_needs_through_json(loaded):
     runner = _runner(loaded, static_variants=True)
     shape = BUCKETS.all_shapes()[0]
     staged = runner.stage(*idle_step(*shape))
-    ints, floats = np.asarray(staged.ints), np.asarray(staged.floats)
+    vectors = [np.asarray(v) for v in (staged.ints, staged.floats, *staged.tables)]
     for needs in (SAMPLED, RUN_TIME):
         sent = json.loads(json.dumps(None if needs is None else needs.as_list()))
-        follower = runner.staged_from_host(ints, floats, shape, staged.widths, sent)
+        follower = runner.staged_from_host(vectors, shape, staged.widths, sent)
         assert follower.needs == needs

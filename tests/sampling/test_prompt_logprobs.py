@@ -14,7 +14,9 @@ from xlaserve.executor.forward_batch import make_forward_batch
 from xlaserve.scheduler.request import SeqChunk
 from xlaserve.executor.buckets import Buckets
 from xlaserve.sampling.params import SamplingParams
-from xlaserve.executor.model_runner import MAX_TOP_LOGPROBS, SAMPLING_WIDTHS, ModelRunner
+from xlaserve.executor.model_runner import ModelRunner
+from xlaserve.executor.step_program import SAMPLING_WIDTHS
+from xlaserve.sampling.params import MAX_TOP_LOGPROBS
 from xlaserve.sampling.prompt_logprobs import NO_TARGET, PromptLogprobCollector
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.sampler import build_sampling_metadata

@@ -79,8 +79,9 @@ def replay(connection, loaded) -> None:
     while True:
         kind, meta, arrays = connection.receive()
         if kind == "step":
-            staged = runner.staged_from_host(arrays["ints"], arrays["floats"], meta["shape"],
-                                             meta["widths"], meta["needs"])
+            vectors = [arrays[k] for k in ("ints", "floats", "table_ints", "table_floats")]
+            staged = runner.staged_from_host(vectors, meta["shape"], meta["widths"],
+                                             meta["needs"])
             bitmask = arrays.get("bitmask")
             if bitmask is not None and bitmask.dtype != np.int32:
                 raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")
@@ -91,8 +92,10 @@ def replay(connection, loaded) -> None:
             if pending is not None:
                 pending.block_until_ready()
             pending = out.sample.tokens
-        elif kind == "assign_slot":
-            runner.assign_slot(int(meta["slot"]), arrays["prompt_ids"], arrays["output_ids"])
+        elif kind == "assign_slots":
+            prompts = np.split(arrays["prompt_ids"], np.cumsum(arrays["prompt_lens"])[:-1])
+            outputs = np.split(arrays["output_ids"], np.cumsum(arrays["output_lens"])[:-1])
+            runner.assign_slots(list(zip(meta["slots"], prompts, outputs, strict=True)))
         elif kind == "shutdown":
             if pending is not None:
                 pending.block_until_ready()

@@ -208,10 +208,16 @@ class _Sink:
         self._steps = 0
         self._recording: int | None = None  # the step whose outputs `ran` keeps for the check
 
-    def assign_slot(self, slot: int, prompt_ids, output_ids) -> None:
-        self._leader.broadcast("assign_slot", {"slot": int(slot)},
-                               prompt_ids=np.asarray(prompt_ids, np.int32),
-                               output_ids=np.asarray(output_ids, np.int32))
+    def assign_slots(self, assignments) -> None:
+        """ModelRunner.assign_slots' (slot, prompt_ids, output_ids): the id lists concatenated,
+        with their lengths."""
+        slots, prompts, outputs = zip(*assignments)
+        self._leader.broadcast(
+            "assign_slots", {"slots": [int(s) for s in slots]},
+            prompt_lens=np.array([len(p) for p in prompts], np.int32),
+            prompt_ids=np.concatenate([np.asarray(p, np.int32) for p in prompts]),
+            output_lens=np.array([len(o) for o in outputs], np.int32),
+            output_ids=np.concatenate([np.asarray(o, np.int32).reshape(-1) for o in outputs]))
 
     def step(self, staged, token_bitmask: np.ndarray | None) -> None:
         shape = tuple(int(n) for n in staged.shape)
@@ -221,7 +227,8 @@ class _Sink:
                 raise RuntimeError(f"the vector layout of a step of shape {shape}, widths {widths} "
                                    "is not a function of its shape: followers cannot split it")
             self._checked.add((shape, widths))
-        arrays = {"ints": staged.host[0], "floats": staged.host[1]}
+        arrays = dict(zip(("ints", "floats", "table_ints", "table_floats"), staged.host,
+                          strict=True))
         if token_bitmask is not None:
             arrays["bitmask"] = token_bitmask
         step, interval = self._steps, self._leader.hash_interval

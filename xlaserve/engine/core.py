@@ -29,7 +29,7 @@ from xlaserve.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, I
                                       OutputChunk, RequestsEnded, SampledRow, StepResult, Wake)
 from xlaserve.engine.watchdog import Watchdog
 from xlaserve.executor.forward_batch import make_forward_batch
-from xlaserve.executor.model_runner import SAMPLING_WIDTHS, StepOutput
+from xlaserve.executor.step_program import SAMPLING_WIDTHS, StepOutput
 from xlaserve.host import malloc_tuning
 from xlaserve.sampling.grammar import InvalidGrammar, constraint_of
 from xlaserve.sampling.params import (RequestLimits, RowSamplingParams, SamplingParams,
@@ -362,8 +362,7 @@ class EngineCore:
 
     def _prepare(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""
-        for request in batch.admitted:
-            self.runner.assign_slot(request.slot, request.prompt_ids, request.output_ids)
+        self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
         chunks = self._delivery.chunks_for_step(batch)
         fb = make_forward_batch(chunks, self.buckets, self.runner.page_size)
         padded_seqs = fb.shape[1]

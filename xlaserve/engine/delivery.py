@@ -43,7 +43,7 @@ import numpy as np
 from xlaserve.engine.detokenizer import IncrementalDetokenizer
 from xlaserve.engine.messages import (DropRequest, OutputChunk, RequestsEnded, StepResult,
                                       StopMatched)
-from xlaserve.executor.model_runner import StepOutput
+from xlaserve.executor.step_program import StepOutput
 from xlaserve.sampling.prompt_logprobs import PromptLogprobCollector
 from xlaserve.sampling.params import SamplingParams
 from xlaserve.scheduler.scheduler import Scheduler

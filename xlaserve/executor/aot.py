@@ -6,7 +6,7 @@ topologies, NVIDIA H100 through the jax CUDA plugin's deviceless target, from a 
     python -m xlaserve.executor.aot --target h100 --model-path benchmarks/configs/qwen2.5-7b
 
 Nothing is allocated: weights, KV caches and step inputs are ShapeDtypeStructs carrying the
-shardings a server gives them, and the program is `model_runner.make_step`, the one a server
+shardings a server gives them, and the program is `step_program.make_step`, the one a server
 runs, with the platform's kernels (Pallas Mosaic on TPU, Pallas Triton on GPU) and its program
 variants (sampling/step_needs.py: no conditional on an accelerator). XLA compiles it
 for the target, and Mosaic or Triton compile the kernels inside it, with their layout, alignment
@@ -36,7 +36,7 @@ from xlaserve.model.sharding import KV_CACHE_SPEC, check_expert_parallel, servin
 from xlaserve.model.transformer import abstract_parameters, kv_cache_shape
 from xlaserve.executor.buckets import serving_buckets, with_page_size
 from xlaserve.executor.kernels import kernels_for
-from xlaserve.executor.model_runner import idle_step, make_step, step_vectors
+from xlaserve.executor.step_program import idle_vectors, make_step
 from xlaserve.executor.weight_args import weight_args
 from xlaserve.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
 from xlaserve import platform_defaults
@@ -107,10 +107,9 @@ class StepProgram:
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
         """The program of one bucket shape and variant (by default the one with every part, the
         most memory and work an accelerator server precompiles for the shape)."""
-        ints, floats, layout = step_vectors(self.inv_freq, *idle_step(tokens, seqs, pages))
+        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages)
         vocab = self.args[2].shape[1]
-        inputs = (abstract(ints.shape, ints.dtype, self.mesh),
-                  abstract(floats.shape, floats.dtype, self.mesh),
+        inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
                   abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
         with jax.set_mesh(self.mesh):
             return self.step.trace(*self.args, *inputs, layout=layout,

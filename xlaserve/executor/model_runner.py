@@ -1,4 +1,5 @@
-"""ModelRunner: the one jitted step (model forward + sampling) over a ragged batch.
+"""ModelRunner: the device state of the serving step (KV pool, penalty state, last tokens) and its
+compiled programs; the step itself is `step_program.make_step`.
 
     step(state, kv_caches, output_counts, last_tokens, prompt_masks, batch, sampling, slots,
          token_bitmask, *, layout, needs) -> (StepOutput, kv_caches, output_counts, last_tokens)
@@ -34,9 +35,9 @@ program. A step without a constrained row sends a bitmask of all ones that stays
 
 Multi-host (--nnodes > 1, distributed/leader.py): the mesh spans every process's devices, and
 every process must make the same device calls in the same order. The leader's runner has a
-command sink: `assign_slot` and each step (its int32/float32 host vectors, bucket shape, table
+command sink: `assign_slots` and each step (its int32/float32 host vectors, bucket shape, table
 widths, needs and grammar masks) go to the followers before the leader makes the call, and a follower's
-runner replays them (`assign_slot`, `run(staged_from_host(...))`). Outputs are replicated; the leader
+runner replays them (`assign_slots`, `run(staged_from_host(...))`). Outputs are replicated; the leader
 reads its own copy. In one process the sink is None and nothing of this runs.
 """
 from __future__ import annotations
@@ -48,7 +49,6 @@ import logging
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -58,35 +58,25 @@ from tqdm.auto import tqdm
 from xlaserve.model.packed import pack_model
 from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
 from xlaserve.model.placement import put
-from xlaserve.model.sharding import TP
-from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
 from xlaserve.executor.forward_batch import ForwardBatch
 from xlaserve.host.huge_pages import advise_huge_pages
 from xlaserve.executor.kernels import kernels_for
 from xlaserve.compile.executable_cache import ExecutableCache, describe
 from xlaserve.executor.kv_pool import init_kv_pool, kv_pool_specs
-from xlaserve.scheduler.page_allocator import NULL_PAGE
-from xlaserve.executor.transfer import concat_leaves, split_leaves
-from xlaserve.sampling.prompt_logprobs import NO_TARGET, PromptLogprobs, prompt_logprobs
-from xlaserve.sampling.params import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
-                                     RowSamplingParams)
-from xlaserve.sampling.sampler import (SampleOutput, SamplingMetadata, add_sampled,
-                                      build_sampling_metadata, sample)
-from xlaserve.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME, StepNeeds, needs_of, part,
+from xlaserve.executor.transfer import concat_leaves
+from xlaserve.sampling.params import RowSamplingParams
+from xlaserve.sampling.sampler import SamplingMetadata, build_sampling_metadata
+from xlaserve.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME, StepNeeds, needs_of,
                                          program_needs)
-from xlaserve.executor.weight_args import leaves_from_args, weight_args
+from xlaserve.executor.weight_args import weight_args
+from xlaserve.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, StepOutput, empty_batch,
+                                           idle_step, make_step, step_vectors, table_arrays)
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_WIDTHS = (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS)
-NULL_SLOT = 0
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepOutput:
-    sample: SampleOutput  # one row per sequence
-    prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
+# Slots set up per device call when a step admits several (assign_slots): 8 rows of a
+# 151936-token vocabulary are ~6 MB to send (int32 counts and a bool mask per row).
+ASSIGN_ROWS = 8
 
 
 @dataclasses.dataclass
@@ -95,10 +85,12 @@ class StagedStep:
 
     ints: jax.Array
     floats: jax.Array
-    layout: tuple
+    tables: tuple[jax.Array, jax.Array]  # the sampling tables' int32 and float32 vectors
+    layout: tuple  # (the step vectors' transfer.Layout, the tables')
     shape: tuple[int, int, int]  # (tokens, seqs, pages)
     widths: tuple[int, int]  # logit-bias and suppressed-id table widths
-    host: tuple[np.ndarray, np.ndarray] | None = None  # (ints, floats) for a multi-host leader
+    # (ints, floats, table ints, table floats) for a multi-host leader
+    host: tuple[np.ndarray, ...] | None = None
     # What the rows need but the grammar mask (known at `run`); RUN_TIME on the CPU.
     needs: StepNeeds | None = RUN_TIME
 
@@ -162,17 +154,22 @@ class ModelRunner:
         step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding)
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
-        def reset_slot(output_counts, prompt_masks, slot, counts_row, prompt_mask_row):
-            return output_counts.at[slot].set(counts_row), prompt_masks.at[slot].set(prompt_mask_row)
+        def reset_slots(output_counts, prompt_masks, slots, counts_rows, prompt_mask_rows):
+            return (output_counts.at[slots].set(counts_rows),
+                    prompt_masks.at[slots].set(prompt_mask_rows))
 
         self._step = step
-        self._reset_slot = reset_slot
+        self._reset_slots = reset_slots
+        self._reset_programs: dict[int, object] = {}  # rows -> assign_slots' compiled program
         self._precompiled = False
         self._programs: dict[tuple, object] = {}  # (shape, widths, needs) -> its compiled step
         self._replicated = replicated
         self.bitmask_words = -(-vocab // 32)
         self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
-        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> transfer.Layout (multi-host)
+        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> its layouts (multi-host)
+        # The last step's sampling tables: (their numpy arrays, host vectors, device vectors,
+        # layout), reused while a step's tables are the same arrays (`_tables`).
+        self._last_tables = None
 
     @property
     def kv_caches(self) -> list[jax.Array]:
@@ -187,16 +184,42 @@ class ModelRunner:
         self._kv_caches = caches
 
     def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
-        """Start (or, after a retraction, resume) a request in `slot`: its output counts and
-        prompt mask, built on the host and sent as one row each."""
+        """Start (or, after a retraction, resume) a request in `slot` (`assign_slots` of one)."""
+        self.assign_slots([(slot, prompt_ids, output_ids)])
+
+    def assign_slots(self, assignments) -> None:
+        """Start (or, after a retraction, resume) requests in their slots: each (slot, prompt_ids,
+        output_ids) gets its output counts and prompt mask, built on the host, one device call
+        for one request and one per `ASSIGN_ROWS` for more. A call per request cost ~0.3 ms of
+        the engine thread each, i.e. several ms of a step that admits several
+        (benchmarks/bench_host_step.py, the admission case). A partial call's rows are padded
+        with rows for the null slot (zeros, what it holds: padding rows sample nothing), so two
+        programs serve any number; `precompile` compiles both."""
+        if not assignments:
+            return
         if self.sink is not None:
-            self.sink.assign_slot(slot, prompt_ids, output_ids)
+            self.sink.assign_slots(assignments)
         vocab = self.config.vocab_size
-        mask = np.zeros(vocab, np.bool_)
-        mask[np.asarray(prompt_ids, np.int64)] = True
-        counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab).astype(np.int32)
-        self.output_counts, self.prompt_masks = self._reset_slot(
-            self.output_counts, self.prompt_masks, np.int32(slot), counts, mask)
+        rows = 1 if len(assignments) == 1 else ASSIGN_ROWS
+        for start in range(0, len(assignments), rows):
+            slots = np.full(rows, NULL_SLOT, np.int32)
+            masks = np.zeros((rows, vocab), np.bool_)
+            counts = np.zeros((rows, vocab), np.int32)
+            for i, (slot, prompt_ids, output_ids) in enumerate(assignments[start:start + rows]):
+                slots[i] = slot
+                masks[i, np.asarray(prompt_ids, np.int64)] = True
+                counts[i] = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab)
+            reset = self._reset_programs.get(rows, self._reset_slots)
+            self.output_counts, self.prompt_masks = reset(
+                self.output_counts, self.prompt_masks, slots, counts, masks)
+
+    def _compile_reset_slots(self) -> None:
+        """The two `assign_slots` programs, compiled before serving."""
+        vocab = self.config.vocab_size
+        for rows in (1, ASSIGN_ROWS):
+            self._reset_programs[rows] = self._reset_slots.lower(
+                self.output_counts, self.prompt_masks, np.zeros(rows, np.int32),
+                np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), np.bool_)).compile()
 
     def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray,
              token_bitmask: np.ndarray | None = None) -> StepOutput:
@@ -206,37 +229,59 @@ class ModelRunner:
         return self.run(self.stage(batch, sampling, slots), token_bitmask)
 
     def stage(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "StagedStep":
-        """The step's inputs but the grammar masks, sent to the device as two vectors: the engine
-        stages a step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
+        """The step's inputs but the grammar masks, sent to the device as two vectors, and the
+        sampling tables as two more (or those already there: `_tables`): the engine stages a
+        step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
         host = step_vectors(self._inv_freq, batch, sampling, slots, self._rope_scale)
         ints, floats = self._put(host[:2], self.output_counts.sharding)
+        _, table_host, tables, table_layout = self._tables(sampling)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
         # engine can stage a step before it reads the previous one.
         needs = (RUN_TIME if self.step_variants is None else
                  needs_of(sampling, batch.target_ids, grammar=False))
-        return StagedStep(ints, floats, host[2], batch.shape,
+        return StagedStep(ints, floats, tables, (host[2], table_layout), batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
-                          host[:2] if self.sink is not None else None, needs)
+                          (*host[:2], *table_host) if self.sink is not None else None, needs)
 
-    def staged_from_host(self, ints: np.ndarray, floats: np.ndarray, shape, widths,
+    def _tables(self, sampling: SamplingMetadata):
+        """(arrays, host vectors, device vectors, layout) of the sampling metadata's tables
+        (logit bias ids and values, suppressed ids: 300 + 300 + 64 entries a row, 680 KB of a
+        256-row step's 960 KB of inputs). Sent again only when they are other arrays than the
+        last step's: the engine reuses a run of decode steps' metadata
+        (EngineCore._sampling_metadata), and packing and sending them cost ~0.3 ms of the engine
+        thread per 256-row decode step (benchmarks/bench_host_step.py). The tables' arrays are
+        read as immutable (build_sampling_metadata makes new ones)."""
+        arrays = table_arrays(sampling)
+        last = self._last_tables
+        if last is None or any(a is not b for a, b in zip(last[0], arrays, strict=True)):
+            *host, layout = concat_leaves(arrays)
+            device = tuple(self._put(tuple(host), self.output_counts.sharding))
+            last = self._last_tables = (arrays, tuple(host), device, layout)
+        return last
+
+    def staged_from_host(self, vectors, shape, widths,
                          needs: list[bool] | None = None) -> "StagedStep":
-        """A follower's StagedStep from the leader's host vectors and needs (StepNeeds.as_list,
-        or None for RUN_TIME): the layout is a function of the bucket shape and the table
-        widths alone (`layout_for`)."""
+        """A follower's StagedStep from the leader's host vectors (StagedStep.host: the step's
+        int32 and float32 vectors, then the sampling tables') and needs (StepNeeds.as_list, or
+        None for RUN_TIME): the layouts are a function of the bucket shape and the table widths
+        alone (`layout_for`)."""
         shape, widths = tuple(shape), tuple(widths)
         layout = self.layout_for(shape, widths)
-        sizes = {"int32": 0, "float32": 0}
-        for buffer, offset, leaf_shape, _ in layout.leaves:
-            sizes[buffer] = max(sizes[buffer], offset + int(np.prod(leaf_shape, dtype=np.int64)))
-        if (ints.dtype, floats.dtype) != (np.int32, np.float32) or \
-                (ints.shape, floats.shape) != ((sizes["int32"],), (sizes["float32"],)):
-            raise ValueError(f"a step of shape {shape}, widths {widths} needs int32[{sizes['int32']}] "
-                             f"and float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} "
-                             f"and {floats.dtype}{list(floats.shape)}")
-        ints, floats = self._put((ints, floats), self.output_counts.sharding)
-        return StagedStep(ints, floats, layout, shape, widths,
+        for (ints, floats), part_layout in zip((vectors[:2], vectors[2:]), layout, strict=True):
+            sizes = {"int32": 0, "float32": 0}
+            for buffer, offset, leaf_shape, _ in part_layout.leaves:
+                sizes[buffer] = max(sizes[buffer],
+                                    offset + int(np.prod(leaf_shape, dtype=np.int64)))
+            if (ints.dtype, floats.dtype) != (np.int32, np.float32) or \
+                    (ints.shape, floats.shape) != ((sizes["int32"],), (sizes["float32"],)):
+                raise ValueError(
+                    f"a step of shape {shape}, widths {widths} needs int32[{sizes['int32']}] and "
+                    f"float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} and "
+                    f"{floats.dtype}{list(floats.shape)}")
+        ints, floats, *tables = self._put(tuple(vectors), self.output_counts.sharding)
+        return StagedStep(ints, floats, tuple(tables), layout, shape, widths,
                           needs=RUN_TIME if needs is None else StepNeeds(*map(bool, needs)))
 
     def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int]):
@@ -247,8 +292,9 @@ class ModelRunner:
             tokens, seqs, pages = shape
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                widths)
-            self._layouts[key] = step_vectors(self._inv_freq, empty_batch(tokens, seqs, pages),
-                                              sampling, np.full(seqs, NULL_SLOT, np.int32))[2]
+            self._layouts[key] = (step_vectors(self._inv_freq, empty_batch(tokens, seqs, pages),
+                                               sampling, np.full(seqs, NULL_SLOT, np.int32))[2],
+                                  concat_leaves(table_arrays(sampling))[2])
         return self._layouts[key]
 
     def run(self, staged: "StagedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
@@ -256,7 +302,7 @@ class ModelRunner:
         if self.sink is not None:  # the followers make the same call
             self.sink.step(staged, token_bitmask)
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
-                self.prompt_masks, staged.ints, staged.floats,
+                self.prompt_masks, staged.ints, staged.floats, *staged.tables,
                 self._bitmask(staged.shape[1], token_bitmask))
         needs = self._program_needs(staged.needs, token_bitmask is not None)
         program = self._programs.get((staged.shape, staged.widths, needs))
@@ -348,6 +394,7 @@ class ModelRunner:
                             cache.compile_and_store(self._step, args, kwargs, paths[shape]))
         for shape, needs in shapes:
             self._programs[(shape, SAMPLING_WIDTHS, needs)] = found[(shape, needs)]
+        self._compile_reset_slots()
         self._precompiled = True
 
     def _lowering_args(self, shape, needs: StepNeeds | None):
@@ -355,82 +402,6 @@ class ModelRunner:
         zeroed yet), and its static layout and needs."""
         staged = self.stage(*idle_step(*shape))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
-                self.prompt_masks, staged.ints, staged.floats, self._bitmask(shape[1], None))
+                self.prompt_masks, staged.ints, staged.floats, *staged.tables,
+                self._bitmask(shape[1], None))
         return args, {"layout": staged.layout, "needs": needs}
-
-
-def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding):
-    """The jitted serving step: forward, sampling, penalty counts and last tokens. A pure function
-    of its arguments, so that it can also be compiled for hardware that is not here
-    (executor/aot.py)."""
-    replicated = NamedSharding(mesh, P())
-    by_vocab = NamedSharding(mesh, P(None, TP))
-
-    @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout", "needs"),
-                       out_shardings=(replicated, kv_sharding, replicated, replicated))
-    def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
-             token_bitmask, layout, needs: StepNeeds | None = RUN_TIME):
-        batch, sampling, slots, rope = split_leaves(ints, floats, layout)
-        state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
-        model = nnx.merge(graphdef, state)
-
-        def whole_vocab_logits(rows):
-            # The vocabulary whole on every device (an all-gather under tensor parallelism)
-            # before the sampler's and prompt logprobs' top_k. JAX 0.11's XLA left the logits
-            # sharded into it, and libtpu's SPMD partitioning of a top_k over a sharded axis
-            # aborts the compile there ("Stable sort expects more than 1 operand", libtpu
-            # 0.0.48); libtpu 0.0.42 (JAX 0.10) compiles it but returns indices of 0.
-            # Computed where the LM head's vocabulary columns are, then gathered: left to itself
-            # XLA gathered the 1 GB LM head onto every device instead of the logits (Llama-3.1-8B,
-            # v6e, tp 4: an all-gather of bf16[4096, 128256] twice a step).
-            logits = jax.lax.with_sharding_constraint(model.logits(rows, kernels), by_vocab)
-            return jax.lax.with_sharding_constraint(logits, replicated)
-
-        input_ids = jnp.where(batch.input_slots >= 0,
-                              last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
-        hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
-                                                batch.metadata, kernels, rope)
-        logits = whole_vocab_logits(hidden[batch.logits_indices])
-        out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
-                     num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs)
-        output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
-        # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
-        last_tokens = last_tokens.at[slots].set(
-            jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
-        prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
-                                 part(needs, "prompt_logprobs"))
-        return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
-
-    return step
-
-
-def step_vectors(inv_freq, batch: ForwardBatch, sampling: SamplingMetadata, slots,
-                 rope_scale: float = 1.0):
-    """The step's host arrays, with the rows' RoPE cos/sin (times `rope_scale`, the config's
-    `rope.attention_factor`), as one int32 and one float32 vector (executor/transfer.py) and
-    their layout (which the values do not change)."""
-    rope = rope_cos_sin(inv_freq, batch.positions, rope_scale)
-    return concat_leaves((batch, sampling, np.asarray(slots, np.int32), rope))
-
-
-def idle_step(tokens: int, seqs: int, pages: int):
-    """(batch, sampling, slots) of a step of the given bucket shape with every row padding:
-    nothing is written to a live page (padding tokens write to no page at all)."""
-    sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
-                                       SAMPLING_WIDTHS)
-    return empty_batch(tokens, seqs, pages), sampling, np.full(seqs, NULL_SLOT, np.int32)
-
-
-def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:
-    """A batch of the given bucket shape with no live sequence."""
-    metadata = AttentionMetadata(
-        kv_lens=np.zeros(seqs, np.int32),
-        page_indices=np.full((seqs, pages), NULL_PAGE, np.int32),
-        cu_q_lens=np.zeros(seqs + 1, np.int32),
-        num_seqs=np.zeros(1, np.int32),
-    )
-    return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
-                        metadata=metadata, logits_indices=np.zeros(seqs, np.int32),
-                        sample_rows=np.zeros(seqs, np.bool_),
-                        target_ids=np.full(tokens, NO_TARGET, np.int32),
-                        input_slots=np.full(tokens, -1, np.int32))
