@@ -14,8 +14,8 @@ CUDA-graph batch limit there; here the largest sequence bucket, so one compiled 
 all); a step takes a whole 8192-token piece. At 64 running requests an 8B model's decode step
 on an H100 reads its 16 GB of weights for 64 tokens; at 256 for 256 (predicted 13.3k against 3.4k
 tok/s, docs/tpu-gpu.md). Memory: `mem_fraction_static` of what XLA may allocate holds the
-weights and the KV pool, the rest is the steps' temporaries (an 8192-token prefill of an 8B
-model needs ~2 GB). JAX lets XLA take 75% of a GPU by default (XLA_PYTHON_CLIENT_MEM_FRACTION), so
+weights and the KV pool, the rest is the steps' temporaries (Llama-3.1-8B's 8192-token step
+compiled for an H100 needs 3.36 GiB; the rest at 0.9 is ~7.6 GB). JAX lets XLA take 75% of a GPU by default (XLA_PYTHON_CLIENT_MEM_FRACTION), so
 an 80 GB H100 gave the KV pool 37 GB where SGLang takes ~54 GB: `prepare_gpu_memory` raises it
 to 0.95 before JAX starts its GPU client, unless the variable is set.
 """
