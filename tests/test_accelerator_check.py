@@ -106,12 +106,10 @@ def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
     import pickle
 
     import jax
-    import jax.numpy as jnp
 
     from tests.compile_targets import devices
     from xlaserve.compile import executable_cache
     from xlaserve.executor import aot
-    from xlaserve.executor.step_program import idle_vectors
     from xlaserve.server_args import ServerArgs
 
     devices("h100")
@@ -121,13 +119,8 @@ def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
                       max_prefill_tokens=64, context_length=plan["context"],
                       max_total_tokens=8 * plan["context"])
     program, shapes, description = aot.server_step("h100", args)
-    tokens, seqs, pages = shapes[0]
-    vectors, layout = idle_vectors(program.inv_freq, tokens, seqs, pages)
-    vocab = program.args[2].shape[1]
-    inputs = (*(aot.abstract(v.shape, v.dtype, program.mesh) for v in vectors),
-              aot.abstract((seqs, -(-vocab // 32)), jnp.int32, program.mesh))
+    step_args, kwargs = program.lowering_args(*shapes[0])
     cache = executable_cache.ExecutableCache(tmp_path)
-    step_args, kwargs = (*program.args, *inputs), {"layout": layout}
     path = cache.path(step_args, kwargs, name="serving step", description=description)
     with jax.set_mesh(program.mesh):
         cache.compile_and_store(program.step, step_args, kwargs, path)

@@ -104,16 +104,22 @@ class StepProgram:
     inv_freq: np.ndarray
     mesh: Mesh
 
-    def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
-        """The program of one bucket shape and variant (by default the one with every part, the
-        most memory and work an accelerator server precompiles for the shape)."""
+    def lowering_args(self, tokens: int, seqs: int, pages: int,
+                      needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
+        """The step's (abstract) arguments and static keyword arguments for one bucket shape and
+        variant."""
         vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages)
         vocab = self.args[2].shape[1]
         inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
                   abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
+        return (*self.args, *inputs), {"layout": layout, "needs": needs}
+
+    def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
+        """The program of one bucket shape and variant (by default the one with every part, the
+        most memory and work an accelerator server precompiles for the shape)."""
+        args, kwargs = self.lowering_args(tokens, seqs, pages, needs)
         with jax.set_mesh(self.mesh):
-            return self.step.trace(*self.args, *inputs, layout=layout,
-                                   needs=needs).lower().compile()
+            return self.step.trace(*args, **kwargs).lower().compile()
 
 
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
