@@ -43,12 +43,15 @@ def prepare_gpu_memory() -> None:
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = GPU_CLIENT_MEMORY_FRACTION
 
 
-def device_memory_limit(device) -> int | None:
-    """Bytes XLA may allocate on `device` (None on CPU or where the runtime does not say)."""
+def device_memory(device) -> tuple[int, int] | None:
+    """(bytes XLA may allocate on `device`, bytes in use there), or None on CPU or where the
+    runtime does not say."""
     if device.platform == "cpu":
         return None
     stats = device.memory_stats() or {}
-    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
 def defaults_for(platform: str, memory_limit: int | None) -> dict[str, float | int]:
@@ -72,7 +75,8 @@ def resolve(args, platform: str, device=None) -> tuple[object, list[str]]:
              if getattr(args, name) is None]
     if not unset:
         return args, []
-    defaults = defaults_for(platform, device_memory_limit(device) if device else None)
+    memory = device_memory(device) if device else None
+    defaults = defaults_for(platform, memory[0] if memory else None)
     return dataclasses.replace(args, **{name: defaults[name] for name in unset}), unset
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config import ModelConfig
+from xlaserve.platform_defaults import device_memory
 from xlaserve.model.sharding import KV_CACHE_SPEC
 from xlaserve.model.transformer import kv_cache_shape
 from xlaserve.scheduler.page_allocator import pages_for_tokens
@@ -22,11 +23,8 @@ def bytes_per_token(config: ModelConfig, dtype) -> int:
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
 
 
-def free_memory_bytes(device) -> int:
-    """Bytes this device can still give; on CPU, the host's available RAM."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+def host_free_bytes() -> int:
+    """The host's available RAM."""
     with open("/proc/meminfo") as f:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
     return info.get("MemAvailable", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
@@ -41,16 +39,14 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
     CPU: that fraction of the host's free RAM, which other programs share."""
     if max_total_tokens is not None:
         return pages_for_tokens(max_total_tokens, page_size) + 1  # + the null page
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        in_use = stats.get("bytes_in_use", 0)
-        budget = min(stats["bytes_limit"] * mem_fraction_static - in_use,
-                     stats["bytes_limit"] - in_use)
+    memory = device_memory(device or jax.devices()[0])
+    if memory is not None:
+        limit, in_use = memory
+        budget = limit * min(mem_fraction_static, 1.0) - in_use
         # A device's memory does not move between starts as a host's free RAM does: finer steps.
         significant_bits = 6
     else:
-        budget = free_memory_bytes(device) * mem_fraction_static
+        budget = host_free_bytes() * mem_fraction_static
         significant_bits = 4
     per_page = bytes_per_token(config, dtype) * page_size // tensor_parallel
     return max(2, round_down_coarsely(max(int(budget // per_page), 0), significant_bits))
