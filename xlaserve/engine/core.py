@@ -10,6 +10,7 @@ threads send the loop, and what it sends them, are the typed messages of message
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import operator
 import queue
@@ -28,6 +29,7 @@ from xlaserve.engine.delivery import Delivery, live_state
 from xlaserve.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
                                       OutputChunk, RequestsEnded, SampledRow, StepResult, Wake)
 from xlaserve.engine.watchdog import Watchdog
+from xlaserve.executor.decode_batch import DecodeBatches
 from xlaserve.executor.forward_batch import make_forward_batch
 from xlaserve.executor.step_program import SAMPLING_WIDTHS, StepOutput
 from xlaserve.host import malloc_tuning
@@ -84,6 +86,7 @@ class EngineCore:
         self._delivery = Delivery(self.scheduler, self._inbox.put,
                                   name.replace("engine", "delivery"))
         self._last_sampling = None  # (padded seqs, rows, metadata) of the last step prepared
+        self._decode_batches = DecodeBatches(self.buckets, self.runner.page_size)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
                                   name.replace("engine", "watchdog"))
@@ -363,18 +366,23 @@ class EngineCore:
     def _prepare(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""
         self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
-        chunks = self._delivery.chunks_for_step(batch)
-        fb = make_forward_batch(chunks, self.buckets, self.runner.page_size)
+        if batch.decode is not None:  # decode rows only: no prompt targets, each row ahead
+            fb = self._decode_batches.forward_batch(batch.decode)
+            ahead = [batch.ahead] * len(batch.requests)
+            output_lens = batch.decode.output_lens
+        else:
+            chunks = self._delivery.chunks_for_step(batch)
+            fb = make_forward_batch(chunks, self.buckets, self.runner.page_size)
+            ahead = batch.row_ahead()
+            output_lens = [len(r.output_ids) for r in batch.requests]
         padded_seqs = fb.shape[1]
         # Most rows suppress nothing: a copy of their parameters per step would cost more host
         # time than the rest of the packing (a few ms at 128 rows).
-        ahead = batch.row_ahead()
         rows = [dataclasses.replace(r.sampling, suppressed_ids=suppressed)
                 if r.min_new_tokens and (suppressed := self.scheduler.suppressed_ids(r, a))
                 else r.sampling for r, a in zip(batch.requests, ahead)]
         sampling = self._sampling_metadata(rows, padded_seqs)
-        sampling.sample_index[:len(rows)] = [len(r.output_ids) + a
-                                             for r, a in zip(batch.requests, ahead)]
+        sampling.sample_index[:len(rows)] = [n + a for n, a in zip(output_lens, ahead)]
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
         return self.runner.stage(fb, sampling, slots)
@@ -421,8 +429,10 @@ class EngineCore:
         live_before = [r.status == "running" for r in batch.requests]
         token_list = tokens.tolist()
         self.scheduler.process_results(batch, token_list)
+        samples = (itertools.repeat(True) if batch.decode is not None  # every row samples
+                   else [c.sample for c in batch.chunks])
         rows = [SampledRow(request, token_list[i], i, len(request.output_ids))
-                for i, (request, chunk, live) in enumerate(zip(batch.requests, batch.chunks,
-                                                               live_before, strict=True))
-                if live and chunk.sample]
+                for i, (request, sample, live) in enumerate(zip(batch.requests, samples,
+                                                                live_before))
+                if live and sample]
         return StepResult(rows, logprobs, top_logprobs, top_ids)

@@ -5,6 +5,7 @@ scheduler's contract in pyproject.toml)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -95,6 +96,10 @@ class ScheduledBatch:
     kind: Literal["prefill", "decode", "mixed"]
     # Requests that got their slot this step: the engine resets that slot's penalty state.
     admitted: list[Request] = field(default_factory=list)
+    # A continuation whose every row decodes (no prompt beside them): its rows as columns, which
+    # the next continuation and the step's inputs are built from without a SeqChunk per row;
+    # `chunks` is then a DecodeChunks view of them.
+    decode: DecodeRows | None = None
     # Tokens each row that takes its input from a slot (`SeqChunk.input_slot >= 0`) has sampled
     # in steps not yet processed (1 for a continuation): the row samples output token number
     # len(output_ids) + ahead. Other rows (a prompt admitted beside them) have none ahead.
@@ -103,3 +108,42 @@ class ScheduledBatch:
     def row_ahead(self) -> list[int]:
         """`ahead` per row: 0 for the rows that do not read their input from a slot."""
         return [self.ahead if c.input_slot >= 0 else 0 for c in self.chunks]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The rows of a continuation in which every request decodes one token read from its slot
+    (`SeqChunk.input_slot`), as columns: per row, the tokens already in its KV cache, its slot,
+    its output length when scheduled, and its page table. Built once from SeqChunks and then
+    from the previous step's DecodeRows: `kept` (the rows of `parent` still here, None for all)
+    and `changed` (rows whose page list is not the parent row's) say what differs, so the step's
+    page table is updated, not rebuilt (executor/decode_batch.py). Page lists are snapshots,
+    shared by steps whose row did not change."""
+
+    num_cached: list[int]
+    slots: list[int]
+    output_lens: list[int]  # len(output_ids) when scheduled: the row samples token + 1 (ahead)
+    page_ids: list[list[int]]
+    parent: DecodeRows | None = None
+    kept: list[int] | None = None
+    changed: tuple[int, ...] | list[int] = ()
+
+
+class DecodeChunks(Sequence):
+    """`ScheduledBatch.chunks` of a batch with DecodeRows: each row's SeqChunk, made on access
+    (the engine's per-step paths read the columns instead)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: DecodeRows):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows.num_cached)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        rows = self.rows
+        return SeqChunk([0], rows.num_cached[index], list(rows.page_ids[index]), True,
+                        input_slot=rows.slots[index])

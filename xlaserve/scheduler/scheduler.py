@@ -25,7 +25,8 @@ import time
 from xlaserve.scheduler.page_allocator import PageAllocator, pages_for_tokens
 from xlaserve.scheduler.prefix_cache import RadixCache
 from xlaserve.scheduler.prefix_reuse import PrefixReuse
-from xlaserve.scheduler.request import Request, RequestTooLong, ScheduledBatch, SeqChunk
+from xlaserve.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
+                                        ScheduledBatch, SeqChunk)
 
 logger = logging.getLogger(__name__)
 
@@ -288,9 +289,11 @@ class Scheduler:
         drops that row, and freeing its pages (or slot) is safe because the device runs steps
         in order, so whoever gets them next writes after this step. Its slot and pages are not
         free for this step's admissions yet: those take what is free now."""
+        admissible = self.waiting and len(self.running) < self.max_running_requests
+        if batch.decode is not None and not admissible:
+            return self._continue_decodes(batch)
         if not all(c.sample for c in batch.chunks):
             return None
-        admissible = self.waiting and len(self.running) < self.max_running_requests
         if admissible and sum(r.status == "running" for r in batch.requests) != len(self.running):
             return None
         # Per row, once: the KV length after this step and the pages that needs (one loop, no
@@ -323,37 +326,95 @@ class Scheduler:
         chunks += [c for _, c in prefills]
         kind = "decode" if not prefills else "prefill" if not rows else "mixed"
         self._log_step(kind, len(rows), chunks[len(rows):], sum(c.num_cached for c in chunks[len(rows):]))
+        slots = [r.slot for r in requests]
+        decode = None if prefills else DecodeRows(
+            [c.num_cached for c in chunks], slots, [len(r.output_ids) for r in requests],
+            [c.page_ids for c in chunks])
         # `ahead` is the decode rows' (input_slot >= 0); an admitted row has sampled nothing.
-        return ScheduledBatch(requests, chunks, [r.slot for r in requests], kind, admitted, ahead=1)
+        return ScheduledBatch(requests, chunks, slots, kind, admitted, ahead=1, decode=decode)
+
+    def _continue_decodes(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """`schedule_continuation` of a batch of decode rows only (`batch.decode`) when no
+        request can be admitted: the same rows less those that ended, from the columns, with a
+        page list copied only for a row that gets a page or whose whole pages may have been
+        swapped for cached ones (`share_computed_pages`, when the results processed since
+        completed a page). A SeqChunk per row and a copy of every page list cost ~0.5 ms of a
+        256-row step's host time (benchmarks/bench_host_step.py)."""
+        previous = batch.decode
+        requests = batch.requests
+        output_lens = [len(r.output_ids) for r in requests]
+        kept = [i for i, (r, n) in enumerate(zip(requests, output_lens))
+                if r.status == "running" and n + 1 < r.max_new_tokens]
+        if not kept:
+            return None
+        if len(kept) == len(requests):
+            kept = None
+            num_cached = [c + 1 for c in previous.num_cached]
+            slots, page_ids = previous.slots, list(previous.page_ids)
+        else:
+            requests = [requests[i] for i in kept]
+            output_lens = [output_lens[i] for i in kept]
+            num_cached = [previous.num_cached[i] + 1 for i in kept]
+            slots = [previous.slots[i] for i in kept]
+            page_ids = [previous.page_ids[i] for i in kept]
+        page_size = self.page_size
+        # Row i's KV grows to num_cached + 1 tokens: a new page where num_cached fills its last
+        # page; a page completed by the last results processed where num_cached % page_size == 1.
+        growing = [i for i, c in enumerate(num_cached) if c % page_size == 0]
+        new_pages = [self._new_pages(requests[i], num_cached[i] + 1) for i in growing]
+        if sum(new_pages) > self.cache.available_pages:
+            return None
+        for i, new in zip(growing, new_pages):
+            if new > 0:
+                requests[i].page_ids += self.cache.allocate(new)
+        changed = sorted({*growing, *(i for i, c in enumerate(num_cached) if c % page_size == 1)})
+        for i in changed:
+            page_ids[i] = list(requests[i].page_ids)
+        rows = DecodeRows(num_cached, slots, output_lens, page_ids, previous, kept, changed)
+        self._log_step("decode", len(requests), [], 0)
+        return ScheduledBatch(requests, DecodeChunks(rows), slots, "decode", [], ahead=1,
+                              decode=rows)
 
     def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
         """Advances every row by its chunk; rows that sampled get their token. Returns the
         requests that finished (their pages and slots are already free)."""
         finished = []
+        if batch.decode is not None:  # one token a row: whole pages complete every page_size
+            page_size, share = self.page_size, self.prefix.share_computed_pages
+            for request, token in zip(batch.requests, sampled_tokens, strict=True):
+                if request.status == "running":
+                    request.num_computed += 1
+                    if request.num_computed % page_size == 0:
+                        share(request)
+                    self._take_token(request, token, finished)
+            return finished
         for request, chunk, token in zip(batch.requests, batch.chunks, sampled_tokens, strict=True):
             if request.status != "running":
                 continue  # aborted or finished since it was scheduled
             request.num_computed += len(chunk.token_ids)
             self.prefix.share_computed_pages(request)
-            if not chunk.sample:
-                continue
-            token = int(token)
-            # A stop id counts only where the sampler would not have suppressed it.
-            stops = token in request.stop_token_ids and len(request.output_ids) >= request.min_new_tokens
-            request.output_ids.append(token)
-            if stops:
-                finished.append(self.finish(request.rid, "stop", token))
-            elif request.grammar is not None and not request.grammar.consume(token):
-                # The mask allows only the grammar's tokens, so this is a bug, not bad input.
-                logger.error("request %s: its grammar rejected token %d (%s)", request.rid, token,
-                             request.grammar.error())
-                finished.append(self.finish(request.rid, "abort", None))
-            elif request.grammar is not None and request.grammar.is_stopped():
-                # Complete (e.g. a JSON object's closing brace): "stop", with no stop token.
-                finished.append(self.finish(request.rid, "stop", None))
-            elif len(request.output_ids) >= request.max_new_tokens:
-                finished.append(self.finish(request.rid, "length", None))
+            if chunk.sample:
+                self._take_token(request, int(token), finished)
         return finished
+
+    def _take_token(self, request: Request, token: int, finished: list[Request]) -> None:
+        """Appends a sampled token to a running request, ending it (into `finished`) where the
+        token does: a stop id, the grammar's end or refusal, the length."""
+        # A stop id counts only where the sampler would not have suppressed it.
+        stops = token in request.stop_token_ids and len(request.output_ids) >= request.min_new_tokens
+        request.output_ids.append(token)
+        if stops:
+            finished.append(self.finish(request.rid, "stop", token))
+        elif request.grammar is not None and not request.grammar.consume(token):
+            # The mask allows only the grammar's tokens, so this is a bug, not bad input.
+            logger.error("request %s: its grammar rejected token %d (%s)", request.rid, token,
+                         request.grammar.error())
+            finished.append(self.finish(request.rid, "abort", None))
+        elif request.grammar is not None and request.grammar.is_stopped():
+            # Complete (e.g. a JSON object's closing brace): "stop", with no stop token.
+            finished.append(self.finish(request.rid, "stop", None))
+        elif len(request.output_ids) >= request.max_new_tokens:
+            finished.append(self.finish(request.rid, "length", None))
 
     def suppressed_ids(self, request: Request, ahead: int = 0) -> list[int]:
         """Stop ids the sampler must not pick yet (min_new_tokens), for the token sampled
