@@ -288,7 +288,7 @@ class EngineCore:
                     if batch is not None:
                         stepping.append(batch)
                         prepared = self._prepare(batch)
-                        if any(r.grammar is not None for r in batch.requests):
+                        if batch.any_grammar():
                             waiting_for_masks = (batch, prepared)
                         else:
                             following = (batch, self._send(batch, prepared))
@@ -407,7 +407,7 @@ class EngineCore:
         current state, and dispatches the step; returns its (asynchronous) output."""
         constrained = [(r.grammar, i) for i, (r, c) in enumerate(zip(batch.requests, batch.chunks))
                        if r.grammar is not None and c.sample and r.status == "running"
-                       ] if any(r.grammar is not None for r in batch.requests) else None
+                       ] if batch.any_grammar() else None
         bitmask = None
         if constrained:
             bitmask = self.grammar_backend.empty_bitmask(staged.shape[1])
@@ -421,7 +421,7 @@ class EngineCore:
         sampled = out.sample
         tokens = np.asarray(sampled.tokens)[:num_rows]
         logprobs = top_logprobs = top_ids = None
-        if any(r.sampling.return_logprob for r in batch.requests):
+        if batch.any_logprobs():
             logprobs, top_logprobs, top_ids = (np.asarray(a)[:num_rows] for a in (
                 sampled.logprobs, sampled.top_logprobs, sampled.top_ids))
         self._delivery.collect_prompt_logprobs(batch, out)
@@ -431,8 +431,8 @@ class EngineCore:
         self.scheduler.process_results(batch, token_list)
         samples = (itertools.repeat(True) if batch.decode is not None  # every row samples
                    else [c.sample for c in batch.chunks])
-        rows = [SampledRow(request, token_list[i], i, len(request.output_ids))
-                for i, (request, sample, live) in enumerate(zip(batch.requests, samples,
-                                                                live_before))
-                if live and sample]
+        rows: list[SampledRow] = [
+            (request, token_list[i], i, len(request.output_ids))
+            for i, (request, sample, live) in enumerate(zip(batch.requests, samples, live_before))
+            if live and sample]
         return StepResult(rows, logprobs, top_logprobs, top_ids)

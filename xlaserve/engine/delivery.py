@@ -177,8 +177,7 @@ class Delivery:
         the chunk thread; here only what the scheduler decided is read (the request's state
         changes under the chunk thread). A request that the step finished leaves the live set."""
         rows = []
-        for sampled in step.rows:
-            request = sampled.request
+        for request, token, row, num_output in step.rows:
             live = self._live.get(request.rid)
             if live is None:  # ended earlier (a stop string the chunk thread found, say)
                 continue
@@ -196,8 +195,8 @@ class Delivery:
             if finished:
                 meta_info = _meta_info(request, live)
                 del self._live[request.rid]
-            rows.append(_Row(request, live, sampled.token, sampled.row,
-                             request.finish_reason if finished else None, sampled.num_output,
+            rows.append(_Row(request, live, token, row,
+                             request.finish_reason if finished else None, num_output,
                              meta_info, input_logprobs))
         if rows:
             self._jobs.put((rows, step))

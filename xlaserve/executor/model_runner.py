@@ -81,10 +81,13 @@ ASSIGN_ROWS = 8
 
 @dataclasses.dataclass
 class StagedStep:
-    """A step's inputs on the device, but its grammar masks (ModelRunner.stage)."""
+    """A step's inputs but its grammar masks (ModelRunner.stage). The step vectors stay numpy
+    arrays in one process, which the step's call transfers (~20 us of host time, where a
+    device_put of them cost ~0.15 ms; tests/executor/test_model_runner.py); over several
+    processes they are global device arrays, put by each process."""
 
-    ints: jax.Array
-    floats: jax.Array
+    ints: jax.Array | np.ndarray
+    floats: jax.Array | np.ndarray
     tables: tuple[jax.Array, jax.Array]  # the sampling tables' int32 and float32 vectors
     layout: tuple  # (the step vectors' transfer.Layout, the tables')
     shape: tuple[int, int, int]  # (tokens, seqs, pages)
@@ -132,6 +135,7 @@ class ModelRunner:
         replicated = NamedSharding(self.mesh, P())
         # Over several processes' devices, each puts its own copies (model/placement.py).
         self._put = jax.device_put if replicated.is_fully_addressable else put
+        self._vectors_in_call = replicated.is_fully_addressable  # StagedStep
         # The multi-host leader's followers (distributed/leader.py); None in one process.
         self.sink = None
         kv_sharding = [spec.sharding for spec in self._kv_specs]
@@ -235,7 +239,8 @@ class ModelRunner:
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
         host = step_vectors(self._inv_freq, batch, sampling, slots, self._rope_scale)
-        ints, floats = self._put(host[:2], self.output_counts.sharding)
+        ints, floats = (host[:2] if self._vectors_in_call
+                        else self._put(host[:2], self.output_counts.sharding))
         _, table_host, tables, table_layout = self._tables(sampling)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
         # engine can stage a step before it reads the previous one.

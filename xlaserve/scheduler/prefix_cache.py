@@ -69,30 +69,51 @@ class RadixCache:
         num_pages = min(len(token_ids) // self.page_size, len(pages))
         node, tree_pages, matched = self._walk(token_ids, num_pages)
         if matched < num_pages:
-            size = self.page_size
-            leaf = TreeNode(node, token_ids[matched * size:num_pages * size],
-                            list(pages[matched:num_pages]), num_pages, next(self._clock))
-            node.children[self._first_page(leaf.key)] = leaf
-            self.evictable_pages += len(leaf.pages)
-            tree_pages += leaf.pages
-            node = leaf
+            node = self._add_leaf(node, token_ids, pages, matched, num_pages)
+            tree_pages += node.pages
         return tree_pages, node
 
     def insert_locked(self, token_ids: list[int], pages: list[int], locked: TreeNode,
                       ) -> tuple[list[int], TreeNode]:
         """`insert` for a request that locks `locked` and has computed `pages`: pages that another
         request cached first (same tokens, so same KV) replace the request's, which are freed, and
-        the lock moves to the new end. Returns the request's new pages and locked node."""
-        tree_pages, node = self.insert(token_ids, pages)
-        self.allocator.free([mine for mine, tree in zip(pages, tree_pages) if mine != tree])
-        self.lock(node)  # before the unlock, so the shared part never counts as evictable
-        self.unlock(locked)
-        return tree_pages, node
+        the lock moves to the new end. Returns the request's new pages and locked node.
 
-    def _walk(self, token_ids: list[int], num_pages: int) -> tuple[TreeNode, list[int], int]:
-        """Follows the first `num_pages` pages of `token_ids` down the tree: the last node reached
-        (ending exactly at the match), the pages on the way, and how many pages matched."""
-        node, pages, matched = self.root, [], 0
+        The request's path to `locked` spells the first `locked.prefix_pages` pages of
+        `token_ids` with `pages[:locked.prefix_pages]`, so the walk starts there and only the
+        nodes below it change locks. A decoding request adds a node a page, and from the root
+        each insert (and the lock's move) walked the whole chain: ~0.1 ms a step at 256 rows
+        (benchmarks/bench_host_step.py), growing with the outputs' length."""
+        start = locked.prefix_pages
+        num_pages = min(len(token_ids) // self.page_size, len(pages))
+        node, tail, matched = self._walk(token_ids, num_pages, locked, start)
+        if matched < num_pages:
+            node = self._add_leaf(node, token_ids, pages, matched, num_pages)
+            tail += node.pages
+        mine = pages[start:num_pages]
+        self.allocator.free([p for p, tree in zip(mine, tail) if p != tree])
+        below = node
+        while below is not locked:  # `locked` and above keep this request's lock
+            self._lock_one(below)
+            below = below.parent
+        return pages[:start] + tail, node
+
+    def _add_leaf(self, node: TreeNode, token_ids: list[int], pages: list[int], matched: int,
+                  num_pages: int) -> TreeNode:
+        """A new leaf under `node` for pages [matched, num_pages) of `token_ids`."""
+        size = self.page_size
+        leaf = TreeNode(node, token_ids[matched * size:num_pages * size],
+                        list(pages[matched:num_pages]), num_pages, next(self._clock))
+        node.children[self._first_page(leaf.key)] = leaf
+        self.evictable_pages += len(leaf.pages)
+        return leaf
+
+    def _walk(self, token_ids: list[int], num_pages: int, node: TreeNode | None = None,
+              matched: int = 0) -> tuple[TreeNode, list[int], int]:
+        """Follows the first `num_pages` pages of `token_ids` down the tree from `node` (the root;
+        or a node ending `matched` pages in, on their path): the last node reached (ending
+        exactly at the match), the pages on the way, and how many pages matched in all."""
+        node, pages = node or self.root, []
         tick = next(self._clock)
         while matched < num_pages:
             child = node.children.get(self._first_page(token_ids, matched * self.page_size))
@@ -140,11 +161,14 @@ class RadixCache:
     def lock(self, node: TreeNode) -> None:
         """A request uses the path to `node`: none of its pages may be evicted until `unlock`."""
         while node is not self.root:
-            if node.lock_ref == 0:
-                self.evictable_pages -= len(node.pages)
-                self.locked_pages += len(node.pages)
-            node.lock_ref += 1
+            self._lock_one(node)
             node = node.parent
+
+    def _lock_one(self, node: TreeNode) -> None:
+        if node.lock_ref == 0:
+            self.evictable_pages -= len(node.pages)
+            self.locked_pages += len(node.pages)
+        node.lock_ref += 1
 
     def unlock(self, node: TreeNode) -> None:
         while node is not self.root:

@@ -105,6 +105,22 @@ class ScheduledBatch:
     # len(output_ids) + ahead. Other rows (a prompt admitted beside them) have none ahead.
     ahead: int = 0
 
+    # Whether a row has a grammar, or asks for logprobs: None until asked (`any_grammar`,
+    # `any_logprobs`, read several times a step); a decode continuation of a batch with none
+    # has none either.
+    has_grammar: bool | None = None
+    has_logprobs: bool | None = None
+
+    def any_grammar(self) -> bool:
+        if self.has_grammar is None:
+            self.has_grammar = any(r.grammar is not None for r in self.requests)
+        return self.has_grammar
+
+    def any_logprobs(self) -> bool:
+        if self.has_logprobs is None:
+            self.has_logprobs = any(r.sampling.return_logprob for r in self.requests)
+        return self.has_logprobs
+
     def row_ahead(self) -> list[int]:
         """`ahead` per row: 0 for the rows that do not read their input from a slot."""
         return [self.ahead if c.input_slot >= 0 else 0 for c in self.chunks]

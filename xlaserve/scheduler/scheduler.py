@@ -371,9 +371,12 @@ class Scheduler:
         for i in changed:
             page_ids[i] = list(requests[i].page_ids)
         rows = DecodeRows(num_cached, slots, output_lens, page_ids, previous, kept, changed)
+        # Rows of a batch with no grammar (or logprobs) have none: `False and None` is False;
+        # where the batch had some (or was not asked), the rows left are asked again (None).
         self._log_step("decode", len(requests), [], 0)
         return ScheduledBatch(requests, DecodeChunks(rows), slots, "decode", [], ahead=1,
-                              decode=rows)
+                              decode=rows, has_grammar=batch.has_grammar and None,
+                              has_logprobs=batch.has_logprobs and None)
 
     def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
         """Advances every row by its chunk; rows that sampled get their token. Returns the
@@ -386,7 +389,12 @@ class Scheduler:
                     request.num_computed += 1
                     if request.num_computed % page_size == 0:
                         share(request)
-                    self._take_token(request, token, finished)
+                    output = request.output_ids
+                    if (token in request.stop_token_ids or request.grammar is not None
+                            or len(output) + 1 >= request.max_new_tokens):
+                        self._take_token(request, token, finished)
+                    else:  # the common row, without a call (~0.1 ms of 256 rows)
+                        output.append(token)
             return finished
         for request, chunk, token in zip(batch.requests, batch.chunks, sampled_tokens, strict=True):
             if request.status != "running":
