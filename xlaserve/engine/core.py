@@ -10,7 +10,6 @@ threads send the loop, and what it sends them, are the typed messages of message
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import operator
 import queue
@@ -369,12 +368,12 @@ class EngineCore:
         if batch.decode is not None:  # decode rows only: no prompt targets, each row ahead
             fb = self._decode_batches.forward_batch(batch.decode)
             ahead = [batch.ahead] * len(batch.requests)
-            output_lens = batch.decode.output_lens
+            sample_index = np.add(batch.decode.output_lens, batch.ahead)
         else:
             chunks = self._delivery.chunks_for_step(batch)
             fb = make_forward_batch(chunks, self.buckets, self.runner.page_size)
             ahead = batch.row_ahead()
-            output_lens = [len(r.output_ids) for r in batch.requests]
+            sample_index = [len(r.output_ids) + a for r, a in zip(batch.requests, ahead)]
         padded_seqs = fb.shape[1]
         # Most rows suppress nothing: a copy of their parameters per step would cost more host
         # time than the rest of the packing (a few ms at 128 rows).
@@ -382,7 +381,7 @@ class EngineCore:
                 if r.min_new_tokens and (suppressed := self.scheduler.suppressed_ids(r, a))
                 else r.sampling for r, a in zip(batch.requests, ahead)]
         sampling = self._sampling_metadata(rows, padded_seqs)
-        sampling.sample_index[:len(rows)] = [n + a for n, a in zip(output_lens, ahead)]
+        sampling.sample_index[:len(rows)] = sample_index
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
         return self.runner.stage(fb, sampling, slots)
@@ -426,13 +425,6 @@ class EngineCore:
                 sampled.logprobs, sampled.top_logprobs, sampled.top_ids))
         self._delivery.collect_prompt_logprobs(batch, out)
         # Requests that ended while the step ran (abort, stop string) have no row to advance.
-        live_before = [r.status == "running" for r in batch.requests]
-        token_list = tokens.tolist()
-        self.scheduler.process_results(batch, token_list)
-        samples = (itertools.repeat(True) if batch.decode is not None  # every row samples
-                   else [c.sample for c in batch.chunks])
-        rows: list[SampledRow] = [
-            (request, token_list[i], i, len(request.output_ids))
-            for i, (request, sample, live) in enumerate(zip(batch.requests, samples, live_before))
-            if live and sample]
+        rows: list[SampledRow] = []
+        self.scheduler.process_results(batch, tokens.tolist(), rows)
         return StepResult(rows, logprobs, top_logprobs, top_ids)

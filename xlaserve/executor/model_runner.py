@@ -69,8 +69,9 @@ from xlaserve.sampling.sampler import SamplingMetadata, build_sampling_metadata
 from xlaserve.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME, StepNeeds, needs_of,
                                          program_needs)
 from xlaserve.executor.weight_args import weight_args
-from xlaserve.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, StepOutput, empty_batch,
-                                           idle_step, make_step, step_vectors, table_arrays)
+from xlaserve.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable, StepOutput,
+                                           empty_batch, idle_step, make_step, step_vectors,
+                                           table_arrays)
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,9 @@ class ModelRunner:
         if static_variants is None:
             static_variants = self.mesh.devices.flat[0].platform != "cpu"
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
-        # For rope_cos_sin: the frequencies and YaRN's cos/sin scale (1.0 for other RoPEs).
-        self._inv_freq = self.config.rope.inv_freq(self.config.head_dim)
-        self._rope_scale = self.config.rope.attention_factor
+        # RoPE's cos/sin by position: the frequencies and YaRN's cos/sin scale (1.0 for others).
+        self._rope = RopeTable(self.config.rope.inv_freq(self.config.head_dim),
+                               self.config.rope.attention_factor)
         self.num_pages = num_pages
         dtype = loaded.dtype
         self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
@@ -238,7 +239,7 @@ class ModelRunner:
         step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        host = step_vectors(self._inv_freq, batch, sampling, slots, self._rope_scale)
+        host = step_vectors(self._rope, batch, sampling, slots)
         ints, floats = (host[:2] if self._vectors_in_call
                         else self._put(host[:2], self.output_counts.sharding))
         _, table_host, tables, table_layout = self._tables(sampling)
@@ -297,7 +298,7 @@ class ModelRunner:
             tokens, seqs, pages = shape
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                widths)
-            self._layouts[key] = (step_vectors(self._inv_freq, empty_batch(tokens, seqs, pages),
+            self._layouts[key] = (step_vectors(self._rope, empty_batch(tokens, seqs, pages),
                                                sampling, np.full(seqs, NULL_SLOT, np.int32))[2],
                                   concat_leaves(table_arrays(sampling))[2])
         return self._layouts[key]

@@ -378,13 +378,17 @@ class Scheduler:
                               decode=rows, has_grammar=batch.has_grammar and None,
                               has_logprobs=batch.has_logprobs and None)
 
-    def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
+    def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int],
+                        sampled: list | None = None) -> list[Request]:
         """Advances every row by its chunk; rows that sampled get their token. Returns the
-        requests that finished (their pages and slots are already free)."""
+        requests that finished (their pages and slots are already free). With `sampled`, each
+        row that sampled for a running request is appended to it as (request, token, row index,
+        output tokens with this one), in row order."""
         finished = []
+        sampled = [] if sampled is None else sampled
         if batch.decode is not None:  # one token a row: whole pages complete every page_size
             page_size, share = self.page_size, self.prefix.share_computed_pages
-            for request, token in zip(batch.requests, sampled_tokens, strict=True):
+            for i, (request, token) in enumerate(zip(batch.requests, sampled_tokens, strict=True)):
                 if request.status == "running":
                     request.num_computed += 1
                     if request.num_computed % page_size == 0:
@@ -395,14 +399,18 @@ class Scheduler:
                         self._take_token(request, token, finished)
                     else:  # the common row, without a call (~0.1 ms of 256 rows)
                         output.append(token)
+                    sampled.append((request, token, i, len(output)))
             return finished
-        for request, chunk, token in zip(batch.requests, batch.chunks, sampled_tokens, strict=True):
+        for i, (request, chunk, token) in enumerate(zip(batch.requests, batch.chunks,
+                                                        sampled_tokens, strict=True)):
             if request.status != "running":
                 continue  # aborted or finished since it was scheduled
             request.num_computed += len(chunk.token_ids)
             self.prefix.share_computed_pages(request)
             if chunk.sample:
-                self._take_token(request, int(token), finished)
+                token = int(token)
+                self._take_token(request, token, finished)
+                sampled.append((request, token, i, len(request.output_ids)))
         return finished
 
     def _take_token(self, request: Request, token: int, finished: list[Request]) -> None:
