@@ -94,7 +94,7 @@ def test_a_failure_making_one_requests_output_fails_it_alone(engine, monkeypatch
     original = delivery_module.Delivery._deliver
 
     def fails_for_one(self, sampled, *args):
-        if sampled.request.rid == "faulty":
+        if sampled[0].rid == "faulty":  # a row: (request, live, token, ...)
             raise RuntimeError("a bug tied to this request")
         return original(self, sampled, *args)
 

@@ -85,6 +85,9 @@ class EngineCore:
         self._delivery = Delivery(self.scheduler, self._inbox.put,
                                   name.replace("engine", "delivery"))
         self._last_sampling = None  # (padded seqs, rows, metadata) of the last step prepared
+        # (DecodeRows, padded seqs, metadata) of the last step prepared, a decode continuation
+        # none of whose rows suppressed stop ids; else None (_step_sampling).
+        self._last_decode = None
         self._decode_batches = DecodeBatches(self.buckets, self.runner.page_size)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
@@ -375,16 +378,32 @@ class EngineCore:
             ahead = batch.row_ahead()
             sample_index = [len(r.output_ids) + a for r, a in zip(batch.requests, ahead)]
         padded_seqs = fb.shape[1]
+        sampling = self._step_sampling(batch, ahead, padded_seqs)
+        sampling.sample_index[:len(batch.requests)] = sample_index
+        slots = np.zeros(padded_seqs, np.int32)
+        slots[:len(batch.slots)] = batch.slots
+        return self.runner.stage(fb, sampling, slots)
+
+    def _step_sampling(self, batch, ahead: list[int], padded_seqs: int):
+        """The rows' sampling metadata but `sample_index`. A decode continuation of the last step
+        prepared, over the same rows, none of which suppressed stop ids there (min_new_tokens:
+        once a row stops suppressing it does not start again), has the last step's, with no
+        pass over the rows (~40 us of a 256-row step)."""
+        last, decode = self._last_decode, batch.decode
+        if (decode is not None and last is not None and decode.parent is last[0]
+                and decode.kept is None and last[1] == padded_seqs):
+            self._last_decode = (decode, padded_seqs, last[2])
+            return last[2]
         # Most rows suppress nothing: a copy of their parameters per step would cost more host
         # time than the rest of the packing (a few ms at 128 rows).
         rows = [dataclasses.replace(r.sampling, suppressed_ids=suppressed)
                 if r.min_new_tokens and (suppressed := self.scheduler.suppressed_ids(r, a))
                 else r.sampling for r, a in zip(batch.requests, ahead)]
         sampling = self._sampling_metadata(rows, padded_seqs)
-        sampling.sample_index[:len(rows)] = sample_index
-        slots = np.zeros(padded_seqs, np.int32)
-        slots[:len(batch.slots)] = batch.slots
-        return self.runner.stage(fb, sampling, slots)
+        suppressing = any(row is not r.sampling for row, r in zip(rows, batch.requests))
+        self._last_decode = (None if decode is None or suppressing
+                             else (decode, padded_seqs, sampling))
+        return sampling
 
     def _sampling_metadata(self, rows: list, padded_seqs: int):
         """The rows' sampling metadata; that of the previous step when its rows were the same

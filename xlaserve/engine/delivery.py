@@ -65,19 +65,15 @@ class _Live:
     done: bool = False  # its final chunk has been handed out (the chunk thread's flag alone)
 
 
-@dataclasses.dataclass(slots=True)  # not frozen: its __init__ costs a third (one per row per step)
-class _Row:
-    """A sampled row as the engine loop saw it when the step was read: the chunk thread makes
-    the chunk from this, never from the request's state, which the loop goes on changing."""
-
-    request: Request
-    live: _Live
-    token: int
-    row: int  # the row's index in the step's arrays
-    finish_reason: tuple | None  # the scheduler's, when this token finished the request
-    num_output: int  # output tokens up to and with this one (`completion_tokens` if it ends here)
-    meta_info: dict | None  # with finish_reason
-    input_logprobs: tuple | None  # (input_token_logprobs, input_top_logprobs) on the first chunk
+# A sampled row as the engine loop saw it when the step was read: the chunk thread makes the
+# chunk from this, never from the request's state, which the loop goes on changing. A tuple
+# (request, live, token, row, finish_reason, num_output, meta_info, input_logprobs): the row's
+# index in the step's arrays; the scheduler's finish reason when this token finished the
+# request (and its meta_info), else None; the output tokens up to and with this one
+# (`completion_tokens` if it ends here); (input_token_logprobs, input_top_logprobs) on the first
+# chunk of a request that asked for them. One is made per row per step: a dataclass's __init__
+# cost ~0.07 ms of a 256-row step (benchmarks/bench_host_step.py).
+_Row = tuple
 
 
 def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputChunk], None],
@@ -195,9 +191,8 @@ class Delivery:
             if finished:
                 meta_info = _meta_info(request, live)
                 del self._live[request.rid]
-            rows.append(_Row(request, live, token, row,
-                             request.finish_reason if finished else None, num_output,
-                             meta_info, input_logprobs))
+            rows.append((request, live, token, row, request.finish_reason if finished else None,
+                         num_output, meta_info, input_logprobs))
         if rows:
             self._jobs.put((rows, step))
 
@@ -214,17 +209,18 @@ class Delivery:
             ended: list = []  # StopMatched / DropRequest for the loop
             finals: list = []  # (live, chunk): final chunks to send once the loop ended them
             for row in first:
-                if row.live.done:  # its final chunk went out (a stop string, a failure)
+                request, live, num_output = row[0], row[1], row[5]
+                if live.done:  # its final chunk went out (a stop string, a failure)
                     continue
                 try:
                     self._deliver(row, second, ended, finals)
                 except Exception as error:
-                    logger.exception("request %s failed while its output was made", row.request.rid)
-                    row.live.done = True
-                    ended.append(DropRequest(row.request.rid))
-                    finals.append((row.live, _final_chunk(
-                        row.request, f"internal error ({type(error).__name__})", row.live,
-                        ("abort", None), row.num_output)))
+                    logger.exception("request %s failed while its output was made", request.rid)
+                    live.done = True
+                    ended.append(DropRequest(request.rid))
+                    finals.append((live, _final_chunk(
+                        request, f"internal error ({type(error).__name__})", live,
+                        ("abort", None), num_output)))
             if ended:
                 self._end_in_loop(ended, wait=bool(finals))
             for live, chunk in finals:
@@ -243,8 +239,7 @@ class Delivery:
     def _deliver(self, sampled: _Row, step: StepResult, ended: list, finals: list) -> None:
         """Makes and hands out one row's chunk (the chunk thread); one that a stop string
         finishes goes to `finals`, its end in the scheduler to `ended`."""
-        request, token, live = sampled.request, sampled.token, sampled.live
-        reason, meta_info = sampled.finish_reason, sampled.meta_info
+        request, live, token, row, reason, num_output, meta_info, input_logprobs = sampled
         # A stop id is not part of the text; a grammar's last token (finish "stop" with no
         # matched id) is.
         stopped_by_token = reason is not None and reason[0] == "stop" and isinstance(reason[1], int)
@@ -255,18 +250,18 @@ class Delivery:
             if live.detokenizer.matched_stop is not None and reason is None:
                 stop_found = True
                 reason = ("stop", live.detokenizer.matched_stop)
-                meta_info = _meta_info(request, live, reason, sampled.num_output)
+                meta_info = _meta_info(request, live, reason, num_output)
                 ended.append(StopMatched(request.rid, live.detokenizer.matched_stop))
         finished = reason is not None
         if finished and live.detokenizer is not None:
             delta += live.detokenizer.finish()
         logprob = top_logprobs = None
         if request.sampling.return_logprob:
-            row, n = sampled.row, live.top_logprobs_num
+            n = live.top_logprobs_num
             logprob = float(step.logprobs[row])
             top_logprobs = list(zip(step.top_logprobs[row, :n].tolist(),
                                     step.top_ids[row, :n].tolist()))
-        input_token_logprobs, input_top_logprobs = sampled.input_logprobs or (None, None)
+        input_token_logprobs, input_top_logprobs = input_logprobs or (None, None)
         live.done = finished
         chunk = OutputChunk(token, delta, finished, logprob=logprob, top_logprobs=top_logprobs,
                             input_token_logprobs=input_token_logprobs,
