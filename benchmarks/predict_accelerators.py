@@ -38,7 +38,11 @@ Per bucket (tokens, seqs) of the server's own bucket list (--max-running-request
   prompt logprobs' LM head over every token row).
 - counts from the optimised HLO: conditionals and while loops (on GPU a conditional reads its
   predicate on the host between kernels; so does a while loop whose trip count XLA does not
-  know), custom calls by target, fusions.
+  know), custom calls by target, fusions, and weight copies: copies and transposes of an array
+  of a weight's per-device shape, in a fusion or not (a weight relaid out every step; on v6e
+  with the default layouts, 64 inside the matmuls' fusions, which the cost analysis charges no
+  bytes). The weights are in the layouts XLA chose at the first compile of a run, as a server
+  stores them (executor/weight_args.py).
 These are predictions from compiled programs, not measurements.
 """
 from __future__ import annotations
@@ -89,6 +93,14 @@ def hlo_counts(hlo: str) -> dict:
             "custom_calls": dict(collections.Counter(
                 re.findall(r'custom-call\(.*?custom_call_target="([^"]+)"', text))),
             "command_buffers": len(re.findall(r"command_buffer", text))}
+
+
+def weight_copies(hlo: str, weights) -> list[str]:
+    """Copies and transposes, in fusions or not, whose result has the per-device shape of one of
+    `weights` (ShapeDtypeStructs with their shardings): each a weight relaid out every step."""
+    shapes = {",".join(map(str, w.sharding.shard_shape(w.shape))) for w in weights}
+    found = re.findall(r"= \w+\[([\d,]+)\]\S* (?:copy|transpose)\(", hlo)
+    return [shape for shape in found if shape in shapes]
 
 
 def xla_costs(compiled) -> dict:
@@ -147,7 +159,8 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
             "bound": "memory" if total / bandwidth >= costs["flops"] / peak else "compute",
             "tok_s": (seqs if decode else tokens) / seconds,
             "floor_tok_s": (seqs if decode else tokens) / floor_seconds, "kind": "decode" if decode else
-            "prefill", **hlo_counts(hlo)}
+            "prefill", "weight_copies": len(weight_copies(hlo, program.args[0])),
+            **hlo_counts(hlo)}
 
 
 def server_args(model: str, tp: int, quantization: str | None = None):
@@ -194,7 +207,8 @@ def print_table(rows, context: int) -> None:
     print(f"{'model':<13}{'target':<9}{'tp':>3}{'wts':>5}{'variant':>11}{'tokens':>7}{'seqs':>5}"
           f"{'GFLOP':>8}"
           f"{'XLA GB':>8}{'cacheW':>8}{'KV GB':>7}{'GB':>7}{'args GB':>8}{'temp GB':>8}"
-          f"{'ms':>7} {'bound':<8}{'tok/s':>9}{'floor ms':>9}{'tok/s':>8}{'cond':>5}{'while':>6}{'fus':>5}{'cc':>4}")
+          f"{'ms':>7} {'bound':<8}{'tok/s':>9}{'floor ms':>9}{'tok/s':>8}{'cond':>5}{'while':>6}{'fus':>5}{'cc':>4}"
+          f"{'wcopy':>6}")
     for r in rows:
         calls = sum(r["custom_calls"].values())
         print(f"{r['model']:<13}{r['target']:<9}{r['tp']:>3}{r['weight_format']:>5}"
@@ -204,7 +218,8 @@ def print_table(rows, context: int) -> None:
               f"{r['bytes'] / gb:>7.2f}{r['arguments'] / gb:>8.2f}{r['temporaries'] / gb:>8.2f}"
               f"{r['seconds'] * 1e3:>7.2f} {r['bound']:<8}{r['tok_s']:>9.0f}"
               f"{r['floor_seconds'] * 1e3:>9.2f}{r['floor_tok_s']:>8.0f}"
-              f"{r['conditional']:>5}{r['while']:>6}{r['fusion']:>5}{calls:>4}")
+              f"{r['conditional']:>5}{r['while']:>6}{r['fusion']:>5}{calls:>4}"
+              f"{r['weight_copies']:>6}")
     print("\ncustom calls by target (first row of each target):")
     seen = set()
     for r in rows:

@@ -134,7 +134,7 @@ def test_a_refused_or_failing_request_never_breaks_the_group(checkpoints, refere
     original = delivery.Delivery._deliver
 
     def fails_for_one(self, sampled, *args):
-        if sampled.request.rid == "faulty":
+        if sampled[0].rid == "faulty":  # a row: (request, live, token, ...)
             raise RuntimeError("a bug tied to this request")
         return original(self, sampled, *args)
 

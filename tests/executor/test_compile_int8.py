@@ -59,6 +59,10 @@ def _compiled(target, tp_size, quantization):
     return program, program.compile(*shapes[0]), description
 
 
+# Bytes the weights' chosen layouts may pad the arguments by, per device (2 KiB seen).
+LAYOUT_PADDING = 1 << 16
+
+
 def _per_device_bytes(weights) -> int:
     return int(sum(np.prod(w.sharding.shard_shape(w.shape)) * w.dtype.itemsize for w in weights))
 
@@ -76,10 +80,13 @@ def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target
 
     float_program, float_step, _ = _compiled(target, tp_size, None)
     ours, theirs = compiled.memory_analysis(), float_step.memory_analysis()
-    # Per device, the arguments shrink by exactly the weights' bytes saved (the scales of o_proj
-    # and down, [hidden], are replicated like the layers' outputs) ...
+    # Per device, the arguments shrink by the weights' bytes saved (the scales of o_proj and
+    # down, [hidden], are replicated like the layers' outputs), to within the padding of the
+    # layouts XLA chose for the weights (weight_args.py): v6e tp 4 tiles one layer's qkv scales,
+    # f32[2, 6, 128], in 8 x 128 tiles, 2 KiB more ...
     saved = _per_device_bytes(jax.tree.leaves(float_program.args[0])) - _per_device_bytes(weights)
-    assert theirs.argument_size_in_bytes - ours.argument_size_in_bytes == saved, description
+    shrunk = theirs.argument_size_in_bytes - ours.argument_size_in_bytes
+    assert abs(shrunk - saved) <= LAYOUT_PADDING, (shrunk, saved, description)
     # ... and the temporaries grow by less than any int8 weight would take in bfloat16: no
     # bfloat16 weight is materialized. (Without the sampler's lax.conds, whose branches held the
     # bf16 step's largest temporaries (issue 33 item 2), the int8 step on v6e tp 4 keeps 7.1 MB

@@ -23,9 +23,9 @@ def loaded(tmp_path_factory):
     return load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
 
 
-def _runner(loaded, cache=None):
+def _runner(loaded, cache=None, **options):
     runner = ModelRunner(loaded, num_pages=1 + 8 * len(PROMPTS), page_size=PAGE_SIZE,
-                         max_running_requests=4)
+                         max_running_requests=4, **options)
     runner.precompile(BUCKETS.all_shapes(), cache=cache, progress=False)
     return runner
 
@@ -51,6 +51,29 @@ def test_a_second_start_loads_every_step_and_gives_the_jitted_tokens(loaded, tmp
         tokens = _greedy(runner)
     assert runner.compile_count() == programs and "COMPILED WHILE SERVING" not in caplog.text
     assert tokens == _greedy(_runner(loaded, cache=None))
+
+
+def test_weights_in_the_layouts_xla_chose_give_the_same_tokens_compiled_or_loaded(loaded, tmp_path,
+                                                                                   caplog):
+    """What a TPU or GPU server does at start (ModelRunner, choose_weight_layouts): the first
+    program lets XLA choose the weights' layouts, the weights are stored in them and every other
+    program takes them, compiled or loaded from the cache. XLA's choice on the CPU is the default
+    layouts, so no weight is copied, and the tokens are those of a runner that never chose."""
+    expected = _greedy(_runner(loaded))
+    shapes = len(BUCKETS.all_shapes())
+    for stored in (False, True):  # compiled and stored, then loaded
+        cache = ExecutableCache(str(tmp_path))
+        runner = ModelRunner(loaded, num_pages=1 + 8 * len(PROMPTS), page_size=PAGE_SIZE,
+                             max_running_requests=4, choose_weight_layouts=True)
+        weights = list(runner._weight_args)
+        runner.precompile(BUCKETS.all_shapes(), cache=cache, progress=False)
+        assert (cache.loaded, cache.compiled) == ((shapes, 0) if stored else (0, shapes))
+        assert all(a is b for a, b in zip(runner._weight_args, weights, strict=True))
+        programs = runner.compile_count()
+        assert programs == shapes
+        with caplog.at_level(logging.WARNING):
+            assert _greedy(runner) == expected
+        assert runner.compile_count() == programs and "COMPILED WHILE SERVING" not in caplog.text
 
 
 def test_a_corrupt_or_partial_entry_is_compiled_again_never_loaded(loaded, tmp_path, caplog):

@@ -3,11 +3,12 @@
 moves. Llama-3.1-8B's config.json gives the shapes; no weights are read, no GPU is used. One
 bucket (8 tokens, 8 sequences, the smallest decode bucket) in two of the accelerator's program
 variants (sampling/step_needs.py): plain (greedy rows, nothing else) and everything (every
-sampler part and the prompt logprobs' LM head), ~30 s of compile each.
+sampler part and the prompt logprobs' LM head), ~30 s of compile each. And on TPU v6e, that no
+weight is relaid out every step.
 """
 import pytest
 
-from benchmarks.predict_accelerators import predict, server_args
+from benchmarks.predict_accelerators import predict, server_args, weight_copies
 from tests.compile_targets import devices
 from xlaserve.executor import aot
 from xlaserve.model.loader import read_config
@@ -59,3 +60,38 @@ def test_llama_8b_h100_decode_step_makes_no_host_decision_and_reads_each_weight_
     # variant with prompt logprobs), within the attention's, norms' and sampler's few more.
     flops = 2 * tokens * (row["weights"] + (lm_head_again - 1) * table_bytes) / 2  # 2 B a param
     assert 0.95 * flops < row["flops"] < 1.1 * flops, (row["flops"] / 1e9, flops / 1e9)
+
+
+def test_llama_8b_v6e_decode_step_relays_out_no_weight():
+    """With the default layouts the v6e step (tp 4) relaid each layer's qkv and gate_up weights
+    out for the MXU every step (64 copies, fused into the matmuls' operands); with the layouts
+    XLA chose at the first compile, which a server stores its weights in (weight_args.py), none.
+    One bucket, the smallest decode one, ~25-40 s of compile."""
+    devices("v6e:2x2")  # skips where libtpu is absent
+    program, shapes, description = aot.server_step("v6e:2x2", server_args("llama-3.1-8b", tp=4))
+    weights = program.args[0]
+    compiled = program.compile(*shapes[0], PLAIN)
+    assert not weight_copies(compiled.as_text(), weights), description
+    # The program takes the weights in the layouts it chose; later compiles keep them.
+    chosen = [arg.format for arg in program.args[0]]
+    assert chosen == compiled.input_formats[0][0], description
+    assert any(f.layout is not None for f in chosen) and program.choosing_step is None
+
+
+def test_weight_copies_finds_a_weight_relaid_inside_a_matmul_fusion():
+    """The count sees a relayout XLA fuses into the matmul that reads the weight (a copy fusion
+    nested in the convolution fusion), as in the v6e step with default layouts."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    _, found = devices("v6e:2x2")
+    mesh = Mesh(np.array(found).reshape(4), ("tp",))
+    qkv = jax.ShapeDtypeStruct((4096, 8, 6, 128), jnp.bfloat16,
+                               sharding=NamedSharding(mesh, P(None, "tp")))
+    rows = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    project = jax.jit(lambda w, x: jnp.einsum("th,hkdn->tkdn", x, w))
+    hlo = project.trace(qkv, rows).lower().compile().as_text()
+    assert weight_copies(hlo, [qkv]) == ["4096,2,6,128"]

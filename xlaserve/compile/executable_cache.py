@@ -128,7 +128,9 @@ def _argument_signature(args) -> str:
     for leaf in leaves:
         sharding = getattr(leaf, "sharding", None)
         devices = [d.id for d in sharding.device_set] if sharding is not None else []
-        parts.append(f"{tuple(leaf.shape)}:{leaf.dtype}:{sharding}:{sorted(devices)}")
+        # An array's layout (the weights' are XLA's choice on TPU and GPU: weight_args.py)
+        layout = getattr(getattr(leaf, "format", None), "layout", None)
+        parts.append(f"{tuple(leaf.shape)}:{leaf.dtype}:{sharding}:{sorted(devices)}:{layout}")
     return "\n".join(parts)
 
 

@@ -8,7 +8,8 @@ topologies, NVIDIA H100 through the jax CUDA plugin's deviceless target, from a 
 Nothing is allocated: weights, KV caches and step inputs are ShapeDtypeStructs carrying the
 shardings a server gives them, and the program is `step_program.make_step`, the one a server
 runs, with the platform's kernels (Pallas Mosaic on TPU, Pallas Triton on GPU) and its program
-variants (sampling/step_needs.py: no conditional on an accelerator). XLA compiles it
+variants (sampling/step_needs.py: no conditional on an accelerator), its weights in the layouts
+XLA chose for them at the first compile, as a server stores them. XLA compiles it
 for the target, and Mosaic or Triton compile the kernels inside it, with their layout, alignment
 and memory checks, which interpret mode on CPU skips. Needs `libtpu` (TPU targets) or
 `jax-cuda13-plugin` + `jax-cuda13-pjrt` (GPU) importable, and JAX_PLATFORMS=cpu.
@@ -37,7 +38,7 @@ from xlaserve.model.transformer import abstract_parameters, kv_cache_shape
 from xlaserve.executor.buckets import serving_buckets, with_page_size
 from xlaserve.executor.kernels import kernels_for
 from xlaserve.executor.step_program import idle_vectors, make_step
-from xlaserve.executor.weight_args import weight_args
+from xlaserve.executor.weight_args import abstract_args, auto_formats, weight_args, weight_formats
 from xlaserve.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
 from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
@@ -103,6 +104,10 @@ class StepProgram:
     args: tuple  # weights, kv caches, output counts, last tokens, prompt masks
     inv_freq: np.ndarray
     mesh: Mesh
+    # The step with its weights' layouts left to XLA, which the next compile uses; it then keeps
+    # the layouts chosen (in `args`' weights) for every later one, as a server does
+    # (ModelRunner.precompile). None: chosen already, or the default layouts.
+    choosing_step: callable | None = None
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
                       needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
@@ -116,10 +121,15 @@ class StepProgram:
 
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
         """The program of one bucket shape and variant (by default the one with every part, the
-        most memory and work an accelerator server precompiles for the shape)."""
+        most memory and work an accelerator server precompiles for the shape). The first compile
+        chooses the weights' layouts (`choosing_step`)."""
         args, kwargs = self.lowering_args(tokens, seqs, pages, needs)
         with jax.set_mesh(self.mesh):
-            return self.step.trace(*args, **kwargs).lower().compile()
+            compiled = (self.choosing_step or self.step).trace(*args, **kwargs).lower().compile()
+        if self.choosing_step is not None:
+            weights = abstract_args(self.args[0], weight_formats(compiled))
+            self.args, self.choosing_step = (weights, *self.args[1:]), None
+        return compiled
 
 
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
@@ -134,12 +144,13 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1)
     cache = abstract(kv_cache_shape(config, num_pages, page_size), dtype, mesh, KV_CACHE_SPEC)
     caches = [cache] * config.num_layers
-    step = make_step(graphdef, state_treedef, weight_layout, kernels, mesh,
-                     [cache.sharding] * config.num_layers)
+    steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh,
+                       [cache.sharding] * config.num_layers, formats)
+             for formats in (None, auto_formats(weights))]
     num_slots, vocab = max_running_requests + 1, config.vocab_size
     args = (weights, caches, abstract((num_slots, vocab), jnp.int32, mesh),
             abstract((num_slots,), jnp.int32, mesh), abstract((num_slots, vocab), jnp.bool_, mesh))
-    return StepProgram(step, args, config.rope.inv_freq(config.head_dim), mesh)
+    return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, steps[1])
 
 
 def server_step(target: str, server_args: ServerArgs,

@@ -68,7 +68,8 @@ from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.sampler import SamplingMetadata, build_sampling_metadata
 from xlaserve.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME, StepNeeds, needs_of,
                                          program_needs)
-from xlaserve.executor.weight_args import weight_args
+from xlaserve.executor.weight_args import (abstract_args, auto_formats, stored_in, weight_args,
+                                           weight_formats)
 from xlaserve.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable, StepOutput,
                                            empty_batch, idle_step, make_step, step_vectors,
                                            table_arrays)
@@ -102,10 +103,12 @@ class StagedStep:
 class ModelRunner:
     def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
                  attention_backend: str = "auto", matmul_backend: str = "auto",
-                 static_variants: bool | None = None):
+                 static_variants: bool | None = None, choose_weight_layouts: bool | None = None):
         """`static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
-        None: on TPU and GPU, not on the CPU."""
+        None: on TPU and GPU, not on the CPU. `choose_weight_layouts`: `precompile` lets XLA
+        choose the weights' layouts and stores them so (`_choose_weight_layouts`); None: on TPU
+        in one process (the CPU's and the H100's choice is the default layouts)."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
@@ -157,6 +160,15 @@ class ModelRunner:
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 
         step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding)
+        if choose_weight_layouts is None:
+            # TPU only: there the default layouts had each step relay weights out (64 fused
+            # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
+            choose_weight_layouts = (self.mesh.devices.flat[0].platform == "tpu"
+                                     and replicated.is_fully_addressable)
+        # The step whose weight layouts XLA chooses, until `precompile` has used it.
+        self._choosing_step = (make_step(graphdef, state_treedef, weight_layout, kernels,
+                                         self.mesh, kv_sharding, auto_formats(self._weight_args))
+                               if choose_weight_layouts else None)
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
         def reset_slots(output_counts, prompt_masks, slots, counts_rows, prompt_mask_rows):
@@ -369,7 +381,9 @@ class ModelRunner:
                    progress: bool = True) -> None:
         """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape and program
         variant (`program_variants`). Compiled, not run: a run of each with padding rows cost
-        ~1.3 s of the default model's start."""
+        ~1.3 s of the default model's start. On TPU the first one chooses the weights'
+        layouts, which the others take (`_choose_weight_layouts`); with --disable-precompile
+        the weights keep the default ones."""
         variants = self.program_variants()
         if self.sink is not None:
             # Multi-host: a step runs on every process, so the followers compile it as they
@@ -381,19 +395,21 @@ class ModelRunner:
             self._precompiled = True
             return
         shapes = [(tuple(shape), needs) for shape in shapes for needs in variants]
-        lowering = {shape: self._lowering_args(*shape) for shape in shapes}
         found = {}
+        if self._choosing_step is not None:  # first: the other programs keep the layouts chosen
+            found[shapes[0]] = self._choose_weight_layouts(*shapes[0], cache)
+        lowering = {shape: self._lowering_args(*shape) for shape in shapes if shape not in found}
         if cache is not None:
             paths = {shape: cache.path(*lowering[shape], name="serving step",
-                                       description=self._description) for shape in shapes}
+                                       description=self._description) for shape in lowering}
             devices = list(self.mesh.devices.flat)  # the mesh's order is jit's device assignment
 
             def load(shape):
                 return cache.load(paths[shape], devices)
 
             with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as threads:
-                found = dict(zip(shapes, threads.map(load, shapes)))
-        missing = [shape for shape in shapes if found.get(shape) is None]
+                found.update(zip(lowering, threads.map(load, lowering)))
+        missing = [shape for shape in lowering if found.get(shape) is None]
         for shape in tqdm(missing, desc="Precompiling", unit="shape", disable=not progress):
             args, kwargs = lowering[shape]
             found[shape] = (self._step.lower(*args, **kwargs).compile() if cache is None else
@@ -402,6 +418,28 @@ class ModelRunner:
             self._programs[(shape, SAMPLING_WIDTHS, needs)] = found[(shape, needs)]
         self._compile_reset_slots()
         self._precompiled = True
+
+    def _choose_weight_layouts(self, shape, needs: StepNeeds | None,
+                               cache: ExecutableCache | None):
+        """The program of one bucket shape and variant with the weights' layouts left to XLA
+        (compiled, or loaded from `cache`), after which the weights are stored in the layouts it
+        chose, which the jitted step and every other program then take: no weight is relaid
+        out in a step (on TPU v6e the default layouts cost 64 a step, weight_args.auto_formats).
+        Not another compile: the program serves its bucket. The model's own arrays are freed."""
+        logger.info("Choosing the weights' layouts: the step of shape %s, %s", shape, needs)
+        args, kwargs = self._lowering_args(shape, needs)
+        # Layout.AUTO takes shapes: an array has a layout already.
+        args = (abstract_args(args[0]), *args[1:])
+        if cache is None:
+            compiled = self._choosing_step.lower(*args, **kwargs).compile()
+        else:
+            path = cache.path(args, kwargs, name="serving step, weight layouts chosen",
+                              description=self._description)
+            compiled = (cache.load(path, list(self.mesh.devices.flat)) or
+                        cache.compile_and_store(self._choosing_step, args, kwargs, path))
+        self._weight_args = stored_in(self._weight_args, weight_formats(compiled))
+        self._choosing_step = None
+        return compiled
 
     def _lowering_args(self, shape, needs: StepNeeds | None):
         """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be

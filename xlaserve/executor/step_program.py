@@ -42,15 +42,17 @@ class StepOutput:
     prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
 
 
-def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding):
+def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
+              weight_formats=None):
     """The jitted serving step: forward, sampling, penalty counts and last tokens. A pure function
     of its arguments, so that it can also be compiled for hardware that is not here
-    (executor/aot.py)."""
+    (executor/aot.py). `weight_formats`: the weight arguments' formats (weight_args.auto_formats:
+    XLA chooses their layouts); None: the arguments' own (the other arguments' always are)."""
     replicated = NamedSharding(mesh, P())
     by_vocab = NamedSharding(mesh, P(None, TP))
+    jit_options = {"donate_argnums": (1, 2, 3),
+                   "out_shardings": (replicated, kv_sharding, replicated, replicated)}
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2, 3), static_argnames=("layout", "needs"),
-                       out_shardings=(replicated, kv_sharding, replicated, replicated))
     def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
              table_ints, table_floats, token_bitmask, layout, needs: StepNeeds | None = RUN_TIME):
         batch, sampling, slots, rope = split_leaves(ints, floats, layout[0])
@@ -87,7 +89,25 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                  part(needs, "prompt_logprobs"))
         return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
 
-    return step
+    if weight_formats is None:
+        return jax.jit(step, static_argnames=("layout", "needs"), **jit_options)
+    # Of the ten positional arguments; None: the argument's own sharding and layout.
+    in_shardings = (list(weight_formats),) + (None,) * 9
+    return StaticKeywordsBound(step, in_shardings=in_shardings, **jit_options)
+
+
+class StaticKeywordsBound:
+    """`fn` jitted with its keyword arguments (static ones: `layout`, `needs`) bound first, for
+    lowering only: jit refuses keyword arguments where `in_shardings` is given."""
+
+    def __init__(self, fn, **jit_options):
+        self.fn, self.jit_options = fn, jit_options
+
+    def trace(self, *args, **kwargs):
+        return jax.jit(functools.partial(self.fn, **kwargs), **self.jit_options).trace(*args)
+
+    def lower(self, *args, **kwargs):
+        return self.trace(*args, **kwargs).lower()
 
 
 class RopeTable:

@@ -7,6 +7,10 @@ packed weights, model/packed.py) goes once, and on a single device the small lea
 and dtype (norm scales, biases) go as one stacked array that the step slices back: a slice of a
 few KiB costs nothing next to the step (of a weight it would be a copy, so big leaves are never
 stacked here).
+
+The weights' layouts (how each is laid out in memory; `weight_formats` below) are XLA's choice on
+TPU, made once and kept by every program, so that no step relays a weight out for the matrix
+unit (ModelRunner.precompile, aot.StepProgram.compile; on an H100 XLA chooses the defaults).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -66,3 +71,39 @@ def _stack(leaves: list):
 def leaves_from_args(args: list, layout: WeightLayout) -> list:
     """The leaves again, inside the jitted step."""
     return [args[index] if row < 0 else args[index][row] for index, row in layout.sources]
+
+
+def auto_formats(args: list) -> list[Format]:
+    """Each weight argument's sharding with its layout left to XLA (Layout.AUTO): make_step's
+    `weight_formats` for the compile that chooses the layouts. With the default layouts the
+    TPU v6e step (Llama-3.1-8B, tp 4) relaid each layer's qkv and gate_up weights out for the
+    MXU every step, 64 copies inside the matmuls' fusions (XLA's cost analysis charges them no
+    HBM bytes: the predicted step time is the same; their cost on the chip is unmeasured)."""
+    return [Format(Layout.AUTO, arg.sharding) for arg in args]
+
+
+def weight_formats(compiled) -> list[Format]:
+    """The layouts and shardings a compiled step takes its weight arguments (its first
+    argument) in."""
+    return list(compiled.input_formats[0][0])
+
+
+def abstract_args(args: list, formats: list[Format] | None = None) -> list:
+    """ShapeDtypeStructs of the weight arguments, with their shardings, or with `formats` (the
+    step is then lowered for weights stored in those layouts)."""
+    return [jax.ShapeDtypeStruct(arg.shape, arg.dtype, sharding=arg.sharding if f is None else f)
+            for arg, f in zip(args, formats or [None] * len(args), strict=True)]
+
+
+def stored_in(args: list, formats: list[Format]) -> list[jax.Array]:
+    """The weight arguments stored in `formats`: each one whose layout differs is copied and its
+    old buffer freed before the next is copied, so the weights never take twice their memory.
+    The freed arrays are the model's own (ModelRunner's `loaded.model`), which no longer works."""
+    stored = []
+    for arg, target in zip(args, formats, strict=True):
+        if arg.format.layout != target.layout:
+            copy = jax.device_put(arg, target).block_until_ready()
+            arg.delete()
+            arg = copy
+        stored.append(arg)
+    return stored
