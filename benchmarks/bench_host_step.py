@@ -278,13 +278,16 @@ def main(argv=None) -> None:
     parser.add_argument("--no-admissions", action="store_true", help="skip the admission case")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON line per case too")
+    parser.add_argument("--context-length", type=int, default=4096,
+                        help="the model's max_position_embeddings: the page table is as wide as "
+                             "its pages (131072: Llama-3.1-8B's, 8192 pages of 16)")
     parser.add_argument("--null-step", action="store_true",
                         help="run each bucket's step as a NullStep: same arguments, no compute")
     args = parser.parse_args(argv)
     cases = [int(n) for n in args.rows.split(",")]
     folder = tempfile.mkdtemp(prefix="xlaserve-host-step-")
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(CONFIG, f)
+        json.dump({**CONFIG, "max_position_embeddings": args.context_length}, f)
     weight_args.SMALL_LEAF_BYTES = SMALL_LEAF_BYTES
     most = max(cases + [256])
     core = EngineCore(ServerArgs(

@@ -22,22 +22,25 @@ from xlaserve.scheduler.request import DecodeRows
 
 
 class DecodeBatches:
-    """Builds decode steps' ForwardBatches, keeping the last one's page table (the engine
-    thread's: one per EngineCore)."""
+    """Builds decode steps' ForwardBatches, keeping the last one's padded page table, which the
+    next one updates in place (the engine thread's: one per EngineCore). The table is as wide as
+    the context's pages (buckets.serving_buckets: one width), 8192 at Llama-3.1-8B's 128K
+    tokens and page size 16, i.e. 8 MB at 256 rows: filling it afresh each step cost ~1 ms of
+    host time (benchmarks/bench_host_step.py at that context). The step's vectors copy it
+    (`step_vectors`), so the next step may write it."""
 
     def __init__(self, buckets: Buckets, page_size: int):
         self.buckets = buckets
         self.page_size = page_size
-        self._rows: DecodeRows | None = None  # the rows `_table` holds
-        self._table = np.zeros((0, 0), np.int32)  # i32[rows, width]: page ids, NULL_PAGE after
+        self._rows: DecodeRows | None = None  # the rows `_page_indices` holds
+        self._page_indices: np.ndarray | None = None  # i32[padded seqs, padded pages]
 
     def forward_batch(self, rows: DecodeRows) -> ForwardBatch:
         n = len(rows.num_cached)
-        table = self._page_table(rows)
         num_cached = np.array(rows.num_cached, np.int32)
         kv = num_cached + 1
         pages_needed = -(-kv // self.page_size)
-        num_pages = (table != NULL_PAGE).sum(axis=1)
+        num_pages = np.fromiter(map(len, rows.page_ids), np.int64, n)
         if (short := np.flatnonzero(num_pages < pages_needed)).size:
             i = int(short[0])
             raise ValueError(f"sequence {i} needs {pages_needed[i]} pages, has {num_pages[i]}")
@@ -47,12 +50,7 @@ class DecodeBatches:
         positions[:n] = num_cached
         kv_lens = np.zeros(padded_seqs, np.int32)
         kv_lens[:n] = kv
-        # Each row's first pages_needed pages; a page past them (held, not yet written) is NULL
-        # as in make_forward_batch.
-        page_indices = np.full((padded_seqs, padded_pages), NULL_PAGE, np.int32)
-        width = min(padded_pages, table.shape[1])
-        page_indices[:n, :width] = np.where(
-            np.arange(width) < pages_needed[:, None], table[:, :width], NULL_PAGE)
+        page_indices = self._updated_page_indices(rows, (padded_seqs, padded_pages))
         row_index = np.arange(padded_seqs, dtype=np.int32)
         cu_q_lens = np.minimum(np.arange(padded_seqs + 1, dtype=np.int32), n)
         sample_rows = row_index < n
@@ -66,33 +64,34 @@ class DecodeBatches:
             sample_rows=sample_rows, target_ids=np.full(padded_tokens, -1, np.int32),
             input_slots=input_slots)
 
-    def _page_table(self, rows: DecodeRows) -> np.ndarray:
-        """Rows' page lists as a table: the last step's, less the rows that left, with the
-        changed rows rewritten; built whole when the last step was not this one's parent."""
-        if rows.parent is None or rows.parent is not self._rows:
-            table = _whole_table(rows.page_ids)
+    def _updated_page_indices(self, rows: DecodeRows, shape: tuple[int, int]) -> np.ndarray:
+        """The page table of `rows` padded to `shape` (NULL_PAGE past each row's pages and in
+        the padding rows): the last step's, less the rows that left, with the changed rows'
+        pages written; built whole when the last step was not this one's parent or its shape
+        differs. A decode row's page list only grows (a swap for cached pages keeps its
+        length), so a row rewritten in place has NULL_PAGE after its pages already."""
+        n, last = len(rows.page_ids), self._rows
+        page_indices = self._page_indices
+        if (page_indices is None or page_indices.shape != shape or last is None
+                or rows.parent is not last):
+            page_indices = np.full(shape, NULL_PAGE, np.int32)
+            _write_rows(page_indices, rows.page_ids)
         else:
-            table = self._table if rows.kept is None else self._table[rows.kept]
-            if rows.changed:
-                width = max(len(rows.page_ids[i]) for i in rows.changed)
-                if width > table.shape[1]:
-                    table = np.pad(table, ((0, 0), (0, width - table.shape[1])),
-                                   constant_values=NULL_PAGE)
-                for i in rows.changed:
-                    pages = rows.page_ids[i]
-                    table[i, :len(pages)] = pages
-                    table[i, len(pages):] = NULL_PAGE
-        self._rows, self._table = rows, table
-        return table
+            if rows.kept is not None:
+                page_indices[:n] = page_indices[rows.kept]
+                page_indices[n:len(last.page_ids)] = NULL_PAGE
+            for i in rows.changed:
+                pages = rows.page_ids[i]
+                page_indices[i, :len(pages)] = pages
+        self._rows, self._page_indices = rows, page_indices
+        return page_indices
 
 
-def _whole_table(page_ids: list[list[int]]) -> np.ndarray:
-    """i32[rows, longest]: each row's pages, then NULL_PAGE; one scatter (a row at a time cost
-    ~0.2 ms at 256 rows)."""
+def _write_rows(table: np.ndarray, page_ids: list[list[int]]) -> None:
+    """Row i of `table` starts with page_ids[i]; one scatter (a row at a time cost ~0.2 ms at
+    256 rows)."""
     lengths = np.fromiter(map(len, page_ids), np.int64, len(page_ids))
-    table = np.full((len(page_ids), int(lengths.max(initial=0))), NULL_PAGE, np.int32)
     starts = np.cumsum(lengths) - lengths
     rows = np.repeat(np.arange(len(page_ids)), lengths)
     table[rows, np.arange(rows.size) - np.repeat(starts, lengths)] = np.fromiter(
         itertools.chain.from_iterable(page_ids), np.int32, rows.size)
-    return table
