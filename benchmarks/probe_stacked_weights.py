@@ -4,11 +4,12 @@ A chain of `--layers` matmuls of bfloat16 [hidden, hidden] weights over an 8-row
 compiled for a compile-only target (executor/aot.py) twice: each layer's weight an argument of
 its own (as the serving step takes Llama-3.1-8B's 131 weights on TPU and GPU today), and all
 layers' weights one [layers, hidden, hidden] argument that the program slices statically (as
-executor/weight_args.py stacks small leaves). Printed: XLA's bytes accessed (predict_accelerators'
+executor/weight_args.py stacks small leaves). Printed: XLA's bytes accessed per device (predict_accelerators'
 `xla_costs`), the whole-array copies in the optimised HLO, and the temporary memory, for each.
+With `--tp-size` the weights' output columns are split over that many devices.
 
     python benchmarks/probe_stacked_weights.py --target h100
-    python benchmarks/probe_stacked_weights.py --target v6e:2x2
+    python benchmarks/probe_stacked_weights.py --target v6e:2x2 [--tp-size 4]
 
 Each argument of a jitted call costs host time on every call (benchmarks/bench_host_step.py:
 ~0.3 ms for the step's ~171), so if stacking costs the device nothing, the step could take a
@@ -31,6 +32,8 @@ def main(argv=None) -> None:
     parser.add_argument("--target", default="h100", help="h100, v6e:2x2, v5e:2x2 ...")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="devices the weights' output columns are split over")
     args = parser.parse_args(argv)
     aot.use_compile_only_packages()
     import jax
@@ -42,25 +45,27 @@ def main(argv=None) -> None:
     from benchmarks.predict_accelerators import xla_costs
 
     _, devices = aot.target_devices(args.target)
-    mesh = Mesh(np.array(devices[:1]), ("x",))
+    mesh = Mesh(np.array(devices[:args.tp_size]), ("x",))
     replicated = NamedSharding(mesh, P())
+    by_column, stack_by_column = NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P(None, None, "x"))
     layers, hidden = args.layers, args.hidden
 
     def separate(weights, x):
         for w in weights:
-            x = jnp.tanh(x @ w)
+            x = jax.lax.with_sharding_constraint(jnp.tanh(x @ w), replicated)
         return x
 
     def stacked(weights, x):
         for i in range(layers):
-            x = jnp.tanh(x @ weights[i])
+            x = jax.lax.with_sharding_constraint(jnp.tanh(x @ weights[i]), replicated)
         return x
 
     x = jax.ShapeDtypeStruct((8, hidden), jnp.bfloat16, sharding=replicated)
-    one = jax.ShapeDtypeStruct((hidden, hidden), jnp.bfloat16, sharding=replicated)
-    stack = jax.ShapeDtypeStruct((layers, hidden, hidden), jnp.bfloat16, sharding=replicated)
-    weight_gb = layers * hidden * hidden * 2 / 1e9
-    print(f"{args.target}: {layers} weights of bf16[{hidden},{hidden}], {weight_gb:.3f} GB")
+    one = jax.ShapeDtypeStruct((hidden, hidden), jnp.bfloat16, sharding=by_column)
+    stack = jax.ShapeDtypeStruct((layers, hidden, hidden), jnp.bfloat16, sharding=stack_by_column)
+    weight_gb = layers * hidden * hidden * 2 / 1e9 / args.tp_size
+    print(f"{args.target}, tp {args.tp_size}: {layers} weights of bf16[{hidden},{hidden}], "
+          f"{weight_gb:.3f} GB per device")
     for name, fn, weights in (("one argument each", separate, [one] * layers),
                               ("one stacked argument", stacked, stack)):
         with jax.set_mesh(mesh):
