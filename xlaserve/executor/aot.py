@@ -141,7 +141,8 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
                                                   model_class(config.architecture), quantization)
     leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
-    weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1)
+    weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
+                                         stack_layers=platform == "tpu")
     cache = abstract(kv_cache_shape(config, num_pages, page_size), dtype, mesh, KV_CACHE_SPEC)
     caches = [cache] * config.num_layers
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh,

@@ -154,7 +154,9 @@ class ModelRunner:
         # What the step is made of besides its arguments' shapes: part of its executable cache key.
         self._description = "\n".join([repr(self.config), np.dtype(dtype).name, str(state_treedef),
                                         describe(kernels)])
-        self._weight_args, weight_layout = weight_args(leaves, stack_small=self.mesh.size == 1)
+        self._weight_args, weight_layout = weight_args(
+            leaves, stack_small=self.mesh.size == 1,
+            stack_layers=self.mesh.devices.flat[0].platform == "tpu")
         del leaves, state
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
