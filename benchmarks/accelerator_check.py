@@ -66,9 +66,12 @@ PLANS = {
         offline=dict(num_prompts=512, input_len=(32, 64), output_len=128),
         server_timeout_s=300, time_budget_s=540,  # the device machine stops a command at 600 s
         # Seconds each step may take before it skips what it has left (a model: its own name).
-        # A cold Llama-3.1-8B start compiles 4 programs with GEMM autotuning: the largest share.
-        budgets={"qwen2.5-0.5b": 120, "llama-3.1-8b": 210, "attention_correctness": 60,
-                 "attention_timing": 40, "server": 90}),
+        # The first H200 run (2026-11-26) took 106 s for Qwen2.5-0.5B, 112 s for Llama-3.1-8B
+        # (its cold start 104 s), 58 s for the attention checks and 5.5 s for their timing; the
+        # server, whose precompile runs beside this process's 75% of the GPU, was not ready in
+        # 90 s (17-22 s a program; alone it was ready in 69 s), hence its larger share now.
+        budgets={"qwen2.5-0.5b": 120, "llama-3.1-8b": 150, "attention_correctness": 60,
+                 "attention_timing": 30, "server": 170}),
     "quick": dict(
         attention_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16),
         ragged_heads=dict(num_q_heads=6, num_kv_heads=2, head_dim=32, page_size=16),

@@ -3,7 +3,8 @@ decode (64 sequences x 1 new token, 1024 keys each) and prefill (8 sequences x 5
 
     python benchmarks/bench_attention.py [--dtype bfloat16] [--iters 20]
 
-Per implementation: milliseconds per call, achieved HBM (memory) bandwidth over the bytes the call
+Per implementation: milliseconds of device time per call (calls enqueued back to back, as in a
+step; `device_seconds`), achieved HBM (memory) bandwidth over the bytes the call
 must move (every attended K/V once, q, out, the new K/V written) and TFLOP/s over the causal
 attention's two matmuls. Platforms: the reference (XLA) everywhere, plus the Pallas TPU kernel on
 TPU, the Pallas GPU (Triton) kernel on GPU, the native CPU kernel on CPU. The Pallas kernels do not
@@ -70,29 +71,37 @@ def traffic_and_flops(num_seqs, q_len, kv_len, num_q_heads, num_kv_heads, head_d
     return kv_bytes + q_out_bytes + new_kv_bytes, flops
 
 
-def median_seconds(fn, iters: int) -> float:
-    """Median wall time of `fn()` (which must block) over `iters` calls after one warm call (the
-    compile)."""
-    fn()
+def device_seconds(dispatch, iters: int, rounds: int = 3) -> float:
+    """Device time of one call: `dispatch()` enqueues a call (without waiting) and returns what
+    to wait on; each round enqueues `iters` calls back to back and waits once, so the host's
+    dispatch hides behind the device wherever the device is the slower (as in a serving step,
+    one compiled program). Median of `rounds` after one warm call (the compile). Waiting on
+    every call, as this did before, adds the host's round trip to each: on an H200 that timed
+    the decode batch below (134 MB of KV) at 0.188 ms a call, 0.7 TB/s, where ncu timed the
+    kernel on a bigger one (277 MB: sweep_gpu_attention's decode_256x256) at 0.108 ms, 2.6 TB/s."""
+    jax.block_until_ready(dispatch())
     times = []
-    for _ in range(iters):
+    for _ in range(rounds):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(iters):
+            last = dispatch()
+        jax.block_until_ready(last)
+        times.append((time.perf_counter() - start) / iters)
     return float(np.median(times))
 
 
 def seconds_per_call(fn, batch, iters: int) -> float:
-    """Median over `iters` calls; the cache is donated and threaded through, as in serving."""
+    """Device time per call (`device_seconds`); the cache is donated and threaded through, as in
+    serving, which also orders the calls."""
     step = jax.jit(lambda cache, rest: fn(kv_cache=cache, **rest, sm_scale=0.1), donate_argnums=0)
     rest = {k: v for k, v in batch.items() if k != "kv_cache"}
     cache = [jnp.copy(batch["kv_cache"])]
 
-    def call():
+    def dispatch():
         out, cache[0] = step(cache[0], rest)
-        jax.block_until_ready((out, cache[0]))
+        return out, cache[0]
 
-    return median_seconds(call, iters)
+    return device_seconds(dispatch, iters)
 
 
 def attention_timings(found: dict, batches: dict, *, dtype, iters: int, page_size: int, **heads):

@@ -146,7 +146,7 @@ def test_attention_kernel_with_sinks_compiles_for_the_target(target, sinks_case)
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gpu_split_kv_decode_compiles_for_h100(layout, sinks, window, rows):
     # Small decode buckets take the split-KV path by default: 8 rows x 8 kv heads is 64
-    # programs, 4 splits each (kernel_gpu.default_num_kv_splits); a 1-row bucket, 16 splits.
+    # programs, 4 splits each (kernel_gpu.default_num_kv_splits), as is a 1-row bucket.
     check_compiles_in_place("h100", (layout, (rows, rows), 16, "bfloat16"), sinks=sinks,
                             sliding_window=window)
 

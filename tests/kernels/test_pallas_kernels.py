@@ -234,14 +234,19 @@ def test_gpu_split_kv_in_bfloat16():
     check_kernel("gpu", case, tol=2e-2, num_kv_splits=3)  # 64-token blocks: 16 over 3 splits
 
 
-def test_gpu_default_kv_splits_fill_an_h100_only_where_the_grid_is_small():
-    # (work items, kv heads, KV blocks of a full page table) -> splits; see the docstring.
-    assert kernel_gpu.default_num_kv_splits(8, 8, 64) == 4  # Llama-3.1-8B, 8-row decode bucket
-    assert kernel_gpu.default_num_kv_splits(16, 8, 64) == 2
-    assert kernel_gpu.default_num_kv_splits(32, 8, 64) == 1
+def test_gpu_default_kv_splits_as_the_h200_sweep_chose():
+    # (work items, kv heads, KV blocks of a full page table[, q_block]) -> splits; see the
+    # docstring. Llama-3.1-8B decode buckets: 4 splits up to 64 rows (the sweep's fastest at 1,
+    # 8 and 64 rows), 2 at 128, none from 256 (fastest unsplit).
+    for rows in (1, 8, 16, 32, 64):
+        assert kernel_gpu.default_num_kv_splits(rows, 8, 64) == 4
+    assert kernel_gpu.default_num_kv_splits(128, 8, 64) == 2
     assert kernel_gpu.default_num_kv_splits(256, 8, 64) == 1
     assert kernel_gpu.default_num_kv_splits(8, 2, 64) == kernel_gpu.MAX_KV_SPLITS  # TP4
     assert kernel_gpu.default_num_kv_splits(8, 2, 3) == 3  # no more splits than KV blocks
+    # Prefill items (several rows each) split only a small grid.
+    assert kernel_gpu.default_num_kv_splits(120, 8, 64, q_block=32) == 1
+    assert kernel_gpu.default_num_kv_splits(1, 8, 64, q_block=32) == 4
 
 
 def test_pallas_backend_is_refused_on_cpu_unless_interpreted():

@@ -15,9 +15,9 @@ page 0 before use, whose keys are masked.
 Attention sinks (one logit per query head, `sinks`) come in laid out as the rows, [Hkv, rows]:
 a program starts its running max at its rows' sinks and its denominator at 1.
 
-Split KV (flash-decoding): where (work items x kv heads) alone would leave most of the GPU idle
-(small decode buckets: batch 1 of Llama-3.1-8B is 8 programs on 132 SMs), the grid gets a third
-axis of `num_kv_splits`: program (w, h, s) attends the s-th of `num_kv_splits` equal shares of the
+Split KV (flash-decoding): where (work items x kv heads) alone would leave the GPU short of
+programs (decode buckets under 256 rows of Llama-3.1-8B: batch 1 is 8 programs on 132 SMs), the
+grid gets a third axis of `num_kv_splits`: program (w, h, s) attends the s-th of `num_kv_splits` equal shares of the
 item's KV blocks and writes its partial state (unnormalized float32 output, running max and
 denominator); `combine_kv_splits` merges the partials in XLA after the kernel with the
 log-sum-exp rule. Only split 0 starts from the sink, so a sink is counted once. The shares are
@@ -49,14 +49,16 @@ KV_BLOCK_TOKENS = 64  # keys per loop step; K and V of one step stay in register
 # Shared memory for the KV blocks: an H100 gives a block 227 KiB (A100: 163), less the queries
 # and scores (up to 128 rows x 128 dims in float32: 64 KiB).
 SHARED_MEMORY_FOR_KV = 160 << 10
-# Split KV: the programs a grid should have before its KV is split further. An H100 has 132 SMs;
-# a 4-warp program whose two pipelined bfloat16 KV blocks (64 tokens x D 128, K and V) take
-# 64 KiB of shared memory runs ~3 to an SM, so 264 programs (2 per SM) keep every SM busy and
-# ~2/3 of the resident slots filled, while bounding the partials each split adds (below).
-TARGET_PROGRAMS = 264
-# At most 16 shares (SGLang's Triton decode kernel takes 8, jax's Pallas GPU decode 16): a
-# 4096-token context is 64 blocks, 4 a share; more add partials and programs for less KV each.
-MAX_KV_SPLITS = 16
+# Split KV: a decode grid with fewer than TARGET_PROGRAMS programs splits each item's KV into
+# up to MAX_KV_SPLITS shares. Set from an H200 sweep of decode batches on Llama-3.1-8B's heads
+# (benchmarks/sweep_gpu_attention.py, 2026-11-26, bfloat16; docs/tpu-gpu.md): 4 splits were the
+# fastest, or within the run's noise of it, at 1, 8 and 64 rows (8, 64 and 512 programs
+# unsplit; at 64 rows 18% faster than none), no split at 256 rows (2048 programs; 2 splits were
+# 7% slower), and 8 or 16 splits never beat 4. Prefill and mixed buckets (items of several
+# rows) were not swept: they keep the earlier, smaller target (2 programs per H100 SM).
+TARGET_PROGRAMS = 2048
+TARGET_PROGRAMS_PREFILL = 264
+MAX_KV_SPLITS = 4
 
 
 def next_power_of_two(x: int) -> int:
@@ -94,21 +96,22 @@ def default_num_stages(block_tokens: int, head_dim: int, itemsize: int) -> int:
     return 2 if 2 * kv_block_bytes(block_tokens, head_dim, itemsize) <= SHARED_MEMORY_FOR_KV else 1
 
 
-def default_num_kv_splits(num_items: int, num_kv_heads: int, num_kv_blocks: int) -> int:
-    """KV splits per (work item, kv head): as many as bring the grid to TARGET_PROGRAMS, at most
-    MAX_KV_SPLITS and the KV blocks a full page table has; 1 (no split) where the grid has half
-    of TARGET_PROGRAMS already. Static: the kernel is compiled per bucket shape.
+def default_num_kv_splits(num_items: int, num_kv_heads: int, num_kv_blocks: int,
+                          q_block: int = 1) -> int:
+    """KV splits per (work item, kv head): as many as bring the grid to TARGET_PROGRAMS (items of
+    `q_block` > 1 rows: TARGET_PROGRAMS_PREFILL), at most MAX_KV_SPLITS and the KV blocks a full
+    page table has; 1 (no split) where the grid has half of the target already. Static: the
+    kernel is compiled per bucket shape.
 
     Llama-3.1-8B (8 kv heads), 64-token KV blocks, 4096-token context (64 blocks), decode buckets
-    (one item per row): 8 rows -> 64 programs x 4 splits = 256 (batch 1 runs 32 programs of 16
-    blocks each, not 8 of 64); 16 rows -> 2 splits; 32 rows and more -> 1 (the kernel as before).
-    TP4 (2 kv heads per device): 8 rows -> 16 splits, 64 rows -> 2. Prefill buckets of many
-    items (512 tokens over 64 sequences: 120 items) are not split. The cost: each program writes
-    rows x (D + 2) float32 partials that the merge reads back; for decode items (16 rows) at most
-    264 x 16 x 130 x 4 B = 2.2 MB per layer each way (~1.3 us at 3.35 TB/s), against a single
-    sequence's KV of 4 MB per layer per 1024 tokens of context."""
+    (one item per row): 1 to 64 rows -> 4 splits (batch 1 runs 32 programs of 16 blocks each,
+    not 8 of 64), 128 rows -> 2, 256 rows and more -> 1 (the kernel as before). Prefill buckets
+    of many items (512 tokens over 64 sequences: 120 items) are not split. The cost: each program writes rows x (D + 2) float32 partials that the merge reads back; for
+    decode items (16 rows) at 64 rows x 8 heads x 4 splits, 2048 x 16 x 130 x 4 B = 17 MB per
+    layer each way, against the 134 MB of KV those rows read at a 1024-token context."""
     programs = num_items * num_kv_heads
-    return max(1, min(TARGET_PROGRAMS // programs, MAX_KV_SPLITS, num_kv_blocks))
+    target = TARGET_PROGRAMS if q_block == 1 else TARGET_PROGRAMS_PREFILL
+    return max(1, min(target // programs, MAX_KV_SPLITS, num_kv_blocks))
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -146,7 +149,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     num_items = q_items.shape[0]
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(num_items, num_kv_heads,
-                                              padded_pages // kv_block_pages)
+                                              padded_pages // kv_block_pages, q_block)
 
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
