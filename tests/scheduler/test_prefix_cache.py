@@ -1,6 +1,9 @@
 """The radix prefix cache: the tree on its own, then through the scheduler with the fake model
 (which reads every token back through the page table, so a wrong or stale shared page fails)."""
+import heapq
+import itertools
 import logging
+import random
 
 import pytest
 
@@ -105,6 +108,80 @@ def test_allocate_evicts_only_what_the_free_list_lacks():
     assert cache.available_pages == 6 and cache.allocator.num_free == 1
     assert len(cache.allocate(3)) == 3  # 1 free + the least recently used leaf (A: 3 pages)
     assert cache.match(A)[0] == [] and cache.evictable_pages == 2 and cache.allocator.num_free == 1
+
+
+class WalkingRadixCache(RadixCache):
+    """The eviction as it was before the leaf heap: every evict walks the whole tree for its
+    unlocked leaves. The oracle for the heap's order."""
+
+    def evict(self, num_pages: int) -> int:
+        order = itertools.count()
+        heap = [(leaf.last_access, next(order), leaf) for leaf in self._unlocked_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.allocator.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            parent = leaf.parent
+            del parent.children[self._first_page(leaf.key)]
+            leaf.parent = None
+            if not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+        return freed
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_from_the_leaf_heap_frees_what_a_walk_of_the_tree_would(seed):
+    # Random inserts (shared prefixes, so splits), matches, locks and unlocks, allocations under
+    # pressure, locked inserts and flushes, on the cache and on the walking oracle side by side:
+    # every eviction frees the same pages in the same order.
+    rng = random.Random(seed)
+    caches = [RadixCache(PageAllocator(48), PAGE), WalkingRadixCache(PageAllocator(48), PAGE)]
+    locked = [[], []]
+    for _ in range(400):
+        op, ends, wants = rng.random(), rng.random(), rng.randint(1, 4)
+        ids = [rng.randrange(3) for _ in range(PAGE * rng.randint(1, 5))]  # few tokens: sharing
+        results = []
+        for cache, held in zip(caches, locked):
+            if op < 0.35:  # a request that computed `ids` caches them
+                n = len(ids) // PAGE
+                if cache.available_pages < n:
+                    results.append(None)
+                    continue
+                pages = cache.allocate(n)
+                tree_pages, node = cache.insert(ids, pages)
+                cache.allocator.free([p for p, t in zip(pages, tree_pages) if p != t])
+                results.append(tree_pages)
+            elif op < 0.55:  # a request reuses a cached prefix and holds it
+                pages, node = cache.match(ids)
+                cache.lock(node)
+                held.append(node)
+                results.append(pages)
+            elif op < 0.7 and held:  # a request ends
+                cache.unlock(held.pop(int(ends * len(held))))
+                results.append("unlock")
+            elif op < 0.75:
+                results.append(cache.flush())
+            else:  # a decoding request needs pages: evicts when the free list is short
+                got = cache.allocate(wants) if wants <= cache.available_pages else []
+                cache.allocator.free(got)
+                results.append(got)
+        assert results[0] == results[1]
+        a, b = caches
+        assert (a.allocator._free, a.evictable_pages, a.locked_pages) == (
+            b.allocator._free, b.evictable_pages, b.locked_pages)
+
+
+def test_the_leaf_heap_stays_bounded_when_the_same_leaves_are_used_over_and_over():
+    cache = make_cache()
+    nodes = [cached(cache, [k] * 8, 2)[1][1] for k in range(3)]
+    for i in range(1000):  # each release pushes the leaf again; the old entries go stale
+        cache.lock(nodes[i % 3])
+        cache.unlock(nodes[i % 3])
+    assert cache._num_nodes == 3 and len(cache._leaf_heap) <= 2 * 3 + 65
+    assert cache.flush() == 6 and cache.allocator.num_used == 0
 
 
 def test_insert_locked_frees_duplicates_and_moves_the_lock():

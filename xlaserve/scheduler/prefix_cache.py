@@ -12,6 +12,13 @@ Since locking a node locks its ancestors, every node under an unlocked node is u
 
 Tree pages are allocated in the PageAllocator (off its free list); the tree frees them when it
 evicts. Host-only bookkeeping, used from the engine thread alone.
+
+The evictable leaves are kept in a heap as they appear (an unlock to zero, a new leaf, a parent
+whose last child went), not found by walking the tree at each eviction: in the steady state of
+a server the pool is full of cached pages and every page a decoding row needs is an eviction,
+and the walk cost O(tree) each time (35% of the engine thread's samples in bench_host_step.py
+once its pool filled). Entries go stale (a node locked again, touched, given a child, evicted)
+and are checked when popped; the heap is rebuilt by a walk when stale entries outnumber nodes.
 """
 from __future__ import annotations
 
@@ -46,6 +53,10 @@ class RadixCache:
         self.evictable_pages = 0  # pages of unlocked nodes: free for the asking
         self.locked_pages = 0
         self._clock = itertools.count(1)
+        # (last_access, push order, node) for every unlocked leaf, and stale entries (see above).
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        self._push_order = itertools.count()
+        self._num_nodes = 0
 
     @property
     def num_pages(self) -> int:
@@ -106,6 +117,8 @@ class RadixCache:
                         list(pages[matched:num_pages]), num_pages, next(self._clock))
         node.children[self._first_page(leaf.key)] = leaf
         self.evictable_pages += len(leaf.pages)
+        self._num_nodes += 1
+        self._push_if_evictable(leaf)
         return leaf
 
     def _walk(self, token_ids: list[int], num_pages: int, node: TreeNode | None = None,
@@ -151,6 +164,7 @@ class RadixCache:
         node.key, node.pages, node.parent = node.key[num_pages * size:], node.pages[num_pages:], head
         head.children[self._first_page(node.key)] = node
         parent.children[self._first_page(head.key)] = head
+        self._num_nodes += 1
         return head
 
     def _first_page(self, token_ids: list[int], start: int = 0) -> tuple[int, ...]:
@@ -178,6 +192,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.locked_pages -= len(node.pages)
                 self.evictable_pages += len(node.pages)
+                self._push_if_evictable(node)
             node = node.parent
 
     # --- eviction -------------------------------------------------------------------------------
@@ -196,24 +211,43 @@ class RadixCache:
     def evict(self, num_pages: int) -> int:
         """Frees at least `num_pages` pages (fewer only if fewer are evictable), whole unlocked
         leaves, least recently used first; returns how many it freed."""
-        order = itertools.count()  # breaks last_access ties without comparing nodes
-        heap = [(leaf.last_access, next(order), leaf) for leaf in self._unlocked_leaves()]
-        heapq.heapify(heap)
-        freed = 0
+        heap, freed = self._leaf_heap, 0
         while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            access, _, leaf = heapq.heappop(heap)
+            if not self._is_evictable_leaf(leaf):
+                continue  # stale: locked again, given a child, or evicted since it was pushed
+            if access != leaf.last_access:  # touched since: back in at its new place
+                self._push(leaf)
+                continue
             self.allocator.free(leaf.pages)
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
+            self._num_nodes -= 1
             parent = leaf.parent
             del parent.children[self._first_page(leaf.key)]
-            if not parent.children and parent.lock_ref == 0:  # the root's lock_ref is 1
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+            leaf.parent = None  # out of the tree: any entry left for it is stale
+            self._push_if_evictable(parent)
         return freed
 
     def flush(self) -> int:
         """Evicts every page no request uses; returns how many."""
         return self.evict(self.evictable_pages)
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        parent = node.parent
+        return (parent is not None and node.lock_ref == 0 and not node.children
+                and parent.children.get(self._first_page(node.key)) is node)
+
+    def _push_if_evictable(self, node: TreeNode) -> None:
+        if node is not self.root and node.lock_ref == 0 and not node.children:
+            self._push(node)
+
+    def _push(self, node: TreeNode) -> None:
+        if len(self._leaf_heap) > 2 * self._num_nodes + 64:  # mostly stale: rebuild it
+            self._leaf_heap = [(leaf.last_access, next(self._push_order), leaf)
+                               for leaf in self._unlocked_leaves()]
+            heapq.heapify(self._leaf_heap)
+        heapq.heappush(self._leaf_heap, (node.last_access, next(self._push_order), node))
 
     def _unlocked_leaves(self) -> list[TreeNode]:
         leaves, stack = [], [self.root]
@@ -221,6 +255,6 @@ class RadixCache:
             node = stack.pop()
             if node.children:
                 stack.extend(node.children.values())
-            elif node.lock_ref == 0:
+            elif node.lock_ref == 0 and node is not self.root:
                 leaves.append(node)
         return leaves
