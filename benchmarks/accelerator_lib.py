@@ -192,7 +192,9 @@ class ModelBench:
     cancel out; `short` must outlast the prefill of the whole batch."""
 
     def __init__(self, model_path: str, *, hbm_gbps: float, max_running: int, context_length: int,
-                 max_prefill_tokens: int, token_buckets: list[int], dtype: str = "auto"):
+                 max_prefill_tokens: int, token_buckets: list[int], dtype: str = "auto",
+                 **engine_options):
+        """`engine_options`: further xlaserve.Engine arguments (ServerArgs fields)."""
         import xlaserve
         from xlaserve.scheduler.scheduler import max_step_tokens
 
@@ -208,7 +210,8 @@ class ModelBench:
             max_running_requests=max_running, context_length=context_length,
             max_total_tokens=max_running * context_length, max_prefill_tokens=max_prefill_tokens,
             chunked_prefill_size=max_prefill_tokens, disable_radix_cache=True,
-            precompile_token_paddings=",".join(map(str, buckets)), log_level="warning")
+            precompile_token_paddings=",".join(map(str, buckets)), log_level="warning",
+            **engine_options)
         self.startup_s = time.perf_counter() - start
         loaded = self.engine.core.loaded
         self.config, self.dtype = loaded.config, loaded.dtype
