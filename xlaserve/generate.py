@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 
-from xlaserve.server_args import ServerArgs
+from xlaserve.server_args import ServerArgs, configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     server_args = ServerArgs.from_cli_args(args)
     if server_args.skip_tokenizer_init:
         parser.error("--skip-tokenizer-init: this command takes text, so it needs the tokenizer")
-    logging.basicConfig(level=server_args.log_level.upper(), format="[%(asctime)s] %(message)s")
+    configure_logging(server_args.log_level)
 
     from xlaserve.offline import Engine
 

@@ -18,7 +18,7 @@ import sys
 import time
 
 from xlaserve import platform_defaults
-from xlaserve.server_args import ServerArgs
+from xlaserve.server_args import ServerArgs, configure_logging
 
 _LAUNCHED = time.perf_counter()  # `python -m` imports this module first: the start-up clock
 logger = logging.getLogger("xlaserve")
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     args = ServerArgs.from_cli_args(parser.parse_args(argv))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    configure_logging(args.log_level)
     shown = dataclasses.replace(args, api_key="***" if args.api_key else None)
     logger.info("server_args=%s", shown)
 

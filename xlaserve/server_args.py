@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from typing import Optional
 
@@ -234,3 +235,15 @@ class ServerArgs:
         """A copy fit to log or serve (/get_server_info): each secret that is set is "***"."""
         return dataclasses.replace(self, **{f.name: "***" for f in dataclasses.fields(self)
                                             if f.metadata.get("secret") and getattr(self, f.name)})
+
+
+def configure_logging(log_level: str) -> None:
+    """The root logger at `log_level`, and JAX's own loggers at WARNING at least: at INFO they
+    printed a start-up line for every backend JAX probes and fails ("Unable to initialize backend
+    'tpu' ... Failed to open libtpu.so" on a CPU or GPU machine with libtpu installed) and two
+    "Resetting cache" lines per precompiled program (compile/executable_cache.py toggles JAX's
+    cache around each compile). `--log-level debug` shows them."""
+    level = getattr(logging, log_level.upper())
+    logging.basicConfig(level=level, format="[%(asctime)s] %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
+    logging.getLogger("jax").setLevel(max(level, logging.WARNING))

@@ -31,6 +31,13 @@ def test_startup_log_tells_what_happened_in_order(launched):
     assert -1 not in positions and positions == sorted(positions), list(zip(marks, positions))
 
 
+def test_startup_log_has_no_platform_probe_or_compile_cache_internals(launched):
+    # JAX's INFO lines: its failed probe of every backend it knows (libtpu is installed in the
+    # test environment, for the compile-only TPU tests) and the cache toggled around compiles.
+    text = launched[2].read_text()
+    assert "Unable to initialize backend" not in text and "Resetting cache" not in text
+
+
 def test_the_default_model_answers_through_the_openai_sdk(launched):
     from openai import OpenAI
 
