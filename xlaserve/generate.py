@@ -22,7 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
-    server_args = ServerArgs.from_cli_args(args)
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+    except ValueError as error:
+        parser.error(str(error))
     if server_args.skip_tokenizer_init:
         parser.error("--skip-tokenizer-init: this command takes text, so it needs the tokenizer")
     configure_logging(server_args.log_level)

@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m xlaserve.launch_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
-    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    try:
+        args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    except ValueError as error:  # a flag value that cannot run (--kv-cache-dtype fp8, ...)
+        parser.error(str(error))
     configure_logging(args.log_level)
     shown = dataclasses.replace(args, api_key="***" if args.api_key else None)
     logger.info("server_args=%s", shown)

@@ -13,7 +13,10 @@ import logging
 import os
 from typing import Optional
 
-_OWN_METADATA = ("help", "env", "secret")  # the rest of a field's metadata goes to argparse
+# The rest of a field's metadata goes to argparse. "aliases": more option strings (SGLang's and
+# vLLM's names for the flag); "value_aliases": their names for a value, turned into ours.
+_OWN_METADATA = ("help", "env", "secret", "aliases", "value_aliases")
+logger = logging.getLogger("xlaserve")
 
 
 def _flag(default, help: str, **argparse_kwargs):
@@ -51,16 +54,19 @@ class ServerArgs:
         None, "chat template: a Jinja file, Jinja text, or a built-in name (chatml, "
               "llama-3-instruct); default: the tokenizer's")
     reasoning_parser: Optional[str] = _flag(
-        None, "split reasoning from the answer for thinking models",
-        choices=["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "kimi", "gpt-oss"])
+        None, "split reasoning from the answer for thinking models (vLLM's deepseek_r1 is "
+              "deepseek-r1)",
+        choices=["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "kimi", "gpt-oss"],
+        value_aliases={"deepseek_r1": "deepseek-r1"})
     tool_call_parser: Optional[str] = _flag(
         None, "parse tool calls out of the model's output (tool_choice auto) in this model "
               "family's format: qwen25 (<tool_call> JSON, Qwen2.5/Qwen3 and Hermes-style), llama3 "
               "(<|python_tag|> or bare JSON), mistral ([TOOL_CALLS]), deepseekv3, pythonic "
               "([f(a=1)]), gpt-oss (Harmony messages to functions.NAME; with --reasoning-parser "
-              "gpt-oss); forced tool_choice (required or a named function) needs none",
+              "gpt-oss); forced tool_choice (required or a named function) needs none; "
+              "hermes (vLLM's name for the <tool_call> format) is qwen25",
         choices=["qwen25", "qwen", "llama3", "mistral", "deepseekv3", "deepseekv31", "pythonic",
-                 "gpt-oss"])
+                 "gpt-oss"], value_aliases={"hermes": "qwen25"})
     skip_tokenizer_init: bool = _flag(False, "do not load a tokenizer (token ids in and out)")
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
                                    choices=["auto", "reference", "cpu", "pallas"])
@@ -71,14 +77,17 @@ class ServerArgs:
         None, "tokens per KV cache page (default 16; on TPU the smallest power of two from 16 "
               "whose page table fits the attention kernel's scalar memory)")
     tp_size: int = _flag(1, "tensor parallel size: devices that split each layer's heads (across "
-                            "every process's devices with --nnodes)")
+                            "every process's devices with --nnodes)",
+                         aliases=("--tensor-parallel-size",))
     ep_size: int = _flag(
         1, "expert parallel size: a mixture-of-experts layer's experts are split into this many "
            "groups over the --tp-size devices, which it must divide (attention stays split over "
-           "all of them); within a group, each expert's width is split over tp/ep devices")
+           "all of them); within a group, each expert's width is split over tp/ep devices",
+        aliases=("--expert-parallel-size",))
     dp_size: int = _flag(
         1, "data parallel size: replicas of the model on disjoint slices of --tp-size devices, "
-           "each with its own scheduler and KV cache, requests spread by --load-balance-method")
+           "each with its own scheduler and KV cache, requests spread by --load-balance-method",
+        aliases=("--data-parallel-size",))
     load_balance_method: str = _flag(
         "round_robin", "how --dp-size replicas share requests: round_robin, or shortest_queue "
                        "(the replica with the fewest running + waiting requests)",
@@ -144,8 +153,18 @@ class ServerArgs:
                "that start with the same tokens (the prefix cache)")
     grammar_backend: str = _flag(
         "llguidance", "structured outputs (json_schema, regex, ebnf, response_format): "
-                      "llguidance, or none to refuse them with a 400",
-        choices=["llguidance", "none"])
+                      "llguidance, or none to refuse them with a 400; xgrammar and outlines "
+                      "(SGLang's and vLLM's) are served by llguidance, which enforces the same "
+                      "constraints",
+        choices=["llguidance", "none"],
+        value_aliases={"xgrammar": "llguidance", "outlines": "llguidance"})
+    kv_cache_dtype: str = _flag(
+        "auto", "the KV cache's data type: auto (the model's --dtype) is the only one; SGLang's "
+                "and vLLM's fp8 KV caches stop start-up with a line saying so",
+        choices=["auto", "fp8_e5m2", "fp8_e4m3", "fp8"])
+    enable_cache_report: bool = _flag(
+        False, "accepted for SGLang's launch lines: usage.prompt_tokens_details.cached_tokens is "
+               "always reported, as OpenAI does (SGLang reports it only with this flag)")
     constrained_json_whitespace_pattern: Optional[str] = _flag(
         None, "regex of the whitespace allowed between JSON tokens in JSON-constrained output "
               "(default '[ ]?': one optional space, so a model cannot pad with whitespace until "
@@ -208,19 +227,36 @@ class ServerArgs:
         None, "batch requests in flight at once, all batches together (default: "
               "--max-running-requests less an eighth, left to interactive requests)")
 
+    def __post_init__(self):
+        """SGLang's and vLLM's value names become ours; what cannot run stops here."""
+        for field in dataclasses.fields(self):
+            aliases = field.metadata.get("value_aliases", {})
+            value = getattr(self, field.name)
+            if value in aliases:
+                logger.info("--%s %s: served as %s", field.name.replace("_", "-"), value,
+                            aliases[value])
+                setattr(self, field.name, aliases[value])
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the KV cache is kept in "
+                             "the model's --dtype; no other KV cache dtype is supported")
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for field in dataclasses.fields(cls):
             flag = "--" + field.name.replace("_", "-")
+            names = (flag, *field.metadata.get("aliases", ()))
             extra = {k: v for k, v in field.metadata.items() if k not in _OWN_METADATA}
+            if "choices" in extra:
+                extra["choices"] = [*extra["choices"], *field.metadata.get("value_aliases", {})]
             if field.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=field.metadata["help"])
+                parser.add_argument(*names, dest=field.name, action="store_true",
+                                    help=field.metadata["help"])
                 continue
             # `from __future__ import annotations` makes types strings: "int", "Optional[float]"...
             type_name = str(field.type).removeprefix("Optional[").removesuffix("]")
             kind = {"int": int, "float": float}.get(type_name, str)
-            parser.add_argument(flag, type=kind, default=field.default, help=field.metadata["help"],
-                                **extra)
+            parser.add_argument(*names, dest=field.name, type=kind, default=field.default,
+                                help=field.metadata["help"], **extra)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

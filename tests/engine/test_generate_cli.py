@@ -38,3 +38,27 @@ def test_server_args_flags_use_sglang_names_and_types():
                               page_size=32, skip_tokenizer_init=True, disable_radix_cache=True)
     defaults = ServerArgs.from_cli_args(parser.parse_args([]))
     assert defaults == ServerArgs()
+
+
+def test_sglang_and_vllm_flag_names_and_values_are_taken_as_ours():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(
+        ["--tensor-parallel-size", "4", "--expert-parallel-size", "2", "--data-parallel-size", "1",
+         "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1",
+         "--grammar-backend", "xgrammar", "--enable-cache-report", "--kv-cache-dtype", "auto"]))
+    assert args == ServerArgs(tp_size=4, ep_size=2, tool_call_parser="qwen25",
+                              reasoning_parser="deepseek-r1", grammar_backend="llguidance",
+                              enable_cache_report=True)
+    assert ServerArgs(grammar_backend="outlines").grammar_backend == "llguidance"  # the Engine's path
+
+
+def test_a_kv_cache_dtype_that_cannot_run_stops_start_up_with_one_line():
+    result = subprocess.run([sys.executable, "-m", "xlaserve.launch_server", "--kv-cache-dtype",
+                             "fp8_e4m3"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "--kv-cache-dtype fp8_e4m3: the KV cache is kept in the model's --dtype; no other KV cache "
+        "dtype is supported")
