@@ -29,6 +29,12 @@ class ServerArgs:
         None, "Hugging Face directory, hub id, .gguf file or xlaserve checkpoint; "
               "default: the embedded SmolLM2-135M-Instruct")
     tokenizer_path: Optional[str] = _flag(None, "tokenizer directory, if not the model's")
+    revision: Optional[str] = _flag(
+        None, "the branch, tag or commit of a Hugging Face hub --model-path (default: main)")
+    trust_remote_code: bool = _flag(
+        False, "let transformers run Python code shipped with the checkpoint for its config and "
+               "tokenizer classes (downloaded with a hub model); the architecture must still be "
+               "one xlaserve implements")
     load_format: str = _flag(
         "auto", 'the format of the model weights to load: "auto" reads them from --model-path '
                 '(safetensors, GGUF or an xlaserve checkpoint); "dummy" initializes them with random '

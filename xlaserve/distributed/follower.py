@@ -41,7 +41,8 @@ def follow(args) -> int:
                             conversion_cache=not args.disable_conversion_cache,
                             conversion_cache_dir=args.conversion_cache_dir,
                             quantization=args.quantization,
-                            matmul_backend=args.matmul_backend)
+                            matmul_backend=args.matmul_backend, revision=args.revision,
+                            trust_remote_code=args.trust_remote_code)
         logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
                     loaded.config.architecture, loaded.source)
         replay(connection, loaded)

@@ -77,7 +77,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                         conversion_cache=not args.disable_conversion_cache,
                         conversion_cache_dir=args.conversion_cache_dir,
                         quantization=args.quantization,
-                        matmul_backend=args.matmul_backend)
+                        matmul_backend=args.matmul_backend, revision=args.revision,
+                        trust_remote_code=args.trust_remote_code)
     clock = _lap(timings, "load_model", clock)
     if share_with is not None:
         loaded.tokenizer = share_with.tokenizer

@@ -163,7 +163,9 @@ def server_step(target: str, server_args: ServerArgs,
     platform, devices = target_devices(target)
     server_args, _ = platform_defaults.resolve(server_args, platform)
     mesh = serving_mesh(devices, server_args.tp_size, server_args.ep_size)
-    config, _ = read_config(server_args.model_path, load_format="dummy")  # reads no weights
+    config, _ = read_config(server_args.model_path, load_format="dummy",  # reads no weights
+                            revision=server_args.revision,
+                            trust_remote_code=server_args.trust_remote_code)
     check_expert_parallel(config.num_experts, mesh)
     dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
     context_length = server_args.context_length or config.max_position_embeddings

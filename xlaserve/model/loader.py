@@ -139,9 +139,11 @@ def default_model_file() -> str:
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
 
 
-def resolve_model_path(model_path: str | None, with_weights: bool = True) -> str:
+def resolve_model_path(model_path: str | None, with_weights: bool = True,
+                       revision: str | None = None, trust_remote_code: bool = False) -> str:
     """A local file or directory holding the model, downloading from the hub if it must (without
-    the weights when `with_weights` is False)."""
+    the weights when `with_weights` is False): `revision` (a branch, tag or commit; default the
+    main branch), and with `trust_remote_code` the repository's Python files too."""
     if model_path is None:
         return default_model_file()
     expanded = os.path.expanduser(model_path)
@@ -149,15 +151,16 @@ def resolve_model_path(model_path: str | None, with_weights: bool = True) -> str
         return expanded
     if model_path.count("/") == 1 and not model_path.startswith((".", "/", "~")):
         weights = ["*.safetensors"] if with_weights else []
-        return _download(model_path, _HUB_CONFIG_PATTERNS + weights)
+        code = ["*.py"] if trust_remote_code else []
+        return _download(model_path, _HUB_CONFIG_PATTERNS + weights + code, revision)
     raise ModelNotFoundError(f"model path {model_path!r} does not exist")
 
 
-def _download(repo_id: str, patterns: list[str]) -> str:
+def _download(repo_id: str, patterns: list[str], revision: str | None = None) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(repo_id, allow_patterns=patterns)
+        return snapshot_download(repo_id, allow_patterns=patterns, revision=revision)
     except Exception as err:  # no network, offline mode without a cache, unknown repo, ...
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelNotFoundError(
@@ -191,6 +194,8 @@ def load_model(
     conversion_cache_dir: str | None = None,
     quantization: str | None = None,
     matmul_backend: str = "auto",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
     for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
@@ -205,7 +210,8 @@ def load_model(
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
     check_quantization(quantization)
-    path = resolve_model_path(model_path, with_weights=not dummy)
+    path = resolve_model_path(model_path, with_weights=not dummy, revision=revision,
+                              trust_remote_code=trust_remote_code)
     dtype = resolve_dtype(dtype)
     mesh = mesh or default_mesh()
     check_platform(quantization, mesh.devices.flat[0])  # fp8: before anything is read
@@ -221,10 +227,12 @@ def load_model(
             need_tokenizer=not skip_tokenizer_init,
             keep_quantized=gguf_kept.keeps_quantized(mesh, matmul_backend))
         return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
-    source_path, config, hf_config = _read_config(path, config_file_allowed=dummy)
+    source_path, config, hf_config = _read_config(path, config_file_allowed=dummy,
+                                                  trust_remote_code=trust_remote_code)
     check_expert_parallel(config.num_experts, mesh)
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
-    tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or _folder_of(source_path))
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(
+        tokenizer_path or _folder_of(source_path), trust_remote_code=trust_remote_code)
     if dummy:
         model = dummy_model(config, dtype=dtype, mesh=mesh, seed=seed, quantization=quantization)
     elif checkpoint.is_checkpoint(source_path):
@@ -337,7 +345,8 @@ def _folder_of(path: str) -> str:
     return os.path.dirname(path) if os.path.basename(path) == "config.json" else path
 
 
-def _read_config(path: str, config_file_allowed: bool) -> tuple[str, ModelConfig, dict]:
+def _read_config(path: str, config_file_allowed: bool, trust_remote_code: bool = False,
+                 ) -> tuple[str, ModelConfig, dict]:
     """(where the model is: checkpoint directory, GGUF file, Hugging Face directory, or, when
     `config_file_allowed`, a config.json file; its ModelConfig; its Hugging Face config as a dict,
     whose quantization has been checked)."""
@@ -354,7 +363,9 @@ def _read_config(path: str, config_file_allowed: bool) -> tuple[str, ModelConfig
             raise ModelNotFoundError(f"{path} has no {what}")
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(path)  # a directory or the file itself
+        # A directory or the file itself. Remote code (a config class the checkpoint ships) runs
+        # only when asked; the architecture must still be one xlaserve implements.
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         # FP8 and gpt-oss's MXFP4 are decoded; any other quantization stops here.
         check_quantization_config(hf_config.to_dict())
         source_path = path
@@ -362,10 +373,13 @@ def _read_config(path: str, config_file_allowed: bool) -> tuple[str, ModelConfig
     return source_path, config, hf_config.to_dict()
 
 
-def read_config(model_path: str | None, load_format: str = "auto") -> tuple[ModelConfig, str | None]:
+def read_config(model_path: str | None, load_format: str = "auto", revision: str | None = None,
+                trust_remote_code: bool = False) -> tuple[ModelConfig, str | None]:
     """A model's config and where its tokenizer is (None: it has none), reading no weights."""
-    path = resolve_model_path(model_path, with_weights=load_format != "dummy")
-    source_path, config, _ = _read_config(path, config_file_allowed=load_format == "dummy")
+    path = resolve_model_path(model_path, with_weights=load_format != "dummy", revision=revision,
+                              trust_remote_code=trust_remote_code)
+    source_path, config, _ = _read_config(path, config_file_allowed=load_format == "dummy",
+                                          trust_remote_code=trust_remote_code)
     tokenizer_source = _folder_of(source_path)
     return config, tokenizer_source if has_tokenizer(tokenizer_source) else None
 
@@ -379,7 +393,7 @@ def has_tokenizer(source: str) -> bool:
                for n in names)
 
 
-def load_tokenizer(source: str):
+def load_tokenizer(source: str, trust_remote_code: bool = False):
     """The tokenizer of a GGUF file, a directory or a hub id; a directory without tokenizer files
     is a one-line error (AutoTokenizer's own is a long one about the hub)."""
     if source.endswith(".gguf") and os.path.isfile(source):
@@ -396,7 +410,7 @@ def load_tokenizer(source: str):
         return PreTrainedTokenizerFast.from_pretrained(source)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
 
 
 def _generic_fast_tokenizer(directory: str) -> bool:
