@@ -43,7 +43,9 @@ def make_context(args: ServerArgs):
     loaded = engine.core.loaded
     name = args.served_model_name or (args.model_path.rstrip("/") if args.model_path else loaded.name)
     tokenizer = engine.tokenizer
-    metrics = Metrics(name, engine.core.stats) if args.enable_metrics else None
+    metrics = Metrics(name, engine.core.stats, args.metrics_name_style,
+                      args.bucket_time_to_first_token, args.bucket_inter_token_latency,
+                      args.bucket_e2e_request_latency) if args.enable_metrics else None
     harmony, stop_ids = chat_format(loaded.config.architecture, tokenizer, template)
     return ServingContext(
         engine=engine, served_model_name=name, model_path=args.model_path or loaded.source,

@@ -216,6 +216,18 @@ class ServerArgs:
               "the server's own is refused (403)")
     max_payload_size: int = _flag(32 * 1024 * 1024, "largest request body in bytes (413 above)")
     enable_metrics: bool = _flag(False, "serve Prometheus metrics at /metrics")
+    metrics_name_style: str = _flag(
+        "xlaserve", "the metrics' names: xlaserve (SGLang's names, xlaserve: prefix), sglang "
+                    "(SGLang's exactly: sglang:num_running_reqs...) or vllm (vLLM's: "
+                    "vllm:num_requests_running, vllm:kv_cache_usage_perc...), for their dashboards",
+        choices=["xlaserve", "sglang", "vllm"])
+    bucket_time_to_first_token: Optional[list[float]] = _flag(
+        None, "time-to-first-token histogram buckets in seconds (default: 0.005 to 160)",
+        nargs="+")
+    bucket_inter_token_latency: Optional[list[float]] = _flag(
+        None, "inter-token latency histogram buckets in seconds (default: as above)", nargs="+")
+    bucket_e2e_request_latency: Optional[list[float]] = _flag(
+        None, "request latency histogram buckets in seconds (default: as above)", nargs="+")
     log_requests: bool = _flag(False, "log every HTTP request")
     stream_interval: int = _flag(1, "tokens per streamed chunk")
     skip_server_warmup: bool = _flag(False, "do not run a warm-up generation before ready")
@@ -238,7 +250,7 @@ class ServerArgs:
         for field in dataclasses.fields(self):
             aliases = field.metadata.get("value_aliases", {})
             value = getattr(self, field.name)
-            if value in aliases:
+            if aliases and value in aliases:
                 logger.info("--%s %s: served as %s", field.name.replace("_", "-"), value,
                             aliases[value])
                 setattr(self, field.name, aliases[value])
@@ -260,7 +272,7 @@ class ServerArgs:
                 continue
             # `from __future__ import annotations` makes types strings: "int", "Optional[float]"...
             type_name = str(field.type).removeprefix("Optional[").removesuffix("]")
-            kind = {"int": int, "float": float}.get(type_name, str)
+            kind = {"int": int, "float": float, "list[float]": float}.get(type_name, str)
             parser.add_argument(*names, dest=field.name, type=kind, default=field.default,
                                 help=field.metadata["help"], **extra)
 

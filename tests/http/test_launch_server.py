@@ -10,7 +10,8 @@ from tests.http.conftest import launch_server_process
 # Two step programs (the default-model engine test compiles the same ones), a small KV pool.
 FLAGS = ["--max-running-requests", "4", "--precompile-token-paddings", "8,64",
          "--chunked-prefill-size", "24", "--max-prefill-tokens", "48", "--max-total-tokens", "1024",
-         "--context-length", "512", "--enable-metrics"]
+         "--context-length", "512", "--enable-metrics", "--metrics-name-style", "sglang",
+         "--bucket-time-to-first-token", "0.5", "50"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,9 @@ def test_the_default_model_answers_through_the_openai_sdk(launched):
         model="default", messages=[{"role": "user", "content": "What is the capital of France?"}],
         temperature=0, max_tokens=16, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == reply.choices[0].message.content
-    assert "xlaserve:generation_tokens_total" in httpx.get(launched[1] + "/metrics").text
+    metrics = httpx.get(launched[1] + "/metrics").text  # SGLang's names, the flag's buckets
+    assert "sglang:generation_tokens_total" in metrics and "xlaserve:" not in metrics
+    assert 'sglang:time_to_first_token_seconds_bucket{le="50.0",model_name=' in metrics
 
 
 def test_sigterm_stops_the_server_cleanly(launched):

@@ -1,4 +1,7 @@
-"""Prometheus metrics (`--enable-metrics`), named like SGLang's with the `xlaserve:` prefix.
+"""Prometheus metrics (`--enable-metrics`), named like SGLang's with the `xlaserve:` prefix, or
+(`--metrics-name-style`) exactly as SGLang or vLLM name them, so that their Grafana dashboards
+read an xlaserve server: one family at a time, since a dashboard reads one and three families
+would triple the series a scrape stores.
 
 Each app gets its own registry (tests start several servers in one process); the scheduler
 gauges are read when /metrics is scraped, so the engine loop never pays for them.
@@ -14,14 +17,40 @@ from prometheus_client.core import GaugeMetricFamily
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 
+# Each metric's name by style (prometheus_client adds `_total` to a counter's), and the label
+# of a finished request's reason. vLLM: its V1 engine's names (docs.vllm.ai, "Production Metrics").
+_NAMES = {
+    "xlaserve": dict(prompt_tokens="xlaserve:prompt_tokens",
+                     generation_tokens="xlaserve:generation_tokens",
+                     requests="xlaserve:num_requests", http_requests="xlaserve:http_requests",
+                     ttft="xlaserve:time_to_first_token_seconds",
+                     itl="xlaserve:inter_token_latency_seconds",
+                     e2e="xlaserve:e2e_request_latency_seconds",
+                     num_running_reqs="xlaserve:num_running_reqs",
+                     num_queue_reqs="xlaserve:num_queue_reqs", token_usage="xlaserve:token_usage",
+                     finish_reason="finish_reason"),
+}
+_NAMES["sglang"] = {k: v.replace("xlaserve:", "sglang:") for k, v in _NAMES["xlaserve"].items()}
+_NAMES["vllm"] = dict(_NAMES["xlaserve"], prompt_tokens="vllm:prompt_tokens",
+                      generation_tokens="vllm:generation_tokens",
+                      requests="vllm:request_success", http_requests="vllm:http_requests",
+                      ttft="vllm:time_to_first_token_seconds",
+                      itl="vllm:inter_token_latency_seconds",
+                      e2e="vllm:e2e_request_latency_seconds",
+                      num_running_reqs="vllm:num_requests_running",
+                      num_queue_reqs="vllm:num_requests_waiting",
+                      token_usage="vllm:kv_cache_usage_perc", finish_reason="finished_reason")
+NAME_STYLES = tuple(_NAMES)
+
 
 class _SchedulerGauges:
     """running / queued requests and KV usage; with --dp-size > 1 one series per replica,
     labelled `dp_rank` as SGLang does (`sum(...)` in PromQL gives the server's total)."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], dict], model_name: str, names: dict):
         self._stats = stats
         self._model_name = model_name
+        self._names = names
 
     def collect(self):
         stats = self._stats()
@@ -30,10 +59,10 @@ class _SchedulerGauges:
                           ("num_queue_reqs", "requests waiting to be scheduled"),
                           ("token_usage", "fraction of the KV cache pool in use")):
             if replicas is None:
-                gauge = GaugeMetricFamily(f"xlaserve:{name}", doc, labels=["model_name"])
+                gauge = GaugeMetricFamily(self._names[name], doc, labels=["model_name"])
                 gauge.add_metric([self._model_name], float(stats[name]))
             else:
-                gauge = GaugeMetricFamily(f"xlaserve:{name}", doc + ", per data parallel replica",
+                gauge = GaugeMetricFamily(self._names[name], doc + ", per data parallel replica",
                                           labels=["model_name", "dp_rank"])
                 for replica in replicas:
                     gauge.add_metric([self._model_name, str(replica["dp_rank"])],
@@ -42,22 +71,30 @@ class _SchedulerGauges:
 
 
 class Metrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict]):
+    def __init__(self, model_name: str, stats: Callable[[], dict], name_style: str = "xlaserve",
+                 ttft_buckets=None, itl_buckets=None, e2e_buckets=None):
+        """`name_style`: one of NAME_STYLES. The buckets (seconds) default to _LATENCY_BUCKETS,
+        as SGLang's --bucket-* flags do."""
         disable_created_metrics()  # the `*_created` timestamp series only add noise
+        names = _NAMES[name_style]
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
-        self.prompt_tokens = Counter("xlaserve:prompt_tokens", "prompt tokens processed", **labels)
-        self.generation_tokens = Counter("xlaserve:generation_tokens", "tokens generated", **labels)
-        self.requests = Counter("xlaserve:num_requests", "requests finished, by finish reason",
-                                labelnames=["model_name", "finish_reason"], registry=self.registry)
-        self.http_requests = Counter("xlaserve:http_requests", "HTTP requests by route and status",
+        self.prompt_tokens = Counter(names["prompt_tokens"], "prompt tokens processed", **labels)
+        self.generation_tokens = Counter(names["generation_tokens"], "tokens generated", **labels)
+        self.requests = Counter(names["requests"], "requests finished, by finish reason",
+                                labelnames=["model_name", names["finish_reason"]],
+                                registry=self.registry)
+        self.http_requests = Counter(names["http_requests"], "HTTP requests by route and status",
                                      labelnames=["model_name", "route", "status"],
                                      registry=self.registry)
-        histogram = dict(labels, buckets=_LATENCY_BUCKETS)
-        self._ttft = Histogram("xlaserve:time_to_first_token_seconds", "time to first token", **histogram)
-        self._itl = Histogram("xlaserve:inter_token_latency_seconds", "time between tokens", **histogram)
-        self._e2e = Histogram("xlaserve:e2e_request_latency_seconds", "request latency", **histogram)
-        self.registry.register(_SchedulerGauges(stats, model_name))
+
+        def histogram(name, doc, buckets):
+            return Histogram(names[name], doc, buckets=tuple(buckets or _LATENCY_BUCKETS), **labels)
+
+        self._ttft = histogram("ttft", "time to first token", ttft_buckets)
+        self._itl = histogram("itl", "time between tokens", itl_buckets)
+        self._e2e = histogram("e2e", "request latency", e2e_buckets)
+        self.registry.register(_SchedulerGauges(stats, model_name, names))
         self.model_name = model_name
         self.time_to_first_token = self._ttft.labels(model_name)
         self.inter_token_latency = self._itl.labels(model_name)
