@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from xlaserve.http import native, off_loop
+from xlaserve.http import native, off_loop, tokenize
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
@@ -93,6 +93,7 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(native.router)
+    app.include_router(tokenize.router)
     if batch_runner is not None:
         app.include_router(files.router)
         app.include_router(batches.router)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import datetime
-from typing import AsyncIterator
+from typing import AsyncIterator, NamedTuple
 
 from xlaserve.http import off_loop
 from xlaserve.http.parsing import chat_template
@@ -22,7 +22,8 @@ from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
 # `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Harmony's): the text must keep special tokens.
 SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31", "gpt-oss")
 from xlaserve.http.parsing.tools import (check_tool_schemas, check_tools, forced_calls, forced_schema,
-                                 new_call_id, strict_tool_tag, tool_call_dict, tool_choice_of)
+                                 new_call_id, strict_tool_tag, tool_call_dict, tool_choice_of,
+                                 ToolChoice)
 from xlaserve.engine.async_requests import EngineDeadError
 
 
@@ -41,10 +42,9 @@ class ChatCall:
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_tokens")
-        self.prompt_text, prompt_ids = self._render()
-        check_not_too_long(ctx, self.prompt_text, "messages")
-        if prompt_ids is None:
-            prompt_ids = ctx.tokenizer.encode(self.prompt_text, add_special_tokens=False)
+        prompt = render_chat(ctx, req)
+        self.prompt_text, prompt_ids = prompt.text, prompt.ids
+        self.functions, self.tool_choice = prompt.functions, prompt.tool_choice
         check_prompt_ids(ctx, prompt_ids, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.prompt_ids = prompt_ids
@@ -76,7 +76,7 @@ class ChatCall:
     async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
         """Checks the request (templating and tokenizing a long one off the event loop), builds
         its grammar off the loop, submits it."""
-        call = await off_loop.run(_message_chars(req), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
+        call = await off_loop.run(message_chars(req), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
         await check_tool_schemas(ctx, call.functions)
         param = ("tool_choice" if call.forced else "tools" if call.params.structural_tag
                  and not constraint_param(req) else constraint_param(req))
@@ -87,27 +87,6 @@ class ChatCall:
                                      rid=req.rid)
         call.id = f"chatcmpl-{call.generation.id}"
         return call
-
-    def _render(self) -> tuple[str, list[int] | None]:
-        """(the prompt text, its ids where the chat format made them: gpt-oss's Harmony)."""
-        req, ctx = self.req, self.ctx
-        self.functions = check_tools(req.tools, ctx.core.limits)
-        self.tool_choice = tool_choice_of(req.tool_choice, self.functions)
-        tools = None if self.tool_choice.mode == "none" else req.tools
-        if ctx.harmony is not None:  # gpt-oss (http/parsing/harmony.py)
-            if req.continue_final_message:
-                raise not_supported("continue_final_message",
-                                    "continue_final_message with gpt-oss's Harmony format")
-            return ctx.harmony.prompt(req.messages, tools, today=datetime.date.today().isoformat(),
-                                      **harmony_options(req.reasoning_effort,
-                                                        req.chat_template_kwargs))
-        return chat_template.render(
-            ctx.tokenizer, chat_template.template_messages(req.messages), template=ctx.chat_template,
-            tools=tools, add_generation_prompt=True,
-            continue_final_message=req.continue_final_message,
-            template_kwargs=chat_template.with_reasoning_effort(
-                ctx.tokenizer, ctx.chat_template, req.chat_template_kwargs,
-                req.reasoning_effort)), None
 
     def _parser(self) -> ReasoningParser | None:
         if self.ctx.reasoning_parser is None or not self.req.separate_reasoning:
@@ -233,7 +212,47 @@ class ChatCall:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
-def _message_chars(req: ChatCompletionRequest) -> int:
+class ChatPrompt(NamedTuple):
+    text: str
+    ids: list[int]
+    functions: dict[str, dict]  # the request's tools by name, checked (parsing/tools.py)
+    tool_choice: ToolChoice
+
+
+def render_chat(ctx: ServingContext, req, *, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> ChatPrompt:
+    """A chat request's messages and tools as the prompt: through the chat template (or gpt-oss's
+    Harmony format), then tokenized. `req`: a ChatCompletionRequest, or /tokenize's chat form
+    (tokenize.py), which has the same field names. `add_special_tokens`: the tokenizer's own
+    (BOS...) on top of what the template wrote."""
+    functions = check_tools(req.tools, ctx.core.limits)
+    tool_choice = tool_choice_of(req.tool_choice, functions)
+    tools = None if tool_choice.mode == "none" else req.tools
+    if ctx.harmony is not None:  # gpt-oss (http/parsing/harmony.py)
+        if req.continue_final_message:
+            raise not_supported("continue_final_message",
+                                "continue_final_message with gpt-oss's Harmony format")
+        if not add_generation_prompt:  # Harmony's prompt always ends opening the assistant's turn
+            raise not_supported("add_generation_prompt",
+                                "add_generation_prompt false with gpt-oss's Harmony format")
+        text, ids = ctx.harmony.prompt(req.messages, tools, today=datetime.date.today().isoformat(),
+                                       **harmony_options(req.reasoning_effort,
+                                                         req.chat_template_kwargs))
+    else:
+        text, ids = chat_template.render(
+            ctx.tokenizer, chat_template.template_messages(req.messages), template=ctx.chat_template,
+            tools=tools, add_generation_prompt=add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_kwargs=chat_template.with_reasoning_effort(
+                ctx.tokenizer, ctx.chat_template, req.chat_template_kwargs,
+                req.reasoning_effort)), None
+    check_not_too_long(ctx, text, "messages")
+    if ids is None:
+        ids = ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return ChatPrompt(text, ids, functions, tool_choice)
+
+
+def message_chars(req) -> int:
     """The characters of the messages' texts: what templating and tokenizing them cost."""
     total = 0
     for m in req.messages:
