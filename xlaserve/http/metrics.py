@@ -31,13 +31,8 @@ _NAMES = {
                      finish_reason="finish_reason"),
 }
 _NAMES["sglang"] = {k: v.replace("xlaserve:", "sglang:") for k, v in _NAMES["xlaserve"].items()}
-_NAMES["vllm"] = dict(_NAMES["xlaserve"], prompt_tokens="vllm:prompt_tokens",
-                      generation_tokens="vllm:generation_tokens",
-                      requests="vllm:request_success", http_requests="vllm:http_requests",
-                      ttft="vllm:time_to_first_token_seconds",
-                      itl="vllm:inter_token_latency_seconds",
-                      e2e="vllm:e2e_request_latency_seconds",
-                      num_running_reqs="vllm:num_requests_running",
+_NAMES["vllm"] = {k: v.replace("xlaserve:", "vllm:") for k, v in _NAMES["xlaserve"].items()}
+_NAMES["vllm"].update(requests="vllm:request_success", num_running_reqs="vllm:num_requests_running",
                       num_queue_reqs="vllm:num_requests_waiting",
                       token_usage="vllm:kv_cache_usage_perc", finish_reason="finished_reason")
 NAME_STYLES = tuple(_NAMES)
