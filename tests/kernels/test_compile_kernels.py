@@ -111,6 +111,10 @@ def check_compiles_in_place(target, case, sinks=False, **static):
     assert "input_output_alias" in hlo.splitlines()[0], "the cache is not updated in place"
     if platform == "tpu":  # the kernel writes the new K/V itself, no XLA scatter into the cache
         assert not cache_scatters(hlo, cache.shape, cache.dtype), "the new K/V are scattered"
+    else:  # the new K/V's scatter is the only one (XLA may make it a dynamic-update-slice):
+        # the output is gathered (gather_outputs), not scattered over zeros
+        scatters = [line.strip()[:160] for line in hlo.splitlines() if " scatter(" in line]
+        assert len(scatters) <= 1, scatters
 
 
 def cache_scatters(hlo: str, shape, dtype) -> list[str]:

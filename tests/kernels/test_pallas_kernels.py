@@ -234,6 +234,32 @@ def test_gpu_split_kv_in_bfloat16():
     check_kernel("gpu", case, tol=2e-2, num_kv_splits=3)  # 64-token blocks: 16 over 3 splits
 
 
+@pytest.mark.parametrize("q_block", [1, 3, 8])
+def test_gathered_outputs_equal_the_scattered_ones_padding_tokens_zero(q_block):
+    # Ragged sequences (some empty), metadata rows past num_seqs holding garbage, items in
+    # make_work_items' order: each token's row comes back to it, padding tokens get 0.
+    from xlaserve.pallas_kernels.ragged_paged_attention import work_items
+
+    rng = np.random.default_rng(q_block)
+    q_lens = np.array([5, 0, 1, 9, 2]), 3  # live sequences: the first 3
+    num_tokens, max_seqs, num_kv_heads, group, head_dim = 24, 5, 2, 3, 4
+    cu = np.concatenate([[0], np.cumsum(q_lens[0])]).astype(np.int32)
+    kv_lens = jnp.asarray(rng.integers(20, 40, max_seqs), jnp.int32)
+    pages = jnp.zeros((max_seqs, 4), jnp.int32)
+    kv_lens, _, cu_q_lens, _ = work_items.sanitize_metadata(
+        kv_lens, pages, jnp.asarray(cu), jnp.array([q_lens[1]], jnp.int32), num_tokens)
+    item_seq, item_row0 = work_items.make_work_items(cu_q_lens, num_tokens, q_block)
+    rows = max(16, q_block * group)
+    out_items = jnp.asarray(rng.standard_normal((item_seq.shape[0], num_kv_heads, rows, head_dim)),
+                            jnp.float32)
+    want = work_items.scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block,
+                                      num_tokens, num_kv_heads * group)
+    got = work_items.gather_outputs(out_items, cu_q_lens, q_block, num_tokens,
+                                    num_kv_heads * group)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.asarray(got)[int(cu_q_lens[-1]):].any() and np.asarray(got)[:6].all()
+
+
 def test_gpu_default_kv_splits_as_the_h200_sweep_chose():
     # (work items, kv heads, KV blocks of a full page table[, q_block]) -> splits; see the
     # docstring. Llama-3.1-8B decode buckets: 4 splits up to 64 rows (the sweep's fastest at 1,

@@ -42,8 +42,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
-    MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, new_token_slots,
-    query_group, sanitize_metadata, scatter_outputs, write_new_kv_with_xla)
+    MASK_VALUE, default_q_block, gather_outputs, gather_queries, item_span, make_work_items,
+    new_token_slots, query_group, sanitize_metadata, write_new_kv_with_xla)
 
 KV_BLOCK_TOKENS = 64  # keys per loop step; K and V of one step stay in registers/shared memory
 # Shared memory for the KV blocks: an H100 gives a block 227 KiB (A100: 163), less the queries
@@ -191,9 +191,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, cache, cache,
       *sinks_in)
     out_items = result if num_kv_splits == 1 else combine_kv_splits(*result).astype(q.dtype)
-    out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
-                          num_q_heads)
-    return out, kv_cache
+    return gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads), kv_cache
 
 
 def combine_kv_splits(acc, m, l):

@@ -122,6 +122,27 @@ def scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_toke
     return out.at[dest].set(x, mode="drop")
 
 
+def gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads):
+    """`scatter_outputs` as a gather: each live token reads its row of its item, padding tokens
+    get 0, and every output is written once. The scatter wrote zeros first and then the rows:
+    3 + 12 us a layer of a 256-row Llama-3.1-8B decode on an H200 (ncu), two kernels where XLA
+    fuses this one into a single one. Takes sanitized metadata (rows past num_seqs empty)."""
+    num_items, num_kv_heads, _, head_dim = out_items.shape
+    group = num_q_heads // num_kv_heads
+    max_seqs = cu_q_lens.shape[0] - 1
+    token = jnp.arange(num_tokens)
+    seq = jnp.minimum(reference.searchsorted_right(cu_q_lens[1:], token), max_seqs - 1)
+    items_per_seq = (cu_q_lens[1:] - cu_q_lens[:-1] + q_block - 1) // q_block
+    first_item = jnp.cumsum(items_per_seq) - items_per_seq  # as make_work_items numbers them
+    offset = token - cu_q_lens[seq]
+    item = jnp.clip(first_item[seq] + offset // q_block, 0, num_items - 1)
+    rows = out_items[:, :, :q_block * group].reshape(num_items, num_kv_heads, q_block, group,
+                                                     head_dim)
+    picked = rows[item, :, offset % q_block]  # [T, Hkv, G, D]: the advanced axes go first
+    live = token < cu_q_lens[max_seqs]
+    return jnp.where(live[:, None, None], picked.reshape(num_tokens, num_q_heads, head_dim), 0)
+
+
 class ItemSpan(NamedTuple):
     """What one grid step attends, as scalars computed inside a kernel."""
     first_pos: jax.Array  # absolute position of the item's first query
