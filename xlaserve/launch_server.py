@@ -32,6 +32,7 @@ def make_context(args: ServerArgs):
     from xlaserve.http.parsing.harmony import chat_format
     from xlaserve.http.metrics import Metrics
     from xlaserve.http.parsing.reasoning import PARSERS
+    from xlaserve.http.request_fields import RequestFields
     from xlaserve.http.serving import ServingContext
     from xlaserve.offline import Engine
 
@@ -51,7 +52,8 @@ def make_context(args: ServerArgs):
         engine=engine, served_model_name=name, model_path=args.model_path or loaded.source,
         chat_template=template, template_stop_ids=stop_ids,
         reasoning_parser=args.reasoning_parser, stream_interval=max(1, args.stream_interval),
-        metrics=metrics, tool_call_parser=args.tool_call_parser, harmony=harmony)
+        metrics=metrics, tool_call_parser=args.tool_call_parser, harmony=harmony,
+        request_fields=RequestFields(strict=args.strict_request_fields))
 
 
 async def warm_up(ctx) -> None:

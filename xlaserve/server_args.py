@@ -199,6 +199,11 @@ class ServerArgs:
     enable_priority_scheduling: bool = _flag(
         False, "honour a request's `priority` (larger runs first); without it a request that "
                "sets one is refused with a 400")
+    strict_request_fields: bool = _flag(
+        False, "refuse a request with a field this server does not know (a 400 naming it). "
+               "Default: such fields are ignored, as OpenAI-compatible servers do; each distinct "
+               "name is logged once as a warning, and the answer lists the request's ignored "
+               "fields in its X-Ignored-Fields header")
     random_seed: Optional[int] = _flag(
         None, "seed for requests that do not give one, and of --load-format dummy's weights (0 if unset)")
     log_level: str = _flag("info", "logging level", choices=["debug", "info", "warning", "error"])

@@ -32,7 +32,7 @@ CHAT_CASES = [
     ({"logit_bias": {"5": 150}}, "logit_bias"),
     ({"stop_token_ids": [10 ** 9]}, "stop_token_ids"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"unknown_knob": 1}, "unknown_knob"),
+    ({"stream_options": {"include_usage": "maybe"}}, "stream_options"),
     ({"regex": "[a-"}, "regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"regex": "a", "ebnf": "root ::= 'a'"}, "ebnf"),

@@ -157,7 +157,7 @@ def test_harmony_options_a_template_kwarg_harmony_cannot_honour_is_a_400(effort,
 
 def test_reasoning_effort_outside_openais_values_is_a_400_naming_it():
     body = {"messages": [{"role": "user", "content": "Hi"}]}
-    for good in ("none", "minimal", "low", "medium", "high"):
+    for good in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):  # the SDK's
         assert validate_body({**body, "reasoning_effort": good},
                              ChatCompletionRequest).reasoning_effort == good
     for bad in ("extreme", 1):
@@ -166,7 +166,7 @@ def test_reasoning_effort_outside_openais_values_is_a_400_naming_it():
         assert (error.value.status, error.value.param) == (400, "reasoning_effort")
 
 
-@pytest.mark.parametrize("effort", ["none", "minimal"])
+@pytest.mark.parametrize("effort", ["none", "minimal", "xhigh", "max"])
 def test_gpt_oss_takes_only_low_medium_and_high(effort):
     with pytest.raises(APIError, match="takes low, medium, high") as error:
         harmony.harmony_options(effort, None)

@@ -58,10 +58,11 @@ def test_bad_constraints_on_chat_are_a_400_naming_the_parameter(server, change, 
     _assert_openai_error(response, param)
 
 
-def test_two_constraints_keep_sglangs_message(server):
+def test_two_constraints_keep_sglangs_message_and_name_both(server):
     response = httpx.post(server.base_url + "/v1/chat/completions",
                           json=_chat("hi", max_tokens=4, regex="a", ebnf='root ::= "a"'))
-    assert _assert_openai_error(response, "ebnf")["message"] == "Only one of regex, json_schema, or ebnf can be set."
+    assert _assert_openai_error(response, "ebnf")["message"] == \
+        "Only one of regex, json_schema, or ebnf can be set: got regex and ebnf"
 
 
 def test_an_unsupported_schema_keyword_is_named(server):

@@ -24,6 +24,7 @@ from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, validation_message
 from xlaserve.http.guards import add_guards
 from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest
+from xlaserve.http.request_fields import with_ignored_fields
 from xlaserve.http.serving import ServingContext
 
 logger = logging.getLogger(__name__)
@@ -78,12 +79,12 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await off_loop.parse(await request.body(), ChatCompletionRequest)
+        body = await off_loop.parse(await request.body(), ChatCompletionRequest, ctx.request_fields)
         return await respond(request, await ChatCall.create(ctx, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await off_loop.parse(await request.body(), CompletionRequest)
+        body = await off_loop.parse(await request.body(), CompletionRequest, ctx.request_fields)
         return await respond(request, await CompletionCall.create(ctx, body))
 
     @app.get("/metrics")
@@ -120,10 +121,12 @@ async def respond(request: Request, call: ChatCall | CompletionCall):
     """SSE for `stream: true`, else one JSON body once every choice has finished (a large one
     rendered off the event loop)."""
     if call.req.stream:
-        return StreamingResponse(call.stream(), media_type="text/event-stream")
-    content = await until_disconnect(request, call.response(), call.generation.group.abort)
-    return await off_loop.run(call.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES, JSONResponse,
-                              content)
+        response = StreamingResponse(call.stream(), media_type="text/event-stream")
+    else:
+        content = await until_disconnect(request, call.response(), call.generation.group.abort)
+        response = await off_loop.run(call.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES,
+                                      JSONResponse, content)
+    return with_ignored_fields(response, call.req.ignored_fields)
 
 
 async def until_disconnect(request: Request, work, abort):

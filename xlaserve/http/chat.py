@@ -8,11 +8,12 @@ from xlaserve.http import off_loop
 from xlaserve.http.parsing import chat_template
 from xlaserve.http.errors import APIError, bad_request, generation_error, not_supported
 from xlaserve.http.logprobs import chat_logprobs
+from xlaserve.http.openai_fields import check_chat_fields
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatCompletionRequest
 from xlaserve.http.parsing.harmony import harmony_options
 from xlaserve.http.parsing.reasoning import ReasoningParser, needs_special_tokens
-from xlaserve.http.constraints import CONSTRAINTS, compile_constraints, constraint_param
+from xlaserve.http.constraints import compile_constraints, constraint_param
 from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
                                    check_prompt_ids, check_top_logprobs, client_priority,
                                    sampling_params, sse, sse_error)
@@ -33,6 +34,7 @@ class ChatCall:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest):
         """The synchronous checks; `create` builds the grammar and submits."""
         ctx.check_model(req.model)
+        check_chat_fields(req)
         if ctx.tokenizer is None:
             raise bad_request("chat needs the tokenizer (the server runs with --skip-tokenizer-init)")
         self.ctx, self.req = ctx, req
@@ -54,13 +56,12 @@ class ChatCall:
         # A forced tool_choice is a JSON-schema constraint on the output (http/parsing/tools.py).
         self.parallel = req.parallel_tool_calls is not False
         self.forced = forced_schema(self.tool_choice, self.functions, self.parallel)
-        user_constraint = constraint_param(req) or any(
-            getattr(req, name, None) is not None for name in CONSTRAINTS)
+        user_constraint = constraint_param(req) is not None  # SGLang's, OpenAI's or vLLM's
         if self.forced is not None:
             if user_constraint:
                 raise bad_request("tool_choice 'required' or a named function constrains the output "
-                                  "itself: it cannot be combined with response_format, regex, ebnf "
-                                  "or json_schema", "tool_choice")
+                                  "itself: it cannot be combined with response_format, regex, ebnf, "
+                                  "json_schema, guided_* or structured_outputs", "tool_choice")
             self.params.json_schema = self.forced
         elif self._tool_parser() is not None:
             if ctx.tool_call_parser in SPECIAL_TOKEN_MARKERS:
@@ -68,7 +69,8 @@ class ChatCall:
             if (tag := strict_tool_tag(ctx.tool_call_parser, self.functions)) is not None:
                 if user_constraint:
                     raise bad_request("strict tools constrain the output: they cannot be combined "
-                                      "with response_format, regex, ebnf or json_schema", "tools")
+                                      "with response_format, regex, ebnf, json_schema, guided_* or "
+                                      "structured_outputs", "tools")
                 self.params.structural_tag = tag
         self.generation: Generation | None = None
 

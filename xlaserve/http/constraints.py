@@ -1,5 +1,5 @@
-"""A request's output constraint: SGLang's `regex` / `ebnf` / `json_schema` keys or OpenAI's
-`response_format`, checked and turned into one SamplingParams field, and its grammar compiled off
+"""A request's output constraint: SGLang's `regex` / `ebnf` / `json_schema` keys, OpenAI's
+`response_format` or vLLM's `guided_*` / `structured_outputs` (vllm_constraints.py), checked and turned into one SamplingParams field, and its grammar compiled off
 the event loop with the server's size and time bounds."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from xlaserve.http.errors import bad_request
 from xlaserve.http.protocol import SamplingFields
+from xlaserve.http.vllm_constraints import vllm_constraints
 from xlaserve.sampling.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
 from xlaserve.sampling.params import SamplingParams
 
@@ -22,21 +23,31 @@ _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 def request_constraint(req: SamplingFields) -> tuple[str, str] | None:
     """The request's output constraint as (SamplingParams field, text), or None: SGLang's
-    `regex`, `ebnf`, `json_schema` (JSON text) keys, or OpenAI's `response_format`; at most one."""
-    given = [(name, name, getattr(req, name)) for name in CONSTRAINTS
-             if getattr(req, name, None) is not None]
-    from_format = response_format_constraint(req.response_format)
-    if from_format is not None:
-        given.append(("response_format", *from_format))
-    if len(given) > 1:
-        raise bad_request("Only one of regex, json_schema, or ebnf can be set.", given[1][0])
+    `regex`, `ebnf`, `json_schema` (JSON text) keys, OpenAI's `response_format`, or vLLM's
+    `guided_*` keys and `structured_outputs` (vllm_constraints.py); at most one."""
+    given = _given_constraints(req)
     return given[0][1:] if given else None
 
 
 def constraint_param(req: SamplingFields) -> str | None:
     """The request parameter that set the constraint (an invalid grammar's 400 names it)."""
-    kind = (req.response_format or {}).get("type", "text")
-    return "response_format" if kind != "text" else None
+    given = _given_constraints(req)
+    return given[0][0] if given else None
+
+
+def _given_constraints(req: SamplingFields) -> list[tuple[str, str, str]]:
+    """(request parameter, SamplingParams field, text) of every constraint the request sets;
+    two at once is a 400 naming both."""
+    given = [(name, name, getattr(req, name)) for name in CONSTRAINTS
+             if getattr(req, name, None) is not None]
+    from_format = response_format_constraint(req.response_format)
+    if from_format is not None:
+        given.append(("response_format", *from_format))
+    given += vllm_constraints(req)
+    if len(given) > 1:
+        raise bad_request(f"Only one of regex, json_schema, or ebnf can be set: got {given[0][0]} "
+                          f"and {given[1][0]}", given[1][0])
+    return given
 
 
 def response_format_constraint(response_format: dict | None) -> tuple[str, str] | None:

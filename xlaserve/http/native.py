@@ -16,7 +16,9 @@ from xlaserve.http import off_loop
 from xlaserve.http.constraints import CONSTRAINTS, compile_constraints
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.prompt_bound import check_not_too_long
+from xlaserve.http.openai_fields import sglang_sampling_keys
 from xlaserve.http.protocol import GenerateRequest
+from xlaserve.http.request_fields import with_ignored_fields
 from xlaserve.http.serving import (SSE_DONE, Generation, ServingContext, check_n,
                                    check_prompt_ids, check_prompt_logprob_entries, check_request,
                                    check_top_logprobs, sse, sse_error)
@@ -56,7 +58,7 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     for ids in prompts:
         check_prompt_ids(ctx, ids, prompt_param)
     try:  # SGLang's fields, as SamplingParams
-        parsed = [to_sampling_params(p) for p in raw]
+        parsed = [to_sampling_params(sglang_sampling_keys(p, ctx.tokenizer)) for p in raw]
     except InvalidSamplingParam as error:
         raise bad_request(str(error), f"sampling_params.{error.param}") from None
     except (TypeError, ValueError) as error:
@@ -91,8 +93,8 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
 
 @router.post("/generate")
 async def generate(request: Request):
-    req = await off_loop.parse(await request.body(), GenerateRequest)
     ctx = _ctx(request)
+    req = await off_loop.parse(await request.body(), GenerateRequest, ctx.request_fields)
     check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
     generation, batched = await _generation(ctx, req)
     logprobs = (req.return_logprob, req.top_logprobs_num)
@@ -100,7 +102,9 @@ async def generate(request: Request):
         if batched:
             generation.group.abort()
             raise bad_request("stream takes one prompt with n=1", "stream")
-        return StreamingResponse(_stream(generation, logprobs), media_type="text/event-stream")
+        return with_ignored_fields(StreamingResponse(_stream(generation, logprobs),
+                                                     media_type="text/event-stream"),
+                                   req.ignored_fields)
     start = time.perf_counter()
     choices = await generation.collect()
     outputs = []
@@ -111,8 +115,9 @@ async def generate(request: Request):
         outputs.append(out)
     entries = sum(len(c.token_ids) + len(generation.prompts[c.prompt_index]) for c in choices) \
         * (2 + req.top_logprobs_num)  # at most: an id, a logprob and the alternatives per token
-    return await off_loop.run(entries, off_loop.LARGE_RESPONSE_ENTRIES, _json_response,
-                              outputs if batched else outputs[0])
+    response = await off_loop.run(entries, off_loop.LARGE_RESPONSE_ENTRIES, _json_response,
+                                  outputs if batched else outputs[0])
+    return with_ignored_fields(response, req.ignored_fields)
 
 
 def _tokenize(ctx: ServingContext, texts: list[str]) -> list[list[int]]:

@@ -40,6 +40,7 @@ async def run(size: int, large: int, work: Callable[..., T], *args) -> T:
     return await asyncio.to_thread(work, *args)
 
 
-async def parse(body: bytes, model: type[BaseModel]):
-    """`protocol.parse_body`, off the loop for a large body."""
-    return await run(len(body), LARGE_BODY_BYTES, parse_body, body, model)
+async def parse(body: bytes, model: type[BaseModel], fields=None):
+    """`protocol.parse_body`, off the loop for a large body; `fields`: the unknown-field policy
+    (request_fields.RequestFields; None refuses unknown fields)."""
+    return await run(len(body), LARGE_BODY_BYTES, parse_body, body, model, fields)

@@ -1,26 +1,52 @@
 """Request bodies of the HTTP routes (pydantic), with OpenAI's names plus SGLang's extensions.
 
-Unknown fields are refused (`extra="forbid"`): a parameter we do not know would otherwise be
-silently ignored. Ranges are checked when the request is turned into sampling parameters
+The models refuse unknown fields (`extra="forbid"`); by default request_fields.py drops a body's
+unknown top-level fields (and stream_options') before validating, logs them once and names them
+in the answer's X-Ignored-Fields header, as OpenAI-compatible peers accept them;
+--strict-request-fields keeps the 400. Ranges are checked when the request is turned into sampling parameters
 (`serving.sampling_params`), where the messages can name the parameter.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+                      model_validator)
 
 from xlaserve.http.errors import APIError, validation_message
+
+if TYPE_CHECKING:  # request_fields.py imports this module
+    from xlaserve.http.request_fields import RequestFields
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        """OpenAI's optional fields take null for "not given" (`"n": null`, `"stream": null`):
+        a null field with a default gets its default rather than a 400."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].default is None}
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The unknown fields dropped from the body (request_fields.py), in its order."""
+        return self._ignored
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # OpenAI pads stream events with random text against length side channels on its shared
+    # service; a self-hosted server adds no padding (documented no-op).
+    include_obfuscation: Optional[bool] = None
 
 
 class SamplingFields(_Strict):
@@ -53,6 +79,14 @@ class SamplingFields(_Strict):
     response_format: Optional[dict[str, Any]] = None
     rid: Optional[str] = None
     priority: Optional[int] = None  # honoured with --enable-priority-scheduling only
+    # vLLM's structured outputs (vllm_constraints.py); the backend name is ignored.
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None  # a 400 when set
 
 
 class TextPart(BaseModel):
@@ -86,11 +120,26 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     # gpt-oss: the Harmony system message's `Reasoning:` line (default medium); other models: a
     # template variable of that name, where their template reads one (else a 400).
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
-    # Accepted for compatibility; they do not change what is generated.
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                                       "max"]] = None
+    # Accepted for compatibility, documented no-ops: they do not change what is generated here
+    # (openai_fields.py says why for each).
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    prediction: Optional[dict[str, Any]] = None
+    # Checked by openai_fields.py: only text output; the rest a 400 naming the field when set.
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    moderation: Optional[dict[str, Any]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[Union[str, dict[str, Any]]] = None
     # SGLang extensions.
     chat_template_kwargs: Optional[dict[str, Any]] = None
     separate_reasoning: bool = True
@@ -131,20 +180,27 @@ class BatchRequest(_Strict):
     output_expires_after: Optional[dict[str, Any]] = None  # refused by name
 
 
-def parse_body(body: bytes, model: type[BaseModel]):
+def parse_body(body: bytes, model: type[BaseModel], fields: RequestFields | None = None):
     """A JSON body as `model`; any problem is a 400 naming the field (FastAPI would answer 422,
-    and misread a body sent without a JSON content type)."""
+    and misread a body sent without a JSON content type). `fields`: the server's unknown-field
+    policy (None: unknown fields are refused)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as error:
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
-    return validate_body(data, model)
+    return validate_body(data, model, fields)
 
 
-def validate_body(data: Any, model: type[BaseModel]):
+def validate_body(data: Any, model: type[BaseModel], fields: RequestFields | None = None):
     """Already-parsed JSON (a batch line's `body`) as `model`, with parse_body's 400s."""
+    ignored: list[str] = []
+    if fields is not None:
+        data, ignored = fields.drop_unknown(data, model)
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except ValidationError as error:
         message, param = validation_message(error.errors())
         raise APIError(400, message, param=param) from None
+    if ignored:
+        parsed._ignored = ignored
+    return parsed

@@ -16,6 +16,7 @@ from xlaserve.http.errors import APIError, bad_request, generation_error, shutti
 from xlaserve.http.metrics import Metrics
 from xlaserve.http.parsing.harmony import HarmonyChat
 from xlaserve.http.protocol import SamplingFields
+from xlaserve.http.request_fields import RequestFields
 from xlaserve.offline import Engine
 from xlaserve.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
 from xlaserve.engine.messages import OutputChunk
@@ -46,6 +47,8 @@ class ServingContext:
     metrics: Metrics | None
     tool_call_parser: str | None = None  # --tool-call-parser: calls parsed out of `auto` output
     harmony: HarmonyChat | None = None  # gpt-oss: chat prompts in Harmony format, not a template
+    # Unknown request fields: dropped and logged once, or refused (--strict-request-fields).
+    request_fields: RequestFields = dataclasses.field(default_factory=RequestFields)
     ready: bool = False  # set once the warm-up generation has passed
     draining: bool = False  # set on SIGTERM / SIGINT: no new generations (shutdown.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))

@@ -132,7 +132,7 @@ async def run_line(ctx: ServingContext, endpoint: str, line: Line) -> tuple[bool
     call = None
     request_id = uuid.uuid4().hex
     try:
-        req = validate_body(line.body, request_model)
+        req = validate_body(line.body, request_model, ctx.request_fields)
         if req.stream:
             raise bad_request("stream is not supported in a batch request", "stream")
         call = await _create_when_queued(call_class, ctx, req)

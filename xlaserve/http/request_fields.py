@@ -1,0 +1,95 @@
+"""What the server does with request fields it does not know.
+
+OpenAI adds request fields over time and its SDK sends what the caller gives it; vLLM and SGLang
+accept fields they do not know (vLLM logs them). So by default a body's unknown top-level fields,
+and unknown keys of `stream_options`, are dropped before the body is validated: each distinct
+name is logged once per server (a WARNING, not one line per request), and the answer names them
+in the `X-Ignored-Fields` header, so the client that sent them can see they did nothing.
+`--strict-request-fields` refuses them instead (a 400 naming the field, as before).
+
+Nested objects: messages keep extra keys (clients echo assistant messages back with `refusal`,
+`annotations`, `audio`: protocol.ChatMessage); tools are passed to the template as given;
+`response_format` and `structured_outputs` refuse unknown keys whatever the flag, since a key
+there would change what the output may be; `/generate`'s `sampling_params` refuses unknown keys,
+as SGLang's SamplingParams(**params) does.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from pydantic import BaseModel
+
+from xlaserve.http.protocol import StreamOptions
+
+logger = logging.getLogger(__name__)
+
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+# Nested objects whose unknown keys follow the same policy (named "parent.key").
+_NESTED = {"stream_options": StreamOptions}
+NAME_CHARS = 64  # a client's field name is echoed (log, header) at most this long
+MAX_LOGGED_NAMES = 256  # distinct names remembered: a client sending new names cannot grow it
+MAX_HEADER_NAMES = 32  # names listed in the header (then "...")
+
+
+class RequestFields:
+    """The server's unknown-field policy: `strict` refuses them (pydantic's extra="forbid"),
+    otherwise `drop_unknown` removes them and logs each distinct name once."""
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        self._logged: set[str] = set()
+        self._full_logged = False
+        self._lock = threading.Lock()  # bodies are parsed on the loop and in worker threads
+
+    def drop_unknown(self, data: Any, model: type[BaseModel]) -> tuple[Any, list[str]]:
+        """(the body without the fields `model` does not know, their names); strict: as given."""
+        if self.strict or not isinstance(data, dict):
+            return data, []
+        known = model.model_fields
+        ignored = [_name(key) for key in data if key not in known]
+        kept = {key: value for key, value in data.items() if key in known}
+        for parent, nested in _NESTED.items():
+            value = kept.get(parent)
+            if parent in known and isinstance(value, dict):
+                extra = [key for key in value if key not in nested.model_fields]
+                if extra:
+                    ignored += [_name(f"{parent}.{key}") for key in extra]
+                    kept[parent] = {k: v for k, v in value.items() if k in nested.model_fields}
+        if ignored:
+            self._log_once(ignored)
+        return (kept if ignored else data), ignored
+
+    def _log_once(self, names: list[str]) -> None:
+        with self._lock:
+            new = [n for n in dict.fromkeys(names) if n not in self._logged]
+            room = MAX_LOGGED_NAMES - len(self._logged)
+            self._logged.update(new[:room])
+            full = len(new) > room and not self._full_logged
+            self._full_logged |= full
+        for name in new[:room]:
+            logger.warning("ignoring unknown request field %s: this server does not use it "
+                           "(logged once; --strict-request-fields refuses such fields)", ascii(name))
+        if full:
+            logger.warning("%d distinct unknown request fields logged; further new ones are not "
+                           "(the X-Ignored-Fields header still names them)", MAX_LOGGED_NAMES)
+
+
+def _name(key: str) -> str:
+    return key[:NAME_CHARS]
+
+
+def header_value(names: list[str]) -> str:
+    """The names as one header value: printable ASCII (a name's other characters escaped as
+    Python's ascii() writes them, a comma as \\x2c), comma-separated, at most MAX_HEADER_NAMES."""
+    listed = [ascii(n)[1:-1].replace(",", "\\x2c") for n in dict.fromkeys(names)]
+    more = len(listed) > MAX_HEADER_NAMES
+    return ", ".join(listed[:MAX_HEADER_NAMES]) + (", ..." if more else "")
+
+
+def with_ignored_fields(response, ignored: list[str]):
+    """The response with the X-Ignored-Fields header when fields were ignored."""
+    if ignored:
+        response.headers[IGNORED_FIELDS_HEADER] = header_value(ignored)
+    return response
