@@ -98,7 +98,6 @@ def test_detokenize_round_trips_and_answers_vllm_and_sglang_names(server):
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
-    ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
     ("/tokenize", {"prompt": "word " * 600}, "prompt"),  # over the 512-token context
     ("/tokenize", {"prompt": ["ok", "word " * 600]}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
@@ -122,6 +121,13 @@ def test_bad_input_is_an_openai_400_naming_the_parameter(server, path, body, par
     assert error["type"] == "invalid_request_error"
     if "word " in str(body) or body.get("tokens") == [5] * 513:
         assert error["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "x", "bogus": 1}),
+                                        ("/detokenize", {"tokens": [5], "bogus": 1})])
+def test_an_unknown_field_is_ignored_and_named_in_the_header_as_on_chat(server, path, body):
+    response = _post(server, path, body)
+    assert response.status_code == 200 and response.headers["X-Ignored-Fields"] == "bogus"
 
 
 def test_an_unknown_model_is_a_404_and_a_long_prompt_that_fits_is_counted(server):

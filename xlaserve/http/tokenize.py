@@ -31,6 +31,7 @@ from xlaserve.http.chat import message_chars, render_chat
 from xlaserve.http.errors import bad_request, not_supported
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatMessage, _Strict
+from xlaserve.http.request_fields import with_ignored_fields
 from xlaserve.http.serving import ServingContext
 
 router = APIRouter()
@@ -63,8 +64,8 @@ class DetokenizeRequest(_Strict):
 
 async def _parsed(request: Request, model: type[_Strict]):
     """(the body as `model`, the context) once the server can answer it."""
-    req = await off_loop.parse(await request.body(), model)
     ctx: ServingContext = request.app.state.ctx
+    req = await off_loop.parse(await request.body(), model, ctx.request_fields)
     if ctx.tokenizer is None:  # vLLM's answer: a 400 (SGLang fails with a 500)
         raise bad_request("tokenize and detokenize need the tokenizer (the server runs with "
                           "--skip-tokenizer-init)")
@@ -94,7 +95,8 @@ async def tokenize(request: Request):
         if isinstance(req.prompt, list):
             _check_list_length(ctx, len(req.prompt), "prompts", "prompt")
         size = sum(map(len, req.prompt if isinstance(req.prompt, list) else [req.prompt]))
-    return await off_loop.run(size, off_loop.LARGE_PROMPT_CHARS, _tokenized, ctx, req)
+    response = await off_loop.run(size, off_loop.LARGE_PROMPT_CHARS, _tokenized, ctx, req)
+    return with_ignored_fields(response, req.ignored_fields)
 
 
 def _tokenized(ctx: ServingContext, req: TokenizeRequest) -> JSONResponse:
@@ -134,7 +136,8 @@ async def detokenize(request: Request):
     texts = await off_loop.run(sum(map(len, id_lists)), _LARGE_DECODE_IDS, _decode, ctx, id_lists,
                                req.skip_special_tokens)
     text = texts if batched else texts[0]
-    return JSONResponse({"prompt": text, "text": text})  # vLLM's name, SGLang's name
+    return with_ignored_fields(JSONResponse({"prompt": text, "text": text}),  # vLLM's, SGLang's
+                               req.ignored_fields)
 
 
 # Decoding 8 K ids takes about what encoding off_loop's LARGE_PROMPT_CHARS does (1.6 ms): 0.20 us
