@@ -141,6 +141,16 @@ def test_continue_final_message_continues_the_assistant_turn(server):
     assert count == len(server.ctx.tokenizer.encode(text, add_special_tokens=False))
 
 
+def test_vllms_add_generation_prompt_shapes_the_prompt(server):
+    messages = [{"role": "user", "content": "Name a color."}]
+    tokenizer = server.ctx.tokenizer
+    for opening in (True, False):
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=opening)
+        count = _prompt_tokens(server.base_url, messages=messages, add_generation_prompt=opening)
+        assert count == len(tokenizer.encode(text, add_special_tokens=False))
+
+
 def test_tool_call_arguments_nested_past_what_json_parses_are_a_400():
     """Found by test_fuzz.py: arguments nested 1000 deep raised RecursionError (a 500)."""
     from xlaserve.http.parsing.chat_template import template_messages

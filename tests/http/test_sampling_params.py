@@ -82,6 +82,9 @@ def test_stop_strings_are_trimmed_and_reported_also_when_streamed(client):
     assert text == full[:full.index(stop)] and last.finish_reason == "stop"
     kept = chat(client, temperature=0, max_tokens=24, stop=stop, extra_body={**NO_EOS, "no_stop_trim": True})
     assert kept.choices[0].message.content == full[:full.index(stop) + len(stop)]
+    vllm = chat(client, temperature=0, max_tokens=24, stop=stop,  # vLLM's name for it
+                extra_body={**NO_EOS, "include_stop_str_in_output": True})
+    assert vllm.choices[0].message.content == kept.choices[0].message.content
 
 
 def test_seed_gives_the_same_sample_whatever_else_is_in_the_batch(client):

@@ -44,7 +44,8 @@ class ChatCall:
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_tokens")
-        prompt = render_chat(ctx, req)
+        prompt = render_chat(ctx, req, add_generation_prompt=req.add_generation_prompt,
+                             add_special_tokens=req.add_special_tokens)
         self.prompt_text, prompt_ids = prompt.text, prompt.ids
         self.functions, self.tool_choice = prompt.functions, prompt.tool_choice
         check_prompt_ids(ctx, prompt_ids, "messages")

@@ -73,6 +73,7 @@ class SamplingFields(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's name for no_stop_trim
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     json_schema: Optional[str] = None
@@ -145,6 +146,10 @@ class ChatCompletionRequest(SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     continue_final_message: bool = False
+    # vLLM's: end the prompt opening the assistant's turn (false: the model continues the last
+    # message's role), and the tokenizer's special tokens on top of the template's.
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
 
 
 class CompletionRequest(SamplingFields):

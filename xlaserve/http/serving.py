@@ -94,7 +94,8 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias), stop=req.stop, stop_token_ids=stop_ids or None,
         ignore_eos=req.ignore_eos, min_new_tokens=req.min_tokens, seed=req.seed,
-        skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim)
+        skip_special_tokens=req.skip_special_tokens,
+        no_stop_trim=req.no_stop_trim or req.include_stop_str_in_output)
     # In OpenAI's names; the template's ids are counted with the user's, then added to them.
     check_request(ctx, prompt_len, params, prompt_param, names=_OPENAI_NAMES,
                   template_stop_ids=extra_stop_ids)
