@@ -60,19 +60,25 @@ class ServerArgs:
         None, "chat template: a Jinja file, Jinja text, or a built-in name (chatml, "
               "llama-3-instruct); default: the tokenizer's")
     reasoning_parser: Optional[str] = _flag(
-        None, "split reasoning from the answer for thinking models (vLLM's deepseek_r1 is "
-              "deepseek-r1)",
+        None, "split reasoning from the answer for thinking models (vLLM's names: deepseek_r1 is "
+              "deepseek-r1, openai_gptoss gpt-oss)",
         choices=["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "kimi", "gpt-oss"],
-        value_aliases={"deepseek_r1": "deepseek-r1"})
+        value_aliases={"deepseek_r1": "deepseek-r1", "openai_gptoss": "gpt-oss"})
     tool_call_parser: Optional[str] = _flag(
         None, "parse tool calls out of the model's output (tool_choice auto) in this model "
               "family's format: qwen25 (<tool_call> JSON, Qwen2.5/Qwen3 and Hermes-style), llama3 "
               "(<|python_tag|> or bare JSON), mistral ([TOOL_CALLS]), deepseekv3, pythonic "
               "([f(a=1)]), gpt-oss (Harmony messages to functions.NAME; with --reasoning-parser "
               "gpt-oss); forced tool_choice (required or a named function) needs none; "
-              "hermes (vLLM's name for the <tool_call> format) is qwen25",
+              "vLLM's names: hermes is qwen25, llama3_json llama3, deepseek_v3 deepseekv3, "
+              "deepseek_v31 deepseekv31, openai gpt-oss",
         choices=["qwen25", "qwen", "llama3", "mistral", "deepseekv3", "deepseekv31", "pythonic",
-                 "gpt-oss"], value_aliases={"hermes": "qwen25"})
+                 "gpt-oss"],
+        value_aliases={"hermes": "qwen25", "llama3_json": "llama3", "deepseek_v3": "deepseekv3",
+                       "deepseek_v31": "deepseekv31", "openai": "gpt-oss"})
+    enable_auto_tool_choice: bool = _flag(
+        False, "accepted for vLLM's launch lines: tool_choice auto needs only --tool-call-parser "
+               "here (vLLM refuses it without this flag)")
     skip_tokenizer_init: bool = _flag(False, "do not load a tokenizer (token ids in and out)")
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
                                    choices=["auto", "reference", "cpu", "pallas"])
@@ -128,10 +134,11 @@ class ServerArgs:
     disable_conversion_cache: bool = _flag(
         False, "convert a GGUF model on every start instead of loading it from (and writing it "
                "to) the conversion cache")
-    context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)")
+    context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)",
+                                          aliases=("--max-model-len",))
     max_running_requests: Optional[int] = _flag(
         None, "requests decoded together at most (default 64 on CPU, 256 on TPU/GPU: the "
-              "largest sequence bucket of the compiled steps)")
+              "largest sequence bucket of the compiled steps)", aliases=("--max-num-seqs",))
     max_total_tokens: Optional[int] = _flag(
         None, "KV cache size in tokens (default: from --mem-fraction-static)")
     mem_fraction_static: Optional[float] = _flag(

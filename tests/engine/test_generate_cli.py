@@ -48,10 +48,17 @@ def test_sglang_and_vllm_flag_names_and_values_are_taken_as_ours():
     args = ServerArgs.from_cli_args(parser.parse_args(
         ["--tensor-parallel-size", "4", "--expert-parallel-size", "2", "--data-parallel-size", "1",
          "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1",
-         "--grammar-backend", "xgrammar", "--enable-cache-report", "--kv-cache-dtype", "auto"]))
+         "--grammar-backend", "xgrammar", "--enable-cache-report", "--kv-cache-dtype", "auto",
+         "--max-model-len", "2048", "--max-num-seqs", "32",
+         "--enable-auto-tool-choice"]))
     assert args == ServerArgs(tp_size=4, ep_size=2, tool_call_parser="qwen25",
                               reasoning_parser="deepseek-r1", grammar_backend="llguidance",
-                              enable_cache_report=True)
+                              enable_cache_report=True, context_length=2048,
+                              max_running_requests=32,
+                              enable_auto_tool_choice=True)
+    vllm_gpt_oss = ServerArgs.from_cli_args(parser.parse_args(
+        ["--tool-call-parser", "openai", "--reasoning-parser", "openai_gptoss"]))
+    assert (vllm_gpt_oss.tool_call_parser, vllm_gpt_oss.reasoning_parser) == ("gpt-oss", "gpt-oss")
     assert ServerArgs(grammar_backend="outlines").grammar_backend == "llguidance"  # the Engine's path
 
 
