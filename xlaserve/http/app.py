@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from xlaserve.http import native, off_loop, tokenize
+from xlaserve.http import native, off_loop, responses, tokenize
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
@@ -45,6 +45,8 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     app = FastAPI(title="xlaserve", version="0.1.0", lifespan=_with_batches(lifespan, batch_runner))
     app.state.ctx = ctx
     app.state.batch_runner = batch_runner
+    # The Responses API stores its responses with the files and batches.
+    app.state.responses = responses.ResponseStore(batch_runner.storage) if batch_runner else None
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
@@ -97,6 +99,7 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     if batch_runner is not None:
         app.include_router(files.router)
         app.include_router(batches.router)
+        app.include_router(responses.router)
     return app
 
 
@@ -111,6 +114,7 @@ def _with_batches(lifespan, batch_runner):
             try:
                 yield
             finally:
+                await app.state.responses.stop()  # before batch_runner closes the storage
                 await batch_runner.stop()  # before the outer lifespan stops the engine
 
     return both
