@@ -4,18 +4,20 @@ types (the SDK itself builds its objects without validating). Greedy outputs are
 deterministic, so a response is compared with the chat completion of the same conversation."""
 import dataclasses
 import json
+import time
 
 import httpx
 import jsonschema
 import pytest
 from openai import BadRequestError, NotFoundError
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from tests.http.conftest import AppServer
 
 GREEDY = {"model": "tiny", "temperature": 0, "max_output_tokens": 8}
 EVENTS = TypeAdapter(ResponseStreamEvent)
+ITEMS = TypeAdapter(ResponseItem)
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "additionalProperties": False,
                           "properties": {"city": {"enum": ["Paris", "Rome"]}},
@@ -72,6 +74,15 @@ def test_items_with_instructions_render_as_a_system_message_then_the_conversatio
     assert text_of(response) == completion.choices[0].message.content
 
 
+def test_reasoning_effort_goes_through_chats_reasoning_effort(client):
+    response = validated(client.responses.create(input="Hi", reasoning={"effort": "none"},
+                                                 **GREEDY))
+    completion = chat(client, [{"role": "user", "content": "Hi"}], reasoning_effort="none")
+    assert response.reasoning.effort == "none"
+    assert text_of(response) == completion.choices[0].message.content
+    assert response.usage.input_tokens == completion.usage.prompt_tokens
+
+
 def test_max_output_tokens_cuts_the_response_to_incomplete(client):
     response = validated(client.responses.create(input="Count.", model="tiny", temperature=0,
                                                  max_output_tokens=2))
@@ -89,6 +100,7 @@ def test_stored_responses_are_retrieved_and_deleted_and_unknown_ones_are_404(cli
     items = client.responses.input_items.list(created.id)
     assert [(i.type, i.role, i.content[0].text) for i in items.data] == \
         [("message", "user", "Keep this.")]
+    ITEMS.validate_python(items.data[0].model_dump(mode="json", by_alias=True))
     client.responses.delete(created.id)
     with pytest.raises(NotFoundError):
         client.responses.retrieve(created.id)
@@ -118,7 +130,25 @@ def test_previous_response_id_continues_the_conversation(client):
     assert second.usage.input_tokens == completion.usage.prompt_tokens
     assert text_of(second) == completion.choices[0].message.content
     listed = client.responses.input_items.list(second.id, order="asc")
-    assert [item.type for item in listed.data] == ["message", "message", "message"]
+    assert [(item.role, item.content[0].text) for item in listed.data] == \
+        [("user", "My name is Ada."), ("assistant", text_of(first)), ("user", "What is my name?")]
+    for item in listed.data:
+        ITEMS.validate_python(item.model_dump(mode="json", by_alias=True))
+    page = client.responses.input_items.list(second.id, limit=1, after=listed.data[2].id)
+    assert [item.id for item in page.data] == [listed.data[1].id] and page.has_more
+
+
+def test_a_continued_conversation_is_bounded_by_max_payload_size(server, client, monkeypatch):
+    first = client.responses.create(input=[{"role": "user", "content": "x" * 1200,
+                                            "extra": "dropped"}], **GREEDY)
+    engine = server.ctx.engine
+    monkeypatch.setattr(engine, "server_args", dataclasses.replace(engine.server_args,
+                                                                   max_payload_size=1200))
+    with pytest.raises(BadRequestError) as refused:
+        client.responses.create(input="more", previous_response_id=first.id, **GREEDY)
+    assert refused.value.body["param"] == "previous_response_id"
+    [item] = client.responses.input_items.list(first.id).data
+    assert "extra" not in item.model_dump()  # only what the prompt holds is stored
 
 
 def test_streamed_events_come_in_order_and_their_deltas_make_the_greedy_text(server, client):
@@ -224,14 +254,17 @@ def test_a_finished_response_cannot_be_cancelled_but_a_background_one_can(client
     running = client.responses.create(input="Talk a lot.", background=True, model="tiny",
                                       max_output_tokens=400)
     assert running.status == "in_progress" and running.background
-    cancelled = validated(client.responses.cancel(running.id))
-    assert cancelled.status in ("cancelled", "completed", "incomplete")
-    assert validated(client.responses.retrieve(running.id)).status == cancelled.status
+    cancelled = validated(client.responses.cancel(running.id))  # 400 tokens take over a second
+    assert cancelled.status == "cancelled" and cancelled.output == []
+    assert validated(client.responses.retrieve(running.id)).status == "cancelled"
+    assert validated(client.responses.cancel(running.id)).status == "cancelled"  # idempotent
+    deadline = time.monotonic() + 5  # its slot is freed (the engine loop takes the abort)
+    while server.ctx.core.scheduler.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.ctx.core.scheduler.num_running == 0
 
 
 def test_a_background_response_is_polled_until_it_finishes(client):
-    import time
-
     created = client.responses.create(input="hi", background=True, **GREEDY)
     deadline = time.monotonic() + 60
     while (current := client.responses.retrieve(created.id)).status == "in_progress":
@@ -270,6 +303,19 @@ def test_previous_response_id_survives_a_restart(app_over, tmp_path):
     assert validated(again.responses.retrieve(first.id)).output_text == first.output_text
     second = again.responses.create(input="Which number?", previous_response_id=first.id, **GREEDY)
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_background_responses_a_stop_cut_off_are_failed_at_the_next_start(app_over, tmp_path):
+    from xlaserve.http.batches.storage import Storage
+
+    storage = Storage(str(tmp_path))
+    stale = {"id": "resp_stale", "object": "response", "created_at": 1, "status": "in_progress",
+             "model": "tiny", "output": [], "parallel_tool_calls": True, "tool_choice": "auto",
+             "tools": [], "background": True, "error": None, "_input": []}
+    storage.save_response(stale)
+    storage.close()
+    failed = validated(app_over(tmp_path).openai().responses.retrieve("resp_stale"))
+    assert failed.status == "failed" and failed.error.code == "server_error"
 
 
 def test_a_reasoning_parser_gives_a_reasoning_item_streamed_and_not(app_over, tmp_path):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import orjson
+
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.errors import APIError, bad_request, not_supported
 from xlaserve.http.protocol import ChatCompletionRequest, validate_body
@@ -35,7 +37,9 @@ class ResponseCall:
         self.created_at = int(time.time())
         _check_unsupported(req)
         history = [*previous["_input"], *previous["output"]] if previous is not None else []
-        self.input = history + input_items(req.input)  # what input_items lists
+        self.input = history + input_items(req.input, len(history))  # what input_items lists
+        if history:
+            _check_conversation_size(ctx, self.input)
         self.chat_request = _with_our_names(validate_body, _chat_body(req, self.input),
                                             ChatCompletionRequest)
         self.chat: ChatCall | None = None
@@ -104,6 +108,18 @@ def _check_unsupported(req: ResponsesRequest) -> None:
         raise bad_request(f"metadata takes at most {_METADATA_PAIRS} pairs, keys up to "
                           f"{_METADATA_KEY} characters and values up to {_METADATA_VALUE}",
                           "metadata")
+
+
+def _check_conversation_size(ctx: ServingContext, items: list[dict]) -> None:
+    """A conversation continued by previous_response_id is bounded as if sent whole: its items
+    (all of them are stored again with this response) at most --max-payload-size bytes. Without
+    it, reasoning items (which many templates leave out of the prompt) could grow a chain's
+    records without end."""
+    limit = ctx.engine.server_args.max_payload_size
+    if limit and len(orjson.dumps(items)) > limit:
+        raise bad_request(f"the conversation continued by previous_response_id is over "
+                          f"--max-payload-size ({limit} bytes): start a new one",
+                          "previous_response_id")
 
 
 def _chat_body(req: ResponsesRequest, items: list[dict]) -> dict:

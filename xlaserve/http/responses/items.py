@@ -1,6 +1,7 @@
 """Responses API items <-> chat messages.
 
-Input: a string (one user message) or a list of items, each one of
+Input: a string (one user message) or a list of items, each one of (made canonical: an id each,
+content as parts, only these fields)
     {"type": "message", "role": user|system|developer|assistant, "content": str | [parts]}
         (parts `input_text` / `output_text`; `type` may be left out, as OpenAI allows)
     {"type": "function_call", "call_id", "name", "arguments"}      -> an assistant's tool_calls
@@ -25,43 +26,72 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def input_items(value: str | list[dict]) -> list[dict]:
-    """`input` as a list of items (a string is one user message)."""
+def input_items(value: str | list, start: int = 0) -> list[dict]:
+    """`input` (a string is one user message) as canonical items: checked, with an id each and
+    only the fields used, so what is stored for previous_response_id is what the prompt holds.
+    `start`: the index of the first item of a conversation whose earlier items are stored."""
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    return value
+        value = [{"type": "message", "role": "user", "content": value}]
+    return [_canonical(item, f"input[{i}]") for i, item in enumerate(value, start)]
+
+
+def _canonical(item, where: str) -> dict:
+    if not isinstance(item, dict):
+        raise bad_request(f"{where} must be an object", "input")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}", "input")
+        part = "output_text" if role == "assistant" else "input_text"
+        text = {"type": part, "text": _text(item.get("content"), where)}
+        if role == "assistant":
+            text["annotations"] = []
+        return {"type": "message", "id": _id(item, "msg"), "role": role, "status": "completed",
+                "content": [text]}
+    if kind == "function_call":
+        return {"type": "function_call", "id": _id(item, "fc"),
+                "call_id": _string(item, "call_id", where), "name": _string(item, "name", where),
+                "arguments": _string(item, "arguments", where), "status": "completed"}
+    if kind == "function_call_output":
+        return {"type": "function_call_output", "id": _id(item, "fco"),
+                "call_id": _string(item, "call_id", where),
+                "output": _text(item.get("output"), where + ".output"), "status": "completed"}
+    if kind == "reasoning":
+        return reasoning_item(_id(item, "rs"), _reasoning_text(item, where), "completed")
+    raise bad_request(f"{where}: items of type {str(kind)[:64]!r} are not supported "
+                      "(message, function_call, function_call_output, reasoning)", "input")
+
+
+def _id(item: dict, prefix: str) -> str:
+    """The client's id when it looks like one, else a new one."""
+    given = item.get("id")
+    return given if isinstance(given, str) and 0 < len(given) <= 64 else new_item_id(prefix)
 
 
 def chat_messages(items: list[dict]) -> list[dict]:
-    """Items -> chat messages (the dicts ChatCompletionRequest takes). Consecutive function calls
-    become one assistant message's tool_calls, joined to the assistant text just before them."""
+    """Canonical items -> chat messages (the dicts ChatCompletionRequest takes). Consecutive
+    function calls become one assistant message's tool_calls, joined to the assistant text just
+    before them; reasoning goes to the next assistant message's reasoning_content."""
     messages: list[dict] = []
     reasoning: str | None = None
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object", "input")
-        kind = item.get("type", "message")
+    for item in items:
+        kind = item["type"]
         if kind == "reasoning":
-            reasoning = (reasoning or "") + _reasoning_text(item, where)
+            reasoning = (reasoning or "") + "".join(p["text"] for p in item["content"])
             continue
         if kind == "message":
-            message = {"role": _role(item, where), "content": _text(item.get("content"), where)}
+            message = {"role": item["role"], "content": item["content"][0]["text"]}
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where),
-                                 "arguments": _string(item, "arguments", where)}}
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "_open" in last:
                 last.setdefault("tool_calls", []).append(call)
                 continue
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
-        elif kind == "function_call_output":
-            message = {"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                       "content": _text(item.get("output"), where + ".output")}
-        else:
-            raise bad_request(f"{where}: items of type {str(kind)[:64]!r} are not supported "
-                              "(message, function_call, function_call_output, reasoning)", "input")
+        else:  # function_call_output
+            message = {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
         if message["role"] == "assistant":
             message["_open"] = True  # function calls that follow join it
             if reasoning is not None:
@@ -72,13 +102,6 @@ def chat_messages(items: list[dict]) -> list[dict]:
     for message in messages:
         message.pop("_open", None)
     return messages
-
-
-def _role(item: dict, where: str) -> str:
-    role = item.get("role")
-    if role not in _ROLES:
-        raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}", "input")
-    return role
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -144,15 +167,3 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
 
-
-def listed_item(item: dict, index: int) -> dict:
-    """An input item as `input_items` lists it: with an id (its index where the client gave
-    none), a status, and a message's string content as one text part."""
-    item = {"type": "message", **item}
-    item.setdefault("id", f"item_{index}")
-    item.setdefault("status", "completed")
-    if item["type"] == "message" and isinstance(item.get("content"), str):
-        part = {"type": "input_text", "text": item["content"]} if item.get("role") != "assistant" \
-            else {"type": "output_text", "text": item["content"], "annotations": []}
-        item["content"] = [part]
-    return item

@@ -12,7 +12,6 @@ from fastapi.responses import StreamingResponse
 from xlaserve.http import off_loop
 from xlaserve.http.errors import bad_request
 from xlaserve.http.responses.call import ResponseCall
-from xlaserve.http.responses.items import listed_item
 from xlaserve.http.responses.protocol import ResponsesRequest
 from xlaserve.http.responses.store import ResponseStore, public
 from xlaserve.http.responses.stream import events
@@ -62,11 +61,10 @@ async def cancel_response(response_id: str, request: Request):
 async def list_input_items(response_id: str, request: Request, after: str | None = None,
                            limit: int = 20, order: Literal["asc", "desc"] = "desc"):
     """The conversation the response answered (previous_response_id's included), newest first
-    by default (items.listed_item)."""
+    by default; each item has an id (items.input_items)."""
     if not 1 <= limit <= 100:
         raise bad_request("limit must be between 1 and 100", "limit")
-    items = [listed_item(item, i)
-             for i, item in enumerate(store_of(request).record(response_id)["_input"])]
+    items = list(store_of(request).record(response_id)["_input"])
     if order == "desc":
         items.reverse()
     if after is not None:
