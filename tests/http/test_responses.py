@@ -169,6 +169,33 @@ def test_streamed_events_come_in_order_and_their_deltas_make_the_greedy_text(ser
     assert text_of(validated(client.responses.retrieve(final.id))) == text
 
 
+def wait_until_idle(server, seconds: float = 5) -> int:
+    """The engine's running requests once they are gone, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while server.ctx.core.scheduler.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server.ctx.core.scheduler.num_running
+
+
+def finished_requests(server) -> float:
+    """Requests that ran to their end (an aborted one is not counted)."""
+    metrics = httpx.get(server.base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("xlaserve:num_requests_total"))
+
+
+def test_a_stream_the_client_leaves_is_aborted_and_not_stored(server):
+    finished = finished_requests(server)
+    body = {"model": "tiny", "input": "Talk a lot.", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=30) as sse:
+        lines = sse.iter_lines()
+        created = next(json.loads(line[6:]) for line in lines if line.startswith("data: "))
+        next(line for line in lines if "response.output_text.delta" in line)
+    assert wait_until_idle(server) == 0 and finished_requests(server) == finished
+    missing = httpx.get(f"{server.base_url}/v1/responses/{created['response']['id']}")
+    assert missing.status_code == 404
+
+
 def test_the_sdk_stream_helper_accumulates_the_same_response(client):
     # The helper wants `response.completed`: a finite JSON schema makes the gibberish end.
     text = {"format": {"type": "json_schema", "name": "pick", "schema": FINITE, "strict": True}}
@@ -251,6 +278,7 @@ def test_a_finished_response_cannot_be_cancelled_but_a_background_one_can(client
     done = client.responses.create(input="hi", **GREEDY)
     with pytest.raises(BadRequestError):
         client.responses.cancel(done.id)
+    finished = finished_requests(server)
     running = client.responses.create(input="Talk a lot.", background=True, model="tiny",
                                       max_output_tokens=400)
     assert running.status == "in_progress" and running.background
@@ -258,10 +286,7 @@ def test_a_finished_response_cannot_be_cancelled_but_a_background_one_can(client
     assert cancelled.status == "cancelled" and cancelled.output == []
     assert validated(client.responses.retrieve(running.id)).status == "cancelled"
     assert validated(client.responses.cancel(running.id)).status == "cancelled"  # idempotent
-    deadline = time.monotonic() + 5  # its slot is freed (the engine loop takes the abort)
-    while server.ctx.core.scheduler.num_running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.ctx.core.scheduler.num_running == 0
+    assert wait_until_idle(server) == 0 and finished_requests(server) == finished  # aborted
 
 
 def test_a_background_response_is_polled_until_it_finishes(client):

@@ -28,28 +28,32 @@ async def create_response(request: Request):
     from xlaserve.http.app import until_disconnect  # app.py imports this module
 
     store = store_of(request)
-    req = await off_loop.parse(await request.body(), ResponsesRequest)
-    call = ResponseCall(request.app.state.ctx, req, store.previous(req.previous_response_id))
+    body = await request.body()
+    req = await off_loop.parse(body, ResponsesRequest)
+    previous = await store.previous(req.previous_response_id)
+    # Canonical items and the chat request: off the event loop for a large body, as its parse.
+    call = await off_loop.run(len(body), off_loop.LARGE_BODY_BYTES, ResponseCall,
+                              request.app.state.ctx, req, previous)
     await call.create()
     if req.stream:
         return StreamingResponse(events(call, store), media_type="text/event-stream")
     if req.background:
-        return store.start_background(call)
+        return await store.start_background(call)
     chat_body = await until_disconnect(request, call.chat.response(),
                                        call.chat.generation.group.abort)
     response = call.finished(chat_body)
-    store.save(call, response)
+    await store.save(call, response)
     return response
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request):
-    return public(store_of(request).record(response_id))
+    return public(await store_of(request).record(response_id))
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request):
-    return store_of(request).delete(response_id)
+    return await store_of(request).delete(response_id)
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -64,7 +68,7 @@ async def list_input_items(response_id: str, request: Request, after: str | None
     by default; each item has an id (items.input_items)."""
     if not 1 <= limit <= 100:
         raise bad_request("limit must be between 1 and 100", "limit")
-    items = list(store_of(request).record(response_id)["_input"])
+    items = list((await store_of(request).record(response_id))["_input"])
     if order == "desc":
         items.reverse()
     if after is not None:

@@ -138,7 +138,7 @@ async def events(call: ResponseCall, store: ResponseStore) -> AsyncIterator[byte
             yield event
         failed = call.object("failed", out.output, error={"code": "server_error",
                                                            "message": error.message})
-        store.save(call, failed)
+        await store.save(call, failed)
         yield out.event("error", code="server_error", message=error.message, param=None)
         yield out.event("response.failed", response=failed)
         return
@@ -150,5 +150,5 @@ async def events(call: ResponseCall, store: ResponseStore) -> AsyncIterator[byte
         yield event
     usage = call.usage(call.chat.generation.usage(), reasoning)
     final = call.object("incomplete" if cut else "completed", out.output, usage, incomplete=cut)
-    store.save(call, final)
+    await store.save(call, final)
     yield out.event("response.incomplete" if cut else "response.completed", response=final)
