@@ -6,7 +6,6 @@ launch script runs it with uvicorn. Nothing outside `xlaserve/http/` imports Fas
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Iterable
@@ -20,6 +19,7 @@ from starlette.routing import Match
 from xlaserve.http import native, off_loop, responses, tokenize
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
+from xlaserve.http.disconnect import until_disconnect
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, validation_message
 from xlaserve.http.guards import add_guards
@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 # Routes a load balancer or Prometheus reaches without the API key (as in SGLang).
 _OPEN_ROUTES = ("/health", "/metrics")
-_DISCONNECT_POLL_S = 0.5
 UNMATCHED_ROUTE = "unmatched"  # the metrics label of every path no route matches
 
 
@@ -128,23 +127,6 @@ async def respond(request: Request, call: ChatCall | CompletionCall):
     content = await until_disconnect(request, call.response(), call.generation.group.abort)
     return await off_loop.run(call.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES, JSONResponse,
                               content)
-
-
-async def until_disconnect(request: Request, work, abort):
-    """Runs a non-streamed generation; if the client goes away first, `abort` frees its slots at
-    once (the work may not have started, so cancelling it alone would not)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise APIError(499, "the client closed the connection")
-    finally:
-        if not task.done():
-            task.cancel()
-            abort()
 
 
 class RecordRequests:

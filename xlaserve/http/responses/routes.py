@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from xlaserve.http import off_loop
+from xlaserve.http.disconnect import until_disconnect
 from xlaserve.http.errors import bad_request
 from xlaserve.http.responses.call import ResponseCall
 from xlaserve.http.responses.protocol import ResponsesRequest
@@ -25,8 +26,6 @@ def store_of(request: Request) -> ResponseStore:
 
 @router.post("/v1/responses")
 async def create_response(request: Request):
-    from xlaserve.http.app import until_disconnect  # app.py imports this module
-
     store = store_of(request)
     body = await request.body()
     req = await off_loop.parse(body, ResponsesRequest)
