@@ -56,6 +56,7 @@ class ResponseCall:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "background": req.background, "error": error,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": self.ctx.served_model_name, "output": output or [],
@@ -82,7 +83,8 @@ class ResponseCall:
 
     def usage(self, chat_usage: dict, reasoning: str | None) -> dict:
         """Chat's usage in this API's names. Reasoning tokens: the reasoning text re-tokenized
-        (the engine counts tokens, not which part of the output they fell in)."""
+        (the engine counts tokens, not which part of the output they fell in). No cache writes:
+        those are OpenAI's explicit prompt caching; the prefix cache here is implicit."""
         reasoning_tokens = len(self.ctx.tokenizer.encode(reasoning, add_special_tokens=False)) \
             if reasoning else 0
         cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
