@@ -6,7 +6,6 @@ launch script runs it with uvicorn. Nothing outside `xlaserve/http/` imports Fas
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Iterable
@@ -17,9 +16,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from xlaserve.http import native, off_loop, tokenize
+from xlaserve.http import native, off_loop, responses, tokenize
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
+from xlaserve.http.disconnect import until_disconnect
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, validation_message
 from xlaserve.http.guards import add_guards
@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 # Routes a load balancer or Prometheus reaches without the API key (as in SGLang).
 _OPEN_ROUTES = ("/health", "/metrics")
-_DISCONNECT_POLL_S = 0.5
 UNMATCHED_ROUTE = "unmatched"  # the metrics label of every path no route matches
 
 
@@ -46,6 +45,8 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     app = FastAPI(title="xlaserve", version="0.1.0", lifespan=_with_batches(lifespan, batch_runner))
     app.state.ctx = ctx
     app.state.batch_runner = batch_runner
+    # The Responses API stores its responses with the files and batches.
+    app.state.responses = responses.ResponseStore(batch_runner.storage) if batch_runner else None
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
@@ -98,6 +99,7 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     if batch_runner is not None:
         app.include_router(files.router)
         app.include_router(batches.router)
+        app.include_router(responses.router)
     return app
 
 
@@ -112,6 +114,7 @@ def _with_batches(lifespan, batch_runner):
             try:
                 yield
             finally:
+                await app.state.responses.stop()  # before batch_runner closes the storage
                 await batch_runner.stop()  # before the outer lifespan stops the engine
 
     return both
@@ -127,23 +130,6 @@ async def respond(request: Request, call: ChatCall | CompletionCall):
         response = await off_loop.run(call.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES,
                                       JSONResponse, content)
     return with_ignored_fields(response, call.req.ignored_fields)
-
-
-async def until_disconnect(request: Request, work, abort):
-    """Runs a non-streamed generation; if the client goes away first, `abort` frees its slots at
-    once (the work may not have started, so cancelling it alone would not)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise APIError(499, "the client closed the connection")
-    finally:
-        if not task.done():
-            task.cancel()
-            abort()
 
 
 class RecordRequests:

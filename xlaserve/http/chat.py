@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: chat template -> generation -> `chat.completion` or SSE chunks."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import AsyncIterator, NamedTuple
 
@@ -156,14 +157,22 @@ class ChatCall:
     # --- SSE --------------------------------------------------------------------------------
 
     async def stream(self) -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(self.chunks()) as chunks:  # aborts at once if we stop
+            async for chunk in chunks:
+                yield sse_error(chunk) if isinstance(chunk, APIError) else sse(chunk)
+        yield SSE_DONE
+
+    async def chunks(self) -> AsyncIterator[dict | APIError]:
+        """The `chat.completion.chunk` objects of the stream, or the errors to send in their
+        place (the Responses API's stream is made from these: http/responses/stream.py)."""
         req = self.req
         num_choices = len(self.generation.choices)
         splits = [_ReasoningSplit(self._parser(), req.stream_reasoning) for _ in range(num_choices)]
         tool_splits = [_ToolSplit(self) for _ in range(num_choices)]
         pending = [StreamBuffer(self.ctx.stream_interval) for _ in range(num_choices)]
         for index in range(num_choices):
-            yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]))
+            yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
         try:
             async for choice, chunk in self.generation.stream():
                 if pending[choice.index].add(chunk):
@@ -171,24 +180,22 @@ class ChatCall:
                     reasoning, content = splits[choice.index].split(text, chunk.finished)
                     content, calls = tool_splits[choice.index].split(content, chunk.finished)
                     if reasoning or content or tokens or calls:
-                        yield sse(self._chunk([self._delta_choice(choice.index, reasoning, content,
-                                                                  tokens, calls)],
-                                              self._running_usage()))
+                        yield self._chunk([self._delta_choice(choice.index, reasoning, content,
+                                                              tokens, calls)],
+                                          self._running_usage())
                 if chunk.finished:
                     if chunk.error is not None:
-                        yield sse_error(generation_error(chunk.error))
+                        yield generation_error(chunk.error)
                     finish_reason = _finish_reason(choice, tool_splits[choice.index].called)
-                    yield sse(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                            "finish_reason": finish_reason,
-                                            "matched_stop": choice.matched_stop}],
-                                          self._running_usage()))
+                    yield self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                                        "finish_reason": finish_reason,
+                                        "matched_stop": choice.matched_stop}],
+                                      self._running_usage())
         except EngineDeadError as error:
-            yield sse_error(APIError(503, str(error)))
-            yield SSE_DONE
+            yield APIError(503, str(error))
             return
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(self._chunk([], self.generation.usage()))
-        yield SSE_DONE
+            yield self._chunk([], self.generation.usage())
 
     def _running_usage(self) -> dict | None:
         options = self.req.stream_options

@@ -1,7 +1,8 @@
 """Durable state of files and batches under `--file-storage-path` (docs/architecture.md, Durable state).
 
     metadata.db    SQLite in WAL mode: files (id, bytes, created_at, filename, purpose) and
-                   batches (id, the batch object as JSON), each with an insertion order for lists
+                   batches (id, the batch object as JSON), each with an insertion order for lists, and
+                   responses (id, the stored /v1/responses object and its input items as JSON)
     files/<id>     the bytes of each file, named by its id only: a client's filename is metadata
                    and never reaches a path
     tmp/           uploads being written; renamed into files/ once complete and fsync'd
@@ -29,6 +30,9 @@ CREATE TABLE IF NOT EXISTS files (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, status TEXT NOT NULL,
+    data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS responses (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, status TEXT NOT NULL,
     data TEXT NOT NULL);
 """
@@ -138,13 +142,10 @@ class Storage:
     # --- batches --------------------------------------------------------------------------------
 
     def save_batch(self, batch: dict) -> None:
-        self._query("INSERT INTO batches (id, status, data) VALUES (?, ?, ?) ON CONFLICT(id) "
-                    "DO UPDATE SET status = excluded.status, data = excluded.data",
-                    (batch["id"], batch["status"], orjson.dumps(batch).decode()))
+        self._save("batches", batch)
 
     def batch(self, batch_id: str) -> dict | None:
-        rows = self._query("SELECT data FROM batches WHERE id = ?", (batch_id,))
-        return orjson.loads(rows[0][0]) if rows else None
+        return self._load("batches", batch_id)
 
     def batches(self, *, after: str | None, limit: int) -> tuple[list[dict], bool]:
         """Newest first, as OpenAI lists them."""
@@ -154,10 +155,39 @@ class Storage:
         return [orjson.loads(r[0]) for r in rows[:limit]], len(rows) > limit
 
     def batches_with_status(self, statuses: Iterable[str]) -> list[dict]:
-        statuses = list(statuses)
-        rows = self._query(f"SELECT data FROM batches WHERE status IN ({','.join('?' * len(statuses))}) "
-                           "ORDER BY seq", statuses)
+        return self._with_status("batches", list(statuses))
+
+    # Tables of records kept as JSON with their status (table names are ours, never a client's).
+
+    def _save(self, table: str, record: dict) -> None:
+        self._query(f"INSERT INTO {table} (id, status, data) VALUES (?, ?, ?) ON CONFLICT(id) "
+                    "DO UPDATE SET status = excluded.status, data = excluded.data",
+                    (record["id"], record["status"], orjson.dumps(record).decode()))
+
+    def _load(self, table: str, record_id: str) -> dict | None:
+        rows = self._query(f"SELECT data FROM {table} WHERE id = ?", (record_id,))
+        return orjson.loads(rows[0][0]) if rows else None
+
+    def _with_status(self, table: str, statuses: list[str]) -> list[dict]:
+        rows = self._query(f"SELECT data FROM {table} WHERE status IN "
+                           f"({','.join('?' * len(statuses))}) ORDER BY seq", statuses)
         return [orjson.loads(r[0]) for r in rows]
+
+    # --- responses (http/responses/) ---------------------------------------------------------
+
+    def save_response(self, record: dict) -> None:
+        self._save("responses", record)
+
+    def response(self, response_id: str) -> dict | None:
+        return self._load("responses", response_id)
+
+    def delete_response(self, response_id: str) -> bool:
+        with self._mutex:
+            return bool(self._db.execute("DELETE FROM responses WHERE id = ?",
+                                         (response_id,)).rowcount)
+
+    def responses_with_status(self, statuses: Iterable[str]) -> list[dict]:
+        return self._with_status("responses", list(statuses))
 
     def _seq(self, table: str, object_id: str) -> int:
         rows = self._query(f"SELECT seq FROM {table} WHERE id = ?", (object_id,))
