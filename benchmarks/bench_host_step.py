@@ -281,6 +281,10 @@ def main(argv=None) -> None:
     parser.add_argument("--context-length", type=int, default=4096,
                         help="the model's max_position_embeddings: the page table is as wide as "
                              "its pages (131072: Llama-3.1-8B's, 8192 pages of 16)")
+    parser.add_argument("--tokenizer-path", default=None,
+                        help="the tokenizer whose detokenizing the delivery does (default: the "
+                             "embedded SmolLM2's; on a machine without its package, a folder "
+                             "saved from it: see docs/accelerator_check.md)")
     parser.add_argument("--null-step", action="store_true",
                         help="run each bucket's step as a NullStep: same arguments, no compute")
     args = parser.parse_args(argv)
@@ -291,7 +295,8 @@ def main(argv=None) -> None:
     weight_args.SMALL_LEAF_BYTES = SMALL_LEAF_BYTES
     most = max(cases + [256])
     core = EngineCore(ServerArgs(
-        model_path=folder, load_format="dummy", tokenizer_path=default_model_file(),
+        model_path=folder, load_format="dummy",
+        tokenizer_path=args.tokenizer_path or default_model_file(),
         dtype="float32", matmul_backend="xla", max_running_requests=most,
         max_total_tokens=most * 160, max_prefill_tokens=4096, chunked_prefill_size=4096,
         disable_precompile=True, random_seed=0,
