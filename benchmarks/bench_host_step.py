@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from xlaserve.engine.core import EngineCore
 from xlaserve.executor import weight_args
-from xlaserve.model.loader import default_model_file
+from xlaserve.model.loader import default_model_file, load_tokenizer
 from xlaserve.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -285,9 +285,15 @@ def main(argv=None) -> None:
                         help="the tokenizer whose detokenizing the delivery does (default: the "
                              "embedded SmolLM2's; on a machine without its package, a folder "
                              "saved from it: see docs/accelerator_check.md)")
+    parser.add_argument("--save-tokenizer", default=None, metavar="DIR",
+                        help="save the embedded SmolLM2's tokenizer to DIR (for --tokenizer-path "
+                             "on a machine without its package) and exit")
     parser.add_argument("--null-step", action="store_true",
                         help="run each bucket's step as a NullStep: same arguments, no compute")
     args = parser.parse_args(argv)
+    if args.save_tokenizer:
+        load_tokenizer(default_model_file()).save_pretrained(args.save_tokenizer)
+        return
     cases = [int(n) for n in args.rows.split(",")]
     folder = tempfile.mkdtemp(prefix="xlaserve-host-step-")
     with open(os.path.join(folder, "config.json"), "w") as f:
