@@ -4,7 +4,8 @@ self-hosted server generates) or a 400 naming it when set (it asks for output th
 give, and dropping it would hand back something the client did not ask for).
 
 Chat no-ops, and why:
-- `store`, `metadata`: storing completions for OpenAI's dashboard and evals; no Responses API here.
+- `store`, `metadata`: storing chat completions for OpenAI's dashboard and evals; chat
+  completions are not stored here (`/v1/responses` has its own `store`, which is honoured).
 - `service_tier`: OpenAI's billing/latency tier; one tier here.
 - `user`, `safety_identifier`: abuse monitoring ids on OpenAI's service.
 - `prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options`: the prefix cache here is
