@@ -58,7 +58,9 @@ class ChatCall:
         # A forced tool_choice is a JSON-schema constraint on the output (http/parsing/tools.py).
         self.parallel = req.parallel_tool_calls is not False
         self.forced = forced_schema(self.tool_choice, self.functions, self.parallel)
-        user_constraint = constraint_param(req) is not None  # SGLang's, OpenAI's or vLLM's
+        # SGLang's, OpenAI's or vLLM's constraint, found once (vLLM's serialize their schemas).
+        self.constraint_param = constraint_param(req)
+        user_constraint = self.constraint_param is not None
         if self.forced is not None:
             if user_constraint:
                 raise bad_request("tool_choice 'required' or a named function constrains the output "
@@ -83,7 +85,7 @@ class ChatCall:
         call = await off_loop.run(message_chars(req), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
         await check_tool_schemas(ctx, call.functions)
         param = ("tool_choice" if call.forced else "tools" if call.params.structural_tag
-                 and not constraint_param(req) else constraint_param(req))
+                 and not call.constraint_param else call.constraint_param)
         await compile_constraints(ctx, [call.params], param)
         call.generation = Generation(ctx, [call.prompt_ids], call.params, req.n,
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,

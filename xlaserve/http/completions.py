@@ -73,6 +73,7 @@ class CompletionCall:
         max_tokens = 1 if self.prompt_only else req.max_tokens
         self.params = sampling_params(ctx, req, max_tokens, max(len(p) for p in self.prompt_ids),
                                       prompt_param="prompt")
+        self.constraint_param = constraint_param(req)  # found here, off the loop for a long prompt
         self.generation: Generation | None = None
 
     @classmethod
@@ -80,7 +81,7 @@ class CompletionCall:
         """Checks the request (tokenizing a long prompt off the event loop), builds its grammar
         off the loop, submits it."""
         call = await off_loop.run(_prompt_size(req.prompt), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
-        await compile_constraints(ctx, [call.params], constraint_param(req))
+        await compile_constraints(ctx, [call.params], call.constraint_param)
         call.generation = Generation(ctx, call.prompt_ids, call.params, req.n,
                                      top_logprobs_num=call.num_top,
                                      return_logprob=req.logprobs is not None,

@@ -1,6 +1,7 @@
 """A request's output constraint: SGLang's `regex` / `ebnf` / `json_schema` keys, OpenAI's
-`response_format` or vLLM's `guided_*` / `structured_outputs` (vllm_constraints.py), checked and turned into one SamplingParams field, and its grammar compiled off
-the event loop with the server's size and time bounds."""
+`response_format` or vLLM's `guided_*` / `structured_outputs` (vllm_constraints.py), checked and
+turned into one SamplingParams field, and its grammar compiled off the event loop with the
+server's size and time bounds."""
 from __future__ import annotations
 
 import asyncio
