@@ -84,15 +84,6 @@ def reference_output(batch: dict) -> np.ndarray:
     return np.asarray(out)
 
 
-def resolved_splits(num_seqs: int, q_len: int, kv_len: int, heads: dict, page_size: int,
-                    kv_block_pages: int) -> int | None:
-    """What the kernel picks by default for a batch of this shape (decode: one item a row)."""
-    if q_len > 1:
-        return None  # prefill: its items depend on q_block
-    blocks = -(-(-(-kv_len // page_size)) // kv_block_pages)
-    return kernel_gpu.default_num_kv_splits(num_seqs, heads["num_kv_heads"], blocks)
-
-
 def stage_one(shape: tuple, default_splits: int | None, num_blocks: int, quick: bool) -> list[dict]:
     """The first variant is the kernel's default."""
     warps = [4] if quick else [4, 8]
@@ -117,8 +108,12 @@ def run_case(name, shape, heads, page_size, dtype, args, deadline, save, result)
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     pages_per_seq = -(-shape[2] // page_size)
     block_pages = kernel_gpu.default_kv_block_pages(page_size, pages_per_seq)
-    default_splits = resolved_splits(*shape, heads, page_size, block_pages)
-    first = stage_one(shape, default_splits, -(-pages_per_seq // block_pages), args.quick)
+    num_blocks = -(-pages_per_seq // block_pages)
+    # What the kernel picks for a decode batch (one item a row); a prefill's items depend on
+    # q_block, and its knob is q_block, not the splits.
+    default_splits = (kernel_gpu.default_num_kv_splits(shape[0], heads["num_kv_heads"], num_blocks)
+                      if shape[1] == 1 else None)
+    first = stage_one(shape, default_splits, num_blocks, args.quick)
     result.update(shape=list(shape), bytes=nbytes, default_params=first[0], variants=[])
     seen = set()
 

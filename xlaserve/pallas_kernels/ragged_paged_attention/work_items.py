@@ -79,13 +79,19 @@ def make_work_items(cu_q_lens, num_tokens: int, q_block: int):
     sequence's new tokens. Unused item slots get sequence S, which no kernel attends."""
     max_seqs = cu_q_lens.shape[0] - 1
     num_items = max_work_items(num_tokens, max_seqs, q_block)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    items_end = jnp.cumsum((q_lens + q_block - 1) // q_block)
+    first_item, items_end = _item_ranges(cu_q_lens, q_block)
     item = jnp.arange(num_items)
     item_seq = reference.searchsorted_right(items_end, item).astype(jnp.int32)
-    items_start = jnp.append(items_end - (q_lens + q_block - 1) // q_block, items_end[-1])
+    items_start = jnp.append(first_item, items_end[-1])
     item_row0 = ((item - items_start[item_seq]) * q_block).astype(jnp.int32)
     return item_seq, item_row0
+
+
+def _item_ranges(cu_q_lens, q_block):
+    """(first item, one past the last item) of each sequence, in make_work_items' numbering."""
+    per_seq = (cu_q_lens[1:] - cu_q_lens[:-1] + q_block - 1) // q_block
+    items_end = jnp.cumsum(per_seq)
+    return items_end - per_seq, items_end
 
 
 def _item_tokens(cu_q_lens, item_seq, item_row0, q_block):
@@ -132,8 +138,7 @@ def gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads):
     max_seqs = cu_q_lens.shape[0] - 1
     token = jnp.arange(num_tokens)
     seq = jnp.minimum(reference.searchsorted_right(cu_q_lens[1:], token), max_seqs - 1)
-    items_per_seq = (cu_q_lens[1:] - cu_q_lens[:-1] + q_block - 1) // q_block
-    first_item = jnp.cumsum(items_per_seq) - items_per_seq  # as make_work_items numbers them
+    first_item, _ = _item_ranges(cu_q_lens, q_block)
     offset = token - cu_q_lens[seq]
     item = jnp.clip(first_item[seq] + offset // q_block, 0, num_items - 1)
     rows = out_items[:, :, :q_block * group].reshape(num_items, num_kv_heads, q_block, group,
