@@ -96,14 +96,15 @@ class NullStep:
             outputs = self._program.out_info[0]
             vocab_size = self._vocab_size
 
-            def null_step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints,
-                          *rest):
+            def null_step(weights, kv_caches, output_counts, last_tokens, page_table,
+                          prompt_masks, ints, *rest):
                 out = jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype), outputs)
                 seqs = out.sample.tokens.shape[0]
                 tokens = (jnp.sum(ints) + 131 * jnp.arange(seqs, dtype=jnp.int32)) % vocab_size
                 out.sample.tokens = tokens.astype(jnp.int32)
-                return out, kv_caches, output_counts, last_tokens
-            self._compiled = jax.jit(null_step, donate_argnums=(1, 2, 3)).lower(*args).compile()
+                return out, kv_caches, output_counts, last_tokens, page_table
+            self._compiled = jax.jit(null_step, donate_argnums=(1, 2, 3, 4)).lower(
+                *args).compile()
         return self._compiled(*args)
 
 

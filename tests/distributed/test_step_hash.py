@@ -74,6 +74,19 @@ def _group(monkeypatch, leader_model: str, follower_model: str, interval: int):
     return engine, follower
 
 
+def _every_step_checked(engine, interval: int) -> None:
+    """Every interval-th step is checked, once every follower's digest came back."""
+    leader = engine.core._leader
+    steps = engine.core.runner.sink._steps
+    assert steps > 6
+    expected = len(range(0, steps, interval))
+    for _ in range(100):
+        if leader.steps_checked == expected:
+            break
+        threading.Event().wait(0.05)
+    assert leader.steps_checked == expected
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("interval", [1, 3])
 def test_a_follower_with_the_same_model_agrees_on_every_checked_step(
@@ -82,19 +95,36 @@ def test_a_follower_with_the_same_model_agrees_on_every_checked_step(
     with engine:
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outputs] == reference
-        leader = engine.core._leader
         assert engine.core.failure is None
-        steps = engine.core.runner.sink._steps
-        assert steps > 6
-        # Every interval-th step is checked, once every follower's digest came back.
-        expected = len(range(0, steps, interval))
-        for _ in range(100):
-            if leader.steps_checked == expected:
-                break
-            threading.Event().wait(0.05)
-        assert leader.steps_checked == expected
+        _every_step_checked(engine, interval)
     follower.join(timeout=30)
     assert follower.outcome == "shutdown"
+
+
+@pytest.mark.timeout(300)
+def test_page_writes_past_a_steps_room_reach_the_follower_before_its_step(
+        checkpoints, reference, monkeypatch):
+    """With room for 2 page writes a step, every admission's pages go through write_pages
+    (executor/page_table.py), which the follower replays before the step: a follower that
+    missed them would attend over other pages, and the checked digests would differ."""
+    from xlaserve.executor import model_runner
+    monkeypatch.setattr(model_runner, "write_capacity", lambda tokens, seqs, page_size: 2)
+    calls = []
+    write_pages = model_runner.ModelRunner.write_pages
+
+    def counted(runner, positions, pages):
+        calls.append(len(positions))
+        return write_pages(runner, positions, pages)
+    monkeypatch.setattr(model_runner.ModelRunner, "write_pages", counted)
+    engine, follower = _group(monkeypatch, checkpoints[0], checkpoints[0], 1)
+    with engine:
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outputs] == reference
+        assert engine.core.failure is None
+        _every_step_checked(engine, 1)
+    follower.join(timeout=30)
+    assert follower.outcome == "shutdown"
+    assert len(calls) >= 2 and max(calls) > 2  # the leader's and the follower's, at least
 
 
 @pytest.mark.timeout(300)

@@ -22,7 +22,8 @@ def test_mixed_prefill_chunk_and_decodes_make_a_batch_to_the_contract():
     assert batch.shape == (8, 4, 4)  # 6 tokens -> 8, 3 seqs -> 4, 3 pages -> 4
     np.testing.assert_array_equal(batch.input_ids, [11, 12, 13, 21, 31, 32, 0, 0])
     np.testing.assert_array_equal(batch.positions[:6], [5, 6, 7, 9, 0, 1])
-    md = batch.metadata
+    assert batch.page_ids == [[7, 3], [2, 9, 4], [5]]
+    md = batch.host_metadata()
     np.testing.assert_array_equal(md.cu_q_lens, [0, 3, 4, 6, 6])
     np.testing.assert_array_equal(md.kv_lens, [8, 10, 2, 0])
     np.testing.assert_array_equal(md.num_seqs, [3])

@@ -183,3 +183,33 @@ def test_many_admissions_set_the_same_slot_state_as_one_at_a_time(loaded):
     np.testing.assert_array_equal(np.asarray(together.prompt_masks), np.asarray(alone.prompt_masks))
     assert np.asarray(together.output_counts)[0].sum() == 0  # the null slot stays zeros
     assert int(np.asarray(together.output_counts)[3].sum()) == 3
+
+
+def test_page_table_writes_past_a_steps_room_go_first_and_an_unrun_step_writes_nothing(loaded):
+    """The device page table (executor/page_table.py): a sequence of 1100 pages is more writes
+    than a step carries (1024), so they go through `write_pages` before the step; a step staged
+    and never run leaves the table as it was, and the next step's writes are against that."""
+    runner = ModelRunner(loaded, num_pages=1200, page_size=PAGE_SIZE, max_running_requests=4,
+                         context_length=8192)
+    wide = Buckets.for_limits(32, 4, 2048, page_paddings=[2048])
+    long_pages = list(range(1, 1101))
+
+    def staged(chunks, slots):
+        batch = make_forward_batch(chunks, wide, PAGE_SIZE)
+        padded = np.zeros(batch.shape[1], np.int32)
+        padded[:len(slots)] = slots
+        sampling = build_sampling_metadata([RowSamplingParams(seed=1)] * len(chunks),
+                                           batch.shape[1], SAMPLING_WIDTHS)
+        return runner.stage(batch, sampling, padded)
+
+    step = staged([SeqChunk([7], 1099 * PAGE_SIZE, long_pages)], [1])
+    assert step.overflow_writes is not None and len(step.overflow_writes[0]) == 1100
+    runner.run(step).sample.tokens.block_until_ready()
+    never_run = staged([SeqChunk([7], 0, [1101, 1102])], [2])
+    assert never_run.overflow_writes is None
+    runner.run(staged([SeqChunk([7, 8, 9, 10, 11], 0, [1101, 1103])], [2]))
+    table = runner.page_table_rows()
+    np.testing.assert_array_equal(table[1, :1100], long_pages)
+    np.testing.assert_array_equal(table[2, :2], [1101, 1103])
+    assert (table[1, 1100:] == 0).all() and (table[2, 2:] == 0).all() and (table[0] == 0).all()
+    np.testing.assert_array_equal(runner._page_rows.table(), table)

@@ -74,7 +74,8 @@ def replay(connection, loaded) -> None:
     runner = ModelRunner(loaded, num_pages=meta["num_pages"], page_size=meta["page_size"],
                          max_running_requests=meta["max_running_requests"],
                          attention_backend=meta["attention_backend"],
-                         matmul_backend=meta["matmul_backend"])
+                         matmul_backend=meta["matmul_backend"],
+                         context_length=meta["context_length"])
     logger.info("Following rank 0's steps")
     pending = None
     while True:
@@ -97,6 +98,12 @@ def replay(connection, loaded) -> None:
             prompts = np.split(arrays["prompt_ids"], np.cumsum(arrays["prompt_lens"])[:-1])
             outputs = np.split(arrays["output_ids"], np.cumsum(arrays["output_lens"])[:-1])
             runner.assign_slots(list(zip(meta["slots"], prompts, outputs, strict=True)))
+        elif kind == "write_pages":
+            positions, pages = arrays["positions"], arrays["pages"]
+            if (positions.dtype, pages.dtype) != (np.int32, np.int32) or \
+                    positions.shape != pages.shape or positions.ndim != 1:
+                raise ChannelError("page-table writes must be two int32 vectors of one length")
+            runner.write_pages(positions, pages)
         elif kind == "shutdown":
             if pending is not None:
                 pending.block_until_ready()

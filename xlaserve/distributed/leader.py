@@ -28,6 +28,7 @@ def lead(args, runner) -> "Leader":
     leader.broadcast("runner", {
         "num_pages": int(runner.num_pages), "page_size": int(runner.page_size),
         "max_running_requests": int(args.max_running_requests),
+        "context_length": int(runner.context_length),
         "attention_backend": args.attention_backend, "matmul_backend": args.matmul_backend})
     runner.sink = _Sink(leader, runner)
     if leader.hash_interval:
@@ -218,6 +219,10 @@ class _Sink:
             prompt_ids=np.concatenate([np.asarray(p, np.int32) for p in prompts]),
             output_lens=np.array([len(o) for o in outputs], np.int32),
             output_ids=np.concatenate([np.asarray(o, np.int32).reshape(-1) for o in outputs]))
+
+    def write_pages(self, positions: np.ndarray, pages: np.ndarray) -> None:
+        """ModelRunner.write_pages': page-table writes past a step's own room."""
+        self._leader.broadcast("write_pages", None, positions=positions, pages=pages)
 
     def step(self, staged, token_bitmask: np.ndarray | None) -> None:
         shape = tuple(int(n) for n in staged.shape)

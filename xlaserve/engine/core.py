@@ -28,7 +28,7 @@ from xlaserve.engine.delivery import Delivery, live_state
 from xlaserve.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
                                       OutputChunk, RequestsEnded, SampledRow, StepResult, Wake)
 from xlaserve.engine.watchdog import Watchdog
-from xlaserve.executor.decode_batch import DecodeBatches
+from xlaserve.executor.decode_batch import decode_forward_batch
 from xlaserve.executor.forward_batch import make_forward_batch
 from xlaserve.executor.step_program import SAMPLING_WIDTHS, StepOutput
 from xlaserve.host import malloc_tuning
@@ -88,7 +88,6 @@ class EngineCore:
         # (DecodeRows, padded seqs, metadata) of the last step prepared, a decode continuation
         # none of whose rows suppressed stop ids; else None (_step_sampling).
         self._last_decode = None
-        self._decode_batches = DecodeBatches(self.buckets, self.runner.page_size)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
                                   name.replace("engine", "watchdog"))
@@ -369,7 +368,7 @@ class EngineCore:
         """The step's inputs, staged on the device: all but the grammar masks."""
         self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
         if batch.decode is not None:  # decode rows only: no prompt targets, each row ahead
-            fb = self._decode_batches.forward_batch(batch.decode)
+            fb = decode_forward_batch(batch.decode, self.buckets, self.runner.page_size)
             ahead = [batch.ahead] * len(batch.requests)
             sample_index = np.add(batch.decode.output_lens, batch.ahead)
         else:

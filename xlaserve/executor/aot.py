@@ -39,6 +39,7 @@ from xlaserve.executor.buckets import serving_buckets, with_page_size
 from xlaserve.executor.kernels import kernels_for
 from xlaserve.executor.step_program import idle_vectors, make_step
 from xlaserve.executor.weight_args import abstract_args, auto_formats, weight_args, weight_formats
+from xlaserve.scheduler.page_allocator import pages_for_tokens
 from xlaserve.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
 from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
@@ -101,9 +102,10 @@ def abstract(shape, dtype, mesh: Mesh, spec=P()) -> jax.ShapeDtypeStruct:
 class StepProgram:
     """The serving step and abstract arguments for one bucket shape at a time."""
     step: callable
-    args: tuple  # weights, kv caches, output counts, last tokens, prompt masks
+    args: tuple  # weights, kv caches, output counts, last tokens, page table, prompt masks
     inv_freq: np.ndarray
     mesh: Mesh
+    page_size: int
     # The step with its weights' layouts left to XLA, which the next compile uses; it then keeps
     # the layouts chosen (in `args`' weights) for every later one, as a server does
     # (ModelRunner.precompile). None: chosen already, or the default layouts.
@@ -113,7 +115,7 @@ class StepProgram:
                       needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
         """The step's (abstract) arguments and static keyword arguments for one bucket shape and
         variant."""
-        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages)
+        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size)
         vocab = self.args[2].shape[1]
         inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
                   abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
@@ -133,9 +135,10 @@ class StepProgram:
 
 
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
-                 page_size: int, max_running_requests: int,
+                 page_size: int, max_running_requests: int, context_length: int,
                  attention_backend: str = "auto", quantization=None) -> StepProgram:
-    """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`.
+    """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
+    page table as wide as `context_length`'s pages.
     `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint)."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
     graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
@@ -150,8 +153,11 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
              for formats in (None, auto_formats(weights))]
     num_slots, vocab = max_running_requests + 1, config.vocab_size
     args = (weights, caches, abstract((num_slots, vocab), jnp.int32, mesh),
-            abstract((num_slots,), jnp.int32, mesh), abstract((num_slots, vocab), jnp.bool_, mesh))
-    return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, steps[1])
+            abstract((num_slots,), jnp.int32, mesh),
+            abstract((num_slots, pages_for_tokens(context_length, page_size)), jnp.int32, mesh),
+            abstract((num_slots, vocab), jnp.bool_, mesh))
+    return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
+                       steps[1])
 
 
 def server_step(target: str, server_args: ServerArgs,
@@ -176,6 +182,7 @@ def server_step(target: str, server_args: ServerArgs,
     program = step_program(config, dtype, mesh, platform, num_pages=num_pages,
                            page_size=page_size,
                            max_running_requests=server_args.max_running_requests,
+                           context_length=context_length,
                            attention_backend=server_args.attention_backend,
                            quantization=fp8_checkpoint or server_args.quantization)
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""

@@ -72,7 +72,7 @@ class PagedBatch:
             [SeqChunk(chunks[i], int(self.lengths[i]), self.page_indices[i].tolist())
              for i in seqs], self.buckets, self.page_size)
         rows, logits_indices = [], []
-        for i, start in zip(seqs, batch.metadata.cu_q_lens, strict=False):
+        for i, start in zip(seqs, batch.cu_q_lens, strict=False):
             n = len(chunks[i])
             wanted = range(n) if logits == "all" else [n - 1]
             logits_indices += [int(start) + r for r in wanted]
@@ -80,7 +80,7 @@ class PagedBatch:
             self.lengths[i] += n
         logits_indices += [0] * (_pow2(len(logits_indices)) - len(logits_indices))
         device = jax.device_put(batch)
-        return (device.input_ids, device.positions, device.metadata,
+        return (device.input_ids, device.positions, jax.device_put(batch.host_metadata()),
                 jnp.asarray(logits_indices, jnp.int32), rows)
 
 

@@ -1,11 +1,12 @@
 """ModelRunner: the device state of the serving step (KV pool, penalty state, last tokens) and its
 compiled programs; the step itself is `step_program.make_step`.
 
-    step(state, kv_caches, output_counts, last_tokens, prompt_masks, batch, sampling, slots,
-         token_bitmask, *, layout, needs) -> (StepOutput, kv_caches, output_counts, last_tokens)
+    step(state, kv_caches, output_counts, last_tokens, page_table, prompt_masks, batch, sampling,
+         slots, token_bitmask, *, layout, needs)
+        -> (StepOutput, kv_caches, output_counts, last_tokens, page_table)
 
-The KV caches, the penalty counts and the last sampled tokens are donated, so XLA updates them in
-place. A program is
+The KV caches, the penalty counts, the last sampled tokens and the page table are donated, so
+XLA updates them in place. A program is
 compiled per bucket shape (tokens, seqs, pages per seq, logit-bias width, suppressed width);
 `precompile` compiles the expected ones at start-up, and any compile afterwards is logged as a
 warning with the shape, because a compile while serving stalls every request for seconds.
@@ -14,7 +15,10 @@ Penalty state lives on the device, one row per request slot: `output_counts i32[
 generated so far) and `prompt_masks bool[slots, V]` (tokens of the prompt). Slot 0 is the null slot
 that padding rows use. `last_tokens i32[slots]` holds each slot's last sampled token, so a decode
 step can be dispatched before the host has read the step that samples its input (the engine's
-overlap: a row with `input_slots >= 0` reads its token there).
+overlap: a row with `input_slots >= 0` reads its token there). `page_table i32[slots, pages]`
+holds each slot's pages, written with each step's changes (executor/page_table.py): `stage`
+finds the writes, `run` records them once it has dispatched the step, and writes past the
+step's room go first through a program of their own (`write_pages`).
 
 Prompt logprobs (sampling/prompt_logprobs.py) ride in the same program: the model returns every
 row's final hidden state, the sampler takes the LM head of the sampled rows only, and the LM head
@@ -36,8 +40,9 @@ program. A step without a constrained row sends a bitmask of all ones that stays
 Multi-host (--nnodes > 1, distributed/leader.py): the mesh spans every process's devices, and
 every process must make the same device calls in the same order. The leader's runner has a
 command sink: `assign_slots` and each step (its int32/float32 host vectors, bucket shape, table
-widths, needs and grammar masks) go to the followers before the leader makes the call, and a follower's
-runner replays them (`assign_slots`, `run(staged_from_host(...))`). Outputs are replicated; the leader
+widths, needs and grammar masks) and the page-table writes of `write_pages` go to the followers
+before the leader makes the call, and a follower's runner replays them (`assign_slots`,
+`write_pages`, `run(staged_from_host(...))`). Outputs are replicated; the leader
 reads its own copy. In one process the sink is None and nothing of this runs.
 """
 from __future__ import annotations
@@ -63,6 +68,9 @@ from xlaserve.host.huge_pages import advise_huge_pages
 from xlaserve.executor.kernels import kernels_for
 from xlaserve.compile.executable_cache import ExecutableCache, describe
 from xlaserve.executor.kv_pool import init_kv_pool, kv_pool_specs
+from xlaserve.executor.page_table import (OVERFLOW_WRITES, PageTableRows, empty_writes,
+                                         write_capacity, write_program)
+from xlaserve.scheduler.page_allocator import NULL_PAGE, pages_for_tokens
 from xlaserve.executor.transfer import concat_leaves
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.sampler import SamplingMetadata, build_sampling_metadata
@@ -98,13 +106,19 @@ class StagedStep:
     host: tuple[np.ndarray, ...] | None = None
     # What the rows need but the grammar mask (known at `run`); RUN_TIME on the CPU.
     needs: StepNeeds | None = RUN_TIME
+    # The page table's rows the step writes, for PageTableRows.commit once it is dispatched.
+    page_updates: list = dataclasses.field(default_factory=list)
+    # (positions, pages) of writes past the step's own room: `run` sends them first.
+    overflow_writes: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class ModelRunner:
     def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
                  attention_backend: str = "auto", matmul_backend: str = "auto",
-                 static_variants: bool | None = None, choose_weight_layouts: bool | None = None):
-        """`static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
+                 static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
+                 context_length: int | None = None):
+        """`context_length` (default: the model's) sets the page table's width, the pages of
+        the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
         None: on TPU and GPU, not on the CPU. `choose_weight_layouts`: `precompile` lets XLA
         choose the weights' layouts and stores them so (`_choose_weight_layouts`); None: on TPU
@@ -146,6 +160,13 @@ class ModelRunner:
         self.output_counts = self._put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
         self.last_tokens = self._put(np.zeros(num_slots, np.int32), replicated)
+        self.context_length = context_length or self.config.max_position_embeddings
+        self._page_rows = PageTableRows(num_slots,
+                                        pages_for_tokens(self.context_length, page_size))
+        self.page_table = self._put(np.full((num_slots, self._page_rows.width), NULL_PAGE,
+                                            np.int32), replicated)
+        self._write_pages = write_program(replicated)
+        self._write_pages_compiled = None
 
         # The weights go in as a flat list (flattening the nnx.State, 182 Variables for the
         # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
@@ -233,7 +254,10 @@ class ModelRunner:
                 self.output_counts, self.prompt_masks, slots, counts, masks)
 
     def _compile_reset_slots(self) -> None:
-        """The two `assign_slots` programs, compiled before serving."""
+        """The two `assign_slots` programs and `write_pages`', compiled before serving."""
+        writes = empty_writes(OVERFLOW_WRITES, self._page_rows.size)
+        self._write_pages_compiled = self._write_pages.lower(
+            self.page_table, self._put(writes, self._replicated)).compile()
         vocab = self.config.vocab_size
         for rows in (1, ASSIGN_ROWS):
             self._reset_programs[rows] = self._reset_slots.lower(
@@ -253,7 +277,16 @@ class ModelRunner:
         step before the tokens its masks depend on are known (engine/core.py, EngineCore._loop)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        host = step_vectors(self._rope, batch, sampling, slots)
+        tokens, seqs, _ = batch.shape
+        positions, pages, updates = self._page_rows.writes(slots, batch.page_ids)
+        writes = empty_writes(write_capacity(tokens, seqs, self.page_size), self._page_rows.size)
+        overflow = None
+        if len(positions) > len(writes.pages):  # rare: through `write_pages` first
+            overflow = (np.array(positions, np.int32), np.array(pages, np.int32))
+        elif positions:
+            writes.positions[:len(positions)] = positions
+            writes.pages[:len(pages)] = pages
+        host = step_vectors(self._rope, batch, sampling, slots, writes)
         ints, floats = (host[:2] if self._vectors_in_call
                         else self._put(host[:2], self.output_counts.sharding))
         _, table_host, tables, table_layout = self._tables(sampling)
@@ -263,7 +296,8 @@ class ModelRunner:
                  needs_of(sampling, batch.target_ids, grammar=False))
         return StagedStep(ints, floats, tables, (host[2], table_layout), batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
-                          (*host[:2], *table_host) if self.sink is not None else None, needs)
+                          (*host[:2], *table_host) if self.sink is not None else None, needs,
+                          updates, overflow)
 
     def _tables(self, sampling: SamplingMetadata):
         """(arrays, host vectors, device vectors, layout) of the sampling metadata's tables
@@ -312,36 +346,61 @@ class ModelRunner:
             tokens, seqs, pages = shape
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                widths)
+            writes = empty_writes(write_capacity(tokens, seqs, self.page_size),
+                                  self._page_rows.size)
             self._layouts[key] = (step_vectors(self._rope, empty_batch(tokens, seqs, pages),
-                                               sampling, np.full(seqs, NULL_SLOT, np.int32))[2],
+                                               sampling, np.full(seqs, NULL_SLOT, np.int32),
+                                               writes)[2],
                                   concat_leaves(table_arrays(sampling))[2])
         return self._layouts[key]
 
     def run(self, staged: "StagedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
-        """Dispatches a staged step with its grammar masks (None: no row has one)."""
+        """Dispatches a staged step with its grammar masks (None: no row has one). Steps run in
+        the order they were staged: each one's page-table writes are relative to the last."""
+        if staged.overflow_writes is not None:
+            self.write_pages(*staged.overflow_writes)
         if self.sink is not None:  # the followers make the same call
             self.sink.step(staged, token_bitmask)
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
-                self.prompt_masks, staged.ints, staged.floats, *staged.tables,
+                self.page_table, self.prompt_masks, staged.ints, staged.floats, *staged.tables,
                 self._bitmask(staged.shape[1], token_bitmask))
         needs = self._program_needs(staged.needs, token_bitmask is not None)
         program = self._programs.get((staged.shape, staged.widths, needs))
         if program is not None:
-            out, self.kv_caches, self.output_counts, self.last_tokens = program(*args)
+            (out, self.kv_caches, self.output_counts, self.last_tokens,
+             self.page_table) = program(*args)
         else:
             compiled_before = self._step._cache_size()
-            out, self.kv_caches, self.output_counts, self.last_tokens = self._step(
-                *args, layout=staged.layout, needs=needs)
+            (out, self.kv_caches, self.output_counts, self.last_tokens,
+             self.page_table) = self._step(*args, layout=staged.layout, needs=needs)
             if self._precompiled and self._step._cache_size() > compiled_before:
                 logger.warning(
                     "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
                     "width %d, suppressed width %d, needs %s was not precompiled; every request "
                     "waited for it. Add the shape to the padding buckets.", staged.shape,
                     *staged.widths, needs)
+        self._page_rows.commit(staged.page_updates)
         if self.sink is not None:  # replicated over every process: read this one's copy
             out = jax.tree.map(lambda x: x.addressable_data(0), out)
             self.sink.ran(out)
         return out
+
+    def write_pages(self, positions: np.ndarray, pages: np.ndarray) -> None:
+        """Writes into the flattened page table (page_table.PageWrites), `OVERFLOW_WRITES` a
+        call: a step's writes past its own room, sent before it (`run`)."""
+        if self.sink is not None:
+            self.sink.write_pages(positions, pages)
+        program = self._write_pages_compiled or self._write_pages
+        for start in range(0, len(positions), OVERFLOW_WRITES):
+            writes = empty_writes(OVERFLOW_WRITES, self._page_rows.size)
+            part = slice(start, start + OVERFLOW_WRITES)
+            n = len(positions[part])
+            writes.positions[:n], writes.pages[:n] = positions[part], pages[part]
+            self.page_table = program(self.page_table, self._put(writes, self._replicated))
+
+    def page_table_rows(self) -> np.ndarray:
+        """The device's page table, read back (tests)."""
+        return np.asarray(self.page_table.addressable_data(0))
 
     def _program_needs(self, needs: StepNeeds | None, grammar: bool) -> StepNeeds | None:
         """The program a step with `needs` (and grammar masks, or not) runs."""
@@ -448,6 +507,6 @@ class ModelRunner:
         zeroed yet), and its static layout and needs."""
         staged = self.stage(*idle_step(*shape))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
-                self.prompt_masks, staged.ints, staged.floats, *staged.tables,
+                self.page_table, self.prompt_masks, staged.ints, staged.floats, *staged.tables,
                 self._bitmask(shape[1], None))
         return args, {"layout": staged.layout, "needs": needs}

@@ -1,7 +1,7 @@
 """The serving step as a pure function, and the host arrays it is called with.
 
-`make_step` is the jitted step (forward, sampling, penalty counts, last tokens) over flat weight
-arguments, so that it can also be compiled for hardware that is not here (executor/aot.py);
+`make_step` is the jitted step (forward, sampling, penalty counts, last tokens, the page table's
+writes) over flat weight arguments, so that it can also be compiled for hardware that is not here (executor/aot.py);
 `step_vectors` packs a batch's host arrays into the step's vectors; `idle_step` / `idle_vectors`
 are a bucket's all-padding inputs, which the precompile and the ahead-of-time compiles lower the
 step with. ModelRunner (model_runner.py) owns the device state and calls these.
@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.executor.forward_batch import ForwardBatch
+from xlaserve.executor.page_table import (PageWrites, apply_writes, empty_writes, gather_rows,
+                                         write_capacity)
 from xlaserve.executor.transfer import concat_leaves, split_leaves
 from xlaserve.executor.weight_args import leaves_from_args
 from xlaserve.model.sharding import TP
@@ -29,7 +31,6 @@ from xlaserve.sampling.prompt_logprobs import NO_TARGET, PromptLogprobs, prompt_
 from xlaserve.sampling.sampler import (SampleOutput, SamplingMetadata, add_sampled,
                                       build_sampling_metadata, sample)
 from xlaserve.sampling.step_needs import RUN_TIME, StepNeeds, part
-from xlaserve.scheduler.page_allocator import NULL_PAGE
 
 SAMPLING_WIDTHS = (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS)
 NULL_SLOT = 0
@@ -44,18 +45,20 @@ class StepOutput:
 
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
               weight_formats=None):
-    """The jitted serving step: forward, sampling, penalty counts and last tokens. A pure function
-    of its arguments, so that it can also be compiled for hardware that is not here
+    """The jitted serving step: forward, sampling, penalty counts and last tokens, over the
+    device's page table with the step's writes (executor/page_table.py). A pure function of its
+    arguments, so that it can also be compiled for hardware that is not here
     (executor/aot.py). `weight_formats`: the weight arguments' formats (weight_args.auto_formats:
     XLA chooses their layouts); None: the arguments' own (the other arguments' always are)."""
     replicated = NamedSharding(mesh, P())
     by_vocab = NamedSharding(mesh, P(None, TP))
-    jit_options = {"donate_argnums": (1, 2, 3),
-                   "out_shardings": (replicated, kv_sharding, replicated, replicated)}
+    jit_options = {"donate_argnums": (1, 2, 3, 4),
+                   "out_shardings": (replicated, kv_sharding, replicated, replicated, replicated)}
 
-    def step(weights, kv_caches, output_counts, last_tokens, prompt_masks, ints, floats,
-             table_ints, table_floats, token_bitmask, layout, needs: StepNeeds | None = RUN_TIME):
-        batch, sampling, slots, rope = split_leaves(ints, floats, layout[0])
+    def step(weights, kv_caches, output_counts, last_tokens, page_table, prompt_masks, ints,
+             floats, table_ints, table_floats, token_bitmask, layout,
+             needs: StepNeeds | None = RUN_TIME):
+        batch, sampling, slots, rope, writes = split_leaves(ints, floats, layout[0])
         bias_ids, bias_values, suppressed = split_leaves(table_ints, table_floats, layout[1])
         sampling = dataclasses.replace(sampling, logit_bias_ids=bias_ids,
                                        logit_bias_values=bias_values, suppressed_ids=suppressed)
@@ -76,8 +79,12 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
 
         input_ids = jnp.where(batch.input_slots >= 0,
                               last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
-        hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
-                                                batch.metadata, kernels, rope)
+        # Each sequence's row of the page table by its slot (padding rows: the null slot's).
+        page_table = apply_writes(page_table, writes)
+        metadata = AttentionMetadata(batch.kv_lens, gather_rows(page_table, slots, batch.pages),
+                                     batch.cu_q_lens, batch.num_seqs)
+        hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches, metadata,
+                                                kernels, rope)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
                      num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs)
@@ -87,12 +94,12 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
         prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
                                  part(needs, "prompt_logprobs"))
-        return StepOutput(out, prompt), kv_caches, output_counts, last_tokens
+        return StepOutput(out, prompt), kv_caches, output_counts, last_tokens, page_table
 
     if weight_formats is None:
         return jax.jit(step, static_argnames=("layout", "needs"), **jit_options)
-    # Of the ten positional arguments; None: the argument's own sharding and layout.
-    in_shardings = (list(weight_formats),) + (None,) * 9
+    # Of the eleven positional arguments; None: the argument's own sharding and layout.
+    in_shardings = (list(weight_formats),) + (None,) * 10
     return StaticKeywordsBound(step, in_shardings=in_shardings, **jit_options)
 
 
@@ -133,9 +140,10 @@ class RopeTable:
         return self._cos[positions], self._sin[positions]
 
 
-def step_vectors(rope: RopeTable, batch: ForwardBatch, sampling: SamplingMetadata, slots):
+def step_vectors(rope: RopeTable, batch: ForwardBatch, sampling: SamplingMetadata, slots,
+                 writes: PageWrites):
     """The step's host arrays but the sampling tables (`table_arrays`, sent apart), with the
-    rows' RoPE cos/sin (`rope`: the config's frequencies and `rope.attention_factor`), as one
+    page table's writes and the rows' RoPE cos/sin (`rope`: the config's frequencies and `rope.attention_factor`), as one
     int32 and one float32 vector (executor/transfer.py) and their layout (which the values do not
     change). RoPE stays on the host: computed in the step, XLA's CPU fusion recomputes cos/sin
     in each layer's RoPE fusion (an optimization barrier does not stop it: the CPU compiler
@@ -143,7 +151,7 @@ def step_vectors(rope: RopeTable, batch: ForwardBatch, sampling: SamplingMetadat
     rest = dataclasses.replace(sampling, logit_bias_ids=None, logit_bias_values=None,
                                suppressed_ids=None)
     return concat_leaves((batch, rest, np.asarray(slots, np.int32),
-                          rope.cos_sin(batch.positions)))
+                          rope.cos_sin(batch.positions), writes))
 
 
 def table_arrays(sampling: SamplingMetadata) -> tuple:
@@ -151,11 +159,12 @@ def table_arrays(sampling: SamplingMetadata) -> tuple:
     return sampling.logit_bias_ids, sampling.logit_bias_values, sampling.suppressed_ids
 
 
-def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int):
+def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int, page_size: int):
     """((ints, floats, table ints, table floats), layout) of an idle step of the bucket shape:
     the step's transfer arguments, for compiling it ahead of time (executor/aot.py)."""
     batch, sampling, slots = idle_step(tokens, seqs, pages)
-    ints, floats, layout = step_vectors(RopeTable(inv_freq), batch, sampling, slots)
+    writes = empty_writes(write_capacity(tokens, seqs, page_size), 0)
+    ints, floats, layout = step_vectors(RopeTable(inv_freq), batch, sampling, slots, writes)
     table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
     return (ints, floats, table_ints, table_floats), (layout, table_layout)
 
@@ -170,14 +179,9 @@ def idle_step(tokens: int, seqs: int, pages: int):
 
 def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:
     """A batch of the given bucket shape with no live sequence."""
-    metadata = AttentionMetadata(
-        kv_lens=np.zeros(seqs, np.int32),
-        page_indices=np.full((seqs, pages), NULL_PAGE, np.int32),
-        cu_q_lens=np.zeros(seqs + 1, np.int32),
-        num_seqs=np.zeros(1, np.int32),
-    )
     return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
-                        metadata=metadata, logits_indices=np.zeros(seqs, np.int32),
+                        kv_lens=np.zeros(seqs, np.int32), cu_q_lens=np.zeros(seqs + 1, np.int32),
+                        num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(seqs, np.int32),
                         sample_rows=np.zeros(seqs, np.bool_),
                         target_ids=np.full(tokens, NO_TARGET, np.int32),
-                        input_slots=np.full(tokens, -1, np.int32))
+                        input_slots=np.full(tokens, -1, np.int32), pages=pages)

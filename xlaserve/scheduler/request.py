@@ -131,10 +131,10 @@ class DecodeRows:
     """The rows of a continuation in which every request decodes one token read from its slot
     (`SeqChunk.input_slot`), as columns: per row, the tokens already in its KV cache, its slot,
     its output length when scheduled, and its page table. Built once from SeqChunks and then
-    from the previous step's DecodeRows: `kept` (the rows of `parent` still here, None for all)
-    and `changed` (rows whose page list is not the parent row's) say what differs, so the step's
-    page table is updated, not rebuilt (executor/decode_batch.py). Page lists are snapshots,
-    shared by steps whose row did not change."""
+    from the previous step's DecodeRows: `kept` is the rows of `parent` still here (None for
+    all). Page lists are snapshots, shared by steps whose row did not change (a new list where
+    the row got a page or the prefix cache may have swapped some), which the device page
+    table's writes skip by identity (executor/page_table.py)."""
 
     num_cached: list[int]
     slots: list[int]
@@ -142,7 +142,6 @@ class DecodeRows:
     page_ids: list[list[int]]
     parent: DecodeRows | None = None
     kept: list[int] | None = None
-    changed: tuple[int, ...] | list[int] = ()
 
 
 class DecodeChunks(Sequence):

@@ -370,7 +370,7 @@ class Scheduler:
         changed = sorted({*growing, *(i for i, c in enumerate(num_cached) if c % page_size == 1)})
         for i in changed:
             page_ids[i] = list(requests[i].page_ids)
-        rows = DecodeRows(num_cached, slots, output_lens, page_ids, previous, kept, changed)
+        rows = DecodeRows(num_cached, slots, output_lens, page_ids, previous, kept)
         # Rows of a batch with no grammar (or logprobs) have none: `False and None` is False;
         # where the batch had some (or was not asked), the rows left are asked again (None).
         self._log_step("decode", len(requests), [], 0)

@@ -1,0 +1,148 @@
+"""The page table on the device, by slot, written with each step's changes.
+
+Every running request holds a slot (`Request.slot`, 1..max_running_requests; slot 0 is the null
+slot of padding rows). Row s of the device table `i32[slots, width]` holds the pages of the
+request in slot s, then NULL_PAGE; row 0 is NULL_PAGE throughout and is never written. A step
+gathers its sequences' rows by their slots (`gather_rows`), so what crosses from the host each
+step is what changed: a few (position, page) writes (`PageWrites`), which ride in the step's int32
+vector and are scattered into the table before the gather (`apply_writes`).
+
+The host table this replaces was [padded seqs, pages per seq]: 262 KB a 256-row step at a 4K
+context (256 pages of 16), 8 MB at Llama-3.1-8B's 128K (8192 pages), packed and sent every step:
+0.72 ms of the engine thread's 1.42 ms a 256-row decode step at 128K
+(benchmarks/bench_host_step.py --context-length 131072), and an 8 MB host-to-device copy a step on
+a GPU. A decode step writes about one page in page_size rows.
+
+`PageTableRows` is the host's record of what each device row holds, the lists it was written
+from. A step's writes are the differences between its rows' page lists and that record
+(`writes`); `commit` records them once the step is dispatched (ModelRunner.run), so a step
+staged and never run leaves the record as the device is. Page lists are held by reference and
+must not be changed after they are given (the scheduler gives each step copies; a decode
+continuation shares the lists of rows that did not change, which `writes` skips by identity).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaserve.scheduler.page_allocator import NULL_PAGE
+
+# Writes one call of the overflow program (`write_program`) takes: a step's writes past its own
+# capacity (an admission of long cached prefixes, say) go through it first, in as many calls.
+OVERFLOW_WRITES = 8192
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PageWrites:
+    """Writes into the flattened table: `pages[i]` at `positions[i]` (slot * width + column).
+    Unused entries hold positions past the table (distinct, as the scatter's unique_indices
+    promises), which it drops."""
+
+    positions: np.ndarray  # i32[capacity]
+    pages: np.ndarray  # i32[capacity]
+
+
+def write_capacity(tokens: int, seqs: int, page_size: int) -> int:
+    """The writes a step of this bucket carries in its own vector: two a row (a decode row's new
+    page, and one the prefix cache swapped), twice a prompt chunk's pages, and 16 more; more go
+    through the overflow program (an admission from a long cached prefix). Kept small because
+    the int vector is: a CPU step's call took 28 us of host time with 1.6 KB of int32 inputs and
+    46 us with 2 KB (XLA's CPU client copies a small argument inline, a larger one on a thread),
+    and 1024 entries made the 1-row decode step's 8 KB."""
+    return 2 * seqs + 2 * -(-tokens // page_size) + 16
+
+
+def empty_writes(capacity: int, table_size: int) -> PageWrites:
+    """`capacity` unused entries for a table of `table_size` entries."""
+    return PageWrites(np.arange(table_size, table_size + capacity, dtype=np.int32),
+                      np.zeros(capacity, np.int32))
+
+
+class PageTableRows:
+    """What each row of the device page table holds (the engine thread's, in ModelRunner)."""
+
+    def __init__(self, num_slots: int, width: int):
+        self.num_slots, self.width = num_slots, width
+        self.size = num_slots * width  # a write position past the table: dropped
+        self._rows: list[list[int]] = [[] for _ in range(num_slots)]
+
+    def writes(self, slots, page_ids: list[list[int]]) -> tuple[list[int], list[int], list]:
+        """(positions, pages, updates) that make rows `slots[i]` hold `page_ids[i]` then
+        NULL_PAGE: for each row, the columns from its first difference with the record to the
+        end of the longer list. `updates` is what `commit` records."""
+        n_rows = len(page_ids)
+        if n_rows == 0:
+            return [], [], []
+        slots = np.asarray(slots)[:n_rows]
+        if len(slots) < n_rows:
+            raise ValueError(f"{n_rows} sequences with pages but {len(slots)} slots")
+        counts = np.bincount(slots, minlength=self.num_slots)  # raises on a negative slot
+        if counts[0] or len(counts) > self.num_slots or counts.max() > 1:
+            raise ValueError(f"slots {slots.tolist()}: the null slot, one out of range or one "
+                             "twice")
+        slots = slots.tolist()
+        positions: list[int] = []
+        pages: list[int] = []
+        updates = []
+        rows, width = self._rows, self.width
+        # The rows whose list is not the one recorded, found in C (a decode step's rows that got
+        # no page share their list with the last step): 13 us a 256-row step as a loop, 6 here.
+        olds = operator.itemgetter(*slots)(rows) if n_rows > 1 else (rows[slots[0]],)
+        for i in itertools.compress(range(n_rows), map(operator.is_not, olds, page_ids)):
+            slot, old, new = slots[i], olds[i], page_ids[i]
+            n_old, n = len(old), len(new)
+            if n > width:
+                raise ValueError(f"a sequence of {n} pages, over the page table's {width}")
+            first = n_old if n >= n_old and new[:n_old] == old else _first_difference(old, new)
+            if first < max(n, n_old):
+                base = slot * width
+                positions.extend(range(base + first, base + max(n, n_old)))
+                pages.extend(new[first:])
+                pages.extend([NULL_PAGE] * (n_old - max(n, first)))
+            updates.append((slot, new))
+        return positions, pages, updates
+
+    def commit(self, updates) -> None:
+        for slot, new in updates:
+            self._rows[slot] = new
+
+    def table(self) -> np.ndarray:
+        """The whole table as the record says the device holds it (tests, a follower's check)."""
+        table = np.full((self.num_slots, self.width), NULL_PAGE, np.int32)
+        for slot, row in enumerate(self._rows):
+            table[slot, :len(row)] = row
+        return table
+
+
+def _first_difference(old: list[int], new: list[int]) -> int:
+    n = min(len(old), len(new))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(old[:n]) != np.asarray(new[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+def apply_writes(table: jax.Array, writes: PageWrites) -> jax.Array:
+    """`table` with `writes` scattered in (inside the jitted step, or the overflow program)."""
+    flat = table.reshape(-1).at[writes.positions].set(writes.pages, mode="drop",
+                                                      unique_indices=True)
+    return flat.reshape(table.shape)
+
+
+def gather_rows(table: jax.Array, slots: jax.Array, pages: int) -> jax.Array:
+    """i32[len(slots), pages]: the rows of `slots`, cut or padded (NULL_PAGE) to `pages`."""
+    rows = table[slots, :min(pages, table.shape[1])]
+    if pages > table.shape[1]:
+        rows = jnp.pad(rows, ((0, 0), (0, pages - table.shape[1])), constant_values=NULL_PAGE)
+    return rows
+
+
+def write_program(sharding):
+    """The overflow program: `apply_writes` with the table donated, the table's sharding kept."""
+    return jax.jit(apply_writes, donate_argnums=0, out_shardings=sharding)
