@@ -65,7 +65,7 @@ def test_the_null_slot_a_repeated_slot_and_a_list_over_the_width_are_refused():
         rows.writes([0], [[1]])
     with pytest.raises(ValueError, match="one twice"):
         rows.writes([1, 1], [[1], [2]])
-    with pytest.raises(ValueError, match="over the page table's 2"):
+    with pytest.raises(ValueError, match="the page table.s 2"):
         rows.writes([1], [[1, 2, 3]])
 
 
