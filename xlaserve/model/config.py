@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from xlaserve.model.routing import RouterConfig
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -129,7 +131,18 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalize the top k router weights to sum to one
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    # The always-on expert every token runs (0: none): Qwen2-MoE's, scaled by a sigmoid gate;
+    # DeepSeek's n_shared_experts as one MLP of their summed width, ungated.
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = True
+    # DeepSeek's router (model/routing.py, RouterConfig): scores, groups, the choice's bias, the
+    # weights' scale.
+    router_scoring: str = "softmax"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_score: str = "max"
+    router_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
     # One entry per layer: whether its MLP is the experts (decoder_sparse_step, mlp_only_layers).
     moe_layers: tuple[bool, ...] = ()
     # gpt-oss: a learned logit per query head in every softmax's denominator ("attention sinks"),
@@ -157,6 +170,19 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 "
                              f"and num_experts ({self.num_experts})")
+        if self.num_experts and self.num_experts % self.router_groups:
+            raise ValueError(f"n_group ({self.router_groups}) must divide the number of experts "
+                             f"({self.num_experts})")
+        if self.num_experts:
+            self.router  # checks its fields
+
+    @property
+    def router(self) -> RouterConfig:
+        return RouterConfig(
+            top_k=self.num_experts_per_tok, normalize=self.norm_topk_prob,
+            scoring=self.router_scoring, groups=self.router_groups,
+            topk_groups=self.router_topk_groups, group_score=self.router_group_score,
+            correction_bias=self.router_correction_bias, scaling=self.routed_scaling_factor)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -287,9 +313,11 @@ _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausa
 
 
 def _experts_from_hf(hf_config: Any, architecture: str) -> dict:
-    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE, Mixtral or gpt-oss config ({} for
-    others)."""
+    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss or DeepSeek-V2/V3
+    config ({} for others)."""
     num_layers = hf_config.num_hidden_layers
+    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        return _deepseek_experts(hf_config, architecture == "DeepseekV3ForCausalLM")
     if architecture == "MixtralForCausalLM":
         # Every layer is sparse; the experts' width is `intermediate_size`; the top-k weights are
         # always renormalized.
@@ -321,3 +349,35 @@ def _experts_from_hf(hf_config: Any, architecture: str) -> dict:
                 moe_intermediate_size=hf_config.moe_intermediate_size,
                 norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
                 shared_expert_intermediate_size=shared, moe_layers=moe_layers)
+
+
+def _deepseek_experts(hf_config: Any, v3: bool) -> dict:
+    """DeepSeek-V2/V3's experts (Kimi K2 and Moonlight are V3): the first `first_k_dense_replace`
+    layers dense, then every `moe_layer_freq`-th layer sparse (DeepSeek's own rule; every released
+    checkpoint has 1); shared experts as one ungated MLP; the router (model/routing.py) by
+    `scoring_func` and `topk_method`, refused where it is another than the code implements."""
+    num_layers, num_experts = hf_config.num_hidden_layers, hf_config.n_routed_experts or 0
+    first_sparse = getattr(hf_config, "first_k_dense_replace", 0) or 0
+    every = getattr(hf_config, "moe_layer_freq", None) or 1
+    scoring = getattr(hf_config, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
+    method = getattr(hf_config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
+    methods = {True: {"noaux_tc": "top2_sum"},
+               False: {"greedy": None, "group_limited_greedy": "max"}}[v3]
+    if method not in methods:
+        raise ValueError(f"topk_method {method!r} is not supported for "
+                         f"{'DeepSeek-V3' if v3 else 'DeepSeek-V2'} (supported: {', '.join(methods)})")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ValueError(f"scoring_func {scoring!r} is not supported with topk_method {method!r}")
+    grouped = methods[method] is not None
+    shared = (hf_config.n_shared_experts or 0) * hf_config.moe_intermediate_size
+    return dict(
+        num_experts=num_experts, num_experts_per_tok=hf_config.num_experts_per_tok or 0,
+        moe_intermediate_size=hf_config.moe_intermediate_size,
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared, shared_expert_gate=False,
+        moe_layers=tuple(num_experts > 0 and i >= first_sparse and i % every == 0
+                         for i in range(num_layers)),
+        router_scoring=scoring, router_groups=(hf_config.n_group or 1) if grouped else 1,
+        router_topk_groups=(hf_config.topk_group or 1) if grouped else 1,
+        router_group_score=methods[method] or "max", router_correction_bias=v3,
+        routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0))

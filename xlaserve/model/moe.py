@@ -1,10 +1,11 @@
-"""The mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE, Mixtral and gpt-oss.
+"""The mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V2/V3.
 
 A router scores every expert for each token; the top `num_experts_per_tok` run, and their
-outputs are summed with the router's weights (softmax over all experts, then the top k,
-renormalized to sum to one when `norm_topk_prob`, as Mixtral and gpt-oss always do). Qwen2-MoE
-adds a shared expert that every token runs, scaled by a sigmoid gate. gpt-oss adds biases (router,
-gate|up, down) and clamps its SwiGLU (`clamped_swiglu`).
+outputs are summed with the router's weights (model/routing.py: softmax over all experts, then
+the top k, renormalized to sum to one when `norm_topk_prob`, as Mixtral and gpt-oss always do;
+DeepSeek's sigmoid scores, expert groups, choice bias and scale). Qwen2-MoE adds a shared expert
+that every token runs, scaled by a sigmoid gate; DeepSeek's shared experts are one ungated MLP.
+gpt-oss adds biases (router, gate|up, down) and clamps its SwiGLU (`clamped_swiglu`).
 
 The experts run without a loop over experts and without a shape that depends on the routing: the
 T x k (token, expert) pairs are sorted by expert, so that each expert's tokens are one contiguous
@@ -16,7 +17,7 @@ inverse permutation and are summed over k with the router's weights.
 Weights: `experts_gate_up [E, hidden, 2, moe_intermediate]` and `experts_down [E,
 moe_intermediate, hidden]`, the dense MLP's layout with an expert axis in front; `router
 [hidden, E]`; gpt-oss's `router_bias [E]`, `experts_gate_up_bias [E, 2, moe_intermediate]` and
-`experts_down_bias [E, hidden]`.
+`experts_down_bias [E, hidden]`; DeepSeek-V3's `router_correction_bias [E]` (float32).
 """
 from __future__ import annotations
 
@@ -32,16 +33,8 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.layers import MLP, Kernels, init_weight, linear, matmul_input_dtype
 from xlaserve.model.packed import PackedExperts
+from xlaserve.model.routing import route
 from xlaserve.model.sharding import PARTITION_SPECS
-
-
-def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights float32 [T, k], experts int32 [T, k]) from float32 router logits [T, E]."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
 
 
 def clamped_swiglu(gate_up: jax.Array, out_dtype, *, limit: float, alpha: float) -> jax.Array:
@@ -134,13 +127,16 @@ class MoE(nnx.Module):
             rngs, (c.num_experts, c.moe_intermediate_size, c.hidden_size), dtype))
         if c.router_bias:
             self.router_bias = nnx.Param(jnp.zeros((c.num_experts,), dtype))
+        if c.router_correction_bias:
+            self.router_correction_bias = nnx.Param(jnp.zeros((c.num_experts,), jnp.float32))
         if c.expert_bias:
             self.experts_gate_up_bias = nnx.Param(
                 jnp.zeros((c.num_experts, 2, c.moe_intermediate_size), dtype))
             self.experts_down_bias = nnx.Param(jnp.zeros((c.num_experts, c.hidden_size), dtype))
         if c.shared_expert_intermediate_size:
             self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, dtype, rngs)
-            self.shared_expert_gate = nnx.Param(init_weight(rngs, (c.hidden_size, 1), dtype))
+            if c.shared_expert_gate:
+                self.shared_expert_gate = nnx.Param(init_weight(rngs, (c.hidden_size, 1), dtype))
 
     def input_dtype(self) -> jnp.dtype:
         return matmul_input_dtype(self.experts_gate_up[...])
@@ -150,7 +146,8 @@ class MoE(nnx.Module):
         router_logits = linear(x, self.router[...], kernels)
         if c.router_bias:
             router_logits = router_logits + self.router_bias[...].astype(jnp.float32)
-        weights, experts = route(router_logits, c.num_experts_per_tok, c.norm_topk_prob)
+        weights, experts = route(router_logits, c.router, self.router_correction_bias[...]
+                                 if c.router_correction_bias else None)
         expert_weights = {"experts_gate_up": self.experts_gate_up[...],
                           "experts_down": self.experts_down[...]}
         activation = kernels.swiglu
@@ -168,5 +165,7 @@ class MoE(nnx.Module):
             out = out + jnp.einsum("tkh,tk->th", down_bias[experts], weights)
         if c.shared_expert_intermediate_size:
             shared_out = self.shared_expert(x.astype(self.shared_expert.input_dtype()), kernels)
-            out = out + jax.nn.sigmoid(linear(x, self.shared_expert_gate[...], kernels)) * shared_out
+            if c.shared_expert_gate:
+                shared_out = jax.nn.sigmoid(linear(x, self.shared_expert_gate[...], kernels)) * shared_out
+            out = out + shared_out
         return out

@@ -41,6 +41,7 @@ PARTITION_SPECS = {
     "experts_down": P("expert", "tensor", None),
     "shared_expert_gate": P(),
     "router_bias": P(),
+    "router_correction_bias": P(),
     "experts_gate_up_bias": P("expert", None, "tensor"),
     # Added once, outside the experts' matmuls (moe.py), where every device holds every token.
     "experts_down_bias": P(),

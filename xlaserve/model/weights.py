@@ -157,13 +157,17 @@ def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple
 def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
     """A mixture-of-experts MLP (model/moe.py): the router, every expert stacked, the shared expert
     and its gate. Checkpoints keep one tensor per expert; Mixtral names them w1 (gate), w3 (up) and
-    w2 (down) under `block_sparse_moe`."""
+    w2 (down) under `block_sparse_moe`; DeepSeek's router has V3's `e_score_correction_bias`, and
+    its ungated shared experts are `shared_experts`."""
     hidden, inter = c.hidden_size, c.moe_intermediate_size
     if c.architecture == "MixtralForCausalLM":
         prefix, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
     else:
         prefix, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
     yield path + ("router",), _fetch(source, prefix + "gate.weight", (c.num_experts, hidden)).T
+    if c.router_correction_bias:
+        yield path + ("router_correction_bias",), _fetch(
+            source, prefix + "gate.e_score_correction_bias", (c.num_experts,))
     gate_up, down = [], []
     for expert in range(c.num_experts):
         tensors = dict(_mlp(source, f"{prefix}experts.{expert}.", inter, hidden, (), names))
@@ -171,7 +175,10 @@ def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
         down.append(tensors[("down",)])
     yield path + ("experts_gate_up",), np.stack(gate_up)
     yield path + ("experts_down",), np.stack(down)
-    if c.shared_expert_intermediate_size:
+    if c.shared_expert_intermediate_size and not c.shared_expert_gate:
+        yield from _mlp(source, prefix + "shared_experts.", c.shared_expert_intermediate_size,
+                        hidden, path + ("shared_expert",))
+    elif c.shared_expert_intermediate_size:
         yield from _mlp(source, prefix + "shared_expert.", c.shared_expert_intermediate_size,
                         hidden, path + ("shared_expert",))
         yield path + ("shared_expert_gate",), _fetch(
