@@ -40,6 +40,17 @@ RECORDED = [
     ("kimi", {}, "◁think▷still thinking", ("still thinking", "")),
     ("kimi", {}, "<think>not Kimi's tag</think>", (None, "<think>not Kimi's tag</think>")),
     ("kimi", {"thinking_in_prompt": True}, "look◁/think▷Paris", ("look", "Paris")),
+    # --- kimi_k2: <think> ... </think>; a tool-call section also ends the reasoning ---
+    ("kimi_k2", {}, "<think>The user wants Paris' weather.</think>It is sunny.",
+     ("The user wants Paris' weather.", "It is sunny.")),
+    ("kimi_k2", {}, "It is sunny.", (None, "It is sunny.")),
+    ("kimi_k2", {}, "<think>I need the weather tool.<|tool_calls_section_begin|><|tool_call_begin|>"
+     'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+     "<|tool_calls_section_end|>",
+     ("I need the weather tool.", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+      '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')),
+    ("kimi_k2", {}, "<think>a</think>b<|tool_calls_section_begin|>c", ("a", "b<|tool_calls_section_begin|>c")),
+    ("kimi_k2", {"thinking_in_prompt": True}, "hm</think>ok", ("hm", "ok")),
     # --- gpt-oss: Harmony channels; analysis is reasoning, final content ---
     ("gpt-oss", {}, ANALYSIS + "User asks 2+2. Answer 4.<|end|>" + FINAL + "2 + 2 = 4.<|return|>",
      ("User asks 2+2. Answer 4.", "2 + 2 = 4.")),
@@ -152,13 +163,13 @@ def test_for_request_starts_inside_a_block_the_prompt_opened():
         .parse(ANALYSIS + "s<|end|>" + FINAL + "4") == ("s", "4")
 
 
-def test_only_gpt_oss_needs_the_special_tokens_kept():
-    assert [name for name in PARSERS if needs_special_tokens(name)] == ["gpt-oss"]
+def test_only_kimi_k2_and_gpt_oss_need_the_special_tokens_kept():
+    assert [name for name in PARSERS if needs_special_tokens(name)] == ["kimi_k2", "gpt-oss"]
     assert not needs_special_tokens(None)
 
 
 def test_every_parser_is_a_launch_choice_and_unknown_names_are_refused():
     field = next(f for f in dataclasses.fields(ServerArgs) if f.name == "reasoning_parser")
     assert sorted(field.metadata["choices"]) == sorted(PARSERS)
-    with pytest.raises(ValueError, match="unknown reasoning parser 'kimi_k2'.*gpt-oss"):
-        ReasoningParser("kimi_k2")
+    with pytest.raises(ValueError, match="unknown reasoning parser 'kimi-k2'.*gpt-oss"):
+        ReasoningParser("kimi-k2")

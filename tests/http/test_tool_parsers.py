@@ -28,6 +28,7 @@ MARKERS = {
     "mistral": ["[TOOL_CALLS]", "[ARGS]"],
     "deepseekv3": ["<｜tool", "```"],
     "deepseekv31": ["<｜tool"],
+    "kimi_k2": ["<|tool_call", "functions."],
     "pythonic": ["<|python_start|>", "<|python_end|>"],
     "gpt-oss": ["<|channel|>", "<|message|>", "<|start|>", "<|call|>", "<|constrain|>"],
 }
@@ -41,6 +42,13 @@ def ds3(name, args):
 
 def ds31(name, args):
     return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"
+
+
+K2_BEGIN, K2_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+
+def k2(call_id, args):
+    return f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
 
 
 def oss(header, body):
@@ -136,6 +144,18 @@ CASES = [
     ("deepseekv31", "parallel", "Hi" + DS_BEGIN + ds31(W, '{"location": "Tokyo"}') + ds31("get_time", "{}") + DS_END,
      "Hi", [(W, {"location": "Tokyo"}), ("get_time", {})]),
     ("deepseekv31", "cut", DS_BEGIN + '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"location": "To', "", []),
+    # --- kimi_k2 ---
+    ("kimi_k2", "single", K2_BEGIN + k2("functions.get_weather:0", '{"city": "Beijing"}') + K2_END,
+     "", [(W, {"city": "Beijing"})]),
+    ("kimi_k2", "parallel", "Let me check." + K2_BEGIN + k2("functions.get_weather:0", '{"city": "東京"}')
+     + k2("functions.get_time:1", "{}") + K2_END, "Let me check.",
+     [(W, {"city": "東京"}), ("get_time", {})]),
+    ("kimi_k2", "spaces-no-prefix", K2_BEGIN + "<|tool_call_begin|> search:3 <|tool_call_argument_begin|> "
+     '{"q": "a <b>"} <|tool_call_end|>' + K2_END, "", [("search", {"q": "a <b>"})]),
+    ("kimi_k2", "malformed", K2_BEGIN + k2("functions.search:0", '{"q": "x"') + K2_END,
+     k2("functions.search:0", '{"q": "x"'), []),
+    ("kimi_k2", "cut", "Ok." + K2_BEGIN + k2("functions.get_time:0", "{}")
+     + '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"ci', "Ok.", [("get_time", {})]),
     # --- pythonic ---
     ("pythonic", "single", '[get_weather(city="San Francisco", days=3)]', "", [(W, {"city": "San Francisco", "days": 3})]),
     ("pythonic", "parallel", "[get_weather(city='Paris', units=None, opts={'x': [1, -2.5, True]}), get_time(tz=\"CET\")]",
@@ -217,7 +237,7 @@ def assemble(deltas: list[ToolCallDelta]) -> list[ToolCall]:
     for d in deltas:
         if d.name is not None:
             assert d.index == len(calls) and d.arguments == ""
-            calls.append(ToolCall(d.name, ""))
+            calls.append(ToolCall(d.name, "", d.call_id))
         else:
             assert d.index == len(calls) - 1, "fragments follow their call's first delta"
             calls[d.index].arguments += d.arguments
@@ -292,6 +312,7 @@ UNKNOWN = {
     "mistral": ('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "delete_all", "arguments": {}}]',
                 '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "delete_all", "arguments": {}}]'),
     "deepseekv3": (DS_BEGIN + ds3("delete_all", "{}") + ds3("get_time", "{}") + DS_END, ds3("delete_all", "{}")),
+    "kimi_k2": (K2_BEGIN + k2("functions.delete_all:0", "{}") + K2_END, k2("functions.delete_all:0", "{}")),
     "pythonic": ("[delete_all()]", "[delete_all()]"),
     "gpt-oss": (oss("commentary to=functions.delete_all <|constrain|>json", "{}") + "<|call|>",
                 oss("commentary to=functions.delete_all <|constrain|>json", "{}") + "<|call|>"),
@@ -368,6 +389,8 @@ FUZZ_VOCAB = {
                    "\n```", "<｜tool▁call▁end｜>", "<｜tool", " ", "x"],
     "deepseekv31": [DS_BEGIN, "<｜tool▁call▁begin｜>", "f<｜tool▁sep｜>", '{"a": 1}', "<｜tool▁call▁end｜>", "<｜tool",
                     " ", "x"],
+    "kimi_k2": [K2_BEGIN, K2_END, "<|tool_call_begin|>", "functions.f:0", "<|tool_call_argument_begin|>",
+                '{"a": 1}', "<|tool_call_end|>", "<|tool", " ", "x"],
     "pythonic": ["[", "]", "f(", ")", "a=1", ", ", "'", '"', "x", " ", "<|python_start|>", "<|python_end|>", "<|py",
                  "g(b='])')"],
 }
@@ -397,3 +420,12 @@ def test_empty_output():
     for cls in TOOL_CALL_PARSERS.values():
         assert cls(TOOLS).parse("") == ("", [])
         assert cls(TOOLS).parse(" \n") == (" \n", [])
+
+
+def test_kimi_k2_calls_keep_the_models_id_whole_and_streamed():
+    """Kimi's template writes a call's id back into the next turn's prompt: the response's id is
+    the model's `functions.NAME:INDEX` (SGLang's), not one of ours."""
+    text = K2_BEGIN + k2("functions.get_weather:0", '{"city": "Oslo"}') + k2("functions.get_time:1", "{}") + K2_END
+    _, calls = TOOL_CALL_PARSERS["kimi_k2"](TOOLS).parse(text)
+    assert [c.call_id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    assert stream("kimi_k2", list(text), TOOLS)[1] == calls

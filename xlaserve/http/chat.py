@@ -22,7 +22,7 @@ from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
 
 # Parsers whose call markers are special tokens of their models (`<|python_tag|>`,
 # `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Harmony's): the text must keep special tokens.
-SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31", "gpt-oss")
+SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31", "kimi_k2", "gpt-oss")
 from xlaserve.http.parsing.tools import (check_tool_schemas, check_tools, forced_calls, forced_schema,
                                  new_call_id, strict_tool_tag, tool_call_dict, tool_choice_of,
                                  ToolChoice)
@@ -144,7 +144,7 @@ class ChatCall:
             content, calls = tool_parser.parse(content)
             calls = calls if self.parallel else calls[:1]
             if calls:
-                tool_calls = [tool_call_dict(c.name, c.arguments) for c in calls]
+                tool_calls = [tool_call_dict(c.name, c.arguments, c.call_id) for c in calls]
                 content = content or None
         logprobs = None
         if self.req.logprobs:
@@ -312,14 +312,15 @@ class _ToolSplit:
             if delta.index > 0 and not self.call.parallel:
                 continue  # parallel_tool_calls: false keeps the first call only
             if delta.name is not None:
-                entries += self._entries(delta.index, delta.name, delta.arguments)
+                entries += self._entries(delta.index, delta.name, delta.arguments, delta.call_id)
             elif delta.arguments:
                 entries.append({"index": delta.index, "function": {"arguments": delta.arguments}})
         self.called = self.called or bool(entries)
         return text, entries
 
-    def _entries(self, index: int, name: str, arguments: str) -> list[dict]:
-        self.ids[index] = new_call_id()
+    def _entries(self, index: int, name: str, arguments: str,
+                 call_id: str | None = None) -> list[dict]:
+        self.ids[index] = call_id or new_call_id()
         first = {"index": index, "id": self.ids[index], "type": "function",
                  "function": {"name": name, "arguments": ""}}
         return [first] + ([{"index": index, "function": {"arguments": arguments}}] if arguments else [])

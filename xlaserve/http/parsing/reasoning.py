@@ -10,7 +10,10 @@ tags and in where reasoning starts:
 - `deepseek-v3` (V3.1/V3.2, hybrid): from the first token only when the request's
   `chat_template_kwargs` has `thinking: true` (the template then opens `<think>` in the prompt);
   otherwise like `qwen3`, so a plain answer is all content;
-- `kimi`: Kimi's `◁think▷...◁/think▷`, where the output opens the block;
+- `kimi`: Kimi's `◁think▷...◁/think▷`, where the output opens the block (Kimi-VL);
+- `kimi_k2`: Kimi K2's `<think>...</think>`, where the output opens the block; a tool-call
+  section (`<|tool_calls_section_begin|>`) also ends the reasoning, and stays in the content for
+  the `kimi_k2` tool-call parser (SGLang's KimiK2Detector). Its markers are special tokens;
 - `gpt-oss`: OpenAI's Harmony channels, not tags: see `_HarmonySplitter`. Its markers are special
   tokens, so the output must be detokenized with `skip_special_tokens=False`
   (`needs_special_tokens`).
@@ -27,6 +30,7 @@ from typing import Any, Mapping
 
 THINK_START, THINK_END = "<think>", "</think>"
 KIMI_START, KIMI_END = "\u25c1think\u25b7", "\u25c1/think\u25b7"  # ◁think▷ ◁/think▷
+KIMI_TOOL_SECTION = "<|tool_calls_section_begin|>"  # Kimi K2's tool calls, a special token
 
 # Harmony (gpt-oss) markers: each one special token.
 H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -43,6 +47,9 @@ class ParserSpec:
     toggle: str | None = None  # chat_template_kwargs key whose true value opens it in the prompt
     harmony: bool = False  # Harmony channels instead of tags
     special_tokens: bool = False  # the markers are special tokens: keep them when detokenizing
+    # A marker that also ends the reasoning and opens the content, itself included (Kimi K2's
+    # tool-call section, which may come before </think>).
+    content_marker: str | None = None
 
 
 PARSERS: dict[str, ParserSpec] = {
@@ -51,6 +58,8 @@ PARSERS: dict[str, ParserSpec] = {
     "deepseek-r1": ParserSpec(THINK_START, THINK_END, forced=True),
     "deepseek-v3": ParserSpec(THINK_START, THINK_END, toggle="thinking"),
     "kimi": ParserSpec(KIMI_START, KIMI_END),
+    "kimi_k2": ParserSpec(THINK_START, THINK_END, special_tokens=True,
+                          content_marker=KIMI_TOOL_SECTION),
     "gpt-oss": ParserSpec(HARMONY_ANALYSIS, H_END, harmony=True, special_tokens=True),
 }
 
@@ -129,6 +138,7 @@ class _TagSplitter:
 
     def __init__(self, spec: ParserSpec, forced: bool):
         self.start_tag, self.end_tag = spec.start, spec.end
+        self.content_marker = spec.content_marker
         self.forced = forced
         self.state = "start"  # -> "reasoning" -> "content", or "start" -> "content"
         self.had_reasoning = False
@@ -156,12 +166,20 @@ class _TagSplitter:
                 self.had_reasoning = self.state == "reasoning"
             elif self.state == "reasoning":
                 at = self._buffer.find(self.end_tag)
+                marker = (self._buffer.find(self.content_marker, 0, None if at == -1 else at)
+                          if self.content_marker else -1)
+                if marker != -1:  # the content starts with the marker: no end tag to drop
+                    reasoning.append(self._buffer[:marker])
+                    self._buffer = self._buffer[marker:]
+                    self.state = "content"
+                    continue
                 if at != -1:
                     reasoning.append(self._buffer[:at])
                     self._buffer = self._buffer[at + len(self.end_tag):]
                     self.state, self._skip_newlines = "content", True
                     continue
-                keep = held_suffix(self._buffer, self.end_tag)
+                keep = held_suffix(self._buffer, self.end_tag,
+                                   *((self.content_marker,) if self.content_marker else ()))
                 reasoning.append(self._buffer[:len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 break

@@ -15,6 +15,11 @@ The names and formats are SGLang's:
   then `<｜tool▁calls▁end｜>` (full-width bars, U+2581 for the spaces).
   `deepseekv31`: the same markers, per call
   `<｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
+- `kimi_k2`: `<|tool_calls_section_begin|>` then per call
+  `<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`, then
+  `<|tool_calls_section_end|>` (special tokens). The model's id (`functions.f:0`) is the call's
+  id in the response, as SGLang returns it: Kimi's chat template writes it back into the prompt
+  of the next turn.
 - `pythonic`: `[f(a=1), g(b="x")]`, Python call syntax parsed with `ast`: keyword arguments with
   literal values only (a positional argument or a non-literal makes it not a call).
   `<|python_start|>`/`<|python_end|>` (Llama 4) are dropped.
@@ -80,6 +85,24 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
     def _body(self, body, final):
         m = self._BODY.fullmatch(body)
         return self._call(m[1], m[2]) if m else None
+
+
+class KimiK2Parser(EndMarkerParser):
+    starts, end = ("<|tool_call_begin|>",), "<|tool_call_end|>"
+    drops = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    # functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS (the prefix and index optional)
+    _BODY = re.compile(r"\s*((?:functions\.)?([^\s<]+?)(?::\d+)?)\s*"
+                       r"<\|tool_call_argument_begin\|>\s*(.*?)\s*", re.S)
+
+    def _body(self, body, final):
+        m = self._BODY.fullmatch(body)
+        if m is None:
+            return None
+        try:
+            arguments = loads(m[3])
+        except ValueError:
+            return None
+        return [ToolCall(m[2], dumps(arguments), m[1])] if isinstance(arguments, dict) else None
 
 
 class MistralParser(RegionParser):
@@ -220,6 +243,7 @@ TOOL_CALL_PARSERS: dict[str, type] = {
     "mistral": MistralParser,
     "deepseekv3": DeepSeekV3Parser,
     "deepseekv31": DeepSeekV31Parser,
+    "kimi_k2": KimiK2Parser,
     "pythonic": PythonicParser,
     "gpt-oss": GptOssParser,
 }

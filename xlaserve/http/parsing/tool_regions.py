@@ -39,6 +39,7 @@ from xlaserve.http.parsing.reasoning import held_suffix
 class ToolCall:
     name: str
     arguments: str  # a JSON object as text
+    call_id: str | None = None  # the model's own id for the call (Kimi K2's), else None: ours
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ToolCallDelta:
     index: int  # the call's position in this choice
     name: str | None  # on the call's first delta only
     arguments: str  # a fragment of the arguments text
+    call_id: str | None = None  # on the first delta, where the model named the call
 
 
 def _reject_constant(name):
@@ -164,7 +166,7 @@ class RegionParser:
         calls: list[ToolCall] = []
         for delta in deltas + more:
             if delta.name is not None:
-                calls.append(ToolCall(delta.name, ""))
+                calls.append(ToolCall(delta.name, "", delta.call_id))
             calls[delta.index].arguments += delta.arguments
         return content + rest, calls
 
@@ -201,7 +203,7 @@ class RegionParser:
                 continue
             self._ws, self._after_call = "", True  # a call, or markup that is dropped
             for call in calls:
-                deltas += [ToolCallDelta(self._index, call.name, ""),
+                deltas += [ToolCallDelta(self._index, call.name, "", call.call_id),
                            ToolCallDelta(self._index, None, call.arguments)]
                 self._index += 1
                 self._last = "call"
