@@ -41,6 +41,27 @@ FAMILIES = {
                     max_position_embeddings=256),
 }
 
+# DeepSeek-V2/V3 (model/mla.py, model/routing.py): multi-head latent attention (V3 with a query
+# LoRA, V2 without), interleaved RoPE, YaRN with mscale; experts in groups, shared experts, the
+# first layer dense. Not in FAMILIES: tests/model/test_deepseek.py runs them.
+DEEPSEEK = {
+    "deepseek_v3": dict(cls="DeepseekV3Config", num_key_value_heads=4, q_lora_rank=24,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                        topk_group=2, n_shared_experts=1, moe_intermediate_size=24,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "original_max_position_embeddings": 64},
+                        max_position_embeddings=256),
+    "deepseek_v2": dict(cls="DeepseekV2Config", num_key_value_heads=4, q_lora_rank=None,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                        topk_group=2, topk_method="group_limited_greedy", n_shared_experts=2,
+                        moe_intermediate_size=24, first_k_dense_replace=1,
+                        routed_scaling_factor=1.0),
+}
+
 
 def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: int = 0,
                          max_shard_size=None, vocab_size: int = 512, **config_overrides):
@@ -52,7 +73,7 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
     import torch
     import transformers
 
-    spec = dict(FAMILIES[family])
+    spec = dict(FAMILIES.get(family) or DEEPSEEK[family])
     config_cls = getattr(transformers, spec.pop("cls"))
     config = config_cls(**{
         **dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -78,6 +99,9 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
                 param.copy_(0.5 * torch.randn_like(param))
             else:
                 param.copy_(0.08 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: moves the choice
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model = model.to(getattr(torch, dtype))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)

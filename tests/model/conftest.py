@@ -3,17 +3,26 @@ import os
 
 import pytest
 
-from tests.tiny_models import FAMILIES, make_tiny_checkpoint
+from tests.tiny_models import DEEPSEEK, FAMILIES, make_tiny_checkpoint
+
+
+def _made(tmp_path_factory, families) -> dict:
+    """family -> (directory, transformers model in float32, eager attention)."""
+    made = {}
+    for family in families:
+        directory = str(tmp_path_factory.mktemp(family))
+        made[family] = (directory, make_tiny_checkpoint(directory, family))
+    return made
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
-    """family -> (directory, transformers model in float32, eager attention)."""
-    made = {}
-    for family in FAMILIES:
-        directory = str(tmp_path_factory.mktemp(family))
-        made[family] = (directory, make_tiny_checkpoint(directory, family))
-    return made
+    return _made(tmp_path_factory, FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def deepseek_checkpoints(tmp_path_factory):
+    return _made(tmp_path_factory, DEEPSEEK)
 
 
 @pytest.fixture(scope="session", autouse=True)

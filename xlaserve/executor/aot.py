@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
-from xlaserve.model.sharding import KV_CACHE_SPEC, check_expert_parallel, serving_mesh
+from xlaserve.model.sharding import check_expert_parallel, kv_cache_spec, serving_mesh
 from xlaserve.model.transformer import abstract_parameters, kv_cache_shape
 from xlaserve.executor.buckets import serving_buckets, with_page_size
 from xlaserve.executor.kernels import kernels_for
@@ -146,7 +146,8 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
                                          stack_layers=platform == "tpu")
-    cache = abstract(kv_cache_shape(config, num_pages, page_size), dtype, mesh, KV_CACHE_SPEC)
+    cache = abstract(kv_cache_shape(config, num_pages, page_size), dtype, mesh,
+                     kv_cache_spec(config))
     caches = [cache] * config.num_layers
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh,
                        [cache.sharding] * config.num_layers, formats)

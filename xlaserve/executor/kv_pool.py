@@ -12,15 +12,15 @@ from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.platform_defaults import device_memory
-from xlaserve.model.sharding import KV_CACHE_SPEC
+from xlaserve.model.sharding import kv_cache_spec
 from xlaserve.model.transformer import kv_cache_shape
 from xlaserve.scheduler.page_allocator import pages_for_tokens
 
 logger = logging.getLogger(__name__)
 
 def bytes_per_token(config: ModelConfig, dtype) -> int:
-    """K and V of one token across all layers."""
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+    """K and V (or the latent row, mla.py) of one token across all layers."""
+    return (config.num_layers * kv_cache_shape(config, 1, 1)[-1] * jnp.dtype(dtype).itemsize)
 
 
 def host_free_bytes() -> int:
@@ -48,6 +48,8 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
     else:
         budget = host_free_bytes() * mem_fraction_static
         significant_bits = 4
+    if config.mla is not None:  # the latent cache is whole on every device (kv_cache_spec)
+        tensor_parallel = 1
     per_page = bytes_per_token(config, dtype) * page_size // tensor_parallel
     return max(2, round_down_coarsely(max(int(budget // per_page), 0), significant_bits))
 
@@ -63,7 +65,7 @@ def round_down_coarsely(n: int, significant_bits: int = 4) -> int:
 def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh):
     """The pool's arrays as jax.ShapeDtypeStruct, with their sharding: what a step is lowered for
     before the pool exists."""
-    sharding = NamedSharding(mesh, KV_CACHE_SPEC)
+    sharding = NamedSharding(mesh, kv_cache_spec(config))
     shape = kv_cache_shape(config, num_pages, page_size)
     return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)] * config.num_layers
 

@@ -106,6 +106,44 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    q_lora_rank: int  # 0: the queries come from one q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's RoPE'd rows are interleaved pairs (de-interleaved at load)
+    softmax_scale: float
+
+    @property
+    def cache_width(self) -> int:
+        """A token's row in the latent cache: the compressed KV, then the RoPE'd key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def mla_from_hf(hf_config, v3: bool) -> MLAConfig:
+    """DeepSeek-V2/V3's attention fields (V2 always rotates interleaved pairs; V3 says so in
+    `rope_interleave`, true by default)."""
+    nope, rope = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim
+    if rope % 2:
+        raise ValueError(f"qk_rope_head_dim {rope} is odd: RoPE rotates pairs")
+    params = dict(getattr(hf_config, "rope_parameters", None) or
+                  getattr(hf_config, "rope_scaling", None) or {})
+    scale = (nope + rope) ** -0.5
+    if (params.get("rope_type") or params.get("type") or "default") != "default":
+        mscale_all_dim = params.get("mscale_all_dim") or 0
+        factor = params.get("factor") or 1.0
+        if mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * np.log(factor) + 1.0
+            scale *= mscale * mscale
+    return MLAConfig(q_lora_rank=hf_config.q_lora_rank or 0, kv_lora_rank=hf_config.kv_lora_rank,
+                     qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                     v_head_dim=hf_config.v_head_dim,
+                     rope_interleave=bool(getattr(hf_config, "rope_interleave", True)) if v3 else True,
+                     softmax_scale=float(scale))
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -152,6 +190,9 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None  # None: the plain SwiGLU
     swiglu_alpha: float = 1.0
+    # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py); None: the usual attention.
+    # `head_dim` is then the RoPE'd part's (the RoPE tables' width).
+    mla: MLAConfig | None = None
 
     @property
     def queries_per_kv(self) -> int:
@@ -194,6 +235,7 @@ class ModelConfig:
         data["sliding_windows"] = tuple(data["sliding_windows"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
+        data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
         return cls(**data)
 
     @classmethod
@@ -207,6 +249,12 @@ class ModelConfig:
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        mla = None
+        if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+            if getattr(hf_config, "attention_bias", False):
+                raise ValueError(f"{architecture} with attention_bias=True is not supported")
+            mla = mla_from_hf(hf_config, architecture == "DeepseekV3ForCausalLM")
+            head_dim = mla.qk_rope_head_dim
         is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = getattr(hf_config, "eos_token_id", None)
@@ -231,6 +279,7 @@ class ModelConfig:
             sliding_windows=_sliding_windows_from_hf(hf_config, architecture),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_ids=eos_ids,
+            mla=mla,
             **_experts_from_hf(hf_config, architecture),
         )
 

@@ -14,6 +14,9 @@ MODEL_CLASSES = {
     "Qwen3MoeForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
     "GptOssForCausalLM": CausalLM,
+    # Multi-head latent attention (model/mla.py) and DeepSeek's experts (model/routing.py).
+    "DeepseekV2ForCausalLM": CausalLM,
+    "DeepseekV3ForCausalLM": CausalLM,
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
 # in merged tensors (ffn_gate_exps, ...) that model/gguf_file.py does not translate: their

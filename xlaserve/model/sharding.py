@@ -45,10 +45,26 @@ PARTITION_SPECS = {
     "experts_gate_up_bias": P("expert", None, "tensor"),
     # Added once, outside the experts' matmuls (moe.py), where every device holds every token.
     "experts_down_bias": P(),
+    # Multi-head latent attention (mla.py): the heads split, the latent projections replicated
+    # (every head reads every token's latent row).
+    "q_a_proj": P(),
+    "q_b_proj": P(None, TP, None),
+    "q_proj": P(None, TP, None),
+    "kv_a_proj": P(),
+    "w_uk": P(TP, None, None),
+    "w_uv": P(TP, None, None),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.
 KV_CACHE_SPEC = P(None, None, TP)
+# Multi-head latent attention's cache, [num_pages, page_size, kv_lora + rope]: every head reads
+# every row, so each device holds it whole (SGLang's tensor-parallel MLA does the same).
+LATENT_CACHE_SPEC = P()
+
+
+def kv_cache_spec(config) -> P:
+    """The partition spec of one layer's cache (ModelConfig `config`)."""
+    return LATENT_CACHE_SPEC if config.mla is not None else KV_CACHE_SPEC
 
 
 def partition_spec(path: tuple) -> P:

@@ -36,6 +36,7 @@ from xlaserve.model.config import ModelConfig
 from xlaserve.model.int8 import check_quantization, quantized_parameters
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, rope_qk, split_qkv)
+from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import MoE
 from xlaserve.model.packed import embed
 from xlaserve.model.sharding import partition_spec
@@ -93,11 +94,16 @@ class Attention(nnx.Module):
             out = out + self.o_bias[...].astype(jnp.float32)
         return out, kv_cache
 
+    def input_matrix(self):
+        """The first matrix the layer's input meets (its dtype is the input's)."""
+        return self.qkv[...]
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, layer_index, dtype, rngs)
+        self.attn = (MLAttention(config, dtype, rngs) if config.mla is not None
+                     else Attention(config, layer_index, dtype, rngs))
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = (MoE(config, dtype, rngs) if config.moe_layers[layer_index]
                     else MLP(config.hidden_size, config.intermediate_size, dtype, rngs))
@@ -115,7 +121,7 @@ class DecoderLayer(nnx.Module):
     def input_rms_norm(self, x, delta, kernels: Kernels):
         """(x + delta, input_norm(x + delta)) in the dtype the qkv matmul takes; no add when delta
         is None."""
-        norm, dtype = self.input_norm, matmul_input_dtype(self.attn.qkv[...])
+        norm, dtype = self.input_norm, matmul_input_dtype(self.attn.input_matrix())
         if delta is None:
             return x, kernels.rms_norm(x, norm.scale[...], norm.eps, dtype)
         return kernels.add_rms_norm(x, delta, norm.scale[...], norm.eps, dtype)
@@ -224,7 +230,10 @@ def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple
     """One layer's cache: the attention contract's `[pages, page_size, 2*Hkv, D]` stored flat, as
     `[pages, page_size, 2*Hkv*D]`. Every kernel views it as it needs; this is the TPU kernel's own
     layout, where viewing a 4-D array flat would copy it (TPU arrays are tiled by their last two
-    dims). On CPU and GPU, layouts are dense and any view is free."""
+    dims). On CPU and GPU, layouts are dense and any view is free. Multi-head latent attention
+    (mla.py) keeps one latent row per token instead: `[pages, page_size, kv_lora + rope]`."""
+    if config.mla is not None:
+        return (num_pages, page_size, config.mla.cache_width)
     return (num_pages, page_size, 2 * config.num_kv_heads * config.head_dim)
 
 

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.mla import mla_weights
 from xlaserve.model.mxfp4 import read_expert_weight
 from xlaserve.model.quantization import check_float_tensor
 
@@ -108,7 +109,10 @@ def convert(config: ModelConfig, source: TensorSource,
         attn = prefix + "self_attn."
         layer = ("layers", i)
         yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
-        if layer + ("attn", "qkv") not in skip:
+        if c.mla is not None:
+            yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
+                                   layer + ("attn",))
+        elif layer + ("attn", "qkv") not in skip:
             q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden))
             k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
             v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
@@ -118,7 +122,7 @@ def convert(config: ModelConfig, source: TensorSource,
             kb = _fetch(source, attn + "k_proj.bias", (kv_rows,))
             vb = _fetch(source, attn + "v_proj.bias", (kv_rows,))
             yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
-        if layer + ("attn", "o_proj") not in skip:
+        if layer + ("attn", "o_proj") not in skip and c.mla is None:
             o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
             yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
         if c.o_bias:

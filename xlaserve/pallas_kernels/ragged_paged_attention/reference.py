@@ -18,6 +18,10 @@ row's softmax denominator with no value vector: out = sum_j e^(s_j - m) v_j / (e
 sum_j e^(s_j - m)), m = max(sinks[h], max_j s_j). In the online softmax this is the starting
 state: running max sinks[h] and running denominator 1 (e^0) instead of "nothing seen yet".
 
+Multi-head latent attention (`mla_ragged_paged_attention`, DeepSeek-V2/V3) is the same
+computation over a cache of one latent row per token that every head reads, keys and values
+both (`attend_paged` is what the two share).
+
 Unused pages and padding rows may hold anything, NaN included, so masks are applied with
 `jnp.where` (NaN * 0 is NaN) and masked scores are a large finite negative, never -inf.
 """
@@ -61,9 +65,62 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
     padding tokens are 0. See docs/architecture.md, "The kernel contract".
     """
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_tokens, _, head_dim = q.shape
     num_kv_heads = k.shape[1]
     stored_shape, kv_cache = kv_cache.shape, by_head(kv_cache, head_dim)
+    new_rows = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
+
+    def read_chunk(kv_cache, pages):
+        # K and V are two gathers, not one split afterwards: each then fuses with the transpose
+        # feeding its matmul, where one shared gather would be materialised (slower on CPU).
+        kv_by_head = kv_cache.reshape(kv_cache.shape[:2] + (num_kv_heads, 2, head_dim))
+        k_chunk = kv_by_head.at[pages, :, :, 0].get(mode="clip")  # [W, C, page_size, Hkv, D]
+        v_chunk = kv_by_head.at[pages, :, :, 1].get(mode="clip")
+        shape = (pages.shape[0], -1, num_kv_heads, head_dim)
+        return k_chunk.reshape(shape), v_chunk.reshape(shape)
+
+    out, kv_cache = attend_paged(
+        q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+        num_kv_heads=num_kv_heads, value_dim=head_dim, read_chunk=read_chunk, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, q_block=q_block,
+        kv_block_pages=kv_block_pages)
+    return out, kv_cache.reshape(stored_shape)
+
+
+def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               *, sm_scale, value_dim: int, q_block=None, kv_block_pages=None):
+    """Multi-head latent attention (DeepSeek-V2/V3) in its absorbed form, over a latent cache of
+    one row per token; returns (out, kv_cache).
+
+    latent [T, Dk]: each new token's row, the normed compressed KV (value_dim entries) then its
+    RoPE'd key part; kv_cache [num_pages, page_size, Dk]; q [T, Hq, Dk]: each head's query with
+    its no-RoPE part taken into the latent space (q_nope @ W_UK) then its RoPE'd part. Every head
+    attends to the same rows: keys are whole rows, values their first `value_dim` entries, so
+    out [T, Hq, value_dim] is in the latent space (times W_UV outside). The other arguments,
+    the writes and the masks are ragged_paged_attention's."""
+    def read_chunk(kv_cache, pages):
+        rows = kv_cache.at[pages].get(mode="clip")  # [W, C, page_size, Dk]
+        keys = rows.reshape(pages.shape[0], -1, 1, rows.shape[-1])
+        return keys, keys[..., :value_dim]
+
+    if latent.ndim != 2 or kv_cache.ndim != 3 or q.ndim != 3 or not \
+            q.shape[-1] == latent.shape[-1] == kv_cache.shape[-1] or \
+            not 0 < value_dim <= latent.shape[-1]:
+        raise ValueError(f"MLA shapes: q {q.shape}, latent {latent.shape}, cache {kv_cache.shape}, "
+                         f"value_dim {value_dim}")
+    return attend_paged(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                        num_kv_heads=1, value_dim=value_dim, read_chunk=read_chunk,
+                        sm_scale=sm_scale, q_block=q_block, kv_block_pages=kv_block_pages)
+
+
+def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                 num_kv_heads: int, value_dim: int, read_chunk, sm_scale, sliding_window=None,
+                 soft_cap=None, sinks=None, q_block=None, kv_block_pages=None):
+    """The attention both caches share: `new_rows [T, ...]` written at each new token's slot of
+    `kv_cache [num_pages, page_size, ...]`, then the work items' online softmax over chunks of
+    pages that `read_chunk(kv_cache, pages [W, C]) -> (keys [W, C*page_size, Hkv, Dk], values
+    [W, C*page_size, Hkv, value_dim])` reads. Returns (out [T, Hq, value_dim], kv_cache)."""
+    num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
     if num_q_heads % num_kv_heads:
@@ -93,9 +150,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     token_pos = kv_lens[seq_of_token] - q_lens[seq_of_token] + token - q_starts[seq_of_token]
     token_page = page_indices[seq_of_token, jnp.clip(token_pos // page_size, 0, pages_per_seq - 1)]
     token_page = jnp.where(token < total_tokens, token_page, num_pages)
-    new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
     kv_cache = kv_cache.at[token_page, token_pos % page_size].set(
-        new_kv.astype(kv_cache.dtype), mode="drop")
+        new_rows.astype(kv_cache.dtype), mode="drop")
 
     # Work items: one per (query block, sequence) pair that shares a token. An item starts at a
     # live token that opens a block or a sequence; counting starts (rather than the sequences
@@ -141,14 +197,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     # output): 2 s per step of the default model with a 2800-page pool, 40 ms without the copies.
     def attend_chunk(chunk, carry):
         m_prev, l_prev, acc_prev, kv_cache = carry
-        kv_by_head = kv_cache.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
         pages = lax.dynamic_slice_in_dim(item_pages, chunk * kv_block_pages, kv_block_pages, 1)
-        # K and V are two gathers, not one split afterwards: each then fuses with the transpose
-        # feeding its matmul, where one shared gather would be materialised (slower on CPU).
-        k_chunk = kv_by_head.at[pages, :, :, 0].get(mode="clip")  # [W, C, page_size, Hkv, D]
-        v_chunk = kv_by_head.at[pages, :, :, 1].get(mode="clip")
-        k_chunk = k_chunk.reshape(max_items, chunk_tokens, num_kv_heads, head_dim)
-        v_chunk = v_chunk.reshape(max_items, chunk_tokens, num_kv_heads, head_dim)
+        k_chunk, v_chunk = read_chunk(kv_cache, pages)
         key_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens)
         # Slots past kv_len hold stale data or NaN: zero V there, since p * NaN is NaN even at p=0.
         v_chunk = jnp.where(key_pos[None, :, None, None] < kv_len_b, v_chunk, 0)
@@ -177,7 +227,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         sinks = sinks.reshape(1, num_kv_heads, group, 1, 1)
         m_start, l_start = jnp.broadcast_to(sinks, stat_shape), 1.0
     carry = (m_start, jnp.full(stat_shape, l_start, jnp.float32),
-             jnp.zeros(stat_shape[:-1] + (head_dim,), jnp.float32), kv_cache)
+             jnp.zeros(stat_shape[:-1] + (value_dim,), jnp.float32), kv_cache)
     if num_chunks == 1:
         _, l, acc, kv_cache = attend_chunk(0, carry)
     else:
@@ -190,11 +240,11 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
 
     # l >= 1 on live rows: the max (a score or the sink) contributes exp(0).
     out = (acc / l).astype(q.dtype)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(max_items, q_block, num_q_heads, head_dim)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(max_items, q_block, num_q_heads, value_dim)
     # Each live row belongs to exactly one item; everything else is dropped, so padding rows stay 0.
     dest = jnp.where(row_valid, item_rows, num_tokens)
-    out = jnp.zeros_like(q).at[dest].set(out, mode="drop")
-    return out, kv_cache.reshape(stored_shape)
+    out = jnp.zeros((num_tokens, num_q_heads, value_dim), q.dtype).at[dest].set(out, mode="drop")
+    return out, kv_cache
 
 
 def searchsorted_right(sorted_ends, x):

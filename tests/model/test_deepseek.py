@@ -1,0 +1,56 @@
+"""DeepSeek-V2/V3 (issue 35): multi-head latent attention over a latent paged cache
+(model/mla.py) with DeepSeek's experts (model/routing.py) gives transformers' logits, in one
+ragged batch and in a chunked prefill, and its greedy continuation."""
+import numpy as np
+import pytest
+
+from tests.model.test_transformer_matches_transformers import (PROMPTS, TOLERANCE, _hf_reference,
+                                                               _run_ours)
+from tests.tiny_models import DEEPSEEK
+from xlaserve.model.loader import load_model
+from xlaserve.model.transformer import kv_cache_shape
+
+
+@pytest.mark.parametrize("family", list(DEEPSEEK))
+@pytest.mark.parametrize("prefill_chunk,page_size", [(64, 16), (3, 4)],
+                         ids=["one_ragged_batch", "chunked_prefill_by_3"])
+def test_deepseek_logits_match_transformers(deepseek_checkpoints, family, prefill_chunk,
+                                            page_size):
+    directory, hf_model = deepseek_checkpoints[family]
+    loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
+    mla = loaded.config.mla
+    # One latent row per token: kv_lora_rank + qk_rope_head_dim, not 2 x heads x head_dim.
+    assert kv_cache_shape(loaded.config, 8, page_size) == (8, page_size, 16 + 8)
+    assert mla.rope_interleave and loaded.config.moe_layers == (False, True)
+    references = [_hf_reference(hf_model, p) for p in PROMPTS]
+    sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
+    ours = _run_ours(loaded, sequences, prefill_chunk, page_size)
+    for (full, expected), got in zip(references, ours, strict=True):
+        np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
+        prompt_len = len(full) - 5
+        assert got[prompt_len - 1:-1].argmax(-1).tolist() == full[prompt_len:]
+
+
+def test_the_engine_serves_deepseek_v3_as_transformers_generates(deepseek_checkpoints):
+    """Through the serving step (chunked prefill of 8, the device page table, the prefix cache):
+    greedy outputs equal transformers' generate; a prompt served again from the prefix cache
+    gives the same tokens."""
+    import torch
+
+    from xlaserve.offline import Engine
+
+    directory, hf_model = deepseek_checkpoints["deepseek_v3"]
+    prompts = [PROMPTS[0], PROMPTS[1], [7] * 20]
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            generated = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                          pad_token_id=0, eos_token_id=None)
+        expected.append(generated[0, len(prompt):].tolist())
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with Engine(directory, skip_tokenizer_init=True, max_total_tokens=512,
+                max_running_requests=4, chunked_prefill_size=8, max_prefill_tokens=8) as engine:
+        got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+        again = engine.generate(input_ids=[prompts[2]], sampling_params=greedy)[0]
+    assert got == expected
+    assert again["output_ids"] == expected[2] and again["meta_info"]["cached_tokens"] >= 16
