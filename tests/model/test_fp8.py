@@ -166,6 +166,10 @@ VARIANTS = {
                                          BLOCK_CONFIG, lambda name: (128, 128), "dequantized"),
     "qwen3_moe_128x128_whole_blocks": ("qwen3_moe", dict(hidden_size=128), BLOCK_CONFIG,
                                        lambda name: (128, 128), "transformers"),
+    # DeepSeek-V3's format on its own architecture (issue 35): every projection FP8 with 128x128
+    # blocks, the MLA ones (q_a, q_b, kv_a_proj_with_mqa, kv_b) included, all partial blocks.
+    "deepseek_v3_128x128_partial_blocks": ("deepseek_v3", dict(hidden_size=160), BLOCK_CONFIG,
+                                           lambda name: (128, 128), "dequantized"),
     "llama_per_tensor_and_per_channel": ("llama", {}, {"quant_method": "fp8", "weight_block_size": None},
                                          _attention_per_tensor_mlp_per_channel, "transformers"),
 }

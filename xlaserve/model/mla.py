@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.model.config import MLAConfig  # noqa: F401  (re-exported: the attention's config)
-from xlaserve.model.layers import Kernels, RMSNorm, apply_rope, init_weight, linear
+from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight, linear,
+                                   matmul_input_dtype)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
 
 
@@ -72,7 +73,8 @@ class MLAttention(nnx.Module):
         m = self.config.mla
         if m.q_lora_rank:
             q_low = self.q_a_norm(linear(x, self.q_a_proj[...], kernels))
-            q = linear(q_low.astype(self.q_b_proj[...].dtype), self.q_b_proj[...], kernels)
+            q = linear(q_low.astype(matmul_input_dtype(self.q_b_proj[...])), self.q_b_proj[...],
+                       kernels)
         else:
             q = linear(x, self.q_proj[...], kernels)
         q_nope, q_rope = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
@@ -91,7 +93,7 @@ class MLAttention(nnx.Module):
         w_uv = self.w_uv[...]
         out = jnp.einsum("thr,hrv->thv", out.astype(w_uv.dtype), w_uv,
                          preferred_element_type=jnp.float32)
-        out = linear(out.reshape(x.shape[0], -1).astype(self.o_proj[...].dtype),
+        out = linear(out.reshape(x.shape[0], -1).astype(matmul_input_dtype(self.o_proj[...])),
                      self.o_proj[...], kernels)
         return out, kv_cache
 
