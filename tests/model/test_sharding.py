@@ -125,3 +125,20 @@ def test_ep_size_must_divide_tp_size_and_the_experts():
     check_expert_parallel(16, EightDevices())
     with pytest.raises(ValueError, match="--ep-size 8 does not divide the model's 60 experts"):
         check_expert_parallel(60, EightDevices())
+
+
+def test_deepseek_v3_tensor_and_expert_parallel_logits_equal_single_device(tmp_path):
+    """DeepSeek-V3's multi-head latent attention with its heads split over tp 2 and 4 (the latent
+    cache whole on every device) and its experts over --ep-size 2: one device's logits."""
+    make_tiny_checkpoint(str(tmp_path), "deepseek_v3")
+    script = SCRIPT[:SCRIPT.index("# Two data-parallel rows")] + textwrap.dedent("""
+        for ep, tp in [(1, 2), (1, 4), (2, 4)]:
+            loaded, caches, split = logits(Mesh(devices[:tp].reshape(1, ep, tp // ep), MESH_AXES))
+            np.testing.assert_allclose(split, single, atol=1e-5, rtol=0)
+            w_uk = loaded.model.layers[0].attn.w_uk.get_value()  # [heads, nope, kv_lora]
+            assert {s.data.shape for s in w_uk.addressable_shards} == {(4 // tp, 8, 16)}
+            # [pages, page_size, kv_lora + rope]: every device holds every row.
+            assert {s.data.shape for s in caches[0].addressable_shards} == {(5, 8, 24)}
+        print("ok")
+    """)
+    _run(script, tmp_path)
