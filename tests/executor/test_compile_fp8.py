@@ -11,7 +11,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from benchmarks.predict_accelerators import predict
