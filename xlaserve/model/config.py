@@ -131,11 +131,8 @@ def mla_from_hf(hf_config, v3: bool) -> MLAConfig:
                   getattr(hf_config, "rope_scaling", None) or {})
     scale = (nope + rope) ** -0.5
     if (params.get("rope_type") or params.get("type") or "default") != "default":
-        mscale_all_dim = params.get("mscale_all_dim") or 0
-        factor = params.get("factor") or 1.0
-        if mscale_all_dim and factor > 1:
-            mscale = 0.1 * mscale_all_dim * np.log(factor) + 1.0
-            scale *= mscale * mscale
+        if mscale_all_dim := params.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
+            scale *= _yarn_mscale(params.get("factor") or 1.0, mscale_all_dim) ** 2
     return MLAConfig(q_lora_rank=hf_config.q_lora_rank or 0, kv_lora_rank=hf_config.kv_lora_rank,
                      qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                      v_head_dim=hf_config.v_head_dim,
