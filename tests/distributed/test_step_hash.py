@@ -107,8 +107,8 @@ def test_page_writes_past_a_steps_room_reach_the_follower_before_its_step(
     """With room for 2 page writes a step, every admission's pages go through write_pages
     (executor/page_table.py), which the follower replays before the step: a follower that
     missed them would attend over other pages, and the checked digests would differ."""
-    from xlaserve.executor import model_runner
-    monkeypatch.setattr(model_runner, "write_capacity", lambda tokens, seqs, page_size: 2)
+    from xlaserve.executor import model_runner, page_table
+    monkeypatch.setattr(page_table, "write_capacity", lambda tokens, seqs, page_size: 2)
     calls = []
     write_pages = model_runner.ModelRunner.write_pages
 

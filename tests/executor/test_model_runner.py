@@ -208,8 +208,8 @@ def test_page_table_writes_past_a_steps_room_go_first_and_an_unrun_step_writes_n
     never_run = staged([SeqChunk([7], 0, [1101, 1102])], [2])
     assert never_run.overflow_writes is None
     runner.run(staged([SeqChunk([7, 8, 9, 10, 11], 0, [1101, 1103])], [2]))
-    table = runner.page_table_rows()
+    table = np.asarray(runner.page_table.array)
     np.testing.assert_array_equal(table[1, :1100], long_pages)
     np.testing.assert_array_equal(table[2, :2], [1101, 1103])
     assert (table[1, 1100:] == 0).all() and (table[2, 2:] == 0).all() and (table[0] == 0).all()
-    np.testing.assert_array_equal(runner._page_rows.table(), table)
+    np.testing.assert_array_equal(runner.page_table.rows.table(), table)

@@ -68,9 +68,8 @@ from xlaserve.host.huge_pages import advise_huge_pages
 from xlaserve.executor.kernels import kernels_for
 from xlaserve.compile.executable_cache import ExecutableCache, describe
 from xlaserve.executor.kv_pool import init_kv_pool, kv_pool_specs
-from xlaserve.executor.page_table import (OVERFLOW_WRITES, PageTableRows, empty_writes,
-                                         write_capacity, write_program)
-from xlaserve.scheduler.page_allocator import NULL_PAGE, pages_for_tokens
+from xlaserve.executor.page_table import DevicePageTable
+from xlaserve.scheduler.page_allocator import pages_for_tokens
 from xlaserve.executor.transfer import concat_leaves
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.sampler import SamplingMetadata, build_sampling_metadata
@@ -161,12 +160,8 @@ class ModelRunner:
         self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
         self.last_tokens = self._put(np.zeros(num_slots, np.int32), replicated)
         self.context_length = context_length or self.config.max_position_embeddings
-        self._page_rows = PageTableRows(num_slots,
-                                        pages_for_tokens(self.context_length, page_size))
-        self.page_table = self._put(np.full((num_slots, self._page_rows.width), NULL_PAGE,
-                                            np.int32), replicated)
-        self._write_pages = write_program(replicated)
-        self._write_pages_compiled = None
+        width = pages_for_tokens(self.context_length, page_size)  # the longest sequence's pages
+        self.page_table = DevicePageTable(num_slots, width, page_size, self._put, replicated)
 
         # The weights go in as a flat list (flattening the nnx.State, 182 Variables for the
         # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
@@ -255,9 +250,7 @@ class ModelRunner:
 
     def _compile_reset_slots(self) -> None:
         """The two `assign_slots` programs and `write_pages`', compiled before serving."""
-        writes = empty_writes(OVERFLOW_WRITES, self._page_rows.size)
-        self._write_pages_compiled = self._write_pages.lower(
-            self.page_table, self._put(writes, self._replicated)).compile()
+        self.page_table.compile()
         vocab = self.config.vocab_size
         for rows in (1, ASSIGN_ROWS):
             self._reset_programs[rows] = self._reset_slots.lower(
@@ -278,14 +271,8 @@ class ModelRunner:
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
         tokens, seqs, _ = batch.shape
-        positions, pages, updates = self._page_rows.writes(slots, batch.page_ids)
-        writes = empty_writes(write_capacity(tokens, seqs, self.page_size), self._page_rows.size)
-        overflow = None
-        if len(positions) > len(writes.pages):  # rare: through `write_pages` first
-            overflow = (np.array(positions, np.int32), np.array(pages, np.int32))
-        elif positions:
-            writes.positions[:len(positions)] = positions
-            writes.pages[:len(pages)] = pages
+        writes, updates, overflow = self.page_table.step_writes(slots, batch.page_ids, tokens,
+                                                                seqs)
         host = step_vectors(self._rope, batch, sampling, slots, writes)
         ints, floats = (host[:2] if self._vectors_in_call
                         else self._put(host[:2], self.output_counts.sharding))
@@ -346,8 +333,7 @@ class ModelRunner:
             tokens, seqs, pages = shape
             sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
                                                widths)
-            writes = empty_writes(write_capacity(tokens, seqs, self.page_size),
-                                  self._page_rows.size)
+            writes = self.page_table.idle_writes(tokens, seqs)
             self._layouts[key] = (step_vectors(self._rope, empty_batch(tokens, seqs, pages),
                                                sampling, np.full(seqs, NULL_SLOT, np.int32),
                                                writes)[2],
@@ -362,45 +348,35 @@ class ModelRunner:
         if self.sink is not None:  # the followers make the same call
             self.sink.step(staged, token_bitmask)
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
-                self.page_table, self.prompt_masks, staged.ints, staged.floats, *staged.tables,
-                self._bitmask(staged.shape[1], token_bitmask))
+                self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
+                *staged.tables, self._bitmask(staged.shape[1], token_bitmask))
         needs = self._program_needs(staged.needs, token_bitmask is not None)
         program = self._programs.get((staged.shape, staged.widths, needs))
         if program is not None:
             (out, self.kv_caches, self.output_counts, self.last_tokens,
-             self.page_table) = program(*args)
+             self.page_table.array) = program(*args)
         else:
             compiled_before = self._step._cache_size()
             (out, self.kv_caches, self.output_counts, self.last_tokens,
-             self.page_table) = self._step(*args, layout=staged.layout, needs=needs)
+             self.page_table.array) = self._step(*args, layout=staged.layout, needs=needs)
             if self._precompiled and self._step._cache_size() > compiled_before:
                 logger.warning(
                     "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
                     "width %d, suppressed width %d, needs %s was not precompiled; every request "
                     "waited for it. Add the shape to the padding buckets.", staged.shape,
                     *staged.widths, needs)
-        self._page_rows.commit(staged.page_updates)
+        self.page_table.rows.commit(staged.page_updates)
         if self.sink is not None:  # replicated over every process: read this one's copy
             out = jax.tree.map(lambda x: x.addressable_data(0), out)
             self.sink.ran(out)
         return out
 
     def write_pages(self, positions: np.ndarray, pages: np.ndarray) -> None:
-        """Writes into the flattened page table (page_table.PageWrites), `OVERFLOW_WRITES` a
-        call: a step's writes past its own room, sent before it (`run`)."""
+        """Writes into the flattened page table (page_table.PageWrites): a step's writes past its
+        own room, sent before it (`run`); the followers make the same calls."""
         if self.sink is not None:
             self.sink.write_pages(positions, pages)
-        program = self._write_pages_compiled or self._write_pages
-        for start in range(0, len(positions), OVERFLOW_WRITES):
-            writes = empty_writes(OVERFLOW_WRITES, self._page_rows.size)
-            part = slice(start, start + OVERFLOW_WRITES)
-            n = len(positions[part])
-            writes.positions[:n], writes.pages[:n] = positions[part], pages[part]
-            self.page_table = program(self.page_table, self._put(writes, self._replicated))
-
-    def page_table_rows(self) -> np.ndarray:
-        """The device's page table, read back (tests)."""
-        return np.asarray(self.page_table.addressable_data(0))
+        self.page_table.write(positions, pages)
 
     def _program_needs(self, needs: StepNeeds | None, grammar: bool) -> StepNeeds | None:
         """The program a step with `needs` (and grammar masks, or not) runs."""
@@ -507,6 +483,6 @@ class ModelRunner:
         zeroed yet), and its static layout and needs."""
         staged = self.stage(*idle_step(*shape))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
-                self.page_table, self.prompt_masks, staged.ints, staged.floats, *staged.tables,
-                self._bitmask(shape[1], None))
+                self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
+                *staged.tables, self._bitmask(shape[1], None))
         return args, {"layout": staged.layout, "needs": needs}

@@ -19,6 +19,8 @@ from. A step's writes are the differences between its rows' page lists and that 
 staged and never run leaves the record as the device is. Page lists are held by reference and
 must not be changed after they are given (the scheduler gives each step copies; a decode
 continuation shares the lists of rows that did not change, which `writes` skips by identity).
+`DevicePageTable` holds the device array, the record and the program that takes writes past a
+step's room (ModelRunner.page_table).
 """
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ class PageTableRows:
             self._rows[slot] = new
 
     def table(self) -> np.ndarray:
-        """The whole table as the record says the device holds it (tests, a follower's check)."""
+        """The whole table as the record says the device holds it (tests)."""
         table = np.full((self.num_slots, self.width), NULL_PAGE, np.int32)
         for slot, row in enumerate(self._rows):
             table[slot, :len(row)] = row
@@ -146,6 +148,48 @@ def gather_rows(table: jax.Array, slots: jax.Array, pages: int) -> jax.Array:
     return rows
 
 
-def write_program(sharding):
-    """The overflow program: `apply_writes` with the table donated, the table's sharding kept."""
-    return jax.jit(apply_writes, donate_argnums=0, out_shardings=sharding)
+class DevicePageTable:
+    """The page table on the device (`array`, donated to each step and replaced by its output),
+    the host's record of it (`rows`) and the overflow program (`write`): ModelRunner's."""
+
+    def __init__(self, num_slots: int, width: int, page_size: int, put, sharding):
+        self.rows = PageTableRows(num_slots, width)
+        self.page_size = page_size
+        self._put, self._sharding = put, sharding
+        self.array = put(np.full((num_slots, width), NULL_PAGE, np.int32), sharding)
+        # The overflow program: `apply_writes` with the table donated, its sharding kept.
+        self._program = jax.jit(apply_writes, donate_argnums=0, out_shardings=sharding)
+        self._compiled = None
+
+    def idle_writes(self, tokens: int, seqs: int) -> PageWrites:
+        """An idle step's writes (all unused), for a bucket of `tokens` and `seqs`."""
+        return self._filled([], [], write_capacity(tokens, seqs, self.page_size))
+
+    def step_writes(self, slots, page_ids: list[list[int]], tokens: int, seqs: int):
+        """(the step's PageWrites, the updates to commit once it runs, the (positions, pages)
+        that do not fit its room, or None): `write` sends those before the step."""
+        positions, pages, updates = self.rows.writes(slots, page_ids)
+        capacity = write_capacity(tokens, seqs, self.page_size)
+        if len(positions) > capacity:  # rare: an admission from a long cached prefix
+            return (self._filled([], [], capacity), updates,
+                    (np.array(positions, np.int32), np.array(pages, np.int32)))
+        return self._filled(positions, pages, capacity), updates, None
+
+    def write(self, positions: np.ndarray, pages: np.ndarray) -> None:
+        """Writes into the flattened table, `OVERFLOW_WRITES` a call of the overflow program."""
+        program = self._compiled or self._program
+        for start in range(0, len(positions), OVERFLOW_WRITES):
+            part = slice(start, start + OVERFLOW_WRITES)
+            writes = self._filled(positions[part], pages[part], OVERFLOW_WRITES)
+            self.array = program(self.array, self._put(writes, self._sharding))
+
+    def compile(self) -> None:
+        """The overflow program, compiled before serving."""
+        self._compiled = self._program.lower(
+            self.array, self._put(self._filled([], [], OVERFLOW_WRITES), self._sharding)).compile()
+
+    def _filled(self, positions, pages, capacity: int) -> PageWrites:
+        writes = empty_writes(capacity, self.rows.size)
+        writes.positions[:len(positions)] = positions
+        writes.pages[:len(pages)] = pages
+        return writes
