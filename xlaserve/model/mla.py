@@ -23,12 +23,10 @@ Weights (ours): `q_a_proj [hidden, q_lora]`, `q_a_norm`, `q_b_proj [q_lora, H, n
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.model.config import MLAConfig  # noqa: F401  (re-exported: the attention's config)
 from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight, linear,
                                    matmul_input_dtype)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
