@@ -179,12 +179,11 @@ def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
         down.append(tensors[("down",)])
     yield path + ("experts_gate_up",), np.stack(gate_up)
     yield path + ("experts_down",), np.stack(down)
-    if c.shared_expert_intermediate_size and not c.shared_expert_gate:
-        yield from _mlp(source, prefix + "shared_experts.", c.shared_expert_intermediate_size,
-                        hidden, path + ("shared_expert",))
-    elif c.shared_expert_intermediate_size:
-        yield from _mlp(source, prefix + "shared_expert.", c.shared_expert_intermediate_size,
-                        hidden, path + ("shared_expert",))
+    if c.shared_expert_intermediate_size:
+        name = "shared_expert." if c.shared_expert_gate else "shared_experts."
+        yield from _mlp(source, prefix + name, c.shared_expert_intermediate_size, hidden,
+                        path + ("shared_expert",))
+    if c.shared_expert_intermediate_size and c.shared_expert_gate:
         yield path + ("shared_expert_gate",), _fetch(
             source, prefix + "shared_expert_gate.weight", (1, hidden)).T
 
