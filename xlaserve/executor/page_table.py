@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.executor.forward_batch import write_rows
 from xlaserve.scheduler.page_allocator import NULL_PAGE
 
 # Writes one call of the overflow program (`write_program`) takes: a step's writes past its own
@@ -120,8 +121,7 @@ class PageTableRows:
     def table(self) -> np.ndarray:
         """The whole table as the record says the device holds it (tests)."""
         table = np.full((self.num_slots, self.width), NULL_PAGE, np.int32)
-        for slot, row in enumerate(self._rows):
-            table[slot, :len(row)] = row
+        write_rows(table, self._rows)
         return table
 
 
