@@ -240,7 +240,8 @@ class ModelBench:
         `context` tokens each: weights plus every sequence's KV, read once at HBM bandwidth."""
         from xlaserve.executor.kv_pool import bytes_per_token
 
-        nbytes = self.weight_bytes + int(batch * context * bytes_per_token(self.config, self.dtype))
+        token_bytes = bytes_per_token(self.config, self.dtype, jax.devices()[0].platform)
+        nbytes = self.weight_bytes + int(batch * context * token_bytes)
         return nbytes / (self.hbm_gbps * 1e9), nbytes
 
     def decode_step(self, batch: int, input_len: int, short: int, long: int) -> dict:

@@ -68,7 +68,7 @@ def test_gpu_client_memory_is_raised_only_where_the_user_left_it(monkeypatch):
 
 def test_an_h100_gives_the_kv_pool_what_sglang_gives_it():
     config, _ = read_config(LLAMA_8B, load_format="dummy")
-    page_bytes = bytes_per_token(config, jnp.bfloat16) * 16
+    page_bytes = bytes_per_token(config, jnp.bfloat16, "gpu") * 16
 
     def kv_gb(device, fraction):
         pages = num_pages_for(config, jnp.bfloat16, 16, max_total_tokens=None,

@@ -89,3 +89,25 @@ def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target,
     # No weight is gathered: the only all-gathers are the logits' (sampling, prompt logprobs).
     gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
     assert len(gathers) <= 2 and all(g.startswith("f32[") for g in gathers), (gathers, description)
+
+
+@pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), pytest.param("h100", 1, marks=pytest.mark.slow)])
+def test_deepseek_latent_attention_step_compiles_with_its_cache_updated_in_place(target, tp_size):
+    """DeepSeek-V2-Lite's step (27 layers of latent attention, 26 of them with 64 experts) with
+    the Pallas latent-attention kernel: every layer's latent cache is whole on every device,
+    donated and written in place, never copied (unpadded 576-wide rows were, on TPU:
+    transformer.kv_cache_shape pads them to 640 lanes there)."""
+    devices(target)
+    args = ServerArgs(model_path=str(CONFIGS / "deepseek-v2-lite"), tp_size=tp_size,
+                      max_running_requests=64, max_prefill_tokens=512, context_length=8192)
+    program, shapes, description = aot.server_step(target, args)
+    compiled = program.compile(*shapes[0])
+    cache = program.args[1][0]
+    assert cache.shape[2] == (640 if target.startswith("v") else 576), description
+    hlo = compiled.as_text()
+    assert not cache_copies(hlo, cache.shape, cache.dtype), "a latent cache is copied"
+    assert hlo.splitlines()[0].count("may-alias") >= 27 + 2, description
+    kv_bytes = sum(c.size * c.dtype.itemsize for c in program.args[1])  # whole on every device
+    per_device = 31.4e9 / tp_size + kv_bytes  # 15.7B parameters in bfloat16
+    argument_bytes = compiled.memory_analysis().argument_size_in_bytes
+    assert 0.95 * per_device < argument_bytes < 1.1 * per_device, (argument_bytes, description)

@@ -48,7 +48,7 @@ def test_pool_size_from_free_memory_respects_the_fraction():
     small = num_pages_for(CONFIG, jnp.float32, 16, max_total_tokens=None, mem_fraction_static=0.1)
     large = num_pages_for(CONFIG, jnp.float32, 16, max_total_tokens=None, mem_fraction_static=0.2)
     assert 1.7 < large / small < 2.3  # each rounded down by at most 1/8
-    assert bytes_per_token(CONFIG, jnp.bfloat16) == 2 * 2 * 2 * 16 * 2
+    assert bytes_per_token(CONFIG, jnp.bfloat16, "cpu") == 2 * 2 * 2 * 16 * 2
 
 
 def test_pool_size_from_memory_is_rounded_so_programs_keep_their_shape_across_starts():

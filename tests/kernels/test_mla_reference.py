@@ -81,7 +81,7 @@ def test_mla_shapes_that_do_not_fit_are_refused():
     args = (jnp.zeros(1, jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.zeros(2, jnp.int32),
             jnp.zeros(1, jnp.int32))
     with pytest.raises(ValueError, match="MLA shapes"):
-        mla_ragged_paged_attention(q, latent, jnp.zeros((2, 4, 41)), *args, sm_scale=1.0,
+        mla_ragged_paged_attention(q, latent, jnp.zeros((2, 4, 39)), *args, sm_scale=1.0,
                                    value_dim=32)
     with pytest.raises(ValueError, match="MLA shapes"):
         mla_ragged_paged_attention(q, latent, jnp.zeros((2, 4, 40)), *args, sm_scale=1.0,

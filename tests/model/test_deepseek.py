@@ -20,7 +20,8 @@ def test_deepseek_logits_match_transformers(deepseek_checkpoints, family, prefil
     loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
     mla = loaded.config.mla
     # One latent row per token: kv_lora_rank + qk_rope_head_dim, not 2 x heads x head_dim.
-    assert kv_cache_shape(loaded.config, 8, page_size) == (8, page_size, 16 + 8)
+    assert kv_cache_shape(loaded.config, 8, page_size, "cpu") == (8, page_size, 16 + 8)
+    assert kv_cache_shape(loaded.config, 8, page_size, "tpu") == (8, page_size, 128)
     assert mla.rope_interleave and loaded.config.moe_layers == (False, True)
     references = [_hf_reference(hf_model, p) for p in PROMPTS]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]

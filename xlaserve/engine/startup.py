@@ -114,7 +114,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                     else "XLA's dots (the native quantized CPU GEMM does not build here)")
     leader = lead(args, runner) if args.nnodes > 1 else None
     buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
-                              native_matmul=runner.kernels.packed_matmul is not None)
+                              native_matmul=runner.kernels.packed_matmul is not None,
+                              latent=config.mla.kernel_widths if config.mla else None)
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,

@@ -44,7 +44,8 @@ from xlaserve.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIA
 from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
 
-TPU_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v6e:2x4", "v5p:2x2x1")  # libtpu refuses single-chip ones (v6e:1x1)
+# libtpu refuses single-chip ones (v6e:1x1). The big ones hold DeepSeek-V3 (671B) in bfloat16.
+TPU_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v6e:2x4", "v5p:2x2x1", "v5p:2x4x4", "v6e:8x8")
 GPU_TARGETS = ("h100", "h100x8")  # one H100 SXM; one host of eight
 DEFAULT_KV_TOKENS = 1 << 16  # the KV pool without --max-total-tokens (no memory to size it from)
 
@@ -70,8 +71,7 @@ def use_compile_only_packages(path: str | os.PathLike | None = None) -> None:
 
 
 def target_devices(target: str) -> tuple[str, list]:
-    """(platform, devices) of a compile-only target: "v5e:2x2", "v6e:2x2", "v6e:2x4", "v5p:2x2x1",
-    "h100", "h100x8"."""
+    """(platform, devices) of a compile-only target: one of TPU_TOPOLOGIES or GPU_TARGETS."""
     from jax.experimental import topologies
 
     try:
@@ -146,7 +146,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
                                          stack_layers=platform == "tpu")
-    cache = abstract(kv_cache_shape(config, num_pages, page_size), dtype, mesh,
+    cache = abstract(kv_cache_shape(config, num_pages, page_size, platform), dtype, mesh,
                      kv_cache_spec(config))
     caches = [cache] * config.num_layers
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh,
@@ -178,7 +178,8 @@ def server_step(target: str, server_args: ServerArgs,
     context_length = server_args.context_length or config.max_position_embeddings
     server_args = with_page_size(server_args, platform, context_length)
     page_size = server_args.page_size
-    buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform)
+    buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform,
+                              latent=config.mla.kernel_widths if config.mla else None)
     num_pages = (server_args.max_total_tokens or DEFAULT_KV_TOKENS) // page_size + 1
     program = step_program(config, dtype, mesh, platform, num_pages=num_pages,
                            page_size=page_size,

@@ -114,10 +114,11 @@ def with_page_size(args, platform: str, context_length: int):
 
 
 def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: str,
-                    native_matmul: bool = False) -> Buckets:
+                    native_matmul: bool = False, latent: tuple[int, int] | None = None) -> Buckets:
     """The buckets a server with `args` (ServerArgs, --page-size resolved) precompiles on
-    `platform`. Raises ValueError where the attention kernel cannot take them (api.check_shapes),
-    so that a server says so at start-up instead of failing inside XLA's compile."""
+    `platform`. Raises ValueError where the attention kernel cannot take them (api.check_shapes;
+    `latent`: a latent-attention model's (value_dim, row width), `MLAConfig.kernel_widths`), so
+    that a server says so at start-up instead of failing inside XLA's compile."""
     step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
     pages = pages_for_tokens(context_length, args.page_size)
     buckets = Buckets.for_limits(
@@ -130,7 +131,8 @@ def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: s
         page_paddings=[pages],
     )
     check_shapes(args.attention_backend, platform, page_size=args.page_size, head_dim=head_dim,
-                 dtype=dtype, max_seqs=max(buckets.seqs), pages_per_seq=max(buckets.pages))
+                 dtype=dtype, max_seqs=max(buckets.seqs), pages_per_seq=max(buckets.pages),
+                 latent=latent)
     return buckets
 
 

@@ -23,7 +23,8 @@ from xlaserve.model.layers import Kernels
 from xlaserve.model.moe import expert_parallel
 from xlaserve.native import KernelUnavailable, gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
-from xlaserve.pallas_kernels.ragged_paged_attention.api import get_attention_fn
+from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
+                                                                get_latent_attention_fn)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         if applies and _gemm_builds(required=matmul_backend == "native"):
             packed_matmul = gemm_cpu.packed_matmul
     kernels = Kernels(attention=get_attention_fn(attention_backend, mesh, platform=platform),
+                      latent_attention=get_latent_attention_fn(attention_backend, mesh,
+                                                               platform=platform),
                       packed_matmul=packed_matmul,
                       packed_grouped_matmul=(gemm_cpu.packed_grouped_matmul
                                              if packed_matmul is not None else None))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 
 import jax
@@ -18,9 +19,10 @@ from xlaserve.scheduler.page_allocator import pages_for_tokens
 
 logger = logging.getLogger(__name__)
 
-def bytes_per_token(config: ModelConfig, dtype) -> int:
-    """K and V (or the latent row, mla.py) of one token across all layers."""
-    return (config.num_layers * kv_cache_shape(config, 1, 1)[-1] * jnp.dtype(dtype).itemsize)
+def bytes_per_token(config: ModelConfig, dtype, platform: str) -> int:
+    """K and V (or the latent row, mla.py) of one token across all layers on `platform`."""
+    width = kv_cache_shape(config, 1, 1, platform)[-1]
+    return config.num_layers * width * jnp.dtype(dtype).itemsize
 
 
 def host_free_bytes() -> int:
@@ -39,7 +41,8 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
     CPU: that fraction of the host's free RAM, which other programs share."""
     if max_total_tokens is not None:
         return pages_for_tokens(max_total_tokens, page_size) + 1  # + the null page
-    memory = device_memory(device or jax.devices()[0])
+    device = device or jax.devices()[0]
+    memory = device_memory(device)
     if memory is not None:
         limit, in_use = memory
         budget = limit * min(mem_fraction_static, 1.0) - in_use
@@ -50,7 +53,7 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
         significant_bits = 4
     if config.mla is not None:  # the latent cache is whole on every device (kv_cache_spec)
         tensor_parallel = 1
-    per_page = bytes_per_token(config, dtype) * page_size // tensor_parallel
+    per_page = bytes_per_token(config, dtype, device.platform) * page_size // tensor_parallel
     return max(2, round_down_coarsely(max(int(budget // per_page), 0), significant_bits))
 
 
@@ -66,7 +69,7 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
     """The pool's arrays as jax.ShapeDtypeStruct, with their sharding: what a step is lowered for
     before the pool exists."""
     sharding = NamedSharding(mesh, kv_cache_spec(config))
-    shape = kv_cache_shape(config, num_pages, page_size)
+    shape = kv_cache_shape(config, num_pages, page_size, mesh.devices.flat[0].platform)
     return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)] * config.num_layers
 
 
@@ -90,7 +93,7 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
 
     # SGLang's line, where SGLang has it in the log (before the programs); with `in_background`
     # the zeroing goes on, and what start-up still waits for it is in the "Start-up:" line.
-    half_gb = num_pages * page_size * bytes_per_token(config, dtype) / 2 / 1e9
+    half_gb = math.prod(spec.shape) * spec.dtype.itemsize * config.num_layers / 2 / 1e9
     logger.info("KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB",
                 (num_pages - 1) * page_size, half_gb, half_gb)
     if not in_background:

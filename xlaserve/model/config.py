@@ -120,6 +120,12 @@ class MLAConfig:
         """A token's row in the latent cache: the compressed KV, then the RoPE'd key part."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def kernel_widths(self) -> tuple[int, int]:
+        """(value_dim, row width) of the latent-attention kernels: the values are a row's
+        compressed KV, the keys the whole row."""
+        return self.kv_lora_rank, self.cache_width
+
 
 def mla_from_hf(hf_config, v3: bool) -> MLAConfig:
     """DeepSeek-V2/V3's attention fields (V2 always rotates interleaved pairs; V3 says so in

@@ -20,6 +20,7 @@ from xlaserve.model.int8 import Int8Matrix
 from xlaserve.model.packed import PackedExperts, PackedMatrix, output_axes
 from xlaserve.model.quantized_rows import QuantizedLinear, quantized_linear
 from xlaserve.native import quantized_gemm_cpu
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
 
 
 def init_weight(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
@@ -87,6 +88,8 @@ class Kernels:
     CPU: native/norm_cpu.py, native/qkv_rope_cpu.py, native/swiglu_cpu.py)."""
 
     attention: Callable
+    # Multi-head latent attention (model/mla.py): reference.mla_ragged_paged_attention's contract
+    latent_attention: Callable = mla_ragged_paged_attention
     packed_matmul: Callable | None = None
     # `(x, panels, N, layer, bf16_pairs, out_dtype) -> swiglu(x @ W)` for a packed gate_up
     packed_matmul_swiglu: Callable | None = None

@@ -8,7 +8,8 @@ Each head's key is `[W_UK c, k_rope]` and value `W_UV c` (`kv_b_proj` = [W_UK; W
 so attention runs in the latent space (the absorbed form): each head's no-RoPE query is taken
 through W_UK (`q_latent = q_nope @ W_UK`), scored against the cached rows, and the weighted sum
 of rows goes through W_UV, then `o_proj`
-(pallas_kernels/ragged_paged_attention/reference.py, `mla_ragged_paged_attention`).
+(pallas_kernels/ragged_paged_attention/reference.py, `mla_ragged_paged_attention`, the
+specification; `Kernels.latent_attention` is the platform's kernel for it).
 
 The queries: `q_proj`, or with a q_lora_rank `q_b_proj(q_a_norm(q_a_proj(x)))`. RoPE: DeepSeek
 rotates interleaved pairs (x0, x1), (x2, x3)...; the rows of the RoPE'd part are stored
@@ -29,7 +30,6 @@ from flax import nnx
 
 from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight, linear,
                                    matmul_input_dtype)
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
 
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm take their RMSNorm's default epsilon, not the
@@ -85,7 +85,7 @@ class MLAttention(nnx.Module):
         dtype = kv_cache.dtype
         query = jnp.concatenate([q_latent, apply_rope(q_rope, cos, sin)], axis=-1).astype(dtype)
         latent = jnp.concatenate([kv, k_rope], axis=-1).astype(dtype)
-        out, kv_cache = mla_ragged_paged_attention(
+        out, kv_cache = kernels.latent_attention(
             query, latent, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
             metadata.num_seqs, sm_scale=m.softmax_scale, value_dim=m.kv_lora_rank)
         w_uv = self.w_uv[...]

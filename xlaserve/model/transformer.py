@@ -226,14 +226,20 @@ def abstract_parameters(config: ModelConfig, dtype, mesh, model_class=CausalLM,
     return graphdef, state, parameters
 
 
-def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """One layer's cache: the attention contract's `[pages, page_size, 2*Hkv, D]` stored flat, as
-    `[pages, page_size, 2*Hkv*D]`. Every kernel views it as it needs; this is the TPU kernel's own
-    layout, where viewing a 4-D array flat would copy it (TPU arrays are tiled by their last two
-    dims). On CPU and GPU, layouts are dense and any view is free. Multi-head latent attention
-    (mla.py) keeps one latent row per token instead: `[pages, page_size, kv_lora + rope]`."""
+def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int,
+                   platform: str) -> tuple[int, ...]:
+    """One layer's cache on `platform`: the attention contract's `[pages, page_size, 2*Hkv, D]`
+    stored flat, as `[pages, page_size, 2*Hkv*D]`. Every kernel views it as it needs; this is the
+    TPU kernel's own layout, where viewing a 4-D array flat would copy it (TPU arrays are tiled by
+    their last two dims). On CPU and GPU, layouts are dense and any view is free. Multi-head
+    latent attention (mla.py) keeps one latent row per token instead: `[pages, page_size,
+    kv_lora + rope]`, on TPU padded to whole 128-lane tiles (V3: 576 -> 640). Unpadded, TPU's
+    default layout for such an array is not row-major (it avoids the lane padding by tiling the
+    pages dim), and the kernel's row-major view of it was a copy of the whole cache per layer
+    (compiled for v6e: tests/kernels/test_compile_mla_kernels.py)."""
     if config.mla is not None:
-        return (num_pages, page_size, config.mla.cache_width)
+        width = config.mla.cache_width
+        return (num_pages, page_size, -(-width // 128) * 128 if platform == "tpu" else width)
     return (num_pages, page_size, 2 * config.num_kv_heads * config.head_dim)
 
 

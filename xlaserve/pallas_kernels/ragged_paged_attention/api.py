@@ -11,6 +11,10 @@ reference where there is none or it cannot be built.
 
 A kernel is a custom call that XLA's partitioner cannot split, so on a mesh of several devices it
 runs under `shard_map`, each device on its own kv heads (the cache is split by kv head too).
+
+Multi-head latent attention (`get_latent_attention_fn`, the signature of
+`reference.mla_ragged_paged_attention`) picks the same way among its own kernels; on a mesh each
+device takes its own query heads and the whole latent cache (every head reads every row).
 """
 from __future__ import annotations
 
@@ -37,6 +41,18 @@ def get_attention_fn(backend: str = "auto", mesh: Mesh | None = None, *,
     """The attention function for `backend` ("auto", "reference", "cpu" or "pallas");
     `interpret` runs the Pallas TPU kernel in interpret mode (on any platform). `platform`: where
     it will run (default: JAX's default backend; another one to compile for absent hardware)."""
+    return _pick(backend, mesh, interpret, platform, "ragged_paged_attention", _split_by_kv_head)
+
+
+def get_latent_attention_fn(backend: str = "auto", mesh: Mesh | None = None, *,
+                            interpret: bool = False, platform: str | None = None) -> Callable:
+    """`get_attention_fn` for multi-head latent attention (DeepSeek-V2/V3's MLA)."""
+    return _pick(backend, mesh, interpret, platform, "mla_ragged_paged_attention",
+                 _split_by_query_head)
+
+
+def _pick(backend, mesh, interpret, platform, name: str, split: Callable) -> Callable:
+    """The function `name` of the module `backend` picks on `platform`, split over `mesh`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     platform = platform or jax.default_backend()
@@ -46,13 +62,13 @@ def get_attention_fn(backend: str = "auto", mesh: Mesh | None = None, *,
         else:
             backend = "cpu" if platform == "cpu" and _cpu_kernel_builds() else "reference"
     if backend == "reference":
-        return reference.ragged_paged_attention
+        return getattr(reference, name)
     if backend == "pallas":
-        return _split_by_kv_head(_pallas_kernel(platform, interpret), mesh)
+        return split(_pallas_kernel(platform, interpret, name), mesh)
     if platform != "cpu":
         raise ValueError(f"--attention-backend cpu runs on the CPU, not on {platform}")
     kernel_cpu.load()  # raises KernelUnavailable with the compiler's message
-    return _split_by_kv_head(kernel_cpu.ragged_paged_attention, mesh)
+    return split(getattr(kernel_cpu, name), mesh)
 
 
 def default_page_size(platform: str, max_seqs: int, context_length: int) -> int:
@@ -64,13 +80,18 @@ def default_page_size(platform: str, max_seqs: int, context_length: int) -> int:
 
 
 def check_shapes(backend: str, platform: str, *, page_size: int, head_dim: int, dtype,
-                 max_seqs: int, pages_per_seq: int) -> None:
+                 max_seqs: int, pages_per_seq: int, latent: tuple[int, int] | None = None) -> None:
     """Raises ValueError, at start-up, where the kernel `backend` picks on `platform` cannot take
-    these shapes (it would fail inside XLA's compile otherwise)."""
+    these shapes (it would fail inside XLA's compile otherwise). `latent`: (value_dim, row width)
+    of a multi-head latent attention model, whose kernel is the latent one."""
     if backend not in ("auto", "pallas") or platform not in ("tpu", "gpu"):
         return
     if platform == "tpu":
         kernel_tpu.check_shapes(page_size, dtype, max_seqs, pages_per_seq)
+    elif latent is not None:
+        block_pages = kernel_gpu.default_kv_block_pages(page_size, pages_per_seq)
+        kernel_gpu.check_mla_kernel_shapes(block_pages * page_size, *latent,
+                                           jnp.dtype(dtype).itemsize)
     else:
         block_pages = kernel_gpu.default_kv_block_pages(page_size, pages_per_seq)
         kernel_gpu.check_shapes(block_pages * page_size, head_dim, jnp.dtype(dtype).itemsize)
@@ -88,15 +109,14 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
                      sinks=sinks, **options)
 
 
-def _pallas_kernel(platform: str, interpret: bool) -> Callable:
+def _pallas_kernel(platform: str, interpret: bool, name: str) -> Callable:
     if interpret:
         from jax.experimental.pallas import tpu as pltpu
-        return functools.partial(kernel_tpu.ragged_paged_attention,
-                                 interpret=pltpu.InterpretParams())
+        return functools.partial(getattr(kernel_tpu, name), interpret=pltpu.InterpretParams())
     if platform == "tpu":
-        return kernel_tpu.ragged_paged_attention
+        return getattr(kernel_tpu, name)
     if platform == "gpu":
-        return kernel_gpu.ragged_paged_attention
+        return getattr(kernel_gpu, name)
     raise ValueError(f"the Pallas attention kernels run on TPU and GPU, not on {platform} (they "
                      "only run there in interpret mode, for tests); use --attention-backend cpu "
                      "or reference")
@@ -135,5 +155,24 @@ def _split_by_kv_head(kernel: Callable, mesh: Mesh | None) -> Callable:
                                                   **options)
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(heads, cache),
                              check_vma=False)(*args)
+
+    return sharded
+
+
+def _split_by_query_head(kernel: Callable, mesh: Mesh | None) -> Callable:
+    """A latent-attention kernel under shard_map: each device on its own query heads (split as
+    the model splits them, model/sharding.py), the new latent rows and the cache whole on every
+    device, each device writing the same rows into its own copy."""
+    head_axes = tuple(name for name in (mesh.axis_names if mesh else ()) if name != "data")
+    if mesh is None or math.prod(mesh.shape[name] for name in head_axes) == 1:
+        return kernel
+    heads, whole = P(None, head_axes, None), P()
+
+    @functools.wraps(kernel)
+    def sharded(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        return jax.shard_map(functools.partial(kernel, **options), mesh=mesh,
+                             in_specs=(heads,) + (whole,) * 6, out_specs=(heads, whole),
+                             check_vma=False)(q, latent, kv_cache, kv_lens, page_indices,
+                                              cu_q_lens, num_seqs)
 
     return sharded

@@ -1,5 +1,7 @@
 // Shared pieces of the CPU attention kernel (kernel_cpu.cc): the problem, its sequences and
-// cache rows, per-thread scratch, and small vector helpers.
+// cache rows, per-thread scratch, and small vector helpers, for both of its custom calls: ragged
+// paged attention (a cache row holds every kv head's K and V) and multi-head latent attention (a
+// cache row is one latent vector: every head's key and, its first value_dim entries, value).
 #pragma once
 
 #include <algorithm>
@@ -34,14 +36,17 @@ constexpr bool kHasBf16Pairs = false;
 
 struct Problem {
   bool bf16;
-  bool bf16_pairs;  // bfloat16 dot products on VDPBF16PS (AttendOneRowBf16) where the head dim fits
+  bool bf16_pairs;  // bfloat16 dot products on VDPBF16PS (AttendOneRowBf16, PairedLatent) where
+                    // the head dim fits
   const void* q;
-  const void* k;
-  const void* v;
+  const void* k;  // [T, Hkv, D], or the latent rows [T, head_dim] (MLA)
+  const void* v;  // [T, Hkv, D], or nullptr (MLA: a latent row is the token's cache row)
   void* cache;  // the output cache (the input's contents, updated)
   void* out;
   int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, num_pages, page_size, max_seqs,
       pages_per_seq;
+  int64_t value_dim;  // entries of a value vector and of an output head: head_dim, or MLA's rank
+  int64_t row_size;   // entries of one token's cache row: 2 * Hkv * head_dim, or MLA's >= head_dim
   const int32_t* kv_lens;
   const int32_t* page_indices;
   const int32_t* cu_q_lens;
@@ -72,11 +77,12 @@ SeqSpan Span(const Problem& p, int64_t s) {
   return span;
 }
 
-// Offset of the cache row (all 2 * kv_heads K/V vectors) of sequence s at position pos, or -1.
+// Offset of the cache row (all 2 * kv_heads K/V vectors, or the latent row) of sequence s at
+// position pos, or -1.
 inline int64_t TokenRow(const Problem& p, int64_t s, int64_t pos) {
   int64_t page = p.page_indices[s * p.pages_per_seq + pos / p.page_size];
   if (page < 0 || page >= p.num_pages) return -1;
-  return (page * p.page_size + pos % p.page_size) * 2 * p.num_kv_heads * p.head_dim;
+  return (page * p.page_size + pos % p.page_size) * p.row_size;
 }
 
 // A one-row item's query position and first key (0, or where the sliding window starts).
@@ -169,8 +175,9 @@ struct Scratch {
 
 // The cache row at `row` (every head's K and V) as floats: in place for float32, widened into
 // slot j of the scratch for bfloat16; a row of zeros for a key outside the pool (row < 0).
-template <typename T>
-const float* KeyRow(const T* cache, int64_t row, int64_t token_row, Scratch& scratch, int64_t j) {
+// (S: a scratch with `zeros` and `converted` rows of token_row floats, Scratch or LatentScratch.)
+template <typename T, typename S>
+const float* KeyRow(const T* cache, int64_t row, int64_t token_row, S& scratch, int64_t j) {
   if (row < 0) return scratch.zeros.data();
   if constexpr (std::is_same_v<T, float>) {
     return cache + row;

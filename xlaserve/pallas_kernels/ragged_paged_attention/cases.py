@@ -63,3 +63,13 @@ SPLIT_KV_DECODE = [(1, 1000), (1, 17), (1, 513), (1, 1), (1, 64)]
 # causal limit falls before those splits' blocks), and a 2-token sequence split into nothing.
 SPLIT_KV_MIXED_SHAPES = {**SPLIT_KV_SHAPES, "num_tokens": 16}
 SPLIT_KV_MIXED = [(1, 1000), (7, 300), (1, 17), (2, 2)]
+
+
+def make_mla_case(rng, seqs, *, num_q_heads, row_dim, dtype=np.float32, **shapes):
+    """`make_case` for multi-head latent attention: (q [T, Hq, Dk], latent [T, Dk], kv_cache
+    [pages, page_size, Dk], the metadata), poisoned the same way."""
+    case = make_case(rng, seqs, num_kv_heads=1, num_q_heads=num_q_heads, head_dim=row_dim,
+                     dtype=dtype, **shapes)
+    case["latent"], case["kv_cache"] = case.pop("k")[:, 0], case["kv_cache"][:, :, 0]
+    del case["v"]
+    return case

@@ -1,4 +1,4 @@
-// Ragged paged attention for the CPU, as an XLA FFI custom call (see kernel_cpu.py and the kernel
+// Ragged paged attention for the CPU, as XLA FFI custom calls (see kernel_cpu.py and the kernel
 // contract in docs/architecture.md; reference.py is the specification this must equal).
 //
 // Why native code: XLA's CPU backend runs the jnp reference as gathers, transposes and many tiny
@@ -11,18 +11,27 @@
 // softmax in float32 (started at the attention sinks where the optional last operand gives them:
 // `StartSums`). Items are spread over XLA's intra-op pool; this file sets them up.
 //
+// Multi-head latent attention (DeepSeek-V2/V3, `XlaserveMlaRaggedPagedAttention`) is the second
+// custom call: one latent row per token, every head's key and (its first value_dim entries) value;
+// its items are one query row with every head (`AttendLatent`, attend_latent.h; bfloat16 pairs
+// in attend_latent_bf16.h), set up by the same code as the first.
+//
 // Built by kernel_cpu.py with the host compiler (-O3 -march=native). The inner loops use GCC
 // vector extensions (16 floats), which compile to whatever vector registers the CPU has.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "attend_blocks.h"
+#include "attend_latent.h"
+#include "attend_latent_bf16.h"
 #include "attend_one_row.h"
 #include "attend_one_row_bf16.h"
 #include "attention_common.h"
@@ -35,8 +44,8 @@ namespace {
 
 using namespace xlaserve::attention_cpu;  // NOLINT: this file's kernel, split by item kind
 
-// Writes the new tokens' K and V into their pages (before attention, which reads every key from
-// the cache, the new ones included).
+// Writes the new tokens' K and V (or latent rows) into their pages (before attention, which
+// reads every key from the cache, the new ones included).
 template <typename T>
 void WriteNewKv(const Problem& p) {
   const T* k = static_cast<const T*>(p.k);
@@ -49,6 +58,11 @@ void WriteNewKv(const Problem& p) {
     for (int64_t i = 0; i < span.q_len; ++i) {
       int64_t t = span.first_token + i, row = TokenRow(p, s, span.first_pos + i);
       if (row < 0) continue;
+      if (v == nullptr) {  // a latent row of head_dim entries, zeros in the cache row's padding
+        std::memcpy(cache + row, k + t * d, d * sizeof(T));
+        std::fill(cache + row + d, cache + row + p.row_size, T(0));
+        continue;
+      }
       for (int64_t h = 0; h < p.num_kv_heads; ++h) {
         std::memcpy(cache + row + 2 * h * d, k + (t * p.num_kv_heads + h) * d, d * sizeof(T));
         std::memcpy(cache + row + (2 * h + 1) * d, v + (t * p.num_kv_heads + h) * d, d * sizeof(T));
@@ -57,34 +71,46 @@ void WriteNewKv(const Problem& p) {
   }
 }
 
-Scratch& LocalScratch(const Problem& p) {  // one per thread, regrown for bigger problems
-  thread_local std::unique_ptr<Scratch> scratch;
-  thread_local int64_t heads = 0, dim = 0, kv_heads = 0;
-  if (!scratch || heads != p.num_q_heads || dim != p.head_dim || kv_heads != p.num_kv_heads) {
-    scratch = std::make_unique<Scratch>(p);
-    heads = p.num_q_heads, dim = p.head_dim, kv_heads = p.num_kv_heads;
+template <typename S>  // Scratch or LatentScratch: one of each per thread, regrown for new shapes
+S& LocalScratch(const Problem& p) {
+  thread_local std::unique_ptr<S> scratch;
+  thread_local int64_t heads = 0, dim = 0, kv_heads = 0, value_dim = 0;
+  if (!scratch || heads != p.num_q_heads || dim != p.head_dim || kv_heads != p.num_kv_heads ||
+      value_dim != p.value_dim) {
+    scratch = std::make_unique<S>(p);
+    heads = p.num_q_heads, dim = p.head_dim, kv_heads = p.num_kv_heads, value_dim = p.value_dim;
   }
   return *scratch;
 }
 
-template <typename T>
-void Run(ffi::ThreadPool& pool, const Problem& p) {
+template <typename S>
+using AttendFn = void (*)(const Problem&, const WorkItem&, const WorkItem*, S&);
+
+// Zeroes the output (padding rows stay 0), writes the new rows, and spreads `attend` over XLA's
+// pool, one item per `block` query rows of a sequence (fewer at its end).
+template <typename T, typename S>
+void Run(ffi::ThreadPool& pool, const Problem& p, AttendFn<S> attend, int64_t block) {
   T* out = static_cast<T*>(p.out);
-  std::fill(out, out + p.num_tokens * p.num_q_heads * p.head_dim, T(0));  // padding rows are 0
+  std::fill(out, out + p.num_tokens * p.num_q_heads * p.value_dim, T(0));
   WriteNewKv<T>(p);
-  const bool one_row_items = p.head_dim % 8 == 0;
   std::vector<WorkItem> items;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     SeqSpan span = Span(p, s);
     if (!span.ok) continue;
-    const int64_t block = one_row_items ? 1 : kQueryBlock;
     for (int64_t r = 0; r < span.q_len; r += block) {
       int32_t n = static_cast<int32_t>(std::min<int64_t>(block, span.q_len - r));
       items.push_back({s, static_cast<int32_t>(span.first_token + r), n});
     }
   }
-  void (*attend)(const Problem&, const WorkItem&, const WorkItem*, Scratch&) =
-      one_row_items ? AttendOneRow<T> : Attend<T>;
+  xlaserve::ParallelForAhead(pool, static_cast<int64_t>(items.size()), [&](int64_t i, int64_t next) {
+    attend(p, items[i], next >= 0 ? &items[next] : nullptr, LocalScratch<S>(p));
+  });
+}
+
+template <typename T>
+void RunAttention(ffi::ThreadPool& pool, const Problem& p) {
+  const bool one_row_items = p.head_dim % 8 == 0;
+  AttendFn<Scratch> attend = one_row_items ? AttendOneRow<T> : Attend<T>;
 #ifdef __AVX512BF16__
   if (std::is_same_v<T, uint16_t> && p.bf16_pairs) {
     switch (p.head_dim) {
@@ -96,9 +122,51 @@ void Run(ffi::ThreadPool& pool, const Problem& p) {
     }
   }
 #endif
-  xlaserve::ParallelForAhead(pool, static_cast<int64_t>(items.size()), [&](int64_t i, int64_t next) {
-    attend(p, items[i], next >= 0 ? &items[next] : nullptr, LocalScratch(p));
-  });
+  Run<T>(pool, p, attend, one_row_items ? 1 : kQueryBlock);
+}
+
+template <typename T>
+void RunLatentAttention(ffi::ThreadPool& pool, const Problem& p) {
+  AttendFn<LatentScratch> attend = AttendLatent<WidenedLatent<T>>;
+#ifdef __AVX512BF16__
+  if (std::is_same_v<T, uint16_t> && p.bf16_pairs && PairedLatent::Fits(p))
+    attend = AttendLatent<PairedLatent>;
+#endif
+  Run<T>(pool, p, attend, 1);
+}
+
+// What both custom calls share once their own operands are in `p`: the dtypes and the metadata
+// checked and read, the output cache given the input's contents where XLA chose not to alias
+// the two, and the run for float32 or bfloat16.
+ffi::Error Launch(ffi::ThreadPool& pool, Problem& p, const char* name,
+                  std::initializer_list<ffi::DataType> dtypes, ffi::AnyBuffer kv_cache,
+                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                  ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                  void (*run_f32)(ffi::ThreadPool&, const Problem&),
+                  void (*run_bf16)(ffi::ThreadPool&, const Problem&)) {
+  const std::string prefix = std::string(name) + " (CPU): ";
+  const ffi::DataType dtype = *dtypes.begin();
+  if (dtype != ffi::F32 && dtype != ffi::BF16)
+    return ffi::Error::InvalidArgument(prefix + "float32 or bfloat16 only");
+  if (std::any_of(dtypes.begin(), dtypes.end(), [&](ffi::DataType d) { return d != dtype; }))
+    return ffi::Error::InvalidArgument(prefix + "q, the new rows and the cache differ in dtype");
+  if (p.bf16_pairs && !kHasBf16Pairs)
+    return ffi::Error::InvalidArgument(prefix + "bf16_pairs needs AVX512_BF16");
+  auto pd = page_indices.dimensions();
+  if (pd.size() != 2 || kv_lens.element_count() != static_cast<size_t>(pd[0]) ||
+      cu_q_lens.element_count() != static_cast<size_t>(pd[0] + 1))
+    return ffi::Error::InvalidArgument(prefix + "inconsistent shapes");
+  p.bf16 = dtype == ffi::BF16;
+  p.max_seqs = pd[0];
+  p.pages_per_seq = pd[1];
+  p.kv_lens = kv_lens.typed_data();
+  p.page_indices = page_indices.typed_data();
+  p.cu_q_lens = cu_q_lens.typed_data();
+  p.num_seqs = std::clamp<int32_t>(num_seqs.typed_data()[0], 0, static_cast<int32_t>(p.max_seqs));
+  if (p.cache != kv_cache.untyped_data())  // XLA chose not to alias
+    std::memcpy(p.cache, kv_cache.untyped_data(), kv_cache.size_bytes());
+  (p.bf16 ? run_bf16 : run_f32)(pool, p);
+  return ffi::Error::Success();
 }
 
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -111,22 +179,13 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::Result<ffi::AnyBuffer> out,
                                     ffi::Result<ffi::AnyBuffer> kv_cache_out, float sm_scale,
                                     int32_t sliding_window, float soft_cap, bool bf16_pairs) {
-  const auto dtype = q.element_type();
-  if (dtype != ffi::F32 && dtype != ffi::BF16)
-    return ffi::Error::InvalidArgument("ragged paged attention (CPU): float32 or bfloat16 only");
-  if (k.element_type() != dtype || v.element_type() != dtype || kv_cache.element_type() != dtype)
-    return ffi::Error::InvalidArgument("ragged paged attention (CPU): q, k, v and cache dtypes differ");
-  auto qd = q.dimensions(), kd = k.dimensions(), cd = kv_cache.dimensions(),
-       pd = page_indices.dimensions();
+  auto qd = q.dimensions(), kd = k.dimensions(), cd = kv_cache.dimensions();
   // The cache is [pages, page_size, 2 * Hkv, D] or the same memory flat, [pages, page_size,
   // 2 * Hkv * D] (the runtime's): taking both means no reshape around this call, which XLA's
   // copy insertion answered with a copy of the whole (donated, aliased) cache.
-  if (qd.size() != 3 || kd.size() != 3 || (cd.size() != 3 && cd.size() != 4) || pd.size() != 2)
+  if (qd.size() != 3 || kd.size() != 3 || (cd.size() != 3 && cd.size() != 4))
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): bad ranks");
-  if (bf16_pairs && !kHasBf16Pairs)
-    return ffi::Error::InvalidArgument("ragged paged attention (CPU): bf16_pairs needs AVX512_BF16");
   Problem p;
-  p.bf16 = dtype == ffi::BF16;
   p.bf16_pairs = bf16_pairs;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
@@ -135,35 +194,63 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   p.out = out->untyped_data();
   p.num_tokens = qd[0];
   p.num_q_heads = qd[1];
-  p.head_dim = qd[2];
+  p.head_dim = p.value_dim = qd[2];
   p.num_kv_heads = kd[1];
   p.num_pages = cd[0];
   p.page_size = cd[1];
-  p.max_seqs = pd[0];
-  p.pages_per_seq = pd[1];
+  p.row_size = 2 * p.num_kv_heads * p.head_dim;
   const int64_t token_row = cd.size() == 4 ? cd[2] * cd[3] : cd[2];
-  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads ||
-      token_row != 2 * p.num_kv_heads * p.head_dim ||
-      (cd.size() == 4 && cd[3] != p.head_dim) || kv_lens.element_count() != static_cast<size_t>(p.max_seqs) ||
-      cu_q_lens.element_count() != static_cast<size_t>(p.max_seqs + 1))
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads || token_row != p.row_size ||
+      (cd.size() == 4 && cd[3] != p.head_dim))
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): inconsistent shapes");
   if (sinks && sinks->element_count() != static_cast<size_t>(p.num_q_heads))
     return ffi::Error::InvalidArgument("ragged paged attention (CPU): one sink per query head");
   p.sinks = sinks ? sinks->typed_data() : nullptr;
-  p.kv_lens = kv_lens.typed_data();
-  p.page_indices = page_indices.typed_data();
-  p.cu_q_lens = cu_q_lens.typed_data();
-  p.num_seqs = std::clamp<int32_t>(num_seqs.typed_data()[0], 0, static_cast<int32_t>(p.max_seqs));
   p.sm_scale = sm_scale;
   p.sliding_window = sliding_window;
   p.soft_cap = soft_cap;
-  if (kv_cache_out->untyped_data() != kv_cache.untyped_data())  // XLA chose not to alias
-    std::memcpy(kv_cache_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes());
-  if (p.bf16)
-    Run<uint16_t>(pool, p);
-  else
-    Run<float>(pool, p);
-  return ffi::Error::Success();
+  return Launch(pool, p, "ragged paged attention",
+                {q.element_type(), k.element_type(), v.element_type(), kv_cache.element_type()},
+                kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, RunAttention<float>,
+                RunAttention<uint16_t>);
+}
+
+// q [T, Hq, Dk], latent [T, Dk], kv_cache [pages, page_size, Dc >= Dk] (keys are a row's first
+// Dk entries, values its first value_dim); out [T, Hq, value_dim].
+ffi::Error LatentAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer latent,
+                               ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> kv_lens,
+                               ffi::Buffer<ffi::S32> page_indices,
+                               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> kv_cache_out, float sm_scale,
+                               int32_t value_dim, bool bf16_pairs) {
+  auto qd = q.dimensions(), ld = latent.dimensions(), cd = kv_cache.dimensions();
+  if (qd.size() != 3 || ld.size() != 2 || cd.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] ||
+      cd[2] < qd[2] || value_dim <= 0 || value_dim > qd[2])
+    return ffi::Error::InvalidArgument("latent attention (CPU): inconsistent shapes");
+  Problem p;
+  p.bf16_pairs = bf16_pairs;
+  p.q = q.untyped_data();
+  p.k = latent.untyped_data();
+  p.v = nullptr;
+  p.cache = kv_cache_out->untyped_data();
+  p.out = out->untyped_data();
+  p.num_tokens = qd[0];
+  p.num_q_heads = qd[1];
+  p.num_kv_heads = 1;
+  p.head_dim = qd[2];
+  p.row_size = cd[2];
+  p.value_dim = value_dim;
+  p.num_pages = cd[0];
+  p.page_size = cd[1];
+  p.sinks = nullptr;
+  p.sm_scale = sm_scale;
+  p.sliding_window = 0;
+  p.soft_cap = 0.0f;
+  return Launch(pool, p, "latent attention",
+                {q.element_type(), latent.element_type(), kv_cache.element_type()}, kv_cache,
+                kv_lens, page_indices, cu_q_lens, num_seqs, RunLatentAttention<float>,
+                RunLatentAttention<uint16_t>);
 }
 
 }  // namespace
@@ -187,4 +274,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRaggedPagedAttention, RaggedPagedAttention
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
+                                  .Attr<bool>("bf16_pairs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMlaRaggedPagedAttention, LatentAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // latent
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Ret<ffi::AnyBuffer>()         // kv_cache (aliases the input)
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("value_dim")
                                   .Attr<bool>("bf16_pairs"));

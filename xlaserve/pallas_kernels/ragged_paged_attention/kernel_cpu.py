@@ -1,9 +1,10 @@
-"""Ragged paged attention on the CPU: `kernel_cpu.cc` as an XLA FFI custom call.
+"""Ragged paged attention on the CPU: `kernel_cpu.cc` as XLA FFI custom calls.
 
-Same signature and semantics as `reference.ragged_paged_attention` (the specification), near
-memory speed: the jnp reference runs on XLA's CPU backend as gathers, transposes and tiny batched
-matmuls (3 ms per layer for 64 decoding sequences of 100 tokens, where reading their KV takes
-0.5 ms). Built on first use by `xlaserve.native`; `KernelUnavailable` without a compiler.
+Same signatures and semantics as `reference.ragged_paged_attention` and
+`reference.mla_ragged_paged_attention` (the specification), near memory speed: the jnp reference
+runs on XLA's CPU backend as gathers, transposes and tiny batched matmuls (3 ms per layer for 64
+decoding sequences of 100 tokens, where reading their KV takes 0.5 ms). Built on first use by
+`xlaserve.native`; `KernelUnavailable` without a compiler.
 """
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ import jax
 import numpy as np
 
 from xlaserve.native import KernelUnavailable, register  # noqa: F401 (KernelUnavailable: re-export)
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_sinks
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
 
 TARGET_NAME = "xlaserve_ragged_paged_attention_cpu"
+MLA_TARGET_NAME = "xlaserve_mla_ragged_paged_attention_cpu"
 _SOURCE = Path(__file__).with_name("kernel_cpu.cc")
 
 
 def load():
-    """Builds and registers the custom call (once); raises KernelUnavailable."""
+    """Builds and registers both custom calls (once); raises KernelUnavailable."""
+    register(_SOURCE, "XlaserveMlaRaggedPagedAttention", MLA_TARGET_NAME)
     return register(_SOURCE, "XlaserveRaggedPagedAttention", TARGET_NAME)
 
 
@@ -41,14 +44,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     """See `reference.ragged_paged_attention`; returns (out, kv_cache), the cache updated in place
     (the custom call's cache output aliases its input). `bf16_pairs`: bfloat16 dot products on
     VDPBF16PS (None: where the CPU has them; False: widen to float32, for tests)."""
-    load()
-    if bf16_pairs is None:
-        bf16_pairs = bf16_pairs_supported()
-    elif bf16_pairs and not bf16_pairs_supported():
-        raise ValueError("bf16_pairs needs a CPU with AVX512_BF16")
-    if q.dtype not in (np.float32, jax.numpy.bfloat16) or kv_cache.dtype != q.dtype:
-        raise ValueError("the CPU attention kernel takes q and a KV cache of one dtype, float32 or "
-                         f"bfloat16; got {q.dtype} and {kv_cache.dtype}")
+    bf16_pairs = _checked_bf16_pairs(q, kv_cache, bf16_pairs)
     call = jax.ffi.ffi_call(
         TARGET_NAME,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
@@ -63,3 +59,41 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
                 as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs), *optional,
                 sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0), bf16_pairs=bool(bf16_pairs))
+
+
+def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                               sm_scale, value_dim: int, bf16_pairs=None):
+    """See `reference.mla_ragged_paged_attention` (multi-head latent attention, DeepSeek-V2/V3);
+    returns (out [T, Hq, value_dim], kv_cache), the cache updated in place as
+    `ragged_paged_attention`'s. The kernel reads each latent row once for every query head, so
+    its decode is bound by the arithmetic (Hq x (Dk + value_dim) multiply-adds a row), not by
+    memory; `bf16_pairs` as there (the pairs path takes an even Dk and a value_dim that is a
+    multiple of 32, DeepSeek's 576 and 512; other shapes widen to float32)."""
+    check_mla_shapes(q, latent, kv_cache, value_dim)
+    bf16_pairs = _checked_bf16_pairs(q, kv_cache, bf16_pairs)
+    out_shape = q.shape[:2] + (value_dim,)
+    call = jax.ffi.ffi_call(
+        MLA_TARGET_NAME,
+        (jax.ShapeDtypeStruct(out_shape, q.dtype),
+         jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
+        input_output_aliases={2: 1},
+    )
+    as_i32 = functools.partial(jax.numpy.asarray, dtype=np.int32)
+    return call(q, latent.astype(q.dtype), kv_cache, as_i32(kv_lens), as_i32(page_indices),
+                as_i32(cu_q_lens), as_i32(num_seqs), sm_scale=np.float32(sm_scale),
+                value_dim=np.int32(value_dim), bf16_pairs=bool(bf16_pairs))
+
+
+def _checked_bf16_pairs(q, kv_cache, bf16_pairs) -> bool:
+    """Whether to multiply bfloat16 pairs (None: where the CPU can), once the kernels are built
+    (else KernelUnavailable); ValueError unless q and the cache are both float32 or both bfloat16
+    and the CPU can do what bf16_pairs asks."""
+    load()
+    if bf16_pairs is None:
+        bf16_pairs = bf16_pairs_supported()
+    elif bf16_pairs and not bf16_pairs_supported():
+        raise ValueError("bf16_pairs needs a CPU with AVX512_BF16")
+    if q.dtype not in (np.float32, jax.numpy.bfloat16) or kv_cache.dtype != q.dtype:
+        raise ValueError("the CPU attention kernel takes q and a KV cache of one dtype, float32 or "
+                         f"bfloat16; got {q.dtype} and {kv_cache.dtype}")
+    return bool(bf16_pairs)

@@ -33,6 +33,7 @@ is donated): it is already a coalesced GPU kernel, and Triton has no DMA engine 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +41,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_sinks
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     MASK_VALUE, default_q_block, gather_outputs, gather_queries, item_span, make_work_items,
-    new_token_slots, query_group, sanitize_metadata, write_new_kv_with_xla)
+    new_token_slots, query_group, sanitize_metadata, write_new_kv_with_xla,
+    write_new_rows_with_xla)
 
 KV_BLOCK_TOKENS = 64  # keys per loop step; K and V of one step stay in registers/shared memory
 # Shared memory for the KV blocks: an H100 gives a block 227 KiB (A100: 163), less the queries
@@ -59,6 +61,11 @@ SHARED_MEMORY_FOR_KV = 160 << 10
 TARGET_PROGRAMS = 2048
 TARGET_PROGRAMS_PREFILL = 264
 MAX_KV_SPLITS = 4
+# MLA: query heads per program (they all read the same latent rows, so fewer programs read the
+# KV fewer times, but a program's [rows, latent width] float32 accumulator lives in registers: 16
+# rows x 512 is 64 registers a thread at 4 warps) and rows per program at most.
+MLA_HEADS_PER_PROGRAM = 16
+MLA_MAX_ROWS = 32
 
 
 def next_power_of_two(x: int) -> int:
@@ -151,47 +158,124 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         num_kv_splits = default_num_kv_splits(num_items, num_kv_heads,
                                               padded_pages // kv_block_pages, q_block)
 
-    kernel = functools.partial(
-        _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        q_block=q_block, group=group, page_size=page_size, kv_block_pages=kv_block_pages,
-        num_kv_splits=num_kv_splits, has_sinks=sinks is not None)
     # The cache as [pages, page_size, Hkv, 2, D]: program (w, h, s) sees K of head h as one
     # [pages, page_size, D] operand and V as another, both views of the same buffer.
     cache = kv_cache.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
     whole_cache = (num_pages, page_size, None, None, head_dim)
-    item_spec = pl.BlockSpec((None, None, rows, head_dim), lambda w, h, s: (w, h, 0, 0))
-    metadata = [pl.BlockSpec(x.shape, lambda w, h, s, n=x.ndim: (0,) * n)
-                for x in (item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices)]
+    cache_specs = [pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 0, 0)),  # K
+                   pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 1, 0))]  # V
     sinks_in = []
     if sinks is not None:
         sinks_in = [sinks_by_row(check_sinks(sinks, num_q_heads), num_kv_heads, q_block, rows)]
+    out_items = _run(q_items, [cache, cache], cache_specs, sinks_in, item_seq, item_row0, kv_lens,
+                     cu_q_lens, num_seqs, page_indices, out_dim=head_dim, sm_scale=sm_scale,
+                     sliding_window=sliding_window, soft_cap=soft_cap, q_block=q_block,
+                     group=group, page_size=page_size, kv_block_pages=kv_block_pages,
+                     num_kv_splits=num_kv_splits, num_warps=num_warps, num_stages=num_stages,
+                     interpret=interpret, value_dim=None)
+    return gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads), kv_cache
+
+
+def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               *, sm_scale, value_dim, interpret=False, q_block=None,
+                               kv_block_pages=None, num_kv_splits=None, heads_per_program=None,
+                               num_warps=4, num_stages=None):
+    """See `reference.mla_ragged_paged_attention`; returns (out, kv_cache). Every query head reads
+    the same latent rows, so the heads are cut into programs of `heads_per_program` (default
+    MLA_HEADS_PER_PROGRAM) that play the kv heads' part in the grid: program (w, j, s) attends
+    heads [j * n, (j + 1) * n) of item w. Triton's dot wants power-of-two widths, so a block's
+    scores are two dots, the latent part (value_dim lanes, which are also the values) and the
+    RoPE'd part (the rest of the row)."""
+    check_mla_shapes(q, latent, kv_cache, value_dim)
+    num_tokens, num_q_heads, row_dim = q.shape
+    num_pages, page_size = kv_cache.shape[:2]
+    max_seqs, pages_per_seq = page_indices.shape
+    heads = heads_per_program or math.gcd(num_q_heads, MLA_HEADS_PER_PROGRAM)
+    if num_q_heads % heads:
+        raise ValueError(f"{num_q_heads} heads do not split into programs of {heads}")
+    if kv_block_pages is None:
+        kv_block_pages = default_kv_block_pages(page_size, pages_per_seq)
+    block_tokens = kv_block_pages * page_size
+    itemsize = kv_cache.dtype.itemsize
+    check_mla_kernel_shapes(block_tokens, value_dim, row_dim, itemsize)
+    if num_stages is None:
+        num_stages = 2 if 2 * block_tokens * row_dim * itemsize <= SHARED_MEMORY_FOR_KV else 1
+    kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
+        kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
+    token_page, token_slot = new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens,
+                                             page_size)
+    latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - row_dim)))  # to the cache's width
+    kv_cache = write_new_rows_with_xla(kv_cache, latent, token_page, token_slot)
+
+    if q_block is None:
+        q_block = default_q_block(num_tokens, max_seqs, heads, max_rows=MLA_MAX_ROWS)
+    rows = max(16, next_power_of_two(q_block * heads))
+    num_programs = num_q_heads // heads  # per item: they take the kv heads' place in the grid
+    item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
+    q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_programs, rows)
+    padded_pages = -(-pages_per_seq // kv_block_pages) * kv_block_pages
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(q_items.shape[0], num_programs,
+                                              padded_pages // kv_block_pages, q_block)
+    cache_spec = pl.BlockSpec(kv_cache.shape, lambda w, h, s: (0, 0, 0))
+    out_items = _run(q_items, [kv_cache], [cache_spec], [], item_seq, item_row0, kv_lens,
+                     cu_q_lens, num_seqs, page_indices, out_dim=value_dim, sm_scale=sm_scale,
+                     sliding_window=None, soft_cap=None, q_block=q_block, group=heads,
+                     page_size=page_size, kv_block_pages=kv_block_pages,
+                     num_kv_splits=num_kv_splits, num_warps=num_warps, num_stages=num_stages,
+                     interpret=interpret, value_dim=value_dim)
+    return gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads), kv_cache
+
+
+def check_mla_kernel_shapes(block_tokens: int, value_dim: int, row_dim: int, itemsize: int):
+    """ValueError for MLA shapes Triton cannot compile: power-of-two latent and RoPE widths of
+    at least 16 and KV blocks of at least 16 tokens, one block's rows in shared memory."""
+    widths = (block_tokens, value_dim, row_dim - value_dim)
+    if any(x < 16 or x != next_power_of_two(x) for x in widths):
+        raise ValueError("the Pallas GPU latent attention kernel needs power-of-two latent and "
+                         "RoPE widths and KV blocks of at least 16; got "
+                         f"{value_dim} + {row_dim - value_dim}, {block_tokens}-token blocks")
+    if block_tokens * row_dim * itemsize > SHARED_MEMORY_FOR_KV:
+        raise ValueError(f"the Pallas GPU latent attention kernel holds a KV block in shared "
+                         f"memory: {block_tokens}-token pages of {row_dim} are too big; use a "
+                         "smaller --page-size")
+
+
+def _run(q_items, caches, cache_specs, sinks_in, item_seq, item_row0, kv_lens, cu_q_lens,
+         num_seqs, page_indices, *, out_dim, num_kv_splits, num_warps, num_stages, interpret,
+         **static):
+    """The pallas_call over the grid (work items, kv heads or head programs, KV splits) and the
+    merge of the splits: out [W, programs, rows, out_dim] in q's dtype."""
+    num_items, num_kv_heads, rows, _ = q_items.shape
+    kernel = functools.partial(_attention_kernel, num_kv_splits=num_kv_splits,
+                               has_sinks=bool(sinks_in), **static)
+    item_spec = pl.BlockSpec((None, None, rows, q_items.shape[3]), lambda w, h, s: (w, h, 0, 0))
+    metadata = [pl.BlockSpec(x.shape, lambda w, h, s, n=x.ndim: (0,) * n)
+                for x in (item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices)]
     if num_kv_splits == 1:  # the output itself, normalized
-        out_shape = jax.ShapeDtypeStruct(q_items.shape, q.dtype)
-        out_specs = item_spec
+        out_shape = jax.ShapeDtypeStruct(q_items.shape[:3] + (out_dim,), q_items.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, out_dim), lambda w, h, s: (w, h, 0, 0))
     else:  # per split: unnormalized output [W, Hkv, splits, rows, D], max and denominator
         split_shape = (num_items, num_kv_heads, num_kv_splits, rows)
-        out_shape = (jax.ShapeDtypeStruct(split_shape + (head_dim,), jnp.float32),
+        out_shape = (jax.ShapeDtypeStruct(split_shape + (out_dim,), jnp.float32),
                      jax.ShapeDtypeStruct(split_shape, jnp.float32),
                      jax.ShapeDtypeStruct(split_shape, jnp.float32))
-        out_specs = (pl.BlockSpec((None, None, None, rows, head_dim),
+        out_specs = (pl.BlockSpec((None, None, None, rows, out_dim),
                                   lambda w, h, s: (w, h, s, 0, 0)),) + (
             pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),) * 2
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_items, num_kv_heads, num_kv_splits),
-        in_specs=metadata + [
-            item_spec,
-            pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 0, 0)),  # K
-            pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 1, 0)),  # V
-        ] + [pl.BlockSpec((None, rows), lambda w, h, s: (h, 0))] * len(sinks_in),
+        in_specs=metadata + [item_spec] + cache_specs
+        + [pl.BlockSpec((None, rows), lambda w, h, s: (h, 0))] * len(sinks_in),
         out_specs=out_specs,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-    )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, cache, cache,
+    )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, *caches,
       *sinks_in)
-    out_items = result if num_kv_splits == 1 else combine_kv_splits(*result).astype(q.dtype)
-    return gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads), kv_cache
+    return result if num_kv_splits == 1 else combine_kv_splits(*result).astype(q_items.dtype)
 
 
 def combine_kv_splits(acc, m, l):
@@ -217,9 +301,10 @@ def sinks_by_row(sinks, num_kv_heads, q_block, rows):
 
 
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
-                      page_indices_ref, q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window,
-                      soft_cap, q_block, group, page_size, kv_block_pages, num_kv_splits,
-                      has_sinks):
+                      page_indices_ref, q_ref, *refs, sm_scale, sliding_window, soft_cap, q_block,
+                      group, page_size, kv_block_pages, num_kv_splits, has_sinks, value_dim):
+    # MHA (value_dim None): K and V of the program's kv head; MLA: the latent cache.
+    cache_refs, refs = (refs[:2], refs[2:]) if value_dim is None else (refs[:1], refs[1:])
     sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     rows, head_dim = q_ref.shape
     max_seqs = kv_lens_ref.shape[0]
@@ -242,23 +327,41 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
     row_in_item = jnp.arange(rows) // group  # row r * G + g is the item's token r
     row_pos = first_pos + row_in_item
     row_valid = row_in_item < num_rows
-    q = q_ref[...]
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32 for f32
+    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None  # no TF32 for f32
+    if value_dim is None:
+        query_parts = [q_ref[...]]
+    else:  # MLA: the latent part and the RoPE'd part, each a power-of-two width for the dot
+        query_parts = [q_ref[:, pl.ds(0, value_dim)],
+                       q_ref[:, pl.ds(value_dim, head_dim - value_dim)]]
+
+    def read_block(pages):
+        """([key parts, as query_parts], values) of the block's pages, [block_tokens, width]."""
+        if value_dim is None:
+            k_ref, v_ref = cache_refs
+            return ([k_ref[pages].reshape(block_tokens, head_dim)],
+                    v_ref[pages].reshape(block_tokens, head_dim))
+        (cache_ref,) = cache_refs
+        latent = cache_ref[pages, :, pl.ds(0, value_dim)].reshape(block_tokens, value_dim)
+        rope_dim = head_dim - value_dim
+        rope = cache_ref[pages, :, pl.ds(value_dim, rope_dim)].reshape(block_tokens, rope_dim)
+        return [latent, rope], latent
 
     def attend_block(block, carry):
         m_prev, l_prev, acc_prev = carry
         slot = block * kv_block_pages + jnp.arange(kv_block_pages)
         pages = page_indices_ref[seq, pl.ds(block * kv_block_pages, kv_block_pages)]
         pages = jnp.where(slot < pages_needed, pages, 0)  # past the needed pages: garbage
-        k = k_ref[pages].reshape(block_tokens, head_dim)
-        v = v_ref[pages].reshape(block_tokens, head_dim)
+        key_parts, v = read_block(pages)
         key_pos = block * block_tokens + jnp.arange(block_tokens)
         # Slots past the last attended key hold stale data or NaN: p * NaN is NaN even at p=0.
         v = jnp.where((key_pos <= last_pos)[:, None], v, 0)
-        scores_dtype = jnp.promote_types(q.dtype, k.dtype)  # as the reference's einsum
-        q_, k = q.astype(scores_dtype), k.astype(scores_dtype)
-        s = lax.dot_general(q_, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * sm_scale
+        s = 0.0
+        for q, k in zip(query_parts, key_parts):
+            scores_dtype = jnp.promote_types(q.dtype, k.dtype)  # as the reference's einsum
+            s += lax.dot_general(q.astype(scores_dtype), k.astype(scores_dtype),
+                                 (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32)
+        s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = row_valid[:, None] & (key_pos[None, :] <= row_pos[:, None])
@@ -277,7 +380,7 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
     if sinks_ref is not None:  # the sink joins one split's softmax (the merge adds up the rest)
         m_start = jnp.where(split == 0, sinks_ref[...], m_start)
         l_start = jnp.where(split == 0, 1.0, l_start)
-    carry = (m_start, l_start, jnp.zeros((rows, head_dim), jnp.float32))
+    carry = (m_start, l_start, jnp.zeros((rows, value_dim or head_dim), jnp.float32))
     m, l, acc = lax.fori_loop(start_block, end_block, attend_block, carry)
     if num_kv_splits == 1:
         # l >= 1 on real rows (their own key or sink scores exp(0)); 0 only where nothing was

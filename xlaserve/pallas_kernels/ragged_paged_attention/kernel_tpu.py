@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_sinks
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, query_group, round_up,
     sanitize_metadata, scatter_outputs)
@@ -74,10 +74,10 @@ MAX_KV_BLOCK_TOKENS = 512
 MAX_PAGE_TABLE_ENTRIES = (512 << 10) // 4
 
 
-def default_kv_block_pages(page_size, num_kv_heads, head_dim, itemsize, pages_per_seq):
+def default_kv_block_pages(page_size, token_bytes, pages_per_seq):
     """Pages per KV block: up to 512 tokens, at most 4 MiB per buffer (two are live), so that
-    the double buffer, the f32 scores and the accumulators fit the default scoped VMEM."""
-    token_bytes = 2 * num_kv_heads * head_dim * itemsize
+    the double buffer, the f32 scores and the accumulators fit the default scoped VMEM.
+    `token_bytes`: one token's cache row (2 * Hkv * D entries, or MLA's latent row)."""
     tokens = min(MAX_KV_BLOCK_TOKENS, KV_BUFFER_BYTES // token_bytes)
     return max(1, min(tokens // page_size, pages_per_seq))
 
@@ -107,8 +107,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     if q_block is None:
         q_block = default_q_block(num_tokens, max_seqs, group)
     if kv_block_pages is None:
-        kv_block_pages = default_kv_block_pages(page_size, num_kv_heads, head_dim,
-                                                kv_cache.dtype.itemsize, pages_per_seq)
+        kv_block_pages = default_kv_block_pages(
+            page_size, flat_cache.shape[2] * flat_cache.dtype.itemsize, pages_per_seq)
     item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
     rows = round_up(q_block * group, sublanes(q.dtype))
     q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
@@ -121,6 +121,42 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
                           num_q_heads)
     return out, flat_cache.reshape(kv_cache.shape)
+
+
+def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               *, sm_scale, value_dim, interpret=False, q_block=None,
+                               kv_block_pages=None):
+    """See `reference.mla_ragged_paged_attention`: the same kernel with one kv head whose keys
+    are the cache rows' first Dk lanes and values their first `value_dim` lanes (every query head
+    is in the one group). The cache's rows should be whole 128-lane tiles (Dc a multiple of 128:
+    transformer.kv_cache_shape pads them). Returns (out, kv_cache)."""
+    num_tokens, num_q_heads, row_dim = q.shape
+    num_pages, page_size = kv_cache.shape[:2]
+    max_seqs, pages_per_seq = page_indices.shape
+    check_mla_shapes(q, latent, kv_cache, value_dim)
+    check_shapes(page_size, kv_cache.dtype, max_seqs, pages_per_seq)
+    kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
+        kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
+    if q_block is None:
+        q_block = default_q_block(num_tokens, max_seqs, num_q_heads)
+    if kv_block_pages is None:
+        kv_block_pages = default_kv_block_pages(
+            page_size, kv_cache.shape[2] * kv_cache.dtype.itemsize, pages_per_seq)
+    item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
+    rows = round_up(q_block * num_q_heads, sublanes(q.dtype))
+    q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, 1, rows)
+    new_rows = 1 if q_block == 1 else round_up(q_block, sublanes(kv_cache.dtype))
+    latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - row_dim)))  # to the cache's lanes
+    new_items = gather_queries(latent[:, None].astype(kv_cache.dtype), cu_q_lens, item_seq,
+                               item_row0, q_block, 1, new_rows)[:, 0]
+    out_items, kv_cache = _attention(
+        q_items, new_items, kv_cache, None, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
+        page_indices, sm_scale=sm_scale, sliding_window=None, soft_cap=None, q_block=q_block,
+        group=num_q_heads, kv_block_pages=kv_block_pages, interpret=interpret,
+        value_dim=value_dim)
+    out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
+                          num_q_heads)
+    return out, kv_cache
 
 
 def gather_new_kv(k, v, dtype, cu_q_lens, item_seq, item_row0, q_block):
@@ -161,14 +197,20 @@ def default_page_size(max_seqs: int, context_length: int, smallest: int = 16) ->
 
 
 def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,
-               num_seqs, page_indices, *, kv_block_pages, interpret, **static):
+               num_seqs, page_indices, *, kv_block_pages, interpret, value_dim=None, **static):
+    """The pallas_call. value_dim None: MHA, kv head h's K and V at lanes [2hD, 2hD+D) and
+    [2hD+D, 2hD+2D); else MLA, one kv head whose K is the whole row and V its first value_dim
+    lanes (the output's width)."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
+    out_dim = value_dim or head_dim
     page_size = flat_cache.shape[1]
     pages_per_seq = page_indices.shape[1]
     block_tokens = kv_block_pages * page_size
     kernel = functools.partial(_attention_kernel, page_size=page_size, pages_per_seq=pages_per_seq,
-                               kv_block_pages=kv_block_pages, has_sinks=sinks is not None, **static)
+                               kv_block_pages=kv_block_pages, has_sinks=sinks is not None,
+                               value_dim=value_dim, **static)
     item_spec = pl.BlockSpec((1, num_kv_heads, rows, head_dim), lambda w, *_: (w, 0, 0, 0))
+    out_spec = pl.BlockSpec((1, num_kv_heads, rows, out_dim), lambda w, *_: (w, 0, 0, 0))
     new_kv_spec = pl.BlockSpec((1,) + new_kv_items.shape[1:], lambda w, *_: (w, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     in_specs = [item_spec, new_kv_spec, hbm]
@@ -185,16 +227,16 @@ def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv
         pltpu.SMEM((2,), jnp.int32),
         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running max, lane-replicated
         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running denominator
-        pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # running numerator
+        pltpu.VMEM((num_kv_heads, rows, out_dim), jnp.float32),  # running numerator
     ]
     num_scalars = 6
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
+        out_shape=(jax.ShapeDtypeStruct(q_items.shape[:3] + (out_dim,), q_items.dtype),
                    jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_scalars, grid=(num_items,),
-            in_specs=in_specs, out_specs=(item_spec, hbm),
+            in_specs=in_specs, out_specs=(out_spec, hbm),
             scratch_shapes=scratch),
         input_output_aliases={num_scalars + 2: 1},  # the cache, updated in place
         # In order: an item waits for the KV block the previous one prefetched, and reads the
@@ -207,7 +249,7 @@ def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
                       page_indices_ref, q_ref, new_kv_ref, _cache_in, *refs, sm_scale,
                       sliding_window, soft_cap, q_block, group, page_size, pages_per_seq,
-                      kv_block_pages, has_sinks):
+                      kv_block_pages, has_sinks, value_dim):
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     # The cache is read and written through the output, the same HBM buffer as the input.
     o_ref, cache_hbm, kv_buf, sems, state_ref, m_ref, l_ref, acc_ref = refs
@@ -329,7 +371,7 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                                  key0=block * block_tokens, first_pos=span.first_pos,
                                  last_pos=span.last_pos, num_rows=span.num_rows, group=group,
                                  sm_scale=sm_scale, sliding_window=sliding_window,
-                                 soft_cap=soft_cap)
+                                 soft_cap=soft_cap, value_dim=value_dim)
 
             @pl.when(jnp.logical_not(last & next_same_seq))
             def _():  # the buffer is refilled two blocks on; the next item may read these pages
@@ -409,10 +451,10 @@ def _start_at_sinks(sinks_ref, m_ref, l_ref, group):
 
 
 def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, last_pos, num_rows,
-                         group, sm_scale, sliding_window, soft_cap):
-    """Folds one KV block (kv: [block_tokens, 2*Hkv*D] in VMEM, keys key0.. ) into the running
-    max / denominator / numerator of every kv head."""
-    num_kv_heads, rows, head_dim = acc_ref.shape
+                         group, sm_scale, sliding_window, soft_cap, value_dim):
+    """Folds one KV block (kv: [block_tokens, 2*Hkv*D] in VMEM, keys key0.. ; with value_dim,
+    MLA's [block_tokens, Dk]) into the running max / denominator / numerator of every kv head."""
+    num_kv_heads, rows, head_dim = q_ref.shape[1:]
     block_tokens = kv.shape[0]
     key_pos = key0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
     row_in_item = _token_of_row(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
@@ -424,8 +466,12 @@ def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, l
 
     for h in range(num_kv_heads):
         q = q_ref[0, h]
-        k = kv[:, pl.ds(2 * h * head_dim, head_dim)]
-        v = jnp.where(key_attended, kv[:, pl.ds((2 * h + 1) * head_dim, head_dim)], 0)
+        if value_dim is None:
+            k = kv[:, pl.ds(2 * h * head_dim, head_dim)]
+            v = kv[:, pl.ds((2 * h + 1) * head_dim, head_dim)]
+        else:  # MLA: the latent row is the key (not its padding lanes), its start the value
+            k, v = kv[:, :head_dim], kv[:, :value_dim]
+        v = jnp.where(key_attended, v, 0)
         if q.dtype != k.dtype:
             q, k = q.astype(jnp.float32), k.astype(jnp.float32)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),

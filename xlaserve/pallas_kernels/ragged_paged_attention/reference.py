@@ -93,22 +93,23 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     one row per token; returns (out, kv_cache).
 
     latent [T, Dk]: each new token's row, the normed compressed KV (value_dim entries) then its
-    RoPE'd key part; kv_cache [num_pages, page_size, Dk]; q [T, Hq, Dk]: each head's query with
+    RoPE'd key part; kv_cache [num_pages, page_size, Dc], Dc >= Dk (a TPU cache pads its rows to
+    whole lane tiles: new rows are written with zeros there, and keys read only the first Dk
+    entries); q [T, Hq, Dk]: each head's query with
     its no-RoPE part taken into the latent space (q_nope @ W_UK) then its RoPE'd part. Every head
     attends to the same rows: keys are whole rows, values their first `value_dim` entries, so
     out [T, Hq, value_dim] is in the latent space (times W_UV outside). The other arguments,
     the writes and the masks are ragged_paged_attention's."""
-    def read_chunk(kv_cache, pages):
-        rows = kv_cache.at[pages].get(mode="clip")  # [W, C, page_size, Dk]
-        keys = rows.reshape(pages.shape[0], -1, 1, rows.shape[-1])
-        return keys, keys[..., :value_dim]
+    row_dim = q.shape[-1]
 
-    if latent.ndim != 2 or kv_cache.ndim != 3 or q.ndim != 3 or not \
-            q.shape[-1] == latent.shape[-1] == kv_cache.shape[-1] or \
-            not 0 < value_dim <= latent.shape[-1]:
-        raise ValueError(f"MLA shapes: q {q.shape}, latent {latent.shape}, cache {kv_cache.shape}, "
-                         f"value_dim {value_dim}")
-    return attend_paged(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+    def read_chunk(kv_cache, pages):
+        rows = kv_cache.at[pages].get(mode="clip")  # [W, C, page_size, Dc]
+        keys = rows.reshape(pages.shape[0], -1, 1, rows.shape[-1])
+        return keys[..., :row_dim], keys[..., :value_dim]
+
+    check_mla_shapes(q, latent, kv_cache, value_dim)
+    new_rows = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[-1] - row_dim)))
+    return attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                         num_kv_heads=1, value_dim=value_dim, read_chunk=read_chunk,
                         sm_scale=sm_scale, q_block=q_block, kv_block_pages=kv_block_pages)
 
@@ -257,6 +258,16 @@ def searchsorted_right(sorted_ends, x):
     len(sorted_ends) comparisons, is loop-free too, but fused into every layer's K/V scatter
     (the H100 step's HLO) it is len(sorted_ends) compares per lookup there.)"""
     return jnp.searchsorted(sorted_ends, x, side="right", method="scan_unrolled")
+
+
+def check_mla_shapes(q, latent, kv_cache, value_dim: int) -> None:
+    """ValueError unless q [T, Hq, Dk], latent [T, Dk], kv_cache [pages, page_size, Dc >= Dk]
+    and 0 < value_dim <= Dk (mla_ragged_paged_attention's operands, every kernel's too)."""
+    if latent.ndim != 2 or kv_cache.ndim != 3 or q.ndim != 3 or not \
+            q.shape[-1] == latent.shape[-1] <= kv_cache.shape[-1] or \
+            not 0 < value_dim <= latent.shape[-1]:
+        raise ValueError(f"MLA shapes: q {q.shape}, latent {latent.shape}, cache {kv_cache.shape}, "
+                         f"value_dim {value_dim}")
 
 
 def check_sinks(sinks, num_q_heads: int):

@@ -62,10 +62,17 @@ def new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens, page_size):
 def write_new_kv_with_xla(kv_cache, k, v, token_page, token_slot):
     """The cache with the new K/V scattered in (in place when the cache is donated). XLA's
     scatter is already a coalesced in-place kernel on GPU; padding tokens are dropped."""
+    new_kv = jnp.stack([k, v], axis=2)  # K of kv head h at 2h, V at 2h + 1
+    return write_new_rows_with_xla(kv_cache, new_kv, token_page, token_slot)
+
+
+def write_new_rows_with_xla(kv_cache, new_rows, token_page, token_slot):
+    """`write_new_kv_with_xla` of each new token's whole cache row (MLA's latent rows)."""
     num_pages = kv_cache.shape[0]
-    new_kv = jnp.stack([k, v], axis=2).reshape((k.shape[0],) + kv_cache.shape[2:])  # K_h at 2h
+    new_rows = new_rows.reshape((new_rows.shape[0],) + kv_cache.shape[2:])
     page = jnp.where(token_page >= 0, token_page, num_pages)  # -1 would wrap to the last page
-    return kv_cache.at[page, token_slot].set(new_kv.astype(kv_cache.dtype), mode="drop")
+    return kv_cache.at[page, token_slot].set(new_rows.astype(kv_cache.dtype), mode="drop")
+
 
 
 def max_work_items(num_tokens: int, max_seqs: int, q_block: int) -> int:

@@ -1,0 +1,71 @@
+"""The Pallas latent-attention kernels (DeepSeek-V3's MLA, `mla_ragged_paged_attention`) compiled
+for their real targets without the hardware: Mosaic for TPU v5e and v6e, Triton for an H100 (see
+test_compile_kernels.py for how). Shapes: V3's 576-wide latent rows (512 latent + 64 RoPE'd),
+its 128 query heads split by tensor parallelism, a decode, a mixed and a prefill bucket at 64
+sequences, in the runtime's cache layout (transformer.kv_cache_shape: [pages, page_size, 576],
+on TPU [pages, page_size, 640]) updated in place."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from tests.compile_targets import cache_copies, compile_for, devices
+from tests.kernels.test_compile_kernels import (BATCHES, CACHE_BYTES, CONTEXT, cache_scatters,
+                                                one_device_mesh)
+from xlaserve.executor import aot
+from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
+
+LATENT, ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim
+V3_HEADS = {"tp8": 16, "tp4": 32, "tp1": 128}
+KERNELS = {"tpu": kernel_tpu.mla_ragged_paged_attention,
+           "gpu": kernel_gpu.mla_ragged_paged_attention}
+CASES = [("tp8", "decode"), ("tp8", "mixed"), ("tp8", "prefill"), ("tp1", "decode"),
+         ("tp4", "prefill")]
+
+
+def mla_args(mesh, heads, batch, page_size=16, dtype="bfloat16", cache_row=None):
+    tokens, seqs = BATCHES[batch]
+    row = LATENT + ROPE
+    platform = mesh.devices.flat[0].platform
+    cache_row = cache_row or (640 if platform == "tpu" else row)
+    pages_per_seq = CONTEXT // page_size
+    num_pages = max(seqs * pages_per_seq + 1,
+                    CACHE_BYTES // (page_size * cache_row * jnp.dtype(dtype).itemsize))
+    at = lambda shape, dt=dtype: aot.abstract(shape, jnp.dtype(dt), mesh, P())
+    return dict(q=at((tokens, heads, row)), latent=at((tokens, row)),
+                kv_cache=at((num_pages, page_size, cache_row)), kv_lens=at((seqs,), "int32"),
+                page_indices=at((seqs, pages_per_seq), "int32"),
+                cu_q_lens=at((seqs + 1,), "int32"), num_seqs=at((1,), "int32"))
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "v5e:2x2", "h100"])
+@pytest.mark.parametrize("layout,batch", CASES, ids=["-".join(c) for c in CASES])
+def test_latent_attention_kernel_compiles_at_deepseek_v3_shapes(target, layout, batch):
+    platform, target_devices = devices(target)
+    mesh = one_device_mesh(target_devices)
+    args = mla_args(mesh, V3_HEADS[layout], batch)
+    kernel = jax.jit(KERNELS[platform], static_argnames=("sm_scale", "value_dim"),
+                     donate_argnames=("kv_cache",))
+    compiled = compile_for(mesh, kernel, **args, sm_scale=0.1, value_dim=LATENT)
+    hlo = compiled.as_text()
+    cache = args["kv_cache"]
+    assert not cache_copies(hlo, cache.shape, cache.dtype), "the latent cache is copied"
+    assert "input_output_alias" in hlo.splitlines()[0], "the cache is not updated in place"
+    if platform == "tpu":  # the kernel writes the new rows itself
+        assert not cache_scatters(hlo, cache.shape, cache.dtype), "the new rows are scattered"
+    # No temporary of the cache's size (the GPU's split-KV partials of 128 heads are 67 MB).
+    assert compiled.memory_analysis().temp_size_in_bytes < CACHE_BYTES // 2
+
+
+def test_an_unpadded_latent_cache_would_be_copied_on_tpu():
+    # Why a TPU cache pads V3's 576-wide rows to 640 lanes: TPU's default layout for a
+    # [pages, 16, 576] array tiles the pages dim instead (no lane padding), and the kernel's
+    # row-major view of it is a copy of the whole cache, every layer and step.
+    _, target_devices = devices("v6e:2x2")
+    mesh = one_device_mesh(target_devices)
+    args = mla_args(mesh, 16, "decode", cache_row=LATENT + ROPE)
+    kernel = jax.jit(kernel_tpu.mla_ragged_paged_attention,
+                     static_argnames=("sm_scale", "value_dim"), donate_argnames=("kv_cache",))
+    hlo = compile_for(mesh, kernel, **args, sm_scale=0.1, value_dim=LATENT).as_text()
+    cache = args["kv_cache"]
+    assert cache_copies(hlo, cache.shape, cache.dtype)
