@@ -408,9 +408,35 @@ def load_tokenizer(source: str, trust_remote_code: bool = False):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(source)
+    remote_class = _remote_tokenizer_class(source)
+    if remote_class and not trust_remote_code:
+        raise ValueError(f"{source}'s tokenizer is Python code shipped with the checkpoint "
+                         f"({remote_class}): pass --trust-remote-code to let transformers run it")
+    import transformers
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except ImportError as error:
+        if not remote_class:
+            raise
+        # The checkpoint's code was written for another transformers (or needs a package).
+        raise ValueError(f"{source}'s tokenizer code ({remote_class}) does not import with "
+                         f"transformers {transformers.__version__}: {error}") from None
+
+
+def _remote_tokenizer_class(directory: str) -> str | None:
+    """The "module.Class" of the tokenizer code a local checkpoint ships (tokenizer_config.json's
+    auto_map, as Kimi K2's `tokenization_kimi.TikTokenTokenizer`), or None."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            auto_map = json.load(f).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    classes = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    if isinstance(classes, str):
+        classes = [classes]
+    return next((name for name in classes or [] if isinstance(name, str)), None)
 
 
 def _generic_fast_tokenizer(directory: str) -> bool:

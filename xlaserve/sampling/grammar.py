@@ -40,6 +40,13 @@ _CACHE_SIZE = 256  # compiled grammars kept, by (kind, text)
 MAX_JSON_DEPTH = 64
 
 
+def tiktoken_encoding(tokenizer):
+    """The `tiktoken.Encoding` behind a slow tokenizer built on one (Kimi K2's remote-code
+    `TikTokenTokenizer` keeps it as `.model`), which llguidance reads directly; else None."""
+    encoding = getattr(tokenizer, "model", None)
+    module = type(encoding).__module__ or ""
+    return encoding if module.startswith("tiktoken") and not tokenizer.is_fast else None
+
 class InvalidGrammar(ValueError):
     """A constraint that cannot be used; `param` names the request field."""
 
@@ -182,9 +189,17 @@ class GrammarBackend:
                 import llguidance
                 import llguidance.hf
 
+                encoding = tiktoken_encoding(self._tokenizer)
                 try:
-                    self._token_table = llguidance.hf.from_tokenizer(
-                        self._tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                    if encoding is not None:
+                        import llguidance.tiktoken
+
+                        self._token_table = llguidance.tiktoken.lltokenizer_from_encoding(
+                            encoding, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                    else:
+                        self._token_table = llguidance.hf.from_tokenizer(
+                            self._tokenizer, n_vocab=self.vocab_size,
+                            eos_token=self.eos_token_ids)
                 except ValueError as error:  # a slow (sentencepiece-only) tokenizer
                     raise InvalidGrammar("", f"constrained decoding needs a fast tokenizer: {error}")
                 self._executor = llguidance.LLExecutor()
