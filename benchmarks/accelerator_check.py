@@ -29,6 +29,7 @@ CI (tests/test_accelerator_check.py), so a shape Triton refuses shows there firs
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -59,6 +60,7 @@ PLANS = {
         ragged=(16, 300), copy_bytes=1 << 30, iters=20,
         bench_batches=bench_attention.BATCHES, bench_dtype="bfloat16",
         bench_heads=dict(num_q_heads=16, num_kv_heads=4, head_dim=128),
+        latent_heads=dict(num_q_heads=16, row_dim=576, value_dim=512, page_size=16),  # V3, tp 8
         # A decode step is (T(long) - T(short)) / (long - short): `short` must outlast the
         # prefill of the biggest batch, 256 x 128 tokens at up to 4096 a step (about 9 steps).
         models=["qwen2.5-0.5b", "llama-3.1-8b"], batches=[1, 32, 256], input_len=128,
@@ -71,7 +73,7 @@ PLANS = {
         # server, whose precompile runs beside this process's 75% of the GPU, was not ready in
         # 90 s (17-22 s a program; alone it was ready in 69 s), hence its larger share now.
         budgets={"qwen2.5-0.5b": 120, "llama-3.1-8b": 150, "attention_correctness": 60,
-                 "attention_timing": 30, "server": 170}),
+                 "latent_attention_correctness": 30, "attention_timing": 30, "server": 170}),
     "quick": dict(
         attention_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16),
         ragged_heads=dict(num_q_heads=6, num_kv_heads=2, head_dim=32, page_size=16),
@@ -80,6 +82,7 @@ PLANS = {
         ragged=(5, 24), copy_bytes=256 << 20, iters=3,
         bench_batches={"decode": (8, 1, 256), "prefill": (2, 64, 64)}, bench_dtype="float32",
         bench_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32),
+        latent_heads=dict(num_q_heads=4, row_dim=48, value_dim=32, page_size=16),
         models=["tiny"], batches=[1, 8], input_len=8, short=4, long=12, max_running=8,
         context=64, max_prefill=64, offline=dict(num_prompts=16, input_len=(8, 16), output_len=8),
         server_timeout_s=150, time_budget_s=None, budgets={}),
@@ -107,27 +110,37 @@ def attention_batches(plan: dict, rng) -> dict[str, tuple[dict, list[tuple[int, 
     }
 
 
-def check_attention(plan: dict, out_of_time=lambda: False) -> dict:
-    name, kernel = lib.kernel_under_test(jax.default_backend())
+def check_attention(plan: dict, out_of_time=lambda: False, latent: bool = False) -> dict:
+    """The platform's Pallas kernel against the reference on every batch in both dtypes;
+    `latent`: the multi-head latent attention kernel, on the decode, prefill and mixed batches
+    at plan["latent_heads"] (DeepSeek-V3's rows at tp 8)."""
+    name, kernel = lib.kernel_under_test(
+        jax.default_backend(), "mla_ragged_paged_attention" if latent else "ragged_paged_attention")
     rng = np.random.default_rng(0)
     batches = attention_batches(plan, rng)
+    make_case, value_dim = lib.make_attention_case, None
+    if latent:
+        batches = {b: (plan["latent_heads"], seqs) for b, (_, seqs) in batches.items()
+                   if b != "ragged"}
+        make_case, value_dim = lib.make_latent_attention_case, plan["latent_heads"]["value_dim"]
+    label = "latent" if latent else "attention"
     cases = []
     for dtype in ("float32", "bfloat16"):
         for batch, (shape, seqs) in batches.items():
             if out_of_time():
                 result = {"skipped": "the step's time budget is spent"}
                 cases.append({"batch": batch, "dtype": dtype, **result})
-                print(f"  attention {batch:<8} {dtype:<9} SKIP", flush=True)
+                print(f"  {label} {batch:<8} {dtype:<9} SKIP", flush=True)
                 continue
-            case = lib.make_attention_case(rng, seqs, dtype=jnp.dtype(dtype), **shape)
+            case = make_case(rng, seqs, dtype=jnp.dtype(dtype), **shape)
             start = time.perf_counter()  # compile and run: compile costs show on a new device
             try:
-                result = lib.compare_with_reference(kernel, case, TOLERANCE[dtype])
+                result = lib.compare_with_reference(kernel, case, TOLERANCE[dtype], value_dim)
             except Exception as error:  # one case failing to compile must not hide the others
                 result = {"passed": False, "error": _describe(error)}
             cases.append({"batch": batch, "dtype": dtype, "num_seqs": len(seqs), **shape, **result,
                           "seconds": round(time.perf_counter() - start, 1)})
-            print(f"  attention {batch:<8} {dtype:<9} {_status(result)} {_error_text(result)}",
+            print(f"  {label} {batch:<8} {dtype:<9} {_status(result)} {_error_text(result)}",
                   flush=True)
     return {"kernel": name, "cases": cases,
             "passed": all(c.get("passed", True) for c in cases)}
@@ -290,8 +303,11 @@ def print_summary(results: dict) -> None:
     if "device_kind" in env:
         rows.append(("environment", f"{env['device_kind']} ({env['backend']})",
                      f"jax {env['versions']['jax']}, python {env['python']}", ""))
-    for case in results.get("attention_correctness", {}).get("cases", []):
-        rows.append(("attention", f"{case['batch']} {case['dtype']}", _error_text(case), _status(case)))
+    for section, label in (("attention_correctness", "attention"),
+                           ("latent_attention_correctness", "latent attention")):
+        for case in results.get(section, {}).get("cases", []):
+            rows.append((label, f"{case['batch']} {case['dtype']}", _error_text(case),
+                         _status(case)))
     bw = results.get("bandwidth", {})
     if "copy_gbps" in bw:
         rows.append(("bandwidth", "device copy", f"{bw['copy_gbps']:.0f} GB/s; roofline uses "
@@ -336,6 +352,7 @@ def run_steps(run: Run, plan: dict, args, tiny_dir: str) -> None:
         run.step(name, benchmark_model, plan, name, path, hbm, partial, run.save,
                  into=run.results["models"])
     run.step("attention_correctness", check_attention, plan)
+    run.step("latent_attention_correctness", functools.partial(check_attention, latent=True), plan)
     run.step("attention_timing", time_attention, plan, hbm)
     if args.skip_server:
         run.results["server"] = {"skipped": "--skip-server"}

@@ -95,31 +95,50 @@ def make_attention_case(rng, seqs, *, num_q_heads, num_kv_heads, head_dim, page_
                            num_q_heads=num_q_heads, head_dim=head_dim, dtype=dtype)
 
 
-def kernel_under_test(backend: str):
-    """(name, jitted kernel) of this platform's Pallas kernel; on CPU the GPU kernel interpreted."""
+def make_latent_attention_case(rng, seqs, *, num_q_heads, row_dim, page_size, dtype, **_):
+    """`make_attention_case` for multi-head latent attention (cases.make_mla_case)."""
+    total = sum(q for q, _ in seqs)
+    needed = [-(-kv // page_size) for _, kv in seqs]
+    return cases.make_mla_case(rng, seqs, max_seqs=len(seqs) + 2, num_tokens=total + 5,
+                               page_size=page_size, pages_per_seq=max(needed) + 1,
+                               num_pages=sum(needed) + 4, num_q_heads=num_q_heads,
+                               row_dim=row_dim, dtype=dtype)
+
+
+def kernel_under_test(backend: str, name: str = "ragged_paged_attention"):
+    """(name, jitted kernel) of this platform's Pallas kernel `name` (or
+    "mla_ragged_paged_attention"); on CPU the GPU kernel interpreted."""
     from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
 
-    name, fn, interpret = {"tpu": ("pallas tpu", kernel_tpu.ragged_paged_attention, False),
-                           "gpu": ("pallas gpu", kernel_gpu.ragged_paged_attention, False)}.get(
-        backend, ("pallas gpu, interpreted", kernel_gpu.ragged_paged_attention, True))
-    return name, jax.jit(functools.partial(fn, interpret=interpret), static_argnames=("sm_scale",))
+    label, module, interpret = {"tpu": ("pallas tpu", kernel_tpu, False),
+                                "gpu": ("pallas gpu", kernel_gpu, False)}.get(
+        backend, ("pallas gpu, interpreted", kernel_gpu, True))
+    fn = functools.partial(getattr(module, name), interpret=interpret)
+    return label, jax.jit(fn, static_argnames=_static_names(name))
+
+
+def _static_names(name: str) -> tuple[str, ...]:
+    return ("sm_scale", "value_dim") if name.startswith("mla_") else ("sm_scale",)
 
 
 @functools.cache
-def _reference():
+def _reference(name: str):
     from xlaserve.pallas_kernels.ragged_paged_attention import reference
 
-    return jax.jit(reference.ragged_paged_attention, static_argnames=("sm_scale",))
+    return jax.jit(getattr(reference, name), static_argnames=_static_names(name))
 
 
-def compare_with_reference(kernel, case: dict, tol: float) -> dict:
+def compare_with_reference(kernel, case: dict, tol: float, value_dim: int | None = None) -> dict:
     """Max abs error of the kernel's output rows (padding rows included: both must give 0) and
-    whether the cache it returns equals the reference's, NaN where NaN."""
+    whether the cache it returns equals the reference's, NaN where NaN. `value_dim`: the case is
+    multi-head latent attention's (make_latent_attention_case)."""
     args = {k: jnp.asarray(v) for k, v in case.items()}
     sm_scale = case["q"].shape[-1] ** -0.5
-    out, cache = kernel(**args, sm_scale=sm_scale)
+    static = {} if value_dim is None else {"value_dim": value_dim}
+    name = "ragged_paged_attention" if value_dim is None else "mla_ragged_paged_attention"
+    out, cache = kernel(**args, sm_scale=sm_scale, **static)
     with jax.default_matmul_precision("highest"):  # the specification, not TF32
-        want, want_cache = _reference()(**args, sm_scale=sm_scale)
+        want, want_cache = _reference(name)(**args, sm_scale=sm_scale, **static)
     as_f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
     out, want = as_f32(out), as_f32(want)
     error = np.abs(out - want)

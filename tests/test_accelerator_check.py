@@ -17,8 +17,8 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
     results = json.loads(out.read_text())
 
     assert results["passed"] and results["failures"] == []
-    for section in ("environment", "attention_correctness", "bandwidth", "attention_timing",
-                    "server", "models"):
+    for section in ("environment", "attention_correctness", "latent_attention_correctness",
+                    "bandwidth", "attention_timing", "server", "models"):
         assert section in results and "error" not in results[section], section
     assert results["environment"]["backend"] == "cpu"
 
@@ -27,6 +27,10 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
         (b, d) for b in ("decode", "prefill", "mixed", "ragged") for d in ("float32", "bfloat16")}
     assert all(c["passed"] and c["cache_equal"] and c["max_abs_error"] <= c["tolerance"]
                for c in cases)
+    latent = results["latent_attention_correctness"]["cases"]  # DeepSeek's MLA kernel
+    assert {(c["batch"], c["dtype"]) for c in latent} == {
+        (b, d) for b in ("decode", "prefill", "mixed") for d in ("float32", "bfloat16")}
+    assert all(c["passed"] and c["cache_equal"] for c in latent)
 
     assert results["bandwidth"]["copy_gbps"] > 0
     assert {r["implementation"] for r in results["attention_timing"]["rows"]} >= {"reference (XLA)"}
@@ -96,7 +100,17 @@ def test_every_attention_shape_of_the_gpu_check_compiles_for_an_h100():
             **plan["bench_heads"]))
         compile_for(mesh, kernel, **abstract(batch), sm_scale=0.1)
         compiled.append((name, plan["bench_dtype"]))
-    assert len(compiled) == 8 + len(plan["bench_batches"])
+    latent_kernel = jax.jit(kernel_gpu.mla_ragged_paged_attention,
+                            static_argnames=("sm_scale", "value_dim"))
+    heads = plan["latent_heads"]
+    for dtype in ("float32", "bfloat16"):
+        for name, (_, seqs) in check.attention_batches(plan, rng).items():
+            if name != "ragged":
+                case = lib.make_latent_attention_case(rng, seqs, dtype=jnp.dtype(dtype), **heads)
+                compile_for(mesh, latent_kernel, **abstract(case), sm_scale=0.1,
+                            value_dim=heads["value_dim"])
+                compiled.append((name, dtype))
+    assert len(compiled) == 8 + len(plan["bench_batches"]) + 6
 
 
 def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
