@@ -22,7 +22,8 @@ from jax.experimental.pallas import tpu as pltpu
 from tests.kernels.test_reference_attention import (BATCHES, LONG_AND_SHORT, RAGGED_SHAPES,
                                                     SM_SCALE, attention, make_case,
                                                     random_kernel_case)
-from xlaserve.pallas_kernels.ragged_paged_attention import api, cases, kernel_gpu, kernel_tpu
+from xlaserve.pallas_kernels.ragged_paged_attention import (api, cases, kernel_gpu, kernel_tpu,
+                                                         tpu_page_writes)
 
 STATIC = ("sm_scale", "sliding_window", "soft_cap", "interpret", "q_block", "kv_block_pages")
 KERNELS = {
@@ -193,7 +194,7 @@ def test_tpu_kernel_writes_back_only_the_sublane_tiles_holding_new_tokens(dtype,
 
 
 def test_tpu_written_tiles_cover_the_new_tokens_of_a_page_and_nothing_more():
-    tiles = lambda page_pos, first, last: tuple(int(x) for x in kernel_tpu.written_tiles(
+    tiles = lambda page_pos, first, last: tuple(int(x) for x in tpu_page_writes.written_tiles(
         page_pos, first, last, page_size=256, tile=16))
     assert tiles(0, 40, 40) == (2, 3)  # a decode token: one tile
     assert tiles(256, 511, 511) == (15, 16)  # the page's last row

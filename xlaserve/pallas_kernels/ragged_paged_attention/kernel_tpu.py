@@ -62,6 +62,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
+from xlaserve.pallas_kernels.ragged_paged_attention.tpu_page_writes import (
+    gather_new_rows, merge_new_rows, sublanes, written_tiles)
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, query_group, round_up,
     sanitize_metadata, scatter_outputs)
@@ -80,11 +82,6 @@ def default_kv_block_pages(page_size, token_bytes, pages_per_seq):
     `token_bytes`: one token's cache row (2 * Hkv * D entries, or MLA's latent row)."""
     tokens = min(MAX_KV_BLOCK_TOKENS, KV_BUFFER_BYTES // token_bytes)
     return max(1, min(tokens // page_size, pages_per_seq))
-
-
-def sublanes(dtype) -> int:
-    """Rows of one VMEM tile: 8 for 32-bit types, 16 for bfloat16 (two rows packed)."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -112,7 +109,9 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
     rows = round_up(q_block * group, sublanes(q.dtype))
     q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
-    new_kv_items = gather_new_kv(k, v, flat_cache.dtype, cu_q_lens, item_seq, item_row0, q_block)
+    new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, -1)  # K of kv head h, then its V
+    new_kv_items = gather_new_rows(new_kv, flat_cache.dtype, cu_q_lens, item_seq, item_row0,
+                                   q_block)
     out_items, flat_cache = _attention(
         q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,
         num_seqs, page_indices, sm_scale=sm_scale, sliding_window=sliding_window,
@@ -145,10 +144,8 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
     rows = round_up(q_block * num_q_heads, sublanes(q.dtype))
     q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, 1, rows)
-    new_rows = 1 if q_block == 1 else round_up(q_block, sublanes(kv_cache.dtype))
     latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - row_dim)))  # to the cache's lanes
-    new_items = gather_queries(latent[:, None].astype(kv_cache.dtype), cu_q_lens, item_seq,
-                               item_row0, q_block, 1, new_rows)[:, 0]
+    new_items = gather_new_rows(latent, kv_cache.dtype, cu_q_lens, item_seq, item_row0, q_block)
     out_items, kv_cache = _attention(
         q_items, new_items, kv_cache, None, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
         page_indices, sm_scale=sm_scale, sliding_window=None, soft_cap=None, q_block=q_block,
@@ -157,18 +154,6 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
                           num_q_heads)
     return out, kv_cache
-
-
-def gather_new_kv(k, v, dtype, cu_q_lens, item_seq, item_row0, q_block):
-    """The new K/V of each work item in the cache's token layout, [W, rows, 2*Hkv*D] (K of kv head
-    h at lanes [2hD, 2hD+D), V after it): row r is the item's token r, rows past its tokens are 0.
-    One row for decode items (a 1-row block is the whole dim, so the DMA moves one row), else
-    q_block rounded up to whole sublane tiles, which the in-kernel merge slices at tile
-    boundaries."""
-    num_tokens = k.shape[0]
-    new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 1, -1).astype(dtype)
-    rows = 1 if q_block == 1 else round_up(q_block, sublanes(dtype))
-    return gather_queries(new_kv, cu_q_lens, item_seq, item_row0, q_block, 1, rows)[:, 0]
 
 
 def check_shapes(page_size: int, dtype, max_seqs: int, pages_per_seq: int) -> None:
@@ -333,7 +318,7 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
             lax.fori_loop(first, end, body, 0)
 
         def write_page(page, rows, dst):
-            _merge_new_rows(rows, new_kv_ref, page_pos=page * page_size,
+            merge_new_rows(rows, new_kv_ref, page_pos=page * page_size,
                             first_pos=span.first_pos, last_pos=span.last_pos)
             write_tiles(page, rows, dst, lambda copy: copy.start())
 
@@ -386,47 +371,6 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
             # l >= 1 on every real row (its own key or its sink scores exp(0)); padding rows only
             # see MASK_VALUE scores, so l counts the block's keys there (or is the sink's 1).
             o_ref[0, h] = (acc_ref[h] / l_ref[h][:, :1]).astype(o_ref.dtype)
-
-
-def written_tiles(page_pos, first_pos, last_pos, *, page_size: int, tile: int):
-    """(first, end): the sublane tiles of `tile` rows of the page holding positions page_pos..
-    that receive some of the new tokens first_pos..last_pos (the page must receive one). Only
-    they are written back: a decode item's one token is one tile (16 rows of bfloat16), not the
-    whole page (up to 256 rows); the rows of a tile around new tokens are written back as read."""
-    first = jnp.maximum(first_pos - page_pos, 0) // tile
-    end = jnp.minimum(last_pos - page_pos, page_size - 1) // tile + 1
-    return first, end
-
-
-def _merge_new_rows(rows, new_kv_ref, *, page_pos, first_pos, last_pos):
-    """Overwrites, in the VMEM copy `rows` [page_size, 2*Hkv*D] of the page holding positions
-    page_pos.., the item's new tokens (positions first_pos..last_pos) with their rows of
-    new_kv_ref [1, n, 2*Hkv*D] (row j: position first_pos + j).
-
-    A bfloat16 row cannot be stored at an odd sublane (two rows share a 32-bit sublane), so the
-    rows are lined up with the page by a dynamic sublane roll of a tile-aligned window of the new
-    rows, in float32 (exact both ways), and selected by position."""
-    page_size, lanes = rows.shape
-    new_rows = new_kv_ref.shape[1]
-    pos = page_pos + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
-    is_new = (pos >= first_pos) & (pos <= last_pos)
-    if new_rows == 1:  # a decode item: one token
-        new = jnp.broadcast_to(new_kv_ref[0, 0:1].astype(jnp.float32), (page_size, lanes))
-    else:
-        align = sublanes(rows.dtype)
-        window = page_size + align  # any page_size rows starting in an aligned tile
-        first_row = page_pos - first_pos  # the new row that lands on the page's row 0 (or < 0)
-        if new_rows >= window:
-            start = jnp.clip(first_row, 0, new_rows - window) // align * align
-            x = new_kv_ref[0, pl.ds(pl.multiple_of(start, align), window)].astype(jnp.float32)
-        else:
-            start = 0
-            x = jnp.concatenate([new_kv_ref[0].astype(jnp.float32),
-                                 jnp.zeros((window - new_rows, lanes), jnp.float32)])
-        lag = first_row - start  # in (-page_size, window): page row r takes x[r + lag]
-        x = pltpu.roll(x, jnp.where(lag > 0, window - lag, -lag), 0)  # x'[r] = x[r - shift]
-        new = x[:page_size]
-    rows[...] = jnp.where(is_new, new.astype(rows.dtype), rows[...])
 
 
 def _token_of_row(row, group: int):
