@@ -19,8 +19,9 @@ LATENT, ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim
 V3_HEADS = {"tp8": 16, "tp4": 32, "tp1": 128}
 KERNELS = {"tpu": kernel_tpu.mla_ragged_paged_attention,
            "gpu": kernel_gpu.mla_ragged_paged_attention}
-CASES = [("tp8", "decode"), ("tp8", "mixed"), ("tp8", "prefill"), ("tp1", "decode"),
-         ("tp4", "prefill")]
+CASES = [("tp8", "decode", "bfloat16"), ("tp8", "mixed", "bfloat16"),
+         ("tp8", "prefill", "bfloat16"), ("tp1", "decode", "bfloat16"),
+         ("tp4", "prefill", "bfloat16"), ("tp8", "mixed", "float32")]
 
 
 def mla_args(mesh, heads, batch, page_size=16, dtype="bfloat16", cache_row=None):
@@ -39,11 +40,11 @@ def mla_args(mesh, heads, batch, page_size=16, dtype="bfloat16", cache_row=None)
 
 
 @pytest.mark.parametrize("target", ["v6e:2x2", "v5e:2x2", "h100"])
-@pytest.mark.parametrize("layout,batch", CASES, ids=["-".join(c) for c in CASES])
-def test_latent_attention_kernel_compiles_at_deepseek_v3_shapes(target, layout, batch):
+@pytest.mark.parametrize("layout,batch,dtype", CASES, ids=["-".join(c) for c in CASES])
+def test_latent_attention_kernel_compiles_at_deepseek_v3_shapes(target, layout, batch, dtype):
     platform, target_devices = devices(target)
     mesh = one_device_mesh(target_devices)
-    args = mla_args(mesh, V3_HEADS[layout], batch)
+    args = mla_args(mesh, V3_HEADS[layout], batch, dtype=dtype)
     kernel = jax.jit(KERNELS[platform], static_argnames=("sm_scale", "value_dim"),
                      donate_argnames=("kv_cache",))
     compiled = compile_for(mesh, kernel, **args, sm_scale=0.1, value_dim=LATENT)
