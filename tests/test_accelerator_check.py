@@ -103,14 +103,16 @@ def test_every_attention_shape_of_the_gpu_check_compiles_for_an_h100():
     latent_kernel = jax.jit(kernel_gpu.mla_ragged_paged_attention,
                             static_argnames=("sm_scale", "value_dim"))
     heads = plan["latent_heads"]
+    # The latent cases: bfloat16's three, float32's decode (a float32 mixed batch of the latent
+    # kernel is compiled by test_compile_mla_kernels.py --slow): ~25 s a compile here.
     for dtype in ("float32", "bfloat16"):
         for name, (_, seqs) in check.attention_batches(plan, rng).items():
-            if name != "ragged":
+            if name != "ragged" and (dtype == "bfloat16" or name == "decode"):
                 case = lib.make_latent_attention_case(rng, seqs, dtype=jnp.dtype(dtype), **heads)
                 compile_for(mesh, latent_kernel, **abstract(case), sm_scale=0.1,
                             value_dim=heads["value_dim"])
                 compiled.append((name, dtype))
-    assert len(compiled) == 8 + len(plan["bench_batches"]) + 6
+    assert len(compiled) == 8 + len(plan["bench_batches"]) + 4
 
 
 def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):

@@ -19,9 +19,22 @@ LATENT, ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim
 V3_HEADS = {"tp8": 16, "tp4": 32, "tp1": 128}
 KERNELS = {"tpu": kernel_tpu.mla_ragged_paged_attention,
            "gpu": kernel_gpu.mla_ragged_paged_attention}
+TARGETS = ("v6e:2x2", "v5e:2x2", "h100")
 CASES = [("tp8", "decode", "bfloat16"), ("tp8", "mixed", "bfloat16"),
          ("tp8", "prefill", "bfloat16"), ("tp1", "decode", "bfloat16"),
          ("tp4", "prefill", "bfloat16"), ("tp8", "mixed", "float32")]
+# Without --slow (a compile takes 1-26 s here): a decode on every target, the tp 1 decode
+# (128 heads; on the H100, 4 KV splits of 8 programs an item) and a tp 4 prefill on v6e and H100.
+DEFAULT = {(t, "tp8", "decode", "bfloat16") for t in TARGETS} | {
+    (t, layout, batch, "bfloat16") for t in ("v6e:2x2", "h100")
+    for layout, batch in (("tp1", "decode"), ("tp4", "prefill"))}
+
+
+def pytest_generate_tests(metafunc):
+    if "mla_case" in metafunc.fixturenames:
+        slow = metafunc.config.getoption("--slow")
+        chosen = [(t, *c) for t in TARGETS for c in CASES if slow or (t, *c) in DEFAULT]
+        metafunc.parametrize("mla_case", chosen, ids=["-".join(c) for c in chosen])
 
 
 def mla_args(mesh, heads, batch, page_size=16, dtype="bfloat16", cache_row=None):
@@ -39,9 +52,8 @@ def mla_args(mesh, heads, batch, page_size=16, dtype="bfloat16", cache_row=None)
                 cu_q_lens=at((seqs + 1,), "int32"), num_seqs=at((1,), "int32"))
 
 
-@pytest.mark.parametrize("target", ["v6e:2x2", "v5e:2x2", "h100"])
-@pytest.mark.parametrize("layout,batch,dtype", CASES, ids=["-".join(c) for c in CASES])
-def test_latent_attention_kernel_compiles_at_deepseek_v3_shapes(target, layout, batch, dtype):
+def test_latent_attention_kernel_compiles_at_deepseek_v3_shapes(mla_case):
+    target, layout, batch, dtype = mla_case
     platform, target_devices = devices(target)
     mesh = one_device_mesh(target_devices)
     args = mla_args(mesh, V3_HEADS[layout], batch, dtype=dtype)
