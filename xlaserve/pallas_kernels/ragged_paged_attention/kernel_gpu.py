@@ -96,11 +96,11 @@ def kv_block_bytes(block_tokens: int, head_dim: int, itemsize: int) -> int:
     return 2 * block_tokens * head_dim * itemsize  # K and V
 
 
-def default_num_stages(block_tokens: int, head_dim: int, itemsize: int) -> int:
-    """Triton's software pipeline keeps `num_stages` KV blocks in shared memory: two where they
-    fit, else one (float32 128-token pages of head dim 128 asked for 264 KiB against an H100's
-    227, compiled deviceless)."""
-    return 2 if 2 * kv_block_bytes(block_tokens, head_dim, itemsize) <= SHARED_MEMORY_FOR_KV else 1
+def default_num_stages(block_bytes: int) -> int:
+    """Triton's software pipeline keeps `num_stages` KV blocks (of `block_bytes`: K and V, or
+    MLA's latent rows) in shared memory: two where they fit, else one (float32 128-token pages of
+    head dim 128 asked for 264 KiB against an H100's 227, compiled deviceless)."""
+    return 2 if 2 * block_bytes <= SHARED_MEMORY_FOR_KV else 1
 
 
 def default_num_kv_splits(num_items: int, num_kv_heads: int, num_kv_blocks: int,
@@ -130,50 +130,32 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
-    max_seqs, pages_per_seq = page_indices.shape
+    pages_per_seq = page_indices.shape[1]
     if kv_block_pages is None:
         kv_block_pages = default_kv_block_pages(page_size, pages_per_seq)
     block_tokens = kv_block_pages * page_size
     check_shapes(block_tokens, head_dim, kv_cache.dtype.itemsize)
     if num_stages is None:
-        num_stages = default_num_stages(block_tokens, head_dim, kv_cache.dtype.itemsize)
+        num_stages = default_num_stages(kv_block_bytes(block_tokens, head_dim,
+                                                       kv_cache.dtype.itemsize))
     kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
-
     token_page, token_slot = new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens,
                                              page_size)
     kv_cache = write_new_kv_with_xla(kv_cache, k, v, token_page, token_slot)
-
-    if q_block is None:
-        q_block = default_q_block(num_tokens, max_seqs, group, max_rows=128)
-    rows = max(16, next_power_of_two(q_block * group))
-    item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
-    q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
-    # Whole KV steps of the page table, so that a step's slice of it is always in range.
-    padded_pages = -(-pages_per_seq // kv_block_pages) * kv_block_pages
-    page_indices = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))
-
-    num_items = q_items.shape[0]
-    if num_kv_splits is None:
-        num_kv_splits = default_num_kv_splits(num_items, num_kv_heads,
-                                              padded_pages // kv_block_pages, q_block)
-
     # The cache as [pages, page_size, Hkv, 2, D]: program (w, h, s) sees K of head h as one
     # [pages, page_size, D] operand and V as another, both views of the same buffer.
     cache = kv_cache.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
     whole_cache = (num_pages, page_size, None, None, head_dim)
     cache_specs = [pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 0, 0)),  # K
                    pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 1, 0))]  # V
-    sinks_in = []
-    if sinks is not None:
-        sinks_in = [sinks_by_row(check_sinks(sinks, num_q_heads), num_kv_heads, q_block, rows)]
-    out_items = _run(q_items, [cache, cache], cache_specs, sinks_in, item_seq, item_row0, kv_lens,
-                     cu_q_lens, num_seqs, page_indices, out_dim=head_dim, sm_scale=sm_scale,
-                     sliding_window=sliding_window, soft_cap=soft_cap, q_block=q_block,
-                     group=group, page_size=page_size, kv_block_pages=kv_block_pages,
-                     num_kv_splits=num_kv_splits, num_warps=num_warps, num_stages=num_stages,
-                     interpret=interpret, value_dim=None)
-    return gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads), kv_cache
+    out = _attend_items(
+        q, [cache, cache], cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs,
+        num_kv_heads=num_kv_heads, group=group, max_rows=128, q_block=q_block,
+        kv_block_pages=kv_block_pages, num_kv_splits=num_kv_splits, out_dim=head_dim,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None)
+    return out, kv_cache
 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
@@ -188,8 +170,8 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     RoPE'd part (the rest of the row)."""
     check_mla_shapes(q, latent, kv_cache, value_dim)
     num_tokens, num_q_heads, row_dim = q.shape
-    num_pages, page_size = kv_cache.shape[:2]
-    max_seqs, pages_per_seq = page_indices.shape
+    page_size = kv_cache.shape[1]
+    pages_per_seq = page_indices.shape[1]
     heads = heads_per_program or math.gcd(num_q_heads, MLA_HEADS_PER_PROGRAM)
     if num_q_heads % heads:
         raise ValueError(f"{num_q_heads} heads do not split into programs of {heads}")
@@ -199,33 +181,22 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     itemsize = kv_cache.dtype.itemsize
     check_mla_kernel_shapes(block_tokens, value_dim, row_dim, itemsize)
     if num_stages is None:
-        num_stages = 2 if 2 * block_tokens * row_dim * itemsize <= SHARED_MEMORY_FOR_KV else 1
+        num_stages = default_num_stages(block_tokens * row_dim * itemsize)
     kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
     token_page, token_slot = new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens,
                                              page_size)
     latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - row_dim)))  # to the cache's width
     kv_cache = write_new_rows_with_xla(kv_cache, latent, token_page, token_slot)
-
-    if q_block is None:
-        q_block = default_q_block(num_tokens, max_seqs, heads, max_rows=MLA_MAX_ROWS)
-    rows = max(16, next_power_of_two(q_block * heads))
-    num_programs = num_q_heads // heads  # per item: they take the kv heads' place in the grid
-    item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
-    q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_programs, rows)
-    padded_pages = -(-pages_per_seq // kv_block_pages) * kv_block_pages
-    page_indices = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))
-    if num_kv_splits is None:
-        num_kv_splits = default_num_kv_splits(q_items.shape[0], num_programs,
-                                              padded_pages // kv_block_pages, q_block)
-    cache_spec = pl.BlockSpec(kv_cache.shape, lambda w, h, s: (0, 0, 0))
-    out_items = _run(q_items, [kv_cache], [cache_spec], [], item_seq, item_row0, kv_lens,
-                     cu_q_lens, num_seqs, page_indices, out_dim=value_dim, sm_scale=sm_scale,
-                     sliding_window=None, soft_cap=None, q_block=q_block, group=heads,
-                     page_size=page_size, kv_block_pages=kv_block_pages,
-                     num_kv_splits=num_kv_splits, num_warps=num_warps, num_stages=num_stages,
-                     interpret=interpret, value_dim=value_dim)
-    return gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads), kv_cache
+    # The programs of `heads` query heads take the kv heads' place in the grid.
+    out = _attend_items(
+        q, [kv_cache], [pl.BlockSpec(kv_cache.shape, lambda w, h, s: (0, 0, 0))], None, kv_lens,
+        page_indices, cu_q_lens, num_seqs, num_kv_heads=num_q_heads // heads, group=heads,
+        max_rows=MLA_MAX_ROWS, q_block=q_block, kv_block_pages=kv_block_pages,
+        num_kv_splits=num_kv_splits, out_dim=value_dim, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret, sm_scale=sm_scale, sliding_window=None,
+        soft_cap=None, value_dim=value_dim)
+    return out, kv_cache
 
 
 def check_mla_kernel_shapes(block_tokens: int, value_dim: int, row_dim: int, itemsize: int):
@@ -242,14 +213,34 @@ def check_mla_kernel_shapes(block_tokens: int, value_dim: int, row_dim: int, ite
                          "smaller --page-size")
 
 
-def _run(q_items, caches, cache_specs, sinks_in, item_seq, item_row0, kv_lens, cu_q_lens,
-         num_seqs, page_indices, *, out_dim, num_kv_splits, num_warps, num_stages, interpret,
-         **static):
-    """The pallas_call over the grid (work items, kv heads or head programs, KV splits) and the
-    merge of the splits: out [W, programs, rows, out_dim] in q's dtype."""
-    num_items, num_kv_heads, rows, _ = q_items.shape
+def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                  num_kv_heads, group, max_rows, q_block, kv_block_pages, num_kv_splits, out_dim,
+                  num_warps, num_stages, interpret, **static):
+    """What both entries share, from sanitized metadata and the cache with the new rows written:
+    the work items, q gathered per item for the grid's (work items, kv heads or head programs,
+    KV splits), the pallas_call, the merge of the splits and the outputs in token order:
+    out [T, Hq, out_dim] in q's dtype."""
+    num_tokens, num_q_heads = q.shape[:2]
+    max_seqs, pages_per_seq = page_indices.shape
+    if q_block is None:
+        q_block = default_q_block(num_tokens, max_seqs, group, max_rows=max_rows)
+    rows = max(16, next_power_of_two(q_block * group))
+    item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
+    q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
+    # Whole KV steps of the page table, so that a step's slice of it is always in range.
+    padded_pages = -(-pages_per_seq // kv_block_pages) * kv_block_pages
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))
+    num_items = q_items.shape[0]
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(num_items, num_kv_heads,
+                                              padded_pages // kv_block_pages, q_block)
+    sinks_in = []
+    if sinks is not None:
+        sinks_in = [sinks_by_row(check_sinks(sinks, num_q_heads), num_kv_heads, q_block, rows)]
     kernel = functools.partial(_attention_kernel, num_kv_splits=num_kv_splits,
-                               has_sinks=bool(sinks_in), **static)
+                               has_sinks=bool(sinks_in), q_block=q_block, group=group,
+                               page_size=caches[0].shape[1], kv_block_pages=kv_block_pages,
+                               **static)
     item_spec = pl.BlockSpec((None, None, rows, q_items.shape[3]), lambda w, h, s: (w, h, 0, 0))
     metadata = [pl.BlockSpec(x.shape, lambda w, h, s, n=x.ndim: (0,) * n)
                 for x in (item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices)]
@@ -275,7 +266,8 @@ def _run(q_items, caches, cache_specs, sinks_in, item_seq, item_row0, kv_lens, c
         interpret=interpret,
     )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, *caches,
       *sinks_in)
-    return result if num_kv_splits == 1 else combine_kv_splits(*result).astype(q_items.dtype)
+    out_items = result if num_kv_splits == 1 else combine_kv_splits(*result).astype(q.dtype)
+    return gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads)
 
 
 def combine_kv_splits(acc, m, l):

@@ -91,34 +91,16 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
-    max_seqs, pages_per_seq = page_indices.shape
-    check_shapes(page_size, kv_cache.dtype, max_seqs, pages_per_seq)
     if sinks is not None:
         sinks = check_sinks(sinks, num_q_heads)
-    kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
-        kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
-
     # Free only when the cache is stored flat (the runtime's layout); a [.., 2*Hkv, D] array is
     # tiled on its last two dims on TPU, and this reshape would copy the whole cache.
     flat_cache = kv_cache.reshape(num_pages, page_size, 2 * num_kv_heads * head_dim)
-    if q_block is None:
-        q_block = default_q_block(num_tokens, max_seqs, group)
-    if kv_block_pages is None:
-        kv_block_pages = default_kv_block_pages(
-            page_size, flat_cache.shape[2] * flat_cache.dtype.itemsize, pages_per_seq)
-    item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
-    rows = round_up(q_block * group, sublanes(q.dtype))
-    q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
     new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, -1)  # K of kv head h, then its V
-    new_kv_items = gather_new_rows(new_kv, flat_cache.dtype, cu_q_lens, item_seq, item_row0,
-                                   q_block)
-    out_items, flat_cache = _attention(
-        q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,
-        num_seqs, page_indices, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, q_block=q_block, group=group, kv_block_pages=kv_block_pages,
-        interpret=interpret)
-    out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
-                          num_q_heads)
+    out, flat_cache = _attend_items(
+        q, new_kv, flat_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs,
+        num_kv_heads=num_kv_heads, group=group, q_block=q_block, kv_block_pages=kv_block_pages,
+        interpret=interpret, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     return out, flat_cache.reshape(kv_cache.shape)
 
 
@@ -129,31 +111,42 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     are the cache rows' first Dk lanes and values their first `value_dim` lanes (every query head
     is in the one group). The cache's rows should be whole 128-lane tiles (Dc a multiple of 128:
     transformer.kv_cache_shape pads them). Returns (out, kv_cache)."""
-    num_tokens, num_q_heads, row_dim = q.shape
-    num_pages, page_size = kv_cache.shape[:2]
-    max_seqs, pages_per_seq = page_indices.shape
     check_mla_shapes(q, latent, kv_cache, value_dim)
-    check_shapes(page_size, kv_cache.dtype, max_seqs, pages_per_seq)
+    latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - q.shape[2])))  # to the cache's lanes
+    return _attend_items(
+        q, latent, kv_cache, None, kv_lens, page_indices, cu_q_lens, num_seqs, num_kv_heads=1,
+        group=q.shape[1], q_block=q_block, kv_block_pages=kv_block_pages, interpret=interpret,
+        sm_scale=sm_scale, sliding_window=None, soft_cap=None, value_dim=value_dim)
+
+
+def _attend_items(q, new_rows, flat_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                  num_kv_heads, group, q_block, kv_block_pages, interpret, **static):
+    """What both entries share: the shape checks, the metadata sanitized, the work items, q and
+    the new rows [T, lanes] (in the cache's token layout) gathered per item, the kernel, and the
+    outputs back in token order. Returns (out [T, Hq, value_dim or D], flat_cache)."""
+    num_tokens, num_q_heads = q.shape[:2]
+    page_size = flat_cache.shape[1]
+    max_seqs, pages_per_seq = page_indices.shape
+    check_shapes(page_size, flat_cache.dtype, max_seqs, pages_per_seq)
     kv_lens, page_indices, cu_q_lens, num_seqs = sanitize_metadata(
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
     if q_block is None:
-        q_block = default_q_block(num_tokens, max_seqs, num_q_heads)
+        q_block = default_q_block(num_tokens, max_seqs, group)
     if kv_block_pages is None:
         kv_block_pages = default_kv_block_pages(
-            page_size, kv_cache.shape[2] * kv_cache.dtype.itemsize, pages_per_seq)
+            page_size, flat_cache.shape[2] * flat_cache.dtype.itemsize, pages_per_seq)
     item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
-    rows = round_up(q_block * num_q_heads, sublanes(q.dtype))
-    q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, 1, rows)
-    latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - row_dim)))  # to the cache's lanes
-    new_items = gather_new_rows(latent, kv_cache.dtype, cu_q_lens, item_seq, item_row0, q_block)
-    out_items, kv_cache = _attention(
-        q_items, new_items, kv_cache, None, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
-        page_indices, sm_scale=sm_scale, sliding_window=None, soft_cap=None, q_block=q_block,
-        group=num_q_heads, kv_block_pages=kv_block_pages, interpret=interpret,
-        value_dim=value_dim)
+    rows = round_up(q_block * group, sublanes(q.dtype))
+    q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
+    new_items = gather_new_rows(new_rows, flat_cache.dtype, cu_q_lens, item_seq, item_row0,
+                                q_block)
+    out_items, flat_cache = _attention(
+        q_items, new_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
+        page_indices, q_block=q_block, group=group, kv_block_pages=kv_block_pages,
+        interpret=interpret, **static)
     out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
                           num_q_heads)
-    return out, kv_cache
+    return out, flat_cache
 
 
 def check_shapes(page_size: int, dtype, max_seqs: int, pages_per_seq: int) -> None:
