@@ -13,9 +13,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.loader import MissingTokenizerError, default_mesh, load_model
+from xlaserve.model.loader import default_mesh, load_model
 from xlaserve.model.registry import architecture_of
 from xlaserve.model.sharding import partition_spec
+from xlaserve.model.tokenizer_files import MissingTokenizerError
 from xlaserve.model.transformer import abstract_model, param_count
 from xlaserve.offline import Engine
 

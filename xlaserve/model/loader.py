@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import itertools
-import json
 import logging
 import os
 import time
@@ -47,6 +46,7 @@ from xlaserve.model.quantization import check_quantization_config, dequantizing_
 from xlaserve.model.quantized_rows import QuantizedLinear
 from xlaserve.model.registry import architecture_of, model_class
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
+from xlaserve.model.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.model.weights import SafetensorsSource, WeightError, convert
 
@@ -56,12 +56,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What a hub download fetches besides the weights (*.safetensors): config and tokenizer.
 _HUB_CONFIG_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 LOAD_FORMATS = ("auto", "dummy")
-# Files of the tokenizer formats AutoTokenizer reads (tokenizer.json, tokenizer_config.json,
-# tokenizer.model, vocab.json + merges.txt, spiece.model, tekken.json, *.tiktoken, ...).
-_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "spiece", "tekken")
-_TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken")
-# Tokenizer classes that are PreTrainedTokenizerFast itself (TokenizersBackend in transformers 5).
-_GENERIC_FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +72,6 @@ class LoadedModel:
 
 
 class ModelNotFoundError(FileNotFoundError):
-    pass
-
-
-class MissingTokenizerError(FileNotFoundError):
     pass
 
 
@@ -382,74 +372,6 @@ def read_config(model_path: str | None, load_format: str = "auto", revision: str
                                           trust_remote_code=trust_remote_code)
     tokenizer_source = _folder_of(source_path)
     return config, tokenizer_source if has_tokenizer(tokenizer_source) else None
-
-
-def has_tokenizer(source: str) -> bool:
-    """Whether a GGUF file or directory carries a tokenizer."""
-    if source.endswith(".gguf"):
-        return os.path.isfile(source)
-    names = os.listdir(source) if os.path.isdir(source) else []
-    return any(n.startswith(_TOKENIZER_FILE_PREFIXES) or n.endswith(_TOKENIZER_FILE_SUFFIXES)
-               for n in names)
-
-
-def load_tokenizer(source: str, trust_remote_code: bool = False):
-    """The tokenizer of a GGUF file, a directory or a hub id; a directory without tokenizer files
-    is a one-line error (AutoTokenizer's own is a long one about the hub)."""
-    if source.endswith(".gguf") and os.path.isfile(source):
-        return gguf_file.load_tokenizer(source)
-    if os.path.isdir(source) and not has_tokenizer(source):
-        raise MissingTokenizerError(
-            f"{source} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): "
-            "pass --skip-tokenizer-init to send token ids instead of text, or --tokenizer-path")
-    if _generic_fast_tokenizer(source):
-        # The class AutoTokenizer would pick, without AutoTokenizer's imports: they pull in torch
-        # through transformers' config machinery (3.9 s against 0.9 s on a 2-core CPU).
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(source)
-    remote_class = _remote_tokenizer_class(source)
-    if remote_class and not trust_remote_code:
-        raise ValueError(f"{source}'s tokenizer is Python code shipped with the checkpoint "
-                         f"({remote_class}): pass --trust-remote-code to let transformers run it")
-    import transformers
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except ImportError as error:
-        if not remote_class:
-            raise
-        # The checkpoint's code was written for another transformers (or needs a package).
-        raise ValueError(f"{source}'s tokenizer code ({remote_class}) does not import with "
-                         f"transformers {transformers.__version__}: {error}") from None
-
-
-def _remote_tokenizer_class(directory: str) -> str | None:
-    """The "module.Class" of the tokenizer code a local checkpoint ships (tokenizer_config.json's
-    auto_map, as Kimi K2's `tokenization_kimi.TikTokenTokenizer`), or None."""
-    try:
-        with open(os.path.join(directory, "tokenizer_config.json")) as f:
-            auto_map = json.load(f).get("auto_map") or {}
-    except (OSError, ValueError, AttributeError):
-        return None
-    classes = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
-    if isinstance(classes, str):
-        classes = [classes]
-    return next((name for name in classes or [] if isinstance(name, str)), None)
-
-
-def _generic_fast_tokenizer(directory: str) -> bool:
-    """Whether `directory` holds a tokenizer.json whose tokenizer_config.json names the generic
-    fast tokenizer class (and no custom code)."""
-    try:
-        with open(os.path.join(directory, "tokenizer_config.json")) as f:
-            tokenizer_config = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return (tokenizer_config.get("tokenizer_class") in _GENERIC_FAST_TOKENIZERS
-            and "auto_map" not in tokenizer_config
-            and os.path.isfile(os.path.join(directory, "tokenizer.json")))
 
 
 def model_class_check(hf_config) -> str:
