@@ -87,22 +87,21 @@ def random_sequences(rng, num_seqs: int, max_q: int, max_kv: int) -> list[tuple[
 def make_attention_case(rng, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype):
     """Inputs of one ragged batch (numpy), poisoned where a kernel must not read (cases.py), with
     two padding sequence rows, five padding tokens and spare pages."""
-    total = sum(q for q, _ in seqs)
-    needed = [-(-kv // page_size) for _, kv in seqs]
-    return cases.make_case(rng, seqs, max_seqs=len(seqs) + 2, num_tokens=total + 5,
-                           page_size=page_size, pages_per_seq=max(needed) + 1,
-                           num_pages=sum(needed) + 4, num_kv_heads=num_kv_heads,
+    return cases.make_case(rng, seqs, **_case_sizes(seqs, page_size), num_kv_heads=num_kv_heads,
                            num_q_heads=num_q_heads, head_dim=head_dim, dtype=dtype)
 
 
 def make_latent_attention_case(rng, seqs, *, num_q_heads, row_dim, page_size, dtype, **_):
     """`make_attention_case` for multi-head latent attention (cases.make_mla_case)."""
-    total = sum(q for q, _ in seqs)
+    return cases.make_mla_case(rng, seqs, **_case_sizes(seqs, page_size),
+                               num_q_heads=num_q_heads, row_dim=row_dim, dtype=dtype)
+
+
+def _case_sizes(seqs, page_size) -> dict:
+    """A case's sizes: two padding sequence rows, five padding tokens and spare pages."""
     needed = [-(-kv // page_size) for _, kv in seqs]
-    return cases.make_mla_case(rng, seqs, max_seqs=len(seqs) + 2, num_tokens=total + 5,
-                               page_size=page_size, pages_per_seq=max(needed) + 1,
-                               num_pages=sum(needed) + 4, num_q_heads=num_q_heads,
-                               row_dim=row_dim, dtype=dtype)
+    return dict(max_seqs=len(seqs) + 2, num_tokens=sum(q for q, _ in seqs) + 5,
+                page_size=page_size, pages_per_seq=max(needed) + 1, num_pages=sum(needed) + 4)
 
 
 def kernel_under_test(backend: str, name: str = "ragged_paged_attention"):
