@@ -286,6 +286,8 @@ def _status(result: dict) -> str:
 def _error_text(result: dict) -> str:
     if "error" in result:
         return result["error"][:100]
+    if "skipped" in result:
+        return result["skipped"]
     error = result["max_abs_error"]
     shown = "non-finite" if error is None else f"{error:.2e}"
     cache = "" if result["cache_equal"] else ", cache differs"
@@ -322,11 +324,11 @@ def print_summary(results: dict) -> None:
         rows.append(("server", "/v1/completions", figure, _status(server)))
     for model, result in results.get("models", {}).items():
         for step in result.get("decode", []):
-            figure = step.get("error") or _step_text(step)
+            figure = step.get("error") or step.get("skipped") or _step_text(step)
             rows.append(("decode step", f"{model} batch {step['batch']}", figure, _status(step)))
         o = result.get("offline", {})
         if o:
-            figure = o.get("error") or (f"{o['output_tok_s']:.0f} tok/s from {o['num_prompts']} prompts, "
+            figure = o.get("error") or o.get("skipped") or (f"{o['output_tok_s']:.0f} tok/s from {o['num_prompts']} prompts, "
                                         f"ceiling {o['ceiling_tok_s']:.0f} ({100 * o['of_ceiling']:.0f}%)")
             rows.append(("offline", model, figure, _status(o)))
         for key in ("error", "skipped"):

@@ -56,6 +56,24 @@ def test_a_failed_check_or_a_step_error_fails_the_run():
                                  "/models/tiny"]
 
 
+def test_the_summary_of_a_run_cut_short_by_its_budgets_prints_each_skip(capsys):
+    """The H100 run of 2026-11-26: cold starts spent the models' budgets and the attention
+    checks skipped their bfloat16 cases; its summary had crashed on the first skipped case."""
+    import json
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from accelerator_check import print_summary
+
+    path = SCRIPT.parents[1] / "docs/results/h100-2026-11-26/accelerator_check.json"
+    print_summary(json.loads(path.read_text()))
+    lines = capsys.readouterr().out.splitlines()
+    skipped = [line for line in lines if line.rstrip().endswith("SKIP")]
+    # attention cases, latent cases, the server, each model's 3 decode batches and offline run
+    assert len(skipped) == 4 + 4 + 1 + 2 * 4, "\n".join(lines)
+    assert any("bfloat16" in line and "budget is spent" in line for line in skipped)
+    assert lines[-1] == "PASSED"
+
+
 # --- compiled for an H100 in CI, before a GPU runs them ------------------------------------------
 
 def _full_plan_modules():
