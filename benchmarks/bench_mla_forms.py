@@ -12,7 +12,11 @@
   the whole context) into [seqs, tokens, heads, 192 / 128], then one fused causal attention,
   `jax.nn.dot_product_attention` (cuDNN's flash attention on a GPU, where it takes these widths;
   else XLA's): what a server's prefill does when a chunk has no cached prefix. It leaves the
-  cache unwritten, a scatter of the new rows that the other forms do.
+  cache unwritten, a scatter of the new rows that the other forms do;
+- expanded, as served (`--mla-expanded-prefill-tokens`, model/mla.py `expanded_attention`): the
+  cached prefix absorbed (the platform's latent kernel with prefix_only; none here, these are
+  fresh prompts) and the new tokens expanded (JAX's Pallas flash attention on a GPU, the jnp
+  reference on CPU), merged by log-sum-exp.
 
 Per (query, key) pair the absorbed form costs Hq x (576 + 512) multiply-adds and the expanded one
 Hq x (192 + 128), plus the expansion, Hq x 512 x 256 per key read by each work item: for a long
@@ -30,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.model.layers import Kernels
+from xlaserve.model.mla import expanded_attention
 from xlaserve.pallas_kernels.ragged_paged_attention import api, cases, reference
 
 HEADS, NOPE, ROPE, RANK, V_DIM, PAGE = 16, 128, 64, 512, 128, 16
@@ -84,6 +90,18 @@ def expanded_dense(w_uk, w_uv, dtype, seqs):
     return jax.jit(step, donate_argnums=3)
 
 
+def expanded_served(w_uk, w_uv):
+    prefix, new = api.get_expanded_prefill_fns()
+    kernels = Kernels(attention=None, latent_prefix_attention=prefix, new_token_attention=new)
+
+    def step(q_nope, q_rope, latent, cache, *metadata):
+        q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
+        query = jnp.concatenate([q_latent.astype(latent.dtype), q_rope], -1)  # as model/mla.py
+        return expanded_attention(q_nope, q_rope, latent, (query, latent, cache, *metadata),
+                                  w_uk, w_uv, kernels, kv_lora_rank=RANK, sm_scale=SM_SCALE)
+    return jax.jit(step, donate_argnums=3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=2)
@@ -111,7 +129,8 @@ def main() -> None:
              "absorbed, jnp reference": absorbed(reference.mla_ragged_paged_attention, w_uk,
                                                  w_uv, dtype),
              "expanded, jnp": expanded(w_uk, w_uv, dtype),
-             "expanded, dense": expanded_dense(w_uk, w_uv, dtype, args.seqs)}
+             "expanded, dense": expanded_dense(w_uk, w_uv, dtype, args.seqs),
+             "expanded, as served": expanded_served(w_uk, w_uv)}
     print(f"{jax.devices()[0].device_kind}: {args.seqs} prompts x {args.tokens} tokens, "
           f"{HEADS} heads, {args.dtype}")
     first = None

@@ -4,6 +4,8 @@ test_compile_kernels.py for how). Shapes: V3's 576-wide latent rows (512 latent 
 its 128 query heads split by tensor parallelism, a decode, a mixed and a prefill bucket at 64
 sequences, in the runtime's cache layout (transformer.kv_cache_shape: [pages, page_size, 576],
 on TPU [pages, page_size, 640]) updated in place."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -13,7 +15,7 @@ from tests.compile_targets import cache_copies, compile_for, devices
 from tests.kernels.test_compile_kernels import (BATCHES, CACHE_BYTES, CONTEXT, cache_scatters,
                                                 one_device_mesh)
 from xlaserve.executor import aot
-from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
+from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu, new_tokens
 
 LATENT, ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim
 V3_HEADS = {"tp8": 16, "tp4": 32, "tp1": 128}
@@ -82,3 +84,32 @@ def test_an_unpadded_latent_cache_would_be_copied_on_tpu():
     hlo = compile_for(mesh, kernel, **args, sm_scale=0.1, value_dim=LATENT).as_text()
     cache = args["kv_cache"]
     assert cache_copies(hlo, cache.shape, cache.dtype)
+
+
+@pytest.mark.parametrize("batch", ["mixed", "prefill"])
+def test_the_expanded_forms_gpu_parts_compile_for_an_h100_at_deepseek_v3_shapes(batch):
+    """The expanded form's two kernels (api.get_expanded_prefill_fns) compiled by Triton at V3's
+    tp 8 shapes: the latent kernel with prefix_only (out and log-sum-exp, the cache updated in
+    place) and the flash attention of the new tokens, keys nope + rope = 192 wide (padded to a
+    power of two inside), values 128."""
+    _, target_devices = devices("h100")
+    mesh = one_device_mesh(target_devices)
+    args = mla_args(mesh, V3_HEADS["tp8"], batch)
+    prefix = jax.jit(functools.partial(kernel_gpu.mla_ragged_paged_attention, prefix_only=True),
+                     static_argnames=("sm_scale", "value_dim"), donate_argnames=("kv_cache",))
+    compiled = compile_for(mesh, prefix, **args, sm_scale=0.1, value_dim=LATENT)
+    hlo = compiled.as_text()
+    assert "input_output_alias" in hlo.splitlines()[0], "the cache is not updated in place"
+    assert not cache_copies(hlo, args["kv_cache"].shape, args["kv_cache"].dtype)
+    out, lse, _ = compiled.out_info
+    tokens, heads = args["q"].shape[:2]
+    assert out.shape == (tokens, heads, LATENT) and lse.shape == (tokens, heads)
+    assert lse.dtype == jnp.float32
+
+    at = lambda shape, dt="bfloat16": aot.abstract(shape, jnp.dtype(dt), mesh, P())
+    new = jax.jit(new_tokens.gpu_new_token_attention, static_argnames=("sm_scale",))
+    compiled = compile_for(mesh, new, at((tokens, heads, 192)), at((tokens, heads, 192)),
+                           at((tokens, heads, 128)), args["cu_q_lens"], args["num_seqs"],
+                           sm_scale=0.1)
+    out, lse = compiled.out_info
+    assert out.shape == (tokens, heads, 128) and lse.shape == (tokens, heads)

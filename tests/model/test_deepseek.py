@@ -14,8 +14,11 @@ from xlaserve.model.transformer import kv_cache_shape
 @pytest.mark.parametrize("family", list(DEEPSEEK))
 @pytest.mark.parametrize("prefill_chunk,page_size", [(64, 16), (3, 4)],
                          ids=["one_ragged_batch", "chunked_prefill_by_3"])
+@pytest.mark.parametrize("expanded_from", [0, 1], ids=["absorbed", "expanded"])
 def test_deepseek_logits_match_transformers(deepseek_checkpoints, family, prefill_chunk,
-                                            page_size):
+                                            page_size, expanded_from):
+    """`expanded`: every step in the expanded form (prefix part + new tokens, merged), the
+    decode steps' one-token chunks too."""
     directory, hf_model = deepseek_checkpoints[family]
     loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
     mla = loaded.config.mla
@@ -25,17 +28,22 @@ def test_deepseek_logits_match_transformers(deepseek_checkpoints, family, prefil
     assert mla.rope_interleave and loaded.config.moe_layers == (False, True)
     references = [_hf_reference(hf_model, p) for p in PROMPTS]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
-    ours = _run_ours(loaded, sequences, prefill_chunk, page_size)
+    ours = _run_ours(loaded, sequences, prefill_chunk, page_size,
+                     mla_expanded_prefill_tokens=expanded_from)
     for (full, expected), got in zip(references, ours, strict=True):
         np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
         prompt_len = len(full) - 5
         assert got[prompt_len - 1:-1].argmax(-1).tolist() == full[prompt_len:]
 
 
-def test_the_engine_serves_deepseek_v3_as_transformers_generates(deepseek_checkpoints):
+@pytest.mark.parametrize("expanded_from", [0, 8], ids=["absorbed", "expanded"])
+def test_the_engine_serves_deepseek_v3_as_transformers_generates(deepseek_checkpoints,
+                                                                 expanded_from):
     """Through the serving step (chunked prefill of 8, the device page table, the prefix cache):
     greedy outputs equal transformers' generate; a prompt served again from the prefix cache
-    gives the same tokens."""
+    gives the same tokens. `expanded`: --mla-expanded-prefill-tokens 8, so the 8-token buckets
+    (the prefill chunks, a cached prefix behind all but the first) take the expanded form and
+    the smaller decode ones the absorbed form."""
     import torch
 
     from xlaserve.offline import Engine
@@ -50,8 +58,19 @@ def test_the_engine_serves_deepseek_v3_as_transformers_generates(deepseek_checkp
         expected.append(generated[0, len(prompt):].tolist())
     greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     with Engine(directory, skip_tokenizer_init=True, max_total_tokens=512,
-                max_running_requests=4, chunked_prefill_size=8, max_prefill_tokens=8) as engine:
+                max_running_requests=4, chunked_prefill_size=8, max_prefill_tokens=8,
+                mla_expanded_prefill_tokens=expanded_from) as engine:
         got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
         again = engine.generate(input_ids=[prompts[2]], sampling_params=greedy)[0]
     assert got == expected
     assert again["output_ids"] == expected[2] and again["meta_info"]["cached_tokens"] >= 16
+
+
+def test_the_expanded_form_is_refused_where_it_cannot_run():
+    from xlaserve.executor.kernels import kernels_for
+    from xlaserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="TPU latent attention kernel"):
+        kernels_for(platform="tpu", mla_expanded_prefill_tokens=512)
+    with pytest.raises(ValueError, match="--mla-expanded-prefill-tokens must be"):
+        ServerArgs(mla_expanded_prefill_tokens=-1)

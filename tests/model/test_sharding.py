@@ -19,13 +19,14 @@ SCRIPT = textwrap.dedent("""
     from xlaserve.executor.greedy import PagedBatch, make_forward
     from xlaserve.executor.kv_pool import init_kv_pool
 
-    def logits(mesh):
+    def logits(mesh, **forward_options):
         loaded = load_model(sys.argv[1], dtype="float32", mesh=mesh, skip_tokenizer_init=True,
                             progress=False)
         batch = PagedBatch(2, 2, 8)
         caches = init_kv_pool(loaded.config, batch.num_pages, 8, loaded.dtype, mesh)
         ids, pos, md, rows, _ = batch.step_inputs([[5, 6, 7, 8, 9], [10, 11, 12]], logits="all")
-        out, caches = make_forward(loaded.model)(nnx.split(loaded.model)[1], ids, pos, caches, md, rows)
+        forward = make_forward(loaded.model, **forward_options)
+        out, caches = forward(nnx.split(loaded.model)[1], ids, pos, caches, md, rows)
         return loaded, caches, np.asarray(out)
 
     devices = np.array(jax.devices())
@@ -129,7 +130,8 @@ def test_ep_size_must_divide_tp_size_and_the_experts():
 
 def test_deepseek_v3_tensor_and_expert_parallel_logits_equal_single_device(tmp_path):
     """DeepSeek-V3's multi-head latent attention with its heads split over tp 2 and 4 (the latent
-    cache whole on every device) and its experts over --ep-size 2: one device's logits."""
+    cache whole on every device) and its experts over --ep-size 2: one device's logits; so does
+    the expanded form (its two parts under shard_map by head) over tp 4."""
     make_tiny_checkpoint(str(tmp_path), "deepseek_v3")
     script = SCRIPT[:SCRIPT.index("# Two data-parallel rows")] + textwrap.dedent("""
         for ep, tp in [(1, 2), (1, 4), (2, 4)]:
@@ -139,6 +141,9 @@ def test_deepseek_v3_tensor_and_expert_parallel_logits_equal_single_device(tmp_p
             assert {s.data.shape for s in w_uk.addressable_shards} == {(4 // tp, 8, 16)}
             # [pages, page_size, kv_lora + rope]: every device holds every row.
             assert {s.data.shape for s in caches[0].addressable_shards} == {(5, 8, 24)}
+        _, _, expanded = logits(Mesh(devices[:4].reshape(1, 1, 4), MESH_AXES),
+                                mla_expanded_prefill_tokens=1)
+        np.testing.assert_allclose(expanded, single, atol=1e-5, rtol=0)
         print("ok")
     """)
     _run(script, tmp_path)

@@ -51,15 +51,15 @@ def _hf_reference(hf_model, prompt):
     return generated[0].tolist(), logits
 
 
-def _run_ours(loaded, sequences, prefill_chunk, page_size):
+def _run_ours(loaded, sequences, prefill_chunk, page_size, **forward_options):
     """Feed each sequence's prompt in chunks of `prefill_chunk` tokens (all sequences together
     in one ragged batch per step), then the continuation one token per step. Returns our logits
-    for every position of every sequence."""
+    for every position of every sequence. `forward_options`: make_forward's."""
     model = loaded.model
     longest = max(len(s) for s, _ in sequences)
     batch = PagedBatch(len(sequences), -(-longest // page_size), page_size)
     kv_caches = init_kv_pool(loaded.config, batch.num_pages, page_size, loaded.dtype, loaded.mesh)
-    forward = make_forward(model)
+    forward = make_forward(model, **forward_options)
     _, state = nnx.split(model)
     ours = [np.full((len(s), loaded.config.vocab_size), np.nan, np.float32) for s, _ in sequences]
     fed = [0] * len(sequences)

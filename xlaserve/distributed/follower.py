@@ -75,7 +75,8 @@ def replay(connection, loaded) -> None:
                          max_running_requests=meta["max_running_requests"],
                          attention_backend=meta["attention_backend"],
                          matmul_backend=meta["matmul_backend"],
-                         context_length=meta["context_length"])
+                         context_length=meta["context_length"],
+                         mla_expanded_prefill_tokens=meta["mla_expanded_prefill_tokens"])
     logger.info("Following rank 0's steps")
     pending = None
     while True:

@@ -29,7 +29,8 @@ def lead(args, runner) -> "Leader":
         "num_pages": int(runner.num_pages), "page_size": int(runner.page_size),
         "max_running_requests": int(args.max_running_requests),
         "context_length": int(runner.context_length),
-        "attention_backend": args.attention_backend, "matmul_backend": args.matmul_backend})
+        "attention_backend": args.attention_backend, "matmul_backend": args.matmul_backend,
+        "mla_expanded_prefill_tokens": args.mla_expanded_prefill_tokens})
     runner.sink = _Sink(leader, runner)
     if leader.hash_interval:
         logger.info("Step hash check on: every %d-th step's sampled outputs are compared with "

@@ -105,7 +105,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size,
                          max_running_requests=args.max_running_requests,
                          attention_backend=args.attention_backend,
-                         matmul_backend=args.matmul_backend, context_length=context_length)
+                         matmul_backend=args.matmul_backend, context_length=context_length,
+                         mla_expanded_prefill_tokens=args.mla_expanded_prefill_tokens)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
     if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
         logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "

@@ -136,11 +136,13 @@ class StepProgram:
 
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
                  page_size: int, max_running_requests: int, context_length: int,
-                 attention_backend: str = "auto", quantization=None) -> StepProgram:
+                 attention_backend: str = "auto", quantization=None,
+                 mla_expanded_prefill_tokens: int = 0) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
     page table as wide as `context_length`'s pages.
     `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint)."""
-    kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
+    kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform,
+                          mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
     graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
                                                   model_class(config.architecture), quantization)
     leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
@@ -186,7 +188,8 @@ def server_step(target: str, server_args: ServerArgs,
                            max_running_requests=server_args.max_running_requests,
                            context_length=context_length,
                            attention_backend=server_args.attention_backend,
-                           quantization=fp8_checkpoint or server_args.quantization)
+                           quantization=fp8_checkpoint or server_args.quantization,
+                           mla_expanded_prefill_tokens=server_args.mla_expanded_prefill_tokens)
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""
     if fp8_checkpoint is not None:
         weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"

@@ -21,11 +21,12 @@ from xlaserve.scheduler.page_allocator import NULL_PAGE
 from xlaserve.executor.kernels import kernels_for
 
 
-def make_forward(model, attention_backend: str = "auto"):
+def make_forward(model, attention_backend: str = "auto", mla_expanded_prefill_tokens: int = 0):
     """A jitted `forward(state, input_ids, positions, kv_caches, metadata, logits_indices)` with
     the KV caches donated (updated in place)."""
     graphdef, _ = nnx.split(model)
-    kernels = kernels_for(attention_backend, _mesh_of(model))
+    kernels = kernels_for(attention_backend, _mesh_of(model),
+                          mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def forward(state, input_ids, positions, kv_caches, metadata, logits_indices):

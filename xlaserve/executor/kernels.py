@@ -24,6 +24,7 @@ from xlaserve.model.moe import expert_parallel
 from xlaserve.native import KernelUnavailable, gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
+                                                                get_expanded_prefill_fns,
                                                                 get_latent_attention_fn)
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,13 @@ MATMUL_BACKENDS = ("auto", "native", "xla")
 
 
 def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
-                matmul_backend: str = "auto", platform: str | None = None) -> Kernels:
+                matmul_backend: str = "auto", platform: str | None = None,
+                mla_expanded_prefill_tokens: int = 0) -> Kernels:
     """`matmul_backend`: `auto` takes the native GEMM where it applies (a single CPU device, a
     compiler), `native` insists on it, `xla` keeps XLA's dots. `platform`: the one the step will
     be compiled for (default: JAX's default backend; "tpu" or "gpu" to compile for hardware that
-    is not here, executor/aot.py)."""
+    is not here, executor/aot.py). `mla_expanded_prefill_tokens`: steps of at least this many
+    tokens take multi-head latent attention's expanded form (0: never; model/mla.py)."""
     platform = platform or jax.default_backend()
     if matmul_backend not in MATMUL_BACKENDS:
         raise ValueError(f"matmul backend {matmul_backend!r} is not one of {MATMUL_BACKENDS}")
@@ -54,6 +57,11 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
                       packed_matmul=packed_matmul,
                       packed_grouped_matmul=(gemm_cpu.packed_grouped_matmul
                                              if packed_matmul is not None else None))
+    if mla_expanded_prefill_tokens > 0:
+        prefix, new = get_expanded_prefill_fns(attention_backend, mesh, platform=platform)
+        kernels = dataclasses.replace(
+            kernels, mla_expanded_prefill_tokens=mla_expanded_prefill_tokens,
+            latent_prefix_attention=prefix, new_token_attention=new)
     if platform == "gpu" and (mesh is None or mesh.size == 1):
         # A custom call is not split by XLA's partitioner: on a mesh, FP8 checkpoints with block
         # scales are dequantized at load (model/fp8_kept.py) and this stays None.

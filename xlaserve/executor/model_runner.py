@@ -115,13 +115,14 @@ class ModelRunner:
     def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
                  attention_backend: str = "auto", matmul_backend: str = "auto",
                  static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
-                 context_length: int | None = None):
+                 context_length: int | None = None, mla_expanded_prefill_tokens: int = 0):
         """`context_length` (default: the model's) sets the page table's width, the pages of
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
         None: on TPU and GPU, not on the CPU. `choose_weight_layouts`: `precompile` lets XLA
         choose the weights' layouts and stores them so (`_choose_weight_layouts`); None: on TPU
-        in one process (the CPU's and the H100's choice is the default layouts)."""
+        in one process (the CPU's and the H100's choice is the default layouts).
+        `mla_expanded_prefill_tokens`: kernels_for's."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
@@ -133,7 +134,9 @@ class ModelRunner:
                                self.config.rope.attention_factor)
         self.num_pages = num_pages
         dtype = loaded.dtype
-        self.kernels = kernels = kernels_for(attention_backend, self.mesh, matmul_backend)
+        self.kernels = kernels = kernels_for(
+            attention_backend, self.mesh, matmul_backend,
+            mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
         # Zeroed on a thread while the weights are packed and the programs loaded (kv_pool.py);
         # the first step that needs the pool waits for it (`kv_caches`).
         self._kv_pool = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh,

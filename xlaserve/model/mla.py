@@ -30,6 +30,7 @@ from flax import nnx
 
 from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight, linear,
                                    matmul_input_dtype)
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import merge_by_lse
 
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm take their RMSNorm's default epsilon, not the
@@ -83,17 +84,53 @@ class MLAttention(nnx.Module):
         q_latent = jnp.einsum("thn,hnr->thr", q_nope.astype(w_uk.dtype), w_uk,
                               preferred_element_type=jnp.float32)
         dtype = kv_cache.dtype
-        query = jnp.concatenate([q_latent, apply_rope(q_rope, cos, sin)], axis=-1).astype(dtype)
+        q_rope = apply_rope(q_rope, cos, sin)
+        query = jnp.concatenate([q_latent, q_rope], axis=-1).astype(dtype)
         latent = jnp.concatenate([kv, k_rope], axis=-1).astype(dtype)
-        out, kv_cache = kernels.latent_attention(
-            query, latent, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
-            metadata.num_seqs, sm_scale=m.softmax_scale, value_dim=m.kv_lora_rank)
         w_uv = self.w_uv[...]
-        out = jnp.einsum("thr,hrv->thv", out.astype(w_uv.dtype), w_uv,
-                         preferred_element_type=jnp.float32)
+        attention_args = (query, latent, kv_cache, metadata.kv_lens, metadata.page_indices,
+                          metadata.cu_q_lens, metadata.num_seqs)
+        if 0 < kernels.mla_expanded_prefill_tokens <= x.shape[0]:  # the bucket's size: static
+            out, kv_cache = expanded_attention(
+                q_nope, q_rope, latent, attention_args, self.w_uk[...], w_uv, kernels,
+                kv_lora_rank=m.kv_lora_rank, sm_scale=m.softmax_scale)
+        else:
+            out, kv_cache = kernels.latent_attention(
+                *attention_args, sm_scale=m.softmax_scale, value_dim=m.kv_lora_rank)
+            out = jnp.einsum("thr,hrv->thv", out.astype(w_uv.dtype), w_uv,
+                             preferred_element_type=jnp.float32)
         out = linear(out.reshape(x.shape[0], -1).astype(matmul_input_dtype(self.o_proj[...])),
                      self.o_proj[...], kernels)
         return out, kv_cache
+
+
+def expanded_attention(q_nope, q_rope, latent, attention_args, w_uk, w_uv, kernels: Kernels, *,
+                       kv_lora_rank: int, sm_scale: float):
+    """The expanded form (SGLang's and vLLM's for prefills): each token's attention to its
+    sequence's cached prefix in the absorbed form (the latent kernel with prefix_only, which also
+    writes the new rows), and to the step's new tokens with per-head keys [c W_UK, k_rope] (nope +
+    rope wide) and values c W_UV (v_head_dim): fewer FLOPs per (query, key) pair than the
+    absorbed form's kv_lora + rope and kv_lora. The two are merged by their log-sum-exp.
+    q_nope [T, H, nope], q_rope [T, H, rope] (RoPE'd), latent [T, kv_lora + rope] (the new rows,
+    as the cache holds them); `attention_args` the latent kernel's. Returns (out [T, H,
+    v_head_dim] float32, kv_cache)."""
+    out_prefix, lse_prefix, kv_cache = kernels.latent_prefix_attention(
+        *attention_args, sm_scale=sm_scale, value_dim=kv_lora_rank)
+    out_prefix = jnp.einsum("thr,hrv->thv", out_prefix.astype(w_uv.dtype), w_uv,
+                            preferred_element_type=jnp.float32)
+    dtype = latent.dtype  # the rows as the cache holds them, as the absorbed form reads them
+    compressed, k_rope = latent[:, :kv_lora_rank], latent[:, kv_lora_rank:]
+    keys = jnp.einsum("tr,hnr->thn", compressed.astype(w_uk.dtype), w_uk,
+                      preferred_element_type=jnp.float32).astype(dtype)
+    keys = jnp.concatenate([keys, jnp.broadcast_to(
+        k_rope[:, None], keys.shape[:2] + k_rope.shape[-1:])], axis=-1)
+    values = jnp.einsum("tr,hrv->thv", compressed.astype(w_uv.dtype), w_uv,
+                        preferred_element_type=jnp.float32).astype(dtype)
+    query = jnp.concatenate([q_nope.astype(dtype), q_rope.astype(dtype)], axis=-1)
+    cu_q_lens, num_seqs = attention_args[5:]
+    out_new, lse_new = kernels.new_token_attention(query, keys, values, cu_q_lens, num_seqs,
+                                                   sm_scale=sm_scale)
+    return merge_by_lse(out_prefix, lse_prefix, out_new, lse_new), kv_cache
 
 
 def mla_weights(fetch, c, attn: str, path: tuple):

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_gpu, kernel_tpu
-from xlaserve.pallas_kernels.ragged_paged_attention import reference
+from xlaserve.pallas_kernels.ragged_paged_attention import new_tokens, reference
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,44 @@ def get_latent_attention_fn(backend: str = "auto", mesh: Mesh | None = None, *,
     """`get_attention_fn` for multi-head latent attention (DeepSeek-V2/V3's MLA)."""
     return _pick(backend, mesh, interpret, platform, "mla_ragged_paged_attention",
                  _split_by_query_head)
+
+
+def get_expanded_prefill_fns(backend: str = "auto", mesh: Mesh | None = None, *,
+                             interpret: bool = False, platform: str | None = None):
+    """(prefix attention, new-token attention): the two parts of multi-head latent attention's
+    expanded form (model/mla.py), each split over `mesh` by query head. On a GPU the Pallas
+    latent kernel with `prefix_only` and JAX's Pallas flash attention (new_tokens.py); on the
+    CPU the reference's (a correctness path: the native absorbed kernel is faster there,
+    docs/architecture.md). No TPU kernel attends to a cached prefix alone yet: ValueError."""
+    platform = platform or jax.default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if platform == "tpu":
+        raise ValueError("--mla-expanded-prefill-tokens: the TPU latent attention kernel does "
+                         "not attend to a cached prefix alone yet; leave it 0 on TPU")
+    if platform == "gpu" and backend in ("auto", "pallas"):
+        prefix = functools.partial(kernel_gpu.mla_ragged_paged_attention, prefix_only=True,
+                                   interpret=interpret)
+        new = functools.partial(new_tokens.gpu_new_token_attention, interpret=interpret)
+    else:
+        prefix = functools.partial(reference.mla_ragged_paged_attention, prefix_only=True)
+        new = new_tokens.reference_new_token_attention
+    heads = _head_spec(mesh)
+    if heads is None:
+        return prefix, new
+
+    def sharded_prefix(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        return jax.shard_map(functools.partial(prefix, **options), mesh=mesh,
+                             in_specs=(heads,) + (P(),) * 6, out_specs=(heads, P(*heads[:2]), P()),
+                             check_vma=False)(q, latent, kv_cache, kv_lens, page_indices,
+                                              cu_q_lens, num_seqs)
+
+    def sharded_new(q, k, v, cu_q_lens, num_seqs, **options):
+        return jax.shard_map(functools.partial(new, **options), mesh=mesh,
+                             in_specs=(heads,) * 3 + (P(),) * 2, out_specs=(heads, P(*heads[:2])),
+                             check_vma=False)(q, k, v, cu_q_lens, num_seqs)
+
+    return sharded_prefix, sharded_new
 
 
 def _pick(backend, mesh, interpret, platform, name: str, split: Callable) -> Callable:
@@ -159,14 +197,21 @@ def _split_by_kv_head(kernel: Callable, mesh: Mesh | None) -> Callable:
     return sharded
 
 
+def _head_spec(mesh: Mesh | None) -> P | None:
+    """[T, heads, D] split by head over the mesh's model axes; None where they are one device."""
+    head_axes = tuple(name for name in (mesh.axis_names if mesh else ()) if name != "data")
+    if mesh is None or math.prod(mesh.shape[name] for name in head_axes) == 1:
+        return None
+    return P(None, head_axes, None)
+
+
 def _split_by_query_head(kernel: Callable, mesh: Mesh | None) -> Callable:
     """A latent-attention kernel under shard_map: each device on its own query heads (split as
     the model splits them, model/sharding.py), the new latent rows and the cache whole on every
     device, each device writing the same rows into its own copy."""
-    head_axes = tuple(name for name in (mesh.axis_names if mesh else ()) if name != "data")
-    if mesh is None or math.prod(mesh.shape[name] for name in head_axes) == 1:
+    heads, whole = _head_spec(mesh), P()
+    if heads is None:
         return kernel
-    heads, whole = P(None, head_axes, None), P()
 
     @functools.wraps(kernel)
     def sharded(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -154,15 +154,16 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         num_kv_heads=num_kv_heads, group=group, max_rows=128, q_block=q_block,
         kv_block_pages=kv_block_pages, num_kv_splits=num_kv_splits, out_dim=head_dim,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None)
+        sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None, prefix_only=False)
     return out, kv_cache
 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                *, sm_scale, value_dim, interpret=False, q_block=None,
                                kv_block_pages=None, num_kv_splits=None, heads_per_program=None,
-                               num_warps=4, num_stages=None):
-    """See `reference.mla_ragged_paged_attention`; returns (out, kv_cache). Every query head reads
+                               num_warps=4, num_stages=None, prefix_only=False):
+    """See `reference.mla_ragged_paged_attention`; returns (out, kv_cache), or with
+    `prefix_only` (out, lse, kv_cache) over each sequence's keys from before this step. Every query head reads
     the same latent rows, so the heads are cut into programs of `heads_per_program` (default
     MLA_HEADS_PER_PROGRAM) that play the kv heads' part in the grid: program (w, j, s) attends
     heads [j * n, (j + 1) * n) of item w. Triton's dot wants power-of-two widths, so a block's
@@ -189,14 +190,14 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - row_dim)))  # to the cache's width
     kv_cache = write_new_rows_with_xla(kv_cache, latent, token_page, token_slot)
     # The programs of `heads` query heads take the kv heads' place in the grid.
-    out = _attend_items(
+    result = _attend_items(
         q, [kv_cache], [pl.BlockSpec(kv_cache.shape, lambda w, h, s: (0, 0, 0))], None, kv_lens,
         page_indices, cu_q_lens, num_seqs, num_kv_heads=num_q_heads // heads, group=heads,
         max_rows=MLA_MAX_ROWS, q_block=q_block, kv_block_pages=kv_block_pages,
         num_kv_splits=num_kv_splits, out_dim=value_dim, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, sm_scale=sm_scale, sliding_window=None,
-        soft_cap=None, value_dim=value_dim)
-    return out, kv_cache
+        soft_cap=None, value_dim=value_dim, prefix_only=prefix_only)
+    return (*result, kv_cache) if prefix_only else (result, kv_cache)
 
 
 def check_mla_kernel_shapes(block_tokens: int, value_dim: int, row_dim: int, itemsize: int):
@@ -219,7 +220,7 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
     """What both entries share, from sanitized metadata and the cache with the new rows written:
     the work items, q gathered per item for the grid's (work items, kv heads or head programs,
     KV splits), the pallas_call, the merge of the splits and the outputs in token order:
-    out [T, Hq, out_dim] in q's dtype."""
+    out [T, Hq, out_dim] in q's dtype; with static["prefix_only"], (out, lse [T, Hq] float32)."""
     num_tokens, num_q_heads = q.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
     if q_block is None:
@@ -244,9 +245,13 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
     item_spec = pl.BlockSpec((None, None, rows, q_items.shape[3]), lambda w, h, s: (w, h, 0, 0))
     metadata = [pl.BlockSpec(x.shape, lambda w, h, s, n=x.ndim: (0,) * n)
                 for x in (item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices)]
-    if num_kv_splits == 1:  # the output itself, normalized
-        out_shape = jax.ShapeDtypeStruct(q_items.shape[:3] + (out_dim,), q_items.dtype)
-        out_specs = pl.BlockSpec((None, None, rows, out_dim), lambda w, h, s: (w, h, 0, 0))
+    with_lse = static["prefix_only"]
+    if num_kv_splits == 1:  # the output itself, normalized (and its log-sum-exp)
+        out_shape = [jax.ShapeDtypeStruct(q_items.shape[:3] + (out_dim,), q_items.dtype)]
+        out_specs = [pl.BlockSpec((None, None, rows, out_dim), lambda w, h, s: (w, h, 0, 0))]
+        if with_lse:
+            out_shape.append(jax.ShapeDtypeStruct(q_items.shape[:3], jnp.float32))
+            out_specs.append(pl.BlockSpec((None, None, rows), lambda w, h, s: (w, h, 0)))
     else:  # per split: unnormalized output [W, Hkv, splits, rows, D], max and denominator
         split_shape = (num_items, num_kv_heads, num_kv_splits, rows)
         out_shape = (jax.ShapeDtypeStruct(split_shape + (out_dim,), jnp.float32),
@@ -266,14 +271,22 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
         interpret=interpret,
     )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, *caches,
       *sinks_in)
-    out_items = result if num_kv_splits == 1 else combine_kv_splits(*result).astype(q.dtype)
-    return gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads)
+    if num_kv_splits == 1:
+        out_items, lse_items = result if with_lse else (result[0], None)
+    else:
+        out_items, lse_items = combine_kv_splits(*result)
+        out_items = out_items.astype(q.dtype)
+    out = gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads)
+    if not with_lse:
+        return out
+    return out, gather_outputs(lse_items[..., None], cu_q_lens, q_block, num_tokens,
+                               num_q_heads)[..., 0]
 
 
 def combine_kv_splits(acc, m, l):
     """Merges split-KV partials (acc [W, Hkv, splits, rows, D], m and l [W, Hkv, splits, rows]:
     each split's unnormalized output, running max and denominator) into the normalized output
-    [W, Hkv, rows, D] (float32), by the log-sum-exp rule: weight exp(m_s - max_s m_s) on each.
+    [W, Hkv, rows, D] (float32) and its log-sum-exp [W, Hkv, rows] (`lse_of`), by the rule: weight exp(m_s - max_s m_s) on each.
     An empty split (m = MASK_VALUE, l = 0) weighs 0 beside any real one; a row with no key and
     no sink in any split comes out 0. A split whose keys were all masked for a row holds junk
     with m = MASK_VALUE, and weighs exp(MASK_VALUE - m_real) = 0 beside the row's own key."""
@@ -281,7 +294,13 @@ def combine_kv_splits(acc, m, l):
     weight = jnp.exp(m - m_all)
     l_all = (weight * l).sum(axis=2)
     acc_all = (weight[..., None] * acc).sum(axis=2)
-    return acc_all / jnp.where(l_all == 0, 1.0, l_all)[..., None]
+    return acc_all / jnp.where(l_all == 0, 1.0, l_all)[..., None], lse_of(m_all[:, :, 0], l_all)
+
+
+def lse_of(m, l):
+    """log(sum exp(score)) of rows whose running max is m and denominator l (exp(score - m)
+    summed): -inf where no key was attended (m still MASK_VALUE, or l 0)."""
+    return jnp.where((m == MASK_VALUE) | (l == 0), -jnp.inf, m + jnp.log(jnp.maximum(l, 1e-30)))
 
 
 def sinks_by_row(sinks, num_kv_heads, q_block, rows):
@@ -294,7 +313,8 @@ def sinks_by_row(sinks, num_kv_heads, q_block, rows):
 
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
                       page_indices_ref, q_ref, *refs, sm_scale, sliding_window, soft_cap, q_block,
-                      group, page_size, kv_block_pages, num_kv_splits, has_sinks, value_dim):
+                      group, page_size, kv_block_pages, num_kv_splits, has_sinks, value_dim,
+                      prefix_only):
     # MHA (value_dim None): K and V of the program's kv head; MLA: the latent cache.
     cache_refs, refs = (refs[:2], refs[2:]) if value_dim is None else (refs[:1], refs[1:])
     sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
@@ -309,6 +329,9 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                      item_row0_ref[item], q_block=q_block, page_size=page_size,
                      block_tokens=block_tokens, sliding_window=sliding_window)
     first_pos, num_rows, last_pos, pages_needed, start_block, end_block = span
+    if prefix_only:  # the keys from before this step alone: the last is the row's first - 1
+        last_pos = kv_lens_ref[seq] - (cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]) - 1
+        pages_needed, end_block = last_pos // page_size + 1, last_pos // block_tokens + 1
     end_block = jnp.where(live, end_block, 0)
     split = pl.program_id(2)
     if num_kv_splits > 1:  # this program's share of the item's blocks; later ones may be empty
@@ -357,6 +380,8 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = row_valid[:, None] & (key_pos[None, :] <= row_pos[:, None])
+        if prefix_only:
+            mask &= key_pos[None, :] <= last_pos
         if sliding_window is not None:
             mask &= row_pos[:, None] - key_pos[None, :] < sliding_window
         s = jnp.where(mask, s, MASK_VALUE)
@@ -377,8 +402,10 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
     if num_kv_splits == 1:
         # l >= 1 on real rows (their own key or sink scores exp(0)); 0 only where nothing was
         # attended and there is no sink.
-        (o_ref,) = out_refs
+        o_ref = out_refs[0]
         o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+        if prefix_only:
+            out_refs[1][...] = lse_of(m, l)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l

@@ -88,9 +88,11 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                               *, sm_scale, value_dim: int, q_block=None, kv_block_pages=None):
+                               *, sm_scale, value_dim: int, q_block=None, kv_block_pages=None,
+                               prefix_only=False):
     """Multi-head latent attention (DeepSeek-V2/V3) in its absorbed form, over a latent cache of
-    one row per token; returns (out, kv_cache).
+    one row per token; returns (out, kv_cache), or with `prefix_only` (out, lse, kv_cache) over
+    each sequence's keys from before this step alone (`attend_paged`).
 
     latent [T, Dk]: each new token's row, the normed compressed KV (value_dim entries) then its
     RoPE'd key part; kv_cache [num_pages, page_size, Dc], Dc >= Dk (a TPU cache pads its rows to
@@ -111,16 +113,35 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     new_rows = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[-1] - row_dim)))
     return attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                         num_kv_heads=1, value_dim=value_dim, read_chunk=read_chunk,
-                        sm_scale=sm_scale, q_block=q_block, kv_block_pages=kv_block_pages)
+                        sm_scale=sm_scale, q_block=q_block, kv_block_pages=kv_block_pages,
+                        prefix_only=prefix_only)
+
+
+def merge_by_lse(out_a, lse_a, out_b, lse_b):
+    """Attention over two disjoint sets of keys, each normalized over its own (out [T, H, D],
+    lse [T, H]), as one softmax over both: weights exp(lse - max) per part, in float32. A part
+    with no key (lse -inf) weighs 0; a row with neither comes out 0."""
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    total = w_a + w_b
+    out = w_a[..., None] * out_a.astype(jnp.float32) + w_b[..., None] * out_b.astype(jnp.float32)
+    return out / jnp.where(total == 0, 1.0, total)[..., None]
 
 
 def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                  num_kv_heads: int, value_dim: int, read_chunk, sm_scale, sliding_window=None,
-                 soft_cap=None, sinks=None, q_block=None, kv_block_pages=None):
+                 soft_cap=None, sinks=None, q_block=None, kv_block_pages=None,
+                 prefix_only=False):
     """The attention both caches share: `new_rows [T, ...]` written at each new token's slot of
     `kv_cache [num_pages, page_size, ...]`, then the work items' online softmax over chunks of
     pages that `read_chunk(kv_cache, pages [W, C]) -> (keys [W, C*page_size, Hkv, Dk], values
-    [W, C*page_size, Hkv, value_dim])` reads. Returns (out [T, Hq, value_dim], kv_cache)."""
+    [W, C*page_size, Hkv, value_dim])` reads. Returns (out [T, Hq, value_dim], kv_cache).
+
+    `prefix_only`: each token attends to its sequence's keys from before this step alone (the
+    first kv_len - q_len), not to the step's new ones; returns (out, lse, kv_cache), lse [T, Hq]
+    float32 the log of each row's softmax denominator (-inf, and out 0, where there is no key),
+    which is what merging this part with the new tokens' attention takes (`merge_by_lse`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size = kv_cache.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
@@ -192,6 +213,9 @@ def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     row_pos_b = row_pos[:, None, None, :, None]
     row_valid_b = row_valid[:, None, None, :, None]
     kv_len_b = item_kv_len[:, None, None, None]  # against keys [W, chunk_tokens, Hkv, D]
+    if prefix_only:  # keys past the prefix are out of reach, as if not yet written
+        kv_len_b = kv_len_b - q_lens[item_seq][:, None, None, None]
+        row_pos_b = jnp.minimum(row_pos_b, kv_len_b[..., None] - 1)
     # The cache rides through the chunk loop as loop state and comes out of it as the result. Read
     # by the loop from outside instead (closed over), it made XLA copy the whole donated cache
     # several times per layer and step (the updated cache is both a loop operand and the aliased
@@ -230,22 +254,29 @@ def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     carry = (m_start, jnp.full(stat_shape, l_start, jnp.float32),
              jnp.zeros(stat_shape[:-1] + (value_dim,), jnp.float32), kv_cache)
     if num_chunks == 1:
-        _, l, acc, kv_cache = attend_chunk(0, carry)
+        m, l, acc, kv_cache = attend_chunk(0, carry)
     else:
         chunks_needed = jnp.minimum(-(-jnp.max(kv_lens) // chunk_tokens), num_chunks)
         first_chunk = 0
         if sliding_window is not None:  # chunks that every row's window has passed are skipped
             oldest_key = jnp.min(jnp.where(row_valid, row_pos, kv_lens.max()))
             first_chunk = jnp.maximum(oldest_key - sliding_window + 1, 0) // chunk_tokens
-        _, l, acc, kv_cache = lax.fori_loop(first_chunk, chunks_needed, attend_chunk, carry)
+        m, l, acc, kv_cache = lax.fori_loop(first_chunk, chunks_needed, attend_chunk, carry)
 
-    # l >= 1 on live rows: the max (a score or the sink) contributes exp(0).
-    out = (acc / l).astype(q.dtype)
+    # l >= 1 on live rows: the max (a score or the sink) contributes exp(0). With prefix_only a
+    # row may have no key at all: its m stayed MASK_VALUE and l, acc hold masked junk.
+    empty = m == MASK_VALUE
+    out = jnp.where(empty, 0.0, acc / l).astype(q.dtype)
     out = out.transpose(0, 3, 1, 2, 4).reshape(max_items, q_block, num_q_heads, value_dim)
     # Each live row belongs to exactly one item; everything else is dropped, so padding rows stay 0.
     dest = jnp.where(row_valid, item_rows, num_tokens)
     out = jnp.zeros((num_tokens, num_q_heads, value_dim), q.dtype).at[dest].set(out, mode="drop")
-    return out, kv_cache
+    if not prefix_only:
+        return out, kv_cache
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l))[..., 0]  # [W, Hkv, G, q_block]
+    lse = lse.transpose(0, 3, 1, 2).reshape(max_items, q_block, num_q_heads)
+    lse = jnp.full((num_tokens, num_q_heads), -jnp.inf).at[dest].set(lse, mode="drop")
+    return out, lse, kv_cache
 
 
 def searchsorted_right(sorted_ends, x):

@@ -1,0 +1,77 @@
+"""Attention of a step's new tokens to one another alone, causal within each sequence, returning
+each row's log-sum-exp: the second half of multi-head latent attention's expanded form (model/
+mla.py). The first half, each token against its sequence's cached prefix, is the absorbed kernel
+with `prefix_only`; `reference.merge_by_lse` joins the two into the softmax over every key.
+
+q [T, H, Dk], k [T, H, Dk], v [T, H, Dv]: the new tokens in the batch's order (cu_q_lens), keys
+and values already expanded per head; padding tokens (past cu_q_lens[num_seqs]) attend to one
+another only and their rows are garbage-free but meaningless. Returns (out [T, H, Dv] float32,
+lse [T, H] float32).
+
+- `reference_new_token_attention`: jnp, the whole [H, T, T] score matrix (the specification, and
+  what CPU would run; tests).
+- `gpu_new_token_attention`: JAX's Pallas GPU flash attention (`jax.experimental.pallas.ops.gpu.
+  attention.mha`) over the batch as one packed sequence, the sequences kept apart by segment ids.
+  It wants one head width for q, k and v (padded to a power of two inside), so v is padded to
+  Dk with zeros. Its causal mask is over the packed positions, which within a segment is each
+  sequence's own, so it visits the whole T x T triangle: cross-sequence blocks are computed and
+  masked (for 8 prompts of 512 in a 4096 bucket, 8x the pairs that count).
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import searchsorted_right
+
+
+def segment_ids(cu_q_lens, num_seqs, num_tokens: int):
+    """int32 [T]: each token's sequence, padding tokens (and sequences past num_seqs) all
+    max_seqs, one segment of their own."""
+    max_seqs = cu_q_lens.shape[0] - 1
+    end = cu_q_lens[jnp.clip(num_seqs[0], 0, max_seqs)]
+    token = jnp.arange(num_tokens)
+    seq = searchsorted_right(cu_q_lens[1:], token)
+    return jnp.where(token < end, seq, max_seqs).astype(jnp.int32)
+
+
+def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale):
+    num_tokens = q.shape[0]
+    segment = segment_ids(cu_q_lens, num_seqs, num_tokens)
+    position = jnp.arange(num_tokens)
+    mask = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.where(mask[None], scores, -jnp.inf)  # every row has its own key
+    lse = jax_logsumexp(scores)
+    probs = jnp.exp(scores - lse[..., None])
+    out = jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out, lse.T
+
+
+def jax_logsumexp(scores):
+    top = scores.max(axis=-1, keepdims=True)
+    return (top + jnp.log(jnp.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, interpret=False,
+                            block_q=64, block_k=64):
+    from jax.experimental.pallas.ops.gpu import attention
+
+    num_tokens, _, key_dim = q.shape
+    value_dim = v.shape[-1]
+    if value_dim > key_dim:
+        raise ValueError(f"values wider than keys ({value_dim} > {key_dim})")
+    # Whole blocks: a bucket that is not a multiple of one is padded with padding tokens.
+    block_q, block_k = min(block_q, num_tokens), min(block_k, num_tokens)
+    padded = -(-num_tokens // math.lcm(block_q, block_k)) * math.lcm(block_q, block_k)
+    pad = lambda x, width: jnp.pad(x, ((0, padded - num_tokens), (0, 0),
+                                       (0, width - x.shape[-1])))
+    q, k, v = pad(q, key_dim), pad(k, key_dim), pad(v, key_dim)
+    segment = segment_ids(cu_q_lens, num_seqs, padded)[None]
+    sizes = attention.BlockSizes(block_q=block_q, block_k=block_k)
+    out, lse = attention.mha(q[None], k[None], v[None], segment, sm_scale=sm_scale, causal=True,
+                             block_sizes=sizes, interpret=interpret, return_residuals=True)
+    # The kernel's softmax runs in base 2: its lse is log2 of the denominator.
+    out, lse = out[0, :num_tokens, :, :value_dim], lse[0, :, :num_tokens].T
+    return out.astype(jnp.float32), lse * math.log(2.0)
