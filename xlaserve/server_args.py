@@ -91,8 +91,8 @@ class ServerArgs:
         0, "multi-head latent attention models (DeepSeek-V2/V3, Kimi K2): steps of at least this "
            "many tokens take the expanded form, new tokens attended with per-head keys and "
            "values, the cached prefix in the latent space, merged by log-sum-exp (SGLang's and "
-           "vLLM's form for prefills); 0: the absorbed form always. GPU, and CPU (a reference "
-           "path, slower there); not on TPU yet")
+           "vLLM's form for prefills); 0: the absorbed form always (on CPU the expanded form "
+           "is a slower reference path)")
     page_size: Optional[int] = _flag(
         None, "tokens per KV cache page (default 16; on TPU the smallest power of two from 16 "
               "whose page table fits the attention kernel's scalar memory)")

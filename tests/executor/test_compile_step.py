@@ -13,6 +13,7 @@ import pytest
 from benchmarks.predict_accelerators import hlo_counts
 from tests.compile_targets import cache_copies, devices
 from xlaserve.executor import aot
+from xlaserve.sampling.step_needs import StepNeeds
 from xlaserve.server_args import ServerArgs
 
 LLAMA_8B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
@@ -93,21 +94,28 @@ def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target,
     assert len(gathers) <= 2 and all(g.startswith("f32[") for g in gathers), (gathers, description)
 
 
+@pytest.mark.parametrize("expanded", [False, True], ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), pytest.param("h100", 1, marks=pytest.mark.slow)])
 def test_deepseek_latent_attention_step_compiles_with_its_cache_updated_in_place(target, tp_size,
-                                                                                 tmp_path):
+                                                                                 expanded, tmp_path):
     """DeepSeek-V2-Lite's step with the Pallas latent-attention kernel, its first 3 layers (one
     dense, two of 64 experts; the whole model's 27 took 60 s a compile here, these 3 the same
     shapes): every layer's latent cache is whole on every device, donated and written in place,
     never copied (unpadded 576-wide rows were, on TPU: transformer.kv_cache_shape pads them to
-    640 lanes there)."""
+    640 lanes there). `expanded`: the 512-token bucket in the expanded form
+    (--mla-expanded-prefill-tokens 512; its two kernels under shard_map by head at tp 4)."""
     devices(target)
     config = json.loads((CONFIGS / "deepseek-v2-lite" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     args = ServerArgs(model_path=str(tmp_path), tp_size=tp_size,
-                      max_running_requests=64, max_prefill_tokens=512, context_length=8192)
+                      max_running_requests=64, max_prefill_tokens=512, context_length=8192,
+                      mla_expanded_prefill_tokens=512 if expanded else 0)
     program, shapes, description = aot.server_step(target, args)
-    compiled = program.compile(*shapes[0])
+    if expanded:  # the plain program: the prompt-logprob one loops over the vocabulary at 512
+        assert shapes[-1][0] >= 512, shapes
+        compiled = program.compile(*shapes[-1], StepNeeds())
+    else:
+        compiled = program.compile(*shapes[0])
     cache = program.args[1][0]
     assert cache.shape[2] == (640 if target.startswith("v") else 576), description
     hlo = compiled.as_text()

@@ -86,16 +86,22 @@ def test_an_unpadded_latent_cache_would_be_copied_on_tpu():
     assert cache_copies(hlo, cache.shape, cache.dtype)
 
 
-@pytest.mark.parametrize("batch", ["mixed", "prefill"])
-def test_the_expanded_forms_gpu_parts_compile_for_an_h100_at_deepseek_v3_shapes(batch):
-    """The expanded form's two kernels (api.get_expanded_prefill_fns) compiled by Triton at V3's
-    tp 8 shapes: the latent kernel with prefix_only (out and log-sum-exp, the cache updated in
-    place) and the flash attention of the new tokens, keys nope + rope = 192 wide (padded to a
-    power of two inside), values 128."""
-    _, target_devices = devices("h100")
+EXPANDED_PARTS = {"gpu": (kernel_gpu.mla_ragged_paged_attention, new_tokens.gpu_new_token_attention),
+                  "tpu": (kernel_tpu.mla_ragged_paged_attention, new_tokens.tpu_new_token_attention)}
+
+
+@pytest.mark.parametrize("target,batch", [("h100", "mixed"), ("h100", "prefill"),
+                                          ("v6e:2x2", "prefill")])
+def test_the_expanded_forms_parts_compile_at_deepseek_v3_shapes(target, batch):
+    """The expanded form's two kernels (api.get_expanded_prefill_fns) compiled at V3's tp 8
+    shapes: the latent kernel with prefix_only (out and log-sum-exp, the cache updated in place)
+    and the flash attention of the new tokens (Pallas Triton on the H100, splash on TPU), keys
+    nope + rope = 192 wide, values 128."""
+    platform, target_devices = devices(target)
     mesh = one_device_mesh(target_devices)
+    prefix_kernel, new_kernel = EXPANDED_PARTS[platform]
     args = mla_args(mesh, V3_HEADS["tp8"], batch)
-    prefix = jax.jit(functools.partial(kernel_gpu.mla_ragged_paged_attention, prefix_only=True),
+    prefix = jax.jit(functools.partial(prefix_kernel, prefix_only=True),
                      static_argnames=("sm_scale", "value_dim"), donate_argnames=("kv_cache",))
     compiled = compile_for(mesh, prefix, **args, sm_scale=0.1, value_dim=LATENT)
     hlo = compiled.as_text()
@@ -107,7 +113,7 @@ def test_the_expanded_forms_gpu_parts_compile_for_an_h100_at_deepseek_v3_shapes(
     assert lse.dtype == jnp.float32
 
     at = lambda shape, dt="bfloat16": aot.abstract(shape, jnp.dtype(dt), mesh, P())
-    new = jax.jit(new_tokens.gpu_new_token_attention, static_argnames=("sm_scale",))
+    new = jax.jit(new_kernel, static_argnames=("sm_scale",))
     compiled = compile_for(mesh, new, at((tokens, heads, 192)), at((tokens, heads, 192)),
                            at((tokens, heads, 128)), args["cu_q_lens"], args["num_seqs"],
                            sm_scale=0.1)

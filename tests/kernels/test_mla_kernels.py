@@ -41,6 +41,7 @@ def check_kernel(name, case, tol=1e-5, **static):
     try:
         out, cache = fn(**args, sm_scale=SM_SCALE, value_dim=VALUE_DIM, interpret=interpret,
                         **static)
+        jax.block_until_ready((out, cache))  # before the reset: callbacks are async
     finally:
         pltpu.reset_tpu_interpret_mode_state()
     assert out.shape == case["q"].shape[:2] + (VALUE_DIM,) and out.dtype == case["q"].dtype

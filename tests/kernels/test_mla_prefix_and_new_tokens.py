@@ -1,8 +1,10 @@
 """Latent attention split in two, as its expanded form serves prefills: each token against its
 sequence's cached prefix (`prefix_only`, with the log-sum-exp) and the step's new tokens among
 themselves (new_tokens.py), merged by `merge_by_lse`. The merge of the two equals the whole
-attention; the GPU kernel's prefix part and the Pallas GPU new-token attention (interpret mode)
-equal the reference's, on NaN-poisoned cases (cases.make_mla_case)."""
+attention; the TPU and GPU kernels' prefix part and the Pallas new-token attentions (interpret
+mode) equal the reference's, on NaN-poisoned cases (cases.make_mla_case)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +12,18 @@ import pytest
 
 from tests.kernels.test_mla_kernels import HEADS, SM_SCALE, VALUE_DIM, make_case
 from tests.kernels.test_reference_attention import BATCHES, LONG_AND_SHORT
-from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, new_tokens, reference
+from jax.experimental.pallas import tpu as pltpu
+
+from xlaserve.pallas_kernels.ragged_paged_attention import (kernel_gpu, kernel_tpu, new_tokens,
+                                                            reference)
 
 STATIC = ("sm_scale", "value_dim", "prefix_only", "kv_block_pages", "q_block")
 whole = jax.jit(reference.mla_ragged_paged_attention, static_argnames=STATIC)
-gpu = jax.jit(kernel_gpu.mla_ragged_paged_attention,
-              static_argnames=STATIC + ("interpret", "num_kv_splits", "heads_per_program"))
+PREFIX_KERNELS = {
+    "gpu": jax.jit(functools.partial(kernel_gpu.mla_ragged_paged_attention, interpret=True),
+                   static_argnames=STATIC + ("num_kv_splits",)),
+    "tpu": jax.jit(functools.partial(kernel_tpu.mla_ragged_paged_attention,
+                                     interpret=pltpu.InterpretParams()), static_argnames=STATIC)}
 CASES = {"decode": BATCHES["decode"], "prefill": BATCHES["prefill"],
          "mixed": BATCHES["mixed"], "long_and_short": (BATCHES["mixed"][0], LONG_AND_SHORT),
          "no_history": (BATCHES["prefill"][0], [(4, 4), (16, 16), (1, 1)])}
@@ -62,15 +70,24 @@ def test_prefix_part_merged_with_the_new_tokens_part_is_the_whole_attention(name
 
 
 @pytest.mark.parametrize("name", ["decode", "mixed", "long_and_short", "no_history"])
-@pytest.mark.parametrize("num_kv_splits", [1, 3])
-def test_gpu_kernel_prefix_part_equals_the_reference(name, num_kv_splits):
+@pytest.mark.parametrize("kernel,options", [("gpu", {"num_kv_splits": 1}),
+                                            ("gpu", {"num_kv_splits": 3}), ("tpu", {})],
+                         ids=["gpu", "gpu-3-splits", "tpu"])
+def test_kernel_prefix_part_equals_the_reference(name, kernel, options):
     shapes, seqs = CASES[name]
     case = make_case(seqs, seed=6, **shapes)
+    if kernel == "tpu":  # its cache rows are whole 128-lane tiles (transformer.kv_cache_shape)
+        case["kv_cache"] = np.pad(case["kv_cache"], ((0, 0), (0, 0), (0, 128 - 48)))
     args = as_args(case)
     want, want_lse, want_cache = whole(**args, sm_scale=SM_SCALE, value_dim=VALUE_DIM,
                                        prefix_only=True)
-    out, lse, cache = gpu(**args, sm_scale=SM_SCALE, value_dim=VALUE_DIM, prefix_only=True,
-                          interpret=True, num_kv_splits=num_kv_splits, kv_block_pages=1)
+    try:
+        out, lse, cache = PREFIX_KERNELS[kernel](**args, sm_scale=SM_SCALE, value_dim=VALUE_DIM,
+                                                 prefix_only=True, kv_block_pages=1, **options)
+        # Done before the reset: interpret mode's callbacks run asynchronously.
+        jax.block_until_ready((out, lse, cache))
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
     live = live_tokens(case)
     np.testing.assert_array_equal(np.asarray(cache), np.asarray(want_cache))
     np.testing.assert_allclose(np.asarray(out[:live]), np.asarray(want[:live]), rtol=1e-5,
@@ -82,7 +99,8 @@ def test_gpu_kernel_prefix_part_equals_the_reference(name, num_kv_splits):
 @pytest.mark.parametrize("seqs,tokens", [([(40, 40), (8, 8), (16, 30)], 128),
                                          ([(1, 5)] * 6 + [(20, 20)], 128),
                                          ([(30, 30), (9, 9)], 48)])  # 48: padded to 64 inside
-def test_pallas_gpu_new_token_attention_equals_the_reference(seqs, tokens):
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_pallas_new_token_attention_equals_the_reference(seqs, tokens, platform):
     rng = np.random.default_rng(7)
     key_dim, value_dim = 48, 32
     q, k = (jnp.asarray(rng.normal(size=(tokens, HEADS, key_dim)), jnp.float32) for _ in "qk")
@@ -92,8 +110,12 @@ def test_pallas_gpu_new_token_attention_equals_the_reference(seqs, tokens):
     num_seqs = jnp.asarray([len(seqs)], jnp.int32)
     want, want_lse = new_tokens.reference_new_token_attention(q, k, v, cu_q_lens, num_seqs,
                                                               sm_scale=0.2)
-    out, lse = new_tokens.gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, sm_scale=0.2,
-                                                  interpret=True, block_q=32, block_k=32)
+    if platform == "gpu":
+        out, lse = new_tokens.gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, sm_scale=0.2,
+                                                      interpret=True, block_q=32, block_k=32)
+    else:  # blocks of 128: the 48-token case is padded to one
+        out, lse = new_tokens.tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, sm_scale=0.2,
+                                                      interpret=True, block=128)
     live = int(cu_q_lens[len(seqs)])
     np.testing.assert_allclose(np.asarray(out[:live]), np.asarray(want[:live]), rtol=1e-4,
                                atol=1e-4)

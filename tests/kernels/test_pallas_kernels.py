@@ -41,6 +41,7 @@ def check_kernel(name, case, tol=1e-5, sinks=None, **static):
     args = {k: jnp.asarray(v) for k, v in case.items()}
     try:
         out, cache = fn(**args, sm_scale=SM_SCALE, interpret=interpret, sinks=sinks, **static)
+        jax.block_until_ready((out, cache))  # before the reset: callbacks are async
     finally:
         pltpu.reset_tpu_interpret_mode_state()  # required after an error, harmless otherwise
     assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
@@ -148,6 +149,7 @@ def test_tpu_kernel_writes_pages_that_consecutive_items_share_in_order(dtype, q_
     try:
         out, cache = KERNELS["tpu"][0](**args, sm_scale=SM_SCALE, interpret=params,
                                        q_block=q_block, kv_block_pages=4)
+        jax.block_until_ready((out, cache))  # before the reset: callbacks are async
     finally:
         pltpu.reset_tpu_interpret_mode_state()
     want_out, want_cache = attention(**args, sm_scale=SM_SCALE)

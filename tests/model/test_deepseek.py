@@ -12,13 +12,12 @@ from xlaserve.model.transformer import kv_cache_shape
 
 
 @pytest.mark.parametrize("family", list(DEEPSEEK))
-@pytest.mark.parametrize("prefill_chunk,page_size", [(64, 16), (3, 4)],
-                         ids=["one_ragged_batch", "chunked_prefill_by_3"])
-@pytest.mark.parametrize("expanded_from", [0, 1], ids=["absorbed", "expanded"])
+@pytest.mark.parametrize("prefill_chunk,page_size,expanded_from", [(64, 16, 0), (3, 4, 0), (3, 4, 1)],
+                         ids=["one_ragged_batch", "chunked_prefill_by_3", "expanded_chunks_by_3"])
 def test_deepseek_logits_match_transformers(deepseek_checkpoints, family, prefill_chunk,
                                             page_size, expanded_from):
-    """`expanded`: every step in the expanded form (prefix part + new tokens, merged), the
-    decode steps' one-token chunks too."""
+    """`expanded_chunks_by_3`: every step in the expanded form (the cached prefix's part and the
+    new tokens', merged), the first chunk's (no prefix) and the decode steps' too."""
     directory, hf_model = deepseek_checkpoints[family]
     loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
     mla = loaded.config.mla
@@ -66,11 +65,8 @@ def test_the_engine_serves_deepseek_v3_as_transformers_generates(deepseek_checkp
     assert again["output_ids"] == expected[2] and again["meta_info"]["cached_tokens"] >= 16
 
 
-def test_the_expanded_form_is_refused_where_it_cannot_run():
-    from xlaserve.executor.kernels import kernels_for
+def test_a_negative_mla_expanded_prefill_tokens_is_refused():
     from xlaserve.server_args import ServerArgs
 
-    with pytest.raises(ValueError, match="TPU latent attention kernel"):
-        kernels_for(platform="tpu", mla_expanded_prefill_tokens=512)
     with pytest.raises(ValueError, match="--mla-expanded-prefill-tokens must be"):
         ServerArgs(mla_expanded_prefill_tokens=-1)

@@ -54,20 +54,19 @@ def get_latent_attention_fn(backend: str = "auto", mesh: Mesh | None = None, *,
 def get_expanded_prefill_fns(backend: str = "auto", mesh: Mesh | None = None, *,
                              interpret: bool = False, platform: str | None = None):
     """(prefix attention, new-token attention): the two parts of multi-head latent attention's
-    expanded form (model/mla.py), each split over `mesh` by query head. On a GPU the Pallas
-    latent kernel with `prefix_only` and JAX's Pallas flash attention (new_tokens.py); on the
-    CPU the reference's (a correctness path: the native absorbed kernel is faster there,
-    docs/architecture.md). No TPU kernel attends to a cached prefix alone yet: ValueError."""
+    expanded form (model/mla.py), each split over `mesh` by query head. On TPU and GPU the
+    Pallas latent kernel with `prefix_only` and JAX's Pallas flash attention (splash on TPU;
+    new_tokens.py); on the CPU the reference's (a correctness path: the native absorbed kernel
+    is faster there, docs/architecture.md)."""
     platform = platform or jax.default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    if platform == "tpu":
-        raise ValueError("--mla-expanded-prefill-tokens: the TPU latent attention kernel does "
-                         "not attend to a cached prefix alone yet; leave it 0 on TPU")
-    if platform == "gpu" and backend in ("auto", "pallas"):
-        prefix = functools.partial(kernel_gpu.mla_ragged_paged_attention, prefix_only=True,
+    if platform in ("tpu", "gpu") and backend in ("auto", "pallas"):
+        kernel, new = {"tpu": (kernel_tpu, new_tokens.tpu_new_token_attention),
+                       "gpu": (kernel_gpu, new_tokens.gpu_new_token_attention)}[platform]
+        prefix = functools.partial(kernel.mla_ragged_paged_attention, prefix_only=True,
                                    interpret=interpret)
-        new = functools.partial(new_tokens.gpu_new_token_attention, interpret=interpret)
+        new = functools.partial(new, interpret=interpret)
     else:
         prefix = functools.partial(reference.mla_ragged_paged_attention, prefix_only=True)
         new = new_tokens.reference_new_token_attention

@@ -106,24 +106,28 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                *, sm_scale, value_dim, interpret=False, q_block=None,
-                               kv_block_pages=None):
+                               kv_block_pages=None, prefix_only=False):
     """See `reference.mla_ragged_paged_attention`: the same kernel with one kv head whose keys
     are the cache rows' first Dk lanes and values their first `value_dim` lanes (every query head
     is in the one group). The cache's rows should be whole 128-lane tiles (Dc a multiple of 128:
-    transformer.kv_cache_shape pads them). Returns (out, kv_cache)."""
+    transformer.kv_cache_shape pads them). Returns (out, kv_cache); with `prefix_only` (out, lse,
+    kv_cache) over each sequence's keys from before this step: the new rows are written as
+    always, and the blocks past the prefix are read for that but not attended."""
     check_mla_shapes(q, latent, kv_cache, value_dim)
     latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - q.shape[2])))  # to the cache's lanes
     return _attend_items(
         q, latent, kv_cache, None, kv_lens, page_indices, cu_q_lens, num_seqs, num_kv_heads=1,
         group=q.shape[1], q_block=q_block, kv_block_pages=kv_block_pages, interpret=interpret,
-        sm_scale=sm_scale, sliding_window=None, soft_cap=None, value_dim=value_dim)
+        sm_scale=sm_scale, sliding_window=None, soft_cap=None, value_dim=value_dim,
+        prefix_only=prefix_only)
 
 
 def _attend_items(q, new_rows, flat_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                   num_kv_heads, group, q_block, kv_block_pages, interpret, **static):
     """What both entries share: the shape checks, the metadata sanitized, the work items, q and
     the new rows [T, lanes] (in the cache's token layout) gathered per item, the kernel, and the
-    outputs back in token order. Returns (out [T, Hq, value_dim or D], flat_cache)."""
+    outputs back in token order. Returns (out [T, Hq, value_dim or D], flat_cache), or with
+    static["prefix_only"] (out, lse [T, Hq] float32, flat_cache)."""
     num_tokens, num_q_heads = q.shape[:2]
     page_size = flat_cache.shape[1]
     max_seqs, pages_per_seq = page_indices.shape
@@ -140,13 +144,16 @@ def _attend_items(q, new_rows, flat_cache, sinks, kv_lens, page_indices, cu_q_le
     q_items = gather_queries(q, cu_q_lens, item_seq, item_row0, q_block, num_kv_heads, rows)
     new_items = gather_new_rows(new_rows, flat_cache.dtype, cu_q_lens, item_seq, item_row0,
                                 q_block)
-    out_items, flat_cache = _attention(
+    *out_items, flat_cache = _attention(
         q_items, new_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens, num_seqs,
         page_indices, q_block=q_block, group=group, kv_block_pages=kv_block_pages,
         interpret=interpret, **static)
-    out = scatter_outputs(out_items, cu_q_lens, item_seq, item_row0, q_block, num_tokens,
-                          num_q_heads)
-    return out, flat_cache
+    outs = [scatter_outputs(x, cu_q_lens, item_seq, item_row0, q_block, num_tokens, num_q_heads)
+            for x in out_items]
+    if static.get("prefix_only"):  # the lse's one lane; padding tokens (0 there) have no key
+        live = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
+        outs[1] = jnp.where(live[:, None], outs[1][..., 0], -jnp.inf)
+    return (*outs, flat_cache)
 
 
 def check_shapes(page_size: int, dtype, max_seqs: int, pages_per_seq: int) -> None:
@@ -175,7 +182,8 @@ def default_page_size(max_seqs: int, context_length: int, smallest: int = 16) ->
 
 
 def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,
-               num_seqs, page_indices, *, kv_block_pages, interpret, value_dim=None, **static):
+               num_seqs, page_indices, *, kv_block_pages, interpret, value_dim=None,
+               prefix_only=False, **static):
     """The pallas_call. value_dim None: MHA, kv head h's K and V at lanes [2hD, 2hD+D) and
     [2hD+D, 2hD+2D); else MLA, one kv head whose K is the whole row and V its first value_dim
     lanes (the output's width)."""
@@ -186,7 +194,7 @@ def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv
     block_tokens = kv_block_pages * page_size
     kernel = functools.partial(_attention_kernel, page_size=page_size, pages_per_seq=pages_per_seq,
                                kv_block_pages=kv_block_pages, has_sinks=sinks is not None,
-                               value_dim=value_dim, **static)
+                               value_dim=value_dim, prefix_only=prefix_only, **static)
     item_spec = pl.BlockSpec((1, num_kv_heads, rows, head_dim), lambda w, *_: (w, 0, 0, 0))
     out_spec = pl.BlockSpec((1, num_kv_heads, rows, out_dim), lambda w, *_: (w, 0, 0, 0))
     new_kv_spec = pl.BlockSpec((1,) + new_kv_items.shape[1:], lambda w, *_: (w, 0, 0))
@@ -208,15 +216,19 @@ def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv
         pltpu.VMEM((num_kv_heads, rows, out_dim), jnp.float32),  # running numerator
     ]
     num_scalars = 6
+    out_shape = [jax.ShapeDtypeStruct(q_items.shape[:3] + (out_dim,), q_items.dtype)]
+    out_specs = [out_spec]
+    if prefix_only:  # each row's log-sum-exp, one lane
+        out_shape.append(jax.ShapeDtypeStruct(q_items.shape[:3] + (1,), jnp.float32))
+        out_specs.append(pl.BlockSpec((1, num_kv_heads, rows, 1), lambda w, *_: (w, 0, 0, 0)))
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct(q_items.shape[:3] + (out_dim,), q_items.dtype),
-                   jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)),
+        out_shape=(*out_shape, jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_scalars, grid=(num_items,),
-            in_specs=in_specs, out_specs=(out_spec, hbm),
+            in_specs=in_specs, out_specs=(*out_specs, hbm),
             scratch_shapes=scratch),
-        input_output_aliases={num_scalars + 2: 1},  # the cache, updated in place
+        input_output_aliases={num_scalars + 2: len(out_shape)},  # the cache, updated in place
         # In order: an item waits for the KV block the previous one prefetched, and reads the
         # pages an earlier item of its sequence wrote.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
@@ -227,8 +239,9 @@ def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
                       page_indices_ref, q_ref, new_kv_ref, _cache_in, *refs, sm_scale,
                       sliding_window, soft_cap, q_block, group, page_size, pages_per_seq,
-                      kv_block_pages, has_sinks, value_dim):
+                      kv_block_pages, has_sinks, value_dim, prefix_only):
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    lse_ref, refs = (refs[1], refs[:1] + refs[2:]) if prefix_only else (None, refs)
     # The cache is read and written through the output, the same HBM buffer as the input.
     o_ref, cache_hbm, kv_buf, sems, state_ref, m_ref, l_ref, acc_ref = refs
     write_sem = sems.at[2]
@@ -261,12 +274,19 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
     @pl.when(seq >= live_seqs)
     def _():  # an unused item slot (they all come last); its rows are dropped by the wrapper
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        if lse_ref is not None:
+            lse_ref[...] = jnp.full(lse_ref.shape, -jnp.inf, jnp.float32)
         state_ref[1] = 0
 
     @pl.when(seq < live_seqs)
     def _():
         span = span_of(item, seq)
         first_slot = state_ref[0]
+        # The last key attended: the row's own position (a bound per row, in the step), or with
+        # prefix_only the last one before this step's new tokens.
+        last_key = span.last_pos
+        if prefix_only:
+            last_key = kv_lens_ref[seq] - (cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]) - 1
 
         @pl.when(state_ref[1] == 0)
         def _():  # the first item (or one whose block nobody prefetched)
@@ -345,11 +365,13 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                 wait_writes()
                 prefetch_next(1 - slot)
 
-            _online_softmax_step(q_ref, kv_buf.at[slot], m_ref, l_ref, acc_ref,
-                                 key0=block * block_tokens, first_pos=span.first_pos,
-                                 last_pos=span.last_pos, num_rows=span.num_rows, group=group,
-                                 sm_scale=sm_scale, sliding_window=sliding_window,
-                                 soft_cap=soft_cap, value_dim=value_dim)
+            @pl.when(block * block_tokens <= last_key)  # blocks of new tokens alone: writes
+            def _():
+                _online_softmax_step(q_ref, kv_buf.at[slot], m_ref, l_ref, acc_ref,
+                                     key0=block * block_tokens, first_pos=span.first_pos,
+                                     last_pos=last_key, num_rows=span.num_rows, group=group,
+                                     sm_scale=sm_scale, sliding_window=sliding_window,
+                                     soft_cap=soft_cap, value_dim=value_dim)
 
             @pl.when(jnp.logical_not(last & next_same_seq))
             def _():  # the buffer is refilled two blocks on; the next item may read these pages
@@ -363,7 +385,14 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
         for h in range(o_ref.shape[1]):
             # l >= 1 on every real row (its own key or its sink scores exp(0)); padding rows only
             # see MASK_VALUE scores, so l counts the block's keys there (or is the sink's 1).
-            o_ref[0, h] = (acc_ref[h] / l_ref[h][:, :1]).astype(o_ref.dtype)
+            # With prefix_only a row without a prefix attended nothing: l = 0, acc = 0.
+            l = l_ref[h][:, :1]
+            if prefix_only:
+                m = m_ref[h][:, :1]
+                empty = (m == MASK_VALUE) | (l == 0)
+                lse_ref[0, h] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.maximum(l, 1e-30)))
+                l = jnp.where(l == 0, 1.0, l)
+            o_ref[0, h] = (acc_ref[h] / l).astype(o_ref.dtype)
 
 
 def _token_of_row(row, group: int):
@@ -395,7 +424,7 @@ def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, l
     block_tokens = kv.shape[0]
     key_pos = key0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
     row_in_item = _token_of_row(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
-    row_pos = first_pos + row_in_item
+    row_pos = jnp.minimum(first_pos + row_in_item, last_pos)  # last_pos: the last key attended
     mask = (row_in_item < num_rows) & (key_pos <= row_pos)
     if sliding_window is not None:
         mask &= row_pos - key_pos < sliding_window

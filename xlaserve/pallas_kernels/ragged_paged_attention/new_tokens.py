@@ -75,3 +75,26 @@ def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, interpret
     # The kernel's softmax runs in base 2: its lse is log2 of the denominator.
     out, lse = out[0, :num_tokens, :, :value_dim], lse[0, :, :num_tokens].T
     return out.astype(jnp.float32), lse * math.log(2.0)
+
+
+def tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, interpret=False,
+                            block=512):
+    """JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) over the batch
+    as one packed sequence: a causal mask, the sequences kept apart by segment ids, its
+    log-sum-exp saved. Splash skips the blocks its static causal mask rules out, not the ones
+    segments do. Heads first ([H, T, D]); the queries are scaled here (splash does not)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    num_tokens, num_heads, _ = q.shape
+    block = min(block, max(128, 1 << (num_tokens - 1).bit_length()))
+    padded = -(-num_tokens // block) * block
+    pad = lambda x: jnp.pad(x, ((0, padded - num_tokens), (0, 0), (0, 0))).transpose(1, 0, 2)
+    segment = segment_ids(cu_q_lens, num_seqs, padded)
+    mask = masks.MultiHeadMask([masks.CausalMask((padded, padded))] * num_heads)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                    save_residuals=True, interpret=interpret)
+    out, (lse,) = kernel((pad(q) * sm_scale).astype(q.dtype), pad(k), pad(v),
+                         segment_ids=splash.SegmentIds(q=segment, kv=segment))
+    return out[:, :num_tokens].transpose(1, 0, 2).astype(jnp.float32), lse[:, :num_tokens].T
