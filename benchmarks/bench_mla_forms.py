@@ -125,7 +125,8 @@ def main() -> None:
     latent = jnp.asarray(batch["latent"], dtype)
     w_uk = jnp.asarray(rng.normal(0, 0.05, (HEADS, NOPE, RANK)), dtype)
     w_uv = jnp.asarray(rng.normal(0, 0.05, (HEADS, RANK, V_DIM)), dtype)
-    forms = {"absorbed, platform kernel": absorbed(api.get_latent_attention_fn(), w_uk, w_uv, dtype),
+    platform_kernel = api.get_latent_attention_fn()
+    forms = {"absorbed, platform kernel": absorbed(platform_kernel, w_uk, w_uv, dtype),
              "absorbed, jnp reference": absorbed(reference.mla_ragged_paged_attention, w_uk,
                                                  w_uv, dtype),
              "expanded, jnp": expanded(w_uk, w_uv, dtype),

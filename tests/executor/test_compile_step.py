@@ -96,8 +96,8 @@ def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target,
 
 @pytest.mark.parametrize("expanded", [False, True], ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), pytest.param("h100", 1, marks=pytest.mark.slow)])
-def test_deepseek_latent_attention_step_compiles_with_its_cache_updated_in_place(target, tp_size,
-                                                                                 expanded, tmp_path):
+def test_deepseek_latent_attention_step_compiles_with_its_cache_updated_in_place(
+        target, tp_size, expanded, tmp_path):
     """DeepSeek-V2-Lite's step with the Pallas latent-attention kernel, its first 3 layers (one
     dense, two of 64 experts; the whole model's 27 took 60 s a compile here, these 3 the same
     shapes): every layer's latent cache is whole on every device, donated and written in place,

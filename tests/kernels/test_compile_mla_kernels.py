@@ -86,12 +86,13 @@ def test_an_unpadded_latent_cache_would_be_copied_on_tpu():
     assert cache_copies(hlo, cache.shape, cache.dtype)
 
 
-EXPANDED_PARTS = {"gpu": (kernel_gpu.mla_ragged_paged_attention, new_tokens.gpu_new_token_attention),
-                  "tpu": (kernel_tpu.mla_ragged_paged_attention, new_tokens.tpu_new_token_attention)}
+EXPANDED_PARTS = {  # (the latent kernel, the new tokens' attention)
+    "gpu": (kernel_gpu.mla_ragged_paged_attention, new_tokens.gpu_new_token_attention),
+    "tpu": (kernel_tpu.mla_ragged_paged_attention, new_tokens.tpu_new_token_attention)}
 
 
 @pytest.mark.parametrize("target,batch", [("h100", "mixed"), ("h100", "prefill"),
-                                          ("v6e:2x2", "prefill")])
+                                          ("v6e:2x2", "prefill"), ("v5e:2x2", "prefill")])
 def test_the_expanded_forms_parts_compile_at_deepseek_v3_shapes(target, batch):
     """The expanded form's two kernels (api.get_expanded_prefill_fns) compiled at V3's tp 8
     shapes: the latent kernel with prefix_only (out and log-sum-exp, the cache updated in place)

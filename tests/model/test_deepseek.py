@@ -12,7 +12,8 @@ from xlaserve.model.transformer import kv_cache_shape
 
 
 @pytest.mark.parametrize("family", list(DEEPSEEK))
-@pytest.mark.parametrize("prefill_chunk,page_size,expanded_from", [(64, 16, 0), (3, 4, 0), (3, 4, 1)],
+@pytest.mark.parametrize("prefill_chunk,page_size,expanded_from",
+                         [(64, 16, 0), (3, 4, 0), (3, 4, 1)],
                          ids=["one_ragged_batch", "chunked_prefill_by_3", "expanded_chunks_by_3"])
 def test_deepseek_logits_match_transformers(deepseek_checkpoints, family, prefill_chunk,
                                             page_size, expanded_from):
