@@ -365,13 +365,16 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                 wait_writes()
                 prefetch_next(1 - slot)
 
-            @pl.when(block * block_tokens <= last_key)  # blocks of new tokens alone: writes
-            def _():
-                _online_softmax_step(q_ref, kv_buf.at[slot], m_ref, l_ref, acc_ref,
-                                     key0=block * block_tokens, first_pos=span.first_pos,
-                                     last_pos=last_key, num_rows=span.num_rows, group=group,
-                                     sm_scale=sm_scale, sliding_window=sliding_window,
-                                     soft_cap=soft_cap, value_dim=value_dim)
+            attend = functools.partial(
+                _online_softmax_step, q_ref, kv_buf.at[slot], m_ref, l_ref, acc_ref,
+                key0=block * block_tokens, first_pos=span.first_pos, last_pos=last_key,
+                num_rows=span.num_rows, group=group, sm_scale=sm_scale,
+                sliding_window=sliding_window, soft_cap=soft_cap, value_dim=value_dim,
+                prefix_only=prefix_only)
+            if prefix_only:  # a block of new tokens alone is read for its writes, not attended
+                pl.when(block * block_tokens <= last_key)(attend)
+            else:
+                attend()
 
             @pl.when(jnp.logical_not(last & next_same_seq))
             def _():  # the buffer is refilled two blocks on; the next item may read these pages
@@ -417,15 +420,17 @@ def _start_at_sinks(sinks_ref, m_ref, l_ref, group):
 
 
 def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, last_pos, num_rows,
-                         group, sm_scale, sliding_window, soft_cap, value_dim):
+                         group, sm_scale, sliding_window, soft_cap, value_dim, prefix_only=False):
     """Folds one KV block (kv: [block_tokens, 2*Hkv*D] in VMEM, keys key0.. ; with value_dim,
     MLA's [block_tokens, Dk]) into the running max / denominator / numerator of every kv head."""
     num_kv_heads, rows, head_dim = q_ref.shape[1:]
     block_tokens = kv.shape[0]
     key_pos = key0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
     row_in_item = _token_of_row(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
-    row_pos = jnp.minimum(first_pos + row_in_item, last_pos)  # last_pos: the last key attended
+    row_pos = first_pos + row_in_item
     mask = (row_in_item < num_rows) & (key_pos <= row_pos)
+    if prefix_only:  # last_pos: the prefix's last key, before every row of the item
+        mask &= key_pos <= last_pos
     if sliding_window is not None:
         mask &= row_pos - key_pos < sliding_window
     key_attended = key0 + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) <= last_pos
