@@ -43,8 +43,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
-    MASK_VALUE, default_q_block, gather_outputs, gather_queries, item_span, make_work_items,
-    new_token_slots, query_group, sanitize_metadata, write_new_kv_with_xla,
+    MASK_VALUE, default_q_block, gather_outputs, gather_queries, item_span, lse_of,
+    make_work_items, new_token_slots, query_group, sanitize_metadata, write_new_kv_with_xla,
     write_new_rows_with_xla)
 
 KV_BLOCK_TOKENS = 64  # keys per loop step; K and V of one step stay in registers/shared memory
@@ -163,7 +163,8 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
                                kv_block_pages=None, num_kv_splits=None, heads_per_program=None,
                                num_warps=4, num_stages=None, prefix_only=False):
     """See `reference.mla_ragged_paged_attention`; returns (out, kv_cache), or with
-    `prefix_only` (out, lse, kv_cache) over each sequence's keys from before this step. Every query head reads
+    `prefix_only` (out, lse, kv_cache) over each sequence's keys from before this step. Every
+    query head reads
     the same latent rows, so the heads are cut into programs of `heads_per_program` (default
     MLA_HEADS_PER_PROGRAM) that play the kv heads' part in the grid: program (w, j, s) attends
     heads [j * n, (j + 1) * n) of item w. Triton's dot wants power-of-two widths, so a block's
@@ -286,7 +287,8 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
 def combine_kv_splits(acc, m, l):
     """Merges split-KV partials (acc [W, Hkv, splits, rows, D], m and l [W, Hkv, splits, rows]:
     each split's unnormalized output, running max and denominator) into the normalized output
-    [W, Hkv, rows, D] (float32) and its log-sum-exp [W, Hkv, rows] (`lse_of`), by the rule: weight exp(m_s - max_s m_s) on each.
+    [W, Hkv, rows, D] (float32) and its log-sum-exp [W, Hkv, rows] (`lse_of`), by the rule:
+    weight exp(m_s - max_s m_s) on each.
     An empty split (m = MASK_VALUE, l = 0) weighs 0 beside any real one; a row with no key and
     no sink in any split comes out 0. A split whose keys were all masked for a row holds junk
     with m = MASK_VALUE, and weighs exp(MASK_VALUE - m_real) = 0 beside the row's own key."""
@@ -296,11 +298,6 @@ def combine_kv_splits(acc, m, l):
     acc_all = (weight[..., None] * acc).sum(axis=2)
     return acc_all / jnp.where(l_all == 0, 1.0, l_all)[..., None], lse_of(m_all[:, :, 0], l_all)
 
-
-def lse_of(m, l):
-    """log(sum exp(score)) of rows whose running max is m and denominator l (exp(score - m)
-    summed): -inf where no key was attended (m still MASK_VALUE, or l 0)."""
-    return jnp.where((m == MASK_VALUE) | (l == 0), -jnp.inf, m + jnp.log(jnp.maximum(l, 1e-30)))
 
 
 def sinks_by_row(sinks, num_kv_heads, q_block, rows):

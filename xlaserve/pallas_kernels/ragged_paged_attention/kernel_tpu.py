@@ -65,8 +65,8 @@ from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_s
 from xlaserve.pallas_kernels.ragged_paged_attention.tpu_page_writes import (
     gather_new_rows, merge_new_rows, sublanes, written_tiles)
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
-    MASK_VALUE, default_q_block, gather_queries, item_span, make_work_items, query_group, round_up,
-    sanitize_metadata, scatter_outputs)
+    MASK_VALUE, default_q_block, gather_queries, item_span, lse_of, make_work_items, query_group,
+    round_up, sanitize_metadata, scatter_outputs)
 
 LANES = 128
 KV_BUFFER_BYTES = 4 << 20  # one of the two KV blocks in VMEM
@@ -391,9 +391,7 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
             # With prefix_only a row without a prefix attended nothing: l = 0, acc = 0.
             l = l_ref[h][:, :1]
             if prefix_only:
-                m = m_ref[h][:, :1]
-                empty = (m == MASK_VALUE) | (l == 0)
-                lse_ref[0, h] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.maximum(l, 1e-30)))
+                lse_ref[0, h] = lse_of(m_ref[h][:, :1], l)
                 l = jnp.where(l == 0, 1.0, l)
             o_ref[0, h] = (acc_ref[h] / l).astype(o_ref.dtype)
 

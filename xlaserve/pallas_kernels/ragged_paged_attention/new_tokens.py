@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import searchsorted_right
@@ -43,15 +44,10 @@ def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale):
     mask = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
     scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
     scores = jnp.where(mask[None], scores, -jnp.inf)  # every row has its own key
-    lse = jax_logsumexp(scores)
+    lse = jax.nn.logsumexp(scores, axis=-1)
     probs = jnp.exp(scores - lse[..., None])
     out = jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out, lse.T
-
-
-def jax_logsumexp(scores):
-    top = scores.max(axis=-1, keepdims=True)
-    return (top + jnp.log(jnp.exp(scores - top).sum(axis=-1, keepdims=True)))[..., 0]
 
 
 def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, interpret=False,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from xlaserve.pallas_kernels.ragged_paged_attention import reference
 # The reference's: masked scores are finite, exp(MASK_VALUE - m) == 0. Re-exported for the kernels.
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import MASK_VALUE  # noqa: F401
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
 
 
 def query_group(q, k) -> int:
@@ -154,6 +154,13 @@ def gather_outputs(out_items, cu_q_lens, q_block, num_tokens, num_q_heads):
     live = token < cu_q_lens[max_seqs]
     return jnp.where(live[:, None, None], picked.reshape(num_tokens, num_q_heads, head_dim), 0)
 
+
+
+def lse_of(m, l):
+    """log(sum exp(score)) of rows whose online softmax ended at running max m and denominator l
+    (exp(score - m) summed), inside a kernel or after it: -inf where no key was attended (m still
+    MASK_VALUE, or l 0)."""
+    return jnp.where((m == MASK_VALUE) | (l == 0), -jnp.inf, m + jnp.log(jnp.maximum(l, 1e-30)))
 
 class ItemSpan(NamedTuple):
     """What one grid step attends, as scalars computed inside a kernel."""
