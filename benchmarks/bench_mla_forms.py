@@ -42,10 +42,15 @@ HEADS, NOPE, ROPE, RANK, V_DIM, PAGE = 16, 128, 64, 512, 128, 16
 SM_SCALE = (NOPE + ROPE) ** -0.5
 
 
+def latent_query(q_nope, q_rope, w_uk, dtype):
+    """The absorbed form's query, as model/mla.py makes it: q_nope @ W_UK, then the RoPE'd part."""
+    q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
+    return jnp.concatenate([q_latent.astype(dtype), q_rope], -1)
+
+
 def absorbed(attention, w_uk, w_uv, dtype):
     def step(q_nope, q_rope, latent, cache, kv_lens, page_indices, cu_q_lens, num_seqs):
-        q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
-        query = jnp.concatenate([q_latent.astype(dtype), q_rope], -1)
+        query = latent_query(q_nope, q_rope, w_uk, dtype)
         out, cache = attention(query, latent, cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                sm_scale=SM_SCALE, value_dim=RANK)
         return jnp.einsum("thr,hrv->thv", out, w_uv, preferred_element_type=jnp.float32), cache
@@ -95,10 +100,9 @@ def expanded_served(w_uk, w_uv):
     kernels = Kernels(attention=None, latent_prefix_attention=prefix, new_token_attention=new)
 
     def step(q_nope, q_rope, latent, cache, *metadata):
-        q_latent = jnp.einsum("thn,hnr->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
-        query = jnp.concatenate([q_latent.astype(latent.dtype), q_rope], -1)  # as model/mla.py
-        return expanded_attention(q_nope, q_rope, latent, (query, latent, cache, *metadata),
-                                  w_uk, w_uv, kernels, kv_lora_rank=RANK, sm_scale=SM_SCALE)
+        query = latent_query(q_nope, q_rope, w_uk, latent.dtype)
+        return expanded_attention(q_nope, q_rope, (query, latent, cache, *metadata), w_uk, w_uv,
+                                  kernels, kv_lora_rank=RANK, sm_scale=SM_SCALE)
     return jax.jit(step, donate_argnums=3)
 
 

@@ -92,7 +92,7 @@ class MLAttention(nnx.Module):
                           metadata.cu_q_lens, metadata.num_seqs)
         if 0 < kernels.mla_expanded_prefill_tokens <= x.shape[0]:  # the bucket's size: static
             out, kv_cache = expanded_attention(
-                q_nope, q_rope, latent, attention_args, self.w_uk[...], w_uv, kernels,
+                q_nope, q_rope, attention_args, self.w_uk[...], w_uv, kernels,
                 kv_lora_rank=m.kv_lora_rank, sm_scale=m.softmax_scale)
         else:
             out, kv_cache = kernels.latent_attention(
@@ -104,20 +104,21 @@ class MLAttention(nnx.Module):
         return out, kv_cache
 
 
-def expanded_attention(q_nope, q_rope, latent, attention_args, w_uk, w_uv, kernels: Kernels, *,
+def expanded_attention(q_nope, q_rope, attention_args, w_uk, w_uv, kernels: Kernels, *,
                        kv_lora_rank: int, sm_scale: float):
     """The expanded form (SGLang's and vLLM's for prefills): each token's attention to its
     sequence's cached prefix in the absorbed form (the latent kernel with prefix_only, which also
     writes the new rows), and to the step's new tokens with per-head keys [c W_UK, k_rope] (nope +
     rope wide) and values c W_UV (v_head_dim): fewer FLOPs per (query, key) pair than the
     absorbed form's kv_lora + rope and kv_lora. The two are merged by their log-sum-exp.
-    q_nope [T, H, nope], q_rope [T, H, rope] (RoPE'd), latent [T, kv_lora + rope] (the new rows,
-    as the cache holds them); `attention_args` the latent kernel's. Returns (out [T, H,
+    q_nope [T, H, nope], q_rope [T, H, rope] (RoPE'd); `attention_args` the latent kernel's, its
+    second the new rows [T, kv_lora + rope] as the cache holds them. Returns (out [T, H,
     v_head_dim] float32, kv_cache)."""
     out_prefix, lse_prefix, kv_cache = kernels.latent_prefix_attention(
         *attention_args, sm_scale=sm_scale, value_dim=kv_lora_rank)
     out_prefix = jnp.einsum("thr,hrv->thv", out_prefix.astype(w_uv.dtype), w_uv,
                             preferred_element_type=jnp.float32)
+    latent = attention_args[1]
     dtype = latent.dtype  # the rows as the cache holds them, as the absorbed form reads them
     compressed, k_rope = latent[:, :kv_lora_rank], latent[:, kv_lora_rank:]
     keys = jnp.einsum("tr,hnr->thn", compressed.astype(w_uk.dtype), w_uk,

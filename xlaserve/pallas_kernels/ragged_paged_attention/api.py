@@ -74,18 +74,12 @@ def get_expanded_prefill_fns(backend: str = "auto", mesh: Mesh | None = None, *,
     if heads is None:
         return prefix, new
 
-    def sharded_prefix(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-        return jax.shard_map(functools.partial(prefix, **options), mesh=mesh,
-                             in_specs=(heads,) + (P(),) * 6, out_specs=(heads, P(*heads[:2]), P()),
-                             check_vma=False)(q, latent, kv_cache, kv_lens, page_indices,
-                                              cu_q_lens, num_seqs)
-
     def sharded_new(q, k, v, cu_q_lens, num_seqs, **options):
         return jax.shard_map(functools.partial(new, **options), mesh=mesh,
                              in_specs=(heads,) * 3 + (P(),) * 2, out_specs=(heads, P(*heads[:2])),
                              check_vma=False)(q, k, v, cu_q_lens, num_seqs)
 
-    return sharded_prefix, sharded_new
+    return _split_by_query_head(prefix, mesh, with_lse=True), sharded_new
 
 
 def _pick(backend, mesh, interpret, platform, name: str, split: Callable) -> Callable:
@@ -204,18 +198,20 @@ def _head_spec(mesh: Mesh | None) -> P | None:
     return P(None, head_axes, None)
 
 
-def _split_by_query_head(kernel: Callable, mesh: Mesh | None) -> Callable:
+def _split_by_query_head(kernel: Callable, mesh: Mesh | None, with_lse: bool = False) -> Callable:
     """A latent-attention kernel under shard_map: each device on its own query heads (split as
     the model splits them, model/sharding.py), the new latent rows and the cache whole on every
-    device, each device writing the same rows into its own copy."""
+    device, each device writing the same rows into its own copy. `with_lse`: the kernel returns
+    (out, lse [T, Hq], cache), prefix_only's."""
     heads, whole = _head_spec(mesh), P()
     if heads is None:
         return kernel
+    out_specs = (heads, P(*heads[:2]), whole) if with_lse else (heads, whole)
 
     @functools.wraps(kernel)
     def sharded(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
         return jax.shard_map(functools.partial(kernel, **options), mesh=mesh,
-                             in_specs=(heads,) + (whole,) * 6, out_specs=(heads, whole),
+                             in_specs=(heads,) + (whole,) * 6, out_specs=out_specs,
                              check_vma=False)(q, latent, kv_cache, kv_lens, page_indices,
                                               cu_q_lens, num_seqs)
 
