@@ -43,17 +43,32 @@ class AsyncRequestGroup:
         return rid
 
     async def chunks(self) -> AsyncIterator[tuple[int, OutputChunk]]:
-        """(index, chunk) pairs until every request has sent its final chunk."""
-        while self._unfinished:
-            try:
-                index, chunk = await asyncio.wait_for(self._queue.get(), LIVENESS_POLL_S)
-            except asyncio.TimeoutError:
-                if not self.core.is_alive():
-                    raise EngineDeadError(self.core.stopped_reason()) from None
-                continue
-            if chunk.finished:
-                self._unfinished.pop(index, None)
-            yield index, chunk
+        """(index, chunk) pairs until every request has sent its final chunk.
+
+        Not `asyncio.wait_for(queue.get(), ...)`: on Python 3.10-3.11 it returns the item instead
+        of raising when the reader is cancelled as a chunk arrives, so a cancelled reader (a
+        cancelled background response, a client gone) ran on with its requests aborted and
+        unfinished (CI saw a cancelled response stay `in_progress`). `asyncio.wait` never
+        swallows the caller's cancellation; one getter lives across the liveness polls."""
+        getter = None
+        try:
+            while self._unfinished:
+                if not self._queue.empty():
+                    index, chunk = self._queue.get_nowait()
+                else:
+                    getter = getter or asyncio.ensure_future(self._queue.get())
+                    done, _ = await asyncio.wait((getter,), timeout=LIVENESS_POLL_S)
+                    if not done:
+                        if not self.core.is_alive():
+                            raise EngineDeadError(self.core.stopped_reason())
+                        continue
+                    (index, chunk), getter = getter.result(), None
+                if chunk.finished:
+                    self._unfinished.pop(index, None)
+                yield index, chunk
+        finally:
+            if getter is not None:
+                getter.cancel()
 
     def abort(self, message: str | None = None) -> None:
         """Aborts every request that has not finished (the consumer went away, or failed); with

@@ -44,6 +44,8 @@ class ResponseStore:
     def __init__(self, storage: Storage):
         self.storage = storage
         self._running: dict[str, tuple[asyncio.Task, ResponseCall]] = {}
+        self._generating: set[str] = set()  # running ones still generating (cancellable)
+        self._cancelled: set[str] = set()  # running ones a cancel (or the stop) ended
         self._stopping = False
         for record in storage.responses_with_status(UNFINISHED):
             logger.info("Response %s was %s when the server stopped: failed", record["id"],
@@ -88,24 +90,47 @@ class ResponseStore:
         return response
 
     async def _finish(self, call: ResponseCall) -> None:
-        try:
-            response = call.finished(await call.chat.response())
-        except asyncio.CancelledError:
+        """Generates, then saves the final record. The save is never cancelled (cancel and stop
+        cancel only the generation), so the record is final when the task ends."""
+        response = None if call.id in self._cancelled else await self._generate(call)
+        if call.id in self._cancelled or response is None:
             response = call.object("failed", error=STOPPED_ERROR) if self._stopping \
                 else call.object("cancelled")
-        except APIError as error:
-            response = call.object("failed", error={"code": "server_error",
-                                                    "message": error.message})
         try:
             await self.save(call, response)
         finally:
             self._running.pop(call.id, None)
+            self._cancelled.discard(call.id)
+
+    async def _generate(self, call: ResponseCall) -> dict | None:
+        """The finished response object, or None when the generation was cancelled."""
+        self._generating.add(call.id)
+        try:
+            return call.finished(await call.chat.response())
+        except asyncio.CancelledError:
+            return None
+        except APIError as error:
+            return call.object("failed", error={"code": "server_error", "message": error.message})
+        except Exception:  # a bug must still leave a final record, not `in_progress` forever
+            logger.exception("Background response %s failed", call.id)
+            return call.object("failed", error={"code": "server_error",
+                                                "message": "internal error"})
+        finally:
+            self._generating.discard(call.id)
+
+    def _interrupt(self, response_id: str) -> asyncio.Task:
+        """Marks a running response cancelled, frees its slots and stops its generation."""
+        task, call = self._running[response_id]
+        self._cancelled.add(response_id)
+        call.chat.generation.group.abort()
+        if response_id in self._generating:
+            task.cancel()
+        return task
 
     async def cancel(self, response_id: str) -> dict:
         """Stops a running background response (its slots are freed at once) -> `cancelled`;
         a finished one is a 400, as OpenAI's."""
-        running = self._running.get(response_id)
-        if running is None:
+        if response_id not in self._running:
             record = await self.record(response_id)
             if not record.get("background"):
                 raise bad_request("Cannot cancel a synchronous response.", "response_id")
@@ -113,20 +138,13 @@ class ResponseStore:
                 raise bad_request(f"Cannot cancel a response that is {record['status']}.",
                                   "response_id")
             return public(record)
-        task, call = running
-        task.cancel()
-        call.chat.generation.group.abort()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(self._interrupt(response_id), return_exceptions=True)
         return public(await self.record(response_id))
 
     async def stop(self, timeout: float = 10.0) -> None:
         """At shutdown: the running background responses end `failed` (see the module doc)."""
         self._stopping = True
-        tasks = []
-        for task, call in list(self._running.values()):
-            task.cancel()
-            call.chat.generation.group.abort()
-            tasks.append(task)
+        tasks = [self._interrupt(response_id) for response_id in list(self._running)]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
