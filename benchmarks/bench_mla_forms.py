@@ -15,8 +15,8 @@
   cache unwritten, a scatter of the new rows that the other forms do;
 - expanded, as served (`--mla-expanded-prefill-tokens`, model/mla.py `expanded_attention`): the
   cached prefix absorbed (the platform's latent kernel with prefix_only; none here, these are
-  fresh prompts) and the new tokens expanded (JAX's Pallas flash attention on a GPU, the jnp
-  reference on CPU), merged by log-sum-exp.
+  fresh prompts) and the new tokens expanded (JAX's Pallas flash attention on a GPU, the blocked
+  jnp form on CPU), merged by log-sum-exp.
 
 Per (query, key) pair the absorbed form costs Hq x (576 + 512) multiply-adds and the expanded one
 Hq x (192 + 128), plus the expansion, Hq x 512 x 256 per key read by each work item: for a long

@@ -22,8 +22,9 @@ from xlaserve.pallas_kernels.ragged_paged_attention import cases, kernel_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
 
 kernel = jax.jit(kernel_cpu.mla_ragged_paged_attention,
-                 static_argnames=("sm_scale", "value_dim", "bf16_pairs"))
-reference = jax.jit(mla_ragged_paged_attention, static_argnames=("sm_scale", "value_dim"))
+                 static_argnames=("sm_scale", "value_dim", "bf16_pairs", "prefix_only"))
+reference = jax.jit(mla_ragged_paged_attention,
+                    static_argnames=("sm_scale", "value_dim", "prefix_only"))
 
 HEADS, VALUE_DIM, ROPE_DIM = 4, 32, 16
 BF16_TOL = 2e-2
@@ -117,6 +118,42 @@ def test_small_and_odd_widths(heads, row_dim, value_dim, dtype, bf16_pairs):
     check(make_case(seqs, seed=6, heads=heads, row_dim=row_dim, dtype=dtype, **shapes),
           value_dim=value_dim, tol=1e-5 if dtype == np.float32 else BF16_TOL,
           bf16_pairs=bf16_pairs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def check_prefix_only(case, *, value_dim=VALUE_DIM, tol=1e-5, bf16_pairs=None):
+    """With prefix_only (the expanded form's prefix part): output, log-sum-exp (-inf where a row
+    has no key before this step) and written cache against the reference's."""
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    options = dict(sm_scale=case["q"].shape[-1] ** -0.5, value_dim=value_dim, prefix_only=True)
+    out, lse, cache = kernel(**args, **options, bf16_pairs=bf16_pairs)
+    assert lse.shape == case["q"].shape[:2] and lse.dtype == jnp.float32
+    want_out, want_lse, want_cache = reference(**args, **options)
+    as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))
+    np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=tol, atol=tol)
+    return np.asarray(lse)
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed", "chunked_prefill", "long_and_short",
+                                   "no_history"])
+def test_prefix_only_equals_the_reference_for_batch_kind(batch):
+    shapes, seqs = {**BATCHES, "chunked_prefill": CHUNKED_PREFILL,
+                    "long_and_short": (RAGGED_SHAPES, LONG_AND_SHORT),
+                    "no_history": (RAGGED_SHAPES, [(4, 4), (16, 16), (1, 1)])}[batch]
+    lse = check_prefix_only(make_case(seqs, seed=9, **shapes))
+    live = sum(q_len for q_len, _ in seqs)
+    fresh = np.repeat([q_len == kv_len for q_len, kv_len in seqs], [q for q, _ in seqs])
+    assert np.all(np.isneginf(lse[:live][fresh])) and np.all(np.isfinite(lse[:live][~fresh]))
+    assert np.all(np.isneginf(lse[live:]))  # padding rows
+
+
+@pytest.mark.parametrize("dtype, bf16_pairs", PATHS)
+def test_prefix_only_at_deepseek_v3_per_device_shapes(dtype, bf16_pairs):
+    case = make_case(V3_SEQS, seed=10, heads=16, row_dim=512 + 64, dtype=dtype, **V3_SHAPES)
+    check_prefix_only(case, value_dim=512, tol=1e-5 if dtype == np.float32 else BF16_TOL,
+                      bf16_pairs=bf16_pairs)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

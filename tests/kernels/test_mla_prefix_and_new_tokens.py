@@ -121,3 +121,29 @@ def test_pallas_new_token_attention_equals_the_reference(seqs, tokens, platform)
                                atol=1e-4)
     np.testing.assert_allclose(np.asarray(lse[:live]), np.asarray(want_lse[:live]), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("seqs,tokens", [([(40, 40), (8, 8), (16, 30)], 128),
+                                         ([(1, 5)] * 6 + [(20, 20)], 128),
+                                         ([(30, 30), (9, 9)], 48),  # 48: padded to 64 inside
+                                         ([(100, 100), (3, 3), (1, 1)], 112)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_blocked_new_token_attention_equals_the_reference(seqs, tokens, dtype):
+    """Blocks of 16 rows: sequences that start, end and span several blocks, and decodes."""
+    rng = np.random.default_rng(8)
+    q, k, v = (jnp.asarray(rng.normal(size=(tokens, HEADS, width)), dtype)
+               for width in (48, 48, 32))
+    cu_q_lens = jnp.asarray(np.pad(np.cumsum([0] + [n for n, _ in seqs]), (0, 1), mode="edge"),
+                            jnp.int32)
+    num_seqs = jnp.asarray([len(seqs)], jnp.int32)
+    want, want_lse = new_tokens.reference_new_token_attention(q, k, v, cu_q_lens, num_seqs,
+                                                              sm_scale=0.2)
+    blocked = jax.jit(functools.partial(new_tokens.blocked_new_token_attention, block=16),
+                      static_argnames="sm_scale")
+    out, lse = blocked(q, k, v, cu_q_lens, num_seqs, sm_scale=0.2)
+    live = int(cu_q_lens[len(seqs)])
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(out[:live]), np.asarray(want[:live]), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(lse[:live]), np.asarray(want_lse[:live]), rtol=1e-5,
+                               atol=1e-5 if dtype == jnp.float32 else 1e-2)
+    assert np.all(np.isfinite(np.asarray(out))) and np.all(np.isfinite(np.asarray(lse)))

@@ -56,8 +56,8 @@ def get_expanded_prefill_fns(backend: str = "auto", mesh: Mesh | None = None, *,
     """(prefix attention, new-token attention): the two parts of multi-head latent attention's
     expanded form (model/mla.py), each split over `mesh` by query head. On TPU and GPU the
     Pallas latent kernel with `prefix_only` and JAX's Pallas flash attention (splash on TPU;
-    new_tokens.py); on the CPU the reference's (a correctness path: the native absorbed kernel
-    is faster there, docs/architecture.md)."""
+    new_tokens.py); on the CPU the native latent kernel with `prefix_only` (where it builds) and
+    the blocked jnp new-token attention (XLA's dots); else the references."""
     platform = platform or jax.default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
@@ -67,6 +67,10 @@ def get_expanded_prefill_fns(backend: str = "auto", mesh: Mesh | None = None, *,
         prefix = functools.partial(kernel.mla_ragged_paged_attention, prefix_only=True,
                                    interpret=interpret)
         new = functools.partial(new, interpret=interpret)
+    elif platform == "cpu" and (backend == "cpu" or backend == "auto" and _cpu_kernel_builds()):
+        kernel_cpu.load()  # raises KernelUnavailable with the compiler's message
+        prefix = functools.partial(kernel_cpu.mla_ragged_paged_attention, prefix_only=True)
+        new = new_tokens.blocked_new_token_attention
     else:
         prefix = functools.partial(reference.mla_ragged_paged_attention, prefix_only=True)
         new = new_tokens.reference_new_token_attention

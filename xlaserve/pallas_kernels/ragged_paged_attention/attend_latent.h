@@ -133,9 +133,9 @@ void AttendLatent(const Problem& p, const WorkItem& item, const WorkItem* follow
   const int64_t lines_per_row = (dk * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t steps = blocks * (kRowTile / kScoreKeys) * ((dk + kScoreDims - 1) / kScoreDims) +
                         (hq + kValueHeads - 1) / kValueHeads;
-  for (int64_t tile_start = keys.lowest_key; tile_start <= keys.pos; tile_start += kRowTile) {
-    const int64_t n = std::min<int64_t>(kRowTile, keys.pos - tile_start + 1);
-    KeyTile tile(p, item.seq, tile_start, keys.pos);
+  for (int64_t tile_start = keys.lowest_key; tile_start <= keys.last_key; tile_start += kRowTile) {
+    const int64_t n = std::min<int64_t>(kRowTile, keys.last_key - tile_start + 1);
+    KeyTile tile(p, item.seq, tile_start, keys.last_key);
     tile.NextIsFirstOf(p, following);
     if (!tile.any_live) continue;
     path.LoadTile(cache, tile, n);
@@ -157,6 +157,9 @@ void AttendLatent(const Problem& p, const WorkItem& item, const WorkItem* follow
     prefetch.Rest();
   }
   path.Store(static_cast<T*>(p.out) + item.first_row * hq * p.value_dim);
+  if (p.lse != nullptr)  // m is of scaled scores (SoftmaxStep); a row without keys stays -inf
+    for (int64_t h = 0; h < hq; ++h)
+      if (scratch.l[h] > 0) p.lse[item.first_row * hq + h] = scratch.m[h] + std::log(scratch.l[h]);
 }
 
 // acc_h[x0:x0 + 16V] = acc_h * alpha[h] + sum_{j < n} probs[j][h] * key_rows[j][x0:...] for the

@@ -55,6 +55,9 @@ struct Problem {
   int32_t sliding_window;  // <= 0: none
   float soft_cap;          // <= 0: none
   const float* sinks;      // [num_q_heads] attention sinks (gpt-oss), or nullptr: none
+  bool prefix_only = false;  // MLA's expanded form: each row attends to its sequence's keys
+                             // from before this step alone (RowKeys::last_key)
+  float* lse = nullptr;      // [num_tokens, num_q_heads]: each row's log-sum-exp (MLA), or none
 };
 
 struct WorkItem {
@@ -85,14 +88,16 @@ inline int64_t TokenRow(const Problem& p, int64_t s, int64_t pos) {
   return (page * p.page_size + pos % p.page_size) * p.row_size;
 }
 
-// A one-row item's query position and first key (0, or where the sliding window starts).
+// A one-row item's last key (its query's position; with prefix_only the last before the step's
+// new tokens, -1 if none) and first key (0, or where the sliding window starts).
 struct RowKeys {
-  int64_t pos, lowest_key = 0;
+  int64_t last_key, lowest_key = 0;
 
   RowKeys(const Problem& p, const WorkItem& item) {
     const SeqSpan span = Span(p, item.seq);
-    pos = span.first_pos + (item.first_row - span.first_token);
-    if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, pos - p.sliding_window + 1);
+    last_key = p.prefix_only ? span.first_pos - 1
+                             : span.first_pos + (item.first_row - span.first_token);
+    if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, last_key - p.sliding_window + 1);
   }
 };
 
@@ -121,7 +126,7 @@ struct KeyTile {
     if (next_rows[0] >= 0 || following == nullptr) return;  // not the last tile, or no next item
     const RowKeys next(p, *following);
     for (int64_t j = 0; j < kRowTile; ++j)
-      next_rows[j] = next.lowest_key + j <= next.pos ? TokenRow(p, following->seq, next.lowest_key + j) : -1;
+      next_rows[j] = next.lowest_key + j <= next.last_key ? TokenRow(p, following->seq, next.lowest_key + j) : -1;
   }
 
   // Asks for the next tile's rows up to `until` (of kRowTile). Callers spread the requests

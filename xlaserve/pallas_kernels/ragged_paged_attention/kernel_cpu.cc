@@ -14,7 +14,9 @@
 // Multi-head latent attention (DeepSeek-V2/V3, `XlaserveMlaRaggedPagedAttention`) is the second
 // custom call: one latent row per token, every head's key and (its first value_dim entries) value;
 // its items are one query row with every head (`AttendLatent`, attend_latent.h; bfloat16 pairs
-// in attend_latent_bf16.h), set up by the same code as the first.
+// in attend_latent_bf16.h), set up by the same code as the first. With `prefix_only` (the
+// expanded form's prefix part, model/mla.py) a row attends to its sequence's keys from before
+// this step alone and the call also returns each row's log-sum-exp.
 //
 // Built by kernel_cpu.py with the host compiler (-O3 -march=native). The inner loops use GCC
 // vector extensions (16 floats), which compile to whatever vector registers the CPU has.
@@ -92,6 +94,7 @@ template <typename T, typename S>
 void Run(ffi::ThreadPool& pool, const Problem& p, AttendFn<S> attend, int64_t block) {
   T* out = static_cast<T*>(p.out);
   std::fill(out, out + p.num_tokens * p.num_q_heads * p.value_dim, T(0));
+  if (p.lse != nullptr) std::fill(p.lse, p.lse + p.num_tokens * p.num_q_heads, -INFINITY);
   WriteNewKv<T>(p);
   std::vector<WorkItem> items;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
@@ -222,11 +225,13 @@ ffi::Error LatentAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
                                ffi::Buffer<ffi::S32> page_indices,
                                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                                ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> kv_cache_out, float sm_scale,
-                               int32_t value_dim, bool bf16_pairs) {
+                               ffi::Result<ffi::AnyBuffer> kv_cache_out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale,
+                               int32_t value_dim, bool bf16_pairs, bool prefix_only) {
   auto qd = q.dimensions(), ld = latent.dimensions(), cd = kv_cache.dimensions();
   if (qd.size() != 3 || ld.size() != 2 || cd.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] ||
-      cd[2] < qd[2] || value_dim <= 0 || value_dim > qd[2])
+      cd[2] < qd[2] || value_dim <= 0 || value_dim > qd[2] ||
+      lse->element_count() != static_cast<size_t>(prefix_only ? qd[0] * qd[1] : 0))
     return ffi::Error::InvalidArgument("latent attention (CPU): inconsistent shapes");
   Problem p;
   p.bf16_pairs = bf16_pairs;
@@ -247,6 +252,8 @@ ffi::Error LatentAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
   p.sm_scale = sm_scale;
   p.sliding_window = 0;
   p.soft_cap = 0.0f;
+  p.prefix_only = prefix_only;
+  p.lse = prefix_only ? lse->typed_data() : nullptr;
   return Launch(pool, p, "latent attention",
                 {q.element_type(), latent.element_type(), kv_cache.element_type()}, kv_cache,
                 kv_lens, page_indices, cu_q_lens, num_seqs, RunLatentAttention<float>,
@@ -288,6 +295,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMlaRaggedPagedAttention, LatentAttentionIm
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::AnyBuffer>()         // kv_cache (aliases the input)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq], or [0]
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("value_dim")
-                                  .Attr<bool>("bf16_pairs"));
+                                  .Attr<bool>("bf16_pairs")
+                                  .Attr<bool>("prefix_only"));

@@ -62,26 +62,32 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                               sm_scale, value_dim: int, bf16_pairs=None):
+                               sm_scale, value_dim: int, bf16_pairs=None, prefix_only=False):
     """See `reference.mla_ragged_paged_attention` (multi-head latent attention, DeepSeek-V2/V3);
     returns (out [T, Hq, value_dim], kv_cache), the cache updated in place as
-    `ragged_paged_attention`'s. The kernel reads each latent row once for every query head, so
-    its decode is bound by the arithmetic (Hq x (Dk + value_dim) multiply-adds a row), not by
-    memory; `bf16_pairs` as there (the pairs path takes an even Dk and a value_dim that is a
-    multiple of 32, DeepSeek's 576 and 512; other shapes widen to float32)."""
+    `ragged_paged_attention`'s, or with `prefix_only` (out, lse [T, Hq] float32, kv_cache) over
+    each sequence's keys from before this step alone (the expanded form's prefix part: model/
+    mla.py). The kernel reads each latent row once for every query head, so its decode is bound
+    by the arithmetic (Hq x (Dk + value_dim) multiply-adds a row), not by memory; `bf16_pairs` as
+    there (the pairs path takes an even Dk and a value_dim that is a multiple of 32, DeepSeek's
+    576 and 512; other shapes widen to float32)."""
     check_mla_shapes(q, latent, kv_cache, value_dim)
     bf16_pairs = _checked_bf16_pairs(q, kv_cache, bf16_pairs)
     out_shape = q.shape[:2] + (value_dim,)
+    lse_shape = q.shape[:2] if prefix_only else (0,)  # the custom call always has the output
     call = jax.ffi.ffi_call(
         MLA_TARGET_NAME,
         (jax.ShapeDtypeStruct(out_shape, q.dtype),
-         jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
+         jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+         jax.ShapeDtypeStruct(lse_shape, np.float32)),
         input_output_aliases={2: 1},
     )
     as_i32 = functools.partial(jax.numpy.asarray, dtype=np.int32)
-    return call(q, latent.astype(q.dtype), kv_cache, as_i32(kv_lens), as_i32(page_indices),
-                as_i32(cu_q_lens), as_i32(num_seqs), sm_scale=np.float32(sm_scale),
-                value_dim=np.int32(value_dim), bf16_pairs=bool(bf16_pairs))
+    out, kv_cache, lse = call(q, latent.astype(q.dtype), kv_cache, as_i32(kv_lens),
+                              as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs),
+                              sm_scale=np.float32(sm_scale), value_dim=np.int32(value_dim),
+                              bf16_pairs=bool(bf16_pairs), prefix_only=bool(prefix_only))
+    return (out, lse, kv_cache) if prefix_only else (out, kv_cache)
 
 
 def _checked_bf16_pairs(q, kv_cache, bf16_pairs) -> bool:
