@@ -113,3 +113,28 @@ def test_ragged_dot_compiles_to_a_grouped_kernel_for_tpu():
     assert "%ragged-dot-metadata = " in hlo and 'custom_call_target="tpu_custom_call"' in hlo
     assert not re.search(r"= \S+ (dot|convolution)\(", hlo)
     assert compiled.cost_analysis()["flops"] == 2 * rows * k * n
+
+
+def test_ragged_dot_is_a_dense_dot_for_an_h100_and_mosaic_gpus_grouped_matmul_compiles():
+    """Why a GPU needs its own grouped matmul (docs/tpu-gpu.md, "Mixtures of experts"): XLA
+    compiles ragged_dot for an H100 as a dot over every expert (the H100 timed it 13x slower
+    than one expert's GEMM of the rows). The candidate, JAX's Mosaic GPU grouped matmul
+    (`ragged_dot_mgpu`, Hopper's WGMMA), compiles at DeepSeek-V2-Lite's expert shapes; on the
+    device it is checked and timed by benchmarks/check_gpu_ragged_dot.py."""
+    import functools
+
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    _, target = devices("h100")
+    mesh = Mesh(np.array(target[:1]), ("device",))
+    rows, k, n, experts = 1024, 2048, 2816, 64
+    shapes = (abstract((rows, k), jnp.bfloat16, mesh),
+              abstract((experts, k, n), jnp.bfloat16, mesh), abstract((experts,), jnp.int32, mesh))
+    dense = compile_for(mesh, jax.jit(grouped_matmul_ragged_dot), *shapes).as_text()
+    # The rows copied once per expert, masked to its group, then one dot over experts x K.
+    assert f"bf16[{rows},{experts},{k}]" in dense and re.search(r"= f32\S+ dot\(", dense)
+    mgpu = functools.partial(ragged_dot_mgpu.ragged_dot, block_m=128, block_n=128, block_k=64,
+                             max_concurrent_steps=4, grid_block_n=1)
+    grouped = compile_for(mesh, jax.jit(lambda x, w, sizes: mgpu(x, w, group_sizes=sizes)),
+                          *shapes)
+    assert 'custom_call_target="mosaic_gpu' in grouped.as_text()
