@@ -1,19 +1,12 @@
 """The flags whose best value depends on the hardware: filled in once the platform is known.
 
-`--max-running-requests`, `--chunked-prefill-size`, `--max-prefill-tokens`,
-`--mem-fraction-static` and `--mla-expanded-prefill-tokens` default to None on the command line;
-`resolve` gives each its platform's value (a value the user gives is kept), and `startup.build`
-logs the result in one line.
+`--max-running-requests`, `--chunked-prefill-size`, `--max-prefill-tokens` and
+`--mem-fraction-static` default to None on the command line; `resolve` gives each its
+platform's value (a value the user gives is kept), and `startup.build` logs the result in one line.
 
 CPU: the defaults this project measured on 2-8 cores (64 running requests, 256-token prompt
 pieces, 512 new tokens a step: a bigger step only adds latency where the matmuls already fill the
-cores; KV from 0.1 of free RAM, which the rest of the machine shares). DeepSeek's latent
-attention takes its expanded form in steps of 256 tokens and more: one layer's attention, the
-expanded form as served against the native absorbed kernel (float32, 2 Zen 3 cores,
-docs/results/cpu-zen3-2026-11-26/mla_forms.md): one 256-token prompt 30 against 98 ms, one of
-1024 235 against 1445, 4 x 256 171 against 432; it loses where a step is many short runs, 16
-prompts of 16 tokens 28 against 19 ms, 32 of 16 83 against 60.
-TPU and GPU keep the absorbed form until the served kernels are timed there.
+cores; KV from 0.1 of free RAM, which the rest of the machine shares).
 
 TPU and GPU follow SGLang's choices per GPU (its `server_args.py`, for an H100 at tp < 4):
 8192-token prompt pieces from 35 GB of device memory (2048 below), and 256 decoded requests (its
@@ -38,9 +31,6 @@ GPU_CLIENT_MEMORY_FRACTION = "0.95"  # XLA's GPU allocator pool, of the device's
 
 # (max_running_requests, chunked_prefill_size, max_prefill_tokens, mem_fraction_static)
 CPU_DEFAULTS = (64, 256, 512, 0.1)
-CPU_MLA_EXPANDED_PREFILL_TOKENS = 256
-HARDWARE_DEPENDENT = ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens",
-                      "mem_fraction_static", "mla_expanded_prefill_tokens")
 ACCELERATOR_RUNNING_REQUESTS = 256
 ACCELERATOR_MEM_FRACTION = 0.9  # of XLA's limit: 0.9 x 0.95 = 0.855 of an H100 (SGLang: 0.88)
 SMALL_DEVICE_BYTES = 35 * 2**30  # SGLang's line between 2048- and 8192-token prompt pieces
@@ -72,17 +62,17 @@ def defaults_for(platform: str, memory_limit: int | None) -> dict[str, float | i
     else:
         chunk = 2048 if memory_limit is not None and memory_limit < SMALL_DEVICE_BYTES else 8192
         running, prefill, fraction = ACCELERATOR_RUNNING_REQUESTS, chunk, ACCELERATOR_MEM_FRACTION
-    expanded = CPU_MLA_EXPANDED_PREFILL_TOKENS if platform == "cpu" else 0
     return {"max_running_requests": running, "chunked_prefill_size": chunk,
-            "max_prefill_tokens": prefill, "mem_fraction_static": fraction,
-            "mla_expanded_prefill_tokens": expanded}
+            "max_prefill_tokens": prefill, "mem_fraction_static": fraction}
 
 
 def resolve(args, platform: str, device=None) -> tuple[object, list[str]]:
     """`args` (ServerArgs) with every hardware-dependent flag left None set to its platform
     default (`device`: one of the devices it will run on; None for compile-only targets, which
     have no memory to ask about); and the names of those it set (for the log line)."""
-    unset = [name for name in HARDWARE_DEPENDENT if getattr(args, name) is None]
+    unset = [name for name in ("max_running_requests", "chunked_prefill_size",
+                               "max_prefill_tokens", "mem_fraction_static")
+             if getattr(args, name) is None]
     if not unset:
         return args, []
     memory = device_memory(device) if device else None

@@ -87,13 +87,12 @@ class ServerArgs:
     matmul_backend: str = _flag(
         "auto", "matmuls: auto (the native GEMM over packed weights on a single CPU device, XLA's "
                 "dots elsewhere), native, xla", choices=["auto", "native", "xla"])
-    mla_expanded_prefill_tokens: Optional[int] = _flag(
-        None, "multi-head latent attention models (DeepSeek-V2/V3, Kimi K2): steps of at least "
-              "this many tokens (the padded batch's size) take the expanded form, new tokens "
-              "attended with per-head keys and values, the cached prefix in the latent space, "
-              "merged by log-sum-exp (SGLang's and vLLM's form for prefills); 0: the absorbed "
-              "form always (default 256 on CPU, where it was measured faster for prompts of "
-              "64 tokens and more; 0 on TPU/GPU until timed there)")
+    mla_expanded_prefill_tokens: int = _flag(
+        0, "multi-head latent attention models (DeepSeek-V2/V3, Kimi K2): steps of at least this "
+           "many tokens take the expanded form, new tokens attended with per-head keys and "
+           "values, the cached prefix in the latent space, merged by log-sum-exp (SGLang's and "
+           "vLLM's form for prefills); 0 (default): the absorbed form always (on CPU the "
+           "native absorbed kernel was faster below ~1000-token prompts; TPU/GPU untimed)")
     page_size: Optional[int] = _flag(
         None, "tokens per KV cache page (default 16; on TPU the smallest power of two from 16 "
               "whose page table fits the attention kernel's scalar memory)")
@@ -278,7 +277,7 @@ class ServerArgs:
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the KV cache is kept in "
                              "the model's --dtype; no other KV cache dtype is supported")
-        if self.mla_expanded_prefill_tokens is not None and self.mla_expanded_prefill_tokens < 0:
+        if self.mla_expanded_prefill_tokens < 0:
             raise ValueError("--mla-expanded-prefill-tokens must be 0 (never) or a token count; "
                              f"got {self.mla_expanded_prefill_tokens}")
 

@@ -32,14 +32,13 @@ class FakeDevice:
 def test_cpu_keeps_the_defaults_measured_on_cpus():
     assert platform_defaults.defaults_for("cpu", None) == {
         "max_running_requests": 64, "chunked_prefill_size": 256, "max_prefill_tokens": 512,
-        "mem_fraction_static": 0.1, "mla_expanded_prefill_tokens": 256}
+        "mem_fraction_static": 0.1}
 
 
 def test_accelerators_take_sglangs_prefill_piece_by_device_memory():
     h100 = platform_defaults.defaults_for("gpu", int(0.95 * H100_BYTES))
     assert h100 == {"max_running_requests": 256, "chunked_prefill_size": 8192,
-                    "max_prefill_tokens": 8192, "mem_fraction_static": 0.9,
-                    "mla_expanded_prefill_tokens": 0}  # the absorbed form until timed there
+                    "max_prefill_tokens": 8192, "mem_fraction_static": 0.9}
     assert platform_defaults.defaults_for("gpu", 22 * GIB)["chunked_prefill_size"] == 2048
     # v6e (32 GB of HBM a chip) and compile-only targets (no memory to ask about): 8192.
     assert platform_defaults.defaults_for("tpu", 31 * GIB)["chunked_prefill_size"] == 2048
@@ -52,7 +51,7 @@ def test_resolve_fills_only_the_flags_the_user_left_unset():
         FakeDevice(0.95 * H100_BYTES))
     assert (args.max_running_requests, args.mem_fraction_static) == (32, 0.5)
     assert (args.chunked_prefill_size, args.max_prefill_tokens) == (8192, 8192)
-    assert names == ["chunked_prefill_size", "max_prefill_tokens", "mla_expanded_prefill_tokens"]
+    assert names == ["chunked_prefill_size", "max_prefill_tokens"]
     again, names = platform_defaults.resolve(args, "gpu", FakeDevice(0.95 * H100_BYTES))
     assert again == args and names == []
 

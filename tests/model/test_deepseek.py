@@ -66,27 +66,28 @@ def test_the_engine_serves_deepseek_v3_as_transformers_generates(deepseek_checkp
     assert again["output_ids"] == expected[2] and again["meta_info"]["cached_tokens"] >= 16
 
 
-def test_the_cpu_takes_the_expanded_form_for_steps_of_256_tokens_by_default(deepseek_checkpoints):
-    """The platform default (platform_defaults.py): a 250-token prompt's step takes the expanded
-    form, and gives the absorbed form's prompt logprobs and tokens (0 given: absorbed always)."""
+def test_a_prompt_in_one_256_token_step_gives_the_absorbed_forms_logprobs_expanded(
+        deepseek_checkpoints):
+    """--mla-expanded-prefill-tokens 256 through the engine: a 250-token prompt's step (the
+    256-token bucket) takes the expanded form, the native prefix kernel and the blocked new-token
+    attention on CPU, and gives the absorbed form's prompt logprobs and tokens."""
     from xlaserve.offline import Engine
 
     directory, _ = deepseek_checkpoints["deepseek_v3"]
     prompt = [(7 * i) % 50 + 3 for i in range(250)]  # padded to the 256-token bucket
     greedy = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     outputs = {}
-    for given in (None, 0):
-        options = {} if given is None else {"mla_expanded_prefill_tokens": given}
+    for expanded_from in (256, 0):
         with Engine(directory, skip_tokenizer_init=True, max_total_tokens=1024,
-                    max_running_requests=4, **options) as engine:
-            kernels = engine.core.runner.kernels
-            outputs[given] = engine.generate(input_ids=[prompt], sampling_params=greedy,
-                                             return_logprob=True, logprob_start_len=0)[0]
-        assert kernels.mla_expanded_prefill_tokens == (256 if given is None else 0)
-    assert outputs[None]["output_ids"] == outputs[0]["output_ids"]
+                    max_running_requests=4, mla_expanded_prefill_tokens=expanded_from) as engine:
+            assert engine.core.runner.kernels.mla_expanded_prefill_tokens == expanded_from
+            outputs[expanded_from] = engine.generate(
+                input_ids=[prompt], sampling_params=greedy, return_logprob=True,
+                logprob_start_len=0)[0]
+    assert outputs[256]["output_ids"] == outputs[0]["output_ids"]
     logprobs = {given: [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
                 for given, out in outputs.items()}
-    np.testing.assert_allclose(logprobs[None], logprobs[0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logprobs[256], logprobs[0], atol=1e-4, rtol=0)
 
 
 def test_a_negative_mla_expanded_prefill_tokens_is_refused():
