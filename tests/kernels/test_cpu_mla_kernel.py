@@ -42,18 +42,26 @@ def make_case(seqs, *, seed=0, heads=HEADS, row_dim=VALUE_DIM + ROPE_DIM, dtype=
                                row_dim=row_dim, dtype=dtype, **{**RAGGED_SHAPES, **shapes})
 
 
-def check(case, *, value_dim=VALUE_DIM, tol=1e-5, bf16_pairs=None):
-    """The kernel's output and written cache against the reference's."""
+def check(case, *, value_dim=VALUE_DIM, tol=1e-5, bf16_pairs=None, prefix_only=False):
+    """The kernel's output and written cache against the reference's; with `prefix_only` (the
+    expanded form's prefix part) its log-sum-exp too (-inf where a row has no key before this
+    step), which it returns instead of the cache."""
     args = {k: jnp.asarray(v) for k, v in case.items()}
-    sm_scale = case["q"].shape[-1] ** -0.5
-    out, cache = kernel(**args, sm_scale=sm_scale, value_dim=value_dim, bf16_pairs=bf16_pairs)
+    options = dict(sm_scale=case["q"].shape[-1] ** -0.5, value_dim=value_dim)
+    if prefix_only:
+        options["prefix_only"] = True
+    (out, *lse, cache) = kernel(**args, **options, bf16_pairs=bf16_pairs)
     assert out.shape == case["q"].shape[:2] + (value_dim,) and out.dtype == case["q"].dtype
     assert cache.shape == case["kv_cache"].shape and cache.dtype == case["kv_cache"].dtype
-    want_out, want_cache = reference(**args, sm_scale=sm_scale, value_dim=value_dim)
+    (want_out, *want_lse, want_cache) = reference(**args, **options)
     as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
     np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))  # NaN where NaN
     np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)
-    return cache
+    if not prefix_only:
+        return cache
+    assert lse[0].shape == case["q"].shape[:2] and lse[0].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lse[0]), np.asarray(want_lse[0]), rtol=tol, atol=tol)
+    return np.asarray(lse[0])
 
 
 @pytest.mark.parametrize("batch", ["decode", "prefill", "mixed", "chunked_prefill",
@@ -120,29 +128,13 @@ def test_small_and_odd_widths(heads, row_dim, value_dim, dtype, bf16_pairs):
           bf16_pairs=bf16_pairs)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
-def check_prefix_only(case, *, value_dim=VALUE_DIM, tol=1e-5, bf16_pairs=None):
-    """With prefix_only (the expanded form's prefix part): output, log-sum-exp (-inf where a row
-    has no key before this step) and written cache against the reference's."""
-    args = {k: jnp.asarray(v) for k, v in case.items()}
-    options = dict(sm_scale=case["q"].shape[-1] ** -0.5, value_dim=value_dim, prefix_only=True)
-    out, lse, cache = kernel(**args, **options, bf16_pairs=bf16_pairs)
-    assert lse.shape == case["q"].shape[:2] and lse.dtype == jnp.float32
-    want_out, want_lse, want_cache = reference(**args, **options)
-    as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
-    np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))
-    np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=tol, atol=tol)
-    return np.asarray(lse)
-
-
 @pytest.mark.parametrize("batch", ["decode", "mixed", "chunked_prefill", "long_and_short",
                                    "no_history"])
 def test_prefix_only_equals_the_reference_for_batch_kind(batch):
     shapes, seqs = {**BATCHES, "chunked_prefill": CHUNKED_PREFILL,
                     "long_and_short": (RAGGED_SHAPES, LONG_AND_SHORT),
                     "no_history": (RAGGED_SHAPES, [(4, 4), (16, 16), (1, 1)])}[batch]
-    lse = check_prefix_only(make_case(seqs, seed=9, **shapes))
+    lse = check(make_case(seqs, seed=9, **shapes), prefix_only=True)
     live = sum(q_len for q_len, _ in seqs)
     fresh = np.repeat([q_len == kv_len for q_len, kv_len in seqs], [q for q, _ in seqs])
     assert np.all(np.isneginf(lse[:live][fresh])) and np.all(np.isfinite(lse[:live][~fresh]))
@@ -152,8 +144,8 @@ def test_prefix_only_equals_the_reference_for_batch_kind(batch):
 @pytest.mark.parametrize("dtype, bf16_pairs", PATHS)
 def test_prefix_only_at_deepseek_v3_per_device_shapes(dtype, bf16_pairs):
     case = make_case(V3_SEQS, seed=10, heads=16, row_dim=512 + 64, dtype=dtype, **V3_SHAPES)
-    check_prefix_only(case, value_dim=512, tol=1e-5 if dtype == np.float32 else BF16_TOL,
-                      bf16_pairs=bf16_pairs)
+    check(case, value_dim=512, tol=1e-5 if dtype == np.float32 else BF16_TOL,
+          bf16_pairs=bf16_pairs, prefix_only=True)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

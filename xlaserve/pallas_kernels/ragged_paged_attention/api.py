@@ -59,16 +59,14 @@ def get_expanded_prefill_fns(backend: str = "auto", mesh: Mesh | None = None, *,
     new_tokens.py); on the CPU the native latent kernel with `prefix_only` (where it builds) and
     the blocked jnp new-token attention (XLA's dots); else the references."""
     platform = platform or jax.default_backend()
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    if platform in ("tpu", "gpu") and backend in ("auto", "pallas"):
+    backend = _resolve(backend, platform)
+    if platform in ("tpu", "gpu") and backend == "pallas":
         kernel, new = {"tpu": (kernel_tpu, new_tokens.tpu_new_token_attention),
                        "gpu": (kernel_gpu, new_tokens.gpu_new_token_attention)}[platform]
         prefix = functools.partial(kernel.mla_ragged_paged_attention, prefix_only=True,
                                    interpret=interpret)
         new = functools.partial(new, interpret=interpret)
-    elif platform == "cpu" and (backend == "cpu" or backend == "auto" and _cpu_kernel_builds()):
-        kernel_cpu.load()  # raises KernelUnavailable with the compiler's message
+    elif backend == "cpu":
         prefix = functools.partial(kernel_cpu.mla_ragged_paged_attention, prefix_only=True)
         new = new_tokens.blocked_new_token_attention
     else:
@@ -86,23 +84,31 @@ def get_expanded_prefill_fns(backend: str = "auto", mesh: Mesh | None = None, *,
     return _split_by_query_head(prefix, mesh, with_lse=True), sharded_new
 
 
-def _pick(backend, mesh, interpret, platform, name: str, split: Callable) -> Callable:
-    """The function `name` of the module `backend` picks on `platform`, split over `mesh`."""
+def _resolve(backend: str, platform: str) -> str:
+    """What `backend` means on `platform`: "auto" is "pallas" on TPU and GPU, "cpu" on the CPU
+    where the native kernels build, else "reference"; "cpu" is built here (KernelUnavailable
+    with the compiler's message) and refused off the CPU."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    platform = platform or jax.default_backend()
     if backend == "auto":
         if platform in ("tpu", "gpu"):
-            backend = "pallas"
-        else:
-            backend = "cpu" if platform == "cpu" and _cpu_kernel_builds() else "reference"
+            return "pallas"
+        backend = "cpu" if platform == "cpu" and _cpu_kernel_builds() else "reference"
+    if backend == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on the CPU, not on {platform}")
+        kernel_cpu.load()
+    return backend
+
+
+def _pick(backend, mesh, interpret, platform, name: str, split: Callable) -> Callable:
+    """The function `name` of the module `backend` picks on `platform`, split over `mesh`."""
+    platform = platform or jax.default_backend()
+    backend = _resolve(backend, platform)
     if backend == "reference":
         return getattr(reference, name)
     if backend == "pallas":
         return split(_pallas_kernel(platform, interpret, name), mesh)
-    if platform != "cpu":
-        raise ValueError(f"--attention-backend cpu runs on the CPU, not on {platform}")
-    kernel_cpu.load()  # raises KernelUnavailable with the compiler's message
     return split(getattr(kernel_cpu, name), mesh)
 
 

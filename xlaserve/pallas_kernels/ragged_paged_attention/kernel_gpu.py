@@ -164,12 +164,11 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
                                num_warps=4, num_stages=None, prefix_only=False):
     """See `reference.mla_ragged_paged_attention`; returns (out, kv_cache), or with
     `prefix_only` (out, lse, kv_cache) over each sequence's keys from before this step. Every
-    query head reads
-    the same latent rows, so the heads are cut into programs of `heads_per_program` (default
-    MLA_HEADS_PER_PROGRAM) that play the kv heads' part in the grid: program (w, j, s) attends
-    heads [j * n, (j + 1) * n) of item w. Triton's dot wants power-of-two widths, so a block's
-    scores are two dots, the latent part (value_dim lanes, which are also the values) and the
-    RoPE'd part (the rest of the row)."""
+    query head reads the same latent rows, so the heads are cut into programs of
+    `heads_per_program` (default MLA_HEADS_PER_PROGRAM) that play the kv heads' part in the
+    grid: program (w, j, s) attends heads [j * n, (j + 1) * n) of item w. Triton's dot wants
+    power-of-two widths, so a block's scores are two dots, the latent part (value_dim lanes,
+    which are also the values) and the RoPE'd part (the rest of the row)."""
     check_mla_shapes(q, latent, kv_cache, value_dim)
     num_tokens, num_q_heads, row_dim = q.shape
     page_size = kv_cache.shape[1]
@@ -288,8 +287,7 @@ def combine_kv_splits(acc, m, l):
     """Merges split-KV partials (acc [W, Hkv, splits, rows, D], m and l [W, Hkv, splits, rows]:
     each split's unnormalized output, running max and denominator) into the normalized output
     [W, Hkv, rows, D] (float32) and its log-sum-exp [W, Hkv, rows] (`lse_of`), by the rule:
-    weight exp(m_s - max_s m_s) on each.
-    An empty split (m = MASK_VALUE, l = 0) weighs 0 beside any real one; a row with no key and
+    weight exp(m_s - max_s m_s) on each. An empty split (m = MASK_VALUE, l = 0) weighs 0 beside any real one; a row with no key and
     no sink in any split comes out 0. A split whose keys were all masked for a row holds junk
     with m = MASK_VALUE, and weighs exp(MASK_VALUE - m_real) = 0 beside the row's own key."""
     m_all = m.max(axis=2, keepdims=True)
@@ -297,7 +295,6 @@ def combine_kv_splits(acc, m, l):
     l_all = (weight * l).sum(axis=2)
     acc_all = (weight[..., None] * acc).sum(axis=2)
     return acc_all / jnp.where(l_all == 0, 1.0, l_all)[..., None], lse_of(m_all[:, :, 0], l_all)
-
 
 
 def sinks_by_row(sinks, num_kv_heads, q_block, rows):

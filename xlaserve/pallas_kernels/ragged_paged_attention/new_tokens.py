@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import searchsorted_right
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import MASK_VALUE, searchsorted_right
 
 
 def segment_ids(cu_q_lens, num_seqs, num_tokens: int):
@@ -54,8 +54,8 @@ def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale):
 def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, block=128):
     """The CPU's: the reference's arithmetic a block of `block` query rows at a time, with an
     online softmax over the key blocks from its first row's sequence start to itself alone (a
-    dynamic loop bound), so a bucket of many short prompts costs the sum of their squares, not
-    the bucket's. The expanded form as served with it against the reference's whole [H, T, T]
+    dynamic loop bound), so a bucket's cost follows its sequences' lengths (in whole blocks),
+    not the bucket's square. The expanded form as served with it against the reference's whole [H, T, T]
     scores (bench_mla_forms.py, DeepSeek-V3's 16 heads, float32, 2 Zen 3 cores): 4 prompts of
     256 tokens 173 against 312 ms, one of 1024 238 against 286."""
     num_tokens, heads, _ = q.shape
@@ -80,16 +80,17 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, block
             seg_j = jax.lax.dynamic_slice_in_dim(segment, keys, block)
             mask = (seg_i[:, None] == seg_j[None, :]) & (keys + jnp.arange(block) <= pos_i[:, None])
             scores = jnp.einsum("qhd,khd->hqk", q_i, k_j, preferred_element_type=jnp.float32)
-            scores = jnp.where(mask[None], scores * sm_scale, -jnp.inf)
+            # A row whose keys are all masked here gets junk weighed exp(MASK_VALUE - m) = 0 by
+            # its own key's block, as in reference.attend_paged.
+            scores = jnp.where(mask[None], scores * sm_scale, MASK_VALUE)
             m_new = jnp.maximum(m, scores.max(-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            probs = jnp.exp(scores - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
+            probs = jnp.exp(scores - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
             acc = acc * alpha[..., None] + jnp.einsum(
                 "hqk,khd->hqd", probs.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
             return m_new, l * alpha + probs.sum(-1), acc
 
-        start = (jnp.full((heads, block), -jnp.inf), jnp.zeros((heads, block)),
+        start = (jnp.full((heads, block), MASK_VALUE), jnp.zeros((heads, block)),
                  jnp.zeros((heads, block, v.shape[-1])))
         m, l, acc = jax.lax.fori_loop(first_key_block[i], i + 1, key_block, start)
         return acc / l[..., None], m + jnp.log(l)  # every row is its own key: l > 0
