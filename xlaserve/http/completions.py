@@ -127,6 +127,11 @@ class CompletionCall:
         reason = "length" if self.prompt_only else choice.finish_reason
         return {"finish_reason": reason, "matched_stop": None if self.prompt_only else choice.matched_stop}
 
+    def _chunk(self, index: int, text: str, logprobs: dict | None, finish: dict) -> dict:
+        """One choice's piece of the stream."""
+        return self._body([{"index": index, "text": text, "logprobs": logprobs, **finish}], None,
+                          chunk=True)
+
     async def response(self) -> dict:
         choices = await self.generation.collect()
         return await off_loop.run(self.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES,
@@ -153,6 +158,11 @@ class CompletionCall:
         return self._body(choices, self._usage(), chunk=False)
 
     async def stream(self) -> AsyncIterator[bytes]:
+        """The echo first (with the prompt's logprobs), then the output `--stream-interval`
+        tokens a chunk. `finish_reason` rides on the chunk of the last token, as SGLang sends
+        it, so that with `logprobs` every chunk has a logprobs object with entries (clients read
+        `chunk.choices[0].logprobs.tokens[0]` on each); only a choice that ended without a
+        token (an abort, a failure) gets a chunk of its own, with empty logprob lists."""
         num = len(self.generation.choices)
         offsets = [0] * num
         pending = [StreamBuffer(self.ctx.stream_interval) for _ in range(num)]
@@ -160,25 +170,25 @@ class CompletionCall:
         try:
             async for choice, chunk in self.generation.stream():
                 i = choice.index
-                if not started[i]:  # the echo goes first, with the prompt's logprobs once known
+                if chunk.finished and chunk.error is not None:
+                    yield sse_error(generation_error(chunk.error))
+                finish = self._finish(choice) if chunk.finished else {"finish_reason": None}
+                if not started[i]:
                     started[i] = True
                     if self.req.echo:
-                        logprobs = self._logprobs(self._prompt_entries(choice), 0)
+                        # Scoring the prompt alone (max_tokens 0): the echo is the whole answer.
+                        yield sse(self._chunk(i, self._echo(choice),
+                                              self._logprobs(self._prompt_entries(choice), 0),
+                                              finish if self.prompt_only else {"finish_reason": None}))
                         offsets[i] = len(self._echo(choice))
-                        yield sse(self._body([{"index": i, "text": self._echo(choice), "logprobs": logprobs,
-                                               "finish_reason": None}], None, chunk=True))
-                if not self.prompt_only and pending[i].add(chunk):
+                if self.prompt_only:
+                    continue
+                if pending[i].add(chunk):
                     text, entries = pending[i].take()
-                    if text or entries:
+                    if text or entries or chunk.finished:
                         logprobs = self._logprobs(entries, offsets[i])
                         offsets[i] += sum(len(t) for t in (logprobs or {}).get("tokens", ()))
-                        yield sse(self._body([{"index": i, "text": text, "logprobs": logprobs,
-                                               "finish_reason": None}], None, chunk=True))
-                if chunk.finished:
-                    if chunk.error is not None:
-                        yield sse_error(generation_error(chunk.error))
-                    yield sse(self._body([{"index": i, "text": "", "logprobs": None, **self._finish(choice)}],
-                                         None, chunk=True))
+                        yield sse(self._chunk(i, text, logprobs, finish))
         except EngineDeadError as error:
             yield sse_error(APIError(503, str(error)))
             yield SSE_DONE
