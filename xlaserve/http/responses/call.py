@@ -47,7 +47,10 @@ class ResponseCall:
     async def create(self) -> None:
         """Templates, checks, compiles the grammar and submits (ChatCall.create), its 400s in
         this API's names."""
-        self.chat = await _with_async_names(ChatCall.create(self.ctx, self.chat_request))
+        try:
+            self.chat = await ChatCall.create(self.ctx, self.chat_request)
+        except APIError as error:
+            raise _renamed(error, continued=self.req.previous_response_id is not None) from None
 
     def object(self, status: str, output: list[dict] | None = None, usage: dict | None = None,
                incomplete: bool = False, error: dict | None = None) -> dict:
@@ -186,8 +189,16 @@ def _format_echo(req: ResponsesRequest) -> dict:
     return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
 
 
-def _renamed(error: APIError) -> APIError:
+def _renamed(error: APIError, continued: bool = False) -> APIError:
+    """`error` in this API's names. A prompt over the context (`context_length_exceeded`, param
+    `input` as OpenAI's) continuing a conversation says so: its new input alone may be short."""
     error.param = _PARAMS.get(error.param, error.param)
+    if error.code == "context_length_exceeded":
+        error.message = error.message.replace("max_tokens", "max_output_tokens")
+        if continued:
+            error.message += (" The input includes the conversation continued by "
+                              "previous_response_id: start a new conversation, or send a "
+                              "shortened one as input.")
     return error
 
 
@@ -197,9 +208,3 @@ def _with_our_names(function, *args):
     except APIError as error:
         raise _renamed(error) from None
 
-
-async def _with_async_names(awaitable):
-    try:
-        return await awaitable
-    except APIError as error:
-        raise _renamed(error) from None
