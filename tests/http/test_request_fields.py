@@ -76,6 +76,42 @@ def test_completions_and_generate_ignore_unknown_fields_too(server):
     assert response.status_code == 200 and response.headers[IGNORED_FIELDS_HEADER] == "lora_path"
 
 
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 2}),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})])
+@pytest.mark.parametrize("field,value", [
+    ("lora_path", "/adapters/sql-lora"), ("lora_path", ["sql-lora", None]), ("lora_id", "7"),
+    ("custom_logit_processor", "{}"), ("session_params", {"id": "s"}),
+    ("image_data", "https://example.com/cat.png")])
+def test_fields_that_would_change_what_answers_are_a_400_naming_them(server, route, body, field,
+                                                                     value):
+    """Dropped as unknown, these would be answered by the base model on the text alone, with a
+    200; refused by name instead, and so under --strict-request-fields too."""
+    response = httpx.post(server.base_url + route, json={**body, field: value}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (field, "unsupported_parameter")
+    assert field in error["message"]
+    fields = RequestFields(strict=True)
+    with pytest.raises(Exception) as refused:
+        fields.drop_unknown({**body, field: value}, _model_of(route))
+    assert getattr(refused.value, "param", None) == field
+
+
+def _model_of(route: str):
+    from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+    return {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+            "/generate": GenerateRequest}[route]
+
+
+def test_an_adapter_field_that_asks_for_none_is_dropped_as_unknown(server):
+    response = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 2, "lora_path": [None, None]})
+    assert response.status_code == 200 and response.headers[IGNORED_FIELDS_HEADER] == "lora_path"
+
+
 def test_the_header_escapes_names_and_lists_at_most_its_limit():
     assert header_value(["a,b", "é\n"]) == "a\\x2cb, \\xe9\\n"
     listed = header_value([f"f{i}" for i in range(MAX_HEADER_NAMES + 5)]).split(", ")

@@ -7,6 +7,13 @@ name is logged once per server (a WARNING, not one line per request), and the an
 in the `X-Ignored-Fields` header, so the client that sent them can see they did nothing.
 `--strict-request-fields` refuses them instead (a 400 naming the field, as before).
 
+Some fields peers know would change what answers a request if they were dropped: which weights
+(SGLang's `lora_path` and `lora_id`, an adapter), what the logits go through
+(`custom_logit_processor`), what the prompt is (`session_params`' continued session,
+`image_data`, `video_data`, `audio_data`). This server serves none of them, so a body that asks
+for one (any value but null, or a list of nulls) is a 400 naming it, whatever the flag
+(`ANSWER_CHANGING_FIELDS`), before anything reaches the engine.
+
 Nested objects: messages keep extra keys (clients echo assistant messages back with `refusal`,
 `annotations`, `audio`: protocol.ChatMessage); tools are passed to the template as given;
 `response_format` and `structured_outputs` refuse unknown keys whatever the flag, since a key
@@ -21,6 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from xlaserve.http.errors import bad_request
 from xlaserve.http.protocol import StreamOptions
 
 logger = logging.getLogger(__name__)
@@ -31,6 +39,20 @@ _NESTED = {"stream_options": StreamOptions}
 NAME_CHARS = 64  # a client's field name is echoed (log, header) at most this long
 MAX_LOGGED_NAMES = 256  # distinct names remembered: a client sending new names cannot grow it
 MAX_HEADER_NAMES = 32  # names listed in the header (then "...")
+_NO_ADAPTERS = ("{} names a LoRA adapter, and this server serves none: it answers with its base "
+                "model's weights only")
+_TEXT_ONLY = "{} is not supported: this server's model takes text only"
+# Unknown fields a request may not set (module docstring): name -> why, as the 400 says it.
+ANSWER_CHANGING_FIELDS = {
+    "lora_path": _NO_ADAPTERS.format("lora_path"),
+    "lora_id": _NO_ADAPTERS.format("lora_id"),
+    "custom_logit_processor": "custom_logit_processor is not supported: this server runs no "
+                              "custom logit processors",
+    "session_params": "session_params is not supported: this server keeps no SGLang sessions",
+    "image_data": _TEXT_ONLY.format("image_data"),
+    "video_data": _TEXT_ONLY.format("video_data"),
+    "audio_data": _TEXT_ONLY.format("audio_data"),
+}
 
 
 class RequestFields:
@@ -44,10 +66,14 @@ class RequestFields:
         self._lock = threading.Lock()  # bodies are parsed on the loop and in worker threads
 
     def drop_unknown(self, data: Any, model: type[BaseModel]) -> tuple[Any, list[str]]:
-        """(the body without the fields `model` does not know, their names); strict: as given."""
-        if self.strict or not isinstance(data, dict):
+        """(the body without the fields `model` does not know, their names); strict: as given.
+        A field of ANSWER_CHANGING_FIELDS that asks for something is a 400 either way."""
+        if not isinstance(data, dict):
             return data, []
         known = model.model_fields
+        refuse_answer_changing(data, known)
+        if self.strict:
+            return data, []
         ignored = [_name(key) for key in data if key not in known]
         kept = {key: value for key, value in data.items() if key in known}
         for parent, nested in _NESTED.items():
@@ -74,6 +100,18 @@ class RequestFields:
         if full:
             logger.warning("%d distinct unknown request fields logged; further new ones are not "
                            "(the X-Ignored-Fields header still names them)", MAX_LOGGED_NAMES)
+
+
+def refuse_answer_changing(data: dict, known) -> None:
+    """A 400 naming the first field of ANSWER_CHANGING_FIELDS that `data` sets and the body's
+    model does not know (null, or SGLang's per-prompt list of nulls, asks for nothing)."""
+    for name, message in ANSWER_CHANGING_FIELDS.items():
+        value = data.get(name)
+        if name in known or value is None:
+            continue
+        if isinstance(value, list) and all(v is None for v in value):
+            continue
+        raise bad_request(message, name, code="unsupported_parameter")
 
 
 def _name(key: str) -> str:
