@@ -42,14 +42,15 @@ def make_context(args: ServerArgs):
     fields = {k: v for k, v in dataclasses.asdict(args).items() if k != "model_path"}
     engine = Engine(args.model_path, **fields)
     loaded = engine.core.loaded
-    name = args.served_model_name or (args.model_path.rstrip("/") if args.model_path else loaded.name)
+    # loaded.name: a local model's directory or file name, a hub id as given, never its path.
+    name = args.served_model_name or loaded.name
     tokenizer = engine.tokenizer
     metrics = Metrics(name, engine.core.stats, args.metrics_name_style,
                       args.bucket_time_to_first_token, args.bucket_inter_token_latency,
                       args.bucket_e2e_request_latency) if args.enable_metrics else None
     harmony, stop_ids = chat_format(loaded.config.architecture, tokenizer, template)
     return ServingContext(
-        engine=engine, served_model_name=name, model_path=args.model_path or loaded.source,
+        engine=engine, served_model_name=name, model_name=loaded.name,
         chat_template=template, template_stop_ids=stop_ids,
         reasoning_parser=args.reasoning_parser, stream_interval=max(1, args.stream_interval),
         metrics=metrics, tool_call_parser=args.tool_call_parser, harmony=harmony,
@@ -136,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # a flag value that cannot run (--kv-cache-dtype fp8, ...)
         parser.error(str(error))
     configure_logging(args.log_level)
-    shown = dataclasses.replace(args, api_key="***" if args.api_key else None)
-    logger.info("server_args=%s", shown)
+    logger.info("server_args=%s", args.redacted())  # the paths as typed, the secrets hidden
 
     platform_defaults.prepare_gpu_memory()  # before JAX starts a GPU client
     try:

@@ -3,7 +3,8 @@
 The argparse parser is built from the dataclass fields (name -> `--name-with-dashes`, default,
 help from the field metadata), so a flag is declared exactly once. A flag's metadata may also
 name an environment variable read when the flag is not given (`env`), and mark it `secret`: shown
-as "***" wherever the arguments are logged or served (`redacted`).
+as "***" wherever the arguments are logged or served (`redacted`), or `path`: served by its last
+component only (`served`), since a path on the server's disk is nothing a client needs.
 """
 from __future__ import annotations
 
@@ -15,8 +16,21 @@ from typing import Optional
 
 # The rest of a field's metadata goes to argparse. "aliases": more option strings (SGLang's and
 # vLLM's names for the flag); "value_aliases": their names for a value, turned into ours.
-_OWN_METADATA = ("help", "env", "secret", "aliases", "value_aliases")
+_OWN_METADATA = ("help", "env", "secret", "path", "aliases", "value_aliases")
 logger = logging.getLogger("xlaserve")
+
+
+def public_name(value: str | None) -> str | None:
+    """What a client may see of `value`: a file or directory on this machine (an absolute path,
+    ~/..., or a relative path that exists) by its own name, never the folders above it; anything
+    else (a hub id such as Qwen/Qwen2.5-0.5B-Instruct, a built-in template name, Jinja text) as
+    given. None stays None."""
+    if value is None:
+        return None
+    path = os.path.expanduser(value)
+    if not (os.path.isabs(path) or os.path.exists(path)):
+        return value
+    return os.path.basename(os.path.abspath(path))  # abspath: no trailing "/", "." named
 
 
 def _flag(default, help: str, **argparse_kwargs):
@@ -27,8 +41,9 @@ def _flag(default, help: str, **argparse_kwargs):
 class ServerArgs:
     model_path: Optional[str] = _flag(
         None, "Hugging Face directory, hub id, .gguf file or xlaserve checkpoint; "
-              "default: the embedded SmolLM2-135M-Instruct")
-    tokenizer_path: Optional[str] = _flag(None, "tokenizer directory, if not the model's")
+              "default: the embedded SmolLM2-135M-Instruct", path=True)
+    tokenizer_path: Optional[str] = _flag(None, "tokenizer directory, if not the model's",
+                                          path=True)
     revision: Optional[str] = _flag(
         None, "the branch, tag or commit of a Hugging Face hub --model-path (default: main)")
     trust_remote_code: bool = _flag(
@@ -55,10 +70,13 @@ class ServerArgs:
               "they stay FP8 where FP8 matmuls run and are dequantized at load elsewhere",
         choices=["int8", "fp8"])
     served_model_name: Optional[str] = _flag(
-        None, "model name in the API (default: the model path, or 'default' for the embedded model)")
+        None, "model name in the API, /v1/models' id (default: a local --model-path's directory "
+              "or file name, a hub id as given, SmolLM2-135M-Instruct for the embedded model). "
+              "Requests may also name the model 'default', or --model-path exactly as given "
+              "(as vLLM's and SGLang's clients do)")
     chat_template: Optional[str] = _flag(
         None, "chat template: a Jinja file, Jinja text, or a built-in name (chatml, "
-              "llama-3-instruct); default: the tokenizer's")
+              "llama-3-instruct); default: the tokenizer's", path=True)
     reasoning_parser: Optional[str] = _flag(
         None, "split reasoning from the answer for thinking models (vLLM's names: deepseek_r1 is "
               "deepseek-r1, openai_gptoss gpt-oss)",
@@ -129,7 +147,8 @@ class ServerArgs:
            "step; 0 = off")
     compilation_cache_dir: Optional[str] = _flag(
         None, "JAX persistent compilation cache, and in its `executables` folder the serving "
-              "steps compiled (default: $XLASERVE_CACHE_DIR/xla, else ~/.cache/xlaserve/xla)")
+              "steps compiled (default: $XLASERVE_CACHE_DIR/xla, else ~/.cache/xlaserve/xla)",
+        path=True)
     disable_executable_cache: bool = _flag(
         False, "trace and lower every serving step at start-up (JAX's persistent cache still "
                "skips the compiles) instead of loading the compiled steps a previous start "
@@ -138,7 +157,8 @@ class ServerArgs:
         None, "where converted models (a GGUF file's dequantized weights, config and tokenizer) "
               "are kept so later starts skip the conversion (default: "
               "$XLASERVE_CONVERSION_CACHE_DIR, else $XLASERVE_CACHE_DIR/converted, else "
-              "$XDG_CACHE_HOME/xlaserve/converted, else ~/.cache/xlaserve/converted)")
+              "$XDG_CACHE_HOME/xlaserve/converted, else ~/.cache/xlaserve/converted)",
+        path=True)
     disable_conversion_cache: bool = _flag(
         False, "convert a GGUF model on every start instead of loading it from (and writing it "
                "to) the conversion cache")
@@ -258,7 +278,7 @@ class ServerArgs:
     # --- files and batches ---
     file_storage_path: str = _flag(
         "xlaserve_storage", "folder of uploaded files, batch results and their metadata "
-                            "(SQLite); unfinished batches resume from it at start")
+                            "(SQLite); unfinished batches resume from it at start", path=True)
     max_file_size: int = _flag(200 * 1024 * 1024, "largest file upload in bytes (413 above)")
     batch_max_lines: int = _flag(50000, "most requests in one batch input file")
     batch_concurrency: Optional[int] = _flag(
@@ -309,9 +329,17 @@ class ServerArgs:
         return cls(**values)
 
     def redacted(self) -> "ServerArgs":
-        """A copy fit to log or serve (/get_server_info): each secret that is set is "***"."""
+        """A copy fit to log (the start-up line shows the paths the operator typed): each secret
+        that is set is "***"."""
         return dataclasses.replace(self, **{f.name: "***" for f in dataclasses.fields(self)
                                             if f.metadata.get("secret") and getattr(self, f.name)})
+
+    def served(self) -> "ServerArgs":
+        """A copy fit to serve (/get_server_info): redacted, and each path by its name only."""
+        redacted = self.redacted()
+        return dataclasses.replace(redacted, **{
+            f.name: public_name(getattr(redacted, f.name))
+            for f in dataclasses.fields(self) if f.metadata.get("path")})
 
 
 def configure_logging(log_level: str) -> None:

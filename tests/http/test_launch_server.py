@@ -1,5 +1,6 @@
 """`python -m xlaserve.launch_server` on the embedded default model, as `make serve` runs it: the
 start-up log, /health, a real answer through the openai SDK, and a clean stop on SIGTERM."""
+import os
 import signal
 
 import httpx
@@ -55,6 +56,18 @@ def test_the_default_model_answers_through_the_openai_sdk(launched):
     metrics = httpx.get(launched[1] + "/metrics").text  # SGLang's names, the flag's buckets
     assert "sglang:generation_tokens_total" in metrics and "xlaserve:" not in metrics
     assert 'sglang:time_to_first_token_seconds_bucket{le="50.0",model_name=' in metrics
+
+
+def test_the_default_model_is_named_never_located(launched):
+    from xlaserve.model.loader import default_model_file
+
+    # The embedded GGUF lies in the virtualenv: neither a response nor the INFO log shows where.
+    folder = os.path.dirname(default_model_file())
+    for route in ("/v1/models", "/get_model_info", "/get_server_info"):
+        assert folder not in httpx.get(launched[1] + route).text, route
+    assert folder not in launched[2].read_text()
+    card = httpx.get(launched[1] + "/v1/models").json()["data"][0]
+    assert card["id"] == card["root"] == "SmolLM2-135M-Instruct"
 
 
 def test_sigterm_stops_the_server_cleanly(launched):

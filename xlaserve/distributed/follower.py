@@ -44,7 +44,8 @@ def follow(args) -> int:
                             matmul_backend=args.matmul_backend, revision=args.revision,
                             trust_remote_code=args.trust_remote_code)
         logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
-                    loaded.config.architecture, loaded.source)
+                    loaded.config.architecture, loaded.name)  # the path: DEBUG only
+        logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
         replay(connection, loaded)
     except ChannelClosed as error:
         _exit(f"node rank {args.node_rank} lost the leader (rank 0): {error}; exiting")

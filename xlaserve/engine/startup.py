@@ -84,10 +84,12 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         loaded.tokenizer = share_with.tokenizer
     config = loaded.config
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
+    # INFO names the model; where it is on this machine is for --log-level debug.
     logger.info("Load weight end.%s type=%s, dtype=%s, mem usage=%.2f GB, from %s%s",
                 f" [DP{dp_rank}]" if args.dp_size > 1 else "", config.architecture,
                 np.dtype(loaded.dtype).name, weight_bytes / 2**30,
-                loaded.source, " (dummy weights)" if args.load_format == "dummy" else "")
+                loaded.name, " (dummy weights)" if args.load_format == "dummy" else "")
+    logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
     tokenizer = loaded.tokenizer
     context_length = args.context_length or config.max_position_embeddings
     platform = jax.default_backend()
@@ -141,8 +143,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
             cache = ExecutableCache.open(os.path.join(compilation_cache_dir, "executables"))
         runner.precompile(buckets.all_shapes(), cache=cache)
         if cache is not None:
-            logger.info("Serving steps: %d loaded, %d compiled (executable cache: %s)",
-                        cache.loaded, cache.compiled, cache.directory)
+            logger.info("Serving steps: %d loaded, %d compiled (executable cache)",
+                        cache.loaded, cache.compiled)
+            logger.debug("Executable cache: %s", cache.directory)
         clock = _lap(timings, "precompile", clock)
         runner.kv_caches  # noqa: B018 - waits for the pool's thread
         _lap(timings, "KV pool (left to wait for)", clock)

@@ -25,6 +25,7 @@ from xlaserve.http.serving import (SSE_DONE, Generation, ServingContext, check_n
 from xlaserve.offline import to_sampling_params
 from xlaserve.engine.async_requests import EngineDeadError, sglang_output
 from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
+from xlaserve.server_args import public_name
 
 router = APIRouter()
 
@@ -178,7 +179,8 @@ async def health_generate(request: Request):
 @router.get("/get_model_info")
 async def get_model_info(request: Request):
     ctx = _ctx(request)
-    return {"model_path": ctx.model_path, "tokenizer_path": ctx.engine.server_args.tokenizer_path or ctx.model_path,
+    tokenizer_path = public_name(ctx.engine.server_args.tokenizer_path)  # names, not paths
+    return {"model_path": ctx.model_name, "tokenizer_path": tokenizer_path or ctx.model_name,
             "is_generation": True, "preferred_sampling_params": None,
             "served_model_name": ctx.served_model_name, "context_length": ctx.context_length,
             "vocab_size": ctx.vocab_size}
@@ -188,7 +190,8 @@ async def get_model_info(request: Request):
 async def get_server_info(request: Request):
     ctx = _ctx(request)
     core = ctx.core
-    args = dataclasses.asdict(ctx.engine.server_args.redacted())  # the API key as "***"
+    # The API key as "***", each path flag by its last component only.
+    args = dataclasses.asdict(ctx.engine.server_args.served())
     return {**args, "version": xlaserve.__version__,
             "max_total_num_tokens": core.max_total_num_tokens,
             "max_request_tokens": core.max_request_tokens, **core.stats()}
@@ -211,11 +214,11 @@ async def list_models(request: Request):
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request):
     ctx = _ctx(request)
-    if model != ctx.served_model_name:
+    if not ctx.serves(model):  # an alias (--model-path as given) answers with the served card
         raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
     return _model_card(ctx)
 
 
 def _model_card(ctx: ServingContext) -> dict:
     return {"id": ctx.served_model_name, "object": "model", "created": ctx.created,
-            "owned_by": "xlaserve", "root": ctx.model_path, "max_model_len": ctx.context_length}
+            "owned_by": "xlaserve", "root": ctx.model_name, "max_model_len": ctx.context_length}

@@ -39,7 +39,9 @@ class ServingContext:
 
     engine: Engine
     served_model_name: str
-    model_path: str
+    # The model by a name fit for clients (/v1/models' root, /get_model_info): a local model's
+    # directory or file name, a hub id as given; never a path on this machine's disk.
+    model_name: str
     chat_template: str | None  # None: the tokenizer's own
     template_stop_ids: frozenset[int]  # end-of-turn tokens of the chat template
     reasoning_parser: str | None
@@ -69,8 +71,15 @@ class ServingContext:
     def context_length(self) -> int:
         return self.core.context_length
 
+    def serves(self, model: str | None) -> bool:
+        """Whether a request's `model` names the served one: its served name, "default", none,
+        or --model-path exactly as the operator gave it (vLLM and SGLang serve a model under its
+        path, so their clients send that)."""
+        return model in (None, "", "default", self.served_model_name,
+                         self.engine.server_args.model_path)
+
     def check_model(self, model: str | None) -> None:
-        if model not in (None, "", "default", self.served_model_name):
+        if not self.serves(model):
             raise APIError(404, f"The model '{model}' does not exist", param="model",
                            code="model_not_found")
 

