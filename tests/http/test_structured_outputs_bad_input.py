@@ -134,6 +134,56 @@ def test_the_sdk_raises_bad_request_for_a_bad_schema(client):
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}})
 
 
+SELF_ONLY = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}  # issue 48
+
+
+@pytest.mark.parametrize("schema", [
+    SELF_ONLY,  # was a 200 whose content was not JSON at all
+    {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"],
+     "$defs": {"a": {"$ref": "#/$defs/a"}}},  # the same, where the answer would reach it
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 3}},
+     "required": ["n"]},
+])
+def test_a_schema_no_value_satisfies_is_a_400_naming_response_format(client, schema):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert refused.value.body["param"] == "response_format"
+    assert "satisf" in refused.value.body["message"].lower()
+
+
+# A grammar with a branch no text completes, which only generating can reach: "x" then `a`, a
+# rule with no end (its first mask allows "x" and "y"). The bias makes the model take "x".
+DEAD_END_EBNF = 'root ::= "x" a | "y"\na ::= a'
+
+
+def _dead_end_body(server, **kwargs) -> dict:
+    x = server.ctx.tokenizer.encode("x", add_special_tokens=False)
+    return _chat("hi", max_tokens=8, ebnf=DEAD_END_EBNF, logit_bias={str(x[0]): 100}, **kwargs)
+
+
+def test_an_answer_its_grammar_cannot_complete_is_a_400_not_a_stop(server):
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=_dead_end_body(server))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "constraint_unsatisfiable"
+    assert error["message"].startswith("the output cannot be completed under its constraint")
+
+
+def test_a_streamed_answer_its_grammar_cannot_complete_ends_with_an_error_event(server):
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions",
+                      json=_dead_end_body(server, stream=True), timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert [e["code"] for e in errors] == ["constraint_unsatisfiable"]
+    finishes = [c["finish_reason"] for e in events[:-1] if "error" not in json.loads(e)
+                for c in json.loads(e)["choices"] if c["finish_reason"]]
+    assert "stop" not in finishes and events[-1] == "[DONE]"
+
+
 def test_the_server_still_serves_after_the_bad_constraints(server, client):
     for change, _ in [c[1:] for c in BAD_CHAT]:  # all of them again, back to back
         assert httpx.post(server.base_url + "/v1/chat/completions",

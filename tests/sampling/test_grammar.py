@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from xlaserve.model.loader import default_model_file, load_tokenizer
-from xlaserve.sampling.grammar import (GrammarBackend, InvalidGrammar, allowed_tokens,
-                                      constraint_of)
+from xlaserve.sampling.grammar import (CONSTRAINT_DEAD_END, GrammarBackend, InvalidGrammar,
+                                       allowed_tokens, constraint_of, self_only_reference)
 from xlaserve.sampling.params import RowSamplingParams
 from xlaserve.sampling.sampler import build_sampling_metadata, sample
 from xlaserve.sampling.params import SamplingParams
@@ -101,6 +101,53 @@ def test_bad_constraints_are_refused_naming_the_field(backend, kind, text, says)
     with pytest.raises(InvalidGrammar) as error:
         backend.new_grammar(kind, text)
     assert error.value.param == kind and says in str(error.value)
+
+
+SELF_ONLY = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}  # issue 48's schema
+
+
+@pytest.mark.parametrize("kind, text, says", [
+    ("json_schema", json.dumps(SELF_ONLY), "'#/$defs/a' leads back to itself"),
+    ("json_schema", json.dumps({"$ref": "#", "title": "me"}), "'#' leads back to itself"),
+    ("json_schema", json.dumps({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                "$ref": "#/$defs/a"}), "leads back to itself"),
+    # Nested where a model would reach it mid-answer: the first mask cannot see it.
+    ("json_schema", json.dumps({"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                "$defs": {"a": {"$ref": "#/$defs/a"}}}), "leads back to itself"),
+    ("json_schema", json.dumps({"type": "integer", "minimum": 5, "maximum": 3}), "Unsatisfiable"),
+    ("json_schema", json.dumps({"allOf": [{"type": "string"}, {"type": "integer"}]}),
+     "Unsatisfiable"),
+    # Grammars no text starts: refused by the first mask, whatever the kind.
+    ("ebnf", "root ::= a\na ::= a", "nothing can start it"),
+    ("regex", r"[^\s\S]", "nothing can start it"),
+])
+def test_constraints_no_output_satisfies_are_refused_naming_the_field(backend, kind, text, says):
+    with pytest.raises(InvalidGrammar) as error:
+        backend.new_grammar(kind, text)
+    assert error.value.param == kind and says in str(error.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+     "$ref": "#/$defs/node"},  # a linked list: recursive, but through a property
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "string"}}, "$ref": "#/$defs/a"},
+    {"type": "array", "items": {"$ref": "#"}},
+])
+def test_references_that_reach_a_real_schema_are_kept(backend, schema):
+    assert self_only_reference(schema) is None
+    backend.new_grammar("json_schema", json.dumps(schema))
+
+
+def test_a_stop_where_the_grammar_does_not_accept_is_a_dead_end(backend, tokenizer):
+    """A part of a grammar that no text completes: llguidance's mask there allows only EOS."""
+    grammar = backend.new_grammar("ebnf", 'root ::= "x" a | "y"\na ::= a')
+    for token in tokenizer.encode("x", add_special_tokens=False):
+        assert grammar.consume(token)
+    bitmask = backend.empty_bitmask(1)
+    backend.fill_masks([(grammar, 0)], bitmask)
+    assert allowed_tokens(bitmask[0], backend.vocab_size).tolist() == [tokenizer.eos_token_id]
+    assert not grammar.accepts()
+    assert grammar.dead_end().startswith(CONSTRAINT_DEAD_END)
 
 
 def test_two_constraints_at_once_name_the_second():

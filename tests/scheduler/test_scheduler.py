@@ -144,6 +144,39 @@ def test_finishes_on_a_stop_id_but_not_before_min_new_tokens():
     assert s.suppressed_ids(patient) == []
 
 
+class _Grammar:
+    """A grammar stand-in: accepts once it has consumed `accepting_after` tokens."""
+
+    def __init__(self, accepting_after: int):
+        self.consumed, self.accepting_after = 0, accepting_after
+
+    def consume(self, token: int) -> bool:
+        self.consumed += 1
+        return True
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def accepts(self) -> bool:
+        return self.consumed >= self.accepting_after
+
+    def dead_end(self) -> str:
+        return "dead end"
+
+
+def test_a_stop_id_before_the_grammar_accepts_fails_the_request_instead_of_stopping_it():
+    """llguidance allows EOS where no token continues a grammar: such an output does not
+    satisfy its constraint, so it ends as a failure with the grammar's message, never "stop"."""
+    s = make_scheduler()
+    s.add(req("early", max_new=10, stop_token_ids=frozenset({7}), grammar=_Grammar(3)))
+    s.add(req("done", max_new=10, stop_token_ids=frozenset({7}), grammar=_Grammar(2)))
+    script = {"early": [1, 7, 2], "done": [1, 2, 7]}
+    finished = {r.rid: r for r in FakeModel(s, script).run_all()}
+    assert finished["early"].finish_reason == ("abort", None)
+    assert finished["early"].error == "dead end" and finished["early"].output_ids == [1, 7]
+    assert finished["done"].finish_reason == ("stop", 7) and finished["done"].error is None
+
+
 def test_abort_frees_pages_and_slot_at_once_in_every_state():
     s = make_scheduler(max_running=2, chunk=8)
     for rid, n in [("decoding", 6), ("prefilling", 30), ("waiting", 6)]:

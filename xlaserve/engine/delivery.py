@@ -263,9 +263,12 @@ class Delivery:
                                     step.top_ids[row, :n].tolist()))
         input_token_logprobs, input_top_logprobs = input_logprobs or (None, None)
         live.done = finished
+        # A request the scheduler ended as failed (its grammar's dead end) says why; it is
+        # finished, so nothing writes its `error` any more.
         chunk = OutputChunk(token, delta, finished, logprob=logprob, top_logprobs=top_logprobs,
                             input_token_logprobs=input_token_logprobs,
-                            input_top_logprobs=input_top_logprobs, meta_info=meta_info)
+                            input_top_logprobs=input_top_logprobs, meta_info=meta_info,
+                            error=request.error if finished else None)
         if stop_found:  # sent once the loop has ended the request
             finals.append((live, chunk))
         else:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from xlaserve.sampling.grammar import CONSTRAINT_DEAD_END
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -54,9 +56,13 @@ def shutting_down() -> APIError:
 
 def generation_error(message: str) -> APIError:
     """The error a request's final chunk carried: the engine's abort at shutdown is a 503 a client
-    may retry; anything else failed this request (a 500 naming what went wrong)."""
+    may retry; an output its constraint could not complete is the request's own 400 (its schema
+    or grammar has a part nothing satisfies: retrying gives the same); anything else failed this
+    request (a 500 naming what went wrong)."""
     if message == SHUTDOWN_MESSAGE:
         return shutting_down()
+    if message.startswith(CONSTRAINT_DEAD_END):
+        return APIError(400, message, code="constraint_unsatisfiable")
     return APIError(500, f"generation failed: {message}")
 
 

@@ -38,6 +38,15 @@ _CACHE_SIZE = 256  # compiled grammars kept, by (kind, text)
 # schema, and short of the recursion limit of the code that walks one (ours, json, llguidance's
 # conversion), where a schema 500 deep was a RecursionError.
 MAX_JSON_DEPTH = 64
+# The error of a request whose output reached a point its constraint cannot continue from (a
+# part of the grammar that no text completes, such as a `$ref` nested in a property that only
+# refers to itself): the engine ends it with this message rather than a "stop" whose text does
+# not satisfy the constraint; the HTTP layer answers it with a 400 (http/errors.py).
+CONSTRAINT_DEAD_END = "the output cannot be completed under its constraint"
+# Keywords that say something about a schema without constraining its value.
+_ANNOTATIONS = frozenset({"$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title",
+                          "description", "default", "examples", "deprecated", "readOnly",
+                          "writeOnly"})
 
 
 def tiktoken_encoding(tokenizer):
@@ -116,6 +125,49 @@ def _finite(text: str) -> float:
     return value
 
 
+def self_only_reference(schema) -> str | None:
+    """The first `$ref` of `schema` that leads, through schemas that are nothing but a `$ref`,
+    back to itself (`{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}`): no value
+    satisfies such a schema, and llguidance compiles it to a grammar that dead-ends where it is
+    reached. None if there is none. Local references (`#...`) only; each chain is walked once."""
+    def is_reference(node) -> bool:
+        return (isinstance(node, dict) and isinstance(node.get("$ref"), str)
+                and not set(node) - _ANNOTATIONS - {"$ref"})
+
+    def target(ref: str):
+        if ref != "#" and not ref.startswith("#/"):
+            return None  # a remote or anchor reference: llguidance says if it cannot resolve it
+        node = schema
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    ends: set[int] = set()  # reference nodes whose chain is known to end
+    stack = [schema]
+    while stack:  # every dict of the schema (depth already bounded by check_depth)
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        chain, current = [], node
+        while is_reference(current) and id(current) not in ends:
+            if any(current is seen for seen in chain):
+                return current["$ref"]
+            chain.append(current)
+            current = target(current["$ref"])
+        ends.update(id(seen) for seen in chain)
+    return None
+
+
 def python_regex_to_rust(pattern: str) -> str:
     """Python's end-of-text `\\Z` is `\\z` in the Rust syntax llguidance reads (named groups
     `(?P<name>...)`, classes, `(?i)` and the rest are common to both); what Rust lacks
@@ -160,6 +212,15 @@ class Grammar:
 
     def error(self) -> str:
         return self.matcher.get_error()
+
+    def accepts(self) -> bool:
+        """Whether the output so far satisfies the constraint (it may still go on)."""
+        return self.matcher.is_accepting()
+
+    def dead_end(self) -> str:
+        """The error of a request whose grammar no token continues (CONSTRAINT_DEAD_END)."""
+        return (f"{CONSTRAINT_DEAD_END}: the output reached a point that no text completes "
+                "(a part of the schema or grammar that nothing satisfies)")
 
 
 class GrammarBackend:
@@ -229,6 +290,7 @@ class GrammarBackend:
             schema = parse_json(text, kind)
             if not isinstance(schema, (dict, bool)):
                 raise InvalidGrammar(kind, "json_schema must be a JSON object (a JSON schema)")
+            _check_references(schema, kind)
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     json.dumps(closed_objects(schema)),
@@ -251,6 +313,13 @@ class GrammarBackend:
         matcher = llguidance.LLMatcher(table, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidGrammar(kind, f"invalid {kind}: {_first_line(matcher.get_error())}")
+        # A grammar whose start no text can follow (a schema that is only a reference to itself,
+        # an empty language) dead-ends at its first mask: refused here, not answered with the
+        # stop token that llguidance then allows. One mask, once per constraint text (cached).
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():  # its error is the parser's state dump, nothing a client can use
+            raise InvalidGrammar(kind, f"no output satisfies this {kind}: nothing can start it")
         return matcher
 
     def _structural_tag_grammar(self, text: str) -> str:
@@ -278,6 +347,7 @@ class GrammarBackend:
             if trigger is None:
                 raise InvalidGrammar("structural_tag", f"structures[{i}].begin "
                                      f"{structure['begin']!r} starts with none of the triggers")
+            _check_references(structure["schema"], "structural_tag")
             schema = {**closed_objects(structure["schema"]),
                       "x-guidance": {"whitespace_pattern": self.whitespace_pattern}}
             tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"],
@@ -310,6 +380,13 @@ class GrammarBackend:
             for token in grammar.stop_token_ids:
                 if token < self.tokenizer_size:  # tokens past the tokenizer are never allowed
                     bitmask.view(np.uint32)[row, token >> 5] |= np.uint32(1 << (token & 31))
+
+
+def _check_references(schema, kind: str) -> None:
+    ref = self_only_reference(schema)
+    if ref is not None:
+        raise InvalidGrammar(kind, f"no value satisfies this {kind}: its $ref {ref!r} leads back "
+                                   "to itself through references alone")
 
 
 def _bit(bitmask: np.ndarray, row: int, token: int) -> bool:

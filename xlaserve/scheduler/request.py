@@ -72,6 +72,7 @@ class Request:
     slot: int | None = None  # row of the device penalty state, 1..max_running_requests
     status: Literal["waiting", "running", "finished"] = "waiting"
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why the scheduler ended it as failed (its final chunk's error)
     num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     cache_node: TreeNode | None = None  # the prefix-cache path this running request locks
     retracted_count: int = 0

@@ -419,12 +419,19 @@ class Scheduler:
         # A stop id counts only where the sampler would not have suppressed it.
         stops = token in request.stop_token_ids and len(request.output_ids) >= request.min_new_tokens
         request.output_ids.append(token)
-        if stops:
+        if stops and request.grammar is not None and not request.grammar.accepts():
+            # The mask allows a stop only where the grammar accepts, or (llguidance) where no
+            # token continues it: an output that does not satisfy its constraint, never a "stop".
+            request.error = request.grammar.dead_end()
+            finished.append(self.finish(request.rid, "abort", None))
+        elif stops:
             finished.append(self.finish(request.rid, "stop", token))
         elif request.grammar is not None and not request.grammar.consume(token):
-            # The mask allows only the grammar's tokens, so this is a bug, not bad input.
-            logger.error("request %s: its grammar rejected token %d (%s)", request.rid, token,
-                         request.grammar.error())
+            # The mask allows only the grammar's tokens: a dead end (only EOS was allowed, and
+            # it is not a stop id here: ignore_eos) or a bug, never an answer.
+            logger.warning("request %s: its grammar rejected token %d (%s)", request.rid, token,
+                           request.grammar.error().split("\n", 1)[0])
+            request.error = request.grammar.dead_end()
             finished.append(self.finish(request.rid, "abort", None))
         elif request.grammar is not None and request.grammar.is_stopped():
             # Complete (e.g. a JSON object's closing brace): "stop", with no stop token.
