@@ -17,7 +17,8 @@ from xlaserve.http.parsing.harmony_vocab import (ENCODINGS_BASE, O200K_SHA256, V
                                                  load_encoding, o200k_from_tokenizer)
 from xlaserve.http.parsing.reasoning import ReasoningParser
 from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
-from xlaserve.http.protocol import ChatCompletionRequest, ChatMessage, validate_body
+from xlaserve.http.protocol import ChatCompletionRequest, ChatMessage
+from xlaserve.http.request_fields import validate_body
 
 TODAY = "2025-08-05"
 

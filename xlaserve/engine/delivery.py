@@ -2,7 +2,7 @@
 the `OutputChunk`s a request's sink receives (both in messages.py).
 
 `Delivery` holds the live state of every request the engine has admitted and not yet finished
-(`_Live`: its sink, its detokenizer, its prompt-logprob collector), by request id:
+(`LiveRequest`, messages.py: its sink, its detokenizer, its prompt-logprob collector), by id:
 - `live_state` builds that state in the submitting thread (EngineCore.submit), `admit` keeps it
   and hands the request to the scheduler; one the scheduler refuses (a duplicate id) gets a
   final chunk with the error and is not kept;
@@ -26,8 +26,8 @@ inbox (`notify`, a `RequestsEnded`): a stop string (`StopMatched`: the loop ends
 the scheduler at the start of its next iteration, freeing its slot and pages, and only then does
 the chunk thread send the final chunk) and a request the thread failed or whose sink raised
 (`DropRequest`: ended without another chunk). Until the loop has ended it the request may sample
-a token or two more: the chunk thread has marked it done (`_Live.done`) and drops them, so no
-text past a stop string ever leaves.
+a token or two more: the chunk thread has marked it done (`LiveRequest.done`) and drops them, so
+no text past a stop string ever leaves.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ import jax
 import numpy as np
 
 from xlaserve.engine.detokenizer import IncrementalDetokenizer
-from xlaserve.engine.messages import (DropRequest, OutputChunk, RequestsEnded, StepResult,
-                                      StopMatched)
+from xlaserve.engine.messages import (DropRequest, LiveRequest, OutputChunk, RequestsEnded,
+                                      StepResult, StopMatched)
 from xlaserve.executor.step_program import StepOutput
 from xlaserve.sampling.prompt_logprobs import PromptLogprobCollector
 from xlaserve.sampling.params import SamplingParams
@@ -50,19 +50,6 @@ from xlaserve.scheduler.scheduler import Scheduler
 from xlaserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Live:
-    """Engine-side state of one request: its sink and its detokenizer."""
-
-    request: Request
-    emit: Callable[[OutputChunk], None]
-    detokenizer: IncrementalDetokenizer | None
-    top_logprobs_num: int = 0  # alternatives per token in the chunks (needs return_logprob)
-    prompt_logprobs: PromptLogprobCollector | None = None  # with return_prompt_logprob
-    prompt_logprobs_sent: bool = False  # they go out once, with the first output chunk
-    done: bool = False  # its final chunk has been handed out (the chunk thread's flag alone)
 
 
 # A sampled row as the engine loop saw it when the step was read: the chunk thread makes the
@@ -77,7 +64,7 @@ _Row = tuple
 
 
 def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputChunk], None],
-               tokenizer, top_logprobs_num: int, return_prompt_logprob: bool) -> _Live:
+               tokenizer, top_logprobs_num: int, return_prompt_logprob: bool) -> LiveRequest:
     """A submitted request's state for `Delivery.admit`, built in the submitting thread so that
     anything wrong with it (a stop string, say) is that caller's error, never the loop's.
     `tokenizer`: None with --skip-tokenizer-init (chunks then carry no text)."""
@@ -88,7 +75,7 @@ def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputC
             skip_special_tokens=params.skip_special_tokens,
             stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
             no_stop_trim=params.no_stop_trim)
-    live = _Live(request, emit, detok, top_logprobs_num)
+    live = LiveRequest(request, emit, detok, top_logprobs_num)
     if return_prompt_logprob:
         live.prompt_logprobs = PromptLogprobCollector(request.prompt_ids, top_logprobs_num)
     return live
@@ -99,7 +86,7 @@ class Delivery:
         """`notify` puts a message (`RequestsEnded`) in the engine loop's inbox; `name` names
         the chunk thread."""
         self.scheduler = scheduler
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         # Ids of requests that may still collect prompt logprobs: every live one whose collector
         # is not complete is in it (stale ids leave at `chunks_for_step`), so that a step where
         # none collects does no per-row work for them.
@@ -124,7 +111,7 @@ class Delivery:
         self._jobs.put(None)
         self._thread.join(timeout)
 
-    def admit(self, live: _Live) -> None:
+    def admit(self, live: LiveRequest) -> None:
         """Takes a submitted request in (its state built by `live_state` in the submitting
         thread): its live state, then the scheduler's queue."""
         request = live.request
@@ -201,7 +188,7 @@ class Delivery:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             first, second = job
-            if isinstance(first, _Live):  # a final chunk made by the loop (an abort, a refusal)
+            if isinstance(first, LiveRequest):  # a final chunk made by the loop (an abort, a refusal)
                 if not first.done:
                     first.done = True
                     self._emit(first, second)
@@ -274,7 +261,7 @@ class Delivery:
         else:
             self._emit(live, chunk)
 
-    def _emit(self, live: _Live, chunk: OutputChunk) -> None:
+    def _emit(self, live: LiveRequest, chunk: OutputChunk) -> None:
         """Hands a chunk to the request's consumer (the chunk thread). A consumer that raises
         (its event loop closed, say) is gone: its request is dropped, and nothing it did reaches
         the loop or other requests."""
@@ -333,14 +320,14 @@ class Delivery:
                               top_logprobs[rows])
 
 
-def _final_chunk(request: Request, error: str | None, live: _Live | None = None,
+def _final_chunk(request: Request, error: str | None, live: LiveRequest | None = None,
                  reason: tuple | None = None, num_output: int | None = None) -> OutputChunk:
     """The chunk that ends a request without a token (an abort, a refusal, a failure)."""
     return OutputChunk(None, "", True, meta_info=_meta_info(request, live, reason, num_output),
                        error=error or None)
 
 
-def _meta_info(request: Request, live: _Live | None = None, reason: tuple | None = None,
+def _meta_info(request: Request, live: LiveRequest | None = None, reason: tuple | None = None,
                num_output: int | None = None) -> dict:
     """A finished request's `meta_info`: its id, token counts, finish reason and, once all in,
     its prompt logprobs. `reason` and `num_output` (the chunk thread's, which must not read the

@@ -19,20 +19,35 @@ from __future__ import annotations
 import dataclasses
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from xlaserve.engine.delivery import _Live
+    from xlaserve.engine.detokenizer import IncrementalDetokenizer
+    from xlaserve.sampling.prompt_logprobs import PromptLogprobCollector
     from xlaserve.scheduler.request import Request
 
 
 # --- the inbox: any thread -> the engine loop ---------------------------------------------------
 
+@dataclasses.dataclass
+class LiveRequest:
+    """Engine-side state of one admitted request (delivery.py keeps it by id): its sink, its
+    detokenizer, its prompt-logprob collector."""
+
+    request: Request
+    emit: Callable[[OutputChunk], None]
+    detokenizer: IncrementalDetokenizer | None
+    top_logprobs_num: int = 0  # alternatives per token in the chunks (needs return_logprob)
+    prompt_logprobs: PromptLogprobCollector | None = None  # with return_prompt_logprob
+    prompt_logprobs_sent: bool = False  # they go out once, with the first output chunk
+    done: bool = False  # its final chunk has been handed out (the chunk thread's flag alone)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AddRequest:
     """A submitted request, its state built and checked in the submitting thread."""
 
-    live: _Live
+    live: LiveRequest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

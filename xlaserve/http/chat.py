@@ -86,7 +86,7 @@ class ChatCall:
         await check_tool_schemas(ctx, call.functions)
         param = ("tool_choice" if call.forced else "tools" if call.params.structural_tag
                  and not call.constraint_param else call.constraint_param)
-        await compile_constraints(ctx, [call.params], param)
+        await compile_constraints(ctx.core, [call.params], param)
         call.generation = Generation(ctx, [call.prompt_ids], call.params, req.n,
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,
                                      priority=priority + client_priority(ctx, req.priority),

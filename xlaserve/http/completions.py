@@ -81,7 +81,7 @@ class CompletionCall:
         """Checks the request (tokenizing a long prompt off the event loop), builds its grammar
         off the loop, submits it."""
         call = await off_loop.run(_prompt_size(req.prompt), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
-        await compile_constraints(ctx, [call.params], call.constraint_param)
+        await compile_constraints(ctx.core, [call.params], call.constraint_param)
         call.generation = Generation(ctx, call.prompt_ids, call.params, req.n,
                                      top_logprobs_num=call.num_top,
                                      return_logprob=req.logprobs is not None,

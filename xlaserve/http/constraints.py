@@ -14,8 +14,8 @@ from xlaserve.http.vllm_constraints import vllm_constraints
 from xlaserve.sampling.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
 from xlaserve.sampling.params import SamplingParams
 
-if TYPE_CHECKING:  # serving.py imports this module: the context is an annotation here
-    from xlaserve.http.serving import ServingContext
+if TYPE_CHECKING:
+    from xlaserve.engine.core import EngineCore
 
 CONSTRAINTS = CONSTRAINT_FIELDS  # SamplingParams' fields and SGLang's request keys, in order
 _RESPONSE_FORMAT_KEYS = {"type", "json_schema", "schema"}
@@ -101,12 +101,12 @@ def check_schema_depth(value, what: str, param: str) -> None:
         raise bad_request(str(error), param) from None
 
 
-async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingParams],
+async def compile_constraints(core: EngineCore, params: Iterable[SamplingParams],
                               param: str | None = None, prefix: str = "") -> None:
     """Builds (or finds in the engine's cache) each distinct grammar of `params` in a worker
     thread, so a slow build never stalls the event loop; an invalid one is a 400 naming `param`
     (else the field, after `prefix`). Requests without a constraint cost nothing here."""
-    limits = ctx.core.limits
+    limits = core.limits
     seen = set()
     for p in params:
         key = tuple(getattr(p, name) for name in CONSTRAINTS)
@@ -120,7 +120,7 @@ async def compile_constraints(ctx: ServingContext, params: Iterable[SamplingPara
             raise bad_request(f"the output constraint is longer than {limits.max_constraint_size} "
                               f"characters (--max-constraint-size)", name)
         try:
-            await asyncio.wait_for(asyncio.to_thread(ctx.core.compile_grammar, p),
+            await asyncio.wait_for(asyncio.to_thread(core.compile_grammar, p),
                                    limits.grammar_compile_timeout)
         except InvalidGrammar as error:
             name = param or (prefix + error.param if error.param else None)

@@ -83,7 +83,7 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
                 raise bad_request(f"sampling_params.{name} must be a string"
                                   + (" (the schema as JSON text)" if name == "json_schema" else ""),
                                   f"sampling_params.{name}")
-    await compile_constraints(ctx, params, prefix="sampling_params.")
+    await compile_constraints(ctx.core, params, prefix="sampling_params.")
     rid = req.rid if isinstance(req.rid, str) else None
     generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
                             return_logprob=req.return_logprob, rid=rid,

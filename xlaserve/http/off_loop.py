@@ -24,7 +24,7 @@ from typing import Callable, TypeVar
 
 from pydantic import BaseModel
 
-from xlaserve.http.protocol import parse_body
+from xlaserve.http.request_fields import parse_body
 
 T = TypeVar("T")
 
@@ -41,6 +41,6 @@ async def run(size: int, large: int, work: Callable[..., T], *args) -> T:
 
 
 async def parse(body: bytes, model: type[BaseModel], fields=None):
-    """`protocol.parse_body`, off the loop for a large body; `fields`: the unknown-field policy
+    """`request_fields.parse_body`, off the loop for a large body; `fields`: the unknown-field policy
     (request_fields.RequestFields; None refuses unknown fields)."""
     return await run(len(body), LARGE_BODY_BYTES, parse_body, body, model, fields)

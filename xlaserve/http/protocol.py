@@ -1,23 +1,16 @@
 """Request bodies of the HTTP routes (pydantic), with OpenAI's names plus SGLang's extensions.
 
-The models refuse unknown fields (`extra="forbid"`); by default request_fields.py drops a body's
-unknown top-level fields (and stream_options') before validating, logs them once and names them
-in the answer's X-Ignored-Fields header, as OpenAI-compatible peers accept them;
---strict-request-fields keeps the 400. Ranges are checked when the request is turned into sampling parameters
-(`serving.sampling_params`), where the messages can name the parameter.
+The models refuse unknown fields (`extra="forbid"`); request_fields.py parses a body into one, by
+default dropping its unknown top-level fields (and stream_options') before validating, logging
+them once and naming them in the answer's X-Ignored-Fields header, as OpenAI-compatible peers
+accept them; --strict-request-fields keeps the 400. Ranges are checked when the request is turned
+into sampling parameters (`serving.sampling_params`), where the messages can name the parameter.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-import orjson
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
-                      model_validator)
-
-from xlaserve.http.errors import APIError, validation_message
-
-if TYPE_CHECKING:  # request_fields.py imports this module
-    from xlaserve.http.request_fields import RequestFields
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class _Strict(BaseModel):
@@ -183,29 +176,3 @@ class BatchRequest(_Strict):
     completion_window: str
     metadata: Optional[dict[str, str]] = None
     output_expires_after: Optional[dict[str, Any]] = None  # refused by name
-
-
-def parse_body(body: bytes, model: type[BaseModel], fields: RequestFields | None = None):
-    """A JSON body as `model`; any problem is a 400 naming the field (FastAPI would answer 422,
-    and misread a body sent without a JSON content type). `fields`: the server's unknown-field
-    policy (None: unknown fields are refused)."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise APIError(400, f"the request body is not valid JSON: {error}") from None
-    return validate_body(data, model, fields)
-
-
-def validate_body(data: Any, model: type[BaseModel], fields: RequestFields | None = None):
-    """Already-parsed JSON (a batch line's `body`) as `model`, with parse_body's 400s."""
-    ignored: list[str] = []
-    if fields is not None:
-        data, ignored = fields.drop_unknown(data, model)
-    try:
-        parsed = model.model_validate(data)
-    except ValidationError as error:
-        message, param = validation_message(error.errors())
-        raise APIError(400, message, param=param) from None
-    if ignored:
-        parsed._ignored = ignored
-    return parsed

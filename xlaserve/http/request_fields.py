@@ -1,4 +1,5 @@
-"""What the server does with request fields it does not know.
+"""A request body's fields: the JSON parsed into its protocol.py model (`parse_body`,
+`validate_body`), and what the server does with the fields it does not know.
 
 OpenAI adds request fields over time and its SDK sends what the caller gives it; vLLM and SGLang
 accept fields they do not know (vLLM logs them). So by default a body's unknown top-level fields,
@@ -26,9 +27,10 @@ import logging
 import threading
 from typing import Any
 
-from pydantic import BaseModel
+import orjson
+from pydantic import BaseModel, ValidationError
 
-from xlaserve.http.errors import bad_request
+from xlaserve.http.errors import APIError, bad_request, validation_message
 from xlaserve.http.protocol import StreamOptions
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,32 @@ class RequestFields:
         if full:
             logger.warning("%d distinct unknown request fields logged; further new ones are not "
                            "(the X-Ignored-Fields header still names them)", MAX_LOGGED_NAMES)
+
+
+def parse_body(body: bytes, model: type[BaseModel], fields: RequestFields | None = None):
+    """A JSON body as `model` (a protocol.py body); any problem is a 400 naming the field
+    (FastAPI would answer 422, and misread a body sent without a JSON content type). `fields`:
+    the server's unknown-field policy (None: unknown fields are refused)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+    return validate_body(data, model, fields)
+
+
+def validate_body(data: Any, model: type[BaseModel], fields: RequestFields | None = None):
+    """Already-parsed JSON (a batch line's `body`) as `model`, with parse_body's 400s."""
+    ignored: list[str] = []
+    if fields is not None:
+        data, ignored = fields.drop_unknown(data, model)
+    try:
+        parsed = model.model_validate(data)
+    except ValidationError as error:
+        message, param = validation_message(error.errors())
+        raise APIError(400, message, param=param) from None
+    if ignored:
+        parsed._ignored = ignored
+    return parsed
 
 
 def refuse_answer_changing(data: dict, known) -> None:

@@ -32,13 +32,11 @@ tensors: a `<m>.qweight` is dequantized into `<m>.weight`, every other tensor pa
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
 
-if TYPE_CHECKING:  # weights.py imports this module (through quantization.py)
-    from xlaserve.model.weights import TensorSource
+from xlaserve.model.tensor_source import TensorSource
 
 logger = logging.getLogger(__name__)
 

@@ -27,13 +27,11 @@ dequantized with activations unquantized, as transformers does when it dequantiz
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
 
-if TYPE_CHECKING:  # weights.py imports this module
-    from xlaserve.model.weights import TensorSource
+from xlaserve.model.tensor_source import TensorSource
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 _FP8_DTYPES = (FP8_DTYPE, np.dtype(ml_dtypes.float8_e5m2))

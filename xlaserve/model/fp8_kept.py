@@ -39,7 +39,8 @@ from xlaserve.model.fp8 import (FP8_DTYPE, SCALE_SUFFIX, Fp8Error, Fp8Source, ch
                                 check_fp8_tensor)
 from xlaserve.model.fp8_weights import FP8_TYPES, Fp8BlockMatrix, Fp8Matrix, fp8_platform_problem
 from xlaserve.model.int8 import QUANTIZED_WEIGHTS, Fp8Checkpoint, quantizes
-from xlaserve.model.weights import TensorSource, convert
+from xlaserve.model.tensor_source import TensorSource
+from xlaserve.model.weights import convert
 from xlaserve.pallas_kernels.fp8_block_matmul import supports
 
 logger = logging.getLogger(__name__)

@@ -21,13 +21,11 @@ spec) give inf/NaN in transformers; we refuse them instead.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
 
-if TYPE_CHECKING:  # weights.py imports this module
-    from xlaserve.model.weights import TensorSource
+from xlaserve.model.tensor_source import TensorSource
 
 FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)

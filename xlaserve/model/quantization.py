@@ -13,7 +13,6 @@ Two decisions, both made before any weight is used:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
@@ -21,9 +20,7 @@ import numpy as np
 from xlaserve.model.awq_gptq import (PackedIntSource, check_awq_config, check_gptq_config,
                                      log_dequantizing)
 from xlaserve.model.fp8 import Fp8Source, check_fp8_config
-
-if TYPE_CHECKING:  # weights.py imports this module
-    from xlaserve.model.weights import TensorSource
+from xlaserve.model.tensor_source import TensorSource
 
 logger = logging.getLogger(__name__)
 

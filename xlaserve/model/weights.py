@@ -1,8 +1,8 @@
 """Checkpoint tensors -> our parameter layout.
 
-A *tensor source* answers `get(hf_name) -> np.ndarray` in the Hugging Face naming and layout
-(`[out_features, in_features]` for linear weights). Safetensors directories are one source, GGUF
-files another (they translate llama.cpp names and undo its q/k row permutation), so the conversion
+A *tensor source* (tensor_source.py) answers `get(hf_name) -> np.ndarray` in the Hugging Face
+naming and layout (`[out_features, in_features]` for linear weights). Safetensors directories are
+one source, GGUF files another (they translate llama.cpp names and undo its q/k row permutation), so the conversion
 to our fused layouts below is written once.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -19,12 +19,7 @@ from xlaserve.model.config import ModelConfig
 from xlaserve.model.mla import mla_weights
 from xlaserve.model.mxfp4 import read_expert_weight
 from xlaserve.model.quantization import check_float_tensor
-
-
-class TensorSource(Protocol):
-    def names(self) -> set[str]: ...
-
-    def get(self, name: str) -> np.ndarray: ...
+from xlaserve.model.tensor_source import TensorSource
 
 
 class WeightError(ValueError):

@@ -21,7 +21,8 @@ import orjson
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, bad_request
-from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest, validate_body
+from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest
+from xlaserve.http.request_fields import validate_body
 from xlaserve.http.serving import RETRY_AFTER_S, ServingContext
 from xlaserve.engine.async_requests import EngineDeadError
 

@@ -6,7 +6,8 @@ from fastapi import APIRouter, Request
 
 from xlaserve.http.errors import bad_request
 from xlaserve.http.batches.files import runner_of
-from xlaserve.http.protocol import BatchRequest, parse_body
+from xlaserve.http.protocol import BatchRequest
+from xlaserve.http.request_fields import parse_body
 
 router = APIRouter()
 

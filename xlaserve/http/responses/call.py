@@ -13,7 +13,8 @@ import orjson
 
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.errors import APIError, bad_request, not_supported
-from xlaserve.http.protocol import ChatCompletionRequest, validate_body
+from xlaserve.http.protocol import ChatCompletionRequest
+from xlaserve.http.request_fields import validate_body
 from xlaserve.http.responses.items import chat_messages, input_items, new_item_id, output_items
 from xlaserve.http.responses.protocol import ResponsesRequest
 from xlaserve.http.serving import ServingContext
