@@ -5,19 +5,17 @@ bfloat16), and every int8 weight is converted to bfloat16 inside the matmul's ow
 bfloat16 copy of a weight is made.
 """
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.compile_targets import devices
+from tests.compile_targets import devices, first_layers
 from xlaserve.executor import aot
 from xlaserve.model.config import ModelConfig
 from xlaserve.server_args import ServerArgs
 
-LLAMA_8B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
 
 
 def int8_weight_bytes(c: ModelConfig) -> int:
@@ -53,9 +51,10 @@ def test_unfused_int8_converts_finds_a_weight_dequantized_outside_the_matmul():
     assert len(found) == 1 and "f32[256,512]" in found[0]
 
 
-def _compiled(target, tp_size, quantization):
+def _compiled(model_path, target, tp_size, quantization):
     program, shapes, description = aot.server_step(target, ServerArgs(
-        model_path=LLAMA_8B, tp_size=tp_size, max_running_requests=64, quantization=quantization))
+        model_path=model_path, tp_size=tp_size, max_running_requests=64,
+        quantization=quantization))
     return program, program.compile(*shapes[0]), description
 
 
@@ -67,12 +66,18 @@ def _per_device_bytes(weights) -> int:
     return int(sum(np.prod(w.sharding.shard_shape(w.shape)) * w.dtype.itemsize for w in weights))
 
 
+# CI compiles the first 2 layers (compile_targets.first_layers); --slow the whole model.
+@pytest.mark.parametrize("layers", [2, pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["2-layers", "whole"])
 @pytest.mark.parametrize("target,tp_size", [("h100", 1), ("v6e:2x2", 4)])
-def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target, tp_size):
+def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target, tp_size,
+                                                                          layers, tmp_path):
     devices(target)  # skips where the compile-only package is absent
-    program, compiled, description = _compiled(target, tp_size, "int8")
+    model_path = first_layers("llama-3.1-8b", layers, tmp_path)
+    program, compiled, description = _compiled(model_path, target, tp_size, "int8")
     weights = jax.tree.leaves(program.args[0])
-    config, _ = aot.read_config(LLAMA_8B, load_format="dummy")
+    config, _ = aot.read_config(model_path, load_format="dummy")
+    assert config.num_layers == (layers or 32)
     assert sum(w.size * w.dtype.itemsize for w in weights) == int8_weight_bytes(config)
     # 4 int8 matrices a layer: on TPU each kind is one argument stacked over the layers
     # (weight_args.py, stack_layers), on a GPU one argument each.
@@ -81,7 +86,7 @@ def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target
     hlo = compiled.as_text()
     assert not unfused_int8_converts(hlo), unfused_int8_converts(hlo)[:3]
 
-    float_program, float_step, _ = _compiled(target, tp_size, None)
+    float_program, float_step, _ = _compiled(model_path, target, tp_size, None)
     ours, theirs = compiled.memory_analysis(), float_step.memory_analysis()
     # Per device, the arguments shrink by the weights' bytes saved (the scales of o_proj and
     # down, [hidden], are replicated like the layers' outputs), to within the padding of the

@@ -11,50 +11,60 @@ from pathlib import Path
 import pytest
 
 from benchmarks.predict_accelerators import hlo_counts
-from tests.compile_targets import cache_copies, devices
+from tests.compile_targets import cache_copies, devices, first_layers, weight_bytes
 from xlaserve.executor import aot
 from xlaserve.sampling.step_needs import StepNeeds
 from xlaserve.server_args import ServerArgs
 
-LLAMA_8B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
 WEIGHT_BYTES = 16.06e9  # Llama-3.1-8B in bfloat16
+# CI compiles the first 2 layers of each model (compile_targets.first_layers); --slow the whole.
+LAYERS = [2, pytest.param(None, marks=pytest.mark.slow)]
 
 
+@pytest.mark.parametrize("layers", LAYERS, ids=["2-layers", "whole"])
 @pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), ("h100", 1)])
-def test_llama_8b_serving_step_compiles_for_the_target(target, tp_size):
+def test_llama_8b_serving_step_compiles_for_the_target(target, tp_size, layers, tmp_path):
     devices(target)  # skips where the compile-only package is absent
     # The CPU's step sizes, as before the accelerator defaults (test_platform_defaults.py).
-    args = ServerArgs(model_path=LLAMA_8B, tp_size=tp_size, max_running_requests=64,
-                      max_prefill_tokens=512)
+    args = ServerArgs(model_path=first_layers("llama-3.1-8b", layers, tmp_path),
+                      tp_size=tp_size, max_running_requests=64, max_prefill_tokens=512)
     program, shapes, description = aot.server_step(target, args)
     tokens, seqs, pages = shapes[-1]
     assert (tokens, seqs) == (512, 64), description  # --max-prefill-tokens, 64 requests
     compiled = program.compile(tokens, seqs, pages)
 
+    weights = weight_bytes(program)
+    if layers is None:
+        assert abs(weights - WEIGHT_BYTES) < 0.01e9, weights
     memory = compiled.memory_analysis()
     kv_bytes = sum(cache.size * cache.dtype.itemsize for cache in program.args[1])
-    per_device = (WEIGHT_BYTES + kv_bytes) / tp_size
+    per_device = (weights + kv_bytes) / tp_size
     assert 0.95 * per_device < memory.argument_size_in_bytes < 1.1 * per_device, description
     hlo = compiled.as_text()
-    # The 32 caches (and the penalty state) are donated and updated in place: no cache is copied.
+    # The caches (one a layer) and the penalty state are donated and updated in place: no cache
+    # is copied.
     cache = program.args[1][0]
     local = (cache.shape[0], cache.shape[1], cache.shape[2] // tp_size)  # one device's shard
     assert not cache_copies(hlo, local, cache.dtype), "a KV cache is copied"
     header = hlo.splitlines()[0]  # HloModule ..., input_output_alias={ {i}: (arg, {}, may-alias), ...
-    assert header.count("may-alias") >= 32 + 2, description  # caches, counts, last tokens
+    num_layers = len(program.args[1])
+    assert num_layers == (layers or 32)
+    assert header.count("may-alias") >= num_layers + 2, description  # caches, counts, last tokens
 
 
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
+CUT = "-2-layers"  # a config id ending so: its first 2 layers (compile_targets.first_layers)
 WEIGHT_BYTES_OF = {"qwen3-30b-a3b": 61.06e9,  # 30.5B parameters in bfloat16
                    "mixtral-8x7b": 93.4e9,  # 46.7B
                    "gpt-oss-120b": 233.66e9}  # 116.8B, the MXFP4 experts decoded
 
 
 @pytest.mark.parametrize("config,target,tp_size,ep_size,bucket", [
-    # CI compiles one: expert parallel, the shard_map path; the ep 1 split is XLA's partitioner
-    # over the same ragged dots.
+    # CI compiles one, its first 2 layers: expert parallel, the shard_map path; the ep 1 split
+    # is XLA's partitioner over the same ragged dots.
     pytest.param("qwen3-30b-a3b", "v6e:2x2", 4, 1, "smallest", marks=pytest.mark.slow),
-    ("qwen3-30b-a3b", "v6e:2x2", 4, 4, "smallest"),
+    ("qwen3-30b-a3b" + CUT, "v6e:2x2", 4, 4, "smallest"),
+    pytest.param("qwen3-30b-a3b", "v6e:2x2", 4, 4, "smallest", marks=pytest.mark.slow),
     pytest.param("qwen3-30b-a3b", "v6e:2x2", 4, 1, "largest", marks=pytest.mark.slow),
     pytest.param("qwen3-30b-a3b", "v6e:2x2", 4, 4, "largest", marks=pytest.mark.slow),
     pytest.param("qwen3-30b-a3b", "h100", 1, 1, "smallest", marks=pytest.mark.slow),
@@ -69,21 +79,27 @@ WEIGHT_BYTES_OF = {"qwen3-30b-a3b": 61.06e9,  # 30.5B parameters in bfloat16
     pytest.param("gpt-oss-120b", "h100x8", 8, 8, "largest", marks=pytest.mark.slow),
 ])
 def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target, tp_size, ep_size,
-                                                                 bucket):
+                                                                 bucket, tmp_path):
     """The mixture of experts at its real size (Qwen3-30B-A3B: 48 layers of 128 experts, top 8),
     each layer's experts as two ragged dots (model/moe.py) inside the step, which lowers them to
     the target's grouped kernels; with --ep-size, under shard_map, each device on its own experts;
     weights and caches sharded as loaded (~40 s a compile on a 2-core CPU, so only one runs
-    without --slow)."""
+    without --slow, at 2 layers: 9 s)."""
     devices(target)
-    args = ServerArgs(model_path=str(CONFIGS / config), tp_size=tp_size, ep_size=ep_size,
+    layers = 2 if config.endswith(CUT) else None
+    config = config.removesuffix(CUT)
+    path = first_layers(config, layers, tmp_path)
+    args = ServerArgs(model_path=path, tp_size=tp_size, ep_size=ep_size,
                       max_running_requests=64, max_prefill_tokens=512)
     program, shapes, description = aot.server_step(target, args)
     tokens, seqs, pages = shapes[0] if bucket == "smallest" else shapes[-1]
     compiled = program.compile(tokens, seqs, pages)
     kv_bytes = sum(cache.size * cache.dtype.itemsize for cache in program.args[1])
+    weights = weight_bytes(program)
+    if layers is None:  # the whole model: its parameter count, as published
+        assert abs(weights - WEIGHT_BYTES_OF[config]) < 0.01 * WEIGHT_BYTES_OF[config], weights
     # Expert parallelism holds as many weights per device as tensor parallelism (sharding.py).
-    per_device = (WEIGHT_BYTES_OF[config] + kv_bytes) / tp_size
+    per_device = (weights + kv_bytes) / tp_size
     argument_bytes = compiled.memory_analysis().argument_size_in_bytes
     assert 0.95 * per_device < argument_bytes < 1.1 * per_device, description
     hlo = compiled.as_text()

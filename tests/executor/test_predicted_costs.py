@@ -6,10 +6,12 @@ variants (sampling/step_needs.py): plain (greedy rows, nothing else) and everyth
 sampler part and the prompt logprobs' LM head), ~30 s of compile each. And on TPU v6e, that no
 weight is relaid out every step.
 """
+import dataclasses
+
 import pytest
 
 from benchmarks.predict_accelerators import predict, server_args, weight_copies
-from tests.compile_targets import devices
+from tests.compile_targets import devices, first_layers
 from xlaserve.executor import aot
 from xlaserve.model.loader import read_config
 from xlaserve.sampling.step_needs import EVERYTHING, PLAIN
@@ -62,13 +64,18 @@ def test_llama_8b_h100_decode_step_makes_no_host_decision_and_reads_each_weight_
     assert 0.95 * flops < row["flops"] < 1.1 * flops, (row["flops"] / 1e9, flops / 1e9)
 
 
-def test_llama_8b_v6e_decode_step_relays_out_no_weight():
+@pytest.mark.parametrize("layers", [2, pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["2-layers", "whole"])
+def test_llama_8b_v6e_decode_step_relays_out_no_weight(layers, tmp_path):
     """With the default layouts the v6e step (tp 4) relaid each layer's qkv and gate_up weights
     out for the MXU every step (64 copies, fused into the matmuls' operands); with the layouts
     XLA chose at the first compile, which a server stores its weights in (weight_args.py), none.
-    One bucket, the smallest decode one, ~25-40 s of compile."""
+    One bucket, the smallest decode one, ~25-40 s of compile for the whole model; CI compiles
+    its first 2 layers (compile_targets.first_layers: every layer is laid out alike)."""
     devices("v6e:2x2")  # skips where libtpu is absent
-    program, shapes, description = aot.server_step("v6e:2x2", server_args("llama-3.1-8b", tp=4))
+    args = dataclasses.replace(server_args("llama-3.1-8b", tp=4),
+                               model_path=first_layers("llama-3.1-8b", layers, tmp_path))
+    program, shapes, description = aot.server_step("v6e:2x2", args)
     weights = program.args[0]
     compiled = program.compile(*shapes[0], PLAIN)
     assert not weight_copies(compiled.as_text(), weights), description
