@@ -10,6 +10,8 @@
 # as --slow or -x, given to every run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
+minutes() { awk -v s="$1" 'BEGIN { printf "%.1f min", s / 60 }'; }
 
 jax011_log=$(mktemp -t xlaserve-jax011-XXXXXX.log)
 jax011_pid=""
@@ -24,20 +26,27 @@ fi
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of options
 "$PY" -m pytest -q --ignore=tests/http $PYTEST_ARGS
 suite=$?
+suite_time=$((SECONDS - start))
 
 jax011=0
+jax011_time=0
 if [ -n "$jax011_pid" ]; then
   wait "$jax011_pid"
   jax011=$?
+  jax011_time=$((SECONDS - start))  # from the start: it ran beside the JAX 0.10 suite
   echo "---------------- JAX 0.11: make test-jax011 (exit $jax011) ----------------"
   cat "$jax011_log"
 fi
 rm -f "$jax011_log"
 
 echo "---------------- JAX 0.10: tests/http, alone ----------------"
+http_start=$SECONDS
 # shellcheck disable=SC2086
 "$PY" -m pytest -q tests/http $PYTEST_ARGS
 http=$?
+http_time=$((SECONDS - http_start))
 
-echo "make test: JAX 0.10 suite exit $suite, JAX 0.11 exit $jax011, HTTP exit $http"
+echo "make test: JAX 0.10 suite exit $suite ($(minutes $suite_time)), JAX 0.11 exit $jax011" \
+     "(ended at $(minutes $jax011_time)), HTTP exit $http ($(minutes $http_time));" \
+     "wall $(minutes $((SECONDS - start)))"
 [ "$suite" -eq 0 ] && [ "$jax011" -eq 0 ] && [ "$http" -eq 0 ]
