@@ -124,7 +124,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
         radix_cache=not args.disable_radix_cache)
     if args.dp_size > 1:
-        scheduler.log_prefix = f"[DP{dp_rank}] "
+        scheduler.log.prefix = f"[DP{dp_rank}] "
     eos_token_ids = set(config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_token_ids.add(tokenizer.eos_token_id)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, default_page_size
 from xlaserve.scheduler.page_allocator import pages_for_tokens
-from xlaserve.scheduler.scheduler import max_step_tokens
+from xlaserve.scheduler.step_budget import max_step_tokens
 
 
 def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:

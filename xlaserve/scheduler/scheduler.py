@@ -20,30 +20,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-import time
 
 from xlaserve.scheduler.page_allocator import PageAllocator, pages_for_tokens
 from xlaserve.scheduler.prefix_cache import RadixCache
 from xlaserve.scheduler.prefix_reuse import PrefixReuse
 from xlaserve.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
                                         ScheduledBatch, SeqChunk)
+from xlaserve.scheduler.step_budget import prefill_budget
+from xlaserve.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
-
-
-def prefill_budget(max_prefill_tokens: int, num_decodes: int) -> int:
-    """Prompt tokens a step may run beside `num_decodes` decode rows. As in SGLang's mixed
-    chunks, decodes take their share of `max_prefill_tokens`, so a mixed step is no bigger than a
-    prefill step (and pads to the same bucket, not the next one up); prompts keep at least a
-    quarter of it, so new requests still start under a full decode load."""
-    return max(max_prefill_tokens - num_decodes, max_prefill_tokens // 4, 1)
-
-
-def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
-    """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
-    or a whole prefill step)."""
-    return max(max_prefill_tokens,
-               max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
 
 
 class Scheduler:
@@ -54,7 +40,6 @@ class Scheduler:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
         self.page_size = page_size
-        self.log_prefix = ""  # "[DP1] " for a data parallel replica's lines
         self.cache = RadixCache(allocator, page_size)
         self.prefix = PrefixReuse(self.cache, page_size, enabled=radix_cache)
         self.max_running_requests = max_running_requests
@@ -62,16 +47,13 @@ class Scheduler:
         self.chunk_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.max_prefill_tokens = max_prefill_tokens
         self.context_length = context_length
-        self.log_interval = log_interval
+        self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
         self._free_slots = list(range(max_running_requests, 0, -1))  # pop() hands out low ids first
         self._arrivals = itertools.count()
         self._arrival_order: dict[str, int] = {}
-        self._decode_steps = 0
-        self._decode_tokens = 0
-        self._interval_start = 0.0
 
     # --- queue --------------------------------------------------------------------------------
 
@@ -211,7 +193,7 @@ class Scheduler:
         chunks = [c for _, c in rows]
         kind = "decode" if num_decodes == len(rows) else "prefill" if num_decodes == 0 else "mixed"
         cached = sum(c.num_cached for r, c in rows if any(r is a for a in admitted))
-        self._log_step(kind, num_decodes, chunks[num_decodes:], cached)
+        self.log.step(self, kind, num_decodes, chunks[num_decodes:], cached)
         return ScheduledBatch(requests, chunks, [r.slot for r in requests], kind, admitted)
 
     def _schedule_decodes(self) -> list[tuple[Request, SeqChunk]]:
@@ -325,7 +307,8 @@ class Scheduler:
         requests += [r for r, _ in prefills]
         chunks += [c for _, c in prefills]
         kind = "decode" if not prefills else "prefill" if not rows else "mixed"
-        self._log_step(kind, len(rows), chunks[len(rows):], sum(c.num_cached for c in chunks[len(rows):]))
+        prefills = chunks[len(rows):]
+        self.log.step(self, kind, len(rows), prefills, sum(c.num_cached for c in prefills))
         slots = [r.slot for r in requests]
         decode = None if prefills else DecodeRows(
             [c.num_cached for c in chunks], slots, [len(r.output_ids) for r in requests],
@@ -373,7 +356,7 @@ class Scheduler:
         rows = DecodeRows(num_cached, slots, output_lens, page_ids, previous, kept)
         # Rows of a batch with no grammar (or logprobs) have none: `False and None` is False;
         # where the batch had some (or was not asked), the rows left are asked again (None).
-        self._log_step("decode", len(requests), [], 0)
+        self.log.step(self, "decode", len(requests), [], 0)
         return ScheduledBatch(requests, DecodeChunks(rows), slots, "decode", [], ahead=1,
                               decode=rows, has_grammar=batch.has_grammar and None,
                               has_logprobs=batch.has_logprobs and None)
@@ -427,8 +410,7 @@ class Scheduler:
         elif stops:
             finished.append(self.finish(request.rid, "stop", token))
         elif request.grammar is not None and not request.grammar.consume(token):
-            # The mask allows only the grammar's tokens: a dead end (only EOS was allowed, and
-            # it is not a stop id here: ignore_eos) or a bug, never an answer.
+            # A dead end (only EOS allowed, not a stop id: ignore_eos) or a bug; never an answer.
             logger.warning("request %s: its grammar rejected token %d (%s)", request.rid, token,
                            request.grammar.error().split("\n", 1)[0])
             request.error = request.grammar.dead_end()
@@ -466,30 +448,3 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
-
-    def _log_step(self, kind: str, num_decodes: int, prefill_chunks: list[SeqChunk],
-                  cached_tokens: int) -> None:
-        if prefill_chunks:
-            logger.info(
-                "%sPrefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                "#running-req: %d, #queue-req: %d", self.log_prefix, len(prefill_chunks),
-                sum(len(c.token_ids) for c in prefill_chunks), cached_tokens, self.token_usage(),
-                num_decodes, self.num_waiting)
-        if kind != "decode":
-            return
-        # Throughput over the interval: tokens of steps 2..N over the time from step 1 to step N.
-        now = time.monotonic()
-        if self._decode_steps == 0:
-            self._interval_start = now
-        else:
-            self._decode_tokens += num_decodes
-        self._decode_steps += 1
-        if self._decode_steps >= self.log_interval:
-            elapsed = now - self._interval_start
-            throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
-            logger.info(
-                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                "gen throughput (token/s): %.2f, #queue-req: %d", self.log_prefix, self.num_running,
-                sum(r.num_computed for r in self.running), self.token_usage(), throughput,
-                self.num_waiting)
-            self._decode_steps = self._decode_tokens = 0
