@@ -188,7 +188,8 @@ class Delivery:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             first, second = job
-            if isinstance(first, LiveRequest):  # a final chunk made by the loop (an abort, a refusal)
+            # A final chunk made by the loop (an abort, a refusal).
+            if isinstance(first, LiveRequest):
                 if not first.done:
                     first.done = True
                     self._emit(first, second)

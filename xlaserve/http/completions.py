@@ -177,9 +177,10 @@ class CompletionCall:
                     started[i] = True
                     if self.req.echo:
                         # Scoring the prompt alone (max_tokens 0): the echo is the whole answer.
+                        echo_finish = finish if self.prompt_only else {"finish_reason": None}
                         yield sse(self._chunk(i, self._echo(choice),
                                               self._logprobs(self._prompt_entries(choice), 0),
-                                              finish if self.prompt_only else {"finish_reason": None}))
+                                              echo_finish))
                         offsets[i] = len(self._echo(choice))
                 if self.prompt_only:
                     continue

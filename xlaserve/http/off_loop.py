@@ -41,6 +41,6 @@ async def run(size: int, large: int, work: Callable[..., T], *args) -> T:
 
 
 async def parse(body: bytes, model: type[BaseModel], fields=None):
-    """`request_fields.parse_body`, off the loop for a large body; `fields`: the unknown-field policy
-    (request_fields.RequestFields; None refuses unknown fields)."""
+    """`request_fields.parse_body`, off the loop for a large body; `fields`: the unknown-field
+    policy (request_fields.RequestFields; None refuses unknown fields)."""
     return await run(len(body), LARGE_BODY_BYTES, parse_body, body, model, fields)

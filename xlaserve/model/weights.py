@@ -2,8 +2,8 @@
 
 A *tensor source* (tensor_source.py) answers `get(hf_name) -> np.ndarray` in the Hugging Face
 naming and layout (`[out_features, in_features]` for linear weights). Safetensors directories are
-one source, GGUF files another (they translate llama.cpp names and undo its q/k row permutation), so the conversion
-to our fused layouts below is written once.
+one source, GGUF files another (they translate llama.cpp names and undo its q/k row
+permutation), so the conversion to our fused layouts below is written once.
 """
 from __future__ import annotations
 
