@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Compile-only TPU and GPU packages for the tests (executor/aot.py), outside the serving environment:
+# Compile-only TPU and GPU packages for the tests (runtime/executor/aot.py), outside the serving environment:
 # libtpu (the version jax[tpu] pins) and the CUDA 13 plugin of the installed jax, ~1.1 GB. One
 # folder per venv (VENV/aot, where aot.use_compile_only_packages looks): each matches its own jax.
 AOT_STAMP := $(VENV)/aot/.installed
@@ -60,7 +60,7 @@ test: $(STAMP) $(AOT_STAMP)
 # run once, on JAX 0.10: a second run would double their minutes and test nothing new.
 # Within those folders, a module marked jax_independent (host logic: the detokenizer, grammars, the
 # watchdog, the step channel, ...; or covered here by a cheaper test) is left out too.
-JAX_DEPENDENT_TESTS := tests/kernels tests/model tests/engine tests/executor tests/sampling \
+JAX_DEPENDENT_TESTS := tests/kernels tests/model tests/weights tests/engine tests/executor tests/sampling \
   tests/distributed tests/test_accelerator_check.py
 test-jax011: $(STAMP011) $(AOT011_STAMP)
 	$(PY011) -m pytest -q -m "not jax_independent" $(JAX_DEPENDENT_TESTS) $(PYTEST_ARGS)

@@ -119,8 +119,8 @@ def main(argv=None) -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from xlaserve.model.loader import default_model_file, load_tokenizer, read_config
-    from xlaserve.sampling.grammar import GrammarBackend
+    from xlaserve.weights.loader import default_model_file, load_tokenizer, read_config
+    from xlaserve.runtime.sampling.grammar import GrammarBackend
 
     config, _ = read_config(None, "auto")
     tokenizer = load_tokenizer(default_model_file())

@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
 
-    from xlaserve.executor import aot
+    from xlaserve.runtime.executor import aot
 
     aot.use_compile_only_packages()  # before JAX starts a backend
     import jax

@@ -3,7 +3,7 @@
 The real EngineCore (scheduler, batch building, the step's two transfer vectors, the output
 read, the detokenizer and the delivery of chunks) serves a dummy-weight Llama of 32 layers and
 hidden size 64 with a 512-token vocabulary on CPU. Its step takes the same number of arguments
-as Llama-3.1-8B's (169: 131 weight arguments, 32 KV caches, 6 others; executor/weight_args.py's
+as Llama-3.1-8B's (169: 131 weight arguments, 32 KV caches, 6 others; runtime/executor/weight_args.py's
 stacking threshold is lowered so that each matrix stays an argument of its own, as an 8B
 model's do), so the per-argument costs of a call are those of the real model.
 
@@ -54,10 +54,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from xlaserve.engine.core import EngineCore
-from xlaserve.executor import weight_args
-from xlaserve.model.loader import default_model_file, load_tokenizer
-from xlaserve.sampling.params import SamplingParams
+from xlaserve.runtime.engine.core import EngineCore
+from xlaserve.runtime.executor import weight_args
+from xlaserve.weights.loader import default_model_file, load_tokenizer
+from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
 # Llama-3.1-8B's structure at hidden 64, one head of 64, intermediate 128, in float32 (XLA's CPU

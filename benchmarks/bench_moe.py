@@ -43,7 +43,7 @@ def main() -> None:
     from xlaserve.model.layers import Kernels
     from xlaserve.model.moe import MoE
     from xlaserve.model.packed import pack_model
-    from xlaserve.model.weights import _experts
+    from xlaserve.weights.param_layout import _experts
     from xlaserve.native import gemm_cpu
 
     hf_config = transformers.Qwen3MoeConfig(

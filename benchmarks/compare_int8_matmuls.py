@@ -1,6 +1,6 @@
 """Weight-only int8 against W8A8 for one matmul, compiled for H100 and TPU v6e (issue 32, item 3):
 which int8 formulation should a step's matmuls use on each accelerator, from the compiled
-programs (no accelerator is used: executor/aot.py's compile-only targets).
+programs (no accelerator is used: runtime/executor/aot.py's compile-only targets).
 
     .venv/bin/python benchmarks/compare_int8_matmuls.py
     .venv/bin/python benchmarks/compare_int8_matmuls.py --tokens 8,256 --targets h100
@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, run as a script
 
 from benchmarks.predict_accelerators import xla_costs  # noqa: E402
-from xlaserve.executor import aot  # noqa: E402
+from xlaserve.runtime.executor import aot  # noqa: E402
 from xlaserve.model import layers  # noqa: E402
 from xlaserve.model.int8 import INT8_MAX, Int8Matrix, quantize  # noqa: E402
 

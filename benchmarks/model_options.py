@@ -29,7 +29,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def model_vocabulary(model_path: str | None, load_format: str = "auto") -> Vocabulary:
-    from xlaserve.model.loader import load_tokenizer, read_config
+    from xlaserve.weights.loader import load_tokenizer, read_config
 
     config, tokenizer_source = read_config(model_path, load_format)
     stop_ids = set(config.eos_token_ids)

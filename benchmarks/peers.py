@@ -37,7 +37,7 @@ def run_in_child(script: str, kind: str, options: dict, source_tree: str | None 
 
 def _bench_gguf_path(kind: str, cache_dir: str | None) -> str:
     """Where the embedded model's GGUF of `kind` (F32, Q8_0...) is cached: ~/.cache/xlaserve/bench."""
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights.loader import default_model_file
 
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "bench")
     stem = os.path.basename(default_model_file()).rsplit(".", 2)[0]  # SmolLM2-135M-Instruct
@@ -49,7 +49,7 @@ def f32_gguf(cache_dir: str | None = None) -> str:
     written once to ~/.cache/xlaserve/bench."""
     import gguf
 
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights.loader import default_model_file
 
     source = default_model_file()
     target = _bench_gguf_path("F32", cache_dir)
@@ -133,7 +133,7 @@ def run_transformers(prompts, output_len: int, dtype: str, batch_sizes: list[int
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights.loader import default_model_file
 
     directory, filename = os.path.split(default_model_file())
     model = AutoModelForCausalLM.from_pretrained(

@@ -1,6 +1,6 @@
 """Predicted step times and decode throughput on H100 and TPU v6e, from the compiled programs
 (issue 33, item 1): no accelerator is used; XLA compiles the serving step for a compile-only
-target (executor/aot.py) and its own analyses give the figures.
+target (runtime/executor/aot.py) and its own analyses give the figures.
 
     .venv/bin/python benchmarks/predict_accelerators.py            # Llama-3.1-8B, H100 and v6e 2x2
     .venv/bin/python benchmarks/predict_accelerators.py --all      # + Qwen3-8B on v6e tp 1 and 4
@@ -32,7 +32,7 @@ Per bucket (tokens, seqs) of the server's own bucket list (--max-running-request
   On TPU and GPU the smallest bucket is 8 tokens: a batch of 1 to 8 runs that step.
 - weights: --quantization's (int8, fp8) or the model dtype's; the peaks stay bfloat16's (H100's
   FP8 tensor cores are twice as fast, which only a compute-bound step would show).
-- variant: which of the accelerator's programs per bucket (sampling/step_needs.py): "plain"
+- variant: which of the accelerator's programs per bucket (runtime/sampling/step_needs.py): "plain"
   (greedy rows, nothing else: the default, what a greedy decode runs), "sampled" (penalties,
   grammar mask, random draw, top_k/top_p/min_p and logprobs, branch-free), "everything" (+ the
   prompt logprobs' LM head over every token row).
@@ -42,7 +42,7 @@ Per bucket (tokens, seqs) of the server's own bucket list (--max-running-request
   of a weight's per-device shape, in a fusion or not (a weight relaid out every step; on v6e
   with the default layouts, 64 inside the matmuls' fusions, which the cost analysis charges no
   bytes). The weights are in the layouts XLA chose at the first compile of a run, as a server
-  stores them (executor/weight_args.py).
+  stores them (runtime/executor/weight_args.py).
 These are predictions from compiled programs, not measurements.
 """
 from __future__ import annotations
@@ -54,8 +54,8 @@ import sys
 import time
 from pathlib import Path
 
-from xlaserve.executor import aot
-from xlaserve.sampling.step_needs import VARIANT_NAMES
+from xlaserve.runtime.executor import aot
+from xlaserve.runtime.sampling.step_needs import VARIANT_NAMES
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # Data sheets: H100 SXM5 (NVIDIA: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16); TPU v6e (Google Cloud
@@ -176,7 +176,7 @@ VARIANTS = {name: needs for needs, name in VARIANT_NAMES.items() if needs is not
 def run(target: str, model: str, tp: int, wanted_tokens, context: int,
         quantization: str | None = None, variants=("plain",)):
     """Rows for the buckets of `wanted_tokens` that the server has, each variant compiled once."""
-    from xlaserve.model.loader import read_config
+    from xlaserve.weights.loader import read_config
 
     args = server_args(model, tp, quantization)
     program, shapes, description = aot.server_step(target, args)

@@ -1,10 +1,10 @@
 """Do the layers' weights cost more as one stacked argument than as one argument each?
 
 A chain of `--layers` matmuls of bfloat16 [hidden, hidden] weights over an 8-row activation is
-compiled for a compile-only target (executor/aot.py) twice: each layer's weight an argument of
+compiled for a compile-only target (runtime/executor/aot.py) twice: each layer's weight an argument of
 its own (as the serving step takes Llama-3.1-8B's 131 weights on TPU and GPU today), and all
 layers' weights one [layers, hidden, hidden] argument that the program slices statically (as
-executor/weight_args.py stacks small leaves). Printed: XLA's bytes accessed per device (predict_accelerators'
+runtime/executor/weight_args.py stacks small leaves). Printed: XLA's bytes accessed per device (predict_accelerators'
 `xla_costs`), the whole-array copies in the optimised HLO, and the temporary memory, for each.
 With `--tp-size` the weights' output columns are split over that many devices.
 
@@ -24,7 +24,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from xlaserve.executor import aot  # noqa: E402
+from xlaserve.runtime.executor import aot  # noqa: E402
 
 
 def main(argv=None) -> None:

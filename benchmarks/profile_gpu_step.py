@@ -240,7 +240,7 @@ def request_plan(rows: int, context: int, steps: int, skip: int,
     """(max_new_tokens, context length): enough output for the first request admitted to decode
     through every prefill step (each takes at least `prefill_budget` prompt tokens beside the
     decodes), the skipped steps and the window, with room to spare."""
-    from xlaserve.scheduler.step_budget import prefill_budget
+    from xlaserve.runtime.scheduler.step_budget import prefill_budget
 
     ramp_steps = -(-rows * context // prefill_budget(max_prefill, rows)) + 2
     max_new = ramp_steps + skip + steps + 32
@@ -324,7 +324,7 @@ def start_bench(args, tiny_dir: str):
 
 def run_window(bench, args, profiler) -> StepWindow:
     """Submits the requests and waits for the window over their steady decode steps."""
-    from xlaserve.sampling.params import SamplingParams
+    from xlaserve.runtime.sampling.params import SamplingParams
 
     core = bench.engine.core
     max_new, _ = request_plan(args.rows, args.context, args.steps, args.skip, args.max_prefill)

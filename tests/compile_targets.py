@@ -1,4 +1,4 @@
-"""Compile-only TPU and GPU devices for the tests (executor/aot.py), skipped with the reason where
+"""Compile-only TPU and GPU devices for the tests (runtime/executor/aot.py), skipped with the reason where
 the package that provides them is not installed (`make test` installs both into .venv/aot)."""
 import functools
 import json
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from xlaserve.executor import aot
+from xlaserve.runtime.executor import aot
 
 CONFIGS = Path(__file__).parents[1] / "benchmarks" / "configs"
 

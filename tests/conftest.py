@@ -8,22 +8,25 @@ import tempfile
 
 import pytest
 
-from xlaserve.executor.aot import use_compile_only_packages
-from xlaserve.compile.persistent_cache import enable_persistent_cache
+from xlaserve.runtime.executor.aot import use_compile_only_packages
+from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 
 use_compile_only_packages()  # before any backend starts
+
+# Tiny random checkpoints of each family, made once per session for tests/model and tests/weights.
+pytest_plugins = ["tests.checkpoint_fixtures"]
 
 # Set before anything compiles; the cache survives across CI runs on the same machine.
 enable_persistent_cache(os.environ.get("XLASERVE_TEST_CACHE_DIR"))
 
-# Converted models (model/conversion_cache.py), of this process and the servers it starts, go to
+# Converted models (weights/conversion_cache.py), of this process and the servers it starts, go to
 # a folder of this session, never the user's cache (unless XLASERVE_CONVERSION_CACHE_DIR is set).
 if not os.environ.get("XLASERVE_CONVERSION_CACHE_DIR"):
     os.environ["XLASERVE_CONVERSION_CACHE_DIR"] = tempfile.mkdtemp(prefix="xlaserve-converted-")
     atexit.register(shutil.rmtree, os.environ["XLASERVE_CONVERSION_CACHE_DIR"], True)
 
 # Serving steps compile as they always did, through JAX's cache: the executable cache compiles
-# afresh on each miss (compile/executable_cache.py), which every change of xlaserve makes, so it
+# afresh on each miss (runtime/compile/executable_cache.py), which every change of xlaserve makes, so it
 # stays off for this process and the servers it starts, but in tests/executor/test_executable_cache.py.
 os.environ.setdefault("XLASERVE_EXECUTABLE_CACHE", "0")
 

@@ -21,7 +21,7 @@ def default_model_in_transformers():
     """transformers' own load of the embedded GGUF (it dequantizes with the `gguf` package too)."""
     from transformers import AutoModelForCausalLM
 
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights.loader import default_model_file
 
     directory, filename = os.path.split(default_model_file())
     return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename,

@@ -96,7 +96,7 @@ def test_every_attention_shape_of_the_gpu_check_compiles_for_an_h100():
     from jax.sharding import PartitionSpec as P
 
     from tests.compile_targets import compile_for, devices
-    from xlaserve.executor import aot
+    from xlaserve.runtime.executor import aot
     from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu
 
     _, h100 = devices("h100")
@@ -136,14 +136,14 @@ def test_every_attention_shape_of_the_gpu_check_compiles_for_an_h100():
 def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
     """The executable cache stores a compiled H100 serving step (its Triton attention kernel, its
     cuBLAS GEMMs): serialized, written whole, readable back. Loading needs the GPU itself, which
-    the server's first start there does (compile/executable_cache.py)."""
+    the server's first start there does (runtime/compile/executable_cache.py)."""
     import pickle
 
     import jax
 
     from tests.compile_targets import devices
-    from xlaserve.compile import executable_cache
-    from xlaserve.executor import aot
+    from xlaserve.runtime.compile import executable_cache
+    from xlaserve.runtime.executor import aot
     from xlaserve.server_args import ServerArgs
 
     devices("h100")

@@ -11,7 +11,7 @@ def __getattr__(name):
 
         return Engine
     if name == "SamplingParams":
-        from xlaserve.sampling.params import SamplingParams
+        from xlaserve.runtime.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

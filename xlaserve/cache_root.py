@@ -1,5 +1,5 @@
-"""xlaserve's cache root, under which the compiled programs (compile/persistent_cache.py,
-compile/executable_cache.py), converted models (model/conversion_cache.py) and native kernels
+"""xlaserve's cache root, under which the compiled programs (runtime/compile/persistent_cache.py,
+runtime/compile/executable_cache.py), converted models (weights/conversion_cache.py) and native kernels
 (native/__init__.py) are kept: $XLASERVE_CACHE_DIR, else $XDG_CACHE_HOME/xlaserve, else
 ~/.cache/xlaserve.
 

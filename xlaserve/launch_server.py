@@ -59,7 +59,7 @@ def make_context(args: ServerArgs):
 
 async def warm_up(ctx) -> None:
     """One short generation through the whole path; /health turns 200 only after it passed."""
-    from xlaserve.sampling.params import SamplingParams
+    from xlaserve.runtime.sampling.params import SamplingParams
     from xlaserve.http.serving import Generation
 
     started = time.perf_counter()
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     platform_defaults.prepare_gpu_memory()  # before JAX starts a GPU client
     try:
         if args.nnodes > 1:  # jax.distributed first; ranks > 0 replay rank 0's steps, no HTTP
-            from xlaserve.distributed import follower, setup
+            from xlaserve.runtime.distributed import follower, setup
 
             setup.initialize(args)
             if args.node_rank > 0:

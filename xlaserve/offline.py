@@ -10,7 +10,7 @@
                              skip_tokenizer_init=True)
     out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8})
 
-    # Two replicas of a 4-device tensor parallel model on 8 devices (engine/data_parallel.py):
+    # Two replicas of a 4-device tensor parallel model on 8 devices (runtime/engine/data_parallel.py):
     engine = xlaserve.Engine(model_path=..., tp_size=4, dp_size=2)
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ import dataclasses
 import queue
 from typing import Any, AsyncIterator, Iterable, Iterator
 
-from xlaserve.engine.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
+from xlaserve.runtime.engine.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              EngineDeadError, sglang_output)
-from xlaserve.engine.data_parallel import make_engine_core
-from xlaserve.engine.messages import OutputChunk
-from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
+from xlaserve.runtime.engine.data_parallel import make_engine_core
+from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
 
@@ -74,13 +74,13 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         self.server_args = ServerArgs(model_path=model_path, **server_args)
         platform_defaults.prepare_gpu_memory()  # before JAX starts a GPU client, if it has not
-        if self.server_args.nnodes > 1:  # multi-host (distributed/leader.py): jax.distributed first
-            from xlaserve.distributed import follower, setup
+        if self.server_args.nnodes > 1:  # multi-host (runtime/distributed/leader.py): jax.distributed first
+            from xlaserve.runtime.distributed import follower, setup
 
             setup.initialize(self.server_args)
             if self.server_args.node_rank > 0:  # a follower replays rank 0's steps, then exits
                 raise SystemExit(follower.follow(self.server_args))
-        # An EngineCore, or with dp_size > 1 replicas behind one (engine/data_parallel.py).
+        # An EngineCore, or with dp_size > 1 replicas behind one (runtime/engine/data_parallel.py).
         self.core = make_engine_core(self.server_args)
         self.tokenizer = self.core.tokenizer
 

@@ -210,7 +210,7 @@ class ServerArgs:
         None, "regex of the whitespace allowed between JSON tokens in JSON-constrained output "
               "(default '[ ]?': one optional space, so a model cannot pad with whitespace until "
               "max_tokens; '[\\n\\t ]*' allows any)")
-    # --- what one request may ask (sampling/params.RequestLimits; 400 naming the field) ---
+    # --- what one request may ask (runtime/sampling/params.RequestLimits; 400 naming the field) ---
     max_n: int = _flag(128, "most choices (n) per prompt of one request")
     max_sequences_per_request: int = _flag(
         256, "most sequences one request generates: prompts x n (completions and /generate take "
@@ -346,7 +346,7 @@ def configure_logging(log_level: str) -> None:
     """The root logger at `log_level`, and JAX's own loggers at WARNING at least: at INFO they
     printed a start-up line for every backend JAX probes and fails ("Unable to initialize backend
     'tpu' ... Failed to open libtpu.so" on a CPU or GPU machine with libtpu installed) and two
-    "Resetting cache" lines per precompiled program (compile/executable_cache.py toggles JAX's
+    "Resetting cache" lines per precompiled program (runtime/compile/executable_cache.py toggles JAX's
     cache around each compile). `--log-level debug` shows them."""
     level = getattr(logging, log_level.upper())
     logging.basicConfig(level=level, format="[%(asctime)s] %(message)s",

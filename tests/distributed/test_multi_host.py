@@ -40,8 +40,8 @@ REGEX = "[0-9]{3}-[a-z]{2,5}"  # grammar masks go to the follower with the step
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from xlaserve.model import gguf_file
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights import gguf_file
+    from xlaserve.weights.loader import default_model_file
 
     directory = str(tmp_path_factory.mktemp("tiny-qwen2-kv4"))
     # 4 kv heads: one per device; the default model's vocabulary and tokenizer.
@@ -321,8 +321,8 @@ def test_expert_parallel_across_two_processes_serves_the_one_process_tokens(tmp_
     """--ep-size composes with --nnodes: a tiny Qwen3-MoE's 8 experts over 4 devices of two
     processes (2 each), attention over the same 4; the leader's greedy tokens equal one process
     with one device."""
-    from xlaserve.model import gguf_file
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights import gguf_file
+    from xlaserve.weights.loader import default_model_file
     from xlaserve.offline import Engine
 
     directory = str(tmp_path_factory.mktemp("tiny-qwen3-moe-kv4"))

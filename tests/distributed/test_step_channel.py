@@ -1,4 +1,4 @@
-"""The multi-host step channel (distributed/channel.py): arrays and JSON arrive as sent; a message
+"""The multi-host step channel (runtime/distributed/channel.py): arrays and JSON arrive as sent; a message
 with a wrong key, a changed byte, out of order or reflected back is refused before it is parsed;
 nothing but plain numeric arrays can be sent."""
 import socket
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from xlaserve.distributed.channel import (TO_FOLLOWER, TO_LEADER, ChannelClosed, ChannelError,
+from xlaserve.runtime.distributed.channel import (TO_FOLLOWER, TO_LEADER, ChannelClosed, ChannelError,
                                            Connection, Listener, channel_port, connect, encode,
                                            new_secret)
 

@@ -1,5 +1,5 @@
 """--debug-step-hash-interval (issue 22), in one process: the leader's command log goes over a
-socket pair to a follower thread that replays it on its own copy of the model (distributed/follower.py
+socket pair to a follower thread that replays it on its own copy of the model (runtime/distributed/follower.py
 `replay`; no jax.distributed and no collectives, both copies on this process's device). With the
 same weights every checked step's digest agrees and the served tokens are the one-process ones;
 with other weights on the follower (a host with other model files), the leader breaks the group
@@ -13,11 +13,11 @@ import pytest
 
 from tests.engine.test_engine import GREEDY, PROMPTS, SMALL
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.model.loader import load_model
+from xlaserve.weights.loader import load_model
 from xlaserve.offline import Engine
-from xlaserve.distributed import setup
-from xlaserve.distributed.follower import replay
-from xlaserve.distributed.channel import TO_FOLLOWER, TO_LEADER, ChannelClosed, Connection, new_secret
+from xlaserve.runtime.distributed import setup
+from xlaserve.runtime.distributed.follower import replay
+from xlaserve.runtime.distributed.channel import TO_FOLLOWER, TO_LEADER, ChannelClosed, Connection, new_secret
 
 # Its outcome does not depend on JAX's version (the leader's hash comparison, on the host;
 # test_multi_host.py runs jax.distributed on JAX 0.11): make test-jax011 leaves it out.
@@ -105,9 +105,9 @@ def test_a_follower_with_the_same_model_agrees_on_every_checked_step(
 def test_page_writes_past_a_steps_room_reach_the_follower_before_its_step(
         checkpoints, reference, monkeypatch):
     """With room for 2 page writes a step, every admission's pages go through write_pages
-    (executor/page_table.py), which the follower replays before the step: a follower that
+    (runtime/executor/page_table.py), which the follower replays before the step: a follower that
     missed them would attend over other pages, and the checked digests would differ."""
-    from xlaserve.executor import model_runner, page_table
+    from xlaserve.runtime.executor import model_runner, page_table
     monkeypatch.setattr(page_table, "write_capacity", lambda tokens, seqs, page_size: 2)
     calls = []
     write_pages = model_runner.ModelRunner.write_pages
@@ -158,7 +158,7 @@ def test_a_refused_or_failing_request_never_breaks_the_group(checkpoints, refere
     (after its step ran everywhere) fails alone. The group goes on with the same tokens."""
     import queue
 
-    from xlaserve.engine import delivery
+    from xlaserve.runtime.engine import delivery
 
     engine, follower = _group(monkeypatch, checkpoints[0], checkpoints[0], 0)
     original = delivery.Delivery._deliver

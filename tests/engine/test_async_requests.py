@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from xlaserve.engine import async_requests
-from xlaserve.engine.async_requests import AsyncRequestGroup, EngineDeadError
-from xlaserve.engine.messages import OutputChunk
+from xlaserve.runtime.engine import async_requests
+from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, EngineDeadError
+from xlaserve.runtime.engine.messages import OutputChunk
 
 pytestmark = pytest.mark.jax_independent  # host logic
 

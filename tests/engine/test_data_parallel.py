@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.engine.data_parallel import DataParallelEngineCore
-from xlaserve.engine.messages import OutputChunk
-from xlaserve.sampling.params import SamplingParams
+from xlaserve.runtime.engine.data_parallel import DataParallelEngineCore
+from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,7 +175,7 @@ SCRIPT = textwrap.dedent("""
     import httpx, jax, uvicorn
     from xlaserve.launch_server import build_app, main, make_context
     from xlaserve.offline import Engine
-    from xlaserve.sampling.params import SamplingParams
+    from xlaserve.runtime.sampling.params import SamplingParams
     from xlaserve.server_args import ServerArgs
 
     path, storage, port = sys.argv[1], sys.argv[2], int(sys.argv[3])

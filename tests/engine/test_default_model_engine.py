@@ -8,7 +8,7 @@ import pytest
 
 from tests.hf_reference import default_model_in_transformers, hf_greedy
 from xlaserve.offline import Engine
-from xlaserve.sampling.params import SamplingParams
+from xlaserve.runtime.sampling.params import SamplingParams
 
 # Its outcome does not depend on JAX's version (the default model's numerics are checked on JAX 0.11
 # by tests/model/test_default_model.py, the engine by test_engine.py): make test-jax011 leaves it

@@ -1,9 +1,9 @@
 """Incremental detokenization: whole characters only, stop strings trimmed and held back."""
 import pytest
 
-from xlaserve.model.gguf_file import load_tokenizer
-from xlaserve.model.loader import default_model_file
-from xlaserve.engine.detokenizer import IncrementalDetokenizer
+from xlaserve.weights.gguf_file import load_tokenizer
+from xlaserve.weights.loader import default_model_file
+from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
 
 # Its outcome does not depend on JAX's version (the tokenizer's text, on the host): make test-jax011
 # leaves it out.

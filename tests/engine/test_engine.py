@@ -11,7 +11,7 @@ import pytest
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
-from xlaserve.sampling.params import SamplingParams
+from xlaserve.runtime.sampling.params import SamplingParams
 
 PROMPTS = [
     [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64, 8, 91, 13],

@@ -10,14 +10,14 @@ import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
-from xlaserve.engine import delivery as delivery_module
-from xlaserve.engine.core import QueueFull
-from xlaserve.engine.messages import OutputChunk
-from xlaserve.scheduler.page_allocator import PageAllocator
-from xlaserve.sampling.params import RowSamplingParams
-from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
-from xlaserve.scheduler.scheduler import Scheduler
-from xlaserve.scheduler.request import Request
+from xlaserve.runtime.engine import delivery as delivery_module
+from xlaserve.runtime.engine.core import QueueFull
+from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
+from xlaserve.runtime.scheduler.scheduler import Scheduler
+from xlaserve.runtime.scheduler.request import Request
 
 # Its outcome does not depend on JAX's version (the engine loop's failure handling, on the host):
 # make test-jax011 leaves it out.

@@ -7,8 +7,8 @@ import pytest
 
 from tests.compile_targets import devices
 from xlaserve import platform_defaults
-from xlaserve.executor.kv_pool import bytes_per_token, num_pages_for
-from xlaserve.model.loader import read_config
+from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
+from xlaserve.weights.loader import read_config
 from xlaserve.server_args import ServerArgs
 
 LLAMA_8B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
@@ -96,7 +96,7 @@ def test_weights_over_the_fraction_leave_the_smallest_pool_not_a_negative_one():
 @pytest.mark.parametrize("target", ["h100", "v6e:2x2"])
 def test_compile_only_targets_get_the_accelerator_buckets(target):
     devices(target)  # skips where the compile-only package is absent
-    from xlaserve.executor import aot
+    from xlaserve.runtime.executor import aot
 
     tp = 4 if target.startswith("v6e") else 1
     _, shapes, description = aot.server_step(target, ServerArgs(model_path=LLAMA_8B, tp_size=tp))

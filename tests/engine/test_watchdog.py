@@ -9,7 +9,7 @@ import pytest
 from tests.engine.test_engine import GREEDY, PROMPTS, SMALL
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
-from xlaserve.engine.async_requests import EngineDeadError
+from xlaserve.runtime.engine.async_requests import EngineDeadError
 
 # Its outcome does not depend on JAX's version (the watchdog thread, on the host): make test-jax011
 # leaves it out.

@@ -1,5 +1,5 @@
 """FP8 weights in the serving step of Llama-3.1-8B compiled for one H100 without the hardware
-(executor/aot.py): with `--quantization fp8` every projection is an FP8 x FP8 GEMM (XLA's Triton
+(runtime/executor/aot.py): with `--quantization fp8` every projection is an FP8 x FP8 GEMM (XLA's Triton
 GEMM with float8_e4m3fn operands: 4 a layer), no FP8 weight is converted to another type
 anywhere, XLA's bytes accessed are the FP8 weights' (one byte a weight: half of bfloat16's) and
 no temporary could hold a bfloat16 copy of a weight. An FP8 checkpoint with 128x128 block scales,
@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.predict_accelerators import predict
 from tests.compile_targets import compile_for, devices
-from xlaserve.executor import aot
+from xlaserve.runtime.executor import aot
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.int8 import Fp8Checkpoint
 from xlaserve.model.sharding import serving_mesh

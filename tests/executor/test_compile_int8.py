@@ -1,5 +1,5 @@
 """`--quantization int8` (model/int8.py) in the serving step of Llama-3.1-8B compiled for one H100
-and for TPU v6e (2x2, tensor parallel over 4 chips), without the hardware (executor/aot.py): the
+and for TPU v6e (2x2, tensor parallel over 4 chips), without the hardware (runtime/executor/aot.py): the
 weights go in as int8 with float32 scales per output column (the embedding and LM head stay
 bfloat16), and every int8 weight is converted to bfloat16 inside the matmul's own fusion, so no
 bfloat16 copy of a weight is made.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.compile_targets import devices, first_layers
-from xlaserve.executor import aot
+from xlaserve.runtime.executor import aot
 from xlaserve.model.config import ModelConfig
 from xlaserve.server_args import ServerArgs
 

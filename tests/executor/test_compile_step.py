@@ -1,6 +1,6 @@
 """The whole serving step (forward with the Pallas attention inside, sampler, penalty state) of a
 real-size model, compiled for TPU v6e (2x2, tensor parallel over 4 chips) and for one H100,
-without the hardware (executor/aot.py): what a server on those machines would precompile at
+without the hardware (runtime/executor/aot.py): what a server on those machines would precompile at
 start-up, at the largest bucket (the q-block heuristic's biggest blocks). Weights are not read:
 Llama-3.1-8B's config.json (benchmarks/configs) gives the shapes.
 """
@@ -12,8 +12,8 @@ import pytest
 
 from benchmarks.predict_accelerators import hlo_counts
 from tests.compile_targets import cache_copies, devices, first_layers, weight_bytes
-from xlaserve.executor import aot
-from xlaserve.sampling.step_needs import StepNeeds
+from xlaserve.runtime.executor import aot
+from xlaserve.runtime.sampling.step_needs import StepNeeds
 from xlaserve.server_args import ServerArgs
 
 WEIGHT_BYTES = 16.06e9  # Llama-3.1-8B in bfloat16

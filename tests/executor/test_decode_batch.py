@@ -1,13 +1,13 @@
-"""Decode steps' ForwardBatches built from the scheduler's columns (executor/decode_batch.py):
+"""Decode steps' ForwardBatches built from the scheduler's columns (runtime/executor/decode_batch.py):
 the same arrays and page lists as make_forward_batch over the steps' SeqChunks, through rows
 that end, rows that get pages and whole pages swapped for cached ones."""
 import jax
 import numpy as np
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, req
-from xlaserve.executor.buckets import Buckets
-from xlaserve.executor.decode_batch import decode_forward_batch
-from xlaserve.executor.forward_batch import make_forward_batch
+from xlaserve.runtime.executor.buckets import Buckets
+from xlaserve.runtime.executor.decode_batch import decode_forward_batch
+from xlaserve.runtime.executor.forward_batch import make_forward_batch
 
 BUCKETS = Buckets.for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_seq=16,
                              seq_paddings=[1, 2, 4, 8])

@@ -1,8 +1,9 @@
-"""The executable cache (compile/executable_cache.py): a second start loads every serving step
+"""The executable cache (runtime/compile/executable_cache.py): a second start loads every serving step
 instead of lowering it, the loaded steps give the tokens of the jitted ones and compile nothing
 while serving, a corrupt or partial entry is compiled again and never loaded, the key follows
 what the program is made of, and the flag and the environment variable turn it off."""
 import logging
+import pathlib
 
 import jax
 import numpy as np
@@ -10,10 +11,10 @@ import pytest
 
 from tests.executor.test_model_runner import BUCKETS, PAGE_SIZE, PROMPTS, _greedy_together
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.model.loader import load_model
-from xlaserve.compile import executable_cache
-from xlaserve.compile.executable_cache import MAGIC, ExecutableCache, describe, program_key
-from xlaserve.executor.model_runner import ModelRunner
+from xlaserve.weights.loader import load_model
+from xlaserve.runtime.compile import executable_cache
+from xlaserve.runtime.compile.executable_cache import MAGIC, ExecutableCache, describe, program_key
+from xlaserve.runtime.executor.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +109,17 @@ def test_the_key_follows_the_description_the_shapes_and_the_static_arguments():
                 program_key("step", "model A", args, {"layout": "L2"})}) == 5
 
 
+def test_every_file_of_the_package_keys_the_entries_the_model_and_kernels_too():
+    import xlaserve
+
+    package = executable_cache._PACKAGE
+    assert package == pathlib.Path(xlaserve.__file__).resolve().parent
+    assert (package / "model" / "transformer.py").exists()
+    assert (package / "pallas_kernels").is_dir()
+
+
 def test_kernels_are_described_by_name_not_by_address():
-    from xlaserve.executor.kernels import kernels_for
+    from xlaserve.runtime.executor.kernels import kernels_for
 
     text = describe(kernels_for())
     assert "0x" not in text and "ragged_paged_attention" in text

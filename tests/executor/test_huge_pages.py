@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.host import huge_pages
-from xlaserve.host.huge_pages import HUGE_PAGE, advise_huge_pages, aligned_inside
+from xlaserve.runtime.host import huge_pages
+from xlaserve.runtime.host.huge_pages import HUGE_PAGE, advise_huge_pages, aligned_inside
 
 # Its outcome does not depend on JAX's version (madvise on the host): make test-jax011 leaves it
 # out.

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from xlaserve.host import malloc_tuning
+from xlaserve.runtime.host import malloc_tuning
 
 # Its outcome does not depend on JAX's version (glibc's malloc settings): make test-jax011 leaves it
 # out.
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.jax_independent
 # 64 MiB malloc'ed, written, freed, five times over; prints the page faults of the last four.
 SCRIPT = """
 import ctypes, resource
-from xlaserve.host import malloc_tuning
+from xlaserve.runtime.host import malloc_tuning
 print(malloc_tuning.limit_arenas(), malloc_tuning.keep_freed_memory())
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.model.loader import load_model
-from xlaserve.executor.forward_batch import make_forward_batch
-from xlaserve.scheduler.request import SeqChunk
-from xlaserve.executor.buckets import Buckets
-from xlaserve.executor.greedy import greedy_generate
-from xlaserve.executor.model_runner import ModelRunner
-from xlaserve.executor.step_program import SAMPLING_WIDTHS
-from xlaserve.sampling.params import RowSamplingParams
-from xlaserve.sampling.sampler import build_sampling_metadata
+from xlaserve.weights.loader import load_model
+from xlaserve.runtime.executor.forward_batch import make_forward_batch
+from xlaserve.runtime.scheduler.request import SeqChunk
+from xlaserve.runtime.executor.buckets import Buckets
+from xlaserve.runtime.executor.greedy import greedy_generate
+from xlaserve.runtime.executor.model_runner import ModelRunner
+from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.sampler import build_sampling_metadata
 
 PAGE_SIZE = 4
 BUCKETS = Buckets.for_limits(max_tokens_per_step=32, max_seqs=4, max_pages_per_seq=8,
@@ -114,7 +114,7 @@ def test_bfloat16_steps_never_convert_a_weight_to_float32(tmp_path, matmul_backe
     import jax
     from flax import nnx
 
-    from xlaserve.executor import kernels
+    from xlaserve.runtime.executor import kernels
 
     if matmul_backend == "native" and not kernels._gemm_builds():
         pytest.skip("the native CPU GEMM does not build here")
@@ -138,7 +138,7 @@ def test_cpu_weights_are_packed_for_the_native_kernels_unless_xla_dots_are_asked
 
     from xlaserve.model.packed import PackedMatrix
     from xlaserve.native import norm_cpu, swiglu_cpu
-    from xlaserve.executor import kernels
+    from xlaserve.runtime.executor import kernels
 
     if not kernels._gemm_builds():
         pytest.skip("the native CPU GEMM does not build here")
@@ -186,7 +186,7 @@ def test_many_admissions_set_the_same_slot_state_as_one_at_a_time(loaded):
 
 
 def test_page_table_writes_past_a_steps_room_go_first_and_an_unrun_step_writes_nothing(loaded):
-    """The device page table (executor/page_table.py): a sequence of 1100 pages is more writes
+    """The device page table (runtime/executor/page_table.py): a sequence of 1100 pages is more writes
     than a step carries (1024), so they go through `write_pages` before the step; a step staged
     and never run leaves the table as it was, and the next step's writes are against that."""
     runner = ModelRunner(loaded, num_pages=1200, page_size=PAGE_SIZE, max_running_requests=4,

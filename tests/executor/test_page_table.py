@@ -1,12 +1,12 @@
-"""The device page table by slot (executor/page_table.py): the host's record, the writes a step
+"""The device page table by slot (runtime/executor/page_table.py): the host's record, the writes a step
 carries, the overflow program, and a step staged but never run."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.executor.page_table import (PageTableRows, PageWrites, apply_writes, empty_writes,
+from xlaserve.runtime.executor.page_table import (PageTableRows, PageWrites, apply_writes, empty_writes,
                                          gather_rows)
-from xlaserve.scheduler.page_allocator import NULL_PAGE
+from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE
 
 
 def _applied(table: np.ndarray, positions, pages) -> np.ndarray:

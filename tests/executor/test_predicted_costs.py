@@ -2,7 +2,7 @@
 (benchmarks/predict_accelerators.py, issue 33 item 1): the host decisions in it and the bytes it
 moves. Llama-3.1-8B's config.json gives the shapes; no weights are read, no GPU is used. One
 bucket (8 tokens, 8 sequences, the smallest decode bucket) in two of the accelerator's program
-variants (sampling/step_needs.py): plain (greedy rows, nothing else) and everything (every
+variants (runtime/sampling/step_needs.py): plain (greedy rows, nothing else) and everything (every
 sampler part and the prompt logprobs' LM head), ~30 s of compile each. And on TPU v6e, that no
 weight is relaid out every step.
 """
@@ -12,9 +12,9 @@ import pytest
 
 from benchmarks.predict_accelerators import predict, server_args, weight_copies
 from tests.compile_targets import devices, first_layers
-from xlaserve.executor import aot
-from xlaserve.model.loader import read_config
-from xlaserve.sampling.step_needs import EVERYTHING, PLAIN
+from xlaserve.runtime.executor import aot
+from xlaserve.weights.loader import read_config
+from xlaserve.runtime.sampling.step_needs import EVERYTHING, PLAIN
 
 # The conditionals in a step: on a GPU each one copies its predicate to the host and waits
 # between kernels (a host sync). None since issue 33 item 2: the host picks a program variant

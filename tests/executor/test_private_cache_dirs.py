@@ -11,9 +11,9 @@ import pytest
 
 from xlaserve import cache_root
 from xlaserve.cache_root import private_dir
-from xlaserve.model.conversion_cache import ConversionCache
-from xlaserve.compile.persistent_cache import enable_persistent_cache
-from xlaserve.compile.executable_cache import ExecutableCache
+from xlaserve.weights.conversion_cache import ConversionCache
+from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
+from xlaserve.runtime.compile.executable_cache import ExecutableCache
 
 # Its outcome does not depend on JAX's version (folder ownership and modes): make test-jax011 leaves
 # it out.

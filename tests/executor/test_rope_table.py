@@ -2,7 +2,7 @@
 rope_cos_sin computes for the same positions, as the table grows."""
 import numpy as np
 
-from xlaserve.executor.step_program import RopeTable
+from xlaserve.runtime.executor.step_program import RopeTable
 from xlaserve.model.transformer import rope_cos_sin
 
 

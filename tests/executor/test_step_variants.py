@@ -1,4 +1,4 @@
-"""The serving step's static program variants (sampling/step_needs.py) on the CPU, against the
+"""The serving step's static program variants (runtime/sampling/step_needs.py) on the CPU, against the
 CPU's own run-time program: the same tokens, logprobs and prompt logprobs step after step, the
 variant each step picks, no conditional in any variant, and nothing compiled after precompile."""
 import json
@@ -8,22 +8,22 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.executor.buckets import Buckets
-from xlaserve.executor.forward_batch import make_forward_batch
-from xlaserve.executor.model_runner import ModelRunner
-from xlaserve.executor.step_program import SAMPLING_WIDTHS, idle_step
-from xlaserve.model.loader import load_model
-from xlaserve.sampling.params import RowSamplingParams
-from xlaserve.sampling.prompt_logprobs import NO_TARGET
-from xlaserve.sampling.sampler import build_sampling_metadata
-from xlaserve.sampling.step_needs import (
+from xlaserve.runtime.executor.buckets import Buckets
+from xlaserve.runtime.executor.forward_batch import make_forward_batch
+from xlaserve.runtime.executor.model_runner import ModelRunner
+from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, idle_step
+from xlaserve.weights.loader import load_model
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET
+from xlaserve.runtime.sampling.sampler import build_sampling_metadata
+from xlaserve.runtime.sampling.step_needs import (
     ACCELERATOR_VARIANTS,
     EVERYTHING,
     PLAIN,
     RUN_TIME,
     SAMPLED,
 )
-from xlaserve.scheduler.request import SeqChunk
+from xlaserve.runtime.scheduler.request import SeqChunk
 
 PAGE_SIZE = 4
 BUCKETS = Buckets.for_limits(max_tokens_per_step=16, max_seqs=4, max_pages_per_seq=8,

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.executor.weight_args import leaves_from_args, weight_args
+from xlaserve.runtime.executor.weight_args import leaves_from_args, weight_args
 
 
 def test_shared_arrays_go_once_and_small_leaves_of_one_shape_go_stacked():

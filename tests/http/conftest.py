@@ -28,8 +28,8 @@ SERVER_DEFAULTS = dict(dtype="float32", page_size=16, max_running_requests=16, c
 
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
-    from xlaserve.model import gguf_file
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights import gguf_file
+    from xlaserve.weights.loader import default_model_file
 
     directory = str(tmp_path_factory.mktemp("tiny-chat-qwen2"))
     hf_model = make_tiny_checkpoint(directory, "qwen2", vocab_size=VOCAB)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, configuration, settings
 from tests.http.fuzz_values import APPEND, NEW
 from xlaserve.http.protocol import (BatchRequest, ChatCompletionRequest, CompletionRequest,
                                     GenerateRequest)
-from xlaserve.sampling.params import SamplingParams
+from xlaserve.runtime.sampling.params import SamplingParams
 
 REQUEST_TIMEOUT_S = 30.0  # an answer later than this is a hang
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,

@@ -61,7 +61,7 @@ def o200k_harmony_tokenizer(vocab_dir: str, swap: tuple[str, str] | None = None)
 def small_harmony_tokenizer():
     """The default model's tokenizer (byte-level BPE, 49,152 tokens) with Harmony's special tokens
     added after its vocabulary: for a tiny gpt-oss model (vocab_size >= len(tokenizer))."""
-    from xlaserve.model.loader import default_model_file, load_tokenizer
+    from xlaserve.weights.loader import default_model_file, load_tokenizer
 
     tokenizer = load_tokenizer(default_model_file())
     tokenizer.add_tokens(sorted(HARMONY_SPECIAL_IDS), special_tokens=True)

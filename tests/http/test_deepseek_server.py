@@ -21,8 +21,8 @@ CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜t
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    from xlaserve.model import gguf_file
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights import gguf_file
+    from xlaserve.weights.loader import default_model_file
 
     directory = str(tmp_path_factory.mktemp("tiny-deepseek-v3"))
     make_tiny_checkpoint(directory, "deepseek_v3", vocab_size=VOCAB)

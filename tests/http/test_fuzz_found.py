@@ -34,13 +34,13 @@ FOUND = [
         '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "assistant", "tool_calls": '
         '[{"id": "1", "type": "function", "function": {"name": "f", "arguments": '
         + json.dumps(_nested(1000)) + "}}]}]}").encode()),
-    # Fixed (sampling/grammar.py): llguidance refuses a boolean schema with options, and the
+    # Fixed (runtime/sampling/grammar.py): llguidance refuses a boolean schema with options, and the
     # Infinity / NaN that Python's json reads: ValueError, a 500.
     ("/generate", _generate_with({"json_schema": "false"})),
     ("/v1/chat/completions", _chat_with('"json_schema": "true"')),
     ("/generate", _generate_with({"json_schema": '{"type": "string", "minLength": 1e400}'})),
     ("/generate", _generate_with({"json_schema": '{"type": "integer", "maximum": NaN}'})),
-    # Fixed (sampling/grammar.py closed_objects, its json.loads): a schema nested 500 deep is a
+    # Fixed (runtime/sampling/grammar.py closed_objects, its json.loads): a schema nested 500 deep is a
     # RecursionError, a 500.
     ("/v1/chat/completions", _chat_with('"response_format": {"type": "json_schema", "json_schema": '
                                         '{"name": "x", "schema": ' + _nested(500) + "}}")),

@@ -177,7 +177,7 @@ def test_gpt_oss_takes_only_low_medium_and_high(effort):
 def test_reasoning_effort_on_other_templates_is_sglangs():
     """Given to a template that reads it; "none" turns thinking off; else nothing changes."""
     from xlaserve.http.parsing.chat_template import with_reasoning_effort
-    from xlaserve.model.loader import default_model_file, load_tokenizer
+    from xlaserve.weights.loader import default_model_file, load_tokenizer
 
     tokenizer = load_tokenizer(default_model_file())  # its template reads neither variable
     assert with_reasoning_effort(tokenizer, None, {"x": 1}, "high") == {"x": 1}
@@ -263,7 +263,7 @@ def test_gpt_oss_turns_end_at_return_and_call_never_at_end(encoding, gpt_oss_tok
     assert harmony.stop_token_ids(gpt_oss_tokenizer) == {200002, 200012}
     assert harmony.stop_token_ids(small_tokenizer) == \
         set(small_tokenizer.convert_tokens_to_ids(list(harmony.STOP_TOKENS)))
-    from xlaserve.model.loader import default_model_file, load_tokenizer
+    from xlaserve.weights.loader import default_model_file, load_tokenizer
 
     with pytest.raises(ValueError, match="needs the Harmony tokens"):
         harmony.stop_token_ids(load_tokenizer(default_model_file()))

@@ -41,7 +41,7 @@ def _regex(text: str) -> str:
 
 
 def test_the_remote_tokenizer_needs_trust_remote_code(kimi_checkpoint):
-    from xlaserve.model.loader import load_model
+    from xlaserve.weights.loader import load_model
 
     with pytest.raises(ValueError, match="--trust-remote-code"):
         load_model(kimi_checkpoint, dtype="float32", progress=False)
@@ -104,7 +104,7 @@ def test_kimi_k2_reasoning_then_tool_call(kimi, stream):
 
 
 def test_tokenizer_code_that_does_not_import_is_one_line_at_start_up(tmp_path):
-    from xlaserve.model.loader import load_tokenizer
+    from xlaserve.weights.loader import load_tokenizer
 
     write_tokenizer(str(tmp_path), base_size=300)
     code = tmp_path / "tokenization_kimi.py"

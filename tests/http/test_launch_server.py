@@ -59,7 +59,7 @@ def test_the_default_model_answers_through_the_openai_sdk(launched):
 
 
 def test_the_default_model_is_named_never_located(launched):
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights.loader import default_model_file
 
     # The embedded GGUF lies in the virtualenv: neither a response nor the INFO log shows where.
     folder = os.path.dirname(default_model_file())

@@ -13,8 +13,8 @@ MESSAGES = [{"role": "user", "content": "List 3 countries and their capitals."}]
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
-    from xlaserve.model import gguf_file
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights import gguf_file
+    from xlaserve.weights.loader import default_model_file
 
     directory = str(tmp_path_factory.mktemp("tiny-chat-qwen3-moe"))
     hf_model = make_tiny_checkpoint(directory, "qwen3_moe", vocab_size=VOCAB)

@@ -199,7 +199,7 @@ IDS = [f"{c[0]}-{c[1]}" for c in CASES]
 
 @functools.cache
 def tokenizer():
-    from xlaserve.model.loader import default_model_file, load_tokenizer
+    from xlaserve.weights.loader import default_model_file, load_tokenizer
 
     return load_tokenizer(default_model_file())
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from benchmarks.predict_accelerators import hlo_counts
 from tests.compile_targets import cache_copies, compile_for, devices
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
-from xlaserve.executor import aot
+from xlaserve.runtime.executor import aot
 
 # Per-device (q heads, kv heads, head dim) of real models.
 HEAD_LAYOUTS = {

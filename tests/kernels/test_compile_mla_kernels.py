@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from tests.compile_targets import cache_copies, compile_for, devices
 from tests.kernels.test_compile_kernels import (BATCHES, CACHE_BYTES, CONTEXT, cache_scatters,
                                                 one_device_mesh)
-from xlaserve.executor import aot
+from xlaserve.runtime.executor import aot
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu, new_tokens
 
 LATENT, ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from tests.compile_targets import compile_for, devices
 from tests.kernels.grouped_reference import grouped_reference
-from xlaserve.executor.aot import abstract
+from xlaserve.runtime.executor.aot import abstract
 from xlaserve.model.grouped_matmul import (grouped_matmul_megablox, grouped_matmul_ragged_dot,
                                            grouped_matmul_tiled, tile_rows)
 

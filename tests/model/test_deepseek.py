@@ -7,7 +7,7 @@ import pytest
 from tests.model.test_transformer_matches_transformers import (PROMPTS, TOLERANCE, _hf_reference,
                                                                _run_ours)
 from tests.tiny_models import DEEPSEEK
-from xlaserve.model.loader import load_model
+from xlaserve.weights.loader import load_model
 from xlaserve.model.transformer import kv_cache_shape
 
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 from flax import nnx
 
-from xlaserve.executor.kernels import kernels_for
+from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.model.config import ModelConfig, RopeConfig, _deepseek_experts
 from xlaserve.model.moe import MoE
 

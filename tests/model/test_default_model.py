@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from tests.hf_reference import default_model_in_transformers, hf_greedy
-from xlaserve.model.loader import default_model_file, load_model
+from xlaserve.weights.loader import default_model_file, load_model
 from xlaserve.model.quantized_rows import QuantizedLinear, dequantized
-from xlaserve.executor.greedy import greedy_generate
+from xlaserve.runtime.executor.greedy import greedy_generate
 
 PROMPT = "List 3 countries and their capitals."
 

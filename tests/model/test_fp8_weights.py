@@ -10,13 +10,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.model.fp8_writer import write_fp8_checkpoint
+from tests.weights.fp8_writer import write_fp8_checkpoint
 from tests.model.test_int8 import _weight  # standard normal, output column 3 zero
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.model.fp8_weights import (FP8_MAX, Fp8BlockMatrix, Fp8Matrix, abstract_fp8,
                                         check_fp8_platform, dequantize, float_weight, fp8_platform_problem, quantize_fp8, quantize_rows)
 from xlaserve.model.layers import Kernels, linear
-from xlaserve.model.loader import load_model
+from xlaserve.weights.loader import load_model
 
 
 def e4m3_half_ulp(value: np.ndarray) -> np.ndarray:

@@ -12,14 +12,14 @@ import torch
 from flax import nnx
 
 from tests.hf_reference import hf_greedy
-from tests.model.fp8_writer import write_dequantized_checkpoint, write_fp8_checkpoint
+from tests.weights.fp8_writer import write_dequantized_checkpoint, write_fp8_checkpoint
 from tests.model.test_transformer_matches_transformers import (NEW_TOKENS, PROMPTS, TOLERANCE,
                                                                _hf_reference, _run_ours)
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.executor.kernels import kernels_for
+from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.model.int8 import Int8Matrix, dequantize, quantize
 from xlaserve.model.layers import Kernels, linear
-from xlaserve.model.loader import load_model
+from xlaserve.weights.loader import load_model
 from xlaserve.model.packed import PackedMatrix, pack_model
 from xlaserve.model.quantized_rows import QuantizedLinear, native_gemm_available
 
@@ -210,7 +210,7 @@ def test_int8_of_an_already_quantized_checkpoint_or_unknown_scheme_is_refused_in
 
 
 def test_an_xlaserve_checkpoint_is_quantized_as_the_safetensors_it_came_from(int8_llama, tmp_path):
-    from xlaserve.model import checkpoint
+    from xlaserve.weights import checkpoint
 
     plain, _, _ = int8_llama
     floats = load_model(plain, dtype="float32", skip_tokenizer_init=True, progress=False)

@@ -15,9 +15,9 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh
     from xlaserve.model.sharding import MESH_AXES
     from flax import nnx
-    from xlaserve.model.loader import load_model
-    from xlaserve.executor.greedy import PagedBatch, make_forward
-    from xlaserve.executor.kv_pool import init_kv_pool
+    from xlaserve.weights.loader import load_model
+    from xlaserve.runtime.executor.greedy import PagedBatch, make_forward
+    from xlaserve.runtime.executor.kv_pool import init_kv_pool
 
     def logits(mesh, **forward_options):
         loaded = load_model(sys.argv[1], dtype="float32", mesh=mesh, skip_tokenizer_init=True,

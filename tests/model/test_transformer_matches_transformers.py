@@ -5,10 +5,10 @@ import pytest
 import torch
 from flax import nnx
 
-from xlaserve.model.loader import load_model
+from xlaserve.weights.loader import load_model
 from xlaserve.model.packed import PackedExperts, PackedMatrix, pack_model
-from xlaserve.executor.greedy import PagedBatch, make_forward
-from xlaserve.executor.kv_pool import init_kv_pool
+from xlaserve.runtime.executor.greedy import PagedBatch, make_forward
+from xlaserve.runtime.executor.kv_pool import init_kv_pool
 
 from tests.tiny_models import FAMILIES
 

@@ -10,9 +10,9 @@ from tests.executor.test_model_runner import _greedy_together
 from tests.hf_reference import hf_greedy
 from tests.model.test_transformer_matches_transformers import NEW_TOKENS, _hf_reference, _run_ours
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.executor.model_runner import ModelRunner
+from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.model.config import ModelConfig, RopeConfig
-from xlaserve.model.loader import load_model
+from xlaserve.weights.loader import load_model
 from xlaserve.model.transformer import rope_cos_sin
 
 # (config class, its fields): published shapes with YaRN as their model cards enable it.

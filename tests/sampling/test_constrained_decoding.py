@@ -9,7 +9,7 @@ import pytest
 from tests.sampling.constrained_cases import CONSTRAINTS, check, is_json_prefix
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
-from xlaserve.sampling.grammar import InvalidGrammar
+from xlaserve.runtime.sampling.grammar import InvalidGrammar
 
 ENGINE = dict(dtype="float32", page_size=16, max_running_requests=16, context_length=512,
               max_total_tokens=8192, chunked_prefill_size=64, max_prefill_tokens=128,
@@ -20,7 +20,7 @@ SAMPLES = 64
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from xlaserve.model.loader import default_model_file, load_tokenizer
+    from xlaserve.weights.loader import default_model_file, load_tokenizer
 
     directory = str(tmp_path_factory.mktemp("tiny-constrained"))
     make_tiny_checkpoint(directory, "qwen2", vocab_size=49152)
@@ -102,7 +102,7 @@ def test_constrained_requests_compile_nothing_after_precompile(engine):
 def test_retracted_constrained_requests_resume_where_their_grammar_was(checkpoint, caplog):
     # 16 requests of ~75 tokens (up to 165) in a pool of 256 tokens: most are retracted.
     small = {**ENGINE, "page_size": 4, "max_total_tokens": 256, "precompile_bs_paddings": "16"}
-    with caplog.at_level(logging.INFO, logger="xlaserve.scheduler.scheduler"):
+    with caplog.at_level(logging.INFO, logger="xlaserve.runtime.scheduler.scheduler"):
         with Engine(checkpoint, **{**small, "log_level": "info"}) as engine:
             outs = engine.generate(input_ids=[PROMPT] * 16, sampling_params=[
                 constrained("json_schema", s) for s in range(16)])

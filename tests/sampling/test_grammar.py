@@ -6,12 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from xlaserve.model.loader import default_model_file, load_tokenizer
-from xlaserve.sampling.grammar import (CONSTRAINT_DEAD_END, GrammarBackend, InvalidGrammar,
+from xlaserve.weights.loader import default_model_file, load_tokenizer
+from xlaserve.runtime.sampling.grammar import (CONSTRAINT_DEAD_END, GrammarBackend, InvalidGrammar,
                                        allowed_tokens, constraint_of, self_only_reference)
-from xlaserve.sampling.params import RowSamplingParams
-from xlaserve.sampling.sampler import build_sampling_metadata, sample
-from xlaserve.sampling.params import SamplingParams
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.sampler import build_sampling_metadata, sample
+from xlaserve.runtime.sampling.params import SamplingParams
 
 # Its outcome does not depend on JAX's version (llguidance on the host; the mask on the device is
 # test_constrained_decoding.py's): make test-jax011 leaves it out.

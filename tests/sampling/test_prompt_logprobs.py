@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.model.loader import load_model
+from xlaserve.weights.loader import load_model
 from xlaserve.offline import Engine
-from xlaserve.executor.forward_batch import make_forward_batch
-from xlaserve.scheduler.request import SeqChunk
-from xlaserve.executor.buckets import Buckets
-from xlaserve.sampling.params import SamplingParams
-from xlaserve.executor.model_runner import ModelRunner
-from xlaserve.executor.step_program import SAMPLING_WIDTHS
-from xlaserve.sampling.params import MAX_TOP_LOGPROBS
-from xlaserve.sampling.prompt_logprobs import NO_TARGET, PromptLogprobCollector
-from xlaserve.sampling.params import RowSamplingParams
-from xlaserve.sampling.sampler import build_sampling_metadata
+from xlaserve.runtime.executor.forward_batch import make_forward_batch
+from xlaserve.runtime.scheduler.request import SeqChunk
+from xlaserve.runtime.executor.buckets import Buckets
+from xlaserve.runtime.sampling.params import SamplingParams
+from xlaserve.runtime.executor.model_runner import ModelRunner
+from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
+from xlaserve.runtime.sampling.params import MAX_TOP_LOGPROBS
+from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET, PromptLogprobCollector
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.sampler import build_sampling_metadata
 
 LONG_PROMPT = [400, 401, 17, 402, 403, 5, 404, 405, 406, 407, 300, 408, 409, 410, 411, 412, 413,
                414, 42, 415, 416, 417, 418, 419, 420, 421]  # 26 tokens: 4 chunks of at most 8
@@ -77,7 +77,7 @@ def test_collector_targets_cross_chunk_boundaries_and_a_recompute_fills_nothing_
 def test_rows_over_several_blocks_equal_numpy_log_softmax_and_no_target_rows_are_zero():
     import jax.numpy as jnp
 
-    from xlaserve.sampling.prompt_logprobs import LOGPROB_BLOCK_ROWS, prompt_logprobs
+    from xlaserve.runtime.sampling.prompt_logprobs import LOGPROB_BLOCK_ROWS, prompt_logprobs
 
     rng = np.random.default_rng(0)
     rows, width, vocab = 2 * LOGPROB_BLOCK_ROWS + 88, 16, 64  # 3 blocks, the last one padded

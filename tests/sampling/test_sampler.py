@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.sampling.sampler import (
+from xlaserve.runtime.sampling.sampler import (
     MASKED,
     RowSamplingParams,
     add_sampled,

@@ -1,4 +1,4 @@
-"""Static program variants (sampling/step_needs.py): the host's needs of a step, the variant it
+"""Static program variants (runtime/sampling/step_needs.py): the host's needs of a step, the variant it
 picks, and that every variant covering a step samples the same tokens and logprobs as the
 run-time program (lax.cond on the device), bit for bit."""
 import dataclasses
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.sampling.params import RowSamplingParams
-from xlaserve.sampling.prompt_logprobs import NO_TARGET, prompt_logprobs
-from xlaserve.sampling.sampler import build_sampling_metadata, sample
-from xlaserve.sampling.step_needs import (
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET, prompt_logprobs
+from xlaserve.runtime.sampling.sampler import build_sampling_metadata, sample
+from xlaserve.runtime.sampling.step_needs import (
     ACCELERATOR_VARIANTS,
     EVERYTHING,
     PLAIN,

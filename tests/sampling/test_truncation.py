@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.sampling.sampler import _inverse_cdf
-from xlaserve.sampling.truncation import (MASKED, _from_ordered_keys, _ordered_keys,
+from xlaserve.runtime.sampling.sampler import _inverse_cdf
+from xlaserve.runtime.sampling.truncation import (MASKED, _from_ordered_keys, _ordered_keys,
                                           _searched_thresholds, truncate)
 
 

@@ -1,9 +1,9 @@
 """The scheduler's test driver: a scheduler with small numbers, requests whose prompts depend on
 their id, and `FakeModel`, which runs the scheduled batches on the host (no JAX, no device)."""
-from xlaserve.sampling.params import RowSamplingParams
-from xlaserve.scheduler.page_allocator import PageAllocator, pages_for_tokens
-from xlaserve.scheduler.request import Request
-from xlaserve.scheduler.scheduler import Scheduler
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator, pages_for_tokens
+from xlaserve.runtime.scheduler.request import Request
+from xlaserve.runtime.scheduler.scheduler import Scheduler
 
 
 PAGE = 4

@@ -3,8 +3,8 @@ are read (Scheduler.schedule_continuation), and the same outputs as the plain lo
 import pytest
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, outputs, req
-from xlaserve.scheduler.page_allocator import pages_for_tokens
-from xlaserve.scheduler.request import ScheduledBatch
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
+from xlaserve.runtime.scheduler.request import ScheduledBatch
 
 
 @pytest.mark.parametrize("num_pages", [64, 9])  # 9: retractions

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, req
-from xlaserve.scheduler.page_allocator import PageAllocator
-from xlaserve.scheduler.prefix_cache import RadixCache
-from xlaserve.sampling.params import RowSamplingParams
-from xlaserve.scheduler.request import Request
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.runtime.scheduler.prefix_cache import RadixCache
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.scheduler.request import Request
 
 A = list(range(100, 112))  # three pages of 4 tokens
 
@@ -228,7 +228,7 @@ def test_a_repeated_prompt_reuses_whole_pages_but_recomputes_at_least_its_last_t
     s.add(req("first", prompt_len=prompt_len))
     first = model.run_all()[0]
     again = req("first", prompt_len=prompt_len)  # same rid: same prompt ids
-    with caplog.at_level(logging.INFO, logger="xlaserve.scheduler.scheduler"):
+    with caplog.at_level(logging.INFO, logger="xlaserve.runtime.scheduler.scheduler"):
         s.add(again)
         batch = s.schedule()
     assert batch.chunks[0].num_cached == expected_cached == again.num_cached_prompt_tokens
@@ -281,7 +281,7 @@ def test_pool_pressure_evicts_cached_pages_before_retracting(caplog):
     assert s.cache.evictable_pages == 4 and s.allocator.num_free == 4 and s.token_usage() == 0
     s.add(req("b", prompt_len=8, max_new=8))  # each peaks at 15 tokens: 4 pages, 8 together
     s.add(req("c", prompt_len=8, max_new=8))
-    with caplog.at_level(logging.INFO, logger="xlaserve.scheduler.scheduler"):
+    with caplog.at_level(logging.INFO, logger="xlaserve.runtime.scheduler.scheduler"):
         finished = model.run_all()
     assert "Retract" not in caplog.text
     assert [r.retracted_count for r in finished] == [0, 0]

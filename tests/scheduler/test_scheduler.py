@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from tests.scheduler.fake_model import FakeModel, admission_order, make_scheduler, req
-from xlaserve.scheduler.step_budget import max_step_tokens
+from xlaserve.runtime.scheduler.step_budget import max_step_tokens
 
 
 def test_fcfs_order_within_equal_priority():
@@ -224,7 +224,7 @@ def test_a_pool_far_too_small_still_completes_everything_with_the_same_outputs(c
         return outputs, s
 
     expected, big = run(num_pages=200)
-    with caplog.at_level(logging.INFO, logger="xlaserve.scheduler.scheduler"):
+    with caplog.at_level(logging.INFO, logger="xlaserve.runtime.scheduler.scheduler"):
         got, tiny = run(num_pages=12)
     assert len(got) == 10 and got == expected
     assert "KV cache pool is full. Retract requests. #retracted_reqs:" in caplog.text
@@ -272,7 +272,7 @@ def test_slots_are_handed_out_and_reused():
 def test_prefill_and_decode_log_lines(caplog):
     s = make_scheduler(log_interval=3)
     s.add(req("a", max_new=10))
-    with caplog.at_level(logging.INFO, logger="xlaserve.scheduler.scheduler"):
+    with caplog.at_level(logging.INFO, logger="xlaserve.runtime.scheduler.scheduler"):
         FakeModel(s).run_all()
     assert ("Prefill batch. #new-seq: 1, #new-token: 6, #cached-token: 0, token usage: 0.03, "
             "#running-req: 0, #queue-req: 0") in caplog.text
@@ -288,7 +288,7 @@ def test_prefills_stuck_without_pages_retract_the_newest_so_the_oldest_finishes(
     model = FakeModel(s)
     model.run_step()
     model.run_step()  # a and b hold two pages each: neither prompt can go on
-    with caplog.at_level(logging.INFO, logger="xlaserve.scheduler.scheduler"):
+    with caplog.at_level(logging.INFO, logger="xlaserve.runtime.scheduler.scheduler"):
         batch = s.schedule()
     assert [r.rid for r in batch.requests] == ["a"] and s.requests["b"].retracted_count == 1
     assert "KV cache pool is full. Retract requests. #retracted_reqs: 1" in caplog.text

@@ -26,7 +26,7 @@ SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31", "kimi
 from xlaserve.http.parsing.tools import (check_tool_schemas, check_tools, forced_calls, forced_schema,
                                  new_call_id, strict_tool_tag, tool_call_dict, tool_choice_of,
                                  ToolChoice)
-from xlaserve.engine.async_requests import EngineDeadError
+from xlaserve.runtime.engine.async_requests import EngineDeadError
 
 
 class ChatCall:

@@ -13,7 +13,7 @@ from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext,
                                    check_prompt_ids, check_prompt_logprob_entries,
                                    check_top_logprobs, client_priority, sampling_params, sse,
                                    sse_error)
-from xlaserve.engine.async_requests import EngineDeadError
+from xlaserve.runtime.engine.async_requests import EngineDeadError
 
 
 def prompt_id_lists(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str | None]]:

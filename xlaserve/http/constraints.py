@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Iterable
 from xlaserve.http.errors import bad_request
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.http.vllm_constraints import vllm_constraints
-from xlaserve.sampling.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
-from xlaserve.sampling.params import SamplingParams
+from xlaserve.runtime.sampling.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
+from xlaserve.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from xlaserve.engine.core import EngineCore
+    from xlaserve.runtime.engine.core import EngineCore
 
 CONSTRAINTS = CONSTRAINT_FIELDS  # SamplingParams' fields and SGLang's request keys, in order
 _RESPONSE_FORMAT_KEYS = {"type", "json_schema", "schema"}

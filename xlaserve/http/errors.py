@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from xlaserve.sampling.grammar import CONSTRAINT_DEAD_END
+from xlaserve.runtime.sampling.grammar import CONSTRAINT_DEAD_END
 
 _TYPES = {
     400: "invalid_request_error",

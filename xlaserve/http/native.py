@@ -23,8 +23,8 @@ from xlaserve.http.serving import (SSE_DONE, Generation, ServingContext, check_n
                                    check_prompt_ids, check_prompt_logprob_entries, check_request,
                                    check_top_logprobs, sse, sse_error)
 from xlaserve.offline import to_sampling_params
-from xlaserve.engine.async_requests import EngineDeadError, sglang_output
-from xlaserve.sampling.params import InvalidSamplingParam, SamplingParams
+from xlaserve.runtime.engine.async_requests import EngineDeadError, sglang_output
+from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve.server_args import public_name
 
 router = APIRouter()

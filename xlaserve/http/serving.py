@@ -18,13 +18,13 @@ from xlaserve.http.parsing.harmony import HarmonyChat
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.http.request_fields import RequestFields
 from xlaserve.offline import Engine
-from xlaserve.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
-from xlaserve.engine.messages import OutputChunk
-from xlaserve.sampling.grammar import InvalidGrammar
-from xlaserve.engine.core import EngineCore, QueueFull
-from xlaserve.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
+from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
+from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.sampling.grammar import InvalidGrammar
+from xlaserve.runtime.engine.core import EngineCore, QueueFull
+from xlaserve.runtime.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
                                       token_id)
-from xlaserve.scheduler.request import RequestTooLong
+from xlaserve.runtime.scheduler.request import RequestTooLong
 
 # SamplingParams' names as OpenAI spells them, for error messages and `param`.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

@@ -17,7 +17,7 @@ import json
 import logging
 
 from xlaserve.http.errors import bad_request, not_supported
-from xlaserve.sampling.grammar import InvalidGrammar, check_depth
+from xlaserve.runtime.sampling.grammar import InvalidGrammar, check_depth
 
 logger = logging.getLogger(__name__)
 

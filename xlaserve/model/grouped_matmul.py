@@ -6,7 +6,7 @@
 sit there (model/moe.py). The experts of a mixture-of-experts layer run as two of them. Shapes
 depend only on M, so one compiled program serves any routing.
 
-Three implementations (`Kernels.grouped_matmul`; executor/kernels.py picks):
+Three implementations (`Kernels.grouped_matmul`; runtime/executor/kernels.py picks):
 - `grouped_matmul_ragged_dot`: `jax.lax.ragged_dot`, on TPU and GPU. On TPU, XLA lowers it to
   megablox's algorithm as two Mosaic kernels: one maps tiles of rows to groups, the other runs only
   the tiles that hold a group's rows, a whole K x N matrix per block, so each expert's weights are

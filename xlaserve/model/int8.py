@@ -64,7 +64,7 @@ class Int8Matrix(ReadWhole):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Checkpoint:
-    """The quantization of an FP8 checkpoint kept in FP8 (model/fp8_kept.py): its weights as
+    """The quantization of an FP8 checkpoint kept in FP8 (weights/fp8_kept.py): its weights as
     `Fp8BlockMatrix`es of `block_k` K blocks, or per-channel `Fp8Matrix`es (block_k None)."""
 
     block_k: int | None = None

@@ -1,5 +1,5 @@
 """The building blocks every decoder shares: norms, RoPE, the matmul (`linear`), the SwiGLU MLP,
-and `Kernels`, the platform's implementations the forward pass calls (executor/kernels.py picks
+and `Kernels`, the platform's implementations the forward pass calls (runtime/executor/kernels.py picks
 them). Pure functions of arrays, and two small modules.
 
 Precision: matmuls take model-dtype inputs with float32 accumulation; norms, RoPE and the

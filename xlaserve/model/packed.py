@@ -104,7 +104,7 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool, int8_as_rows: bool 
     (every layer's qkv, ...) become one stack, each layer's Variable a view of it (the layers of
     the supported architectures all have the same shapes): a step then takes 4 weight arrays for
     all layers instead of 4 per layer, and each argument of a jitted call costs host time (with
-    executor/weight_args.py, 182 weight arguments became 6 and the host dispatch of a one-token
+    runtime/executor/weight_args.py, 182 weight arguments became 6 and the host dispatch of a one-token
     step went from 3.2 to 2.1 ms on a 2-core CPU). A model already packed is left as it is.
     `int8_as_rows`: `--quantization int8` weights become "i8_row" QuantizedLinears for the native
     quantized GEMM (stacked the same way), else XLA's dot multiplies them."""

@@ -1,6 +1,6 @@
 """Matmul weights kept quantized in rows of blocks, multiplied by the CPU's native quantized GEMM
 (native/quantized_gemm_cpu.py): GGUF's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K as the file stores them
-(model/gguf_kept.py), and `--quantization int8` on a single CPU device ("i8_row": a float32 scale
+(weights/gguf_kept.py), and `--quantization int8` on a single CPU device ("i8_row": a float32 scale
 and K int8 values per row).
 
 A `QuantizedRows` is one matrix used as y = x @ W.T: `rows` uint8 [N, row_bytes], row n being

@@ -19,7 +19,7 @@ MODEL_CLASSES = {
     "DeepseekV3ForCausalLM": CausalLM,
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
-# in merged tensors (ffn_gate_exps, ...) that model/gguf_file.py does not translate: their
+# in merged tensors (ffn_gate_exps, ...) that weights/gguf_file.py does not translate: their
 # model_types stay unmapped, so they are refused.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -129,7 +129,7 @@ class DecoderLayer(nnx.Module):
 
 class CausalLM(nnx.Module):
     """Decoder-only LM over a paged KV cache. Build it with `nnx.eval_shape` and load real weights
-    with `xlaserve.model.loader`; random init is only for tests and shape checks."""
+    with `xlaserve.weights.loader`; random init is only for tests and shape checks."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config

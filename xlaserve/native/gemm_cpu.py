@@ -11,7 +11,7 @@
     y = packed_grouped_matmul(x, groups, group_sizes, n, bf16_pairs=pairs)  # rows sorted by group
 
 P, the panel width, is the kernel's (`panel_width()`: 16, or 32 on CPUs with AVX-512). Packing is
-done once, when the weights are placed (executor/model_runner.py); a panel is then one contiguous
+done once, when the weights are placed (runtime/executor/model_runner.py); a panel is then one contiguous
 stream, which is what lets steps of a few rows run near memory speed. The experts' grouped matmul
 (`grouped_gemm_cpu.cc`) runs the same panel kernels over each group's expert.
 

@@ -29,8 +29,8 @@ def base_vocabulary(size: int) -> list[bytes]:
     order (a BPE vocabulary's order is its merge order)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from xlaserve.model import gguf_file
-    from xlaserve.model.loader import default_model_file
+    from xlaserve.weights import gguf_file
+    from xlaserve.weights.loader import default_model_file
 
     byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
     tokenizer = gguf_file.load_tokenizer(default_model_file())

@@ -24,7 +24,7 @@ from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest
 from xlaserve.http.request_fields import validate_body
 from xlaserve.http.serving import RETRY_AFTER_S, ServingContext
-from xlaserve.engine.async_requests import EngineDeadError
+from xlaserve.runtime.engine.async_requests import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from xlaserve.http.batches.files import FileStore
 from xlaserve.http.protocol import BatchRequest
 from xlaserve.http.serving import ServingContext
 from xlaserve.http.batches.storage import Storage, new_id
-from xlaserve.engine.async_requests import EngineDeadError
+from xlaserve.runtime.engine.async_requests import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

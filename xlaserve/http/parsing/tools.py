@@ -27,8 +27,8 @@ import json
 import uuid
 
 from xlaserve.http.errors import bad_request
-from xlaserve.sampling.grammar import InvalidGrammar, check_depth
-from xlaserve.sampling.params import RequestLimits
+from xlaserve.runtime.sampling.grammar import InvalidGrammar, check_depth
+from xlaserve.runtime.sampling.params import RequestLimits
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 

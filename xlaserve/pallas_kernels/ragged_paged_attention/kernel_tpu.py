@@ -32,7 +32,7 @@ HBM, the other rows of those tiles as they were read. Writing whole pages back i
 decode item a page per layer (256 tokens on v6e at 256 requests: ~67 MB a layer for 256 decode
 rows of Llama-3.1-8B at tp 4, against ~4 MB in 16-row tiles). A later item of the same sequence
 reads those pages, so before its first block is fetched the writes are waited for; another sequence's pages are never written in the same step (the prefix cache shares whole
-pages only, and never the page a request writes: scheduler/prefix_reuse.py), so its prefetch
+pages only, and never the page a request writes: runtime/scheduler/prefix_reuse.py), so its prefetch
 starts before the writes.
 
 Layout: the kernel works on the cache as `[pages, page_size, 2*Hkv*D]`: a page is one contiguous

@@ -1,0 +1,122 @@
+"""A follower (--nnodes > 1, a rank > 0): no HTTP, no scheduler, no clock, no random state; it
+loads the model, builds the ModelRunner the leader describes and replays the leader's device
+calls in order (runtime/distributed/leader.py says how the group works). With the leader's
+--debug-step-hash-interval it sends back a digest of the outputs of every checked step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import jax
+import numpy as np
+
+from xlaserve.runtime.distributed.leader import step_digest
+from xlaserve.runtime.distributed.setup import CONNECT_TIMEOUT_S, client
+from xlaserve.runtime.distributed.channel import (SECRET_KEY, ChannelClosed, ChannelError, channel_port,
+                                           connect)
+
+logger = logging.getLogger(__name__)
+
+
+def follow(args) -> int:
+    """A rank > 0: loads the model, then replays the leader's commands until the leader shuts
+    down (returns 0). Losing the leader, or any failure, ends the process with status 1 (os._exit:
+    JAX's exit handler would wait for the lost leader at a shutdown barrier)."""
+    from xlaserve.weights.loader import load_model, tensor_parallel_mesh
+    from xlaserve.runtime.host import malloc_tuning
+    from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
+
+    host, port = channel_port(args.dist_init_addr)
+    secret = bytes.fromhex(client().blocking_key_value_get(SECRET_KEY, CONNECT_TIMEOUT_S * 1000))
+    connection = connect(host, port, secret, args.node_rank, CONNECT_TIMEOUT_S)
+    logger.info("Node rank %d follows rank 0 (step channel %s:%d)", args.node_rank, host, port)
+    try:
+        malloc_tuning.limit_arenas()
+        enable_persistent_cache(args.compilation_cache_dir)
+        loaded = load_model(args.model_path, dtype=args.dtype, skip_tokenizer_init=True,
+                            mesh=tensor_parallel_mesh(args.tp_size, ep_size=args.ep_size),
+                            load_format=args.load_format, seed=args.random_seed or 0,
+                            conversion_cache=not args.disable_conversion_cache,
+                            conversion_cache_dir=args.conversion_cache_dir,
+                            quantization=args.quantization,
+                            matmul_backend=args.matmul_backend, revision=args.revision,
+                            trust_remote_code=args.trust_remote_code)
+        logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
+                    loaded.config.architecture, loaded.name)  # the path: DEBUG only
+        logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
+        replay(connection, loaded)
+    except ChannelClosed as error:
+        _exit(f"node rank {args.node_rank} lost the leader (rank 0): {error}; exiting")
+    except Exception as error:  # noqa: BLE001: anything here ends this follower, loudly
+        logger.exception("node rank %d failed", args.node_rank)
+        try:
+            connection.send("error", {"message": f"{type(error).__name__}: {error}"[:2000]})
+        except (ChannelClosed, OSError):
+            pass
+        _exit(f"node rank {args.node_rank} failed ({type(error).__name__}: {error}); exiting")
+    logger.info("The leader shut down; node rank %d exits", args.node_rank)
+    connection.close()
+    jax.distributed.shutdown()  # with the leader's (a barrier)
+    return 0
+
+
+def replay(connection, loaded) -> None:
+    """The leader's commands, in order, until it says shutdown: first the runner's configuration
+    (a ModelRunner is built over `loaded`, the model), then slot assignments and steps. Each step
+    is dispatched before the previous one is waited for, as on the leader; waiting at all
+    surfaces a failed collective here and keeps this process at most a step behind."""
+    from xlaserve.runtime.executor.model_runner import ModelRunner
+
+    kind, meta, _ = connection.receive()
+    if kind != "runner":
+        raise ChannelError(f"expected the runner's configuration first, got {kind!r}")
+    runner = ModelRunner(loaded, num_pages=meta["num_pages"], page_size=meta["page_size"],
+                         max_running_requests=meta["max_running_requests"],
+                         attention_backend=meta["attention_backend"],
+                         matmul_backend=meta["matmul_backend"],
+                         context_length=meta["context_length"],
+                         mla_expanded_prefill_tokens=meta["mla_expanded_prefill_tokens"])
+    logger.info("Following rank 0's steps")
+    pending = None
+    while True:
+        kind, meta, arrays = connection.receive()
+        if kind == "step":
+            vectors = [arrays[k] for k in ("ints", "floats", "table_ints", "table_floats")]
+            staged = runner.staged_from_host(vectors, meta["shape"], meta["widths"],
+                                             meta["needs"])
+            bitmask = arrays.get("bitmask")
+            if bitmask is not None and bitmask.dtype != np.int32:
+                raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")
+            out = runner.run(staged, bitmask)
+            if meta.get("hash"):  # --debug-step-hash-interval: a sync, this step's outputs
+                connection.send("step_hash", {"step": meta["step"],
+                                              "digest": step_digest(out.sample)})
+            if pending is not None:
+                pending.block_until_ready()
+            pending = out.sample.tokens
+        elif kind == "assign_slots":
+            prompts = np.split(arrays["prompt_ids"], np.cumsum(arrays["prompt_lens"])[:-1])
+            outputs = np.split(arrays["output_ids"], np.cumsum(arrays["output_lens"])[:-1])
+            runner.assign_slots(list(zip(meta["slots"], prompts, outputs, strict=True)))
+        elif kind == "write_pages":
+            positions, pages = arrays["positions"], arrays["pages"]
+            if (positions.dtype, pages.dtype) != (np.int32, np.int32) or \
+                    positions.shape != pages.shape or positions.ndim != 1:
+                raise ChannelError("page-table writes must be two int32 vectors of one length")
+            runner.write_pages(positions, pages)
+        elif kind == "shutdown":
+            if pending is not None:
+                pending.block_until_ready()
+            return
+        else:
+            raise ChannelError(f"unknown command {kind!r}")
+
+
+def _exit(message: str) -> None:
+    logger.error("%s", message)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

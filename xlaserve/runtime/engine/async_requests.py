@@ -1,0 +1,129 @@
+"""Requests submitted together from an asyncio event loop, read back as one stream of chunks.
+
+The engine thread calls each request's `emit` with OutputChunks; here they cross into the event
+loop (`call_soon_threadsafe`) and come out of one queue tagged with the caller's index, so `n`
+choices or several prompts of one HTTP request are read by a single consumer in arrival order.
+Submission is synchronous, so a request the engine refuses raises before anything is streamed.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import AsyncIterator
+
+from xlaserve.runtime.engine.core import EngineCore
+from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.sampling.params import SamplingParams
+
+LIVENESS_POLL_S = 1.0  # how often a waiting reader checks that the engine loop still runs
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncRequestGroup:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished: dict[int, str] = {}  # index -> rid
+
+    def submit(self, index: int, prompt_ids: list[int], params: SamplingParams, **options) -> str:
+        """Queues one request (`options` go to `EngineCore.submit`); raises ValueError if the
+        engine refuses it. On a refusal the caller should `abort()` the ones already queued."""
+        put = self._queue.put_nowait
+        loop = self._loop
+
+        def emit(chunk: OutputChunk) -> None:
+            loop.call_soon_threadsafe(put, (index, chunk))
+
+        rid = self.core.submit(prompt_ids, params, emit, **options)
+        self._unfinished[index] = rid
+        return rid
+
+    async def chunks(self) -> AsyncIterator[tuple[int, OutputChunk]]:
+        """(index, chunk) pairs until every request has sent its final chunk.
+
+        Not `asyncio.wait_for(queue.get(), ...)`: on Python 3.10-3.11 it returns the item instead
+        of raising when the reader is cancelled as a chunk arrives, so a cancelled reader (a
+        cancelled background response, a client gone) ran on with its requests aborted and
+        unfinished (CI saw a cancelled response stay `in_progress`). `asyncio.wait` never
+        swallows the caller's cancellation; one getter lives across the liveness polls."""
+        getter = None
+        try:
+            while self._unfinished:
+                if not self._queue.empty():
+                    index, chunk = self._queue.get_nowait()
+                else:
+                    getter = getter or asyncio.ensure_future(self._queue.get())
+                    done, _ = await asyncio.wait((getter,), timeout=LIVENESS_POLL_S)
+                    if not done:
+                        if not self.core.is_alive():
+                            raise EngineDeadError(self.core.stopped_reason())
+                        continue
+                    (index, chunk), getter = getter.result(), None
+                if chunk.finished:
+                    self._unfinished.pop(index, None)
+                yield index, chunk
+        finally:
+            if getter is not None:
+                getter.cancel()
+
+    def abort(self, message: str | None = None) -> None:
+        """Aborts every request that has not finished (the consumer went away, or failed); with
+        `message`, their final chunks carry it as an error."""
+        for rid in self._unfinished.values():
+            self.core.abort(rid, message)
+        self._unfinished.clear()
+
+
+@dataclasses.dataclass
+class Choice:
+    """One generated sequence, gathered from its chunks."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
+    meta_info: dict | None = None
+    first_chunk: OutputChunk | None = None  # carries prompt logprobs when asked
+
+    def add(self, chunk: OutputChunk) -> None:
+        if self.first_chunk is None:
+            self.first_chunk = chunk
+        self.text += chunk.text
+        if chunk.token_id is not None:
+            self.token_ids.append(chunk.token_id)
+            self.logprobs.append(chunk.logprob)
+            self.top_logprobs.append([] if chunk.top_logprobs is None else chunk.top_logprobs)
+        if chunk.finished:
+            self.meta_info = chunk.meta_info
+            if chunk.error is not None:
+                self.meta_info = {**self.meta_info, "error": chunk.error}
+
+    @property
+    def finish_reason(self) -> str:
+        return self.meta_info["finish_reason"]["type"]
+
+    @property
+    def matched_stop(self) -> int | str | None:
+        return self.meta_info["finish_reason"].get("matched")
+
+
+def sglang_output(choice: Choice, return_logprob: bool = False, top_logprobs_num: int = 0) -> dict:
+    """SGLang's output dict: `text`, `output_ids`, `meta_info` (with `output_token_logprobs`
+    [(logprob, token_id, None)] and `output_top_logprobs` when asked; `input_token_logprobs` and
+    `input_top_logprobs` come in the final meta_info when the request asked for prompt logprobs)."""
+    meta_info = dict(choice.meta_info)
+    if return_logprob or top_logprobs_num:
+        meta_info["output_token_logprobs"] = [(lp, t, None) for lp, t in
+                                              zip(choice.logprobs, choice.token_ids, strict=True)]
+    if top_logprobs_num:
+        meta_info["output_top_logprobs"] = [[(lp, t, None) for lp, t in alternatives]
+                                            for alternatives in choice.top_logprobs]
+    else:  # SGLang returns top alternatives only when asked for a number of them
+        meta_info.pop("input_top_logprobs", None)
+    return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta_info}

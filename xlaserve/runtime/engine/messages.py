@@ -1,0 +1,149 @@
+"""The typed messages that cross between the engine's threads and stages.
+
+- Into the engine loop (any thread -> the loop thread, through EngineCore's inbox): `AddRequest`
+  (EngineCore.submit), `Abort` (abort), `AbortAll` (abort_all), `FlushCache` (flush_cache, which
+  waits on its future) and `Wake` (shutdown: unblocks a loop waiting on an empty inbox).
+  From the chunk thread (delivery.py): `RequestsEnded`, the requests it ended (`StopMatched`: a
+  stop string; `DropRequest`: a failure of its own or a sink that raised), for the loop to end in
+  the scheduler. `InboxMessage` is their union.
+- From a step to its output: `EngineCore._read` turns a step's sampled tokens into a
+  `StepResult` (the step-wide logprob arrays and one `SampledRow` per row that sampled for a
+  live request), which `Delivery.deliver` queues for the chunk thread to make into chunks.
+- Out of the engine (the chunk thread -> the request's consumer, through its `emit` callback):
+  one `OutputChunk` per sampled token, and a final one without a token when a request ends early
+  (an abort, a refusal, a failure). Consumers that need SGLang's JSON shape (offline.Engine,
+  /generate) build their dicts from it; `meta_info` is already that shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
+    from xlaserve.runtime.sampling.prompt_logprobs import PromptLogprobCollector
+    from xlaserve.runtime.scheduler.request import Request
+
+
+# --- the inbox: any thread -> the engine loop ---------------------------------------------------
+
+@dataclasses.dataclass
+class LiveRequest:
+    """Engine-side state of one admitted request (delivery.py keeps it by id): its sink, its
+    detokenizer, its prompt-logprob collector."""
+
+    request: Request
+    emit: Callable[[OutputChunk], None]
+    detokenizer: IncrementalDetokenizer | None
+    top_logprobs_num: int = 0  # alternatives per token in the chunks (needs return_logprob)
+    prompt_logprobs: PromptLogprobCollector | None = None  # with return_prompt_logprob
+    prompt_logprobs_sent: bool = False  # they go out once, with the first output chunk
+    done: bool = False  # its final chunk has been handed out (the chunk thread's flag alone)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AddRequest:
+    """A submitted request, its state built and checked in the submitting thread."""
+
+    live: LiveRequest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort:
+    """End the request `rid` (waiting or running); its final chunk carries `message` as error."""
+
+    rid: str
+    message: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbortAll:
+    """End every request the engine holds, each with `message` as its error."""
+
+    message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlushCache:
+    """Empty the prefix cache between steps; `done` gets the pages freed (or the error)."""
+
+    done: Future
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StopMatched:
+    """The chunk thread found stop string `stop` in the request's text (its final chunk waits
+    for the loop to end the request)."""
+
+    rid: str
+    stop: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DropRequest:
+    """The chunk thread failed the request, or its sink raised: abort it, with no other chunk."""
+
+    rid: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestsEnded:
+    """Requests the chunk thread ended; the loop sets `done` once it has ended them in the
+    scheduler (their slots and pages free)."""
+
+    requests: tuple  # of StopMatched | DropRequest
+    done: threading.Event
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Wake:
+    """Nothing to do: wakes a loop blocked on an empty inbox (to see that it is stopping)."""
+
+
+InboxMessage = AddRequest | Abort | AbortAll | FlushCache | RequestsEnded | Wake
+
+
+# --- a step's sampled tokens: EngineCore._read -> Delivery.deliver (the loop thread) -----------
+
+# The token a live request sampled in one row of a step: (request, token, row, num_output), the
+# request (its `status` says whether this token finished it: the scheduler decides), the token,
+# the row's index in the step's arrays and the request's output tokens with this one. A tuple:
+# one is made per row per step, and a dataclass's __init__ cost ~0.1 ms of a 256-row step.
+SampledRow = tuple["Request", int, int, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """The rows of a step that sampled for a live request, in row order, and the step's logprob
+    arrays (read from the device only when one of its rows asked for logprobs, else None)."""
+
+    rows: list[SampledRow]
+    logprobs: Any = None  # f32[rows]: each row's sampled token's logprob
+    top_logprobs: Any = None  # f32[rows, k]: each row's best alternatives' logprobs
+    top_ids: Any = None  # i32[rows, k]: their token ids
+
+
+# --- the engine -> a request's consumer (its `emit`, called on the loop thread) ---------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputChunk:
+    """One piece of a request's output: a sampled token and its text delta, or (`token_id` None)
+    the final chunk of a request that ended without one.
+
+    `logprob` and `top_logprobs` [(logprob, token_id)] are set with return_logprob;
+    `input_token_logprobs` and `input_top_logprobs` (SGLang's lists) on the first chunk of a
+    request that asked for prompt logprobs; `meta_info` (SGLang's dict: id, token counts,
+    finish_reason, ...) on the final chunk; `error` on a final chunk that ended the request
+    early with a message."""
+
+    token_id: int | None
+    text: str
+    finished: bool
+    logprob: float | None = None
+    top_logprobs: list[tuple[float, int]] | None = None
+    input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+    meta_info: dict | None = None
+    error: str | None = None

@@ -1,0 +1,161 @@
+"""An EngineCore's start-up: what `build` makes from the server arguments, in this order.
+
+1. the model (`load_model`, on this replica's devices), logged as "Load weight end.";
+2. the KV pool's size (`--page-size` resolved for the platform, pages from --max-total-tokens
+   or the free memory left after the weights) and the ModelRunner, which starts zeroing the
+   pool on a thread and then packs the weights;
+3. with --nnodes > 1, the Leader (runtime/distributed/leader.py `lead`): it waits for the followers,
+   sends them the runner's configuration and puts its command sink on the runner, so the
+   followers build theirs meanwhile and replay the precompile and every later call;
+4. the serving buckets, the scheduler, the EOS ids and the grammar backend (host objects);
+5. the precompile: each bucket's step loaded from the executable cache or compiled, and then
+   the wait for the KV pool, whose zeroing has overlapped the packing and the precompile.
+
+The pool is sized before the runner because the runner's programs are shaped by it, and the
+precompile comes last because it needs the buckets and (multi-host) the sink. Each phase's
+seconds go to `startup_timings`, for the server's "Start-up:" log line (launch_server.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from xlaserve.runtime.distributed.leader import Leader, lead
+from xlaserve import platform_defaults
+from xlaserve.weights.loader import LoadedModel, load_model, tensor_parallel_mesh
+from xlaserve.runtime.host import malloc_tuning
+from xlaserve.runtime.executor.buckets import Buckets, serving_buckets, with_page_size
+from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
+from xlaserve.runtime.compile.executable_cache import ExecutableCache, enabled_by_environment
+from xlaserve.runtime.sampling.grammar import GrammarBackend
+from xlaserve.runtime.executor.kv_pool import num_pages_for
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.model.quantized_rows import native_gemm_available
+from xlaserve.runtime.executor.model_runner import ModelRunner
+from xlaserve.runtime.scheduler.scheduler import Scheduler
+from xlaserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """What an EngineCore serves with; each becomes the core's attribute of the same name."""
+
+    args: ServerArgs  # with --page-size and the platform's defaults resolved
+    loaded: LoadedModel
+    tokenizer: object | None  # None with --skip-tokenizer-init
+    context_length: int
+    runner: ModelRunner
+    buckets: Buckets
+    scheduler: Scheduler
+    eos_token_ids: set[int]
+    grammar_backend: GrammarBackend | None  # structured outputs; off without a tokenizer or "none"
+    startup_timings: dict[str, float]  # seconds per phase, in order
+    leader: Leader | None = None  # --nnodes > 1: the followers replay the runner's device calls
+
+
+def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
+    """The parts of replica `dp_rank` (EngineCore's arguments). `share_with`: an EngineCore whose
+    tokenizer and grammar backend these parts use."""
+    args = server_args
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    malloc_tuning.limit_arenas()  # before XLA's threads allocate
+    compilation_cache_dir = enable_persistent_cache(args.compilation_cache_dir)
+    loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
+                        skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
+                        mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size,
+                                                  args.ep_size),
+                        load_format=args.load_format, seed=args.random_seed or 0,
+                        conversion_cache=not args.disable_conversion_cache,
+                        conversion_cache_dir=args.conversion_cache_dir,
+                        quantization=args.quantization,
+                        matmul_backend=args.matmul_backend, revision=args.revision,
+                        trust_remote_code=args.trust_remote_code)
+    clock = _lap(timings, "load_model", clock)
+    if share_with is not None:
+        loaded.tokenizer = share_with.tokenizer
+    config = loaded.config
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
+    # INFO names the model; where it is on this machine is for --log-level debug.
+    logger.info("Load weight end.%s type=%s, dtype=%s, mem usage=%.2f GB, from %s%s",
+                f" [DP{dp_rank}]" if args.dp_size > 1 else "", config.architecture,
+                np.dtype(loaded.dtype).name, weight_bytes / 2**30,
+                loaded.name, " (dummy weights)" if args.load_format == "dummy" else "")
+    logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
+    tokenizer = loaded.tokenizer
+    context_length = args.context_length or config.max_position_embeddings
+    platform = jax.default_backend()
+    args, defaulted = platform_defaults.resolve(args, platform, loaded.mesh.devices.flat[0])
+    platform_defaults.log_resolved(args, platform, defaulted)
+    args = with_page_size(args, platform, context_length)
+    page_size = args.page_size
+    num_pages = num_pages_for(config, loaded.dtype, page_size,
+                              max_total_tokens=args.max_total_tokens,
+                              mem_fraction_static=args.mem_fraction_static,
+                              device=loaded.mesh.devices.flat[0],  # this replica's
+                              # Each device holds 1/tp of every page; CPU "devices" share
+                              # one host's memory, so there the whole page counts.
+                              tensor_parallel=args.tp_size if platform != "cpu" else 1)
+    runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size,
+                         max_running_requests=args.max_running_requests,
+                         attention_backend=args.attention_backend,
+                         matmul_backend=args.matmul_backend, context_length=context_length,
+                         mla_expanded_prefill_tokens=args.mla_expanded_prefill_tokens)
+    _lap(timings, "runner (pack)", clock)  # and the huge pages advice
+    if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
+        logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "
+                    "and LM head stay on the float GEMM",
+                    "the native quantized CPU GEMM" if native_gemm_available()
+                    else "XLA's dots (the native quantized CPU GEMM does not build here)")
+    leader = lead(args, runner) if args.nnodes > 1 else None
+    buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
+                              native_matmul=runner.kernels.packed_matmul is not None,
+                              latent=config.mla.kernel_widths if config.mla else None)
+    scheduler = Scheduler(
+        PageAllocator(num_pages), page_size, args.max_running_requests,
+        args.chunked_prefill_size, args.max_prefill_tokens, context_length,
+        radix_cache=not args.disable_radix_cache)
+    if args.dp_size > 1:
+        scheduler.log.prefix = f"[DP{dp_rank}] "
+    eos_token_ids = set(config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_token_ids.add(tokenizer.eos_token_id)
+    grammar_backend = None
+    if share_with is not None:
+        grammar_backend = share_with.grammar_backend
+    elif args.grammar_backend != "none" and tokenizer is not None:
+        grammar_backend = GrammarBackend(tokenizer, config.vocab_size, sorted(eos_token_ids),
+                                         args.constrained_json_whitespace_pattern)
+    if not args.disable_precompile:
+        clock = time.perf_counter()
+        cache = None
+        # No compilation cache folder: it was refused (cache_root.private_dir), so is any in it.
+        if (compilation_cache_dir is not None and not args.disable_executable_cache
+                and enabled_by_environment()):
+            cache = ExecutableCache.open(os.path.join(compilation_cache_dir, "executables"))
+        runner.precompile(buckets.all_shapes(), cache=cache)
+        if cache is not None:
+            logger.info("Serving steps: %d loaded, %d compiled (executable cache)",
+                        cache.loaded, cache.compiled)
+            logger.debug("Executable cache: %s", cache.directory)
+        clock = _lap(timings, "precompile", clock)
+        runner.kv_caches  # noqa: B018 - waits for the pool's thread
+        _lap(timings, "KV pool (left to wait for)", clock)
+    return EngineParts(args=args, loaded=loaded, tokenizer=tokenizer,
+                       context_length=context_length, runner=runner, buckets=buckets,
+                       scheduler=scheduler, eos_token_ids=eos_token_ids,
+                       grammar_backend=grammar_backend, startup_timings=timings, leader=leader)
+
+
+def _lap(timings: dict[str, float], phase: str, since: float) -> float:
+    now = time.perf_counter()
+    timings[phase] = now - since
+    return now

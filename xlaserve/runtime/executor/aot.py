@@ -1,0 +1,230 @@
+"""Compiles the serving step for hardware that is not here: TPU through libtpu's compile-only
+topologies, NVIDIA H100 through the jax CUDA plugin's deviceless target, from a CPU machine.
+
+    python -m xlaserve.runtime.executor.aot --target v6e:2x2 --tp-size 4 \
+        --model-path benchmarks/configs/llama-3.1-8b
+    python -m xlaserve.runtime.executor.aot --target h100 --model-path benchmarks/configs/qwen2.5-7b
+
+Nothing is allocated: weights, KV caches and step inputs are ShapeDtypeStructs carrying the
+shardings a server gives them, and the program is `step_program.make_step`, the one a server
+runs, with the platform's kernels (Pallas Mosaic on TPU, Pallas Triton on GPU) and its program
+variants (runtime/sampling/step_needs.py: no conditional on an accelerator), its weights in the layouts
+XLA chose for them at the first compile, as a server stores them. XLA compiles it
+for the target, and Mosaic or Triton compile the kernels inside it, with their layout, alignment
+and memory checks, which interpret mode on CPU skips. Needs `libtpu` (TPU targets) or
+`jax-cuda13-plugin` + `jax-cuda13-pjrt` (GPU) importable, and JAX_PLATFORMS=cpu.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from xlaserve.model.config import ModelConfig
+from xlaserve.weights.loader import read_config, resolve_dtype
+from xlaserve.model.registry import model_class
+from xlaserve.model.sharding import check_expert_parallel, kv_cache_spec, serving_mesh
+from xlaserve.model.transformer import abstract_parameters, kv_cache_shape
+from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
+from xlaserve.runtime.executor.kernels import kernels_for
+from xlaserve.runtime.executor.step_program import idle_vectors, make_step
+from xlaserve.runtime.executor.weight_args import abstract_args, auto_formats, weight_args, weight_formats
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
+from xlaserve.runtime.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
+from xlaserve import platform_defaults
+from xlaserve.server_args import ServerArgs
+
+# libtpu refuses single-chip ones (v6e:1x1). The big ones hold DeepSeek-V3 (671B) in bfloat16.
+TPU_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v6e:2x4", "v5p:2x2x1", "v5p:2x4x4", "v6e:8x8")
+GPU_TARGETS = ("h100", "h100x8")  # one H100 SXM; one host of eight
+DEFAULT_KV_TOKENS = 1 << 16  # the KV pool without --max-total-tokens (no memory to size it from)
+
+
+class TargetUnavailable(RuntimeError):
+    """The compile-only package for this target is not installed."""
+
+
+def use_compile_only_packages(path: str | os.PathLike | None = None) -> None:
+    """Makes the compile-only packages importable: `make test` installs libtpu and the CUDA plugin
+    into `.venv/aot`, outside the serving environment, where a CPU server would otherwise try to
+    start them. Call before JAX starts a backend. Keeps JAX itself on the CPU, and lets several
+    processes load libtpu (it takes a lock file otherwise, and a second process fails). Does
+    nothing where the folder is absent."""
+    path = Path(path or Path(sys.prefix) / "aot")
+    if not path.is_dir():  # e.g. on a GPU machine, whose JAX must keep its own platforms
+        return
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
+    if not jax.config.jax_platforms:  # the environment's JAX_PLATFORMS, read at import
+        jax.config.update("jax_platforms", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def target_devices(target: str) -> tuple[str, list]:
+    """(platform, devices) of a compile-only target: one of TPU_TOPOLOGIES or GPU_TARGETS."""
+    from jax.experimental import topologies
+
+    try:
+        if target in TPU_TOPOLOGIES:
+            return "tpu", topologies.get_topology_desc(topology_name=target, platform="tpu").devices
+        if target in GPU_TARGETS:
+            # slices x hosts x devices per host
+            topology = "1x1x8" if target == "h100x8" else "1x1x1"
+            return "gpu", topologies.get_topology_desc(
+                platform="cuda", target_config=h100_target_config(), topology=topology).devices
+    except Exception as error:  # no libtpu / CUDA plugin: jax says so in several ways
+        raise TargetUnavailable(f"cannot make compile-only {target} devices (install libtpu for "
+                                f"TPU, jax-cuda13-plugin and jax-cuda13-pjrt for GPU): "
+                                f"{str(error).strip().splitlines()[0]}") from None
+    raise ValueError(f"unknown target {target!r}; one of {TPU_TOPOLOGIES + GPU_TARGETS}")
+
+
+def h100_target_config() -> str:
+    """What XLA needs to know of an H100 SXM to compile for it (GpuTargetConfigProto text)."""
+    return Path(__file__).with_name("h100_target_config.txtpb").read_text()
+
+
+def abstract(shape, dtype, mesh: Mesh, spec=P()) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, spec))
+
+
+@dataclasses.dataclass
+class StepProgram:
+    """The serving step and abstract arguments for one bucket shape at a time."""
+    step: callable
+    args: tuple  # weights, kv caches, output counts, last tokens, page table, prompt masks
+    inv_freq: np.ndarray
+    mesh: Mesh
+    page_size: int
+    # The step with its weights' layouts left to XLA, which the next compile uses; it then keeps
+    # the layouts chosen (in `args`' weights) for every later one, as a server does
+    # (ModelRunner.precompile). None: chosen already, or the default layouts.
+    choosing_step: callable | None = None
+
+    def lowering_args(self, tokens: int, seqs: int, pages: int,
+                      needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
+        """The step's (abstract) arguments and static keyword arguments for one bucket shape and
+        variant."""
+        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size)
+        vocab = self.args[2].shape[1]
+        inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
+                  abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
+        return (*self.args, *inputs), {"layout": layout, "needs": needs}
+
+    def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
+        """The program of one bucket shape and variant (by default the one with every part, the
+        most memory and work an accelerator server precompiles for the shape). The first compile
+        chooses the weights' layouts (`choosing_step`)."""
+        args, kwargs = self.lowering_args(tokens, seqs, pages, needs)
+        with jax.set_mesh(self.mesh):
+            compiled = (self.choosing_step or self.step).trace(*args, **kwargs).lower().compile()
+        if self.choosing_step is not None:
+            weights = abstract_args(self.args[0], weight_formats(compiled))
+            self.args, self.choosing_step = (weights, *self.args[1:]), None
+        return compiled
+
+
+def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
+                 page_size: int, max_running_requests: int, context_length: int,
+                 attention_backend: str = "auto", quantization=None,
+                 mla_expanded_prefill_tokens: int = 0) -> StepProgram:
+    """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
+    page table as wide as `context_length`'s pages.
+    `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint)."""
+    kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform,
+                          mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
+    graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
+                                                  model_class(config.architecture), quantization)
+    leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
+    weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
+                                         stack_layers=platform == "tpu")
+    cache = abstract(kv_cache_shape(config, num_pages, page_size, platform), dtype, mesh,
+                     kv_cache_spec(config))
+    caches = [cache] * config.num_layers
+    steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh,
+                       [cache.sharding] * config.num_layers, formats)
+             for formats in (None, auto_formats(weights))]
+    num_slots, vocab = max_running_requests + 1, config.vocab_size
+    args = (weights, caches, abstract((num_slots, vocab), jnp.int32, mesh),
+            abstract((num_slots,), jnp.int32, mesh),
+            abstract((num_slots, pages_for_tokens(context_length, page_size)), jnp.int32, mesh),
+            abstract((num_slots, vocab), jnp.bool_, mesh))
+    return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
+                       steps[1])
+
+
+def server_step(target: str, server_args: ServerArgs,
+                fp8_checkpoint=None) -> tuple[StepProgram, list, str]:
+    """The step a server started with `server_args` would run on `target`, the bucket shapes it
+    would precompile, and a one-line description. `server_args.model_path`: a directory with the
+    model's config.json (weights are not read). `fp8_checkpoint` (int8.Fp8Checkpoint): the weights
+    of an FP8 checkpoint kept in FP8, as the loader keeps them on a GPU with FP8 matmuls."""
+    platform, devices = target_devices(target)
+    server_args, _ = platform_defaults.resolve(server_args, platform)
+    mesh = serving_mesh(devices, server_args.tp_size, server_args.ep_size)
+    config, _ = read_config(server_args.model_path, load_format="dummy",  # reads no weights
+                            revision=server_args.revision,
+                            trust_remote_code=server_args.trust_remote_code)
+    check_expert_parallel(config.num_experts, mesh)
+    dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
+    context_length = server_args.context_length or config.max_position_embeddings
+    server_args = with_page_size(server_args, platform, context_length)
+    page_size = server_args.page_size
+    buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform,
+                              latent=config.mla.kernel_widths if config.mla else None)
+    num_pages = (server_args.max_total_tokens or DEFAULT_KV_TOKENS) // page_size + 1
+    program = step_program(config, dtype, mesh, platform, num_pages=num_pages,
+                           page_size=page_size,
+                           max_running_requests=server_args.max_running_requests,
+                           context_length=context_length,
+                           attention_backend=server_args.attention_backend,
+                           quantization=fp8_checkpoint or server_args.quantization,
+                           mla_expanded_prefill_tokens=server_args.mla_expanded_prefill_tokens)
+    weights = f", {server_args.quantization} weights" if server_args.quantization else ""
+    if fp8_checkpoint is not None:
+        weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"
+                   if fp8_checkpoint.block_k else ", FP8 checkpoint weights (per-channel scales)")
+    description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
+                   f"{np.dtype(dtype).name}{weights}, "
+                   f"tp {server_args.tp_size}, ep {server_args.ep_size}, "
+                   f"{num_pages} pages of {page_size}")
+    return program, buckets.all_shapes(), description
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, choices=TPU_TOPOLOGIES + GPU_TARGETS)
+    parser.add_argument("--all-shapes", action="store_true",
+                        help="every bucket a server would precompile (default: smallest and largest)")
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    use_compile_only_packages()
+    server_args = ServerArgs.from_cli_args(args)
+    if server_args.model_path is None:
+        parser.error("--model-path: a directory with the model's config.json")
+    program, shapes, description = server_step(args.target, server_args)
+    if not args.all_shapes:
+        shapes = sorted({shapes[0], shapes[-1]})
+    print(description)
+    for (tokens, seqs, pages), needs in [(s, n) for s in shapes for n in ACCELERATOR_VARIANTS]:
+        start = time.perf_counter()
+        compiled = program.compile(tokens, seqs, pages, needs)
+        memory = compiled.memory_analysis()
+        print(f"  step (tokens {tokens}, seqs {seqs}, pages {pages}), {VARIANT_NAMES[needs]}: "
+              f"compiled in {time.perf_counter() - start:.1f} s; per device: arguments "
+              f"{memory.argument_size_in_bytes / 2**30:.2f} GiB, temporaries "
+              f"{memory.temp_size_in_bytes / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

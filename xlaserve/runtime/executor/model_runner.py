@@ -1,0 +1,491 @@
+"""ModelRunner: the device state of the serving step (KV pool, penalty state, last tokens) and its
+compiled programs; the step itself is `step_program.make_step`.
+
+    step(state, kv_caches, output_counts, last_tokens, page_table, prompt_masks, batch, sampling,
+         slots, token_bitmask, *, layout, needs)
+        -> (StepOutput, kv_caches, output_counts, last_tokens, page_table)
+
+The KV caches, the penalty counts, the last sampled tokens and the page table are donated, so
+XLA updates them in place. A program is
+compiled per bucket shape (tokens, seqs, pages per seq, logit-bias width, suppressed width);
+`precompile` compiles the expected ones at start-up, and any compile afterwards is logged as a
+warning with the shape, because a compile while serving stalls every request for seconds.
+
+Penalty state lives on the device, one row per request slot: `output_counts i32[slots, V]` (tokens
+generated so far) and `prompt_masks bool[slots, V]` (tokens of the prompt). Slot 0 is the null slot
+that padding rows use. `last_tokens i32[slots]` holds each slot's last sampled token, so a decode
+step can be dispatched before the host has read the step that samples its input (the engine's
+overlap: a row with `input_slots >= 0` reads its token there). `page_table i32[slots, pages]`
+holds each slot's pages, written with each step's changes (runtime/executor/page_table.py): `stage`
+finds the writes, `run` records them once it has dispatched the step, and writes past the
+step's room go first through a program of their own (`write_pages`).
+
+Prompt logprobs (runtime/sampling/prompt_logprobs.py) ride in the same program: the model returns every
+row's final hidden state, the sampler takes the LM head of the sampled rows only, and the LM head
+over all rows runs only in steps where some row has a target id.
+
+What a step computes beyond a greedy argmax (penalties, grammar mask, random draw, truncation,
+logprobs, prompt logprobs) is a static argument, `needs` (runtime/sampling/step_needs.py), that `stage`
+computes from the rows' parameters and `run` completes with whether the step sends grammar masks.
+On the CPU it is RUN_TIME: one program per bucket, each part under a `lax.cond` on the device
+(free there). On TPU and GPU, where a conditional is a host sync mid-step, it is one of
+ACCELERATOR_VARIANTS, three programs per bucket with no conditional: greedy only, everything but
+prompt logprobs, everything; `run` picks the smallest that covers the step.
+
+Structured outputs: `token_bitmask i32[seqs, ceil(V/32)]` holds the tokens each row's grammar
+allows (runtime/sampling/grammar.py), a fixed-shape argument so a constrained request never compiles a
+program. A step without a constrained row sends a bitmask of all ones that stays on the device
+(one per sequence bucket), and the sampler skips the mask.
+
+Multi-host (--nnodes > 1, runtime/distributed/leader.py): the mesh spans every process's devices, and
+every process must make the same device calls in the same order. The leader's runner has a
+command sink: `assign_slots` and each step (its int32/float32 host vectors, bucket shape, table
+widths, needs and grammar masks) and the page-table writes of `write_pages` go to the followers
+before the leader makes the call, and a follower's runner replays them (`assign_slots`,
+`write_pages`, `run(staged_from_host(...))`). Outputs are replicated; the leader
+reads its own copy. In one process the sink is None and nothing of this runs.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from xlaserve.model.packed import pack_model
+from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
+from xlaserve.weights.placement import put
+from xlaserve.runtime.executor.forward_batch import ForwardBatch
+from xlaserve.runtime.host.huge_pages import advise_huge_pages
+from xlaserve.runtime.executor.kernels import kernels_for
+from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
+from xlaserve.runtime.executor.kv_pool import init_kv_pool, kv_pool_specs
+from xlaserve.runtime.executor.page_table import DevicePageTable
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
+from xlaserve.runtime.executor.transfer import concat_leaves
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.sampler import SamplingMetadata, build_sampling_metadata
+from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME, StepNeeds, needs_of,
+                                         program_needs)
+from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, stored_in, weight_args,
+                                           weight_formats)
+from xlaserve.runtime.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable, StepOutput,
+                                           empty_batch, idle_step, make_step, step_vectors,
+                                           table_arrays)
+
+logger = logging.getLogger(__name__)
+
+# Slots set up per device call when a step admits several (assign_slots): 8 rows of a
+# 151936-token vocabulary are ~6 MB to send (int32 counts and a bool mask per row).
+ASSIGN_ROWS = 8
+
+
+@dataclasses.dataclass
+class StagedStep:
+    """A step's inputs but its grammar masks (ModelRunner.stage). The step vectors stay numpy
+    arrays in one process, which the step's call transfers (~20 us of host time, where a
+    device_put of them cost ~0.15 ms; tests/executor/test_model_runner.py); over several
+    processes they are global device arrays, put by each process."""
+
+    ints: jax.Array | np.ndarray
+    floats: jax.Array | np.ndarray
+    tables: tuple[jax.Array, jax.Array]  # the sampling tables' int32 and float32 vectors
+    layout: tuple  # (the step vectors' transfer.Layout, the tables')
+    shape: tuple[int, int, int]  # (tokens, seqs, pages)
+    widths: tuple[int, int]  # logit-bias and suppressed-id table widths
+    # (ints, floats, table ints, table floats) for a multi-host leader
+    host: tuple[np.ndarray, ...] | None = None
+    # What the rows need but the grammar mask (known at `run`); RUN_TIME on the CPU.
+    needs: StepNeeds | None = RUN_TIME
+    # The page table's rows the step writes, for PageTableRows.commit once it is dispatched.
+    page_updates: list = dataclasses.field(default_factory=list)
+    # (positions, pages) of writes past the step's own room: `run` sends them first.
+    overflow_writes: tuple[np.ndarray, np.ndarray] | None = None
+
+
+class ModelRunner:
+    def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
+                 attention_backend: str = "auto", matmul_backend: str = "auto",
+                 static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
+                 context_length: int | None = None, mla_expanded_prefill_tokens: int = 0):
+        """`context_length` (default: the model's) sets the page table's width, the pages of
+        the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
+        bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
+        None: on TPU and GPU, not on the CPU. `choose_weight_layouts`: `precompile` lets XLA
+        choose the weights' layouts and stores them so (`_choose_weight_layouts`); None: on TPU
+        in one process (the CPU's and the H100's choice is the default layouts).
+        `mla_expanded_prefill_tokens`: kernels_for's."""
+        self.config = loaded.config
+        self.mesh = loaded.mesh
+        self.page_size = page_size
+        if static_variants is None:
+            static_variants = self.mesh.devices.flat[0].platform != "cpu"
+        self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
+        # RoPE's cos/sin by position: the frequencies and YaRN's cos/sin scale (1.0 for others).
+        self._rope = RopeTable(self.config.rope.inv_freq(self.config.head_dim),
+                               self.config.rope.attention_factor)
+        self.num_pages = num_pages
+        dtype = loaded.dtype
+        self.kernels = kernels = kernels_for(
+            attention_backend, self.mesh, matmul_backend,
+            mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
+        # Zeroed on a thread while the weights are packed and the programs loaded (kv_pool.py);
+        # the first step that needs the pool waits for it (`kv_caches`).
+        self._kv_pool = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh,
+                                     in_background=True)
+        self._kv_caches = None
+        self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh)
+        if kernels.packed_matmul is not None:
+            pack_model(loaded.model, self.config.tie_word_embeddings,
+                       int8_as_rows=native_gemm_available())
+        check_quantized_rows(loaded.model, kernels)
+        graphdef, state = nnx.split(loaded.model)
+        num_slots = max_running_requests + 1  # + the null slot
+        vocab = self.config.vocab_size
+        # Every persistent array keeps one explicit sharding in and out of the jitted functions:
+        # an array whose sharding changed between calls would be a cache miss, i.e. a compile.
+        replicated = NamedSharding(self.mesh, P())
+        # Over several processes' devices, each puts its own copies (weights/placement.py).
+        self._put = jax.device_put if replicated.is_fully_addressable else put
+        self._vectors_in_call = replicated.is_fully_addressable  # StagedStep
+        # The multi-host leader's followers (runtime/distributed/leader.py); None in one process.
+        self.sink = None
+        kv_sharding = [spec.sharding for spec in self._kv_specs]
+        self.output_counts = self._put(np.zeros((num_slots, vocab), np.int32), replicated)
+        self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
+        self.last_tokens = self._put(np.zeros(num_slots, np.int32), replicated)
+        self.context_length = context_length or self.config.max_position_embeddings
+        width = pages_for_tokens(self.context_length, page_size)  # the longest sequence's pages
+        self.page_table = DevicePageTable(num_slots, width, page_size, self._put, replicated)
+
+        # The weights go in as a flat list (flattening the nnx.State, 182 Variables for the
+        # default model, cost ~0.4 ms of host time per step), and as few arrays as they can
+        # (runtime/executor/weight_args.py).
+        leaves, state_treedef = jax.tree.flatten(state)
+        # What the step is made of besides its arguments' shapes: part of its executable cache key.
+        self._description = "\n".join([repr(self.config), np.dtype(dtype).name, str(state_treedef),
+                                        describe(kernels)])
+        self._weight_args, weight_layout = weight_args(
+            leaves, stack_small=self.mesh.size == 1,
+            stack_layers=self.mesh.devices.flat[0].platform == "tpu")
+        del leaves, state
+        if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
+            logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
+
+        step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding)
+        if choose_weight_layouts is None:
+            # TPU only: there the default layouts had each step relay weights out (64 fused
+            # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
+            choose_weight_layouts = (self.mesh.devices.flat[0].platform == "tpu"
+                                     and replicated.is_fully_addressable)
+        # The step whose weight layouts XLA chooses, until `precompile` has used it.
+        self._choosing_step = (make_step(graphdef, state_treedef, weight_layout, kernels,
+                                         self.mesh, kv_sharding, auto_formats(self._weight_args))
+                               if choose_weight_layouts else None)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
+        def reset_slots(output_counts, prompt_masks, slots, counts_rows, prompt_mask_rows):
+            return (output_counts.at[slots].set(counts_rows),
+                    prompt_masks.at[slots].set(prompt_mask_rows))
+
+        self._step = step
+        self._reset_slots = reset_slots
+        self._reset_programs: dict[int, object] = {}  # rows -> assign_slots' compiled program
+        self._precompiled = False
+        self._programs: dict[tuple, object] = {}  # (shape, widths, needs) -> its compiled step
+        self._replicated = replicated
+        self.bitmask_words = -(-vocab // 32)
+        self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
+        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> its layouts (multi-host)
+        # The last step's sampling tables: (their numpy arrays, host vectors, device vectors,
+        # layout), reused while a step's tables are the same arrays (`_tables`).
+        self._last_tables = None
+
+    @property
+    def kv_caches(self) -> list[jax.Array]:
+        """The KV pool, once zeroed (the first call waits for the thread)."""
+        if self._kv_caches is None:
+            self._kv_caches = self._kv_pool.result()
+            self._kv_pool = None
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[jax.Array]) -> None:
+        self._kv_caches = caches
+
+    def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
+        """Start (or, after a retraction, resume) a request in `slot` (`assign_slots` of one)."""
+        self.assign_slots([(slot, prompt_ids, output_ids)])
+
+    def assign_slots(self, assignments) -> None:
+        """Start (or, after a retraction, resume) requests in their slots: each (slot, prompt_ids,
+        output_ids) gets its output counts and prompt mask, built on the host, one device call
+        for one request and one per `ASSIGN_ROWS` for more. A call per request cost ~0.3 ms of
+        the engine thread each, i.e. several ms of a step that admits several
+        (benchmarks/bench_host_step.py, the admission case). A partial call's rows are padded
+        with rows for the null slot (zeros, what it holds: padding rows sample nothing), so two
+        programs serve any number; `precompile` compiles both."""
+        if not assignments:
+            return
+        if self.sink is not None:
+            self.sink.assign_slots(assignments)
+        vocab = self.config.vocab_size
+        rows = 1 if len(assignments) == 1 else ASSIGN_ROWS
+        for start in range(0, len(assignments), rows):
+            slots = np.full(rows, NULL_SLOT, np.int32)
+            masks = np.zeros((rows, vocab), np.bool_)
+            counts = np.zeros((rows, vocab), np.int32)
+            for i, (slot, prompt_ids, output_ids) in enumerate(assignments[start:start + rows]):
+                slots[i] = slot
+                masks[i, np.asarray(prompt_ids, np.int64)] = True
+                counts[i] = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab)
+            reset = self._reset_programs.get(rows, self._reset_slots)
+            self.output_counts, self.prompt_masks = reset(
+                self.output_counts, self.prompt_masks, slots, counts, masks)
+
+    def _compile_reset_slots(self) -> None:
+        """The two `assign_slots` programs and `write_pages`', compiled before serving."""
+        self.page_table.compile()
+        vocab = self.config.vocab_size
+        for rows in (1, ASSIGN_ROWS):
+            self._reset_programs[rows] = self._reset_slots.lower(
+                self.output_counts, self.prompt_masks, np.zeros(rows, np.int32),
+                np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), np.bool_)).compile()
+
+    def step(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray,
+             token_bitmask: np.ndarray | None = None) -> StepOutput:
+        """Run one step; returns device arrays (the caller's `np.asarray` is the sync point).
+        `slots` has a row per sequence row of the batch, NULL_SLOT for padding.
+        `token_bitmask` (i32[seqs, bitmask_words]): the grammar masks, None when no row has one."""
+        return self.run(self.stage(batch, sampling, slots), token_bitmask)
+
+    def stage(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "StagedStep":
+        """The step's inputs but the grammar masks, sent to the device as two vectors, and the
+        sampling tables as two more (or those already there: `_tables`): the engine stages a
+        step before the tokens its masks depend on are known (runtime/engine/core.py, EngineCore._loop)."""
+        if len(slots) != batch.shape[1]:
+            raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
+        tokens, seqs, _ = batch.shape
+        writes, updates, overflow = self.page_table.step_writes(slots, batch.page_ids, tokens,
+                                                                seqs)
+        host = step_vectors(self._rope, batch, sampling, slots, writes)
+        ints, floats = (host[:2] if self._vectors_in_call
+                        else self._put(host[:2], self.output_counts.sharding))
+        _, table_host, tables, table_layout = self._tables(sampling)
+        # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
+        # engine can stage a step before it reads the previous one.
+        needs = (RUN_TIME if self.step_variants is None else
+                 needs_of(sampling, batch.target_ids, grammar=False))
+        return StagedStep(ints, floats, tables, (host[2], table_layout), batch.shape,
+                          (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
+                          (*host[:2], *table_host) if self.sink is not None else None, needs,
+                          updates, overflow)
+
+    def _tables(self, sampling: SamplingMetadata):
+        """(arrays, host vectors, device vectors, layout) of the sampling metadata's tables
+        (logit bias ids and values, suppressed ids: 300 + 300 + 64 entries a row, 680 KB of a
+        256-row step's 960 KB of inputs). Sent again only when they are other arrays than the
+        last step's: the engine reuses a run of decode steps' metadata
+        (EngineCore._sampling_metadata), and packing and sending them cost ~0.3 ms of the engine
+        thread per 256-row decode step (benchmarks/bench_host_step.py). The tables' arrays are
+        read as immutable (build_sampling_metadata makes new ones)."""
+        arrays = table_arrays(sampling)
+        last = self._last_tables
+        if last is None or any(a is not b for a, b in zip(last[0], arrays, strict=True)):
+            *host, layout = concat_leaves(arrays)
+            device = tuple(self._put(tuple(host), self.output_counts.sharding))
+            last = self._last_tables = (arrays, tuple(host), device, layout)
+        return last
+
+    def staged_from_host(self, vectors, shape, widths,
+                         needs: list[bool] | None = None) -> "StagedStep":
+        """A follower's StagedStep from the leader's host vectors (StagedStep.host: the step's
+        int32 and float32 vectors, then the sampling tables') and needs (StepNeeds.as_list, or
+        None for RUN_TIME): the layouts are a function of the bucket shape and the table widths
+        alone (`layout_for`)."""
+        shape, widths = tuple(shape), tuple(widths)
+        layout = self.layout_for(shape, widths)
+        for (ints, floats), part_layout in zip((vectors[:2], vectors[2:]), layout, strict=True):
+            sizes = {"int32": 0, "float32": 0}
+            for buffer, offset, leaf_shape, _ in part_layout.leaves:
+                sizes[buffer] = max(sizes[buffer],
+                                    offset + int(np.prod(leaf_shape, dtype=np.int64)))
+            if (ints.dtype, floats.dtype) != (np.int32, np.float32) or \
+                    (ints.shape, floats.shape) != ((sizes["int32"],), (sizes["float32"],)):
+                raise ValueError(
+                    f"a step of shape {shape}, widths {widths} needs int32[{sizes['int32']}] and "
+                    f"float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} and "
+                    f"{floats.dtype}{list(floats.shape)}")
+        ints, floats, *tables = self._put(tuple(vectors), self.output_counts.sharding)
+        return StagedStep(ints, floats, tuple(tables), layout, shape, widths,
+                          needs=RUN_TIME if needs is None else StepNeeds(*map(bool, needs)))
+
+    def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int]):
+        """The layout of every staged step of this bucket shape and logit-bias / suppressed-id
+        widths: that of an idle step of the same shape."""
+        key = (shape, widths)
+        if key not in self._layouts:
+            tokens, seqs, pages = shape
+            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+                                               widths)
+            writes = self.page_table.idle_writes(tokens, seqs)
+            self._layouts[key] = (step_vectors(self._rope, empty_batch(tokens, seqs, pages),
+                                               sampling, np.full(seqs, NULL_SLOT, np.int32),
+                                               writes)[2],
+                                  concat_leaves(table_arrays(sampling))[2])
+        return self._layouts[key]
+
+    def run(self, staged: "StagedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
+        """Dispatches a staged step with its grammar masks (None: no row has one). Steps run in
+        the order they were staged: each one's page-table writes are relative to the last."""
+        if staged.overflow_writes is not None:
+            self.write_pages(*staged.overflow_writes)
+        if self.sink is not None:  # the followers make the same call
+            self.sink.step(staged, token_bitmask)
+        args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
+                self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
+                *staged.tables, self._bitmask(staged.shape[1], token_bitmask))
+        needs = self._program_needs(staged.needs, token_bitmask is not None)
+        program = self._programs.get((staged.shape, staged.widths, needs))
+        if program is not None:
+            (out, self.kv_caches, self.output_counts, self.last_tokens,
+             self.page_table.array) = program(*args)
+        else:
+            compiled_before = self._step._cache_size()
+            (out, self.kv_caches, self.output_counts, self.last_tokens,
+             self.page_table.array) = self._step(*args, layout=staged.layout, needs=needs)
+            if self._precompiled and self._step._cache_size() > compiled_before:
+                logger.warning(
+                    "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
+                    "width %d, suppressed width %d, needs %s was not precompiled; every request "
+                    "waited for it. Add the shape to the padding buckets.", staged.shape,
+                    *staged.widths, needs)
+        self.page_table.rows.commit(staged.page_updates)
+        if self.sink is not None:  # replicated over every process: read this one's copy
+            out = jax.tree.map(lambda x: x.addressable_data(0), out)
+            self.sink.ran(out)
+        return out
+
+    def write_pages(self, positions: np.ndarray, pages: np.ndarray) -> None:
+        """Writes into the flattened page table (page_table.PageWrites): a step's writes past its
+        own room, sent before it (`run`); the followers make the same calls."""
+        if self.sink is not None:
+            self.sink.write_pages(positions, pages)
+        self.page_table.write(positions, pages)
+
+    def _program_needs(self, needs: StepNeeds | None, grammar: bool) -> StepNeeds | None:
+        """The program a step with `needs` (and grammar masks, or not) runs."""
+        if needs is RUN_TIME:
+            return RUN_TIME
+        # A follower runs what its leader staged, whatever its own `step_variants`.
+        return program_needs(dataclasses.replace(needs, grammar=grammar),
+                             self.step_variants or ACCELERATOR_VARIANTS)
+
+    def _bitmask(self, seqs: int, token_bitmask: np.ndarray | None) -> jax.Array:
+        if token_bitmask is not None:
+            if token_bitmask.shape != (seqs, self.bitmask_words):
+                raise ValueError(f"token_bitmask of shape {token_bitmask.shape}, expected "
+                                 f"{(seqs, self.bitmask_words)}")
+            return self._put(token_bitmask, self._replicated)
+        if seqs not in self._all_allowed:
+            self._all_allowed[seqs] = self._put(
+                np.full((seqs, self.bitmask_words), -1, np.int32), self._replicated)
+        return self._all_allowed[seqs]
+
+    def compile_count(self) -> int:
+        """Programs compiled or loaded: the precompiled ones and any the jitted step compiled."""
+        return len(self._programs) + self._step._cache_size()
+
+    def compiled_step(self, tokens: int, seqs: int, pages: int,
+                      needs: StepNeeds | None = RUN_TIME):
+        """The step compiled for one bucket shape (for its memory analysis and HLO text): the
+        program of a step with `needs` (RUN_TIME: of an idle step)."""
+        needs = needs or StepNeeds()
+        args, kwargs = self._lowering_args((tokens, seqs, pages),
+                                           self._program_needs(needs, needs.grammar))
+        return self._step.lower(*args, **kwargs).compile()
+
+    def program_variants(self) -> list[StepNeeds | None]:
+        """The programs precompiled per bucket: RUN_TIME alone, or each static variant."""
+        return [RUN_TIME] if self.step_variants is None else list(self.step_variants)
+
+    def precompile(self, shapes, *, cache: ExecutableCache | None = None,
+                   progress: bool = True) -> None:
+        """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape and program
+        variant (`program_variants`). Compiled, not run: a run of each with padding rows cost
+        ~1.3 s of the default model's start. On TPU the first one chooses the weights'
+        layouts, which the others take (`_choose_weight_layouts`); with --disable-precompile
+        the weights keep the default ones."""
+        variants = self.program_variants()
+        if self.sink is not None:
+            # Multi-host: a step runs on every process, so the followers compile it as they
+            # replay it; it goes through the jitted step, on every process alike.
+            for shape in tqdm(shapes, desc="Precompiling", unit="shape", disable=not progress):
+                for needs in variants:
+                    staged = dataclasses.replace(self.stage(*idle_step(*shape)), needs=needs)
+                    jax.block_until_ready(self.run(staged).sample.tokens)
+            self._precompiled = True
+            return
+        shapes = [(tuple(shape), needs) for shape in shapes for needs in variants]
+        found = {}
+        if self._choosing_step is not None:  # first: the other programs keep the layouts chosen
+            found[shapes[0]] = self._choose_weight_layouts(*shapes[0], cache)
+        lowering = {shape: self._lowering_args(*shape) for shape in shapes if shape not in found}
+        if cache is not None:
+            paths = {shape: cache.path(*lowering[shape], name="serving step",
+                                       description=self._description) for shape in lowering}
+            devices = list(self.mesh.devices.flat)  # the mesh's order is jit's device assignment
+
+            def load(shape):
+                return cache.load(paths[shape], devices)
+
+            with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as threads:
+                found.update(zip(lowering, threads.map(load, lowering)))
+        missing = [shape for shape in lowering if found.get(shape) is None]
+        for shape in tqdm(missing, desc="Precompiling", unit="shape", disable=not progress):
+            args, kwargs = lowering[shape]
+            found[shape] = (self._step.lower(*args, **kwargs).compile() if cache is None else
+                            cache.compile_and_store(self._step, args, kwargs, paths[shape]))
+        for shape, needs in shapes:
+            self._programs[(shape, SAMPLING_WIDTHS, needs)] = found[(shape, needs)]
+        self._compile_reset_slots()
+        self._precompiled = True
+
+    def _choose_weight_layouts(self, shape, needs: StepNeeds | None,
+                               cache: ExecutableCache | None):
+        """The program of one bucket shape and variant with the weights' layouts left to XLA
+        (compiled, or loaded from `cache`), after which the weights are stored in the layouts it
+        chose, which the jitted step and every other program then take: no weight is relaid
+        out in a step (on TPU v6e the default layouts cost 64 a step, weight_args.auto_formats).
+        Not another compile: the program serves its bucket. The model's own arrays are freed."""
+        logger.info("Choosing the weights' layouts: the step of shape %s, %s", shape, needs)
+        args, kwargs = self._lowering_args(shape, needs)
+        # Layout.AUTO takes shapes: an array has a layout already.
+        args = (abstract_args(args[0]), *args[1:])
+        if cache is None:
+            compiled = self._choosing_step.lower(*args, **kwargs).compile()
+        else:
+            path = cache.path(args, kwargs, name="serving step, weight layouts chosen",
+                              description=self._description)
+            compiled = (cache.load(path, list(self.mesh.devices.flat)) or
+                        cache.compile_and_store(self._choosing_step, args, kwargs, path))
+        self._weight_args = stored_in(self._weight_args, weight_formats(compiled))
+        self._choosing_step = None
+        return compiled
+
+    def _lowering_args(self, shape, needs: StepNeeds | None):
+        """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be
+        zeroed yet), and its static layout and needs."""
+        staged = self.stage(*idle_step(*shape))
+        args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
+                self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
+                *staged.tables, self._bitmask(shape[1], None))
+        return args, {"layout": staged.layout, "needs": needs}

@@ -1,0 +1,187 @@
+"""The serving step as a pure function, and the host arrays it is called with.
+
+`make_step` is the jitted step (forward, sampling, penalty counts, last tokens, the page table's
+writes) over flat weight arguments, so that it can also be compiled for hardware that is not here (runtime/executor/aot.py);
+`step_vectors` packs a batch's host arrays into the step's vectors; `idle_step` / `idle_vectors`
+are a bucket's all-padding inputs, which the precompile and the ahead-of-time compiles lower the
+step with. ModelRunner (model_runner.py) owns the device state and calls these.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from xlaserve.runtime.executor.forward_batch import ForwardBatch
+from xlaserve.runtime.executor.page_table import (PageWrites, apply_writes, empty_writes, gather_rows,
+                                         write_capacity)
+from xlaserve.runtime.executor.transfer import concat_leaves, split_leaves
+from xlaserve.runtime.executor.weight_args import leaves_from_args
+from xlaserve.model.sharding import TP
+from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
+from xlaserve.runtime.sampling.params import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
+                                     RowSamplingParams)
+from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET, PromptLogprobs, prompt_logprobs
+from xlaserve.runtime.sampling.sampler import (SampleOutput, SamplingMetadata, add_sampled,
+                                      build_sampling_metadata, sample)
+from xlaserve.runtime.sampling.step_needs import RUN_TIME, StepNeeds, part
+
+SAMPLING_WIDTHS = (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS)
+NULL_SLOT = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    sample: SampleOutput  # one row per sequence
+    prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
+
+
+def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
+              weight_formats=None):
+    """The jitted serving step: forward, sampling, penalty counts and last tokens, over the
+    device's page table with the step's writes (runtime/executor/page_table.py). A pure function of its
+    arguments, so that it can also be compiled for hardware that is not here
+    (runtime/executor/aot.py). `weight_formats`: the weight arguments' formats (weight_args.auto_formats:
+    XLA chooses their layouts); None: the arguments' own (the other arguments' always are)."""
+    replicated = NamedSharding(mesh, P())
+    by_vocab = NamedSharding(mesh, P(None, TP))
+    jit_options = {"donate_argnums": (1, 2, 3, 4),
+                   "out_shardings": (replicated, kv_sharding, replicated, replicated, replicated)}
+
+    def step(weights, kv_caches, output_counts, last_tokens, page_table, prompt_masks, ints,
+             floats, table_ints, table_floats, token_bitmask, layout,
+             needs: StepNeeds | None = RUN_TIME):
+        batch, sampling, slots, rope, writes = split_leaves(ints, floats, layout[0])
+        bias_ids, bias_values, suppressed = split_leaves(table_ints, table_floats, layout[1])
+        sampling = dataclasses.replace(sampling, logit_bias_ids=bias_ids,
+                                       logit_bias_values=bias_values, suppressed_ids=suppressed)
+        state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
+        model = nnx.merge(graphdef, state)
+
+        def whole_vocab_logits(rows):
+            # The vocabulary whole on every device (an all-gather under tensor parallelism)
+            # before the sampler's and prompt logprobs' top_k. JAX 0.11's XLA left the logits
+            # sharded into it, and libtpu's SPMD partitioning of a top_k over a sharded axis
+            # aborts the compile there ("Stable sort expects more than 1 operand", libtpu
+            # 0.0.48); libtpu 0.0.42 (JAX 0.10) compiles it but returns indices of 0.
+            # Computed where the LM head's vocabulary columns are, then gathered: left to itself
+            # XLA gathered the 1 GB LM head onto every device instead of the logits (Llama-3.1-8B,
+            # v6e, tp 4: an all-gather of bf16[4096, 128256] twice a step).
+            logits = jax.lax.with_sharding_constraint(model.logits(rows, kernels), by_vocab)
+            return jax.lax.with_sharding_constraint(logits, replicated)
+
+        input_ids = jnp.where(batch.input_slots >= 0,
+                              last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
+        # Each sequence's row of the page table by its slot (padding rows: the null slot's).
+        page_table = apply_writes(page_table, writes)
+        metadata = AttentionMetadata(batch.kv_lens, gather_rows(page_table, slots, batch.pages),
+                                     batch.cu_q_lens, batch.num_seqs)
+        hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches, metadata,
+                                                kernels, rope)
+        logits = whole_vocab_logits(hidden[batch.logits_indices])
+        out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
+                     num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs)
+        output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
+        # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
+        last_tokens = last_tokens.at[slots].set(
+            jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
+        prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
+                                 part(needs, "prompt_logprobs"))
+        return StepOutput(out, prompt), kv_caches, output_counts, last_tokens, page_table
+
+    if weight_formats is None:
+        return jax.jit(step, static_argnames=("layout", "needs"), **jit_options)
+    # Of the eleven positional arguments; None: the argument's own sharding and layout.
+    in_shardings = (list(weight_formats),) + (None,) * 10
+    return StaticKeywordsBound(step, in_shardings=in_shardings, **jit_options)
+
+
+class StaticKeywordsBound:
+    """`fn` jitted with its keyword arguments (static ones: `layout`, `needs`) bound first, for
+    lowering only: jit refuses keyword arguments where `in_shardings` is given."""
+
+    def __init__(self, fn, **jit_options):
+        self.fn, self.jit_options = fn, jit_options
+
+    def trace(self, *args, **kwargs):
+        return jax.jit(functools.partial(self.fn, **kwargs), **self.jit_options).trace(*args)
+
+    def lower(self, *args, **kwargs):
+        return self.trace(*args, **kwargs).lower()
+
+
+class RopeTable:
+    """RoPE's (cos, sin) by position, computed once per position (`rope_cos_sin`'s values) and
+    looked up per step: computing them cost ~0.12 ms of host time a 256-row decode step at
+    head_dim 64 (twice that at 128), the lookup ~10 us. Grows (doubling) to the largest
+    position asked for: 512 bytes a position at head_dim 128, 4 MB at 8K positions."""
+
+    def __init__(self, inv_freq: np.ndarray, attention_factor: float = 1.0):
+        self.inv_freq, self.attention_factor = inv_freq, attention_factor
+        half = len(inv_freq)
+        self._cos = self._sin = np.zeros((0, half), np.float32)
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions` (>= 0)."""
+        needed = int(positions.max(initial=0)) + 1
+        if needed > len(self._cos):
+            size = max(needed, 2 * len(self._cos), 1024)
+            cos, sin = rope_cos_sin(self.inv_freq, np.arange(len(self._cos), size, dtype=np.int32),
+                                    self.attention_factor)
+            self._cos = np.concatenate([self._cos, cos])
+            self._sin = np.concatenate([self._sin, sin])
+        return self._cos[positions], self._sin[positions]
+
+
+def step_vectors(rope: RopeTable, batch: ForwardBatch, sampling: SamplingMetadata, slots,
+                 writes: PageWrites):
+    """The step's host arrays but the sampling tables (`table_arrays`, sent apart), with the
+    page table's writes and the rows' RoPE cos/sin (`rope`: the config's frequencies and `rope.attention_factor`), as one
+    int32 and one float32 vector (runtime/executor/transfer.py) and their layout (which the values do not
+    change). RoPE stays on the host: computed in the step, XLA's CPU fusion recomputes cos/sin
+    in each layer's RoPE fusion (an optimization barrier does not stop it: the CPU compiler
+    removes barriers before fusion; 64 cos fusions in the 32-layer step)."""
+    rest = dataclasses.replace(sampling, logit_bias_ids=None, logit_bias_values=None,
+                               suppressed_ids=None)
+    return concat_leaves((batch, rest, np.asarray(slots, np.int32),
+                          rope.cos_sin(batch.positions), writes))
+
+
+def table_arrays(sampling: SamplingMetadata) -> tuple:
+    """The sampling tables the step takes as vectors of their own (ModelRunner._tables)."""
+    return sampling.logit_bias_ids, sampling.logit_bias_values, sampling.suppressed_ids
+
+
+def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int, page_size: int):
+    """((ints, floats, table ints, table floats), layout) of an idle step of the bucket shape:
+    the step's transfer arguments, for compiling it ahead of time (runtime/executor/aot.py)."""
+    batch, sampling, slots = idle_step(tokens, seqs, pages)
+    writes = empty_writes(write_capacity(tokens, seqs, page_size), 0)
+    ints, floats, layout = step_vectors(RopeTable(inv_freq), batch, sampling, slots, writes)
+    table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
+    return (ints, floats, table_ints, table_floats), (layout, table_layout)
+
+
+def idle_step(tokens: int, seqs: int, pages: int):
+    """(batch, sampling, slots) of a step of the given bucket shape with every row padding:
+    nothing is written to a live page (padding tokens write to no page at all)."""
+    sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+                                       SAMPLING_WIDTHS)
+    return empty_batch(tokens, seqs, pages), sampling, np.full(seqs, NULL_SLOT, np.int32)
+
+
+def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:
+    """A batch of the given bucket shape with no live sequence."""
+    return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
+                        kv_lens=np.zeros(seqs, np.int32), cu_q_lens=np.zeros(seqs + 1, np.int32),
+                        num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(seqs, np.int32),
+                        sample_rows=np.zeros(seqs, np.bool_),
+                        target_ids=np.full(tokens, NO_TARGET, np.int32),
+                        input_slots=np.full(tokens, -1, np.int32), pages=pages)

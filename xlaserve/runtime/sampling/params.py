@@ -1,0 +1,253 @@
+"""Per-request sampling parameters with SGLang's names, their type and range checks, and the
+server's bounds on what one request may ask (`RequestLimits`).
+
+Every check runs in the caller's thread before a request reaches the engine loop
+(`EngineCore.submit`, the HTTP routes), so a bad value is that request's error, never the loop's:
+a value the device columns cannot hold (a top_k past int32 once overflowed the packing and took
+every running request down with it) or one that makes no sense is refused with its name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+
+from typing import Sequence
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; always computed, so one program serves every request
+# Fixed widths of the per-row logit_bias and suppressed-id tables, so no request picks a new
+# program: OpenAI accepts up to 300 logit_bias entries; suppressed ids are EOS + stop_token_ids.
+MAX_LOGIT_BIAS = 300
+MAX_SUPPRESSED_IDS = 64
+
+# OpenAI's seeds are 64-bit; negative ones are accepted as vLLM does (int64), positive up to uint64.
+SEED_RANGE = (-2**63, 2**64 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for: each bound is the server flag of the same name (ServerArgs
+    holds the defaults and their help)."""
+
+    max_n: int  # choices per prompt (each one is a running request)
+    max_sequences_per_request: int  # prompts x n of one call
+    max_stop_sequences: int
+    max_stop_sequence_length: int  # characters of one stop string
+    max_constraint_size: int  # characters of a JSON schema, regex or EBNF grammar
+    grammar_compile_timeout: float  # seconds
+    max_tools: int
+    max_prompt_logprob_entries: int  # prompt tokens x (1 + top logprobs), over the sequences
+    max_queued_requests: int  # submitted requests that wait for a slot, all calls together
+
+    @classmethod
+    def from_server_args(cls, args) -> "RequestLimits":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def defaults(cls) -> "RequestLimits":
+        from xlaserve.server_args import ServerArgs
+
+        return cls.from_server_args(ServerArgs())
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling parameters, with SGLang's names."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # Structured outputs (runtime/sampling/grammar.py), at most one: a JSON schema as a JSON string, a
+    # regular expression, an EBNF grammar in GBNF syntax (`root ::= "red" | "green"`), or a
+    # structural tag (JSON: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+    def validate(self, vocab_size: int, names: dict[str, str] | None = None,
+                 limits: RequestLimits | None = None) -> None:
+        """Raises InvalidSamplingParam for the first value of the wrong type or out of range;
+        `names` renames fields in the message and `param` (the HTTP layer says max_tokens for
+        max_new_tokens); `limits` bounds the stop strings and the constraint's size."""
+        limits = limits or RequestLimits.defaults()
+
+        def fail(field: str, message: str):
+            name = (names or {}).get(field, field)
+            raise InvalidSamplingParam(name, message.format(name))
+
+        for field, kind in _TYPES.items():
+            if not _is(getattr(self, field), kind):
+                fail(field, "{} must be " + _TYPE_NAMES[kind])
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+            fail("stop", "{} must be a string or a list of strings")
+        if len(stops) > limits.max_stop_sequences:
+            fail("stop", f"{{}} takes at most {limits.max_stop_sequences} strings "
+                         f"(--max-stop-sequences)")
+        if any(len(s) > limits.max_stop_sequence_length for s in stops):
+            fail("stop", f"{{}} strings must be at most {limits.max_stop_sequence_length} "
+                         f"characters (--max-stop-sequence-length)")
+        if not isinstance(self.logit_bias, dict) or not all(
+                token_id(k) is not None and _is(v, "number") for k, v in self.logit_bias.items()):
+            fail("logit_bias", "{} must map token ids (JSON keys: their decimal text) to numbers")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))) or not all(
+                _is(t, "int") for t in self.stop_token_ids or ()):
+            fail("stop_token_ids", "{} must be a list of token ids")
+        for field in ("json_schema", "regex", "ebnf", "structural_tag"):
+            text = getattr(self, field)
+            if text is not None and len(text if isinstance(text, str) else str(text)) > limits.max_constraint_size:
+                fail(field, f"{{}} is longer than {limits.max_constraint_size} characters "
+                            f"(--max-constraint-size)")
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, "{} must be >= 1"),
+            ("temperature", 0 <= self.temperature < math.inf, "{} must be a finite number >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "{} must be in (0, 1]"),
+            ("top_k", self.top_k == -1 or 1 <= self.top_k <= vocab_size,
+             f"{{}} must be -1 (off) or in [1, {vocab_size}] (the vocabulary size)"),
+            ("min_p", 0 <= self.min_p <= 1, "{} must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "{} must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "{} must be in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "{} must be in (0, 2]"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
+             "{} must be in [0, " + (names or {}).get("max_new_tokens", "max_new_tokens") + "]"),
+            ("seed", self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+             "{} must be a 64-bit integer"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"{{}} takes at most {MAX_LOGIT_BIAS} entries"),
+            ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()),
+             "{} values must be in [-100, 100]"),
+            ("stop_token_ids", len(self.stop_token_ids or ()) <= MAX_SUPPRESSED_IDS,
+             f"{{}} takes at most {MAX_SUPPRESSED_IDS} ids"),
+            ("logit_bias", all(0 <= token_id(t) < vocab_size for t in self.logit_bias),
+             f"{{}} token ids must be in [0, {vocab_size})"),
+            ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids or ()),
+             f"{{}} must be in [0, {vocab_size})"),
+        ]
+        for field, ok, message in checks:
+            if not ok:
+                fail(field, message)
+
+
+# What each scalar field may hold. JSON has no int/float distinction for the float fields, but an
+# integer field given 1.5 (or a bool, which Python counts as an int) is refused, not truncated.
+_TYPES = {
+    "max_new_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int",
+    "min_p": "number", "presence_penalty": "number", "frequency_penalty": "number",
+    "repetition_penalty": "number", "ignore_eos": "bool", "min_new_tokens": "int",
+    "seed": "int?", "skip_special_tokens": "bool", "no_stop_trim": "bool",
+    "json_schema": "text?", "regex": "str?", "ebnf": "str?", "structural_tag": "text?",
+}
+_TYPE_NAMES = {"int": "an integer", "int?": "an integer or null", "number": "a number",
+               "bool": "a boolean", "str?": "a string or null",
+               "text?": "a string (JSON text) or null"}
+
+
+def prompt_token_ids(ids, vocab_size: int) -> list[int]:
+    """Prompt token ids as a list of ints in [0, vocab_size), or InvalidSamplingParam."""
+    ids = list(ids)
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise InvalidSamplingParam("input_ids", "prompt token ids must be integers")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidSamplingParam("input_ids", f"prompt token ids must be in [0, {vocab_size})")
+    return [int(t) for t in ids]
+
+
+def token_id(key) -> int | None:
+    """A logit_bias key as a token id: an int, or its decimal text (JSON object keys are
+    strings, as OpenAI and SGLang send them); None for anything else."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,19}", key):
+        return int(key)
+    return None
+
+
+def _is(value, kind: str) -> bool:
+    if value is None:
+        return kind.endswith("?")
+    kind = kind.rstrip("?")
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not math.isnan(value)
+    if kind == "text":  # the offline API also takes a schema as a dict
+        return isinstance(value, (str, dict))
+    return isinstance(value, str)
+
+
+class InvalidSamplingParam(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass
+class RowSamplingParams:
+    """One request's parameters as Python values; the defaults switch everything off except
+    temperature, which defaults to OpenAI's 1.0."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    suppressed_ids: Sequence[int] = ()
+    seed: int | None = None  # None: a random seed is drawn when the metadata is built
+    sample_index: int = 0
+    return_logprob: bool = False
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, seed: int,
+                    return_logprob: bool) -> "RowSamplingParams":
+        """A request's row, from its (validated) SamplingParams and the seed it samples with."""
+        return cls(temperature=float(params.temperature), top_k=params.top_k,
+                   top_p=float(params.top_p), min_p=float(params.min_p),
+                   presence_penalty=float(params.presence_penalty),
+                   frequency_penalty=float(params.frequency_penalty),
+                   repetition_penalty=float(params.repetition_penalty),
+                   logit_bias={token_id(k): float(v) for k, v in params.logit_bias.items()},
+                   seed=seed, return_logprob=return_logprob)
+
+
+def stop_token_set(params: SamplingParams, eos_token_ids,
+                   template_stop_ids: frozenset[int] = frozenset()) -> set[int]:
+    """The ids that end a request: its stop_token_ids, and the model's EOS ids unless ignore_eos.
+    min_new_tokens masks all of them in one table row: at most MAX_SUPPRESSED_IDS, or
+    InvalidSamplingParam. `template_stop_ids`: a chat template's end-of-turn ids, which the HTTP
+    layer adds to stop_token_ids (unless ignore_eos) once this passed; the error names them."""
+    def check(ids: set[int], added: str) -> None:
+        if len(ids) > MAX_SUPPRESSED_IDS:
+            raise InvalidSamplingParam(
+                "stop_token_ids", f"stop_token_ids plus {added} come to {len(ids)}; at most "
+                                  f"{MAX_SUPPRESSED_IDS} are supported")
+
+    stop_ids = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        if template_stop_ids:
+            stop_ids |= template_stop_ids
+            check(stop_ids, "the chat template's end-of-turn ids")
+        stop_ids |= eos_token_ids
+    check(stop_ids, "the model's EOS ids")
+    return stop_ids

