@@ -214,7 +214,7 @@ class ModelBench:
                  **engine_options):
         """`engine_options`: further xlaserve.Engine arguments (ServerArgs fields)."""
         import xlaserve
-        from xlaserve.runtime.scheduler.step_budget import max_step_tokens
+        from xlaserve.runtime.scheduler.scheduler import max_step_tokens
 
         self.hbm_gbps, self.rng = hbm_gbps, np.random.default_rng(0)
         # The buckets the runs need and the largest step, not every power of two: each program
@@ -313,7 +313,7 @@ def server_check(model_path: str, *, timeout_s: float, max_tokens: int = 8) -> d
     one completion of a token-id prompt with the openai SDK; checks a 200 and every token."""
     import openai
 
-    from xlaserve.runtime.scheduler.step_budget import max_step_tokens
+    from xlaserve.runtime.scheduler.scheduler import max_step_tokens
 
     port, storage = free_port(), tempfile.mkdtemp(prefix="accelerator_check_")
     log_path = os.path.join(storage, "server.log")

@@ -26,7 +26,7 @@ thread waited for a core, which the device's own compute and other processes tak
   chunks themselves where that runs on the engine thread);
 - other: the rest of the iteration (the inbox, the loop);
 - host: the engine thread's CPU time per iteration (its own cost of a step);
-- chunk thr: the CPU time per step of the delivery's chunk thread (detokenizing, stop strings,
+- chunk thr: the CPU time per step of the delivery's output thread (detokenizing, stop strings,
   the chunks), where it has one: work taken off the loop (the mean over the case's steps);
 - wall: the iteration's wall time.
 "device" is the compiled step of the same bucket run alone in a loop (dispatch + compute +
@@ -139,7 +139,7 @@ class PhaseClock:
         self._timed(core.runner, "stage", "pack+put", self._note_staged)
         self._timed(core.runner, "run", "dispatch")
         self._timed(core, "_prepare", "build")
-        self._timed(core._delivery, "deliver", "deliver")
+        self._timed(core._live_requests, "deliver", "deliver")
         read = core._read
 
         def timed_read(batch, out):
@@ -218,9 +218,9 @@ def device_step_ms(core: EngineCore, staged, repeats: int = 30) -> float:
 
 
 def chunk_thread_cpu(core: EngineCore) -> float:
-    """CPU seconds the delivery's chunk thread has used (NaN where chunks are made on the loop
+    """CPU seconds the delivery's output thread has used (NaN where chunks are made on the loop
     thread: no such thread)."""
-    thread = getattr(core._delivery, "_thread", None)
+    thread = getattr(core._live_requests, "_thread", None)
     if thread is None:
         return float("nan")
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
@@ -228,7 +228,7 @@ def chunk_thread_cpu(core: EngineCore) -> float:
 
 def serve(core: EngineCore, params: list[SamplingParams], rng) -> float:
     """Submits a request of an 8-token random prompt per entry of `params` and waits for every
-    final chunk; returns the CPU seconds the chunk thread used meanwhile."""
+    final chunk; returns the CPU seconds the output thread used meanwhile."""
     done = threading.Event()
     left = [len(params)]
 

@@ -240,7 +240,7 @@ def request_plan(rows: int, context: int, steps: int, skip: int,
     """(max_new_tokens, context length): enough output for the first request admitted to decode
     through every prefill step (each takes at least `prefill_budget` prompt tokens beside the
     decodes), the skipped steps and the window, with room to spare."""
-    from xlaserve.runtime.scheduler.step_budget import prefill_budget
+    from xlaserve.runtime.scheduler.scheduler import prefill_budget
 
     ramp_steps = -(-rows * context // prefill_budget(max_prefill, rows)) + 2
     max_new = ramp_steps + skip + steps + 32
@@ -248,7 +248,7 @@ def request_plan(rows: int, context: int, steps: int, skip: int,
 
 
 class Requests:
-    """The requests' output as the engine's chunk thread hands it: errors and ends, counted."""
+    """The requests' output as the engine's output thread hands it: errors and ends, counted."""
 
     def __init__(self):
         self.errors: list[str] = []

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 from xlaserve.runtime.engine.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              EngineDeadError, sglang_output)
 from xlaserve.runtime.engine.data_parallel import make_engine_core
-from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs
@@ -125,14 +125,14 @@ class Engine:
         requests, batched = self._requests(prompt, sampling_params, input_ids)
         sinks = []
         for ids, params in requests:
-            sink: queue.Queue[OutputChunk] = queue.Queue()
+            sink: queue.Queue[OutputDelta] = queue.Queue()
             self.core.submit(ids, params, sink.put, **logprobs.submit_kwargs())
             sinks.append(sink)
         results = [self._collect(self._drain(sink), logprobs) for sink in sinks]
         return results if batched else results[0]
 
-    def _drain(self, sink: queue.Queue[OutputChunk]) -> Iterator[OutputChunk]:
-        """The chunks of one request as they come; raises if the engine loop has died, which
+    def _drain(self, sink: queue.Queue[OutputDelta]) -> Iterator[OutputDelta]:
+        """The outputs of one request as they come; raises if the engine loop has died, which
         would otherwise leave the caller waiting forever."""
         while True:
             try:
@@ -157,34 +157,34 @@ class Engine:
                                          for ids, params in requests])
         return list(results) if batched else results[0]
 
-    async def _chunks(self, ids, params, logprobs) -> AsyncIterator[OutputChunk]:
+    async def _outputs(self, ids, params, logprobs) -> AsyncIterator[OutputDelta]:
         group = AsyncRequestGroup(self.core)
         group.submit(0, ids, params, **logprobs.submit_kwargs())
         try:
-            async for _, chunk in group.chunks():
-                yield chunk
+            async for _, output in group.outputs():
+                yield output
         finally:
             group.abort()  # a no-op once finished; else the consumer went away: free the slot now
 
     async def _stream(self, ids, params, logprobs) -> AsyncIterator[dict]:
-        """SGLang's stream dicts: each chunk's text delta, its token id and `finished`, with the
+        """SGLang's stream dicts: each output's text delta, its token id and `finished`, with the
         final one's `meta_info`."""
-        async for chunk in self._chunks(ids, params, logprobs):
-            ids = [] if chunk.token_id is None else [chunk.token_id]
-            out = {"text": chunk.text, "output_ids": ids, "finished": chunk.finished}
-            if chunk.finished:
-                out["meta_info"] = chunk.meta_info
+        async for output in self._outputs(ids, params, logprobs):
+            ids = [] if output.token_id is None else [output.token_id]
+            out = {"text": output.text, "output_ids": ids, "finished": output.finished}
+            if output.finished:
+                out["meta_info"] = output.meta_info
             yield out
 
     async def _collect_async(self, ids, params, logprobs) -> dict:
-        return self._collect([c async for c in self._chunks(ids, params, logprobs)], logprobs)
+        return self._collect([c async for c in self._outputs(ids, params, logprobs)], logprobs)
 
     @staticmethod
-    def _collect(chunks: Iterable[OutputChunk], logprobs: LogprobOptions) -> dict:
+    def _collect(outputs: Iterable[OutputDelta], logprobs: LogprobOptions) -> dict:
         choice = Choice(0, 0)
-        for chunk in chunks:
-            choice.add(chunk)
-            if chunk.finished:
+        for output in outputs:
+            choice.add(output)
+            if output.finished:
                 break
         return sglang_output(choice, logprobs.return_logprob, logprobs.top_logprobs_num)
 

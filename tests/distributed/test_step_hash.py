@@ -158,10 +158,10 @@ def test_a_refused_or_failing_request_never_breaks_the_group(checkpoints, refere
     (after its step ran everywhere) fails alone. The group goes on with the same tokens."""
     import queue
 
-    from xlaserve.runtime.engine import delivery
+    from xlaserve.runtime.engine import live_requests
 
     engine, follower = _group(monkeypatch, checkpoints[0], checkpoints[0], 0)
-    original = delivery.Delivery._deliver
+    original = live_requests.LiveRequests._deliver
 
     def fails_for_one(self, sampled, *args):
         if sampled[0].rid == "faulty":  # a row: (request, live, token, ...)
@@ -173,7 +173,7 @@ def test_a_refused_or_failing_request_never_breaks_the_group(checkpoints, refere
             engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "top_k": 2**31})
         with pytest.raises(ValueError, match="stop must be"):
             engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "stop": 5})
-        monkeypatch.setattr(delivery.Delivery, "_deliver", fails_for_one)
+        monkeypatch.setattr(live_requests.LiveRequests, "_deliver", fails_for_one)
         sink: queue.Queue = queue.Queue()
         engine.core.submit(PROMPTS[1], engine_params(GREEDY), sink.put, rid="faulty")
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)

@@ -6,7 +6,7 @@ import pytest
 
 from xlaserve.runtime.engine import async_requests
 from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, EngineDeadError
-from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.engine.messages import OutputDelta
 
 pytestmark = pytest.mark.jax_independent  # host logic
 
@@ -30,13 +30,13 @@ class FakeCore:
         return "the engine loop stopped: test"
 
 
-def chunk(text: str, finished: bool = False) -> OutputChunk:
+def chunk(text: str, finished: bool = False) -> OutputDelta:
     meta = {"finish_reason": {"type": "stop"}, "completion_tokens": 1} if finished else {}
-    return OutputChunk(text=text, token_id=1, finished=finished, meta_info=meta)
+    return OutputDelta(text=text, token_id=1, finished=finished, meta_info=meta)
 
 
 async def read_all(group: AsyncRequestGroup) -> list:
-    return [(index, c.text) async for index, c in group.chunks()]
+    return [(index, c.text) async for index, c in group.outputs()]
 
 
 def test_chunks_of_several_requests_come_out_tagged_until_each_has_finished():

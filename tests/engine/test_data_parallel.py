@@ -13,7 +13,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.runtime.engine.data_parallel import DataParallelEngineCore
-from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -45,7 +45,7 @@ class FakeReplica:
 
     def finish(self, rid: str) -> None:
         emit, _ = self.live.pop(rid)
-        emit(OutputChunk(None, "", True, meta_info={"id": rid}))
+        emit(OutputDelta(None, "", True, meta_info={"id": rid}))
 
     def abort(self, rid, message=None):
         self.aborted.append(rid)

@@ -77,7 +77,7 @@ def test_stop_string_ends_the_request_where_it_matches(engine, prompts):
 
 def test_chunks_are_made_off_the_engine_loop_and_a_stop_string_frees_the_request_first(
         engine, prompts):
-    # The chunk thread detokenizes and finds the stop string; the loop must have ended the
+    # The output thread detokenizes and finds the stop string; the loop must have ended the
     # request (slot and pages free) before its final chunk goes out, and nothing follows it.
     text = engine.generate(input_ids=prompts[1], sampling_params=GREEDY)["text"]
     stop = text[len(text) // 2:len(text) // 2 + 3]

@@ -10,10 +10,10 @@ import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
-from xlaserve.runtime.engine import delivery as delivery_module
+from xlaserve.runtime.engine import live_requests as live_requests_module
 from xlaserve.runtime.engine.core import QueueFull
-from xlaserve.runtime.engine.messages import OutputChunk
-from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.runtime.engine.messages import OutputDelta
+from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve.runtime.scheduler.scheduler import Scheduler
@@ -36,7 +36,7 @@ def engine(tmp_path_factory):
         yield engine
 
 
-def _finals(sinks: list[queue.Queue], timeout: float = 60) -> list[OutputChunk]:
+def _finals(sinks: list[queue.Queue], timeout: float = 60) -> list[OutputDelta]:
     """Each request's final chunk (every submitted request must get one)."""
     finals = []
     for sink in sinks:
@@ -91,14 +91,14 @@ def test_bad_prompt_ids_and_n_are_refused_before_queueing(engine):
 
 
 def test_a_failure_making_one_requests_output_fails_it_alone(engine, monkeypatch):
-    original = delivery_module.Delivery._deliver
+    original = live_requests_module.LiveRequests._deliver
 
     def fails_for_one(self, sampled, *args):
         if sampled[0].rid == "faulty":  # a row: (request, live, token, ...)
             raise RuntimeError("a bug tied to this request")
         return original(self, sampled, *args)
 
-    monkeypatch.setattr(delivery_module.Delivery, "_deliver", fails_for_one)
+    monkeypatch.setattr(live_requests_module.LiveRequests, "_deliver", fails_for_one)
     neighbour = _submit(engine, [5, 6, 7])
     faulty = _submit(engine, [8, 9], rid="faulty")
     ok, failed = _finals([neighbour, faulty])

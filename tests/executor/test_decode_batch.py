@@ -1,12 +1,12 @@
-"""Decode steps' ForwardBatches built from the scheduler's columns (runtime/executor/decode_batch.py):
+"""Decode steps' ForwardBatches built from the scheduler's columns (decode_forward_batch, runtime/executor/forward_batch.py):
 the same arrays and page lists as make_forward_batch over the steps' SeqChunks, through rows
 that end, rows that get pages and whole pages swapped for cached ones."""
 import jax
 import numpy as np
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, req
-from xlaserve.runtime.executor.buckets import Buckets
-from xlaserve.runtime.executor.decode_batch import decode_forward_batch
+from xlaserve.runtime.executor.forward_batch import Buckets
+from xlaserve.runtime.executor.forward_batch import decode_forward_batch
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 
 BUCKETS = Buckets.for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_seq=16,

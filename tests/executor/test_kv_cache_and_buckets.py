@@ -6,9 +6,9 @@ import pytest
 
 from xlaserve.model.config import ModelConfig, RopeConfig
 from xlaserve.weights.loader import default_mesh
-from xlaserve.runtime.executor.buckets import Buckets, bucket_for, pow2_buckets
+from xlaserve.runtime.executor.forward_batch import Buckets, bucket_for, pow2_buckets
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, init_kv_pool, num_pages_for, round_down_coarsely
-from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE, OutOfPagesError, PageAllocator, pages_for_tokens
+from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE, OutOfPagesError, PageAllocator, pages_for_tokens
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64,
                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -98,7 +98,7 @@ def test_explicit_sequence_buckets_give_the_grid_without_more_seqs_than_tokens()
 def test_default_token_buckets_follow_what_cpu_matmuls_cost():
     import jax.numpy as jnp
 
-    from xlaserve.runtime.executor.buckets import default_token_buckets
+    from xlaserve.runtime.executor.forward_batch import default_token_buckets
 
     assert default_token_buckets(576, jnp.float32, "cpu") == (1, 4, 8, 16, 32, 64, 128, 256, 512, 576)
     assert default_token_buckets(576, jnp.bfloat16, "cpu") == (2, 4, 8, 16, 32, 64, 128, 256, 512, 576)

@@ -4,12 +4,12 @@ import logging
 import numpy as np
 import pytest
 
+from tests.greedy_driver import greedy_generate
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.weights.loader import load_model
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 from xlaserve.runtime.scheduler.request import SeqChunk
-from xlaserve.runtime.executor.buckets import Buckets
-from xlaserve.runtime.executor.greedy import greedy_generate
+from xlaserve.runtime.executor.forward_batch import Buckets
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
 from xlaserve.runtime.sampling.params import RowSamplingParams
@@ -33,7 +33,7 @@ def _greedy_together(runner, prompts, new_tokens):
     pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
     slots = np.arange(1, len(prompts) + 1, dtype=np.int32)
     for slot, prompt in zip(slots, prompts, strict=True):
-        runner.assign_slot(int(slot), prompt)
+        runner.assign_slots([(int(slot), prompt, ())])
     outputs = [[] for _ in prompts]
     chunks = [SeqChunk(list(p), 0, pages[i]) for i, p in enumerate(prompts)]
     for step in range(new_tokens):
@@ -178,7 +178,7 @@ def test_many_admissions_set_the_same_slot_state_as_one_at_a_time(loaded):
     together.assign_slots(assignments)
     alone = ModelRunner(loaded, num_pages=8, page_size=4, max_running_requests=12)
     for assignment in assignments:
-        alone.assign_slot(*assignment)
+        alone.assign_slots([assignment])
     np.testing.assert_array_equal(np.asarray(together.output_counts), np.asarray(alone.output_counts))
     np.testing.assert_array_equal(np.asarray(together.prompt_masks), np.asarray(alone.prompt_masks))
     assert np.asarray(together.output_counts)[0].sum() == 0  # the null slot stays zeros

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.runtime.executor.buckets import Buckets
+from xlaserve.runtime.executor.forward_batch import Buckets
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, idle_step
@@ -43,7 +43,7 @@ def _runner(loaded, static_variants):
     runner = ModelRunner(loaded, num_pages=17, page_size=PAGE_SIZE, max_running_requests=4,
                          static_variants=static_variants)
     for slot, prompt in enumerate(PROMPTS, start=1):
-        runner.assign_slot(slot, prompt, output_ids=[7, 7, 8])  # for the penalties
+        runner.assign_slots([(slot, prompt, [7, 7, 8])])  # output ids, for the penalties
     return runner
 
 

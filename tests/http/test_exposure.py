@@ -1,4 +1,4 @@
-"""Secrets and exposure (http/guards.py): the API key never served back and read from
+"""Secrets and exposure (http/app.py's guards): the API key never served back and read from
 $XLASERVE_API_KEY, a 401 before the body is read, metrics labelled by route template, and the
 Host and Origin checks against DNS rebinding and cross-site browsers, with CORS for the origins
 --allowed-origins names. Apps are built with `create_app` around the session server's engine."""

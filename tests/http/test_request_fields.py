@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from tests.http.conftest import AppServer
+from xlaserve.http.constraints import choice_regex
 from xlaserve.http.request_fields import (IGNORED_FIELDS_HEADER, MAX_HEADER_NAMES,
                                           MAX_LOGGED_NAMES, RequestFields, header_value)
-from xlaserve.http.vllm_constraints import choice_regex
 
 EOS = 2  # <|im_end|>
 NO_EOS = {"logit_bias": {str(EOS): -100}}

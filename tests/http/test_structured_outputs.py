@@ -23,6 +23,10 @@ from pydantic import BaseModel, Field
 
 from tests.http.conftest import RunningServer
 from tests.http.test_batches import chat_line, results, upload, wait
+from xlaserve.http.constraints import (CONSTRAINT_REQUEST_FIELDS, CONSTRAINTS, constraint_param,
+                                       request_constraint)
+from xlaserve.http.serving import asks_for_constraint, has_constraint
+from xlaserve.runtime.sampling.params import SamplingParams
 
 MODEL = "tiny"
 CAPITAL_QUESTION = "What is the capital of France and its population? Answer in JSON."
@@ -388,3 +392,32 @@ def test_a_slow_grammar_build_does_not_stall_other_requests(server, client, monk
         release.set()
         thread.join(30)
     assert re.fullmatch("(slow|grammar)", slow["reply"].choices[0].message.content)
+
+
+# --- requests without a constraint skip constraints.py ----------------------------------------------
+
+
+class _Fields:
+    """A request whose fields are all None but `given`; records each field read."""
+
+    def __init__(self, **given):
+        self.__dict__["given"], self.__dict__["read"] = given, set()
+
+    def __getattr__(self, name):
+        self.read.add(name)
+        return self.given.get(name)
+
+
+def test_the_skip_test_reads_every_field_constraints_py_reads():
+    """The routes call constraints.py only when serving.asks_for_constraint says the request
+    sets one of CONSTRAINT_REQUEST_FIELDS: a field read there but missing from the list would be
+    a constraint silently dropped."""
+    request = _Fields()
+    assert request_constraint(request) is None and constraint_param(request) is None
+    assert request.read == set(CONSTRAINT_REQUEST_FIELDS)
+    assert not asks_for_constraint(_Fields())
+    for name in CONSTRAINT_REQUEST_FIELDS:
+        assert asks_for_constraint(_Fields(**{name: "x"})), name
+    assert not has_constraint(SamplingParams())
+    for name in CONSTRAINTS:
+        assert has_constraint(SamplingParams(**{name: "x"})), name

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.predict_accelerators import hlo_counts
 from tests.compile_targets import cache_copies, compile_for, devices
-from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
+from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu, tpu_shape_checks
 from xlaserve.runtime.executor import aot
 
 # Per-device (q heads, kv heads, head dim) of real models.
@@ -203,10 +203,10 @@ def test_unsupported_page_sizes_are_refused_before_compiling(target):
     platform, _ = devices(target)
     if platform == "tpu":  # a bfloat16 page must be whole (16-row) sublane tiles
         with pytest.raises(ValueError, match="multiple of 16"):
-            kernel_tpu.check_shapes(8, jnp.bfloat16, 64, 512)
+            tpu_shape_checks.check_shapes(8, jnp.bfloat16, 64, 512)
         with pytest.raises(ValueError, match="scalar memory"):  # 128K context, 64 seqs, 16-token pages
-            kernel_tpu.check_shapes(16, jnp.bfloat16, 64, 131072 // 16)
-        assert kernel_tpu.default_page_size(64, 131072) == 64
+            tpu_shape_checks.check_shapes(16, jnp.bfloat16, 64, 131072 // 16)
+        assert tpu_shape_checks.default_page_size(64, 131072) == 64
     else:
         with pytest.raises(ValueError, match="power-of-two head dims"):
             kernel_gpu.check_shapes(64, 80, 2)

@@ -2,12 +2,15 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
+
+ROOT = Path(__file__).resolve().parents[2]  # the scripts import tests.greedy_driver from there
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -16,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from xlaserve.model.sharding import MESH_AXES
     from flax import nnx
     from xlaserve.weights.loader import load_model
-    from xlaserve.runtime.executor.greedy import PagedBatch, make_forward
+    from tests.greedy_driver import PagedBatch, make_forward
     from xlaserve.runtime.executor.kv_pool import init_kv_pool
 
     def logits(mesh, **forward_options):
@@ -71,6 +74,7 @@ EXPERT_PARALLEL = textwrap.dedent("""
 def _run(script: str, directory) -> None:
     result = subprocess.run(
         [sys.executable, "-c", script, str(directory)], capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
              "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error"},
     )

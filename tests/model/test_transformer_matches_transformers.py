@@ -7,9 +7,9 @@ from flax import nnx
 
 from xlaserve.weights.loader import load_model
 from xlaserve.model.packed import PackedExperts, PackedMatrix, pack_model
-from xlaserve.runtime.executor.greedy import PagedBatch, make_forward
 from xlaserve.runtime.executor.kv_pool import init_kv_pool
 
+from tests.greedy_driver import PagedBatch, make_forward
 from tests.tiny_models import FAMILIES
 
 PROMPTS = [

@@ -9,7 +9,7 @@ import pytest
 from tests.sampling.constrained_cases import CONSTRAINTS, check, is_json_prefix
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
-from xlaserve.runtime.sampling.grammar import InvalidGrammar
+from xlaserve.runtime.sampling.params import InvalidGrammar
 
 ENGINE = dict(dtype="float32", page_size=16, max_running_requests=16, context_length=512,
               max_total_tokens=8192, chunked_prefill_size=64, max_prefill_tokens=128,

@@ -12,7 +12,7 @@ from xlaserve.weights.loader import load_model
 from xlaserve.offline import Engine
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 from xlaserve.runtime.scheduler.request import SeqChunk
-from xlaserve.runtime.executor.buckets import Buckets
+from xlaserve.runtime.executor.forward_batch import Buckets
 from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
@@ -132,7 +132,7 @@ def test_step_returns_target_logprobs_of_every_row_and_compiles_nothing_new(qwen
     pages = [list(range(1, 9)), list(range(9, 17))]
     other = [1, 2, 3]
     for slot, prompt in ((1, SHORT_PROMPT), (2, other)):
-        runner.assign_slot(slot, prompt)
+        runner.assign_slots([(slot, prompt, ())])
 
     # An ordinary step (no targets) skips the branch: zeros, in the same program.
     plain = _step(runner, [SeqChunk(other, 0, pages[1])], [2])
@@ -159,7 +159,7 @@ def test_step_returns_target_logprobs_of_every_row_and_compiles_nothing_new(qwen
     assert float(np.asarray(out2.prompt.logprobs)[2]) == 0.0  # no target, no logprob
     # The decode row in the same step sampled what it samples alone.
     alone = ModelRunner(loaded, num_pages=17, page_size=PAGE_SIZE, max_running_requests=4)
-    alone.assign_slot(2, other)
+    alone.assign_slots([(2, other, ())])
     first_token = _step(alone, [SeqChunk(other, 0, pages[1])], [2]).sample.tokens
     assert int(first_token[0]) == int(plain.sample.tokens[0])
     second_token = _step(alone, [decode], [2]).sample.tokens

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import greedy_driver
 from tests.compile_targets import devices
 from tests.weights.fp8_writer import write_fp8_checkpoint
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.runtime.executor import greedy
 from xlaserve.weights.fp8 import Fp8Source
 from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
 from xlaserve.model.fp8_weights import Fp8BlockMatrix, Fp8Matrix, dequantize
@@ -137,10 +137,11 @@ def test_a_model_served_from_kept_fp8_weights_gives_the_dequantized_models_logit
     assert isinstance(model.layers[1].mlp.down.get_value(),
                       Fp8BlockMatrix if kept.block_k else Fp8Matrix)
     kept_model = dataclasses.replace(dequantized, model=model)
-    cpu_kernels = greedy.kernels_for
-    monkeypatch.setattr(greedy, "kernels_for", lambda *args, **kwargs: dataclasses.replace(
-        cpu_kernels(*args, **kwargs),
-        fp8_block_matmul=functools.partial(block_fp8_matmul, interpret=True)))
+    cpu_kernels = greedy_driver.kernels_for
+    monkeypatch.setattr(greedy_driver, "kernels_for",
+                        lambda *args, **kwargs: dataclasses.replace(
+                            cpu_kernels(*args, **kwargs),
+                            fp8_block_matmul=functools.partial(block_fp8_matmul, interpret=True)))
     sequences = [(prompt, len(prompt)) for prompt in PROMPTS[:3]]
     for ours, theirs in zip(_run_ours(kept_model, sequences, 64, 16),
                             _run_ours(dequantized, sequences, 64, 16), strict=True):

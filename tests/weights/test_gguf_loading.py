@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
+from tests.greedy_driver import PagedBatch, make_forward
 from xlaserve.weights.loader import load_model
-from xlaserve.runtime.executor.greedy import PagedBatch, make_forward
 from xlaserve.runtime.executor.kv_pool import init_kv_pool
 
 from .gguf_writer import write_llama_gguf

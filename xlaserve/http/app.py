@@ -1,19 +1,39 @@
-"""The FastAPI app: routes, who may call them (guards.py), payload limit, request log and
-metrics, and OpenAI-shaped errors everywhere.
+"""The FastAPI app: routes, who may call them, payload limit, request log and metrics, and
+OpenAI-shaped errors everywhere.
 
 `create_app(ctx, api_key=..., max_payload_size=...)` builds it around a ServingContext; the
 launch script runs it with uvicorn. Nothing outside `xlaserve/http/` imports FastAPI.
+
+Who may call it: the checks a request passes before anything reads its body, three ASGI
+middlewares, outermost first (`add_guards` adds them in that order around the app):
+
+- `HostAndOriginCheck`, against DNS rebinding and cross-site browsers. A server on a loopback
+  address without an API key answers only a loopback Host (localhost, 127.0.0.1, [::1]): a web
+  page whose domain an attacker re-points at 127.0.0.1 still sends its own name as Host (Ollama's
+  defence). A request with an Origin header (a browser's) is refused unless the origin is the
+  server's own or one of --allowed-origins.
+- CORS (Starlette's CORSMiddleware), with --allowed-origins only: the headers and the preflight
+  answers a browser needs to call the server from those origins.
+- `RequireApiKey`: 'Authorization: Bearer <key>' on every route but the open ones (/health and
+  /metrics, as in SGLang) and OPTIONS. Outside the payload limit, so an unauthenticated upload
+  gets its 401 at once instead of after up to --max-payload-size bytes have been read.
+
+Refusals are OpenAI-shaped (errors.APIError): 403 "permission_error", 401 "authentication_error".
 """
 from __future__ import annotations
 
 import contextlib
+import hmac
+import ipaddress
 import logging
 from typing import Iterable
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from xlaserve.http import native, off_loop, responses, tokenize
@@ -22,9 +42,8 @@ from xlaserve.http.chat import ChatCall
 from xlaserve.http.disconnect import until_disconnect
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, validation_message
-from xlaserve.http.guards import add_guards
 from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest
-from xlaserve.http.request_fields import with_ignored_fields
+from xlaserve.http.request_fields import parse_body, with_ignored_fields
 from xlaserve.http.serving import ServingContext
 
 logger = logging.getLogger(__name__)
@@ -32,6 +51,7 @@ logger = logging.getLogger(__name__)
 # Routes a load balancer or Prometheus reaches without the API key (as in SGLang).
 _OPEN_ROUTES = ("/health", "/metrics")
 UNMATCHED_ROUTE = "unmatched"  # the metrics label of every path no route matches
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def create_app(ctx: ServingContext, *, api_key: str | None = None,
@@ -41,7 +61,7 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     """`batch_runner` (batch_runner.BatchRunner) adds the files and batches routes; it starts
     (resuming unfinished batches) and stops with the app, inside `lifespan`. `host`: the address
     the server listens on (on a loopback one without `api_key`, only loopback Host headers are
-    answered); `allowed_origins`: browser origins answered with CORS (guards.py)."""
+    answered); `allowed_origins`: browser origins answered with CORS (`add_guards`)."""
     app = FastAPI(title="xlaserve", version="0.1.0", lifespan=_with_batches(lifespan, batch_runner))
     app.state.ctx = ctx
     app.state.batch_runner = batch_runner
@@ -80,12 +100,12 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await off_loop.parse(await request.body(), ChatCompletionRequest, ctx.request_fields)
+        body = await _parse(await request.body(), ChatCompletionRequest, ctx.request_fields)
         return await respond(request, await ChatCall.create(ctx, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await off_loop.parse(await request.body(), CompletionRequest, ctx.request_fields)
+        body = await _parse(await request.body(), CompletionRequest, ctx.request_fields)
         return await respond(request, await CompletionCall.create(ctx, body))
 
     @app.get("/metrics")
@@ -118,6 +138,14 @@ def _with_batches(lifespan, batch_runner):
                 await batch_runner.stop()  # before the outer lifespan stops the engine
 
     return both
+
+
+async def _parse(body: bytes, model, fields):
+    """`off_loop.parse`: a large body parsed in a worker thread, a small one here (as off_loop
+    would, without the call into it)."""
+    if len(body) < off_loop.LARGE_BODY_BYTES:
+        return parse_body(body, model, fields)
+    return await off_loop.parse(body, model, fields)
 
 
 async def respond(request: Request, call: ChatCall | CompletionCall):
@@ -219,3 +247,109 @@ def _too_large_message(max_bytes: int) -> str:
 
 def _too_large(max_bytes: int) -> JSONResponse:
     return APIError(413, _too_large_message(max_bytes), code="payload_too_large").response()
+
+
+# --- who may call (module docstring) --------------------------------------------------------
+
+def add_guards(app, *, api_key: str | None, host: str, allowed_origins: Iterable[str],
+               open_paths: tuple[str, ...]) -> None:
+    """Adds the three around what `app` has so far (Starlette runs the one added last first).
+    `host`: the address the server listens on."""
+    origins = _normalized(allowed_origins)
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key, open_paths=open_paths)
+    if origins:
+        # Bearer keys, not cookies: no credentials, and any method and header the routes take.
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(HostAndOriginCheck, loopback_host_only=_is_loopback(host) and not api_key,
+                       allowed_origins=origins)
+
+
+class RequireApiKey:
+    def __init__(self, app, api_key: str, open_paths: tuple[str, ...]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"] not in self.open_paths
+                and not hmac.compare_digest(_header(scope, b"authorization"), self.expected)):
+            refusal = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+            return await refusal.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class HostAndOriginCheck:
+    def __init__(self, app, loopback_host_only: bool, allowed_origins: frozenset[str]):
+        self.app = app
+        self.loopback_host_only = loopback_host_only
+        self.allowed_origins = allowed_origins
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                return await refusal.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> APIError | None:
+        host = _header(scope, b"host").decode("latin-1")
+        # No Host at all (HTTP/1.0) cannot come from a browser, so it is no rebinding attempt.
+        if self.loopback_host_only and host and not _is_loopback(_hostname(host)):
+            return APIError(
+                403, f"Host {host!r} is refused: a server on a loopback address without --api-key "
+                     "answers only localhost, 127.0.0.1 and [::1] (DNS rebinding protection)",
+                code="host_not_allowed")
+        origin = _header(scope, b"origin").decode("latin-1")
+        if (origin and "*" not in self.allowed_origins
+                and origin.lower().rstrip("/") not in self.allowed_origins
+                and not _is_own_origin(origin, scope["scheme"], host)):
+            return APIError(403, f"Origin {origin!r} is not allowed: add it to --allowed-origins",
+                            code="origin_not_allowed")
+        return None
+
+
+def _header(scope, name: bytes) -> bytes:
+    return next((value for key, value in scope["headers"] if key == name), b"")
+
+
+def _normalized(origins: Iterable[str]) -> frozenset[str]:
+    """'http://A.example:3000/ , *' -> {'http://a.example:3000', '*'}: as browsers send them."""
+    return frozenset(o.strip().lower().rstrip("/") for o in origins if o and o.strip())
+
+
+def _hostname(host: str) -> str:
+    """A Host header's name: '[::1]:8000' -> '::1', 'LocalHost:80' -> 'localhost'."""
+    try:
+        return (urlsplit("//" + host).hostname or "").rstrip(".")
+    except ValueError:  # an unbalanced '[': no name at all
+        return ""
+
+
+def _is_loopback(name: str) -> bool:
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:  # a name other than localhost may resolve anywhere
+        return False
+
+
+def _origin_parts(scheme: str, netloc: str) -> tuple[str, str, int | None] | None:
+    """(scheme, name, port), the default port filled in; None for a bad port or bracket."""
+    try:
+        parts = urlsplit(f"{scheme}://{netloc}")
+        port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
+    except ValueError:
+        return None
+    return parts.scheme, (parts.hostname or "").rstrip("."), port
+
+
+def _is_own_origin(origin: str, scheme: str, host: str) -> bool:
+    """Whether `origin` is the server's own: the scheme, name and port the request came to."""
+    origin_scheme, separator, netloc = origin.partition("://")
+    own = _origin_parts(scheme, host) if separator and host else None
+    return own is not None and _origin_parts(origin_scheme, netloc) == own

@@ -6,27 +6,28 @@ import datetime
 from typing import AsyncIterator, NamedTuple
 
 from xlaserve.http import off_loop
-from xlaserve.http.parsing import chat_template
+from xlaserve.http.constraints import compile_constraints, constraint_param
 from xlaserve.http.errors import APIError, bad_request, generation_error, not_supported
 from xlaserve.http.logprobs import chat_logprobs
-from xlaserve.http.openai_fields import check_chat_fields
-from xlaserve.http.prompt_bound import check_not_too_long
-from xlaserve.http.protocol import ChatCompletionRequest
+from xlaserve.http.parsing import chat_template
 from xlaserve.http.parsing.harmony import harmony_options
 from xlaserve.http.parsing.reasoning import ReasoningParser, needs_special_tokens
-from xlaserve.http.constraints import compile_constraints, constraint_param
-from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
-                                   check_prompt_ids, check_top_logprobs, client_priority,
-                                   sampling_params, sse, sse_error)
 from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
+from xlaserve.http.parsing.tools import (ToolChoice, check_tool_schemas, check_tools, forced_calls,
+                                         forced_schema, new_call_id, strict_tool_tag,
+                                         tool_call_dict, tool_choice_of)
+from xlaserve.http.prompt_bound import check_not_too_long
+from xlaserve.http.protocol import ChatCompletionRequest
+from xlaserve.http.request_fields import check_chat_fields
+from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
+                                   asks_for_constraint, check_prompt_ids, check_top_logprobs,
+                                   client_priority, has_constraint, sampling_params, sse,
+                                   sse_error)
+from xlaserve.runtime.engine.async_requests import EngineDeadError
 
 # Parsers whose call markers are special tokens of their models (`<|python_tag|>`,
 # `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Harmony's): the text must keep special tokens.
 SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31", "kimi_k2", "gpt-oss")
-from xlaserve.http.parsing.tools import (check_tool_schemas, check_tools, forced_calls, forced_schema,
-                                 new_call_id, strict_tool_tag, tool_call_dict, tool_choice_of,
-                                 ToolChoice)
-from xlaserve.runtime.engine.async_requests import EngineDeadError
 
 
 class ChatCall:
@@ -53,13 +54,16 @@ class ChatCall:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.prompt_ids = prompt_ids
         self.params = sampling_params(ctx, req, max_tokens, len(prompt_ids), ctx.template_stop_ids)
-        if req.separate_reasoning and needs_special_tokens(ctx.reasoning_parser):
+        if req.separate_reasoning and ctx.reasoning_parser is not None \
+                and needs_special_tokens(ctx.reasoning_parser):
             self.params.skip_special_tokens = False  # gpt-oss: the Harmony markers are special tokens
         # A forced tool_choice is a JSON-schema constraint on the output (http/parsing/tools.py).
         self.parallel = req.parallel_tool_calls is not False
-        self.forced = forced_schema(self.tool_choice, self.functions, self.parallel)
+        # No tools: the choice is "none", which forces nothing.
+        self.forced = (forced_schema(self.tool_choice, self.functions, self.parallel)
+                       if self.functions else None)
         # SGLang's, OpenAI's or vLLM's constraint, found once (vLLM's serialize their schemas).
-        self.constraint_param = constraint_param(req)
+        self.constraint_param = constraint_param(req) if asks_for_constraint(req) else None
         user_constraint = self.constraint_param is not None
         if self.forced is not None:
             if user_constraint:
@@ -82,11 +86,16 @@ class ChatCall:
     async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
         """Checks the request (templating and tokenizing a long one off the event loop), builds
         its grammar off the loop, submits it."""
-        call = await off_loop.run(message_chars(req), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
-        await check_tool_schemas(ctx, call.functions)
-        param = ("tool_choice" if call.forced else "tools" if call.params.structural_tag
-                 and not call.constraint_param else call.constraint_param)
-        await compile_constraints(ctx.core, [call.params], param)
+        chars = message_chars(req)
+        # A small one here, as off_loop.run would (without the call into it).
+        call = cls(ctx, req) if chars < off_loop.LARGE_PROMPT_CHARS \
+            else await off_loop.run(chars, off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
+        if call.functions:
+            await check_tool_schemas(ctx, call.functions)
+        if has_constraint(call.params):
+            param = ("tool_choice" if call.forced else "tools" if call.params.structural_tag
+                     and not call.constraint_param else call.constraint_param)
+            await compile_constraints(ctx.core, [call.params], param)
         call.generation = Generation(ctx, [call.prompt_ids], call.params, req.n,
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,
                                      priority=priority + client_priority(ctx, req.priority),
@@ -176,18 +185,18 @@ class ChatCall:
             yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}])
         try:
-            async for choice, chunk in self.generation.stream():
-                if pending[choice.index].add(chunk):
+            async for choice, output in self.generation.stream():
+                if pending[choice.index].add(output):
                     text, tokens = pending[choice.index].take()
-                    reasoning, content = splits[choice.index].split(text, chunk.finished)
-                    content, calls = tool_splits[choice.index].split(content, chunk.finished)
+                    reasoning, content = splits[choice.index].split(text, output.finished)
+                    content, calls = tool_splits[choice.index].split(content, output.finished)
                     if reasoning or content or tokens or calls:
                         yield self._chunk([self._delta_choice(choice.index, reasoning, content,
                                                               tokens, calls)],
                                           self._running_usage())
-                if chunk.finished:
-                    if chunk.error is not None:
-                        yield generation_error(chunk.error)
+                if output.finished:
+                    if output.error is not None:
+                        yield generation_error(output.error)
                     finish_reason = _finish_reason(choice, tool_splits[choice.index].called)
                     yield self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
                                         "finish_reason": finish_reason,
@@ -237,8 +246,14 @@ def render_chat(ctx: ServingContext, req, *, add_generation_prompt: bool = True,
     Harmony format), then tokenized. `req`: a ChatCompletionRequest, or /tokenize's chat form
     (tokenize.py), which has the same field names. `add_special_tokens`: the tokenizer's own
     (BOS...) on top of what the template wrote."""
-    functions = check_tools(req.tools, ctx.core.limits)
-    tool_choice = tool_choice_of(req.tool_choice, functions)
+    limits = ctx.core.limits
+    if req.tools is None and req.tool_choice is None and limits.max_tools >= 0:
+        # What check_tools and tool_choice_of answer for no tools (a --max-tools below 0 would
+        # refuse even none: left to them).
+        functions, tool_choice = {}, ToolChoice("none")
+    else:
+        functions = check_tools(req.tools, limits)
+        tool_choice = tool_choice_of(req.tool_choice, functions)
     tools = None if tool_choice.mode == "none" else req.tools
     if ctx.harmony is not None:  # gpt-oss (http/parsing/harmony.py)
         if req.continue_final_message:
@@ -258,7 +273,8 @@ def render_chat(ctx: ServingContext, req, *, add_generation_prompt: bool = True,
             template_kwargs=chat_template.with_reasoning_effort(
                 ctx.tokenizer, ctx.chat_template, req.chat_template_kwargs,
                 req.reasoning_effort)), None
-    check_not_too_long(ctx, text, "messages")
+    if len(text) >= off_loop.LARGE_PROMPT_CHARS:  # check_not_too_long passes any shorter text
+        check_not_too_long(ctx, text, "messages")
     if ids is None:
         ids = ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return ChatPrompt(text, ids, functions, tool_choice)

@@ -96,12 +96,12 @@ class CompletionCall:
 
     def _prompt_entries(self, choice: Choice) -> list[tuple]:
         """(token id, logprob, alternatives) of each echoed prompt token: the first has no logprob."""
-        chunk = choice.first_chunk
-        if not (self.req.echo and chunk is not None and chunk.input_token_logprobs is not None):
+        first = choice.first_output
+        if not (self.req.echo and first is not None and first.input_token_logprobs is not None):
             return []
-        tops = chunk.input_top_logprobs or [None] * len(chunk.input_token_logprobs)
+        tops = first.input_top_logprobs or [None] * len(first.input_token_logprobs)
         return [(t, lp, None if top is None else [(alt_lp, alt_t) for alt_lp, alt_t, _ in top])
-                for (lp, t, _), top in zip(chunk.input_token_logprobs, tops, strict=True)]
+                for (lp, t, _), top in zip(first.input_token_logprobs, tops, strict=True)]
 
     def _logprobs(self, token_entries, offset: int) -> dict | None:
         if self.req.logprobs is None or self.ctx.tokenizer is None:
@@ -168,11 +168,11 @@ class CompletionCall:
         pending = [StreamBuffer(self.ctx.stream_interval) for _ in range(num)]
         started = [False] * num
         try:
-            async for choice, chunk in self.generation.stream():
+            async for choice, output in self.generation.stream():
                 i = choice.index
-                if chunk.finished and chunk.error is not None:
-                    yield sse_error(generation_error(chunk.error))
-                finish = self._finish(choice) if chunk.finished else {"finish_reason": None}
+                if output.finished and output.error is not None:
+                    yield sse_error(generation_error(output.error))
+                finish = self._finish(choice) if output.finished else {"finish_reason": None}
                 if not started[i]:
                     started[i] = True
                     if self.req.echo:
@@ -184,9 +184,9 @@ class CompletionCall:
                         offsets[i] = len(self._echo(choice))
                 if self.prompt_only:
                     continue
-                if pending[i].add(chunk):
+                if pending[i].add(output):
                     text, entries = pending[i].take()
-                    if text or entries or chunk.finished:
+                    if text or entries or output.finished:
                         logprobs = self._logprobs(entries, offsets[i])
                         offsets[i] += sum(len(t) for t in (logprobs or {}).get("tokens", ()))
                         yield sse(self._chunk(i, text, logprobs, finish))

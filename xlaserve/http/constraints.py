@@ -1,31 +1,63 @@
 """A request's output constraint: SGLang's `regex` / `ebnf` / `json_schema` keys, OpenAI's
-`response_format` or vLLM's `guided_*` / `structured_outputs` (vllm_constraints.py), checked and
-turned into one SamplingParams field, and its grammar compiled off the event loop with the
-server's size and time bounds."""
+`response_format` or vLLM's `guided_*` / `structured_outputs`, checked and turned into one
+SamplingParams field, and its grammar compiled off the event loop with the server's size and
+time bounds. `CONSTRAINT_REQUEST_FIELDS` names every request field read here: a request that
+sets none of them has no constraint, and the routes do not call here for it
+(serving.asks_for_constraint; serving.has_constraint before `compile_constraints`).
+
+vLLM's fields: `structured_outputs: {"json", "regex", "choice", "grammar", "json_object"}` (vLLM
+>= 0.10.2) and the older top-level `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`. Each becomes one SamplingParams constraint: a JSON schema (`json_schema`), a
+regex (`regex`, the Rust syntax llguidance reads, after grammar.python_regex_to_rust as SGLang's
+`regex` key), or a grammar (`ebnf`: GBNF `root ::= ...`, or Lark text whose first rule is
+`start:`, which llguidance recognises as Lark). A choice is the regex of its alternatives, each
+escaped, so the output is exactly one of them. The backend names (`guided_decoding_backend`,
+`structured_outputs.backend`) are accepted and ignored: llguidance is the only backend here;
+`guided_whitespace_pattern` is a 400 (the server's --constrained-json-whitespace-pattern holds).
+"""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 from typing import TYPE_CHECKING, Iterable
 
-from xlaserve.http.errors import bad_request
+from xlaserve.http.errors import bad_request, not_supported
 from xlaserve.http.protocol import SamplingFields
-from xlaserve.http.vllm_constraints import vllm_constraints
-from xlaserve.runtime.sampling.grammar import CONSTRAINT_FIELDS, InvalidGrammar, check_depth
+from xlaserve.runtime.sampling.grammar import check_depth
+from xlaserve.runtime.sampling.params import CONSTRAINT_FIELDS, InvalidGrammar
 from xlaserve.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from xlaserve.runtime.engine.core import EngineCore
 
+logger = logging.getLogger(__name__)
+
 CONSTRAINTS = CONSTRAINT_FIELDS  # SamplingParams' fields and SGLang's request keys, in order
 _RESPONSE_FORMAT_KEYS = {"type", "json_schema", "schema"}
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+# vLLM's top-level guided_* keys that set a constraint -> the SamplingParams field they set.
+_GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"),
+           ("guided_choice", "regex"), ("guided_grammar", "ebnf"))
+# Every request field this module reads (tests/http/test_structured_outputs.py holds it to that):
+# with all of them None, a request has no constraint and nothing here can refuse or log it.
+CONSTRAINT_REQUEST_FIELDS = (*CONSTRAINTS, "response_format", *(param for param, _ in _GUIDED),
+                             "guided_whitespace_pattern", "guided_decoding_backend",
+                             "structured_outputs")
+# structured_outputs' keys that set a constraint -> the SamplingParams field they set.
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "regex",
+                     "grammar": "ebnf", "json_object": "json_schema"}
+_STRUCTURED_IGNORED = {"backend"}  # the grammar library's name: llguidance is the only one here
+# Rust regex's metacharacters (regex::escape's set): a choice is matched literally.
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+ANY_JSON_OBJECT = '{"type": "object"}'  # json_object, as response_format's (SGLang's) grammar
 
 
 def request_constraint(req: SamplingFields) -> tuple[str, str] | None:
     """The request's output constraint as (SamplingParams field, text), or None: SGLang's
     `regex`, `ebnf`, `json_schema` (JSON text) keys, OpenAI's `response_format`, or vLLM's
-    `guided_*` keys and `structured_outputs` (vllm_constraints.py); at most one."""
+    `guided_*` keys and `structured_outputs`; at most one."""
     given = _given_constraints(req)
     return given[0][1:] if given else None
 
@@ -75,7 +107,7 @@ def response_format_constraint(response_format: dict | None) -> tuple[str, str] 
     if kind == "text":
         return None
     if kind == "json_object":
-        return "json_schema", '{"type": "object"}'  # as SGLang: any JSON object
+        return "json_schema", ANY_JSON_OBJECT  # as SGLang: any JSON object
     spec = response_format.get("json_schema")
     if spec is None and "schema" in response_format:  # SGLang's shorthand
         spec = {"schema": response_format["schema"]}
@@ -90,6 +122,78 @@ def response_format_constraint(response_format: dict | None) -> tuple[str, str] 
         raise bad_request("response_format.json_schema.schema must be a JSON schema object", param)
     check_schema_depth(schema, param, param)
     return "json_schema", json.dumps(schema)
+
+
+# --- vLLM's fields (module docstring) -----------------------------------------------------
+
+def vllm_constraints(req) -> list[tuple[str, str, str]]:
+    """(request parameter, SamplingParams field, text) of each vLLM constraint the request sets."""
+    given = []
+    for param, field in _GUIDED:
+        value = getattr(req, param, None)
+        if value is not None:
+            given.append((param, field, _text(param, field, value)))
+    if getattr(req, "guided_whitespace_pattern", None) is not None:  # it changes the output
+        raise not_supported("guided_whitespace_pattern", "a per-request JSON whitespace pattern "
+                            "(the server's --constrained-json-whitespace-pattern applies)")
+    backend = getattr(req, "guided_decoding_backend", None)
+    if backend is not None:
+        _log_ignored_backend(str(backend)[:40])
+    outputs = getattr(req, "structured_outputs", None)
+    if outputs is not None:
+        given += _structured_outputs(outputs)
+    return given
+
+
+@functools.lru_cache(maxsize=16)  # one line per backend name, not one per request
+def _log_ignored_backend(name: str) -> None:
+    logger.info("guided_decoding_backend %r ignored: llguidance is this server's only grammar "
+                "backend", name)
+
+
+def _structured_outputs(outputs: dict) -> list[tuple[str, str, str]]:
+    unknown = sorted(set(outputs) - set(_STRUCTURED_KINDS) - _STRUCTURED_IGNORED)
+    if unknown:  # they would change the output (whitespace, fallbacks): never silently dropped
+        raise bad_request(f"structured_outputs fields {[k[:40] for k in unknown[:10]]} are not "
+                          f"supported (it takes {sorted(_STRUCTURED_KINDS)})",
+                          "structured_outputs")
+    given = []
+    for key, field in _STRUCTURED_KINDS.items():
+        value = outputs.get(key)
+        param = f"structured_outputs.{key}"
+        if key == "json_object":
+            if value not in (None, False, True):
+                raise bad_request("structured_outputs.json_object must be a boolean", param)
+            if value:
+                given.append((param, field, ANY_JSON_OBJECT))
+        elif value is not None:
+            given.append((param, field, _text(param, field, value)))
+    return given
+
+
+def _text(param: str, field: str, value) -> str:
+    """A vLLM field's value as the constraint text of `field`, type-checked (a 400 names it)."""
+    if param.endswith("choice"):
+        return choice_regex(value, param)
+    if field == "json_schema" and isinstance(value, (dict, bool)):
+        check_schema_depth(value, param, param)  # before json.dumps walks it
+        return json.dumps(value)
+    if not isinstance(value, str):
+        raise bad_request(f"{param} must be a string" + (" or a JSON schema object"
+                                                         if field == "json_schema" else ""), param)
+    return value
+
+
+def choice_regex(choices, param: str) -> str:
+    """The regex matching exactly one of `choices` (each taken literally)."""
+    if not isinstance(choices, list) or not choices \
+            or not all(isinstance(c, str) and c for c in choices):
+        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
+    return "(" + "|".join(_escape(c) for c in choices) + ")"
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
 def check_schema_depth(value, what: str, param: str) -> None:

@@ -16,9 +16,8 @@ from xlaserve.http import off_loop
 from xlaserve.http.constraints import CONSTRAINTS, compile_constraints
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.prompt_bound import check_not_too_long
-from xlaserve.http.openai_fields import sglang_sampling_keys
 from xlaserve.http.protocol import GenerateRequest
-from xlaserve.http.request_fields import with_ignored_fields
+from xlaserve.http.request_fields import sglang_sampling_keys, with_ignored_fields
 from xlaserve.http.serving import (SSE_DONE, Generation, ServingContext, check_n,
                                    check_prompt_ids, check_prompt_logprob_entries, check_request,
                                    check_top_logprobs, sse, sse_error)
@@ -135,11 +134,11 @@ def _json_response(content) -> JSONResponse:
 async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
     """SGLang's stream: each event holds everything so far (cumulative text and ids)."""
     try:
-        async for choice, chunk in generation.stream():
+        async for choice, output in generation.stream():
             out = sglang_output(dataclasses.replace(choice, meta_info=choice.meta_info or _partial_meta(choice)),
                                 *logprobs)
-            if chunk.error is not None:
-                yield sse_error(generation_error(chunk.error))
+            if output.error is not None:
+                yield sse_error(generation_error(output.error))
             yield sse(out)
     except EngineDeadError as error:
         yield sse_error(APIError(503, str(error)))

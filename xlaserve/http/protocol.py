@@ -73,7 +73,7 @@ class SamplingFields(_Strict):
     response_format: Optional[dict[str, Any]] = None
     rid: Optional[str] = None
     priority: Optional[int] = None  # honoured with --enable-priority-scheduling only
-    # vLLM's structured outputs (vllm_constraints.py); the backend name is ignored.
+    # vLLM's structured outputs (constraints.py); the backend name is ignored.
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
@@ -117,7 +117,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh",
                                        "max"]] = None
     # Accepted for compatibility, documented no-ops: they do not change what is generated here
-    # (openai_fields.py says why for each).
+    # (request_fields.py says why for each).
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
@@ -127,7 +127,7 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_options: Optional[dict[str, Any]] = None
     verbosity: Optional[Literal["low", "medium", "high"]] = None
     prediction: Optional[dict[str, Any]] = None
-    # Checked by openai_fields.py: only text output; the rest a 400 naming the field when set.
+    # Checked by request_fields.py: only text output; the rest a 400 naming the field when set.
     modalities: Optional[list[str]] = None
     audio: Optional[dict[str, Any]] = None
     web_search_options: Optional[dict[str, Any]] = None

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from xlaserve.http.constraints import request_constraint
+from xlaserve.http.constraints import CONSTRAINT_REQUEST_FIELDS, CONSTRAINTS, request_constraint
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.metrics import Metrics
 from xlaserve.http.parsing.harmony import HarmonyChat
@@ -19,8 +19,8 @@ from xlaserve.http.protocol import SamplingFields
 from xlaserve.http.request_fields import RequestFields
 from xlaserve.offline import Engine
 from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
-from xlaserve.runtime.engine.messages import OutputChunk
-from xlaserve.runtime.sampling.grammar import InvalidGrammar
+from xlaserve.runtime.engine.messages import OutputDelta
+from xlaserve.runtime.sampling.params import InvalidGrammar
 from xlaserve.runtime.engine.core import EngineCore, QueueFull
 from xlaserve.runtime.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
                                       token_id)
@@ -113,10 +113,21 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | 
         params.stop_token_ids = list(dict.fromkeys(stop_ids)) + sorted(added)
     if req.stream_options and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-    constraint = request_constraint(req)
+    constraint = request_constraint(req) if asks_for_constraint(req) else None
     if constraint is not None:
         setattr(params, constraint[0], constraint[1])
     return params
+
+
+def asks_for_constraint(req: SamplingFields) -> bool:
+    """Whether the request sets any field constraints.py reads (CONSTRAINT_REQUEST_FIELDS).
+    Without one it has no constraint and nothing there could refuse it: the routes skip it."""
+    return any(getattr(req, name, None) is not None for name in CONSTRAINT_REQUEST_FIELDS)
+
+
+def has_constraint(params: SamplingParams) -> bool:
+    """Whether `params` carry an output constraint: compile_constraints skips them otherwise."""
+    return any(getattr(params, name) is not None for name in CONSTRAINTS)
 
 
 def check_request(ctx: ServingContext, prompt_len: int, params: SamplingParams,
@@ -245,14 +256,14 @@ class Generation:
             self.group.abort()
             raise APIError(503, str(error)) from None
 
-    async def stream(self) -> AsyncIterator[tuple[Choice, OutputChunk]]:
-        """(choice, chunk) as chunks arrive; aborts whatever is unfinished if the consumer stops."""
+    async def stream(self) -> AsyncIterator[tuple[Choice, OutputDelta]]:
+        """(choice, output) as outputs arrive; aborts whatever is unfinished if the consumer stops."""
         try:
-            async for index, chunk in self.group.chunks():
+            async for index, output in self.group.outputs():
                 choice = self.choices[index]
-                choice.add(chunk)
-                self._observe(index, chunk)
-                yield choice, chunk
+                choice.add(output)
+                self._observe(index, output)
+                yield choice, output
         finally:
             self.group.abort()
 
@@ -267,20 +278,20 @@ class Generation:
                 raise generation_error(choice.meta_info["error"])
         return self.choices
 
-    def _observe(self, index: int, chunk: OutputChunk) -> None:
+    def _observe(self, index: int, output: OutputDelta) -> None:
         metrics = self.ctx.metrics
         if metrics is None:
             return
         now = time.perf_counter()
-        if chunk.token_id is not None:
+        if output.token_id is not None:
             last = self._last_token_at.get(index)
             if last is None:
                 metrics.time_to_first_token.observe(now - self._start)
             else:
                 metrics.inter_token_latency.observe(now - last)
             self._last_token_at[index] = now
-        if chunk.finished:
-            meta = chunk.meta_info
+        if output.finished:
+            meta = output.meta_info
             metrics.request_finished(meta["finish_reason"]["type"], meta["completion_tokens"],
                                      now - self._start)
 
@@ -298,24 +309,24 @@ class Generation:
 
 
 class StreamBuffer:
-    """One choice's chunks since its last SSE event: `--stream-interval` tokens go out together,
-    and whatever is left goes out with the final chunk."""
+    """One choice's outputs since its last SSE event: `--stream-interval` tokens go out together,
+    and whatever is left goes out with the final output."""
 
     def __init__(self, interval: int):
         self.interval = interval
-        self._chunks: list[OutputChunk] = []
+        self._outputs: list[OutputDelta] = []
 
-    def add(self, chunk: OutputChunk) -> bool:
-        """Holds the chunk; says whether the held ones should go out now."""
-        self._chunks.append(chunk)
-        return chunk.finished or sum(c.token_id is not None for c in self._chunks) >= self.interval
+    def add(self, output: OutputDelta) -> bool:
+        """Holds the output; says whether the held ones should go out now."""
+        self._outputs.append(output)
+        return output.finished or sum(c.token_id is not None for c in self._outputs) >= self.interval
 
     def take(self) -> tuple[str, list[tuple]]:
         """(their text, (token id, logprob, alternatives) of each token), and empties it."""
-        chunks, self._chunks = self._chunks, []
-        return ("".join(c.text for c in chunks),
+        outputs, self._outputs = self._outputs, []
+        return ("".join(c.text for c in outputs),
                 [(c.token_id, c.logprob, [] if c.top_logprobs is None else c.top_logprobs)
-                 for c in chunks if c.token_id is not None])
+                 for c in outputs if c.token_id is not None])
 
 
 def check_prompt_logprob_entries(ctx: ServingContext, prompts: list[list[int]], n: int,

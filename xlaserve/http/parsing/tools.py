@@ -27,7 +27,8 @@ import json
 import uuid
 
 from xlaserve.http.errors import bad_request
-from xlaserve.runtime.sampling.grammar import InvalidGrammar, check_depth
+from xlaserve.runtime.sampling.grammar import check_depth
+from xlaserve.runtime.sampling.params import InvalidGrammar
 from xlaserve.runtime.sampling.params import RequestLimits
 
 NO_PARAMETERS = {"type": "object", "properties": {}}

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_gpu, kernel_tpu
-from xlaserve.pallas_kernels.ragged_paged_attention import new_tokens, reference
+from xlaserve.pallas_kernels.ragged_paged_attention import new_tokens, reference, tpu_shape_checks
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +114,9 @@ def _pick(backend, mesh, interpret, platform, name: str, split: Callable) -> Cal
 
 def default_page_size(platform: str, max_seqs: int, context_length: int) -> int:
     """--page-size by default: 16 tokens, or on TPU more where the page table would not fit the
-    kernel's scalar memory (kernel_tpu.check_shapes)."""
+    kernel's scalar memory (tpu_shape_checks.check_shapes)."""
     if platform == "tpu":
-        return kernel_tpu.default_page_size(max_seqs, context_length)
+        return tpu_shape_checks.default_page_size(max_seqs, context_length)
     return 16
 
 
@@ -128,7 +128,7 @@ def check_shapes(backend: str, platform: str, *, page_size: int, head_dim: int, 
     if backend not in ("auto", "pallas") or platform not in ("tpu", "gpu"):
         return
     if platform == "tpu":
-        kernel_tpu.check_shapes(page_size, dtype, max_seqs, pages_per_seq)
+        tpu_shape_checks.check_shapes(page_size, dtype, max_seqs, pages_per_seq)
     elif latent is not None:
         block_pages = kernel_gpu.default_kv_block_pages(page_size, pages_per_seq)
         kernel_gpu.check_mla_kernel_shapes(block_pages * page_size, *latent,

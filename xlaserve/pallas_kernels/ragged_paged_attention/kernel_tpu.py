@@ -32,7 +32,7 @@ HBM, the other rows of those tiles as they were read. Writing whole pages back i
 decode item a page per layer (256 tokens on v6e at 256 requests: ~67 MB a layer for 256 decode
 rows of Llama-3.1-8B at tp 4, against ~4 MB in 16-row tiles). A later item of the same sequence
 reads those pages, so before its first block is fetched the writes are waited for; another sequence's pages are never written in the same step (the prefix cache shares whole
-pages only, and never the page a request writes: runtime/scheduler/prefix_reuse.py), so its prefetch
+pages only, and never the page a request writes: runtime/scheduler/prefix_cache.py), so its prefetch
 starts before the writes.
 
 Layout: the kernel works on the cache as `[pages, page_size, 2*Hkv*D]`: a page is one contiguous
@@ -42,7 +42,7 @@ padding. The runtime stores the cache in this shape (`transformer.kv_cache_shape
 `[pages, page_size, 2*Hkv, D]` array is tiled on TPU by its last two dims (a 64-wide head dim
 padded to 128 lanes), so viewing it flat is a relayout copy of the whole cache per layer and step,
 which compiling for v6e showed. `page_size` must be a multiple of 8 (16 for bfloat16) so that
-each page DMA lands on whole sublane tiles (`check_shapes`).
+each page DMA lands on whole sublane tiles (`tpu_shape_checks.check_shapes`).
 
 Attention sinks (one logit per query head, `sinks`) sit in SMEM; each item starts the running max
 of row r * G + g of kv head h at sinks[h * G + g] and the denominator at 1.
@@ -64,6 +64,7 @@ from jax.experimental.pallas import tpu as pltpu
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.tpu_page_writes import (
     gather_new_rows, merge_new_rows, sublanes, written_tiles)
+from xlaserve.pallas_kernels.ragged_paged_attention.tpu_shape_checks import check_shapes
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     MASK_VALUE, default_q_block, gather_queries, item_span, lse_of, make_work_items, query_group,
     round_up, sanitize_metadata, scatter_outputs)
@@ -71,9 +72,6 @@ from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
 LANES = 128
 KV_BUFFER_BYTES = 4 << 20  # one of the two KV blocks in VMEM
 MAX_KV_BLOCK_TOKENS = 512
-# The page table's share of SMEM (scalar memory, 1 MiB on v5e/v6e): half, for 4-byte entries; the
-# other scalar-prefetched operands are a few entries per sequence or work item.
-MAX_PAGE_TABLE_ENTRIES = (512 << 10) // 4
 
 
 def default_kv_block_pages(page_size, token_bytes, pages_per_seq):
@@ -154,31 +152,6 @@ def _attend_items(q, new_rows, flat_cache, sinks, kv_lens, page_indices, cu_q_le
         live = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
         outs[1] = jnp.where(live[:, None], outs[1][..., 0], -jnp.inf)
     return (*outs, flat_cache)
-
-
-def check_shapes(page_size: int, dtype, max_seqs: int, pages_per_seq: int) -> None:
-    """Raises ValueError for what Mosaic cannot compile, so that a server says so at start-up
-    rather than failing inside XLA:
-    - each page lands in the VMEM block at a multiple of `page_size` rows, which must be whole
-      sublane tiles (8 rows of 32 bits, 16 of bfloat16);
-    - the page table is scalar-prefetched into SMEM (1 MiB on v5e and v6e; compiling Llama-3.1-8B's
-      128K context at 64 sequences and 16-token pages asked for 2 MiB)."""
-    if page_size % sublanes(dtype):
-        raise ValueError(f"the Pallas TPU attention kernel needs --page-size a multiple of "
-                         f"{sublanes(dtype)} for {jnp.dtype(dtype).name}; got {page_size}")
-    if max_seqs * pages_per_seq > MAX_PAGE_TABLE_ENTRIES:
-        raise ValueError(
-            f"the TPU attention kernel keeps the page table in scalar memory, at most "
-            f"{MAX_PAGE_TABLE_ENTRIES} entries; {max_seqs} sequences x {pages_per_seq} pages is "
-            "over: raise --page-size, or lower --context-length or --max-running-requests")
-
-
-def default_page_size(max_seqs: int, context_length: int, smallest: int = 16) -> int:
-    """The smallest power of two from `smallest` whose page table fits `check_shapes`."""
-    page_size = smallest
-    while max_seqs * -(-context_length // page_size) > MAX_PAGE_TABLE_ENTRIES:
-        page_size *= 2
-    return page_size
 
 
 def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv_lens, cu_q_lens,

@@ -1,4 +1,4 @@
-"""Requests submitted together from an asyncio event loop, read back as one stream of chunks.
+"""Requests submitted together from an asyncio event loop, read back as one stream of outputs.
 
 The engine thread calls each request's `emit` with OutputChunks; here they cross into the event
 loop (`call_soon_threadsafe`) and come out of one queue tagged with the caller's index, so `n`
@@ -12,7 +12,7 @@ import dataclasses
 from typing import AsyncIterator
 
 from xlaserve.runtime.engine.core import EngineCore
-from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import SamplingParams
 
 LIVENESS_POLL_S = 1.0  # how often a waiting reader checks that the engine loop still runs
@@ -35,18 +35,18 @@ class AsyncRequestGroup:
         put = self._queue.put_nowait
         loop = self._loop
 
-        def emit(chunk: OutputChunk) -> None:
-            loop.call_soon_threadsafe(put, (index, chunk))
+        def emit(output: OutputDelta) -> None:
+            loop.call_soon_threadsafe(put, (index, output))
 
         rid = self.core.submit(prompt_ids, params, emit, **options)
         self._unfinished[index] = rid
         return rid
 
-    async def chunks(self) -> AsyncIterator[tuple[int, OutputChunk]]:
-        """(index, chunk) pairs until every request has sent its final chunk.
+    async def outputs(self) -> AsyncIterator[tuple[int, OutputDelta]]:
+        """(index, output) pairs until every request has sent its final output.
 
         Not `asyncio.wait_for(queue.get(), ...)`: on Python 3.10-3.11 it returns the item instead
-        of raising when the reader is cancelled as a chunk arrives, so a cancelled reader (a
+        of raising when the reader is cancelled as an output arrives, so a cancelled reader (a
         cancelled background response, a client gone) ran on with its requests aborted and
         unfinished (CI saw a cancelled response stay `in_progress`). `asyncio.wait` never
         swallows the caller's cancellation; one getter lives across the liveness polls."""
@@ -54,7 +54,7 @@ class AsyncRequestGroup:
         try:
             while self._unfinished:
                 if not self._queue.empty():
-                    index, chunk = self._queue.get_nowait()
+                    index, output = self._queue.get_nowait()
                 else:
                     getter = getter or asyncio.ensure_future(self._queue.get())
                     done, _ = await asyncio.wait((getter,), timeout=LIVENESS_POLL_S)
@@ -62,17 +62,17 @@ class AsyncRequestGroup:
                         if not self.core.is_alive():
                             raise EngineDeadError(self.core.stopped_reason())
                         continue
-                    (index, chunk), getter = getter.result(), None
-                if chunk.finished:
+                    (index, output), getter = getter.result(), None
+                if output.finished:
                     self._unfinished.pop(index, None)
-                yield index, chunk
+                yield index, output
         finally:
             if getter is not None:
                 getter.cancel()
 
     def abort(self, message: str | None = None) -> None:
         """Aborts every request that has not finished (the consumer went away, or failed); with
-        `message`, their final chunks carry it as an error."""
+        `message`, their final outputs carry it as an error."""
         for rid in self._unfinished.values():
             self.core.abort(rid, message)
         self._unfinished.clear()
@@ -80,7 +80,7 @@ class AsyncRequestGroup:
 
 @dataclasses.dataclass
 class Choice:
-    """One generated sequence, gathered from its chunks."""
+    """One generated sequence, gathered from its outputs."""
 
     index: int
     prompt_index: int
@@ -89,20 +89,20 @@ class Choice:
     logprobs: list[float | None] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     meta_info: dict | None = None
-    first_chunk: OutputChunk | None = None  # carries prompt logprobs when asked
+    first_output: OutputDelta | None = None  # carries prompt logprobs when asked
 
-    def add(self, chunk: OutputChunk) -> None:
-        if self.first_chunk is None:
-            self.first_chunk = chunk
-        self.text += chunk.text
-        if chunk.token_id is not None:
-            self.token_ids.append(chunk.token_id)
-            self.logprobs.append(chunk.logprob)
-            self.top_logprobs.append([] if chunk.top_logprobs is None else chunk.top_logprobs)
-        if chunk.finished:
-            self.meta_info = chunk.meta_info
-            if chunk.error is not None:
-                self.meta_info = {**self.meta_info, "error": chunk.error}
+    def add(self, output: OutputDelta) -> None:
+        if self.first_output is None:
+            self.first_output = output
+        self.text += output.text
+        if output.token_id is not None:
+            self.token_ids.append(output.token_id)
+            self.logprobs.append(output.logprob)
+            self.top_logprobs.append([] if output.top_logprobs is None else output.top_logprobs)
+        if output.finished:
+            self.meta_info = output.meta_info
+            if output.error is not None:
+                self.meta_info = {**self.meta_info, "error": output.error}
 
     @property
     def finish_reason(self) -> str:

@@ -1,10 +1,10 @@
 """Engine: owns the model runner and the scheduler, runs the step loop in its own thread.
 
-Requests come in through a thread-safe `submit` and leave as a stream of `OutputChunk`s; the loop
+Requests come in through a thread-safe `submit` and leave as a stream of `OutputDelta`s; the loop
 thread is the only one that touches the scheduler, the page allocator and the device state, so
 none of them needs a lock. `xlaserve.Engine` (the offline API) wraps this class. The runner,
 the scheduler and the rest the engine serves with are built at start-up by startup.py;
-the chunks a step's tokens become (text, logprobs, finish) are made by delivery.py; what other
+the outputs a step's tokens become (text, logprobs, finish) are made by live_requests.py; what other
 threads send the loop, and what it sends them, are the typed messages of messages.py.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import operator
 import queue
 import random
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from typing import Callable
@@ -23,18 +24,16 @@ import jax
 import numpy as np
 
 from xlaserve.runtime.engine import startup
-from xlaserve.runtime.engine.admission import check_request
-from xlaserve.runtime.engine.delivery import Delivery, live_state
+from xlaserve.runtime.engine.live_requests import LiveRequests, live_state
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
-                                      OutputChunk, RequestsEnded, SampledRow, StepResult, Wake)
+                                      OutputDelta, RequestsEnded, SampledRow, StepResult, Wake)
 from xlaserve.runtime.engine.watchdog import Watchdog
-from xlaserve.runtime.executor.decode_batch import decode_forward_batch
-from xlaserve.runtime.executor.forward_batch import make_forward_batch
+from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, StepOutput
 from xlaserve.runtime.host import malloc_tuning
-from xlaserve.runtime.sampling.grammar import InvalidGrammar, constraint_of
-from xlaserve.runtime.sampling.params import (RequestLimits, RowSamplingParams, SamplingParams,
-                                      prompt_token_ids, stop_token_set)
+from xlaserve.runtime.sampling.params import (InvalidGrammar, RequestLimits, RowSamplingParams,
+                                              SamplingParams, check_request, constraint_of,
+                                              prompt_token_ids, stop_token_set)
 from xlaserve.runtime.sampling.sampler import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import Request
 from xlaserve.server_args import ServerArgs
@@ -81,8 +80,8 @@ class EngineCore:
         self._submit_lock = threading.Lock()
         self._stopping = False
         name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
-        # The live requests' output; its chunk thread sends the loop what it ended.
-        self._delivery = Delivery(self.scheduler, self._inbox.put,
+        # The live requests' output; its output thread sends the loop what it ended.
+        self._live_requests = LiveRequests(self.scheduler, self._inbox.put,
                                   name.replace("engine", "delivery"))
         self._last_sampling = None  # (padded seqs, rows, metadata) of the last step prepared
         # (DecodeRows, padded seqs, metadata) of the last step prepared, a decode continuation
@@ -119,23 +118,24 @@ class EngineCore:
 
     def check_request(self, prompt_len: int, params: SamplingParams, top_logprobs_num: int = 0,
                       **options) -> None:
-        """The one check of a request's parameters and size (runtime/engine/admission.py): raises
+        """The one check of a request's parameters and size (`check_request`,
+        runtime/sampling/params.py): raises
         InvalidSamplingParam or RequestTooLong. `submit` runs it; servers run it first, to refuse
         a call before submitting any of its copies. `options`: its `names`, `template_stop_ids`."""
-        check_request(self.scheduler, self.limits, self.loaded.config.vocab_size,
+        check_request(self.scheduler.check_fits, self.limits, self.loaded.config.vocab_size,
                       self.eos_token_ids, prompt_len, params, top_logprobs_num, **options)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               emit: Callable[[OutputChunk], None], rid: str | None = None,
+               emit: Callable[[OutputDelta], None], rid: str | None = None,
                return_logprob: bool = False, top_logprobs_num: int = 0,
                return_prompt_logprob: bool = False, priority: int = 0) -> str:
-        """Queue a request; `emit` is called from the engine's chunk thread (delivery.py) with
-        each OutputChunk, in order: the
+        """Queue a request; `emit` is called from the engine's output thread (live_requests.py) with
+        each OutputDelta, in order: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
         `top_logprobs_num` (at most MAX_TOP_LOGPROBS) [(logprob, token_id)] alternatives.
         A larger `priority` is scheduled first (batch work runs below interactive requests).
 
-        With `return_prompt_logprob`, the first output chunk and the final `meta_info` also hold
+        With `return_prompt_logprob`, the first output and the final `meta_info` also hold
         SGLang's `input_token_logprobs` [(logprob | None, token_id, None)] and
         `input_top_logprobs` [None | [(logprob, token_id, None)] * top_logprobs_num], one entry
         per prompt token (the first has none), under the raw model distribution. Such a request
@@ -203,12 +203,12 @@ class EngineCore:
                 "token_usage": self.scheduler.token_usage()}
 
     def abort(self, rid: str, message: str | None = None) -> None:
-        """Ends the request (waiting or running) on the engine thread; its final chunk carries
+        """Ends the request (waiting or running) on the engine thread; its final output carries
         `message` as its error, if given."""
         self._inbox.put(Abort(rid, message))
 
     def abort_all(self, message: str) -> None:
-        """Ends every request the engine holds, each with a final chunk whose error is `message`
+        """Ends every request the engine holds, each with a final output whose error is `message`
         (the server's graceful shutdown ran out of time)."""
         self._inbox.put(AbortAll(message))
 
@@ -229,7 +229,7 @@ class EngineCore:
         self._watchdog.stop()
         self._inbox.put(Wake())
         self._thread.join(timeout=30)
-        self._delivery.close(timeout=30)
+        self._live_requests.close(timeout=30)
         if self._leader is not None:  # the followers stop too
             self._leader.close()
 
@@ -261,8 +261,8 @@ class EngineCore:
         - otherwise (a prompt chunk that samples nothing, retraction) step k is read first and
           k+1 scheduled from its results;
         - either way, the host work on k's results that no step needs (detokenizing, stop
-          strings, handing chunks out) is not the loop's: `Delivery.deliver` queues it for the
-          chunk thread (delivery.py), and a stop string that thread finds comes back through
+          strings, handing outputs out) is not the loop's: `LiveRequests.deliver` queues it for the
+          output thread (live_requests.py), and a stop string that thread finds comes back through
           the inbox (the request ends at the next iteration's start).
         - a continuation with a constrained row (structured outputs) needs k's tokens for its
           grammar masks: it is scheduled and staged while k computes, and sent once k is read
@@ -274,7 +274,7 @@ class EngineCore:
         in_flight = None  # (batch, step output) dispatched and not yet read
         overlap = not self.args.disable_overlap_schedule
         while not self._stopping:
-            self._watchdog.beat()
+            self._watchdog.last_beat = time.monotonic()
             stepping: list = []  # the batches this iteration touched: a failure fails their rows
             sent = self._leader.sent if self._leader is not None else 0
             try:
@@ -305,7 +305,7 @@ class EngineCore:
                         in_flight = None
                 stepping = []  # the steps ran: what fails from here is one request's own
                 for step in results:
-                    self._delivery.deliver(step)
+                    self._live_requests.deliver(step)
             except Exception as error:  # a bug must not kill the loop silently
                 in_flight = None
                 self._step_failed(error, stepping, broadcast=self._leader is not None
@@ -319,18 +319,18 @@ class EngineCore:
         one before (a request's host-side packing, say) does not."""
         if batches:
             rids = list(dict.fromkeys(r.rid for batch in batches for r in batch.requests
-                                      if r.rid in self._delivery))
+                                      if r.rid in self._live_requests))
             logger.exception("engine step failed; aborting its %d requests", len(rids))
         else:
-            rids = self._delivery.rids()
+            rids = self._live_requests.rids()
             logger.exception("engine loop failed outside a step; aborting every live request")
         if broadcast:
             self._leader.step_failed(error)
-        self._delivery.abort_many(rids, self.failure or f"internal error ({type(error).__name__})")
+        self._live_requests.abort_many(rids, self.failure or f"internal error ({type(error).__name__})")
 
     def _drain_inbox(self, block: bool) -> None:
         """Takes in what other threads sent, in order; consecutive aborts are done together
-        (`Delivery.abort_many`: linear in their number, however long the queue)."""
+        (`LiveRequests.abort_many`: linear in their number, however long the queue)."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -339,7 +339,7 @@ class EngineCore:
         message = None
         while item is not None:
             if aborts and (not isinstance(item, Abort) or item.message != message):
-                self._delivery.abort_many(aborts, message)
+                self._live_requests.abort_many(aborts, message)
                 aborts = []
             match item:  # a Wake (shutdown's) only ends the wait: the loop sees _stopping
                 case Abort():
@@ -347,11 +347,11 @@ class EngineCore:
                     message = item.message
                 case AddRequest():
                     self._admitted += 1
-                    self._delivery.admit(item.live)
+                    self._live_requests.add(item.live)
                 case RequestsEnded():
-                    self._delivery.end_requests(item)
+                    self._live_requests.end_requests(item)
                 case AbortAll():
-                    self._delivery.abort_many(self._delivery.rids(), item.message)
+                    self._live_requests.abort_many(self._live_requests.rids(), item.message)
                 case FlushCache():
                     try:
                         item.done.set_result(self.scheduler.flush_cache())
@@ -362,18 +362,18 @@ class EngineCore:
             except queue.Empty:
                 item = None
         if aborts:
-            self._delivery.abort_many(aborts, message)
+            self._live_requests.abort_many(aborts, message)
 
     def _prepare(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""
         self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
         if batch.decode is not None:  # decode rows only: no prompt targets, each row ahead
-            fb = decode_forward_batch(batch.decode, self.buckets, self.runner.page_size)
+            fb = forward_batch_for(batch, self.buckets, self.runner.page_size)
             ahead = [batch.ahead] * len(batch.requests)
             sample_index = np.add(batch.decode.output_lens, batch.ahead)
         else:
-            chunks = self._delivery.chunks_for_step(batch)
-            fb = make_forward_batch(chunks, self.buckets, self.runner.page_size)
+            fb = forward_batch_for(self._live_requests.with_prompt_targets(batch), self.buckets,
+                                   self.runner.page_size)
             ahead = batch.row_ahead()
             sample_index = [len(r.output_ids) + a for r, a in zip(batch.requests, ahead)]
         padded_seqs = fb.shape[1]
@@ -433,7 +433,7 @@ class EngineCore:
 
     def _read(self, batch, out: StepOutput) -> StepResult:
         """Waits for the step's tokens and advances the scheduler; returns the rows that sampled
-        (with the step's logprobs, when a row asked for them) for `Delivery.deliver`."""
+        (with the step's logprobs, when a row asked for them) for `LiveRequests.deliver`."""
         num_rows = len(batch.requests)
         sampled = out.sample
         tokens = np.asarray(sampled.tokens)[:num_rows]
@@ -441,7 +441,7 @@ class EngineCore:
         if batch.any_logprobs():
             logprobs, top_logprobs, top_ids = (np.asarray(a)[:num_rows] for a in (
                 sampled.logprobs, sampled.top_logprobs, sampled.top_ids))
-        self._delivery.collect_prompt_logprobs(batch, out)
+        self._live_requests.collect_prompt_logprobs(batch, out)
         # Requests that ended while the step ran (abort, stop string) have no row to advance.
         rows: list[SampledRow] = []
         self.scheduler.process_results(batch, tokens.tolist(), rows)

@@ -30,7 +30,7 @@ from typing import Callable
 from xlaserve.weights.loader import check_replica_devices
 from xlaserve.runtime.distributed.setup import refuse_data_parallel_across_hosts
 from xlaserve.runtime.engine.core import EngineCore
-from xlaserve.runtime.engine.messages import OutputChunk
+from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -114,7 +114,7 @@ class DataParallelEngineCore:
         smallest.check_request(prompt_len, params, top_logprobs_num, **options)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               emit: Callable[[OutputChunk], None], rid: str | None = None, **options) -> str:
+               emit: Callable[[OutputDelta], None], rid: str | None = None, **options) -> str:
         """EngineCore.submit on the replica the load-balance method picks."""
         rid = rid or uuid.uuid4().hex
         with self._lock:
@@ -144,11 +144,11 @@ class DataParallelEngineCore:
         return index
 
     def _tracking(self, rid: str, index: int,
-                  emit: Callable[[OutputChunk], None]) -> Callable[[OutputChunk], None]:
+                  emit: Callable[[OutputDelta], None]) -> Callable[[OutputDelta], None]:
         """`emit` that forgets the request's replica with its final chunk (or when `emit`
         raises: the engine then drops the request)."""
 
-        def tracked(chunk: OutputChunk) -> None:
+        def tracked(chunk: OutputDelta) -> None:
             if chunk.finished:
                 self._forget(rid, index)
             try:

@@ -3,14 +3,14 @@
 - Into the engine loop (any thread -> the loop thread, through EngineCore's inbox): `AddRequest`
   (EngineCore.submit), `Abort` (abort), `AbortAll` (abort_all), `FlushCache` (flush_cache, which
   waits on its future) and `Wake` (shutdown: unblocks a loop waiting on an empty inbox).
-  From the chunk thread (delivery.py): `RequestsEnded`, the requests it ended (`StopMatched`: a
+  From the output thread (live_requests.py): `RequestsEnded`, the requests it ended (`StopMatched`: a
   stop string; `DropRequest`: a failure of its own or a sink that raised), for the loop to end in
   the scheduler. `InboxMessage` is their union.
 - From a step to its output: `EngineCore._read` turns a step's sampled tokens into a
   `StepResult` (the step-wide logprob arrays and one `SampledRow` per row that sampled for a
-  live request), which `Delivery.deliver` queues for the chunk thread to make into chunks.
-- Out of the engine (the chunk thread -> the request's consumer, through its `emit` callback):
-  one `OutputChunk` per sampled token, and a final one without a token when a request ends early
+  live request), which `LiveRequests.deliver` queues for the output thread to make into outputs.
+- Out of the engine (the output thread -> the request's consumer, through its `emit` callback):
+  one `OutputDelta` per sampled token, and a final one without a token when a request ends early
   (an abort, a refusal, a failure). Consumers that need SGLang's JSON shape (offline.Engine,
   /generate) build their dicts from it; `meta_info` is already that shape.
 """
@@ -31,16 +31,16 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class LiveRequest:
-    """Engine-side state of one admitted request (delivery.py keeps it by id): its sink, its
+    """Engine-side state of one admitted request (live_requests.py keeps it by id): its sink, its
     detokenizer, its prompt-logprob collector."""
 
     request: Request
-    emit: Callable[[OutputChunk], None]
+    emit: Callable[[OutputDelta], None]
     detokenizer: IncrementalDetokenizer | None
-    top_logprobs_num: int = 0  # alternatives per token in the chunks (needs return_logprob)
+    top_logprobs_num: int = 0  # alternatives per token in the outputs (needs return_logprob)
     prompt_logprobs: PromptLogprobCollector | None = None  # with return_prompt_logprob
-    prompt_logprobs_sent: bool = False  # they go out once, with the first output chunk
-    done: bool = False  # its final chunk has been handed out (the chunk thread's flag alone)
+    prompt_logprobs_sent: bool = False  # they go out once, with the first output
+    done: bool = False  # its final output has been handed out (the output thread's flag alone)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class AddRequest:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Abort:
-    """End the request `rid` (waiting or running); its final chunk carries `message` as error."""
+    """End the request `rid` (waiting or running); its final output carries `message` as error."""
 
     rid: str
     message: str | None = None
@@ -74,7 +74,7 @@ class FlushCache:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StopMatched:
-    """The chunk thread found stop string `stop` in the request's text (its final chunk waits
+    """The output thread found stop string `stop` in the request's text (its final output waits
     for the loop to end the request)."""
 
     rid: str
@@ -83,17 +83,17 @@ class StopMatched:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DropRequest:
-    """The chunk thread failed the request, or its sink raised: abort it, with no other chunk."""
+    """The output thread failed the request, or its sink raised: abort it, with no other output."""
 
     rid: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestsEnded:
-    """Requests the chunk thread ended; the loop sets `done` once it has ended them in the
+    """Requests the output thread ended; the loop sets `done` once it has ended them in the
     scheduler (their slots and pages free)."""
 
-    requests: tuple  # of StopMatched | DropRequest
+    requests: tuple[StopMatched | DropRequest, ...]
     done: threading.Event
 
 
@@ -105,7 +105,7 @@ class Wake:
 InboxMessage = AddRequest | Abort | AbortAll | FlushCache | RequestsEnded | Wake
 
 
-# --- a step's sampled tokens: EngineCore._read -> Delivery.deliver (the loop thread) -----------
+# --- a step's sampled tokens: EngineCore._read -> LiveRequests.deliver (the loop thread) -----------
 
 # The token a live request sampled in one row of a step: (request, token, row, num_output), the
 # request (its `status` says whether this token finished it: the scheduler decides), the token,
@@ -128,14 +128,14 @@ class StepResult:
 # --- the engine -> a request's consumer (its `emit`, called on the loop thread) ---------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class OutputChunk:
+class OutputDelta:
     """One piece of a request's output: a sampled token and its text delta, or (`token_id` None)
-    the final chunk of a request that ended without one.
+    the final output of a request that ended without one.
 
     `logprob` and `top_logprobs` [(logprob, token_id)] are set with return_logprob;
-    `input_token_logprobs` and `input_top_logprobs` (SGLang's lists) on the first chunk of a
+    `input_token_logprobs` and `input_top_logprobs` (SGLang's lists) on the first output of a
     request that asked for prompt logprobs; `meta_info` (SGLang's dict: id, token counts,
-    finish_reason, ...) on the final chunk; `error` on a final chunk that ended the request
+    finish_reason, ...) on the final output; `error` on a final output that ended the request
     early with a message."""
 
     token_id: int | None

@@ -30,12 +30,12 @@ from xlaserve.runtime.distributed.leader import Leader, lead
 from xlaserve import platform_defaults
 from xlaserve.weights.loader import LoadedModel, load_model, tensor_parallel_mesh
 from xlaserve.runtime.host import malloc_tuning
-from xlaserve.runtime.executor.buckets import Buckets, serving_buckets, with_page_size
+from xlaserve.runtime.executor.forward_batch import Buckets, serving_buckets, with_page_size
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, enabled_by_environment
 from xlaserve.runtime.sampling.grammar import GrammarBackend
 from xlaserve.runtime.executor.kv_pool import num_pages_for
-from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
 from xlaserve.model.quantized_rows import native_gemm_available
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.scheduler.scheduler import Scheduler

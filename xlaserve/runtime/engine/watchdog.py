@@ -1,8 +1,8 @@
 """SGLang's --watchdog-timeout: an engine loop stuck in one iteration for longer than the timeout
 is declared hung, so the server answers 503 instead of leaving every request waiting forever.
 
-The engine loop beats once per iteration; an idle loop still beats every 0.5 s (it waits on its
-inbox that long at most). An iteration blocks for long only where something below it hangs: a
+The engine loop sets `last_beat` (time.monotonic()) once per iteration, a plain attribute write;
+an idle loop still does every 0.5 s (it waits on its inbox that long at most). An iteration blocks for long only where something below it hangs: a
 device that never finishes a step, a collective waiting for a process that stopped (a
 multi-host follower that is alive but stuck, SIGSTOPped or swapping: the leader's step channel
 then fills and its send blocks too), or a compile far longer than any precompiled program
@@ -23,13 +23,10 @@ class Watchdog:
     def __init__(self, timeout_s: float, on_hang: Callable[[str], None], name: str):
         self.timeout_s = timeout_s
         self._on_hang = on_hang
-        self._last_beat = time.monotonic()
+        self.last_beat = time.monotonic()  # the engine loop's, once per iteration
         self._stopped = threading.Event()
         if timeout_s > 0:
             threading.Thread(target=self._watch, name=name, daemon=True).start()
-
-    def beat(self) -> None:
-        self._last_beat = time.monotonic()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -37,7 +34,7 @@ class Watchdog:
     def _watch(self) -> None:
         period = min(self.timeout_s / 4, 5.0)
         while not self._stopped.wait(period):
-            stuck_s = time.monotonic() - self._last_beat
+            stuck_s = time.monotonic() - self.last_beat
             if stuck_s > self.timeout_s:
                 reason = (f"the engine loop has been stuck in one step for {stuck_s:.0f} s "
                           f"(--watchdog-timeout {self.timeout_s:g}): a hung device, or a "

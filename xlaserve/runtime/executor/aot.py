@@ -35,11 +35,11 @@ from xlaserve.weights.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
 from xlaserve.model.sharding import check_expert_parallel, kv_cache_spec, serving_mesh
 from xlaserve.model.transformer import abstract_parameters, kv_cache_shape
-from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
+from xlaserve.runtime.executor.forward_batch import serving_buckets, with_page_size
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.step_program import idle_vectors, make_step
 from xlaserve.runtime.executor.weight_args import abstract_args, auto_formats, weight_args, weight_formats
-from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
+from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
 from xlaserve.runtime.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
 from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs

@@ -9,21 +9,166 @@ Padding tokens and padding sequences are dead: `num_seqs` and `cu_q_lens` exclud
 The page table is not one of the arrays: each live sequence's page list (`page_ids`) stays on the
 host, and the serving step gathers its rows from the device's table by slot, which ModelRunner
 keeps written (runtime/executor/page_table.py). `host_metadata` builds the padded table on the host, for
-drivers that call the model directly (greedy.py, tests).
+drivers that call the model directly (tests/greedy_driver.py, other tests).
+
+`decode_forward_batch`: the ForwardBatch of a continuation whose rows all decode
+(runtime/scheduler/request.py, DecodeRows), built from its columns. make_forward_batch reads every
+SeqChunk (its token ids, its page list) into fresh arrays; a decode continuation has its rows as
+columns already, one array each here. Its page lists are the scheduler's, shared with the last
+decode step for the rows that got no page, which the device page table's writes skip without
+reading them (runtime/executor/page_table.py). The arrays equal make_forward_batch's for the same
+chunks (tests/executor/test_decode_batch.py).
+
+Padding buckets (`Buckets`): every jitted step runs at one of a few known shapes.
+
+XLA compiles one program per input shape, so the token count, the sequence count and the pages per
+sequence of a batch are each rounded up to a bucket (powers of two by default). All buckets are
+compiled at start-up; a batch that fits none of them is a scheduling bug, not a reason to compile.
+
+By default the sequence bucket follows the token bucket (min(tokens, most sequences)), so there is
+one program per token bucket: a step of the default model compiles in ~8 s on a 2-core CPU, and a
+grid of token x sequence buckets (50 programs) took 7 minutes to precompile. Padding sequences
+cost little (a dead row of the LM head and of the sampler). Giving sequence buckets explicitly
+(`--precompile-bs-paddings`) asks for the full grid instead.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.model.transformer import AttentionMetadata
-from xlaserve.runtime.executor.buckets import Buckets
-from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE
-from xlaserve.runtime.scheduler.request import SeqChunk
+from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, default_page_size
+from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE, pages_for_tokens
+from xlaserve.runtime.scheduler.request import DecodeRows, ScheduledBatch, SeqChunk
+from xlaserve.runtime.scheduler.scheduler import max_step_tokens
+
+# --- padding buckets --------------------------------------------------------------------------
+
+def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `largest`, then `largest` itself (so 576 tokens at most
+    per step pads to 576, not 1024)."""
+    if smallest < 1 or largest < smallest:
+        raise ValueError(f"bad bucket range [{smallest}, {largest}]")
+    buckets, size = [], 1 << (smallest - 1).bit_length()
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    return tuple(buckets) + (largest,)
+
+
+def default_token_buckets(max_tokens: int, dtype, platform: str,
+                          native_matmul: bool = False) -> tuple[int, ...]:
+    """Token-count buckets by default: powers of two, shaped by what matmuls cost.
+
+    On the CPU with the native GEMM (its cost grows smoothly with the rows), every power of two
+    from 1.
+    Without it, XLA's dots decide: a 1-row float32 step runs as matrix-vector products (the
+    default model: 26 ms) but 2 rows cost more than 4 (50 vs 38 ms), so float32 skips 2; a 1-row
+    bfloat16 step falls off the fast bfloat16 path (186 ms against 29 ms for 2 rows), so
+    bfloat16 starts at 2. On TPU and GPU, steps under 8 tokens cost about what 8 cost, and fewer
+    programs compile faster."""
+    if platform != "cpu":
+        return pow2_buckets(min(8, max_tokens), max_tokens)
+    if native_matmul:
+        return pow2_buckets(1, max_tokens)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return pow2_buckets(min(2, max_tokens), max_tokens)
+    return tuple(b for b in pow2_buckets(1, max_tokens) if b != 2 or b == max_tokens)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} is over the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    tokens: tuple[int, ...]  # packed new tokens per step
+    seqs: tuple[int, ...]  # sequences per step
+    pages: tuple[int, ...]  # pages per sequence in the page table
+    grid: bool = False  # every (tokens, seqs) pair, or one sequence bucket per token bucket
+
+    @classmethod
+    def for_limits(cls, max_tokens_per_step: int, max_seqs: int, max_pages_per_seq: int,
+                   token_paddings=None, seq_paddings=None, page_paddings=None) -> "Buckets":
+        """Default power-of-two lists, or the caller's (e.g. `--precompile-token-paddings`)."""
+        return cls(
+            tokens=_sorted(token_paddings) or pow2_buckets(8, max_tokens_per_step),
+            seqs=_sorted(seq_paddings) or pow2_buckets(1, max_seqs),
+            pages=_sorted(page_paddings) or pow2_buckets(1, max_pages_per_seq),
+            grid=bool(seq_paddings),
+        )
+
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """The (tokens, seqs) pairs a step can take, smallest first. A step has at least as many
+        token slots as sequences (each sequence adds >= 1 token), so seqs <= tokens."""
+        if self.grid:
+            return [(t, s) for t in self.tokens for s in self.seqs if s <= t]
+        return [(t, bucket_for(min(t, self.seqs[-1]), self.seqs)) for t in self.tokens]
+
+    def shape_for(self, num_tokens: int, num_seqs: int, pages_per_seq: int) -> tuple[int, int, int]:
+        pages = bucket_for(max(pages_per_seq, 1), self.pages)
+        for tokens, seqs in self.step_shapes():
+            if tokens >= num_tokens and seqs >= num_seqs:
+                return tokens, seqs, pages
+        raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} sequences is over the "
+                         f"largest bucket {self.step_shapes()[-1]}")
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (tokens, seqs, pages) a step can take: the set to precompile."""
+        return [(t, s, p) for t, s in self.step_shapes() for p in self.pages]
+
+
+def _sorted(values) -> tuple[int, ...] | None:
+    return tuple(sorted(set(int(v) for v in values))) if values else None
+
+
+def with_page_size(args, platform: str, context_length: int):
+    """`args` (ServerArgs) with --page-size resolved: as given, or the platform's default
+    (api.default_page_size)."""
+    if args.page_size:
+        return args
+    page_size = default_page_size(platform, args.max_running_requests, context_length)
+    return dataclasses.replace(args, page_size=page_size)
+
+
+def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: str,
+                    native_matmul: bool = False, latent: tuple[int, int] | None = None) -> Buckets:
+    """The buckets a server with `args` (ServerArgs, --page-size resolved) precompiles on
+    `platform`. Raises ValueError where the attention kernel cannot take them (api.check_shapes;
+    `latent`: a latent-attention model's (value_dim, row width), `MLAConfig.kernel_widths`), so
+    that a server says so at start-up instead of failing inside XLA's compile."""
+    step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
+    pages = pages_for_tokens(context_length, args.page_size)
+    buckets = Buckets.for_limits(
+        step_tokens, args.max_running_requests, pages,
+        token_paddings=_int_list(args.precompile_token_paddings) or default_token_buckets(
+            step_tokens, dtype, platform, native_matmul=native_matmul),
+        seq_paddings=_int_list(args.precompile_bs_paddings),
+        # One page-table width: the attention loop stops at the longest live sequence, so a
+        # wide table costs little, and each extra width would multiply the compiled programs.
+        page_paddings=[pages],
+    )
+    check_shapes(args.attention_backend, platform, page_size=args.page_size, head_dim=head_dim,
+                 dtype=dtype, max_seqs=max(buckets.seqs), pages_per_seq=max(buckets.pages),
+                 latent=latent)
+    return buckets
+
+
+def _int_list(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
+
+
+# --- the step's batch --------------------------------------------------------------------------
 
 _ARRAYS = ("input_ids", "positions", "kv_lens", "cu_q_lens", "num_seqs", "logits_indices",
            "sample_rows", "target_ids", "input_slots")
@@ -130,3 +275,38 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
     return ForwardBatch(input_ids, positions, kv_lens, cu_q_lens, np.array([n], np.int32),
                         logits_indices, sample_rows, target_ids, input_slots, padded_pages,
                         [c.page_ids for c in chunks])
+
+
+def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> ForwardBatch:
+    n = len(rows.num_cached)
+    num_cached = np.array(rows.num_cached, np.int32)
+    kv = num_cached + 1
+    pages_needed = -(-kv // page_size)
+    num_pages = np.fromiter(map(len, rows.page_ids), np.int64, n)
+    if (short := np.flatnonzero(num_pages < pages_needed)).size:
+        i = int(short[0])
+        raise ValueError(f"sequence {i} needs {pages_needed[i]} pages, has {num_pages[i]}")
+    padded_tokens, padded_seqs, padded_pages = buckets.shape_for(n, n, int(pages_needed.max()))
+    positions = np.zeros(padded_tokens, np.int32)
+    positions[:n] = num_cached
+    kv_lens = np.zeros(padded_seqs, np.int32)
+    kv_lens[:n] = kv
+    row_index = np.arange(padded_seqs, dtype=np.int32)
+    cu_q_lens = np.minimum(np.arange(padded_seqs + 1, dtype=np.int32), n)
+    sample_rows = row_index < n
+    input_slots = np.full(padded_tokens, -1, np.int32)
+    input_slots[:n] = rows.slots
+    return ForwardBatch(
+        input_ids=np.zeros(padded_tokens, np.int32), positions=positions, kv_lens=kv_lens,
+        cu_q_lens=cu_q_lens, num_seqs=np.array([n], np.int32),
+        logits_indices=np.where(sample_rows, row_index, 0).astype(np.int32),
+        sample_rows=sample_rows, target_ids=np.full(padded_tokens, -1, np.int32),
+        input_slots=input_slots, pages=padded_pages, page_ids=rows.page_ids)
+
+
+def forward_batch_for(batch: ScheduledBatch, buckets: Buckets, page_size: int) -> ForwardBatch:
+    """The scheduled step's ForwardBatch: from a decode continuation's columns, else from its
+    chunks (with the prompt-logprob targets the engine put in them)."""
+    if batch.decode is not None:
+        return decode_forward_batch(batch.decode, buckets, page_size)
+    return make_forward_batch(batch.chunks, buckets, page_size)

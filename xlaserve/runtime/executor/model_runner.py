@@ -8,8 +8,9 @@ compiled programs; the step itself is `step_program.make_step`.
 The KV caches, the penalty counts, the last sampled tokens and the page table are donated, so
 XLA updates them in place. A program is
 compiled per bucket shape (tokens, seqs, pages per seq, logit-bias width, suppressed width);
-`precompile` compiles the expected ones at start-up, and any compile afterwards is logged as a
-warning with the shape, because a compile while serving stalls every request for seconds.
+`precompile` compiles the expected ones at start-up (runtime/executor/precompile.py), and any
+compile afterwards is logged as a warning with the shape, because a compile while serving stalls
+every request for seconds.
 
 Penalty state lives on the device, one row per request slot: `output_counts i32[slots, V]` (tokens
 generated so far) and `prompt_masks bool[slots, V]` (tokens of the prompt). Slot 0 is the null slot
@@ -47,18 +48,15 @@ reads its own copy. In one process the sink is None and nothing of this runs.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
-import os
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
 
 from xlaserve.model.packed import pack_model
 from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
@@ -69,14 +67,15 @@ from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
 from xlaserve.runtime.executor.kv_pool import init_kv_pool, kv_pool_specs
 from xlaserve.runtime.executor.page_table import DevicePageTable
-from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
-from xlaserve.runtime.executor.transfer import concat_leaves
+from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+from xlaserve.runtime.executor.step_program import concat_leaves
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.sampling.sampler import SamplingMetadata, build_sampling_metadata
 from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME, StepNeeds, needs_of,
                                          program_needs)
-from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, stored_in, weight_args,
-                                           weight_formats)
+from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
+                                                  warn_compiled_while_serving)
+from xlaserve.runtime.executor.weight_args import auto_formats, weight_args
 from xlaserve.runtime.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable, StepOutput,
                                            empty_batch, idle_step, make_step, step_vectors,
                                            table_arrays)
@@ -120,8 +119,8 @@ class ModelRunner:
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
         None: on TPU and GPU, not on the CPU. `choose_weight_layouts`: `precompile` lets XLA
-        choose the weights' layouts and stores them so (`_choose_weight_layouts`); None: on TPU
-        in one process (the CPU's and the H100's choice is the default layouts).
+        choose the weights' layouts and stores them so (precompile.choose_weight_layouts);
+        None: on TPU in one process (the CPU's and the H100's choice is the default layouts).
         `mla_expanded_prefill_tokens`: kernels_for's."""
         self.config = loaded.config
         self.mesh = loaded.mesh
@@ -220,10 +219,6 @@ class ModelRunner:
     @kv_caches.setter
     def kv_caches(self, caches: list[jax.Array]) -> None:
         self._kv_caches = caches
-
-    def assign_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int] = ()) -> None:
-        """Start (or, after a retraction, resume) a request in `slot` (`assign_slots` of one)."""
-        self.assign_slots([(slot, prompt_ids, output_ids)])
 
     def assign_slots(self, assignments) -> None:
         """Start (or, after a retraction, resume) requests in their slots: each (slot, prompt_ids,
@@ -363,11 +358,7 @@ class ModelRunner:
             (out, self.kv_caches, self.output_counts, self.last_tokens,
              self.page_table.array) = self._step(*args, layout=staged.layout, needs=needs)
             if self._precompiled and self._step._cache_size() > compiled_before:
-                logger.warning(
-                    "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
-                    "width %d, suppressed width %d, needs %s was not precompiled; every request "
-                    "waited for it. Add the shape to the padding buckets.", staged.shape,
-                    *staged.widths, needs)
+                warn_compiled_while_serving(staged.shape, staged.widths, needs)
         self.page_table.rows.commit(staged.page_updates)
         if self.sink is not None:  # replicated over every process: read this one's copy
             out = jax.tree.map(lambda x: x.addressable_data(0), out)
@@ -420,66 +411,15 @@ class ModelRunner:
     def precompile(self, shapes, *, cache: ExecutableCache | None = None,
                    progress: bool = True) -> None:
         """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape and program
-        variant (`program_variants`). Compiled, not run: a run of each with padding rows cost
-        ~1.3 s of the default model's start. On TPU the first one chooses the weights'
-        layouts, which the others take (`_choose_weight_layouts`); with --disable-precompile
-        the weights keep the default ones."""
-        variants = self.program_variants()
+        variant (`program_variants`), and the programs of `assign_slots` and `write_pages`:
+        runtime/executor/precompile.py. Over several processes, run an idle step of each."""
         if self.sink is not None:
-            # Multi-host: a step runs on every process, so the followers compile it as they
-            # replay it; it goes through the jitted step, on every process alike.
-            for shape in tqdm(shapes, desc="Precompiling", unit="shape", disable=not progress):
-                for needs in variants:
-                    staged = dataclasses.replace(self.stage(*idle_step(*shape)), needs=needs)
-                    jax.block_until_ready(self.run(staged).sample.tokens)
-            self._precompiled = True
-            return
-        shapes = [(tuple(shape), needs) for shape in shapes for needs in variants]
-        found = {}
-        if self._choosing_step is not None:  # first: the other programs keep the layouts chosen
-            found[shapes[0]] = self._choose_weight_layouts(*shapes[0], cache)
-        lowering = {shape: self._lowering_args(*shape) for shape in shapes if shape not in found}
-        if cache is not None:
-            paths = {shape: cache.path(*lowering[shape], name="serving step",
-                                       description=self._description) for shape in lowering}
-            devices = list(self.mesh.devices.flat)  # the mesh's order is jit's device assignment
-
-            def load(shape):
-                return cache.load(paths[shape], devices)
-
-            with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as threads:
-                found.update(zip(lowering, threads.map(load, lowering)))
-        missing = [shape for shape in lowering if found.get(shape) is None]
-        for shape in tqdm(missing, desc="Precompiling", unit="shape", disable=not progress):
-            args, kwargs = lowering[shape]
-            found[shape] = (self._step.lower(*args, **kwargs).compile() if cache is None else
-                            cache.compile_and_store(self._step, args, kwargs, paths[shape]))
-        for shape, needs in shapes:
-            self._programs[(shape, SAMPLING_WIDTHS, needs)] = found[(shape, needs)]
-        self._compile_reset_slots()
-        self._precompiled = True
-
-    def _choose_weight_layouts(self, shape, needs: StepNeeds | None,
-                               cache: ExecutableCache | None):
-        """The program of one bucket shape and variant with the weights' layouts left to XLA
-        (compiled, or loaded from `cache`), after which the weights are stored in the layouts it
-        chose, which the jitted step and every other program then take: no weight is relaid
-        out in a step (on TPU v6e the default layouts cost 64 a step, weight_args.auto_formats).
-        Not another compile: the program serves its bucket. The model's own arrays are freed."""
-        logger.info("Choosing the weights' layouts: the step of shape %s, %s", shape, needs)
-        args, kwargs = self._lowering_args(shape, needs)
-        # Layout.AUTO takes shapes: an array has a layout already.
-        args = (abstract_args(args[0]), *args[1:])
-        if cache is None:
-            compiled = self._choosing_step.lower(*args, **kwargs).compile()
+            run_idle_steps(self, shapes, progress)
         else:
-            path = cache.path(args, kwargs, name="serving step, weight layouts chosen",
-                              description=self._description)
-            compiled = (cache.load(path, list(self.mesh.devices.flat)) or
-                        cache.compile_and_store(self._choosing_step, args, kwargs, path))
-        self._weight_args = stored_in(self._weight_args, weight_formats(compiled))
-        self._choosing_step = None
-        return compiled
+            for (shape, needs), program in compile_steps(self, shapes, cache, progress).items():
+                self._programs[(shape, SAMPLING_WIDTHS, needs)] = program
+            self._compile_reset_slots()
+        self._precompiled = True
 
     def _lowering_args(self, shape, needs: StepNeeds | None):
         """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be

@@ -27,8 +27,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from xlaserve.runtime.sampling.params import InvalidGrammar
+
 GRAMMAR_BACKENDS = ("llguidance", "none")
-CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # JSON whitespace between tokens when --constrained-json-whitespace-pattern is not given: one
 # optional space (outlines' and SGLang's default for their JSON grammars), so `{"a": 1}` and
 # `{"a":1}` both parse but a small model cannot pad with spaces or newlines until max_tokens.
@@ -55,32 +56,6 @@ def tiktoken_encoding(tokenizer):
     encoding = getattr(tokenizer, "model", None)
     module = type(encoding).__module__ or ""
     return encoding if module.startswith("tiktoken") and not tokenizer.is_fast else None
-
-class InvalidGrammar(ValueError):
-    """A constraint that cannot be used; `param` names the request field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-def constraint_of(params) -> tuple[str, str] | None:
-    """(kind, text) of the one constraint `params` (SamplingParams) sets, or None. A json_schema
-    given as a dict (the offline API) is taken as its JSON text."""
-    given = [(name, getattr(params, name)) for name in CONSTRAINT_FIELDS
-             if getattr(params, name, None) is not None]
-    if len(given) > 1:
-        raise InvalidGrammar(given[1][0], "Only one of regex, json_schema, ebnf or structural_tag "
-                                          "can be set.")
-    if not given:
-        return None
-    kind, text = given[0]
-    if kind in ("json_schema", "structural_tag") and isinstance(text, dict):
-        text = json.dumps(text)
-    if not isinstance(text, str):
-        raise InvalidGrammar(kind, f"{kind} must be a string, got {type(text).__name__}")
-    return kind, text
-
 
 def json_depth(value) -> int:
     """How deeply objects and arrays nest in `value` (a scalar: 0; counted level by level, not

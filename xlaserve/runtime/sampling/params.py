@@ -9,12 +9,15 @@ every running request down with it) or one that makes no sense is refused with i
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import re
 
-from typing import Sequence
+from typing import Callable, Sequence
 
+# The fields of which a request sets at most one, its output constraint (grammar.py compiles it).
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; always computed, so one program serves every request
 # Fixed widths of the per-row logit_bias and suppressed-id tables, so no request picks a new
 # program: OpenAI accepts up to 300 logit_bias entries; suppressed ids are EOS + stop_token_ids.
@@ -251,3 +254,53 @@ def stop_token_set(params: SamplingParams, eos_token_ids,
         stop_ids |= eos_token_ids
     check(stop_ids, "the model's EOS ids")
     return stop_ids
+
+
+def check_request(fits: Callable[[int, int], None], limits: RequestLimits, vocab_size: int,
+                  eos_token_ids: frozenset[int] | set[int], prompt_len: int,
+                  params: SamplingParams, top_logprobs_num: int = 0, *,
+                  names: dict[str, str] | None = None,
+                  template_stop_ids: frozenset[int] = frozenset()) -> None:
+    """The one check of what a request asks, made before anything is built or queued for it
+    (EngineCore.check_request; EngineCore.submit runs it on every request, the HTTP routes before
+    submitting a call's n copies, so a bad call submits nothing). It reads only what start-up
+    fixed, so any thread may call it, and compiles no grammar.
+
+    Raises InvalidSamplingParam (a bad value, named: types and ranges under `limits`, the number
+    of top logprobs, the ids that end it: `stop_token_set`), ValueError for an empty prompt, or
+    what `fits(prompt_len, max_new_tokens)` raises (the scheduler's one fits decision:
+    RequestTooLong). `names` renames fields in the messages and `param` (the OpenAI routes say
+    max_tokens for max_new_tokens); `template_stop_ids`: the chat template's end-of-turn ids the
+    caller adds to stop_token_ids after this check."""
+    if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise InvalidSamplingParam(
+            "top_logprobs_num", f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+    params.validate(vocab_size, names=names, limits=limits)
+    stop_token_set(params, eos_token_ids, template_stop_ids)
+    fits(prompt_len, params.max_new_tokens)
+
+
+class InvalidGrammar(ValueError):
+    """A constraint that cannot be used; `param` names the request field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def constraint_of(params) -> tuple[str, str] | None:
+    """(kind, text) of the one constraint `params` (SamplingParams) sets, or None. A json_schema
+    given as a dict (the offline API) is taken as its JSON text."""
+    given = [(name, getattr(params, name)) for name in CONSTRAINT_FIELDS
+             if getattr(params, name, None) is not None]
+    if len(given) > 1:
+        raise InvalidGrammar(given[1][0], "Only one of regex, json_schema, ebnf or structural_tag "
+                                          "can be set.")
+    if not given:
+        return None
+    kind, text = given[0]
+    if kind in ("json_schema", "structural_tag") and isinstance(text, dict):
+        text = json.dumps(text)
+    if not isinstance(text, str):
+        raise InvalidGrammar(kind, f"{kind} must be a string, got {type(text).__name__}")
+    return kind, text

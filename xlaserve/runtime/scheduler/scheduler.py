@@ -10,10 +10,10 @@ A request's KV state is `num_computed`: how many of `all_ids()` are in the cache
 *decoding* when everything but the last sampled token is computed; otherwise it is prefilling
 `all_ids()[num_computed:]`, in chunks. When the page pool runs dry for the decodes, the newest
 running requests are retracted: pages dropped, generated tokens kept, and on re-admission their
-prompt plus output so far is prefilled again (docs/architecture.md, Memory).
+prompt plus output so far is prefilled again (retraction.py; docs/architecture.md, Memory).
 
 Prefix cache: an admitted request starts at its longest cached prefix, and its whole pages enter
-the radix tree as steps complete them (prefix_reuse.py).
+the radix tree as steps complete them (prefix_cache.py, PrefixReuse).
 """
 from __future__ import annotations
 
@@ -21,15 +21,29 @@ import bisect
 import itertools
 import logging
 
-from xlaserve.runtime.scheduler.page_allocator import PageAllocator, pages_for_tokens
-from xlaserve.runtime.scheduler.prefix_cache import RadixCache
-from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse
+from xlaserve.runtime.scheduler.prefix_cache import (PageAllocator, PrefixReuse, RadixCache,
+                                                     pages_for_tokens)
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
                                         ScheduledBatch, SeqChunk)
-from xlaserve.runtime.scheduler.step_budget import prefill_budget
+from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
 from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
+
+
+def prefill_budget(max_prefill_tokens: int, num_decodes: int) -> int:
+    """Prompt tokens a step may run beside `num_decodes` decode rows. As in SGLang's mixed
+    chunks, decodes take their share of `max_prefill_tokens`, so a mixed step is no bigger than a
+    prefill step (and pads to the same bucket, not the next one up); prompts keep at least a
+    quarter of it, so new requests still start under a full decode load."""
+    return max(max_prefill_tokens - num_decodes, max_prefill_tokens // 4, 1)
+
+
+def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
+    """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
+    or a whole prefill step): the largest padding bucket the executor compiles."""
+    return max(max_prefill_tokens,
+               max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
 
 
 class Scheduler:
@@ -152,14 +166,6 @@ class Scheduler:
             self._free_slots.append(request.slot)
             request.slot = None
 
-    def _retract(self, request: Request) -> None:
-        self.running.remove(request)
-        self._release(request)
-        request.num_computed = 0  # recomputed from prompt + output so far on re-admission
-        request.retracted_count += 1
-        request.status = "waiting"
-        self._enqueue(request)
-
     # --- scheduling ---------------------------------------------------------------------------
 
     def _new_pages(self, request: Request, kv_len: int) -> int:
@@ -180,13 +186,8 @@ class Scheduler:
         admitted: list[Request] = []
         rows += self._schedule_prefills(admitted, budget=prefill_budget(self.max_prefill_tokens,
                                                                         num_decodes))
-        # Only prefilling requests are running and none can get pages: retract the newest so the
-        # older ones can finish their prompts (a lone request always fits, add() checked). No
-        # admissions in this step, or the retracted one would take its pages right back.
-        while not rows and self.running:
-            self._retract(self.running[-1])
-            logger.info("KV cache pool is full. Retract requests. #retracted_reqs: 1")
-            rows = self._schedule_prefills(admitted, budget=self.max_prefill_tokens, admit=False)
+        if not rows and self.running:  # only prefills run, and none gets pages: retract
+            rows = retract_for_prefills(self, admitted)
         if not rows:
             return None
         requests = [r for r, _ in rows]
@@ -199,16 +200,10 @@ class Scheduler:
     def _schedule_decodes(self) -> list[tuple[Request, SeqChunk]]:
         """One token for every decoding request; retracts the newest running requests when the
         pool cannot give every decode the page it may need."""
-        num_retracted = 0
-        while True:
-            decoding = [r for r in self.running if r.is_decoding]
-            needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
-            if needed <= self.cache.available_pages or len(self.running) <= 1:
-                break
-            self._retract(self.running[-1])
-            num_retracted += 1
-        if num_retracted:
-            logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d", num_retracted)
+        decoding = [r for r in self.running if r.is_decoding]
+        needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
+        if needed > self.cache.available_pages and len(self.running) > 1:
+            decoding = retract_for_decodes(self)
         rows = []
         for r in decoding:
             self._grow(r, r.num_computed + 1)

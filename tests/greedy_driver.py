@@ -1,6 +1,8 @@
 """The simplest driver of the paged forward pass: a fixed set of sequences, pages handed out in
-order, greedy decoding. It is what `python -m xlaserve.generate` runs until the engine (continuous
-batching, sampling) lands, and the reference driver the model tests feed ragged batches through.
+order, greedy decoding; no engine, scheduler or sampler. The reference driver the model and weight
+tests feed ragged batches through, and what the runner's batched steps are compared with
+(tests/executor/test_model_runner.py). Test code only: the package serves through
+xlaserve/runtime/executor/model_runner.py.
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from jax.sharding import Mesh
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 
 from xlaserve.runtime.scheduler.request import SeqChunk
-from xlaserve.runtime.executor.buckets import Buckets, pow2_buckets
+from xlaserve.runtime.executor.forward_batch import Buckets, pow2_buckets
 from xlaserve.runtime.executor.kv_pool import init_kv_pool
-from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE
+from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE
 from xlaserve.runtime.executor.kernels import kernels_for
 
 

@@ -1,32 +1,32 @@
 """The output side of an EngineCore: what turns a step's sampled tokens (a `StepResult`) into
-the `OutputChunk`s a request's sink receives (both in messages.py).
+the `OutputDelta`s a request's sink receives (both in messages.py).
 
-`Delivery` holds the live state of every request the engine has admitted and not yet finished
+`LiveRequests` holds the live state of every request the engine has admitted and not yet finished
 (`LiveRequest`, messages.py: its sink, its detokenizer, its prompt-logprob collector), by id:
 - `live_state` builds that state in the submitting thread (EngineCore.submit), `admit` keeps it
   and hands the request to the scheduler; one the scheduler refuses (a duplicate id) gets a
-  final chunk with the error and is not kept;
-- `deliver` makes each sampled token of a step a chunk: its text delta (a stop string found
+  final output with the error and is not kept;
+- `deliver` makes each sampled token of a step an output: its text delta (a stop string found
   there finishes the request), with `return_logprob` its logprob and top alternatives, with the
-  first chunk the prompt logprobs, and with the last one `meta_info`;
-- `abort` ends a request early (an abort, a failed step) with a final chunk, `abort_many` many;
-- an exception while making one request's chunk fails that request alone;
+  first output the prompt logprobs, and with the last one `meta_info`;
+- `abort` ends a request early (an abort, a failed step) with a final output, `abort_many` many;
+- an exception while making one request's output fails that request alone;
 - a sink that raises is dropped: its request is aborted, the loop and the other requests go on.
 The prompt-logprob collectors live here too: `prompt_targets` gives a prefill chunk the ids its
 rows score, and `collect_prompt_logprobs` hands each collector its rows of a step.
 
 Two threads. The engine loop calls every public method (it shares the scheduler, which only that
 thread touches): `deliver` only snapshots, per row, what the scheduler decided (finished or not,
-why, the output count) and queues the step. The chunk thread ("xlaserve-delivery") detokenizes,
-matches stop strings, builds the chunks and calls the sinks, in queue order, so a request's
-chunks keep their order and its final chunk (from a step or an abort) comes last. Making the
-chunks of a 256-row step cost ~2.2 ms of the loop's time on a 2-core CPU; the snapshot ~0.3 ms
-(benchmarks/bench_host_step.py). What the chunk thread decides goes back to the loop through its
+why, the output count) and queues the step. The output thread ("xlaserve-delivery") detokenizes,
+matches stop strings, builds the outputs and calls the sinks, in queue order, so a request's
+outputs keep their order and its final output (from a step or an abort) comes last. Making the
+outputs of a 256-row step cost ~2.2 ms of the loop's time on a 2-core CPU; the snapshot ~0.3 ms
+(benchmarks/bench_host_step.py). What the output thread decides goes back to the loop through its
 inbox (`notify`, a `RequestsEnded`): a stop string (`StopMatched`: the loop ends the request in
 the scheduler at the start of its next iteration, freeing its slot and pages, and only then does
-the chunk thread send the final chunk) and a request the thread failed or whose sink raised
-(`DropRequest`: ended without another chunk). Until the loop has ended it the request may sample
-a token or two more: the chunk thread has marked it done (`LiveRequest.done`) and drops them, so
+the output thread send the final output) and a request the thread failed or whose sink raised
+(`DropRequest`: ended without another output). Until the loop has ended it the request may sample
+a token or two more: the output thread has marked it done (`LiveRequest.done`) and drops them, so
 no text past a stop string ever leaves.
 """
 from __future__ import annotations
@@ -35,39 +35,44 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
 
 from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
-from xlaserve.runtime.engine.messages import (DropRequest, LiveRequest, OutputChunk, RequestsEnded,
+from xlaserve.runtime.engine.messages import (DropRequest, LiveRequest, OutputDelta, RequestsEnded,
                                       StepResult, StopMatched)
 from xlaserve.runtime.executor.step_program import StepOutput
 from xlaserve.runtime.sampling.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.runtime.scheduler.scheduler import Scheduler
-from xlaserve.runtime.scheduler.request import Request
+from xlaserve.runtime.scheduler.request import Request, ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 
-# A sampled row as the engine loop saw it when the step was read: the chunk thread makes the
-# chunk from this, never from the request's state, which the loop goes on changing. A tuple
-# (request, live, token, row, finish_reason, num_output, meta_info, input_logprobs): the row's
-# index in the step's arrays; the scheduler's finish reason when this token finished the
-# request (and its meta_info), else None; the output tokens up to and with this one
-# (`completion_tokens` if it ends here); (input_token_logprobs, input_top_logprobs) on the first
-# chunk of a request that asked for them. One is made per row per step: a dataclass's __init__
-# cost ~0.07 ms of a 256-row step (benchmarks/bench_host_step.py).
-_Row = tuple
+class RowSnapshot(NamedTuple):
+    """A sampled row as the engine loop saw it when the step was read: the output thread makes
+    the row's output from this, never from the request's state, which the loop goes on changing.
+    One is made per row per step (a NamedTuple: ~0.3 us each, ~0.07 ms of a 256-row step,
+    benchmarks/bench_host_step.py)."""
+
+    request: Request
+    live: LiveRequest
+    token: int
+    row: int  # the row's index in the step's arrays
+    finish_reason: tuple | None  # the scheduler's, when this token finished the request
+    num_output: int  # the output tokens up to and with this one (`completion_tokens` if it ends)
+    meta_info: dict | None  # with finish_reason
+    input_logprobs: tuple | None  # (input_token_logprobs, input_top_logprobs), on the first output
 
 
-def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputChunk], None],
+def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputDelta], None],
                tokenizer, top_logprobs_num: int, return_prompt_logprob: bool) -> LiveRequest:
-    """A submitted request's state for `Delivery.admit`, built in the submitting thread so that
+    """A submitted request's state for `LiveRequests.add`, built in the submitting thread so that
     anything wrong with it (a stop string, say) is that caller's error, never the loop's.
-    `tokenizer`: None with --skip-tokenizer-init (chunks then carry no text)."""
+    `tokenizer`: None with --skip-tokenizer-init (outputs then carry no text)."""
     detok = None
     if tokenizer is not None:
         detok = IncrementalDetokenizer(
@@ -81,14 +86,17 @@ def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputC
     return live
 
 
-class Delivery:
+class LiveRequests:
+    """The requests the engine has taken in and not yet finished, by id, and the output thread
+    that turns their steps into outputs (module docstring)."""
+
     def __init__(self, scheduler: Scheduler, notify: Callable[[object], None], name: str):
         """`notify` puts a message (`RequestsEnded`) in the engine loop's inbox; `name` names
-        the chunk thread."""
+        the output thread."""
         self.scheduler = scheduler
         self._live: dict[str, LiveRequest] = {}
         # Ids of requests that may still collect prompt logprobs: every live one whose collector
-        # is not complete is in it (stale ids leave at `chunks_for_step`), so that a step where
+        # is not complete is in it (stale ids leave at `with_prompt_targets`), so that a step where
         # none collects does no per-row work for them.
         self._collecting: set[str] = set()
         self._notify = notify
@@ -105,13 +113,13 @@ class Delivery:
         return list(self._live)
 
     def close(self, timeout: float | None = None) -> None:
-        """Hands out what is queued, then ends the chunk thread (the loop has stopped: nothing
+        """Hands out what is queued, then ends the output thread (the loop has stopped: nothing
         ends requests in the scheduler any more)."""
         self._closing.set()
         self._jobs.put(None)
         self._thread.join(timeout)
 
-    def admit(self, live: LiveRequest) -> None:
+    def add(self, live: LiveRequest) -> None:
         """Takes a submitted request in (its state built by `live_state` in the submitting
         thread): its live state, then the scheduler's queue."""
         request = live.request
@@ -119,14 +127,14 @@ class Delivery:
             self.scheduler.add(request)
         except ValueError as error:  # e.g. a duplicate request id: fail this one only
             request.finish_reason = ("abort", None)
-            self._jobs.put((live, _final_chunk(request, str(error))))
+            self._jobs.put((live, _final_output(request, str(error))))
         else:
             self._live[request.rid] = live
             if live.prompt_logprobs is not None:
                 self._collecting.add(request.rid)
 
     def abort(self, rid: str, message: str | None) -> None:
-        """Ends a live request in the scheduler and sends its final chunk (with `message` as its
+        """Ends a live request in the scheduler and sends its final output (with `message` as its
         error, if any)."""
         self.abort_many([rid], message)
 
@@ -138,11 +146,11 @@ class Delivery:
         for rid in rids:
             live = self._live.pop(rid)
             live.request.finish_reason = live.request.finish_reason or ("abort", None)
-            self._jobs.put((live, _final_chunk(live.request, message, live)))
+            self._jobs.put((live, _final_output(live.request, message, live)))
 
     def end_requests(self, message: RequestsEnded) -> None:
-        """What the chunk thread ended: a stop string it found (the request finishes "stop"),
-        a request it failed or whose sink raised (aborted, with no other chunk from here).
+        """What the output thread ended: a stop string it found (the request finishes "stop"),
+        a request it failed or whose sink raised (aborted, with no other output from here).
         Each ends in the scheduler now, freeing its slot and pages, unless it ended meanwhile."""
         try:
             for ended in message.requests:
@@ -156,18 +164,18 @@ class Delivery:
             message.done.set()
 
     def deliver(self, step: StepResult) -> None:
-        """Queues the chunk of each token a live request sampled in the step, in row order, for
-        the chunk thread; here only what the scheduler decided is read (the request's state
-        changes under the chunk thread). A request that the step finished leaves the live set."""
+        """Queues the output of each token a live request sampled in the step, in row order, for
+        the output thread; here only what the scheduler decided is read (the request's state
+        changes under the output thread). A request that the step finished leaves the live set."""
         rows = []
         for request, token, row, num_output in step.rows:
             live = self._live.get(request.rid)
-            if live is None:  # ended earlier (a stop string the chunk thread found, say)
+            if live is None:  # ended earlier (a stop string the output thread found, say)
                 continue
             # Whether a request is finished is the scheduler's one decision (`Scheduler._end` is
             # the only writer of an admitted request's `status` and `finish_reason`): a stop id,
             # the length or the grammar's end in `process_results`; a stop string found by the
-            # chunk thread comes back as `StopMatched`.
+            # output thread comes back as `StopMatched`.
             finished = request.status == "finished"
             input_logprobs = meta_info = None
             if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
@@ -178,27 +186,28 @@ class Delivery:
             if finished:
                 meta_info = _meta_info(request, live)
                 del self._live[request.rid]
-            rows.append((request, live, token, row, request.finish_reason if finished else None,
-                         num_output, meta_info, input_logprobs))
+            rows.append(RowSnapshot(request, live, token, row,
+                                    request.finish_reason if finished else None, num_output,
+                                    meta_info, input_logprobs))
         if rows:
             self._jobs.put((rows, step))
 
-    # --- the chunk thread ---------------------------------------------------------------------
+    # --- the output thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             first, second = job
-            # A final chunk made by the loop (an abort, a refusal).
+            # A final output made by the loop (an abort, a refusal).
             if isinstance(first, LiveRequest):
                 if not first.done:
                     first.done = True
                     self._emit(first, second)
                 continue
-            ended: list = []  # StopMatched / DropRequest for the loop
-            finals: list = []  # (live, chunk): final chunks to send once the loop ended them
+            ended: list[StopMatched | DropRequest] = []  # for the loop to end
+            finals: list = []  # (live, output): final outputs to send once the loop ended them
             for row in first:
-                request, live, num_output = row[0], row[1], row[5]
-                if live.done:  # its final chunk went out (a stop string, a failure)
+                request, live, num_output = row.request, row.live, row.num_output
+                if live.done:  # its final output went out (a stop string, a failure)
                     continue
                 try:
                     self._deliver(row, second, ended, finals)
@@ -206,17 +215,17 @@ class Delivery:
                     logger.exception("request %s failed while its output was made", request.rid)
                     live.done = True
                     ended.append(DropRequest(request.rid))
-                    finals.append((live, _final_chunk(
+                    finals.append((live, _final_output(
                         request, f"internal error ({type(error).__name__})", live,
                         ("abort", None), num_output)))
             if ended:
                 self._end_in_loop(ended, wait=bool(finals))
-            for live, chunk in finals:
-                self._emit(live, chunk)
+            for live, output in finals:
+                self._emit(live, output)
 
-    def _end_in_loop(self, ended: list, wait: bool) -> None:
+    def _end_in_loop(self, ended: list[StopMatched | DropRequest], wait: bool) -> None:
         """Has the loop end these requests in the scheduler; with `wait`, returns once it has
-        (so a request's slot and pages are free before its final chunk goes out, as when the
+        (so a request's slot and pages are free before its final output goes out, as when the
         loop itself ends it), or once the loop stops."""
         message = RequestsEnded(tuple(ended), threading.Event())
         self._notify(message)
@@ -224,8 +233,9 @@ class Delivery:
             if self._closing.is_set():
                 return
 
-    def _deliver(self, sampled: _Row, step: StepResult, ended: list, finals: list) -> None:
-        """Makes and hands out one row's chunk (the chunk thread); one that a stop string
+    def _deliver(self, sampled: RowSnapshot, step: StepResult, ended: list[StopMatched | DropRequest],
+                 finals: list) -> None:
+        """Makes and hands out one row's output (the output thread); one that a stop string
         finishes goes to `finals`, its end in the scheduler to `ended`."""
         request, live, token, row, reason, num_output, meta_info, input_logprobs = sampled
         # A stop id is not part of the text; a grammar's last token (finish "stop" with no
@@ -253,21 +263,21 @@ class Delivery:
         live.done = finished
         # A request the scheduler ended as failed (its grammar's dead end) says why; it is
         # finished, so nothing writes its `error` any more.
-        chunk = OutputChunk(token, delta, finished, logprob=logprob, top_logprobs=top_logprobs,
+        output = OutputDelta(token, delta, finished, logprob=logprob, top_logprobs=top_logprobs,
                             input_token_logprobs=input_token_logprobs,
                             input_top_logprobs=input_top_logprobs, meta_info=meta_info,
                             error=request.error if finished else None)
         if stop_found:  # sent once the loop has ended the request
-            finals.append((live, chunk))
+            finals.append((live, output))
         else:
-            self._emit(live, chunk)
+            self._emit(live, output)
 
-    def _emit(self, live: LiveRequest, chunk: OutputChunk) -> None:
-        """Hands a chunk to the request's consumer (the chunk thread). A consumer that raises
+    def _emit(self, live: LiveRequest, output: OutputDelta) -> None:
+        """Hands an output to the request's consumer (the output thread). A consumer that raises
         (its event loop closed, say) is gone: its request is dropped, and nothing it did reaches
         the loop or other requests."""
         try:
-            live.emit(chunk)
+            live.emit(output)
         except Exception:
             logger.warning("dropping request %s: its output consumer failed", live.request.rid,
                            exc_info=logger.isEnabledFor(logging.DEBUG))
@@ -283,19 +293,20 @@ class Delivery:
         collector = live.prompt_logprobs if live is not None else None
         return None if collector is None or collector.complete else collector
 
-    def chunks_for_step(self, batch) -> list:
-        """`batch.chunks`, each with `prompt_targets`; the list itself when no live request
+    def with_prompt_targets(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """`batch` with `prompt_targets` in each chunk; the batch itself when no live request
         collects prompt logprobs (most steps: ~0.15 ms of a 256-row step's packing saved)."""
         if self._collecting:
             self._collecting = {rid for rid in self._collecting if (live := self._live.get(rid))
                                 is not None and not live.prompt_logprobs.complete}
         if not self._collecting:
-            return batch.chunks
-        return [self.prompt_targets(r, c) for r, c in zip(batch.requests, batch.chunks, strict=True)]
+            return batch
+        return dataclasses.replace(batch, chunks=[
+            self.prompt_targets(r, c) for r, c in zip(batch.requests, batch.chunks, strict=True)])
 
     def prompt_targets(self, request: Request, chunk):
         """`chunk` (a scheduled chunk of `request`) with the target ids of its prompt rows, for a
-        request that still collects prompt logprobs; otherwise `chunk` itself."""
+        request that still collects prompt logprobs; otherwise `output` itself."""
         collector = self._prompt_collector(request)
         if collector is None:
             return chunk
@@ -321,17 +332,17 @@ class Delivery:
                               top_logprobs[rows])
 
 
-def _final_chunk(request: Request, error: str | None, live: LiveRequest | None = None,
-                 reason: tuple | None = None, num_output: int | None = None) -> OutputChunk:
-    """The chunk that ends a request without a token (an abort, a refusal, a failure)."""
-    return OutputChunk(None, "", True, meta_info=_meta_info(request, live, reason, num_output),
+def _final_output(request: Request, error: str | None, live: LiveRequest | None = None,
+                 reason: tuple | None = None, num_output: int | None = None) -> OutputDelta:
+    """The output that ends a request without a token (an abort, a refusal, a failure)."""
+    return OutputDelta(None, "", True, meta_info=_meta_info(request, live, reason, num_output),
                        error=error or None)
 
 
 def _meta_info(request: Request, live: LiveRequest | None = None, reason: tuple | None = None,
                num_output: int | None = None) -> dict:
     """A finished request's `meta_info`: its id, token counts, finish reason and, once all in,
-    its prompt logprobs. `reason` and `num_output` (the chunk thread's, which must not read the
+    its prompt logprobs. `reason` and `num_output` (the output thread's, which must not read the
     request's changing state): default, the request's own."""
     kind, matched = reason or request.finish_reason or ("abort", None)
     completion_tokens = len(request.output_ids) if num_output is None else num_output
