@@ -173,7 +173,7 @@ class Engine:
             ids = [] if output.token_id is None else [output.token_id]
             out = {"text": output.text, "output_ids": ids, "finished": output.finished}
             if output.finished:
-                out["meta_info"] = output.meta_info
+                out["meta_info"] = output.finish.meta_info()
             yield out
 
     async def _collect_async(self, ids, params, logprobs) -> dict:

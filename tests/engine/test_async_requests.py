@@ -6,7 +6,7 @@ import pytest
 
 from xlaserve.runtime.engine import async_requests
 from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, EngineDeadError
-from xlaserve.runtime.engine.messages import OutputDelta
+from xlaserve.runtime.engine.messages import Finish, OutputDelta
 
 pytestmark = pytest.mark.jax_independent  # host logic
 
@@ -31,8 +31,8 @@ class FakeCore:
 
 
 def chunk(text: str, finished: bool = False) -> OutputDelta:
-    meta = {"finish_reason": {"type": "stop"}, "completion_tokens": 1} if finished else {}
-    return OutputDelta(text=text, token_id=1, finished=finished, meta_info=meta)
+    finish = Finish("r", "stop", None, 1, 1, 0) if finished else None
+    return OutputDelta(text=text, token_id=1, finished=finished, finish=finish)
 
 
 async def read_all(group: AsyncRequestGroup) -> list:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.runtime.engine.data_parallel import DataParallelEngineCore
-from xlaserve.runtime.engine.messages import OutputDelta
+from xlaserve.runtime.engine.messages import Finish, OutputDelta
 from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -45,7 +45,7 @@ class FakeReplica:
 
     def finish(self, rid: str) -> None:
         emit, _ = self.live.pop(rid)
-        emit(OutputDelta(None, "", True, meta_info={"id": rid}))
+        emit(OutputDelta(None, "", True, finish=Finish(rid, "stop", None, 1, 0, 0)))
 
     def abort(self, rid, message=None):
         self.aborted.append(rid)
@@ -233,9 +233,9 @@ SCRIPT = textwrap.dedent("""
     core.abort(rids[victim])
 
     def final(sink):
-        while not (chunk := sink.get(timeout=120)).finished:
+        while not (output := sink.get(timeout=120)).finished:
             pass
-        return chunk.meta_info
+        return output.finish.meta_info()
 
     metas = [final(s) for s in sinks]
     out["abort"] = {"replicas": on, "victim": metas[victim]["finish_reason"]["type"],

@@ -95,4 +95,4 @@ def test_chunks_are_made_off_the_engine_loop_and_a_stop_string_frees_the_request
     assert [chunk.finished for _, chunk, _ in seen].count(True) == 1 and seen[-1][1].finished
     assert seen[-1][2] == 0  # the request had left the scheduler
     assert "".join(chunk.text for _, chunk, _ in seen) == text[:text.index(stop)]
-    assert seen[-1][1].meta_info["finish_reason"] == {"type": "stop", "matched": stop}
+    assert seen[-1][1].finish.meta_info()["finish_reason"] == {"type": "stop", "matched": stop}

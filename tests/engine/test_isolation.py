@@ -102,7 +102,7 @@ def test_a_failure_making_one_requests_output_fails_it_alone(engine, monkeypatch
     neighbour = _submit(engine, [5, 6, 7])
     faulty = _submit(engine, [8, 9], rid="faulty")
     ok, failed = _finals([neighbour, faulty])
-    assert ok.error is None and ok.meta_info["finish_reason"]["type"] == "length"
+    assert ok.error is None and ok.finish.reason == "length"
     assert failed.error == "internal error (RuntimeError)"
     assert engine.core.is_alive() and engine.core.scheduler.token_usage() == 0
 
@@ -126,7 +126,7 @@ def test_a_failed_step_fails_its_rows_and_the_waiting_requests_go_on(engine, mon
     gate.set()
     finals = _finals(sinks)
     errors = [f for f in finals if f.error is not None]
-    lengths = [f for f in finals if f.meta_info["finish_reason"]["type"] == "length"]
+    lengths = [f for f in finals if f.finish.reason == "length"]
     assert 1 <= len(errors) <= 4 and all("RuntimeError" in f.error for f in errors)
     assert len(lengths) == 6 - len(errors) >= 2
     assert engine.core.is_alive()

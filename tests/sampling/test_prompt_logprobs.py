@@ -226,11 +226,11 @@ def test_a_request_beside_one_with_prompt_logprobs_is_unchanged_and_nothing_comp
     echo, plain = _chunks(echo_sink), _chunks(plain_sink)
     assert [c.token_id for c in plain] == alone["output_ids"]
     assert all(c.input_token_logprobs is None for c in plain)
-    assert "input_token_logprobs" not in plain[-1].meta_info
+    assert plain[-1].finish.input_token_logprobs is None
     # Delivered once, with the first output chunk, and again in the final meta_info.
     assert echo[0].input_token_logprobs is not None
     assert all(c.input_token_logprobs is None for c in echo[1:])
-    assert echo[-1].meta_info["input_token_logprobs"] == echo[0].input_token_logprobs
+    assert echo[-1].finish.input_token_logprobs == echo[0].input_token_logprobs
     assert_matches_transformers(tied[1], LONG_PROMPT, echo[0].input_token_logprobs,
                                 echo[0].input_top_logprobs, 3)
     assert engine.core.runner.compile_count() == compiled

@@ -135,8 +135,7 @@ async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
     """SGLang's stream: each event holds everything so far (cumulative text and ids)."""
     try:
         async for choice, output in generation.stream():
-            out = sglang_output(dataclasses.replace(choice, meta_info=choice.meta_info or _partial_meta(choice)),
-                                *logprobs)
+            out = sglang_output(choice, *logprobs)
             if output.error is not None:
                 yield sse_error(generation_error(output.error))
             yield sse(out)
@@ -144,9 +143,6 @@ async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
         yield sse_error(APIError(503, str(error)))
     yield SSE_DONE
 
-
-def _partial_meta(choice) -> dict:
-    return {"id": None, "finish_reason": None, "completion_tokens": len(choice.token_ids)}
 
 
 @router.get("/health")

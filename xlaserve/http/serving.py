@@ -274,8 +274,8 @@ class Generation:
         except EngineDeadError as error:
             raise APIError(503, str(error)) from None
         for choice in self.choices:
-            if choice.meta_info.get("error"):
-                raise generation_error(choice.meta_info["error"])
+            if choice.error:
+                raise generation_error(choice.error)
         return self.choices
 
     def _observe(self, index: int, output: OutputDelta) -> None:
@@ -291,18 +291,17 @@ class Generation:
                 metrics.inter_token_latency.observe(now - last)
             self._last_token_at[index] = now
         if output.finished:
-            meta = output.meta_info
-            metrics.request_finished(meta["finish_reason"]["type"], meta["completion_tokens"],
+            metrics.request_finished(output.finish.reason, output.finish.completion_tokens,
                                      now - self._start)
 
     def usage(self) -> dict:
         """Prompt tokens counted once per prompt, not per choice; cached tokens are the least
         any of a prompt's choices had (the choices after the first hit the first one's pages)."""
         prompt_tokens = sum(len(p) for p in self.prompts)
-        completion_tokens = sum(c.meta_info["completion_tokens"] for c in self.choices)
+        completion_tokens = sum(c.finish.completion_tokens for c in self.choices)
         cached = 0
         for p in range(len(self.prompts)):
-            cached += min(c.meta_info.get("cached_tokens", 0) for c in self.choices[p * self.n:(p + 1) * self.n])
+            cached += min(c.finish.cached_tokens for c in self.choices[p * self.n:(p + 1) * self.n])
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}

@@ -12,7 +12,7 @@ import dataclasses
 from typing import AsyncIterator
 
 from xlaserve.runtime.engine.core import EngineCore
-from xlaserve.runtime.engine.messages import OutputDelta
+from xlaserve.runtime.engine.messages import Finish, OutputDelta
 from xlaserve.runtime.sampling.params import SamplingParams
 
 LIVENESS_POLL_S = 1.0  # how often a waiting reader checks that the engine loop still runs
@@ -88,7 +88,8 @@ class Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float | None] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
-    meta_info: dict | None = None
+    finish: Finish | None = None  # how it ended, once it has
+    error: str | None = None  # why it ended early, if it did
     first_output: OutputDelta | None = None  # carries prompt logprobs when asked
 
     def add(self, output: OutputDelta) -> None:
@@ -100,24 +101,26 @@ class Choice:
             self.logprobs.append(output.logprob)
             self.top_logprobs.append([] if output.top_logprobs is None else output.top_logprobs)
         if output.finished:
-            self.meta_info = output.meta_info
-            if output.error is not None:
-                self.meta_info = {**self.meta_info, "error": output.error}
+            self.finish, self.error = output.finish, output.error
 
     @property
     def finish_reason(self) -> str:
-        return self.meta_info["finish_reason"]["type"]
+        return self.finish.reason
 
     @property
     def matched_stop(self) -> int | str | None:
-        return self.meta_info["finish_reason"].get("matched")
+        return self.finish.matched if self.finish.reason == "stop" else None
 
 
 def sglang_output(choice: Choice, return_logprob: bool = False, top_logprobs_num: int = 0) -> dict:
     """SGLang's output dict: `text`, `output_ids`, `meta_info` (with `output_token_logprobs`
     [(logprob, token_id, None)] and `output_top_logprobs` when asked; `input_token_logprobs` and
-    `input_top_logprobs` come in the final meta_info when the request asked for prompt logprobs)."""
-    meta_info = dict(choice.meta_info)
+    `input_top_logprobs` come in the final meta_info when the request asked for prompt logprobs).
+    A choice still running (a /generate stream's event) has a partial meta_info."""
+    meta_info = (choice.finish.meta_info() if choice.finish is not None else
+                 {"id": None, "finish_reason": None, "completion_tokens": len(choice.token_ids)})
+    if choice.error is not None:
+        meta_info["error"] = choice.error
     if return_logprob or top_logprobs_num:
         meta_info["output_token_logprobs"] = [(lp, t, None) for lp, t in
                                               zip(choice.logprobs, choice.token_ids, strict=True)]

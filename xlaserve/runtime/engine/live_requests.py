@@ -8,7 +8,7 @@ the `OutputDelta`s a request's sink receives (both in messages.py).
   final output with the error and is not kept;
 - `deliver` makes each sampled token of a step an output: its text delta (a stop string found
   there finishes the request), with `return_logprob` its logprob and top alternatives, with the
-  first output the prompt logprobs, and with the last one `meta_info`;
+  first output the prompt logprobs, and with the last one its `Finish`;
 - `abort` ends a request early (an abort, a failed step) with a final output, `abort_many` many;
 - an exception while making one request's output fails that request alone;
 - a sink that raises is dropped: its request is aborted, the loop and the other requests go on.
@@ -41,8 +41,8 @@ import jax
 import numpy as np
 
 from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
-from xlaserve.runtime.engine.messages import (DropRequest, LiveRequest, OutputDelta, RequestsEnded,
-                                      StepResult, StopMatched)
+from xlaserve.runtime.engine.messages import (DropRequest, Finish, LiveRequest, OutputDelta,
+                                              RequestsEnded, StepResult, StopMatched)
 from xlaserve.runtime.executor.step_program import StepOutput
 from xlaserve.runtime.sampling.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampling.params import SamplingParams
@@ -64,7 +64,7 @@ class RowSnapshot(NamedTuple):
     row: int  # the row's index in the step's arrays
     finish_reason: tuple | None  # the scheduler's, when this token finished the request
     num_output: int  # the output tokens up to and with this one (`completion_tokens` if it ends)
-    meta_info: dict | None  # with finish_reason
+    finish: Finish | None  # with finish_reason
     input_logprobs: tuple | None  # (input_token_logprobs, input_top_logprobs), on the first output
 
 
@@ -177,18 +177,18 @@ class LiveRequests:
             # the length or the grammar's end in `process_results`; a stop string found by the
             # output thread comes back as `StopMatched`.
             finished = request.status == "finished"
-            input_logprobs = meta_info = None
+            input_logprobs = finish = None
             if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
                 # The sampling chunk ended the prompt, so every entry is in (the step's read
                 # collected it).
                 input_logprobs = live.prompt_logprobs.sglang_lists()
                 live.prompt_logprobs_sent = True
             if finished:
-                meta_info = _meta_info(request, live)
+                finish = _finish(request, live)
                 del self._live[request.rid]
             rows.append(RowSnapshot(request, live, token, row,
                                     request.finish_reason if finished else None, num_output,
-                                    meta_info, input_logprobs))
+                                    finish, input_logprobs))
         if rows:
             self._jobs.put((rows, step))
 
@@ -237,7 +237,7 @@ class LiveRequests:
                  finals: list) -> None:
         """Makes and hands out one row's output (the output thread); one that a stop string
         finishes goes to `finals`, its end in the scheduler to `ended`."""
-        request, live, token, row, reason, num_output, meta_info, input_logprobs = sampled
+        request, live, token, row, reason, num_output, finish, input_logprobs = sampled
         # A stop id is not part of the text; a grammar's last token (finish "stop" with no
         # matched id) is.
         stopped_by_token = reason is not None and reason[0] == "stop" and isinstance(reason[1], int)
@@ -248,7 +248,7 @@ class LiveRequests:
             if live.detokenizer.matched_stop is not None and reason is None:
                 stop_found = True
                 reason = ("stop", live.detokenizer.matched_stop)
-                meta_info = _meta_info(request, live, reason, num_output)
+                finish = _finish(request, live, reason, num_output)
                 ended.append(StopMatched(request.rid, live.detokenizer.matched_stop))
         finished = reason is not None
         if finished and live.detokenizer is not None:
@@ -265,7 +265,7 @@ class LiveRequests:
         # finished, so nothing writes its `error` any more.
         output = OutputDelta(token, delta, finished, logprob=logprob, top_logprobs=top_logprobs,
                             input_token_logprobs=input_token_logprobs,
-                            input_top_logprobs=input_top_logprobs, meta_info=meta_info,
+                            input_top_logprobs=input_top_logprobs, finish=finish,
                             error=request.error if finished else None)
         if stop_found:  # sent once the loop has ended the request
             finals.append((live, output))
@@ -335,27 +335,20 @@ class LiveRequests:
 def _final_output(request: Request, error: str | None, live: LiveRequest | None = None,
                  reason: tuple | None = None, num_output: int | None = None) -> OutputDelta:
     """The output that ends a request without a token (an abort, a refusal, a failure)."""
-    return OutputDelta(None, "", True, meta_info=_meta_info(request, live, reason, num_output),
+    return OutputDelta(None, "", True, finish=_finish(request, live, reason, num_output),
                        error=error or None)
 
 
-def _meta_info(request: Request, live: LiveRequest | None = None, reason: tuple | None = None,
-               num_output: int | None = None) -> dict:
-    """A finished request's `meta_info`: its id, token counts, finish reason and, once all in,
-    its prompt logprobs. `reason` and `num_output` (the output thread's, which must not read the
+def _finish(request: Request, live: LiveRequest | None = None, reason: tuple | None = None,
+            num_output: int | None = None) -> Finish:
+    """How a finished request ended: its id, token counts, finish reason and, once all in, its
+    prompt logprobs. `reason` and `num_output` (the output thread's, which must not read the
     request's changing state): default, the request's own."""
     kind, matched = reason or request.finish_reason or ("abort", None)
     completion_tokens = len(request.output_ids) if num_output is None else num_output
-    finish_reason = {"type": kind}
-    if kind == "length":
-        finish_reason["length"] = completion_tokens
-    elif kind == "stop":
-        finish_reason["matched"] = matched
-    info = {"id": request.rid, "prompt_tokens": len(request.prompt_ids),
-            "completion_tokens": completion_tokens,
-            "cached_tokens": request.num_cached_prompt_tokens,
-            "finish_reason": finish_reason}
     collector = live.prompt_logprobs if live is not None else None
+    input_token_logprobs = input_top_logprobs = None
     if collector is not None and collector.complete:  # not for one aborted mid-prompt
-        info["input_token_logprobs"], info["input_top_logprobs"] = collector.sglang_lists()
-    return info
+        input_token_logprobs, input_top_logprobs = collector.sglang_lists()
+    return Finish(request.rid, kind, matched, len(request.prompt_ids), completion_tokens,
+                  request.num_cached_prompt_tokens, input_token_logprobs, input_top_logprobs)

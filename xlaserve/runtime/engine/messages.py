@@ -12,7 +12,7 @@
 - Out of the engine (the output thread -> the request's consumer, through its `emit` callback):
   one `OutputDelta` per sampled token, and a final one without a token when a request ends early
   (an abort, a refusal, a failure). Consumers that need SGLang's JSON shape (offline.Engine,
-  /generate) build their dicts from it; `meta_info` is already that shape.
+  /generate) build their dicts from it; its `Finish` gives SGLang's `meta_info` (`meta_info()`).
 """
 from __future__ import annotations
 
@@ -125,6 +125,36 @@ class StepResult:
     top_ids: Any = None  # i32[rows, k]: their token ids
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finish:
+    """How a request ended, on its final OutputDelta: SGLang's `meta_info` as fields."""
+
+    rid: str
+    reason: str  # "stop", "length" or "abort"
+    matched: int | str | None  # with "stop": the stop id or string that ended it (None: EOS-less)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # Once all in, for a request that asked for prompt logprobs: SGLang's lists.
+    input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+
+    def meta_info(self) -> dict:
+        """SGLang's `meta_info` dict (the offline API and /generate return it)."""
+        finish_reason: dict = {"type": self.reason}
+        if self.reason == "length":
+            finish_reason["length"] = self.completion_tokens
+        elif self.reason == "stop":
+            finish_reason["matched"] = self.matched
+        info = {"id": self.rid, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+                "finish_reason": finish_reason}
+        if self.input_token_logprobs is not None:
+            info["input_token_logprobs"] = self.input_token_logprobs
+            info["input_top_logprobs"] = self.input_top_logprobs
+        return info
+
+
 # --- the engine -> a request's consumer (its `emit`, called on the loop thread) ---------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,8 +164,8 @@ class OutputDelta:
 
     `logprob` and `top_logprobs` [(logprob, token_id)] are set with return_logprob;
     `input_token_logprobs` and `input_top_logprobs` (SGLang's lists) on the first output of a
-    request that asked for prompt logprobs; `meta_info` (SGLang's dict: id, token counts,
-    finish_reason, ...) on the final output; `error` on a final output that ended the request
+    request that asked for prompt logprobs; `finish` (how it ended: id, token counts, reason) on
+    the final output; `error` on a final output that ended the request
     early with a message."""
 
     token_id: int | None
@@ -145,5 +175,5 @@ class OutputDelta:
     top_logprobs: list[tuple[float, int]] | None = None
     input_token_logprobs: list | None = None
     input_top_logprobs: list | None = None
-    meta_info: dict | None = None
+    finish: Finish | None = None
     error: str | None = None
