@@ -1,7 +1,7 @@
 """Host time per engine step, by phase, with a device step that costs next to nothing.
 
 The real EngineCore (scheduler, batch building, the step's two transfer vectors, the output
-read, the detokenizer and the delivery of chunks) serves a dummy-weight Llama of 32 layers and
+read, the detokenizer and the outputs) serves a dummy-weight Llama of 32 layers and
 hidden size 64 with a 512-token vocabulary on CPU. Its step takes the same number of arguments
 as Llama-3.1-8B's (169: 131 weight arguments, 32 KV caches, 6 others; runtime/executor/weight_args.py's
 stacking threshold is lowered so that each matrix stays an argument of its own, as an 8B
@@ -26,7 +26,7 @@ thread waited for a core, which the device's own compute and other processes tak
   chunks themselves where that runs on the engine thread);
 - other: the rest of the iteration (the inbox, the loop);
 - host: the engine thread's CPU time per iteration (its own cost of a step);
-- chunk thr: the CPU time per step of the delivery's output thread (detokenizing, stop strings,
+- output thr: the CPU time per step of the output thread (detokenizing, stop strings,
   the chunks), where it has one: work taken off the loop (the mean over the case's steps);
 - wall: the iteration's wall time.
 "device" is the compiled step of the same bucket run alone in a loop (dispatch + compute +
@@ -217,8 +217,8 @@ def device_step_ms(core: EngineCore, staged, repeats: int = 30) -> float:
     return 1e3 * statistics.median(times)
 
 
-def chunk_thread_cpu(core: EngineCore) -> float:
-    """CPU seconds the delivery's output thread has used (NaN where chunks are made on the loop
+def output_thread_cpu(core: EngineCore) -> float:
+    """CPU seconds the output thread has used (NaN where outputs are made on the loop
     thread: no such thread)."""
     thread = getattr(core._live_requests, "_thread", None)
     if thread is None:
@@ -238,11 +238,11 @@ def serve(core: EngineCore, params: list[SamplingParams], rng) -> float:
             if left[0] == 0:
                 done.set()
 
-    chunk_cpu = chunk_thread_cpu(core)
+    output_cpu = output_thread_cpu(core)
     for p in params:
         core.submit(rng.integers(3, CONFIG["vocab_size"], 8).tolist(), p, emit)
     done.wait()
-    return chunk_thread_cpu(core) - chunk_cpu
+    return output_thread_cpu(core) - output_cpu
 
 
 def run_case(core: EngineCore, clock: PhaseClock, rows: int, steps: int, rng) -> dict:
@@ -250,13 +250,13 @@ def run_case(core: EngineCore, clock: PhaseClock, rows: int, steps: int, rng) ->
     warmup = 8  # decode steps before timing: the bucket's compile, the first admissions
     params = SamplingParams(temperature=0.0, max_new_tokens=warmup + steps + 4, ignore_eos=True)
     first = len(clock.iterations)
-    chunk_cpu = serve(core, [params] * rows, rng)
+    output_cpu = serve(core, [params] * rows, rng)
     decodes = [it for it in clock.iterations[first:]
                if it["rows"] and all(n == rows for n in it["rows"]) and it["kinds"][0] == "decode"]
     timed = decodes[warmup:warmup + steps]
     stepped = [it for it in clock.iterations[first:] if it["rows"]]
     return {"rows": rows, "steps": len(timed), **clock.summary(timed),
-            "chunk thr": 1e3 * chunk_cpu / len(stepped)}
+            "output thr": 1e3 * output_cpu / len(stepped)}
 
 
 def run_admissions(core: EngineCore, clock: PhaseClock, running: int, waiting: int, rng) -> dict:
@@ -265,11 +265,11 @@ def run_admissions(core: EngineCore, clock: PhaseClock, running: int, waiting: i
     params = [SamplingParams(temperature=0.0, max_new_tokens=int(n), ignore_eos=True)
               for n in rng.integers(8, 41, running + waiting)]
     first = len(clock.iterations)
-    chunk_cpu = serve(core, params, rng)
+    output_cpu = serve(core, params, rng)
     its = [it for it in clock.iterations[first:] if it["rows"]]
     timed = its[len(its) // 10:len(its) * 7 // 10]  # past the first fill, while the queue is long
     return {"rows": f"{running}+adm", "steps": len(timed), **clock.summary(timed),
-            "chunk thr": 1e3 * chunk_cpu / len(its)}
+            "output thr": 1e3 * output_cpu / len(its)}
 
 
 def main(argv=None) -> None:
@@ -283,7 +283,7 @@ def main(argv=None) -> None:
                         help="the model's max_position_embeddings: the page table is as wide as "
                              "its pages (131072: Llama-3.1-8B's, 8192 pages of 16)")
     parser.add_argument("--tokenizer-path", default=None,
-                        help="the tokenizer whose detokenizing the delivery does (default: the "
+                        help="the tokenizer whose detokenizing the output thread does (default: the "
                              "embedded SmolLM2's; on a machine without its package, a folder "
                              "saved from it: see docs/accelerator_check.md)")
     parser.add_argument("--save-tokenizer", default=None, metavar="DIR",
@@ -322,7 +322,7 @@ def main(argv=None) -> None:
     if not args.no_admissions:
         results.append(run_admissions(core, clock, 256, 768, rng))
     core.shutdown()
-    header = ["rows", "steps", *PHASES, "host", "chunk thr", "wall", "device"]
+    header = ["rows", "steps", *PHASES, "host", "output thr", "wall", "device"]
     print(" ".join(f"{h:>9}" for h in header))
     for r in results:
         print(" ".join(f"{r[h]:>9}" if isinstance(r.get(h), (int, str)) else

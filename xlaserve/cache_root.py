@@ -1,6 +1,6 @@
 """xlaserve's cache root, under which the compiled programs (runtime/compile/persistent_cache.py,
 runtime/compile/executable_cache.py), converted models (weights/conversion_cache.py) and native kernels
-(native/__init__.py) are kept: $XLASERVE_CACHE_DIR, else $XDG_CACHE_HOME/xlaserve, else
+(native/build.py) are kept: $XLASERVE_CACHE_DIR, else $XDG_CACHE_HOME/xlaserve, else
 ~/.cache/xlaserve.
 
 Each of those folders goes through `private_dir`: they hold what this process runs or unpickles

@@ -91,7 +91,7 @@ def test_chunks_are_made_off_the_engine_loop_and_a_stop_string_frees_the_request
     engine.core.submit(prompts[1], SamplingParams(**GREEDY, stop=[stop]), emit)
     assert done.wait(60)
     time.sleep(0.5)  # a chunk after the final one would arrive by now
-    assert {name for name, _, _ in seen} == {"xlaserve-delivery"}
+    assert {name for name, _, _ in seen} == {"xlaserve-output"}
     assert [chunk.finished for _, chunk, _ in seen].count(True) == 1 and seen[-1][1].finished
     assert seen[-1][2] == 0  # the request had left the scheduler
     assert "".join(chunk.text for _, chunk, _ in seen) == text[:text.index(stop)]

@@ -77,13 +77,13 @@ def test_converted_models_are_neither_written_nor_read_in_a_shared_folder(shared
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="no C++ compiler")
 def test_native_kernels_are_built_afresh_outside_a_shared_folder(shared, tmp_path, monkeypatch):
-    from xlaserve import native
+    from xlaserve.native import build
 
     source = tmp_path / "probe_cpu.cc"
     source.write_text('extern "C" int xlaserve_probe() { return 7; }\n')
-    monkeypatch.setattr(native, "cache_dir", lambda: shared)
+    monkeypatch.setattr(build, "cache_dir", lambda: shared)
     # Not an FFI handler: registered for real, XLA would call it when the CPU backend starts.
-    monkeypatch.setattr(native.jax.ffi, "register_ffi_target", lambda *args, **kwargs: None)
-    library = native.register(source, "xlaserve_probe", "xlaserve_private_dir_probe")
+    monkeypatch.setattr(build.jax.ffi, "register_ffi_target", lambda *args, **kwargs: None)
+    library = build.register(source, "xlaserve_probe", "xlaserve_private_dir_probe")
     assert library.xlaserve_probe() == 7
     assert os.listdir(shared) == []

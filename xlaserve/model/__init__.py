@@ -1,0 +1,29 @@
+"""What a model is: the architectures (one Flax NNX decoder switched by config; `model_class` by
+architecture name), their layers, configs (`ModelConfig`) and partition specs over the serving
+mesh, and the weight types a matmul takes (int8, FP8, packed panels, quantized rows)."""
+from xlaserve._lazy import lazy_exports
+
+_MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
+    "ModelConfig": "config",
+    "fp8_platform_problem": "fp8_weights", "FP8_TYPES": "fp8_weights",
+    "Fp8BlockMatrix": "fp8_weights", "Fp8Matrix": "fp8_weights",
+    "grouped_matmul_tiled": "grouped_matmul",
+    "check_platform": "int8", "check_quantization": "int8", "float_weight": "int8",
+    "Fp8Checkpoint": "int8", "quantize_model": "int8", "quantize_placed": "int8",
+    "QUANTIZED_TYPES": "int8", "QUANTIZED_WEIGHTS": "int8", "quantizes": "int8",
+    "refuse_quantized_checkpoint": "int8",
+    "Kernels": "layers",
+    "mla_weights": "mla",
+    "expert_parallel": "moe",
+    "pack_model": "packed",
+    "check_quantized_rows": "quantized_rows", "native_gemm_available": "quantized_rows",
+    "QuantizedLinear": "quantized_rows", "QuantizedRows": "quantized_rows",
+    "stack_layers": "quantized_rows",
+    "architecture_of": "registry", "model_class": "registry",
+    "check_expert_parallel": "sharding", "kv_cache_spec": "sharding", "serving_mesh": "sharding",
+    "TP": "sharding",
+    "abstract_parameters": "transformer", "AttentionMetadata": "transformer",
+    "kv_cache_shape": "transformer", "rope_cos_sin": "transformer",
+}
+__all__ = list(_MODULE_OF)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.model.whole_weight import ReadWhole
-from xlaserve.native import KernelUnavailable, quantized_gemm_cpu
+from xlaserve.native import quantized_gemm_cpu
+from xlaserve.native.build import KernelUnavailable
 
 logger = logging.getLogger(__name__)
 

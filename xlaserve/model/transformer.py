@@ -45,7 +45,7 @@ from xlaserve.model.sharding import partition_spec
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Where each sequence's new tokens and cached pages are (docs/architecture.md, the kernel contract)."""
+    """Where each sequence's new tokens and cached pages are (docs/internals.md, the kernel contract)."""
 
     kv_lens: jax.Array  # i32[S] full length of each sequence, new tokens included
     page_indices: jax.Array  # i32[S, pages_per_seq]

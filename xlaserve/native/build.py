@@ -1,5 +1,5 @@
-"""Native CPU kernels: C++ sources compiled on first use with the host's compiler and called from
-jitted code as XLA FFI custom calls.
+"""The native CPU kernels' build: C++ sources compiled on first use with the host's compiler and
+registered as XLA FFI custom calls, which jitted code calls.
 
 XLA's CPU backend leaves two things slow that matter for serving: attention over a paged KV cache
 (gathers and tiny batched matmuls; its kernel lives with the other attention implementations) and

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.native import register
+from xlaserve.native.build import register
 
 TARGET_NAME = "xlaserve_packed_gemm_cpu"
 SWIGLU_TARGET_NAME = "xlaserve_packed_gemm_swiglu_cpu"

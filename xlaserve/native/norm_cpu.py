@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.native import register
+from xlaserve.native.build import register
 
 _SOURCE = Path(__file__).with_name("norm_cpu.cc")
 _NORM, _ADD_NORM = "xlaserve_rms_norm_cpu", "xlaserve_add_rms_norm_cpu"

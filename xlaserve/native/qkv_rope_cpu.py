@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from xlaserve.native import register
+from xlaserve.native.build import register
 
 _SOURCE = Path(__file__).with_name("qkv_rope_cpu.cc")
 _TARGET = "xlaserve_qkv_rope_cpu"

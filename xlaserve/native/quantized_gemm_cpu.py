@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.native import register
+from xlaserve.native.build import register
 
 MATMUL_TARGET_NAME = "xlaserve_quantized_gemm_cpu"
 ROWS_TARGET_NAME = "xlaserve_quantized_rows_cpu"

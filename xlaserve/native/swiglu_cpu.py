@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from xlaserve.native import register
+from xlaserve.native.build import register
 
 _SOURCE = Path(__file__).with_name("swiglu_cpu.cc")
 _TARGET = "xlaserve_swiglu_cpu"

@@ -1,0 +1,12 @@
+"""Reading checkpoints into a sharded model: `load_model` reads safetensors, GGUF, Orbax and the
+quantized formats (each a TensorSource), through the conversion cache or as dummy weights; `put`
+places host arrays on the devices of several processes."""
+from xlaserve._lazy import lazy_exports
+
+_MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
+    "check_replica_devices": "loader", "load_model": "loader", "LoadedModel": "loader",
+    "read_config": "loader", "resolve_dtype": "loader", "tensor_parallel_mesh": "loader",
+    "put": "placement",
+}
+__all__ = list(_MODULE_OF)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -1,4 +1,4 @@
-"""Durable state of files and batches under `--file-storage-path` (docs/architecture.md, Durable state).
+"""Durable state of files and batches under `--file-storage-path` (docs/internals.md, Durable state).
 
     metadata.db    SQLite in WAL mode: files (id, bytes, created_at, filename, purpose) and
                    batches (id, the batch object as JSON), each with an insertion order for lists, and

@@ -15,7 +15,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from xlaserve.native import KernelUnavailable, register  # noqa: F401 (KernelUnavailable: re-export)
+# KernelUnavailable: re-exported (api.py catches kernel_cpu.KernelUnavailable)
+from xlaserve.native.build import KernelUnavailable, register  # noqa: F401
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
 
 TARGET_NAME = "xlaserve_ragged_paged_attention_cpu"

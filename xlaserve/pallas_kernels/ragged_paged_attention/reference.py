@@ -63,7 +63,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
     sinks: f32[Hq] attention sinks (see the module docstring), or None for none.
     New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
-    padding tokens are 0. See docs/architecture.md, "The kernel contract".
+    padding tokens are 0. See docs/internals.md, "The kernel contract".
     """
     num_tokens, _, head_dim = q.shape
     num_kv_heads = k.shape[1]

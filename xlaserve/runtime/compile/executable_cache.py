@@ -45,7 +45,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
 from xlaserve.cache_root import private_dir
-from xlaserve.native import cpu_signature
+from xlaserve.native.build import cpu_signature
 
 logger = logging.getLogger(__name__)
 

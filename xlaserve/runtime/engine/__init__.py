@@ -1,0 +1,15 @@
+"""The engine: one loop thread per replica. `EngineCore` takes requests in any thread and streams
+each one's `OutputDelta`s; `make_engine_core` builds it, or --dp-size replicas behind one facade;
+`AsyncRequestGroup` reads a call's requests back from asyncio."""
+from xlaserve._lazy import lazy_exports
+
+_MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
+    "AsyncRequestGroup": "async_requests", "Choice": "async_requests",
+    "EngineDeadError": "async_requests", "LIVENESS_POLL_S": "async_requests",
+    "sglang_output": "async_requests",
+    "EngineCore": "core", "QueueFull": "core",
+    "make_engine_core": "data_parallel",
+    "OutputDelta": "messages",
+}
+__all__ = list(_MODULE_OF)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -26,7 +26,7 @@ import numpy as np
 from xlaserve.runtime.engine import startup
 from xlaserve.runtime.engine.live_requests import LiveRequests, live_state
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
-                                      OutputDelta, RequestsEnded, SampledRow, StepResult, Wake)
+                                              OutputDelta, RequestsEnded, StepResult, Wake)
 from xlaserve.runtime.engine.watchdog import Watchdog
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, StepOutput
@@ -35,7 +35,7 @@ from xlaserve.runtime.sampling.params import (InvalidGrammar, RequestLimits, Row
                                               SamplingParams, check_request, constraint_of,
                                               prompt_token_ids, stop_token_set)
 from xlaserve.runtime.sampling.sampler import build_sampling_metadata
-from xlaserve.runtime.scheduler.request import Request
+from xlaserve.runtime.scheduler.request import Request, SampledRow
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class EngineCore:
         name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
         # The live requests' output; its output thread sends the loop what it ended.
         self._live_requests = LiveRequests(self.scheduler, self._inbox.put,
-                                  name.replace("engine", "delivery"))
+                                  name.replace("engine", "output"))
         self._last_sampling = None  # (padded seqs, rows, metadata) of the last step prepared
         # (DecodeRows, padded seqs, metadata) of the last step prepared, a decode continuation
         # none of whose rows suppressed stop ids; else None (_step_sampling).

@@ -3,7 +3,7 @@ sent to the device in one transfer.
 
 Each scheduled sequence contributes a chunk of new tokens (a whole prompt, a piece of a chunked
 prefill, or one decode token). Chunks are concatenated into one ragged token array; `cu_q_lens`
-and `kv_lens` say which tokens belong to whom (docs/architecture.md, the kernel contract).
+and `kv_lens` say which tokens belong to whom (docs/internals.md, the kernel contract).
 Padding tokens and padding sequences are dead: `num_seqs` and `cu_q_lens` exclude them.
 
 The page table is not one of the arrays: each live sequence's page list (`page_ids`) stays on the

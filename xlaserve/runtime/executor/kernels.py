@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 from xlaserve.model.grouped_matmul import grouped_matmul_tiled
 from xlaserve.model.layers import Kernels
 from xlaserve.model.moe import expert_parallel
-from xlaserve.native import KernelUnavailable, gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
+from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
+from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
                                                                 get_expanded_prefill_fns,

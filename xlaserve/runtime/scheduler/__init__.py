@@ -1,0 +1,14 @@
+"""Host bookkeeping, standard library only: which requests run which tokens in the next step
+(`Scheduler`), what it keeps per request (`Request`) and hands the executor (`ScheduledBatch`,
+`SeqChunk`, `DecodeRows`), and the KV pages' allocator and prefix cache."""
+from xlaserve._lazy import lazy_exports
+
+_MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
+    "NULL_PAGE": "prefix_cache", "PageAllocator": "prefix_cache",
+    "pages_for_tokens": "prefix_cache",
+    "DecodeRows": "request", "Request": "request", "RequestTooLong": "request",
+    "SampledRow": "request", "ScheduledBatch": "request", "SeqChunk": "request",
+    "max_step_tokens": "scheduler", "Scheduler": "scheduler",
+}
+__all__ = list(_MODULE_OF)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
     from xlaserve.runtime.scheduler.prefix_cache import TreeNode
@@ -87,6 +87,17 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         return bool(self.output_ids) and self.num_computed == self.num_tokens - 1
+
+
+class SampledRow(NamedTuple):
+    """The token a running request sampled in one row of a step (Scheduler.process_results). One
+    is made per row per step: a NamedTuple costs ~0.15 us each, ~32 us more than a bare tuple per
+    256 rows (timeit, best of 5, 2-core Zen 5); a dataclass's __init__ cost ~0.1 ms."""
+
+    request: Request  # its `status` says whether this token finished it: the scheduler decides
+    token: int
+    row: int  # the row's index in the step's arrays
+    num_output: int  # the request's output tokens with this one
 
 
 @dataclass

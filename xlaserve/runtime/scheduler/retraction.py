@@ -1,7 +1,7 @@
 """Retraction: when the page pool runs dry, the scheduler takes the newest running requests back
 to the queue. A retracted request's pages are dropped (its computed whole pages stay in the prefix
 cache, unlocked) and its generated tokens kept; it goes to the front of its priority in the queue
-and on re-admission its prompt plus output so far is prefilled again (docs/architecture.md,
+and on re-admission its prompt plus output so far is prefilled again (docs/internals.md,
 Memory). A plain request's step never runs this: the Scheduler calls it only under memory
 pressure, and logs SGLang's line for it under the scheduler's logger name."""
 from __future__ import annotations

@@ -10,7 +10,7 @@ A request's KV state is `num_computed`: how many of `all_ids()` are in the cache
 *decoding* when everything but the last sampled token is computed; otherwise it is prefilling
 `all_ids()[num_computed:]`, in chunks. When the page pool runs dry for the decodes, the newest
 running requests are retracted: pages dropped, generated tokens kept, and on re-admission their
-prompt plus output so far is prefilled again (retraction.py; docs/architecture.md, Memory).
+prompt plus output so far is prefilled again (retraction.py; docs/internals.md, Memory).
 
 Prefix cache: an admitted request starts at its longest cached prefix, and its whole pages enter
 the radix tree as steps complete them (prefix_cache.py, PrefixReuse).
@@ -24,7 +24,7 @@ import logging
 from xlaserve.runtime.scheduler.prefix_cache import (PageAllocator, PrefixReuse, RadixCache,
                                                      pages_for_tokens)
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
-                                        ScheduledBatch, SeqChunk)
+                                               SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
 from xlaserve.runtime.scheduler.step_log import StepLog
 
@@ -357,11 +357,10 @@ class Scheduler:
                               has_logprobs=batch.has_logprobs and None)
 
     def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int],
-                        sampled: list | None = None) -> list[Request]:
+                        sampled: list[SampledRow] | None = None) -> list[Request]:
         """Advances every row by its chunk; rows that sampled get their token. Returns the
         requests that finished (their pages and slots are already free). With `sampled`, each
-        row that sampled for a running request is appended to it as (request, token, row index,
-        output tokens with this one), in row order."""
+        row that sampled for a running request is appended to it as a SampledRow, in row order."""
         finished = []
         sampled = [] if sampled is None else sampled
         if batch.decode is not None:  # one token a row: whole pages complete every page_size
@@ -377,7 +376,7 @@ class Scheduler:
                         self._take_token(request, token, finished)
                     else:  # the common row, without a call (~0.1 ms of 256 rows)
                         output.append(token)
-                    sampled.append((request, token, i, len(output)))
+                    sampled.append(SampledRow(request, token, i, len(output)))
             return finished
         for i, (request, chunk, token) in enumerate(zip(batch.requests, batch.chunks,
                                                         sampled_tokens, strict=True)):
@@ -388,7 +387,7 @@ class Scheduler:
             if chunk.sample:
                 token = int(token)
                 self._take_token(request, token, finished)
-                sampled.append((request, token, i, len(request.output_ids)))
+                sampled.append(SampledRow(request, token, i, len(request.output_ids)))
         return finished
 
     def _take_token(self, request: Request, token: int, finished: list[Request]) -> None:
