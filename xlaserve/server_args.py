@@ -297,6 +297,8 @@ class ServerArgs:
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the KV cache is kept in "
                              "the model's --dtype; no other KV cache dtype is supported")
+        if self.max_tools < 0:
+            raise ValueError(f"--max-tools must be 0 or more; got {self.max_tools}")
         if self.mla_expanded_prefill_tokens < 0:
             raise ValueError("--mla-expanded-prefill-tokens must be 0 (never) or a token count; "
                              f"got {self.mla_expanded_prefill_tokens}")

@@ -69,3 +69,9 @@ def test_a_kv_cache_dtype_that_cannot_run_stops_start_up_with_one_line():
     assert result.stderr.strip().splitlines()[-1].endswith(
         "--kv-cache-dtype fp8_e4m3: the KV cache is kept in the model's --dtype; no other KV cache "
         "dtype is supported")
+
+
+def test_a_negative_max_tools_stops_start_up_instead_of_refusing_every_chat_request():
+    with pytest.raises(ValueError, match="--max-tools must be 0 or more; got -1"):
+        ServerArgs(max_tools=-1)
+    assert ServerArgs(max_tools=0).max_tools == 0  # no tools allowed: chat without tools still runs

@@ -247,9 +247,8 @@ def render_chat(ctx: ServingContext, req, *, add_generation_prompt: bool = True,
     (tokenize.py), which has the same field names. `add_special_tokens`: the tokenizer's own
     (BOS...) on top of what the template wrote."""
     limits = ctx.core.limits
-    if req.tools is None and req.tool_choice is None and limits.max_tools >= 0:
-        # What check_tools and tool_choice_of answer for no tools (a --max-tools below 0 would
-        # refuse even none: left to them).
+    if req.tools is None and req.tool_choice is None:
+        # What check_tools and tool_choice_of answer for no tools.
         functions, tool_choice = {}, ToolChoice("none")
     else:
         functions = check_tools(req.tools, limits)
