@@ -88,7 +88,7 @@ def test_completion_stream_grid_has_logprobs_on_every_chunk(server, client, echo
             assert entries[c.index] == len(c.logprobs.tokens)
 
 
-@pytest.mark.parametrize("logprobs,n", itertools.product([None, 5], [1, 2]))
+@pytest.mark.parametrize("logprobs,n", list(itertools.product([None, 5], [1, 2])))
 def test_chat_grid_answers_as_sglangs_test_expects(client, logprobs, n):
     response = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0,
                                               max_tokens=32, logprobs=bool(logprobs),
@@ -102,7 +102,7 @@ def test_chat_grid_answers_as_sglangs_test_expects(client, logprobs, n):
     assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens > 0
 
 
-@pytest.mark.parametrize("logprobs,n", itertools.product([None, 5], [1, 2]))
+@pytest.mark.parametrize("logprobs,n", list(itertools.product([None, 5], [1, 2])))
 def test_chat_stream_grid_has_logprobs_until_its_one_finish_chunk(client, logprobs, n):
     stream = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0,
                                             max_tokens=32, logprobs=bool(logprobs),
