@@ -61,9 +61,8 @@ class RowSnapshot(NamedTuple):
     live: LiveRequest
     token: int
     row: int  # the row's index in the step's arrays
-    finish_reason: tuple | None  # the scheduler's, when this token finished the request
     num_output: int  # the output tokens up to and with this one (`completion_tokens` if it ends)
-    finish: Finish | None  # with finish_reason
+    finish: Finish | None  # how it ended, when the scheduler found this token finished it
     input_logprobs: tuple | None  # (input_token_logprobs, input_top_logprobs), on the first output
 
 
@@ -185,9 +184,8 @@ class LiveRequests:
             if finished:
                 finish = _finish(request, live)
                 del self._live[request.rid]
-            rows.append(RowSnapshot(request, live, token, row,
-                                    request.finish_reason if finished else None, num_output,
-                                    finish, input_logprobs))
+            rows.append(RowSnapshot(request, live, token, row, num_output, finish,
+                                    input_logprobs))
         if rows:
             self._jobs.put((rows, step))
 
@@ -236,20 +234,20 @@ class LiveRequests:
                  finals: list) -> None:
         """Makes and hands out one row's output (the output thread); one that a stop string
         finishes goes to `finals`, its end in the scheduler to `ended`."""
-        request, live, token, row, reason, num_output, finish, input_logprobs = sampled
+        request, live, token, row, num_output, finish, input_logprobs = sampled
         # A stop id is not part of the text; a grammar's last token (finish "stop" with no
         # matched id) is.
-        stopped_by_token = reason is not None and reason[0] == "stop" and isinstance(reason[1], int)
+        stopped_by_token = (finish is not None and finish.reason == "stop"
+                            and isinstance(finish.matched, int))
         delta = ""
         stop_found = False
         if live.detokenizer is not None and not stopped_by_token:
             delta = live.detokenizer.append(token)
-            if live.detokenizer.matched_stop is not None and reason is None:
+            if live.detokenizer.matched_stop is not None and finish is None:
                 stop_found = True
-                reason = ("stop", live.detokenizer.matched_stop)
-                finish = _finish(request, live, reason, num_output)
+                finish = _finish(request, live, ("stop", live.detokenizer.matched_stop), num_output)
                 ended.append(StopMatched(request.rid, live.detokenizer.matched_stop))
-        finished = reason is not None
+        finished = finish is not None
         if finished and live.detokenizer is not None:
             delta += live.detokenizer.finish()
         logprob = top_logprobs = None
