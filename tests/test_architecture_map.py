@@ -14,7 +14,7 @@ What is checked, in the page's inline code spans (`...`, outside fenced blocks):
     constants are not checked;
   - `A.b` with `A` capitalized (`EngineCore._loop`, `Scheduler.schedule`): a class named `A` in
     xlaserve/ defines `b` in its own body (a method, or an assignment or annotated field);
-  - `m.b` with `m` the name of one of xlaserve's modules (`startup.build`, `off_loop.parse`):
+  - `m.b` with `m` the name of one of xlaserve's modules (`startup.build`, `serving.parse_off_loop`):
     that module defines `b` at its top level; `m.b` for any other `m` (`asyncio.Queue`,
     `xlaserve.Engine`) is not checked;
   - `f()` (`sampling_params()`) and `A.b()` / `m.b()`: as above, the name without its

@@ -25,7 +25,8 @@ from tests.http.conftest import RunningServer
 from tests.http.test_batches import chat_line, results, upload, wait
 from xlaserve.http.constraints import (CONSTRAINT_REQUEST_FIELDS, CONSTRAINTS, constraint_param,
                                        request_constraint)
-from xlaserve.http.serving import asks_for_constraint, has_constraint
+from xlaserve.http.serving import asks_for_constraint
+from xlaserve.runtime.sampling.params import has_constraint
 from xlaserve.runtime.sampling.params import SamplingParams
 
 MODEL = "tiny"

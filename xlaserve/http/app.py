@@ -36,15 +36,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
-from xlaserve.http import native, off_loop, responses, tokenize
+from xlaserve.http import native, responses, tokenize
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.disconnect import until_disconnect
 from xlaserve.http.completions import CompletionCall
 from xlaserve.http.errors import APIError, validation_message
 from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest
-from xlaserve.http.request_fields import parse_body, with_ignored_fields
-from xlaserve.http.serving import ServingContext
+from xlaserve.http.request_fields import with_ignored_fields
+from xlaserve.http.serving import (LARGE_RESPONSE_ENTRIES, ServingContext, parse_off_loop,
+                                   run_off_loop)
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +101,12 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(await request.body(), ChatCompletionRequest, ctx.request_fields)
+        body = await parse_off_loop(await request.body(), ChatCompletionRequest, ctx.request_fields)
         return await respond(request, await ChatCall.create(ctx, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(await request.body(), CompletionRequest, ctx.request_fields)
+        body = await parse_off_loop(await request.body(), CompletionRequest, ctx.request_fields)
         return await respond(request, await CompletionCall.create(ctx, body))
 
     @app.get("/metrics")
@@ -140,14 +141,6 @@ def _with_batches(lifespan, batch_runner):
     return both
 
 
-async def _parse(body: bytes, model, fields):
-    """`off_loop.parse`: a large body parsed in a worker thread, a small one here (as off_loop
-    would, without the call into it)."""
-    if len(body) < off_loop.LARGE_BODY_BYTES:
-        return parse_body(body, model, fields)
-    return await off_loop.parse(body, model, fields)
-
-
 async def respond(request: Request, call: ChatCall | CompletionCall):
     """SSE for `stream: true`, else one JSON body once every choice has finished (a large one
     rendered off the event loop)."""
@@ -155,7 +148,7 @@ async def respond(request: Request, call: ChatCall | CompletionCall):
         response = StreamingResponse(call.stream(), media_type="text/event-stream")
     else:
         content = await until_disconnect(request, call.response(), call.generation.group.abort)
-        response = await off_loop.run(call.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES,
+        response = await run_off_loop(call.response_entries(), LARGE_RESPONSE_ENTRIES,
                                       JSONResponse, content)
     return with_ignored_fields(response, call.req.ignored_fields)
 

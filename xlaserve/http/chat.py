@@ -5,7 +5,6 @@ import contextlib
 import datetime
 from typing import AsyncIterator, NamedTuple
 
-from xlaserve.http import off_loop
 from xlaserve.http.constraints import compile_constraints, constraint_param
 from xlaserve.http.errors import APIError, bad_request, generation_error, not_supported
 from xlaserve.http.logprobs import chat_logprobs
@@ -19,11 +18,12 @@ from xlaserve.http.parsing.tools import (ToolChoice, check_tool_schemas, check_t
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatCompletionRequest
 from xlaserve.http.request_fields import check_chat_fields
-from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
-                                   asks_for_constraint, check_prompt_ids, check_top_logprobs,
-                                   client_priority, has_constraint, sampling_params, sse,
-                                   sse_error)
+from xlaserve.http.serving import (LARGE_PROMPT_CHARS, LARGE_RESPONSE_ENTRIES, SSE_DONE, Choice,
+                                   Generation, ServingContext, StreamBuffer, asks_for_constraint,
+                                   check_prompt_ids, check_top_logprobs, client_priority,
+                                   run_off_loop, sampling_params, sse, sse_error)
 from xlaserve.runtime.engine.async_requests import EngineDeadError
+from xlaserve.runtime.sampling.params import has_constraint
 
 # Parsers whose call markers are special tokens of their models (`<|python_tag|>`,
 # `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Harmony's): the text must keep special tokens.
@@ -86,10 +86,7 @@ class ChatCall:
     async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
         """Checks the request (templating and tokenizing a long one off the event loop), builds
         its grammar off the loop, submits it."""
-        chars = message_chars(req)
-        # A small one here, as off_loop.run would (without the call into it).
-        call = cls(ctx, req) if chars < off_loop.LARGE_PROMPT_CHARS \
-            else await off_loop.run(chars, off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
+        call = await run_off_loop(message_chars(req), LARGE_PROMPT_CHARS, cls, ctx, req)
         if call.functions:
             await check_tool_schemas(ctx, call.functions)
         if has_constraint(call.params):
@@ -122,7 +119,7 @@ class ChatCall:
 
     async def response(self) -> dict:
         choices = await self.generation.collect()
-        return await off_loop.run(self.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES,
+        return await run_off_loop(self.response_entries(), LARGE_RESPONSE_ENTRIES,
                                   self._body, choices)
 
     def response_entries(self) -> int:
@@ -272,7 +269,7 @@ def render_chat(ctx: ServingContext, req, *, add_generation_prompt: bool = True,
             template_kwargs=chat_template.with_reasoning_effort(
                 ctx.tokenizer, ctx.chat_template, req.chat_template_kwargs,
                 req.reasoning_effort)), None
-    if len(text) >= off_loop.LARGE_PROMPT_CHARS:  # check_not_too_long passes any shorter text
+    if len(text) >= LARGE_PROMPT_CHARS:  # check_not_too_long passes any shorter text
         check_not_too_long(ctx, text, "messages")
     if ids is None:
         ids = ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from xlaserve.http import off_loop
 from xlaserve.http.errors import APIError, bad_request, generation_error, not_supported
 from xlaserve.http.logprobs import CompletionLogprobs
 from xlaserve.http.constraints import compile_constraints, constraint_param
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import CompletionRequest
-from xlaserve.http.serving import (SSE_DONE, Choice, Generation, ServingContext, StreamBuffer,
-                                   check_prompt_ids, check_prompt_logprob_entries,
-                                   check_top_logprobs, client_priority, sampling_params, sse,
-                                   sse_error)
+from xlaserve.http.serving import (LARGE_PROMPT_CHARS, LARGE_RESPONSE_ENTRIES, SSE_DONE, Choice,
+                                   Generation, ServingContext, StreamBuffer, check_prompt_ids,
+                                   check_prompt_logprob_entries, check_top_logprobs,
+                                   client_priority, run_off_loop, sampling_params, sse, sse_error)
 from xlaserve.runtime.engine.async_requests import EngineDeadError
 
 
@@ -80,7 +79,7 @@ class CompletionCall:
     async def create(cls, ctx: ServingContext, req: CompletionRequest, priority: int = 0) -> "CompletionCall":
         """Checks the request (tokenizing a long prompt off the event loop), builds its grammar
         off the loop, submits it."""
-        call = await off_loop.run(_prompt_size(req.prompt), off_loop.LARGE_PROMPT_CHARS, cls, ctx, req)
+        call = await run_off_loop(_prompt_size(req.prompt), LARGE_PROMPT_CHARS, cls, ctx, req)
         await compile_constraints(ctx.core, [call.params], call.constraint_param)
         call.generation = Generation(ctx, call.prompt_ids, call.params, req.n,
                                      top_logprobs_num=call.num_top,
@@ -134,7 +133,7 @@ class CompletionCall:
 
     async def response(self) -> dict:
         choices = await self.generation.collect()
-        return await off_loop.run(self.response_entries(), off_loop.LARGE_RESPONSE_ENTRIES,
+        return await run_off_loop(self.response_entries(), LARGE_RESPONSE_ENTRIES,
                                   self._response_body, choices)
 
     def response_entries(self) -> int:

@@ -3,7 +3,8 @@
 SamplingParams field, and its grammar compiled off the event loop with the server's size and
 time bounds. `CONSTRAINT_REQUEST_FIELDS` names every request field read here: a request that
 sets none of them has no constraint, and the routes do not call here for it
-(serving.asks_for_constraint; serving.has_constraint before `compile_constraints`).
+(serving.asks_for_constraint; `has_constraint` of sampling/params.py before
+`compile_constraints`, which skips by the same test).
 
 vLLM's fields: `structured_outputs: {"json", "regex", "choice", "grammar", "json_object"}` (vLLM
 >= 0.10.2) and the older top-level `guided_json`, `guided_regex`, `guided_choice`,
@@ -26,8 +27,8 @@ from typing import TYPE_CHECKING, Iterable
 from xlaserve.http.errors import bad_request, not_supported
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.runtime.sampling.grammar import check_depth
-from xlaserve.runtime.sampling.params import CONSTRAINT_FIELDS, InvalidGrammar
-from xlaserve.runtime.sampling.params import SamplingParams
+from xlaserve.runtime.sampling.params import (CONSTRAINT_FIELDS, InvalidGrammar, SamplingParams,
+                                              has_constraint)
 
 if TYPE_CHECKING:
     from xlaserve.runtime.engine.core import EngineCore
@@ -213,8 +214,10 @@ async def compile_constraints(core: EngineCore, params: Iterable[SamplingParams]
     limits = core.limits
     seen = set()
     for p in params:
+        if not has_constraint(p):
+            continue
         key = tuple(getattr(p, name) for name in CONSTRAINTS)
-        if key == (None,) * len(CONSTRAINTS) or key in seen:
+        if key in seen:
             continue
         seen.add(key)
         field, text = next((f, t) for f, t in zip(CONSTRAINTS, key) if t is not None)

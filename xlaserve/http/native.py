@@ -12,15 +12,15 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import xlaserve
-from xlaserve.http import off_loop
 from xlaserve.http.constraints import CONSTRAINTS, compile_constraints
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import GenerateRequest
 from xlaserve.http.request_fields import sglang_sampling_keys, with_ignored_fields
-from xlaserve.http.serving import (SSE_DONE, Generation, ServingContext, check_n,
-                                   check_prompt_ids, check_prompt_logprob_entries, check_request,
-                                   check_top_logprobs, sse, sse_error)
+from xlaserve.http.serving import (LARGE_PROMPT_CHARS, LARGE_RESPONSE_ENTRIES, SSE_DONE,
+                                   Generation, ServingContext, check_n, check_prompt_ids,
+                                   check_prompt_logprob_entries, check_request, check_top_logprobs,
+                                   parse_off_loop, run_off_loop, sse, sse_error)
 from xlaserve.offline import to_sampling_params
 from xlaserve.runtime.engine.async_requests import EngineDeadError, sglang_output
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
@@ -41,7 +41,7 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
             raise bad_request("text needs the tokenizer (--skip-tokenizer-init is set)", "text")
         batched = isinstance(req.text, list)
         texts = req.text if batched else [req.text]
-        prompts = await off_loop.run(sum(map(len, texts)), off_loop.LARGE_PROMPT_CHARS, _tokenize,
+        prompts = await run_off_loop(sum(map(len, texts)), LARGE_PROMPT_CHARS, _tokenize,
                                      ctx, texts)
     else:
         batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
@@ -94,7 +94,7 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
 @router.post("/generate")
 async def generate(request: Request):
     ctx = _ctx(request)
-    req = await off_loop.parse(await request.body(), GenerateRequest, ctx.request_fields)
+    req = await parse_off_loop(await request.body(), GenerateRequest, ctx.request_fields)
     check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
     generation, batched = await _generation(ctx, req)
     logprobs = (req.return_logprob, req.top_logprobs_num)
@@ -115,7 +115,7 @@ async def generate(request: Request):
         outputs.append(out)
     entries = sum(len(c.token_ids) + len(generation.prompts[c.prompt_index]) for c in choices) \
         * (2 + req.top_logprobs_num)  # at most: an id, a logprob and the alternatives per token
-    response = await off_loop.run(entries, off_loop.LARGE_RESPONSE_ENTRIES, _json_response,
+    response = await run_off_loop(entries, LARGE_RESPONSE_ENTRIES, _json_response,
                                   outputs if batched else outputs[0])
     return with_ignored_fields(response, req.ignored_fields)
 

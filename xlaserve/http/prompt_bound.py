@@ -29,8 +29,7 @@ import sys
 import unicodedata
 
 from xlaserve.http.errors import bad_request
-from xlaserve.http.off_loop import LARGE_PROMPT_CHARS
-from xlaserve.http.serving import ServingContext
+from xlaserve.http.serving import LARGE_PROMPT_CHARS, ServingContext
 
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
 

@@ -9,13 +9,13 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from xlaserve.http import off_loop
 from xlaserve.http.disconnect import until_disconnect
 from xlaserve.http.errors import bad_request
 from xlaserve.http.responses.call import ResponseCall
 from xlaserve.http.responses.protocol import ResponsesRequest
 from xlaserve.http.responses.store import ResponseStore, public
 from xlaserve.http.responses.stream import events
+from xlaserve.http.serving import LARGE_BODY_BYTES, parse_off_loop, run_off_loop
 
 router = APIRouter()
 
@@ -28,10 +28,10 @@ def store_of(request: Request) -> ResponseStore:
 async def create_response(request: Request):
     store = store_of(request)
     body = await request.body()
-    req = await off_loop.parse(body, ResponsesRequest)
+    req = await parse_off_loop(body, ResponsesRequest)
     previous = await store.previous(req.previous_response_id)
     # Canonical items and the chat request: off the event loop for a large body, as its parse.
-    call = await off_loop.run(len(body), off_loop.LARGE_BODY_BYTES, ResponseCall,
+    call = await run_off_loop(len(body), LARGE_BODY_BYTES, ResponseCall,
                               request.app.state.ctx, req, previous)
     await call.create()
     if req.stream:

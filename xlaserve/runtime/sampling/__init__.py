@@ -6,6 +6,7 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "check_depth": "grammar", "CONSTRAINT_DEAD_END": "grammar", "GrammarBackend": "grammar",
     "check_request": "params", "CONSTRAINT_FIELDS": "params", "constraint_of": "params",
+    "has_constraint": "params",
     "InvalidGrammar": "params", "InvalidSamplingParam": "params", "MAX_LOGIT_BIAS": "params",
     "MAX_SUPPRESSED_IDS": "params", "MAX_TOP_LOGPROBS": "params", "prompt_token_ids": "params",
     "RequestLimits": "params", "RowSamplingParams": "params", "SamplingParams": "params",

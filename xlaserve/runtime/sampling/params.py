@@ -288,6 +288,11 @@ class InvalidGrammar(ValueError):
         self.param = param
 
 
+def has_constraint(params) -> bool:
+    """Whether `params` (SamplingParams) set an output constraint."""
+    return any(getattr(params, name, None) is not None for name in CONSTRAINT_FIELDS)
+
+
 def constraint_of(params) -> tuple[str, str] | None:
     """(kind, text) of the one constraint `params` (SamplingParams) sets, or None. A json_schema
     given as a dict (the offline API) is taken as its JSON text."""
