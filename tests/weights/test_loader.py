@@ -174,3 +174,18 @@ def test_a_missing_expert_tensor_is_named(tmp_path, tiny_checkpoints):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(WeightError, match=r"missing tensor 'model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight'"):
         _load(tmp_path)
+
+
+def test_every_process_of_a_server_loads_with_the_same_options_from_its_flags():
+    """Engine start-up and a multi-host follower both load through server_load_options: every
+    option of load_model but a process's own (its mesh, its tokenizer, a progress bar) comes from
+    the flags there, so a new option cannot reach one process and not the other."""
+    import inspect
+
+    from xlaserve.server_args import ServerArgs
+    from xlaserve.weights.loader import server_load_options
+
+    own = {"mesh", "tokenizer_path", "skip_tokenizer_init", "progress"}
+    options = server_load_options(ServerArgs(model_path="m", random_seed=7, quantization="int8"))
+    assert set(options) == set(inspect.signature(load_model).parameters) - own
+    assert (options["model_path"], options["seed"], options["quantization"]) == ("m", 7, "int8")

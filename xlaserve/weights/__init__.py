@@ -5,7 +5,8 @@ from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "check_replica_devices": "loader", "load_model": "loader", "LoadedModel": "loader",
-    "read_config": "loader", "resolve_dtype": "loader", "tensor_parallel_mesh": "loader",
+    "read_config": "loader", "resolve_dtype": "loader", "server_load_options": "loader",
+    "tensor_parallel_mesh": "loader",
     "put": "placement",
 }
 __all__ = list(_MODULE_OF)

@@ -171,6 +171,17 @@ def _gguf_in(path: str) -> str | None:
     return None
 
 
+def server_load_options(args) -> dict:
+    """`load_model`'s options from a ServerArgs: the path, dtype and the flags that decide which
+    weights load, the same for every process of a server (engine start-up, a multi-host
+    follower); each caller adds its own mesh and tokenizer options."""
+    return dict(model_path=args.model_path, dtype=args.dtype, load_format=args.load_format,
+                seed=args.random_seed or 0, conversion_cache=not args.disable_conversion_cache,
+                conversion_cache_dir=args.conversion_cache_dir, quantization=args.quantization,
+                matmul_backend=args.matmul_backend, revision=args.revision,
+                trust_remote_code=args.trust_remote_code)
+
+
 def load_model(
     model_path: str | None = None,
     *,

@@ -24,7 +24,7 @@ def follow(args) -> int:
     """A rank > 0: loads the model, then replays the leader's commands until the leader shuts
     down (returns 0). Losing the leader, or any failure, ends the process with status 1 (os._exit:
     JAX's exit handler would wait for the lost leader at a shutdown barrier)."""
-    from xlaserve.weights.loader import load_model, tensor_parallel_mesh
+    from xlaserve.weights.loader import load_model, server_load_options, tensor_parallel_mesh
     from xlaserve.runtime.host import malloc_tuning
     from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 
@@ -35,14 +35,8 @@ def follow(args) -> int:
     try:
         malloc_tuning.limit_arenas()
         enable_persistent_cache(args.compilation_cache_dir)
-        loaded = load_model(args.model_path, dtype=args.dtype, skip_tokenizer_init=True,
-                            mesh=tensor_parallel_mesh(args.tp_size, ep_size=args.ep_size),
-                            load_format=args.load_format, seed=args.random_seed or 0,
-                            conversion_cache=not args.disable_conversion_cache,
-                            conversion_cache_dir=args.conversion_cache_dir,
-                            quantization=args.quantization,
-                            matmul_backend=args.matmul_backend, revision=args.revision,
-                            trust_remote_code=args.trust_remote_code)
+        loaded = load_model(**server_load_options(args), skip_tokenizer_init=True,
+                            mesh=tensor_parallel_mesh(args.tp_size, ep_size=args.ep_size))
         logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
                     loaded.config.architecture, loaded.name)  # the path: DEBUG only
         logger.debug("Weights of %s read from %s", loaded.name, loaded.source)

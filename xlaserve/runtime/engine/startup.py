@@ -28,7 +28,8 @@ from flax import nnx
 
 from xlaserve.runtime.distributed.leader import Leader, lead
 from xlaserve import platform_defaults
-from xlaserve.weights.loader import LoadedModel, load_model, tensor_parallel_mesh
+from xlaserve.weights.loader import (LoadedModel, load_model, server_load_options,
+                                     tensor_parallel_mesh)
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.executor.forward_batch import Buckets, serving_buckets, with_page_size
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
@@ -69,16 +70,10 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     clock = time.perf_counter()
     malloc_tuning.limit_arenas()  # before XLA's threads allocate
     compilation_cache_dir = enable_persistent_cache(args.compilation_cache_dir)
-    loaded = load_model(args.model_path, dtype=args.dtype, tokenizer_path=args.tokenizer_path,
+    loaded = load_model(**server_load_options(args), tokenizer_path=args.tokenizer_path,
                         skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
                         mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size,
-                                                  args.ep_size),
-                        load_format=args.load_format, seed=args.random_seed or 0,
-                        conversion_cache=not args.disable_conversion_cache,
-                        conversion_cache_dir=args.conversion_cache_dir,
-                        quantization=args.quantization,
-                        matmul_backend=args.matmul_backend, revision=args.revision,
-                        trust_remote_code=args.trust_remote_code)
+                                                  args.ep_size))
     clock = _lap(timings, "load_model", clock)
     if share_with is not None:
         loaded.tokenizer = share_with.tokenizer
