@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from typing import Optional
@@ -189,6 +190,29 @@ class ServerArgs:
     disable_overlap_schedule: bool = _flag(
         False, "wait for each step before handing out its tokens (default: detokenize and hand "
                "out a step's tokens while the next step computes)")
+    # --- speculative decoding (runtime/scheduler/speculation.py) ---
+    speculative_algorithm: Optional[str] = _flag(
+        None, "speculative decoding: NGRAM drafts each request's next tokens from its own prompt "
+              "and output (no draft model) and the model verifies them in one step; greedy "
+              "output is unchanged and sampled output keeps the model's distribution (EAGLE, "
+              "EAGLE3, NEXTN and STANDALONE are refused: not built yet)",
+        choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"],
+        value_aliases={"ngram": "NGRAM"})
+    speculative_num_draft_tokens: Optional[int] = _flag(
+        None, "tokens per verified row, the last accepted token included, as SGLang's: a row "
+              "checks this many less one drafted tokens (default 5)")
+    speculative_ngram_min_match_window_size: int = _flag(
+        1, "NGRAM: the shortest run of a request's last tokens looked up in its earlier tokens")
+    speculative_ngram_max_match_window_size: int = _flag(
+        12, "NGRAM: the longest such run (the longest match found is drafted from)")
+    speculative_disable_by_batch_size: Optional[int] = _flag(
+        None, "decode without speculation while more than this many requests run (vLLM's "
+              "disable_by_batch_size; default: --max-running-requests, i.e. never): where the "
+              "batch already fills the device, a verified row costs more than it gains")
+    speculative_config: Optional[str] = _flag(
+        None, "vLLM's form, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 12, "
+              "\"disable_by_batch_size\": 16}; sets the flags above")
     disable_radix_cache: bool = _flag(
         False, "free the KV pages of finished requests instead of keeping them for later prompts "
                "that start with the same tokens (the prefix cache)")
@@ -299,9 +323,59 @@ class ServerArgs:
                              "the model's --dtype; no other KV cache dtype is supported")
         if self.max_tools < 0:
             raise ValueError(f"--max-tools must be 0 or more; got {self.max_tools}")
+        self._resolve_speculative()
         if self.mla_expanded_prefill_tokens < 0:
             raise ValueError("--mla-expanded-prefill-tokens must be 0 (never) or a token count; "
                              f"got {self.mla_expanded_prefill_tokens}")
+
+    def _resolve_speculative(self) -> None:
+        """vLLM's --speculative-config onto SGLang's flags, the default draft length, and the
+        bounds; anything not built stops start-up naming it."""
+        if self.speculative_config:
+            self._apply_speculative_config(self.speculative_config)
+        if self.speculative_algorithm is None:
+            return
+        if self.speculative_algorithm != "NGRAM":
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: only NGRAM "
+                             "is built")
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = 5
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens must be 2 or more (the last token "
+                             f"and a draft); got {self.speculative_num_draft_tokens}")
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ValueError("--speculative-ngram-min-match-window-size and -max- must satisfy "
+                             f"1 <= min <= max; got {low} and {high}")
+        if (self.speculative_disable_by_batch_size is not None
+                and self.speculative_disable_by_batch_size < 1):
+            raise ValueError("--speculative-disable-by-batch-size must be 1 or more; got "
+                             f"{self.speculative_disable_by_batch_size}")
+
+    def _apply_speculative_config(self, text: str) -> None:
+        try:
+            config = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"--speculative-config is not JSON: {error}") from None
+        if not isinstance(config, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        keys = {"method": "speculative_algorithm",
+                "num_speculative_tokens": "speculative_num_draft_tokens",
+                "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+                "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+                "disable_by_batch_size": "speculative_disable_by_batch_size"}
+        if unknown := sorted(set(config) - set(keys)):
+            raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported "
+                             f"(supported: {', '.join(keys)})")
+        for key, value in config.items():
+            if key == "method":
+                value = str(value).upper()
+            elif not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"--speculative-config: {key} must be an integer; got {value!r}")
+            elif key == "num_speculative_tokens":
+                value += 1  # vLLM counts drafted tokens; SGLang's flag, the row's tokens
+            setattr(self, keys[key], value)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -367,6 +367,7 @@ class EngineCore:
     def _prepare(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""
         self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
+        requests = batch.requests  # one per sample row
         if batch.decode is not None:  # decode rows only: no prompt targets, each row ahead
             fb = forward_batch_for(batch, self.buckets, self.runner.page_size)
             ahead = [batch.ahead] * len(batch.requests)
@@ -375,33 +376,37 @@ class EngineCore:
             fb = forward_batch_for(self._live_requests.with_prompt_targets(batch), self.buckets,
                                    self.runner.page_size)
             ahead = batch.row_ahead()
-            sample_index = [len(r.output_ids) + a for r, a in zip(batch.requests, ahead)]
+            if any(c.num_drafts for c in batch.chunks):  # a verified row samples per token
+                rows = [(r, a + j) for r, c, a in zip(batch.requests, batch.chunks, ahead)
+                        for j in range(1 + c.num_drafts)]
+                requests, ahead = [r for r, _ in rows], [a for _, a in rows]
+            sample_index = [len(r.output_ids) + a for r, a in zip(requests, ahead)]
         padded_seqs = fb.shape[1]
-        sampling = self._step_sampling(batch, ahead, padded_seqs)
-        sampling.sample_index[:len(batch.requests)] = sample_index
+        sampling = self._step_sampling(batch, requests, ahead, fb.num_sample_rows)
+        sampling.sample_index[:len(requests)] = sample_index
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
         return self.runner.stage(fb, sampling, slots)
 
-    def _step_sampling(self, batch, ahead: list[int], padded_seqs: int):
-        """The rows' sampling metadata but `sample_index`. A decode continuation of the last step
+    def _step_sampling(self, batch, requests: list, ahead: list[int], padded_rows: int):
+        """The sample rows' (`requests`, each `ahead`) sampling metadata but `sample_index`. A decode continuation of the last step
         prepared, over the same rows, none of which suppressed stop ids there (min_new_tokens:
         once a row stops suppressing it does not start again), has the last step's, with no
         pass over the rows (~40 us of a 256-row step)."""
         last, decode = self._last_decode, batch.decode
         if (decode is not None and last is not None and decode.parent is last[0]
-                and decode.kept is None and last[1] == padded_seqs):
-            self._last_decode = (decode, padded_seqs, last[2])
+                and decode.kept is None and last[1] == padded_rows):
+            self._last_decode = (decode, padded_rows, last[2])
             return last[2]
         # Most rows suppress nothing: a copy of their parameters per step would cost more host
         # time than the rest of the packing (a few ms at 128 rows).
         rows = [dataclasses.replace(r.sampling, suppressed_ids=suppressed)
                 if r.min_new_tokens and (suppressed := self.scheduler.suppressed_ids(r, a))
-                else r.sampling for r, a in zip(batch.requests, ahead)]
-        sampling = self._sampling_metadata(rows, padded_seqs)
-        suppressing = any(row is not r.sampling for row, r in zip(rows, batch.requests))
+                else r.sampling for r, a in zip(requests, ahead)]
+        sampling = self._sampling_metadata(rows, padded_rows)
+        suppressing = any(row is not r.sampling for row, r in zip(rows, requests))
         self._last_decode = (None if decode is None or suppressing
-                             else (decode, padded_seqs, sampling))
+                             else (decode, padded_rows, sampling))
         return sampling
 
     def _sampling_metadata(self, rows: list, padded_seqs: int):
@@ -422,19 +427,25 @@ class EngineCore:
     def _send(self, batch, staged):
         """Fills the grammar masks of the constrained rows that sample, from their grammars'
         current state, and dispatches the step; returns its (asynchronous) output."""
-        constrained = [(r.grammar, i) for i, (r, c) in enumerate(zip(batch.requests, batch.chunks))
-                       if r.grammar is not None and c.sample and r.status == "running"
-                       ] if batch.any_grammar() else None
+        constrained = None
+        if batch.any_grammar():  # by sample row: a verified row before it has several
+            constrained, row = [], 0
+            for r, c in zip(batch.requests, batch.chunks):
+                if r.grammar is not None and c.sample and r.status == "running":
+                    constrained.append((r.grammar, row))
+                row += 1 + c.num_drafts
         bitmask = None
         if constrained:
-            bitmask = self.grammar_backend.empty_bitmask(staged.shape[1])
+            bitmask = self.grammar_backend.empty_bitmask(self.runner.sample_rows(staged.shape))
             self.grammar_backend.fill_masks(constrained, bitmask)
         return self.runner.run(staged, bitmask)
 
     def _read(self, batch, out: StepOutput) -> StepResult:
         """Waits for the step's tokens and advances the scheduler; returns the rows that sampled
         (with the step's logprobs, when a row asked for them) for `LiveRequests.deliver`."""
-        num_rows = len(batch.requests)
+        num_rows = len(batch.requests)  # sample rows: one per row, one per verified draft
+        if batch.decode is None:
+            num_rows += sum(c.num_drafts for c in batch.chunks)
         sampled = out.sample
         tokens = np.asarray(sampled.tokens)[:num_rows]
         logprobs = top_logprobs = top_ids = None

@@ -174,7 +174,8 @@ class LiveRequests:
             # the only writer of an admitted request's `status` and `finish_reason`): a stop id,
             # the length or the grammar's end in `process_results`; a stop string found by the
             # output thread comes back as `StopMatched`.
-            finished = request.status == "finished"
+            # A verified row gives a request several tokens: it ends at its last one.
+            finished = request.status == "finished" and num_output == len(request.output_ids)
             input_logprobs = finish = None
             if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
                 # The sampling chunk ended the prompt, so every entry is in (the step's read
@@ -348,4 +349,5 @@ def _finish(request: Request, live: LiveRequest | None = None, reason: tuple | N
     if collector is not None and collector.complete:  # not for one aborted mid-prompt
         input_token_logprobs, input_top_logprobs = collector.sglang_lists()
     return Finish(request.rid, kind, matched, len(request.prompt_ids), completion_tokens,
-                  request.num_cached_prompt_tokens, input_token_logprobs, input_top_logprobs)
+                  request.num_cached_prompt_tokens, input_token_logprobs, input_top_logprobs,
+                  request.spec_verify_ct, request.spec_accepted_drafts)

@@ -131,6 +131,9 @@ class Finish:
     # Once all in, for a request that asked for prompt logprobs: SGLang's lists.
     input_token_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    # Speculative decoding: the verified rows the request ran and the drafts they accepted.
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
 
     def meta_info(self) -> dict:
         """SGLang's `meta_info` dict (the offline API and /generate return it)."""
@@ -142,6 +145,10 @@ class Finish:
         info = {"id": self.rid, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
                 "finish_reason": finish_reason}
+        if self.spec_verify_ct:  # SGLang's count, and tokens per verified row
+            info["spec_verify_ct"] = self.spec_verify_ct
+            info["spec_accept_length"] = round(
+                1 + self.spec_accepted_drafts / self.spec_verify_ct, 4)
         if self.input_token_logprobs is not None:
             info["input_token_logprobs"] = self.input_token_logprobs
             info["input_top_logprobs"] = self.input_top_logprobs

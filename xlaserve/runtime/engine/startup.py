@@ -40,6 +40,7 @@ from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
 from xlaserve.model.quantized_rows import native_gemm_available
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.scheduler.scheduler import Scheduler
+from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          max_running_requests=args.max_running_requests,
                          attention_backend=args.attention_backend,
                          matmul_backend=args.matmul_backend, context_length=context_length,
-                         mla_expanded_prefill_tokens=args.mla_expanded_prefill_tokens)
+                         mla_expanded_prefill_tokens=args.mla_expanded_prefill_tokens,
+                         verify_tokens=(args.speculative_num_draft_tokens
+                                        if args.speculative_algorithm else 1))
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
     if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
         logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "
@@ -117,7 +120,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
-        radix_cache=not args.disable_radix_cache)
+        radix_cache=not args.disable_radix_cache,
+        speculation=SpeculativeConfig.from_server_args(args))
     if args.dp_size > 1:
         scheduler.log.prefix = f"[DP{dp_rank}] "
     eos_token_ids = set(config.eos_token_ids)

@@ -35,7 +35,8 @@ from xlaserve.weights.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
 from xlaserve.model.sharding import check_expert_parallel, kv_cache_spec, serving_mesh
 from xlaserve.model.transformer import abstract_parameters, kv_cache_shape
-from xlaserve.runtime.executor.forward_batch import serving_buckets, with_page_size
+from xlaserve.runtime.executor.forward_batch import (sample_rows_for, serving_buckets,
+                                                     with_page_size)
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.step_program import idle_vectors, make_step
 from xlaserve.runtime.executor.weight_args import abstract_args, auto_formats, weight_args, weight_formats
@@ -110,15 +111,17 @@ class StepProgram:
     # the layouts chosen (in `args`' weights) for every later one, as a server does
     # (ModelRunner.precompile). None: chosen already, or the default layouts.
     choosing_step: callable | None = None
+    verify_tokens: int = 1  # speculative decoding's verified row (forward_batch.sample_rows_for)
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
                       needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
         """The step's (abstract) arguments and static keyword arguments for one bucket shape and
         variant."""
-        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size)
+        rows = sample_rows_for(tokens, seqs, self.verify_tokens)
+        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size, rows)
         vocab = self.args[2].shape[1]
         inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
-                  abstract((seqs, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
+                  abstract((rows, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
         return (*self.args, *inputs), {"layout": layout, "needs": needs}
 
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
@@ -137,7 +140,7 @@ class StepProgram:
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
                  page_size: int, max_running_requests: int, context_length: int,
                  attention_backend: str = "auto", quantization=None,
-                 mla_expanded_prefill_tokens: int = 0) -> StepProgram:
+                 mla_expanded_prefill_tokens: int = 0, verify_tokens: int = 1) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
     page table as wide as `context_length`'s pages.
     `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint)."""
@@ -160,7 +163,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
             abstract((num_slots, pages_for_tokens(context_length, page_size)), jnp.int32, mesh),
             abstract((num_slots, vocab), jnp.bool_, mesh))
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
-                       steps[1])
+                       steps[1], verify_tokens)
 
 
 def server_step(target: str, server_args: ServerArgs,
@@ -189,7 +192,8 @@ def server_step(target: str, server_args: ServerArgs,
                            context_length=context_length,
                            attention_backend=server_args.attention_backend,
                            quantization=fp8_checkpoint or server_args.quantization,
-                           mla_expanded_prefill_tokens=server_args.mla_expanded_prefill_tokens)
+                           mla_expanded_prefill_tokens=server_args.mla_expanded_prefill_tokens,
+                           verify_tokens=buckets.verify_tokens)
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""
     if fp8_checkpoint is not None:
         weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"

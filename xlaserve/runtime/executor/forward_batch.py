@@ -82,6 +82,15 @@ def default_token_buckets(max_tokens: int, dtype, platform: str,
     return tuple(b for b in pow2_buckets(1, max_tokens) if b != 2 or b == max_tokens)
 
 
+def sample_rows_for(tokens: int, seqs: int, verify_tokens: int = 1) -> int:
+    """Sample rows of a step of `tokens` x `seqs` (a bucket): one per sequence, and with
+    speculative decoding one per token of a verified row (`verify_tokens` tokens at most: the
+    last accepted token and its drafts), so at most `seqs * verify_tokens` and never more than
+    the tokens. Without speculation (1) it is `seqs`: the programs are those of a server
+    without it. The LM head and the sampler run once per sample row."""
+    return seqs if verify_tokens <= 1 else min(tokens, seqs * verify_tokens)
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= n."""
     i = bisect.bisect_left(buckets, n)
@@ -96,16 +105,19 @@ class Buckets:
     seqs: tuple[int, ...]  # sequences per step
     pages: tuple[int, ...]  # pages per sequence in the page table
     grid: bool = False  # every (tokens, seqs) pair, or one sequence bucket per token bucket
+    verify_tokens: int = 1  # tokens of a speculative verified row at most (1: no speculation)
 
     @classmethod
     def for_limits(cls, max_tokens_per_step: int, max_seqs: int, max_pages_per_seq: int,
-                   token_paddings=None, seq_paddings=None, page_paddings=None) -> "Buckets":
+                   token_paddings=None, seq_paddings=None, page_paddings=None,
+                   verify_tokens: int = 1) -> "Buckets":
         """Default power-of-two lists, or the caller's (e.g. `--precompile-token-paddings`)."""
         return cls(
             tokens=_sorted(token_paddings) or pow2_buckets(8, max_tokens_per_step),
             seqs=_sorted(seq_paddings) or pow2_buckets(1, max_seqs),
             pages=_sorted(page_paddings) or pow2_buckets(1, max_pages_per_seq),
             grid=bool(seq_paddings),
+            verify_tokens=verify_tokens,
         )
 
     def step_shapes(self) -> list[tuple[int, int]]:
@@ -147,7 +159,9 @@ def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: s
     `platform`. Raises ValueError where the attention kernel cannot take them (api.check_shapes;
     `latent`: a latent-attention model's (value_dim, row width), `MLAConfig.kernel_widths`), so
     that a server says so at start-up instead of failing inside XLA's compile."""
-    step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
+    verify_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 1
+    step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens,
+                                  verify_tokens)
     pages = pages_for_tokens(context_length, args.page_size)
     buckets = Buckets.for_limits(
         step_tokens, args.max_running_requests, pages,
@@ -157,6 +171,7 @@ def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: s
         # One page-table width: the attention loop stops at the longest live sequence, so a
         # wide table costs little, and each extra width would multiply the compiled programs.
         page_paddings=[pages],
+        verify_tokens=verify_tokens,
     )
     check_shapes(args.attention_backend, platform, page_size=args.page_size, head_dim=head_dim,
                  dtype=dtype, max_seqs=max(buckets.seqs), pages_per_seq=max(buckets.pages),
@@ -171,7 +186,7 @@ def _int_list(text: str | None) -> list[int] | None:
 # --- the step's batch --------------------------------------------------------------------------
 
 _ARRAYS = ("input_ids", "positions", "kv_lens", "cu_q_lens", "num_seqs", "logits_indices",
-           "sample_rows", "target_ids", "input_slots")
+           "sample_rows", "sample_seqs", "target_ids", "input_slots")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_ARRAYS,
@@ -183,8 +198,13 @@ class ForwardBatch:
     kv_lens: np.ndarray  # i32[S]: each sequence's KV length, its new tokens included
     cu_q_lens: np.ndarray  # i32[S+1]: where each sequence's tokens start
     num_seqs: np.ndarray  # i32[1]: the live sequences
-    logits_indices: np.ndarray  # i32[S]: the last new token of each sequence
-    sample_rows: np.ndarray  # bool[S]: rows whose sampled token is kept (and counted)
+    # i32[R]: the token row each sample row takes its logits from: the last new token of each
+    # sequence, and every token of a speculative verified row (R = sample_rows_for(T, S)).
+    logits_indices: np.ndarray
+    # bool[R]: sample rows whose token is the slot's next for sure (counted for penalties,
+    # kept as the slot's last token); a verified row's are not: the host accepts a prefix.
+    sample_rows: np.ndarray
+    sample_seqs: np.ndarray  # i32[R]: the sequence of each sample row, -1 for padding
     # i32[T]: per token row, the id whose logprob and top alternatives the step returns, -1 for
     # none (padding too). Data, not a static argument: any mix runs in the bucket's one program.
     target_ids: np.ndarray
@@ -197,9 +217,14 @@ class ForwardBatch:
     page_ids: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
+    def num_sample_rows(self) -> int:
+        """R, the padded sample rows: the sampler's and the grammar masks' rows."""
+        return self.logits_indices.shape[0]
+
+    @property
     def shape(self) -> tuple[int, int, int]:
         """(tokens, seqs, pages per seq): the bucket, i.e. which compiled program runs it."""
-        return self.input_ids.shape[0], self.logits_indices.shape[0], self.pages
+        return self.input_ids.shape[0], self.kv_lens.shape[0], self.pages
 
     def host_metadata(self) -> AttentionMetadata:
         """The attention's metadata with the page table built on the host: sequence i's pages,
@@ -248,8 +273,15 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
     positions = np.zeros(padded_tokens, np.int32)
     kv_lens = np.zeros(padded_seqs, np.int32)
     cu_q_lens = np.full(padded_seqs + 1, num_tokens, np.int32)
-    logits_indices = np.zeros(padded_seqs, np.int32)
-    sample_rows = np.zeros(padded_seqs, np.bool_)
+    drafts = np.fromiter((c.num_drafts for c in chunks), np.int64, n)
+    rows_per_seq = drafts + 1  # a sample row per sequence, and one per draft it verifies
+    num_rows = int(rows_per_seq.sum())
+    padded_rows = sample_rows_for(padded_tokens, padded_seqs, buckets.verify_tokens)
+    if num_rows > padded_rows:
+        raise ValueError(f"{num_rows} sample rows are over the bucket's {padded_rows}")
+    logits_indices = np.zeros(padded_rows, np.int32)
+    sample_rows = np.zeros(padded_rows, np.bool_)
+    sample_seqs = np.full(padded_rows, -1, np.int32)
     target_ids = np.full(padded_tokens, -1, np.int32)
     input_slots = np.full(padded_tokens, -1, np.int32)
     input_ids[:num_tokens] = np.fromiter(
@@ -258,8 +290,20 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
     positions[:num_tokens] = np.arange(num_tokens) + np.repeat(num_cached - starts, lengths)
     kv_lens[:n] = kv
     cu_q_lens[:n] = starts
-    logits_indices[:n] = ends - 1
-    sample_rows[:n] = np.fromiter((c.sample for c in chunks), np.bool_, n)
+    samples = np.fromiter((c.sample for c in chunks), np.bool_, n)
+    if not drafts.any():
+        logits_indices[:n] = ends - 1
+        sample_rows[:n] = samples
+        sample_seqs[:n] = np.arange(n)
+    else:  # a verified row samples after each of its tokens: its last rows' logits
+        row_ends = np.cumsum(rows_per_seq)
+        in_row = np.arange(num_rows) - np.repeat(row_ends - rows_per_seq, rows_per_seq)
+        logits_indices[:num_rows] = np.repeat(ends - rows_per_seq, rows_per_seq) + in_row
+        sample_rows[:num_rows] = np.repeat(samples & (drafts == 0), rows_per_seq)
+        sample_seqs[:num_rows] = np.repeat(np.arange(n), rows_per_seq)
+    if (wrong := np.flatnonzero((drafts > 0) & ((drafts >= lengths) | ~samples))).size:
+        i = int(wrong[0])
+        raise ValueError(f"sequence {i} verifies {drafts[i]} drafts in {lengths[i]} tokens")
     slots = np.fromiter((c.input_slot for c in chunks), np.int64, n)
     from_slot = slots >= 0
     if (wrong := np.flatnonzero(from_slot & (lengths != 1))).size:
@@ -273,8 +317,8 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
                                  f"{len(chunk.target_ids)} targets")
             target_ids[starts[i]:ends[i]] = chunk.target_ids
     return ForwardBatch(input_ids, positions, kv_lens, cu_q_lens, np.array([n], np.int32),
-                        logits_indices, sample_rows, target_ids, input_slots, padded_pages,
-                        [c.page_ids for c in chunks])
+                        logits_indices, sample_rows, sample_seqs, target_ids, input_slots,
+                        padded_pages, [c.page_ids for c in chunks])
 
 
 def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> ForwardBatch:
@@ -291,7 +335,8 @@ def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> 
     positions[:n] = num_cached
     kv_lens = np.zeros(padded_seqs, np.int32)
     kv_lens[:n] = kv
-    row_index = np.arange(padded_seqs, dtype=np.int32)
+    padded_rows = sample_rows_for(padded_tokens, padded_seqs, buckets.verify_tokens)
+    row_index = np.arange(padded_rows, dtype=np.int32)
     cu_q_lens = np.minimum(np.arange(padded_seqs + 1, dtype=np.int32), n)
     sample_rows = row_index < n
     input_slots = np.full(padded_tokens, -1, np.int32)
@@ -300,7 +345,8 @@ def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> 
         input_ids=np.zeros(padded_tokens, np.int32), positions=positions, kv_lens=kv_lens,
         cu_q_lens=cu_q_lens, num_seqs=np.array([n], np.int32),
         logits_indices=np.where(sample_rows, row_index, 0).astype(np.int32),
-        sample_rows=sample_rows, target_ids=np.full(padded_tokens, -1, np.int32),
+        sample_rows=sample_rows, sample_seqs=np.where(sample_rows, row_index, -1).astype(np.int32),
+        target_ids=np.full(padded_tokens, -1, np.int32),
         input_slots=input_slots, pages=padded_pages, page_ids=rows.page_ids)
 
 

@@ -33,7 +33,7 @@ On the CPU it is RUN_TIME: one program per bucket, each part under a `lax.cond` 
 ACCELERATOR_VARIANTS, three programs per bucket with no conditional: greedy only, everything but
 prompt logprobs, everything; `run` picks the smallest that covers the step.
 
-Structured outputs: `token_bitmask i32[seqs, ceil(V/32)]` holds the tokens each row's grammar
+Structured outputs: `token_bitmask i32[sample rows, ceil(V/32)]` holds the tokens each row's grammar
 allows (runtime/sampling/grammar.py), a fixed-shape argument so a constrained request never compiles a
 program. A step without a constrained row sends a bitmask of all ones that stays on the device
 (one per sequence bucket), and the sampler skips the mask.
@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.model.packed import pack_model
 from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
 from xlaserve.weights.placement import put
-from xlaserve.runtime.executor.forward_batch import ForwardBatch
+from xlaserve.runtime.executor.forward_batch import ForwardBatch, sample_rows_for
 from xlaserve.runtime.host.huge_pages import advise_huge_pages
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
@@ -114,17 +114,21 @@ class ModelRunner:
     def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
                  attention_backend: str = "auto", matmul_backend: str = "auto",
                  static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
-                 context_length: int | None = None, mla_expanded_prefill_tokens: int = 0):
+                 context_length: int | None = None, mla_expanded_prefill_tokens: int = 0,
+                 verify_tokens: int = 1):
         """`context_length` (default: the model's) sets the page table's width, the pages of
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
         None: on TPU and GPU, not on the CPU. `choose_weight_layouts`: `precompile` lets XLA
         choose the weights' layouts and stores them so (precompile.choose_weight_layouts);
         None: on TPU in one process (the CPU's and the H100's choice is the default layouts).
-        `mla_expanded_prefill_tokens`: kernels_for's."""
+        `mla_expanded_prefill_tokens`: kernels_for's. `verify_tokens`: the tokens of a
+        speculative verified row at most (1: no speculation), which sets each bucket's sample
+        rows (forward_batch.sample_rows_for)."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
+        self.verify_tokens = verify_tokens
         if static_variants is None:
             static_variants = self.mesh.devices.flat[0].platform != "cpu"
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
@@ -259,8 +263,13 @@ class ModelRunner:
              token_bitmask: np.ndarray | None = None) -> StepOutput:
         """Run one step; returns device arrays (the caller's `np.asarray` is the sync point).
         `slots` has a row per sequence row of the batch, NULL_SLOT for padding.
-        `token_bitmask` (i32[seqs, bitmask_words]): the grammar masks, None when no row has one."""
+        `token_bitmask` (i32[sample rows, bitmask_words]): the grammar masks, None when no row
+        has one."""
         return self.run(self.stage(batch, sampling, slots), token_bitmask)
+
+    def sample_rows(self, shape) -> int:
+        """The sample rows of a step of bucket shape (tokens, seqs, pages)."""
+        return sample_rows_for(shape[0], shape[1], self.verify_tokens)
 
     def stage(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "StagedStep":
         """The step's inputs but the grammar masks, sent to the device as two vectors, and the
@@ -329,10 +338,12 @@ class ModelRunner:
         key = (shape, widths)
         if key not in self._layouts:
             tokens, seqs, pages = shape
-            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+            rows = self.sample_rows(shape)
+            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], rows,
                                                widths)
             writes = self.page_table.idle_writes(tokens, seqs)
-            self._layouts[key] = (step_vectors(self._rope, empty_batch(tokens, seqs, pages),
+            self._layouts[key] = (step_vectors(self._rope,
+                                               empty_batch(tokens, seqs, pages, rows),
                                                sampling, np.full(seqs, NULL_SLOT, np.int32),
                                                writes)[2],
                                   concat_leaves(table_arrays(sampling))[2])
@@ -347,7 +358,7 @@ class ModelRunner:
             self.sink.step(staged, token_bitmask)
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
-                *staged.tables, self._bitmask(staged.shape[1], token_bitmask))
+                *staged.tables, self._bitmask(self.sample_rows(staged.shape), token_bitmask))
         needs = self._program_needs(staged.needs, token_bitmask is not None)
         program = self._programs.get((staged.shape, staged.widths, needs))
         if program is not None:
@@ -380,16 +391,16 @@ class ModelRunner:
         return program_needs(dataclasses.replace(needs, grammar=grammar),
                              self.step_variants or ACCELERATOR_VARIANTS)
 
-    def _bitmask(self, seqs: int, token_bitmask: np.ndarray | None) -> jax.Array:
+    def _bitmask(self, rows: int, token_bitmask: np.ndarray | None) -> jax.Array:
         if token_bitmask is not None:
-            if token_bitmask.shape != (seqs, self.bitmask_words):
+            if token_bitmask.shape != (rows, self.bitmask_words):
                 raise ValueError(f"token_bitmask of shape {token_bitmask.shape}, expected "
-                                 f"{(seqs, self.bitmask_words)}")
+                                 f"{(rows, self.bitmask_words)}")
             return self._put(token_bitmask, self._replicated)
-        if seqs not in self._all_allowed:
-            self._all_allowed[seqs] = self._put(
-                np.full((seqs, self.bitmask_words), -1, np.int32), self._replicated)
-        return self._all_allowed[seqs]
+        if rows not in self._all_allowed:
+            self._all_allowed[rows] = self._put(
+                np.full((rows, self.bitmask_words), -1, np.int32), self._replicated)
+        return self._all_allowed[rows]
 
     def compile_count(self) -> int:
         """Programs compiled or loaded: the precompiled ones and any the jitted step compiled."""
@@ -424,8 +435,9 @@ class ModelRunner:
     def _lowering_args(self, shape, needs: StepNeeds | None):
         """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be
         zeroed yet), and its static layout and needs."""
-        staged = self.stage(*idle_step(*shape))
+        rows = self.sample_rows(shape)
+        staged = self.stage(*idle_step(*shape, rows))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
-                *staged.tables, self._bitmask(shape[1], None))
+                *staged.tables, self._bitmask(rows, None))
         return args, {"layout": staged.layout, "needs": needs}

@@ -92,7 +92,8 @@ def run_idle_steps(runner, shapes, progress: bool) -> None:
     variants = runner.program_variants()
     for shape in tqdm(shapes, desc="Precompiling", unit="shape", disable=not progress):
         for needs in variants:
-            staged = dataclasses.replace(runner.stage(*idle_step(*shape)), needs=needs)
+            staged = dataclasses.replace(
+                runner.stage(*idle_step(*shape, runner.sample_rows(shape))), needs=needs)
             jax.block_until_ready(runner.run(staged).sample.tokens)
 
 

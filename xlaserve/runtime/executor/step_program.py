@@ -104,7 +104,7 @@ NULL_SLOT = 0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutput:
-    sample: SampleOutput  # one row per sequence
+    sample: SampleOutput  # one row per sample row (ForwardBatch.logits_indices)
     prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
 
 
@@ -151,12 +151,18 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches, metadata,
                                                 kernels, rope)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
-        out = sample(logits, sampling, output_counts, prompt_masks, slots, token_bitmask,
+        # Each sample row's slot (its sequence's; the null slot for padding): without
+        # speculation, sample row i is sequence i.
+        sample_slots = jnp.where(batch.sample_seqs >= 0,
+                                 slots[jnp.maximum(batch.sample_seqs, 0)], NULL_SLOT)
+        out = sample(logits, sampling, output_counts, prompt_masks, sample_slots, token_bitmask,
                      num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs)
-        output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows, rows=slots)
-        # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old token.
-        last_tokens = last_tokens.at[slots].set(
-            jnp.where(batch.sample_rows, out.tokens, last_tokens[slots]))
+        output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows,
+                                    rows=sample_slots)
+        # Rows whose token is not the slot's next for sure (padding: the null slot; a prompt
+        # chunk; a verified row's) keep the old token: all of a slot's rows write the same.
+        last_tokens = last_tokens.at[sample_slots].set(
+            jnp.where(batch.sample_rows, out.tokens, last_tokens[sample_slots]))
         prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
                                  part(needs, "prompt_logprobs"))
         return StepOutput(out, prompt), kv_caches, output_counts, last_tokens, page_table
@@ -224,29 +230,35 @@ def table_arrays(sampling: SamplingMetadata) -> tuple:
     return sampling.logit_bias_ids, sampling.logit_bias_values, sampling.suppressed_ids
 
 
-def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int, page_size: int):
-    """((ints, floats, table ints, table floats), layout) of an idle step of the bucket shape:
-    the step's transfer arguments, for compiling it ahead of time (runtime/executor/aot.py)."""
-    batch, sampling, slots = idle_step(tokens, seqs, pages)
+def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int, page_size: int, rows: int):
+    """((ints, floats, table ints, table floats), layout) of an idle step of the bucket shape
+    with `rows` sample rows: the step's transfer arguments, for compiling it ahead of time
+    (runtime/executor/aot.py)."""
+    batch, sampling, slots = idle_step(tokens, seqs, pages, rows)
     writes = empty_writes(write_capacity(tokens, seqs, page_size), 0)
     ints, floats, layout = step_vectors(RopeTable(inv_freq), batch, sampling, slots, writes)
     table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
     return (ints, floats, table_ints, table_floats), (layout, table_layout)
 
 
-def idle_step(tokens: int, seqs: int, pages: int):
-    """(batch, sampling, slots) of a step of the given bucket shape with every row padding:
-    nothing is written to a live page (padding tokens write to no page at all)."""
-    sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], seqs,
+def idle_step(tokens: int, seqs: int, pages: int, rows: int | None = None):
+    """(batch, sampling, slots) of a step of the given bucket shape (and `rows` sample rows,
+    default `seqs`) with every row padding: nothing is written to a live page (padding tokens
+    write to no page at all)."""
+    rows = seqs if rows is None else rows
+    sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], rows,
                                        SAMPLING_WIDTHS)
-    return empty_batch(tokens, seqs, pages), sampling, np.full(seqs, NULL_SLOT, np.int32)
+    return empty_batch(tokens, seqs, pages, rows), sampling, np.full(seqs, NULL_SLOT, np.int32)
 
 
-def empty_batch(tokens: int, seqs: int, pages: int) -> ForwardBatch:
-    """A batch of the given bucket shape with no live sequence."""
+def empty_batch(tokens: int, seqs: int, pages: int, rows: int | None = None) -> ForwardBatch:
+    """A batch of the given bucket shape (and `rows` sample rows, default `seqs`) with no live
+    sequence."""
+    rows = seqs if rows is None else rows
     return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
                         kv_lens=np.zeros(seqs, np.int32), cu_q_lens=np.zeros(seqs + 1, np.int32),
-                        num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(seqs, np.int32),
-                        sample_rows=np.zeros(seqs, np.bool_),
+                        num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(rows, np.int32),
+                        sample_rows=np.zeros(rows, np.bool_),
+                        sample_seqs=np.full(rows, -1, np.int32),
                         target_ids=np.full(tokens, NO_TARGET, np.int32),
                         input_slots=np.full(tokens, -1, np.int32), pages=pages)

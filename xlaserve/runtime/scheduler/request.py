@@ -28,7 +28,9 @@ class SeqChunk:
     # >= 0: the one new token is the one the previous step sampled in this slot, still on the
     # device (a step dispatched before that one was read; `token_ids` holds a placeholder).
     input_slot: int = -1
-
+    # > 0: a speculative verified row (speculation.py): `token_ids` is the last sampled token
+    # and this many drafted ones, and the step samples after each of them.
+    num_drafts: int = 0
 
 
 FinishReason = tuple[Literal["length", "stop", "abort"], "int | str | None"]
@@ -76,6 +78,11 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     cache_node: TreeNode | None = None  # the prefix-cache path this running request locks
     retracted_count: int = 0
+    # Speculative decoding (speculation.py): the drafter's index of this request's ids, the
+    # verified rows it ran and the drafts they accepted (SGLang's meta_info `spec_verify_ct`).
+    ngram: Any = None
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

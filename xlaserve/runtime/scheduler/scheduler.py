@@ -26,6 +26,8 @@ from xlaserve.runtime.scheduler.prefix_cache import (PageAllocator, PrefixReuse,
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
                                                SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
+from xlaserve.runtime.scheduler.speculation import (NgramIndex, SpeculativeConfig, accepted,
+                                                    can_speculate)
 from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
@@ -39,17 +41,21 @@ def prefill_budget(max_prefill_tokens: int, num_decodes: int) -> int:
     return max(max_prefill_tokens - num_decodes, max_prefill_tokens // 4, 1)
 
 
-def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
+def max_step_tokens(max_running_requests: int, max_prefill_tokens: int,
+                    verify_tokens: int = 1) -> int:
     """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
-    or a whole prefill step): the largest padding bucket the executor compiles."""
+    each in a verified row of `verify_tokens` with speculative decoding, or a whole prefill
+    step): the largest padding bucket the executor compiles."""
+    decode_tokens = max_running_requests * verify_tokens
     return max(max_prefill_tokens,
-               max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
+               decode_tokens + prefill_budget(max_prefill_tokens, decode_tokens))
 
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
                  chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
-                 log_interval: int = 40, radix_cache: bool = True):
+                 log_interval: int = 40, radix_cache: bool = True,
+                 speculation: SpeculativeConfig | None = None):
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
@@ -62,6 +68,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.context_length = context_length
         self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
+        self.speculation = speculation  # --speculative-algorithm; None: one token a step
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
@@ -184,8 +191,9 @@ class Scheduler:
         rows = self._schedule_decodes()
         num_decodes = len(rows)
         admitted: list[Request] = []
+        decode_tokens = num_decodes + sum(c.num_drafts for _, c in rows)
         rows += self._schedule_prefills(admitted, budget=prefill_budget(self.max_prefill_tokens,
-                                                                        num_decodes))
+                                                                        decode_tokens))
         if not rows and self.running:  # only prefills run, and none gets pages: retract
             rows = retract_for_prefills(self, admitted)
         if not rows:
@@ -204,11 +212,40 @@ class Scheduler:
         needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
         if needed > self.cache.available_pages and len(self.running) > 1:
             decoding = retract_for_decodes(self)
+        drafts = self._drafts(decoding)
         rows = []
-        for r in decoding:
-            self._grow(r, r.num_computed + 1)
-            rows.append((r, SeqChunk([r.output_ids[-1]], r.num_computed, list(r.page_ids), True)))
+        for r, draft in zip(decoding, drafts):
+            self._grow(r, r.num_computed + 1 + len(draft))
+            rows.append((r, SeqChunk([r.output_ids[-1], *draft], r.num_computed,
+                                     list(r.page_ids), True, num_drafts=len(draft))))
         return rows
+
+    def speculating(self) -> bool:
+        """Whether decodes draft tokens now: speculation is on and the batch is small enough."""
+        spec = self.speculation
+        return spec is not None and (spec.max_batch is None or len(self.running) <= spec.max_batch)
+
+    def _drafts(self, decoding: list[Request]) -> list[list[int]]:
+        """Each decoding request's drafted tokens (speculation.py): none where speculation is
+        off, the request cannot speculate or nothing matches; none at all when the free pages
+        cannot hold every draft (the plain decodes' pages come first)."""
+        if not decoding or not self.speculating():
+            return [[] for _ in decoding]
+        spec = self.speculation
+        drafts, needed = [], 0
+        for r in decoding:
+            draft = []
+            # The verified row yields its drafts and one more token: within max_new_tokens.
+            room = min(spec.max_drafts, r.max_new_tokens - len(r.output_ids) - 1)
+            if room > 0 and can_speculate(r):
+                if r.ngram is None:
+                    r.ngram = NgramIndex(spec.min_match, spec.max_match)
+                draft = r.ngram.draft(r.all_ids(), room)
+            drafts.append(draft)
+            needed += self._new_pages(r, r.num_computed + 1 + len(draft))
+        if needed > self.cache.available_pages:
+            return [[] for _ in decoding]
+        return drafts
 
     def _schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,
                            only_waiting: bool = False) -> list[tuple[Request, SeqChunk]]:
@@ -266,6 +303,8 @@ class Scheduler:
         drops that row, and freeing its pages (or slot) is safe because the device runs steps
         in order, so whoever gets them next writes after this step. Its slot and pages are not
         free for this step's admissions yet: those take what is free now."""
+        if self.speculating():  # the next decodes draft from this step's tokens: read them first
+            return None
         admissible = self.waiting and len(self.running) < self.max_running_requests
         if batch.decode is not None and not admissible:
             return self._continue_decodes(batch)
@@ -378,17 +417,47 @@ class Scheduler:
                         output.append(token)
                     sampled.append(SampledRow(request, token, i, len(output)))
             return finished
-        for i, (request, chunk, token) in enumerate(zip(batch.requests, batch.chunks,
-                                                        sampled_tokens, strict=True)):
+        row = 0  # each chunk's first sample row: one per chunk, and one per draft it verifies
+        for request, chunk in zip(batch.requests, batch.chunks, strict=True):
+            i, row = row, row + 1 + chunk.num_drafts
+            token = sampled_tokens[i]
             if request.status != "running":
                 continue  # aborted or finished since it was scheduled
+            if chunk.num_drafts:
+                self._verify(request, chunk, sampled_tokens[i:row], i, finished, sampled)
+                continue
             request.num_computed += len(chunk.token_ids)
             self.prefix.share_computed_pages(request)
             if chunk.sample:
                 token = int(token)
                 self._take_token(request, token, finished)
                 sampled.append(SampledRow(request, token, i, len(request.output_ids)))
+        if row != len(sampled_tokens):
+            raise ValueError(f"{len(sampled_tokens)} sampled tokens for {row} sample rows")
         return finished
+
+    def _verify(self, request: Request, chunk: SeqChunk, tokens: list[int], row: int,
+                finished: list[Request], sampled: list[SampledRow]) -> None:
+        """A verified row's results: the accepted tokens in order (speculation.accepted), each
+        taken as a plain step's would be, so a stop id, the length or a stop among them ends the
+        request there; the KV of the row's tokens up to the last accepted one is kept, and the
+        pages past what the request now holds go back (the rejected drafts' KV is never read:
+        the next step writes those positions again)."""
+        keep = accepted(chunk.token_ids[1:], tokens)
+        request.spec_verify_ct += 1
+        request.spec_accepted_drafts += keep - 1
+        for j, token in enumerate(tokens[:keep]):
+            request.num_computed += 1  # row token j (the last token, then accepted drafts)
+            token = int(token)
+            self._take_token(request, token, finished)
+            sampled.append(SampledRow(request, token, row + j, len(request.output_ids)))
+            if request.status != "running":
+                return  # ended (pages released) at this token: the rest are dropped
+        self.prefix.share_computed_pages(request)
+        needed = pages_for_tokens(request.num_computed + 1, self.page_size)
+        if len(request.page_ids) > needed:
+            self.allocator.free(request.page_ids[needed:])
+            del request.page_ids[needed:]
 
     def _take_token(self, request: Request, token: int, finished: list[Request]) -> None:
         """Appends a sampled token to a running request, ending it (into `finished`) where the

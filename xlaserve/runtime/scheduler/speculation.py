@@ -1,0 +1,110 @@
+"""Speculative decoding's host side: which tokens a request drafts, and which of them the step
+that verified them accepts. Standard library only (the scheduler's contract).
+
+A decoding request that speculates runs one *verified row*: its last token and up to
+`num_draft_tokens - 1` drafted ones, `[t, d1, ..., dk]`, one multi-token row of the ragged
+batch (the attention kernels take it like a prompt chunk). The step samples a token after each
+of the row's tokens, each with the request's own parameters and the key `(seed, output
+position)` a plain decode step would use there (runtime/sampling/sampler.py). `accepted` then
+keeps the sampled tokens up to and including the first that differs from the draft it stands
+beside: every kept token was sampled from the model's distribution given the tokens before it,
+which are the request's real tokens. So greedy output equals plain decoding's, and a sampled
+request keeps the model's distribution exactly (and, being keyed by output position, draws what
+plain decoding would draw with the same seed). For a drafter that proposes one token (no draft
+distribution), this is rejection sampling with a one-hot draft: a draft is accepted with the
+model's probability of it, and on rejection the token comes from the model's distribution
+without it.
+
+The drafter here is NGRAM (SGLang's `--speculative-algorithm NGRAM`, vLLM's prompt lookup): the
+longest run of the request's last tokens (`min_match`..`max_match` long) that occurred earlier
+in its prompt or output proposes the tokens that followed it there. Requests whose next token
+depends on more than its position (repetition, frequency or presence penalties: their counts
+would need the drafts; a grammar: its matcher would have to advance and roll back) decode one
+token a step in the same batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Occurrences of a window's first token looked at per draft, the latest first: a common token
+# (a space, a comma) occurs thousands of times in a long prompt.
+MAX_CANDIDATES = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The server's --speculative-* flags, as the scheduler uses them."""
+
+    num_draft_tokens: int  # tokens of a verified row at most: the last token and the drafts
+    min_match: int = 1
+    max_match: int = 12
+    max_batch: int | None = None  # speculate only while at most this many requests run
+
+    @property
+    def max_drafts(self) -> int:
+        return self.num_draft_tokens - 1
+
+    @classmethod
+    def from_server_args(cls, args) -> "SpeculativeConfig | None":
+        if not args.speculative_algorithm:
+            return None
+        return cls(args.speculative_num_draft_tokens,
+                   args.speculative_ngram_min_match_window_size,
+                   args.speculative_ngram_max_match_window_size,
+                   args.speculative_disable_by_batch_size)
+
+
+class NgramIndex:
+    """Where each token of one request's ids occurred (built as the request grows), to find the
+    latest earlier occurrence of its last tokens. One list entry per token: ~40 bytes a token,
+    where a dict of every n-gram up to 12 would hold 12 tuples a token."""
+
+    def __init__(self, min_match: int, max_match: int):
+        self.min_match, self.max_match = min_match, max_match
+        self._positions: dict[int, list[int]] = {}  # token -> indices where it occurs
+        self._indexed = 0  # ids[:_indexed] are in `_positions`
+
+    def draft(self, ids: list[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` ids that followed the longest earlier match of the end of `ids`
+        (at least `min_match` and at most `max_match` tokens long; the latest of equal ones),
+        or none."""
+        n = len(ids)
+        # Index every token that has a successor: the last one's occurrence is the query.
+        for i in range(self._indexed, n - 1):
+            self._positions.setdefault(ids[i], []).append(i)
+        self._indexed = max(self._indexed, n - 1)
+        if max_tokens <= 0 or n < self.min_match + 1:
+            return []
+        candidates = self._positions.get(ids[-1])
+        if not candidates:
+            return []
+        best_len, best_end = 0, -1
+        for end in reversed(candidates[-MAX_CANDIDATES:]):  # ids[end] == ids[-1], end < n - 1
+            length = 1
+            while (length < self.max_match and end - length >= 0
+                   and ids[end - length] == ids[n - 1 - length]):
+                length += 1
+            if length > best_len:
+                best_len, best_end = length, end
+                if length == self.max_match:
+                    break
+        if best_len < self.min_match:
+            return []
+        return ids[best_end + 1:best_end + 1 + max_tokens]
+
+
+def can_speculate(request) -> bool:
+    """Whether a request's next tokens may be drafted: none of what makes a token depend on the
+    drafts before it (module docstring)."""
+    s = request.sampling
+    return (request.grammar is None and s.repetition_penalty == 1.0
+            and s.frequency_penalty == 0.0 and s.presence_penalty == 0.0)
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many of a verified row's sampled tokens (one per row token: `len(drafts) + 1`) the
+    request keeps: those up to and including the first that differs from its draft."""
+    for i, draft in enumerate(drafts):
+        if sampled[i] != draft:
+            return i + 1
+    return len(drafts) + 1
