@@ -65,6 +65,9 @@ PLANS = {
         # prefill of the biggest batch, 256 x 128 tokens at up to 4096 a step (about 9 steps).
         models=["qwen2.5-0.5b", "llama-3.1-8b"], batches=[1, 32, 256], input_len=128,
         short=16, long=80, max_running=256, context=256, max_prefill=4096,
+        # A verified row of 5 tokens (4 drafts, SGLang's usual chain) at batch 1 and 32: both
+        # fit the buckets the decode runs compile (8 and 256 tokens), so no program more.
+        verify_batches=[1, 32], verify_tokens=5,
         offline=dict(num_prompts=512, input_len=(32, 64), output_len=128),
         server_timeout_s=300, time_budget_s=540,  # the device machine stops a command at 600 s
         # Seconds each step may take before it skips what it has left (a model: its own name).
@@ -84,6 +87,7 @@ PLANS = {
         bench_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32),
         latent_heads=dict(num_q_heads=4, row_dim=48, value_dim=32, page_size=16),
         models=["tiny"], batches=[1, 8], input_len=8, short=4, long=12, max_running=8,
+        verify_batches=[1], verify_tokens=5,
         context=64, max_prefill=64, offline=dict(num_prompts=16, input_len=(8, 16), output_len=8),
         server_timeout_s=150, time_budget_s=None, budgets={}),
 }
@@ -200,6 +204,21 @@ def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, res
             except Exception as error:
                 step = {"batch": batch, "error": _describe(error)}
             result["decode"].append(step)
+            save()
+        result["verify"] = []
+        for batch in plan["verify_batches"]:  # speculative decoding's verified rows
+            if out_of_time():
+                result["verify"].append({"batch": batch, "skipped": "the step's time budget is spent"})
+                continue
+            try:
+                verify = bench.verify_step(batch, plan["input_len"], plan["verify_tokens"])
+                print(f"  {name} verify {plan['verify_tokens']} tokens x {batch} rows: "
+                      f"{verify['verify_ms']:.2f} ms against a decode step's "
+                      f"{verify['decode_ms']:.2f} ms ({verify['verify_over_decode']:.2f}x)",
+                      flush=True)
+            except Exception as error:
+                verify = {"batch": batch, "error": _describe(error)}
+            result["verify"].append(verify)
             save()
         if out_of_time():
             result["offline"] = {"skipped": "the step's time budget is spent"}
@@ -326,6 +345,11 @@ def print_summary(results: dict) -> None:
         for step in result.get("decode", []):
             figure = step.get("error") or step.get("skipped") or _step_text(step)
             rows.append(("decode step", f"{model} batch {step['batch']}", figure, _status(step)))
+        for v in result.get("verify", []):
+            figure = v.get("error") or v.get("skipped") or (
+                f"{v['verify_ms']:.2f} ms for {v['row_tokens']} tokens a row, decode "
+                f"{v['decode_ms']:.2f} ms: {v['verify_over_decode']:.2f}x")
+            rows.append(("verify step", f"{model} batch {v['batch']}", figure, _status(v)))
         o = result.get("offline", {})
         if o:
             figure = o.get("error") or o.get("skipped") or (f"{o['output_tok_s']:.0f} tok/s from {o['num_prompts']} prompts, "

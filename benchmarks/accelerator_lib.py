@@ -281,6 +281,45 @@ class ModelBench:
                 "seconds": seconds, "output_tok_s": tok_s, "ceiling_tok_s": batch / floor,
                 "of_ceiling": tok_s * floor / batch}
 
+    def verify_step(self, batch: int, context: int, row_tokens: int, steps: int = 20) -> dict:
+        """Speculative decoding's ceiling: the device time of a step whose `batch` rows each
+        verify `row_tokens` tokens (the last token and `row_tokens - 1` drafts, a sample row per
+        token: the real verify program) against a plain decode step of the same rows, both at
+        `context` cached tokens, run back to back through the engine's runner while the engine
+        is idle (the KV written is garbage in pages nobody holds; disable_radix_cache keeps them
+        out of any later prompt). verify_ms / decode_ms is what a verified row costs: a drafter
+        whose rows keep `n` tokens on average speeds decoding up n / ratio times."""
+        from xlaserve.runtime.executor.forward_batch import make_forward_batch
+        from xlaserve.runtime.sampling.params import RowSamplingParams
+        from xlaserve.runtime.sampling.sampler import build_sampling_metadata
+        from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
+        from xlaserve.runtime.scheduler.request import SeqChunk
+
+        core = self.engine.core
+        runner, page_size = core.runner, core.runner.page_size
+        pages_per_row = -(-(context + row_tokens) // page_size)
+        times = {}
+        for tokens in (1, row_tokens):
+            chunks = [SeqChunk(list(range(3, 3 + tokens)), context,
+                               list(range(1 + i * pages_per_row, 1 + (i + 1) * pages_per_row)),
+                               True, num_drafts=tokens - 1) for i in range(batch)]
+            fb = make_forward_batch(chunks, core.buckets, page_size)
+            rows = fb.num_sample_rows
+            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)] * rows,
+                                               rows, SAMPLING_WIDTHS)
+            slots = np.zeros(fb.shape[1], np.int32)
+            slots[:batch] = np.arange(1, batch + 1)
+            jax.block_until_ready(runner.step(fb, sampling, slots).sample.tokens)  # warm
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = runner.step(fb, sampling, slots)
+            jax.block_until_ready(out.sample.tokens)
+            times[tokens] = (time.perf_counter() - start) / steps
+        ratio = times[row_tokens] / times[1]
+        return {"batch": batch, "context": context, "row_tokens": row_tokens,
+                "decode_ms": times[1] * 1e3, "verify_ms": times[row_tokens] * 1e3,
+                "verify_over_decode": ratio, "speedup_if_all_accepted": row_tokens / ratio}
+
     def close(self) -> None:
         self.engine.shutdown()
         self.engine = None

@@ -49,6 +49,8 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
     model = results["models"]["tiny"]
     assert [d["batch"] for d in model["decode"]] == [1, 8]
     assert all(d["step_ms"] > 0 and 0 < d["floor_ms"] for d in model["decode"])
+    [verify] = model["verify"]  # speculative decoding's verified rows, the real program
+    assert verify["row_tokens"] == 5 and verify["verify_ms"] > 0 and verify["decode_ms"] > 0
     assert model["offline"]["output_tok_s"] > 0
     assert "PASSED" in run.stdout
 

@@ -15,7 +15,8 @@ def make_scheduler(num_pages=64, max_running=8, chunk=16, budget=64, context=256
 
 def req(rid, prompt_len=6, max_new=4, **kw):
     prompt = [(sum(map(ord, rid)) + i) % 40 + 60 for i in range(prompt_len)]  # ids 60..99, per rid
-    return Request(rid=rid, prompt_ids=prompt, max_new_tokens=max_new, sampling=RowSamplingParams(), **kw)
+    kw.setdefault("sampling", RowSamplingParams())
+    return Request(rid=rid, prompt_ids=prompt, max_new_tokens=max_new, **kw)
 
 
 class FakeModel:
@@ -50,6 +51,11 @@ class FakeModel:
                 self.pages.setdefault(chunk.page_ids[pos // PAGE], [None] * PAGE)[pos % PAGE] = token
             seen = [self.pages[chunk.page_ids[p // PAGE]][p % PAGE] for p in range(kv_len)]
             unread = token_ids if ahead else []  # sampled by the step still unprocessed
+            if chunk.num_drafts:  # a verified row: a token after each of its tokens
+                assert not ahead and seen == request.all_ids() + token_ids[1:]
+                tokens += [self._next(request, seen[:chunk.num_cached + 1 + j], j)
+                           for j in range(len(token_ids))]
+                continue
             assert seen == (request.all_ids() + unread)[:kv_len]
             if request.rid in self.script:
                 tokens.append(self.script[request.rid][len(request.output_ids) + ahead])
@@ -58,6 +64,12 @@ class FakeModel:
             if chunk.sample:
                 self.last_tokens[request.slot] = tokens[-1]
         return tokens
+
+    def _next(self, request, seen, ahead):
+        """The token after `seen` (a request's ids and drafts): as a plain step computes it."""
+        if request.rid in self.script:
+            return self.script[request.rid][len(request.output_ids) + ahead]
+        return sum((i + 1) * t for i, t in enumerate(seen)) % 50 + 10
 
     def run_overlapped(self, max_steps=10_000):
         """The engine's loop: the continuation of the step in flight is dispatched before that

@@ -1,0 +1,139 @@
+"""Speculative decoding (NGRAM) end to end on a tiny model: every output, greedy or seeded
+sampled, stop ids, lengths and logprobs, equals what the same engine gives without speculation,
+in batches that mix verified rows with plain ones; nothing compiles while serving, pages come
+back, an abort mid-stream is clean. The host side alone: tests/scheduler/test_speculation.py."""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from tests.hf_reference import hf_greedy
+from tests.tiny_models import make_tiny_checkpoint
+from xlaserve.offline import Engine
+
+# Prompts that repeat themselves, so the drafter finds matches from the first output token on.
+PROMPTS = [
+    [5, 17, 300, 42, 9, 77, 5, 17, 300, 42, 9, 77, 5, 17],
+    [7, 8, 7, 8, 7, 8, 7],
+    [400, 401, 402, 403, 404, 405, 406, 400, 401, 402],
+    [99, 98],
+]
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=4,
+             chunked_prefill_size=8, max_prefill_tokens=12, context_length=96,
+             max_total_tokens=768)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("llama"))
+    return directory, make_tiny_checkpoint(directory, "llama")
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    with Engine(checkpoint[0], **SMALL) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def spec(checkpoint):
+    with Engine(checkpoint[0], speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+                **SMALL) as engine:
+        yield engine
+
+
+def ids(results):
+    return [r["output_ids"] for r in results]
+
+
+def test_greedy_output_equals_plain_decoding_and_transformers(plain, spec, checkpoint):
+    params = [GREEDY, GREEDY, {**GREEDY, "frequency_penalty": 0.5}, GREEDY]  # one plain row
+    together = spec.generate(input_ids=PROMPTS, sampling_params=params)
+    assert ids(together) == ids(plain.generate(input_ids=PROMPTS, sampling_params=params))
+    for prompt, result in zip(PROMPTS[:2], together):
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, 24)
+    meta = [r["meta_info"] for r in together]
+    assert "spec_verify_ct" not in meta[2]  # a penalty: decoded one token a step
+    verified = [m for m in meta if "spec_verify_ct" in m]
+    assert verified and max(m["spec_accept_length"] for m in verified) > 1.5
+    assert all(m["completion_tokens"] == 24 for m in meta)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_seeded_sampled_output_equals_plain_decoding_token_for_token(plain, spec, seed):
+    """Each token is drawn with the key (seed, output position) either way: the same tokens,
+    i.e. the model's distribution exactly, whatever was drafted."""
+    params = [
+        {"temperature": 0.6, "top_k": 4, "seed": seed, "max_new_tokens": 20, "ignore_eos": True},
+        {"temperature": 1.0, "top_p": 0.8, "min_p": 0.05, "seed": seed + 10,
+         "max_new_tokens": 20, "ignore_eos": True, "logit_bias": {"7": 3.0}},
+        {"temperature": 0.3, "seed": seed + 20, "max_new_tokens": 20, "ignore_eos": True,
+         "stop_token_ids": [8], "min_new_tokens": 5},
+        {"temperature": 0.8, "seed": seed + 30, "max_new_tokens": 20, "ignore_eos": True},
+    ]
+    assert ids(spec.generate(input_ids=PROMPTS, sampling_params=params)) == \
+        ids(plain.generate(input_ids=PROMPTS, sampling_params=params))
+
+
+def test_stop_ids_and_max_tokens_inside_verified_rows_are_exact(plain, spec):
+    free = plain.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
+    for stop in sorted(set(free[1:8])):
+        params = {**GREEDY, "stop_token_ids": [stop]}
+        got = spec.generate(input_ids=PROMPTS[1], sampling_params=params)
+        assert got["output_ids"] == free[:free.index(stop) + 1]
+        assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    for n in range(1, 8):
+        got = spec.generate(input_ids=PROMPTS[1], sampling_params={**GREEDY, "max_new_tokens": n})
+        assert got["output_ids"] == free[:n]
+        assert got["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+
+
+def test_logprobs_of_accepted_tokens_equal_plain_decodings(plain, spec):
+    kwargs = dict(input_ids=PROMPTS[:2], sampling_params=GREEDY, return_logprob=True,
+                  top_logprobs_num=3)
+    want, got = plain.generate(**kwargs), spec.generate(**kwargs)
+    assert ids(got) == ids(want)
+    for a, b in zip(want, got):
+        assert [t for _, t, _ in b["meta_info"]["output_token_logprobs"]] == b["output_ids"]
+        np.testing.assert_allclose([lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]],
+                                   [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]],
+                                   atol=1e-5)
+        for x, y in zip(a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]):
+            assert [t for _, t, _ in x] == [t for _, t, _ in y]
+
+
+def test_no_compile_while_serving_pages_come_back_and_the_prefix_cache_gives_the_same(spec):
+    compiled = spec.core.runner.compile_count()
+    first = spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    again = spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)  # prompts from the cache
+    assert ids(again) == ids(first)
+    assert any(r["meta_info"]["cached_tokens"] > 0 for r in again)
+    assert spec.core.runner.compile_count() == compiled
+    assert spec.core.scheduler.token_usage() == 0
+
+
+def test_streaming_delivers_every_token_once_and_an_abort_mid_stream_is_clean(spec):
+    full = spec.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
+
+    async def stream(limit):
+        chunks = await spec.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY,
+                                           stream=True)
+        seen = []
+        async for chunk in chunks:
+            seen.append(chunk)
+            if len(seen) == limit:
+                break
+        await chunks.aclose()
+        return seen
+
+    whole = asyncio.run(stream(None))  # each chunk holds its new tokens
+    assert [t for chunk in whole for t in chunk["output_ids"]] == full and whole[-1]["finished"]
+    cut = asyncio.run(stream(3))
+    assert len(cut) == 3 and not cut[-1]["finished"]
+    deadline = time.time() + 10
+    while spec.core.scheduler.token_usage() != 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert spec.core.scheduler.token_usage() == 0
+    assert spec.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == full

@@ -1,0 +1,162 @@
+"""Speculative decoding's host side (runtime/scheduler/speculation.py): the NGRAM drafter, the
+acceptance rule, and the scheduler's verified rows (pages, stops, lengths), driven by the fake
+model, whose token after any prefix is what a plain step would give."""
+import pytest
+
+from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, outputs, req
+from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+from xlaserve.runtime.scheduler.speculation import NgramIndex, SpeculativeConfig, accepted
+from xlaserve.server_args import ServerArgs
+
+
+def test_ngram_drafts_what_followed_the_longest_latest_match():
+    index = NgramIndex(min_match=1, max_match=4)
+    #        0  1  2  3  4  5  6  7  8  9
+    ids = [1, 2, 3, 9, 8, 2, 3, 7, 5, 2, 3]
+    # "2 3" occurs at 1-2 (then 9) and 5-6 (then 7); "X 2 3" matches neither longer: the latest
+    assert index.draft(ids, 3) == [7, 5, 2]
+    ids = [1, 2, 3, 9, 8, 2, 3, 7, 5, 1, 2, 3]  # "1 2 3" matches at 0-2: longer beats later
+    assert NgramIndex(1, 4).draft(ids, 2) == [9, 8]
+    assert NgramIndex(4, 4).draft(ids, 2) == []  # no run of 4 matches
+    assert NgramIndex(1, 4).draft([4, 5, 6], 3) == []  # the last token never occurred before
+    assert NgramIndex(1, 4).draft([5, 6, 5], 3) == [6, 5]  # cut at the ids' end
+    assert NgramIndex(1, 4).draft(ids, 0) == []
+
+
+def test_the_ngram_index_grows_with_the_request():
+    index = NgramIndex(1, 3)
+    ids = [10, 11, 12]
+    assert index.draft(ids, 2) == []
+    ids += [10]
+    assert index.draft(ids, 2) == [11, 12]
+    ids += [11, 12, 13, 10, 11]
+    assert index.draft(ids, 3) == [12, 13, 10]  # "10 11" latest at 3-4, its "12 13 10"
+
+
+def test_acceptance_keeps_tokens_up_to_the_first_that_differs_from_its_draft():
+    assert accepted([4, 5, 6], [4, 5, 6, 7]) == 4  # all drafts and the bonus token
+    assert accepted([4, 5, 6], [4, 9, 6, 7]) == 2  # 4, then 9 in place of 5
+    assert accepted([4, 5, 6], [8, 5, 6, 7]) == 1  # the model's own token only
+
+
+def test_greedy_outputs_with_speculation_equal_those_without():
+    prompts = {"copy": [60, 61, 62, 63, 64, 65, 60, 61], "plain": [70, 71]}
+
+    def run(speculation):
+        s = make_scheduler(speculation=speculation)
+        for rid, prompt in prompts.items():
+            s.add(req(rid, max_new=24))
+            s.requests[rid].prompt_ids = prompt
+        model = FakeModel(s)
+        return outputs(model.run_all()), model
+
+    plain, _ = run(None)
+    spec, model = run(SpeculativeConfig(num_draft_tokens=4))
+    assert spec == plain
+    assert any(c.num_drafts for b in model.batches for c in b.chunks)
+    assert model.scheduler.num_pages_in_use == 0
+
+
+def test_a_verified_row_accepts_the_agreeing_drafts_and_gives_back_the_rest_of_its_pages():
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    # The model will say 1 2 3 4 50 ...; the prompt makes the drafter propose 1 2 3 9 after 0.
+    script = {"r": [0, 1, 2, 3, 50, 51, 52, 53, 54, 55]}
+    s.add(req("r", prompt_len=6, max_new=10))
+    r = s.requests["r"]
+    r.prompt_ids = [0, 1, 2, 3, 9, 7]
+    model = FakeModel(s, script)
+    model.run_step()  # the prompt: samples 0
+    batch = s.schedule()
+    [chunk] = batch.chunks
+    assert chunk.token_ids == [0, 1, 2, 3, 9] and chunk.num_drafts == 4
+    assert len(chunk.page_ids) == pages_for_tokens(6 + 5, PAGE)
+    s.process_results(batch, model.step(batch))
+    assert r.output_ids == [0, 1, 2, 3, 50]  # 3 drafts accepted, then the model's 50
+    assert r.num_computed == 6 + 4  # the last token and the 3 accepted drafts
+    assert len(r.page_ids) == pages_for_tokens(r.num_computed + 1, PAGE)
+    assert (r.spec_verify_ct, r.spec_accepted_drafts) == (1, 3)
+    model.run_all()
+    assert r.output_ids == script["r"] and s.num_pages_in_use == 0
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, 3])
+def test_a_stop_id_inside_the_accepted_drafts_ends_the_request_there(stop_at):
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    script = {"r": [0, 1, 2, 3, 4, 5, 6, 7]}
+    s.add(req("r", prompt_len=6, max_new=8, stop_token_ids=frozenset({stop_at})))
+    s.requests["r"].prompt_ids = [0, 1, 2, 3, 4, 9]
+    finished = FakeModel(s, script).run_all()
+    assert outputs(finished)["r"] == (script["r"][:stop_at + 1], ("stop", stop_at))
+    assert s.num_pages_in_use == 0
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 4, 5])
+def test_drafts_never_take_a_request_past_max_new_tokens(max_new):
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    script = {"r": [0, 1, 2, 3, 4, 5, 6, 7]}
+    s.add(req("r", prompt_len=6, max_new=max_new))
+    s.requests["r"].prompt_ids = [0, 1, 2, 3, 4, 9]
+    model = FakeModel(s, script)
+    finished = model.run_all()
+    assert outputs(finished)["r"] == (script["r"][:max_new], ("length", None))
+    assert all(len(c.token_ids) <= max_new for b in model.batches[1:] for c in b.chunks)
+
+
+def test_penalized_rows_decode_plainly_beside_verified_ones():
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=4))
+    s.add(req("a", prompt_len=6, max_new=6))
+    s.add(req("b", prompt_len=6, max_new=6,
+              sampling=RowSamplingParams(frequency_penalty=0.5)))
+    for r in s.requests.values():
+        r.prompt_ids = [5, 6, 7, 5, 6, 7]
+    model = FakeModel(s, {"a": [5, 6, 7] * 2, "b": [5, 6, 7] * 2})
+    model.run_step()
+    batch = s.schedule()
+    drafts = {r.rid: c.num_drafts for r, c in zip(batch.requests, batch.chunks)}
+    assert drafts["a"] > 0 and drafts["b"] == 0
+
+
+def test_speculation_stops_above_its_batch_size_and_reads_each_step_while_on():
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=4, max_batch=1))
+    s.add(req("a", max_new=10))
+    model = FakeModel(s)
+    model.run_step()
+    assert s.speculating()
+    assert s.schedule_continuation(model.batches[-1]) is None  # drafts need the step's tokens
+    s.add(req("b", max_new=10))
+    model.run_step()
+    assert not s.speculating()
+    batch = s.schedule()
+    assert not any(c.num_drafts for c in batch.chunks)
+
+
+def test_overlapped_loop_with_speculation_gives_the_same_outputs():
+    def run(speculation):
+        s = make_scheduler(speculation=speculation)
+        for i in range(5):
+            s.add(req(f"r{i}", prompt_len=3 + i, max_new=15))
+        return outputs(FakeModel(s).run_overlapped())
+
+    assert run(SpeculativeConfig(num_draft_tokens=3)) == run(None)
+
+
+def test_vllm_speculative_config_maps_onto_sglang_flags_and_unbuilt_methods_stop_start_up():
+    args = ServerArgs(model_path="m", speculative_config=(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 5, "disable_by_batch_size": 8}'))
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("NGRAM", 4)
+    assert (args.speculative_ngram_min_match_window_size,
+            args.speculative_ngram_max_match_window_size) == (2, 5)
+    assert SpeculativeConfig.from_server_args(args).max_batch == 8
+    assert ServerArgs(model_path="m", speculative_algorithm="NGRAM").speculative_num_draft_tokens == 5
+    for bad, words in [({"speculative_algorithm": "EAGLE3"}, "only NGRAM"),
+                       ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
+                        "2 or more"),
+                       ({"speculative_config": '{"method": "ngram", "draft_model": "x"}'},
+                        "draft_model not supported"),
+                       ({"speculative_algorithm": "NGRAM",
+                         "speculative_ngram_min_match_window_size": 3,
+                         "speculative_ngram_max_match_window_size": 2}, "min <= max")]:
+        with pytest.raises(ValueError, match=words):
+            ServerArgs(model_path="m", **bad)
