@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -223,13 +224,16 @@ class ModelBench:
         largest = max_step_tokens(max_running, max_prefill_tokens)
         buckets = sorted({max(8, b) for b in token_buckets if b < largest} | {largest})
         start = time.perf_counter()
-        self.engine = xlaserve.Engine(
-            model_path=model_path, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
+        # Also the server check's flags (server_flags): its steps are then these, loaded from
+        # the executable cache this engine writes, where compiling them cold beside this
+        # process took 152 s on an H200 (2026-11-27).
+        self.options = dict(
+            load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
             max_running_requests=max_running, context_length=context_length,
             max_total_tokens=max_running * context_length, max_prefill_tokens=max_prefill_tokens,
             chunked_prefill_size=max_prefill_tokens, disable_radix_cache=True,
-            precompile_token_paddings=",".join(map(str, buckets)), log_level="warning",
-            **engine_options)
+            precompile_token_paddings=",".join(map(str, buckets)), **engine_options)
+        self.engine = xlaserve.Engine(model_path=model_path, log_level="warning", **self.options)
         self.startup_s = time.perf_counter() - start
         loaded = self.engine.core.loaded
         self.config, self.dtype = loaded.config, loaded.dtype
@@ -320,6 +324,17 @@ class ModelBench:
                 "decode_ms": times[1] * 1e3, "verify_ms": times[row_tokens] * 1e3,
                 "verify_over_decode": ratio, "speedup_if_all_accepted": row_tokens / ratio}
 
+    def server_flags(self) -> list[str]:
+        """The launch_server flags of this engine's options."""
+        flags = []
+        for name, value in self.options.items():
+            flag = "--" + name.replace("_", "-")
+            if value is True:
+                flags.append(flag)
+            elif value is not False and value is not None:
+                flags += [flag, str(value)]
+        return flags
+
     def close(self) -> None:
         self.engine.shutdown()
         self.engine = None
@@ -347,23 +362,28 @@ def wait_for_health(url: str, process: subprocess.Popen, timeout_s: float) -> No
     raise TimeoutError(f"no 200 from /health in {timeout_s:.0f} s")
 
 
-def server_check(model_path: str, *, timeout_s: float, max_tokens: int = 8) -> dict:
+def server_check(model_path: str, *, timeout_s: float, max_tokens: int = 8,
+                 flags: list[str] | None = None) -> dict:
     """Launches `python -m xlaserve.launch_server` on dummy weights, waits for /health, sends
-    one completion of a token-id prompt with the openai SDK; checks a 200 and every token."""
+    one completion of a token-id prompt with the openai SDK; checks a 200 and every token.
+    `flags`: the server's engine flags (ModelBench.server_flags, so that its steps load from
+    the executable cache); default, a small engine of two step sizes. The result says how many
+    serving steps the server loaded and compiled (its "Serving steps:" line)."""
     import openai
 
     from xlaserve.runtime.scheduler.scheduler import max_step_tokens
 
     port, storage = free_port(), tempfile.mkdtemp(prefix="accelerator_check_")
     log_path = os.path.join(storage, "server.log")
-    # Two programs to compile (8 tokens and the largest step), not every power of two.
-    running, prefill = 8, 56
+    if flags is None:  # two programs to compile (8 tokens and the largest step)
+        running, prefill = 8, 56
+        flags = ["--load-format", "dummy", "--skip-tokenizer-init",
+                 "--max-running-requests", str(running), "--max-prefill-tokens", str(prefill),
+                 "--context-length", "256", "--max-total-tokens", "4096",
+                 "--precompile-token-paddings", f"8,{max_step_tokens(running, prefill)}"]
     command = [sys.executable, "-m", "xlaserve.launch_server", "--model-path", model_path,
-               "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(port),
-               "--max-running-requests", str(running), "--max-prefill-tokens", str(prefill),
-               "--context-length", "256", "--max-total-tokens", "4096",
-               "--precompile-token-paddings", f"8,{max_step_tokens(running, prefill)}",
-               "--file-storage-path", storage, "--log-level", "warning"]
+               "--port", str(port), *flags, "--file-storage-path", storage,
+               "--log-level", "info"]
     # This process's JAX already holds most of the GPU (75% preallocated): the server takes a
     # slice, which its 4096-token KV pool and a small model fit in.
     env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.15",
@@ -382,8 +402,12 @@ def server_check(model_path: str, *, timeout_s: float, max_tokens: int = 8) -> d
             extra_body={"ignore_eos": True})
         reply = raw.parse()
         tokens = reply.usage.completion_tokens
+        with open(log_path) as f:
+            steps = re.search(r"Serving steps: (\d+) loaded, (\d+) compiled", f.read())
         return {"ready_s": ready_s, "status_code": raw.status_code, "completion_tokens": tokens,
                 "finish_reason": reply.choices[0].finish_reason,
+                "steps_loaded": int(steps[1]) if steps else None,
+                "steps_compiled": int(steps[2]) if steps else None,
                 "passed": raw.status_code == 200 and tokens == max_tokens}
     except Exception as error:
         with open(log_path) as f:

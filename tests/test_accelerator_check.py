@@ -2,6 +2,7 @@
 dummy model, the server in a subprocess), so that the command meant for a GPU machine is known to
 run before one is at hand. About a minute on a 2-core CPU."""
 import json
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -20,8 +21,12 @@ pytestmark = pytest.mark.skipif(
 
 def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
     out = tmp_path / "accelerator_check.json"
+    # The executable cache on, in a folder of this test (as on the GPU machine, where the
+    # server loads the steps the first model's engine stored).
+    env = {**os.environ, "XLASERVE_EXECUTABLE_CACHE": "1",
+           "XLASERVE_CACHE_DIR": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(out.read_text())
 
@@ -45,6 +50,9 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
     assert {r["implementation"] for r in results["attention_timing"]["rows"]} >= {"reference (XLA)"}
 
     assert results["server"]["passed"] and results["server"]["completion_tokens"] == 8
+    # The server runs the first model's engine: every step loaded from the executable cache
+    # that engine wrote, none compiled (a cold compile beside the check took 152 s on an H200).
+    assert results["server"]["steps_compiled"] == 0 and results["server"]["steps_loaded"] > 0
 
     model = results["models"]["tiny"]
     assert [d["batch"] for d in model["decode"]] == [1, 8]

@@ -207,8 +207,10 @@ class ServerArgs:
         12, "NGRAM: the longest such run (the longest match found is drafted from)")
     speculative_disable_by_batch_size: Optional[int] = _flag(
         None, "decode without speculation while more than this many requests run (vLLM's "
-              "disable_by_batch_size; default: --max-running-requests, i.e. never): where the "
-              "batch already fills the device, a verified row costs more than it gains")
+              "disable_by_batch_size; default 32): where the batch already fills the device, a "
+              "verified row costs more than it gains (measured, 2-core CPU: copying text, 1.9x "
+              "faster at 32 running, 0.57x at 64; on an H200 a 5-token row cost 1.75x a decode "
+              "step at 32 rows)")
     speculative_config: Optional[str] = _flag(
         None, "vLLM's form, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 12, "
@@ -348,8 +350,9 @@ class ServerArgs:
         if not 1 <= low <= high:
             raise ValueError("--speculative-ngram-min-match-window-size and -max- must satisfy "
                              f"1 <= min <= max; got {low} and {high}")
-        if (self.speculative_disable_by_batch_size is not None
-                and self.speculative_disable_by_batch_size < 1):
+        if self.speculative_disable_by_batch_size is None:
+            self.speculative_disable_by_batch_size = 32
+        if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be 1 or more; got "
                              f"{self.speculative_disable_by_batch_size}")
 

@@ -137,3 +137,17 @@ def test_streaming_delivers_every_token_once_and_an_abort_mid_stream_is_clean(sp
         time.sleep(0.05)
     assert spec.core.scheduler.token_usage() == 0
     assert spec.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == full
+
+
+def test_rows_whose_drafts_fail_back_off_with_the_same_output(plain, spec):
+    """High-temperature rows reject most drafts and back off (their next steps overlapped
+    continuations), one request at a time and several at once."""
+    spec.core.scheduler.spec_verified_rows = 0
+    params = [{"temperature": 1.5, "seed": s, "max_new_tokens": 30, "ignore_eos": True,
+               "logit_bias": {"7": 4.0}} for s in range(4)]  # 7 repeats: drafts keep coming
+    assert ids(spec.generate(input_ids=PROMPTS, sampling_params=params)) == \
+        ids(plain.generate(input_ids=PROMPTS, sampling_params=params))
+    for p in params:
+        assert spec.generate(input_ids=PROMPTS[1], sampling_params=p)["output_ids"] == \
+            plain.generate(input_ids=PROMPTS[1], sampling_params=p)["output_ids"]
+    assert spec.core.scheduler.spec_verified_rows > 0

@@ -160,3 +160,56 @@ def test_vllm_speculative_config_maps_onto_sglang_flags_and_unbuilt_methods_stop
                          "speculative_ngram_max_match_window_size": 2}, "min <= max")]:
         with pytest.raises(ValueError, match=words):
             ServerArgs(model_path="m", **bad)
+
+
+def test_a_row_that_keeps_no_draft_backs_off_and_decodes_overlapped_meanwhile():
+    """A rejected draft costs a verified row's extra tokens and the overlap: a request whose
+    drafts fail waits 2, 4, ... tokens before it drafts again (one draft then), and the
+    continuation flows meanwhile; one whose drafts all pass drafts one more next time."""
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    # The prompt proposes 1 2 3 4 after 0; the model says 0, then 5 6 7 ... (never a draft).
+    script = {"r": [0] + list(range(5, 40))}
+    s.add(req("r", prompt_len=6, max_new=30))
+    r = s.requests["r"]
+    r.prompt_ids = [0, 1, 2, 3, 4, 9]
+    model = FakeModel(s, script)
+    model.run_step()  # the prompt: samples 0
+    batch = s.schedule()
+    assert batch.chunks[0].num_drafts == 4
+    s.process_results(batch, model.step(batch))
+    assert r.output_ids == [0, 5] and (r.spec_misses, r.spec_draft_limit) == (1, 1)
+    assert r.spec_next_try == len(r.output_ids) + 2
+    batch = s.schedule()  # backing off: a plain decode row, which a continuation may follow
+    assert batch.chunks[0].num_drafts == 0
+    assert s.schedule_continuation(batch) is not None
+
+
+def test_a_row_that_keeps_every_draft_drafts_one_more_next_time():
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    script = {"r": [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2]}
+    s.add(req("r", prompt_len=6, max_new=15))
+    r = s.requests["r"]
+    r.prompt_ids = [0, 1, 2, 0, 1, 2]
+    r.spec_draft_limit = 2
+    model = FakeModel(s, script)
+    model.run_step()
+    batch = s.schedule()
+    assert batch.chunks[0].num_drafts == 2
+    s.process_results(batch, model.step(batch))
+    assert r.spec_draft_limit == 3
+
+
+def test_no_continuation_follows_a_verified_row_even_when_nothing_drafts_next():
+    """A verified row's tokens are the host's to accept (the device does not write the slot's
+    last token): a request whose last draft (one token from the end) is in flight and whose next
+    step drafts nothing must still be read before that step is scheduled."""
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    script = {"r": [0, 1, 7, 8]}
+    s.add(req("r", prompt_len=6, max_new=3))
+    s.requests["r"].prompt_ids = [0, 1, 2, 3, 4, 9]
+    model = FakeModel(s, script)
+    model.run_step()  # samples 0
+    batch = s.schedule()
+    assert batch.chunks[0].num_drafts == 1  # 1 (from the prompt): max_new leaves room for one
+    model.step(batch)
+    assert s.schedule_continuation(batch) is None

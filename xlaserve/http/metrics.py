@@ -28,6 +28,7 @@ _NAMES = {
                      e2e="xlaserve:e2e_request_latency_seconds",
                      num_running_reqs="xlaserve:num_running_reqs",
                      num_queue_reqs="xlaserve:num_queue_reqs", token_usage="xlaserve:token_usage",
+                     spec_accept_length="xlaserve:spec_accept_length",
                      finish_reason="finish_reason"),
 }
 _NAMES["sglang"] = {k: v.replace("xlaserve:", "sglang:") for k, v in _NAMES["xlaserve"].items()}
@@ -52,7 +53,11 @@ class _SchedulerGauges:
         replicas = stats.get("replicas")
         for name, doc in (("num_running_reqs", "requests running (decoding or prefilling)"),
                           ("num_queue_reqs", "requests waiting to be scheduled"),
-                          ("token_usage", "fraction of the KV cache pool in use")):
+                          ("token_usage", "fraction of the KV cache pool in use"),
+                          ("spec_accept_length", "tokens a speculative verified row kept on "
+                                                 "average since start (0 before the first)")):
+            if name not in (stats if replicas is None else replicas[0]):
+                continue  # speculative decoding's, only with --speculative-algorithm
             if replicas is None:
                 gauge = GaugeMetricFamily(self._names[name], doc, labels=["model_name"])
                 gauge.add_metric([self._model_name], float(stats[name]))

@@ -198,9 +198,12 @@ class EngineCore:
     def stats(self) -> dict:
         """Scheduler figures for /metrics and /get_server_info (read from another thread: each
         is one attribute read, and a stale value is harmless there)."""
-        return {"num_running_reqs": self.scheduler.num_running,
-                "num_queue_reqs": self.scheduler.num_waiting,
-                "token_usage": self.scheduler.token_usage()}
+        stats = {"num_running_reqs": self.scheduler.num_running,
+                 "num_queue_reqs": self.scheduler.num_waiting,
+                 "token_usage": self.scheduler.token_usage()}
+        if self.scheduler.speculation is not None:
+            stats["spec_accept_length"] = self.scheduler.spec_accept_length() or 0.0
+        return stats
 
     def abort(self, rid: str, message: str | None = None) -> None:
         """Ends the request (waiting or running) on the engine thread; its final output carries

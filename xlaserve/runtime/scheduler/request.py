@@ -83,6 +83,11 @@ class Request:
     ngram: Any = None
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
+    # The drafting policy's state (speculation.next_drafts): the output length from which the
+    # request drafts again, how many drafts at most, and its verified rows in a row that kept none.
+    spec_next_try: int = 0
+    spec_draft_limit: int | None = None
+    spec_misses: int = 0
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

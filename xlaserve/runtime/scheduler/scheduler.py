@@ -27,7 +27,7 @@ from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Reques
                                                SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
 from xlaserve.runtime.scheduler.speculation import (NgramIndex, SpeculativeConfig, accepted,
-                                                    can_speculate)
+                                                    after_verified_row, wants_drafts)
 from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class Scheduler:
         self.context_length = context_length
         self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
         self.speculation = speculation  # --speculative-algorithm; None: one token a step
+        self.spec_verified_rows = self.spec_accepted_drafts = 0  # since start, for /metrics
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
@@ -235,9 +236,10 @@ class Scheduler:
         drafts, needed = [], 0
         for r in decoding:
             draft = []
-            # The verified row yields its drafts and one more token: within max_new_tokens.
-            room = min(spec.max_drafts, r.max_new_tokens - len(r.output_ids) - 1)
-            if room > 0 and can_speculate(r):
+            if wants_drafts(r):
+                # The verified row yields its drafts and one more token: within max_new_tokens.
+                room = min(r.spec_draft_limit or spec.max_drafts,
+                           r.max_new_tokens - len(r.output_ids) - 1)
                 if r.ngram is None:
                     r.ngram = NgramIndex(spec.min_match, spec.max_match)
                 draft = r.ngram.draft(r.all_ids(), room)
@@ -303,8 +305,12 @@ class Scheduler:
         drops that row, and freeing its pages (or slot) is safe because the device runs steps
         in order, so whoever gets them next writes after this step. Its slot and pages are not
         free for this step's admissions yet: those take what is free now."""
-        if self.speculating():  # the next decodes draft from this step's tokens: read them first
-            return None
+        if self.speculation is not None:
+            if batch.decode is None and any(c.num_drafts for c in batch.chunks):
+                return None  # which tokens a verified row keeps is the host's to decide
+            if self.speculating() and any(r.status == "running" and wants_drafts(r, batch.ahead + 1)
+                                          for r in batch.requests):
+                return None  # the next step drafts from this one's tokens: read them first
         admissible = self.waiting and len(self.running) < self.max_running_requests
         if batch.decode is not None and not admissible:
             return self._continue_decodes(batch)
@@ -446,6 +452,9 @@ class Scheduler:
         keep = accepted(chunk.token_ids[1:], tokens)
         request.spec_verify_ct += 1
         request.spec_accepted_drafts += keep - 1
+        self.spec_verified_rows += 1
+        self.spec_accepted_drafts += keep - 1
+        self.log.verified(keep - 1)
         for j, token in enumerate(tokens[:keep]):
             request.num_computed += 1  # row token j (the last token, then accepted drafts)
             token = int(token)
@@ -453,6 +462,7 @@ class Scheduler:
             sampled.append(SampledRow(request, token, row + j, len(request.output_ids)))
             if request.status != "running":
                 return  # ended (pages released) at this token: the rest are dropped
+        after_verified_row(request, chunk.num_drafts, keep - 1, self.speculation.max_drafts)
         self.prefix.share_computed_pages(request)
         needed = pages_for_tokens(request.num_computed + 1, self.page_size)
         if len(request.page_ids) > needed:
@@ -505,6 +515,13 @@ class Scheduler:
     def num_pages_in_use(self) -> int:
         """Pages that running requests hold (cached pages nobody uses count as free, as in SGLang)."""
         return self.allocator.num_used - self.cache.evictable_pages
+
+    def spec_accept_length(self) -> float | None:
+        """Tokens a verified row kept on average since start (SGLang's `spec_accept_length`);
+        None without speculation or before the first verified row."""
+        if not self.spec_verified_rows:
+            return None
+        return 1 + self.spec_accepted_drafts / self.spec_verified_rows
 
     def token_usage(self) -> float:
         return self.num_pages_in_use / self.allocator.capacity

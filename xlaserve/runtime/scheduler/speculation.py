@@ -93,6 +93,36 @@ class NgramIndex:
         return ids[best_end + 1:best_end + 1 + max_tokens]
 
 
+# A request whose verified row kept no draft waits 2, 4, ... up to this many tokens before it
+# drafts again: a rejected draft costs a verified row's extra tokens (on a 2-core CPU a 5-token row
+# cost ~1.75x a decode step) and the overlap of host and device work.
+MAX_BACKOFF = 32
+
+
+def wants_drafts(request, ahead: int = 0) -> bool:
+    """Whether the request drafts for the token it samples `ahead` tokens after its output so far:
+    it can speculate, its back-off is over and a draft would fit in max_new_tokens."""
+    n = len(request.output_ids) + ahead
+    return (n >= request.spec_next_try and request.max_new_tokens - n > 1
+            and can_speculate(request))
+
+
+def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_drafts: int) -> None:
+    """The drafting policy, per request, from what its last verified row kept: all its drafts,
+    one more draft next time (up to `max_drafts`); some, as many as it kept; none, no draft for
+    2, 4, ... MAX_BACKOFF tokens, then one. Plain decoding costs nothing a draft could have
+    saved, so a request whose text does not repeat soon decodes (overlapped) as without
+    speculation; one that starts copying is back at `max_drafts` a few rows later."""
+    if accepted_drafts == 0:
+        request.spec_misses += 1
+        request.spec_next_try = len(request.output_ids) + min(2 ** request.spec_misses, MAX_BACKOFF)
+        request.spec_draft_limit = 1
+        return
+    request.spec_misses = 0
+    grown = num_drafts + 1 if accepted_drafts == num_drafts else accepted_drafts
+    request.spec_draft_limit = min(grown, max_drafts)
+
+
 def can_speculate(request) -> bool:
     """Whether a request's next tokens may be drafted: none of what makes a token depend on the
     drafts before it (module docstring)."""

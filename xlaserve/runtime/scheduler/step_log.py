@@ -1,6 +1,7 @@
 """The scheduler's log lines, in SGLang's words (operators and their dashboards read them):
 `Prefill batch.` for every step that runs prompt tokens, and `Decode batch.` once every
-`interval` decode steps, with the generation throughput over those steps."""
+`interval` decode steps, with the generation throughput over those steps (and, with speculative
+decoding, SGLang's `accept len`: tokens a verified row kept on average over them)."""
 from __future__ import annotations
 
 import logging
@@ -29,6 +30,13 @@ class StepLog:
         self._decode_steps = 0
         self._decode_tokens = 0
         self._interval_start = 0.0
+        self._verified_rows = self._accepted_drafts = 0
+
+    def verified(self, accepted_drafts: int) -> None:
+        """A verified row's result: its accepted drafts are tokens of the interval too."""
+        self._verified_rows += 1
+        self._accepted_drafts += accepted_drafts
+        self._decode_tokens += accepted_drafts
 
     def step(self, scheduler: _Queue, kind: str, num_decodes: int,
              prefill_chunks: list[SeqChunk], cached_tokens: int) -> None:
@@ -50,9 +58,12 @@ class StepLog:
         if self._decode_steps >= self.interval:
             elapsed = now - self._interval_start
             throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
+            accept = (f"accept len: {1 + self._accepted_drafts / self._verified_rows:.2f}, "
+                      if self._verified_rows else "")
             logger.info(
-                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
                 "gen throughput (token/s): %.2f, #queue-req: %d", self.prefix,
                 scheduler.num_running, sum(r.num_computed for r in scheduler.running),
-                scheduler.token_usage(), throughput, scheduler.num_waiting)
+                scheduler.token_usage(), accept, throughput, scheduler.num_waiting)
             self._decode_steps = self._decode_tokens = 0
+            self._verified_rows = self._accepted_drafts = 0
