@@ -158,3 +158,22 @@ def test_deepseek_v3_fits_64_v6e_chips_with_a_16k_token_latent_cache():
     memory = program.compile(*shapes[0]).memory_analysis()
     total = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     assert total < 31.25 * 2**30, (total / 2**30, description)
+
+
+@pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), ("h100", 1)])
+def test_a_speculative_servers_verify_step_compiles_for_the_target(target, tp_size, tmp_path):
+    """With --speculative-algorithm NGRAM (5 tokens a verified row) a bucket samples after every
+    token of its verified rows. By default each bucket's sequence count covers its tokens, so
+    its programs are a plain server's; with a grid of sequence buckets
+    (--precompile-bs-paddings) a bucket of 64 tokens and 8 sequences samples 40 rows (the LM
+    head, sampler and grammar masks on 40): compiled for the target at Llama-3.1-8B's sizes
+    (its first 2 layers)."""
+    devices(target)
+    args = ServerArgs(model_path=first_layers("llama-3.1-8b", 2, tmp_path), tp_size=tp_size,
+                      max_running_requests=64, max_prefill_tokens=512,
+                      precompile_bs_paddings="8,64", speculative_algorithm="NGRAM")
+    program, shapes, description = aot.server_step(target, args)
+    pages = shapes[0][2]
+    assert (64, 8, pages) in shapes and program.verify_tokens == 5, description
+    hlo = program.compile(64, 8, pages, StepNeeds()).as_text()
+    assert f"s32[40,{-(-128256 // 32)}]" in hlo, description  # the grammar masks, by sample row

@@ -105,13 +105,14 @@ def test_drafts_never_take_a_request_past_max_new_tokens(max_new):
 
 def test_penalized_rows_decode_plainly_beside_verified_ones():
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=4))
-    s.add(req("a", prompt_len=6, max_new=6))
-    s.add(req("b", prompt_len=6, max_new=6,
+    s.add(req("a", prompt_len=6, max_new=9))
+    s.add(req("b", prompt_len=6, max_new=9,
               sampling=RowSamplingParams(frequency_penalty=0.5)))
     for r in s.requests.values():
         r.prompt_ids = [5, 6, 7, 5, 6, 7]
-    model = FakeModel(s, {"a": [5, 6, 7] * 2, "b": [5, 6, 7] * 2})
-    model.run_step()
+    model = FakeModel(s, {"a": [5, 6, 7] * 3, "b": [5, 6, 7] * 3})
+    while not all(r.is_decoding for r in s.requests.values()):  # b waits to share a's prompt
+        model.run_step()
     batch = s.schedule()
     drafts = {r.rid: c.num_drafts for r, c in zip(batch.requests, batch.chunks)}
     assert drafts["a"] > 0 and drafts["b"] == 0
@@ -213,3 +214,21 @@ def test_no_continuation_follows_a_verified_row_even_when_nothing_drafts_next():
     assert batch.chunks[0].num_drafts == 1  # 1 (from the prompt): max_new leaves room for one
     model.step(batch)
     assert s.schedule_continuation(batch) is None
+
+
+def test_a_step_that_runs_prompt_tokens_drafts_nothing_and_drafts_fit_the_step():
+    """Verified rows never share a step with a prompt, and a step's tokens stay within
+    max_running_requests (the sample rows every bucket has: forward_batch.sample_rows_for)."""
+    s = make_scheduler(max_running=4, speculation=SpeculativeConfig(num_draft_tokens=5))
+    script = {rid: [0, 1, 2, 3, 4] * 6 for rid in ("a", "b")}
+    for rid in ("a", "b"):
+        s.add(req(rid, prompt_len=6, max_new=20))
+        s.requests[rid].prompt_ids = [0, 1, 2, 3, 4, {"a": 9, "b": 8}[rid]]
+    model = FakeModel(s, script)
+    model.run_all()
+    for batch in model.batches:
+        drafts = sum(c.num_drafts for c in batch.chunks)
+        if drafts:
+            assert batch.kind == "decode"
+            assert sum(len(c.token_ids) for c in batch.chunks) <= 4
+    assert any(c.num_drafts for b in model.batches for c in b.chunks)

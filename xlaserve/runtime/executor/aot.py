@@ -112,12 +112,13 @@ class StepProgram:
     # (ModelRunner.precompile). None: chosen already, or the default layouts.
     choosing_step: callable | None = None
     verify_tokens: int = 1  # speculative decoding's verified row (forward_batch.sample_rows_for)
+    max_seqs: int = 0  # the largest sequence bucket
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
                       needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
         """The step's (abstract) arguments and static keyword arguments for one bucket shape and
         variant."""
-        rows = sample_rows_for(tokens, seqs, self.verify_tokens)
+        rows = sample_rows_for(tokens, seqs, self.verify_tokens, self.max_seqs)
         vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size, rows)
         vocab = self.args[2].shape[1]
         inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
@@ -140,7 +141,8 @@ class StepProgram:
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
                  page_size: int, max_running_requests: int, context_length: int,
                  attention_backend: str = "auto", quantization=None,
-                 mla_expanded_prefill_tokens: int = 0, verify_tokens: int = 1) -> StepProgram:
+                 mla_expanded_prefill_tokens: int = 0, verify_tokens: int = 1,
+                 max_seqs: int = 0) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
     page table as wide as `context_length`'s pages.
     `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint)."""
@@ -163,7 +165,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
             abstract((num_slots, pages_for_tokens(context_length, page_size)), jnp.int32, mesh),
             abstract((num_slots, vocab), jnp.bool_, mesh))
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
-                       steps[1], verify_tokens)
+                       steps[1], verify_tokens, max_seqs)
 
 
 def server_step(target: str, server_args: ServerArgs,
@@ -193,7 +195,7 @@ def server_step(target: str, server_args: ServerArgs,
                            attention_backend=server_args.attention_backend,
                            quantization=fp8_checkpoint or server_args.quantization,
                            mla_expanded_prefill_tokens=server_args.mla_expanded_prefill_tokens,
-                           verify_tokens=buckets.verify_tokens)
+                           verify_tokens=buckets.verify_tokens, max_seqs=buckets.seqs[-1])
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""
     if fp8_checkpoint is not None:
         weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"

@@ -82,13 +82,18 @@ def default_token_buckets(max_tokens: int, dtype, platform: str,
     return tuple(b for b in pow2_buckets(1, max_tokens) if b != 2 or b == max_tokens)
 
 
-def sample_rows_for(tokens: int, seqs: int, verify_tokens: int = 1) -> int:
+def sample_rows_for(tokens: int, seqs: int, verify_tokens: int = 1, max_seqs: int = 0) -> int:
     """Sample rows of a step of `tokens` x `seqs` (a bucket): one per sequence, and with
     speculative decoding one per token of a verified row (`verify_tokens` tokens at most: the
-    last accepted token and its drafts), so at most `seqs * verify_tokens` and never more than
-    the tokens. Without speculation (1) it is `seqs`: the programs are those of a server
-    without it. The LM head and the sampler run once per sample row."""
-    return seqs if verify_tokens <= 1 else min(tokens, seqs * verify_tokens)
+    last accepted token and its drafts). A step with verified rows decodes only and holds at
+    most `max_seqs` tokens (the largest sequence bucket; Scheduler._drafts keeps it so), so:
+    `min(tokens, seqs * verify_tokens, max_seqs)`, and never fewer than `seqs`. By default
+    (one sequence bucket per token bucket) that is `seqs` for every bucket: the programs are
+    a plain server's, and no prompt step runs the LM head on more rows. The LM head and the
+    sampler run once per sample row."""
+    if verify_tokens <= 1:
+        return seqs
+    return max(seqs, min(tokens, seqs * verify_tokens, max_seqs))
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -119,6 +124,10 @@ class Buckets:
             grid=bool(seq_paddings),
             verify_tokens=verify_tokens,
         )
+
+    def sample_rows(self, tokens: int, seqs: int) -> int:
+        """A bucket's sample rows (`sample_rows_for`)."""
+        return sample_rows_for(tokens, seqs, self.verify_tokens, self.seqs[-1])
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """The (tokens, seqs) pairs a step can take, smallest first. A step has at least as many
@@ -160,8 +169,7 @@ def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: s
     `latent`: a latent-attention model's (value_dim, row width), `MLAConfig.kernel_widths`), so
     that a server says so at start-up instead of failing inside XLA's compile."""
     verify_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 1
-    step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens,
-                                  verify_tokens)
+    step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
     pages = pages_for_tokens(context_length, args.page_size)
     buckets = Buckets.for_limits(
         step_tokens, args.max_running_requests, pages,
@@ -276,7 +284,7 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
     drafts = np.fromiter((c.num_drafts for c in chunks), np.int64, n)
     rows_per_seq = drafts + 1  # a sample row per sequence, and one per draft it verifies
     num_rows = int(rows_per_seq.sum())
-    padded_rows = sample_rows_for(padded_tokens, padded_seqs, buckets.verify_tokens)
+    padded_rows = buckets.sample_rows(padded_tokens, padded_seqs)
     if num_rows > padded_rows:
         raise ValueError(f"{num_rows} sample rows are over the bucket's {padded_rows}")
     logits_indices = np.zeros(padded_rows, np.int32)
@@ -335,7 +343,7 @@ def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> 
     positions[:n] = num_cached
     kv_lens = np.zeros(padded_seqs, np.int32)
     kv_lens[:n] = kv
-    padded_rows = sample_rows_for(padded_tokens, padded_seqs, buckets.verify_tokens)
+    padded_rows = buckets.sample_rows(padded_tokens, padded_seqs)
     row_index = np.arange(padded_rows, dtype=np.int32)
     cu_q_lens = np.minimum(np.arange(padded_seqs + 1, dtype=np.int32), n)
     sample_rows = row_index < n

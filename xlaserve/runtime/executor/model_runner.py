@@ -129,6 +129,7 @@ class ModelRunner:
         self.mesh = loaded.mesh
         self.page_size = page_size
         self.verify_tokens = verify_tokens
+        self.max_seqs = max_running_requests  # the largest sequence bucket: startup sets it
         if static_variants is None:
             static_variants = self.mesh.devices.flat[0].platform != "cpu"
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
@@ -268,8 +269,9 @@ class ModelRunner:
         return self.run(self.stage(batch, sampling, slots), token_bitmask)
 
     def sample_rows(self, shape) -> int:
-        """The sample rows of a step of bucket shape (tokens, seqs, pages)."""
-        return sample_rows_for(shape[0], shape[1], self.verify_tokens)
+        """The sample rows of a step of bucket shape (tokens, seqs, pages): `Buckets.sample_rows`
+        with the server's largest sequence bucket (`max_seqs`, which start-up sets)."""
+        return sample_rows_for(shape[0], shape[1], self.verify_tokens, self.max_seqs)
 
     def stage(self, batch: ForwardBatch, sampling: SamplingMetadata, slots: np.ndarray) -> "StagedStep":
         """The step's inputs but the grammar masks, sent to the device as two vectors, and the

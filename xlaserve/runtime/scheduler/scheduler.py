@@ -41,14 +41,12 @@ def prefill_budget(max_prefill_tokens: int, num_decodes: int) -> int:
     return max(max_prefill_tokens - num_decodes, max_prefill_tokens // 4, 1)
 
 
-def max_step_tokens(max_running_requests: int, max_prefill_tokens: int,
-                    verify_tokens: int = 1) -> int:
+def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
     """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
-    each in a verified row of `verify_tokens` with speculative decoding, or a whole prefill
-    step): the largest padding bucket the executor compiles."""
-    decode_tokens = max_running_requests * verify_tokens
+    or a whole prefill step): the largest padding bucket the executor compiles. A step with
+    speculative verified rows holds at most `max_running_requests` tokens (`_drafts`)."""
     return max(max_prefill_tokens,
-               decode_tokens + prefill_budget(max_prefill_tokens, decode_tokens))
+               max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
 
 
 class Scheduler:
@@ -229,20 +227,27 @@ class Scheduler:
     def _drafts(self, decoding: list[Request]) -> list[list[int]]:
         """Each decoding request's drafted tokens (speculation.py): none where speculation is
         off, the request cannot speculate or nothing matches; none at all when the free pages
-        cannot hold every draft (the plain decodes' pages come first)."""
-        if not decoding or not self.speculating():
+        cannot hold every draft (the plain decodes' pages come first) or a prompt may run in
+        the step (a running prompt, or a waiting one with a free slot). A step with drafts
+        holds at most `max_running_requests` tokens, so that its sample rows fit every bucket's
+        (forward_batch.sample_rows_for) and a prompt step's LM head runs on no more rows than
+        without speculation: drafts beyond that are cut, the earlier rows first served."""
+        if (not decoding or not self.speculating() or len(decoding) < len(self.running)
+                or (self.waiting and len(self.running) < self.max_running_requests)):
             return [[] for _ in decoding]
         spec = self.speculation
         drafts, needed = [], 0
+        room_in_step = self.max_running_requests - len(decoding)
         for r in decoding:
             draft = []
-            if wants_drafts(r):
+            if room_in_step > 0 and wants_drafts(r):
                 # The verified row yields its drafts and one more token: within max_new_tokens.
                 room = min(r.spec_draft_limit or spec.max_drafts,
                            r.max_new_tokens - len(r.output_ids) - 1)
                 if r.ngram is None:
                     r.ngram = NgramIndex(spec.min_match, spec.max_match)
-                draft = r.ngram.draft(r.all_ids(), room)
+                draft = r.ngram.draft(r.all_ids(), min(room, room_in_step))
+                room_in_step -= len(draft)
             drafts.append(draft)
             needed += self._new_pages(r, r.num_computed + 1 + len(draft))
         if needed > self.cache.available_pages:
