@@ -152,3 +152,45 @@ def test_rows_whose_drafts_fail_back_off_with_the_same_output(plain, spec):
         assert spec.generate(input_ids=PROMPTS[1], sampling_params=p)["output_ids"] == \
             plain.generate(input_ids=PROMPTS[1], sampling_params=p)["output_ids"]
     assert spec.core.scheduler.spec_verified_rows > 0
+
+
+# --- structured outputs: drafts the grammar takes, each sample row masked after its drafts ------
+
+@pytest.fixture(scope="module")
+def constrained_engines(tmp_path_factory):
+    """A tiny model with the default model's tokenizer (a grammar needs one), with and without
+    speculation."""
+    from xlaserve.weights.loader import default_model_file, load_tokenizer
+
+    directory = str(tmp_path_factory.mktemp("tiny-constrained"))
+    make_tiny_checkpoint(directory, "qwen2", vocab_size=49152)
+    tokenizer = load_tokenizer(default_model_file())
+    tokenizer.save_pretrained(directory)
+    options = dict(dtype="float32", page_size=16, max_running_requests=16, context_length=256,
+                   max_total_tokens=4096, chunked_prefill_size=64, max_prefill_tokens=128,
+                   log_level="warning")
+    with Engine(directory, **options) as plain_engine, Engine(
+            directory, speculative_algorithm="NGRAM", **options) as spec_engine:
+        yield plain_engine, spec_engine, tokenizer
+
+
+def test_constrained_outputs_with_drafts_equal_plain_decodings(constrained_engines):
+    plain_engine, spec_engine, tokenizer = constrained_engines
+    record = '{"name": "Alice", "city": "Paris", "age": 30}'
+    prompt = tokenizer.encode(f"{record}\n{record}\n")
+    schema = ('{"type": "object", "properties": {"name": {"type": "string"}, "city": '
+              '{"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "city", '
+              '"age"], "additionalProperties": false}')
+    params = [{"regex": r'\{"name": "Alice", "city": "(Paris|Rome)", "age": [0-9]+\}',
+               "temperature": 0, "max_new_tokens": 40},
+              {"json_schema": schema, "temperature": 0, "max_new_tokens": 40},
+              {"json_schema": schema, "temperature": 1.0, "seed": 4, "max_new_tokens": 40},
+              {"regex": "(Alice|Bob)( (Alice|Bob)){3}", "temperature": 0.7, "seed": 5,
+               "max_new_tokens": 40}]
+    spec_engine.core.scheduler.spec_verified_rows = 0
+    got = spec_engine.generate(input_ids=[prompt] * len(params), sampling_params=params)
+    want = plain_engine.generate(input_ids=[prompt] * len(params), sampling_params=params)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert [g["meta_info"]["finish_reason"] for g in got] == \
+        [w["meta_info"]["finish_reason"] for w in want]
+    assert spec_engine.core.scheduler.spec_verified_rows > 0  # constrained rows drafted

@@ -431,11 +431,12 @@ class EngineCore:
         """Fills the grammar masks of the constrained rows that sample, from their grammars'
         current state, and dispatches the step; returns its (asynchronous) output."""
         constrained = None
-        if batch.any_grammar():  # by sample row: a verified row before it has several
+        if batch.any_grammar():  # by sample row: a verified row has one per token
             constrained, row = [], 0
             for r, c in zip(batch.requests, batch.chunks):
                 if r.grammar is not None and c.sample and r.status == "running":
-                    constrained.append((r.grammar, row))
+                    states = r.grammar.states_after(c.token_ids[1:]) if c.num_drafts else [r.grammar]
+                    constrained += [(state, row + j) for j, state in enumerate(states)]
                 row += 1 + c.num_drafts
         bitmask = None
         if constrained:

@@ -192,6 +192,23 @@ class Grammar:
         """Whether the output so far satisfies the constraint (it may still go on)."""
         return self.matcher.is_accepting()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar would take from here (a speculative
+        draft is cut there: a verified row's tokens must each be allowed)."""
+        return self.matcher.validate_tokens([int(t) for t in tokens])
+
+    def states_after(self, drafts: list[int]) -> list["Grammar"]:
+        """The grammar here and after each of `drafts` (copies; this one does not move): the
+        state each sample row of a verified row is masked by. The drafts must be valid
+        (`valid_prefix`)."""
+        states, matcher = [self], self.matcher
+        for token in drafts:
+            matcher = matcher.deep_copy()
+            if not matcher.consume_token(int(token)):
+                raise ValueError(f"draft token {token} is not allowed: {matcher.get_error()}")
+            states.append(Grammar(matcher, self.stop_token_ids))
+        return states
+
     def dead_end(self) -> str:
         """The error of a request whose grammar no token continues (CONSTRAINT_DEAD_END)."""
         return (f"{CONSTRAINT_DEAD_END}: the output reached a point that no text completes "

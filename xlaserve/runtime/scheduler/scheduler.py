@@ -27,7 +27,8 @@ from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Reques
                                                SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
 from xlaserve.runtime.scheduler.speculation import (NgramIndex, SpeculativeConfig, accepted,
-                                                    after_verified_row, wants_drafts)
+                                                    after_verified_row, constrained,
+                                                    wants_drafts)
 from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ class Scheduler:
                            r.max_new_tokens - len(r.output_ids) - 1)
                 if r.ngram is None:
                     r.ngram = NgramIndex(spec.min_match, spec.max_match)
-                draft = r.ngram.draft(r.all_ids(), min(room, room_in_step))
+                draft = constrained(r, r.ngram.draft(r.all_ids(), min(room, room_in_step)))
                 room_in_step -= len(draft)
             drafts.append(draft)
             needed += self._new_pages(r, r.num_computed + 1 + len(draft))

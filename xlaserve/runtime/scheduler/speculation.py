@@ -17,10 +17,11 @@ without it.
 
 The drafter here is NGRAM (SGLang's `--speculative-algorithm NGRAM`, vLLM's prompt lookup): the
 longest run of the request's last tokens (`min_match`..`max_match` long) that occurred earlier
-in its prompt or output proposes the tokens that followed it there. Requests whose next token
-depends on more than its position (repetition, frequency or presence penalties: their counts
-would need the drafts; a grammar: its matcher would have to advance and roll back) decode one
-token a step in the same batch.
+in its prompt or output proposes the tokens that followed it there. A constrained request's
+drafts are cut where its grammar stops taking them, and each sample row of its verified row is
+masked by the grammar as it would be after the drafts before it (Grammar.states_after); its
+matcher then consumes the accepted tokens alone. Requests with repetition, frequency or presence
+penalties (whose counts would need the drafts) decode one token a step in the same batch.
 """
 from __future__ import annotations
 
@@ -124,11 +125,23 @@ def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_draft
 
 
 def can_speculate(request) -> bool:
-    """Whether a request's next tokens may be drafted: none of what makes a token depend on the
-    drafts before it (module docstring)."""
+    """Whether a request's next tokens may be drafted: no penalty, whose counts would have to
+    include the drafts before each token (module docstring)."""
     s = request.sampling
-    return (request.grammar is None and s.repetition_penalty == 1.0
-            and s.frequency_penalty == 0.0 and s.presence_penalty == 0.0)
+    return (s.repetition_penalty == 1.0 and s.frequency_penalty == 0.0
+            and s.presence_penalty == 0.0)
+
+
+def constrained(request, draft: list[int]) -> list[int]:
+    """`draft` cut before its first stop id and, for a request with a grammar, where the grammar
+    stops taking it."""
+    for i, token in enumerate(draft):
+        if token in request.stop_token_ids:
+            draft = draft[:i]
+            break
+    if request.grammar is not None and draft:
+        draft = draft[:request.grammar.valid_prefix(draft)]
+    return draft
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:
