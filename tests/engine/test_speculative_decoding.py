@@ -50,13 +50,11 @@ def ids(results):
 
 
 def test_greedy_output_equals_plain_decoding_and_transformers(plain, spec, checkpoint):
-    params = [GREEDY, GREEDY, {**GREEDY, "frequency_penalty": 0.5}, GREEDY]  # one plain row
-    together = spec.generate(input_ids=PROMPTS, sampling_params=params)
-    assert ids(together) == ids(plain.generate(input_ids=PROMPTS, sampling_params=params))
-    for prompt, result in zip(PROMPTS[:2], together):
+    together = spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert ids(together) == ids(plain.generate(input_ids=PROMPTS, sampling_params=GREEDY))
+    for prompt, result in zip(PROMPTS, together):
         assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, 24)
     meta = [r["meta_info"] for r in together]
-    assert "spec_verify_ct" not in meta[2]  # a penalty: decoded one token a step
     verified = [m for m in meta if "spec_verify_ct" in m]
     assert verified and max(m["spec_accept_length"] for m in verified) > 1.5
     assert all(m["completion_tokens"] == 24 for m in meta)
@@ -76,6 +74,21 @@ def test_seeded_sampled_output_equals_plain_decoding_token_for_token(plain, spec
     ]
     assert ids(spec.generate(input_ids=PROMPTS, sampling_params=params)) == \
         ids(plain.generate(input_ids=PROMPTS, sampling_params=params))
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 1.5}, {"presence_penalty": 1.5},
+                                     {"repetition_penalty": 1.8}], ids=lambda p: next(iter(p)))
+def test_penalized_output_equals_plain_decoding(plain, spec, penalty):
+    """A penalty counts the output so far: in a verified row, the drafts before each token, and
+    after it the kept tokens alone (executor/verified_rows.py). Penalized greedy and seeded rows
+    beside plain ones."""
+    params = [{**GREEDY, **penalty}, {**GREEDY, "max_new_tokens": 30},
+              {"temperature": 0.7, "seed": 3, "max_new_tokens": 30, "ignore_eos": True, **penalty},
+              {**GREEDY, **penalty, "logit_bias": {"7": 2.0}}]
+    spec.core.scheduler.spec_verified_rows = 0
+    assert ids(spec.generate(input_ids=PROMPTS, sampling_params=params)) == \
+        ids(plain.generate(input_ids=PROMPTS, sampling_params=params))
+    assert spec.core.scheduler.spec_verified_rows > 0
 
 
 def test_stop_ids_and_max_tokens_inside_verified_rows_are_exact(plain, spec):

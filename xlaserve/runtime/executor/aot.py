@@ -157,7 +157,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                      kv_cache_spec(config))
     caches = [cache] * config.num_layers
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh,
-                       [cache.sharding] * config.num_layers, formats)
+                       [cache.sharding] * config.num_layers, formats, verify_tokens)
              for formats in (None, auto_formats(weights))]
     num_slots, vocab = max_running_requests + 1, config.vocab_size
     args = (weights, caches, abstract((num_slots, vocab), jnp.int32, mesh),

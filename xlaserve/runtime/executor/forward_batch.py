@@ -88,9 +88,9 @@ def sample_rows_for(tokens: int, seqs: int, verify_tokens: int = 1, max_seqs: in
     last accepted token and its drafts). A step with verified rows decodes only and holds at
     most `max_seqs` tokens (the largest sequence bucket; Scheduler._drafts keeps it so), so:
     `min(tokens, seqs * verify_tokens, max_seqs)`, and never fewer than `seqs`. By default
-    (one sequence bucket per token bucket) that is `seqs` for every bucket: the programs are
-    a plain server's, and no prompt step runs the LM head on more rows. The LM head and the
-    sampler run once per sample row."""
+    (one sequence bucket per token bucket) that is `seqs` for every bucket: a plain server's
+    shapes, and no prompt step runs the LM head on more rows. The LM head and the sampler run
+    once per sample row."""
     if verify_tokens <= 1:
         return seqs
     return max(seqs, min(tokens, seqs * verify_tokens, max_seqs))
@@ -209,8 +209,9 @@ class ForwardBatch:
     # i32[R]: the token row each sample row takes its logits from: the last new token of each
     # sequence, and every token of a speculative verified row (R = sample_rows_for(T, S)).
     logits_indices: np.ndarray
-    # bool[R]: sample rows whose token is the slot's next for sure (counted for penalties,
-    # kept as the slot's last token); a verified row's are not: the host accepts a prefix.
+    # bool[R]: sample rows whose token the request keeps (counted for penalties, the slot's last
+    # token): a prompt chunk's that ends before the prompt does and padding's are not; of a
+    # verified row's, the step keeps a prefix (executor/verified_rows.py).
     sample_rows: np.ndarray
     sample_seqs: np.ndarray  # i32[R]: the sequence of each sample row, -1 for padding
     # i32[T]: per token row, the id whose logprob and top alternatives the step returns, -1 for
@@ -307,7 +308,7 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
         row_ends = np.cumsum(rows_per_seq)
         in_row = np.arange(num_rows) - np.repeat(row_ends - rows_per_seq, rows_per_seq)
         logits_indices[:num_rows] = np.repeat(ends - rows_per_seq, rows_per_seq) + in_row
-        sample_rows[:num_rows] = np.repeat(samples & (drafts == 0), rows_per_seq)
+        sample_rows[:num_rows] = np.repeat(samples, rows_per_seq)
         sample_seqs[:num_rows] = np.repeat(np.arange(n), rows_per_seq)
     if (wrong := np.flatnonzero((drafts > 0) & ((drafts >= lengths) | ~samples))).size:
         i = int(wrong[0])

@@ -184,7 +184,8 @@ class ModelRunner:
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 
-        step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding)
+        step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding,
+                         verify_tokens=verify_tokens)
         if choose_weight_layouts is None:
             # TPU only: there the default layouts had each step relay weights out (64 fused
             # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
@@ -192,7 +193,8 @@ class ModelRunner:
                                      and replicated.is_fully_addressable)
         # The step whose weight layouts XLA chooses, until `precompile` has used it.
         self._choosing_step = (make_step(graphdef, state_treedef, weight_layout, kernels,
-                                         self.mesh, kv_sharding, auto_formats(self._weight_args))
+                                         self.mesh, kv_sharding, auto_formats(self._weight_args),
+                                         verify_tokens=verify_tokens)
                                if choose_weight_layouts else None)
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.runtime.executor.forward_batch import ForwardBatch
 from xlaserve.runtime.executor.page_table import (PageWrites, apply_writes, empty_writes, gather_rows,
                                          write_capacity)
+from xlaserve.runtime.executor.verified_rows import kept_rows, prior_draft_ids
 from xlaserve.runtime.executor.weight_args import leaves_from_args
 from xlaserve.model.sharding import TP
 from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
@@ -109,12 +110,14 @@ class StepOutput:
 
 
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-              weight_formats=None):
+              weight_formats=None, verify_tokens: int = 1):
     """The jitted serving step: forward, sampling, penalty counts and last tokens, over the
     device's page table with the step's writes (runtime/executor/page_table.py). A pure function of its
     arguments, so that it can also be compiled for hardware that is not here
     (runtime/executor/aot.py). `weight_formats`: the weight arguments' formats (weight_args.auto_formats:
-    XLA chooses their layouts); None: the arguments' own (the other arguments' always are)."""
+    XLA chooses their layouts); None: the arguments' own (the other arguments' always are).
+    `verify_tokens` > 1: speculative decoding's verified rows (verified_rows.py) are counted
+    and kept in the step; 1, the program of a server without speculation."""
     replicated = NamedSharding(mesh, P())
     by_vocab = NamedSharding(mesh, P(None, TP))
     jit_options = {"donate_argnums": (1, 2, 3, 4),
@@ -155,14 +158,24 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         # speculation, sample row i is sequence i.
         sample_slots = jnp.where(batch.sample_seqs >= 0,
                                  slots[jnp.maximum(batch.sample_seqs, 0)], NULL_SLOT)
+        prior = None if verify_tokens <= 1 else prior_draft_ids(
+            input_ids, batch.logits_indices, batch.sample_seqs, verify_tokens - 1)
         out = sample(logits, sampling, output_counts, prompt_masks, sample_slots, token_bitmask,
-                     num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs)
-        output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows,
-                                    rows=sample_slots)
-        # Rows whose token is not the slot's next for sure (padding: the null slot; a prompt
-        # chunk; a verified row's) keep the old token: all of a slot's rows write the same.
-        last_tokens = last_tokens.at[sample_slots].set(
-            jnp.where(batch.sample_rows, out.tokens, last_tokens[sample_slots]))
+                     num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs, prior_ids=prior)
+        if verify_tokens <= 1:
+            output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows,
+                                        rows=sample_slots)
+            # Rows that sample nothing (padding: the null slot; a prompt chunk) keep the old
+            # token.
+            last_tokens = last_tokens.at[sample_slots].set(
+                jnp.where(batch.sample_rows, out.tokens, last_tokens[sample_slots]))
+        else:  # a verified row keeps a prefix of its tokens: those are counted, the last kept
+            kept, last_kept = kept_rows(out.tokens, input_ids, batch.logits_indices,
+                                        batch.sample_seqs)
+            output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows & kept,
+                                        rows=sample_slots)
+            write = jnp.where(batch.sample_rows & last_kept, sample_slots, last_tokens.shape[0])
+            last_tokens = last_tokens.at[write].set(out.tokens, mode="drop")
         prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
                                  part(needs, "prompt_logprobs"))
         return StepOutput(out, prompt), kv_caches, output_counts, last_tokens, page_table

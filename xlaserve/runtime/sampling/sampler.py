@@ -171,12 +171,14 @@ def apply_token_bitmask(x: jax.Array, token_bitmask: jax.Array,
 
 @functools.partial(jax.jit, static_argnames=("needs",))
 def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
-                     token_bitmask=None, needs: StepNeeds | None = None):
+                     token_bitmask=None, needs: StepNeeds | None = None, prior_ids=None):
     """f32[S, V]: logits after bias, penalties, suppression and the grammar mask; the
     distribution logprobs report. `output_counts`/`prompt_mask` hold one row per sample, or, with
     `rows` (i32[S]), a table that `rows` indexes (the engine's per-slot state): then the [S, V]
     gathers only happen in steps where some row has a penalty on. `needs` (static): the parts
-    in the program (step_needs.py); None decides them at run time.
+    in the program (step_needs.py); None decides them at run time. `prior_ids` (i32[S, K], -1
+    pads): tokens each row's output holds beyond `output_counts` (a speculative verified row's
+    drafts before that row's token), counted with them.
 
     The grammar mask comes last, as a set (not an addition before the penalties): a repetition
     penalty divides a negative logit, which would lift a masked MASKED above MASKED."""
@@ -189,6 +191,9 @@ def penalized_logits(logits, metadata: SamplingMetadata, output_counts, prompt_m
 
     def apply_penalties():
         counts = output_counts if rows is None else output_counts[rows]
+        if prior_ids is not None and prior_ids.shape[1]:
+            counts = counts.at[row_ids, _valid_or_out_of_range(prior_ids, vocab_size)].add(
+                1, mode="drop")
         prompt = prompt_mask if rows is None else prompt_mask[rows]
         seen = prompt | (counts > 0)
         rep = metadata.repetition_penalty[:, None]
@@ -291,7 +296,7 @@ def _logprobs(penalized, tokens, num_top_logprobs: int):
 def sample(
     logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
     token_bitmask=None, *, num_top_logprobs: int = 0, num_candidates: int = NUM_CANDIDATES,
-    needs: StepNeeds | None = None,
+    needs: StepNeeds | None = None, prior_ids=None,
 ) -> SampleOutput:
     """Picks one token per row from `logits` (f32/bf16[S, V]).
 
@@ -300,6 +305,7 @@ def sample(
     With `rows`, they are per-slot tables indexed by `rows` (see `penalized_logits`).
     `token_bitmask` (i32[S, ceil(V/32)], optional) holds the tokens each row's grammar allows
     (`apply_token_bitmask`); a constrained row never picks another, greedy or sampled.
+    `prior_ids`: see `penalized_logits`.
 
     Work that no row of the batch needs is skipped: penalties, the random draw when every row is
     greedy, truncation when no row truncates, and logprobs when no row asks for them (zeros then;
@@ -314,7 +320,7 @@ def sample(
     logprobs it would at temperature 1.
     """
     penalized = penalized_logits(logits, metadata, output_counts, prompt_mask, rows, token_bitmask,
-                                 needs=needs)
+                                 needs=needs, prior_ids=prior_ids)
     greedy = first_argmax(penalized)
     is_greedy = greedy_rows(metadata)
     tokens = only_if_needed(

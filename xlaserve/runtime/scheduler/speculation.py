@@ -20,8 +20,9 @@ longest run of the request's last tokens (`min_match`..`max_match` long) that oc
 in its prompt or output proposes the tokens that followed it there. A constrained request's
 drafts are cut where its grammar stops taking them, and each sample row of its verified row is
 masked by the grammar as it would be after the drafts before it (Grammar.states_after); its
-matcher then consumes the accepted tokens alone. Requests with repetition, frequency or presence
-penalties (whose counts would need the drafts) decode one token a step in the same batch.
+matcher then consumes the accepted tokens alone. Penalties count the drafts before each sample
+row's token, and the step keeps (counts, and writes as the slot's last token) the accepted
+prefix by this same rule (runtime/executor/verified_rows.py).
 """
 from __future__ import annotations
 
@@ -104,8 +105,7 @@ def wants_drafts(request, ahead: int = 0) -> bool:
     """Whether the request drafts for the token it samples `ahead` tokens after its output so far:
     it can speculate, its back-off is over and a draft would fit in max_new_tokens."""
     n = len(request.output_ids) + ahead
-    return (n >= request.spec_next_try and request.max_new_tokens - n > 1
-            and can_speculate(request))
+    return n >= request.spec_next_try and request.max_new_tokens - n > 1
 
 
 def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_drafts: int) -> None:
@@ -122,14 +122,6 @@ def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_draft
     request.spec_misses = 0
     grown = num_drafts + 1 if accepted_drafts == num_drafts else accepted_drafts
     request.spec_draft_limit = min(grown, max_drafts)
-
-
-def can_speculate(request) -> bool:
-    """Whether a request's next tokens may be drafted: no penalty, whose counts would have to
-    include the drafts before each token (module docstring)."""
-    s = request.sampling
-    return (s.repetition_penalty == 1.0 and s.frequency_penalty == 0.0
-            and s.presence_penalty == 0.0)
 
 
 def constrained(request, draft: list[int]) -> list[int]:
