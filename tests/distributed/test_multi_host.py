@@ -340,3 +340,36 @@ def test_expert_parallel_across_two_processes_serves_the_one_process_tokens(tmp_
         assert [o["output_ids"] for o in response.json()] == expected
     finally:
         pair.stop()
+
+
+@pytest.mark.timeout(300)
+def test_speculative_decoding_across_two_processes_serves_the_one_process_tokens(
+        model, reference, tmp_path, monkeypatch):
+    """--speculative-algorithm NGRAM with --nnodes 2: the follower builds its runner with the
+    leader's verified-row size and replays the verify steps (the step hash check compares
+    their outputs every 2nd step); one request at a time, so that its drafts fit the 4-token
+    steps."""
+    running = Pair(model, tmp_path, monkeypatch, flags=["--speculative-algorithm", "NGRAM"])
+    try:
+        verified = 0
+        for i in (0, 2):
+            body = {"input_ids": PROMPTS[i],
+                    "sampling_params": {**GREEDY, "max_new_tokens": NEW_TOKENS}}
+            response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
+            response.raise_for_status()
+            assert response.json()["output_ids"] == reference["tokens"][i]
+            verified += response.json()["meta_info"].get("spec_verify_ct", 0)
+        body = {"input_ids": PROMPTS[5], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12, "regex": REGEX}}
+        response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
+        assert response.json()["output_ids"] == reference["regex"]
+        # A token the bias makes certain repeats: every step after the first verifies 3 drafts.
+        body = {"input_ids": PROMPTS[1] + [7], "sampling_params": {
+            **GREEDY, "max_new_tokens": 20, "logit_bias": {"7": 100.0}}}
+        response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
+        assert response.json()["output_ids"] == [7] * 20
+        verified += response.json()["meta_info"].get("spec_verify_ct", 0)
+        assert verified > 0
+        assert running.follower.poll() is None  # no step hash mismatch ended it
+    finally:
+        running.stop()

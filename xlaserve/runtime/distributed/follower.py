@@ -71,7 +71,9 @@ def replay(connection, loaded) -> None:
                          attention_backend=meta["attention_backend"],
                          matmul_backend=meta["matmul_backend"],
                          context_length=meta["context_length"],
-                         mla_expanded_prefill_tokens=meta["mla_expanded_prefill_tokens"])
+                         mla_expanded_prefill_tokens=meta["mla_expanded_prefill_tokens"],
+                         verify_tokens=meta["verify_tokens"])
+    runner.max_seqs = meta["max_seqs"]  # the leader's buckets' (its sample rows)
     logger.info("Following rank 0's steps")
     pending = None
     while True:

@@ -30,7 +30,8 @@ def lead(args, runner) -> "Leader":
         "max_running_requests": int(args.max_running_requests),
         "context_length": int(runner.context_length),
         "attention_backend": args.attention_backend, "matmul_backend": args.matmul_backend,
-        "mla_expanded_prefill_tokens": args.mla_expanded_prefill_tokens})
+        "mla_expanded_prefill_tokens": args.mla_expanded_prefill_tokens,
+        "verify_tokens": int(runner.verify_tokens), "max_seqs": int(runner.max_seqs)})
     runner.sink = _Sink(leader, runner)
     if leader.hash_interval:
         logger.info("Step hash check on: every %d-th step's sampled outputs are compared with "

@@ -113,11 +113,11 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                     "and LM head stay on the float GEMM",
                     "the native quantized CPU GEMM" if native_gemm_available()
                     else "XLA's dots (the native quantized CPU GEMM does not build here)")
-    leader = lead(args, runner) if args.nnodes > 1 else None
     buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
                               native_matmul=runner.kernels.packed_matmul is not None,
                               latent=config.mla.kernel_widths if config.mla else None)
     runner.max_seqs = buckets.seqs[-1]  # the runner's sample rows are the buckets'
+    leader = lead(args, runner) if args.nnodes > 1 else None
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
