@@ -207,3 +207,21 @@ def test_constrained_outputs_with_drafts_equal_plain_decodings(constrained_engin
     assert [g["meta_info"]["finish_reason"] for g in got] == \
         [w["meta_info"]["finish_reason"] for w in want]
     assert spec_engine.core.scheduler.spec_verified_rows > 0  # constrained rows drafted
+
+
+def test_a_tiny_page_pool_retracts_verified_rows_and_every_output_is_still_plain_decodings(
+        plain, checkpoint, caplog):
+    """Drafts take pages only when the pool has them for every draft (the plain decodes'
+    come first); under pressure the scheduler retracts as without speculation, and a resumed
+    request drafts again from its prompt and output."""
+    import logging
+
+    params = {**GREEDY, "max_new_tokens": 30}
+    options = {**SMALL, "max_total_tokens": 64, "disable_precompile": True}
+    with Engine(checkpoint[0], speculative_algorithm="NGRAM", **options) as small:
+        with caplog.at_level(logging.INFO):
+            got = small.generate(input_ids=PROMPTS * 2, sampling_params=params)
+        assert "Retract requests" in caplog.text
+        assert small.core.scheduler.spec_verified_rows > 0
+        assert small.core.scheduler.token_usage() == 0
+    assert ids(got) == ids(plain.generate(input_ids=PROMPTS * 2, sampling_params=params))
