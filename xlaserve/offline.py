@@ -167,14 +167,19 @@ class Engine:
             group.abort()  # a no-op once finished; else the consumer went away: free the slot now
 
     async def _stream(self, ids, params, logprobs) -> AsyncIterator[dict]:
-        """SGLang's stream dicts: each output's text delta, its token id and `finished`, with the
-        final one's `meta_info`."""
+        """SGLang's stream dicts: each output's text delta, its token ids and `finished`, with the
+        final one's `meta_info`; a speculative verified row's tokens (`OutputDelta.more`) in one."""
+        text, token_ids = "", []
         async for output in self._outputs(ids, params, logprobs):
-            ids = [] if output.token_id is None else [output.token_id]
-            out = {"text": output.text, "output_ids": ids, "finished": output.finished}
+            text += output.text
+            token_ids += [] if output.token_id is None else [output.token_id]
+            if output.more:
+                continue
+            out = {"text": text, "output_ids": token_ids, "finished": output.finished}
             if output.finished:
                 out["meta_info"] = output.finish.meta_info()
             yield out
+            text, token_ids = "", []
 
     async def _collect_async(self, ids, params, logprobs) -> dict:
         return self._collect([c async for c in self._outputs(ids, params, logprobs)], logprobs)

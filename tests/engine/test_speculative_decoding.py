@@ -144,6 +144,7 @@ def test_streaming_delivers_every_token_once_and_an_abort_mid_stream_is_clean(sp
 
     whole = asyncio.run(stream(None))  # each chunk holds its new tokens
     assert [t for chunk in whole for t in chunk["output_ids"]] == full and whole[-1]["finished"]
+    assert max(len(chunk["output_ids"]) for chunk in whole) > 1  # a verified row: one chunk
     cut = asyncio.run(stream(3))
     assert len(cut) == 3 and not cut[-1]["finished"]
     deadline = time.time() + 10

@@ -135,6 +135,8 @@ async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
     """SGLang's stream: each event holds everything so far (cumulative text and ids)."""
     try:
         async for choice, output in generation.stream():
+            if output.more:  # a verified row's tokens go out as one event
+                continue
             out = sglang_output(choice, *logprobs)
             if output.error is not None:
                 yield sse_error(generation_error(output.error))

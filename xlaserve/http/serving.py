@@ -345,8 +345,9 @@ class Generation:
 
 
 class StreamBuffer:
-    """One choice's outputs since its last SSE event: `--stream-interval` tokens go out together,
-    and whatever is left goes out with the final output."""
+    """One choice's outputs since its last SSE event: `--stream-interval` tokens go out together
+    (and a speculative verified row's tokens, `OutputDelta.more`, in one event), and whatever is
+    left goes out with the final output."""
 
     def __init__(self, interval: int):
         self.interval = interval
@@ -355,7 +356,9 @@ class StreamBuffer:
     def add(self, output: OutputDelta) -> bool:
         """Holds the output; says whether the held ones should go out now."""
         self._outputs.append(output)
-        return output.finished or sum(c.token_id is not None for c in self._outputs) >= self.interval
+        if output.finished:
+            return True
+        return not output.more and sum(c.token_id is not None for c in self._outputs) >= self.interval
 
     def take(self) -> tuple[str, list[tuple]]:
         """(their text, (token id, logprob, alternatives) of each token), and empties it."""

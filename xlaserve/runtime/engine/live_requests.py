@@ -64,6 +64,7 @@ class RowSnapshot(NamedTuple):
     num_output: int  # the output tokens up to and with this one (`completion_tokens` if it ends)
     finish: Finish | None  # how it ended, when the scheduler found this token finished it
     input_logprobs: tuple | None  # (input_token_logprobs, input_top_logprobs), on the first output
+    more: bool = False  # the request's next token in the step follows (a verified row's)
 
 
 def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputDelta], None],
@@ -166,7 +167,8 @@ class LiveRequests:
         the output thread; here only what the scheduler decided is read (the request's state
         changes under the output thread). A request that the step finished leaves the live set."""
         rows = []
-        for request, token, row, num_output in step.rows:
+        following = [a.request is b.request for a, b in zip(step.rows, step.rows[1:])] + [False]
+        for (request, token, row, num_output), more in zip(step.rows, following):
             live = self._live.get(request.rid)
             if live is None:  # ended earlier (a stop string the output thread found, say)
                 continue
@@ -186,7 +188,7 @@ class LiveRequests:
                 finish = _finish(request, live)
                 del self._live[request.rid]
             rows.append(RowSnapshot(request, live, token, row, num_output, finish,
-                                    input_logprobs))
+                                    input_logprobs, more))
         if rows:
             self._jobs.put((rows, step))
 
@@ -235,7 +237,7 @@ class LiveRequests:
                  finals: list) -> None:
         """Makes and hands out one row's output (the output thread); one that a stop string
         finishes goes to `finals`, its end in the scheduler to `ended`."""
-        request, live, token, row, num_output, finish, input_logprobs = sampled
+        request, live, token, row, num_output, finish, input_logprobs, more = sampled
         # A stop id is not part of the text; a grammar's last token (finish "stop" with no
         # matched id) is.
         stopped_by_token = (finish is not None and finish.reason == "stop"
@@ -264,7 +266,8 @@ class LiveRequests:
         output = OutputDelta(token, delta, finished, logprob=logprob, top_logprobs=top_logprobs,
                             input_token_logprobs=input_token_logprobs,
                             input_top_logprobs=input_top_logprobs, finish=finish,
-                            error=request.error if finished else None)
+                            error=request.error if finished else None,
+                            more=more and not finished and not stop_found)
         if stop_found:  # sent once the loop has ended the request
             finals.append((live, output))
         else:

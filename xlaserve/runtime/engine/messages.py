@@ -166,7 +166,8 @@ class OutputDelta:
     `input_token_logprobs` and `input_top_logprobs` (SGLang's lists) on the first output of a
     request that asked for prompt logprobs; `finish` (how it ended: id, token counts, reason) on
     the final output; `error` on a final output that ended the request
-    early with a message."""
+    early with a message. `more`: this request's next output, from the same step, follows at
+    once (a speculative verified row's tokens), so a stream sends them as one event."""
 
     token_id: int | None
     text: str
@@ -177,3 +178,4 @@ class OutputDelta:
     input_top_logprobs: list | None = None
     finish: Finish | None = None
     error: str | None = None
+    more: bool = False
