@@ -193,11 +193,16 @@ class ServerArgs:
     # --- speculative decoding (runtime/scheduler/speculation.py) ---
     speculative_algorithm: Optional[str] = _flag(
         None, "speculative decoding: NGRAM drafts each request's next tokens from its own prompt "
-              "and output (no draft model) and the model verifies them in one step; greedy "
-              "output is unchanged and sampled output keeps the model's distribution (EAGLE, "
-              "EAGLE3, NEXTN and STANDALONE are refused: not built yet)",
+              "and output (no draft model), STANDALONE with a small draft model of the same "
+              "tokenizer (--speculative-draft-model-path); the model verifies them in one step; "
+              "greedy output is unchanged and sampled output keeps the model's distribution "
+              "(EAGLE, EAGLE3 and NEXTN are refused: not built yet)",
         choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"],
         value_aliases={"ngram": "NGRAM"})
+    speculative_draft_model_path: Optional[str] = _flag(
+        None, "STANDALONE: the draft model (a directory, hub id or .gguf file, as "
+              "--model-path), loaded with the model's --dtype and --quantization; its "
+              "vocabulary must be the model's", path=True)
     speculative_num_draft_tokens: Optional[int] = _flag(
         None, "tokens per verified row, the last accepted token included, as SGLang's: a row "
               "checks this many less one drafted tokens (default 5)")
@@ -337,9 +342,15 @@ class ServerArgs:
             self._apply_speculative_config(self.speculative_config)
         if self.speculative_algorithm is None:
             return
-        if self.speculative_algorithm != "NGRAM":
+        if self.speculative_algorithm not in ("NGRAM", "STANDALONE"):
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: only NGRAM "
-                             "is built")
+                             "and STANDALONE are built")
+        if (self.speculative_algorithm == "STANDALONE") != bool(self.speculative_draft_model_path):
+            raise ValueError("--speculative-draft-model-path goes with --speculative-algorithm "
+                             "STANDALONE, and STANDALONE needs it")
+        if self.speculative_algorithm == "STANDALONE" and self.nnodes > 1:
+            raise ValueError("--speculative-algorithm STANDALONE with --nnodes > 1: the other "
+                             "hosts do not run the draft model yet")
         if self.speculative_num_draft_tokens is None:
             self.speculative_num_draft_tokens = 5
         if self.speculative_num_draft_tokens < 2:
@@ -363,7 +374,7 @@ class ServerArgs:
             raise ValueError(f"--speculative-config is not JSON: {error}") from None
         if not isinstance(config, dict):
             raise ValueError("--speculative-config must be a JSON object")
-        keys = {"method": "speculative_algorithm",
+        keys = {"method": "speculative_algorithm", "model": "speculative_draft_model_path",
                 "num_speculative_tokens": "speculative_num_draft_tokens",
                 "prompt_lookup_min": "speculative_ngram_min_match_window_size",
                 "prompt_lookup_max": "speculative_ngram_max_match_window_size",
@@ -373,7 +384,9 @@ class ServerArgs:
                              f"(supported: {', '.join(keys)})")
         for key, value in config.items():
             if key == "method":
-                value = str(value).upper()
+                value = {"draft_model": "STANDALONE"}.get(value, str(value).upper())
+            elif key == "model":
+                value = str(value)
             elif not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"--speculative-config: {key} must be an integer; got {value!r}")
             elif key == "num_speculative_tokens":

@@ -226,3 +226,45 @@ def test_a_tiny_page_pool_retracts_verified_rows_and_every_output_is_still_plain
         assert small.core.scheduler.spec_verified_rows > 0
         assert small.core.scheduler.token_usage() == 0
     assert ids(got) == ids(plain.generate(input_ids=PROMPTS * 2, sampling_params=params))
+
+
+# --- STANDALONE: a draft model with the target's vocabulary -----------------------------------
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+    """Another tiny model (a qwen2, other weights, one layer) with the same 512-token vocabulary."""
+    directory = str(tmp_path_factory.mktemp("draft"))
+    make_tiny_checkpoint(directory, "qwen2", seed=1, num_hidden_layers=1)
+    return directory
+
+
+@pytest.mark.parametrize("draft", ["other", "itself"])
+def test_a_draft_models_rows_give_plain_decodings_output(plain, checkpoint, draft_checkpoint,
+                                                          draft):
+    """Greedy, seeded, penalized and stopped rows equal plain decoding's with a draft model
+    that mostly disagrees with the target ("other") and with the target as its own draft,
+    whose greedy drafts the target keeps (its KV, kept in step with the target's by running
+    every step's tokens, must hold exactly the target's tokens for that)."""
+    path = draft_checkpoint if draft == "other" else checkpoint[0]
+    params = [GREEDY, {"temperature": 0.8, "seed": 3, "max_new_tokens": 24, "ignore_eos": True,
+                       "top_p": 0.9},
+              {**GREEDY, "frequency_penalty": 0.4, "repetition_penalty": 1.2},
+              {**GREEDY, "max_new_tokens": 7, "stop_token_ids": [300]}]
+    with Engine(checkpoint[0], speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=path, **SMALL) as engine:
+        compiled = engine.core.runner.compile_count()
+        got = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        solo = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert engine.core.runner.compile_count() == compiled
+        assert engine.core.scheduler.token_usage() == 0
+    assert ids(got) == ids(plain.generate(input_ids=PROMPTS, sampling_params=params))
+    assert solo["output_ids"] == got[0]["output_ids"]
+    if draft == "itself":  # 4 drafts a row, all kept: 5 tokens a verified row at most
+        assert solo["meta_info"]["spec_accept_length"] > 4
+
+
+def test_a_draft_model_with_another_vocabulary_stops_start_up(checkpoint, tmp_path):
+    make_tiny_checkpoint(str(tmp_path), "llama", vocab_size=600)
+    with pytest.raises(ValueError, match="vocabulary has 600 tokens"):
+        Engine(checkpoint[0], speculative_algorithm="STANDALONE",
+               speculative_draft_model_path=str(tmp_path), **SMALL)

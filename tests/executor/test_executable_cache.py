@@ -162,3 +162,17 @@ def test_the_flag_and_the_environment_variable_leave_only_jax_cache(tmp_path, mo
     assert list((tmp_path / "xla").glob("executables/*.exe"))
     assert len(out[0]["output_ids"]) == 3
     assert executable_cache.enabled_by_environment()
+
+
+def test_a_speculative_runners_steps_are_not_a_plain_runners(loaded, tmp_path):
+    """With --speculative-algorithm the step counts and keeps a verified row's tokens in the
+    program (executor/verified_rows.py) while its arguments have a plain step's shapes: a plain
+    server's stored steps must not load into a speculative one (a smoke run that did sampled
+    penalized tokens without the drafts' counts). Both compile; the second stores its own."""
+    cache = ExecutableCache(str(tmp_path))
+    _runner(loaded, cache)
+    plain = len(list(tmp_path.glob("*.exe")))
+    speculative = ExecutableCache(str(tmp_path))
+    _runner(loaded, speculative, verify_tokens=5)
+    assert speculative.loaded == 0 and speculative.compiled == plain
+    assert len(list(tmp_path.glob("*.exe"))) == 2 * plain

@@ -152,6 +152,10 @@ def test_vllm_speculative_config_maps_onto_sglang_flags_and_unbuilt_methods_stop
             args.speculative_ngram_max_match_window_size) == (2, 5)
     assert SpeculativeConfig.from_server_args(args).max_batch == 8
     assert ServerArgs(model_path="m", speculative_algorithm="NGRAM").speculative_num_draft_tokens == 5
+    draft = ServerArgs(model_path="m", speculative_config=(
+        '{"method": "draft_model", "model": "small", "num_speculative_tokens": 2}'))
+    assert (draft.speculative_algorithm, draft.speculative_draft_model_path,
+            draft.speculative_num_draft_tokens) == ("STANDALONE", "small", 3)
     for bad, words in [({"speculative_algorithm": "EAGLE3"}, "only NGRAM"),
                        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
                         "2 or more"),
@@ -159,7 +163,12 @@ def test_vllm_speculative_config_maps_onto_sglang_flags_and_unbuilt_methods_stop
                         "draft_model not supported"),
                        ({"speculative_algorithm": "NGRAM",
                          "speculative_ngram_min_match_window_size": 3,
-                         "speculative_ngram_max_match_window_size": 2}, "min <= max")]:
+                         "speculative_ngram_max_match_window_size": 2}, "min <= max"),
+                       ({"speculative_algorithm": "STANDALONE"}, "needs it"),
+                       ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "d"},
+                        "goes with"),
+                       ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d",
+                         "nnodes": 2}, "other hosts")]:
         with pytest.raises(ValueError, match=words):
             ServerArgs(model_path="m", **bad)
 

@@ -64,6 +64,7 @@ class EngineCore:
         self.scheduler = parts.scheduler
         self.eos_token_ids = parts.eos_token_ids
         self.grammar_backend = parts.grammar_backend
+        self._draft = parts.draft  # --speculative-algorithm STANDALONE: the draft model
         self.limits = RequestLimits.from_server_args(args)
         # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
         self.startup_timings = parts.startup_timings
@@ -389,7 +390,10 @@ class EngineCore:
         sampling.sample_index[:len(requests)] = sample_index
         slots = np.zeros(padded_seqs, np.int32)
         slots[:len(batch.slots)] = batch.slots
-        return self.runner.stage(fb, sampling, slots)
+        staged = self.runner.stage(fb, sampling, slots)
+        if self._draft is not None:  # the draft model follows every step (draft_model.py)
+            staged.draft = self._draft.runner.stage(fb, sampling, slots)
+        return staged
 
     def _step_sampling(self, batch, requests: list, ahead: list[int], padded_rows: int):
         """The sample rows' (`requests`, each `ahead`) sampling metadata but `sample_index`. A decode continuation of the last step
@@ -442,7 +446,10 @@ class EngineCore:
         if constrained:
             bitmask = self.grammar_backend.empty_bitmask(self.runner.sample_rows(staged.shape))
             self.grammar_backend.fill_masks(constrained, bitmask)
-        return self.runner.run(staged, bitmask)
+        out = self.runner.run(staged, bitmask)
+        if staged.draft is not None:
+            self._draft.catch_up(staged.draft)
+        return out
 
     def _read(self, batch, out: StepOutput) -> StepResult:
         """Waits for the step's tokens and advances the scheduler; returns the rows that sampled

@@ -38,6 +38,7 @@ from xlaserve.runtime.sampling.grammar import GrammarBackend
 from xlaserve.runtime.executor.kv_pool import num_pages_for
 from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
 from xlaserve.model.quantized_rows import native_gemm_available
+from xlaserve.runtime.executor.draft_model import DraftModel
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
@@ -61,6 +62,7 @@ class EngineParts:
     grammar_backend: GrammarBackend | None  # structured outputs; off without a tokenizer or "none"
     startup_timings: dict[str, float]  # seconds per phase, in order
     leader: Leader | None = None  # --nnodes > 1: the followers replay the runner's device calls
+    draft: DraftModel | None = None  # --speculative-algorithm STANDALONE: the draft model
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -118,11 +120,17 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                               latent=config.mla.kernel_widths if config.mla else None)
     runner.max_seqs = buckets.seqs[-1]  # the runner's sample rows are the buckets'
     leader = lead(args, runner) if args.nnodes > 1 else None
+    draft = None
+    if args.speculative_algorithm == "STANDALONE":
+        clock = time.perf_counter()
+        draft = _draft_model(args, loaded, tokenizer, runner, buckets, dp_rank)
+        clock = _lap(timings, "draft model", clock)
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
         radix_cache=not args.disable_radix_cache,
-        speculation=SpeculativeConfig.from_server_args(args))
+        speculation=SpeculativeConfig.from_server_args(args),
+        drafter=draft.propose if draft is not None else None)
     if args.dp_size > 1:
         scheduler.log.prefix = f"[DP{dp_rank}] "
     eos_token_ids = set(config.eos_token_ids)
@@ -142,6 +150,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                 and enabled_by_environment()):
             cache = ExecutableCache.open(os.path.join(compilation_cache_dir, "executables"))
         runner.precompile(buckets.all_shapes(), cache=cache)
+        if draft is not None:
+            draft.runner.precompile(buckets.all_shapes(), cache=cache)
         if cache is not None:
             logger.info("Serving steps: %d loaded, %d compiled (executable cache)",
                         cache.loaded, cache.compiled)
@@ -152,7 +162,38 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     return EngineParts(args=args, loaded=loaded, tokenizer=tokenizer,
                        context_length=context_length, runner=runner, buckets=buckets,
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
-                       grammar_backend=grammar_backend, startup_timings=timings, leader=leader)
+                       grammar_backend=grammar_backend, startup_timings=timings, leader=leader,
+                       draft=draft)
+
+
+def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,
+                 dp_rank: int) -> DraftModel:
+    """The STANDALONE draft model on the target's devices, with the target's pages, slots and
+    buckets (draft_model.py). One whose vocabulary is not the target's stops start-up."""
+    options = {**server_load_options(args), "model_path": args.speculative_draft_model_path}
+    draft_loaded = load_model(**options, skip_tokenizer_init=tokenizer is None,
+                              mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size,
+                                                        args.ep_size))
+    if draft_loaded.config.vocab_size != loaded.config.vocab_size:
+        raise ValueError(f"--speculative-draft-model-path {args.speculative_draft_model_path}: "
+                         f"its vocabulary has {draft_loaded.config.vocab_size} tokens, the "
+                         f"model's {loaded.config.vocab_size}; a draft model must share the "
+                         "model's tokenizer")
+    if (tokenizer is not None and draft_loaded.tokenizer is not None
+            and draft_loaded.tokenizer.get_vocab() != tokenizer.get_vocab()):
+        raise ValueError(f"--speculative-draft-model-path {args.speculative_draft_model_path}: "
+                         "its tokenizer's vocabulary is not the model's")
+    logger.info("Draft model loaded: %s, %s", draft_loaded.config.architecture,
+                draft_loaded.name)
+    draft_runner = ModelRunner(draft_loaded, num_pages=runner.num_pages,
+                               page_size=runner.page_size,
+                               max_running_requests=args.max_running_requests,
+                               attention_backend=args.attention_backend,
+                               matmul_backend=args.matmul_backend,
+                               context_length=runner.context_length,
+                               verify_tokens=runner.verify_tokens)
+    draft_runner.max_seqs = runner.max_seqs
+    return DraftModel(draft_runner, buckets)
 
 
 def _lap(timings: dict[str, float], phase: str, since: float) -> float:

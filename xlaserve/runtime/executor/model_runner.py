@@ -108,6 +108,9 @@ class StagedStep:
     page_updates: list = dataclasses.field(default_factory=list)
     # (positions, pages) of writes past the step's own room: `run` sends them first.
     overflow_writes: tuple[np.ndarray, np.ndarray] | None = None
+    # The same batch staged on a STANDALONE draft model's runner (executor/draft_model.py),
+    # which the engine runs right after this step.
+    draft: "StagedStep | None" = None
 
 
 class ModelRunner:
@@ -175,8 +178,10 @@ class ModelRunner:
         # (runtime/executor/weight_args.py).
         leaves, state_treedef = jax.tree.flatten(state)
         # What the step is made of besides its arguments' shapes: part of its executable cache key.
+        # Everything the step closes over that its arguments do not show: a speculative server's
+        # step (verify_tokens > 1) has the shapes of a plain one's, not its program.
         self._description = "\n".join([repr(self.config), np.dtype(dtype).name, str(state_treedef),
-                                        describe(kernels)])
+                                        describe(kernels), f"verify_tokens {verify_tokens}"])
         self._weight_args, weight_layout = weight_args(
             leaves, stack_small=self.mesh.size == 1,
             stack_layers=self.mesh.devices.flat[0].platform == "tpu")

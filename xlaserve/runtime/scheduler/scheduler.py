@@ -54,7 +54,7 @@ class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
                  chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
                  log_interval: int = 40, radix_cache: bool = True,
-                 speculation: SpeculativeConfig | None = None):
+                 speculation: SpeculativeConfig | None = None, drafter=None):
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
@@ -68,6 +68,9 @@ class Scheduler:
         self.context_length = context_length
         self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
         self.speculation = speculation  # --speculative-algorithm; None: one token a step
+        # A draft model's proposals (executor/draft_model.py: (requests, rooms) -> drafts); None:
+        # NGRAM, drafted here. A draft model follows every step, so no step is a continuation.
+        self.drafter = drafter
         self.spec_verified_rows = self.spec_accepted_drafts = 0  # since start, for /metrics
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
@@ -237,23 +240,42 @@ class Scheduler:
                 or (self.waiting and len(self.running) < self.max_running_requests)):
             return [[] for _ in decoding]
         spec = self.speculation
-        drafts, needed = [], 0
-        room_in_step = self.max_running_requests - len(decoding)
+        rooms, room_in_step = [], self.max_running_requests - len(decoding)
         for r in decoding:
-            draft = []
+            room = 0
             if room_in_step > 0 and wants_drafts(r):
                 # The verified row yields its drafts and one more token: within max_new_tokens.
                 room = min(r.spec_draft_limit or spec.max_drafts,
-                           r.max_new_tokens - len(r.output_ids) - 1)
-                if r.ngram is None:
-                    r.ngram = NgramIndex(spec.min_match, spec.max_match)
-                draft = constrained(r, r.ngram.draft(r.all_ids(), min(room, room_in_step)))
-                room_in_step -= len(draft)
-            drafts.append(draft)
-            needed += self._new_pages(r, r.num_computed + 1 + len(draft))
-        if needed > self.cache.available_pages:
+                           r.max_new_tokens - len(r.output_ids) - 1, room_in_step)
+                room_in_step -= room
+            rooms.append(room)
+        needed = sum(self._new_pages(r, r.num_computed + 1 + room)
+                     for r, room in zip(decoding, rooms))
+        if not any(rooms) or needed > self.cache.available_pages:
             return [[] for _ in decoding]
+        if self.drafter is None:
+            drafts = [self._ngram_draft(r, room) if room else [] for r, room in zip(decoding, rooms)]
+        else:  # a draft model writes its KV at the drafts' positions: their pages first
+            wanting = [(i, r, room) for i, (r, room) in enumerate(zip(decoding, rooms)) if room]
+            for _, r, room in wanting:
+                self._grow(r, r.num_computed + 1 + room)
+            drafts = [[] for _ in decoding]
+            proposed = self.drafter([r for _, r, _ in wanting], [room for *_, room in wanting])
+            for (i, _, room), draft in zip(wanting, proposed, strict=True):
+                drafts[i] = list(draft[:room])
+        drafts = [constrained(r, draft) for r, draft in zip(decoding, drafts)]
+        for r, draft in zip(decoding, drafts):  # pages past the verified row's go back
+            keep = pages_for_tokens(r.num_computed + 1 + len(draft), self.page_size)
+            if len(r.page_ids) > keep:
+                self.allocator.free(r.page_ids[keep:])
+                del r.page_ids[keep:]
         return drafts
+
+    def _ngram_draft(self, r: Request, room: int) -> list[int]:
+        spec = self.speculation
+        if r.ngram is None:
+            r.ngram = NgramIndex(spec.min_match, spec.max_match)
+        return r.ngram.draft(r.all_ids(), room)
 
     def _schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,
                            only_waiting: bool = False) -> list[tuple[Request, SeqChunk]]:
@@ -312,6 +334,8 @@ class Scheduler:
         in order, so whoever gets them next writes after this step. Its slot and pages are not
         free for this step's admissions yet: those take what is free now."""
         if self.speculation is not None:
+            if self.drafter is not None:
+                return None  # the draft model's inputs come from the host (draft_model.py)
             if batch.decode is None and any(c.num_drafts for c in batch.chunks):
                 return None  # which tokens a verified row keeps is the host's to decide
             if self.speculating() and any(r.status == "running" and wants_drafts(r, batch.ahead + 1)
