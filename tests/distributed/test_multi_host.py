@@ -342,6 +342,7 @@ def test_expert_parallel_across_two_processes_serves_the_one_process_tokens(tmp_
         pair.stop()
 
 
+@pytest.mark.jax_independent  # what it adds to the tests above is host logic (the runner's size)
 @pytest.mark.timeout(300)
 def test_speculative_decoding_across_two_processes_serves_the_one_process_tokens(
         model, reference, tmp_path, monkeypatch):
