@@ -242,3 +242,24 @@ def test_a_step_that_runs_prompt_tokens_drafts_nothing_and_drafts_fit_the_step()
             assert batch.kind == "decode"
             assert sum(len(c.token_ids) for c in batch.chunks) <= 4
     assert any(c.num_drafts for b in model.batches for c in b.chunks)
+
+
+def test_a_request_backing_off_tries_again_only_when_a_step_is_read_or_after_16_overlapped():
+    """Its wait is over, but its try would cost the batch an overlapped step: it waits for a
+    step read first anyway, or for PROBE_EVERY overlapped steps in a row."""
+    from xlaserve.runtime.scheduler.speculation import PROBE_EVERY
+
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    s.add(req("r", prompt_len=6, max_new=60))
+    model = FakeModel(s)
+    model.run_step()
+    r = s.requests["r"]
+    r.spec_misses, r.spec_next_try = 1, len(r.output_ids) + 1  # due from the next token on
+    batch = s.schedule()
+    assert batch.chunks[0].num_drafts == 0
+    in_flight, overlapped = (batch, model.step(batch)), 0
+    while (following := s.schedule_continuation(in_flight[0])) is not None:
+        overlapped += 1
+        s.process_results(*in_flight)
+        in_flight = (following, model.step(following))
+    assert overlapped == PROBE_EVERY

@@ -26,8 +26,8 @@ from xlaserve.runtime.scheduler.prefix_cache import (PageAllocator, PrefixReuse,
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
                                                SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
-from xlaserve.runtime.scheduler.speculation import (NgramIndex, SpeculativeConfig, accepted,
-                                                    after_verified_row, constrained,
+from xlaserve.runtime.scheduler.speculation import (PROBE_EVERY, NgramIndex, SpeculativeConfig,
+                                                    accepted, after_verified_row, constrained,
                                                     wants_drafts)
 from xlaserve.runtime.scheduler.step_log import StepLog
 
@@ -72,6 +72,7 @@ class Scheduler:
         # NGRAM, drafted here. A draft model follows every step, so no step is a continuation.
         self.drafter = drafter
         self.spec_verified_rows = self.spec_accepted_drafts = 0  # since start, for /metrics
+        self._continuations = 0  # overlapped steps scheduled in a row (speculation.PROBE_EVERY)
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
@@ -191,6 +192,7 @@ class Scheduler:
         return self.cache.flush()
 
     def schedule(self) -> ScheduledBatch | None:
+        self._continuations = 0
         rows = self._schedule_decodes()
         num_decodes = len(rows)
         admitted: list[Request] = []
@@ -338,9 +340,16 @@ class Scheduler:
                 return None  # the draft model's inputs come from the host (draft_model.py)
             if batch.decode is None and any(c.num_drafts for c in batch.chunks):
                 return None  # which tokens a verified row keeps is the host's to decide
-            if self.speculating() and any(r.status == "running" and wants_drafts(r, batch.ahead + 1)
-                                          for r in batch.requests):
-                return None  # the next step drafts from this one's tokens: read them first
+            if self.speculating():
+                # The next step drafts from this one's tokens: read them first, for a request
+                # whose drafts were kept (or that never drafted); one backing off waits
+                # (speculation.PROBE_EVERY).
+                wanting = [r for r in batch.requests
+                           if r.status == "running" and wants_drafts(r, batch.ahead + 1)]
+                if wanting and (self._continuations >= PROBE_EVERY
+                                or any(r.spec_misses == 0 for r in wanting)):
+                    return None
+            self._continuations += 1
         admissible = self.waiting and len(self.running) < self.max_running_requests
         if batch.decode is not None and not admissible:
             return self._continue_decodes(batch)
