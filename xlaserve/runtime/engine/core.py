@@ -396,7 +396,8 @@ class EngineCore:
         return staged
 
     def _step_sampling(self, batch, requests: list, ahead: list[int], padded_rows: int):
-        """The sample rows' (`requests`, each `ahead`) sampling metadata but `sample_index`. A decode continuation of the last step
+        """The sampling metadata but `sample_index` of the sample rows (`requests`, each
+        `ahead`: a verified row has one per token). A decode continuation of the last step
         prepared, over the same rows, none of which suppressed stop ids there (min_new_tokens:
         once a row stops suppressing it does not start again), has the last step's, with no
         pass over the rows (~40 us of a 256-row step)."""
@@ -416,7 +417,7 @@ class EngineCore:
                              else (decode, padded_rows, sampling))
         return sampling
 
-    def _sampling_metadata(self, rows: list, padded_seqs: int):
+    def _sampling_metadata(self, rows: list, padded_rows: int):
         """The rows' sampling metadata; that of the previous step when its rows were the same
         parameter objects (a run of decode steps over the same requests: every column but
         `sample_index`, which the caller writes, is a function of the rows alone). Rebuilding
@@ -424,11 +425,11 @@ class EngineCore:
         The metadata is only read into the step's host vectors (`ModelRunner.stage` copies it)
         before the next step is prepared, so reusing the arrays is safe."""
         cached = self._last_sampling
-        if (cached is not None and cached[0] == padded_seqs and len(cached[1]) == len(rows)
+        if (cached is not None and cached[0] == padded_rows and len(cached[1]) == len(rows)
                 and all(map(operator.is_, cached[1], rows))):
             return cached[2]
-        sampling = build_sampling_metadata(rows, padded_seqs, SAMPLING_WIDTHS)
-        self._last_sampling = (padded_seqs, rows, sampling)
+        sampling = build_sampling_metadata(rows, padded_rows, SAMPLING_WIDTHS)
+        self._last_sampling = (padded_rows, rows, sampling)
         return sampling
 
     def _send(self, batch, staged):
