@@ -197,6 +197,14 @@ SCRIPT = textwrap.dedent("""
         out["tp1"] = greedy(engine)
     with Engine(path, tp_size=4, **SMALL) as engine:
         out["tp4"] = greedy(engine)
+    # Speculative decoding in each replica (its own scheduler drafts); a biased token repeats,
+    # so both replicas' requests verify drafts.
+    with Engine(path, tp_size=4, dp_size=2, speculative_algorithm="NGRAM", **SMALL) as engine:
+        out["dp2_ngram"] = greedy(engine)
+        biased = engine.generate(input_ids=[[1, 7]] * 2, sampling_params={
+            "max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "logit_bias": {7: 100.0}})
+        out["dp2_ngram_biased"] = [o["output_ids"] for o in biased]
+        out["dp2_ngram_verified"] = [r.scheduler.spec_verified_rows for r in engine.core.replicas]
 
     try:  # more devices than the host has: refused before anything loads
         Engine(path, tp_size=4, dp_size=3, **SMALL)
@@ -301,6 +309,12 @@ def test_dp2_tp4_gives_the_tokens_of_tp4_and_of_one_device(eight_devices):
     assert eight_devices["dp2"] == eight_devices["tp1"]
     assert eight_devices["sq"] == eight_devices["tp1"]
     assert eight_devices["http"] == eight_devices["tp1"]
+
+
+def test_each_replica_speculates_and_gives_the_tokens_of_one_device(eight_devices):
+    assert eight_devices["dp2_ngram"] == eight_devices["tp1"]
+    assert eight_devices["dp2_ngram_biased"] == [[7] * 12] * 2
+    assert all(n > 0 for n in eight_devices["dp2_ngram_verified"])  # both replicas drafted
 
 
 def test_replicas_hold_disjoint_device_slices_and_run_their_own_loops(eight_devices):
