@@ -263,3 +263,18 @@ def test_a_request_backing_off_tries_again_only_when_a_step_is_read_or_after_16_
         s.process_results(*in_flight)
         in_flight = (following, model.step(following))
     assert overlapped == PROBE_EVERY
+
+
+def test_the_decode_batch_line_gives_the_accept_length(caplog):
+    """SGLang's `accept len` in the `Decode batch.` line, from the verified rows of the interval."""
+    import logging
+
+    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5), log_interval=4)
+    script = {"r": [0, 1, 2, 3, 4] * 8}
+    s.add(req("r", prompt_len=6, max_new=40))
+    s.requests["r"].prompt_ids = [0, 1, 2, 3, 4, 9]
+    with caplog.at_level(logging.INFO):
+        FakeModel(s, script).run_all()
+    lines = [r.getMessage() for r in caplog.records if "Decode batch." in r.getMessage()]
+    assert lines and all("accept len: " in line for line in lines), lines
+    assert float(lines[0].split("accept len: ")[1].split(",")[0]) > 1
