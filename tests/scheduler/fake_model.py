@@ -13,8 +13,10 @@ def make_scheduler(num_pages=64, max_running=8, chunk=16, budget=64, context=256
     return Scheduler(PageAllocator(num_pages), PAGE, max_running, chunk, budget, context, **kw)
 
 
-def req(rid, prompt_len=6, max_new=4, **kw):
-    prompt = [(sum(map(ord, rid)) + i) % 40 + 60 for i in range(prompt_len)]  # ids 60..99, per rid
+def req(rid, prompt_len=6, max_new=4, prompt=None, **kw):
+    """A request whose prompt is `prompt`, or `prompt_len` ids 60..99 that depend on `rid`."""
+    if prompt is None:
+        prompt = [(sum(map(ord, rid)) + i) % 40 + 60 for i in range(prompt_len)]
     kw.setdefault("sampling", RowSamplingParams())
     return Request(rid=rid, prompt_ids=prompt, max_new_tokens=max_new, **kw)
 

@@ -46,8 +46,7 @@ def test_greedy_outputs_with_speculation_equal_those_without():
     def run(speculation):
         s = make_scheduler(speculation=speculation)
         for rid, prompt in prompts.items():
-            s.add(req(rid, max_new=24))
-            s.requests[rid].prompt_ids = prompt
+            s.add(req(rid, max_new=24, prompt=prompt))
         model = FakeModel(s)
         return outputs(model.run_all()), model
 
@@ -62,9 +61,8 @@ def test_a_verified_row_accepts_the_agreeing_drafts_and_gives_back_the_rest_of_i
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
     # The model will say 1 2 3 4 50 ...; the prompt makes the drafter propose 1 2 3 9 after 0.
     script = {"r": [0, 1, 2, 3, 50, 51, 52, 53, 54, 55]}
-    s.add(req("r", prompt_len=6, max_new=10))
+    s.add(req("r", max_new=10, prompt=[0, 1, 2, 3, 9, 7]))
     r = s.requests["r"]
-    r.prompt_ids = [0, 1, 2, 3, 9, 7]
     model = FakeModel(s, script)
     model.run_step()  # the prompt: samples 0
     batch = s.schedule()
@@ -84,8 +82,7 @@ def test_a_verified_row_accepts_the_agreeing_drafts_and_gives_back_the_rest_of_i
 def test_a_stop_id_inside_the_accepted_drafts_ends_the_request_there(stop_at):
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
     script = {"r": [0, 1, 2, 3, 4, 5, 6, 7]}
-    s.add(req("r", prompt_len=6, max_new=8, stop_token_ids=frozenset({stop_at})))
-    s.requests["r"].prompt_ids = [0, 1, 2, 3, 4, 9]
+    s.add(req("r", max_new=8, prompt=[0, 1, 2, 3, 4, 9], stop_token_ids=frozenset({stop_at})))
     finished = FakeModel(s, script).run_all()
     assert outputs(finished)["r"] == (script["r"][:stop_at + 1], ("stop", stop_at))
     assert s.num_pages_in_use == 0
@@ -95,8 +92,7 @@ def test_a_stop_id_inside_the_accepted_drafts_ends_the_request_there(stop_at):
 def test_drafts_never_take_a_request_past_max_new_tokens(max_new):
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
     script = {"r": [0, 1, 2, 3, 4, 5, 6, 7]}
-    s.add(req("r", prompt_len=6, max_new=max_new))
-    s.requests["r"].prompt_ids = [0, 1, 2, 3, 4, 9]
+    s.add(req("r", max_new=max_new, prompt=[0, 1, 2, 3, 4, 9]))
     model = FakeModel(s, script)
     finished = model.run_all()
     assert outputs(finished)["r"] == (script["r"][:max_new], ("length", None))
@@ -106,11 +102,9 @@ def test_drafts_never_take_a_request_past_max_new_tokens(max_new):
 def test_penalized_rows_speculate_too():
     """Their counts take the drafts before each token in the step (executor/verified_rows.py)."""
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=4))
-    s.add(req("a", prompt_len=6, max_new=9))
-    s.add(req("b", prompt_len=6, max_new=9,
+    s.add(req("a", max_new=9, prompt=[5, 6, 7, 5, 6, 7]))
+    s.add(req("b", max_new=9, prompt=[5, 6, 7, 5, 6, 7],
               sampling=RowSamplingParams(frequency_penalty=0.5)))
-    for r in s.requests.values():
-        r.prompt_ids = [5, 6, 7, 5, 6, 7]
     model = FakeModel(s, {"a": [5, 6, 7] * 3, "b": [5, 6, 7] * 3})
     while not all(r.is_decoding for r in s.requests.values()):  # b waits to share a's prompt
         model.run_step()
@@ -180,9 +174,8 @@ def test_a_row_that_keeps_no_draft_backs_off_and_decodes_overlapped_meanwhile():
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
     # The prompt proposes 1 2 3 4 after 0; the model says 0, then 5 6 7 ... (never a draft).
     script = {"r": [0] + list(range(5, 40))}
-    s.add(req("r", prompt_len=6, max_new=30))
+    s.add(req("r", max_new=30, prompt=[0, 1, 2, 3, 4, 9]))
     r = s.requests["r"]
-    r.prompt_ids = [0, 1, 2, 3, 4, 9]
     model = FakeModel(s, script)
     model.run_step()  # the prompt: samples 0
     batch = s.schedule()
@@ -198,9 +191,8 @@ def test_a_row_that_keeps_no_draft_backs_off_and_decodes_overlapped_meanwhile():
 def test_a_row_that_keeps_every_draft_drafts_one_more_next_time():
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
     script = {"r": [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2]}
-    s.add(req("r", prompt_len=6, max_new=15))
+    s.add(req("r", max_new=15, prompt=[0, 1, 2, 0, 1, 2]))
     r = s.requests["r"]
-    r.prompt_ids = [0, 1, 2, 0, 1, 2]
     r.spec_draft_limit = 2
     model = FakeModel(s, script)
     model.run_step()
@@ -216,8 +208,7 @@ def test_no_continuation_follows_a_verified_row_even_when_nothing_drafts_next():
     step drafts nothing must still be read before that step is scheduled."""
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
     script = {"r": [0, 1, 7, 8]}
-    s.add(req("r", prompt_len=6, max_new=3))
-    s.requests["r"].prompt_ids = [0, 1, 2, 3, 4, 9]
+    s.add(req("r", max_new=3, prompt=[0, 1, 2, 3, 4, 9]))
     model = FakeModel(s, script)
     model.run_step()  # samples 0
     batch = s.schedule()
@@ -232,8 +223,7 @@ def test_a_step_that_runs_prompt_tokens_drafts_nothing_and_drafts_fit_the_step()
     s = make_scheduler(max_running=4, speculation=SpeculativeConfig(num_draft_tokens=5))
     script = {rid: [0, 1, 2, 3, 4] * 6 for rid in ("a", "b")}
     for rid in ("a", "b"):
-        s.add(req(rid, prompt_len=6, max_new=20))
-        s.requests[rid].prompt_ids = [0, 1, 2, 3, 4, {"a": 9, "b": 8}[rid]]
+        s.add(req(rid, max_new=20, prompt=[0, 1, 2, 3, 4, {"a": 9, "b": 8}[rid]]))
     model = FakeModel(s, script)
     model.run_all()
     for batch in model.batches:
@@ -271,8 +261,7 @@ def test_the_decode_batch_line_gives_the_accept_length(caplog):
 
     s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5), log_interval=4)
     script = {"r": [0, 1, 2, 3, 4] * 8}
-    s.add(req("r", prompt_len=6, max_new=40))
-    s.requests["r"].prompt_ids = [0, 1, 2, 3, 4, 9]
+    s.add(req("r", max_new=40, prompt=[0, 1, 2, 3, 4, 9]))
     with caplog.at_level(logging.INFO):
         FakeModel(s, script).run_all()
     lines = [r.getMessage() for r in caplog.records if "Decode batch." in r.getMessage()]

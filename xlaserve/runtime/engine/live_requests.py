@@ -32,6 +32,7 @@ no text past a stop string ever leaves.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -167,7 +168,9 @@ class LiveRequests:
         the output thread; here only what the scheduler decided is read (the request's state
         changes under the output thread). A request that the step finished leaves the live set."""
         rows = []
-        following = [a.request is b.request for a, b in zip(step.rows, step.rows[1:])] + [False]
+        # A verified row's tokens (speculative decoding) are consecutive rows of one request.
+        following = ([a.request is b.request for a, b in zip(step.rows, step.rows[1:])] + [False]
+                     if self.scheduler.speculation is not None else itertools.repeat(False))
         for (request, token, row, num_output), more in zip(step.rows, following):
             live = self._live.get(request.rid)
             if live is None:  # ended earlier (a stop string the output thread found, say)

@@ -26,9 +26,8 @@ from xlaserve.runtime.scheduler.prefix_cache import (PageAllocator, PrefixReuse,
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
                                                SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
-from xlaserve.runtime.scheduler.speculation import (PROBE_EVERY, NgramIndex, SpeculativeConfig,
-                                                    accepted, after_verified_row, constrained,
-                                                    wants_drafts)
+from xlaserve.runtime.scheduler.speculation import (SpeculativeConfig, drafts_for, reads_first,
+                                                    take_verified)
 from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
@@ -45,7 +44,8 @@ def prefill_budget(max_prefill_tokens: int, num_decodes: int) -> int:
 def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
     """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
     or a whole prefill step): the largest padding bucket the executor compiles. A step with
-    speculative verified rows holds at most `max_running_requests` tokens (`_drafts`)."""
+    speculative verified rows holds at most `max_running_requests` tokens
+    (speculation.drafts_for)."""
     return max(max_prefill_tokens,
                max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
 
@@ -187,6 +187,14 @@ class Scheduler:
         if (new := self._new_pages(request, kv_len)) > 0:
             request.page_ids += self.cache.allocate(new)
 
+    def _shrink(self, request: Request, kv_len: int) -> None:
+        """Gives back the pages past those `kv_len` tokens need (a speculative row's unused or
+        rejected drafts'): never cached ones, which hold computed tokens only."""
+        keep = pages_for_tokens(kv_len, self.page_size)
+        if len(request.page_ids) > keep:
+            self.allocator.free(request.page_ids[keep:])
+            del request.page_ids[keep:]
+
     def flush_cache(self) -> int:
         """Evicts every cached page that no running request uses; returns how many."""
         return self.cache.flush()
@@ -217,7 +225,7 @@ class Scheduler:
         needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
         if needed > self.cache.available_pages and len(self.running) > 1:
             decoding = retract_for_decodes(self)
-        drafts = self._drafts(decoding)
+        drafts = drafts_for(self, decoding)
         rows = []
         for r, draft in zip(decoding, drafts):
             self._grow(r, r.num_computed + 1 + len(draft))
@@ -229,55 +237,6 @@ class Scheduler:
         """Whether decodes draft tokens now: speculation is on and the batch is small enough."""
         spec = self.speculation
         return spec is not None and (spec.max_batch is None or len(self.running) <= spec.max_batch)
-
-    def _drafts(self, decoding: list[Request]) -> list[list[int]]:
-        """Each decoding request's drafted tokens (speculation.py): none where speculation is
-        off, the request cannot speculate or nothing matches; none at all when the free pages
-        cannot hold every draft (the plain decodes' pages come first) or a prompt may run in
-        the step (a running prompt, or a waiting one with a free slot). A step with drafts
-        holds at most `max_running_requests` tokens, so that its sample rows fit every bucket's
-        (forward_batch.sample_rows_for) and a prompt step's LM head runs on no more rows than
-        without speculation: drafts beyond that are cut, the earlier rows first served."""
-        if (not decoding or not self.speculating() or len(decoding) < len(self.running)
-                or (self.waiting and len(self.running) < self.max_running_requests)):
-            return [[] for _ in decoding]
-        spec = self.speculation
-        rooms, room_in_step = [], self.max_running_requests - len(decoding)
-        for r in decoding:
-            room = 0
-            if room_in_step > 0 and wants_drafts(r):
-                # The verified row yields its drafts and one more token: within max_new_tokens.
-                room = min(r.spec_draft_limit or spec.max_drafts,
-                           r.max_new_tokens - len(r.output_ids) - 1, room_in_step)
-                room_in_step -= room
-            rooms.append(room)
-        needed = sum(self._new_pages(r, r.num_computed + 1 + room)
-                     for r, room in zip(decoding, rooms))
-        if not any(rooms) or needed > self.cache.available_pages:
-            return [[] for _ in decoding]
-        if self.drafter is None:
-            drafts = [self._ngram_draft(r, room) if room else [] for r, room in zip(decoding, rooms)]
-        else:  # a draft model writes its KV at the drafts' positions: their pages first
-            wanting = [(i, r, room) for i, (r, room) in enumerate(zip(decoding, rooms)) if room]
-            for _, r, room in wanting:
-                self._grow(r, r.num_computed + 1 + room)
-            drafts = [[] for _ in decoding]
-            proposed = self.drafter([r for _, r, _ in wanting], [room for *_, room in wanting])
-            for (i, _, room), draft in zip(wanting, proposed, strict=True):
-                drafts[i] = list(draft[:room])
-        drafts = [constrained(r, draft) for r, draft in zip(decoding, drafts)]
-        for r, draft in zip(decoding, drafts):  # pages past the verified row's go back
-            keep = pages_for_tokens(r.num_computed + 1 + len(draft), self.page_size)
-            if len(r.page_ids) > keep:
-                self.allocator.free(r.page_ids[keep:])
-                del r.page_ids[keep:]
-        return drafts
-
-    def _ngram_draft(self, r: Request, room: int) -> list[int]:
-        spec = self.speculation
-        if r.ngram is None:
-            r.ngram = NgramIndex(spec.min_match, spec.max_match)
-        return r.ngram.draft(r.all_ids(), room)
 
     def _schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,
                            only_waiting: bool = False) -> list[tuple[Request, SeqChunk]]:
@@ -336,19 +295,8 @@ class Scheduler:
         in order, so whoever gets them next writes after this step. Its slot and pages are not
         free for this step's admissions yet: those take what is free now."""
         if self.speculation is not None:
-            if self.drafter is not None:
-                return None  # the draft model's inputs come from the host (draft_model.py)
-            if batch.decode is None and any(c.num_drafts for c in batch.chunks):
-                return None  # which tokens a verified row keeps is the host's to decide
-            if self.speculating():
-                # The next step drafts from this one's tokens: read them first, for a request
-                # whose drafts were kept (or that never drafted); one backing off waits
-                # (speculation.PROBE_EVERY).
-                wanting = [r for r in batch.requests
-                           if r.status == "running" and wants_drafts(r, batch.ahead + 1)]
-                if wanting and (self._continuations >= PROBE_EVERY
-                                or any(r.spec_misses == 0 for r in wanting)):
-                    return None
+            if reads_first(self, batch, self._continuations):
+                return None
             self._continuations += 1
         admissible = self.waiting and len(self.running) < self.max_running_requests
         if batch.decode is not None and not admissible:
@@ -469,7 +417,7 @@ class Scheduler:
             if request.status != "running":
                 continue  # aborted or finished since it was scheduled
             if chunk.num_drafts:
-                self._verify(request, chunk, sampled_tokens[i:row], i, finished, sampled)
+                take_verified(self, request, chunk, sampled_tokens[i:row], i, finished, sampled)
                 continue
             request.num_computed += len(chunk.token_ids)
             self.prefix.share_computed_pages(request)
@@ -480,33 +428,6 @@ class Scheduler:
         if row != len(sampled_tokens):
             raise ValueError(f"{len(sampled_tokens)} sampled tokens for {row} sample rows")
         return finished
-
-    def _verify(self, request: Request, chunk: SeqChunk, tokens: list[int], row: int,
-                finished: list[Request], sampled: list[SampledRow]) -> None:
-        """A verified row's results: the accepted tokens in order (speculation.accepted), each
-        taken as a plain step's would be, so a stop id, the length or a stop among them ends the
-        request there; the KV of the row's tokens up to the last accepted one is kept, and the
-        pages past what the request now holds go back (the rejected drafts' KV is never read:
-        the next step writes those positions again)."""
-        keep = accepted(chunk.token_ids[1:], tokens)
-        request.spec_verify_ct += 1
-        request.spec_accepted_drafts += keep - 1
-        self.spec_verified_rows += 1
-        self.spec_accepted_drafts += keep - 1
-        self.log.verified(keep - 1)
-        for j, token in enumerate(tokens[:keep]):
-            request.num_computed += 1  # row token j (the last token, then accepted drafts)
-            token = int(token)
-            self._take_token(request, token, finished)
-            sampled.append(SampledRow(request, token, row + j, len(request.output_ids)))
-            if request.status != "running":
-                return  # ended (pages released) at this token: the rest are dropped
-        after_verified_row(request, chunk.num_drafts, keep - 1, self.speculation.max_drafts)
-        self.prefix.share_computed_pages(request)
-        needed = pages_for_tokens(request.num_computed + 1, self.page_size)
-        if len(request.page_ids) > needed:
-            self.allocator.free(request.page_ids[needed:])
-            del request.page_ids[needed:]
 
     def _take_token(self, request: Request, token: int, finished: list[Request]) -> None:
         """Appends a sampled token to a running request, ending it (into `finished`) where the
