@@ -225,7 +225,9 @@ class Scheduler:
         needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
         if needed > self.cache.available_pages and len(self.running) > 1:
             decoding = retract_for_decodes(self)
-        drafts = drafts_for(self, decoding)
+        # Without speculation, no call into speculation.py (a plain request's path stays short).
+        drafts = (drafts_for(self, decoding) if self.speculation is not None
+                  else [[] for _ in decoding])
         rows = []
         for r, draft in zip(decoding, drafts):
             self._grow(r, r.num_computed + 1 + len(draft))
