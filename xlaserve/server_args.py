@@ -194,15 +194,24 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = _flag(
         None, "speculative decoding: NGRAM drafts each request's next tokens from its own prompt "
               "and output (no draft model), STANDALONE with a small draft model of the same "
-              "tokenizer (--speculative-draft-model-path); the model verifies them in one step; "
-              "greedy output is unchanged and sampled output keeps the model's distribution "
-              "(EAGLE, EAGLE3 and NEXTN are refused: not built yet)",
+              "tokenizer (--speculative-draft-model-path), EAGLE3 (or EAGLE) with an EAGLE-3 "
+              "head fed the model's hidden states (--speculative-draft-model-path), NEXTN with "
+              "a DeepSeek-V3/R1 checkpoint's own multi-token-prediction layer; the model "
+              "verifies the drafts in one step; greedy output is unchanged and sampled output "
+              "keeps the model's distribution",
         choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"],
         value_aliases={"ngram": "NGRAM"})
     speculative_draft_model_path: Optional[str] = _flag(
         None, "STANDALONE: the draft model (a directory, hub id or .gguf file, as "
               "--model-path), loaded with the model's --dtype and --quantization; its "
-              "vocabulary must be the model's", path=True)
+              "vocabulary must be the model's. EAGLE3: the head's directory or hub id "
+              "(config.json and safetensors, as SGLang loads)", path=True)
+    speculative_num_steps: Optional[int] = _flag(
+        None, "EAGLE3 / NEXTN: draft steps per verified row, SGLang's (a chain: "
+              "--speculative-num-draft-tokens is this plus one)")
+    speculative_eagle_topk: Optional[int] = _flag(
+        None, "EAGLE3 / NEXTN: drafts per step, SGLang's; 1 (a chain) is built, tree drafting "
+              "(more than 1) is refused")
     speculative_num_draft_tokens: Optional[int] = _flag(
         None, "tokens per verified row, the last accepted token included, as SGLang's: a row "
               "checks this many less one drafted tokens (default 5)")
@@ -342,15 +351,18 @@ class ServerArgs:
             self._apply_speculative_config(self.speculative_config)
         if self.speculative_algorithm is None:
             return
-        if self.speculative_algorithm not in ("NGRAM", "STANDALONE"):
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: only NGRAM "
-                             "and STANDALONE are built")
-        if (self.speculative_algorithm == "STANDALONE") != bool(self.speculative_draft_model_path):
+        algorithm = self.speculative_algorithm
+        if algorithm == "EAGLE":  # SGLang's EAGLE runs EAGLE-3 heads too; EAGLE-1/2 are refused
+            algorithm = self.speculative_algorithm = "EAGLE3"  # by the head's architecture
+        needs_path = algorithm in ("STANDALONE", "EAGLE3")
+        if needs_path != bool(self.speculative_draft_model_path):
             raise ValueError("--speculative-draft-model-path goes with --speculative-algorithm "
-                             "STANDALONE, and STANDALONE needs it")
-        if self.speculative_algorithm == "STANDALONE" and self.nnodes > 1:
-            raise ValueError("--speculative-algorithm STANDALONE with --nnodes > 1: the other "
+                             "STANDALONE (a draft model) or EAGLE3 (its head), and they need it; "
+                             "NEXTN reads the model's own checkpoint")
+        if algorithm != "NGRAM" and self.nnodes > 1:
+            raise ValueError(f"--speculative-algorithm {algorithm} with --nnodes > 1: the other "
                              "hosts do not run the draft model yet")
+        self._resolve_draft_steps(algorithm)
         if self.speculative_num_draft_tokens is None:
             self.speculative_num_draft_tokens = 5
         if self.speculative_num_draft_tokens < 2:
@@ -366,6 +378,28 @@ class ServerArgs:
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("--speculative-disable-by-batch-size must be 1 or more; got "
                              f"{self.speculative_disable_by_batch_size}")
+
+    def _resolve_draft_steps(self, algorithm: str) -> None:
+        """SGLang's EAGLE flags: --speculative-eagle-topk 1 (tree drafting is not built) and
+        --speculative-num-steps, which sets the row's tokens (steps + 1)."""
+        head = algorithm in ("EAGLE3", "NEXTN")
+        if not head and (self.speculative_num_steps is not None
+                         or self.speculative_eagle_topk is not None):
+            raise ValueError("--speculative-num-steps and --speculative-eagle-topk go with "
+                             "--speculative-algorithm EAGLE3 or NEXTN")
+        if (self.speculative_eagle_topk or 1) != 1:
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: tree "
+                             "drafting is not built; 1 (a chain of drafts) is")
+        steps = self.speculative_num_steps
+        if steps is None:
+            return
+        if steps < 1:
+            raise ValueError(f"--speculative-num-steps must be 1 or more; got {steps}")
+        if self.speculative_num_draft_tokens not in (None, steps + 1):
+            raise ValueError(f"--speculative-num-steps {steps} with --speculative-eagle-topk 1 "
+                             f"makes rows of {steps + 1} tokens; --speculative-num-draft-tokens "
+                             f"says {self.speculative_num_draft_tokens}")
+        self.speculative_num_draft_tokens = steps + 1
 
     def _apply_speculative_config(self, text: str) -> None:
         try:
@@ -384,7 +418,8 @@ class ServerArgs:
                              f"(supported: {', '.join(keys)})")
         for key, value in config.items():
             if key == "method":
-                value = {"draft_model": "STANDALONE"}.get(value, str(value).upper())
+                value = {"draft_model": "STANDALONE", "deepseek_mtp": "NEXTN",
+                         "mtp": "NEXTN"}.get(value, str(value).upper())
             elif key == "model":
                 value = str(value)
             elif not isinstance(value, int) or isinstance(value, bool):

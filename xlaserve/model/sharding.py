@@ -53,6 +53,11 @@ PARTITION_SPECS = {
     "kv_a_proj": P(),
     "w_uk": P(TP, None, None),
     "w_uv": P(TP, None, None),
+    # Speculative draft heads (draft_heads.py): their input projections (small) and EAGLE-3's
+    # draft-to-target id table, replicated.
+    "fc": P(),
+    "eh_proj": P(),
+    "draft_to_target": P(),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.

@@ -54,12 +54,17 @@ class AttentionMetadata:
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs,
+                 input_size: int | None = None):
+        """`input_size`: the width q, k and v are projected from (default hidden_size; an
+        EAGLE-3 head's attention reads its embedding and hidden state side by side,
+        model/draft_heads.py)."""
         c = config
         self.config = c
         self.sliding_window = c.sliding_windows[layer_index]
         group = c.queries_per_kv
-        self.qkv = nnx.Param(init_weight(rngs, (c.hidden_size, c.num_kv_heads, group + 2, c.head_dim), dtype))
+        self.qkv = nnx.Param(init_weight(
+            rngs, (input_size or c.hidden_size, c.num_kv_heads, group + 2, c.head_dim), dtype))
         if c.qkv_bias:
             self.qkv_bias = nnx.Param(jnp.zeros((c.num_kv_heads, group + 2, c.head_dim), dtype))
         self.o_proj = nnx.Param(init_weight(rngs, (c.num_heads, c.head_dim, c.hidden_size), dtype))
@@ -154,24 +159,30 @@ class CausalLM(nnx.Module):
         return self.logits(hidden[logits_indices], kernels), new_caches
 
     def hidden_states(self, input_ids, positions, kv_caches, metadata: AttentionMetadata,
-                      kernels: Kernels, rope: tuple[jax.Array, jax.Array] | None = None
-                      ) -> tuple[jax.Array, list[jax.Array]]:
+                      kernels: Kernels, rope: tuple[jax.Array, jax.Array] | None = None,
+                      capture: tuple[int, ...] = ()):
         """float32[T, hidden]: the residual stream after the last layer (before the final norm)
         for every token row, and the updated KV caches. Split from `logits` so that a step can
         take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
         logprobs). `rope`: the rows' (cos, sin), `rope_cos_sin(inv_freq, positions,
-        attention_factor)` computed on the host; computed here when not given."""
+        attention_factor)` computed on the host; computed here when not given. `capture`: layer
+        indices whose input (the residual stream entering them) is returned too, as a third
+        value, a list in that order (an EAGLE-3 head's features, model/draft_heads.py)."""
         x = embed(self.embedding[...], input_ids).astype(jnp.float32)
         if rope is None:
             angles = rope_angles(self.config.rope.inv_freq(self.config.head_dim), positions)
             scale = self.config.rope.attention_factor  # YaRN's; 1.0 for the other kinds
             rope = jnp.cos(angles) * scale, jnp.sin(angles) * scale
         cos, sin = rope
-        new_caches, mlp_out = [], None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        new_caches, mlp_out, captured = [], None, {}
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
+            if index in capture:
+                captured[index] = x
             x, mlp_out, kv_cache = layer(x, normed, cos, sin, kv_cache, metadata, kernels)
             new_caches.append(kv_cache)
+        if capture:
+            return x + mlp_out, new_caches, [captured[i] for i in capture]
         return x + mlp_out, new_caches
 
     def logits(self, hidden: jax.Array, kernels: Kernels) -> jax.Array:

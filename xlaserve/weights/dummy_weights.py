@@ -40,16 +40,24 @@ def dummy_model(config: ModelConfig, *, dtype, mesh: Mesh, seed: int = 0,
     graphdef, _, parameters = abstract_parameters(config, jnp.dtype(dtype), mesh,
                                                   model_class(config.architecture), quantization)
     values = {}
-    for path, parameter in parameters.items():
-        kind = "ones" if str(path[-1]) == _NORM_SCALE else "uniform"
-        want = parameter
+    for path, want in parameters.items():
         if isinstance(want, QUANTIZED_TYPES):
-            parameter = float_weight(want)
-        initializer = _initializer(kind, tuple(parameter.shape), parameter.dtype, parameter.sharding)
-        values[path] = initializer(np.uint32(parameter_key(seed, path)))
-        if isinstance(want, QUANTIZED_TYPES):
-            values[path] = quantize_placed(values[path], want)
+            values[path] = quantize_placed(_random(path, float_weight(want), seed), want)
+        else:
+            values[path] = _random(path, want, seed)
     return nnx.merge(graphdef, nnx.from_flat_state(values))
+
+
+def dummy_values(parameters: dict, seed: int = 0) -> dict:
+    """{path: random array} for {path: ShapeDtypeStruct with its sharding}, as `dummy_model`
+    makes them (a speculative draft head's, weights/draft_head.py)."""
+    return {path: _random(path, parameter, seed) for path, parameter in parameters.items()}
+
+
+def _random(path: tuple, parameter, seed: int) -> jax.Array:
+    kind = "ones" if str(path[-1]) == _NORM_SCALE else "uniform"
+    initializer = _initializer(kind, tuple(parameter.shape), parameter.dtype, parameter.sharding)
+    return initializer(np.uint32(parameter_key(seed, path)))
 
 
 def parameter_key(seed: int, path: tuple) -> int:

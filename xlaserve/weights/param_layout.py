@@ -94,52 +94,58 @@ def convert(config: ModelConfig, source: TensorSource,
     `skip` (the caller has them: a GGUF's weights kept quantized, weights/gguf_kept.py), whose
     tensors are not read."""
     c = config
-    hidden, head_dim = c.hidden_size, c.head_dim
-    q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads * head_dim
-
+    hidden = c.hidden_size
     if ("embedding",) not in skip:
         yield ("embedding",), _fetch(source, "model.embed_tokens.weight", (c.vocab_size, hidden))
     for i in range(c.num_layers):
-        prefix = f"model.layers.{i}."
-        attn = prefix + "self_attn."
-        layer = ("layers", i)
-        yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
-        if c.mla is not None:
-            yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
-                                   layer + ("attn",))
-        elif layer + ("attn", "qkv") not in skip:
-            q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden))
-            k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
-            v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
-            yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
-        if c.qkv_bias:
-            qb = _fetch(source, attn + "q_proj.bias", (q_rows,))
-            kb = _fetch(source, attn + "k_proj.bias", (kv_rows,))
-            vb = _fetch(source, attn + "v_proj.bias", (kv_rows,))
-            yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
-        if layer + ("attn", "o_proj") not in skip and c.mla is None:
-            o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
-            yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
-        if c.o_bias:
-            yield layer + ("attn", "o_bias"), _fetch(source, attn + "o_proj.bias", (hidden,))
-        if c.attention_sinks:
-            yield layer + ("attn", "sinks"), _fetch(source, attn + "sinks", (c.num_heads,))
-        if c.qk_norm:
-            yield layer + ("attn", "q_norm", "scale"), _fetch(source, attn + "q_norm.weight", (head_dim,))
-            yield layer + ("attn", "k_norm", "scale"), _fetch(source, attn + "k_norm.weight", (head_dim,))
-        yield layer + ("post_attention_norm", "scale"), _fetch(
-            source, prefix + "post_attention_layernorm.weight", (hidden,)
-        )
-        if c.architecture == "GptOssForCausalLM":
-            yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",))
-        elif c.moe_layers[i]:
-            yield from _experts(source, c, prefix, layer + ("mlp",))
-        else:
-            yield from _mlp(source, prefix + "mlp.", c.intermediate_size, hidden, layer + ("mlp",),
-                            skip=skip)
+        yield from layer_weights(source, c, i, f"model.layers.{i}.", ("layers", i), skip)
     yield ("final_norm", "scale"), _fetch(source, "model.norm.weight", (hidden,))
     if not c.tie_word_embeddings and ("lm_head",) not in skip:
         yield ("lm_head",), _fetch(source, "lm_head.weight", (c.vocab_size, hidden)).T
+
+
+def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, layer: tuple,
+                  skip: frozenset = frozenset()):
+    """`(param_path, array)` of decoder layer `i` of `c` (its experts or not, its window), read
+    from the tensors under `prefix` and placed under `layer` (also DeepSeek's multi-token
+    prediction layer, model/draft_heads.py)."""
+    hidden, head_dim = c.hidden_size, c.head_dim
+    q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads * head_dim
+    attn = prefix + "self_attn."
+    yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
+    if c.mla is not None:
+        yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
+                               layer + ("attn",))
+    elif layer + ("attn", "qkv") not in skip:
+        q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden))
+        k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
+        v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
+        yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
+    if c.qkv_bias:
+        qb = _fetch(source, attn + "q_proj.bias", (q_rows,))
+        kb = _fetch(source, attn + "k_proj.bias", (kv_rows,))
+        vb = _fetch(source, attn + "v_proj.bias", (kv_rows,))
+        yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
+    if layer + ("attn", "o_proj") not in skip and c.mla is None:
+        o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
+        yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
+    if c.o_bias:
+        yield layer + ("attn", "o_bias"), _fetch(source, attn + "o_proj.bias", (hidden,))
+    if c.attention_sinks:
+        yield layer + ("attn", "sinks"), _fetch(source, attn + "sinks", (c.num_heads,))
+    if c.qk_norm:
+        yield layer + ("attn", "q_norm", "scale"), _fetch(source, attn + "q_norm.weight", (head_dim,))
+        yield layer + ("attn", "k_norm", "scale"), _fetch(source, attn + "k_norm.weight", (head_dim,))
+    yield layer + ("post_attention_norm", "scale"), _fetch(
+        source, prefix + "post_attention_layernorm.weight", (hidden,)
+    )
+    if c.architecture == "GptOssForCausalLM":
+        yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",))
+    elif c.moe_layers[i]:
+        yield from _experts(source, c, prefix, layer + ("mlp",))
+    else:
+        yield from _mlp(source, prefix + "mlp.", c.intermediate_size, hidden, layer + ("mlp",),
+                        skip=skip)
 
 
 def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple,

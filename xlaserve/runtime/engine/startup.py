@@ -18,6 +18,7 @@ seconds go to `startup_timings`, for the server's "Start-up:" log line (launch_s
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -28,8 +29,8 @@ from flax import nnx
 
 from xlaserve.runtime.distributed.leader import Leader, lead
 from xlaserve import platform_defaults
-from xlaserve.weights.loader import (LoadedModel, load_model, server_load_options,
-                                     tensor_parallel_mesh)
+from xlaserve.weights.loader import (LoadedModel, load_model, resolve_model_path,
+                                     server_load_options, tensor_parallel_mesh)
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.executor.forward_batch import Buckets, serving_buckets, with_page_size
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
@@ -38,7 +39,10 @@ from xlaserve.runtime.sampling.grammar import GrammarBackend
 from xlaserve.runtime.executor.kv_pool import num_pages_for
 from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
 from xlaserve.model.quantized_rows import native_gemm_available
+from xlaserve.runtime.executor.draft_head import DraftHead
 from xlaserve.runtime.executor.draft_model import DraftModel
+from xlaserve.server_args import public_name
+from xlaserve.weights.draft_head import load_draft_head
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
@@ -63,6 +67,7 @@ class EngineParts:
     startup_timings: dict[str, float]  # seconds per phase, in order
     leader: Leader | None = None  # --nnodes > 1: the followers replay the runner's device calls
     draft: DraftModel | None = None  # --speculative-algorithm STANDALONE: the draft model
+    draft_head: DraftHead | None = None  # EAGLE3, NEXTN: the draft head's own steps
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -95,13 +100,18 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     platform_defaults.log_resolved(args, platform, defaulted)
     args = with_page_size(args, platform, context_length)
     page_size = args.page_size
+    head = None
+    if args.speculative_algorithm in ("EAGLE3", "NEXTN"):  # the draft head rides on the model
+        head = loaded.model.draft_head = _draft_head(args, loaded)
+        clock = _lap(timings, "draft head", clock)
     num_pages = num_pages_for(config, loaded.dtype, page_size,
                               max_total_tokens=args.max_total_tokens,
                               mem_fraction_static=args.mem_fraction_static,
                               device=loaded.mesh.devices.flat[0],  # this replica's
                               # Each device holds 1/tp of every page; CPU "devices" share
                               # one host's memory, so there the whole page counts.
-                              tensor_parallel=args.tp_size if platform != "cpu" else 1)
+                              tensor_parallel=args.tp_size if platform != "cpu" else 1,
+                              draft_head=head and head.config)
     runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size,
                          max_running_requests=args.max_running_requests,
                          attention_backend=args.attention_backend,
@@ -125,12 +135,14 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         clock = time.perf_counter()
         draft = _draft_model(args, loaded, tokenizer, runner, buckets, dp_rank)
         clock = _lap(timings, "draft model", clock)
+    draft_head = None if head is None else DraftHead(runner, buckets,
+                                                     args.speculative_num_draft_tokens - 1)
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
         radix_cache=not args.disable_radix_cache,
         speculation=SpeculativeConfig.from_server_args(args),
-        drafter=draft.propose if draft is not None else None)
+        drafter=(draft or draft_head).propose if (draft or draft_head) else None)
     if args.dp_size > 1:
         scheduler.log.prefix = f"[DP{dp_rank}] "
     eos_token_ids = set(config.eos_token_ids)
@@ -152,6 +164,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         runner.precompile(buckets.all_shapes(), cache=cache)
         if draft is not None:
             draft.runner.precompile(buckets.all_shapes(), cache=cache)
+        if draft_head is not None:
+            draft_head.precompile(args.max_running_requests)
         if cache is not None:
             logger.info("Serving steps: %d loaded, %d compiled (executable cache)",
                         cache.loaded, cache.compiled)
@@ -163,7 +177,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        context_length=context_length, runner=runner, buckets=buckets,
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
                        grammar_backend=grammar_backend, startup_timings=timings, leader=leader,
-                       draft=draft)
+                       draft=draft, draft_head=draft_head)
 
 
 def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,
@@ -194,6 +208,25 @@ def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,
                                verify_tokens=runner.verify_tokens)
     draft_runner.max_seqs = runner.max_seqs
     return DraftModel(draft_runner, buckets)
+
+
+def _draft_head(args, loaded):
+    """EAGLE3's head from --speculative-draft-model-path, NEXTN's from the model's checkpoint,
+    on the model's mesh (weights/draft_head.py)."""
+    folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
+    config_path = os.path.join(folder, "config.json")
+    target_hf = {}
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            target_hf = json.load(f)
+    path = args.speculative_draft_model_path
+    if args.speculative_algorithm == "EAGLE3":
+        path = resolve_model_path(path)
+    head = load_draft_head(args.speculative_algorithm, path or folder, loaded.config, target_hf,
+                           loaded.dtype, loaded.mesh, load_format=args.load_format)
+    logger.info("Draft head loaded: %s (%s)", type(head).__name__,
+                public_name(args.speculative_draft_model_path or loaded.name))
+    return head
 
 
 def _lap(timings: dict[str, float], phase: str, since: float) -> float:

@@ -194,7 +194,7 @@ def _int_list(text: str | None) -> list[int] | None:
 # --- the step's batch --------------------------------------------------------------------------
 
 _ARRAYS = ("input_ids", "positions", "kv_lens", "cu_q_lens", "num_seqs", "logits_indices",
-           "sample_rows", "sample_seqs", "target_ids", "input_slots")
+           "sample_rows", "sample_seqs", "target_ids", "input_slots", "next_ids")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_ARRAYS,
@@ -220,6 +220,10 @@ class ForwardBatch:
     # i32[T]: per token row, the slot whose last sampled token (device state) is the input, -1
     # where `input_ids` holds it.
     input_slots: np.ndarray
+    # i32[S]: per sequence, the token after its new ones where the host knows it (a prompt chunk
+    # that ends before the prompt does), else -1: a speculative draft head reads it
+    # (executor/draft_head_step.py).
+    next_ids: np.ndarray
     pages: int  # pages per sequence: the width of the page table the attention reads
     # Each live sequence's pages (host only, not a pytree leaf: ModelRunner writes them into the
     # device's page table). Lists the batch does not own: read, never changed.
@@ -325,9 +329,11 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
                 raise ValueError(f"sequence {i} has {lengths[i]} tokens but "
                                  f"{len(chunk.target_ids)} targets")
             target_ids[starts[i]:ends[i]] = chunk.target_ids
+    next_ids = np.full(padded_seqs, -1, np.int32)
+    next_ids[:n] = np.fromiter((c.next_token for c in chunks), np.int32, n)
     return ForwardBatch(input_ids, positions, kv_lens, cu_q_lens, np.array([n], np.int32),
                         logits_indices, sample_rows, sample_seqs, target_ids, input_slots,
-                        padded_pages, [c.page_ids for c in chunks])
+                        next_ids, padded_pages, [c.page_ids for c in chunks])
 
 
 def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> ForwardBatch:
@@ -356,7 +362,8 @@ def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> 
         logits_indices=np.where(sample_rows, row_index, 0).astype(np.int32),
         sample_rows=sample_rows, sample_seqs=np.where(sample_rows, row_index, -1).astype(np.int32),
         target_ids=np.full(padded_tokens, -1, np.int32),
-        input_slots=input_slots, pages=padded_pages, page_ids=rows.page_ids)
+        input_slots=input_slots, next_ids=np.full(padded_seqs, -1, np.int32),
+        pages=padded_pages, page_ids=rows.page_ids)
 
 
 def forward_batch_for(batch: ScheduledBatch, buckets: Buckets, page_size: int) -> ForwardBatch:

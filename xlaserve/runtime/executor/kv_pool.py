@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import functools
 import logging
 import math
 import os
@@ -10,6 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.platform_defaults import device_memory
@@ -19,10 +22,13 @@ from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
 
 logger = logging.getLogger(__name__)
 
-def bytes_per_token(config: ModelConfig, dtype, platform: str) -> int:
-    """K and V (or the latent row, mla.py) of one token across all layers on `platform`."""
+def bytes_per_token(config: ModelConfig, dtype, platform: str,
+                    draft_head: ModelConfig | None = None) -> int:
+    """K and V (or the latent row, mla.py) of one token across all layers on `platform`, and
+    a speculative draft head's one layer (model/draft_heads.py, config `draft_head`)."""
     width = kv_cache_shape(config, 1, 1, platform)[-1]
-    return config.num_layers * width * jnp.dtype(dtype).itemsize
+    head = 0 if draft_head is None else kv_cache_shape(draft_head, 1, 1, platform)[-1]
+    return (config.num_layers * width + head) * jnp.dtype(dtype).itemsize
 
 
 def host_free_bytes() -> int:
@@ -33,7 +39,8 @@ def host_free_bytes() -> int:
 
 
 def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_tokens: int | None,
-                  mem_fraction_static: float, device=None, tensor_parallel: int = 1) -> int:
+                  mem_fraction_static: float, device=None, tensor_parallel: int = 1,
+                  draft_head: ModelConfig | None = None) -> int:
     """Pages from `--max-total-tokens`, else from the device's memory.
 
     TPU/GPU, SGLang's meaning: `mem_fraction_static` of the memory XLA may allocate holds the
@@ -53,7 +60,8 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
         significant_bits = 4
     if config.mla is not None:  # the latent cache is whole on every device (kv_cache_spec)
         tensor_parallel = 1
-    per_page = bytes_per_token(config, dtype, device.platform) * page_size // tensor_parallel
+    per_page = (bytes_per_token(config, dtype, device.platform, draft_head) * page_size
+                // tensor_parallel)
     return max(2, round_down_coarsely(max(int(budget // per_page), 0), significant_bits))
 
 
@@ -65,29 +73,56 @@ def round_down_coarsely(n: int, significant_bits: int = 4) -> int:
     return (n >> drop) << drop
 
 
-def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh):
+def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,
+                  draft_head: "DraftHeadPool | None" = None):
     """The pool's arrays as jax.ShapeDtypeStruct, with their sharding: what a step is lowered for
-    before the pool exists."""
+    before the pool exists. With a speculative draft head, three more after the layers'
+    (`DraftHeadPool`)."""
+    platform = mesh.devices.flat[0].platform
     sharding = NamedSharding(mesh, kv_cache_spec(config))
-    shape = kv_cache_shape(config, num_pages, page_size, mesh.devices.flat[0].platform)
-    return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)] * config.num_layers
+    shape = kv_cache_shape(config, num_pages, page_size, platform)
+    specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)] * config.num_layers
+    if draft_head is not None:
+        c, replicated = draft_head.config, NamedSharding(mesh, P())
+        specs += [jax.ShapeDtypeStruct(kv_cache_shape(c, num_pages, page_size, platform), dtype,
+                                       sharding=NamedSharding(mesh, kv_cache_spec(c))),
+                  jax.ShapeDtypeStruct((draft_head.num_slots,), jnp.int32, sharding=replicated),
+                  jax.ShapeDtypeStruct((draft_head.num_slots, c.hidden_size), jnp.float32,
+                                       sharding=replicated)]
+    return specs
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftHeadPool:
+    """A speculative draft head's device state, carried at the end of the KV pool's list so that
+    every step donates and returns it with the caches (runtime/executor/draft_head.py): its
+    layer's cache (the target's pages), then per request slot the head's last draft token
+    (i32[slots]) and the state its next draft step reads (f32[slots, hidden])."""
+
+    config: ModelConfig  # the head's
+    num_slots: int
 
 
 def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh, *,
-                 in_background: bool = False):
+                 in_background: bool = False, draft_head: DraftHeadPool | None = None):
     """One zeroed `transformer.kv_cache_shape` array per layer, split by kv head.
 
     `in_background`: a Future of that list, zeroed on a thread. On a CPU the pool's pages fault
     in as they are zeroed, at ~0.8 GB/s (the default model's 2.3 GB: 1.8-2.9 s on a 2-core Zen 4),
     a wait the runner overlaps with packing the weights and loading the programs."""
-    spec = kv_pool_specs(config, num_pages, page_size, dtype, mesh)[0]
+    specs = kv_pool_specs(config, num_pages, page_size, dtype, mesh, draft_head)
+    spec = specs[0]
     # Compiled here, not on the thread: no compile runs beside another (executable_cache.py
     # turns JAX's persistent cache off around its own).
-    make = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype),
-                   out_shardings=spec.sharding).lower().compile()
+    makes = {}
+    for one in specs:
+        key = (one.shape, one.dtype, one.sharding)
+        if key not in makes:
+            makes[key] = jax.jit(functools.partial(jnp.zeros, one.shape, one.dtype),
+                                 out_shardings=one.sharding).lower().compile()
 
     def zeroed_pool():
-        caches = [make() for _ in range(config.num_layers)]
+        caches = [makes[(one.shape, one.dtype, one.sharding)]() for one in specs]
         jax.block_until_ready(caches)
         return caches
 

@@ -65,7 +65,7 @@ from xlaserve.runtime.executor.forward_batch import ForwardBatch, sample_rows_fo
 from xlaserve.runtime.host.huge_pages import advise_huge_pages
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
-from xlaserve.runtime.executor.kv_pool import init_kv_pool, kv_pool_specs
+from xlaserve.runtime.executor.kv_pool import DraftHeadPool, init_kv_pool, kv_pool_specs
 from xlaserve.runtime.executor.page_table import DevicePageTable
 from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
 from xlaserve.runtime.executor.step_program import concat_leaves
@@ -146,16 +146,21 @@ class ModelRunner:
             mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
         # Zeroed on a thread while the weights are packed and the programs loaded (kv_pool.py);
         # the first step that needs the pool waits for it (`kv_caches`).
+        num_slots = max_running_requests + 1  # + the null slot
+        # A speculative draft head (model/draft_heads.py, set on the model by start-up): its
+        # state rides at the end of the KV pool's list (kv_pool.DraftHeadPool).
+        head = getattr(loaded.model, "draft_head", None)
+        self.draft_head = None if head is None else DraftHeadPool(head.config, num_slots)
         self._kv_pool = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh,
-                                     in_background=True)
+                                     in_background=True, draft_head=self.draft_head)
         self._kv_caches = None
-        self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh)
+        self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh,
+                                       self.draft_head)
         if kernels.packed_matmul is not None:
             pack_model(loaded.model, self.config.tie_word_embeddings,
                        int8_as_rows=native_gemm_available())
         check_quantized_rows(loaded.model, kernels)
         graphdef, state = nnx.split(loaded.model)
-        num_slots = max_running_requests + 1  # + the null slot
         vocab = self.config.vocab_size
         # Every persistent array keeps one explicit sharding in and out of the jitted functions:
         # an array whose sharding changed between calls would be a cache miss, i.e. a compile.
@@ -181,7 +186,9 @@ class ModelRunner:
         # Everything the step closes over that its arguments do not show: a speculative server's
         # step (verify_tokens > 1) has the shapes of a plain one's, not its program.
         self._description = "\n".join([repr(self.config), np.dtype(dtype).name, str(state_treedef),
-                                        describe(kernels), f"verify_tokens {verify_tokens}"])
+                                        describe(kernels), f"verify_tokens {verify_tokens}",
+                                        # a head's config and layers are static, not state
+                                        repr(head and (head.config, head.capture_layers))])
         self._weight_args, weight_layout = weight_args(
             leaves, stack_small=self.mesh.size == 1,
             stack_layers=self.mesh.devices.flat[0].platform == "tpu")
@@ -191,6 +198,8 @@ class ModelRunner:
 
         step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding,
                          verify_tokens=verify_tokens)
+        # What a draft head's own programs are made of (draft_head.py).
+        self.program_parts = (graphdef, state_treedef, weight_layout, kv_sharding)
         if choose_weight_layouts is None:
             # TPU only: there the default layouts had each step relay weights out (64 fused
             # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.

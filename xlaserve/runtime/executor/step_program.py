@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.runtime.executor.forward_batch import ForwardBatch
 from xlaserve.runtime.executor.page_table import (PageWrites, apply_writes, empty_writes, gather_rows,
                                          write_capacity)
+from xlaserve.runtime.executor.draft_head_step import catch_up_head
 from xlaserve.runtime.executor.verified_rows import kept_rows, prior_draft_ids
 from xlaserve.runtime.executor.weight_args import leaves_from_args
 from xlaserve.model.sharding import TP
@@ -151,8 +152,16 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         page_table = apply_writes(page_table, writes)
         metadata = AttentionMetadata(batch.kv_lens, gather_rows(page_table, slots, batch.pages),
                                      batch.cu_q_lens, batch.num_seqs)
-        hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches, metadata,
-                                                kernels, rope)
+        head = getattr(model, "draft_head", None)
+        if head is None:
+            hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
+                                                    metadata, kernels, rope)
+        else:  # the head's cache and state follow the layers' (kv_pool.DraftHeadPool)
+            head_state = kv_caches[len(model.layers):]
+            hidden, kv_caches, *captured = model.hidden_states(
+                input_ids, batch.positions, kv_caches[:len(model.layers)], metadata, kernels,
+                rope, capture=head.capture_layers)
+            captured = captured[0] if captured else []  # the captured layers' inputs (EAGLE-3)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         # Each sample row's slot (its sequence's; the null slot for padding): without
         # speculation, sample row i is sequence i.
@@ -162,6 +171,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             input_ids, batch.logits_indices, batch.sample_seqs, verify_tokens - 1)
         out = sample(logits, sampling, output_counts, prompt_masks, sample_slots, token_bitmask,
                      num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs, prior_ids=prior)
+        last_kept = batch.sample_rows
         if verify_tokens <= 1:
             output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows,
                                         rows=sample_slots)
@@ -176,6 +186,10 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                         rows=sample_slots)
             write = jnp.where(batch.sample_rows & last_kept, sample_slots, last_tokens.shape[0])
             last_tokens = last_tokens.at[write].set(out.tokens, mode="drop")
+        if head is not None:
+            kv_caches = kv_caches + catch_up_head(
+                model, head, head_state, hidden, captured, input_ids, batch, metadata,
+                out.tokens, batch.sample_rows & last_kept, sample_slots, kernels)
         prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
                                  part(needs, "prompt_logprobs"))
         return StepOutput(out, prompt), kv_caches, output_counts, last_tokens, page_table
@@ -274,4 +288,5 @@ def empty_batch(tokens: int, seqs: int, pages: int, rows: int | None = None) -> 
                         sample_rows=np.zeros(rows, np.bool_),
                         sample_seqs=np.full(rows, -1, np.int32),
                         target_ids=np.full(tokens, NO_TARGET, np.int32),
-                        input_slots=np.full(tokens, -1, np.int32), pages=pages)
+                        input_slots=np.full(tokens, -1, np.int32),
+                        next_ids=np.full(seqs, -1, np.int32), pages=pages)

@@ -31,6 +31,9 @@ class SeqChunk:
     # > 0: a speculative verified row (speculation.py): `token_ids` is the last sampled token
     # and this many drafted ones, and the step samples after each of them.
     num_drafts: int = 0
+    # A prompt chunk that ends before the prompt does: the prompt's next token (-1: none), which
+    # a speculative draft head reads at the chunk's last position.
+    next_token: int = -1
 
 
 FinishReason = tuple[Literal["length", "stop", "abort"], "int | str | None"]

@@ -276,8 +276,10 @@ class Scheduler:
                 if r.retracted_count == 0:
                     r.num_cached_prompt_tokens = r.num_computed
             self._grow(r, r.num_computed + n)
-            token_ids = r.all_ids()[r.num_computed:r.num_computed + n]
-            rows.append((r, SeqChunk(token_ids, r.num_computed, list(r.page_ids), n == remaining)))
+            ids = r.all_ids()
+            token_ids = ids[r.num_computed:r.num_computed + n]
+            rows.append((r, SeqChunk(token_ids, r.num_computed, list(r.page_ids), n == remaining,
+                                     next_token=ids[r.num_computed + n] if n < remaining else -1)))
             budget -= n
         return rows
 

@@ -1,0 +1,119 @@
+"""Tiny random speculative draft heads (EAGLE-3 heads, DeepSeek's multi-token-prediction layer)
+for a tiny target checkpoint, and their PyTorch references: what the head should draft for a
+sequence, computed from scratch (transformers' hidden states, the head's layer over the whole
+sequence, no cache)."""
+import json
+import os
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+
+
+def make_eagle3_head(directory: str, target_dir: str, *, draft_vocab: int = 384,
+                     capture=(0, 1, 1), seed: int = 1) -> dict:
+    """An EAGLE-3 head for the target in `target_dir`, as SGLang's checkpoints lay it out
+    (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`), its own RoPE (theta 10000, not the
+    target's), a draft vocabulary of `draft_vocab` target ids; returns its tensors."""
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    hidden, heads, kv_heads = target["hidden_size"], target["num_attention_heads"], 2
+    head_dim, inter = hidden // heads, 96
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, scale=0.08):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    vocab = target["vocab_size"]
+    # Draft id i -> target id: a spread-out subset of the vocabulary (d2t holds the offsets).
+    targets = np.sort(rng.choice(vocab, draft_vocab, replace=False))
+    tensors = {
+        "fc.weight": w(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": 1 + w(hidden, scale=0.2),
+        "midlayer.hidden_norm.weight": 1 + w(hidden, scale=0.2),
+        "midlayer.post_attention_layernorm.weight": 1 + w(hidden, scale=0.2),
+        "midlayer.self_attn.q_proj.weight": w(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": w(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": w(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": w(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": w(inter, hidden),
+        "midlayer.mlp.up_proj.weight": w(inter, hidden),
+        "midlayer.mlp.down_proj.weight": w(hidden, inter),
+        "norm.weight": 1 + w(hidden, scale=0.2),
+        "lm_head.weight": w(draft_vocab, hidden, scale=0.3),
+        "d2t": (targets - np.arange(draft_vocab)).astype(np.int64),
+        "t2d": np.isin(np.arange(vocab), targets),
+    }
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+              "vocab_size": vocab, "draft_vocab_size": draft_vocab, "rope_theta": 10000.0,
+              "max_position_embeddings": 256, "target_hidden_size": hidden,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(capture)}}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return {"tensors": tensors, "config": config}
+
+
+def _rms(x, scale, eps=1e-6):
+    return scale * x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def _rope(x, positions, theta, head_dim):
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions[:, None].double() * inv[None]
+    cos, sin = torch.cos(angles).float()[:, None], torch.sin(angles).float()[:, None]
+    half = head_dim // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _eagle3_layer(head: dict, embeds, states):
+    """The head's layer over a whole sequence (causal): its output before the final norm."""
+    t, c = {k: torch.from_numpy(np.asarray(v)) for k, v in head["tensors"].items()}, head["config"]
+    n, heads, kv_heads = embeds.shape[0], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c["hidden_size"] // heads
+    x = torch.cat([_rms(embeds, t["midlayer.input_layernorm.weight"]),
+                   _rms(states, t["midlayer.hidden_norm.weight"])], -1)
+    positions = torch.arange(n)
+    q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, head_dim)
+    k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv_heads, head_dim)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv_heads, head_dim)
+    q, k = _rope(q, positions, c["rope_theta"], head_dim), _rope(k, positions, c["rope_theta"], head_dim)
+    k = k.repeat_interleave(heads // kv_heads, 1)
+    v = v.repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * head_dim ** -0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
+    r = states + out @ t["midlayer.self_attn.o_proj.weight"].T
+    m = _rms(r, t["midlayer.post_attention_layernorm.weight"])
+    m = (torch.nn.functional.silu(m @ t["midlayer.mlp.gate_proj.weight"].T)
+         * (m @ t["midlayer.mlp.up_proj.weight"].T)) @ t["midlayer.mlp.down_proj.weight"].T
+    return r + m
+
+
+def eagle3_reference_drafts(target_model, head: dict, sequence: list[int], count: int) -> list[int]:
+    """The `count` tokens the head drafts after `sequence` (prompt and outputs; its last token
+    not yet run by the target), chained greedily, computed from scratch."""
+    t, c = head["tensors"], head["config"]
+    capture = c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    with torch.no_grad():
+        out = target_model(torch.tensor([sequence[:-1]]), output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i][0] for i in capture], -1)
+        states = aux @ torch.from_numpy(t["fc.weight"]).T
+        embedding = target_model.get_input_embeddings().weight
+        tokens = list(sequence[1:])
+        lm_head = torch.from_numpy(t["lm_head.weight"])
+        d2t = torch.from_numpy(t["d2t"])
+        drafts = []
+        for _ in range(count):
+            x = _eagle3_layer(head, embedding[torch.tensor(tokens)], states)
+            last = x[-1]
+            draft_id = int(torch.argmax(_rms(last, torch.from_numpy(t["norm.weight"])) @ lm_head.T))
+            token = draft_id + int(d2t[draft_id])
+            drafts.append(token)
+            tokens.append(token)
+            states = torch.cat([states, last[None]], 0)
+    return drafts

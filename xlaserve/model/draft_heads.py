@@ -1,0 +1,144 @@
+"""Speculative decoding's draft heads: one decoder layer that drafts a request's next tokens
+from the target model's hidden states (runtime/executor/draft_head.py runs them).
+
+- `Eagle3Head` (`--speculative-algorithm EAGLE3`, SGLang's `LlamaForCausalLMEagle3` checkpoints,
+  such as those published for Llama-3.1-8B-Instruct): the target's residual stream entering three
+  of its layers (`capture_layers`, by default 2, L/2 and L-3, or the checkpoint's
+  `eagle_aux_hidden_state_layer_ids`), concatenated and projected by `fc`, beside the next
+  token's embedding (the target's); q, k and v read both side by side (2 x hidden wide). Its LM
+  head covers a smaller draft vocabulary, mapped to the target's ids by `draft_to_target`
+  (the checkpoint's `d2t` offsets).
+- `NextNHead` (`--speculative-algorithm NEXTN`): DeepSeek-V3/R1's multi-token-prediction layer,
+  `model.layers.<num_hidden_layers>` of the checkpoint: `eh_proj` of the next token's normed
+  embedding beside the target's normed final hidden state, one DeepSeek decoder layer (latent
+  attention, experts) and its `shared_head` (norm, LM head).
+
+Both run on a packed ragged batch as the target does, and keep a paged KV cache of one layer
+with the target's pages (the same page ids). The head at position t reads the token at t + 1
+and the target's state at t, and drafts the token at t + 2; its next draft step reads its own
+state (`carry`) and its draft. What is carried follows SGLang: EAGLE-3 the layer's output before
+its final norm, NEXTN after the shared head's norm.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.layers import MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype
+from xlaserve.model.packed import embed
+from xlaserve.model.transformer import Attention, DecoderLayer, rope_angles
+
+
+class DraftToTarget(nnx.Variable):
+    """An integer table of a head (not a trained parameter): draft-vocabulary id -> target id."""
+
+
+def eagle3_capture_layers(num_layers: int, given=None) -> tuple[int, ...]:
+    """The target layers whose input an EAGLE-3 head reads: the checkpoint's, else SGLang's and
+    vLLM's default (2, L // 2, L - 3)."""
+    layers = tuple(int(i) for i in given) if given else (2, num_layers // 2, num_layers - 3)
+    if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
+        raise ValueError(f"an EAGLE-3 head reads 3 layers of the model's {num_layers}; got "
+                         f"{list(layers)}")
+    return layers
+
+
+class Eagle3Head(nnx.Module):
+    def __init__(self, config: ModelConfig, target_hidden: int, draft_vocab: int,
+                 capture_layers: tuple[int, ...], *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.capture_layers = tuple(capture_layers)
+        self.fc = nnx.Param(init_weight(rngs, (3 * target_hidden, c.hidden_size), dtype))
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)  # the embedding's
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.attn = Attention(c, 0, dtype, rngs, input_size=2 * c.hidden_size)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype, rngs)
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = nnx.Param(init_weight(rngs, (c.hidden_size, draft_vocab), dtype))
+        self.draft_to_target = DraftToTarget(jnp.arange(draft_vocab, dtype=jnp.int32))
+
+    def features(self, target, hidden, captured, kernels: Kernels) -> jax.Array:
+        """The head's input state from a target step: fc of the captured layers' inputs."""
+        del target, hidden
+        x = jnp.concatenate(captured, axis=-1)
+        return linear(x.astype(matmul_input_dtype(self.fc[...])), self.fc[...], kernels)
+
+    def __call__(self, embedding, ids, state, positions, kv_cache, metadata, kernels: Kernels):
+        """(the layer's output before the final norm [T, hidden], the KV cache)."""
+        dtype = matmul_input_dtype(self.attn.input_matrix())
+        e = embed(embedding, ids).astype(jnp.float32)
+        x = jnp.concatenate([self.input_norm(e), self.hidden_norm(state)], axis=-1).astype(dtype)
+        cos, sin = head_rope(self.config, positions)
+        attn_out, kv_cache = self.attn(x, cos, sin, kv_cache, metadata, kernels)
+        norm = self.post_attention_norm
+        x, normed = kernels.add_rms_norm(state.astype(jnp.float32), attn_out, norm.scale[...],
+                                         norm.eps, self.mlp.input_dtype())
+        return x + self.mlp(normed, kernels), kv_cache
+
+    def carry(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
+        """The greedy draft (a target id) of each row of layer outputs `x`."""
+        logits = linear(self.final_norm(x).astype(matmul_input_dtype(self.lm_head[...])),
+                        self.lm_head[...], kernels)
+        return self.draft_to_target[...][jnp.argmax(logits, axis=-1)]
+
+
+class NextNHead(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        """`config`: the target's, with one layer (`nextn_config`)."""
+        c = config
+        self.config = c
+        self.capture_layers = ()
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.eh_proj = nnx.Param(init_weight(rngs, (2 * c.hidden_size, c.hidden_size), dtype))
+        self.layer = DecoderLayer(c, 0, dtype, rngs)
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)  # shared_head.norm
+        self.lm_head = nnx.Param(init_weight(rngs, (c.hidden_size, c.vocab_size), dtype))
+
+    def features(self, target, hidden, captured, kernels: Kernels) -> jax.Array:
+        """The target's final hidden state, normed (what SGLang's NEXTN reads)."""
+        del captured, kernels
+        return target.final_norm(hidden)
+
+    def __call__(self, embedding, ids, state, positions, kv_cache, metadata, kernels: Kernels):
+        dtype = matmul_input_dtype(self.eh_proj[...])
+        e = self.enorm(embed(embedding, ids).astype(jnp.float32))
+        x = jnp.concatenate([e, self.hnorm(state)], axis=-1).astype(dtype)
+        x = linear(x, self.eh_proj[...], kernels)
+        x, normed = self.layer.input_rms_norm(x, None, kernels)
+        cos, sin = head_rope(self.config, positions)
+        x, mlp_out, kv_cache = self.layer(x, normed, cos, sin, kv_cache, metadata, kernels)
+        return x + mlp_out, kv_cache
+
+    def carry(self, x: jax.Array) -> jax.Array:
+        return self.final_norm(x)
+
+    def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
+        logits = linear(self.final_norm(x).astype(matmul_input_dtype(self.lm_head[...])),
+                        self.lm_head[...], kernels)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def nextn_config(target: ModelConfig) -> ModelConfig:
+    """The multi-token-prediction layer's config: the target's, one layer, experts as its last
+    layer's (DeepSeek-V3's MTP layer sits after the dense ones)."""
+    return dataclasses.replace(target, num_layers=1, sliding_windows=(None,),
+                               moe_layers=(bool(target.moe_layers and target.moe_layers[-1]),))
+
+
+def head_rope(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoPE's (cos, sin) of `positions` by the head's own config (an EAGLE-3 head's may differ
+    from its target's), computed in the step: the head is one layer, so the recompute the
+    target avoids (step_program.RopeTable) costs it once."""
+    angles = rope_angles(config.rope.inv_freq(config.head_dim), positions)
+    scale = config.rope.attention_factor
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
