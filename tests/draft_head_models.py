@@ -117,3 +117,60 @@ def eagle3_reference_drafts(target_model, head: dict, sequence: list[int], count
             tokens.append(token)
             states = torch.cat([states, last[None]], 0)
     return drafts
+
+
+def add_nextn_layer(directory: str, target_model, seed: int = 2) -> dict:
+    """Give the tiny DeepSeek-V3 checkpoint in `directory` a multi-token-prediction layer, as
+    DeepSeek's checkpoints hold it (`model.layers.<num_hidden_layers>.*`, config
+    `num_nextn_predict_layers: 1`): its decoder layer a copy of the last layer's (so that the
+    reference can run transformers' own layer), `enorm`, `hnorm`, `eh_proj` and `shared_head`
+    random. Returns the layer's own tensors."""
+    from safetensors.numpy import load_file
+
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    for name in [n for n in tensors if n.startswith(last)]:
+        tensors[mtp + name[len(last):]] = tensors[name]
+    rng = np.random.default_rng(seed)
+    own = {"enorm.weight": 1 + 0.2 * rng.standard_normal(hidden),
+           "hnorm.weight": 1 + 0.2 * rng.standard_normal(hidden),
+           "eh_proj.weight": 0.1 * rng.standard_normal((hidden, 2 * hidden)),
+           "shared_head.norm.weight": 1 + 0.2 * rng.standard_normal(hidden),
+           "shared_head.head.weight": 0.3 * rng.standard_normal((config["vocab_size"], hidden)),
+           "embed_tokens.weight": tensors["model.embed_tokens.weight"]}
+    own = {k: np.asarray(v, np.float32) for k, v in own.items()}
+    tensors.update({mtp + k: v for k, v in own.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**config, "num_nextn_predict_layers": 1}, f)
+    return own
+
+
+def nextn_reference_drafts(target_model, own: dict, sequence: list[int], count: int) -> list[int]:
+    """What the multi-token-prediction layer drafts after `sequence`, from scratch: transformers'
+    final (normed) hidden states, then its last decoder layer (the MTP layer's copy) over the
+    whole sequence, chained greedily on its normed output (SGLang's NEXTN)."""
+    t = {k: torch.from_numpy(v) for k, v in own.items()}
+    inner = target_model.model
+    with torch.no_grad():
+        states = inner(torch.tensor([sequence[:-1]])).last_hidden_state[0]
+        tokens = list(sequence[1:])
+        drafts = []
+        for _ in range(count):
+            n = len(tokens)
+            e = _rms(inner.embed_tokens.weight[torch.tensor(tokens)], t["enorm.weight"])
+            x = torch.cat([e, _rms(states, t["hnorm.weight"])], -1) @ t["eh_proj.weight"].T
+            positions = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            x = inner.layers[-1](x[None], attention_mask=mask, position_ids=positions,
+                                 position_embeddings=inner.rotary_emb(x[None], positions))[0]
+            normed = _rms(x[-1], t["shared_head.norm.weight"])
+            token = int(torch.argmax(normed @ t["shared_head.head.weight"].T))
+            drafts.append(token)
+            tokens.append(token)
+            states = torch.cat([states, normed[None]], 0)
+    return drafts

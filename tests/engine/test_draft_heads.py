@@ -141,3 +141,52 @@ def test_a_head_that_is_not_eagle3_or_a_pickle_stops_start_up(target, head, tmp_
         Engine(target[0], speculative_algorithm="EAGLE3",
                speculative_draft_model_path=str(pickle), **SMALL)
     np.testing.assert_array_equal(head[1]["tensors"]["d2t"].shape, [384])
+
+
+# --- NEXTN: DeepSeek-V3's own multi-token-prediction layer ------------------------------------
+
+DEEPSEEK = dict(dtype="float32", skip_tokenizer_init=True, max_total_tokens=512,
+                max_running_requests=8, chunked_prefill_size=8, max_prefill_tokens=8,
+                context_length=96)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from tests.draft_head_models import add_nextn_layer
+
+    directory = str(tmp_path_factory.mktemp("deepseek_v3"))
+    model = make_tiny_checkpoint(directory, "deepseek_v3")
+    return directory, model, add_nextn_layer(directory, model)
+
+
+def test_nextn_output_equals_plain_and_every_draft_is_the_mtp_layers_from_scratch(deepseek):
+    from tests.draft_head_models import nextn_reference_drafts
+
+    directory, model, own = deepseek
+    prompts = [[5, 17, 300, 42, 9, 77, 5, 60, 61, 62], [7, 8], [400, 401, 402]]
+    with Engine(directory, **DEEPSEEK) as engine:
+        want = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    answers = {tuple(p): w["output_ids"] for p, w in zip(prompts, want)}
+    proposals = []
+    with Engine(directory, speculative_algorithm="NEXTN", speculative_num_draft_tokens=3,
+                **DEEPSEEK) as engine:
+        propose = engine.core.scheduler.drafter
+
+        def recorded(requests, rooms):  # the plain decoding's next tokens, after recording
+            drafts = propose(requests, rooms)
+            proposals.extend((list(r.all_ids()), d) for r, d in zip(requests, drafts))
+            return [answers[tuple(r.prompt_ids)][len(r.output_ids):][:len(d)]
+                    if (len(proposals) + i) % 3 else d for i, (r, d) in enumerate(zip(requests, drafts))]
+
+        engine.core.scheduler.drafter = recorded
+        got = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert ids(got) == ids(want)
+        assert engine.core.scheduler.spec_accepted_drafts > 0
+    assert max(len(d) for _, d in proposals) == 2 and len(proposals) > 10
+    for sequence, drafts in proposals:
+        assert drafts == nextn_reference_drafts(model, own, sequence, len(drafts)), len(sequence)
+
+
+def test_nextn_needs_the_checkpoints_mtp_layer(target):
+    with pytest.raises(ValueError, match="NEXTN needs a DeepSeek-V3/R1 checkpoint"):
+        Engine(target[0], speculative_algorithm="NEXTN", **SMALL)
