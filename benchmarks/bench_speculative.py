@@ -1,5 +1,7 @@
 """Speculative decoding against plain decoding, side by side in one process: the same model
-twice, one engine with `--speculative-algorithm NGRAM` and one without, their runs alternated.
+twice, one engine with `--speculative-algorithm` (NGRAM by default) and one without, their runs
+alternated. `--algorithm EAGLE3 --random-eagle3-head` gives the model a random EAGLE-3 head
+(random_heads.py), whose drafts are noise: it measures what a head costs where it never helps.
 
 Two workloads through the model's chat template, greedy (so the texts must be identical):
   copy  the model repeats a passage of its prompt (what n-gram drafting is for: edits, quotes,
@@ -12,6 +14,7 @@ tokens/s of the whole run. Each row gives the mean tokens a verified row kept
 
     .venv/bin/python benchmarks/bench_speculative.py                 # the embedded model
     .venv/bin/python benchmarks/bench_speculative.py --concurrency 16,64 --max-new-tokens 128
+    .venv/bin/python benchmarks/bench_speculative.py --algorithm EAGLE3 --random-eagle3-head
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import tempfile
 import time
 
 PASSAGE = (
@@ -75,14 +79,30 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--algorithm", default="NGRAM",
+                        choices=["NGRAM", "STANDALONE", "EAGLE3", "NEXTN"])
+    parser.add_argument("--draft-model-path", default=None,
+                        help="STANDALONE's draft model, EAGLE3's head")
+    parser.add_argument("--random-eagle3-head", action="store_true",
+                        help="EAGLE3 with a random head for the model (its cost, no gain)")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
     import xlaserve
 
     options = dict(model_path=args.model_path, dtype=args.dtype, log_level="warning")
-    engines = {"plain": xlaserve.Engine(**options),
-               "ngram": xlaserve.Engine(**options, speculative_algorithm="NGRAM",
-                                        speculative_num_draft_tokens=args.num_draft_tokens)}
+    engines = {"plain": xlaserve.Engine(**options)}
+    draft_path = args.draft_model_path
+    if args.random_eagle3_head:
+        from random_heads import write_random_eagle3_head
+
+        c = engines["plain"].core.loaded.config
+        draft_path = tempfile.mkdtemp(prefix="random-eagle3-")
+        write_random_eagle3_head(draft_path, hidden=c.hidden_size, heads=c.num_heads,
+                                 kv_heads=c.num_kv_heads, vocab=c.vocab_size,
+                                 intermediate=c.intermediate_size)
+    engines["spec"] = xlaserve.Engine(**options, speculative_algorithm=args.algorithm,
+                                      speculative_draft_model_path=draft_path,
+                                      speculative_num_draft_tokens=args.num_draft_tokens)
     params = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": False}
     rows = []
     try:
@@ -95,11 +115,11 @@ def main(argv=None) -> None:
             texts = {key: runs[key][0]["tokens"] for key in engines}
             row = {"workload": name, "mode": "single stream", "prompt_tokens": len(ids),
                    "output_tokens": len(texts["plain"]),
-                   "identical": texts["plain"] == texts["ngram"]}
+                   "identical": texts["plain"] == texts["spec"]}
             for key in engines:
                 row[f"{key}_tok_s"] = statistics.median(r["decode_tok_s"] for r in runs[key])
-            row["accept_length"] = runs["ngram"][0]["accept_length"]
-            row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
+            row["accept_length"] = runs["spec"][0]["accept_length"]
+            row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
             rows.append(row)
             print(json.dumps(row), flush=True)
             for count in map(int, args.concurrency.split(",")):
@@ -107,20 +127,20 @@ def main(argv=None) -> None:
                 for key, engine in engines.items():
                     result = concurrent(engine, ids, params, count)
                     row[f"{key}_tok_s"] = result["output_tok_s"]
-                    if key == "ngram":
+                    if key == "spec":
                         row["accept_length"] = result["accept_length"]
-                row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
+                row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
         for engine in engines.values():
             engine.shutdown()
-    print(f"\n{'workload':<9} {'mode':<15} {'plain tok/s':>12} {'ngram tok/s':>12} "
+    print(f"\n{args.algorithm}\n{'workload':<9} {'mode':<15} {'plain tok/s':>12} {'spec tok/s':>12} "
           f"{'speedup':>8} {'accept len':>10} identical")
     for row in rows:
         accept = f"{row['accept_length']:.2f}" if row.get("accept_length") else "-"
         print(f"{row['workload']:<9} {row['mode']:<15} {row['plain_tok_s']:>12.1f} "
-              f"{row['ngram_tok_s']:>12.1f} {row['speedup']:>7.2f}x {accept:>10} "
+              f"{row['spec_tok_s']:>12.1f} {row['speedup']:>7.2f}x {accept:>10} "
               f"{row.get('identical', '')}")
     if args.out:
         with open(args.out, "w") as f:

@@ -9,52 +9,20 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
+from benchmarks.random_heads import write_random_eagle3_head
+
 
 def make_eagle3_head(directory: str, target_dir: str, *, draft_vocab: int = 384,
                      capture=(0, 1, 1), seed: int = 1) -> dict:
-    """An EAGLE-3 head for the target in `target_dir`, as SGLang's checkpoints lay it out
-    (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`), its own RoPE (theta 10000, not the
-    target's), a draft vocabulary of `draft_vocab` target ids; returns its tensors."""
+    """A random EAGLE-3 head (benchmarks/random_heads.py) for the target in `target_dir`, with
+    its own RoPE (theta 10000, not the target's) and a draft vocabulary of `draft_vocab`
+    target ids; returns its tensors and config."""
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
-    hidden, heads, kv_heads = target["hidden_size"], target["num_attention_heads"], 2
-    head_dim, inter = hidden // heads, 96
-    rng = np.random.default_rng(seed)
-
-    def w(*shape, scale=0.08):
-        return (scale * rng.standard_normal(shape)).astype(np.float32)
-
-    vocab = target["vocab_size"]
-    # Draft id i -> target id: a spread-out subset of the vocabulary (d2t holds the offsets).
-    targets = np.sort(rng.choice(vocab, draft_vocab, replace=False))
-    tensors = {
-        "fc.weight": w(hidden, 3 * hidden),
-        "midlayer.input_layernorm.weight": 1 + w(hidden, scale=0.2),
-        "midlayer.hidden_norm.weight": 1 + w(hidden, scale=0.2),
-        "midlayer.post_attention_layernorm.weight": 1 + w(hidden, scale=0.2),
-        "midlayer.self_attn.q_proj.weight": w(heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.k_proj.weight": w(kv_heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.v_proj.weight": w(kv_heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.o_proj.weight": w(hidden, heads * head_dim),
-        "midlayer.mlp.gate_proj.weight": w(inter, hidden),
-        "midlayer.mlp.up_proj.weight": w(inter, hidden),
-        "midlayer.mlp.down_proj.weight": w(hidden, inter),
-        "norm.weight": 1 + w(hidden, scale=0.2),
-        "lm_head.weight": w(draft_vocab, hidden, scale=0.3),
-        "d2t": (targets - np.arange(draft_vocab)).astype(np.int64),
-        "t2d": np.isin(np.arange(vocab), targets),
-    }
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-              "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
-              "vocab_size": vocab, "draft_vocab_size": draft_vocab, "rope_theta": 10000.0,
-              "max_position_embeddings": 256, "target_hidden_size": hidden,
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(capture)}}
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
-    return {"tensors": tensors, "config": config}
+    return write_random_eagle3_head(directory, hidden=target["hidden_size"],
+                                    heads=target["num_attention_heads"],
+                                    vocab=target["vocab_size"], intermediate=96,
+                                    draft_vocab=draft_vocab, capture=capture, seed=seed)
 
 
 def _rms(x, scale, eps=1e-6):

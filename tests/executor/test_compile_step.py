@@ -178,3 +178,30 @@ def test_a_speculative_servers_verify_step_compiles_for_the_target(target, tp_si
     args, _ = program.lowering_args(64, 8, pages)
     assert args[-1].shape == (40, -(-128256 // 32)), description  # grammar masks by sample row
     program.compile(64, 8, pages, StepNeeds())
+
+
+@pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), ("h100", 1)])
+def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, tp_size,
+                                                                     tmp_path):
+    """--speculative-algorithm EAGLE3 with a head of the published Llama-3.1-8B head's sizes
+    (benchmarks/configs/eagle3-llama-3.1-8b): the serving step runs the head over every row
+    after sampling (its cache and per-slot state donated with the KV pool, updated in place),
+    and the draft steps' program compiles beside it (the model's first 2 layers)."""
+    devices(target)
+    head = tmp_path / "head"
+    head.mkdir()
+    config = json.loads((CONFIGS / "eagle3-llama-3.1-8b" / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}  # of 2 layers
+    (head / "config.json").write_text(json.dumps(config))
+    args = ServerArgs(model_path=first_layers("llama-3.1-8b", 2, tmp_path), tp_size=tp_size,
+                      max_running_requests=64, max_prefill_tokens=512,
+                      speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
+                      speculative_num_steps=3)
+    program, shapes, description = aot.server_step(target, args)
+    assert "Eagle3Head draft head" in description and program.verify_tokens == 4, description
+    assert len(program.args[1]) == 2 + 3  # the layers' caches, the head's, its slot state
+    tokens, seqs, pages = shapes[-1]
+    compiled = program.compile(tokens, seqs, pages, StepNeeds())
+    header = compiled.as_text().splitlines()[0]
+    assert header.count("may-alias") >= 5 + 2, description  # every pool array in place
+    program.compile_chain(*shapes[0])

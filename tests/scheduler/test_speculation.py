@@ -137,7 +137,7 @@ def test_overlapped_loop_with_speculation_gives_the_same_outputs():
     assert run(SpeculativeConfig(num_draft_tokens=3)) == run(None)
 
 
-def test_vllm_speculative_config_maps_onto_sglang_flags_and_unbuilt_methods_stop_start_up():
+def test_vllm_speculative_config_and_sglangs_eagle_flags_map_onto_ours_and_bad_ones_stop_start_up():
     args = ServerArgs(model_path="m", speculative_config=(
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
         '"prompt_lookup_max": 5, "disable_by_batch_size": 8}'))
@@ -150,7 +150,22 @@ def test_vllm_speculative_config_maps_onto_sglang_flags_and_unbuilt_methods_stop
         '{"method": "draft_model", "model": "small", "num_speculative_tokens": 2}'))
     assert (draft.speculative_algorithm, draft.speculative_draft_model_path,
             draft.speculative_num_draft_tokens) == ("STANDALONE", "small", 3)
-    for bad, words in [({"speculative_algorithm": "EAGLE3"}, "only NGRAM"),
+    eagle = ServerArgs(model_path="m", speculative_algorithm="EAGLE",
+                       speculative_draft_model_path="head", speculative_num_steps=3,
+                       speculative_eagle_topk=1)
+    assert (eagle.speculative_algorithm, eagle.speculative_num_draft_tokens) == ("EAGLE3", 4)
+    mtp = ServerArgs(model_path="m", speculative_config='{"method": "deepseek_mtp"}')
+    assert (mtp.speculative_algorithm, mtp.speculative_num_draft_tokens) == ("NEXTN", 5)
+    for bad, words in [({"speculative_algorithm": "EAGLE3"}, "need it"),
+                       ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "d"},
+                        "NEXTN reads the model's own checkpoint"),
+                       ({"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 4},
+                        "tree drafting is not built"),
+                       ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3,
+                         "speculative_num_draft_tokens": 8}, "makes rows of 4 tokens"),
+                       ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3},
+                        "go with --speculative-algorithm EAGLE3 or NEXTN"),
+                       ({"speculative_algorithm": "NEXTN", "nnodes": 2}, "other hosts"),
                        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
                         "2 or more"),
                        ({"speculative_config": '{"method": "ngram", "draft_model": "x"}'},
@@ -158,7 +173,7 @@ def test_vllm_speculative_config_maps_onto_sglang_flags_and_unbuilt_methods_stop
                        ({"speculative_algorithm": "NGRAM",
                          "speculative_ngram_min_match_window_size": 3,
                          "speculative_ngram_max_match_window_size": 2}, "min <= max"),
-                       ({"speculative_algorithm": "STANDALONE"}, "needs it"),
+                       ({"speculative_algorithm": "STANDALONE"}, "need it"),
                        ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "d"},
                         "goes with"),
                        ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d",

@@ -1,10 +1,13 @@
 """What a model is: the architectures (one Flax NNX decoder switched by config; `model_class` by
 architecture name), their layers, configs (`ModelConfig`) and partition specs over the serving
-mesh, and the weight types a matmul takes (int8, FP8, packed panels, quantized rows)."""
+mesh, the weight types a matmul takes (int8, FP8, packed panels, quantized rows), and the
+speculative draft heads."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "ModelConfig": "config",
+    "Eagle3Head": "draft_heads", "NextNHead": "draft_heads",
+    "eagle3_capture_layers": "draft_heads", "nextn_config": "draft_heads",
     "fp8_platform_problem": "fp8_weights", "FP8_TYPES": "fp8_weights",
     "Fp8BlockMatrix": "fp8_weights", "Fp8Matrix": "fp8_weights",
     "grouped_matmul_tiled": "grouped_matmul",
@@ -21,8 +24,10 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "stack_layers": "quantized_rows",
     "architecture_of": "registry", "model_class": "registry",
     "check_expert_parallel": "sharding", "kv_cache_spec": "sharding", "serving_mesh": "sharding",
+    "partition_spec": "sharding",
     "TP": "sharding",
-    "abstract_parameters": "transformer", "AttentionMetadata": "transformer",
+    "abstract_model": "transformer", "abstract_parameters": "transformer",
+    "AttentionMetadata": "transformer",
     "kv_cache_shape": "transformer", "rope_cos_sin": "transformer",
 }
 __all__ = list(_MODULE_OF)

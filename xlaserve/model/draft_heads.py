@@ -49,10 +49,14 @@ def eagle3_capture_layers(num_layers: int, given=None) -> tuple[int, ...]:
 
 class Eagle3Head(nnx.Module):
     def __init__(self, config: ModelConfig, target_hidden: int, draft_vocab: int,
-                 capture_layers: tuple[int, ...], *, dtype=jnp.float32, rngs: nnx.Rngs):
+                 capture_layers: tuple[int, ...], *, norm_before_residual: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        """`norm_before_residual` (the checkpoint's, vLLM's name): the layer's residual is the
+        normed state, not the state."""
         c = config
         self.config = c
         self.capture_layers = tuple(capture_layers)
+        self.norm_before_residual = norm_before_residual
         self.fc = nnx.Param(init_weight(rngs, (3 * target_hidden, c.hidden_size), dtype))
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)  # the embedding's
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -73,12 +77,15 @@ class Eagle3Head(nnx.Module):
         """(the layer's output before the final norm [T, hidden], the KV cache)."""
         dtype = matmul_input_dtype(self.attn.input_matrix())
         e = embed(embedding, ids).astype(jnp.float32)
-        x = jnp.concatenate([self.input_norm(e), self.hidden_norm(state)], axis=-1).astype(dtype)
+        state = state.astype(jnp.float32)
+        normed_state = self.hidden_norm(state)
+        residual = normed_state if self.norm_before_residual else state
+        x = jnp.concatenate([self.input_norm(e), normed_state], axis=-1).astype(dtype)
         cos, sin = head_rope(self.config, positions)
         attn_out, kv_cache = self.attn(x, cos, sin, kv_cache, metadata, kernels)
         norm = self.post_attention_norm
-        x, normed = kernels.add_rms_norm(state.astype(jnp.float32), attn_out, norm.scale[...],
-                                         norm.eps, self.mlp.input_dtype())
+        x, normed = kernels.add_rms_norm(residual, attn_out, norm.scale[...], norm.eps,
+                                         self.mlp.input_dtype())
         return x + self.mlp(normed, kernels), kv_cache
 
     def carry(self, x: jax.Array) -> jax.Array:

@@ -1,12 +1,14 @@
 """Reading checkpoints into a sharded model: `load_model` reads safetensors, GGUF, Orbax and the
 quantized formats (each a TensorSource), through the conversion cache or as dummy weights; `put`
-places host arrays on the devices of several processes."""
+places host arrays on the devices of several processes; `load_draft_head` a speculative draft
+head's weights."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "check_replica_devices": "loader", "load_model": "loader", "LoadedModel": "loader",
     "read_config": "loader", "resolve_dtype": "loader", "server_load_options": "loader",
-    "tensor_parallel_mesh": "loader",
+    "tensor_parallel_mesh": "loader", "resolve_model_path": "loader",
+    "draft_head_builder": "draft_head", "load_draft_head": "draft_head",
     "put": "placement",
 }
 __all__ = list(_MODULE_OF)

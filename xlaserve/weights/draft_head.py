@@ -62,6 +62,10 @@ def read_eagle3_config(path: str, target: ModelConfig) -> tuple[ModelConfig, dic
     if raw.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"--speculative-draft-model-path {path}: an EAGLE-3 head has one layer; "
                          f"this one has {raw['num_hidden_layers']}")
+    for field in ("bias", "load_lm_head_from_target"):  # SGLang's, not built here
+        if raw.get(field):
+            raise ValueError(f"--speculative-draft-model-path {path}: {field}=true is not "
+                             "supported")
     from transformers import LlamaConfig
 
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
@@ -79,28 +83,36 @@ def read_eagle3_config(path: str, target: ModelConfig) -> tuple[ModelConfig, dic
     return config, raw
 
 
-def load_draft_head(algorithm: str, path: str | None, target: ModelConfig, target_hf: dict,
-                    dtype, mesh: Mesh, load_format: str = "auto", seed: int = 0):
-    """The head for `algorithm` ("EAGLE3" or "NEXTN") on `mesh`: from `path` (EAGLE3's head
-    directory; NEXTN's is the model's own checkpoint), random with `load_format="dummy"`."""
+def draft_head_builder(algorithm: str, path: str | None, target: ModelConfig,
+                       target_hf: dict, dtype):
+    """(a function making the head for `algorithm` with random weights, its tensors' reader):
+    EAGLE3's from the head directory `path`, NEXTN's from the model's config (`target_hf`,
+    its checkpoint at `path`). `nnx.eval_shape` of the first is the head's structure."""
     if algorithm == "NEXTN":
         layers = int(target_hf.get("num_nextn_predict_layers") or 0)
         if target.mla is None or layers < 1:
             raise ValueError("--speculative-algorithm NEXTN needs a DeepSeek-V3/R1 checkpoint with "
                              "num_nextn_predict_layers >= 1 (its multi-token-prediction layer)")
         config = nextn_config(target)
-        build = lambda: NextNHead(config, dtype=dtype, rngs=nnx.Rngs(0))  # noqa: E731
-        tensors = None if load_format == "dummy" else _nextn_tensors(
-            dequantizing_source(SafetensorsSource(path), target_hf, dtype), target, config)
-    else:
-        config, raw = read_eagle3_config(path, target)
-        draft_vocab = int(raw.get("draft_vocab_size") or target.vocab_size)
-        layers = eagle3_capture_layers(target.num_layers, (raw.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids"))
-        build = lambda: Eagle3Head(config, target.hidden_size, draft_vocab, layers,  # noqa: E731
-                                   dtype=dtype, rngs=nnx.Rngs(0))
-        tensors = None if load_format == "dummy" else _eagle3_tensors(path, config, target,
-                                                                      draft_vocab)
+        return (lambda: NextNHead(config, dtype=dtype, rngs=nnx.Rngs(0)),
+                lambda: _nextn_tensors(dequantizing_source(SafetensorsSource(path), target_hf,
+                                                           dtype), target, config))
+    config, raw = read_eagle3_config(path, target)
+    draft_vocab = int(raw.get("draft_vocab_size") or target.vocab_size)
+    layers = eagle3_capture_layers(target.num_layers, (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"))
+    before = bool(raw.get("norm_before_residual", False))
+    return (lambda: Eagle3Head(config, target.hidden_size, draft_vocab, layers,
+                               norm_before_residual=before, dtype=dtype, rngs=nnx.Rngs(0)),
+            lambda: _eagle3_tensors(path, config, target, draft_vocab))
+
+
+def load_draft_head(algorithm: str, path: str | None, target: ModelConfig, target_hf: dict,
+                    dtype, mesh: Mesh, load_format: str = "auto", seed: int = 0):
+    """The head for `algorithm` ("EAGLE3" or "NEXTN") on `mesh`: from `path` (EAGLE3's head
+    directory; NEXTN's is the model's own checkpoint), random with `load_format="dummy"`."""
+    build, read = draft_head_builder(algorithm, path, target, target_hf, dtype)
+    tensors = None if load_format == "dummy" else read()
     graphdef, state = nnx.split(nnx.eval_shape(build))
     expected = {p: v.get_value() for p, v in nnx.to_flat_state(state)}
     if tensors is None:

@@ -1,12 +1,13 @@
 """The device side of a step: `ModelRunner` (the KV pool, the compiled step programs, their
 inputs), the buckets a step's inputs are padded to (`serving_buckets`, `forward_batch_for`),
-what a step returns (`StepOutput`), and a STANDALONE speculative draft model (`DraftModel`)."""
+what a step returns (`StepOutput`), a STANDALONE speculative draft model (`DraftModel`) and an
+EAGLE3/NEXTN draft head's steps (`DraftHead`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "Buckets": "forward_batch", "forward_batch_for": "forward_batch",
     "serving_buckets": "forward_batch", "with_page_size": "forward_batch",
-    "num_pages_for": "kv_pool", "DraftModel": "draft_model",
+    "num_pages_for": "kv_pool", "DraftModel": "draft_model", "DraftHead": "draft_head",
     "ModelRunner": "model_runner",
     "SAMPLING_WIDTHS": "step_program", "StepOutput": "step_program",
 }

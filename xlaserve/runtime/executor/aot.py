@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -31,10 +32,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
+from xlaserve.weights.draft_head import draft_head_builder
 from xlaserve.weights.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
-from xlaserve.model.sharding import check_expert_parallel, kv_cache_spec, serving_mesh
-from xlaserve.model.transformer import abstract_parameters, kv_cache_shape
+from xlaserve.model.sharding import check_expert_parallel, partition_spec, serving_mesh
+from xlaserve.model.transformer import abstract_model, abstract_parameters
+from xlaserve.runtime.executor.draft_head import make_chain
+from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs
 from xlaserve.runtime.executor.forward_batch import (sample_rows_for, serving_buckets,
                                                      with_page_size)
 from xlaserve.runtime.executor.kernels import kernels_for
@@ -113,6 +117,7 @@ class StepProgram:
     choosing_step: callable | None = None
     verify_tokens: int = 1  # speculative decoding's verified row (forward_batch.sample_rows_for)
     max_seqs: int = 0  # the largest sequence bucket
+    chain: callable | None = None  # a draft head's draft steps (draft_head_step.make_chain)
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
                       needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
@@ -138,34 +143,78 @@ class StepProgram:
         return compiled
 
 
+    def compile_chain(self, tokens: int, seqs: int, pages: int):
+        """A draft head's draft steps for one bucket shape (after `compile`, whose weight
+        layouts they take)."""
+        rows = sample_rows_for(tokens, seqs, self.verify_tokens, self.max_seqs)
+        vectors, (layout, _) = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size,
+                                            rows)
+        ints, floats = (abstract(v.shape, v.dtype, self.mesh) for v in vectors[:2])
+        rooms = abstract((seqs,), jnp.int32, self.mesh)
+        weights, caches, _, _, page_table, _ = self.args
+        with jax.set_mesh(self.mesh):
+            return self.chain.trace(weights, caches, page_table, ints, floats, rooms,
+                                    layout=layout).lower().compile()
+
+
 def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_pages: int,
                  page_size: int, max_running_requests: int, context_length: int,
                  attention_backend: str = "auto", quantization=None,
                  mla_expanded_prefill_tokens: int = 0, verify_tokens: int = 1,
-                 max_seqs: int = 0) -> StepProgram:
+                 max_seqs: int = 0, draft_head=None) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
     page table as wide as `context_length`'s pages.
-    `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint)."""
+    `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint).
+    `draft_head`: a speculative draft head's abstract module (model/draft_heads.py, under
+    nnx.eval_shape): the step catches it up, and `StepProgram.compile_chain` compiles its
+    draft steps."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform,
                           mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
-    graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
-                                                  model_class(config.architecture), quantization)
+    num_slots, vocab = max_running_requests + 1, config.vocab_size
+    if draft_head is None:
+        graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
+                                                      model_class(config.architecture),
+                                                      quantization)
+        pool = None
+    else:  # the head rides on the model, its state in the pool's list (kv_pool.DraftHeadPool)
+        graphdef, parameters = _with_draft_head(config, dtype, mesh, draft_head)
+        pool = DraftHeadPool(draft_head.config, num_slots)
     leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
                                          stack_layers=platform == "tpu")
-    cache = abstract(kv_cache_shape(config, num_pages, page_size, platform), dtype, mesh,
-                     kv_cache_spec(config))
-    caches = [cache] * config.num_layers
-    steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh,
-                       [cache.sharding] * config.num_layers, formats, verify_tokens)
+    caches = kv_pool_specs(config, num_pages, page_size, dtype, mesh, pool)
+    kv_sharding = [cache.sharding for cache in caches]
+    steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
+                       formats, verify_tokens)
              for formats in (None, auto_formats(weights))]
-    num_slots, vocab = max_running_requests + 1, config.vocab_size
+    chain = None if draft_head is None else make_chain(
+        graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding, config.num_layers,
+        verify_tokens - 2)
     args = (weights, caches, abstract((num_slots, vocab), jnp.int32, mesh),
             abstract((num_slots,), jnp.int32, mesh),
             abstract((num_slots, pages_for_tokens(context_length, page_size)), jnp.int32, mesh),
             abstract((num_slots, vocab), jnp.bool_, mesh))
+    # With a draft head the weights keep their default layouts (ModelRunner: its draft steps
+    # take the same weights).
+    choosing = steps[1] if draft_head is None else None
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
-                       steps[1], verify_tokens, max_seqs)
+                       choosing, verify_tokens, max_seqs, chain)
+
+
+def _with_draft_head(config: ModelConfig, dtype, mesh: Mesh, head):
+    """(graphdef, {path: ShapeDtypeStruct with its sharding}) of the model with the abstract
+    draft head `head` (nnx.eval_shape of model/draft_heads.py's) on it; integer tables keep
+    their dtype."""
+    model = abstract_model(config, dtype, model_class(config.architecture))
+    model.draft_head = head
+    graphdef, state = nnx.split(model)
+    parameters = {}
+    for path, variable in nnx.to_flat_state(state):
+        value = variable.get_value()
+        kind = value.dtype if jnp.issubdtype(value.dtype, jnp.integer) else dtype
+        parameters[path] = jax.ShapeDtypeStruct(value.shape, kind, sharding=NamedSharding(
+            mesh, partition_spec(path)))
+    return graphdef, parameters
 
 
 def server_step(target: str, server_args: ServerArgs,
@@ -188,6 +237,14 @@ def server_step(target: str, server_args: ServerArgs,
     buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform,
                               latent=config.mla.kernel_widths if config.mla else None)
     num_pages = (server_args.max_total_tokens or DEFAULT_KV_TOKENS) // page_size + 1
+    head = None
+    if server_args.speculative_algorithm in ("EAGLE3", "NEXTN"):
+        with open(os.path.join(server_args.model_path, "config.json")) as f:
+            target_hf = json.load(f)
+        build, _ = draft_head_builder(server_args.speculative_algorithm,
+                                      server_args.speculative_draft_model_path, config,
+                                      target_hf, dtype)
+        head = nnx.eval_shape(build)
     program = step_program(config, dtype, mesh, platform, num_pages=num_pages,
                            page_size=page_size,
                            max_running_requests=server_args.max_running_requests,
@@ -195,11 +252,14 @@ def server_step(target: str, server_args: ServerArgs,
                            attention_backend=server_args.attention_backend,
                            quantization=fp8_checkpoint or server_args.quantization,
                            mla_expanded_prefill_tokens=server_args.mla_expanded_prefill_tokens,
-                           verify_tokens=buckets.verify_tokens, max_seqs=buckets.seqs[-1])
+                           verify_tokens=buckets.verify_tokens, max_seqs=buckets.seqs[-1],
+                           draft_head=head)
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""
     if fp8_checkpoint is not None:
         weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"
                    if fp8_checkpoint.block_k else ", FP8 checkpoint weights (per-channel scales)")
+    if head is not None:
+        weights += f", {type(head).__name__} draft head"
     description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
                    f"{np.dtype(dtype).name}{weights}, "
                    f"tp {server_args.tp_size}, ep {server_args.ep_size}, "

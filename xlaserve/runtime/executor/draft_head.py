@@ -7,22 +7,31 @@ runs it over the step's rows once the target has sampled (draft_head_step.catch_
 its one-layer cache holds every token the target computed, in the target's pages (the
 scheduler's page lists, the prefix cache and retraction serve both), and each request's slot
 holds the head's first draft for its next step. `propose` runs the rest, one program
-(`draft_head_step.make_chain`) of `num_draft_tokens - 2` single-token head steps, and reads the
-drafts back once. Drafts are greedy; the target samples each token of a verified row from its
-own distribution and keeps those up to the first that differs from its draft, so every output
-is what plain decoding gives with the same seed (a sampled request accepts a draft with the
-target's probability of it).
+(`make_chain`) of `num_draft_tokens - 2` single-token head steps, each on the last one's draft
+and state, for rows sorted by their number of drafts (the rows still drafting at step j are a
+prefix; the others are padding, which writes no cache), and reads the drafts back once.
+Drafts are greedy; the target samples each token of a verified row from its own distribution
+and keeps those up to the first that differs from its draft, so every output is what plain
+decoding gives with the same seed (a sampled request accepts a draft with the target's
+probability of it).
 """
 from __future__ import annotations
 
 import logging
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from xlaserve.runtime.executor.draft_head_step import make_chain
+from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch
+from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
 from xlaserve.runtime.executor.precompile import warn_compiled_while_serving
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, idle_step
+from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, idle_step, split_leaves
+from xlaserve.runtime.executor.weight_args import leaves_from_args
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.sampling.sampler import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import SeqChunk
@@ -107,3 +116,43 @@ class DraftHead:
         if rows not in self._greedy:
             self._greedy[rows] = build_sampling_metadata([_GREEDY], rows, SAMPLING_WIDTHS)
         return self._greedy[rows]
+
+
+def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
+               num_layers: int, steps: int):
+    """The jitted draft steps after the first draft (which the serving step made):
+
+        chain(weights, kv_caches, page_table, ints, floats, rooms, *, layout)
+            -> (drafts i32[S, steps + 1], kv_caches, page_table)
+
+    over a staged batch of one token per row at each request's next position (its last token's,
+    which the target has not run yet), `rooms` i32[S] the drafts each row wants, descending.
+    Draft 0 is the one the last serving step made; draft j + 1 comes from step j."""
+    replicated = NamedSharding(mesh, P())
+
+    def chain(weights, kv_caches, page_table, ints, floats, rooms, layout):
+        batch, _, slots, _, writes = split_leaves(ints, floats, layout)
+        state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
+        model = nnx.merge(graphdef, state)
+        head = model.draft_head
+        head_kv, draft_tokens, states = kv_caches[num_layers:]
+        page_table = apply_writes(page_table, writes)
+        pages = gather_rows(page_table, slots, batch.pages)
+        tokens, seqs = batch.input_ids.shape[0], slots.shape[0]
+        token_slots = jnp.zeros(tokens, jnp.int32).at[:seqs].set(slots)  # tokens >= seqs
+        ids, x_state = draft_tokens[token_slots], states[token_slots]
+        drafts = [ids[:seqs]]
+        seq_index = jnp.arange(seqs + 1, dtype=jnp.int32)
+        for j in range(steps):
+            live = jnp.minimum(jnp.sum(rooms > j + 1), batch.num_seqs[0]).astype(jnp.int32)
+            metadata = AttentionMetadata(batch.kv_lens + j, pages,
+                                         jnp.minimum(seq_index, live), live[None])
+            x, head_kv = head(model.embedding[...], ids, x_state, batch.positions + j, head_kv,
+                              metadata, kernels)
+            ids, x_state = head.draft(x, kernels), head.carry(x)
+            drafts.append(ids[:seqs])
+        kv_caches = list(kv_caches[:num_layers]) + [head_kv, draft_tokens, states]
+        return jnp.stack(drafts, axis=1), kv_caches, page_table
+
+    return jax.jit(chain, static_argnames=("layout",), donate_argnums=(1, 2),
+                   out_shardings=(replicated, kv_sharding, replicated))

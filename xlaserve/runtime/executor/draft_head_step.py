@@ -13,22 +13,11 @@ draft and state at each sequence's last kept row go to its slot: the next draft 
 last one before it was written with that request's next token, which costs acceptance if it
 differs, never correctness; SGLang's radix cache shares the same way.)
 
-`make_chain` is the program of the draft steps after that first draft (draft_head.py calls
-it): `steps` single-token steps of the head, each on the last one's draft and state, for rows
-sorted by their number of drafts (the rows still drafting at step j are a prefix; the others
-are padding, which writes no cache).
+The draft steps after that first draft are draft_head.py's program (`make_chain`).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from xlaserve.model.transformer import AttentionMetadata
-from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
-from xlaserve.runtime.executor.weight_args import leaves_from_args
 
 
 def catch_up_head(model, head, head_state, hidden, captured, input_ids, batch, metadata,
@@ -53,45 +42,3 @@ def catch_up_head(model, head, head_state, hidden, captured, input_ids, batch, m
     draft_tokens = draft_tokens.at[write].set(head.draft(x, kernels), mode="drop")
     states = states.at[write].set(head.carry(x).astype(states.dtype), mode="drop")
     return [head_kv, draft_tokens, states]
-
-
-def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-               num_layers: int, steps: int):
-    """The jitted draft steps:
-
-        chain(weights, kv_caches, page_table, ints, floats, rooms, *, layout)
-            -> (drafts i32[S, steps + 1], kv_caches, page_table)
-
-    over a staged batch of one token per row at each request's next position (its last token's,
-    which the target has not run yet), `rooms` i32[S] the drafts each row wants, descending.
-    Draft 0 is the one the last serving step made; draft j + 1 comes from step j."""
-    replicated = NamedSharding(mesh, P())
-
-    def chain(weights, kv_caches, page_table, ints, floats, rooms, layout):
-        from xlaserve.runtime.executor.step_program import split_leaves
-
-        batch, _, slots, _, writes = split_leaves(ints, floats, layout)
-        state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
-        model = nnx.merge(graphdef, state)
-        head = model.draft_head
-        head_kv, draft_tokens, states = kv_caches[num_layers:]
-        page_table = apply_writes(page_table, writes)
-        pages = gather_rows(page_table, slots, batch.pages)
-        tokens, seqs = batch.input_ids.shape[0], slots.shape[0]
-        token_slots = jnp.zeros(tokens, jnp.int32).at[:seqs].set(slots)  # tokens >= seqs
-        ids, x_state = draft_tokens[token_slots], states[token_slots]
-        drafts = [ids[:seqs]]
-        seq_index = jnp.arange(seqs + 1, dtype=jnp.int32)
-        for j in range(steps):
-            live = jnp.minimum(jnp.sum(rooms > j + 1), batch.num_seqs[0]).astype(jnp.int32)
-            metadata = AttentionMetadata(batch.kv_lens + j, pages,
-                                         jnp.minimum(seq_index, live), live[None])
-            x, head_kv = head(model.embedding[...], ids, x_state, batch.positions + j, head_kv,
-                              metadata, kernels)
-            ids, x_state = head.draft(x, kernels), head.carry(x)
-            drafts.append(ids[:seqs])
-        kv_caches = list(kv_caches[:num_layers]) + [head_kv, draft_tokens, states]
-        return jnp.stack(drafts, axis=1), kv_caches, page_table
-
-    return jax.jit(chain, static_argnames=("layout",), donate_argnums=(1, 2),
-                   out_shardings=(replicated, kv_sharding, replicated))

@@ -203,8 +203,11 @@ class ModelRunner:
         if choose_weight_layouts is None:
             # TPU only: there the default layouts had each step relay weights out (64 fused
             # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
+            # Not with a draft head: its draft steps (draft_head.py) take the same weights, in
+            # the layouts a plain jit takes.
             choose_weight_layouts = (self.mesh.devices.flat[0].platform == "tpu"
-                                     and replicated.is_fully_addressable)
+                                     and replicated.is_fully_addressable
+                                     and self.draft_head is None)
         # The step whose weight layouts XLA chooses, until `precompile` has used it.
         self._choosing_step = (make_step(graphdef, state_treedef, weight_layout, kernels,
                                          self.mesh, kv_sharding, auto_formats(self._weight_args),
