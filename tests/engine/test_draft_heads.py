@@ -7,6 +7,11 @@ others, whose head cache the step must have written for the kept tokens only.
 A random head's drafts almost never match the target, so the rows here verify drafts an oracle
 puts in (the plain decoding's next tokens, some spoiled) after recording the head's own: that
 way rows keep 0, some or all of their drafts."""
+import json
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -121,8 +126,49 @@ def test_no_compile_while_serving_and_pages_come_back(eagle):
     assert eagle.core.scheduler.spec_verified_rows > 0
 
 
+TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    from xlaserve.offline import Engine
+
+    assert len(jax.devices()) == 2, jax.devices()
+    target, head, prompts, greedy, small = json.loads(sys.argv[1])
+    with Engine(target, tp_size=2, speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=head, speculative_num_draft_tokens=4,
+                **small) as engine:
+        propose, proposals = engine.core.scheduler.drafter, []
+
+        def recorded(requests, rooms):
+            drafts = propose(requests, rooms)
+            proposals.extend((list(r.all_ids()), d) for r, d in zip(requests, drafts))
+            return drafts
+
+        engine.core.scheduler.drafter = recorded
+        compiles = engine.core.runner.compile_count()
+        out = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert engine.core.runner.compile_count() == compiles, "compiled while serving"
+    print(json.dumps([[o["output_ids"] for o in out], proposals[:12]]))
+""")
+
+
+def test_tensor_parallel_heads_drafts_and_outputs_are_one_devices(plain, target, head):
+    """--tp-size 2 on two CPU devices: the head's attention, MLP and LM head split as the
+    model's; its drafts are the from-scratch reference's and the output plain decoding's."""
+    result = subprocess.run(
+        [sys.executable, "-c", TENSOR_PARALLEL_SCRIPT,
+         json.dumps([target[0], head[0], PROMPTS, GREEDY, SMALL])], capture_output=True,
+        text=True, timeout=600,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+             "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    outputs, proposals = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outputs == ids(plain.generate(input_ids=PROMPTS, sampling_params=GREEDY))
+    assert max(len(d) for _, d in proposals) == 3
+    for sequence, drafts in proposals:
+        assert drafts == eagle3_reference_drafts(target[1], head[1], sequence, len(drafts))
+
+
 def test_a_head_that_is_not_eagle3_or_a_pickle_stops_start_up(target, head, tmp_path):
-    import json
     import shutil
 
     other = tmp_path / "eagle2"
