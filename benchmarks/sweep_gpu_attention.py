@@ -6,6 +6,7 @@ against the reference (max abs error) before it is timed.
     python benchmarks/sweep_gpu_attention.py [--out sweep.json] [--time-budget-s 170]
     python benchmarks/sweep_gpu_attention.py --quick          # CPU, interpreted: for a test
     python benchmarks/sweep_gpu_attention.py --profile-case decode_256x256   # run for ncu
+    python benchmarks/sweep_gpu_attention.py --heads qwen2.5-0.5b --cases decode_256x256 --stage-one-only
 
 A call is timed as the model step runs it, inside one compiled program: `unroll` calls in one
 jit, the cache threaded through (donated), dispatched `repeats` times without waiting
@@ -37,6 +38,10 @@ import bench_attention  # noqa: E402
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, reference  # noqa: E402
 
 LLAMA_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+# --heads: whose attention is swept (Qwen2.5-0.5B: 2 kv heads, so a decode grid has a quarter of
+# Llama's programs at the same rows, and the split-KV rule splits where Llama's does not).
+HEADS = {"llama-3.1-8b": LLAMA_HEADS,
+         "qwen2.5-0.5b": dict(num_q_heads=14, num_kv_heads=2, head_dim=64)}
 # name -> (seqs, new tokens each, kv length); first the ones a serving step meets most.
 CASES = {
     "decode_256x256": (256, 1, 256),   # accelerator_check's offline run: 256 rows, short context
@@ -144,7 +149,7 @@ def run_case(name, shape, heads, page_size, dtype, args, deadline, save, result)
     for params in first:
         try_variant(params)
     timed = [r for r in result["variants"] if r.get("correct")]
-    if timed:
+    if timed and not args.stage_one_only:
         best = min(timed, key=lambda r: r["us"])["params"]
         for params in stage_two(best, args.quick):
             try_variant(params)
@@ -163,10 +168,13 @@ def main():
     parser.add_argument("--cases", nargs="+", default=None, help=f"of {list(CASES)}")
     parser.add_argument("--quick", action="store_true", help="tiny cases, interpreted (CPU)")
     parser.add_argument("--profile-case", default=None, help="run one case's default for ncu")
+    parser.add_argument("--heads", default="llama-3.1-8b", choices=list(HEADS))
+    parser.add_argument("--stage-one-only", action="store_true",
+                        help="split counts x warps only (no KV block / pipeline depth stage)")
     args = parser.parse_args()
     args.interpret = args.quick or jax.default_backend() != "gpu"
     args.unroll, args.repeats = (1, 1) if args.quick else (4, 10)
-    heads, cases = (QUICK_HEADS, QUICK_CASES) if args.quick else (LLAMA_HEADS, CASES)
+    heads, cases = (QUICK_HEADS, QUICK_CASES) if args.quick else (HEADS[args.heads], CASES)
     dtype, page_size = jnp.dtype(jnp.float32 if args.quick else jnp.bfloat16), 16
     if args.profile_case:
         return profile_case(args.profile_case, heads, page_size, dtype)

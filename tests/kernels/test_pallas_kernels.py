@@ -271,6 +271,8 @@ def test_gpu_default_kv_splits_as_the_h200_sweep_chose():
         assert kernel_gpu.default_num_kv_splits(rows, 8, 64) == 4
     assert kernel_gpu.default_num_kv_splits(128, 8, 64) == 2
     assert kernel_gpu.default_num_kv_splits(256, 8, 64) == 1
+    assert kernel_gpu.default_num_kv_splits(256, 2, 64) == 1  # Qwen2.5-0.5B, Llama at tp 4
+    assert kernel_gpu.default_num_kv_splits(64, 2, 64) == 4
     assert kernel_gpu.default_num_kv_splits(8, 2, 64) == kernel_gpu.MAX_KV_SPLITS  # TP4
     assert kernel_gpu.default_num_kv_splits(8, 2, 3) == 3  # no more splits than KV blocks
     # Prefill items (several rows each) split only a small grid.

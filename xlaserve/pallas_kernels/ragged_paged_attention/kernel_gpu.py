@@ -59,6 +59,13 @@ SHARED_MEMORY_FOR_KV = 160 << 10
 # 7% slower), and 8 or 16 splits never beat 4. Prefill and mixed buckets (items of several
 # rows) were not swept: they keep the earlier, smaller target (2 programs per H100 SM).
 TARGET_PROGRAMS = 2048
+# Grids of this many items or more are never split, whatever their kv heads: at 256 decode rows
+# the unsplit kernel was the fastest for Llama-3.1-8B's heads (above) and for Qwen2.5-0.5B's (2
+# kv heads, 512 programs unsplit: 26.9 us against 35.4 us with the 4 splits the program target
+# gave, 31.8 with 2; H200, 256-token context, 2026-11-27, `sweep_gpu_attention.py --heads
+# qwen2.5-0.5b`), while at 64 rows 4 splits stayed the fastest for both (Qwen's: 25.7 against
+# 37.1 us unsplit, 1024-token context). Llama at tp 4 has Qwen's 2 kv heads a device.
+NO_SPLIT_ITEMS = 256
 TARGET_PROGRAMS_PREFILL = 264
 MAX_KV_SPLITS = 4
 # MLA: query heads per program (they all read the same latent rows, so fewer programs read the
@@ -116,6 +123,8 @@ def default_num_kv_splits(num_items: int, num_kv_heads: int, num_kv_blocks: int,
     of many items (512 tokens over 64 sequences: 120 items) are not split. The cost: each program writes rows x (D + 2) float32 partials that the merge reads back; for
     decode items (16 rows) at 64 rows x 8 heads x 4 splits, 2048 x 16 x 130 x 4 B = 17 MB per
     layer each way, against the 134 MB of KV those rows read at a 1024-token context."""
+    if num_items >= NO_SPLIT_ITEMS:
+        return 1
     programs = num_items * num_kv_heads
     target = TARGET_PROGRAMS if q_block == 1 else TARGET_PROGRAMS_PREFILL
     return max(1, min(target // programs, MAX_KV_SPLITS, num_kv_blocks))
