@@ -374,3 +374,34 @@ def test_speculative_decoding_across_two_processes_serves_the_one_process_tokens
         assert running.follower.poll() is None  # no step hash mismatch ended it
     finally:
         running.stop()
+
+
+@pytest.mark.jax_independent  # the device work is the one-process EAGLE3 tests'; this, the replay
+@pytest.mark.timeout(300)
+def test_an_eagle3_draft_head_across_two_processes_serves_the_one_process_tokens(
+        model, reference, tmp_path, monkeypatch):
+    """--speculative-algorithm EAGLE3 with --nnodes 2: each process loads the head onto its
+    devices, the head's catch-up rides in the replayed steps and the follower replays the
+    leader's draft chains (precompiled as idle chains by both); one request at a time, so that
+    its drafts fit the 4-token steps."""
+    from benchmarks.random_heads import write_random_eagle3_head
+
+    head = str(tmp_path / "head")
+    write_random_eagle3_head(head, hidden=64, heads=4, kv_heads=4, vocab=49152,
+                             intermediate=96, draft_vocab=4096, capture=(0, 1, 1))
+    running = Pair(model, tmp_path, monkeypatch, flags=[
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
+        "--speculative-num-steps", "3"])
+    try:
+        verified = 0
+        for i in (0, 2):
+            body = {"input_ids": PROMPTS[i],
+                    "sampling_params": {**GREEDY, "max_new_tokens": NEW_TOKENS}}
+            response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
+            response.raise_for_status()
+            assert response.json()["output_ids"] == reference["tokens"][i]
+            verified += response.json()["meta_info"].get("spec_verify_ct", 0)
+        assert verified > 0
+        assert running.follower.poll() is None  # no step hash mismatch ended it
+    finally:
+        running.stop()

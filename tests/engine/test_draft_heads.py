@@ -16,8 +16,13 @@ import numpy as np
 import pytest
 
 from tests.draft_head_models import eagle3_reference_drafts, make_eagle3_head
+from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
+
+# On JAX 0.10 only, as tests/engine/test_speculative_decoding.py: the head's programs compile on
+# both versions for v6e and H100 in tests/executor/test_compile_step.py.
+pytestmark = pytest.mark.jax_independent
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 5], [7, 8, 7, 8, 7, 8, 7, 8, 7, 8, 7], [400, 401, 402],
            [99, 98]]
@@ -205,14 +210,14 @@ def deepseek(tmp_path_factory):
     return directory, model, add_nextn_layer(directory, model)
 
 
-def test_nextn_output_equals_plain_and_every_draft_is_the_mtp_layers_from_scratch(deepseek):
+def test_nextn_output_equals_transformers_and_every_draft_is_the_mtp_layers_from_scratch(
+        deepseek):
     from tests.draft_head_models import nextn_reference_drafts
 
     directory, model, own = deepseek
     prompts = [[5, 17, 300, 42, 9, 77, 5, 60, 61, 62], [7, 8], [400, 401, 402]]
-    with Engine(directory, **DEEPSEEK) as engine:
-        want = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    answers = {tuple(p): w["output_ids"] for p, w in zip(prompts, want)}
+    want = [hf_greedy(model, p, GREEDY["max_new_tokens"]) for p in prompts]  # plain decoding's
+    answers = {tuple(p): w for p, w in zip(prompts, want)}
     proposals = []
     with Engine(directory, speculative_algorithm="NEXTN", speculative_num_draft_tokens=3,
                 **DEEPSEEK) as engine:
@@ -226,7 +231,7 @@ def test_nextn_output_equals_plain_and_every_draft_is_the_mtp_layers_from_scratc
 
         engine.core.scheduler.drafter = recorded
         got = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert ids(got) == ids(want)
+        assert ids(got) == want
         assert engine.core.scheduler.spec_accepted_drafts > 0
     assert max(len(d) for _, d in proposals) == 2 and len(proposals) > 10
     for sequence, drafts in proposals:

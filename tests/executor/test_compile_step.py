@@ -180,7 +180,9 @@ def test_a_speculative_servers_verify_step_compiles_for_the_target(target, tp_si
     program.compile(64, 8, pages, StepNeeds())
 
 
-@pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), ("h100", 1)])
+# v6e on JAX 0.10 only (the TPU compile of the step around it runs on both, above); H100 on both.
+@pytest.mark.parametrize("target,tp_size", [
+    pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent), ("h100", 1)])
 def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, tp_size,
                                                                      tmp_path):
     """--speculative-algorithm EAGLE3 with a head of the published Llama-3.1-8B head's sizes

@@ -165,7 +165,6 @@ def test_vllm_speculative_config_and_sglangs_eagle_flags_map_onto_ours_and_bad_o
                          "speculative_num_draft_tokens": 8}, "makes rows of 4 tokens"),
                        ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3},
                         "go with --speculative-algorithm EAGLE3 or NEXTN"),
-                       ({"speculative_algorithm": "NEXTN", "nnodes": 2}, "other hosts"),
                        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
                         "2 or more"),
                        ({"speculative_config": '{"method": "ngram", "draft_model": "x"}'},

@@ -9,6 +9,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "read_config": "loader", "resolve_dtype": "loader", "server_load_options": "loader",
     "tensor_parallel_mesh": "loader", "resolve_model_path": "loader",
     "draft_head_builder": "draft_head", "load_draft_head": "draft_head",
+    "load_server_draft_head": "draft_head",
     "put": "placement",
 }
 __all__ = list(_MODULE_OF)

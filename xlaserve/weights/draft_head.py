@@ -15,6 +15,7 @@ checkpoint, a tensor missing or misshapen, a head whose width is not the target'
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -26,11 +27,14 @@ from xlaserve.model.config import ModelConfig
 from xlaserve.model.draft_heads import Eagle3Head, NextNHead, eagle3_capture_layers, nextn_config
 from xlaserve.model.sharding import partition_spec
 from xlaserve.weights.dummy_weights import dummy_values
+from xlaserve.weights.loader import resolve_model_path
 from xlaserve.weights.param_layout import (SafetensorsSource, WeightError, _fetch, _fuse_qkv, _mlp,
                                            layer_weights)
 from xlaserve.weights.placement import put
 from xlaserve.weights.quantization import dequantizing_source
+from xlaserve.server_args import public_name
 
+logger = logging.getLogger(__name__)
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
@@ -207,3 +211,22 @@ def _nextn_tensors(source, target: ModelConfig, c: ModelConfig) -> dict:
     tensors.update(layer_weights(source, c, 0, prefix, ("layer",)))
     return tensors
 
+
+def load_server_draft_head(args, loaded):
+    """A server's draft head (ServerArgs `args`, LoadedModel `loaded`): EAGLE3's from
+    --speculative-draft-model-path, NEXTN's from the model's checkpoint, on the model's mesh
+    (the engine's start-up and a multi-host follower call it alike)."""
+    folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
+    config_path = os.path.join(folder, "config.json")
+    target_hf = {}
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            target_hf = json.load(f)
+    path = args.speculative_draft_model_path
+    if args.speculative_algorithm == "EAGLE3":
+        path = resolve_model_path(path)
+    head = load_draft_head(args.speculative_algorithm, path or folder, loaded.config, target_hf,
+                           loaded.dtype, loaded.mesh, load_format=args.load_format)
+    logger.info("Draft head loaded: %s (%s)", type(head).__name__,
+                public_name(args.speculative_draft_model_path or loaded.name))
+    return head

@@ -37,6 +37,10 @@ def follow(args) -> int:
         enable_persistent_cache(args.compilation_cache_dir)
         loaded = load_model(**server_load_options(args), skip_tokenizer_init=True,
                             mesh=tensor_parallel_mesh(args.tp_size, ep_size=args.ep_size))
+        if args.speculative_algorithm in ("EAGLE3", "NEXTN"):  # the leader's model has it too
+            from xlaserve.weights.draft_head import load_server_draft_head
+
+            loaded.model.draft_head = load_server_draft_head(args, loaded)
         logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
                     loaded.config.architecture, loaded.name)  # the path: DEBUG only
         logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
@@ -74,6 +78,11 @@ def replay(connection, loaded) -> None:
                          mla_expanded_prefill_tokens=meta["mla_expanded_prefill_tokens"],
                          verify_tokens=meta["verify_tokens"])
     runner.max_seqs = meta["max_seqs"]  # the leader's buckets' (its sample rows)
+    draft_head = None
+    if runner.draft_head is not None:  # EAGLE3 / NEXTN: the chains replay through it
+        from xlaserve.runtime.executor.draft_head import DraftHead
+
+        draft_head = DraftHead(runner, None, meta["verify_tokens"] - 1)
     logger.info("Following rank 0's steps")
     pending = None
     while True:
@@ -92,6 +101,12 @@ def replay(connection, loaded) -> None:
             if pending is not None:
                 pending.block_until_ready()
             pending = out.sample.tokens
+        elif kind == "draft_chain":
+            if draft_head is None:
+                raise ChannelError("a draft chain, but this process's model has no draft head")
+            vectors = [arrays[k] for k in ("ints", "floats", "table_ints", "table_floats")]
+            staged = runner.staged_from_host(vectors, meta["shape"], meta["widths"])
+            draft_head._run(staged, arrays["rooms"])
         elif kind == "assign_slots":
             prompts = np.split(arrays["prompt_ids"], np.cumsum(arrays["prompt_lens"])[:-1])
             outputs = np.split(arrays["output_ids"], np.cumsum(arrays["output_lens"])[:-1])

@@ -249,6 +249,15 @@ class _Sink:
             self._leader.expect(step)
         self._leader.broadcast("step", meta, **arrays)
 
+    def draft_chain(self, staged, rooms: np.ndarray) -> None:
+        """A draft head's chain (executor/draft_head.py): its staged vectors and rooms."""
+        shape = tuple(int(n) for n in staged.shape)
+        widths = tuple(int(n) for n in staged.widths)
+        arrays = dict(zip(("ints", "floats", "table_ints", "table_floats"), staged.host,
+                          strict=True))
+        self._leader.broadcast("draft_chain", {"shape": shape, "widths": widths},
+                               rooms=np.asarray(rooms, np.int32), **arrays)
+
     def ran(self, out) -> None:
         """After the leader made the step's call: its outputs (this process's copy)."""
         if self._recording is not None:

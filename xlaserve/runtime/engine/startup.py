@@ -18,7 +18,6 @@ seconds go to `startup_timings`, for the server's "Start-up:" log line (launch_s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -29,8 +28,8 @@ from flax import nnx
 
 from xlaserve.runtime.distributed.leader import Leader, lead
 from xlaserve import platform_defaults
-from xlaserve.weights.loader import (LoadedModel, load_model, resolve_model_path,
-                                     server_load_options, tensor_parallel_mesh)
+from xlaserve.weights.loader import (LoadedModel, load_model, server_load_options,
+                                     tensor_parallel_mesh)
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.executor.forward_batch import Buckets, serving_buckets, with_page_size
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
@@ -41,8 +40,7 @@ from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
 from xlaserve.model.quantized_rows import native_gemm_available
 from xlaserve.runtime.executor.draft_head import DraftHead
 from xlaserve.runtime.executor.draft_model import DraftModel
-from xlaserve.server_args import public_name
-from xlaserve.weights.draft_head import load_draft_head
+from xlaserve.weights.draft_head import load_server_draft_head
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
@@ -102,7 +100,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     page_size = args.page_size
     head = None
     if args.speculative_algorithm in ("EAGLE3", "NEXTN"):  # the draft head rides on the model
-        head = loaded.model.draft_head = _draft_head(args, loaded)
+        head = loaded.model.draft_head = load_server_draft_head(args, loaded)
         clock = _lap(timings, "draft head", clock)
     num_pages = num_pages_for(config, loaded.dtype, page_size,
                               max_total_tokens=args.max_total_tokens,
@@ -208,25 +206,6 @@ def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,
                                verify_tokens=runner.verify_tokens)
     draft_runner.max_seqs = runner.max_seqs
     return DraftModel(draft_runner, buckets)
-
-
-def _draft_head(args, loaded):
-    """EAGLE3's head from --speculative-draft-model-path, NEXTN's from the model's checkpoint,
-    on the model's mesh (weights/draft_head.py)."""
-    folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
-    config_path = os.path.join(folder, "config.json")
-    target_hf = {}
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            target_hf = json.load(f)
-    path = args.speculative_draft_model_path
-    if args.speculative_algorithm == "EAGLE3":
-        path = resolve_model_path(path)
-    head = load_draft_head(args.speculative_algorithm, path or folder, loaded.config, target_hf,
-                           loaded.dtype, loaded.mesh, load_format=args.load_format)
-    logger.info("Draft head loaded: %s (%s)", type(head).__name__,
-                public_name(args.speculative_draft_model_path or loaded.name))
-    return head
 
 
 def _lap(timings: dict[str, float], phase: str, since: float) -> float:

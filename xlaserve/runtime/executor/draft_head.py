@@ -41,8 +41,9 @@ _GREEDY = RowSamplingParams(temperature=0.0, seed=0)
 
 
 class DraftHead:
-    def __init__(self, runner, buckets: Buckets, max_drafts: int):
-        """`runner`: the target's ModelRunner, its model carrying the head; `max_drafts`: the
+    def __init__(self, runner, buckets: Buckets | None, max_drafts: int):
+        """`runner`: the target's ModelRunner, its model carrying the head; `buckets`: the
+        server's (None on a multi-host follower, which only replays `_run`); `max_drafts`: the
         drafts of a verified row at most (`--speculative-num-draft-tokens` - 1)."""
         self.runner, self.buckets = runner, buckets
         self.steps = max_drafts - 1  # the first draft comes from the serving step
@@ -75,9 +76,13 @@ class DraftHead:
         return out
 
     def _run(self, staged, rooms: np.ndarray):
+        """Dispatches the chain over a staged batch; multi-host, the followers first make the
+        same call (runtime/distributed/follower.py replays it through here)."""
         runner = self.runner
         if staged.overflow_writes is not None:
             runner.write_pages(*staged.overflow_writes)
+        if runner.sink is not None:
+            runner.sink.draft_chain(staged, rooms)
         args = (runner._weight_args, runner.kv_caches, runner.page_table.array, staged.ints,
                 staged.floats, rooms)
         program = self._programs.get(staged.shape)
@@ -90,6 +95,8 @@ class DraftHead:
             if self._precompiled and self._chain._cache_size() > before:
                 warn_compiled_while_serving(staged.shape, SAMPLING_WIDTHS, "draft head")
         runner.page_table.rows.commit(staged.page_updates)
+        if runner.sink is not None:  # replicated over every process: this one's copy
+            drafts = drafts.addressable_data(0)
         return drafts
 
     def chain_shapes(self, max_rows: int) -> list[tuple[int, int, int]]:
@@ -98,10 +105,14 @@ class DraftHead:
         return sorted({self.buckets.shape_for(n, n, pages) for n in range(1, max_rows + 1)})
 
     def precompile(self, max_rows: int) -> None:
-        """The chain program of every shape a proposal can take, compiled before serving."""
+        """The chain program of every shape a proposal can take, compiled before serving; over
+        several processes, an idle chain of each run by all (as ModelRunner.precompile's steps)."""
         runner = self.runner
         for shape in self.chain_shapes(max_rows):
             staged = runner.stage(*idle_step(*shape, runner.sample_rows(shape)))
+            if runner.sink is not None:
+                self._run(staged, np.zeros(shape[1], np.int32))
+                continue
             self._programs[shape] = self._chain.lower(
                 runner._weight_args, runner._kv_specs, runner.page_table.array, staged.ints,
                 staged.floats, np.zeros(shape[1], np.int32), layout=staged.layout[0]).compile()
