@@ -359,9 +359,6 @@ class ServerArgs:
             raise ValueError("--speculative-draft-model-path goes with --speculative-algorithm "
                              "STANDALONE (a draft model) or EAGLE3 (its head), and they need it; "
                              "NEXTN reads the model's own checkpoint")
-        if algorithm == "STANDALONE" and self.nnodes > 1:
-            raise ValueError(f"--speculative-algorithm {algorithm} with --nnodes > 1: the other "
-                             "hosts do not run the draft model yet")
         self._resolve_draft_steps(algorithm)
         if self.speculative_num_draft_tokens is None:
             self.speculative_num_draft_tokens = 5

@@ -405,3 +405,24 @@ def test_an_eagle3_draft_head_across_two_processes_serves_the_one_process_tokens
         assert running.follower.poll() is None  # no step hash mismatch ended it
     finally:
         running.stop()
+
+
+@pytest.mark.jax_independent
+@pytest.mark.timeout(300)
+def test_a_standalone_draft_model_across_two_processes_serves_the_one_process_tokens(
+        model, reference, tmp_path, monkeypatch):
+    """--speculative-algorithm STANDALONE with --nnodes 2, the model as its own draft (its greedy
+    drafts are the model's tokens, kept): every process builds the draft model's runner beside
+    the model's, and the follower replays the leader's draft steps ("draft_model_" commands)."""
+    running = Pair(model, tmp_path, monkeypatch, flags=[
+        "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model,
+        "--speculative-num-draft-tokens", "4"])
+    try:
+        body = {"input_ids": PROMPTS[0], "sampling_params": {**GREEDY, "max_new_tokens": NEW_TOKENS}}
+        response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
+        response.raise_for_status()
+        assert response.json()["output_ids"] == reference["tokens"][0]
+        assert response.json()["meta_info"]["spec_accept_length"] > 2
+        assert running.follower.poll() is None  # no step hash mismatch ended it
+    finally:
+        running.stop()

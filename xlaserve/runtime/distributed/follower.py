@@ -41,10 +41,16 @@ def follow(args) -> int:
             from xlaserve.weights.draft_head import load_server_draft_head
 
             loaded.model.draft_head = load_server_draft_head(args, loaded)
+        draft_loaded = None
+        if args.speculative_algorithm == "STANDALONE":  # its runner replays the leader's too
+            draft_loaded = load_model(
+                **{**server_load_options(args), "model_path": args.speculative_draft_model_path},
+                skip_tokenizer_init=True,
+                mesh=tensor_parallel_mesh(args.tp_size, ep_size=args.ep_size))
         logger.info("Load weight end. type=%s, from %s; waiting for the leader's runner",
                     loaded.config.architecture, loaded.name)  # the path: DEBUG only
         logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
-        replay(connection, loaded)
+        replay(connection, loaded, draft_loaded)
     except ChannelClosed as error:
         _exit(f"node rank {args.node_rank} lost the leader (rank 0): {error}; exiting")
     except Exception as error:  # noqa: BLE001: anything here ends this follower, loudly
@@ -60,24 +66,30 @@ def follow(args) -> int:
     return 0
 
 
-def replay(connection, loaded) -> None:
+def replay(connection, loaded, draft_loaded=None) -> None:
     """The leader's commands, in order, until it says shutdown: first the runner's configuration
-    (a ModelRunner is built over `loaded`, the model), then slot assignments and steps. Each step
-    is dispatched before the previous one is waited for, as on the leader; waiting at all
-    surfaces a failed collective here and keeps this process at most a step behind."""
+    (a ModelRunner is built over `loaded`, the model, and one with the same configuration over
+    `draft_loaded`, a STANDALONE draft model, whose commands come as "draft_model_<kind>"), then
+    slot assignments and steps. Each step is dispatched before the previous one is waited for,
+    as on the leader; waiting at all surfaces a failed collective here and keeps this process at
+    most a step behind."""
     from xlaserve.runtime.executor.model_runner import ModelRunner
 
     kind, meta, _ = connection.receive()
     if kind != "runner":
         raise ChannelError(f"expected the runner's configuration first, got {kind!r}")
-    runner = ModelRunner(loaded, num_pages=meta["num_pages"], page_size=meta["page_size"],
-                         max_running_requests=meta["max_running_requests"],
-                         attention_backend=meta["attention_backend"],
-                         matmul_backend=meta["matmul_backend"],
-                         context_length=meta["context_length"],
-                         mla_expanded_prefill_tokens=meta["mla_expanded_prefill_tokens"],
-                         verify_tokens=meta["verify_tokens"])
+    config = dict(num_pages=meta["num_pages"], page_size=meta["page_size"],
+                  max_running_requests=meta["max_running_requests"],
+                  attention_backend=meta["attention_backend"],
+                  matmul_backend=meta["matmul_backend"], context_length=meta["context_length"],
+                  verify_tokens=meta["verify_tokens"])
+    runner = ModelRunner(loaded, **config,
+                         mla_expanded_prefill_tokens=meta["mla_expanded_prefill_tokens"])
     runner.max_seqs = meta["max_seqs"]  # the leader's buckets' (its sample rows)
+    runners = {"": runner}
+    if draft_loaded is not None:  # as startup._draft_model builds the leader's
+        runners["draft_model_"] = ModelRunner(draft_loaded, **config)
+        runners["draft_model_"].max_seqs = meta["max_seqs"]
     draft_head = None
     if runner.draft_head is not None:  # EAGLE3 / NEXTN: the chains replay through it
         from xlaserve.runtime.executor.draft_head import DraftHead
@@ -87,6 +99,9 @@ def replay(connection, loaded) -> None:
     pending = None
     while True:
         kind, meta, arrays = connection.receive()
+        runner = runners[""]
+        if kind.startswith("draft_model_") and "draft_model_" in runners:
+            kind, runner = kind[len("draft_model_"):], runners["draft_model_"]
         if kind == "step":
             vectors = [arrays[k] for k in ("ints", "floats", "table_ints", "table_floats")]
             staged = runner.staged_from_host(vectors, meta["shape"], meta["widths"],

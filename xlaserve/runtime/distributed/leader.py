@@ -73,6 +73,11 @@ class Leader:
         """Commands sent so far (the engine loop compares it around a step that failed)."""
         return self._sent
 
+    def follow_runner(self, runner, prefix: str) -> None:
+        """The followers replay `runner`'s calls too (a STANDALONE draft model's runner, which
+        they build beside the model's): its commands go out with `prefix` on their kind."""
+        runner.sink = _Sink(self, runner, prefix)
+
     def broadcast(self, kind: str, meta: dict | None = None, **arrays: np.ndarray) -> None:
         """One command to every follower, in order; raises PeerLost once the group is broken."""
         with self._lock:
@@ -190,6 +195,17 @@ class Leader:
         return None
 
 
+class _Prefixed:
+    """A Leader whose commands' kinds carry a prefix (a draft model runner's sink)."""
+
+    def __init__(self, leader: Leader, prefix: str):
+        self._leader, self._prefix = leader, prefix
+        self.hash_interval = leader.hash_interval
+
+    def broadcast(self, kind: str, meta: dict | None = None, **arrays: np.ndarray) -> None:
+        self._leader.broadcast(self._prefix + kind, meta, **arrays)
+
+
 class _Check:
     """A step under the hash check: the leader's outputs, their digest, the followers' reports."""
 
@@ -202,10 +218,13 @@ class _Check:
 
 class _Sink:
     """ModelRunner's command sink on the leader (model_runner.py calls it before each device
-    call)."""
+    call). `prefix`: before each command's kind, for another runner of the followers (a
+    STANDALONE draft model's, "draft_model_": `Leader.follow_runner`), whose steps the step
+    hash check leaves out."""
 
-    def __init__(self, leader: Leader, runner):
-        self._leader = leader
+    def __init__(self, leader: Leader, runner, prefix: str = ""):
+        self._leader = _Prefixed(leader, prefix) if prefix else leader
+        self._hashed = not prefix
         self._runner = runner
         self._checked: set = set()
         self._steps = 0
@@ -243,7 +262,7 @@ class _Sink:
         # The program variant's needs (runtime/sampling/step_needs.py): None (RUN_TIME) on the CPU.
         meta = {"shape": shape, "widths": widths,
                 "needs": None if staged.needs is None else staged.needs.as_list()}
-        if interval and step % interval == 0:
+        if interval and step % interval == 0 and self._hashed:
             meta.update(step=step, hash=True)
             self._recording = step
             self._leader.expect(step)

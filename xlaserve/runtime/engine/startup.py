@@ -132,6 +132,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     if args.speculative_algorithm == "STANDALONE":
         clock = time.perf_counter()
         draft = _draft_model(args, loaded, tokenizer, runner, buckets, dp_rank)
+        if leader is not None:  # the followers build its runner and replay it too
+            leader.follow_runner(draft.runner, "draft_model_")
         clock = _lap(timings, "draft model", clock)
     draft_head = None if head is None else DraftHead(runner, buckets,
                                                      args.speculative_num_draft_tokens - 1)
