@@ -15,7 +15,8 @@ def write_random_eagle3_head(directory: str, *, hidden: int, heads: int, vocab: 
                              draft_vocab: int | None = None, capture=None, seed: int = 1) -> dict:
     """Writes the head's config.json and model.safetensors to `directory` and returns
     {"tensors": ..., "config": ...}. RoPE: theta 10000 (not necessarily the target's);
-    `capture`: the target layers it reads (None: the head's default, 2, L/2, L-3)."""
+    `capture`: its eagle_aux_hidden_state_layer_ids, layers named by their output (None: the
+    head's default, the inputs of layers 2, L/2 and L-3)."""
     from safetensors.numpy import save_file
 
     head_dim, inter = hidden // heads, intermediate or hidden * 3 // 2

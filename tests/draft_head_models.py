@@ -13,7 +13,7 @@ from benchmarks.random_heads import write_random_eagle3_head
 
 
 def make_eagle3_head(directory: str, target_dir: str, *, draft_vocab: int = 384,
-                     capture=(0, 1, 1), seed: int = 1) -> dict:
+                     capture=(0, 1, 2), seed: int = 1) -> dict:
     """A random EAGLE-3 head (benchmarks/random_heads.py) for the target in `target_dir`, with
     its own RoPE (theta 10000, not the target's) and a draft vocabulary of `draft_vocab`
     target ids; returns its tensors and config."""
@@ -69,7 +69,10 @@ def eagle3_reference_drafts(target_model, head: dict, sequence: list[int], count
     capture = c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     with torch.no_grad():
         out = target_model(torch.tensor([sequence[:-1]]), output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[i][0] for i in capture], -1)
+        # The ids name layers by their output, transformers' hidden_states[i + 1] (the input of
+        # layer i + 1; the last entry, after the final norm, is never one).
+        assert all(i + 1 < len(out.hidden_states) - 1 for i in capture)
+        aux = torch.cat([out.hidden_states[i + 1][0] for i in capture], -1)
         states = aux @ torch.from_numpy(t["fc.weight"]).T
         embedding = target_model.get_input_embeddings().weight
         tokens = list(sequence[1:])

@@ -388,7 +388,7 @@ def test_an_eagle3_draft_head_across_two_processes_serves_the_one_process_tokens
 
     head = str(tmp_path / "head")
     write_random_eagle3_head(head, hidden=64, heads=4, kv_heads=4, vocab=49152,
-                             intermediate=96, draft_vocab=4096, capture=(0, 1, 1))
+                             intermediate=96, draft_vocab=4096, capture=(0, 0, 0))
     running = Pair(model, tmp_path, monkeypatch, flags=[
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
         "--speculative-num-steps", "3"])

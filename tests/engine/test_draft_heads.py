@@ -37,7 +37,8 @@ SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("llama"))
-    return directory, make_tiny_checkpoint(directory, "llama")
+    # 4 layers: the head reads the outputs of layers 0, 1 and 2 (the inputs of 1, 2 and 3).
+    return directory, make_tiny_checkpoint(directory, "llama", num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")

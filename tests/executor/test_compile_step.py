@@ -193,7 +193,7 @@ def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, t
     head = tmp_path / "head"
     head.mkdir()
     config = json.loads((CONFIGS / "eagle3-llama-3.1-8b" / "config.json").read_text())
-    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}  # of 2 layers
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]}  # of 2 layers
     (head / "config.json").write_text(json.dumps(config))
     args = ServerArgs(model_path=first_layers("llama-3.1-8b", 2, tmp_path), tp_size=tp_size,
                       max_running_requests=64, max_prefill_tokens=512,

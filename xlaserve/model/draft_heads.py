@@ -3,8 +3,8 @@ from the target model's hidden states (runtime/executor/draft_head.py runs them)
 
 - `Eagle3Head` (`--speculative-algorithm EAGLE3`, SGLang's `LlamaForCausalLMEagle3` checkpoints,
   such as those published for Llama-3.1-8B-Instruct): the target's residual stream entering three
-  of its layers (`capture_layers`, by default 2, L/2 and L-3, or the checkpoint's
-  `eagle_aux_hidden_state_layer_ids`), concatenated and projected by `fc`, beside the next
+  of its layers (`capture_layers`, by default 2, L/2 and L-3, or the layers after the
+  checkpoint's `eagle_aux_hidden_state_layer_ids`), concatenated and projected by `fc`, beside the next
   token's embedding (the target's); q, k and v read both side by side (2 x hidden wide). Its LM
   head covers a smaller draft vocabulary, mapped to the target's ids by `draft_to_target`
   (the checkpoint's `d2t` offsets).
@@ -38,12 +38,14 @@ class DraftToTarget(nnx.Variable):
 
 
 def eagle3_capture_layers(num_layers: int, given=None) -> tuple[int, ...]:
-    """The target layers whose input an EAGLE-3 head reads: the checkpoint's, else SGLang's and
-    vLLM's default (2, L // 2, L - 3)."""
-    layers = tuple(int(i) for i in given) if given else (2, num_layers // 2, num_layers - 3)
+    """The target layers whose input an EAGLE-3 head reads: SGLang's default (2, L // 2, L - 3),
+    or the checkpoint's `eagle_aux_hidden_state_layer_ids`, which name layers by their output
+    (the input of the next one: SGLang adds one, as here)."""
+    layers = (tuple(int(i) + 1 for i in given) if given
+              else (2, num_layers // 2, num_layers - 3))
     if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
-        raise ValueError(f"an EAGLE-3 head reads 3 layers of the model's {num_layers}; got "
-                         f"{list(layers)}")
+        raise ValueError(f"an EAGLE-3 head reads the inputs of 3 of the model's {num_layers} "
+                         f"layers; got {list(layers)} (eagle_aux_hidden_state_layer_ids + 1)")
     return layers
 
 
