@@ -138,10 +138,10 @@ class NextNHead(nnx.Module):
 
 
 def nextn_config(target: ModelConfig) -> ModelConfig:
-    """The multi-token-prediction layer's config: the target's, one layer, experts as its last
-    layer's (DeepSeek-V3's MTP layer sits after the dense ones)."""
+    """The multi-token-prediction layer's config: the target's, one layer, with experts when the
+    target has them (SGLang's is_nextn layer is always sparse)."""
     return dataclasses.replace(target, num_layers=1, sliding_windows=(None,),
-                               moe_layers=(bool(target.moe_layers and target.moe_layers[-1]),))
+                               moe_layers=(target.num_experts > 0,))
 
 
 def head_rope(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
