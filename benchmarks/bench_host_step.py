@@ -110,14 +110,15 @@ class NullStep:
 
 class PhaseClock:
     """Wraps the engine's methods (instance attributes, this engine only) to time each phase of
-    every loop iteration; an iteration starts at the watchdog's beat. With `null_step`, each
+    every loop iteration; an iteration starts where the loop drains its inbox (its first call,
+    right after the watchdog's beat). With `null_step`, each
     bucket's program is a NullStep."""
 
     def __init__(self, core: EngineCore, null_step: bool = False):
         self.iterations: list[dict] = []
         self._current: dict | None = None
         self.last_staged = None  # the last step staged (ModelRunner.stage's StagedStep)
-        self._wrap(core._watchdog, "beat", self._beat)
+        self._wrap(core, "_drain_inbox", self._beat)
         run = core.runner.run
         programs = core.runner._programs
 
