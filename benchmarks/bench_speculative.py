@@ -15,6 +15,9 @@ tokens/s of the whole run. Each row gives the mean tokens a verified row kept
     .venv/bin/python benchmarks/bench_speculative.py                 # the embedded model
     .venv/bin/python benchmarks/bench_speculative.py --concurrency 16,64 --max-new-tokens 128
     .venv/bin/python benchmarks/bench_speculative.py --algorithm EAGLE3 --random-eagle3-head
+    python benchmarks/bench_speculative.py --model-path benchmarks/configs/llama-3.1-8b \
+        --load-format dummy --algorithm EAGLE3 \
+        --draft-model-path benchmarks/configs/eagle3-llama-3.1-8b      # a GPU: the head's cost
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import json
 import statistics
 import tempfile
 import time
+
+import numpy as np
 
 PASSAGE = (
     "A paged KV cache stores the keys and values of every sequence in fixed-size pages drawn "
@@ -41,7 +46,12 @@ WORKLOADS = {
 
 
 def prompt_ids(engine, text: str) -> list[int]:
+    """The workload's prompt through the chat template; with dummy weights (no tokenizer), 128
+    random token ids (the text is noise then; what is measured is what the steps cost)."""
     tokenizer = engine.core.tokenizer
+    if tokenizer is None:
+        rng = np.random.default_rng(len(text))
+        return rng.integers(3, engine.core.loaded.config.vocab_size, 128).tolist()
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=False)
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -79,6 +89,8 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights (a config's shapes), random token prompts")
     parser.add_argument("--algorithm", default="NGRAM",
                         choices=["NGRAM", "STANDALONE", "EAGLE3", "NEXTN"])
     parser.add_argument("--draft-model-path", default=None,
@@ -89,7 +101,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import xlaserve
 
-    options = dict(model_path=args.model_path, dtype=args.dtype, log_level="warning")
+    options = dict(model_path=args.model_path, dtype=args.dtype, log_level="warning",
+                   load_format=args.load_format,
+                   skip_tokenizer_init=args.load_format == "dummy")
     engines = {"plain": xlaserve.Engine(**options)}
     draft_path = args.draft_model_path
     if args.random_eagle3_head:
@@ -103,7 +117,8 @@ def main(argv=None) -> None:
     engines["spec"] = xlaserve.Engine(**options, speculative_algorithm=args.algorithm,
                                       speculative_draft_model_path=draft_path,
                                       speculative_num_draft_tokens=args.num_draft_tokens)
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": False}
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": 0,
+              "ignore_eos": args.load_format == "dummy"}  # random weights: every run full length
     rows = []
     try:
         for name, text in WORKLOADS.items():
