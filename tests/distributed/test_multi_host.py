@@ -342,6 +342,19 @@ def test_expert_parallel_across_two_processes_serves_the_one_process_tokens(tmp_
         pair.stop()
 
 
+def _one_at_a_time_verified_rows(running, reference, prompts) -> int:
+    """Sends `prompts` (indices of PROMPTS) one at a time, greedy, and checks each output is the
+    one-process reference's; returns the verified rows they ran."""
+    verified = 0
+    for i in prompts:
+        body = {"input_ids": PROMPTS[i], "sampling_params": {**GREEDY, "max_new_tokens": NEW_TOKENS}}
+        response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
+        response.raise_for_status()
+        assert response.json()["output_ids"] == reference["tokens"][i]
+        verified += response.json()["meta_info"].get("spec_verify_ct", 0)
+    return verified
+
+
 @pytest.mark.jax_independent  # what it adds to the tests above is host logic (the runner's size)
 @pytest.mark.timeout(300)
 def test_speculative_decoding_across_two_processes_serves_the_one_process_tokens(
@@ -352,14 +365,7 @@ def test_speculative_decoding_across_two_processes_serves_the_one_process_tokens
     steps."""
     running = Pair(model, tmp_path, monkeypatch, flags=["--speculative-algorithm", "NGRAM"])
     try:
-        verified = 0
-        for i in (0, 2):
-            body = {"input_ids": PROMPTS[i],
-                    "sampling_params": {**GREEDY, "max_new_tokens": NEW_TOKENS}}
-            response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
-            response.raise_for_status()
-            assert response.json()["output_ids"] == reference["tokens"][i]
-            verified += response.json()["meta_info"].get("spec_verify_ct", 0)
+        verified = _one_at_a_time_verified_rows(running, reference, (0, 2))
         body = {"input_ids": PROMPTS[5], "sampling_params": {
             "temperature": 0, "max_new_tokens": 12, "regex": REGEX}}
         response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
@@ -393,14 +399,7 @@ def test_an_eagle3_draft_head_across_two_processes_serves_the_one_process_tokens
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
         "--speculative-num-steps", "3"])
     try:
-        verified = 0
-        for i in (0, 2):
-            body = {"input_ids": PROMPTS[i],
-                    "sampling_params": {**GREEDY, "max_new_tokens": NEW_TOKENS}}
-            response = httpx.post(running.base_url + "/generate", json=body, timeout=120)
-            response.raise_for_status()
-            assert response.json()["output_ids"] == reference["tokens"][i]
-            verified += response.json()["meta_info"].get("spec_verify_ct", 0)
+        verified = _one_at_a_time_verified_rows(running, reference, (0, 2))
         assert verified > 0
         assert running.follower.poll() is None  # no step hash mismatch ended it
     finally:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.draft_head_models import eagle3_reference_drafts, make_eagle3_head
+from tests.engine.test_speculative_decoding import SMALL
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
@@ -27,11 +28,8 @@ pytestmark = pytest.mark.jax_independent
 PROMPTS = [[5, 17, 300, 42, 9, 77, 5], [7, 8, 7, 8, 7, 8, 7, 8, 7, 8, 7], [400, 401, 402],
            [99, 98]]
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
-# Chunks of 8 tokens: the 11-token prompt runs in two (the head reads the prompt's next token
-# at the first chunk's end).
-SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=16,
-             chunked_prefill_size=8, max_prefill_tokens=12, context_length=96,
-             max_total_tokens=1024)
+# SMALL (test_speculative_decoding's engine options): chunks of 8 tokens, so the 11-token prompt
+# runs in two (the head reads the prompt's next token at the first chunk's end).
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "check_expert_parallel": "sharding", "kv_cache_spec": "sharding", "serving_mesh": "sharding",
     "partition_spec": "sharding",
     "TP": "sharding",
-    "abstract_model": "transformer", "abstract_parameters": "transformer",
-    "AttentionMetadata": "transformer",
+    "abstract_parameters": "transformer", "AttentionMetadata": "transformer",
     "kv_cache_shape": "transformer", "rope_cos_sin": "transformer",
 }
 __all__ = list(_MODULE_OF)

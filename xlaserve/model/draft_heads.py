@@ -30,7 +30,7 @@ from flax import nnx
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.layers import MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype
 from xlaserve.model.packed import embed
-from xlaserve.model.transformer import Attention, DecoderLayer, rope_angles
+from xlaserve.model.transformer import Attention, DecoderLayer, traced_rope
 
 
 class DraftToTarget(nnx.Variable):
@@ -83,7 +83,7 @@ class Eagle3Head(nnx.Module):
         normed_state = self.hidden_norm(state)
         residual = normed_state if self.norm_before_residual else state
         x = jnp.concatenate([self.input_norm(e), normed_state], axis=-1).astype(dtype)
-        cos, sin = head_rope(self.config, positions)
+        cos, sin = traced_rope(self.config, positions)
         attn_out, kv_cache = self.attn(x, cos, sin, kv_cache, metadata, kernels)
         norm = self.post_attention_norm
         x, normed = kernels.add_rms_norm(residual, attn_out, norm.scale[...], norm.eps,
@@ -95,9 +95,7 @@ class Eagle3Head(nnx.Module):
 
     def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         """The greedy draft (a target id) of each row of layer outputs `x`."""
-        logits = linear(self.final_norm(x).astype(matmul_input_dtype(self.lm_head[...])),
-                        self.lm_head[...], kernels)
-        return self.draft_to_target[...][jnp.argmax(logits, axis=-1)]
+        return self.draft_to_target[...][greedy_ids(self, x, kernels)]
 
 
 class NextNHead(nnx.Module):
@@ -124,7 +122,7 @@ class NextNHead(nnx.Module):
         x = jnp.concatenate([e, self.hnorm(state)], axis=-1).astype(dtype)
         x = linear(x, self.eh_proj[...], kernels)
         x, normed = self.layer.input_rms_norm(x, None, kernels)
-        cos, sin = head_rope(self.config, positions)
+        cos, sin = traced_rope(self.config, positions)
         x, mlp_out, kv_cache = self.layer(x, normed, cos, sin, kv_cache, metadata, kernels)
         return x + mlp_out, kv_cache
 
@@ -132,9 +130,7 @@ class NextNHead(nnx.Module):
         return self.final_norm(x)
 
     def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
-        logits = linear(self.final_norm(x).astype(matmul_input_dtype(self.lm_head[...])),
-                        self.lm_head[...], kernels)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_ids(self, x, kernels)
 
 
 def nextn_config(target: ModelConfig) -> ModelConfig:
@@ -144,10 +140,9 @@ def nextn_config(target: ModelConfig) -> ModelConfig:
                                moe_layers=(target.num_experts > 0,))
 
 
-def head_rope(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """RoPE's (cos, sin) of `positions` by the head's own config (an EAGLE-3 head's may differ
-    from its target's), computed in the step: the head is one layer, so the recompute the
-    target avoids (step_program.RopeTable) costs it once."""
-    angles = rope_angles(config.rope.inv_freq(config.head_dim), positions)
-    scale = config.rope.attention_factor
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+def greedy_ids(head, x: jax.Array, kernels: Kernels) -> jax.Array:
+    """i32: the argmax of `head`'s LM head over its final norm of each row of `x` (ids of the
+    head's vocabulary)."""
+    logits = linear(head.final_norm(x).astype(matmul_input_dtype(head.lm_head[...])),
+                    head.lm_head[...], kernels)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -160,28 +160,25 @@ class CausalLM(nnx.Module):
 
     def hidden_states(self, input_ids, positions, kv_caches, metadata: AttentionMetadata,
                       kernels: Kernels, rope: tuple[jax.Array, jax.Array] | None = None,
-                      capture: tuple[int, ...] = ()):
+                      capture: tuple[int, ...] | None = None):
         """float32[T, hidden]: the residual stream after the last layer (before the final norm)
         for every token row, and the updated KV caches. Split from `logits` so that a step can
         take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
         logprobs). `rope`: the rows' (cos, sin), `rope_cos_sin(inv_freq, positions,
-        attention_factor)` computed on the host; computed here when not given. `capture`: layer
-        indices whose input (the residual stream entering them) is returned too, as a third
-        value, a list in that order (an EAGLE-3 head's features, model/draft_heads.py)."""
+        attention_factor)` computed on the host; computed here when not given. `capture`
+        (given, even empty): layer indices whose input (the residual stream entering them) is
+        returned too, as a third value, a list in that order (an EAGLE-3 head's features,
+        model/draft_heads.py)."""
         x = embed(self.embedding[...], input_ids).astype(jnp.float32)
-        if rope is None:
-            angles = rope_angles(self.config.rope.inv_freq(self.config.head_dim), positions)
-            scale = self.config.rope.attention_factor  # YaRN's; 1.0 for the other kinds
-            rope = jnp.cos(angles) * scale, jnp.sin(angles) * scale
-        cos, sin = rope
+        cos, sin = rope if rope is not None else traced_rope(self.config, positions)
         new_caches, mlp_out, captured = [], None, {}
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
-            if index in capture:
+            if capture and index in capture:
                 captured[index] = x
             x, mlp_out, kv_cache = layer(x, normed, cos, sin, kv_cache, metadata, kernels)
             new_caches.append(kv_cache)
-        if capture:
+        if capture is not None:
             return x + mlp_out, new_caches, [captured[i] for i in capture]
         return x + mlp_out, new_caches
 
@@ -191,6 +188,16 @@ class CausalLM(nnx.Module):
         if self.config.tie_word_embeddings:
             return linear(x, self.embedding[...], kernels, transposed=True)
         return linear(x, self.lm_head[...], kernels)
+
+
+def traced_rope(config: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
+    """RoPE's (cos, sin) [T, head_dim / 2] of `positions` by `config`, computed in the program
+    (YaRN's attention factor applied; 1.0 for the other kinds): where no host table is sent
+    (step_program.RopeTable), as for a draft head (draft_heads.py) whose RoPE may differ from
+    its target's."""
+    angles = rope_angles(config.rope.inv_freq(config.head_dim), positions)
+    scale = config.rope.attention_factor
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def rope_angles(inv_freq: np.ndarray, positions):
@@ -221,16 +228,24 @@ def abstract_model(config: ModelConfig, dtype, model_class=CausalLM) -> CausalLM
 
 
 def abstract_parameters(config: ModelConfig, dtype, mesh, model_class=CausalLM,
-                        quantization: str | None = None):
+                        quantization: str | None = None, draft_head=None):
     """(graphdef, abstract state, {path: ShapeDtypeStruct of the parameter in `dtype`, with its
     partition spec on `mesh`}): where each weight goes, before any is made, loaded or restored.
     With a `quantization` ("int8", "fp8", an int8.Fp8Checkpoint), the quantized weights are
     `Int8Matrix`es or FP8 matrices of ShapeDtypeStructs (int8.py, fp8_weights.py); the abstract
-    state stays the float model's."""
-    graphdef, state = nnx.split(abstract_model(config, dtype, model_class))
-    parameters = {path: jax.ShapeDtypeStruct(variable.get_value().shape, dtype,
-                                             sharding=NamedSharding(mesh, partition_spec(path)))
-                  for path, variable in nnx.to_flat_state(state)}
+    state stays the float model's. `draft_head`: an abstract speculative draft head
+    (draft_heads.py, under nnx.eval_shape) set on the model, as start-up sets a loaded one;
+    integer tables (its draft-to-target ids) keep their dtype."""
+    model = abstract_model(config, dtype, model_class)
+    if draft_head is not None:
+        model.draft_head = draft_head
+    graphdef, state = nnx.split(model)
+    parameters = {}
+    for path, variable in nnx.to_flat_state(state):
+        value = variable.get_value()
+        kind = value.dtype if jnp.issubdtype(value.dtype, jnp.integer) else dtype
+        parameters[path] = jax.ShapeDtypeStruct(value.shape, kind, sharding=NamedSharding(
+            mesh, partition_spec(path)))
     check_quantization(quantization)
     if quantization is not None:
         parameters = quantized_parameters(parameters, quantization)

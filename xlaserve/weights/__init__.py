@@ -8,7 +8,8 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "check_replica_devices": "loader", "load_model": "loader", "LoadedModel": "loader",
     "read_config": "loader", "resolve_dtype": "loader", "server_load_options": "loader",
     "tensor_parallel_mesh": "loader", "resolve_model_path": "loader",
-    "draft_head_builder": "draft_head", "load_draft_head": "draft_head",
+    "draft_head_builder": "draft_head", "hf_config_of": "draft_head",
+    "load_draft_head": "draft_head",
     "load_server_draft_head": "draft_head",
     "put": "placement",
 }

@@ -217,11 +217,7 @@ def load_server_draft_head(args, loaded):
     --speculative-draft-model-path, NEXTN's from the model's checkpoint, on the model's mesh
     (the engine's start-up and a multi-host follower call it alike)."""
     folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
-    config_path = os.path.join(folder, "config.json")
-    target_hf = {}
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            target_hf = json.load(f)
+    target_hf = hf_config_of(folder)
     path = args.speculative_draft_model_path
     if args.speculative_algorithm == "EAGLE3":
         path = resolve_model_path(path)
@@ -230,3 +226,13 @@ def load_server_draft_head(args, loaded):
     logger.info("Draft head loaded: %s (%s)", type(head).__name__,
                 public_name(args.speculative_draft_model_path or loaded.name))
     return head
+
+
+def hf_config_of(folder: str) -> dict:
+    """The model's config.json in `folder` as a dict (NEXTN reads its num_nextn_predict_layers);
+    {} where there is none (a GGUF file's, whose metadata has no such layer)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)

@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 
-from xlaserve.runtime.distributed.leader import step_digest
+from xlaserve.runtime.distributed.leader import STAGED_VECTORS, step_digest
 from xlaserve.runtime.distributed.setup import CONNECT_TIMEOUT_S, client
 from xlaserve.runtime.distributed.channel import (SECRET_KEY, ChannelClosed, ChannelError, channel_port,
                                            connect)
@@ -91,7 +91,7 @@ def replay(connection, loaded, draft_loaded=None) -> None:
         runners["draft_model_"] = ModelRunner(draft_loaded, **config)
         runners["draft_model_"].max_seqs = meta["max_seqs"]
     draft_head = None
-    if runner.draft_head is not None:  # EAGLE3 / NEXTN: the chains replay through it
+    if runner.draft_head_pool is not None:  # EAGLE3 / NEXTN: the chains replay through it
         from xlaserve.runtime.executor.draft_head import DraftHead
 
         draft_head = DraftHead(runner, None, meta["verify_tokens"] - 1)
@@ -103,9 +103,8 @@ def replay(connection, loaded, draft_loaded=None) -> None:
         if kind.startswith("draft_model_") and "draft_model_" in runners:
             kind, runner = kind[len("draft_model_"):], runners["draft_model_"]
         if kind == "step":
-            vectors = [arrays[k] for k in ("ints", "floats", "table_ints", "table_floats")]
-            staged = runner.staged_from_host(vectors, meta["shape"], meta["widths"],
-                                             meta["needs"])
+            staged = runner.staged_from_host([arrays[k] for k in STAGED_VECTORS],
+                                             meta["shape"], meta["widths"], meta["needs"])
             bitmask = arrays.get("bitmask")
             if bitmask is not None and bitmask.dtype != np.int32:
                 raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")
@@ -119,8 +118,8 @@ def replay(connection, loaded, draft_loaded=None) -> None:
         elif kind == "draft_chain":
             if draft_head is None:
                 raise ChannelError("a draft chain, but this process's model has no draft head")
-            vectors = [arrays[k] for k in ("ints", "floats", "table_ints", "table_floats")]
-            staged = runner.staged_from_host(vectors, meta["shape"], meta["widths"])
+            staged = runner.staged_from_host([arrays[k] for k in STAGED_VECTORS],
+                                             meta["shape"], meta["widths"])
             draft_head._run(staged, arrays["rooms"])
         elif kind == "assign_slots":
             prompts = np.split(arrays["prompt_ids"], np.cumsum(arrays["prompt_lens"])[:-1])

@@ -246,15 +246,12 @@ class _Sink:
         self._leader.broadcast("write_pages", None, positions=positions, pages=pages)
 
     def step(self, staged, token_bitmask: np.ndarray | None) -> None:
-        shape = tuple(int(n) for n in staged.shape)
-        widths = tuple(int(n) for n in staged.widths)
+        shape, widths, arrays = _staged_message(staged)
         if (shape, widths) not in self._checked:  # once per bucket: followers rebuild the layout
             if self._runner.layout_for(shape, widths) != staged.layout:
                 raise RuntimeError(f"the vector layout of a step of shape {shape}, widths {widths} "
                                    "is not a function of its shape: followers cannot split it")
             self._checked.add((shape, widths))
-        arrays = dict(zip(("ints", "floats", "table_ints", "table_floats"), staged.host,
-                          strict=True))
         if token_bitmask is not None:
             arrays["bitmask"] = token_bitmask
         step, interval = self._steps, self._leader.hash_interval
@@ -270,10 +267,7 @@ class _Sink:
 
     def draft_chain(self, staged, rooms: np.ndarray) -> None:
         """A draft head's chain (executor/draft_head.py): its staged vectors and rooms."""
-        shape = tuple(int(n) for n in staged.shape)
-        widths = tuple(int(n) for n in staged.widths)
-        arrays = dict(zip(("ints", "floats", "table_ints", "table_floats"), staged.host,
-                          strict=True))
+        shape, widths, arrays = _staged_message(staged)
         self._leader.broadcast("draft_chain", {"shape": shape, "widths": widths},
                                rooms=np.asarray(rooms, np.int32), **arrays)
 
@@ -282,3 +276,13 @@ class _Sink:
         if self._recording is not None:
             self._leader.record(self._recording, out.sample)
             self._recording = None
+
+
+STAGED_VECTORS = ("ints", "floats", "table_ints", "table_floats")  # StagedStep.host, in order
+
+
+def _staged_message(staged) -> tuple[tuple, tuple, dict]:
+    """(bucket shape, table widths, host vectors by name) of a staged step or chain, as the
+    followers rebuild it (follower.py, `ModelRunner.staged_from_host`)."""
+    return (tuple(int(n) for n in staged.shape), tuple(int(n) for n in staged.widths),
+            dict(zip(STAGED_VECTORS, staged.host, strict=True)))

@@ -137,12 +137,13 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         clock = _lap(timings, "draft model", clock)
     draft_head = None if head is None else DraftHead(runner, buckets,
                                                      args.speculative_num_draft_tokens - 1)
+    drafter = draft or draft_head  # None: NGRAM drafts on the host, or no speculation
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
         radix_cache=not args.disable_radix_cache,
         speculation=SpeculativeConfig.from_server_args(args),
-        drafter=(draft or draft_head).propose if (draft or draft_head) else None)
+        drafter=drafter.propose if drafter is not None else None)
     if args.dp_size > 1:
         scheduler.log.prefix = f"[DP{dp_rank}] "
     eos_token_ids = set(config.eos_token_ids)

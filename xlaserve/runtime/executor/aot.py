@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -32,11 +31,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.weights.draft_head import draft_head_builder
+from xlaserve.weights.draft_head import draft_head_builder, hf_config_of
 from xlaserve.weights.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
-from xlaserve.model.sharding import check_expert_parallel, partition_spec, serving_mesh
-from xlaserve.model.transformer import abstract_model, abstract_parameters
+from xlaserve.model.sharding import check_expert_parallel, serving_mesh
+from xlaserve.model.transformer import abstract_parameters
 from xlaserve.runtime.executor.draft_head import make_chain
 from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs
 from xlaserve.runtime.executor.forward_batch import (sample_rows_for, serving_buckets,
@@ -117,7 +116,7 @@ class StepProgram:
     choosing_step: callable | None = None
     verify_tokens: int = 1  # speculative decoding's verified row (forward_batch.sample_rows_for)
     max_seqs: int = 0  # the largest sequence bucket
-    chain: callable | None = None  # a draft head's draft steps (draft_head_step.make_chain)
+    chain: callable | None = None  # a draft head's draft steps (draft_head.make_chain)
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
                       needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
@@ -171,14 +170,11 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform,
                           mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
     num_slots, vocab = max_running_requests + 1, config.vocab_size
-    if draft_head is None:
-        graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
-                                                      model_class(config.architecture),
-                                                      quantization)
-        pool = None
-    else:  # the head rides on the model, its state in the pool's list (kv_pool.DraftHeadPool)
-        graphdef, parameters = _with_draft_head(config, dtype, mesh, draft_head)
-        pool = DraftHeadPool(draft_head.config, num_slots)
+    graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
+                                                  model_class(config.architecture),
+                                                  quantization, draft_head)
+    # A head's state rides at the end of the pool's list (kv_pool.DraftHeadPool).
+    pool = None if draft_head is None else DraftHeadPool(draft_head.config, num_slots)
     leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
                                          stack_layers=platform == "tpu")
@@ -199,22 +195,6 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     choosing = steps[1] if draft_head is None else None
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
                        choosing, verify_tokens, max_seqs, chain)
-
-
-def _with_draft_head(config: ModelConfig, dtype, mesh: Mesh, head):
-    """(graphdef, {path: ShapeDtypeStruct with its sharding}) of the model with the abstract
-    draft head `head` (nnx.eval_shape of model/draft_heads.py's) on it; integer tables keep
-    their dtype."""
-    model = abstract_model(config, dtype, model_class(config.architecture))
-    model.draft_head = head
-    graphdef, state = nnx.split(model)
-    parameters = {}
-    for path, variable in nnx.to_flat_state(state):
-        value = variable.get_value()
-        kind = value.dtype if jnp.issubdtype(value.dtype, jnp.integer) else dtype
-        parameters[path] = jax.ShapeDtypeStruct(value.shape, kind, sharding=NamedSharding(
-            mesh, partition_spec(path)))
-    return graphdef, parameters
 
 
 def server_step(target: str, server_args: ServerArgs,
@@ -239,11 +219,9 @@ def server_step(target: str, server_args: ServerArgs,
     num_pages = (server_args.max_total_tokens or DEFAULT_KV_TOKENS) // page_size + 1
     head = None
     if server_args.speculative_algorithm in ("EAGLE3", "NEXTN"):
-        with open(os.path.join(server_args.model_path, "config.json")) as f:
-            target_hf = json.load(f)
         build, _ = draft_head_builder(server_args.speculative_algorithm,
                                       server_args.speculative_draft_model_path, config,
-                                      target_hf, dtype)
+                                      hf_config_of(server_args.model_path), dtype)
         head = nnx.eval_shape(build)
     program = step_program(config, dtype, mesh, platform, num_pages=num_pages,
                            page_size=page_size,

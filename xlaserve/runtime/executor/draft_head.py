@@ -30,14 +30,12 @@ from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch
 from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
 from xlaserve.runtime.executor.precompile import warn_compiled_while_serving
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, idle_step, split_leaves
+from xlaserve.runtime.executor.step_program import (SAMPLING_WIDTHS, greedy_sampling, idle_step,
+                                                    split_leaves)
 from xlaserve.runtime.executor.weight_args import leaves_from_args
-from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import SeqChunk
 
 logger = logging.getLogger(__name__)
-_GREEDY = RowSamplingParams(temperature=0.0, seed=0)
 
 
 class DraftHead:
@@ -51,7 +49,6 @@ class DraftHead:
         self._chain = make_chain(graphdef, state_treedef, weight_layout, runner.kernels,
                                  runner.mesh, kv_sharding, runner.config.num_layers, self.steps)
         self._programs: dict[tuple, object] = {}  # shape -> compiled chain
-        self._greedy: dict[int, object] = {}
         self._precompiled = False
 
     def propose(self, requests: list, rooms: list[int]) -> list[list[int]]:
@@ -67,7 +64,7 @@ class DraftHead:
         slots[:len(order)] = [requests[i].slot for i in order]
         sorted_rooms = np.zeros(batch.shape[1], np.int32)
         sorted_rooms[:len(order)] = [rooms[i] for i in order]
-        staged = self.runner.stage(batch, self._metadata(self.runner.sample_rows(batch.shape)),
+        staged = self.runner.stage(batch, greedy_sampling(self.runner.sample_rows(batch.shape)),
                                    slots)
         drafts = np.asarray(self._run(staged, sorted_rooms))
         out: list[list[int]] = [[] for _ in requests]
@@ -123,10 +120,6 @@ class DraftHead:
     def compile_count(self) -> int:
         return len(self._programs) + self._chain._cache_size()
 
-    def _metadata(self, rows: int):
-        if rows not in self._greedy:
-            self._greedy[rows] = build_sampling_metadata([_GREEDY], rows, SAMPLING_WIDTHS)
-        return self._greedy[rows]
 
 
 def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,

@@ -21,12 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
-from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata
+from xlaserve.runtime.executor.step_program import greedy_sampling
 from xlaserve.runtime.scheduler.request import SeqChunk
-
-_GREEDY = RowSamplingParams(temperature=0.0, seed=0)
 
 
 class DraftModel:
@@ -35,7 +31,6 @@ class DraftModel:
         slots and verified-row size; `buckets`: the target's."""
         self.runner = runner
         self.buckets = buckets
-        self._greedy: dict[int, object] = {}  # sample rows -> greedy sampling metadata
 
     def catch_up(self, staged) -> None:
         """Dispatches the draft model's step over a target step's inputs (`stage` of the same
@@ -58,7 +53,7 @@ class DraftModel:
             batch = make_forward_batch(chunks, self.buckets, page_size)
             slots = np.zeros(batch.shape[1], np.int32)
             slots[:len(rows)] = [requests[i].slot for i in rows]
-            out = self.runner.run(self.runner.stage(batch, self._metadata(batch.num_sample_rows),
+            out = self.runner.run(self.runner.stage(batch, greedy_sampling(batch.num_sample_rows),
                                                     slots))
             steps.append((rows, out.sample.tokens))
         drafts: list[list[int]] = [[] for _ in requests]
@@ -67,7 +62,3 @@ class DraftModel:
                 drafts[i].append(token)
         return drafts
 
-    def _metadata(self, rows: int):
-        if rows not in self._greedy:
-            self._greedy[rows] = build_sampling_metadata([_GREEDY], rows, SAMPLING_WIDTHS)
-        return self._greedy[rows]

@@ -150,12 +150,12 @@ class ModelRunner:
         # A speculative draft head (model/draft_heads.py, set on the model by start-up): its
         # state rides at the end of the KV pool's list (kv_pool.DraftHeadPool).
         head = getattr(loaded.model, "draft_head", None)
-        self.draft_head = None if head is None else DraftHeadPool(head.config, num_slots)
+        self.draft_head_pool = None if head is None else DraftHeadPool(head.config, num_slots)
         self._kv_pool = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh,
-                                     in_background=True, draft_head=self.draft_head)
+                                     in_background=True, draft_head=self.draft_head_pool)
         self._kv_caches = None
         self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh,
-                                       self.draft_head)
+                                       self.draft_head_pool)
         if kernels.packed_matmul is not None:
             pack_model(loaded.model, self.config.tie_word_embeddings,
                        int8_as_rows=native_gemm_available())
@@ -207,7 +207,7 @@ class ModelRunner:
             # the layouts a plain jit takes.
             choose_weight_layouts = (self.mesh.devices.flat[0].platform == "tpu"
                                      and replicated.is_fully_addressable
-                                     and self.draft_head is None)
+                                     and self.draft_head_pool is None)
         # The step whose weight layouts XLA chooses, until `precompile` has used it.
         self._choosing_step = (make_step(graphdef, state_treedef, weight_layout, kernels,
                                          self.mesh, kv_sharding, auto_formats(self._weight_args),

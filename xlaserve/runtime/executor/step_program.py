@@ -158,10 +158,9 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                                     metadata, kernels, rope)
         else:  # the head's cache and state follow the layers' (kv_pool.DraftHeadPool)
             head_state = kv_caches[len(model.layers):]
-            hidden, kv_caches, *captured = model.hidden_states(
+            hidden, kv_caches, captured = model.hidden_states(
                 input_ids, batch.positions, kv_caches[:len(model.layers)], metadata, kernels,
                 rope, capture=head.capture_layers)
-            captured = captured[0] if captured else []  # the captured layers' inputs (EAGLE-3)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         # Each sample row's slot (its sequence's; the null slot for padding): without
         # speculation, sample row i is sequence i.
@@ -273,9 +272,16 @@ def idle_step(tokens: int, seqs: int, pages: int, rows: int | None = None):
     default `seqs`) with every row padding: nothing is written to a live page (padding tokens
     write to no page at all)."""
     rows = seqs if rows is None else rows
-    sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], rows,
-                                       SAMPLING_WIDTHS)
-    return empty_batch(tokens, seqs, pages, rows), sampling, np.full(seqs, NULL_SLOT, np.int32)
+    return (empty_batch(tokens, seqs, pages, rows), greedy_sampling(rows),
+            np.full(seqs, NULL_SLOT, np.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_sampling(rows: int) -> SamplingMetadata:
+    """The sampling metadata of `rows` greedy sample rows (idle steps, a drafter's greedy
+    drafts), made once per row count and shared: its arrays are read, never changed."""
+    return build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], rows,
+                                   SAMPLING_WIDTHS)
 
 
 def empty_batch(tokens: int, seqs: int, pages: int, rows: int | None = None) -> ForwardBatch:
