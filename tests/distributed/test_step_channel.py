@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from tests.http.conftest import _free_port
 from xlaserve.runtime.distributed.channel import (TO_FOLLOWER, TO_LEADER, ChannelClosed, ChannelError,
                                            Connection, Listener, channel_port, connect, encode,
                                            new_secret)
@@ -88,9 +89,7 @@ def test_only_numeric_arrays_go_and_garbage_is_refused_before_any_parsing():
 
 
 def test_followers_connect_and_say_hello_a_stranger_is_refused():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     secret = new_secret()
     listener = Listener(port, secret, num_followers=2, hello_timeout_s=5)
     stranger = connect("127.0.0.1", port, b"w" * 32, rank=1, timeout_s=10)  # wrong secret

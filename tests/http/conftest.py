@@ -8,6 +8,7 @@ deterministic, which is all the tests need; transformers runs the same checkpoin
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -111,6 +112,22 @@ def launch_server_process(flags: list[str], log_path, timeout: float = 600):
 
 
 def _free_port() -> int:
+    """A port free now and below the kernel's ephemeral range: a port the kernel hands out (bind
+    to 0) can be handed out again as some other connection's local port before the server binds
+    it (a CI run lost a multi-host test so: Gloo's connections took the leader's HTTP port)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    for _ in range(200) if ephemeral_low > 12000 else ():
+        port = random.SystemRandom().randrange(10000, ephemeral_low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
