@@ -145,6 +145,15 @@ def test_attention_kernel_with_sinks_compiles_for_the_target(target, sinks_case)
     check_compiles_in_place(target, case, sinks=True, sliding_window=window)
 
 
+@pytest.mark.parametrize("target", ["v6e:2x2", "h100"])
+@pytest.mark.parametrize("layout", ["llama-3.1-8b", "qwen2.5-0.5b"])
+def test_prefix_only_attention_compiles_for_the_target(target, layout):
+    """The kernels with `prefix_only` (out and log-sum-exp: speculative tree rows, tree_tokens.py)
+    at a verify step's shape, 64 requests of 8 tree tokens (128 rows: 4 and 1 split on GPU)."""
+    check_compiles_in_place(target, (layout, (512, 64), 16, "bfloat16"), prefix_only=True)
+    check_compiles_in_place(target, (layout, (128, 64), 16, "bfloat16"), prefix_only=True)
+
+
 @pytest.mark.parametrize("layout,sinks,window", [("llama-3.1-8b", False, None),
                                                   ("gpt-oss", True, GPT_OSS_WINDOW)])
 @pytest.mark.parametrize("rows", [1, 8])

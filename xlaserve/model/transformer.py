@@ -40,6 +40,7 @@ from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import MoE
 from xlaserve.model.packed import embed
 from xlaserve.model.sharding import partition_spec
+from xlaserve.pallas_kernels.ragged_paged_attention.tree_tokens import tree_attention
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +52,10 @@ class AttentionMetadata:
     page_indices: jax.Array  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array  # i32[S+1] start of each sequence's new tokens in the packed batch
     num_seqs: jax.Array  # i32[1] live rows of the S padded ones
+    # Speculative tree rows (pallas_kernels/ragged_paged_attention/tree_tokens.py): i32[T], bit j
+    # of a token's the new tokens of its sequence it sees; None: causal (every other step).
+    tree_masks: jax.Array | None = None
+    tree_width: int = dataclasses.field(default=0, metadata={"static": True})  # new tokens a row has at most
 
 
 class Attention(nnx.Module):
@@ -89,11 +94,15 @@ class Attention(nnx.Module):
         else:
             q, k, v = kernels.qkv_rope(qkv, cos, sin, kv_cache.dtype)
         sinks = self.sinks[...].astype(jnp.float32) if c.attention_sinks else None
-        out, kv_cache = kernels.attention(
-            q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
-            metadata.num_seqs, sm_scale=c.head_dim**-0.5, sliding_window=self.sliding_window,
-            sinks=sinks,
-        )
+        args = (q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
+                metadata.num_seqs)
+        if metadata.tree_masks is None:
+            out, kv_cache = kernels.attention(*args, sm_scale=c.head_dim**-0.5,
+                                              sliding_window=self.sliding_window, sinks=sinks)
+        else:  # no sliding window here (server_args refuses trees for such models)
+            out, kv_cache = tree_attention(kernels.attention, *args, metadata.tree_masks,
+                                           sm_scale=c.head_dim**-0.5, width=metadata.tree_width,
+                                           sinks=sinks)
         out = linear(out.reshape(num_tokens, -1), self.o_proj[...], kernels)
         if c.o_bias:
             out = out + self.o_bias[...].astype(jnp.float32)

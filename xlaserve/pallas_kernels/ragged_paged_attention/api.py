@@ -194,7 +194,10 @@ def _split_by_kv_head(kernel: Callable, mesh: Mesh | None) -> Callable:
             args, in_specs = args + (sinks,), in_specs + (P(heads[1]),)
             body = lambda *args_and_sinks: kernel(*args_and_sinks[:-1], sinks=args_and_sinks[-1],
                                                   **options)
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(heads, cache),
+        # prefix_only's lse [T, Hq] is split as the heads are.
+        out_specs = ((heads, P(*heads[:2]), cache) if options.get("prefix_only")
+                     else (heads, cache))
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=False)(*args)
 
     return sharded

@@ -108,5 +108,6 @@ void AttendOneRow(const Problem& p, const WorkItem& item, const WorkItem* follow
     for (int64_t x = 0; x < d; ++x) acc[hq * d + x] *= inv;
   }
   StoreRow<T>(acc, out + item.first_row * hq_count * d, hq_count * d);
+  StoreLse(p, item, m, l);
 }
 }  // namespace xlaserve::attention_cpu

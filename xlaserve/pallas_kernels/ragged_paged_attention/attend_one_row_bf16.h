@@ -168,7 +168,10 @@ void AttendOneRowBf16(const Problem& p, const WorkItem& item, const WorkItem* fo
     }
   }
   for (int64_t hq = 0; hq < hq_count; ++hq)
-    for (int c = 0; c < C; ++c) FromPairOrder(acc + hq * d + 32 * c, l[hq], out + hq * d + 32 * c);
+    // A prefix_only row without keys has l = 0 and acc = 0: it comes out 0, not 0 / 0.
+    for (int c = 0; c < C; ++c)
+      FromPairOrder(acc + hq * d + 32 * c, l[hq] > 0 ? l[hq] : 1.0f, out + hq * d + 32 * c);
+  StoreLse(p, item, m, l);
 }
 }  // namespace xlaserve::attention_cpu
 #endif  // __AVX512BF16__

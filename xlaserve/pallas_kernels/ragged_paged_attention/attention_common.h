@@ -64,6 +64,14 @@ struct WorkItem {
   int32_t seq, first_row, num_rows;  // rows are token indices into q; every kv head of them
 };
 
+// A one-row item's log-sum-exp per query head where the problem asks for it (prefix_only):
+// m holds the running max of scaled scores; a row without keys (l = 0) stays -inf.
+inline void StoreLse(const Problem& p, const WorkItem& item, const float* m, const float* l) {
+  if (p.lse == nullptr) return;
+  for (int64_t h = 0; h < p.num_q_heads; ++h)
+    if (l[h] > 0) p.lse[item.first_row * p.num_q_heads + h] = m[h] + std::log(l[h]);
+}
+
 // Sequence s: its new tokens [cu[s], cu[s+1]) sit at positions [kv_len - q_len, kv_len).
 struct SeqSpan {
   int64_t first_token, q_len, first_pos;

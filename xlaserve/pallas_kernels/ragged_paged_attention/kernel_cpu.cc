@@ -180,8 +180,10 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::Buffer<ffi::S32> num_seqs,
                                     std::optional<ffi::Buffer<ffi::F32>> sinks,
                                     ffi::Result<ffi::AnyBuffer> out,
-                                    ffi::Result<ffi::AnyBuffer> kv_cache_out, float sm_scale,
-                                    int32_t sliding_window, float soft_cap, bool bf16_pairs) {
+                                    ffi::Result<ffi::AnyBuffer> kv_cache_out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale,
+                                    int32_t sliding_window, float soft_cap, bool bf16_pairs,
+                                    bool prefix_only) {
   auto qd = q.dimensions(), kd = k.dimensions(), cd = kv_cache.dimensions();
   // The cache is [pages, page_size, 2 * Hkv, D] or the same memory flat, [pages, page_size,
   // 2 * Hkv * D] (the runtime's): taking both means no reshape around this call, which XLA's
@@ -212,6 +214,14 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   p.sm_scale = sm_scale;
   p.sliding_window = sliding_window;
   p.soft_cap = soft_cap;
+  // prefix_only (speculative tree rows, tree_tokens.py) runs on the one-row items alone.
+  if (lse->element_count() != static_cast<size_t>(prefix_only ? qd[0] * qd[1] : 0) ||
+      (prefix_only && p.head_dim % 8 != 0))
+    return ffi::Error::InvalidArgument(
+        "ragged paged attention (CPU): prefix_only takes an lse [T, Hq] and a head dim that is "
+        "a multiple of 8");
+  p.prefix_only = prefix_only;
+  p.lse = prefix_only ? lse->typed_data() : nullptr;
   return Launch(pool, p, "ragged paged attention",
                 {q.element_type(), k.element_type(), v.element_type(), kv_cache.element_type()},
                 kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, RunAttention<float>,
@@ -278,10 +288,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRaggedPagedAttention, RaggedPagedAttention
                                   .OptionalArg<ffi::Buffer<ffi::F32>>()  // sinks [Hq]
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::AnyBuffer>()         // kv_cache (aliases the input)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq], or [0]
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<bool>("bf16_pairs"));
+                                  .Attr<bool>("bf16_pairs")
+                                  .Attr<bool>("prefix_only"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMlaRaggedPagedAttention, LatentAttentionImpl,
                               ffi::Ffi::Bind()

@@ -17,6 +17,7 @@ import numpy as np
 
 # KernelUnavailable: re-exported (api.py catches kernel_cpu.KernelUnavailable)
 from xlaserve.native.build import KernelUnavailable, register  # noqa: F401
+from xlaserve.pallas_kernels.ragged_paged_attention import reference
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
 
 TARGET_NAME = "xlaserve_ragged_paged_attention_cpu"
@@ -41,14 +42,22 @@ def bf16_pairs_supported() -> bool:
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           bf16_pairs=None):
+                           bf16_pairs=None, prefix_only=False):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache), the cache updated in place
-    (the custom call's cache output aliases its input). `bf16_pairs`: bfloat16 dot products on
-    VDPBF16PS (None: where the CPU has them; False: widen to float32, for tests)."""
+    (the custom call's cache output aliases its input), or with `prefix_only` (out, lse,
+    kv_cache) (the one-row items; other head dims take the reference). `bf16_pairs`: bfloat16
+    dot products on VDPBF16PS (None: where the CPU has them; False: widen to float32, for
+    tests)."""
     bf16_pairs = _checked_bf16_pairs(q, kv_cache, bf16_pairs)
+    if prefix_only and q.shape[2] % 8:  # the kernel's block items do not take it: the reference
+        return reference.ragged_paged_attention(
+            q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, prefix_only=True)
+    lse_shape = q.shape[:2] if prefix_only else (0,)  # the custom call always has the output
     call = jax.ffi.ffi_call(
         TARGET_NAME,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+         jax.ShapeDtypeStruct(lse_shape, np.float32)),
         input_output_aliases={3: 1},
     )
     as_i32 = functools.partial(jax.numpy.asarray, dtype=np.int32)
@@ -56,10 +65,12 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     optional = () if sinks is None else (check_sinks(sinks, q.shape[1]),)
     # The cache goes in as stored (flat or by head; the kernel takes both): a reshape around
     # this aliased call made XLA copy the whole cache, every layer and step.
-    return call(q, k.astype(q.dtype), v.astype(q.dtype), kv_cache, as_i32(kv_lens),
-                as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs), *optional,
-                sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0), bf16_pairs=bool(bf16_pairs))
+    out, kv_cache, lse = call(
+        q, k.astype(q.dtype), v.astype(q.dtype), kv_cache, as_i32(kv_lens), as_i32(page_indices),
+        as_i32(cu_q_lens), as_i32(num_seqs), *optional, sm_scale=np.float32(sm_scale),
+        sliding_window=np.int32(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+        bf16_pairs=bool(bf16_pairs), prefix_only=bool(prefix_only))
+    return (out, lse, kv_cache) if prefix_only else (out, kv_cache)
 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,

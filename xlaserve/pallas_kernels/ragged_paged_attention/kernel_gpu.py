@@ -133,9 +133,10 @@ def default_num_kv_splits(num_items: int, num_kv_heads: int, num_kv_blocks: int,
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
                            interpret=False, q_block=None, kv_block_pages=None, num_kv_splits=None,
-                           num_warps=4, num_stages=None):
-    """See `reference.ragged_paged_attention`; returns (out, kv_cache). `num_kv_splits`: split-KV
-    programs per (work item, kv head), default `default_num_kv_splits`."""
+                           num_warps=4, num_stages=None, prefix_only=False):
+    """See `reference.ragged_paged_attention`; returns (out, kv_cache), or with `prefix_only`
+    (out, lse, kv_cache). `num_kv_splits`: split-KV programs per (work item, kv head), default
+    `default_num_kv_splits`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
@@ -158,13 +159,13 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     whole_cache = (num_pages, page_size, None, None, head_dim)
     cache_specs = [pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 0, 0)),  # K
                    pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 1, 0))]  # V
-    out = _attend_items(
+    result = _attend_items(
         q, [cache, cache], cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs,
         num_kv_heads=num_kv_heads, group=group, max_rows=128, q_block=q_block,
         kv_block_pages=kv_block_pages, num_kv_splits=num_kv_splits, out_dim=head_dim,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None, prefix_only=False)
-    return out, kv_cache
+        sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None, prefix_only=prefix_only)
+    return (*result, kv_cache) if prefix_only else (result, kv_cache)
 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,

@@ -84,8 +84,9 @@ def default_kv_block_pages(page_size, token_bytes, pages_per_seq):
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           interpret=False, q_block=None, kv_block_pages=None):
-    """See `reference.ragged_paged_attention`; returns (out, kv_cache)."""
+                           interpret=False, q_block=None, kv_block_pages=None, prefix_only=False):
+    """See `reference.ragged_paged_attention`; returns (out, kv_cache), or with `prefix_only`
+    (out, lse, kv_cache)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
@@ -95,11 +96,12 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     # tiled on its last two dims on TPU, and this reshape would copy the whole cache.
     flat_cache = kv_cache.reshape(num_pages, page_size, 2 * num_kv_heads * head_dim)
     new_kv = jnp.stack([k, v], axis=2).reshape(num_tokens, -1)  # K of kv head h, then its V
-    out, flat_cache = _attend_items(
+    *out, flat_cache = _attend_items(
         q, new_kv, flat_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs,
         num_kv_heads=num_kv_heads, group=group, q_block=q_block, kv_block_pages=kv_block_pages,
-        interpret=interpret, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    return out, flat_cache.reshape(kv_cache.shape)
+        interpret=interpret, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        prefix_only=prefix_only)
+    return (*out, flat_cache.reshape(kv_cache.shape))
 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,

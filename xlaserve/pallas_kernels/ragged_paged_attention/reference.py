@@ -54,8 +54,10 @@ def default_kv_block_pages(page_size, num_items, q_block, num_q_heads, num_kv_he
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           q_block=None, kv_block_pages=None):
-    """Attends the new tokens `q` of all sequences to their paged KV; returns (out, kv_cache).
+                           q_block=None, kv_block_pages=None, prefix_only=False):
+    """Attends the new tokens `q` of all sequences to their paged KV; returns (out, kv_cache),
+    or with `prefix_only` (out, lse, kv_cache) over each sequence's keys from before this step
+    (`attend_paged`; speculative tree rows attend to one another apart: tree_tokens.py).
 
     q [T, Hq, D]; k, v [T, Hkv, D]; kv_cache [num_pages, page_size, 2*Hkv, D] (K of kv head h at
     2h, V at 2h+1), or the same stored flat as [num_pages, page_size, 2*Hkv*D] (the runtime's
@@ -79,12 +81,12 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         shape = (pages.shape[0], -1, num_kv_heads, head_dim)
         return k_chunk.reshape(shape), v_chunk.reshape(shape)
 
-    out, kv_cache = attend_paged(
+    *out, kv_cache = attend_paged(
         q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
         num_kv_heads=num_kv_heads, value_dim=head_dim, read_chunk=read_chunk, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, q_block=q_block,
-        kv_block_pages=kv_block_pages)
-    return out, kv_cache.reshape(stored_shape)
+        kv_block_pages=kv_block_pages, prefix_only=prefix_only)
+    return (*out, kv_cache.reshape(stored_shape))
 
 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
