@@ -90,6 +90,43 @@ def eagle3_reference_drafts(target_model, head: dict, sequence: list[int], count
     return drafts
 
 
+def eagle3_reference_beam(target_model, head: dict, sequence: list[int], topk: int,
+                          steps: int) -> list[tuple[tuple[int, ...], float]]:
+    """The head's beam from scratch (runtime/executor/draft_tree.py): (path of drafted tokens,
+    its log-probability under the head) of every node of `steps` levels of the `topk` likeliest
+    paths, each path's head rows computed over the whole sequence and the path."""
+    t, c = head["tensors"], head["config"]
+    capture = c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    with torch.no_grad():
+        out = target_model(torch.tensor([sequence[:-1]]), output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i + 1][0] for i in capture], -1)
+        target_states = aux @ torch.from_numpy(t["fc.weight"]).T
+        embedding = target_model.get_input_embeddings().weight
+        lm_head = torch.from_numpy(t["lm_head.weight"])
+        d2t = torch.from_numpy(t["d2t"])
+
+        def children(path):  # (token, log-probability) of the topk likeliest after `path`
+            tokens, states = list(sequence[1:]), target_states
+            x = None
+            for depth in range(len(path) + 1):
+                x = _eagle3_layer(head, embedding[torch.tensor(tokens)], states)
+                if depth < len(path):
+                    tokens.append(path[depth])
+                    states = torch.cat([target_states, x[len(sequence) - 2:]], 0)
+            logits = _rms(x[-1], torch.from_numpy(t["norm.weight"])) @ lm_head.T
+            logprobs, ids = torch.topk(torch.log_softmax(logits.double(), -1), topk)
+            return [(int(i) + int(d2t[int(i)]), float(p)) for i, p in zip(ids, logprobs)]
+
+        beam = [((token,), score) for token, score in children(())]
+        nodes = list(beam)
+        for _ in range(steps - 1):
+            candidates = [(path + (token,), score + lp) for path, score in beam
+                          for token, lp in children(path)]
+            beam = sorted(candidates, key=lambda c: -c[1])[:topk]
+            nodes += beam
+    return nodes
+
+
 def add_nextn_layer(directory: str, target_model, seed: int = 2) -> dict:
     """Give the tiny DeepSeek-V3 checkpoint in `directory` a multi-token-prediction layer, as
     DeepSeek's checkpoints hold it (`model.layers.<num_hidden_layers>.*`, config

@@ -208,10 +208,11 @@ class ServerArgs:
               "(config.json and safetensors, as SGLang loads)", path=True)
     speculative_num_steps: Optional[int] = _flag(
         None, "EAGLE3 / NEXTN: draft steps per verified row, SGLang's (a chain: "
-              "--speculative-num-draft-tokens is this plus one)")
+              "--speculative-num-draft-tokens is this plus one; a tree: its depth, default 3)")
     speculative_eagle_topk: Optional[int] = _flag(
-        None, "EAGLE3 / NEXTN: drafts per step, SGLang's; 1 (a chain) is built, tree drafting "
-              "(more than 1) is refused")
+        None, "EAGLE3 / NEXTN: drafts kept per step, SGLang's; 1: a chain; more (EAGLE3): a "
+              "tree, the likeliest --speculative-num-draft-tokens - 1 nodes of a beam of this "
+              "many paths, verified in one row (topk x steps <= 32)")
     speculative_num_draft_tokens: Optional[int] = _flag(
         None, "tokens per verified row, the last accepted token included, as SGLang's: a row "
               "checks this many less one drafted tokens (default 5)")
@@ -377,16 +378,19 @@ class ServerArgs:
                              f"{self.speculative_disable_by_batch_size}")
 
     def _resolve_draft_steps(self, algorithm: str) -> None:
-        """SGLang's EAGLE flags: --speculative-eagle-topk 1 (tree drafting is not built) and
-        --speculative-num-steps, which sets the row's tokens (steps + 1)."""
+        """SGLang's EAGLE flags: --speculative-num-steps, which sets a chain's row tokens (steps
+        + 1), and --speculative-eagle-topk, which makes the drafts a tree (`_resolve_tree`)."""
         head = algorithm in ("EAGLE3", "NEXTN")
         if not head and (self.speculative_num_steps is not None
                          or self.speculative_eagle_topk is not None):
             raise ValueError("--speculative-num-steps and --speculative-eagle-topk go with "
                              "--speculative-algorithm EAGLE3 or NEXTN")
-        if (self.speculative_eagle_topk or 1) != 1:
-            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: tree "
-                             "drafting is not built; 1 (a chain of drafts) is")
+        if self.speculative_eagle_topk is not None and self.speculative_eagle_topk < 1:
+            raise ValueError("--speculative-eagle-topk must be 1 or more; got "
+                             f"{self.speculative_eagle_topk}")
+        if (self.speculative_eagle_topk or 1) > 1:
+            self._resolve_tree(algorithm)
+            return
         steps = self.speculative_num_steps
         if steps is None:
             return
@@ -397,6 +401,26 @@ class ServerArgs:
                              f"makes rows of {steps + 1} tokens; --speculative-num-draft-tokens "
                              f"says {self.speculative_num_draft_tokens}")
         self.speculative_num_draft_tokens = steps + 1
+
+    def _resolve_tree(self, algorithm: str) -> None:
+        """Tree drafting: EAGLE3 only (NEXTN's latent attention takes no tree masks), a beam of
+        topk paths `steps` deep (default 3), of which --speculative-num-draft-tokens - 1 nodes
+        (default all, to 32 tokens a row) are verified."""
+        topk = self.speculative_eagle_topk
+        if algorithm != "EAGLE3":
+            raise ValueError(f"--speculative-eagle-topk {topk}: tree drafting is built for "
+                             "EAGLE3; NEXTN drafts a chain (--speculative-eagle-topk 1)")
+        steps = self.speculative_num_steps = self.speculative_num_steps or 3
+        if steps < 1 or topk * steps > 32:
+            raise ValueError(f"--speculative-eagle-topk {topk} x --speculative-num-steps {steps} "
+                             "must be 1 to 32 (a tree row's tokens are an int32 mask's bits)")
+        tokens = self.speculative_num_draft_tokens
+        if tokens is None:
+            tokens = self.speculative_num_draft_tokens = min(topk * steps + 1, 32)
+        if not 2 <= tokens <= min(topk * steps + 1, 32):
+            raise ValueError(f"--speculative-num-draft-tokens {tokens}: a tree of topk {topk} "
+                             f"and {steps} steps verifies 2 to {min(topk * steps + 1, 32)} tokens "
+                             "(its root and its likeliest nodes)")
 
     def _apply_speculative_config(self, text: str) -> None:
         try:

@@ -156,11 +156,24 @@ def test_vllm_speculative_config_and_sglangs_eagle_flags_map_onto_ours_and_bad_o
     assert (eagle.speculative_algorithm, eagle.speculative_num_draft_tokens) == ("EAGLE3", 4)
     mtp = ServerArgs(model_path="m", speculative_config='{"method": "deepseek_mtp"}')
     assert (mtp.speculative_algorithm, mtp.speculative_num_draft_tokens) == ("NEXTN", 5)
+    tree = ServerArgs(model_path="m", speculative_algorithm="EAGLE3",
+                      speculative_draft_model_path="head", speculative_eagle_topk=4)
+    assert (tree.speculative_num_steps, tree.speculative_num_draft_tokens) == (3, 13)
+    tree = ServerArgs(model_path="m", speculative_algorithm="EAGLE3",
+                      speculative_draft_model_path="head", speculative_eagle_topk=8,
+                      speculative_num_steps=4, speculative_num_draft_tokens=16)
+    assert tree.speculative_num_draft_tokens == 16
+    eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "head"}
     for bad, words in [({"speculative_algorithm": "EAGLE3"}, "need it"),
                        ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "d"},
                         "NEXTN reads the model's own checkpoint"),
                        ({"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 4},
-                        "tree drafting is not built"),
+                        "tree drafting is built for EAGLE3"),
+                       ({**eagle3, "speculative_eagle_topk": 8, "speculative_num_steps": 5},
+                        "must be 1 to 32"),
+                       ({**eagle3, "speculative_eagle_topk": 2, "speculative_num_steps": 3,
+                         "speculative_num_draft_tokens": 8}, "verifies 2 to 7 tokens"),
+                       ({**eagle3, "speculative_eagle_topk": 0}, "1 or more"),
                        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3,
                          "speculative_num_draft_tokens": 8}, "makes rows of 4 tokens"),
                        ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3},

@@ -97,6 +97,14 @@ class Eagle3Head(nnx.Module):
         """The greedy draft (a target id) of each row of layer outputs `x`."""
         return self.draft_to_target[...][greedy_ids(self, x, kernels)]
 
+    def top_drafts(self, x: jax.Array, k: int, kernels: Kernels) -> tuple[jax.Array, jax.Array]:
+        """(target ids i32[T, k], their log-probabilities f32[T, k]): the `k` likeliest drafts
+        of each row of layer outputs `x`, likeliest first (tree drafting, draft_head.py)."""
+        logits = linear(self.final_norm(x).astype(matmul_input_dtype(self.lm_head[...])),
+                        self.lm_head[...], kernels)
+        logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
+        return self.draft_to_target[...][ids], logprobs
+
 
 class NextNHead(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):

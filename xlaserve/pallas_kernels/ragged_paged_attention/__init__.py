@@ -1,12 +1,14 @@
 """Ragged paged attention: the pure-jnp specification (reference.py) and its CPU (C++), TPU and GPU
 (Pallas) kernels, one picked for the platform by `get_attention_fn`; multi-head latent
-attention's absorbed and expanded forms, and `merge_by_lse` of their halves."""
+attention's absorbed and expanded forms, and `merge_by_lse` of their halves; speculative tree
+rows' attention (`tree_attention`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "check_shapes": "api", "default_page_size": "api", "get_attention_fn": "api",
     "get_expanded_prefill_fns": "api", "get_latent_attention_fn": "api",
     "merge_by_lse": "reference", "mla_ragged_paged_attention": "reference",
+    "tree_attention": "tree_tokens",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -94,7 +94,8 @@ def replay(connection, loaded, draft_loaded=None) -> None:
     if runner.draft_head_pool is not None:  # EAGLE3 / NEXTN: the chains replay through it
         from xlaserve.runtime.executor.draft_head import DraftHead
 
-        draft_head = DraftHead(runner, None, meta["verify_tokens"] - 1)
+        draft_head = DraftHead(runner, None, meta["verify_tokens"] - 1, meta["draft_topk"],
+                               meta["draft_tree_steps"])
     logger.info("Following rank 0's steps")
     pending = None
     while True:
@@ -104,7 +105,8 @@ def replay(connection, loaded, draft_loaded=None) -> None:
             kind, runner = kind[len("draft_model_"):], runners["draft_model_"]
         if kind == "step":
             staged = runner.staged_from_host([arrays[k] for k in STAGED_VECTORS],
-                                             meta["shape"], meta["widths"], meta["needs"])
+                                             meta["shape"], meta["widths"], meta["needs"],
+                                             int(meta.get("tree_width", 0)))
             bitmask = arrays.get("bitmask")
             if bitmask is not None and bitmask.dtype != np.int32:
                 raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")

@@ -31,7 +31,10 @@ def lead(args, runner) -> "Leader":
         "context_length": int(runner.context_length),
         "attention_backend": args.attention_backend, "matmul_backend": args.matmul_backend,
         "mla_expanded_prefill_tokens": args.mla_expanded_prefill_tokens,
-        "verify_tokens": int(runner.verify_tokens), "max_seqs": int(runner.max_seqs)})
+        "verify_tokens": int(runner.verify_tokens), "max_seqs": int(runner.max_seqs),
+        # A draft head's tree (--speculative-eagle-topk > 1): its chain program's shape.
+        "draft_topk": int(args.speculative_eagle_topk or 1),
+        "draft_tree_steps": int(args.speculative_num_steps or 0)})
     runner.sink = _Sink(leader, runner)
     if leader.hash_interval:
         logger.info("Step hash check on: every %d-th step's sampled outputs are compared with "
@@ -247,17 +250,18 @@ class _Sink:
 
     def step(self, staged, token_bitmask: np.ndarray | None) -> None:
         shape, widths, arrays = _staged_message(staged)
-        if (shape, widths) not in self._checked:  # once per bucket: followers rebuild the layout
-            if self._runner.layout_for(shape, widths) != staged.layout:
+        tree = int(staged.tree_width)
+        if (shape, widths, tree) not in self._checked:  # once per bucket: followers rebuild it
+            if self._runner.layout_for(shape, widths, tree) != staged.layout:
                 raise RuntimeError(f"the vector layout of a step of shape {shape}, widths {widths} "
                                    "is not a function of its shape: followers cannot split it")
-            self._checked.add((shape, widths))
+            self._checked.add((shape, widths, tree))
         if token_bitmask is not None:
             arrays["bitmask"] = token_bitmask
         step, interval = self._steps, self._leader.hash_interval
         self._steps += 1
         # The program variant's needs (runtime/sampling/step_needs.py): None (RUN_TIME) on the CPU.
-        meta = {"shape": shape, "widths": widths,
+        meta = {"shape": shape, "widths": widths, "tree_width": tree,
                 "needs": None if staged.needs is None else staged.needs.as_list()}
         if interval and step % interval == 0 and self._hashed:
             meta.update(step=step, hash=True)

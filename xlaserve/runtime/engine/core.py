@@ -36,6 +36,7 @@ from xlaserve.runtime.sampling.params import (InvalidGrammar, RequestLimits, Row
                                               prompt_token_ids, stop_token_set)
 from xlaserve.runtime.sampling.sampler import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import Request, SampledRow
+from xlaserve.runtime.scheduler.speculation import row_depths
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -380,9 +381,10 @@ class EngineCore:
             fb = forward_batch_for(self._live_requests.with_prompt_targets(batch), self.buckets,
                                    self.runner.page_size)
             ahead = batch.row_ahead()
-            if any(c.num_drafts for c in batch.chunks):  # a verified row samples per token
+            if any(c.num_drafts for c in batch.chunks):  # a verified row samples per token,
+                # each as the output's token after its drafts (a tree node's: after its depth)
                 rows = [(r, a + j) for r, c, a in zip(batch.requests, batch.chunks, ahead)
-                        for j in range(1 + c.num_drafts)]
+                        for j in row_depths(c)]
                 requests, ahead = [r for r, _ in rows], [a for _, a in rows]
             sample_index = [len(r.output_ids) + a for r, a in zip(requests, ahead)]
         padded_seqs = fb.shape[1]

@@ -135,8 +135,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         if leader is not None:  # the followers build its runner and replay it too
             leader.follow_runner(draft.runner, "draft_model_")
         clock = _lap(timings, "draft model", clock)
-    draft_head = None if head is None else DraftHead(runner, buckets,
-                                                     args.speculative_num_draft_tokens - 1)
+    draft_head = None if head is None else DraftHead(
+        runner, buckets, args.speculative_num_draft_tokens - 1, args.speculative_eagle_topk or 1,
+        args.speculative_num_steps or 0)
     drafter = draft or draft_head  # None: NGRAM drafts on the host, or no speculation
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
@@ -162,7 +163,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         if (compilation_cache_dir is not None and not args.disable_executable_cache
                 and enabled_by_environment()):
             cache = ExecutableCache.open(os.path.join(compilation_cache_dir, "executables"))
-        runner.precompile(buckets.all_shapes(), cache=cache)
+        runner.precompile(buckets.all_shapes(), cache=cache, tree_shapes=buckets.tree_shapes(),
+                          tree_width=buckets.tree_width)
         if draft is not None:
             draft.runner.precompile(buckets.all_shapes(), cache=cache)
         if draft_head is not None:

@@ -22,38 +22,47 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch
-from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
+from xlaserve.runtime.executor.draft_tree import chain_inputs, make_tree_chain, select_tree
 from xlaserve.runtime.executor.precompile import warn_compiled_while_serving
-from xlaserve.runtime.executor.step_program import (SAMPLING_WIDTHS, greedy_sampling, idle_step,
-                                                    split_leaves)
-from xlaserve.runtime.executor.weight_args import leaves_from_args
+from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, greedy_sampling, idle_step
 from xlaserve.runtime.scheduler.request import SeqChunk
 
 logger = logging.getLogger(__name__)
 
 
 class DraftHead:
-    def __init__(self, runner, buckets: Buckets | None, max_drafts: int):
+    def __init__(self, runner, buckets: Buckets | None, max_drafts: int, topk: int = 1,
+                 tree_steps: int = 0):
         """`runner`: the target's ModelRunner, its model carrying the head; `buckets`: the
         server's (None on a multi-host follower, which only replays `_run`); `max_drafts`: the
-        drafts of a verified row at most (`--speculative-num-draft-tokens` - 1)."""
-        self.runner, self.buckets = runner, buckets
+        drafts of a verified row at most (`--speculative-num-draft-tokens` - 1); `topk` > 1:
+        trees of `tree_steps` levels (draft_tree.py; --speculative-eagle-topk and -num-steps)."""
+        self.runner, self.buckets, self.topk = runner, buckets, topk
         self.steps = max_drafts - 1  # the first draft comes from the serving step
         graphdef, state_treedef, weight_layout, kv_sharding = runner.program_parts
-        self._chain = make_chain(graphdef, state_treedef, weight_layout, runner.kernels,
-                                 runner.mesh, kv_sharding, runner.config.num_layers, self.steps)
+        parts = (graphdef, state_treedef, weight_layout, runner.kernels, runner.mesh,
+                 kv_sharding, runner.config.num_layers)
+        if topk > 1:
+            self.steps = tree_steps
+            self._chain = make_tree_chain(*parts, topk, tree_steps)
+        else:
+            self._chain = make_chain(*parts, self.steps)
         self._programs: dict[tuple, object] = {}  # shape -> compiled chain
         self._precompiled = False
 
-    def propose(self, requests: list, rooms: list[int]) -> list[list[int]]:
+    def propose(self, requests: list, rooms: list[int]) -> list:
         """Up to `rooms[i]` greedy draft tokens for each request (running, decoding, its pages
-        grown to hold `num_computed + 1 + rooms[i]` tokens)."""
+        grown to hold `num_computed + 1 + rooms[i]` tokens), or with topk > 1 a DraftTree of
+        as many nodes."""
+        if self.topk > 1:  # a tree row is recomputed past the position: within the table
+            capacity = self.buckets.pages[-1] * self.runner.page_size
+            rooms = [room if r.num_computed + self.topk * self.steps < capacity else 0
+                     for r, room in zip(requests, rooms)]
         order = sorted(range(len(requests)), key=lambda i: -rooms[i])
         # Page lists copied: the device page table skips a row whose list is the one it last
         # wrote (page_table.py), and the scheduler extends a request's in place.
@@ -66,8 +75,15 @@ class DraftHead:
         sorted_rooms[:len(order)] = [rooms[i] for i in order]
         staged = self.runner.stage(batch, greedy_sampling(self.runner.sample_rows(batch.shape)),
                                    slots)
-        drafts = np.asarray(self._run(staged, sorted_rooms))
-        out: list[list[int]] = [[] for _ in requests]
+        drafts = self._run(staged, sorted_rooms)
+        out: list = [[] for _ in requests]
+        if self.topk > 1:
+            (nodes, scores) = jax.tree.map(np.asarray, drafts)
+            for row, i in enumerate(order):
+                if rooms[i]:
+                    out[i] = select_tree(nodes[0, row], nodes[1, row], scores[row], rooms[i])
+            return out
+        drafts = np.asarray(drafts)
         for row, i in enumerate(order):
             out[i] = drafts[row, :rooms[i]].tolist()
         return out
@@ -93,7 +109,7 @@ class DraftHead:
                 warn_compiled_while_serving(staged.shape, SAMPLING_WIDTHS, "draft head")
         runner.page_table.rows.commit(staged.page_updates)
         if runner.sink is not None:  # replicated over every process: this one's copy
-            drafts = drafts.addressable_data(0)
+            drafts = jax.tree.map(lambda x: x.addressable_data(0), drafts)
         return drafts
 
     def chain_shapes(self, max_rows: int) -> list[tuple[int, int, int]]:
@@ -114,8 +130,8 @@ class DraftHead:
                 runner._weight_args, runner._kv_specs, runner.page_table.array, staged.ints,
                 staged.floats, np.zeros(shape[1], np.int32), layout=staged.layout[0]).compile()
         self._precompiled = True
-        logger.info("Draft head: %d chain programs of %d steps compiled",
-                    len(self._programs), self.steps)
+        logger.info("Draft head: %d %s programs of %d steps compiled", len(self._programs),
+                    f"tree (top {self.topk})" if self.topk > 1 else "chain", self.steps)
 
     def compile_count(self) -> int:
         return len(self._programs) + self._chain._cache_size()
@@ -135,13 +151,10 @@ def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_shardin
     replicated = NamedSharding(mesh, P())
 
     def chain(weights, kv_caches, page_table, ints, floats, rooms, layout):
-        batch, _, slots, _, writes = split_leaves(ints, floats, layout)
-        state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
-        model = nnx.merge(graphdef, state)
+        batch, slots, model, page_table, pages = chain_inputs(
+            graphdef, state_treedef, weight_layout, weights, page_table, ints, floats, layout)
         head = model.draft_head
         head_kv, draft_tokens, states = kv_caches[num_layers:]
-        page_table = apply_writes(page_table, writes)
-        pages = gather_rows(page_table, slots, batch.pages)
         tokens, seqs = batch.input_ids.shape[0], slots.shape[0]
         token_slots = jnp.zeros(tokens, jnp.int32).at[:seqs].set(slots)  # tokens >= seqs
         ids, x_state = draft_tokens[token_slots], states[token_slots]

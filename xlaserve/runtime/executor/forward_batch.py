@@ -111,11 +111,12 @@ class Buckets:
     pages: tuple[int, ...]  # pages per sequence in the page table
     grid: bool = False  # every (tokens, seqs) pair, or one sequence bucket per token bucket
     verify_tokens: int = 1  # tokens of a speculative verified row at most (1: no speculation)
+    tree: bool = False  # verified rows may be trees (--speculative-eagle-topk > 1)
 
     @classmethod
     def for_limits(cls, max_tokens_per_step: int, max_seqs: int, max_pages_per_seq: int,
                    token_paddings=None, seq_paddings=None, page_paddings=None,
-                   verify_tokens: int = 1) -> "Buckets":
+                   verify_tokens: int = 1, tree: bool = False) -> "Buckets":
         """Default power-of-two lists, or the caller's (e.g. `--precompile-token-paddings`)."""
         return cls(
             tokens=_sorted(token_paddings) or pow2_buckets(8, max_tokens_per_step),
@@ -123,6 +124,7 @@ class Buckets:
             pages=_sorted(page_paddings) or pow2_buckets(1, max_pages_per_seq),
             grid=bool(seq_paddings),
             verify_tokens=verify_tokens,
+            tree=tree,
         )
 
     def sample_rows(self, tokens: int, seqs: int) -> int:
@@ -147,6 +149,18 @@ class Buckets:
     def all_shapes(self) -> list[tuple[int, int, int]]:
         """Every (tokens, seqs, pages) a step can take: the set to precompile."""
         return [(t, s, p) for t, s in self.step_shapes() for p in self.pages]
+
+    @property
+    def tree_width(self) -> int:
+        """A tree step's `ForwardBatch.tree_width` (0: the server verifies no tree)."""
+        return self.verify_tokens if self.tree else 0
+
+    def tree_shapes(self) -> list[tuple[int, int, int]]:
+        """The shapes a step with tree rows can take, which run the tree program too: a step
+        with drafts holds at most the largest sequence bucket's tokens (`sample_rows_for`)."""
+        if not self.tree:
+            return []
+        return [shape for shape in self.all_shapes() if shape[0] <= self.seqs[-1]]
 
 
 def _sorted(values) -> tuple[int, ...] | None:
@@ -180,6 +194,7 @@ def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: s
         # wide table costs little, and each extra width would multiply the compiled programs.
         page_paddings=[pages],
         verify_tokens=verify_tokens,
+        tree=bool(args.speculative_algorithm) and (args.speculative_eagle_topk or 1) > 1,
     )
     check_shapes(args.attention_backend, platform, page_size=args.page_size, head_dim=head_dim,
                  dtype=dtype, max_seqs=max(buckets.seqs), pages_per_seq=max(buckets.pages),
@@ -194,11 +209,11 @@ def _int_list(text: str | None) -> list[int] | None:
 # --- the step's batch --------------------------------------------------------------------------
 
 _ARRAYS = ("input_ids", "positions", "kv_lens", "cu_q_lens", "num_seqs", "logits_indices",
-           "sample_rows", "sample_seqs", "target_ids", "input_slots", "next_ids")
+           "sample_rows", "sample_seqs", "target_ids", "input_slots", "next_ids", "tree_masks")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_ARRAYS,
-                   meta_fields=("pages",), drop_fields=("page_ids",))
+                   meta_fields=("pages", "tree_width"), drop_fields=("page_ids",))
 @dataclasses.dataclass
 class ForwardBatch:
     input_ids: np.ndarray  # i32[T]
@@ -224,7 +239,13 @@ class ForwardBatch:
     # that ends before the prompt does), else -1: a speculative draft head reads it
     # (executor/draft_head_step.py).
     next_ids: np.ndarray
+    # i32[T]: in a step with speculative tree rows, the new tokens of its sequence each token
+    # sees (bit j: the j-th; pallas_kernels/ragged_paged_attention/tree_tokens.py), else 0.
+    tree_masks: np.ndarray
     pages: int  # pages per sequence: the width of the page table the attention reads
+    # > 0: the step has tree rows and runs the tree program (static): its rows hold at most this
+    # many tokens. 0: causal attention, every other step.
+    tree_width: int = 0
     # Each live sequence's pages (host only, not a pytree leaf: ModelRunner writes them into the
     # device's page table). Lists the batch does not own: read, never changed.
     page_ids: list[list[int]] = dataclasses.field(default_factory=list)
@@ -245,7 +266,9 @@ class ForwardBatch:
         page_indices = np.full((self.shape[1], self.pages), NULL_PAGE, np.int32)
         write_rows(page_indices, self.page_ids)
         return AttentionMetadata(kv_lens=self.kv_lens, page_indices=page_indices,
-                                 cu_q_lens=self.cu_q_lens, num_seqs=self.num_seqs)
+                                 cu_q_lens=self.cu_q_lens, num_seqs=self.num_seqs,
+                                 tree_masks=self.tree_masks if self.tree_width else None,
+                                 tree_width=self.tree_width)
 
 
 def write_rows(table: np.ndarray, page_ids: list[list[int]]) -> None:
@@ -301,6 +324,17 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
         itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, num_tokens)
     # Token row t of sequence i is at position num_cached[i] + (t - starts[i]).
     positions[:num_tokens] = np.arange(num_tokens) + np.repeat(num_cached - starts, lengths)
+    tree_masks = np.zeros(padded_tokens, np.int32)
+    tree_width = 0
+    if any(c.tree_parents is not None for c in chunks):
+        tree_width = buckets.tree_width
+        if not tree_width or num_tokens > buckets.seqs[-1] or lengths.max() > tree_width:
+            raise ValueError(f"a step of tree rows holds rows of {tree_width} tokens at most "
+                             f"and {buckets.seqs[-1]} in all; got {int(lengths.max())} and "
+                             f"{num_tokens}")
+        masks, depths = tree_rows(chunks)
+        tree_masks[:num_tokens] = masks
+        positions[:num_tokens] = np.repeat(num_cached, lengths) + depths
     kv_lens[:n] = kv
     cu_q_lens[:n] = starts
     samples = np.fromiter((c.sample for c in chunks), np.bool_, n)
@@ -333,7 +367,32 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
     next_ids[:n] = np.fromiter((c.next_token for c in chunks), np.int32, n)
     return ForwardBatch(input_ids, positions, kv_lens, cu_q_lens, np.array([n], np.int32),
                         logits_indices, sample_rows, sample_seqs, target_ids, input_slots,
-                        next_ids, padded_pages, [c.page_ids for c in chunks])
+                        next_ids, tree_masks, padded_pages, tree_width,
+                        [c.page_ids for c in chunks])
+
+
+def tree_rows(chunks: list[SeqChunk]) -> tuple[np.ndarray, np.ndarray]:
+    """(each token's tree mask, its depth), i32 over the chunks' tokens in order: a chunk that is
+    no tree is a chain (a plain decoding row, a chain of drafts). ValueError for parents that
+    are not a tree in order (each after its own, the first the root) or siblings of one token."""
+    masks, depths = [], []
+    for i, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        parents = chunk.tree_parents if chunk.tree_parents is not None else list(range(-1, n - 1))
+        if len(parents) != n or parents[0] != -1 or any(
+                not 0 <= p < j for j, p in enumerate(parents) if j):
+            raise ValueError(f"sequence {i}'s tree parents {parents} are not a tree of its "
+                             f"{n} tokens in order")
+        children = {(p, chunk.token_ids[j]) for j, p in enumerate(parents) if j}
+        if len(children) != n - 1:
+            raise ValueError(f"sequence {i}'s tree has siblings of one token")
+        row_masks, row_depths = [], []
+        for j, p in enumerate(parents):
+            row_masks.append((row_masks[p] if p >= 0 else 0) | (1 << j))
+            row_depths.append(row_depths[p] + 1 if p >= 0 else 0)
+        masks += row_masks
+        depths += row_depths
+    return np.array(masks, np.int64).astype(np.int32), np.array(depths, np.int32)
 
 
 def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> ForwardBatch:
@@ -363,7 +422,7 @@ def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> 
         sample_rows=sample_rows, sample_seqs=np.where(sample_rows, row_index, -1).astype(np.int32),
         target_ids=np.full(padded_tokens, -1, np.int32),
         input_slots=input_slots, next_ids=np.full(padded_seqs, -1, np.int32),
-        pages=padded_pages, page_ids=rows.page_ids)
+        tree_masks=np.zeros(padded_tokens, np.int32), pages=padded_pages, page_ids=rows.page_ids)
 
 
 def forward_batch_for(batch: ScheduledBatch, buckets: Buckets, page_size: int) -> ForwardBatch:

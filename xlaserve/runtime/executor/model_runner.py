@@ -111,6 +111,7 @@ class StagedStep:
     # The same batch staged on a STANDALONE draft model's runner (executor/draft_model.py),
     # which the engine runs right after this step.
     draft: "StagedStep | None" = None
+    tree_width: int = 0  # > 0: a step with speculative tree rows (ForwardBatch.tree_width)
 
 
 class ModelRunner:
@@ -312,7 +313,7 @@ class ModelRunner:
         return StagedStep(ints, floats, tables, (host[2], table_layout), batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
                           (*host[:2], *table_host) if self.sink is not None else None, needs,
-                          updates, overflow)
+                          updates, overflow, tree_width=batch.tree_width)
 
     def _tables(self, sampling: SamplingMetadata):
         """(arrays, host vectors, device vectors, layout) of the sampling metadata's tables
@@ -330,14 +331,14 @@ class ModelRunner:
             last = self._last_tables = (arrays, tuple(host), device, layout)
         return last
 
-    def staged_from_host(self, vectors, shape, widths,
-                         needs: list[bool] | None = None) -> "StagedStep":
+    def staged_from_host(self, vectors, shape, widths, needs: list[bool] | None = None,
+                         tree_width: int = 0) -> "StagedStep":
         """A follower's StagedStep from the leader's host vectors (StagedStep.host: the step's
         int32 and float32 vectors, then the sampling tables') and needs (StepNeeds.as_list, or
-        None for RUN_TIME): the layouts are a function of the bucket shape and the table widths
-        alone (`layout_for`)."""
+        None for RUN_TIME): the layouts are a function of the bucket shape, the table widths
+        and the tree width alone (`layout_for`)."""
         shape, widths = tuple(shape), tuple(widths)
-        layout = self.layout_for(shape, widths)
+        layout = self.layout_for(shape, widths, tree_width)
         for (ints, floats), part_layout in zip((vectors[:2], vectors[2:]), layout, strict=True):
             sizes = {"int32": 0, "float32": 0}
             for buffer, offset, leaf_shape, _ in part_layout.leaves:
@@ -351,12 +352,14 @@ class ModelRunner:
                     f"{floats.dtype}{list(floats.shape)}")
         ints, floats, *tables = self._put(tuple(vectors), self.output_counts.sharding)
         return StagedStep(ints, floats, tuple(tables), layout, shape, widths,
-                          needs=RUN_TIME if needs is None else StepNeeds(*map(bool, needs)))
+                          needs=RUN_TIME if needs is None else StepNeeds(*map(bool, needs)),
+                          tree_width=tree_width)
 
-    def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int]):
-        """The layout of every staged step of this bucket shape and logit-bias / suppressed-id
-        widths: that of an idle step of the same shape."""
-        key = (shape, widths)
+    def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int],
+                   tree_width: int = 0):
+        """The layout of every staged step of this bucket shape, logit-bias / suppressed-id
+        widths and tree width: that of an idle step of the same."""
+        key = (shape, widths, tree_width)
         if key not in self._layouts:
             tokens, seqs, pages = shape
             rows = self.sample_rows(shape)
@@ -364,7 +367,8 @@ class ModelRunner:
                                                widths)
             writes = self.page_table.idle_writes(tokens, seqs)
             self._layouts[key] = (step_vectors(self._rope,
-                                               empty_batch(tokens, seqs, pages, rows),
+                                               empty_batch(tokens, seqs, pages, rows,
+                                                           tree_width),
                                                sampling, np.full(seqs, NULL_SLOT, np.int32),
                                                writes)[2],
                                   concat_leaves(table_arrays(sampling))[2])
@@ -381,7 +385,7 @@ class ModelRunner:
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
                 *staged.tables, self._bitmask(self.sample_rows(staged.shape), token_bitmask))
         needs = self._program_needs(staged.needs, token_bitmask is not None)
-        program = self._programs.get((staged.shape, staged.widths, needs))
+        program = self._programs.get((staged.shape, staged.widths, needs, staged.tree_width))
         if program is not None:
             (out, self.kv_caches, self.output_counts, self.last_tokens,
              self.page_table.array) = program(*args)
@@ -390,7 +394,8 @@ class ModelRunner:
             (out, self.kv_caches, self.output_counts, self.last_tokens,
              self.page_table.array) = self._step(*args, layout=staged.layout, needs=needs)
             if self._precompiled and self._step._cache_size() > compiled_before:
-                warn_compiled_while_serving(staged.shape, staged.widths, needs)
+                warn_compiled_while_serving(staged.shape, staged.widths, needs,
+                                            staged.tree_width)
         self.page_table.rows.commit(staged.page_updates)
         if self.sink is not None:  # replicated over every process: read this one's copy
             out = jax.tree.map(lambda x: x.addressable_data(0), out)
@@ -441,23 +446,27 @@ class ModelRunner:
         return [RUN_TIME] if self.step_variants is None else list(self.step_variants)
 
     def precompile(self, shapes, *, cache: ExecutableCache | None = None,
-                   progress: bool = True) -> None:
+                   progress: bool = True, tree_shapes=(), tree_width: int = 0) -> None:
         """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape and program
-        variant (`program_variants`), and the programs of `assign_slots` and `write_pages`:
-        runtime/executor/precompile.py. Over several processes, run an idle step of each."""
+        variant (`program_variants`), the tree program (`tree_width`) of each of `tree_shapes`,
+        and the programs of `assign_slots` and `write_pages`: runtime/executor/precompile.py.
+        Over several processes, run an idle step of each."""
+        keys = [(tuple(shape), 0) for shape in shapes]
+        keys += [(tuple(shape), tree_width) for shape in tree_shapes]
         if self.sink is not None:
-            run_idle_steps(self, shapes, progress)
+            run_idle_steps(self, keys, progress)
         else:
-            for (shape, needs), program in compile_steps(self, shapes, cache, progress).items():
-                self._programs[(shape, SAMPLING_WIDTHS, needs)] = program
+            for (shape, needs, tree), program in compile_steps(self, keys, cache,
+                                                               progress).items():
+                self._programs[(shape, SAMPLING_WIDTHS, needs, tree)] = program
             self._compile_reset_slots()
         self._precompiled = True
 
-    def _lowering_args(self, shape, needs: StepNeeds | None):
-        """The step's arguments for a bucket shape, the KV pool as shapes only (it may not be
-        zeroed yet), and its static layout and needs."""
+    def _lowering_args(self, shape, needs: StepNeeds | None, tree_width: int = 0):
+        """The step's arguments for a bucket shape (and tree width), the KV pool as shapes only
+        (it may not be zeroed yet), and its static layout and needs."""
         rows = self.sample_rows(shape)
-        staged = self.stage(*idle_step(*shape, rows))
+        staged = self.stage(*idle_step(*shape, rows, tree_width))
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
                 *staged.tables, self._bitmask(rows, None))

@@ -33,11 +33,12 @@ from xlaserve.runtime.sampling.step_needs import StepNeeds
 logger = logging.getLogger(__name__)
 
 
-def compile_steps(runner, shapes, cache: ExecutableCache | None, progress: bool) -> dict:
-    """{(shape, needs): its program} for each (tokens, seqs, pages) shape and program variant:
-    loaded from `cache`, or compiled (and stored there). The first one chooses the weights'
-    layouts when the runner is to (`choose_weight_layouts`)."""
-    shapes = [(tuple(shape), needs) for shape in shapes for needs in runner.program_variants()]
+def compile_steps(runner, keys, cache: ExecutableCache | None, progress: bool) -> dict:
+    """{(shape, needs, tree width): its program} for each ((tokens, seqs, pages) shape, tree
+    width) of `keys` and program variant: loaded from `cache`, or compiled (and stored there).
+    The first one chooses the weights' layouts when the runner is to (`choose_weight_layouts`)."""
+    shapes = [(tuple(shape), needs, tree) for shape, tree in keys
+              for needs in runner.program_variants()]
     found = {}
     if runner._choosing_step is not None:  # first: the other programs keep the layouts chosen
         found[shapes[0]] = choose_weight_layouts(runner, *shapes[0], cache)
@@ -61,7 +62,7 @@ def compile_steps(runner, shapes, cache: ExecutableCache | None, progress: bool)
     return {shape: found[shape] for shape in shapes}
 
 
-def choose_weight_layouts(runner, shape, needs: StepNeeds | None,
+def choose_weight_layouts(runner, shape, needs: StepNeeds | None, tree_width: int,
                           cache: ExecutableCache | None):
     """The program of one bucket shape and variant with the weights' layouts left to XLA
     (compiled, or loaded from `cache`), after which the runner's weights are stored in the
@@ -70,7 +71,7 @@ def choose_weight_layouts(runner, shape, needs: StepNeeds | None,
     weight_args.auto_formats). Not another compile: the program serves its bucket. The model's
     own arrays are freed."""
     logger.info("Choosing the weights' layouts: the step of shape %s, %s", shape, needs)
-    args, kwargs = runner._lowering_args(shape, needs)
+    args, kwargs = runner._lowering_args(shape, needs, tree_width)
     # Layout.AUTO takes shapes: an array has a layout already.
     args = (abstract_args(args[0]), *args[1:])
     if cache is None:
@@ -85,21 +86,23 @@ def choose_weight_layouts(runner, shape, needs: StepNeeds | None,
     return compiled
 
 
-def run_idle_steps(runner, shapes, progress: bool) -> None:
+def run_idle_steps(runner, keys, progress: bool) -> None:
     """Multi-host: a step runs on every process, so the followers compile it as they replay it.
-    An idle step of each shape and program variant goes through the jitted step (`run`), on
-    every process alike."""
+    An idle step of each (shape, tree width) and program variant goes through the jitted step
+    (`run`), on every process alike."""
     variants = runner.program_variants()
-    for shape in tqdm(shapes, desc="Precompiling", unit="shape", disable=not progress):
+    for shape, tree in tqdm(keys, desc="Precompiling", unit="shape", disable=not progress):
         for needs in variants:
             staged = dataclasses.replace(
-                runner.stage(*idle_step(*shape, runner.sample_rows(shape))), needs=needs)
+                runner.stage(*idle_step(*shape, runner.sample_rows(shape), tree)), needs=needs)
             jax.block_until_ready(runner.run(staged).sample.tokens)
 
 
-def warn_compiled_while_serving(shape, widths, needs: StepNeeds | None) -> None:
+def warn_compiled_while_serving(shape, widths, needs: StepNeeds | None,
+                                tree_width: int = 0) -> None:
     """What ModelRunner.run logs when the jitted step compiled a program after `precompile`."""
     logger.warning(
         "COMPILED WHILE SERVING: a step of shape (tokens, seqs, pages)=%s, logit-bias "
-        "width %d, suppressed width %d, needs %s was not precompiled; every request "
-        "waited for it. Add the shape to the padding buckets.", shape, *widths, needs)
+        "width %d, suppressed width %d, needs %s, tree width %d was not precompiled; every "
+        "request waited for it. Add the shape to the padding buckets.", shape, *widths, needs,
+        tree_width)

@@ -31,7 +31,9 @@ from xlaserve.runtime.executor.forward_batch import ForwardBatch
 from xlaserve.runtime.executor.page_table import (PageWrites, apply_writes, empty_writes, gather_rows,
                                          write_capacity)
 from xlaserve.runtime.executor.draft_head_step import catch_up_head
-from xlaserve.runtime.executor.verified_rows import kept_rows, prior_draft_ids
+from xlaserve.runtime.executor.verified_rows import (kept_path_moves, kept_rows,
+                                                     move_kv_entries, prior_draft_ids,
+                                                     tree_kept_rows, tree_prior_draft_ids)
 from xlaserve.runtime.executor.weight_args import leaves_from_args
 from xlaserve.model.sharding import TP
 from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
@@ -150,8 +152,10 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                               last_tokens[jnp.maximum(batch.input_slots, 0)], batch.input_ids)
         # Each sequence's row of the page table by its slot (padding rows: the null slot's).
         page_table = apply_writes(page_table, writes)
+        tree = batch.tree_width > 0  # static: the tree program (verified_rows.py)
         metadata = AttentionMetadata(batch.kv_lens, gather_rows(page_table, slots, batch.pages),
-                                     batch.cu_q_lens, batch.num_seqs)
+                                     batch.cu_q_lens, batch.num_seqs,
+                                     batch.tree_masks if tree else None, batch.tree_width)
         head = getattr(model, "draft_head", None)
         if head is None:
             hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
@@ -166,8 +170,14 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         # speculation, sample row i is sequence i.
         sample_slots = jnp.where(batch.sample_seqs >= 0,
                                  slots[jnp.maximum(batch.sample_seqs, 0)], NULL_SLOT)
-        prior = None if verify_tokens <= 1 else prior_draft_ids(
-            input_ids, batch.logits_indices, batch.sample_seqs, verify_tokens - 1)
+        if verify_tokens <= 1:
+            prior = None
+        elif tree:
+            prior = tree_prior_draft_ids(input_ids, batch.tree_masks, batch.logits_indices,
+                                         batch.sample_seqs, batch.cu_q_lens, verify_tokens - 1)
+        else:
+            prior = prior_draft_ids(input_ids, batch.logits_indices, batch.sample_seqs,
+                                    verify_tokens - 1)
         out = sample(logits, sampling, output_counts, prompt_masks, sample_slots, token_bitmask,
                      num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs, prior_ids=prior)
         last_kept = batch.sample_rows
@@ -179,16 +189,28 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             last_tokens = last_tokens.at[sample_slots].set(
                 jnp.where(batch.sample_rows, out.tokens, last_tokens[sample_slots]))
         else:  # a verified row keeps a prefix of its tokens: those are counted, the last kept
-            kept, last_kept = kept_rows(out.tokens, input_ids, batch.logits_indices,
-                                        batch.sample_seqs)
+            if tree:  # a path of its tree, whose KV goes to the path's positions
+                kept, last_kept, depth = tree_kept_rows(
+                    out.tokens, input_ids, batch.tree_masks, batch.logits_indices,
+                    batch.sample_seqs, batch.cu_q_lens, batch.tree_width)
+                moves = kept_path_moves(kept, depth, batch.logits_indices, batch.sample_seqs,
+                                        batch.cu_q_lens, batch.kv_lens, metadata.page_indices,
+                                        kv_caches[0].shape[1], kv_caches[0].shape[0])
+                kv_caches = move_kv_entries(kv_caches, *moves)
+            else:
+                kept, last_kept = kept_rows(out.tokens, input_ids, batch.logits_indices,
+                                            batch.sample_seqs)
             output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows & kept,
                                         rows=sample_slots)
             write = jnp.where(batch.sample_rows & last_kept, sample_slots, last_tokens.shape[0])
             last_tokens = last_tokens.at[write].set(out.tokens, mode="drop")
         if head is not None:
-            kv_caches = kv_caches + catch_up_head(
+            head_state = catch_up_head(
                 model, head, head_state, hidden, captured, input_ids, batch, metadata,
                 out.tokens, batch.sample_rows & last_kept, sample_slots, kernels)
+            if tree:  # the head's cache entries of the path too
+                head_state[0], = move_kv_entries(head_state[:1], *moves)
+            kv_caches = kv_caches + head_state
         prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
                                  part(needs, "prompt_logprobs"))
         return StepOutput(out, prompt), kv_caches, output_counts, last_tokens, page_table
@@ -267,12 +289,12 @@ def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int, page_size: int, r
     return (ints, floats, table_ints, table_floats), (layout, table_layout)
 
 
-def idle_step(tokens: int, seqs: int, pages: int, rows: int | None = None):
+def idle_step(tokens: int, seqs: int, pages: int, rows: int | None = None, tree_width: int = 0):
     """(batch, sampling, slots) of a step of the given bucket shape (and `rows` sample rows,
-    default `seqs`) with every row padding: nothing is written to a live page (padding tokens
-    write to no page at all)."""
+    default `seqs`; `tree_width`: of the tree program) with every row padding: nothing is
+    written to a live page (padding tokens write to no page at all)."""
     rows = seqs if rows is None else rows
-    return (empty_batch(tokens, seqs, pages, rows), greedy_sampling(rows),
+    return (empty_batch(tokens, seqs, pages, rows, tree_width), greedy_sampling(rows),
             np.full(seqs, NULL_SLOT, np.int32))
 
 
@@ -284,9 +306,10 @@ def greedy_sampling(rows: int) -> SamplingMetadata:
                                    SAMPLING_WIDTHS)
 
 
-def empty_batch(tokens: int, seqs: int, pages: int, rows: int | None = None) -> ForwardBatch:
-    """A batch of the given bucket shape (and `rows` sample rows, default `seqs`) with no live
-    sequence."""
+def empty_batch(tokens: int, seqs: int, pages: int, rows: int | None = None,
+                tree_width: int = 0) -> ForwardBatch:
+    """A batch of the given bucket shape (and `rows` sample rows, default `seqs`; `tree_width`:
+    of the tree program) with no live sequence."""
     rows = seqs if rows is None else rows
     return ForwardBatch(input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
                         kv_lens=np.zeros(seqs, np.int32), cu_q_lens=np.zeros(seqs + 1, np.int32),
@@ -295,4 +318,6 @@ def empty_batch(tokens: int, seqs: int, pages: int, rows: int | None = None) -> 
                         sample_seqs=np.full(rows, -1, np.int32),
                         target_ids=np.full(tokens, NO_TARGET, np.int32),
                         input_slots=np.full(tokens, -1, np.int32),
-                        next_ids=np.full(seqs, -1, np.int32), pages=pages)
+                        next_ids=np.full(seqs, -1, np.int32),
+                        tree_masks=np.zeros(tokens, np.int32), pages=pages,
+                        tree_width=tree_width)

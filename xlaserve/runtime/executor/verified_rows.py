@@ -52,3 +52,95 @@ def kept_rows(tokens: jax.Array, input_ids: jax.Array, logits_indices: jax.Array
     kept = before == before[first]
     kept_next = jnp.concatenate([kept[1:], jnp.zeros(1, jnp.bool_)])
     return kept, kept & ~(same_next & kept_next)
+
+
+# --- tree rows (--speculative-eagle-topk > 1) -------------------------------------------------
+#
+# A tree row's tokens are its root and drafted nodes, each after its parent; a token's tree mask
+# (ForwardBatch.tree_masks) names its ancestors and itself by their offsets in the row, and its
+# sample row is the row's first plus its offset. The step keeps the path the target's tokens
+# walk: a node is kept when the token sampled after each of its ancestors is the next node on
+# the way to it. Plain rows (mask 1) and chains are trees too, so these serve a tree step's
+# every row. The kept nodes' KV moves from the slots they were written at (the row's start +
+# offset) to their positions (start + depth): `kept_path_moves`.
+
+
+def _tree_columns(input_ids, tree_masks, logits_indices, sample_seqs, cu_q_lens, width: int):
+    """Per sample row and offset k of its row (i32[R, width] each): whether node k is in the
+    row and an ancestor-or-self of the row's node, and node k's token; and per row its offset,
+    the row's first token and its first sample row."""
+    seq = jnp.maximum(sample_seqs, 0)
+    row_start = cu_q_lens[seq]
+    offset = logits_indices - row_start
+    first, _ = _row_offsets(sample_seqs)
+    k = jnp.arange(width, dtype=jnp.int32)
+    node_token = jnp.minimum(row_start[:, None] + k[None, :], input_ids.shape[0] - 1)
+    mine = tree_masks[logits_indices]
+    on_path = ((mine[:, None] >> k[None, :]) & 1).astype(jnp.bool_) & (sample_seqs >= 0)[:, None]
+    return on_path, node_token, offset, first, row_start
+
+
+def tree_prior_draft_ids(input_ids, tree_masks, logits_indices, sample_seqs, cu_q_lens,
+                         max_drafts: int):
+    """`prior_draft_ids` of a tree step: the drafts on the way to each sample row's node (its
+    ancestors but the root, and itself), -1 elsewhere."""
+    on_path, node_token, *_ = _tree_columns(input_ids, tree_masks, logits_indices, sample_seqs,
+                                            cu_q_lens, max_drafts + 1)
+    ids = jnp.where(on_path, input_ids[node_token], -1)
+    return ids[:, 1:]  # offset 0 is the root: the request's own token
+
+
+def tree_kept_rows(tokens, input_ids, tree_masks, logits_indices, sample_seqs, cu_q_lens,
+                   width: int):
+    """(kept, last kept, depth), per sample row of a tree step: kept when the target's token
+    after each ancestor of its node is the next node of the way to it; the last kept is the
+    deepest (siblings' tokens are distinct: one path is kept)."""
+    on_path, node_token, _, first, _ = _tree_columns(
+        input_ids, tree_masks, logits_indices, sample_seqs, cu_q_lens, width)
+    masks = tree_masks[node_token]  # each node's own mask
+    own = jnp.left_shift(1, jnp.arange(width, dtype=jnp.int32))[None, :]
+    parent = 31 - jax.lax.clz(masks & ~own)  # the highest other bit; -1... for the root
+    parent_row = jnp.clip(first[:, None] + parent, 0, tokens.shape[0] - 1)
+    matched = tokens[parent_row] == input_ids[node_token]
+    k = jnp.arange(width, dtype=jnp.int32)[None, :]
+    kept = jnp.all(~on_path | matched | (k == 0), axis=1) & (sample_seqs >= 0)
+    depth = jnp.sum(on_path, axis=1, dtype=jnp.int32) - 1
+    num_seqs = cu_q_lens.shape[0] - 1
+    deepest = jnp.full(num_seqs, -1, jnp.int32).at[
+        jnp.where(kept, sample_seqs, num_seqs)].max(depth, mode="drop")
+    last_kept = kept & (depth == deepest[jnp.maximum(sample_seqs, 0)])
+    return kept, last_kept, depth
+
+
+def kept_path_moves(kept, depth, logits_indices, sample_seqs, cu_q_lens, kv_lens, page_indices,
+                    page_size: int, num_pages: int):
+    """((source page, slot), (destination page, slot)) i32[R] each of the kept nodes' cache
+    entries: from where the attention wrote node i (its row's first position + i) to its
+    position (+ its depth); rows that stay or are not kept go to page `num_pages` (dropped)."""
+    seq = jnp.maximum(sample_seqs, 0)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    first_pos = kv_lens[seq] - q_len
+    offset = logits_indices - cu_q_lens[seq]
+    source, target = first_pos + offset, first_pos + depth
+    move = kept & (offset != depth)
+    pages = page_indices[seq]
+
+    def page_slot(pos, live):
+        page = jnp.take_along_axis(pages, jnp.clip(pos // page_size, 0, pages.shape[1] - 1)[:, None],
+                                   axis=1)[:, 0]
+        return jnp.where(live, page, num_pages), pos % page_size
+
+    return page_slot(source, move), page_slot(target, move)
+
+
+def move_kv_entries(kv_caches, source, target):
+    """Each cache [pages, page_size, ...] with the entries at `source` (pages, slots) copied to
+    `target` (pages, slots); a target page of `num_pages` is dropped. All reads come before the
+    writes (a path's sources lie at or after its targets)."""
+    src_page, src_slot = source
+    dst_page, dst_slot = target
+    moved = []
+    for cache in kv_caches:
+        rows = cache.at[src_page, src_slot].get(mode="clip")
+        moved.append(cache.at[dst_page, dst_slot].set(rows, mode="drop"))
+    return moved

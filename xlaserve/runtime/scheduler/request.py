@@ -34,6 +34,10 @@ class SeqChunk:
     # A prompt chunk that ends before the prompt does: the prompt's next token (-1: none), which
     # a speculative draft head reads at the chunk's last position.
     next_token: int = -1
+    # A verified row that is a tree (--speculative-eagle-topk > 1): each token's parent in the
+    # row (-1 for the first, the root), each after its parent, siblings' tokens distinct; None:
+    # a chain (token j's parent is j - 1).
+    tree_parents: list[int] | None = None
 
 
 FinishReason = tuple[Literal["length", "stop", "abort"], "int | str | None"]

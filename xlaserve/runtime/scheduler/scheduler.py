@@ -26,7 +26,8 @@ from xlaserve.runtime.scheduler.prefix_cache import (PageAllocator, PrefixReuse,
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
                                                SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
-from xlaserve.runtime.scheduler.speculation import (SpeculativeConfig, drafts_for, reads_first,
+from xlaserve.runtime.scheduler.speculation import (DraftTree, SpeculativeConfig, drafts_for,
+                                                    reads_first,
                                                     take_verified)
 from xlaserve.runtime.scheduler.step_log import StepLog
 
@@ -231,8 +232,11 @@ class Scheduler:
         rows = []
         for r, draft in zip(decoding, drafts):
             self._grow(r, r.num_computed + 1 + len(draft))
-            rows.append((r, SeqChunk([r.output_ids[-1], *draft], r.num_computed,
-                                     list(r.page_ids), True, num_drafts=len(draft))))
+            tree = isinstance(draft, DraftTree)
+            rows.append((r, SeqChunk([r.output_ids[-1], *(draft.tokens if tree else draft)],
+                                     r.num_computed, list(r.page_ids), True,
+                                     num_drafts=len(draft),
+                                     tree_parents=[-1, *draft.parents] if tree else None)))
         return rows
 
     def speculating(self) -> bool:

@@ -134,7 +134,76 @@ def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_draft
     request.spec_draft_limit = min(grown, max_drafts)
 
 
-def constrained(request, draft: list[int]) -> list[int]:
+@dataclass(frozen=True)
+class DraftTree:
+    """A tree of drafts (--speculative-eagle-topk > 1, draft_head.py): each node after its
+    parent, `parents[j]` 0 for the request's last token (the verified row's root) or i for the
+    i-th node (1-based: the row's token index); siblings' tokens distinct. Its first child of
+    each node is the drafter's likeliest."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def cut(self, n: int) -> "DraftTree":
+        """Its first `n` nodes (a tree: each parent comes before its children)."""
+        return DraftTree(self.tokens[:n], self.parents[:n])
+
+    def first_path(self) -> list[int]:
+        """The tokens of the path through each node's first child: the likeliest chain."""
+        path, at = [], 0
+        for j, parent in enumerate(self.parents):
+            if parent == at:
+                path.append(self.tokens[j])
+                at = j + 1
+        return path
+
+    def without(self, drop) -> "DraftTree":
+        """The tree without the nodes whose token `drop(token)` is true, and their subtrees."""
+        kept = {0: 0}  # old row index -> new
+        tokens, parents = [], []
+        for j, (token, parent) in enumerate(zip(self.tokens, self.parents)):
+            if parent in kept and not drop(token):
+                tokens.append(token)
+                parents.append(kept[parent])
+                kept[j + 1] = len(tokens)
+        return DraftTree(tokens, parents)
+
+
+def row_depths(chunk: SeqChunk) -> list[int]:
+    """Each token's depth in its verified row: its offset in a chain, its depth in a tree."""
+    if chunk.tree_parents is None:
+        return list(range(1 + chunk.num_drafts))
+    depths: list[int] = []
+    for parent in chunk.tree_parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return depths
+
+
+def walk(chunk: SeqChunk, sampled: list[int]) -> list[int]:
+    """The row tokens a verified tree row keeps (its root first), by the target's tokens: from
+    the root, the child whose token the target sampled after it, until none is."""
+    children = {(parent, chunk.token_ids[j]): j for j, parent in enumerate(chunk.tree_parents)
+                if j}
+    path = [0]
+    while (child := children.get((path[-1], int(sampled[path[-1]])))) is not None:
+        path.append(child)
+    return path
+
+
+def constrained(request, draft):
+    """A tree (DraftTree) without its stop ids' nodes, or, for a request with a grammar, its
+    likeliest chain constrained as below (a grammar's masks follow one chain)."""
+    if isinstance(draft, DraftTree):
+        if request.grammar is None:
+            return draft.without(request.stop_token_ids.__contains__)
+        draft = draft.first_path()
+    return constrained_chain(request, draft)
+
+
+def constrained_chain(request, draft: list[int]) -> list[int]:
     """`draft` cut before its first stop id and, for a request with a grammar, where the grammar
     stops taking it."""
     for i, token in enumerate(draft):
@@ -216,8 +285,8 @@ def drafts_for(scheduler: _Scheduler, decoding: list[Request]) -> list[list[int]
         drafts = [[] for _ in decoding]
         proposed = s.drafter([r for _, r, _ in wanting], [room for *_, room in wanting])
         for (i, _, room), draft in zip(wanting, proposed, strict=True):
-            drafts[i] = list(draft[:room])
-    drafts = [constrained(r, draft) for r, draft in zip(decoding, drafts)]
+            drafts[i] = draft.cut(room) if isinstance(draft, DraftTree) else list(draft[:room])
+    drafts = [constrained(r, draft) or [] for r, draft in zip(decoding, drafts)]
     for r, draft in zip(decoding, drafts):  # pages past the verified row's go back
         s._shrink(r, r.num_computed + 1 + len(draft))
     return drafts
@@ -254,19 +323,25 @@ def take_verified(scheduler: _Scheduler, request: Request, chunk: SeqChunk, toke
     what the request now holds go back (the rejected drafts' KV is never read: the next step
     writes those positions again)."""
     s = scheduler
-    keep = accepted(chunk.token_ids[1:], tokens)
+    path = (list(range(accepted(chunk.token_ids[1:], tokens))) if chunk.tree_parents is None
+            else walk(chunk, tokens))
+    keep = len(path)
     request.spec_verify_ct += 1
     request.spec_accepted_drafts += keep - 1
     s.spec_verified_rows += 1
     s.spec_accepted_drafts += keep - 1
     s.log.verified(keep - 1)
-    for j, token in enumerate(tokens[:keep]):
+    for j in path:  # the step moved a tree path's KV to its positions (verified_rows.py)
         request.num_computed += 1  # row token j (the last token, then accepted drafts)
-        token = int(token)
+        token = int(tokens[j])
         s._take_token(request, token, finished)
         sampled.append(SampledRow(request, token, row + j, len(request.output_ids)))
         if request.status != "running":
             return  # ended (pages released) at this token: the rest are dropped
-    after_verified_row(request, chunk.num_drafts, keep - 1, s.speculation.max_drafts)
+    most = s.speculation.max_drafts
+    if chunk.tree_parents is not None:  # one path of a tree is kept: whole trees while any is
+        after_verified_row(request, most, most if keep > 1 else 0, most)
+    else:
+        after_verified_row(request, chunk.num_drafts, keep - 1, most)
     s.prefix.share_computed_pages(request)
     s._shrink(request, request.num_computed + 1)

@@ -1,0 +1,137 @@
+"""Tree drafting (--speculative-eagle-topk > 1) end to end on a tiny Llama with a random EAGLE-3
+head: every tree the head drafts holds the likeliest nodes of the beam a from-scratch PyTorch
+reference computes (tests/draft_head_models.py), and every output, greedy or seeded sampled,
+equals plain decoding's, also when the path the target keeps is not the tree's first branch:
+its KV (the target's and the head's) must have moved to the path's positions.
+
+A random head's drafts almost never match the target, so an oracle rebuilds each tree after
+recording it: the plain decoding's next tokens on the second branch of the root, beside a wrong
+first branch with a child of its own, the last good node spoiled on every other tree."""
+import numpy as np
+import pytest
+
+from tests.draft_head_models import eagle3_reference_beam
+from tests.engine.test_draft_heads import head, plain, target  # noqa: F401 - the fixtures
+from tests.engine.test_speculative_decoding import SMALL
+from xlaserve.offline import Engine
+from xlaserve.runtime.scheduler.speculation import DraftTree
+
+# On JAX 0.10 only, as the other engine tests of speculation: the tree programs compile on both
+# versions in tests/executor/test_compile_step.py.
+pytestmark = pytest.mark.jax_independent
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 5], [7, 8, 7, 8, 7, 8, 7, 8, 7, 8, 7], [400, 401, 402]]
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+TOPK, STEPS, TOKENS = 2, 3, 5  # a beam of 2 paths 3 deep; its 4 likeliest nodes verified
+
+
+@pytest.fixture(scope="module")
+def tree(target, head):
+    with Engine(target[0], speculative_algorithm="EAGLE3", speculative_draft_model_path=head[0],
+                speculative_eagle_topk=TOPK, speculative_num_steps=STEPS,
+                speculative_num_draft_tokens=TOKENS, **SMALL) as engine:
+        yield engine
+
+
+def oracle_tree(answer: list[int], room: int, spoil: bool) -> DraftTree:
+    """The answer's next tokens as the root's second branch, after a wrong first branch (with a
+    child): the kept path's nodes sit at row offsets 2, 4, ... before the step moves them."""
+    good = list(answer[:max(room - 2, 1)])
+    if spoil and len(good) > 1:
+        good[-1] = (good[-1] + 1) % 512
+    wrong = (good[0] + 7) % 512
+    tokens, parents = [wrong, good[0]], [0, 0]
+    if room > 2:
+        tokens.append((wrong + 1) % 512)
+        parents.append(1)
+    at = 2  # the row index of the good path's last node
+    for token in good[1:]:
+        tokens.append(token)
+        parents.append(at)
+        at = len(tokens)
+    return DraftTree(tokens[:room], parents[:room])
+
+
+@pytest.fixture
+def oracle(monkeypatch, tree):
+    class Oracle:
+        answers: dict = {}
+        proposals: list = []
+
+    propose = tree.core.scheduler.drafter
+
+    def recorded(requests, rooms):
+        drafts = propose(requests, rooms)
+        replaced = []
+        for r, room, draft in zip(requests, rooms, drafts):
+            Oracle.proposals.append((list(r.all_ids()), draft, room))
+            answer = Oracle.answers.get(tuple(r.prompt_ids))
+            done = len(r.output_ids)
+            if answer is None or not draft or room < 2 or len(answer) - done < 2:
+                replaced.append(draft)
+                continue
+            replaced.append(oracle_tree(answer[done:], room, len(Oracle.proposals) % 2 == 1))
+        return replaced
+
+    monkeypatch.setattr(tree.core.scheduler, "drafter", recorded)
+    return Oracle
+
+
+def ids(results):
+    return [r["output_ids"] for r in results]
+
+
+def paths(draft: DraftTree) -> set[tuple[int, ...]]:
+    out, rows = set(), [()]
+    for token, parent in zip(draft.tokens, draft.parents):
+        rows.append(rows[parent] + (token,))
+        out.add(rows[-1])
+    return out
+
+
+def test_the_oracle_tree_puts_the_answer_on_the_second_branch():
+    tree = oracle_tree([10, 11, 12, 13], 4, spoil=False)
+    assert (tree.tokens, tree.parents) == ([17, 10, 18, 11], [0, 0, 1, 2])
+    assert paths(tree) == {(17,), (10,), (17, 18), (10, 11)}
+
+
+def test_greedy_output_equals_plain_and_every_tree_is_the_reference_beams_likeliest(
+        plain, tree, target, head, oracle):
+    want = plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    oracle.answers = {tuple(p): w["output_ids"] for p, w in zip(PROMPTS, want)}
+    got = tree.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert ids(got) == ids(want)
+    accept = [r["meta_info"]["spec_accept_length"] for r in got]
+    assert max(accept) > 2, accept  # second-branch paths were kept: their KV moved
+    assert len(oracle.proposals) > 8
+    for sequence, draft, room in oracle.proposals[:12]:
+        if not draft:
+            continue
+        beam = eagle3_reference_beam(target[1], head[1], sequence, TOPK, STEPS)
+        likeliest = sorted(beam, key=lambda node: -node[1])[:room]
+        assert paths(draft) == {path for path, _ in likeliest}, len(sequence)
+        assert len({p[0] for p in paths(draft) if len(p) == 1}) == len(
+            [p for p in paths(draft) if len(p) == 1])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_seeded_sampled_and_penalized_output_equals_plain_decoding(plain, tree, oracle, seed):
+    params = [{"temperature": 0.6, "top_k": 4, "seed": seed, "max_new_tokens": 14,
+               "ignore_eos": True},
+              {"temperature": 1.0, "top_p": 0.8, "seed": seed + 10, "max_new_tokens": 14,
+               "ignore_eos": True, "frequency_penalty": 1.0},
+              {**GREEDY, "repetition_penalty": 1.5, "max_new_tokens": 14}]
+    want = plain.generate(input_ids=PROMPTS, sampling_params=params)
+    oracle.answers = {tuple(p): w["output_ids"] for p, w in zip(PROMPTS, want)}
+    assert ids(tree.generate(input_ids=PROMPTS, sampling_params=params)) == ids(want)
+
+
+def test_no_compile_while_serving_and_pages_come_back(tree, oracle):
+    compiled = tree.core.runner.compile_count()
+    first = tree.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    again = tree.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert ids(again) == ids(first)
+    assert tree.core.runner.compile_count() == compiled
+    assert tree.core.scheduler.token_usage() == 0
+    assert tree.core.scheduler.spec_verified_rows > 0
+    assert np.isfinite(tree.core.runner.kv_caches[0]).all()
