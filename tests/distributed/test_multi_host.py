@@ -384,20 +384,23 @@ def test_speculative_decoding_across_two_processes_serves_the_one_process_tokens
 
 @pytest.mark.jax_independent  # the device work is the one-process EAGLE3 tests'; this, the replay
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape", [["--speculative-num-steps", "3"],
+                                   ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2"]],
+                         ids=["chain", "tree"])
 def test_an_eagle3_draft_head_across_two_processes_serves_the_one_process_tokens(
-        model, reference, tmp_path, monkeypatch):
+        model, reference, tmp_path, monkeypatch, shape):
     """--speculative-algorithm EAGLE3 with --nnodes 2: each process loads the head onto its
     devices, the head's catch-up rides in the replayed steps and the follower replays the
-    leader's draft chains (precompiled as idle chains by both); one request at a time, so that
-    its drafts fit the 4-token steps."""
+    leader's draft chains or trees (precompiled as idle chains by both; a tree's steps are the
+    tree program, its width in the step message); one request at a time, so that its drafts
+    fit the 4-token steps."""
     from benchmarks.random_heads import write_random_eagle3_head
 
     head = str(tmp_path / "head")
     write_random_eagle3_head(head, hidden=64, heads=4, kv_heads=4, vocab=49152,
                              intermediate=96, draft_vocab=4096, capture=(0, 0, 0))
     running = Pair(model, tmp_path, monkeypatch, flags=[
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
-        "--speculative-num-steps", "3"])
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head, *shape])
     try:
         verified = _one_at_a_time_verified_rows(running, reference, (0, 2))
         assert verified > 0

@@ -13,6 +13,7 @@ import pytest
 from tests.draft_head_models import eagle3_reference_beam
 from tests.engine.test_draft_heads import head, plain, target  # noqa: F401 - the fixtures
 from tests.engine.test_speculative_decoding import SMALL
+from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 from xlaserve.runtime.scheduler.speculation import DraftTree
 
@@ -135,3 +136,11 @@ def test_no_compile_while_serving_and_pages_come_back(tree, oracle):
     assert tree.core.scheduler.token_usage() == 0
     assert tree.core.scheduler.spec_verified_rows > 0
     assert np.isfinite(tree.core.runner.kv_caches[0]).all()
+
+
+def test_a_sliding_window_model_with_tree_drafting_stops_start_up(tmp_path, head):
+    """A tree row's attention has no sliding window: such a model drafts chains."""
+    make_tiny_checkpoint(str(tmp_path / "mistral"), "mistral")
+    with pytest.raises(ValueError, match="tree drafting takes no sliding-window"):
+        Engine(str(tmp_path / "mistral"), speculative_algorithm="EAGLE3",
+               speculative_draft_model_path=head[0], speculative_eagle_topk=2, **SMALL)

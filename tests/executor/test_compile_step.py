@@ -209,6 +209,33 @@ def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, t
     program.compile_chain(*shapes[0])
 
 
+@pytest.mark.parametrize("target,tp_size", [
+    pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent), ("h100", 1)])
+def test_an_eagle3_tree_servers_tree_step_and_tree_drafting_compile_for_the_target(
+        target, tp_size, tmp_path):
+    """--speculative-eagle-topk 4 --speculative-num-steps 3 (SGLang's tree shape; 8 of the 12
+    drafted nodes verified, 9-token tree rows): the step's tree program (the kernels'
+    prefix_only and the masked tree tokens, the kept path's KV moved in every layer's cache
+    and the head's, in place) and the head's tree drafting (the model's first 2 layers)."""
+    devices(target)
+    head = tmp_path / "head"
+    head.mkdir()
+    config = json.loads((CONFIGS / "eagle3-llama-3.1-8b" / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]}  # of 2 layers
+    (head / "config.json").write_text(json.dumps(config))
+    args = ServerArgs(model_path=first_layers("llama-3.1-8b", 2, tmp_path), tp_size=tp_size,
+                      max_running_requests=64, max_prefill_tokens=512,
+                      speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
+                      speculative_eagle_topk=4, speculative_num_steps=3,
+                      speculative_num_draft_tokens=9)
+    program, shapes, description = aot.server_step(target, args)
+    assert program.tree_width == 9, description
+    tokens, seqs, pages = max(s for s in shapes if s[0] <= 64)
+    compiled = program.compile(tokens, seqs, pages, StepNeeds(), tree=True)
+    assert compiled.as_text().splitlines()[0].count("may-alias") >= 5 + 2, description
+    program.compile_chain(*shapes[0])
+
+
 @pytest.mark.slow
 def test_deepseek_v3_with_its_mtp_layer_as_a_nextn_head_fits_64_v6e_chips():
     """--speculative-algorithm NEXTN on the whole DeepSeek-V3: the MTP layer (latent attention,

@@ -293,3 +293,27 @@ def test_the_decode_batch_line_gives_the_accept_length(caplog):
     lines = [r.getMessage() for r in caplog.records if "Decode batch." in r.getMessage()]
     assert lines and all("accept len: " in line for line in lines), lines
     assert float(lines[0].split("accept len: ")[1].split(",")[0]) > 1
+
+
+def test_a_draft_tree_drops_stop_ids_with_their_subtrees_and_gives_its_likeliest_chain():
+    from xlaserve.runtime.scheduler.request import SeqChunk
+    from xlaserve.runtime.scheduler.speculation import DraftTree, constrained, row_depths
+
+    # Root's children 6 (likeliest) and 7; 8 under 6, 9 under 7, 4 under 8.
+    tree = DraftTree([6, 7, 8, 9, 4], [0, 0, 1, 2, 3])
+    assert tree.first_path() == [6, 8, 4]
+    assert tree.without({8}.__contains__) == DraftTree([6, 7, 9], [0, 0, 2])
+    assert tree.without({6}.__contains__) == DraftTree([7, 9], [0, 1])
+    assert tree.cut(3) == DraftTree([6, 7, 8], [0, 0, 1]) and len(tree) == 5
+    request = req("a", stop_token_ids={9})
+    assert constrained(request, tree) == DraftTree([6, 7, 8, 4], [0, 0, 1, 3])
+
+    class Grammar:  # takes the first two tokens of any draft
+        def valid_prefix(self, draft):
+            return min(len(draft), 2)
+
+    request.grammar = Grammar()  # a grammar's masks follow one chain: the likeliest
+    assert constrained(request, tree) == [6, 8]
+    chunk = SeqChunk([5, *tree.tokens], 2, [1], num_drafts=5, tree_parents=[-1, *tree.parents])
+    assert row_depths(chunk) == [0, 1, 1, 2, 2, 3]
+    assert row_depths(SeqChunk([5, 6, 7], 2, [1], num_drafts=2)) == [0, 1, 2]

@@ -37,6 +37,7 @@ from xlaserve.model.registry import model_class
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.runtime.executor.draft_head import make_chain
+from xlaserve.runtime.executor.draft_tree import make_tree_chain
 from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs
 from xlaserve.runtime.executor.forward_batch import (sample_rows_for, serving_buckets,
                                                      with_page_size)
@@ -117,23 +118,26 @@ class StepProgram:
     verify_tokens: int = 1  # speculative decoding's verified row (forward_batch.sample_rows_for)
     max_seqs: int = 0  # the largest sequence bucket
     chain: callable | None = None  # a draft head's draft steps (draft_head.make_chain)
+    tree_width: int = 0  # > 0: the server verifies trees (its tree program, `compile(tree=)`)
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
-                      needs: StepNeeds = EVERYTHING) -> tuple[tuple, dict]:
+                      needs: StepNeeds = EVERYTHING, tree: bool = False) -> tuple[tuple, dict]:
         """The step's (abstract) arguments and static keyword arguments for one bucket shape and
-        variant."""
+        variant (`tree`: the tree program's)."""
         rows = sample_rows_for(tokens, seqs, self.verify_tokens, self.max_seqs)
-        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size, rows)
+        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size, rows,
+                                       self.tree_width if tree else 0)
         vocab = self.args[2].shape[1]
         inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
                   abstract((rows, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
         return (*self.args, *inputs), {"layout": layout, "needs": needs}
 
-    def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING):
+    def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING,
+                tree: bool = False):
         """The program of one bucket shape and variant (by default the one with every part, the
-        most memory and work an accelerator server precompiles for the shape). The first compile
-        chooses the weights' layouts (`choosing_step`)."""
-        args, kwargs = self.lowering_args(tokens, seqs, pages, needs)
+        most memory and work an accelerator server precompiles for the shape; `tree`: of a step
+        with tree rows). The first compile chooses the weights' layouts (`choosing_step`)."""
+        args, kwargs = self.lowering_args(tokens, seqs, pages, needs, tree)
         with jax.set_mesh(self.mesh):
             compiled = (self.choosing_step or self.step).trace(*args, **kwargs).lower().compile()
         if self.choosing_step is not None:
@@ -160,13 +164,15 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                  page_size: int, max_running_requests: int, context_length: int,
                  attention_backend: str = "auto", quantization=None,
                  mla_expanded_prefill_tokens: int = 0, verify_tokens: int = 1,
-                 max_seqs: int = 0, draft_head=None) -> StepProgram:
+                 max_seqs: int = 0, draft_head=None, tree_width: int = 0, topk: int = 1,
+                 tree_steps: int = 0) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
     page table as wide as `context_length`'s pages.
     `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint).
     `draft_head`: a speculative draft head's abstract module (model/draft_heads.py, under
     nnx.eval_shape): the step catches it up, and `StepProgram.compile_chain` compiles its
-    draft steps."""
+    draft steps (with `topk` > 1 its tree drafting, `tree_steps` deep, and the step's tree
+    program verifies rows of `tree_width`)."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform,
                           mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
     num_slots, vocab = max_running_requests + 1, config.vocab_size
@@ -183,9 +189,11 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
                        formats, verify_tokens)
              for formats in (None, auto_formats(weights))]
-    chain = None if draft_head is None else make_chain(
-        graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding, config.num_layers,
-        verify_tokens - 2)
+    parts = (graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding, config.num_layers)
+    chain = None
+    if draft_head is not None:
+        chain = (make_tree_chain(*parts, topk, tree_steps) if topk > 1
+                 else make_chain(*parts, verify_tokens - 2))
     args = (weights, caches, abstract((num_slots, vocab), jnp.int32, mesh),
             abstract((num_slots,), jnp.int32, mesh),
             abstract((num_slots, pages_for_tokens(context_length, page_size)), jnp.int32, mesh),
@@ -194,7 +202,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     # take the same weights).
     choosing = steps[1] if draft_head is None else None
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
-                       choosing, verify_tokens, max_seqs, chain)
+                       choosing, verify_tokens, max_seqs, chain, tree_width)
 
 
 def server_step(target: str, server_args: ServerArgs,
@@ -231,7 +239,9 @@ def server_step(target: str, server_args: ServerArgs,
                            quantization=fp8_checkpoint or server_args.quantization,
                            mla_expanded_prefill_tokens=server_args.mla_expanded_prefill_tokens,
                            verify_tokens=buckets.verify_tokens, max_seqs=buckets.seqs[-1],
-                           draft_head=head)
+                           draft_head=head, tree_width=buckets.tree_width,
+                           topk=server_args.speculative_eagle_topk or 1,
+                           tree_steps=server_args.speculative_num_steps or 0)
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""
     if fp8_checkpoint is not None:
         weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"

@@ -278,11 +278,12 @@ def table_arrays(sampling: SamplingMetadata) -> tuple:
     return sampling.logit_bias_ids, sampling.logit_bias_values, sampling.suppressed_ids
 
 
-def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int, page_size: int, rows: int):
+def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int, page_size: int, rows: int,
+                 tree_width: int = 0):
     """((ints, floats, table ints, table floats), layout) of an idle step of the bucket shape
-    with `rows` sample rows: the step's transfer arguments, for compiling it ahead of time
-    (runtime/executor/aot.py)."""
-    batch, sampling, slots = idle_step(tokens, seqs, pages, rows)
+    with `rows` sample rows (of the tree program: `tree_width`): the step's transfer arguments,
+    for compiling it ahead of time (runtime/executor/aot.py)."""
+    batch, sampling, slots = idle_step(tokens, seqs, pages, rows, tree_width)
     writes = empty_writes(write_capacity(tokens, seqs, page_size), 0)
     ints, floats, layout = step_vectors(RopeTable(inv_freq), batch, sampling, slots, writes)
     table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
