@@ -15,6 +15,8 @@ tokens/s of the whole run. Each row gives the mean tokens a verified row kept
     .venv/bin/python benchmarks/bench_speculative.py                 # the embedded model
     .venv/bin/python benchmarks/bench_speculative.py --concurrency 16,64 --max-new-tokens 128
     .venv/bin/python benchmarks/bench_speculative.py --algorithm EAGLE3 --random-eagle3-head
+    .venv/bin/python benchmarks/bench_speculative.py --algorithm EAGLE3 --random-eagle3-head \
+        --eagle-topk 2 --num-steps 3                                # a tree's cost
     python benchmarks/bench_speculative.py --model-path benchmarks/configs/llama-3.1-8b \
         --load-format dummy --algorithm EAGLE3 \
         --draft-model-path benchmarks/configs/eagle3-llama-3.1-8b      # a GPU: the head's cost
@@ -88,6 +90,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--num-draft-tokens", type=int, default=5)
+    parser.add_argument("--eagle-topk", type=int, default=None,
+                        help="EAGLE3: > 1 drafts trees (--speculative-eagle-topk)")
+    parser.add_argument("--num-steps", type=int, default=None,
+                        help="EAGLE3 / NEXTN: --speculative-num-steps (a tree's depth)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights (a config's shapes), random token prompts")
@@ -116,7 +122,9 @@ def main(argv=None) -> None:
                                  intermediate=c.intermediate_size)
     engines["spec"] = xlaserve.Engine(**options, speculative_algorithm=args.algorithm,
                                       speculative_draft_model_path=draft_path,
-                                      speculative_num_draft_tokens=args.num_draft_tokens)
+                                      speculative_num_draft_tokens=args.num_draft_tokens,
+                                      speculative_eagle_topk=args.eagle_topk,
+                                      speculative_num_steps=args.num_steps)
     params = {"max_new_tokens": args.max_new_tokens, "temperature": 0,
               "ignore_eos": args.load_format == "dummy"}  # random weights: every run full length
     rows = []

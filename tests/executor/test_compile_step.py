@@ -180,15 +180,9 @@ def test_a_speculative_servers_verify_step_compiles_for_the_target(target, tp_si
     program.compile(64, 8, pages, StepNeeds())
 
 
-# v6e on JAX 0.10 only (the TPU compile of the step around it runs on both, above); H100 on both.
-@pytest.mark.parametrize("target,tp_size", [
-    pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent), ("h100", 1)])
-def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, tp_size,
-                                                                     tmp_path):
-    """--speculative-algorithm EAGLE3 with a head of the published Llama-3.1-8B head's sizes
-    (benchmarks/configs/eagle3-llama-3.1-8b): the serving step runs the head over every row
-    after sampling (its cache and per-slot state donated with the KV pool, updated in place),
-    and the draft steps' program compiles beside it (the model's first 2 layers)."""
+def eagle3_server_step(target: str, tp_size: int, tmp_path, **flags):
+    """aot.server_step of Llama-3.1-8B's first 2 layers with a head of the published
+    Llama-3.1-8B EAGLE-3 head's sizes (benchmarks/configs/eagle3-llama-3.1-8b)."""
     devices(target)
     head = tmp_path / "head"
     head.mkdir()
@@ -198,8 +192,21 @@ def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, t
     args = ServerArgs(model_path=first_layers("llama-3.1-8b", 2, tmp_path), tp_size=tp_size,
                       max_running_requests=64, max_prefill_tokens=512,
                       speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
-                      speculative_num_steps=3)
-    program, shapes, description = aot.server_step(target, args)
+                      **flags)
+    return aot.server_step(target, args)
+
+
+# v6e on JAX 0.10 only (the TPU compile of the step around it runs on both, above); H100 on both.
+@pytest.mark.parametrize("target,tp_size", [
+    pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent), ("h100", 1)])
+def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, tp_size,
+                                                                     tmp_path):
+    """--speculative-algorithm EAGLE3 with a head of the published Llama-3.1-8B head's sizes
+    (benchmarks/configs/eagle3-llama-3.1-8b): the serving step runs the head over every row
+    after sampling (its cache and per-slot state donated with the KV pool, updated in place),
+    and the draft steps' program compiles beside it (the model's first 2 layers)."""
+    program, shapes, description = eagle3_server_step(target, tp_size, tmp_path,
+                                                      speculative_num_steps=3)
     assert "Eagle3Head draft head" in description and program.verify_tokens == 4, description
     assert len(program.args[1]) == 2 + 3  # the layers' caches, the head's, its slot state
     tokens, seqs, pages = shapes[-1]
@@ -217,18 +224,9 @@ def test_an_eagle3_tree_servers_tree_step_and_tree_drafting_compile_for_the_targ
     drafted nodes verified, 9-token tree rows): the step's tree program (the kernels'
     prefix_only and the masked tree tokens, the kept path's KV moved in every layer's cache
     and the head's, in place) and the head's tree drafting (the model's first 2 layers)."""
-    devices(target)
-    head = tmp_path / "head"
-    head.mkdir()
-    config = json.loads((CONFIGS / "eagle3-llama-3.1-8b" / "config.json").read_text())
-    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]}  # of 2 layers
-    (head / "config.json").write_text(json.dumps(config))
-    args = ServerArgs(model_path=first_layers("llama-3.1-8b", 2, tmp_path), tp_size=tp_size,
-                      max_running_requests=64, max_prefill_tokens=512,
-                      speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head),
-                      speculative_eagle_topk=4, speculative_num_steps=3,
-                      speculative_num_draft_tokens=9)
-    program, shapes, description = aot.server_step(target, args)
+    program, shapes, description = eagle3_server_step(
+        target, tp_size, tmp_path, speculative_eagle_topk=4, speculative_num_steps=3,
+        speculative_num_draft_tokens=9)
     assert program.tree_width == 9, description
     tokens, seqs, pages = max(s for s in shapes if s[0] <= 64)
     compiled = program.compile(tokens, seqs, pages, StepNeeds(), tree=True)

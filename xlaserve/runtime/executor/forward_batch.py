@@ -157,10 +157,12 @@ class Buckets:
 
     def tree_shapes(self) -> list[tuple[int, int, int]]:
         """The shapes a step with tree rows can take, which run the tree program too: a step
-        with drafts holds at most the largest sequence bucket's tokens (`sample_rows_for`)."""
+        with drafts holds at most the largest sequence bucket's tokens (`sample_rows_for`), in
+        the token bucket that fits them or a smaller one."""
         if not self.tree:
             return []
-        return [shape for shape in self.all_shapes() if shape[0] <= self.seqs[-1]]
+        most = bucket_for(min(self.seqs[-1], self.tokens[-1]), self.tokens)
+        return [shape for shape in self.all_shapes() if shape[0] <= most]
 
 
 def _sorted(values) -> tuple[int, ...] | None:
