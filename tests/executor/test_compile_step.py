@@ -208,11 +208,11 @@ def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, t
     program, shapes, description = eagle3_server_step(target, tp_size, tmp_path,
                                                       speculative_num_steps=3)
     assert "Eagle3Head draft head" in description and program.verify_tokens == 4, description
-    assert len(program.args[1]) == 2 + 3  # the layers' caches, the head's, its slot state
+    assert len(program.args[1]) == 2 + 2  # the layers' caches, the head's, its slot state
     tokens, seqs, pages = shapes[-1]
     compiled = program.compile(tokens, seqs, pages, StepNeeds())
     header = compiled.as_text().splitlines()[0]
-    assert header.count("may-alias") >= 5 + 2, description  # every pool array in place
+    assert header.count("may-alias") >= 4 + 2, description  # every pool array in place
     program.compile_chain(*shapes[0])
 
 
@@ -230,7 +230,7 @@ def test_an_eagle3_tree_servers_tree_step_and_tree_drafting_compile_for_the_targ
     assert program.tree_width == 9, description
     tokens, seqs, pages = max(s for s in shapes if s[0] <= 64)
     compiled = program.compile(tokens, seqs, pages, StepNeeds(), tree=True)
-    assert compiled.as_text().splitlines()[0].count("may-alias") >= 5 + 2, description
+    assert compiled.as_text().splitlines()[0].count("may-alias") >= 4 + 2, description
     program.compile_chain(*shapes[0])
 
 

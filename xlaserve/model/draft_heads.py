@@ -97,6 +97,10 @@ class Eagle3Head(nnx.Module):
         """The greedy draft (a target id) of each row of layer outputs `x`."""
         return self.draft_to_target[...][greedy_ids(self, x, kernels)]
 
+    def draft_of_carry(self, carried: jax.Array, kernels: Kernels) -> jax.Array:
+        """`draft` of the outputs whose `carry` this is (what a request's slot keeps)."""
+        return self.draft(carried, kernels)
+
     def top_drafts(self, x: jax.Array, k: int, kernels: Kernels) -> tuple[jax.Array, jax.Array]:
         """(target ids i32[T, k], their log-probabilities f32[T, k]): the `k` likeliest drafts
         of each row of layer outputs `x`, likeliest first (tree drafting, draft_head.py)."""
@@ -139,6 +143,12 @@ class NextNHead(nnx.Module):
 
     def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         return greedy_ids(self, x, kernels)
+
+    def draft_of_carry(self, carried: jax.Array, kernels: Kernels) -> jax.Array:
+        """`draft` of the outputs whose `carry` (their final norm) this is."""
+        logits = linear(carried.astype(matmul_input_dtype(self.lm_head[...])), self.lm_head[...],
+                        kernels)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def nextn_config(target: ModelConfig) -> ModelConfig:

@@ -6,10 +6,11 @@ The head lives on the target model (`model.draft_head`) and in its programs: eve
 runs it over the step's rows once the target has sampled (draft_head_step.catch_up_head), so
 its one-layer cache holds every token the target computed, in the target's pages (the
 scheduler's page lists, the prefix cache and retraction serve both), and each request's slot
-holds the head's first draft for its next step. `propose` runs the rest, one program
-(`make_chain`) of `num_draft_tokens - 2` single-token head steps, each on the last one's draft
-and state, for rows sorted by their number of drafts (the rows still drafting at step j are a
-prefix; the others are padding, which writes no cache), and reads the drafts back once.
+holds the head's state at its last token. `propose` runs one program (`make_chain`): the first
+draft from that state (the head's LM head), then `num_draft_tokens - 2` single-token head
+steps, each on the last one's draft and state, for rows sorted by their number of drafts (the
+rows still drafting at step j are a prefix; the others are padding, which writes no cache), and
+reads the drafts back once.
 Drafts are greedy; the target samples each token of a verified row from its own distribution
 and keeps those up to the first that differs from its draft, so every output is what plain
 decoding gives with the same seed (a sampled request accepts a draft with the target's
@@ -43,7 +44,7 @@ class DraftHead:
         drafts of a verified row at most (`--speculative-num-draft-tokens` - 1); `topk` > 1:
         trees of `tree_steps` levels (draft_tree.py; --speculative-eagle-topk and -num-steps)."""
         self.runner, self.buckets, self.topk = runner, buckets, topk
-        self.steps = max_drafts - 1  # the first draft comes from the serving step
+        self.steps = max_drafts - 1  # head steps after the first draft (its slot's state's)
         graphdef, state_treedef, weight_layout, kv_sharding = runner.program_parts
         parts = (graphdef, state_treedef, weight_layout, runner.kernels, runner.mesh,
                  kv_sharding, runner.config.num_layers)
@@ -140,24 +141,26 @@ class DraftHead:
 
 def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
                num_layers: int, steps: int):
-    """The jitted draft steps after the first draft (which the serving step made):
+    """The jitted drafting: the first draft from each slot's state, then the head's steps:
 
         chain(weights, kv_caches, page_table, ints, floats, rooms, *, layout)
             -> (drafts i32[S, steps + 1], kv_caches, page_table)
 
     over a staged batch of one token per row at each request's next position (its last token's,
     which the target has not run yet), `rooms` i32[S] the drafts each row wants, descending.
-    Draft 0 is the one the last serving step made; draft j + 1 comes from step j."""
+    Draft 0 is the slot's state's (the head's output at the last token, which the serving step
+    left); draft j + 1 comes from step j."""
     replicated = NamedSharding(mesh, P())
 
     def chain(weights, kv_caches, page_table, ints, floats, rooms, layout):
         batch, slots, model, page_table, pages = chain_inputs(
             graphdef, state_treedef, weight_layout, weights, page_table, ints, floats, layout)
         head = model.draft_head
-        head_kv, draft_tokens, states = kv_caches[num_layers:]
+        head_kv, states = kv_caches[num_layers:]
         tokens, seqs = batch.input_ids.shape[0], slots.shape[0]
         token_slots = jnp.zeros(tokens, jnp.int32).at[:seqs].set(slots)  # tokens >= seqs
-        ids, x_state = draft_tokens[token_slots], states[token_slots]
+        x_state = states[token_slots]
+        ids = head.draft_of_carry(x_state, kernels)
         drafts = [ids[:seqs]]
         seq_index = jnp.arange(seqs + 1, dtype=jnp.int32)
         for j in range(steps):
@@ -168,7 +171,7 @@ def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_shardin
                               metadata, kernels)
             ids, x_state = head.draft(x, kernels), head.carry(x)
             drafts.append(ids[:seqs])
-        kv_caches = list(kv_caches[:num_layers]) + [head_kv, draft_tokens, states]
+        kv_caches = list(kv_caches[:num_layers]) + [head_kv, states]
         return jnp.stack(drafts, axis=1), kv_caches, page_table
 
     return jax.jit(chain, static_argnames=("layout",), donate_argnums=(1, 2),

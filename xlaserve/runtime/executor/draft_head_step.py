@@ -8,12 +8,15 @@ there, or for a prompt chunk that ends before the prompt does, the prompt's next
 (`ForwardBatch.next_ids`). A verified row's sampled tokens are its accepted drafts and then the
 target's own token, so its rows up to the last one kept get the tokens the request keeps; the
 rows past it hold rejected drafts, whose cache entries the next step writes again. The head's
-draft and state at each sequence's last kept row go to its slot: the next draft starts there.
+state at each sequence's last kept row goes to its slot: the next draft starts there. Its LM
+head runs where a request drafts (draft_head.py), not here: a step with no draft to make
+reads the head's layer alone (on the default model the LM head of a random head's 49152-token
+vocabulary is bigger than the model's quantized weights).
 (A prompt that starts with cached pages reads the head's entries another request wrote: the
 last one before it was written with that request's next token, which costs acceptance if it
 differs, never correctness; SGLang's radix cache shares the same way.)
 
-The draft steps after that first draft are draft_head.py's program (`make_chain`).
+The drafts are draft_head.py's program (`make_chain`) or draft_tree.py's.
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ import jax.numpy as jnp
 
 def catch_up_head(model, head, head_state, hidden, captured, input_ids, batch, metadata,
                   sampled, keep, sample_slots, kernels) -> list:
-    """The head's pool entries after the step: [its cache, draft tokens, states]. `sampled`:
-    the step's token per sample row; `keep`: the sample rows whose draft goes to their slot."""
-    head_kv, draft_tokens, states = head_state
+    """The head's pool entries after the step: [its cache, states]. `sampled`: the step's token
+    per sample row; `keep`: the sample rows whose state goes to their slot."""
+    head_kv, states = head_state
     tokens, rows = input_ids.shape[0], sampled.shape[0]
     token_row = jnp.full(tokens, -1, jnp.int32).at[
         jnp.where(batch.sample_rows, batch.logits_indices, tokens)].set(
@@ -38,7 +41,6 @@ def catch_up_head(model, head, head_state, hidden, captured, input_ids, batch, m
     x, head_kv = head(model.embedding[...], ids, features, batch.positions, head_kv, metadata,
                       kernels)
     x = x[batch.logits_indices]
-    write = jnp.where(keep, sample_slots, draft_tokens.shape[0])
-    draft_tokens = draft_tokens.at[write].set(head.draft(x, kernels), mode="drop")
+    write = jnp.where(keep, sample_slots, states.shape[0])
     states = states.at[write].set(head.carry(x).astype(states.dtype), mode="drop")
-    return [head_kv, draft_tokens, states]
+    return [head_kv, states]

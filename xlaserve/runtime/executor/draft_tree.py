@@ -49,7 +49,7 @@ def make_tree_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sh
         batch, slots, model, page_table, pages = chain_inputs(
             graphdef, state_treedef, weight_layout, weights, page_table, ints, floats, layout)
         head = model.draft_head
-        head_kv, draft_tokens, states = kv_caches[num_layers:]
+        head_kv, states = kv_caches[num_layers:]
         seqs = slots.shape[0]
         first = states[slots]  # [S, hidden]: the head's output at the request's last token
         ids, scores = head.top_drafts(first, topk, kernels)  # level 1
@@ -86,7 +86,7 @@ def make_tree_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sh
             # The verified row's index of the parent: 1 + its node number.
             nodes["parents"].append(1 + (level - 1) * topk + parent)
             nodes["scores"].append(scores)
-        kv_caches = list(kv_caches[:num_layers]) + [head_kv, draft_tokens, states]
+        kv_caches = list(kv_caches[:num_layers]) + [head_kv, states]
         stacked = jnp.stack([jnp.concatenate(nodes["ids"], axis=1),
                              jnp.concatenate(nodes["parents"], axis=1)])
         return (stacked, jnp.concatenate(nodes["scores"], axis=1)), kv_caches, page_table

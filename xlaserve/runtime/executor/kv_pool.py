@@ -76,7 +76,7 @@ def round_down_coarsely(n: int, significant_bits: int = 4) -> int:
 def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,
                   draft_head: "DraftHeadPool | None" = None):
     """The pool's arrays as jax.ShapeDtypeStruct, with their sharding: what a step is lowered for
-    before the pool exists. With a speculative draft head, three more after the layers'
+    before the pool exists. With a speculative draft head, two more after the layers'
     (`DraftHeadPool`)."""
     platform = mesh.devices.flat[0].platform
     sharding = NamedSharding(mesh, kv_cache_spec(config))
@@ -86,7 +86,6 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
         c, replicated = draft_head.config, NamedSharding(mesh, P())
         specs += [jax.ShapeDtypeStruct(kv_cache_shape(c, num_pages, page_size, platform), dtype,
                                        sharding=NamedSharding(mesh, kv_cache_spec(c))),
-                  jax.ShapeDtypeStruct((draft_head.num_slots,), jnp.int32, sharding=replicated),
                   jax.ShapeDtypeStruct((draft_head.num_slots, c.hidden_size), jnp.float32,
                                        sharding=replicated)]
     return specs
@@ -96,8 +95,8 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
 class DraftHeadPool:
     """A speculative draft head's device state, carried at the end of the KV pool's list so that
     every step donates and returns it with the caches (runtime/executor/draft_head.py): its
-    layer's cache (the target's pages), then per request slot the head's last draft token
-    (i32[slots]) and the state its next draft step reads (f32[slots, hidden])."""
+    layer's cache (the target's pages), then per request slot the state its next draft reads
+    (f32[slots, hidden]: the head's output at the request's last token, `carry`'s)."""
 
     config: ModelConfig  # the head's
     num_slots: int
