@@ -117,13 +117,19 @@ def eagle3_reference_beam(target_model, head: dict, sequence: list[int], topk: i
             logprobs, ids = torch.topk(torch.log_softmax(logits.double(), -1), topk)
             return [(int(i) + int(d2t[int(i)]), float(p)) for i, p in zip(ids, logprobs)]
 
-        beam = [((token,), score) for token, score in children(())]
-        nodes = list(beam)
-        for _ in range(steps - 1):
-            candidates = [(path + (token,), score + lp) for path, score in beam
-                          for token, lp in children(path)]
-            beam = sorted(candidates, key=lambda c: -c[1])[:topk]
-            nodes += beam
+        return _beam(children, topk, steps)
+
+
+def _beam(children, topk: int, steps: int) -> list[tuple[tuple[int, ...], float]]:
+    """Every node of `steps` levels of the `topk` likeliest paths, `children(path)` giving the
+    (token, log-probability) candidates after a path."""
+    beam = [((token,), score) for token, score in children(())]
+    nodes = list(beam)
+    for _ in range(steps - 1):
+        candidates = [(path + (token,), score + lp) for path, score in beam
+                      for token, lp in children(path)]
+        beam = sorted(candidates, key=lambda c: -c[1])[:topk]
+        nodes += beam
     return nodes
 
 
@@ -156,6 +162,35 @@ def add_nextn_layer(directory: str, target_model, seed: int = 2) -> dict:
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({**config, "num_nextn_predict_layers": 1}, f)
     return own
+
+
+def nextn_reference_beam(target_model, own: dict, sequence: list[int], topk: int,
+                         steps: int) -> list[tuple[tuple[int, ...], float]]:
+    """`eagle3_reference_beam` of the multi-token-prediction layer (`nextn_reference_drafts`'
+    rows), each path's rows computed over the whole sequence and the path."""
+    t = {k: torch.from_numpy(v) for k, v in own.items()}
+    inner = target_model.model
+    with torch.no_grad():
+        target_states = inner(torch.tensor([sequence[:-1]])).last_hidden_state[0]
+
+        def children(path):
+            tokens, states = list(sequence[1:]) + list(path), target_states
+            normed = None
+            for depth in range(len(path) + 1):
+                n = len(sequence) - 1 + depth
+                e = _rms(inner.embed_tokens.weight[torch.tensor(tokens[:n])], t["enorm.weight"])
+                x = torch.cat([e, _rms(states, t["hnorm.weight"])], -1) @ t["eh_proj.weight"].T
+                positions = torch.arange(n)[None]
+                mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+                x = inner.layers[-1](x[None], attention_mask=mask, position_ids=positions,
+                                     position_embeddings=inner.rotary_emb(x[None], positions))[0]
+                normed = _rms(x, t["shared_head.norm.weight"])
+                states = torch.cat([target_states, normed[len(sequence) - 2:]], 0)
+            logits = normed[-1] @ t["shared_head.head.weight"].T
+            logprobs, ids = torch.topk(torch.log_softmax(logits.double(), -1), topk)
+            return list(zip(ids.tolist(), logprobs.tolist()))
+
+        return _beam(children, topk, steps)
 
 
 def nextn_reference_drafts(target_model, own: dict, sequence: list[int], count: int) -> list[int]:

@@ -211,7 +211,7 @@ class ServerArgs:
         None, "EAGLE3 / NEXTN: draft steps per verified row, SGLang's (a chain: "
               "--speculative-num-draft-tokens is this plus one; a tree: its depth, default 3)")
     speculative_eagle_topk: Optional[int] = _flag(
-        None, "EAGLE3 / NEXTN: drafts kept per step, SGLang's; 1: a chain; more (EAGLE3): a "
+        None, "EAGLE3 / NEXTN: drafts kept per step, SGLang's; 1: a chain; more: a "
               "tree, the likeliest --speculative-num-draft-tokens - 1 nodes of a beam of this "
               "many paths, verified in one row (topk x steps <= 32)")
     speculative_num_draft_tokens: Optional[int] = _flag(

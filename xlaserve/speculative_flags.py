@@ -53,7 +53,7 @@ def _resolve_draft_steps(args, algorithm: str) -> None:
         raise ValueError("--speculative-eagle-topk must be 1 or more; got "
                          f"{args.speculative_eagle_topk}")
     if (args.speculative_eagle_topk or 1) > 1:
-        _resolve_tree(args, algorithm)
+        _resolve_tree(args)
         return
     steps = args.speculative_num_steps
     if steps is None:
@@ -67,14 +67,10 @@ def _resolve_draft_steps(args, algorithm: str) -> None:
     args.speculative_num_draft_tokens = steps + 1
 
 
-def _resolve_tree(args, algorithm: str) -> None:
-    """Tree drafting: EAGLE3 only (NEXTN's latent attention takes no tree masks), a beam of
-    topk paths `steps` deep (default 3), of which --speculative-num-draft-tokens - 1 nodes
-    (default all, to 32 tokens a row) are verified."""
+def _resolve_tree(args) -> None:
+    """Tree drafting (EAGLE3, NEXTN): a beam of topk paths `steps` deep (default 3), of which
+    --speculative-num-draft-tokens - 1 nodes (default all, to 32 tokens a row) are verified."""
     topk = args.speculative_eagle_topk
-    if algorithm != "EAGLE3":
-        raise ValueError(f"--speculative-eagle-topk {topk}: tree drafting is built for "
-                         "EAGLE3; NEXTN drafts a chain (--speculative-eagle-topk 1)")
     steps = args.speculative_num_steps = args.speculative_num_steps or 3
     if steps < 1 or topk * steps > 32:
         raise ValueError(f"--speculative-eagle-topk {topk} x --speculative-num-steps {steps} "

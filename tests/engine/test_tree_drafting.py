@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.draft_head_models import eagle3_reference_beam
-from tests.engine.test_draft_heads import head, plain, target  # noqa: F401 - the fixtures
+from tests.engine.test_draft_heads import deepseek, head, plain, target  # noqa: F401 - fixtures
 from tests.engine.test_speculative_decoding import SMALL
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
@@ -200,3 +200,43 @@ def test_sampled_tokens_from_tree_rows_follow_the_models_distribution(target, tr
     df = len(cells) - 1
     critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # p = 0.001
     assert statistic < critical, (statistic, critical, counts)
+
+
+def test_nextn_trees_are_the_mtp_layers_beam_and_outputs_equal_transformers(deepseek):
+    """NEXTN (a tiny DeepSeek-V3 with its MTP layer) drafting trees: the model's and the MTP
+    layer's tree rows run latent attention's absorbed form with tree masks; every tree holds the
+    likeliest nodes of the layer's beam from scratch, and the output with oracle trees (the
+    answer on the second branch) is transformers' greedy."""
+    from tests.draft_head_models import nextn_reference_beam
+    from tests.engine.test_draft_heads import DEEPSEEK
+    from tests.hf_reference import hf_greedy
+
+    directory, model, own = deepseek
+    prompts = [[5, 17, 300, 42, 9, 77, 5, 60, 61, 62], [7, 8], [400, 401, 402]]
+    want = [hf_greedy(model, p, GREEDY["max_new_tokens"]) for p in prompts]
+    answers = {tuple(p): w for p, w in zip(prompts, want)}
+    proposals = []
+    with Engine(directory, speculative_algorithm="NEXTN", speculative_eagle_topk=2,
+                speculative_num_steps=2, speculative_num_draft_tokens=4, **DEEPSEEK) as engine:
+        propose = engine.core.scheduler.drafter
+
+        def recorded(requests, rooms):
+            drafts = propose(requests, rooms)
+            out = []
+            for r, room, draft in zip(requests, rooms, drafts):
+                proposals.append((list(r.all_ids()), draft, room))
+                rest = answers[tuple(r.prompt_ids)][len(r.output_ids):]
+                out.append(oracle_tree(rest, room, spoil=False)
+                           if draft and room >= 2 and len(rest) >= 2 else draft)
+            return out
+
+        engine.core.scheduler.drafter = recorded
+        compiled = engine.core.runner.compile_count()
+        assert ids(engine.generate(input_ids=prompts, sampling_params=GREEDY)) == want
+        assert engine.core.scheduler.spec_accepted_drafts > 0
+        assert engine.core.runner.compile_count() == compiled
+    assert len(proposals) > 8
+    for sequence, draft, room in proposals[:10]:
+        if draft:
+            beam = nextn_reference_beam(model, own, sequence, 2, 2)
+            assert paths(draft) == {p for p, _ in sorted(beam, key=lambda n: -n[1])[:room]}

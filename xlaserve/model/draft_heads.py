@@ -101,12 +101,11 @@ class Eagle3Head(nnx.Module):
         """`draft` of the outputs whose `carry` this is (what a request's slot keeps)."""
         return self.draft(carried, kernels)
 
-    def top_drafts(self, x: jax.Array, k: int, kernels: Kernels) -> tuple[jax.Array, jax.Array]:
+    def top_drafts_of_carry(self, carried: jax.Array, k: int,
+                            kernels: Kernels) -> tuple[jax.Array, jax.Array]:
         """(target ids i32[T, k], their log-probabilities f32[T, k]): the `k` likeliest drafts
-        of each row of layer outputs `x`, likeliest first (tree drafting, draft_head.py)."""
-        logits = linear(self.final_norm(x).astype(matmul_input_dtype(self.lm_head[...])),
-                        self.lm_head[...], kernels)
-        logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
+        of the outputs whose `carry` this is, likeliest first (tree drafting, draft_tree.py)."""
+        ids, logprobs = top_logprobs(self, self.final_norm(carried), k, kernels)
         return self.draft_to_target[...][ids], logprobs
 
 
@@ -150,12 +149,26 @@ class NextNHead(nnx.Module):
                         kernels)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
+    def top_drafts_of_carry(self, carried: jax.Array, k: int,
+                            kernels: Kernels) -> tuple[jax.Array, jax.Array]:
+        """As Eagle3Head's: the `k` likeliest drafts (ids, log-probabilities) of a carry."""
+        return top_logprobs(self, carried, k, kernels)
+
 
 def nextn_config(target: ModelConfig) -> ModelConfig:
     """The multi-token-prediction layer's config: the target's, one layer, with experts when the
     target has them (SGLang's is_nextn layer is always sparse)."""
     return dataclasses.replace(target, num_layers=1, sliding_windows=(None,),
                                moe_layers=(target.num_experts > 0,))
+
+
+def top_logprobs(head, normed: jax.Array, k: int, kernels: Kernels):
+    """(ids i32[T, k] of the head's vocabulary, log-probabilities f32[T, k]): the `k` likeliest
+    of `head`'s LM head over `normed` rows (its final norm already applied)."""
+    logits = linear(normed.astype(matmul_input_dtype(head.lm_head[...])), head.lm_head[...],
+                    kernels)
+    logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
+    return ids.astype(jnp.int32), logprobs
 
 
 def greedy_ids(head, x: jax.Array, kernels: Kernels) -> jax.Array:

@@ -91,7 +91,8 @@ class Kernels:
     # Multi-head latent attention (model/mla.py): reference.mla_ragged_paged_attention's contract
     latent_attention: Callable = mla_ragged_paged_attention
     # MLA's expanded form for steps of at least `mla_expanded_prefill_tokens` tokens (0: never):
-    # `latent_prefix_attention` is latent_attention with prefix_only (out, lse, cache), and
+    # `latent_prefix_attention` is latent_attention with prefix_only (out, lse, cache; also what
+    # a speculative tree row's latent attention starts from), and
     # `new_token_attention(q, k, v, cu_q_lens, num_seqs, sm_scale=)` -> (out, lse), new_tokens.py
     mla_expanded_prefill_tokens: int = 0
     latent_prefix_attention: Callable | None = None

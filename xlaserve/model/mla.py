@@ -31,6 +31,7 @@ from flax import nnx
 from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight, linear,
                                    matmul_input_dtype)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import merge_by_lse
+from xlaserve.pallas_kernels.ragged_paged_attention.tree_tokens import tree_token_attention
 
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm take their RMSNorm's default epsilon, not the
@@ -90,7 +91,13 @@ class MLAttention(nnx.Module):
         w_uv = self.w_uv[...]
         attention_args = (query, latent, kv_cache, metadata.kv_lens, metadata.page_indices,
                           metadata.cu_q_lens, metadata.num_seqs)
-        if 0 < kernels.mla_expanded_prefill_tokens <= x.shape[0]:  # the bucket's size: static
+        if metadata.tree_masks is not None:  # speculative tree rows: the absorbed form, masked
+            out, kv_cache = tree_latent_attention(attention_args, metadata, kernels,
+                                                  kv_lora_rank=m.kv_lora_rank,
+                                                  sm_scale=m.softmax_scale)
+            out = jnp.einsum("thr,hrv->thv", out.astype(w_uv.dtype), w_uv,
+                             preferred_element_type=jnp.float32)
+        elif 0 < kernels.mla_expanded_prefill_tokens <= x.shape[0]:  # the bucket's size: static
             out, kv_cache = expanded_attention(
                 q_nope, q_rope, attention_args, self.w_uk[...], w_uv, kernels,
                 kv_lora_rank=m.kv_lora_rank, sm_scale=m.softmax_scale)
@@ -102,6 +109,22 @@ class MLAttention(nnx.Module):
         out = linear(out.reshape(x.shape[0], -1).astype(matmul_input_dtype(self.o_proj[...])),
                      self.o_proj[...], kernels)
         return out, kv_cache
+
+
+def tree_latent_attention(attention_args, metadata, kernels: Kernels, *, kv_lora_rank: int,
+                          sm_scale: float):
+    """Speculative tree rows (pallas_kernels/ragged_paged_attention/tree_tokens.py) in the
+    absorbed form: the latent kernel's prefix part merged with each token's attention to the
+    new latent rows its tree mask names (every head's key the row, its value the row's first
+    kv_lora_rank entries). Returns (out [T, H, kv_lora_rank] float32, kv_cache)."""
+    out_prefix, lse_prefix, kv_cache = kernels.latent_prefix_attention(
+        *attention_args, sm_scale=sm_scale, value_dim=kv_lora_rank)
+    query, latent = attention_args[:2]
+    rows = latent[:, None]  # one kv head: every query head reads it
+    out_new, lse_new = tree_token_attention(
+        query, rows, rows[..., :kv_lora_rank], metadata.tree_masks, metadata.cu_q_lens,
+        metadata.num_seqs, sm_scale=sm_scale, width=metadata.tree_width)
+    return merge_by_lse(out_prefix, lse_prefix, out_new, lse_new), kv_cache
 
 
 def expanded_attention(q_nope, q_rope, attention_args, w_uk, w_uv, kernels: Kernels, *,

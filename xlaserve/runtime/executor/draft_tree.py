@@ -1,4 +1,5 @@
-"""Tree drafting with an EAGLE-3 head (--speculative-eagle-topk K > 1, SGLang's EAGLE tree):
+"""Tree drafting with a draft head (--speculative-eagle-topk K > 1, SGLang's EAGLE tree; an
+EAGLE-3 head or NEXTN's MTP layer):
 a beam of K paths, `steps` levels deep, from which the likeliest nodes make the tree the target
 verifies (runtime/executor/verified_rows.py walks it).
 
@@ -52,7 +53,7 @@ def make_tree_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sh
         head_kv, states = kv_caches[num_layers:]
         seqs = slots.shape[0]
         first = states[slots]  # [S, hidden]: the head's output at the request's last token
-        ids, scores = head.top_drafts(first, topk, kernels)  # level 1
+        ids, scores = head.top_drafts_of_carry(first, topk, kernels)  # level 1
         beam = jnp.arange(topk, dtype=jnp.int32)
         nodes = {"ids": [ids], "inputs": [jnp.broadcast_to(first[:, None], (seqs, topk) +
                                                           first.shape[1:])],
@@ -72,8 +73,8 @@ def make_tree_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sh
                               row["inputs"].reshape(seqs * n, -1), positions, head_kv, metadata,
                               kernels)
             newest = head.carry(x).reshape(seqs, n, -1)[:, n - topk:]  # the last level's
-            child_ids, child_scores = head.top_drafts(newest.reshape(seqs * topk, -1), topk,
-                                                      kernels)
+            child_ids, child_scores = head.top_drafts_of_carry(
+                newest.reshape(seqs * topk, -1), topk, kernels)
             paths = (nodes["scores"][-1][:, :, None]
                      + child_scores.reshape(seqs, topk, topk)).reshape(seqs, topk * topk)
             scores, picked = jax.lax.top_k(paths, topk)  # [S, topk], likeliest first

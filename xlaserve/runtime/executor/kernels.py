@@ -58,11 +58,13 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
                       packed_matmul=packed_matmul,
                       packed_grouped_matmul=(gemm_cpu.packed_grouped_matmul
                                              if packed_matmul is not None else None))
+    # The latent kernel's prefix part: the expanded form's, and speculative tree rows' (mla.py).
+    prefix, new = get_expanded_prefill_fns(attention_backend, mesh, platform=platform)
+    kernels = dataclasses.replace(kernels, latent_prefix_attention=prefix)
     if mla_expanded_prefill_tokens > 0:
-        prefix, new = get_expanded_prefill_fns(attention_backend, mesh, platform=platform)
         kernels = dataclasses.replace(
             kernels, mla_expanded_prefill_tokens=mla_expanded_prefill_tokens,
-            latent_prefix_attention=prefix, new_token_attention=new)
+            new_token_attention=new)
     if platform == "gpu" and (mesh is None or mesh.size == 1):
         # A custom call is not split by XLA's partitioner: on a mesh, FP8 checkpoints with block
         # scales are dequantized at load (weights/fp8_kept.py) and this stays None.
