@@ -47,6 +47,7 @@ from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, def
 from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE, pages_for_tokens
 from xlaserve.runtime.scheduler.request import DecodeRows, ScheduledBatch, SeqChunk
 from xlaserve.runtime.scheduler.scheduler import max_step_tokens
+from xlaserve.runtime.scheduler.speculation import row_depths
 
 # --- padding buckets --------------------------------------------------------------------------
 
@@ -388,12 +389,11 @@ def tree_rows(chunks: list[SeqChunk]) -> tuple[np.ndarray, np.ndarray]:
         children = {(p, chunk.token_ids[j]) for j, p in enumerate(parents) if j}
         if len(children) != n - 1:
             raise ValueError(f"sequence {i}'s tree has siblings of one token")
-        row_masks, row_depths = [], []
+        row_masks = []
         for j, p in enumerate(parents):
             row_masks.append((row_masks[p] if p >= 0 else 0) | (1 << j))
-            row_depths.append(row_depths[p] + 1 if p >= 0 else 0)
         masks += row_masks
-        depths += row_depths
+        depths += row_depths(chunk)
     return np.array(masks, np.int64).astype(np.int32), np.array(depths, np.int32)
 
 

@@ -67,25 +67,23 @@ def kept_rows(tokens: jax.Array, input_ids: jax.Array, logits_indices: jax.Array
 
 def _tree_columns(input_ids, tree_masks, logits_indices, sample_seqs, cu_q_lens, width: int):
     """Per sample row and offset k of its row (i32[R, width] each): whether node k is in the
-    row and an ancestor-or-self of the row's node, and node k's token; and per row its offset,
-    the row's first token and its first sample row."""
-    seq = jnp.maximum(sample_seqs, 0)
-    row_start = cu_q_lens[seq]
-    offset = logits_indices - row_start
+    row and an ancestor-or-self of the row's node, and node k's token; and per row its first
+    sample row."""
+    row_start = cu_q_lens[jnp.maximum(sample_seqs, 0)]
     first, _ = _row_offsets(sample_seqs)
     k = jnp.arange(width, dtype=jnp.int32)
     node_token = jnp.minimum(row_start[:, None] + k[None, :], input_ids.shape[0] - 1)
     mine = tree_masks[logits_indices]
     on_path = ((mine[:, None] >> k[None, :]) & 1).astype(jnp.bool_) & (sample_seqs >= 0)[:, None]
-    return on_path, node_token, offset, first, row_start
+    return on_path, node_token, first
 
 
 def tree_prior_draft_ids(input_ids, tree_masks, logits_indices, sample_seqs, cu_q_lens,
                          max_drafts: int):
     """`prior_draft_ids` of a tree step: the drafts on the way to each sample row's node (its
     ancestors but the root, and itself), -1 elsewhere."""
-    on_path, node_token, *_ = _tree_columns(input_ids, tree_masks, logits_indices, sample_seqs,
-                                            cu_q_lens, max_drafts + 1)
+    on_path, node_token, _ = _tree_columns(input_ids, tree_masks, logits_indices, sample_seqs,
+                                           cu_q_lens, max_drafts + 1)
     ids = jnp.where(on_path, input_ids[node_token], -1)
     return ids[:, 1:]  # offset 0 is the root: the request's own token
 
@@ -95,7 +93,7 @@ def tree_kept_rows(tokens, input_ids, tree_masks, logits_indices, sample_seqs, c
     """(kept, last kept, depth), per sample row of a tree step: kept when the target's token
     after each ancestor of its node is the next node of the way to it; the last kept is the
     deepest (siblings' tokens are distinct: one path is kept)."""
-    on_path, node_token, _, first, _ = _tree_columns(
+    on_path, node_token, first = _tree_columns(
         input_ids, tree_masks, logits_indices, sample_seqs, cu_q_lens, width)
     masks = tree_masks[node_token]  # each node's own mask
     own = jnp.left_shift(1, jnp.arange(width, dtype=jnp.int32))[None, :]
