@@ -7,7 +7,13 @@ experts" (2026-11-26, H100: a dense dot, 2.96 ms against 0.22 ms for one expert'
 Then, on a Hopper GPU, the candidate replacement: JAX's Mosaic GPU grouped matmul
 (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, WGMMA), checked against ragged_dot on
 uneven groups (some empty) and timed at the same shapes and block sizes, to decide whether
-`Kernels.grouped_matmul` takes it on H100s."""
+`Kernels.grouped_matmul` takes it on H100s.
+
+And on any GPU, the grouped matmul the server runs there (pallas_kernels/grouped_matmul_gpu.py,
+Triton), checked against ragged_dot on the same uneven groups and timed at its own tiles and two
+others, at the shapes above and at Qwen3-30B-A3B's gate_up for batch 1 and a 256-row decode
+(routing uniform), each beside its floor: the routed experts' weights read once at the device's
+measured copy bandwidth. Needs the checkout importable (PYTHONPATH=$PWD)."""
 import time
 
 import jax
@@ -78,3 +84,57 @@ if jax.devices()[0].device_kind.startswith("NVIDIA H"):
               f"{min(times) * 1e3:.3f} ms, {flops / min(times) / 1e12:.1f} TFLOP/s, max |error| "
               f"{max_error:.3g} against ragged_dot in float32 (outputs up to "
               f"{float(jnp.max(jnp.abs(want))):.3g})")
+
+
+def timed(fn, *args) -> float:
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+if jax.default_backend() == "gpu":
+    import functools
+
+    import numpy as np
+
+    from xlaserve.pallas_kernels import grouped_matmul_gpu as gpu
+
+    copy = jax.jit(lambda a: a + 1)
+    big = jnp.ones((1 << 28,), jnp.bfloat16)
+    bandwidth = 2 * big.nbytes / timed(copy, big)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    rng = np.random.default_rng(1)
+    cases = [("v2-lite 3072 rows", 3072, 64, 2048, 2816),
+             ("qwen3 gate_up batch 1", 8, 128, 2048, 1536),
+             ("qwen3 gate_up 256 rows", 2048, 128, 2048, 1536)]
+    for name, m, e, k, n in cases:
+        key_x, key_w = jax.random.split(jax.random.key(m))
+        x = jax.random.normal(key_x, (m, k), jnp.bfloat16)
+        w = (jax.random.normal(key_w, (e, k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
+        if m > 1000:  # an empty group and a big one too
+            sizes = sizes.at[0].set(0).at[1].add(sizes[0])
+        want = jax.jit(functools.partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32))(
+            x, w, sizes)
+        experts_read = int(jnp.sum(sizes > 0))
+        floor = experts_read * k * n * 2 / bandwidth
+        routed = 2 * m * k * n
+        block_m = gpu.block_rows(m, e)
+        for tiles in [{}, {"block_m": block_m, "block_n": 64}, {"block_m": 2 * block_m}]:
+            kernel = jax.jit(functools.partial(gpu.grouped_matmul_gpu, **tiles))
+            try:
+                got = kernel(x, w, sizes).block_until_ready()
+            except Exception as error:  # noqa: BLE001 - a report, whatever failed
+                print(f"grouped_matmul_gpu {name} {tiles or 'default'}: failed: "
+                      f"{str(error).splitlines()[0][:200]}")
+                continue
+            seconds = timed(kernel, x, w, sizes)
+            max_error = float(jnp.max(jnp.abs(got - want)))
+            print(f"grouped_matmul_gpu {name} {tiles or 'default'}: {seconds * 1e3:.3f} ms, "
+                  f"{seconds / floor:.2f}x its floor ({floor * 1e3:.3f} ms: {experts_read} "
+                  f"experts' weights), {routed / seconds / 1e12:.1f} TFLOP/s routed, max |error| "
+                  f"{max_error:.3g} against ragged_dot in float32")

@@ -19,13 +19,21 @@ Per bucket (tokens, seqs) of the server's own bucket list (--max-running-request
 - cache writes: XLA charges each in-place KV-cache update (a scatter fused into the donated
   cache) as a read and a write of the whole cache; the row is that charge taken back and the
   rows really written (tokens x 2 x kv heads x head dim) put in.
+- the experts' grouped matmul on GPU (pallas_kernels/grouped_matmul_gpu.py), also a custom call:
+  each call's FLOPs and bytes expected of a uniform routing, from its compiled shapes
+  (`grouped_matmul_calls`), added to XLA's figures.
+- active FLOPs ratio ("xact"): flops / (2 x active parameters x tokens), the parameters a token
+  multiplies (top_k of the routed experts; not the embedding table, which is gathered), with the
+  LM head's counted for the rows that get logits only (seqs). Near 1 for a dense model; the dense
+  ragged_dot of the experts made it E / top_k times the experts' share.
 - attention KV read (analytic): the Pallas attention is a custom call, which the cost analysis
   counts as nothing. Added: layers x seqs x context x 2 x kv heads x head dim x dtype bytes / tp,
   every sequence at --context tokens (an assumption, printed).
 - predicted time = max(bytes / HBM bandwidth, flops / peak), the data sheets' figures (below);
   collectives (tp > 1) and launch gaps are not in it, so it is a lower bound on a step.
 - floor: the same, with the bytes a step must move (each weight once, the KV read, the rows
-  written) in place of XLA's; XLA's figure is above it where the variant computes more than a
+  written; of an MoE's experts, those a uniform routing of the step's tokens reaches) in place of
+  XLA's; XLA's figure is above it where the variant computes more than a
   greedy argmax (the sampled variant's truncation search, the prompt logprobs' LM head), the
   analysis charges a gather its whole table, or the program moves more than it must.
 - decode tok/s = seqs / time for a decode bucket (one token per row); tokens / time for prefill.
@@ -103,6 +111,52 @@ def weight_copies(hlo: str, weights) -> list[str]:
     return [shape for shape in found if shape in shapes]
 
 
+def grouped_matmul_calls(hlo: str) -> list[dict]:
+    """The experts' GPU grouped matmuls of a compiled step (by kernel name), each with the
+    (flops, bytes) expected of a uniform routing (`grouped_matmul_gpu.expected_cost`, from its rows
+    per visit in its name and its operands' shapes: x [rows + block_m, K], experts [E, K, N])."""
+    from xlaserve.pallas_kernels import grouped_matmul_gpu
+
+    calls = []
+    for line in hlo.splitlines():
+        name = re.search(rf'name = "{grouped_matmul_gpu.NAME}_m(\d+)"', line)
+        if not name or " custom-call(" not in line:
+            continue
+        block_m = int(name.group(1))
+        operands = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", line).group(1)
+        padded_rows = int(re.findall(r"\w+\[(\d+),\d+\]", operands)[0])
+        dtype, groups, k, n = re.findall(r"(\w+)\[(\d+),(\d+),(\d+)\]", operands)[-1]
+        itemsize = {"bf16": 2, "f16": 2, "f32": 4}[dtype]
+        flops, nbytes = grouped_matmul_gpu.expected_cost(block_m, padded_rows - block_m,
+                                                         int(groups), int(k), int(n), itemsize)
+        calls.append({"flops": flops, "bytes": nbytes})
+    return calls
+
+
+def active_flops(config, parameters: int, tokens: int, seqs: int) -> tuple[float, float]:
+    """(2 x the parameters each token multiplies x tokens, with the LM head's only for the seqs'
+    rows that get logits; parameters of the experts no token of the step is expected to reach
+    under a uniform routing), of all devices, from the step's `parameters` (its weights' element
+    count) and the config."""
+    lm_head = config.vocab_size * config.hidden_size
+    body = parameters - lm_head * (1 if config.tie_word_embeddings else 2)  # + a gathered table
+    unreachable = 0
+    if config.num_experts:
+        per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+        moe_layers = sum(config.moe_layers)
+        body -= moe_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
+        # Each token picks a given expert with probability k / E under a uniform routing.
+        idle_share = (1 - config.num_experts_per_tok / config.num_experts) ** tokens
+        unreachable = moe_layers * config.num_experts * idle_share * per_expert
+    return 2 * (body * tokens + lm_head * seqs), unreachable
+
+
+def routed_flops(config, tokens: int) -> int:
+    """2 x the routed experts' parameters x tokens: what the experts must compute, all devices."""
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+    return 2 * tokens * config.num_experts_per_tok * per_expert * sum(config.moe_layers)
+
+
 def xla_costs(compiled) -> dict:
     """flops and bytes accessed of a compiled step, per device (see the module's docstring)."""
     costs = compiled.cost_analysis()
@@ -143,15 +197,26 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
     write_bytes = config.num_layers * tokens * row_bytes
     cache_correction = write_bytes - 2 * writes * local_cache_bytes
     kv_read = config.num_layers * seqs * context * row_bytes
-    total = costs["bytes"] + cache_correction + kv_read
+    grouped = grouped_matmul_calls(hlo)
+    costs["flops"] += sum(call["flops"] for call in grouped)
+    total = costs["bytes"] + cache_correction + kv_read + sum(call["bytes"] for call in grouped)
     bandwidth, peak = PEAKS[target]
     seconds = max(total / bandwidth, costs["flops"] / peak)
-    # The floor: each weight read once, the KV read and the new rows written, nothing else.
+    # The floor: each weight a step reaches read once, the KV read and the new rows written.
     weights = sum(leaf.size * leaf.dtype.itemsize for leaf in program.args[0]) / tp
-    floor_seconds = max((weights + kv_read + write_bytes) / bandwidth, costs["flops"] / peak)
+    largest = max(program.args[0], key=lambda leaf: leaf.size)  # the experts' dtype, in an MoE
+    active, unreachable = active_flops(config, sum(leaf.size for leaf in program.args[0]),
+                                       tokens, seqs)
+    unreachable_bytes = unreachable * largest.dtype.itemsize / tp
+    floor_seconds = max((weights - unreachable_bytes + kv_read + write_bytes) / bandwidth,
+                        costs["flops"] / peak)
     decode = tokens == seqs
     return {"target": target, "tp": tp, "tokens": tokens, "seqs": seqs,
             "flops": costs["flops"], "xla_bytes": costs["bytes"],
+            "active_flops_ratio": costs["flops"] / (active / tp),
+            "grouped_matmuls": len(grouped),
+            "experts_flops_ratio": (sum(call["flops"] for call in grouped) / routed_flops(config, tokens)
+                                    * tp if grouped else None),
             "cache_write_correction": cache_correction, "cache_writes": writes,
             "kv_read": kv_read, "bytes": total, "weights": weights,
             "floor_seconds": floor_seconds, "arguments": memory.argument_size_in_bytes,
@@ -205,7 +270,7 @@ def print_table(rows, context: int) -> None:
     print(f"\nPredicted from compiled programs (not measured); attention KV read at {context} "
           "tokens of context per sequence; per device; time = max(bytes/HBM, flops/peak)")
     print(f"{'model':<13}{'target':<9}{'tp':>3}{'wts':>5}{'variant':>11}{'tokens':>7}{'seqs':>5}"
-          f"{'GFLOP':>8}"
+          f"{'GFLOP':>8}{'xact':>6}"
           f"{'XLA GB':>8}{'cacheW':>8}{'KV GB':>7}{'GB':>7}{'args GB':>8}{'temp GB':>8}"
           f"{'ms':>7} {'bound':<8}{'tok/s':>9}{'floor ms':>9}{'tok/s':>8}{'cond':>5}{'while':>6}{'fus':>5}{'cc':>4}"
           f"{'wcopy':>6}")
@@ -213,7 +278,7 @@ def print_table(rows, context: int) -> None:
         calls = sum(r["custom_calls"].values())
         print(f"{r['model']:<13}{r['target']:<9}{r['tp']:>3}{r['weight_format']:>5}"
               f"{r['variant']:>11}{r['tokens']:>7}{r['seqs']:>5}"
-              f"{r['flops'] / 1e9:>8.0f}{r['xla_bytes'] / gb:>8.2f}"
+              f"{r['flops'] / 1e9:>8.0f}{r['active_flops_ratio']:>6.2f}{r['xla_bytes'] / gb:>8.2f}"
               f"{r['cache_write_correction'] / gb:>8.2f}{r['kv_read'] / gb:>7.2f}"
               f"{r['bytes'] / gb:>7.2f}{r['arguments'] / gb:>8.2f}{r['temporaries'] / gb:>8.2f}"
               f"{r['seconds'] * 1e3:>7.2f} {r['bound']:<8}{r['tok_s']:>9.0f}"

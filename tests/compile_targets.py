@@ -54,7 +54,10 @@ def first_layers(config: str, num_layers: int | None, directory: Path) -> str:
     if num_layers is None:
         return str(CONFIGS / config)
     whole = json.loads((CONFIGS / config / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**whole, "num_hidden_layers": num_layers}))
+    cut = {**whole, "num_hidden_layers": num_layers}
+    if "layer_types" in whole:  # gpt-oss's per-layer attention kinds
+        cut["layer_types"] = whole["layer_types"][:num_layers]
+    (directory / "config.json").write_text(json.dumps(cut))
     return str(directory)
 
 

@@ -1,8 +1,9 @@
-"""The experts' grouped matmul (model/grouped_matmul.py): the CPU's tiled loop, XLA's ragged_dot
-and the megablox Pallas kernel (in TPU interpret mode) against a float64 numpy reference, with
+"""The experts' grouped matmul (model/grouped_matmul.py): the CPU's tiled loop, XLA's ragged_dot,
+the megablox Pallas kernel (in TPU interpret mode) and the GPU kernel
+(pallas_kernels/grouped_matmul_gpu.py, in interpret mode) against a float64 numpy reference, with
 empty groups, groups that do not fill a tile, one group taking every row, rows past the groups'
-total (zero), and bfloat16 weights; and what ragged_dot compiles to for TPU v6e, the reason TPU
-keeps it."""
+total (zero), and bfloat16 weights; what ragged_dot compiles to for TPU v6e, the reason TPU keeps
+it, and for an H100, the reason a GPU does not."""
 import functools
 import importlib.util
 import re
@@ -18,6 +19,7 @@ from tests.kernels.grouped_reference import grouped_reference
 from xlaserve.runtime.executor.aot import abstract
 from xlaserve.model.grouped_matmul import (grouped_matmul_megablox, grouped_matmul_ragged_dot,
                                            grouped_matmul_tiled, tile_rows)
+from xlaserve.pallas_kernels import grouped_matmul_gpu as gpu
 
 IMPLEMENTATIONS = {"tiled": grouped_matmul_tiled, "ragged_dot": grouped_matmul_ragged_dot}
 
@@ -115,6 +117,70 @@ def test_ragged_dot_compiles_to_a_grouped_kernel_for_tpu():
     assert compiled.cost_analysis()["flops"] == 2 * rows * k * n
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("group_sizes", [
+    [3, 0, 5, 1, 0, 7, 0, 0],  # empty groups, groups under a visit, rows past the total
+    [40, 0, 0, 0, 0, 0, 0, 0],  # one group, several visits, the last part empty
+    [0, 0, 0, 0, 0, 0, 0, 40],
+    [17, 0, 0, 16, 0, 0, 1, 6],  # a visit and a row; exactly a visit
+    [0, 0, 0, 0, 0, 0, 0, 0],  # nothing routed here (expert parallelism): all zero
+], ids=["ragged", "all_first", "all_last", "edges", "none"])
+def test_the_gpu_kernel_multiplies_each_group_by_its_own_matrix(group_sizes, block_m):
+    rng = np.random.default_rng(sum(group_sizes) + block_m)
+    x = rng.standard_normal((40, 48)).astype(np.float32)
+    weights = rng.standard_normal((8, 48, 64)).astype(np.float32)
+    sizes = np.array(group_sizes, np.int32)
+    kernel = jax.jit(functools.partial(gpu.grouped_matmul_gpu, block_m=block_m, block_n=32,
+                                       block_k=16, interpret=True))
+    got = kernel(x, weights, sizes)  # 3 K steps, 2 column tiles
+    assert got.dtype == jnp.float32 and got.shape == (40, 64)
+    np.testing.assert_allclose(np.asarray(got), grouped_reference(x, weights, sizes), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_the_gpu_kernel_takes_bfloat16_with_float32_accumulation_at_its_own_tiles():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((70, 96)).astype(np.float32)
+    weights = jnp.asarray(rng.standard_normal((6, 96, 80)), jnp.bfloat16)
+    sizes = np.array([9, 30, 0, 1, 20, 2], np.int32)  # 62 of 70 rows
+    rounded_x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    expected = grouped_reference(rounded_x, np.asarray(weights.astype(jnp.float32)), sizes)
+    got = jax.jit(functools.partial(gpu.grouped_matmul_gpu, interpret=True))(x, weights, sizes)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 33, 0], [0, 0, 0, 0], [16, 16, 16, 16], [64, 0, 0, 0],
+                                   [1, 1, 1, 1]])
+def test_each_row_is_in_exactly_one_visit_within_the_grid(sizes):
+    """The visits cover every row once (groups 0..G-1, G for the rows past their total), never
+    across a group's end, and fit the static `max_visits`."""
+    rows, block_m = 64, 16
+    num_visits = gpu.max_visits(rows, len(sizes), block_m)
+    group, start, end = map(np.asarray, gpu.visits(jnp.asarray(sizes, jnp.int32), rows, block_m,
+                                                   num_visits))
+    owner = np.full(rows, -1)
+    for g, a, b in zip(group, start, end):
+        if g <= len(sizes):
+            assert 0 < b - a <= block_m and (owner[a:b] == -1).all()
+            owner[a:b] = g
+    expected = np.repeat(np.arange(len(sizes) + 1), [*sizes, rows - sum(sizes)])
+    np.testing.assert_array_equal(owner, expected)
+
+
+@pytest.mark.parametrize("rows,groups,block_m", [(8, 128, 16), (2048, 128, 16), (32768, 128, 64),
+                                                 (512, 8, 64), (4096, 64, 64)])
+def test_a_visit_is_about_the_mean_group_size(rows, groups, block_m):
+    assert gpu.block_rows(rows, groups) == block_m
+
+
+def test_the_gpu_kernel_refuses_experts_it_cannot_tile():
+    assert gpu.supports(2880, 5760) is None  # gpt-oss
+    assert "multiples of 16" in gpu.supports(24, 64)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        gpu.grouped_matmul_gpu(jnp.ones((4, 24)), jnp.ones((2, 24, 64)), jnp.array([2, 2]),
+                               interpret=True)
+
+
 def test_ragged_dot_is_a_dense_dot_for_an_h100_and_mosaic_gpus_grouped_matmul_compiles():
     """Why a GPU needs its own grouped matmul (docs/tpu-gpu.md, "Mixtures of experts"): XLA
     compiles ragged_dot for an H100 as a dot over every expert (the H100 timed it 13x slower
@@ -138,3 +204,58 @@ def test_ragged_dot_is_a_dense_dot_for_an_h100_and_mosaic_gpus_grouped_matmul_co
     grouped = compile_for(mesh, jax.jit(lambda x, w, sizes: mgpu(x, w, group_sizes=sizes)),
                           *shapes)
     assert 'custom_call_target="mosaic_gpu' in grouped.as_text()
+
+
+@pytest.mark.parametrize("rows,k,n,experts,dtype", [
+    (8, 2048, 1536, 128, jnp.bfloat16),  # Qwen3-30B-A3B gate_up, batch 1
+    (2048, 768, 2048, 128, jnp.bfloat16),  # its down, 256 rows
+    (32768, 2048, 1536, 128, jnp.bfloat16),  # 4096 prompt tokens
+    (1024, 2880, 5760, 32, jnp.bfloat16),  # gpt-oss-20b gate_up, 256 rows
+    (1536, 2048, 2816, 64, jnp.float32),  # DeepSeek-V2-Lite gate_up, 256 rows, float32
+], ids=["qwen3-b1", "qwen3-down-256", "qwen3-4096", "gpt-oss-256", "v2-lite-f32"])
+def test_the_gpu_kernel_compiles_for_an_h100(rows, k, n, experts, dtype):
+    """Triton's compiler runs on the deviceless compile (shared memory and tile checks): one
+    custom call, no dot of XLA's, the grid of `max_visits`."""
+    _, target = devices("h100")
+    mesh = Mesh(np.array(target[:1]), ("device",))
+    compiled = compile_for(mesh, jax.jit(gpu.grouped_matmul_gpu),
+                           abstract((rows, k), dtype, mesh), abstract((experts, k, n), dtype, mesh),
+                           abstract((experts,), jnp.int32, mesh))
+    hlo = compiled.as_text()
+    block_m = gpu.block_rows(rows, experts)
+    assert f'name = "{gpu.NAME}_m{block_m}"' in hlo
+    assert f"grid_y = {gpu.max_visits(rows, experts, block_m)} " in hlo
+    assert not re.search(r"= \S+ (dot|convolution)\(", hlo)
+
+
+@pytest.mark.parametrize("first_expert", [0, 4])
+def test_the_experts_on_the_gpu_kernel_give_the_tiled_loops_output(first_expert):
+    """model/moe.run_experts with the GPU kernel (interpret mode) against the CPU's tiled loop:
+    the sort by expert, both matmuls, the SwiGLU and the combine. This device holds 4 of 12
+    experts (expert parallelism; from `first_expert`): pairs routed elsewhere sort past the
+    groups' total and add nothing."""
+    from xlaserve.model.layers import Kernels
+    from xlaserve.model.moe import run_experts
+    from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+
+    rng = np.random.default_rng(first_expert)
+    tokens, top_k, hidden, intermediate = 24, 3, 32, 16
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(12, top_k, replace=False) for _ in range(tokens)]))
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
+    expert_weights = {
+        "experts_gate_up": jnp.asarray(rng.standard_normal((4, hidden, 2, intermediate)) / 4,
+                                       jnp.float32),
+        "experts_down": jnp.asarray(rng.standard_normal((4, intermediate, hidden)) / 4,
+                                    jnp.float32)}
+
+    def experts_with(grouped_matmul):
+        kernels = Kernels(attention=ragged_paged_attention, grouped_matmul=grouped_matmul)
+        return jax.jit(lambda *a: run_experts(*a, kernels, kernels.swiglu, first_expert))(
+            x, weights, experts, expert_weights)
+
+    got = experts_with(functools.partial(gpu.grouped_matmul_gpu, interpret=True))
+    expected = experts_with(grouped_matmul_tiled)
+    held = (np.asarray(experts) >= first_expert) & (np.asarray(experts) < first_expert + 4)
+    assert 0 < held.sum() < held.size
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)

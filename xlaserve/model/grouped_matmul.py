@@ -6,8 +6,10 @@
 sit there (model/moe.py). The experts of a mixture-of-experts layer run as two of them. Shapes
 depend only on M, so one compiled program serves any routing.
 
-Three implementations (`Kernels.grouped_matmul`; runtime/executor/kernels.py picks):
-- `grouped_matmul_ragged_dot`: `jax.lax.ragged_dot`, on TPU and GPU. On TPU, XLA lowers it to
+Three implementations here (`Kernels.grouped_matmul`; runtime/executor/kernels.py picks), and on
+GPU a Pallas kernel (pallas_kernels/grouped_matmul_gpu.py: XLA lowers ragged_dot there to a dense
+dot over every expert):
+- `grouped_matmul_ragged_dot`: `jax.lax.ragged_dot`, on TPU. On TPU, XLA lowers it to
   megablox's algorithm as two Mosaic kernels: one maps tiles of rows to groups, the other runs only
   the tiles that hold a group's rows, a whole K x N matrix per block, so each expert's weights are
   read once per run of its tiles (`ragged_dot_tiling` in the HLO: 8..256 rows x K x N). Rows past

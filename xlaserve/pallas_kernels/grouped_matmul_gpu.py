@@ -1,0 +1,194 @@
+"""The experts' grouped matmul as a Pallas GPU kernel (Triton lowering): only routed rows are
+multiplied, each by its own expert's matrix (sm80 and later; the contract of
+model/grouped_matmul.py: x [M, K] sorted by group, weights [G, K, N], group_sizes i32[G] ->
+float32 [M, N], rows past the groups' total zero).
+
+Why: XLA lowers `ragged_dot` on GPU to one dense dot of every row by every expert under a mask,
+G / top_k times the routed FLOPs (64x for DeepSeek-V2-Lite, 128x for Qwen3-30B-A3B); the H100
+took 2.96 ms for V2-Lite's expert matmul where reading its weights once takes ~0.22 ms
+(docs/tpu-gpu.md).
+
+The grid is (column tiles, visits). A visit is `block_m` consecutive rows of one group: group g
+of s rows takes ceil(s / block_m) visits, its last one part empty (masked at the store), and the
+rows past the groups' total are visits of a last "group" that write zeros and read nothing. The
+visits are laid out by a few XLA ops over G + visits int32s (`visits`); their number is data, so
+the grid has the most there can be, `max_visits` (rows / block_m + G + 1), and programs past the
+last real visit return at once. A visit never spans two groups, so no row is written twice and no
+store needs an atomic; a group's visits are neighbours in the grid, so its weight tiles are read
+from DRAM about once and from L2 after.
+
+Its cost, which XLA's analysis cannot see in a custom call (benchmarks/predict_accelerators.py
+adds `expected_cost`): a group's visits are whole blocks of rows, so over the routed 2 * M * K * N
+it computes 1 + (G + 1) * (block_m - 1) / M times at most, and with a uniform routing 1.43 times
+at a 256-row decode of Qwen3-30B-A3B (2048 routed rows over 128 experts, 16-row visits; 1.94 at
+most), 1.12 at 4096 prompt tokens (64-row visits; 1.25 at most). The dense form is G times.
+
+Tile sizes follow vLLM's fused-MoE defaults (64-row tiles for long steps, 16 for decode, 4 warps),
+not tuned on hardware. `interpret=True` runs the kernel on the CPU (tests).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+logger = logging.getLogger(__name__)
+
+# The kernel's name in the compiled program, with its rows per visit: "grouped_matmul_gpu_m16"
+# (benchmarks/predict_accelerators.py counts its FLOPs and bytes from it).
+NAME = "grouped_matmul_gpu"
+H100_SMS = 132
+# Triton's dot wants power-of-two tiles of at least 16 along every dimension.
+MIN_BLOCK = 16
+MAX_BLOCK_M = 64
+BLOCK_N_CHOICES = (128, 64, 32, 16)
+BLOCK_K_CHOICES = (64, 32, 16)
+
+
+def supports(k: int, n: int) -> str | None:
+    """Why the kernel cannot multiply [K, N] experts; None if it can."""
+    if k % MIN_BLOCK or n % MIN_BLOCK:
+        return f"experts of {k} x {n} (the GPU grouped matmul needs multiples of {MIN_BLOCK})"
+    return None
+
+
+def block_rows(rows: int, groups: int) -> int:
+    """Rows per visit: the largest power of two up to the mean group size (rows / groups),
+    between 16 (the smallest dot) and MAX_BLOCK_M. Each group wastes at most block_m - 1 rows of
+    its last visit; a long step's groups are large enough for 64-row tiles to waste little."""
+    block_m = MIN_BLOCK
+    while 2 * block_m * groups <= rows and block_m < MAX_BLOCK_M:
+        block_m *= 2
+    return block_m
+
+
+def max_visits(rows: int, groups: int, block_m: int) -> int:
+    """The most visits `rows` rows in `groups` groups and the tail can take: sum over the G + 1
+    parts of ceil(s / block_m) <= (rows + (G + 1)(block_m - 1)) / block_m, and never more than
+    one visit a row."""
+    return max(1, min(rows, (rows + (groups + 1) * (block_m - 1)) // block_m))
+
+
+def block_columns(n: int, visits: int) -> int:
+    """The widest column tile that divides N and still gives every SM a program (batch 1 of
+    Qwen3-30B-A3B: 8 visits, gate_up's 1536 columns in 32-wide tiles, 384 programs)."""
+    fitting = [b for b in BLOCK_N_CHOICES if n % b == 0]
+    for block_n in fitting:
+        if visits * (n // block_n) >= 2 * H100_SMS or block_n == 32:
+            return block_n
+    return fitting[-1]
+
+
+def expected_cost(block_m: int, rows: int, groups: int, k: int, n: int,
+                  itemsize: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one call, expected where the `rows` (token, expert) pairs are routed
+    uniformly: each group's size ~ Binomial(rows, 1 / groups), a group of s rows taking
+    ceil(s / block_m) whole visits of FLOPs and its expert's weights read once if s > 0 (a group's
+    visits are neighbours: L2 serves the rest); x read and the float32 output written once. At
+    most `max_visits` visits of FLOPs whatever the routing (a 256-row decode of Qwen3-30B-A3B: 1.43
+    times the routed rows' FLOPs expected, 1.94 at most)."""
+    sizes = np.arange(rows + 1)
+    p = 1.0 / groups
+    log_choose = np.concatenate([[0.0], np.cumsum(np.log(rows - sizes[1:] + 1) - np.log(sizes[1:]))])
+    log_pmf = log_choose + sizes * np.log(p) + (rows - sizes) * np.log1p(-p)
+    pmf = np.exp(log_pmf)
+    visits = groups * float(np.sum(pmf * np.ceil(sizes / block_m)))
+    experts_read = groups * (1.0 - float(pmf[0]))
+    return (2.0 * k * n * block_m * visits,
+            experts_read * k * n * itemsize + rows * (k * itemsize + n * 4))
+
+
+def visits(group_sizes: jax.Array, rows: int, block_m: int, num_visits: int):
+    """(group, first row, end row) of each visit, i32[num_visits] each: groups 0..G-1 the
+    experts, G the rows past their total (zeros), G + 1 no visit (past the last)."""
+    groups = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    part_ends = jnp.concatenate([ends, jnp.full((1,), rows, jnp.int32)])
+    part_sizes = jnp.concatenate([sizes, (rows - ends[-1:]).astype(jnp.int32)])
+    part_starts = part_ends - part_sizes
+    part_visits = (part_sizes + block_m - 1) // block_m
+    visit_ends = jnp.cumsum(part_visits)
+    visit = jnp.arange(num_visits, dtype=jnp.int32)
+    # searchsorted by comparing all ([visits, G + 1] int32s): its default scan is a while loop,
+    # whose predicate a GPU reads on the host between kernels.
+    group = jnp.sum(visit_ends[None, :] <= visit[:, None], axis=1, dtype=jnp.int32)
+    part = jnp.minimum(group, groups)
+    start = part_starts[part] + (visit - (visit_ends[part] - part_visits[part])) * block_m
+    end = jnp.minimum(start + block_m, part_ends[part])
+    return group, start, end
+
+
+def grouped_matmul_gpu(x: jax.Array, weights: jax.Array, group_sizes: jax.Array, *,
+                       block_m: int | None = None, block_n: int | None = None,
+                       block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                       interpret: bool = False) -> jax.Array:
+    """float32 [M, N] (model/grouped_matmul.py's contract; the module docstring)."""
+    rows, k = x.shape
+    groups, _, n = weights.shape
+    problem = supports(k, n)
+    if problem is not None:
+        raise ValueError(problem)
+    block_m = block_m or block_rows(rows, groups)
+    num_visits = max_visits(rows, groups, block_m)
+    block_n = block_n or block_columns(n, num_visits)
+    block_k = block_k or next(b for b in BLOCK_K_CHOICES if k % b == 0)
+    visit_group, visit_start, visit_end = visits(group_sizes, rows, block_m, num_visits)
+    # A visit's rows are read as a whole block: the padding keeps the last one in bounds (a
+    # masked load past the end would be right on the GPU, but the interpreter clamps the slice).
+    x = jnp.pad(x.astype(weights.dtype), ((0, block_m), (0, 0)))
+    metadata = [pl.BlockSpec((num_visits,), lambda c, v: (0,))] * 3
+    out = pl.pallas_call(
+        functools.partial(_kernel, groups=groups, block_m=block_m, block_k=block_k),
+        out_shape=jax.ShapeDtypeStruct((rows + block_m, n), jnp.float32),
+        grid=(n // block_n, num_visits),  # axis 0 runs fastest: a visit's column tiles together
+        in_specs=metadata + [pl.BlockSpec((rows + block_m, k), lambda c, v: (0, 0)),
+                             pl.BlockSpec((groups, k, block_n), lambda c, v: (0, 0, c))],
+        out_specs=pl.BlockSpec((rows + block_m, block_n), lambda c, v: (0, c)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name=f"{NAME}_m{block_m}",
+    )(visit_group, visit_start, visit_end, x, weights)
+    return out[:rows]
+
+
+def grouped_matmul_gpu_or_ragged_dot(x: jax.Array, weights: jax.Array,
+                                     group_sizes: jax.Array) -> jax.Array:
+    """The kernel where it `supports` the experts' shape, else XLA's ragged_dot (the same
+    product, every expert's FLOPs), logged when the step is traced."""
+    problem = supports(x.shape[1], weights.shape[2])
+    if problem is None:
+        return grouped_matmul_gpu(x, weights, group_sizes)
+    logger.warning("%s: the experts run as XLA's ragged_dot, a dot over every expert", problem)
+    return lax.ragged_dot(x.astype(weights.dtype), weights, group_sizes,
+                          preferred_element_type=jnp.float32)
+
+
+def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *, groups, block_m, block_k):
+    visit = pl.program_id(1)
+    group, start, end = group_ref[visit], start_ref[visit], end_ref[visit]
+    block_n = out_ref.shape[1]
+    rows_here = jnp.broadcast_to((start + jnp.arange(block_m) < end)[:, None], (block_m, block_n))
+    target = out_ref.at[pl.ds(start, block_m), :]
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None  # no TF32 for f32
+
+    @pl.when(group < groups)
+    def _multiply():
+        def step(kb, acc):
+            x = x_ref[pl.ds(start, block_m), pl.ds(kb * block_k, block_k)]
+            w = w_ref[group, pl.ds(kb * block_k, block_k), :]
+            return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, x_ref.shape[1] // block_k, step,
+                            jnp.zeros((block_m, block_n), jnp.float32))
+        plgpu.store(target, acc, mask=rows_here)
+
+    @pl.when(group == groups)
+    def _zero_rows_past_the_groups():
+        plgpu.store(target, jnp.zeros((block_m, block_n), jnp.float32), mask=rows_here)
