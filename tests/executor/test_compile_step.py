@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.predict_accelerators import hlo_counts
 from tests.compile_targets import cache_copies, devices, first_layers, weight_bytes
+from xlaserve.pallas_kernels import grouped_matmul_gpu
 from xlaserve.runtime.executor import aot
 from xlaserve.runtime.sampling.step_needs import StepNeeds
 from xlaserve.server_args import ServerArgs
@@ -73,6 +74,7 @@ WEIGHT_BYTES_OF = {"qwen3-30b-a3b": 61.06e9,  # 30.5B parameters in bfloat16
     pytest.param("mixtral-8x7b", "v6e:2x4", 8, 8, "smallest", marks=pytest.mark.slow),
     pytest.param("mixtral-8x7b", "v6e:2x4", 8, 2, "largest", marks=pytest.mark.slow),
     pytest.param("mixtral-8x7b", "h100x8", 8, 8, "smallest", marks=pytest.mark.slow),
+    ("mixtral-8x7b" + CUT, "h100x8", 8, 8, "largest"),  # the GPU grouped matmul per device
     pytest.param("mixtral-8x7b", "h100x8", 8, 8, "largest", marks=pytest.mark.slow),
     # Sinks in the Pallas kernels, sliding and full layers, expert biases.
     pytest.param("gpt-oss-120b", "v6e:2x4", 8, 8, "smallest", marks=pytest.mark.slow),
@@ -81,8 +83,8 @@ WEIGHT_BYTES_OF = {"qwen3-30b-a3b": 61.06e9,  # 30.5B parameters in bfloat16
 def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target, tp_size, ep_size,
                                                                  bucket, tmp_path):
     """The mixture of experts at its real size (Qwen3-30B-A3B: 48 layers of 128 experts, top 8),
-    each layer's experts as two ragged dots (model/moe.py) inside the step, which lowers them to
-    the target's grouped kernels; with --ep-size, under shard_map, each device on its own experts;
+    each layer's experts as two grouped matmuls (model/moe.py) inside the step: ragged dots, which
+    XLA lowers to TPU's grouped kernels, and on GPU pallas_kernels/grouped_matmul_gpu.py; with --ep-size, under shard_map, each device on its own experts;
     weights and caches sharded as loaded (~40 s a compile on a 2-core CPU, so only one runs
     without --slow, at 2 layers: 9 s)."""
     devices(target)
@@ -103,6 +105,9 @@ def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target,
     argument_bytes = compiled.memory_analysis().argument_size_in_bytes
     assert 0.95 * per_device < argument_bytes < 1.1 * per_device, description
     hlo = compiled.as_text()
+    if target.startswith("h100"):  # XLA's ragged_dot is a dense dot over every expert there
+        moe_layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+        assert hlo.count(f'name = "{grouped_matmul_gpu.NAME}_m') == 2 * moe_layers, description
     if ep_size > 1:  # one all-reduce combines the experts' outputs; no token is exchanged
         assert "all-to-all" not in hlo, description
     # No weight is gathered: the only all-gathers are the logits' (sampling, prompt logprobs).
