@@ -7,6 +7,8 @@ sampler part and the prompt logprobs' LM head), ~30 s of compile each. And on TP
 weight is relaid out every step.
 """
 import dataclasses
+import math
+import re
 
 import pytest
 
@@ -131,3 +133,42 @@ def test_moe_steps_on_an_h100_multiply_only_the_routed_experts(model, layers, tm
         assert (row["conditional"], row["while"]) == (0, 0), row  # no host decision
         ratios = row["active_flops_ratio"], row["experts_flops_ratio"]
         assert max(ratios) <= 1.5, (description, tokens, ratios)
+
+
+def materialized(hlo: str, at_least: int) -> list[str]:
+    """Instructions that write an array of `at_least` bytes or more (not parameters, bitcasts,
+    tuple elements or the donated caches' in-place updates: the caller filters the last)."""
+    itemsize = {"bf16": 2, "f32": 4, "s32": 4, "f16": 2, "s8": 1, "u8": 1}
+    found = []
+    for name, dtype, shape, op in re.findall(r"%([\w.\-]+) = (\w+)\[([\d,]+)\]\S* ([\w\-]+)\(",
+                                             hlo):
+        size = itemsize.get(dtype, 0) * math.prod(int(d) for d in shape.split(","))
+        if size >= at_least and op not in ("parameter", "bitcast", "get-tuple-element"):
+            found.append(f"{name} {dtype}[{shape}] {op}")
+    return found
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (4, 4), (4, 1)])
+def test_a_v6e_moe_step_reads_the_experts_in_place(tp, ep, tmp_path):
+    """Issue 51: on v6e the experts' gate_up [E, K, 2, I] was viewed as [E, K, 2I] for the grouped
+    matmul, which XLA's tiled layout made a relayout of the whole weight every step, and each
+    layer's experts were sliced out of a stack of the layers' weights (weight_args.py), which
+    a custom call's operand needs as a buffer of its own: 2.4 GB of temporaries and 12.0 GB moved
+    in the 8-token step of Qwen3-30B-A3B's first 2 layers at tp 1, against 4.2 GB of weights.
+    Now gate_up goes as 2E groups of [K, I] (Kernels.gate_up_as_groups) and the experts as one
+    argument a layer: no array of a layer's experts is written, and temporaries are small."""
+    devices("v6e:2x2")  # skips where libtpu is absent
+    args = dataclasses.replace(server_args("qwen3-30b-a3b", tp=tp), ep_size=ep,
+                               model_path=first_layers("qwen3-30b-a3b", 2, tmp_path))
+    program, shapes, description = aot.server_step("v6e:2x2", args)
+    compiled = program.compile(*shapes[0], PLAIN)
+    config, _ = read_config(args.model_path, load_format="dummy")
+    # One layer's experts_down on a device: [E, I, hidden] / tp, 201 MB at tp 1.
+    experts_down = 2 * config.num_experts * config.moe_intermediate_size * config.hidden_size // tp
+    cache = program.args[1][0]
+    cache_shape = f"[{','.join(map(str, cache.sharding.shard_shape(cache.shape)))}]"
+    held = str(config.num_experts // ep)  # experts a device holds: a dim of their arrays
+    writes = [w for w in materialized(compiled.as_text(), experts_down)
+              if held in re.search(r"\[(.*)\]", w).group(1).split(",") and cache_shape not in w]
+    assert not writes, (description, writes)
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.1e9, description

@@ -230,7 +230,8 @@ def test_the_gpu_kernel_compiles_for_an_h100(rows, k, n, experts, dtype):
 
 @pytest.mark.parametrize("first_expert", [0, 4])
 def test_the_experts_on_the_gpu_kernel_give_the_tiled_loops_output(first_expert):
-    """model/moe.run_experts with the GPU kernel (interpret mode) against the CPU's tiled loop:
+    """model/moe.run_experts with the GPU kernel (interpret mode), and with TPU's gate_up as 2E
+    groups, against the CPU's tiled loop:
     the sort by expert, both matmuls, the SwiGLU and the combine. This device holds 4 of 12
     experts (expert parallelism; from `first_expert`): pairs routed elsewhere sort past the
     groups' total and add nothing."""
@@ -249,13 +250,17 @@ def test_the_experts_on_the_gpu_kernel_give_the_tiled_loops_output(first_expert)
         "experts_down": jnp.asarray(rng.standard_normal((4, intermediate, hidden)) / 4,
                                     jnp.float32)}
 
-    def experts_with(grouped_matmul):
-        kernels = Kernels(attention=ragged_paged_attention, grouped_matmul=grouped_matmul)
+    def experts_with(grouped_matmul, gate_up_as_groups=False):
+        kernels = Kernels(attention=ragged_paged_attention, grouped_matmul=grouped_matmul,
+                          gate_up_as_groups=gate_up_as_groups)
         return jax.jit(lambda *a: run_experts(*a, kernels, kernels.swiglu, first_expert))(
             x, weights, experts, expert_weights)
 
     got = experts_with(functools.partial(gpu.grouped_matmul_gpu, interpret=True))
     expected = experts_with(grouped_matmul_tiled)
+    # TPU's form of gate_up: 2E groups of [K, I], each row through both (Kernels.gate_up_as_groups)
+    as_groups = experts_with(grouped_matmul_tiled, gate_up_as_groups=True)
+    np.testing.assert_allclose(np.asarray(as_groups), np.asarray(expected), rtol=1e-5, atol=1e-5)
     held = (np.asarray(experts) >= first_expert) & (np.asarray(experts) < first_expert + 4)
     assert 0 < held.sum() < held.size
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -110,6 +110,10 @@ class Kernels:
     # The same over packed experts (`PackedExperts`), on a single CPU device: `(x, panels,
     # group_sizes, N, layer, bf16_pairs) -> float32 [M, N]` (native/gemm_cpu.py)
     packed_grouped_matmul: Callable | None = None
+    # The experts' gate_up [E, K, 2, I] multiplied as 2E groups of [K, I] (the rows twice),
+    # not as [E, K, 2I]: on TPU the [E, K, 2, I] weight's tiled layout made that view a
+    # relayout of the whole weight every step (model/moe.py).
+    gate_up_as_groups: bool = False
     # The experts on a mesh of several devices (`moe.expert_parallel(mesh)`, each device on its
     # own experts and its slice of their width); None: `moe.run_experts` on one device.
     run_experts: Callable | None = None

@@ -43,7 +43,8 @@ from xlaserve.runtime.executor.forward_batch import (sample_rows_for, serving_bu
                                                      with_page_size)
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.step_program import idle_vectors, make_step
-from xlaserve.runtime.executor.weight_args import abstract_args, auto_formats, weight_args, weight_formats
+from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, leaf_names,
+                                                  weight_args, weight_formats)
 from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
 from xlaserve.runtime.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
 from xlaserve import platform_defaults
@@ -183,7 +184,8 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     pool = None if draft_head is None else DraftHeadPool(draft_head.config, num_slots)
     leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
-                                         stack_layers=platform == "tpu")
+                                         stack_layers=platform == "tpu",
+                                         names=leaf_names(nnx.from_flat_state(parameters)))
     caches = kv_pool_specs(config, num_pages, page_size, dtype, mesh, pool)
     kv_sharding = [cache.sharding for cache in caches]
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,

@@ -80,6 +80,8 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         # XLA's GPU ragged_dot multiplies every row by every expert, G / top_k times the routed
         # FLOPs (pallas_kernels/grouped_matmul_gpu.py). Under shard_map on a mesh: per device.
         kernels = dataclasses.replace(kernels, grouped_matmul=grouped_matmul_gpu_or_ragged_dot)
+    if platform == "tpu":
+        kernels = dataclasses.replace(kernels, gate_up_as_groups=True)
     if platform == "cpu":
         # XLA's CPU ragged_dot multiplies every row by every expert (model/grouped_matmul.py).
         kernels = dataclasses.replace(kernels, grouped_matmul=grouped_matmul_tiled)

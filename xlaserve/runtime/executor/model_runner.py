@@ -75,7 +75,7 @@ from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME
                                          program_needs)
 from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
-from xlaserve.runtime.executor.weight_args import auto_formats, weight_args
+from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
 from xlaserve.runtime.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable, StepOutput,
                                            empty_batch, idle_step, make_step, step_vectors,
                                            table_arrays)
@@ -192,7 +192,7 @@ class ModelRunner:
                                         repr(head and (head.config, head.capture_layers))])
         self._weight_args, weight_layout = weight_args(
             leaves, stack_small=self.mesh.size == 1,
-            stack_layers=self.mesh.devices.flat[0].platform == "tpu")
+            stack_layers=self.mesh.devices.flat[0].platform == "tpu", names=leaf_names(state))
         del leaves, state
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)

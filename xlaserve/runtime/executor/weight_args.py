@@ -34,7 +34,7 @@ class WeightLayout:
 
 
 def weight_args(leaves: list, stack_small: bool, stack_layers: bool = False,
-                ) -> tuple[list[jax.Array], WeightLayout]:
+                names: list[str] | None = None) -> tuple[list[jax.Array], WeightLayout]:
     """(arguments, layout) for `leaves` (a flattened weight pytree). `stack_small`: leaves of at
     most SMALL_LEAF_BYTES of one shape and dtype go as one stacked argument (a single device).
     `stack_layers` (TPU): every group of two or more leaves of one shape, dtype and sharding goes
@@ -42,9 +42,12 @@ def weight_args(leaves: list, stack_small: bool, stack_layers: bool = False,
     model's layers take one argument per kind of weight. On a v6e, 32 [4096, 4096] bfloat16
     weights as one argument each were charged 2.62 GB by XLA (1.38 GB a chip at tp 4), stacked
     1.08 GB (0.274; the weights are 1.07 and 0.268: benchmarks/probe_stacked_weights.py); on an
-    H100 both cost the same, so GPUs keep one argument each. Arrays stacked here are deleted
-    once the stack is made (the weights are not held twice): the model's own leaves are
-    unusable afterwards."""
+    H100 both cost the same, so GPUs keep one argument each. But a mixture of experts' weights
+    (`names`: the leaves' paths, "experts_" in them) stay one argument a layer: a layer's slice
+    of a stack that a custom call reads (TPU's grouped matmul) is copied out whole, every layer
+    and step (Qwen3-30B-A3B, v6e tp 1: 1.2 GB a layer). Arrays stacked here are deleted once
+    the stack is made (the weights are not held twice): the model's own leaves are unusable
+    afterwards."""
     args: list[jax.Array] = []
     sources: list[tuple[int, int] | None] = [None] * len(leaves)
     seen: dict[int, int] = {}
@@ -59,7 +62,8 @@ def weight_args(leaves: list, stack_small: bool, stack_layers: bool = False,
         elif stack_small and leaf.size * np.dtype(leaf.dtype).itemsize <= SMALL_LEAF_BYTES:
             groups.setdefault(("small", *key), []).append(i)
         elif (stack_layers and uses[id(leaf)] == 1  # a shared array goes once, unstacked
-              and isinstance(getattr(leaf, "sharding", None), NamedSharding)):
+              and isinstance(getattr(leaf, "sharding", None), NamedSharding)
+              and not (names and "experts_" in names[i])):
             groups.setdefault(("layers", *key, tuple(leaf.sharding.spec)), []).append(i)
         else:
             seen[id(leaf)] = len(args)
@@ -75,6 +79,11 @@ def weight_args(leaves: list, stack_small: bool, stack_layers: bool = False,
         group = [leaves[i] for i in members]
         args.append(_stack_small(group) if kind == "small" else _stack_layers(group))
     return args, WeightLayout(tuple(sources))
+
+
+def leaf_names(tree) -> list[str]:
+    """The paths of `tree`'s leaves, in jax.tree.flatten's order (weight_args' `names`)."""
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree.flatten_with_path(tree)[0]]
 
 
 def _stack_small(leaves: list):
