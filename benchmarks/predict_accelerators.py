@@ -10,6 +10,8 @@ target (runtime/executor/aot.py) and its own analyses give the figures.
         --model benchmarks/configs/qwen3-8b --tokens 8,256
     .venv/bin/python benchmarks/predict_accelerators.py --target h100 --tokens 8,256 \
         --variants plain,sampled,everything   # each program variant of the buckets
+    .venv/bin/python benchmarks/predict_accelerators.py --target v6e:2x2 --tp-size 4 \
+        --model qwen3-8b --tokens 256,4096 --workload 1024,1024,256   # a serving benchmark
 
 Per bucket (tokens, seqs) of the server's own bucket list (--max-running-requests 256,
 --max-prefill-tokens 4096, so a 256-row decode bucket and a 4096-token prefill bucket exist):
@@ -105,8 +107,14 @@ def hlo_counts(hlo: str) -> dict:
 
 def weight_copies(hlo: str, weights) -> list[str]:
     """Copies and transposes, in fusions or not, whose result has the per-device shape of one of
-    `weights` (ShapeDtypeStructs with their shardings): each a weight relaid out every step."""
-    shapes = {",".join(map(str, w.sharding.shard_shape(w.shape))) for w in weights}
+    `weights` (ShapeDtypeStructs with their shardings), or of one layer of a stack of them (TPU's
+    weights stacked over the layers, weight_args.py): each a weight relaid out every step."""
+    shapes = set()
+    for w in weights:
+        shape = w.sharding.shard_shape(w.shape)
+        shapes.add(",".join(map(str, shape)))
+        if len(shape) > 2:  # a layer of a stack (a stack of vectors: norms, too common a shape)
+            shapes.add(",".join(map(str, shape[1:])))
     found = re.findall(r"= \w+\[([\d,]+)\]\S* (?:copy|transpose)\(", hlo)
     return [shape for shape in found if shape in shapes]
 
@@ -211,7 +219,7 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
     floor_seconds = max((weights - unreachable_bytes + kv_read + write_bytes) / bandwidth,
                         costs["flops"] / peak)
     decode = tokens == seqs
-    return {"target": target, "tp": tp, "tokens": tokens, "seqs": seqs,
+    return {"target": target, "tp": tp, "tokens": tokens, "seqs": seqs, "context": context,
             "flops": costs["flops"], "xla_bytes": costs["bytes"],
             "active_flops_ratio": costs["flops"] / (active / tp),
             "grouped_matmuls": len(grouped),
@@ -295,6 +303,32 @@ def print_table(rows, context: int) -> None:
                   f"command-buffer names in the HLO: {r['command_buffers']}")
 
 
+def workload(rows: list[dict], input_len: int, output_len: int, concurrency: int) -> dict:
+    """Output tok/s of a serving benchmark (`concurrency` requests of `input_len` prompt and
+    `output_len` output tokens, a new one starting as one ends) from the compiled decode bucket
+    of `concurrency` rows and the largest prefill bucket: per request, input_len / prefill tokens
+    of a prefill step and output_len / concurrency of a decode step, whose KV read is taken at
+    the mean context, input_len + output_len / 2 (the rows' KV read scales with it)."""
+    decode = next(r for r in rows if r["kind"] == "decode" and r["seqs"] == concurrency)
+    prefill = max((r for r in rows if r["kind"] == "prefill"), key=lambda r: r["tokens"])
+    bandwidth, peak = PEAKS[decode["target"]]
+    context = input_len + output_len / 2
+    kv_read = decode["kv_read"] * context / decode["context"]
+
+    def step_seconds(row, kv, floor: bool):
+        moved = (row["weights"] if floor else row["bytes"] - row["kv_read"]) + kv
+        return max(moved / bandwidth, row["flops"] / peak)
+
+    figures = {}
+    for name, floor in (("predicted", False), ("floor", True)):
+        per_request = (input_len / prefill["tokens"] * step_seconds(prefill, prefill["kv_read"], floor)
+                       + output_len / concurrency * step_seconds(decode, kv_read, floor))
+        figures[name] = output_len / per_request
+    return {"decode_ms": 1e3 * step_seconds(decode, kv_read, False), "context": context,
+            "prefill_ms": 1e3 * step_seconds(prefill, prefill["kv_read"], False),
+            "tok_s": figures["predicted"], "floor_tok_s": figures["floor"]}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="also Qwen3-8B on v6e, tp 1 and 4")
@@ -310,6 +344,9 @@ def main(argv=None) -> None:
                         help=f"program variants to compile, of {','.join(VARIANTS)}")
     parser.add_argument("--context", type=int, default=1024,
                         help="tokens of context each sequence's attention reads (assumed)")
+    parser.add_argument("--workload", help="IN,OUT,CONCURRENCY: a serving benchmark's output "
+                                           "tok/s from the decode bucket of CONCURRENCY rows and "
+                                           "the largest prefill bucket (add both to --tokens)")
     args = parser.parse_args(argv)
     aot.use_compile_only_packages()
     if args.target:
@@ -329,6 +366,16 @@ def main(argv=None) -> None:
         except aot.TargetUnavailable as error:
             print(f"{target}: {error}", file=sys.stderr)
     print_table(rows, args.context)
+    if args.workload:
+        input_len, output_len, concurrency = map(int, args.workload.split(","))
+        for target, model, tp, quantization in runs:
+            own = [r for r in rows if (r["target"], r["tp"]) == (target, tp)
+                   and r["model"] == Path(model).name]
+            w = workload(own, input_len, output_len, concurrency)
+            print(f"\n{Path(model).name} {target} tp {tp}, {input_len} in / {output_len} out, "
+                  f"{concurrency} concurrent: {w['tok_s']:,.0f} output tok/s predicted "
+                  f"(decode step {w['decode_ms']:.2f} ms at {w['context']:.0f} tokens of context, "
+                  f"prefill step {w['prefill_ms']:.2f} ms), floor {w['floor_tok_s']:,.0f}")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ def loaded(tmp_path_factory):
     return load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
 
 
-def _runner(loaded, cache=None, **options):
+def _runner(loaded, cache=None, threads=1, **options):
     runner = ModelRunner(loaded, num_pages=1 + 8 * len(PROMPTS), page_size=PAGE_SIZE,
                          max_running_requests=4, **options)
-    runner.precompile(BUCKETS.all_shapes(), cache=cache, progress=False)
+    runner.precompile(BUCKETS.all_shapes(), cache=cache, progress=False, threads=threads)
     return runner
 
 
@@ -35,10 +35,13 @@ def _greedy(runner):
     return _greedy_together(runner, PROMPTS, 5)
 
 
-def test_a_second_start_loads_every_step_and_gives_the_jitted_tokens(loaded, tmp_path, caplog):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_second_start_loads_every_step_and_gives_the_jitted_tokens(loaded, tmp_path, caplog,
+                                                                     threads):
+    """`threads`: the first start compiles that many programs at once (--precompile-threads)."""
     shapes = len(BUCKETS.all_shapes())
     first = ExecutableCache(str(tmp_path))
-    _runner(loaded, first)
+    _runner(loaded, first, threads)
     assert (first.loaded, first.compiled) == (0, shapes)
     assert len(list(tmp_path.glob("*.exe"))) == shapes
     # JAX's persistent cache is back on once the fresh compiles are done.

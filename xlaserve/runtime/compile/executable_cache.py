@@ -25,6 +25,7 @@ back on) or `--disable-executable-cache` keeps JAX's own cache only.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -39,6 +40,7 @@ import types
 import zlib
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
@@ -170,6 +172,19 @@ def _fresh_compiles():
             jax_cache.reset_cache()
 
 
+def compile_on_threads(lowered: list, threads: int,
+                       on_done: Callable[[], None] | None = None) -> list:
+    """`.compile()` of each of `lowered` (jax Lowered), `threads` at a time (XLA compiles without
+    the GIL); `on_done` is called as each finishes (a progress bar). Lowering stays with the
+    caller, one at a time: it traces Python."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        futures = [pool.submit(program.compile) for program in lowered]
+        for _ in concurrent.futures.as_completed(futures):
+            if on_done is not None:
+                on_done()
+        return [future.result() for future in futures]
+
+
 class ExecutableCache:
     @classmethod
     def open(cls, directory: str) -> "ExecutableCache | None":
@@ -203,14 +218,23 @@ class ExecutableCache:
 
     def compile_and_store(self, jitted, args, kwargs, path: Path):
         """`jitted.lower(*args, **kwargs).compile()`, compiled afresh and stored at `path`."""
+        return self.compile_and_store_all(jitted, [(args, kwargs)], [path])[0]
+
+    def compile_and_store_all(self, jitted, lowerings: list, paths: list[Path], threads: int = 1,
+                              on_done: Callable[[], None] | None = None) -> list:
+        """`compile_and_store` of each (args, kwargs) of `lowerings` and its path, compiled on
+        `threads` threads (`compile_on_threads`)."""
         with _fresh_compiles():
-            compiled = jitted.lower(*args, **kwargs).compile()
-        self.compiled += 1
-        try:
-            executable, in_tree, out_tree = serialize(compiled)
-            self._store(path, pickle.dumps((executable, in_tree, out_tree), protocol=5))
-        except (ValueError, NotImplementedError, OSError, pickle.PicklingError) as error:
-            logger.warning("Could not store a compiled program in %s: %s", self.directory, error)
+            lowered = [jitted.lower(*args, **kwargs) for args, kwargs in lowerings]
+            compiled = compile_on_threads(lowered, threads, on_done)
+        for program, path in zip(compiled, paths, strict=True):
+            self.compiled += 1
+            try:
+                executable, in_tree, out_tree = serialize(program)
+                self._store(path, pickle.dumps((executable, in_tree, out_tree), protocol=5))
+            except (ValueError, NotImplementedError, OSError, pickle.PicklingError) as error:
+                logger.warning("Could not store a compiled program in %s: %s", self.directory,
+                               error)
         return compiled
 
     def _load(self, path: Path, devices):

@@ -446,18 +446,19 @@ class ModelRunner:
         return [RUN_TIME] if self.step_variants is None else list(self.step_variants)
 
     def precompile(self, shapes, *, cache: ExecutableCache | None = None,
-                   progress: bool = True, tree_shapes=(), tree_width: int = 0) -> None:
+                   progress: bool = True, tree_shapes=(), tree_width: int = 0,
+                   threads: int = 1) -> None:
         """Compile (or load from `cache`) one step per (tokens, seqs, pages) shape and program
-        variant (`program_variants`), the tree program (`tree_width`) of each of `tree_shapes`,
-        and the programs of `assign_slots` and `write_pages`: runtime/executor/precompile.py.
-        Over several processes, run an idle step of each."""
+        variant (`program_variants`), `threads` at a time, the tree program (`tree_width`) of
+        each of `tree_shapes`, and the programs of `assign_slots` and `write_pages`:
+        runtime/executor/precompile.py. Over several processes, run an idle step of each."""
         keys = [(tuple(shape), 0) for shape in shapes]
         keys += [(tuple(shape), tree_width) for shape in tree_shapes]
         if self.sink is not None:
             run_idle_steps(self, keys, progress)
         else:
-            for (shape, needs, tree), program in compile_steps(self, keys, cache,
-                                                               progress).items():
+            for (shape, needs, tree), program in compile_steps(self, keys, cache, progress,
+                                                               threads).items():
                 self._programs[(shape, SAMPLING_WIDTHS, needs, tree)] = program
             self._compile_reset_slots()
         self._precompiled = True

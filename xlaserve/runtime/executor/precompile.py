@@ -4,7 +4,11 @@ logged for a step compiled afterwards, with its shape, because a compile while s
 every request for seconds.
 
 In one process each program is compiled, not run (a run of each with padding rows cost ~1.3 s of
-the default model's start), or loaded from the executable cache
+the default model's start), one at a time or several (--precompile-threads: each lowered in turn,
+then compiled on threads, which XLA does without the GIL; on a 2-core AMD EPYC two threads took
+the default model's 10 programs 33.4 s against 24.6 s for one, as XLA's CPU compiler has threads
+of its own: `benchmarks/bench_startup.py --modes cold --xlaserve-arg=--precompile-threads=2`;
+a GPU host's is to be measured), or loaded from the executable cache
 (runtime/compile/executable_cache.py; the loads on threads): `compile_steps`. On TPU the first one
 is compiled with the weights' layouts left to XLA, and the weights are then stored in the layouts
 it chose, which the jitted step and every other program take (`choose_weight_layouts`); with
@@ -25,7 +29,7 @@ import os
 import jax
 from tqdm.auto import tqdm
 
-from xlaserve.runtime.compile.executable_cache import ExecutableCache
+from xlaserve.runtime.compile.executable_cache import ExecutableCache, compile_on_threads
 from xlaserve.runtime.executor.step_program import idle_step
 from xlaserve.runtime.executor.weight_args import abstract_args, stored_in, weight_formats
 from xlaserve.runtime.sampling.step_needs import StepNeeds
@@ -33,10 +37,12 @@ from xlaserve.runtime.sampling.step_needs import StepNeeds
 logger = logging.getLogger(__name__)
 
 
-def compile_steps(runner, keys, cache: ExecutableCache | None, progress: bool) -> dict:
+def compile_steps(runner, keys, cache: ExecutableCache | None, progress: bool,
+                  threads: int = 1) -> dict:
     """{(shape, needs, tree width): its program} for each ((tokens, seqs, pages) shape, tree
-    width) of `keys` and program variant: loaded from `cache`, or compiled (and stored there).
-    The first one chooses the weights' layouts when the runner is to (`choose_weight_layouts`)."""
+    width) of `keys` and program variant: loaded from `cache`, or compiled (and stored there),
+    `threads` programs at a time. The first one chooses the weights' layouts when the runner is
+    to (`choose_weight_layouts`)."""
     shapes = [(tuple(shape), needs, tree) for shape, tree in keys
               for needs in runner.program_variants()]
     found = {}
@@ -51,14 +57,20 @@ def compile_steps(runner, keys, cache: ExecutableCache | None, progress: bool) -
         def load(shape):
             return cache.load(paths[shape], devices)
 
-        with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as threads:
-            found.update(zip(lowering, threads.map(load, lowering)))
+        with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+            found.update(zip(lowering, pool.map(load, lowering)))
     missing = [shape for shape in lowering if found.get(shape) is None]
     step = runner._step
-    for shape in tqdm(missing, desc="Precompiling", unit="shape", disable=not progress):
-        args, kwargs = lowering[shape]
-        found[shape] = (step.lower(*args, **kwargs).compile() if cache is None else
-                        cache.compile_and_store(step, args, kwargs, paths[shape]))
+    with tqdm(total=len(missing), desc="Precompiling", unit="shape",
+              disable=not progress) as bar:
+        if cache is None:
+            lowered = [step.lower(*lowering[shape][0], **lowering[shape][1]) for shape in missing]
+            compiled = compile_on_threads(lowered, threads, bar.update)
+        else:
+            compiled = cache.compile_and_store_all(step, [lowering[shape] for shape in missing],
+                                                   [paths[shape] for shape in missing], threads,
+                                                   bar.update)
+    found.update(zip(missing, compiled))
     return {shape: found[shape] for shape in shapes}
 
 
