@@ -198,9 +198,25 @@ def write_tiny_config(directory: str) -> str:
     return directory
 
 
-def config_dir(name: str) -> str:
-    """A folder of benchmarks/configs by name, or a path as given."""
-    return os.path.join(CONFIGS_DIR, name) if os.path.isdir(os.path.join(CONFIGS_DIR, name)) else name
+def config_dir(name: str, scratch: str | None = None) -> str:
+    """A folder of benchmarks/configs by name, or a path as given; "NAME@LAYERS" is that config
+    cut to its first LAYERS decoder layers, written under `scratch` (a model whose whole weights
+    do not fit the device: every layer has the same shapes, so a step's figures against its
+    floor hold, each for the weights it reads)."""
+    name, _, layers = name.partition("@")
+    path = os.path.join(CONFIGS_DIR, name) if os.path.isdir(os.path.join(CONFIGS_DIR, name)) else name
+    if not layers:
+        return path
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = int(layers)
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:int(layers)]
+    cut = os.path.join(scratch or tempfile.mkdtemp(), f"{os.path.basename(path)}@{layers}")
+    os.makedirs(cut, exist_ok=True)
+    with open(os.path.join(cut, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return cut
 
 
 class ModelBench:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -32,7 +33,8 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
 
     assert results["passed"] and results["failures"] == []
     for section in ("environment", "attention_correctness", "latent_attention_correctness",
-                    "bandwidth", "attention_timing", "server", "models"):
+                    "bandwidth", "attention_timing", "moe_layer", "warm_start", "server",
+                    "models"):
         assert section in results and "error" not in results[section], section
     assert results["environment"]["backend"] == "cpu"
 
@@ -48,6 +50,18 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
 
     assert results["bandwidth"]["copy_gbps"] > 0
     assert {r["implementation"] for r in results["attention_timing"]["rows"]} >= {"reference (XLA)"}
+
+    moe = results["moe_layer"]["rows"]  # the GPU grouped matmul, interpreted, at 1 and 8 tokens
+    assert [(r["tokens"], r["projection"]) for r in moe] == [
+        (1, "gate_up"), (1, "down"), (8, "gate_up"), (8, "down")]
+    assert all(r["passed"] and r["floor_ms"] > 0 and r["interpreted"] for r in moe)
+    # A second start of the first model: its steps from the executable cache.
+    assert results["warm_start"]["model"] == "tiny" and results["warm_start"]["startup_s"] > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| decode step | tiny batch 8 |" in report and "| moe layer |" in report
+    svg = (tmp_path / "steps.svg").read_text()
+    ElementTree.fromstring(svg)  # well-formed
+    assert svg.count("<polyline") == 2  # the tiny model's steps and its floor
 
     assert results["server"]["passed"] and results["server"]["completion_tokens"] == 8
     # The server runs the first model's engine: every step loaded from the executable cache
@@ -81,7 +95,7 @@ def test_the_summary_of_a_run_cut_short_by_its_budgets_prints_each_skip(capsys):
     import json
 
     sys.path.insert(0, str(SCRIPT.parent))
-    from accelerator_check import print_summary
+    from accelerator_report import print_summary
 
     path = SCRIPT.parents[1] / "docs/results/h100-2026-11-26/accelerator_check.json"
     print_summary(json.loads(path.read_text()))
@@ -91,6 +105,34 @@ def test_the_summary_of_a_run_cut_short_by_its_budgets_prints_each_skip(capsys):
     assert len(skipped) == 4 + 4 + 1 + 2 * 4, "\n".join(lines)
     assert any("bfloat16" in line and "budget is spent" in line for line in skipped)
     assert lines[-1] == "PASSED"
+
+
+def test_the_report_of_a_measured_run_plots_each_model_beside_its_floor(tmp_path):
+    """The H200 run of 2026-11-27 (b) redrawn: report.md lists its figures, steps.svg has a line
+    for each model's steps and one for its floor, and is well-formed."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from accelerator_report import write_report
+
+    path = SCRIPT.parents[1] / "docs/results/h200-2026-11-27-b/accelerator_check.json"
+    report, plot = write_report(json.loads(path.read_text()), str(tmp_path))
+    text = Path(report).read_text()
+    assert "| decode step | llama-3.1-8b batch 256 |" in text and "NVIDIA H200" in text
+    svg = Path(plot).read_text()
+    ElementTree.fromstring(svg)
+    assert svg.count("<polyline") == 4 and "llama-3.1-8b floor" in svg
+
+
+def test_the_full_plans_models_are_real_configs_cut_where_asked(tmp_path):
+    """The device run's models: Llama-3.1-8B whole, Qwen3-30B-A3B's first 24 layers (its 61 GB
+    do not fit an H100 beside the KV cache)."""
+    check, lib, _ = _full_plan_modules()
+    paths = [lib.config_dir(name, str(tmp_path)) for name in check.PLANS["full"]["models"]]
+    layers = [json.loads((Path(p) / "config.json").read_text())["num_hidden_layers"]
+              for p in paths]
+    assert layers == [32, 24] and Path(paths[1]).name == "qwen3-30b-a3b@24"
+    assert set(check.PLANS["full"]["budgets"]) >= {"llama-3.1-8b", "qwen3-30b-a3b@24",
+                                                   "moe_layer", "warm_start"}
+    assert sum(check.PLANS["full"]["budgets"].values()) <= check.PLANS["full"]["time_budget_s"]
 
 
 # --- compiled for an H100 in CI, before a GPU runs them ------------------------------------------
