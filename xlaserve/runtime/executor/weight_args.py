@@ -7,7 +7,9 @@ packed weights, model/packed.py) goes once, and on a single device the small lea
 and dtype (norm scales, biases) go as one stacked array that the step slices back: a slice of a
 few KiB costs nothing next to the step. On TPU the layers' weights of one kind go stacked too
 (`stack_layers`: XLA's TPU compiler charged separate weight arguments 2.4-5x their bytes, and a
-stack reads in place); on CPU and GPU a big leaf stays an argument of its own.
+stack reads in place), but for a mixture of experts' weights, which the grouped matmul's custom
+call would take as a copy of its layer's slice; on CPU and GPU a big leaf stays an argument of
+its own.
 
 The weights' layouts (how each is laid out in memory; `weight_formats` below) are XLA's choice on
 TPU, made once and kept by every program, so that no step relays a weight out for the matrix
