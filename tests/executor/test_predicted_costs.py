@@ -3,8 +3,9 @@
 moves. Llama-3.1-8B's config.json gives the shapes; no weights are read, no GPU is used. One
 bucket (8 tokens, 8 sequences, the smallest decode bucket) in two of the accelerator's program
 variants (runtime/sampling/step_needs.py): plain (greedy rows, nothing else) and everything (every
-sampler part and the prompt logprobs' LM head), ~30 s of compile each. And on TPU v6e, that no
-weight is relaid out every step.
+sampler part and the prompt logprobs' LM head), ~30 s of compile each. On TPU v6e, that no
+weight is relaid out every step. And for mixtures of experts (issue 51): on an H100 only the
+routed experts are multiplied, on v6e their weights are read in place.
 """
 import dataclasses
 import math
