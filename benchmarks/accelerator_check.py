@@ -201,13 +201,19 @@ def check_server(model_path: str, timeout_s: float, flags: list[str] | None = No
     return {"model": model_path, **lib.server_check(model_path, timeout_s=timeout_s, flags=flags)}
 
 
+def model_bench(plan: dict, model_path: str, hbm_gbps: float) -> lib.ModelBench:
+    """The plan's engine of a model: the same flags for every start, so a second one loads the
+    steps the first stored in the executable cache."""
+    return lib.ModelBench(model_path, hbm_gbps=hbm_gbps, max_running=plan["max_running"],
+                          context_length=plan["context"], max_prefill_tokens=plan["max_prefill"],
+                          token_buckets=plan["batches"])
+
+
 def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, result: dict,
                     save, out_of_time=lambda: False) -> dict:
     """Fills `result`, which is already in the results, saving after each figure: a run stopped
     mid-model keeps the figures it had, and one batch failing (out of memory, say) keeps the rest."""
-    bench = lib.ModelBench(model_path, hbm_gbps=hbm_gbps, max_running=plan["max_running"],
-                           context_length=plan["context"], max_prefill_tokens=plan["max_prefill"],
-                           token_buckets=plan["batches"])
+    bench = model_bench(plan, model_path, hbm_gbps)
     try:
         result.update(startup_s=bench.startup_s, dtype=np.dtype(bench.dtype).name,
                       weight_bytes_per_step=bench.weight_bytes, decode=[],
@@ -315,9 +321,7 @@ def _describe(error: Exception) -> str:
 def warm_start(plan: dict, model_path: str, out_of_time=None) -> dict:
     """A second start of a model's engine: its steps load from the executable cache the first
     start wrote. `out_of_time` is unused: one start is the whole step."""
-    bench = lib.ModelBench(model_path, hbm_gbps=1.0, max_running=plan["max_running"],
-                           context_length=plan["context"], max_prefill_tokens=plan["max_prefill"],
-                           token_buckets=plan["batches"])
+    bench = model_bench(plan, model_path, hbm_gbps=1.0)  # its flags: the first start's
     try:
         return {"model": os.path.basename(model_path.rstrip("/")), "startup_s": bench.startup_s}
     finally:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_attention import device_seconds
+from model_options import first_layers_config
 from xlaserve.pallas_kernels.ragged_paged_attention import cases
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,10 +209,7 @@ def config_dir(name: str, scratch: str | None = None) -> str:
     if not layers:
         return path
     with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["num_hidden_layers"] = int(layers)
-    if "layer_types" in config:
-        config["layer_types"] = config["layer_types"][:int(layers)]
+        config = first_layers_config(json.load(f), int(layers))
     cut = os.path.join(scratch or tempfile.mkdtemp(), f"{os.path.basename(path)}@{layers}")
     os.makedirs(cut, exist_ok=True)
     with open(os.path.join(cut, "config.json"), "w") as f:

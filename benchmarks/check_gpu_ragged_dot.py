@@ -86,26 +86,17 @@ if jax.devices()[0].device_kind.startswith("NVIDIA H"):
               f"{float(jnp.max(jnp.abs(want))):.3g})")
 
 
-def timed(fn, *args) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(10):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 if jax.default_backend() == "gpu":
     import functools
 
     import numpy as np
 
+    from moe_layer_check import timed
     from xlaserve.pallas_kernels import grouped_matmul_gpu as gpu
 
     copy = jax.jit(lambda a: a + 1)
     big = jnp.ones((1 << 28,), jnp.bfloat16)
-    bandwidth = 2 * big.nbytes / timed(copy, big)
+    bandwidth = 2 * big.nbytes / timed(copy, big, iters=10)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
     cases = [("v2-lite 3072 rows", 3072, 64, 2048, 2816),
@@ -132,7 +123,7 @@ if jax.default_backend() == "gpu":
                 print(f"grouped_matmul_gpu {name} {tiles or 'default'}: failed: "
                       f"{str(error).splitlines()[0][:200]}")
                 continue
-            seconds = timed(kernel, x, w, sizes)
+            seconds = timed(kernel, x, w, sizes, iters=10)
             max_error = float(jnp.max(jnp.abs(got - want)))
             print(f"grouped_matmul_gpu {name} {tiles or 'default'}: {seconds * 1e3:.3f} ms, "
                   f"{seconds / floor:.2f}x its floor ({floor * 1e3:.3f} ms: {experts_read} "

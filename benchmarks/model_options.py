@@ -46,3 +46,13 @@ def engine_model_args(args: argparse.Namespace, vocabulary: Vocabulary) -> dict:
     """The Engine / launch_server settings that pick the model."""
     return {"model_path": args.model_path, "load_format": args.load_format,
             "skip_tokenizer_init": vocabulary.tokenizer is None}
+
+
+def first_layers_config(config: dict, num_layers: int) -> dict:
+    """A config.json's dict cut to its first `num_layers` decoder layers (per-layer lists too:
+    gpt-oss's `layer_types`). Every layer of the benchmarked models has the same shapes, so the
+    cut model's step has the whole one's per-layer work."""
+    cut = {**config, "num_hidden_layers": num_layers}
+    if "layer_types" in config:
+        cut["layer_types"] = config["layer_types"][:num_layers]
+    return cut

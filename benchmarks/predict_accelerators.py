@@ -150,7 +150,7 @@ def active_flops(config, parameters: int, tokens: int, seqs: int) -> tuple[float
     body = parameters - lm_head * (1 if config.tie_word_embeddings else 2)  # + a gathered table
     unreachable = 0
     if config.num_experts:
-        per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+        per_expert = expert_parameters(config)
         moe_layers = sum(config.moe_layers)
         body -= moe_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
         # Each token picks a given expert with probability k / E under a uniform routing.
@@ -159,10 +159,15 @@ def active_flops(config, parameters: int, tokens: int, seqs: int) -> tuple[float
     return 2 * (body * tokens + lm_head * seqs), unreachable
 
 
+def expert_parameters(config) -> int:
+    """One expert's gate, up and down projections."""
+    return 3 * config.hidden_size * config.moe_intermediate_size
+
+
 def routed_flops(config, tokens: int) -> int:
     """2 x the routed experts' parameters x tokens: what the experts must compute, all devices."""
-    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
-    return 2 * tokens * config.num_experts_per_tok * per_expert * sum(config.moe_layers)
+    return (2 * tokens * config.num_experts_per_tok * expert_parameters(config)
+            * sum(config.moe_layers))
 
 
 def xla_costs(compiled) -> dict:
@@ -206,7 +211,8 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
     cache_correction = write_bytes - 2 * writes * local_cache_bytes
     kv_read = config.num_layers * seqs * context * row_bytes
     grouped = grouped_matmul_calls(hlo)
-    costs["flops"] += sum(call["flops"] for call in grouped)
+    grouped_flops = sum(call["flops"] for call in grouped)
+    costs["flops"] += grouped_flops
     total = costs["bytes"] + cache_correction + kv_read + sum(call["bytes"] for call in grouped)
     bandwidth, peak = PEAKS[target]
     seconds = max(total / bandwidth, costs["flops"] / peak)
@@ -215,18 +221,17 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
     largest = max(program.args[0], key=lambda leaf: leaf.size)  # the experts' dtype, in an MoE
     active, unreachable = active_flops(config, sum(leaf.size for leaf in program.args[0]),
                                        tokens, seqs)
-    unreachable_bytes = unreachable * largest.dtype.itemsize / tp
-    floor_seconds = max((weights - unreachable_bytes + kv_read + write_bytes) / bandwidth,
-                        costs["flops"] / peak)
+    reached = weights - unreachable * largest.dtype.itemsize / tp  # the weights a step reads
+    floor_seconds = max((reached + kv_read + write_bytes) / bandwidth, costs["flops"] / peak)
     decode = tokens == seqs
     return {"target": target, "tp": tp, "tokens": tokens, "seqs": seqs, "context": context,
             "flops": costs["flops"], "xla_bytes": costs["bytes"],
             "active_flops_ratio": costs["flops"] / (active / tp),
             "grouped_matmuls": len(grouped),
-            "experts_flops_ratio": (sum(call["flops"] for call in grouped) / routed_flops(config, tokens)
-                                    * tp if grouped else None),
+            "experts_flops_ratio": (grouped_flops / routed_flops(config, tokens) * tp
+                                    if grouped else None),
             "cache_write_correction": cache_correction, "cache_writes": writes,
-            "kv_read": kv_read, "bytes": total, "weights": weights,
+            "kv_read": kv_read, "bytes": total, "weights": weights, "reached_weights": reached,
             "floor_seconds": floor_seconds, "arguments": memory.argument_size_in_bytes,
             "temporaries": memory.temp_size_in_bytes, "seconds": seconds,
             "bound": "memory" if total / bandwidth >= costs["flops"] / peak else "compute",
@@ -316,7 +321,7 @@ def workload(rows: list[dict], input_len: int, output_len: int, concurrency: int
     kv_read = decode["kv_read"] * context / decode["context"]
 
     def step_seconds(row, kv, floor: bool):
-        moved = (row["weights"] if floor else row["bytes"] - row["kv_read"]) + kv
+        moved = (row["reached_weights"] if floor else row["bytes"] - row["kv_read"]) + kv
         return max(moved / bandwidth, row["flops"] / peak)
 
     figures = {}

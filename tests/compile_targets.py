@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks.model_options import first_layers_config
 from xlaserve.runtime.executor import aot
 
 CONFIGS = Path(__file__).parents[1] / "benchmarks" / "configs"
@@ -54,10 +55,7 @@ def first_layers(config: str, num_layers: int | None, directory: Path) -> str:
     if num_layers is None:
         return str(CONFIGS / config)
     whole = json.loads((CONFIGS / config / "config.json").read_text())
-    cut = {**whole, "num_hidden_layers": num_layers}
-    if "layer_types" in whole:  # gpt-oss's per-layer attention kinds
-        cut["layer_types"] = whole["layer_types"][:num_layers]
-    (directory / "config.json").write_text(json.dumps(cut))
+    (directory / "config.json").write_text(json.dumps(first_layers_config(whole, num_layers)))
     return str(directory)
 
 

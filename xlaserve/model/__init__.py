@@ -10,7 +10,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "eagle3_capture_layers": "draft_heads", "nextn_config": "draft_heads",
     "fp8_platform_problem": "fp8_weights", "FP8_TYPES": "fp8_weights",
     "Fp8BlockMatrix": "fp8_weights", "Fp8Matrix": "fp8_weights",
-    "grouped_matmul_tiled": "grouped_matmul",
+    "grouped_matmul_ragged_dot": "grouped_matmul", "grouped_matmul_tiled": "grouped_matmul",
     "check_platform": "int8", "check_quantization": "int8", "float_weight": "int8",
     "Fp8Checkpoint": "int8", "quantize_model": "int8", "quantize_placed": "int8",
     "QUANTIZED_TYPES": "int8", "QUANTIZED_WEIGHTS": "int8", "quantizes": "int8",

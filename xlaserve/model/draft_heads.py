@@ -95,7 +95,7 @@ class Eagle3Head(nnx.Module):
 
     def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         """The greedy draft (a target id) of each row of layer outputs `x`."""
-        return self.draft_to_target[...][greedy_ids(self, x, kernels)]
+        return self.draft_to_target[...][greedy_ids(self, self.final_norm(x), kernels)]
 
     def draft_of_carry(self, carried: jax.Array, kernels: Kernels) -> jax.Array:
         """`draft` of the outputs whose `carry` this is (what a request's slot keeps)."""
@@ -141,13 +141,11 @@ class NextNHead(nnx.Module):
         return self.final_norm(x)
 
     def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
-        return greedy_ids(self, x, kernels)
+        return greedy_ids(self, self.final_norm(x), kernels)
 
     def draft_of_carry(self, carried: jax.Array, kernels: Kernels) -> jax.Array:
         """`draft` of the outputs whose `carry` (their final norm) this is."""
-        logits = linear(carried.astype(matmul_input_dtype(self.lm_head[...])), self.lm_head[...],
-                        kernels)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_ids(self, carried, kernels)
 
     def top_drafts_of_carry(self, carried: jax.Array, k: int,
                             kernels: Kernels) -> tuple[jax.Array, jax.Array]:
@@ -162,18 +160,20 @@ def nextn_config(target: ModelConfig) -> ModelConfig:
                                moe_layers=(target.num_experts > 0,))
 
 
+def lm_head_logits(head, normed: jax.Array, kernels: Kernels) -> jax.Array:
+    """`head`'s LM head over `normed` rows (its final norm already applied)."""
+    return linear(normed.astype(matmul_input_dtype(head.lm_head[...])), head.lm_head[...], kernels)
+
+
 def top_logprobs(head, normed: jax.Array, k: int, kernels: Kernels):
     """(ids i32[T, k] of the head's vocabulary, log-probabilities f32[T, k]): the `k` likeliest
     of `head`'s LM head over `normed` rows (its final norm already applied)."""
-    logits = linear(normed.astype(matmul_input_dtype(head.lm_head[...])), head.lm_head[...],
-                    kernels)
+    logits = lm_head_logits(head, normed, kernels)
     logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
     return ids.astype(jnp.int32), logprobs
 
 
-def greedy_ids(head, x: jax.Array, kernels: Kernels) -> jax.Array:
-    """i32: the argmax of `head`'s LM head over its final norm of each row of `x` (ids of the
-    head's vocabulary)."""
-    logits = linear(head.final_norm(x).astype(matmul_input_dtype(head.lm_head[...])),
-                    head.lm_head[...], kernels)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def greedy_ids(head, normed: jax.Array, kernels: Kernels) -> jax.Array:
+    """i32: the argmax of `head`'s LM head over each of `normed` rows (its final norm already
+    applied; ids of the head's vocabulary)."""
+    return jnp.argmax(lm_head_logits(head, normed, kernels), axis=-1).astype(jnp.int32)

@@ -6,7 +6,6 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "block_fp8_matmul": "fp8_block_matmul", "supports": "fp8_block_matmul",
     "grouped_matmul_gpu": "grouped_matmul_gpu",
-    "grouped_matmul_gpu_or_ragged_dot": "grouped_matmul_gpu",
     "ragged_paged_attention": "ragged_paged_attention",
 }
 __all__ = list(_MODULE_OF)

@@ -33,11 +33,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from xlaserve.pallas_kernels.gpu_tiles import BLOCK_N_CHOICES, column_tile
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-H100_SMS = 132
-# Triton's dot wants power-of-two tiles of at least 16 along every dimension.
-BLOCK_N_CHOICES = (128, 64, 32, 16)
 
 
 def supports(n: int, k: int, block_k: int) -> str | None:
@@ -73,7 +72,7 @@ def block_fp8_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, block_k
                          f"{scales.shape}, K blocks of {block_k}: {problem or 'shapes disagree'}")
     block_t = min(64, max(16, 1 << (rows - 1).bit_length()))
     padded = -(-rows // block_t) * block_t
-    block_n = _block_n(n, padded // block_t)
+    block_n = column_tile(n, padded // block_t)
     x_fp8, x_scales = quantize_groups(x, block_k)
     x_fp8 = jnp.pad(x_fp8, ((0, padded - rows), (0, 0)))
     x_scales = jnp.pad(x_scales, ((0, padded - rows), (0, 0))).T  # [K blocks, T]: a row per step
@@ -93,14 +92,6 @@ def block_fp8_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, block_k
     return out[:rows]
 
 
-def _block_n(n: int, row_blocks: int) -> int:
-    """The widest column tile that divides N and still gives every SM a program (a decode step's
-    o_proj, N = 4096 in one row block: 32-wide, 128 programs), at least 32 wide where N allows."""
-    fitting = [b for b in BLOCK_N_CHOICES if n % b == 0]
-    for block_n in fitting:
-        if row_blocks * (n // block_n) >= H100_SMS or block_n == 32:
-            return block_n
-    return fitting[-1]
 
 
 def _kernel(x_ref, x_scales_ref, w_ref, w_scales_ref, out_ref, *, block_k, k_blocks):

@@ -29,7 +29,6 @@ not tuned on hardware. `interpret=True` runs the kernel on the CPU (tests).
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -38,16 +37,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-logger = logging.getLogger(__name__)
+from xlaserve.pallas_kernels.gpu_tiles import H100_SMS, column_tile
 
 # The kernel's name in the compiled program, with its rows per visit: "grouped_matmul_gpu_m16"
 # (benchmarks/predict_accelerators.py counts its FLOPs and bytes from it).
 NAME = "grouped_matmul_gpu"
-H100_SMS = 132
-# Triton's dot wants power-of-two tiles of at least 16 along every dimension.
-MIN_BLOCK = 16
+MIN_BLOCK = 16  # Triton's dot wants power-of-two tiles of at least 16 along every dimension
 MAX_BLOCK_M = 64
-BLOCK_N_CHOICES = (128, 64, 32, 16)
 BLOCK_K_CHOICES = (64, 32, 16)
 
 
@@ -73,16 +69,6 @@ def max_visits(rows: int, groups: int, block_m: int) -> int:
     parts of ceil(s / block_m) <= (rows + (G + 1)(block_m - 1)) / block_m, and never more than
     one visit a row."""
     return max(1, min(rows, (rows + (groups + 1) * (block_m - 1)) // block_m))
-
-
-def block_columns(n: int, visits: int) -> int:
-    """The widest column tile that divides N and still gives every SM a program (batch 1 of
-    Qwen3-30B-A3B: 8 visits, gate_up's 1536 columns in 32-wide tiles, 384 programs)."""
-    fitting = [b for b in BLOCK_N_CHOICES if n % b == 0]
-    for block_n in fitting:
-        if visits * (n // block_n) >= 2 * H100_SMS or block_n == 32:
-            return block_n
-    return fitting[-1]
 
 
 def expected_cost(block_m: int, rows: int, groups: int, k: int, n: int,
@@ -137,7 +123,9 @@ def grouped_matmul_gpu(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
         raise ValueError(problem)
     block_m = block_m or block_rows(rows, groups)
     num_visits = max_visits(rows, groups, block_m)
-    block_n = block_n or block_columns(n, num_visits)
+    # Every SM two programs at least (batch 1 of Qwen3-30B-A3B: 8 visits, gate_up's 1536
+    # columns in 32-wide tiles, 384 programs).
+    block_n = block_n or column_tile(n, num_visits, 2 * H100_SMS)
     block_k = block_k or next(b for b in BLOCK_K_CHOICES if k % b == 0)
     visit_group, visit_start, visit_end = visits(group_sizes, rows, block_m, num_visits)
     # A visit's rows are read as a whole block: the padding keeps the last one in bounds (a
@@ -155,18 +143,6 @@ def grouped_matmul_gpu(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
         interpret=interpret, name=f"{NAME}_m{block_m}",
     )(visit_group, visit_start, visit_end, x, weights)
     return out[:rows]
-
-
-def grouped_matmul_gpu_or_ragged_dot(x: jax.Array, weights: jax.Array,
-                                     group_sizes: jax.Array) -> jax.Array:
-    """The kernel where it `supports` the experts' shape, else XLA's ragged_dot (the same
-    product, every expert's FLOPs), logged when the step is traced."""
-    problem = supports(x.shape[1], weights.shape[2])
-    if problem is None:
-        return grouped_matmul_gpu(x, weights, group_sizes)
-    logger.warning("%s: the experts run as XLA's ragged_dot, a dot over every expert", problem)
-    return lax.ragged_dot(x.astype(weights.dtype), weights, group_sizes,
-                          preferred_element_type=jnp.float32)
 
 
 def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *, groups, block_m, block_k):

@@ -163,11 +163,11 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         if (compilation_cache_dir is not None and not args.disable_executable_cache
                 and enabled_by_environment()):
             cache = ExecutableCache.open(os.path.join(compilation_cache_dir, "executables"))
-        threads = args.precompile_threads
         runner.precompile(buckets.all_shapes(), cache=cache, tree_shapes=buckets.tree_shapes(),
-                          tree_width=buckets.tree_width, threads=threads)
+                          tree_width=buckets.tree_width, threads=args.precompile_threads)
         if draft is not None:
-            draft.runner.precompile(buckets.all_shapes(), cache=cache, threads=threads)
+            draft.runner.precompile(buckets.all_shapes(), cache=cache,
+                                    threads=args.precompile_threads)
         if draft_head is not None:
             draft_head.precompile(args.max_running_requests)
         if cache is not None:

@@ -182,10 +182,10 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                                                   quantization, draft_head)
     # A head's state rides at the end of the pool's list (kv_pool.DraftHeadPool).
     pool = None if draft_head is None else DraftHeadPool(draft_head.config, num_slots)
-    leaves, state_treedef = jax.tree.flatten(nnx.from_flat_state(parameters))
+    state = nnx.from_flat_state(parameters)
+    leaves, state_treedef = jax.tree.flatten(state)
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
-                                         stack_layers=platform == "tpu",
-                                         names=leaf_names(nnx.from_flat_state(parameters)))
+                                         stack_layers=platform == "tpu", names=leaf_names(state))
     caches = kv_pool_specs(config, num_pages, page_size, dtype, mesh, pool)
     kv_sharding = [cache.sharding for cache in caches]
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,

@@ -19,13 +19,13 @@ import logging
 import jax
 from jax.sharding import Mesh
 
-from xlaserve.model.grouped_matmul import grouped_matmul_tiled
+from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
 from xlaserve.model.layers import Kernels
 from xlaserve.model.moe import expert_parallel
 from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
-from xlaserve.pallas_kernels.grouped_matmul_gpu import grouped_matmul_gpu_or_ragged_dot
+from xlaserve.pallas_kernels import grouped_matmul_gpu
 from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
                                                                 get_expanded_prefill_fns,
                                                                 get_latent_attention_fn)
@@ -79,7 +79,7 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
     if platform == "gpu":
         # XLA's GPU ragged_dot multiplies every row by every expert, G / top_k times the routed
         # FLOPs (pallas_kernels/grouped_matmul_gpu.py). Under shard_map on a mesh: per device.
-        kernels = dataclasses.replace(kernels, grouped_matmul=grouped_matmul_gpu_or_ragged_dot)
+        kernels = dataclasses.replace(kernels, grouped_matmul=gpu_grouped_matmul)
     if platform == "tpu":
         kernels = dataclasses.replace(kernels, gate_up_as_groups=True)
     if platform == "cpu":
@@ -93,6 +93,16 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
                                       qkv_rope=qkv_rope_cpu.qkv_rope, swiglu=swiglu_cpu.swiglu,
                                       packed_matmul_swiglu=gemm_cpu.packed_matmul_swiglu)
     return kernels
+
+
+def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The GPU grouped matmul where it `supports` the experts' shape, else XLA's ragged_dot (the
+    same product, every expert's FLOPs), logged when the step is traced."""
+    problem = grouped_matmul_gpu.supports(x.shape[1], weights.shape[2])
+    if problem is None:
+        return grouped_matmul_gpu.grouped_matmul_gpu(x, weights, group_sizes)
+    logger.warning("%s: the experts run as XLA's ragged_dot, a dot over every expert", problem)
+    return grouped_matmul_ragged_dot(x, weights, group_sizes)
 
 
 @functools.cache
