@@ -13,7 +13,7 @@ target (runtime/executor/aot.py) and its own analyses give the figures.
     .venv/bin/python benchmarks/predict_accelerators.py --target v6e:2x2 --tp-size 4 \
         --model qwen3-8b --tokens 256,4096 --workload 1024,1024,256   # a serving benchmark
 
-Per bucket (tokens, seqs) of the server's own bucket list (--max-running-requests 256,
+Per bucket (tokens, seqs) of the server's own bucket list (--max-running-requests 256 unless given,
 --max-prefill-tokens 4096, so a 256-row decode bucket and a 4096-token prefill bucket exist):
 - flops and bytes accessed: XLA's cost analysis of the optimised program, per device. The
   deviceless GPU executable returns none, so the optimised module's text is analysed by the
@@ -241,10 +241,10 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
             **hlo_counts(hlo)}
 
 
-def server_args(model: str, tp: int, quantization: str | None = None):
+def server_args(model: str, tp: int, quantization: str | None = None, running: int = 256):
     from xlaserve.server_args import ServerArgs
     return ServerArgs(model_path=str(CONFIGS / model) if "/" not in model else model,
-                      tp_size=tp, max_running_requests=256, max_prefill_tokens=4096,
+                      tp_size=tp, max_running_requests=running, max_prefill_tokens=4096,
                       quantization=quantization)
 
 
@@ -252,11 +252,11 @@ VARIANTS = {name: needs for needs, name in VARIANT_NAMES.items() if needs is not
 
 
 def run(target: str, model: str, tp: int, wanted_tokens, context: int,
-        quantization: str | None = None, variants=("plain",)):
+        quantization: str | None = None, variants=("plain",), running: int = 256):
     """Rows for the buckets of `wanted_tokens` that the server has, each variant compiled once."""
     from xlaserve.weights.loader import read_config
 
-    args = server_args(model, tp, quantization)
+    args = server_args(model, tp, quantization, running)
     program, shapes, description = aot.server_step(target, args)
     config, _ = read_config(args.model_path, load_format="dummy")
     print(description, flush=True)
@@ -349,6 +349,8 @@ def main(argv=None) -> None:
                         help=f"program variants to compile, of {','.join(VARIANTS)}")
     parser.add_argument("--context", type=int, default=1024,
                         help="tokens of context each sequence's attention reads (assumed)")
+    parser.add_argument("--max-running-requests", type=int, default=256,
+                        help="the server's, which sets the largest decode bucket")
     parser.add_argument("--workload", help="IN,OUT,CONCURRENCY: a serving benchmark's output "
                                            "tok/s from the decode bucket of CONCURRENCY rows and "
                                            "the largest prefill bucket (add both to --tokens)")
@@ -367,7 +369,8 @@ def main(argv=None) -> None:
     rows = []
     for target, model, tp, quantization in runs:
         try:
-            rows += run(target, model, tp, wanted, args.context, quantization, variants)
+            rows += run(target, model, tp, wanted, args.context, quantization, variants,
+                        args.max_running_requests)
         except aot.TargetUnavailable as error:
             print(f"{target}: {error}", file=sys.stderr)
     print_table(rows, args.context)

@@ -11,7 +11,8 @@ cores; KV from 0.1 of free RAM, which the rest of the machine shares).
 TPU and GPU follow SGLang's choices per GPU (its `server_args.py`, for an H100 at tp < 4):
 8192-token prompt pieces from 35 GB of device memory (2048 below), and 256 decoded requests (its
 CUDA-graph batch limit there; here the largest sequence bucket, so one compiled step covers them
-all); a step takes a whole 8192-token piece. At 64 running requests an 8B model's decode step
+all); a step takes a whole 8192-token piece. A GPU whose KV pool holds more requests decodes more at
+once (`running_requests_for_pool`, up to 512). At 64 running requests an 8B model's decode step
 on an H100 reads its 16 GB of weights for 64 tokens; at 256 for 256 (predicted 13.3k against 3.4k
 tok/s, docs/tpu-gpu.md). Memory: `mem_fraction_static` of what XLA may allocate holds the
 weights and the KV pool, the rest is the steps' temporaries (Llama-3.1-8B's 8192-token step
@@ -34,6 +35,15 @@ CPU_DEFAULTS = (64, 256, 512, 0.1)
 ACCELERATOR_RUNNING_REQUESTS = 256
 ACCELERATOR_MEM_FRACTION = 0.9  # of XLA's limit: 0.9 x 0.95 = 0.855 of an H100 (SGLang: 0.88)
 SMALL_DEVICE_BYTES = 35 * 2**30  # SGLang's line between 2048- and 8192-token prompt pieces
+# GPU: the running requests double from 256 while the KV pool holds this many tokens for each
+# (a 1024-token prompt and as many out, the serving benchmarks' shape), up to MOST_RUNNING_REQUESTS.
+# Past 256 rows a decode step is still far from its compute on an H200 (Qwen2.5-0.5B: 6.34 ms at
+# 256 rows against a 0.32 ms floor, accelerator_check.md), so more rows a step are more tokens a
+# second. An 8B model's pool on an 80-141 GB GPU holds 256 such requests at most and stays at 256;
+# Qwen2.5-0.5B's (4.5M tokens on an H100) takes 512. TPU keeps 256: its kernels hold the page
+# table in SMEM (1 MiB), which the page size is chosen to fit for that many requests.
+TOKENS_PER_RUNNING_REQUEST = 2048
+MOST_RUNNING_REQUESTS = 512
 
 
 def prepare_gpu_memory() -> None:
@@ -78,6 +88,17 @@ def resolve(args, platform: str, device=None) -> tuple[object, list[str]]:
     memory = device_memory(device) if device else None
     defaults = defaults_for(platform, memory[0] if memory else None)
     return dataclasses.replace(args, **{name: defaults[name] for name in unset}), unset
+
+
+def running_requests_for_pool(platform: str, pool_tokens: int) -> int:
+    """The default --max-running-requests once the KV pool is sized (`pool_tokens` a replica):
+    ACCELERATOR_RUNNING_REQUESTS, doubled on GPU while the pool holds TOKENS_PER_RUNNING_REQUEST
+    tokens for each, up to MOST_RUNNING_REQUESTS."""
+    running = ACCELERATOR_RUNNING_REQUESTS
+    while (platform == "gpu" and 2 * running <= MOST_RUNNING_REQUESTS
+           and pool_tokens >= 2 * running * TOKENS_PER_RUNNING_REQUEST):
+        running *= 2
+    return running
 
 
 def log_resolved(args, platform: str, names: list[str]) -> None:

@@ -167,8 +167,9 @@ class ServerArgs:
     context_length: Optional[int] = _flag(None, "longest prompt + output (default: the model's)",
                                           aliases=("--max-model-len",))
     max_running_requests: Optional[int] = _flag(
-        None, "requests decoded together at most (default 64 on CPU, 256 on TPU/GPU: the "
-              "largest sequence bucket of the compiled steps)", aliases=("--max-num-seqs",))
+        None, "requests decoded together at most (default 64 on CPU, 256 on TPU/GPU, 512 on a "
+              "GPU whose KV pool holds 2048 tokens for each: the largest sequence bucket of the "
+              "compiled steps)", aliases=("--max-num-seqs",))
     max_total_tokens: Optional[int] = _flag(
         None, "KV cache size in tokens (default: from --mem-fraction-static)")
     mem_fraction_static: Optional[float] = _flag(

@@ -102,3 +102,18 @@ def test_compile_only_targets_get_the_accelerator_buckets(target):
     _, shapes, description = aot.server_step(target, ServerArgs(model_path=LLAMA_8B, tp_size=tp))
     tokens, seqs, _ = shapes[-1]
     assert (tokens, seqs) == (8192, 256), description  # a whole prompt piece; 256 requests
+
+
+def test_a_gpu_decodes_more_requests_where_its_kv_pool_holds_them():
+    config, _ = read_config(LLAMA_8B, load_format="dummy")
+    for device_bytes in (H100_BYTES, 139 * GIB):  # an 8B model's pool on an H100 and an H200
+        pool_tokens = 16 * num_pages_for(config, jnp.bfloat16, 16, max_total_tokens=None,
+                                         mem_fraction_static=0.9,
+                                         device=FakeDevice(0.95 * device_bytes,
+                                                           LLAMA_8B_WEIGHT_BYTES))
+        assert platform_defaults.running_requests_for_pool("gpu", pool_tokens) == 256
+    # A pool of 2048 tokens for each of 512 requests (a small model's) takes 512, no more.
+    assert platform_defaults.running_requests_for_pool("gpu", 512 * 2048) == 512
+    assert platform_defaults.running_requests_for_pool("gpu", 512 * 2048 - 1) == 256
+    assert platform_defaults.running_requests_for_pool("gpu", 10**9) == 512
+    assert platform_defaults.running_requests_for_pool("tpu", 10**9) == 256  # the SMEM page table

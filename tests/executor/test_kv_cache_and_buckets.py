@@ -105,3 +105,25 @@ def test_default_token_buckets_follow_what_cpu_matmuls_cost():
     assert default_token_buckets(576, jnp.bfloat16, "tpu") == (8, 16, 32, 64, 128, 256, 512, 576)
     assert default_token_buckets(2, jnp.float32, "cpu") == (1, 2)  # the largest is always there
     assert default_token_buckets(16, jnp.bfloat16, "cpu", native_matmul=True) == (1, 2, 4, 8, 16)
+
+
+def test_accelerator_decode_buckets_get_midpoints_where_padded_rows_cost():
+    import jax.numpy as jnp
+
+    from xlaserve.runtime.executor.forward_batch import default_seq_buckets, default_token_buckets
+
+    # 256 running requests, 8192-token prompt pieces: 96 and 192 between the decode sizes (a
+    # 129-row step runs as 192, not 256); none past the largest sequence bucket.
+    tokens = default_token_buckets(8448, jnp.bfloat16, "gpu", max_seqs=256)
+    assert tokens == (8, 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192, 8448)
+    seqs = default_seq_buckets(256, "gpu")
+    assert seqs == (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
+    assert default_seq_buckets(512, "tpu")[-3:] == (256, 384, 512)
+    assert 384 in default_token_buckets(8704, jnp.bfloat16, "tpu", max_seqs=512)
+    assert default_seq_buckets(100, "gpu")[-3:] == (64, 96, 100)  # a midpoint under the limit
+    assert default_seq_buckets(256, "cpu") == (1, 2, 4, 8, 16, 32, 64, 128, 256)  # CPU unchanged
+    buckets = Buckets.for_limits(8448, 256, 8, token_paddings=tokens, page_paddings=[8],
+                                 default_seqs=seqs)
+    assert buckets.shape_for(num_tokens=129, num_seqs=129, pages_per_seq=1) == (192, 192, 8)
+    assert buckets.shape_for(num_tokens=300, num_seqs=40, pages_per_seq=1) == (512, 256, 8)
+    assert not buckets.grid  # the sequence bucket still follows the token bucket

@@ -164,6 +164,30 @@ def test_gpu_split_kv_decode_compiles_for_h100(layout, sinks, window, rows):
                             sliding_window=window)
 
 
+@pytest.mark.parametrize("layout,rows", [("llama-3.1-8b", 256), ("qwen2.5-0.5b", 256),
+                                         ("llama-3.1-8b", 64)])
+def test_gpu_decode_kernel_reads_queries_and_writes_outputs_in_token_order(layout, rows):
+    # One-token items are the tokens: the kernel reads q [T, Hq, D] and, unsplit, writes the
+    # output in place, so no pad of q to the block's 16 rows (7 us a layer at 256 rows on an H200)
+    # and no gather of the output are left around it (Qwen2.5-0.5B: 7 query heads a kv head,
+    # not a power of two). Split (64 rows), the merge of the splits is one fusion.
+    _, target_devices = devices("h100")
+    mesh = one_device_mesh(target_devices)
+    args = attention_args(mesh, layout, (rows, rows), 16, "bfloat16")
+    kernel = jax.jit(kernel_gpu.ragged_paged_attention, static_argnames=("sm_scale",),
+                     donate_argnames=("kv_cache",))
+    hlo = compile_for(mesh, kernel, **args, sm_scale=0.125).as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    ops = re.findall(r"%(\w+)[.\d]* = ", entry)  # the instructions' names say their kind
+    assert not [op for op in ops if "pad" in op or "gather" in op], ops
+    num_q_heads, _, head_dim = HEAD_LAYOUTS[layout]
+    if rows >= kernel_gpu.NO_SPLIT_ITEMS:
+        kernel_out = re.search(r"= (\S+) custom-call\(", entry).group(1)
+        assert kernel_out.startswith(f"bf16[{rows * num_q_heads},{head_dim}]"), kernel_out
+    else:
+        assert len(re.findall(r"\bfusion\(%pallas_call", entry)) <= 2, entry
+
+
 def test_gpu_attention_metadata_is_computed_once_for_all_layers_without_while_loops():
     # Every layer calls the kernel with the same kv_lens / cu_q_lens / page table: XLA computes
     # the work items once (CSE), and the sequence lookups are unrolled binary searches, not while

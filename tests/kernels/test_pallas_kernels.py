@@ -263,6 +263,22 @@ def test_gathered_outputs_equal_the_scattered_ones_padding_tokens_zero(q_block):
     assert not np.asarray(got)[int(cu_q_lens[-1]):].any() and np.asarray(got)[:6].all()
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_gpu_decode_items_read_queries_and_write_outputs_in_token_order(num_kv_splits,
+                                                                        with_sinks):
+    # One-token items (q_block 1) read q and, unsplit, write the output in place; 7 query heads a
+    # kv head (Qwen2.5-0.5B's group) fill a 16-row block as heads 0-6, 0-6, 0-1, whose repeated
+    # rows compute and write the same values. Padding tokens of q are NaN, live ones are not
+    # contiguous in kv length, and the last program's rows end at q's last row.
+    rng = np.random.default_rng(21)
+    seqs = [(1, 40), (1, 1), (1, 17), (1, 64)]
+    case = make_case(rng, seqs, max_seqs=6, num_tokens=6, page_size=16, pages_per_seq=4,
+                     num_pages=24, num_kv_heads=2, num_q_heads=14, head_dim=32)
+    sinks = jnp.asarray(cases.make_sinks(rng, 14)) if with_sinks else None
+    check_kernel("gpu", case, sinks=sinks, q_block=1, num_kv_splits=num_kv_splits)
+
+
 def test_gpu_default_kv_splits_as_the_h200_sweep_chose():
     # (work items, kv heads, KV blocks of a full page table[, q_block]) -> splits; see the
     # docstring. Llama-3.1-8B decode buckets: 4 splits up to 64 rows (the sweep's fastest at 1,

@@ -110,6 +110,12 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                               # one host's memory, so there the whole page counts.
                               tensor_parallel=args.tp_size if platform != "cpu" else 1,
                               draft_head=head and head.config)
+    if "max_running_requests" in defaulted and platform != "cpu":
+        running = platform_defaults.running_requests_for_pool(platform, num_pages * page_size)
+        if running != args.max_running_requests:
+            logger.info("max_running_requests=%d: the KV pool holds %d tokens, %d a request",
+                        running, num_pages * page_size, num_pages * page_size // running)
+            args = dataclasses.replace(args, max_running_requests=running)
     runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size,
                          max_running_requests=args.max_running_requests,
                          attention_backend=args.attention_backend,
