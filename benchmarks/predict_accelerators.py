@@ -20,7 +20,8 @@ Per bucket (tokens, seqs) of the server's own bucket list (--max-running-request
   CPU client's HloCostAnalysis (the same pass, target-independent).
 - cache writes: XLA charges each in-place KV-cache update (a scatter fused into the donated
   cache) as a read and a write of the whole cache; the row is that charge taken back and the
-  rows really written (tokens x 2 x kv heads x head dim) put in.
+  rows really written (tokens x 2 x kv heads x head dim) put in. Where the GPU attention writes
+  them itself (one-token items), XLA charges nothing and the rows are put in alone.
 - the experts' grouped matmul on GPU (pallas_kernels/grouped_matmul_gpu.py), also a custom call:
   each call's FLOPs and bytes expected of a uniform routing, from its compiled shapes
   (`grouped_matmul_calls`), added to XLA's figures.
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import re
 import sys
 import time
@@ -194,6 +196,19 @@ def cache_write_fusions(hlo: str, local_shape, dtype_name: str) -> int:
     return sum(len(re.findall(pattern, block)) for block in unfused_computations(hlo))
 
 
+def kernel_cache_writes(hlo: str, local_shape, dtype_name: str) -> int:
+    """Custom calls (the GPU attention of one-token items) that return a cache-sized array: the
+    kernel writes the new K/V into the cache in place, which XLA's cost analysis charges
+    nothing (a custom call's traffic is invisible to it)."""
+    size, name = math.prod(local_shape), DTYPE_NAMES[dtype_name]
+    count = 0
+    for block in unfused_computations(hlo):
+        for result in re.findall(r"= (\(.*?\)|\S+) custom-call\(", block):
+            shapes = re.findall(rf"{name}\[([\d,]+)\]", result)
+            count += any(math.prod(map(int, dims.split(","))) == size for dims in shapes)
+    return count
+
+
 def predict(program, compiled, target: str, tokens: int, seqs: int, context: int,
             config) -> dict:
     """The row of the table for one compiled bucket."""
@@ -206,6 +221,7 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
     itemsize = cache.dtype.itemsize
     local_cache_bytes = itemsize * local[0] * local[1] * local[2]
     writes = cache_write_fusions(hlo, local, cache.dtype.name)
+    kernel_writes = kernel_cache_writes(hlo, local, cache.dtype.name)
     row_bytes = 2 * config.num_kv_heads * config.head_dim * itemsize / tp  # a token's K and V
     write_bytes = config.num_layers * tokens * row_bytes
     cache_correction = write_bytes - 2 * writes * local_cache_bytes
@@ -230,7 +246,7 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
             "grouped_matmuls": len(grouped),
             "experts_flops_ratio": (grouped_flops / routed_flops(config, tokens) * tp
                                     if grouped else None),
-            "cache_write_correction": cache_correction, "cache_writes": writes,
+            "cache_write_correction": cache_correction, "cache_writes": writes + kernel_writes,
             "kv_read": kv_read, "bytes": total, "weights": weights, "reached_weights": reached,
             "floor_seconds": floor_seconds, "arguments": memory.argument_size_in_bytes,
             "temporaries": memory.temp_size_in_bytes, "seconds": seconds,

@@ -279,6 +279,19 @@ def test_gpu_decode_items_read_queries_and_write_outputs_in_token_order(num_kv_s
     check_kernel("gpu", case, sinks=sinks, q_block=1, num_kv_splits=num_kv_splits)
 
 
+@pytest.mark.parametrize("static", [dict(num_kv_splits=1), dict(num_kv_splits=3),
+                                    dict(sliding_window=7, kv_block_pages=1)])
+def test_gpu_one_token_items_write_their_kv_and_attend_the_steps_new_keys(static):
+    # One-token items write their own K/V into the cache and attend their sequence's new keys
+    # from k and v, not from the cache: here sequences of 2, 20 (two 16-key blocks of new keys)
+    # and 1 new tokens, each new token an item of its own (q_block 1), and one with no prefix.
+    rng = np.random.default_rng(22)
+    seqs = [(2, 40), (20, 37), (1, 1), (1, 16), (3, 3)]
+    case = make_case(rng, seqs, max_seqs=6, num_tokens=32, page_size=16, pages_per_seq=4,
+                     num_pages=24, num_kv_heads=2, num_q_heads=6, head_dim=32)
+    check_kernel("gpu", case, q_block=1, **static)
+
+
 def test_gpu_default_kv_splits_as_the_h200_sweep_chose():
     # (work items, kv heads, KV blocks of a full page table[, q_block]) -> splits; see the
     # docstring. Llama-3.1-8B decode buckets: 4 splits up to 64 rows (the sweep's fastest at 1,

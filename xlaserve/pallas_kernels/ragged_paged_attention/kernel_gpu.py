@@ -40,15 +40,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from xlaserve.pallas_kernels.ragged_paged_attention.gpu_program import attention_program
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
-    MASK_VALUE, default_q_block, gather_outputs, gather_queries, item_span, lse_of,
-    make_work_items, new_token_slots, query_group, sanitize_metadata, write_new_kv_with_xla,
-    write_new_rows_with_xla)
+    default_q_block, gather_outputs, gather_queries, lse_of, make_work_items, new_token_slots,
+    query_group, sanitize_metadata, write_new_kv_with_xla, write_new_rows_with_xla)
 
 KV_BLOCK_TOKENS = 64  # keys per loop step; K and V of one step stay in registers/shared memory
 # Shared memory for the KV blocks: an H100 gives a block 227 KiB (A100: 163), less the queries
@@ -155,19 +154,37 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
     token_page, token_slot = new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens,
                                              page_size)
-    kv_cache = write_new_kv_with_xla(kv_cache, k, v, token_page, token_slot)
-    # The cache as [pages, page_size, Hkv, 2, D]: program (w, h, s) sees K of head h as one
-    # [pages, page_size, D] operand and V as another, both views of the same buffer.
+    if q_block is None:
+        q_block = default_q_block(num_tokens, page_indices.shape[0], group, max_rows=128)
+    # The cache as [pages, page_size, Hkv, 2, D]: program (w, h, s) sees K and V of head h.
     cache = kv_cache.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
     whole_cache = (num_pages, page_size, None, None, head_dim)
-    cache_specs = [pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 0, 0)),  # K
-                   pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 1, 0))]  # V
+    new_kv = None
+    if q_block == 1 and not prefix_only:
+        # One-token items: the kernel writes each token's K/V into the cache itself and attends
+        # the step's new keys from k and v (XLA's scatter before the call took 9 us a layer of a
+        # 256-row Llama-3.1-8B step on an H200, ncu). One cache operand, updated in place.
+        # K and V as one operand [T * Hkv * 2, D], one fusion (RoPE'd K, V) where two were.
+        new_kv = (jnp.stack([k, v], axis=2).reshape(-1, head_dim), token_page, token_slot)
+        caches = [cache]
+        cache_specs = [pl.BlockSpec((num_pages, page_size, None, 2, head_dim),
+                                    lambda w, h, s: (0, 0, h, 0, 0))]
+    else:
+        kv_cache = write_new_kv_with_xla(kv_cache, k, v, token_page, token_slot)
+        cache = kv_cache.reshape(cache.shape)
+        caches = [cache, cache]  # K of head h as one operand and V as another, one buffer
+        cache_specs = [pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 0, 0)),  # K
+                       pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 1, 0))]  # V
     result = _attend_items(
-        q, [cache, cache], cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs,
+        q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs,
         num_kv_heads=num_kv_heads, group=group, max_rows=128, q_block=q_block,
         kv_block_pages=kv_block_pages, num_kv_splits=num_kv_splits, out_dim=head_dim,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None, prefix_only=prefix_only)
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, new_kv=new_kv,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None,
+        prefix_only=prefix_only)
+    if new_kv is not None:
+        result, cache = result
+        kv_cache = cache.reshape(kv_cache.shape)
     return (*result, kv_cache) if prefix_only else (result, kv_cache)
 
 
@@ -229,11 +246,15 @@ def check_mla_kernel_shapes(block_tokens: int, value_dim: int, row_dim: int, ite
 
 def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                   num_kv_heads, group, max_rows, q_block, kv_block_pages, num_kv_splits, out_dim,
-                  num_warps, num_stages, interpret, **static):
+                  num_warps, num_stages, interpret, new_kv=None, **static):
     """What both entries share, from sanitized metadata and the cache with the new rows written:
     the work items, q gathered per item for the grid's (work items, kv heads or head programs,
     KV splits), the pallas_call, the merge of the splits and the outputs in token order:
-    out [T, Hq, out_dim] in q's dtype; with static["prefix_only"], (out, lse [T, Hq] float32)."""
+    out [T, Hq, out_dim] in q's dtype; with static["prefix_only"], (out, lse [T, Hq] float32).
+    `new_kv` (one-token items only): (new K/V [T * Hkv * 2, D]: token t's K of kv head h at row
+    (t * Hkv + h) * 2, its V next; token_page, token_slot [T]) of new tokens the kernel writes
+    into `caches[0]` (its only cache, not yet written) and attends from there; then returns
+    (out, the cache)."""
     num_tokens, num_q_heads = q.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
     if q_block is None:
@@ -265,10 +286,15 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
     if sinks is not None:
         sinks_in = [sinks_by_row(check_sinks(sinks, num_q_heads), num_kv_heads, q_block, rows,
                                  direct)]
-    kernel = functools.partial(_attention_kernel, num_kv_splits=num_kv_splits,
+    new_in, new_specs = [], []
+    if new_kv is not None:
+        assert direct, "only one-token items write their own K/V"
+        new_in = list(new_kv)
+        new_specs = [pl.BlockSpec(x.shape, lambda w, h, s, n=x.ndim: (0,) * n) for x in new_in]
+    kernel = functools.partial(attention_program, num_kv_splits=num_kv_splits,
                                has_sinks=bool(sinks_in), q_block=q_block, group=group,
                                page_size=caches[0].shape[1], kv_block_pages=kv_block_pages,
-                               rows=rows, direct=direct, **static)
+                               rows=rows, direct=direct, writes_new_kv=bool(new_in), **static)
     metadata = [pl.BlockSpec(x.shape, lambda w, h, s, n=x.ndim: (0,) * n)
                 for x in (item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices)]
     with_lse = static["prefix_only"]
@@ -289,17 +315,34 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
         out_specs = (pl.BlockSpec((None, None, None, rows, out_dim),
                                   lambda w, h, s: (w, h, s, 0, 0)),) + (
             pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),) * 2
+    aliases = {}
+    if new_in:  # the cache, updated in place: the last output
+        aliases = {len(metadata) + 1: len(out_shape)}
+        out_shape, out_specs = [*out_shape, caches[0]], [*out_specs, cache_specs[0]]
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_items, num_kv_heads, num_kv_splits),
-        in_specs=metadata + [item_spec] + cache_specs
+        in_specs=metadata + [item_spec] + cache_specs + new_specs
         + [pl.BlockSpec((None, rows), lambda w, h, s: (h, 0))] * len(sinks_in),
         out_specs=out_specs,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(item_seq, item_row0, kv_lens, cu_q_lens, num_seqs, page_indices, q_items, *caches,
-      *sinks_in)
+      *new_in, *sinks_in)
+    if new_in:
+        *result, cache = result
+        return _outputs_in_token_order(result, cu_q_lens, q, group, q_block, num_kv_splits,
+                                       direct, with_lse, out_dim), cache
+    return _outputs_in_token_order(result, cu_q_lens, q, group, q_block, num_kv_splits, direct,
+                                   with_lse, out_dim)
+
+
+def _outputs_in_token_order(result, cu_q_lens, q, group, q_block, num_kv_splits, direct,
+                            with_lse, out_dim):
+    """The kernel's outputs (per item, or per split) as out [T, Hq, out_dim] (and lse)."""
+    num_tokens, num_q_heads = q.shape[:2]
     if num_kv_splits == 1 and direct:
         return result[0].reshape(num_tokens, num_q_heads, out_dim)
     if num_kv_splits == 1:
@@ -339,113 +382,3 @@ def sinks_by_row(sinks, num_kv_heads, q_block, rows, direct=False):
     by_head = sinks.reshape(num_kv_heads, 1, -1)
     by_row = jnp.tile(by_head, (1, q_block, 1)).reshape(num_kv_heads, -1)
     return jnp.pad(by_row, ((0, 0), (0, rows - by_row.shape[1])))
-
-
-def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
-                      page_indices_ref, q_ref, *refs, sm_scale, sliding_window, soft_cap, q_block,
-                      group, page_size, kv_block_pages, num_kv_splits, has_sinks, value_dim,
-                      prefix_only, rows, direct):
-    # MHA (value_dim None): K and V of the program's kv head; MLA: the latent cache.
-    cache_refs, refs = (refs[:2], refs[2:]) if value_dim is None else (refs[:1], refs[1:])
-    sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
-    head_dim = q_ref.shape[-1]
-    max_seqs = kv_lens_ref.shape[0]
-    block_tokens = kv_block_pages * page_size
-    item = pl.program_id(0)
-    item_seq = item_seq_ref[item]
-    live = item_seq < num_seqs_ref[0]
-    seq = jnp.minimum(item_seq, max_seqs - 1)  # unused item slots read row S-1 and attend nothing
-    span = item_span(kv_lens_ref[seq], cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq],
-                     item_row0_ref[item], q_block=q_block, page_size=page_size,
-                     block_tokens=block_tokens, sliding_window=sliding_window)
-    first_pos, num_rows, last_pos, pages_needed, start_block, end_block = span
-    if prefix_only:  # the keys from before this step alone: the last is the row's first - 1
-        last_pos = kv_lens_ref[seq] - (cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]) - 1
-        pages_needed, end_block = last_pos // page_size + 1, last_pos // block_tokens + 1
-    end_block = jnp.where(live, end_block, 0)
-    split = pl.program_id(2)
-    if num_kv_splits > 1:  # this program's share of the item's blocks; later ones may be empty
-        share = (jnp.maximum(end_block - start_block, 0) + num_kv_splits - 1) // num_kv_splits
-        start_block = start_block + split * share
-        end_block = jnp.minimum(end_block, start_block + share)
-
-    if direct:
-        # One token: row r is query head r % G of the program's group, read from q [T * Hq, D]
-        # in place. Rows past G repeat the group's heads, so they compute the same outputs
-        # bit for bit and their writes to the same rows below are harmless (no masked store:
-        # every index stays in bounds, in interpret mode too).
-        q_rows = (item * (pl.num_programs(1) * group) + pl.program_id(1) * group
-                  + jnp.arange(rows) % group)
-        row_in_item = jnp.zeros((rows,), jnp.int32)
-    else:
-        q_rows = slice(None)
-        row_in_item = jnp.arange(rows) // group  # row r * G + g is the item's token r
-    row_pos = first_pos + row_in_item
-    row_valid = row_in_item < num_rows
-    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None  # no TF32 for f32
-    if value_dim is None:
-        query_parts = [q_ref[q_rows]]
-    else:  # MLA: the latent part and the RoPE'd part, each a power-of-two width for the dot
-        query_parts = [q_ref[q_rows, pl.ds(0, value_dim)],
-                       q_ref[q_rows, pl.ds(value_dim, head_dim - value_dim)]]
-
-    def read_block(pages):
-        """([key parts, as query_parts], values) of the block's pages, [block_tokens, width]."""
-        if value_dim is None:
-            k_ref, v_ref = cache_refs
-            return ([k_ref[pages].reshape(block_tokens, head_dim)],
-                    v_ref[pages].reshape(block_tokens, head_dim))
-        (cache_ref,) = cache_refs
-        latent = cache_ref[pages, :, pl.ds(0, value_dim)].reshape(block_tokens, value_dim)
-        rope_dim = head_dim - value_dim
-        rope = cache_ref[pages, :, pl.ds(value_dim, rope_dim)].reshape(block_tokens, rope_dim)
-        return [latent, rope], latent
-
-    def attend_block(block, carry):
-        m_prev, l_prev, acc_prev = carry
-        slot = block * kv_block_pages + jnp.arange(kv_block_pages)
-        pages = page_indices_ref[seq, pl.ds(block * kv_block_pages, kv_block_pages)]
-        pages = jnp.where(slot < pages_needed, pages, 0)  # past the needed pages: garbage
-        key_parts, v = read_block(pages)
-        key_pos = block * block_tokens + jnp.arange(block_tokens)
-        # Slots past the last attended key hold stale data or NaN: p * NaN is NaN even at p=0.
-        v = jnp.where((key_pos <= last_pos)[:, None], v, 0)
-        s = 0.0
-        for q, k in zip(query_parts, key_parts):
-            scores_dtype = jnp.promote_types(q.dtype, k.dtype)  # as the reference's einsum
-            s += lax.dot_general(q.astype(scores_dtype), k.astype(scores_dtype),
-                                 (((1,), (1,)), ((), ())), precision=precision,
-                                 preferred_element_type=jnp.float32)
-        s = s * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = row_valid[:, None] & (key_pos[None, :] <= row_pos[:, None])
-        if prefix_only:
-            mask &= key_pos[None, :] <= last_pos
-        if sliding_window is not None:
-            mask &= row_pos[:, None] - key_pos[None, :] < sliding_window
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        p = jnp.exp(s - m_next[:, None])
-        alpha = jnp.exp(m_prev - m_next)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        return m_next, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc_prev + pv
-
-    m_start = jnp.full((rows,), MASK_VALUE, jnp.float32)
-    l_start = jnp.zeros((rows,), jnp.float32)
-    if sinks_ref is not None:  # the sink joins one split's softmax (the merge adds up the rest)
-        m_start = jnp.where(split == 0, sinks_ref[...], m_start)
-        l_start = jnp.where(split == 0, 1.0, l_start)
-    carry = (m_start, l_start, jnp.zeros((rows, value_dim or head_dim), jnp.float32))
-    m, l, acc = lax.fori_loop(start_block, end_block, attend_block, carry)
-    if num_kv_splits == 1:
-        # l >= 1 on real rows (their own key or sink scores exp(0)); 0 only where nothing was
-        # attended and there is no sink.
-        o_ref = out_refs[0]
-        o_ref[q_rows] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
-        if prefix_only:
-            out_refs[1][...] = lse_of(m, l)
-    else:
-        acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
