@@ -136,9 +136,11 @@ def grouped_matmul_calls(hlo: str) -> list[dict]:
         operands = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", line).group(1)
         padded_rows = int(re.findall(r"\w+\[(\d+),\d+\]", operands)[0])
         dtype, groups, k, n = re.findall(r"(\w+)\[(\d+),(\d+),(\d+)\]", operands)[-1]
-        itemsize = {"bf16": 2, "f16": 2, "f32": 4}[dtype]
-        flops, nbytes = grouped_matmul_gpu.expected_cost(block_m, padded_rows - block_m,
-                                                         int(groups), int(k), int(n), itemsize)
+        itemsizes = {"bf16": 2, "f16": 2, "f32": 4}
+        out_dtype = re.search(r"= (\w+)\[\d+,\d+\]\S* custom-call\(", line).group(1)
+        flops, nbytes = grouped_matmul_gpu.expected_cost(
+            block_m, padded_rows - block_m, int(groups), int(k), int(n), itemsizes[dtype],
+            itemsizes[out_dtype])
         calls.append({"flops": flops, "bytes": nbytes})
     return calls
 

@@ -6,6 +6,7 @@ xlaserve/runtime/executor/model_runner.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,12 +24,15 @@ from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE
 from xlaserve.runtime.executor.kernels import kernels_for
 
 
-def make_forward(model, attention_backend: str = "auto", mla_expanded_prefill_tokens: int = 0):
+def make_forward(model, attention_backend: str = "auto", mla_expanded_prefill_tokens: int = 0,
+                 round_projections: bool = False):
     """A jitted `forward(state, input_ids, positions, kv_caches, metadata, logits_indices)` with
-    the KV caches donated (updated in place)."""
+    the KV caches donated (updated in place). `round_projections`: the GPU's precision
+    (layers.Kernels.round_projections) on this CPU."""
     graphdef, _ = nnx.split(model)
     kernels = kernels_for(attention_backend, _mesh_of(model),
                           mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
+    kernels = dataclasses.replace(kernels, round_projections=round_projections)
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def forward(state, input_ids, positions, kv_caches, metadata, logits_indices):

@@ -97,11 +97,14 @@ def test_logits_match_transformers_for_ragged_batch_then_decode(
         assert got[prompt_len - 1:-1].argmax(-1).tolist() == full[prompt_len:]
 
 
-@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
+@pytest.mark.parametrize("layout,round_projections", [(layout, False) for layout in WEIGHT_LAYOUTS]
+                         + [("xla", True)], ids=[*WEIGHT_LAYOUTS, "xla-rounded"])
 @pytest.mark.parametrize("family", families_on_both_jax_versions(FAMILIES))
 def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_checkpoints, family,
-                                                                         layout):
-    """Mixed precision: bfloat16 weights, KV cache and matmul inputs, float32 everything else."""
+                                                                         layout, round_projections):
+    """Mixed precision: bfloat16 weights, KV cache and matmul inputs, float32 everything else;
+    and, as on GPU (`round_projections`), the projections' outputs rounded to bfloat16 as
+    PyTorch's bfloat16 linear layers give them, within the same bound."""
     directory, hf_model = tiny_checkpoints[family]
     loaded = load_model(directory, dtype="bfloat16", skip_tokenizer_init=True, progress=False)
     assert loaded.model.layers[0].attn.qkv.get_value().dtype == np.dtype("bfloat16")
@@ -111,7 +114,8 @@ def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_c
         assert loaded.model.layers[0].attn.qkv.get_value().bf16_pairs == gemm_cpu.bf16_pairs_supported()
     references = [_hf_reference(hf_model, p) for p in PROMPTS]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
-    ours = _run_ours(loaded, sequences, prefill_chunk=3, page_size=4)
+    ours = _run_ours(loaded, sequences, prefill_chunk=3, page_size=4,
+                     round_projections=round_projections)
     checked = 0
     for (full, expected), got in zip(references, ours, strict=True):
         rows = _decisive_routing_rows(hf_model, full)

@@ -1,6 +1,7 @@
 """Grouped matmul: the rows of x, sorted by group, each multiplied by its group's matrix.
 
-`grouped_matmul(x [M, K], weights [G, K, N], group_sizes i32[G]) -> float32 [M, N]`: rows
+`grouped_matmul(x [M, K], weights [G, K, N], group_sizes i32[G], out_dtype=float32) ->
+out_dtype [M, N]` (accumulated in float32; the GPU asks for the model dtype): rows
 `[sum(group_sizes[:g]), sum(group_sizes[:g + 1]))` are multiplied by `weights[g]`; rows past
 `sum(group_sizes)` are to be zero: with expert parallelism, pairs routed to other devices' experts
 sit there (model/moe.py). The experts of a mixture-of-experts layer run as two of them. Shapes
@@ -43,9 +44,10 @@ from jax import lax
 MEGABLOX_MAX_TILE_ROWS = 256
 
 
-def grouped_matmul_ragged_dot(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul_ragged_dot(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
+                              out_dtype=jnp.float32) -> jax.Array:
     return lax.ragged_dot(x.astype(weights.dtype), weights, group_sizes,
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=out_dtype)
 
 
 def megablox_tiling(rows: int, k: int, n: int) -> tuple[int, int, int]:
@@ -56,8 +58,8 @@ def megablox_tiling(rows: int, k: int, n: int) -> tuple[int, int, int]:
     return min(rows, MEGABLOX_MAX_TILE_ROWS), k, n
 
 
-def grouped_matmul_megablox(x: jax.Array, weights: jax.Array, group_sizes: jax.Array, *,
-                            interpret: bool = False) -> jax.Array:
+def grouped_matmul_megablox(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
+                            out_dtype=jnp.float32, *, interpret: bool = False) -> jax.Array:
     """JAX's Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox.gmm`), with
     `megablox_tiling`. `interpret` runs it on any platform (tests), in TPU interpret mode, whose
     uninitialized memory is NaN."""
@@ -69,7 +71,7 @@ def grouped_matmul_megablox(x: jax.Array, weights: jax.Array, group_sizes: jax.A
     padded_rows = -(-rows // tm) * tm  # gmm takes whole tiles; padding rows are in no group
     x = jnp.pad(x.astype(weights.dtype), ((0, padded_rows - rows), (0, 0)))
     group_sizes = group_sizes.astype(jnp.int32)
-    out = gmm(x, weights, group_sizes, preferred_element_type=jnp.float32, tiling=(tm, tk, tn),
+    out = gmm(x, weights, group_sizes, preferred_element_type=out_dtype, tiling=(tm, tk, tn),
               interpret=pltpu.InterpretParams() if interpret else False)[:rows]
     # gmm never writes rows past the groups' total (tiles no group reaches, and the rest of the
     # last group's tile): they hold whatever the buffer held.
@@ -91,7 +93,8 @@ def tile_rows(rows: int, groups: int, largest: int = 64) -> int:
     return tile
 
 
-def grouped_matmul_tiled(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul_tiled(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
+                         out_dtype=jnp.float32) -> jax.Array:
     rows, k = x.shape
     _, _, n = weights.shape
     tile = tile_rows(rows, weights.shape[0])
@@ -115,4 +118,4 @@ def grouped_matmul_tiled(x: jax.Array, weights: jax.Array, group_sizes: jax.Arra
         return lax.dynamic_update_slice_in_dim(out, y, start, axis=0)
 
     out = lax.fori_loop(0, tile_ends[-1], one_tile, jnp.zeros((rows + tile, n), jnp.float32))
-    return zero_rows_past_groups(out[:rows], group_sizes)
+    return zero_rows_past_groups(out[:rows], group_sizes).astype(out_dtype)

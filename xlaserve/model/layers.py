@@ -3,7 +3,8 @@ and `Kernels`, the platform's implementations the forward pass calls (runtime/ex
 them). Pure functions of arrays, and two small modules.
 
 Precision: matmuls take model-dtype inputs with float32 accumulation; norms, RoPE and the
-activation work in float32 (transformer.py says why).
+activation work in float32 (transformer.py says why); on GPU the projections' outputs are rounded
+to the model dtype (`project`).
 """
 from __future__ import annotations
 
@@ -104,8 +105,9 @@ class Kernels:
     add_rms_norm: Callable = add_rms_norm_xla
     qkv_rope: Callable = qkv_rope_xla
     swiglu: Callable = swiglu_xla
-    # `(x [M, K], weights [E, K, N], group_sizes i32[E]) -> float32 [M, N]`: rows sorted by group,
-    # group g multiplied by weights[g] (the experts of a mixture-of-experts layer, model/moe.py)
+    # `(x [M, K], weights [E, K, N], group_sizes i32[E], out_dtype=float32) -> [M, N]`: rows
+    # sorted by group, group g multiplied by weights[g] (the experts of a mixture-of-experts
+    # layer, model/moe.py)
     grouped_matmul: Callable = grouped_matmul_ragged_dot
     # The same over packed experts (`PackedExperts`), on a single CPU device: `(x, panels,
     # group_sizes, N, layer, bf16_pairs) -> float32 [M, N]` (native/gemm_cpu.py)
@@ -121,6 +123,13 @@ class Kernels:
     # FP8 checkpoint's block-scaled weights (fp8_weights.Fp8BlockMatrix), on a single GPU
     # (pallas_kernels/fp8_block_matmul.py); None where they are dequantized at load instead.
     fp8_block_matmul: Callable | None = None
+    # GPU: the projections' outputs (`project`) rounded to the model dtype, as PyTorch's
+    # bfloat16 linear layers give them (transformers, SGLang, vLLM): XLA writes them from the
+    # matmul in that dtype. A 256-row Llama-3.1-8B step wrote gate_up's [256, 28672] output in
+    # float32 and read it back, 59 MB a layer (docs/tpu-gpu.md). The CPU keeps float32 outputs:
+    # its native GEMM writes float32, and XLA's CPU dot with a bfloat16 output converted every
+    # weight to float32 each step (transformer.py).
+    round_projections: bool = False
 
 
 def matmul_input_dtype(weight) -> jnp.dtype:
@@ -133,6 +142,14 @@ def matmul_input_dtype(weight) -> jnp.dtype:
     if isinstance(weight, QuantizedLinear):  # dequantized exactly, multiplied in float32
         return jnp.dtype(jnp.float32)
     return jnp.dtype(weight.dtype)
+
+
+def project(x: jax.Array, weight, kernels: Kernels) -> jax.Array:
+    """A layer's projection: `linear`, rounded to the weight's compute dtype where the kernels
+    say so (`Kernels.round_projections`), float32 otherwise. Routers and the LM head stay
+    `linear` (float32): they choose experts and tokens."""
+    y = linear(x, weight, kernels)
+    return y.astype(matmul_input_dtype(weight)) if kernels.round_projections else y
 
 
 def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> jax.Array:
@@ -203,5 +220,5 @@ class MLP(nnx.Module):
             activation = kernels.packed_matmul_swiglu(x, gate_up.panels, gate_up.columns,
                                                       gate_up.layer, gate_up.bf16_pairs, dtype)
         else:
-            activation = kernels.swiglu(linear(x, gate_up, kernels), dtype)
-        return linear(activation, down, kernels)
+            activation = kernels.swiglu(project(x, gate_up, kernels), dtype)
+        return project(activation, down, kernels)

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight, linear,
-                                   matmul_input_dtype)
+from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight,
+                                   matmul_input_dtype, project)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import merge_by_lse
 from xlaserve.pallas_kernels.ragged_paged_attention.tree_tokens import tree_token_attention
 
@@ -72,13 +72,13 @@ class MLAttention(nnx.Module):
     def __call__(self, x, cos, sin, kv_cache, metadata, kernels: Kernels):
         m = self.config.mla
         if m.q_lora_rank:
-            q_low = self.q_a_norm(linear(x, self.q_a_proj[...], kernels))
-            q = linear(q_low.astype(matmul_input_dtype(self.q_b_proj[...])), self.q_b_proj[...],
-                       kernels)
+            q_low = self.q_a_norm(project(x, self.q_a_proj[...], kernels))
+            q = project(q_low.astype(matmul_input_dtype(self.q_b_proj[...])), self.q_b_proj[...],
+                        kernels)
         else:
-            q = linear(x, self.q_proj[...], kernels)
+            q = project(x, self.q_proj[...], kernels)
         q_nope, q_rope = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
-        compressed = linear(x, self.kv_a_proj[...], kernels)  # [T, kv_lora + rope]
+        compressed = project(x, self.kv_a_proj[...], kernels)  # [T, kv_lora + rope]
         kv = self.kv_a_norm(compressed[:, :m.kv_lora_rank])
         k_rope = apply_rope(compressed[:, None, m.kv_lora_rank:], cos, sin)[:, 0]
         w_uk = self.w_uk[...]
@@ -106,8 +106,8 @@ class MLAttention(nnx.Module):
                 *attention_args, sm_scale=m.softmax_scale, value_dim=m.kv_lora_rank)
             out = jnp.einsum("thr,hrv->thv", out.astype(w_uv.dtype), w_uv,
                              preferred_element_type=jnp.float32)
-        out = linear(out.reshape(x.shape[0], -1).astype(matmul_input_dtype(self.o_proj[...])),
-                     self.o_proj[...], kernels)
+        out = project(out.reshape(x.shape[0], -1).astype(matmul_input_dtype(self.o_proj[...])),
+                      self.o_proj[...], kernels)
         return out, kv_cache
 
 

@@ -47,17 +47,20 @@ def clamped_swiglu(gate_up: jax.Array, out_dtype, *, limit: float, alpha: float)
 
 def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, kernels: Kernels) -> jax.Array:
     """x [M, K], its rows sorted by expert, times each group's expert of `weight` [E, K, N...]:
-    float32 [M, N...flattened]. `PackedExperts` go to the native grouped GEMM."""
+    float32 [M, N...flattened], or the weight's dtype where the kernels round projections (GPU:
+    the kernel writes it so). `PackedExperts` go to the native grouped GEMM."""
     if isinstance(weight, PackedExperts):
         return kernels.packed_grouped_matmul(x, weight.panels, group_sizes, weight.columns,
                                              weight.layer, weight.bf16_pairs)
+    out_dtype = weight.dtype if kernels.round_projections else jnp.float32
     if weight.ndim == 4 and kernels.gate_up_as_groups:
-        return gate_up_as_groups(x, weight, group_sizes, kernels)
-    return kernels.grouped_matmul(x, weight.reshape(weight.shape[0], x.shape[1], -1), group_sizes)
+        return gate_up_as_groups(x, weight, group_sizes, kernels, out_dtype)
+    return kernels.grouped_matmul(x, weight.reshape(weight.shape[0], x.shape[1], -1), group_sizes,
+                                  out_dtype)
 
 
 def gate_up_as_groups(x: jax.Array, weight: jax.Array, group_sizes: jax.Array,
-                      kernels: Kernels) -> jax.Array:
+                      kernels: Kernels, out_dtype=jnp.float32) -> jax.Array:
     """`grouped_matmul` of gate_up [E, K, 2, I] as one of [2E, K, I], gate's experts then up's: a
     view XLA lays out in place (the weight's 2 axis major), where [E, K, 2I] was a copy of the
     whole weight every step on TPU (Qwen3-30B-A3B, v6e: 805 MB a layer). Each of the groups'
@@ -69,7 +72,7 @@ def gate_up_as_groups(x: jax.Array, weight: jax.Array, group_sizes: jax.Array,
     doubled = jnp.arange(two * rows)
     source = jnp.where(doubled < total, doubled, jnp.minimum(doubled - total, rows - 1))
     out = kernels.grouped_matmul(x[source], weight.transpose(2, 0, 1, 3).reshape(-1, k, n),
-                                 jnp.concatenate([group_sizes] * two))
+                                 jnp.concatenate([group_sizes] * two), out_dtype)
     up = out[jnp.minimum(jnp.arange(rows) + total, two * rows - 1)]
     return jnp.stack([out[:rows], up], axis=1).reshape(rows, -1)
 

@@ -17,7 +17,8 @@ Layers are a Python loop (unrolled in the trace): a `lax.scan` over stacked laye
 
 Precision: weights and the KV cache are in the model dtype; the residual stream, norms, RoPE and
 softmax statistics are float32, and every matmul takes model-dtype inputs with float32
-accumulation (`linear`). With bfloat16 weights that is the usual mixed precision, and on XLA's
+accumulation (`linear`; on GPU the projections' outputs are rounded to the model dtype,
+`layers.project`). With bfloat16 weights that is the usual mixed precision, and on XLA's
 CPU backend it is what makes bfloat16 fast: a bfloat16 x bfloat16 -> float32 dot runs on the
 CPU's bfloat16 instructions (1.9x float32 at 128 rows), where a dot with a bfloat16 output made
 XLA convert every weight to float32 on every step.
@@ -35,7 +36,7 @@ from jax.sharding import NamedSharding
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.int8 import check_quantization, quantized_parameters
 from xlaserve.model.layers import (
-    MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, rope_qk, split_qkv)
+    MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rope_qk, split_qkv)
 from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import MoE
 from xlaserve.model.packed import embed
@@ -83,7 +84,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels):
         c = self.config
-        qkv = linear(x, self.qkv[...], kernels)
+        qkv = project(x, self.qkv[...], kernels)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
         num_tokens = x.shape[0]
@@ -103,7 +104,7 @@ class Attention(nnx.Module):
             out, kv_cache = tree_attention(kernels.attention, *args, metadata.tree_masks,
                                            sm_scale=c.head_dim**-0.5, width=metadata.tree_width,
                                            sinks=sinks)
-        out = linear(out.reshape(num_tokens, -1), self.o_proj[...], kernels)
+        out = project(out.reshape(num_tokens, -1), self.o_proj[...], kernels)
         if c.o_bias:
             out = out + self.o_bias[...].astype(jnp.float32)
         return out, kv_cache

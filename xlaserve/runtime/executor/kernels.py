@@ -17,6 +17,7 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
@@ -80,6 +81,10 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         # XLA's GPU ragged_dot multiplies every row by every expert, G / top_k times the routed
         # FLOPs (pallas_kernels/grouped_matmul_gpu.py). Under shard_map on a mesh: per device.
         kernels = dataclasses.replace(kernels, grouped_matmul=gpu_grouped_matmul)
+    if platform == "gpu":
+        # Not on TPU: rounded, the v6e tp 4 step relaid Llama-3.1-8B's qkv weight out every
+        # step (tests/executor/test_predicted_costs.py's weight copies).
+        kernels = dataclasses.replace(kernels, round_projections=True)
     if platform == "tpu":
         kernels = dataclasses.replace(kernels, gate_up_as_groups=True)
     if platform == "cpu":
@@ -95,14 +100,15 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
     return kernels
 
 
-def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
+                       out_dtype=jnp.float32) -> jax.Array:
     """The GPU grouped matmul where it `supports` the experts' shape, else XLA's ragged_dot (the
     same product, every expert's FLOPs), logged when the step is traced."""
     problem = grouped_matmul_gpu.supports(x.shape[1], weights.shape[2])
     if problem is None:
-        return grouped_matmul_gpu.grouped_matmul_gpu(x, weights, group_sizes)
+        return grouped_matmul_gpu.grouped_matmul_gpu(x, weights, group_sizes, out_dtype=out_dtype)
     logger.warning("%s: the experts run as XLA's ragged_dot, a dot over every expert", problem)
-    return grouped_matmul_ragged_dot(x, weights, group_sizes)
+    return grouped_matmul_ragged_dot(x, weights, group_sizes, out_dtype)
 
 
 @functools.cache
