@@ -81,6 +81,18 @@ def test_gpu_latent_kernel_heads_per_program_and_kv_splits(num_kv_splits, heads_
     check_kernel("gpu", case, num_kv_splits=num_kv_splits, heads_per_program=heads_per_program)
 
 
+@pytest.mark.parametrize("num_kv_splits, heads_per_program", [(1, 2), (3, 4)])
+def test_gpu_one_token_items_write_their_latent_rows_and_attend_the_steps_new_ones(
+        num_kv_splits, heads_per_program):
+    # q_block 1: each new token an item that writes its latent row into the cache itself (the
+    # first head program) and reads its sequence's new rows, not the cache's: sequences of 5
+    # and 18 new tokens (two 16-row blocks), one with no prefix, one of one token.
+    case = make_case([(1, 200), (18, 40), (5, 5), (1, 1)], seed=5, pages_per_seq=16,
+                     num_pages=96, num_tokens=32)
+    check_kernel("gpu", case, q_block=1, num_kv_splits=num_kv_splits,
+                 heads_per_program=heads_per_program)
+
+
 def test_latent_kernels_refuse_shapes_they_cannot_take():
     q, latent = jnp.zeros((8, 2, 48)), jnp.zeros((8, 48))
     meta = (jnp.zeros(1, jnp.int32), jnp.zeros((1, 4), jnp.int32), jnp.zeros(2, jnp.int32),

@@ -69,7 +69,7 @@ def attention_program(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
 
     def read_block(pages):
         """([key parts, as query_parts], values) of the block's pages, [block_tokens, width]."""
-        if writes_new_kv:
+        if writes_new_kv and value_dim is None:
             (kv_ref,) = cache_refs
             return ([kv_ref[pages, :, 0].reshape(block_tokens, head_dim)],
                     kv_ref[pages, :, 1].reshape(block_tokens, head_dim))
@@ -130,7 +130,7 @@ def attention_program(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
             new_kv_refs, cache_out_ref, attend_keys, (m, l, acc), item=item, live=live,
             first_new=kv_lens_ref[seq] - q_len, row0=item_row0_ref[item],
             first_token=cu_q_lens_ref[seq], cache_dtype=cache_refs[0].dtype,
-            first_split=split == 0)
+            first_split=split == 0, value_dim=value_dim, row_dim=head_dim)
     if num_kv_splits == 1:
         # l >= 1 on real rows (their own key or sink scores exp(0)); 0 only where nothing was
         # attended and there is no sink.
@@ -147,31 +147,48 @@ NEW_KEYS_BLOCK = 16  # the step's own keys attended at a time from k and v (Trit
 
 
 def _attend_and_write_new_kv(new_kv_refs, cache_out_ref, attend_keys, carry, *, item, live,
-                             first_new, row0, first_token, cache_dtype, first_split):
+                             first_new, row0, first_token, cache_dtype, first_split, value_dim,
+                             row_dim):
     """For a one-token item (its token is `item`): the first split attends the keys of its
     sequence's new tokens up to its own (row0 + 1 of them, from `first_token` on) from the new
-    K/V rows, as the cache will hold them, and writes its token's K/V into the cache; returns the
-    carry. Other programs read only keys from before the step out of the cache, so no program
-    reads a slot another writes."""
-    kv_ref, page_ref, slot_ref = new_kv_refs
+    rows, as the cache will hold them, and writes its token's rows into the cache (MHA: K and V
+    of the program's kv head; MLA, `value_dim` given: the latent row, by the first head program);
+    returns the carry. Other programs read only keys from before the step out of the cache, so no
+    program reads a slot another writes."""
+    rows_ref, page_ref, slot_ref = new_kv_refs
     num_kv_heads = pl.num_programs(1)
     head = pl.program_id(1)
     num_new = jnp.where(live & first_split, row0 + 1, 0)
+    if value_dim is None:  # [T * Hkv * 2, D]: token t's K of head h at (t * Hkv + h) * 2, V next
+        num_tokens = rows_ref.shape[0] // (2 * num_kv_heads)
+        parts = lambda token: [rows_ref[(token * num_kv_heads + head) * 2],  # noqa: E731
+                               rows_ref[(token * num_kv_heads + head) * 2 + 1]]
+        cache_parts = lambda page, slot: [cache_out_ref.at[page, slot, 0],  # noqa: E731
+                                          cache_out_ref.at[page, slot, 1]]
+    else:  # [T, row_dim]: the latent part (also the values) and the RoPE'd part
+        num_tokens = rows_ref.shape[0]
+        widths = (pl.ds(0, value_dim), pl.ds(value_dim, row_dim - value_dim))
+        parts = lambda token: [rows_ref[token, w] for w in widths]  # noqa: E731
+        cache_parts = lambda page, slot: [cache_out_ref.at[page, slot, w]  # noqa: E731
+                                          for w in widths]
 
     def attend_new(block, carry):
         index = block * NEW_KEYS_BLOCK + jnp.arange(NEW_KEYS_BLOCK)
-        token = jnp.minimum(first_token + index, kv_ref.shape[0] // (2 * num_kv_heads) - 1)
-        row = (token * num_kv_heads + head) * 2
-        k, v = kv_ref[row].astype(cache_dtype), kv_ref[row + 1].astype(cache_dtype)
-        return attend_keys(carry, [k], v, first_new + index, index < num_new)
+        token = jnp.minimum(first_token + index, num_tokens - 1)
+        key_parts = [x.astype(cache_dtype) for x in parts(token)]
+        values = key_parts[1] if value_dim is None else key_parts[0]
+        key_parts = key_parts[:1] if value_dim is None else key_parts
+        return attend_keys(carry, key_parts, values, first_new + index, index < num_new)
 
     carry = lax.fori_loop(0, (num_new + NEW_KEYS_BLOCK - 1) // NEW_KEYS_BLOCK, attend_new, carry)
     page = page_ref[item]
+    writer = live & first_split & (page >= 0)
+    if value_dim is not None:  # every head program reads the row; one writes it
+        writer &= head == 0
 
-    @pl.when(live & first_split & (page >= 0))
+    @pl.when(writer)
     def _write():
-        slot, row = slot_ref[item], (item * num_kv_heads + head) * 2
-        cache_out_ref[page, slot, 0] = kv_ref[row].astype(cache_dtype)
-        cache_out_ref[page, slot, 1] = kv_ref[row + 1].astype(cache_dtype)
+        for target, part in zip(cache_parts(page, slot_ref[item]), parts(item), strict=True):
+            target[...] = part.astype(cache_dtype)
 
     return carry

@@ -217,16 +217,26 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
         kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens)
     token_page, token_slot = new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens,
                                              page_size)
-    latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - row_dim)))  # to the cache's width
-    kv_cache = write_new_rows_with_xla(kv_cache, latent, token_page, token_slot)
+    if q_block is None:
+        q_block = default_q_block(num_tokens, page_indices.shape[0], heads, max_rows=MLA_MAX_ROWS)
+    new_kv = None
+    if q_block == 1 and not prefix_only and kv_cache.shape[2] == row_dim:
+        # One-token items write their latent rows themselves (the MHA kernel's reason); a cache
+        # wider than its rows (TPU's lane padding) keeps XLA's write of the zero padding.
+        new_kv = (latent, token_page, token_slot)
+    else:
+        latent = jnp.pad(latent, ((0, 0), (0, kv_cache.shape[2] - row_dim)))  # the cache's width
+        kv_cache = write_new_rows_with_xla(kv_cache, latent, token_page, token_slot)
     # The programs of `heads` query heads take the kv heads' place in the grid.
     result = _attend_items(
         q, [kv_cache], [pl.BlockSpec(kv_cache.shape, lambda w, h, s: (0, 0, 0))], None, kv_lens,
         page_indices, cu_q_lens, num_seqs, num_kv_heads=num_q_heads // heads, group=heads,
         max_rows=MLA_MAX_ROWS, q_block=q_block, kv_block_pages=kv_block_pages,
         num_kv_splits=num_kv_splits, out_dim=value_dim, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, sm_scale=sm_scale, sliding_window=None,
-        soft_cap=None, value_dim=value_dim, prefix_only=prefix_only)
+        num_stages=num_stages, interpret=interpret, new_kv=new_kv, sm_scale=sm_scale,
+        sliding_window=None, soft_cap=None, value_dim=value_dim, prefix_only=prefix_only)
+    if new_kv is not None:
+        result, kv_cache = result
     return (*result, kv_cache) if prefix_only else (result, kv_cache)
 
 
@@ -251,10 +261,10 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
     the work items, q gathered per item for the grid's (work items, kv heads or head programs,
     KV splits), the pallas_call, the merge of the splits and the outputs in token order:
     out [T, Hq, out_dim] in q's dtype; with static["prefix_only"], (out, lse [T, Hq] float32).
-    `new_kv` (one-token items only): (new K/V [T * Hkv * 2, D]: token t's K of kv head h at row
-    (t * Hkv + h) * 2, its V next; token_page, token_slot [T]) of new tokens the kernel writes
-    into `caches[0]` (its only cache, not yet written) and attends from there; then returns
-    (out, the cache)."""
+    `new_kv` (one-token items only): (new rows: MHA's K/V [T * Hkv * 2, D], token t's K of kv
+    head h at row (t * Hkv + h) * 2, its V next, or MLA's latent rows [T, row width]; token_page,
+    token_slot [T]) of new tokens the kernel writes into `caches[0]` (its only cache, not yet
+    written) and attends from there; then returns (out, the cache)."""
     num_tokens, num_q_heads = q.shape[:2]
     max_seqs, pages_per_seq = page_indices.shape
     if q_block is None:
