@@ -122,25 +122,30 @@ def weight_copies(hlo: str, weights) -> list[str]:
 
 
 def grouped_matmul_calls(hlo: str) -> list[dict]:
-    """The experts' GPU grouped matmuls of a compiled step (by kernel name), each with the
-    (flops, bytes) expected of a uniform routing (`grouped_matmul_gpu.expected_cost`, from its rows
-    per visit in its name and its operands' shapes: x [rows + block_m, K], experts [E, K, N])."""
+    """The experts' GPU grouped matmuls of a compiled step (by kernel name, gate_up's with the
+    SwiGLU fused too), each with the (flops, bytes) expected of a uniform routing
+    (`grouped_matmul_gpu.expected_cost`, from its rows per visit in its name and its operands'
+    shapes: x [rows + block_m, K], experts [E, K, N] or gate_up [E, K, 2, I])."""
     from xlaserve.pallas_kernels import grouped_matmul_gpu
 
     calls = []
+    names = f"({grouped_matmul_gpu.NAME}|{grouped_matmul_gpu.SWIGLU_NAME})"
     for line in hlo.splitlines():
-        name = re.search(rf'name = "{grouped_matmul_gpu.NAME}_m(\d+)"', line)
+        name = re.search(rf'name = "{names}_m(\d+)"', line)
         if not name or " custom-call(" not in line:
             continue
-        block_m = int(name.group(1))
+        block_m = int(name.group(2))
         operands = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", line).group(1)
         padded_rows = int(re.findall(r"\w+\[(\d+),\d+\]", operands)[0])
-        dtype, groups, k, n = re.findall(r"(\w+)\[(\d+),(\d+),(\d+)\]", operands)[-1]
+        # experts [E, K, N], or gate_up [E, K, 2, I] (the fused SwiGLU: N = 2I, I out)
+        dtype, dims = re.findall(r"(\w+)\[(\d+(?:,\d+){2,3})\]", operands)[-1]
+        groups, k, *columns = map(int, dims.split(","))
         itemsizes = {"bf16": 2, "f16": 2, "f32": 4}
-        out_dtype = re.search(r"= (\w+)\[\d+,\d+\]\S* custom-call\(", line).group(1)
+        out_dtype, out_columns = re.search(r"= (\w+)\[\d+,(\d+)\]\S* custom-call\(",
+                                           line).groups()
         flops, nbytes = grouped_matmul_gpu.expected_cost(
-            block_m, padded_rows - block_m, int(groups), int(k), int(n), itemsizes[dtype],
-            itemsizes[out_dtype])
+            block_m, padded_rows - block_m, groups, k, math.prod(columns), itemsizes[dtype],
+            itemsizes[out_dtype], int(out_columns))
         calls.append({"flops": flops, "bytes": nbytes})
     return calls
 

@@ -168,6 +168,28 @@ def test_bfloat16_outputs_are_the_float32_accumulation_rounded_with_zero_rows_pa
             assert not np.asarray(bf16[62:].astype(jnp.float32)).any()
 
 
+@pytest.mark.parametrize("dtype,block_m", [(jnp.float32, 16), (jnp.bfloat16, 32)])
+def test_the_fused_swiglu_kernel_is_the_activation_of_each_rows_experts_gate_and_up(dtype,
+                                                                                   block_m):
+    # gate_up [E, K, 2, I]: silu(x @ gate) * (x @ up) per row's expert, float32 inside, rounded
+    # once to the output dtype; rows past the groups' total zero. Several visits and column tiles.
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((70, 96)).astype(np.float32)
+    gate_up = jnp.asarray(rng.standard_normal((6, 96, 2, 48)) / 8, dtype)
+    sizes = np.array([9, 30, 0, 1, 20, 2], np.int32)  # 62 of 70 rows
+    rounded_x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    weights = np.asarray(gate_up.astype(jnp.float32))
+    gate = grouped_reference(rounded_x, weights[:, :, 0], sizes)
+    up = grouped_reference(rounded_x, weights[:, :, 1], sizes)
+    expected = gate / (1 + np.exp(-gate)) * up
+    fused = jax.jit(functools.partial(gpu.grouped_swiglu_gpu, block_m=block_m, block_n=16,
+                                      block_k=32, interpret=True, out_dtype=dtype))
+    got = np.asarray(fused(x, gate_up, sizes).astype(jnp.float32))
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
+    assert not got[62:].any()
+
+
 @pytest.mark.parametrize("sizes", [[5, 0, 33, 0], [0, 0, 0, 0], [16, 16, 16, 16], [64, 0, 0, 0],
                                    [1, 1, 1, 1]])
 def test_each_row_is_in_exactly_one_visit_within_the_grid(sizes):
@@ -232,17 +254,23 @@ def test_ragged_dot_is_a_dense_dot_for_an_h100_and_mosaic_gpus_grouped_matmul_co
     (1024, 2880, 5760, 32, jnp.bfloat16),  # gpt-oss-20b gate_up, 256 rows
     (1536, 2048, 2816, 64, jnp.float32),  # DeepSeek-V2-Lite gate_up, 256 rows, float32
 ], ids=["qwen3-b1", "qwen3-down-256", "qwen3-4096", "gpt-oss-256", "v2-lite-f32"])
-def test_the_gpu_kernel_compiles_for_an_h100(rows, k, n, experts, dtype):
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "swiglu"])
+def test_the_gpu_kernel_compiles_for_an_h100(rows, k, n, experts, dtype, fused):
     """Triton's compiler runs on the deviceless compile (shared memory and tile checks): one
-    custom call, no dot of XLA's, the grid of `max_visits`."""
+    custom call, no dot of XLA's, the grid of `max_visits`; fused, gate_up [E, K, 2, N / 2] to
+    the activation [M, N / 2] in bfloat16, two column tiles a program."""
     _, target = devices("h100")
     mesh = Mesh(np.array(target[:1]), ("device",))
-    compiled = compile_for(mesh, jax.jit(gpu.grouped_matmul_gpu),
-                           abstract((rows, k), dtype, mesh), abstract((experts, k, n), dtype, mesh),
+    if fused:
+        kernel = functools.partial(gpu.grouped_swiglu_gpu, out_dtype=jnp.bfloat16)
+        weights = abstract((experts, k, 2, n // 2), dtype, mesh)
+    else:
+        kernel, weights = gpu.grouped_matmul_gpu, abstract((experts, k, n), dtype, mesh)
+    compiled = compile_for(mesh, jax.jit(kernel), abstract((rows, k), dtype, mesh), weights,
                            abstract((experts,), jnp.int32, mesh))
     hlo = compiled.as_text()
     block_m = gpu.block_rows(rows, experts)
-    assert f'name = "{gpu.NAME}_m{block_m}"' in hlo
+    assert f'name = "{gpu.SWIGLU_NAME if fused else gpu.NAME}_m{block_m}"' in hlo
     assert f"grid_y = {gpu.max_visits(rows, experts, block_m)} " in hlo
     assert not re.search(r"= \S+ (dot|convolution)\(", hlo)
 
@@ -269,14 +297,18 @@ def test_the_experts_on_the_gpu_kernel_give_the_tiled_loops_output(first_expert)
         "experts_down": jnp.asarray(rng.standard_normal((4, intermediate, hidden)) / 4,
                                     jnp.float32)}
 
-    def experts_with(grouped_matmul, gate_up_as_groups=False):
+    def experts_with(grouped_matmul, gate_up_as_groups=False, grouped_swiglu=None):
         kernels = Kernels(attention=ragged_paged_attention, grouped_matmul=grouped_matmul,
-                          gate_up_as_groups=gate_up_as_groups)
+                          gate_up_as_groups=gate_up_as_groups, grouped_swiglu=grouped_swiglu)
         return jax.jit(lambda *a: run_experts(*a, kernels, kernels.swiglu, first_expert))(
             x, weights, experts, expert_weights)
 
     got = experts_with(functools.partial(gpu.grouped_matmul_gpu, interpret=True))
     expected = experts_with(grouped_matmul_tiled)
+    # The GPU's gate_up with the SwiGLU fused (Kernels.grouped_swiglu), under expert parallelism
+    fused = experts_with(functools.partial(gpu.grouped_matmul_gpu, interpret=True),
+                         grouped_swiglu=functools.partial(gpu.grouped_swiglu_gpu, interpret=True))
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(expected), rtol=1e-5, atol=1e-5)
     # TPU's form of gate_up: 2E groups of [K, I], each row through both (Kernels.gate_up_as_groups)
     as_groups = experts_with(grouped_matmul_tiled, gate_up_as_groups=True)
     np.testing.assert_allclose(np.asarray(as_groups), np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -109,6 +109,9 @@ class Kernels:
     # sorted by group, group g multiplied by weights[g] (the experts of a mixture-of-experts
     # layer, model/moe.py)
     grouped_matmul: Callable = grouped_matmul_ragged_dot
+    # `(x [M, K], gate_up [E, K, 2, I], group_sizes, out_dtype) -> silu(x @ gate) * (x @ up)
+    # [M, I]`: the experts' gate_up product with the SwiGLU fused (GPU); None: two steps
+    grouped_swiglu: Callable | None = None
     # The same over packed experts (`PackedExperts`), on a single CPU device: `(x, panels,
     # group_sizes, N, layer, bf16_pairs) -> float32 [M, N]` (native/gemm_cpu.py)
     packed_grouped_matmul: Callable | None = None

@@ -96,13 +96,19 @@ def run_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
     order = jnp.argsort(local, stable=True)  # (token, slot) pairs sorted by expert
     group_sizes = jnp.bincount(local, length=num_experts).astype(jnp.int32)
     sorted_x = x[order // top_k]
-    gate_up_out = grouped_matmul(sorted_x, gate_up, group_sizes, kernels)
-    gate_up_out = gate_up_out.reshape(-1, 2, intermediate)
-    if "experts_gate_up_bias" in expert_weights:  # rows past the groups take any: dropped below
-        bias = expert_weights["experts_gate_up_bias"].astype(jnp.float32)
-        gate_up_out = gate_up_out + jnp.take(bias, local[order], axis=0, mode="clip")
-    sorted_out = grouped_matmul(activation(gate_up_out, matmul_input_dtype(down)), down,
-                                group_sizes, kernels)
+    if (kernels.grouped_swiglu is not None and activation is kernels.swiglu
+            and "experts_gate_up_bias" not in expert_weights
+            and not isinstance(gate_up, PackedExperts) and not kernels.gate_up_as_groups):
+        activated = kernels.grouped_swiglu(sorted_x, gate_up, group_sizes,
+                                           matmul_input_dtype(down))
+    else:
+        gate_up_out = grouped_matmul(sorted_x, gate_up, group_sizes, kernels)
+        gate_up_out = gate_up_out.reshape(-1, 2, intermediate)
+        if "experts_gate_up_bias" in expert_weights:  # rows past the groups: dropped below
+            bias = expert_weights["experts_gate_up_bias"].astype(jnp.float32)
+            gate_up_out = gate_up_out + jnp.take(bias, local[order], axis=0, mode="clip")
+        activated = activation(gate_up_out, matmul_input_dtype(down))
+    sorted_out = grouped_matmul(activated, down, group_sizes, kernels)
     out = sorted_out[jnp.argsort(order)].reshape(tokens, top_k, hidden)
     out = jnp.where(held.reshape(tokens, top_k, 1), out, 0.0)
     return jnp.einsum("tkh,tk->th", out, weights)

@@ -3,7 +3,8 @@ attention backend (see pallas_kernels/ragged_paged_attention/api.py); on a singl
 native GEMM over packed weights (xlaserve/native/gemm_cpu.cc), and the experts' grouped GEMM over
 packed experts (native/grouped_gemm_cpu.cc); for experts not packed on the CPU (on a mesh, or with
 `matmul_backend="xla"`), the grouped matmul in tiles (model/grouped_matmul.py); on GPU, the experts'
-grouped matmul that multiplies only routed rows (pallas_kernels/grouped_matmul_gpu.py), and on a
+grouped matmul that multiplies only routed rows, gate_up's with the SwiGLU fused
+(pallas_kernels/grouped_matmul_gpu.py), and on a
 single GPU the block-scaled FP8 matmul of FP8 checkpoints (pallas_kernels/fp8_block_matmul.py).
 
 The native GEMM beat XLA's CPU dot at every row count measured on the default model's shapes
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
-from xlaserve.model.layers import Kernels
+from xlaserve.model.layers import Kernels, swiglu_xla
 from xlaserve.model.moe import expert_parallel
 from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.native.build import KernelUnavailable
@@ -80,7 +81,8 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
     if platform == "gpu":
         # XLA's GPU ragged_dot multiplies every row by every expert, G / top_k times the routed
         # FLOPs (pallas_kernels/grouped_matmul_gpu.py). Under shard_map on a mesh: per device.
-        kernels = dataclasses.replace(kernels, grouped_matmul=gpu_grouped_matmul)
+        kernels = dataclasses.replace(kernels, grouped_matmul=gpu_grouped_matmul,
+                                      grouped_swiglu=gpu_grouped_swiglu)
     if platform == "gpu":
         # Not on TPU: rounded, the v6e tp 4 step relaid Llama-3.1-8B's qkv weight out every
         # step (tests/executor/test_predicted_costs.py's weight copies).
@@ -109,6 +111,17 @@ def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
         return grouped_matmul_gpu.grouped_matmul_gpu(x, weights, group_sizes, out_dtype=out_dtype)
     logger.warning("%s: the experts run as XLA's ragged_dot, a dot over every expert", problem)
     return grouped_matmul_ragged_dot(x, weights, group_sizes, out_dtype)
+
+
+def gpu_grouped_swiglu(x: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
+                       out_dtype=jnp.float32) -> jax.Array:
+    """The GPU grouped matmul of gate_up [E, K, 2, I] with the SwiGLU fused, where it `supports`
+    the shape; else the grouped matmul and XLA's SwiGLU."""
+    experts, k, _, n = gate_up.shape
+    if grouped_matmul_gpu.supports(k, n) is None:
+        return grouped_matmul_gpu.grouped_swiglu_gpu(x, gate_up, group_sizes, out_dtype)
+    both = gpu_grouped_matmul(x, gate_up.reshape(experts, k, -1), group_sizes, out_dtype)
+    return swiglu_xla(both.reshape(-1, 2, n), out_dtype)
 
 
 @functools.cache
