@@ -16,6 +16,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "QUANTIZED_TYPES": "int8", "QUANTIZED_WEIGHTS": "int8", "quantizes": "int8",
     "refuse_quantized_checkpoint": "int8",
     "Kernels": "layers",
+    "swiglu_xla": "layers",
     "mla_weights": "mla",
     "expert_parallel": "moe",
     "pack_model": "packed",
