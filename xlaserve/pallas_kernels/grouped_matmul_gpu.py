@@ -28,6 +28,7 @@ not tuned on hardware. `interpret=True` runs the kernel on the CPU (tests).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -139,42 +140,78 @@ def _grouped(x, weights, group_sizes, out_dtype, *, swiglu: bool, block_m: int |
     problem = supports(k, n)
     if problem is not None:
         raise ValueError(problem)
+    block_k = block_k or next(b for b in BLOCK_K_CHOICES if k % b == 0)
+    plan = plan_visits(x.astype(weights.dtype), group_sizes, groups, n, block_m, block_n)
+    if swiglu:  # gate's and up's column tiles of the same columns
+        weight_spec = pl.BlockSpec((groups, k, 2, plan.block_n), lambda c, v: (0, 0, 0, c))
+    else:
+        weight_spec = pl.BlockSpec((groups, k, plan.block_n), lambda c, v: (0, 0, c))
+    out = pl.pallas_call(
+        functools.partial(_kernel, groups=groups, block_m=plan.block_m, block_k=block_k,
+                          swiglu=swiglu),
+        out_shape=jax.ShapeDtypeStruct((rows + plan.block_m, n), out_dtype),
+        grid=plan.grid,  # axis 0 runs fastest: a visit's column tiles together
+        in_specs=plan.in_specs + [weight_spec],
+        out_specs=plan.out_spec,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name=f"{SWIGLU_NAME if swiglu else NAME}_m{plan.block_m}",
+    )(*plan.visit_arrays, plan.x, weights)
+    return out[:rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class VisitPlan:
+    """What a grouped matmul's pallas_call shares with the others (the MXFP4 one too): the grid
+    (column tiles, visits), the visits' (group, first row, end row) and x padded by a visit."""
+    block_m: int
+    block_n: int
+    grid: tuple[int, int]
+    visit_arrays: tuple[jax.Array, jax.Array, jax.Array]
+    x: jax.Array  # [rows + block_m, K]
+    in_specs: list  # of the visit arrays and x
+    out_spec: pl.BlockSpec
+
+
+def plan_visits(x: jax.Array, group_sizes: jax.Array, groups: int, n: int,
+                block_m: int | None = None, block_n: int | None = None) -> VisitPlan:
+    rows, k = x.shape
     block_m = block_m or block_rows(rows, groups)
     num_visits = max_visits(rows, groups, block_m)
     # Every SM two programs at least (batch 1 of Qwen3-30B-A3B: 8 visits, gate_up's 1536
     # columns in 32-wide tiles, 384 programs).
     block_n = block_n or column_tile(n, num_visits, 2 * H100_SMS)
-    block_k = block_k or next(b for b in BLOCK_K_CHOICES if k % b == 0)
-    visit_group, visit_start, visit_end = visits(group_sizes, rows, block_m, num_visits)
     # A visit's rows are read as a whole block: the padding keeps the last one in bounds (a
     # masked load past the end would be right on the GPU, but the interpreter clamps the slice).
-    x = jnp.pad(x.astype(weights.dtype), ((0, block_m), (0, 0)))
-    metadata = [pl.BlockSpec((num_visits,), lambda c, v: (0,))] * 3
-    if swiglu:  # gate's and up's column tiles of the same columns
-        weight_spec = pl.BlockSpec((groups, k, 2, block_n), lambda c, v: (0, 0, 0, c))
-    else:
-        weight_spec = pl.BlockSpec((groups, k, block_n), lambda c, v: (0, 0, c))
-    out = pl.pallas_call(
-        functools.partial(_kernel, groups=groups, block_m=block_m, block_k=block_k,
-                          swiglu=swiglu),
-        out_shape=jax.ShapeDtypeStruct((rows + block_m, n), out_dtype),
-        grid=(n // block_n, num_visits),  # axis 0 runs fastest: a visit's column tiles together
-        in_specs=metadata + [pl.BlockSpec((rows + block_m, k), lambda c, v: (0, 0)),
-                             weight_spec],
-        out_specs=pl.BlockSpec((rows + block_m, block_n), lambda c, v: (0, c)),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name=f"{SWIGLU_NAME if swiglu else NAME}_m{block_m}",
-    )(visit_group, visit_start, visit_end, x, weights)
-    return out[:rows]
+    padded = jnp.pad(x, ((0, block_m), (0, 0)))
+    return VisitPlan(
+        block_m, block_n, (n // block_n, num_visits),
+        visits(group_sizes, rows, block_m, num_visits), padded,
+        [pl.BlockSpec((num_visits,), lambda c, v: (0,))] * 3
+        + [pl.BlockSpec(padded.shape, lambda c, v: (0, 0))],
+        pl.BlockSpec((rows + block_m, block_n), lambda c, v: (0, c)))
+
+
+def visit_rows(group_ref, start_ref, end_ref, out_ref, block_m: int):
+    """Inside a kernel: (group, first row, the [block_m, block_n] mask of the visit's rows, the
+    output block they go to) of this program's visit."""
+    visit = pl.program_id(1)
+    group, start, end = group_ref[visit], start_ref[visit], end_ref[visit]
+    rows_here = (start + jnp.arange(block_m) < end)[:, None]
+    rows_here = jnp.broadcast_to(rows_here, (block_m, out_ref.shape[1]))
+    return group, start, rows_here, out_ref.at[pl.ds(start, block_m), :]
+
+
+def zero_rows_past_the_groups(group, groups: int, target, rows_here) -> None:
+    """The visits of the rows past the groups' total (group G) write zeros."""
+    @pl.when(group == groups)
+    def _zeros():
+        plgpu.store(target, jnp.zeros(rows_here.shape, target.dtype), mask=rows_here)
 
 
 def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *, groups, block_m, block_k,
             swiglu):
-    visit = pl.program_id(1)
-    group, start, end = group_ref[visit], start_ref[visit], end_ref[visit]
+    group, start, rows_here, target = visit_rows(group_ref, start_ref, end_ref, out_ref, block_m)
     block_n = out_ref.shape[1]
-    rows_here = jnp.broadcast_to((start + jnp.arange(block_m) < end)[:, None], (block_m, block_n))
-    target = out_ref.at[pl.ds(start, block_m), :]
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None  # no TF32 for f32
 
     @pl.when(group < groups)
@@ -198,6 +235,4 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *, groups, blo
             (out,) = accs
         plgpu.store(target, out.astype(out_ref.dtype), mask=rows_here)
 
-    @pl.when(group == groups)
-    def _zero_rows_past_the_groups():
-        plgpu.store(target, jnp.zeros((block_m, block_n), out_ref.dtype), mask=rows_here)
+    zero_rows_past_the_groups(group, groups, target, rows_here)
