@@ -13,7 +13,10 @@ And on any GPU, the grouped matmul the server runs there (pallas_kernels/grouped
 Triton), checked against ragged_dot on the same uneven groups and timed at its own tiles and two
 others, at the shapes above and at Qwen3-30B-A3B's gate_up for batch 1 and a 256-row decode
 (routing uniform), each beside its floor: the routed experts' weights read once at the device's
-measured copy bandwidth. Needs the checkout importable (PYTHONPATH=$PWD)."""
+measured copy bandwidth; gate_up's product with the SwiGLU fused (the server's on GPU) against
+its two steps, and the MXFP4 experts' kernel (pallas_kernels/grouped_matmul_mxfp4.py, not yet
+served) against ragged_dot on the decoded experts and beside the bf16 kernel on them, at
+Qwen3-30B-A3B's and gpt-oss-20b's shapes. Needs the checkout importable (PYTHONPATH=$PWD)."""
 import time
 
 import jax
@@ -129,3 +132,54 @@ if jax.default_backend() == "gpu":
                   f"{seconds / floor:.2f}x its floor ({floor * 1e3:.3f} ms: {experts_read} "
                   f"experts' weights), {routed / seconds / 1e12:.1f} TFLOP/s routed, max |error| "
                   f"{max_error:.3g} against ragged_dot in float32")
+
+    # The fused SwiGLU (gate_up [E, K, 2, I] -> silu(gate) * up, bf16 out) and the MXFP4 experts
+    # (gpt-oss's blocks and scales decoded in the kernel; not yet served), each checked against
+    # its two-step or decoded form and timed beside its floor.
+    from xlaserve.pallas_kernels import grouped_matmul_mxfp4 as mxfp4
+    from xlaserve.weights.mxfp4 import decode_mxfp4
+
+    for name, m, e, k, i in [("qwen3 swiglu batch 1", 8, 128, 2048, 768),
+                             ("qwen3 swiglu 256 rows", 2048, 128, 2048, 768)]:
+        key_x, key_w = jax.random.split(jax.random.key(m + 1))
+        x = jax.random.normal(key_x, (m, k), jnp.bfloat16)
+        gate_up = (jax.random.normal(key_w, (e, k, 2, i), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
+        both = gpu.grouped_matmul_gpu(x, gate_up.reshape(e, k, -1), sizes).reshape(m, 2, i)
+        want = jax.nn.silu(both[:, 0]) * both[:, 1]
+        fused = jax.jit(functools.partial(gpu.grouped_swiglu_gpu, out_dtype=jnp.bfloat16))
+        try:
+            got = fused(x, gate_up, sizes).block_until_ready()
+        except Exception as error:  # noqa: BLE001 - a report, whatever failed
+            print(f"grouped_swiglu_gpu {name}: failed: {str(error).splitlines()[0][:200]}")
+            continue
+        floor = int(jnp.sum(sizes > 0)) * k * 2 * i * 2 / bandwidth
+        seconds = timed(fused, x, gate_up, sizes, iters=10)
+        print(f"grouped_swiglu_gpu {name}: {seconds * 1e3:.3f} ms, {seconds / floor:.2f}x its "
+              f"floor ({floor * 1e3:.3f} ms), max |error| "
+              f"{float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))):.3g} against the two "
+              "steps")
+    for name, m, e, k, n in [("gpt-oss-20b gate_up batch 1", 8, 32, 2880, 5760),
+                             ("gpt-oss-20b gate_up 256 rows", 1024, 32, 2880, 5760)]:
+        x = jax.random.normal(jax.random.key(m + 2), (m, k), jnp.bfloat16)
+        blocks = jnp.asarray(rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8))
+        scales = jnp.asarray(rng.integers(118, 131, (e, n, k // 32), dtype=np.uint8))
+        sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
+        decoded = jnp.asarray(decode_mxfp4(np.asarray(blocks), np.asarray(scales), jnp.bfloat16))
+        want = jax.jit(functools.partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32))(
+            x, decoded, sizes)
+        kernel = jax.jit(mxfp4.grouped_matmul_mxfp4)
+        try:
+            got = kernel(x, blocks, scales, sizes).block_until_ready()
+        except Exception as error:  # noqa: BLE001 - a report, whatever failed
+            print(f"grouped_matmul_mxfp4 {name}: failed: {str(error).splitlines()[0][:200]}")
+            continue
+        experts_read = int(jnp.sum(sizes > 0))
+        floor = experts_read * (k * n // 2 + k // 32 * n) / bandwidth
+        seconds = timed(kernel, x, blocks, scales, sizes, iters=10)
+        bf16 = jax.jit(gpu.grouped_matmul_gpu)
+        bf16_seconds = timed(bf16, x, decoded, sizes, iters=10)
+        print(f"grouped_matmul_mxfp4 {name}: {seconds * 1e3:.3f} ms, {seconds / floor:.2f}x its "
+              f"floor ({floor * 1e3:.3f} ms), the bf16 kernel on the decoded experts "
+              f"{bf16_seconds * 1e3:.3f} ms, max |error| "
+              f"{float(jnp.max(jnp.abs(got - want))):.3g} against ragged_dot on them")
