@@ -98,3 +98,60 @@ def test_the_mxfp4_kernel_compiles_for_an_h100(rows, k, n, experts):
     assert f'name = "{mxfp4.NAME}_m{block_m}"' in hlo
     assert f"grid_y = {max_visits(rows, experts, block_m)} " in hlo
     assert not re.search(r"= \S+ (dot|convolution)\(", hlo)
+
+
+@pytest.mark.parametrize("first_expert", [0, 4])
+def test_experts_kept_in_mxfp4_give_the_decoded_experts_output(first_expert):
+    # run_experts (model/moe.py) with gate_up and down as Mxfp4Experts, multiplied by the kernel
+    # (interpreted), against the same experts decoded to bfloat16 through the CPU's tiled loop;
+    # with first_expert 4, half the pairs are other devices' experts (expert parallelism).
+    from xlaserve.model.grouped_matmul import grouped_matmul_tiled
+    from xlaserve.model.layers import Kernels
+    from xlaserve.model.moe import run_experts
+    from xlaserve.model.mxfp4_experts import Mxfp4Experts
+    from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+
+    rng = np.random.default_rng(first_expert + 11)
+    tokens, top_k, hidden, inter, experts = 24, 3, 64, 64, 4
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    chosen = jnp.asarray(np.stack([rng.choice(8, top_k, replace=False) for _ in range(tokens)]))
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
+    gate_up_blocks, gate_up_scales = random_experts(rng, experts, hidden, 2 * inter, 122, 127)
+    down_blocks, down_scales = random_experts(rng, experts, inter, hidden, 122, 127)
+    kept = {"experts_gate_up": Mxfp4Experts(
+                jnp.asarray(gate_up_blocks.reshape(experts, 2, inter, hidden // 32, 16)),
+                jnp.asarray(gate_up_scales.reshape(experts, 2, inter, hidden // 32))),
+            "experts_down": Mxfp4Experts(jnp.asarray(down_blocks), jnp.asarray(down_scales))}
+    assert kept["experts_gate_up"].shape == (experts, hidden, 2, inter)
+    assert kept["experts_down"].shape == (experts, inter, hidden)
+    decoded = {
+        "experts_gate_up": jnp.asarray(decode_mxfp4(gate_up_blocks, gate_up_scales, jnp.bfloat16)
+                                       .reshape(experts, hidden, 2, inter)),
+        "experts_down": jnp.asarray(decode_mxfp4(down_blocks, down_scales, jnp.bfloat16))}
+
+    def experts_with(expert_weights, **kernels):
+        kernels = Kernels(attention=ragged_paged_attention, **kernels)
+        return jax.jit(lambda *a: run_experts(*a, kernels, kernels.swiglu, first_expert))(
+            x, weights, chosen, expert_weights)
+
+    got = experts_with(kept, mxfp4_grouped_matmul=functools.partial(
+        mxfp4.grouped_matmul_mxfp4, interpret=True))
+    expected = experts_with(decoded, grouped_matmul=grouped_matmul_tiled)
+    scale = float(jnp.max(jnp.abs(expected)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=0, atol=2e-3 * scale)
+    with pytest.raises(ValueError, match="on GPU only"):
+        experts_with(kept, grouped_matmul=grouped_matmul_tiled)
+
+
+def test_mxfp4_experts_shard_as_the_float_experts_do():
+    # Experts over "expert", the intermediate axis over "tensor": gate_up's I (its blocks' third
+    # axis), down's I / 32 groups; one spec axis per array axis, at most.
+    from xlaserve.model.mxfp4_experts import partition_specs
+    from xlaserve.model.sharding import PARTITION_SPECS
+
+    gate_up, down = partition_specs("experts_gate_up"), partition_specs("experts_down")
+    assert gate_up.blocks[2] == gate_up.scales[2] == PARTITION_SPECS["experts_gate_up"][3]
+    assert down.blocks[2] == down.scales[2] == PARTITION_SPECS["experts_down"][1]
+    assert len(gate_up.blocks) <= 5 and len(down.blocks) <= 4
+    with pytest.raises(ValueError, match="router"):
+        partition_specs("router")

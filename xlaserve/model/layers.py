@@ -112,6 +112,9 @@ class Kernels:
     # `(x [M, K], gate_up [E, K, 2, I], group_sizes, out_dtype) -> silu(x @ gate) * (x @ up)
     # [M, I]`: the experts' gate_up product with the SwiGLU fused (GPU); None: two steps
     grouped_swiglu: Callable | None = None
+    # `(x, blocks, scales, group_sizes, out_dtype) -> [M, N]` over experts kept in MXFP4
+    # (`mxfp4_experts.Mxfp4Experts`, decoded in the kernel): the GPU's; None elsewhere
+    mxfp4_grouped_matmul: Callable | None = None
     # The same over packed experts (`PackedExperts`), on a single CPU device: `(x, panels,
     # group_sizes, N, layer, bf16_pairs) -> float32 [M, N]` (native/gemm_cpu.py)
     packed_grouped_matmul: Callable | None = None

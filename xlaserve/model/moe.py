@@ -32,6 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.layers import MLP, Kernels, init_weight, linear, matmul_input_dtype
+from xlaserve.model.mxfp4_experts import Mxfp4Experts
+from xlaserve.model.mxfp4_experts import partition_specs as mxfp4_partition_specs
 from xlaserve.model.packed import PackedExperts
 from xlaserve.model.routing import route
 from xlaserve.model.sharding import PARTITION_SPECS
@@ -53,6 +55,10 @@ def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, kernels: Kernel
         return kernels.packed_grouped_matmul(x, weight.panels, group_sizes, weight.columns,
                                              weight.layer, weight.bf16_pairs)
     out_dtype = weight.dtype if kernels.round_projections else jnp.float32
+    if isinstance(weight, Mxfp4Experts):
+        if kernels.mxfp4_grouped_matmul is None:
+            raise ValueError("MXFP4 experts are multiplied on GPU only")
+        return kernels.mxfp4_grouped_matmul(x, *weight.flat(), group_sizes, out_dtype)
     if weight.ndim == 4 and kernels.gate_up_as_groups:
         return gate_up_as_groups(x, weight, group_sizes, kernels, out_dtype)
     return kernels.grouped_matmul(x, weight.reshape(weight.shape[0], x.shape[1], -1), group_sizes,
@@ -98,7 +104,8 @@ def run_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
     sorted_x = x[order // top_k]
     if (kernels.grouped_swiglu is not None and activation is kernels.swiglu
             and "experts_gate_up_bias" not in expert_weights
-            and not isinstance(gate_up, PackedExperts) and not kernels.gate_up_as_groups):
+            and not isinstance(gate_up, (PackedExperts, Mxfp4Experts))
+            and not kernels.gate_up_as_groups):
         activated = kernels.grouped_swiglu(sorted_x, gate_up, group_sizes,
                                            matmul_input_dtype(down))
     else:
@@ -134,7 +141,8 @@ def expert_parallel(mesh: Mesh) -> Callable:
         return jax.lax.psum(out, ("expert", "tensor"))
 
     def sharded(x, weights, experts, expert_weights, kernels, activation):
-        specs = {name: PARTITION_SPECS[name] for name in expert_weights}
+        specs = {name: mxfp4_partition_specs(name) if isinstance(weight, Mxfp4Experts)
+                 else PARTITION_SPECS[name] for name, weight in expert_weights.items()}
         return jax.shard_map(
             functools.partial(body, kernels=kernels, activation=activation), mesh=mesh,
             in_specs=(P(), P(), P(), specs),

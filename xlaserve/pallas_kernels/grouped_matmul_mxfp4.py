@@ -16,8 +16,9 @@ Why: bfloat16 experts are four times the bytes. gpt-oss-120b's experts decoded a
 FP4 tensor-core instruction, so the codes are decoded to bfloat16 in registers and the dot is
 bfloat16's, at a quarter of the weight bytes from DRAM (a decode step's cost).
 
-`interpret=True` runs it on the CPU (tests). Not yet run on a GPU; not yet wired into the loader
-(gpt-oss's experts are still decoded at load, weights/param_layout.py).
+`interpret=True` runs it on the CPU (tests). Not yet run on a GPU. model/moe.py multiplies experts
+held as `model/mxfp4_experts.Mxfp4Experts` with it (`Kernels.mxfp4_grouped_matmul`), but the loader
+does not make them yet: gpt-oss's experts are still decoded at load (weights/param_layout.py).
 """
 from __future__ import annotations
 

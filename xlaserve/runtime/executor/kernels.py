@@ -27,7 +27,7 @@ from xlaserve.model.moe import expert_parallel
 from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
-from xlaserve.pallas_kernels import grouped_matmul_gpu
+from xlaserve.pallas_kernels import grouped_matmul_gpu, grouped_matmul_mxfp4
 from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
                                                                 get_expanded_prefill_fns,
                                                                 get_latent_attention_fn)
@@ -81,8 +81,9 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
     if platform == "gpu":
         # XLA's GPU ragged_dot multiplies every row by every expert, G / top_k times the routed
         # FLOPs (pallas_kernels/grouped_matmul_gpu.py). Under shard_map on a mesh: per device.
-        kernels = dataclasses.replace(kernels, grouped_matmul=gpu_grouped_matmul,
-                                      grouped_swiglu=gpu_grouped_swiglu)
+        kernels = dataclasses.replace(
+            kernels, grouped_matmul=gpu_grouped_matmul, grouped_swiglu=gpu_grouped_swiglu,
+            mxfp4_grouped_matmul=grouped_matmul_mxfp4.grouped_matmul_mxfp4)
     if platform == "gpu":
         # Not on TPU: rounded, the v6e tp 4 step relaid Llama-3.1-8B's qkv weight out every
         # step (tests/executor/test_predicted_costs.py's weight copies).

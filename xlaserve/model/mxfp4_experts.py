@@ -1,0 +1,60 @@
+"""A mixture of experts' weight kept in MXFP4, as gpt-oss's checkpoint stores it (weights/mxfp4.py):
+four bits a weight and one E8M0 scale a group of 32 input features, multiplied on GPU by
+pallas_kernels/grouped_matmul_mxfp4.py, which decodes them in registers.
+
+    experts_gate_up: blocks uint8 [E, 2, I, K/32, 16], scales uint8 [E, 2, I, K/32]
+                     (gate's output features, then up's: our gate_up [E, K, 2, I] layout)
+    experts_down:    blocks uint8 [E, H, I/32, 16],    scales uint8 [E, H, I/32]
+
+Output features lead, input features are packed last (the checkpoint's orientation; our float
+layout is [E, K, N...]). Sharded as the float weights are (`partition_specs`): experts over
+"expert", the intermediate axis over "tensor" (gate_up's I; down's I/32 groups).
+
+Not yet produced by the loader: model/moe.py multiplies it where a model holds one.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from xlaserve.model.whole_weight import ReadWhole
+
+GROUP = 32  # input features sharing one scale
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Mxfp4Experts(ReadWhole):
+    blocks: jax.Array  # uint8 [E, N..., K/32, 16]: two e2m1 codes a byte, the low nibble first
+    scales: jax.Array  # uint8 [E, N..., K/32]: 2**(byte - 127) each
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape in the float layout: [E, K, N...]."""
+        experts, *outputs, groups = self.scales.shape
+        return (experts, groups * GROUP, *outputs)
+
+    @property
+    def dtype(self):
+        """What x goes into the dot in: the codes are decoded to bfloat16."""
+        return jnp.dtype(jnp.bfloat16)
+
+    def flat(self) -> tuple[jax.Array, jax.Array]:
+        """(blocks [E, N, K/32, 16], scales [E, N, K/32]) with the output axes merged: the
+        kernel's operands (gate_up's N is gate's I features, then up's)."""
+        experts, *_, groups, half = self.blocks.shape
+        return (self.blocks.reshape(experts, -1, groups, half),
+                self.scales.reshape(experts, -1, groups))
+
+
+def partition_specs(name: str) -> Mxfp4Experts:
+    """The PartitionSpecs of an MXFP4 `experts_gate_up` or `experts_down` (as the float weight's
+    in model/sharding.py: experts over "expert", the intermediate axis over "tensor")."""
+    if name == "experts_gate_up":
+        return Mxfp4Experts(P("expert", None, "tensor", None, None), P("expert", None, "tensor"))
+    if name == "experts_down":
+        return Mxfp4Experts(P("expert", None, "tensor", None), P("expert", None, "tensor"))
+    raise ValueError(f"{name} is not an expert weight MXFP4 can hold")
