@@ -31,13 +31,12 @@ def attention_program(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
     item_seq = item_seq_ref[item]
     live = item_seq < num_seqs_ref[0]
     seq = jnp.minimum(item_seq, max_seqs - 1)  # unused item slots read row S-1 and attend nothing
-    span = item_span(kv_lens_ref[seq], cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq],
-                     item_row0_ref[item], q_block=q_block, page_size=page_size,
-                     block_tokens=block_tokens, sliding_window=sliding_window)
-    first_pos, num_rows, last_pos, pages_needed, start_block, end_block = span
     q_len = cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]
-    cache_keys_only = prefix_only or writes_new_kv
-    if cache_keys_only:  # the keys from before this step alone: the last is the row's first - 1
+    span = item_span(kv_lens_ref[seq], q_len, item_row0_ref[item], q_block=q_block,
+                     page_size=page_size, block_tokens=block_tokens,
+                     sliding_window=sliding_window)
+    first_pos, num_rows, last_pos, pages_needed, start_block, end_block = span
+    if prefix_only or writes_new_kv:  # from the cache, the keys from before this step alone
         last_pos = kv_lens_ref[seq] - q_len - 1
         pages_needed, end_block = last_pos // page_size + 1, last_pos // block_tokens + 1
     end_block = jnp.where(live, end_block, 0)

@@ -30,8 +30,12 @@ Items of one token (every decode bucket) are the tokens in order, so there the k
 rows of q [T, Hq, D] itself (the padding rows repeat the group's heads) and, unsplit, writes its
 rows of the output in place: no gather of q into blocks or of the output back around the call.
 
-New K/V are written into the cache by XLA's scatter before the kernel (in place when the cache
-is donated): it is already a coalesced GPU kernel, and Triton has no DMA engine to gain from.
+New K/V go into the cache two ways. Where each sequence's new tokens are one item apiece
+(one-token items), the kernel writes them itself: a sequence's new keys are attended from the
+new rows and only older ones from the cache, so no program reads a slot another writes (the
+cache is one operand, aliased in and out). Elsewhere (prefill and mixed items, which read other
+items' new keys from the cache) XLA's scatter writes them before the kernel, in place when the
+cache is donated.
 """
 from __future__ import annotations
 
@@ -157,7 +161,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     if q_block is None:
         q_block = default_q_block(num_tokens, page_indices.shape[0], group, max_rows=128)
     # The cache as [pages, page_size, Hkv, 2, D]: program (w, h, s) sees K and V of head h.
-    cache = kv_cache.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)
+    by_head = (num_pages, page_size, num_kv_heads, 2, head_dim)
     whole_cache = (num_pages, page_size, None, None, head_dim)
     new_kv = None
     if q_block == 1 and not prefix_only:
@@ -166,18 +170,18 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         # 256-row Llama-3.1-8B step on an H200, ncu). One cache operand, updated in place.
         # K and V as one operand [T * Hkv * 2, D], one fusion (RoPE'd K, V) where two were.
         new_kv = (jnp.stack([k, v], axis=2).reshape(-1, head_dim), token_page, token_slot)
-        caches = [cache]
+        caches = [kv_cache.reshape(by_head)]
         cache_specs = [pl.BlockSpec((num_pages, page_size, None, 2, head_dim),
                                     lambda w, h, s: (0, 0, h, 0, 0))]
     else:
         kv_cache = write_new_kv_with_xla(kv_cache, k, v, token_page, token_slot)
-        cache = kv_cache.reshape(cache.shape)
+        cache = kv_cache.reshape(by_head)
         caches = [cache, cache]  # K of head h as one operand and V as another, one buffer
         cache_specs = [pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 0, 0)),  # K
                        pl.BlockSpec(whole_cache, lambda w, h, s: (0, 0, h, 1, 0))]  # V
     result = _attend_items(
         q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs,
-        num_kv_heads=num_kv_heads, group=group, max_rows=128, q_block=q_block,
+        num_kv_heads=num_kv_heads, group=group, q_block=q_block,
         kv_block_pages=kv_block_pages, num_kv_splits=num_kv_splits, out_dim=head_dim,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, new_kv=new_kv,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None,
@@ -231,7 +235,7 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     result = _attend_items(
         q, [kv_cache], [pl.BlockSpec(kv_cache.shape, lambda w, h, s: (0, 0, 0))], None, kv_lens,
         page_indices, cu_q_lens, num_seqs, num_kv_heads=num_q_heads // heads, group=heads,
-        max_rows=MLA_MAX_ROWS, q_block=q_block, kv_block_pages=kv_block_pages,
+        q_block=q_block, kv_block_pages=kv_block_pages,
         num_kv_splits=num_kv_splits, out_dim=value_dim, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, new_kv=new_kv, sm_scale=sm_scale,
         sliding_window=None, soft_cap=None, value_dim=value_dim, prefix_only=prefix_only)
@@ -255,9 +259,10 @@ def check_mla_kernel_shapes(block_tokens: int, value_dim: int, row_dim: int, ite
 
 
 def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                  num_kv_heads, group, max_rows, q_block, kv_block_pages, num_kv_splits, out_dim,
-                  num_warps, num_stages, interpret, new_kv=None, **static):
-    """What both entries share, from sanitized metadata and the cache with the new rows written:
+                  num_kv_heads, group, q_block, kv_block_pages, num_kv_splits, out_dim, num_warps,
+                  num_stages, interpret, new_kv=None, **static):
+    """What both entries share, from sanitized metadata, `q_block` (the entry's choice) and the
+    cache with the new rows written (or, with `new_kv`, to be written by the kernel):
     the work items, q gathered per item for the grid's (work items, kv heads or head programs,
     KV splits), the pallas_call, the merge of the splits and the outputs in token order:
     out [T, Hq, out_dim] in q's dtype; with static["prefix_only"], (out, lse [T, Hq] float32).
@@ -266,9 +271,7 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
     token_slot [T]) of new tokens the kernel writes into `caches[0]` (its only cache, not yet
     written) and attends from there; then returns (out, the cache)."""
     num_tokens, num_q_heads = q.shape[:2]
-    max_seqs, pages_per_seq = page_indices.shape
-    if q_block is None:
-        q_block = default_q_block(num_tokens, max_seqs, group, max_rows=max_rows)
+    pages_per_seq = page_indices.shape[1]
     rows = max(16, next_power_of_two(q_block * group))
     item_seq, item_row0 = make_work_items(cu_q_lens, num_tokens, q_block)
     # Items of one token (decode buckets) are the tokens themselves, in order: the kernel reads
@@ -343,10 +346,9 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
       *new_in, *sinks_in)
     if new_in:
         *result, cache = result
-        return _outputs_in_token_order(result, cu_q_lens, q, group, q_block, num_kv_splits,
-                                       direct, with_lse, out_dim), cache
-    return _outputs_in_token_order(result, cu_q_lens, q, group, q_block, num_kv_splits, direct,
-                                   with_lse, out_dim)
+    out = _outputs_in_token_order(result, cu_q_lens, q, group, q_block, num_kv_splits, direct,
+                                  with_lse, out_dim)
+    return (out, cache) if new_in else out
 
 
 def _outputs_in_token_order(result, cu_q_lens, q, group, q_block, num_kv_splits, direct,
