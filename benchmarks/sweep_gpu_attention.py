@@ -97,7 +97,10 @@ def stage_one(shape: tuple, default_splits: int | None, num_blocks: int, quick: 
         return [dict(q_block=q, num_warps=w) for q in q_blocks for w in warps]
     splits = [default_splits] + [s for s in ([1, 2] if quick else [1, 2, 4, 8, 16])
                                  if s != default_splits and s <= num_blocks]
-    return [dict(num_kv_splits=s, num_warps=w) for s in splits for w in warps]
+    # And the default with one-token items' q, output and new K/V through XLA (the form before
+    # the kernel did them itself, 2026-11-27): the same call, both ways, on one machine.
+    return ([dict(num_kv_splits=s, num_warps=w) for s in splits for w in warps]
+            + [dict(num_kv_splits=default_splits, num_warps=4, decode_io_in_kernel=False)])
 
 
 def stage_two(best: dict, quick: bool) -> list[dict]:

@@ -123,14 +123,14 @@ def test_the_report_of_a_measured_run_plots_each_model_beside_its_floor(tmp_path
 
 
 def test_the_full_plans_models_are_real_configs_cut_where_asked(tmp_path):
-    """The device run's models: Llama-3.1-8B whole, Qwen3-30B-A3B's first 24 layers (its 61 GB
-    do not fit an H100 beside the KV cache)."""
+    """The device run's models: Llama-3.1-8B whole, Qwen3-30B-A3B's first 8 layers (its 61 GB
+    do not fit an H100 beside the KV cache, and 24 layers took 267 s to compile on an H200)."""
     check, lib, _ = _full_plan_modules()
     paths = [lib.config_dir(name, str(tmp_path)) for name in check.PLANS["full"]["models"]]
     layers = [json.loads((Path(p) / "config.json").read_text())["num_hidden_layers"]
               for p in paths]
-    assert layers == [32, 24] and Path(paths[1]).name == "qwen3-30b-a3b@24"
-    assert set(check.PLANS["full"]["budgets"]) >= {"llama-3.1-8b", "qwen3-30b-a3b@24",
+    assert layers == [32, 8] and Path(paths[1]).name == "qwen3-30b-a3b@8"
+    assert set(check.PLANS["full"]["budgets"]) >= {"llama-3.1-8b", "qwen3-30b-a3b@8",
                                                    "moe_layer", "warm_start"}
     assert sum(check.PLANS["full"]["budgets"].values()) <= check.PLANS["full"]["time_budget_s"]
 

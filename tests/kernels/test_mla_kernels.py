@@ -24,7 +24,8 @@ KERNELS = {
     "tpu": (jax.jit(kernel_tpu.mla_ragged_paged_attention, static_argnames=STATIC),
             pltpu.InterpretParams()),
     "gpu": (jax.jit(kernel_gpu.mla_ragged_paged_attention,
-                    static_argnames=STATIC + ("num_kv_splits", "heads_per_program")), True),
+                    static_argnames=STATIC + ("num_kv_splits", "heads_per_program",
+                                              "decode_io_in_kernel")), True),
 }
 reference = jax.jit(mla_ragged_paged_attention, static_argnames=("sm_scale", "value_dim"))
 
@@ -81,16 +82,18 @@ def test_gpu_latent_kernel_heads_per_program_and_kv_splits(num_kv_splits, heads_
     check_kernel("gpu", case, num_kv_splits=num_kv_splits, heads_per_program=heads_per_program)
 
 
-@pytest.mark.parametrize("num_kv_splits, heads_per_program", [(1, 2), (3, 4)])
+@pytest.mark.parametrize("num_kv_splits, heads_per_program, in_kernel",
+                         [(1, 2, True), (3, 4, True), (1, 2, False)])
 def test_gpu_one_token_items_write_their_latent_rows_and_attend_the_steps_new_ones(
-        num_kv_splits, heads_per_program):
+        num_kv_splits, heads_per_program, in_kernel):
     # q_block 1: each new token an item that writes its latent row into the cache itself (the
     # first head program) and reads its sequence's new rows, not the cache's: sequences of 5
-    # and 18 new tokens (two 16-row blocks), one with no prefix, one of one token.
+    # and 18 new tokens (two 16-row blocks), one with no prefix, one of one token. in_kernel
+    # False: the same items through XLA's gathers and write (the form a GPU run times beside it).
     case = make_case([(1, 200), (18, 40), (5, 5), (1, 1)], seed=5, pages_per_seq=16,
                      num_pages=96, num_tokens=32)
     check_kernel("gpu", case, q_block=1, num_kv_splits=num_kv_splits,
-                 heads_per_program=heads_per_program)
+                 heads_per_program=heads_per_program, decode_io_in_kernel=in_kernel)
 
 
 def test_latent_kernels_refuse_shapes_they_cannot_take():

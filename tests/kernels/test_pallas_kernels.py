@@ -30,7 +30,7 @@ KERNELS = {
     "tpu": (jax.jit(kernel_tpu.ragged_paged_attention, static_argnames=STATIC),
             pltpu.InterpretParams()),
     "gpu": (jax.jit(kernel_gpu.ragged_paged_attention,
-                    static_argnames=STATIC + ("num_kv_splits",)), True),
+                    static_argnames=STATIC + ("num_kv_splits", "decode_io_in_kernel")), True),
 }
 
 
@@ -280,11 +280,14 @@ def test_gpu_decode_items_read_queries_and_write_outputs_in_token_order(num_kv_s
 
 
 @pytest.mark.parametrize("static", [dict(num_kv_splits=1), dict(num_kv_splits=3),
-                                    dict(sliding_window=7, kv_block_pages=1)])
+                                    dict(sliding_window=7, kv_block_pages=1),
+                                    dict(num_kv_splits=1, decode_io_in_kernel=False)])
 def test_gpu_one_token_items_write_their_kv_and_attend_the_steps_new_keys(static):
     # One-token items write their own K/V into the cache and attend their sequence's new keys
     # from k and v, not from the cache: here sequences of 2, 20 (two 16-key blocks of new keys)
     # and 1 new tokens, each new token an item of its own (q_block 1), and one with no prefix.
+    # decode_io_in_kernel=False: the same items through XLA's gathers and scatter (the form a
+    # GPU run times beside it).
     rng = np.random.default_rng(22)
     seqs = [(2, 40), (20, 37), (1, 1), (1, 16), (3, 3)]
     case = make_case(rng, seqs, max_seqs=6, num_tokens=32, page_size=16, pages_per_seq=4,

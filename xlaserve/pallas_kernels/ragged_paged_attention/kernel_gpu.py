@@ -139,10 +139,13 @@ def default_num_kv_splits(num_items: int, num_kv_heads: int, num_kv_blocks: int,
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
                            interpret=False, q_block=None, kv_block_pages=None, num_kv_splits=None,
-                           num_warps=4, num_stages=None, prefix_only=False):
+                           num_warps=4, num_stages=None, prefix_only=False,
+                           decode_io_in_kernel=True):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache), or with `prefix_only`
     (out, lse, kv_cache). `num_kv_splits`: split-KV programs per (work item, kv head), default
-    `default_num_kv_splits`."""
+    `default_num_kv_splits`. `decode_io_in_kernel=False`: one-token items take the general path
+    too (q gathered per item, the output gathered back, new K/V written by XLA's scatter), the
+    form before 2026-11-27, kept so that a GPU run times both (sweep_gpu_attention.py)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
@@ -164,7 +167,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     by_head = (num_pages, page_size, num_kv_heads, 2, head_dim)
     whole_cache = (num_pages, page_size, None, None, head_dim)
     new_kv = None
-    if q_block == 1 and not prefix_only:
+    if q_block == 1 and not prefix_only and decode_io_in_kernel:
         # One-token items: the kernel writes each token's K/V into the cache itself and attends
         # the step's new keys from k and v (XLA's scatter before the call took 9 us a layer of a
         # 256-row Llama-3.1-8B step on an H200, ncu). One cache operand, updated in place.
@@ -185,7 +188,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         kv_block_pages=kv_block_pages, num_kv_splits=num_kv_splits, out_dim=head_dim,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, new_kv=new_kv,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None,
-        prefix_only=prefix_only)
+        prefix_only=prefix_only, direct_io=decode_io_in_kernel)
     if new_kv is not None:
         result, cache = result
         kv_cache = cache.reshape(kv_cache.shape)
@@ -195,14 +198,16 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
 def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                *, sm_scale, value_dim, interpret=False, q_block=None,
                                kv_block_pages=None, num_kv_splits=None, heads_per_program=None,
-                               num_warps=4, num_stages=None, prefix_only=False):
+                               num_warps=4, num_stages=None, prefix_only=False,
+                               decode_io_in_kernel=True):
     """See `reference.mla_ragged_paged_attention`; returns (out, kv_cache), or with
     `prefix_only` (out, lse, kv_cache) over each sequence's keys from before this step. Every
     query head reads the same latent rows, so the heads are cut into programs of
     `heads_per_program` (default MLA_HEADS_PER_PROGRAM) that play the kv heads' part in the
     grid: program (w, j, s) attends heads [j * n, (j + 1) * n) of item w. Triton's dot wants
     power-of-two widths, so a block's scores are two dots, the latent part (value_dim lanes,
-    which are also the values) and the RoPE'd part (the rest of the row)."""
+    which are also the values) and the RoPE'd part (the rest of the row).
+    `decode_io_in_kernel`: as `ragged_paged_attention`'s."""
     check_mla_shapes(q, latent, kv_cache, value_dim)
     num_tokens, num_q_heads, row_dim = q.shape
     page_size = kv_cache.shape[1]
@@ -224,7 +229,8 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
     if q_block is None:
         q_block = default_q_block(num_tokens, page_indices.shape[0], heads, max_rows=MLA_MAX_ROWS)
     new_kv = None
-    if q_block == 1 and not prefix_only and kv_cache.shape[2] == row_dim:
+    if (q_block == 1 and not prefix_only and kv_cache.shape[2] == row_dim
+            and decode_io_in_kernel):
         # One-token items write their latent rows themselves (the MHA kernel's reason); a cache
         # wider than its rows (TPU's lane padding) keeps XLA's write of the zero padding.
         new_kv = (latent, token_page, token_slot)
@@ -238,7 +244,8 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
         q_block=q_block, kv_block_pages=kv_block_pages,
         num_kv_splits=num_kv_splits, out_dim=value_dim, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, new_kv=new_kv, sm_scale=sm_scale,
-        sliding_window=None, soft_cap=None, value_dim=value_dim, prefix_only=prefix_only)
+        sliding_window=None, soft_cap=None, value_dim=value_dim, prefix_only=prefix_only,
+        direct_io=decode_io_in_kernel)
     if new_kv is not None:
         result, kv_cache = result
     return (*result, kv_cache) if prefix_only else (result, kv_cache)
@@ -260,7 +267,7 @@ def check_mla_kernel_shapes(block_tokens: int, value_dim: int, row_dim: int, ite
 
 def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                   num_kv_heads, group, q_block, kv_block_pages, num_kv_splits, out_dim, num_warps,
-                  num_stages, interpret, new_kv=None, **static):
+                  num_stages, interpret, new_kv=None, direct_io=True, **static):
     """What both entries share, from sanitized metadata, `q_block` (the entry's choice) and the
     cache with the new rows written (or, with `new_kv`, to be written by the kernel):
     the work items, q gathered per item for the grid's (work items, kv heads or head programs,
@@ -269,7 +276,8 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
     `new_kv` (one-token items only): (new rows: MHA's K/V [T * Hkv * 2, D], token t's K of kv
     head h at row (t * Hkv + h) * 2, its V next, or MLA's latent rows [T, row width]; token_page,
     token_slot [T]) of new tokens the kernel writes into `caches[0]` (its only cache, not yet
-    written) and attends from there; then returns (out, the cache)."""
+    written) and attends from there; then returns (out, the cache). `direct_io=False`: one-token
+    items gather q and their output as longer items do."""
     num_tokens, num_q_heads = q.shape[:2]
     pages_per_seq = page_indices.shape[1]
     rows = max(16, next_power_of_two(q_block * group))
@@ -278,7 +286,7 @@ def _attend_items(q, caches, cache_specs, sinks, kv_lens, page_indices, cu_q_len
     # its rows of q and writes its rows of the output in place (`direct`), where a gather padded
     # q to the block's rows (7 us a layer of a 256-row Llama-3.1-8B step on an H200, ncu) and the
     # output was gathered back.
-    direct = q_block == 1 and not static["prefix_only"]
+    direct = direct_io and q_block == 1 and not static["prefix_only"]
     if direct:
         q_items = q.reshape(num_tokens * num_q_heads, q.shape[2])
         q_item_shape = (num_tokens, num_kv_heads, rows, q.shape[2])
