@@ -14,8 +14,9 @@ Triton), checked against ragged_dot on the same uneven groups and timed at its o
 others, at the shapes above and at Qwen3-30B-A3B's gate_up for batch 1 and a 256-row decode
 (routing uniform), each beside its floor: the routed experts' weights read once at the
 roofline's bandwidth (the device kind's published HBM figure, else the measured copy); gate_up's
-product with the SwiGLU fused (the server's on GPU) against its two steps, and the MXFP4 experts' kernel (pallas_kernels/grouped_matmul_mxfp4.py, not yet
-served) against ragged_dot on the decoded experts and beside the bf16 kernel on them, at
+product with the SwiGLU fused (the server's on GPU) against its two steps, the few-row
+candidates at batch 1 (wider tiles, K split: FEW_ROWS_VARIANTS), and the MXFP4 experts' kernel
+(pallas_kernels/grouped_matmul_mxfp4.py, not yet served) against ragged_dot on the decoded experts and beside the bf16 kernel on them, at
 Qwen3-30B-A3B's and gpt-oss-20b's shapes. Needs the checkout importable (PYTHONPATH=$PWD)."""
 import time
 
@@ -89,6 +90,14 @@ if jax.devices()[0].device_kind.startswith("NVIDIA H"):
               f"{float(jnp.max(jnp.abs(want))):.3g})")
 
 
+# Candidates for steps of few rows (a batch-1 decode: 8 routed rows), where each program's serial
+# loop over K, not the bytes, set the time on the H200 (2026-11-27): 128-wide column tiles (a
+# weight row's 256 bytes a load, not 64), longer K steps, and K split over 4 or 8 programs.
+FEW_ROWS_VARIANTS = [{"block_n": 128, "block_k": 128},
+                     {"block_n": 128, "block_k": 128, "num_k_splits": 4},
+                     {"block_n": 128, "block_k": 64, "num_k_splits": 8},
+                     {"block_n": 64, "block_k": 128, "num_k_splits": 4}]
+
 if jax.default_backend() == "gpu":
     import functools
 
@@ -125,7 +134,10 @@ if jax.default_backend() == "gpu":
         floor = experts_read * k * n * 2 / bandwidth
         routed = 2 * m * k * n
         block_m = gpu.block_rows(m, e)
-        for tiles in [{}, {"block_m": block_m, "block_n": 64}, {"block_m": 2 * block_m}]:
+        variants = [{}, {"block_m": block_m, "block_n": 64}, {"block_m": 2 * block_m}]
+        if m <= 64:  # few rows: 0.11 ms on the H200 whatever the tile; wider tiles, split K
+            variants += FEW_ROWS_VARIANTS
+        for tiles in variants:
             kernel = jax.jit(functools.partial(gpu.grouped_matmul_gpu, **tiles))
             try:
                 got = kernel(x, w, sizes).block_until_ready()
@@ -146,15 +158,19 @@ if jax.default_backend() == "gpu":
     from xlaserve.pallas_kernels import grouped_matmul_mxfp4 as mxfp4
     from xlaserve.weights.mxfp4 import decode_mxfp4
 
-    for name, m, e, k, i in [("qwen3 swiglu batch 1", 8, 128, 2048, 768),
-                             ("qwen3 swiglu 256 rows", 2048, 128, 2048, 768)]:
+    for name, m, e, k, i, options in [
+            ("qwen3 swiglu batch 1", 8, 128, 2048, 768, {}),
+            *(("qwen3 swiglu batch 1", 8, 128, 2048, 768, v) for v in FEW_ROWS_VARIANTS),
+            ("qwen3 swiglu 256 rows", 2048, 128, 2048, 768, {})]:
         key_x, key_w = jax.random.split(jax.random.key(m + 1))
         x = jax.random.normal(key_x, (m, k), jnp.bfloat16)
         gate_up = (jax.random.normal(key_w, (e, k, 2, i), jnp.float32) * 0.02).astype(jnp.bfloat16)
         sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
         both = gpu.grouped_matmul_gpu(x, gate_up.reshape(e, k, -1), sizes).reshape(m, 2, i)
         want = jax.nn.silu(both[:, 0]) * both[:, 1]
-        fused = jax.jit(functools.partial(gpu.grouped_swiglu_gpu, out_dtype=jnp.bfloat16))
+        fused = jax.jit(functools.partial(gpu.grouped_swiglu_gpu, out_dtype=jnp.bfloat16,
+                                          **options))
+        name = f"{name} {options or 'default'}"
         try:
             got = fused(x, gate_up, sizes).block_until_ready()
         except Exception as error:  # noqa: BLE001 - a report, whatever failed

@@ -247,6 +247,29 @@ def test_ragged_dot_is_a_dense_dot_for_an_h100_and_mosaic_gpus_grouped_matmul_co
     assert 'custom_call_target="mosaic_gpu' in grouped.as_text()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "swiglu"])
+@pytest.mark.parametrize("num_k_splits", [2, 3])
+def test_k_splits_sum_to_the_unsplit_product_with_zero_rows_past_the_groups(fused, num_k_splits):
+    # Each (column tile, visit) as num_k_splits programs over parts of K, their float32 partial
+    # products summed (and activated) after the call: the grouped product of every group's rows,
+    # empty groups and rows past the total included, in the output dtype.
+    rng = np.random.default_rng(5 + num_k_splits)
+    x = rng.standard_normal((40, 96)).astype(np.float32)
+    sizes = np.array([3, 0, 17, 1, 0, 12], np.int32)  # 33 of 40 rows
+    shape = (6, 96, 2, 32) if fused else (6, 96, 64)
+    weights = jnp.asarray(rng.standard_normal(shape) / 8, jnp.float32)
+    kernel = gpu.grouped_swiglu_gpu if fused else gpu.grouped_matmul_gpu
+    options = dict(block_m=16, block_n=16, block_k=16, interpret=True)  # 6 K steps
+    split = jax.jit(functools.partial(kernel, num_k_splits=num_k_splits, **options))
+    whole = jax.jit(functools.partial(kernel, **options))
+    got, want = np.asarray(split(x, weights, sizes)), np.asarray(whole(x, weights, sizes))
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[33:].any()
+    with pytest.raises(ValueError, match="do not split 4 ways"):
+        jax.jit(functools.partial(kernel, num_k_splits=4, **options))(x, weights, sizes)
+
+
 @pytest.mark.parametrize("rows,k,n,experts,dtype", [
     (8, 2048, 1536, 128, jnp.bfloat16),  # Qwen3-30B-A3B gate_up, batch 1
     (2048, 768, 2048, 128, jnp.bfloat16),  # its down, 256 rows
@@ -273,6 +296,21 @@ def test_the_gpu_kernel_compiles_for_an_h100(rows, k, n, experts, dtype, fused):
     assert f'name = "{gpu.SWIGLU_NAME if fused else gpu.NAME}_m{block_m}"' in hlo
     assert f"grid_y = {gpu.max_visits(rows, experts, block_m)} " in hlo
     assert not re.search(r"= \S+ (dot|convolution)\(", hlo)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "swiglu"])
+def test_k_split_kernels_compile_for_an_h100_at_a_batch_1_step(fused):
+    """Split K (the candidate for steps of few rows) through Triton's compiler at Qwen3-30B-A3B's
+    batch-1 gate_up: a third grid axis of the splits, 128-wide column tiles."""
+    _, target = devices("h100")
+    mesh = Mesh(np.array(target[:1]), ("device",))
+    kernel = gpu.grouped_swiglu_gpu if fused else gpu.grouped_matmul_gpu
+    shape = (128, 2048, 2, 768) if fused else (128, 2048, 1536)
+    compiled = compile_for(
+        mesh, jax.jit(functools.partial(kernel, num_k_splits=4, block_n=128, block_k=128)),
+        abstract((8, 2048), jnp.bfloat16, mesh), abstract(shape, jnp.bfloat16, mesh),
+        abstract((128,), jnp.int32, mesh))
+    assert "grid_z = 4 " in compiled.as_text()
 
 
 @pytest.mark.parametrize("first_expert", [0, 4])

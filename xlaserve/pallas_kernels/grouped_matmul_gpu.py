@@ -134,29 +134,55 @@ def grouped_swiglu_gpu(x: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
 
 def _grouped(x, weights, group_sizes, out_dtype, *, swiglu: bool, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-             num_stages: int = 3, interpret: bool = False) -> jax.Array:
+             num_stages: int = 3, num_k_splits: int = 1, interpret: bool = False) -> jax.Array:
+    """`num_k_splits` > 1: each (column tile, visit) is that many programs over parts of K,
+    whose float32 partial products (gate's and up's with `swiglu`) XLA sums, and activates,
+    after the call. A candidate for steps of few rows, where 8 visits of a batch-1 step took
+    ~0.11 ms on an H200 whatever the tile, 12x their bytes' time: each program a serial loop of
+    K / block_k steps (timed by benchmarks/check_gpu_ragged_dot.py; not the default)."""
     rows, k = x.shape
     groups, n = weights.shape[0], weights.shape[-1]  # n: the output's columns
     problem = supports(k, n)
     if problem is not None:
         raise ValueError(problem)
     block_k = block_k or next(b for b in BLOCK_K_CHOICES if k % b == 0)
-    plan = plan_visits(x.astype(weights.dtype), group_sizes, groups, n, block_m, block_n)
+    if (k // block_k) % num_k_splits:
+        raise ValueError(f"{k // block_k} K steps of {block_k} do not split {num_k_splits} ways")
+    plan = plan_visits(x.astype(weights.dtype), group_sizes, groups, n, block_m, block_n,
+                       num_k_splits)
     if swiglu:  # gate's and up's column tiles of the same columns
-        weight_spec = pl.BlockSpec((groups, k, 2, plan.block_n), lambda c, v: (0, 0, 0, c))
+        weight_spec = pl.BlockSpec((groups, k, 2, plan.block_n), lambda c, v, *_: (0, 0, 0, c))
     else:
-        weight_spec = pl.BlockSpec((groups, k, plan.block_n), lambda c, v: (0, 0, c))
+        weight_spec = pl.BlockSpec((groups, k, plan.block_n), lambda c, v, *_: (0, 0, c))
+    products = 2 if swiglu else 1
+    if num_k_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((rows + plan.block_m, n), out_dtype)
+        out_spec = plan.out_spec
+    else:  # per product (gate, up): [splits, rows, N] float32 partial sums
+        out_shape = [jax.ShapeDtypeStruct((num_k_splits, rows + plan.block_m, n),
+                                          jnp.float32)] * products
+        out_spec = [pl.BlockSpec((None, rows + plan.block_m, plan.block_n),
+                                 lambda c, v, split: (split, 0, c))] * products
     out = pl.pallas_call(
         functools.partial(_kernel, groups=groups, block_m=plan.block_m, block_k=block_k,
-                          swiglu=swiglu),
-        out_shape=jax.ShapeDtypeStruct((rows + plan.block_m, n), out_dtype),
+                          swiglu=swiglu, k_steps=k // block_k // num_k_splits,
+                          partial_sums=num_k_splits > 1),
+        out_shape=out_shape,
         grid=plan.grid,  # axis 0 runs fastest: a visit's column tiles together
         in_specs=plan.in_specs + [weight_spec],
-        out_specs=plan.out_spec,
+        out_specs=out_spec,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name=f"{SWIGLU_NAME if swiglu else NAME}_m{plan.block_m}",
     )(*plan.visit_arrays, plan.x, weights)
-    return out[:rows]
+    if num_k_splits == 1:
+        return out[:rows]
+    summed = [jnp.sum(part[:, :rows], axis=0) for part in out]
+    return (swiglu_of(*summed) if swiglu else summed[0]).astype(out_dtype)
+
+
+def swiglu_of(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up in gate's dtype (float32 here), as the kernel computes it."""
+    return gate / (1.0 + jnp.exp(-gate)) * up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +199,9 @@ class VisitPlan:
 
 
 def plan_visits(x: jax.Array, group_sizes: jax.Array, groups: int, n: int,
-                block_m: int | None = None, block_n: int | None = None) -> VisitPlan:
+                block_m: int | None = None, block_n: int | None = None,
+                num_k_splits: int = 1) -> VisitPlan:
+    """The grid is (column tiles, visits), and (..., K splits) where `num_k_splits` > 1."""
     rows, k = x.shape
     block_m = block_m or block_rows(rows, groups)
     num_visits = max_visits(rows, groups, block_m)
@@ -183,12 +211,13 @@ def plan_visits(x: jax.Array, group_sizes: jax.Array, groups: int, n: int,
     # A visit's rows are read as a whole block: the padding keeps the last one in bounds (a
     # masked load past the end would be right on the GPU, but the interpreter clamps the slice).
     padded = jnp.pad(x, ((0, block_m), (0, 0)))
+    grid = (n // block_n, num_visits) + ((num_k_splits,) if num_k_splits > 1 else ())
     return VisitPlan(
-        block_m, block_n, (n // block_n, num_visits),
+        block_m, block_n, grid,
         visits(group_sizes, rows, block_m, num_visits), padded,
-        [pl.BlockSpec((num_visits,), lambda c, v: (0,))] * 3
-        + [pl.BlockSpec(padded.shape, lambda c, v: (0, 0))],
-        pl.BlockSpec((rows + block_m, block_n), lambda c, v: (0, c)))
+        [pl.BlockSpec((num_visits,), lambda c, v, *_: (0,))] * 3
+        + [pl.BlockSpec(padded.shape, lambda c, v, *_: (0, 0))],
+        pl.BlockSpec((rows + block_m, block_n), lambda c, v, *_: (0, c)))
 
 
 def visit_rows(group_ref, start_ref, end_ref, out_ref, block_m: int):
@@ -208,10 +237,15 @@ def zero_rows_past_the_groups(group, groups: int, target, rows_here) -> None:
         plgpu.store(target, jnp.zeros(rows_here.shape, target.dtype), mask=rows_here)
 
 
-def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *, groups, block_m, block_k,
-            swiglu):
+def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, *out_refs, groups, block_m, block_k,
+            swiglu, k_steps, partial_sums):
+    """One visit's rows times one column tile; with `partial_sums`, over K steps [s * k_steps,
+    (s + 1) * k_steps) of split s, each product's float32 sum written to its own out_ref
+    [rows, block_n] unactivated."""
+    out_ref = out_refs[0]
     group, start, rows_here, target = visit_rows(group_ref, start_ref, end_ref, out_ref, block_m)
-    block_n = out_ref.shape[1]
+    block_n = out_ref.shape[-1]
+    first_step = pl.program_id(2) * k_steps if partial_sums else 0
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None  # no TF32 for f32
 
     @pl.when(group < groups)
@@ -227,12 +261,17 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *, groups, blo
                          for acc, w in zip(accs, ws, strict=True))
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        accs = lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * (2 if swiglu else 1))
+        accs = lax.fori_loop(first_step, first_step + k_steps, step,
+                             (zeros,) * (2 if swiglu else 1))
+        if partial_sums:
+            for acc, ref in zip(accs, out_refs, strict=True):
+                plgpu.store(ref.at[pl.ds(start, block_m), :], acc, mask=rows_here)
+            return
         if swiglu:  # silu(gate) * up, as the activation's float32 (swiglu_xla)
-            gate, up = accs
-            out = gate / (1.0 + jnp.exp(-gate)) * up
+            out = swiglu_of(*accs)
         else:
             (out,) = accs
         plgpu.store(target, out.astype(out_ref.dtype), mask=rows_here)
 
-    zero_rows_past_the_groups(group, groups, target, rows_here)
+    for ref in out_refs:
+        zero_rows_past_the_groups(group, groups, ref.at[pl.ds(start, block_m), :], rows_here)
