@@ -16,8 +16,9 @@ others, at the shapes above and at Qwen3-30B-A3B's gate_up for batch 1 and a 256
 roofline's bandwidth (the device kind's published HBM figure, else the measured copy); gate_up's
 product with the SwiGLU fused (the server's on GPU) against its two steps, the few-row
 candidates at batch 1 (wider tiles, K split: FEW_ROWS_VARIANTS), and the MXFP4 experts' kernel
-(pallas_kernels/grouped_matmul_mxfp4.py, not yet served) against ragged_dot on the decoded experts and beside the bf16 kernel on them, at
-Qwen3-30B-A3B's and gpt-oss-20b's shapes. Needs the checkout importable (PYTHONPATH=$PWD)."""
+(pallas_kernels/grouped_matmul_mxfp4.py, `--quantization mxfp4`) against ragged_dot on the decoded
+experts and beside the bf16 kernel on them, at Qwen3-30B-A3B's and gpt-oss-20b's shapes. Needs the
+checkout importable (PYTHONPATH=$PWD)."""
 import time
 
 import jax
@@ -153,7 +154,7 @@ if jax.default_backend() == "gpu":
                   f"{max_error:.3g} against ragged_dot in float32")
 
     # The fused SwiGLU (gate_up [E, K, 2, I] -> silu(gate) * up, bf16 out) and the MXFP4 experts
-    # (gpt-oss's blocks and scales decoded in the kernel; not yet served), each checked against
+    # (gpt-oss's blocks and scales decoded in the kernel; --quantization mxfp4), each checked against
     # its two-step or decoded form and timed beside its floor.
     from xlaserve.pallas_kernels import grouped_matmul_mxfp4 as mxfp4
     from xlaserve.weights.mxfp4 import decode_mxfp4

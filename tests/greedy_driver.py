@@ -25,14 +25,20 @@ from xlaserve.runtime.executor.kernels import kernels_for
 
 
 def make_forward(model, attention_backend: str = "auto", mla_expanded_prefill_tokens: int = 0,
-                 round_projections: bool = False):
+                 round_projections: bool = False, mxfp4_interpreted: bool = False):
     """A jitted `forward(state, input_ids, positions, kv_caches, metadata, logits_indices)` with
     the KV caches donated (updated in place). `round_projections`: the GPU's precision
-    (layers.Kernels.round_projections) on this CPU."""
+    (layers.Kernels.round_projections) on this CPU; `mxfp4_interpreted`: experts kept in MXFP4
+    multiplied by the GPU's kernel, interpreted."""
     graphdef, _ = nnx.split(model)
     kernels = kernels_for(attention_backend, _mesh_of(model),
                           mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
     kernels = dataclasses.replace(kernels, round_projections=round_projections)
+    if mxfp4_interpreted:
+        from xlaserve.pallas_kernels.grouped_matmul_mxfp4 import grouped_matmul_mxfp4
+
+        kernels = dataclasses.replace(kernels, mxfp4_grouped_matmul=functools.partial(
+            grouped_matmul_mxfp4, interpret=True))
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def forward(state, input_ids, positions, kv_caches, metadata, logits_indices):

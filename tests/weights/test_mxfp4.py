@@ -9,8 +9,7 @@ import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from tests.weights.dict_source import DictSource
-from tests.weights.mxfp4_writer import (EXPERT_MATRICES, QUANTIZATION_CONFIG, encode_mxfp4,
-                                      write_tiny_gpt_oss_checkpoint)
+from tests.weights.mxfp4_writer import EXPERT_MATRICES, QUANTIZATION_CONFIG, encode_mxfp4
 from xlaserve.weights.mxfp4 import FP4_VALUES, Mxfp4Error, decode_mxfp4, read_expert_weight
 from xlaserve.weights.quantization import QuantizationError, check_quantization_config
 from xlaserve.weights.param_layout import SafetensorsSource, WeightError, expert_matrix
@@ -139,12 +138,6 @@ def test_mxfp4_quantization_config_refuses_other_models_and_malformed_fields_in_
     with pytest.raises(QuantizationError, match=message) as error:
         check_quantization_config(hf_config)
     assert "\n" not in str(error.value)
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt_oss(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
-    return directory, write_tiny_gpt_oss_checkpoint(directory, seed=0)
 
 
 def test_tiny_checkpoint_has_the_gpt_oss_on_disk_layout(tiny_gpt_oss):

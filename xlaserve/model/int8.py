@@ -34,9 +34,13 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model import fp8_weights
 from xlaserve.model.fp8_weights import FP8_TYPES, Fp8Matrix
+from xlaserve.model.mxfp4_experts import KEPT as MXFP4_KEPT
+from xlaserve.model.mxfp4_experts import abstract_mxfp4
 from xlaserve.model.whole_weight import ReadWhole
 
-QUANTIZATIONS = ("int8", "fp8")
+# "mxfp4" quantizes nothing: it keeps a gpt-oss checkpoint's MXFP4 experts as they are stored
+# (mxfp4_experts.py, weights/mxfp4_kept.py), where they would be decoded to the model dtype.
+QUANTIZATIONS = ("int8", "fp8", "mxfp4")
 # The quantized leaves, by name, with how many of their leading axes are contracted.
 QUANTIZED_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1}
 INT8_MAX = 127
@@ -80,16 +84,26 @@ def check_quantization(quantization: str | Fp8Checkpoint | None) -> None:
 
 
 def check_platform(quantization: str | Fp8Checkpoint | None, device) -> None:
-    """FP8 weights need a device with FP8 matmuls (fp8_weights.check_fp8_platform); int8 runs
-    everywhere."""
+    """FP8 weights need a device with FP8 matmuls (fp8_weights.check_fp8_platform), MXFP4
+    experts an NVIDIA GPU (the kernel that decodes them); int8 runs everywhere."""
     if quantization == "fp8" or isinstance(quantization, Fp8Checkpoint):
         fp8_weights.check_fp8_platform(device)
+    if quantization == "mxfp4" and device.platform != "gpu":
+        raise ValueError(f"--quantization mxfp4 keeps MXFP4 experts for the NVIDIA GPU kernel; "
+                         f"this is {device.platform}: serve without it (the experts are then "
+                         f"decoded at load)")
 
 
 def refuse_quantized_checkpoint(quantization: str | None, checkpoint_method: str | None,
                                 where: str) -> None:
     """--quantization int8 or fp8 quantizes float weights; a checkpoint already quantized (FP8,
-    AWQ, GPTQ, MXFP4, a GGUF file) would be quantized twice, so it is refused in one line."""
+    AWQ, GPTQ, MXFP4, a GGUF file) would be quantized twice, so it is refused in one line.
+    --quantization mxfp4 keeps an MXFP4 checkpoint's experts: any other is refused."""
+    if quantization == "mxfp4":
+        if checkpoint_method != "mxfp4":
+            raise ValueError(f"--quantization mxfp4 keeps a gpt-oss checkpoint's MXFP4 experts; "
+                             f"{where} has none ({checkpoint_method or 'float weights'})")
+        return
     if quantization is not None and checkpoint_method is not None:
         raise ValueError(f"--quantization {quantization} needs a float checkpoint; {where} is "
                          f"already quantized ({checkpoint_method}): serve it without --quantization")
@@ -140,10 +154,14 @@ def abstract_quantized(path: tuple, weight: jax.ShapeDtypeStruct,
 
 def quantized_parameters(parameters: dict, quantization: str | Fp8Checkpoint = "int8") -> dict:
     """`{path: ShapeDtypeStruct}` with every quantized weight as its `abstract_quantized`; FP8
-    ones only where the mesh's devices have FP8 matmuls (else one line says so)."""
+    ones only where the mesh's devices have FP8 matmuls (else one line says so). "mxfp4": the
+    experts as `mxfp4_experts.Mxfp4Experts` of ShapeDtypeStructs, the rest as it was."""
     meshes = [p.sharding.mesh for p in parameters.values() if hasattr(p.sharding, "mesh")]
     if meshes:
         check_platform(quantization, meshes[0].devices.flat[0])
+    if quantization == "mxfp4":
+        return {path: abstract_mxfp4(str(path[-1]), p) if str(path[-1]) in MXFP4_KEPT else p
+                for path, p in parameters.items()}
     return {path: abstract_quantized(path, p, quantization) if quantizes(path) else p
             for path, p in parameters.items()}
 

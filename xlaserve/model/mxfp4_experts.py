@@ -10,7 +10,9 @@ Output features lead, input features are packed last (the checkpoint's orientati
 layout is [E, K, N...]). Sharded as the float weights are (`partition_specs`): experts over
 "expert", the intermediate axis over "tensor" (gate_up's I; down's I/32 groups).
 
-Not yet produced by the loader: model/moe.py multiplies it where a model holds one.
+Made by `--quantization mxfp4` from a gpt-oss checkpoint (weights/mxfp4_kept.py) or as dummy
+weights, on GPU meshes whose devices each hold whole 64-feature K steps of both experts
+(`mxfp4_mesh_problem`); model/moe.py multiplies it where a model holds one.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.whole_weight import ReadWhole
@@ -58,3 +61,48 @@ def partition_specs(name: str) -> Mxfp4Experts:
     if name == "experts_down":
         return Mxfp4Experts(P("expert", None, "tensor", None), P("expert", None, "tensor"))
     raise ValueError(f"{name} is not an expert weight MXFP4 can hold")
+
+
+# The parameters `--quantization mxfp4` keeps in MXFP4: a gpt-oss layer's experts.
+KEPT = ("experts_gate_up", "experts_down")
+
+
+def abstract_mxfp4(name: str, weight: jax.ShapeDtypeStruct) -> Mxfp4Experts:
+    """The Mxfp4Experts of ShapeDtypeStructs (uint8, sharded by `partition_specs`) that the float
+    expert weight `name` [E, K, 2, I] or [E, I, H] (`weight`, with its sharding) is kept as."""
+    if name == "experts_gate_up":
+        experts, k, _, inter = weight.shape
+        outputs = (2, inter)
+    else:
+        experts, k, hidden = weight.shape
+        outputs = (hidden,)
+    if k % GROUP:
+        raise ValueError(f"{name}: {k} input features is not a multiple of the MXFP4 group of "
+                         f"{GROUP}")
+    specs = partition_specs(name)
+    mesh = weight.sharding.mesh
+    return Mxfp4Experts(
+        jax.ShapeDtypeStruct((experts, *outputs, k // GROUP, GROUP // 2), jnp.uint8,
+                             sharding=NamedSharding(mesh, specs.blocks)),
+        jax.ShapeDtypeStruct((experts, *outputs, k // GROUP), jnp.uint8,
+                             sharding=NamedSharding(mesh, specs.scales)))
+
+
+def mxfp4_mesh_problem(hidden: int, inter: int, mesh) -> str | None:
+    """Why `mesh` cannot multiply MXFP4 experts of `hidden` x `inter` features (None: it can):
+    the kernel runs on NVIDIA GPUs, and each device's share of both projections must be whole K
+    steps of it (gpt-oss's inter 2880 leaves that at tensor parallel size 1 only: 1440 is not a
+    multiple of 64; expert parallelism splits experts, not features)."""
+    from xlaserve.pallas_kernels.grouped_matmul_mxfp4 import supports
+
+    device = mesh.devices.flat[0]
+    if device.platform != "gpu":
+        return f"MXFP4 experts are multiplied on NVIDIA GPUs only, not on {device.platform}"
+    tp = dict(mesh.shape).get("tensor", 1)
+    if inter % tp:
+        return f"{inter} intermediate features do not split over tensor parallel size {tp}"
+    for what, k, n in (("gate_up", hidden, 2 * inter // tp), ("down", inter // tp, hidden)):
+        problem = supports(k, n)
+        if problem is not None:
+            return f"each device's {what} at tensor parallel size {tp}: {problem}"
+    return None

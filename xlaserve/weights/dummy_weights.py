@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.int8 import QUANTIZED_TYPES, float_weight, quantize_placed
+from xlaserve.model.mxfp4_experts import Mxfp4Experts
 from xlaserve.model.registry import model_class
 from xlaserve.model.transformer import abstract_parameters
 
@@ -36,13 +37,15 @@ def dummy_model(config: ModelConfig, *, dtype, mesh: Mesh, seed: int = 0,
                 quantization: str | None = None):
     """The model of `config` with random weights, each parameter sharded by its partition spec;
     with `quantization` "int8" or "fp8", the quantized weights are the same random floats
-    quantized."""
+    quantized; "mxfp4": gpt-oss's experts as random MXFP4 codes and scales (`_random_mxfp4`)."""
     graphdef, _, parameters = abstract_parameters(config, jnp.dtype(dtype), mesh,
                                                   model_class(config.architecture), quantization)
     values = {}
     for path, want in parameters.items():
         if isinstance(want, QUANTIZED_TYPES):
             values[path] = quantize_placed(_random(path, float_weight(want), seed), want)
+        elif isinstance(want, Mxfp4Experts):
+            values[path] = _random_mxfp4(path, want, seed)
         else:
             values[path] = _random(path, want, seed)
     return nnx.merge(graphdef, nnx.from_flat_state(values))
@@ -60,6 +63,16 @@ def _random(path: tuple, parameter, seed: int) -> jax.Array:
     return initializer(np.uint32(parameter_key(seed, path)))
 
 
+def _random_mxfp4(path: tuple, want: Mxfp4Experts, seed: int) -> Mxfp4Experts:
+    """Every code equally likely, scales 2**-9 to 2**-6 (E8M0 bytes 118-121): values of about
+    the float weights' 0.02 (MXFP4's magnitudes average 2.6 times the scale)."""
+    key = np.uint32(parameter_key(seed, path))
+    return Mxfp4Experts(_initializer("bytes", tuple(want.blocks.shape), jnp.uint8,
+                                     want.blocks.sharding)(key),
+                        _initializer("scale_bytes", tuple(want.scales.shape), jnp.uint8,
+                                     want.scales.sharding)(key))
+
+
 def parameter_key(seed: int, path: tuple) -> int:
     """A 32-bit key per (seed, parameter name): stable across processes (unlike hash()), and a
     parameter keeps its values when others are added."""
@@ -71,6 +84,11 @@ def _initializer(kind: str, shape: tuple[int, ...], dtype, sharding: NamedShardi
     def init(key):
         if kind == "ones":
             return jnp.ones(shape, dtype)
+        if kind in ("bytes", "scale_bytes"):  # MXFP4's
+            bits = _mix(_mix(_element_index(shape) * jnp.uint32(0x9E3779B1) + key) ^ key)
+            if kind == "bytes":
+                return (bits >> 24).astype(dtype)
+            return (jnp.uint32(118) + (bits >> 30)).astype(dtype)
         return (INIT_STD * _uniform_unit_variance(_element_index(shape), key)).astype(dtype)
 
     return jax.jit(init, out_shardings=sharding)

@@ -33,12 +33,13 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from xlaserve.weights import checkpoint, gguf_file, gguf_kept
+from xlaserve.weights import checkpoint, gguf_file, gguf_kept, mxfp4_kept
 from xlaserve.model.config import ModelConfig
 from xlaserve.weights.conversion_cache import ConversionCache, ParamsWriter
 from xlaserve.weights.dummy_weights import dummy_model
 from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
 from xlaserve.model.fp8_weights import FP8_TYPES
+from xlaserve.model.mxfp4_experts import Mxfp4Experts
 from xlaserve.model.int8 import (QUANTIZED_TYPES, check_platform, check_quantization, float_weight,
                                  quantize_model, quantize_placed, refuse_quantized_checkpoint)
 from xlaserve.weights.placement import put
@@ -232,38 +233,59 @@ def load_model(
     source_path, config, hf_config = _read_config(path, config_file_allowed=dummy,
                                                   trust_remote_code=trust_remote_code)
     check_expert_parallel(config.num_experts, mesh)
+    if quantization == "mxfp4":
+        mxfp4_kept.check_model(config, mesh, None if dummy else source_path)
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
     tokenizer = None if skip_tokenizer_init else load_tokenizer(
         tokenizer_path or _folder_of(source_path), trust_remote_code=trust_remote_code)
     if dummy:
         model = dummy_model(config, dtype=dtype, mesh=mesh, seed=seed, quantization=quantization)
     elif checkpoint.is_checkpoint(source_path):
+        refuse_quantized_checkpoint(quantization if quantization == "mxfp4" else None,
+                                    "an Orbax checkpoint's float weights", source_path)
         model = checkpoint.load(source_path, dtype=dtype, mesh=mesh)
         if quantization is not None:
             quantize_model(model, quantization)
     else:
-        method = check_quantization_config(hf_config)
-        refuse_quantized_checkpoint(quantization, method, source_path)
-        source = SafetensorsSource(source_path)
-        kept = None
-        if method == "fp8":  # kept in FP8 where the devices multiply FP8 (fp8_kept.py)
-            kept = kept_quantization(hf_config["quantization_config"], source,
-                                     _expected(config, dtype, mesh)[1], mesh)
-        if kept is not None:
-            abstract = _expected(config, dtype, mesh, kept)
-            tensors = convert_kept(config, source, hf_config["quantization_config"], dtype,
-                                   abstract[1])
-            model = place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
-                                abstract=abstract)
-        else:
-            model = build_model(config, dequantizing_source(source, hf_config, dtype),
-                                dtype=dtype, mesh=mesh, progress=progress,
-                                quantization=quantization)
-    if quantization is not None:
+        model = _load_safetensors(source_path, config, hf_config, dtype=dtype, mesh=mesh,
+                                  progress=progress, quantization=quantization)
+    if quantization == "mxfp4":
+        logger.info("Kept the experts in MXFP4 (%.1f GB); the other weights are %s",
+                    mxfp4_kept.kept_bytes(model) / 1e9, np.dtype(dtype).name)
+    elif quantization is not None:
         logger.info("Quantized the attention and MLP weights to %s per output channel at load; "
                     "the embedding, LM head and experts stay %s", quantization,
                     np.dtype(dtype).name)
     return LoadedModel(config, model, tokenizer, dtype, mesh, source_path, name)
+
+
+def _load_safetensors(source_path: str, config: ModelConfig, hf_config: dict, *, dtype,
+                      mesh: Mesh, progress: bool, quantization: str | None):
+    """The model of a Hugging Face checkpoint: an FP8 one kept in FP8 where the devices multiply
+    FP8 (fp8_kept.py), gpt-oss's MXFP4 experts kept with --quantization mxfp4 (mxfp4_kept.py),
+    everything else decoded at load (and quantized as `quantization` asks)."""
+    method = check_quantization_config(hf_config)
+    refuse_quantized_checkpoint(quantization, method, source_path)
+    source = SafetensorsSource(source_path)
+    if quantization == "mxfp4":  # the experts as stored, the rest decoded
+        tensors = itertools.chain(
+            convert(config, dequantizing_source(source, hf_config, dtype),
+                    skip=mxfp4_kept.kept_paths(config)),
+            mxfp4_kept.kept_experts(config, source))
+        return place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
+                           abstract=_expected(config, dtype, mesh, quantization))
+    kept = None
+    if method == "fp8":  # kept in FP8 where the devices multiply FP8 (fp8_kept.py)
+        kept = kept_quantization(hf_config["quantization_config"], source,
+                                 _expected(config, dtype, mesh)[1], mesh)
+    if kept is not None:
+        abstract = _expected(config, dtype, mesh, kept)
+        tensors = convert_kept(config, source, hf_config["quantization_config"], dtype,
+                               abstract[1])
+        return place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
+                           abstract=abstract)
+    return build_model(config, dequantizing_source(source, hf_config, dtype), dtype=dtype,
+                       mesh=mesh, progress=progress, quantization=quantization)
 
 
 def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, progress: bool,
@@ -431,7 +453,8 @@ def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bo
             # Multi-host: each process puts only its own devices' shards (weights/placement.py).
             if isinstance(array, QuantizedLinear):  # GGUF blocks, placed already (gguf_kept.py)
                 loaded[path] = array
-            elif isinstance(array, FP8_TYPES):  # kept from an FP8 checkpoint (fp8_kept.py)
+            elif isinstance(array, (*FP8_TYPES, Mxfp4Experts)):  # kept as the file has them
+                # (fp8_kept.py, mxfp4_kept.py)
                 loaded[path] = jax.tree.map(lambda part, where: put(part, where.sharding),
                                             array, want)
             elif isinstance(want, QUANTIZED_TYPES):

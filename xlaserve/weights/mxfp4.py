@@ -57,7 +57,7 @@ def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype, name: str = "MXF
     out = np.empty((experts, groups * GROUP, rows), dtype)
     for expert in range(experts):
         scale, block = np.asarray(scales[expert]), blocks[expert]
-        if int(scale.max(initial=0)) >= _first_overflowing_scale(dtype.name):
+        if int(scale.max(initial=0)) >= first_overflowing_scale(dtype.name):
             _refuse_overflow(np.asarray(block), scale, dtype, name, expert)
         for r0 in range(0, rows, _ROW_TILE):
             r1 = min(r0 + _ROW_TILE, rows)
@@ -131,7 +131,7 @@ def _pair_table(dtype_name: str) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def _first_overflowing_scale(dtype_name: str) -> int:
+def first_overflowing_scale(dtype_name: str) -> int:
     """The smallest scale byte at which some code decodes to inf or NaN in the dtype."""
     return int(np.argmax(~np.isfinite(_products(dtype_name).astype(np.float32)).all(axis=1)))
 

@@ -140,7 +140,7 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
         source, prefix + "post_attention_layernorm.weight", (hidden,)
     )
     if c.architecture == "GptOssForCausalLM":
-        yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",))
+        yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",), skip)
     elif c.moe_layers[i]:
         yield from _experts(source, c, prefix, layer + ("mlp",))
     else:
@@ -189,21 +189,26 @@ def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
             source, prefix + "shared_expert_gate.weight", (1, hidden)).T
 
 
-def _gpt_oss_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
+def _gpt_oss_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple,
+                     skip: frozenset = frozenset()):
     """gpt-oss's experts: stacked tensors `gate_up_proj [E, hidden, 2 * inter]`, its gate and up
     columns interleaved (gate 2i, up 2i + 1), and `down_proj [E, inter, hidden]`, each stored
     plain or as MXFP4 blocks and scales (weights/mxfp4.py, decoded here into bfloat16, which holds
-    every MXFP4 value exactly); biases on the router and both projections."""
+    every MXFP4 value exactly; those in `skip` are kept in MXFP4 by weights/mxfp4_kept.py);
+    biases on the router and both projections."""
     experts, hidden, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
     yield path + ("router",), _fetch(source, prefix + "router.weight", (experts, hidden)).T
     yield path + ("router_bias",), _fetch(source, prefix + "router.bias", (experts,))
     prefix += "experts."
-    gate_up = expert_matrix(source, prefix + "gate_up_proj", (experts, hidden, 2 * inter))
-    yield path + ("experts_gate_up",), _deinterleave(gate_up.reshape(experts, hidden, inter, 2))
+    if path + ("experts_gate_up",) not in skip:
+        gate_up = expert_matrix(source, prefix + "gate_up_proj", (experts, hidden, 2 * inter))
+        yield path + ("experts_gate_up",), _deinterleave(gate_up.reshape(experts, hidden, inter,
+                                                                         2))
     bias = _fetch(source, prefix + "gate_up_proj_bias", (experts, 2 * inter))
     yield path + ("experts_gate_up_bias",), _deinterleave(bias.reshape(experts, inter, 2))
-    yield path + ("experts_down",), expert_matrix(source, prefix + "down_proj",
-                                                  (experts, inter, hidden))
+    if path + ("experts_down",) not in skip:
+        yield path + ("experts_down",), expert_matrix(source, prefix + "down_proj",
+                                                      (experts, inter, hidden))
     yield path + ("experts_down_bias",), _fetch(source, prefix + "down_proj_bias", (experts, hidden))
 
 
