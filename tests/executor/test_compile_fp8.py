@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.predict_accelerators import predict
-from tests.compile_targets import compile_for, devices
+from tests.compile_targets import compile_for, devices, first_layers
 from xlaserve.runtime.executor import aot
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.int8 import Fp8Checkpoint
@@ -100,21 +100,24 @@ def _smallest_bf16_weight(c: ModelConfig) -> int:
     return 2 * c.num_heads * c.head_dim * c.hidden_size
 
 
-def _decode_step(fp8_checkpoint=None, quantization=None):
+def _decode_step(directory, fp8_checkpoint=None, quantization=None):
+    """Llama-3.1-8B's smallest decode step, its first 2 layers (every layer has the same shapes;
+    the whole model's compile took 33-42 s of the suite), compiled for an H100."""
+    model_path = first_layers("llama-3.1-8b", 2, directory)
     program, shapes, description = aot.server_step("h100", ServerArgs(
-        model_path=LLAMA_8B, max_running_requests=64, quantization=quantization),
+        model_path=model_path, max_running_requests=64, quantization=quantization),
         fp8_checkpoint=fp8_checkpoint)
     tokens, seqs, pages = shapes[0]
     assert tokens == seqs == 8, description  # the smallest decode bucket
-    config, _ = aot.read_config(LLAMA_8B, load_format="dummy")
+    config, _ = aot.read_config(model_path, load_format="dummy")
     compiled = program.compile(tokens, seqs, pages)
     return program, compiled, config, predict(program, compiled, "h100", tokens, seqs,
                                               context=1024, config=config)
 
 
-def test_llama_8b_fp8_decode_step_multiplies_fp8_by_fp8_and_reads_one_byte_a_weight():
+def test_llama_8b_fp8_decode_step_multiplies_fp8_by_fp8_and_reads_one_byte_a_weight(tmp_path):
     devices("h100")  # skips where the CUDA plugin is absent
-    program, compiled, config, row = _decode_step(quantization="fp8")
+    program, compiled, config, row = _decode_step(tmp_path, quantization="fp8")
     weights = jax.tree.leaves(program.args[0])
     assert sum(w.size * w.dtype.itemsize for w in weights) == fp8_weight_bytes(config)
     assert sum(w.dtype == jnp.float8_e4m3fn for w in weights) == 4 * config.num_layers
@@ -124,11 +127,12 @@ def test_llama_8b_fp8_decode_step_multiplies_fp8_by_fp8_and_reads_one_byte_a_wei
     # XLA's bytes (the caches' updates counted as the rows written) against each weight read once,
     # plus, in the variant with prompt logprobs compiled here, the LM head again (over every token
     # row), and the embedding table, which JAX 0.10's XLA charges whole for a gather of 8 rows and
-    # JAX 0.11's does not: 10.84 GB (0.10) and 9.90 GB (0.11) against 10.14-11.19; a bfloat16
-    # copy of the FP8 weights would add 14 GB.
+    # JAX 0.11's does not (the whole model: 10.84 GB on 0.10, 9.90 on 0.11, against 10.14-11.19;
+    # these 2 layers 2.86 GB on 0.11 against weights of 2.54). A bfloat16 copy of the FP8 weights
+    # shows as an upcast above.
     table_bytes = 2 * config.vocab_size * config.hidden_size
     moved = row["xla_bytes"] + row["cache_write_correction"]
-    low, high = row["weights"] + table_bytes, row["weights"] + 2 * table_bytes
+    low, high = row["weights"], row["weights"] + 2 * table_bytes
     assert 0.95 * low < moved < 1.05 * high, (moved / 1e9, low / 1e9, high / 1e9)
     assert compiled.memory_analysis().temp_size_in_bytes < _smallest_bf16_weight(config)
 
@@ -149,9 +153,9 @@ def test_the_block_fp8_kernel_compiles_for_h100_at_llama_8b_shapes():
 
 
 @pytest.mark.slow
-def test_llama_8b_block_fp8_checkpoint_decode_step_multiplies_in_the_block_kernel():
+def test_llama_8b_block_fp8_checkpoint_decode_step_multiplies_in_the_block_kernel(tmp_path):
     devices("h100")
-    program, compiled, config, row = _decode_step(fp8_checkpoint=Fp8Checkpoint(128))
+    program, compiled, config, row = _decode_step(tmp_path, fp8_checkpoint=Fp8Checkpoint(128))
     weights = jax.tree.leaves(program.args[0])
     assert sum(w.size * w.dtype.itemsize for w in weights) == fp8_weight_bytes(config, 128)
     hlo = compiled.as_text()
