@@ -117,7 +117,10 @@ def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target,
     assert len(gathers) <= 2 and all(g.startswith("f32[") for g in gathers), (gathers, description)
 
 
-@pytest.mark.parametrize("expanded", [False, True], ids=["absorbed", "expanded"])
+# The expanded form on JAX 0.10 only (33 s of the 0.11 run; the absorbed one, the same step and
+# cache around another attention, compiles on both).
+@pytest.mark.parametrize("expanded", [False, pytest.param(True, marks=pytest.mark.jax_independent)],
+                         ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), pytest.param("h100", 1, marks=pytest.mark.slow)])
 def test_deepseek_latent_attention_step_compiles_with_its_cache_updated_in_place(
         target, tp_size, expanded, tmp_path):

@@ -21,7 +21,8 @@ from xlaserve.weights.fp8 import Fp8Source
 from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
 from xlaserve.model.fp8_weights import Fp8BlockMatrix, Fp8Matrix, dequantize
 from xlaserve.model.int8 import Fp8Checkpoint, abstract_quantized, quantizes
-from xlaserve.weights.loader import default_mesh, load_model, place_model, read_config
+from xlaserve.weights.loader import default_mesh, load_model, read_config
+from xlaserve.weights.placement import place_model
 from xlaserve.model.registry import model_class
 from xlaserve.model.sharding import serving_mesh
 from xlaserve.model.transformer import abstract_parameters

