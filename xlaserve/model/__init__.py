@@ -19,6 +19,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "swiglu_xla": "layers",
     "mla_weights": "mla",
     "Mxfp4Experts": "mxfp4_experts", "mxfp4_mesh_problem": "mxfp4_experts",
+    "MXFP4_KEPT": "mxfp4_experts",
     "expert_parallel": "moe",
     "pack_model": "packed",
     "check_quantized_rows": "quantized_rows", "native_gemm_available": "quantized_rows",

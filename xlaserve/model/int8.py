@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model import fp8_weights
 from xlaserve.model.fp8_weights import FP8_TYPES, Fp8Matrix
-from xlaserve.model.mxfp4_experts import KEPT as MXFP4_KEPT
+from xlaserve.model.mxfp4_experts import MXFP4_KEPT
 from xlaserve.model.mxfp4_experts import abstract_mxfp4
 from xlaserve.model.whole_weight import ReadWhole
 

@@ -11,8 +11,8 @@ layout is [E, K, N...]). Sharded as the float weights are (`partition_specs`): e
 "expert", the intermediate axis over "tensor" (gate_up's I; down's I/32 groups).
 
 Made by `--quantization mxfp4` from a gpt-oss checkpoint (weights/mxfp4_kept.py) or as dummy
-weights, on GPU meshes whose devices each hold whole 64-feature K steps of both experts
-(`mxfp4_mesh_problem`); model/moe.py multiplies it where a model holds one.
+weights, on NVIDIA GPU meshes (int8.check_platform) whose devices each hold whole 64-feature K
+steps of both experts (`mxfp4_mesh_problem`); model/moe.py multiplies it where a model holds one.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def partition_specs(name: str) -> Mxfp4Experts:
 
 
 # The parameters `--quantization mxfp4` keeps in MXFP4: a gpt-oss layer's experts.
-KEPT = ("experts_gate_up", "experts_down")
+MXFP4_KEPT = ("experts_gate_up", "experts_down")
 
 
 def abstract_mxfp4(name: str, weight: jax.ShapeDtypeStruct) -> Mxfp4Experts:
@@ -90,14 +90,12 @@ def abstract_mxfp4(name: str, weight: jax.ShapeDtypeStruct) -> Mxfp4Experts:
 
 def mxfp4_mesh_problem(hidden: int, inter: int, mesh) -> str | None:
     """Why `mesh` cannot multiply MXFP4 experts of `hidden` x `inter` features (None: it can):
-    the kernel runs on NVIDIA GPUs, and each device's share of both projections must be whole K
-    steps of it (gpt-oss's inter 2880 leaves that at tensor parallel size 1 only: 1440 is not a
-    multiple of 64; expert parallelism splits experts, not features)."""
+    each device's share of both projections must be whole K steps of the kernel (gpt-oss's inter
+    2880 leaves that at tensor parallel size 1 only: 1440 is not a multiple of 64; expert
+    parallelism splits experts, not features). That the devices are NVIDIA GPUs is
+    int8.check_platform's to say."""
     from xlaserve.pallas_kernels.grouped_matmul_mxfp4 import supports
 
-    device = mesh.devices.flat[0]
-    if device.platform != "gpu":
-        return f"MXFP4 experts are multiplied on NVIDIA GPUs only, not on {device.platform}"
     tp = dict(mesh.shape).get("tensor", 1)
     if inter % tp:
         return f"{inter} intermediate features do not split over tensor parallel size {tp}"

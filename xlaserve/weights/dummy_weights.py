@@ -85,7 +85,7 @@ def _initializer(kind: str, shape: tuple[int, ...], dtype, sharding: NamedShardi
         if kind == "ones":
             return jnp.ones(shape, dtype)
         if kind in ("bytes", "scale_bytes"):  # MXFP4's
-            bits = _mix(_mix(_element_index(shape) * jnp.uint32(0x9E3779B1) + key) ^ key)
+            bits = _hashed(_element_index(shape), key)
             if kind == "bytes":
                 return (bits >> 24).astype(dtype)
             return (jnp.uint32(118) + (bits >> 30)).astype(dtype)
@@ -113,9 +113,15 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
+def _hashed(index: jax.Array, key: jax.Array) -> jax.Array:
+    """uint32 bits of each index under the key: two keyed rounds, so that another key gives
+    other values, not the same ones permuted."""
+    return _mix(_mix(index * jnp.uint32(0x9E3779B1) + key) ^ key)
+
+
 def _uniform_unit_variance(index: jax.Array, key: jax.Array) -> jax.Array:
-    """float32 uniform on [-sqrt(3), sqrt(3)) (mean 0, variance 1) from each index and the key;
-    two keyed rounds, so that another key gives other values, not the same ones permuted."""
-    bits = _mix(_mix(index * jnp.uint32(0x9E3779B1) + key) ^ key)
+    """float32 uniform on [-sqrt(3), sqrt(3)) (mean 0, variance 1) from each index and the key
+    (`_hashed`)."""
+    bits = _hashed(index, key)
     unit = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))  # the top 24 bits: [0, 1)
     return (unit - 0.5) * (12.0 ** 0.5)

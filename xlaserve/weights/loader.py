@@ -234,8 +234,7 @@ def load_model(
     if dummy:
         model = dummy_model(config, dtype=dtype, mesh=mesh, seed=seed, quantization=quantization)
     elif checkpoint.is_checkpoint(source_path):
-        refuse_quantized_checkpoint(quantization if quantization == "mxfp4" else None,
-                                    "an Orbax checkpoint's float weights", source_path)
+        refuse_quantized_checkpoint(quantization, None, source_path)  # its weights are float
         model = checkpoint.load(source_path, dtype=dtype, mesh=mesh)
         if quantization is not None:
             quantize_model(model, quantization)

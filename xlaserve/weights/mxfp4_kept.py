@@ -24,7 +24,7 @@ import jax
 from flax import nnx
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.mxfp4_experts import Mxfp4Experts, mxfp4_mesh_problem
+from xlaserve.model.mxfp4_experts import MXFP4_KEPT, Mxfp4Experts, mxfp4_mesh_problem
 from xlaserve.weights.mxfp4 import GROUP, Mxfp4Error, first_overflowing_scale
 from xlaserve.weights.tensor_source import TensorSource
 
@@ -53,7 +53,7 @@ def kept_bytes(model) -> int:
 def kept_paths(config: ModelConfig) -> frozenset[tuple]:
     """The parameters kept in MXFP4 (param_layout.convert skips them)."""
     return frozenset(("layers", i, "mlp", name) for i in range(config.num_layers)
-                     for name in ("experts_gate_up", "experts_down"))
+                     for name in MXFP4_KEPT)
 
 
 def kept_experts(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, Mxfp4Experts]]:
