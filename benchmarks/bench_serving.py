@@ -301,9 +301,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=30100, help="port for --launch")
     parser.add_argument("--xlaserve-arg", action="append", default=[], help="extra launch_server flag")
-    parser.add_argument("--gguf", choices=["F32", "Q8_0", "Q4_K_M"],
+    parser.add_argument("--gguf", choices=["Q4_1", "F32", "Q8_0", "Q4_K_M"],
                         help="every launched server serves this GGUF of the embedded model "
-                             "(made by peers.py; the quantized ones with the llama-quantize beside "
+                             "(Q4_1: its own file; the others made by peers.py; the quantized ones with the llama-quantize beside "
                              "--llama-server-bin, else on PATH); xlaserve as --model-path")
     parser.add_argument("--llama-server-bin", metavar="PATH", help="llama.cpp's llama-server, for "
                         "--launch llama-server (its llama-quantize beside it makes --gguf files)")

@@ -22,10 +22,14 @@ def kv_tokens(args: argparse.Namespace) -> int:
 
 
 def gguf_file(kind: str, llama_server_bin: str | None) -> str:
-    """The embedded model's GGUF of `kind` (F32, Q8_0, Q4_K_M), made once (peers.py) by the
-    llama-quantize beside `llama_server_bin` (else the one on PATH)."""
+    """The embedded model's GGUF of `kind`: Q4_1, the file itself (Q4_1 matrices, a Q8_0
+    embedding); F32, Q8_0, Q4_K_M made once (peers.py), the quantized ones by the llama-quantize
+    beside `llama_server_bin` (else the one on PATH)."""
     import peers
 
+    if kind == "Q4_1":
+        from xlaserve.weights.loader import default_model_file
+        return default_model_file()
     if kind == "F32":
         return peers.f32_gguf()
     quantize = (os.path.join(os.path.dirname(llama_server_bin), "llama-quantize")

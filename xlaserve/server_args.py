@@ -112,6 +112,12 @@ class ServerArgs:
     matmul_backend: str = _flag(
         "auto", "matmuls: auto (the native GEMM over packed weights on a single CPU device, XLA's "
                 "dots elsewhere), native, xla", choices=["auto", "native", "xla"])
+    gguf_activations: str = _flag(
+        "q8", "GGUF weights kept quantized on the CPU: q8 (default) quantizes each matmul's "
+              "input per block of 32 (256 for K-quants) to 8 bits and multiplies integers, as "
+              "llama.cpp does (its numerics); float32 multiplies the exact float32 input by the "
+              "exactly decoded weights (slower; logits closer to the dequantized model's)",
+        choices=["q8", "float32"])
     mla_expanded_prefill_tokens: int = _flag(
         0, "multi-head latent attention models (DeepSeek-V2/V3, Kimi K2): steps of at least this "
            "many tokens take the expanded form, new tokens attended with per-head keys and "

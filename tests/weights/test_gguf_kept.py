@@ -119,3 +119,47 @@ def test_the_conversion_cache_keeps_the_other_parameters_only(tmp_path):
                         conversion_cache_dir=root)
     assert isinstance(_weights(second)[("layers", 0, "attn", "qkv")], QuantizedLinear)
     np.testing.assert_array_equal(_logits_of(first), _logits_of(second))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K],
+                         ids=lambda q: q.name)
+def test_q8_activations_interleave_the_blocks_of_32_and_stay_near_the_exact_logits(tmp_path,
+                                                                                  qtype):
+    """--gguf-activations q8: every kept matrix multiplies x quantized per block (the Q8 GEMM,
+    whose numerics tests/kernels/test_cpu_q8_gemm.py checks against ggml's); the formats of
+    blocks of 32 are interleaved (x8), the K-quants kept as the file has them; the weights still
+    stand for the dequantized ones exactly, and the logits differ from the exact float32 ones
+    by 8-bit rounding of the inputs only."""
+    hidden = 256 if qtype in K_QUANTS else 64
+    path = str(tmp_path / f"tiny-{qtype.name}.gguf")
+    write_llama_gguf(path, _tiny_llama(hidden), qtype)
+    q8 = _load(path, gguf_activations="q8")
+    weights = _weights(q8)
+    layout = qtype.name.lower() + ("" if qtype in K_QUANTS else "x8")
+    for name in (("layers", 0, "attn", "qkv"), ("layers", 1, "mlp", "down"), ("embedding",),
+                 ("lm_head",)):
+        assert weights[name].formats == (layout,), name
+        assert all(part.activations == "q8" for part in weights[name].parts)
+    _assert_same_weights(weights, _weights(_load(path, matmul_backend="xla")))
+    exact = _logits_of(_load(path, gguf_activations="float32"))
+    error = np.abs(_logits_of(q8) - exact).max()
+    assert 0 < error <= 0.05 * np.abs(exact).max()  # measured 0.1% (Q4_K) to 3.7% (Q6_K)
+
+
+def test_a_q8_engine_gives_each_prompt_its_solo_tokens_in_any_batch(tmp_path):
+    """x is quantized row by row and each output summed in one order whatever the rows beside it:
+    requests batched together decode what each decodes alone (the default q8 activations)."""
+    from xlaserve.offline import Engine
+
+    path = str(tmp_path / "tiny-Q4_1.gguf")
+    write_llama_gguf(path, _tiny_llama(64), Q.Q4_1)
+    prompts = [[1, 5, 9, 200, 31], [7] * 11, [300, 2, 4, 8, 16, 32, 64, 128, 256, 3]]
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with Engine(path, skip_tokenizer_init=True, max_running_requests=4,
+                precompile_token_paddings="8,32", chunked_prefill_size=32,
+                max_total_tokens=256, context_length=64,
+                log_level="warning") as engine:
+        batched = engine.generate(input_ids=prompts, sampling_params=greedy)
+        for prompt, together in zip(prompts, batched, strict=True):
+            alone = engine.generate(input_ids=prompt, sampling_params=greedy)
+            assert together["output_ids"] == alone["output_ids"]

@@ -13,8 +13,10 @@ stores attn_v and half of ffn_down in Q6_K beside Q4_K q, k, gate and up), their
 concatenated, and for qkv interleaved into [kv_heads, group + 2, head_dim] as the fused rows
 would be.
 
-x goes in float32 and stays float32: the weights are dequantized exactly in registers, never
-rounded (weight-only; the GEMM's header says why no integer dot).
+Each matrix says how x meets it (`QuantizedRows.activations`, from --gguf-activations): "q8"
+quantizes x per block and multiplies integers as llama.cpp does (native/q8_gemm_cpu.cc; the
+blocks of 32 in their interleaved "x8" layouts); "float32" keeps x as is against the exactly
+decoded weights (native/quantized_gemm_cpu.cc), as int8's "i8_row" matrices always do.
 """
 from __future__ import annotations
 
@@ -55,6 +57,10 @@ class QuantizedRows:
     fmt: str = dataclasses.field(metadata=dict(static=True))
     k: int = dataclasses.field(metadata=dict(static=True))
     layer: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # How x meets the rows (quantized_gemm_cpu.ACTIVATIONS): "q8" quantized per block, integer
+    # dot products as llama.cpp's (GGUF formats; the "x8" layouts take nothing else), "float32"
+    # as is, against the exactly decoded weights.
+    activations: str = dataclasses.field(default="float32", metadata=dict(static=True))
 
     @property
     def n(self) -> int:
@@ -90,11 +96,11 @@ class QuantizedLinear(ReadWhole):
 
 
 def quantized_linear(x: jax.Array, weight: QuantizedLinear, matmul) -> jax.Array:
-    """x [T, K] @ weight -> float32 [T, *output axes]; `matmul(x, rows, fmt=, k=, layer=)` is the
-    native GEMM (quantized_gemm_cpu.quantized_matmul)."""
+    """x [T, K] @ weight -> float32 [T, *output axes]; `matmul(x, rows, fmt=, k=, layer=,
+    activations=)` is the native GEMM (quantized_gemm_cpu.quantized_matmul)."""
     x = x.astype(jnp.float32)
-    outputs = [matmul(x, part.rows, fmt=part.fmt, k=part.k, layer=part.layer)
-               for part in weight.parts]
+    outputs = [matmul(x, part.rows, fmt=part.fmt, k=part.k, layer=part.layer,
+                      activations=part.activations) for part in weight.parts]
     return _joined(outputs, weight.qkv_heads, jnp).reshape(x.shape[0], *weight.output_axes)
 
 

@@ -30,8 +30,8 @@ import jax
 from xlaserve.cache_root import private_dir, xlaserve_cache_dir
 
 HEADER_DIR = Path(__file__).parent  # parallel.h and vectors.h, shared by every kernel
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
-          "-fno-math-errno", "-ffp-contract=fast"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno",
+          "-ffp-contract=fast"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -54,13 +54,13 @@ def cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def _compile(compiler: str, source: Path, library: Path) -> None:
+def _compile(compiler: str, source: Path, library: Path, march: str) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     # Compile to a temporary name and rename: processes building at once never load half a file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         partial = Path(tmp) / library.name
-        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADER_DIR}", str(source),
-                   "-o", str(partial)]
+        command = [compiler, *_FLAGS, f"-march={march}", f"-I{jax.ffi.include_dir()}",
+                   f"-I{HEADER_DIR}", str(source), "-o", str(partial)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelUnavailable(f"compiling {source.name} failed:\n{' '.join(command)}\n"
@@ -69,31 +69,34 @@ def _compile(compiler: str, source: Path, library: Path) -> None:
 
 
 @functools.cache
-def register(source: Path, symbol: str, target_name: str) -> ctypes.CDLL:
+def register(source: Path, symbol: str, target_name: str, march: str = "native") -> ctypes.CDLL:
     """Builds `source` (once per source, flags and CPU), registers its handler `symbol` as the
-    CPU custom call `target_name`, and returns the library (for its other exported functions)."""
+    CPU custom call `target_name`, and returns the library (for its other exported functions).
+    `march`: the -march the library is built for; another than "native" (x86-64-v3: AVX2 without
+    AVX-512 or VNNI; x86-64-v2: no AVX2) lets tests run a kernel's other paths on this CPU."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set $CXX)")
     headers = sorted(set(HEADER_DIR.glob("*.h")) | set(source.parent.glob("*.h")))
     key = hashlib.sha256(b"\0".join([
         source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(_FLAGS).encode(),
-        compiler.encode(), cpu_signature().encode(), jax.ffi.include_dir().encode()])).hexdigest()
+        march.encode(), compiler.encode(), cpu_signature().encode(), jax.ffi.include_dir().encode()])).hexdigest()
     name = f"{source.stem}-{key[:20]}.so"
     cached = private_dir(cache_dir())
     if cached is None:  # built where no one else writes; a loaded library needs its file no more
         with tempfile.TemporaryDirectory(prefix="xlaserve-kernels-") as folder:
-            loaded, handler = _build_and_load(compiler, source, Path(folder) / name, symbol)
+            loaded, handler = _build_and_load(compiler, source, Path(folder) / name, symbol,
+                                              march)
     else:
-        loaded, handler = _build_and_load(compiler, source, cached / name, symbol)
+        loaded, handler = _build_and_load(compiler, source, cached / name, symbol, march)
     jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(handler), platform="cpu")
     return loaded
 
 
-def _build_and_load(compiler: str, source: Path, library: Path, symbol: str):
+def _build_and_load(compiler: str, source: Path, library: Path, symbol: str, march: str):
     """(the library, its function `symbol`), compiled first unless `library` exists."""
     if not library.exists():
-        _compile(compiler, source, library)
+        _compile(compiler, source, library, march)
     try:
         loaded = ctypes.cdll.LoadLibrary(str(library))
         return loaded, getattr(loaded, symbol)

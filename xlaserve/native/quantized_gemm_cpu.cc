@@ -7,8 +7,9 @@
 //
 // Weight-only: x stays float32 and every product is x * w for w the dequantized weight, bit for
 // bit gguf.quants.dequantize's, summed in float32; only the summation order differs from
-// x @ dequantize(W).T. (llama.cpp instead rounds x to 8 bits and multiplies integers with VNNI
-// dot products, which is faster but changes the numerics; we do not.)
+// x @ dequantize(W).T. (llama.cpp instead rounds x to 8 bits and multiplies integers, faster but
+// other numerics: q8_gemm_cpu.cc, the default for GGUF files; this one is --gguf-activations
+// float32, and --quantization int8's.)
 //
 // Three ways through W, by the rows of x (M):
 // - a few rows (decode steps, M <= kStreamRows): each block of W is decoded into vector registers

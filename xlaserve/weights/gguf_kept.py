@@ -7,7 +7,9 @@ embedding and the output head, where stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_
 llama.cpp users download most: a Q4_K_M file is Q4_K and Q6_K, with Q5_0 where a matrix's K is
 not a multiple of 256 (Q5_1 in a Q5_K_M file); the embedded default model Q4_1 and Q8_0).
 Their bytes are the file's own: a row of a GGUF [N, K] tensor is output n's K inputs as
-consecutive blocks, which is the GEMM's layout, so nothing is repacked. q and k rows are put
+consecutive blocks, which is the GEMMs' layout; with q8 activations (--gguf-activations, the
+default) the formats of blocks of 32 are interleaved 8 rows at a time (the same bytes reordered,
+native/q8_interleaved.h), which the Q8 GEMM multiplies 8 outputs at a time. q and k rows are put
 back in the transformers order (llama.cpp permutes them for its interleaved RoPE), whole rows at
 a time. A weight made of several tensors (qkv, gate_up) is fused into one matrix where they share
 a format, else kept as parts. A weight with any tensor of another type (F16, BF16, Q5_K, ...) is
@@ -27,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
+from xlaserve.native import quantized_gemm_cpu
 from xlaserve.weights.gguf_file import GGUFSource
 from xlaserve.weights.placement import put
 from xlaserve.model.quantized_rows import (QuantizedLinear, QuantizedRows, native_gemm_available,
@@ -66,9 +69,12 @@ def placed(kept: dict[tuple, QuantizedLinear], mesh: Mesh) -> dict[tuple, Quanti
             for path, value in stack_layers(kept).items()}
 
 
-def kept_weights(config: ModelConfig, source: GGUFSource) -> dict[tuple, QuantizedLinear]:
+def kept_weights(config: ModelConfig, source: GGUFSource,
+                 activations: str = "float32") -> dict[tuple, QuantizedLinear]:
     """{parameter path: QuantizedLinear of host (numpy) rows} for every weight kept quantized;
-    the paths missing here are dequantized by weights.convert as before."""
+    the paths missing here are dequantized by weights.convert as before. `activations`: how
+    every kept matrix meets x (QuantizedRows.activations); with "q8" the ones of Q8_0, Q4_0,
+    Q4_1, Q5_0 and Q5_1 blocks are also interleaved for the Q8 GEMM (`interleaved`)."""
     c = config
     hidden, head_dim, inter = c.hidden_size, c.head_dim, c.intermediate_size
     kept, dequantized = {}, []
@@ -82,6 +88,8 @@ def kept_weights(config: ModelConfig, source: GGUFSource) -> dict[tuple, Quantiz
         parts = [QuantizedRows(rows, KEPT_TYPES[kind], k) for kind, rows, k in raws]
         if len({part.fmt for part in parts}) == 1 and len(parts) > 1:
             parts = [_fused(parts, qkv_heads)]
+        if activations == "q8":
+            parts = [interleaved(dataclasses.replace(part, activations="q8")) for part in parts]
         kept[path] = QuantizedLinear(tuple(parts), weight_shape, output_axes,
                                      qkv_heads if len(parts) > 1 else None, rows_layout)
 
@@ -105,6 +113,16 @@ def kept_weights(config: ModelConfig, source: GGUFSource) -> dict[tuple, Quantiz
                     "dequantized at load: %s", ", ".join(KEPT_TYPES), ", ".join(dequantized[:8])
                     + (f" and {len(dequantized) - 8} more" if len(dequantized) > 8 else ""))
     return kept
+
+
+def interleaved(part: QuantizedRows) -> QuantizedRows:
+    """`part` in its format's "x8" layout where it has one and its rows come in groups of 8
+    (native/q8_interleaved.h: the Q8 GEMM's fast path), else as it is (the Q8 GEMM's
+    one-row-at-a-time path, the K-quants' only one)."""
+    if part.fmt not in quantized_gemm_cpu.X8.values() or part.n % 8:
+        return part
+    return dataclasses.replace(part, rows=quantized_gemm_cpu.interleave_x8(part.rows, part.fmt),
+                               fmt=part.fmt + "x8")
 
 
 def _fused(parts: list[QuantizedRows], qkv_heads) -> QuantizedRows:

@@ -24,11 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 def load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, progress: bool,
-               tokenizer_path: str | None, need_tokenizer: bool, keep_quantized: bool):
+               tokenizer_path: str | None, need_tokenizer: bool, keep_quantized: bool,
+               activations: str = "float32"):
     """(config, model, tokenizer) of a GGUF file: from its conversion cache entry, or converted
     (and cached, with the file's own tokenizer, when `cache` is given). `keep_quantized`: its
     quantized matmul weights stay in their blocks (gguf_kept.py), read from the file on every
-    load; the cache then holds the other parameters only."""
+    load; the cache then holds the other parameters only. `activations`: gguf_kept.kept_weights'."""
     start = time.perf_counter()
     variant = gguf_kept.CACHE_VARIANT if keep_quantized else ""
     entry = cache.lookup(path, dtype, variant) if cache is not None else None
@@ -39,7 +40,7 @@ def load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, pr
                                                           else path))
         tensors = entry.tensors()
         if keep_quantized:
-            kept = gguf_kept.kept_weights(entry.config, gguf_file.GGUFSource(path))
+            kept = gguf_kept.kept_weights(entry.config, gguf_file.GGUFSource(path), activations)
             tensors = itertools.chain(tensors, gguf_kept.placed(kept, mesh).items())
         model = place_model(entry.config, tensors, dtype=dtype, mesh=mesh, progress=progress)
         # INFO names the file, DEBUG says where things are on this machine (--log-level debug).
@@ -62,7 +63,7 @@ def load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, pr
     if need_tokenizer:
         tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else own_tokenizer
     source = gguf_file.GGUFSource(path)
-    kept = gguf_kept.kept_weights(config, source) if keep_quantized else {}
+    kept = gguf_kept.kept_weights(config, source, activations) if keep_quantized else {}
     tensors = convert(config, source, skip=frozenset(kept))
     kept_tensors = gguf_kept.placed(kept, mesh).items()
     if cache is None:

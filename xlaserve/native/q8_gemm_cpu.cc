@@ -1,0 +1,287 @@
+// y[M, N] = x[M, K] @ W^T on the CPU with W kept in a GGUF format and x quantized per block to
+// 8 bits, multiplied with integer dot products as llama.cpp does (q8_blocks.h: the formats, the
+// activations' quantization and the numerics); an XLA FFI custom call (quantized_gemm_cpu.py,
+// activations="q8"). W is laid out as in quantized_gemm_cpu.cc: rows [N, row_bytes] or a stack
+// [L, N, row_bytes] of which `layer` is read.
+//
+// Why: decoding each weight to float32 and multiplying float32 x (quantized_gemm_cpu.cc) costs
+// several instructions a weight; an integer dot product takes 32 weights' products in one or two
+// (VNNI's vpdpbusd; AVX2's vpmaddubsw + vpmaddwd) and nibbles unpack 32 at a time.
+//
+// x is quantized once per call into a buffer of its own (K bytes a row and the blocks' scales),
+// then threads take groups of kGroupRows rows of W; a group runs every row of x in register tiles
+// of kTileRows x kTileCols, each weight block unpacked once per tile and multiplied by the tile's
+// rows of x.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "parallel.h"
+#include "q8_blocks.h"
+#include "q8_interleaved.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace xlaserve::q8;
+
+// Accumulators of a tile: kTileRows x kTileCols vectors; with AVX-512's 32 vector registers 4 x 4
+// (16, and 4 of W), with 16 (AVX2) 2 x 4. The interleaved layouts' tiles are kGroupTileRows rows
+// of x by a group's 8 outputs (8 registers of W, one accumulator a row): 8 rows with AVX-512
+// (the default model's 64-row step 7% faster than 4), 4 with AVX2.
+#ifdef __AVX512F__
+constexpr int kTileRows = 4, kGroupTileRows = 8;
+#else
+constexpr int kTileRows = 2, kGroupTileRows = 4;
+#endif
+constexpr int kTileCols = 4;
+constexpr int64_t kGroupRows = 8;  // rows of W a thread takes at a time
+constexpr int64_t kRunsPerThread = 4;  // interleaved layouts: runs of groups a thread takes
+// x rows quantized by one thread below this many values (the quantization is ~1% of the GEMM).
+constexpr int64_t kParallelQuantize = 64 * 1024;
+
+template <typename F>
+constexpr bool kIsKQuant = F::kBlock == 256;
+
+// y[r, c] for r < R, c < C: rows `x0`... of x against W's rows w (row_bytes apart).
+template <typename F, int R, int C>
+XLASERVE_INLINE void Tile(const XRows& x, int64_t x0, const uint8_t* w, int64_t row_bytes,
+                          float* y, int64_t ldy) {
+  const int64_t blocks = x.k / F::kBlock;
+  Sums acc[R][C];
+  float extra[R][C] = {};
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = ZeroSums();
+  for (int64_t b = 0; b < blocks; ++b) {
+    if constexpr (!kIsKQuant<F>) {
+      Block32 wb[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) wb[c] = F::Prepare(w + c * row_bytes + b * F::kBytes);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const Bytes xq = LoadBytes(x.Q(x0 + r) + 32 * b);
+        const float dx = x.D(x0 + r)[b];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const Lanes p = F::kSigned ? DotSS(wb[c].q, xq) : DotUS(wb[c].q, xq);
+          acc[r][c] = MultiplyAdd(p, wb[c].d * dx, acc[r][c]);
+          if constexpr (F::kHasMin) extra[r][c] += wb[c].m * x.S(x0 + r)[b];
+        }
+      }
+    } else {
+      BlockK wb[C];
+      const uint8_t* block[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        block[c] = w + c * row_bytes + b * F::kBytes;
+        F::Prepare(block[c], wb[c]);
+      }
+      Lanes isum[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) isum[r][c] = ZeroLanes();
+      for (int j = 0; j < 8; ++j) {
+        Bytes wq[C];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) wq[c] = F::Sub(block[c], j);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const Bytes xq = LoadBytes(x.Q(x0 + r) + 256 * b + 32 * j);
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c)
+            isum[r][c] = Add(isum[r][c], DotScaled(wq[c], xq, wb[c].scale[2 * j],
+                                                   wb[c].scale[2 * j + 1]));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float dx = x.D(x0 + r)[b];
+        const int32_t* sums = x.Sum16(x0 + r) + 16 * b;
+        for (int c = 0; c < C; ++c) {
+          acc[r][c] = MultiplyAdd(isum[r][c], wb[c].d * dx, acc[r][c]);
+          extra[r][c] -= F::Correction(wb[c], sums) * dx;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = Total(acc[r][c]) + extra[r][c];
+}
+
+// The tile for `rows` x `cols` (at most kTileRows x kTileCols), as a template instance.
+template <typename F, int R = kTileRows, int C = kTileCols>
+void AnyTile(int64_t rows, int64_t cols, const XRows& x, int64_t x0, const uint8_t* w,
+             int64_t row_bytes, float* y, int64_t ldy) {
+  if constexpr (R > 1) {
+    if (rows < R) return AnyTile<F, R - 1, C>(rows, cols, x, x0, w, row_bytes, y, ldy);
+  }
+  if constexpr (C > 1) {
+    if (cols < C) return AnyTile<F, R, C - 1>(rows, cols, x, x0, w, row_bytes, y, ldy);
+  }
+  Tile<F, R, C>(x, x0, w, row_bytes, y, ldy);
+}
+
+// Quantized x: one allocation per call, reused by the thread that makes the call.
+struct XBuffer {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum16;
+};
+
+XRows QuantizeX(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, bool k_blocks) {
+  thread_local XBuffer buffer;
+  buffer.q.resize(m * k);
+  buffer.d.resize(m * (k / 32));
+  buffer.s.resize(m * (k / 32));
+  buffer.sum16.resize(m * (k / 16));
+  XRows rows{buffer.q.data(), buffer.d.data(), buffer.s.data(), buffer.sum16.data(), k, k_blocks};
+  auto one_row = [&](int64_t r) {
+    int8_t* q = rows.q + r * k;
+    int32_t* sum16 = rows.sum16 + r * (k / 16);
+    if (k_blocks)
+      QuantizeBlocksK(x + r * k, k, q, rows.d + r * (k / 256), sum16);
+    else
+      QuantizeBlocks32(x + r * k, k, q, rows.d + r * (k / 32), rows.s + r * (k / 32), sum16);
+  };
+  if (m * k < kParallelQuantize) {
+    for (int64_t r = 0; r < m; ++r) one_row(r);
+  } else {
+    xlaserve::ParallelFor(pool, m, one_row);
+  }
+  return rows;
+}
+
+template <typename F>
+void Gemm(ffi::ThreadPool& pool, const XRows& x, const uint8_t* w, int64_t row_bytes, float* y,
+          int64_t m, int64_t n) {
+  const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
+  xlaserve::ParallelFor(pool, groups, [&](int64_t g) {
+    const int64_t n0 = g * kGroupRows, cols = std::min(kGroupRows, n - n0);
+    for (int64_t r = 0; r < m; r += kTileRows)
+      for (int64_t c = 0; c < cols; c += kTileCols)
+        AnyTile<F>(std::min<int64_t>(kTileRows, m - r), std::min<int64_t>(kTileCols, cols - c),
+                   x, r, w + (n0 + c) * row_bytes, row_bytes, y + r * n + n0 + c, n);
+  });
+}
+
+// Runs the largest group tile of at most `rows` (and kGroupTileRows) rows from row x0 of x;
+// returns its rows.
+template <typename F, int R = kGroupTileRows>
+int64_t GroupRows(const XRows& x, int64_t x0, int64_t rows, const uint8_t* group, int64_t blocks,
+                  float* y, int64_t ldy) {
+  if constexpr (R > 1) {
+    if (rows < R) return GroupRows<F, R / 2>(x, x0, rows, group, blocks, y, ldy);
+  }
+  GroupTile<F, R>(x, x0, group, blocks, y, ldy);
+  return R;
+}
+
+// The interleaved layouts (q8_interleaved.h): a thread takes a run of groups of 8 rows of W
+// and runs every row of x over each, kTileRows at a time.
+template <typename F>
+void GemmX8(ffi::ThreadPool& pool, const XRows& x, const uint8_t* w, int64_t row_bytes, float* y,
+            int64_t m, int64_t n) {
+  const int64_t groups = n / 8, blocks = x.k / 32;
+  const int64_t parts = std::min<int64_t>(groups, kRunsPerThread * std::max<int64_t>(pool.num_threads(), 1));
+  const int64_t run = (groups + parts - 1) / parts;
+  xlaserve::ParallelFor(pool, (groups + run - 1) / run, [&](int64_t part) {
+    for (int64_t g = part * run; g < std::min(groups, part * run + run); ++g) {
+      const uint8_t* group = w + g * 8 * row_bytes;
+      for (int64_t r = 0; r < m;) r += GroupRows<F>(x, r, m - r, group, blocks, y + r * n + 8 * g, n);
+    }
+  });
+}
+
+// Codes of the interleaved layouts: the GGUF format's code + this (quantized_gemm_cpu.py).
+constexpr int64_t kInterleaved = 1024;
+
+// code -> run(F{}, interleaved) for the formats and layouts this kernel multiplies.
+template <typename Run>
+bool WithX8Format(int64_t code, Run run) {
+  using xlaserve::quantized::Format;
+  switch (code - kInterleaved) {
+    case Format::kQ8_0: run(Q8_0{}, Q8_0x8{}); return true;
+    case Format::kQ4_0: run(Q4_0{}, Q4_0x8{}); return true;
+    case Format::kQ4_1: run(Q4_1{}, Q4_1x8{}); return true;
+    case Format::kQ5_0: run(Q5_0{}, Q5_0x8{}); return true;
+    case Format::kQ5_1: run(Q5_1{}, Q5_1x8{}); return true;
+    default: return false;
+  }
+}
+
+// format code -> run(F{}) for the formats this kernel multiplies; false for others.
+template <typename Run>
+bool WithQ8Format(int64_t code, Run run) {
+  using xlaserve::quantized::Format;
+  switch (code) {
+    case Format::kQ8_0: run(Q8_0{}); return true;
+    case Format::kQ4_0: run(Q4_0{}); return true;
+    case Format::kQ4_1: run(Q4_1{}); return true;
+    case Format::kQ5_0: run(Q5_0{}); return true;
+    case Format::kQ5_1: run(Q5_1{}); return true;
+    case Format::kQ4_K: run(Q4_K{}); return true;
+    case Format::kQ6_K: run(Q6_K{}); return true;
+    default: return false;
+  }
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> rows,
+                      ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t format, int64_t layer) {
+  const std::string name = "Q8 GEMM (CPU)";
+  auto xd = x.dimensions(), yd = y->dimensions(), wd = rows.dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0])
+    return ffi::Error::InvalidArgument(name + ": x [M, K], y [M, N]");
+  const int64_t m = xd[0], k = xd[1], n = yd[1];
+  int64_t block = 0, block_bytes = 0;
+  const bool interleaved = WithX8Format(format, [&](auto f, auto) {
+    block = decltype(f)::kBlock;
+    block_bytes = decltype(f)::kBytes;
+  });
+  if (!interleaved && !WithQ8Format(format, [&](auto f) {
+        block = decltype(f)::kBlock;
+        block_bytes = decltype(f)::kBytes;
+      }))
+    return ffi::Error::InvalidArgument(name + ": not a GGUF weight format it multiplies");
+  if (interleaved && n % 8 != 0)
+    return ffi::Error::InvalidArgument(name + ": interleaved rows come in groups of 8");
+  if (k % block != 0) return ffi::Error::InvalidArgument(name + ": K is not whole blocks");
+  const int64_t row_bytes = k / block * block_bytes;
+  if ((wd.size() != 2 && wd.size() != 3) || wd[wd.size() - 1] != row_bytes ||
+      wd[wd.size() - 2] != n)
+    return ffi::Error::InvalidArgument(name + ": rows [(L,) N, row_bytes] do not match K and N");
+  const int64_t layers = wd.size() == 3 ? wd[0] : 1;
+  if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument(name + ": layer");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::memset(y->typed_data(), 0, m * n * sizeof(float));
+    return ffi::Error::Success();
+  }
+  const uint8_t* w = rows.typed_data() + layer * n * row_bytes;
+  const XRows xq = QuantizeX(pool, x.typed_data(), m, k, block == 256);
+  if (interleaved) {
+    WithX8Format(format, [&](auto, auto f) {
+      GemmX8<decltype(f)>(pool, xq, w, row_bytes, y->typed_data(), m, n);
+    });
+  } else {
+    WithQ8Format(format, [&](auto f) {
+      Gemm<decltype(f)>(pool, xq, w, row_bytes, y->typed_data(), m, n);
+    });
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveQ8Gemm, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // rows [(L,) N, row_bytes]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("format")
+                                  .Attr<int64_t>("layer"));

@@ -1,0 +1,203 @@
+// GGUF blocks of 8 rows interleaved ("x8" layouts: q8_0x8, q4_0x8, q4_1x8, q5_0x8, q5_1x8), as
+// the Q8 GEMM multiplies them (q8_gemm_cpu.cc). quantized_gemm_cpu.py's `interleave_x8` makes
+// them from a GGUF tensor's rows at load, `deinterleave_x8` gives the rows back.
+//
+// Rows 8g ... 8g + 7 of W are group g; a group holds, for each block b in order, the 8 rows'
+// block b as: their float16 d (8 x 2 bytes), their float16 m (Q4_1, Q5_1), their 32-bit qh (Q5),
+// then their quantized values interleaved 4 bytes at a time: word i of row 0, of row 1, ..., of
+// row 7, then word i + 1 ... (the values' bytes as GGUF stores them: 16 bytes of nibbles, or
+// Q8_0's 32 int8). A group's bytes are its 8 rows' bytes, reordered.
+//
+// Why: one 32-byte load then holds 4 consecutive values of 8 rows, so one vpdpbusd multiplies
+// them by x's 4 values (broadcast) into 8 int32 lanes, one per output, and a block's 8 outputs
+// are scaled and accumulated as one vector: no horizontal sums, no per-output scalar work
+// (the one-row-at-a-time dot products of q8_blocks.h spend most of a block on its scales).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "q8_blocks.h"
+
+namespace xlaserve::q8 {
+
+// The nibble formats' words: word i's low nibbles are values 4i ... 4i + 3, the high ones
+// 16 + 4i ...; Q8_0's word i is values 4i ... 4i + 3.
+struct Q8_0x8 {
+  static constexpr int64_t kGroupBytes = 8 * 34, kValues = 16;
+  static constexpr int kZero = 0;  // values are q - kZero (here signed already)
+  static constexpr bool kSigned = true, kHasMin = false, kFifth = false;
+};
+struct Q4_0x8 {
+  static constexpr int64_t kGroupBytes = 8 * 18, kValues = 16;
+  static constexpr int kZero = 8;
+  static constexpr bool kSigned = false, kHasMin = false, kFifth = false;
+};
+struct Q4_1x8 {
+  static constexpr int64_t kGroupBytes = 8 * 20, kValues = 32;
+  static constexpr int kZero = 0;
+  static constexpr bool kSigned = false, kHasMin = true, kFifth = false;
+};
+struct Q5_0x8 {
+  static constexpr int64_t kGroupBytes = 8 * 22, kValues = 48;
+  static constexpr int kZero = 16;
+  static constexpr bool kSigned = false, kHasMin = false, kFifth = true;
+};
+struct Q5_1x8 {
+  static constexpr int64_t kGroupBytes = 8 * 24, kValues = 64;
+  static constexpr int kZero = 0;
+  static constexpr bool kSigned = false, kHasMin = true, kFifth = true;
+};
+// (kValues: where a group block's values start, after d, m and qh.)
+
+// Value `k` (0..31) of row `c` (0..7) of a group block, unsigned (before kZero) or Q8_0's signed.
+template <typename F>
+XLASERVE_INLINE int32_t GroupValue(const uint8_t* g, int c, int k) {
+  const uint8_t* values = g + F::kValues;
+  if constexpr (F::kSigned) {
+    return static_cast<int8_t>(values[32 * (k / 4) + 4 * c + k % 4]);
+  } else {
+    const int word = (k % 16) / 4, byte = values[32 * word + 4 * c + k % 4];
+    int32_t q = k < 16 ? byte & 15 : byte >> 4;
+    if constexpr (F::kFifth) {
+      uint32_t qh;
+      std::memcpy(&qh, g + F::kValues - 32 + 4 * c, 4);
+      q |= ((qh >> k) & 1) << 4;
+    }
+    return q;
+  }
+}
+
+template <typename F>
+XLASERVE_INLINE float GroupD(const uint8_t* g, int c) { return HalfToFloat(g + 2 * c); }
+template <typename F>
+XLASERVE_INLINE float GroupM(const uint8_t* g, int c) { return HalfToFloat(g + 16 + 2 * c); }
+
+#if defined(__AVX2__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// acc + (lane c: u's bytes 4c..4c+3 . s's), u unsigned (at most 255 with VNNI, 128 without), s
+// signed.
+XLASERVE_INLINE __m256i DotAdd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+
+// The 8 rows' d (or m, at `offset`) of a group block as floats.
+XLASERVE_INLINE __m256 EightHalves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Bytes 4c + t of a register: 16 where bit `first + t` of lane c of qh is set (t < 4).
+XLASERVE_INLINE __m256i FifthBitsX8(__m256i qh, int first) {
+  const __m256i shifted = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(first));
+  const __m256i spread = _mm256_shuffle_epi8(
+      shifted, _mm256_set_epi64x(0x0C0C0C0C08080808LL, 0x0404040400000000LL,
+                                 0x0C0C0C0C08080808LL, 0x0404040400000000LL));  // lane's byte 0
+  const __m256i bits = _mm256_set1_epi32(0x08040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits),
+                          _mm256_set1_epi8(16));
+}
+
+// The 8 registers of a group block's values: register j holds values 4j ... 4j + 3 of the 8
+// rows (row c in bytes 4c ... 4c + 3), unsigned; Q8_0's signed (with VNNI: + 128, unsigned).
+template <typename F>
+XLASERVE_INLINE void GroupRegisters(const uint8_t* g, __m256i (&w)[8]) {
+  const uint8_t* values = g + F::kValues;
+  if constexpr (F::kSigned) {
+    for (int j = 0; j < 8; ++j) {
+      w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 32 * j));
+      if constexpr (kVnni) w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8(-128));
+    }
+  } else {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 32 * i));
+      w[i] = _mm256_and_si256(packed, low);
+      w[i + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+    if constexpr (F::kFifth) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values - 32));
+      for (int i = 0; i < 4; ++i) {
+        w[i] = _mm256_or_si256(w[i], FifthBitsX8(qh, 4 * i));
+        w[i + 4] = _mm256_or_si256(w[i + 4], FifthBitsX8(qh, 16 + 4 * i));
+      }
+    }
+  }
+}
+
+// y[r, 0..7] for rows x0 ... x0 + R - 1 of x against one group (its `blocks` blocks).
+template <typename F, int R>
+XLASERVE_INLINE void GroupTile(const XRows& x, int64_t x0, const uint8_t* group, int64_t blocks,
+                               float* y, int64_t ldy) {
+  // Q8_0 with VNNI multiplies q + 128 (unsigned): 128 times x's sum comes off.
+  constexpr int kZero = F::kSigned ? (kVnni ? 128 : 0) : F::kZero;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* g = group + b * F::kGroupBytes;
+    __m256i w[8];
+    GroupRegisters<F>(g, w);
+    const __m256 d = EightHalves(g);
+    __m256 m;
+    if constexpr (F::kHasMin) m = EightHalves(g + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.Q(x0 + r) + 32 * b;
+      __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        int32_t four;
+        std::memcpy(&four, xq + 4 * j, 4);
+        const __m256i xs = _mm256_set1_epi32(four);
+        if constexpr (F::kSigned && !kVnni)
+          isum = DotAdd(isum, _mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xs, w[j]));
+        else
+          isum = DotAdd(isum, w[j], xs);
+      }
+      if constexpr (kZero != 0) {
+        const int32_t* sums = x.Sum16(x0 + r) + 2 * b;
+        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kZero * (sums[0] + sums[1])));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                               _mm256_mul_ps(d, _mm256_set1_ps(x.D(x0 + r)[b])), acc[r]);
+      if constexpr (F::kHasMin)
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.S(x0 + r)[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+#else
+// Portable: the same sums, one output at a time.
+template <typename F, int R>
+void GroupTile(const XRows& x, int64_t x0, const uint8_t* group, int64_t blocks, float* y,
+               int64_t ldy) {
+  constexpr int kZero = F::kSigned ? 0 : F::kZero;
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 8; ++c) {
+      float total = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* g = group + b * F::kGroupBytes;
+        const int8_t* xq = x.Q(x0 + r) + 32 * b;
+        int32_t isum = 0;
+        for (int k = 0; k < 32; ++k) isum += (GroupValue<F>(g, c, k) - kZero) * xq[k];
+        total += static_cast<float>(isum) * (GroupD<F>(g, c) * x.D(x0 + r)[b]);
+        if constexpr (F::kHasMin) total += GroupM<F>(g, c) * x.S(x0 + r)[b];
+      }
+      y[r * ldy + c] = total;
+    }
+  }
+}
+#endif
+
+}  // namespace xlaserve::q8
