@@ -28,6 +28,7 @@ constexpr int kKeyTile = 32;       // keys scored together
 constexpr int kQueryBlock = 16;    // query rows of one sequence per work item
 constexpr int kTransposeRows = 8;  // from this many (row, head) pairs, score a transposed tile
 constexpr int kRowTile = 16;       // keys per tile of a one-row item
+constexpr int kPrefillRows = 8;    // query rows of one sequence per item of AttendOneRow
 #ifdef __AVX512BF16__
 constexpr bool kHasBf16Pairs = true;
 #else

@@ -3,9 +3,10 @@
 //
 // Why native code: XLA's CPU backend runs the jnp reference as gathers, transposes and many tiny
 // batched matmuls, which reach 2-4 GB/s; decode attention is a stream over the KV pages and should
-// run near memory bandwidth. A work item is one query row with all its heads, for head dims that
-// are a multiple of 8 (`AttendOneRow`, attend_one_row.h; on a bfloat16 cache with AVX512_BF16 and
-// head dims that are a multiple of 32, `AttendOneRowBf16`, attend_one_row_bf16.h), or one
+// run near memory bandwidth. A work item is one query row with all its heads (a prefill's rows
+// kPrefillRows at a time), for head dims that are a multiple of 8 (`AttendOneRow`,
+// attend_one_row.h; on a bfloat16 cache with AVX512_BF16 and head dims that are a multiple of 32,
+// one row an item, `AttendOneRowBf16`, attend_one_row_bf16.h), or one
 // sequence's block of up to 16 query rows for other head dims (`Attend`, attend_blocks.h). Each
 // reads each key's cache row (every kv head's K and V) front to back in tiles, with an online
 // softmax in float32 (started at the attention sinks where the optional last operand gives them:
@@ -114,6 +115,7 @@ template <typename T>
 void RunAttention(ffi::ThreadPool& pool, const Problem& p) {
   const bool one_row_items = p.head_dim % 8 == 0;
   AttendFn<Scratch> attend = one_row_items ? AttendOneRow<T> : Attend<T>;
+  int64_t block = one_row_items ? kPrefillRows : kQueryBlock;
 #ifdef __AVX512BF16__
   if (std::is_same_v<T, uint16_t> && p.bf16_pairs) {
     switch (p.head_dim) {
@@ -123,9 +125,10 @@ void RunAttention(ffi::ThreadPool& pool, const Problem& p) {
       case 128: attend = AttendOneRowBf16<4>; break;
       default: break;
     }
+    if (attend != AttendOneRow<T>) block = 1;  // one row an item
   }
 #endif
-  Run<T>(pool, p, attend, one_row_items ? 1 : kQueryBlock);
+  Run<T>(pool, p, attend, block);
 }
 
 template <typename T>
