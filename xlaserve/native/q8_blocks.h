@@ -52,24 +52,82 @@ struct XRows {
   const int32_t* Sum16(int64_t r) const { return sum16 + r * (k / 16); }
 };
 
+// Rows of x quantized in blocks of 32 for the interleaved layouts (q8_interleaved.h), 8 rows a
+// tile: tile t holds, block by block, its 8 rows' 32 values side by side (q [tiles, blocks, 8,
+// 32]) and their d, s and sums of q ([tiles, blocks, 8]): a tile of rows finds a block's x at one
+// pointer and constant offsets (with a pointer a row, 8 rows' pointers left the general
+// registers short and the loop reloaded them from the stack).
+struct XTiles {
+  int8_t* q;
+  float* d;
+  float* s;
+  int32_t* sum32;
+  int64_t blocks;
+  int64_t QAt(int64_t r) const { return r / 8 * blocks * 256 + r % 8 * 32; }  // row r, block 0
+  int64_t At(int64_t r) const { return r / 8 * blocks * 8 + r % 8; }           // its d, s, sum
+};
+
+// One block of 32 values into q, d, s and the sums of q's two halves.
+XLASERVE_INLINE void QuantizeBlock32(const float* v, int8_t* q, float& d, float& s, int32_t& low,
+                                     int32_t& high) {
+#if defined(__AVX2__)
+  __m256 x[4];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, x[i]));
+  }
+  __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+  const float scale = amax / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+  __m256i ints[4];  // rounded to nearest even, the default rounding mode
+  for (int i = 0; i < 4; ++i) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inverse));
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                            _mm256_packs_epi32(ints[2], ints[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const auto sum8 = [](__m256i v) {
+    const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i two = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+    return _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
+  };
+  low = sum8(_mm256_add_epi32(ints[0], ints[1]));
+  high = sum8(_mm256_add_epi32(ints[2], ints[3]));
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float scale = amax / 127.0f, inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
+  int32_t halves[2] = {0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const int32_t value = RoundHalfEven(v[i] * inverse);
+    q[i] = static_cast<int8_t>(value);
+    halves[i / 16] += value;
+  }
+  low = halves[0];
+  high = halves[1];
+#endif
+  d = RoundToHalf(scale);
+  s = RoundToHalf(scale * static_cast<float>(low + high));
+}
+
 // One row of K values (K a multiple of 32) into blocks of 32: q, d, s, sum16 of that row.
 inline void QuantizeBlocks32(const float* x, int64_t k, int8_t* q, float* d, float* s,
                              int32_t* sum16) {
-  for (int64_t b = 0; b < k / 32; ++b) {
-    const float* v = x + 32 * b;
-    float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-    const float scale = amax / 127.0f, inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
-    int32_t halves[2] = {0, 0};
-    for (int i = 0; i < 32; ++i) {
-      const int32_t value = RoundHalfEven(v[i] * inverse);
-      q[32 * b + i] = static_cast<int8_t>(value);
-      halves[i / 16] += value;
-    }
-    d[b] = RoundToHalf(scale);
-    s[b] = RoundToHalf(scale * static_cast<float>(halves[0] + halves[1]));
-    sum16[2 * b] = halves[0];
-    sum16[2 * b + 1] = halves[1];
+  for (int64_t b = 0; b < k / 32; ++b)
+    QuantizeBlock32(x + 32 * b, q + 32 * b, d[b], s[b], sum16[2 * b], sum16[2 * b + 1]);
+}
+
+// Row r of x (K values) into its places in `tiles`.
+inline void QuantizeTiled32(const float* x, int64_t r, const XTiles& tiles) {
+  int8_t* q = tiles.q + tiles.QAt(r);
+  const int64_t at = tiles.At(r);
+  for (int64_t b = 0; b < tiles.blocks; ++b) {
+    int32_t low, high;
+    QuantizeBlock32(x + 32 * b, q + 256 * b, tiles.d[at + 8 * b], tiles.s[at + 8 * b], low, high);
+    tiles.sum32[at + 8 * b] = low + high;
   }
 }
 

@@ -126,34 +126,53 @@ void AnyTile(int64_t rows, int64_t cols, const XRows& x, int64_t x0, const uint8
   Tile<F, R, C>(x, x0, w, row_bytes, y, ldy);
 }
 
-// Quantized x: one allocation per call, reused by the thread that makes the call.
+// Quantized x: buffers per calling thread, grown as needed and kept.
 struct XBuffer {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> sum16;
+  std::vector<int32_t> sums;
 };
 
-XRows QuantizeX(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, bool k_blocks) {
+// Runs one_row(r) for the m rows of x: on this thread for a small x, else over the pool.
+template <typename OneRow>
+void ForRows(ffi::ThreadPool& pool, int64_t m, int64_t k, OneRow one_row) {
+  if (m * k < kParallelQuantize) {
+    for (int64_t r = 0; r < m; ++r) one_row(r);
+  } else {
+    xlaserve::ParallelFor(pool, m, one_row);
+  }
+}
+
+// x in rows (q8_blocks.h's XRows) for the file's layouts: blocks of 32, or Q8_K's of 256.
+XRows QuantizeRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, bool k_blocks) {
   thread_local XBuffer buffer;
   buffer.q.resize(m * k);
   buffer.d.resize(m * (k / 32));
   buffer.s.resize(m * (k / 32));
-  buffer.sum16.resize(m * (k / 16));
-  XRows rows{buffer.q.data(), buffer.d.data(), buffer.s.data(), buffer.sum16.data(), k, k_blocks};
-  auto one_row = [&](int64_t r) {
+  buffer.sums.resize(m * (k / 16));
+  XRows rows{buffer.q.data(), buffer.d.data(), buffer.s.data(), buffer.sums.data(), k, k_blocks};
+  ForRows(pool, m, k, [&](int64_t r) {
     int8_t* q = rows.q + r * k;
     int32_t* sum16 = rows.sum16 + r * (k / 16);
     if (k_blocks)
       QuantizeBlocksK(x + r * k, k, q, rows.d + r * (k / 256), sum16);
     else
       QuantizeBlocks32(x + r * k, k, q, rows.d + r * (k / 32), rows.s + r * (k / 32), sum16);
-  };
-  if (m * k < kParallelQuantize) {
-    for (int64_t r = 0; r < m; ++r) one_row(r);
-  } else {
-    xlaserve::ParallelFor(pool, m, one_row);
-  }
+  });
   return rows;
+}
+
+// x in tiles of 8 rows (XTiles) for the interleaved layouts.
+XTiles QuantizeTiles(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k) {
+  thread_local XBuffer buffer;
+  const int64_t padded = (m + 7) / 8 * 8, blocks = k / 32;
+  buffer.q.resize(padded * k);
+  buffer.d.resize(padded * blocks);
+  buffer.s.resize(padded * blocks);
+  buffer.sums.resize(padded * blocks);
+  XTiles tiles{buffer.q.data(), buffer.d.data(), buffer.s.data(), buffer.sums.data(), blocks};
+  ForRows(pool, m, k, [&](int64_t r) { QuantizeTiled32(x + r * k, r, tiles); });
+  return tiles;
 }
 
 template <typename F>
@@ -172,7 +191,7 @@ void Gemm(ffi::ThreadPool& pool, const XRows& x, const uint8_t* w, int64_t row_b
 // Runs the largest group tile of at most `rows` (and kGroupTileRows) rows from row x0 of x;
 // returns its rows.
 template <typename F, int R = kGroupTileRows>
-int64_t GroupRows(const XRows& x, int64_t x0, int64_t rows, const uint8_t* group, int64_t blocks,
+int64_t GroupRows(const XTiles& x, int64_t x0, int64_t rows, const uint8_t* group, int64_t blocks,
                   float* y, int64_t ldy) {
   if constexpr (R > 1) {
     if (rows < R) return GroupRows<F, R / 2>(x, x0, rows, group, blocks, y, ldy);
@@ -184,9 +203,9 @@ int64_t GroupRows(const XRows& x, int64_t x0, int64_t rows, const uint8_t* group
 // The interleaved layouts (q8_interleaved.h): a thread takes a run of groups of 8 rows of W
 // and runs every row of x over each, kTileRows at a time.
 template <typename F>
-void GemmX8(ffi::ThreadPool& pool, const XRows& x, const uint8_t* w, int64_t row_bytes, float* y,
+void GemmX8(ffi::ThreadPool& pool, const XTiles& x, const uint8_t* w, int64_t row_bytes, float* y,
             int64_t m, int64_t n) {
-  const int64_t groups = n / 8, blocks = x.k / 32;
+  const int64_t groups = n / 8, blocks = x.blocks;
   const int64_t parts = std::min<int64_t>(groups, kRunsPerThread * std::max<int64_t>(pool.num_threads(), 1));
   const int64_t run = (groups + parts - 1) / parts;
   xlaserve::ParallelFor(pool, (groups + run - 1) / run, [&](int64_t part) {
@@ -262,12 +281,13 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::Success();
   }
   const uint8_t* w = rows.typed_data() + layer * n * row_bytes;
-  const XRows xq = QuantizeX(pool, x.typed_data(), m, k, block == 256);
   if (interleaved) {
+    const XTiles xq = QuantizeTiles(pool, x.typed_data(), m, k);
     WithX8Format(format, [&](auto, auto f) {
       GemmX8<decltype(f)>(pool, xq, w, row_bytes, y->typed_data(), m, n);
     });
   } else {
+    const XRows xq = QuantizeRows(pool, x.typed_data(), m, k, block == 256);
     WithQ8Format(format, [&](auto f) {
       Gemm<decltype(f)>(pool, xq, w, row_bytes, y->typed_data(), m, n);
     });

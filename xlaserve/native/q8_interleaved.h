@@ -136,12 +136,17 @@ XLASERVE_INLINE void GroupRegisters(const uint8_t* g, __m256i (&w)[8]) {
   }
 }
 
-// y[r, 0..7] for rows x0 ... x0 + R - 1 of x against one group (its `blocks` blocks).
+// y[r, 0..7] for rows x0 ... x0 + R - 1 of x (in one tile of 8) against one group (its
+// `blocks` blocks).
 template <typename F, int R>
-XLASERVE_INLINE void GroupTile(const XRows& x, int64_t x0, const uint8_t* group, int64_t blocks,
+XLASERVE_INLINE void GroupTile(const XTiles& x, int64_t x0, const uint8_t* group, int64_t blocks,
                                float* y, int64_t ldy) {
   // Q8_0 with VNNI multiplies q + 128 (unsigned): 128 times x's sum comes off.
   constexpr int kZero = F::kSigned ? (kVnni ? 128 : 0) : F::kZero;
+  const int8_t* xq = x.q + x.QAt(x0);  // block b, row r: + 256 b + 32 r
+  const int64_t at = x.At(x0);          // block b, row r: + 8 b + r
+  const float *xd = x.d + at, *xs = x.s + at;
+  const int32_t* xsum = x.sum32 + at;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -153,26 +158,23 @@ XLASERVE_INLINE void GroupTile(const XRows& x, int64_t x0, const uint8_t* group,
     if constexpr (F::kHasMin) m = EightHalves(g + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int8_t* xq = x.Q(x0 + r) + 32 * b;
+      const int8_t* row = xq + 256 * b + 32 * r;
       __m256i isum = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         int32_t four;
-        std::memcpy(&four, xq + 4 * j, 4);
+        std::memcpy(&four, row + 4 * j, 4);
         const __m256i xs = _mm256_set1_epi32(four);
         if constexpr (F::kSigned && !kVnni)
           isum = DotAdd(isum, _mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xs, w[j]));
         else
           isum = DotAdd(isum, w[j], xs);
       }
-      if constexpr (kZero != 0) {
-        const int32_t* sums = x.Sum16(x0 + r) + 2 * b;
-        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kZero * (sums[0] + sums[1])));
-      }
+      if constexpr (kZero != 0)
+        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kZero * xsum[8 * b + r]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                               _mm256_mul_ps(d, _mm256_set1_ps(x.D(x0 + r)[b])), acc[r]);
-      if constexpr (F::kHasMin)
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.S(x0 + r)[b]), acc[r]);
+                               _mm256_mul_ps(d, _mm256_set1_ps(xd[8 * b + r])), acc[r]);
+      if constexpr (F::kHasMin) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[8 * b + r]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
@@ -180,19 +182,20 @@ XLASERVE_INLINE void GroupTile(const XRows& x, int64_t x0, const uint8_t* group,
 #else
 // Portable: the same sums, one output at a time.
 template <typename F, int R>
-void GroupTile(const XRows& x, int64_t x0, const uint8_t* group, int64_t blocks, float* y,
+void GroupTile(const XTiles& x, int64_t x0, const uint8_t* group, int64_t blocks, float* y,
                int64_t ldy) {
   constexpr int kZero = F::kSigned ? 0 : F::kZero;
   for (int r = 0; r < R; ++r) {
+    const int8_t* xq = x.q + x.QAt(x0 + r);
+    const int64_t at = x.At(x0 + r);
     for (int c = 0; c < 8; ++c) {
       float total = 0.0f;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* g = group + b * F::kGroupBytes;
-        const int8_t* xq = x.Q(x0 + r) + 32 * b;
         int32_t isum = 0;
-        for (int k = 0; k < 32; ++k) isum += (GroupValue<F>(g, c, k) - kZero) * xq[k];
-        total += static_cast<float>(isum) * (GroupD<F>(g, c) * x.D(x0 + r)[b]);
-        if constexpr (F::kHasMin) total += GroupM<F>(g, c) * x.S(x0 + r)[b];
+        for (int k = 0; k < 32; ++k) isum += (GroupValue<F>(g, c, k) - kZero) * xq[256 * b + k];
+        total += static_cast<float>(isum) * (GroupD<F>(g, c) * x.d[at + 8 * b]);
+        if constexpr (F::kHasMin) total += GroupM<F>(g, c) * x.s[at + 8 * b];
       }
       y[r * ldy + c] = total;
     }
