@@ -5,9 +5,10 @@ image has no plotting package we can count on). `python benchmarks/accelerator_r
 RESULTS.json [DIR]` redraws both from a run's JSON."""
 from __future__ import annotations
 
-import math
 import os
 import sys
+
+from svg_plot import line_svg
 
 
 def status(result: dict) -> str:
@@ -119,58 +120,15 @@ def write_report(results: dict, directory: str) -> list[str]:
     return [report, plot]
 
 
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
-
-
-def steps_svg(results: dict, width: int = 640, height: int = 400) -> str:
+def steps_svg(results: dict) -> str:
     """Each model's decode step (ms, solid) and floor (dashed) over rows (log scale)."""
     series = []
     for model, result in results.get("models", {}).items():
         steps = [s for s in result.get("decode", []) if "step_ms" in s]
         if steps:
-            series.append((model, [(s["batch"], s["step_ms"]) for s in steps],
-                           [(s["batch"], s["floor_ms"]) for s in steps]))
-    left, right, top, bottom = 60, 170, 20, 50
-    points = [p for _, measured, floor in series for p in measured + floor]
-    if not points:
-        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-                '<text x="20" y="40">no decode step was measured</text></svg>\n')
-    rows = [r for r, _ in points]
-    low, high = math.log2(min(rows)), math.log2(max(rows)) or 1.0
-    top_ms = max(ms for _, ms in points) * 1.1
-
-    def xy(row, ms):
-        span = (math.log2(row) - low) / ((high - low) or 1.0)
-        return (left + span * (width - left - right),
-                height - bottom - ms / top_ms * (height - top - bottom))
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           'font-family="sans-serif" font-size="12">',
-           f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" '
-           'stroke="black"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>',
-           f'<text x="{(width - right + left) / 2}" y="{height - 10}" text-anchor="middle">rows '
-           '(decode batch)</text>',
-           f'<text x="15" y="{top + 10}">ms</text>']
-    for row in sorted(set(rows)):
-        x, y = xy(row, 0)
-        out.append(f'<text x="{x:.1f}" y="{y + 16:.1f}" text-anchor="middle">{row}</text>')
-    for tick in (top_ms / 4 * i for i in range(1, 5)):
-        x, y = xy(min(rows), tick)
-        out.append(f'<text x="{left - 5}" y="{y + 4:.1f}" text-anchor="end">{tick:.1f}</text>')
-    for i, (model, measured, floor) in enumerate(series):
-        color = COLORS[i % len(COLORS)]
-        for data, dash, label in ((measured, "", model), (floor, ' stroke-dasharray="5,4"',
-                                                          f"{model} floor")):
-            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(r, ms) for r, ms in data))
-            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" '
-                       f'stroke-width="2"{dash}/>')
-            ly = top + 18 * (2 * i + (dash != ""))
-            out.append(f'<line x1="{width - right + 10}" y1="{ly}" x2="{width - right + 30}" '
-                       f'y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>')
-            out.append(f'<text x="{width - right + 35}" y="{ly + 4}">{label}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+            series.append((model, [(s["batch"], s["step_ms"]) for s in steps], False))
+            series.append((f"{model} floor", [(s["batch"], s["floor_ms"]) for s in steps], True))
+    return line_svg(series, "rows (decode batch)", "ms", empty="no decode step was measured")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ shared ones, the flags, the compiler and the CPU, so an edit or another machine 
 Where another user could write to that folder (cache_root.private_dir), it is not used: each
 library is built afresh in a temporary folder and loaded from there. With no compiler (or a
 failing one) `KernelUnavailable` is raised, and callers fall back to plain XLA.
+`$XLASERVE_CPU_MARCH` builds every kernel for another -march than native (x86-64-v3: AVX2, no
+AVX-512 or VNNI), to time the paths another CPU would take on this one.
 """
 from __future__ import annotations
 
@@ -68,12 +70,18 @@ def _compile(compiler: str, source: Path, library: Path, march: str) -> None:
         os.replace(partial, library)
 
 
+def default_march() -> str:
+    return os.environ.get("XLASERVE_CPU_MARCH") or "native"
+
+
 @functools.cache
-def register(source: Path, symbol: str, target_name: str, march: str = "native") -> ctypes.CDLL:
+def register(source: Path, symbol: str, target_name: str, march: str | None = None) -> ctypes.CDLL:
     """Builds `source` (once per source, flags and CPU), registers its handler `symbol` as the
     CPU custom call `target_name`, and returns the library (for its other exported functions).
     `march`: the -march the library is built for; another than "native" (x86-64-v3: AVX2 without
-    AVX-512 or VNNI; x86-64-v2: no AVX2) lets tests run a kernel's other paths on this CPU."""
+    AVX-512 or VNNI; x86-64-v2: no AVX2) lets tests run a kernel's other paths on this CPU;
+    None: $XLASERVE_CPU_MARCH or native."""
+    march = march or default_march()
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set $CXX)")

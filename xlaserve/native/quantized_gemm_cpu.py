@@ -76,10 +76,10 @@ def load() -> None:
 
 
 @functools.cache
-def load_q8(march: str = "native") -> str:
-    """Builds and registers the Q8 GEMM for `march` (once; raises KernelUnavailable); returns
-    its custom call's name."""
-    name = Q8_TARGET_NAME if march == "native" else f"{Q8_TARGET_NAME}_{march}"
+def load_q8(march: str | None = None) -> str:
+    """Builds and registers the Q8 GEMM for `march` (once; raises KernelUnavailable; None: the
+    other kernels' build, build.default_march); returns its custom call's name."""
+    name = Q8_TARGET_NAME if march is None else f"{Q8_TARGET_NAME}_{march}"
     register(_Q8_SOURCE, "XlaserveQ8Gemm", name, march)
     return name
 
@@ -95,7 +95,7 @@ def _check_rows(rows: jax.Array, fmt: str, k: int, layer: int) -> None:
 
 
 def quantized_matmul(x: jax.Array, rows: jax.Array, *, fmt: str, k: int, layer: int = 0,
-                     activations: str = "float32", march: str = "native") -> jax.Array:
+                     activations: str = "float32", march: str | None = None) -> jax.Array:
     """x [M, K] (float32, or bfloat16 widened here) @ W.T -> float32 [M, N], W given as its rows
     in format `fmt` [N, row_bytes], or a stack [L, N, row_bytes] of which `layer` is used.
     `activations` "q8": x quantized per block as llama.cpp quantizes it for `fmt` (Q8_0, Q8_1
