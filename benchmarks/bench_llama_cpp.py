@@ -63,7 +63,7 @@ def child_offline(system: str, sizes: list[int]) -> dict:
         engine = xlaserve.Engine(peers.f32_gguf(), max_running_requests=max(sizes),
                                  log_level="warning")
     else:
-        engine = xlaserve.Engine(None, gguf_activations=system, max_running_requests=max(sizes),
+        engine = xlaserve.Engine(None, quantized_activations=system, max_running_requests=max(sizes),
                                  log_level="warning")
     rng, vocab = random.Random(0), engine.tokenizer.vocab_size
     greedy = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}

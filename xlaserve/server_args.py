@@ -112,10 +112,11 @@ class ServerArgs:
     matmul_backend: str = _flag(
         "auto", "matmuls: auto (the native GEMM over packed weights on a single CPU device, XLA's "
                 "dots elsewhere), native, xla", choices=["auto", "native", "xla"])
-    gguf_activations: str = _flag(
-        "q8", "GGUF weights kept quantized on the CPU: q8 (default) quantizes each matmul's "
-              "input per block of 32 (256 for K-quants) to 8 bits and multiplies integers, as "
-              "llama.cpp does (its numerics); float32 multiplies the exact float32 input by the "
+    quantized_activations: str = _flag(
+        "q8", "weights kept quantized on the CPU (a GGUF's blocks, --quantization int8's rows): "
+              "q8 (default) quantizes each matmul's input per block of 32 (256 for K-quants) to "
+              "8 bits and multiplies integers, as llama.cpp does (its numerics; W8A8 for int8 "
+              "where K is a multiple of 32); float32 multiplies the exact float32 input by the "
               "exactly decoded weights (slower; logits closer to the dequantized model's)",
         choices=["q8", "float32"])
     mla_expanded_prefill_tokens: int = _flag(

@@ -1,5 +1,5 @@
 """The engine on the embedded default model (SmolLM2-135M GGUF) with float32 activations
-(--gguf-activations float32): chat prompts run together, with staggered arrivals and chunked
+(--quantized-activations float32): chat prompts run together, with staggered arrivals and chunked
 prefill, give each prompt's solo greedy output, which equals transformers' greedy generation on
 the same GGUF. (The default q8 activations round each matmul's input to 8 bits as llama.cpp
 does, and transformers' tokens are no longer the reference: tests/kernels/test_cpu_q8_gemm.py
@@ -29,7 +29,7 @@ def engine():
     # Two step shapes (8 and 64 tokens, 4 sequences), so the test compiles two programs.
     with Engine(None, max_running_requests=4, chunked_prefill_size=24, max_prefill_tokens=48,
                 precompile_token_paddings="8,64", max_total_tokens=1024, context_length=512,
-                gguf_activations="float32", log_level="warning") as engine:
+                quantized_activations="float32", log_level="warning") as engine:
         yield engine
 
 

@@ -55,7 +55,13 @@ def _fifth_bits(blocks: np.ndarray, at: int) -> np.ndarray:
 
 
 def weight_blocks32(rows: np.ndarray, fmt: str):
-    """(values int32 [N, K / 32, 32] as the dot multiplies them, d [N, K / 32], m or None)."""
+    """(values int32 [N, K / 32, 32] as the dot multiplies them, d [N, K / 32], m or None);
+    xlaserve's i8_row (a float32 scale, then K int8: --quantization int8) as Q8_0 blocks that
+    share the row's scale."""
+    if fmt == "i8_row":
+        values = rows[:, 4:].view(np.int8).astype(np.int32).reshape(rows.shape[0], -1, 32)
+        scale = np.ascontiguousarray(rows[:, :4]).view(np.float32)
+        return values, np.broadcast_to(scale, values.shape[:2]), None
     size = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}[fmt]
     b = rows.reshape(rows.shape[0], -1, size)
     d = _halves(b, 0)

@@ -1,8 +1,8 @@
 """The CPU's Q8 GEMM (native/q8_gemm_cpu.cc: x quantized per block, integer dot products as
 llama.cpp's) against ggml's dot products written in numpy (ggml_q8_reference.py), for every GGUF
-format it takes, in the file's layout and the interleaved "x8" one: each row count its tiles
-split differently (8, 4, 2 and 1 rows with AVX-512), x with blocks of zeros, K of one block and
-several, stacked layers; x quantized exactly as ggml quantizes it (ties to even, the float16 d
+format it takes (and --quantization int8's i8_row rows, W8A8), in the file's layout and the
+interleaved "x8" one: each row count its tiles split differently (8, 4, 2 and 1 rows with
+AVX-512), x with blocks of zeros, K of one block and several, stacked layers; x quantized exactly as ggml quantizes it (ties to even, the float16 d
 and s); its AVX2 path (x86-64-v3, no VNNI) and portable one (x86-64-v2) built and run here; the
 x8 layout's round trip and its rows for an embedding lookup."""
 import platform
@@ -26,7 +26,7 @@ matmul = jax.jit(quantized.quantized_matmul,
                  static_argnames=("fmt", "k", "layer", "activations", "march"))
 BLOCKS32 = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 LAYOUTS = [(fmt, fmt) for fmt in BLOCKS32] + [(fmt + "x8", fmt) for fmt in BLOCKS32] + [
-    ("q4_k", "q4_k"), ("q6_k", "q6_k")]
+    ("q4_k", "q4_k"), ("q6_k", "q6_k"), ("i8_rowx8", "i8_row")]  # i8_row: W8A8, int8's rows
 ROW_COUNTS = [1, 2, 3, 8, 13, 64]
 # The float32 sums of the products in another order than numpy's float64: within 1e-6 of the
 # sum of the scaled |products| (one product off by one is ~1e-4 of it at K = 576).
@@ -108,7 +108,7 @@ def test_the_avx2_and_portable_paths_give_ggmls_sums(march):
         assert_matches_ggml(y, x, rows, fmt)
 
 
-@pytest.mark.parametrize("fmt", BLOCKS32)
+@pytest.mark.parametrize("fmt", [*BLOCKS32, "i8_row"])
 def test_the_x8_layout_keeps_the_bytes_and_reads_rows_as_the_file(fmt):
     rng = np.random.default_rng(3)
     rows = quantized.random_rows(fmt, 24, 96, rng)
@@ -144,7 +144,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="q8 activations only"):
         quantized.quantized_matmul(x, jnp.asarray(quantized.interleave_x8(rows, "q4_0")),
                                    fmt="q4_0x8", k=64)
-    with pytest.raises(ValueError, match="i8_row takes float32"):
+    with pytest.raises(ValueError, match="interleaved layout .i8_rowx8. only"):
         quantized.quantized_matmul(x, jnp.zeros((2, 68), jnp.uint8), fmt="i8_row", k=64,
                                    activations="q8")
     with pytest.raises(ValueError, match="not one of"):

@@ -144,6 +144,27 @@ def test_int8_llama_gives_transformers_logits_on_the_int8_dequantized_weights(in
     _assert_gives_reference_logits(loaded, reference)
 
 
+def test_int8_rows_with_q8_activations_are_interleaved_and_near_the_float32_logits(int8_llama):
+    """--quantized-activations q8 (the server's default): the runner's int8 rows are interleaved
+    for the Q8 GEMM (W8A8, numerics in tests/kernels/test_cpu_q8_gemm.py) and the logits differ
+    from float32 x's by the rounding of x alone."""
+    if kernels_for().packed_matmul is None or not native_gemm_available():
+        pytest.skip("the native CPU GEMMs do not build here")
+    plain, _, _ = int8_llama
+    logits = {}
+    for activations in ("q8", "float32"):
+        loaded = load_model(plain, dtype="float32", skip_tokenizer_init=True, progress=False,
+                            quantization="int8")
+        pack_model(loaded.model, loaded.config.tie_word_embeddings, int8_as_rows=True,
+                   int8_activations=activations)
+        down = loaded.model.layers[0].mlp.down.get_value()
+        assert down.formats == ("i8_rowx8" if activations == "q8" else "i8_row",)
+        assert down.parts[0].activations == activations
+        logits[activations] = _run_ours(loaded, [(PROMPTS[0], len(PROMPTS[0]))], 3, 4)[0]
+    error = np.abs(logits["q8"] - logits["float32"]).max()
+    assert 0 < error <= 0.05 * np.abs(logits["float32"]).max()
+
+
 def _assert_gives_reference_logits(loaded, reference):
     references = [_hf_reference(reference, prompt) for prompt in PROMPTS[:3]]
     sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references)]

@@ -125,7 +125,7 @@ def test_the_conversion_cache_keeps_the_other_parameters_only(tmp_path):
                          ids=lambda q: q.name)
 def test_q8_activations_interleave_the_blocks_of_32_and_stay_near_the_exact_logits(tmp_path,
                                                                                   qtype):
-    """--gguf-activations q8: every kept matrix multiplies x quantized per block (the Q8 GEMM,
+    """--quantized-activations q8: every kept matrix multiplies x quantized per block (the Q8 GEMM,
     whose numerics tests/kernels/test_cpu_q8_gemm.py checks against ggml's); the formats of
     blocks of 32 are interleaved (x8), the K-quants kept as the file has them; the weights still
     stand for the dequantized ones exactly, and the logits differ from the exact float32 ones
@@ -133,7 +133,7 @@ def test_q8_activations_interleave_the_blocks_of_32_and_stay_near_the_exact_logi
     hidden = 256 if qtype in K_QUANTS else 64
     path = str(tmp_path / f"tiny-{qtype.name}.gguf")
     write_llama_gguf(path, _tiny_llama(hidden), qtype)
-    q8 = _load(path, gguf_activations="q8")
+    q8 = _load(path, quantized_activations="q8")
     weights = _weights(q8)
     layout = qtype.name.lower() + ("" if qtype in K_QUANTS else "x8")
     for name in (("layers", 0, "attn", "qkv"), ("layers", 1, "mlp", "down"), ("embedding",),
@@ -141,7 +141,7 @@ def test_q8_activations_interleave_the_blocks_of_32_and_stay_near_the_exact_logi
         assert weights[name].formats == (layout,), name
         assert all(part.activations == "q8" for part in weights[name].parts)
     _assert_same_weights(weights, _weights(_load(path, matmul_backend="xla")))
-    exact = _logits_of(_load(path, gguf_activations="float32"))
+    exact = _logits_of(_load(path, quantized_activations="float32"))
     error = np.abs(_logits_of(q8) - exact).max()
     assert 0 < error <= 0.05 * np.abs(exact).max()  # measured 0.1% (Q4_K) to 3.7% (Q6_K)
 

@@ -99,7 +99,8 @@ def _pack_leaf(name: str, weight: jax.Array) -> PackedMatrix | PackedExperts:
     return pack(weight, MATMUL_WEIGHTS[name])
 
 
-def pack_model(model: nnx.Module, tie_word_embeddings: bool, int8_as_rows: bool = False) -> None:
+def pack_model(model: nnx.Module, tie_word_embeddings: bool, int8_as_rows: bool = False,
+               int8_activations: str = "float32") -> None:
     """Packs `model`'s matmul and experts' weights in place. The layers' weights of one kind
     (every layer's qkv, ...) become one stack, each layer's Variable a view of it (the layers of
     the supported architectures all have the same shapes): a step then takes 4 weight arrays for
@@ -107,7 +108,8 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool, int8_as_rows: bool 
     runtime/executor/weight_args.py, 182 weight arguments became 6 and the host dispatch of a one-token
     step went from 3.2 to 2.1 ms on a 2-core CPU). A model already packed is left as it is.
     `int8_as_rows`: `--quantization int8` weights become "i8_row" QuantizedLinears for the native
-    quantized GEMM (stacked the same way), else XLA's dot multiplies them."""
+    quantized GEMM (stacked the same way), else XLA's dot multiplies them; `int8_activations`
+    their QuantizedRows.activations ("q8": W8A8, quantized_rows.int8_rows)."""
     _, state = nnx.split(model)
     values, stacks = {}, {}
     for path, variable in nnx.to_flat_state(state):
@@ -115,7 +117,7 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool, int8_as_rows: bool 
         name = str(path[-1])
         packs = name in MATMUL_WEIGHTS or name in EXPERT_WEIGHTS
         if isinstance(value, Int8Matrix) and int8_as_rows:
-            value = int8_rows(value, quantized_gemm_cpu.i8_rows)
+            value = int8_rows(value, quantized_gemm_cpu.i8_rows, int8_activations)
         elif isinstance(value, (_Panels, Int8Matrix, QuantizedLinear)):
             # quantized weights are not packed in float panels: quantized rows have their own
             # GEMM, and int8 weights without it are XLA's (layers.linear)

@@ -13,7 +13,7 @@ stores attn_v and half of ffn_down in Q6_K beside Q4_K q, k, gate and up), their
 concatenated, and for qkv interleaved into [kv_heads, group + 2, head_dim] as the fused rows
 would be.
 
-Each matrix says how x meets it (`QuantizedRows.activations`, from --gguf-activations): "q8"
+Each matrix says how x meets it (`QuantizedRows.activations`, from --quantized-activations): "q8"
 quantizes x per block and multiplies integers as llama.cpp does (native/q8_gemm_cpu.cc; the
 blocks of 32 in their interleaved "x8" layouts); "float32" keeps x as is against the exactly
 decoded weights (native/quantized_gemm_cpu.cc), as int8's "i8_row" matrices always do.
@@ -134,17 +134,21 @@ def embed_rows(embedding: QuantizedLinear, ids: jax.Array, lookup) -> jax.Array:
     return lookup(part.rows, ids, fmt=part.fmt, k=part.k, layer=part.layer)
 
 
-def int8_rows(matrix, i8_rows) -> QuantizedLinear:
+def int8_rows(matrix, i8_rows, activations: str = "float32") -> QuantizedLinear:
     """An int8.Int8Matrix (values [K..., N...], scales [N...]) as "i8_row" rows for the native
     GEMM: values transposed to [N, K], each row led by its float32 scale (`i8_rows`, the
-    GEMM module's packer)."""
+    GEMM module's packer). `activations` "q8": interleaved 8 rows at a time for the Q8 GEMM
+    (W8A8: x quantized per block of 32) where K is a multiple of 32 and N of 8, else float32."""
     output_axes = tuple(matrix.scales.shape)
     n = math.prod(output_axes)
     k = math.prod(matrix.values.shape) // n
     values = matrix.values.reshape(k, n).T
     rows = i8_rows(values, matrix.scales.reshape(n))
-    return QuantizedLinear((QuantizedRows(rows, "i8_row", k),), tuple(matrix.values.shape),
-                           output_axes)
+    part = QuantizedRows(rows, "i8_row", k)
+    if activations == "q8" and k % 32 == 0 and n % 8 == 0:
+        part = QuantizedRows(quantized_gemm_cpu.interleave_x8(rows, "i8_row", jnp), "i8_rowx8", k,
+                             activations="q8")
+    return QuantizedLinear((part,), tuple(matrix.values.shape), output_axes)
 
 
 def stack_layers(values: dict) -> dict:

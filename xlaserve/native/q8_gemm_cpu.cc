@@ -219,16 +219,17 @@ void GemmX8(ffi::ThreadPool& pool, const XTiles& x, const uint8_t* w, int64_t ro
 // Codes of the interleaved layouts: the GGUF format's code + this (quantized_gemm_cpu.py).
 constexpr int64_t kInterleaved = 1024;
 
-// code -> run(F{}, interleaved) for the formats and layouts this kernel multiplies.
+// code -> run(F{}) for the interleaved layouts this kernel multiplies.
 template <typename Run>
 bool WithX8Format(int64_t code, Run run) {
   using xlaserve::quantized::Format;
   switch (code - kInterleaved) {
-    case Format::kQ8_0: run(Q8_0{}, Q8_0x8{}); return true;
-    case Format::kQ4_0: run(Q4_0{}, Q4_0x8{}); return true;
-    case Format::kQ4_1: run(Q4_1{}, Q4_1x8{}); return true;
-    case Format::kQ5_0: run(Q5_0{}, Q5_0x8{}); return true;
-    case Format::kQ5_1: run(Q5_1{}, Q5_1x8{}); return true;
+    case Format::kQ8_0: run(Q8_0x8{}); return true;
+    case Format::kQ4_0: run(Q4_0x8{}); return true;
+    case Format::kQ4_1: run(Q4_1x8{}); return true;
+    case Format::kQ5_0: run(Q5_0x8{}); return true;
+    case Format::kQ5_1: run(Q5_1x8{}); return true;
+    case Format::kI8Row: run(I8Rowx8{}); return true;
     default: return false;
   }
 }
@@ -256,20 +257,18 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0])
     return ffi::Error::InvalidArgument(name + ": x [M, K], y [M, N]");
   const int64_t m = xd[0], k = xd[1], n = yd[1];
-  int64_t block = 0, block_bytes = 0;
-  const bool interleaved = WithX8Format(format, [&](auto f, auto) {
-    block = decltype(f)::kBlock;
-    block_bytes = decltype(f)::kBytes;
+  int64_t block = 32, row_bytes = 0;  // the interleaved layouts: x in blocks of 32
+  const bool interleaved = WithX8Format(format, [&](auto f) {
+    row_bytes = decltype(f)::RowBytes(k);
   });
   if (!interleaved && !WithQ8Format(format, [&](auto f) {
         block = decltype(f)::kBlock;
-        block_bytes = decltype(f)::kBytes;
+        row_bytes = k / block * decltype(f)::kBytes;
       }))
-    return ffi::Error::InvalidArgument(name + ": not a GGUF weight format it multiplies");
+    return ffi::Error::InvalidArgument(name + ": not a weight format it multiplies");
   if (interleaved && n % 8 != 0)
     return ffi::Error::InvalidArgument(name + ": interleaved rows come in groups of 8");
   if (k % block != 0) return ffi::Error::InvalidArgument(name + ": K is not whole blocks");
-  const int64_t row_bytes = k / block * block_bytes;
   if ((wd.size() != 2 && wd.size() != 3) || wd[wd.size() - 1] != row_bytes ||
       wd[wd.size() - 2] != n)
     return ffi::Error::InvalidArgument(name + ": rows [(L,) N, row_bytes] do not match K and N");
@@ -283,7 +282,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const uint8_t* w = rows.typed_data() + layer * n * row_bytes;
   if (interleaved) {
     const XTiles xq = QuantizeTiles(pool, x.typed_data(), m, k);
-    WithX8Format(format, [&](auto, auto f) {
+    WithX8Format(format, [&](auto f) {
       GemmX8<decltype(f)>(pool, xq, w, row_bytes, y->typed_data(), m, n);
     });
   } else {

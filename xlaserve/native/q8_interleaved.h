@@ -21,39 +21,60 @@
 
 namespace xlaserve::q8 {
 
+// A GGUF format's x8 layout: a group's block b at b * kBlockBytes (8 rows' blocks), its float16
+// d (then m) first, its values kValuesAt in (after d, m and qh).
+template <int64_t kBlockBytes, int64_t kValuesAt>
+struct GgufGroup {
+  static constexpr bool kFloatScales = false;
+  static constexpr int64_t RowBytes(int64_t k) { return k / 32 * (kBlockBytes / 8); }
+  XLASERVE_INLINE static const uint8_t* Values(const uint8_t* group, int64_t b) {
+    return group + b * kBlockBytes + kValuesAt;
+  }
+  XLASERVE_INLINE static const uint8_t* Scales(const uint8_t* group, int64_t b) {
+    return group + b * kBlockBytes;
+  }
+};
+
 // The nibble formats' words: word i's low nibbles are values 4i ... 4i + 3, the high ones
-// 16 + 4i ...; Q8_0's word i is values 4i ... 4i + 3.
-struct Q8_0x8 {
-  static constexpr int64_t kGroupBytes = 8 * 34, kValues = 16;
-  static constexpr int kZero = 0;  // values are q - kZero (here signed already)
+// 16 + 4i ...; Q8_0's word i is values 4i ... 4i + 3. Values are q - kZero (signed: as they are).
+struct Q8_0x8 : GgufGroup<8 * 34, 16> {
+  static constexpr int kZero = 0;
   static constexpr bool kSigned = true, kHasMin = false, kFifth = false;
 };
-struct Q4_0x8 {
-  static constexpr int64_t kGroupBytes = 8 * 18, kValues = 16;
+struct Q4_0x8 : GgufGroup<8 * 18, 16> {
   static constexpr int kZero = 8;
   static constexpr bool kSigned = false, kHasMin = false, kFifth = false;
 };
-struct Q4_1x8 {
-  static constexpr int64_t kGroupBytes = 8 * 20, kValues = 32;
+struct Q4_1x8 : GgufGroup<8 * 20, 32> {
   static constexpr int kZero = 0;
   static constexpr bool kSigned = false, kHasMin = true, kFifth = false;
 };
-struct Q5_0x8 {
-  static constexpr int64_t kGroupBytes = 8 * 22, kValues = 48;
+struct Q5_0x8 : GgufGroup<8 * 22, 48> {
   static constexpr int kZero = 16;
   static constexpr bool kSigned = false, kHasMin = false, kFifth = true;
 };
-struct Q5_1x8 {
-  static constexpr int64_t kGroupBytes = 8 * 24, kValues = 64;
+struct Q5_1x8 : GgufGroup<8 * 24, 64> {
   static constexpr int kZero = 0;
   static constexpr bool kSigned = false, kHasMin = true, kFifth = true;
 };
-// (kValues: where a group block's values start, after d, m and qh.)
 
-// Value `k` (0..31) of row `c` (0..7) of a group block, unsigned (before kZero) or Q8_0's signed.
+// --quantization int8's rows (i8_row: a float32 scale, then K int8 values) as the Q8 GEMM takes
+// them (W8A8): a group is its 8 rows' scales, then their values 4 bytes at a time, row by row,
+// over the whole of K; "block" b is values 32b ... 32b + 31, all at the row's one scale.
+struct I8Rowx8 {
+  static constexpr int kZero = 0;
+  static constexpr bool kSigned = true, kHasMin = false, kFifth = false, kFloatScales = true;
+  static constexpr int64_t RowBytes(int64_t k) { return 4 + k; }
+  XLASERVE_INLINE static const uint8_t* Values(const uint8_t* group, int64_t b) {
+    return group + 32 + 256 * b;
+  }
+  XLASERVE_INLINE static const uint8_t* Scales(const uint8_t* group, int64_t) { return group; }
+};
+
+// Value `k` (0..31) of row `c` (0..7) of a group block's `values`, unsigned (before kZero) or
+// signed.
 template <typename F>
-XLASERVE_INLINE int32_t GroupValue(const uint8_t* g, int c, int k) {
-  const uint8_t* values = g + F::kValues;
+XLASERVE_INLINE int32_t GroupValue(const uint8_t* values, int c, int k) {
   if constexpr (F::kSigned) {
     return static_cast<int8_t>(values[32 * (k / 4) + 4 * c + k % 4]);
   } else {
@@ -61,17 +82,21 @@ XLASERVE_INLINE int32_t GroupValue(const uint8_t* g, int c, int k) {
     int32_t q = k < 16 ? byte & 15 : byte >> 4;
     if constexpr (F::kFifth) {
       uint32_t qh;
-      std::memcpy(&qh, g + F::kValues - 32 + 4 * c, 4);
+      std::memcpy(&qh, values - 32 + 4 * c, 4);
       q |= ((qh >> k) & 1) << 4;
     }
     return q;
   }
 }
 
+// Row c's d and m in a group block's `scales`.
 template <typename F>
-XLASERVE_INLINE float GroupD(const uint8_t* g, int c) { return HalfToFloat(g + 2 * c); }
+XLASERVE_INLINE float GroupD(const uint8_t* scales, int c) {
+  if constexpr (F::kFloatScales) return quantized::FloatAt(scales + 4 * c);
+  return HalfToFloat(scales + 2 * c);
+}
 template <typename F>
-XLASERVE_INLINE float GroupM(const uint8_t* g, int c) { return HalfToFloat(g + 16 + 2 * c); }
+XLASERVE_INLINE float GroupM(const uint8_t* scales, int c) { return HalfToFloat(scales + 16 + 2 * c); }
 
 #if defined(__AVX2__)
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
@@ -93,9 +118,14 @@ XLASERVE_INLINE __m256i DotAdd(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// The 8 rows' d (or m, at `offset`) of a group block as floats.
+// The 8 rows' d (or m, 16 bytes on) of a group block as floats.
 XLASERVE_INLINE __m256 EightHalves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <typename F>
+XLASERVE_INLINE __m256 EightScales(const uint8_t* scales) {
+  if constexpr (F::kFloatScales) return _mm256_loadu_ps(reinterpret_cast<const float*>(scales));
+  return EightHalves(scales);
 }
 
 // Bytes 4c + t of a register: 16 where bit `first + t` of lane c of qh is set (t < 4).
@@ -112,8 +142,7 @@ XLASERVE_INLINE __m256i FifthBitsX8(__m256i qh, int first) {
 // The 8 registers of a group block's values: register j holds values 4j ... 4j + 3 of the 8
 // rows (row c in bytes 4c ... 4c + 3), unsigned; Q8_0's signed (with VNNI: + 128, unsigned).
 template <typename F>
-XLASERVE_INLINE void GroupRegisters(const uint8_t* g, __m256i (&w)[8]) {
-  const uint8_t* values = g + F::kValues;
+XLASERVE_INLINE void GroupRegisters(const uint8_t* values, __m256i (&w)[8]) {
   if constexpr (F::kSigned) {
     for (int j = 0; j < 8; ++j) {
       w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 32 * j));
@@ -150,12 +179,12 @@ XLASERVE_INLINE void GroupTile(const XTiles& x, int64_t x0, const uint8_t* group
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* g = group + b * F::kGroupBytes;
+    const uint8_t* scales = F::Scales(group, b);
     __m256i w[8];
-    GroupRegisters<F>(g, w);
-    const __m256 d = EightHalves(g);
+    GroupRegisters<F>(F::Values(group, b), w);
+    const __m256 d = EightScales<F>(scales);
     __m256 m;
-    if constexpr (F::kHasMin) m = EightHalves(g + 16);
+    if constexpr (F::kHasMin) m = EightHalves(scales + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int8_t* row = xq + 256 * b + 32 * r;
@@ -191,11 +220,12 @@ void GroupTile(const XTiles& x, int64_t x0, const uint8_t* group, int64_t blocks
     for (int c = 0; c < 8; ++c) {
       float total = 0.0f;
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* g = group + b * F::kGroupBytes;
+        const uint8_t *values = F::Values(group, b), *scales = F::Scales(group, b);
         int32_t isum = 0;
-        for (int k = 0; k < 32; ++k) isum += (GroupValue<F>(g, c, k) - kZero) * xq[256 * b + k];
-        total += static_cast<float>(isum) * (GroupD<F>(g, c) * x.d[at + 8 * b]);
-        if constexpr (F::kHasMin) total += GroupM<F>(g, c) * x.s[at + 8 * b];
+        for (int k = 0; k < 32; ++k)
+          isum += (GroupValue<F>(values, c, k) - kZero) * xq[256 * b + k];
+        total += static_cast<float>(isum) * (GroupD<F>(scales, c) * x.d[at + 8 * b]);
+        if constexpr (F::kHasMin) total += GroupM<F>(scales, c) * x.s[at + 8 * b];
       }
       y[r * ldy + c] = total;
     }

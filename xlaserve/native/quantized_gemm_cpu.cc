@@ -8,7 +8,7 @@
 // Weight-only: x stays float32 and every product is x * w for w the dequantized weight, bit for
 // bit gguf.quants.dequantize's, summed in float32; only the summation order differs from
 // x @ dequantize(W).T. (llama.cpp instead rounds x to 8 bits and multiplies integers, faster but
-// other numerics: q8_gemm_cpu.cc, the default for GGUF files; this one is --gguf-activations
+// other numerics: q8_gemm_cpu.cc, the default for GGUF files; this one is --quantized-activations
 // float32, and --quantization int8's.)
 //
 // Three ways through W, by the rows of x (M):

@@ -52,7 +52,7 @@ _ROW_HEADER = {"i8_row": 4}
 # bytes) of d, m, qh, then of the quantized values, which are interleaved 4 bytes at a time.
 _BLOCK_FIELDS = {"q8_0": ((0, 2),), "q4_0": ((0, 2),), "q4_1": ((0, 2), (2, 2)),
                  "q5_0": ((0, 2), (2, 4)), "q5_1": ((0, 2), (2, 2), (4, 4))}
-X8 = {f"{fmt}x8": fmt for fmt in _BLOCK_FIELDS}  # interleaved layout -> its GGUF format
+X8 = {f"{fmt}x8": fmt for fmt in (*_BLOCK_FIELDS, "i8_row")}  # interleaved layout -> its format
 _CODES.update({name: _CODES[fmt] + 1024 for name, fmt in X8.items()})
 
 
@@ -109,7 +109,9 @@ def quantized_matmul(x: jax.Array, rows: jax.Array, *, fmt: str, k: int, layer: 
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations {activations!r} is not one of {ACTIVATIONS}")
     if activations == "q8" and fmt == "i8_row":
-        raise ValueError("q8 activations multiply GGUF formats; i8_row takes float32 ones")
+        raise ValueError("i8_row takes q8 activations in its interleaved layout (i8_rowx8) only")
+    if fmt == "i8_rowx8" and k % 32:
+        raise ValueError(f"i8_rowx8 takes K a multiple of 32; K={k}")
     if activations != "q8" and fmt in X8:
         raise ValueError(f"{fmt} (interleaved) is multiplied with q8 activations only")
     out = jax.ShapeDtypeStruct((x.shape[0], rows.shape[-2]), jnp.float32)
@@ -146,13 +148,21 @@ def quantized_rows(rows: jax.Array, ids: jax.Array, *, fmt: str, k: int,
 
 
 def interleave_x8(rows, fmt: str, xp=np):
-    """GGUF rows [..., N, row_bytes] of a format of blocks of 32 in its "x8" layout (N a multiple
-    of 8; q8_interleaved.h): the same bytes, each group of 8 rows reordered. `xp`: numpy or
-    jax.numpy."""
+    """Rows [..., N, row_bytes] of a GGUF format of blocks of 32, or i8_row (K a multiple of 32),
+    in its "x8" layout (N a multiple of 8; q8_interleaved.h): the same bytes, each group of 8 rows
+    reordered. `xp`: numpy or jax.numpy."""
     lead, (n, size) = rows.shape[:-2], rows.shape[-2:]
-    fields, block_bytes = _BLOCK_FIELDS[fmt], FORMATS[fmt][1]
     if n % 8:
         raise ValueError(f"the x8 layout takes rows in groups of 8; N={n}")
+    if fmt == "i8_row":  # the 8 scales, then the values' words row by row
+        if (size - 4) % 32:
+            raise ValueError(f"i8_rowx8 takes K a multiple of 32; K={size - 4}")
+        groups = rows.reshape(*lead, n // 8, 8, size)
+        words = groups[..., 4:].reshape(*lead, n // 8, 8, -1, 4)
+        return xp.concatenate([groups[..., :4].reshape(*lead, n // 8, 32),
+                               xp.swapaxes(words, -3, -2).reshape(*lead, n // 8, -1)],
+                              axis=-1).reshape(rows.shape)
+    fields, block_bytes = _BLOCK_FIELDS[fmt], FORMATS[fmt][1]
     blocks = xp.swapaxes(rows.reshape(*lead, n // 8, 8, size // block_bytes, block_bytes), -3, -2)
     values_at = sum(length for _, length in fields)
     parts = [blocks[..., start:start + length].reshape(*blocks.shape[:-2], 8 * length)
@@ -163,8 +173,14 @@ def interleave_x8(rows, fmt: str, xp=np):
 
 
 def deinterleave_x8(rows, fmt: str, xp=np):
-    """interleave_x8's inverse: rows in `fmt`'s "x8" layout back to GGUF's."""
+    """interleave_x8's inverse: rows in `fmt`'s "x8" layout back to GGUF's (or i8_row's)."""
     lead, (n, size) = rows.shape[:-2], rows.shape[-2:]
+    if fmt == "i8_row":
+        groups = rows.reshape(*lead, n // 8, 8 * size)
+        scales = groups[..., :32].reshape(*lead, n // 8, 8, 4)
+        words = xp.swapaxes(groups[..., 32:].reshape(*lead, n // 8, -1, 8, 4), -3, -2)
+        return xp.concatenate([scales, words.reshape(*lead, n // 8, 8, size - 4)],
+                              axis=-1).reshape(rows.shape)
     fields, block_bytes = _BLOCK_FIELDS[fmt], FORMATS[fmt][1]
     groups = rows.reshape(*lead, n // 8, size // block_bytes, 8 * block_bytes)
     parts, at = [], 0

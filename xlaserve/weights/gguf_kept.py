@@ -7,7 +7,7 @@ embedding and the output head, where stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_
 llama.cpp users download most: a Q4_K_M file is Q4_K and Q6_K, with Q5_0 where a matrix's K is
 not a multiple of 256 (Q5_1 in a Q5_K_M file); the embedded default model Q4_1 and Q8_0).
 Their bytes are the file's own: a row of a GGUF [N, K] tensor is output n's K inputs as
-consecutive blocks, which is the GEMMs' layout; with q8 activations (--gguf-activations, the
+consecutive blocks, which is the GEMMs' layout; with q8 activations (--quantized-activations, the
 default) the formats of blocks of 32 are interleaved 8 rows at a time (the same bytes reordered,
 native/q8_interleaved.h), which the Q8 GEMM multiplies 8 outputs at a time. q and k rows are put
 back in the transformers order (llama.cpp permutes them for its interleaved RoPE), whole rows at

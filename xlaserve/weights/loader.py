@@ -173,7 +173,7 @@ def server_load_options(args) -> dict:
                 seed=args.random_seed or 0, conversion_cache=not args.disable_conversion_cache,
                 conversion_cache_dir=args.conversion_cache_dir, quantization=args.quantization,
                 matmul_backend=args.matmul_backend, revision=args.revision,
-                trust_remote_code=args.trust_remote_code, gguf_activations=args.gguf_activations)
+                trust_remote_code=args.trust_remote_code, quantized_activations=args.quantized_activations)
 
 
 def load_model(
@@ -192,7 +192,7 @@ def load_model(
     matmul_backend: str = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
-    gguf_activations: str = "float32",
+    quantized_activations: str = "float32",
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
     for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
@@ -203,7 +203,7 @@ def load_model(
     FP8 there too (fp8_kept.py), and is dequantized at load elsewhere.
     `matmul_backend` (runtime/executor/kernels.py): a GGUF's quantized weights stay quantized unless it is
     "xla" (XLA's dots take float weights) or the mesh is not a single CPU device;
-    `gguf_activations` "q8" lays them out for the Q8 GEMM (gguf_kept.kept_weights)."""
+    `quantized_activations` "q8" lays them out for the Q8 GEMM (gguf_kept.kept_weights)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -224,7 +224,7 @@ def load_model(
             tokenizer_path=None if skip_tokenizer_init else tokenizer_path,
             need_tokenizer=not skip_tokenizer_init,
             keep_quantized=gguf_kept.keeps_quantized(mesh, matmul_backend),
-            activations=gguf_activations)
+            activations=quantized_activations)
         return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
     source_path, config, hf_config = _read_config(path, config_file_allowed=dummy,
                                                   trust_remote_code=trust_remote_code)

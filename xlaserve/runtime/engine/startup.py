@@ -121,13 +121,17 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          attention_backend=args.attention_backend,
                          matmul_backend=args.matmul_backend, context_length=context_length,
                          mla_expanded_prefill_tokens=args.mla_expanded_prefill_tokens,
+                         quantized_activations=args.quantized_activations,
                          verify_tokens=(args.speculative_num_draft_tokens
                                         if args.speculative_algorithm else 1))
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
     if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
         logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "
                     "and LM head stay on the float GEMM",
-                    "the native quantized CPU GEMM" if native_gemm_available()
+                    ("the native quantized CPU GEMM" + (
+                        ", x quantized per block of 32 (W8A8; --quantized-activations float32 "
+                        "keeps float32 x)" if args.quantized_activations == "q8" else ""))
+                    if native_gemm_available()
                     else "XLA's dots (the native quantized CPU GEMM does not build here)")
     buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
                               native_matmul=runner.kernels.packed_matmul is not None,

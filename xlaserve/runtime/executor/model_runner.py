@@ -119,7 +119,7 @@ class ModelRunner:
                  attention_backend: str = "auto", matmul_backend: str = "auto",
                  static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
                  context_length: int | None = None, mla_expanded_prefill_tokens: int = 0,
-                 verify_tokens: int = 1):
+                 verify_tokens: int = 1, quantized_activations: str = "float32"):
         """`context_length` (default: the model's) sets the page table's width, the pages of
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
@@ -128,7 +128,8 @@ class ModelRunner:
         None: on TPU in one process (the CPU's and the H100's choice is the default layouts).
         `mla_expanded_prefill_tokens`: kernels_for's. `verify_tokens`: the tokens of a
         speculative verified row at most (1: no speculation), which sets each bucket's sample
-        rows (forward_batch.sample_rows_for)."""
+        rows (forward_batch.sample_rows_for). `quantized_activations`: how --quantization int8's
+        rows take x (pack_model's int8_activations; a GGUF's kept blocks were laid out at load)."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
@@ -159,7 +160,8 @@ class ModelRunner:
                                        self.draft_head_pool)
         if kernels.packed_matmul is not None:
             pack_model(loaded.model, self.config.tie_word_embeddings,
-                       int8_as_rows=native_gemm_available())
+                       int8_as_rows=native_gemm_available(),
+                       int8_activations=quantized_activations)
         check_quantized_rows(loaded.model, kernels)
         graphdef, state = nnx.split(loaded.model)
         vocab = self.config.vocab_size
