@@ -1,17 +1,19 @@
-// y[M, N] = x[M, K] @ W^T on the CPU with W kept in a GGUF format and x quantized per block to
-// 8 bits, multiplied with integer dot products as llama.cpp does (q8_blocks.h: the formats, the
-// activations' quantization and the numerics); an XLA FFI custom call (quantized_gemm_cpu.py,
-// activations="q8"). W is laid out as in quantized_gemm_cpu.cc: rows [N, row_bytes] or a stack
-// [L, N, row_bytes] of which `layer` is read.
+// y[M, N] = x[M, K] @ W^T on the CPU with W kept in a GGUF format (or --quantization int8's rows)
+// and x quantized per block to 8 bits, multiplied with integer dot products as llama.cpp does
+// (q8_blocks.h: the formats, the activations' quantization and the numerics); an XLA FFI custom
+// call (quantized_gemm_cpu.py, activations="q8"). W is rows [N, row_bytes] or a stack
+// [L, N, row_bytes] of which `layer` is read, in one of two layouts:
+// - the file's (quantized_gemm_cpu.cc's): threads take groups of kGroupRows rows of W and run
+//   every row of x in register tiles of kTileRows x kTileCols, a row's dot product at a time
+//   (the K-quants, and matrices whose rows do not come in eights);
+// - interleaved 8 rows at a time (q8_interleaved.h; the blocks of 32 and int8's rows, laid out at
+//   load): one vpdpbusd makes 8 outputs; threads take runs of groups (a stream the prefetcher
+//   follows: the default model's one-row GEMMs 5.3 -> 2.6 ms, against one group at a time) and
+//   run every row of x over each, kGroupTileRows at a time, x quantized in tiles of 8 rows.
 //
 // Why: decoding each weight to float32 and multiplying float32 x (quantized_gemm_cpu.cc) costs
 // several instructions a weight; an integer dot product takes 32 weights' products in one or two
 // (VNNI's vpdpbusd; AVX2's vpmaddubsw + vpmaddwd) and nibbles unpack 32 at a time.
-//
-// x is quantized once per call into a buffer of its own (K bytes a row and the blocks' scales),
-// then threads take groups of kGroupRows rows of W; a group runs every row of x in register tiles
-// of kTileRows x kTileCols, each weight block unpacked once per tile and multiplied by the tile's
-// rows of x.
 
 #include <algorithm>
 #include <cstdint>
@@ -44,7 +46,7 @@ constexpr int kTileRows = 2, kGroupTileRows = 4;
 constexpr int kTileCols = 4;
 constexpr int64_t kGroupRows = 8;  // rows of W a thread takes at a time
 constexpr int64_t kRunsPerThread = 4;  // interleaved layouts: runs of groups a thread takes
-// x rows quantized by one thread below this many values (the quantization is ~1% of the GEMM).
+// Below this many values, x is quantized on the calling thread alone.
 constexpr int64_t kParallelQuantize = 64 * 1024;
 
 template <typename F>
