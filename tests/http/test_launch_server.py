@@ -45,13 +45,14 @@ def test_the_default_model_answers_through_the_openai_sdk(launched):
 
     client = OpenAI(base_url=launched[1] + "/v1", api_key="EMPTY", max_retries=0)
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
-    reply = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0, max_tokens=16)
+    # "Name the ...": with the default q8 activations (llama.cpp's numerics) this model answers
+    # "What is the capital of France?" in French nonsense, as llama-server does on its file.
+    question = [{"role": "user", "content": "Name the capital of France."}]
+    reply = client.chat.completions.create(model="default", messages=question, temperature=0,
+                                           max_tokens=16)
     assert "Paris" in reply.choices[0].message.content
-    stream = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0, max_tokens=16, stream=True)
+    stream = client.chat.completions.create(model="default", messages=question, temperature=0,
+                                            max_tokens=16, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == reply.choices[0].message.content
     metrics = httpx.get(launched[1] + "/metrics").text  # SGLang's names, the flag's buckets
     assert "sglang:generation_tokens_total" in metrics and "xlaserve:" not in metrics
