@@ -16,8 +16,9 @@ output n's K weights in consecutive blocks of its format (`FORMATS`):
 The kernel decodes blocks to float32 weights equal to gguf.quants.dequantize's and multiplies
 float32 x by them (x is not quantized), so y is x @ dequantize(W).T up to float32 summation order.
 With activations="q8" the Q8 GEMM (q8_gemm_cpu.cc) quantizes x per block as llama.cpp does and
-multiplies integers: GGUF formats in the file's layout or, for blocks of 32, the interleaved "x8"
-layouts (`interleave_x8`: groups of 8 rows, the same bytes reordered), which only it reads.
+multiplies integers: GGUF formats in the file's layout or, for blocks of 32 and i8_row (W8A8),
+the interleaved "x8" layouts (`interleave_x8`: groups of 8 rows, the same bytes reordered),
+which only it reads.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ Q8_TARGET_NAME = "xlaserve_q8_gemm_cpu"
 _SOURCE = Path(__file__).with_name("quantized_gemm_cpu.cc")
 _Q8_SOURCE = Path(__file__).with_name("q8_gemm_cpu.cc")
 # How x meets the weights: "q8" quantizes x per block and multiplies integers as llama.cpp does
-# (q8_gemm_cpu.cc; GGUF formats only), "float32" multiplies x as is by the decoded weights.
+# (q8_gemm_cpu.cc: GGUF formats, and i8_row interleaved), "float32" multiplies x as is by the
+# decoded weights.
 ACTIVATIONS = ("q8", "float32")
 
 # name -> (weights per block, bytes per block); an i8_row row also starts with its 4-byte scale.
@@ -99,8 +101,8 @@ def quantized_matmul(x: jax.Array, rows: jax.Array, *, fmt: str, k: int, layer: 
     """x [M, K] (float32, or bfloat16 widened here) @ W.T -> float32 [M, N], W given as its rows
     in format `fmt` [N, row_bytes], or a stack [L, N, row_bytes] of which `layer` is used.
     `activations` "q8": x quantized per block as llama.cpp quantizes it for `fmt` (Q8_0, Q8_1
-    or Q8_K) and multiplied in integers (q8_blocks.h); GGUF formats only (i8_row: float32), and
-    the only one of the interleaved "x8" layouts. `march`: the Q8 GEMM's build (build.register;
+    or Q8_K) and multiplied in integers (q8_blocks.h): GGUF formats, and i8_row in its
+    interleaved layout (i8_rowx8, K a multiple of 32); the only one of the "x8" layouts. `march`: the Q8 GEMM's build (build.register;
     tests run its AVX2 and portable paths with "x86-64-v3" and "x86-64-v2")."""
     _check_rows(rows, fmt, k, layer)
     if x.ndim != 2 or x.shape[1] != k or x.dtype not in (jnp.float32, jnp.bfloat16):
