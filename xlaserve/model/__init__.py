@@ -24,7 +24,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "pack_model": "packed",
     "check_quantized_rows": "quantized_rows", "native_gemm_available": "quantized_rows",
     "QuantizedLinear": "quantized_rows", "QuantizedRows": "quantized_rows",
-    "stack_layers": "quantized_rows",
+    "stack_layers": "quantized_rows", "interleaved": "quantized_rows",
     "architecture_of": "registry", "model_class": "registry", "model_class_check": "registry",
     "check_expert_parallel": "sharding", "kv_cache_spec": "sharding", "serving_mesh": "sharding",
     "partition_spec": "sharding",

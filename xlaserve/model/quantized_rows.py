@@ -145,10 +145,22 @@ def int8_rows(matrix, i8_rows, activations: str = "float32") -> QuantizedLinear:
     values = matrix.values.reshape(k, n).T
     rows = i8_rows(values, matrix.scales.reshape(n))
     part = QuantizedRows(rows, "i8_row", k)
-    if activations == "q8" and k % 32 == 0 and n % 8 == 0:
-        part = QuantizedRows(quantized_gemm_cpu.interleave_x8(rows, "i8_row", jnp), "i8_rowx8", k,
-                             activations="q8")
+    if activations == "q8":
+        part = interleaved(part, jnp)
     return QuantizedLinear((part,), tuple(matrix.values.shape), output_axes)
+
+
+def interleaved(part: QuantizedRows, xp=np) -> QuantizedRows:
+    """`part` with q8 activations, in its format's "x8" layout where it has one (GGUF's blocks of
+    32, i8_row with K a multiple of 32) and its rows come in groups of 8: the Q8 GEMM's fast path
+    (native/q8_interleaved.h); else as it is (the K-quants: the Q8 GEMM's one-row path; i8_row:
+    float32 activations, the only ones its file layout takes). `xp`: the rows' array module."""
+    fmt = part.fmt
+    if (fmt not in quantized_gemm_cpu.X8.values() or part.n % 8
+            or (fmt == "i8_row" and part.k % 32)):
+        return part if fmt == "i8_row" else dataclasses.replace(part, activations="q8")
+    return dataclasses.replace(part, rows=quantized_gemm_cpu.interleave_x8(part.rows, fmt, xp),
+                               fmt=fmt + "x8", activations="q8")
 
 
 def stack_layers(values: dict) -> dict:

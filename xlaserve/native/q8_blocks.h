@@ -326,18 +326,16 @@ struct Q5_0 {
   static constexpr int64_t kBlock = 32, kBytes = 22;
   static constexpr bool kSigned = true, kHasMin = false;
   XLASERVE_INLINE static Block32 Prepare(const uint8_t* b) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    return {Minus(Or(Nibbles(b + 6), FifthBits(qh)), 16), HalfToFloat(b), 0.0f};
+    return {Minus(Or(Nibbles(b + 6), FifthBits(quantized::U32At(b + 2))), 16), HalfToFloat(b),
+            0.0f};
   }
 };
 struct Q5_1 {
   static constexpr int64_t kBlock = 32, kBytes = 24;
   static constexpr bool kSigned = false, kHasMin = true;
   XLASERVE_INLINE static Block32 Prepare(const uint8_t* b) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 4, 4);
-    return {Or(Nibbles(b + 8), FifthBits(qh)), HalfToFloat(b), HalfToFloat(b + 2)};
+    return {Or(Nibbles(b + 8), FifthBits(quantized::U32At(b + 4))), HalfToFloat(b),
+            HalfToFloat(b + 2)};
   }
 };
 

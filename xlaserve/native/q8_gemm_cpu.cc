@@ -115,19 +115,6 @@ XLASERVE_INLINE void Tile(const XRows& x, int64_t x0, const uint8_t* w, int64_t 
     for (int c = 0; c < C; ++c) y[r * ldy + c] = Total(acc[r][c]) + extra[r][c];
 }
 
-// The tile for `rows` x `cols` (at most kTileRows x kTileCols), as a template instance.
-template <typename F, int R = kTileRows, int C = kTileCols>
-void AnyTile(int64_t rows, int64_t cols, const XRows& x, int64_t x0, const uint8_t* w,
-             int64_t row_bytes, float* y, int64_t ldy) {
-  if constexpr (R > 1) {
-    if (rows < R) return AnyTile<F, R - 1, C>(rows, cols, x, x0, w, row_bytes, y, ldy);
-  }
-  if constexpr (C > 1) {
-    if (cols < C) return AnyTile<F, R, C - 1>(rows, cols, x, x0, w, row_bytes, y, ldy);
-  }
-  Tile<F, R, C>(x, x0, w, row_bytes, y, ldy);
-}
-
 // Quantized x: buffers per calling thread, grown as needed and kept.
 struct XBuffer {
   std::vector<int8_t> q;
@@ -183,10 +170,10 @@ void Gemm(ffi::ThreadPool& pool, const XRows& x, const uint8_t* w, int64_t row_b
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
   xlaserve::ParallelFor(pool, groups, [&](int64_t g) {
     const int64_t n0 = g * kGroupRows, cols = std::min(kGroupRows, n - n0);
-    for (int64_t r = 0; r < m; r += kTileRows)
-      for (int64_t c = 0; c < cols; c += kTileCols)
-        AnyTile<F>(std::min<int64_t>(kTileRows, m - r), std::min<int64_t>(kTileCols, cols - c),
-                   x, r, w + (n0 + c) * row_bytes, row_bytes, y + r * n + n0 + c, n);
+    xlaserve::quantized::ForTiles<kTileRows, kTileCols>(m, cols, [&](auto rows, auto tile_cols,
+                                                                     int64_t r, int64_t c) {
+      Tile<F, rows, tile_cols>(x, r, w + (n0 + c) * row_bytes, row_bytes, y + r * n + n0 + c, n);
+    });
   });
 }
 

@@ -81,9 +81,7 @@ XLASERVE_INLINE int32_t GroupValue(const uint8_t* values, int c, int k) {
     const int word = (k % 16) / 4, byte = values[32 * word + 4 * c + k % 4];
     int32_t q = k < 16 ? byte & 15 : byte >> 4;
     if constexpr (F::kFifth) {
-      uint32_t qh;
-      std::memcpy(&qh, values - 32 + 4 * c, 4);
-      q |= ((qh >> k) & 1) << 4;
+      q |= ((quantized::U32At(values - 32 + 4 * c) >> k) & 1) << 4;
     }
     return q;
   }

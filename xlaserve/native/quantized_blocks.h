@@ -10,6 +10,7 @@
 // rounding of the sum. i8_row's float32 scale * q is one rounding, as numpy's.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -88,6 +89,13 @@ XLASERVE_INLINE float FloatAt(const uint8_t* p) {
   float f;
   std::memcpy(&f, p, 4);
   return f;
+}
+
+// 4 little-endian bytes (a Q5 block's qh) as a uint32.
+XLASERVE_INLINE uint32_t U32At(const uint8_t* p) {
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  return u;
 }
 
 // Each format: kBlock weights in kBytes, and Decode(block, sink) calling sink(i, w) for the
@@ -190,10 +198,9 @@ struct Q5_0 {  // f16 d, 4 bytes qh, 16 bytes of nibbles (DecodeFiveBits): w = d
   template <typename Sink>
   XLASERVE_INLINE static void Decode(const uint8_t* block, Sink sink) {
     const float d = HalfToFloat(block);
-    uint32_t qh;
-    std::memcpy(&qh, block + 2, 4);
     DecodeFiveBits(
-        block + 6, qh, [d](Vec q) XLASERVE_INLINE_LAMBDA { return (q - 16.0f) * d; }, sink);
+        block + 6, U32At(block + 2),
+        [d](Vec q) XLASERVE_INLINE_LAMBDA { return (q - 16.0f) * d; }, sink);
   }
 };
 
@@ -202,10 +209,9 @@ struct Q5_1 {  // f16 d, f16 m, 4 bytes qh, 16 bytes of nibbles (DecodeFiveBits)
   template <typename Sink>
   XLASERVE_INLINE static void Decode(const uint8_t* block, Sink sink) {
     const float d = HalfToFloat(block), m = HalfToFloat(block + 2);
-    uint32_t qh;
-    std::memcpy(&qh, block + 4, 4);
     DecodeFiveBits(
-        block + 8, qh, [d, m](Vec q) XLASERVE_INLINE_LAMBDA { return q * d + m; }, sink);
+        block + 8, U32At(block + 4),
+        [d, m](Vec q) XLASERVE_INLINE_LAMBDA { return q * d + m; }, sink);
   }
 };
 
@@ -352,6 +358,28 @@ inline void DecodeRange(const uint8_t* row, int64_t first, int64_t count, float*
   if constexpr (kIsI8Row<F>) {
     for (; i < count; ++i) out[i] = I8Row::Weight(row, first + i);
   }
+}
+
+// (Shared by both quantized GEMMs, quantized_gemm_cpu.cc and q8_gemm_cpu.cc.)
+// tile(R, C, r, c) (R and C as std::integral_constant) for the tiles of rows x cols: kRows x kCols,
+// and smaller ones at the ends. Rows outer: a tile's rows of x stay in L1 across its columns.
+template <int R, int C, typename Tile>
+inline void OneTile(int64_t rows, int64_t cols, int64_t r, int64_t c, Tile& tile) {
+  if constexpr (R > 1) {
+    if (rows < R) return OneTile<R - 1, C>(rows, cols, r, c, tile);
+  }
+  if constexpr (C > 1) {
+    if (cols < C) return OneTile<R, C - 1>(rows, cols, r, c, tile);
+  }
+  tile(std::integral_constant<int, R>{}, std::integral_constant<int, C>{}, r, c);
+}
+
+template <int kRows, int kCols, typename Tile>
+inline void ForTiles(int64_t rows, int64_t cols, Tile tile) {
+  for (int64_t r = 0; r < rows; r += kRows)
+    for (int64_t c = 0; c < cols; c += kCols)
+      OneTile<kRows, kCols>(std::min<int64_t>(kRows, rows - r), std::min<int64_t>(kCols, cols - c),
+                            r, c, tile);
 }
 
 // run(F{}) with the format `code` names; false for an unknown code.

@@ -180,27 +180,6 @@ inline void DotTile(const float* x, int64_t ldx, const float* w, int64_t ldw, in
   }
 }
 
-// tile(R, C, r, c) (R and C as std::integral_constant) for the tiles of rows x cols: kRows x kCols,
-// and smaller ones at the ends. Rows outer: a tile's rows of x stay in L1 across its columns.
-template <int R, int C, typename Tile>
-inline void OneTile(int64_t rows, int64_t cols, int64_t r, int64_t c, Tile& tile) {
-  if constexpr (R > 1) {
-    if (rows < R) return OneTile<R - 1, C>(rows, cols, r, c, tile);
-  }
-  if constexpr (C > 1) {
-    if (cols < C) return OneTile<R, C - 1>(rows, cols, r, c, tile);
-  }
-  tile(std::integral_constant<int, R>{}, std::integral_constant<int, C>{}, r, c);
-}
-
-template <int kRows, int kCols, typename Tile>
-inline void ForTiles(int64_t rows, int64_t cols, Tile tile) {
-  for (int64_t r = 0; r < rows; r += kRows)
-    for (int64_t c = 0; c < cols; c += kCols)
-      OneTile<kRows, kCols>(std::min<int64_t>(kRows, rows - r), std::min<int64_t>(kCols, cols - c),
-                            r, c, tile);
-}
-
 // y[rows, cols] (= or +=) x[rows, :depth] . w[cols, :depth]^T.
 void Tiles(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t depth, float* y,
            int64_t ldy, int64_t rows, int64_t cols, bool accumulate) {

@@ -29,11 +29,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.native import quantized_gemm_cpu
 from xlaserve.weights.gguf_file import GGUFSource
 from xlaserve.weights.placement import put
-from xlaserve.model.quantized_rows import (QuantizedLinear, QuantizedRows, native_gemm_available,
-                                           stack_layers)
+from xlaserve.model.quantized_rows import (QuantizedLinear, QuantizedRows, interleaved,
+                                           native_gemm_available, stack_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ def kept_weights(config: ModelConfig, source: GGUFSource,
         if len({part.fmt for part in parts}) == 1 and len(parts) > 1:
             parts = [_fused(parts, qkv_heads)]
         if activations == "q8":
-            parts = [interleaved(dataclasses.replace(part, activations="q8")) for part in parts]
+            parts = [interleaved(part) for part in parts]
         kept[path] = QuantizedLinear(tuple(parts), weight_shape, output_axes,
                                      qkv_heads if len(parts) > 1 else None, rows_layout)
 
@@ -113,16 +112,6 @@ def kept_weights(config: ModelConfig, source: GGUFSource,
                     "dequantized at load: %s", ", ".join(KEPT_TYPES), ", ".join(dequantized[:8])
                     + (f" and {len(dequantized) - 8} more" if len(dequantized) > 8 else ""))
     return kept
-
-
-def interleaved(part: QuantizedRows) -> QuantizedRows:
-    """`part` in its format's "x8" layout where it has one and its rows come in groups of 8
-    (native/q8_interleaved.h: the Q8 GEMM's fast path), else as it is (the Q8 GEMM's
-    one-row-at-a-time path, the K-quants' only one)."""
-    if part.fmt not in quantized_gemm_cpu.X8.values() or part.n % 8:
-        return part
-    return dataclasses.replace(part, rows=quantized_gemm_cpu.interleave_x8(part.rows, part.fmt),
-                               fmt=part.fmt + "x8")
 
 
 def _fused(parts: list[QuantizedRows], qkv_heads) -> QuantizedRows:
