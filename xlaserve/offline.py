@@ -86,8 +86,11 @@ class Engine:
 
     # --- inputs -------------------------------------------------------------------------------
 
-    def _requests(self, prompt, sampling_params, input_ids) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
-        """Flatten prompts x n into (prompt_ids, params) pairs; also say whether input was a list."""
+    def _requests(self, prompt, sampling_params, input_ids, lora_path=None
+                  ) -> tuple[list[tuple[list[int], SamplingParams, str | None]], bool]:
+        """Flatten prompts x n into (prompt_ids, params, LoRA adapter) triples; also say whether
+        input was a list. `lora_path`: an adapter's name for every prompt, or a list (None: the
+        base model)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
         if prompt is not None:
@@ -102,31 +105,36 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
         if len(params) != len(id_lists):
             raise ValueError(f"{len(params)} sampling_params for {len(id_lists)} prompts")
+        adapters = lora_path if isinstance(lora_path, list) else [lora_path] * len(id_lists)
+        if len(adapters) != len(id_lists):
+            raise ValueError(f"{len(adapters)} lora_path entries for {len(id_lists)} prompts")
         requests = []
-        for ids, p in zip(id_lists, params, strict=True):
+        for ids, p, adapter in zip(id_lists, params, adapters, strict=True):
             parsed, n = to_sampling_params(p)
             for i in range(n):
                 # Each of n samples needs its own seed, or they would all draw the same tokens.
                 seed = None if parsed.seed is None else parsed.seed + i
-                requests.append((ids, dataclasses.replace(parsed, seed=seed)))
+                requests.append((ids, dataclasses.replace(parsed, seed=seed), adapter))
         return requests, batched or len(requests) > 1
 
     # --- generation -----------------------------------------------------------------------------
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 top_logprobs_num=0, logprob_start_len=None):
+                 top_logprobs_num=0, logprob_start_len=None, lora_path=None):
         """SGLang's `Engine.generate`: one prompt (or token id list) and a dict of sampling
         params, or lists of them; returns a dict or a list of dicts with `text`, `output_ids` and
         `meta_info` (with `return_logprob`: `output_token_logprobs` [(logprob, token_id, None)]
         and, with `top_logprobs_num`, `output_top_logprobs`; with `logprob_start_len=0` too,
         `input_token_logprobs` [(logprob | None, token_id, None)] for every prompt token, the
-        first None, and with `top_logprobs_num`, `input_top_logprobs`)."""
+        first None, and with `top_logprobs_num`, `input_top_logprobs`). `lora_path`: a loaded
+        LoRA adapter's name, or one per prompt (None: the base model)."""
         logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
-        requests, batched = self._requests(prompt, sampling_params, input_ids)
+        requests, batched = self._requests(prompt, sampling_params, input_ids, lora_path)
         sinks = []
-        for ids, params in requests:
+        for ids, params, adapter in requests:
             sink: queue.Queue[OutputDelta] = queue.Queue()
-            self.core.submit(ids, params, sink.put, **logprobs.submit_kwargs())
+            self.core.submit(ids, params, sink.put, **logprobs.submit_kwargs(),
+                             lora_path=adapter)
             sinks.append(sink)
         results = [self._collect(self._drain(sink), logprobs) for sink in sinks]
         return results if batched else results[0]
@@ -146,31 +154,31 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob=False, top_logprobs_num=0, stream=False,
-                             logprob_start_len=None):
+                             logprob_start_len=None, lora_path=None):
         logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
-        requests, batched = self._requests(prompt, sampling_params, input_ids)
+        requests, batched = self._requests(prompt, sampling_params, input_ids, lora_path)
         if stream:
             if batched:
                 raise ValueError("stream=True takes one prompt")
             return self._stream(*requests[0], logprobs)
-        results = await asyncio.gather(*[self._collect_async(ids, params, logprobs)
-                                         for ids, params in requests])
+        results = await asyncio.gather(*[self._collect_async(ids, params, logprobs, adapter)
+                                         for ids, params, adapter in requests])
         return list(results) if batched else results[0]
 
-    async def _outputs(self, ids, params, logprobs) -> AsyncIterator[OutputDelta]:
+    async def _outputs(self, ids, params, logprobs, adapter=None) -> AsyncIterator[OutputDelta]:
         group = AsyncRequestGroup(self.core)
-        group.submit(0, ids, params, **logprobs.submit_kwargs())
+        group.submit(0, ids, params, **logprobs.submit_kwargs(), lora_path=adapter)
         try:
             async for _, output in group.outputs():
                 yield output
         finally:
             group.abort()  # a no-op once finished; else the consumer went away: free the slot now
 
-    async def _stream(self, ids, params, logprobs) -> AsyncIterator[dict]:
+    async def _stream(self, ids, params, logprobs, adapter=None) -> AsyncIterator[dict]:
         """SGLang's stream dicts: each output's text delta, its token ids and `finished`, with the
         final one's `meta_info`; a speculative verified row's tokens (`OutputDelta.more`) in one."""
         text, token_ids = "", []
-        async for output in self._outputs(ids, params, logprobs):
+        async for output in self._outputs(ids, params, logprobs, adapter):
             text += output.text
             token_ids += [] if output.token_id is None else [output.token_id]
             if output.more:
@@ -181,8 +189,9 @@ class Engine:
             yield out
             text, token_ids = "", []
 
-    async def _collect_async(self, ids, params, logprobs) -> dict:
-        return self._collect([c async for c in self._outputs(ids, params, logprobs)], logprobs)
+    async def _collect_async(self, ids, params, logprobs, adapter=None) -> dict:
+        return self._collect([c async for c in self._outputs(ids, params, logprobs, adapter)],
+                             logprobs)
 
     @staticmethod
     def _collect(outputs: Iterable[OutputDelta], logprobs: LogprobOptions) -> dict:
@@ -192,6 +201,16 @@ class Engine:
             if output.finished:
                 break
         return sglang_output(choice, logprobs.return_logprob, logprobs.top_logprobs_num)
+
+    # --- LoRA adapters (SGLang's Engine methods) -------------------------------------------------
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serves the PEFT adapter at `lora_path` as `lora_name` (no compile)."""
+        self.core.load_lora_adapter(lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stops serving `lora_name` once its requests have ended."""
+        self.core.unload_lora_adapter(lora_name)
 
     # --- lifetime ---------------------------------------------------------------------------------
 

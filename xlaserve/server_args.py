@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Optional
 
+from xlaserve.lora_flags import resolve_lora
 from xlaserve.speculative_flags import resolve_speculative
 
 # The rest of a field's metadata goes to argparse. "aliases": more option strings (SGLang's and
@@ -207,6 +208,23 @@ class ServerArgs:
     disable_overlap_schedule: bool = _flag(
         False, "wait for each step before handing out its tokens (default: detokenize and hand "
                "out a step's tokens while the next step computes)")
+    # --- LoRA adapters (runtime/engine/lora_adapters.py) ---
+    enable_lora: bool = _flag(
+        False, "serve LoRA adapters: requests pick one with lora_path or model BASE:NAME (or "
+               "NAME); implied by --lora-paths")
+    lora_paths: Optional[list[str]] = _flag(
+        None, "adapters loaded at start: NAME=PATH (a PEFT adapter directory or hub id), a bare "
+              "PATH (named by itself), or JSON {\"lora_name\": ..., \"lora_path\": ...}",
+        nargs="*", aliases=("--lora-modules",))
+    max_loras_per_batch: int = _flag(
+        8, "adapter slots on the device: the most adapters loaded (and in one batch) at once",
+        aliases=("--max-loras",))
+    max_lora_rank: Optional[int] = _flag(
+        None, "every adapter's rank padded to this; a larger one is refused (default: the "
+              "largest of --lora-paths, else 16)")
+    lora_target_modules: Optional[list[str]] = _flag(
+        None, "modules adapters may target, of q_proj k_proj v_proj o_proj gate_proj up_proj "
+              "down_proj, or all (default: those --lora-paths target, else all)", nargs="*")
     # --- speculative decoding (runtime/scheduler/speculation.py) ---
     speculative_algorithm: Optional[str] = _flag(
         None, "speculative decoding: NGRAM drafts each request's next tokens from its own prompt "
@@ -361,6 +379,7 @@ class ServerArgs:
             raise ValueError(f"--precompile-threads must be 1 or more; got "
                              f"{self.precompile_threads}")
         resolve_speculative(self)
+        resolve_lora(self)
         if self.mla_expanded_prefill_tokens < 0:
             raise ValueError("--mla-expanded-prefill-tokens must be 0 (never) or a token count; "
                              f"got {self.mla_expanded_prefill_tokens}")

@@ -150,11 +150,14 @@ def matmul_input_dtype(weight) -> jnp.dtype:
     return jnp.dtype(weight.dtype)
 
 
-def project(x: jax.Array, weight, kernels: Kernels) -> jax.Array:
-    """A layer's projection: `linear`, rounded to the weight's compute dtype where the kernels
-    say so (`Kernels.round_projections`), float32 otherwise. Routers and the LM head stay
-    `linear` (float32): they choose experts and tokens."""
+def project(x: jax.Array, weight, kernels: Kernels, lora=None, name: str = "") -> jax.Array:
+    """A layer's projection: `linear`, plus what the rows' LoRA adapters add to projection
+    `name` (`lora`: the layer's model/lora.LayerLora, or None), rounded to the weight's compute
+    dtype where the kernels say so (`Kernels.round_projections`), float32 otherwise. Routers and
+    the LM head stay `linear` (float32): they choose experts and tokens."""
     y = linear(x, weight, kernels)
+    if lora is not None and (delta := lora.delta(name, x, y.shape[1:])) is not None:
+        y = y + delta
     return y.astype(matmul_input_dtype(weight)) if kernels.round_projections else y
 
 
@@ -219,12 +222,15 @@ class MLP(nnx.Module):
         """The dtype x should come in (the norm in front rounds to it)."""
         return matmul_input_dtype(self.gate_up[...])
 
-    def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels: Kernels, lora=None) -> jax.Array:
+        """`lora`: the layer's LoRA adapters (model/lora.LayerLora) or None."""
         gate_up, down = self.gate_up[...], self.down[...]
         dtype = matmul_input_dtype(down)
-        if isinstance(gate_up, PackedMatrix) and kernels.packed_matmul_swiglu is not None:
+        fused = lora is None or "gate_up" not in lora.projections  # the adapters' add comes first
+        if (fused and isinstance(gate_up, PackedMatrix)
+                and kernels.packed_matmul_swiglu is not None):
             activation = kernels.packed_matmul_swiglu(x, gate_up.panels, gate_up.columns,
                                                       gate_up.layer, gate_up.bf16_pairs, dtype)
         else:
-            activation = kernels.swiglu(project(x, gate_up, kernels), dtype)
-        return project(activation, down, kernels)
+            activation = kernels.swiglu(project(x, gate_up, kernels, lora, "gate_up"), dtype)
+        return project(activation, down, kernels, lora, "down")

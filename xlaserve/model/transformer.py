@@ -82,9 +82,11 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
-    def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels):
+    def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels,
+                 lora=None):
+        """`lora`: the layer's LoRA adapters (model/lora.LayerLora) or None."""
         c = self.config
-        qkv = project(x, self.qkv[...], kernels)
+        qkv = project(x, self.qkv[...], kernels, lora, "qkv")
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
         num_tokens = x.shape[0]
@@ -104,7 +106,7 @@ class Attention(nnx.Module):
             out, kv_cache = tree_attention(kernels.attention, *args, metadata.tree_masks,
                                            sm_scale=c.head_dim**-0.5, width=metadata.tree_width,
                                            sinks=sinks)
-        out = project(out.reshape(num_tokens, -1), self.o_proj[...], kernels)
+        out = project(out.reshape(num_tokens, -1), self.o_proj[...], kernels, lora, "o_proj")
         if c.o_bias:
             out = out + self.o_bias[...].astype(jnp.float32)
         return out, kv_cache
@@ -123,15 +125,21 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(config, dtype, rngs) if config.moe_layers[layer_index]
                     else MLP(config.hidden_size, config.intermediate_size, dtype, rngs))
 
-    def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels):
+    def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels, lora=None):
         """`x` is the residual stream and `normed` its input norm (`input_rms_norm`), which the
         caller takes together with the residual add in front of it. Returns x + attention, the
-        MLP's output (the caller adds it) and the KV cache."""
-        attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels)
+        MLP's output (the caller adds it) and the KV cache. `lora`: the layer's LoRA adapters
+        (model/lora.LayerLora; model/lora.check_model keeps them off latent attention and
+        experts), or None."""
+        if lora is None:
+            attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels)
+        else:
+            attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels, lora)
         norm = self.post_attention_norm
         x, normed = kernels.add_rms_norm(x, attn_out, norm.scale[...], norm.eps,
                                          self.mlp.input_dtype())
-        return x, self.mlp(normed, kernels), kv_cache
+        mlp_out = self.mlp(normed, kernels) if lora is None else self.mlp(normed, kernels, lora)
+        return x, mlp_out, kv_cache
 
     def input_rms_norm(self, x, delta, kernels: Kernels):
         """(x + delta, input_norm(x + delta)) in the dtype the qkv matmul takes; no add when delta
@@ -170,7 +178,7 @@ class CausalLM(nnx.Module):
 
     def hidden_states(self, input_ids, positions, kv_caches, metadata: AttentionMetadata,
                       kernels: Kernels, rope: tuple[jax.Array, jax.Array] | None = None,
-                      capture: tuple[int, ...] | None = None):
+                      capture: tuple[int, ...] | None = None, lora=None):
         """float32[T, hidden]: the residual stream after the last layer (before the final norm)
         for every token row, and the updated KV caches. Split from `logits` so that a step can
         take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
@@ -178,7 +186,7 @@ class CausalLM(nnx.Module):
         attention_factor)` computed on the host; computed here when not given. `capture`
         (given, even empty): layer indices whose input (the residual stream entering them) is
         returned too, as a third value, a list in that order (an EAGLE-3 head's features,
-        model/draft_heads.py)."""
+        model/draft_heads.py). `lora`: the step's LoRA adapters (model/lora.LoraBatch) or None."""
         x = embed(self.embedding[...], input_ids).astype(jnp.float32)
         cos, sin = rope if rope is not None else traced_rope(self.config, positions)
         new_caches, mlp_out, captured = [], None, {}
@@ -186,7 +194,8 @@ class CausalLM(nnx.Module):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
             if capture and index in capture:
                 captured[index] = x
-            x, mlp_out, kv_cache = layer(x, normed, cos, sin, kv_cache, metadata, kernels)
+            x, mlp_out, kv_cache = layer(x, normed, cos, sin, kv_cache, metadata, kernels,
+                                         None if lora is None else lora.layer(index))
             new_caches.append(kv_cache)
         if capture is not None:
             return x + mlp_out, new_caches, [captured[i] for i in capture]

@@ -137,11 +137,12 @@ def resolve_model_path(model_path: str | None, with_weights: bool = True,
     if model_path.count("/") == 1 and not model_path.startswith((".", "/", "~")):
         weights = ["*.safetensors"] if with_weights else []
         code = ["*.py"] if trust_remote_code else []
-        return _download(model_path, _HUB_CONFIG_PATTERNS + weights + code, revision)
+        return download(model_path, _HUB_CONFIG_PATTERNS + weights + code, revision)
     raise ModelNotFoundError(f"model path {model_path!r} does not exist")
 
 
-def _download(repo_id: str, patterns: list[str], revision: str | None = None) -> str:
+def download(repo_id: str, patterns: list[str], revision: str | None = None) -> str:
+    """The files of hub repository `repo_id` matching `patterns`, fetched or from the cache."""
     from huggingface_hub import snapshot_download
 
     try:

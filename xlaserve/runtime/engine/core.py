@@ -25,6 +25,7 @@ import numpy as np
 
 from xlaserve.runtime.engine import startup
 from xlaserve.runtime.engine.live_requests import LiveRequests, live_state
+from xlaserve.runtime.engine.lora_adapters import LoadLora, LoraAdapters, UnknownAdapter, UnloadLora
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
                                               OutputDelta, RequestsEnded, StepResult, Wake)
 from xlaserve.runtime.engine.watchdog import Watchdog
@@ -38,6 +39,7 @@ from xlaserve.runtime.sampling.sampler import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import Request, SampledRow
 from xlaserve.runtime.scheduler.speculation import row_depths
 from xlaserve.server_args import ServerArgs
+from xlaserve.weights.lora_adapter import LoraAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,11 @@ class EngineCore:
         self.eos_token_ids = parts.eos_token_ids
         self.grammar_backend = parts.grammar_backend
         self._draft = parts.draft  # --speculative-algorithm STANDALONE: the draft model
+        # --enable-lora: the adapters by name (lora_adapters.py), --lora-paths' installed
+        self.lora = None if self.runner.lora is None else LoraAdapters(
+            self.runner, self.runner.lora.spec.max_loras)
+        for adapter in parts.lora_adapters or ():
+            self.lora.install(adapter)
         self.limits = RequestLimits.from_server_args(args)
         # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
         self.startup_timings = parts.startup_timings
@@ -130,7 +137,8 @@ class EngineCore:
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                emit: Callable[[OutputDelta], None], rid: str | None = None,
                return_logprob: bool = False, top_logprobs_num: int = 0,
-               return_prompt_logprob: bool = False, priority: int = 0) -> str:
+               return_prompt_logprob: bool = False, priority: int = 0,
+               lora_path: str | None = None) -> str:
         """Queue a request; `emit` is called from the engine's output thread (live_requests.py) with
         each OutputDelta, in order: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
@@ -141,7 +149,9 @@ class EngineCore:
         SGLang's `input_token_logprobs` [(logprob | None, token_id, None)] and
         `input_top_logprobs` [None | [(logprob, token_id, None)] * top_logprobs_num], one entry
         per prompt token (the first has none), under the raw model distribution. Such a request
-        computes its whole prompt (no prefix reuse).
+        computes its whole prompt (no prefix reuse). `lora_path`: the name of a loaded LoRA
+        adapter the request runs with (None: the base model); one not loaded raises
+        UnknownAdapter.
 
         Everything the request will need on the engine thread (its sampling row, grammar,
         detokenizer and stop matcher, prompt-logprob collector) is built and checked here, in the
@@ -173,10 +183,38 @@ class EngineCore:
                           no_prefix_reuse=return_prompt_logprob, grammar=grammar)
         live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
                           return_prompt_logprob)
+        if lora_path is not None:
+            if self.lora is None:
+                raise UnknownAdapter(lora_path, f"lora_path {lora_path!r}: this server serves "
+                                                "no LoRA adapters (start it with --enable-lora)")
+            with self.lora.lock:  # resolved and queued ahead of any unload (lora_adapters.py)
+                adapter = self.lora.resolve(lora_path)
+                request.lora_slot, request.lora_key = adapter.slot + 1, adapter.key
+                self._put_request(live)
+        else:
+            self._put_request(live)
+        return rid
+
+    def _put_request(self, live) -> None:
         with self._submit_lock:
             self._submitted += 1
         self._inbox.put(AddRequest(live))
-        return rid
+
+    def load_lora_adapter(self, name: str, path: str):
+        """Reads a PEFT adapter and serves it as `name` once its slot is written between steps
+        (runtime/engine/lora_adapters.py); raises LoraAdapterError naming what cannot load."""
+        if self.lora is None:
+            raise LoraAdapterError("this server serves no LoRA adapters (--enable-lora)")
+        adapter, slot = self.lora.read(name, path, self.loaded.config)
+        return self._wait(LoadLora(name, adapter, slot, Future()))
+
+    def unload_lora_adapter(self, name: str):
+        """Stops serving `name` (new requests naming it are refused) and returns once its
+        running requests have ended and its slot is free."""
+        if self.lora is None:
+            raise LoraAdapterError("this server serves no LoRA adapters (--enable-lora)")
+        self.lora.mark_unloading(name)
+        return self._wait(UnloadLora(name, Future()))
 
     def queued_requests(self) -> int:
         """Requests submitted that wait for a running slot: those in the scheduler's queue and
@@ -220,11 +258,14 @@ class EngineCore:
     def flush_cache(self) -> int:
         """Empties the prefix cache of the pages no running request uses, on the engine thread
         between steps; returns how many pages it freed, once done."""
-        done: Future = Future()
-        self._inbox.put(FlushCache(done))
+        return self._wait(FlushCache(Future()))
+
+    def _wait(self, message):
+        """Puts `message` in the inbox and waits for its `done` future."""
+        self._inbox.put(message)
         while True:
             try:
-                return done.result(timeout=1.0)
+                return message.done.result(timeout=1.0)
             except TimeoutError:
                 if not self.is_alive():
                     raise RuntimeError(self.stopped_reason()) from None
@@ -362,16 +403,23 @@ class EngineCore:
                         item.done.set_result(self.scheduler.flush_cache())
                     except Exception as error:  # the caller waits on it: hand it the error
                         item.done.set_exception(error)
+                case LoadLora() | UnloadLora():
+                    self.lora.take(item, self.scheduler)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 item = None
         if aborts:
             self._live_requests.abort_many(aborts, message)
+        if self.lora is not None:
+            self.lora.finish_unloads(self.scheduler)
 
     def _prepare(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""
         self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
+        if self.lora is not None and batch.admitted:
+            self.runner.assign_lora([r.slot for r in batch.admitted],
+                                    [r.lora_slot for r in batch.admitted])
         requests = batch.requests  # one per sample row
         if batch.decode is not None:  # decode rows only: no prompt targets, each row ahead
             fb = forward_batch_for(batch, self.buckets, self.runner.page_size)

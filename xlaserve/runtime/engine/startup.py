@@ -42,6 +42,7 @@ from xlaserve.runtime.executor.draft_head import DraftHead
 from xlaserve.runtime.executor.draft_model import DraftModel
 from xlaserve.weights.draft_head import load_server_draft_head
 from xlaserve.runtime.executor.model_runner import ModelRunner
+from xlaserve.runtime.engine.lora_adapters import lora_setup
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
 from xlaserve.server_args import ServerArgs
@@ -66,6 +67,7 @@ class EngineParts:
     leader: Leader | None = None  # --nnodes > 1: the followers replay the runner's device calls
     draft: DraftModel | None = None  # --speculative-algorithm STANDALONE: the draft model
     draft_head: DraftHead | None = None  # EAGLE3, NEXTN: the draft head's own steps
+    lora_adapters: list | None = None  # --enable-lora: --lora-paths' adapters, read (else None)
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -116,6 +118,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
             logger.info("max_running_requests=%d: the KV pool holds %d tokens, %d a request",
                         running, num_pages * page_size, num_pages * page_size // running)
             args = dataclasses.replace(args, max_running_requests=running)
+    lora_spec, lora_adapters = lora_setup(args, config) if args.enable_lora else (None, None)
     runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size,
                          max_running_requests=args.max_running_requests,
                          attention_backend=args.attention_backend,
@@ -123,7 +126,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          mla_expanded_prefill_tokens=args.mla_expanded_prefill_tokens,
                          quantized_activations=args.quantized_activations,
                          verify_tokens=(args.speculative_num_draft_tokens
-                                        if args.speculative_algorithm else 1))
+                                        if args.speculative_algorithm else 1),
+                         lora=lora_spec)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
     if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
         logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "
@@ -191,7 +195,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        context_length=context_length, runner=runner, buckets=buckets,
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
                        grammar_backend=grammar_backend, startup_timings=timings, leader=leader,
-                       draft=draft, draft_head=draft_head)
+                       draft=draft, draft_head=draft_head, lora_adapters=lora_adapters)
 
 
 def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,

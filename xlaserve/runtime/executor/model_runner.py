@@ -58,6 +58,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.model.lora import LoraSpec
 from xlaserve.model.packed import pack_model
 from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
 from xlaserve.weights.placement import put
@@ -66,6 +67,7 @@ from xlaserve.runtime.host.huge_pages import advise_huge_pages
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
 from xlaserve.runtime.executor.kv_pool import DraftHeadPool, init_kv_pool, kv_pool_specs
+from xlaserve.runtime.executor.lora_slots import LoraSlots
 from xlaserve.runtime.executor.page_table import DevicePageTable
 from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
 from xlaserve.runtime.executor.step_program import concat_leaves
@@ -76,7 +78,8 @@ from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME
 from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
 from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
-from xlaserve.runtime.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable, StepOutput,
+from xlaserve.runtime.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, LoraArgs,
+                                           RopeTable, StepOutput,
                                            empty_batch, idle_step, make_step, step_vectors,
                                            table_arrays)
 
@@ -119,7 +122,8 @@ class ModelRunner:
                  attention_backend: str = "auto", matmul_backend: str = "auto",
                  static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
                  context_length: int | None = None, mla_expanded_prefill_tokens: int = 0,
-                 verify_tokens: int = 1, quantized_activations: str = "float32"):
+                 verify_tokens: int = 1, quantized_activations: str = "float32",
+                 lora: LoraSpec | None = None):
         """`context_length` (default: the model's) sets the page table's width, the pages of
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
@@ -129,7 +133,8 @@ class ModelRunner:
         `mla_expanded_prefill_tokens`: kernels_for's. `verify_tokens`: the tokens of a
         speculative verified row at most (1: no speculation), which sets each bucket's sample
         rows (forward_batch.sample_rows_for). `quantized_activations`: how --quantization int8's
-        rows take x (pack_model's int8_activations; a GGUF's kept blocks were laid out at load)."""
+        rows take x (pack_model's int8_activations; a GGUF's kept blocks were laid out at load).
+        `lora`: the LoRA adapter slots' shapes (lora_slots.py; None: no adapters)."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
@@ -196,11 +201,19 @@ class ModelRunner:
             leaves, stack_small=self.mesh.size == 1,
             stack_layers=self.mesh.devices.flat[0].platform == "tpu", names=leaf_names(state))
         del leaves, state
+        # LoRA slots after the model's arguments (lora_slots.py): weights the step also takes.
+        self.lora = None if lora is None else LoraSlots(lora, self.config, dtype, self.mesh,
+                                                        num_slots)
+        lora_args = None
+        if self.lora is not None:
+            lora_args = LoraArgs(lora, self.config.num_layers, len(self._weight_args))
+            self._weight_args += self.lora.args()
+            self._description += f"\n{lora}"
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 
         step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding,
-                         verify_tokens=verify_tokens)
+                         verify_tokens=verify_tokens, lora=lora_args)
         # What a draft head's own programs are made of (draft_head.py).
         self.program_parts = (graphdef, state_treedef, weight_layout, kv_sharding)
         if choose_weight_layouts is None:
@@ -208,9 +221,10 @@ class ModelRunner:
             # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
             # Not with a draft head: its draft steps (draft_head.py) take the same weights, in
             # the layouts a plain jit takes.
+            # Nor with LoRA slots, which are rewritten while serving in their default layouts.
             choose_weight_layouts = (self.mesh.devices.flat[0].platform == "tpu"
                                      and replicated.is_fully_addressable
-                                     and self.draft_head_pool is None)
+                                     and self.draft_head_pool is None and lora is None)
         # The step whose weight layouts XLA chooses, until `precompile` has used it.
         self._choosing_step = (make_step(graphdef, state_treedef, weight_layout, kernels,
                                          self.mesh, kv_sharding, auto_formats(self._weight_args),
@@ -273,9 +287,23 @@ class ModelRunner:
             self.output_counts, self.prompt_masks = reset(
                 self.output_counts, self.prompt_masks, slots, counts, masks)
 
+    def write_lora(self, slot: int, adapter) -> None:
+        """LoRA adapter slot `slot` holds `adapter` (weights/lora_adapter.LoraAdapter; None:
+        zeros), for the steps dispatched from now on."""
+        self.lora.write(slot, adapter)
+        self._weight_args[-len(self.lora.args()):] = self.lora.args()
+
+    def assign_lora(self, request_slots: list[int], adapters: list[int]) -> None:
+        """The adapters (adapter slot + 1; 0: none) of requests starting in `request_slots`."""
+        if self.lora.assign(request_slots, adapters):
+            self._weight_args[-1] = self.lora.slot_adapters
+
     def _compile_reset_slots(self) -> None:
-        """The two `assign_slots` programs and `write_pages`', compiled before serving."""
+        """The two `assign_slots` programs and `write_pages`' (and the LoRA slot write),
+        compiled before serving."""
         self.page_table.compile()
+        if self.lora is not None:
+            self.lora.compile()
         vocab = self.config.vocab_size
         for rows in (1, ASSIGN_ROWS):
             self._reset_programs[rows] = self._reset_slots.lower(

@@ -35,6 +35,7 @@ from xlaserve.runtime.executor.verified_rows import (kept_path_moves, kept_rows,
                                                      move_kv_entries, prior_draft_ids,
                                                      tree_kept_rows, tree_prior_draft_ids)
 from xlaserve.runtime.executor.weight_args import leaves_from_args
+from xlaserve.model.lora import LoraSpec, lora_batch, token_request_slots
 from xlaserve.model.sharding import TP
 from xlaserve.model.transformer import AttentionMetadata, rope_cos_sin
 from xlaserve.runtime.sampling.params import (MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, MAX_TOP_LOGPROBS,
@@ -112,15 +113,27 @@ class StepOutput:
     prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraArgs:
+    """Where a step's LoRA slot arrays are (runtime/executor/lora_slots.py): its weight
+    arguments from `first` on, in model/lora.slot_shapes order, then the request slots'
+    adapters."""
+
+    spec: LoraSpec
+    num_layers: int
+    first: int
+
+
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-              weight_formats=None, verify_tokens: int = 1):
+              weight_formats=None, verify_tokens: int = 1, lora: LoraArgs | None = None):
     """The jitted serving step: forward, sampling, penalty counts and last tokens, over the
     device's page table with the step's writes (runtime/executor/page_table.py). A pure function of its
     arguments, so that it can also be compiled for hardware that is not here
     (runtime/executor/aot.py). `weight_formats`: the weight arguments' formats (weight_args.auto_formats:
     XLA chooses their layouts); None: the arguments' own (the other arguments' always are).
     `verify_tokens` > 1: speculative decoding's verified rows (verified_rows.py) are counted
-    and kept in the step; 1, the program of a server without speculation."""
+    and kept in the step; 1, the program of a server without speculation. `lora`: the LoRA
+    adapter slots among the weight arguments (None: a server without adapters)."""
     replicated = NamedSharding(mesh, P())
     by_vocab = NamedSharding(mesh, P(None, TP))
     jit_options = {"donate_argnums": (1, 2, 3, 4),
@@ -157,7 +170,14 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                      batch.cu_q_lens, batch.num_seqs,
                                      batch.tree_masks if tree else None, batch.tree_width)
         head = getattr(model, "draft_head", None)
-        if head is None:
+        if lora is not None:
+            *arrays, slot_adapters = weights[lora.first:]
+            adapters = lora_batch(lora.spec, lora.num_layers, arrays, slot_adapters,
+                                  token_request_slots(batch.cu_q_lens, slots, input_ids.shape[0]),
+                                  skip_idle=needs is RUN_TIME, dtype=arrays[0].dtype)
+            hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
+                                                    metadata, kernels, rope, lora=adapters)
+        elif head is None:
             hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
                                                     metadata, kernels, rope)
         else:  # the head's cache and state follow the layers' (kv_pool.DraftHeadPool)

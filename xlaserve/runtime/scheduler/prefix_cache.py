@@ -28,6 +28,10 @@ and the walk cost O(tree) each time (35% of the engine thread's samples in bench
 once its pool filled). Entries go stale (a node locked again, touched, given a child, evicted)
 and are checked when popped; the heap is rebuilt by a walk when stale entries outnumber nodes.
 
+Namespaces. A request of a LoRA adapter computes other KV for the same tokens than the base
+model does, so each adapter (each load of one) has a tree of its own under its own root
+(`root_of`, `Request.lora_key`); unloading the adapter drops its tree (`drop_namespace`).
+
 Reuse (`radix_cache=False` keeps the tree empty). A request's whole pages enter the tree as soon
 as a step completes them and stay there when it ends or is retracted. An admitted request starts
 at its longest cached prefix: at most `num_tokens - 1` tokens (the last must run, to sample) in
@@ -123,6 +127,9 @@ class RadixCache:
         self.page_size = page_size
         self.root = TreeNode(None, [], [], 0)
         self.root.lock_ref = 1  # the root holds no pages and is never evicted
+        # A tree per namespace (a LoRA adapter's: the same tokens under two adapters are not
+        # the same KV), each from a root of its own; namespace 0, the base model's, is `root`.
+        self._roots = {0: self.root}
         self.evictable_pages = 0  # pages of unlocked nodes: free for the asking
         self.locked_pages = 0
         self._clock = itertools.count(1)
@@ -137,21 +144,50 @@ class RadixCache:
 
     # --- lookups ------------------------------------------------------------------------------
 
-    def match(self, token_ids: list[int]) -> tuple[list[int], TreeNode]:
+    def root_of(self, namespace: int) -> TreeNode:
+        """The root of `namespace`'s tree (made on first use)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = TreeNode(None, [], [], 0)
+            root.lock_ref = 1
+        return root
+
+    def drop_namespace(self, namespace: int) -> int:
+        """Evicts every page of `namespace`'s tree (none may be locked: no request of it runs)
+        and forgets the tree; returns the pages freed."""
+        if namespace == 0 or namespace not in self._roots:
+            return 0
+        root = self._roots.pop(namespace)
+        freed, stack = 0, list(root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_ref:
+                raise ValueError(f"namespace {namespace} still has a locked path")
+            stack.extend(node.children.values())
+            self.allocator.free(node.pages)
+            freed += len(node.pages)
+            self.evictable_pages -= len(node.pages)
+            self._num_nodes -= 1
+            node.parent = None  # any heap entry for it is stale now
+        return freed
+
+    def match(self, token_ids: list[int], namespace: int = 0) -> tuple[list[int], TreeNode]:
         """The pages of the longest cached prefix of `token_ids` in whole pages, and the node that
         ends exactly there (split if the match ends inside one), for `lock`."""
         token_ids = list(token_ids)
-        node, pages, _ = self._walk(token_ids, len(token_ids) // self.page_size)
+        node, pages, _ = self._walk(token_ids, len(token_ids) // self.page_size,
+                                    self.root_of(namespace))
         return pages, node
 
-    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[list[int], TreeNode]:
+    def insert(self, token_ids: list[int], pages: list[int],
+               namespace: int = 0) -> tuple[list[int], TreeNode]:
         """Caches the whole pages of `token_ids`, held by `pages` (a trailing partial page is left
         out). Where the tree already holds a page for the same tokens, the tree's page wins: the
         returned list is the tree's pages for the prefix, so the caller can free its duplicates.
         Also returns the node ending the prefix. New pages belong to the tree from now on."""
         token_ids = list(token_ids)
         num_pages = min(len(token_ids) // self.page_size, len(pages))
-        node, tree_pages, matched = self._walk(token_ids, num_pages)
+        node, tree_pages, matched = self._walk(token_ids, num_pages, self.root_of(namespace))
         if matched < num_pages:
             node = self._add_leaf(node, token_ids, pages, matched, num_pages)
             tree_pages += node.pages
@@ -247,7 +283,7 @@ class RadixCache:
 
     def lock(self, node: TreeNode) -> None:
         """A request uses the path to `node`: none of its pages may be evicted until `unlock`."""
-        while node is not self.root:
+        while node.parent is not None:  # up to its tree's root
             self._lock_one(node)
             node = node.parent
 
@@ -258,7 +294,7 @@ class RadixCache:
         node.lock_ref += 1
 
     def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise ValueError("unlock of a node that is not locked")
             node.lock_ref -= 1
@@ -312,7 +348,7 @@ class RadixCache:
                 and parent.children.get(self._first_page(node.key)) is node)
 
     def _push_if_evictable(self, node: TreeNode) -> None:
-        if node is not self.root and node.lock_ref == 0 and not node.children:
+        if node.parent is not None and node.lock_ref == 0 and not node.children:
             self._push(node)
 
     def _push(self, node: TreeNode) -> None:
@@ -323,12 +359,12 @@ class RadixCache:
         heapq.heappush(self._leaf_heap, (node.last_access, next(self._push_order), node))
 
     def _unlocked_leaves(self) -> list[TreeNode]:
-        leaves, stack = [], [self.root]
+        leaves, stack = [], list(self._roots.values())
         while stack:
             node = stack.pop()
             if node.children:
                 stack.extend(node.children.values())
-            elif node.lock_ref == 0 and node is not self.root:
+            elif node.lock_ref == 0 and node.parent is not None:
                 leaves.append(node)
         return leaves
 
@@ -338,6 +374,7 @@ class _Request(Protocol):
     imported here, so that the two files do not import each other)."""
 
     no_prefix_reuse: bool
+    lora_key: int  # the prefix cache's namespace: its LoRA adapter's (0: the base model)
     num_computed: int
     page_ids: list[int]
     cache_node: TreeNode | None
@@ -368,7 +405,8 @@ class PrefixReuse:
 
     def attach(self, request: _Request) -> None:
         """Starts a waiting request on its longest cached prefix, locked."""
-        pages, node = self.cache.match(request.all_ids()[:self.reusable_tokens(request)])
+        pages, node = self.cache.match(request.all_ids()[:self.reusable_tokens(request)],
+                                       request.lora_key)
         self.cache.lock(node)
         request.cache_node, request.page_ids = node, pages
         request.num_computed = len(pages) * self.page_size
@@ -395,4 +433,5 @@ class PrefixReuse:
             return False
         head = request.all_ids()[:end]
         return any(not other.is_decoding and other.num_computed < end <= other.num_tokens
-                   and other.all_ids()[:end] == head for other in running)
+                   and other.lora_key == request.lora_key and other.all_ids()[:end] == head
+                   for other in running)

@@ -70,6 +70,10 @@ class Request:
     priority: int = 0  # larger = more urgent; FCFS within equal priority
     # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
     no_prefix_reuse: bool = False
+    # A LoRA adapter: its slot + 1 on the device (0: none, the base model), and its load's
+    # namespace in the prefix cache (prefix_cache.py; 0: the base model's).
+    lora_slot: int = 0
+    lora_key: int = 0
     # Structured outputs: the request's grammar state (runtime/sampling/grammar.Grammar), advanced by
     # every sampled token here; it survives retraction, having consumed exactly output_ids.
     grammar: Any = None

@@ -1,0 +1,103 @@
+"""LoRA adapters through the Engine (issue 53): base and adapter rows in one batch give
+transformers + peft's greedy tokens; adapters load and unload while serving without a compile;
+a name that is not loaded is refused, never answered by the base model; the prefix cache keeps
+adapters apart."""
+import threading
+
+import pytest
+
+from tests.hf_reference import hf_greedy
+from tests.lora.peft_adapters import make_adapter
+from tests.tiny_models import make_tiny_checkpoint
+from xlaserve.offline import Engine
+from xlaserve.runtime.engine.lora_adapters import UnknownAdapter
+from xlaserve.weights.lora_adapter import LoraAdapterError
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64, 8, 91, 13], [1, 2], [99, 7, 7, 7],
+           [400, 401, 402, 403, 404, 405, 406, 407, 408, 409]]
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=8,
+             chunked_prefill_size=8, max_prefill_tokens=12, context_length=64,
+             max_total_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = str(root / "base")
+    base = make_tiny_checkpoint(base_dir, "llama")
+    adapters = {
+        # attention only, rank 4
+        "a": (str(root / "a"), dict(r=4, targets=["q_proj", "v_proj"], alpha=8, seed=1)),
+        # every module, rank 8, rsLoRA
+        "b": (str(root / "b"), dict(r=8, targets=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"],
+                                    alpha=16, seed=2, use_rslora=True)),
+        # the MLP only, rank 2; loaded while serving
+        "c": (str(root / "c"), dict(r=2, targets=["gate_proj", "down_proj"], alpha=2, seed=3)),
+    }
+    merged = {name: make_adapter(base_dir, path, **kw) for name, (path, kw) in adapters.items()}
+    return base_dir, base, {n: p for n, (p, _) in adapters.items()}, merged
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    base_dir, _, paths, _ = models
+    with Engine(base_dir, lora_paths=[f"a={paths['a']}", f"b={paths['b']}"],
+                lora_target_modules=["all"], max_loras_per_batch=3, **SMALL) as engine:
+        yield engine
+
+
+def test_base_and_adapter_rows_in_one_batch_equal_transformers_with_peft(engine, models):
+    _, base, _, merged = models
+    adapters = [None, "a", "b", "a"]
+    results = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path=adapters)
+    for prompt, adapter, result in zip(PROMPTS, adapters, results, strict=True):
+        oracle = base if adapter is None else merged[adapter]
+        assert result["output_ids"] == hf_greedy(oracle, prompt, 10), adapter
+    # the adapters change the answer: a test that cannot fail would not notice them missing
+    assert hf_greedy(merged["a"], PROMPTS[0], 10) != hf_greedy(base, PROMPTS[0], 10)
+    assert hf_greedy(merged["b"], PROMPTS[2], 10) != hf_greedy(base, PROMPTS[2], 10)
+
+
+def test_same_prompt_under_two_adapters_shares_no_kv(engine, models):
+    _, base, _, merged = models
+    prompt = PROMPTS[0] + PROMPTS[3]  # whole pages a prefix cache would share
+    for adapter in ("a", None, "b", "a"):
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path=adapter)
+        oracle = base if adapter is None else merged[adapter]
+        assert out["output_ids"] == hf_greedy(oracle, prompt, 10), adapter
+
+
+def test_an_adapter_not_loaded_is_refused_not_answered_by_the_base_model(engine):
+    with pytest.raises(UnknownAdapter, match="'nope' is not loaded"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="nope")
+
+
+def test_load_and_unload_while_serving_without_a_compile(engine, models):
+    _, base, paths, merged = models
+    compiled = engine.core.runner.compile_count()
+    results = {}
+
+    def traffic():
+        results["base"] = engine.generate(input_ids=[PROMPTS[1]] * 4, sampling_params=GREEDY)
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    engine.load_lora_adapter("c", paths["c"])
+    out = engine.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY, lora_path=["c", "b"])
+    thread.join()
+    assert out[0]["output_ids"] == hf_greedy(merged["c"], PROMPTS[0], 10)
+    assert out[1]["output_ids"] == hf_greedy(merged["b"], PROMPTS[1], 10)
+    expected = hf_greedy(base, PROMPTS[1], 10)
+    assert all(r["output_ids"] == expected for r in results["base"])
+    with pytest.raises(LoraAdapterError, match="every LoRA slot is taken"):
+        engine.load_lora_adapter("d", paths["a"])
+    engine.unload_lora_adapter("c")
+    with pytest.raises(UnknownAdapter):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="c")
+    engine.load_lora_adapter("c2", paths["c"])  # the freed slot, another name
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="c2")
+    assert out["output_ids"] == hf_greedy(merged["c"], PROMPTS[0], 10)
+    engine.unload_lora_adapter("c2")
+    assert engine.core.runner.compile_count() == compiled

@@ -1,0 +1,236 @@
+"""LoRA adapters inside the serving step (issue 53): every loaded adapter's low-rank matrices sit
+in fixed device slots, and each token row adds the product of its own adapter's, so rows of
+different adapters (and rows of none) share one batch and one program.
+
+Shapes. `LoraSpec` fixes them: `max_loras` adapter slots, every rank padded to `max_rank` (a
+padded rank's rows and columns are zeros: they add nothing), the target modules. A fused
+projection (qkv, gate_up) is multiplied by its modules' A matrices at once, side by side:
+
+    a [K, slots, modules * rank]            one shrink: x @ a.reshape(K, -1)
+    b [slots, rank, *module output axes]    one expand per module, into its part of the output
+
+with B already scaled (lora_alpha / r, or / sqrt(r) for rsLoRA). Loading or unloading an adapter
+writes or zeroes its slot of these arrays (runtime/executor/lora_slots.py): same shapes, no
+compile.
+
+The product. Each token's adapter (0: none; slot s holds adapter s + 1) becomes a one-hot mask
+over the slots, and the shrink's columns of the other slots are zeroed before the expand:
+
+    delta = ((x @ a) * mask) @ b            [T, K] -> [T, slots * r] -> [T, N]
+
+All slots are multiplied for every token: 2 T (K + N) slots r flops where a grouped (segmented)
+matmul would do 2 T (K + N) r. At the default 8 slots of rank 16 that is 128 extra columns per
+projection, ~7-14% of the default model's base matmuls (K = 576) and ~3% of an 8B model's; the
+product is dense and needs no sort of the rows, and tensor parallelism shards it as XLA shards
+any dot (a, b sharded like their base weight: the output axis split where the base splits it,
+the input axis where the base's input is split). A step with no adapter row skips the product
+on the CPU (`lax.cond`, free there); on TPU and GPU a conditional is a host sync mid-step, so a
+server with adapters computes it every step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from xlaserve.lora_flags import TARGET_MODULES
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.sharding import TP
+
+# Each fused projection of our layout and the PEFT target modules it holds, in order.
+PROJECTIONS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+assert TARGET_MODULES == tuple(module for modules in PROJECTIONS.values() for module in modules)
+ATTENTION_MODULES = PROJECTIONS["qkv"] + PROJECTIONS["o_proj"]
+MLP_MODULES = PROJECTIONS["gate_up"] + PROJECTIONS["down"]
+
+# Partition specs: a's input axis split where the base weight's input is (o_proj's heads,
+# down's intermediate), b's output axes where the base weight's are (qkv's kv heads, gate and
+# up's intermediate).
+A_SPECS = {"qkv": P(), "o_proj": P(TP, None, None), "gate_up": P(), "down": P(TP, None, None)}
+B_SPECS = {"q_proj": P(None, None, TP, None, None), "k_proj": P(None, None, TP, None, None),
+           "v_proj": P(None, None, TP, None, None), "o_proj": P(), "gate_proj": P(None, None, TP),
+           "up_proj": P(None, None, TP), "down_proj": P()}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """The adapter slots' static shape: part of the step program."""
+
+    max_loras: int  # slots: adapters one batch (and the server) holds at once
+    max_rank: int  # every adapter's rank padded to this
+    target_modules: tuple[str, ...]  # of TARGET_MODULES, in its order
+
+    def __post_init__(self):
+        unknown = set(self.target_modules) - set(TARGET_MODULES)
+        if unknown:
+            raise ValueError(f"LoRA target modules {sorted(unknown)} are not supported; "
+                             f"supported: {', '.join(TARGET_MODULES)}")
+        if self.max_loras < 1 or self.max_rank < 1:
+            raise ValueError(f"--max-loras-per-batch and --max-lora-rank must be at least 1 "
+                             f"(got {self.max_loras}, {self.max_rank})")
+        object.__setattr__(self, "target_modules",
+                           tuple(m for m in TARGET_MODULES if m in self.target_modules))
+
+    def projections(self) -> dict[str, tuple[str, ...]]:
+        """Each fused projection with a targeted module: its targeted modules, in order."""
+        out = {}
+        for projection, modules in PROJECTIONS.items():
+            targeted = tuple(m for m in modules if m in self.target_modules)
+            if targeted:
+                out[projection] = targeted
+        return out
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each target module's (input width, output axes in our fused layout's part)."""
+    c = config
+    inter = c.intermediate_size
+    return {"q_proj": (c.hidden_size, (c.num_kv_heads, c.queries_per_kv, c.head_dim)),
+            "k_proj": (c.hidden_size, (c.num_kv_heads, 1, c.head_dim)),
+            "v_proj": (c.hidden_size, (c.num_kv_heads, 1, c.head_dim)),
+            "o_proj": (c.num_heads * c.head_dim, (c.hidden_size,)),
+            "gate_proj": (c.hidden_size, (inter,)), "up_proj": (c.hidden_size, (inter,)),
+            "down_proj": (inter, (c.hidden_size,))}
+
+
+def check_model(config: ModelConfig, spec: LoraSpec) -> None:
+    """A model whose targeted modules are not plain matrices of our layout stops here."""
+    if config.mla is not None and set(spec.target_modules) & set(ATTENTION_MODULES):
+        raise ValueError("LoRA on multi-head latent attention (DeepSeek's q/kv projections) is "
+                         "not supported: target the MLP modules only")
+    if any(config.moe_layers) and set(spec.target_modules) & set(MLP_MODULES):
+        raise ValueError("LoRA on a mixture-of-experts model's MLP (its experts) is not "
+                         "supported: target the attention modules only "
+                         "(--lora-target-modules q_proj k_proj v_proj o_proj)")
+
+
+def slot_shapes(config: ModelConfig, spec: LoraSpec) -> list[tuple[str, tuple, P]]:
+    """(name, shape, partition spec) of every slot array, in the order the step takes them:
+    per layer, per projection, its a then its modules' b; names "layers.{i}.{projection}.a" and
+    "layers.{i}.{module}.b"."""
+    shapes = module_shapes(config)
+    out = []
+    for layer in range(config.num_layers):
+        for projection, modules in spec.projections().items():
+            width = shapes[modules[0]][0]
+            out.append((f"layers.{layer}.{projection}.a",
+                        (width, spec.max_loras, len(modules) * spec.max_rank),
+                        A_SPECS[projection]))
+            for module in modules:
+                out.append((f"layers.{layer}.{module}.b",
+                            (spec.max_loras, spec.max_rank, *shapes[module][1]), B_SPECS[module]))
+    return out
+
+
+def scaling(rank: int, alpha: float, use_rslora: bool) -> float:
+    """PEFT's scale of B @ A: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+@dataclasses.dataclass
+class LayerLora:
+    """One layer's slot arrays and the step's token mask, as the layer's projections use them."""
+
+    projections: dict[str, tuple[jax.Array, dict[str, jax.Array]]]  # projection -> (a, {module: b})
+    mask: jax.Array  # [T, slots] 1.0 where the token's adapter is the slot's
+    active: jax.Array | None  # bool scalar: some token has an adapter (None: compute anyway)
+
+    def delta(self, projection: str, x: jax.Array, output_axes: tuple[int, ...]) -> jax.Array | None:
+        """float32 [T, *output_axes]: what the rows' adapters add to the projection of x; None
+        where no adapter targets it."""
+        if projection not in self.projections:
+            return None
+        a, bs = self.projections[projection]
+
+        def compute():
+            return _projection_delta(x, a, bs, self.mask, projection, output_axes)
+
+        if self.active is None:
+            return compute()
+        return jax.lax.cond(self.active, compute,
+                            lambda: jnp.zeros((x.shape[0], *output_axes), jnp.float32))
+
+
+def _projection_delta(x, a, bs, mask, projection, output_axes):
+    tokens = x.shape[0]
+    width, slots, columns = a.shape
+    shrunk = jax.lax.dot_general(x.astype(a.dtype), a.reshape(width, slots * columns),
+                                 (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    # Each token keeps its own slot's columns: [T, slots, modules, rank] masked per slot.
+    rank = next(iter(bs.values())).shape[1]
+    shrunk = shrunk.reshape(tokens, slots, columns // rank, rank) * mask[:, :, None, None]
+    parts = []
+    for module in PROJECTIONS[projection]:
+        if module not in bs:
+            parts.append(None)
+            continue
+        b = bs[module]
+        h = shrunk[:, :, list(bs).index(module)].reshape(tokens, slots * rank).astype(b.dtype)
+        parts.append(jax.lax.dot_general(h, b.reshape(slots * rank, -1), (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32))
+    return _assemble(projection, parts, tokens, output_axes)
+
+
+def _assemble(projection, parts, tokens, output_axes):
+    """The modules' products in the fused projection's output layout (zeros for the untargeted)."""
+    if projection in ("o_proj", "down"):
+        return parts[0].reshape(tokens, *output_axes)
+    if projection == "gate_up":  # [T, 2, I]
+        inter = output_axes[-1]
+        return jnp.stack([jnp.zeros((tokens, inter), jnp.float32) if p is None else p
+                          for p in parts], axis=1)
+    kv_heads, width, head_dim = output_axes  # qkv: [T, kv heads, group + 2, head_dim]
+    sizes = (width - 2, 1, 1)
+    return jnp.concatenate([
+        jnp.zeros((tokens, kv_heads, size, head_dim), jnp.float32) if p is None
+        else p.reshape(tokens, kv_heads, size, head_dim) for p, size in zip(parts, sizes)],
+        axis=2)
+
+
+@dataclasses.dataclass
+class LoraBatch:
+    """A step's LoRA inputs: every layer's slot arrays and the token mask."""
+
+    layers: list[dict[str, tuple[jax.Array, dict[str, jax.Array]]]]
+    mask: jax.Array
+    active: jax.Array | None
+
+    def layer(self, index: int) -> LayerLora:
+        return LayerLora(self.layers[index], self.mask, self.active)
+
+
+def lora_batch(spec: LoraSpec, num_layers: int, arrays: list[jax.Array],
+               slot_adapters: jax.Array, token_slots: jax.Array, *, skip_idle: bool,
+               dtype) -> LoraBatch:
+    """The step's LoraBatch from `slot_arrays`' arrays in `slot_shapes` order, each request
+    slot's adapter (`slot_adapters` i32[request slots], 0: none) and each token's request slot.
+    `skip_idle`: the product runs under a conditional on whether any token has an adapter (the
+    CPU's programs)."""
+    adapters = slot_adapters[token_slots]  # i32[T]; 0: none, s + 1: slot s
+    mask = jax.nn.one_hot(adapters - 1, spec.max_loras, dtype=dtype)  # -1: a row of zeros
+    layers, at = [], 0
+    for _ in range(num_layers):
+        layer = {}
+        for projection, modules in spec.projections().items():
+            a = arrays[at]
+            bs = dict(zip(modules, arrays[at + 1:at + 1 + len(modules)]))
+            at += 1 + len(modules)
+            layer[projection] = (a, bs)
+        layers.append(layer)
+    return LoraBatch(layers, mask, jnp.any(adapters > 0) if skip_idle else None)
+
+
+def token_request_slots(cu_q_lens: jax.Array, slots: jax.Array, num_tokens: int) -> jax.Array:
+    """i32[T]: each token row's request slot (the sequence whose rows hold it; the padding rows
+    after the last sequence take the last row's slot, whose output nothing reads)."""
+    seq = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=cu_q_lens.dtype),
+                           side="right")
+    return slots[jnp.minimum(seq, slots.shape[0] - 1)]

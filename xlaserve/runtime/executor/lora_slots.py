@@ -1,0 +1,112 @@
+"""The LoRA adapter slots on the device (issue 53; the product is model/lora.py).
+
+The slot arrays (`model/lora.slot_shapes`) and `slot_adapters` (each request slot's adapter: 0
+none, s + 1 adapter slot s) ride at the end of the step's weight arguments
+(`ModelRunner._weight_args`), so every program, precompiled or compiled ahead of time, takes
+them like weights. Loading an adapter writes its slot (`write`: one program over every slot
+array, the slot a traced index, compiled at start-up, the arrays donated and updated in place);
+unloading zeroes it. Same shapes, same shardings: no step compiles again.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from xlaserve.model.config import ModelConfig
+from xlaserve.model.lora import LoraSpec, slot_shapes
+from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError
+
+
+class LoraSlots:
+    def __init__(self, spec: LoraSpec, config: ModelConfig, dtype, mesh, num_request_slots: int):
+        self.spec = spec
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.shapes = slot_shapes(config, spec)
+        shardings = [NamedSharding(mesh, part) for _, _, part in self.shapes]
+        self._replicated = NamedSharding(mesh, P())
+        self.arrays = [jax.jit(lambda s=shape: jnp.zeros(s, self.dtype), out_shardings=sharding)()
+                       for (_, shape, _), sharding in zip(self.shapes, shardings)]
+        self._host_adapters = np.zeros(num_request_slots, np.int32)
+        self.slot_adapters = jax.device_put(self._host_adapters, self._replicated)
+
+        def write(arrays, slot, values):
+            out = []
+            for (name, _, _), array, value in zip(self.shapes, arrays, values):
+                if name.endswith(".a"):  # [K, slots, columns]
+                    out.append(array.at[:, slot].set(value))
+                else:  # [slots, rank, ...]
+                    out.append(array.at[slot].set(value))
+            return out
+
+        self._write = jax.jit(write, donate_argnums=(0,), out_shardings=shardings)
+        self._compiled = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def args(self) -> list[jax.Array]:
+        """The step's trailing weight arguments: the slot arrays, then slot_adapters."""
+        return [*self.arrays, self.slot_adapters]
+
+    def compile(self) -> None:
+        """The slot write's program, before serving."""
+        self._compiled = self._write.lower(self.arrays, np.int32(0),
+                                           self._slot_values(None)).compile()
+
+    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Adapter slot `slot` holds `adapter` (None: zeros)."""
+        values = self._slot_values(adapter)
+        program = self._compiled or self._write
+        self.arrays = program(self.arrays, np.int32(slot), values)
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """An adapter these slots cannot hold: a LoraAdapterError naming why."""
+        if adapter.rank > self.spec.max_rank:
+            raise LoraAdapterError(
+                f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, over --max-lora-rank "
+                f"{self.spec.max_rank}")
+        missing = [m for m in adapter.target_modules if m not in self.spec.target_modules]
+        if missing:
+            raise LoraAdapterError(
+                f"LoRA adapter {adapter.name!r} targets {', '.join(missing)}, which the server's "
+                f"--lora-target-modules ({', '.join(self.spec.target_modules)}) leave out")
+
+    def _slot_values(self, adapter: LoraAdapter | None) -> list[np.ndarray]:
+        """One slot's part of every slot array, on the host: the adapter's matrices with their
+        rank padded to max_rank (zeros add nothing), zeros where it has none."""
+        rank = self.spec.max_rank
+        projections = self.spec.projections()
+        values = []
+        for name, shape, _ in self.shapes:
+            _, layer, part, kind = name.split(".")
+            layer = int(layer)
+            if kind == "a":
+                value = np.zeros((shape[0], shape[2]), np.float32)
+                for j, module in enumerate(projections[part]):
+                    found = adapter and adapter.weights.get((layer, module))
+                    if found:
+                        a = found[0]
+                        value[:, j * rank:j * rank + a.shape[1]] = a
+            else:
+                value = np.zeros(shape[1:], np.float32)
+                found = adapter and adapter.weights.get((layer, part))
+                if found:
+                    b = found[1]
+                    value[:b.shape[0]] = b
+            values.append(value.astype(self.dtype))
+        return values
+
+    def assign(self, request_slots: list[int], adapter_slots: list[int]) -> bool:
+        """Request slots' adapters (adapter slot + 1; 0: none), as requests start in their
+        slots; the table is sent again only when it changed. Returns whether it did."""
+        before = self._host_adapters.copy()
+        self._host_adapters[request_slots] = adapter_slots
+        if np.array_equal(before, self._host_adapters):
+            return False
+        self.slot_adapters = jax.device_put(self._host_adapters, self._replicated)
+        return True
