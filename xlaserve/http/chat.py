@@ -35,7 +35,9 @@ class ChatCall:
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest):
         """The synchronous checks; `create` builds the grammar and submits."""
-        ctx.check_model(req.model)
+        if isinstance(req.lora_path, list):
+            raise bad_request("lora_path takes one adapter's name on chat completions", "lora_path")
+        self.lora = ctx.adapters_of(req.model, req.lora_path)
         check_chat_fields(req)
         if ctx.tokenizer is None:
             raise bad_request("chat needs the tokenizer (the server runs with --skip-tokenizer-init)")
@@ -96,7 +98,7 @@ class ChatCall:
         call.generation = Generation(ctx, [call.prompt_ids], call.params, req.n,
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,
                                      priority=priority + client_priority(ctx, req.priority),
-                                     rid=req.rid)
+                                     rid=req.rid, lora_path=call.lora)
         call.id = f"chatcmpl-{call.generation.id}"
         return call
 

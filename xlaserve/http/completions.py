@@ -50,7 +50,7 @@ def _prompt_size(prompt) -> int:
 class CompletionCall:
     def __init__(self, ctx: ServingContext, req: CompletionRequest):
         """The synchronous checks; `create` builds the grammar and submits."""
-        ctx.check_model(req.model)
+        ctx.adapters_of(req.model, None)  # a model not served: the 404 first
         self.ctx, self.req = ctx, req
         if req.suffix:
             raise not_supported("suffix")
@@ -62,6 +62,7 @@ class CompletionCall:
             raise bad_request("logprobs must be non-negative", "logprobs")
         self.num_top = check_top_logprobs(req.logprobs, "logprobs")
         self.prompt_ids, texts = prompt_id_lists(ctx, req.prompt)
+        self.lora = ctx.adapters_of(req.model, req.lora_path, len(self.prompt_ids))
         if req.echo and req.logprobs is not None:
             check_prompt_logprob_entries(ctx, self.prompt_ids, req.n, self.num_top, "echo")
         self.echo_texts = [t if t is not None or ctx.tokenizer is None
@@ -86,7 +87,7 @@ class CompletionCall:
                                      return_logprob=req.logprobs is not None,
                                      return_prompt_logprob=req.echo and req.logprobs is not None,
                                      priority=priority + client_priority(ctx, req.priority),
-                                     rid=req.rid)
+                                     rid=req.rid, lora_path=call.lora)
         call.id = f"cmpl-{call.generation.id}"
         return call
 

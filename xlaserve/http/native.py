@@ -57,6 +57,7 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
         raise bad_request("no prompt given", prompt_param)
     for ids in prompts:
         check_prompt_ids(ctx, ids, prompt_param)
+    lora = ctx.adapters_of(None, req.lora_path, len(prompts))
     try:  # SGLang's fields, as SamplingParams
         parsed = [to_sampling_params(sglang_sampling_keys(p, ctx.tokenizer)) for p in raw]
     except InvalidSamplingParam as error:
@@ -87,7 +88,7 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
                             return_logprob=req.return_logprob, rid=rid,
                             return_prompt_logprob=wants_prompt_logprobs,
-                            param_prefix="sampling_params.")
+                            param_prefix="sampling_params.", lora_path=lora)
     return generation, batched or n > 1
 
 
@@ -205,15 +206,29 @@ async def flush_cache(request: Request):
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": [_model_card(_ctx(request))]}
+    ctx = _ctx(request)
+    return {"object": "list", "data": [_model_card(ctx)] + _adapter_cards(ctx)}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request):
     ctx = _ctx(request)
     if not ctx.serves(model):  # an alias (--model-path as given) answers with the served card
+        for card in _adapter_cards(ctx):
+            if model in (card["id"], f"{ctx.served_model_name}:{card['id']}"):
+                return card
         raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
     return _model_card(ctx)
+
+
+def _adapter_cards(ctx: ServingContext) -> list[dict]:
+    """The loaded LoRA adapters as vLLM lists them: their name, their path's public name as
+    `root`, the served model as `parent`."""
+    lora = ctx.core.lora
+    return [] if lora is None else [
+        {"id": a.name, "object": "model", "created": ctx.created, "owned_by": "xlaserve",
+         "root": public_name(a.path), "parent": ctx.served_model_name,
+         "max_model_len": ctx.context_length} for a in lora.cards()]
 
 
 def _model_card(ctx: ServingContext) -> dict:

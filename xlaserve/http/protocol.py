@@ -73,6 +73,9 @@ class SamplingFields(_Strict):
     response_format: Optional[dict[str, Any]] = None
     rid: Optional[str] = None
     priority: Optional[int] = None  # honoured with --enable-priority-scheduling only
+    # SGLang's: a loaded LoRA adapter's name (completions: one per prompt too); a model of
+    # BASE:NAME or NAME asks for the same (serving.ServingContext.adapters_of).
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None
     # vLLM's structured outputs (constraints.py); the backend name is ignored.
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
@@ -166,6 +169,21 @@ class GenerateRequest(_Strict):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None  # an adapter, or one per prompt
+
+
+class LoadLoraRequest(_Strict):
+    """SGLang's and vLLM's load_lora_adapter body (http/lora_routes.py)."""
+
+    lora_name: str = Field(max_length=128)
+    lora_path: str = Field(max_length=4096)
+    pinned: Optional[bool] = None  # SGLang's: every adapter here stays until unloaded
+    load_inplace: Optional[bool] = None  # vLLM's: a name in use is refused either way
+
+
+class UnloadLoraRequest(_Strict):
+    lora_name: str = Field(max_length=128)
+    lora_int_id: Optional[int] = None  # vLLM's: the name decides
 
 
 class BatchRequest(_Strict):

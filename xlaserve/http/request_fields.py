@@ -10,7 +10,7 @@ in the `X-Ignored-Fields` header, so the client that sent them can see they did 
 `--strict-request-fields` refuses them instead (a 400 naming the field, as before).
 
 Some fields peers know would change what answers a request if they were dropped: which weights
-(SGLang's `lora_path` and `lora_id`, an adapter), what the logits go through
+(SGLang's internal `lora_id`; `lora_path` is honoured), what the logits go through
 (`custom_logit_processor`), what the prompt is (`session_params`' continued session,
 `image_data`, `video_data`, `audio_data`). This server serves none of them, so a body that asks
 for one (any value but null, or a list of nulls) is a 400 naming it, whatever the flag
@@ -65,12 +65,11 @@ _NESTED = {"stream_options": StreamOptions}
 NAME_CHARS = 64  # a client's field name is echoed (log, header) at most this long
 MAX_LOGGED_NAMES = 256  # distinct names remembered: a client sending new names cannot grow it
 MAX_HEADER_NAMES = 32  # names listed in the header (then "...")
-_NO_ADAPTERS = ("{} names a LoRA adapter, and this server serves none: it answers with its base "
-                "model's weights only")
+_NO_ADAPTERS = ("{} names a LoRA adapter by SGLang's internal id: name it with lora_path (or "
+                "model BASE:NAME)")
 _TEXT_ONLY = "{} is not supported: this server's model takes text only"
 # Unknown fields a request may not set (module docstring): name -> why, as the 400 says it.
 ANSWER_CHANGING_FIELDS = {
-    "lora_path": _NO_ADAPTERS.format("lora_path"),
     "lora_id": _NO_ADAPTERS.format("lora_id"),
     "custom_logit_processor": "custom_logit_processor is not supported: this server runs no "
                               "custom logit processors",

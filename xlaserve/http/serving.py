@@ -44,6 +44,7 @@ from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, Choice, En
 from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import InvalidGrammar
 from xlaserve.runtime.engine.core import EngineCore, QueueFull
+from xlaserve.runtime.engine.lora_adapters import UnknownAdapter
 from xlaserve.runtime.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
                                       token_id)
 from xlaserve.runtime.scheduler.request import RequestTooLong
@@ -124,6 +125,46 @@ class ServingContext:
         if not self.serves(model):
             raise APIError(404, f"The model '{model}' does not exist", param="model",
                            code="model_not_found")
+
+    def adapters_of(self, model: str | None, lora_path, prompts: int = 1):
+        """The LoRA adapter a request runs with (None: the base model), or one per prompt (a
+        list, where `lora_path` is a list): `lora_path` (SGLang), or `model` "BASE:NAME"
+        (SGLang) or "NAME" (vLLM). A name that is not loaded is a 404 (model) or 400
+        (lora_path), never the base model's answer."""
+        from_model = None
+        if not self.serves(model):
+            base, _, name = (model or "").rpartition(":")
+            lora = self.core.lora
+            loaded = set() if lora is None else {a.name for a in lora.cards()}
+            if base and self.serves(base) and name in loaded:
+                from_model = name
+            elif model in loaded:
+                from_model = model
+            else:
+                self.check_model(model)  # the 404
+        if lora_path is None:
+            return from_model
+        if from_model is not None and lora_path != from_model:
+            raise bad_request(f"model names the LoRA adapter {from_model!r} and lora_path "
+                              f"{str(lora_path)[:64]!r}: give one", "lora_path")
+        if isinstance(lora_path, list) and len(lora_path) != prompts:
+            raise bad_request(f"{len(lora_path)} lora_path entries for {prompts} prompts",
+                              "lora_path")
+        for name in lora_path if isinstance(lora_path, list) else [lora_path]:
+            if name is not None:
+                self.check_adapter(name)
+        return lora_path
+
+    def check_adapter(self, name: str) -> None:
+        lora = self.core.lora
+        if lora is None:
+            raise bad_request(f"lora_path {name[:64]!r}: this server serves no LoRA adapters "
+                              "(start it with --enable-lora)", "lora_path", code="lora_not_found")
+        try:
+            with lora.lock:
+                lora.resolve(name)
+        except UnknownAdapter as error:
+            raise bad_request(str(error), "lora_path", code="lora_not_found") from None
 
 
 def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | None,
@@ -244,9 +285,11 @@ class Generation:
                  params: SamplingParams | list[SamplingParams], n: int,
                  *, top_logprobs_num: int = 0, return_logprob: bool = False,
                  return_prompt_logprob: bool = False,
-                 priority: int = 0, rid: str | None = None, param_prefix: str = ""):
+                 priority: int = 0, rid: str | None = None, param_prefix: str = "",
+                 lora_path: str | list[str | None] | None = None):
         """`param_prefix`: what the fields of a parameter the engine refuses are under
-        ("sampling_params." on /generate)."""
+        ("sampling_params." on /generate). `lora_path`: the LoRA adapter (None: the base
+        model), or one per prompt (`ServingContext.adapters_of`)."""
         if ctx.draining:
             raise shutting_down()
         self.ctx = ctx
@@ -266,6 +309,7 @@ class Generation:
         if ctx.metrics is not None:
             ctx.metrics.request_started(sum(len(p) for p in prompts))
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        adapters = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
         engine_rid = uuid.uuid4().hex
         try:
             for choice in self.choices:
@@ -278,10 +322,14 @@ class Generation:
                                   rid=f"{engine_rid}-{choice.index}",
                                   return_logprob=return_logprob or top_logprobs_num > 0,
                                   top_logprobs_num=top_logprobs_num, priority=priority,
-                                  return_prompt_logprob=return_prompt_logprob)
+                                  return_prompt_logprob=return_prompt_logprob,
+                                  lora_path=adapters[choice.prompt_index])
         except (InvalidGrammar, InvalidSamplingParam) as error:  # the routes checked: a miss here
             self.group.abort()
             raise bad_request(str(error), param_prefix + error.param) from None
+        except UnknownAdapter as error:  # unloaded since the route's check
+            self.group.abort()
+            raise bad_request(str(error), "lora_path", code="lora_not_found") from None
         except ValueError as error:
             self.group.abort()
             raise bad_request(str(error)) from None

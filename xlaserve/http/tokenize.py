@@ -69,7 +69,7 @@ async def _parsed(request: Request, model: type[_Strict]):
     if ctx.tokenizer is None:  # vLLM's answer: a 400 (SGLang fails with a 500)
         raise bad_request("tokenize and detokenize need the tokenizer (the server runs with "
                           "--skip-tokenizer-init)")
-    ctx.check_model(req.model)
+    ctx.adapters_of(req.model, None)  # an adapter's name tokenizes as its base model
     return req, ctx
 
 

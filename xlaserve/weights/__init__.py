@@ -12,6 +12,8 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "load_draft_head": "draft_head",
     "load_server_draft_head": "draft_head",
     "put": "placement",
+    "LoraAdapter": "lora_adapter", "LoraAdapterError": "lora_adapter",
+    "load_adapter": "lora_adapter",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -139,7 +139,7 @@ def _chat_body(req: ResponsesRequest, items: list[dict]) -> dict:
             "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req),
             "reasoning_effort": req.reasoning.effort if req.reasoning else None,
-            "stream": req.stream, "user": req.user}
+            "stream": req.stream, "user": req.user, "lora_path": req.lora_path}
     return {k: v for k, v in body.items() if v is not None}
 
 

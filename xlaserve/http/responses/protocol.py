@@ -59,3 +59,4 @@ class ResponsesRequest(_Strict):
     stream: bool = False
     service_tier: Optional[str] = None  # accepted, as chat accepts it: it changes nothing here
     truncation: Optional[Literal["disabled"]] = None  # "auto" (dropping turns) is not implemented
+    lora_path: Optional[str] = None  # SGLang's: a loaded LoRA adapter (or model BASE:NAME)

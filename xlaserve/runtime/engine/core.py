@@ -377,6 +377,8 @@ class EngineCore:
     def _drain_inbox(self, block: bool) -> None:
         """Takes in what other threads sent, in order; consecutive aborts are done together
         (`LiveRequests.abort_many`: linear in their number, however long the queue)."""
+        if self.lora is not None:  # an unload whose requests have ended (lora_adapters.py)
+            self.lora.finish_unloads(self.scheduler)
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -411,8 +413,6 @@ class EngineCore:
                 item = None
         if aborts:
             self._live_requests.abort_many(aborts, message)
-        if self.lora is not None:
-            self.lora.finish_unloads(self.scheduler)
 
     def _prepare(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""
