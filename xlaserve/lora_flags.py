@@ -6,6 +6,7 @@ it. The slots' shapes (rank, targets) are decided at start-up, once the initial 
 from __future__ import annotations
 
 import json
+import os
 import re
 
 # The PEFT target modules an adapter may have (model/lora.py's PROJECTIONS fuse them).
@@ -17,7 +18,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
 
 def lora_paths_of(entries: list[str] | None) -> dict[str, str]:
     """{name: path} from `--lora-paths` / `--lora-modules` entries: `NAME=PATH`, a bare `PATH`
-    (its own name, as SGLang), or JSON `{"lora_name": ..., "lora_path": ...}` (SGLang) or
+    (named by its last folder, or a hub id by itself), or JSON `{"lora_name": ..., "lora_path": ...}` (SGLang) or
     `{"name": ..., "path": ...}` (vLLM)."""
     out: dict[str, str] = {}
     for entry in entries or []:
@@ -33,8 +34,10 @@ def lora_paths_of(entries: list[str] | None) -> dict[str, str]:
                 pass  # every adapter here stays in its slot until unloaded: pinned or not
         elif "=" in entry:
             name, path = entry.split("=", 1)
-        else:
-            name = path = entry
+        else:  # named by its last folder: a path on this disk is nothing a client sees
+            path = entry
+            name = os.path.basename(os.path.normpath(entry)) if os.path.exists(
+                os.path.expanduser(entry)) or entry.startswith(("/", ".", "~")) else entry
         if not isinstance(name, str) or not isinstance(path, str) or not _NAME.match(name):
             raise ValueError(f"--lora-paths {entry!r}: give NAME=PATH (a name of letters, digits "
                              "and ._-/, at most 128)")

@@ -214,7 +214,7 @@ class ServerArgs:
                "NAME); implied by --lora-paths")
     lora_paths: Optional[list[str]] = _flag(
         None, "adapters loaded at start: NAME=PATH (a PEFT adapter directory or hub id), a bare "
-              "PATH (named by itself), or JSON {\"lora_name\": ..., \"lora_path\": ...}",
+              "PATH (named by its last folder; a hub id by itself), or JSON {\"lora_name\": ..., \"lora_path\": ...}",
         nargs="*", aliases=("--lora-modules",))
     max_loras_per_batch: int = _flag(
         8, "adapter slots on the device: the most adapters loaded (and in one batch) at once",

@@ -101,3 +101,37 @@ def test_load_and_unload_while_serving_without_a_compile(engine, models):
     assert out["output_ids"] == hf_greedy(merged["c"], PROMPTS[0], 10)
     engine.unload_lora_adapter("c2")
     assert engine.core.runner.compile_count() == compiled
+
+
+TP_SCRIPT = """
+import json, sys
+from xlaserve.offline import Engine
+base, a, b, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+with Engine(base, tp_size=2, lora_paths=[f"a={a}", f"b={b}"], **json.loads(sys.argv[5])) as engine:
+    out = engine.generate(input_ids=prompts, sampling_params=json.loads(sys.argv[6]),
+                          lora_path=[None, "a", "b", "b"])
+print("RESULT " + json.dumps([o["output_ids"] for o in out]))
+"""
+
+
+def test_adapters_split_over_two_devices_like_their_base_weights(models):
+    """Tensor parallelism shards a and b as their base weights (qkv's kv heads, o_proj's and
+    down's inputs, gate and up's intermediate): tp 2 gives transformers + peft's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    base_dir, base, paths, merged = models
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "TRANSFORMERS_VERBOSITY": "error"}
+    result = subprocess.run(
+        [sys.executable, "-c", TP_SCRIPT, base_dir, paths["a"], paths["b"], json.dumps(PROMPTS),
+         json.dumps({**SMALL, "lora_target_modules": ["all"]}), json.dumps(GREEDY)],
+        capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, result.stdout[-3000:] + result.stderr[-5000:]
+    outputs = json.loads(lines[-1][len("RESULT "):])
+    for prompt, adapter, output in zip(PROMPTS, [None, "a", "b", "b"], outputs, strict=True):
+        oracle = base if adapter is None else merged[adapter]
+        assert output == hf_greedy(oracle, prompt, 10), adapter
