@@ -25,7 +25,7 @@ import numpy as np
 
 from xlaserve.runtime.engine import startup
 from xlaserve.runtime.engine.live_requests import LiveRequests, live_state
-from xlaserve.runtime.engine.lora_adapters import LoadLora, LoraAdapters, UnknownAdapter, UnloadLora
+from xlaserve.runtime.engine.lora_adapters import LoadLora, LoraAdapters, UnloadLora
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
                                               OutputDelta, RequestsEnded, StepResult, Wake)
 from xlaserve.runtime.engine.watchdog import Watchdog
@@ -39,7 +39,6 @@ from xlaserve.runtime.sampling.sampler import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import Request, SampledRow
 from xlaserve.runtime.scheduler.speculation import row_depths
 from xlaserve.server_args import ServerArgs
-from xlaserve.weights.lora_adapter import LoraAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class EngineCore:
         self._draft = parts.draft  # --speculative-algorithm STANDALONE: the draft model
         # --enable-lora: the adapters by name (lora_adapters.py), --lora-paths' installed
         self.lora = None if self.runner.lora is None else LoraAdapters(
-            self.runner, self.runner.lora.spec.max_loras)
+            self.runner, self.runner.lora.spec.max_loras, self.loaded.config, self._wait)
         for adapter in parts.lora_adapters or ():
             self.lora.install(adapter)
         self.limits = RequestLimits.from_server_args(args)
@@ -183,16 +182,10 @@ class EngineCore:
                           no_prefix_reuse=return_prompt_logprob, grammar=grammar)
         live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
                           return_prompt_logprob)
-        if lora_path is not None:
-            if self.lora is None:
-                raise UnknownAdapter(lora_path, f"lora_path {lora_path!r}: this server serves "
-                                                "no LoRA adapters (start it with --enable-lora)")
-            with self.lora.lock:  # resolved and queued ahead of any unload (lora_adapters.py)
-                adapter = self.lora.resolve(lora_path)
-                request.lora_slot, request.lora_key = adapter.slot + 1, adapter.key
-                self._put_request(live)
-        else:
+        if lora_path is None:
             self._put_request(live)
+        else:  # resolved and queued ahead of any unload of it (lora_adapters.py)
+            LoraAdapters.submit(self.lora, lora_path, request, lambda: self._put_request(live))
         return rid
 
     def _put_request(self, live) -> None:
@@ -201,20 +194,12 @@ class EngineCore:
         self._inbox.put(AddRequest(live))
 
     def load_lora_adapter(self, name: str, path: str):
-        """Reads a PEFT adapter and serves it as `name` once its slot is written between steps
-        (runtime/engine/lora_adapters.py); raises LoraAdapterError naming what cannot load."""
-        if self.lora is None:
-            raise LoraAdapterError("this server serves no LoRA adapters (--enable-lora)")
-        adapter, slot = self.lora.read(name, path, self.loaded.config)
-        return self._wait(LoadLora(name, adapter, slot, Future()))
+        """Serves the PEFT adapter at `path` as `name` (lora_adapters.py, `LoraAdapters.load`)."""
+        return LoraAdapters.serving(self.lora).load(name, path)
 
     def unload_lora_adapter(self, name: str):
-        """Stops serving `name` (new requests naming it are refused) and returns once its
-        running requests have ended and its slot is free."""
-        if self.lora is None:
-            raise LoraAdapterError("this server serves no LoRA adapters (--enable-lora)")
-        self.lora.mark_unloading(name)
-        return self._wait(UnloadLora(name, Future()))
+        """Stops serving `name` once its requests have ended (`LoraAdapters.unload`)."""
+        return LoraAdapters.serving(self.lora).unload(name)
 
     def queued_requests(self) -> int:
         """Requests submitted that wait for a running slot: those in the scheduler's queue and

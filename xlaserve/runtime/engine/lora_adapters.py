@@ -86,8 +86,12 @@ class UnloadLora:
 
 
 class LoraAdapters:
-    def __init__(self, runner, max_loras: int):
+    def __init__(self, runner, max_loras: int, model_config, wait):
+        """`wait(message)`: puts an inbox message and returns its `done` future's result
+        (EngineCore._wait)."""
         self.runner = runner
+        self.model_config = model_config
+        self._wait = wait
         self.lock = threading.Lock()
         self.loaded: dict[str, LoadedAdapter] = {}
         self._free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: 0 first
@@ -105,6 +109,38 @@ class LoraAdapters:
         return done.result()
 
     # --- any thread ------------------------------------------------------------------------
+
+    @staticmethod
+    def serving(adapters: "LoraAdapters | None") -> "LoraAdapters":
+        """`adapters`, or the refusal of a server without them."""
+        if adapters is None:
+            raise LoraAdapterError("this server serves no LoRA adapters (start it with "
+                                   "--enable-lora)")
+        return adapters
+
+    @staticmethod
+    def submit(adapters: "LoraAdapters | None", name: str, request, put) -> None:
+        """Sets `request`'s adapter `name` and `put`s it in the inbox under the lock, ahead of
+        any unload of it (module docstring); UnknownAdapter where it is not loaded."""
+        if adapters is None:
+            raise UnknownAdapter(name, f"lora_path {name!r}: this server serves no LoRA "
+                                       "adapters (start it with --enable-lora)")
+        with adapters.lock:
+            adapter = adapters.resolve(name)
+            request.lora_slot, request.lora_key = adapter.slot + 1, adapter.key
+            put()
+
+    def load(self, name: str, path: str) -> LoadedAdapter:
+        """Reads a PEFT adapter and serves it as `name` once the loop has written its slot
+        between two steps; LoraAdapterError naming what cannot load."""
+        adapter, slot = self.read(name, path, self.model_config)
+        return self._wait(LoadLora(name, adapter, slot, Future()))
+
+    def unload(self, name: str) -> LoadedAdapter:
+        """Refuses new requests for `name` at once; returns once its waiting and running
+        requests have ended and its slot is free."""
+        self.mark_unloading(name)
+        return self._wait(UnloadLora(name, Future()))
 
     def resolve(self, name: str) -> LoadedAdapter:
         """The adapter a request names (call with `lock` held, and put the request in the inbox
