@@ -12,6 +12,7 @@ import re
 # The PEFT target modules an adapter may have (model/lora.py's PROJECTIONS fuse them).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+DEFAULT_MAX_RANK = 16  # vLLM's default --max-lora-rank, where no adapter is given at start
 # An adapter's name: what a request's model field or lora_path carries.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
 

@@ -160,7 +160,8 @@ class Engine:
         if stream:
             if batched:
                 raise ValueError("stream=True takes one prompt")
-            return self._stream(*requests[0], logprobs)
+            ids, params, adapter = requests[0]
+            return self._stream(ids, params, logprobs, adapter)
         results = await asyncio.gather(*[self._collect_async(ids, params, logprobs, adapter)
                                          for ids, params, adapter in requests])
         return list(results) if batched else results[0]

@@ -72,8 +72,8 @@ def test_completions_and_generate_ignore_unknown_fields_too(server):
                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "x_completion_knob": 1})
     assert response.status_code == 200 and response.headers[IGNORED_FIELDS_HEADER] == "x_completion_knob"
     response = httpx.post(server.base_url + "/generate", timeout=60, json={
-        "text": "hi", "sampling_params": {"max_new_tokens": 2}, "lora_path": None})
-    assert response.status_code == 200 and response.headers[IGNORED_FIELDS_HEADER] == "lora_path"
+        "text": "hi", "sampling_params": {"max_new_tokens": 2}, "x_generate_knob": None})
+    assert response.status_code == 200 and response.headers[IGNORED_FIELDS_HEADER] == "x_generate_knob"
 
 
 @pytest.mark.parametrize("route,body", [
@@ -81,7 +81,7 @@ def test_completions_and_generate_ignore_unknown_fields_too(server):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})])
 @pytest.mark.parametrize("field,value", [
-    ("lora_path", "/adapters/sql-lora"), ("lora_path", ["sql-lora", None]), ("lora_id", "7"),
+    ("lora_id", "7"),
     ("custom_logit_processor", "{}"), ("session_params", {"id": "s"}),
     ("image_data", "https://example.com/cat.png")])
 def test_fields_that_would_change_what_answers_are_a_400_naming_them(server, route, body, field,
@@ -106,10 +106,23 @@ def _model_of(route: str):
             "/generate": GenerateRequest}[route]
 
 
-def test_an_adapter_field_that_asks_for_none_is_dropped_as_unknown(server):
-    response = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": "hi", "max_tokens": 2, "lora_path": [None, None]})
-    assert response.status_code == 200 and response.headers[IGNORED_FIELDS_HEADER] == "lora_path"
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 2}),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})])
+@pytest.mark.parametrize("value", ["/adapters/sql-lora", ["sql-lora"]])
+def test_an_adapter_on_a_server_without_adapters_is_a_400_naming_it(server, route, body, value):
+    """Never the base model's answer (tests/http/test_lora_server.py: a server with adapters)."""
+    response = httpx.post(server.base_url + route, json={**body, "lora_path": value}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "lora_path"
+
+
+def test_an_adapter_field_that_asks_for_none_is_the_base_model(server):
+    for value in (None, [None]):
+        response = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 2, "lora_path": value})
+        assert response.status_code == 200 and IGNORED_FIELDS_HEADER not in response.headers
 
 
 def test_the_header_escapes_names_and_lists_at_most_its_limit():

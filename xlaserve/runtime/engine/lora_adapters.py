@@ -21,14 +21,12 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from xlaserve.lora_flags import TARGET_MODULES, lora_paths_of, target_modules_of
+from xlaserve.lora_flags import (DEFAULT_MAX_RANK, TARGET_MODULES, lora_paths_of,
+                                 target_modules_of)
 from xlaserve.model.lora import LoraSpec, check_model
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError, load_adapter
 
 logger = logging.getLogger(__name__)
-
-
-DEFAULT_MAX_RANK = 16  # vLLM's default --max-lora-rank, where no adapter is given at start
 
 
 def lora_setup(args, config) -> tuple[LoraSpec, list[LoraAdapter]]:

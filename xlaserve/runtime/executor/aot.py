@@ -30,7 +30,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.lora_flags import DEFAULT_MAX_RANK, TARGET_MODULES, target_modules_of
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.lora import LoraSpec
 from xlaserve.weights.draft_head import draft_head_builder, hf_config_of
 from xlaserve.weights.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
@@ -42,7 +44,8 @@ from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs
 from xlaserve.runtime.executor.forward_batch import (sample_rows_for, serving_buckets,
                                                      with_page_size)
 from xlaserve.runtime.executor.kernels import kernels_for
-from xlaserve.runtime.executor.step_program import idle_vectors, make_step
+from xlaserve.runtime.executor.lora_slots import abstract_slot_args
+from xlaserve.runtime.executor.step_program import LoraArgs, idle_vectors, make_step
 from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, leaf_names,
                                                   weight_args, weight_formats)
 from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
@@ -119,6 +122,7 @@ class StepProgram:
     verify_tokens: int = 1  # speculative decoding's verified row (forward_batch.sample_rows_for)
     max_seqs: int = 0  # the largest sequence bucket
     chain: callable | None = None  # a draft head's draft steps (draft_head.make_chain)
+    lora: LoraSpec | None = None  # the LoRA slots among the weights
     tree_width: int = 0  # > 0: the server verifies trees (its tree program, `compile(tree=)`)
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
@@ -166,14 +170,15 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                  attention_backend: str = "auto", quantization=None,
                  mla_expanded_prefill_tokens: int = 0, verify_tokens: int = 1,
                  max_seqs: int = 0, draft_head=None, tree_width: int = 0, topk: int = 1,
-                 tree_steps: int = 0) -> StepProgram:
+                 tree_steps: int = 0, lora: LoraSpec | None = None) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
     page table as wide as `context_length`'s pages.
     `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint).
     `draft_head`: a speculative draft head's abstract module (model/draft_heads.py, under
     nnx.eval_shape): the step catches it up, and `StepProgram.compile_chain` compiles its
     draft steps (with `topk` > 1 its tree drafting, `tree_steps` deep, and the step's tree
-    program verifies rows of `tree_width`)."""
+    program verifies rows of `tree_width`). `lora`: the LoRA adapter slots' shapes, whose
+    arrays follow the weights (runtime/executor/lora_slots.py)."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform,
                           mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
     num_slots, vocab = max_running_requests + 1, config.vocab_size
@@ -188,8 +193,12 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                                          stack_layers=platform == "tpu", names=leaf_names(state))
     caches = kv_pool_specs(config, num_pages, page_size, dtype, mesh, pool)
     kv_sharding = [cache.sharding for cache in caches]
+    lora_args = None
+    if lora is not None:  # after the model's weights, in their default layouts (as ModelRunner)
+        lora_args = LoraArgs(lora, config.num_layers, len(weights))
+        weights = weights + abstract_slot_args(lora, config, dtype, mesh, num_slots)
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-                       formats, verify_tokens)
+                       formats, verify_tokens, lora_args)
              for formats in (None, auto_formats(weights))]
     parts = (graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding, config.num_layers)
     chain = None
@@ -202,9 +211,19 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
             abstract((num_slots, vocab), jnp.bool_, mesh))
     # With a draft head the weights keep their default layouts (ModelRunner: its draft steps
     # take the same weights).
-    choosing = steps[1] if draft_head is None else None
+    choosing = steps[1] if draft_head is None and lora is None else None
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
-                       choosing, verify_tokens, max_seqs, chain, tree_width)
+                       choosing, verify_tokens, max_seqs, chain, lora, tree_width)
+
+
+def lora_spec(server_args: ServerArgs) -> LoraSpec | None:
+    """The LoRA slots a server with `server_args` would have without reading adapters:
+    --max-lora-rank (default 16) on --lora-target-modules (default all)."""
+    if not server_args.enable_lora:
+        return None
+    return LoraSpec(server_args.max_loras_per_batch,
+                    server_args.max_lora_rank or DEFAULT_MAX_RANK,
+                    target_modules_of(server_args.lora_target_modules) or TARGET_MODULES)
 
 
 def server_step(target: str, server_args: ServerArgs,
@@ -243,13 +262,17 @@ def server_step(target: str, server_args: ServerArgs,
                            verify_tokens=buckets.verify_tokens, max_seqs=buckets.seqs[-1],
                            draft_head=head, tree_width=buckets.tree_width,
                            topk=server_args.speculative_eagle_topk or 1,
-                           tree_steps=server_args.speculative_num_steps or 0)
+                           tree_steps=server_args.speculative_num_steps or 0,
+                           lora=lora_spec(server_args))
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""
     if fp8_checkpoint is not None:
         weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"
                    if fp8_checkpoint.block_k else ", FP8 checkpoint weights (per-channel scales)")
     if head is not None:
         weights += f", {type(head).__name__} draft head"
+    if program.lora is not None:
+        weights += (f", {program.lora.max_loras} LoRA slots of rank {program.lora.max_rank} on "
+                    f"{len(program.lora.target_modules)} modules")
     description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
                    f"{np.dtype(dtype).name}{weights}, "
                    f"tp {server_args.tp_size}, ep {server_args.ep_size}, "

@@ -20,6 +20,16 @@ from xlaserve.model.lora import LoraSpec, slot_shapes
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError
 
 
+def abstract_slot_args(spec: LoraSpec, config: ModelConfig, dtype, mesh,
+                       num_request_slots: int) -> list[jax.ShapeDtypeStruct]:
+    """The slot arrays and slot_adapters as ShapeDtypeStructs with their shardings: what a step
+    compiled for hardware that is not here takes (runtime/executor/aot.py)."""
+    return [*(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, part))
+              for _, shape, part in slot_shapes(config, spec)),
+            jax.ShapeDtypeStruct((num_request_slots,), jnp.int32,
+                                 sharding=NamedSharding(mesh, P()))]
+
+
 class LoraSlots:
     def __init__(self, spec: LoraSpec, config: ModelConfig, dtype, mesh, num_request_slots: int):
         self.spec = spec
