@@ -12,6 +12,8 @@ target (runtime/executor/aot.py) and its own analyses give the figures.
         --variants plain,sampled,everything   # each program variant of the buckets
     .venv/bin/python benchmarks/predict_accelerators.py --target v6e:2x2 --tp-size 4 \
         --model qwen3-8b --tokens 256,4096 --workload 1024,1024,256   # a serving benchmark
+    .venv/bin/python benchmarks/predict_accelerators.py --target h100 --tokens 64 \
+        --lora 16,4          # with and without 4 LoRA slots of rank 16 on every module
 
 Per bucket (tokens, seqs) of the server's own bucket list (--max-running-requests 256 unless given,
 --max-prefill-tokens 4096, so a 256-row decode bucket and a 4096-token prefill bucket exist):
@@ -264,22 +266,28 @@ def predict(program, compiled, target: str, tokens: int, seqs: int, context: int
             **hlo_counts(hlo)}
 
 
-def server_args(model: str, tp: int, quantization: str | None = None, running: int = 256):
+def server_args(model: str, tp: int, quantization: str | None = None, running: int = 256,
+                lora: tuple[int, int] | None = None):
+    """`lora`: (rank, slots) of LoRA adapter slots on every module (issue 53), or None."""
     from xlaserve.server_args import ServerArgs
+    adapters = {} if lora is None else dict(enable_lora=True, max_lora_rank=lora[0],
+                                            max_loras_per_batch=lora[1],
+                                            lora_target_modules=["all"])
     return ServerArgs(model_path=str(CONFIGS / model) if "/" not in model else model,
                       tp_size=tp, max_running_requests=running, max_prefill_tokens=4096,
-                      quantization=quantization)
+                      quantization=quantization, **adapters)
 
 
 VARIANTS = {name: needs for needs, name in VARIANT_NAMES.items() if needs is not None}
 
 
 def run(target: str, model: str, tp: int, wanted_tokens, context: int,
-        quantization: str | None = None, variants=("plain",), running: int = 256):
+        quantization: str | None = None, variants=("plain",), running: int = 256,
+        lora: tuple[int, int] | None = None):
     """Rows for the buckets of `wanted_tokens` that the server has, each variant compiled once."""
     from xlaserve.weights.loader import read_config
 
-    args = server_args(model, tp, quantization, running)
+    args = server_args(model, tp, quantization, running, lora)
     program, shapes, description = aot.server_step(target, args)
     config, _ = read_config(args.model_path, load_format="dummy")
     print(description, flush=True)
@@ -293,7 +301,9 @@ def run(target: str, model: str, tp: int, wanted_tokens, context: int,
         compiled = program.compile(*have[tokens], VARIANTS[variant])
         row = predict(program, compiled, target, tokens, have[tokens][1], context, config)
         row["model"], row["compile_s"] = Path(model).name, time.perf_counter() - start
-        row["weight_format"] = quantization or DTYPE_NAMES[program.args[1][0].dtype.name]
+        row["weight_format"] = ((quantization or DTYPE_NAMES[program.args[1][0].dtype.name])
+                                + ("+L" if lora else ""))
+        row["lora"] = lora
         row["variant"] = variant
         rows.append(row)
         print(f"  compiled {tokens} tokens / {row['seqs']} seqs ({variant}) in "
@@ -374,6 +384,8 @@ def main(argv=None) -> None:
                         help="tokens of context each sequence's attention reads (assumed)")
     parser.add_argument("--max-running-requests", type=int, default=256,
                         help="the server's, which sets the largest decode bucket")
+    parser.add_argument("--lora", help="RANK,SLOTS: each run also with LoRA adapter slots on "
+                                       "every module (issue 53), wts column +L")
     parser.add_argument("--workload", help="IN,OUT,CONCURRENCY: a serving benchmark's output "
                                            "tok/s from the decode bucket of CONCURRENCY rows and "
                                            "the largest prefill bucket (add both to --tokens)")
@@ -390,10 +402,11 @@ def main(argv=None) -> None:
     if unknown := [v for v in variants if v not in VARIANTS]:
         parser.error(f"--variants: unknown {unknown}; of {list(VARIANTS)}")
     rows = []
-    for target, model, tp, quantization in runs:
+    loras = [None] + ([tuple(map(int, args.lora.split(",")))] if args.lora else [])
+    for (target, model, tp, quantization), lora in [(r, lo) for r in runs for lo in loras]:
         try:
             rows += run(target, model, tp, wanted, args.context, quantization, variants,
-                        args.max_running_requests)
+                        args.max_running_requests, lora)
         except aot.TargetUnavailable as error:
             print(f"{target}: {error}", file=sys.stderr)
     print_table(rows, args.context)
@@ -401,7 +414,7 @@ def main(argv=None) -> None:
         input_len, output_len, concurrency = map(int, args.workload.split(","))
         for target, model, tp, quantization in runs:
             own = [r for r in rows if (r["target"], r["tp"]) == (target, tp)
-                   and r["model"] == Path(model).name]
+                   and r["model"] == Path(model).name and r["lora"] is None]
             w = workload(own, input_len, output_len, concurrency)
             print(f"\n{Path(model).name} {target} tp {tp}, {input_len} in / {output_len} out, "
                   f"{concurrency} concurrent: {w['tok_s']:,.0f} output tok/s predicted "
