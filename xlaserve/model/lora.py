@@ -6,8 +6,11 @@ Shapes. `LoraSpec` fixes them: `max_loras` adapter slots, every rank padded to `
 padded rank's rows and columns are zeros: they add nothing), the target modules. A fused
 projection (qkv, gate_up) is multiplied by its modules' A matrices at once, side by side:
 
-    a [K, slots, modules * rank]            one shrink: x @ a.reshape(K, -1)
-    b [slots, rank, *module output axes]    one expand per module, into its part of the output
+    a [K, slots * modules * rank]           one shrink: x @ a
+    b [slots * rank, N of the module]       one expand per module, into its part of the output
+
+stored as the step multiplies them: 2-D, so no step reshapes them (on TPU, merging a tiled
+array's axes is a copy),
 
 with B already scaled (lora_alpha / r, or / sqrt(r) for rsLoRA). Loading or unloading an adapter
 writes or zeroes its slot of these arrays (runtime/executor/lora_slots.py): same shapes, no
@@ -54,10 +57,11 @@ MLP_MODULES = PROJECTIONS["gate_up"] + PROJECTIONS["down"]
 # Partition specs: a's input axis split where the base weight's input is (o_proj's heads,
 # down's intermediate), b's output axes where the base weight's are (qkv's kv heads, gate and
 # up's intermediate).
-A_SPECS = {"qkv": P(), "o_proj": P(TP, None, None), "gate_up": P(), "down": P(TP, None, None)}
-B_SPECS = {"q_proj": P(None, None, TP, None, None), "k_proj": P(None, None, TP, None, None),
-           "v_proj": P(None, None, TP, None, None), "o_proj": P(), "gate_proj": P(None, None, TP),
-           "up_proj": P(None, None, TP), "down_proj": P()}
+# q, k and v's N is [kv heads, heads a group, head_dim] flattened, kv heads first: split on it,
+# each device's block is its kv heads'.
+A_SPECS = {"qkv": P(), "o_proj": P(TP, None), "gate_up": P(), "down": P(TP, None)}
+B_SPECS = {"q_proj": P(None, TP), "k_proj": P(None, TP), "v_proj": P(None, TP), "o_proj": P(),
+           "gate_proj": P(None, TP), "up_proj": P(None, TP), "down_proj": P()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +126,12 @@ def slot_shapes(config: ModelConfig, spec: LoraSpec) -> list[tuple[str, tuple, P
         for projection, modules in spec.projections().items():
             width = shapes[modules[0]][0]
             out.append((f"layers.{layer}.{projection}.a",
-                        (width, spec.max_loras, len(modules) * spec.max_rank),
+                        (width, spec.max_loras * len(modules) * spec.max_rank),
                         A_SPECS[projection]))
             for module in modules:
                 out.append((f"layers.{layer}.{module}.b",
-                            (spec.max_loras, spec.max_rank, *shapes[module][1]), B_SPECS[module]))
+                            (spec.max_loras * spec.max_rank, math.prod(shapes[module][1])),
+                            B_SPECS[module]))
     return out
 
 
@@ -142,6 +147,7 @@ class LayerLora:
     projections: dict[str, tuple[jax.Array, dict[str, jax.Array]]]  # projection -> (a, {module: b})
     mask: jax.Array  # [T, slots] 1.0 where the token's adapter is the slot's
     active: jax.Array | None  # bool scalar: some token has an adapter (None: compute anyway)
+    rank: int
 
     def delta(self, projection: str, x: jax.Array, output_axes: tuple[int, ...]) -> jax.Array | None:
         """float32 [T, *output_axes]: what the rows' adapters add to the projection of x; None
@@ -151,7 +157,7 @@ class LayerLora:
         a, bs = self.projections[projection]
 
         def compute():
-            return _projection_delta(x, a, bs, self.mask, projection, output_axes)
+            return _projection_delta(x, a, bs, self.mask, projection, output_axes, self.rank)
 
         if self.active is None:
             return compute()
@@ -159,14 +165,13 @@ class LayerLora:
                             lambda: jnp.zeros((x.shape[0], *output_axes), jnp.float32))
 
 
-def _projection_delta(x, a, bs, mask, projection, output_axes):
-    tokens = x.shape[0]
-    width, slots, columns = a.shape
-    shrunk = jax.lax.dot_general(x.astype(a.dtype), a.reshape(width, slots * columns),
-                                 (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _projection_delta(x, a, bs, mask, projection, output_axes, rank):
+    """a [K, slots * modules * rank], bs {module: [slots * rank, N]} -> float32 [T, *output_axes]."""
+    tokens, slots = x.shape[0], mask.shape[1]
+    shrunk = jax.lax.dot_general(x.astype(a.dtype), a, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
     # Each token keeps its own slot's columns: [T, slots, modules, rank] masked per slot.
-    rank = next(iter(bs.values())).shape[1]
-    shrunk = shrunk.reshape(tokens, slots, columns // rank, rank) * mask[:, :, None, None]
+    shrunk = shrunk.reshape(tokens, slots, -1, rank) * mask[:, :, None, None]
     parts = []
     for module in PROJECTIONS[projection]:
         if module not in bs:
@@ -174,7 +179,7 @@ def _projection_delta(x, a, bs, mask, projection, output_axes):
             continue
         b = bs[module]
         h = shrunk[:, :, list(bs).index(module)].reshape(tokens, slots * rank).astype(b.dtype)
-        parts.append(jax.lax.dot_general(h, b.reshape(slots * rank, -1), (((1,), (0,)), ((), ())),
+        parts.append(jax.lax.dot_general(h, b, (((1,), (0,)), ((), ())),
                                          preferred_element_type=jnp.float32))
     return _assemble(projection, parts, tokens, output_axes)
 
@@ -203,8 +208,10 @@ class LoraBatch:
     mask: jax.Array
     active: jax.Array | None
 
+    rank: int
+
     def layer(self, index: int) -> LayerLora:
-        return LayerLora(self.layers[index], self.mask, self.active)
+        return LayerLora(self.layers[index], self.mask, self.active, self.rank)
 
 
 def lora_batch(spec: LoraSpec, num_layers: int, arrays: list[jax.Array],
@@ -225,12 +232,14 @@ def lora_batch(spec: LoraSpec, num_layers: int, arrays: list[jax.Array],
             at += 1 + len(modules)
             layer[projection] = (a, bs)
         layers.append(layer)
-    return LoraBatch(layers, mask, jnp.any(adapters > 0) if skip_idle else None)
+    return LoraBatch(layers, mask, jnp.any(adapters > 0) if skip_idle else None, spec.max_rank)
 
 
 def token_request_slots(cu_q_lens: jax.Array, slots: jax.Array, num_tokens: int) -> jax.Array:
     """i32[T]: each token row's request slot (the sequence whose rows hold it; the padding rows
     after the last sequence take the last row's slot, whose output nothing reads)."""
+    # compare_all: a [T, S] comparison; the default (a scan) is a while loop, which on a GPU
+    # reads its trip count on the host mid-step (the H100 step had one).
     seq = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=cu_q_lens.dtype),
-                           side="right")
+                           side="right", method="compare_all")
     return slots[jnp.minimum(seq, slots.shape[0] - 1)]

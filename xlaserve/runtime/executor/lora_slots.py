@@ -46,10 +46,11 @@ class LoraSlots:
         def write(arrays, slot, values):
             out = []
             for (name, _, _), array, value in zip(self.shapes, arrays, values):
-                if name.endswith(".a"):  # [K, slots, columns]
-                    out.append(array.at[:, slot].set(value))
-                else:  # [slots, rank, ...]
-                    out.append(array.at[slot].set(value))
+                if name.endswith(".a"):  # [K, slots * columns]: the slot's columns
+                    start = (0, slot * value.shape[1])
+                else:  # [slots * rank, N]: the slot's rows
+                    start = (slot * value.shape[0], 0)
+                out.append(jax.lax.dynamic_update_slice(array, value, start))
             return out
 
         self._write = jax.jit(write, donate_argnums=(0,), out_shardings=shardings)
@@ -95,19 +96,20 @@ class LoraSlots:
         for name, shape, _ in self.shapes:
             _, layer, part, kind = name.split(".")
             layer = int(layer)
-            if kind == "a":
-                value = np.zeros((shape[0], shape[2]), np.float32)
+            slots = self.spec.max_loras
+            if kind == "a":  # [K, modules * rank] of the slot
+                value = np.zeros((shape[0], shape[1] // slots), np.float32)
                 for j, module in enumerate(projections[part]):
                     found = adapter and adapter.weights.get((layer, module))
                     if found:
                         a = found[0]
                         value[:, j * rank:j * rank + a.shape[1]] = a
-            else:
-                value = np.zeros(shape[1:], np.float32)
+            else:  # [rank, N] of the slot
+                value = np.zeros((rank, shape[1]), np.float32)
                 found = adapter and adapter.weights.get((layer, part))
                 if found:
                     b = found[1]
-                    value[:b.shape[0]] = b
+                    value[:b.shape[0]] = b.reshape(b.shape[0], -1)
             values.append(value.astype(self.dtype))
         return values
 
