@@ -337,3 +337,43 @@ def test_a_retracted_request_resumes_from_its_own_cached_pages():
     assert resumed.num_cached == 8 and len(resumed.token_ids) == 13 - 8
     assert finished["new"].num_cached_prompt_tokens == 0  # counted at first admission only
     assert len(finished["new"].output_ids) == 10 and s.num_pages_in_use == 0
+
+
+# --- namespaces: a LoRA adapter's tree apart from the base model's -----------------------------
+
+
+def test_a_namespace_matches_only_its_own_pages_and_dropping_it_frees_them():
+    cache = make_cache()
+    base_pages, _ = cached(cache, A, 3)
+    assert cache.match(A, namespace=1) == ([], cache.root_of(1))  # the base model's: not its
+    adapter_pages = cache.allocator.allocate(3)
+    tree_pages, node = cache.insert(A, adapter_pages, namespace=1)
+    assert tree_pages == adapter_pages != base_pages and cache.match(A, 1)[0] == adapter_pages
+    assert cache.match(A)[0] == base_pages and cache.evictable_pages == 6
+    cache.lock(node)
+    with pytest.raises(ValueError, match="locked"):
+        cache.drop_namespace(1)
+    cache.unlock(node)
+    free = cache.allocator.num_free
+    assert cache.drop_namespace(1) == 3 and cache.allocator.num_free == free + 3
+    assert cache.evictable_pages == 3 and cache.match(A, 1)[0] == []
+    assert cache.match(A)[0] == base_pages and cache.drop_namespace(0) == 0
+
+
+def test_requests_of_two_adapters_never_share_pages_and_an_unload_drops_its_tree():
+    s = make_scheduler()
+    model = FakeModel(s)
+    first = req("a", prompt_len=13)
+    s.add(first)
+    model.run_all()
+    for i, (namespace, expected) in enumerate([(1, 0), (0, 12), (1, 12)]):
+        again = same_prompt(f"n{i}", first.prompt_ids)
+        again.lora_key = namespace
+        s.add(again)
+        batch = s.schedule()
+        assert batch.chunks[0].num_cached == expected, (namespace, expected)
+        s.process_results(batch, model.step(batch))
+        model.run_all()
+    evictable = s.cache.evictable_pages
+    assert s.cache.drop_namespace(1) > 0 and s.cache.evictable_pages < evictable
+    assert s.cache.match(first.prompt_ids, 0)[0]  # the base model's tree stays

@@ -157,13 +157,16 @@ class RadixCache:
         and forgets the tree; returns the pages freed."""
         if namespace == 0 or namespace not in self._roots:
             return 0
-        root = self._roots.pop(namespace)
-        freed, stack = 0, list(root.children.values())
-        while stack:
+        nodes, stack = [], list(self._roots[namespace].children.values())
+        while stack:  # every node first: a locked one refuses the drop before anything changes
             node = stack.pop()
             if node.lock_ref:
                 raise ValueError(f"namespace {namespace} still has a locked path")
+            nodes.append(node)
             stack.extend(node.children.values())
+        del self._roots[namespace]
+        freed = 0
+        for node in nodes:
             self.allocator.free(node.pages)
             freed += len(node.pages)
             self.evictable_pages -= len(node.pages)
