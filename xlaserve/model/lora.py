@@ -9,12 +9,9 @@ projection (qkv, gate_up) is multiplied by its modules' A matrices at once, side
     a [K, slots * modules * rank]           one shrink: x @ a
     b [slots * rank, N of the module]       one expand per module, into its part of the output
 
-stored as the step multiplies them: 2-D, so no step reshapes them (on TPU, merging a tiled
-array's axes is a copy),
-
-with B already scaled (lora_alpha / r, or / sqrt(r) for rsLoRA). Loading or unloading an adapter
-writes or zeroes its slot of these arrays (runtime/executor/lora_slots.py): same shapes, no
-compile.
+stored 2-D as the step multiplies them (on TPU, merging a tiled array's axes is a copy), with B
+already scaled (lora_alpha / r, or / sqrt(r) for rsLoRA). Loading or unloading an adapter writes
+or zeroes its slot of these arrays (runtime/executor/lora_slots.py): same shapes, no compile.
 
 The product. Each token's adapter (0: none; slot s holds adapter s + 1) becomes a one-hot mask
 over the slots, and the shrink's columns of the other slots are zeroed before the expand:
@@ -22,13 +19,15 @@ over the slots, and the shrink's columns of the other slots are zeroed before th
     delta = ((x @ a) * mask) @ b            [T, K] -> [T, slots * r] -> [T, N]
 
 All slots are multiplied for every token: 2 T (K + N) slots r flops where a grouped (segmented)
-matmul would do 2 T (K + N) r. At the default 8 slots of rank 16 that is 128 extra columns per
-projection, ~7-14% of the default model's base matmuls (K = 576) and ~3% of an 8B model's; the
-product is dense and needs no sort of the rows, and tensor parallelism shards it as XLA shards
-any dot (a, b sharded like their base weight: the output axis split where the base splits it,
-the input axis where the base's input is split). A step with no adapter row skips the product
-on the CPU (`lax.cond`, free there); on TPU and GPU a conditional is a host sync mid-step, so a
-server with adapters computes it every step.
+matmul would do 2 T (K + N) r. At 4 slots of rank 16 on every module that is 18% of the default
+model's base matmul flops (hidden 576) and ~4% of Llama-3.1-8B's; the product is dense and needs
+no sort of the rows, and tensor parallelism shards it as XLA shards any dot (a, b sharded like
+their base weight: the output axis split where the base splits it, the input axis where the
+base's input is split). A step with no adapter row skips the product on the CPU (`lax.cond`);
+on TPU and GPU a conditional is a host sync mid-step, so a server with adapters computes it in
+every step. What it costs (docs/performance.md, "LoRA adapters"): on 2 CPU cores, the default
+model at 64 rows runs 0.88x the base model's speed without adapter rows and 0.58x with them;
+predicted for Llama-3.1-8B, 0.91x on an H100 and 0.58x on v6e.
 """
 from __future__ import annotations
 
@@ -207,7 +206,6 @@ class LoraBatch:
     layers: list[dict[str, tuple[jax.Array, dict[str, jax.Array]]]]
     mask: jax.Array
     active: jax.Array | None
-
     rank: int
 
     def layer(self, index: int) -> LayerLora:
