@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Optional
 
-from xlaserve.lora_flags import resolve_lora
+from xlaserve.lora_flags import lora_paths_of, resolve_lora
 from xlaserve.speculative_flags import resolve_speculative
 
 # The rest of a field's metadata goes to argparse. "aliases": more option strings (SGLang's and
@@ -418,9 +418,12 @@ class ServerArgs:
                                             if f.metadata.get("secret") and getattr(self, f.name)})
 
     def served(self) -> "ServerArgs":
-        """A copy fit to serve (/get_server_info): redacted, and each path by its name only."""
+        """A copy fit to serve (/get_server_info): redacted, and each path by its name only
+        (--lora-paths as NAME=name of its path)."""
         redacted = self.redacted()
-        return dataclasses.replace(redacted, **{
+        adapters = self.lora_paths and [f"{name}={public_name(path)}" for name, path in
+                                        lora_paths_of(self.lora_paths).items()]
+        return dataclasses.replace(redacted, lora_paths=adapters, **{
             f.name: public_name(getattr(redacted, f.name))
             for f in dataclasses.fields(self) if f.metadata.get("path")})
 

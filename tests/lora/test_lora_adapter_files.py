@@ -121,6 +121,12 @@ def test_lora_flags_take_sglang_and_vllm_forms():
         ServerArgs(lora_paths=["a=/x", "b=/y"], max_loras_per_batch=1)
 
 
+def test_served_arguments_name_adapters_without_their_paths_on_this_disk():
+    args = ServerArgs(lora_paths=["a=/x/y/sql", "/z/poem", "org/hub-adapter"])
+    assert args.served().lora_paths == ["a=sql", "poem=poem", "org/hub-adapter=org/hub-adapter"]
+    assert ServerArgs().served().lora_paths is None
+
+
 def test_vllm_flag_names_reach_the_same_fields():
     import argparse
 
