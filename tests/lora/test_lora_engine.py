@@ -77,6 +77,7 @@ def test_an_adapter_not_loaded_is_refused_not_answered_by_the_base_model(engine)
 def test_load_and_unload_while_serving_without_a_compile(engine, models):
     _, base, paths, merged = models
     compiled = engine.core.runner.compile_count()
+    assert engine.core.runner.lora._compiled is not None  # the slot write: precompiled too
     results = {}
 
     def traffic():
