@@ -29,10 +29,9 @@ def lora_paths_of(entries: list[str] | None) -> dict[str, str]:
                 item = json.loads(entry)
             except json.JSONDecodeError as err:
                 raise ValueError(f"--lora-paths {entry!r}: not JSON ({err})") from None
+            # SGLang's "pinned" asks nothing more: every adapter stays in its slot until unloaded
             name = item.get("lora_name", item.get("name"))
             path = item.get("lora_path", item.get("path"))
-            if item.get("pinned") is False:
-                pass  # every adapter here stays in its slot until unloaded: pinned or not
         elif "=" in entry:
             name, path = entry.split("=", 1)
         else:  # named by its last folder: a path on this disk is nothing a client sees

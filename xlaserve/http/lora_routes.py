@@ -16,7 +16,7 @@ from xlaserve.http.protocol import LoadLoraRequest, UnloadLoraRequest
 from xlaserve.http.request_fields import parse_body
 from xlaserve.http.serving import ServingContext
 from xlaserve.lora_flags import check_adapter_name
-from xlaserve.runtime.engine.lora_adapters import UnknownAdapter
+from xlaserve.runtime.engine.lora_adapters import NO_ADAPTERS, UnknownAdapter
 from xlaserve.weights.lora_adapter import LoraAdapterError
 
 router = APIRouter()
@@ -31,7 +31,7 @@ async def _body(request: Request, model):
     ctx = _ctx(request)
     req = parse_body(await request.body(), model, ctx.request_fields)
     if ctx.core.lora is None:
-        raise bad_request("this server serves no LoRA adapters (start it with --enable-lora)")
+        raise bad_request(NO_ADAPTERS)
     return ctx, req
 
 

@@ -44,7 +44,7 @@ from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, Choice, En
 from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import InvalidGrammar
 from xlaserve.runtime.engine.core import EngineCore, QueueFull
-from xlaserve.runtime.engine.lora_adapters import UnknownAdapter
+from xlaserve.runtime.engine.lora_adapters import NO_ADAPTERS, UnknownAdapter
 from xlaserve.runtime.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
                                       token_id)
 from xlaserve.runtime.scheduler.request import RequestTooLong
@@ -158,13 +158,17 @@ class ServingContext:
     def check_adapter(self, name: str) -> None:
         lora = self.core.lora
         if lora is None:
-            raise bad_request(f"lora_path {name[:64]!r}: this server serves no LoRA adapters "
-                              "(start it with --enable-lora)", "lora_path", code="lora_not_found")
+            raise adapter_not_found(f"lora_path {name[:64]!r}: {NO_ADAPTERS}")
         try:
             with lora.lock:
                 lora.resolve(name)
         except UnknownAdapter as error:
-            raise bad_request(str(error), "lora_path", code="lora_not_found") from None
+            raise adapter_not_found(str(error)) from None
+
+
+def adapter_not_found(message: str) -> APIError:
+    """The 400 of a lora_path that names no adapter this server serves."""
+    return bad_request(message, "lora_path", code="lora_not_found")
 
 
 def sampling_params(ctx: ServingContext, req: SamplingFields, max_tokens: int | None,
@@ -329,7 +333,7 @@ class Generation:
             raise bad_request(str(error), param_prefix + error.param) from None
         except UnknownAdapter as error:  # unloaded since the route's check
             self.group.abort()
-            raise bad_request(str(error), "lora_path", code="lora_not_found") from None
+            raise adapter_not_found(str(error)) from None
         except ValueError as error:
             self.group.abort()
             raise bad_request(str(error)) from None

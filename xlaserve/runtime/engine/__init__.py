@@ -9,7 +9,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "sglang_output": "async_requests",
     "EngineCore": "core", "QueueFull": "core",
     "make_engine_core": "data_parallel",
-    "UnknownAdapter": "lora_adapters",
+    "UnknownAdapter": "lora_adapters", "NO_ADAPTERS": "lora_adapters",
     "OutputDelta": "messages",
 }
 __all__ = list(_MODULE_OF)

@@ -21,25 +21,20 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from xlaserve.lora_flags import (DEFAULT_MAX_RANK, TARGET_MODULES, lora_paths_of,
-                                 target_modules_of)
+from xlaserve.lora_flags import lora_paths_of
 from xlaserve.model.lora import LoraSpec, check_model
+from xlaserve.runtime.executor.lora_slots import slots_for
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError, load_adapter
 
 logger = logging.getLogger(__name__)
+NO_ADAPTERS = "this server serves no LoRA adapters (start it with --enable-lora)"
 
 
 def lora_setup(args, config) -> tuple[LoraSpec, list[LoraAdapter]]:
-    """The slots' shapes and the adapters of --lora-paths, read: the rank is --max-lora-rank or
-    the largest adapter's (16 without any), the targets --lora-target-modules or the adapters'
-    (all seven without any)."""
+    """The slots' shapes (lora_slots.slots_for) and the adapters of --lora-paths, read."""
     adapters = [load_adapter(name, path, config)
                 for name, path in lora_paths_of(args.lora_paths).items()]
-    rank = args.max_lora_rank or max([a.rank for a in adapters], default=DEFAULT_MAX_RANK)
-    targeted = {m for a in adapters for m in a.target_modules}
-    targets = (target_modules_of(args.lora_target_modules)
-               or tuple(m for m in TARGET_MODULES if m in targeted) or TARGET_MODULES)
-    spec = LoraSpec(args.max_loras_per_batch, rank, targets)
+    spec = slots_for(args, adapters)
     check_model(config, spec)
     logger.info("LoRA: %d slots of rank %d on %s; %d adapters at start", spec.max_loras,
                 spec.max_rank, ", ".join(spec.target_modules), len(adapters))
@@ -60,8 +55,6 @@ class LoadedAdapter:
     path: str
     slot: int  # its device slot; requests carry slot + 1
     key: int  # its prefix-cache namespace, unique per load
-    rank: int
-    target_modules: tuple[str, ...]
     unloading: bool = False
 
 
@@ -99,11 +92,9 @@ class LoraAdapters:
 
     def install(self, adapter: LoraAdapter) -> LoadedAdapter:
         """An adapter read at start-up, written into its slot before the loop runs."""
-        self.runner.lora.check(adapter)
-        if adapter.name in self.loaded:
-            raise LoraAdapterError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        adapter, slot = self._claim(adapter.name, lambda: adapter)
         done: Future = Future()
-        self.take(LoadLora(adapter.name, adapter, self._free_slots.pop(), done), None)
+        self.take(LoadLora(adapter.name, adapter, slot, done), None)
         return done.result()
 
     # --- any thread ------------------------------------------------------------------------
@@ -112,8 +103,7 @@ class LoraAdapters:
     def serving(adapters: "LoraAdapters | None") -> "LoraAdapters":
         """`adapters`, or the refusal of a server without them."""
         if adapters is None:
-            raise LoraAdapterError("this server serves no LoRA adapters (start it with "
-                                   "--enable-lora)")
+            raise LoraAdapterError(NO_ADAPTERS)
         return adapters
 
     @staticmethod
@@ -121,8 +111,7 @@ class LoraAdapters:
         """Sets `request`'s adapter `name` and `put`s it in the inbox under the lock, ahead of
         any unload of it (module docstring); UnknownAdapter where it is not loaded."""
         if adapters is None:
-            raise UnknownAdapter(name, f"lora_path {name!r}: this server serves no LoRA "
-                                       "adapters (start it with --enable-lora)")
+            raise UnknownAdapter(name, f"lora_path {name!r}: {NO_ADAPTERS}")
         with adapters.lock:
             adapter = adapters.resolve(name)
             request.lora_slot, request.lora_key = adapter.slot + 1, adapter.key
@@ -131,7 +120,7 @@ class LoraAdapters:
     def load(self, name: str, path: str) -> LoadedAdapter:
         """Reads a PEFT adapter and serves it as `name` once the loop has written its slot
         between two steps; LoraAdapterError naming what cannot load."""
-        adapter, slot = self.read(name, path, self.model_config)
+        adapter, slot = self._claim(name, lambda: load_adapter(name, path, self.model_config))
         return self._wait(LoadLora(name, adapter, slot, Future()))
 
     def unload(self, name: str) -> LoadedAdapter:
@@ -151,9 +140,10 @@ class LoraAdapters:
             raise UnknownAdapter(name, f"LoRA adapter {name!r} is being unloaded")
         return adapter
 
-    def read(self, name: str, path: str, model_config) -> tuple[LoraAdapter, int]:
-        """Reads adapter `name` from `path` and reserves it a slot: (adapter, slot). Raises
-        LoraAdapterError for a name in use, no free slot or an adapter the slots cannot hold."""
+    def _claim(self, name: str, make) -> tuple[LoraAdapter, int]:
+        """Reserves `name`, makes its adapter (`make()`: read from its files, or given) and takes
+        it a free slot: (adapter, slot). Raises LoraAdapterError for a name in use, no free slot
+        or an adapter the slots cannot hold."""
         with self.lock:
             if name in self.loaded or name in self._loading:
                 raise LoraAdapterError(f"a LoRA adapter named {name!r} is already loaded")
@@ -163,7 +153,7 @@ class LoraAdapters:
                     f"--max-loras-per-batch): unload one first")
             self._loading.add(name)
         try:
-            adapter = load_adapter(name, path, model_config)
+            adapter = make()
             self.runner.lora.check(adapter)
         except BaseException:
             with self.lock:
@@ -200,8 +190,7 @@ class LoraAdapters:
             with self.lock:
                 self._loading.discard(message.name)
                 self.loaded[message.name] = LoadedAdapter(
-                    message.name, adapter.path, message.slot, next(self._keys), adapter.rank,
-                    adapter.target_modules)
+                    message.name, adapter.path, message.slot, next(self._keys))
             logger.info("LoRA adapter %s loaded: slot %d, rank %d, %s (%.1f MB)", message.name,
                         message.slot, adapter.rank, ", ".join(adapter.target_modules),
                         adapter.nbytes / 2**20)

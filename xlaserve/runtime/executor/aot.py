@@ -30,7 +30,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.lora_flags import DEFAULT_MAX_RANK, TARGET_MODULES, target_modules_of
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.lora import LoraSpec
 from xlaserve.weights.draft_head import draft_head_builder, hf_config_of
@@ -44,7 +43,7 @@ from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs
 from xlaserve.runtime.executor.forward_batch import (sample_rows_for, serving_buckets,
                                                      with_page_size)
 from xlaserve.runtime.executor.kernels import kernels_for
-from xlaserve.runtime.executor.lora_slots import abstract_slot_args
+from xlaserve.runtime.executor.lora_slots import abstract_slot_args, slots_for
 from xlaserve.runtime.executor.step_program import LoraArgs, idle_vectors, make_step
 from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, leaf_names,
                                                   weight_args, weight_formats)
@@ -217,13 +216,9 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
 
 
 def lora_spec(server_args: ServerArgs) -> LoraSpec | None:
-    """The LoRA slots a server with `server_args` would have without reading adapters:
-    --max-lora-rank (default 16) on --lora-target-modules (default all)."""
-    if not server_args.enable_lora:
-        return None
-    return LoraSpec(server_args.max_loras_per_batch,
-                    server_args.max_lora_rank or DEFAULT_MAX_RANK,
-                    target_modules_of(server_args.lora_target_modules) or TARGET_MODULES)
+    """The LoRA slots a server with `server_args` would have without reading adapters
+    (lora_slots.slots_for: rank 16 and all modules unless the flags say)."""
+    return slots_for(server_args) if server_args.enable_lora else None
 
 
 def server_step(target: str, server_args: ServerArgs,

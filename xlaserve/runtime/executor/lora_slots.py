@@ -15,9 +15,21 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.lora_flags import DEFAULT_MAX_RANK, TARGET_MODULES, target_modules_of
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.lora import LoraSpec, slot_shapes
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError
+
+
+def slots_for(args, adapters=()) -> LoraSpec:
+    """The slots a server with ServerArgs `args` makes for its start-up `adapters`
+    (weights/lora_adapter.LoraAdapter): --max-lora-rank, or the adapters' largest rank (16
+    without any); --lora-target-modules, or the modules they target (all seven without any)."""
+    rank = args.max_lora_rank or max([a.rank for a in adapters], default=DEFAULT_MAX_RANK)
+    targeted = {m for a in adapters for m in a.target_modules}
+    targets = (target_modules_of(args.lora_target_modules)
+               or tuple(m for m in TARGET_MODULES if m in targeted) or TARGET_MODULES)
+    return LoraSpec(args.max_loras_per_batch, rank, targets)
 
 
 def abstract_slot_args(spec: LoraSpec, config: ModelConfig, dtype, mesh,
@@ -33,7 +45,6 @@ def abstract_slot_args(spec: LoraSpec, config: ModelConfig, dtype, mesh,
 class LoraSlots:
     def __init__(self, spec: LoraSpec, config: ModelConfig, dtype, mesh, num_request_slots: int):
         self.spec = spec
-        self.config = config
         self.dtype = jnp.dtype(dtype)
         self.shapes = slot_shapes(config, spec)
         shardings = [NamedSharding(mesh, part) for _, _, part in self.shapes]
@@ -90,13 +101,12 @@ class LoraSlots:
     def _slot_values(self, adapter: LoraAdapter | None) -> list[np.ndarray]:
         """One slot's part of every slot array, on the host: the adapter's matrices with their
         rank padded to max_rank (zeros add nothing), zeros where it has none."""
-        rank = self.spec.max_rank
+        rank, slots = self.spec.max_rank, self.spec.max_loras
         projections = self.spec.projections()
         values = []
         for name, shape, _ in self.shapes:
             _, layer, part, kind = name.split(".")
             layer = int(layer)
-            slots = self.spec.max_loras
             if kind == "a":  # [K, modules * rank] of the slot
                 value = np.zeros((shape[0], shape[1] // slots), np.float32)
                 for j, module in enumerate(projections[part]):
