@@ -81,6 +81,8 @@ PLANS = {
         # fit the buckets the decode runs compile (8 and 256 tokens), so no program more.
         verify_batches=[1, 32], verify_tokens=5,
         offline=dict(num_prompts=512, input_len=(32, 64), output_len=128),
+        # --lora: 4 slots of rank 16 on every module, as predict_accelerators.py --lora 16,4.
+        lora=dict(slots=4, rank=16),
         server_timeout_s=300, time_budget_s=540,  # the device machine stops a command at 600 s
         # Seconds each step may take before it skips what it has left (a model: its own name).
         # The first H200 run (2026-11-26) took 106 s for Qwen2.5-0.5B, 112 s for Llama-3.1-8B
@@ -95,7 +97,11 @@ PLANS = {
         # The third H200 run (2026-11-27) took 155 s for Llama-3.1-8B (cold start 146 s).
         budgets={"llama-3.1-8b": 180, "qwen3-30b-a3b@8": 180, "attention_correctness": 35,
                  "latent_attention_correctness": 15, "attention_timing": 15, "moe_layer": 20,
-                 "warm_start": 35, "server": 60}),
+                 "warm_start": 35, "server": 60,
+                 # --lora's engine: a second cold start of the first model (~150 s on an H200)
+                 # and 6 decode-step figures; past the default 540 s with both models, so
+                 # --lora goes with one (--model-configs llama-3.1-8b).
+                 "lora": 200}),
     "quick": dict(
         attention_heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16),
         ragged_heads=dict(num_q_heads=6, num_kv_heads=2, head_dim=32, page_size=16),
@@ -108,6 +114,7 @@ PLANS = {
         models=["tiny"], batches=[1, 8], input_len=8, short=4, long=12, max_running=8,
         verify_batches=[1], verify_tokens=5,
         context=64, max_prefill=64, offline=dict(num_prompts=16, input_len=(8, 16), output_len=8),
+        lora=dict(slots=2, rank=4),
         server_timeout_s=150, time_budget_s=None, budgets={}),
 }
 
@@ -206,12 +213,59 @@ def check_server(model_path: str, timeout_s: float, flags: list[str] | None = No
     return {"model": model_path, **lib.server_check(model_path, timeout_s=timeout_s, flags=flags)}
 
 
-def model_bench(plan: dict, model_path: str, hbm_gbps: float) -> lib.ModelBench:
+def model_bench(plan: dict, model_path: str, hbm_gbps: float, **options) -> lib.ModelBench:
     """The plan's engine of a model: the same flags for every start, so a second one loads the
-    steps the first stored in the executable cache."""
+    steps the first stored in the executable cache. `options`: more Engine arguments."""
     return lib.ModelBench(model_path, hbm_gbps=hbm_gbps, max_running=plan["max_running"],
                           context_length=plan["context"], max_prefill_tokens=plan["max_prefill"],
-                          token_buckets=plan["batches"])
+                          token_buckets=plan["batches"], **options)
+
+
+def benchmark_lora(plan: dict, model_path: str, hbm_gbps: float, base: dict, scratch: str,
+                   out_of_time=lambda: False) -> dict:
+    """The model served with --enable-lora (issue 53): the plan's slots of its rank on every
+    module, filled with random PEFT adapters written here (bench_lora.write_adapter: what is
+    timed is what the slots and their product cost, not what an adapter says). Decode steps of
+    rows with no adapter (the slots' cost alone) and of rows spread over every adapter, each
+    beside the model's own step without LoRA at that batch (`base`: its results, measured just
+    before in this process)."""
+    from bench_lora import write_adapter
+    from xlaserve.weights.loader import read_config
+
+    slots, rank = plan["lora"]["slots"], plan["lora"]["rank"]
+    config, _ = read_config(model_path, "dummy")
+    names = [f"adapter{i}" for i in range(slots)]
+    paths = [write_adapter(os.path.join(scratch, "lora", name), config, rank, seed)
+             for seed, name in enumerate(names)]
+    base_ms = {d["batch"]: d["step_ms"] for d in base.get("decode", []) if "step_ms" in d}
+    bench = model_bench(plan, model_path, hbm_gbps, max_loras_per_batch=slots,
+                        max_lora_rank=rank, lora_target_modules=["all"],
+                        lora_paths=[f"{name}={path}" for name, path in zip(names, paths)])
+    try:
+        result = {"model": os.path.basename(model_path.rstrip("/")), "slots": slots, "rank": rank,
+                  "startup_s": bench.startup_s,
+                  "slot_bytes": bench.engine.core.runner.lora.nbytes, "decode": []}
+        bench.generate_seconds(bench.prompts(2, 8, 8), 4, names[:2])  # warm the whole path
+        for batch in plan["batches"]:
+            for active in (0, slots):
+                if out_of_time():
+                    result["decode"].append({"batch": batch, "adapters": active,
+                                             "skipped": "the step's time budget is spent"})
+                    continue
+                try:
+                    step = bench.decode_step(batch, plan["input_len"], plan["short"],
+                                             plan["long"], adapters=names[:active])
+                    step.update(adapters=active, base_step_ms=base_ms.get(batch))
+                    if batch in base_ms:
+                        step["vs_base"] = base_ms[batch] / step["step_ms"]
+                    print(f"  LoRA, {active} adapters, batch {batch}: {report.step_text(step)}"
+                          f"{report.vs_base_text(step)}", flush=True)
+                except Exception as error:
+                    step = {"batch": batch, "adapters": active, "error": _describe(error)}
+                result["decode"].append(step)
+        return result
+    finally:
+        bench.close()
 
 
 def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, result: dict,
@@ -347,6 +401,10 @@ def run_steps(run: Run, plan: dict, args, tiny_dir: str) -> None:
         partial = run.results["models"][name] = {}
         run.step(name, benchmark_model, plan, name, path, hbm, partial, run.save,
                  into=run.results["models"])
+    if args.lora and models:
+        first = os.path.basename(models[0].rstrip("/"))
+        run.step("lora", benchmark_lora, plan, models[0], hbm,
+                 run.results["models"].get(first, {}), tiny_dir)
     run.step("attention_correctness", check_attention, plan)
     run.step("latent_attention_correctness", functools.partial(check_attention, latent=True), plan)
     run.step("attention_timing", time_attention, plan, hbm)
@@ -367,6 +425,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CPU-sized everything (the test's mode)")
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--lora", action="store_true",
+                        help="also time the first model served with LoRA adapter slots (issue "
+                             "53): a second cold start, ~200 s on an H200, so with one model")
     parser.add_argument("--model-configs", nargs="+", default=None, metavar="NAME_OR_DIR",
                         help="folders of benchmarks/configs or paths to config.json folders "
                              "(default: qwen2.5-0.5b llama-3.1-8b; --quick: a 2-layer model)")

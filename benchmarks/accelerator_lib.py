@@ -252,6 +252,9 @@ class ModelBench:
         loaded = self.engine.core.loaded
         self.config, self.dtype = loaded.config, loaded.dtype
         self.weight_bytes = weight_bytes_read_per_step(loaded)
+        lora = self.engine.core.runner.lora
+        if lora is not None:  # every slot's A and B: the masked product reads them all each step
+            self.weight_bytes += lora.nbytes
         self.bad_ids = {loaded.config.bos_token_id, *loaded.config.eos_token_ids}
 
     def prompts(self, count: int, low: int, high: int) -> list[list[int]]:
@@ -261,10 +264,11 @@ class ModelBench:
                          for t in self.rng.integers(3, self.config.vocab_size, n)]
         return [ids(n) for n in lengths]
 
-    def generate_seconds(self, prompts, output_len: int) -> float:
+    def generate_seconds(self, prompts, output_len: int, lora_path=None) -> float:
         params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
         start = time.perf_counter()
-        outputs = self.engine.generate(input_ids=prompts, sampling_params=params)
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=params,
+                                       lora_path=lora_path)
         seconds = time.perf_counter() - start
         made = sum(len(o["output_ids"]) for o in outputs)
         if made != output_len * len(prompts):
@@ -280,9 +284,13 @@ class ModelBench:
         nbytes = self.weight_bytes + int(batch * context * token_bytes)
         return nbytes / (self.hbm_gbps * 1e9), nbytes
 
-    def decode_step(self, batch: int, input_len: int, short: int, long: int) -> dict:
-        t_short = self.generate_seconds(self.prompts(batch, input_len, input_len), short)
-        t_long = self.generate_seconds(self.prompts(batch, input_len, input_len), long)
+    def decode_step(self, batch: int, input_len: int, short: int, long: int,
+                    adapters: list[str] = ()) -> dict:
+        """`adapters`: LoRA adapters' names, the rows spread over them in turn (none: the base
+        model's rows)."""
+        lora = [adapters[i % len(adapters)] for i in range(batch)] if adapters else None
+        t_short = self.generate_seconds(self.prompts(batch, input_len, input_len), short, lora)
+        t_long = self.generate_seconds(self.prompts(batch, input_len, input_len), long, lora)
         step = max(t_long - t_short, 1e-9) / (long - short)
         floor, nbytes = self.floor_step_s(batch, input_len + (short + long) / 2)
         return {"batch": batch, "step_ms": step * 1e3, "floor_ms": floor * 1e3,

@@ -36,6 +36,13 @@ def step_text(step: dict) -> str:
             f"({100 * step['of_roofline']:.0f}% of roofline), {step['tok_s']:.0f} tok/s")
 
 
+def vs_base_text(step: dict) -> str:
+    """A LoRA step against the model's own step without LoRA, where it was measured."""
+    if step.get("vs_base") is None:
+        return ""
+    return f"; without LoRA {step['base_step_ms']:.2f} ms ({step['vs_base']:.2f}x)"
+
+
 def summary_rows(results: dict) -> list[tuple[str, str, str, str]]:
     """(section, item, figure, status) for each figure and check of a run's results."""
     rows = []
@@ -61,6 +68,18 @@ def summary_rows(results: dict) -> list[tuple[str, str, str, str]]:
             f" ms; error {row['relative_error']:.1e}")
         rows.append(("moe layer", f"{row['model']} {row['tokens']} tokens {row['projection']}",
                      figure, status(row)))
+    lora = results.get("lora", {})
+    for step in lora.get("decode", []):
+        figure = step.get("error") or step.get("skipped") or (step_text(step) + vs_base_text(step))
+        rows.append(("lora decode step", f"{lora['model']} {step['adapters']} of {lora['slots']}"
+                     f" adapters, batch {step['batch']}", figure, status(step)))
+    if "startup_s" in lora:
+        rows.append(("start-up", f"{lora['model']} {lora['slots']} LoRA slots of rank "
+                     f"{lora['rank']}, cold",
+                     f"{lora['startup_s']:.1f} s", ""))
+    for key in ("error", "skipped"):
+        if key in lora:
+            rows.append(("lora", "", str(lora[key]), status(lora)))
     warm = results.get("warm_start", {})
     if "startup_s" in warm:
         rows.append(("start-up", f"{warm['model']} warm", f"{warm['startup_s']:.1f} s", ""))

@@ -26,7 +26,7 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
     # server loads the steps the first model's engine stored).
     env = {**os.environ, "XLASERVE_EXECUTABLE_CACHE": "1",
            "XLASERVE_CACHE_DIR": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--lora", "--out", str(out)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -34,7 +34,7 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
     assert results["passed"] and results["failures"] == []
     for section in ("environment", "attention_correctness", "latent_attention_correctness",
                     "bandwidth", "attention_timing", "moe_layer", "warm_start", "server",
-                    "models"):
+                    "models", "lora"):
         assert section in results and "error" not in results[section], section
     assert results["environment"]["backend"] == "cpu"
 
@@ -74,6 +74,16 @@ def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
     [verify] = model["verify"]  # speculative decoding's verified rows, the real program
     assert verify["row_tokens"] == 5 and verify["verify_ms"] > 0 and verify["decode_ms"] > 0
     assert model["offline"]["output_tok_s"] > 0
+    # --lora: the first model again with adapter slots, rows of no adapter and of both adapters,
+    # each beside the model's own step at that batch; the floor counts the slots' bytes.
+    lora = results["lora"]
+    assert (lora["model"], lora["slots"], lora["rank"]) == ("tiny", 2, 4)
+    assert [(d["batch"], d["adapters"]) for d in lora["decode"]] == [(1, 0), (1, 2), (8, 0), (8, 2)]
+    assert all(d["step_ms"] > 0 and d["vs_base"] > 0 for d in lora["decode"])
+    assert lora["slot_bytes"] > 0
+    floors = {d["batch"]: d["floor_ms"] for d in model["decode"]}
+    assert all(d["floor_ms"] > floors[d["batch"]] for d in lora["decode"])
+    assert "| lora decode step | tiny 2 of 2 adapters, batch 8 |" in report
     assert "PASSED" in run.stdout
 
 
