@@ -122,6 +122,11 @@ class Kernels:
     # not as [E, K, 2I]: on TPU the [E, K, 2, I] weight's tiled layout made that view a
     # relayout of the whole weight every step (model/moe.py).
     gate_up_as_groups: bool = False
+    # TPU: a LoRA adapter's product added to a projection's output apart from the matmul (an
+    # optimization barrier): fused into qkv's matmul, it had the v6e step relay 31 of
+    # Llama-3.1-8B's 32 qkv weights out every step (tp 4, 64 rows: 14.4 GB moved against 11.3
+    # apart and 10.0 without LoRA; XLA's cost analysis, docs/performance.md).
+    lora_add_apart: bool = False
     # The experts on a mesh of several devices (`moe.expert_parallel(mesh)`, each device on its
     # own experts and its slice of their width); None: `moe.run_experts` on one device.
     run_experts: Callable | None = None
@@ -157,7 +162,7 @@ def project(x: jax.Array, weight, kernels: Kernels, lora=None, name: str = "") -
     the LM head stay `linear` (float32): they choose experts and tokens."""
     y = linear(x, weight, kernels)
     if lora is not None and (delta := lora.delta(name, x, y.shape[1:])) is not None:
-        y = y + delta
+        y = (jax.lax.optimization_barrier(y) if kernels.lora_add_apart else y) + delta
     return y.astype(matmul_input_dtype(weight)) if kernels.round_projections else y
 
 

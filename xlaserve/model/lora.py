@@ -9,30 +9,41 @@ projection (qkv, gate_up) is multiplied by its modules' A matrices at once, side
     a [K, slots * modules * rank]           one shrink: x @ a
     b [slots * rank, N of the module]       one expand per module, into its part of the output
 
-stored 2-D as the step multiplies them (on TPU, merging a tiled array's axes is a copy), with B
+stored 2-D as the masked form multiplies them (on TPU, merging a tiled array's axes is a copy;
+the grouped form packs each slot's, below), with B
 already scaled (lora_alpha / r, or / sqrt(r) for rsLoRA). Loading or unloading an adapter writes
 or zeroes its slot of these arrays (runtime/executor/lora_slots.py): same shapes, no compile.
 
-The product. Each token's adapter (0: none; slot s holds adapter s + 1) becomes a one-hot mask
-over the slots, and the shrink's columns of the other slots are zeroed before the expand:
+The product, in one of two forms (`LoraSpec.grouped`; ModelRunner picks).
+
+Masked (TPU, GPU, a mesh, or `--matmul-backend xla`): each token's adapter (0: none; slot s
+holds adapter s + 1) becomes a one-hot mask over the slots, and the shrink's columns of the
+other slots are zeroed before the expand:
 
     delta = ((x @ a) * mask) @ b            [T, K] -> [T, slots * r] -> [T, N]
 
-All slots are multiplied for every token: 2 T (K + N) slots r flops where a grouped (segmented)
-matmul would do 2 T (K + N) r. At 4 slots of rank 16 on every module that is 18% of the default
-model's base matmul flops (hidden 576) and ~4% of Llama-3.1-8B's; the product is dense and needs
-no sort of the rows, and tensor parallelism shards it as XLA shards any dot (a, b sharded like
-their base weight: the output axis split where the base splits it, the input axis where the
-base's input is split). A step with no adapter row skips the product on the CPU (`lax.cond`);
-on TPU and GPU a conditional is a host sync mid-step, so a server with adapters computes it in
-every step. What it costs (docs/performance.md, "LoRA adapters"): on 2 CPU cores, the default
-model at 64 rows runs 0.88x the base model's speed without adapter rows and 0.58x with them;
-predicted for Llama-3.1-8B, 0.91x on an H100 and 0.58x on v6e.
+All slots are multiplied for every token (2 T (K + N) slots r flops), dense, with no sort of the
+rows, and tensor parallelism shards it as XLA shards any dot (a, b sharded like their base
+weight: the output axis split where the base splits it, the input axis where the base's input
+is split). On TPU the delta is added apart from the base matmul (`Kernels.lora_add_apart`).
+
+Grouped (a single CPU device with the native GEMM): the rows sorted by adapter once a step
+(`Grouping`), each group times its own slot's a and b through the native grouped GEMM over
+packed slots, rows of no adapter past the groups (zeros), sorted back: 2 T (K + N) r flops, a
+slot nobody uses never read. The slots are stored packed (`gemm_cpu.pack_columns` per slot).
+
+A step with no adapter row skips the product on the CPU (`lax.cond`); on TPU and GPU a
+conditional is a host sync mid-step, so a server with adapters computes it in every step. What
+it costs (docs/performance.md, "LoRA adapters"): on 2 CPU cores, the default model at 64
+requests runs 0.82x the base model's tokens/s with adapter rows in the grouped form (0.62x in
+the masked form, side by side); predicted for Llama-3.1-8B at 64 rows, 0.92x on an H100 and
+0.63x on v6e.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.lora_flags import TARGET_MODULES
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.sharding import TP
+from xlaserve.native import gemm_cpu
 
 # Each fused projection of our layout and the PEFT target modules it holds, in order.
 PROJECTIONS = {
@@ -70,6 +82,9 @@ class LoraSpec:
     max_loras: int  # slots: adapters one batch (and the server) holds at once
     max_rank: int  # every adapter's rank padded to this
     target_modules: tuple[str, ...]  # of TARGET_MODULES, in its order
+    # The grouped form (a single CPU device with the native GEMM; ModelRunner decides): slots
+    # stored as the native GEMM's panels, each row multiplied by its own adapter's matrices only.
+    grouped: bool = False
 
     def __post_init__(self):
         unknown = set(self.target_modules) - set(TARGET_MODULES)
@@ -118,25 +133,41 @@ def check_model(config: ModelConfig, spec: LoraSpec) -> None:
 def slot_shapes(config: ModelConfig, spec: LoraSpec) -> list[tuple[str, tuple, P]]:
     """(name, shape, partition spec) of every slot array, in the order the step takes them:
     per layer, per projection, its a then its modules' b; names "layers.{i}.{projection}.a" and
-    "layers.{i}.{module}.b"."""
+    "layers.{i}.{module}.b". Grouped: slot s's a [K, modules * rank] and b [rank, N] each packed
+    as the native GEMM packs a weight (`gemm_cpu.pack_columns`), stacked over the slots."""
     shapes = module_shapes(config)
+    lanes = gemm_cpu.panel_width() if spec.grouped else 0
     out = []
     for layer in range(config.num_layers):
         for projection, modules in spec.projections().items():
-            width = shapes[modules[0]][0]
+            width, columns = shapes[modules[0]][0], len(modules) * spec.max_rank
             out.append((f"layers.{layer}.{projection}.a",
-                        (width, spec.max_loras * len(modules) * spec.max_rank),
-                        A_SPECS[projection]))
+                        (spec.max_loras, -(-columns // lanes), width, lanes) if spec.grouped
+                        else (width, spec.max_loras * columns),
+                        P() if spec.grouped else A_SPECS[projection]))
             for module in modules:
+                n = math.prod(shapes[module][1])
                 out.append((f"layers.{layer}.{module}.b",
-                            (spec.max_loras * spec.max_rank, math.prod(shapes[module][1])),
-                            B_SPECS[module]))
+                            (spec.max_loras, -(-n // lanes), spec.max_rank, lanes) if spec.grouped
+                            else (spec.max_loras * spec.max_rank, n),
+                            P() if spec.grouped else B_SPECS[module]))
     return out
 
 
 def scaling(rank: int, alpha: float, use_rslora: bool) -> float:
     """PEFT's scale of B @ A: alpha / r, or alpha / sqrt(r) with rsLoRA."""
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+@dataclasses.dataclass
+class Grouping:
+    """The grouped form's rows: sorted by adapter, rows of none last (past the groups, where the
+    grouped matmul gives zeros)."""
+
+    order: jax.Array  # i32[T]: the sorted rows' original rows
+    inverse: jax.Array  # i32[T]: each original row's place in the sorted order
+    sizes: jax.Array  # i32[slots]: rows of each adapter slot
+    matmul: Callable  # gemm_cpu.packed_grouped_matmul's contract
 
 
 @dataclasses.dataclass
@@ -147,6 +178,7 @@ class LayerLora:
     mask: jax.Array  # [T, slots] 1.0 where the token's adapter is the slot's
     active: jax.Array | None  # bool scalar: some token has an adapter (None: compute anyway)
     rank: int
+    grouping: Grouping | None = None  # the grouped form's (None: the masked form)
 
     def delta(self, projection: str, x: jax.Array, output_axes: tuple[int, ...]) -> jax.Array | None:
         """float32 [T, *output_axes]: what the rows' adapters add to the projection of x; None
@@ -156,6 +188,9 @@ class LayerLora:
         a, bs = self.projections[projection]
 
         def compute():
+            if self.grouping is not None:
+                return _grouped_delta(x, a, bs, self.grouping, projection, output_axes,
+                                      self.rank)
             return _projection_delta(x, a, bs, self.mask, projection, output_axes, self.rank)
 
         if self.active is None:
@@ -183,6 +218,31 @@ def _projection_delta(x, a, bs, mask, projection, output_axes, rank):
     return _assemble(projection, parts, tokens, output_axes)
 
 
+def _grouped_delta(x, a, bs, grouping, projection, output_axes, rank):
+    """The grouped form: x's rows sorted by adapter, group s times slot s's packed a, then each
+    module's rank columns times its packed b; rows of no adapter come out zero. Each row does
+    its own adapter's flops alone (the masked form does every slot's); sorted back at the end."""
+    g = grouping
+    shrunk = g.matmul(x[g.order], a, g.sizes, len(bs) * rank)  # float32 [T, modules * rank]
+    widths = _module_widths(projection, output_axes)
+    columns = {module: slice(j * rank, (j + 1) * rank) for j, module in enumerate(bs)}
+    parts = [None if module not in bs else
+             g.matmul(shrunk[:, columns[module]], bs[module], g.sizes, widths[module])
+             for module in PROJECTIONS[projection]]
+    return _assemble(projection, parts, x.shape[0], output_axes)[g.inverse]
+
+
+def _module_widths(projection, output_axes) -> dict[str, int]:
+    """Each module's N in the fused projection's output axes."""
+    if projection in ("o_proj", "down"):
+        return {PROJECTIONS[projection][0]: math.prod(output_axes)}
+    if projection == "gate_up":
+        return {"gate_proj": output_axes[-1], "up_proj": output_axes[-1]}
+    kv_heads, width, head_dim = output_axes
+    return {"q_proj": kv_heads * (width - 2) * head_dim, "k_proj": kv_heads * head_dim,
+            "v_proj": kv_heads * head_dim}
+
+
 def _assemble(projection, parts, tokens, output_axes):
     """The modules' products in the fused projection's output layout (zeros for the untargeted)."""
     if projection in ("o_proj", "down"):
@@ -207,20 +267,29 @@ class LoraBatch:
     mask: jax.Array
     active: jax.Array | None
     rank: int
+    grouping: Grouping | None = None
 
     def layer(self, index: int) -> LayerLora:
-        return LayerLora(self.layers[index], self.mask, self.active, self.rank)
+        return LayerLora(self.layers[index], self.mask, self.active, self.rank, self.grouping)
 
 
 def lora_batch(spec: LoraSpec, num_layers: int, arrays: list[jax.Array],
                slot_adapters: jax.Array, token_slots: jax.Array, *, skip_idle: bool,
-               dtype) -> LoraBatch:
+               dtype, grouped_matmul: Callable | None = None) -> LoraBatch:
     """The step's LoraBatch from `slot_arrays`' arrays in `slot_shapes` order, each request
     slot's adapter (`slot_adapters` i32[request slots], 0: none) and each token's request slot.
     `skip_idle`: the product runs under a conditional on whether any token has an adapter (the
-    CPU's programs)."""
+    CPU's programs). `grouped_matmul`: the grouped form's (`spec.grouped`) packed grouped matmul."""
     adapters = slot_adapters[token_slots]  # i32[T]; 0: none, s + 1: slot s
     mask = jax.nn.one_hot(adapters - 1, spec.max_loras, dtype=dtype)  # -1: a row of zeros
+    grouping = None
+    if spec.grouped:
+        if grouped_matmul is None:
+            raise ValueError("grouped LoRA slots need the native grouped GEMM")
+        order = jnp.argsort(jnp.where(adapters > 0, adapters, spec.max_loras + 1), stable=True)
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        sizes = jnp.bincount(adapters, length=spec.max_loras + 1)[1:].astype(jnp.int32)
+        grouping = Grouping(order, inverse, sizes, grouped_matmul)
     layers, at = [], 0
     for _ in range(num_layers):
         layer = {}
@@ -230,7 +299,8 @@ def lora_batch(spec: LoraSpec, num_layers: int, arrays: list[jax.Array],
             at += 1 + len(modules)
             layer[projection] = (a, bs)
         layers.append(layer)
-    return LoraBatch(layers, mask, jnp.any(adapters > 0) if skip_idle else None, spec.max_rank)
+    return LoraBatch(layers, mask, jnp.any(adapters > 0) if skip_idle else None, spec.max_rank,
+                     grouping)
 
 
 def token_request_slots(cu_q_lens: jax.Array, slots: jax.Array, num_tokens: int) -> jax.Array:

@@ -193,7 +193,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     caches = kv_pool_specs(config, num_pages, page_size, dtype, mesh, pool)
     kv_sharding = [cache.sharding for cache in caches]
     lora_args = None
-    if lora is not None:  # after the model's weights, in their default layouts (as ModelRunner)
+    if lora is not None:  # after the model's weights (as ModelRunner)
         lora_args = LoraArgs(lora, config.num_layers, len(weights))
         weights = weights + abstract_slot_args(lora, config, dtype, mesh, num_slots)
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
@@ -209,8 +209,8 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
             abstract((num_slots, pages_for_tokens(context_length, page_size)), jnp.int32, mesh),
             abstract((num_slots, vocab), jnp.bool_, mesh))
     # With a draft head the weights keep their default layouts (ModelRunner: its draft steps
-    # take the same weights).
-    choosing = steps[1] if draft_head is None and lora is None else None
+    # take the same weights); LoRA slots are chosen with the weights (LoraSlots.adopt).
+    choosing = steps[1] if draft_head is None else None
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
                        choosing, verify_tokens, max_seqs, chain, lora, tree_width)
 

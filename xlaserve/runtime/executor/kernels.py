@@ -89,7 +89,7 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         # step (tests/executor/test_predicted_costs.py's weight copies).
         kernels = dataclasses.replace(kernels, round_projections=True)
     if platform == "tpu":
-        kernels = dataclasses.replace(kernels, gate_up_as_groups=True)
+        kernels = dataclasses.replace(kernels, gate_up_as_groups=True, lora_add_apart=True)
     if platform == "cpu":
         # XLA's CPU ragged_dot multiplies every row by every expert (model/grouped_matmul.py).
         kernels = dataclasses.replace(kernels, grouped_matmul=grouped_matmul_tiled)

@@ -9,6 +9,8 @@ unloading zeroes it. Same shapes, same shardings: no step compiles again.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.lora_flags import DEFAULT_MAX_RANK, TARGET_MODULES, target_modules_of
 from xlaserve.model.config import ModelConfig
-from xlaserve.model.lora import LoraSpec, slot_shapes
+from xlaserve.model.lora import LoraSpec, module_shapes, slot_shapes
+from xlaserve.native import gemm_cpu
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError
 
 
@@ -47,6 +50,8 @@ class LoraSlots:
         self.spec = spec
         self.dtype = jnp.dtype(dtype)
         self.shapes = slot_shapes(config, spec)
+        self.widths = {module: (k, math.prod(axes)) for module, (k, axes) in
+                       module_shapes(config).items()}
         shardings = [NamedSharding(mesh, part) for _, _, part in self.shapes]
         self._replicated = NamedSharding(mesh, P())
         self.arrays = [jax.jit(lambda s=shape: jnp.zeros(s, self.dtype), out_shardings=sharding)()
@@ -57,15 +62,20 @@ class LoraSlots:
         def write(arrays, slot, values):
             out = []
             for (name, _, _), array, value in zip(self.shapes, arrays, values):
-                if name.endswith(".a"):  # [K, slots * columns]: the slot's columns
+                if spec.grouped:  # [slots, panels, K, lanes]: the slot's packed matrix
+                    value = gemm_cpu.pack_columns(value, bf16_pairs=False)[None]
+                    start = (slot, 0, 0, 0)
+                elif name.endswith(".a"):  # [K, slots * columns]: the slot's columns
                     start = (0, slot * value.shape[1])
                 else:  # [slots * rank, N]: the slot's rows
                     start = (slot * value.shape[0], 0)
                 out.append(jax.lax.dynamic_update_slice(array, value, start))
             return out
 
+        self._write_slot = write
         self._write = jax.jit(write, donate_argnums=(0,), out_shardings=shardings)
         self._compiled = None
+        self._adapters_format = self._replicated
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +84,18 @@ class LoraSlots:
     def args(self) -> list[jax.Array]:
         """The step's trailing weight arguments: the slot arrays, then slot_adapters."""
         return [*self.arrays, self.slot_adapters]
+
+    def adopt(self, args: list[jax.Array]) -> None:
+        """The step's slot arguments (`args()`'s order) as the runner now holds them: after
+        precompile stored the weights in the layouts XLA chose (TPU; their old buffers freed),
+        these arrays, and the slot write and slot_adapters' puts in the same layouts, so no
+        step relays a slot out."""
+        *self.arrays, self.slot_adapters = args
+        formats = [a.format for a in self.arrays]
+        self._adapters_format = self.slot_adapters.format
+        self._write = jax.jit(self._write_slot, donate_argnums=(0,),
+                              in_shardings=(formats, None, None), out_shardings=formats)
+        self._compiled = None
 
     def compile(self) -> None:
         """The slot write's program, before serving."""
@@ -101,21 +123,22 @@ class LoraSlots:
     def _slot_values(self, adapter: LoraAdapter | None) -> list[np.ndarray]:
         """One slot's part of every slot array, on the host: the adapter's matrices with their
         rank padded to max_rank (zeros add nothing), zeros where it has none."""
-        rank, slots = self.spec.max_rank, self.spec.max_loras
+        rank = self.spec.max_rank
         projections = self.spec.projections()
         values = []
-        for name, shape, _ in self.shapes:
+        for name, _, _ in self.shapes:
             _, layer, part, kind = name.split(".")
             layer = int(layer)
             if kind == "a":  # [K, modules * rank] of the slot
-                value = np.zeros((shape[0], shape[1] // slots), np.float32)
-                for j, module in enumerate(projections[part]):
+                modules = projections[part]
+                value = np.zeros((self.widths[modules[0]][0], len(modules) * rank), np.float32)
+                for j, module in enumerate(modules):
                     found = adapter and adapter.weights.get((layer, module))
                     if found:
                         a = found[0]
                         value[:, j * rank:j * rank + a.shape[1]] = a
             else:  # [rank, N] of the slot
-                value = np.zeros((rank, shape[1]), np.float32)
+                value = np.zeros((rank, self.widths[part][1]), np.float32)
                 found = adapter and adapter.weights.get((layer, part))
                 if found:
                     b = found[1]
@@ -130,5 +153,5 @@ class LoraSlots:
         self._host_adapters[request_slots] = adapter_slots
         if np.array_equal(before, self._host_adapters):
             return False
-        self.slot_adapters = jax.device_put(self._host_adapters, self._replicated)
+        self.slot_adapters = jax.device_put(self._host_adapters, self._adapters_format)
         return True

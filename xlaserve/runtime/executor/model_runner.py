@@ -202,6 +202,10 @@ class ModelRunner:
             stack_layers=self.mesh.devices.flat[0].platform == "tpu", names=leaf_names(state))
         del leaves, state
         # LoRA slots after the model's arguments (lora_slots.py): weights the step also takes.
+        # With the native GEMM (a single CPU device), the grouped form: each row multiplies its
+        # own adapter's matrices alone (model/lora.py; docs/performance.md has the figures).
+        if lora is not None and kernels.packed_grouped_matmul is not None:
+            lora = dataclasses.replace(lora, grouped=True)
         self.lora = None if lora is None else LoraSlots(lora, self.config, dtype, self.mesh,
                                                         num_slots)
         lora_args = None
@@ -220,11 +224,13 @@ class ModelRunner:
             # TPU only: there the default layouts had each step relay weights out (64 fused
             # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
             # Not with a draft head: its draft steps (draft_head.py) take the same weights, in
-            # the layouts a plain jit takes.
-            # Nor with LoRA slots, which are rewritten while serving in their default layouts.
+            # the layouts a plain jit takes. LoRA slots are chosen with the weights and then
+            # written in their layouts (LoraSlots.adopt): with the default layouts, the v6e
+            # step of Llama-3.1-8B's first 8 layers (tp 4, 64 rows) moved 7.10 GB, 5.76 GB with
+            # XLA's, the base model's 5.17 (docs/performance.md, "LoRA adapters").
             choose_weight_layouts = (self.mesh.devices.flat[0].platform == "tpu"
                                      and replicated.is_fully_addressable
-                                     and self.draft_head_pool is None and lora is None)
+                                     and self.draft_head_pool is None)
         # The step whose weight layouts XLA chooses, until `precompile` has used it.
         self._choosing_step = (make_step(graphdef, state_treedef, weight_layout, kernels,
                                          self.mesh, kv_sharding, auto_formats(self._weight_args),
@@ -490,6 +496,8 @@ class ModelRunner:
             for (shape, needs, tree), program in compile_steps(self, keys, cache, progress,
                                                                threads).items():
                 self._programs[(shape, SAMPLING_WIDTHS, needs, tree)] = program
+            if self.lora is not None:  # the slots as the weights now are (choose_weight_layouts)
+                self.lora.adopt(self._weight_args[-len(self.lora.args()):])
             self._compile_reset_slots()
         self._precompiled = True
 

@@ -174,7 +174,8 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             *arrays, slot_adapters = weights[lora.first:]
             adapters = lora_batch(lora.spec, lora.num_layers, arrays, slot_adapters,
                                   token_request_slots(batch.cu_q_lens, slots, input_ids.shape[0]),
-                                  skip_idle=needs is RUN_TIME, dtype=arrays[0].dtype)
+                                  skip_idle=needs is RUN_TIME, dtype=arrays[0].dtype,
+                                  grouped_matmul=kernels.packed_grouped_matmul)
             hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
                                                     metadata, kernels, rope, lora=adapters)
         elif head is None:
