@@ -204,7 +204,8 @@ class ModelRunner:
         # LoRA slots after the model's arguments (lora_slots.py): weights the step also takes.
         # With the native GEMM (a single CPU device), the grouped form: each row multiplies its
         # own adapter's matrices alone (model/lora.py; docs/performance.md has the figures).
-        if lora is not None and kernels.packed_grouped_matmul is not None:
+        if (lora is not None and kernels.packed_grouped_matmul is not None
+                and np.dtype(dtype).name in ("float32", "bfloat16")):  # the GEMM's panels
             lora = dataclasses.replace(lora, grouped=True)
         self.lora = None if lora is None else LoraSlots(lora, self.config, dtype, self.mesh,
                                                         num_slots)
