@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from tests.embedding_models import HIDDEN, make_tiny_transformer, sentence_transformer
 from xlaserve.weights.pooling import Pooling, PoolingConfigError, read_pooling
 
 pytestmark = pytest.mark.jax_independent  # JSON files and sentence-transformers: no JAX
 
-HIDDEN = 64
 LEGACY = "sentence_transformers.models."
 LEGACY_POOLING = {"word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": False,
                   "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
@@ -36,18 +36,8 @@ def write_legacy(directory, pooling: dict, normalize=True, sentence_bert=None, m
 
 @pytest.fixture(scope="module")
 def tiny_transformer(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    directory = tmp_path_factory.mktemp("tiny_qwen3")
-    config = transformers.Qwen3Config(hidden_size=HIDDEN, intermediate_size=128,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      num_hidden_layers=2, vocab_size=512)
-    transformers.Qwen3Model(config).save_pretrained(directory)
-    vocabulary = {"a": 0, "b": 1, "[UNK]": 2, "[PAD]": 3}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer,
-                                         pad_token="[PAD]").save_pretrained(directory)
-    return str(directory)
+    pytest.importorskip("transformers")
+    return make_tiny_transformer(tmp_path_factory.mktemp("tiny_qwen3"))
 
 
 @pytest.mark.parametrize("mode,ours", [("lasttoken", "last"), ("cls", "cls"), ("mean", "mean")])
@@ -55,11 +45,7 @@ def tiny_transformer(tmp_path_factory):
 def test_what_sentence_transformers_saves_is_read_as_saved(tiny_transformer, tmp_path, mode, ours,
                                                            normalize):
     pytest.importorskip("sentence_transformers")
-    from sentence_transformers import SentenceTransformer, models
-
-    modules = [models.Transformer(tiny_transformer), models.Pooling(HIDDEN, pooling_mode=mode)]
-    SentenceTransformer(modules=modules + ([models.Normalize()] if normalize else [])
-                        ).save(str(tmp_path))
+    sentence_transformer(tiny_transformer, mode, normalize).save(str(tmp_path))
     assert read_pooling(str(tmp_path), HIDDEN) == Pooling(ours, normalize)
 
 

@@ -1,0 +1,33 @@
+"""Tiny embedding models for the tests of issue 54: a random 2-layer Qwen3 (hidden 64) with a
+word-level tokenizer of a few words, and sentence-transformers models made of it."""
+HIDDEN = 64
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+
+
+def make_tiny_transformer(directory) -> str:
+    """A random Qwen3Model and its tokenizer (one id per word of WORDS, no special tokens)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(hidden_size=HIDDEN, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_hidden_layers=2, vocab_size=512)
+    torch.manual_seed(0)
+    transformers.Qwen3Model(config).save_pretrained(directory)
+    vocabulary = {word: i for i, word in enumerate(WORDS + ["[UNK]", "[PAD]"])}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer,
+                                         pad_token="[PAD]").save_pretrained(directory)
+    return str(directory)
+
+
+def sentence_transformer(transformer_dir: str, mode: str, normalize: bool):
+    """A SentenceTransformer of the model in `transformer_dir`, pooling `mode` (its names: cls,
+    mean, lasttoken), normalised or not."""
+    from sentence_transformers import SentenceTransformer, models
+
+    modules = [models.Transformer(transformer_dir), models.Pooling(HIDDEN, pooling_mode=mode)]
+    return SentenceTransformer(modules=modules + ([models.Normalize()] if normalize else []),
+                               device="cpu")
