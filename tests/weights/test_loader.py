@@ -189,3 +189,20 @@ def test_every_process_of_a_server_loads_with_the_same_options_from_its_flags():
     options = server_load_options(ServerArgs(model_path="m", random_seed=7, quantization="int8"))
     assert set(options) == set(inspect.signature(load_model).parameters) - own
     assert (options["model_path"], options["seed"], options["quantization"]) == ("m", 7, "int8")
+
+
+def test_a_backbone_saved_without_the_model_prefix_loads_as_its_causal_lm(tmp_path):
+    """Qwen3-Embedding ships its decoder's tensors as `embed_tokens.weight`, `layers.0...`,
+    `norm.weight` (saved from Qwen3Model) under a Qwen3ForCausalLM config with tied embeddings:
+    the same weights load as from the prefixed checkpoint."""
+    full, backbone = tmp_path / "full", tmp_path / "backbone"
+    make_tiny_checkpoint(str(full), "qwen3", tie_word_embeddings=True)
+    shutil.copytree(full, backbone)
+    [weights_file] = backbone.glob("*.safetensors")
+    tensors = load_file(str(weights_file))
+    assert "lm_head.weight" not in tensors and "model.norm.weight" in tensors
+    save_file({name.removeprefix("model."): t for name, t in tensors.items()}, str(weights_file))
+    expected, loaded = _params(_load(full)), _params(_load(backbone))
+    assert expected.keys() == loaded.keys()
+    for path, value in expected.items():
+        np.testing.assert_array_equal(loaded[path], value, err_msg=str(path))

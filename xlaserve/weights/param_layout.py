@@ -75,6 +75,33 @@ class SafetensorsSource:
         return data[start:end].view(dtype).reshape(info["shape"])
 
 
+class BackboneNames:
+    """A checkpoint of the decoder alone, saved without the `model.` prefix (Qwen3-Embedding's
+    files, a sentence-transformers save: `embed_tokens.weight`, `layers.0...`, `norm.weight`),
+    its tensors named as a causal LM's (`model.embed_tokens.weight`, ...); an LM head it lacks
+    stays missing, for the config to decide (tied: none needed)."""
+
+    def __init__(self, source: TensorSource):
+        self.source = source
+        self._names = {"model." + n if not n.startswith("lm_head.") else n: n
+                       for n in source.names()}
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.source.get(self._names[name])
+
+
+def with_decoder_names(source: TensorSource) -> TensorSource:
+    """`source`, or its tensors under a causal LM's names where it holds a backbone saved without
+    the `model.` prefix (BackboneNames)."""
+    names = source.names()
+    if "model.embed_tokens.weight" not in names and "embed_tokens.weight" in names:
+        return BackboneNames(source)
+    return source
+
+
 def _fetch(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The float tensor `name` of `shape`; a missing, misshapen or non-float one raises.
     (Quantized tensors reach here dequantized by the source: quantization.dequantizing_source.)"""
