@@ -62,3 +62,47 @@ def test_pooled_hidden_states_equal_sentence_transformers_encode(tmp_path, mode,
     assert not np.allclose(np.asarray(pool_sequences(jnp.asarray(np.concatenate(rows)), cu_q_lens,
                                                      "mean" if ours != "mean" else "last", True)),
                            expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode,ours", [("lasttoken", "last"), ("mean", "mean")])
+def test_a_sentence_transformers_checkpoint_embeds_as_sentence_transformers(tmp_path, mode, ours):
+    """A decoder embedding model as Qwen3-Embedding ships (sentence-transformers' save of the
+    backbone alone, no `model.` prefix, under a Qwen3ForCausalLM config with tied embeddings):
+    loaded by xlaserve, its hidden states through the final norm and pooled
+    (CausalLM.embeddings) equal sentence-transformers' `encode`."""
+    pytest.importorskip("sentence_transformers")
+    import json
+
+    import jax
+    from flax import nnx
+
+    from tests.greedy_driver import PagedBatch
+    from xlaserve.runtime.executor.kernels import kernels_for
+    from xlaserve.runtime.executor.kv_pool import init_kv_pool
+    from xlaserve.weights.loader import load_model
+
+    model = sentence_transformer(make_tiny_transformer(tmp_path / "backbone"), mode, True)
+    saved = tmp_path / "st"
+    model.save(str(saved))
+    config = json.loads((saved / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
+    (saved / "config.json").write_text(json.dumps(config))
+    sentences = ["the cat sat on a mat", "dog", "a dog ran on the mat the mat"]
+    expected = model.encode(sentences, convert_to_numpy=True)
+
+    loaded = load_model(str(saved), dtype="float32", progress=False)
+    ids = [loaded.tokenizer.encode(s, add_special_tokens=False) for s in sentences]
+    batch = PagedBatch(len(ids), 2, 16)
+    caches = init_kv_pool(loaded.config, batch.num_pages, 16, loaded.dtype, loaded.mesh)
+    input_ids, positions, metadata, _, _ = batch.step_inputs(ids)
+    graphdef, state = nnx.split(loaded.model)
+    kernels = kernels_for()
+
+    @jax.jit
+    def embed(state, input_ids, positions, caches, metadata):
+        lm = nnx.merge(graphdef, state)
+        hidden, _ = lm.hidden_states(input_ids, positions, caches, metadata, kernels)
+        return lm.embeddings(hidden, metadata.cu_q_lens, ours, True)
+
+    pooled = np.asarray(embed(state, input_ids, positions, caches, metadata))[:len(ids)]
+    np.testing.assert_allclose(pooled, expected, atol=1e-4)
