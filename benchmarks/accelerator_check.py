@@ -222,7 +222,7 @@ def model_bench(plan: dict, model_path: str, hbm_gbps: float, **options) -> lib.
 
 
 def benchmark_lora(plan: dict, model_path: str, hbm_gbps: float, base: dict, scratch: str,
-                   out_of_time=lambda: False) -> dict:
+                   save, out_of_time=lambda: False) -> dict:
     """The model served with --enable-lora (issue 53): the plan's slots of its rank on every
     module, filled with random PEFT adapters written here (bench_lora.write_adapter: what is
     timed is what the slots and their product cost, not what an adapter says). Decode steps of
@@ -246,26 +246,36 @@ def benchmark_lora(plan: dict, model_path: str, hbm_gbps: float, base: dict, scr
                   "startup_s": bench.startup_s,
                   "slot_bytes": bench.engine.core.runner.lora.nbytes, "decode": []}
         bench.generate_seconds(bench.prompts(2, 8, 8), 4, names[:2])  # warm the whole path
+
+        def decode(batch, active):
+            step = bench.decode_step(batch, plan["input_len"], plan["short"], plan["long"],
+                                     adapters=names[:active])
+            step["base_step_ms"] = base_ms.get(batch)
+            if batch in base_ms:
+                step["vs_base"] = base_ms[batch] / step["step_ms"]
+            print(f"  LoRA, {active} adapters, batch {batch}: {report.step_text(step)}"
+                  f"{report.vs_base_text(step)}", flush=True)
+            return step
+
         for batch in plan["batches"]:
             for active in (0, slots):
-                if out_of_time():
-                    result["decode"].append({"batch": batch, "adapters": active,
-                                             "skipped": "the step's time budget is spent"})
-                    continue
-                try:
-                    step = bench.decode_step(batch, plan["input_len"], plan["short"],
-                                             plan["long"], adapters=names[:active])
-                    step.update(adapters=active, base_step_ms=base_ms.get(batch))
-                    if batch in base_ms:
-                        step["vs_base"] = base_ms[batch] / step["step_ms"]
-                    print(f"  LoRA, {active} adapters, batch {batch}: {report.step_text(step)}"
-                          f"{report.vs_base_text(step)}", flush=True)
-                except Exception as error:
-                    step = {"batch": batch, "adapters": active, "error": _describe(error)}
-                result["decode"].append(step)
+                result["decode"].append(figure({"batch": batch, "adapters": active},
+                                               lambda: decode(batch, active), out_of_time))
+                save()
         return result
     finally:
         bench.close()
+
+
+def figure(entry: dict, measure, out_of_time) -> dict:
+    """`entry` with `measure()`'s figures: skipped once the step's budget is spent, the error
+    where it raised (one batch failing, out of memory say, keeps the others)."""
+    if out_of_time():
+        return {**entry, "skipped": "the step's time budget is spent"}
+    try:
+        return {**entry, **measure()}
+    except Exception as error:
+        return {**entry, "error": _describe(error)}
 
 
 def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, result: dict,
@@ -275,43 +285,30 @@ def benchmark_model(plan: dict, name: str, model_path: str, hbm_gbps: float, res
     bench = model_bench(plan, model_path, hbm_gbps)
     try:
         result.update(startup_s=bench.startup_s, dtype=np.dtype(bench.dtype).name,
-                      weight_bytes_per_step=bench.weight_bytes, decode=[],
-                      server_flags=bench.server_flags())
+                      weight_bytes_per_step=bench.weight_bytes, server_flags=bench.server_flags())
         bench.generate_seconds(bench.prompts(2, 8, 8), 4)  # warm the whole path once
-        for batch in plan["batches"]:
-            if out_of_time():
-                result["decode"].append({"batch": batch, "skipped": "the step's time budget is spent"})
-                continue
-            try:
-                step = bench.decode_step(batch, plan["input_len"], plan["short"], plan["long"])
-                print(f"  {name} batch {batch}: {report.step_text(step)}", flush=True)
-            except Exception as error:
-                step = {"batch": batch, "error": _describe(error)}
-            result["decode"].append(step)
-            save()
-        result["verify"] = []
-        for batch in plan["verify_batches"]:  # speculative decoding's verified rows
-            if out_of_time():
-                result["verify"].append({"batch": batch, "skipped": "the step's time budget is spent"})
-                continue
-            try:
-                verify = bench.verify_step(batch, plan["input_len"], plan["verify_tokens"])
-                print(f"  {name} verify {plan['verify_tokens']} tokens x {batch} rows: "
-                      f"{verify['verify_ms']:.2f} ms against a decode step's "
-                      f"{verify['decode_ms']:.2f} ms ({verify['verify_over_decode']:.2f}x)",
-                      flush=True)
-            except Exception as error:
-                verify = {"batch": batch, "error": _describe(error)}
-            result["verify"].append(verify)
-            save()
-        if out_of_time():
-            result["offline"] = {"skipped": "the step's time budget is spent"}
-            return result
-        try:
-            result["offline"] = bench.offline_throughput(max_running=plan["max_running"],
-                                                         **plan["offline"])
-        except Exception as error:
-            result["offline"] = {"error": _describe(error)}
+
+        def decode(batch):
+            step = bench.decode_step(batch, plan["input_len"], plan["short"], plan["long"])
+            print(f"  {name} batch {batch}: {report.step_text(step)}", flush=True)
+            return step
+
+        def verify(batch):  # speculative decoding's verified rows
+            figures = bench.verify_step(batch, plan["input_len"], plan["verify_tokens"])
+            print(f"  {name} verify {plan['verify_tokens']} tokens x {batch} rows: "
+                  f"{figures['verify_ms']:.2f} ms against a decode step's "
+                  f"{figures['decode_ms']:.2f} ms ({figures['verify_over_decode']:.2f}x)",
+                  flush=True)
+            return figures
+
+        for key, measure, batches in (("decode", decode, plan["batches"]),
+                                      ("verify", verify, plan["verify_batches"])):
+            result[key] = []
+            for batch in batches:
+                result[key].append(figure({"batch": batch}, lambda: measure(batch), out_of_time))
+                save()
+        result["offline"] = figure({}, lambda: bench.offline_throughput(
+            max_running=plan["max_running"], **plan["offline"]), out_of_time)
         return result
     finally:
         bench.close()
@@ -404,7 +401,7 @@ def run_steps(run: Run, plan: dict, args, tiny_dir: str) -> None:
     if args.lora and models:
         first = os.path.basename(models[0].rstrip("/"))
         run.step("lora", benchmark_lora, plan, models[0], hbm,
-                 run.results["models"].get(first, {}), tiny_dir)
+                 run.results["models"].get(first, {}), tiny_dir, run.save)
     run.step("attention_correctness", check_attention, plan)
     run.step("latent_attention_correctness", functools.partial(check_attention, latent=True), plan)
     run.step("attention_timing", time_attention, plan, hbm)

@@ -24,6 +24,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from xlaserve.model.pooling import POOLING_MODES
+
 MODULES_FILE = "modules.json"
 SENTENCE_BERT_CONFIG = "sentence_bert_config.json"
 # Module types by role: the names published checkpoints saved (sentence_transformers.models.*)
@@ -36,6 +38,7 @@ _NORMALIZE = {"sentence_transformers.models.Normalize",
               "sentence_transformers.base.modules.normalize.Normalize"}
 # Pooling modes: sentence-transformers' names -> ours; its other modes are refused.
 _MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+assert set(_MODES.values()) == set(POOLING_MODES)  # what model/pooling.py pools
 # The legacy config's switches (sentence-transformers reads them as one `pooling_mode`: the one
 # set, or "mean" when none is).
 _LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
