@@ -31,3 +31,21 @@ def sentence_transformer(transformer_dir: str, mode: str, normalize: bool):
     modules = [models.Transformer(transformer_dir), models.Pooling(HIDDEN, pooling_mode=mode)]
     return SentenceTransformer(modules=modules + ([models.Normalize()] if normalize else []),
                                device="cpu")
+
+
+def save_decoder_embedding(directory, mode: str, normalize: bool = True):
+    """(its folder, the SentenceTransformer): a decoder embedding checkpoint as Qwen3-Embedding
+    ships (sentence-transformers' save of the backbone, no `model.` prefix, modules.json and the
+    Pooling config, under a Qwen3ForCausalLM config with tied embeddings), pooling `mode`
+    (sentence-transformers' names: cls, mean, lasttoken)."""
+    import json
+    import pathlib
+
+    directory = pathlib.Path(directory)
+    model = sentence_transformer(make_tiny_transformer(directory / "backbone"), mode, normalize)
+    saved = directory / "st"
+    model.save(str(saved))
+    config = json.loads((saved / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
+    (saved / "config.json").write_text(json.dumps(config))
+    return str(saved), model

@@ -58,13 +58,18 @@ def make_context(args: ServerArgs):
 
 
 async def warm_up(ctx) -> None:
-    """One short generation through the whole path; /health turns 200 only after it passed."""
+    """One short generation (an embedding server: one embedding) through the whole path;
+    /health turns 200 only after it passed."""
     from xlaserve.runtime.sampling.params import SamplingParams
     from xlaserve.http.serving import Generation
 
     started = time.perf_counter()
     prompt = ctx.tokenizer.encode("The capital of France is") if ctx.tokenizer is not None else [1, 2, 3]
-    await Generation(ctx, [prompt], SamplingParams(max_new_tokens=4, temperature=0.0), 1).collect()
+    if ctx.core.pooling is not None:  # an embedding server: one embedding
+        await Generation(ctx, [prompt], SamplingParams(), 1, embed=True).collect()
+    else:
+        await Generation(ctx, [prompt], SamplingParams(max_new_tokens=4, temperature=0.0),
+                         1).collect()
     ctx.ready = True
     logger.info(READY_MESSAGE)
     log_startup(ctx.core, time.perf_counter() - started)

@@ -91,17 +91,7 @@ class Engine:
         """Flatten prompts x n into (prompt_ids, params, LoRA adapter) triples; also say whether
         input was a list. `lora_path`: an adapter's name for every prompt, or a list (None: the
         base model)."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt and input_ids")
-        if prompt is not None:
-            batched = not isinstance(prompt, str)
-            prompts = list(prompt) if batched else [prompt]
-            if self.tokenizer is None:
-                raise ValueError("text prompts need the tokenizer (started with skip_tokenizer_init)")
-            id_lists = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            batched = bool(input_ids) and isinstance(input_ids[0], (list, tuple))
-            id_lists = [list(x) for x in input_ids] if batched else [list(input_ids)]
+        id_lists, batched = self._id_lists(prompt, input_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
         if len(params) != len(id_lists):
             raise ValueError(f"{len(params)} sampling_params for {len(id_lists)} prompts")
@@ -116,6 +106,47 @@ class Engine:
                 seed = None if parsed.seed is None else parsed.seed + i
                 requests.append((ids, dataclasses.replace(parsed, seed=seed), adapter))
         return requests, batched or len(requests) > 1
+
+    def _id_lists(self, prompt, input_ids, lowercase: bool = False
+                  ) -> tuple[list[list[int]], bool]:
+        """The prompts (a text or a list; `lowercase`d first where asked) or token id lists as
+        token id lists, and whether a list was given."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if prompt is not None:
+            batched = not isinstance(prompt, str)
+            prompts = list(prompt) if batched else [prompt]
+            if self.tokenizer is None:
+                raise ValueError("text prompts need the tokenizer (started with skip_tokenizer_init)")
+            return [self.tokenizer.encode(p.lower() if lowercase else p) for p in prompts], batched
+        batched = bool(input_ids) and isinstance(input_ids[0], (list, tuple))
+        return ([list(x) for x in input_ids] if batched else [list(input_ids)]), batched
+
+    # --- embeddings (an embedding model, --is-embedding) -----------------------------------------
+
+    def encode(self, prompt=None, input_ids=None):
+        """SGLang's `Engine.encode`: the embedding of one text (or token id list), or of each of
+        a list of them; a dict `{"embedding": [float], "meta_info": {...}}` or a list of them.
+        Texts are tokenized with the model's special tokens (as sentence-transformers does) and
+        lowercased first where the checkpoint says so. Needs an embedding model
+        (`is_embedding=True`, or a checkpoint with sentence-transformers' modules.json)."""
+        pooling = self.core.pooling
+        id_lists, batched = self._id_lists(prompt, input_ids,
+                                           lowercase=pooling is not None and pooling.lowercase)
+        sinks = []
+        for ids in id_lists:
+            sink: queue.Queue[OutputDelta] = queue.Queue()
+            self.core.submit(ids, SamplingParams(), sink.put, embed=True)
+            sinks.append(sink)
+        results = []
+        for sink in sinks:
+            output = next(iter(self._drain(sink)))  # an embedding request's one output
+            meta_info = output.finish.meta_info()
+            if output.error is not None:
+                meta_info["error"] = output.error
+            results.append({"embedding": None if output.embedding is None
+                            else output.embedding.tolist(), "meta_info": meta_info})
+        return results if batched else results[0]
 
     # --- generation -----------------------------------------------------------------------------
 

@@ -108,6 +108,16 @@ class ServerArgs:
         False, "accepted for vLLM's launch lines: tool_choice auto needs only --tool-call-parser "
                "here (vLLM refuses it without this flag)")
     skip_tokenizer_init: bool = _flag(False, "do not load a tokenizer (token ids in and out)")
+    is_embedding: bool = _flag(
+        False, "serve the model's embeddings (/v1/embeddings, Engine.encode), pooled as its "
+               "sentence-transformers files (modules.json, the Pooling module's config) say; the "
+               "server then generates no text. Same as --runner pooling")
+    runner: str = _flag(
+        "auto", "what the server runs the model for: generate (text), pooling (embeddings, as "
+                "--is-embedding), or auto: pooling where the checkpoint has sentence-transformers' "
+                "modules.json, else generate. vLLM's --task embed is --runner pooling",
+        choices=["auto", "generate", "pooling"], aliases=("--task",),
+        value_aliases={"embed": "pooling", "embedding": "pooling"})
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
                                    choices=["auto", "reference", "cpu", "pallas"])
     matmul_backend: str = _flag(
@@ -378,11 +388,26 @@ class ServerArgs:
         if self.precompile_threads < 1:
             raise ValueError(f"--precompile-threads must be 1 or more; got "
                              f"{self.precompile_threads}")
+        if self.is_embedding:
+            if self.runner == "generate":
+                raise ValueError("--is-embedding with --runner generate: give one")
+            self.runner = "pooling"
         resolve_speculative(self)
         resolve_lora(self)
+        if self.runner == "pooling":
+            self.refuse_for_embeddings()
         if self.mla_expanded_prefill_tokens < 0:
             raise ValueError("--mla-expanded-prefill-tokens must be 0 (never) or a token count; "
                              f"got {self.mla_expanded_prefill_tokens}")
+
+    def refuse_for_embeddings(self) -> None:
+        """What an embedding server does not run stops its start (ValueError naming the flag)."""
+        for flag, given in (("--speculative-algorithm", self.speculative_algorithm),
+                            ("--enable-lora", self.enable_lora),
+                            ("--nnodes > 1", self.nnodes > 1)):
+            if given:
+                raise ValueError(f"{flag} with an embedding model (--is-embedding / --runner "
+                                 "pooling): not supported")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

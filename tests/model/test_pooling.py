@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.embedding_models import make_tiny_transformer, sentence_transformer
+from tests.embedding_models import (make_tiny_transformer, save_decoder_embedding,
+                                     sentence_transformer)
 from xlaserve.model.pooling import pool_sequences
 
 LENGTHS = [3, 1, 0, 5, 2, 0]  # 0: padding sequences of a bucket
@@ -71,8 +72,6 @@ def test_a_sentence_transformers_checkpoint_embeds_as_sentence_transformers(tmp_
     loaded by xlaserve, its hidden states through the final norm and pooled
     (CausalLM.embeddings) equal sentence-transformers' `encode`."""
     pytest.importorskip("sentence_transformers")
-    import json
-
     import jax
     from flax import nnx
 
@@ -81,16 +80,11 @@ def test_a_sentence_transformers_checkpoint_embeds_as_sentence_transformers(tmp_
     from xlaserve.runtime.executor.kv_pool import init_kv_pool
     from xlaserve.weights.loader import load_model
 
-    model = sentence_transformer(make_tiny_transformer(tmp_path / "backbone"), mode, True)
-    saved = tmp_path / "st"
-    model.save(str(saved))
-    config = json.loads((saved / "config.json").read_text())
-    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
-    (saved / "config.json").write_text(json.dumps(config))
+    saved, model = save_decoder_embedding(tmp_path, mode)
     sentences = ["the cat sat on a mat", "dog", "a dog ran on the mat the mat"]
     expected = model.encode(sentences, convert_to_numpy=True)
 
-    loaded = load_model(str(saved), dtype="float32", progress=False)
+    loaded = load_model(saved, dtype="float32", progress=False)
     ids = [loaded.tokenizer.encode(s, add_special_tokens=False) for s in sentences]
     batch = PagedBatch(len(ids), 2, 16)
     caches = init_kv_pool(loaded.config, batch.num_pages, 16, loaded.dtype, loaded.mesh)

@@ -35,6 +35,7 @@ class ChatCall:
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest):
         """The synchronous checks; `create` builds the grammar and submits."""
+        ctx.check_generates()
         if isinstance(req.lora_path, list):
             raise bad_request("lora_path takes one adapter's name on chat completions", "lora_path")
         self.lora = ctx.adapters_of(req.model, req.lora_path)

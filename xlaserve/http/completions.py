@@ -51,6 +51,7 @@ class CompletionCall:
     def __init__(self, ctx: ServingContext, req: CompletionRequest):
         """The synchronous checks; `create` builds the grammar and submits."""
         ctx.adapters_of(req.model, None)  # a model not served: the 404 first
+        ctx.check_generates()
         self.ctx, self.req = ctx, req
         if req.suffix:
             raise not_supported("suffix")

@@ -43,7 +43,7 @@ from xlaserve.offline import Engine
 from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
 from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import InvalidGrammar
-from xlaserve.runtime.engine.core import EngineCore, QueueFull
+from xlaserve.runtime.engine.core import EMBEDS, EngineCore, QueueFull
 from xlaserve.runtime.engine.lora_adapters import NO_ADAPTERS, UnknownAdapter
 from xlaserve.runtime.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
                                       token_id)
@@ -120,6 +120,12 @@ class ServingContext:
         path, so their clients send that)."""
         return model in (None, "", "default", self.served_model_name,
                          self.engine.server_args.model_path)
+
+    def check_generates(self) -> None:
+        """An embedding server's 400 for a generation route (before a template or a tokenizer
+        could refuse it for another reason)."""
+        if self.core.pooling is not None:
+            raise bad_request(EMBEDS)
 
     def check_model(self, model: str | None) -> None:
         if not self.serves(model):
@@ -290,10 +296,11 @@ class Generation:
                  *, top_logprobs_num: int = 0, return_logprob: bool = False,
                  return_prompt_logprob: bool = False,
                  priority: int = 0, rid: str | None = None, param_prefix: str = "",
-                 lora_path: str | list[str | None] | None = None):
+                 lora_path: str | list[str | None] | None = None, embed: bool = False):
         """`param_prefix`: what the fields of a parameter the engine refuses are under
         ("sampling_params." on /generate). `lora_path`: the LoRA adapter (None: the base
-        model), or one per prompt (`ServingContext.adapters_of`)."""
+        model), or one per prompt (`ServingContext.adapters_of`). `embed`: embedding requests
+        (an embedding server's; each choice's `embedding` once collected)."""
         if ctx.draining:
             raise shutting_down()
         self.ctx = ctx
@@ -327,7 +334,7 @@ class Generation:
                                   return_logprob=return_logprob or top_logprobs_num > 0,
                                   top_logprobs_num=top_logprobs_num, priority=priority,
                                   return_prompt_logprob=return_prompt_logprob,
-                                  lora_path=adapters[choice.prompt_index])
+                                  lora_path=adapters[choice.prompt_index], embed=embed)
         except (InvalidGrammar, InvalidSamplingParam) as error:  # the routes checked: a miss here
             self.group.abort()
             raise bad_request(str(error), param_prefix + error.param) from None

@@ -20,6 +20,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "lora_batch": "lora", "module_shapes": "lora", "scaling": "lora", "slot_shapes": "lora",
     "token_request_slots": "lora",
     "POOLING_MODES": "pooling",
+    "NORMALIZE_EPS": "pooling",
     "swiglu_xla": "layers",
     "mla_weights": "mla",
     "Mxfp4Experts": "mxfp4_experts", "mxfp4_mesh_problem": "mxfp4_experts",

@@ -40,7 +40,7 @@ from xlaserve.model.layers import (
 from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import MoE
 from xlaserve.model.packed import embed
-from xlaserve.model.pooling import pool_sequences
+from xlaserve.model.pooling import pool_sequences, reduce_chunks
 from xlaserve.model.sharding import partition_spec
 from xlaserve.pallas_kernels.ragged_paged_attention.tree_tokens import tree_attention
 
@@ -207,6 +207,11 @@ class CausalLM(nnx.Module):
         """float32[S, hidden]: each sequence's rows of `hidden` after the final norm, pooled
         (model/pooling.py): the embedding model's output, where no LM head is used."""
         return pool_sequences(self.final_norm(hidden), cu_q_lens, mode, normalize)
+
+    def chunk_embeddings(self, hidden: jax.Array, cu_q_lens: jax.Array, mode: str) -> jax.Array:
+        """float32[S, hidden]: each chunk's rows after the final norm, reduced for `mode`
+        (model/pooling.reduce_chunks): what an embedding server's step returns."""
+        return reduce_chunks(self.final_norm(hidden), cu_q_lens, mode)
 
     def logits(self, hidden: jax.Array, kernels: Kernels) -> jax.Array:
         """float32[R, V]: final norm and LM head (tied to the embedding or not) of `hidden` rows."""

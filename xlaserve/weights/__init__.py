@@ -5,6 +5,8 @@ head's weights."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
+    "MODULES_FILE": "pooling", "Pooling": "pooling", "PoolingConfigError": "pooling",
+    "read_pooling": "pooling",
     "check_replica_devices": "loader", "load_model": "loader", "LoadedModel": "loader",
     "read_config": "loader", "resolve_dtype": "loader", "server_load_options": "loader",
     "tensor_parallel_mesh": "loader", "resolve_model_path": "loader",

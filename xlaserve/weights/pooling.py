@@ -62,6 +62,10 @@ class Pooling:
     normalize: bool  # L2-normalised after pooling (a Normalize module follows)
     max_seq_length: int | None = None  # sentence-transformers' input limit, None where unset
     lowercase: bool = False  # inputs lowercased before tokenizing (`do_lower_case`)
+    # Matryoshka (a prefix of the vector is an embedding too): the widths a client may ask for
+    # (`dimensions`), from config.json's `matryoshka_dimensions` (vLLM's key), () for any width
+    # (`is_matryoshka: true`), None where the checkpoint does not say so.
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 def read_pooling(directory: str, hidden_size: int) -> Pooling:
@@ -95,7 +99,24 @@ def read_pooling(directory: str, hidden_size: int) -> Pooling:
     if os.path.isfile(os.path.join(directory, SENTENCE_BERT_CONFIG)):
         transformer = _transformer_config(directory)
     return Pooling(mode, "Normalize" in roles, transformer.get("max_seq_length"),
-                   bool(transformer.get("do_lower_case")))
+                   bool(transformer.get("do_lower_case")), _matryoshka(directory, hidden_size))
+
+
+def _matryoshka(directory: str, hidden_size: int) -> tuple[int, ...] | None:
+    """config.json's `matryoshka_dimensions` (the widths) or `is_matryoshka` (any), as vLLM
+    reads them; None where neither is set."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        return None
+    config = _read_json(directory, "config.json")
+    widths = config.get("matryoshka_dimensions")
+    if widths is not None:
+        if (not isinstance(widths, list) or not widths or not all(
+                isinstance(w, int) and not isinstance(w, bool) and 0 < w <= hidden_size
+                for w in widths)):
+            raise PoolingConfigError(f"{directory}: config.json's matryoshka_dimensions "
+                                     f"{str(widths)[:80]} are not widths in [1, {hidden_size}]")
+        return tuple(sorted(set(widths)))
+    return () if config.get("is_matryoshka") is True else None
 
 
 def _transformer_config(directory: str) -> dict:

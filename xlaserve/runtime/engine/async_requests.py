@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from xlaserve.runtime.engine.core import EngineCore
 from xlaserve.runtime.engine.messages import Finish, OutputDelta
@@ -91,6 +91,7 @@ class Choice:
     finish: Finish | None = None  # how it ended, once it has
     error: str | None = None  # why it ended early, if it did
     first_output: OutputDelta | None = None  # carries prompt logprobs when asked
+    embedding: Any = None  # an embedding request's vector (float32 [hidden]), once in
 
     def add(self, output: OutputDelta) -> None:
         if self.first_output is None:
@@ -102,6 +103,7 @@ class Choice:
             self.top_logprobs.append([] if output.top_logprobs is None else output.top_logprobs)
         if output.finished:
             self.finish, self.error = output.finish, output.error
+            self.embedding = output.embedding
 
     @property
     def finish_reason(self) -> str:

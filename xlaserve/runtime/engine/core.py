@@ -27,7 +27,9 @@ from xlaserve.runtime.engine import startup
 from xlaserve.runtime.engine.live_requests import LiveRequests, live_state
 from xlaserve.runtime.engine.lora_adapters import LoadLora, LoraAdapters, UnloadLora
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
-                                              OutputDelta, RequestsEnded, StepResult, Wake)
+                                              LiveRequest, OutputDelta, PooledResult,
+                                              RequestsEnded, StepResult, Wake)
+from xlaserve.runtime.engine.pooled_outputs import PooledOutputs
 from xlaserve.runtime.engine.watchdog import Watchdog
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, StepOutput
@@ -45,6 +47,15 @@ logger = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
     """More requests wait than --max-queued-requests: the HTTP layer answers 503 + Retry-After."""
+
+
+class WrongKindOfServer(ValueError):
+    """An embedding request to a server that generates, or a generation to an embedding one."""
+
+
+GENERATES = ("this server generates text: embeddings need an embedding model served with "
+             "--is-embedding")
+EMBEDS = "this server serves an embedding model (--is-embedding): it generates no text"
 
 
 class EngineCore:
@@ -66,6 +77,9 @@ class EngineCore:
         self.scheduler = parts.scheduler
         self.eos_token_ids = parts.eos_token_ids
         self.grammar_backend = parts.grammar_backend
+        # An embedding server's pooling (weights/pooling.Pooling; None: a generation server).
+        self.pooling = parts.pooling
+        self._pooled = None if self.pooling is None else PooledOutputs(self.pooling)
         self._draft = parts.draft  # --speculative-algorithm STANDALONE: the draft model
         # --enable-lora: the adapters by name (lora_adapters.py), --lora-paths' installed
         self.lora = None if self.runner.lora is None else LoraAdapters(
@@ -137,7 +151,7 @@ class EngineCore:
                emit: Callable[[OutputDelta], None], rid: str | None = None,
                return_logprob: bool = False, top_logprobs_num: int = 0,
                return_prompt_logprob: bool = False, priority: int = 0,
-               lora_path: str | None = None) -> str:
+               lora_path: str | None = None, embed: bool = False) -> str:
         """Queue a request; `emit` is called from the engine's output thread (live_requests.py) with
         each OutputDelta, in order: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
@@ -156,17 +170,31 @@ class EngineCore:
         detokenizer and stop matcher, prompt-logprob collector) is built and checked here, in the
         caller's thread: a request the engine cannot serve raises ValueError (InvalidSamplingParam
         naming the field, RequestTooLong, from `check_request`; InvalidGrammar) or QueueFull,
-        and never reaches the loop."""
+        and never reaches the loop.
+
+        `embed`: an embedding request, on an embedding server (`pooling`): its one output is
+        final and carries the prompt's embedding; `params` and the options are not read."""
         prompt_ids = prompt_token_ids(prompt_ids, self.loaded.config.vocab_size)
-        self.check_request(len(prompt_ids), params, top_logprobs_num)
+        if embed != (self.pooling is not None):
+            raise WrongKindOfServer(EMBEDS if self.pooling is not None else GENERATES)
+        if embed:
+            self.check_embedding_input(len(prompt_ids))
+        else:
+            self.check_request(len(prompt_ids), params, top_logprobs_num)
         if not self.is_alive():
             raise RuntimeError(self.stopped_reason())
         queued = self.queued_requests()
         if queued >= self.limits.max_queued_requests:
             raise QueueFull(f"the server's queue is full ({queued} requests wait, "
                             f"--max-queued-requests {self.limits.max_queued_requests}): retry later")
-        self.compile_grammar(params)  # a cache hit where the server compiled it already
         rid = rid or uuid.uuid4().hex
+        if embed:  # CLS and mean pooling read every row: no cached prefix (pooled_outputs.py)
+            request = Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=0,
+                              sampling=RowSamplingParams(temperature=0.0, seed=0),
+                              priority=priority, pooled=True,
+                              no_prefix_reuse=self.pooling.mode != "last")
+            self._put_request(LiveRequest(request, emit, None))
+            return rid
         stop_ids = stop_token_set(params, self.eos_token_ids)  # checked: only the set here
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         sampling = RowSamplingParams.from_params(
@@ -187,6 +215,13 @@ class EngineCore:
         else:  # resolved and queued ahead of any unload of it (lora_adapters.py)
             LoraAdapters.submit(self.lora, lora_path, request, lambda: self._put_request(live))
         return rid
+
+    def check_embedding_input(self, prompt_len: int) -> None:
+        """An embedding input's size: RequestTooLong over the context length (or the KV pool),
+        ValueError for an empty one or on a server that generates."""
+        if self.pooling is None:
+            raise WrongKindOfServer(GENERATES)
+        self.scheduler.check_fits(prompt_len, 0, pooled=True)
 
     def _put_request(self, live) -> None:
         with self._submit_lock:
@@ -303,7 +338,8 @@ class EngineCore:
         A request that ends in step k (a stop id or string, an abort) may still have a row in
         k+1; that row's result is dropped."""
         in_flight = None  # (batch, step output) dispatched and not yet read
-        overlap = not self.args.disable_overlap_schedule
+        # An embedding server's steps are prompt chunks, none a continuation of the last.
+        overlap = not self.args.disable_overlap_schedule and self.pooling is None
         while not self._stopping:
             self._watchdog.last_beat = time.monotonic()
             stepping: list = []  # the batches this iteration touched: a failure fails their rows
@@ -401,6 +437,11 @@ class EngineCore:
 
     def _prepare(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""
+        if self.pooling is not None:  # prompt chunks; no penalty state, no sampling
+            fb = forward_batch_for(batch, self.buckets, self.runner.page_size)
+            slots = np.zeros(fb.shape[1], np.int32)
+            slots[:len(batch.slots)] = batch.slots
+            return self.runner.stage(fb, slots)
         self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
         if self.lora is not None and batch.admitted:
             self.runner.assign_lora([r.slot for r in batch.admitted],
@@ -470,6 +511,8 @@ class EngineCore:
     def _send(self, batch, staged):
         """Fills the grammar masks of the constrained rows that sample, from their grammars'
         current state, and dispatches the step; returns its (asynchronous) output."""
+        if self.pooling is not None:
+            return self.runner.run(staged)
         constrained = None
         if batch.any_grammar():  # by sample row: a verified row has one per token
             constrained, row = [], 0
@@ -487,9 +530,15 @@ class EngineCore:
             self._draft.catch_up(staged.draft)
         return out
 
-    def _read(self, batch, out: StepOutput) -> StepResult:
+    def _read(self, batch, out: StepOutput) -> StepResult | PooledResult:
         """Waits for the step's tokens and advances the scheduler; returns the rows that sampled
-        (with the step's logprobs, when a row asked for them) for `LiveRequests.deliver`."""
+        (with the step's logprobs, when a row asked for them) for `LiveRequests.deliver`. An
+        embedding step's: the requests it finished, with their vectors."""
+        if self.pooling is not None:
+            reduced = np.asarray(out)
+            running = [i for i, r in enumerate(batch.requests) if r.status == "running"]
+            ended = self.scheduler.process_pooled(batch)
+            return PooledResult(self._pooled.take(batch, reduced, running, ended))
         num_rows = len(batch.requests)  # sample rows: one per row, one per verified draft
         if batch.decode is None:
             num_rows += sum(c.num_drafts for c in batch.chunks)

@@ -90,6 +90,7 @@ class DataParallelEngineCore:
         self.grammar_backend = first.grammar_backend
         self.context_length = first.context_length
         self.eos_token_ids = first.eos_token_ids
+        self.pooling = first.pooling  # an embedding server's (each replica's is the same)
         self.runner = _Runners([r.runner for r in self.replicas])
         self.load_balance_method = args.load_balance_method
         self._seeds = random.Random(args.random_seed)
@@ -112,6 +113,10 @@ class DataParallelEngineCore:
         pools' sizes may differ), so what passes here fits whichever replica it goes to."""
         smallest = min(self.replicas, key=lambda r: r.max_request_tokens)
         smallest.check_request(prompt_len, params, top_logprobs_num, **options)
+
+    def check_embedding_input(self, prompt_len: int) -> None:
+        """EngineCore.check_embedding_input against the replica that holds the least."""
+        min(self.replicas, key=lambda r: r.max_request_tokens).check_embedding_input(prompt_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                emit: Callable[[OutputDelta], None], rid: str | None = None, **options) -> str:

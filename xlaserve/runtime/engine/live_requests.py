@@ -43,7 +43,8 @@ import numpy as np
 
 from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
 from xlaserve.runtime.engine.messages import (DropRequest, Finish, LiveRequest, OutputDelta,
-                                              RequestsEnded, StepResult, StopMatched)
+                                              PooledResult, RequestsEnded, StepResult,
+                                              StopMatched)
 from xlaserve.runtime.executor.step_program import StepOutput
 from xlaserve.runtime.sampling.prompt_logprobs import PromptLogprobCollector
 from xlaserve.runtime.sampling.params import SamplingParams
@@ -163,10 +164,17 @@ class LiveRequests:
         finally:
             message.done.set()
 
-    def deliver(self, step: StepResult) -> None:
+    def deliver(self, step: StepResult | PooledResult) -> None:
         """Queues the output of each token a live request sampled in the step, in row order, for
         the output thread; here only what the scheduler decided is read (the request's state
-        changes under the output thread). A request that the step finished leaves the live set."""
+        changes under the output thread). A request that the step finished leaves the live set.
+        An embedding step's requests get their one output, the vector."""
+        if isinstance(step, PooledResult):
+            for request, vector in step.rows:
+                if (live := self._live.pop(request.rid, None)) is not None:
+                    self._jobs.put((live, OutputDelta(None, "", True, finish=_finish(request),
+                                                      embedding=vector)))
+            return
         rows = []
         # A verified row's tokens (speculative decoding) are consecutive rows of one request.
         following = ([a.request is b.request for a, b in zip(step.rows, step.rows[1:])] + [False]

@@ -8,7 +8,8 @@
   the scheduler. `InboxMessage` is their union.
 - From a step to its output: `EngineCore._read` turns a step's sampled tokens into a
   `StepResult` (the step-wide logprob arrays and one `SampledRow` per row that sampled for a
-  live request), which `LiveRequests.deliver` queues for the output thread to make into outputs.
+  live request), which `LiveRequests.deliver` queues for the output thread to make into outputs;
+  an embedding server's step becomes a `PooledResult` (the requests it finished, their vectors).
 - Out of the engine (the output thread -> the request's consumer, through its `emit` callback):
   one `OutputDelta` per sampled token, and a final one without a token when a request ends early
   (an abort, a refusal, a failure). Consumers that need SGLang's JSON shape (offline.Engine,
@@ -119,6 +120,14 @@ class StepResult:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PooledResult:
+    """An embedding server's step, read: each request it finished, with its embedding
+    (float32 [hidden]; runtime/engine/pooled_outputs.py)."""
+
+    rows: list[tuple[Request, Any]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Finish:
     """How a request ended, on its final OutputDelta: SGLang's `meta_info` as fields."""
 
@@ -167,7 +176,8 @@ class OutputDelta:
     request that asked for prompt logprobs; `finish` (how it ended: id, token counts, reason) on
     the final output; `error` on a final output that ended the request
     early with a message. `more`: this request's next output, from the same step, follows at
-    once (a speculative verified row's tokens), so a stream sends them as one event."""
+    once (a speculative verified row's tokens), so a stream sends them as one event. An
+    embedding request (an embedding server's) has one output: final, no token, `embedding`."""
 
     token_id: int | None
     text: str
@@ -179,3 +189,4 @@ class OutputDelta:
     finish: Finish | None = None
     error: str | None = None
     more: bool = False
+    embedding: Any = None  # an embedding request's vector (float32 [hidden]), on its one output

@@ -41,11 +41,13 @@ from xlaserve.model.quantized_rows import native_gemm_available
 from xlaserve.runtime.executor.draft_head import DraftHead
 from xlaserve.runtime.executor.draft_model import DraftModel
 from xlaserve.weights.draft_head import load_server_draft_head
+from xlaserve.runtime.executor.embedding_step import EmbeddingRunner
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.engine.lora_adapters import lora_setup
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
 from xlaserve.server_args import ServerArgs
+from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class EngineParts:
     draft: DraftModel | None = None  # --speculative-algorithm STANDALONE: the draft model
     draft_head: DraftHead | None = None  # EAGLE3, NEXTN: the draft head's own steps
     lora_adapters: list | None = None  # --enable-lora: --lora-paths' adapters, read (else None)
+    pooling: Pooling | None = None  # an embedding server's (--is-embedding); None: it generates
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -94,7 +97,12 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                 loaded.name, " (dummy weights)" if args.load_format == "dummy" else "")
     logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
     tokenizer = loaded.tokenizer
+    pooling = pooling_of(args, loaded)
     context_length = args.context_length or config.max_position_embeddings
+    if pooling is not None and pooling.max_seq_length and not args.context_length:
+        # sentence-transformers' limit (vLLM's max_model_len for the model too): longer inputs
+        # are refused, or cut with truncate_prompt_tokens.
+        context_length = min(context_length, pooling.max_seq_length)
     platform = jax.default_backend()
     args, defaulted = platform_defaults.resolve(args, platform, loaded.mesh.devices.flat[0])
     platform_defaults.log_resolved(args, platform, defaulted)
@@ -119,7 +127,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                         running, num_pages * page_size, num_pages * page_size // running)
             args = dataclasses.replace(args, max_running_requests=running)
     lora_spec, lora_adapters = lora_setup(args, config) if args.enable_lora else (None, None)
-    runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size,
+    runner_class, pooled = ((ModelRunner, {}) if pooling is None
+                            else (EmbeddingRunner, {"pooling_mode": pooling.mode}))
+    runner = runner_class(loaded, num_pages=num_pages, page_size=page_size, **pooled,
                          max_running_requests=args.max_running_requests,
                          attention_backend=args.attention_backend,
                          matmul_backend=args.matmul_backend, context_length=context_length,
@@ -167,7 +177,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     grammar_backend = None
     if share_with is not None:
         grammar_backend = share_with.grammar_backend
-    elif args.grammar_backend != "none" and tokenizer is not None:
+    elif args.grammar_backend != "none" and tokenizer is not None and pooling is None:
         grammar_backend = GrammarBackend(tokenizer, config.vocab_size, sorted(eos_token_ids),
                                          args.constrained_json_whitespace_pattern)
     if not args.disable_precompile:
@@ -195,7 +205,29 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        context_length=context_length, runner=runner, buckets=buckets,
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
                        grammar_backend=grammar_backend, startup_timings=timings, leader=leader,
-                       draft=draft, draft_head=draft_head, lora_adapters=lora_adapters)
+                       draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
+                       pooling=pooling)
+
+
+def pooling_of(args: ServerArgs, loaded: LoadedModel) -> Pooling | None:
+    """An embedding server's pooling, read from the checkpoint's sentence-transformers files
+    (weights/pooling.py): with --is-embedding / --runner pooling, or with --runner auto where
+    the checkpoint has a modules.json. None: the server generates."""
+    folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
+    found = os.path.isfile(os.path.join(folder, MODULES_FILE))
+    if args.runner == "generate" or (args.runner == "auto" and not found):
+        return None
+    if args.runner == "auto":
+        logger.info("Serving embeddings: the checkpoint has sentence-transformers' %s "
+                    "(--runner generate serves it as a text generator)", MODULES_FILE)
+        args.refuse_for_embeddings()
+    if args.load_format == "dummy" and not found:
+        raise ValueError("an embedding server needs the checkpoint's sentence-transformers "
+                         f"files ({MODULES_FILE} and its Pooling module), dummy weights too")
+    pooling = read_pooling(folder, loaded.config.hidden_size)
+    logger.info("Pooling: %s%s%s", pooling.mode, ", normalized" if pooling.normalize else "",
+                ", inputs lowercased" if pooling.lowercase else "")
+    return pooling
 
 
 def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,

@@ -9,6 +9,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "serving_buckets": "forward_batch", "with_page_size": "forward_batch",
     "num_pages_for": "kv_pool", "DraftModel": "draft_model", "DraftHead": "draft_head",
     "ModelRunner": "model_runner", "slots_for": "lora_slots",
+    "EmbeddingRunner": "embedding_step",
     "SAMPLING_WIDTHS": "step_program", "StepOutput": "step_program",
 }
 __all__ = list(_MODULE_OF)

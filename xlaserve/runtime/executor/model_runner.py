@@ -217,10 +217,10 @@ class ModelRunner:
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 
-        step = make_step(graphdef, state_treedef, weight_layout, kernels, self.mesh, kv_sharding,
-                         verify_tokens=verify_tokens, lora=lora_args)
-        # What a draft head's own programs are made of (draft_head.py).
+        # What the step and a draft head's own programs (draft_head.py) are made of.
         self.program_parts = (graphdef, state_treedef, weight_layout, kv_sharding)
+        self._lora_args = lora_args
+        step = self._make_step()
         if choose_weight_layouts is None:
             # TPU only: there the default layouts had each step relay weights out (64 fused
             # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
@@ -233,9 +233,7 @@ class ModelRunner:
                                      and replicated.is_fully_addressable
                                      and self.draft_head_pool is None)
         # The step whose weight layouts XLA chooses, until `precompile` has used it.
-        self._choosing_step = (make_step(graphdef, state_treedef, weight_layout, kernels,
-                                         self.mesh, kv_sharding, auto_formats(self._weight_args),
-                                         verify_tokens=verify_tokens)
+        self._choosing_step = (self._make_step(auto_formats(self._weight_args))
                                if choose_weight_layouts else None)
 
         @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=(replicated, replicated))
@@ -255,6 +253,14 @@ class ModelRunner:
         # The last step's sampling tables: (their numpy arrays, host vectors, device vectors,
         # layout), reused while a step's tables are the same arrays (`_tables`).
         self._last_tables = None
+
+    def _make_step(self, weight_formats=None):
+        """The jitted serving step (step_program.make_step) of this runner's model, kernels,
+        speculation and LoRA slots; `weight_formats`: make_step's (None: the weights' own)."""
+        graphdef, state_treedef, weight_layout, kv_sharding = self.program_parts
+        return make_step(graphdef, state_treedef, weight_layout, self.kernels, self.mesh,
+                         kv_sharding, weight_formats, verify_tokens=self.verify_tokens,
+                         lora=self._lora_args)
 
     @property
     def kv_caches(self) -> list[jax.Array]:

@@ -70,6 +70,9 @@ class Request:
     priority: int = 0  # larger = more urgent; FCFS within equal priority
     # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
     no_prefix_reuse: bool = False
+    # An embedding request (an embedding server's): it samples nothing and ends when the last
+    # chunk of its prompt has run (`Scheduler.process_pooled`); max_new_tokens is 0.
+    pooled: bool = False
     # A LoRA adapter: its slot + 1 on the device (0: none, the base model), and its load's
     # namespace in the prefix cache (prefix_cache.py; 0: the base model's).
     lora_slot: int = 0

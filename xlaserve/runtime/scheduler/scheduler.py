@@ -89,23 +89,31 @@ class Scheduler:
         whole KV pool holds if that is less (the last sampled token needs no KV)."""
         return min(self.context_length, self.allocator.capacity * self.page_size + 1)
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, pooled: bool = False) -> None:
         """The one decision whether a request could ever run, whatever else is going on: the
         engine's admission check (runtime/engine/admission.py) asks it before a request is built, and
         `add` again for direct callers. Raises RequestTooLong (a ValueError) for a prompt plus
-        max_new_tokens over `max_request_tokens`, ValueError for an empty prompt or no tokens."""
+        max_new_tokens over `max_request_tokens`, ValueError for an empty prompt or no tokens.
+        `pooled`: an embedding request (no tokens; its whole prompt goes into the KV cache)."""
         if prompt_tokens < 1:
             raise ValueError("the prompt is empty")
-        if max_new_tokens < 1:
+        if max_new_tokens < (0 if pooled else 1):
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         total = prompt_tokens + max_new_tokens
         limit = self.max_request_tokens
+        if pooled:  # every token's KV is kept until the last chunk
+            limit = min(self.context_length, self.allocator.capacity * self.page_size)
         if total <= limit:
             return
         if total > self.context_length:
             message = (f"the prompt ({prompt_tokens} tokens) plus max_new_tokens "
                        f"({max_new_tokens}) is {total} tokens, more than the context length "
                        f"({self.context_length})")
+        elif pooled:
+            message = (f"the input ({prompt_tokens} tokens) needs "
+                       f"{pages_for_tokens(total, self.page_size)} KV pages but the whole pool "
+                       f"has {self.allocator.capacity} pages "
+                       f"({self.allocator.capacity * self.page_size} tokens)")
         else:  # the last sampled token never enters the cache: the KV peaks at total - 1 tokens
             message = (f"the request needs {pages_for_tokens(total - 1, self.page_size)} KV pages "
                        f"({total - 1} tokens) but the whole pool has {self.allocator.capacity} "
@@ -114,7 +122,7 @@ class Scheduler:
         raise RequestTooLong(message, prompt_tokens, max_new_tokens, limit, where)
 
     def add(self, request: Request) -> None:
-        self.check_fits(len(request.prompt_ids), request.max_new_tokens)
+        self.check_fits(len(request.prompt_ids), request.max_new_tokens, request.pooled)
         if request.rid in self.requests:
             raise ValueError(f"request id {request.rid!r} is already in use")
         request.status = "waiting"
@@ -436,6 +444,21 @@ class Scheduler:
         if row != len(sampled_tokens):
             raise ValueError(f"{len(sampled_tokens)} sampled tokens for {row} sample rows")
         return finished
+
+    def process_pooled(self, batch: ScheduledBatch) -> list[int]:
+        """An embedding server's step (every row a prompt chunk of a pooled request): each
+        running request advances by its chunk, and the chunk that ends its prompt finishes it
+        ("stop": nothing is sampled; its pages and slot are free). Returns those rows."""
+        ended = []
+        for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True)):
+            if request.status != "running":
+                continue  # aborted since it was scheduled
+            request.num_computed += len(chunk.token_ids)
+            self.prefix.share_computed_pages(request)
+            if chunk.sample:
+                self.finish(request.rid, "stop", None)
+                ended.append(i)
+        return ended
 
     def _take_token(self, request: Request, token: int, finished: list[Request]) -> None:
         """Appends a sampled token to a running request, ending it (into `finished`) where the

@@ -1,0 +1,67 @@
+"""An embedding server's engine (issue 54): `Engine.encode` on a decoder embedding checkpoint as
+Qwen3-Embedding ships equals sentence-transformers' `encode`, for each pooling mode, whole and
+chunked prompts, texts and token ids, with nothing compiled while serving."""
+import numpy as np
+import pytest
+
+from tests.embedding_models import save_decoder_embedding
+from xlaserve.offline import Engine
+
+pytest.importorskip("sentence_transformers")
+
+SENTENCES = ["the cat sat on a mat", "dog", "a dog ran on the mat the mat the cat sat on a dog"]
+# Prompt pieces of 4 tokens: the longer sentences run in 2 and 4 chunks.
+SMALL = dict(dtype="float32", page_size=4, max_running_requests=4, chunked_prefill_size=4,
+             max_prefill_tokens=8, max_total_tokens=256)
+
+
+def cosine(a, b) -> np.ndarray:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+@pytest.mark.parametrize("mode", ["lasttoken", "mean", "cls"])
+def test_encode_equals_sentence_transformers_over_chunked_prompts(tmp_path, mode):
+    path, reference = save_decoder_embedding(tmp_path, mode, normalize=mode != "cls")
+    expected = reference.encode(SENTENCES, convert_to_numpy=True)
+    with Engine(path, is_embedding=True, **SMALL) as engine:
+        compiled = engine.core.runner.compile_count()
+        outputs = engine.encode(SENTENCES)
+        by_ids = engine.encode(input_ids=[engine.tokenizer.encode(s) for s in SENTENCES])
+        one = engine.encode(SENTENCES[2])
+        assert engine.core.runner.compile_count() == compiled  # no compile while serving
+        assert engine.core._pooled is not None and len(engine.core._pooled) == 0
+    got = np.array([o["embedding"] for o in outputs], np.float32)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert cosine(got, expected).min() > 0.9999
+    np.testing.assert_allclose(np.array([o["embedding"] for o in by_ids]), got, atol=1e-6)
+    np.testing.assert_allclose(one["embedding"], got[2], atol=1e-6)
+    assert [o["meta_info"]["prompt_tokens"] for o in outputs] == [6, 1, 14]
+    assert outputs[0]["meta_info"]["completion_tokens"] == 0
+    if mode != "cls":  # normalised
+        np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
+
+
+def test_modules_json_makes_an_embedding_server_and_the_other_kind_is_refused(tmp_path):
+    """--runner auto serves a checkpoint with modules.json as embeddings; generation on it,
+    and --runner generate's encode, are refused in one line, not answered."""
+    path, reference = save_decoder_embedding(tmp_path, "lasttoken")
+    with Engine(path, **SMALL) as engine:
+        assert engine.core.pooling.mode == "last" and engine.core.pooling.normalize
+        np.testing.assert_allclose(engine.encode("the cat")["embedding"],
+                                   reference.encode("the cat"), atol=1e-4)
+        with pytest.raises(ValueError, match="generates no text"):
+            engine.generate("the cat", {"max_new_tokens": 2})
+    with Engine(path, runner="generate", **SMALL) as engine:
+        assert engine.core.pooling is None
+        with pytest.raises(ValueError, match="embeddings need an embedding model"):
+            engine.encode("the cat")
+        assert len(engine.generate("the cat", {"max_new_tokens": 2})["output_ids"]) == 2
+
+
+def test_an_input_over_the_context_is_refused(tmp_path):
+    path, _ = save_decoder_embedding(tmp_path, "mean")
+    with Engine(path, is_embedding=True, context_length=8, **SMALL) as engine:
+        with pytest.raises(ValueError, match="context length"):
+            engine.encode(input_ids=list(range(9)))
+        assert len(engine.encode(input_ids=list(range(8)))["embedding"]) == 64

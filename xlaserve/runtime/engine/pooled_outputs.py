@@ -1,0 +1,65 @@
+"""An embedding server's vectors, finished on the host from its steps' chunks (issue 54).
+
+The step returns each prompt chunk's rows reduced (model/pooling.reduce_chunks): its first row,
+its row sum or its last row. A prompt longer than a step's tokens runs in several chunks, so here
+the CLS vector is the first chunk's, the mean is the chunks' sums over the prompt's length, the
+last token's is the last chunk's; then L2 normalisation where the checkpoint has a Normalize
+module, in float32 as torch's `F.normalize` (max(norm, 1e-12)).
+
+A request's chunks arrive in order, but one that is retracted (the KV pool ran out) runs its
+prompt again from a position it had reached before: chunks are kept by where they start, and a
+chunk drops the kept ones that start at or after it. CLS and mean pooling read every row, so
+their requests reuse no cached prefix (EngineCore.submit); last-token pooling may.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from xlaserve.model.pooling import NORMALIZE_EPS
+from xlaserve.runtime.scheduler.request import Request, ScheduledBatch
+from xlaserve.weights.pooling import Pooling
+
+
+def finish_vector(pooling: Pooling, reduced: list[np.ndarray], prompt_tokens: int) -> np.ndarray:
+    """float32 [hidden]: a prompt's embedding from its chunks' reduced rows, in order."""
+    if pooling.mode == "mean":
+        vector = np.sum(reduced, axis=0, dtype=np.float32) / np.float32(prompt_tokens)
+    else:
+        vector = np.asarray(reduced[0 if pooling.mode == "cls" else -1], np.float32)
+    if pooling.normalize:
+        vector = vector / max(np.float32(np.linalg.norm(vector)), np.float32(NORMALIZE_EPS))
+    return vector.astype(np.float32)
+
+
+class PooledOutputs:
+    """Each unfinished request's chunks so far (the engine loop's alone)."""
+
+    def __init__(self, pooling: Pooling):
+        self.pooling = pooling
+        # rid -> (the request, {chunk start: its rows reduced})
+        self._chunks: dict[str, tuple[Request, dict[int, np.ndarray]]] = {}
+
+    def take(self, batch: ScheduledBatch, reduced: np.ndarray, running: list[int],
+             ended: list[int]) -> list[tuple[Request, np.ndarray]]:
+        """Keeps the step's chunks of the `running` rows (those of requests still running
+        when it was read) and returns (request, embedding) for the `ended` ones among them,
+        which finished their prompt."""
+        for i in running:
+            request, start = batch.requests[i], batch.chunks[i].num_cached
+            kept = self._chunks.setdefault(request.rid, (request, {}))[1]
+            for old in [s for s in kept if s >= start]:  # a retracted request's second run
+                del kept[old]
+            kept[start] = reduced[i]
+        done = []
+        for i in ended:
+            request = batch.requests[i]
+            kept = self._chunks.pop(request.rid)[1]
+            done.append((request, finish_vector(self.pooling, [kept[s] for s in sorted(kept)],
+                                                len(request.prompt_ids))))
+        # A request aborted between its chunks: its chunks go with it.
+        for rid in [rid for rid, (r, _) in self._chunks.items() if r.status != "running"]:
+            del self._chunks[rid]
+        return done
+
+    def __len__(self) -> int:
+        return len(self._chunks)
