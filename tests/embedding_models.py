@@ -33,11 +33,12 @@ def sentence_transformer(transformer_dir: str, mode: str, normalize: bool):
                                device="cpu")
 
 
-def save_decoder_embedding(directory, mode: str, normalize: bool = True):
+def save_decoder_embedding(directory, mode: str, normalize: bool = True, tied: bool = True):
     """(its folder, the SentenceTransformer): a decoder embedding checkpoint as Qwen3-Embedding
     ships (sentence-transformers' save of the backbone, no `model.` prefix, modules.json and the
     Pooling config, under a Qwen3ForCausalLM config with tied embeddings), pooling `mode`
-    (sentence-transformers' names: cls, mean, lasttoken)."""
+    (sentence-transformers' names: cls, mean, lasttoken). `tied` False: an untied config, whose
+    checkpoint has no lm_head.weight (gte-Qwen2-7B-instruct's case)."""
     import json
     import pathlib
 
@@ -46,6 +47,6 @@ def save_decoder_embedding(directory, mode: str, normalize: bool = True):
     saved = directory / "st"
     model.save(str(saved))
     config = json.loads((saved / "config.json").read_text())
-    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
+    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=tied)
     (saved / "config.json").write_text(json.dumps(config))
     return str(saved), model

@@ -65,3 +65,15 @@ def test_an_input_over_the_context_is_refused(tmp_path):
         with pytest.raises(ValueError, match="context length"):
             engine.encode(input_ids=list(range(9)))
         assert len(engine.encode(input_ids=list(range(8)))["embedding"]) == 64
+
+
+def test_an_untied_checkpoint_without_its_lm_head_serves_embeddings(tmp_path):
+    """An embedding server builds no LM head (ModelConfig.lm_head): a checkpoint whose config
+    is untied and which ships no lm_head.weight loads; a text generator from it does not."""
+    path, reference = save_decoder_embedding(tmp_path, "lasttoken", tied=False)
+    with Engine(path, is_embedding=True, **SMALL) as engine:
+        assert not hasattr(engine.core.loaded.model, "lm_head")
+        np.testing.assert_allclose(engine.encode(SENTENCES[0])["embedding"],
+                                   reference.encode(SENTENCES[0]), atol=1e-4)
+    with pytest.raises(Exception, match="lm_head.weight"):
+        Engine(path, runner="generate", **SMALL)

@@ -160,6 +160,9 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool = False
+    # False: the model is built without an LM head: an embedding server's (nothing reads its
+    # logits), so a checkpoint without lm_head.weight loads and one with it does not spend memory.
+    lm_head: bool = True
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False

@@ -162,7 +162,7 @@ class CausalLM(nnx.Module):
             [DecoderLayer(config, i, dtype, rngs) for i in range(config.num_layers)]
         )
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if not config.tie_word_embeddings:
+        if not config.tie_word_embeddings and config.lm_head:
             self.lm_head = nnx.Param(init_weight(rngs, (config.hidden_size, config.vocab_size), dtype))
 
     def __call__(
@@ -216,6 +216,8 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array, kernels: Kernels) -> jax.Array:
         """float32[R, V]: final norm and LM head (tied to the embedding or not) of `hidden` rows."""
         x = self.final_norm(hidden)
+        if not self.config.lm_head:
+            raise ValueError("this model was built without its LM head (an embedding server's)")
         if self.config.tie_word_embeddings:
             return linear(x, self.embedding[...], kernels, transposed=True)
         return linear(x, self.lm_head[...], kernels)

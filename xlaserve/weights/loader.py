@@ -194,6 +194,7 @@ def load_model(
     revision: str | None = None,
     trust_remote_code: bool = False,
     quantized_activations: str = "float32",
+    lm_head: bool = True,
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
     for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
@@ -204,7 +205,9 @@ def load_model(
     FP8 there too (fp8_kept.py), and is dequantized at load elsewhere.
     `matmul_backend` (runtime/executor/kernels.py): a GGUF's quantized weights stay quantized unless it is
     "xla" (XLA's dots take float weights) or the mesh is not a single CPU device;
-    `quantized_activations` "q8" lays them out for the Q8 GEMM (gguf_kept.kept_weights)."""
+    `quantized_activations` "q8" lays them out for the Q8 GEMM (gguf_kept.kept_weights).
+    `lm_head` False: the model without its LM head (ModelConfig.lm_head; an embedding server's),
+    from a safetensors checkpoint."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -218,6 +221,9 @@ def load_model(
 
     gguf_path = None if dummy else _gguf_in(path)
     if gguf_path is not None:
+        if not lm_head:
+            raise ValueError(f"{gguf_path}: embedding models are served from their Hugging Face "
+                             "checkpoint (with sentence-transformers' files), not a GGUF")
         refuse_quantized_checkpoint(quantization, "GGUF", gguf_path)
         cache = ConversionCache(conversion_cache_dir) if conversion_cache else None
         config, model, tokenizer = load_gguf(
@@ -229,6 +235,11 @@ def load_model(
         return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
     source_path, config, hf_config = _read_config(path, config_file_allowed=dummy,
                                                   trust_remote_code=trust_remote_code)
+    if not lm_head:
+        if checkpoint.is_checkpoint(source_path):
+            raise ValueError(f"{source_path}: an xlaserve checkpoint is served with its LM head; "
+                             "serve embeddings from the Hugging Face checkpoint")
+        config = dataclasses.replace(config, lm_head=False)
     check_expert_parallel(config.num_experts, mesh)
     if quantization == "mxfp4":
         mxfp4_kept.check_model(config, mesh, None if dummy else source_path)

@@ -127,7 +127,7 @@ def convert(config: ModelConfig, source: TensorSource,
     for i in range(c.num_layers):
         yield from layer_weights(source, c, i, f"model.layers.{i}.", ("layers", i), skip)
     yield ("final_norm", "scale"), _fetch(source, "model.norm.weight", (hidden,))
-    if not c.tie_word_embeddings and ("lm_head",) not in skip:
+    if not c.tie_word_embeddings and c.lm_head and ("lm_head",) not in skip:
         yield ("lm_head",), _fetch(source, "lm_head.weight", (c.vocab_size, hidden)).T
 
 

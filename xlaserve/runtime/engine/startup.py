@@ -28,8 +28,8 @@ from flax import nnx
 
 from xlaserve.runtime.distributed.leader import Leader, lead
 from xlaserve import platform_defaults
-from xlaserve.weights.loader import (LoadedModel, load_model, server_load_options,
-                                     tensor_parallel_mesh)
+from xlaserve.weights.loader import (LoadedModel, load_model, resolve_model_path,
+                                     server_load_options, tensor_parallel_mesh)
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.executor.forward_batch import Buckets, serving_buckets, with_page_size
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
@@ -81,7 +81,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     clock = time.perf_counter()
     malloc_tuning.limit_arenas()  # before XLA's threads allocate
     compilation_cache_dir = enable_persistent_cache(args.compilation_cache_dir)
+    embeds = serves_embeddings(args)
     loaded = load_model(**server_load_options(args), tokenizer_path=args.tokenizer_path,
+                        lm_head=not embeds,
                         skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
                         mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size,
                                                   args.ep_size))
@@ -97,7 +99,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                 loaded.name, " (dummy weights)" if args.load_format == "dummy" else "")
     logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
     tokenizer = loaded.tokenizer
-    pooling = pooling_of(args, loaded)
+    pooling = pooling_of(args, loaded) if embeds else None
     context_length = args.context_length or config.max_position_embeddings
     if pooling is not None and pooling.max_seq_length and not args.context_length:
         # sentence-transformers' limit (vLLM's max_model_len for the model too): longer inputs
@@ -209,22 +211,32 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        pooling=pooling)
 
 
-def pooling_of(args: ServerArgs, loaded: LoadedModel) -> Pooling | None:
+def _folder(path: str) -> str:
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def serves_embeddings(args: ServerArgs) -> bool:
+    """Whether the server is an embedding server: --is-embedding / --runner pooling, or
+    --runner auto and a checkpoint with sentence-transformers' modules.json."""
+    if args.runner != "auto":
+        return args.runner == "pooling"
+    if args.model_path is None:  # the embedded default model generates
+        return False
+    folder = _folder(resolve_model_path(args.model_path, with_weights=False,
+                                        revision=args.revision,
+                                        trust_remote_code=args.trust_remote_code))
+    if not os.path.isfile(os.path.join(folder, MODULES_FILE)):
+        return False
+    logger.info("Serving embeddings: the checkpoint has sentence-transformers' %s "
+                "(--runner generate serves it as a text generator)", MODULES_FILE)
+    args.refuse_for_embeddings()
+    return True
+
+
+def pooling_of(args: ServerArgs, loaded: LoadedModel) -> Pooling:
     """An embedding server's pooling, read from the checkpoint's sentence-transformers files
-    (weights/pooling.py): with --is-embedding / --runner pooling, or with --runner auto where
-    the checkpoint has a modules.json. None: the server generates."""
-    folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
-    found = os.path.isfile(os.path.join(folder, MODULES_FILE))
-    if args.runner == "generate" or (args.runner == "auto" and not found):
-        return None
-    if args.runner == "auto":
-        logger.info("Serving embeddings: the checkpoint has sentence-transformers' %s "
-                    "(--runner generate serves it as a text generator)", MODULES_FILE)
-        args.refuse_for_embeddings()
-    if args.load_format == "dummy" and not found:
-        raise ValueError("an embedding server needs the checkpoint's sentence-transformers "
-                         f"files ({MODULES_FILE} and its Pooling module), dummy weights too")
-    pooling = read_pooling(folder, loaded.config.hidden_size)
+    (weights/pooling.py); PoolingConfigError naming what cannot be applied."""
+    pooling = read_pooling(_folder(loaded.source), loaded.config.hidden_size)
     logger.info("Pooling: %s%s%s", pooling.mode, ", normalized" if pooling.normalize else "",
                 ", inputs lowercased" if pooling.lowercase else "")
     return pooling

@@ -164,7 +164,8 @@ class ModelRunner:
         self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh,
                                        self.draft_head_pool)
         if kernels.packed_matmul is not None:
-            pack_model(loaded.model, self.config.tie_word_embeddings,
+            # An embedding server's model has no LM head: its tied embedding stays as it is.
+            pack_model(loaded.model, self.config.tie_word_embeddings and self.config.lm_head,
                        int8_as_rows=native_gemm_available(),
                        int8_activations=quantized_activations)
         check_quantized_rows(loaded.model, kernels)
