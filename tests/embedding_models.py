@@ -50,3 +50,50 @@ def save_decoder_embedding(directory, mode: str, normalize: bool = True, tied: b
     config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=tied)
     (saved / "config.json").write_text(json.dumps(config))
     return str(saved), model
+
+
+ENCODER_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + WORDS
+
+
+def make_tiny_encoder(directory, architecture: str = "bert") -> str:
+    """A random 2-layer BertModel ("bert") or XLMRobertaModel ("xlm-roberta": positions start
+    past the padding id) and a word-level tokenizer that wraps each text in [CLS] ... [SEP], as
+    BERT's does."""
+    import tokenizers
+    import torch
+    import transformers
+
+    shapes = dict(hidden_size=HIDDEN, intermediate_size=96, num_attention_heads=4,
+                  num_hidden_layers=2, vocab_size=len(ENCODER_WORDS) + 4,
+                  max_position_embeddings=40, type_vocab_size=2, hidden_act="gelu")
+    torch.manual_seed(1)
+    if architecture == "bert":
+        model = transformers.BertModel(transformers.BertConfig(**shapes), add_pooling_layer=True)
+    else:
+        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(
+            **shapes, pad_token_id=0, bos_token_id=2, eos_token_id=3), add_pooling_layer=True)
+    model.save_pretrained(directory)
+    vocabulary = {word: i for i, word in enumerate(ENCODER_WORDS)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+        sep_token="[SEP]").save_pretrained(directory)
+    return str(directory)
+
+
+def save_encoder_embedding(directory, mode: str, normalize: bool = True,
+                           architecture: str = "bert"):
+    """(its folder, the SentenceTransformer): an encoder embedding checkpoint as bge or
+    all-MiniLM ship (sentence-transformers' save: the BertModel's tensors without a prefix,
+    modules.json, the Pooling config), pooling `mode` (cls, mean, lasttoken)."""
+    import pathlib
+
+    directory = pathlib.Path(directory)
+    model = sentence_transformer(make_tiny_encoder(directory / "backbone", architecture), mode,
+                                 normalize)
+    saved = directory / "st"
+    model.save(str(saved))
+    return str(saved), model

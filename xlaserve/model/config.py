@@ -147,6 +147,24 @@ def mla_from_hf(hf_config, v3: bool) -> MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """A BERT-family encoder's own fields (model/encoder.py): the embeddings' token types and
+    position offset, the LayerNorms' epsilon, the MLP's GELU."""
+
+    type_vocab_size: int
+    layer_norm_eps: float
+    # Position ids start here: XLM-RoBERTa's padding_idx + 1 (its ids count from past the
+    # padding row), BERT's 0.
+    position_offset: int
+    activation: str  # "gelu" (erf) or "gelu_tanh"
+
+
+# BERT-family architectures (model/encoder.py) and what their `hidden_act` names mean here.
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel")
+_GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -199,6 +217,9 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py); None: the usual attention.
     # `head_dim` is then the RoPE'd part's (the RoPE tables' width).
     mla: MLAConfig | None = None
+    # A BERT-family encoder (model/encoder.py): bidirectional attention, no KV cache, no RoPE
+    # (`rope` unused), post-LayerNorms of epsilon `encoder.layer_norm_eps`; None: a decoder.
+    encoder: EncoderConfig | None = None
 
     @property
     def queries_per_kv(self) -> int:
@@ -242,12 +263,15 @@ class ModelConfig:
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
+        data["encoder"] = EncoderConfig(**data["encoder"]) if data.get("encoder") else None
         return cls(**data)
 
     @classmethod
     def from_hf(cls, hf_config: Any, architecture: str) -> "ModelConfig":
         """Build from a `transformers.PretrainedConfig` of a supported `architecture` (see
         `registry.py`, which checks that first)."""
+        if architecture in ENCODER_ARCHITECTURES:
+            return encoder_from_hf(hf_config, architecture)
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError(f"{architecture} with mlp_bias=True is not supported")
         if getattr(hf_config, "hidden_act", "silu") not in ("silu", "swish"):
@@ -288,6 +312,34 @@ class ModelConfig:
             mla=mla,
             **_experts_from_hf(hf_config, architecture),
         )
+
+
+def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
+    """A BERT or XLM-RoBERTa encoder's config; what model/encoder.py does not run is refused."""
+    kind = getattr(hf_config, "position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"{architecture} with position_embedding_type {kind!r} is not supported "
+                         "(absolute only)")
+    if getattr(hf_config, "is_decoder", False) or getattr(hf_config, "add_cross_attention", False):
+        raise ValueError(f"{architecture} as a decoder (is_decoder, add_cross_attention) is not "
+                         "supported: an encoder's attention sees the whole input")
+    if hf_config.hidden_act not in _GELUS:
+        raise ValueError(f"{architecture} with hidden_act {hf_config.hidden_act!r} is not "
+                         f"supported ({', '.join(_GELUS)})")
+    offset = 0
+    if architecture == "XLMRobertaModel":  # create_position_ids_from_input_ids: past the padding
+        offset = int(hf_config.pad_token_id) + 1
+    heads = hf_config.num_attention_heads
+    return ModelConfig(
+        architecture=architecture, vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers, num_heads=heads, num_kv_heads=heads,
+        head_dim=hf_config.hidden_size // heads, rms_norm_eps=float(hf_config.layer_norm_eps),
+        rope=RopeConfig(), max_position_embeddings=int(hf_config.max_position_embeddings) - offset,
+        lm_head=False, qkv_bias=True, o_bias=True,
+        encoder=EncoderConfig(type_vocab_size=int(hf_config.type_vocab_size),
+                              layer_norm_eps=float(hf_config.layer_norm_eps),
+                              position_offset=offset, activation=_GELUS[hf_config.hidden_act]))
 
 
 def _rope_from_hf(hf_config: Any) -> RopeConfig:

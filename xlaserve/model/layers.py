@@ -9,6 +9,7 @@ to the model dtype (`project`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -21,6 +22,7 @@ from xlaserve.model.int8 import Int8Matrix
 from xlaserve.model.packed import PackedExperts, PackedMatrix, output_axes
 from xlaserve.model.quantized_rows import QuantizedLinear, quantized_linear
 from xlaserve.native import quantized_gemm_cpu
+from xlaserve.pallas_kernels.ragged_paged_attention.new_tokens import reference_new_token_attention
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
 
 
@@ -141,6 +143,11 @@ class Kernels:
     # its native GEMM writes float32, and XLA's CPU dot with a bfloat16 output converted every
     # weight to float32 each step (transformer.py).
     round_projections: bool = False
+    # An encoder's attention (model/encoder.py), each token against its whole sequence:
+    # `(q, k, v, cu_q_lens, num_seqs, sm_scale=) -> (out float32, lse)`, new_tokens.py's
+    # attention with causal=False on the platform's kernel.
+    bidirectional_attention: Callable = functools.partial(reference_new_token_attention,
+                                                          causal=False)
 
 
 def matmul_input_dtype(weight) -> jnp.dtype:

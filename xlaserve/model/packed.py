@@ -22,7 +22,7 @@ from xlaserve.model.whole_weight import ReadWhole
 from xlaserve.native import gemm_cpu, quantized_gemm_cpu
 
 # The leaves that are matmul weights, with how many of their leading axes are contracted.
-MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1}
+MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1, "up": 1}
 # The experts' weights [E, K, N...] (model/moe.py): one contracted axis after the experts'.
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
 

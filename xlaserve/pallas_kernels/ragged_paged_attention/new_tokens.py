@@ -2,6 +2,8 @@
 each row's log-sum-exp: the second half of multi-head latent attention's expanded form (model/
 mla.py). The first half, each token against its sequence's cached prefix, is the absorbed kernel
 with `prefix_only`; `reference.merge_by_lse` joins the two into the softmax over every key.
+With `causal=False` each token sees its whole sequence: an encoder's attention (model/encoder.py),
+whose sequences run whole in one step and keep no cache.
 
 q [T, H, Dk], k [T, H, Dk], v [T, H, Dv]: the new tokens in the batch's order (cu_q_lens), keys
 and values already expanded per head; padding tokens (past cu_q_lens[num_seqs]) attend to one
@@ -38,11 +40,13 @@ def segment_ids(cu_q_lens, num_seqs, num_tokens: int):
     return jnp.where(token < end, seq, max_seqs).astype(jnp.int32)
 
 
-def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale):
+def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True):
     num_tokens = q.shape[0]
     segment = segment_ids(cu_q_lens, num_seqs, num_tokens)
     position = jnp.arange(num_tokens)
-    mask = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
+    mask = segment[:, None] == segment[None, :]
+    if causal:
+        mask &= position[None, :] <= position[:, None]
     scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
     scores = jnp.where(mask[None], scores, -jnp.inf)  # every row has its own key
     lse = jax.nn.logsumexp(scores, axis=-1)
@@ -51,11 +55,12 @@ def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale):
     return out, lse.T
 
 
-def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, block=128):
+def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True,
+                                block=128):
     """The CPU's: the reference's arithmetic a block of `block` query rows at a time, with an
-    online softmax over the key blocks from its first row's sequence start to itself alone (a
-    dynamic loop bound), so a bucket's cost follows its sequences' lengths (in whole blocks),
-    not the bucket's square. The expanded form as served with it against the reference's whole [H, T, T]
+    online softmax over the key blocks from its first row's sequence start to itself (not
+    causal: to its last row's sequence end) alone (a dynamic loop bound), so a bucket's cost
+    follows its sequences' lengths (in whole blocks), not the bucket's square. The expanded form as served with it against the reference's whole [H, T, T]
     scores (bench_mla_forms.py, DeepSeek-V3's 16 heads, float32, 2 Zen 3 cores): 4 prompts of
     256 tokens 173 against 312 ms, one of 1024 238 against 286."""
     num_tokens, heads, _ = q.shape
@@ -64,8 +69,14 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, block
     pad = lambda x: jnp.pad(x, ((0, padded - num_tokens), (0, 0), (0, 0)))
     q, k, v = pad(q), pad(k), pad(v)
     segment = segment_ids(cu_q_lens, num_seqs, padded)  # block padding: the padding segment
-    starts = jnp.append(jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)[:-1], num_tokens)
+    bounds = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
+    starts = jnp.append(bounds[:-1], num_tokens)
     first_key_block = jnp.minimum(starts[segment[::block]] // block, jnp.arange(padded // block))
+    if causal:
+        end_key_block = jnp.arange(padded // block) + 1
+    else:  # through the block holding the end of the block's last row's sequence
+        ends = jnp.append(bounds[1:], padded)  # the padding segment: to the end
+        end_key_block = -(-ends[segment[block - 1::block]] // block)
 
     def query_block(i):
         rows = i * block
@@ -78,7 +89,9 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, block
             keys = j * block
             k_j, v_j = (jax.lax.dynamic_slice_in_dim(x, keys, block) for x in (k, v))
             seg_j = jax.lax.dynamic_slice_in_dim(segment, keys, block)
-            mask = (seg_i[:, None] == seg_j[None, :]) & (keys + jnp.arange(block) <= pos_i[:, None])
+            mask = seg_i[:, None] == seg_j[None, :]
+            if causal:
+                mask &= keys + jnp.arange(block) <= pos_i[:, None]
             scores = jnp.einsum("qhd,khd->hqk", q_i, k_j, preferred_element_type=jnp.float32)
             # A row whose keys are all masked here gets junk weighed exp(MASK_VALUE - m) = 0 by
             # its own key's block, as in reference.attend_paged.
@@ -92,7 +105,7 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, block
 
         start = (jnp.full((heads, block), MASK_VALUE), jnp.zeros((heads, block)),
                  jnp.zeros((heads, block, v.shape[-1])))
-        m, l, acc = jax.lax.fori_loop(first_key_block[i], i + 1, key_block, start)
+        m, l, acc = jax.lax.fori_loop(first_key_block[i], end_key_block[i], key_block, start)
         return acc / l[..., None], m + jnp.log(l)  # every row is its own key: l > 0
 
     out, lse = jax.lax.map(query_block, jnp.arange(padded // block))  # [blocks, H, block, ...]
@@ -100,8 +113,8 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, block
     return out, lse.transpose(0, 2, 1).reshape(padded, heads)[:num_tokens]
 
 
-def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, interpret=False,
-                            block_q=64, block_k=64):
+def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True,
+                            interpret=False, block_q=64, block_k=64):
     from jax.experimental.pallas.ops.gpu import attention
 
     num_tokens, _, key_dim = q.shape
@@ -116,15 +129,15 @@ def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, interpret
     q, k, v = pad(q, key_dim), pad(k, key_dim), pad(v, key_dim)
     segment = segment_ids(cu_q_lens, num_seqs, padded)[None]
     sizes = attention.BlockSizes(block_q=block_q, block_k=block_k)
-    out, lse = attention.mha(q[None], k[None], v[None], segment, sm_scale=sm_scale, causal=True,
+    out, lse = attention.mha(q[None], k[None], v[None], segment, sm_scale=sm_scale, causal=causal,
                              block_sizes=sizes, interpret=interpret, return_residuals=True)
     # The kernel's softmax runs in base 2: its lse is log2 of the denominator.
     out, lse = out[0, :num_tokens, :, :value_dim], lse[0, :, :num_tokens].T
     return out.astype(jnp.float32), lse * math.log(2.0)
 
 
-def tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, interpret=False,
-                            block=512):
+def tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True,
+                            interpret=False, block=512):
     """JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) over the batch
     as one packed sequence: a causal mask, the sequences kept apart by segment ids, its
     log-sum-exp saved. Splash skips the blocks its static causal mask rules out, not the ones
@@ -137,7 +150,9 @@ def tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, interpret
     padded = -(-num_tokens // block) * block
     pad = lambda x: jnp.pad(x, ((0, padded - num_tokens), (0, 0), (0, 0))).transpose(1, 0, 2)
     segment = segment_ids(cu_q_lens, num_seqs, padded)
-    mask = masks.MultiHeadMask([masks.CausalMask((padded, padded))] * num_heads)
+    shape = (padded, padded)
+    mask = masks.MultiHeadMask([masks.CausalMask(shape) if causal else masks.FullMask(shape)]
+                               * num_heads)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                     save_residuals=True, interpret=interpret)

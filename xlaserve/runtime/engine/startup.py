@@ -28,8 +28,8 @@ from flax import nnx
 
 from xlaserve.runtime.distributed.leader import Leader, lead
 from xlaserve import platform_defaults
-from xlaserve.weights.loader import (LoadedModel, load_model, resolve_model_path,
-                                     server_load_options, tensor_parallel_mesh)
+from xlaserve.weights.loader import (LoadedModel, load_model, server_load_options,
+                                     tensor_parallel_mesh)
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.executor.forward_batch import Buckets, serving_buckets, with_page_size
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
@@ -81,9 +81,13 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     clock = time.perf_counter()
     malloc_tuning.limit_arenas()  # before XLA's threads allocate
     compilation_cache_dir = enable_persistent_cache(args.compilation_cache_dir)
-    embeds = serves_embeddings(args)
-    loaded = load_model(**server_load_options(args), tokenizer_path=args.tokenizer_path,
-                        lm_head=not embeds,
+    options = server_load_options(args)
+    embeds = not options["lm_head"]  # an embedding server (loader.serves_embeddings)
+    if embeds and args.runner == "auto":
+        logger.info("Serving embeddings: the checkpoint has sentence-transformers' %s "
+                    "(--runner generate serves it as a text generator)", MODULES_FILE)
+        args.refuse_for_embeddings()
+    loaded = load_model(**options, tokenizer_path=args.tokenizer_path,
                         skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
                         mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size,
                                                   args.ep_size))
@@ -99,6 +103,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                 loaded.name, " (dummy weights)" if args.load_format == "dummy" else "")
     logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
     tokenizer = loaded.tokenizer
+    if config.encoder is not None and not embeds:
+        raise ValueError(f"{config.architecture} is an encoder: it serves embeddings "
+                         "(--is-embedding), not text")
     pooling = pooling_of(args, loaded) if embeds else None
     context_length = args.context_length or config.max_position_embeddings
     if pooling is not None and pooling.max_seq_length and not args.context_length:
@@ -109,6 +116,12 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     args, defaulted = platform_defaults.resolve(args, platform, loaded.mesh.devices.flat[0])
     platform_defaults.log_resolved(args, platform, defaulted)
     args = with_page_size(args, platform, context_length)
+    if config.encoder is not None:
+        # An encoder's input runs whole in one step (its attention sees all of it): no chunks,
+        # and a step's prompt budget holds the longest input.
+        args = dataclasses.replace(args, chunked_prefill_size=0,
+                                   max_prefill_tokens=max(args.max_prefill_tokens,
+                                                          context_length))
     page_size = args.page_size
     head = None
     if args.speculative_algorithm in ("EAGLE3", "NEXTN"):  # the draft head rides on the model
@@ -168,7 +181,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
-        radix_cache=not args.disable_radix_cache,
+        # An encoder's and CLS / mean pooling's pages are never reused (pooled_outputs.py).
+        radix_cache=not args.disable_radix_cache and (
+            pooling is None or (pooling.mode == "last" and config.encoder is None)),
         speculation=SpeculativeConfig.from_server_args(args),
         drafter=drafter.propose if drafter is not None else None)
     if args.dp_size > 1:
@@ -211,32 +226,11 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        pooling=pooling)
 
 
-def _folder(path: str) -> str:
-    return path if os.path.isdir(path) else os.path.dirname(path)
-
-
-def serves_embeddings(args: ServerArgs) -> bool:
-    """Whether the server is an embedding server: --is-embedding / --runner pooling, or
-    --runner auto and a checkpoint with sentence-transformers' modules.json."""
-    if args.runner != "auto":
-        return args.runner == "pooling"
-    if args.model_path is None:  # the embedded default model generates
-        return False
-    folder = _folder(resolve_model_path(args.model_path, with_weights=False,
-                                        revision=args.revision,
-                                        trust_remote_code=args.trust_remote_code))
-    if not os.path.isfile(os.path.join(folder, MODULES_FILE)):
-        return False
-    logger.info("Serving embeddings: the checkpoint has sentence-transformers' %s "
-                "(--runner generate serves it as a text generator)", MODULES_FILE)
-    args.refuse_for_embeddings()
-    return True
-
-
 def pooling_of(args: ServerArgs, loaded: LoadedModel) -> Pooling:
     """An embedding server's pooling, read from the checkpoint's sentence-transformers files
     (weights/pooling.py); PoolingConfigError naming what cannot be applied."""
-    pooling = read_pooling(_folder(loaded.source), loaded.config.hidden_size)
+    folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
+    pooling = read_pooling(folder, loaded.config.hidden_size)
     logger.info("Pooling: %s%s%s", pooling.mode, ", normalized" if pooling.normalize else "",
                 ", inputs lowercased" if pooling.lowercase else "")
     return pooling

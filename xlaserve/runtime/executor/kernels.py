@@ -64,7 +64,8 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
                                              if packed_matmul is not None else None))
     # The latent kernel's prefix part: the expanded form's, and speculative tree rows' (mla.py).
     prefix, new = get_expanded_prefill_fns(attention_backend, mesh, platform=platform)
-    kernels = dataclasses.replace(kernels, latent_prefix_attention=prefix)
+    kernels = dataclasses.replace(kernels, latent_prefix_attention=prefix,
+                                  bidirectional_attention=functools.partial(new, causal=False))
     if mla_expanded_prefill_tokens > 0:
         kernels = dataclasses.replace(
             kernels, mla_expanded_prefill_tokens=mla_expanded_prefill_tokens,

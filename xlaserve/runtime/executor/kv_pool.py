@@ -21,6 +21,9 @@ from xlaserve.model.transformer import kv_cache_shape
 from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
 
 logger = logging.getLogger(__name__)
+# An encoder's pages hold nothing (its pool has no arrays): enough of them that admission never
+# waits on them; the steps' token buckets bound the work instead.
+NO_CACHE_TOKENS = 1 << 20
 
 def bytes_per_token(config: ModelConfig, dtype, platform: str,
                     draft_head: ModelConfig | None = None) -> int:
@@ -60,6 +63,8 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
         significant_bits = 4
     if config.mla is not None:  # the latent cache is whole on every device (kv_cache_spec)
         tensor_parallel = 1
+    if config.encoder is not None:  # no cache (model/encoder.py): pages are bookkeeping only,
+        return pages_for_tokens(NO_CACHE_TOKENS, page_size) + 1  # the scheduler's admission
     per_page = (bytes_per_token(config, dtype, device.platform, draft_head) * page_size
                 // tensor_parallel)
     return max(2, round_down_coarsely(max(int(budget // per_page), 0), significant_bits))
@@ -78,6 +83,8 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
     """The pool's arrays as jax.ShapeDtypeStruct, with their sharding: what a step is lowered for
     before the pool exists. With a speculative draft head, two more after the layers'
     (`DraftHeadPool`)."""
+    if config.encoder is not None:  # an encoder keeps no cache (model/encoder.py)
+        return []
     platform = mesh.devices.flat[0].platform
     sharding = NamedSharding(mesh, kv_cache_spec(config))
     shape = kv_cache_shape(config, num_pages, page_size, platform)
@@ -110,6 +117,10 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
     in as they are zeroed, at ~0.8 GB/s (the default model's 2.3 GB: 1.8-2.9 s on a 2-core Zen 4),
     a wait the runner overlaps with packing the weights and loading the programs."""
     specs = kv_pool_specs(config, num_pages, page_size, dtype, mesh, draft_head)
+    if not specs:  # an encoder's
+        empty: concurrent.futures.Future = concurrent.futures.Future()
+        empty.set_result([])
+        return empty if in_background else []
     spec = specs[0]
     # Compiled here, not on the thread: no compile runs beside another (executable_cache.py
     # turns JAX's persistent cache off around its own).
