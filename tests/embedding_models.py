@@ -55,10 +55,11 @@ def save_decoder_embedding(directory, mode: str, normalize: bool = True, tied: b
 ENCODER_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + WORDS
 
 
-def make_tiny_encoder(directory, architecture: str = "bert") -> str:
+def make_tiny_encoder(directory, architecture: str = "bert", classifier: bool = False) -> str:
     """A random 2-layer BertModel ("bert") or XLMRobertaModel ("xlm-roberta": positions start
-    past the padding id) and a word-level tokenizer that wraps each text in [CLS] ... [SEP], as
-    BERT's does."""
+    past the padding id), with `classifier` its *ForSequenceClassification of one label (a
+    cross-encoder), and a word-level tokenizer that wraps each text in [CLS] ... [SEP] and a
+    pair in [CLS] a [SEP] b [SEP], b of token type 1, as BERT's does."""
     import tokenizers
     import torch
     import transformers
@@ -68,19 +69,31 @@ def make_tiny_encoder(directory, architecture: str = "bert") -> str:
                   max_position_embeddings=40, type_vocab_size=2, hidden_act="gelu")
     torch.manual_seed(1)
     if architecture == "bert":
-        model = transformers.BertModel(transformers.BertConfig(**shapes), add_pooling_layer=True)
+        config = transformers.BertConfig(**shapes, num_labels=1)
+        model = (transformers.BertForSequenceClassification(config) if classifier
+                 else transformers.BertModel(config, add_pooling_layer=True))
     else:
-        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(
-            **shapes, pad_token_id=0, bos_token_id=2, eos_token_id=3), add_pooling_layer=True)
+        config = transformers.XLMRobertaConfig(**shapes, pad_token_id=0, bos_token_id=2,
+                                               eos_token_id=3, num_labels=1)
+        model = (transformers.XLMRobertaForSequenceClassification(config) if classifier
+                 else transformers.XLMRobertaModel(config, add_pooling_layer=True))
+    if classifier:  # weights large enough that each pair's score differs, so a wrong one shows
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() == 2:
+                    parameter.mul_(8.0)
     model.save_pretrained(directory)
     vocabulary = {word: i for i, word in enumerate(ENCODER_WORDS)}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-        sep_token="[SEP]").save_pretrained(directory)
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    # BERT's tokenizer gives a pair's token types; XLM-R's gives none (its model has one type).
+    kind = (transformers.BertTokenizerFast if architecture == "bert"
+            else transformers.PreTrainedTokenizerFast)
+    kind(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+         sep_token="[SEP]").save_pretrained(directory)
     return str(directory)
 
 
@@ -97,3 +110,13 @@ def save_encoder_embedding(directory, mode: str, normalize: bool = True,
     saved = directory / "st"
     model.save(str(saved))
     return str(saved), model
+
+
+def save_cross_encoder(directory, architecture: str = "xlm-roberta"):
+    """(its folder, sentence-transformers' CrossEncoder of it): a reranker as bge-reranker
+    (XLMRobertaForSequenceClassification) or an ms-marco MiniLM cross-encoder
+    (BertForSequenceClassification) ships, one label."""
+    from sentence_transformers import CrossEncoder
+
+    path = make_tiny_encoder(directory, architecture, classifier=True)
+    return path, CrossEncoder(path, device="cpu")

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
-from xlaserve.http import embeddings, lora_routes, native, responses, tokenize
+from xlaserve.http import embeddings, lora_routes, native, rerank, responses, tokenize
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.disconnect import until_disconnect
@@ -119,6 +119,7 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     app.include_router(tokenize.router)
     app.include_router(lora_routes.router)
     app.include_router(embeddings.router)
+    app.include_router(rerank.router)
     if batch_runner is not None:
         app.include_router(files.router)
         app.include_router(batches.router)

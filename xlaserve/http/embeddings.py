@@ -97,13 +97,19 @@ def input_id_lists(ctx: ServingContext, inputs: Inputs, param: str, add_special_
             ids = list(item)
         if truncate is not None:
             ids = ids[-truncate:]
-        check_prompt_ids(ctx, ids, param)
-        try:
-            ctx.core.check_embedding_input(len(ids))
-        except RequestTooLong as error:
-            raise context_error(error, param) from None
+        check_input_ids(ctx, ids, param)
         id_lists.append(ids)
     return id_lists
+
+
+def check_input_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
+    """One input's ids: not empty, in the vocabulary, within the context (a 400 naming
+    `param`, `context_length_exceeded` for the length)."""
+    check_prompt_ids(ctx, ids, param)
+    try:
+        ctx.core.check_embedding_input(len(ids))
+    except RequestTooLong as error:
+        raise context_error(error, param) from None
 
 
 def _truncation(ctx: ServingContext, tokens: int | None) -> int | None:
@@ -156,6 +162,9 @@ async def embeddings(request: Request):
     req = await parse_off_loop(await request.body(), EmbeddingRequest, ctx.request_fields)
     ctx.adapters_of(req.model, None)  # a model not served: the 404
     pooling = embedding_server(ctx)
+    if ctx.core.score_head is not None:
+        raise bad_request("this server runs a reranker: it scores pairs (/v1/rerank, /rerank, "
+                          "/score), it gives no embeddings")
     hidden = ctx.core.loaded.config.hidden_size
     width = _width(pooling, hidden, req.dimensions)
     priority = client_priority(ctx, req.priority)

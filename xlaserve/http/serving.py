@@ -296,11 +296,13 @@ class Generation:
                  *, top_logprobs_num: int = 0, return_logprob: bool = False,
                  return_prompt_logprob: bool = False,
                  priority: int = 0, rid: str | None = None, param_prefix: str = "",
-                 lora_path: str | list[str | None] | None = None, embed: bool = False):
+                 lora_path: str | list[str | None] | None = None, embed: bool = False,
+                 second_segments: list[int] | None = None):
         """`param_prefix`: what the fields of a parameter the engine refuses are under
         ("sampling_params." on /generate). `lora_path`: the LoRA adapter (None: the base
         model), or one per prompt (`ServingContext.adapters_of`). `embed`: embedding requests
-        (an embedding server's; each choice's `embedding` once collected)."""
+        (an embedding server's; each choice's `embedding` once collected), and
+        `second_segments` per prompt a cross-encoder pair's document start (token type 1)."""
         if ctx.draining:
             raise shutting_down()
         self.ctx = ctx
@@ -334,7 +336,10 @@ class Generation:
                                   return_logprob=return_logprob or top_logprobs_num > 0,
                                   top_logprobs_num=top_logprobs_num, priority=priority,
                                   return_prompt_logprob=return_prompt_logprob,
-                                  lora_path=adapters[choice.prompt_index], embed=embed)
+                                  lora_path=adapters[choice.prompt_index],
+                                  **({"embed": True, "second_segment": second_segments[
+                                      choice.prompt_index] if second_segments else 0}
+                                     if embed else {}))
         except (InvalidGrammar, InvalidSamplingParam) as error:  # the routes checked: a miss here
             self.group.abort()
             raise bad_request(str(error), param_prefix + error.param) from None

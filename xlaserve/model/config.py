@@ -160,7 +160,8 @@ class EncoderConfig:
 
 
 # BERT-family architectures (model/encoder.py) and what their `hidden_act` names mean here.
-ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel")
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "BertForSequenceClassification",
+                         "XLMRobertaForSequenceClassification")
 _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -327,7 +328,7 @@ def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
         raise ValueError(f"{architecture} with hidden_act {hf_config.hidden_act!r} is not "
                          f"supported ({', '.join(_GELUS)})")
     offset = 0
-    if architecture == "XLMRobertaModel":  # create_position_ids_from_input_ids: past the padding
+    if architecture.startswith("XLMRoberta"):  # create_position_ids_from_input_ids: past padding
         offset = int(hf_config.pad_token_id) + 1
     heads = hf_config.num_attention_heads
     return ModelConfig(

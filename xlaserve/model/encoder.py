@@ -11,8 +11,8 @@ step (the engine does not chunk an encoder's prompts) and keeps no KV cache: the
 attention of pallas_kernels/ragged_paged_attention/new_tokens.py with the causal mask off
 (`Kernels.bidirectional_attention`), sequences kept apart by their segments. The step's KV
 pool is empty for an encoder (transformer.kv_cache_shape), so `hidden_states` takes and
-returns the serving step's arguments unchanged. Token type ids are all 0 (one text per input,
-as sentence-transformers feeds an embedding model); positions are each token's in its input.
+returns the serving step's arguments unchanged. Token types are 0, or 1 from a cross-encoder
+pair's second text on (`Request.second_segment`); positions are each token's in its input.
 """
 from __future__ import annotations
 
@@ -91,15 +91,17 @@ class Encoder(nnx.Module):
         self.layers = nnx.List([EncoderLayer(c, dtype, rngs) for _ in range(c.num_layers)])
 
     def hidden_states(self, input_ids, positions, kv_caches, metadata, kernels: Kernels,
-                      rope=None):
+                      rope=None, token_types=None):
         """float32[T, hidden]: every token's last hidden state, and `kv_caches` (an encoder's
-        pool is empty) as given. `rope` is not read: the positions are learned embeddings."""
+        pool is empty) as given. `rope` is not read: the positions are learned embeddings.
+        `token_types` i32[T]: each token's type (None: all 0)."""
         c = self.config
         rows = jnp.clip(positions + c.encoder.position_offset, 0,
                         c.max_position_embeddings + c.encoder.position_offset - 1)
         x = (embed(self.embedding[...], input_ids).astype(jnp.float32)
              + self.position_embedding[...][rows].astype(jnp.float32)
-             + self.token_type_embedding[...][0].astype(jnp.float32))
+             + (self.token_type_embedding[...][0] if token_types is None else
+                self.token_type_embedding[...][token_types]).astype(jnp.float32))
         x = self.embedding_norm(x)
         for layer in self.layers:
             x = layer(x, metadata.cu_q_lens, metadata.num_seqs, kernels)

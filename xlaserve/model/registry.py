@@ -21,6 +21,9 @@ MODEL_CLASSES = {
     # BERT-family encoders (model/encoder.py): embedding models, served with --is-embedding.
     "BertModel": Encoder,
     "XLMRobertaModel": Encoder,
+    # Cross-encoder rerankers: the encoder, its score head read apart (weights/score_head.py).
+    "BertForSequenceClassification": Encoder,
+    "XLMRobertaForSequenceClassification": Encoder,
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
 # in merged tensors (ffn_gate_exps, ...) that weights/gguf_file.py does not translate: their

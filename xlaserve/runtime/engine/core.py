@@ -45,6 +45,20 @@ from xlaserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
+def token_types(batch, tokens: int) -> np.ndarray:
+    """i32[tokens] of an embedding step: 1 for the tokens of a cross-encoder pair's second text
+    (`Request.second_segment`), else 0."""
+    types = np.zeros(tokens, np.int32)
+    start = 0
+    for request, chunk in zip(batch.requests, batch.chunks):
+        n = len(chunk.token_ids)
+        if request.second_segment:
+            types[start:start + n] = np.arange(chunk.num_cached, chunk.num_cached + n) >= \
+                request.second_segment
+        start += n
+    return types
+
+
 class QueueFull(RuntimeError):
     """More requests wait than --max-queued-requests: the HTTP layer answers 503 + Retry-After."""
 
@@ -79,6 +93,7 @@ class EngineCore:
         self.grammar_backend = parts.grammar_backend
         # An embedding server's pooling (weights/pooling.Pooling; None: a generation server).
         self.pooling = parts.pooling
+        self.score_head = parts.score_head  # a reranker's (weights/score_head.py), else None
         self._pooled = None if self.pooling is None else PooledOutputs(self.pooling)
         self._draft = parts.draft  # --speculative-algorithm STANDALONE: the draft model
         # --enable-lora: the adapters by name (lora_adapters.py), --lora-paths' installed
@@ -151,7 +166,8 @@ class EngineCore:
                emit: Callable[[OutputDelta], None], rid: str | None = None,
                return_logprob: bool = False, top_logprobs_num: int = 0,
                return_prompt_logprob: bool = False, priority: int = 0,
-               lora_path: str | None = None, embed: bool = False) -> str:
+               lora_path: str | None = None, embed: bool = False,
+               second_segment: int = 0) -> str:
         """Queue a request; `emit` is called from the engine's output thread (live_requests.py) with
         each OutputDelta, in order: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
@@ -173,7 +189,8 @@ class EngineCore:
         and never reaches the loop.
 
         `embed`: an embedding request, on an embedding server (`pooling`): its one output is
-        final and carries the prompt's embedding; `params` and the options are not read."""
+        final and carries the prompt's embedding; `params` and the options are not read;
+        `second_segment`: a cross-encoder pair's document starts there (token type 1)."""
         prompt_ids = prompt_token_ids(prompt_ids, self.loaded.config.vocab_size)
         if embed != (self.pooling is not None):
             raise WrongKindOfServer(EMBEDS if self.pooling is not None else GENERATES)
@@ -191,7 +208,7 @@ class EngineCore:
         if embed:  # CLS and mean pooling read every row: no cached prefix (pooled_outputs.py)
             request = Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=0,
                               sampling=RowSamplingParams(temperature=0.0, seed=0),
-                              priority=priority, pooled=True,
+                              priority=priority, pooled=True, second_segment=second_segment,
                               no_prefix_reuse=self.pooling.mode != "last")
             self._put_request(LiveRequest(request, emit, None))
             return rid
@@ -441,7 +458,8 @@ class EngineCore:
             fb = forward_batch_for(batch, self.buckets, self.runner.page_size)
             slots = np.zeros(fb.shape[1], np.int32)
             slots[:len(batch.slots)] = batch.slots
-            return self.runner.stage(fb, slots)
+            return self.runner.stage(fb, slots, token_types(batch, fb.shape[0])
+                                     if self.loaded.config.encoder is not None else None)
         self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
         if self.lora is not None and batch.admitted:
             self.runner.assign_lora([r.slot for r in batch.admitted],

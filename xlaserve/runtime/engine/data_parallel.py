@@ -91,6 +91,7 @@ class DataParallelEngineCore:
         self.context_length = first.context_length
         self.eos_token_ids = first.eos_token_ids
         self.pooling = first.pooling  # an embedding server's (each replica's is the same)
+        self.score_head = first.score_head
         self.runner = _Runners([r.runner for r in self.replicas])
         self.load_balance_method = args.load_balance_method
         self._seeds = random.Random(args.random_seed)

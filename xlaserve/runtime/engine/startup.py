@@ -48,6 +48,7 @@ from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
 from xlaserve.server_args import ServerArgs
 from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
+from xlaserve.weights.score_head import CROSS_ENCODERS, ScoreHead, cross_encoder_head
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class EngineParts:
     draft_head: DraftHead | None = None  # EAGLE3, NEXTN: the draft head's own steps
     lora_adapters: list | None = None  # --enable-lora: --lora-paths' adapters, read (else None)
     pooling: Pooling | None = None  # an embedding server's (--is-embedding); None: it generates
+    score_head: ScoreHead | None = None  # a reranker's (weights/score_head.py)
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -84,8 +86,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     options = server_load_options(args)
     embeds = not options["lm_head"]  # an embedding server (loader.serves_embeddings)
     if embeds and args.runner == "auto":
-        logger.info("Serving embeddings: the checkpoint has sentence-transformers' %s "
-                    "(--runner generate serves it as a text generator)", MODULES_FILE)
+        logger.info("Serving embeddings or scores (--runner auto): the checkpoint is a "
+                    "sentence-transformers model (%s) or a cross-encoder", MODULES_FILE)
         args.refuse_for_embeddings()
     loaded = load_model(**options, tokenizer_path=args.tokenizer_path,
                         skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
@@ -106,7 +108,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     if config.encoder is not None and not embeds:
         raise ValueError(f"{config.architecture} is an encoder: it serves embeddings "
                          "(--is-embedding), not text")
-    pooling = pooling_of(args, loaded) if embeds else None
+    pooling, score_head = pooling_of(args, loaded) if embeds else (None, None)
     context_length = args.context_length or config.max_position_embeddings
     if pooling is not None and pooling.max_seq_length and not args.context_length:
         # sentence-transformers' limit (vLLM's max_model_len for the model too): longer inputs
@@ -223,17 +225,22 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
                        grammar_backend=grammar_backend, startup_timings=timings, leader=leader,
                        draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
-                       pooling=pooling)
+                       pooling=pooling, score_head=score_head)
 
 
-def pooling_of(args: ServerArgs, loaded: LoadedModel) -> Pooling:
+def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHead | None]:
     """An embedding server's pooling, read from the checkpoint's sentence-transformers files
-    (weights/pooling.py); PoolingConfigError naming what cannot be applied."""
+    (weights/pooling.py; PoolingConfigError naming what cannot be applied), and a reranker's
+    score head (weights/score_head.py): a cross-encoder's reads its first token's row."""
     folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
+    if loaded.config.architecture in CROSS_ENCODERS:
+        logger.info("Reranker: %s scores (query, document) pairs by its classifier head",
+                    loaded.config.architecture)
+        return Pooling("cls", normalize=False), cross_encoder_head(folder, loaded.config)
     pooling = read_pooling(folder, loaded.config.hidden_size)
     logger.info("Pooling: %s%s%s", pooling.mode, ", normalized" if pooling.normalize else "",
                 ", inputs lowercased" if pooling.lowercase else "")
-    return pooling
+    return pooling, None
 
 
 def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,

@@ -38,22 +38,24 @@ NO_WIDTHS = (0, 0)  # an embedding step has no sampling tables
 
 
 def make_embedding_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-                        pooling_mode: str, weight_formats=None):
+                        pooling_mode: str, weight_formats=None, token_types: bool = False):
     """The jitted embedding step (module docstring), a pure function of its arguments like
-    step_program.make_step; `weight_formats` as there."""
+    step_program.make_step; `weight_formats` as there. `token_types`: the vectors end with each
+    token's type (an encoder's: a BERT pair's second segment is type 1)."""
     replicated = NamedSharding(mesh, P())
     jit_options = {"donate_argnums": (1, 2),
                    "out_shardings": (replicated, kv_sharding, replicated)}
 
     def step(weights, kv_caches, page_table, ints, floats, layout):
-        batch, slots, rope, writes = split_leaves(ints, floats, layout)
+        batch, slots, rope, writes, *types = split_leaves(ints, floats, layout)
         state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
         model = nnx.merge(graphdef, state)
         page_table = apply_writes(page_table, writes)
         metadata = AttentionMetadata(batch.kv_lens, gather_rows(page_table, slots, batch.pages),
                                      batch.cu_q_lens, batch.num_seqs)
+        options = {"token_types": types[0]} if token_types else {}
         hidden, kv_caches = model.hidden_states(batch.input_ids, batch.positions, kv_caches,
-                                                metadata, kernels, rope)
+                                                metadata, kernels, rope, **options)
         reduced = model.chunk_embeddings(hidden, batch.cu_q_lens, pooling_mode)
         return jax.lax.with_sharding_constraint(reduced, replicated), kv_caches, page_table
 
@@ -63,10 +65,13 @@ def make_embedding_step(graphdef, state_treedef, weight_layout, kernels, mesh, k
     return StaticKeywordsBound(step, in_shardings=in_shardings, **jit_options)
 
 
-def embedding_vectors(rope: RopeTable, batch: ForwardBatch, slots, writes):
-    """(int32 vector, float32 vector, layout) of an embedding step's host arrays."""
-    return concat_leaves((batch, np.asarray(slots, np.int32), rope.cos_sin(batch.positions),
-                          writes))
+def embedding_vectors(rope: RopeTable, batch: ForwardBatch, slots, writes, token_types=None):
+    """(int32 vector, float32 vector, layout) of an embedding step's host arrays (and the
+    tokens' types, where given)."""
+    leaves = (batch, np.asarray(slots, np.int32), rope.cos_sin(batch.positions), writes)
+    if token_types is not None:
+        leaves += (np.asarray(token_types, np.int32),)
+    return concat_leaves(leaves)
 
 
 class EmbeddingRunner(ModelRunner):
@@ -83,9 +88,12 @@ class EmbeddingRunner(ModelRunner):
     def _make_step(self, weight_formats=None):
         graphdef, state_treedef, weight_layout, kv_sharding = self.program_parts
         return make_embedding_step(graphdef, state_treedef, weight_layout, self.kernels,
-                                   self.mesh, kv_sharding, self.pooling_mode, weight_formats)
+                                   self.mesh, kv_sharding, self.pooling_mode, weight_formats,
+                                   token_types=self.config.encoder is not None)
 
-    def stage(self, batch: ForwardBatch, slots: np.ndarray) -> StagedStep:
+    def stage(self, batch: ForwardBatch, slots: np.ndarray,
+              token_types: np.ndarray | None = None) -> StagedStep:
+        """The step's inputs; `token_types` i32[tokens]: an encoder's (None: all 0)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
         if self.sink is not None:
@@ -93,7 +101,10 @@ class EmbeddingRunner(ModelRunner):
         tokens, seqs, _ = batch.shape
         writes, updates, overflow = self.page_table.step_writes(slots, batch.page_ids, tokens,
                                                                 seqs)
-        ints, floats, layout = embedding_vectors(self._rope, batch, slots, writes)
+        if self.config.encoder is not None and token_types is None:
+            token_types = np.zeros(tokens, np.int32)
+        ints, floats, layout = embedding_vectors(self._rope, batch, slots, writes,
+                                                 token_types if self.config.encoder else None)
         return StagedStep(ints, floats, (), layout, batch.shape, NO_WIDTHS,
                           page_updates=updates, overflow_writes=overflow)
 

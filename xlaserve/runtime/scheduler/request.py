@@ -73,6 +73,9 @@ class Request:
     # An embedding request (an embedding server's): it samples nothing and ends when the last
     # chunk of its prompt has run (`Scheduler.process_pooled`); max_new_tokens is 0.
     pooled: bool = False
+    # A BERT cross-encoder's (query, document) pair: its tokens from this position on are of
+    # token type 1 (the document's); 0: one segment.
+    second_segment: int = 0
     # A LoRA adapter: its slot + 1 on the device (0: none, the base model), and its load's
     # namespace in the prefix cache (prefix_cache.py; 0: the base model's).
     lora_slot: int = 0
