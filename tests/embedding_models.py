@@ -120,3 +120,32 @@ def save_cross_encoder(directory, architecture: str = "xlm-roberta"):
 
     path = make_tiny_encoder(directory, architecture, classifier=True)
     return path, CrossEncoder(path, device="cpu")
+
+
+RERANKER_WORDS = WORDS + ["yes", "no", "<|im_start|>", "<|im_end|>", "[UNK]"]
+QWEN3_RERANKER = ('{"architectures": ["Qwen3ForSequenceClassification"], '
+                  '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}')
+
+
+def make_tiny_reranker(directory):
+    """(its folder, the transformers model): a random 2-layer Qwen3ForCausalLM as Qwen3-Reranker
+    ships (a causal LM whose "yes" / "no" logits score a pair), untied, with a word-level
+    tokenizer of WORDS, yes, no and the chat markers (no special tokens added)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(hidden_size=HIDDEN, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_hidden_layers=2, vocab_size=64, tie_word_embeddings=False)
+    torch.manual_seed(2)
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():  # logits that differ from pair to pair
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(directory)
+    vocabulary = {word: i for i, word in enumerate(RERANKER_WORDS)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer,
+                                         unk_token="[UNK]").save_pretrained(directory)
+    return str(directory), model.eval()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from typing import Optional
@@ -34,6 +35,31 @@ def public_name(value: str | None) -> str | None:
     if not (os.path.isabs(path) or os.path.exists(path)):
         return value
     return os.path.basename(os.path.abspath(path))  # abspath: no trailing "/", "." named
+
+
+_OVERRIDES = {"architectures", "classifier_from_token", "is_original_qwen3_reranker"}
+
+
+def reranker_tokens(args) -> list[str] | None:
+    """--hf-overrides' classifier_from_token ([no, yes]: a decoder reranker), checked; None
+    without the flag. What else the overrides could say is refused in one line."""
+    if args.hf_overrides is None:
+        return None
+    try:
+        overrides = json.loads(args.hf_overrides)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--hf-overrides is not JSON: {error}") from None
+    if not isinstance(overrides, dict) or set(overrides) - _OVERRIDES:
+        raise ValueError(f"--hf-overrides {args.hf_overrides[:120]}: only a decoder reranker's "
+                         f"{sorted(_OVERRIDES)} are supported")
+    architectures = overrides.get("architectures") or [""]
+    tokens = overrides.get("classifier_from_token")
+    if (not str(architectures[0]).endswith("ForSequenceClassification") or not tokens
+            or overrides.get("is_original_qwen3_reranker") is not True):
+        raise ValueError("--hf-overrides: a decoder reranker needs architectures "
+                         "[\"<Model>ForSequenceClassification\"], classifier_from_token [no, yes] "
+                         "and is_original_qwen3_reranker true (its LM head's rows score)")
+    return list(tokens)
 
 
 def _flag(default, help: str, **argparse_kwargs):
@@ -84,7 +110,17 @@ class ServerArgs:
               "(as vLLM's and SGLang's clients do)")
     chat_template: Optional[str] = _flag(
         None, "chat template: a Jinja file, Jinja text, or a built-in name (chatml, "
-              "llama-3-instruct); default: the tokenizer's", path=True)
+              "llama-3-instruct, qwen3-reranker); default: the tokenizer's. A decoder reranker's "
+              "(--hf-overrides): its prompt, from messages [query, document] and `instruct` "
+              "(SGLang's qwen3_reranker.jinja; qwen3-reranker: the model card's); without one, "
+              "the query's tokens then the document's, as vLLM",
+        path=True)
+    hf_overrides: Optional[str] = _flag(
+        None, "vLLM's config overrides, as JSON; supported: a decoder reranker scored by two "
+              "tokens' logits, e.g. Qwen3-Reranker: {\"architectures\": "
+              "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
+              "\"yes\"], \"is_original_qwen3_reranker\": true} (the server then scores pairs: "
+              "/v1/rerank, /score)")
     reasoning_parser: Optional[str] = _flag(
         None, "split reasoning from the answer for thinking models (vLLM's names: deepseek_r1 is "
               "deepseek-r1, openai_gptoss gpt-oss)",
@@ -388,6 +424,11 @@ class ServerArgs:
         if self.precompile_threads < 1:
             raise ValueError(f"--precompile-threads must be 1 or more; got "
                              f"{self.precompile_threads}")
+        if reranker_tokens(self) is not None:  # a decoder reranker: a scoring server
+            if self.runner == "generate":
+                raise ValueError("--hf-overrides classifier_from_token with --runner generate: "
+                                 "a reranker scores, it does not generate")
+            self.runner = "pooling"
         if self.is_embedding:
             if self.runner == "generate":
                 raise ValueError("--is-embedding with --runner generate: give one")

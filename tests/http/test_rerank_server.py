@@ -87,3 +87,57 @@ def test_an_embedding_model_scores_by_cosine_similarity(tmp_path):
         assert [r["index"] for r in ranked] == list(np.argsort(-(vectors[1:] @ vectors[0])))
     finally:
         server.close()
+
+
+def _yes_probability(model, tokenizer, ids) -> float:
+    """Qwen3-Reranker's score by its model card: softmax over the last token's no / yes logits."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    return float(torch.softmax(logits[[no, yes]], 0)[1])
+
+
+@pytest.mark.parametrize("template", [None, "qwen3-reranker"])
+def test_a_decoder_reranker_scores_by_its_yes_no_logits(tmp_path, template):
+    """Qwen3-Reranker served as vLLM serves it (--hf-overrides classifier_from_token) equals
+    transformers' P(yes) at the pair's last token: without a template the query's tokens then
+    the document's (vLLM); with the model card's template (`instruct` or its default)."""
+    import transformers
+
+    from xlaserve.http.parsing.chat_template import BUILTIN_TEMPLATES
+    from tests.embedding_models import QWEN3_RERANKER, make_tiny_reranker
+
+    path, model = make_tiny_reranker(tmp_path / "reranker")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    server = RunningServer(path, hf_overrides=QWEN3_RERANKER, chat_template=template, page_size=4,
+                           max_prefill_tokens=32, chunked_prefill_size=8, context_length=128)
+    try:
+        for instruct in ([None] if template is None else [None, "find the cat"]):
+            body = {"query": QUERY, "documents": DOCUMENTS}
+            if instruct is not None:
+                body["instruct"] = instruct
+            ranked = _post(server, "/v1/rerank", **body).json()
+            expected = []
+            for document in DOCUMENTS:
+                if template is None:
+                    ids = tokenizer(QUERY, document)["input_ids"]
+                else:
+                    text = tokenizer.apply_chat_template(
+                        [{"role": "user", "content": QUERY}, {"role": "user", "content": document}],
+                        chat_template=BUILTIN_TEMPLATES[template], tokenize=False,
+                        **({} if instruct is None else {"instruct": instruct}))
+                    ids = tokenizer.encode(text, add_special_tokens=False)
+                expected.append(_yes_probability(model, tokenizer, ids))
+            assert len(set(np.round(expected, 3))) == len(DOCUMENTS)  # an order to get right
+            assert [r["index"] for r in ranked] == list(np.argsort(-np.array(expected)))
+            got = {r["index"]: r["score"] for r in ranked}
+            np.testing.assert_allclose([got[i] for i in range(len(DOCUMENTS))], expected,
+                                       atol=1e-4)
+        if template is None:  # no template to put an instruction in
+            refused = _post(server, "/v1/rerank", query=QUERY, documents=DOCUMENTS,
+                            instruct="x")
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "instruct"
+    finally:
+        server.close()

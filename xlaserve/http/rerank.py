@@ -46,7 +46,7 @@ class RerankRequest(_Strict):
     model: Optional[str] = None
     top_n: Optional[int] = None
     return_documents: bool = True
-    instruct: Optional[str] = None  # SGLang: a decoder reranker's instruction (refused: no template)
+    instruct: Optional[str] = None  # SGLang: a decoder reranker's instruction (its template's)
     priority: Optional[int] = None
 
 
@@ -59,12 +59,26 @@ class ScoreRequest(_Strict):
     priority: Optional[int] = None
 
 
-def _pair_inputs(ctx: ServingContext, queries: list[str], documents: list[str], param: str):
+def _pair_inputs(ctx: ServingContext, queries: list[str], documents: list[str], param: str,
+                 instruct: str | None = None):
     """Each pair's token ids as the model reads a pair, and where its second text starts (the
-    tokens of token type 1; 0 where the tokenizer gives no types)."""
+    tokens of token type 1; 0 where the tokenizer gives no types). A decoder reranker's pair
+    is its --chat-template rendered (messages [query, document], `instruct`), where given."""
     id_lists, segments = [], []
+    template = ctx.chat_template if ctx.core.loaded.config.encoder is None else None
+    if instruct is not None and template is None:
+        raise bad_request("instruct needs a reranker prompt template (a decoder reranker's "
+                          "--chat-template), which this server does not have: put the "
+                          "instruction in the query", "instruct")
     for query, document in zip(queries, documents, strict=True):
-        encoded = ctx.tokenizer(query, document)
+        if template is not None:
+            text = ctx.tokenizer.apply_chat_template(
+                [{"role": "user", "content": query}, {"role": "user", "content": document}],
+                chat_template=template, tokenize=False,
+                **({} if instruct is None else {"instruct": instruct}))
+            encoded = {"input_ids": ctx.tokenizer.encode(text, add_special_tokens=False)}
+        else:
+            encoded = ctx.tokenizer(query, document)
         ids = list(encoded["input_ids"])
         types = list(encoded.get("token_type_ids") or ())
         segments.append(types.index(1) if 1 in types else 0)
@@ -74,7 +88,8 @@ def _pair_inputs(ctx: ServingContext, queries: list[str], documents: list[str], 
 
 
 async def score_pairs(ctx: ServingContext, queries: list[str], documents: list[str],
-                      priority: int, param: str) -> tuple[np.ndarray, int]:
+                      priority: int, param: str, instruct: str | None = None
+                      ) -> tuple[np.ndarray, int]:
     """(float32 [pairs] scores, tokens read) of (queries[i], documents[i]) (module docstring)."""
     embedding_server(ctx)
     if ctx.tokenizer is None:
@@ -85,7 +100,7 @@ async def score_pairs(ctx: ServingContext, queries: list[str], documents: list[s
                           "(--max-sequences-per-request)", param)
     head = ctx.core.score_head
     if head is not None:
-        id_lists, segments = _pair_inputs(ctx, queries, documents, param)
+        id_lists, segments = _pair_inputs(ctx, queries, documents, param, instruct)
         choices = await Generation(ctx, id_lists, SamplingParams(), 1, priority=priority,
                                    embed=True, second_segments=segments).collect()
         return head.scores(np.stack([c.embedding for c in choices])), sum(map(len, id_lists))
@@ -107,11 +122,12 @@ async def _ranked(request: Request):
     ctx.adapters_of(req.model, None)
     if req.top_n is not None and req.top_n < 1:
         raise bad_request("top_n must be at least 1", "top_n")
-    if req.instruct is not None:
-        raise bad_request("instruct needs a reranker prompt template, which this server does "
-                          "not apply: put the instruction in the query", "instruct")
+    if req.instruct is not None and ctx.core.score_head is None:
+        raise bad_request("instruct is a decoder reranker's; this server's model is not one",
+                          "instruct")
     scores, tokens = await score_pairs(ctx, [req.query] * len(req.documents), req.documents,
-                                       client_priority(ctx, req.priority), "documents")
+                                       client_priority(ctx, req.priority), "documents",
+                                       req.instruct)
     order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))[:req.top_n]
     return ctx, req, scores, tokens, order
 

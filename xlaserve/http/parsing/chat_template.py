@@ -18,7 +18,17 @@ _LLAMA3 = (
     "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
-BUILTIN_TEMPLATES = {"chatml": _CHATML, "llama-3-instruct": _LLAMA3}
+# Qwen3-Reranker's prompt as its model card writes it, for a decoder reranker (http/rerank.py):
+# messages [query, document], `instruct` (the card's default where not given).
+_QWEN3_RERANKER = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+    "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+    "<|im_start|>user\n<Instruct>: {{ instruct | default('Given a web search query, retrieve "
+    "relevant passages that answer the query') }}\n<Query>: {{ messages[0]['content'] }}\n"
+    "<Document>: {{ messages[1]['content'] }}<|im_end|>\n<|im_start|>assistant\n"
+    "<think>\n\n</think>\n\n")
+BUILTIN_TEMPLATES = {"chatml": _CHATML, "llama-3-instruct": _LLAMA3,
+                     "qwen3-reranker": _QWEN3_RERANKER}
 
 # Tokens that end an assistant turn in common templates: generation stops there, as at EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",

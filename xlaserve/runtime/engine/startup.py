@@ -18,6 +18,7 @@ seconds go to `startup_timings`, for the server's "Start-up:" log line (launch_s
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -46,9 +47,10 @@ from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.engine.lora_adapters import lora_setup
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
-from xlaserve.server_args import ServerArgs
+from xlaserve.server_args import ServerArgs, reranker_tokens
 from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
-from xlaserve.weights.score_head import CROSS_ENCODERS, ScoreHead, cross_encoder_head
+from xlaserve.weights.score_head import (CROSS_ENCODERS, ScoreHead, cross_encoder_head,
+                                         token_logit_head)
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +235,16 @@ def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHea
     (weights/pooling.py; PoolingConfigError naming what cannot be applied), and a reranker's
     score head (weights/score_head.py): a cross-encoder's reads its first token's row."""
     folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
+    if (tokens := reranker_tokens(args)) is not None:  # --hf-overrides: a decoder reranker
+        architecture = json.loads(args.hf_overrides)["architectures"][0]
+        body = architecture.replace("ForSequenceClassification", "ForCausalLM")
+        if body != loaded.config.architecture or loaded.tokenizer is None:
+            raise ValueError(f"--hf-overrides {architecture}: the checkpoint is a "
+                             f"{loaded.config.architecture}, not a {body} (with its tokenizer)")
+        logger.info("Reranker: %s scores pairs by the %s / %s logits of its last token",
+                    architecture, *tokens)
+        return (Pooling("last", normalize=False),
+                token_logit_head(folder, loaded.config, loaded.tokenizer, tokens))
     if loaded.config.architecture in CROSS_ENCODERS:
         logger.info("Reranker: %s scores (query, document) pairs by its classifier head",
                     loaded.config.architecture)
