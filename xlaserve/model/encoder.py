@@ -83,7 +83,9 @@ class Encoder(nnx.Module):
         c = config
         self.config = c
         positions = c.max_position_embeddings + c.encoder.position_offset
-        self.embedding = nnx.Param(init_weight(rngs, (c.vocab_size, c.hidden_size), dtype))
+        # Gathered, never multiplied (no LM head): whole on every device, whatever the vocabulary
+        # (BERT's 30522 and XLM-R's 250002 rows do not split over 4 or 8 devices).
+        self.word_embedding = nnx.Param(init_weight(rngs, (c.vocab_size, c.hidden_size), dtype))
         self.position_embedding = nnx.Param(init_weight(rngs, (positions, c.hidden_size), dtype))
         self.token_type_embedding = nnx.Param(
             init_weight(rngs, (c.encoder.type_vocab_size, c.hidden_size), dtype))
@@ -98,7 +100,7 @@ class Encoder(nnx.Module):
         c = self.config
         rows = jnp.clip(positions + c.encoder.position_offset, 0,
                         c.max_position_embeddings + c.encoder.position_offset - 1)
-        x = (embed(self.embedding[...], input_ids).astype(jnp.float32)
+        x = (embed(self.word_embedding[...], input_ids).astype(jnp.float32)
              + self.position_embedding[...][rows].astype(jnp.float32)
              + (self.token_type_embedding[...][0] if token_types is None else
                 self.token_type_embedding[...][token_types]).astype(jnp.float32))

@@ -58,8 +58,10 @@ PARTITION_SPECS = {
     "fc": P(),
     "eh_proj": P(),
     "draft_to_target": P(),
-    # BERT-family encoders (encoder.py): learned positions and token types, LayerNorm biases,
-    # the MLP's up projection and biases (qkv, o_proj, down as the decoder's).
+    # BERT-family encoders (encoder.py): the word embedding (whole: gathered, never multiplied,
+    # and the vocabularies do not split evenly), learned positions and token types, LayerNorm
+    # biases, the MLP's up projection and biases (qkv, o_proj, down as the decoder's).
+    "word_embedding": P(),
     "position_embedding": P(),
     "token_type_embedding": P(),
     "bias": P(),

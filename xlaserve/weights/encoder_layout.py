@@ -50,7 +50,7 @@ def encoder_weights(config: ModelConfig, source: TensorSource) -> Iterator[tuple
         yield path + ("scale",), fetch(gamma, (hidden,))
         yield path + ("bias",), fetch(beta, (hidden,))
 
-    yield ("embedding",), fetch("embeddings.word_embeddings.weight", (c.vocab_size, hidden))
+    yield ("word_embedding",), fetch("embeddings.word_embeddings.weight", (c.vocab_size, hidden))
     yield ("position_embedding",), fetch("embeddings.position_embeddings.weight",
                                          (positions, hidden))
     yield ("token_type_embedding",), fetch("embeddings.token_type_embeddings.weight",

@@ -72,11 +72,15 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causa
     bounds = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
     starts = jnp.append(bounds[:-1], num_tokens)
     first_key_block = jnp.minimum(starts[segment[::block]] // block, jnp.arange(padded // block))
+    blocks = jnp.arange(padded // block)
     if causal:
-        end_key_block = jnp.arange(padded // block) + 1
-    else:  # through the block holding the end of the block's last row's sequence
-        ends = jnp.append(bounds[1:], padded)  # the padding segment: to the end
-        end_key_block = -(-ends[segment[block - 1::block]] // block)
+        end_key_block = blocks + 1
+    else:  # through the block holding the end of the block's last row's sequence; a block
+        # that ends in padding holds its sequences' ends, and padding rows need only
+        # themselves (they would otherwise attend to every padding row after them)
+        last = segment[block - 1::block]
+        end_key_block = jnp.where(last == cu_q_lens.shape[0] - 1, blocks + 1,
+                                  -(-jnp.append(bounds[1:], padded)[last] // block))
 
     def query_block(i):
         rows = i * block

@@ -140,3 +140,61 @@ class EmbeddingRunner(ModelRunner):
         args = (self._weight_args, self._kv_specs, self.page_table.array, staged.ints,
                 staged.floats)
         return args, {"layout": staged.layout}
+
+
+def compiled_for_target(target: str, server_args, pooling_mode: str, tokens: int, seqs: int):
+    """(the compiled embedding step, its abstract weights, a description): the step a server
+    started with `server_args` (`model_path`: a folder with the model's config.json) would run
+    on compile-only `target` (runtime/executor/aot.py: a TPU topology or "h100"), for one bucket
+    shape, its weights in the layouts XLA chooses on TPU (as ModelRunner stores them)."""
+    import dataclasses
+
+    from xlaserve import platform_defaults
+    from xlaserve.model.registry import model_class
+    from xlaserve.model.sharding import serving_mesh
+    from xlaserve.model.transformer import abstract_parameters
+    from xlaserve.runtime.executor import aot
+    from xlaserve.runtime.executor.forward_batch import with_page_size
+    from xlaserve.runtime.executor.kernels import kernels_for
+    from xlaserve.runtime.executor.kv_pool import kv_pool_specs
+    from xlaserve.runtime.executor.page_table import empty_writes, write_capacity
+    from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
+    from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+
+    platform, devices = aot.target_devices(target)
+    server_args, _ = platform_defaults.resolve(server_args, platform)
+    mesh = serving_mesh(devices, server_args.tp_size, server_args.ep_size)
+    config, _ = aot.read_config(server_args.model_path, load_format="dummy")
+    config = dataclasses.replace(config, lm_head=False)
+    dtype = aot.resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
+    context = server_args.context_length or config.max_position_embeddings
+    page_size = with_page_size(server_args, platform, context).page_size
+    kernels = kernels_for(server_args.attention_backend, mesh, matmul_backend="xla",
+                          platform=platform)
+    graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
+                                                  model_class(config.architecture))
+    state = nnx.from_flat_state(parameters)
+    leaves, state_treedef = jax.tree.flatten(state)
+    weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
+                                         stack_layers=platform == "tpu", names=leaf_names(state))
+    pages = pages_for_tokens(context, page_size)
+    num_pages = aot.DEFAULT_KV_TOKENS // page_size + 1
+    caches = kv_pool_specs(config, num_pages, page_size, dtype, mesh)
+    step = make_embedding_step(graphdef, state_treedef, weight_layout, kernels, mesh,
+                               [c.sharding for c in caches], pooling_mode,
+                               auto_formats(weights) if platform == "tpu" else None,
+                               token_types=config.encoder is not None)
+    writes = empty_writes(write_capacity(tokens, seqs, page_size), 0)
+    rope = RopeTable(config.rope.inv_freq(config.head_dim), config.rope.attention_factor)
+    ints, floats, layout = embedding_vectors(
+        rope, empty_batch(tokens, seqs, pages), np.zeros(seqs, np.int32), writes,
+        np.zeros(tokens, np.int32) if config.encoder is not None else None)
+    page_table = aot.abstract((server_args.max_running_requests + 1, pages), np.int32, mesh)
+    args = (weights, caches, page_table, aot.abstract(ints.shape, ints.dtype, mesh),
+            aot.abstract(floats.shape, floats.dtype, mesh))
+    with jax.set_mesh(mesh):
+        compiled = step.trace(*args, layout=layout).lower().compile()
+    description = (f"{target} ({devices[0].device_kind}), {config.architecture} embedding step, "
+                   f"{pooling_mode} pooling, {np.dtype(dtype).name}, tp {server_args.tp_size}, "
+                   f"{tokens} tokens x {seqs} inputs")
+    return compiled, weights, description
