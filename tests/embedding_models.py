@@ -149,3 +149,35 @@ def make_tiny_reranker(directory):
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer,
                                          unk_token="[UNK]").save_pretrained(directory)
     return str(directory), model.eval()
+
+
+def save_modernbert_embedding(directory, mode: str = "mean", normalize: bool = True):
+    """(its folder, the SentenceTransformer): a random 3-layer ModernBertModel (global, local,
+    local; a local layer's tokens see 2 positions either side, so the test's longer inputs
+    exercise the window) with the [CLS] ... [SEP] tokenizer, pooled `mode`."""
+    import pathlib
+
+    import torch
+    import transformers
+
+    directory = pathlib.Path(directory)
+    backbone = directory / "backbone"
+    make_tiny_encoder(backbone)  # its tokenizer; the model is replaced below
+    for name in ("model.safetensors", "config.json"):
+        (backbone / name).unlink()
+    config = transformers.ModernBertConfig(
+        hidden_size=HIDDEN, intermediate_size=96, num_attention_heads=4, num_hidden_layers=3,
+        vocab_size=len(ENCODER_WORDS) + 4, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+        global_attn_every_n_layers=3, local_attention=4, hidden_activation="gelu")
+    torch.manual_seed(3)
+    model = transformers.ModernBertModel(config)
+    with torch.no_grad():  # LayerNorms not all at 1: a wrong norm shows
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    model.save_pretrained(backbone)
+    st = sentence_transformer(str(backbone), mode, normalize)
+    saved = directory / "st"
+    st.save(str(saved))
+    return str(saved), st

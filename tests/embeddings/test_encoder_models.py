@@ -5,7 +5,7 @@ different lengths in one step stay apart."""
 import numpy as np
 import pytest
 
-from tests.embedding_models import save_encoder_embedding
+from tests.embedding_models import save_encoder_embedding, save_modernbert_embedding
 from xlaserve.offline import Engine
 
 pytest.importorskip("sentence_transformers")
@@ -70,3 +70,16 @@ def test_embeddings_split_over_two_devices(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     assert errors["encoder"] < 2e-5 and errors["decoder"] < 1e-4, errors
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+def test_modernbert_embeddings_equal_sentence_transformers(tmp_path, mode):
+    """ModernBERT (model/modernbert.py): RoPE of two thetas, a local layer's window, pre-norm
+    layers and a final norm; inputs longer than the window beside short ones in one step."""
+    path, reference = save_modernbert_embedding(tmp_path, mode)
+    expected = reference.encode(SENTENCES, convert_to_numpy=True)
+    with Engine(path, **SMALL) as engine:
+        assert engine.core.loaded.config.encoder.local_layers == (False, True, True)
+        outputs = engine.encode(SENTENCES)
+    got = np.array([o["embedding"] for o in outputs], np.float32)
+    np.testing.assert_allclose(got, expected, atol=2e-5)

@@ -1,7 +1,8 @@
 """An embedding server's step (issue 54) compiled for one H100 and for TPU v6e (2x2, tensor
 parallel over 4 chips) without the hardware (runtime/executor/aot.py): a BERT-base encoder's
 (bidirectional attention: JAX's Pallas flash attention on the GPU and splash attention on the
-TPU, with the causal mask off; no KV cache) and a Qwen3-Embedding decoder's (the paged
+TPU, with the causal mask off; no KV cache), a ModernBERT-base's (local layers: splash's local
+mask on the TPU, the blocked jnp form on the GPU) and a Qwen3-Embedding decoder's (the paged
 attention kernels), with the platform's real compilers (Mosaic's layout and memory checks)."""
 import json
 
@@ -17,15 +18,24 @@ BERT_BASE = dict(architectures=["BertModel"], model_type="bert", hidden_size=768
                  hidden_act="gelu", layer_norm_eps=1e-12, position_embedding_type="absolute")
 
 
+MODERNBERT_BASE = dict(architectures=["ModernBertModel"], model_type="modernbert", hidden_size=768,
+                       intermediate_size=1152, num_hidden_layers=3, num_attention_heads=12,
+                       vocab_size=50368, max_position_embeddings=8192, local_attention=128,
+                       global_attn_every_n_layers=3, hidden_activation="gelu", norm_bias=False)
+
+
 @pytest.mark.parametrize("target,tp_size", [
     pytest.param("h100", 1, marks=pytest.mark.newest_jax),
     pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent)])
-@pytest.mark.parametrize("model", ["bert-base", "qwen3-embedding"])
+@pytest.mark.parametrize("model", ["bert-base", "modernbert-base", "qwen3-embedding"])
 def test_embedding_step_compiles(target, tp_size, model, tmp_path):
     devices(target)  # skips where the compile-only package is absent
     if model == "bert-base":  # 2 of BERT-base's 12 layers: each compiles alike
         (tmp_path / "config.json").write_text(json.dumps(BERT_BASE))
         path, mode = str(tmp_path), "cls"
+    elif model == "modernbert-base":  # a global layer and two local ones (splash's local mask)
+        (tmp_path / "config.json").write_text(json.dumps(MODERNBERT_BASE))
+        path, mode = str(tmp_path), "mean"
     else:  # Qwen3-Embedding-0.6B's shapes are Qwen3-0.6B's; Qwen3-8B's config, 2 layers
         path, mode = first_layers("qwen3-8b", 2, tmp_path), "last"
     args = ServerArgs(model_path=path, tp_size=tp_size, max_running_requests=64,
@@ -34,6 +44,6 @@ def test_embedding_step_compiles(target, tp_size, model, tmp_path):
     memory = compiled.memory_analysis()
     assert memory.argument_size_in_bytes > 0, description
     hlo = compiled.as_text()
-    if model == "bert-base":  # the encoder's attention is the platform's flash kernel
+    if model != "qwen3-embedding":  # the encoder's attention is the platform's flash kernel
         assert ("tpu_custom_call" in hlo) if target.startswith("v6e") else ("__gpu$xla.gpu.triton"
                                                                             in hlo or "triton" in hlo)

@@ -82,3 +82,38 @@ def test_pallas_kernels_equal_the_reference(lengths, tokens, platform):
     live = sum(lengths)
     np.testing.assert_allclose(np.asarray(out[:live]), np.asarray(want[:live]), rtol=1e-4,
                                atol=1e-4)
+
+
+def numpy_window_attention(q, k, v, cu_q_lens, lengths, window):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    out = []
+    for s in range(len(lengths)):
+        rows = slice(int(cu_q_lens[s]), int(cu_q_lens[s + 1]))
+        scores = np.einsum("qhd,khd->hqk", q[rows], k[rows]) * SCALE
+        distance = np.abs(np.arange(lengths[s])[:, None] - np.arange(lengths[s])[None, :])
+        scores = np.where(distance <= window, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out.append(np.einsum("hqk,khd->qhd", probs, v[rows]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("lengths,tokens", CASES)
+@pytest.mark.parametrize("window", [3, 20])
+def test_a_window_limits_each_token_to_its_neighbours(lengths, tokens, window):
+    """ModernBERT's local layers: keys at most `window` away on either side, in every form."""
+    q, k, v, cu_q_lens, num_seqs = make(lengths, tokens)
+    want = numpy_window_attention(q, k, v, np.asarray(cu_q_lens), lengths, window)
+    live = sum(lengths)
+    forms = {"reference": new_tokens.reference_new_token_attention,
+             "blocked": functools.partial(new_tokens.blocked_new_token_attention, block=16),
+             "gpu": new_tokens.gpu_new_token_attention}  # the blocked form's, with a window
+    for name, form in forms.items():
+        out, _ = jax.jit(functools.partial(form, causal=False, window=window),
+                         static_argnames="sm_scale")(q, k, v, cu_q_lens, num_seqs, sm_scale=SCALE)
+        np.testing.assert_allclose(np.asarray(out[:live]), want, rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+    tpu, _ = new_tokens.tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, sm_scale=SCALE,
+                                                causal=False, window=window, interpret=True,
+                                                block=128)
+    np.testing.assert_allclose(np.asarray(tpu[:live]), want, rtol=1e-4, atol=1e-4)

@@ -157,11 +157,18 @@ class EncoderConfig:
     # padding row), BERT's 0.
     position_offset: int
     activation: str  # "gelu" (erf) or "gelu_tanh"
+    # ModernBERT (model/modernbert.py): RoPE's theta in the global and the local layers (None:
+    # BERT's learned positions), each layer's kind (True: local), a local layer's keys at most
+    # `local_window` positions away on either side, LayerNorms with a bias or not.
+    rope_thetas: tuple[float, float] | None = None
+    local_layers: tuple[bool, ...] = ()
+    local_window: int = 0
+    norm_bias: bool = True
 
 
 # BERT-family architectures (model/encoder.py) and what their `hidden_act` names mean here.
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "BertForSequenceClassification",
-                         "XLMRobertaForSequenceClassification")
+                         "XLMRobertaForSequenceClassification", "ModernBertModel")
 _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -264,7 +271,14 @@ class ModelConfig:
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
-        data["encoder"] = EncoderConfig(**data["encoder"]) if data.get("encoder") else None
+        if data.get("encoder"):
+            encoder = dict(data["encoder"])
+            encoder["local_layers"] = tuple(encoder.get("local_layers", ()))
+            if encoder.get("rope_thetas") is not None:
+                encoder["rope_thetas"] = tuple(encoder["rope_thetas"])
+            data["encoder"] = EncoderConfig(**encoder)
+        else:
+            data["encoder"] = None
         return cls(**data)
 
     @classmethod
@@ -317,6 +331,8 @@ class ModelConfig:
 
 def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
     """A BERT or XLM-RoBERTa encoder's config; what model/encoder.py does not run is refused."""
+    if architecture == "ModernBertModel":
+        return modernbert_from_hf(hf_config)
     kind = getattr(hf_config, "position_embedding_type", "absolute")
     if kind != "absolute":
         raise ValueError(f"{architecture} with position_embedding_type {kind!r} is not supported "
@@ -341,6 +357,46 @@ def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
         encoder=EncoderConfig(type_vocab_size=int(hf_config.type_vocab_size),
                               layer_norm_eps=float(hf_config.layer_norm_eps),
                               position_offset=offset, activation=_GELUS[hf_config.hidden_act]))
+
+
+def modernbert_from_hf(hf_config: Any) -> ModelConfig:
+    """A ModernBERT encoder's config (model/modernbert.py), from transformers 5's fields
+    (layer_types, rope_parameters, sliding_window) or the checkpoint's own (global_attn_every_n_
+    layers, global / local_rope_theta, local_attention); biases and other RoPE kinds refused."""
+    c = hf_config
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ValueError("ModernBertModel with attention_bias or mlp_bias is not supported")
+    if c.hidden_activation not in _GELUS:
+        raise ValueError(f"ModernBertModel with hidden_activation {c.hidden_activation!r} is not "
+                         f"supported ({', '.join(_GELUS)})")
+    layers = c.num_hidden_layers
+    kinds = getattr(c, "layer_types", None)
+    if kinds is None:
+        every = c.global_attn_every_n_layers
+        kinds = ["full_attention" if i % every == 0 else "sliding_attention" for i in range(layers)]
+    if set(kinds) - {"full_attention", "sliding_attention"} or len(kinds) != layers:
+        raise ValueError(f"ModernBertModel layer_types {kinds} are not supported")
+    rope = getattr(c, "rope_parameters", None)
+    if isinstance(rope, dict) and "full_attention" in rope:
+        if any(rope[k].get("rope_type", "default") != "default" for k in rope):
+            raise ValueError(f"ModernBertModel rope_parameters {rope} are not supported (default)")
+        thetas = (float(rope["full_attention"]["rope_theta"]),
+                  float(rope["sliding_attention"]["rope_theta"]))
+    else:
+        thetas = (float(c.global_rope_theta), float(c.local_rope_theta))
+    window = getattr(c, "sliding_window", None) or c.local_attention // 2
+    heads = c.num_attention_heads
+    return ModelConfig(
+        architecture="ModernBertModel", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, head_dim=c.hidden_size // heads, rms_norm_eps=float(c.norm_eps),
+        rope=RopeConfig(theta=thetas[0]), max_position_embeddings=int(c.max_position_embeddings),
+        lm_head=False,
+        encoder=EncoderConfig(type_vocab_size=0, layer_norm_eps=float(c.norm_eps),
+                              position_offset=0, activation=_GELUS[c.hidden_activation],
+                              rope_thetas=thetas,
+                              local_layers=tuple(k == "sliding_attention" for k in kinds),
+                              local_window=int(window), norm_bias=bool(c.norm_bias)))
 
 
 def _rope_from_hf(hf_config: Any) -> RopeConfig:

@@ -27,9 +27,10 @@ from xlaserve.model.pooling import pool_sequences, reduce_chunks
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
+    def __init__(self, dim: int, eps: float, dtype, bias: bool = True):
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        if bias:  # ModernBERT's have none
+            self.bias = nnx.Param(jnp.zeros((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -38,7 +39,8 @@ class LayerNorm(nnx.Module):
         mean = x.mean(-1, keepdims=True)
         centered = x - mean
         normed = centered * jax.lax.rsqrt((centered * centered).mean(-1, keepdims=True) + self.eps)
-        return normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        normed = normed * self.scale[...].astype(jnp.float32)
+        return normed + self.bias[...].astype(jnp.float32) if hasattr(self, "bias") else normed
 
 
 def _bias(param: nnx.Param) -> jax.Array:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from xlaserve.model.encoder import Encoder
+from xlaserve.model.modernbert import ModernBert
 from xlaserve.model.transformer import CausalLM
 
 # The Llama family and its mixture-of-experts kin differ only in config switches, so one class
@@ -24,6 +25,7 @@ MODEL_CLASSES = {
     # Cross-encoder rerankers: the encoder, its score head read apart (weights/score_head.py).
     "BertForSequenceClassification": Encoder,
     "XLMRobertaForSequenceClassification": Encoder,
+    "ModernBertModel": ModernBert,  # model/modernbert.py: RoPE, local and global layers
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
 # in merged tensors (ffn_gate_exps, ...) that weights/gguf_file.py does not translate: their

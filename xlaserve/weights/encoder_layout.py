@@ -36,7 +36,11 @@ def encoder_prefix(source: TensorSource) -> str:
 
 
 def encoder_weights(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
-    """`(param_path, array)` of every parameter of model/encoder.Encoder."""
+    """`(param_path, array)` of every parameter of model/encoder.Encoder (a ModernBERT's:
+    `modernbert_weights`)."""
+    if config.architecture == "ModernBertModel":
+        yield from modernbert_weights(config, source)
+        return
     c, prefix = config, encoder_prefix(source)
     hidden, heads, head_dim = c.hidden_size, c.num_heads, c.head_dim
     positions = c.max_position_embeddings + c.encoder.position_offset
@@ -76,3 +80,43 @@ def encoder_weights(config: ModelConfig, source: TensorSource) -> Iterator[tuple
         yield at + ("down",), fetch(f"{layer}output.dense.weight", (hidden, c.intermediate_size)).T
         yield at + ("down_bias",), fetch(f"{layer}output.dense.bias", (hidden,))
         yield from norm(f"{layer}output.LayerNorm", at + ("output_norm",))
+
+
+def modernbert_weights(config: ModelConfig, source: TensorSource):
+    """`(param_path, array)` of model/modernbert.ModernBert, from transformers' names (no prefix,
+    or `model.` for a model saved with a head):
+
+        embeddings.tok_embeddings, embeddings.norm, final_norm
+        layers.N.attn_norm (N > 0), layers.N.mlp_norm
+        layers.N.attn.Wqkv [3 * hidden, hidden] (q | k | v)  -> qkv [hidden, heads, 3, D]
+        layers.N.attn.Wo                                     -> o_proj [heads, D, hidden]
+        layers.N.mlp.Wi [2 * I, hidden] (input | gate)       -> gate_up [hidden, 2, I]
+        layers.N.mlp.Wo                                      -> down [I, hidden]
+    """
+    c = config
+    hidden, heads, head_dim, inner = c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size
+    prefix = "model." if "model.embeddings.tok_embeddings.weight" in source.names() else ""
+
+    def fetch(name, shape):
+        return _fetch(source, prefix + name, shape)
+
+    def norm(name, path):
+        yield path + ("scale",), fetch(f"{name}.weight", (hidden,))
+        if c.encoder.norm_bias:
+            yield path + ("bias",), fetch(f"{name}.bias", (hidden,))
+
+    yield ("word_embedding",), fetch("embeddings.tok_embeddings.weight", (c.vocab_size, hidden))
+    yield from norm("embeddings.norm", ("embedding_norm",))
+    for i in range(c.num_layers):
+        layer, at = f"layers.{i}.", ("layers", i)
+        if i:
+            yield from norm(f"{layer}attn_norm", at + ("attention_norm",))
+        qkv = fetch(f"{layer}attn.Wqkv.weight", (3 * heads * head_dim, hidden))
+        yield at + ("qkv",), qkv.T.reshape(hidden, 3, heads, head_dim).transpose(0, 2, 1, 3)
+        yield at + ("o_proj",), fetch(f"{layer}attn.Wo.weight",
+                                      (hidden, heads * head_dim)).T.reshape(heads, head_dim, hidden)
+        yield from norm(f"{layer}mlp_norm", at + ("mlp_norm",))
+        yield at + ("gate_up",), fetch(f"{layer}mlp.Wi.weight", (2 * inner, hidden)).T.reshape(
+            hidden, 2, inner)
+        yield at + ("down",), fetch(f"{layer}mlp.Wo.weight", (hidden, inner)).T
+    yield from norm("final_norm", ("final_norm",))

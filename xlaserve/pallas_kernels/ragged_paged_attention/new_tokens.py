@@ -3,7 +3,9 @@ each row's log-sum-exp: the second half of multi-head latent attention's expande
 mla.py). The first half, each token against its sequence's cached prefix, is the absorbed kernel
 with `prefix_only`; `reference.merge_by_lse` joins the two into the softmax over every key.
 With `causal=False` each token sees its whole sequence: an encoder's attention (model/encoder.py),
-whose sequences run whole in one step and keep no cache.
+whose sequences run whole in one step and keep no cache; `window` w > 0 (not causal only) limits
+it to the keys at most w positions away on either side (ModernBERT's local layers,
+model/modernbert.py).
 
 q [T, H, Dk], k [T, H, Dk], v [T, H, Dv]: the new tokens in the batch's order (cu_q_lens), keys
 and values already expanded per head; padding tokens (past cu_q_lens[num_seqs]) attend to one
@@ -40,13 +42,16 @@ def segment_ids(cu_q_lens, num_seqs, num_tokens: int):
     return jnp.where(token < end, seq, max_seqs).astype(jnp.int32)
 
 
-def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True):
+def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True,
+                                  window=0):
     num_tokens = q.shape[0]
     segment = segment_ids(cu_q_lens, num_seqs, num_tokens)
     position = jnp.arange(num_tokens)
     mask = segment[:, None] == segment[None, :]
     if causal:
         mask &= position[None, :] <= position[:, None]
+    if window:  # within a segment, packed positions differ as the sequence's own
+        mask &= jnp.abs(position[None, :] - position[:, None]) <= window
     scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
     scores = jnp.where(mask[None], scores, -jnp.inf)  # every row has its own key
     lse = jax.nn.logsumexp(scores, axis=-1)
@@ -56,7 +61,7 @@ def reference_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, cau
 
 
 def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True,
-                                block=128):
+                                window=0, block=128):
     """The CPU's: the reference's arithmetic a block of `block` query rows at a time, with an
     online softmax over the key blocks from its first row's sequence start to itself (not
     causal: to its last row's sequence end) alone (a dynamic loop bound), so a bucket's cost
@@ -81,6 +86,10 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causa
         last = segment[block - 1::block]
         end_key_block = jnp.where(last == cu_q_lens.shape[0] - 1, blocks + 1,
                                   -(-jnp.append(bounds[1:], padded)[last] // block))
+    if window:  # the key blocks within `window` of the block's rows
+        first_key_block = jnp.maximum(first_key_block, (blocks * block - window) // block)
+        end_key_block = jnp.minimum(end_key_block,
+                                    ((blocks + 1) * block - 1 + window) // block + 1)
 
     def query_block(i):
         rows = i * block
@@ -96,6 +105,8 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causa
             mask = seg_i[:, None] == seg_j[None, :]
             if causal:
                 mask &= keys + jnp.arange(block) <= pos_i[:, None]
+            if window:
+                mask &= jnp.abs(keys + jnp.arange(block) - pos_i[:, None]) <= window
             scores = jnp.einsum("qhd,khd->hqk", q_i, k_j, preferred_element_type=jnp.float32)
             # A row whose keys are all masked here gets junk weighed exp(MASK_VALUE - m) = 0 by
             # its own key's block, as in reference.attend_paged.
@@ -117,10 +128,13 @@ def blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causa
     return out, lse.transpose(0, 2, 1).reshape(padded, heads)[:num_tokens]
 
 
-def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True,
+def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True, window=0,
                             interpret=False, block_q=64, block_k=64):
     from jax.experimental.pallas.ops.gpu import attention
 
+    if window:  # JAX's GPU flash attention has no local mask: the blocked form's dots
+        return blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                           causal=causal, window=window)
     num_tokens, _, key_dim = q.shape
     value_dim = v.shape[-1]
     if value_dim > key_dim:
@@ -140,7 +154,7 @@ def gpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=Tr
     return out.astype(jnp.float32), lse * math.log(2.0)
 
 
-def tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True,
+def tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=True, window=0,
                             interpret=False, block=512):
     """JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) over the batch
     as one packed sequence: a causal mask, the sequences kept apart by segment ids, its
@@ -155,8 +169,11 @@ def tpu_new_token_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=Tr
     pad = lambda x: jnp.pad(x, ((0, padded - num_tokens), (0, 0), (0, 0))).transpose(1, 0, 2)
     segment = segment_ids(cu_q_lens, num_seqs, padded)
     shape = (padded, padded)
-    mask = masks.MultiHeadMask([masks.CausalMask(shape) if causal else masks.FullMask(shape)]
-                               * num_heads)
+    if window:
+        one = masks.LocalMask(shape, (window, 0 if causal else window), offset=0)
+    else:
+        one = masks.CausalMask(shape) if causal else masks.FullMask(shape)
+    mask = masks.MultiHeadMask([one] * num_heads)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                     save_residuals=True, interpret=interpret)
