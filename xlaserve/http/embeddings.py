@@ -27,7 +27,7 @@ from xlaserve.http.protocol import _Strict
 from xlaserve.http.request_fields import with_ignored_fields
 from xlaserve.http.serving import (Generation, ServingContext, check_prompt_ids, client_priority,
                                    context_error, parse_off_loop)
-from xlaserve.runtime.engine.core import GENERATES
+from xlaserve.runtime.engine.pooled_outputs import GENERATES
 from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.runtime.scheduler.request import RequestTooLong
 

@@ -43,7 +43,8 @@ from xlaserve.offline import Engine
 from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, Choice, EngineDeadError
 from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import InvalidGrammar
-from xlaserve.runtime.engine.core import EMBEDS, EngineCore, QueueFull
+from xlaserve.runtime.engine.core import EngineCore, QueueFull
+from xlaserve.runtime.engine.pooled_outputs import EMBEDS
 from xlaserve.runtime.engine.lora_adapters import NO_ADAPTERS, UnknownAdapter
 from xlaserve.runtime.sampling.params import (MAX_TOP_LOGPROBS, InvalidSamplingParam, SamplingParams,
                                       token_id)

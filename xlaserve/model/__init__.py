@@ -5,7 +5,7 @@ speculative draft heads."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
-    "ModelConfig": "config",
+    "ModelConfig": "config", "model_config_from_hf": "encoder_config",
     "Eagle3Head": "draft_heads", "NextNHead": "draft_heads",
     "eagle3_capture_layers": "draft_heads", "nextn_config": "draft_heads",
     "fp8_platform_problem": "fp8_weights", "FP8_TYPES": "fp8_weights",

@@ -166,10 +166,10 @@ class EncoderConfig:
     norm_bias: bool = True
 
 
-# BERT-family architectures (model/encoder.py) and what their `hidden_act` names mean here.
+# The encoders' architectures (model/encoder.py, model/modernbert.py; their configs:
+# model/encoder_config.py).
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "BertForSequenceClassification",
                          "XLMRobertaForSequenceClassification", "ModernBertModel")
-_GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +285,8 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, architecture: str) -> "ModelConfig":
         """Build from a `transformers.PretrainedConfig` of a supported `architecture` (see
         `registry.py`, which checks that first)."""
-        if architecture in ENCODER_ARCHITECTURES:
-            return encoder_from_hf(hf_config, architecture)
+        if architecture in ENCODER_ARCHITECTURES:  # model/encoder_config.py builds those
+            raise ValueError(f"{architecture} is an encoder: model_config_from_hf reads it")
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError(f"{architecture} with mlp_bias=True is not supported")
         if getattr(hf_config, "hidden_act", "silu") not in ("silu", "swish"):
@@ -327,76 +327,6 @@ class ModelConfig:
             mla=mla,
             **_experts_from_hf(hf_config, architecture),
         )
-
-
-def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
-    """A BERT or XLM-RoBERTa encoder's config; what model/encoder.py does not run is refused."""
-    if architecture == "ModernBertModel":
-        return modernbert_from_hf(hf_config)
-    kind = getattr(hf_config, "position_embedding_type", "absolute")
-    if kind != "absolute":
-        raise ValueError(f"{architecture} with position_embedding_type {kind!r} is not supported "
-                         "(absolute only)")
-    if getattr(hf_config, "is_decoder", False) or getattr(hf_config, "add_cross_attention", False):
-        raise ValueError(f"{architecture} as a decoder (is_decoder, add_cross_attention) is not "
-                         "supported: an encoder's attention sees the whole input")
-    if hf_config.hidden_act not in _GELUS:
-        raise ValueError(f"{architecture} with hidden_act {hf_config.hidden_act!r} is not "
-                         f"supported ({', '.join(_GELUS)})")
-    offset = 0
-    if architecture.startswith("XLMRoberta"):  # create_position_ids_from_input_ids: past padding
-        offset = int(hf_config.pad_token_id) + 1
-    heads = hf_config.num_attention_heads
-    return ModelConfig(
-        architecture=architecture, vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
-        num_layers=hf_config.num_hidden_layers, num_heads=heads, num_kv_heads=heads,
-        head_dim=hf_config.hidden_size // heads, rms_norm_eps=float(hf_config.layer_norm_eps),
-        rope=RopeConfig(), max_position_embeddings=int(hf_config.max_position_embeddings) - offset,
-        lm_head=False, qkv_bias=True, o_bias=True,
-        encoder=EncoderConfig(type_vocab_size=int(hf_config.type_vocab_size),
-                              layer_norm_eps=float(hf_config.layer_norm_eps),
-                              position_offset=offset, activation=_GELUS[hf_config.hidden_act]))
-
-
-def modernbert_from_hf(hf_config: Any) -> ModelConfig:
-    """A ModernBERT encoder's config (model/modernbert.py), from transformers 5's fields
-    (layer_types, rope_parameters, sliding_window) or the checkpoint's own (global_attn_every_n_
-    layers, global / local_rope_theta, local_attention); biases and other RoPE kinds refused."""
-    c = hf_config
-    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        raise ValueError("ModernBertModel with attention_bias or mlp_bias is not supported")
-    if c.hidden_activation not in _GELUS:
-        raise ValueError(f"ModernBertModel with hidden_activation {c.hidden_activation!r} is not "
-                         f"supported ({', '.join(_GELUS)})")
-    layers = c.num_hidden_layers
-    kinds = getattr(c, "layer_types", None)
-    if kinds is None:
-        every = c.global_attn_every_n_layers
-        kinds = ["full_attention" if i % every == 0 else "sliding_attention" for i in range(layers)]
-    if set(kinds) - {"full_attention", "sliding_attention"} or len(kinds) != layers:
-        raise ValueError(f"ModernBertModel layer_types {kinds} are not supported")
-    rope = getattr(c, "rope_parameters", None)
-    if isinstance(rope, dict) and "full_attention" in rope:
-        if any(rope[k].get("rope_type", "default") != "default" for k in rope):
-            raise ValueError(f"ModernBertModel rope_parameters {rope} are not supported (default)")
-        thetas = (float(rope["full_attention"]["rope_theta"]),
-                  float(rope["sliding_attention"]["rope_theta"]))
-    else:
-        thetas = (float(c.global_rope_theta), float(c.local_rope_theta))
-    window = getattr(c, "sliding_window", None) or c.local_attention // 2
-    heads = c.num_attention_heads
-    return ModelConfig(
-        architecture="ModernBertModel", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_layers=layers, num_heads=heads,
-        num_kv_heads=heads, head_dim=c.hidden_size // heads, rms_norm_eps=float(c.norm_eps),
-        rope=RopeConfig(theta=thetas[0]), max_position_embeddings=int(c.max_position_embeddings),
-        lm_head=False,
-        encoder=EncoderConfig(type_vocab_size=0, layer_norm_eps=float(c.norm_eps),
-                              position_offset=0, activation=_GELUS[c.hidden_activation],
-                              rope_thetas=thetas,
-                              local_layers=tuple(k == "sliding_attention" for k in kinds),
-                              local_window=int(window), norm_bias=bool(c.norm_bias)))
 
 
 def _rope_from_hf(hf_config: Any) -> RopeConfig:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 from jax.sharding import Mesh
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.encoder_config import model_config_from_hf
 from xlaserve.model.registry import model_class_check
 from xlaserve.server_args import public_name
 from xlaserve.weights import gguf_file, gguf_kept
@@ -49,7 +49,7 @@ def load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, pr
         logger.debug("Conversion cache entry of %s: %s", path, entry.directory)
         return entry.config, model, tokenizer
     hf_config = gguf_file.load_hf_config(path)
-    config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
+    config = model_config_from_hf(hf_config, model_class_check(hf_config))
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
     # The file's own is converted for the cache even when another is used (it costs ~3 s once).
     own_tokenizer = None

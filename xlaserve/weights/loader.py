@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 
 from xlaserve.weights import checkpoint, gguf_file, gguf_kept, mxfp4_kept
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.encoder_config import model_config_from_hf
 from xlaserve.weights.conversion_cache import ConversionCache
 from xlaserve.weights.dummy_weights import dummy_model
 from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
@@ -356,7 +357,7 @@ def _read_config(path: str, config_file_allowed: bool, trust_remote_code: bool =
         # FP8 and gpt-oss's MXFP4 are decoded; any other quantization stops here.
         check_quantization_config(hf_config.to_dict())
         source_path = path
-    config = ModelConfig.from_hf(hf_config, model_class_check(hf_config))
+    config = model_config_from_hf(hf_config, model_class_check(hf_config))
     return source_path, config, hf_config.to_dict()
 
 

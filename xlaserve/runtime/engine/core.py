@@ -29,7 +29,9 @@ from xlaserve.runtime.engine.lora_adapters import LoadLora, LoraAdapters, Unload
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
                                               LiveRequest, OutputDelta, PooledResult,
                                               RequestsEnded, StepResult, Wake)
-from xlaserve.runtime.engine.pooled_outputs import PooledOutputs
+from xlaserve.runtime.engine.pooled_outputs import (EMBEDS, GENERATES, PooledOutputs,
+                                                    WrongKindOfServer, pooled_request,
+                                                    token_types)
 from xlaserve.runtime.engine.watchdog import Watchdog
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, StepOutput
@@ -45,31 +47,8 @@ from xlaserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
-def token_types(batch, tokens: int) -> np.ndarray:
-    """i32[tokens] of an embedding step: 1 for the tokens of a cross-encoder pair's second text
-    (`Request.second_segment`), else 0."""
-    types = np.zeros(tokens, np.int32)
-    start = 0
-    for request, chunk in zip(batch.requests, batch.chunks):
-        n = len(chunk.token_ids)
-        if request.second_segment:
-            types[start:start + n] = np.arange(chunk.num_cached, chunk.num_cached + n) >= \
-                request.second_segment
-        start += n
-    return types
-
-
 class QueueFull(RuntimeError):
     """More requests wait than --max-queued-requests: the HTTP layer answers 503 + Retry-After."""
-
-
-class WrongKindOfServer(ValueError):
-    """An embedding request to a server that generates, or a generation to an embedding one."""
-
-
-GENERATES = ("this server generates text: embeddings need an embedding model served with "
-             "--is-embedding")
-EMBEDS = "this server serves an embedding model (--is-embedding): it generates no text"
 
 
 class EngineCore:
@@ -206,11 +185,8 @@ class EngineCore:
                             f"--max-queued-requests {self.limits.max_queued_requests}): retry later")
         rid = rid or uuid.uuid4().hex
         if embed:  # CLS and mean pooling read every row: no cached prefix (pooled_outputs.py)
-            request = Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=0,
-                              sampling=RowSamplingParams(temperature=0.0, seed=0),
-                              priority=priority, pooled=True, second_segment=second_segment,
-                              no_prefix_reuse=self.pooling.mode != "last")
-            self._put_request(LiveRequest(request, emit, None))
+            self._put_request(LiveRequest(pooled_request(rid, prompt_ids, self.pooling, priority,
+                                                         second_segment), emit, None))
             return rid
         stop_ids = stop_token_set(params, self.eos_token_ids)  # checked: only the set here
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)

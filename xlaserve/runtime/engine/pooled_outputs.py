@@ -1,4 +1,6 @@
-"""An embedding server's vectors, finished on the host from its steps' chunks (issue 54).
+"""An embedding server's requests and vectors (issue 54): the request an input becomes
+(`pooled_request`), each step's token types (`token_types`), and the vectors finished on the
+host from the steps' chunks (`PooledOutputs`).
 
 The step returns each prompt chunk's rows reduced (model/pooling.reduce_chunks): its first row,
 its row sum or its last row. A prompt longer than a step's tokens runs in several chunks, so here
@@ -16,8 +18,42 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.model.pooling import NORMALIZE_EPS
+from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.scheduler.request import Request, ScheduledBatch
 from xlaserve.weights.pooling import Pooling
+
+
+class WrongKindOfServer(ValueError):
+    """An embedding request to a server that generates, or a generation to an embedding one."""
+
+
+GENERATES = ("this server generates text: embeddings need an embedding model served with "
+             "--is-embedding")
+EMBEDS = "this server serves an embedding model (--is-embedding): it generates no text"
+
+
+def pooled_request(rid: str, prompt_ids: list[int], pooling: Pooling, priority: int = 0,
+                   second_segment: int = 0) -> Request:
+    """An embedding request for the scheduler: no tokens to sample (max_new_tokens 0); CLS and
+    mean pooling read every row, so no cached prefix (module docstring)."""
+    return Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=0,
+                   sampling=RowSamplingParams(temperature=0.0, seed=0), priority=priority,
+                   pooled=True, second_segment=second_segment,
+                   no_prefix_reuse=pooling.mode != "last")
+
+
+def token_types(batch, tokens: int) -> np.ndarray:
+    """i32[tokens] of an embedding step: 1 for the tokens of a cross-encoder pair's second text
+    (`Request.second_segment`), else 0."""
+    types = np.zeros(tokens, np.int32)
+    start = 0
+    for request, chunk in zip(batch.requests, batch.chunks):
+        n = len(chunk.token_ids)
+        if request.second_segment:
+            types[start:start + n] = np.arange(chunk.num_cached, chunk.num_cached + n) >= \
+                request.second_segment
+        start += n
+    return types
 
 
 def finish_vector(pooling: Pooling, reduced: list[np.ndarray], prompt_tokens: int) -> np.ndarray:
