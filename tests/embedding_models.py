@@ -33,12 +33,14 @@ def sentence_transformer(transformer_dir: str, mode: str, normalize: bool):
                                device="cpu")
 
 
-def save_decoder_embedding(directory, mode: str, normalize: bool = True, tied: bool = True):
+def save_decoder_embedding(directory, mode: str, normalize: bool = True, tied: bool = True,
+                           architecture: str = "Qwen3ForCausalLM"):
     """(its folder, the SentenceTransformer): a decoder embedding checkpoint as Qwen3-Embedding
     ships (sentence-transformers' save of the backbone, no `model.` prefix, modules.json and the
     Pooling config, under a Qwen3ForCausalLM config with tied embeddings), pooling `mode`
     (sentence-transformers' names: cls, mean, lasttoken). `tied` False: an untied config, whose
-    checkpoint has no lm_head.weight (gte-Qwen2-7B-instruct's case)."""
+    checkpoint has no lm_head.weight (gte-Qwen2-7B-instruct's case). `architecture`: the
+    config's (sentence-transformers' own save says Qwen3Model)."""
     import json
     import pathlib
 
@@ -47,7 +49,7 @@ def save_decoder_embedding(directory, mode: str, normalize: bool = True, tied: b
     saved = directory / "st"
     model.save(str(saved))
     config = json.loads((saved / "config.json").read_text())
-    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=tied)
+    config.update(architectures=[architecture], tie_word_embeddings=tied)
     (saved / "config.json").write_text(json.dumps(config))
     return str(saved), model
 

@@ -77,3 +77,22 @@ def test_an_untied_checkpoint_without_its_lm_head_serves_embeddings(tmp_path):
                                    reference.encode(SENTENCES[0]), atol=1e-4)
     with pytest.raises(Exception, match="lm_head.weight"):
         Engine(path, runner="generate", **SMALL)
+
+
+def test_a_backbone_saved_as_its_model_class_serves_embeddings(tmp_path):
+    """sentence-transformers' own save of a decoder names it Qwen3Model (no LM head): read as
+    the causal LM's layers. One whose config maps AutoModel to its own code (gte-Qwen2's
+    auto_map) is refused in one line: that code may attend otherwise."""
+    import json
+
+    path, reference = save_decoder_embedding(tmp_path / "plain", "lasttoken",
+                                             architecture="Qwen3Model")
+    with Engine(path, **SMALL) as engine:
+        np.testing.assert_allclose(engine.encode(SENTENCES[0])["embedding"],
+                                   reference.encode(SENTENCES[0]), atol=1e-4)
+    custom, _ = save_decoder_embedding(tmp_path / "custom", "lasttoken", architecture="Qwen3Model")
+    config = json.loads(open(f"{custom}/config.json").read())
+    config["auto_map"] = {"AutoModel": "modeling_qwen.Qwen2Model"}
+    open(f"{custom}/config.json", "w").write(json.dumps(config))
+    with pytest.raises(ValueError, match="maps AutoModel to its own code"):
+        Engine(custom, **SMALL)

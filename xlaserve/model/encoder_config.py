@@ -12,10 +12,25 @@ from xlaserve.model.config import ENCODER_ARCHITECTURES, EncoderConfig, ModelCon
 _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
+# Decoder backbones saved without their LM head (sentence-transformers' saves of a decoder, and
+# embedding models that ship so): transformers' classes, read as their causal LM's layers.
+BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+             "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+
+
 def model_config_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
-    """The ModelConfig of a supported `architecture` (registry.py checks that first)."""
+    """The ModelConfig of a supported `architecture` (registry.py checks that first). A
+    backbone (BACKBONES) whose config points AutoModel at the checkpoint's own code (auto_map,
+    gte-Qwen2's) is refused: that code may attend otherwise than transformers' class."""
     if architecture in ENCODER_ARCHITECTURES:
         return encoder_from_hf(hf_config, architecture)
+    if architecture in BACKBONES:
+        custom = (getattr(hf_config, "auto_map", None) or {}).get("AutoModel")
+        if custom:
+            raise ValueError(f"{architecture}: the checkpoint's config maps AutoModel to its own "
+                             f"code ({custom}), which may differ from transformers' "
+                             f"{architecture}; not supported")
+        return ModelConfig.from_hf(hf_config, BACKBONES[architecture])
     return ModelConfig.from_hf(hf_config, architecture)
 
 

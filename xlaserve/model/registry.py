@@ -26,6 +26,11 @@ MODEL_CLASSES = {
     "BertForSequenceClassification": Encoder,
     "XLMRobertaForSequenceClassification": Encoder,
     "ModernBertModel": ModernBert,  # model/modernbert.py: RoPE, local and global layers
+    # Decoder backbones without an LM head (encoder_config.BACKBONES): embedding models.
+    "LlamaModel": CausalLM,
+    "MistralModel": CausalLM,
+    "Qwen2Model": CausalLM,
+    "Qwen3Model": CausalLM,
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
 # in merged tensors (ffn_gate_exps, ...) that weights/gguf_file.py does not translate: their
