@@ -37,21 +37,32 @@ def public_name(value: str | None) -> str | None:
     return os.path.basename(os.path.abspath(path))  # abspath: no trailing "/", "." named
 
 
-_OVERRIDES = {"architectures", "classifier_from_token", "is_original_qwen3_reranker"}
+_RERANKER = {"architectures", "classifier_from_token", "is_original_qwen3_reranker"}
 
 
-def reranker_tokens(args) -> list[str] | None:
-    """--hf-overrides' classifier_from_token ([no, yes]: a decoder reranker), checked; None
-    without the flag. What else the overrides could say is refused in one line."""
+def hf_overrides(args) -> dict:
+    """--hf-overrides, checked: a decoder reranker's keys (_RERANKER) and `is_causal` (a bool);
+    {} without the flag. What else the overrides could say is refused in one line."""
     if args.hf_overrides is None:
-        return None
+        return {}
     try:
         overrides = json.loads(args.hf_overrides)
     except json.JSONDecodeError as error:
         raise ValueError(f"--hf-overrides is not JSON: {error}") from None
-    if not isinstance(overrides, dict) or set(overrides) - _OVERRIDES:
-        raise ValueError(f"--hf-overrides {args.hf_overrides[:120]}: only a decoder reranker's "
-                         f"{sorted(_OVERRIDES)} are supported")
+    if not isinstance(overrides, dict) or set(overrides) - _RERANKER - {"is_causal"}:
+        raise ValueError(f"--hf-overrides {args.hf_overrides[:120]}: only is_causal and a decoder "
+                         f"reranker's {sorted(_RERANKER)} are supported")
+    if not isinstance(overrides.get("is_causal", True), bool):
+        raise ValueError("--hf-overrides is_causal: true or false")
+    return overrides
+
+
+def reranker_tokens(args) -> list[str] | None:
+    """--hf-overrides' classifier_from_token ([no, yes]: a decoder reranker), checked; None
+    without one."""
+    overrides = hf_overrides(args)
+    if not set(overrides) & _RERANKER:
+        return None
     architectures = overrides.get("architectures") or [""]
     tokens = overrides.get("classifier_from_token")
     if (not str(architectures[0]).endswith("ForSequenceClassification") or not tokens
@@ -120,7 +131,9 @@ class ServerArgs:
               "tokens' logits, e.g. Qwen3-Reranker: {\"architectures\": "
               "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
               "\"yes\"], \"is_original_qwen3_reranker\": true} (the server then scores pairs: "
-              "/v1/rerank, /score)")
+              "/v1/rerank, /score); and an embedding decoder's attention, {\"is_causal\": false} "
+              "(every token sees its whole input: gte-Qwen2-7B-instruct) or true (as transformers' "
+              "class, for a backbone whose config names code of its own: gte-Qwen2-1.5B-instruct)")
     reasoning_parser: Optional[str] = _flag(
         None, "split reasoning from the answer for thinking models (vLLM's names: deepseek_r1 is "
               "deepseek-r1, openai_gptoss gpt-oss)",

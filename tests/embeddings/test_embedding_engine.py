@@ -96,3 +96,35 @@ def test_a_backbone_saved_as_its_model_class_serves_embeddings(tmp_path):
     open(f"{custom}/config.json", "w").write(json.dumps(config))
     with pytest.raises(ValueError, match="maps AutoModel to its own code"):
         Engine(custom, **SMALL)
+
+
+def test_a_decoder_run_bidirectionally_as_vllms_is_causal_false(tmp_path):
+    """gte-Qwen2-7B-instruct's case: a backbone whose config names code of its own, served with
+    vLLM's --hf-overrides is_causal false, attends each token to its whole input (no KV cache):
+    transformers' model under an all-zero 4-D mask, last token, normalised. With is_causal
+    true it loads as transformers' causal class (sentence-transformers' vectors)."""
+    import json
+
+    import torch
+    import transformers
+
+    path, reference = save_decoder_embedding(tmp_path, "lasttoken", architecture="Qwen3Model")
+    config = json.loads(open(f"{path}/config.json").read())
+    config["auto_map"] = {"AutoModel": "modeling_qwen.Qwen2Model"}
+    open(f"{path}/config.json", "w").write(json.dumps(config))
+    backbone = transformers.Qwen3Model.from_pretrained(str(tmp_path / "backbone")).eval()
+    expected = []
+    for sentence in SENTENCES:
+        ids = torch.tensor([reference.tokenizer(sentence)["input_ids"]])
+        with torch.no_grad():
+            mask = torch.zeros(1, 1, ids.shape[1], ids.shape[1])  # every token sees every token
+            last = backbone(ids, attention_mask=mask).last_hidden_state[0, -1].numpy()
+        expected.append(last / np.linalg.norm(last))
+    with Engine(path, hf_overrides='{"is_causal": false}', **SMALL) as engine:
+        assert engine.core.loaded.config.bidirectional
+        got = np.array([o["embedding"] for o in engine.encode(SENTENCES)])
+    np.testing.assert_allclose(got, np.array(expected), atol=1e-4)
+    assert not np.allclose(got, reference.encode(SENTENCES), atol=1e-3)  # not the causal ones
+    with Engine(path, hf_overrides='{"is_causal": true}', **SMALL) as engine:
+        np.testing.assert_allclose(engine.encode(SENTENCES[2])["embedding"],
+                                   reference.encode(SENTENCES[2]), atol=1e-4)

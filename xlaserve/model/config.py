@@ -228,6 +228,10 @@ class ModelConfig:
     # A BERT-family encoder (model/encoder.py): bidirectional attention, no KV cache, no RoPE
     # (`rope` unused), post-LayerNorms of epsilon `encoder.layer_norm_eps`; None: a decoder.
     encoder: EncoderConfig | None = None
+    # Every token attends to its whole input: an encoder's, or a decoder's run as one (vLLM's
+    # --hf-overrides is_causal false: gte-Qwen2-7B-instruct). No KV cache, each input whole in
+    # one step (an embedding server's alone).
+    bidirectional: bool = False
 
     @property
     def queries_per_kv(self) -> int:

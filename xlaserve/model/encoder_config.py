@@ -18,18 +18,21 @@ BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausal
              "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 
 
-def model_config_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
+def model_config_from_hf(hf_config: Any, architecture: str,
+                         own_code_ok: bool = False) -> ModelConfig:
     """The ModelConfig of a supported `architecture` (registry.py checks that first). A
     backbone (BACKBONES) whose config points AutoModel at the checkpoint's own code (auto_map,
-    gte-Qwen2's) is refused: that code may attend otherwise than transformers' class."""
+    gte-Qwen2's) is refused unless `own_code_ok` (the operator said how it attends, vLLM's
+    --hf-overrides is_causal): that code may attend otherwise than transformers' class."""
     if architecture in ENCODER_ARCHITECTURES:
         return encoder_from_hf(hf_config, architecture)
     if architecture in BACKBONES:
         custom = (getattr(hf_config, "auto_map", None) or {}).get("AutoModel")
-        if custom:
+        if custom and not own_code_ok:
             raise ValueError(f"{architecture}: the checkpoint's config maps AutoModel to its own "
-                             f"code ({custom}), which may differ from transformers' "
-                             f"{architecture}; not supported")
+                             f"code ({custom}), which may attend otherwise than transformers' "
+                             f"{architecture}: say how with --hf-overrides '{{\"is_causal\": "
+                             "false}' (bidirectional: gte-Qwen2-7B-instruct) or true (causal)")
         return ModelConfig.from_hf(hf_config, BACKBONES[architecture])
     return ModelConfig.from_hf(hf_config, architecture)
 
@@ -58,7 +61,7 @@ def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
         num_layers=hf_config.num_hidden_layers, num_heads=heads, num_kv_heads=heads,
         head_dim=hf_config.hidden_size // heads, rms_norm_eps=float(hf_config.layer_norm_eps),
         rope=RopeConfig(), max_position_embeddings=int(hf_config.max_position_embeddings) - offset,
-        lm_head=False, qkv_bias=True, o_bias=True,
+        lm_head=False, bidirectional=True, qkv_bias=True, o_bias=True,
         encoder=EncoderConfig(type_vocab_size=int(hf_config.type_vocab_size),
                               layer_norm_eps=float(hf_config.layer_norm_eps),
                               position_offset=offset, activation=_GELUS[hf_config.hidden_act]))
@@ -96,7 +99,7 @@ def modernbert_from_hf(hf_config: Any) -> ModelConfig:
         intermediate_size=c.intermediate_size, num_layers=layers, num_heads=heads,
         num_kv_heads=heads, head_dim=c.hidden_size // heads, rms_norm_eps=float(c.norm_eps),
         rope=RopeConfig(theta=thetas[0]), max_position_embeddings=int(c.max_position_embeddings),
-        lm_head=False,
+        lm_head=False, bidirectional=True,
         encoder=EncoderConfig(type_vocab_size=0, layer_norm_eps=float(c.norm_eps),
                               position_offset=0, activation=_GELUS[c.hidden_activation],
                               rope_thetas=thetas,

@@ -92,11 +92,19 @@ class Attention(nnx.Module):
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
         num_tokens = x.shape[0]
         # Attention takes its inputs in the cache's dtype (the model dtype).
+        dtype = matmul_input_dtype(self.o_proj[...]) if kv_cache is None else kv_cache.dtype
         if c.qk_norm:  # the norms come between the split and RoPE: XLA's path
             q, k, v = split_qkv(qkv)
-            q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, kv_cache.dtype)
+            q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, dtype)
         else:
-            q, k, v = kernels.qkv_rope(qkv, cos, sin, kv_cache.dtype)
+            q, k, v = kernels.qkv_rope(qkv, cos, sin, dtype)
+        if c.bidirectional:  # every token its whole input (vLLM's is_causal false), no cache
+            group = c.queries_per_kv
+            out, _ = kernels.bidirectional_attention(
+                q, jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1), metadata.cu_q_lens,
+                metadata.num_seqs, sm_scale=c.head_dim**-0.5)
+            out = project(out.astype(dtype).reshape(num_tokens, -1), self.o_proj[...], kernels)
+            return (out + self.o_bias[...].astype(jnp.float32) if c.o_bias else out), kv_cache
         sinks = self.sinks[...].astype(jnp.float32) if c.attention_sinks else None
         args = (q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
                 metadata.num_seqs)
@@ -191,6 +199,8 @@ class CausalLM(nnx.Module):
         x = embed(self.embedding[...], input_ids).astype(jnp.float32)
         cos, sin = rope if rope is not None else traced_rope(self.config, positions)
         new_caches, mlp_out, captured = [], None, {}
+        if self.config.bidirectional:  # no cache (ModelConfig.bidirectional): the pool is empty
+            kv_caches = [None] * len(self.layers)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
             if capture and index in capture:
@@ -198,6 +208,8 @@ class CausalLM(nnx.Module):
             x, mlp_out, kv_cache = layer(x, normed, cos, sin, kv_cache, metadata, kernels,
                                          None if lora is None else lora.layer(index))
             new_caches.append(kv_cache)
+        if self.config.bidirectional:
+            new_caches = []
         if capture is not None:
             return x + mlp_out, new_caches, [captured[i] for i in capture]
         return x + mlp_out, new_caches

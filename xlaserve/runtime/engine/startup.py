@@ -107,9 +107,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                 loaded.name, " (dummy weights)" if args.load_format == "dummy" else "")
     logger.debug("Weights of %s read from %s", loaded.name, loaded.source)
     tokenizer = loaded.tokenizer
-    if config.encoder is not None and not embeds:
-        raise ValueError(f"{config.architecture} is an encoder: it serves embeddings "
-                         "(--is-embedding), not text")
+    if config.bidirectional and not embeds:
+        raise ValueError(f"{config.architecture} is an encoder (or runs as one): it serves "
+                         "embeddings (--is-embedding), not text")
     pooling, score_head = pooling_of(args, loaded) if embeds else (None, None)
     context_length = args.context_length or config.max_position_embeddings
     if pooling is not None and pooling.max_seq_length and not args.context_length:
@@ -120,7 +120,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     args, defaulted = platform_defaults.resolve(args, platform, loaded.mesh.devices.flat[0])
     platform_defaults.log_resolved(args, platform, defaulted)
     args = with_page_size(args, platform, context_length)
-    if config.encoder is not None:
+    if config.bidirectional:
         # An encoder's input runs whole in one step (its attention sees all of it): no chunks,
         # and a step's prompt budget holds the longest input.
         args = dataclasses.replace(args, chunked_prefill_size=0,
@@ -187,7 +187,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
         # An encoder's and CLS / mean pooling's pages are never reused (pooled_outputs.py).
         radix_cache=not args.disable_radix_cache and (
-            pooling is None or (pooling.mode == "last" and config.encoder is None)),
+            pooling is None or (pooling.mode == "last" and not config.bidirectional)),
         speculation=SpeculativeConfig.from_server_args(args),
         drafter=drafter.propose if drafter is not None else None)
     if args.dp_size > 1:
