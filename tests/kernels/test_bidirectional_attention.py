@@ -117,3 +117,26 @@ def test_a_window_limits_each_token_to_its_neighbours(lengths, tokens, window):
                                                 causal=False, window=window, interpret=True,
                                                 block=128)
     np.testing.assert_allclose(np.asarray(tpu[:live]), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lengths,tokens", CASES)
+@pytest.mark.parametrize("window", [0, 3, 20])
+def test_the_cpu_kernel_equals_numpy(lengths, tokens, window):
+    """bidirectional_cpu.cc: whole sequences and windows, sequences of 1 to 100 tokens beside
+    padding rows (left 0)."""
+    from xlaserve.native.build import KernelUnavailable
+    from xlaserve.pallas_kernels.ragged_paged_attention import bidirectional_cpu
+
+    try:
+        bidirectional_cpu.load()
+    except KernelUnavailable as error:  # no compiler here
+        pytest.skip(str(error))
+    q, k, v, cu_q_lens, num_seqs = make(lengths, tokens)
+    v = k * 0.5 + 1.0  # one width for q, k and v, as an encoder's heads have
+    live = sum(lengths)
+    want = (numpy_window_attention(q, k, v, np.asarray(cu_q_lens), lengths, window) if window
+            else numpy_attention(q, k, v, np.asarray(cu_q_lens), lengths))
+    out, _ = jax.jit(functools.partial(bidirectional_cpu.bidirectional_attention, window=window),
+                     static_argnames="sm_scale")(q, k, v, cu_q_lens, num_seqs, sm_scale=SCALE)
+    np.testing.assert_allclose(np.asarray(out[:live]), want, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(out[live:]).any()

@@ -144,8 +144,9 @@ class Kernels:
     # weight to float32 each step (transformer.py).
     round_projections: bool = False
     # An encoder's attention (model/encoder.py), each token against its whole sequence:
-    # `(q, k, v, cu_q_lens, num_seqs, sm_scale=) -> (out float32, lse)`, new_tokens.py's
-    # attention with causal=False on the platform's kernel.
+    # `(q, k, v, cu_q_lens, num_seqs, sm_scale=, window=0) -> (out float32, lse or None)`,
+    # new_tokens.py's attention with causal=False on the platform's kernel (the CPU's native
+    # one, bidirectional_cpu.py, gives no lse).
     bidirectional_attention: Callable = functools.partial(reference_new_token_attention,
                                                           causal=False)
 

@@ -28,6 +28,7 @@ from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels import grouped_matmul_gpu, grouped_matmul_mxfp4
+from xlaserve.pallas_kernels.ragged_paged_attention import bidirectional_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
                                                                 get_expanded_prefill_fns,
                                                                 get_latent_attention_fn)
@@ -64,8 +65,14 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
                                              if packed_matmul is not None else None))
     # The latent kernel's prefix part: the expanded form's, and speculative tree rows' (mla.py).
     prefix, new = get_expanded_prefill_fns(attention_backend, mesh, platform=platform)
+    bidirectional = functools.partial(new, causal=False)
+    if platform == "cpu" and (mesh is None or mesh.size == 1) and attention_backend != "reference" \
+            and _bidirectional_builds():
+        # An encoder's attention: the native kernel, ~3x the blocked jnp form's speed (47 inputs
+        # of ~40 tokens, 12 heads of 32: 19 against 55 ms a layer, 2 busy cores).
+        bidirectional = bidirectional_cpu.bidirectional_attention
     kernels = dataclasses.replace(kernels, latent_prefix_attention=prefix,
-                                  bidirectional_attention=functools.partial(new, causal=False))
+                                  bidirectional_attention=bidirectional)
     if mla_expanded_prefill_tokens > 0:
         kernels = dataclasses.replace(
             kernels, mla_expanded_prefill_tokens=mla_expanded_prefill_tokens,
@@ -127,6 +134,16 @@ def gpu_grouped_swiglu(x: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
 
 
 @functools.cache
+def _bidirectional_builds() -> bool:
+    try:
+        bidirectional_cpu.load()
+        return True
+    except KernelUnavailable as error:
+        logger.warning("The native CPU encoder attention is unavailable; XLA's blocked form "
+                       "runs it: %s", error)
+        return False
+
+
 def _gemm_builds(required: bool = False) -> bool:
     try:
         gemm_cpu.load()
