@@ -188,6 +188,7 @@ class EngineCore:
             self._put_request(LiveRequest(pooled_request(rid, prompt_ids, self.pooling, priority,
                                                          second_segment), emit, None))
             return rid
+        self.compile_grammar(params)  # a cache hit where the server compiled it already
         stop_ids = stop_token_set(params, self.eos_token_ids)  # checked: only the set here
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         sampling = RowSamplingParams.from_params(
