@@ -28,7 +28,7 @@ def embedding(tmp_path_factory):
     # Prompt pieces of 4 tokens: the longer sentences run in several steps.
     running = RunningServer(path, is_embedding=True, served_model_name="tiny-embed",
                             page_size=4, chunked_prefill_size=4, max_prefill_tokens=8,
-                            context_length=32)
+                            context_length=32, enable_metrics=True)
     yield running, reference
     running.close()
 
@@ -116,3 +116,17 @@ def test_a_generation_server_refuses_embeddings(server):
     response = _post(server, "/v1/embeddings", input="hello")
     assert response.status_code == 400
     assert "embedding model" in response.json()["error"]["message"]
+
+
+def test_metrics_count_embedding_requests_and_their_tokens(embedding):
+    server, _ = embedding
+
+    def counted(name):
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
+    tokens, requests = counted("xlaserve:prompt_tokens"), counted("xlaserve:num_requests")
+    _post(server, "/v1/embeddings", input=["the cat", "dog"])
+    assert counted("xlaserve:prompt_tokens") == tokens + 3
+    assert counted("xlaserve:num_requests") == requests + 2
