@@ -130,3 +130,11 @@ def test_metrics_count_embedding_requests_and_their_tokens(embedding):
     _post(server, "/v1/embeddings", input=["the cat", "dog"])
     assert counted("xlaserve:prompt_tokens") == tokens + 3
     assert counted("xlaserve:num_requests") == requests + 2
+
+
+def test_native_health_and_model_info_on_an_embedding_server(embedding):
+    """SGLang's /get_model_info says is_generation false; /health_generate embeds instead."""
+    server, _ = embedding
+    info = httpx.get(server.base_url + "/get_model_info", timeout=10).json()
+    assert info["is_generation"] is False
+    assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200

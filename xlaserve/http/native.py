@@ -162,13 +162,15 @@ async def health(request: Request):
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
-    """Generates one token: checks that the engine loop really runs, not only the HTTP server."""
+    """Generates one token (an embedding server: embeds one): checks that the engine loop really
+    runs, not only the HTTP server."""
     ctx = _ctx(request)
     if not ctx.ready:
         raise APIError(503, "the server is starting: the model is not ready yet")
-    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    embeds = ctx.core.pooling is not None
+    params = SamplingParams() if embeds else SamplingParams(max_new_tokens=1, temperature=0.0)
     try:
-        await Generation(ctx, [[0]], params, 1, priority=1 << 20).collect()
+        await Generation(ctx, [[0]], params, 1, priority=1 << 20, embed=embeds).collect()
     except (APIError, EngineDeadError) as error:
         raise APIError(503, f"the engine cannot generate: {error}") from None
     return Response(status_code=200)
@@ -179,7 +181,7 @@ async def get_model_info(request: Request):
     ctx = _ctx(request)
     tokenizer_path = public_name(ctx.engine.server_args.tokenizer_path)  # names, not paths
     return {"model_path": ctx.model_name, "tokenizer_path": tokenizer_path or ctx.model_name,
-            "is_generation": True, "preferred_sampling_params": None,
+            "is_generation": ctx.core.pooling is None, "preferred_sampling_params": None,
             "served_model_name": ctx.served_model_name, "context_length": ctx.context_length,
             "vocab_size": ctx.vocab_size}
 
