@@ -138,3 +138,28 @@ def test_native_health_and_model_info_on_an_embedding_server(embedding):
     info = httpx.get(server.base_url + "/get_model_info", timeout=10).json()
     assert info["is_generation"] is False
     assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200
+
+
+def test_a_batch_of_embeddings_requests(embedding, tmp_path):
+    """OpenAI's Batch API with endpoint /v1/embeddings: each line answered as the live route
+    answers it (the vectors), a bad line failing alone."""
+    from tests.http.test_batches import results, upload, wait
+
+    server, reference = embedding
+    client = server.openai()
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "tiny-embed", "input": text, "encoding_format": "float"}}
+             for i, text in enumerate(SENTENCES)]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"input": "dog", "dimensions": 20}})
+    batch = client.batches.create(input_file_id=upload(client, tmp_path, lines).id,
+                                  endpoint="/v1/embeddings", completion_window="24h")
+    batch = wait(client, batch)
+    assert batch.status == "completed" and batch.request_counts.failed == 1, batch
+    by_id = results(client, batch.output_file_id)
+    expected = reference.encode(SENTENCES)
+    for i in range(len(SENTENCES)):
+        body = by_id[f"line-{i}"]["response"]["body"]
+        np.testing.assert_allclose(body["data"][0]["embedding"], expected[i], atol=1e-4)
+    errors = client.files.content(batch.error_file_id).read().decode()
+    assert "dimensions" in errors

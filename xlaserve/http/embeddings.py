@@ -21,6 +21,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from xlaserve.http.disconnect import until_disconnect
 from xlaserve.http.errors import bad_request
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import _Strict
@@ -156,30 +157,54 @@ async def _embed(ctx: ServingContext, id_lists: list[list[int]], priority: int):
     return await generation.collect()
 
 
+class EmbeddingCall:
+    """One /v1/embeddings request, checked and submitted (`create`), answered (`response`): the
+    route's, and a batch line's (http/batches/lines.py, as ChatCall and CompletionCall)."""
+
+    def __init__(self, ctx: ServingContext, req: EmbeddingRequest):
+        ctx.adapters_of(req.model, None)  # a model not served: the 404
+        self.pooling = embedding_server(ctx)
+        if ctx.core.score_head is not None:
+            raise bad_request("this server runs a reranker: it scores pairs (/v1/rerank, "
+                              "/rerank, /score), it gives no embeddings")
+        self.ctx, self.req = ctx, req
+        self.width = _width(self.pooling, ctx.core.loaded.config.hidden_size, req.dimensions)
+        self.id_lists = input_id_lists(ctx, req.input, "input", req.add_special_tokens,
+                                       _truncation(ctx, req.truncate_prompt_tokens))
+        self.generation: Generation | None = None
+
+    @classmethod
+    async def create(cls, ctx: ServingContext, req: EmbeddingRequest,
+                     priority: int | None = None) -> "EmbeddingCall":
+        """Checks the request and submits its inputs; `priority`: a batch line's (else the
+        request's own, `client_priority`)."""
+        call = cls(ctx, req)
+        call.generation = Generation(
+            ctx, call.id_lists, SamplingParams(), 1, embed=True,
+            priority=client_priority(ctx, req.priority) if priority is None else priority)
+        return call
+
+    async def response(self) -> dict:
+        """OpenAI's embeddings object, once every input is in."""
+        data = []
+        for index, choice in enumerate(await self.generation.collect()):
+            vector = _vector(choice.embedding, self.width, self.pooling.normalize)
+            data.append({"object": "embedding", "index": index,
+                         "embedding": (base64.b64encode(vector.astype("<f4").tobytes()).decode()
+                                       if self.req.encoding_format == "base64"
+                                       else vector.tolist())})
+        tokens = sum(map(len, self.id_lists))
+        return {"object": "list", "data": data, "model": self.ctx.served_model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 @router.post("/v1/embeddings")
 async def embeddings(request: Request):
     ctx: ServingContext = request.app.state.ctx
     req = await parse_off_loop(await request.body(), EmbeddingRequest, ctx.request_fields)
-    ctx.adapters_of(req.model, None)  # a model not served: the 404
-    pooling = embedding_server(ctx)
-    if ctx.core.score_head is not None:
-        raise bad_request("this server runs a reranker: it scores pairs (/v1/rerank, /rerank, "
-                          "/score), it gives no embeddings")
-    hidden = ctx.core.loaded.config.hidden_size
-    width = _width(pooling, hidden, req.dimensions)
-    priority = client_priority(ctx, req.priority)
-    id_lists = input_id_lists(ctx, req.input, "input", req.add_special_tokens,
-                              _truncation(ctx, req.truncate_prompt_tokens))
-    data = []
-    for index, choice in enumerate(await _embed(ctx, id_lists, priority)):
-        vector = _vector(choice.embedding, width, pooling.normalize)
-        data.append({"object": "embedding", "index": index,
-                     "embedding": (base64.b64encode(vector.astype("<f4").tobytes()).decode()
-                                   if req.encoding_format == "base64" else vector.tolist())})
-    tokens = sum(map(len, id_lists))
-    return with_ignored_fields(JSONResponse(
-        {"object": "list", "data": data, "model": ctx.served_model_name,
-         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}), req.ignored_fields)
+    call = await EmbeddingCall.create(ctx, req)
+    content = await until_disconnect(request, call.response(), call.generation.group.abort)
+    return with_ignored_fields(JSONResponse(content), req.ignored_fields)
 
 
 @router.post("/encode")

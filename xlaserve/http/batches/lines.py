@@ -1,8 +1,9 @@
 """The lines of a batch: reading the input JSONL, running one line through the live endpoint's
 code, the output lines, and reading back what a batch already wrote (to resume it).
 
-Input line:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/chat/completions",
-              "body": {...the endpoint's request...}}
+Input line:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/chat/completions"
+              | "/v1/completions" | "/v1/embeddings" (an embedding server's) ..., "body": {...the
+              endpoint's request...}}
 Output line: {"id": "batch_req_...", "custom_id", "response": {"status_code", "request_id",
               "body"}, "error"}; a failed line has the error status, OpenAI's error object as
               `body`, and `error` {"code", "message"}.
@@ -20,6 +21,7 @@ import orjson
 
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
+from xlaserve.http.embeddings import EmbeddingCall, EmbeddingRequest
 from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest
 from xlaserve.http.request_fields import validate_body
@@ -30,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 # endpoint -> (request model, call); the same classes as the live routes.
 ENDPOINTS = {"/v1/chat/completions": (ChatCompletionRequest, ChatCall),
-             "/v1/completions": (CompletionRequest, CompletionCall)}
+             "/v1/completions": (CompletionRequest, CompletionCall),
+             "/v1/embeddings": (EmbeddingRequest, EmbeddingCall)}  # an embedding server's
 # Below every interactive request (priority 0 unless a client raises it): a batch line is
 # admitted only when no interactive request waits.
 BATCH_PRIORITY = -1024
@@ -134,7 +137,7 @@ async def run_line(ctx: ServingContext, endpoint: str, line: Line) -> tuple[bool
     request_id = uuid.uuid4().hex
     try:
         req = validate_body(line.body, request_model, ctx.request_fields)
-        if req.stream:
+        if getattr(req, "stream", False):  # an embeddings request has no stream
             raise bad_request("stream is not supported in a batch request", "stream")
         call = await _create_when_queued(call_class, ctx, req)
         request_id = call.generation.id

@@ -120,8 +120,8 @@ class BatchRunner:
     def create(self, req: BatchRequest) -> dict:
         endpoint = endpoint_of(req.endpoint)
         if endpoint is None:
-            raise bad_request(f"endpoint must be /v1/chat/completions or /v1/completions; got "
-                              f"{req.endpoint!r}", "endpoint")
+            raise bad_request(f"endpoint must be /v1/chat/completions, /v1/completions or "
+                              f"/v1/embeddings; got {req.endpoint!r}", "endpoint")
         if req.completion_window != "24h":
             raise bad_request("completion_window must be '24h'", "completion_window")
         if req.output_expires_after is not None:
