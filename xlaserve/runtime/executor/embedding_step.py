@@ -84,6 +84,13 @@ class EmbeddingRunner(ModelRunner):
             raise ValueError("an embedding server runs no LoRA adapters and no speculation")
         super().__init__(loaded, static_variants=False, **options)
         self._description += f"\npooling {pooling_mode}"
+        # A generation step's penalty state and sampled tokens, vocabulary x slots (~190 MB for
+        # Qwen3's vocabulary at 256 slots): nothing here reads them.
+        self.output_counts = self.prompt_masks = self.last_tokens = None
+
+    def _compile_reset_slots(self) -> None:
+        """The page table's write program alone (no slot's penalty state to reset)."""
+        self.page_table.compile()
 
     def _make_step(self, weight_formats=None):
         graphdef, state_treedef, weight_layout, kv_sharding = self.program_parts
