@@ -151,9 +151,12 @@ def _vector(embedding: np.ndarray, width: int | None, normalize: bool) -> np.nda
     return vector
 
 
-async def _embed(ctx: ServingContext, id_lists: list[list[int]], priority: int):
-    """Each input's Choice, in order, its `embedding` (float32 [hidden]) in."""
-    generation = Generation(ctx, id_lists, SamplingParams(), 1, priority=priority, embed=True)
+async def embed_inputs(ctx: ServingContext, id_lists: list[list[int]], priority: int,
+                       second_segments: list[int] | None = None):
+    """Each input's Choice, in order, its `embedding` (float32 [hidden]) in;
+    `second_segments`: Generation's (a cross-encoder's pairs)."""
+    generation = Generation(ctx, id_lists, SamplingParams(), 1, priority=priority, embed=True,
+                            second_segments=second_segments)
     return await generation.collect()
 
 
@@ -219,7 +222,7 @@ async def encode(request: Request):
     inputs, param = (req.text, "text") if req.text is not None else (req.input_ids, "input_ids")
     batched = not (isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)))
     id_lists = input_id_lists(ctx, inputs, param)
-    choices = await _embed(ctx, id_lists, client_priority(ctx, req.priority))
+    choices = await embed_inputs(ctx, id_lists, client_priority(ctx, req.priority))
     outputs = [{"embedding": np.asarray(c.embedding, np.float32).tolist(),
                 "meta_info": c.finish.meta_info()} for c in choices]
     return with_ignored_fields(JSONResponse(outputs if batched else outputs[0]),

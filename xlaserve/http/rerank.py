@@ -28,12 +28,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from xlaserve.http.embeddings import check_input_ids, embedding_server, input_id_lists
+from xlaserve.http.embeddings import (check_input_ids, embed_inputs, embedding_server,
+                                     input_id_lists)
 from xlaserve.http.errors import bad_request
 from xlaserve.http.protocol import _Strict
 from xlaserve.http.request_fields import with_ignored_fields
-from xlaserve.http.serving import Generation, ServingContext, client_priority, parse_off_loop
-from xlaserve.runtime.sampling.params import SamplingParams
+from xlaserve.http.serving import ServingContext, client_priority, parse_off_loop
 
 router = APIRouter()
 
@@ -101,14 +101,12 @@ async def score_pairs(ctx: ServingContext, queries: list[str], documents: list[s
     head = ctx.core.score_head
     if head is not None:
         id_lists, segments = _pair_inputs(ctx, queries, documents, param, instruct)
-        choices = await Generation(ctx, id_lists, SamplingParams(), 1, priority=priority,
-                                   embed=True, second_segments=segments).collect()
+        choices = await embed_inputs(ctx, id_lists, priority, segments)
         return head.scores(np.stack([c.embedding for c in choices])), sum(map(len, id_lists))
     # An embedding model: each distinct text embedded once, pairs by cosine similarity.
     texts = list(dict.fromkeys(queries + documents))
     id_lists = input_id_lists(ctx, texts, param)
-    choices = await Generation(ctx, id_lists, SamplingParams(), 1, priority=priority,
-                               embed=True).collect()
+    choices = await embed_inputs(ctx, id_lists, priority)
     vectors = {t: np.asarray(c.embedding, np.float64) for t, c in zip(texts, choices)}
     scores = [vectors[q] @ vectors[d] / max(np.linalg.norm(vectors[q]) *
                                             np.linalg.norm(vectors[d]), 1e-12)

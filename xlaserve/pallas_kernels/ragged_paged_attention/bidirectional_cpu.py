@@ -1,20 +1,23 @@
 """An encoder's attention on the CPU: `bidirectional_cpu.cc` as an XLA FFI custom call, with the
 signature of `new_tokens.reference_new_token_attention(causal=False)` (the specification) but
-no log-sum-exp (None: an encoder reads only the output). Head dims that are not a multiple of 16,
-and bfloat16 inputs' exactness aside (they are widened to float32 here), take the blocked jnp
-form. Built on first use by `xlaserve.native`; `KernelUnavailable` without a compiler.
+no log-sum-exp (None: an encoder reads only the output); bfloat16 inputs are widened to float32.
+Built by `xlaserve.native` when first traced; head dims that are not a multiple of 16, and a
+machine where it does not build (no compiler: logged once), take the blocked jnp form.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.native.build import register
+from xlaserve.native.build import KernelUnavailable, register
 from xlaserve.pallas_kernels.ragged_paged_attention import new_tokens
 
+logger = logging.getLogger(__name__)
 TARGET_NAME = "xlaserve_bidirectional_attention_cpu"
 _SOURCE = Path(__file__).with_name("bidirectional_cpu.cc")
 
@@ -24,14 +27,24 @@ def load():
     return register(_SOURCE, "XlaserveBidirectionalAttention", TARGET_NAME)
 
 
+@functools.cache
+def _builds() -> bool:
+    try:
+        load()
+        return True
+    except KernelUnavailable as error:
+        logger.warning("The native CPU encoder attention is unavailable; XLA's blocked form "
+                       "runs it: %s", error)
+        return False
+
+
 def bidirectional_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=False, window=0):
     """(out float32 [T, H, D], None): each token against its sequence's keys (at most `window`
     positions away where > 0); `causal` or other head dims: new_tokens' blocked form."""
-    if causal or q.shape[-1] % 16 or k.shape != q.shape:
+    if causal or q.shape[-1] % 16 or k.shape != q.shape or not _builds():
         return new_tokens.blocked_new_token_attention(q, k, v, cu_q_lens, num_seqs,
                                                       sm_scale=sm_scale, causal=causal,
                                                       window=window)
-    load()
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32),

@@ -18,7 +18,6 @@ seconds go to `startup_timings`, for the server's "Start-up:" log line (launch_s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -47,7 +46,7 @@ from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.engine.lora_adapters import lora_setup
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
-from xlaserve.server_args import ServerArgs, reranker_tokens
+from xlaserve.server_args import ServerArgs, hf_overrides, reranker_tokens
 from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
 from xlaserve.weights.score_head import (CROSS_ENCODERS, ScoreHead, cross_encoder_head,
                                          token_logit_head)
@@ -236,7 +235,7 @@ def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHea
     score head (weights/score_head.py): a cross-encoder's reads its first token's row."""
     folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
     if (tokens := reranker_tokens(args)) is not None:  # --hf-overrides: a decoder reranker
-        architecture = json.loads(args.hf_overrides)["architectures"][0]
+        architecture = hf_overrides(args)["architectures"][0]
         body = architecture.replace("ForSequenceClassification", "ForCausalLM")
         if body != loaded.config.architecture or loaded.tokenizer is None:
             raise ValueError(f"--hf-overrides {architecture}: the checkpoint is a "

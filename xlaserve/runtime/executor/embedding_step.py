@@ -78,6 +78,8 @@ class EmbeddingRunner(ModelRunner):
     """A ModelRunner whose step pools instead of sampling (module docstring): `stage(batch,
     slots)`, then `run(staged)` -> f32[seqs, hidden] on the device."""
 
+    program_widths = NO_WIDTHS
+
     def __init__(self, loaded, *, pooling_mode: str, **options):
         self.pooling_mode = pooling_mode  # read by _make_step, which __init__ calls
         if options.get("lora") is not None or options.get("verify_tokens", 1) > 1:
@@ -110,8 +112,7 @@ class EmbeddingRunner(ModelRunner):
                                                                 seqs)
         if self.config.encoder is not None and token_types is None:
             token_types = np.zeros(tokens, np.int32)
-        ints, floats, layout = embedding_vectors(self._rope, batch, slots, writes,
-                                                 token_types if self.config.encoder else None)
+        ints, floats, layout = embedding_vectors(self._rope, batch, slots, writes, token_types)
         return StagedStep(ints, floats, (), layout, batch.shape, NO_WIDTHS,
                           page_updates=updates, overflow_writes=overflow)
 
@@ -133,13 +134,6 @@ class EmbeddingRunner(ModelRunner):
                 warn_compiled_while_serving(staged.shape, NO_WIDTHS, RUN_TIME)
         self.page_table.rows.commit(staged.page_updates)
         return reduced
-
-    def precompile(self, shapes, **options) -> None:
-        """ModelRunner.precompile, into the table `run` reads (one program per shape)."""
-        super().precompile(shapes, **options)
-        # compile_steps keys its programs by the generation step's sampling widths.
-        self._programs = {(shape, NO_WIDTHS, needs, tree): program
-                          for (shape, _, needs, tree), program in self._programs.items()}
 
     def _lowering_args(self, shape, needs=RUN_TIME, tree_width: int = 0):
         tokens, seqs, pages = shape

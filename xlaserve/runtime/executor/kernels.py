@@ -66,10 +66,11 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
     # The latent kernel's prefix part: the expanded form's, and speculative tree rows' (mla.py).
     prefix, new = get_expanded_prefill_fns(attention_backend, mesh, platform=platform)
     bidirectional = functools.partial(new, causal=False)
-    if platform == "cpu" and (mesh is None or mesh.size == 1) and attention_backend != "reference" \
-            and _bidirectional_builds():
+    if platform == "cpu" and (mesh is None or mesh.size == 1) and attention_backend != "reference":
         # An encoder's attention: the native kernel, ~4x the blocked jnp form's speed (47 inputs
-        # of ~40 tokens, 12 heads of 32: 6.4 against 25 ms a layer, 2-core AMD EPYC).
+        # of ~40 tokens, 12 heads of 32: 6.4 against 25 ms a layer, 2-core AMD EPYC); built
+        # when an encoder's step is first traced (a generation server never builds it), the
+        # blocked form where it cannot be.
         bidirectional = bidirectional_cpu.bidirectional_attention
     kernels = dataclasses.replace(kernels, latent_prefix_attention=prefix,
                                   bidirectional_attention=bidirectional)
@@ -134,16 +135,6 @@ def gpu_grouped_swiglu(x: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
 
 
 @functools.cache
-def _bidirectional_builds() -> bool:
-    try:
-        bidirectional_cpu.load()
-        return True
-    except KernelUnavailable as error:
-        logger.warning("The native CPU encoder attention is unavailable; XLA's blocked form "
-                       "runs it: %s", error)
-        return False
-
-
 def _gemm_builds(required: bool = False) -> bool:
     try:
         gemm_cpu.load()

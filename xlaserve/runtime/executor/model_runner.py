@@ -118,6 +118,10 @@ class StagedStep:
 
 
 class ModelRunner:
+    # The sampling tables' widths the precompiled programs are keyed by (`run` looks a staged
+    # step's up); an embedding step has none (embedding_step.EmbeddingRunner).
+    program_widths = SAMPLING_WIDTHS
+
     def __init__(self, loaded, *, num_pages: int, page_size: int, max_running_requests: int,
                  attention_backend: str = "auto", matmul_backend: str = "auto",
                  static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
@@ -503,7 +507,7 @@ class ModelRunner:
         else:
             for (shape, needs, tree), program in compile_steps(self, keys, cache, progress,
                                                                threads).items():
-                self._programs[(shape, SAMPLING_WIDTHS, needs, tree)] = program
+                self._programs[(shape, self.program_widths, needs, tree)] = program
             if self.lora is not None:  # the slots as the weights now are (choose_weight_layouts)
                 self.lora.adopt(self._weight_args[-len(self.lora.args()):])
             self._compile_reset_slots()
