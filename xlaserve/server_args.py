@@ -167,6 +167,24 @@ class ServerArgs:
                 "modules.json, else generate. vLLM's --task embed is --runner pooling",
         choices=["auto", "generate", "pooling"], aliases=("--task",),
         value_aliases={"embed": "pooling", "embedding": "pooling"})
+    # Vision-language models (Qwen2-VL, Qwen2.5-VL: images in chat messages; media_flags.py).
+    mm_processor_kwargs: Optional[str] = _flag(
+        None, "the image processor's min_pixels and max_pixels, as JSON (vLLM's flag), e.g. "
+              "{\"max_pixels\": 1003520}: images are resized to fit; the vision tower is "
+              "precompiled up to max_pixels (default: the checkpoint's, at most 1280*28*28)")
+    limit_mm_per_prompt: Optional[str] = _flag(
+        None, "images a request may carry, as vLLM's JSON {\"image\": N} (default 16)")
+    max_image_bytes: int = _flag(
+        20 * 2**20, "the largest image a request may send (a data: URL's decoded bytes, or a "
+                    "fetched URL's body)")
+    disable_image_url_fetch: bool = _flag(
+        False, "refuse http(s) image URLs (only data: URLs, and files under "
+               "--allowed-local-media-path); fetched URLs must resolve to public addresses "
+               "either way, and redirects are not followed")
+    image_fetch_timeout: float = _flag(5.0, "seconds to fetch one image URL")
+    allowed_local_media_path: Optional[str] = _flag(
+        None, "a directory whose files requests may name as images (file:// URLs; vLLM's "
+              "flag); none by default", path=True)
     attention_backend: str = _flag("auto", "ragged paged attention implementation",
                                    choices=["auto", "reference", "cpu", "pallas"])
     matmul_backend: str = _flag(
@@ -462,6 +480,16 @@ class ServerArgs:
             if given:
                 raise ValueError(f"{flag} with an embedding model (--is-embedding / --runner "
                                  "pooling): not supported")
+
+    def refuse_for_vision(self) -> None:
+        """What a vision-language server does not run stops its start (ValueError naming the
+        flag)."""
+        for flag, given in (("--speculative-algorithm", self.speculative_algorithm),
+                            ("--enable-lora", self.enable_lora),
+                            ("--nnodes > 1", self.nnodes > 1),
+                            ("--quantization", self.quantization)):
+            if given:
+                raise ValueError(f"{flag} with a vision-language model: not supported")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

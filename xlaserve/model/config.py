@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from xlaserve.model.routing import RouterConfig
+from xlaserve.model.vision_config import VisionConfig
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
@@ -34,6 +35,10 @@ class RopeConfig:
     configured_attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    # Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): the rotation pairs' split among the temporal,
+    # height and width positions (each token has three; a text token's are equal, so its RoPE
+    # is the plain one); () for a plain RoPE. runtime/executor/step_program.RopeTable applies it.
+    mrope_section: tuple[int, ...] = ()
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Per-pair rotation frequencies, float32, the way transformers computes them."""
@@ -232,6 +237,8 @@ class ModelConfig:
     # --hf-overrides is_causal false: gte-Qwen2-7B-instruct). No KV cache, each input whole in
     # one step (an embedding server's alone).
     bidirectional: bool = False
+    # A vision-language model's vision tower (model/qwen_vision.py); None: text only.
+    vision: VisionConfig | None = None
 
     @property
     def queries_per_kv(self) -> int:
@@ -270,7 +277,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
         data = dict(data)
-        data["rope"] = RopeConfig(**data["rope"])
+        rope = dict(data["rope"])
+        rope["mrope_section"] = tuple(rope.get("mrope_section", ()))
+        data["rope"] = RopeConfig(**rope)
+        data["vision"] = VisionConfig.from_dict(data["vision"]) if data.get("vision") else None
         data["sliding_windows"] = tuple(data["sliding_windows"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
@@ -342,6 +352,8 @@ def _rope_from_hf(hf_config: Any) -> RopeConfig:
         params = dict(scaling)
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "mrope":  # older Qwen2-VL configs: the default RoPE, split by mrope_section
+        kind = "default"
     if (getattr(hf_config, "partial_rotary_factor", None) or 1.0) != 1.0 or \
             params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
@@ -353,6 +365,7 @@ def _rope_from_hf(hf_config: Any) -> RopeConfig:
         kind=kind,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        mrope_section=tuple(int(n) for n in params.get("mrope_section", ())),
     )
     if kind == "yarn":
         fields.update(_yarn_fields(params, hf_config))

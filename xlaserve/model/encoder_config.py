@@ -1,12 +1,15 @@
 """The encoders' configs (issue 54): a BERT, XLM-RoBERTa or ModernBERT checkpoint's Hugging Face
 config as a ModelConfig with its `encoder` fields (config.EncoderConfig), what model/encoder.py
 and model/modernbert.py do not run refused in one line. `model_config_from_hf` is the loaders'
-entry: an encoder's config here, a decoder's `ModelConfig.from_hf`."""
+entry: an encoder's config here, a vision-language model's (`vision_language_config`), a
+decoder's `ModelConfig.from_hf`."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from xlaserve.model.config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig, RopeConfig
+from xlaserve.model.vision_config import VISION_LANGUAGE_ARCHITECTURES, vision_from_hf
 
 # What the checkpoints' `hidden_act` / `hidden_activation` names mean here.
 _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -26,6 +29,8 @@ def model_config_from_hf(hf_config: Any, architecture: str,
     --hf-overrides is_causal): that code may attend otherwise than transformers' class."""
     if architecture in ENCODER_ARCHITECTURES:
         return encoder_from_hf(hf_config, architecture)
+    if architecture in VISION_LANGUAGE_ARCHITECTURES:
+        return vision_language_config(hf_config, architecture)
     if architecture in BACKBONES:
         custom = (getattr(hf_config, "auto_map", None) or {}).get("AutoModel")
         if custom and not own_code_ok:
@@ -35,6 +40,24 @@ def model_config_from_hf(hf_config: Any, architecture: str,
                              "false}' (bidirectional: gte-Qwen2-7B-instruct) or true (causal)")
         return ModelConfig.from_hf(hf_config, BACKBONES[architecture])
     return ModelConfig.from_hf(hf_config, architecture)
+
+
+def vision_language_config(hf_config: Any, architecture: str) -> ModelConfig:
+    """Qwen2-VL / Qwen2.5-VL: the text config's Qwen2 decoder with multimodal RoPE (its
+    `mrope_section`, by default transformers' [16, 24, 24]) and the vision tower's config."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    config = ModelConfig.from_hf(text, "Qwen2ForCausalLM")
+    section = config.rope.mrope_section or (16, 24, 24)
+    if len(section) != 3 or sum(section) != config.head_dim // 2:
+        raise ValueError(f"{architecture}: mrope_section {list(section)} must be three parts of "
+                         f"head_dim / 2 = {config.head_dim // 2}")
+    # Tied or not as the checkpoint says: the top-level flag (the text config's default is not
+    # what the checkpoint was saved with).
+    tied = bool(getattr(hf_config, "tie_word_embeddings", config.tie_word_embeddings))
+    return dataclasses.replace(
+        config, architecture=architecture, tie_word_embeddings=tied,
+        rope=dataclasses.replace(config.rope, mrope_section=tuple(section)),
+        vision=vision_from_hf(hf_config, architecture))
 
 
 def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:

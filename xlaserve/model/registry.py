@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from xlaserve.model.encoder import Encoder
 from xlaserve.model.modernbert import ModernBert
+from xlaserve.model.qwen_vision import VisionLanguageLM
 from xlaserve.model.transformer import CausalLM
 
 # The Llama family and its mixture-of-experts kin differ only in config switches, so one class
@@ -19,6 +20,10 @@ MODEL_CLASSES = {
     # Multi-head latent attention (model/mla.py) and DeepSeek's experts (model/routing.py).
     "DeepseekV2ForCausalLM": CausalLM,
     "DeepseekV3ForCausalLM": CausalLM,
+    # Vision-language models (model/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and a
+    # vision tower the engine runs per image.
+    "Qwen2VLForConditionalGeneration": VisionLanguageLM,
+    "Qwen2_5_VLForConditionalGeneration": VisionLanguageLM,
     # BERT-family encoders (model/encoder.py): embedding models, served with --is-embedding.
     "BertModel": Encoder,
     "XLMRobertaModel": Encoder,

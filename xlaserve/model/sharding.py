@@ -68,6 +68,10 @@ PARTITION_SPECS = {
     "up": P(None, TP),
     "up_bias": P(TP),
     "down_bias": P(),
+    # Vision towers (qwen_vision.py): the patch embedding whole; the gated MLP's biases as its
+    # gate_up; the rest by the decoder's names.
+    "patch_embed": P(),
+    "gate_up_bias": P(None, TP),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.

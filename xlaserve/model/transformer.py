@@ -186,7 +186,7 @@ class CausalLM(nnx.Module):
 
     def hidden_states(self, input_ids, positions, kv_caches, metadata: AttentionMetadata,
                       kernels: Kernels, rope: tuple[jax.Array, jax.Array] | None = None,
-                      capture: tuple[int, ...] | None = None, lora=None):
+                      capture: tuple[int, ...] | None = None, lora=None, input_embeds=None):
         """float32[T, hidden]: the residual stream after the last layer (before the final norm)
         for every token row, and the updated KV caches. Split from `logits` so that a step can
         take the LM head over a few rows (sampling) and, when asked, over all of them (prompt
@@ -194,8 +194,14 @@ class CausalLM(nnx.Module):
         attention_factor)` computed on the host; computed here when not given. `capture`
         (given, even empty): layer indices whose input (the residual stream entering them) is
         returned too, as a third value, a list in that order (an EAGLE-3 head's features,
-        model/draft_heads.py). `lora`: the step's LoRA adapters (model/lora.LoraBatch) or None."""
-        x = embed(self.embedding[...], input_ids).astype(jnp.float32)
+        model/draft_heads.py). `lora`: the step's LoRA adapters (model/lora.LoraBatch) or None.
+        `input_embeds` [T, hidden]: the rows whose id is negative take theirs from it (a vision
+        model's image tokens, model/qwen_vision.py), the others their token's embedding."""
+        if input_embeds is None:
+            x = embed(self.embedding[...], input_ids).astype(jnp.float32)
+        else:
+            x = jnp.where((input_ids < 0)[:, None], input_embeds.astype(jnp.float32),
+                          embed(self.embedding[...], jnp.maximum(input_ids, 0)).astype(jnp.float32))
         cos, sin = rope if rope is not None else traced_rope(self.config, positions)
         new_caches, mlp_out, captured = [], None, {}
         if self.config.bidirectional:  # no cache (ModelConfig.bidirectional): the pool is empty

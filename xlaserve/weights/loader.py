@@ -45,6 +45,7 @@ from xlaserve.model.registry import model_class_check
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
+from xlaserve.weights.vision_layout import with_vision_language_names
 from xlaserve.weights.pooling import MODULES_FILE
 from xlaserve.weights.score_head import CROSS_ENCODERS
 from xlaserve.server_args import hf_overrides, public_name
@@ -277,6 +278,10 @@ def load_model(
             raise ValueError(f"{source_path}: an xlaserve checkpoint is served with its LM head; "
                              "serve embeddings from the Hugging Face checkpoint")
         config = dataclasses.replace(config, lm_head=False)
+    if config.vision is not None and (quantization or not lm_head):
+        raise ValueError(f"{config.architecture}: a vision-language model is served in its "
+                         f"checkpoint's precision as a generation model (not "
+                         f"{'--quantization ' + quantization if quantization else 'embeddings'})")
     check_expert_parallel(config.num_experts, mesh)
     if quantization == "mxfp4":
         mxfp4_kept.check_model(config, mesh, None if dummy else source_path)
@@ -310,7 +315,7 @@ def _load_safetensors(source_path: str, config: ModelConfig, hf_config: dict, *,
     everything else decoded at load (and quantized as `quantization` asks)."""
     method = check_quantization_config(hf_config)
     refuse_quantized_checkpoint(quantization, method, source_path)
-    source = with_decoder_names(SafetensorsSource(source_path))
+    source = with_decoder_names(with_vision_language_names(SafetensorsSource(source_path)))
     if quantization == "mxfp4":  # the experts as stored, the rest decoded
         tensors = itertools.chain(
             convert(config, dequantizing_source(source, hf_config, dtype),

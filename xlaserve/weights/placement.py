@@ -10,6 +10,8 @@ every process passes equal by construction (the same checkpoint; the leader's st
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 from flax import nnx
@@ -25,6 +27,7 @@ from xlaserve.model.registry import model_class
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.weights.encoder_layout import encoder_weights
 from xlaserve.weights.param_layout import WeightError, convert
+from xlaserve.weights.vision_layout import vision_weights
 
 
 def put(tree, sharding: Sharding):
@@ -46,6 +49,8 @@ def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: boo
     with its partition spec."""
     tensors = (encoder_weights(config, source) if config.encoder is not None
                else convert(config, source))
+    if config.vision is not None:  # a vision-language model's tower (vision_layout.py)
+        tensors = itertools.chain(tensors, vision_weights(config.vision, source))
     return place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
                        abstract=expected_parameters(config, dtype, mesh, quantization))
 

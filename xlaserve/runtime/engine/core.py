@@ -34,6 +34,7 @@ from xlaserve.runtime.engine.pooled_outputs import (EMBEDS, GENERATES, PooledOut
                                                     token_types)
 from xlaserve.runtime.engine.watchdog import Watchdog
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
+from xlaserve.runtime.executor.multimodal_rows import add_multimodal_rows
 from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, StepOutput
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.sampling.params import (InvalidGrammar, RequestLimits, RowSamplingParams,
@@ -73,6 +74,7 @@ class EngineCore:
         # An embedding server's pooling (weights/pooling.Pooling; None: a generation server).
         self.pooling = parts.pooling
         self.score_head = parts.score_head  # a reranker's (weights/score_head.py), else None
+        self.images = parts.images  # a vision model's (image_prompts.py), else None
         self._pooled = None if self.pooling is None else PooledOutputs(self.pooling)
         self._draft = parts.draft  # --speculative-algorithm STANDALONE: the draft model
         # --enable-lora: the adapters by name (lora_adapters.py), --lora-paths' installed
@@ -146,7 +148,7 @@ class EngineCore:
                return_logprob: bool = False, top_logprobs_num: int = 0,
                return_prompt_logprob: bool = False, priority: int = 0,
                lora_path: str | None = None, embed: bool = False,
-               second_segment: int = 0) -> str:
+               second_segment: int = 0, multimodal=None) -> str:
         """Queue a request; `emit` is called from the engine's output thread (live_requests.py) with
         each OutputDelta, in order: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
@@ -169,7 +171,9 @@ class EngineCore:
 
         `embed`: an embedding request, on an embedding server (`pooling`): its one output is
         final and carries the prompt's embedding; `params` and the options are not read;
-        `second_segment`: a cross-encoder pair's document starts there (token type 1)."""
+        `second_segment`: a cross-encoder pair's document starts there (token type 1).
+        `multimodal`: a vision model's prompt with images (`images.prepare`: `prompt_ids` as it
+        expanded them, and its MultimodalPrompt)."""
         prompt_ids = prompt_token_ids(prompt_ids, self.loaded.config.vocab_size)
         if embed != (self.pooling is not None):
             raise WrongKindOfServer(EMBEDS if self.pooling is not None else GENERATES)
@@ -201,7 +205,8 @@ class EngineCore:
         request = Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=params.max_new_tokens,
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
                           min_new_tokens=params.min_new_tokens, priority=priority,
-                          no_prefix_reuse=return_prompt_logprob, grammar=grammar)
+                          no_prefix_reuse=return_prompt_logprob, grammar=grammar,
+                          multimodal=multimodal)
         live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
                           return_prompt_logprob)
         if lora_path is None:
@@ -456,6 +461,9 @@ class EngineCore:
                         for j in row_depths(c)]
                 requests, ahead = [r for r, _ in rows], [a for _, a in rows]
             sample_index = [len(r.output_ids) + a for r, a in zip(requests, ahead)]
+        if self.loaded.config.vision is not None:  # images' rows, multimodal RoPE positions
+            fb = add_multimodal_rows(fb, [r.multimodal for r in batch.requests],
+                                     self.loaded.config.hidden_size, self.loaded.dtype)
         padded_seqs = fb.shape[1]
         sampling = self._step_sampling(batch, requests, ahead, fb.num_sample_rows)
         sampling.sample_index[:len(requests)] = sample_index

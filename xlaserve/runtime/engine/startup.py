@@ -44,6 +44,9 @@ from xlaserve.weights.draft_head import load_server_draft_head
 from xlaserve.runtime.executor.embedding_step import EmbeddingRunner
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.engine.lora_adapters import lora_setup
+from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
+from xlaserve.runtime.executor.vision_encoder import VisionEncoder
+from xlaserve.media_flags import images_per_request, processor_kwargs
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
 from xlaserve.server_args import ServerArgs, hf_overrides, reranker_tokens
@@ -74,6 +77,8 @@ class EngineParts:
     lora_adapters: list | None = None  # --enable-lora: --lora-paths' adapters, read (else None)
     pooling: Pooling | None = None  # an embedding server's (--is-embedding); None: it generates
     score_head: ScoreHead | None = None  # a reranker's (weights/score_head.py)
+    # A vision-language model's images -> prompts (image_prompts.py); None: text only.
+    images: ImagePrompts | None = None
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -157,6 +162,15 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                                         if args.speculative_algorithm else 1),
                          lora=lora_spec)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
+    images = None
+    if config.vision is not None:  # the tower runs apart from the step (vision_encoder.py)
+        args.refuse_for_vision()
+        processor = image_processor(os.path.dirname(loaded.source) if os.path.isfile(
+            loaded.source) else loaded.source, processor_kwargs(args))
+        images = ImagePrompts(config.vision, processor,
+                              VisionEncoder(loaded, runner.kernels,
+                                            max_patches(processor, config.vision)),
+                              images_per_request(args))
     if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
         logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "
                     "and LM head stay on the float GEMM",
@@ -214,6 +228,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                                     threads=args.precompile_threads)
         if draft_head is not None:
             draft_head.precompile(args.max_running_requests)
+        if images is not None:
+            images.encoder.precompile()
         if cache is not None:
             logger.info("Serving steps: %d loaded, %d compiled (executable cache)",
                         cache.loaded, cache.compiled)
@@ -226,7 +242,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
                        grammar_backend=grammar_backend, startup_timings=timings, leader=leader,
                        draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
-                       pooling=pooling, score_head=score_head)
+                       pooling=pooling, score_head=score_head, images=images)
 
 
 def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHead | None]:

@@ -251,7 +251,8 @@ _ARRAYS = ("input_ids", "positions", "kv_lens", "cu_q_lens", "num_seqs", "logits
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_ARRAYS,
-                   meta_fields=("pages", "tree_width"), drop_fields=("page_ids",))
+                   meta_fields=("pages", "tree_width"),
+                   drop_fields=("page_ids", "rope_positions", "input_embeds"))
 @dataclasses.dataclass
 class ForwardBatch:
     input_ids: np.ndarray  # i32[T]
@@ -287,6 +288,11 @@ class ForwardBatch:
     # Each live sequence's pages (host only, not a pytree leaf: ModelRunner writes them into the
     # device's page table). Lists the batch does not own: read, never changed.
     page_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    # A vision model's step (runtime/executor/multimodal_rows.py; host only): each token row's
+    # (temporal, height, width) RoPE position, i32[3, T], which replaces `positions` for RoPE;
+    # and the rows that take an image's embedding (`input_ids` -1 there), [T, hidden].
+    rope_positions: np.ndarray | None = None
+    input_embeds: np.ndarray | None = None
 
     @property
     def num_sample_rows(self) -> int:

@@ -115,6 +115,9 @@ class StagedStep:
     # which the engine runs right after this step.
     draft: "StagedStep | None" = None
     tree_width: int = 0  # > 0: a step with speculative tree rows (ForwardBatch.tree_width)
+    # A vision model's step: its rows' image embeddings [T, hidden] on the device
+    # (ForwardBatch.input_embeds, or zeros); None on other servers.
+    input_embeds: jax.Array | None = None
 
 
 class ModelRunner:
@@ -149,9 +152,13 @@ class ModelRunner:
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
         # RoPE's cos/sin by position: the frequencies and YaRN's cos/sin scale (1.0 for others).
         self._rope = RopeTable(self.config.rope.inv_freq(self.config.head_dim),
-                               self.config.rope.attention_factor)
+                               self.config.rope.attention_factor, self.config.rope.mrope_section)
+        # A vision model's step takes its image rows (multimodal_rows.py): zeros (one array per
+        # token bucket, kept on the device) in a step without them.
+        self.multimodal = self.config.vision is not None
+        self._no_embeds: dict[int, jax.Array] = {}
         self.num_pages = num_pages
-        dtype = loaded.dtype
+        dtype = self._dtype = loaded.dtype
         self.kernels = kernels = kernels_for(
             attention_backend, self.mesh, matmul_backend,
             mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
@@ -265,7 +272,7 @@ class ModelRunner:
         graphdef, state_treedef, weight_layout, kv_sharding = self.program_parts
         return make_step(graphdef, state_treedef, weight_layout, self.kernels, self.mesh,
                          kv_sharding, weight_formats, verify_tokens=self.verify_tokens,
-                         lora=self._lora_args)
+                         lora=self._lora_args, multimodal=self.multimodal)
 
     @property
     def kv_caches(self) -> list[jax.Array]:
@@ -361,7 +368,18 @@ class ModelRunner:
         return StagedStep(ints, floats, tables, (host[2], table_layout), batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
                           (*host[:2], *table_host) if self.sink is not None else None, needs,
-                          updates, overflow, tree_width=batch.tree_width)
+                          updates, overflow, tree_width=batch.tree_width,
+                          input_embeds=self._input_embeds(batch) if self.multimodal else None)
+
+    def _input_embeds(self, batch: ForwardBatch) -> jax.Array:
+        """The step's image rows on the device: the batch's, or the bucket's zeros."""
+        if batch.input_embeds is not None:
+            return self._put(batch.input_embeds, self._replicated)
+        tokens = batch.shape[0]
+        if tokens not in self._no_embeds:
+            self._no_embeds[tokens] = self._put(
+                np.zeros((tokens, self.config.hidden_size), self._dtype), self._replicated)
+        return self._no_embeds[tokens]
 
     def _tables(self, sampling: SamplingMetadata):
         """(arrays, host vectors, device vectors, layout) of the sampling metadata's tables
@@ -432,6 +450,8 @@ class ModelRunner:
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
                 *staged.tables, self._bitmask(self.sample_rows(staged.shape), token_bitmask))
+        if self.multimodal:
+            args += (staged.input_embeds,)
         needs = self._program_needs(staged.needs, token_bitmask is not None)
         program = self._programs.get((staged.shape, staged.widths, needs, staged.tree_width))
         if program is not None:
@@ -521,4 +541,6 @@ class ModelRunner:
         args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
                 *staged.tables, self._bitmask(rows, None))
+        if self.multimodal:
+            args += (staged.input_embeds,)
         return args, {"layout": staged.layout, "needs": needs}

@@ -125,7 +125,8 @@ class LoraArgs:
 
 
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-              weight_formats=None, verify_tokens: int = 1, lora: LoraArgs | None = None):
+              weight_formats=None, verify_tokens: int = 1, lora: LoraArgs | None = None,
+              multimodal: bool = False):
     """The jitted serving step: forward, sampling, penalty counts and last tokens, over the
     device's page table with the step's writes (runtime/executor/page_table.py). A pure function of its
     arguments, so that it can also be compiled for hardware that is not here
@@ -133,14 +134,16 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     XLA chooses their layouts); None: the arguments' own (the other arguments' always are).
     `verify_tokens` > 1: speculative decoding's verified rows (verified_rows.py) are counted
     and kept in the step; 1, the program of a server without speculation. `lora`: the LoRA
-    adapter slots among the weight arguments (None: a server without adapters)."""
+    adapter slots among the weight arguments (None: a server without adapters). `multimodal`:
+    a vision model's step, which also takes `input_embeds` [T, hidden] (the rows of image
+    tokens, runtime/executor/multimodal_rows.py) after the grammar masks."""
     replicated = NamedSharding(mesh, P())
     by_vocab = NamedSharding(mesh, P(None, TP))
     jit_options = {"donate_argnums": (1, 2, 3, 4),
                    "out_shardings": (replicated, kv_sharding, replicated, replicated, replicated)}
 
     def step(weights, kv_caches, output_counts, last_tokens, page_table, prompt_masks, ints,
-             floats, table_ints, table_floats, token_bitmask, layout,
+             floats, table_ints, table_floats, token_bitmask, input_embeds=None, layout=None,
              needs: StepNeeds | None = RUN_TIME):
         batch, sampling, slots, rope, writes = split_leaves(ints, floats, layout[0])
         bias_ids, bias_values, suppressed = split_leaves(table_ints, table_floats, layout[1])
@@ -180,7 +183,8 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                                     metadata, kernels, rope, lora=adapters)
         elif head is None:
             hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
-                                                    metadata, kernels, rope)
+                                                    metadata, kernels, rope,
+                                                    input_embeds=input_embeds)
         else:  # the head's cache and state follow the layers' (kv_pool.DraftHeadPool)
             head_state = kv_caches[len(model.layers):]
             hidden, kv_caches, captured = model.hidden_states(
@@ -238,8 +242,8 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
 
     if weight_formats is None:
         return jax.jit(step, static_argnames=("layout", "needs"), **jit_options)
-    # Of the eleven positional arguments; None: the argument's own sharding and layout.
-    in_shardings = (list(weight_formats),) + (None,) * 10
+    # Of the eleven (twelve) positional arguments; None: the argument's own sharding and layout.
+    in_shardings = (list(weight_formats),) + (None,) * (11 if multimodal else 10)
     return StaticKeywordsBound(step, in_shardings=in_shardings, **jit_options)
 
 
@@ -263,13 +267,24 @@ class RopeTable:
     head_dim 64 (twice that at 128), the lookup ~10 us. Grows (doubling) to the largest
     position asked for: 512 bytes a position at head_dim 128, 4 MB at 8K positions."""
 
-    def __init__(self, inv_freq: np.ndarray, attention_factor: float = 1.0):
+    def __init__(self, inv_freq: np.ndarray, attention_factor: float = 1.0,
+                 mrope_section: tuple[int, ...] = ()):
         self.inv_freq, self.attention_factor = inv_freq, attention_factor
         half = len(inv_freq)
         self._cos = self._sin = np.zeros((0, half), np.float32)
+        # Multimodal RoPE (RopeConfig.mrope_section): which of a row's three positions each
+        # rotation pair takes (transformers' recomposition: the sections in turn).
+        self._axis = (np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
+                      if mrope_section else None)
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions` (>= 0)."""
+        """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions` (>= 0): i32[T], or
+        i32[3, T] (temporal, height, width) for multimodal RoPE."""
+        if positions.ndim == 2:
+            cos, sin = self.cos_sin(positions.reshape(-1))
+            tokens, pairs = positions.shape[1], np.arange(len(self.inv_freq))
+            cos, sin = cos.reshape(3, tokens, -1), sin.reshape(3, tokens, -1)
+            return cos[self._axis, :, pairs].T, sin[self._axis, :, pairs].T
         needed = int(positions.max(initial=0)) + 1
         if needed > len(self._cos):
             size = max(needed, 2 * len(self._cos), 1024)
@@ -290,8 +305,9 @@ def step_vectors(rope: RopeTable, batch: ForwardBatch, sampling: SamplingMetadat
     removes barriers before fusion; 64 cos fusions in the 32-layer step)."""
     rest = dataclasses.replace(sampling, logit_bias_ids=None, logit_bias_values=None,
                                suppressed_ids=None)
-    return concat_leaves((batch, rest, np.asarray(slots, np.int32),
-                          rope.cos_sin(batch.positions), writes))
+    positions = batch.positions if batch.rope_positions is None else batch.rope_positions
+    return concat_leaves((batch, rest, np.asarray(slots, np.int32), rope.cos_sin(positions),
+                          writes))
 
 
 def table_arrays(sampling: SamplingMetadata) -> tuple:

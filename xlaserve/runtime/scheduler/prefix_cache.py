@@ -382,7 +382,7 @@ class _Request(Protocol):
     page_ids: list[int]
     cache_node: TreeNode | None
 
-    def all_ids(self) -> list[int]: ...
+    def cache_ids(self) -> list[int]: ...
 
     @property
     def num_tokens(self) -> int: ...
@@ -408,7 +408,7 @@ class PrefixReuse:
 
     def attach(self, request: _Request) -> None:
         """Starts a waiting request on its longest cached prefix, locked."""
-        pages, node = self.cache.match(request.all_ids()[:self.reusable_tokens(request)],
+        pages, node = self.cache.match(request.cache_ids()[:self.reusable_tokens(request)],
                                        request.lora_key)
         self.cache.lock(node)
         request.cache_node, request.page_ids = node, pages
@@ -425,7 +425,7 @@ class PrefixReuse:
         if not self.enabled or num_full <= request.cache_node.prefix_pages:
             return
         request.page_ids[:num_full], request.cache_node = self.cache.insert_locked(
-            request.all_ids()[:num_full * self.page_size], request.page_ids[:num_full],
+            request.cache_ids()[:num_full * self.page_size], request.page_ids[:num_full],
             request.cache_node)
 
     def waits_for_a_running_prefill(self, request: _Request, running: Sequence[_Request]) -> bool:
@@ -434,7 +434,7 @@ class PrefixReuse:
         end = request.num_computed + self.page_size
         if end > self.reusable_tokens(request):
             return False
-        head = request.all_ids()[:end]
+        head = request.cache_ids()[:end]
         return any(not other.is_decoding and other.num_computed < end <= other.num_tokens
-                   and other.lora_key == request.lora_key and other.all_ids()[:end] == head
+                   and other.lora_key == request.lora_key and other.cache_ids()[:end] == head
                    for other in running)

@@ -80,6 +80,10 @@ class Request:
     # namespace in the prefix cache (prefix_cache.py; 0: the base model's).
     lora_slot: int = 0
     lora_key: int = 0
+    # A vision model's prompt with images (runtime/executor/multimodal_rows.MultimodalPrompt):
+    # the images' embedding rows and multimodal RoPE positions the executor reads, and the
+    # prompt's prefix-cache key (`cache_ids`). None: text only.
+    multimodal: Any = None
     # Structured outputs: the request's grammar state (runtime/sampling/grammar.Grammar), advanced by
     # every sampled token here; it survives retraction, having consumed exactly output_ids.
     grammar: Any = None
@@ -108,6 +112,14 @@ class Request:
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def cache_ids(self) -> list[int]:
+        """The ids the prefix cache keys this request's KV by: `all_ids()`, but an image's
+        placeholder tokens are its own key (MultimodalPrompt.cache_key: an image's hash), so
+        that prompts alike but for their images share no KV."""
+        if self.multimodal is None:
+            return self.prompt_ids + self.output_ids
+        return self.multimodal.cache_key + self.output_ids
 
     @property
     def num_tokens(self) -> int:

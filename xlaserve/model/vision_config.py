@@ -1,0 +1,114 @@
+"""VisionConfig: the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint (model/qwen_vision.py),
+read from its Hugging Face `vision_config`; what the tower does not run stops the load in one
+line. The decoder beside it is a Qwen2 decoder with multimodal RoPE (`RopeConfig.mrope_section`),
+built by `vision_language_config`.
+
+Qwen2-VL: LayerNorms, an MLP of fc1 -> quick_gelu -> fc2, full attention in every block.
+Qwen2.5-VL: RMSNorms, a gated SiLU MLP with biases, attention within windows of
+`window_size` pixels but in `fullatt_blocks`. Both: 14-pixel patches over 2 frames (an image is
+its frame twice), 2D RoPE, and a merger of each 2x2 patch square into one decoder token.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# architectures[0] -> VisionConfig.kind
+VISION_LANGUAGE_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
+                                 "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    kind: str  # "qwen2_vl" | "qwen2_5_vl"
+    depth: int
+    hidden_size: int  # the tower's width
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int  # the decoder's hidden size: the merger's output
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    spatial_merge_size: int
+    rope_theta: float
+    # Qwen2.5-VL: attention within windows of this many pixels a side but in `fullatt_blocks`;
+    # 0: every block attends over its whole image (Qwen2-VL).
+    window_size: int = 0
+    fullatt_blocks: tuple[int, ...] = ()
+    # The placeholder tokens (the checkpoint's config): one `image_token_id` per merged patch.
+    image_token_id: int = -1
+    video_token_id: int = -1
+    vision_start_token_id: int = -1
+    vision_end_token_id: int = -1
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """The values of one patch: channels x frames x pixels x pixels (the processor's rows)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one decoder token."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.kind == "qwen2_5_vl"
+
+    @property
+    def rms_norms(self) -> bool:
+        return self.kind == "qwen2_5_vl"
+
+    def windowed(self, block: int) -> bool:
+        """Whether block `block` attends within windows (else over its whole image)."""
+        return bool(self.window_size) and block not in self.fullatt_blocks
+
+    @property
+    def merged_per_window(self) -> int:
+        """Merged tokens along a window's side (Qwen2.5-VL: 112 px / 14 / 2 = 4)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "VisionConfig":
+        return cls(**{**data, "fullatt_blocks": tuple(data.get("fullatt_blocks", ()))})
+
+
+def vision_from_hf(hf_config: Any, architecture: str) -> VisionConfig:
+    """The tower of a VISION_LANGUAGE_ARCHITECTURES checkpoint; a field it does not run raises."""
+    kind = VISION_LANGUAGE_ARCHITECTURES[architecture]
+    v = hf_config.vision_config
+    rope = dict(getattr(v, "rope_parameters", None) or {})
+    if rope.get("rope_type", "axial") not in ("axial", "default"):
+        raise ValueError(f"{architecture}: vision rope type {rope['rope_type']!r} is not supported")
+    if kind == "qwen2_vl":
+        if v.hidden_act != "quick_gelu":
+            raise ValueError(f"{architecture}: vision hidden_act {v.hidden_act!r} is not supported "
+                             "(quick_gelu)")
+        width, out = v.embed_dim, v.hidden_size
+        inter, window, full = int(v.embed_dim * v.mlp_ratio), 0, ()
+    else:
+        if v.hidden_act != "silu":
+            raise ValueError(f"{architecture}: vision hidden_act {v.hidden_act!r} is not supported "
+                             "(silu)")
+        width, out, inter = v.hidden_size, v.out_hidden_size, v.intermediate_size
+        window, full = int(v.window_size), tuple(int(i) for i in v.fullatt_block_indexes)
+        if window % (v.patch_size * v.spatial_merge_size):
+            raise ValueError(f"{architecture}: window_size {window} is not a whole number of "
+                             f"merged patches ({v.patch_size * v.spatial_merge_size} px)")
+    if width % v.num_heads:
+        raise ValueError(f"{architecture}: vision width {width} is not a multiple of its "
+                         f"{v.num_heads} heads")
+    return VisionConfig(
+        kind=kind, depth=v.depth, hidden_size=width, num_heads=v.num_heads,
+        intermediate_size=inter, out_hidden_size=out, patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size, in_channels=v.in_channels,
+        spatial_merge_size=v.spatial_merge_size,
+        rope_theta=float(rope.get("rope_theta", 10000.0)), window_size=window,
+        fullatt_blocks=full, image_token_id=int(hf_config.image_token_id),
+        video_token_id=int(getattr(hf_config, "video_token_id", -1) or -1),
+        vision_start_token_id=int(hf_config.vision_start_token_id),
+        vision_end_token_id=int(getattr(hf_config, "vision_end_token_id", -1) or -1))

@@ -1,0 +1,119 @@
+"""VisionEncoder: a vision model's tower (model/qwen_vision.py) run over images, precompiled
+per patch bucket, its output cached by image (issue 55).
+
+Each call packs as many waiting images as fit the largest bucket into one run of the tower
+(the images' attention kept apart by their segments: model/vision_inputs.encoder_batch), padded
+to the smallest bucket that holds them: powers of two from MIN_PATCHES up to the largest
+image's patches (`max_patches`, from the processor's max_pixels), each compiled at start-up, so
+no image compiles while serving. An image's rows are kept by its hash (the processed pixels')
+in a least-recently-used cache of `cache_tokens` decoder tokens: a conversation that sends an
+image again, or a request's `n` choices, run the tower once.
+
+Called from worker threads (the HTTP layer prepares a request's images off the event loop, and
+several requests at once): a lock keeps the cache and the device calls in order.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import jax
+import numpy as np
+from flax import nnx
+
+from xlaserve.model.vision_inputs import encoder_batch, image_tokens
+from xlaserve.runtime.executor.forward_batch import pow2_buckets
+
+logger = logging.getLogger(__name__)
+
+MIN_PATCHES = 64  # the smallest bucket: a 112 x 112 image (Qwen's 14-pixel patches)
+
+
+class VisionEncoder:
+    def __init__(self, loaded, kernels, max_patches: int, cache_tokens: int = 16384):
+        """`loaded`: the LoadedModel (its `model.vision`, as the runner packed it); `kernels`:
+        the runner's; `max_patches`: the most patches an image may have."""
+        self.config = loaded.config.vision
+        self.dtype = loaded.dtype
+        unit = self.config.merge_unit
+        self.max_patches = max_patches - max_patches % unit
+        if self.max_patches < unit:
+            raise ValueError(f"images of {max_patches} patches are too small to encode")
+        self.buckets = tuple(b - b % unit for b in pow2_buckets(
+            min(MIN_PATCHES, self.max_patches), self.max_patches))
+        graphdef, self._state = nnx.split(loaded.model.vision)
+
+        def encode(state, batch):
+            tower = nnx.merge(graphdef, state)
+            return tower(batch["patches"], batch["cos"], batch["sin"], batch["cu_windows"],
+                         batch["num_windows"], batch["cu_images"], batch["num_images"], kernels)
+
+        self._encode = jax.jit(encode)
+        self._programs: dict[int, object] = {}
+        self._cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self._cached_tokens = 0
+        self.cache_tokens = cache_tokens
+        self._lock = threading.Lock()
+        self.runs = 0  # tower runs (tests count them: a cached image runs none)
+
+    def precompile(self) -> None:
+        """Every bucket's program, before serving."""
+        for patches in self.buckets:
+            args = _device_args(self._empty_batch(patches))
+            self._programs[patches] = self._encode.lower(self._state, args).compile()
+        logger.info("Compiled the vision tower for %d patch buckets (up to %d patches an image)",
+                    len(self.buckets), self.max_patches)
+
+    def _empty_batch(self, patches: int):
+        c = self.config
+        grid = (1, c.spatial_merge_size, c.spatial_merge_size)
+        return encoder_batch(c, [np.zeros((c.merge_unit, c.patch_dim), np.float32)], [grid],
+                             patches)
+
+    def embed(self, images: list[tuple[str, np.ndarray, tuple[int, int, int]]]) -> list[np.ndarray]:
+        """Each image's decoder rows [image_tokens, out_hidden_size] (the model dtype), for
+        `images` as (hash, pixel_values [patches, patch_dim], grid (t, h, w))."""
+        for _, pixels, grid in images:
+            if pixels.shape[0] > self.max_patches:
+                raise ValueError(f"an image of {pixels.shape[0]} patches is over the "
+                                 f"{self.max_patches} the vision tower was compiled for")
+        with self._lock:
+            found = {key: self._cache[key] for key, _, _ in images if key in self._cache}
+            for key in found:
+                self._cache.move_to_end(key)
+            todo = list({key: (key, p, g) for key, p, g in images if key not in found}.values())
+            while todo:
+                group, patches = [], 0
+                while todo and patches + todo[0][1].shape[0] <= self.max_patches:
+                    patches += todo[0][1].shape[0]
+                    group.append(todo.pop(0))
+                for (key, _, _), rows in zip(group, self._run(group, patches)):
+                    found[key] = rows
+                    self._remember(key, rows)
+        return [found[key] for key, _, _ in images]
+
+    def _run(self, group, patches: int) -> list[np.ndarray]:
+        bucket = next(b for b in self.buckets if b >= patches)
+        batch = encoder_batch(self.config, [p for _, p, _ in group], [g for _, _, g in group],
+                              bucket)
+        program = self._programs.get(bucket, self._encode)
+        merged = np.asarray(program(self._state, _device_args(batch)))
+        self.runs += 1
+        return [rows.astype(self.dtype) for rows in batch.split(merged)]
+
+    def _remember(self, key: str, rows: np.ndarray) -> None:
+        self._cache[key] = rows
+        self._cached_tokens += rows.shape[0]
+        while self._cached_tokens > self.cache_tokens and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_tokens -= dropped.shape[0]
+
+    def tokens_of(self, grid) -> int:
+        return image_tokens(self.config, grid)
+
+
+def _device_args(batch) -> dict:
+    return {"patches": batch.patches, "cos": batch.cos, "sin": batch.sin,
+            "cu_windows": batch.cu_windows, "num_windows": batch.num_windows,
+            "cu_images": batch.cu_images, "num_images": batch.num_images}

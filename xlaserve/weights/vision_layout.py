@@ -1,0 +1,95 @@
+"""A Qwen2-VL / Qwen2.5-VL checkpoint's vision tower -> model/qwen_vision.py's parameters, in
+the decoder's layouts (qkv [W, heads, 3, D], o_proj [heads, D, W], gate_up [W, 2, I], matrices
+[in, out]). The decoder beside it converts as a Qwen2's (param_layout.convert).
+
+Checkpoints name the tower `visual.*` and the decoder `model.*` (as published, and as
+transformers saves them); transformers' own module names (`model.visual.*`,
+`model.language_model.*`) are read too (`with_vision_language_names`).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from xlaserve.model.vision_config import VisionConfig
+from xlaserve.weights.param_layout import _fetch
+from xlaserve.weights.tensor_source import TensorSource
+
+
+class VisionLanguageNames:
+    """`source` with transformers' module names read as the published ones."""
+
+    _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+    def __init__(self, source: TensorSource):
+        self.source = source
+        self._names = {}
+        for name in source.names():
+            published = name
+            for old, new in self._RENAMES:
+                if name.startswith(old):
+                    published = new + name[len(old):]
+            self._names[published] = name
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.source.get(self._names[name])
+
+
+def with_vision_language_names(source: TensorSource) -> TensorSource:
+    names = source.names()
+    if any(n.startswith(("model.visual.", "model.language_model.")) for n in names):
+        return VisionLanguageNames(source)
+    return source
+
+
+def vision_weights(config: VisionConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
+    """(parameter path, array) for every parameter of the vision tower."""
+    c, width = config, config.hidden_size
+    heads, d, inter = c.num_heads, c.head_dim, c.intermediate_size
+    patch = _fetch(source, "visual.patch_embed.proj.weight",
+                   (width, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size))
+    yield ("vision", "patch_embed"), patch.reshape(width, -1).T
+    for i in range(c.depth):
+        prefix, path = f"visual.blocks.{i}.", ("vision", "blocks", i)
+        yield from _norm(source, c, prefix + "norm1", path + ("norm1",), width)
+        yield from _norm(source, c, prefix + "norm2", path + ("norm2",), width)
+        qkv = _fetch(source, prefix + "attn.qkv.weight", (3 * width, width))
+        yield path + ("qkv",), qkv.reshape(3, heads, d, width).transpose(3, 1, 0, 2)
+        qkv_bias = _fetch(source, prefix + "attn.qkv.bias", (3 * width,))
+        yield path + ("qkv_bias",), qkv_bias.reshape(3, heads, d).transpose(1, 0, 2)
+        proj = _fetch(source, prefix + "attn.proj.weight", (width, width))
+        yield path + ("o_proj",), proj.T.reshape(heads, d, width)
+        yield path + ("o_bias",), _fetch(source, prefix + "attn.proj.bias", (width,))
+        if c.gated_mlp:
+            gate = _fetch(source, prefix + "mlp.gate_proj.weight", (inter, width))
+            up = _fetch(source, prefix + "mlp.up_proj.weight", (inter, width))
+            yield path + ("gate_up",), np.stack([gate.T, up.T], axis=1)
+            yield path + ("gate_up_bias",), np.stack(
+                [_fetch(source, prefix + "mlp.gate_proj.bias", (inter,)),
+                 _fetch(source, prefix + "mlp.up_proj.bias", (inter,))])
+            down, down_bias = "mlp.down_proj", "mlp.down_proj"
+        else:
+            yield path + ("up",), _fetch(source, prefix + "mlp.fc1.weight", (inter, width)).T
+            yield path + ("up_bias",), _fetch(source, prefix + "mlp.fc1.bias", (inter,))
+            down, down_bias = "mlp.fc2", "mlp.fc2"
+        yield path + ("down",), _fetch(source, prefix + down + ".weight", (width, inter)).T
+        yield path + ("down_bias",), _fetch(source, prefix + down_bias + ".bias", (width,))
+    merged = width * c.merge_unit
+    yield from _norm(source, c, "visual.merger.ln_q", ("vision", "merger", "norm"), width)
+    yield ("vision", "merger", "up"), _fetch(source, "visual.merger.mlp.0.weight",
+                                             (merged, merged)).T
+    yield ("vision", "merger", "up_bias"), _fetch(source, "visual.merger.mlp.0.bias", (merged,))
+    yield ("vision", "merger", "down"), _fetch(source, "visual.merger.mlp.2.weight",
+                                               (c.out_hidden_size, merged)).T
+    yield ("vision", "merger", "down_bias"), _fetch(source, "visual.merger.mlp.2.bias",
+                                                    (c.out_hidden_size,))
+
+
+def _norm(source: TensorSource, c: VisionConfig, name: str, path: tuple, width: int):
+    yield path + ("scale",), _fetch(source, name + ".weight", (width,))
+    if not c.rms_norms:  # LayerNorms have a bias
+        yield path + ("bias",), _fetch(source, name + ".bias", (width,))
