@@ -9,6 +9,7 @@ from xlaserve.http.constraints import compile_constraints, constraint_param
 from xlaserve.http.errors import APIError, bad_request, generation_error, not_supported
 from xlaserve.http.logprobs import chat_logprobs
 from xlaserve.http.parsing import chat_template
+from xlaserve.http.images import image_parts, load_images
 from xlaserve.http.parsing.harmony import harmony_options
 from xlaserve.http.parsing.reasoning import ReasoningParser, needs_special_tokens
 from xlaserve.http.parsing.tool_parsers import TOOL_CALL_PARSERS
@@ -33,8 +34,9 @@ SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31", "kimi
 class ChatCall:
     """One chat request: its prompt, its generation, and the response in either shape."""
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest):
-        """The synchronous checks; `create` builds the grammar and submits."""
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, images=None):
+        """The synchronous checks; `create` reads the images, builds the grammar and submits.
+        `images`: the messages' images, read (http/images.py), on a vision model's server."""
         ctx.check_generates()
         if isinstance(req.lora_path, list):
             raise bad_request("lora_path takes one adapter's name on chat completions", "lora_path")
@@ -52,6 +54,12 @@ class ChatCall:
         prompt = render_chat(ctx, req, add_generation_prompt=req.add_generation_prompt,
                              add_special_tokens=req.add_special_tokens)
         self.prompt_text, prompt_ids = prompt.text, prompt.ids
+        self.multimodal = None
+        if ctx.images is not None:  # each image's placeholder expanded, its rows computed
+            try:
+                prompt_ids, self.multimodal = ctx.images.prepare(prompt_ids, images or [])
+            except ValueError as error:
+                raise bad_request(str(error), "messages") from None
         self.functions, self.tool_choice = prompt.functions, prompt.tool_choice
         check_prompt_ids(ctx, prompt_ids, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -89,7 +97,12 @@ class ChatCall:
     async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
         """Checks the request (templating and tokenizing a long one off the event loop), builds
         its grammar off the loop, submits it."""
-        call = await run_off_loop(message_chars(req), LARGE_PROMPT_CHARS, cls, ctx, req)
+        images = None
+        if ctx.images is not None and (parts := image_parts(req.messages)):
+            images = await load_images(ctx.core.args, parts, ctx.images.max_images)
+        # Images run the vision tower: always off the loop.
+        call = await run_off_loop(LARGE_PROMPT_CHARS if images else message_chars(req),
+                                  LARGE_PROMPT_CHARS, cls, ctx, req, images)
         if call.functions:
             await check_tool_schemas(ctx, call.functions)
         if has_constraint(call.params):
@@ -99,7 +112,8 @@ class ChatCall:
         call.generation = Generation(ctx, [call.prompt_ids], call.params, req.n,
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,
                                      priority=priority + client_priority(ctx, req.priority),
-                                     rid=req.rid, lora_path=call.lora)
+                                     rid=req.rid, lora_path=call.lora,
+                                     multimodal=[call.multimodal])
         call.id = f"chatcmpl-{call.generation.id}"
         return call
 
@@ -266,7 +280,8 @@ def render_chat(ctx: ServingContext, req, *, add_generation_prompt: bool = True,
                                                          req.chat_template_kwargs))
     else:
         text, ids = chat_template.render(
-            ctx.tokenizer, chat_template.template_messages(req.messages), template=ctx.chat_template,
+            ctx.tokenizer, chat_template.template_messages(
+                req.messages, images=ctx.images is not None), template=ctx.chat_template,
             tools=tools, add_generation_prompt=add_generation_prompt,
             continue_final_message=req.continue_final_message,
             template_kwargs=chat_template.with_reasoning_effort(

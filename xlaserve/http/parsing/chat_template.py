@@ -82,12 +82,33 @@ def message_text(message) -> str:
     return "\n".join(texts)
 
 
-def template_messages(messages) -> list[dict]:
+def message_parts(message) -> list[dict]:
+    """A vision model's message content as the parts its template reads: {"type": "text",
+    "text"} and, for each image_url part, {"type": "image"} (the template writes its
+    placeholder; http/images.py reads the image). Other parts are refused."""
+    content = message.content
+    if not isinstance(content, list):
+        return [{"type": "text", "text": "" if content is None else content}]
+    parts = []
+    for part in content:
+        if part.type == "text":
+            parts.append({"type": "text", "text": part.text or ""})
+        elif part.type == "image_url":
+            parts.append({"type": "image"})
+        else:
+            raise not_supported("messages", f"content part of type {part.type!r} (this server "
+                                            "takes text and image_url)")
+    return parts
+
+
+def template_messages(messages, images: bool = False) -> list[dict]:
     """OpenAI messages (pydantic) -> plain dicts for Jinja: `developer` is a system message to
-    templates that predate it, text parts are joined, tool-call arguments become objects."""
+    templates that predate it, text parts are joined, tool-call arguments become objects.
+    `images` (a vision model): contents as lists of parts (`message_parts`)."""
     result = []
     for m in messages:
-        message = {"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
+        message = {"role": "system" if m.role == "developer" else m.role,
+                   "content": message_parts(m) if images else message_text(m)}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, key):
                 message[key] = getattr(m, key)

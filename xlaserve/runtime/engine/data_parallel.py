@@ -92,6 +92,9 @@ class DataParallelEngineCore:
         self.eos_token_ids = first.eos_token_ids
         self.pooling = first.pooling  # an embedding server's (each replica's is the same)
         self.score_head = first.score_head
+        # A vision model's: replica 0's tower prepares every request's images (host rows any
+        # replica's step takes).
+        self.images = first.images
         self.runner = _Runners([r.runner for r in self.replicas])
         self.load_balance_method = args.load_balance_method
         self._seeds = random.Random(args.random_seed)

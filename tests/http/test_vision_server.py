@@ -1,0 +1,137 @@
+"""Images in chat completions (issue 55), through the OpenAI SDK on a tiny random Qwen2.5-VL:
+a base64 image (and two, streamed) answered with transformers' greedy tokens, the image tokens
+counted in usage; every refusal a 400 naming the part (bad base64, not an image, too many, a
+private or local URL, an unknown detail); a text model refuses image parts."""
+import base64
+import io
+
+import httpx
+import pytest
+
+from tests.http.conftest import RunningServer
+from tests.vision_models import hf_generate, make_tiny_vision_language, random_image
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tiny-vl"))
+    model = make_tiny_vision_language(directory, "qwen2_5_vl")
+    running = RunningServer(directory, served_model_name="tiny-vl", page_size=4,
+                            chunked_prefill_size=8, max_prefill_tokens=16, context_length=256,
+                            limit_mm_per_prompt='{"image": 2}', enable_metrics=True)
+    yield running, model, directory
+    running.close()
+
+
+def _data_url(image, kind: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=kind)
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _expected(server, model, directory, messages, images) -> tuple[str, int]:
+    """(transformers' greedy text, the prompt's tokens) for chat `messages` with `images`."""
+    ctx = server.ctx
+    text = ctx.tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": [{"type": "image"} if p["type"] == "image_url" else p
+                                          for p in m["content"]]} for m in messages],
+        tokenize=False, add_generation_prompt=True)
+    ids, _ = ctx.core.images.prepare(ctx.tokenizer.encode(text, add_special_tokens=False),
+                                     images)
+    tokens = hf_generate(model, directory, ids, images, NEW_TOKENS)
+    return _words(ctx.tokenizer.decode(tokens, skip_special_tokens=True)), len(ids)
+
+
+def _words(text: str) -> str:
+    """The words of a text: the tokenizer's vocabulary is words (a stream's first piece keeps
+    its space)."""
+    return " ".join(text.split())
+
+
+def _chat(client, messages, **kwargs):
+    return client.chat.completions.create(model="tiny-vl", messages=messages,
+                                          max_tokens=NEW_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True}, **kwargs)
+
+
+def test_a_base64_image_is_answered_with_transformers_tokens(vision):
+    server, model, directory = vision
+    image = random_image(100, 140, 11)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "what is in this picture"},
+        {"type": "image_url", "image_url": {"url": _data_url(image), "detail": "high"}}]}]
+    text, prompt_tokens = _expected(server, model, directory, messages, [image])
+    out = _chat(server.openai(), messages)
+    assert _words(out.choices[0].message.content) == text and text
+    assert out.usage.prompt_tokens == prompt_tokens > 16  # the image's tokens counted
+
+
+def test_two_images_streamed_and_a_jpeg(vision):
+    server, model, directory = vision
+    first, second = random_image(60, 90, 12), random_image(120, 60, 13)
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(first)}},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": _data_url(second)}}]}]
+    text, _ = _expected(server, model, directory, messages, [first, second])
+    stream = _chat(server.openai(), messages, stream=True)
+    assert _words("".join(c.choices[0].delta.content or "" for c in stream if c.choices)) == text
+    jpeg = _data_url(first, "JPEG")  # decoded as the server decodes it: compare by the SDK
+    out = _chat(server.openai(), [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": jpeg}}]}])
+    assert out.choices[0].finish_reason == "length"
+
+
+def _refusal(server, part, param_suffix="") -> dict:
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny-vl", "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what"}, part]}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1].image_url" + param_suffix
+    return error
+
+
+def test_bad_images_are_400s_naming_the_part(vision):
+    server, _, _ = vision
+    assert "base64" in _refusal(server, {"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,@@@"}})["message"]
+    assert "decoded" in _refusal(server, {"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(b"not an image").decode()}})["message"]
+    assert "data:image" in _refusal(server, {"type": "image_url", "image_url": {
+        "url": "data:text/plain;base64,aGk="}})["message"]
+    assert "detail" in _refusal(server, {"type": "image_url", "image_url": {
+        "url": _data_url(random_image(30, 30)), "detail": "ultra"}}, ".detail")["message"]
+    assert "public" in _refusal(server, {"type": "image_url", "image_url": {
+        "url": server.base_url + "/health"}})["message"]  # 127.0.0.1: never fetched
+    assert "allowed-local-media-path" in _refusal(server, {"type": "image_url", "image_url": {
+        "url": "file:///etc/passwd"}})["message"]
+    assert "image_url.url" in _refusal(server, {"type": "image_url"})["message"]
+
+
+def test_more_images_than_the_limit_are_refused_before_any_is_read(vision):
+    server, _, _ = vision
+    image = {"type": "image_url", "image_url": {"url": _data_url(random_image(30, 30))}}
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny-vl", "max_tokens": 2,
+        "messages": [{"role": "user", "content": [image, image, image]}]})
+    assert response.status_code == 400
+    assert "--limit-mm-per-prompt" in response.json()["error"]["message"]
+
+
+def test_a_placeholder_typed_as_text_does_not_pass_for_an_image(vision):
+    server, _, _ = vision
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny-vl", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "<|image_pad|> what"}]})
+    assert response.status_code == 400
+    assert "placeholder" in response.json()["error"]["message"]
+
+
+def test_a_text_only_chat_still_works_on_the_vision_server(vision):
+    server, model, directory = vision
+    messages = [{"role": "user", "content": [{"type": "text", "text": "describe a red cat"}]}]
+    text, _ = _expected(server, model, directory, messages, [])
+    assert _words(_chat(server.openai(), messages).choices[0].message.content) == text

@@ -1,0 +1,118 @@
+"""Qwen2-VL and Qwen2.5-VL in the engine (issue 55), against transformers on tiny random
+checkpoints: the vision tower's rows, and greedy tokens of prompts with 0, 1 and 2 images of
+different sizes run together with text-only requests, chunked prefill across the images; the
+prefix cache keyed by image; the tower run once per image; no compile while serving."""
+import queue
+
+import numpy as np
+import pytest
+
+from tests.vision_models import hf_generate, make_tiny_vision_language, random_image
+from xlaserve.offline import Engine
+from xlaserve.runtime.sampling.params import SamplingParams
+
+SMALL = dict(dtype="float32", page_size=4, max_running_requests=4, chunked_prefill_size=8,
+             max_prefill_tokens=12, context_length=256, max_total_tokens=2048)
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def served(request, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp(request.param))
+    model = make_tiny_vision_language(directory, request.param)
+    with Engine(directory, **SMALL) as engine:
+        yield engine, model, directory
+
+
+def _ids(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _generate_all(core, prompts, finishes: list | None = None) -> list[list[int]]:
+    """Greedy tokens of every (ids, multimodal) prompt, all submitted at once; each one's
+    Finish appended to `finishes`."""
+    outputs = [queue.Queue() for _ in prompts]
+    for (ids, multimodal), sink in zip(prompts, outputs):
+        core.submit(ids, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
+                                        ignore_eos=True), sink.put, multimodal=multimodal)
+    results = []
+    for sink in outputs:
+        tokens = []
+        while True:
+            delta = sink.get(timeout=120)
+            if delta.token_id is not None:
+                tokens.append(delta.token_id)
+            if delta.finished:
+                if finishes is not None:
+                    finishes.append(delta.finish)
+                break
+        results.append(tokens)
+    return results
+
+
+def test_the_vision_tower_gives_transformers_rows(served):
+    import torch
+    import transformers
+
+    engine, model, directory = served
+    images = [random_image(90, 130, 1), random_image(40, 40, 2), random_image(120, 50, 3)]
+    processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(directory)
+    out = processor(images=images, return_tensors="pt")
+    with torch.no_grad():
+        expected = model.model.visual(out["pixel_values"],
+                                      grid_thw=out["image_grid_thw"]).pooler_output.numpy()
+    encoder = engine.core.images.encoder
+    grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
+    pixels = np.split(out["pixel_values"].numpy(), np.cumsum([np.prod(g) for g in grids])[:-1])
+    rows = encoder.embed([(f"key{i}", p, g) for i, (p, g) in enumerate(zip(pixels, grids))])
+    np.testing.assert_allclose(np.concatenate(rows), expected, atol=2e-5)
+
+
+def test_prompts_with_zero_one_and_two_images_in_one_batch_give_transformers_tokens(served):
+    engine, model, directory = served
+    core = engine.core
+    big, small, tall = random_image(90, 130, 4), random_image(40, 40, 5), random_image(120, 50, 6)
+    pad = "<|vision_start|> <|image_pad|> <|vision_end|>"
+    cases = [(f"<|im_start|> user {pad} what is in this picture <|im_end|>", [big]),
+             ("<|im_start|> user describe a red cat <|im_end|>", []),
+             (f"user {pad} and {pad} what is in that one", [small, tall]),
+             (f"{pad} cat", [tall])]
+    prompts, expected = [], []
+    for text, images in cases:
+        ids, multimodal = core.images.prepare(_ids(engine, text), images)
+        prompts.append((ids, multimodal))
+        expected.append(hf_generate(model, directory, ids, images, NEW_TOKENS))
+    compiled = core.runner.compile_count()
+    assert _generate_all(core, prompts) == expected
+    assert core.runner.compile_count() == compiled  # images need no new program
+    # A prompt's image tokens are counted: usage's prompt tokens hold them.
+    assert len(prompts[0][0]) == len(_ids(engine, cases[0][0])) - 1 + prompts[0][1].num_image_tokens
+
+
+def test_same_text_with_another_image_shares_no_kv_and_the_same_image_is_encoded_once(served):
+    engine, model, directory = served
+    core = engine.core
+    # A long text before the image, so that its pages are cached and shared.
+    text = ("what is in this picture and that one describe it " * 2 +
+            "<|vision_start|> <|image_pad|> <|vision_end|> red cat")
+    first, second = random_image(110, 110, 7), random_image(110, 110, 8)
+    encoder = core.images.encoder
+    runs = encoder.runs
+    ids_a, mm_a = core.images.prepare(_ids(engine, text), [first])
+    ids_a2, mm_a2 = core.images.prepare(_ids(engine, text), [first])
+    assert encoder.runs == runs + 1  # the second preparation found the first's rows
+    ids_b, mm_b = core.images.prepare(_ids(engine, text), [second])
+    assert ids_a == ids_b and mm_a.cache_key != mm_b.cache_key
+    core.flush_cache()
+    finishes = []
+    out_a = _generate_all(core, [(ids_a, mm_a)], finishes)[0]
+    out_b = _generate_all(core, [(ids_b, mm_b)], finishes)[0]
+    out_a2 = _generate_all(core, [(ids_a2, mm_a2)], finishes)[0]
+    assert out_a == out_a2 == hf_generate(model, directory, ids_a, [first], NEW_TOKENS)
+    assert out_b == hf_generate(model, directory, ids_b, [second], NEW_TOKENS)
+    text_pages = len(_ids(engine, text.split("<|vision_start|>")[0])) // 4 * 4
+    cached = [f.cached_tokens for f in finishes]
+    # The other image reuses the text before it, not its image; the same image every whole
+    # page but the last token's.
+    assert cached == [0, text_pages, (len(ids_a) - 1) // 4 * 4]
+    assert cached[2] > text_pages + 4 and mm_a.num_image_tokens == 16

@@ -1,0 +1,104 @@
+"""Tiny random vision-language checkpoints for the tests of issue 55: Qwen2-VL and Qwen2.5-VL
+(2 decoder layers of width 64, a 2-block vision tower of width 32), a word-level tokenizer with
+Qwen's chat and vision markers, a Qwen-VL-style chat template, and an image processor whose
+max_pixels keeps images to at most 64 patches."""
+import numpy as np
+
+WORDS = ["what", "is", "in", "this", "picture", "and", "that", "one", "describe", "it",
+         "user", "assistant", "system", "a", "red", "cat"]
+MARKERS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
+           "<|video_pad|>"]
+MAX_PIXELS = 28 * 28 * 16  # 64 patches an image at most
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_vision_language(directory, kind: str = "qwen2_5_vl", seed: int = 0):
+    """Saves the checkpoint, tokenizer and processor to `directory`; returns transformers'
+    model (float32, eval). Every weight is random, norms around 1."""
+    import tokenizers
+    import torch
+    import transformers
+
+    # The markers are words of the vocabulary too, so that their ids are known here.
+    vocabulary = {word: i for i, word in enumerate(["[UNK]", "[PAD]"] + WORDS + MARKERS)}
+    ids = {marker: vocabulary[marker] for marker in MARKERS}
+    # The model's vocabulary is the tokenizer's: every output token is a word of it.
+    text = dict(vocab_size=len(vocabulary), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]},
+                bos_token_id=None, eos_token_id=ids["<|im_end|>"])
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"],
+                  vision_end_token_id=ids["<|vision_end|>"])
+    if kind == "qwen2_5_vl":
+        # 56-pixel windows: 2 x 2 merged tokens, so an image of up to 4 x 4 has several.
+        vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                      out_hidden_size=64, fullatt_block_indexes=[1], window_size=56)
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen2VLForConditionalGeneration
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                param.copy_((1.0 + 0.2 * torch.randn_like(param)) if name.endswith("weight")
+                            else 0.1 * torch.randn_like(param))
+            elif "embed_tokens" in name:
+                param.copy_(0.5 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = tokenizers.decoders.WordPiece()  # words joined by spaces
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", eos_token="<|im_end|>",
+        additional_special_tokens=MARKERS)
+    assert [fast.convert_tokens_to_ids(m) for m in MARKERS] == [ids[m] for m in MARKERS]
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=MAX_PIXELS
+                                          ).save_pretrained(directory)
+    return model
+
+
+def random_image(height: int, width: int, seed: int = 0):
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def hf_generate(model, directory, prompt_ids: list[int], images: list, max_new_tokens: int):
+    """transformers' greedy tokens for a prompt whose image placeholders are expanded already
+    (`ImagePrompts.prepare`'s ids), its `images` processed by the checkpoint's processor."""
+    import torch
+    import transformers
+
+    processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(directory)
+    kwargs = {}
+    if images:
+        out = processor(images=images, return_tensors="pt")
+        kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+    image_id = model.config.image_token_id
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                                                                  dtype=torch.long),
+            mm_token_type_ids=torch.tensor([[int(t == image_id) for t in prompt_ids]]),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+            **kwargs)
+    return out[0, len(prompt_ids):].tolist()
