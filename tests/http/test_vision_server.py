@@ -135,3 +135,43 @@ def test_a_text_only_chat_still_works_on_the_vision_server(vision):
     messages = [{"role": "user", "content": [{"type": "text", "text": "describe a red cat"}]}]
     text, _ = _expected(server, model, directory, messages, [])
     assert _words(_chat(server.openai(), messages).choices[0].message.content) == text
+
+
+def test_the_responses_api_takes_input_image(vision):
+    server, model, directory = vision
+    image = random_image(80, 80, 14)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "what is in this picture"},
+        {"type": "image_url", "image_url": {"url": _data_url(image)}}]}]
+    text, prompt_tokens = _expected(server, model, directory, messages, [image])
+    out = server.openai().responses.create(
+        model="tiny-vl", max_output_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True},
+        input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "what is in this picture"},
+            {"type": "input_image", "image_url": _data_url(image), "detail": "low"}]}])
+    assert _words(out.output_text) == text and out.usage.input_tokens == prompt_tokens
+
+
+def test_a_batch_line_with_an_image(vision, tmp_path):
+    from tests.http.test_batches import results, upload, wait
+
+    server, model, directory = vision
+    image = random_image(64, 96, 15)
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(image)}},
+        {"type": "text", "text": "describe it"}]}]
+    text, _ = _expected(server, model, directory, messages, [image])
+    client = server.openai()
+    lines = [{"custom_id": "image", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "tiny-vl", "messages": messages, "max_tokens": NEW_TOKENS,
+                       "temperature": 0, "ignore_eos": True}},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "tiny-vl", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]}}]
+    batch = client.batches.create(input_file_id=upload(client, tmp_path, lines).id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = wait(client, batch)
+    assert batch.status == "completed" and batch.request_counts.failed == 1, batch
+    body = results(client, batch.output_file_id)["image"]["response"]["body"]
+    assert _words(body["choices"][0]["message"]["content"]) == text

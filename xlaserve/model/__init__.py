@@ -1,7 +1,7 @@
 """What a model is: the architectures (one Flax NNX decoder switched by config; `model_class` by
 architecture name), their layers, configs (`ModelConfig`) and partition specs over the serving
-mesh, the weight types a matmul takes (int8, FP8, packed panels, quantized rows), and the
-speculative draft heads."""
+mesh, the weight types a matmul takes (int8, FP8, packed panels, quantized rows), the
+speculative draft heads, and vision towers with their host-side positions."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
@@ -36,6 +36,9 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "TP": "sharding",
     "abstract_parameters": "transformer", "AttentionMetadata": "transformer",
     "kv_cache_shape": "transformer", "rope_cos_sin": "transformer",
+    "VisionConfig": "vision_config",
+    "encoder_batch": "vision_inputs", "image_tokens": "vision_inputs",
+    "mrope_positions": "vision_inputs",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

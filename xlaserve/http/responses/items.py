@@ -3,7 +3,8 @@
 Input: a string (one user message) or a list of items, each one of (made canonical: an id each,
 content as parts, only these fields)
     {"type": "message", "role": user|system|developer|assistant, "content": str | [parts]}
-        (parts `input_text` / `output_text`; `type` may be left out, as OpenAI allows)
+        (parts `input_text` / `output_text`, and a user's `input_image` {"image_url": a data:
+        or http(s) URL, "detail"} for a vision model; `type` may be left out, as OpenAI allows)
     {"type": "function_call", "call_id", "name", "arguments"}      -> an assistant's tool_calls
     {"type": "function_call_output", "call_id", "output"}          -> a `tool` message
     {"type": "reasoning", "content": [{"type": "reasoning_text", "text"}]}
@@ -43,12 +44,17 @@ def _canonical(item, where: str) -> dict:
         role = item.get("role")
         if role not in _ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}", "input")
-        part = "output_text" if role == "assistant" else "input_text"
-        text = {"type": part, "text": _text(item.get("content"), where)}
-        if role == "assistant":
-            text["annotations"] = []
+        content = item.get("content")
+        if role == "user" and isinstance(content, list) and any(
+                isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+            parts = _parts_with_images(content, where)
+        else:
+            part = "output_text" if role == "assistant" else "input_text"
+            parts = [{"type": part, "text": _text(content, where)}]
+            if role == "assistant":
+                parts[0]["annotations"] = []
         return {"type": "message", "id": _id(item, "msg"), "role": role, "status": "completed",
-                "content": [text]}
+                "content": parts}
     if kind == "function_call":
         return {"type": "function_call", "id": _id(item, "fc"),
                 "call_id": _string(item, "call_id", where), "name": _string(item, "name", where),
@@ -81,7 +87,7 @@ def chat_messages(items: list[dict]) -> list[dict]:
             reasoning = (reasoning or "") + "".join(p["text"] for p in item["content"])
             continue
         if kind == "message":
-            message = {"role": item["role"], "content": item["content"][0]["text"]}
+            message = {"role": item["role"], "content": _chat_content(item["content"])}
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -125,6 +131,33 @@ def _text(content, where: str) -> str:
                               f"text are supported, got {str(kind)[:64]!r}", "input")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _parts_with_images(content: list, where: str) -> list[dict]:
+    """A user message's input_text and input_image parts, checked, in order."""
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_text" and isinstance(part.get("text"), str):
+            parts.append({"type": "input_text", "text": part["text"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "input_image", "image_url": part["image_url"],
+                          "detail": part.get("detail") or "auto"})
+        else:
+            raise bad_request(f"{where}.content[{j}]: a user's parts are input_text with a text "
+                              f"and input_image with an image_url (a data: or http(s) URL; "
+                              f"file_id is not supported), got {str(kind)[:64]!r}", "input")
+    return parts
+
+
+def _chat_content(parts: list[dict]):
+    """A canonical message's content as a chat message's: its text, or (with images) the chat
+    API's text and image_url parts."""
+    if all(p["type"] != "input_image" for p in parts):
+        return parts[0]["text"]
+    return [{"type": "text", "text": p["text"]} if p["type"] == "input_text" else
+            {"type": "image_url", "image_url": {"url": p["image_url"], "detail": p["detail"]}}
+            for p in parts]
 
 
 def _reasoning_text(item: dict, where: str) -> str:

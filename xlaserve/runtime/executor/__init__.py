@@ -1,7 +1,8 @@
 """The device side of a step: `ModelRunner` (the KV pool, the compiled step programs, their
 inputs), the buckets a step's inputs are padded to (`serving_buckets`, `forward_batch_for`),
 what a step returns (`StepOutput`), a STANDALONE speculative draft model (`DraftModel`) and an
-EAGLE3/NEXTN draft head's steps (`DraftHead`)."""
+EAGLE3/NEXTN draft head's steps (`DraftHead`), a vision model's tower run per image
+(`VisionEncoder`) and its images' rows in a step (`MultimodalPrompt`, `add_multimodal_rows`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
@@ -11,6 +12,8 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "ModelRunner": "model_runner", "slots_for": "lora_slots",
     "EmbeddingRunner": "embedding_step",
     "SAMPLING_WIDTHS": "step_program", "StepOutput": "step_program",
+    "VisionEncoder": "vision_encoder", "MultimodalPrompt": "multimodal_rows",
+    "add_multimodal_rows": "multimodal_rows",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -97,7 +97,12 @@ class VisionEncoder:
         bucket = next(b for b in self.buckets if b >= patches)
         batch = encoder_batch(self.config, [p for _, p, _ in group], [g for _, _, g in group],
                               bucket)
-        program = self._programs.get(bucket, self._encode)
+        program = self._programs.get(bucket)
+        if program is None:
+            program = self._encode
+            if self._programs:  # precompiled, but not this bucket
+                logger.warning("COMPILED WHILE SERVING: the vision tower for %d patches was not "
+                               "precompiled; every request waited for it", bucket)
         merged = np.asarray(program(self._state, _device_args(batch)))
         self.runs += 1
         return [rows.astype(self.dtype) for rows in batch.split(merged)]
