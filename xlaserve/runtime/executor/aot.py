@@ -123,6 +123,8 @@ class StepProgram:
     chain: callable | None = None  # a draft head's draft steps (draft_head.make_chain)
     lora: LoraSpec | None = None  # the LoRA slots among the weights
     tree_width: int = 0  # > 0: the server verifies trees (its tree program, `compile(tree=)`)
+    # A vision model's step: it also takes its rows' image embeddings [tokens, hidden].
+    input_embeds: tuple[int, object] | None = None  # (hidden, dtype)
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
                       needs: StepNeeds = EVERYTHING, tree: bool = False) -> tuple[tuple, dict]:
@@ -134,6 +136,9 @@ class StepProgram:
         vocab = self.args[2].shape[1]
         inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
                   abstract((rows, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
+        if self.input_embeds is not None:
+            hidden, dtype = self.input_embeds
+            inputs += (abstract((tokens, hidden), dtype, self.mesh),)
         return (*self.args, *inputs), {"layout": layout, "needs": needs}
 
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING,
@@ -196,8 +201,9 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     if lora is not None:  # after the model's weights (as ModelRunner)
         lora_args = LoraArgs(lora, config.num_layers, len(weights))
         weights = weights + abstract_slot_args(lora, config, dtype, mesh, num_slots)
+    multimodal = config.vision is not None
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-                       formats, verify_tokens, lora_args)
+                       formats, verify_tokens, lora_args, multimodal=multimodal)
              for formats in (None, auto_formats(weights))]
     parts = (graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding, config.num_layers)
     chain = None
@@ -212,7 +218,35 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     # take the same weights); LoRA slots are chosen with the weights (LoraSlots.adopt).
     choosing = steps[1] if draft_head is None else None
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
-                       choosing, verify_tokens, max_seqs, chain, lora, tree_width)
+                       choosing, verify_tokens, max_seqs, chain, lora, tree_width,
+                       (config.hidden_size, dtype) if multimodal else None)
+
+
+def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str, patches: int,
+                          attention_backend: str = "auto"):
+    """A vision model's tower (runtime/executor/vision_encoder.py's program) compiled for
+    `platform`'s devices of `mesh`, over abstract weights, for a run of `patches` patches."""
+    from xlaserve.model.vision_inputs import encoder_batch
+    from xlaserve.runtime.executor.vision_encoder import device_args
+
+    kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
+    graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
+                                                  model_class(config.architecture))
+    model = nnx.merge(graphdef, nnx.from_flat_state(parameters))
+    tower_graph, tower_state = nnx.split(model.vision)
+    vision = config.vision
+    grid = (1, vision.spatial_merge_size, vision.spatial_merge_size)
+    batch = device_args(encoder_batch(
+        vision, [np.zeros((vision.merge_unit, vision.patch_dim), np.float32)], [grid], patches))
+    batch = {k: abstract(v.shape, v.dtype, mesh) for k, v in batch.items()}
+
+    def encode(state, batch):
+        tower = nnx.merge(tower_graph, state)
+        return tower(batch["patches"], batch["cos"], batch["sin"], batch["cu_windows"],
+                     batch["num_windows"], batch["cu_images"], batch["num_images"], kernels)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(encode).trace(tower_state, batch).lower().compile()
 
 
 def lora_spec(server_args: ServerArgs) -> LoraSpec | None:

@@ -60,7 +60,7 @@ class VisionEncoder:
     def precompile(self) -> None:
         """Every bucket's program, before serving."""
         for patches in self.buckets:
-            args = _device_args(self._empty_batch(patches))
+            args = device_args(self._empty_batch(patches))
             self._programs[patches] = self._encode.lower(self._state, args).compile()
         logger.info("Compiled the vision tower for %d patch buckets (up to %d patches an image)",
                     len(self.buckets), self.max_patches)
@@ -103,7 +103,7 @@ class VisionEncoder:
             if self._programs:  # precompiled, but not this bucket
                 logger.warning("COMPILED WHILE SERVING: the vision tower for %d patches was not "
                                "precompiled; every request waited for it", bucket)
-        merged = np.asarray(program(self._state, _device_args(batch)))
+        merged = np.asarray(program(self._state, device_args(batch)))
         self.runs += 1
         return [rows.astype(self.dtype) for rows in batch.split(merged)]
 
@@ -118,7 +118,8 @@ class VisionEncoder:
         return image_tokens(self.config, grid)
 
 
-def _device_args(batch) -> dict:
+def device_args(batch) -> dict:
+    """The tower's arguments of an EncoderBatch (model/vision_inputs.py)."""
     return {"patches": batch.patches, "cos": batch.cos, "sin": batch.sin,
             "cu_windows": batch.cu_windows, "num_windows": batch.num_windows,
             "cu_images": batch.cu_images, "num_images": batch.num_images}
