@@ -1,14 +1,13 @@
-"""Tiny random vision-language checkpoints for the tests of issue 55: Qwen2-VL and Qwen2.5-VL
-(2 decoder layers of width 64, a 2-block vision tower of width 32), a word-level tokenizer with
-Qwen's chat and vision markers, a Qwen-VL-style chat template, and an image processor whose
-max_pixels keeps images to at most 64 patches."""
+"""Tiny random vision-language checkpoints for the tests of issue 55: Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL (2 decoder layers of width 64, a 2-block vision tower of width 32), a word-level
+tokenizer with Qwen's chat and vision markers, a Qwen-VL-style chat template, and an image
+processor whose max_pixels keeps images to at most 64 patches."""
 import numpy as np
 
 WORDS = ["what", "is", "in", "this", "picture", "and", "that", "one", "describe", "it",
          "user", "assistant", "system", "a", "red", "cat"]
 MARKERS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
            "<|video_pad|>"]
-MAX_PIXELS = 28 * 28 * 16  # 64 patches an image at most
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -44,6 +43,17 @@ def make_tiny_vision_language(directory, kind: str = "qwen2_5_vl", seed: int = 0
                       out_hidden_size=64, fullatt_block_indexes=[1], window_size=56)
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
         model_class = transformers.Qwen2_5_VLForConditionalGeneration
+    elif kind == "qwen3_vl":
+        # 16-pixel patches, a 4 x 4 grid of learned positions, DeepStack from both blocks; the
+        # decoder a Qwen3 (q/k norms) with interleaved multimodal RoPE.
+        vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                      out_hidden_size=64, patch_size=16, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        text.update(head_dim=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True})
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen3VLForConditionalGeneration
     else:
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
@@ -70,8 +80,11 @@ def make_tiny_vision_language(directory, kind: str = "qwen2_5_vl", seed: int = 0
     assert [fast.convert_tokens_to_ids(m) for m in MARKERS] == [ids[m] for m in MARKERS]
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
-    transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=MAX_PIXELS
-                                          ).save_pretrained(directory)
+    # At most 64 patches (16 tokens) an image: of 14 pixels, or Qwen3-VL's 16.
+    square = 32 if kind == "qwen3_vl" else 28
+    transformers.Qwen2VLImageProcessorPil(
+        min_pixels=square * square, max_pixels=square * square * 16,
+        patch_size=square // 2).save_pretrained(directory)
     return model
 
 

@@ -180,3 +180,22 @@ def test_a_batch_line_with_an_image(vision, tmp_path):
     assert batch.status == "completed" and batch.request_counts.failed == 1, batch
     body = results(client, batch.output_file_id)["image"]["response"]["body"]
     assert _words(body["choices"][0]["message"]["content"]) == text
+
+
+def test_qwen3_vl_answers_an_image_through_the_sdk(tmp_path):
+    """Qwen3-VL (DeepStack, interleaved multimodal RoPE, learned positions) on the same route."""
+    directory = str(tmp_path / "qwen3-vl")
+    model = make_tiny_vision_language(directory, "qwen3_vl")
+    server = RunningServer(directory, served_model_name="tiny-vl", page_size=4,
+                           chunked_prefill_size=8, max_prefill_tokens=16, context_length=256)
+    try:
+        image = random_image(90, 120, 16)
+        messages = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(image)}},
+            {"type": "text", "text": "what is in this picture"}]}]
+        text, prompt_tokens = _expected(server, model, directory, messages, [image])
+        out = _chat(server.openai(), messages)
+        assert _words(out.choices[0].message.content) == text and text
+        assert out.usage.prompt_tokens == prompt_tokens
+    finally:
+        server.close()

@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL in the engine (issue 55), against transformers on tiny random
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL in the engine (issue 55), against transformers on tiny random
 checkpoints: the vision tower's rows, and greedy tokens of prompts with 0, 1 and 2 images of
 different sizes run together with text-only requests, chunked prefill across the images; the
 prefix cache keyed by image; the tower run once per image; no compile while serving."""
@@ -16,7 +16,7 @@ SMALL = dict(dtype="float32", page_size=4, max_running_requests=4, chunked_prefi
 NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def served(request, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp(request.param))
     model = make_tiny_vision_language(directory, request.param)
@@ -59,13 +59,16 @@ def test_the_vision_tower_gives_transformers_rows(served):
     processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(directory)
     out = processor(images=images, return_tensors="pt")
     with torch.no_grad():
-        expected = model.model.visual(out["pixel_values"],
-                                      grid_thw=out["image_grid_thw"]).pooler_output.numpy()
+        tower = model.model.visual(out["pixel_values"], grid_thw=out["image_grid_thw"])
+    # The merged rows, then (Qwen3-VL) each DeepStack layer's.
+    expected = np.stack([tower.pooler_output.numpy()] + [
+        f.numpy() for f in getattr(tower, "deepstack_features", None) or []])
     encoder = engine.core.images.encoder
     grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
     pixels = np.split(out["pixel_values"].numpy(), np.cumsum([np.prod(g) for g in grids])[:-1])
     rows = encoder.embed([(f"key{i}", p, g) for i, (p, g) in enumerate(zip(pixels, grids))])
-    np.testing.assert_allclose(np.concatenate(rows), expected, atol=2e-5)
+    np.testing.assert_allclose(np.concatenate(rows, axis=1), expected, atol=2e-5)
+    assert expected.shape[0] == engine.core.loaded.config.vision.levels
 
 
 def test_prompts_with_zero_one_and_two_images_in_one_batch_give_transformers_tokens(served):
@@ -115,4 +118,48 @@ def test_same_text_with_another_image_shares_no_kv_and_the_same_image_is_encoded
     # The other image reuses the text before it, not its image; the same image every whole
     # page but the last token's.
     assert cached == [0, text_pages, (len(ids_a) - 1) // 4 * 4]
-    assert cached[2] > text_pages + 4 and mm_a.num_image_tokens == 16
+    assert cached[2] > text_pages + 4 and mm_a.num_image_tokens >= 9
+
+
+TENSOR_PARALLEL = """
+import json, queue, sys
+from tests.vision_models import hf_generate, make_tiny_vision_language, random_image
+from xlaserve.offline import Engine
+from xlaserve.runtime.sampling.params import SamplingParams
+same = {}
+for kind in ("qwen2_5_vl", "qwen3_vl"):
+    directory = sys.argv[1] + "/" + kind
+    model = make_tiny_vision_language(directory, kind)
+    image = random_image(100, 80, 9)
+    with Engine(directory, tp_size=2, **json.loads(sys.argv[2])) as engine:
+        text = "<|vision_start|> <|image_pad|> <|vision_end|> describe it"
+        ids, multimodal = engine.core.images.prepare(
+            engine.tokenizer.encode(text, add_special_tokens=False), [image])
+        sink = queue.Queue()
+        engine.core.submit(ids, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
+                           sink.put, multimodal=multimodal)
+        tokens = []
+        while not (delta := sink.get(timeout=300)).finished or delta.token_id is not None:
+            tokens.append(delta.token_id)
+            if delta.finished:
+                break
+    same[kind] = tokens == hf_generate(model, directory, ids, [image], 8)
+print(json.dumps(same))
+"""
+
+
+def test_tensor_parallel_over_two_devices_gives_transformers_tokens(tmp_path):
+    """tp 2 (two CPU devices): the tower and the decoder split as the partition specs say
+    (heads, MLP columns), the tower's attention under shard_map by head."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL, str(tmp_path), json.dumps(SMALL)],
+                          env=env, capture_output=True, text=True, timeout=900,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"qwen2_5_vl": True,
+                                                                "qwen3_vl": True}

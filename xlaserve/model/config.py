@@ -39,6 +39,9 @@ class RopeConfig:
     # height and width positions (each token has three; a text token's are equal, so its RoPE
     # is the plain one); () for a plain RoPE. runtime/executor/step_program.RopeTable applies it.
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL: the pairs' axes interleaved (t, h, w, t, h, w, ...: pair j takes height where
+    # j % 3 == 1 and j < 3 x section[1], width likewise, else time) instead of in sections.
+    mrope_interleaved: bool = False
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Per-pair rotation frequencies, float32, the way transformers computes them."""

@@ -43,11 +43,13 @@ def model_config_from_hf(hf_config: Any, architecture: str,
 
 
 def vision_language_config(hf_config: Any, architecture: str) -> ModelConfig:
-    """Qwen2-VL / Qwen2.5-VL: the text config's Qwen2 decoder with multimodal RoPE (its
-    `mrope_section`, by default transformers' [16, 24, 24]) and the vision tower's config."""
+    """Qwen2-VL / Qwen2.5-VL (Qwen3-VL): the text config's Qwen2 (Qwen3) decoder with multimodal
+    RoPE (its `mrope_section`, by default transformers' [16, 24, 24] ([24, 20, 20], interleaved))
+    and the vision tower's config."""
     text = getattr(hf_config, "text_config", None) or hf_config
-    config = ModelConfig.from_hf(text, "Qwen2ForCausalLM")
-    section = config.rope.mrope_section or (16, 24, 24)
+    qwen3 = VISION_LANGUAGE_ARCHITECTURES[architecture] == "qwen3_vl"
+    config = ModelConfig.from_hf(text, "Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM")
+    section = config.rope.mrope_section or ((24, 20, 20) if qwen3 else (16, 24, 24))
     if len(section) != 3 or sum(section) != config.head_dim // 2:
         raise ValueError(f"{architecture}: mrope_section {list(section)} must be three parts of "
                          f"head_dim / 2 = {config.head_dim // 2}")
@@ -56,7 +58,8 @@ def vision_language_config(hf_config: Any, architecture: str) -> ModelConfig:
     tied = bool(getattr(hf_config, "tie_word_embeddings", config.tie_word_embeddings))
     return dataclasses.replace(
         config, architecture=architecture, tie_word_embeddings=tied,
-        rope=dataclasses.replace(config.rope, mrope_section=tuple(section)),
+        rope=dataclasses.replace(config.rope, mrope_section=tuple(section),
+                                 mrope_interleaved=qwen3),
         vision=vision_from_hf(hf_config, architecture))
 
 

@@ -1,10 +1,14 @@
-"""The vision tower of Qwen2-VL and Qwen2.5-VL (issue 55), ported from transformers'
-Qwen2VisionTransformerPretrainedModel / Qwen2_5_VisionTransformerPretrainedModel.
+"""The vision tower of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (issue 55), ported from transformers'
+Qwen2VisionTransformerPretrainedModel / Qwen2_5_VisionTransformerPretrainedModel /
+Qwen3VLVisionModel.
 
-    x = patches @ patch_embed                      (the Conv3d of stride = kernel, as a matmul)
+    x = patches @ patch_embed (+ bias)             (the Conv3d of stride = kernel, as a matmul)
+      (+ Qwen3-VL's learned positions, each patch's 4 bilinear taps of the square grid)
     per block:  x = x + o(attention(rope(qkv(norm1(x)))))     (within a window or the image)
                 x = x + mlp(norm2(x))
-    -> merger: norm, then each 2x2 square of patches (4 rows in a row) -> up -> GELU -> down
+    -> merger: norm, then each 2x2 square of patches (4 rows in a row) -> up -> GELU -> down;
+       Qwen3-VL's DeepStack mergers (the square first, then its norm) of its chosen blocks'
+       outputs too: [levels, tokens, out]
 
 The host lays the inputs out (model/vision_inputs.py): the patches of one or more images in a
 row, in window order for Qwen2.5-VL, each patch's 2D RoPE (cos, sin), and two ragged segment
@@ -42,6 +46,10 @@ def quick_gelu(x: jax.Array) -> jax.Array:
     return x * jax.nn.sigmoid(1.702 * x)
 
 
+ACTIVATIONS = {"quick_gelu": quick_gelu,
+               "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class VisionBlock(nnx.Module):
     def __init__(self, config: VisionConfig, dtype, rngs: nnx.Rngs):
         c, width = config, config.hidden_size
@@ -56,7 +64,7 @@ class VisionBlock(nnx.Module):
         if c.gated_mlp:  # Qwen2.5-VL: down(silu(gate(x)) * up(x)), biases on all three
             self.gate_up = nnx.Param(init_weight(rngs, (width, 2, inter), dtype))
             self.gate_up_bias = nnx.Param(jnp.zeros((2, inter), dtype))
-        else:  # Qwen2-VL: fc2(quick_gelu(fc1(x)))
+        else:  # Qwen2-VL, Qwen3-VL: fc2(activation(fc1(x)))
             self.up = nnx.Param(init_weight(rngs, (width, inter), dtype))
             self.up_bias = nnx.Param(jnp.zeros((inter,), dtype))
         self.down = nnx.Param(init_weight(rngs, (inter, width), dtype))
@@ -82,19 +90,20 @@ class VisionBlock(nnx.Module):
         else:
             up = project(normed.astype(matmul_input_dtype(self.up[...])), self.up[...],
                          kernels) + _bias(self.up_bias)
-            hidden = quick_gelu(up)
+            hidden = ACTIVATIONS[c.activation](up)
         down = project(hidden.astype(matmul_input_dtype(self.down[...])), self.down[...], kernels)
         return x + down + _bias(self.down_bias)
 
 
 class PatchMerger(nnx.Module):
     """Each `merge_unit` consecutive patches (a 2x2 square: the processor's order) -> one
-    decoder token: norm, concatenate, up, GELU (erf), down."""
+    decoder token: norm, concatenate, up, GELU (erf), down. `after_merge` (Qwen3-VL's DeepStack
+    mergers): concatenate first, then the norm over the square."""
 
-    def __init__(self, config: VisionConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: VisionConfig, dtype, rngs: nnx.Rngs, after_merge: bool = False):
         width = config.hidden_size * config.merge_unit
-        self.config = config
-        self.norm = _norm(config, config.hidden_size, dtype)
+        self.config, self.after_merge = config, after_merge
+        self.norm = _norm(config, width if after_merge else config.hidden_size, dtype)
         self.up = nnx.Param(init_weight(rngs, (width, width), dtype))
         self.up_bias = nnx.Param(jnp.zeros((width,), dtype))
         self.down = nnx.Param(init_weight(rngs, (width, config.out_hidden_size), dtype))
@@ -102,7 +111,11 @@ class PatchMerger(nnx.Module):
 
     def __call__(self, x: jax.Array, kernels: Kernels) -> jax.Array:
         rows = x.shape[0] // self.config.merge_unit
-        x = self.norm(x).astype(matmul_input_dtype(self.up[...])).reshape(rows, -1)
+        dtype = matmul_input_dtype(self.up[...])
+        if self.after_merge:
+            x = self.norm(x.reshape(rows, -1)).astype(dtype)
+        else:
+            x = self.norm(x).astype(dtype).reshape(rows, -1)
         up = jax.nn.gelu(project(x, self.up[...], kernels) + _bias(self.up_bias),
                          approximate=False)
         down = project(up.astype(matmul_input_dtype(self.down[...])), self.down[...], kernels)
@@ -111,24 +124,40 @@ class PatchMerger(nnx.Module):
 
 class VisionTower(nnx.Module):
     def __init__(self, config: VisionConfig, dtype, rngs: nnx.Rngs):
-        self.config = config
-        self.patch_embed = nnx.Param(init_weight(rngs, (config.patch_dim, config.hidden_size),
-                                                 dtype))
-        self.blocks = nnx.List([VisionBlock(config, dtype, rngs) for _ in range(config.depth)])
-        self.merger = PatchMerger(config, dtype, rngs)
+        c = config
+        self.config = c
+        self.patch_embed = nnx.Param(init_weight(rngs, (c.patch_dim, c.hidden_size), dtype))
+        if c.num_position_embeddings:  # Qwen3-VL: a biased patch embedding, learned positions
+            self.patch_embed_bias = nnx.Param(jnp.zeros((c.hidden_size,), dtype))
+            self.pos_embed = nnx.Param(init_weight(rngs, (c.num_position_embeddings,
+                                                          c.hidden_size), dtype))
+        self.blocks = nnx.List([VisionBlock(c, dtype, rngs) for _ in range(c.depth)])
+        self.merger = PatchMerger(c, dtype, rngs)
+        self.deepstack_mergers = nnx.List([PatchMerger(c, dtype, rngs, after_merge=True)
+                                           for _ in c.deepstack_layers])
 
     def __call__(self, patches, cos, sin, cu_windows, num_windows, cu_images, num_images,
-                 kernels: Kernels) -> jax.Array:
-        """float32[P / merge_unit, out_hidden_size]: the merged rows of `patches` [P, patch_dim]
-        (model/vision_inputs.py lays them out: their order, the RoPE (cos, sin) [P, head_dim / 2]
-        of each, the windows' and the images' segments)."""
+                 pos_index, pos_weight, kernels: Kernels) -> jax.Array:
+        """float32[levels, P / merge_unit, out_hidden_size]: the merged rows of `patches`
+        [P, patch_dim] (model/vision_inputs.py lays them out: their order, the RoPE (cos, sin)
+        [P, head_dim / 2] of each, the windows' and the images' segments, and Qwen3-VL's
+        position taps i32/f32[P, 4]), then the DeepStack layers' (VisionConfig.levels)."""
+        c = self.config
         weight = self.patch_embed[...]
         x = jnp.dot(patches.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
+        if c.num_position_embeddings:
+            x = x + _bias(self.patch_embed_bias)
+            table = self.pos_embed[...]
+            x = x + (table[pos_index].astype(jnp.float32) * pos_weight[..., None]).sum(1)
+        deepstack = []
         for index, block in enumerate(self.blocks):
-            windowed = self.config.windowed(index)
+            windowed = c.windowed(index)
             x = block(x, cos, sin, cu_windows if windowed else cu_images,
                       num_windows if windowed else num_images, kernels)
-        return self.merger(x, kernels)
+            if index in c.deepstack_layers:
+                merger = self.deepstack_mergers[c.deepstack_layers.index(index)]
+                deepstack.append(merger(x, kernels))
+        return jnp.stack([self.merger(x, kernels)] + deepstack)
 
 
 class VisionLanguageLM(CausalLM):

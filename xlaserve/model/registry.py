@@ -24,6 +24,7 @@ MODEL_CLASSES = {
     # vision tower the engine runs per image.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,
     "Qwen2_5_VLForConditionalGeneration": VisionLanguageLM,
+    "Qwen3VLForConditionalGeneration": VisionLanguageLM,
     # BERT-family encoders (model/encoder.py): embedding models, served with --is-embedding.
     "BertModel": Encoder,
     "XLMRobertaModel": Encoder,

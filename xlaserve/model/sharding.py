@@ -71,6 +71,8 @@ PARTITION_SPECS = {
     # Vision towers (qwen_vision.py): the patch embedding whole; the gated MLP's biases as its
     # gate_up; the rest by the decoder's names.
     "patch_embed": P(),
+    "patch_embed_bias": P(),
+    "pos_embed": P(),  # Qwen3-VL's learned positions, gathered by taps
     "gate_up_bias": P(None, TP),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),

@@ -195,12 +195,14 @@ class CausalLM(nnx.Module):
         (given, even empty): layer indices whose input (the residual stream entering them) is
         returned too, as a third value, a list in that order (an EAGLE-3 head's features,
         model/draft_heads.py). `lora`: the step's LoRA adapters (model/lora.LoraBatch) or None.
-        `input_embeds` [T, hidden]: the rows whose id is negative take theirs from it (a vision
-        model's image tokens, model/qwen_vision.py), the others their token's embedding."""
+        `input_embeds` [levels, T, hidden]: the rows whose id is negative take theirs from
+        input_embeds[0] (a vision model's image tokens, model/qwen_vision.py), the others their
+        token's embedding; layer i's output adds input_embeds[i + 1] (Qwen3-VL's DeepStack:
+        zeros but at image tokens)."""
         if input_embeds is None:
             x = embed(self.embedding[...], input_ids).astype(jnp.float32)
         else:
-            x = jnp.where((input_ids < 0)[:, None], input_embeds.astype(jnp.float32),
+            x = jnp.where((input_ids < 0)[:, None], input_embeds[0].astype(jnp.float32),
                           embed(self.embedding[...], jnp.maximum(input_ids, 0)).astype(jnp.float32))
         cos, sin = rope if rope is not None else traced_rope(self.config, positions)
         new_caches, mlp_out, captured = [], None, {}
@@ -212,6 +214,8 @@ class CausalLM(nnx.Module):
                 captured[index] = x
             x, mlp_out, kv_cache = layer(x, normed, cos, sin, kv_cache, metadata, kernels,
                                          None if lora is None else lora.layer(index))
+            if input_embeds is not None and index + 1 < input_embeds.shape[0]:
+                mlp_out = mlp_out + input_embeds[index + 1].astype(jnp.float32)
             new_caches.append(kv_cache)
         if self.config.bidirectional:
             new_caches = []

@@ -1,12 +1,16 @@
-"""VisionConfig: the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint (model/qwen_vision.py),
-read from its Hugging Face `vision_config`; what the tower does not run stops the load in one
-line. The decoder beside it is a Qwen2 decoder with multimodal RoPE (`RopeConfig.mrope_section`),
-built by `vision_language_config`.
+"""VisionConfig: the vision tower of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint
+(model/qwen_vision.py), read from its Hugging Face `vision_config`; what the tower does not run
+stops the load in one line. The decoder beside it (a Qwen2 decoder, Qwen3's for Qwen3-VL) has
+multimodal RoPE (`RopeConfig.mrope_section`), built by encoder_config.vision_language_config.
 
 Qwen2-VL: LayerNorms, an MLP of fc1 -> quick_gelu -> fc2, full attention in every block.
 Qwen2.5-VL: RMSNorms, a gated SiLU MLP with biases, attention within windows of
-`window_size` pixels but in `fullatt_blocks`. Both: 14-pixel patches over 2 frames (an image is
-its frame twice), 2D RoPE, and a merger of each 2x2 patch square into one decoder token.
+`window_size` pixels but in `fullatt_blocks`. Qwen3-VL: LayerNorms, fc1 -> GELU (tanh) -> fc2,
+full attention, a patch embedding with a bias, learned positions resampled (bilinear) to each
+image's grid, and DeepStack: the outputs of `deepstack_layers` merged too and added to the
+decoder's first layers' outputs at the image's tokens. All: patches of `patch_size` pixels over 2
+frames (an image is its frame twice), 2D RoPE, and a merger of each 2x2 patch square into one
+decoder token.
 """
 from __future__ import annotations
 
@@ -15,12 +19,17 @@ from typing import Any
 
 # architectures[0] -> VisionConfig.kind
 VISION_LANGUAGE_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
-                                 "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+                                 "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                                 "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+# The MLP's activation by kind (a gated SiLU: Qwen2.5-VL's).
+ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu", "qwen3_vl": "gelu_tanh"}
+_HF_ACTIVATIONS = {"qwen2_vl": ("quick_gelu",), "qwen2_5_vl": ("silu",),
+                   "qwen3_vl": ("gelu_pytorch_tanh", "gelu_tanh")}
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-    kind: str  # "qwen2_vl" | "qwen2_5_vl"
+    kind: str  # "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl"
     depth: int
     hidden_size: int  # the tower's width
     num_heads: int
@@ -35,6 +44,10 @@ class VisionConfig:
     # 0: every block attends over its whole image (Qwen2-VL).
     window_size: int = 0
     fullatt_blocks: tuple[int, ...] = ()
+    # Qwen3-VL: the learned positions' square grid (entries; 0: none), and the blocks whose
+    # outputs are merged for DeepStack (the decoder's layer i adds the i-th's).
+    num_position_embeddings: int = 0
+    deepstack_layers: tuple[int, ...] = ()
     # The placeholder tokens (the checkpoint's config): one `image_token_id` per merged patch.
     image_token_id: int = -1
     video_token_id: int = -1
@@ -63,6 +76,15 @@ class VisionConfig:
     def rms_norms(self) -> bool:
         return self.kind == "qwen2_5_vl"
 
+    @property
+    def activation(self) -> str:
+        return ACTIVATIONS[self.kind]
+
+    @property
+    def levels(self) -> int:
+        """Rows an image token has for the decoder: its embedding, then one per DeepStack layer."""
+        return 1 + len(self.deepstack_layers)
+
     def windowed(self, block: int) -> bool:
         """Whether block `block` attends within windows (else over its whole image)."""
         return bool(self.window_size) and block not in self.fullatt_blocks
@@ -74,7 +96,8 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "VisionConfig":
-        return cls(**{**data, "fullatt_blocks": tuple(data.get("fullatt_blocks", ()))})
+        return cls(**{**data, "fullatt_blocks": tuple(data.get("fullatt_blocks", ())),
+                      "deepstack_layers": tuple(data.get("deepstack_layers", ()))})
 
 
 def vision_from_hf(hf_config: Any, architecture: str) -> VisionConfig:
@@ -84,21 +107,28 @@ def vision_from_hf(hf_config: Any, architecture: str) -> VisionConfig:
     rope = dict(getattr(v, "rope_parameters", None) or {})
     if rope.get("rope_type", "axial") not in ("axial", "default"):
         raise ValueError(f"{architecture}: vision rope type {rope['rope_type']!r} is not supported")
+    if v.hidden_act not in _HF_ACTIVATIONS[kind]:
+        raise ValueError(f"{architecture}: vision hidden_act {v.hidden_act!r} is not supported "
+                         f"({_HF_ACTIVATIONS[kind][0]})")
+    window, full, positions, deepstack = 0, (), 0, ()
     if kind == "qwen2_vl":
-        if v.hidden_act != "quick_gelu":
-            raise ValueError(f"{architecture}: vision hidden_act {v.hidden_act!r} is not supported "
-                             "(quick_gelu)")
-        width, out = v.embed_dim, v.hidden_size
-        inter, window, full = int(v.embed_dim * v.mlp_ratio), 0, ()
+        width, out, inter = v.embed_dim, v.hidden_size, int(v.embed_dim * v.mlp_ratio)
     else:
-        if v.hidden_act != "silu":
-            raise ValueError(f"{architecture}: vision hidden_act {v.hidden_act!r} is not supported "
-                             "(silu)")
         width, out, inter = v.hidden_size, v.out_hidden_size, v.intermediate_size
+    if kind == "qwen2_5_vl":
         window, full = int(v.window_size), tuple(int(i) for i in v.fullatt_block_indexes)
         if window % (v.patch_size * v.spatial_merge_size):
             raise ValueError(f"{architecture}: window_size {window} is not a whole number of "
                              f"merged patches ({v.patch_size * v.spatial_merge_size} px)")
+    if kind == "qwen3_vl":
+        positions = int(v.num_position_embeddings)
+        if int(positions ** 0.5) ** 2 != positions:
+            raise ValueError(f"{architecture}: num_position_embeddings {positions} is not a "
+                             "square grid")
+        deepstack = tuple(int(i) for i in v.deepstack_visual_indexes)
+        if any(not 0 <= i < v.depth for i in deepstack):
+            raise ValueError(f"{architecture}: deepstack_visual_indexes {list(deepstack)} are "
+                             f"not blocks of its {v.depth}")
     if width % v.num_heads:
         raise ValueError(f"{architecture}: vision width {width} is not a multiple of its "
                          f"{v.num_heads} heads")
@@ -108,7 +138,8 @@ def vision_from_hf(hf_config: Any, architecture: str) -> VisionConfig:
         temporal_patch_size=v.temporal_patch_size, in_channels=v.in_channels,
         spatial_merge_size=v.spatial_merge_size,
         rope_theta=float(rope.get("rope_theta", 10000.0)), window_size=window,
-        fullatt_blocks=full, image_token_id=int(hf_config.image_token_id),
+        fullatt_blocks=full, num_position_embeddings=positions, deepstack_layers=deepstack,
+        image_token_id=int(hf_config.image_token_id),
         video_token_id=int(getattr(hf_config, "video_token_id", -1) or -1),
         vision_start_token_id=int(hf_config.vision_start_token_id),
         vision_end_token_id=int(getattr(hf_config, "vision_end_token_id", -1) or -1))

@@ -26,15 +26,20 @@ class EncoderBatch:
     num_windows: np.ndarray  # i32[1]
     cu_images: np.ndarray  # i32[P / merge_unit + 1]: the images' starts (patch rows)
     num_images: np.ndarray  # i32[1]
+    # Qwen3-VL: each patch's learned position as 4 bilinear taps of the square grid (indices,
+    # weights); zeros for the others.
+    pos_index: np.ndarray  # i32[P, 4]
+    pos_weight: np.ndarray  # f32[P, 4]
     # Host only: the tower's merged row of each decoder token of the images in order, and how
     # many tokens each image has.
     merged_rows: np.ndarray
     image_tokens: list[int]
 
     def split(self, merged: np.ndarray) -> list[np.ndarray]:
-        """The tower's output [P / merge_unit, out] as each image's decoder-token rows."""
-        rows = merged[self.merged_rows]
-        return np.split(rows, np.cumsum(self.image_tokens)[:-1])
+        """The tower's output [levels, P / merge_unit, out] as each image's decoder-token rows
+        [levels, tokens, out]."""
+        rows = merged[:, self.merged_rows]
+        return np.split(rows, np.cumsum(self.image_tokens)[:-1], axis=1)
 
 
 def image_tokens(config: VisionConfig, grid) -> int:
@@ -51,6 +56,28 @@ def patch_positions(config: VisionConfig, grid) -> np.ndarray:
     rows = rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
     cols = cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
     return np.tile(np.stack([rows, cols], axis=-1), (t, 1))
+
+
+def position_taps(config: VisionConfig, grid) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-VL's learned positions of an image's patch rows: (i32[t*h*w, 4] indices into the
+    square grid's table, f32 weights), the grid resampled to (h, w) bilinearly with its corners
+    aligned (transformers' get_vision_interpolation_indices_and_weights)."""
+    side = int(round(config.num_position_embeddings ** 0.5))
+    t, h, w = (int(n) for n in grid)
+    rows, cols = patch_positions(config, grid).T
+
+    def taps(index, size):
+        source = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+        floor = np.floor(source)
+        low = np.clip(floor.astype(np.int64), 0, side - 1)
+        high = np.clip(floor.astype(np.int64) + 1, 0, side - 1)
+        upper = (source - floor).astype(np.float32)
+        return (low, high), (np.float32(1) - upper, upper)
+
+    (row_taps, row_weights), (col_taps, col_weights) = taps(rows, h), taps(cols, w)
+    index = np.stack([r * side + c for r in row_taps for c in col_taps], axis=1)
+    weight = np.stack([rw * cw for rw in row_weights for cw in col_weights], axis=1)
+    return index.astype(np.int32), weight.astype(np.float32)
 
 
 def window_order(config: VisionConfig, grids) -> tuple[np.ndarray, list[int]]:
@@ -119,11 +146,17 @@ def encoder_batch(config: VisionConfig, pixel_values: list[np.ndarray], grids: l
 
     cu_windows, num_windows = segments(window_lengths)
     cu_images, num_images = segments(image_lengths)
+    pos_index = np.zeros((padded_patches, 4), np.int32)
+    pos_weight = np.zeros((padded_patches, 4), np.float32)
+    if config.num_position_embeddings:  # Qwen3-VL (no windows: the rows keep their order)
+        taps = [position_taps(config, g) for g in grids]
+        pos_index[:num] = np.concatenate([i for i, _ in taps])
+        pos_weight[:num] = np.concatenate([w for _, w in taps])
     return EncoderBatch(
         patches=padded(patches, 0), cos=padded(cos, 0), sin=padded(sin, 0),
         cu_windows=cu_windows, num_windows=num_windows, cu_images=cu_images,
-        num_images=num_images, merged_rows=np.argsort(order),
-        image_tokens=[n // unit for n in image_lengths])
+        num_images=num_images, pos_index=pos_index, pos_weight=pos_weight,
+        merged_rows=np.argsort(order), image_tokens=[n // unit for n in image_lengths])
 
 
 def mrope_positions(config: VisionConfig, token_ids, grids) -> tuple[np.ndarray, int]:

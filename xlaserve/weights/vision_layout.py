@@ -1,4 +1,5 @@
-"""A Qwen2-VL / Qwen2.5-VL checkpoint's vision tower -> model/qwen_vision.py's parameters, in
+"""A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint's vision tower -> model/qwen_vision.py's
+parameters, in
 the decoder's layouts (qkv [W, heads, 3, D], o_proj [heads, D, W], gate_up [W, 2, I], matrices
 [in, out]). The decoder beside it converts as a Qwen2's (param_layout.convert).
 
@@ -53,6 +54,11 @@ def vision_weights(config: VisionConfig, source: TensorSource) -> Iterator[tuple
     patch = _fetch(source, "visual.patch_embed.proj.weight",
                    (width, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size))
     yield ("vision", "patch_embed"), patch.reshape(width, -1).T
+    if c.num_position_embeddings:  # Qwen3-VL
+        yield ("vision", "patch_embed_bias"), _fetch(source, "visual.patch_embed.proj.bias",
+                                                     (width,))
+        yield ("vision", "pos_embed"), _fetch(source, "visual.pos_embed.weight",
+                                              (c.num_position_embeddings, width))
     for i in range(c.depth):
         prefix, path = f"visual.blocks.{i}.", ("vision", "blocks", i)
         yield from _norm(source, c, prefix + "norm1", path + ("norm1",), width)
@@ -71,22 +77,37 @@ def vision_weights(config: VisionConfig, source: TensorSource) -> Iterator[tuple
             yield path + ("gate_up_bias",), np.stack(
                 [_fetch(source, prefix + "mlp.gate_proj.bias", (inter,)),
                  _fetch(source, prefix + "mlp.up_proj.bias", (inter,))])
-            down, down_bias = "mlp.down_proj", "mlp.down_proj"
+            down = "mlp.down_proj"
         else:
-            yield path + ("up",), _fetch(source, prefix + "mlp.fc1.weight", (inter, width)).T
-            yield path + ("up_bias",), _fetch(source, prefix + "mlp.fc1.bias", (inter,))
-            down, down_bias = "mlp.fc2", "mlp.fc2"
+            up, down = (("mlp.linear_fc1", "mlp.linear_fc2") if c.kind == "qwen3_vl"
+                        else ("mlp.fc1", "mlp.fc2"))
+            yield path + ("up",), _fetch(source, prefix + up + ".weight", (inter, width)).T
+            yield path + ("up_bias",), _fetch(source, prefix + up + ".bias", (inter,))
         yield path + ("down",), _fetch(source, prefix + down + ".weight", (width, inter)).T
-        yield path + ("down_bias",), _fetch(source, prefix + down_bias + ".bias", (width,))
-    merged = width * c.merge_unit
-    yield from _norm(source, c, "visual.merger.ln_q", ("vision", "merger", "norm"), width)
-    yield ("vision", "merger", "up"), _fetch(source, "visual.merger.mlp.0.weight",
-                                             (merged, merged)).T
-    yield ("vision", "merger", "up_bias"), _fetch(source, "visual.merger.mlp.0.bias", (merged,))
-    yield ("vision", "merger", "down"), _fetch(source, "visual.merger.mlp.2.weight",
-                                               (c.out_hidden_size, merged)).T
-    yield ("vision", "merger", "down_bias"), _fetch(source, "visual.merger.mlp.2.bias",
-                                                    (c.out_hidden_size,))
+        yield path + ("down_bias",), _fetch(source, prefix + down + ".bias", (width,))
+    if c.kind == "qwen3_vl":
+        yield from _merger(source, c, "visual.merger.", ("norm", "linear_fc1", "linear_fc2"),
+                           ("vision", "merger"), width)
+        for k in range(len(c.deepstack_layers)):  # their norms after the merge: 4 rows wide
+            yield from _merger(source, c, f"visual.deepstack_merger_list.{k}.",
+                               ("norm", "linear_fc1", "linear_fc2"),
+                               ("vision", "deepstack_mergers", k), width * c.merge_unit)
+    else:
+        yield from _merger(source, c, "visual.merger.", ("ln_q", "mlp.0", "mlp.2"),
+                           ("vision", "merger"), width)
+
+
+def _merger(source: TensorSource, c: VisionConfig, prefix: str, names: tuple[str, str, str],
+            path: tuple, norm_width: int):
+    """A patch merger's norm (`norm_width` wide), up and down (`names`: the checkpoint's)."""
+    norm, up, down = names
+    merged = c.hidden_size * c.merge_unit
+    yield from _norm(source, c, prefix + norm, path + ("norm",), norm_width)
+    yield path + ("up",), _fetch(source, prefix + up + ".weight", (merged, merged)).T
+    yield path + ("up_bias",), _fetch(source, prefix + up + ".bias", (merged,))
+    yield path + ("down",), _fetch(source, prefix + down + ".weight",
+                                   (c.out_hidden_size, merged)).T
+    yield path + ("down_bias",), _fetch(source, prefix + down + ".bias", (c.out_hidden_size,))
 
 
 def _norm(source: TensorSource, c: VisionConfig, name: str, path: tuple, width: int):

@@ -61,7 +61,7 @@ class ImagePrompts:
         ids, embed_rows, cache_key, start, row = [], [], [], 0, 0
         for place, key, image_rows in zip(places, keys, rows):
             text = prompt_ids[start:place]
-            count = image_rows.shape[0]
+            count = image_rows.shape[1]
             ids += text + [image_id] * count
             embed_rows += [-1] * len(text) + list(range(row, row + count))
             # Negative: never a token id; one value per image, from its hash.
@@ -70,7 +70,7 @@ class ImagePrompts:
         tail = prompt_ids[start:]
         ids, embed_rows, cache_key = ids + tail, embed_rows + [-1] * len(tail), cache_key + tail
         positions, delta = mrope_positions(self.config, ids, grids)
-        return ids, MultimodalPrompt(embeds=np.concatenate(rows),
+        return ids, MultimodalPrompt(embeds=np.concatenate(rows, axis=1),
                                      embed_rows=np.asarray(embed_rows, np.int32),
                                      positions=positions, rope_delta=delta, cache_key=cache_key)
 

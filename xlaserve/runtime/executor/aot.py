@@ -124,7 +124,7 @@ class StepProgram:
     lora: LoraSpec | None = None  # the LoRA slots among the weights
     tree_width: int = 0  # > 0: the server verifies trees (its tree program, `compile(tree=)`)
     # A vision model's step: it also takes its rows' image embeddings [tokens, hidden].
-    input_embeds: tuple[int, object] | None = None  # (hidden, dtype)
+    input_embeds: tuple[int, int, object] | None = None  # (levels, hidden, dtype)
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
                       needs: StepNeeds = EVERYTHING, tree: bool = False) -> tuple[tuple, dict]:
@@ -137,8 +137,8 @@ class StepProgram:
         inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
                   abstract((rows, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
         if self.input_embeds is not None:
-            hidden, dtype = self.input_embeds
-            inputs += (abstract((tokens, hidden), dtype, self.mesh),)
+            levels, hidden, dtype = self.input_embeds
+            inputs += (abstract((levels, tokens, hidden), dtype, self.mesh),)
         return (*self.args, *inputs), {"layout": layout, "needs": needs}
 
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING,
@@ -219,7 +219,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     choosing = steps[1] if draft_head is None else None
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
                        choosing, verify_tokens, max_seqs, chain, lora, tree_width,
-                       (config.hidden_size, dtype) if multimodal else None)
+                       (config.vision.levels, config.hidden_size, dtype) if multimodal else None)
 
 
 def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str, patches: int,
@@ -227,7 +227,7 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
     """A vision model's tower (runtime/executor/vision_encoder.py's program) compiled for
     `platform`'s devices of `mesh`, over abstract weights, for a run of `patches` patches."""
     from xlaserve.model.vision_inputs import encoder_batch
-    from xlaserve.runtime.executor.vision_encoder import device_args
+    from xlaserve.runtime.executor.vision_encoder import device_args, tower_program
 
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
     graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
@@ -240,13 +240,9 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
         vision, [np.zeros((vision.merge_unit, vision.patch_dim), np.float32)], [grid], patches))
     batch = {k: abstract(v.shape, v.dtype, mesh) for k, v in batch.items()}
 
-    def encode(state, batch):
-        tower = nnx.merge(tower_graph, state)
-        return tower(batch["patches"], batch["cos"], batch["sin"], batch["cu_windows"],
-                     batch["num_windows"], batch["cu_images"], batch["num_images"], kernels)
-
     with jax.set_mesh(mesh):
-        return jax.jit(encode).trace(tower_state, batch).lower().compile()
+        return jax.jit(tower_program(tower_graph, kernels)).trace(
+            tower_state, batch).lower().compile()
 
 
 def lora_spec(server_args: ServerArgs) -> LoraSpec | None:

@@ -290,7 +290,8 @@ class ForwardBatch:
     page_ids: list[list[int]] = dataclasses.field(default_factory=list)
     # A vision model's step (runtime/executor/multimodal_rows.py; host only): each token row's
     # (temporal, height, width) RoPE position, i32[3, T], which replaces `positions` for RoPE;
-    # and the rows that take an image's embedding (`input_ids` -1 there), [T, hidden].
+    # and the rows that take an image's embedding (`input_ids` -1 there), [levels, T, hidden]
+    # (levels: the embedding, then Qwen3-VL's DeepStack rows).
     rope_positions: np.ndarray | None = None
     input_embeds: np.ndarray | None = None
 

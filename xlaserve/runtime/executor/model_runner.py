@@ -152,7 +152,8 @@ class ModelRunner:
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
         # RoPE's cos/sin by position: the frequencies and YaRN's cos/sin scale (1.0 for others).
         self._rope = RopeTable(self.config.rope.inv_freq(self.config.head_dim),
-                               self.config.rope.attention_factor, self.config.rope.mrope_section)
+                               self.config.rope.attention_factor, self.config.rope.mrope_section,
+                               self.config.rope.mrope_interleaved)
         # A vision model's step takes its image rows (multimodal_rows.py): zeros (one array per
         # token bucket, kept on the device) in a step without them.
         self.multimodal = self.config.vision is not None
@@ -378,7 +379,8 @@ class ModelRunner:
         tokens = batch.shape[0]
         if tokens not in self._no_embeds:
             self._no_embeds[tokens] = self._put(
-                np.zeros((tokens, self.config.hidden_size), self._dtype), self._replicated)
+                np.zeros((self.config.vision.levels, tokens, self.config.hidden_size),
+                         self._dtype), self._replicated)
         return self._no_embeds[tokens]
 
     def _tables(self, sampling: SamplingMetadata):

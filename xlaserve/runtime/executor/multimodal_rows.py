@@ -21,7 +21,9 @@ from xlaserve.runtime.executor.forward_batch import ForwardBatch
 
 @dataclasses.dataclass(frozen=True)
 class MultimodalPrompt:
-    embeds: np.ndarray  # [image tokens, hidden]: every image's decoder rows, in prompt order
+    # [levels, image tokens, hidden]: every image's decoder rows, in prompt order: the
+    # embeddings, then Qwen3-VL's DeepStack rows (VisionConfig.levels).
+    embeds: np.ndarray
     embed_rows: np.ndarray  # i32[prompt length]: each token's row of `embeds`, -1 for text
     positions: np.ndarray  # i32[3, prompt length]
     rope_delta: int  # a later token's position minus its index
@@ -31,14 +33,15 @@ class MultimodalPrompt:
 
     @property
     def num_image_tokens(self) -> int:
-        return int(self.embeds.shape[0])
+        return int(self.embeds.shape[1])
 
 
 def add_multimodal_rows(batch: ForwardBatch, multimodal: list, hidden_size: int,
                         dtype) -> ForwardBatch:
     """`batch` with its multimodal rows: `multimodal[i]` is sequence i's MultimodalPrompt or
     None (a text request: equal positions, which is the plain RoPE). Sets `rope_positions`
-    [3, T] and, where a row takes an image's embedding, `input_embeds` [T, hidden] (`dtype`)."""
+    [3, T] and, where a row takes an image's embedding, `input_embeds` [levels, T, hidden]
+    (`dtype`)."""
     tokens = batch.input_ids.shape[0]
     rope = np.broadcast_to(batch.positions, (3, tokens)).copy()
     embeds = None
@@ -58,7 +61,7 @@ def add_multimodal_rows(batch: ForwardBatch, multimodal: list, hidden_size: int,
         image = embed_rows >= 0
         if image.any():
             if embeds is None:
-                embeds = np.zeros((tokens, hidden_size), dtype)
+                embeds = np.zeros((prompt.embeds.shape[0], tokens, hidden_size), dtype)
             batch.input_ids[rows[image]] = -1
-            embeds[rows[image]] = prompt.embeds[embed_rows[image]]
+            embeds[:, rows[image]] = prompt.embeds[:, embed_rows[image]]
     return dataclasses.replace(batch, rope_positions=rope, input_embeds=embeds)

@@ -268,14 +268,21 @@ class RopeTable:
     position asked for: 512 bytes a position at head_dim 128, 4 MB at 8K positions."""
 
     def __init__(self, inv_freq: np.ndarray, attention_factor: float = 1.0,
-                 mrope_section: tuple[int, ...] = ()):
+                 mrope_section: tuple[int, ...] = (), mrope_interleaved: bool = False):
         self.inv_freq, self.attention_factor = inv_freq, attention_factor
         half = len(inv_freq)
         self._cos = self._sin = np.zeros((0, half), np.float32)
         # Multimodal RoPE (RopeConfig.mrope_section): which of a row's three positions each
-        # rotation pair takes (transformers' recomposition: the sections in turn).
-        self._axis = (np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
-                      if mrope_section else None)
+        # rotation pair takes (transformers' recomposition: the sections in turn, or
+        # interleaved).
+        self._axis = None
+        if mrope_section and mrope_interleaved:
+            pairs = np.arange(half)
+            self._axis = np.zeros(half, np.int64)
+            for axis in (1, 2):
+                self._axis[(pairs % 3 == axis) & (pairs < 3 * mrope_section[axis])] = axis
+        elif mrope_section:
+            self._axis = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions` (>= 0): i32[T], or

@@ -44,12 +44,7 @@ class VisionEncoder:
             min(MIN_PATCHES, self.max_patches), self.max_patches))
         graphdef, self._state = nnx.split(loaded.model.vision)
 
-        def encode(state, batch):
-            tower = nnx.merge(graphdef, state)
-            return tower(batch["patches"], batch["cos"], batch["sin"], batch["cu_windows"],
-                         batch["num_windows"], batch["cu_images"], batch["num_images"], kernels)
-
-        self._encode = jax.jit(encode)
+        self._encode = jax.jit(tower_program(graphdef, kernels))
         self._programs: dict[int, object] = {}
         self._cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self._cached_tokens = 0
@@ -72,7 +67,8 @@ class VisionEncoder:
                              patches)
 
     def embed(self, images: list[tuple[str, np.ndarray, tuple[int, int, int]]]) -> list[np.ndarray]:
-        """Each image's decoder rows [image_tokens, out_hidden_size] (the model dtype), for
+        """Each image's decoder rows [levels, image_tokens, out_hidden_size] (the model dtype:
+        the embeddings, then Qwen3-VL's DeepStack rows), for
         `images` as (hash, pixel_values [patches, patch_dim], grid (t, h, w))."""
         for _, pixels, grid in images:
             if pixels.shape[0] > self.max_patches:
@@ -109,17 +105,31 @@ class VisionEncoder:
 
     def _remember(self, key: str, rows: np.ndarray) -> None:
         self._cache[key] = rows
-        self._cached_tokens += rows.shape[0]
+        self._cached_tokens += rows.shape[1]
         while self._cached_tokens > self.cache_tokens and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
-            self._cached_tokens -= dropped.shape[0]
+            self._cached_tokens -= dropped.shape[1]
 
     def tokens_of(self, grid) -> int:
         return image_tokens(self.config, grid)
+
+
+def tower_program(graphdef, kernels):
+    """The tower's run as a pure function of its state and `device_args`: what is jitted here
+    and compiled for other hardware (aot.vision_tower_compiled)."""
+
+    def encode(state, batch):
+        tower = nnx.merge(graphdef, state)
+        return tower(batch["patches"], batch["cos"], batch["sin"], batch["cu_windows"],
+                     batch["num_windows"], batch["cu_images"], batch["num_images"],
+                     batch["pos_index"], batch["pos_weight"], kernels)
+
+    return encode
 
 
 def device_args(batch) -> dict:
     """The tower's arguments of an EncoderBatch (model/vision_inputs.py)."""
     return {"patches": batch.patches, "cos": batch.cos, "sin": batch.sin,
             "cu_windows": batch.cu_windows, "num_windows": batch.num_windows,
-            "cu_images": batch.cu_images, "num_images": batch.num_images}
+            "cu_images": batch.cu_images, "num_images": batch.num_images,
+            "pos_index": batch.pos_index, "pos_weight": batch.pos_weight}
