@@ -52,10 +52,13 @@ def build(directory: str, decoder: str, image_size: int):
 
     vocabulary = {w: i for i, w in enumerate(["[UNK]", "[PAD]"] + WORDS + MARKERS)}
     ids = {m: vocabulary[m] for m in MARKERS}
+    shapes = DECODERS[decoder]
+    head_dim = shapes["hidden_size"] // shapes["num_attention_heads"]
+    section = [16, 24, 24] if head_dim == 128 else [8, 12, 12]  # 0.5B's heads are 64 wide
     text = dict(vocab_size=len(vocabulary), max_position_embeddings=32768, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                                 "mrope_section": [16, 24, 24]},
-                eos_token_id=ids["<|im_end|>"], **DECODERS[decoder])
+                                 "mrope_section": section},
+                eos_token_id=ids["<|im_end|>"], **shapes)
     hidden = text["hidden_size"]
     config = transformers.Qwen2_5_VLConfig(
         text_config=text, vision_config=dict(TOWER, out_hidden_size=hidden),
@@ -150,7 +153,7 @@ def main() -> None:
               "tower_ratio": medians["xla_tower"] / medians["hf_tower"],
               "prefill_ratio": medians["xla_prefill"] / medians["hf_prefill"],
               "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0]
-              .strip(" :") if os.path.exists("/proc/cpuinfo") else ""}
+              .strip(" :\t") if os.path.exists("/proc/cpuinfo") else ""}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -95,9 +95,11 @@ def random_image(height: int, width: int, seed: int = 0):
     return Image.fromarray(pixels)
 
 
-def hf_generate(model, directory, prompt_ids: list[int], images: list, max_new_tokens: int):
+def hf_generate(model, directory, prompt_ids: list[int], images: list, max_new_tokens: int,
+                logprobs: bool = False):
     """transformers' greedy tokens for a prompt whose image placeholders are expanded already
-    (`ImagePrompts.prepare`'s ids), its `images` processed by the checkpoint's processor."""
+    (`ImagePrompts.prepare`'s ids), its `images` processed by the checkpoint's processor;
+    `logprobs`: (tokens, each token's log-probability under its logits)."""
     import torch
     import transformers
 
@@ -113,5 +115,10 @@ def hf_generate(model, directory, prompt_ids: list[int], images: list, max_new_t
                                                                   dtype=torch.long),
             mm_token_type_ids=torch.tensor([[int(t == image_id) for t in prompt_ids]]),
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-            **kwargs)
-    return out[0, len(prompt_ids):].tolist()
+            output_logits=True, return_dict_in_generate=True, **kwargs)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    if not logprobs:
+        return tokens
+    chosen = [torch.log_softmax(step[0].float(), -1)[token].item()
+              for step, token in zip(out.logits, tokens)]
+    return tokens, chosen

@@ -1,7 +1,8 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL in the engine (issue 55), against transformers on tiny random
-checkpoints: the vision tower's rows, and greedy tokens of prompts with 0, 1 and 2 images of
-different sizes run together with text-only requests, chunked prefill across the images; the
-prefix cache keyed by image; the tower run once per image; no compile while serving."""
+checkpoints: the vision tower's rows, and greedy tokens and their logprobs of prompts with 0, 1
+and 2 images of different sizes run together with text-only requests, chunked prefill across
+the images; the prefix cache keyed by image; the tower run once per image; no compile while
+serving; tensor parallelism over two devices."""
 import queue
 
 import numpy as np
@@ -28,25 +29,30 @@ def _ids(engine, text: str) -> list[int]:
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _generate_all(core, prompts, finishes: list | None = None) -> list[list[int]]:
+def _generate_all(core, prompts, finishes: list | None = None,
+                  logprobs: list | None = None) -> list[list[int]]:
     """Greedy tokens of every (ids, multimodal) prompt, all submitted at once; each one's
-    Finish appended to `finishes`."""
+    Finish appended to `finishes`, its tokens' logprobs (a list) to `logprobs`."""
     outputs = [queue.Queue() for _ in prompts]
     for (ids, multimodal), sink in zip(prompts, outputs):
         core.submit(ids, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
-                                        ignore_eos=True), sink.put, multimodal=multimodal)
+                                        ignore_eos=True), sink.put, multimodal=multimodal,
+                    return_logprob=logprobs is not None)
     results = []
     for sink in outputs:
-        tokens = []
+        tokens, chosen = [], []
         while True:
             delta = sink.get(timeout=120)
             if delta.token_id is not None:
                 tokens.append(delta.token_id)
+                chosen.append(delta.logprob)
             if delta.finished:
                 if finishes is not None:
                     finishes.append(delta.finish)
                 break
         results.append(tokens)
+        if logprobs is not None:
+            logprobs.append(chosen)
     return results
 
 
@@ -80,13 +86,18 @@ def test_prompts_with_zero_one_and_two_images_in_one_batch_give_transformers_tok
              ("<|im_start|> user describe a red cat <|im_end|>", []),
              (f"user {pad} and {pad} what is in that one", [small, tall]),
              (f"{pad} cat", [tall])]
-    prompts, expected = [], []
+    prompts, expected, expected_logprobs = [], [], []
     for text, images in cases:
         ids, multimodal = core.images.prepare(_ids(engine, text), images)
         prompts.append((ids, multimodal))
-        expected.append(hf_generate(model, directory, ids, images, NEW_TOKENS))
+        tokens, chosen = hf_generate(model, directory, ids, images, NEW_TOKENS, logprobs=True)
+        expected.append(tokens)
+        expected_logprobs.append(chosen)
     compiled = core.runner.compile_count()
-    assert _generate_all(core, prompts) == expected
+    logprobs = []
+    assert _generate_all(core, prompts, logprobs=logprobs) == expected
+    # The logits too: each chosen token's log-probability, as transformers' logits give it.
+    np.testing.assert_allclose(np.array(logprobs), np.array(expected_logprobs), atol=2e-4)
     assert core.runner.compile_count() == compiled  # images need no new program
     # A prompt's image tokens are counted: usage's prompt tokens hold them.
     assert len(prompts[0][0]) == len(_ids(engine, cases[0][0])) - 1 + prompts[0][1].num_image_tokens

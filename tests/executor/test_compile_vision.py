@@ -1,0 +1,70 @@
+"""A vision-language server's programs (issue 55) compiled for one H100 and for TPU v6e (2x2,
+tensor parallel over 4 chips) without the hardware (runtime/executor/aot.py): the serving step
+that takes image rows (and Qwen3-VL's DeepStack rows) and the vision tower for a bucket of
+patches (its attention JAX's Pallas flash attention on the GPU, splash on the TPU), at
+Qwen2.5-VL-7B's and Qwen3-VL-8B's widths with a few layers and blocks, with the platform's real
+compilers (Mosaic's layout and memory checks)."""
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from tests.compile_targets import CONFIGS, devices
+from xlaserve.model.sharding import serving_mesh
+from xlaserve.runtime.executor.aot import server_step, vision_tower_compiled
+from xlaserve.runtime.sampling.step_needs import StepNeeds
+from xlaserve.server_args import ServerArgs
+from xlaserve.weights.loader import read_config
+
+QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct's widths
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "tie_word_embeddings": False,
+    "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 4096,
+                    "intermediate_size": 12288, "num_hidden_layers": 36,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "vocab_size": 151936, "max_position_embeddings": 262144,
+                    "rms_norm_eps": 1e-6, "rope_parameters": {
+                        "rope_type": "default", "rope_theta": 5000000.0,
+                        "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
+    "vision_config": {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152,
+                      "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
+                      "patch_size": 16, "num_position_embeddings": 2304,
+                      "deepstack_visual_indexes": [8, 16, 24],
+                      "hidden_act": "gelu_pytorch_tanh"}}
+
+
+def _config(model: str, directory) -> str:
+    """The model's config.json (and its processor's) cut to 2 decoder layers and 2 vision
+    blocks (Qwen2.5-VL: one windowed, one full; Qwen3-VL: both DeepStack layers)."""
+    if model == "qwen2.5-vl-7b":
+        config = json.loads((CONFIGS / model / "config.json").read_text())
+        config["num_hidden_layers"] = 2
+        config["vision_config"].update(depth=2, fullatt_block_indexes=[1])
+    else:
+        config = json.loads(json.dumps(QWEN3_VL_8B))
+        config["text_config"]["num_hidden_layers"] = 2
+        config["vision_config"].update(depth=2, deepstack_visual_indexes=[0, 1])
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+@pytest.mark.parametrize("target,tp_size", [
+    pytest.param("h100", 1, marks=pytest.mark.newest_jax),
+    pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent)])
+@pytest.mark.parametrize("model", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
+def test_vision_step_and_tower_compile(target, tp_size, model, tmp_path):
+    platform, target_devices = devices(target)  # skips where the compile-only package is absent
+    path = _config(model, tmp_path)
+    args = ServerArgs(model_path=path, tp_size=tp_size, max_running_requests=64,
+                      chunked_prefill_size=2048, max_prefill_tokens=2048, context_length=32768)
+    program, shapes, description = server_step(target, args)
+    config, _ = read_config(path, load_format="dummy")
+    assert program.input_embeds[0] == config.vision.levels == (4 if "qwen3" in model else 1)
+    tokens, seqs, pages = next(s for s in shapes if s[0] >= 2048)
+    step = program.compile(tokens, seqs, pages, StepNeeds())
+    assert step.memory_analysis().argument_size_in_bytes > 0, description
+    mesh = serving_mesh(target_devices, tp_size)
+    tower = vision_tower_compiled(config, jnp.bfloat16, mesh, platform, 1024)
+    hlo = tower.as_text()  # the tower's attention: the platform's flash kernel
+    assert ("tpu_custom_call" in hlo) if platform == "tpu" else ("triton" in hlo)
