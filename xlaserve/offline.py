@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 from xlaserve.runtime.engine.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              EngineDeadError, sglang_output)
 from xlaserve.runtime.engine.data_parallel import make_engine_core
+from xlaserve.runtime.engine.image_prompts import read_image
 from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve import platform_defaults
@@ -86,12 +87,13 @@ class Engine:
 
     # --- inputs -------------------------------------------------------------------------------
 
-    def _requests(self, prompt, sampling_params, input_ids, lora_path=None
-                  ) -> tuple[list[tuple[list[int], SamplingParams, str | None]], bool]:
-        """Flatten prompts x n into (prompt_ids, params, LoRA adapter) triples; also say whether
-        input was a list. `lora_path`: an adapter's name for every prompt, or a list (None: the
-        base model)."""
+    def _requests(self, prompt, sampling_params, input_ids, lora_path=None, image_data=None
+                  ) -> tuple[list[tuple[list[int], SamplingParams, str | None, object]], bool]:
+        """Flatten prompts x n into (prompt_ids, params, LoRA adapter, multimodal) tuples; also
+        say whether input was a list. `lora_path`: an adapter's name for every prompt, or a list
+        (None: the base model). `image_data`: a vision model's images (`_with_images`)."""
         id_lists, batched = self._id_lists(prompt, input_ids)
+        multimodal = self._with_images(id_lists, image_data, batched)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
         if len(params) != len(id_lists):
             raise ValueError(f"{len(params)} sampling_params for {len(id_lists)} prompts")
@@ -99,13 +101,33 @@ class Engine:
         if len(adapters) != len(id_lists):
             raise ValueError(f"{len(adapters)} lora_path entries for {len(id_lists)} prompts")
         requests = []
-        for ids, p, adapter in zip(id_lists, params, adapters, strict=True):
+        for ids, p, adapter, images in zip(id_lists, params, adapters, multimodal, strict=True):
             parsed, n = to_sampling_params(p)
             for i in range(n):
                 # Each of n samples needs its own seed, or they would all draw the same tokens.
                 seed = None if parsed.seed is None else parsed.seed + i
-                requests.append((ids, dataclasses.replace(parsed, seed=seed), adapter))
+                requests.append((ids, dataclasses.replace(parsed, seed=seed), adapter, images))
         return requests, batched or len(requests) > 1
+
+    def _with_images(self, id_lists: list[list[int]], image_data, batched: bool) -> list:
+        """Each prompt's MultimodalPrompt (None without images), its ids expanded in place.
+        `image_data` (SGLang's): per prompt an image or a list of them (PIL images, bytes, file
+        paths, data: URLs), or one image or list for a single prompt; a prompt holds one image
+        placeholder (<|image_pad|>) per image, as its chat template writes them."""
+        if image_data is None or self.core.images is None:
+            if image_data is not None:
+                raise ValueError("image_data needs a vision-language model")
+            return [None] * len(id_lists)
+        per_prompt = image_data if batched else [image_data]
+        if len(per_prompt) != len(id_lists):
+            raise ValueError(f"{len(per_prompt)} image_data entries for {len(id_lists)} prompts")
+        multimodal = []
+        for i, images in enumerate(per_prompt):
+            images = [] if images is None else images if isinstance(images, list) else [images]
+            id_lists[i], prompt = self.core.images.prepare(id_lists[i],
+                                                           [read_image(x) for x in images])
+            multimodal.append(prompt)
+        return multimodal
 
     def _id_lists(self, prompt, input_ids, lowercase: bool = False
                   ) -> tuple[list[list[int]], bool]:
@@ -151,21 +173,24 @@ class Engine:
     # --- generation -----------------------------------------------------------------------------
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 top_logprobs_num=0, logprob_start_len=None, lora_path=None):
+                 top_logprobs_num=0, logprob_start_len=None, lora_path=None, image_data=None):
         """SGLang's `Engine.generate`: one prompt (or token id list) and a dict of sampling
         params, or lists of them; returns a dict or a list of dicts with `text`, `output_ids` and
         `meta_info` (with `return_logprob`: `output_token_logprobs` [(logprob, token_id, None)]
         and, with `top_logprobs_num`, `output_top_logprobs`; with `logprob_start_len=0` too,
         `input_token_logprobs` [(logprob | None, token_id, None)] for every prompt token, the
         first None, and with `top_logprobs_num`, `input_top_logprobs`). `lora_path`: a loaded
-        LoRA adapter's name, or one per prompt (None: the base model)."""
+        LoRA adapter's name, or one per prompt (None: the base model). `image_data`: a vision
+        model's images, per prompt (`_with_images`)."""
         logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
-        requests, batched = self._requests(prompt, sampling_params, input_ids, lora_path)
+        requests, batched = self._requests(prompt, sampling_params, input_ids, lora_path,
+                                           image_data)
         sinks = []
-        for ids, params, adapter in requests:
+        for ids, params, adapter, multimodal in requests:
             sink: queue.Queue[OutputDelta] = queue.Queue()
             self.core.submit(ids, params, sink.put, **logprobs.submit_kwargs(),
-                             lora_path=adapter)
+                             lora_path=adapter,
+                             **({"multimodal": multimodal} if multimodal else {}))
             sinks.append(sink)
         results = [self._collect(self._drain(sink), logprobs) for sink in sinks]
         return results if batched else results[0]
@@ -185,32 +210,38 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob=False, top_logprobs_num=0, stream=False,
-                             logprob_start_len=None, lora_path=None):
+                             logprob_start_len=None, lora_path=None, image_data=None):
         logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
-        requests, batched = self._requests(prompt, sampling_params, input_ids, lora_path)
+        # A vision model's images run its tower: off the event loop.
+        requests, batched = await asyncio.to_thread(self._requests, prompt, sampling_params,
+                                                    input_ids, lora_path, image_data)
         if stream:
             if batched:
                 raise ValueError("stream=True takes one prompt")
-            ids, params, adapter = requests[0]
-            return self._stream(ids, params, logprobs, adapter)
-        results = await asyncio.gather(*[self._collect_async(ids, params, logprobs, adapter)
-                                         for ids, params, adapter in requests])
+            ids, params, adapter, multimodal = requests[0]
+            return self._stream(ids, params, logprobs, adapter, multimodal)
+        results = await asyncio.gather(*[self._collect_async(ids, params, logprobs, adapter,
+                                                             multimodal)
+                                         for ids, params, adapter, multimodal in requests])
         return list(results) if batched else results[0]
 
-    async def _outputs(self, ids, params, logprobs, adapter=None) -> AsyncIterator[OutputDelta]:
+    async def _outputs(self, ids, params, logprobs, adapter=None,
+                       multimodal=None) -> AsyncIterator[OutputDelta]:
         group = AsyncRequestGroup(self.core)
-        group.submit(0, ids, params, **logprobs.submit_kwargs(), lora_path=adapter)
+        group.submit(0, ids, params, **logprobs.submit_kwargs(), lora_path=adapter,
+                     **({"multimodal": multimodal} if multimodal else {}))
         try:
             async for _, output in group.outputs():
                 yield output
         finally:
             group.abort()  # a no-op once finished; else the consumer went away: free the slot now
 
-    async def _stream(self, ids, params, logprobs, adapter=None) -> AsyncIterator[dict]:
+    async def _stream(self, ids, params, logprobs, adapter=None, multimodal=None
+                      ) -> AsyncIterator[dict]:
         """SGLang's stream dicts: each output's text delta, its token ids and `finished`, with the
         final one's `meta_info`; a speculative verified row's tokens (`OutputDelta.more`) in one."""
         text, token_ids = "", []
-        async for output in self._outputs(ids, params, logprobs, adapter):
+        async for output in self._outputs(ids, params, logprobs, adapter, multimodal):
             text += output.text
             token_ids += [] if output.token_id is None else [output.token_id]
             if output.more:
@@ -221,9 +252,9 @@ class Engine:
             yield out
             text, token_ids = "", []
 
-    async def _collect_async(self, ids, params, logprobs, adapter=None) -> dict:
-        return self._collect([c async for c in self._outputs(ids, params, logprobs, adapter)],
-                             logprobs)
+    async def _collect_async(self, ids, params, logprobs, adapter=None, multimodal=None) -> dict:
+        return self._collect([c async for c in self._outputs(ids, params, logprobs, adapter,
+                                                             multimodal)], logprobs)
 
     @staticmethod
     def _collect(outputs: Iterable[OutputDelta], logprobs: LogprobOptions) -> dict:

@@ -60,7 +60,7 @@ def test_vision_step_and_tower_compile(target, tp_size, model, tmp_path):
                       chunked_prefill_size=2048, max_prefill_tokens=2048, context_length=32768)
     program, shapes, description = server_step(target, args)
     config, _ = read_config(path, load_format="dummy")
-    assert program.input_embeds[0] == config.vision.levels == (4 if "qwen3" in model else 1)
+    assert program.input_embeds[0] == config.vision.levels == (3 if "qwen3" in model else 1)
     tokens, seqs, pages = next(s for s in shapes if s[0] >= 2048)
     step = program.compile(tokens, seqs, pages, StepNeeds())
     assert step.memory_analysis().argument_size_in_bytes > 0, description

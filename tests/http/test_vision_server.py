@@ -135,6 +135,14 @@ def test_a_placeholder_typed_as_text_does_not_pass_for_an_image(vision):
     assert "placeholder" in response.json()["error"]["message"]
 
 
+def test_tokenize_refuses_image_parts_it_cannot_count(vision):
+    server, _, _ = vision
+    response = httpx.post(server.base_url + "/tokenize", timeout=60, json={
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(random_image(30, 30))}}]}]})
+    assert response.status_code == 400 and "tokenize" in response.json()["error"]["message"]
+
+
 def test_a_text_only_chat_still_works_on_the_vision_server(vision):
     server, model, directory = vision
     messages = [{"role": "user", "content": [{"type": "text", "text": "describe a red cat"}]}]

@@ -174,3 +174,31 @@ def test_tensor_parallel_over_two_devices_gives_transformers_tokens(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"qwen2_5_vl": True,
                                                                 "qwen3_vl": True}
+
+
+def test_the_offline_engine_takes_image_data(served, tmp_path):
+    """SGLang's Engine.generate(prompt, image_data=...): a PIL image, a file path and a data:
+    URL, one prompt or a list; async too."""
+    import asyncio
+    import base64
+    import io
+
+    engine, model, directory = served
+    image = random_image(70, 90, 10)
+    path = tmp_path / "image.png"
+    image.save(path)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    text = "<|vision_start|> <|image_pad|> <|vision_end|> describe it"
+    ids, _ = engine.core.images.prepare(_ids(engine, text), [image])
+    expected = hf_generate(model, directory, ids, [image], NEW_TOKENS)
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    one = engine.generate(text, params, image_data=image)
+    assert one["output_ids"] == expected and one["meta_info"]["prompt_tokens"] == len(ids)
+    both = engine.generate([text, text], params, image_data=[[str(path)], data_url])
+    assert [o["output_ids"] for o in both] == [expected, expected]
+    out = asyncio.run(engine.async_generate(text, params, image_data=image))
+    assert out["output_ids"] == expected
+    with pytest.raises(ValueError, match="placeholders"):
+        engine.generate("describe it", params, image_data=image)

@@ -28,6 +28,7 @@ from pydantic import Field
 
 from xlaserve.http.chat import message_chars, render_chat
 from xlaserve.http.errors import bad_request, not_supported
+from xlaserve.http.images import image_parts
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatMessage, _Strict
 from xlaserve.http.request_fields import with_ignored_fields
@@ -101,6 +102,10 @@ async def tokenize(request: Request):
 
 def _tokenized(ctx: ServingContext, req: TokenizeRequest) -> JSONResponse:
     if req.messages is not None:
+        if ctx.images is not None and image_parts(req.messages):
+            # An image's tokens are known once it is read and resized: not here.
+            raise not_supported("messages", "image parts on /tokenize (an image's token count "
+                                            "is the chat completion's usage.prompt_tokens)")
         id_lists = [render_chat(ctx, req, add_generation_prompt=req.add_generation_prompt,
                                 add_special_tokens=req.add_special_tokens is True).ids]
     else:

@@ -1,6 +1,7 @@
 """The engine: one loop thread per replica. `EngineCore` takes requests in any thread and streams
 each one's `OutputDelta`s; `make_engine_core` builds it, or --dp-size replicas behind one facade;
-`AsyncRequestGroup` reads a call's requests back from asyncio."""
+`AsyncRequestGroup` reads a call's requests back from asyncio; `read_image` an offline caller's
+image for a vision model."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
@@ -12,6 +13,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "make_engine_core": "data_parallel",
     "UnknownAdapter": "lora_adapters", "NO_ADAPTERS": "lora_adapters",
     "OutputDelta": "messages",
+    "read_image": "image_prompts",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -75,6 +75,27 @@ class ImagePrompts:
                                      positions=positions, rope_delta=delta, cache_key=cache_key)
 
 
+def read_image(item):
+    """An offline caller's image (SGLang's Engine `image_data`: a PIL image, its bytes, a file
+    path or a data: URL) as an RGB PIL image."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    if isinstance(item, Image.Image):
+        return item.convert("RGB")
+    if isinstance(item, str) and item.startswith("data:"):
+        item = base64.b64decode(item.partition(",")[2])
+    if isinstance(item, (bytes, bytearray)):
+        item = io.BytesIO(item)
+    elif not isinstance(item, str):
+        raise ValueError(f"an image is a PIL image, bytes, a file path or a data: URL, not "
+                         f"{type(item).__name__}")
+    with Image.open(item) as image:
+        return image.convert("RGB")
+
+
 def image_processor(model_path: str, kwargs: dict | None):
     """The checkpoint's image processor (its preprocessor_config.json) as transformers' Qwen2-VL
     processor in NumPy and PIL (no torchvision), with --mm-processor-kwargs' min_pixels and
