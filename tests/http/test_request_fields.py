@@ -93,6 +93,8 @@ def test_fields_that_would_change_what_answers_are_a_400_naming_them(server, rou
     error = response.json()["error"]
     assert (error["param"], error["code"]) == (field, "unsupported_parameter")
     assert field in error["message"]
+    if (route, field) == ("/generate", "image_data"):
+        return  # a field /generate knows: its route refuses it on a text model (above)
     fields = RequestFields(strict=True)
     with pytest.raises(Exception) as refused:
         fields.drop_unknown({**body, field: value}, _model_of(route))

@@ -135,6 +135,24 @@ def test_a_placeholder_typed_as_text_does_not_pass_for_an_image(vision):
     assert "placeholder" in response.json()["error"]["message"]
 
 
+def test_sglang_generate_takes_image_data(vision):
+    """SGLang's native /generate: the prompt holds the placeholders, image_data the images (a
+    data: URL, or bare base64 as SGLang takes it)."""
+    server, model, directory = vision
+    image = random_image(80, 100, 17)
+    text = "<|vision_start|> <|image_pad|> <|vision_end|> describe it"
+    ids, _ = server.ctx.core.images.prepare(server.ctx.tokenizer.encode(text), [image])
+    expected = hf_generate(model, directory, ids, [image], NEW_TOKENS)
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    for data in (_data_url(image), _data_url(image).split(",", 1)[1]):
+        out = httpx.post(server.base_url + "/generate", timeout=60, json={
+            "text": text, "image_data": data, "sampling_params": params}).json()
+        assert out["output_ids"] == expected and out["meta_info"]["prompt_tokens"] == len(ids)
+    response = httpx.post(server.base_url + "/generate", timeout=60, json={
+        "text": "describe it", "image_data": [_data_url(image)], "sampling_params": params})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "image_data"
+
+
 def test_tokenize_refuses_image_parts_it_cannot_count(vision):
     server, _, _ = vision
     response = httpx.post(server.base_url + "/tokenize", timeout=60, json={

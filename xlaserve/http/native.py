@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import xlaserve
 from xlaserve.http.constraints import CONSTRAINTS, compile_constraints
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
+from xlaserve.http.images import load_images
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import GenerateRequest
 from xlaserve.http.request_fields import sglang_sampling_keys, with_ignored_fields
@@ -55,6 +56,9 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     prompt_param = "text" if req.text is not None else "input_ids"
     if not prompts:
         raise bad_request("no prompt given", prompt_param)
+    multimodal = None
+    if req.image_data is not None:
+        prompts, multimodal = await _with_images(ctx, prompts, req.image_data, batched)
     for ids in prompts:
         check_prompt_ids(ctx, ids, prompt_param)
     lora = ctx.adapters_of(None, req.lora_path, len(prompts))
@@ -88,8 +92,40 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
                             return_logprob=req.return_logprob, rid=rid,
                             return_prompt_logprob=wants_prompt_logprobs,
-                            param_prefix="sampling_params.", lora_path=lora)
+                            param_prefix="sampling_params.", lora_path=lora,
+                            multimodal=multimodal)
     return generation, batched or n > 1
+
+
+async def _with_images(ctx: ServingContext, prompts: list[list[int]], image_data,
+                       batched: bool) -> tuple[list[list[int]], list]:
+    """SGLang's `image_data` read and each prompt's placeholders expanded (its prompt holds one
+    <|image_pad|> per image, as the chat template writes them): (the prompts, a MultimodalPrompt
+    or None each). URLs, data: URLs or bare base64 (SGLang takes it so)."""
+    if ctx.images is None:
+        raise bad_request("image_data is not supported: this server's model takes text only",
+                          "image_data", code="unsupported_parameter")
+    per_prompt = image_data if batched else [image_data]
+    if not isinstance(per_prompt, list) or len(per_prompt) != len(prompts):
+        raise bad_request(f"image_data needs one entry (an image or a list) per prompt, "
+                          f"{len(prompts)}", "image_data")
+    expanded, multimodal = [], []
+    for i, (ids, images) in enumerate(zip(prompts, per_prompt)):
+        images = [] if images is None else images if isinstance(images, list) else [images]
+        prefix = f"image_data[{i}]" if batched else "image_data"
+        parts = [(f"{prefix}[{j}]" if len(images) > 1 or batched else prefix,
+                  url if not isinstance(url, str) or ":" in url[:16]
+                  else "data:image/*;base64," + url) for j, url in enumerate(images)]
+        if any(not isinstance(url, str) for _, url in parts):
+            raise bad_request("an image is a URL, a data: URL or base64 text", prefix)
+        read = await load_images(ctx.core.args, parts, ctx.images.max_images) if parts else []
+        try:
+            ids, prompt = await asyncio.to_thread(ctx.images.prepare, ids, read)
+        except ValueError as error:
+            raise bad_request(str(error), prefix) from None
+        expanded.append(ids)
+        multimodal.append(prompt)
+    return expanded, multimodal
 
 
 @router.post("/generate")

@@ -170,6 +170,9 @@ class GenerateRequest(_Strict):
     return_text_in_logprobs: bool = False
     rid: Optional[Union[str, list[str]]] = None
     lora_path: Optional[Union[str, list[Optional[str]]]] = None  # an adapter, or one per prompt
+    # A vision model's images (http/images.py): URLs, data: URLs or bare base64; one prompt's
+    # (one or a list), or a list per prompt of a batch.
+    image_data: Optional[Union[str, list[Optional[Union[str, list[str]]]]]] = None
 
 
 class LoadLoraRequest(_Strict):

@@ -12,9 +12,9 @@ in the `X-Ignored-Fields` header, so the client that sent them can see they did 
 Some fields peers know would change what answers a request if they were dropped: which weights
 (SGLang's internal `lora_id`; `lora_path` is honoured), what the logits go through
 (`custom_logit_processor`), what the prompt is (`session_params`' continued session,
-`image_data`, `video_data`, `audio_data`). This server serves none of them, so a body that asks
-for one (any value but null, or a list of nulls) is a 400 naming it, whatever the flag
-(`ANSWER_CHANGING_FIELDS`), before anything reaches the engine.
+`image_data` but on /generate of a vision model, `video_data`, `audio_data`). This server serves
+none of them, so a body that asks for one (any value but null, or a list of nulls) is a 400
+naming it, whatever the flag (`ANSWER_CHANGING_FIELDS`), before anything reaches the engine.
 
 Nested objects: messages keep extra keys (clients echo assistant messages back with `refusal`,
 `annotations`, `audio`: protocol.ChatMessage); tools are passed to the template as given;
@@ -74,6 +74,7 @@ ANSWER_CHANGING_FIELDS = {
     "custom_logit_processor": "custom_logit_processor is not supported: this server runs no "
                               "custom logit processors",
     "session_params": "session_params is not supported: this server keeps no SGLang sessions",
+    # /generate knows it (a vision model's images; refused by the route on a text model)
     "image_data": _TEXT_ONLY.format("image_data"),
     "video_data": _TEXT_ONLY.format("video_data"),
     "audio_data": _TEXT_ONLY.format("audio_data"),
