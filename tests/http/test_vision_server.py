@@ -225,3 +225,60 @@ def test_qwen3_vl_answers_an_image_through_the_sdk(tmp_path):
         assert out.usage.prompt_tokens == prompt_tokens
     finally:
         server.close()
+
+
+@pytest.fixture
+def image_site(tmp_path):
+    """A local HTTP server with an image, a redirect to it and a file over the byte bound."""
+    import http.server
+    import threading
+
+    image = random_image(70, 70, 18)
+    image.save(tmp_path / "cat.png")
+    (tmp_path / "big.png").write_bytes(b"\0" * (3 * 2**20))
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(tmp_path), **kwargs)
+
+        def do_GET(self):
+            if self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+                return
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{site.server_address[1]}", image
+    site.shutdown()
+
+
+def test_an_image_url_is_fetched_and_redirects_and_large_bodies_are_refused(vision, image_site,
+                                                                           monkeypatch):
+    """http(s) URLs: fetched (this test lets the server fetch from its own host, which it
+    refuses otherwise: test_bad_images_are_400s_naming_the_part), no redirect followed, the
+    body bounded by --max-image-bytes (20 MiB; the fixture's server: 3 MiB, so a smaller bound
+    is set here)."""
+    from xlaserve.http import images
+
+    async def any_host(host, param):
+        return None
+
+    monkeypatch.setattr(images, "check_public_host", any_host)
+    server, model, directory = vision
+    base, image = image_site
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": base + "/cat.png"}},
+        {"type": "text", "text": "what is in this picture"}]}]
+    text, _ = _expected(server, model, directory, messages, [image])
+    assert _words(_chat(server.openai(), messages).choices[0].message.content) == text
+    error = _refusal(server, {"type": "image_url", "image_url": {"url": base + "/moved.png"}})
+    assert "redirects are not followed" in error["message"]
+    monkeypatch.setattr(server.ctx.core.args, "max_image_bytes", 2**20)
+    error = _refusal(server, {"type": "image_url", "image_url": {"url": base + "/big.png"}})
+    assert "--max-image-bytes" in error["message"]
