@@ -175,6 +175,10 @@ class EngineCore:
         `multimodal`: a vision model's prompt with images (`images.prepare`: `prompt_ids` as it
         expanded them, and its MultimodalPrompt)."""
         prompt_ids = prompt_token_ids(prompt_ids, self.loaded.config.vocab_size)
+        if multimodal is not None and (self.images is None
+                                       or len(multimodal.embed_rows) != len(prompt_ids)):
+            raise ValueError("images need a vision model, and the prompt their placeholders "
+                             "expanded (images.prepare)")
         if embed != (self.pooling is not None):
             raise WrongKindOfServer(EMBEDS if self.pooling is not None else GENERATES)
         if embed:

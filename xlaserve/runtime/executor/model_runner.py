@@ -115,7 +115,7 @@ class StagedStep:
     # which the engine runs right after this step.
     draft: "StagedStep | None" = None
     tree_width: int = 0  # > 0: a step with speculative tree rows (ForwardBatch.tree_width)
-    # A vision model's step: its rows' image embeddings [T, hidden] on the device
+    # A vision model's step: its rows' image embeddings [levels, T, hidden] on the device
     # (ForwardBatch.input_embeds, or zeros); None on other servers.
     input_embeds: jax.Array | None = None
 
