@@ -16,22 +16,7 @@ from xlaserve.runtime.sampling.step_needs import StepNeeds
 from xlaserve.server_args import ServerArgs
 from xlaserve.weights.loader import read_config
 
-QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct's widths
-    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
-    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653, "tie_word_embeddings": False,
-    "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 4096,
-                    "intermediate_size": 12288, "num_hidden_layers": 36,
-                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                    "vocab_size": 151936, "max_position_embeddings": 262144,
-                    "rms_norm_eps": 1e-6, "rope_parameters": {
-                        "rope_type": "default", "rope_theta": 5000000.0,
-                        "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
-    "vision_config": {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152,
-                      "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
-                      "patch_size": 16, "num_position_embeddings": 2304,
-                      "deepstack_visual_indexes": [8, 16, 24],
-                      "hidden_act": "gelu_pytorch_tanh"}}
+QWEN3_VL_8B = json.loads((CONFIGS / "qwen3-vl-8b" / "config.json").read_text())
 
 
 def _config(model: str, directory) -> str:
