@@ -61,7 +61,7 @@ test: $(STAMP) $(AOT_STAMP)
 # Within those folders, a module marked jax_independent (host logic: the detokenizer, grammars, the
 # watchdog, the step channel, ...; or covered here by a cheaper test) is left out too.
 JAX_DEPENDENT_TESTS := tests/kernels tests/model tests/weights tests/engine tests/executor tests/sampling \
-  tests/distributed tests/lora tests/embeddings tests/test_accelerator_check.py
+  tests/distributed tests/lora tests/embeddings tests/vision tests/test_accelerator_check.py
 test-jax011: $(STAMP011) $(AOT011_STAMP)
 	$(PY011) -m pytest -q -m "not jax_independent" $(JAX_DEPENDENT_TESTS) $(PYTEST_ARGS)
 
