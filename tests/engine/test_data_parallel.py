@@ -29,7 +29,7 @@ class FakeReplica:
         self.rank = rank
         self.args = SimpleNamespace(page_size=4)
         self.loaded = self.tokenizer = self.grammar_backend = None
-        self.pooling = self.score_head = None  # a generation server's
+        self.pooling = self.score_head = self.images = None  # a text generation server's
         self.context_length = 64
         self.eos_token_ids = {0}
         self.runner = SimpleNamespace(compile_count=lambda: 1 + rank, page_size=4)
