@@ -179,8 +179,8 @@ class ServerArgs:
                     "fetched URL's body)")
     disable_image_url_fetch: bool = _flag(
         False, "refuse http(s) image URLs (only data: URLs, and files under "
-               "--allowed-local-media-path); fetched URLs must resolve to public addresses "
-               "either way, and redirects are not followed")
+               "--allowed-local-media-path); fetched URLs (and up to 5 redirects) must resolve "
+               "to public addresses either way")
     image_fetch_timeout: float = _flag(5.0, "seconds to fetch one image URL")
     allowed_local_media_path: Optional[str] = _flag(
         None, "a directory whose files requests may name as images (file:// URLs; vLLM's "

@@ -229,7 +229,7 @@ def test_qwen3_vl_answers_an_image_through_the_sdk(tmp_path):
 
 @pytest.fixture
 def image_site(tmp_path):
-    """A local HTTP server with an image, a redirect to it and a file over the byte bound."""
+    """A local HTTP server with an image, redirects and a file over the byte bound."""
     import http.server
     import threading
 
@@ -242,9 +242,10 @@ def image_site(tmp_path):
             super().__init__(*args, directory=str(tmp_path), **kwargs)
 
         def do_GET(self):
-            if self.path == "/moved.png":
+            if self.path.startswith("/moved.png"):  # to /cat.png, or to ?to=URL
+                target = self.path.partition("?to=")[2] or "/cat.png"
                 self.send_response(302)
-                self.send_header("Location", "/cat.png")
+                self.send_header("Location", target)
                 self.end_headers()
                 return
             super().do_GET()
@@ -258,18 +259,20 @@ def image_site(tmp_path):
     site.shutdown()
 
 
-def test_an_image_url_is_fetched_and_redirects_and_large_bodies_are_refused(vision, image_site,
-                                                                           monkeypatch):
-    """http(s) URLs: fetched (this test lets the server fetch from its own host, which it
-    refuses otherwise: test_bad_images_are_400s_naming_the_part), no redirect followed, the
-    body bounded by --max-image-bytes (20 MiB; the fixture's server: 3 MiB, so a smaller bound
-    is set here)."""
+def test_an_image_url_is_fetched_through_public_redirects_and_bounded(vision, image_site,
+                                                                     monkeypatch):
+    """http(s) URLs: fetched (this test lets the server fetch from 127.0.0.1, which it refuses
+    otherwise: test_bad_images_are_400s_naming_the_part), redirects followed where they lead to
+    a public host (here: not to `localhost`), the body bounded by --max-image-bytes (20 MiB; the
+    fixture's file is 3 MiB, so a smaller bound is set here)."""
     from xlaserve.http import images
 
-    async def any_host(host, param):
-        return None
+    async def only_127(host, param):
+        if host != "127.0.0.1":
+            raise images.bad_request(f"the image URL's host {host!r} is not a public address",
+                                     param)
 
-    monkeypatch.setattr(images, "check_public_host", any_host)
+    monkeypatch.setattr(images, "check_public_host", only_127)
     server, model, directory = vision
     base, image = image_site
     messages = [{"role": "user", "content": [
@@ -277,8 +280,12 @@ def test_an_image_url_is_fetched_and_redirects_and_large_bodies_are_refused(visi
         {"type": "text", "text": "what is in this picture"}]}]
     text, _ = _expected(server, model, directory, messages, [image])
     assert _words(_chat(server.openai(), messages).choices[0].message.content) == text
-    error = _refusal(server, {"type": "image_url", "image_url": {"url": base + "/moved.png"}})
-    assert "redirects are not followed" in error["message"]
+    messages[0]["content"][0]["image_url"]["url"] = base + "/moved.png"  # -> /cat.png
+    assert _words(_chat(server.openai(), messages).choices[0].message.content) == text
+    private = base.replace("127.0.0.1", "localhost") + "/cat.png"
+    error = _refusal(server, {"type": "image_url", "image_url": {
+        "url": base + "/moved.png?to=" + private}})
+    assert "'localhost' is not a public address" in error["message"]
     monkeypatch.setattr(server.ctx.core.args, "max_image_bytes", 2**20)
     error = _refusal(server, {"type": "image_url", "image_url": {"url": base + "/big.png"}})
     assert "--max-image-bytes" in error["message"]

@@ -2,8 +2,8 @@
 off the event loop, each refusal a 400 naming its part.
 
 A part's `url` is a `data:image/...;base64,` URL, an http(s) URL (fetched with a timeout, its
-body at most --max-image-bytes, no redirects, and only where its host resolves to public
-addresses: a server must not be made to read its own network; refused with
+body at most --max-image-bytes, up to 5 redirects, and only from hosts that resolve to public
+addresses, each redirect's too: a server must not be made to read its own network; refused with
 --disable-image-url-fetch), or a file:// URL under --allowed-local-media-path (none by
 default). `detail` (auto, low, high) is accepted and changes nothing: the checkpoint's processor
 decides the resolution (between its min_pixels and max_pixels, --mm-processor-kwargs).
@@ -25,6 +25,7 @@ from PIL import Image
 from xlaserve.http.errors import bad_request
 
 DETAILS = ("auto", "low", "high")
+MAX_REDIRECTS = 5
 # An image's pixels at most before it is decoded (its header says): the processor resizes every
 # image to max_pixels anyway, and a small file can claim a huge canvas (a decompression bomb).
 MAX_DECODED_PIXELS = 8192 * 8192
@@ -97,26 +98,33 @@ def data_url_bytes(url: str, max_bytes: int, param: str) -> bytes:
 
 
 async def fetch(url: str, max_bytes: int, timeout: float, param: str) -> bytes:
-    host = urllib.parse.urlsplit(url).hostname
-    if not host:
-        raise bad_request("the image URL has no host", param)
-    await check_public_host(host, param)
+    """The body of `url`, following at most MAX_REDIRECTS redirects, each hop's host checked
+    to be public before it is asked (GitHub's image links redirect to their raw host)."""
     try:
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:
-            async with client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    raise bad_request(f"fetching the image gave HTTP {response.status_code}"
-                                      + (" (redirects are not followed)"
-                                         if response.is_redirect else ""), param)
-                body = bytearray()
-                async for chunk in response.aiter_bytes():
-                    body += chunk
-                    if len(body) > max_bytes:
-                        raise bad_request(f"the image is over {max_bytes} bytes "
-                                          "(--max-image-bytes)", param)
-                return bytes(body)
+            for _ in range(MAX_REDIRECTS + 1):
+                parts = urllib.parse.urlsplit(url)
+                if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+                    raise bad_request("the image URL (or a redirect) is not an http(s) URL with "
+                                      "a host", param)
+                await check_public_host(parts.hostname, param)
+                async with client.stream("GET", url) as response:
+                    if response.is_redirect and "location" in response.headers:
+                        url = urllib.parse.urljoin(url, response.headers["location"])
+                        continue
+                    if response.status_code != 200:
+                        raise bad_request(f"fetching the image gave HTTP {response.status_code}",
+                                          param)
+                    body = bytearray()
+                    async for chunk in response.aiter_bytes():
+                        body += chunk
+                        if len(body) > max_bytes:
+                            raise bad_request(f"the image is over {max_bytes} bytes "
+                                              "(--max-image-bytes)", param)
+                    return bytes(body)
     except httpx.HTTPError as error:
         raise bad_request(f"could not fetch the image: {type(error).__name__}", param) from None
+    raise bad_request(f"fetching the image took over {MAX_REDIRECTS} redirects", param)
 
 
 async def check_public_host(host: str, param: str) -> None:
