@@ -37,7 +37,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "abstract_parameters": "transformer", "AttentionMetadata": "transformer",
     "kv_cache_shape": "transformer", "rope_cos_sin": "transformer",
     "VisionConfig": "vision_config",
-    "encoder_batch": "vision_inputs", "image_tokens": "vision_inputs",
+    "encoder_batch": "vision_inputs",
     "mrope_positions": "vision_inputs",
 }
 __all__ = list(_MODULE_OF)

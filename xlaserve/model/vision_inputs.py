@@ -42,11 +42,6 @@ class EncoderBatch:
         return np.split(rows, np.cumsum(self.image_tokens)[:-1], axis=1)
 
 
-def image_tokens(config: VisionConfig, grid) -> int:
-    t, h, w = (int(n) for n in grid)
-    return t * h * w // config.merge_unit
-
-
 def patch_positions(config: VisionConfig, grid) -> np.ndarray:
     """i64[t*h*w, 2]: each patch row's (row, column) in its image, block-major."""
     t, h, w = (int(n) for n in grid)

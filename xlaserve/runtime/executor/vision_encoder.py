@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from xlaserve.model.vision_inputs import encoder_batch, image_tokens
+from xlaserve.model.vision_inputs import encoder_batch
 from xlaserve.runtime.executor.forward_batch import pow2_buckets
 
 logger = logging.getLogger(__name__)
@@ -109,9 +109,6 @@ class VisionEncoder:
         while self._cached_tokens > self.cache_tokens and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
             self._cached_tokens -= dropped.shape[1]
-
-    def tokens_of(self, grid) -> int:
-        return image_tokens(self.config, grid)
 
 
 def tower_program(graphdef, kernels):
