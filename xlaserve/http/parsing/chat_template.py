@@ -82,13 +82,15 @@ def message_text(message) -> str:
     return "\n".join(texts)
 
 
-def message_parts(message) -> list[dict]:
-    """A vision model's message content as the parts its template reads: {"type": "text",
-    "text"} and, for each image_url part, {"type": "image"} (the template writes its
-    placeholder; http/images.py reads the image). Other parts are refused."""
+def message_parts(message) -> list[dict] | str:
+    """A vision model's message content as its template reads it: a message with images as
+    parts, {"type": "text", "text"} and, for each image_url part, {"type": "image"} (the
+    template writes its placeholder; http/images.py reads the image); any other message as a
+    text (message_text: templates do string work on an assistant's content). Other parts are
+    refused."""
     content = message.content
-    if not isinstance(content, list):
-        return [{"type": "text", "text": "" if content is None else content}]
+    if not isinstance(content, list) or all(part.type != "image_url" for part in content):
+        return message_text(message)
     parts = []
     for part in content:
         if part.type == "text":
@@ -104,7 +106,7 @@ def message_parts(message) -> list[dict]:
 def template_messages(messages, images: bool = False) -> list[dict]:
     """OpenAI messages (pydantic) -> plain dicts for Jinja: `developer` is a system message to
     templates that predate it, text parts are joined, tool-call arguments become objects.
-    `images` (a vision model): contents as lists of parts (`message_parts`)."""
+    `images` (a vision model): a message with images as a list of parts (`message_parts`)."""
     result = []
     for m in messages:
         message = {"role": "system" if m.role == "developer" else m.role,
