@@ -26,6 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_quantized_gemm import cpu_description  # noqa: E402
+
 # Real models' shapes: (architecture, config fields, sentence-transformers pooling mode, normalize).
 MODELS = {
     "all-minilm-l6-v2": ("bert", dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
@@ -136,8 +138,7 @@ def main() -> None:
                "embeddings_per_s": rates,
                "ratio": rates["xlaserve"] / rates["sentence-transformers"],
                "max_abs_difference": difference, "rounds": args.rounds,
-               "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0]
-               .split(":", 1)[1].strip()}
+               "cpu": cpu_description()}
     print(json.dumps(figures, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -34,6 +34,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_quantized_gemm import cpu_description  # noqa: E402
+
 TOWER = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
              fullatt_block_indexes=[7, 15, 23, 31], window_size=112)
 DECODERS = {"0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -152,8 +154,7 @@ def main() -> None:
               "prompt_tokens": len(expanded), "decoder": args.decoder, **medians,
               "tower_ratio": medians["xla_tower"] / medians["hf_tower"],
               "prefill_ratio": medians["xla_prefill"] / medians["hf_prefill"],
-              "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0]
-              .strip(" :\t") if os.path.exists("/proc/cpuinfo") else ""}
+              "cpu": cpu_description()}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

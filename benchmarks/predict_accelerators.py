@@ -181,6 +181,17 @@ def routed_flops(config, tokens: int) -> int:
             * sum(config.moe_layers))
 
 
+def roofline(target: str, costs: dict, extra_flops: float = 0.0) -> tuple[float, float, str,
+                                                                         float]:
+    """(predicted seconds, flops, "memory" or "compute", the compute bound's seconds) of a
+    program with `costs` (xla_costs) plus `extra_flops` (custom calls the analysis counts as
+    nothing) on `target`: max(bytes / HBM bandwidth, flops / peak)."""
+    bandwidth, peak = PEAKS[target]
+    flops = costs["flops"] + extra_flops
+    memory, compute = costs["bytes"] / bandwidth, flops / peak
+    return max(memory, compute), flops, "memory" if memory > compute else "compute", compute
+
+
 def xla_costs(compiled) -> dict:
     """flops and bytes accessed of a compiled step, per device (see the module's docstring)."""
     costs = compiled.cost_analysis()

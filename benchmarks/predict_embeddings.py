@@ -26,7 +26,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.predict_accelerators import PEAKS, xla_costs  # noqa: E402
+from benchmarks.predict_accelerators import roofline, xla_costs  # noqa: E402
 
 BERT_BASE = dict(architectures=["BertModel"], model_type="bert", hidden_size=768,
                  intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
@@ -56,14 +56,11 @@ def predict(target: str, model: str, tp: int, seqs: int, length: int) -> dict:
     heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     attention = 4 * length * head_dim * heads * layers * tokens * (1.0 if encoder else 0.5) / tp
-    bandwidth, peak = PEAKS[target]
-    flops = costs["flops"] + attention
-    seconds = max(costs["bytes"] / bandwidth, flops / peak)
+    seconds, flops, bound, compute = roofline(target, costs, attention)
     return {"target": target, "model": model, "tp": tp, "seqs": seqs, "length": length,
             "description": description, "gflops": flops / 1e9, "gbytes": costs["bytes"] / 1e9,
-            "bound": "memory" if costs["bytes"] / bandwidth > flops / peak else "compute",
-            "step_ms": seconds * 1e3, "compute_ms": flops / peak * 1e3,
-            "embeddings_per_s": seqs / seconds, "compute_bound_per_s": seqs / (flops / peak)}
+            "bound": bound, "step_ms": seconds * 1e3, "compute_ms": compute * 1e3,
+            "embeddings_per_s": seqs / seconds, "compute_bound_per_s": seqs / compute}
 
 
 def main() -> None:

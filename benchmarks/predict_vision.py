@@ -27,18 +27,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.predict_accelerators import PEAKS, xla_costs  # noqa: E402
+from benchmarks.predict_accelerators import roofline, xla_costs  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen2.5-vl-7b")
-
-
-def _seconds(target: str, costs: dict, attention_flops: float) -> tuple[float, float, str,
-                                                                        float]:
-    """(predicted seconds, flops, the bound, the compute bound's seconds)."""
-    bandwidth, peak = PEAKS[target]
-    flops = costs["flops"] + attention_flops
-    memory, compute = costs["bytes"] / bandwidth, flops / peak
-    return max(memory, compute), flops, "memory" if memory > compute else "compute", compute
 
 
 def predict(target: str, tp: int, image_tokens: int, text_tokens: int, step_tokens: int) -> dict:
@@ -61,7 +52,7 @@ def predict(target: str, tp: int, image_tokens: int, text_tokens: int, step_toke
     window_patches = (vision.merged_per_window * vision.spatial_merge_size) ** 2
     tower_attention = 4 * head * heads * patches * (
         windowed * window_patches + (vision.depth - windowed) * patches) / tp
-    tower_s, tower_flops, tower_bound, tower_compute = _seconds(target, xla_costs(tower),
+    tower_s, tower_flops, tower_bound, tower_compute = roofline(target, xla_costs(tower),
                                                                 tower_attention)
 
     args = ServerArgs(model_path=CONFIG, tp_size=tp, max_running_requests=64,
@@ -74,7 +65,7 @@ def predict(target: str, tp: int, image_tokens: int, text_tokens: int, step_toke
     prompts_per_step = max(1, tokens // prompt)
     step_attention = (4 * (prompt / 2) * config.head_dim * config.num_heads * config.num_layers
                       * prompts_per_step * prompt / tp)
-    step_s, step_flops, step_bound, step_compute = _seconds(target, xla_costs(step),
+    step_s, step_flops, step_bound, step_compute = roofline(target, xla_costs(step),
                                                             step_attention)
     per_prompt = tower_s + prompt * step_s / tokens
     per_prompt_compute = tower_compute + prompt * step_compute / tokens

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 from xlaserve.runtime.engine.async_requests import (LIVENESS_POLL_S, AsyncRequestGroup, Choice,
                                              EngineDeadError, sglang_output)
 from xlaserve.runtime.engine.data_parallel import make_engine_core
-from xlaserve.runtime.engine.image_prompts import read_image
+from xlaserve.runtime.engine.image_prompts import images_per_prompt, read_image
 from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve import platform_defaults
@@ -118,12 +118,8 @@ class Engine:
             if image_data is not None:
                 raise ValueError("image_data needs a vision-language model")
             return [None] * len(id_lists)
-        per_prompt = image_data if batched else [image_data]
-        if len(per_prompt) != len(id_lists):
-            raise ValueError(f"{len(per_prompt)} image_data entries for {len(id_lists)} prompts")
         multimodal = []
-        for i, images in enumerate(per_prompt):
-            images = [] if images is None else images if isinstance(images, list) else [images]
+        for i, images in enumerate(images_per_prompt(image_data, len(id_lists), batched)):
             id_lists[i], prompt = self.core.images.prepare(id_lists[i],
                                                            [read_image(x) for x in images])
             multimodal.append(prompt)

@@ -24,6 +24,7 @@ from xlaserve.http.serving import (LARGE_PROMPT_CHARS, LARGE_RESPONSE_ENTRIES, S
                                    parse_off_loop, run_off_loop, sse, sse_error)
 from xlaserve.offline import to_sampling_params
 from xlaserve.runtime.engine.async_requests import EngineDeadError, sglang_output
+from xlaserve.runtime.engine.image_prompts import images_per_prompt
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve.server_args import public_name
 
@@ -105,13 +106,12 @@ async def _with_images(ctx: ServingContext, prompts: list[list[int]], image_data
     if ctx.images is None:
         raise bad_request("image_data is not supported: this server's model takes text only",
                           "image_data", code="unsupported_parameter")
-    per_prompt = image_data if batched else [image_data]
-    if not isinstance(per_prompt, list) or len(per_prompt) != len(prompts):
-        raise bad_request(f"image_data needs one entry (an image or a list) per prompt, "
-                          f"{len(prompts)}", "image_data")
+    try:
+        per_prompt = images_per_prompt(image_data, len(prompts), batched)
+    except ValueError as error:
+        raise bad_request(str(error), "image_data") from None
     expanded, multimodal = [], []
     for i, (ids, images) in enumerate(zip(prompts, per_prompt)):
-        images = [] if images is None else images if isinstance(images, list) else [images]
         prefix = f"image_data[{i}]" if batched else "image_data"
         parts = [(f"{prefix}[{j}]" if len(images) > 1 or batched else prefix,
                   url if not isinstance(url, str) or ":" in url[:16]

@@ -13,7 +13,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "make_engine_core": "data_parallel",
     "UnknownAdapter": "lora_adapters", "NO_ADAPTERS": "lora_adapters",
     "OutputDelta": "messages",
-    "read_image": "image_prompts",
+    "read_image": "image_prompts", "images_per_prompt": "image_prompts",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

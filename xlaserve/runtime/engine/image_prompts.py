@@ -75,6 +75,18 @@ class ImagePrompts:
                                      positions=positions, rope_delta=delta, cache_key=cache_key)
 
 
+def images_per_prompt(image_data, num_prompts: int, batched: bool) -> list[list]:
+    """SGLang's `image_data` as a list of images per prompt: for a batch, one entry per prompt
+    (an image, a list of them, or None); for one prompt, an image or a list. ValueError where a
+    batch's entries do not match its prompts."""
+    per_prompt = image_data if batched else [image_data]
+    if not isinstance(per_prompt, list) or len(per_prompt) != num_prompts:
+        raise ValueError(f"image_data needs one entry (an image or a list) per prompt, "
+                         f"{num_prompts}")
+    return [[] if images is None else images if isinstance(images, list) else [images]
+            for images in per_prompt]
+
+
 def read_image(item):
     """An offline caller's image (SGLang's Engine `image_data`: a PIL image, its bytes, a file
     path or a data: URL) as an RGB PIL image."""

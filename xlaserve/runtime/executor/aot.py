@@ -226,19 +226,15 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
                           attention_backend: str = "auto"):
     """A vision model's tower (runtime/executor/vision_encoder.py's program) compiled for
     `platform`'s devices of `mesh`, over abstract weights, for a run of `patches` patches."""
-    from xlaserve.model.vision_inputs import encoder_batch
-    from xlaserve.runtime.executor.vision_encoder import device_args, tower_program
+    from xlaserve.runtime.executor.vision_encoder import device_args, idle_batch, tower_program
 
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
     graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
                                                   model_class(config.architecture))
     model = nnx.merge(graphdef, nnx.from_flat_state(parameters))
     tower_graph, tower_state = nnx.split(model.vision)
-    vision = config.vision
-    grid = (1, vision.spatial_merge_size, vision.spatial_merge_size)
-    batch = device_args(encoder_batch(
-        vision, [np.zeros((vision.merge_unit, vision.patch_dim), np.float32)], [grid], patches))
-    batch = {k: abstract(v.shape, v.dtype, mesh) for k, v in batch.items()}
+    batch = {k: abstract(v.shape, v.dtype, mesh)
+             for k, v in device_args(idle_batch(config.vision, patches)).items()}
 
     with jax.set_mesh(mesh):
         return jax.jit(tower_program(tower_graph, kernels)).trace(

@@ -40,8 +40,8 @@ class VisionEncoder:
         self.max_patches = max_patches - max_patches % unit
         if self.max_patches < unit:
             raise ValueError(f"images of {max_patches} patches are too small to encode")
-        self.buckets = tuple(b - b % unit for b in pow2_buckets(
-            min(MIN_PATCHES, self.max_patches), self.max_patches))
+        # Powers of two (multiples of the merge unit) and the largest, rounded down to one.
+        self.buckets = pow2_buckets(min(MIN_PATCHES, self.max_patches), self.max_patches)
         graphdef, self._state = nnx.split(loaded.model.vision)
 
         self._encode = jax.jit(tower_program(graphdef, kernels))
@@ -55,16 +55,10 @@ class VisionEncoder:
     def precompile(self) -> None:
         """Every bucket's program, before serving."""
         for patches in self.buckets:
-            args = device_args(self._empty_batch(patches))
+            args = device_args(idle_batch(self.config, patches))
             self._programs[patches] = self._encode.lower(self._state, args).compile()
         logger.info("Compiled the vision tower for %d patch buckets (up to %d patches an image)",
                     len(self.buckets), self.max_patches)
-
-    def _empty_batch(self, patches: int):
-        c = self.config
-        grid = (1, c.spatial_merge_size, c.spatial_merge_size)
-        return encoder_batch(c, [np.zeros((c.merge_unit, c.patch_dim), np.float32)], [grid],
-                             patches)
 
     def embed(self, images: list[tuple[str, np.ndarray, tuple[int, int, int]]]) -> list[np.ndarray]:
         """Each image's decoder rows [levels, image_tokens, out_hidden_size] (the model dtype:
@@ -109,6 +103,14 @@ class VisionEncoder:
         while self._cached_tokens > self.cache_tokens and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
             self._cached_tokens -= dropped.shape[1]
+
+
+def idle_batch(config, patches: int):
+    """The tower's inputs for a bucket of `patches` holding one blank merged token: what its
+    program is compiled with (here and for other hardware, aot.vision_tower_compiled)."""
+    grid = (1, config.spatial_merge_size, config.spatial_merge_size)
+    return encoder_batch(config, [np.zeros((config.merge_unit, config.patch_dim), np.float32)],
+                         [grid], patches)
 
 
 def tower_program(graphdef, kernels):
