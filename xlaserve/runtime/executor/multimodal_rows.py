@@ -42,6 +42,8 @@ def add_multimodal_rows(batch: ForwardBatch, multimodal: list, hidden_size: int,
     None (a text request: equal positions, which is the plain RoPE). Sets `rope_positions`
     [3, T] and, where a row takes an image's embedding, `input_embeds` [levels, T, hidden]
     (`dtype`)."""
+    if all(prompt is None for prompt in multimodal):  # text only: the plain RoPE, no rows
+        return batch
     tokens = batch.input_ids.shape[0]
     rope = np.broadcast_to(batch.positions, (3, tokens)).copy()
     embeds = None
