@@ -31,10 +31,14 @@ def devices(target: str):
     return found
 
 
+HLO_TYPES = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "f8e4m3fn",
+             "float8_e5m2": "f8e5m2"}  # a dtype's name in HLO text
+
+
 def cache_copies(hlo: str, shape, dtype) -> list[str]:
     """Instructions of a compiled program (its HLO text) that copy a whole array of the cache's
     shape: a relayout, or a copy XLA inserted for an in-place update it could not do in place."""
-    name = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(dtype).name]
+    name = HLO_TYPES[jnp.dtype(dtype).name]
     pattern = "= " + re.escape(f"{name}[{','.join(map(str, shape))}]") + r"\{[^}]*\} copy\("
     return [line.strip()[:200] for line in hlo.splitlines() if re.search(pattern, line)]
 

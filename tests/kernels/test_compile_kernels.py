@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.predict_accelerators import hlo_counts
-from tests.compile_targets import cache_copies, compile_for, devices
+from tests.compile_targets import HLO_TYPES, cache_copies, compile_for, devices
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu, tpu_shape_checks
 from xlaserve.runtime.executor import aot
 
@@ -82,27 +82,30 @@ def one_device_mesh(devices) -> Mesh:
     return Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "tensor"))
 
 
-def attention_args(mesh, layout, batch, page_size, dtype, sinks=False):
+def attention_args(mesh, layout, batch, page_size, dtype, sinks=False, kv_dtype=None):
+    """`kv_dtype`: the new rows' and the cache's (an FP8 cache's), else `dtype`."""
     num_q_heads, num_kv_heads, head_dim = {**HEAD_LAYOUTS, **SINK_LAYOUTS}[layout]
     tokens, seqs = BATCHES[batch] if isinstance(batch, str) else batch  # or (tokens, seqs)
+    kv_dtype = kv_dtype or dtype
     pages_per_seq = CONTEXT // page_size
-    token_bytes = 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    token_bytes = 2 * num_kv_heads * head_dim * jnp.dtype(kv_dtype).itemsize
     num_pages = max(seqs * pages_per_seq + 1, CACHE_BYTES // (page_size * token_bytes))
     at = lambda shape, dt=dtype: aot.abstract(shape, jnp.dtype(dt), mesh, P())
-    return dict(q=at((tokens, num_q_heads, head_dim)), k=at((tokens, num_kv_heads, head_dim)),
-                v=at((tokens, num_kv_heads, head_dim)),
-                kv_cache=at((num_pages, page_size, 2 * num_kv_heads * head_dim)),
+    return dict(q=at((tokens, num_q_heads, head_dim)),
+                k=at((tokens, num_kv_heads, head_dim), kv_dtype),
+                v=at((tokens, num_kv_heads, head_dim), kv_dtype),
+                kv_cache=at((num_pages, page_size, 2 * num_kv_heads * head_dim), kv_dtype),
                 kv_lens=at((seqs,), "int32"), page_indices=at((seqs, pages_per_seq), "int32"),
                 cu_q_lens=at((seqs + 1,), "int32"), num_seqs=at((1,), "int32"),
                 **({"sinks": at((num_q_heads,), "float32")} if sinks else {}))
 
 
-def check_compiles_in_place(target, case, sinks=False, **static):
+def check_compiles_in_place(target, case, sinks=False, kv_dtype=None, **static):
     """Compiles the target's kernel for `case` (attention_args); the cache must be updated in
     place, uncopied."""
     platform, target_devices = devices(target)
     mesh = one_device_mesh(target_devices)
-    args = attention_args(mesh, *case, sinks=sinks)
+    args = attention_args(mesh, *case, sinks=sinks, kv_dtype=kv_dtype)
     kernel = jax.jit(KERNELS[platform], static_argnames=("sm_scale", *static),
                      donate_argnames=("kv_cache",))
     hlo = compile_for(mesh, kernel, **args, sm_scale=0.125, **static).as_text()
@@ -120,7 +123,7 @@ def check_compiles_in_place(target, case, sinks=False, **static):
 
 def cache_scatters(hlo: str, shape, dtype) -> list[str]:
     """Scatters of a compiled program (its HLO text) whose result has the cache's shape."""
-    name = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(dtype).name]
+    name = HLO_TYPES[jnp.dtype(dtype).name]
     pattern = "= " + re.escape(f"{name}[{','.join(map(str, shape))}]") + r"\{[^}]*\} scatter\("
     return [line.strip()[:200] for line in hlo.splitlines() if re.search(pattern, line)]
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlaserve.model.kv_cache_dtype import is_fp8, quantize
 from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight,
                                    matmul_input_dtype, project)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import merge_by_lse
@@ -48,9 +49,12 @@ def interleaved_rope_rows(num_rows: int, rope_dim: int) -> np.ndarray:
 
 
 class MLAttention(nnx.Module):
-    def __init__(self, config, dtype, rngs: nnx.Rngs):
+    def __init__(self, config, layer_index: int, dtype, rngs: nnx.Rngs):
         c, m = config, config.mla
         self.config = c
+        # An FP8 cache's scale of the latent rows, keys and values both: the layer's k_scale
+        # (kv_cache_dtype.py).
+        self.latent_scale = c.kv_scales[layer_index][0] if c.kv_scales else 1.0
         qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
             self.q_a_proj = nnx.Param(init_weight(rngs, (c.hidden_size, m.q_lora_rank), dtype))
@@ -84,26 +88,34 @@ class MLAttention(nnx.Module):
         w_uk = self.w_uk[...]
         q_latent = jnp.einsum("thn,hnr->thr", q_nope.astype(w_uk.dtype), w_uk,
                               preferred_element_type=jnp.float32)
-        dtype = kv_cache.dtype
+        # The cache's dtype (the model's), or with an FP8 cache the model's for the queries
+        # and the latent rows scaled into FP8 (kv_cache_dtype.py; the scale folds into the
+        # softmax scale and the latent-space output).
+        fp8, scale = is_fp8(kv_cache.dtype), self.latent_scale
+        dtype = w_uk.dtype if fp8 else kv_cache.dtype
         q_rope = apply_rope(q_rope, cos, sin)
         query = jnp.concatenate([q_latent, q_rope], axis=-1).astype(dtype)
-        latent = jnp.concatenate([kv, k_rope], axis=-1).astype(dtype)
+        latent = jnp.concatenate([kv, k_rope], axis=-1)
+        latent = quantize(latent, scale, kv_cache.dtype) if fp8 else latent.astype(dtype)
+        scale = scale if fp8 else 1.0
         w_uv = self.w_uv[...]
         attention_args = (query, latent, kv_cache, metadata.kv_lens, metadata.page_indices,
                           metadata.cu_q_lens, metadata.num_seqs)
-        if metadata.tree_masks is not None:  # speculative tree rows: the absorbed form, masked
-            out, kv_cache = tree_latent_attention(attention_args, metadata, kernels,
-                                                  kv_lora_rank=m.kv_lora_rank,
-                                                  sm_scale=m.softmax_scale)
-            out = jnp.einsum("thr,hrv->thv", out.astype(w_uv.dtype), w_uv,
-                             preferred_element_type=jnp.float32)
-        elif 0 < kernels.mla_expanded_prefill_tokens <= x.shape[0]:  # the bucket's size: static
+        if 0 < kernels.mla_expanded_prefill_tokens <= x.shape[0] and \
+                metadata.tree_masks is None:  # the bucket's size: static
             out, kv_cache = expanded_attention(
                 q_nope, q_rope, attention_args, self.w_uk[...], w_uv, kernels,
-                kv_lora_rank=m.kv_lora_rank, sm_scale=m.softmax_scale)
+                kv_lora_rank=m.kv_lora_rank, sm_scale=m.softmax_scale, latent_scale=scale)
         else:
-            out, kv_cache = kernels.latent_attention(
-                *attention_args, sm_scale=m.softmax_scale, value_dim=m.kv_lora_rank)
+            if metadata.tree_masks is not None:  # speculative tree rows: absorbed, masked
+                out, kv_cache = tree_latent_attention(attention_args, metadata, kernels,
+                                                      kv_lora_rank=m.kv_lora_rank,
+                                                      sm_scale=m.softmax_scale * scale)
+            else:
+                out, kv_cache = kernels.latent_attention(
+                    *attention_args, sm_scale=m.softmax_scale * scale, value_dim=m.kv_lora_rank)
+            if scale != 1.0:
+                out = out.astype(jnp.float32) * scale
             out = jnp.einsum("thr,hrv->thv", out.astype(w_uv.dtype), w_uv,
                              preferred_element_type=jnp.float32)
         out = project(out.reshape(x.shape[0], -1).astype(matmul_input_dtype(self.o_proj[...])),
@@ -128,21 +140,25 @@ def tree_latent_attention(attention_args, metadata, kernels: Kernels, *, kv_lora
 
 
 def expanded_attention(q_nope, q_rope, attention_args, w_uk, w_uv, kernels: Kernels, *,
-                       kv_lora_rank: int, sm_scale: float):
+                       kv_lora_rank: int, sm_scale: float, latent_scale: float = 1.0):
     """The expanded form (SGLang's and vLLM's for prefills): each token's attention to its
     sequence's cached prefix in the absorbed form (the latent kernel with prefix_only, which also
     writes the new rows), and to the step's new tokens with per-head keys [c W_UK, k_rope] (nope +
     rope wide) and values c W_UV (v_head_dim): fewer FLOPs per (query, key) pair than the
     absorbed form's kv_lora + rope and kv_lora. The two are merged by their log-sum-exp.
     q_nope [T, H, nope], q_rope [T, H, rope] (RoPE'd); `attention_args` the latent kernel's, its
-    second the new rows [T, kv_lora + rope] as the cache holds them. Returns (out [T, H,
-    v_head_dim] float32, kv_cache)."""
+    second the new rows [T, kv_lora + rope] as the cache holds them (an FP8 cache's: scaled by
+    1 / `latent_scale`). Returns (out [T, H, v_head_dim] float32, kv_cache)."""
     out_prefix, lse_prefix, kv_cache = kernels.latent_prefix_attention(
-        *attention_args, sm_scale=sm_scale, value_dim=kv_lora_rank)
+        *attention_args, sm_scale=sm_scale * latent_scale, value_dim=kv_lora_rank)
+    out_prefix = out_prefix.astype(jnp.float32) * latent_scale if latent_scale != 1.0 \
+        else out_prefix
     out_prefix = jnp.einsum("thr,hrv->thv", out_prefix.astype(w_uv.dtype), w_uv,
                             preferred_element_type=jnp.float32)
-    latent = attention_args[1]
-    dtype = latent.dtype  # the rows as the cache holds them, as the absorbed form reads them
+    query, latent = attention_args[:2]
+    dtype = query.dtype
+    if is_fp8(latent.dtype):  # the rows as the cache holds them, as the absorbed form reads them
+        latent = (latent.astype(jnp.float32) * latent_scale).astype(dtype)
     compressed, k_rope = latent[:, :kv_lora_rank], latent[:, kv_lora_rank:]
     keys = jnp.einsum("tr,hnr->thn", compressed.astype(w_uk.dtype), w_uk,
                       preferred_element_type=jnp.float32).astype(dtype)

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.int8 import check_quantization, quantized_parameters
+from xlaserve.model.kv_cache_dtype import is_fp8, quantize
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rope_qk, split_qkv)
 from xlaserve.model.mla import MLAttention
@@ -69,6 +70,7 @@ class Attention(nnx.Module):
         c = config
         self.config = c
         self.sliding_window = c.sliding_windows[layer_index]
+        self.kv_scales = c.kv_scales[layer_index] if c.kv_scales else (1.0, 1.0)
         group = c.queries_per_kv
         self.qkv = nnx.Param(init_weight(
             rngs, (input_size or c.hidden_size, c.num_kv_heads, group + 2, c.head_dim), dtype))
@@ -91,13 +93,20 @@ class Attention(nnx.Module):
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
         num_tokens = x.shape[0]
-        # Attention takes its inputs in the cache's dtype (the model dtype).
-        dtype = matmul_input_dtype(self.o_proj[...]) if kv_cache is None else kv_cache.dtype
+        # Attention takes its inputs in the cache's dtype (the model dtype); an FP8 cache takes
+        # K and V scaled into FP8 and q in the model dtype (kv_cache_dtype.py).
+        fp8 = kv_cache is not None and is_fp8(kv_cache.dtype)
+        dtype = (matmul_input_dtype(self.o_proj[...]) if kv_cache is None or fp8
+                 else kv_cache.dtype)
         if c.qk_norm:  # the norms come between the split and RoPE: XLA's path
             q, k, v = split_qkv(qkv)
             q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, dtype)
         else:
             q, k, v = kernels.qkv_rope(qkv, cos, sin, dtype)
+        sm_scale, (k_scale, v_scale) = c.head_dim**-0.5, self.kv_scales
+        if fp8:  # the scales fold into the softmax scale and the output
+            k, v = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
+            sm_scale *= k_scale
         sinks = self.sinks[...].astype(jnp.float32) if c.attention_sinks else None
         args = (q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
                 metadata.num_seqs)
@@ -108,12 +117,14 @@ class Attention(nnx.Module):
                 metadata.num_seqs, sm_scale=c.head_dim**-0.5)
             out = out.astype(dtype)
         elif metadata.tree_masks is None:
-            out, kv_cache = kernels.attention(*args, sm_scale=c.head_dim**-0.5,
+            out, kv_cache = kernels.attention(*args, sm_scale=sm_scale,
                                               sliding_window=self.sliding_window, sinks=sinks)
         else:  # no sliding window here (server_args refuses trees for such models)
             out, kv_cache = tree_attention(kernels.attention, *args, metadata.tree_masks,
-                                           sm_scale=c.head_dim**-0.5, width=metadata.tree_width,
+                                           sm_scale=sm_scale, width=metadata.tree_width,
                                            sinks=sinks)
+        if fp8 and v_scale != 1.0:
+            out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
         out = project(out.reshape(num_tokens, -1), self.o_proj[...], kernels, lora, "o_proj")
         if c.o_bias:
             out = out + self.o_bias[...].astype(jnp.float32)
@@ -127,7 +138,7 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = (MLAttention(config, dtype, rngs) if config.mla is not None
+        self.attn = (MLAttention(config, layer_index, dtype, rngs) if config.mla is not None
                      else Attention(config, layer_index, dtype, rngs))
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = (MoE(config, dtype, rngs) if config.moe_layers[layer_index]

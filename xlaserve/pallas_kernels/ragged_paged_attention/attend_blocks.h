@@ -118,13 +118,13 @@ void AccumulateRowsScalar(float* acc, int64_t rows, int64_t d, const float* cons
 // One sequence's block of query rows, all heads. Row i of the scratch is (query row i / Hq,
 // query head i % Hq); query head hq reads kv head hq / G (GQA). Keys are visited tile by tile in
 // position order, each token's cache row (every head's K and V, contiguous) read once.
-template <typename T>
+template <typename T, typename C = T>  // C: the cache's entries (T's, or FP8)
 void Attend(const Problem& p, const WorkItem& item, const WorkItem* /*following*/,
             Scratch& scratch) {
   const int64_t d = p.head_dim, hq_count = p.num_q_heads, group = p.num_q_heads / p.num_kv_heads;
   const int64_t rows = item.num_rows * hq_count, token_row = 2 * p.num_kv_heads * d;
   const T* q = static_cast<const T*>(p.q);
-  const T* cache = static_cast<const T*>(p.cache);
+  const C* cache = static_cast<const C*>(p.cache);
   T* out = static_cast<T*>(p.out);
   SeqSpan span = Span(p, item.seq);
   const int64_t first_pos = span.first_pos + (item.first_row - span.first_token);
@@ -155,12 +155,12 @@ void Attend(const Problem& p, const WorkItem& item, const WorkItem* /*following*
     for (int64_t j = 0; j < n; ++j) {
       int64_t row = TokenRow(p, item.seq, tile_start + j);
       key_ok[j] = row >= 0;  // a page id outside the pool: the key is masked out
-      key_rows[j] = KeyRow<T>(cache, key_ok[j] ? row : -1, token_row, scratch, j);
+      key_rows[j] = KeyRow<C>(cache, key_ok[j] ? row : -1, token_row, scratch, j);
     }
     // While this tile computes, ask for the next tile's rows, one row per key scored: a page is
     // only 16-64 rows, too short for the hardware prefetcher to ramp up on its own, and one burst
     // of requests for a whole tile stalls on the core's few outstanding misses.
-    const int64_t row_bytes = token_row * static_cast<int64_t>(sizeof(T));
+    const int64_t row_bytes = token_row * static_cast<int64_t>(sizeof(C));
     auto prefetch_next = [&](int64_t j) {
       const int64_t pos = tile_start + kKeyTile + j;
       if (pos > last_pos) return;

@@ -142,13 +142,14 @@ template <typename Path>
 void AttendLatent(const Problem& p, const WorkItem& item, const WorkItem* following,
                   LatentScratch& scratch) {
   using T = typename Path::Element;
+  using C = typename Path::Cache;
   const int64_t hq = p.num_q_heads, blocks = HeadBlocks(p), dk = p.head_dim;
-  const T* cache = static_cast<const T*>(p.cache);
+  const C* cache = static_cast<const C*>(p.cache);
   const RowKeys keys(p, item);
   Path path(p, scratch, static_cast<const T*>(p.q) + item.first_row * hq * dk);
   std::fill(scratch.acc.begin(), scratch.acc.end(), 0.0f);
   StartSums(p, blocks * kLanes, scratch.m.data(), scratch.l.data());
-  const int64_t lines_per_row = (dk * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t lines_per_row = (dk * static_cast<int64_t>(sizeof(C)) + 63) / 64;
   const int64_t steps = blocks * (kRowTile / kScoreKeys) * ((dk + kScoreDims - 1) / kScoreDims) +
                         (hq + kValueHeads - 1) / kValueHeads;
   for (int64_t tile_start = keys.lowest_key; tile_start <= keys.last_key; tile_start += kRowTile) {
@@ -157,7 +158,7 @@ void AttendLatent(const Problem& p, const WorkItem& item, const WorkItem* follow
     tile.NextIsFirstOf(p, following);
     if (!tile.any_live) continue;
     path.LoadTile(cache, tile, n);
-    SpreadPrefetch<T> prefetch{cache, tile, lines_per_row, steps};
+    SpreadPrefetch<C> prefetch{cache, tile, lines_per_row, steps};
     for (int64_t b = 0; b < blocks; ++b) {
       Vec16 s[kRowTile] = {};
       for (int64_t j = 0; j < n; j += kScoreKeys)
@@ -238,11 +239,13 @@ inline void ScoreKeys(const float* q_t, int64_t x0, int64_t x1, const float* con
     for (int c = 0; c < kParts; ++c) StoreN(sums + 16 * j + kNative * c, acc[j][c]);
 }
 
-// The float32 arithmetic: a float32 cache read in place, a bfloat16 one widened tile by tile
-// (each row once, for every head: a few percent of the arithmetic it feeds). Any Dk, value_dim.
-template <typename T>
+// The float32 arithmetic: a float32 cache read in place, a bfloat16 or FP8 one (C) widened tile
+// by tile (each row once, for every head: a few percent of the arithmetic it feeds). Any Dk,
+// value_dim.
+template <typename T, typename C = T>
 struct WidenedLatent {
   using Element = T;
+  using Cache = C;
   const Problem& p;
   LatentScratch& scratch;
   const float* key_rows[kRowTile];
@@ -254,9 +257,9 @@ struct WidenedLatent {
     });
   }
 
-  void LoadTile(const T* cache, const KeyTile& tile, int64_t /*n*/) {
+  void LoadTile(const C* cache, const KeyTile& tile, int64_t /*n*/) {
     for (int64_t j = 0; j < kRowTile; ++j)
-      key_rows[j] = KeyRow<T>(cache, tile.rows[j], p.head_dim, scratch, j);
+      key_rows[j] = KeyRow<C>(cache, tile.rows[j], p.head_dim, scratch, j);
   }
 
   void Score(int64_t block, int64_t j, int64_t x0, int64_t x1, Vec16* s) const {

@@ -75,6 +75,7 @@ void AccumulateHeadPairs(float* acc, int64_t vd, const float* alpha, const uint3
 
 struct PairedLatent {
   using Element = uint16_t;
+  using Cache = uint16_t;
   const Problem& p;
   LatentScratch& scratch;
   const uint16_t* key_rows[kRowTile];

@@ -1,5 +1,6 @@
 // Work items of one query row (a decoding sequence) or a block of a prefill's rows, every head
-// (head dims that are a multiple of 8), for a float32 cache or a bfloat16 one widened to float32.
+// (head dims that are a multiple of 8), for a float32 cache or a bfloat16 or FP8 one widened to
+// float32.
 #pragma once
 
 #include "attention_common.h"
@@ -88,13 +89,13 @@ inline void TileHead(const Problem& p, const float* q, const float* const* key_r
 // 5,721-token prompt's time on a 2-core Zen 5; with blocks of 8 rows its time to first token went
 // from 16.1 to 13.4 s, 16 rows the same). Tiles sit on multiples of kRowTile, whatever the block,
 // so a row's sums do not depend on the rows beside it.
-template <typename T>
+template <typename T, typename C = T>  // C: the cache's entries (T's, or FP8)
 void AttendOneRow(const Problem& p, const WorkItem& item, const WorkItem* following,
                   Scratch& scratch) {
   const int64_t d = p.head_dim, hq_count = p.num_q_heads, group = p.num_q_heads / p.num_kv_heads;
   const int64_t token_row = 2 * p.num_kv_heads * d, width = hq_count * d, rows = item.num_rows;
   const T* q = static_cast<const T*>(p.q);
-  const T* cache = static_cast<const T*>(p.cache);
+  const C* cache = static_cast<const C*>(p.cache);
   T* out = static_cast<T*>(p.out);
   int64_t last[kQueryBlock], lowest[kQueryBlock], first_key = 0, final_key = -1;
   for (int64_t r = 0; r < rows; ++r) {
@@ -114,14 +115,14 @@ void AttendOneRow(const Problem& p, const WorkItem& item, const WorkItem* follow
   for (int64_t x = 0; x < rows * width; ++x) qs[x] *= p.sm_scale;
 
   const float* key_rows[kRowTile];
-  const int64_t row_bytes = token_row * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = token_row * static_cast<int64_t>(sizeof(C));
   for (int64_t tile_start = first_key / kRowTile * kRowTile; tile_start <= final_key;
        tile_start += kRowTile) {
     const int64_t n = std::min<int64_t>(kRowTile, final_key - tile_start + 1);
     KeyTile tile(p, item.seq, tile_start, final_key);
     tile.NextIsFirstOf(p, following);
     for (int64_t j = 0; j < kRowTile; ++j)
-      key_rows[j] = KeyRow<T>(cache, tile.rows[j], token_row, scratch, j);
+      key_rows[j] = KeyRow<C>(cache, tile.rows[j], token_row, scratch, j);
     const int64_t steps = rows * hq_count;
     for (int64_t r = 0; r < rows; ++r) {
       if (tile_start > last[r] || tile_start + kRowTile <= lowest[r]) continue;

@@ -151,14 +151,49 @@ struct KeyTile {
   }
 };
 
-// n values of a float32 or bfloat16 (uint16_t) row as float32, and back.
+// An FP8 cache's entries (model/kv_cache_dtype.py), one byte each: e4m3fn (4 exponent bits,
+// bias 7, no infinities) and e5m2 (5 bits, bias 15). The model clips before it casts, so only
+// finite values are ever stored; NaN and infinity encodings are not decoded.
+struct F8E4M3 {
+  uint8_t bits;
+  static constexpr int kExponentBits = 4, kMantissaBits = 3;
+};
+struct F8E5M2 {
+  uint8_t bits;
+  static constexpr int kExponentBits = 5, kMantissaBits = 2;
+};
+
+// An FP8 value as float32: a normal one's exponent and mantissa bits moved into float32's
+// fields and the exponent rebiased by an integer add; a subnormal one (exponent field 0) is its
+// mantissa times 2^(1 - bias - mantissa bits), in float arithmetic (a float32 subnormal built
+// from the bits would read as 0 where XLA's threads set denormals-are-zero). Branch-free, so
+// that LoadRow's loop vectorizes.
+template <typename F>
+inline float Fp8ToF32(F x) {
+  constexpr int kBias = (1 << (F::kExponentBits - 1)) - 1;
+  const uint32_t magnitude = x.bits & 0x7Fu;
+  const uint32_t normal_bits =
+      (magnitude << (23 - F::kMantissaBits)) + (static_cast<uint32_t>(127 - kBias) << 23);
+  float normal;
+  std::memcpy(&normal, &normal_bits, 4);
+  const float subnormal =
+      static_cast<float>(magnitude) * (1.0f / static_cast<float>(1 << (kBias - 1 + F::kMantissaBits)));
+  const float value = magnitude < (1u << F::kMantissaBits) ? subnormal : normal;
+  return x.bits & 0x80u ? -value : value;
+}
+
+// n values of a float32, bfloat16 (uint16_t) or FP8 row as float32, and back (float32 and
+// bfloat16: an FP8 row is written by the model, never here).
 template <typename T>
 void LoadRow(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, n * sizeof(float));
-  } else {
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = Fp8ToF32(src[i]);
   }
 }
 
@@ -188,7 +223,7 @@ struct Scratch {
 };
 
 // The cache row at `row` (every head's K and V) as floats: in place for float32, widened into
-// slot j of the scratch for bfloat16; a row of zeros for a key outside the pool (row < 0).
+// slot j of the scratch for bfloat16 and FP8; a row of zeros for a key outside the pool (row < 0).
 // (S: a scratch with `zeros` and `converted` rows of token_row floats, Scratch or LatentScratch.)
 template <typename T, typename S>
 const float* KeyRow(const T* cache, int64_t row, int64_t token_row, S& scratch, int64_t j) {

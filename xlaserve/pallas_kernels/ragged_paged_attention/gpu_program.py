@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import widened
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import MASK_VALUE, item_span, lse_of
 
 
@@ -86,10 +87,12 @@ def attention_program(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
         """The online softmax over one block of keys at positions `key_pos` (`key_valid`: the
         block's keys a row may see at all; NaN-holding ones must be among the others)."""
         m_prev, l_prev, acc_prev = carry
-        # Slots past the last attended key hold stale data or NaN: p * NaN is NaN even at p=0.
-        v = jnp.where(key_valid[:, None], v, 0)
+        # An FP8 cache's rows in the queries' dtype. Slots past the last attended key hold
+        # stale data or NaN: p * NaN is NaN even at p=0.
+        v = jnp.where(key_valid[:, None], widened(v, q_ref.dtype), 0)
         s = 0.0
         for q, k in zip(query_parts, key_parts):
+            k = widened(k, q.dtype)
             scores_dtype = jnp.promote_types(q.dtype, k.dtype)  # as the reference's einsum
             s += lax.dot_general(q.astype(scores_dtype), k.astype(scores_dtype),
                                  (((1,), (1,)), ((), ())), precision=precision,

@@ -48,7 +48,8 @@ namespace {
 using namespace xlaserve::attention_cpu;  // NOLINT: this file's kernel, split by item kind
 
 // Writes the new tokens' K and V (or latent rows) into their pages (before attention, which
-// reads every key from the cache, the new ones included).
+// reads every key from the cache, the new ones included). T: the cache's entries, which the new
+// rows come in (an FP8 cache's already scaled and cast by the model).
 template <typename T>
 void WriteNewKv(const Problem& p) {
   const T* k = static_cast<const T*>(p.k);
@@ -63,7 +64,7 @@ void WriteNewKv(const Problem& p) {
       if (row < 0) continue;
       if (v == nullptr) {  // a latent row of head_dim entries, zeros in the cache row's padding
         std::memcpy(cache + row, k + t * d, d * sizeof(T));
-        std::fill(cache + row + d, cache + row + p.row_size, T(0));
+        std::fill(cache + row + d, cache + row + p.row_size, T{});
         continue;
       }
       for (int64_t h = 0; h < p.num_kv_heads; ++h) {
@@ -90,13 +91,14 @@ template <typename S>
 using AttendFn = void (*)(const Problem&, const WorkItem&, const WorkItem*, S&);
 
 // Zeroes the output (padding rows stay 0), writes the new rows, and spreads `attend` over XLA's
-// pool, one item per `block` query rows of a sequence (fewer at its end).
-template <typename T, typename S>
+// pool, one item per `block` query rows of a sequence (fewer at its end). T: q's and the
+// output's entries; C: the cache's.
+template <typename T, typename C, typename S>
 void Run(ffi::ThreadPool& pool, const Problem& p, AttendFn<S> attend, int64_t block) {
   T* out = static_cast<T*>(p.out);
   std::fill(out, out + p.num_tokens * p.num_q_heads * p.value_dim, T(0));
   if (p.lse != nullptr) std::fill(p.lse, p.lse + p.num_tokens * p.num_q_heads, -INFINITY);
-  WriteNewKv<T>(p);
+  WriteNewKv<C>(p);
   std::vector<WorkItem> items;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     SeqSpan span = Span(p, s);
@@ -111,13 +113,13 @@ void Run(ffi::ThreadPool& pool, const Problem& p, AttendFn<S> attend, int64_t bl
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void RunAttention(ffi::ThreadPool& pool, const Problem& p) {
   const bool one_row_items = p.head_dim % 8 == 0;
-  AttendFn<Scratch> attend = one_row_items ? AttendOneRow<T> : Attend<T>;
+  AttendFn<Scratch> attend = one_row_items ? AttendOneRow<T, C> : Attend<T, C>;
   int64_t block = one_row_items ? kPrefillRows : kQueryBlock;
 #ifdef __AVX512BF16__
-  if (std::is_same_v<T, uint16_t> && p.bf16_pairs) {
+  if (std::is_same_v<C, uint16_t> && p.bf16_pairs) {
     switch (p.head_dim) {
       case 32: attend = AttendOneRowBf16<1>; break;
       case 64: attend = AttendOneRowBf16<2>; break;
@@ -125,37 +127,62 @@ void RunAttention(ffi::ThreadPool& pool, const Problem& p) {
       case 128: attend = AttendOneRowBf16<4>; break;
       default: break;
     }
-    if (attend != AttendOneRow<T>) block = 1;  // one row an item
+    if (attend != AttendOneRow<T, C>) block = 1;  // one row an item
   }
 #endif
-  Run<T>(pool, p, attend, block);
+  Run<T, C>(pool, p, attend, block);
 }
 
-template <typename T>
+template <typename T, typename C>
 void RunLatentAttention(ffi::ThreadPool& pool, const Problem& p) {
-  AttendFn<LatentScratch> attend = AttendLatent<WidenedLatent<T>>;
+  AttendFn<LatentScratch> attend = AttendLatent<WidenedLatent<T, C>>;
 #ifdef __AVX512BF16__
-  if (std::is_same_v<T, uint16_t> && p.bf16_pairs && PairedLatent::Fits(p))
+  if (std::is_same_v<C, uint16_t> && p.bf16_pairs && PairedLatent::Fits(p))
     attend = AttendLatent<PairedLatent>;
 #endif
-  Run<T>(pool, p, attend, 1);
+  Run<T, C>(pool, p, attend, 1);
 }
 
-// What both custom calls share once their own operands are in `p`: the dtypes and the metadata
-// checked and read, the output cache given the input's contents where XLA chose not to alias
-// the two, and the run for float32 or bfloat16.
-ffi::Error Launch(ffi::ThreadPool& pool, Problem& p, const char* name,
-                  std::initializer_list<ffi::DataType> dtypes, ffi::AnyBuffer kv_cache,
+using RunFn = void (*)(ffi::ThreadPool&, const Problem&);
+
+// A custom call's runs by q's dtype (float32, bfloat16) and the cache's (q's, FP8 e4m3fn, e5m2).
+template <template <typename, typename> class Kind>
+struct Runs {
+  static constexpr RunFn by_dtype[2][3] = {
+      {Kind<float, float>::Run, Kind<float, F8E4M3>::Run, Kind<float, F8E5M2>::Run},
+      {Kind<uint16_t, uint16_t>::Run, Kind<uint16_t, F8E4M3>::Run, Kind<uint16_t, F8E5M2>::Run}};
+};
+template <typename T, typename C>
+struct AttentionRun {
+  static void Run(ffi::ThreadPool& pool, const Problem& p) { RunAttention<T, C>(pool, p); }
+};
+template <typename T, typename C>
+struct LatentRun {
+  static void Run(ffi::ThreadPool& pool, const Problem& p) { RunLatentAttention<T, C>(pool, p); }
+};
+
+// What both custom calls share once their own operands are in `p`: the dtypes (q's, then the
+// new rows' and the cache's) and the metadata checked and read, the output cache given the
+// input's contents where XLA chose not to alias the two, and the run for q in float32 or
+// bfloat16 and a cache in q's dtype or FP8.
+ffi::Error Launch(ffi::ThreadPool& pool, Problem& p, const char* name, ffi::DataType dtype,
+                  std::initializer_list<ffi::DataType> cache_dtypes, ffi::AnyBuffer kv_cache,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                   ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                  void (*run_f32)(ffi::ThreadPool&, const Problem&),
-                  void (*run_bf16)(ffi::ThreadPool&, const Problem&)) {
+                  const RunFn (&runs)[2][3]) {
   const std::string prefix = std::string(name) + " (CPU): ";
-  const ffi::DataType dtype = *dtypes.begin();
   if (dtype != ffi::F32 && dtype != ffi::BF16)
     return ffi::Error::InvalidArgument(prefix + "float32 or bfloat16 only");
-  if (std::any_of(dtypes.begin(), dtypes.end(), [&](ffi::DataType d) { return d != dtype; }))
-    return ffi::Error::InvalidArgument(prefix + "q, the new rows and the cache differ in dtype");
+  const ffi::DataType cache_dtype = *cache_dtypes.begin();
+  if (std::any_of(cache_dtypes.begin(), cache_dtypes.end(),
+                  [&](ffi::DataType d) { return d != cache_dtype; }))
+    return ffi::Error::InvalidArgument(prefix + "the new rows and the cache differ in dtype");
+  const int cache_kind = cache_dtype == dtype ? 0 : cache_dtype == ffi::F8E4M3FN ? 1
+                         : cache_dtype == ffi::F8E5M2 ? 2 : -1;
+  if (cache_kind < 0)
+    return ffi::Error::InvalidArgument(prefix + "the cache is in q's dtype or FP8 (e4m3fn, e5m2)");
+  if (p.bf16_pairs && cache_kind != 0)
+    return ffi::Error::InvalidArgument(prefix + "bf16_pairs takes a bfloat16 cache");
   if (p.bf16_pairs && !kHasBf16Pairs)
     return ffi::Error::InvalidArgument(prefix + "bf16_pairs needs AVX512_BF16");
   auto pd = page_indices.dimensions();
@@ -171,7 +198,7 @@ ffi::Error Launch(ffi::ThreadPool& pool, Problem& p, const char* name,
   p.num_seqs = std::clamp<int32_t>(num_seqs.typed_data()[0], 0, static_cast<int32_t>(p.max_seqs));
   if (p.cache != kv_cache.untyped_data())  // XLA chose not to alias
     std::memcpy(p.cache, kv_cache.untyped_data(), kv_cache.size_bytes());
-  (p.bf16 ? run_bf16 : run_f32)(pool, p);
+  runs[p.bf16 ? 1 : 0][cache_kind](pool, p);
   return ffi::Error::Success();
 }
 
@@ -225,10 +252,9 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
         "a multiple of 8");
   p.prefix_only = prefix_only;
   p.lse = prefix_only ? lse->typed_data() : nullptr;
-  return Launch(pool, p, "ragged paged attention",
-                {q.element_type(), k.element_type(), v.element_type(), kv_cache.element_type()},
-                kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, RunAttention<float>,
-                RunAttention<uint16_t>);
+  return Launch(pool, p, "ragged paged attention", q.element_type(),
+                {k.element_type(), v.element_type(), kv_cache.element_type()}, kv_cache, kv_lens,
+                page_indices, cu_q_lens, num_seqs, Runs<AttentionRun>::by_dtype);
 }
 
 // q [T, Hq, Dk], latent [T, Dk], kv_cache [pages, page_size, Dc >= Dk] (keys are a row's first
@@ -267,10 +293,9 @@ ffi::Error LatentAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
   p.soft_cap = 0.0f;
   p.prefix_only = prefix_only;
   p.lse = prefix_only ? lse->typed_data() : nullptr;
-  return Launch(pool, p, "latent attention",
-                {q.element_type(), latent.element_type(), kv_cache.element_type()}, kv_cache,
-                kv_lens, page_indices, cu_q_lens, num_seqs, RunLatentAttention<float>,
-                RunLatentAttention<uint16_t>);
+  return Launch(pool, p, "latent attention", q.element_type(),
+                {latent.element_type(), kv_cache.element_type()}, kv_cache, kv_lens, page_indices,
+                cu_q_lens, num_seqs, Runs<LatentRun>::by_dtype);
 }
 
 }  // namespace

@@ -66,7 +66,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     # The cache goes in as stored (flat or by head; the kernel takes both): a reshape around
     # this aliased call made XLA copy the whole cache, every layer and step.
     out, kv_cache, lse = call(
-        q, k.astype(q.dtype), v.astype(q.dtype), kv_cache, as_i32(kv_lens), as_i32(page_indices),
+        q, k.astype(kv_cache.dtype), v.astype(kv_cache.dtype), kv_cache, as_i32(kv_lens), as_i32(page_indices),
         as_i32(cu_q_lens), as_i32(num_seqs), *optional, sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
         bf16_pairs=bool(bf16_pairs), prefix_only=bool(prefix_only))
@@ -95,7 +95,7 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
         input_output_aliases={2: 1},
     )
     as_i32 = functools.partial(jax.numpy.asarray, dtype=np.int32)
-    out, kv_cache, lse = call(q, latent.astype(q.dtype), kv_cache, as_i32(kv_lens),
+    out, kv_cache, lse = call(q, latent.astype(kv_cache.dtype), kv_cache, as_i32(kv_lens),
                               as_i32(page_indices), as_i32(cu_q_lens), as_i32(num_seqs),
                               sm_scale=np.float32(sm_scale), value_dim=np.int32(value_dim),
                               bf16_pairs=bool(bf16_pairs), prefix_only=bool(prefix_only))
@@ -104,14 +104,16 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
 
 def _checked_bf16_pairs(q, kv_cache, bf16_pairs) -> bool:
     """Whether to multiply bfloat16 pairs (None: where the CPU can), once the kernels are built
-    (else KernelUnavailable); ValueError unless q and the cache are both float32 or both bfloat16
-    and the CPU can do what bf16_pairs asks."""
+    (else KernelUnavailable); ValueError unless q is float32 or bfloat16 and the cache in q's
+    dtype or FP8 (model/kv_cache_dtype.py: widened to float32 as it is read, never pairs), and
+    the CPU can do what bf16_pairs asks."""
     load()
+    fp8 = kv_cache.dtype in (jax.numpy.float8_e4m3fn, jax.numpy.float8_e5m2)
     if bf16_pairs is None:
-        bf16_pairs = bf16_pairs_supported()
-    elif bf16_pairs and not bf16_pairs_supported():
-        raise ValueError("bf16_pairs needs a CPU with AVX512_BF16")
-    if q.dtype not in (np.float32, jax.numpy.bfloat16) or kv_cache.dtype != q.dtype:
-        raise ValueError("the CPU attention kernel takes q and a KV cache of one dtype, float32 or "
-                         f"bfloat16; got {q.dtype} and {kv_cache.dtype}")
+        bf16_pairs = bf16_pairs_supported() and not fp8
+    elif bf16_pairs and (fp8 or not bf16_pairs_supported()):
+        raise ValueError("bf16_pairs needs a CPU with AVX512_BF16 and a bfloat16 cache")
+    if q.dtype not in (np.float32, jax.numpy.bfloat16) or not (fp8 or kv_cache.dtype == q.dtype):
+        raise ValueError("the CPU attention kernel takes q in float32 or bfloat16 and a KV cache "
+                         f"in q's dtype or FP8; got {q.dtype} and {kv_cache.dtype}")
     return bool(bf16_pairs)

@@ -61,7 +61,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import (
+    check_mla_shapes, check_sinks, widened)
 from xlaserve.pallas_kernels.ragged_paged_attention.tpu_page_writes import (
     gather_new_rows, merge_new_rows, sublanes, written_tiles)
 from xlaserve.pallas_kernels.ragged_paged_attention.tpu_shape_checks import check_shapes
@@ -415,6 +416,7 @@ def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, l
             v = kv[:, pl.ds((2 * h + 1) * head_dim, head_dim)]
         else:  # MLA: the latent row is the key (not its padding lanes), its start the value
             k, v = kv[:, :head_dim], kv[:, :value_dim]
+        k, v = widened(k, q.dtype), widened(v, q.dtype)  # an FP8 cache's rows
         v = jnp.where(key_attended, v, 0)
         if q.dtype != k.dtype:
             q, k = q.astype(jnp.float32), k.astype(jnp.float32)

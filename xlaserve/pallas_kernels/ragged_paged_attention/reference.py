@@ -64,7 +64,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     layout; the cache comes back in the shape it came in); kv_lens i32[S]; page_indices
     i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
     sinks: f32[Hq] attention sinks (see the module docstring), or None for none.
-    New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
+    An FP8 cache (model/kv_cache_dtype.py) takes k and v in its dtype, already scaled; its rows
+    are widened to q's dtype for the dots (`widened`). New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
     padding tokens are 0. See docs/internals.md, "The kernel contract".
     """
     num_tokens, _, head_dim = q.shape
@@ -226,6 +227,7 @@ def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
         m_prev, l_prev, acc_prev, kv_cache = carry
         pages = lax.dynamic_slice_in_dim(item_pages, chunk * kv_block_pages, kv_block_pages, 1)
         k_chunk, v_chunk = read_chunk(kv_cache, pages)
+        k_chunk, v_chunk = widened(k_chunk, q.dtype), widened(v_chunk, q.dtype)
         key_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens)
         # Slots past kv_len hold stale data or NaN: zero V there, since p * NaN is NaN even at p=0.
         v_chunk = jnp.where(key_pos[None, :, None, None] < kv_len_b, v_chunk, 0)
@@ -311,6 +313,15 @@ def check_sinks(sinks, num_q_heads: int):
         raise ValueError(f"attention sinks must be floats, one per query head, [{num_q_heads}]; "
                          f"got {sinks.dtype}{list(sinks.shape)}")
     return jnp.asarray(sinks, jnp.float32)
+
+
+def widened(rows, dtype):
+    """`rows` of an FP8 cache (model/kv_cache_dtype.py) in `dtype`, the queries', for the dots;
+    any other rows as they are. (The cache's scales are not applied here: the caller folds them
+    into sm_scale and the output.)"""
+    if rows.dtype.itemsize == 1 and jnp.issubdtype(rows.dtype, jnp.floating):
+        return rows.astype(dtype)
+    return rows
 
 
 def by_head(kv_cache, head_dim: int):

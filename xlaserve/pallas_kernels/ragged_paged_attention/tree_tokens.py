@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.pallas_kernels.ragged_paged_attention.new_tokens import segment_ids
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import merge_by_lse
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import merge_by_lse, widened
 
 MAX_TREE_TOKENS = 32  # tokens of a tree row at most: the bits of an int32 mask
 
@@ -45,9 +45,9 @@ def tree_token_attention(q, k, v, tree_masks, cu_q_lens, num_seqs, *, sm_scale: 
     seen = ((tree_masks[:, None] >> offsets[None, :]) & 1).astype(jnp.bool_)
     seen &= (keys < num_tokens) & (seq < max_seqs)[:, None]
     keys = jnp.minimum(keys, num_tokens - 1)
-    k_rows = k[keys]  # [T, width, Hkv, D]
+    k_rows = widened(k[keys], q.dtype)  # [T, width, Hkv, D]; an FP8 cache's rows widened
     # Unseen rows may be another sequence's or padding (NaN there): p * NaN is NaN even at p=0.
-    v_rows = jnp.where(seen[:, :, None, None], v[keys], 0)
+    v_rows = jnp.where(seen[:, :, None, None], widened(v[keys], q.dtype), 0)
     q = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("thgd,twhd->thgw", q, k_rows,
                         preferred_element_type=jnp.float32) * sm_scale
@@ -57,7 +57,7 @@ def tree_token_attention(q, k, v, tree_masks, cu_q_lens, num_seqs, *, sm_scale: 
     lse = jax.nn.logsumexp(scores, axis=-1)  # -inf where nothing is seen
     probs = jnp.where(seen[:, None, None, :], jnp.exp(scores - jnp.where(
         jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-    out = jnp.einsum("thgw,twhd->thgd", probs.astype(v.dtype), v_rows,
+    out = jnp.einsum("thgw,twhd->thgd", probs.astype(v_rows.dtype), v_rows,
                      preferred_element_type=jnp.float32)
     return (out.reshape(num_tokens, num_q_heads, v.shape[-1]),
             lse.reshape(num_tokens, num_q_heads))
