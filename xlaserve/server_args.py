@@ -353,9 +353,11 @@ class ServerArgs:
         choices=["llguidance", "none"],
         value_aliases={"xgrammar": "llguidance", "outlines": "llguidance"})
     kv_cache_dtype: str = _flag(
-        "auto", "the KV cache's data type: auto (the model's --dtype) is the only one; SGLang's "
-                "and vLLM's fp8 KV caches stop start-up with a line saying so",
-        choices=["auto", "fp8_e5m2", "fp8_e4m3", "fp8"])
+        "auto", "the KV cache's data type: auto (the model's --dtype), or fp8_e4m3 / fp8_e5m2: "
+                "one byte an entry, twice the tokens of a bfloat16 cache in the same memory, each "
+                "layer's K and V divided by the checkpoint's k_scale / v_scale (1.0 where it has "
+                "none); fp8 is fp8_e4m3 (vLLM's name)",
+        choices=["auto", "fp8_e5m2", "fp8_e4m3"], value_aliases={"fp8": "fp8_e4m3"})
     enable_cache_report: bool = _flag(
         False, "accepted for SGLang's launch lines: usage.prompt_tokens_details.cached_tokens is "
                "always reported, as OpenAI does (SGLang reports it only with this flag)")
@@ -447,9 +449,6 @@ class ServerArgs:
                 logger.info("--%s %s: served as %s", field.name.replace("_", "-"), value,
                             aliases[value])
                 setattr(self, field.name, aliases[value])
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the KV cache is kept in "
-                             "the model's --dtype; no other KV cache dtype is supported")
         if self.max_tools < 0:
             raise ValueError(f"--max-tools must be 0 or more; got {self.max_tools}")
         if self.precompile_threads < 1:
@@ -476,7 +475,9 @@ class ServerArgs:
         """What an embedding server does not run stops its start (ValueError naming the flag)."""
         for flag, given in (("--speculative-algorithm", self.speculative_algorithm),
                             ("--enable-lora", self.enable_lora),
-                            ("--nnodes > 1", self.nnodes > 1)):
+                            ("--nnodes > 1", self.nnodes > 1),
+                            ("--kv-cache-dtype " + self.kv_cache_dtype,
+                             self.kv_cache_dtype != "auto")):
             if given:
                 raise ValueError(f"{flag} with an embedding model (--is-embedding / --runner "
                                  "pooling): not supported")

@@ -1,4 +1,4 @@
-"""Every attention kernel over an FP8 KV cache (model/kv_cache_dtype.py): the reference widens the
+"""Every attention kernel over an FP8 KV cache (model/fp8_kv_cache.py): the reference widens the
 cache's rows to q's dtype for its dots, and the CPU kernel (C++: its own FP8 decoding), the Pallas
 TPU and GPU kernels (interpret mode here) and the latent (MLA) kernels give what the reference
 gives; the Pallas kernels compile for v5e, v6e and an H100 with an FP8 cache. The cases are the
@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tests.kernels.test_compile_kernels import check_compiles_in_place
 from tests.kernels.test_reference_attention import BATCHES, SM_SCALE
-from xlaserve.model.kv_cache_dtype import is_fp8, kv_cache_dtype, quantize
+from xlaserve.model.fp8_kv_cache import is_fp8, quantize, resolve_kv_cache_dtype
 from xlaserve.pallas_kernels.ragged_paged_attention import (cases, kernel_cpu, kernel_gpu,
                                                          kernel_tpu, reference)
 
@@ -51,8 +51,8 @@ def test_quantize_clips_to_the_formats_finite_range_and_divides_by_the_scale():
     np.testing.assert_array_equal(as_f32(quantize(x, 1.0, jnp.float8_e5m2))[3:5], [1024, -57344])
     np.testing.assert_array_equal(as_f32(quantize(x, 4.0, jnp.float8_e4m3fn))[:4],
                                   [0, 0.25, -0.75, 256])  # x / 4; 250 rounds to 256 (step 16)
-    assert kv_cache_dtype("fp8", jnp.bfloat16) == jnp.float8_e4m3fn  # vLLM's name for e4m3
-    assert kv_cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+    assert resolve_kv_cache_dtype("fp8", jnp.bfloat16) == jnp.float8_e4m3fn  # vLLM's name for e4m3
+    assert resolve_kv_cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16
     assert is_fp8(jnp.float8_e5m2) and not is_fp8(jnp.bfloat16)
 
 

@@ -16,6 +16,8 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "QUANTIZED_TYPES": "int8", "QUANTIZED_WEIGHTS": "int8", "quantizes": "int8",
     "refuse_quantized_checkpoint": "int8",
     "Kernels": "layers",
+    "KV_CACHE_DTYPES": "fp8_kv_cache", "is_fp8": "fp8_kv_cache",
+    "resolve_kv_cache_dtype": "fp8_kv_cache",
     "LoraSpec": "lora", "TARGET_MODULES": "lora", "check_model": "lora",
     "lora_batch": "lora", "module_shapes": "lora", "scaling": "lora", "slot_shapes": "lora",
     "token_request_slots": "lora",

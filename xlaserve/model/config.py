@@ -243,7 +243,7 @@ class ModelConfig:
     # A vision-language model's vision tower (model/qwen_vision.py); None: text only.
     vision: VisionConfig | None = None
     # Per layer, an FP8 KV cache's (k_scale, v_scale) as the checkpoint gives them
-    # (model/kv_cache_dtype.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
+    # (model/fp8_kv_cache.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
     # dtype does not read them.
     kv_scales: tuple[tuple[float, float], ...] | None = None
 

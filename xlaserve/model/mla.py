@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.model.kv_cache_dtype import is_fp8, quantize
+from xlaserve.model.fp8_kv_cache import is_fp8, quantize
 from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight,
                                    matmul_input_dtype, project)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import merge_by_lse
@@ -53,7 +53,7 @@ class MLAttention(nnx.Module):
         c, m = config, config.mla
         self.config = c
         # An FP8 cache's scale of the latent rows, keys and values both: the layer's k_scale
-        # (kv_cache_dtype.py).
+        # (fp8_kv_cache.py).
         self.latent_scale = c.kv_scales[layer_index][0] if c.kv_scales else 1.0
         qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
@@ -89,7 +89,7 @@ class MLAttention(nnx.Module):
         q_latent = jnp.einsum("thn,hnr->thr", q_nope.astype(w_uk.dtype), w_uk,
                               preferred_element_type=jnp.float32)
         # The cache's dtype (the model's), or with an FP8 cache the model's for the queries
-        # and the latent rows scaled into FP8 (kv_cache_dtype.py; the scale folds into the
+        # and the latent rows scaled into FP8 (fp8_kv_cache.py; the scale folds into the
         # softmax scale and the latent-space output).
         fp8, scale = is_fp8(kv_cache.dtype), self.latent_scale
         dtype = w_uk.dtype if fp8 else kv_cache.dtype

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.int8 import check_quantization, quantized_parameters
-from xlaserve.model.kv_cache_dtype import is_fp8, quantize
+from xlaserve.model.fp8_kv_cache import is_fp8, quantize
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rope_qk, split_qkv)
 from xlaserve.model.mla import MLAttention
@@ -94,7 +94,7 @@ class Attention(nnx.Module):
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
         num_tokens = x.shape[0]
         # Attention takes its inputs in the cache's dtype (the model dtype); an FP8 cache takes
-        # K and V scaled into FP8 and q in the model dtype (kv_cache_dtype.py).
+        # K and V scaled into FP8 and q in the model dtype (fp8_kv_cache.py).
         fp8 = kv_cache is not None and is_fp8(kv_cache.dtype)
         dtype = (matmul_input_dtype(self.o_proj[...]) if kv_cache is None or fp8
                  else kv_cache.dtype)

@@ -37,6 +37,7 @@ from xlaserve.weights.conversion_cache import ConversionCache
 from xlaserve.weights.dummy_weights import dummy_model
 from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
 from xlaserve.weights.gguf_load import load_gguf
+from xlaserve.weights.kv_scales import kv_scales
 from xlaserve.model.int8 import (check_platform, check_quantization, quantize_model,
                                  refuse_quantized_checkpoint)
 from xlaserve.weights.placement import build_model, expected_parameters, place_model
@@ -205,7 +206,8 @@ def server_load_options(args) -> dict:
                 seed=args.random_seed or 0, conversion_cache=not args.disable_conversion_cache,
                 conversion_cache_dir=args.conversion_cache_dir, quantization=args.quantization,
                 matmul_backend=args.matmul_backend, revision=args.revision,
-                trust_remote_code=args.trust_remote_code, quantized_activations=args.quantized_activations)
+                trust_remote_code=args.trust_remote_code, quantized_activations=args.quantized_activations,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def load_model(
@@ -227,6 +229,7 @@ def load_model(
     quantized_activations: str = "float32",
     lm_head: bool = True,
     is_causal: bool | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """Load config, weights (sharded on `mesh`) and tokenizer (None with `skip_tokenizer_init`,
     for callers that feed token ids). `load_format="dummy"`: random weights drawn from `seed`.
@@ -242,7 +245,9 @@ def load_model(
     from a safetensors checkpoint. `is_causal` (vLLM's --hf-overrides): False runs a dense
     decoder's attention over each whole input (ModelConfig.bidirectional; an embedding
     server's); given either way, a backbone whose config names code of its own loads as
-    transformers' class with that attention (encoder_config.model_config_from_hf)."""
+    transformers' class with that attention (encoder_config.model_config_from_hf).
+    `kv_cache_dtype` (--kv-cache-dtype) fp8_e4m3 or fp8_e5m2: the checkpoint's KV cache scales
+    are read into the config (`ModelConfig.kv_scales`; kv_scales.py), 1.0 where it has none."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -267,6 +272,8 @@ def load_model(
             need_tokenizer=not skip_tokenizer_init,
             keep_quantized=gguf_kept.keeps_quantized(mesh, matmul_backend),
             activations=quantized_activations)
+        if kv_cache_dtype != "auto":  # a GGUF has no KV cache scales
+            config = _with_kv_scales(config, None, kv_cache_dtype)
         return LoadedModel(config, model, tokenizer, dtype, mesh, gguf_path, name)
     source_path, config, hf_config = _read_config(path, config_file_allowed=dummy,
                                                   trust_remote_code=trust_remote_code,
@@ -283,6 +290,9 @@ def load_model(
                          f"checkpoint's precision as a generation model (not "
                          f"{'--quantization ' + quantization if quantization else 'embeddings'})")
     check_expert_parallel(config.num_experts, mesh)
+    if kv_cache_dtype != "auto":
+        config = _with_kv_scales(config, None if dummy or checkpoint.is_checkpoint(source_path)
+                                 else _named_source(source_path), kv_cache_dtype)
     if quantization == "mxfp4":
         mxfp4_kept.check_model(config, mesh, None if dummy else source_path)
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
@@ -315,7 +325,7 @@ def _load_safetensors(source_path: str, config: ModelConfig, hf_config: dict, *,
     everything else decoded at load (and quantized as `quantization` asks)."""
     method = check_quantization_config(hf_config)
     refuse_quantized_checkpoint(quantization, method, source_path)
-    source = with_decoder_names(with_vision_language_names(SafetensorsSource(source_path)))
+    source = _named_source(source_path)
     if quantization == "mxfp4":  # the experts as stored, the rest decoded
         tensors = itertools.chain(
             convert(config, dequantizing_source(source, hf_config, dtype),
@@ -335,6 +345,26 @@ def _load_safetensors(source_path: str, config: ModelConfig, hf_config: dict, *,
                            abstract=abstract)
     return build_model(config, dequantizing_source(source, hf_config, dtype), dtype=dtype,
                        mesh=mesh, progress=progress, quantization=quantization)
+
+
+def _named_source(source_path: str):
+    """A Hugging Face checkpoint's tensors under a causal LM's names."""
+    return with_decoder_names(with_vision_language_names(SafetensorsSource(source_path)))
+
+
+def _with_kv_scales(config: ModelConfig, source, kv_cache_dtype: str) -> ModelConfig:
+    """`config` with an FP8 KV cache's scales from `source` (None: an Orbax checkpoint's are in
+    its config already, dummy weights have none), said in one line either way."""
+    scales = config.kv_scales if source is None else kv_scales(source, config.num_layers)
+    if scales is None:
+        logger.info("--kv-cache-dtype %s: the checkpoint has no KV cache scales; K and V are "
+                    "stored unscaled (scale 1.0)", kv_cache_dtype)
+    else:
+        k_scales, v_scales = zip(*scales)
+        logger.info("--kv-cache-dtype %s: KV cache scales from the checkpoint, %d layers "
+                    "(k_scale %.4g..%.4g, v_scale %.4g..%.4g)", kv_cache_dtype, len(scales),
+                    min(k_scales), max(k_scales), min(v_scales), max(v_scales))
+    return dataclasses.replace(config, kv_scales=scales)
 
 
 def _served_name(model_path: str) -> str:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_gpu, kernel_tpu
 from xlaserve.pallas_kernels.ragged_paged_attention import new_tokens, reference, tpu_shape_checks
+from xlaserve.pallas_kernels.ragged_paged_attention.tpu_page_writes import sublanes
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +113,13 @@ def _pick(backend, mesh, interpret, platform, name: str, split: Callable) -> Cal
     return split(getattr(kernel_cpu, name), mesh)
 
 
-def default_page_size(platform: str, max_seqs: int, context_length: int) -> int:
+def default_page_size(platform: str, max_seqs: int, context_length: int, dtype=None) -> int:
     """--page-size by default: 16 tokens, or on TPU more where the page table would not fit the
-    kernel's scalar memory (tpu_shape_checks.check_shapes)."""
+    kernel's scalar memory, and at least one sublane tile of the cache's `dtype` (32 rows of
+    FP8; tpu_shape_checks.check_shapes)."""
     if platform == "tpu":
-        return tpu_shape_checks.default_page_size(max_seqs, context_length)
+        smallest = max(16, sublanes(dtype)) if dtype is not None else 16
+        return tpu_shape_checks.default_page_size(max_seqs, context_length, smallest)
     return 16
 
 

@@ -151,7 +151,7 @@ struct KeyTile {
   }
 };
 
-// An FP8 cache's entries (model/kv_cache_dtype.py), one byte each: e4m3fn (4 exponent bits,
+// An FP8 cache's entries (model/fp8_kv_cache.py), one byte each: e4m3fn (4 exponent bits,
 // bias 7, no infinities) and e5m2 (5 bits, bias 15). The model clips before it casts, so only
 // finite values are ever stored; NaN and infinity encodings are not decoded.
 struct F8E4M3 {

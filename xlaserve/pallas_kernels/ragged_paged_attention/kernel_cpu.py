@@ -105,7 +105,7 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
 def _checked_bf16_pairs(q, kv_cache, bf16_pairs) -> bool:
     """Whether to multiply bfloat16 pairs (None: where the CPU can), once the kernels are built
     (else KernelUnavailable); ValueError unless q is float32 or bfloat16 and the cache in q's
-    dtype or FP8 (model/kv_cache_dtype.py: widened to float32 as it is read, never pairs), and
+    dtype or FP8 (model/fp8_kv_cache.py: widened to float32 as it is read, never pairs), and
     the CPU can do what bf16_pairs asks."""
     load()
     fp8 = kv_cache.dtype in (jax.numpy.float8_e4m3fn, jax.numpy.float8_e5m2)

@@ -64,7 +64,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     layout; the cache comes back in the shape it came in); kv_lens i32[S]; page_indices
     i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
     sinks: f32[Hq] attention sinks (see the module docstring), or None for none.
-    An FP8 cache (model/kv_cache_dtype.py) takes k and v in its dtype, already scaled; its rows
+    An FP8 cache (model/fp8_kv_cache.py) takes k and v in its dtype, already scaled; its rows
     are widened to q's dtype for the dots (`widened`). New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
     padding tokens are 0. See docs/internals.md, "The kernel contract".
     """
@@ -316,7 +316,7 @@ def check_sinks(sinks, num_q_heads: int):
 
 
 def widened(rows, dtype):
-    """`rows` of an FP8 cache (model/kv_cache_dtype.py) in `dtype`, the queries', for the dots;
+    """`rows` of an FP8 cache (model/fp8_kv_cache.py) in `dtype`, the queries', for the dots;
     any other rows as they are. (The cache's scales are not applied here: the caller folds them
     into sm_scale and the output.)"""
     if rows.dtype.itemsize == 1 and jnp.issubdtype(rows.dtype, jnp.floating):

@@ -35,8 +35,9 @@ from xlaserve.runtime.executor.forward_batch import Buckets, serving_buckets, wi
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, enabled_by_environment
 from xlaserve.runtime.sampling.grammar import GrammarBackend
-from xlaserve.runtime.executor.kv_pool import num_pages_for
+from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
 from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
+from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.quantized_rows import native_gemm_available
 from xlaserve.runtime.executor.draft_head import DraftHead
 from xlaserve.runtime.executor.draft_model import DraftModel
@@ -123,7 +124,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     platform = jax.default_backend()
     args, defaulted = platform_defaults.resolve(args, platform, loaded.mesh.devices.flat[0])
     platform_defaults.log_resolved(args, platform, defaulted)
-    args = with_page_size(args, platform, context_length)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
+    args = with_page_size(args, platform, context_length, kv_dtype)
     if config.bidirectional:
         # An encoder's input runs whole in one step (its attention sees all of it): no chunks,
         # and a step's prompt budget holds the longest input.
@@ -135,7 +137,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     if args.speculative_algorithm in ("EAGLE3", "NEXTN"):  # the draft head rides on the model
         head = loaded.model.draft_head = load_server_draft_head(args, loaded)
         clock = _lap(timings, "draft head", clock)
-    num_pages = num_pages_for(config, loaded.dtype, page_size,
+    num_pages = num_pages_for(config, kv_dtype, page_size,
                               max_total_tokens=args.max_total_tokens,
                               mem_fraction_static=args.mem_fraction_static,
                               device=loaded.mesh.devices.flat[0],  # this replica's
@@ -143,6 +145,13 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                               # one host's memory, so there the whole page counts.
                               tensor_parallel=args.tp_size if platform != "cpu" else 1,
                               draft_head=head and head.config)
+    if kv_dtype != loaded.dtype:
+        per_token = bytes_per_token(config, kv_dtype, platform, head and head.config)
+        as_model = bytes_per_token(config, loaded.dtype, platform, head and head.config)
+        logger.info("KV cache dtype %s (--kv-cache-dtype %s): %d tokens in %.2f GB, where a %s "
+                    "cache would hold %d", np.dtype(kv_dtype).name, args.kv_cache_dtype,
+                    (num_pages - 1) * page_size, num_pages * page_size * per_token / 1e9,
+                    np.dtype(loaded.dtype).name, (num_pages - 1) * page_size * per_token // as_model)
     if "max_running_requests" in defaulted and platform != "cpu":
         running = platform_defaults.running_requests_for_pool(platform, num_pages * page_size)
         if running != args.max_running_requests:
@@ -160,7 +169,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          quantized_activations=args.quantized_activations,
                          verify_tokens=(args.speculative_num_draft_tokens
                                         if args.speculative_algorithm else 1),
-                         lora=lora_spec)
+                         lora=lora_spec, kv_cache_dtype=args.kv_cache_dtype)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
     images = None
     if config.vision is not None:  # the tower runs apart from the step (vision_encoder.py)
@@ -181,7 +190,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                     else "XLA's dots (the native quantized CPU GEMM does not build here)")
     buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
                               native_matmul=runner.kernels.packed_matmul is not None,
-                              latent=config.mla.kernel_widths if config.mla else None)
+                              latent=config.mla.kernel_widths if config.mla else None,
+                              kv_dtype=kv_dtype)
     runner.max_seqs = buckets.seqs[-1]  # the runner's sample rows are the buckets'
     leader = lead(args, runner) if args.nnodes > 1 else None
     draft = None
@@ -295,7 +305,8 @@ def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,
                                attention_backend=args.attention_backend,
                                matmul_backend=args.matmul_backend,
                                context_length=runner.context_length,
-                               verify_tokens=runner.verify_tokens)
+                               verify_tokens=runner.verify_tokens,
+                               kv_cache_dtype=args.kv_cache_dtype)
     draft_runner.max_seqs = runner.max_seqs
     return DraftModel(draft_runner, buckets)
 

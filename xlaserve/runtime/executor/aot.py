@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
+from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.lora import LoraSpec
 from xlaserve.weights.draft_head import draft_head_builder, hf_config_of
 from xlaserve.weights.loader import read_config, resolve_dtype
@@ -174,7 +175,8 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                  attention_backend: str = "auto", quantization=None,
                  mla_expanded_prefill_tokens: int = 0, verify_tokens: int = 1,
                  max_seqs: int = 0, draft_head=None, tree_width: int = 0, topk: int = 1,
-                 tree_steps: int = 0, lora: LoraSpec | None = None) -> StepProgram:
+                 tree_steps: int = 0, lora: LoraSpec | None = None,
+                 kv_dtype=None) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
     page table as wide as `context_length`'s pages.
     `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint).
@@ -182,7 +184,8 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     nnx.eval_shape): the step catches it up, and `StepProgram.compile_chain` compiles its
     draft steps (with `topk` > 1 its tree drafting, `tree_steps` deep, and the step's tree
     program verifies rows of `tree_width`). `lora`: the LoRA adapter slots' shapes, whose
-    arrays follow the weights (runtime/executor/lora_slots.py)."""
+    arrays follow the weights (runtime/executor/lora_slots.py). `kv_dtype`: the KV cache's
+    (None: `dtype`; an FP8 one, model/fp8_kv_cache.py)."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform,
                           mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
     num_slots, vocab = max_running_requests + 1, config.vocab_size
@@ -195,7 +198,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     leaves, state_treedef = jax.tree.flatten(state)
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
                                          stack_layers=platform == "tpu", names=leaf_names(state))
-    caches = kv_pool_specs(config, num_pages, page_size, dtype, mesh, pool)
+    caches = kv_pool_specs(config, num_pages, page_size, kv_dtype or dtype, mesh, pool)
     kv_sharding = [cache.sharding for cache in caches]
     lora_args = None
     if lora is not None:  # after the model's weights (as ModelRunner)
@@ -261,11 +264,13 @@ def server_step(target: str, server_args: ServerArgs,
                             trust_remote_code=server_args.trust_remote_code)
     check_expert_parallel(config.num_experts, mesh)
     dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
+    kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype)
     context_length = server_args.context_length or config.max_position_embeddings
-    server_args = with_page_size(server_args, platform, context_length)
+    server_args = with_page_size(server_args, platform, context_length, kv_dtype)
     page_size = server_args.page_size
     buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform,
-                              latent=config.mla.kernel_widths if config.mla else None)
+                              latent=config.mla.kernel_widths if config.mla else None,
+                              kv_dtype=kv_dtype)
     num_pages = (server_args.max_total_tokens or DEFAULT_KV_TOKENS) // page_size + 1
     head = None
     if server_args.speculative_algorithm in ("EAGLE3", "NEXTN"):
@@ -284,7 +289,7 @@ def server_step(target: str, server_args: ServerArgs,
                            draft_head=head, tree_width=buckets.tree_width,
                            topk=server_args.speculative_eagle_topk or 1,
                            tree_steps=server_args.speculative_num_steps or 0,
-                           lora=lora_spec(server_args))
+                           lora=lora_spec(server_args), kv_dtype=kv_dtype)
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""
     if fp8_checkpoint is not None:
         weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"
@@ -294,6 +299,8 @@ def server_step(target: str, server_args: ServerArgs,
     if program.lora is not None:
         weights += (f", {program.lora.max_loras} LoRA slots of rank {program.lora.max_rank} on "
                     f"{len(program.lora.target_modules)} modules")
+    if kv_dtype != dtype:
+        weights += f", {np.dtype(kv_dtype).name} KV cache"
     description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
                    f"{np.dtype(dtype).name}{weights}, "
                    f"tp {server_args.tp_size}, ep {server_args.ep_size}, "

@@ -203,21 +203,23 @@ def _sorted(values) -> tuple[int, ...] | None:
     return tuple(sorted(set(int(v) for v in values))) if values else None
 
 
-def with_page_size(args, platform: str, context_length: int):
+def with_page_size(args, platform: str, context_length: int, kv_dtype=None):
     """`args` (ServerArgs) with --page-size resolved: as given, or the platform's default
-    (api.default_page_size)."""
+    (api.default_page_size) for a KV cache of `kv_dtype` (None: float32 or bfloat16)."""
     if args.page_size:
         return args
-    page_size = default_page_size(platform, args.max_running_requests, context_length)
+    page_size = default_page_size(platform, args.max_running_requests, context_length, kv_dtype)
     return dataclasses.replace(args, page_size=page_size)
 
 
 def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: str,
-                    native_matmul: bool = False, latent: tuple[int, int] | None = None) -> Buckets:
+                    native_matmul: bool = False, latent: tuple[int, int] | None = None,
+                    kv_dtype=None) -> Buckets:
     """The buckets a server with `args` (ServerArgs, --page-size resolved) precompiles on
-    `platform`. Raises ValueError where the attention kernel cannot take them (api.check_shapes;
-    `latent`: a latent-attention model's (value_dim, row width), `MLAConfig.kernel_widths`), so
-    that a server says so at start-up instead of failing inside XLA's compile."""
+    `platform` for a model of `dtype` and a KV cache of `kv_dtype` (None: `dtype`). Raises
+    ValueError where the attention kernel cannot take them (api.check_shapes; `latent`: a
+    latent-attention model's (value_dim, row width), `MLAConfig.kernel_widths`), so that a server
+    says so at start-up instead of failing inside XLA's compile."""
     verify_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 1
     step_tokens = max_step_tokens(args.max_running_requests, args.max_prefill_tokens)
     pages = pages_for_tokens(context_length, args.page_size)
@@ -235,7 +237,8 @@ def serving_buckets(args, context_length: int, head_dim: int, dtype, platform: s
         tree=bool(args.speculative_algorithm) and (args.speculative_eagle_topk or 1) > 1,
     )
     check_shapes(args.attention_backend, platform, page_size=args.page_size, head_dim=head_dim,
-                 dtype=dtype, max_seqs=max(buckets.seqs), pages_per_seq=max(buckets.pages),
+                 dtype=kv_dtype or dtype, max_seqs=max(buckets.seqs),
+                 pages_per_seq=max(buckets.pages),
                  latent=latent)
     return buckets
 

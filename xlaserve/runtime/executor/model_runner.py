@@ -58,6 +58,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.lora import LoraSpec
 from xlaserve.model.packed import pack_model
 from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
@@ -130,7 +131,7 @@ class ModelRunner:
                  static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
                  context_length: int | None = None, mla_expanded_prefill_tokens: int = 0,
                  verify_tokens: int = 1, quantized_activations: str = "float32",
-                 lora: LoraSpec | None = None):
+                 lora: LoraSpec | None = None, kv_cache_dtype: str = "auto"):
         """`context_length` (default: the model's) sets the page table's width, the pages of
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
@@ -141,7 +142,8 @@ class ModelRunner:
         speculative verified row at most (1: no speculation), which sets each bucket's sample
         rows (forward_batch.sample_rows_for). `quantized_activations`: how --quantization int8's
         rows take x (pack_model's int8_activations; a GGUF's kept blocks were laid out at load).
-        `lora`: the LoRA adapter slots' shapes (lora_slots.py; None: no adapters)."""
+        `lora`: the LoRA adapter slots' shapes (lora_slots.py; None: no adapters).
+        `kv_cache_dtype`: --kv-cache-dtype, the pool's entries (model/fp8_kv_cache.py)."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
@@ -160,6 +162,7 @@ class ModelRunner:
         self._no_embeds: dict[int, jax.Array] = {}
         self.num_pages = num_pages
         dtype = self._dtype = loaded.dtype
+        self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         self.kernels = kernels = kernels_for(
             attention_backend, self.mesh, matmul_backend,
             mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
@@ -170,10 +173,10 @@ class ModelRunner:
         # state rides at the end of the KV pool's list (kv_pool.DraftHeadPool).
         head = getattr(loaded.model, "draft_head", None)
         self.draft_head_pool = None if head is None else DraftHeadPool(head.config, num_slots)
-        self._kv_pool = init_kv_pool(self.config, num_pages, page_size, dtype, self.mesh,
+        self._kv_pool = init_kv_pool(self.config, num_pages, page_size, kv_dtype, self.mesh,
                                      in_background=True, draft_head=self.draft_head_pool)
         self._kv_caches = None
-        self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, dtype, self.mesh,
+        self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, kv_dtype, self.mesh,
                                        self.draft_head_pool)
         if kernels.packed_matmul is not None:
             # An embedding server's model has no LM head: its tied embedding stays as it is.
@@ -206,7 +209,8 @@ class ModelRunner:
         # What the step is made of besides its arguments' shapes: part of its executable cache key.
         # Everything the step closes over that its arguments do not show: a speculative server's
         # step (verify_tokens > 1) has the shapes of a plain one's, not its program.
-        self._description = "\n".join([repr(self.config), np.dtype(dtype).name, str(state_treedef),
+        self._description = "\n".join([repr(self.config), np.dtype(dtype).name,
+                                        f"kv cache {np.dtype(kv_dtype).name}", str(state_treedef),
                                         describe(kernels), f"verify_tokens {verify_tokens}",
                                         # a head's config and layers are static, not state
                                         repr(head and (head.config, head.capture_layers))])

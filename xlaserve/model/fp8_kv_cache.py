@@ -21,7 +21,7 @@ KV_CACHE_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 ALIASES = {"fp8": "fp8_e4m3"}
 
 
-def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
+def resolve_kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
     """The KV cache's dtype for `--kv-cache-dtype name`: "auto" is the model's."""
     if name == "auto":
         return jnp.dtype(model_dtype)
