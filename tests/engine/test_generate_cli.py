@@ -64,13 +64,14 @@ def test_sglang_and_vllm_flag_names_and_values_are_taken_as_ours():
     assert ServerArgs(grammar_backend="outlines").grammar_backend == "llguidance"  # the Engine's path
 
 
-def test_a_kv_cache_dtype_that_cannot_run_stops_start_up_with_one_line():
+def test_vllms_fp8_kv_cache_is_e4m3_and_an_embedding_server_refuses_one_in_one_line():
+    assert ServerArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
     result = subprocess.run([sys.executable, "-m", "xlaserve.launch_server", "--kv-cache-dtype",
-                             "fp8_e4m3"], capture_output=True, text=True, timeout=120)
+                             "fp8", "--is-embedding"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].endswith(
-        "--kv-cache-dtype fp8_e4m3: the KV cache is kept in the model's --dtype; no other KV cache "
-        "dtype is supported")
+        "--kv-cache-dtype fp8_e4m3 with an embedding model (--is-embedding / --runner pooling): "
+        "not supported")
 
 
 def test_a_negative_max_tools_stops_start_up_instead_of_refusing_every_chat_request():

@@ -8,7 +8,8 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "Buckets": "forward_batch", "forward_batch_for": "forward_batch",
     "serving_buckets": "forward_batch", "with_page_size": "forward_batch",
-    "num_pages_for": "kv_pool", "DraftModel": "draft_model", "DraftHead": "draft_head",
+    "num_pages_for": "kv_pool", "bytes_per_token": "kv_pool",
+    "DraftModel": "draft_model", "DraftHead": "draft_head",
     "ModelRunner": "model_runner", "slots_for": "lora_slots",
     "EmbeddingRunner": "embedding_step",
     "SAMPLING_WIDTHS": "step_program", "StepOutput": "step_program",
