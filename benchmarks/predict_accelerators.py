@@ -73,11 +73,13 @@ from xlaserve.runtime.sampling.step_needs import VARIANT_NAMES
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # Data sheets: H100 SXM5 (NVIDIA: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16); TPU v6e (Google Cloud
-# TPU v6e page: 1638 GB/s HBM, 918 TFLOP/s bf16 per chip). Measured on an H100 80 GB
+# TPU v6e page: 1638 GB/s HBM, 918 TFLOP/s bf16 per chip; v5e: 819 GB/s, 197 TFLOP/s). Measured on an H100 80 GB
 # (shared/MEASURED.md): ~3.0 TB/s copy, ~798 TFLOP/s matmul, so real steps are >= 10% slower.
 PEAKS = {"h100": (3.35e12, 989e12), "h100x8": (3.35e12, 989e12),
-         "v6e:2x2": (1.638e12, 918e12), "v6e:2x4": (1.638e12, 918e12)}
-DTYPE_NAMES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+         "v6e:2x2": (1.638e12, 918e12), "v6e:2x4": (1.638e12, 918e12),
+         "v5e:2x2": (0.819e12, 197e12)}
+DTYPE_NAMES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16",
+               "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
 # (target, model, tp): the default set, and what --all adds. "v6e-1" is tp 1 on the first chip of
 # the 2x2 topology (libtpu refuses a single-chip v6e:1x1 topology).
 DEFAULT_RUNS = [("h100", "llama-3.1-8b", 1), ("v6e:2x2", "llama-3.1-8b", 4)]

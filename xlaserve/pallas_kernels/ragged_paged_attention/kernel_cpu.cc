@@ -19,6 +19,10 @@
 // expanded form's prefix part, model/mla.py) a row attends to its sequence's keys from before
 // this step alone and the call also returns each row's log-sum-exp.
 //
+// q and the output are float32 or bfloat16; the cache is in q's dtype or FP8 (e4m3fn, e5m2:
+// --kv-cache-dtype, model/fp8_kv_cache.py), whose rows are widened to float32 as they are read
+// (`LoadRow`, attention_common.h), as bfloat16 rows are on CPUs without AVX512_BF16.
+//
 // Built by kernel_cpu.py with the host compiler (-O3 -march=native). The inner loops use GCC
 // vector extensions (16 floats), which compile to whatever vector registers the CPU has.
 
