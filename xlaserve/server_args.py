@@ -345,6 +345,15 @@ class ServerArgs:
     disable_radix_cache: bool = _flag(
         False, "free the KV pages of finished requests instead of keeping them for later prompts "
                "that start with the same tokens (the prefix cache)")
+    enable_hierarchical_cache: bool = _flag(
+        False, "SGLang's HiCache: prefix-cache pages evicted from the device pool move to a host "
+               "memory tier instead of being dropped, and a prompt that matches them loads them "
+               "back (a copy instead of a prefill)")
+    hicache_ratio: float = _flag(
+        2.0, "the host tier's size as a multiple of the device KV pool's (with "
+             "--enable-hierarchical-cache)")
+    hicache_size: int = _flag(
+        0, "the host tier's size in GB, instead of --hicache-ratio (0: the ratio)")
     grammar_backend: str = _flag(
         "llguidance", "structured outputs (json_schema, regex, ebnf, response_format): "
                       "llguidance, or none to refuse them with a 400; xgrammar and outlines "
@@ -467,6 +476,8 @@ class ServerArgs:
         resolve_lora(self)
         if self.runner == "pooling":
             self.refuse_for_embeddings()
+        if self.enable_hierarchical_cache:
+            self.refuse_for_hierarchical_cache()
         if self.mla_expanded_prefill_tokens < 0:
             raise ValueError("--mla-expanded-prefill-tokens must be 0 (never) or a token count; "
                              f"got {self.mla_expanded_prefill_tokens}")
@@ -481,6 +492,17 @@ class ServerArgs:
             if given:
                 raise ValueError(f"{flag} with an embedding model (--is-embedding / --runner "
                                  "pooling): not supported")
+
+    def refuse_for_hierarchical_cache(self) -> None:
+        """What the host tier of the prefix cache does not run with stops start-up."""
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError("--hicache-ratio must be positive and --hicache-size 0 or more")
+        for flag, given in (("--disable-radix-cache", self.disable_radix_cache),
+                            ("--speculative-algorithm", self.speculative_algorithm),
+                            ("--nnodes > 1", self.nnodes > 1),
+                            ("--is-embedding / --runner pooling", self.runner == "pooling")):
+            if given:
+                raise ValueError(f"--enable-hierarchical-cache with {flag}: not supported")
 
     def refuse_for_vision(self) -> None:
         """What a vision-language server does not run stops its start (ValueError naming the

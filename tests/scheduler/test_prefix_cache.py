@@ -113,7 +113,7 @@ class WalkingRadixCache(RadixCache):
     """The eviction as it was before the leaf heap: every evict walks the whole tree for its
     unlocked leaves. The oracle for the heap's order."""
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, to_host: bool = True) -> int:  # (it has no host tier)
         order = itertools.count()
         heap = [(leaf.last_access, next(order), leaf) for leaf in self._unlocked_leaves()]
         heapq.heapify(heap)

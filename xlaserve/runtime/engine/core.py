@@ -75,6 +75,7 @@ class EngineCore:
         self.pooling = parts.pooling
         self.score_head = parts.score_head  # a reranker's (weights/score_head.py), else None
         self.images = parts.images  # a vision model's (image_prompts.py), else None
+        self.host_kv = parts.host_kv  # the prefix cache's host tier (host_kv_pool.py), or None
         self._pooled = None if self.pooling is None else PooledOutputs(self.pooling)
         self._draft = parts.draft  # --speculative-algorithm STANDALONE: the draft model
         # --enable-lora: the adapters by name (lora_adapters.py), --lora-paths' installed
@@ -446,6 +447,9 @@ class EngineCore:
             slots[:len(batch.slots)] = batch.slots
             return self.runner.stage(fb, slots, token_types(batch, fb.shape[0])
                                      if self.loaded.config.encoder is not None else None)
+        if self.host_kv is not None:  # the copies the prefix cache's tiers owe, first
+            self.runner.kv_caches = self.host_kv.apply(self.runner.kv_caches,
+                                                       self.scheduler.cache.host.take_copies())
         self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
         if self.lora is not None and batch.admitted:
             self.runner.assign_lora([r.slot for r in batch.admitted],

@@ -36,6 +36,7 @@ from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, enabled_by_environment
 from xlaserve.runtime.sampling.grammar import GrammarBackend
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
+from xlaserve.runtime.executor.host_kv_pool import HostKvPool, host_tier_pages
 from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.quantized_rows import native_gemm_available
@@ -80,6 +81,8 @@ class EngineParts:
     score_head: ScoreHead | None = None  # a reranker's (weights/score_head.py)
     # A vision-language model's images -> prompts (image_prompts.py); None: text only.
     images: ImagePrompts | None = None
+    # --enable-hierarchical-cache: the prefix cache's host tier in host memory; else None.
+    host_kv: HostKvPool | None = None
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -205,6 +208,11 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         runner, buckets, args.speculative_num_draft_tokens - 1, args.speculative_eagle_topk or 1,
         args.speculative_num_steps or 0)
     drafter = draft or draft_head  # None: NGRAM drafts on the host, or no speculation
+    host_pages = 0
+    if args.enable_hierarchical_cache:  # the prefix cache's host tier (host_kv_pool.py)
+        host_pages = host_tier_pages(args, num_pages,
+                                     page_size * bytes_per_token(config, kv_dtype, platform),
+                                     platform)
     scheduler = Scheduler(
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
@@ -212,7 +220,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         radix_cache=not args.disable_radix_cache and (
             pooling is None or (pooling.mode == "last" and not config.bidirectional)),
         speculation=SpeculativeConfig.from_server_args(args),
-        drafter=drafter.propose if drafter is not None else None)
+        drafter=drafter.propose if drafter is not None else None, host_pages=host_pages)
+    host_kv = HostKvPool(runner.kv_specs, host_pages) if host_pages else None
     if args.dp_size > 1:
         scheduler.log.prefix = f"[DP{dp_rank}] "
     eos_token_ids = set(config.eos_token_ids)
@@ -240,6 +249,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
             draft_head.precompile(args.max_running_requests)
         if images is not None:
             images.encoder.precompile()
+        if host_kv is not None:
+            host_kv.precompile()
         if cache is not None:
             logger.info("Serving steps: %d loaded, %d compiled (executable cache)",
                         cache.loaded, cache.compiled)
@@ -252,7 +263,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
                        grammar_backend=grammar_backend, startup_timings=timings, leader=leader,
                        draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
-                       pooling=pooling, score_head=score_head, images=images)
+                       pooling=pooling, score_head=score_head, images=images, host_kv=host_kv)
 
 
 def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHead | None]:

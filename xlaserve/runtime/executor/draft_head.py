@@ -128,7 +128,7 @@ class DraftHead:
                 self._run(staged, np.zeros(shape[1], np.int32))
                 continue
             self._programs[shape] = self._chain.lower(
-                runner._weight_args, runner._kv_specs, runner.page_table.array, staged.ints,
+                runner._weight_args, runner.kv_specs, runner.page_table.array, staged.ints,
                 staged.floats, np.zeros(shape[1], np.int32), layout=staged.layout[0]).compile()
         self._precompiled = True
         logger.info("Draft head: %d %s programs of %d steps compiled", len(self._programs),

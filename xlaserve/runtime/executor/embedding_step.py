@@ -138,7 +138,7 @@ class EmbeddingRunner(ModelRunner):
     def _lowering_args(self, shape, needs=RUN_TIME, tree_width: int = 0):
         tokens, seqs, pages = shape
         staged = self.stage(empty_batch(tokens, seqs, pages), np.full(seqs, NULL_SLOT, np.int32))
-        args = (self._weight_args, self._kv_specs, self.page_table.array, staged.ints,
+        args = (self._weight_args, self.kv_specs, self.page_table.array, staged.ints,
                 staged.floats)
         return args, {"layout": staged.layout}
 

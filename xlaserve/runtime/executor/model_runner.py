@@ -176,7 +176,7 @@ class ModelRunner:
         self._kv_pool = init_kv_pool(self.config, num_pages, page_size, kv_dtype, self.mesh,
                                      in_background=True, draft_head=self.draft_head_pool)
         self._kv_caches = None
-        self._kv_specs = kv_pool_specs(self.config, num_pages, page_size, kv_dtype, self.mesh,
+        self.kv_specs = kv_pool_specs(self.config, num_pages, page_size, kv_dtype, self.mesh,
                                        self.draft_head_pool)
         if kernels.packed_matmul is not None:
             # An embedding server's model has no LM head: its tied embedding stays as it is.
@@ -194,7 +194,7 @@ class ModelRunner:
         self._vectors_in_call = replicated.is_fully_addressable  # StagedStep
         # The multi-host leader's followers (runtime/distributed/leader.py); None in one process.
         self.sink = None
-        kv_sharding = [spec.sharding for spec in self._kv_specs]
+        kv_sharding = [spec.sharding for spec in self.kv_specs]
         self.output_counts = self._put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
         self.last_tokens = self._put(np.zeros(num_slots, np.int32), replicated)
@@ -544,7 +544,7 @@ class ModelRunner:
         (it may not be zeroed yet), and its static layout and needs."""
         rows = self.sample_rows(shape)
         staged = self.stage(*idle_step(*shape, rows, tree_width))
-        args = (self._weight_args, self._kv_specs, self.output_counts, self.last_tokens,
+        args = (self._weight_args, self.kv_specs, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
                 *staged.tables, self._bitmask(rows, None))
         if self.multimodal:

@@ -106,7 +106,8 @@ def pages_for_tokens(num_tokens: int, page_size: int) -> int:
 
 
 class TreeNode:
-    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "prefix_pages")
+    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "prefix_pages",
+                 "on_host", "pinned")
 
     def __init__(self, parent: TreeNode | None, key: list[int], pages: list[int], prefix_pages: int,
                  last_access: int = 0):
@@ -119,12 +120,29 @@ class TreeNode:
         # Pages from the root to the end of this node. A split keeps the tail as the same object
         # with the same end, so a request holding a node keeps a valid count.
         self.prefix_pages = prefix_pages
+        # In the host tier (host_tier.py): `pages` are host pages. A node's device pages are
+        # moved there only once none of its children has any, so the nodes on the device are
+        # the top of the tree and the host ones hang below them. `pinned`: being loaded back.
+        self.on_host = False
+        self.pinned = False
+
+
+class _HostTier(Protocol):
+    """What the tree uses of host_tier.HostTier (which imports this file)."""
+
+    allocator: PageAllocator
+
+    def save(self, device_pages: list[int], host_pages: list[int]) -> None: ...
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> None: ...
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, host: _HostTier | None = None):
+        """`host`: the host-memory tier that evicted pages move to (None: they are dropped)."""
         self.allocator = allocator
         self.page_size = page_size
+        self.host = host
         self.root = TreeNode(None, [], [], 0)
         self.root.lock_ref = 1  # the root holds no pages and is never evicted
         # A tree per namespace (a LoRA adapter's: the same tokens under two adapters are not
@@ -135,6 +153,8 @@ class RadixCache:
         self._clock = itertools.count(1)
         # (last_access, push order, node) for every unlocked leaf, and stale entries (see above).
         self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        # The same for the host tier's leaves (host nodes without children).
+        self._host_heap: list[tuple[int, int, TreeNode]] = []
         self._push_order = itertools.count()
         self._num_nodes = 0
 
@@ -167,20 +187,43 @@ class RadixCache:
         del self._roots[namespace]
         freed = 0
         for node in nodes:
-            self.allocator.free(node.pages)
-            freed += len(node.pages)
-            self.evictable_pages -= len(node.pages)
+            if node.on_host:
+                self.host.allocator.free(node.pages)
+            else:
+                self.allocator.free(node.pages)
+                freed += len(node.pages)
+                self.evictable_pages -= len(node.pages)
             self._num_nodes -= 1
             node.parent = None  # any heap entry for it is stale now
         return freed
 
     def match(self, token_ids: list[int], namespace: int = 0) -> tuple[list[int], TreeNode]:
-        """The pages of the longest cached prefix of `token_ids` in whole pages, and the node that
-        ends exactly there (split if the match ends inside one), for `lock`."""
-        token_ids = list(token_ids)
-        node, pages, _ = self._walk(token_ids, len(token_ids) // self.page_size,
-                                    self.root_of(namespace))
+        """The device pages of the longest cached prefix of `token_ids` in whole pages, and the
+        node that ends exactly there (split if the match ends inside one), for `lock`."""
+        pages, node, _ = self.match_tiers(token_ids, namespace)
         return pages, node
+
+    def match_tiers(self, token_ids: list[int], namespace: int = 0
+                    ) -> tuple[list[int], TreeNode, list[TreeNode]]:
+        """`match`, and the host tier's nodes that continue the prefix past it (the last split
+        where the match ends inside it), for `load`."""
+        token_ids = list(token_ids)
+        num_pages = len(token_ids) // self.page_size
+        node, pages, matched = self._walk(token_ids, num_pages, self.root_of(namespace))
+        host_path, below, tick = [], node, next(self._clock)
+        while matched < num_pages:
+            child = below.children.get(self._first_page(token_ids, matched * self.page_size))
+            if child is None:  # (a device child would have been walked)
+                break
+            equal = self._equal_pages(child, token_ids, matched * self.page_size,
+                                      num_pages - matched)
+            if equal < len(child.pages):
+                child = self._split(child, equal)
+            child.last_access = tick
+            host_path.append(child)
+            matched += equal
+            below = child
+        return pages, node, host_path
 
     def insert(self, token_ids: list[int], pages: list[int],
                namespace: int = 0) -> tuple[list[int], TreeNode]:
@@ -190,7 +233,8 @@ class RadixCache:
         Also returns the node ending the prefix. New pages belong to the tree from now on."""
         token_ids = list(token_ids)
         num_pages = min(len(token_ids) // self.page_size, len(pages))
-        node, tree_pages, matched = self._walk(token_ids, num_pages, self.root_of(namespace))
+        node, tree_pages, matched = self._walk(token_ids, num_pages, self.root_of(namespace),
+                                               promote=pages)
         if matched < num_pages:
             node = self._add_leaf(node, token_ids, pages, matched, num_pages)
             tree_pages += node.pages
@@ -209,7 +253,7 @@ class RadixCache:
         (benchmarks/bench_host_step.py), growing with the outputs' length."""
         start = locked.prefix_pages
         num_pages = min(len(token_ids) // self.page_size, len(pages))
-        node, tail, matched = self._walk(token_ids, num_pages, locked, start)
+        node, tail, matched = self._walk(token_ids, num_pages, locked, start, promote=pages)
         if matched < num_pages:
             node = self._add_leaf(node, token_ids, pages, matched, num_pages)
             tail += node.pages
@@ -234,19 +278,24 @@ class RadixCache:
         return leaf
 
     def _walk(self, token_ids: list[int], num_pages: int, node: TreeNode | None = None,
-              matched: int = 0) -> tuple[TreeNode, list[int], int]:
+              matched: int = 0, promote: list[int] | None = None
+              ) -> tuple[TreeNode, list[int], int]:
         """Follows the first `num_pages` pages of `token_ids` down the tree from `node` (the root;
         or a node ending `matched` pages in, on their path): the last node reached (ending
-        exactly at the match), the pages on the way, and how many pages matched in all."""
+        exactly at the match), the device pages on the way, and how many pages matched in all.
+        The walk stops at the host tier, unless `promote` gives device pages holding those tokens
+        (an insert's): they replace the host ones, which are freed."""
         node, pages = node or self.root, []
         tick = next(self._clock)
         while matched < num_pages:
             child = node.children.get(self._first_page(token_ids, matched * self.page_size))
-            if child is None:
+            if child is None or (child.on_host and (promote is None or child.pinned)):
                 break
             equal = self._equal_pages(child, token_ids, matched * self.page_size, num_pages - matched)
             if equal < len(child.pages):
                 child = self._split(child, equal)
+            if child.on_host:
+                self._to_device(child, promote[matched:matched + equal])
             child.last_access = tick
             pages += child.pages
             matched += equal
@@ -273,6 +322,7 @@ class RadixCache:
         head = TreeNode(parent, node.key[:num_pages * size], node.pages[:num_pages],
                         parent.prefix_pages + num_pages, node.last_access)
         head.lock_ref = node.lock_ref  # the same paths run through both halves
+        head.on_host, head.pinned = node.on_host, node.pinned
         node.key, node.pages, node.parent = node.key[num_pages * size:], node.pages[num_pages:], head
         head.children[self._first_page(node.key)] = node
         parent.children[self._first_page(head.key)] = head
@@ -298,14 +348,17 @@ class RadixCache:
 
     def unlock(self, node: TreeNode) -> None:
         while node.parent is not None:
-            if node.lock_ref <= 0:
-                raise ValueError("unlock of a node that is not locked")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.locked_pages -= len(node.pages)
-                self.evictable_pages += len(node.pages)
-                self._push_if_evictable(node)
+            self._unlock_one(node)
             node = node.parent
+
+    def _unlock_one(self, node: TreeNode) -> None:
+        if node.lock_ref <= 0:
+            raise ValueError("unlock of a node that is not locked")
+        node.lock_ref -= 1
+        if node.lock_ref == 0:
+            self.locked_pages -= len(node.pages)
+            self.evictable_pages += len(node.pages)
+            self._push_if_evictable(node)
 
     # --- eviction -------------------------------------------------------------------------------
 
@@ -320,9 +373,11 @@ class RadixCache:
             self.evict(num_pages - self.allocator.num_free)
         return self.allocator.allocate(num_pages)
 
-    def evict(self, num_pages: int) -> int:
-        """Frees at least `num_pages` pages (fewer only if fewer are evictable), whole unlocked
-        leaves, least recently used first; returns how many it freed."""
+    def evict(self, num_pages: int, to_host: bool = True) -> int:
+        """Frees at least `num_pages` device pages (fewer only if fewer are evictable): unlocked
+        nodes without device children, least recently used first, moved to the host tier where
+        there is one and `to_host` (and room: its own LRU leaves make it), else dropped with the
+        host nodes below them; returns how many."""
         heap, freed = self._leaf_heap, 0
         while freed < num_pages and heap:
             access, _, leaf = heapq.heappop(heap)
@@ -331,27 +386,133 @@ class RadixCache:
             if access != leaf.last_access:  # touched since: back in at its new place
                 self._push(leaf)
                 continue
-            self.allocator.free(leaf.pages)
-            freed += len(leaf.pages)
-            self.evictable_pages -= len(leaf.pages)
-            self._num_nodes -= 1
-            parent = leaf.parent
-            del parent.children[self._first_page(leaf.key)]
-            leaf.parent = None  # out of the tree: any entry left for it is stale
+            device_pages, parent = leaf.pages, leaf.parent
+            freed += len(device_pages)
+            self.evictable_pages -= len(device_pages)
+            if not (to_host and self._to_host(leaf)):
+                self._drop(leaf)
+            self.allocator.free(device_pages)
             self._push_if_evictable(parent)
         return freed
 
     def flush(self) -> int:
-        """Evicts every page no request uses; returns how many."""
-        return self.evict(self.evictable_pages)
+        """Drops every page no request uses, from both tiers; returns the device pages freed."""
+        freed = self.evict(self.evictable_pages, to_host=False)
+        if self.host is not None:  # what hangs below locked paths
+            self._free_host(self.host.allocator.num_used)
+        return freed
+
+    def _drop(self, node: TreeNode) -> None:
+        """Takes an evicted node out of the tree, and the host nodes below it (their prefix is
+        gone); frees their host pages."""
+        del node.parent.children[self._first_page(node.key)]
+        node.parent = None  # out of the tree: any entry left for it is stale
+        self._num_nodes -= 1
+        stack = list(node.children.values())
+        while stack:
+            below = stack.pop()
+            self.host.allocator.free(below.pages)
+            self._num_nodes -= 1
+            below.parent = None
+            stack.extend(below.children.values())
+
+    # --- the host tier (host_tier.py) -----------------------------------------------------------
+
+    @property
+    def host_pages(self) -> int:
+        """Pages the host tier holds."""
+        return 0 if self.host is None else self.host.allocator.num_used
+
+    def _to_host(self, node: TreeNode) -> bool:
+        """Moves an evicted node's device pages to the host tier (a save the executor makes
+        before the next step), making room there from its LRU leaves; False where there is no
+        tier or not room enough (the node is then dropped)."""
+        if self.host is None or len(node.pages) > self.host.allocator.capacity:
+            return False
+        if not self._free_host(len(node.pages) - self.host.allocator.num_free):
+            return False
+        host_pages = self.host.allocator.allocate(len(node.pages))
+        self.host.save(node.pages, host_pages)
+        node.pages, node.on_host = host_pages, True
+        self._push_host_if_leaf(node)
+        return True
+
+    def _to_device(self, node: TreeNode, device_pages: list[int]) -> None:
+        """A host node's pages replaced by `device_pages` holding the same tokens (loaded, or an
+        insert's own); its host pages are freed."""
+        self.host.allocator.free(node.pages)
+        node.pages, node.on_host = list(device_pages), False
+        self.evictable_pages += len(device_pages)
+        self._push_if_evictable(node)
+
+    def _free_host(self, num_pages: int) -> bool:
+        """Drops host leaves (no children), least recently used first, until `num_pages` host
+        pages are freed; False if it cannot (the rest are pinned or inner nodes)."""
+        freed, heap = 0, self._host_heap
+        while freed < num_pages and heap:
+            access, _, leaf = heapq.heappop(heap)
+            if not (leaf.on_host and leaf.parent is not None and not leaf.children
+                    and not leaf.pinned and access == leaf.last_access):
+                if leaf.on_host and leaf.parent is not None and not leaf.children \
+                        and not leaf.pinned:
+                    self._push_host_if_leaf(leaf)  # touched since: at its new place
+                continue
+            freed += len(leaf.pages)
+            parent = leaf.parent
+            self.host.allocator.free(leaf.pages)
+            self._drop(leaf)
+            if parent.on_host:
+                self._push_host_if_leaf(parent)
+            else:
+                self._push_if_evictable(parent)
+        return freed >= num_pages
+
+    def _push_host_if_leaf(self, node: TreeNode) -> None:
+        if node.on_host and not node.children and node.parent is not None:
+            if len(self._host_heap) > 2 * self._num_nodes + 64:  # mostly stale: rebuild it
+                self._host_heap = [entry for entry in self._host_heap
+                                   if entry[2].parent is not None and entry[2].on_host]
+                heapq.heapify(self._host_heap)
+            heapq.heappush(self._host_heap, (node.last_access, next(self._push_order), node))
+
+    def load(self, host_path: list[TreeNode]) -> list[TreeNode]:
+        """Moves the host nodes of `host_path` (a path down from a locked device node, as
+        `match_tiers` gives it) back to device pages, in order, as many as the device pool has
+        room for without evicting the path itself: loads the executor makes before the next
+        step. Returns the nodes loaded, unlocked (the caller locks the path's new end)."""
+        for node in host_path:
+            node.pinned = True  # neither dropped by the host tier nor promoted meanwhile
+        loaded = []
+        try:
+            for node in host_path:
+                if len(node.pages) > self.available_pages:
+                    break
+                device_pages = self.allocate(len(node.pages))  # may move LRU pages out
+                self.host.load(node.pages, device_pages)
+                self._to_device(node, device_pages)
+                self._lock_one(node)  # not evicted by the next node's allocation
+                loaded.append(node)
+        finally:
+            for node in host_path:
+                node.pinned = False
+                self._push_host_if_leaf(node)
+        for node in loaded:
+            self._unlock_one(node)
+        return loaded
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         parent = node.parent
-        return (parent is not None and node.lock_ref == 0 and not node.children
+        return (parent is not None and node.lock_ref == 0 and not node.on_host
+                and not self._has_device_children(node)
                 and parent.children.get(self._first_page(node.key)) is node)
 
+    @staticmethod
+    def _has_device_children(node: TreeNode) -> bool:
+        return any(not child.on_host for child in node.children.values())
+
     def _push_if_evictable(self, node: TreeNode) -> None:
-        if node.parent is not None and node.lock_ref == 0 and not node.children:
+        if node.parent is not None and node.lock_ref == 0 and not node.on_host \
+                and not self._has_device_children(node):
             self._push(node)
 
     def _push(self, node: TreeNode) -> None:
@@ -362,12 +523,13 @@ class RadixCache:
         heapq.heappush(self._leaf_heap, (node.last_access, next(self._push_order), node))
 
     def _unlocked_leaves(self) -> list[TreeNode]:
+        """The device-evictable nodes: unlocked, on the device, without device children."""
         leaves, stack = [], list(self._roots.values())
         while stack:
             node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node.lock_ref == 0 and node.parent is not None:
+            stack.extend(child for child in node.children.values() if not child.on_host)
+            if node.parent is not None and node.lock_ref == 0 and \
+                    not self._has_device_children(node):
                 leaves.append(node)
         return leaves
 
@@ -407,10 +569,16 @@ class PrefixReuse:
         return (request.num_tokens - 1) // self.page_size * self.page_size
 
     def attach(self, request: _Request) -> None:
-        """Starts a waiting request on its longest cached prefix, locked."""
-        pages, node = self.cache.match(request.cache_ids()[:self.reusable_tokens(request)],
-                                       request.lora_key)
+        """Starts a waiting request on its longest cached prefix, locked: on the device, and
+        the host tier's continuation of it loaded back as far as the device pool has room."""
+        pages, node, host_path = self.cache.match_tiers(
+            request.cache_ids()[:self.reusable_tokens(request)], request.lora_key)
         self.cache.lock(node)
+        if host_path and (loaded := self.cache.load(host_path)):
+            self.cache.unlock(node)
+            pages = pages + [page for below in loaded for page in below.pages]
+            node = loaded[-1]
+            self.cache.lock(node)
         request.cache_node, request.page_ids = node, pages
         request.num_computed = len(pages) * self.page_size
 

@@ -21,6 +21,7 @@ import bisect
 import itertools
 import logging
 
+from xlaserve.runtime.scheduler.host_tier import HostTier
 from xlaserve.runtime.scheduler.prefix_cache import (PageAllocator, PrefixReuse, RadixCache,
                                                      pages_for_tokens)
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
@@ -55,12 +56,15 @@ class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
                  chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
                  log_interval: int = 40, radix_cache: bool = True,
-                 speculation: SpeculativeConfig | None = None, drafter=None):
+                 speculation: SpeculativeConfig | None = None, drafter=None,
+                 host_pages: int = 0):
+        """`host_pages`: the prefix cache's host tier (host_tier.py; 0: none)."""
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
         self.page_size = page_size
-        self.cache = RadixCache(allocator, page_size)
+        self.cache = RadixCache(allocator, page_size,
+                                HostTier(host_pages) if host_pages else None)
         self.prefix = PrefixReuse(self.cache, page_size, enabled=radix_cache)
         self.max_running_requests = max_running_requests
         # <= 0 or None: no chunking, a prompt runs in one step.
