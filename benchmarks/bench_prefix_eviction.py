@@ -18,7 +18,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from xlaserve.runtime.scheduler.prefix_cache import PageAllocator, RadixCache  # noqa: E402
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.runtime.scheduler.prefix_cache import RadixCache  # noqa: E402
 
 
 def full_cache(cached_prompts: int, page_size: int, seed: int = 0) -> RadixCache:

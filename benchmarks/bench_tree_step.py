@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch, pow2_buckets
     from xlaserve.runtime.executor.model_runner import ModelRunner
     from xlaserve.runtime.executor.step_program import greedy_sampling
-    from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+    from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
     from xlaserve.runtime.scheduler.request import SeqChunk
     from xlaserve.weights.loader import load_model
 

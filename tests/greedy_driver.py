@@ -20,7 +20,7 @@ from xlaserve.runtime.executor.forward_batch import make_forward_batch
 from xlaserve.runtime.scheduler.request import SeqChunk
 from xlaserve.runtime.executor.forward_batch import Buckets, pow2_buckets
 from xlaserve.runtime.executor.kv_pool import init_kv_pool
-from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE
+from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE
 from xlaserve.runtime.executor.kernels import kernels_for
 
 

@@ -13,7 +13,7 @@ from xlaserve.offline import Engine
 from xlaserve.runtime.engine import live_requests as live_requests_module
 from xlaserve.runtime.engine.core import QueueFull
 from xlaserve.runtime.engine.messages import OutputDelta
-from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve.runtime.scheduler.scheduler import Scheduler

@@ -8,7 +8,7 @@ from xlaserve.model.config import ModelConfig, RopeConfig
 from xlaserve.weights.loader import default_mesh
 from xlaserve.runtime.executor.forward_batch import Buckets, bucket_for, pow2_buckets
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, init_kv_pool, num_pages_for, round_down_coarsely
-from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE, OutOfPagesError, PageAllocator, pages_for_tokens
+from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE, OutOfPagesError, PageAllocator, pages_for_tokens
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64,
                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

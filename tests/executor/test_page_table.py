@@ -6,7 +6,7 @@ import pytest
 
 from xlaserve.runtime.executor.page_table import (PageTableRows, PageWrites, apply_writes, empty_writes,
                                          gather_rows)
-from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE
+from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE
 
 
 def _applied(table: np.ndarray, positions, pages) -> np.ndarray:

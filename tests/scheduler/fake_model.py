@@ -1,7 +1,7 @@
 """The scheduler's test driver: a scheduler with small numbers, requests whose prompts depend on
 their id, and `FakeModel`, which runs the scheduled batches on the host (no JAX, no device)."""
 from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.scheduler.prefix_cache import PageAllocator, pages_for_tokens
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator, pages_for_tokens
 from xlaserve.runtime.scheduler.request import Request
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 

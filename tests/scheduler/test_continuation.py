@@ -3,7 +3,7 @@ are read (Scheduler.schedule_continuation), and the same outputs as the plain lo
 import pytest
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, outputs, req
-from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.scheduler.request import ScheduledBatch
 
 

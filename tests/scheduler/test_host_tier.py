@@ -9,7 +9,8 @@ import random
 import pytest
 
 from xlaserve.runtime.scheduler.host_tier import LOAD, SAVE, HostTier
-from xlaserve.runtime.scheduler.prefix_cache import PageAllocator, RadixCache
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.runtime.scheduler.prefix_cache import RadixCache
 
 PAGE = 2
 

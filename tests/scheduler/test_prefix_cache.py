@@ -8,7 +8,8 @@ import random
 import pytest
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, req
-from xlaserve.runtime.scheduler.prefix_cache import PageAllocator, RadixCache
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.runtime.scheduler.prefix_cache import RadixCache
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.scheduler.request import Request
 

@@ -5,7 +5,7 @@ import pytest
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, outputs, req
 from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.scheduler.speculation import NgramIndex, SpeculativeConfig, accepted
 from xlaserve.server_args import ServerArgs
 

@@ -37,7 +37,7 @@ from xlaserve.runtime.compile.executable_cache import ExecutableCache, enabled_b
 from xlaserve.runtime.sampling.grammar import GrammarBackend
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
 from xlaserve.runtime.executor.host_kv_pool import HostKvPool, host_tier_pages
-from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.quantized_rows import native_gemm_available
 from xlaserve.runtime.executor.draft_head import DraftHead

@@ -9,6 +9,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "Buckets": "forward_batch", "forward_batch_for": "forward_batch",
     "serving_buckets": "forward_batch", "with_page_size": "forward_batch",
     "num_pages_for": "kv_pool", "bytes_per_token": "kv_pool",
+    "HostKvPool": "host_kv_pool", "host_tier_pages": "host_kv_pool",
     "DraftModel": "draft_model", "DraftHead": "draft_head",
     "ModelRunner": "model_runner", "slots_for": "lora_slots",
     "EmbeddingRunner": "embedding_step",

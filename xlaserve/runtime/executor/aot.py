@@ -48,7 +48,7 @@ from xlaserve.runtime.executor.lora_slots import abstract_slot_args, slots_for
 from xlaserve.runtime.executor.step_program import LoraArgs, idle_vectors, make_step
 from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, leaf_names,
                                                   weight_args, weight_formats)
-from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
 from xlaserve import platform_defaults
 from xlaserve.server_args import ServerArgs

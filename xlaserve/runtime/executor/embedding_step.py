@@ -160,7 +160,7 @@ def compiled_for_target(target: str, server_args, pooling_mode: str, tokens: int
     from xlaserve.runtime.executor.kv_pool import kv_pool_specs
     from xlaserve.runtime.executor.page_table import empty_writes, write_capacity
     from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
-    from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+    from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 
     platform, devices = aot.target_devices(target)
     server_args, _ = platform_defaults.resolve(server_args, platform)

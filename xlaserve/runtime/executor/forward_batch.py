@@ -45,7 +45,7 @@ import numpy as np
 
 from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, default_page_size
-from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE, pages_for_tokens
+from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE, pages_for_tokens
 from xlaserve.runtime.scheduler.request import DecodeRows, ScheduledBatch, SeqChunk
 from xlaserve.runtime.scheduler.scheduler import max_step_tokens
 from xlaserve.runtime.scheduler.speculation import row_depths

@@ -1,5 +1,5 @@
 """The paged KV cache on the device: one page pool array per layer, sized from free memory or
-`--max-total-tokens` (the pages' allocator is runtime/scheduler/prefix_cache.py)."""
+`--max-total-tokens` (the pages' allocator is runtime/scheduler/page_allocator.py)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -18,7 +18,7 @@ from xlaserve.model.config import ModelConfig
 from xlaserve.platform_defaults import device_memory
 from xlaserve.model.sharding import kv_cache_spec
 from xlaserve.model.transformer import kv_cache_shape
-from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 
 logger = logging.getLogger(__name__)
 # An encoder's pages hold nothing (its pool has no arrays): enough of them that admission never

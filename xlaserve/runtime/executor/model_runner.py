@@ -70,7 +70,7 @@ from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
 from xlaserve.runtime.executor.kv_pool import DraftHeadPool, init_kv_pool, kv_pool_specs
 from xlaserve.runtime.executor.lora_slots import LoraSlots
 from xlaserve.runtime.executor.page_table import DevicePageTable
-from xlaserve.runtime.scheduler.prefix_cache import pages_for_tokens
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.executor.step_program import concat_leaves
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.sampling.sampler import SamplingMetadata, build_sampling_metadata

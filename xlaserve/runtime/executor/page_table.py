@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.runtime.executor.forward_batch import write_rows
-from xlaserve.runtime.scheduler.prefix_cache import NULL_PAGE
+from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE
 
 # Writes one call of the overflow program (`write_program`) takes: a step's writes past its own
 # capacity (an admission of long cached prefixes, say) go through it first, in as many calls.

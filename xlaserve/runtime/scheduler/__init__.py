@@ -5,8 +5,9 @@ drafts and acceptance (`SpeculativeConfig`, `DraftTree`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
-    "NULL_PAGE": "prefix_cache", "PageAllocator": "prefix_cache",
-    "pages_for_tokens": "prefix_cache",
+    "NULL_PAGE": "page_allocator", "PageAllocator": "page_allocator",
+    "pages_for_tokens": "page_allocator", "HostTier": "host_tier", "LOAD": "host_tier",
+    "SAVE": "host_tier",
     "DecodeRows": "request", "Request": "request", "RequestTooLong": "request",
     "SampledRow": "request", "ScheduledBatch": "request", "SeqChunk": "request",
     "max_step_tokens": "scheduler", "Scheduler": "scheduler",

@@ -10,7 +10,7 @@ page loaded from may be freed and saved into again; done in order, each copy rea
 before it left."""
 from __future__ import annotations
 
-from xlaserve.runtime.scheduler.prefix_cache import PageAllocator
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 
 SAVE, LOAD = "save", "load"  # device -> host, host -> device
 

@@ -1,13 +1,11 @@
-"""The KV pages' bookkeeping on the host: the page free list (`PageAllocator`), the radix tree of
-cached pages by the token ids they hold (`RadixCache`, SGLang's RadixAttention by page), and a
-request's reuse of it (`PrefixReuse`: its cached prefix on admission, its computed pages into the
-tree). The device pools are runtime/executor/kv_pool.py. Host-only, used from the engine thread.
+"""The radix tree of cached KV pages by the token ids they hold (`RadixCache`, SGLang's
+RadixAttention by page), on the host; their free list is page_allocator.py, a request's use of
+the tree prefix_reuse.py, the device pools runtime/executor/kv_pool.py. Used from the engine
+thread alone.
 
 Pages. A page holds `page_size` consecutive tokens of one sequence for every layer. Requests own
 lists of page ids (their page table); when a request finishes, is aborted or is retracted, its
-pages go back to the free list at once, or to the tree, which frees them on eviction. Page 0 is
-never handed out: padding rows of page tables point at it, so a padded slot can never alias a
-live request's data.
+pages go back to the free list at once, or to the tree, which frees them on eviction.
 
 The tree. Every edge holds whole pages: `key` is `page_size * len(pages)` token ids and `pages`
 are the KV pages that cache them, so a path from the root spells a token prefix and lists its pages.
@@ -32,77 +30,18 @@ Namespaces. A request of a LoRA adapter computes other KV for the same tokens th
 model does, so each adapter (each load of one) has a tree of its own under its own root
 (`root_of`, `Request.lora_key`); unloading the adapter drops its tree (`drop_namespace`).
 
-Reuse (`radix_cache=False` keeps the tree empty). A request's whole pages enter the tree as soon
-as a step completes them and stay there when it ends or is retracted. An admitted request starts
-at its longest cached prefix: at most `num_tokens - 1` tokens (the last must run, to sample) in
-whole pages, none with `no_prefix_reuse`. It locks that tree path, so
-`page_ids[:cache_node.prefix_pages]` are tree pages, the rest its own. Unlocked cached pages count
-as free: evicted (LRU leaves) before anything is retracted, left out of `token_usage`.
-Shared prompts are prefilled once: a waiting request is passed over (without blocking the queue
-behind it) while its next page to match is one that a running request has yet to prefill, and is
-admitted with the hit once that page is in the tree; so `n` copies of a prompt compute it once.
+Host tier (`host`, host_tier.py; --enable-hierarchical-cache): evicted nodes move their pages
+to host pages instead of being dropped (`on_host`); `match_tiers` finds them past the device
+match and `load` moves them back; the host tier evicts its own LRU leaves. Admission and
+reuse: prefix_reuse.py.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
 from typing import Protocol
 
-
-NULL_PAGE = 0
-
-
-class OutOfPagesError(RuntimeError):
-    pass
-
-
-class PageAllocator:
-    """A free list of page ids 1..num_pages-1 (page 0 is the null page)."""
-
-    def __init__(self, num_pages: int):
-        if num_pages < 2:
-            raise ValueError("the KV cache needs at least 2 pages (one is the null page)")
-        self.num_pages = num_pages
-        # Popped from the end: low ids first, which keeps a lightly used pool compact.
-        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
-        self._in_use: set[int] = set()
-
-    @property
-    def capacity(self) -> int:
-        return self.num_pages - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._in_use)
-
-    def usage(self) -> float:
-        return self.num_used / self.capacity
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._in_use.update(pages)
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        for page in pages:
-            if page not in self._in_use:
-                raise ValueError(f"page {page} is not allocated (double free?)")
-            self._in_use.remove(page)
-            self._free.append(page)
-
-
-def pages_for_tokens(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 
 
 class TreeNode:
@@ -532,77 +471,3 @@ class RadixCache:
                     not self._has_device_children(node):
                 leaves.append(node)
         return leaves
-
-
-class _Request(Protocol):
-    """What reuse reads and sets of a scheduler Request (request.py, which names TreeNode: not
-    imported here, so that the two files do not import each other)."""
-
-    no_prefix_reuse: bool
-    lora_key: int  # the prefix cache's namespace: its LoRA adapter's (0: the base model)
-    num_computed: int
-    page_ids: list[int]
-    cache_node: TreeNode | None
-
-    def cache_ids(self) -> list[int]: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def is_decoding(self) -> bool: ...
-
-
-class PrefixReuse:
-    """A request's cached prefix on admission, and its computed pages into the tree."""
-
-    def __init__(self, cache: RadixCache, page_size: int, enabled: bool):
-        self.cache = cache
-        self.page_size = page_size
-        # Disabled, the tree stays empty: nothing is inserted, so nothing matches or is evictable.
-        self.enabled = enabled
-
-    def reusable_tokens(self, request: _Request) -> int:
-        """How much of a waiting request may come from the cache (module docstring, Reuse)."""
-        if not self.enabled or request.no_prefix_reuse:
-            return 0
-        return (request.num_tokens - 1) // self.page_size * self.page_size
-
-    def attach(self, request: _Request) -> None:
-        """Starts a waiting request on its longest cached prefix, locked: on the device, and
-        the host tier's continuation of it loaded back as far as the device pool has room."""
-        pages, node, host_path = self.cache.match_tiers(
-            request.cache_ids()[:self.reusable_tokens(request)], request.lora_key)
-        self.cache.lock(node)
-        if host_path and (loaded := self.cache.load(host_path)):
-            self.cache.unlock(node)
-            pages = pages + [page for below in loaded for page in below.pages]
-            node = loaded[-1]
-            self.cache.lock(node)
-        request.cache_node, request.page_ids = node, pages
-        request.num_computed = len(pages) * self.page_size
-
-    def detach(self, request: _Request) -> None:  # not admitted after all
-        self.cache.unlock(request.cache_node)
-        request.cache_node, request.page_ids, request.num_computed = None, [], 0
-
-    def share_computed_pages(self, request: _Request) -> None:
-        """Puts the request's newly completed whole pages in the tree, so that a later prompt can
-        reuse them before this request ends."""
-        num_full = request.num_computed // self.page_size
-        if not self.enabled or num_full <= request.cache_node.prefix_pages:
-            return
-        request.page_ids[:num_full], request.cache_node = self.cache.insert_locked(
-            request.cache_ids()[:num_full * self.page_size], request.page_ids[:num_full],
-            request.cache_node)
-
-    def waits_for_a_running_prefill(self, request: _Request, running: Sequence[_Request]) -> bool:
-        """Whether a `running` request has yet to prefill the next page this waiting request
-        would match (module docstring, Reuse): admitting it now would compute that page twice."""
-        end = request.num_computed + self.page_size
-        if end > self.reusable_tokens(request):
-            return False
-        head = request.cache_ids()[:end]
-        return any(not other.is_decoding and other.num_computed < end <= other.num_tokens
-                   and other.lora_key == request.lora_key and other.cache_ids()[:end] == head
-                   for other in running)

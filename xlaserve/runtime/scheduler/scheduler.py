@@ -13,7 +13,7 @@ running requests are retracted: pages dropped, generated tokens kept, and on re-
 prompt plus output so far is prefilled again (retraction.py; docs/internals.md, Memory).
 
 Prefix cache: an admitted request starts at its longest cached prefix, and its whole pages enter
-the radix tree as steps complete them (prefix_cache.py, PrefixReuse).
+the radix tree as steps complete them (prefix_cache.py; prefix_reuse.py, PrefixReuse).
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ import itertools
 import logging
 
 from xlaserve.runtime.scheduler.host_tier import HostTier
-from xlaserve.runtime.scheduler.prefix_cache import (PageAllocator, PrefixReuse, RadixCache,
-                                                     pages_for_tokens)
+from xlaserve.runtime.scheduler.page_allocator import PageAllocator, pages_for_tokens
+from xlaserve.runtime.scheduler.prefix_cache import RadixCache
+from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
                                                SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills

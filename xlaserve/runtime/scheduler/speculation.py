@@ -235,7 +235,7 @@ class _Scheduler(Protocol):
     waiting: list[Request]
     max_running_requests: int
     cache: Any  # prefix_cache.RadixCache
-    prefix: Any  # prefix_cache.PrefixReuse
+    prefix: Any  # prefix_reuse.PrefixReuse
     log: Any  # step_log.StepLog
     spec_verified_rows: int
     spec_accepted_drafts: int

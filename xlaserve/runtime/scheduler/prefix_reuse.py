@@ -1,0 +1,93 @@
+"""A request's use of the prefix cache (prefix_cache.py): its cached prefix on admission, loaded
+back from the host tier where it reaches there, and its computed pages into the tree.
+
+Reuse (`radix_cache=False` keeps the tree empty). A request's whole pages enter the tree as soon
+as a step completes them and stay there when it ends or is retracted. An admitted request starts
+at its longest cached prefix: at most `num_tokens - 1` tokens (the last must run, to sample) in
+whole pages, none with `no_prefix_reuse`. It locks that tree path, so
+`page_ids[:cache_node.prefix_pages]` are tree pages, the rest its own. Unlocked cached pages count
+as free: evicted (LRU leaves) before anything is retracted, left out of `token_usage`.
+Shared prompts are prefilled once: a waiting request is passed over (without blocking the queue
+behind it) while its next page to match is one that a running request has yet to prefill, and is
+admitted with the hit once that page is in the tree; so `n` copies of a prompt compute it once.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from xlaserve.runtime.scheduler.prefix_cache import RadixCache, TreeNode
+
+
+class _Request(Protocol):
+    """What reuse reads and sets of a scheduler Request (request.py, which names TreeNode: not
+    imported here, so that the two files do not import each other)."""
+
+    no_prefix_reuse: bool
+    lora_key: int  # the prefix cache's namespace: its LoRA adapter's (0: the base model)
+    num_computed: int
+    page_ids: list[int]
+    cache_node: TreeNode | None
+
+    def cache_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def is_decoding(self) -> bool: ...
+
+
+class PrefixReuse:
+    """A request's cached prefix on admission, and its computed pages into the tree."""
+
+    def __init__(self, cache: RadixCache, page_size: int, enabled: bool):
+        self.cache = cache
+        self.page_size = page_size
+        # Disabled, the tree stays empty: nothing is inserted, so nothing matches or is evictable.
+        self.enabled = enabled
+
+    def reusable_tokens(self, request: _Request) -> int:
+        """How much of a waiting request may come from the cache (module docstring, Reuse)."""
+        if not self.enabled or request.no_prefix_reuse:
+            return 0
+        return (request.num_tokens - 1) // self.page_size * self.page_size
+
+    def attach(self, request: _Request) -> None:
+        """Starts a waiting request on its longest cached prefix, locked: on the device, and
+        the host tier's continuation of it loaded back as far as the device pool has room."""
+        pages, node, host_path = self.cache.match_tiers(
+            request.cache_ids()[:self.reusable_tokens(request)], request.lora_key)
+        self.cache.lock(node)
+        if host_path and (loaded := self.cache.load(host_path)):
+            self.cache.unlock(node)
+            pages = pages + [page for below in loaded for page in below.pages]
+            node = loaded[-1]
+            self.cache.lock(node)
+        request.cache_node, request.page_ids = node, pages
+        request.num_computed = len(pages) * self.page_size
+
+    def detach(self, request: _Request) -> None:  # not admitted after all
+        self.cache.unlock(request.cache_node)
+        request.cache_node, request.page_ids, request.num_computed = None, [], 0
+
+    def share_computed_pages(self, request: _Request) -> None:
+        """Puts the request's newly completed whole pages in the tree, so that a later prompt can
+        reuse them before this request ends."""
+        num_full = request.num_computed // self.page_size
+        if not self.enabled or num_full <= request.cache_node.prefix_pages:
+            return
+        request.page_ids[:num_full], request.cache_node = self.cache.insert_locked(
+            request.cache_ids()[:num_full * self.page_size], request.page_ids[:num_full],
+            request.cache_node)
+
+    def waits_for_a_running_prefill(self, request: _Request, running: Sequence[_Request]) -> bool:
+        """Whether a `running` request has yet to prefill the next page this waiting request
+        would match (module docstring, Reuse): admitting it now would compute that page twice."""
+        end = request.num_computed + self.page_size
+        if end > self.reusable_tokens(request):
+            return False
+        head = request.cache_ids()[:end]
+        return any(not other.is_decoding and other.num_computed < end <= other.num_tokens
+                   and other.lora_key == request.lora_key and other.cache_ids()[:end] == head
+                   for other in running)
