@@ -152,3 +152,13 @@ def check_counters(cache: RadixCache) -> None:
             device += 0 if node.on_host else len(node.pages)
     assert device == cache.evictable_pages + cache.locked_pages
     assert host == cache.host.allocator.num_used == cache.host_pages
+
+
+def test_dropping_an_adapters_namespace_frees_its_host_pages_too():
+    cache = cache_with_host(device_pages=4, host_pages=4)
+    pages = cache.allocate(2)
+    cache.insert([1, 2, 3, 4], pages, namespace=7)  # a LoRA adapter's prompt
+    cache.allocator.free(cache.allocate(4))  # moved to the host
+    assert cache.host_pages == 2
+    cache.drop_namespace(7)
+    assert cache.host_pages == 0 and cache.match_tiers([1, 2, 3, 4], 7)[2] == []

@@ -116,15 +116,23 @@ class HostKvPool:
             row.copy_to_host_async()
         self._pending.append((np.asarray(host_pages), len(host_pages), rows))
 
-    def land(self) -> None:
-        """The saves started so far, written into the host arrays (waits for their copies)."""
-        for host_pages, count, rows in self._pending:
+    def land(self, reading: list[int] | None = None) -> None:
+        """The saves started so far written into the host arrays, waiting for their copies; with
+        `reading` (host pages a load is about to read), only as far as the last save into one of
+        them: a save of this round was dispatched after the step the device is running, and
+        waiting for it would stall the overlap of host and device."""
+        count = len(self._pending)
+        if reading is not None:
+            wanted = set(reading)
+            count = max((i + 1 for i, (pages, _, _) in enumerate(self._pending)
+                         if wanted.intersection(pages.tolist())), default=0)
+        for host_pages, used, rows in self._pending[:count]:
             for buffer, row in zip(self.buffers, rows):
-                buffer[host_pages] = np.asarray(row)[:count]
-        self._pending = []
+                buffer[host_pages] = np.asarray(row)[:used]
+        del self._pending[:count]
 
     def _load(self, caches, host_pages: list[int], device_pages: list[int]):
-        self.land()  # a page saved in this same round is read back
+        self.land(reading=host_pages)  # a page saved earlier in this round is read back
         index = self._padded(device_pages, self.device_pages)  # padding: dropped
         take = self._padded(host_pages, 0)
         rows = [jax.device_put(buffer[take], sharding)
