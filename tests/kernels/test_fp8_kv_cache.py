@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from tests.kernels.test_compile_kernels import check_compiles_in_place
+from tests.compile_targets import cache_copies, compile_for, devices
+from tests.kernels.test_compile_kernels import check_compiles_in_place, one_device_mesh
+from tests.kernels.test_compile_mla_kernels import KERNELS as MLA_KERNELS
+from tests.kernels.test_compile_mla_kernels import LATENT, mla_args
 from tests.kernels.test_reference_attention import BATCHES, SM_SCALE
 from xlaserve.model.fp8_kv_cache import is_fp8, quantize, resolve_kv_cache_dtype
 from xlaserve.pallas_kernels.ragged_paged_attention import (cases, kernel_cpu, kernel_gpu,
@@ -160,3 +163,41 @@ def test_the_pallas_kernels_compile_over_an_fp8_cache(target, fp8, batch):
 def test_the_tpu_kernel_refuses_pages_smaller_than_an_fp8_sublane_tile():
     with pytest.raises(ValueError, match="multiple of 32 for float8_e4m3fn"):
         kernel_tpu.check_shapes(16, jnp.float8_e4m3fn, 8, 8)
+
+
+@pytest.mark.parametrize("name", ["tpu", "gpu"])
+def test_the_pallas_latent_kernels_on_an_fp8_cache_in_interpret_mode(name):
+    shapes, seqs = BATCHES["mixed"]
+    args = fp8_case(jnp.float8_e4m3fn, seqs, dtype=jnp.bfloat16, latent=True,
+                    **{**shapes, "page_size": 32})
+    if name == "tpu":  # the TPU cache's rows are whole lanes (transformer.kv_cache_shape)
+        args["kv_cache"] = jnp.pad(args["kv_cache"], ((0, 0), (0, 0), (0, 128 - 48)))
+    kernel, interpret = {"tpu": (kernel_tpu.mla_ragged_paged_attention, pltpu.InterpretParams()),
+                         "gpu": (kernel_gpu.mla_ragged_paged_attention, True)}[name]
+    options = dict(sm_scale=48 ** -0.5, value_dim=32)
+    try:
+        out, cache = run(kernel, args, interpret=interpret, **options)
+        jax.block_until_ready((out, cache))
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    want_out, want_cache = run(reference.mla_ragged_paged_attention, args, **options)
+    np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))
+    np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "h100"])
+def test_the_pallas_latent_kernels_compile_over_an_fp8_cache(target):
+    # DeepSeek-V3's 576-wide latent rows at tp 8 (16 heads a device), a decode bucket.
+    platform, target_devices = devices(target)
+    mesh = one_device_mesh(target_devices)
+    args = mla_args(mesh, 16, "decode", page_size=32)
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    args["latent"] = jax.ShapeDtypeStruct(args["latent"].shape, fp8,
+                                          sharding=args["latent"].sharding)
+    args["kv_cache"] = jax.ShapeDtypeStruct(args["kv_cache"].shape, fp8,
+                                            sharding=args["kv_cache"].sharding)
+    kernel = jax.jit(MLA_KERNELS[platform], static_argnames=("sm_scale", "value_dim"),
+                     donate_argnames=("kv_cache",))
+    hlo = compile_for(mesh, kernel, **args, sm_scale=0.1, value_dim=LATENT).as_text()
+    assert not cache_copies(hlo, args["kv_cache"].shape, fp8), "the latent cache is copied"
+    assert "input_output_alias" in hlo.splitlines()[0]
