@@ -82,7 +82,7 @@ def replay(connection, loaded, draft_loaded=None) -> None:
                   max_running_requests=meta["max_running_requests"],
                   attention_backend=meta["attention_backend"],
                   matmul_backend=meta["matmul_backend"], context_length=meta["context_length"],
-                  verify_tokens=meta["verify_tokens"])
+                  verify_tokens=meta["verify_tokens"], kv_cache_dtype=meta["kv_cache_dtype"])
     runner = ModelRunner(loaded, **config,
                          mla_expanded_prefill_tokens=meta["mla_expanded_prefill_tokens"])
     runner.max_seqs = meta["max_seqs"]  # the leader's buckets' (its sample rows)

@@ -32,6 +32,7 @@ def lead(args, runner) -> "Leader":
         "attention_backend": args.attention_backend, "matmul_backend": args.matmul_backend,
         "mla_expanded_prefill_tokens": args.mla_expanded_prefill_tokens,
         "verify_tokens": int(runner.verify_tokens), "max_seqs": int(runner.max_seqs),
+        "kv_cache_dtype": args.kv_cache_dtype,
         # A draft head's tree (--speculative-eagle-topk > 1): its chain program's shape.
         "draft_topk": int(args.speculative_eagle_topk or 1),
         "draft_tree_steps": int(args.speculative_num_steps or 0)})
