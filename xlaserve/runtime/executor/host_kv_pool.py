@@ -1,18 +1,24 @@
 """The prefix cache's host tier in host memory (`--enable-hierarchical-cache`), and the copies
 between it and the device KV pool that the radix tree owes (runtime/scheduler/host_tier.py).
 
-One NumPy array per layer, `[host_pages + 1, page_size, row]` in the pool's dtype (page 0 unused,
-as in the device pool). A save gathers the evicted pages of every layer on the device (one
-program) and starts their copy to the host (`copy_to_host_async`) without waiting: the engine
-thread schedules the next step while the device still runs the last one, and waiting here would
-stall it. The copies land in the host arrays at the next `apply` (by then the device has run the
-gather, which came before the step it was waiting on) or before a load reads them. A load puts
-the host pages' rows on the device and scatters them into their pages (the cache donated,
-updated in place); JAX runs it before the step that reads them, which takes its output.
+One array per layer, `[host_pages + 1, page_size, row]` in the pool's dtype (page 0 unused, as
+in the device pool), split over the mesh as the device pool's layers are. Where XLA compiles
+copies to and from host memory (GPUs and the CPU), it is a JAX array in pinned host memory
+(memory kind "pinned_host": the transfers are DMAs, no staging copy): a save is one program that
+gathers the evicted pages of every layer and scatters them into the host arrays, a load one that
+gathers host pages and scatters them into the device pages (the caches donated, updated in
+place). Both are dispatched without waiting and ordered by their operands, as the steps are: the
+engine thread schedules the next step while the device runs the last one.
+
+On TPU, libtpu does not compile a gather or scatter on host memory (XLA's host compute; tried
+2026-11-28 for v6e: "Fusion must have backend config"), so the host arrays are NumPy's there:
+a save gathers on the device and starts the rows' copy to the host (`copy_to_host_async`),
+landed into the arrays at the next `apply` (the device ran the gather before the step it was
+running) or before a load reads them; a load puts the rows on the device and scatters them.
 
 Each copy runs in pieces of at most COPY_PAGES pages, padded to a power of two, so that its
 programs are a few shapes, all compiled at start-up (`precompile`): no compile while serving.
-Padding rows gather page 0 and scatter nowhere (an index past the pool, dropped).
+Padding rows read page 0 and write nowhere (an index past the array, dropped).
 
 On the CPU the device pool is host memory too: the tier is the same form (a lossless copy, in
 the cache's dtype) in more of the same RAM, useful where `--max-total-tokens` keeps the device
@@ -20,7 +26,6 @@ pool small; the start-up line says so.
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
@@ -35,6 +40,7 @@ from xlaserve.runtime.scheduler.host_tier import LOAD, SAVE
 logger = logging.getLogger(__name__)
 
 COPY_PAGES = 256  # pages a copy program moves at most: larger copies run in pieces
+PINNED = "pinned_host"
 
 
 def _buckets(most: int) -> list[int]:
@@ -45,46 +51,83 @@ def _buckets(most: int) -> list[int]:
     return sizes + [most]
 
 
+def pinned_on(platform: str) -> bool:
+    """Whether the host arrays are JAX arrays in pinned host memory (else NumPy): see above."""
+    return platform in ("gpu", "cpu")
+
+
 class HostKvPool:
-    def __init__(self, kv_specs: list[jax.ShapeDtypeStruct], num_pages: int):
+    def __init__(self, kv_specs: list[jax.ShapeDtypeStruct], num_pages: int,
+                 pinned: bool | None = None, allocate: bool = True):
         """`kv_specs`: the device pool's layers (kv_pool.kv_pool_specs, without a draft head's
-        state); `num_pages`: the host tier's pages."""
+        state); `num_pages`: the host tier's pages; `pinned`: JAX arrays in pinned host memory
+        (None: where the platform compiles their copies, `pinned_on`); `allocate` False: no
+        arrays, the programs only (compile-only devices)."""
         spec = kv_specs[0]
-        self.num_layers = len(kv_specs)
+        mesh = spec.sharding.mesh
+        platform = mesh.devices.flat[0].platform
+        self.pinned = pinned_on(platform) if pinned is None else pinned
         self.device_pages = spec.shape[0]
-        self.buffers = [np.zeros((num_pages + 1,) + spec.shape[1:], spec.dtype)
-                        for _ in kv_specs]
-        self.nbytes = sum(buffer.nbytes for buffer in self.buffers)
         self.sizes = _buckets(min(COPY_PAGES, max(num_pages, 1)))
-        shardings = [one.sharding for one in kv_specs]
-        self._row_shardings = shardings
-        self._replicated = NamedSharding(spec.sharding.mesh, P())  # the page indices
-        self._gather = jax.jit(lambda caches, index: [cache[index] for cache in caches],
-                               out_shardings=shardings)
-        self._scatter = jax.jit(
-            lambda caches, index, rows: [cache.at[index].set(row, mode="drop")
-                                         for cache, row in zip(caches, rows)],
-            donate_argnums=0, out_shardings=shardings)
         self._specs = kv_specs
+        device = [one.sharding for one in kv_specs]
+        self._index = NamedSharding(mesh, P())  # the page indices
+        shape = (num_pages + 1,) + spec.shape[1:]
+        self.host_rows = shape[0]
+        if self.pinned:
+            host = [NamedSharding(mesh, one.sharding.spec, memory_kind=PINNED) for one in kv_specs]
+            self._host_index = NamedSharding(mesh, P(), memory_kind=PINNED)
+            self._host_specs = [jax.ShapeDtypeStruct(shape, one.dtype, sharding=sharding)
+                                for one, sharding in zip(kv_specs, host)]
+            self.buffers = [jax.jit(lambda dtype=one.dtype: jnp.zeros(shape, dtype),
+                                    out_shardings=sharding)()
+                            for one, sharding in zip(kv_specs, host)] if allocate else []
+            # Save: the device pages' rows into host pages; load: host pages' into device pages.
+            self._save_fn = jax.jit(
+                lambda caches, buffers, device_pages, host_pages: [
+                    buffer.at[host_pages].set(jax.device_put(cache[device_pages], sharding),
+                                              mode="drop")
+                    for cache, buffer, sharding in zip(caches, buffers, host)],
+                donate_argnums=1, out_shardings=host)
+            self._load_fn = jax.jit(
+                lambda caches, buffers, host_pages, device_pages: [
+                    cache.at[device_pages].set(jax.device_put(buffer[host_pages], sharding),
+                                               mode="drop")
+                    for cache, buffer, sharding in zip(caches, buffers, device)],
+                donate_argnums=0, out_shardings=device)
+        else:
+            self.buffers = [np.zeros(shape, one.dtype) for one in kv_specs] if allocate else []
+            self._save_fn = jax.jit(lambda caches, index: [cache[index] for cache in caches],
+                                    out_shardings=device)
+            self._load_fn = jax.jit(
+                lambda caches, index, rows: [cache.at[index].set(row, mode="drop")
+                                             for cache, row in zip(caches, rows)],
+                donate_argnums=0, out_shardings=device)
+        self._device = device
         self._compiled: dict[tuple[str, int], object] = {}
-        self._pending: list[tuple[np.ndarray, int, list[jax.Array]]] = []
+        self._pending: list[tuple[np.ndarray, int, list[jax.Array]]] = []  # NumPy's saves
 
     def precompile(self) -> None:
         """Every copy program, for every piece size."""
-        index = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32,
-                                  sharding=self._replicated)
         for size in self.sizes:
-            rows = [jax.ShapeDtypeStruct((size,) + one.shape[1:], one.dtype,
-                                         sharding=one.sharding) for one in self._specs]
-            self._compiled[SAVE, size] = self._gather.lower(self._specs, index((size,))).compile()
-            self._compiled[LOAD, size] = self._scatter.lower(self._specs, index((size,)),
-                                                             rows).compile()
+            at = lambda sharding: jax.ShapeDtypeStruct((size,), jnp.int32, sharding=sharding)  # noqa: E731
+            if self.pinned:
+                save = self._save_fn.lower(self._specs, self._host_specs, at(self._index),
+                                           at(self._host_index))
+                load = self._load_fn.lower(self._specs, self._host_specs, at(self._host_index),
+                                           at(self._index))
+            else:
+                rows = [jax.ShapeDtypeStruct((size,) + one.shape[1:], one.dtype,
+                                             sharding=one.sharding) for one in self._specs]
+                save = self._save_fn.lower(self._specs, at(self._index))
+                load = self._load_fn.lower(self._specs, at(self._index), rows)
+            self._compiled[SAVE, size], self._compiled[LOAD, size] = save.compile(), load.compile()
 
     def _program(self, kind: str, size: int):
         program = self._compiled.get((kind, size))
         if program is None:  # precompile() not run (tests): compiled here, once
             logger.warning("COMPILED WHILE SERVING: the host tier's %s of %d pages", kind, size)
-            program = self._gather if kind == SAVE else self._scatter
+            program = self._compiled[kind, size] = self._save_fn if kind == SAVE else self._load_fn
         return program
 
     def apply(self, caches: list[jax.Array], copies) -> list[jax.Array]:
@@ -100,27 +143,29 @@ class HostKvPool:
                     caches = self._load(caches, source[piece], target[piece])
         return caches
 
-    def _padded(self, pages: list[int], fill: int) -> np.ndarray:
+    def _padded(self, pages: list[int], fill: int, sharding) -> jax.Array:
         size = next(s for s in self.sizes if s >= len(pages))
         index = np.full(size, fill, np.int32)
         index[:len(pages)] = pages
-        return index
-
-    def _on_device(self, index: np.ndarray) -> jax.Array:
-        return jax.device_put(index, self._replicated)
+        return jax.device_put(index, sharding)
 
     def _save(self, caches, device_pages: list[int], host_pages: list[int]) -> None:
-        index = self._padded(device_pages, 0)  # padding reads page 0, never kept
-        rows = self._program(SAVE, len(index))(caches, self._on_device(index))
+        source = self._padded(device_pages, 0, self._index)  # padding reads page 0
+        size = source.shape[0]
+        if self.pinned:  # padding writes past the host arrays: dropped
+            target = self._padded(host_pages, self.host_rows, self._host_index)
+            self.buffers = self._program(SAVE, size)(caches, self.buffers, source, target)
+            return
+        rows = self._program(SAVE, size)(caches, source)
         for row in rows:
             row.copy_to_host_async()
         self._pending.append((np.asarray(host_pages), len(host_pages), rows))
 
     def land(self, reading: list[int] | None = None) -> None:
-        """The saves started so far written into the host arrays, waiting for their copies; with
-        `reading` (host pages a load is about to read), only as far as the last save into one of
-        them: a save of this round was dispatched after the step the device is running, and
-        waiting for it would stall the overlap of host and device."""
+        """NumPy's host arrays: the saves started so far written into them, waiting for their
+        copies; with `reading` (host pages a load is about to read), only as far as the last
+        save into one of them: a save of this round was dispatched after the step the device is
+        running, and waiting for it would stall the overlap of host and device."""
         count = len(self._pending)
         if reading is not None:
             wanted = set(reading)
@@ -132,12 +177,17 @@ class HostKvPool:
         del self._pending[:count]
 
     def _load(self, caches, host_pages: list[int], device_pages: list[int]):
+        target = self._padded(device_pages, self.device_pages, self._index)  # padding: dropped
+        size = target.shape[0]
+        if self.pinned:
+            source = self._padded(host_pages, 0, self._host_index)
+            return self._program(LOAD, size)(caches, self.buffers, source, target)
         self.land(reading=host_pages)  # a page saved earlier in this round is read back
-        index = self._padded(device_pages, self.device_pages)  # padding: dropped
-        take = self._padded(host_pages, 0)
+        take = np.full(size, 0, np.int32)
+        take[:len(host_pages)] = host_pages
         rows = [jax.device_put(buffer[take], sharding)
-                for buffer, sharding in zip(self.buffers, self._row_shardings)]
-        return self._program(LOAD, len(index))(caches, self._on_device(index), rows)
+                for buffer, sharding in zip(self.buffers, self._device)]
+        return self._program(LOAD, size)(caches, target, rows)
 
 
 def host_tier_pages(args, device_pages: int, page_bytes: int, platform: str) -> int:
@@ -158,7 +208,8 @@ def host_tier_pages(args, device_pages: int, page_bytes: int, platform: str) -> 
                          f"host's {free / 1e9:.2f} GB of free RAM")
     where = ("this host's RAM, as the device pool is: it keeps evicted prefixes in the cache's "
              "dtype (a lossless copy), which helps where --max-total-tokens keeps the device "
-             "pool small" if platform == "cpu" else "host RAM (NumPy arrays)")
+             "pool small" if platform == "cpu" else "pinned host memory" if pinned_on(platform)
+             else "host RAM (NumPy arrays: libtpu compiles no copies into pinned host memory)")
     logger.info("Hierarchical cache: a host tier of %d pages (%.2f GB, %s) beside the device "
                 "pool's %d, in %s", pages, pages * page_bytes / 1e9, how, device_pages - 1, where)
     return pages

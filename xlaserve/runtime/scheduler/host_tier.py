@@ -24,6 +24,7 @@ class HostTier:
             raise ValueError("the host tier needs at least one page")
         self.allocator = PageAllocator(num_pages + 1)
         self.copies: list[tuple[str, list[int], list[int]]] = []
+        self._last_targets: set[int] = set()  # the pages the last copy writes
         self.saved_pages = self.loaded_pages = 0  # since start: pages moved out and back in
 
     @property
@@ -43,11 +44,16 @@ class HostTier:
         self._add(LOAD, host_pages, device_pages)
 
     def _add(self, kind: str, source: list[int], target: list[int]) -> None:
-        if self.copies and self.copies[-1][0] == kind:  # one batch of the same kind
-            self.copies[-1][1].extend(source)
-            self.copies[-1][2].extend(target)
+        """Joins the last copy where it is of the same kind and writes none of the same pages
+        (a page written twice in one copy would be a scatter of two values to one place)."""
+        last = self.copies[-1] if self.copies else None
+        if last is not None and last[0] == kind and self._last_targets.isdisjoint(target):
+            last[1].extend(source)
+            last[2].extend(target)
         else:
             self.copies.append((kind, list(source), list(target)))
+            self._last_targets = set()
+        self._last_targets.update(target)
 
     def take_copies(self) -> list[tuple[str, list[int], list[int]]]:
         """The owed copies, in order; the executor makes them before the next step."""

@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Protocol
-
+from xlaserve.runtime.scheduler.host_tier import HostTier
 from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 
 
@@ -66,18 +65,8 @@ class TreeNode:
         self.pinned = False
 
 
-class _HostTier(Protocol):
-    """What the tree uses of host_tier.HostTier (which imports this file)."""
-
-    allocator: PageAllocator
-
-    def save(self, device_pages: list[int], host_pages: list[int]) -> None: ...
-
-    def load(self, host_pages: list[int], device_pages: list[int]) -> None: ...
-
-
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, host: _HostTier | None = None):
+    def __init__(self, allocator: PageAllocator, page_size: int, host: HostTier | None = None):
         """`host`: the host-memory tier that evicted pages move to (None: they are dropped)."""
         self.allocator = allocator
         self.page_size = page_size
@@ -390,11 +379,10 @@ class RadixCache:
         freed, heap = 0, self._host_heap
         while freed < num_pages and heap:
             access, _, leaf = heapq.heappop(heap)
-            if not (leaf.on_host and leaf.parent is not None and not leaf.children
-                    and not leaf.pinned and access == leaf.last_access):
-                if leaf.on_host and leaf.parent is not None and not leaf.children \
-                        and not leaf.pinned:
-                    self._push_host_if_leaf(leaf)  # touched since: at its new place
+            if not leaf.on_host or leaf.parent is None or leaf.children or leaf.pinned:
+                continue  # stale: loaded, dropped, given a child, or being loaded
+            if access != leaf.last_access:  # touched since: back in at its new place
+                self._push_host_if_leaf(leaf)
                 continue
             freed += len(leaf.pages)
             parent = leaf.parent
