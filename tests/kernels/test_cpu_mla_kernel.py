@@ -181,9 +181,9 @@ def test_shapes_and_dtypes_it_cannot_take_are_refused(monkeypatch):
         call(q, latent, jnp.zeros((4, 16, 48)), value_dim=49)
     with pytest.raises(ValueError, match="MLA shapes"):
         call(q, latent[:, :40], jnp.zeros((4, 16, 48)))
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="a KV cache in q's dtype or FP8"):
         call(q, latent, jnp.zeros((4, 16, 48), jnp.bfloat16))
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="q in float32 or bfloat16"):
         call(q.astype(jnp.float16), latent, jnp.zeros((4, 16, 48), jnp.float16))
     monkeypatch.setattr(kernel_cpu, "bf16_pairs_supported", lambda: False)
     with pytest.raises(ValueError, match="AVX512_BF16"):
