@@ -23,7 +23,7 @@ from tests.http.conftest import RunningServer
 import xlaserve
 
 PACKAGE = str(Path(xlaserve.__file__).resolve().parent) + "/"
-MAX_FILES = 20
+MAX_FILES = 22  # 20 before the prefix cache's split into free list, tree and reuse (issue 56)
 MAX_TYPES = 12
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "stream": True,
         "max_tokens": 8}
@@ -107,7 +107,7 @@ def traced(tiny_chat_model):
     return trace
 
 
-def test_a_plain_streaming_chat_request_runs_code_in_at_most_20_files(traced):
+def test_a_plain_streaming_chat_request_runs_code_in_at_most_22_files(traced):
     files = sorted(traced.files)
     assert len(files) <= MAX_FILES, f"{len(files)} files: {files}"
 
