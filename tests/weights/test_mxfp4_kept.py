@@ -51,8 +51,9 @@ def test_a_model_with_kept_experts_gives_the_decoded_models_logits(tiny_gpt_oss,
                                 progress=False)
     config, mesh = decoded.config, decoded.mesh
     _, _, hf_config = loader._read_config(tiny_gpt_oss, config_file_allowed=False)
-    model = loader._load_safetensors(tiny_gpt_oss, config, hf_config, dtype=jnp.float32,
-                                     mesh=mesh, progress=False, quantization="mxfp4")
+    model = loader._load_safetensors(tiny_gpt_oss, loader._named_source(tiny_gpt_oss), config,
+                                     hf_config, dtype=jnp.float32, mesh=mesh, progress=False,
+                                     quantization="mxfp4")
     kept = dataclasses.replace(decoded, model=model)
     assert mxfp4_kept.kept_bytes(model) == sum(
         e.blocks.nbytes + e.scales.nbytes

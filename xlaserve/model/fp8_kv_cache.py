@@ -36,6 +36,13 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
+def rescaled(x, scale: float):
+    """`x` times an FP8 cache's `scale` (in float32, back in x's dtype); `x` itself at 1.0."""
+    if scale == 1.0:
+        return x
+    return (x.astype(jnp.float32) * scale).astype(x.dtype)
+
+
 def quantize(x, scale: float, dtype):
     """x / scale in the FP8 `dtype`, clipped to its finite range first: e4m3fn has no infinity,
     so a value past 448 would otherwise become NaN (and e5m2's 57344 an infinity)."""

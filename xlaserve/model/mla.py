@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.model.fp8_kv_cache import is_fp8, quantize
+from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
 from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight,
                                    matmul_input_dtype, project)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import merge_by_lse
@@ -114,9 +114,7 @@ class MLAttention(nnx.Module):
             else:
                 out, kv_cache = kernels.latent_attention(
                     *attention_args, sm_scale=m.softmax_scale * scale, value_dim=m.kv_lora_rank)
-            if scale != 1.0:
-                out = out.astype(jnp.float32) * scale
-            out = jnp.einsum("thr,hrv->thv", out.astype(w_uv.dtype), w_uv,
+            out = jnp.einsum("thr,hrv->thv", rescaled(out, scale).astype(w_uv.dtype), w_uv,
                              preferred_element_type=jnp.float32)
         out = project(out.reshape(x.shape[0], -1).astype(matmul_input_dtype(self.o_proj[...])),
                       self.o_proj[...], kernels)
@@ -151,9 +149,8 @@ def expanded_attention(q_nope, q_rope, attention_args, w_uk, w_uv, kernels: Kern
     1 / `latent_scale`). Returns (out [T, H, v_head_dim] float32, kv_cache)."""
     out_prefix, lse_prefix, kv_cache = kernels.latent_prefix_attention(
         *attention_args, sm_scale=sm_scale * latent_scale, value_dim=kv_lora_rank)
-    out_prefix = out_prefix.astype(jnp.float32) * latent_scale if latent_scale != 1.0 \
-        else out_prefix
-    out_prefix = jnp.einsum("thr,hrv->thv", out_prefix.astype(w_uv.dtype), w_uv,
+    out_prefix = jnp.einsum("thr,hrv->thv",
+                            rescaled(out_prefix, latent_scale).astype(w_uv.dtype), w_uv,
                             preferred_element_type=jnp.float32)
     query, latent = attention_args[:2]
     dtype = query.dtype

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 
 from xlaserve.model.config import ModelConfig
 from xlaserve.model.int8 import check_quantization, quantized_parameters
-from xlaserve.model.fp8_kv_cache import is_fp8, quantize
+from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rope_qk, split_qkv)
 from xlaserve.model.mla import MLAttention
@@ -123,8 +123,8 @@ class Attention(nnx.Module):
             out, kv_cache = tree_attention(kernels.attention, *args, metadata.tree_masks,
                                            sm_scale=sm_scale, width=metadata.tree_width,
                                            sinks=sinks)
-        if fp8 and v_scale != 1.0:
-            out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
+        if fp8:
+            out = rescaled(out, v_scale)
         out = project(out.reshape(num_tokens, -1), self.o_proj[...], kernels, lora, "o_proj")
         if c.o_bias:
             out = out + self.o_bias[...].astype(jnp.float32)

@@ -290,9 +290,11 @@ def load_model(
                          f"checkpoint's precision as a generation model (not "
                          f"{'--quantization ' + quantization if quantization else 'embeddings'})")
     check_expert_parallel(config.num_experts, mesh)
+    source = None  # a Hugging Face checkpoint's tensors: their headers read once
     if kv_cache_dtype != "auto":
-        config = _with_kv_scales(config, None if dummy or checkpoint.is_checkpoint(source_path)
-                                 else _named_source(source_path), kv_cache_dtype)
+        if not (dummy or checkpoint.is_checkpoint(source_path)):
+            source = _named_source(source_path)
+        config = _with_kv_scales(config, source, kv_cache_dtype)
     if quantization == "mxfp4":
         mxfp4_kept.check_model(config, mesh, None if dummy else source_path)
     # The tokenizer before the weights: a missing one fails at once, not after minutes of loading.
@@ -306,8 +308,9 @@ def load_model(
         if quantization is not None:
             quantize_model(model, quantization)
     else:
-        model = _load_safetensors(source_path, config, hf_config, dtype=dtype, mesh=mesh,
-                                  progress=progress, quantization=quantization)
+        model = _load_safetensors(source_path, source or _named_source(source_path), config,
+                                  hf_config, dtype=dtype, mesh=mesh, progress=progress,
+                                  quantization=quantization)
     if quantization == "mxfp4":
         logger.info("Kept the experts in MXFP4 (%.1f GB); the other weights are %s",
                     mxfp4_kept.kept_bytes(model) / 1e9, np.dtype(dtype).name)
@@ -318,14 +321,14 @@ def load_model(
     return LoadedModel(config, model, tokenizer, dtype, mesh, source_path, name)
 
 
-def _load_safetensors(source_path: str, config: ModelConfig, hf_config: dict, *, dtype,
+def _load_safetensors(source_path: str, source, config: ModelConfig, hf_config: dict, *, dtype,
                       mesh: Mesh, progress: bool, quantization: str | None):
-    """The model of a Hugging Face checkpoint: an FP8 one kept in FP8 where the devices multiply
-    FP8 (fp8_kept.py), gpt-oss's MXFP4 experts kept with --quantization mxfp4 (mxfp4_kept.py),
-    everything else decoded at load (and quantized as `quantization` asks)."""
+    """The model of the Hugging Face checkpoint at `source_path` (its tensors `source`,
+    `_named_source`): an FP8 one kept in FP8 where the devices multiply FP8 (fp8_kept.py),
+    gpt-oss's MXFP4 experts kept with --quantization mxfp4 (mxfp4_kept.py), everything else
+    decoded at load (and quantized as `quantization` asks)."""
     method = check_quantization_config(hf_config)
     refuse_quantized_checkpoint(quantization, method, source_path)
-    source = _named_source(source_path)
     if quantization == "mxfp4":  # the experts as stored, the rest decoded
         tensors = itertools.chain(
             convert(config, dequantizing_source(source, hf_config, dtype),

@@ -51,6 +51,13 @@ def _buckets(most: int) -> list[int]:
     return sizes + [most]
 
 
+def _move(sources, targets, read, write, shardings) -> list[jax.Array]:
+    """Every layer's rows `read` of `sources` written at `write` of `targets`, carried into
+    `shardings`' memory (pinned host or device) on the way; `write` padding past the end drops."""
+    return [target.at[write].set(jax.device_put(source[read], sharding), mode="drop")
+            for source, target, sharding in zip(sources, targets, shardings)]
+
+
 def pinned_on(platform: str) -> bool:
     """Whether the host arrays are JAX arrays in pinned host memory (else NumPy): see above."""
     return platform in ("gpu", "cpu")
@@ -84,16 +91,12 @@ class HostKvPool:
                             for one, sharding in zip(kv_specs, host)] if allocate else []
             # Save: the device pages' rows into host pages; load: host pages' into device pages.
             self._save_fn = jax.jit(
-                lambda caches, buffers, device_pages, host_pages: [
-                    buffer.at[host_pages].set(jax.device_put(cache[device_pages], sharding),
-                                              mode="drop")
-                    for cache, buffer, sharding in zip(caches, buffers, host)],
+                lambda caches, buffers, device_pages, host_pages: _move(
+                    caches, buffers, device_pages, host_pages, host),
                 donate_argnums=1, out_shardings=host)
             self._load_fn = jax.jit(
-                lambda caches, buffers, host_pages, device_pages: [
-                    cache.at[device_pages].set(jax.device_put(buffer[host_pages], sharding),
-                                               mode="drop")
-                    for cache, buffer, sharding in zip(caches, buffers, device)],
+                lambda caches, buffers, host_pages, device_pages: _move(
+                    buffers, caches, host_pages, device_pages, device),
                 donate_argnums=0, out_shardings=device)
         else:
             self.buffers = [np.zeros(shape, one.dtype) for one in kv_specs] if allocate else []
@@ -143,17 +146,18 @@ class HostKvPool:
                     caches = self._load(caches, source[piece], target[piece])
         return caches
 
-    def _padded(self, pages: list[int], fill: int, sharding) -> jax.Array:
+    def _padded(self, pages: list[int], fill: int) -> np.ndarray:
+        """`pages` padded with `fill` to the piece size that holds them."""
         size = next(s for s in self.sizes if s >= len(pages))
         index = np.full(size, fill, np.int32)
         index[:len(pages)] = pages
-        return jax.device_put(index, sharding)
+        return index
 
     def _save(self, caches, device_pages: list[int], host_pages: list[int]) -> None:
-        source = self._padded(device_pages, 0, self._index)  # padding reads page 0
+        source = jax.device_put(self._padded(device_pages, 0), self._index)  # padding: page 0
         size = source.shape[0]
         if self.pinned:  # padding writes past the host arrays: dropped
-            target = self._padded(host_pages, self.host_rows, self._host_index)
+            target = jax.device_put(self._padded(host_pages, self.host_rows), self._host_index)
             self.buffers = self._program(SAVE, size)(caches, self.buffers, source, target)
             return
         rows = self._program(SAVE, size)(caches, source)
@@ -177,15 +181,14 @@ class HostKvPool:
         del self._pending[:count]
 
     def _load(self, caches, host_pages: list[int], device_pages: list[int]):
-        target = self._padded(device_pages, self.device_pages, self._index)  # padding: dropped
-        size = target.shape[0]
+        target = jax.device_put(self._padded(device_pages, self.device_pages),  # padding: dropped
+                                self._index)
+        size, source = target.shape[0], self._padded(host_pages, 0)
         if self.pinned:
-            source = self._padded(host_pages, 0, self._host_index)
-            return self._program(LOAD, size)(caches, self.buffers, source, target)
+            return self._program(LOAD, size)(caches, self.buffers,
+                                             jax.device_put(source, self._host_index), target)
         self.land(reading=host_pages)  # a page saved earlier in this round is read back
-        take = np.full(size, 0, np.int32)
-        take[:len(host_pages)] = host_pages
-        rows = [jax.device_put(buffer[take], sharding)
+        rows = [jax.device_put(buffer[source], sharding)
                 for buffer, sharding in zip(self.buffers, self._device)]
         return self._program(LOAD, size)(caches, target, rows)
 

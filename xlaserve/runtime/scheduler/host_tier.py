@@ -27,14 +27,6 @@ class HostTier:
         self._last_targets: set[int] = set()  # the pages the last copy writes
         self.saved_pages = self.loaded_pages = 0  # since start: pages moved out and back in
 
-    @property
-    def num_pages(self) -> int:
-        return self.allocator.capacity
-
-    @property
-    def used_pages(self) -> int:
-        return self.allocator.num_used
-
     def save(self, device_pages: list[int], host_pages: list[int]) -> None:
         self.saved_pages += len(device_pages)
         self._add(SAVE, device_pages, host_pages)
