@@ -167,7 +167,9 @@ def test_tensor_parallel_over_two_devices_gives_transformers_tokens(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    # Two CPU devices on any host: a one-GPU machine has one device of its own (the H200 run
+    # of 2026-11-28 failed here without JAX_PLATFORMS).
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL, str(tmp_path), json.dumps(SMALL)],
                           env=env, capture_output=True, text=True, timeout=900,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
