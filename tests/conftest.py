@@ -36,11 +36,6 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    if _jax_version() < (0, 11):
-        skip_old = pytest.mark.skip(reason="newest_jax: make test-jax011 runs it on JAX 0.11")
-        for item in items:
-            if "newest_jax" in item.keywords:
-                item.add_marker(skip_old)
     if config.getoption("--slow"):
         return
     skip_slow = pytest.mark.skip(reason="slow: run with --slow")
@@ -48,8 +43,3 @@ def pytest_collection_modifyitems(config, items):
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
 
-
-def _jax_version() -> tuple[int, int]:
-    from importlib import metadata
-
-    return tuple(int(part) for part in metadata.version("jax").split(".")[:2])

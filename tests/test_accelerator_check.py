@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -13,11 +12,6 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "accelerator_check.py"
 
-# The check runs on the GPU machines' JAX (0.11.2, their image's): make test-jax011 runs it there,
-# JAX 0.10's run leaves it out (~1.8 min of that run on a 2-core Zen 5).
-pytestmark = pytest.mark.skipif(
-    tuple(int(part) for part in metadata.version("jax").split(".")[:2]) < (0, 11),
-    reason="the accelerator check targets the GPU machines' JAX 0.11 (make test-jax011 runs it)")
 
 
 def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):

@@ -44,20 +44,6 @@ FAMILIES = {
 # DeepSeek-V2/V3 (model/mla.py, model/routing.py): multi-head latent attention (V3 with a query
 # LoRA, V2 without), interleaved RoPE, YaRN with mscale; experts in groups, shared experts, the
 # first layer dense. Not in FAMILIES: tests/model/test_deepseek.py runs them.
-# The families whose grids also run on JAX 0.11 (make test-jax011): between them every primitive
-# whose lowering JAX's version may change (dense and tied projections, sliding and full
-# attention with sinks, the experts' ragged dots and their routers); the others differ from them
-# only in jnp code around those (biases, qk-norm, shared experts, top-k order) and run on JAX 0.10.
-# ~2.5 minutes of the 0.11 run's grid time (2-core Zen 5).
-JAX011_FAMILIES = ("llama", "mistral", "qwen3_moe", "gpt_oss")
-
-
-def families_on_both_jax_versions(families) -> list:
-    """pytest params of `families`, those outside JAX011_FAMILIES marked jax_independent."""
-    import pytest
-
-    return [name if name in JAX011_FAMILIES else
-            pytest.param(name, marks=pytest.mark.jax_independent) for name in families]
 
 
 DEEPSEEK = {

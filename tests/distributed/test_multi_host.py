@@ -355,7 +355,6 @@ def _one_at_a_time_verified_rows(running, reference, prompts) -> int:
     return verified
 
 
-@pytest.mark.jax_independent  # what it adds to the tests above is host logic (the runner's size)
 @pytest.mark.timeout(300)
 def test_speculative_decoding_across_two_processes_serves_the_one_process_tokens(
         model, reference, tmp_path, monkeypatch):
@@ -382,7 +381,6 @@ def test_speculative_decoding_across_two_processes_serves_the_one_process_tokens
         running.stop()
 
 
-@pytest.mark.jax_independent  # the device work is the one-process EAGLE3 tests'; this, the replay
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("shape", [["--speculative-num-steps", "3"],
                                    ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2"]],
@@ -409,7 +407,6 @@ def test_an_eagle3_draft_head_across_two_processes_serves_the_one_process_tokens
         running.stop()
 
 
-@pytest.mark.jax_independent
 @pytest.mark.timeout(300)
 def test_a_standalone_draft_model_across_two_processes_serves_the_one_process_tokens(
         model, reference, tmp_path, monkeypatch):

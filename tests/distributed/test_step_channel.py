@@ -12,9 +12,6 @@ from xlaserve.runtime.distributed.channel import (TO_FOLLOWER, TO_LEADER, Channe
                                            Connection, Listener, channel_port, connect, encode,
                                            new_secret)
 
-# Its outcome does not depend on JAX's version (the step channel's sockets and HMAC, on the host):
-# make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 SECRET = b"k" * 32
 

@@ -19,10 +19,6 @@ from xlaserve.runtime.distributed import setup
 from xlaserve.runtime.distributed.follower import replay
 from xlaserve.runtime.distributed.channel import TO_FOLLOWER, TO_LEADER, ChannelClosed, Connection, new_secret
 
-# Its outcome does not depend on JAX's version (the leader's hash comparison, on the host;
-# test_multi_host.py runs jax.distributed on JAX 0.11): make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):

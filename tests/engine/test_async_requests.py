@@ -8,8 +8,6 @@ from xlaserve.runtime.engine import async_requests
 from xlaserve.runtime.engine.async_requests import AsyncRequestGroup, EngineDeadError
 from xlaserve.runtime.engine.messages import Finish, OutputDelta
 
-pytestmark = pytest.mark.jax_independent  # host logic
-
 
 class FakeCore:
     def __init__(self):

@@ -13,10 +13,6 @@ from tests.hf_reference import default_model_in_transformers, hf_greedy
 from xlaserve.offline import Engine
 from xlaserve.runtime.sampling.params import SamplingParams
 
-# Its outcome does not depend on JAX's version (the default model's numerics are checked on JAX 0.11
-# by tests/model/test_default_model.py, the engine by test_engine.py): make test-jax011 leaves it
-# out.
-pytestmark = pytest.mark.jax_independent
 
 QUESTIONS = ["List 3 countries and their capitals.", "What is 7 times 8?",
              "Write a haiku about the sea.", "Name two primary colors."]

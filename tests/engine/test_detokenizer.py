@@ -5,9 +5,6 @@ from xlaserve.weights.gguf_file import load_tokenizer
 from xlaserve.weights.loader import default_model_file
 from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
 
-# Its outcome does not depend on JAX's version (the tokenizer's text, on the host): make test-jax011
-# leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 TEXT = "Hello world! Ça va? 東京は日本の首都です 🎉🐍 done.\nNew line  two spaces"
 

@@ -21,9 +21,6 @@ from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 
-# On JAX 0.10 only, as tests/engine/test_speculative_decoding.py: the head's programs compile on
-# both versions for v6e and H100 in tests/executor/test_compile_step.py.
-pytestmark = pytest.mark.jax_independent
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 5], [7, 8, 7, 8, 7, 8, 7, 8, 7, 8, 7], [400, 401, 402],
            [99, 98]]

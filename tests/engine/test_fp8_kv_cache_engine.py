@@ -19,7 +19,6 @@ from xlaserve.model.config import ModelConfig, RopeConfig
 from xlaserve.offline import Engine
 from xlaserve.runtime.executor import kv_pool
 
-pytestmark = pytest.mark.jax_independent  # the engine's wiring; kernels: tests/kernels
 BOUNDS = {"fp8_e4m3": (0.05, 0.92), "fp8_e5m2": (0.15, 0.88)}  # (NLL increase, top-1 agreement)
 
 

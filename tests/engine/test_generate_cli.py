@@ -7,10 +7,6 @@ import pytest
 
 from xlaserve.server_args import ServerArgs
 
-# Its outcome does not depend on JAX's version (the command line around the engine; test_engine.py
-# runs the engine on JAX 0.11): make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
-
 
 def test_generate_cli_prints_json_with_the_greedy_answer():
     # float32 activations: the exact model's answer. (With the default q8 ones the default model

@@ -13,7 +13,6 @@ from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 from xlaserve.server_args import ServerArgs
 
-pytestmark = pytest.mark.jax_independent  # host bookkeeping and copies; kernels: tests/kernels
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=2,

@@ -19,9 +19,6 @@ from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParam
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.request import Request
 
-# Its outcome does not depend on JAX's version (the engine loop's failure handling, on the host):
-# make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=4,
              chunked_prefill_size=8, max_prefill_tokens=12, context_length=64, max_total_tokens=512)

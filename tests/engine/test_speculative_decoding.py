@@ -12,9 +12,6 @@ from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 
-# On JAX 0.10 only: the device side of a verified row (its penalty counts, the rows kept) runs
-# on both versions in tests/executor/test_verified_rows.py, seconds where these take minutes.
-pytestmark = pytest.mark.jax_independent
 
 # Prompts that repeat themselves, so the drafter finds matches from the first output token on.
 PROMPTS = [

@@ -18,9 +18,6 @@ from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 from xlaserve.runtime.scheduler.speculation import DraftTree
 
-# On JAX 0.10 only, as the other engine tests of speculation: the tree programs compile on both
-# versions in tests/executor/test_compile_step.py.
-pytestmark = pytest.mark.jax_independent
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 5], [7, 8, 7, 8, 7, 8, 7, 8, 7, 8, 7], [400, 401, 402]]
 GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}

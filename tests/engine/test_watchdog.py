@@ -11,10 +11,6 @@ from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 from xlaserve.runtime.engine.async_requests import EngineDeadError
 
-# Its outcome does not depend on JAX's version (the watchdog thread, on the host): make test-jax011
-# leaves it out.
-pytestmark = pytest.mark.jax_independent
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

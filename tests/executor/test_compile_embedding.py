@@ -25,8 +25,8 @@ MODERNBERT_BASE = dict(architectures=["ModernBertModel"], model_type="modernbert
 
 
 @pytest.mark.parametrize("target,tp_size", [
-    pytest.param("h100", 1, marks=pytest.mark.newest_jax),
-    pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent)])
+    ("h100", 1),
+    ("v6e:2x2", 4)])
 @pytest.mark.parametrize("model", ["bert-base", "modernbert-base", "qwen3-embedding"])
 def test_embedding_step_compiles(target, tp_size, model, tmp_path):
     devices(target)  # skips where the compile-only package is absent

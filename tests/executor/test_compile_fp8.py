@@ -126,9 +126,9 @@ def test_llama_8b_fp8_decode_step_multiplies_fp8_by_fp8_and_reads_one_byte_a_wei
     assert not fp8_upcasts(hlo), fp8_upcasts(hlo)[:3]
     # XLA's bytes (the caches' updates counted as the rows written) against each weight read once,
     # plus, in the variant with prompt logprobs compiled here, the LM head again (over every token
-    # row), and the embedding table, which JAX 0.10's XLA charges whole for a gather of 8 rows and
-    # JAX 0.11's does not (the whole model: 10.84 GB on 0.10, 9.90 on 0.11, against 10.14-11.19;
-    # these 2 layers 2.86 GB on 0.11 against weights of 2.54). A bfloat16 copy of the FP8 weights
+    # row), and the embedding table, which some XLA versions charge whole for a gather of 8 rows
+    # (JAX 0.11's does not: the whole model 9.90 GB against 10.14-11.19; these 2 layers 2.86 GB
+    # against weights of 2.54). A bfloat16 copy of the FP8 weights
     # shows as an upcast above.
     table_bytes = 2 * config.vocab_size * config.hidden_size
     moved = row["xla_bytes"] + row["cache_write_correction"]

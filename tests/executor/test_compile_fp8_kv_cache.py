@@ -28,8 +28,8 @@ def check_fp8_caches(program, description, compiled, tp_size, fp8):
 
 
 @pytest.mark.parametrize("target,tp_size,fp8", [
-    pytest.param("h100", 1, "float8_e4m3fn", marks=pytest.mark.newest_jax),
-    pytest.param("v6e:2x2", 4, "float8_e5m2", marks=pytest.mark.jax_independent)])
+    ("h100", 1, "float8_e4m3fn"),
+    ("v6e:2x2", 4, "float8_e5m2")])
 def test_llama_8b_step_with_an_fp8_kv_cache_compiles(target, tp_size, fp8, tmp_path):
     devices(target)  # skips where the compile-only package is absent
     name = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}[fp8]
@@ -42,7 +42,6 @@ def test_llama_8b_step_with_an_fp8_kv_cache_compiles(target, tp_size, fp8, tmp_p
         check_fp8_caches(program, description, program.compile(*shape), tp_size, fp8)
 
 
-@pytest.mark.jax_independent
 def test_deepseek_latent_step_with_an_fp8_cache_compiles_on_v6e(tmp_path):
     devices("v6e:2x2")
     config = json.loads((CONFIGS / "deepseek-v2-lite" / "config.json").read_text())

@@ -17,7 +17,6 @@ from xlaserve.model.config import ModelConfig
 from xlaserve.server_args import ServerArgs
 
 
-
 def int8_weight_bytes(c: ModelConfig) -> int:
     """Llama-3.1-8B's weights with --quantization int8, from its shapes: the embedding, LM head
     and norms in bfloat16, each layer's qkv, o_proj, gate_up and down one byte a weight and a
@@ -69,10 +68,8 @@ def _per_device_bytes(weights) -> int:
 # CI compiles the first 2 layers (compile_targets.first_layers); --slow the whole model.
 @pytest.mark.parametrize("layers", [2, pytest.param(None, marks=pytest.mark.slow)],
                          ids=["2-layers", "whole"])
-# v6e on JAX 0.10 only (28 s of the 0.11 run; the same step in bfloat16 compiles for v6e on both,
-# test_compile_step.py); H100 on both.
 @pytest.mark.parametrize("target,tp_size", [
-    ("h100", 1), pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent)])
+    ("h100", 1), ("v6e:2x2", 4)])
 def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target, tp_size,
                                                                           layers, tmp_path):
     devices(target)  # skips where the compile-only package is absent

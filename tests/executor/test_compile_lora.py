@@ -18,10 +18,9 @@ def _per_device_bytes(arrays) -> int:
     return int(sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in arrays))
 
 
-# H100 on JAX 0.11 (the GPU machines' version), v6e on JAX 0.10: one compile each per make test.
 @pytest.mark.parametrize("target,tp_size", [
-    pytest.param("h100", 1, marks=pytest.mark.newest_jax),
-    pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent)])
+    ("h100", 1),
+    ("v6e:2x2", 4)])
 def test_llama_8b_step_with_lora_slots_compiles_and_shards_them(target, tp_size, tmp_path):
     devices(target)  # skips where the compile-only package is absent
     model_path = first_layers("llama-3.1-8b", 2, tmp_path)

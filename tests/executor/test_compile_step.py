@@ -23,9 +23,8 @@ LAYERS = [2, pytest.param(None, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("layers", LAYERS, ids=["2-layers", "whole"])
-# v6e tp 4 on JAX 0.11 alone (a TPU install's version; 31 s of JAX 0.10's run, the longer one)
 @pytest.mark.parametrize("target,tp_size", [
-    pytest.param("v6e:2x2", 4, marks=pytest.mark.newest_jax), ("h100", 1)])
+    ("v6e:2x2", 4), ("h100", 1)])
 def test_llama_8b_serving_step_compiles_for_the_target(target, tp_size, layers, tmp_path):
     devices(target)  # skips where the compile-only package is absent
     # The CPU's step sizes, as before the accelerator defaults (test_platform_defaults.py).
@@ -119,9 +118,7 @@ def test_mixture_of_experts_serving_step_compiles_for_the_target(config, target,
     assert len(gathers) <= 2 and all(g.startswith("f32[") for g in gathers), (gathers, description)
 
 
-# The expanded form on JAX 0.11 only (38 s of the 0.10 run, the longer; the absorbed one, the same
-# step and cache around another attention, compiles on both).
-@pytest.mark.parametrize("expanded", [False, pytest.param(True, marks=pytest.mark.newest_jax)],
+@pytest.mark.parametrize("expanded", [False, True],
                          ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), pytest.param("h100", 1, marks=pytest.mark.slow)])
 def test_deepseek_latent_attention_step_compiles_with_its_cache_updated_in_place(
@@ -208,11 +205,8 @@ def eagle3_server_step(target: str, tp_size: int, tmp_path, **flags):
     return aot.server_step(target, args)
 
 
-# v6e on JAX 0.11 only, the JAX `pip install xlaserve[tpu]` resolves to (the TPU compile of the
-# step around it runs on both, above; 35-37 s each of the 0.10 run, the longer of the two, on a
-# 2-core EPYC); H100 on both.
 @pytest.mark.parametrize("target,tp_size", [
-    pytest.param("v6e:2x2", 4, marks=pytest.mark.newest_jax), ("h100", 1)])
+    ("v6e:2x2", 4), ("h100", 1)])
 def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, tp_size,
                                                                      tmp_path):
     """--speculative-algorithm EAGLE3 with a head of the published Llama-3.1-8B head's sizes
@@ -231,7 +225,7 @@ def test_an_eagle3_servers_step_and_draft_steps_compile_for_the_target(target, t
 
 
 @pytest.mark.parametrize("target,tp_size", [
-    pytest.param("v6e:2x2", 4, marks=pytest.mark.newest_jax), ("h100", 1)])
+    ("v6e:2x2", 4), ("h100", 1)])
 def test_an_eagle3_tree_servers_tree_step_and_tree_drafting_compile_for_the_target(
         target, tp_size, tmp_path):
     """--speculative-eagle-topk 4 --speculative-num-steps 3 (SGLang's tree shape; 8 of the 12

@@ -35,8 +35,8 @@ def _config(model: str, directory) -> str:
 
 
 @pytest.mark.parametrize("target,tp_size", [
-    pytest.param("h100", 1, marks=pytest.mark.newest_jax),
-    pytest.param("v6e:2x2", 4, marks=pytest.mark.jax_independent)])
+    ("h100", 1),
+    ("v6e:2x2", 4)])
 @pytest.mark.parametrize("model", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
 def test_vision_step_and_tower_compile(target, tp_size, model, tmp_path):
     platform, target_devices = devices(target)  # skips where the compile-only package is absent

@@ -66,7 +66,6 @@ def test_copies_are_made_in_the_order_they_were_owed(pool_and_caches):
         np.testing.assert_array_equal(bytes_of(cache)[6], before[layer][4])
 
 
-@pytest.mark.newest_jax  # the GPU machines' JAX
 def test_the_pinned_copies_compile_for_an_h100(monkeypatch):
     _, target_devices = devices("h100")
     monkeypatch.setattr(host_kv_pool, "COPY_PAGES", 4)

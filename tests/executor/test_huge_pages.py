@@ -6,10 +6,6 @@ import pytest
 from xlaserve.runtime.host import huge_pages
 from xlaserve.runtime.host.huge_pages import HUGE_PAGE, advise_huge_pages, aligned_inside
 
-# Its outcome does not depend on JAX's version (madvise on the host): make test-jax011 leaves it
-# out.
-pytestmark = pytest.mark.jax_independent
-
 
 def test_only_whole_huge_pages_inside_the_buffer_are_advised():
     assert aligned_inside(HUGE_PAGE, 3 * HUGE_PAGE) == (HUGE_PAGE, 4 * HUGE_PAGE)

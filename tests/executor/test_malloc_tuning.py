@@ -8,9 +8,6 @@ import pytest
 
 from xlaserve.runtime.host import malloc_tuning
 
-# Its outcome does not depend on JAX's version (glibc's malloc settings): make test-jax011 leaves it
-# out.
-pytestmark = pytest.mark.jax_independent
 
 # 64 MiB malloc'ed, written, freed, five times over; prints the page faults of the last four.
 SCRIPT = """

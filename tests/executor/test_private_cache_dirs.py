@@ -15,10 +15,6 @@ from xlaserve.weights.conversion_cache import ConversionCache
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 from xlaserve.runtime.compile.executable_cache import ExecutableCache
 
-# Its outcome does not depend on JAX's version (folder ownership and modes): make test-jax011 leaves
-# it out.
-pytestmark = pytest.mark.jax_independent
-
 
 @pytest.fixture
 def shared(tmp_path):

@@ -94,7 +94,6 @@ def test_x_is_quantized_as_ggml_quantizes_it(x8):
     np.testing.assert_array_equal(half(s), s)
 
 
-@pytest.mark.jax_independent  # C++ paths built for other CPUs: JAX 0.11's run leaves them out
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 builds")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"], ids=["avx2", "portable"])
 def test_the_avx2_and_portable_paths_give_ggmls_sums(march):

@@ -150,18 +150,14 @@ def test_the_pallas_kernels_on_an_fp8_cache_in_interpret_mode(name):
     np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=2e-2, atol=2e-2)
 
 
-# TPU compiles on JAX 0.10's run, the H100's on JAX 0.11's (the GPU machines' version): once each.
-TPU_ONCE, GPU_ONCE = pytest.mark.jax_independent, pytest.mark.newest_jax
-
-
 @pytest.mark.parametrize("target,fp8,batch", [
-    pytest.param("v6e:2x2", "float8_e4m3fn", "decode", marks=TPU_ONCE),
-    pytest.param("v6e:2x2", "float8_e4m3fn", "prefill", marks=TPU_ONCE),
-    pytest.param("v5e:2x2", "float8_e4m3fn", "mixed", marks=TPU_ONCE),
-    pytest.param("v6e:2x2", "float8_e5m2", "mixed", marks=TPU_ONCE),
-    pytest.param("h100", "float8_e4m3fn", "decode", marks=GPU_ONCE),
-    pytest.param("h100", "float8_e4m3fn", "prefill", marks=GPU_ONCE),
-    pytest.param("h100", "float8_e5m2", "mixed", marks=GPU_ONCE)])
+    ("v6e:2x2", "float8_e4m3fn", "decode"),
+    ("v6e:2x2", "float8_e4m3fn", "prefill"),
+    ("v5e:2x2", "float8_e4m3fn", "mixed"),
+    ("v6e:2x2", "float8_e5m2", "mixed"),
+    ("h100", "float8_e4m3fn", "decode"),
+    ("h100", "float8_e4m3fn", "prefill"),
+    ("h100", "float8_e5m2", "mixed")])
 def test_the_pallas_kernels_compile_over_an_fp8_cache(target, fp8, batch):
     # Llama-3.1-8B at tp 4, bfloat16 queries, pages of 32 tokens, the cache updated in place.
     check_compiles_in_place(target, ("llama-3.1-8b-tp4", batch, 32, "bfloat16"), kv_dtype=fp8)
@@ -192,8 +188,7 @@ def test_the_pallas_latent_kernels_on_an_fp8_cache_in_interpret_mode(name):
     np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("target", [pytest.param("v6e:2x2", marks=TPU_ONCE),
-                                    pytest.param("h100", marks=GPU_ONCE)])
+@pytest.mark.parametrize("target", ["v6e:2x2", "h100"])
 def test_the_pallas_latent_kernels_compile_over_an_fp8_cache(target):
     # DeepSeek-V3's 576-wide latent rows at tp 8 (16 heads a device), a decode bucket.
     platform, target_devices = devices(target)

@@ -14,7 +14,6 @@ from xlaserve.model.lora import LoraSpec, check_model
 from xlaserve.server_args import ServerArgs
 from xlaserve.weights.lora_adapter import LoraAdapterError, load_adapter
 
-pytestmark = pytest.mark.jax_independent
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", rope=RopeConfig(), vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6,

@@ -115,7 +115,6 @@ print("RESULT " + json.dumps([o["output_ids"] for o in out]))
 """
 
 
-@pytest.mark.jax_independent  # ~30 s; JAX 0.11 runs the one-device tests above and the compiles
 def test_adapters_split_over_two_devices_like_their_base_weights(models):
     """Tensor parallelism shards a and b as their base weights (qkv's kv heads, o_proj's and
     down's inputs, gate and up's intermediate): tp 2 gives transformers + peft's tokens."""

@@ -11,17 +11,12 @@ from xlaserve.weights.loader import load_model
 from xlaserve.model.transformer import kv_cache_shape
 
 
-# DeepSeek-V2 differs from V3 only in jnp code around the same primitives (no q LoRA, a softmax
-# router without group bias): on JAX 0.11 (make test-jax011) its one ragged batch runs, its
-# chunked cases (~30 s there) on JAX 0.10 alone.
 CASES = {"one_ragged_batch": (64, 16, 0), "chunked_prefill_by_3": (3, 4, 0),
          "expanded_chunks_by_3": (3, 4, 1)}
 
 
 @pytest.mark.parametrize("family,prefill_chunk,page_size,expanded_from", [
-    pytest.param(family, *case, id=f"{name}-{family}",
-                 marks=[pytest.mark.jax_independent] if family == "deepseek_v2"
-                 and name != "one_ragged_batch" else [])
+    pytest.param(family, *case, id=f"{name}-{family}")
     for name, case in CASES.items() for family in DEEPSEEK])
 def test_deepseek_logits_match_transformers(deepseek_checkpoints, family, prefill_chunk,
                                             page_size, expanded_from):

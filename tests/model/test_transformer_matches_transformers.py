@@ -10,7 +10,7 @@ from xlaserve.model.packed import PackedExperts, PackedMatrix, pack_model
 from xlaserve.runtime.executor.kv_pool import init_kv_pool
 
 from tests.greedy_driver import PagedBatch, make_forward
-from tests.tiny_models import FAMILIES, families_on_both_jax_versions
+from tests.tiny_models import FAMILIES
 
 PROMPTS = [
     [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64],
@@ -79,7 +79,7 @@ def _run_ours(loaded, sequences, prefill_chunk, page_size, **forward_options):
 
 
 @pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
-@pytest.mark.parametrize("family", families_on_both_jax_versions(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("prefill_chunk,page_size", [(64, 16), (3, 4)],
                          ids=["one_ragged_batch", "chunked_prefill_by_3"])
 def test_logits_match_transformers_for_ragged_batch_then_decode(
@@ -99,7 +99,7 @@ def test_logits_match_transformers_for_ragged_batch_then_decode(
 
 @pytest.mark.parametrize("layout,round_projections", [(layout, False) for layout in WEIGHT_LAYOUTS]
                          + [("xla", True)], ids=[*WEIGHT_LAYOUTS, "xla-rounded"])
-@pytest.mark.parametrize("family", families_on_both_jax_versions(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_checkpoints, family,
                                                                          layout, round_projections):
     """Mixed precision: bfloat16 weights, KV cache and matmul inputs, float32 everything else;

@@ -7,9 +7,6 @@ import pytest
 from tests.sampling.constrained_cases import CONSTRAINTS, check
 from xlaserve.offline import Engine
 
-# Its outcome does not depend on JAX's version (llguidance's grammars on the default model; the
-# device side is test_constrained_decoding.py's): make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 SAMPLES = 52
 QUESTIONS = {

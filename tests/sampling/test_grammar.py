@@ -13,9 +13,6 @@ from xlaserve.runtime.sampling.params import InvalidGrammar, RowSamplingParams, 
 from xlaserve.runtime.sampling.sampler import build_sampling_metadata, sample
 from xlaserve.runtime.sampling.params import SamplingParams
 
-# Its outcome does not depend on JAX's version (llguidance on the host; the mask on the device is
-# test_constrained_decoding.py's): make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 EOS = 2  # <|im_end|> of the default model's tokenizer
 LOGITS_WIDTH = 49152 + 100  # the logits cover 100 ids the tokenizer does not have

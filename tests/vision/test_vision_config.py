@@ -7,8 +7,6 @@ import pytest
 from tests.compile_targets import CONFIGS
 from xlaserve.weights.loader import read_config
 
-pytestmark = pytest.mark.jax_independent  # config reading: no JAX op
-
 
 def _config(tmp_path, name: str, **vision) -> str:
     config = json.loads((CONFIGS / name / "config.json").read_text())

@@ -24,9 +24,6 @@ from xlaserve.weights.awq_gptq import PackedIntError, PackedIntSource, dequantiz
 from xlaserve.weights.quantization import check_quantization_config
 from xlaserve.weights.param_layout import SafetensorsSource
 
-# Its outcome does not depend on JAX's version: a format decoded on the host (numpy), into the
-# forward that tests/model checks on JAX 0.11 too; make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 DTYPES = {"float32": (np.float32, np.uint32), "bfloat16": (ml_dtypes.bfloat16, np.uint16),
           "float16": (np.float16, np.uint16)}

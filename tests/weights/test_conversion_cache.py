@@ -20,10 +20,6 @@ from xlaserve.server_args import ServerArgs
 from .gguf_writer import write_llama_gguf
 from .test_gguf_loading import _tiny_llama
 
-# Its outcome does not depend on JAX's version: a format decoded on the host (numpy), into the
-# forward that tests/model checks on JAX 0.11 too; make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
-
 
 @pytest.fixture(scope="module")
 def tiny_model():

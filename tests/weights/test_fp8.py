@@ -19,9 +19,6 @@ from xlaserve.weights.fp8 import Fp8Error, Fp8Source, dequantize_fp8
 from xlaserve.weights.loader import load_model
 from xlaserve.weights.quantization import check_quantization_config
 
-# Its outcome does not depend on JAX's version: a format decoded on the host (numpy), into the
-# forward that tests/model checks on JAX 0.11 too; make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 DTYPES = {"float32": (np.float32, torch.float32, np.uint32),
           "bfloat16": (ml_dtypes.bfloat16, torch.bfloat16, np.uint16),

@@ -13,9 +13,6 @@ from xlaserve.runtime.executor.kv_pool import init_kv_pool
 
 from .gguf_writer import write_llama_gguf
 
-# Its outcome does not depend on JAX's version: a format decoded on the host (numpy), into the
-# forward that tests/model checks on JAX 0.11 too; make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 Q = gguf.GGMLQuantizationType
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]

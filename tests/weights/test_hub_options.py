@@ -6,8 +6,6 @@ import pytest
 from tests.weights.test_dummy_load import write_tiny_config
 from xlaserve.weights import loader
 
-pytestmark = pytest.mark.jax_independent  # the loaders' arguments, not JAX
-
 
 def test_a_hub_model_is_fetched_at_its_revision_with_its_code_only_when_trusted(monkeypatch):
     calls = []

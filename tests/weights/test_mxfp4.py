@@ -14,9 +14,6 @@ from xlaserve.weights.mxfp4 import FP4_VALUES, Mxfp4Error, decode_mxfp4, read_ex
 from xlaserve.weights.quantization import QuantizationError, check_quantization_config
 from xlaserve.weights.param_layout import SafetensorsSource, WeightError, expert_matrix
 
-# Its outcome does not depend on JAX's version: a format decoded on the host (numpy), into the
-# forward that tests/model checks on JAX 0.11 too; make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 DTYPES = {"bfloat16": (ml_dtypes.bfloat16, torch.bfloat16, np.uint16),
           "float32": (np.float32, torch.float32, np.uint32),

@@ -9,7 +9,6 @@ import pytest
 from tests.embedding_models import HIDDEN, make_tiny_transformer, sentence_transformer
 from xlaserve.weights.pooling import Pooling, PoolingConfigError, read_pooling
 
-pytestmark = pytest.mark.jax_independent  # JSON files and sentence-transformers: no JAX
 
 LEGACY = "sentence_transformers.models."
 LEGACY_POOLING = {"word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": False,

@@ -18,9 +18,6 @@ from xlaserve.weights.quantization import (SUPPORTED_METHODS, QuantizationError,
                                          check_quantization_config)
 from xlaserve.weights.param_layout import expert_matrix
 
-# Its outcome does not depend on JAX's version: a format decoded on the host (numpy), into the
-# forward that tests/model checks on JAX 0.11 too; make test-jax011 leaves it out.
-pytestmark = pytest.mark.jax_independent
 
 Q_PROJ = "model.layers.0.self_attn.q_proj."  # [64, 64] in the tiny Llama
 FP8, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
