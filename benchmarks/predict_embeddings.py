@@ -1,8 +1,7 @@
 """Predicted embeddings per second on H100 and TPU v6e (issue 54), from the compiled embedding
 step (runtime/executor/embedding_step.compiled_for_target): no accelerator is used.
 
-    .venv-jax011/bin/python benchmarks/predict_embeddings.py                  # every row below
-    .venv/bin/python benchmarks/predict_embeddings.py --targets v6e:2x2       # JAX 0.10: TPU only
+    .venv/bin/python benchmarks/predict_embeddings.py                  # every row below
 
 Per model (BERT-base's shapes, 12 layers: bge-base, e5-base; Qwen3-Embedding-0.6B's: Qwen3-0.6B's
 config, 28 layers) and target, one step of `--seqs` inputs of `--length` tokens (the bucket of

@@ -3,7 +3,7 @@ predicted for one H100 (80 GB), one TPU v6e chip (32 GB) and four v5e chips (16 
 tensor parallel: Llama-3.1-8B's 16 GB of weights do not fit one), from the compiled serving
 steps of Llama-3.1-8B (no accelerator is used):
 
-    .venv-jax011/bin/python benchmarks/predict_kv_capacity.py        # H100 needs JAX 0.11
+    .venv/bin/python benchmarks/predict_kv_capacity.py        # H100 needs JAX 0.11
     .venv/bin/python benchmarks/predict_kv_capacity.py --targets v6e,v5e
 
 Per device: the memory a server gives its weights and KV pool (SGLang's --mem-fraction-static,

@@ -3,8 +3,8 @@ compiled programs (no accelerator is used): the vision tower for one image of `-
 decoder tokens (4 patches each) and the serving step of a `--step-tokens` prefill bucket with
 image rows, both at benchmarks/configs/qwen2.5-vl-7b's shapes, bfloat16.
 
-    .venv-jax011/bin/python benchmarks/predict_vision.py                     # every row below
-    .venv/bin/python benchmarks/predict_vision.py --targets v6e:2x2          # JAX 0.10: TPU only
+    .venv/bin/python benchmarks/predict_vision.py                     # every row below
+    .venv/bin/python benchmarks/predict_vision.py --targets v6e:2x2          # one target
 
 As benchmarks/predict_embeddings.py: XLA's cost analysis of each optimised program per device
 (flops, bytes accessed), time = max(bytes / HBM bandwidth, flops / peak) with the data sheets'
