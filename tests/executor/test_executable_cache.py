@@ -223,9 +223,10 @@ def _start(cache_dir) -> tuple[dict, tuple[int, int], str]:
 def test_a_restart_on_the_default_model_loads_every_step_and_compiles_none(tmp_path):
     """Issue 71: each restart of `make serve` compiled every step again (44 s), as its programs
     call the Q8 GEMM, whose FFI handler nothing had registered when the cache loaded them ("No
-    FFI handler registered for xlaserve_q8_gemm_cpu"). Each start is a new process, as a restart
-    is (a handler registered once stays registered in a process): ~13 s cold and ~5 s warm
-    alone on a 2-core Zen 4, for one serving step, the fewest a start has."""
+    FFI handler registered for xlaserve_q8_gemm_cpu"). Over 20 s (21 s on a 2-core Zen 4 beside
+    a test run): two starts of the default model, ~14 s cold and ~5 s warm with one serving step
+    (the fewest a start has), each in a new process as a restart is: a handler registered once
+    stays registered in its process, so a restart in this one would pass without the fix."""
     cold, cold_steps, _ = _start(tmp_path)
     assert cold_steps[0] == 0 and cold_steps[1] >= 1
     entries = list((tmp_path / "executables").glob("*.exe"))
