@@ -231,5 +231,6 @@ def test_a_gpu_serving_step_goes_into_the_executable_cache(tmp_path):
     header = executable_cache._HEADER
     magic, _, length = header.unpack_from(data)
     assert magic == executable_cache.MAGIC and length == len(data) - header.size, description
-    executable, in_tree, out_tree = pickle.loads(data[header.size:])
+    executable, in_tree, out_tree, kernels = pickle.loads(data[header.size:])
     assert len(executable) > 100_000 and in_tree.num_leaves == len(jax.tree.leaves(step_args))
+    assert kernels == ()  # the native kernels are the CPU's: a GPU step calls none

@@ -1,9 +1,17 @@
 """The executable cache (runtime/compile/executable_cache.py): a second start loads every serving step
 instead of lowering it, the loaded steps give the tokens of the jitted ones and compile nothing
 while serving, a corrupt or partial entry is compiled again and never loaded, the key follows
-what the program is made of, and the flag and the environment variable turn it off."""
+what the program is made of, and the flag and the environment variable turn it off; a restart of
+the default model in a new process loads every step, the native kernels they call registered
+first."""
+import json
 import logging
+import os
 import pathlib
+import pickle
+import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -179,3 +187,56 @@ def test_a_speculative_runners_steps_are_not_a_plain_runners(loaded, tmp_path):
     _runner(loaded, speculative, verify_tokens=5)
     assert speculative.loaded == 0 and speculative.compiled == plain
     assert len(list(tmp_path.glob("*.exe"))) == 2 * plain
+
+
+# One start of the engine on the default model, as `make serve` has it (its GGUF kept quantized,
+# q8 inputs: no flag changes them), with one serving step; it prints the tokens of one request
+# and the programs compiled while serving it, and logs the start-up's "Serving steps:" line.
+_START = """
+import json, sys
+from xlaserve.offline import Engine
+from xlaserve.server_args import configure_logging
+configure_logging("info")
+with Engine(None, compilation_cache_dir=sys.argv[1], max_running_requests=2, context_length=64,
+            max_total_tokens=128, chunked_prefill_size=8, max_prefill_tokens=8,
+            precompile_token_paddings="8", precompile_bs_paddings="2") as engine:
+    programs = engine.core.runner.compile_count()
+    out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4,
+                                                                 "temperature": 0})
+    print(json.dumps({"tokens": out["output_ids"],
+                      "compiled_while_serving": engine.core.runner.compile_count() - programs}))
+"""
+
+
+def _start(cache_dir) -> tuple[dict, tuple[int, int], str]:
+    """(what _START printed, (steps loaded, steps compiled) at start-up, its log)."""
+    result = subprocess.run([sys.executable, "-c", _START, str(cache_dir)], capture_output=True,
+                            text=True, timeout=600,
+                            env={**os.environ, "XLASERVE_EXECUTABLE_CACHE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = re.search(r"Serving steps: (\d+) loaded, (\d+) compiled", result.stderr)
+    assert counts, result.stderr[-3000:]
+    return (json.loads(result.stdout.splitlines()[-1]), (int(counts[1]), int(counts[2])),
+            result.stderr)
+
+
+def test_a_restart_on_the_default_model_loads_every_step_and_compiles_none(tmp_path):
+    """Issue 71: each restart of `make serve` compiled every step again (44 s), as its programs
+    call the Q8 GEMM, whose FFI handler nothing had registered when the cache loaded them ("No
+    FFI handler registered for xlaserve_q8_gemm_cpu"). Over 20 s (21 s on a 2-core Zen 4 beside
+    a test run): two starts of the default model, ~14 s cold and ~5 s warm with one serving step
+    (the fewest a start has), each in a new process as a restart is: a handler registered once
+    stays registered in its process, so a restart in this one would pass without the fix."""
+    cold, cold_steps, _ = _start(tmp_path)
+    assert cold_steps[0] == 0 and cold_steps[1] >= 1
+    entries = list((tmp_path / "executables").glob("*.exe"))
+    assert len(entries) == cold_steps[1]
+    header = executable_cache._HEADER.size
+    kernels = {registration.target_name for entry in entries
+               for registration in pickle.loads(entry.read_bytes()[header:])[3]}
+    assert "xlaserve_q8_gemm_cpu" in kernels  # the default flags exercise what broke
+
+    warm, warm_steps, log = _start(tmp_path)
+    assert warm_steps == (cold_steps[1], 0), log[-3000:]
+    assert "does not load" not in log and "COMPILED WHILE SERVING" not in log
+    assert warm == cold and warm["compiled_while_serving"] == 0

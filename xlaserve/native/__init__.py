@@ -5,6 +5,7 @@ from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "cpu_signature": "build", "KernelUnavailable": "build", "register": "build",
+    "registered": "build", "Registration": "build",
     "gemm_cpu": "gemm_cpu",
     "norm_cpu": "norm_cpu",
     "qkv_rope_cpu": "qkv_rope_cpu",

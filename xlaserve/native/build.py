@@ -18,6 +18,7 @@ AVX-512 or VNNI), to time the paths another CPU would take on this one.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -32,12 +33,36 @@ import jax
 from xlaserve.cache_root import private_dir, xlaserve_cache_dir
 
 HEADER_DIR = Path(__file__).parent  # parallel.h and vectors.h, shared by every kernel
+PACKAGE_DIR = HEADER_DIR.parent  # xlaserve/: a `Registration` names its source from here
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno",
           "-ffp-contract=fast"]
 
 
 class KernelUnavailable(RuntimeError):
     """A native kernel could not be built or loaded here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """One `register` call, as another process makes it again (`again`): a program compiled here
+    that calls the custom call needs its handler registered wherever it is loaded
+    (runtime/compile/native_kernels.py)."""
+
+    source: str  # relative to PACKAGE_DIR, so that a moved checkout finds it
+    symbol: str
+    target_name: str
+    march: str | None  # as asked: None is the loading process's default_march()
+
+    def again(self) -> ctypes.CDLL:
+        return register(PACKAGE_DIR / self.source, self.symbol, self.target_name, self.march)
+
+
+_REGISTERED: dict[str, Registration] = {}  # target name -> this process's registration of it
+
+
+def registered() -> dict[str, Registration]:
+    """{target name: its Registration} of every custom call `register` made in this process."""
+    return dict(_REGISTERED)
 
 
 def cache_dir() -> Path:
@@ -81,6 +106,7 @@ def register(source: Path, symbol: str, target_name: str, march: str | None = No
     `march`: the -march the library is built for; another than "native" (x86-64-v3: AVX2 without
     AVX-512 or VNNI; x86-64-v2: no AVX2) lets tests run a kernel's other paths on this CPU;
     None: $XLASERVE_CPU_MARCH or native."""
+    registration = Registration(os.path.relpath(source, PACKAGE_DIR), symbol, target_name, march)
     march = march or default_march()
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
@@ -98,6 +124,7 @@ def register(source: Path, symbol: str, target_name: str, march: str | None = No
     else:
         loaded, handler = _build_and_load(compiler, source, cached / name, symbol, march)
     jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(handler), platform="cpu")
+    _REGISTERED[target_name] = registration
     return loaded
 
 

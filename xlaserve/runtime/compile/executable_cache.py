@@ -16,9 +16,11 @@ cache cannot be serialized again on the CPU; the copy lacks its compiled functio
 called ("Function slice_bitcast_fusion.67 not found", JAX 0.10.2 and 0.11). So an entry is always
 written from a fresh compile, once per change of xlaserve, JAX or the model.
 
-An entry is `MAGIC | crc32 | length | pickle(executable, in_tree, out_tree)`, written to a
-temporary file and renamed; one that does not check out is deleted and compiled again, never
-loaded. Entries unused for 30 days go when a new one is written.
+An entry is `MAGIC | crc32 | length | pickle(executable, in_tree, out_tree, kernels)`, `kernels`
+being the native CPU kernels the program calls, registered before it is deserialized (it fails
+to load otherwise: runtime/compile/native_kernels.py), written to a temporary file and renamed;
+one that does not check out is deleted and compiled again, never loaded. Entries unused for 30
+days go when a new one is written.
 
 `XLASERVE_EXECUTABLE_CACHE=0` (the tests set it; tests/executor/test_executable_cache.py turns it
 back on) or `--disable-executable-cache` keeps JAX's own cache only.
@@ -48,10 +50,11 @@ from jax.experimental.serialize_executable import deserialize_and_load, serializ
 
 from xlaserve.cache_root import private_dir
 from xlaserve.native.build import cpu_signature
+from xlaserve.runtime.compile.native_kernels import kernels_called, register_kernels
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when an entry's layout or the key's recipe changes
+FORMAT = 2  # bump when an entry's layout or the key's recipe changes
 MAGIC = b"XLSEXE\x00\x01"
 _HEADER = struct.Struct("<8sIQ")  # magic, crc32 of the payload, payload length
 SUFFIX = ".exe"
@@ -231,7 +234,8 @@ class ExecutableCache:
             self.compiled += 1
             try:
                 executable, in_tree, out_tree = serialize(program)
-                self._store(path, pickle.dumps((executable, in_tree, out_tree), protocol=5))
+                self._store(path, pickle.dumps(
+                    (executable, in_tree, out_tree, kernels_called(program)), protocol=5))
             except (ValueError, NotImplementedError, OSError, pickle.PicklingError) as error:
                 logger.warning("Could not store a compiled program in %s: %s", self.directory,
                                error)
@@ -251,7 +255,10 @@ class ExecutableCache:
             payload = memoryview(data)[_HEADER.size:]
             if magic == MAGIC and length == len(payload) and zlib.crc32(payload) == crc:
                 try:
-                    executable, in_tree, out_tree = pickle.loads(payload)
+                    executable, in_tree, out_tree, kernels = pickle.loads(payload)
+                    # XLA binds the custom calls to their handlers as it loads the program, and
+                    # a warm start traces no step that would have registered them.
+                    register_kernels(kernels)
                     # Without `devices`, every device of the backend: XLA aborts the process
                     # (a CHECK) for a program of a data parallel replica's 4 of 8 devices.
                     compiled = deserialize_and_load(executable, in_tree, out_tree,
