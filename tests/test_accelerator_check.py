@@ -15,6 +15,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "accelerator_check
 
 
 def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
+    """The GPU check's whole command at CPU size, in a subprocess: ~105 s on a 2-core CPU, its
+    steps each compiling their own programs (the tiny model's engine, again with LoRA slots, the
+    attention and MoE kernels interpreted, a server loading the executable cache)."""
     out = tmp_path / "accelerator_check.json"
     # The executable cache on, in a folder of this test (as on the GPU machine, where the
     # server loads the steps the first model's engine stored).

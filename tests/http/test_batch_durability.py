@@ -35,6 +35,8 @@ def _complete_lines(path: str) -> int:
 
 
 def test_a_batch_survives_sigkill_and_resumes_without_losing_or_repeating_a_line(tiny_chat_model, tmp_path):
+    """A real server process killed mid-batch and started again on the same storage: ~24 s, two
+    server start-ups (each compiling its steps) and the batch's lines decoded in between."""
     storage, log_path = str(tmp_path / "storage"), tmp_path / "server.log"
     process, base_url = _start(tiny_chat_model[0], storage, log_path)
     try:
