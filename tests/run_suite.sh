@@ -31,6 +31,8 @@ for i in "${!GROUPS_OF_TESTS[@]}"; do
   group=${GROUPS_OF_TESTS[$i]}
   group_start=$SECONDS
   echo "---------------- make test, part $((i + 1)) of ${#GROUPS_OF_TESTS[@]}: ${group:0:100} ----------------"
+  # --durations-min=1e9 hides each part's own list (pyproject's addopts ask for one): the list of
+  # all parts comes after the last.
   # shellcheck disable=SC2086  # the group and PYTEST_ARGS are lists
   "$PY" -m pytest -q --durations=0 --durations-min=1e9 --junitxml="$results/part$i.xml" $group $PYTEST_ARGS
   code=$?

@@ -13,7 +13,6 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "accelerator_check.py"
 
 
-
 def test_quick_run_writes_every_section_and_passes_every_check(tmp_path):
     """The GPU check's whole command at CPU size, in a subprocess: ~105 s on a 2-core CPU, its
     steps each compiling their own programs (the tiny model's engine, again with LoRA slots, the
