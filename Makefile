@@ -41,8 +41,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m xlaserve.launch_server $(SERVE_ARGS)
 
-# The whole suite in six pytest processes, one after the other, then its 15 slowest tests and its
-# wall time (tests/run_suite.sh says why six). PYTEST_ARGS: pytest options (--slow, -x, ...).
+# The whole suite in four parts, one after the other, each in two pytest workers but the timed
+# HTTP tests, then its 15 slowest tests and its wall time (tests/run_suite.sh says why).
+# PYTEST_ARGS: pytest options (--slow, -x, ...).
 # Figures: docs/testing.md.
 test: $(STAMP) $(AOT_STAMP)
 	@PY="$(PY)" PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/run_suite.sh

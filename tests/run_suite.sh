@@ -6,10 +6,8 @@
 # Several processes, not one: every compiled CPU program holds memory mappings (its JIT code), and
 # one process running the whole suite on JAX 0.11 reached the kernel's limit of 65,530
 # (vm.max_map_count) near the end of tests/http and died inside XLA (SIGSEGV or abort, 2026-11-28).
-# What keeps those programs alive is not yet found (docs/testing.md). One after the other, not side
-# by side: one pytest already keeps ~1.25 of a 2-core machine's cores busy (XLA's thread pool, the
-# servers' threads), and tests/http holds timing checks (/health answering while a 30 MB prompt is
-# refused, shutdown deadlines) that need the machine to themselves.
+# What keeps those programs alive is not yet found (docs/testing.md). The parts run one after the
+# other, each in a few workers (below).
 #
 # From the Makefile: PY (the venv's python), PYTEST_ARGS (pytest options, such as --slow or -x).
 set -uo pipefail
@@ -17,24 +15,40 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 results=$(mktemp -d -t xlaserve-test-XXXXXX)
 
+# Each part: "workers|paths". Two pytest workers (pytest-xdist, a file to a worker, the longest
+# folders first so that none is left alone at the end) run a part's files side by side: the
+# real-size compiles (TPU and H100, XLA's compilers on one thread) keep ~1 core busy, so two fill a
+# 2-core machine (tests/kernels to tests/weights: 607 s in one process, 487 s in two workers;
+# tests/executor to tests/engine and the top-level tests: 1223 s, 938 s; 2026-11-28, Zen 4). The
+# HTTP tests that time something (/health answering while a 30 MB prompt is refused, shutdown
+# and cancel deadlines, the fuzzers' per-answer bound) need the machine to themselves: one worker,
+# last.
+WORKERS=${XLASERVE_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+TIMED_HTTP="test_batch_durability test_batches test_event_loop test_exposure test_fuzz test_fuzz_found test_shutdown test_structured_outputs"
+timed=() untimed=()
+for file in tests/http/test_*.py; do
+  name=$(basename "$file" .py)
+  if [[ " $TIMED_HTTP " == *" $name "* ]]; then timed+=("$file"); else untimed+=("$file"); fi
+done
 GROUPS_OF_TESTS=(
-  "tests/distributed tests/embeddings tests/engine"
-  "tests/executor tests/lora tests/vision"
-  "tests/kernels tests/model tests/sampling tests/scheduler tests/weights"
-  "$(echo tests/http/test_[a-l]*.py)"
-  "$(echo tests/http/test_[m-z]*.py)"
-  "$(echo tests/test_*.py)"
+  "$WORKERS|$(echo tests/test_*.py) tests/distributed tests/executor tests/engine tests/lora tests/vision tests/embeddings"
+  "$WORKERS|tests/kernels tests/model tests/sampling tests/weights tests/scheduler"
+  "$WORKERS|${untimed[*]}"
+  "1|${timed[*]}"
 )
 status=0
 summary=""
 for i in "${!GROUPS_OF_TESTS[@]}"; do
-  group=${GROUPS_OF_TESTS[$i]}
+  workers=${GROUPS_OF_TESTS[$i]%%|*}
+  group=${GROUPS_OF_TESTS[$i]#*|}
+  parallel=()
+  [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
   group_start=$SECONDS
-  echo "---------------- make test, part $((i + 1)) of ${#GROUPS_OF_TESTS[@]}: ${group:0:100} ----------------"
+  echo "---------------- make test, part $((i + 1)) of ${#GROUPS_OF_TESTS[@]} ($workers worker(s)): ${group:0:90} ----------------"
   # --durations-min=1e9 hides each part's own list (pyproject's addopts ask for one): the list of
   # all parts comes after the last.
   # shellcheck disable=SC2086  # the group and PYTEST_ARGS are lists
-  "$PY" -m pytest -q --durations=0 --durations-min=1e9 --junitxml="$results/part$i.xml" $group $PYTEST_ARGS
+  "$PY" -m pytest -q "${parallel[@]}" --durations=0 --durations-min=1e9 --junitxml="$results/part$i.xml" $group $PYTEST_ARGS
   code=$?
   # 5: no tests collected (a -k or -m that selects none of this part)
   [ "$code" -ne 0 ] && [ "$code" -ne 5 ] && status=1

@@ -13,6 +13,7 @@ import pytest
 
 from tests.compile_targets import devices, first_layers
 from xlaserve.runtime.executor import aot
+from xlaserve.runtime.sampling.step_needs import PLAIN
 from xlaserve.model.config import ModelConfig
 from xlaserve.server_args import ServerArgs
 
@@ -51,10 +52,12 @@ def test_unfused_int8_converts_finds_a_weight_dequantized_outside_the_matmul():
 
 
 def _compiled(model_path, target, tp_size, quantization):
+    """The smallest decode bucket's plain variant (greedy rows): the weights are read in the
+    forward; the sampler's parts (the logits only) compile in test_compile_step.py."""
     program, shapes, description = aot.server_step(target, ServerArgs(
         model_path=model_path, tp_size=tp_size, max_running_requests=64,
         quantization=quantization))
-    return program, program.compile(*shapes[0]), description
+    return program, program.compile(*shapes[0], PLAIN), description
 
 
 # Bytes the weights' chosen layouts may pad the arguments by, per device (2 KiB seen).
@@ -98,6 +101,7 @@ def test_llama_8b_int8_step_takes_int8_weights_and_makes_no_bfloat16_copy(target
     # ... and the temporaries grow by less than any int8 weight would take in bfloat16: no
     # bfloat16 weight is materialized. (Without the sampler's lax.conds, whose branches held the
     # bf16 step's largest temporaries (issue 33 item 2), the int8 step on v6e tp 4 keeps 7.1 MB
-    # more, at 8 and at 64 rows alike; the smallest bf16 weight copy, o_proj's, is 8.4 MB.)
+    # more, at 8 and at 64 rows alike, in the variant with every sampler part; the smallest
+    # bf16 weight copy, o_proj's, is 8.4 MB. Both steps here are the plain variant.)
     smallest_copy = min(2 * _per_device_bytes([w]) for w in weights if w.dtype == np.int8)
     assert ours.temp_size_in_bytes < theirs.temp_size_in_bytes + smallest_copy, description

@@ -11,6 +11,7 @@ from benchmarks.predict_accelerators import weight_copies
 from tests.compile_targets import devices, first_layers
 from xlaserve.model.lora import slot_shapes
 from xlaserve.runtime.executor import aot
+from xlaserve.runtime.sampling.step_needs import PLAIN
 from xlaserve.server_args import ServerArgs
 
 
@@ -41,7 +42,9 @@ def test_llama_8b_step_with_lora_slots_compiles_and_shards_them(target, tp_size,
                 and (name.endswith(".b") != (name.split(".")[2] in ("o_proj", "down"))))
     whole = sum(np.prod(shape) for _, shape, _ in expected) - split
     assert _per_device_bytes(slots[:-1]) == 2 * (whole + split // tp_size)
-    compiled = program.compile(*shapes[0])
+    # The plain variant: the slots are in the forward; the sampler's parts compile in
+    # test_compile_step.py.
+    compiled = program.compile(*shapes[0], PLAIN)
     # No weight relaid out in the step: on v6e the weights and slots are stored in the layouts
     # XLA chose, and the adapters' product is added apart from the base matmul
     # (Kernels.lora_add_apart); fused into it, qkv's weight was copied every step.

@@ -78,10 +78,20 @@ def _run_ours(loaded, sequences, prefill_chunk, page_size, **forward_options):
     return ours
 
 
-@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("prefill_chunk,page_size", [(64, 16), (3, 4)],
-                         ids=["one_ragged_batch", "chunked_prefill_by_3"])
+def _batch_shapes_by_pairs() -> list:
+    """Every family with each batch shape and with each weight layout, and each shape with each
+    layout: the pairs, not the product (18 cases of 36, 2026-11-28)."""
+    shapes = [((64, 16), "one_ragged_batch"), ((3, 4), "chunked_prefill_by_3")]
+    cases = []
+    for i, family in enumerate(FAMILIES):
+        for j, layout in enumerate(WEIGHT_LAYOUTS):
+            (prefill_chunk, page_size), name = shapes[(i + j) % len(shapes)]
+            cases.append(pytest.param(prefill_chunk, page_size, family, layout,
+                                      id=f"{name}-{family}-{layout}"))
+    return cases
+
+
+@pytest.mark.parametrize("prefill_chunk,page_size,family,layout", _batch_shapes_by_pairs())
 def test_logits_match_transformers_for_ragged_batch_then_decode(
         tiny_checkpoints, family, prefill_chunk, page_size, layout):
     directory, hf_model = tiny_checkpoints[family]
