@@ -9,7 +9,6 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import jax
-import pytest
 
 from xlaserve.cache_root import private_dir
 from xlaserve.native.build import cache_dir as kernels_dir
