@@ -22,6 +22,17 @@ WEIGHT_BYTES = 16.06e9  # Llama-3.1-8B in bfloat16
 LAYERS = [2, pytest.param(None, marks=pytest.mark.slow)]
 
 
+def test_processes_started_after_a_tpu_compile_do_not_load_libtpu():
+    """Importing libtpu sets TPU_LIBRARY_PATH, and JAX in every process started afterwards loaded
+    libtpu from it: a CPU server a test started after a TPU compile in the same worker logged
+    libtpu's init errors and once died of a SIGSEGV in one of its threads (CI, issue 71).
+    aot.use_compile_only_packages keeps the library to the process that compiles."""
+    import os
+
+    devices("v6e:2x2")  # libtpu loaded and its client made here; skips where it is absent
+    assert "TPU_LIBRARY_PATH" not in os.environ
+
+
 @pytest.mark.parametrize("layers", LAYERS, ids=["2-layers", "whole"])
 @pytest.mark.parametrize("target,tp_size", [
     ("v6e:2x2", 4), ("h100", 1)])

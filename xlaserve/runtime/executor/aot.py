@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import time
@@ -77,6 +78,22 @@ def use_compile_only_packages(path: str | os.PathLike | None = None) -> None:
     if not jax.config.jax_platforms:  # the environment's JAX_PLATFORMS, read at import
         jax.config.update("jax_platforms", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    _keep_libtpu_to_this_process()
+
+
+def _keep_libtpu_to_this_process() -> None:
+    """Importing libtpu sets TPU_LIBRARY_PATH, which every process started afterwards inherits:
+    JAX there loads libtpu from it, outside `.venv/aot`. A CPU server a test started after a TPU
+    compile in its process so loaded libtpu, logged its init errors and once died of a SIGSEGV in
+    one of its threads (CI, issue 71). JAX here finds the library through the package instead
+    (cloud_tpu_init.get_tpu_library_path), so the variable goes; one set before stays."""
+    if "TPU_LIBRARY_PATH" in os.environ:
+        return
+    try:
+        importlib.import_module("libtpu")  # sets the variable, once per process
+    except ImportError:
+        return
+    os.environ.pop("TPU_LIBRARY_PATH", None)
 
 
 def target_devices(target: str) -> tuple[str, list]:
