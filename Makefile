@@ -41,7 +41,7 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m xlaserve.launch_server $(SERVE_ARGS)
 
-# The whole suite in four parts, one after the other, each in two pytest workers but the timed
+# The whole suite in three parts, one after the other, each in two pytest workers but the timed
 # HTTP tests, then its 15 slowest tests and its wall time (tests/run_suite.sh says why).
 # PYTEST_ARGS: pytest options (--slow, -x, ...).
 # Figures: docs/testing.md.

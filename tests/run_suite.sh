@@ -16,13 +16,14 @@ start=$SECONDS
 results=$(mktemp -d -t xlaserve-test-XXXXXX)
 
 # Each part: "workers|paths". Two pytest workers (pytest-xdist, a file to a worker, the longest
-# folders first so that none is left alone at the end) run a part's files side by side: the
-# real-size compiles (TPU and H100, XLA's compilers on one thread) keep ~1 core busy, so two fill a
-# 2-core machine (tests/kernels to tests/weights: 607 s in one process, 487 s in two workers;
-# tests/executor to tests/engine and the top-level tests: 1223 s, 938 s; 2026-11-28, Zen 4). The
-# HTTP tests that time something (/health answering while a 30 MB prompt is refused, shutdown
-# and cancel deadlines, the fuzzers' per-answer bound) need the machine to themselves: one worker,
-# last.
+# folders first so that the many short files of the last ones fill the end) run a part's files
+# side by side: the real-size compiles (TPU and H100, XLA's compilers on one thread) keep ~1 core
+# busy, so two fill a 2-core machine (tests/kernels to tests/weights: 607 s in one process, 487 s
+# in two workers; tests/executor to tests/engine and the top-level tests: 1223 s, 938 s;
+# 2026-11-28, Zen 4). Every folder but tests/http is one part: apart, each part's end left a
+# worker idle behind the other's last file, and each paid its workers' start. The HTTP tests that
+# time something (/health answering while a 30 MB prompt is refused, shutdown and cancel
+# deadlines, the fuzzers' per-answer bound) need the machine to themselves: one worker, last.
 WORKERS=${XLASERVE_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 TIMED_HTTP="test_batch_durability test_batches test_event_loop test_exposure test_fuzz test_fuzz_found test_shutdown test_structured_outputs"
 timed=() untimed=()
@@ -31,8 +32,7 @@ for file in tests/http/test_*.py; do
   if [[ " $TIMED_HTTP " == *" $name "* ]]; then timed+=("$file"); else untimed+=("$file"); fi
 done
 GROUPS_OF_TESTS=(
-  "$WORKERS|$(echo tests/test_*.py) tests/distributed tests/executor tests/engine tests/lora tests/vision tests/embeddings"
-  "$WORKERS|tests/kernels tests/model tests/sampling tests/weights tests/scheduler"
+  "$WORKERS|$(echo tests/test_*.py) tests/executor tests/distributed tests/engine tests/kernels tests/model tests/lora tests/vision tests/embeddings tests/sampling tests/weights tests/scheduler"
   "$WORKERS|${untimed[*]}"
   "1|${timed[*]}"
 )
