@@ -2,6 +2,7 @@
 compile-only TPU/GPU packages (`make test` installs them into .venv/aot, outside the serving
 environment) on the path, with JAX kept on the CPU."""
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -29,6 +30,30 @@ if not os.environ.get("XLASERVE_CONVERSION_CACHE_DIR"):
 # afresh on each miss (runtime/compile/executable_cache.py), which every change of xlaserve makes, so it
 # stays off for this process and the servers it starts, but in tests/executor/test_executable_cache.py.
 os.environ.setdefault("XLASERVE_EXECUTABLE_CACHE", "0")
+
+
+# Every compiled CPU program holds three memory mappings (its code and data), and the kernel allows
+# a process 65,530 (vm.max_map_count); past it XLA dies (SIGSEGV or abort). The engines a test
+# module drops sit in reference cycles, which only Python's rare full collection frees: one
+# worker of `make test` held 56,754 mappings (2026-11-29); tests/engine/test_speculative_decoding.py
+# alone left 19,295, 1,336 after a gc.collect(). So after a module whose process holds many, one
+# full collection (reading the count costs a few ms; a collection, on a large heap, more).
+MAPPINGS_BEFORE_COLLECT = 12_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_dropped_engines():
+    yield
+    if _mappings() > MAPPINGS_BEFORE_COLLECT:
+        gc.collect()
 
 
 def pytest_addoption(parser):
