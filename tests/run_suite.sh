@@ -6,7 +6,8 @@
 # Several processes, not one: every compiled CPU program holds memory mappings (its JIT code), and
 # one process running the whole suite on JAX 0.11 reached the kernel's limit of 65,530
 # (vm.max_map_count) near the end of tests/http and died inside XLA (SIGSEGV or abort, 2026-11-28).
-# What keeps those programs alive is not yet found (docs/testing.md). The parts run one after the
+# Outside tests/http they were garbage in reference cycles (tests/conftest.py collects them); what
+# keeps the HTTP tests' alive is not yet found (docs/testing.md). The parts run one after the
 # other, each in a few workers (below).
 #
 # From the Makefile: PY (the venv's python), PYTEST_ARGS (pytest options, such as --slow or -x).
