@@ -37,8 +37,8 @@ os.environ.setdefault("XLASERVE_EXECUTABLE_CACHE", "0")
 # module drops sit in reference cycles, which only Python's rare full collection frees: one
 # worker of `make test` held 56,754 mappings (2026-11-29); tests/engine/test_speculative_decoding.py
 # alone left 19,295, 1,336 after a gc.collect(). So after a module that added many since the last
-# full collection, one more (reading the count costs a few ms; a collection on a large heap up to
-# a second, so not after every module: the kernels' jitted programs stay alive, and legitimately).
+# full collection, one more (not after every module over a bound: the kernels' jitted programs
+# stay alive, and rightly, so it ran after nearly every module).
 MAPPINGS_GROWTH_BEFORE_COLLECT = 8_000
 _mappings_after_collect = [0]
 

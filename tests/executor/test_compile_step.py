@@ -25,7 +25,8 @@ LAYERS = [2, pytest.param(None, marks=pytest.mark.slow)]
 def test_processes_started_after_a_tpu_compile_do_not_load_libtpu():
     """Importing libtpu sets TPU_LIBRARY_PATH, and JAX in every process started afterwards loaded
     libtpu from it: a CPU server a test started after a TPU compile in the same worker logged
-    libtpu's init errors and once died of a SIGSEGV in one of its threads (CI, issue 71).
+    libtpu's init errors, and in CI one died of a SIGSEGV that libtpu's failure handler printed
+    (issue 71).
     aot.use_compile_only_packages keeps the library to the process that compiles."""
     import os
 

@@ -84,9 +84,10 @@ def use_compile_only_packages(path: str | os.PathLike | None = None) -> None:
 def _keep_libtpu_to_this_process() -> None:
     """Importing libtpu sets TPU_LIBRARY_PATH, which every process started afterwards inherits:
     JAX there loads libtpu from it, outside `.venv/aot`. A CPU server a test started after a TPU
-    compile in its process so loaded libtpu, logged its init errors and once died of a SIGSEGV in
-    one of its threads (CI, issue 71). JAX here finds the library through the package instead
-    (cloud_tpu_init.get_tpu_library_path), so the variable goes; one set before stays."""
+    compile in its process so loaded libtpu and logged its init errors; in CI one such server died
+    of a SIGSEGV, printed by libtpu's failure handler (issue 71; not reproduced here). JAX here
+    finds the library through the package instead (cloud_tpu_init.get_tpu_library_path), so the
+    variable goes; one set before stays."""
     if "TPU_LIBRARY_PATH" in os.environ:
         return
     try:
