@@ -17,11 +17,11 @@ few steps). Per iteration of the engine thread, in ms of that thread's CPU time
 (time.thread_time: on a shared 2-core machine the wall time of a phase also counts the time the
 thread waited for a core, which the device's own compute and other processes take), medians:
 - schedule: Scheduler.schedule / schedule_continuation;
-- build: the ForwardBatch and sampling metadata (EngineCore._prepare less the staging);
+- build: the ForwardBatch and sampling metadata (GenerationSteps.stage less the staging);
 - pack+put: ModelRunner.stage (the two host vectors and their transfer);
 - dispatch: ModelRunner.run (the asynchronous call);
 - wait: blocking on the step's tokens (wall time: the device, not host work);
-- read: the rest of EngineCore._read (tokens to the scheduler, finished requests);
+- read: the rest of GenerationSteps.read (tokens to the scheduler, finished requests);
 - deliver: what the engine thread spends handing a step's tokens out (detokenizing and the
   chunks themselves where that runs on the engine thread);
 - other: the rest of the iteration (the inbox, the loop);
@@ -139,9 +139,9 @@ class PhaseClock:
             self._timed(core.scheduler, name, "schedule", self._note_batch)
         self._timed(core.runner, "stage", "pack+put", self._note_staged)
         self._timed(core.runner, "run", "dispatch")
-        self._timed(core, "_prepare", "build")
+        self._timed(core.steps, "stage", "build")
         self._timed(core._live_requests, "deliver", "deliver")
-        read = core._read
+        read = core.steps.read
 
         def timed_read(batch, out):
             start = time.perf_counter()
@@ -151,7 +151,7 @@ class PhaseClock:
             result = read(batch, out)
             self._add("read", time.thread_time() - waited)
             return result
-        core._read = timed_read
+        core.steps.read = timed_read
 
     def _wrap(self, owner, name, before):
         original = getattr(owner, name)
@@ -199,7 +199,7 @@ class PhaseClock:
         machine a few iterations descheduled for ms would swamp a mean)."""
         out = {}
         for it in iterations:
-            it["build"] -= it["pack+put"]  # EngineCore._prepare calls ModelRunner.stage
+            it["build"] -= it["pack+put"]  # GenerationSteps.stage calls ModelRunner.stage
         for phase in (*PHASES[:-1], "host", "wall"):
             out[phase] = 1e3 * statistics.median(it[phase] for it in iterations)
         out["other"] = out["host"] - sum(out[p] for p in PHASES[:-1] if p != "wait")

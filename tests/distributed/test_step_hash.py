@@ -72,7 +72,7 @@ def _group(monkeypatch, leader_model: str, follower_model: str, interval: int):
 
 def _every_step_checked(engine, interval: int) -> None:
     """Every interval-th step is checked, once every follower's digest came back."""
-    leader = engine.core._leader
+    leader = engine.core.group
     steps = engine.core.runner.sink._steps
     assert steps > 6
     expected = len(range(0, steps, interval))

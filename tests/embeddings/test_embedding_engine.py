@@ -30,7 +30,7 @@ def test_encode_equals_sentence_transformers_over_chunked_prompts(tmp_path, mode
         by_ids = engine.encode(input_ids=[engine.tokenizer.encode(s) for s in SENTENCES])
         one = engine.encode(SENTENCES[2])
         assert engine.core.runner.compile_count() == compiled  # no compile while serving
-        assert engine.core._pooled is not None and len(engine.core._pooled) == 0
+        assert len(engine.core.steps.outputs) == 0
     got = np.array([o["embedding"] for o in outputs], np.float32)
     np.testing.assert_allclose(got, expected, atol=1e-4)
     assert cosine(got, expected).min() > 0.9999

@@ -205,7 +205,7 @@ SCRIPT = textwrap.dedent("""
         biased = engine.generate(input_ids=[[1, 7]] * 2, sampling_params={
             "max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "logit_bias": {7: 100.0}})
         out["dp2_ngram_biased"] = [o["output_ids"] for o in biased]
-        out["dp2_ngram_verified"] = [r.scheduler.spec_verified_rows for r in engine.core.replicas]
+        out["dp2_ngram_verified"] = [r.scheduler.speculator.verified_rows for r in engine.core.replicas]
 
     try:  # more devices than the host has: refused before anything loads
         Engine(path, tp_size=4, dp_size=3, **SMALL)

@@ -63,7 +63,7 @@ def oracle(monkeypatch, eagle):
         answers: dict = {}
         proposals: list = []
 
-    propose = eagle.core.scheduler.drafter  # DraftHead.propose, bound at start-up
+    propose = eagle.core.scheduler.speculator.drafter  # DraftHead.propose, bound at start-up
 
     def recorded(requests, rooms):
         drafts = propose(requests, rooms)
@@ -124,7 +124,7 @@ def test_no_compile_while_serving_and_pages_come_back(eagle):
     assert ids(again) == ids(first)
     assert eagle.core.runner.compile_count() == compiled
     assert eagle.core.scheduler.token_usage() == 0
-    assert eagle.core.scheduler.spec_verified_rows > 0
+    assert eagle.core.scheduler.speculator.verified_rows > 0
 
 
 TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
@@ -137,14 +137,14 @@ TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
     with Engine(target, tp_size=2, speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=head, speculative_num_draft_tokens=4,
                 **small) as engine:
-        propose, proposals = engine.core.scheduler.drafter, []
+        propose, proposals = engine.core.scheduler.speculator.drafter, []
 
         def recorded(requests, rooms):
             drafts = propose(requests, rooms)
             proposals.extend((list(r.all_ids()), d) for r, d in zip(requests, drafts))
             return drafts
 
-        engine.core.scheduler.drafter = recorded
+        engine.core.scheduler.speculator.drafter = recorded
         compiles = engine.core.runner.compile_count()
         out = engine.generate(input_ids=prompts, sampling_params=greedy)
         assert engine.core.runner.compile_count() == compiles, "compiled while serving"
@@ -217,7 +217,7 @@ def test_nextn_output_equals_transformers_and_every_draft_is_the_mtp_layers_from
     proposals = []
     with Engine(directory, speculative_algorithm="NEXTN", speculative_num_draft_tokens=3,
                 **DEEPSEEK) as engine:
-        propose = engine.core.scheduler.drafter
+        propose = engine.core.scheduler.speculator.drafter
 
         def recorded(requests, rooms):  # the plain decoding's next tokens, after recording
             drafts = propose(requests, rooms)
@@ -225,10 +225,10 @@ def test_nextn_output_equals_transformers_and_every_draft_is_the_mtp_layers_from
             return [answers[tuple(r.prompt_ids)][len(r.output_ids):][:len(d)]
                     if (len(proposals) + i) % 3 else d for i, (r, d) in enumerate(zip(requests, drafts))]
 
-        engine.core.scheduler.drafter = recorded
+        engine.core.scheduler.speculator.drafter = recorded
         got = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert ids(got) == want
-        assert engine.core.scheduler.spec_accepted_drafts > 0
+        assert engine.core.scheduler.speculator.accepted_drafts > 0
     assert max(len(d) for _, d in proposals) == 2 and len(proposals) > 10
     for sequence, drafts in proposals:
         assert drafts == nextn_reference_drafts(model, own, sequence, len(drafts)), len(sequence)

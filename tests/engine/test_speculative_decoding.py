@@ -86,10 +86,10 @@ def test_penalized_output_equals_plain_decoding(plain, spec, penalty):
     params = [{**GREEDY, **penalty}, {**GREEDY, "max_new_tokens": 30},
               {"temperature": 0.7, "seed": 3, "max_new_tokens": 30, "ignore_eos": True, **penalty},
               {**GREEDY, **penalty, "logit_bias": {"7": 2.0}}]
-    spec.core.scheduler.spec_verified_rows = 0
+    spec.core.scheduler.speculator.verified_rows = 0
     assert ids(spec.generate(input_ids=PROMPTS, sampling_params=params)) == \
         ids(plain.generate(input_ids=PROMPTS, sampling_params=params))
-    assert spec.core.scheduler.spec_verified_rows > 0
+    assert spec.core.scheduler.speculator.verified_rows > 0
 
 
 def test_stop_ids_and_max_tokens_inside_verified_rows_are_exact(plain, spec):
@@ -158,7 +158,7 @@ def test_streaming_delivers_every_token_once_and_an_abort_mid_stream_is_clean(sp
 def test_rows_whose_drafts_fail_back_off_with_the_same_output(plain, spec):
     """High-temperature rows reject most drafts and back off (their next steps overlapped
     continuations), one request at a time and several at once."""
-    spec.core.scheduler.spec_verified_rows = 0
+    spec.core.scheduler.speculator.verified_rows = 0
     params = [{"temperature": 1.5, "seed": s, "max_new_tokens": 30, "ignore_eos": True,
                "logit_bias": {"7": 4.0}} for s in range(4)]  # 7 repeats: drafts keep coming
     assert ids(spec.generate(input_ids=PROMPTS, sampling_params=params)) == \
@@ -166,7 +166,7 @@ def test_rows_whose_drafts_fail_back_off_with_the_same_output(plain, spec):
     for p in params:
         assert spec.generate(input_ids=PROMPTS[1], sampling_params=p)["output_ids"] == \
             plain.generate(input_ids=PROMPTS[1], sampling_params=p)["output_ids"]
-    assert spec.core.scheduler.spec_verified_rows > 0
+    assert spec.core.scheduler.speculator.verified_rows > 0
 
 
 # --- structured outputs: drafts the grammar takes, each sample row masked after its drafts ------
@@ -202,13 +202,13 @@ def test_constrained_outputs_with_drafts_equal_plain_decodings(constrained_engin
               {"json_schema": schema, "temperature": 1.0, "seed": 4, "max_new_tokens": 40},
               {"regex": "(Alice|Bob)( (Alice|Bob)){3}", "temperature": 0.7, "seed": 5,
                "max_new_tokens": 40}]
-    spec_engine.core.scheduler.spec_verified_rows = 0
+    spec_engine.core.scheduler.speculator.verified_rows = 0
     got = spec_engine.generate(input_ids=[prompt] * len(params), sampling_params=params)
     want = plain_engine.generate(input_ids=[prompt] * len(params), sampling_params=params)
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert [g["meta_info"]["finish_reason"] for g in got] == \
         [w["meta_info"]["finish_reason"] for w in want]
-    assert spec_engine.core.scheduler.spec_verified_rows > 0  # constrained rows drafted
+    assert spec_engine.core.scheduler.speculator.verified_rows > 0  # constrained rows drafted
 
 
 def test_a_tiny_page_pool_retracts_verified_rows_and_every_output_is_still_plain_decodings(
@@ -224,7 +224,7 @@ def test_a_tiny_page_pool_retracts_verified_rows_and_every_output_is_still_plain
         with caplog.at_level(logging.INFO):
             got = small.generate(input_ids=PROMPTS * 2, sampling_params=params)
         assert "Retract requests" in caplog.text
-        assert small.core.scheduler.spec_verified_rows > 0
+        assert small.core.scheduler.speculator.verified_rows > 0
         assert small.core.scheduler.token_usage() == 0
     assert ids(got) == ids(plain.generate(input_ids=PROMPTS * 2, sampling_params=params))
 

@@ -57,7 +57,7 @@ def oracle(monkeypatch, tree):
         answers: dict = {}
         proposals: list = []
 
-    propose = tree.core.scheduler.drafter
+    propose = tree.core.scheduler.speculator.drafter
 
     def recorded(requests, rooms):
         drafts = propose(requests, rooms)
@@ -132,7 +132,7 @@ def test_no_compile_while_serving_and_pages_come_back(tree, oracle):
     assert ids(again) == ids(first)
     assert tree.core.runner.compile_count() == compiled
     assert tree.core.scheduler.token_usage() == 0
-    assert tree.core.scheduler.spec_verified_rows > 0
+    assert tree.core.scheduler.speculator.verified_rows > 0
     assert np.isfinite(tree.core.runner.kv_caches[0]).all()
 
 
@@ -182,7 +182,7 @@ def test_sampled_tokens_from_tree_rows_follow_the_models_distribution(target, tr
         for out in tree.generate(input_ids=[prompt] * 4, sampling_params=params):
             key = tuple(out["output_ids"][:3])
             counts[key] = counts.get(key, 0) + 1
-    assert tree.core.scheduler.spec_accepted_drafts > 300  # the trees' nodes were kept
+    assert tree.core.scheduler.speculator.accepted_drafts > 300  # the trees' nodes were kept
     expected = {}
     for a, pa in next_probs(prompt).items():
         for b, pb in next_probs(prompt + [a]).items():
@@ -215,7 +215,7 @@ def test_nextn_trees_are_the_mtp_layers_beam_and_outputs_equal_transformers(deep
     proposals = []
     with Engine(directory, speculative_algorithm="NEXTN", speculative_eagle_topk=2,
                 speculative_num_steps=2, speculative_num_draft_tokens=4, **DEEPSEEK) as engine:
-        propose = engine.core.scheduler.drafter
+        propose = engine.core.scheduler.speculator.drafter
 
         def recorded(requests, rooms):
             drafts = propose(requests, rooms)
@@ -227,10 +227,10 @@ def test_nextn_trees_are_the_mtp_layers_beam_and_outputs_equal_transformers(deep
                            if draft and room >= 2 and len(rest) >= 2 else draft)
             return out
 
-        engine.core.scheduler.drafter = recorded
+        engine.core.scheduler.speculator.drafter = recorded
         compiled = engine.core.runner.compile_count()
         assert ids(engine.generate(input_ids=prompts, sampling_params=GREEDY)) == want
-        assert engine.core.scheduler.spec_accepted_drafts > 0
+        assert engine.core.scheduler.speculator.accepted_drafts > 0
         assert engine.core.runner.compile_count() == compiled
     assert len(proposals) > 8
     for sequence, draft, room in proposals[:10]:

@@ -6,7 +6,8 @@ import pytest
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, outputs, req
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
-from xlaserve.runtime.scheduler.speculation import NgramIndex, SpeculativeConfig, accepted
+from xlaserve.runtime.scheduler.speculation import (NgramIndex, SpeculativeConfig, Speculator,
+                                                    accepted)
 from xlaserve.server_args import ServerArgs
 
 
@@ -44,7 +45,7 @@ def test_greedy_outputs_with_speculation_equal_those_without():
     prompts = {"copy": [60, 61, 62, 63, 64, 65, 60, 61], "plain": [70, 71]}
 
     def run(speculation):
-        s = make_scheduler(speculation=speculation)
+        s = make_scheduler(speculator=speculation and Speculator(speculation))
         for rid, prompt in prompts.items():
             s.add(req(rid, max_new=24, prompt=prompt))
         model = FakeModel(s)
@@ -58,7 +59,7 @@ def test_greedy_outputs_with_speculation_equal_those_without():
 
 
 def test_a_verified_row_accepts_the_agreeing_drafts_and_gives_back_the_rest_of_its_pages():
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)))
     # The model will say 1 2 3 4 50 ...; the prompt makes the drafter propose 1 2 3 9 after 0.
     script = {"r": [0, 1, 2, 3, 50, 51, 52, 53, 54, 55]}
     s.add(req("r", max_new=10, prompt=[0, 1, 2, 3, 9, 7]))
@@ -80,7 +81,7 @@ def test_a_verified_row_accepts_the_agreeing_drafts_and_gives_back_the_rest_of_i
 
 @pytest.mark.parametrize("stop_at", [1, 2, 3])
 def test_a_stop_id_inside_the_accepted_drafts_ends_the_request_there(stop_at):
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)))
     script = {"r": [0, 1, 2, 3, 4, 5, 6, 7]}
     s.add(req("r", max_new=8, prompt=[0, 1, 2, 3, 4, 9], stop_token_ids=frozenset({stop_at})))
     finished = FakeModel(s, script).run_all()
@@ -90,7 +91,7 @@ def test_a_stop_id_inside_the_accepted_drafts_ends_the_request_there(stop_at):
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 4, 5])
 def test_drafts_never_take_a_request_past_max_new_tokens(max_new):
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)))
     script = {"r": [0, 1, 2, 3, 4, 5, 6, 7]}
     s.add(req("r", max_new=max_new, prompt=[0, 1, 2, 3, 4, 9]))
     model = FakeModel(s, script)
@@ -101,7 +102,7 @@ def test_drafts_never_take_a_request_past_max_new_tokens(max_new):
 
 def test_penalized_rows_speculate_too():
     """Their counts take the drafts before each token in the step (executor/verified_rows.py)."""
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=4))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=4)))
     s.add(req("a", max_new=9, prompt=[5, 6, 7, 5, 6, 7]))
     s.add(req("b", max_new=9, prompt=[5, 6, 7, 5, 6, 7],
               sampling=RowSamplingParams(frequency_penalty=0.5)))
@@ -114,22 +115,22 @@ def test_penalized_rows_speculate_too():
 
 
 def test_speculation_stops_above_its_batch_size_and_reads_each_step_while_on():
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=4, max_batch=1))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=4, max_batch=1)))
     s.add(req("a", max_new=10))
     model = FakeModel(s)
     model.run_step()
-    assert s.speculating()
+    assert s.speculator.speculating(s.num_running)
     assert s.schedule_continuation(model.batches[-1]) is None  # drafts need the step's tokens
     s.add(req("b", max_new=10))
     model.run_step()
-    assert not s.speculating()
+    assert not s.speculator.speculating(s.num_running)
     batch = s.schedule()
     assert not any(c.num_drafts for c in batch.chunks)
 
 
 def test_overlapped_loop_with_speculation_gives_the_same_outputs():
     def run(speculation):
-        s = make_scheduler(speculation=speculation)
+        s = make_scheduler(speculator=speculation and Speculator(speculation))
         for i in range(5):
             s.add(req(f"r{i}", prompt_len=3 + i, max_new=15))
         return outputs(FakeModel(s).run_overlapped())
@@ -197,7 +198,7 @@ def test_a_row_that_keeps_no_draft_backs_off_and_decodes_overlapped_meanwhile():
     """A rejected draft costs a verified row's extra tokens and the overlap: a request whose
     drafts fail waits 2, 4, ... tokens before it drafts again (one draft then), and the
     continuation flows meanwhile; one whose drafts all pass drafts one more next time."""
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)))
     # The prompt proposes 1 2 3 4 after 0; the model says 0, then 5 6 7 ... (never a draft).
     script = {"r": [0] + list(range(5, 40))}
     s.add(req("r", max_new=30, prompt=[0, 1, 2, 3, 4, 9]))
@@ -215,7 +216,7 @@ def test_a_row_that_keeps_no_draft_backs_off_and_decodes_overlapped_meanwhile():
 
 
 def test_a_row_that_keeps_every_draft_drafts_one_more_next_time():
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)))
     script = {"r": [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2]}
     s.add(req("r", max_new=15, prompt=[0, 1, 2, 0, 1, 2]))
     r = s.requests["r"]
@@ -232,7 +233,7 @@ def test_no_continuation_follows_a_verified_row_even_when_nothing_drafts_next():
     """A verified row's tokens are the host's to accept (the device does not write the slot's
     last token): a request whose last draft (one token from the end) is in flight and whose next
     step drafts nothing must still be read before that step is scheduled."""
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)))
     script = {"r": [0, 1, 7, 8]}
     s.add(req("r", max_new=3, prompt=[0, 1, 2, 3, 4, 9]))
     model = FakeModel(s, script)
@@ -246,7 +247,7 @@ def test_no_continuation_follows_a_verified_row_even_when_nothing_drafts_next():
 def test_a_step_that_runs_prompt_tokens_drafts_nothing_and_drafts_fit_the_step():
     """Verified rows never share a step with a prompt, and a step's tokens stay within
     max_running_requests (the sample rows every bucket has: forward_batch.sample_rows_for)."""
-    s = make_scheduler(max_running=4, speculation=SpeculativeConfig(num_draft_tokens=5))
+    s = make_scheduler(max_running=4, speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)))
     script = {rid: [0, 1, 2, 3, 4] * 6 for rid in ("a", "b")}
     for rid in ("a", "b"):
         s.add(req(rid, max_new=20, prompt=[0, 1, 2, 3, 4, {"a": 9, "b": 8}[rid]]))
@@ -265,7 +266,7 @@ def test_a_request_backing_off_tries_again_only_when_a_step_is_read_or_after_16_
     step read first anyway, or for PROBE_EVERY overlapped steps in a row."""
     from xlaserve.runtime.scheduler.speculation import PROBE_EVERY
 
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5))
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)))
     s.add(req("r", prompt_len=6, max_new=60))
     model = FakeModel(s)
     model.run_step()
@@ -285,7 +286,7 @@ def test_the_decode_batch_line_gives_the_accept_length(caplog):
     """SGLang's `accept len` in the `Decode batch.` line, from the verified rows of the interval."""
     import logging
 
-    s = make_scheduler(speculation=SpeculativeConfig(num_draft_tokens=5), log_interval=4)
+    s = make_scheduler(speculator=Speculator(SpeculativeConfig(num_draft_tokens=5)), log_interval=4)
     script = {"r": [0, 1, 2, 3, 4] * 8}
     s.add(req("r", max_new=40, prompt=[0, 1, 2, 3, 4, 9]))
     with caplog.at_level(logging.INFO):

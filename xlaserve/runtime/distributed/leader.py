@@ -54,6 +54,25 @@ def step_digest(sample) -> str:
     return digest.hexdigest()
 
 
+class OneProcess:
+    """The Leader's do-nothing form, a server in one process (start-up builds a Leader with
+    --nnodes > 1): no follower, no command sent; it keeps why the engine stopped."""
+
+    sent = 0
+
+    def __init__(self):
+        self.failure: str | None = None
+
+    def fail(self, reason: str) -> None:
+        self.failure = reason
+
+    def step_failed(self, error: Exception) -> None:
+        """Never called: no command is ever sent (EngineCore._step_failed)."""
+
+    def close(self) -> None:
+        pass
+
+
 class Leader:
     def __init__(self, connections: dict, secret: bytes, hash_interval: int = 0):
         self.failure: str | None = None  # why the group broke; then no more commands go out
@@ -226,6 +245,8 @@ class _Sink:
     STANDALONE draft model's, "draft_model_": `Leader.follow_runner`), whose steps the step
     hash check leaves out."""
 
+    replays = True
+
     def __init__(self, leader: Leader, runner, prefix: str = ""):
         self._leader = _Prefixed(leader, prefix) if prefix else leader
         self._hashed = not prefix
@@ -276,11 +297,19 @@ class _Sink:
         self._leader.broadcast("draft_chain", {"shape": shape, "widths": widths},
                                rooms=np.asarray(rooms, np.int32), **arrays)
 
-    def ran(self, out) -> None:
-        """After the leader made the step's call: its outputs (this process's copy)."""
+    def ran(self, out):
+        """After the leader made the step's call: its outputs, this process's copy (recorded
+        for the step hash check)."""
+        out = self.local(out)
         if self._recording is not None:
             self._leader.record(self._recording, out.sample)
             self._recording = None
+        return out
+
+    @staticmethod
+    def local(out):
+        """A call's outputs, replicated over every process: this process's copy."""
+        return jax.tree.map(lambda x: x.addressable_data(0), out)
 
 
 STAGED_VECTORS = ("ints", "floats", "table_ints", "table_floats")  # StagedStep.host, in order

@@ -3,15 +3,14 @@
 Requests come in through a thread-safe `submit` and leave as a stream of `OutputDelta`s; the loop
 thread is the only one that touches the scheduler, the page allocator and the device state, so
 none of them needs a lock. `xlaserve.Engine` (the offline API) wraps this class. The runner,
-the scheduler and the rest the engine serves with are built at start-up by startup.py;
-the outputs a step's tokens become (text, logprobs, finish) are made by live_requests.py; what other
-threads send the loop, and what it sends them, are the typed messages of messages.py.
+the scheduler, the features it was started with and the steps the loop stages, sends and reads
+(steps.py, or pooled_outputs.PooledSteps) are built at start-up by startup.py; the outputs a
+step's tokens become (text, logprobs, finish) are made by live_requests.py; what other threads
+send the loop, and what it sends them, are the typed messages of messages.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import operator
 import queue
 import random
 import threading
@@ -21,28 +20,22 @@ from concurrent.futures import Future
 from typing import Callable
 
 import jax
-import numpy as np
 
 from xlaserve.runtime.engine import startup
 from xlaserve.runtime.engine.live_requests import LiveRequests, live_state
 from xlaserve.runtime.engine.lora_adapters import LoadLora, LoraAdapters, UnloadLora
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
-                                              LiveRequest, OutputDelta, PooledResult,
-                                              RequestsEnded, StepResult, Wake)
-from xlaserve.runtime.engine.pooled_outputs import (EMBEDS, GENERATES, PooledOutputs,
-                                                    WrongKindOfServer, pooled_request,
-                                                    token_types)
+                                              LiveRequest, OutputDelta, RequestsEnded, Wake)
+from xlaserve.runtime.engine.pooled_outputs import (EMBEDS, GENERATES, WrongKindOfServer,
+                                                    pooled_request)
 from xlaserve.runtime.engine.watchdog import Watchdog
-from xlaserve.runtime.executor.forward_batch import forward_batch_for
-from xlaserve.runtime.executor.multimodal_rows import add_multimodal_rows
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, StepOutput
+from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.sampling.params import (InvalidGrammar, RequestLimits, RowSamplingParams,
                                               SamplingParams, check_request, constraint_of,
                                               prompt_token_ids, stop_token_set)
 from xlaserve.runtime.sampling.sampler import build_sampling_metadata
-from xlaserve.runtime.scheduler.request import Request, SampledRow
-from xlaserve.runtime.scheduler.speculation import row_depths
+from xlaserve.runtime.scheduler.request import Request
 from xlaserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -59,9 +52,9 @@ class EngineCore:
         and KV pool live on devices [dp_rank * tp_size, (dp_rank + 1) * tp_size).
         `share_with`: another replica whose tokenizer and grammar backend this one uses."""
         self.dp_rank = dp_rank
-        self._failure: str | None = None  # why the watchdog stopped the engine
         parts = startup.build(server_args, dp_rank, share_with)
-        self._leader = parts.leader  # --nnodes > 1: rank 0 of a multi-host group
+        # --nnodes > 1: rank 0 of a multi-host group (distributed/leader.py); else OneProcess.
+        self.group = parts.group
         self.args = args = parts.args  # with --page-size resolved
         self.loaded = parts.loaded
         self.tokenizer = parts.tokenizer
@@ -75,14 +68,8 @@ class EngineCore:
         self.pooling = parts.pooling
         self.score_head = parts.score_head  # a reranker's (weights/score_head.py), else None
         self.images = parts.images  # a vision model's (image_prompts.py), else None
-        self.host_kv = parts.host_kv  # the prefix cache's host tier (host_kv_pool.py), or None
-        self._pooled = None if self.pooling is None else PooledOutputs(self.pooling)
-        self._draft = parts.draft  # --speculative-algorithm STANDALONE: the draft model
         # --enable-lora: the adapters by name (lora_adapters.py), --lora-paths' installed
-        self.lora = None if self.runner.lora is None else LoraAdapters(
-            self.runner, self.runner.lora.spec.max_loras, self.loaded.config, self._wait)
-        for adapter in parts.lora_adapters or ():
-            self.lora.install(adapter)
+        self.lora = startup.lora_adapters(parts, self._wait)
         self.limits = RequestLimits.from_server_args(args)
         # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
         self.startup_timings = parts.startup_timings
@@ -102,10 +89,8 @@ class EngineCore:
         # The live requests' output; its output thread sends the loop what it ended.
         self._live_requests = LiveRequests(self.scheduler, self._inbox.put,
                                   name.replace("engine", "output"))
-        self._last_sampling = None  # (padded seqs, rows, metadata) of the last step prepared
-        # (DecodeRows, padded seqs, metadata) of the last step prepared, a decode continuation
-        # none of whose rows suppressed stop ids; else None (_step_sampling).
-        self._last_decode = None
+        # The steps the loop stages, sends and reads, with the features' hooks (steps.py).
+        self.steps = startup.step_pipeline(parts, self._live_requests, self.lora)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
                                   name.replace("engine", "watchdog"))
@@ -114,9 +99,7 @@ class EngineCore:
     @property
     def failure(self) -> str | None:
         """Why the engine takes no more work (a hung step, a broken multi-host group), else None."""
-        if self._leader is not None and self._leader.failure is not None:
-            return self._leader.failure
-        return self._failure
+        return self.group.failure
 
     # --- called from any thread -----------------------------------------------------------
 
@@ -265,9 +248,7 @@ class EngineCore:
         stats = {"num_running_reqs": self.scheduler.num_running,
                  "num_queue_reqs": self.scheduler.num_waiting,
                  "token_usage": self.scheduler.token_usage()}
-        if self.scheduler.speculation is not None:
-            stats["spec_accept_length"] = self.scheduler.spec_accept_length() or 0.0
-        return stats
+        return stats | self.scheduler.speculator.stats()
 
     def abort(self, rid: str, message: str | None = None) -> None:
         """Ends the request (waiting or running) on the engine thread; its final output carries
@@ -300,8 +281,7 @@ class EngineCore:
         self._inbox.put(Wake())
         self._thread.join(timeout=30)
         self._live_requests.close(timeout=30)
-        if self._leader is not None:  # the followers stop too
-            self._leader.close()
+        self.group.close()  # the followers stop too
 
     # --- the engine thread ------------------------------------------------------------------
 
@@ -314,10 +294,7 @@ class EngineCore:
 
     def _hung(self, reason: str) -> None:
         """The watchdog's verdict: no more work; in a multi-host group the followers go too."""
-        if self._leader is not None:
-            self._leader.fail(reason)
-        else:
-            self._failure = reason
+        self.group.fail(reason)
 
     def _loop(self) -> None:
         """One step per iteration, overlapped with the host work around it (the default; SGLang's
@@ -342,12 +319,12 @@ class EngineCore:
         A request that ends in step k (a stop id or string, an abort) may still have a row in
         k+1; that row's result is dropped."""
         in_flight = None  # (batch, step output) dispatched and not yet read
-        # An embedding server's steps are prompt chunks, none a continuation of the last.
-        overlap = not self.args.disable_overlap_schedule and self.pooling is None
+        steps = self.steps
+        overlap = not self.args.disable_overlap_schedule and steps.overlaps
         while not self._stopping:
             self._watchdog.last_beat = time.monotonic()
             stepping: list = []  # the batches this iteration touched: a failure fails their rows
-            sent = self._leader.sent if self._leader is not None else 0
+            sent = self.group.sent
             try:
                 self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
                 if self._stopping:
@@ -359,28 +336,27 @@ class EngineCore:
                     batch = self.scheduler.schedule_continuation(in_flight[0])
                     if batch is not None:
                         stepping.append(batch)
-                        prepared = self._prepare(batch)
+                        staged = steps.stage(batch)
                         if batch.any_grammar():
-                            waiting_for_masks = (batch, prepared)
+                            waiting_for_masks = (batch, staged)
                         else:
-                            following = (batch, self._send(batch, prepared))
-                results = [self._read(*in_flight)] if in_flight is not None else []
+                            following = (batch, steps.send(batch, staged))
+                results = [steps.read(*in_flight)] if in_flight is not None else []
                 if waiting_for_masks is not None:  # the grammars have consumed k's tokens
-                    following = (waiting_for_masks[0], self._send(*waiting_for_masks))
+                    following = (waiting_for_masks[0], steps.send(*waiting_for_masks))
                 in_flight = following
                 if in_flight is None and (batch := self.scheduler.schedule()) is not None:
                     stepping.append(batch)
-                    in_flight = (batch, self._send(batch, self._prepare(batch)))
+                    in_flight = (batch, steps.send(batch, steps.stage(batch)))
                     if not overlap:
-                        results.append(self._read(*in_flight))
+                        results.append(steps.read(*in_flight))
                         in_flight = None
                 stepping = []  # the steps ran: what fails from here is one request's own
                 for step in results:
                     self._live_requests.deliver(step)
             except Exception as error:  # a bug must not kill the loop silently
                 in_flight = None
-                self._step_failed(error, stepping, broadcast=self._leader is not None
-                                  and self._leader.sent != sent)
+                self._step_failed(error, stepping, broadcast=self.group.sent != sent)
 
     def _step_failed(self, error: Exception, batches: list, broadcast: bool) -> None:
         """A step failed: its rows (the requests of `batches`) end with an error; requests that
@@ -396,7 +372,7 @@ class EngineCore:
             rids = self._live_requests.rids()
             logger.exception("engine loop failed outside a step; aborting every live request")
         if broadcast:
-            self._leader.step_failed(error)
+            self.group.step_failed(error)
         self._live_requests.abort_many(rids, self.failure or f"internal error ({type(error).__name__})")
 
     def _drain_inbox(self, block: bool) -> None:
@@ -438,129 +414,3 @@ class EngineCore:
                 item = None
         if aborts:
             self._live_requests.abort_many(aborts, message)
-
-    def _prepare(self, batch):
-        """The step's inputs, staged on the device: all but the grammar masks."""
-        if self.pooling is not None:  # prompt chunks; no penalty state, no sampling
-            fb = forward_batch_for(batch, self.buckets, self.runner.page_size)
-            slots = np.zeros(fb.shape[1], np.int32)
-            slots[:len(batch.slots)] = batch.slots
-            return self.runner.stage(fb, slots, token_types(batch, fb.shape[0])
-                                     if self.loaded.config.encoder is not None else None)
-        if self.host_kv is not None:  # the copies the prefix cache's tiers owe, first
-            self.runner.kv_caches = self.host_kv.apply(self.runner.kv_caches,
-                                                       self.scheduler.cache.host.take_copies())
-        self.runner.assign_slots([(r.slot, r.prompt_ids, r.output_ids) for r in batch.admitted])
-        if self.lora is not None and batch.admitted:
-            self.runner.assign_lora([r.slot for r in batch.admitted],
-                                    [r.lora_slot for r in batch.admitted])
-        requests = batch.requests  # one per sample row
-        if batch.decode is not None:  # decode rows only: no prompt targets, each row ahead
-            fb = forward_batch_for(batch, self.buckets, self.runner.page_size)
-            ahead = [batch.ahead] * len(batch.requests)
-            sample_index = np.add(batch.decode.output_lens, batch.ahead)
-        else:
-            fb = forward_batch_for(self._live_requests.with_prompt_targets(batch), self.buckets,
-                                   self.runner.page_size)
-            ahead = batch.row_ahead()
-            if any(c.num_drafts for c in batch.chunks):  # a verified row samples per token,
-                # each as the output's token after its drafts (a tree node's: after its depth)
-                rows = [(r, a + j) for r, c, a in zip(batch.requests, batch.chunks, ahead)
-                        for j in row_depths(c)]
-                requests, ahead = [r for r, _ in rows], [a for _, a in rows]
-            sample_index = [len(r.output_ids) + a for r, a in zip(requests, ahead)]
-        if self.loaded.config.vision is not None:  # images' rows, multimodal RoPE positions
-            fb = add_multimodal_rows(fb, [r.multimodal for r in batch.requests],
-                                     self.loaded.config.hidden_size, self.loaded.dtype)
-        padded_seqs = fb.shape[1]
-        sampling = self._step_sampling(batch, requests, ahead, fb.num_sample_rows)
-        sampling.sample_index[:len(requests)] = sample_index
-        slots = np.zeros(padded_seqs, np.int32)
-        slots[:len(batch.slots)] = batch.slots
-        staged = self.runner.stage(fb, sampling, slots)
-        if self._draft is not None:  # the draft model follows every step (draft_model.py)
-            staged.draft = self._draft.runner.stage(fb, sampling, slots)
-        return staged
-
-    def _step_sampling(self, batch, requests: list, ahead: list[int], padded_rows: int):
-        """The sampling metadata but `sample_index` of the sample rows (`requests`, each
-        `ahead`: a verified row has one per token). A decode continuation of the last step
-        prepared, over the same rows, none of which suppressed stop ids there (min_new_tokens:
-        once a row stops suppressing it does not start again), has the last step's, with no
-        pass over the rows (~40 us of a 256-row step)."""
-        last, decode = self._last_decode, batch.decode
-        if (decode is not None and last is not None and decode.parent is last[0]
-                and decode.kept is None and last[1] == padded_rows):
-            self._last_decode = (decode, padded_rows, last[2])
-            return last[2]
-        # Most rows suppress nothing: a copy of their parameters per step would cost more host
-        # time than the rest of the packing (a few ms at 128 rows).
-        rows = [dataclasses.replace(r.sampling, suppressed_ids=suppressed)
-                if r.min_new_tokens and (suppressed := self.scheduler.suppressed_ids(r, a))
-                else r.sampling for r, a in zip(requests, ahead)]
-        sampling = self._sampling_metadata(rows, padded_rows)
-        suppressing = any(row is not r.sampling for row, r in zip(rows, requests))
-        self._last_decode = (None if decode is None or suppressing
-                             else (decode, padded_rows, sampling))
-        return sampling
-
-    def _sampling_metadata(self, rows: list, padded_rows: int):
-        """The rows' sampling metadata; that of the previous step when its rows were the same
-        parameter objects (a run of decode steps over the same requests: every column but
-        `sample_index`, which the caller writes, is a function of the rows alone). Rebuilding
-        it cost ~0.4 ms of a 256-row step (benchmarks/bench_host_step.py); the check, ~10 us.
-        The metadata is only read into the step's host vectors (`ModelRunner.stage` copies it)
-        before the next step is prepared, so reusing the arrays is safe."""
-        cached = self._last_sampling
-        if (cached is not None and cached[0] == padded_rows and len(cached[1]) == len(rows)
-                and all(map(operator.is_, cached[1], rows))):
-            return cached[2]
-        sampling = build_sampling_metadata(rows, padded_rows, SAMPLING_WIDTHS)
-        self._last_sampling = (padded_rows, rows, sampling)
-        return sampling
-
-    def _send(self, batch, staged):
-        """Fills the grammar masks of the constrained rows that sample, from their grammars'
-        current state, and dispatches the step; returns its (asynchronous) output."""
-        if self.pooling is not None:
-            return self.runner.run(staged)
-        constrained = None
-        if batch.any_grammar():  # by sample row: a verified row has one per token
-            constrained, row = [], 0
-            for r, c in zip(batch.requests, batch.chunks):
-                if r.grammar is not None and c.sample and r.status == "running":
-                    states = r.grammar.states_after(c.token_ids[1:]) if c.num_drafts else [r.grammar]
-                    constrained += [(state, row + j) for j, state in enumerate(states)]
-                row += 1 + c.num_drafts
-        bitmask = None
-        if constrained:
-            bitmask = self.grammar_backend.empty_bitmask(self.runner.sample_rows(staged.shape))
-            self.grammar_backend.fill_masks(constrained, bitmask)
-        out = self.runner.run(staged, bitmask)
-        if staged.draft is not None:
-            self._draft.catch_up(staged.draft)
-        return out
-
-    def _read(self, batch, out: StepOutput) -> StepResult | PooledResult:
-        """Waits for the step's tokens and advances the scheduler; returns the rows that sampled
-        (with the step's logprobs, when a row asked for them) for `LiveRequests.deliver`. An
-        embedding step's: the requests it finished, with their vectors."""
-        if self.pooling is not None:
-            reduced = np.asarray(out)
-            running = [i for i, r in enumerate(batch.requests) if r.status == "running"]
-            ended = self.scheduler.process_pooled(batch)
-            return PooledResult(self._pooled.take(batch, reduced, running, ended))
-        num_rows = len(batch.requests)  # sample rows: one per row, one per verified draft
-        if batch.decode is None:
-            num_rows += sum(c.num_drafts for c in batch.chunks)
-        sampled = out.sample
-        tokens = np.asarray(sampled.tokens)[:num_rows]
-        logprobs = top_logprobs = top_ids = None
-        if batch.any_logprobs():
-            logprobs, top_logprobs, top_ids = (np.asarray(a)[:num_rows] for a in (
-                sampled.logprobs, sampled.top_logprobs, sampled.top_ids))
-        self._live_requests.collect_prompt_logprobs(batch, out)
-        # Requests that ended while the step ran (abort, stop string) have no row to advance.
-        rows: list[SampledRow] = []
-        self.scheduler.process_results(batch, tokens.tolist(), rows)
-        return StepResult(rows, logprobs, top_logprobs, top_ids)

@@ -16,7 +16,8 @@ import logging
 import numpy as np
 
 from xlaserve.model.vision_inputs import mrope_positions
-from xlaserve.runtime.executor.multimodal_rows import MultimodalPrompt
+from xlaserve.runtime.executor.forward_batch import ForwardBatch
+from xlaserve.runtime.executor.multimodal_rows import MultimodalPrompt, add_multimodal_rows
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
 
 logger = logging.getLogger(__name__)
@@ -29,11 +30,20 @@ DEFAULT_MAX_PIXELS = 1280 * 28 * 28
 
 
 class ImagePrompts:
-    def __init__(self, vision_config, processor, encoder: VisionEncoder, max_images: int):
+    def __init__(self, vision_config, processor, encoder: VisionEncoder, max_images: int,
+                 hidden_size: int, dtype):
+        """`hidden_size`, `dtype`: the decoder's, of the rows a step takes."""
         self.config = vision_config
         self.processor = processor
         self.encoder = encoder
         self.max_images = max_images  # per request (--limit-mm-per-prompt)
+        self.hidden_size, self.dtype = hidden_size, dtype
+
+    def forward_batch(self, batch: ForwardBatch, scheduled) -> ForwardBatch:
+        """The step hook (steps.py): the batch with its images' rows and multimodal RoPE
+        positions (executor/multimodal_rows.py)."""
+        return add_multimodal_rows(batch, [r.multimodal for r in scheduled.requests],
+                                   self.hidden_size, self.dtype)
 
     def prepare(self, prompt_ids: list[int], images: list) -> tuple[list[int],
                                                                   MultimodalPrompt | None]:

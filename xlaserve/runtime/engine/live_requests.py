@@ -178,7 +178,7 @@ class LiveRequests:
         rows = []
         # A verified row's tokens (speculative decoding) are consecutive rows of one request.
         following = ([a.request is b.request for a, b in zip(step.rows, step.rows[1:])] + [False]
-                     if self.scheduler.speculation is not None else itertools.repeat(False))
+                     if self.scheduler.speculator.verifies else itertools.repeat(False))
         for (request, token, row, num_output), more in zip(step.rows, following):
             live = self._live.get(request.rid)
             if live is None:  # ended earlier (a stop string the output thread found, say)

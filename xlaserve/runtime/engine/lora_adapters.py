@@ -175,6 +175,12 @@ class LoraAdapters:
 
     # --- the engine loop -------------------------------------------------------------------
 
+    def before_stage(self, batch) -> None:
+        """The step hook (steps.py): the adapters of the requests the step admits."""
+        if batch.admitted:
+            self.runner.assign_lora([r.slot for r in batch.admitted],
+                                    [r.lora_slot for r in batch.admitted])
+
     def take(self, message, scheduler) -> None:
         """A LoadLora or UnloadLora from the inbox."""
         if isinstance(message, LoadLora):

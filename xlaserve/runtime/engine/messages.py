@@ -6,7 +6,7 @@
   From the output thread (live_requests.py): `RequestsEnded`, the requests it ended (`StopMatched`: a
   stop string; `DropRequest`: a failure of its own or a sink that raised), for the loop to end in
   the scheduler. `InboxMessage` is their union.
-- From a step to its output: `EngineCore._read` turns a step's sampled tokens into a
+- From a step to its output: `GenerationSteps.read` turns a step's sampled tokens into a
   `StepResult` (the step-wide logprob arrays and one `SampledRow` per row that sampled for a
   live request), which `LiveRequests.deliver` queues for the output thread to make into outputs;
   an embedding server's step becomes a `PooledResult` (the requests it finished, their vectors).
@@ -106,7 +106,7 @@ class Wake:
 InboxMessage = AddRequest | Abort | AbortAll | FlushCache | RequestsEnded | Wake
 
 
-# --- a step's sampled tokens: EngineCore._read -> LiveRequests.deliver (the loop thread) -----------
+# --- a step's sampled tokens: GenerationSteps.read -> LiveRequests.deliver (the loop thread) -------
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:

@@ -1,6 +1,6 @@
-"""An embedding server's requests and vectors (issue 54): the request an input becomes
-(`pooled_request`), each step's token types (`token_types`), and the vectors finished on the
-host from the steps' chunks (`PooledOutputs`).
+"""An embedding server's requests, steps and vectors (issue 54): the request an input becomes
+(`pooled_request`), each step's token types (`token_types`), the vectors finished on the host
+from the steps' chunks (`PooledOutputs`), and the steps the engine loop runs (`PooledSteps`).
 
 The step returns each prompt chunk's rows reduced (model/pooling.reduce_chunks): its first row,
 its row sum or its last row. A prompt longer than a step's tokens runs in several chunks, so here
@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.model.pooling import NORMALIZE_EPS
+from xlaserve.runtime.engine.messages import PooledResult
+from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.scheduler.request import Request, ScheduledBatch
 from xlaserve.weights.pooling import Pooling
@@ -99,3 +101,35 @@ class PooledOutputs:
 
     def __len__(self) -> int:
         return len(self._chunks)
+
+
+class PooledSteps:
+    """An embedding server's steps (steps.GenerationSteps' counterpart, built at start-up): prompt
+    chunks with no penalty state and no sampling; a step's rows come back reduced, and the
+    requests whose prompt it ended leave with their vectors."""
+
+    overlaps = False  # no step continues the last one: each is scheduled from its results
+
+    def __init__(self, runner, buckets, scheduler, pooling: Pooling, token_types: bool):
+        """`token_types`: the model takes each token's segment (an encoder's cross-encoder
+        pairs: `token_types`)."""
+        self.runner, self.buckets, self.scheduler = runner, buckets, scheduler
+        self.token_types = token_types
+        self.outputs = PooledOutputs(pooling)
+
+    def stage(self, batch: ScheduledBatch):
+        fb = forward_batch_for(batch, self.buckets, self.runner.page_size)
+        slots = np.zeros(fb.shape[1], np.int32)
+        slots[:len(batch.slots)] = batch.slots
+        return self.runner.stage(fb, slots, token_types(batch, fb.shape[0])
+                                 if self.token_types else None)
+
+    def send(self, batch: ScheduledBatch, staged):
+        return self.runner.run(staged)
+
+    def read(self, batch: ScheduledBatch, out) -> PooledResult:
+        """The requests the step finished, with their vectors."""
+        reduced = np.asarray(out)
+        running = [i for i, r in enumerate(batch.requests) if r.status == "running"]
+        ended = self.scheduler.process_pooled(batch)
+        return PooledResult(self.outputs.take(batch, reduced, running, ended))

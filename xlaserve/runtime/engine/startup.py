@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from xlaserve.runtime.distributed.leader import Leader, lead
+from xlaserve.runtime.distributed.leader import Leader, OneProcess, lead
 from xlaserve import platform_defaults
 from xlaserve.weights.loader import (LoadedModel, load_model, server_load_options,
                                      tensor_parallel_mesh)
@@ -36,7 +36,7 @@ from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, enabled_by_environment
 from xlaserve.runtime.sampling.grammar import GrammarBackend
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
-from xlaserve.runtime.executor.host_kv_pool import HostKvPool, host_tier_pages
+from xlaserve.runtime.executor.host_kv_pool import HostKvPool, HostTierCopies, host_tier_pages
 from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.quantized_rows import native_gemm_available
@@ -45,12 +45,14 @@ from xlaserve.runtime.executor.draft_model import DraftModel
 from xlaserve.weights.draft_head import load_server_draft_head
 from xlaserve.runtime.executor.embedding_step import EmbeddingRunner
 from xlaserve.runtime.executor.model_runner import ModelRunner
-from xlaserve.runtime.engine.lora_adapters import lora_setup
+from xlaserve.runtime.engine.pooled_outputs import PooledSteps
+from xlaserve.runtime.engine.steps import GenerationSteps
+from xlaserve.runtime.engine.lora_adapters import LoraAdapters, lora_setup
 from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
 from xlaserve.media_flags import images_per_request, processor_kwargs
 from xlaserve.runtime.scheduler.scheduler import Scheduler
-from xlaserve.runtime.scheduler.speculation import SpeculativeConfig
+from xlaserve.runtime.scheduler.speculation import SpeculativeConfig, Speculator
 from xlaserve.server_args import ServerArgs, hf_overrides, reranker_tokens
 from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
 from xlaserve.weights.score_head import (CROSS_ENCODERS, ScoreHead, cross_encoder_head,
@@ -73,7 +75,8 @@ class EngineParts:
     eos_token_ids: set[int]
     grammar_backend: GrammarBackend | None  # structured outputs; off without a tokenizer or "none"
     startup_timings: dict[str, float]  # seconds per phase, in order
-    leader: Leader | None = None  # --nnodes > 1: the followers replay the runner's device calls
+    # --nnodes > 1: the Leader, whose followers replay the runner's device calls; else OneProcess
+    group: Leader | OneProcess = dataclasses.field(default_factory=OneProcess)
     draft: DraftModel | None = None  # --speculative-algorithm STANDALONE: the draft model
     draft_head: DraftHead | None = None  # EAGLE3, NEXTN: the draft head's own steps
     lora_adapters: list | None = None  # --enable-lora: --lora-paths' adapters, read (else None)
@@ -182,7 +185,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         images = ImagePrompts(config.vision, processor,
                               VisionEncoder(loaded, runner.kernels,
                                             max_patches(processor, config.vision)),
-                              images_per_request(args))
+                              images_per_request(args), config.hidden_size, loaded.dtype)
     if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
         logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "
                     "and LM head stay on the float GEMM",
@@ -219,8 +222,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         # An encoder's and CLS / mean pooling's pages are never reused (pooled_outputs.py).
         radix_cache=not args.disable_radix_cache and (
             pooling is None or (pooling.mode == "last" and not config.bidirectional)),
-        speculation=SpeculativeConfig.from_server_args(args),
-        drafter=drafter.propose if drafter is not None else None, host_pages=host_pages)
+        speculator=speculator_for(args, drafter), host_pages=host_pages)
     host_kv = HostKvPool(runner.kv_specs, host_pages) if host_pages else None
     if args.dp_size > 1:
         scheduler.log.prefix = f"[DP{dp_rank}] "
@@ -261,7 +263,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     return EngineParts(args=args, loaded=loaded, tokenizer=tokenizer,
                        context_length=context_length, runner=runner, buckets=buckets,
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
-                       grammar_backend=grammar_backend, startup_timings=timings, leader=leader,
+                       grammar_backend=grammar_backend, startup_timings=timings,
+                       group=leader or OneProcess(),
                        draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
                        pooling=pooling, score_head=score_head, images=images, host_kv=host_kv)
 
@@ -320,6 +323,39 @@ def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,
                                kv_cache_dtype=args.kv_cache_dtype)
     draft_runner.max_seqs = runner.max_seqs
     return DraftModel(draft_runner, buckets)
+
+
+def lora_adapters(parts: EngineParts, wait) -> LoraAdapters | None:
+    """--enable-lora: the adapters by name (lora_adapters.py), --lora-paths' written into their
+    slots; else None. `wait(message)`: EngineCore._wait, for loads and unloads."""
+    runner = parts.runner
+    if runner.lora is None:
+        return None
+    adapters = LoraAdapters(runner, runner.lora.spec.max_loras, parts.loaded.config, wait)
+    for adapter in parts.lora_adapters or ():
+        adapters.install(adapter)
+    return adapters
+
+
+def step_pipeline(parts: EngineParts, live_requests,
+                  lora: LoraAdapters | None) -> GenerationSteps | PooledSteps:
+    """The steps the engine loop stages, sends and reads: an embedding server's, or a generation
+    server's with the hooks of the features it was started with, in their order (steps.py)."""
+    if parts.pooling is not None:
+        return PooledSteps(parts.runner, parts.buckets, parts.scheduler, parts.pooling,
+                           token_types=parts.loaded.config.encoder is not None)
+    host_tier = parts.host_kv and HostTierCopies(parts.host_kv, parts.runner,
+                                                 parts.scheduler.cache.host.take_copies)
+    hooks = [host_tier, lora, parts.images, parts.draft]
+    return GenerationSteps(parts.runner, parts.buckets, parts.scheduler, live_requests,
+                           parts.grammar_backend, [h for h in hooks if h is not None])
+
+
+def speculator_for(args: ServerArgs, drafter) -> Speculator | None:
+    """The scheduler's Speculator with --speculative-algorithm (None: none). `drafter`: the
+    draft model or head whose `propose` drafts (None: NGRAM, on the host)."""
+    config = SpeculativeConfig.from_server_args(args)
+    return None if config is None else Speculator(config, drafter and drafter.propose)
 
 
 def _lap(timings: dict[str, float], phase: str, since: float) -> float:

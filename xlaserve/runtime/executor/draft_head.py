@@ -95,8 +95,7 @@ class DraftHead:
         runner = self.runner
         if staged.overflow_writes is not None:
             runner.write_pages(*staged.overflow_writes)
-        if runner.sink is not None:
-            runner.sink.draft_chain(staged, rooms)
+        runner.sink.draft_chain(staged, rooms)
         args = (runner._weight_args, runner.kv_caches, runner.page_table.array, staged.ints,
                 staged.floats, rooms)
         program = self._programs.get(staged.shape)
@@ -109,9 +108,7 @@ class DraftHead:
             if self._precompiled and self._chain._cache_size() > before:
                 warn_compiled_while_serving(staged.shape, SAMPLING_WIDTHS, "draft head")
         runner.page_table.rows.commit(staged.page_updates)
-        if runner.sink is not None:  # replicated over every process: this one's copy
-            drafts = jax.tree.map(lambda x: x.addressable_data(0), drafts)
-        return drafts
+        return runner.sink.local(drafts)
 
     def chain_shapes(self, max_rows: int) -> list[tuple[int, int, int]]:
         """The bucket shapes a proposal of 1..max_rows requests takes."""
@@ -124,7 +121,7 @@ class DraftHead:
         runner = self.runner
         for shape in self.chain_shapes(max_rows):
             staged = runner.stage(*idle_step(*shape, runner.sample_rows(shape)))
-            if runner.sink is not None:
+            if runner.sink.replays:
                 self._run(staged, np.zeros(shape[1], np.int32))
                 continue
             self._programs[shape] = self._chain.lower(

@@ -6,7 +6,7 @@ The draft model has its own ModelRunner: its own weights, KV pool and compiled s
 buckets, page size, pages and slots as the target's. Its KV pool mirrors the target's page for
 page: page `p` of a request holds the same tokens in both pools, so the scheduler's page lists,
 the prefix cache and retraction serve both, and nothing is allocated twice. It stays in step by
-`catch_up`: every target step's inputs (prompt chunks, decodes, verified rows) run through the
+its step hooks (`after_stage`, `after_run`): every target step's inputs (prompt chunks, decodes, verified rows) run through the
 draft model too, right after the target's step, so its cache holds every token the target
 computed. `propose` then drafts: up to `k` decode steps of the draft model, greedy, the first on
 each request's last token (from the host) and each next one on the token the last step sampled
@@ -32,10 +32,16 @@ class DraftModel:
         self.runner = runner
         self.buckets = buckets
 
-    def catch_up(self, staged) -> None:
-        """Dispatches the draft model's step over a target step's inputs (`stage` of the same
-        batch, sampling and slots; its samples are not read)."""
-        self.runner.run(staged)
+    # The engine's step hooks (runtime/engine/steps.py): every target step runs here too.
+
+    def after_stage(self, staged, batch, sampling, slots) -> None:
+        """Stages the target step's batch, sampling and slots on the draft model's runner."""
+        staged.draft = self.runner.stage(batch, sampling, slots)
+
+    def after_run(self, staged) -> None:
+        """Dispatches the draft model's step right after the target's (its samples are not
+        read): its cache then holds every token the target computed."""
+        self.runner.run(staged.draft)
 
     def propose(self, requests: list, rooms: list[int]) -> list[list[int]]:
         """Up to `rooms[i]` greedy draft tokens for each request (running, decoding, its pages

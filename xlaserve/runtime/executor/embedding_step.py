@@ -105,7 +105,7 @@ class EmbeddingRunner(ModelRunner):
         """The step's inputs; `token_types` i32[tokens]: an encoder's (None: all 0)."""
         if len(slots) != batch.shape[1]:
             raise ValueError(f"{len(slots)} slots for a batch of {batch.shape[1]} sequence rows")
-        if self.sink is not None:
+        if self.sink.replays:
             raise NotImplementedError("an embedding server runs in one process (--nnodes 1)")
         tokens, seqs, _ = batch.shape
         writes, updates, overflow = self.page_table.step_writes(slots, batch.page_ids, tokens,

@@ -193,6 +193,17 @@ class HostKvPool:
         return self._program(LOAD, size)(caches, target, rows)
 
 
+class HostTierCopies:
+    """The step hook (runtime/engine/steps.py) of --enable-hierarchical-cache: before each step,
+    the copies the prefix cache's tiers owe (host_tier.HostTier.take_copies), made first."""
+
+    def __init__(self, pool: HostKvPool, runner, take_copies):
+        self.pool, self.runner, self.take_copies = pool, runner, take_copies
+
+    def before_stage(self, batch) -> None:
+        self.runner.kv_caches = self.pool.apply(self.runner.kv_caches, self.take_copies())
+
+
 def host_tier_pages(args, device_pages: int, page_bytes: int, platform: str) -> int:
     """The host tier's pages for `args` (ServerArgs: --hicache-size GB, else --hicache-ratio of
     the device pool's pages), `page_bytes` a page across every layer (whole: the host holds all

@@ -44,7 +44,7 @@ command sink: `assign_slots` and each step (its int32/float32 host vectors, buck
 widths, needs and grammar masks) and the page-table writes of `write_pages` go to the followers
 before the leader makes the call, and a follower's runner replays them (`assign_slots`,
 `write_pages`, `run(staged_from_host(...))`). Outputs are replicated; the leader
-reads its own copy. In one process the sink is None and nothing of this runs.
+reads its own copy. In one process the sink is NoFollowers, which does nothing.
 """
 from __future__ import annotations
 
@@ -121,6 +121,33 @@ class StagedStep:
     input_embeds: jax.Array | None = None
 
 
+class NoFollowers:
+    """The command sink of a runner in one process (a multi-host leader's, distributed/leader.py,
+    is set at start-up): no follower replays its calls, and its outputs are its own."""
+
+    replays = False
+
+    def assign_slots(self, assignments) -> None:
+        pass
+
+    def write_pages(self, positions: np.ndarray, pages: np.ndarray) -> None:
+        pass
+
+    def step(self, staged: "StagedStep", token_bitmask: np.ndarray | None) -> None:
+        pass
+
+    def draft_chain(self, staged: "StagedStep", rooms: np.ndarray) -> None:
+        pass
+
+    def ran(self, out):
+        """A step's outputs as this process reads them."""
+        return out
+
+    def local(self, out):
+        """A call's outputs as this process reads them."""
+        return out
+
+
 class ModelRunner:
     # The sampling tables' widths the precompiled programs are keyed by (`run` looks a staged
     # step's up); an embedding step has none (embedding_step.EmbeddingRunner).
@@ -192,8 +219,9 @@ class ModelRunner:
         # Over several processes' devices, each puts its own copies (weights/placement.py).
         self._put = jax.device_put if replicated.is_fully_addressable else put
         self._vectors_in_call = replicated.is_fully_addressable  # StagedStep
-        # The multi-host leader's followers (runtime/distributed/leader.py); None in one process.
-        self.sink = None
+        # Who replays this runner's device calls: the multi-host leader's followers
+        # (runtime/distributed/leader.py), or in one process no one.
+        self.sink = NoFollowers()
         kv_sharding = [spec.sharding for spec in self.kv_specs]
         self.output_counts = self._put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
@@ -301,8 +329,7 @@ class ModelRunner:
         programs serve any number; `precompile` compiles both."""
         if not assignments:
             return
-        if self.sink is not None:
-            self.sink.assign_slots(assignments)
+        self.sink.assign_slots(assignments)
         vocab = self.config.vocab_size
         rows = 1 if len(assignments) == 1 else ASSIGN_ROWS
         for start in range(0, len(assignments), rows):
@@ -372,7 +399,7 @@ class ModelRunner:
                  needs_of(sampling, batch.target_ids, grammar=False))
         return StagedStep(ints, floats, tables, (host[2], table_layout), batch.shape,
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
-                          (*host[:2], *table_host) if self.sink is not None else None, needs,
+                          (*host[:2], *table_host), needs,
                           updates, overflow, tree_width=batch.tree_width,
                           input_embeds=self._input_embeds(batch) if self.multimodal else None)
 
@@ -392,8 +419,8 @@ class ModelRunner:
         (logit bias ids and values, suppressed ids: 300 + 300 + 64 entries a row, 680 KB of a
         256-row step's 960 KB of inputs). Sent again only when they are other arrays than the
         last step's: the engine reuses a run of decode steps' metadata
-        (EngineCore._sampling_metadata), and packing and sending them cost ~0.3 ms of the engine
-        thread per 256-row decode step (benchmarks/bench_host_step.py). The tables' arrays are
+        (GenerationSteps._sampling_metadata), and packing and sending them cost ~0.3 ms of the
+        engine thread per 256-row decode step (benchmarks/bench_host_step.py). The tables' arrays are
         read as immutable (build_sampling_metadata makes new ones)."""
         arrays = table_arrays(sampling)
         last = self._last_tables
@@ -451,8 +478,7 @@ class ModelRunner:
         the order they were staged: each one's page-table writes are relative to the last."""
         if staged.overflow_writes is not None:
             self.write_pages(*staged.overflow_writes)
-        if self.sink is not None:  # the followers make the same call
-            self.sink.step(staged, token_bitmask)
+        self.sink.step(staged, token_bitmask)  # the followers make the same call first
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
                 *staged.tables, self._bitmask(self.sample_rows(staged.shape), token_bitmask))
@@ -471,16 +497,12 @@ class ModelRunner:
                 warn_compiled_while_serving(staged.shape, staged.widths, needs,
                                             staged.tree_width)
         self.page_table.rows.commit(staged.page_updates)
-        if self.sink is not None:  # replicated over every process: read this one's copy
-            out = jax.tree.map(lambda x: x.addressable_data(0), out)
-            self.sink.ran(out)
-        return out
+        return self.sink.ran(out)
 
     def write_pages(self, positions: np.ndarray, pages: np.ndarray) -> None:
         """Writes into the flattened page table (page_table.PageWrites): a step's writes past its
         own room, sent before it (`run`); the followers make the same calls."""
-        if self.sink is not None:
-            self.sink.write_pages(positions, pages)
+        self.sink.write_pages(positions, pages)
         self.page_table.write(positions, pages)
 
     def _program_needs(self, needs: StepNeeds | None, grammar: bool) -> StepNeeds | None:
@@ -528,7 +550,7 @@ class ModelRunner:
         runtime/executor/precompile.py. Over several processes, run an idle step of each."""
         keys = [(tuple(shape), 0) for shape in shapes]
         keys += [(tuple(shape), tree_width) for shape in tree_shapes]
-        if self.sink is not None:
+        if self.sink.replays:
             run_idle_steps(self, keys, progress)
         else:
             for (shape, needs, tree), program in compile_steps(self, keys, cache, progress,

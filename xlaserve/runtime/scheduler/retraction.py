@@ -26,7 +26,7 @@ class _Scheduler(Protocol):
 
     def _enqueue(self, request: Request) -> None: ...
 
-    def _new_pages(self, request: Request, kv_len: int) -> int: ...
+    def new_pages(self, request: Request, kv_len: int) -> int: ...
 
     def _schedule_prefills(self, admitted: list[Request], budget: int,
                            admit: bool = True) -> list[tuple[Request, SeqChunk]]: ...
@@ -50,7 +50,7 @@ def retract_for_decodes(scheduler: _Scheduler) -> list[Request]:
         retract(scheduler, scheduler.running[-1])
         num_retracted += 1
         decoding = [r for r in scheduler.running if r.is_decoding]
-        needed = sum(scheduler._new_pages(r, r.num_computed + 1) for r in decoding)
+        needed = sum(scheduler.new_pages(r, r.num_computed + 1) for r in decoding)
         if needed <= scheduler.cache.available_pages or len(scheduler.running) <= 1:
             break
     logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d", num_retracted)

@@ -28,9 +28,7 @@ from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse
 from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
                                                SampledRow, ScheduledBatch, SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
-from xlaserve.runtime.scheduler.speculation import (DraftTree, SpeculativeConfig, drafts_for,
-                                                    reads_first,
-                                                    take_verified)
+from xlaserve.runtime.scheduler.speculation import DraftTree, Speculator
 from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
@@ -48,18 +46,35 @@ def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
     """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
     or a whole prefill step): the largest padding bucket the executor compiles. A step with
     speculative verified rows holds at most `max_running_requests` tokens
-    (speculation.drafts_for)."""
+    (Speculator.drafts)."""
     return max(max_prefill_tokens,
                max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
+
+
+class NoSpeculation:
+    """The Speculator (speculation.py) of a server without speculative decoding: decodes draft
+    nothing, so no row verifies drafts and any step may be a continuation."""
+
+    verifies = False
+    drafter = None
+
+    def drafts(self, scheduler, decoding: list[Request]) -> list[list[int]]:
+        return [[] for _ in decoding]
+
+    def reads_first(self, scheduler, batch) -> bool:
+        return False
+
+    def stats(self) -> dict:
+        return {}
 
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
                  chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
                  log_interval: int = 40, radix_cache: bool = True,
-                 speculation: SpeculativeConfig | None = None, drafter=None,
-                 host_pages: int = 0):
-        """`host_pages`: the prefix cache's host tier (host_tier.py; 0: none)."""
+                 speculator: Speculator | NoSpeculation | None = None, host_pages: int = 0):
+        """`speculator`: --speculative-algorithm's (speculation.py; None: NoSpeculation).
+        `host_pages`: the prefix cache's host tier (host_tier.py; 0: none)."""
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
@@ -73,12 +88,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.context_length = context_length
         self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
-        self.speculation = speculation  # --speculative-algorithm; None: one token a step
-        # A draft model's proposals (executor/draft_model.py: (requests, rooms) -> drafts); None:
-        # NGRAM, drafted here. A draft model follows every step, so no step is a continuation.
-        self.drafter = drafter
-        self.spec_verified_rows = self.spec_accepted_drafts = 0  # since start, for /metrics
-        self._continuations = 0  # overlapped steps scheduled in a row (speculation.PROBE_EVERY)
+        self.speculator = speculator or NoSpeculation()
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
@@ -193,28 +203,21 @@ class Scheduler:
 
     # --- scheduling ---------------------------------------------------------------------------
 
-    def _new_pages(self, request: Request, kv_len: int) -> int:
+    def new_pages(self, request: Request, kv_len: int) -> int:
+        """Pages the request lacks for `kv_len` tokens of KV."""
         return max(0, pages_for_tokens(kv_len, self.page_size) - len(request.page_ids))
 
-    def _grow(self, request: Request, kv_len: int) -> None:
-        # Most decode steps need no new page (one in page_size): no allocator call for them.
-        if (new := self._new_pages(request, kv_len)) > 0:
+    def grow(self, request: Request, kv_len: int) -> None:
+        """Gives the request the pages `kv_len` tokens of KV need (the caller checked they are
+        free). Most decode steps need no new page (one in page_size): no allocator call."""
+        if (new := self.new_pages(request, kv_len)) > 0:
             request.page_ids += self.cache.allocate(new)
-
-    def _shrink(self, request: Request, kv_len: int) -> None:
-        """Gives back the pages past those `kv_len` tokens need (a speculative row's unused or
-        rejected drafts'): never cached ones, which hold computed tokens only."""
-        keep = pages_for_tokens(kv_len, self.page_size)
-        if len(request.page_ids) > keep:
-            self.allocator.free(request.page_ids[keep:])
-            del request.page_ids[keep:]
 
     def flush_cache(self) -> int:
         """Evicts every cached page that no running request uses; returns how many."""
         return self.cache.flush()
 
     def schedule(self) -> ScheduledBatch | None:
-        self._continuations = 0
         rows = self._schedule_decodes()
         num_decodes = len(rows)
         admitted: list[Request] = []
@@ -236,26 +239,19 @@ class Scheduler:
         """One token for every decoding request; retracts the newest running requests when the
         pool cannot give every decode the page it may need."""
         decoding = [r for r in self.running if r.is_decoding]
-        needed = sum(self._new_pages(r, r.num_computed + 1) for r in decoding)
+        needed = sum(self.new_pages(r, r.num_computed + 1) for r in decoding)
         if needed > self.cache.available_pages and len(self.running) > 1:
             decoding = retract_for_decodes(self)
-        # Without speculation, no call into speculation.py (a plain request's path stays short).
-        drafts = (drafts_for(self, decoding) if self.speculation is not None
-                  else [[] for _ in decoding])
+        drafts = self.speculator.drafts(self, decoding)
         rows = []
         for r, draft in zip(decoding, drafts):
-            self._grow(r, r.num_computed + 1 + len(draft))
+            self.grow(r, r.num_computed + 1 + len(draft))
             tree = isinstance(draft, DraftTree)
             rows.append((r, SeqChunk([r.output_ids[-1], *(draft.tokens if tree else draft)],
                                      r.num_computed, list(r.page_ids), True,
                                      num_drafts=len(draft),
                                      tree_parents=[-1, *draft.parents] if tree else None)))
         return rows
-
-    def speculating(self) -> bool:
-        """Whether decodes draft tokens now: speculation is on and the batch is small enough."""
-        spec = self.speculation
-        return spec is not None and (spec.max_batch is None or len(self.running) <= spec.max_batch)
 
     def _schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,
                            only_waiting: bool = False) -> list[tuple[Request, SeqChunk]]:
@@ -280,7 +276,7 @@ class Scheduler:
             # Without chunking, a prompt over the budget runs alone, in a step of its own.
             alone = n < remaining and self.chunk_size is None
             n = remaining if alone else n
-            if (alone and rows) or n <= 0 or self._new_pages(r, r.num_computed + n) > self.cache.available_pages:
+            if (alone and rows) or n <= 0 or self.new_pages(r, r.num_computed + n) > self.cache.available_pages:
                 if is_new:
                     self.prefix.detach(r)
                 break
@@ -292,7 +288,7 @@ class Scheduler:
                 admitted.append(r)
                 if r.retracted_count == 0:
                     r.num_cached_prompt_tokens = r.num_computed
-            self._grow(r, r.num_computed + n)
+            self.grow(r, r.num_computed + n)
             ids = r.all_ids()
             token_ids = ids[r.num_computed:r.num_computed + n]
             rows.append((r, SeqChunk(token_ids, r.num_computed, list(r.page_ids), n == remaining,
@@ -315,10 +311,8 @@ class Scheduler:
         drops that row, and freeing its pages (or slot) is safe because the device runs steps
         in order, so whoever gets them next writes after this step. Its slot and pages are not
         free for this step's admissions yet: those take what is free now."""
-        if self.speculation is not None:
-            if reads_first(self, batch, self._continuations):
-                return None
-            self._continuations += 1
+        if self.speculator.reads_first(self, batch):
+            return None
         admissible = self.waiting and len(self.running) < self.max_running_requests
         if batch.decode is not None and not admissible:
             return self._continue_decodes(batch)
@@ -392,7 +386,7 @@ class Scheduler:
         # Row i's KV grows to num_cached + 1 tokens: a new page where num_cached fills its last
         # page; a page completed by the last results processed where num_cached % page_size == 1.
         growing = [i for i, c in enumerate(num_cached) if c % page_size == 0]
-        new_pages = [self._new_pages(requests[i], num_cached[i] + 1) for i in growing]
+        new_pages = [self.new_pages(requests[i], num_cached[i] + 1) for i in growing]
         if sum(new_pages) > self.cache.available_pages:
             return None
         for i, new in zip(growing, new_pages):
@@ -426,7 +420,7 @@ class Scheduler:
                     output = request.output_ids
                     if (token in request.stop_token_ids or request.grammar is not None
                             or len(output) + 1 >= request.max_new_tokens):
-                        self._take_token(request, token, finished)
+                        self.take_token(request, token, finished)
                     else:  # the common row, without a call (~0.1 ms of 256 rows)
                         output.append(token)
                     sampled.append(SampledRow(request, token, i, len(output)))
@@ -438,13 +432,14 @@ class Scheduler:
             if request.status != "running":
                 continue  # aborted or finished since it was scheduled
             if chunk.num_drafts:
-                take_verified(self, request, chunk, sampled_tokens[i:row], i, finished, sampled)
+                self.speculator.take_verified(self, request, chunk, sampled_tokens[i:row], i,
+                                              finished, sampled)
                 continue
             request.num_computed += len(chunk.token_ids)
             self.prefix.share_computed_pages(request)
             if chunk.sample:
                 token = int(token)
-                self._take_token(request, token, finished)
+                self.take_token(request, token, finished)
                 sampled.append(SampledRow(request, token, i, len(request.output_ids)))
         if row != len(sampled_tokens):
             raise ValueError(f"{len(sampled_tokens)} sampled tokens for {row} sample rows")
@@ -465,7 +460,7 @@ class Scheduler:
                 ended.append(i)
         return ended
 
-    def _take_token(self, request: Request, token: int, finished: list[Request]) -> None:
+    def take_token(self, request: Request, token: int, finished: list[Request]) -> None:
         """Appends a sampled token to a running request, ending it (into `finished`) where the
         token does: a stop id, the grammar's end or refusal, the length."""
         # A stop id counts only where the sampler would not have suppressed it.
@@ -511,13 +506,6 @@ class Scheduler:
     def num_pages_in_use(self) -> int:
         """Pages that running requests hold (cached pages nobody uses count as free, as in SGLang)."""
         return self.allocator.num_used - self.cache.evictable_pages
-
-    def spec_accept_length(self) -> float | None:
-        """Tokens a verified row kept on average since start (SGLang's `spec_accept_length`);
-        None without speculation or before the first verified row."""
-        if not self.spec_verified_rows:
-            return None
-        return 1 + self.spec_accepted_drafts / self.spec_verified_rows
 
     def token_usage(self) -> float:
         return self.num_pages_in_use / self.allocator.capacity

@@ -1,6 +1,6 @@
-"""Speculative decoding's host side: which tokens a request drafts (`drafts_for`), and which of
-them the step that verified them accepts (`take_verified`); the Scheduler calls both with
-itself. Standard library only (the scheduler's contract).
+"""Speculative decoding's host side: the scheduler's Speculator, which holds which tokens a request
+drafts (`Speculator.drafts`), which of them the step that verified them accepts
+(`Speculator.take_verified`), and its counts. Standard library only (the scheduler's contract).
 
 A decoding request that speculates runs one *verified row*: its last token and up to
 `num_draft_tokens - 1` drafted ones, `[t, d1, ..., dk]`, one multi-token row of the ragged
@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.scheduler.request import Request, SampledRow, SeqChunk
 
 # Occurrences of a window's first token looked at per draft, the latest first: a common token
@@ -224,72 +225,153 @@ def accepted(drafts: list[int], sampled: list[int]) -> int:
     return len(drafts) + 1
 
 
-# --- in the scheduler (which calls these with itself, as retraction.py's) ---------------------
+# --- the scheduler's speculator -----------------------------------------------------------------
 
 class _Scheduler(Protocol):
-    """What speculation uses of the scheduler (which calls it: not imported here)."""
+    """What a Speculator uses of the scheduler that calls it (not imported here)."""
 
-    speculation: SpeculativeConfig | None
-    drafter: Callable[[list[Request], list[int]], list[list[int]]] | None
     running: list[Request]
     waiting: list[Request]
     max_running_requests: int
+    page_size: int
+    allocator: Any  # page_allocator.PageAllocator
     cache: Any  # prefix_cache.RadixCache
     prefix: Any  # prefix_reuse.PrefixReuse
     log: Any  # step_log.StepLog
-    spec_verified_rows: int
-    spec_accepted_drafts: int
 
-    def speculating(self) -> bool: ...
+    def new_pages(self, request: Request, kv_len: int) -> int: ...
 
-    def _new_pages(self, request: Request, kv_len: int) -> int: ...
+    def grow(self, request: Request, kv_len: int) -> None: ...
 
-    def _grow(self, request: Request, kv_len: int) -> None: ...
-
-    def _shrink(self, request: Request, kv_len: int) -> None: ...
-
-    def _take_token(self, request: Request, token: int, finished: list[Request]) -> None: ...
+    def take_token(self, request: Request, token: int, finished: list[Request]) -> None: ...
 
 
-def drafts_for(scheduler: _Scheduler, decoding: list[Request]) -> list[list[int]]:
-    """Each decoding request's drafted tokens: none where speculation is off, the request cannot
-    draft now (`wants_drafts`) or nothing matches; none at all when the free pages cannot hold
-    every draft (the plain decodes' pages come first) or a prompt may run in the step (a running
-    prompt, or a waiting one with a free slot). A step with drafts holds at most
-    `max_running_requests` tokens, so that its sample rows fit every bucket's
-    (forward_batch.sample_rows_for) and a prompt step's LM head runs on no more rows than
-    without speculation: drafts beyond that are cut, the earlier rows first served."""
-    s = scheduler
-    if (not decoding or not s.speculating() or len(decoding) < len(s.running)
-            or (s.waiting and len(s.running) < s.max_running_requests)):
-        return [[] for _ in decoding]
-    spec = s.speculation
-    rooms, room_in_step = [], s.max_running_requests - len(decoding)
-    for r in decoding:
-        room = 0
-        if room_in_step > 0 and wants_drafts(r):
-            # The verified row yields its drafts and one more token: within max_new_tokens.
-            room = min(r.spec_draft_limit or spec.max_drafts,
-                       r.max_new_tokens - len(r.output_ids) - 1, room_in_step)
-            room_in_step -= room
-        rooms.append(room)
-    needed = sum(s._new_pages(r, r.num_computed + 1 + room) for r, room in zip(decoding, rooms))
-    if not any(rooms) or needed > s.cache.available_pages:
-        return [[] for _ in decoding]
-    if s.drafter is None:
-        drafts = [_ngram_draft(spec, r, room) if room else [] for r, room in zip(decoding, rooms)]
-    else:  # a draft model writes its KV at the drafts' positions: their pages first
-        wanting = [(i, r, room) for i, (r, room) in enumerate(zip(decoding, rooms)) if room]
-        for _, r, room in wanting:
-            s._grow(r, r.num_computed + 1 + room)
-        drafts = [[] for _ in decoding]
-        proposed = s.drafter([r for _, r, _ in wanting], [room for *_, room in wanting])
-        for (i, _, room), draft in zip(wanting, proposed, strict=True):
-            drafts[i] = draft.cut(room) if isinstance(draft, DraftTree) else list(draft[:room])
-    drafts = [constrained(r, draft) or [] for r, draft in zip(decoding, drafts)]
-    for r, draft in zip(decoding, drafts):  # pages past the verified row's go back
-        s._shrink(r, r.num_computed + 1 + len(draft))
-    return drafts
+class Speculator:
+    """Speculative decoding's state in the scheduler, built at start-up (engine/startup.py) with
+    --speculative-algorithm: the flags, the drafter, and the verified rows and kept drafts since
+    start (/metrics). The Scheduler calls it unconditionally; without speculation it holds
+    scheduler.NoSpeculation, which drafts nothing and keeps no count."""
+
+    verifies = True  # a step's row may give its request several tokens (live_requests.py)
+
+    def __init__(self, config: SpeculativeConfig,
+                 drafter: Callable[[list[Request], list[int]], list] | None = None):
+        """`drafter`: a draft model's or head's proposals, (requests, rooms) -> drafts
+        (executor/draft_model.py, draft_head.py); None: NGRAM, drafted here. A drafter follows
+        every step, so no step is a continuation."""
+        self.config = config
+        self.drafter = drafter
+        self.verified_rows = self.accepted_drafts = 0
+        self._continuations = 0  # overlapped steps scheduled in a row (PROBE_EVERY)
+
+    def speculating(self, num_running: int) -> bool:
+        """Whether decodes draft now: the batch is small enough (--speculative-disable-by-batch-size)."""
+        return self.config.max_batch is None or num_running <= self.config.max_batch
+
+    def stats(self) -> dict:
+        """Tokens a verified row kept on average since start (SGLang's `spec_accept_length`;
+        0.0 before the first verified row), for /metrics and /get_server_info."""
+        if not self.verified_rows:
+            return {"spec_accept_length": 0.0}
+        return {"spec_accept_length": 1 + self.accepted_drafts / self.verified_rows}
+
+    def drafts(self, scheduler: _Scheduler, decoding: list[Request]) -> list:
+        """Each decoding request's drafted tokens (a list, or a DraftTree) for a step scheduled
+        from the last one's results (which ends a run of continuations): none where the request
+        cannot draft now (`wants_drafts`) or nothing matches; none at all when speculation is
+        paused (`speculating`), the free pages cannot hold every draft (the plain decodes' pages
+        come first) or a prompt may run in the step (a running prompt, or a waiting one with a
+        free slot). A step with drafts holds at most `max_running_requests` tokens, so that its
+        sample rows fit every bucket's (forward_batch.sample_rows_for) and a prompt step's LM
+        head runs on no more rows than without speculation: drafts beyond that are cut, the
+        earlier rows first served."""
+        self._continuations = 0
+        s = scheduler
+        if (not decoding or not self.speculating(len(s.running)) or len(decoding) < len(s.running)
+                or (s.waiting and len(s.running) < s.max_running_requests)):
+            return [[] for _ in decoding]
+        spec = self.config
+        rooms, room_in_step = [], s.max_running_requests - len(decoding)
+        for r in decoding:
+            room = 0
+            if room_in_step > 0 and wants_drafts(r):
+                # The verified row yields its drafts and one more token: within max_new_tokens.
+                room = min(r.spec_draft_limit or spec.max_drafts,
+                           r.max_new_tokens - len(r.output_ids) - 1, room_in_step)
+                room_in_step -= room
+            rooms.append(room)
+        needed = sum(s.new_pages(r, r.num_computed + 1 + room) for r, room in zip(decoding, rooms))
+        if not any(rooms) or needed > s.cache.available_pages:
+            return [[] for _ in decoding]
+        if self.drafter is None:
+            drafts = [_ngram_draft(spec, r, room) if room else []
+                      for r, room in zip(decoding, rooms)]
+        else:  # a draft model writes its KV at the drafts' positions: their pages first
+            wanting = [(i, r, room) for i, (r, room) in enumerate(zip(decoding, rooms)) if room]
+            for _, r, room in wanting:
+                s.grow(r, r.num_computed + 1 + room)
+            drafts = [[] for _ in decoding]
+            proposed = self.drafter([r for _, r, _ in wanting], [room for *_, room in wanting])
+            for (i, _, room), draft in zip(wanting, proposed, strict=True):
+                drafts[i] = draft.cut(room) if isinstance(draft, DraftTree) else list(draft[:room])
+        drafts = [constrained(r, draft) or [] for r, draft in zip(decoding, drafts)]
+        for r, draft in zip(decoding, drafts):  # pages past the verified row's go back
+            _shrink(s, r, r.num_computed + 1 + len(draft))
+        return drafts
+
+    def reads_first(self, scheduler: _Scheduler, batch) -> bool:
+        """Whether the step after `batch` must be scheduled from its results, not as a
+        continuation; counts the continuations in a row where it need not."""
+        if self._reads_first(scheduler, batch):
+            return True
+        self._continuations += 1
+        return False
+
+    def _reads_first(self, scheduler: _Scheduler, batch) -> bool:
+        if self.drafter is not None:
+            return True  # the draft model's inputs come from the host (draft_model.py)
+        if batch.decode is None and any(c.num_drafts for c in batch.chunks):
+            return True  # which tokens a verified row keeps is the host's to decide
+        if not self.speculating(len(scheduler.running)):
+            return False
+        # The next step drafts from this one's tokens: read them first, for a request whose
+        # drafts were kept (or that never drafted); one backing off waits (PROBE_EVERY).
+        wanting = [r for r in batch.requests
+                   if r.status == "running" and wants_drafts(r, batch.ahead + 1)]
+        return bool(wanting) and (self._continuations >= PROBE_EVERY
+                                  or any(r.spec_misses == 0 for r in wanting))
+
+    def take_verified(self, scheduler: _Scheduler, request: Request, chunk: SeqChunk,
+                      tokens: list[int], row: int, finished: list[Request],
+                      sampled: list[SampledRow]) -> None:
+        """A verified row's results: the accepted tokens in order (`accepted`), each taken as a
+        plain step's would be, so a stop id, the length or a stop among them ends the request
+        there; the KV of the row's tokens up to the last accepted one is kept, and the pages
+        past what the request now holds go back (the rejected drafts' KV is never read: the
+        next step writes those positions again)."""
+        s = scheduler
+        path = (list(range(accepted(chunk.token_ids[1:], tokens))) if chunk.tree_parents is None
+                else walk(chunk, tokens))
+        keep = len(path)
+        request.spec_verify_ct += 1
+        request.spec_accepted_drafts += keep - 1
+        self.verified_rows += 1
+        self.accepted_drafts += keep - 1
+        s.log.verified(keep - 1)
+        for j in path:  # the step moved a tree path's KV to its positions (verified_rows.py)
+            request.num_computed += 1  # row token j (the last token, then accepted drafts)
+            token = int(tokens[j])
+            s.take_token(request, token, finished)
+            sampled.append(SampledRow(request, token, row + j, len(request.output_ids)))
+            if request.status != "running":
+                return  # ended (pages released) at this token: the rest are dropped
+        most = self.config.max_drafts
+        if chunk.tree_parents is not None:  # one path of a tree is kept: whole trees while any is
+            after_verified_row(request, most, most if keep > 1 else 0, most)
+        else:
+            after_verified_row(request, chunk.num_drafts, keep - 1, most)
+        s.prefix.share_computed_pages(request)
+        _shrink(s, request, request.num_computed + 1)
 
 
 def _ngram_draft(spec: SpeculativeConfig, r: Request, room: int) -> list[int]:
@@ -298,50 +380,10 @@ def _ngram_draft(spec: SpeculativeConfig, r: Request, room: int) -> list[int]:
     return r.ngram.draft(r.all_ids(), room)
 
 
-def reads_first(scheduler: _Scheduler, batch, continuations: int) -> bool:
-    """Whether the step after `batch` must be scheduled from its results, not as a continuation
-    (`continuations`: overlapped steps scheduled in a row before it)."""
-    if scheduler.drafter is not None:
-        return True  # the draft model's inputs come from the host (draft_model.py)
-    if batch.decode is None and any(c.num_drafts for c in batch.chunks):
-        return True  # which tokens a verified row keeps is the host's to decide
-    if not scheduler.speculating():
-        return False
-    # The next step drafts from this one's tokens: read them first, for a request whose drafts
-    # were kept (or that never drafted); one backing off waits (PROBE_EVERY).
-    wanting = [r for r in batch.requests
-               if r.status == "running" and wants_drafts(r, batch.ahead + 1)]
-    return bool(wanting) and (continuations >= PROBE_EVERY
-                              or any(r.spec_misses == 0 for r in wanting))
-
-
-def take_verified(scheduler: _Scheduler, request: Request, chunk: SeqChunk, tokens: list[int],
-                  row: int, finished: list[Request], sampled: list[SampledRow]) -> None:
-    """A verified row's results: the accepted tokens in order (`accepted`), each taken as a
-    plain step's would be, so a stop id, the length or a stop among them ends the request
-    there; the KV of the row's tokens up to the last accepted one is kept, and the pages past
-    what the request now holds go back (the rejected drafts' KV is never read: the next step
-    writes those positions again)."""
-    s = scheduler
-    path = (list(range(accepted(chunk.token_ids[1:], tokens))) if chunk.tree_parents is None
-            else walk(chunk, tokens))
-    keep = len(path)
-    request.spec_verify_ct += 1
-    request.spec_accepted_drafts += keep - 1
-    s.spec_verified_rows += 1
-    s.spec_accepted_drafts += keep - 1
-    s.log.verified(keep - 1)
-    for j in path:  # the step moved a tree path's KV to its positions (verified_rows.py)
-        request.num_computed += 1  # row token j (the last token, then accepted drafts)
-        token = int(tokens[j])
-        s._take_token(request, token, finished)
-        sampled.append(SampledRow(request, token, row + j, len(request.output_ids)))
-        if request.status != "running":
-            return  # ended (pages released) at this token: the rest are dropped
-    most = s.speculation.max_drafts
-    if chunk.tree_parents is not None:  # one path of a tree is kept: whole trees while any is
-        after_verified_row(request, most, most if keep > 1 else 0, most)
-    else:
-        after_verified_row(request, chunk.num_drafts, keep - 1, most)
-    s.prefix.share_computed_pages(request)
-    s._shrink(request, request.num_computed + 1)
+def _shrink(scheduler: _Scheduler, request: Request, kv_len: int) -> None:
+    """Gives back the pages past those `kv_len` tokens need (a verified row's unused or rejected
+    drafts'): never cached ones, which hold computed tokens only."""
+    keep = pages_for_tokens(kv_len, scheduler.page_size)
+    if len(request.page_ids) > keep:
+        scheduler.allocator.free(request.page_ids[keep:])
+        del request.page_ids[keep:]
