@@ -32,7 +32,7 @@ def write_adapter(directory: str, config, rank: int, seed: int) -> str:
     """A random PEFT LoRA adapter on every module of `config` (a ModelConfig)."""
     from safetensors.numpy import save_file
 
-    from xlaserve.lora_flags import TARGET_MODULES
+    from xlaserve.server_args import TARGET_MODULES
     from xlaserve.model.lora import module_shapes
 
     rng = np.random.default_rng(seed)

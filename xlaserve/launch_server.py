@@ -17,8 +17,7 @@ import logging
 import sys
 import time
 
-from xlaserve import platform_defaults
-from xlaserve.server_args import ServerArgs, configure_logging
+from xlaserve.server_args import ServerArgs, configure_logging, platform_defaults
 
 _LAUNCHED = time.perf_counter()  # `python -m` imports this module first: the start-up clock
 logger = logging.getLogger("xlaserve")

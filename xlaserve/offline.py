@@ -26,8 +26,7 @@ from xlaserve.runtime.engine.data_parallel import make_engine_core
 from xlaserve.runtime.engine.image_prompts import images_per_prompt, read_image
 from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
-from xlaserve import platform_defaults
-from xlaserve.server_args import ServerArgs
+from xlaserve.server_args import ServerArgs, platform_defaults
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 

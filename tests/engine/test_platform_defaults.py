@@ -6,10 +6,9 @@ import jax.numpy as jnp
 import pytest
 
 from tests.compile_targets import devices
-from xlaserve import platform_defaults
+from xlaserve.server_args import ServerArgs, platform_defaults
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
 from xlaserve.weights.loader import read_config
-from xlaserve.server_args import ServerArgs
 
 LLAMA_8B = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
 GIB = 2**30

@@ -15,7 +15,7 @@ from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.protocol import LoadLoraRequest, UnloadLoraRequest
 from xlaserve.http.request_fields import parse_body
 from xlaserve.http.serving import ServingContext
-from xlaserve.lora_flags import check_adapter_name
+from xlaserve.server_args import check_adapter_name
 from xlaserve.runtime.engine.lora_adapters import NO_ADAPTERS, UnknownAdapter
 from xlaserve.weights.lora_adapter import LoraAdapterError
 

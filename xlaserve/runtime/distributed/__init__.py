@@ -5,7 +5,7 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "follower": "follower",
     "lead": "leader", "Leader": "leader",
-    "refuse_data_parallel_across_hosts": "setup", "setup": "setup",
+    "setup": "setup",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

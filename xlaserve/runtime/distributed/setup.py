@@ -47,6 +47,7 @@ import logging
 import jax
 
 from xlaserve.runtime.distributed.channel import SECRET_KEY, Listener, new_secret, split_address
+from xlaserve.server_args import Mode, refuse_conflicts
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def initialize(args) -> None:
         raise ValueError(f"--node-rank {args.node_rank} is not in [0, --nnodes {args.nnodes})")
     if args.debug_step_hash_interval < 0:
         raise ValueError(f"--debug-step-hash-interval {args.debug_step_hash_interval} < 0")
-    refuse_data_parallel_across_hosts(args)
+    refuse_conflicts(args, Mode.MULTI_HOST)
     _, port = split_address(args.dist_init_addr)
     if not jax.distributed.is_initialized():
         # Cross-process collectives on CPU (tests, development); TPU and GPU have their own.
@@ -111,13 +112,6 @@ def client():
     from jax._src.distributed import global_state
 
     return global_state.client
-
-
-def refuse_data_parallel_across_hosts(args) -> None:
-    """--dp-size > 1 with --nnodes > 1 is refused (here and by DataParallelEngineCore)."""
-    if args.nnodes > 1 and args.dp_size != 1:
-        raise ValueError("--dp-size > 1 runs replicas inside one process; across hosts, run one "
-                         "server per replica group and put a router (sglang_router) in front")
 
 
 def listener() -> Listener | None:

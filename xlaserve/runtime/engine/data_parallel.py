@@ -28,11 +28,10 @@ import uuid
 from typing import Callable
 
 from xlaserve.weights.loader import check_replica_devices
-from xlaserve.runtime.distributed.setup import refuse_data_parallel_across_hosts
 from xlaserve.runtime.engine.core import EngineCore
 from xlaserve.runtime.engine.messages import OutputDelta
 from xlaserve.runtime.sampling.params import SamplingParams
-from xlaserve.server_args import ServerArgs
+from xlaserve.server_args import Mode, ServerArgs, refuse_conflicts
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,8 @@ class DataParallelEngineCore:
         if args.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"unknown --load-balance-method {args.load_balance_method!r}; choose "
                              f"{' or '.join(LOAD_BALANCE_METHODS)}")
-        refuse_data_parallel_across_hosts(args)
+        if args.nnodes > 1:
+            refuse_conflicts(args, Mode.MULTI_HOST)
         if replicas is None:
             check_replica_devices(args.tp_size, args.dp_size)
             replicas = []

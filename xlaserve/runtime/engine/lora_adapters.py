@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from xlaserve.lora_flags import lora_paths_of
+from xlaserve.server_args import lora_paths_of
 from xlaserve.model.lora import LoraSpec, check_model
 from xlaserve.runtime.executor.lora_slots import slots_for
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError, load_adapter

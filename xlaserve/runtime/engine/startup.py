@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.runtime.distributed.leader import Leader, OneProcess, lead
-from xlaserve import platform_defaults
 from xlaserve.weights.loader import (LoadedModel, load_model, server_load_options,
                                      tensor_parallel_mesh)
 from xlaserve.runtime.host import malloc_tuning
@@ -50,10 +49,11 @@ from xlaserve.runtime.engine.steps import GenerationSteps
 from xlaserve.runtime.engine.lora_adapters import LoraAdapters, lora_setup
 from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
-from xlaserve.media_flags import images_per_request, processor_kwargs
 from xlaserve.runtime.scheduler.scheduler import Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig, Speculator
-from xlaserve.server_args import ServerArgs, hf_overrides, reranker_tokens
+from xlaserve.server_args import (Mode, ServerArgs, hf_overrides, images_per_request,
+                                  platform_defaults, processor_kwargs, refuse_conflicts,
+                                  reranker_tokens)
 from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
 from xlaserve.weights.score_head import (CROSS_ENCODERS, ScoreHead, cross_encoder_head,
                                          token_logit_head)
@@ -101,7 +101,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     if embeds and args.runner == "auto":
         logger.info("Serving embeddings or scores (--runner auto): the checkpoint is a "
                     "sentence-transformers model (%s) or a cross-encoder", MODULES_FILE)
-        args.refuse_for_embeddings()
+        refuse_conflicts(args, Mode.EMBEDDINGS)
     loaded = load_model(**options, tokenizer_path=args.tokenizer_path,
                         skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
                         mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size,
@@ -179,7 +179,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
     images = None
     if config.vision is not None:  # the tower runs apart from the step (vision_encoder.py)
-        args.refuse_for_vision()
+        refuse_conflicts(args, Mode.VISION)
         processor = image_processor(os.path.dirname(loaded.source) if os.path.isfile(
             loaded.source) else loaded.source, processor_kwargs(args))
         images = ImagePrompts(config.vision, processor,

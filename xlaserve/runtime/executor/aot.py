@@ -51,8 +51,7 @@ from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, 
                                                   weight_args, weight_formats)
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.sampling.step_needs import ACCELERATOR_VARIANTS, EVERYTHING, VARIANT_NAMES, StepNeeds
-from xlaserve import platform_defaults
-from xlaserve.server_args import ServerArgs
+from xlaserve.server_args import ServerArgs, platform_defaults
 
 # libtpu refuses single-chip ones (v6e:1x1). The big ones hold DeepSeek-V3 (671B) in bfloat16.
 TPU_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v6e:2x4", "v5p:2x2x1", "v5p:2x4x4", "v6e:8x8")

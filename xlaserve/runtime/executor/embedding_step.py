@@ -150,7 +150,7 @@ def compiled_for_target(target: str, server_args, pooling_mode: str, tokens: int
     shape, its weights in the layouts XLA chooses on TPU (as ModelRunner stores them)."""
     import dataclasses
 
-    from xlaserve import platform_defaults
+    from xlaserve.server_args import platform_defaults
     from xlaserve.model.registry import model_class
     from xlaserve.model.sharding import serving_mesh
     from xlaserve.model.transformer import abstract_parameters

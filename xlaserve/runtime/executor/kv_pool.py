@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config import ModelConfig
-from xlaserve.platform_defaults import device_memory
+from xlaserve.server_args.platform_defaults import device_memory
 from xlaserve.model.sharding import kv_cache_spec
 from xlaserve.model.transformer import kv_cache_shape
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens

@@ -1,10 +1,39 @@
-"""The vision-language server's flags read (ServerArgs' --limit-mm-per-prompt and
---mm-processor-kwargs, both JSON as vLLM takes them), checked where the server starts."""
+"""The flags of a vision-language server (Qwen2-VL, Qwen2.5-VL: images in chat messages), and
+two of them read (--limit-mm-per-prompt and --mm-processor-kwargs, both JSON as vLLM takes them:
+`images_per_request`, `processor_kwargs`), checked where the server starts, once the model is
+known to have a vision tower."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Optional
+
+from xlaserve.server_args.flag import flag
 
 DEFAULT_IMAGES_PER_REQUEST = 16
+
+
+@dataclasses.dataclass
+class MediaFlags:
+    """Images: their size, how many, where they may come from."""
+
+    mm_processor_kwargs: Optional[str] = flag(
+        None, "the image processor's min_pixels and max_pixels, as JSON (vLLM's flag), e.g. "
+              "{\"max_pixels\": 1003520}: images are resized to fit; the vision tower is "
+              "precompiled up to max_pixels (default: the checkpoint's, at most 1280*28*28)")
+    limit_mm_per_prompt: Optional[str] = flag(
+        None, "images a request may carry, as vLLM's JSON {\"image\": N} (default 16)")
+    max_image_bytes: int = flag(
+        20 * 2**20, "the largest image a request may send (a data: URL's decoded bytes, or a "
+                    "fetched URL's body)")
+    disable_image_url_fetch: bool = flag(
+        False, "refuse http(s) image URLs (only data: URLs, and files under "
+               "--allowed-local-media-path); fetched URLs (and up to 5 redirects) must resolve "
+               "to public addresses either way")
+    image_fetch_timeout: float = flag(5.0, "seconds to fetch one image URL")
+    allowed_local_media_path: Optional[str] = flag(
+        None, "a directory whose files requests may name as images (file:// URLs; vLLM's "
+              "flag); none by default", path=True)
 
 
 def images_per_request(args) -> int:

@@ -1,13 +1,17 @@
-"""The LoRA flags of ServerArgs resolved (`resolve_lora`, which ServerArgs.__post_init__ calls):
-SGLang's `--lora-paths` forms and vLLM's `--lora-modules` (one list) into {name: path},
-`--enable-lora` implied by an adapter, and what cannot run beside adapters stops start-up naming
-it. The slots' shapes (rank, targets) are decided at start-up, once the initial adapters are read
-(runtime/engine/startup.py)."""
+"""The LoRA flags, and their reading: SGLang's `--lora-paths` forms and vLLM's `--lora-modules`
+(one list) into {name: path} (`lora_paths_of`), `--enable-lora` implied by an adapter, the
+counts checked (LoraFlags.resolve_lora, which ServerArgs.__post_init__ calls). What cannot run
+beside adapters: conflicts.py. The slots' shapes (rank, targets) are decided at start-up, once the
+initial adapters are read (runtime/engine/startup.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+from typing import Optional
+
+from xlaserve.server_args.flag import flag
 
 # The PEFT target modules an adapter may have (model/lora.py's PROJECTIONS fuse them).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -15,6 +19,45 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 DEFAULT_MAX_RANK = 16  # vLLM's default --max-lora-rank, where no adapter is given at start
 # An adapter's name: what a request's model field or lora_path carries.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
+
+
+@dataclasses.dataclass
+class LoraFlags:
+    """LoRA adapters (runtime/engine/lora_adapters.py)."""
+
+    enable_lora: bool = flag(
+        False, "serve LoRA adapters: requests pick one with lora_path or model BASE:NAME (or "
+               "NAME); implied by --lora-paths")
+    lora_paths: Optional[list[str]] = flag(
+        None, "adapters loaded at start: NAME=PATH (a PEFT adapter directory or hub id), a bare "
+              "PATH (named by its last folder; a hub id by itself), or JSON {\"lora_name\": ..., \"lora_path\": ...}",
+        nargs="*", aliases=("--lora-modules",))
+    max_loras_per_batch: int = flag(
+        8, "adapter slots on the device: the most adapters loaded (and in one batch) at once",
+        aliases=("--max-loras",))
+    max_lora_rank: Optional[int] = flag(
+        None, "every adapter's rank padded to this; a larger one is refused (default: the "
+              "largest of --lora-paths, else 16)")
+    lora_target_modules: Optional[list[str]] = flag(
+        None, "modules adapters may target, of q_proj k_proj v_proj o_proj gate_proj up_proj "
+              "down_proj, or all (default: those --lora-paths target, else all)", nargs="*")
+
+    def resolve_lora(self) -> None:
+        """--enable-lora implied by adapters; the flags' forms and counts checked."""
+        paths = lora_paths_of(self.lora_paths)
+        target_modules_of(self.lora_target_modules)
+        if paths:
+            self.enable_lora = True
+        if not self.enable_lora:
+            return
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be 1 or more; got "
+                             f"{self.max_loras_per_batch}")
+        if len(paths) > self.max_loras_per_batch:
+            raise ValueError(f"--lora-paths names {len(paths)} adapters; --max-loras-per-batch "
+                             f"{self.max_loras_per_batch} slots hold them")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be 1 or more; got {self.max_lora_rank}")
 
 
 def lora_paths_of(entries: list[str] | None) -> dict[str, str]:
@@ -65,25 +108,3 @@ def target_modules_of(entries: list[str] | None) -> tuple[str, ...] | None:
         raise ValueError(f"--lora-target-modules {' '.join(unknown)}: supported are "
                          f"{', '.join(TARGET_MODULES)} and all")
     return tuple(names)
-
-
-def resolve_lora(args) -> None:
-    """--enable-lora implied by adapters; the flags' forms checked; what cannot run with
-    adapters refused."""
-    paths = lora_paths_of(args.lora_paths)
-    target_modules_of(args.lora_target_modules)
-    if paths:
-        args.enable_lora = True
-    if not args.enable_lora:
-        return
-    if args.max_loras_per_batch < 1:
-        raise ValueError(f"--max-loras-per-batch must be 1 or more; got {args.max_loras_per_batch}")
-    if len(paths) > args.max_loras_per_batch:
-        raise ValueError(f"--lora-paths names {len(paths)} adapters; --max-loras-per-batch "
-                         f"{args.max_loras_per_batch} slots hold them")
-    if args.max_lora_rank is not None and args.max_lora_rank < 1:
-        raise ValueError(f"--max-lora-rank must be 1 or more; got {args.max_lora_rank}")
-    for flag, value in (("--speculative-algorithm", args.speculative_algorithm),
-                        ("--dp-size > 1", args.dp_size > 1), ("--nnodes > 1", args.nnodes > 1)):
-        if value:
-            raise ValueError(f"--enable-lora with {flag} is not supported")

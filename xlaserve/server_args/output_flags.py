@@ -1,0 +1,48 @@
+"""The flags that say what the server makes of the model: text, its reasoning and tool calls
+parsed out of it (--reasoning-parser, --tool-call-parser), token ids only
+(--skip-tokenizer-init), or embeddings and scores (--is-embedding, --runner)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from xlaserve.server_args.flag import flag
+
+
+@dataclasses.dataclass
+class OutputFlags:
+    """What the server makes of the model's output."""
+
+    reasoning_parser: Optional[str] = flag(
+        None, "split reasoning from the answer for thinking models (vLLM's names: deepseek_r1 is "
+              "deepseek-r1, openai_gptoss gpt-oss)",
+        choices=["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "kimi", "kimi_k2",
+                 "gpt-oss"],
+        value_aliases={"deepseek_r1": "deepseek-r1", "openai_gptoss": "gpt-oss"})
+    tool_call_parser: Optional[str] = flag(
+        None, "parse tool calls out of the model's output (tool_choice auto) in this model "
+              "family's format: qwen25 (<tool_call> JSON, Qwen2.5/Qwen3 and Hermes-style), llama3 "
+              "(<|python_tag|> or bare JSON), mistral ([TOOL_CALLS]), deepseekv3, pythonic "
+              "([f(a=1)]), kimi_k2 (<|tool_call_begin|>functions.NAME:i, Kimi K2), gpt-oss "
+              "(Harmony messages to functions.NAME; with --reasoning-parser "
+              "gpt-oss); forced tool_choice (required or a named function) needs none; "
+              "vLLM's names: hermes is qwen25, llama3_json llama3, deepseek_v3 deepseekv3, "
+              "deepseek_v31 deepseekv31, openai gpt-oss",
+        choices=["qwen25", "qwen", "llama3", "mistral", "deepseekv3", "deepseekv31", "kimi_k2",
+                 "pythonic", "gpt-oss"],
+        value_aliases={"hermes": "qwen25", "llama3_json": "llama3", "deepseek_v3": "deepseekv3",
+                       "deepseek_v31": "deepseekv31", "openai": "gpt-oss"})
+    enable_auto_tool_choice: bool = flag(
+        False, "accepted for vLLM's launch lines: tool_choice auto needs only --tool-call-parser "
+               "here (vLLM refuses it without this flag)")
+    skip_tokenizer_init: bool = flag(False, "do not load a tokenizer (token ids in and out)")
+    is_embedding: bool = flag(
+        False, "serve the model's embeddings (/v1/embeddings, Engine.encode), pooled as its "
+               "sentence-transformers files (modules.json, the Pooling module's config) say; the "
+               "server then generates no text. Same as --runner pooling")
+    runner: str = flag(
+        "auto", "what the server runs the model for: generate (text), pooling (embeddings, as "
+                "--is-embedding), or auto: pooling where the checkpoint has sentence-transformers' "
+                "modules.json, else generate. vLLM's --task embed is --runner pooling",
+        choices=["auto", "generate", "pooling"], aliases=("--task",),
+        value_aliases={"embed": "pooling", "embedding": "pooling"})
