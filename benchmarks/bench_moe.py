@@ -38,11 +38,11 @@ def main() -> None:
     import transformers
     from flax import nnx
 
-    from xlaserve.model.config import ModelConfig
+    from xlaserve.model.config.model_config import ModelConfig
     from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
     from xlaserve.model.layers import Kernels
     from xlaserve.model.moe import MoE
-    from xlaserve.model.packed import pack_model
+    from xlaserve.model.weight_types.packed import pack_model
     from xlaserve.weights.param_layout import _experts
     from xlaserve.native import gemm_cpu
 

@@ -157,7 +157,7 @@ if jax.default_backend() == "gpu":
     # (gpt-oss's blocks and scales decoded in the kernel; --quantization mxfp4), each checked against
     # its two-step or decoded form and timed beside its floor.
     from xlaserve.pallas_kernels import grouped_matmul_mxfp4 as mxfp4
-    from xlaserve.weights.mxfp4 import decode_mxfp4
+    from xlaserve.weights.formats.mxfp4 import decode_mxfp4
 
     for name, m, e, k, i, options in [
             ("qwen3 swiglu batch 1", 8, 128, 2048, 768, {}),

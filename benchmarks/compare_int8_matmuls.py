@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, r
 from benchmarks.predict_accelerators import xla_costs  # noqa: E402
 from xlaserve.runtime.executor import aot  # noqa: E402
 from xlaserve.model import layers  # noqa: E402
-from xlaserve.model.int8 import INT8_MAX, Int8Matrix, quantize  # noqa: E402
+from xlaserve.model.weight_types.int8 import INT8_MAX, Int8Matrix, quantize  # noqa: E402
 
 # Data sheets, dense: (HBM bytes/s, bf16 FLOP/s, int8 OP/s). H100 SXM5: 3.35 TB/s, 989 TFLOP/s,
 # 1979 TOPS; TPU v6e per chip: 1638 GB/s, 918 TFLOP/s, 1836 TOPS.

@@ -77,7 +77,7 @@ def main() -> None:
     for target in args.targets.split(","):
         for model in args.models.split(","):
             # Qwen3-Embedding's 151669-row embedding does not split over 4 chips (tp must divide
-            # a decoder's vocabulary); BERT's is whole on every device (model/encoder.py).
+            # a decoder's vocabulary); BERT's is whole on every device (model/encoders/encoder.py).
             for tp in ((1, 4) if target.startswith("v6e") and model == "bert-base" else (1,)):
                 row = predict(target, model, tp, args.seqs, args.length)
                 rows.append(row)

@@ -40,7 +40,7 @@ REGEX = "[0-9]{3}-[a-z]{2,5}"  # grammar masks go to the follower with the step
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from xlaserve.weights import gguf_file
+    from xlaserve.weights.formats import gguf_file
     from xlaserve.weights.loader import default_model_file
 
     directory = str(tmp_path_factory.mktemp("tiny-qwen2-kv4"))
@@ -321,7 +321,7 @@ def test_expert_parallel_across_two_processes_serves_the_one_process_tokens(tmp_
     """--ep-size composes with --nnodes: a tiny Qwen3-MoE's 8 experts over 4 devices of two
     processes (2 each), attention over the same 4; the leader's greedy tokens equal one process
     with one device."""
-    from xlaserve.weights import gguf_file
+    from xlaserve.weights.formats import gguf_file
     from xlaserve.weights.loader import default_model_file
     from xlaserve.offline import Engine
 

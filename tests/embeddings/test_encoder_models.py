@@ -1,7 +1,7 @@
 """BERT-family encoders (issue 54): a sentence-transformers checkpoint of a BertModel or an
-XLMRobertaModel, served by xlaserve's Flax encoder (model/encoder.py, bidirectional attention,
-no KV cache), gives sentence-transformers' vectors for each pooling mode; several inputs of
-different lengths in one step stay apart."""
+XLMRobertaModel, served by xlaserve's Flax encoder (model/encoders/encoder.py, bidirectional
+attention, no KV cache), gives sentence-transformers' vectors for each pooling mode; several inputs
+of different lengths in one step stay apart."""
 import numpy as np
 import pytest
 
@@ -76,8 +76,9 @@ def test_embeddings_split_over_two_devices(tmp_path):
 
 @pytest.mark.parametrize("mode", ["mean", "cls"])
 def test_modernbert_embeddings_equal_sentence_transformers(tmp_path, mode):
-    """ModernBERT (model/modernbert.py): RoPE of two thetas, a local layer's window, pre-norm
-    layers and a final norm; inputs longer than the window beside short ones in one step."""
+    """ModernBERT (model/encoders/modernbert.py): RoPE of two thetas, a local layer's window,
+    pre-norm layers and a final norm; inputs longer than the window beside short ones in one
+    step."""
     path, reference = save_modernbert_embedding(tmp_path, mode)
     expected = reference.encode(SENTENCES, convert_to_numpy=True)
     with Engine(path, **SMALL) as engine:

@@ -1,7 +1,7 @@
 """Incremental detokenization: whole characters only, stop strings trimmed and held back."""
 import pytest
 
-from xlaserve.weights.gguf_file import load_tokenizer
+from xlaserve.weights.formats.gguf_file import load_tokenizer
 from xlaserve.weights.loader import default_model_file
 from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
 

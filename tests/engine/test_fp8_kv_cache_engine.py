@@ -15,7 +15,8 @@ import pytest
 
 from benchmarks.fp8_kv_quality import measure
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.model.config import ModelConfig, RopeConfig
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.offline import Engine
 from xlaserve.runtime.executor import kv_pool
 

@@ -16,8 +16,8 @@ import pytest
 from benchmarks.predict_accelerators import predict
 from tests.compile_targets import compile_for, devices, first_layers
 from xlaserve.runtime.executor import aot
-from xlaserve.model.config import ModelConfig
-from xlaserve.model.int8 import Fp8Checkpoint
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.weight_types.int8 import Fp8Checkpoint
 from xlaserve.model.sharding import serving_mesh
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.server_args import ServerArgs

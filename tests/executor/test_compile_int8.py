@@ -1,8 +1,8 @@
-"""`--quantization int8` (model/int8.py) in the serving step of Llama-3.1-8B compiled for one H100
-and for TPU v6e (2x2, tensor parallel over 4 chips), without the hardware (runtime/executor/aot.py): the
-weights go in as int8 with float32 scales per output column (the embedding and LM head stay
-bfloat16), and every int8 weight is converted to bfloat16 inside the matmul's own fusion, so no
-bfloat16 copy of a weight is made.
+"""`--quantization int8` (model/weight_types/int8.py) in the serving step of Llama-3.1-8B compiled
+for one H100 and for TPU v6e (2x2, tensor parallel over 4 chips), without the hardware
+(runtime/executor/aot.py): the weights go in as int8 with float32 scales per output column (the
+embedding and LM head stay bfloat16), and every int8 weight is converted to bfloat16 inside the
+matmul's own fusion, so no bfloat16 copy of a weight is made.
 """
 import re
 
@@ -14,7 +14,7 @@ import pytest
 from tests.compile_targets import devices, first_layers
 from xlaserve.runtime.executor import aot
 from xlaserve.runtime.sampling.step_needs import PLAIN
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.server_args import ServerArgs
 
 

@@ -4,7 +4,8 @@ import logging
 import jax.numpy as jnp
 import pytest
 
-from xlaserve.model.config import ModelConfig, RopeConfig
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.weights.loader import default_mesh
 from xlaserve.runtime.executor.forward_batch import Buckets, bucket_for, pow2_buckets
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, init_kv_pool, num_pages_for, round_down_coarsely

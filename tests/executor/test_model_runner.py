@@ -136,7 +136,7 @@ def test_cpu_weights_are_packed_for_the_native_kernels_unless_xla_dots_are_asked
     import jax
     from flax import nnx
 
-    from xlaserve.model.packed import PackedMatrix
+    from xlaserve.model.weight_types.packed import PackedMatrix
     from xlaserve.native import norm_cpu, swiglu_cpu
     from xlaserve.runtime.executor import kernels
 

@@ -29,7 +29,7 @@ SERVER_DEFAULTS = dict(dtype="float32", page_size=16, max_running_requests=16, c
 
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
-    from xlaserve.weights import gguf_file
+    from xlaserve.weights.formats import gguf_file
     from xlaserve.weights.loader import default_model_file
 
     directory = str(tmp_path_factory.mktemp("tiny-chat-qwen2"))

@@ -21,7 +21,7 @@ CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜t
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    from xlaserve.weights import gguf_file
+    from xlaserve.weights.formats import gguf_file
     from xlaserve.weights.loader import default_model_file
 
     directory = str(tmp_path_factory.mktemp("tiny-deepseek-v3"))

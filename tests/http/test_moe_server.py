@@ -13,7 +13,7 @@ MESSAGES = [{"role": "user", "content": "List 3 countries and their capitals."}]
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
-    from xlaserve.weights import gguf_file
+    from xlaserve.weights.formats import gguf_file
     from xlaserve.weights.loader import default_model_file
 
     directory = str(tmp_path_factory.mktemp("tiny-chat-qwen3-moe"))

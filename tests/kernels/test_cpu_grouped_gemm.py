@@ -3,7 +3,7 @@ float64 numpy reference and the CPU's tiled loop (model/grouped_matmul.py): floa
 experts (widened, and in k-pairs for VDPBF16PS where the CPU has AVX512_BF16), 1 to 300 rows
 (decode's groups of one row, tiles and their remainders, several row blocks), odd K and N, empty
 groups, every row in one group, rows past the groups' total zero; a layer of a stack; and packing
-the experts of a model (model/packed.py)."""
+the experts of a model (model/weight_types/packed.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,7 +127,7 @@ def test_refuses_mismatched_shapes_and_more_rows_than_x():
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_packing_the_experts_keeps_each_experts_matrix_and_its_shape(dtype):
-    from xlaserve.model.packed import PackedExperts, pack_experts
+    from xlaserve.model.weight_types.packed import PackedExperts, pack_experts
 
     weight = jnp.asarray(np.random.default_rng(6).standard_normal((3, 24, 2, 40)), dtype)
     packed = pack_experts(weight)

@@ -1,7 +1,7 @@
 """The experts' grouped matmul over MXFP4 weights decoded inside the GPU kernel
 (pallas_kernels/grouped_matmul_mxfp4.py): in interpret mode against the float64 product of x and
-the weights as the loader decodes them (weights/mxfp4.py, transformers' values bit for bit), and
-compiled for an H100 at gpt-oss's expert shapes."""
+the weights as the loader decodes them (weights/formats/mxfp4.py, transformers' values bit for bit),
+and compiled for an H100 at gpt-oss's expert shapes."""
 import functools
 import re
 
@@ -16,7 +16,7 @@ from tests.kernels.grouped_reference import grouped_reference
 from xlaserve.pallas_kernels import grouped_matmul_mxfp4 as mxfp4
 from xlaserve.pallas_kernels.grouped_matmul_gpu import block_rows, max_visits
 from xlaserve.runtime.executor import aot
-from xlaserve.weights.mxfp4 import FP4_VALUES, decode_mxfp4
+from xlaserve.weights.formats.mxfp4 import FP4_VALUES, decode_mxfp4
 
 
 def random_experts(rng, experts, k, n, low=118, high=131):
@@ -108,7 +108,7 @@ def test_experts_kept_in_mxfp4_give_the_decoded_experts_output(first_expert):
     from xlaserve.model.grouped_matmul import grouped_matmul_tiled
     from xlaserve.model.layers import Kernels
     from xlaserve.model.moe import run_experts
-    from xlaserve.model.mxfp4_experts import Mxfp4Experts
+    from xlaserve.model.weight_types.mxfp4_experts import Mxfp4Experts
     from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
     rng = np.random.default_rng(first_expert + 11)
@@ -146,7 +146,7 @@ def test_experts_kept_in_mxfp4_give_the_decoded_experts_output(first_expert):
 def test_mxfp4_experts_shard_as_the_float_experts_do():
     # Experts over "expert", the intermediate axis over "tensor": gate_up's I (its blocks' third
     # axis), down's I / 32 groups; one spec axis per array axis, at most.
-    from xlaserve.model.mxfp4_experts import partition_specs
+    from xlaserve.model.weight_types.mxfp4_experts import partition_specs
     from xlaserve.model.sharding import PARTITION_SPECS
 
     gate_up, down = partition_specs("experts_gate_up"), partition_specs("experts_down")

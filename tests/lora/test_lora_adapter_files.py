@@ -9,7 +9,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from xlaserve.server_args import ServerArgs, lora_paths_of, target_modules_of
-from xlaserve.model.config import ModelConfig, RopeConfig
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.model.lora import LoraSpec, check_model
 from xlaserve.weights.lora_adapter import LoraAdapterError, load_adapter
 

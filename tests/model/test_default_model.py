@@ -5,7 +5,7 @@ import pytest
 from tests.greedy_driver import greedy_generate
 from tests.hf_reference import default_model_in_transformers, hf_greedy
 from xlaserve.weights.loader import default_model_file, load_model
-from xlaserve.model.quantized_rows import QuantizedLinear, dequantized
+from xlaserve.model.weight_types.quantized_rows import QuantizedLinear, dequantized
 
 PROMPT = "List 3 countries and their capitals."
 

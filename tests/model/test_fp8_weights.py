@@ -1,5 +1,5 @@
-"""FP8 weights (model/fp8_weights.py): `--quantization fp8`'s per-channel quantization, the
-per-token activation quantization and the FP8 x FP8 matmul against float64 references within
+"""FP8 weights (model/weight_types/fp8_weights.py): `--quantization fp8`'s per-channel quantization,
+the per-token activation quantization and the FP8 x FP8 matmul against float64 references within
 e4m3's rounding (XLA's CPU backend runs FP8 dots exactly, in float32), the layout the values are
 stored in, and the platforms that refuse the flag in one line."""
 import types
@@ -13,8 +13,9 @@ import pytest
 from tests.weights.fp8_writer import write_fp8_checkpoint
 from tests.model.test_int8 import _weight  # standard normal, output column 3 zero
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.model.fp8_weights import (FP8_MAX, Fp8BlockMatrix, Fp8Matrix, abstract_fp8,
-                                        check_fp8_platform, dequantize, float_weight, fp8_platform_problem, quantize_fp8, quantize_rows)
+from xlaserve.model.weight_types.fp8_weights import (
+    FP8_MAX, Fp8BlockMatrix, Fp8Matrix, abstract_fp8, check_fp8_platform, dequantize, float_weight,
+    fp8_platform_problem, quantize_fp8, quantize_rows)
 from xlaserve.model.layers import Kernels, linear
 from xlaserve.weights.loader import load_model
 

@@ -1,6 +1,6 @@
-"""`--quantization int8` (model/int8.py): per-output-channel symmetric int8 weights quantized at
-load, multiplied by XLA's dots; against float64 references and transformers running the same
-int8-dequantized weights."""
+"""`--quantization int8` (model/weight_types/int8.py): per-output-channel symmetric int8 weights
+quantized at load, multiplied by XLA's dots; against float64 references and transformers running the
+same int8-dequantized weights."""
 import logging
 import re
 
@@ -17,11 +17,11 @@ from tests.model.test_transformer_matches_transformers import (NEW_TOKENS, PROMP
                                                                _hf_reference, _run_ours)
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.runtime.executor.kernels import kernels_for
-from xlaserve.model.int8 import Int8Matrix, dequantize, quantize
+from xlaserve.model.weight_types.int8 import Int8Matrix, dequantize, quantize
 from xlaserve.model.layers import Kernels, linear
 from xlaserve.weights.loader import load_model
-from xlaserve.model.packed import PackedMatrix, pack_model
-from xlaserve.model.quantized_rows import QuantizedLinear, native_gemm_available
+from xlaserve.model.weight_types.packed import PackedMatrix, pack_model
+from xlaserve.model.weight_types.quantized_rows import QuantizedLinear, native_gemm_available
 
 # The Hugging Face weights --quantization int8 quantizes: every attention and dense MLP projection
 # (a shared expert's too), not the experts of a mixture of experts.

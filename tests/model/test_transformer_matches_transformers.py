@@ -6,7 +6,7 @@ import torch
 from flax import nnx
 
 from xlaserve.weights.loader import load_model
-from xlaserve.model.packed import PackedExperts, PackedMatrix, pack_model
+from xlaserve.model.weight_types.packed import PackedExperts, PackedMatrix, pack_model
 from xlaserve.runtime.executor.kv_pool import init_kv_pool
 
 from tests.greedy_driver import PagedBatch, make_forward

@@ -11,7 +11,8 @@ from tests.hf_reference import hf_greedy
 from tests.model.test_transformer_matches_transformers import NEW_TOKENS, _hf_reference, _run_ours
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.runtime.executor.model_runner import ModelRunner
-from xlaserve.model.config import ModelConfig, RopeConfig
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.weights.loader import load_model
 from xlaserve.model.transformer import rope_cos_sin
 

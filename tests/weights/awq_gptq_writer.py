@@ -1,7 +1,8 @@
 """Tiny AWQ and GPTQ checkpoints, packed as AutoAWQ and GPTQModel/AutoGPTQ write them, and the
-float64 values they stand for. Test-only: the server dequantizes (xlaserve/weights/awq_gptq.py)
-and never quantizes. The packing here is written from the writers' side, word by word, so that
-it checks the server's vectorized unpacking rather than repeating it:
+float64 values they stand for. Test-only: the server dequantizes
+(xlaserve/weights/formats/awq_gptq.py) and never quantizes. The packing here is written from the
+writers' side, word by word, so that it checks the server's vectorized unpacking rather than
+repeating it:
 - AWQ (AutoAWQ `awq/utils/packing_utils.py` AWQ_ORDER, and its `WQLinear_GEMM.from_linear`):
   word c of a row holds output columns 8c + [0, 2, 4, 6, 1, 3, 5, 7] in nibbles 0..7.
 - GPTQ (GPTQModel `PackableQuantLinear.pack`): word r of a column holds input rows

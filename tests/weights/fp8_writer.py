@@ -2,7 +2,7 @@
 DeepSeek-V3 and the Qwen3 "-FP8" models ship them): every attention and MLP projection
 (`*_proj.weight`, experts included) float8_e4m3fn with a float32 `weight_scale_inv`, the rest
 (embeddings, norms, routers, lm_head) float32. Test-only: the server dequantizes
-(xlaserve/weights/fp8.py) and never quantizes."""
+(xlaserve/weights/formats/fp8.py) and never quantizes."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """Tiny gpt-oss checkpoints in the real on-disk format: MXFP4 experts (`*_blocks` + `*_scales`,
 uint8) beside bfloat16 tensors, and a `quantization_config` in config.json, as openai/gpt-oss-20b
-ships them. Test-only: the server decodes (xlaserve/weights/mxfp4.py) and never encodes."""
+ships them. Test-only: the server decodes (xlaserve/weights/formats/mxfp4.py) and never encodes."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from xlaserve.weights.mxfp4 import FP4_VALUES, GROUP, SCALE_BIAS
+from xlaserve.weights.formats.mxfp4 import FP4_VALUES, GROUP, SCALE_BIAS
 
 # openai/gpt-oss-20b's config.json.
 QUANTIZATION_CONFIG = {
@@ -79,7 +79,7 @@ def write_tiny_gpt_oss_checkpoint(path: str, config=None, seed: int = 0, dtype: 
     import transformers
     from safetensors.torch import save_file
 
-    from xlaserve.weights.mxfp4 import decode_mxfp4
+    from xlaserve.weights.formats.mxfp4 import decode_mxfp4
 
     config = config if config is not None else tiny_gpt_oss_config()
     torch.manual_seed(seed)

@@ -1,7 +1,7 @@
-"""AWQ and GPTQ checkpoints (xlaserve/weights/awq_gptq.py): weights dequantized exactly (a float64
-reference of (q - z) * s rounded once into the serving dtype), AutoAWQ's nibble order, GPTQ's v1
-zeros-minus-one and act-order g_idx, tiny Llamas and Qwen3-MoEs (every expert packed, the router
-float) that give transformers' logits and greedy tokens on the dequantized weights, and every
+"""AWQ and GPTQ checkpoints (xlaserve/weights/formats/awq_gptq.py): weights dequantized exactly (a
+float64 reference of (q - z) * s rounded once into the serving dtype), AutoAWQ's nibble order,
+GPTQ's v1 zeros-minus-one and act-order g_idx, tiny Llamas and Qwen3-MoEs (every expert packed, the
+router float) that give transformers' logits and greedy tokens on the dequantized weights, and every
 variant we do not decode refused in one line.
 
 transformers 5.24 loads AWQ and GPTQ only through gptqmodel (AwqQuantizer/GptqHfQuantizer
@@ -20,8 +20,9 @@ from tests.weights.dict_source import DictSource
 from tests.weights.fp8_writer import write_dequantized_checkpoint
 from tests.weights.test_fp8 import _params, assert_gives_transformers_logits_and_greedy_tokens
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.weights.awq_gptq import PackedIntError, PackedIntSource, dequantize_awq, dequantize_gptq
-from xlaserve.weights.quantization import check_quantization_config
+from xlaserve.weights.formats.awq_gptq import (PackedIntError, PackedIntSource, dequantize_awq,
+                                               dequantize_gptq)
+from xlaserve.weights.formats.quantization import check_quantization_config
 from xlaserve.weights.param_layout import SafetensorsSource
 
 
@@ -260,7 +261,7 @@ def test_packed_checkpoint_holds_the_packed_tensors_the_tests_below_decode(packe
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_packed_checkpoint_loads_exactly_the_dequantized_weights(packed_checkpoint, dtype_name, caplog):
     packed, dequantized, _ = packed_checkpoint
-    with caplog.at_level(logging.INFO, logger="xlaserve.weights.awq_gptq"):
+    with caplog.at_level(logging.INFO, logger="xlaserve.weights.formats.awq_gptq"):
         ours = _params(packed, dtype_name)
     method = "AWQ" if "awq" in packed else "GPTQ"
     assert f"{method} int" in caplog.text and f"weights dequantized to {dtype_name} at load" in caplog.text

@@ -231,7 +231,7 @@ def test_default_model_tokenizer_and_weights_from_the_cache_equal_the_conversion
 
 def test_fast_gguf_reader_reads_what_ggufs_own_reader_reads(gguf_path):
     """gguf_file's reader (a plain view of the memory map, 3x faster) changes no field or tensor."""
-    from xlaserve.weights.gguf_file import _fast_reader, load_hf_config
+    from xlaserve.weights.formats.gguf_file import _fast_reader, load_hf_config
 
     original = gguf.GGUFReader
     load_hf_config(gguf_path)  # transformers' reads get the fast reader only meanwhile

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.weights.loader import default_mesh, load_model
 from xlaserve.model.registry import architecture_of
 from xlaserve.model.sharding import partition_spec

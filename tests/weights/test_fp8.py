@@ -1,6 +1,6 @@
-"""FP8 checkpoints (xlaserve/weights/fp8.py): weights dequantized into the serving dtype exactly as
-transformers does it, partial edge blocks as DeepSeek and transformers' FP8 matmul scale them, and
-tiny Llama and Qwen3-MoE checkpoints that give transformers' logits and greedy tokens."""
+"""FP8 checkpoints (xlaserve/weights/formats/fp8.py): weights dequantized into the serving dtype
+exactly as transformers does it, partial edge blocks as DeepSeek and transformers' FP8 matmul scale
+them, and tiny Llama and Qwen3-MoE checkpoints that give transformers' logits and greedy tokens."""
 import types
 
 import ml_dtypes
@@ -15,9 +15,9 @@ from tests.weights.dict_source import DictSource
 from tests.weights.fp8_writer import (dequantize_reference, quantize_fp8, write_dequantized_checkpoint,
                                     write_fp8_checkpoint)
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.weights.fp8 import Fp8Error, Fp8Source, dequantize_fp8
+from xlaserve.weights.formats.fp8 import Fp8Error, Fp8Source, dequantize_fp8
 from xlaserve.weights.loader import load_model
-from xlaserve.weights.quantization import check_quantization_config
+from xlaserve.weights.formats.quantization import check_quantization_config
 
 
 DTYPES = {"float32": (np.float32, torch.float32, np.uint32),

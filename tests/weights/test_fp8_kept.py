@@ -1,9 +1,9 @@
-"""FP8 checkpoints kept in FP8 (weights/fp8_kept.py): the kept projections are exactly the file's
-FP8 values and scales in our layout (their dequantization is fp8.py's, bit for bit), everything
-else is what the dequantizing load gives; when they are kept (a GPU with FP8 matmuls, checked on
-compile-only H100 devices) and when not; and a tiny model served from them on the CPU (the FP8
-dots exact in XLA's CPU backend, the block kernel in Pallas interpret mode) gives the dequantized
-model's logits within the activations' FP8 rounding."""
+"""FP8 checkpoints kept in FP8 (weights/kept_quantized/fp8_kept.py): the kept projections are
+exactly the file's FP8 values and scales in our layout (their dequantization is formats/fp8.py's,
+bit for bit), everything else is what the dequantizing load gives; when they are kept (a GPU with
+FP8 matmuls, checked on compile-only H100 devices) and when not; and a tiny model served from them
+on the CPU (the FP8 dots exact in XLA's CPU backend, the block kernel in Pallas interpret mode)
+gives the dequantized model's logits within the activations' FP8 rounding."""
 import dataclasses
 import functools
 import logging
@@ -17,10 +17,10 @@ from tests import greedy_driver
 from tests.compile_targets import devices
 from tests.weights.fp8_writer import write_fp8_checkpoint
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.weights.fp8 import Fp8Source
-from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
-from xlaserve.model.fp8_weights import Fp8BlockMatrix, Fp8Matrix, dequantize
-from xlaserve.model.int8 import Fp8Checkpoint, abstract_quantized, quantizes
+from xlaserve.weights.formats.fp8 import Fp8Source
+from xlaserve.weights.kept_quantized.fp8_kept import convert_kept, kept_quantization
+from xlaserve.model.weight_types.fp8_weights import Fp8BlockMatrix, Fp8Matrix, dequantize
+from xlaserve.model.weight_types.int8 import Fp8Checkpoint, abstract_quantized, quantizes
 from xlaserve.weights.loader import default_mesh, load_model, read_config
 from xlaserve.weights.placement import place_model
 from xlaserve.model.registry import model_class

@@ -1,8 +1,8 @@
-"""GGUF weights kept in their quantized blocks on a single CPU device (weights/gguf_kept.py): each
-kept type gives the dequantized model's logits, a Q4_K_M-like file of mixed types (Q6_K attn_v,
-ffn_down and output beside Q4_K) keeps every matrix in its own format and matches transformers,
-a type the GEMM does not take is dequantized with a log line, the model holds the file's bytes,
-and the conversion cache keeps the other parameters only."""
+"""GGUF weights kept in their quantized blocks on a single CPU device
+(weights/kept_quantized/gguf_kept.py): each kept type gives the dequantized model's logits, a
+Q4_K_M-like file of mixed types (Q6_K attn_v, ffn_down and output beside Q4_K) keeps every matrix in
+its own format and matches transformers, a type the GEMM does not take is dequantized with a log
+line, the model holds the file's bytes, and the conversion cache keeps the other parameters only."""
 import logging
 import os
 
@@ -14,7 +14,8 @@ from flax import nnx
 
 from xlaserve.weights.conversion_cache import ConversionCache
 from xlaserve.weights.loader import load_model
-from xlaserve.model.quantized_rows import QuantizedLinear, dequantized, native_gemm_available
+from xlaserve.model.weight_types.quantized_rows import (QuantizedLinear, dequantized,
+                                                        native_gemm_available)
 
 from .gguf_writer import write_llama_gguf
 from .test_gguf_loading import _logits_of, _our_logits, _tiny_llama, _transformers_logits
@@ -83,7 +84,7 @@ def test_a_q4_k_m_like_file_keeps_each_matrix_in_its_format_and_matches_transfor
 def test_a_type_the_gemm_does_not_take_is_dequantized_and_named(tmp_path, caplog):
     path = str(tmp_path / "tiny-mixed.gguf")
     write_llama_gguf(path, _tiny_llama(64), Q.Q8_0, tensor_types={"blk.1.ffn_up.weight": Q.F16})
-    with caplog.at_level(logging.INFO, logger="xlaserve.weights.gguf_kept"):
+    with caplog.at_level(logging.INFO, logger="xlaserve.weights.kept_quantized.gguf_kept"):
         loaded = _load(path)
     assert "model.layers.1.mlp.up_proj.weight (F16)" in caplog.text
     weights = _weights(loaded)

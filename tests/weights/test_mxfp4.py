@@ -1,4 +1,5 @@
-"""MXFP4 decoding (xlaserve/weights/mxfp4.py) against transformers' decoder and loader, bit for bit."""
+"""MXFP4 decoding (xlaserve/weights/formats/mxfp4.py) against transformers' decoder and loader, bit
+for bit."""
 import json
 import os
 
@@ -10,8 +11,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from tests.weights.dict_source import DictSource
 from tests.weights.mxfp4_writer import EXPERT_MATRICES, QUANTIZATION_CONFIG, encode_mxfp4
-from xlaserve.weights.mxfp4 import FP4_VALUES, Mxfp4Error, decode_mxfp4, read_expert_weight
-from xlaserve.weights.quantization import QuantizationError, check_quantization_config
+from xlaserve.weights.formats.mxfp4 import FP4_VALUES, Mxfp4Error, decode_mxfp4, read_expert_weight
+from xlaserve.weights.formats.quantization import QuantizationError, check_quantization_config
 from xlaserve.weights.param_layout import SafetensorsSource, WeightError, expert_matrix
 
 

@@ -1,5 +1,6 @@
-"""--quantization mxfp4: gpt-oss's MXFP4 experts kept as stored (weights/mxfp4_kept.py), multiplied
-by the GPU's kernel that decodes them (interpreted here), against the experts decoded at load."""
+"""--quantization mxfp4: gpt-oss's MXFP4 experts kept as stored
+(weights/kept_quantized/mxfp4_kept.py), multiplied by the GPU's kernel that decodes them
+(interpreted here), against the experts decoded at load."""
 import dataclasses
 import re
 from pathlib import Path
@@ -10,11 +11,12 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.compile_targets import devices, first_layers
-from xlaserve.model.mxfp4_experts import Mxfp4Experts, mxfp4_mesh_problem
-from xlaserve.weights import loader, mxfp4_kept
-from xlaserve.weights.mxfp4 import Mxfp4Error, decode_mxfp4
+from xlaserve.model.weight_types.mxfp4_experts import Mxfp4Experts, mxfp4_mesh_problem
+from xlaserve.weights import loader
+from xlaserve.weights.kept_quantized import mxfp4_kept
+from xlaserve.weights.formats.mxfp4 import Mxfp4Error, decode_mxfp4
 from xlaserve.weights.param_layout import SafetensorsSource, convert
-from xlaserve.weights.quantization import dequantizing_source
+from xlaserve.weights.formats.quantization import dequantizing_source
 
 
 def test_kept_experts_are_the_files_bytes_in_our_gate_up_order(tiny_gpt_oss):
@@ -43,7 +45,7 @@ def test_a_model_with_kept_experts_gives_the_decoded_models_logits(tiny_gpt_oss,
     # whose experts were decoded at load; x goes into the kernel in bfloat16, hence the
     # tolerance. Swapping gate and up, or reading a layer's experts into another, is far off.
     from tests.model.test_transformer_matches_transformers import PROMPTS, _run_ours
-    from xlaserve.model import int8
+    from xlaserve.model.weight_types import int8
 
     tiny_gpt_oss, _ = tiny_gpt_oss
     monkeypatch.setattr(int8, "check_platform", lambda *args: None)

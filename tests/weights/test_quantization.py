@@ -1,5 +1,6 @@
 """A quantized checkpoint we do not decode stops start-up with one line naming its method or its
-tensor (xlaserve/weights/quantization.py): nothing is cast from codes as if they were values."""
+tensor (xlaserve/weights/formats/quantization.py): nothing is cast from codes as if they were
+values."""
 import json
 import os
 
@@ -14,8 +15,8 @@ from transformers.utils.quantization_config import QuantizationMethod
 from tests.weights.dict_source import DictSource
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.weights.loader import load_model
-from xlaserve.weights.quantization import (SUPPORTED_METHODS, QuantizationError,
-                                         check_quantization_config)
+from xlaserve.weights.formats.quantization import (SUPPORTED_METHODS, QuantizationError,
+                                                 check_quantization_config)
 from xlaserve.weights.param_layout import expert_matrix
 
 

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.layers import MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype
-from xlaserve.model.packed import embed
+from xlaserve.model.weight_types.packed import embed
 from xlaserve.model.transformer import Attention, DecoderLayer, traced_rope
 
 

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot
-from xlaserve.model.fp8_weights import FP8_TYPES, Fp8Matrix, fp8_block_linear, fp8_matmul
-from xlaserve.model.int8 import Int8Matrix
-from xlaserve.model.packed import PackedExperts, PackedMatrix, output_axes
-from xlaserve.model.quantized_rows import QuantizedLinear, quantized_linear
+from xlaserve.model.weight_types.fp8_weights import (FP8_TYPES, Fp8Matrix, fp8_block_linear,
+                                                     fp8_matmul)
+from xlaserve.model.weight_types.int8 import Int8Matrix
+from xlaserve.model.weight_types.packed import PackedExperts, PackedMatrix, output_axes
+from xlaserve.model.weight_types.quantized_rows import QuantizedLinear, quantized_linear
 from xlaserve.native import quantized_gemm_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.new_tokens import reference_new_token_attention
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
@@ -84,8 +85,8 @@ def swiglu_xla(gate_up: jax.Array, out_dtype) -> jax.Array:
 class Kernels:
     """The platform's kernels the forward pass calls: attention (the ragged paged attention
     contract); on a single CPU device, the native GEMM over packed weights,
-    `(x [M, K], panels, N, layer, bf16_pairs) -> float32 [M, N]` (model/packed.py); and the
-    residual stream's norms, `rms_norm(x, scale, eps, out_dtype)` and `add_rms_norm(x, delta,
+    `(x [M, K], panels, N, layer, bf16_pairs) -> float32 [M, N]` (model/weight_types/packed.py); and
+    the residual stream's norms, `rms_norm(x, scale, eps, out_dtype)` and `add_rms_norm(x, delta,
     scale, eps, out_dtype) -> (x + delta, its norm)`, the attention's inputs `qkv_rope(qkv, cos,
     sin, out_dtype) -> (q, k, v)`, the MLP's `swiglu(gate_up, out_dtype)` (native ones on the
     CPU: native/norm_cpu.py, native/qkv_rope_cpu.py, native/swiglu_cpu.py)."""
@@ -143,7 +144,7 @@ class Kernels:
     # its native GEMM writes float32, and XLA's CPU dot with a bfloat16 output converted every
     # weight to float32 each step (transformer.py).
     round_projections: bool = False
-    # An encoder's attention (model/encoder.py), each token against its whole sequence:
+    # An encoder's attention (model/encoders/encoder.py), each token against its whole sequence:
     # `(q, k, v, cu_q_lens, num_seqs, sm_scale=, window=0) -> (out float32, lse or None)`,
     # new_tokens.py's attention with causal=False on the platform's kernel (the CPU's native
     # one, bidirectional_cpu.py, gives no lse).
@@ -178,9 +179,9 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
     """x [T, K] @ weight -> float32 [T, *output axes]: the weight's leading axes that multiply to
     K are contracted (or weight [N, K] is used as weight.T). Inputs go in the weight's dtype with
     float32 accumulation. A `PackedMatrix` goes to the native GEMM, a `QuantizedLinear` to the
-    native quantized GEMM (quantized_rows.py); an `Int8Matrix` (int8.py)
+    native quantized GEMM (weight_types/quantized_rows.py); an `Int8Matrix` (weight_types/int8.py)
     is converted to the model dtype inside the dot, whose float32 result is scaled per column;
-    FP8 weights (fp8_weights.py) multiply FP8-quantized activations.
+    FP8 weights (weight_types/fp8_weights.py) multiply FP8-quantized activations.
     Otherwise the weight's contracted axes are merged into one (a free reshape: XLA's CPU layout
     pass transposed a whole 3-d o_proj weight every step for a 3-d einsum) and its output axes
     are kept: gate_up [K, 2, I] is split over I, and merging 2 and I made XLA gather the whole
@@ -206,7 +207,7 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
         y = jax.lax.dot_general(x.astype(dtype), values, (((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         return y * weight.scales
-    if isinstance(weight, Fp8Matrix):  # FP8 x FP8 on the tensor cores (fp8_weights.py)
+    if isinstance(weight, Fp8Matrix):  # FP8 x FP8 on the tensor cores (weight_types/fp8_weights.py)
         return fp8_matmul(x, weight)
     if isinstance(weight, FP8_TYPES):
         return fp8_block_linear(x, weight, kernels.fp8_block_matmul)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.server_args import TARGET_MODULES
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.sharding import TP
 from xlaserve.native import gemm_cpu
 

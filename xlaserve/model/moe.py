@@ -30,11 +30,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.layers import MLP, Kernels, init_weight, linear, matmul_input_dtype
-from xlaserve.model.mxfp4_experts import Mxfp4Experts
-from xlaserve.model.mxfp4_experts import partition_specs as mxfp4_partition_specs
-from xlaserve.model.packed import PackedExperts
+from xlaserve.model.weight_types.mxfp4_experts import Mxfp4Experts
+from xlaserve.model.weight_types.mxfp4_experts import partition_specs as mxfp4_partition_specs
+from xlaserve.model.weight_types.packed import PackedExperts
 from xlaserve.model.routing import route
 from xlaserve.model.sharding import PARTITION_SPECS
 

@@ -1,9 +1,9 @@
 """Architecture name (`architectures[0]` of a Hugging Face config) -> the module class that runs it."""
 from __future__ import annotations
 
-from xlaserve.model.encoder import Encoder
-from xlaserve.model.modernbert import ModernBert
-from xlaserve.model.qwen_vision import VisionLanguageLM
+from xlaserve.model.encoders.encoder import Encoder
+from xlaserve.model.encoders.modernbert import ModernBert
+from xlaserve.model.vision.qwen_vision import VisionLanguageLM
 from xlaserve.model.transformer import CausalLM
 
 # The Llama family and its mixture-of-experts kin differ only in config switches, so one class
@@ -20,18 +20,19 @@ MODEL_CLASSES = {
     # Multi-head latent attention (model/mla.py) and DeepSeek's experts (model/routing.py).
     "DeepseekV2ForCausalLM": CausalLM,
     "DeepseekV3ForCausalLM": CausalLM,
-    # Vision-language models (model/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and a
-    # vision tower the engine runs per image.
+    # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
+    # a vision tower the engine runs per image.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,
     "Qwen2_5_VLForConditionalGeneration": VisionLanguageLM,
     "Qwen3VLForConditionalGeneration": VisionLanguageLM,
-    # BERT-family encoders (model/encoder.py): embedding models, served with --is-embedding.
+    # BERT-family encoders (model/encoders/encoder.py): embedding models, served with
+    # --is-embedding.
     "BertModel": Encoder,
     "XLMRobertaModel": Encoder,
     # Cross-encoder rerankers: the encoder, its score head read apart (weights/score_head.py).
     "BertForSequenceClassification": Encoder,
     "XLMRobertaForSequenceClassification": Encoder,
-    "ModernBertModel": ModernBert,  # model/modernbert.py: RoPE, local and global layers
+    "ModernBertModel": ModernBert,  # model/encoders/modernbert.py: RoPE, local and global layers
     # Decoder backbones without an LM head (encoder_config.BACKBONES): embedding models.
     "LlamaModel": CausalLM,
     "MistralModel": CausalLM,
@@ -39,7 +40,7 @@ MODEL_CLASSES = {
     "Qwen3Model": CausalLM,
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
-# in merged tensors (ffn_gate_exps, ...) that weights/gguf_file.py does not translate: their
+# in merged tensors (ffn_gate_exps, ...) that weights/formats/gguf_file.py does not translate: their
 # model_types stay unmapped, so they are refused.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

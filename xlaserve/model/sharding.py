@@ -58,9 +58,9 @@ PARTITION_SPECS = {
     "fc": P(),
     "eh_proj": P(),
     "draft_to_target": P(),
-    # BERT-family encoders (encoder.py): the word embedding (whole: gathered, never multiplied,
-    # and the vocabularies do not split evenly), learned positions and token types, LayerNorm
-    # biases, the MLP's up projection and biases (qkv, o_proj, down as the decoder's).
+    # BERT-family encoders (encoders/encoder.py): the word embedding (whole: gathered, never
+    # multiplied, and the vocabularies do not split evenly), learned positions and token types,
+    # LayerNorm biases, the MLP's up projection and biases (qkv, o_proj, down as the decoder's).
     "word_embedding": P(),
     "position_embedding": P(),
     "token_type_embedding": P(),
@@ -68,8 +68,8 @@ PARTITION_SPECS = {
     "up": P(None, TP),
     "up_bias": P(TP),
     "down_bias": P(),
-    # Vision towers (qwen_vision.py): the patch embedding whole; the gated MLP's biases as its
-    # gate_up; the rest by the decoder's names.
+    # Vision towers (vision/qwen_vision.py): the patch embedding whole; the gated MLP's biases as
+    # its gate_up; the rest by the decoder's names.
     "patch_embed": P(),
     "patch_embed_bias": P(),
     "pos_embed": P(),  # Qwen3-VL's learned positions, gathered by taps

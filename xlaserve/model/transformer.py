@@ -33,14 +33,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from xlaserve.model.config import ModelConfig
-from xlaserve.model.int8 import check_quantization, quantized_parameters
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.weight_types.int8 import check_quantization, quantized_parameters
 from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rope_qk, split_qkv)
 from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import MoE
-from xlaserve.model.packed import embed
+from xlaserve.model.weight_types.packed import embed
 from xlaserve.model.pooling import pool_sequences, reduce_chunks
 from xlaserve.model.sharding import partition_spec
 from xlaserve.pallas_kernels.ragged_paged_attention.tree_tokens import tree_attention
@@ -207,8 +207,8 @@ class CausalLM(nnx.Module):
         returned too, as a third value, a list in that order (an EAGLE-3 head's features,
         model/draft_heads.py). `lora`: the step's LoRA adapters (model/lora.LoraBatch) or None.
         `input_embeds` [levels, T, hidden]: the rows whose id is negative take theirs from
-        input_embeds[0] (a vision model's image tokens, model/qwen_vision.py), the others their
-        token's embedding; layer i's output adds input_embeds[i + 1] (Qwen3-VL's DeepStack:
+        input_embeds[0] (a vision model's image tokens, model/vision/qwen_vision.py), the others
+        their token's embedding; layer i's output adds input_embeds[i + 1] (Qwen3-VL's DeepStack:
         zeros but at image tokens)."""
         if input_embeds is None:
             x = embed(self.embedding[...], input_ids).astype(jnp.float32)
@@ -297,8 +297,8 @@ def abstract_parameters(config: ModelConfig, dtype, mesh, model_class=CausalLM,
     """(graphdef, abstract state, {path: ShapeDtypeStruct of the parameter in `dtype`, with its
     partition spec on `mesh`}): where each weight goes, before any is made, loaded or restored.
     With a `quantization` ("int8", "fp8", an int8.Fp8Checkpoint), the quantized weights are
-    `Int8Matrix`es or FP8 matrices of ShapeDtypeStructs (int8.py, fp8_weights.py); the abstract
-    state stays the float model's. `draft_head`: an abstract speculative draft head
+    `Int8Matrix`es or FP8 matrices of ShapeDtypeStructs (weight_types/int8.py, fp8_weights.py); the
+    abstract state stays the float model's. `draft_head`: an abstract speculative draft head
     (draft_heads.py, under nnx.eval_shape) set on the model, as start-up sets a loaded one;
     integer tables (its draft-to-target ids) keep their dtype."""
     model = abstract_model(config, dtype, model_class)

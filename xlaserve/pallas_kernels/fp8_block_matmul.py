@@ -1,6 +1,6 @@
 """y = x @ W for an FP8 weight with one scale per (K block, output column), as a Pallas GPU kernel
 (Triton lowering): the matmul of FP8 checkpoints with 128x128 block scales (DeepSeek-V3, Qwen3
-"-FP8"), kept in FP8 on GPUs with FP8 tensor cores (model/fp8_weights.py).
+"-FP8"), kept in FP8 on GPUs with FP8 tensor cores (model/weight_types/fp8_weights.py).
 
     values  float8_e4m3fn [N, K]   (K contiguous: the layout FP8 MMAs read)
     scales  float32 [K // block_k, N]

@@ -1,10 +1,10 @@
 """The experts' grouped matmul over MXFP4 weights, decoded inside the kernel (Pallas, Triton
 lowering; sm80 and later): gpt-oss's experts as its checkpoint stores them, four bits a weight.
 
-Weights come in the checkpoint's layout (weights/mxfp4.py): `blocks` uint8 [E, N, K/32, 16], two
-e2m1 codes a byte (the low nibble first: value 2j then 2j + 1 of each 32-value group), and `scales`
-uint8 [E, N, K/32], one E8M0 exponent a group (2**(scale - 127)); N the output features, K the
-input ones. A program multiplies one visit's rows (grouped_matmul_gpu.py's grid of column tiles
+Weights come in the checkpoint's layout (weights/formats/mxfp4.py): `blocks` uint8 [E, N, K/32, 16],
+two e2m1 codes a byte (the low nibble first: value 2j then 2j + 1 of each 32-value group), and
+`scales` uint8 [E, N, K/32], one E8M0 exponent a group (2**(scale - 127)); N the output features, K
+the input ones. A program multiplies one visit's rows (grouped_matmul_gpu.py's grid of column tiles
 and visits) by one column tile of its expert: each K step reads [block_n, block_k / 2] bytes and
 their scales, decodes the low and the high nibbles into two [block_n, block_k / 2] bfloat16 tiles
 (exact: every finite MXFP4 value is m * 2**k with m in {0.5, 1, 1.5}), and multiplies them by the
@@ -17,9 +17,9 @@ FP4 tensor-core instruction, so the codes are decoded to bfloat16 in registers a
 bfloat16's, at a quarter of the weight bytes from DRAM (a decode step's cost).
 
 `interpret=True` runs it on the CPU (tests). model/moe.py multiplies experts held as
-`model/mxfp4_experts.Mxfp4Experts` with it (`Kernels.mxfp4_grouped_matmul`), which
-`--quantization mxfp4` loads (weights/mxfp4_kept.py). On an H200 (2026-11-27) it matched
-ragged_dot on the decoded experts but took 2.1-2.7x the bf16 kernel's time on them
+`model/weight_types/mxfp4_experts.Mxfp4Experts` with it (`Kernels.mxfp4_grouped_matmul`), which
+`--quantization mxfp4` loads (weights/kept_quantized/mxfp4_kept.py). On an H200 (2026-11-27) it
+matched ragged_dot on the decoded experts but took 2.1-2.7x the bf16 kernel's time on them
 (docs/tpu-gpu.md, "Mixtures of experts").
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from xlaserve.pallas_kernels.grouped_matmul_gpu import (plan_visits, visit_rows,
                                                        zero_rows_past_the_groups)
 
 NAME = "grouped_matmul_mxfp4"  # in the compiled program: "grouped_matmul_mxfp4_m16"
-GROUP = 32  # values sharing one scale (weights/mxfp4.py)
+GROUP = 32  # values sharing one scale (weights/formats/mxfp4.py)
 SCALE_BIAS = 127
 BLOCK_K_CHOICES = (128, 64)  # K per step: whole groups, and >= 32 columns per nibble half
 
@@ -83,7 +83,7 @@ def grouped_matmul_mxfp4(x: jax.Array, blocks: jax.Array, scales: jax.Array,
 
 def decode_e2m1(codes: jax.Array) -> jax.Array:
     """4-bit e2m1 codes (int32) -> float32: sign, 2 exponent bits, 1 mantissa bit; exponent 0 is
-    the subnormal 0 / 0.5 (weights/mxfp4.py's FP4_VALUES)."""
+    the subnormal 0 / 0.5 (weights/formats/mxfp4.py's FP4_VALUES)."""
     exponent = (codes >> 1) & 3
     mantissa = (codes & 1).astype(jnp.float32)
     power = jnp.where(exponent == 1, 1.0, jnp.where(exponent == 2, 2.0, 4.0))

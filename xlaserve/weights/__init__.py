@@ -1,7 +1,7 @@
 """Reading checkpoints into a sharded model: `load_model` reads safetensors, GGUF, Orbax and the
-quantized formats (each a TensorSource), through the conversion cache or as dummy weights; `put`
-places host arrays on the devices of several processes; `load_draft_head` a speculative draft
-head's weights."""
+quantized formats (formats: each a TensorSource), through the conversion cache or as dummy
+weights, keeping some quantized weights as stored (kept_quantized); `put` places host arrays on
+the devices of several processes; `load_draft_head` a speculative draft head's weights."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
@@ -15,6 +15,8 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "draft_head_builder": "draft_head", "hf_config_of": "draft_head",
     "load_draft_head": "draft_head",
     "load_server_draft_head": "draft_head",
+    "formats": "formats",
+    "kept_quantized": "kept_quantized",
     "put": "placement",
     "LoraAdapter": "lora_adapter", "LoraAdapterError": "lora_adapter",
     "load_adapter": "lora_adapter",

@@ -48,7 +48,7 @@ from typing import Iterator
 import numpy as np
 
 from xlaserve.cache_root import private_dir, xlaserve_cache_dir
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.weights.param_layout import SafetensorsSource
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ TOKENIZER_FILE = "tokenizer_config.json"  # written by every Hugging Face tokeni
 # (transformer.py: the parameter tree it fills) and these packages (gguf reads the tensors,
 # transformers and tokenizers build config and tokenizer). An edit converts again, once.
 # The code a converted model depends on, by path under xlaserve/: a change to any makes new entries.
-_CODE = ("model/config.py", "weights/param_layout.py", "weights/gguf_file.py", "weights/gguf_kept.py",
+_CODE = ("model/config/model_config.py", "model/config/rope_config.py", "weights/param_layout.py",
+         "weights/formats/gguf_file.py", "weights/kept_quantized/gguf_kept.py",
          "model/transformer.py", "weights/conversion_cache.py")
 _PACKAGE = Path(__file__).resolve().parents[1]  # xlaserve/
 _PACKAGES = ("gguf", "transformers", "tokenizers")

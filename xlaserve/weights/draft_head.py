@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.draft_heads import Eagle3Head, NextNHead, eagle3_capture_layers, nextn_config
 from xlaserve.model.sharding import partition_spec
 from xlaserve.weights.dummy_weights import dummy_values
@@ -31,7 +31,7 @@ from xlaserve.weights.loader import resolve_model_path
 from xlaserve.weights.param_layout import (SafetensorsSource, WeightError, _fetch, _fuse_qkv, _mlp,
                                            layer_weights)
 from xlaserve.weights.placement import put
-from xlaserve.weights.quantization import dequantizing_source
+from xlaserve.weights.formats.quantization import dequantizing_source
 from xlaserve.server_args import public_name
 
 logger = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from xlaserve.model.config import ModelConfig
-from xlaserve.model.int8 import QUANTIZED_TYPES, float_weight, quantize_placed
-from xlaserve.model.mxfp4_experts import Mxfp4Experts
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.weight_types.int8 import QUANTIZED_TYPES, float_weight, quantize_placed
+from xlaserve.model.weight_types.mxfp4_experts import Mxfp4Experts
 from xlaserve.model.registry import model_class
 from xlaserve.model.transformer import abstract_parameters
 

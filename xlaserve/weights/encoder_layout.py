@@ -1,4 +1,4 @@
-"""A BERT-family encoder's checkpoint tensors -> model/encoder.py's parameters (issue 54).
+"""A BERT-family encoder's checkpoint tensors -> model/encoders/encoder.py's parameters (issue 54).
 
 transformers' names, under a prefix that depends on how the checkpoint was saved: none for a
 BertModel / XLMRobertaModel (sentence-transformers' saves, most embedding models), `bert.` or
@@ -18,9 +18,9 @@ from typing import Iterator
 
 import numpy as np
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.weights.param_layout import WeightError, _fetch
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 PREFIXES = ("", "bert.", "roberta.")
 
@@ -36,7 +36,7 @@ def encoder_prefix(source: TensorSource) -> str:
 
 
 def encoder_weights(config: ModelConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
-    """`(param_path, array)` of every parameter of model/encoder.Encoder (a ModernBERT's:
+    """`(param_path, array)` of every parameter of model/encoders/encoder.Encoder (a ModernBERT's:
     `modernbert_weights`)."""
     if config.architecture == "ModernBertModel":
         yield from modernbert_weights(config, source)
@@ -83,8 +83,8 @@ def encoder_weights(config: ModelConfig, source: TensorSource) -> Iterator[tuple
 
 
 def modernbert_weights(config: ModelConfig, source: TensorSource):
-    """`(param_path, array)` of model/modernbert.ModernBert, from transformers' names (no prefix,
-    or `model.` for a model saved with a head):
+    """`(param_path, array)` of model/encoders/modernbert.ModernBert, from transformers' names (no
+    prefix, or `model.` for a model saved with a head):
 
         embeddings.tok_embeddings, embeddings.norm, final_norm
         layers.N.attn_norm (N > 0), layers.N.mlp_norm

@@ -1,6 +1,7 @@
 """A GGUF file into a model: converted once, then read back from the conversion cache
 (conversion_cache.py); with `keep_quantized`, its quantized matmul weights stay in their blocks
-(gguf_kept.py), read from the file on every load, and the cache holds the other parameters."""
+(kept_quantized/gguf_kept.py), read from the file on every load, and the cache holds the other
+parameters."""
 from __future__ import annotations
 
 import contextlib
@@ -11,10 +12,11 @@ import time
 import numpy as np
 from jax.sharding import Mesh
 
-from xlaserve.model.encoder_config import model_config_from_hf
+from xlaserve.model.config.encoder_config import model_config_from_hf
 from xlaserve.model.registry import model_class_check
 from xlaserve.server_args import public_name
-from xlaserve.weights import gguf_file, gguf_kept
+from xlaserve.weights.formats import gguf_file
+from xlaserve.weights.kept_quantized import gguf_kept
 from xlaserve.weights.conversion_cache import ConversionCache, ParamsWriter
 from xlaserve.weights.param_layout import convert
 from xlaserve.weights.placement import expected_parameters, place_model
@@ -28,8 +30,9 @@ def load_gguf(path: str, cache: ConversionCache | None, *, dtype, mesh: Mesh, pr
                activations: str = "float32"):
     """(config, model, tokenizer) of a GGUF file: from its conversion cache entry, or converted
     (and cached, with the file's own tokenizer, when `cache` is given). `keep_quantized`: its
-    quantized matmul weights stay in their blocks (gguf_kept.py), read from the file on every
-    load; the cache then holds the other parameters only. `activations`: gguf_kept.kept_weights'."""
+    quantized matmul weights stay in their blocks (kept_quantized/gguf_kept.py), read from the
+    file on every load; the cache then holds the other parameters only. `activations`:
+    gguf_kept.kept_weights'."""
     start = time.perf_counter()
     variant = gguf_kept.CACHE_VARIANT if keep_quantized else ""
     entry = cache.lookup(path, dtype, variant) if cache is not None else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.weights.param_layout import WeightError
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 K_NAMES = ("self_attn.k_scale", "self_attn.k_proj.k_scale", "self_attn.k_proj.output_scale",
            "self_attn.kv_scale")

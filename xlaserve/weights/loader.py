@@ -30,18 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from xlaserve.weights import checkpoint, gguf_file, gguf_kept, mxfp4_kept
-from xlaserve.model.config import ModelConfig
-from xlaserve.model.encoder_config import model_config_from_hf
+from xlaserve.weights import checkpoint
+from xlaserve.weights.formats import gguf_file
+from xlaserve.weights.kept_quantized import gguf_kept, mxfp4_kept
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.config.encoder_config import model_config_from_hf
 from xlaserve.weights.conversion_cache import ConversionCache
 from xlaserve.weights.dummy_weights import dummy_model
-from xlaserve.weights.fp8_kept import convert_kept, kept_quantization
+from xlaserve.weights.kept_quantized.fp8_kept import convert_kept, kept_quantization
 from xlaserve.weights.gguf_load import load_gguf
 from xlaserve.weights.kv_scales import kv_scales
-from xlaserve.model.int8 import (check_platform, check_quantization, quantize_model,
-                                 refuse_quantized_checkpoint)
+from xlaserve.model.weight_types.int8 import (check_platform, check_quantization, quantize_model,
+                                              refuse_quantized_checkpoint)
 from xlaserve.weights.placement import build_model, expected_parameters, place_model
-from xlaserve.weights.quantization import check_quantization_config, dequantizing_source
+from xlaserve.weights.formats.quantization import check_quantization_config, dequantizing_source
 from xlaserve.model.registry import model_class_check
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
@@ -237,7 +239,7 @@ def load_model(
     conversion_cache.default_root()) unless `conversion_cache` is False. `quantization` "int8" or
     "fp8": the dense matmuls' weights quantized at load (int8.py, fp8_weights.py; fp8 only where
     the mesh's devices have FP8 matmuls), from a float checkpoint only. An FP8 checkpoint stays
-    FP8 there too (fp8_kept.py), and is dequantized at load elsewhere.
+    FP8 there too (kept_quantized/fp8_kept.py), and is dequantized at load elsewhere.
     `matmul_backend` (runtime/executor/kernels.py): a GGUF's quantized weights stay quantized unless it is
     "xla" (XLA's dots take float weights) or the mesh is not a single CPU device;
     `quantized_activations` "q8" lays them out for the Q8 GEMM (gguf_kept.kept_weights).
@@ -324,9 +326,10 @@ def load_model(
 def _load_safetensors(source_path: str, source, config: ModelConfig, hf_config: dict, *, dtype,
                       mesh: Mesh, progress: bool, quantization: str | None):
     """The model of the Hugging Face checkpoint at `source_path` (its tensors `source`,
-    `_named_source`): an FP8 one kept in FP8 where the devices multiply FP8 (fp8_kept.py),
-    gpt-oss's MXFP4 experts kept with --quantization mxfp4 (mxfp4_kept.py), everything else
-    decoded at load (and quantized as `quantization` asks)."""
+    `_named_source`): an FP8 one kept in FP8 where the devices multiply FP8
+    (kept_quantized/fp8_kept.py), gpt-oss's MXFP4 experts kept with --quantization mxfp4
+    (kept_quantized/mxfp4_kept.py), everything else decoded at load (and quantized as `quantization`
+    asks)."""
     method = check_quantization_config(hf_config)
     refuse_quantized_checkpoint(quantization, method, source_path)
     if quantization == "mxfp4":  # the experts as stored, the rest decoded
@@ -337,7 +340,7 @@ def _load_safetensors(source_path: str, source, config: ModelConfig, hf_config: 
         return place_model(config, tensors, dtype=dtype, mesh=mesh, progress=progress,
                            abstract=expected_parameters(config, dtype, mesh, quantization))
     kept = None
-    if method == "fp8":  # kept in FP8 where the devices multiply FP8 (fp8_kept.py)
+    if method == "fp8":  # kept in FP8 where the devices multiply FP8 (kept_quantized/fp8_kept.py)
         kept = kept_quantization(hf_config["quantization_config"], source,
                                  expected_parameters(config, dtype, mesh)[1], mesh)
     if kept is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.lora import TARGET_MODULES, module_shapes, scaling
 from xlaserve.weights.loader import download
 

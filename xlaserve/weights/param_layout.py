@@ -1,8 +1,8 @@
 """Checkpoint tensors -> our parameter layout.
 
-A *tensor source* (tensor_source.py) answers `get(hf_name) -> np.ndarray` in the Hugging Face
-naming and layout (`[out_features, in_features]` for linear weights). Safetensors directories are
-one source, GGUF files another (they translate llama.cpp names and undo its q/k row
+A *tensor source* (formats/tensor_source.py) answers `get(hf_name) -> np.ndarray` in the Hugging
+Face naming and layout (`[out_features, in_features]` for linear weights). Safetensors directories
+are one source, GGUF files another (they translate llama.cpp names and undo its q/k row
 permutation), so the conversion to our fused layouts below is written once.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.mla import mla_weights
-from xlaserve.weights.mxfp4 import read_expert_weight
-from xlaserve.weights.quantization import check_float_tensor
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.weights.formats.mxfp4 import read_expert_weight
+from xlaserve.weights.formats.quantization import check_float_tensor
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 
 class WeightError(ValueError):
@@ -118,8 +118,8 @@ def _fetch(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarra
 def convert(config: ModelConfig, source: TensorSource,
             skip: frozenset = frozenset()) -> Iterator[tuple[tuple, np.ndarray]]:
     """Yield `(param_path, array)` for every parameter of `CausalLM`, in our layouts, but those in
-    `skip` (the caller has them: a GGUF's weights kept quantized, weights/gguf_kept.py), whose
-    tensors are not read."""
+    `skip` (the caller has them: a GGUF's weights kept quantized,
+    weights/kept_quantized/gguf_kept.py), whose tensors are not read."""
     c = config
     hidden = c.hidden_size
     if ("embedding",) not in skip:
@@ -220,9 +220,9 @@ def _gpt_oss_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tu
                      skip: frozenset = frozenset()):
     """gpt-oss's experts: stacked tensors `gate_up_proj [E, hidden, 2 * inter]`, its gate and up
     columns interleaved (gate 2i, up 2i + 1), and `down_proj [E, inter, hidden]`, each stored
-    plain or as MXFP4 blocks and scales (weights/mxfp4.py, decoded here into bfloat16, which holds
-    every MXFP4 value exactly; those in `skip` are kept in MXFP4 by weights/mxfp4_kept.py);
-    biases on the router and both projections."""
+    plain or as MXFP4 blocks and scales (weights/formats/mxfp4.py, decoded here into bfloat16, which
+    holds every MXFP4 value exactly; those in `skip` are kept in MXFP4 by
+    weights/kept_quantized/mxfp4_kept.py); biases on the router and both projections."""
     experts, hidden, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
     yield path + ("router",), _fetch(source, prefix + "router.weight", (experts, hidden)).T
     yield path + ("router_bias",), _fetch(source, prefix + "router.bias", (experts,))

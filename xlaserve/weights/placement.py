@@ -18,11 +18,11 @@ from flax import nnx
 from jax.sharding import Mesh, Sharding
 from tqdm.auto import tqdm
 
-from xlaserve.model.config import ModelConfig
-from xlaserve.model.fp8_weights import FP8_TYPES
-from xlaserve.model.int8 import QUANTIZED_TYPES, float_weight, quantize_placed
-from xlaserve.model.mxfp4_experts import Mxfp4Experts
-from xlaserve.model.quantized_rows import QuantizedLinear
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.weight_types.fp8_weights import FP8_TYPES
+from xlaserve.model.weight_types.int8 import QUANTIZED_TYPES, float_weight, quantize_placed
+from xlaserve.model.weight_types.mxfp4_experts import Mxfp4Experts
+from xlaserve.model.weight_types.quantized_rows import QuantizedLinear
 from xlaserve.model.registry import model_class
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.weights.encoder_layout import encoder_weights
@@ -79,10 +79,11 @@ def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bo
             if tuple(array.shape) != tuple(want.shape):
                 raise WeightError(f"parameter {path}: got shape {array.shape}, expected {want.shape}")
             # Multi-host: each process puts only its own devices' shards (`put`).
-            if isinstance(array, QuantizedLinear):  # GGUF blocks, placed already (gguf_kept.py)
+            # GGUF blocks, placed already (kept_quantized/gguf_kept.py)
+            if isinstance(array, QuantizedLinear):
                 loaded[path] = array
             elif isinstance(array, (*FP8_TYPES, Mxfp4Experts)):  # kept as the file has them
-                # (fp8_kept.py, mxfp4_kept.py)
+                # (kept_quantized/fp8_kept.py, mxfp4_kept.py)
                 loaded[path] = jax.tree.map(lambda part, where: put(part, where.sharding),
                                             array, want)
             elif isinstance(want, QUANTIZED_TYPES):

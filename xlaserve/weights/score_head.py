@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.weights.param_layout import SafetensorsSource, _fetch, with_decoder_names
 
 CROSS_ENCODERS = ("XLMRobertaForSequenceClassification", "BertForSequenceClassification")

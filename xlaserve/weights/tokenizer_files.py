@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from xlaserve.weights import gguf_file
+from xlaserve.weights.formats import gguf_file
 
 # Files of the tokenizer formats AutoTokenizer reads (tokenizer.json, tokenizer_config.json,
 # tokenizer.model, vocab.json + merges.txt, spiece.model, tekken.json, *.tiktoken, ...).

@@ -1,4 +1,4 @@
-"""A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint's vision tower -> model/qwen_vision.py's
+"""A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint's vision tower -> model/vision/qwen_vision.py's
 parameters, in
 the decoder's layouts (qkv [W, heads, 3, D], o_proj [heads, D, W], gate_up [W, 2, I], matrices
 [in, out]). The decoder beside it converts as a Qwen2's (param_layout.convert).
@@ -13,9 +13,9 @@ from typing import Iterator
 
 import numpy as np
 
-from xlaserve.model.vision_config import VisionConfig
+from xlaserve.model.config.vision_config import VisionConfig
 from xlaserve.weights.param_layout import _fetch
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 
 class VisionLanguageNames:

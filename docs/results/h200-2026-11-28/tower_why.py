@@ -2,7 +2,7 @@ import os, sys, time, re, collections
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
 from flax import nnx
-from xlaserve.model.vision_inputs import encoder_batch
+from xlaserve.model.vision.vision_inputs import encoder_batch
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.vision_encoder import device_args, tower_program
 from xlaserve.weights.loader import load_model

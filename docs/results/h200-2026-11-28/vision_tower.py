@@ -5,7 +5,7 @@ H, W = (int(n) for n in os.environ.get("GRID", "80x64").split("x")); P = H * W
 sys.path.insert(0, os.getcwd())
 import jax, numpy as np
 from flax import nnx
-from xlaserve.model.vision_inputs import encoder_batch
+from xlaserve.model.vision.vision_inputs import encoder_batch
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder, device_args, tower_program
 from xlaserve.weights.loader import load_model

@@ -29,7 +29,7 @@ def base_vocabulary(size: int) -> list[bytes]:
     order (a BPE vocabulary's order is its merge order)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from xlaserve.weights import gguf_file
+    from xlaserve.weights.formats import gguf_file
     from xlaserve.weights.loader import default_model_file
 
     byte_decoder = {c: b for b, c in bytes_to_unicode().items()}

@@ -2,10 +2,10 @@
 each row's log-sum-exp: the second half of multi-head latent attention's expanded form (model/
 mla.py). The first half, each token against its sequence's cached prefix, is the absorbed kernel
 with `prefix_only`; `reference.merge_by_lse` joins the two into the softmax over every key.
-With `causal=False` each token sees its whole sequence: an encoder's attention (model/encoder.py),
-whose sequences run whole in one step and keep no cache; `window` w > 0 (not causal only) limits
-it to the keys at most w positions away on either side (ModernBERT's local layers,
-model/modernbert.py).
+With `causal=False` each token sees its whole sequence: an encoder's attention
+(model/encoders/encoder.py), whose sequences run whole in one step and keep no cache; `window` w > 0
+(not causal only) limits it to the keys at most w positions away on either side (ModernBERT's local
+layers, model/encoders/modernbert.py).
 
 q [T, H, Dk], k [T, H, Dk], v [T, H, Dv]: the new tokens in the batch's order (cu_q_lens), keys
 and values already expanded per head; padding tokens (past cu_q_lens[num_seqs]) attend to one

@@ -5,7 +5,7 @@ The chat template writes one placeholder token (`image_token_id`, `<|image_pad|>
 resized to whole 28-pixel squares between min_pixels and max_pixels, normalized, cut in patches),
 the vision tower (runtime/executor/vision_encoder.py: once per image, cached by its pixels'
 hash), expands each placeholder to the image's tokens, and computes the prompt's multimodal
-RoPE positions (model/vision_inputs.mrope_positions). Called off the event loop (it decodes
+RoPE positions (model/vision/vision_inputs.mrope_positions). Called off the event loop (it decodes
 pixels and waits for the device); nothing here touches the engine's loop state.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from xlaserve.model.vision_inputs import mrope_positions
+from xlaserve.model.vision.vision_inputs import mrope_positions
 from xlaserve.runtime.executor.forward_batch import ForwardBatch
 from xlaserve.runtime.executor.multimodal_rows import MultimodalPrompt, add_multimodal_rows
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder

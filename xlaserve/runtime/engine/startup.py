@@ -38,7 +38,7 @@ from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
 from xlaserve.runtime.executor.host_kv_pool import HostKvPool, HostTierCopies, host_tier_pages
 from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
-from xlaserve.model.quantized_rows import native_gemm_available
+from xlaserve.model.weight_types.quantized_rows import native_gemm_available
 from xlaserve.runtime.executor.draft_head import DraftHead
 from xlaserve.runtime.executor.draft_model import DraftModel
 from xlaserve.weights.draft_head import load_server_draft_head

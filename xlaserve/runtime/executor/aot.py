@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.lora import LoraSpec
 from xlaserve.weights.draft_head import draft_head_builder, hf_config_of

@@ -80,7 +80,7 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
             new_token_attention=new)
     if platform == "gpu" and (mesh is None or mesh.size == 1):
         # A custom call is not split by XLA's partitioner: on a mesh, FP8 checkpoints with block
-        # scales are dequantized at load (weights/fp8_kept.py) and this stays None.
+        # scales are dequantized at load (weights/kept_quantized/fp8_kept.py) and this stays None.
         kernels = dataclasses.replace(kernels, fp8_block_matmul=block_fp8_matmul)
     if mesh is not None and mesh.size > 1:
         # The experts under shard_map on any mesh, expert axis or not: left to XLA's partitioner,

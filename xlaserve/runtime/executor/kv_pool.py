@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.server_args.platform_defaults import device_memory
 from xlaserve.model.sharding import kv_cache_spec
 from xlaserve.model.transformer import kv_cache_shape
@@ -63,7 +63,7 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
         significant_bits = 4
     if config.mla is not None:  # the latent cache is whole on every device (kv_cache_spec)
         tensor_parallel = 1
-    if config.bidirectional:  # no cache (model/encoder.py): pages are bookkeeping only,
+    if config.bidirectional:  # no cache (model/encoders/encoder.py): pages are bookkeeping only,
         return pages_for_tokens(NO_CACHE_TOKENS, page_size) + 1  # the scheduler's admission
     per_page = (bytes_per_token(config, dtype, device.platform, draft_head) * page_size
                 // tensor_parallel)
@@ -83,7 +83,7 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
     """The pool's arrays as jax.ShapeDtypeStruct, with their sharding: what a step is lowered for
     before the pool exists. With a speculative draft head, two more after the layers'
     (`DraftHeadPool`)."""
-    if config.bidirectional:  # an encoder keeps no cache (model/encoder.py)
+    if config.bidirectional:  # an encoder keeps no cache (model/encoders/encoder.py)
         return []
     platform = mesh.devices.flat[0].platform
     sharding = NamedSharding(mesh, kv_cache_spec(config))

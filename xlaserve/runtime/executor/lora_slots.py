@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.server_args import DEFAULT_MAX_RANK, TARGET_MODULES, target_modules_of
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.lora import LoraSpec, module_shapes, slot_shapes
 from xlaserve.native import gemm_cpu
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError

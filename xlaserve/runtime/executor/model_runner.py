@@ -60,8 +60,8 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.lora import LoraSpec
-from xlaserve.model.packed import pack_model
-from xlaserve.model.quantized_rows import check_quantized_rows, native_gemm_available
+from xlaserve.model.weight_types.packed import pack_model
+from xlaserve.model.weight_types.quantized_rows import check_quantized_rows, native_gemm_available
 from xlaserve.weights.placement import put
 from xlaserve.runtime.executor.forward_batch import ForwardBatch, sample_rows_for
 from xlaserve.runtime.host.huge_pages import advise_huge_pages

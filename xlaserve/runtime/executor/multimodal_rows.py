@@ -2,7 +2,7 @@
 
 `MultimodalPrompt` is what a request with images carries (`Request.multimodal`, built by the
 engine from the vision tower's output): each image's rows of decoder embeddings, which prompt
-tokens take them, every prompt token's multimodal RoPE position (model/vision_inputs.py), and
+tokens take them, every prompt token's multimodal RoPE position (model/vision/vision_inputs.py), and
 its prefix-cache key. `add_multimodal_rows` writes a step's share of them into its ForwardBatch:
 an image token's id becomes -1 and its row of `input_embeds` the image's (the model takes that
 row in place of the token's embedding: CausalLM.hidden_states), and `rope_positions` holds the

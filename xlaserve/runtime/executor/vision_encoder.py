@@ -1,9 +1,9 @@
-"""VisionEncoder: a vision model's tower (model/qwen_vision.py) run over images, precompiled
+"""VisionEncoder: a vision model's tower (model/vision/qwen_vision.py) run over images, precompiled
 per patch bucket, its output cached by image (issue 55).
 
 Each call packs as many waiting images as fit the largest bucket into one run of the tower
-(the images' attention kept apart by their segments: model/vision_inputs.encoder_batch), padded
-to the smallest bucket that holds them: powers of two from MIN_PATCHES up to the largest
+(the images' attention kept apart by their segments: model/vision/vision_inputs.encoder_batch),
+padded to the smallest bucket that holds them: powers of two from MIN_PATCHES up to the largest
 image's patches (`max_patches`, from the processor's max_pixels), each compiled at start-up, so
 no image compiles while serving. An image's rows are kept by its hash (the processed pixels')
 in a least-recently-used cache of `cache_tokens` decoder tokens: a conversation that sends an
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from xlaserve.model.vision_inputs import encoder_batch
+from xlaserve.model.vision.vision_inputs import encoder_batch
 from xlaserve.runtime.executor.forward_batch import pow2_buckets
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def tower_program(graphdef, kernels):
 
 
 def device_args(batch) -> dict:
-    """The tower's arguments of an EncoderBatch (model/vision_inputs.py)."""
+    """The tower's arguments of an EncoderBatch (model/vision/vision_inputs.py)."""
     return {"patches": batch.patches, "cos": batch.cos, "sin": batch.sin,
             "cu_windows": batch.cu_windows, "num_windows": batch.num_windows,
             "cu_images": batch.cu_images, "num_images": batch.num_images,

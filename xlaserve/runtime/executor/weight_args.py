@@ -3,9 +3,9 @@
 Every argument of a jitted call costs host time on every call (PjRt's per-buffer bookkeeping:
 ~10 us each on a 2-core CPU), and the default model has 182 weight leaves, ~2 ms of a 27 ms
 one-token step. So a leaf that is the same array as another (the layers' views of one stack of
-packed weights, model/packed.py) goes once, and on a single device the small leaves of one shape
-and dtype (norm scales, biases) go as one stacked array that the step slices back: a slice of a
-few KiB costs nothing next to the step. On TPU the layers' weights of one kind go stacked too
+packed weights, model/weight_types/packed.py) goes once, and on a single device the small leaves of
+one shape and dtype (norm scales, biases) go as one stacked array that the step slices back: a slice
+of a few KiB costs nothing next to the step. On TPU the layers' weights of one kind go stacked too
 (`stack_layers`: XLA's TPU compiler charged separate weight arguments 2.4-5x their bytes, and a
 stack reads in place), but for a mixture of experts' weights, which the grouped matmul's custom
 call would take as a copy of its layer's slice; on CPU and GPU a big leaf stays an argument of

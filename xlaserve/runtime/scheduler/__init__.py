@@ -1,7 +1,7 @@
 """Host bookkeeping, standard library only: which requests run which tokens in the next step
 (`Scheduler`), what it keeps per request (`Request`) and hands the executor (`ScheduledBatch`,
 `SeqChunk`, `DecodeRows`), the KV pages' allocator and prefix cache, and speculative decoding's
-drafts and acceptance (`SpeculativeConfig`, `DraftTree`)."""
+drafts and acceptance (`Speculator`, `SpeculativeConfig`, `DraftTree`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
@@ -12,6 +12,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "SampledRow": "request", "ScheduledBatch": "request", "SeqChunk": "request",
     "max_step_tokens": "scheduler", "Scheduler": "scheduler",
     "DraftTree": "speculation", "row_depths": "speculation", "SpeculativeConfig": "speculation",
+    "Speculator": "speculation",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

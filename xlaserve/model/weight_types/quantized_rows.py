@@ -1,7 +1,7 @@
 """Matmul weights kept quantized in rows of blocks, multiplied by the CPU's native quantized GEMM
 (native/quantized_gemm_cpu.py): GGUF's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K as the file stores them
-(weights/gguf_kept.py), and `--quantization int8` on a single CPU device ("i8_row": a float32 scale
-and K int8 values per row).
+(weights/kept_quantized/gguf_kept.py), and `--quantization int8` on a single CPU device ("i8_row": a
+float32 scale and K int8 values per row).
 
 A `QuantizedRows` is one matrix used as y = x @ W.T: `rows` uint8 [N, row_bytes], row n being
 output n's K inputs as consecutive blocks, or a stack of every layer's [L, N, row_bytes] of which
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.model.whole_weight import ReadWhole
+from xlaserve.model.weight_types.whole_weight import ReadWhole
 from xlaserve.native import quantized_gemm_cpu
 from xlaserve.native.build import KernelUnavailable
 

@@ -32,14 +32,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.model import fp8_weights
-from xlaserve.model.fp8_weights import FP8_TYPES, Fp8Matrix
-from xlaserve.model.mxfp4_experts import MXFP4_KEPT
-from xlaserve.model.mxfp4_experts import abstract_mxfp4
-from xlaserve.model.whole_weight import ReadWhole
+from xlaserve.model.weight_types import fp8_weights
+from xlaserve.model.weight_types.fp8_weights import FP8_TYPES, Fp8Matrix
+from xlaserve.model.weight_types.mxfp4_experts import MXFP4_KEPT
+from xlaserve.model.weight_types.mxfp4_experts import abstract_mxfp4
+from xlaserve.model.weight_types.whole_weight import ReadWhole
 
 # "mxfp4" quantizes nothing: it keeps a gpt-oss checkpoint's MXFP4 experts as they are stored
-# (mxfp4_experts.py, weights/mxfp4_kept.py), where they would be decoded to the model dtype.
+# (mxfp4_experts.py, weights/kept_quantized/mxfp4_kept.py), where they would be decoded to the
+# model dtype.
 QUANTIZATIONS = ("int8", "fp8", "mxfp4")
 # The quantized leaves, by name, with how many of their leading axes are contracted.
 QUANTIZED_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1}
@@ -68,8 +69,9 @@ class Int8Matrix(ReadWhole):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Checkpoint:
-    """The quantization of an FP8 checkpoint kept in FP8 (weights/fp8_kept.py): its weights as
-    `Fp8BlockMatrix`es of `block_k` K blocks, or per-channel `Fp8Matrix`es (block_k None)."""
+    """The quantization of an FP8 checkpoint kept in FP8 (weights/kept_quantized/fp8_kept.py):
+    its weights as `Fp8BlockMatrix`es of `block_k` K blocks, or per-channel `Fp8Matrix`es
+    (block_k None)."""
 
     block_k: int | None = None
 

@@ -1,6 +1,6 @@
-"""A mixture of experts' weight kept in MXFP4, as gpt-oss's checkpoint stores it (weights/mxfp4.py):
-four bits a weight and one E8M0 scale a group of 32 input features, multiplied on GPU by
-pallas_kernels/grouped_matmul_mxfp4.py, which decodes them in registers.
+"""A mixture of experts' weight kept in MXFP4, as gpt-oss's checkpoint stores it
+(weights/formats/mxfp4.py): four bits a weight and one E8M0 scale a group of 32 input features,
+multiplied on GPU by pallas_kernels/grouped_matmul_mxfp4.py, which decodes them in registers.
 
     experts_gate_up: blocks uint8 [E, 2, I, K/32, 16], scales uint8 [E, 2, I, K/32]
                      (gate's output features, then up's: our gate_up [E, K, 2, I] layout)
@@ -10,9 +10,10 @@ Output features lead, input features are packed last (the checkpoint's orientati
 layout is [E, K, N...]). Sharded as the float weights are (`partition_specs`): experts over
 "expert", the intermediate axis over "tensor" (gate_up's I; down's I/32 groups).
 
-Made by `--quantization mxfp4` from a gpt-oss checkpoint (weights/mxfp4_kept.py) or as dummy
-weights, on NVIDIA GPU meshes (int8.check_platform) whose devices each hold whole 64-feature K
-steps of both experts (`mxfp4_mesh_problem`); model/moe.py multiplies it where a model holds one.
+Made by `--quantization mxfp4` from a gpt-oss checkpoint (weights/kept_quantized/mxfp4_kept.py) or
+as dummy weights, on NVIDIA GPU meshes (int8.check_platform) whose devices each hold whole
+64-feature K steps of both experts (`mxfp4_mesh_problem`); model/moe.py multiplies it where a model
+holds one.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.model.whole_weight import ReadWhole
+from xlaserve.model.weight_types.whole_weight import ReadWhole
 
 GROUP = 32  # input features sharing one scale
 

@@ -16,9 +16,10 @@ import math
 import jax
 from flax import nnx
 
-from xlaserve.model.int8 import Int8Matrix
-from xlaserve.model.quantized_rows import QuantizedLinear, embed_rows, int8_rows, stack_layers
-from xlaserve.model.whole_weight import ReadWhole
+from xlaserve.model.weight_types.int8 import Int8Matrix
+from xlaserve.model.weight_types.quantized_rows import (QuantizedLinear, embed_rows, int8_rows,
+                                                        stack_layers)
+from xlaserve.model.weight_types.whole_weight import ReadWhole
 from xlaserve.native import gemm_cpu, quantized_gemm_cpu
 
 # The leaves that are matmul weights, with how many of their leading axes are contracted.

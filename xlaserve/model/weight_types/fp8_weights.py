@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.model.whole_weight import ReadWhole
+from xlaserve.model.weight_types.whole_weight import ReadWhole
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value

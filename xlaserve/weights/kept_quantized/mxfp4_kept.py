@@ -1,8 +1,8 @@
 """`--quantization mxfp4`: a gpt-oss checkpoint's MXFP4 experts kept as stored, four bits a weight
-and one E8M0 scale a group of 32, on the GPU (model/mxfp4_experts.py's Mxfp4Experts, multiplied by
-pallas_kernels/grouped_matmul_mxfp4.py), where the loader otherwise decodes them to bfloat16
-(weights/mxfp4.py). A quarter of the experts' bytes: gpt-oss-120b's decoded experts are 234 GB
-(several GPUs), kept ~61 GB (one H100 or H200).
+and one E8M0 scale a group of 32, on the GPU (model/weight_types/mxfp4_experts.py's Mxfp4Experts,
+multiplied by pallas_kernels/grouped_matmul_mxfp4.py), where the loader otherwise decodes them to
+bfloat16 (weights/formats/mxfp4.py). A quarter of the experts' bytes: gpt-oss-120b's decoded experts
+are 234 GB (several GPUs), kept ~61 GB (one H100 or H200).
 
 The bytes are the file's own. gate_up's rows are gate's and up's output features interleaved
 (gate 2i, up 2i + 1, as param_layout._deinterleave reads the decoded matrix); kept, they are
@@ -23,10 +23,10 @@ import numpy as np
 import jax
 from flax import nnx
 
-from xlaserve.model.config import ModelConfig
-from xlaserve.model.mxfp4_experts import MXFP4_KEPT, Mxfp4Experts, mxfp4_mesh_problem
-from xlaserve.weights.mxfp4 import GROUP, Mxfp4Error, first_overflowing_scale
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.weight_types.mxfp4_experts import MXFP4_KEPT, Mxfp4Experts, mxfp4_mesh_problem
+from xlaserve.weights.formats.mxfp4 import GROUP, Mxfp4Error, first_overflowing_scale
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 SMALLEST_SCALE = 2  # 2**-125: the smallest value, 0.5 of it, is float32's smallest normal
 

@@ -1,13 +1,13 @@
-"""FP8 checkpoints (fp8.py's format) kept in FP8 on a GPU with FP8 matmuls, instead of dequantized
-at load: each dense projection (qkv, o_proj, gate_up, down, a shared expert's) keeps the file's
-float8_e4m3fn values and scales (fp8_weights.py), so a decode step reads one byte per weight.
+"""FP8 checkpoints (formats/fp8.py's format) kept in FP8 on a GPU with FP8 matmuls, instead of
+dequantized at load: each dense projection (qkv, o_proj, gate_up, down, a shared expert's) keeps the
+file's float8_e4m3fn values and scales (fp8_weights.py), so a decode step reads one byte per weight.
 
     per-channel or per-tensor scales    -> Fp8Matrix, the FP8 x FP8 dot of `--quantization fp8`
     [bm, bk] block scales (128 x 128)   -> Fp8BlockMatrix, pallas_kernels/fp8_block_matmul.py
 
-Everything else (embedding, LM head, norms, routers, the experts) is dequantized exactly as fp8.py
-does (the float32 product rounded once into the serving dtype); static activation scales are
-not applied (activations are quantized per token at each step, as with dynamic ones).
+Everything else (embedding, LM head, norms, routers, the experts) is dequantized exactly as
+formats/fp8.py does (the float32 product rounded once into the serving dtype); static activation
+scales are not applied (activations are quantized per token at each step, as with dynamic ones).
 
 Kept only where `kept_quantization` says: the mesh's devices have FP8 matmuls, every dense
 projection of the file has a scale (a checkpoint that leaves some in float, e.g. through
@@ -23,7 +23,7 @@ pair gives, per parameter, the FP8 values and the scale of each of their element
 whatever the conversion does; a projection keeps the scales of its first K index (per channel)
 or of each K block's first index (block scales, whose K blocks are contiguous in our contracted
 axes as in the file's input axis). The float32 scale copy costs 4 bytes a weight of host memory
-per tensor while it is converted, like fp8.py's float32 tiles.
+per tensor while it is converted, like formats/fp8.py's float32 tiles.
 """
 from __future__ import annotations
 
@@ -34,12 +34,13 @@ import re
 import ml_dtypes
 import numpy as np
 
-from xlaserve.model.config import ModelConfig
-from xlaserve.weights.fp8 import (FP8_DTYPE, SCALE_SUFFIX, Fp8Error, Fp8Source, check_fp8_config,
-                                check_fp8_tensor)
-from xlaserve.model.fp8_weights import FP8_TYPES, Fp8BlockMatrix, Fp8Matrix, fp8_platform_problem
-from xlaserve.model.int8 import QUANTIZED_WEIGHTS, Fp8Checkpoint, quantizes
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.weights.formats.fp8 import (FP8_DTYPE, SCALE_SUFFIX, Fp8Error, Fp8Source,
+                                          check_fp8_config, check_fp8_tensor)
+from xlaserve.model.weight_types.fp8_weights import (FP8_TYPES, Fp8BlockMatrix, Fp8Matrix,
+                                                     fp8_platform_problem)
+from xlaserve.model.weight_types.int8 import QUANTIZED_WEIGHTS, Fp8Checkpoint, quantizes
+from xlaserve.weights.formats.tensor_source import TensorSource
 from xlaserve.weights.param_layout import convert
 from xlaserve.pallas_kernels.fp8_block_matmul import supports
 
@@ -139,7 +140,8 @@ def _nan_everywhere(scale: np.ndarray) -> bool:
 
 
 def _codes(weight: np.ndarray, scale_inv: np.ndarray, block_size, dtype, name: str) -> np.ndarray:
-    """An FP8 tensor's values as float16 (exact), after fp8.py's checks; a NaN code is refused."""
+    """An FP8 tensor's values as float16 (exact), after formats/fp8.py's checks; a NaN code is
+    refused."""
     check_fp8_tensor(weight, scale_inv, block_size, name)
     codes = _FP8_TO_FLOAT16[np.asarray(weight).view(np.uint8)]
     if np.isnan(codes).any():

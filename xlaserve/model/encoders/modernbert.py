@@ -7,9 +7,9 @@ transformers' ModernBertModel.
     -> final LayerNorm of every token's row
 
 No biases; LayerNorms without one unless the config says `norm_bias`. Attention is
-bidirectional (model/encoder.py says how an encoder runs in the serving step); a local layer's
-token sees the keys at most `local_window` positions away on either side, a global layer's the
-whole input, each with RoPE of its own theta (computed here from the positions: the server's
+bidirectional (model/encoders/encoder.py says how an encoder runs in the serving step); a local
+layer's token sees the keys at most `local_window` positions away on either side, a global layer's
+the whole input, each with RoPE of its own theta (computed here from the positions: the server's
 RoPE table is one theta's).
 """
 from __future__ import annotations
@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlaserve.model.config import ModelConfig, RopeConfig
-from xlaserve.model.encoder import LayerNorm
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.config.rope_config import RopeConfig
+from xlaserve.model.encoders.encoder import LayerNorm
 from xlaserve.model.layers import (Kernels, apply_rope, init_weight, matmul_input_dtype, project,
                                    split_qkv)
-from xlaserve.model.packed import embed
+from xlaserve.model.weight_types.packed import embed
 from xlaserve.model.pooling import pool_sequences, reduce_chunks
 from xlaserve.model.transformer import rope_angles
 
@@ -61,7 +62,7 @@ class ModernBert(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         c, e = config, config.encoder
         self.config = c
-        # Gathered, never multiplied: whole on every device (model/encoder.py).
+        # Gathered, never multiplied: whole on every device (model/encoders/encoder.py).
         self.word_embedding = nnx.Param(init_weight(rngs, (c.vocab_size, c.hidden_size), dtype))
         self.embedding_norm = LayerNorm(c.hidden_size, e.layer_norm_eps, dtype, e.norm_bias)
         self.layers = nnx.List([ModernBertLayer(c, i, dtype, rngs) for i in range(c.num_layers)])

@@ -3,114 +3,18 @@
 Llama, Mistral, Qwen2 and Qwen3 differ only in switches (qkv bias, per-head q/k norm, sliding
 window, tied embeddings, explicit head_dim), and Qwen2-MoE, Qwen3-MoE and Mixtral add experts in
 place of some or all MLPs, so one frozen dataclass covers them. It is built from
-`transformers`' config object so every field name quirk (`rope_scaling` vs `rope_parameters`,
-missing `head_dim`, Qwen's `layer_types`) is resolved in exactly one place.
+`transformers`' config object so every field name quirk (missing `head_dim`, Qwen's
+`layer_types`; RoPE's `rope_scaling` vs `rope_parameters` in rope_config.py) is resolved in
+exactly one place.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-import numpy as np
-
+from xlaserve.model.config.rope_config import RopeConfig, rope_from_hf, yarn_mscale
+from xlaserve.model.config.vision_config import VisionConfig
 from xlaserve.model.routing import RouterConfig
-from xlaserve.model.vision_config import VisionConfig
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3 | yarn
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    # YaRN only: the ramp between extrapolated (fast) and interpolated (slow) frequencies, in
-    # rotations over the original context; `truncate` rounds its ends to whole dimensions.
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    # YaRN's cos/sin scale as the config gives it (None: derived from `factor`, with DeepSeek's
-    # mscale / mscale_all_dim when both are set); see `attention_factor`.
-    configured_attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    # Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): the rotation pairs' split among the temporal,
-    # height and width positions (each token has three; a text token's are equal, so its RoPE
-    # is the plain one); () for a plain RoPE. runtime/executor/step_program.RopeTable applies it.
-    mrope_section: tuple[int, ...] = ()
-    # Qwen3-VL: the pairs' axes interleaved (t, h, w, t, h, w, ...: pair j takes height where
-    # j % 3 == 1 and j < 3 x section[1], width likewise, else time) instead of in sections.
-    mrope_interleaved: bool = False
-
-    def inv_freq(self, head_dim: int) -> np.ndarray:
-        """Per-pair rotation frequencies, float32, the way transformers computes them."""
-        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
-        pos_freqs = self.theta ** exponents
-        inv_freq = 1.0 / pos_freqs
-        if self.kind == "linear":
-            inv_freq = inv_freq / self.factor
-        elif self.kind == "llama3":
-            inv_freq = _llama3_scale(inv_freq, self)
-        elif self.kind == "yarn":
-            inv_freq = _yarn_blend(pos_freqs, head_dim, self)
-        return inv_freq.astype(np.float32)
-
-    @property
-    def attention_factor(self) -> float:
-        """What transformers multiplies cos and sin by (YaRN's "mscale"); 1.0 but for YaRN."""
-        if self.kind != "yarn":
-            return 1.0
-        if self.configured_attention_factor is not None:
-            return float(self.configured_attention_factor)
-        if self.mscale and self.mscale_all_dim:
-            return float(_yarn_mscale(self.factor, self.mscale)
-                         / _yarn_mscale(self.factor, self.mscale_all_dim))
-        return _yarn_mscale(self.factor)
-
-
-def _llama3_scale(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    old_len = rope.original_max_position_embeddings
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(is_medium, blended, scaled)
-
-
-def _yarn_blend(pos_freqs: np.ndarray, head_dim: int, rope: RopeConfig) -> np.ndarray:
-    # YaRN (transformers' _compute_yarn_parameters, same float32 operations in the same order):
-    # pairs that turn more than beta_fast times over the original context keep their frequency
-    # (extrapolation), those that turn fewer than beta_slow times are slowed by `factor`
-    # (interpolation), and a linear ramp over the pair index blends the two between.
-    extrapolation = 1.0 / pos_freqs
-    interpolation = 1.0 / (rope.factor * pos_freqs)
-    low = _yarn_correction_dim(rope.beta_fast, head_dim, rope)
-    high = _yarn_correction_dim(rope.beta_slow, head_dim, rope)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    extrapolation_weight = 1 - ramp
-    return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
-
-
-def _yarn_correction_dim(num_rotations: float, head_dim: int, rope: RopeConfig) -> float:
-    """The (fractional) pair index whose pair turns `num_rotations` times over the original
-    context."""
-    turns = rope.original_max_position_embeddings / (num_rotations * 2 * math.pi)
-    return head_dim * math.log(turns) / (2 * math.log(rope.theta))
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    # The YaRN paper's attention temperature, sqrt(1/t) = 0.1 ln(s) + 1.
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +50,7 @@ def mla_from_hf(hf_config, v3: bool) -> MLAConfig:
     scale = (nope + rope) ** -0.5
     if (params.get("rope_type") or params.get("type") or "default") != "default":
         if mscale_all_dim := params.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
-            scale *= _yarn_mscale(params.get("factor") or 1.0, mscale_all_dim) ** 2
+            scale *= yarn_mscale(params.get("factor") or 1.0, mscale_all_dim) ** 2
     return MLAConfig(q_lora_rank=hf_config.q_lora_rank or 0, kv_lora_rank=hf_config.kv_lora_rank,
                      qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                      v_head_dim=hf_config.v_head_dim,
@@ -156,8 +60,8 @@ def mla_from_hf(hf_config, v3: bool) -> MLAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
-    """A BERT-family encoder's own fields (model/encoder.py): the embeddings' token types and
-    position offset, the LayerNorms' epsilon, the MLP's GELU."""
+    """A BERT-family encoder's own fields (model/encoders/encoder.py): the embeddings' token types
+    and position offset, the LayerNorms' epsilon, the MLP's GELU."""
 
     type_vocab_size: int
     layer_norm_eps: float
@@ -165,17 +69,17 @@ class EncoderConfig:
     # padding row), BERT's 0.
     position_offset: int
     activation: str  # "gelu" (erf) or "gelu_tanh"
-    # ModernBERT (model/modernbert.py): RoPE's theta in the global and the local layers (None:
-    # BERT's learned positions), each layer's kind (True: local), a local layer's keys at most
-    # `local_window` positions away on either side, LayerNorms with a bias or not.
+    # ModernBERT (model/encoders/modernbert.py): RoPE's theta in the global and the local layers
+    # (None: BERT's learned positions), each layer's kind (True: local), a local layer's keys at
+    # most `local_window` positions away on either side, LayerNorms with a bias or not.
     rope_thetas: tuple[float, float] | None = None
     local_layers: tuple[bool, ...] = ()
     local_window: int = 0
     norm_bias: bool = True
 
 
-# The encoders' architectures (model/encoder.py, model/modernbert.py; their configs:
-# model/encoder_config.py).
+# The encoders' architectures (model/encoders/encoder.py, model/encoders/modernbert.py; their
+# configs: model/config/encoder_config.py).
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "BertForSequenceClassification",
                          "XLMRobertaForSequenceClassification", "ModernBertModel")
 
@@ -233,14 +137,14 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py); None: the usual attention.
     # `head_dim` is then the RoPE'd part's (the RoPE tables' width).
     mla: MLAConfig | None = None
-    # A BERT-family encoder (model/encoder.py): bidirectional attention, no KV cache, no RoPE
-    # (`rope` unused), post-LayerNorms of epsilon `encoder.layer_norm_eps`; None: a decoder.
+    # A BERT-family encoder (model/encoders/encoder.py): bidirectional attention, no KV cache, no
+    # RoPE (`rope` unused), post-LayerNorms of epsilon `encoder.layer_norm_eps`; None: a decoder.
     encoder: EncoderConfig | None = None
     # Every token attends to its whole input: an encoder's, or a decoder's run as one (vLLM's
     # --hf-overrides is_causal false: gte-Qwen2-7B-instruct). No KV cache, each input whole in
     # one step (an embedding server's alone).
     bidirectional: bool = False
-    # A vision-language model's vision tower (model/qwen_vision.py); None: text only.
+    # A vision-language model's vision tower (model/vision/qwen_vision.py); None: text only.
     vision: VisionConfig | None = None
     # Per layer, an FP8 KV cache's (k_scale, v_scale) as the checkpoint gives them
     # (model/fp8_kv_cache.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
@@ -306,7 +210,7 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, architecture: str) -> "ModelConfig":
         """Build from a `transformers.PretrainedConfig` of a supported `architecture` (see
         `registry.py`, which checks that first)."""
-        if architecture in ENCODER_ARCHITECTURES:  # model/encoder_config.py builds those
+        if architecture in ENCODER_ARCHITECTURES:  # model/config/encoder_config.py builds those
             raise ValueError(f"{architecture} is an encoder: model_config_from_hf reads it")
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError(f"{architecture} with mlp_bias=True is not supported")
@@ -335,7 +239,7 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope=_rope_from_hf(hf_config),
+            rope=rope_from_hf(hf_config),
             max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=(is_qwen2 and bool(getattr(hf_config, "qkv_bias", True))) or attention_bias,
@@ -348,66 +252,6 @@ class ModelConfig:
             mla=mla,
             **_experts_from_hf(hf_config, architecture),
         )
-
-
-def _rope_from_hf(hf_config: Any) -> RopeConfig:
-    # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`; older configs
-    # (and older transformers) keep them apart.
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    if not params:
-        params = dict(scaling)
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind == "mrope":  # older Qwen2-VL configs: the default RoPE, split by mrope_section
-        kind = "default"
-    if (getattr(hf_config, "partial_rotary_factor", None) or 1.0) != 1.0 or \
-            params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    if kind not in _ROPE_KINDS:
-        raise ValueError(f"rope type {kind!r} is not supported "
-                         f"(supported: {', '.join(_ROPE_KINDS)})")
-    fields = dict(
-        theta=float(params.get("rope_theta", 10000.0)),
-        kind=kind,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        mrope_section=tuple(int(n) for n in params.get("mrope_section", ())),
-    )
-    if kind == "yarn":
-        fields.update(_yarn_fields(params, hf_config))
-    else:
-        fields.update(factor=float(params.get("factor", 1.0)), original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", 8192)))
-    return RopeConfig(**fields)
-
-
-_ROPE_KINDS = ("default", "linear", "llama3", "yarn")
-
-
-def _yarn_fields(params: dict, hf_config: Any) -> dict:
-    """RopeConfig's YaRN fields, read the way transformers' _compute_yarn_parameters reads them."""
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
-    # transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3
-    # style) wins, else the rope dict's, else max_position_embeddings (transformers >= 5 has
-    # already done it in rope_parameters; repeated for older ones).
-    original = (getattr(hf_config, "original_max_position_embeddings", None)
-                or params.get("original_max_position_embeddings") or max_positions)
-    factor = params["factor"]  # transformers' config refuses a yarn dict without one
-    if factor is None:  # DeepSeek-V3 style: the ratio of the extended to the original context
-        factor = max_positions / original
-    return dict(
-        factor=float(factor), original_max_position_embeddings=int(original),
-        beta_fast=float(params.get("beta_fast") or 32),  # `or`: 0 or None is the default there too
-        beta_slow=float(params.get("beta_slow") or 1),
-        truncate=bool(params.get("truncate", True)),
-        configured_attention_factor=_float_or_none(params.get("attention_factor")),
-        mscale=_float_or_none(params.get("mscale")),
-        mscale_all_dim=_float_or_none(params.get("mscale_all_dim")))
-
-
-def _float_or_none(value) -> float | None:
-    return None if value is None else float(value)
 
 
 def _sliding_windows_from_hf(hf_config: Any, architecture: str) -> tuple[int | None, ...]:

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlaserve.model.config import ModelConfig
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.layers import Kernels, init_weight, matmul_input_dtype, project, split_qkv
-from xlaserve.model.packed import embed
+from xlaserve.model.weight_types.packed import embed
 from xlaserve.model.pooling import pool_sequences, reduce_chunks
 
 

@@ -12,12 +12,13 @@ import dataclasses
 
 import numpy as np
 
-from xlaserve.model.vision_config import VisionConfig
+from xlaserve.model.config.vision_config import VisionConfig
 
 
 @dataclasses.dataclass
 class EncoderBatch:
-    """One call of the vision tower (model/qwen_vision.VisionTower), padded to `patches` rows."""
+    """One call of the vision tower (model/vision/qwen_vision.VisionTower), padded to `patches`
+    rows."""
 
     patches: np.ndarray  # f32[P, patch_dim], in the tower's order (window order in Qwen2.5-VL)
     cos: np.ndarray  # f32[P, head_dim / 2]: each patch's 2D RoPE

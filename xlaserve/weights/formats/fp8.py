@@ -31,7 +31,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 _FP8_DTYPES = (FP8_DTYPE, np.dtype(ml_dtypes.float8_e5m2))
@@ -92,7 +92,7 @@ class Fp8Source:
     """`source` with every FP8 tensor that has a `<name>_scale_inv` dequantized into `dtype`, the
     scales (and static activation scales) hidden, every other tensor passed through as stored.
     `decode(weight, scale_inv, block_size, dtype, name)`: what such a tensor becomes instead of
-    `dequantize_fp8`'s result (fp8_kept.py reads its codes and scales apart)."""
+    `dequantize_fp8`'s result (kept_quantized/fp8_kept.py reads its codes and scales apart)."""
 
     def __init__(self, source: TensorSource, block_size: tuple[int, int] | None, dtype,
                  decode=None):

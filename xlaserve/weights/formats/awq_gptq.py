@@ -36,7 +36,7 @@ import logging
 import ml_dtypes
 import numpy as np
 
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 logger = logging.getLogger(__name__)
 

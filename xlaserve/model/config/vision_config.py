@@ -1,6 +1,6 @@
 """VisionConfig: the vision tower of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint
-(model/qwen_vision.py), read from its Hugging Face `vision_config`; what the tower does not run
-stops the load in one line. The decoder beside it (a Qwen2 decoder, Qwen3's for Qwen3-VL) has
+(model/vision/qwen_vision.py), read from its Hugging Face `vision_config`; what the tower does not
+run stops the load in one line. The decoder beside it (a Qwen2 decoder, Qwen3's for Qwen3-VL) has
 multimodal RoPE (`RopeConfig.mrope_section`), built by encoder_config.vision_language_config.
 
 Qwen2-VL: LayerNorms, an MLP of fc1 -> quick_gelu -> fc2, full attention in every block.

@@ -10,7 +10,7 @@ Qwen3VLVisionModel.
        Qwen3-VL's DeepStack mergers (the square first, then its norm) of its chosen blocks'
        outputs too: [levels, tokens, out]
 
-The host lays the inputs out (model/vision_inputs.py): the patches of one or more images in a
+The host lays the inputs out (model/vision/vision_inputs.py): the patches of one or more images in a
 row, in window order for Qwen2.5-VL, each patch's 2D RoPE (cos, sin), and two ragged segment
 lists for the attention: the windows (`cu_windows`) and the images (`cu_images`). A block's
 attention is the new-token attention with the causal mask off (`Kernels.bidirectional_attention`,
@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlaserve.model.encoder import LayerNorm
+from xlaserve.model.encoders.encoder import LayerNorm
 from xlaserve.model.transformer import CausalLM
 from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight, matmul_input_dtype,
                                    project, split_qkv)
-from xlaserve.model.vision_config import VisionConfig
+from xlaserve.model.config.vision_config import VisionConfig
 
 _EPS = 1e-6  # every norm of both towers
 
@@ -139,8 +139,8 @@ class VisionTower(nnx.Module):
     def __call__(self, patches, cos, sin, cu_windows, num_windows, cu_images, num_images,
                  pos_index, pos_weight, kernels: Kernels) -> jax.Array:
         """float32[levels, P / merge_unit, out_hidden_size]: the merged rows of `patches`
-        [P, patch_dim] (model/vision_inputs.py lays them out: their order, the RoPE (cos, sin)
-        [P, head_dim / 2] of each, the windows' and the images' segments, and Qwen3-VL's
+        [P, patch_dim] (model/vision/vision_inputs.py lays them out: their order, the RoPE (cos,
+        sin) [P, head_dim / 2] of each, the windows' and the images' segments, and Qwen3-VL's
         position taps i32/f32[P, 4]), then the DeepStack layers' (VisionConfig.levels)."""
         c = self.config
         weight = self.patch_embed[...]

@@ -1,6 +1,6 @@
 """A GGUF file's matmul weights kept in their quantized blocks, for the native quantized GEMM on a
-single CPU device (model/quantized_rows.py, native/quantized_gemm_cpu.py), instead of being
-dequantized at load.
+single CPU device (model/weight_types/quantized_rows.py, native/quantized_gemm_cpu.py), instead of
+being dequantized at load.
 
 Kept: each layer's attention (q, k, v, output) and MLP (gate, up, down) weights, the token
 embedding and the output head, where stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K (what
@@ -28,11 +28,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xlaserve.model.config import ModelConfig
-from xlaserve.weights.gguf_file import GGUFSource
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.weights.formats.gguf_file import GGUFSource
 from xlaserve.weights.placement import put
-from xlaserve.model.quantized_rows import (QuantizedLinear, QuantizedRows, interleaved,
-                                           native_gemm_available, stack_layers)
+from xlaserve.model.weight_types.quantized_rows import (QuantizedLinear, QuantizedRows,
+                                                        interleaved, native_gemm_available,
+                                                        stack_layers)
 
 logger = logging.getLogger(__name__)
 

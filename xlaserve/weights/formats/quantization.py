@@ -2,10 +2,11 @@
 in one line, what we do not decode, so that no checkpoint loads silently wrong.
 
 Two decisions, both made before any weight is used:
-- the config: `check_quantization_config` accepts no quantization, "fp8" (weights/fp8.py: dequantized
-  at load), "awq" and "gptq" (weights/awq_gptq.py: dequantized at load) and gpt-oss's "mxfp4"
-  (weights/mxfp4.py); every other `quant_method` (compressed-tensors, bitsandbytes, torchao, ...)
-  and every AWQ/GPTQ variant whose packing we do not decode stops start-up naming it.
+- the config: `check_quantization_config` accepts no quantization, "fp8" (weights/formats/fp8.py:
+  dequantized at load), "awq" and "gptq" (weights/formats/awq_gptq.py: dequantized at load) and
+  gpt-oss's "mxfp4" (weights/formats/mxfp4.py); every other `quant_method` (compressed-tensors,
+  bitsandbytes, torchao, ...) and every AWQ/GPTQ variant whose packing we do not decode stops
+  start-up naming it.
 - the tensors: `check_float_tensor` refuses a stored tensor that is not float16, bfloat16, float32
   or float64 where a weight is read (an FP8, int8 or packed-int tensor that no accepted method
   has dequantized), naming it and its dtype, instead of casting its codes as if they were values.
@@ -17,10 +18,10 @@ import logging
 import ml_dtypes
 import numpy as np
 
-from xlaserve.weights.awq_gptq import (PackedIntSource, check_awq_config, check_gptq_config,
-                                     log_dequantizing)
-from xlaserve.weights.fp8 import Fp8Source, check_fp8_config
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.weights.formats.awq_gptq import (PackedIntSource, check_awq_config,
+                                               check_gptq_config, log_dequantizing)
+from xlaserve.weights.formats.fp8 import Fp8Source, check_fp8_config
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 logger = logging.getLogger(__name__)
 

@@ -133,7 +133,7 @@ class GGUFSource:
     def raw(self, name: str) -> tuple[str, np.ndarray, int]:
         """(type name, the stored bytes [N, row bytes], K) of a 2-D tensor [N, K] as the file holds
         it (memory-mapped), q/k rows in the transformers order as `get` gives them
-        (weights/gguf_kept.py keeps such rows quantized)."""
+        (weights/kept_quantized/gguf_kept.py keeps such rows quantized)."""
         tensor = self._tensors[name]
         k, n = (int(d) for d in tensor.shape)  # fastest-first
         rows = np.asarray(tensor.data).reshape(n, -1)

@@ -1,15 +1,16 @@
 """The encoders' configs (issue 54): a BERT, XLM-RoBERTa or ModernBERT checkpoint's Hugging Face
-config as a ModelConfig with its `encoder` fields (config.EncoderConfig), what model/encoder.py
-and model/modernbert.py do not run refused in one line. `model_config_from_hf` is the loaders'
-entry: an encoder's config here, a vision-language model's (`vision_language_config`), a
-decoder's `ModelConfig.from_hf`."""
+config as a ModelConfig with its `encoder` fields (model_config.EncoderConfig), what
+model/encoders/encoder.py and model/encoders/modernbert.py do not run refused in one line.
+`model_config_from_hf` is the loaders' entry: an encoder's config here, a vision-language model's
+(`vision_language_config`), a decoder's `ModelConfig.from_hf`."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from xlaserve.model.config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig, RopeConfig
-from xlaserve.model.vision_config import VISION_LANGUAGE_ARCHITECTURES, vision_from_hf
+from xlaserve.model.config.model_config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig
+from xlaserve.model.config.rope_config import RopeConfig
+from xlaserve.model.config.vision_config import VISION_LANGUAGE_ARCHITECTURES, vision_from_hf
 
 # What the checkpoints' `hidden_act` / `hidden_activation` names mean here.
 _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -64,7 +65,8 @@ def vision_language_config(hf_config: Any, architecture: str) -> ModelConfig:
 
 
 def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
-    """A BERT or XLM-RoBERTa encoder's config; what model/encoder.py does not run is refused."""
+    """A BERT or XLM-RoBERTa encoder's config; what model/encoders/encoder.py does not run is
+    refused."""
     if architecture == "ModernBertModel":
         return modernbert_from_hf(hf_config)
     kind = getattr(hf_config, "position_embedding_type", "absolute")
@@ -94,7 +96,7 @@ def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
 
 
 def modernbert_from_hf(hf_config: Any) -> ModelConfig:
-    """A ModernBERT encoder's config (model/modernbert.py), from transformers 5's fields
+    """A ModernBERT encoder's config (model/encoders/modernbert.py), from transformers 5's fields
     (layer_types, rope_parameters, sliding_window) or the checkpoint's own (global_attn_every_n_
     layers, global / local_rope_theta, local_attention); biases and other RoPE kinds refused."""
     c = hf_config

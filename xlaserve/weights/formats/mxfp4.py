@@ -25,7 +25,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from xlaserve.weights.tensor_source import TensorSource
+from xlaserve.weights.formats.tensor_source import TensorSource
 
 FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)

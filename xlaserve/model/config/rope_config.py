@@ -1,0 +1,169 @@
+"""RopeConfig: a model's rotary position embedding as its Hugging Face config sets it (the
+default, linear, Llama 3.1 and YaRN scalings; Qwen-VL's multimodal sections), and the per-pair
+frequencies transformers computes from it (`RopeConfig.inv_freq`). ModelConfig.from_hf reads it
+with `rope_from_hf`; DeepSeek's latent attention scales its softmax by `yarn_mscale`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # YaRN only: the ramp between extrapolated (fast) and interpolated (slow) frequencies, in
+    # rotations over the original context; `truncate` rounds its ends to whole dimensions.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    # YaRN's cos/sin scale as the config gives it (None: derived from `factor`, with DeepSeek's
+    # mscale / mscale_all_dim when both are set); see `attention_factor`.
+    configured_attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    # Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): the rotation pairs' split among the temporal,
+    # height and width positions (each token has three; a text token's are equal, so its RoPE
+    # is the plain one); () for a plain RoPE. runtime/executor/step_program.RopeTable applies it.
+    mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL: the pairs' axes interleaved (t, h, w, t, h, w, ...: pair j takes height where
+    # j % 3 == 1 and j < 3 x section[1], width likewise, else time) instead of in sections.
+    mrope_interleaved: bool = False
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """Per-pair rotation frequencies, float32, the way transformers computes them."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        pos_freqs = self.theta ** exponents
+        inv_freq = 1.0 / pos_freqs
+        if self.kind == "linear":
+            inv_freq = inv_freq / self.factor
+        elif self.kind == "llama3":
+            inv_freq = _llama3_scale(inv_freq, self)
+        elif self.kind == "yarn":
+            inv_freq = _yarn_blend(pos_freqs, head_dim, self)
+        return inv_freq.astype(np.float32)
+
+    @property
+    def attention_factor(self) -> float:
+        """What transformers multiplies cos and sin by (YaRN's "mscale"); 1.0 but for YaRN."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.configured_attention_factor is not None:
+            return float(self.configured_attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return float(yarn_mscale(self.factor, self.mscale)
+                         / yarn_mscale(self.factor, self.mscale_all_dim))
+        return yarn_mscale(self.factor)
+
+
+def _llama3_scale(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, blended, scaled)
+
+
+def _yarn_blend(pos_freqs: np.ndarray, head_dim: int, rope: RopeConfig) -> np.ndarray:
+    # YaRN (transformers' _compute_yarn_parameters, same float32 operations in the same order):
+    # pairs that turn more than beta_fast times over the original context keep their frequency
+    # (extrapolation), those that turn fewer than beta_slow times are slowed by `factor`
+    # (interpolation), and a linear ramp over the pair index blends the two between.
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (rope.factor * pos_freqs)
+    low = _yarn_correction_dim(rope.beta_fast, head_dim, rope)
+    high = _yarn_correction_dim(rope.beta_slow, head_dim, rope)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+
+def _yarn_correction_dim(num_rotations: float, head_dim: int, rope: RopeConfig) -> float:
+    """The (fractional) pair index whose pair turns `num_rotations` times over the original
+    context."""
+    turns = rope.original_max_position_embeddings / (num_rotations * 2 * math.pi)
+    return head_dim * math.log(turns) / (2 * math.log(rope.theta))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    # The YaRN paper's attention temperature, sqrt(1/t) = 0.1 ln(s) + 1.
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_from_hf(hf_config: Any) -> RopeConfig:
+    """The RopeConfig of a `transformers.PretrainedConfig` (ModelConfig.from_hf's `rope`)."""
+    # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`; older configs
+    # (and older transformers) keep them apart.
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    if not params:
+        params = dict(scaling)
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "mrope":  # older Qwen2-VL configs: the default RoPE, split by mrope_section
+        kind = "default"
+    if (getattr(hf_config, "partial_rotary_factor", None) or 1.0) != 1.0 or \
+            params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if kind not in _ROPE_KINDS:
+        raise ValueError(f"rope type {kind!r} is not supported "
+                         f"(supported: {', '.join(_ROPE_KINDS)})")
+    fields = dict(
+        theta=float(params.get("rope_theta", 10000.0)),
+        kind=kind,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        mrope_section=tuple(int(n) for n in params.get("mrope_section", ())),
+    )
+    if kind == "yarn":
+        fields.update(_yarn_fields(params, hf_config))
+    else:
+        fields.update(factor=float(params.get("factor", 1.0)), original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", 8192)))
+    return RopeConfig(**fields)
+
+
+_ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+
+
+def _yarn_fields(params: dict, hf_config: Any) -> dict:
+    """RopeConfig's YaRN fields, read the way transformers' _compute_yarn_parameters reads them."""
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    # transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3
+    # style) wins, else the rope dict's, else max_position_embeddings (transformers >= 5 has
+    # already done it in rope_parameters; repeated for older ones).
+    original = (getattr(hf_config, "original_max_position_embeddings", None)
+                or params.get("original_max_position_embeddings") or max_positions)
+    factor = params["factor"]  # transformers' config refuses a yarn dict without one
+    if factor is None:  # DeepSeek-V3 style: the ratio of the extended to the original context
+        factor = max_positions / original
+    return dict(
+        factor=float(factor), original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),  # `or`: 0 or None is the default there too
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        configured_attention_factor=_float_or_none(params.get("attention_factor")),
+        mscale=_float_or_none(params.get("mscale")),
+        mscale_all_dim=_float_or_none(params.get("mscale_all_dim")))
+
+
+def _float_or_none(value) -> float | None:
+    return None if value is None else float(value)

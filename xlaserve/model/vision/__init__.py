@@ -1,0 +1,12 @@
+"""A vision-language model's images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the vision tower and the
+decoder beside it (`VisionLanguageLM`, qwen_vision.py), and on the host the tower's inputs laid
+out (`encoder_batch`) and a prompt's multimodal RoPE positions (`mrope_positions`,
+vision_inputs.py). The tower's config is config/vision_config.py."""
+from xlaserve._lazy import lazy_exports
+
+_MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
+    "VisionLanguageLM": "qwen_vision",
+    "encoder_batch": "vision_inputs", "mrope_positions": "vision_inputs",
+}
+__all__ = list(_MODULE_OF)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use
