@@ -317,8 +317,8 @@ class ModelBench:
         whose rows keep `n` tokens on average speeds decoding up n / ratio times."""
         from xlaserve.runtime.executor.forward_batch import make_forward_batch
         from xlaserve.runtime.sampling.params import RowSamplingParams
-        from xlaserve.runtime.sampling.sampler import build_sampling_metadata
-        from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
+        from xlaserve.runtime.sampling.params import build_sampling_metadata
+        from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
         from xlaserve.runtime.scheduler.request import SeqChunk
 
         core = self.engine.core

@@ -36,9 +36,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch, pow2_buckets
+    from xlaserve.runtime.executor.buckets import buckets_for_limits, pow2_buckets
+    from xlaserve.runtime.executor.forward_batch import make_forward_batch
     from xlaserve.runtime.executor.model_runner import ModelRunner
-    from xlaserve.runtime.executor.step_program import greedy_sampling
+    from xlaserve.runtime.executor.step_inputs import greedy_sampling
     from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
     from xlaserve.runtime.scheduler.request import SeqChunk
     from xlaserve.weights.loader import load_model
@@ -52,7 +53,7 @@ def main(argv=None) -> None:
     runner = ModelRunner(loaded, num_pages=1 + most * pages_per_seq, page_size=page_size,
                          max_running_requests=most, verify_tokens=len(TREE))
     # Every power of two from 1 (the CPU's buckets): a decode row is not padded to 8 tokens.
-    buckets = Buckets.for_limits(most, most, pages_per_seq, token_paddings=pow2_buckets(1, most),
+    buckets = buckets_for_limits(most, most, pages_per_seq, token_paddings=pow2_buckets(1, most),
                                  page_paddings=[pages_per_seq], verify_tokens=len(TREE),
                                  tree=True)
     runner.max_seqs = buckets.seqs[-1]

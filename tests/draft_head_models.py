@@ -92,7 +92,7 @@ def eagle3_reference_drafts(target_model, head: dict, sequence: list[int], count
 
 def eagle3_reference_beam(target_model, head: dict, sequence: list[int], topk: int,
                           steps: int) -> list[tuple[tuple[int, ...], float]]:
-    """The head's beam from scratch (runtime/executor/draft_tree.py): (path of drafted tokens,
+    """The head's beam from scratch (runtime/executor/drafts/draft_tree.py): (path of drafted tokens,
     its log-probability under the head) of every node of `steps` levels of the `topk` likeliest
     paths, each path's head rows computed over the whole sequence and the path."""
     t, c = head["tensors"], head["config"]

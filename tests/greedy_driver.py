@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 
 from xlaserve.runtime.scheduler.request import SeqChunk
-from xlaserve.runtime.executor.forward_batch import Buckets, pow2_buckets
+from xlaserve.runtime.executor.buckets import buckets_for_limits, pow2_buckets
 from xlaserve.runtime.executor.kv_pool import init_kv_pool
 from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE
 from xlaserve.runtime.executor.kernels import kernels_for
@@ -66,7 +66,7 @@ class PagedBatch:
         )
         self.lengths = np.zeros(num_seqs, np.int32)  # tokens already in the cache
         max_tokens = num_seqs * pages_per_seq * page_size
-        self.buckets = Buckets.for_limits(max_tokens, num_seqs, pages_per_seq,
+        self.buckets = buckets_for_limits(max_tokens, num_seqs, pages_per_seq,
                                           token_paddings=pow2_buckets(1, max_tokens))
 
     @property

@@ -2,13 +2,13 @@
 import numpy as np
 import pytest
 
+from xlaserve.runtime.executor.buckets import buckets_for_limits
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 
 from xlaserve.runtime.scheduler.request import SeqChunk
-from xlaserve.runtime.executor.forward_batch import Buckets
 from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE
 
-BUCKETS = Buckets.for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_seq=8,
+BUCKETS = buckets_for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_seq=8,
                              seq_paddings=[1, 2, 4, 8])
 
 

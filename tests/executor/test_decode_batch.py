@@ -5,11 +5,11 @@ import jax
 import numpy as np
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, req
-from xlaserve.runtime.executor.forward_batch import Buckets
+from xlaserve.runtime.executor.buckets import buckets_for_limits
 from xlaserve.runtime.executor.forward_batch import decode_forward_batch
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 
-BUCKETS = Buckets.for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_seq=16,
+BUCKETS = buckets_for_limits(max_tokens_per_step=64, max_seqs=8, max_pages_per_seq=16,
                              seq_paddings=[1, 2, 4, 8])
 
 

@@ -7,7 +7,8 @@ import pytest
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.weights.loader import default_mesh
-from xlaserve.runtime.executor.forward_batch import Buckets, bucket_for, pow2_buckets
+from xlaserve.runtime.executor.forward_batch import bucket_for
+from xlaserve.runtime.executor.buckets import buckets_for_limits, pow2_buckets
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, init_kv_pool, num_pages_for, round_down_coarsely
 from xlaserve.runtime.scheduler.page_allocator import NULL_PAGE, OutOfPagesError, PageAllocator, pages_for_tokens
 
@@ -75,7 +76,7 @@ def test_power_of_two_buckets_and_lookup():
 
 
 def test_default_buckets_compile_one_program_per_token_bucket_and_page_width():
-    buckets = Buckets.for_limits(max_tokens_per_step=64, max_seqs=16, max_pages_per_seq=8,
+    buckets = buckets_for_limits(max_tokens_per_step=64, max_seqs=16, max_pages_per_seq=8,
                                  page_paddings=[8])
     assert buckets.step_shapes() == [(8, 8), (16, 16), (32, 16), (64, 16)]
     assert buckets.shape_for(num_tokens=37, num_seqs=5, pages_per_seq=3) == (64, 16, 8)
@@ -86,20 +87,20 @@ def test_default_buckets_compile_one_program_per_token_bucket_and_page_width():
 
 
 def test_explicit_sequence_buckets_give_the_grid_without_more_seqs_than_tokens():
-    buckets = Buckets.for_limits(max_tokens_per_step=64, max_seqs=16, max_pages_per_seq=8,
+    buckets = buckets_for_limits(max_tokens_per_step=64, max_seqs=16, max_pages_per_seq=8,
                                  seq_paddings=[1, 4, 16])
     assert buckets.shape_for(num_tokens=37, num_seqs=3, pages_per_seq=3) == (64, 4, 4)
     shapes = buckets.all_shapes()
     assert (8, 16, 1) not in shapes  # more sequences than token slots can't happen
     assert (64, 16, 8) in shapes and (64, 1, 8) in shapes and len(shapes) == len(set(shapes))
-    custom = Buckets.for_limits(64, 16, 8, token_paddings=[48, 16, 16])
+    custom = buckets_for_limits(64, 16, 8, token_paddings=[48, 16, 16])
     assert custom.tokens == (16, 48)
 
 
 def test_default_token_buckets_follow_what_cpu_matmuls_cost():
     import jax.numpy as jnp
 
-    from xlaserve.runtime.executor.forward_batch import default_token_buckets
+    from xlaserve.runtime.executor.buckets import default_token_buckets
 
     assert default_token_buckets(576, jnp.float32, "cpu") == (1, 4, 8, 16, 32, 64, 128, 256, 512, 576)
     assert default_token_buckets(576, jnp.bfloat16, "cpu") == (2, 4, 8, 16, 32, 64, 128, 256, 512, 576)
@@ -111,7 +112,7 @@ def test_default_token_buckets_follow_what_cpu_matmuls_cost():
 def test_accelerator_decode_buckets_get_midpoints_where_padded_rows_cost():
     import jax.numpy as jnp
 
-    from xlaserve.runtime.executor.forward_batch import default_seq_buckets, default_token_buckets
+    from xlaserve.runtime.executor.buckets import default_seq_buckets, default_token_buckets
 
     # 256 running requests, 8192-token prompt pieces: 96 and 192 between the decode sizes (a
     # 129-row step runs as 192, not 256); none past the largest sequence bucket.
@@ -123,7 +124,7 @@ def test_accelerator_decode_buckets_get_midpoints_where_padded_rows_cost():
     assert 384 in default_token_buckets(8704, jnp.bfloat16, "tpu", max_seqs=512)
     assert default_seq_buckets(100, "gpu")[-3:] == (64, 96, 100)  # a midpoint under the limit
     assert default_seq_buckets(256, "cpu") == (1, 2, 4, 8, 16, 32, 64, 128, 256)  # CPU unchanged
-    buckets = Buckets.for_limits(8448, 256, 8, token_paddings=tokens, page_paddings=[8],
+    buckets = buckets_for_limits(8448, 256, 8, token_paddings=tokens, page_paddings=[8],
                                  default_seqs=seqs)
     assert buckets.shape_for(num_tokens=129, num_seqs=129, pages_per_seq=1) == (192, 192, 8)
     assert buckets.shape_for(num_tokens=300, num_seqs=40, pages_per_seq=1) == (512, 256, 8)

@@ -6,17 +6,17 @@ import pytest
 
 from tests.greedy_driver import greedy_generate
 from tests.tiny_models import make_tiny_checkpoint
+from xlaserve.runtime.executor.buckets import buckets_for_limits
 from xlaserve.weights.loader import load_model
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 from xlaserve.runtime.scheduler.request import SeqChunk
-from xlaserve.runtime.executor.forward_batch import Buckets
 from xlaserve.runtime.executor.model_runner import ModelRunner
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
+from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
 from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata
+from xlaserve.runtime.sampling.params import build_sampling_metadata
 
 PAGE_SIZE = 4
-BUCKETS = Buckets.for_limits(max_tokens_per_step=32, max_seqs=4, max_pages_per_seq=8,
+BUCKETS = buckets_for_limits(max_tokens_per_step=32, max_seqs=4, max_pages_per_seq=8,
                              page_paddings=[8])
 PROMPTS = [[5, 17, 300, 42, 9, 77, 120], [1, 2, 3]]
 
@@ -77,7 +77,7 @@ def test_no_compile_after_precompile_and_a_loud_warning_for_a_new_shape(loaded, 
     assert runner.compile_count() == compiled
     assert "COMPILED WHILE SERVING" not in caplog.text
     # A page-table width outside the buckets compiles, and says so.
-    odd = Buckets.for_limits(32, 4, 8, page_paddings=[3])
+    odd = buckets_for_limits(32, 4, 8, page_paddings=[3])
     batch = make_forward_batch([SeqChunk([1, 2], 0, [1, 2, 3])], odd, PAGE_SIZE)
     with caplog.at_level(logging.WARNING):
         runner.step(batch, build_sampling_metadata([RowSamplingParams(seed=1)], batch.shape[1]),
@@ -191,7 +191,7 @@ def test_page_table_writes_past_a_steps_room_go_first_and_an_unrun_step_writes_n
     and never run leaves the table as it was, and the next step's writes are against that."""
     runner = ModelRunner(loaded, num_pages=1200, page_size=PAGE_SIZE, max_running_requests=4,
                          context_length=8192)
-    wide = Buckets.for_limits(32, 4, 2048, page_paddings=[2048])
+    wide = buckets_for_limits(32, 4, 2048, page_paddings=[2048])
     long_pages = list(range(1, 1101))
 
     def staged(chunks, slots):

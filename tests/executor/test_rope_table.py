@@ -1,8 +1,8 @@
-"""The step's RoPE cos/sin come from a table by position (step_program.RopeTable): the values
+"""The step's RoPE cos/sin come from a table by position (step_inputs.RopeTable): the values
 rope_cos_sin computes for the same positions, as the table grows."""
 import numpy as np
 
-from xlaserve.runtime.executor.step_program import RopeTable
+from xlaserve.runtime.executor.step_inputs import RopeTable
 from xlaserve.model.transformer import rope_cos_sin
 
 

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.runtime.executor.forward_batch import Buckets
+from xlaserve.runtime.executor.buckets import buckets_for_limits
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 from xlaserve.runtime.executor.model_runner import ModelRunner
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, idle_step
+from xlaserve.runtime.executor.step_inputs import staged_from_host
+from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS, idle_step
 from xlaserve.weights.loader import load_model
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata
+from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.sampling.step_needs import (
     ACCELERATOR_VARIANTS,
     EVERYTHING,
@@ -26,7 +27,7 @@ from xlaserve.runtime.sampling.step_needs import (
 from xlaserve.runtime.scheduler.request import SeqChunk
 
 PAGE_SIZE = 4
-BUCKETS = Buckets.for_limits(max_tokens_per_step=16, max_seqs=4, max_pages_per_seq=8,
+BUCKETS = buckets_for_limits(max_tokens_per_step=16, max_seqs=4, max_pages_per_seq=8,
                              page_paddings=[8])
 PROMPTS = [[5, 17, 300, 42, 9, 77, 120], [1, 2, 3]]
 PAGES = [list(range(1, 9)), list(range(9, 17))]
@@ -124,5 +125,5 @@ def test_a_followers_step_carries_the_leaders_needs_through_json(loaded):
     vectors = [np.asarray(v) for v in (staged.ints, staged.floats, *staged.tables)]
     for needs in (SAMPLED, RUN_TIME):
         sent = json.loads(json.dumps(None if needs is None else needs.as_list()))
-        follower = runner.staged_from_host(vectors, shape, staged.widths, sent)
+        follower = staged_from_host(runner, vectors, shape, staged.widths, sent)
         assert follower.needs == needs

@@ -1,9 +1,9 @@
 """A step's host inputs concatenated into one int32 and one float32 vector, and split back
-inside jit (runtime/executor/step_program.py)."""
+inside jit (runtime/executor/step_inputs.py)."""
 import jax
 import numpy as np
 
-from xlaserve.runtime.executor.step_program import concat_leaves, split_leaves
+from xlaserve.runtime.executor.step_inputs import concat_leaves, split_leaves
 
 
 def test_every_leaf_comes_back_with_its_dtype_shape_and_bits():

@@ -11,7 +11,8 @@ from xlaserve.runtime.executor.verified_rows import (kept_path_moves, kept_rows,
                                                      move_kv_entries, prior_draft_ids,
                                                      tree_kept_rows, tree_prior_draft_ids)
 from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata, penalized_logits
+from xlaserve.runtime.sampling.sampler import penalized_logits
+from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import SeqChunk
 from xlaserve.runtime.scheduler.speculation import accepted, walk
 
@@ -141,7 +142,7 @@ def test_the_kept_paths_kv_moves_to_the_paths_positions_and_nothing_else_moves()
 
 
 def test_the_likeliest_nodes_of_a_beam_make_a_tree_parents_first():
-    from xlaserve.runtime.executor.draft_tree import select_tree
+    from xlaserve.runtime.executor.drafts.draft_tree import select_tree
 
     # A beam of 2 paths, 3 levels: nodes 0, 1 (level 1), 2, 3 (level 2), 4, 5 (level 3); parents
     # as verified-row indices (0: the root, n + 1: node n).

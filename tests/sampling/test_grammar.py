@@ -10,7 +10,8 @@ from xlaserve.weights.loader import default_model_file, load_tokenizer
 from xlaserve.runtime.sampling.grammar import (CONSTRAINT_DEAD_END, GrammarBackend, allowed_tokens,
                                                self_only_reference)
 from xlaserve.runtime.sampling.params import InvalidGrammar, RowSamplingParams, constraint_of
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata, sample
+from xlaserve.runtime.sampling.sampler import sample
+from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.sampling.params import SamplingParams
 
 

@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from tests.tiny_models import make_tiny_checkpoint
+from xlaserve.runtime.executor.buckets import buckets_for_limits
 from xlaserve.weights.loader import load_model
 from xlaserve.offline import Engine
 from xlaserve.runtime.executor.forward_batch import make_forward_batch
 from xlaserve.runtime.scheduler.request import SeqChunk
-from xlaserve.runtime.executor.forward_batch import Buckets
 from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.runtime.executor.model_runner import ModelRunner
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
+from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
 from xlaserve.runtime.sampling.params import MAX_TOP_LOGPROBS
 from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET, PromptLogprobCollector
 from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata
+from xlaserve.runtime.sampling.params import build_sampling_metadata
 
 LONG_PROMPT = [400, 401, 17, 402, 403, 5, 404, 405, 406, 407, 300, 408, 409, 410, 411, 412, 413,
                414, 42, 415, 416, 417, 418, 419, 420, 421]  # 26 tokens: 4 chunks of at most 8
@@ -104,7 +104,7 @@ def test_rows_over_several_blocks_equal_numpy_log_softmax_and_no_target_rows_are
 # --- the step -------------------------------------------------------------------------------
 
 PAGE_SIZE = 4
-BUCKETS = Buckets.for_limits(max_tokens_per_step=16, max_seqs=4, max_pages_per_seq=8,
+BUCKETS = buckets_for_limits(max_tokens_per_step=16, max_seqs=4, max_pages_per_seq=8,
                              page_paddings=[8])
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET, prompt_logprobs
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata, sample
+from xlaserve.runtime.sampling.sampler import sample
+from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.sampling.step_needs import (
     ACCELERATOR_VARIANTS,
     EVERYTHING,

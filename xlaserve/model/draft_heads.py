@@ -1,5 +1,5 @@
 """Speculative decoding's draft heads: one decoder layer that drafts a request's next tokens
-from the target model's hidden states (runtime/executor/draft_head.py runs them).
+from the target model's hidden states (runtime/executor/drafts/draft_head.py runs them).
 
 - `Eagle3Head` (`--speculative-algorithm EAGLE3`, SGLang's `LlamaForCausalLMEagle3` checkpoints,
   such as those published for Llama-3.1-8B-Instruct): the target's residual stream entering three
@@ -104,7 +104,7 @@ class Eagle3Head(nnx.Module):
     def top_drafts_of_carry(self, carried: jax.Array, k: int,
                             kernels: Kernels) -> tuple[jax.Array, jax.Array]:
         """(target ids i32[T, k], their log-probabilities f32[T, k]): the `k` likeliest drafts
-        of the outputs whose `carry` this is, likeliest first (tree drafting, draft_tree.py)."""
+        of the outputs whose `carry` this is, likeliest first (tree drafting, runtime/executor/drafts/draft_tree.py)."""
         ids, logprobs = top_logprobs(self, self.final_norm(carried), k, kernels)
         return self.draft_to_target[...][ids], logprobs
 

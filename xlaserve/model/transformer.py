@@ -258,7 +258,7 @@ class CausalLM(nnx.Module):
 def traced_rope(config: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
     """RoPE's (cos, sin) [T, head_dim / 2] of `positions` by `config`, computed in the program
     (YaRN's attention factor applied; 1.0 for the other kinds): where no host table is sent
-    (step_program.RopeTable), as for a draft head (draft_heads.py) whose RoPE may differ from
+    (step_inputs.RopeTable), as for a draft head (draft_heads.py) whose RoPE may differ from
     its target's."""
     angles = rope_angles(config.rope.inv_freq(config.head_dim), positions)
     scale = config.rope.attention_factor

@@ -32,7 +32,7 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     # Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): the rotation pairs' split among the temporal,
     # height and width positions (each token has three; a text token's are equal, so its RoPE
-    # is the plain one); () for a plain RoPE. runtime/executor/step_program.RopeTable applies it.
+    # is the plain one); () for a plain RoPE. runtime/executor/step_inputs.RopeTable applies it.
     mrope_section: tuple[int, ...] = ()
     # Qwen3-VL: the pairs' axes interleaved (t, h, w, t, h, w, ...: pair j takes height where
     # j % 3 == 1 and j < 3 x section[1], width likewise, else time) instead of in sections.

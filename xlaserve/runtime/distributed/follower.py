@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from xlaserve.runtime.distributed.leader import STAGED_VECTORS, step_digest
+from xlaserve.runtime.executor.step_inputs import staged_from_host
 from xlaserve.runtime.distributed.setup import CONNECT_TIMEOUT_S, client
 from xlaserve.runtime.distributed.channel import (SECRET_KEY, ChannelClosed, ChannelError, channel_port,
                                            connect)
@@ -92,7 +93,7 @@ def replay(connection, loaded, draft_loaded=None) -> None:
         runners["draft_model_"].max_seqs = meta["max_seqs"]
     draft_head = None
     if runner.draft_head_pool is not None:  # EAGLE3 / NEXTN: the chains replay through it
-        from xlaserve.runtime.executor.draft_head import DraftHead
+        from xlaserve.runtime.executor.drafts.draft_head import DraftHead
 
         draft_head = DraftHead(runner, None, meta["verify_tokens"] - 1, meta["draft_topk"],
                                meta["draft_tree_steps"])
@@ -104,9 +105,9 @@ def replay(connection, loaded, draft_loaded=None) -> None:
         if kind.startswith("draft_model_") and "draft_model_" in runners:
             kind, runner = kind[len("draft_model_"):], runners["draft_model_"]
         if kind == "step":
-            staged = runner.staged_from_host([arrays[k] for k in STAGED_VECTORS],
-                                             meta["shape"], meta["widths"], meta["needs"],
-                                             int(meta.get("tree_width", 0)))
+            staged = staged_from_host(runner, [arrays[k] for k in STAGED_VECTORS],
+                                      meta["shape"], meta["widths"], meta["needs"],
+                                      int(meta.get("tree_width", 0)))
             bitmask = arrays.get("bitmask")
             if bitmask is not None and bitmask.dtype != np.int32:
                 raise ChannelError(f"a grammar bitmask of {bitmask.dtype}, not int32")
@@ -120,8 +121,8 @@ def replay(connection, loaded, draft_loaded=None) -> None:
         elif kind == "draft_chain":
             if draft_head is None:
                 raise ChannelError("a draft chain, but this process's model has no draft head")
-            staged = runner.staged_from_host([arrays[k] for k in STAGED_VECTORS],
-                                             meta["shape"], meta["widths"])
+            staged = staged_from_host(runner, [arrays[k] for k in STAGED_VECTORS],
+                                      meta["shape"], meta["widths"])
             draft_head._run(staged, arrays["rooms"])
         elif kind == "assign_slots":
             prompts = np.split(arrays["prompt_ids"], np.cumsum(arrays["prompt_lens"])[:-1])

@@ -12,6 +12,7 @@ import numpy as np
 from xlaserve.runtime.distributed import setup
 from xlaserve.runtime.distributed.channel import TO_FOLLOWER, ChannelClosed, ChannelError, encode
 from xlaserve.runtime.distributed.setup import CONNECT_TIMEOUT_S, PeerLost
+from xlaserve.runtime.executor.step_inputs import layout_for
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ class _Sink:
         shape, widths, arrays = _staged_message(staged)
         tree = int(staged.tree_width)
         if (shape, widths, tree) not in self._checked:  # once per bucket: followers rebuild it
-            if self._runner.layout_for(shape, widths, tree) != staged.layout:
+            if layout_for(self._runner, shape, widths, tree) != staged.layout:
                 raise RuntimeError(f"the vector layout of a step of shape {shape}, widths {widths} "
                                    "is not a function of its shape: followers cannot split it")
             self._checked.add((shape, widths, tree))
@@ -292,7 +293,7 @@ class _Sink:
         self._leader.broadcast("step", meta, **arrays)
 
     def draft_chain(self, staged, rooms: np.ndarray) -> None:
-        """A draft head's chain (executor/draft_head.py): its staged vectors and rooms."""
+        """A draft head's chain (executor/drafts/draft_head.py): its staged vectors and rooms."""
         shape, widths, arrays = _staged_message(staged)
         self._leader.broadcast("draft_chain", {"shape": shape, "widths": widths},
                                rooms=np.asarray(rooms, np.int32), **arrays)

@@ -29,12 +29,12 @@ from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, Flush
 from xlaserve.runtime.engine.pooled_outputs import (EMBEDS, GENERATES, WrongKindOfServer,
                                                     pooled_request)
 from xlaserve.runtime.engine.watchdog import Watchdog
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS
+from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.sampling.params import (InvalidGrammar, RequestLimits, RowSamplingParams,
                                               SamplingParams, check_request, constraint_of,
                                               prompt_token_ids, stop_token_set)
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata
+from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import Request
 from xlaserve.server_args import ServerArgs
 

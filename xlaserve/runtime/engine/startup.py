@@ -30,7 +30,8 @@ from xlaserve.runtime.distributed.leader import Leader, OneProcess, lead
 from xlaserve.weights.loader import (LoadedModel, load_model, server_load_options,
                                      tensor_parallel_mesh)
 from xlaserve.runtime.host import malloc_tuning
-from xlaserve.runtime.executor.forward_batch import Buckets, serving_buckets, with_page_size
+from xlaserve.runtime.executor.forward_batch import Buckets
+from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, enabled_by_environment
 from xlaserve.runtime.sampling.grammar import GrammarBackend
@@ -39,8 +40,8 @@ from xlaserve.runtime.executor.host_kv_pool import HostKvPool, HostTierCopies, h
 from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.weight_types.quantized_rows import native_gemm_available
-from xlaserve.runtime.executor.draft_head import DraftHead
-from xlaserve.runtime.executor.draft_model import DraftModel
+from xlaserve.runtime.executor.drafts.draft_head import DraftHead
+from xlaserve.runtime.executor.drafts.draft_model import DraftModel
 from xlaserve.weights.draft_head import load_server_draft_head
 from xlaserve.runtime.executor.embedding_step import EmbeddingRunner
 from xlaserve.runtime.executor.model_runner import ModelRunner
@@ -297,7 +298,7 @@ def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHea
 def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,
                  dp_rank: int) -> DraftModel:
     """The STANDALONE draft model on the target's devices, with the target's pages, slots and
-    buckets (draft_model.py). One whose vocabulary is not the target's stops start-up."""
+    buckets (executor/drafts/draft_model.py). One whose vocabulary is not the target's stops start-up."""
     options = {**server_load_options(args), "model_path": args.speculative_draft_model_path}
     draft_loaded = load_model(**options, skip_tokenizer_init=tokenizer is None,
                               mesh=tensor_parallel_mesh(args.tp_size, dp_rank * args.tp_size,

@@ -11,7 +11,7 @@ called here in this order (none on a plain server; each hook defines only the ca
                                               adapters of admitted requests (lora_adapters.py)
     forward_batch(fb, batch) -> fb            images' rows (image_prompts.ImagePrompts)
     after_stage(staged, fb, sampling, slots)  a draft model stages the same batch
-    after_run(staged)                         and catches up (executor/draft_model.py)
+    after_run(staged)                         and catches up (executor/drafts/draft_model.py)
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ import numpy as np
 
 from xlaserve.runtime.engine.messages import StepResult
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, StepOutput
-from xlaserve.runtime.sampling.sampler import build_sampling_metadata
+from xlaserve.runtime.executor.step_program import StepOutput
+from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
+from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import SampledRow
 from xlaserve.runtime.scheduler.speculation import row_depths
 

@@ -1,20 +1,22 @@
 """The device side of a step: `ModelRunner` (the KV pool, the compiled step programs, their
-inputs), the buckets a step's inputs are padded to (`serving_buckets`, `forward_batch_for`),
-what a step returns (`StepOutput`), a STANDALONE speculative draft model (`DraftModel`) and an
-EAGLE3/NEXTN draft head's steps (`DraftHead`), a vision model's tower run per image
-(`VisionEncoder`) and its images' rows in a step (`MultimodalPrompt`, `add_multimodal_rows`)."""
+inputs), the buckets a step's inputs are padded to (`serving_buckets`) and the padding
+(`forward_batch_for`), what a step returns (`StepOutput`), speculative decoding's drafters
+(`drafts`: a STANDALONE draft model, an EAGLE3/NEXTN draft head's steps), a vision model's tower
+run per image (`VisionEncoder`) and its images' rows in a step (`MultimodalPrompt`,
+`add_multimodal_rows`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "Buckets": "forward_batch", "forward_batch_for": "forward_batch",
-    "serving_buckets": "forward_batch", "with_page_size": "forward_batch",
+    "serving_buckets": "buckets", "with_page_size": "buckets",
     "num_pages_for": "kv_pool", "bytes_per_token": "kv_pool",
     "HostKvPool": "host_kv_pool", "HostTierCopies": "host_kv_pool",
     "host_tier_pages": "host_kv_pool", "ForwardBatch": "forward_batch",
-    "DraftModel": "draft_model", "DraftHead": "draft_head",
-    "ModelRunner": "model_runner", "slots_for": "lora_slots",
+    "drafts": "drafts",
+    "ModelRunner": "model_runner", "StagedStep": "step_inputs",
+    "layout_for": "step_inputs", "staged_from_host": "step_inputs", "slots_for": "lora_slots",
     "EmbeddingRunner": "embedding_step",
-    "SAMPLING_WIDTHS": "step_program", "StepOutput": "step_program",
+    "SAMPLING_WIDTHS": "step_inputs", "StepOutput": "step_program",
     "VisionEncoder": "vision_encoder", "MultimodalPrompt": "multimodal_rows",
     "add_multimodal_rows": "multimodal_rows",
 }

@@ -39,14 +39,15 @@ from xlaserve.weights.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
 from xlaserve.model.sharding import check_expert_parallel, serving_mesh
 from xlaserve.model.transformer import abstract_parameters
-from xlaserve.runtime.executor.draft_head import make_chain
-from xlaserve.runtime.executor.draft_tree import make_tree_chain
+from xlaserve.runtime.executor.drafts.draft_head import make_chain
+from xlaserve.runtime.executor.drafts.draft_tree import make_tree_chain
 from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs
-from xlaserve.runtime.executor.forward_batch import (sample_rows_for, serving_buckets,
-                                                     with_page_size)
+from xlaserve.runtime.executor.forward_batch import sample_rows_for
+from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.lora_slots import abstract_slot_args, slots_for
-from xlaserve.runtime.executor.step_program import LoraArgs, idle_vectors, make_step
+from xlaserve.runtime.executor.step_program import LoraArgs, make_step
+from xlaserve.runtime.executor.step_inputs import idle_vectors
 from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, leaf_names,
                                                   weight_args, weight_formats)
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens

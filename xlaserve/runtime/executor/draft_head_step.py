@@ -9,14 +9,14 @@ there, or for a prompt chunk that ends before the prompt does, the prompt's next
 target's own token, so its rows up to the last one kept get the tokens the request keeps; the
 rows past it hold rejected drafts, whose cache entries the next step writes again. The head's
 state at each sequence's last kept row goes to its slot: the next draft starts there. Its LM
-head runs where a request drafts (draft_head.py), not here: a step with no draft to make
+head runs where a request drafts (drafts/draft_head.py), not here: a step with no draft to make
 reads the head's layer alone (on the default model the LM head of a random head's 49152-token
 vocabulary is bigger than the model's quantized weights).
 (A prompt that starts with cached pages reads the head's entries another request wrote: the
 last one before it was written with that request's next token, which costs acceptance if it
 differs, never correctness; SGLang's radix cache shares the same way.)
 
-The drafts are draft_head.py's program (`make_chain`) or draft_tree.py's.
+The drafts are drafts/draft_head.py's program (`make_chain`) or drafts/draft_tree.py's.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ A prompt longer than a step's tokens runs in chunks like a generation server's (
 carries the earlier chunks), so the step returns each chunk's first row, row sum or last row
 (model/pooling.reduce_chunks) and the engine finishes the vector on the host
 (runtime/engine/pooled_outputs.py). The inputs travel as a generation step's do, in one int32
-and one float32 vector (step_program.concat_leaves): the batch, the slots, RoPE's cos/sin and
+and one float32 vector (step_inputs.concat_leaves): the batch, the slots, RoPE's cos/sin and
 the page table's writes.
 
 `EmbeddingRunner` is a ModelRunner (the KV pool, the page table, the weights and their layouts,
@@ -26,11 +26,13 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.executor.forward_batch import ForwardBatch
-from xlaserve.runtime.executor.model_runner import ModelRunner, StagedStep
+from xlaserve.runtime.executor.model_runner import ModelRunner
+from xlaserve.runtime.executor.step_inputs import StagedStep
 from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
 from xlaserve.runtime.executor.precompile import warn_compiled_while_serving
-from xlaserve.runtime.executor.step_program import (NULL_SLOT, RopeTable, StaticKeywordsBound,
-                                                    concat_leaves, empty_batch, split_leaves)
+from xlaserve.runtime.executor.step_program import StaticKeywordsBound
+from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, RopeTable, concat_leaves,
+                                                   empty_batch, split_leaves)
 from xlaserve.runtime.executor.weight_args import leaves_from_args
 from xlaserve.runtime.sampling.step_needs import RUN_TIME
 
@@ -112,7 +114,7 @@ class EmbeddingRunner(ModelRunner):
                                                                 seqs)
         if self.config.encoder is not None and token_types is None:
             token_types = np.zeros(tokens, np.int32)
-        ints, floats, layout = embedding_vectors(self._rope, batch, slots, writes, token_types)
+        ints, floats, layout = embedding_vectors(self.rope, batch, slots, writes, token_types)
         return StagedStep(ints, floats, (), layout, batch.shape, NO_WIDTHS,
                           page_updates=updates, overflow_writes=overflow)
 
@@ -155,7 +157,7 @@ def compiled_for_target(target: str, server_args, pooling_mode: str, tokens: int
     from xlaserve.model.sharding import serving_mesh
     from xlaserve.model.transformer import abstract_parameters
     from xlaserve.runtime.executor import aot
-    from xlaserve.runtime.executor.forward_batch import with_page_size
+    from xlaserve.runtime.executor.buckets import with_page_size
     from xlaserve.runtime.executor.kernels import kernels_for
     from xlaserve.runtime.executor.kv_pool import kv_pool_specs
     from xlaserve.runtime.executor.page_table import empty_writes, write_capacity

@@ -101,7 +101,7 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
 @dataclasses.dataclass(frozen=True)
 class DraftHeadPool:
     """A speculative draft head's device state, carried at the end of the KV pool's list so that
-    every step donates and returns it with the caches (runtime/executor/draft_head.py): its
+    every step donates and returns it with the caches (runtime/executor/drafts/draft_head.py): its
     layer's cache (the target's pages), then per request slot the state its next draft reads
     (f32[slots, hidden]: the head's output at the request's last token, `carry`'s)."""
 

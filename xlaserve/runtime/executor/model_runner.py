@@ -33,18 +33,8 @@ On the CPU it is RUN_TIME: one program per bucket, each part under a `lax.cond` 
 ACCELERATOR_VARIANTS, three programs per bucket with no conditional: greedy only, everything but
 prompt logprobs, everything; `run` picks the smallest that covers the step.
 
-Structured outputs: `token_bitmask i32[sample rows, ceil(V/32)]` holds the tokens each row's grammar
-allows (runtime/sampling/grammar.py), a fixed-shape argument so a constrained request never compiles a
-program. A step without a constrained row sends a bitmask of all ones that stays on the device
-(one per sequence bucket), and the sampler skips the mask.
-
-Multi-host (--nnodes > 1, runtime/distributed/leader.py): the mesh spans every process's devices, and
-every process must make the same device calls in the same order. The leader's runner has a
-command sink: `assign_slots` and each step (its int32/float32 host vectors, bucket shape, table
-widths, needs and grammar masks) and the page-table writes of `write_pages` go to the followers
-before the leader makes the call, and a follower's runner replays them (`assign_slots`,
-`write_pages`, `run(staged_from_host(...))`). Outputs are replicated; the leader
-reads its own copy. In one process the sink is NoFollowers, which does nothing.
+Structured outputs' grammar masks and multi-host serving (the runner's command `sink`, which
+replays its device calls on the followers): runtime/executor/step_inputs.py.
 """
 from __future__ import annotations
 
@@ -71,81 +61,22 @@ from xlaserve.runtime.executor.kv_pool import DraftHeadPool, init_kv_pool, kv_po
 from xlaserve.runtime.executor.lora_slots import LoraSlots
 from xlaserve.runtime.executor.page_table import DevicePageTable
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
-from xlaserve.runtime.executor.step_program import concat_leaves
-from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.sampling.sampler import SamplingMetadata, build_sampling_metadata
+from xlaserve.runtime.sampling.params import SamplingMetadata
 from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME, StepNeeds, needs_of,
                                          program_needs)
 from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
 from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
-from xlaserve.runtime.executor.step_program import (NULL_SLOT, SAMPLING_WIDTHS, LoraArgs,
-                                           RopeTable, StepOutput,
-                                           empty_batch, idle_step, make_step, step_vectors,
-                                           table_arrays)
+from xlaserve.runtime.executor.step_inputs import NoFollowers, StagedStep, RepeatedInputs
+from xlaserve.runtime.executor.step_program import LoraArgs, StepOutput, make_step
+from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable,
+                                                   idle_step, step_vectors)
 
 logger = logging.getLogger(__name__)
 
 # Slots set up per device call when a step admits several (assign_slots): 8 rows of a
 # 151936-token vocabulary are ~6 MB to send (int32 counts and a bool mask per row).
 ASSIGN_ROWS = 8
-
-
-@dataclasses.dataclass
-class StagedStep:
-    """A step's inputs but its grammar masks (ModelRunner.stage). The step vectors stay numpy
-    arrays in one process, which the step's call transfers (~20 us of host time, where a
-    device_put of them cost ~0.15 ms; tests/executor/test_model_runner.py); over several
-    processes they are global device arrays, put by each process."""
-
-    ints: jax.Array | np.ndarray
-    floats: jax.Array | np.ndarray
-    tables: tuple[jax.Array, jax.Array]  # the sampling tables' int32 and float32 vectors
-    layout: tuple  # (the step vectors' transfer.Layout, the tables')
-    shape: tuple[int, int, int]  # (tokens, seqs, pages)
-    widths: tuple[int, int]  # logit-bias and suppressed-id table widths
-    # (ints, floats, table ints, table floats) for a multi-host leader
-    host: tuple[np.ndarray, ...] | None = None
-    # What the rows need but the grammar mask (known at `run`); RUN_TIME on the CPU.
-    needs: StepNeeds | None = RUN_TIME
-    # The page table's rows the step writes, for PageTableRows.commit once it is dispatched.
-    page_updates: list = dataclasses.field(default_factory=list)
-    # (positions, pages) of writes past the step's own room: `run` sends them first.
-    overflow_writes: tuple[np.ndarray, np.ndarray] | None = None
-    # The same batch staged on a STANDALONE draft model's runner (executor/draft_model.py),
-    # which the engine runs right after this step.
-    draft: "StagedStep | None" = None
-    tree_width: int = 0  # > 0: a step with speculative tree rows (ForwardBatch.tree_width)
-    # A vision model's step: its rows' image embeddings [levels, T, hidden] on the device
-    # (ForwardBatch.input_embeds, or zeros); None on other servers.
-    input_embeds: jax.Array | None = None
-
-
-class NoFollowers:
-    """The command sink of a runner in one process (a multi-host leader's, distributed/leader.py,
-    is set at start-up): no follower replays its calls, and its outputs are its own."""
-
-    replays = False
-
-    def assign_slots(self, assignments) -> None:
-        pass
-
-    def write_pages(self, positions: np.ndarray, pages: np.ndarray) -> None:
-        pass
-
-    def step(self, staged: "StagedStep", token_bitmask: np.ndarray | None) -> None:
-        pass
-
-    def draft_chain(self, staged: "StagedStep", rooms: np.ndarray) -> None:
-        pass
-
-    def ran(self, out):
-        """A step's outputs as this process reads them."""
-        return out
-
-    def local(self, out):
-        """A call's outputs as this process reads them."""
-        return out
 
 
 class ModelRunner:
@@ -180,13 +111,12 @@ class ModelRunner:
             static_variants = self.mesh.devices.flat[0].platform != "cpu"
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
         # RoPE's cos/sin by position: the frequencies and YaRN's cos/sin scale (1.0 for others).
-        self._rope = RopeTable(self.config.rope.inv_freq(self.config.head_dim),
-                               self.config.rope.attention_factor, self.config.rope.mrope_section,
-                               self.config.rope.mrope_interleaved)
+        self.rope = RopeTable(self.config.rope.inv_freq(self.config.head_dim),
+                              self.config.rope.attention_factor, self.config.rope.mrope_section,
+                              self.config.rope.mrope_interleaved)
         # A vision model's step takes its image rows (multimodal_rows.py): zeros (one array per
-        # token bucket, kept on the device) in a step without them.
+        # token bucket, kept on the device: RepeatedInputs) in a step without them.
         self.multimodal = self.config.vision is not None
-        self._no_embeds: dict[int, jax.Array] = {}
         self.num_pages = num_pages
         dtype = self._dtype = loaded.dtype
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
@@ -262,14 +192,14 @@ class ModelRunner:
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 
-        # What the step and a draft head's own programs (draft_head.py) are made of.
+        # What the step and a draft head's own programs (drafts/draft_head.py) are made of.
         self.program_parts = (graphdef, state_treedef, weight_layout, kv_sharding)
         self._lora_args = lora_args
         step = self._make_step()
         if choose_weight_layouts is None:
             # TPU only: there the default layouts had each step relay weights out (64 fused
             # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
-            # Not with a draft head: its draft steps (draft_head.py) take the same weights, in
+            # Not with a draft head: its draft steps (drafts/draft_head.py) take the same weights, in
             # the layouts a plain jit takes. LoRA slots are chosen with the weights and then
             # written in their layouts (LoraSlots.adopt): with the default layouts, the v6e
             # step of Llama-3.1-8B's first 8 layers (tp 4, 64 rows) moved 7.10 GB, 5.76 GB with
@@ -293,11 +223,9 @@ class ModelRunner:
         self._programs: dict[tuple, object] = {}  # (shape, widths, needs) -> its compiled step
         self._replicated = replicated
         self.bitmask_words = -(-vocab // 32)
-        self._all_allowed: dict[int, jax.Array] = {}  # seqs -> the all-ones bitmask, on device
-        self._layouts: dict[tuple, object] = {}  # (shape, widths) -> its layouts (multi-host)
-        # The last step's sampling tables: (their numpy arrays, host vectors, device vectors,
-        # layout), reused while a step's tables are the same arrays (`_tables`).
-        self._last_tables = None
+        self.inputs = RepeatedInputs(self._put, replicated, self.bitmask_words, (
+            self.config.vision.levels, self.config.hidden_size, dtype) if self.multimodal else None)
+        self.layouts: dict[tuple, object] = {}  # step_inputs.layout_for's, by bucket (multi-host)
 
     def _make_step(self, weight_formats=None):
         """The jitted serving step (step_program.make_step) of this runner's model, kernels,
@@ -389,10 +317,10 @@ class ModelRunner:
         tokens, seqs, _ = batch.shape
         writes, updates, overflow = self.page_table.step_writes(slots, batch.page_ids, tokens,
                                                                 seqs)
-        host = step_vectors(self._rope, batch, sampling, slots, writes)
+        host = step_vectors(self.rope, batch, sampling, slots, writes)
         ints, floats = (host[:2] if self._vectors_in_call
                         else self._put(host[:2], self.output_counts.sharding))
-        _, table_host, tables, table_layout = self._tables(sampling)
+        _, table_host, tables, table_layout = self.inputs.tables(sampling)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
         # engine can stage a step before it reads the previous one.
         needs = (RUN_TIME if self.step_variants is None else
@@ -401,77 +329,7 @@ class ModelRunner:
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
                           (*host[:2], *table_host), needs,
                           updates, overflow, tree_width=batch.tree_width,
-                          input_embeds=self._input_embeds(batch) if self.multimodal else None)
-
-    def _input_embeds(self, batch: ForwardBatch) -> jax.Array:
-        """The step's image rows on the device: the batch's, or the bucket's zeros."""
-        if batch.input_embeds is not None:
-            return self._put(batch.input_embeds, self._replicated)
-        tokens = batch.shape[0]
-        if tokens not in self._no_embeds:
-            self._no_embeds[tokens] = self._put(
-                np.zeros((self.config.vision.levels, tokens, self.config.hidden_size),
-                         self._dtype), self._replicated)
-        return self._no_embeds[tokens]
-
-    def _tables(self, sampling: SamplingMetadata):
-        """(arrays, host vectors, device vectors, layout) of the sampling metadata's tables
-        (logit bias ids and values, suppressed ids: 300 + 300 + 64 entries a row, 680 KB of a
-        256-row step's 960 KB of inputs). Sent again only when they are other arrays than the
-        last step's: the engine reuses a run of decode steps' metadata
-        (GenerationSteps._sampling_metadata), and packing and sending them cost ~0.3 ms of the
-        engine thread per 256-row decode step (benchmarks/bench_host_step.py). The tables' arrays are
-        read as immutable (build_sampling_metadata makes new ones)."""
-        arrays = table_arrays(sampling)
-        last = self._last_tables
-        if last is None or any(a is not b for a, b in zip(last[0], arrays, strict=True)):
-            *host, layout = concat_leaves(arrays)
-            device = tuple(self._put(tuple(host), self.output_counts.sharding))
-            last = self._last_tables = (arrays, tuple(host), device, layout)
-        return last
-
-    def staged_from_host(self, vectors, shape, widths, needs: list[bool] | None = None,
-                         tree_width: int = 0) -> "StagedStep":
-        """A follower's StagedStep from the leader's host vectors (StagedStep.host: the step's
-        int32 and float32 vectors, then the sampling tables') and needs (StepNeeds.as_list, or
-        None for RUN_TIME): the layouts are a function of the bucket shape, the table widths
-        and the tree width alone (`layout_for`)."""
-        shape, widths = tuple(shape), tuple(widths)
-        layout = self.layout_for(shape, widths, tree_width)
-        for (ints, floats), part_layout in zip((vectors[:2], vectors[2:]), layout, strict=True):
-            sizes = {"int32": 0, "float32": 0}
-            for buffer, offset, leaf_shape, _ in part_layout.leaves:
-                sizes[buffer] = max(sizes[buffer],
-                                    offset + int(np.prod(leaf_shape, dtype=np.int64)))
-            if (ints.dtype, floats.dtype) != (np.int32, np.float32) or \
-                    (ints.shape, floats.shape) != ((sizes["int32"],), (sizes["float32"],)):
-                raise ValueError(
-                    f"a step of shape {shape}, widths {widths} needs int32[{sizes['int32']}] and "
-                    f"float32[{sizes['float32']}], got {ints.dtype}{list(ints.shape)} and "
-                    f"{floats.dtype}{list(floats.shape)}")
-        ints, floats, *tables = self._put(tuple(vectors), self.output_counts.sharding)
-        return StagedStep(ints, floats, tuple(tables), layout, shape, widths,
-                          needs=RUN_TIME if needs is None else StepNeeds(*map(bool, needs)),
-                          tree_width=tree_width)
-
-    def layout_for(self, shape: tuple[int, int, int], widths: tuple[int, int],
-                   tree_width: int = 0):
-        """The layout of every staged step of this bucket shape, logit-bias / suppressed-id
-        widths and tree width: that of an idle step of the same."""
-        key = (shape, widths, tree_width)
-        if key not in self._layouts:
-            tokens, seqs, pages = shape
-            rows = self.sample_rows(shape)
-            sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], rows,
-                                               widths)
-            writes = self.page_table.idle_writes(tokens, seqs)
-            self._layouts[key] = (step_vectors(self._rope,
-                                               empty_batch(tokens, seqs, pages, rows,
-                                                           tree_width),
-                                               sampling, np.full(seqs, NULL_SLOT, np.int32),
-                                               writes)[2],
-                                  concat_leaves(table_arrays(sampling))[2])
-        return self._layouts[key]
+                          input_embeds=self.inputs.image_rows(batch))
 
     def run(self, staged: "StagedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
         """Dispatches a staged step with its grammar masks (None: no row has one). Steps run in
@@ -481,7 +339,7 @@ class ModelRunner:
         self.sink.step(staged, token_bitmask)  # the followers make the same call first
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
-                *staged.tables, self._bitmask(self.sample_rows(staged.shape), token_bitmask))
+                *staged.tables, self.inputs.bitmask(self.sample_rows(staged.shape), token_bitmask))
         if self.multimodal:
             args += (staged.input_embeds,)
         needs = self._program_needs(staged.needs, token_bitmask is not None)
@@ -499,6 +357,10 @@ class ModelRunner:
         self.page_table.rows.commit(staged.page_updates)
         return self.sink.ran(out)
 
+    def put_replicated(self, arrays):
+        """`arrays` on every device of the mesh (over several processes: each process's)."""
+        return self._put(arrays, self._replicated)
+
     def write_pages(self, positions: np.ndarray, pages: np.ndarray) -> None:
         """Writes into the flattened page table (page_table.PageWrites): a step's writes past its
         own room, sent before it (`run`); the followers make the same calls."""
@@ -512,17 +374,6 @@ class ModelRunner:
         # A follower runs what its leader staged, whatever its own `step_variants`.
         return program_needs(dataclasses.replace(needs, grammar=grammar),
                              self.step_variants or ACCELERATOR_VARIANTS)
-
-    def _bitmask(self, rows: int, token_bitmask: np.ndarray | None) -> jax.Array:
-        if token_bitmask is not None:
-            if token_bitmask.shape != (rows, self.bitmask_words):
-                raise ValueError(f"token_bitmask of shape {token_bitmask.shape}, expected "
-                                 f"{(rows, self.bitmask_words)}")
-            return self._put(token_bitmask, self._replicated)
-        if rows not in self._all_allowed:
-            self._all_allowed[rows] = self._put(
-                np.full((rows, self.bitmask_words), -1, np.int32), self._replicated)
-        return self._all_allowed[rows]
 
     def compile_count(self) -> int:
         """Programs compiled or loaded: the precompiled ones and any the jitted step compiled."""
@@ -568,7 +419,7 @@ class ModelRunner:
         staged = self.stage(*idle_step(*shape, rows, tree_width))
         args = (self._weight_args, self.kv_specs, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
-                *staged.tables, self._bitmask(rows, None))
+                *staged.tables, self.inputs.bitmask(rows, None))
         if self.multimodal:
             args += (staged.input_embeds,)
         return args, {"layout": staged.layout, "needs": needs}

@@ -7,7 +7,7 @@ its prefix-cache key. `add_multimodal_rows` writes a step's share of them into i
 an image token's id becomes -1 and its row of `input_embeds` the image's (the model takes that
 row in place of the token's embedding: CausalLM.hidden_states), and `rope_positions` holds the
 (temporal, height, width) position of every token row, which the host turns into RoPE's cos
-and sin (step_program.RopeTable). Positions past the prompt (generated tokens, in any step,
+and sin (step_inputs.RopeTable). Positions past the prompt (generated tokens, in any step,
 decode continuations too) are the token's index plus the prompt's `rope_delta`.
 """
 from __future__ import annotations

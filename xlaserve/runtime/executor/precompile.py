@@ -30,7 +30,7 @@ import jax
 from tqdm.auto import tqdm
 
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, compile_on_threads
-from xlaserve.runtime.executor.step_program import idle_step
+from xlaserve.runtime.executor.step_inputs import idle_step
 from xlaserve.runtime.executor.weight_args import abstract_args, stored_in, weight_formats
 from xlaserve.runtime.sampling.step_needs import StepNeeds
 

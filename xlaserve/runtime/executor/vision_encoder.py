@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.model.vision.vision_inputs import encoder_batch
-from xlaserve.runtime.executor.forward_batch import pow2_buckets
+from xlaserve.runtime.executor.buckets import pow2_buckets
 
 logger = logging.getLogger(__name__)
 

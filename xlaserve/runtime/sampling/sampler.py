@@ -16,40 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import secrets
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # Masked-out logits get a large finite value (MASKED = -1e30): -inf turns into NaN in softmax of a
 # fully masked row and in `-inf - -inf`; -1e30 stays finite through division by any sane temperature.
-from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.sampling.params import SamplingMetadata
 from xlaserve.runtime.sampling.step_needs import (StepNeeds, greedy_rows, only_if_needed, part,
                                          penalty_rows, truncating_rows, zeros_unless)
 from xlaserve.runtime.sampling.truncation import MASKED, NUM_CANDIDATES, row_take, truncate
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SamplingMetadata:
-    """One row per sequence (padding rows are greedy with everything off): numpy arrays from
-    `build_sampling_metadata`, device arrays once the step has sent them."""
-
-    temperature: jax.Array  # f32[S]; 0 means greedy (argmax)
-    top_k: jax.Array  # i32[S]; <= 0 means off
-    top_p: jax.Array  # f32[S]; 1.0 means off
-    min_p: jax.Array  # f32[S]; 0.0 means off
-    presence_penalty: jax.Array  # f32[S]; subtracted once from every token in the output so far
-    frequency_penalty: jax.Array  # f32[S]; subtracted per occurrence in the output so far
-    repetition_penalty: jax.Array  # f32[S]; 1.0 off; prompt or output tokens: l>0 -> l/p, else l*p
-    logit_bias_ids: jax.Array  # i32[S, K]; -1 pads
-    logit_bias_values: jax.Array  # f32[S, K]; added to the logits
-    suppressed_ids: jax.Array  # i32[S, M]; -1 pads; these tokens are never picked
-    seeds: jax.Array  # u32[S]
-    sample_index: jax.Array  # i32[S]; position of the token being sampled in the request's output
-    return_logprob: jax.Array  # bool[S]; logprobs are computed when any row asks (else zeros)
 
 
 @jax.tree_util.register_dataclass
@@ -59,65 +35,6 @@ class SampleOutput:
     logprobs: jax.Array  # f32[S]; of the chosen token, under the penalized distribution
     top_ids: jax.Array  # i32[S, N]; the N most likely tokens, most likely first
     top_logprobs: jax.Array  # f32[S, N]
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def build_sampling_metadata(
-    rows: Sequence[RowSamplingParams], padded_size: int,
-    fixed_widths: tuple[int, int] | None = None,
-) -> SamplingMetadata:
-    """Pads `rows` to `padded_size` greedy rows and the bias/suppression widths to a power of two,
-    so a handful of shapes covers every batch. Rows without a seed get a fresh random one, so
-    every row is seeded; a caller that re-builds each step must remember the drawn seed
-    (`int(metadata.seeds[i])`) to keep the request's sequence consistent."""
-    if len(rows) > padded_size:
-        raise ValueError(f"{len(rows)} rows do not fit in padded_size={padded_size}")
-    pad = [RowSamplingParams(temperature=0.0, seed=0)] * (padded_size - len(rows))
-    rows = list(rows) + pad
-    k = max((len(r.logit_bias) for r in rows), default=0)
-    m = max((len(r.suppressed_ids) for r in rows), default=0)
-    if fixed_widths is not None:
-        # A server pads to fixed widths so that a request's logit_bias never picks a new program.
-        if k > fixed_widths[0] or m > fixed_widths[1]:
-            raise ValueError(f"{k} logit_bias entries / {m} suppressed ids exceed the step's "
-                             f"widths {fixed_widths}")
-        k, m = fixed_widths
-    else:
-        k, m = _pow2_at_least(k), _pow2_at_least(m)
-
-    bias_ids = np.full((padded_size, k), -1, np.int32)
-    bias_values = np.zeros((padded_size, k), np.float32)
-    suppressed = np.full((padded_size, m), -1, np.int32)
-    for i, r in enumerate(rows):  # most rows have neither; skipping them saves ~1 ms a step
-        if r.logit_bias:
-            bias_ids[i, : len(r.logit_bias)] = list(r.logit_bias.keys())
-            bias_values[i, : len(r.logit_bias)] = list(r.logit_bias.values())
-        if r.suppressed_ids:
-            suppressed[i, : len(r.suppressed_ids)] = list(r.suppressed_ids)
-    # OpenAI seeds are 64-bit ints; JAX keys take 32 bits, so seeds equal mod 2**32 coincide.
-    seeds = [secrets.randbits(32) if r.seed is None else r.seed % 2**32 for r in rows]
-
-    def column(name, dtype):
-        return np.array([getattr(r, name) for r in rows], dtype)
-
-    return SamplingMetadata(
-        temperature=column("temperature", np.float32),
-        top_k=column("top_k", np.int32),
-        top_p=column("top_p", np.float32),
-        min_p=column("min_p", np.float32),
-        presence_penalty=column("presence_penalty", np.float32),
-        frequency_penalty=column("frequency_penalty", np.float32),
-        repetition_penalty=column("repetition_penalty", np.float32),
-        logit_bias_ids=bias_ids,
-        logit_bias_values=bias_values,
-        suppressed_ids=suppressed,
-        seeds=np.array(seeds, np.uint32),
-        sample_index=column("sample_index", np.int32),
-        return_logprob=column("return_logprob", np.bool_),
-    )
 
 
 # --- penalty state: per-row token counts, kept on device -----------------------------------

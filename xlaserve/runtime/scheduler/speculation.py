@@ -137,7 +137,7 @@ def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_draft
 
 @dataclass(frozen=True)
 class DraftTree:
-    """A tree of drafts (--speculative-eagle-topk > 1, draft_head.py): each node after its
+    """A tree of drafts (--speculative-eagle-topk > 1, executor/drafts/draft_head.py): each node after its
     parent, `parents[j]` 0 for the request's last token (the verified row's root) or i for the
     i-th node (1-based: the row's token index); siblings' tokens distinct. Its first child of
     each node is the drafter's likeliest."""
@@ -257,8 +257,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig,
                  drafter: Callable[[list[Request], list[int]], list] | None = None):
         """`drafter`: a draft model's or head's proposals, (requests, rooms) -> drafts
-        (executor/draft_model.py, draft_head.py); None: NGRAM, drafted here. A drafter follows
-        every step, so no step is a continuation."""
+        (runtime/executor/drafts/); None: NGRAM, drafted here. A drafter follows every step, so
+        no step is a continuation."""
         self.config = config
         self.drafter = drafter
         self.verified_rows = self.accepted_drafts = 0
@@ -329,7 +329,7 @@ class Speculator:
 
     def _reads_first(self, scheduler: _Scheduler, batch) -> bool:
         if self.drafter is not None:
-            return True  # the draft model's inputs come from the host (draft_model.py)
+            return True  # the draft model's inputs come from the host (executor/drafts/)
         if batch.decode is None and any(c.num_drafts for c in batch.chunks):
             return True  # which tokens a verified row keeps is the host's to decide
         if not self.speculating(len(scheduler.running)):

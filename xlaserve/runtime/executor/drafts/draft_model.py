@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch
-from xlaserve.runtime.executor.step_program import greedy_sampling
+from xlaserve.runtime.executor.step_inputs import greedy_sampling
 from xlaserve.runtime.scheduler.request import SeqChunk
 
 

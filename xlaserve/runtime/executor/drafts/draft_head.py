@@ -28,9 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch
-from xlaserve.runtime.executor.draft_tree import chain_inputs, make_tree_chain, select_tree
+from xlaserve.runtime.executor.drafts.draft_tree import chain_inputs, make_tree_chain, select_tree
 from xlaserve.runtime.executor.precompile import warn_compiled_while_serving
-from xlaserve.runtime.executor.step_program import SAMPLING_WIDTHS, greedy_sampling, idle_step
+from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS, greedy_sampling, idle_step
 from xlaserve.runtime.scheduler.request import SeqChunk
 
 logger = logging.getLogger(__name__)

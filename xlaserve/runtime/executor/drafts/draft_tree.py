@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
-from xlaserve.runtime.executor.step_program import split_leaves
+from xlaserve.runtime.executor.step_inputs import split_leaves
 from xlaserve.runtime.executor.weight_args import leaves_from_args
 from xlaserve.runtime.scheduler.speculation import DraftTree
 
