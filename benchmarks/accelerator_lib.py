@@ -229,7 +229,7 @@ class ModelBench:
                  **engine_options):
         """`engine_options`: further xlaserve.Engine arguments (ServerArgs fields)."""
         import xlaserve
-        from xlaserve.runtime.scheduler.scheduler import max_step_tokens
+        from xlaserve.runtime.executor.buckets import max_step_tokens
 
         self.hbm_gbps, self.rng = hbm_gbps, np.random.default_rng(0)
         # The buckets the runs need and the largest step, not every power of two: each program
@@ -393,7 +393,7 @@ def server_check(model_path: str, *, timeout_s: float, max_tokens: int = 8,
     serving steps the server loaded and compiled (its "Serving steps:" line)."""
     import openai
 
-    from xlaserve.runtime.scheduler.scheduler import max_step_tokens
+    from xlaserve.runtime.executor.buckets import max_step_tokens
 
     port, storage = free_port(), tempfile.mkdtemp(prefix="accelerator_check_")
     log_path = os.path.join(storage, "server.log")

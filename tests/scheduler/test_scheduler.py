@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from tests.scheduler.fake_model import FakeModel, admission_order, make_scheduler, req
-from xlaserve.runtime.scheduler.scheduler import max_step_tokens
+from xlaserve.runtime.executor.buckets import max_step_tokens
 
 
 def test_fcfs_order_within_equal_priority():

@@ -21,6 +21,7 @@ from xlaserve.model.pooling import NORMALIZE_EPS
 from xlaserve.runtime.engine.messages import PooledResult
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.sampling.params import RowSamplingParams
+from xlaserve.runtime.scheduler.pooled import process_pooled
 from xlaserve.runtime.scheduler.request import Request, ScheduledBatch
 from xlaserve.weights.pooling import Pooling
 
@@ -131,5 +132,5 @@ class PooledSteps:
         """The requests the step finished, with their vectors."""
         reduced = np.asarray(out)
         running = [i for i, r in enumerate(batch.requests) if r.status == "running"]
-        ended = self.scheduler.process_pooled(batch)
+        ended = process_pooled(self.scheduler, batch)
         return PooledResult(self.outputs.take(batch, reduced, running, ended))

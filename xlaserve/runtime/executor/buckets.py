@@ -22,7 +22,15 @@ import jax.numpy as jnp
 from xlaserve.pallas_kernels.ragged_paged_attention.api import check_shapes, default_page_size
 from xlaserve.runtime.executor.forward_batch import Buckets
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
-from xlaserve.runtime.scheduler.scheduler import max_step_tokens
+from xlaserve.runtime.scheduler.scheduler import prefill_budget
+
+
+def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
+    """The most tokens one step can hold (the scheduler's `prefill_budget` beside every running
+    request decoding, or a whole prefill step): the largest token bucket. A step with
+    speculative verified rows holds at most `max_running_requests` tokens (Speculator.drafts)."""
+    return max(max_prefill_tokens,
+               max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
 
 
 def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
+
 if TYPE_CHECKING:
     from xlaserve.runtime.scheduler.prefix_cache import TreeNode
     from xlaserve.runtime.sampling.params import RowSamplingParams
@@ -57,6 +59,27 @@ class RequestTooLong(ValueError):
         self.max_new_tokens = max_new_tokens
         self.limit = limit
         self.where = where
+
+    @classmethod
+    def over(cls, prompt_tokens: int, max_new_tokens: int, limit: int, context_length: int,
+             pool_pages: int, page_size: int, pooled: bool) -> "RequestTooLong":
+        """The refusal of a request over `limit` (Scheduler.check_fits), saying which bound:
+        the context length, or the KV pool's `pool_pages` (an embedding input, `pooled`, keeps
+        every token's KV; a generation's last sampled token never enters the cache)."""
+        total = prompt_tokens + max_new_tokens
+        pool = f"the whole pool has {pool_pages} pages ({pool_pages * page_size} tokens)"
+        if total > context_length:
+            message = (f"the prompt ({prompt_tokens} tokens) plus max_new_tokens "
+                       f"({max_new_tokens}) is {total} tokens, more than the context length "
+                       f"({context_length})")
+        elif pooled:
+            message = (f"the input ({prompt_tokens} tokens) needs "
+                       f"{pages_for_tokens(total, page_size)} KV pages but {pool}")
+        else:  # the KV peaks at total - 1 tokens
+            message = (f"the request needs {pages_for_tokens(total - 1, page_size)} KV pages "
+                       f"({total - 1} tokens) but {pool}")
+        where = "context length" if limit == context_length else "KV cache capacity"
+        return cls(message, prompt_tokens, max_new_tokens, limit, where)
 
 
 @dataclass

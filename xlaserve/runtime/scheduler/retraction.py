@@ -28,7 +28,7 @@ class _Scheduler(Protocol):
 
     def new_pages(self, request: Request, kv_len: int) -> int: ...
 
-    def _schedule_prefills(self, admitted: list[Request], budget: int,
+    def schedule_prefills(self, admitted: list[Request], budget: int,
                            admit: bool = True) -> list[tuple[Request, SeqChunk]]: ...
 
 
@@ -66,6 +66,6 @@ def retract_for_prefills(scheduler: _Scheduler,
     while not rows and scheduler.running:
         retract(scheduler, scheduler.running[-1])
         logger.info("KV cache pool is full. Retract requests. #retracted_reqs: 1")
-        rows = scheduler._schedule_prefills(admitted, budget=scheduler.max_prefill_tokens,
+        rows = scheduler.schedule_prefills(admitted, budget=scheduler.max_prefill_tokens,
                                             admit=False)
     return rows

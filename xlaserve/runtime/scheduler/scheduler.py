@@ -20,16 +20,17 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 
 from xlaserve.runtime.scheduler.host_tier import HostTier
 from xlaserve.runtime.scheduler.page_allocator import PageAllocator, pages_for_tokens
 from xlaserve.runtime.scheduler.prefix_cache import RadixCache
 from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse
-from xlaserve.runtime.scheduler.request import (DecodeChunks, DecodeRows, Request, RequestTooLong,
-                                               SampledRow, ScheduledBatch, SeqChunk)
+from xlaserve.runtime.scheduler.request import (Request, RequestTooLong, SampledRow, ScheduledBatch,
+                                               SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
 from xlaserve.runtime.scheduler.speculation import DraftTree, Speculator
-from xlaserve.runtime.scheduler.step_log import StepLog
+from xlaserve.runtime.scheduler.continuation import schedule_continuation
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +41,6 @@ def prefill_budget(max_prefill_tokens: int, num_decodes: int) -> int:
     prefill step (and pads to the same bucket, not the next one up); prompts keep at least a
     quarter of it, so new requests still start under a full decode load."""
     return max(max_prefill_tokens - num_decodes, max_prefill_tokens // 4, 1)
-
-
-def max_step_tokens(max_running_requests: int, max_prefill_tokens: int) -> int:
-    """The most tokens one step can hold (`prefill_budget` beside every running request decoding,
-    or a whole prefill step): the largest padding bucket the executor compiles. A step with
-    speculative verified rows holds at most `max_running_requests` tokens
-    (Speculator.drafts)."""
-    return max(max_prefill_tokens,
-               max_running_requests + prefill_budget(max_prefill_tokens, max_running_requests))
 
 
 class NoSpeculation:
@@ -118,23 +110,9 @@ class Scheduler:
         limit = self.max_request_tokens
         if pooled:  # every token's KV is kept until the last chunk
             limit = min(self.context_length, self.allocator.capacity * self.page_size)
-        if total <= limit:
-            return
-        if total > self.context_length:
-            message = (f"the prompt ({prompt_tokens} tokens) plus max_new_tokens "
-                       f"({max_new_tokens}) is {total} tokens, more than the context length "
-                       f"({self.context_length})")
-        elif pooled:
-            message = (f"the input ({prompt_tokens} tokens) needs "
-                       f"{pages_for_tokens(total, self.page_size)} KV pages but the whole pool "
-                       f"has {self.allocator.capacity} pages "
-                       f"({self.allocator.capacity * self.page_size} tokens)")
-        else:  # the last sampled token never enters the cache: the KV peaks at total - 1 tokens
-            message = (f"the request needs {pages_for_tokens(total - 1, self.page_size)} KV pages "
-                       f"({total - 1} tokens) but the whole pool has {self.allocator.capacity} "
-                       f"pages ({self.allocator.capacity * self.page_size} tokens)")
-        where = "context length" if limit == self.context_length else "KV cache capacity"
-        raise RequestTooLong(message, prompt_tokens, max_new_tokens, limit, where)
+        if total > limit:
+            raise RequestTooLong.over(prompt_tokens, max_new_tokens, limit, self.context_length,
+                                      self.allocator.capacity, self.page_size, pooled)
 
     def add(self, request: Request) -> None:
         self.check_fits(len(request.prompt_ids), request.max_new_tokens, request.pooled)
@@ -213,6 +191,10 @@ class Scheduler:
         if (new := self.new_pages(request, kv_len)) > 0:
             request.page_ids += self.cache.allocate(new)
 
+    def prefill_budget(self, num_decodes: int) -> int:
+        """`prefill_budget` of this scheduler's --max-prefill-tokens."""
+        return prefill_budget(self.max_prefill_tokens, num_decodes)
+
     def flush_cache(self) -> int:
         """Evicts every cached page that no running request uses; returns how many."""
         return self.cache.flush()
@@ -222,7 +204,7 @@ class Scheduler:
         num_decodes = len(rows)
         admitted: list[Request] = []
         decode_tokens = num_decodes + sum(c.num_drafts for _, c in rows)
-        rows += self._schedule_prefills(admitted, budget=prefill_budget(self.max_prefill_tokens,
+        rows += self.schedule_prefills(admitted, budget=prefill_budget(self.max_prefill_tokens,
                                                                         decode_tokens))
         if not rows and self.running:  # only prefills run, and none gets pages: retract
             rows = retract_for_prefills(self, admitted)
@@ -253,7 +235,7 @@ class Scheduler:
                                      tree_parents=[-1, *draft.parents] if tree else None)))
         return rows
 
-    def _schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,
+    def schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,
                            only_waiting: bool = False) -> list[tuple[Request, SeqChunk]]:
         """Chunks of unfinished prompts: running ones first (unless `only_waiting`), then new
         admissions in queue order, within `budget` prompt tokens and the free pages. Stops at the
@@ -297,111 +279,9 @@ class Scheduler:
         return rows
 
     def schedule_continuation(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The step after `batch`, scheduled while `batch` still runs (its tokens unread): each of
-        its requests decodes the token `batch` samples, which the step reads from the device
-        (`SeqChunk.input_slot`), and waiting requests are admitted beside them (their prompts
-        need nothing from `batch`) within the prefill budget, the free slots and pages. None when
-        the next step should be scheduled the usual way, after the results: `batch` has a prompt
-        chunk that samples nothing, a running request is not in it (a prompt the budget left
-        out: its next chunk is scheduled with the results), or the pool lacks a page for the
-        decodes (retraction needs the results).
-
-        A request that `batch` ends by length is left out. One that it ends by a stop id (or
-        that a stop string or an abort ends meanwhile) runs one row too many: `process_results`
-        drops that row, and freeing its pages (or slot) is safe because the device runs steps
-        in order, so whoever gets them next writes after this step. Its slot and pages are not
-        free for this step's admissions yet: those take what is free now."""
-        if self.speculator.reads_first(self, batch):
-            return None
-        admissible = self.waiting and len(self.running) < self.max_running_requests
-        if batch.decode is not None and not admissible:
-            return self._continue_decodes(batch)
-        if not all(c.sample for c in batch.chunks):
-            return None
-        if admissible and sum(r.status == "running" for r in batch.requests) != len(self.running):
-            return None
-        # Per row, once: the KV length after this step and the pages that needs (one loop, no
-        # calls: this runs for every row of every decode step, ~1 ms at 256 rows before).
-        page_size = self.page_size
-        rows, needed = [], 0
-        for r, c in zip(batch.requests, batch.chunks, strict=True):
-            if r.status == "running" and len(r.output_ids) + 1 < r.max_new_tokens:
-                num_cached = c.num_cached + len(c.token_ids)
-                new = -(-(num_cached + 1) // page_size) - len(r.page_ids)
-                rows.append((r, num_cached, new))
-                needed += max(new, 0)
-        if (not rows and not admissible) or needed > self.cache.available_pages:
-            return None
-        requests, chunks = [], []
-        for r, num_cached, new in rows:
-            if new > 0:
-                r.page_ids += self.cache.allocate(new)
-            requests.append(r)
-            chunks.append(SeqChunk([0], num_cached, list(r.page_ids), True, input_slot=r.slot))
-        admitted: list[Request] = []
-        prefills = []
-        if admissible:  # every running request is in `batch`: none has a prompt chunk to run
-            prefills = self._schedule_prefills(
-                admitted, budget=prefill_budget(self.max_prefill_tokens, len(rows)),
-                only_waiting=True)
-        if not requests and not prefills:
-            return None
-        requests += [r for r, _ in prefills]
-        chunks += [c for _, c in prefills]
-        kind = "decode" if not prefills else "prefill" if not rows else "mixed"
-        prefills = chunks[len(rows):]
-        self.log.step(self, kind, len(rows), prefills, sum(c.num_cached for c in prefills))
-        slots = [r.slot for r in requests]
-        decode = None if prefills else DecodeRows(
-            [c.num_cached for c in chunks], slots, [len(r.output_ids) for r in requests],
-            [c.page_ids for c in chunks])
-        # `ahead` is the decode rows' (input_slot >= 0); an admitted row has sampled nothing.
-        return ScheduledBatch(requests, chunks, slots, kind, admitted, ahead=1, decode=decode)
-
-    def _continue_decodes(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """`schedule_continuation` of a batch of decode rows only (`batch.decode`) when no
-        request can be admitted: the same rows less those that ended, from the columns, with a
-        page list copied only for a row that gets a page or whose whole pages may have been
-        swapped for cached ones (`share_computed_pages`, when the results processed since
-        completed a page). A SeqChunk per row and a copy of every page list cost ~0.5 ms of a
-        256-row step's host time (benchmarks/bench_host_step.py)."""
-        previous = batch.decode
-        requests = batch.requests
-        output_lens = [len(r.output_ids) for r in requests]
-        kept = [i for i, (r, n) in enumerate(zip(requests, output_lens))
-                if r.status == "running" and n + 1 < r.max_new_tokens]
-        if not kept:
-            return None
-        if len(kept) == len(requests):
-            kept = None
-            num_cached = [c + 1 for c in previous.num_cached]
-            slots, page_ids = previous.slots, list(previous.page_ids)
-        else:
-            requests = [requests[i] for i in kept]
-            output_lens = [output_lens[i] for i in kept]
-            num_cached = [previous.num_cached[i] + 1 for i in kept]
-            slots = [previous.slots[i] for i in kept]
-            page_ids = [previous.page_ids[i] for i in kept]
-        page_size = self.page_size
-        # Row i's KV grows to num_cached + 1 tokens: a new page where num_cached fills its last
-        # page; a page completed by the last results processed where num_cached % page_size == 1.
-        growing = [i for i, c in enumerate(num_cached) if c % page_size == 0]
-        new_pages = [self.new_pages(requests[i], num_cached[i] + 1) for i in growing]
-        if sum(new_pages) > self.cache.available_pages:
-            return None
-        for i, new in zip(growing, new_pages):
-            if new > 0:
-                requests[i].page_ids += self.cache.allocate(new)
-        changed = sorted({*growing, *(i for i, c in enumerate(num_cached) if c % page_size == 1)})
-        for i in changed:
-            page_ids[i] = list(requests[i].page_ids)
-        rows = DecodeRows(num_cached, slots, output_lens, page_ids, previous, kept)
-        # Rows of a batch with no grammar (or logprobs) have none: `False and None` is False;
-        # where the batch had some (or was not asked), the rows left are asked again (None).
-        self.log.step(self, "decode", len(requests), [], 0)
-        return ScheduledBatch(requests, DecodeChunks(rows), slots, "decode", [], ahead=1,
-                              decode=rows, has_grammar=batch.has_grammar and None,
-                              has_logprobs=batch.has_logprobs and None)
+        """The step after `batch`, scheduled while `batch` still runs (its tokens unread), or
+        None where it must wait for the results: continuation.py."""
+        return schedule_continuation(self, batch)
 
     def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int],
                         sampled: list[SampledRow] | None = None) -> list[Request]:
@@ -444,21 +324,6 @@ class Scheduler:
         if row != len(sampled_tokens):
             raise ValueError(f"{len(sampled_tokens)} sampled tokens for {row} sample rows")
         return finished
-
-    def process_pooled(self, batch: ScheduledBatch) -> list[int]:
-        """An embedding server's step (every row a prompt chunk of a pooled request): each
-        running request advances by its chunk, and the chunk that ends its prompt finishes it
-        ("stop": nothing is sampled; its pages and slot are free). Returns those rows."""
-        ended = []
-        for i, (request, chunk) in enumerate(zip(batch.requests, batch.chunks, strict=True)):
-            if request.status != "running":
-                continue  # aborted since it was scheduled
-            request.num_computed += len(chunk.token_ids)
-            self.prefix.share_computed_pages(request)
-            if chunk.sample:
-                self.finish(request.rid, "stop", None)
-                ended.append(i)
-        return ended
 
     def take_token(self, request: Request, token: int, finished: list[Request]) -> None:
         """Appends a sampled token to a running request, ending it (into `finished`) where the
@@ -512,3 +377,54 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+
+class StepLog:
+    """The scheduler's log lines, in SGLang's words (operators and their dashboards read them):
+    `Prefill batch.` for every step that runs prompt tokens, and `Decode batch.` once every
+    `interval` decode steps, with the generation throughput over those steps (and, with
+    speculative decoding, SGLang's `accept len`: tokens a verified row kept on average)."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.prefix = ""  # "[DP1] " for a data parallel replica's lines
+        self._decode_steps = 0
+        self._decode_tokens = 0
+        self._interval_start = 0.0
+        self._verified_rows = self._accepted_drafts = 0
+
+    def verified(self, accepted_drafts: int) -> None:
+        """A verified row's result: its accepted drafts are tokens of the interval too."""
+        self._verified_rows += 1
+        self._accepted_drafts += accepted_drafts
+        self._decode_tokens += accepted_drafts
+
+    def step(self, scheduler: "Scheduler", kind: str, num_decodes: int,
+             prefill_chunks: list[SeqChunk], cached_tokens: int) -> None:
+        if prefill_chunks:
+            logger.info(
+                "%sPrefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: "
+                "%.2f, #running-req: %d, #queue-req: %d", self.prefix, len(prefill_chunks),
+                sum(len(c.token_ids) for c in prefill_chunks), cached_tokens,
+                scheduler.token_usage(), num_decodes, scheduler.num_waiting)
+        if kind != "decode":
+            return
+        # Throughput over the interval: tokens of steps 2..N over the time from step 1 to step N.
+        now = time.monotonic()
+        if self._decode_steps == 0:
+            self._interval_start = now
+        else:
+            self._decode_tokens += num_decodes
+        self._decode_steps += 1
+        if self._decode_steps >= self.interval:
+            elapsed = now - self._interval_start
+            throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
+            accept = (f"accept len: {1 + self._accepted_drafts / self._verified_rows:.2f}, "
+                      if self._verified_rows else "")
+            logger.info(
+                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
+                "gen throughput (token/s): %.2f, #queue-req: %d", self.prefix,
+                scheduler.num_running, sum(r.num_computed for r in scheduler.running),
+                scheduler.token_usage(), accept, throughput, scheduler.num_waiting)
+            self._decode_steps = self._decode_tokens = 0
+            self._verified_rows = self._accepted_drafts = 0

@@ -237,7 +237,7 @@ class _Scheduler(Protocol):
     allocator: Any  # page_allocator.PageAllocator
     cache: Any  # prefix_cache.RadixCache
     prefix: Any  # prefix_reuse.PrefixReuse
-    log: Any  # step_log.StepLog
+    log: Any  # scheduler.StepLog
 
     def new_pages(self, request: Request, kv_len: int) -> int: ...
 
