@@ -180,7 +180,7 @@ def test_the_leaf_heap_stays_bounded_when_the_same_leaves_are_used_over_and_over
     for i in range(1000):  # each release pushes the leaf again; the old entries go stale
         cache.lock(nodes[i % 3])
         cache.unlock(nodes[i % 3])
-    assert cache._num_nodes == 3 and len(cache._leaf_heap) <= 2 * 3 + 65
+    assert cache.num_nodes == 3 and len(cache._leaf_heap) <= 2 * 3 + 65
     assert cache.flush() == 6 and cache.allocator.num_used == 0
 
 

@@ -20,10 +20,10 @@ from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import ChatCompletionRequest
 from xlaserve.http.request_fields import check_chat_fields
 from xlaserve.http.serving import (LARGE_PROMPT_CHARS, LARGE_RESPONSE_ENTRIES, SSE_DONE, Choice,
-                                   Generation, ServingContext, StreamBuffer, asks_for_constraint,
+                                   Generation, ServingContext, asks_for_constraint,
                                    check_prompt_ids, check_top_logprobs, client_priority,
                                    run_off_loop, sampling_params, sse, sse_error)
-from xlaserve.runtime.engine.async_requests import EngineDeadError
+from xlaserve.runtime.engine.async_requests import EngineDeadError, StreamBuffer
 from xlaserve.runtime.sampling.params import has_constraint
 
 # Parsers whose call markers are special tokens of their models (`<|python_tag|>`,

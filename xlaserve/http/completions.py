@@ -9,10 +9,10 @@ from xlaserve.http.constraints import compile_constraints, constraint_param
 from xlaserve.http.prompt_bound import check_not_too_long
 from xlaserve.http.protocol import CompletionRequest
 from xlaserve.http.serving import (LARGE_PROMPT_CHARS, LARGE_RESPONSE_ENTRIES, SSE_DONE, Choice,
-                                   Generation, ServingContext, StreamBuffer, check_prompt_ids,
+                                   Generation, ServingContext, check_prompt_ids,
                                    check_prompt_logprob_entries, check_top_logprobs,
                                    client_priority, run_off_loop, sampling_params, sse, sse_error)
-from xlaserve.runtime.engine.async_requests import EngineDeadError
+from xlaserve.runtime.engine.async_requests import EngineDeadError, StreamBuffer
 
 
 def prompt_id_lists(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str | None]]:

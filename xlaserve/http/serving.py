@@ -417,30 +417,6 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-class StreamBuffer:
-    """One choice's outputs since its last SSE event: `--stream-interval` tokens go out together
-    (and a speculative verified row's tokens, `OutputDelta.more`, in one event), and whatever is
-    left goes out with the final output."""
-
-    def __init__(self, interval: int):
-        self.interval = interval
-        self._outputs: list[OutputDelta] = []
-
-    def add(self, output: OutputDelta) -> bool:
-        """Holds the output; says whether the held ones should go out now."""
-        self._outputs.append(output)
-        if output.finished:
-            return True
-        return not output.more and sum(c.token_id is not None for c in self._outputs) >= self.interval
-
-    def take(self) -> tuple[str, list[tuple]]:
-        """(their text, (token id, logprob, alternatives) of each token), and empties it."""
-        outputs, self._outputs = self._outputs, []
-        return ("".join(c.text for c in outputs),
-                [(c.token_id, c.logprob, [] if c.top_logprobs is None else c.top_logprobs)
-                 for c in outputs if c.token_id is not None])
-
-
 def check_prompt_logprob_entries(ctx: ServingContext, prompts: list[list[int]], n: int,
                                  num_top: int, param: str) -> None:
     """Prompt logprobs cost a whole-prompt prefill per sequence (no prefix reuse) and an entry

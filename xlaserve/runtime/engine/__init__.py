@@ -7,6 +7,7 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "AsyncRequestGroup": "async_requests", "Choice": "async_requests",
     "EngineDeadError": "async_requests", "LIVENESS_POLL_S": "async_requests",
+    "StreamBuffer": "async_requests",
     "sglang_output": "async_requests",
     "EngineCore": "core", "QueueFull": "core", "EMBEDS": "pooled_outputs",
     "GENERATES": "pooled_outputs", "WrongKindOfServer": "pooled_outputs",

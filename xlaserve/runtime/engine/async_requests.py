@@ -4,6 +4,7 @@ The engine thread calls each request's `emit` with OutputChunks; here they cross
 loop (`call_soon_threadsafe`) and come out of one queue tagged with the caller's index, so `n`
 choices or several prompts of one HTTP request are read by a single consumer in arrival order.
 Submission is synchronous, so a request the engine refuses raises before anything is streamed.
+A streamed choice's outputs go out in events of `--stream-interval` tokens (`StreamBuffer`).
 """
 from __future__ import annotations
 
@@ -132,3 +133,27 @@ def sglang_output(choice: Choice, return_logprob: bool = False, top_logprobs_num
     else:  # SGLang returns top alternatives only when asked for a number of them
         meta_info.pop("input_top_logprobs", None)
     return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta_info}
+
+
+class StreamBuffer:
+    """One choice's outputs since its last SSE event: `--stream-interval` tokens go out together
+    (and a speculative verified row's tokens, `OutputDelta.more`, in one event), and whatever is
+    left goes out with the final output."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self._outputs: list[OutputDelta] = []
+
+    def add(self, output: OutputDelta) -> bool:
+        """Holds the output; says whether the held ones should go out now."""
+        self._outputs.append(output)
+        if output.finished:
+            return True
+        return not output.more and sum(c.token_id is not None for c in self._outputs) >= self.interval
+
+    def take(self) -> tuple[str, list[tuple]]:
+        """(their text, (token id, logprob, alternatives) of each token), and empties it."""
+        outputs, self._outputs = self._outputs, []
+        return ("".join(c.text for c in outputs),
+                [(c.token_id, c.logprob, [] if c.top_logprobs is None else c.top_logprobs)
+                 for c in outputs if c.token_id is not None])

@@ -32,8 +32,8 @@ model does, so each adapter (each load of one) has a tree of its own under its o
 
 Host tier (`host`, host_tier.py; --enable-hierarchical-cache): evicted nodes move their pages
 to host pages instead of being dropped (`on_host`); `match_tiers` finds them past the device
-match and `load` moves them back; the host tier evicts its own LRU leaves. Admission and
-reuse: prefix_reuse.py.
+match and `load` moves them back; the host tier evicts its own LRU leaves (`HostTier.take`,
+`HostTier.make_room`). Admission and reuse: prefix_reuse.py.
 """
 from __future__ import annotations
 
@@ -81,10 +81,8 @@ class RadixCache:
         self._clock = itertools.count(1)
         # (last_access, push order, node) for every unlocked leaf, and stale entries (see above).
         self._leaf_heap: list[tuple[int, int, TreeNode]] = []
-        # The same for the host tier's leaves (host nodes without children).
-        self._host_heap: list[tuple[int, int, TreeNode]] = []
         self._push_order = itertools.count()
-        self._num_nodes = 0
+        self.num_nodes = 0  # below the roots (the host tier's heap is rebuilt by it too)
 
     @property
     def num_pages(self) -> int:
@@ -121,7 +119,7 @@ class RadixCache:
                 self.allocator.free(node.pages)
                 freed += len(node.pages)
                 self.evictable_pages -= len(node.pages)
-            self._num_nodes -= 1
+            self.num_nodes -= 1
             node.parent = None  # any heap entry for it is stale now
         return freed
 
@@ -201,8 +199,8 @@ class RadixCache:
                         list(pages[matched:num_pages]), num_pages, next(self._clock))
         node.children[self._first_page(leaf.key)] = leaf
         self.evictable_pages += len(leaf.pages)
-        self._num_nodes += 1
-        self._push_if_evictable(leaf)
+        self.num_nodes += 1
+        self.push_if_evictable(leaf)
         return leaf
 
     def _walk(self, token_ids: list[int], num_pages: int, node: TreeNode | None = None,
@@ -254,7 +252,7 @@ class RadixCache:
         node.key, node.pages, node.parent = node.key[num_pages * size:], node.pages[num_pages:], head
         head.children[self._first_page(node.key)] = node
         parent.children[self._first_page(head.key)] = head
-        self._num_nodes += 1
+        self.num_nodes += 1
         return head
 
     def _first_page(self, token_ids: list[int], start: int = 0) -> tuple[int, ...]:
@@ -286,7 +284,7 @@ class RadixCache:
         if node.lock_ref == 0:
             self.locked_pages -= len(node.pages)
             self.evictable_pages += len(node.pages)
-            self._push_if_evictable(node)
+            self.push_if_evictable(node)
 
     # --- eviction -------------------------------------------------------------------------------
 
@@ -317,30 +315,30 @@ class RadixCache:
             device_pages, parent = leaf.pages, leaf.parent
             freed += len(device_pages)
             self.evictable_pages -= len(device_pages)
-            if not (to_host and self._to_host(leaf)):
-                self._drop(leaf)
+            if not (to_host and self.host is not None and self.host.take(leaf, self)):
+                self.drop(leaf)
             self.allocator.free(device_pages)
-            self._push_if_evictable(parent)
+            self.push_if_evictable(parent)
         return freed
 
     def flush(self) -> int:
         """Drops every page no request uses, from both tiers; returns the device pages freed."""
         freed = self.evict(self.evictable_pages, to_host=False)
         if self.host is not None:  # what hangs below locked paths
-            self._free_host(self.host.allocator.num_used)
+            self.host.make_room(self.host.allocator.num_used, self)
         return freed
 
-    def _drop(self, node: TreeNode) -> None:
+    def drop(self, node: TreeNode) -> None:
         """Takes an evicted node out of the tree, and the host nodes below it (their prefix is
         gone); frees their host pages."""
         del node.parent.children[self._first_page(node.key)]
         node.parent = None  # out of the tree: any entry left for it is stale
-        self._num_nodes -= 1
+        self.num_nodes -= 1
         stack = list(node.children.values())
         while stack:
             below = stack.pop()
             self.host.allocator.free(below.pages)
-            self._num_nodes -= 1
+            self.num_nodes -= 1
             below.parent = None
             stack.extend(below.children.values())
 
@@ -351,56 +349,13 @@ class RadixCache:
         """Pages the host tier holds."""
         return 0 if self.host is None else self.host.allocator.num_used
 
-    def _to_host(self, node: TreeNode) -> bool:
-        """Moves an evicted node's device pages to the host tier (a save the executor makes
-        before the next step), making room there from its LRU leaves; False where there is no
-        tier or not room enough (the node is then dropped)."""
-        if self.host is None or len(node.pages) > self.host.allocator.capacity:
-            return False
-        if not self._free_host(len(node.pages) - self.host.allocator.num_free):
-            return False
-        host_pages = self.host.allocator.allocate(len(node.pages))
-        self.host.save(node.pages, host_pages)
-        node.pages, node.on_host = host_pages, True
-        self._push_host_if_leaf(node)
-        return True
-
     def _to_device(self, node: TreeNode, device_pages: list[int]) -> None:
         """A host node's pages replaced by `device_pages` holding the same tokens (loaded, or an
         insert's own); its host pages are freed."""
         self.host.allocator.free(node.pages)
         node.pages, node.on_host = list(device_pages), False
         self.evictable_pages += len(device_pages)
-        self._push_if_evictable(node)
-
-    def _free_host(self, num_pages: int) -> bool:
-        """Drops host leaves (no children), least recently used first, until `num_pages` host
-        pages are freed; False if it cannot (the rest are pinned or inner nodes)."""
-        freed, heap = 0, self._host_heap
-        while freed < num_pages and heap:
-            access, _, leaf = heapq.heappop(heap)
-            if not leaf.on_host or leaf.parent is None or leaf.children or leaf.pinned:
-                continue  # stale: loaded, dropped, given a child, or being loaded
-            if access != leaf.last_access:  # touched since: back in at its new place
-                self._push_host_if_leaf(leaf)
-                continue
-            freed += len(leaf.pages)
-            parent = leaf.parent
-            self.host.allocator.free(leaf.pages)
-            self._drop(leaf)
-            if parent.on_host:
-                self._push_host_if_leaf(parent)
-            else:
-                self._push_if_evictable(parent)
-        return freed >= num_pages
-
-    def _push_host_if_leaf(self, node: TreeNode) -> None:
-        if node.on_host and not node.children and node.parent is not None:
-            if len(self._host_heap) > 2 * self._num_nodes + 64:  # mostly stale: rebuild it
-                self._host_heap = [entry for entry in self._host_heap
-                                   if entry[2].parent is not None and entry[2].on_host]
-                heapq.heapify(self._host_heap)
-            heapq.heappush(self._host_heap, (node.last_access, next(self._push_order), node))
+        self.push_if_evictable(node)
 
     def load(self, host_path: list[TreeNode]) -> list[TreeNode]:
         """Moves the host nodes of `host_path` (a path down from a locked device node, as
@@ -422,7 +377,7 @@ class RadixCache:
         finally:
             for node in host_path:
                 node.pinned = False
-                self._push_host_if_leaf(node)
+                self.host.push_if_leaf(node, self.num_nodes)
         for node in loaded:
             self._unlock_one(node)
         return loaded
@@ -437,13 +392,13 @@ class RadixCache:
     def _has_device_children(node: TreeNode) -> bool:
         return any(not child.on_host for child in node.children.values())
 
-    def _push_if_evictable(self, node: TreeNode) -> None:
+    def push_if_evictable(self, node: TreeNode) -> None:
         if node.parent is not None and node.lock_ref == 0 and not node.on_host \
                 and not self._has_device_children(node):
             self._push(node)
 
     def _push(self, node: TreeNode) -> None:
-        if len(self._leaf_heap) > 2 * self._num_nodes + 64:  # mostly stale: rebuild it
+        if len(self._leaf_heap) > 2 * self.num_nodes + 64:  # mostly stale: rebuild it
             self._leaf_heap = [(leaf.last_access, next(self._push_order), leaf)
                                for leaf in self._unlocked_leaves()]
             heapq.heapify(self._leaf_heap)
