@@ -6,6 +6,7 @@ import pytest
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, outputs, req
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
+from xlaserve.runtime.scheduler.scheduler import NoSpeculation
 from xlaserve.runtime.scheduler.speculation import (NgramIndex, SpeculativeConfig, Speculator,
                                                     accepted)
 from xlaserve.server_args import ServerArgs
@@ -45,7 +46,7 @@ def test_greedy_outputs_with_speculation_equal_those_without():
     prompts = {"copy": [60, 61, 62, 63, 64, 65, 60, 61], "plain": [70, 71]}
 
     def run(speculation):
-        s = make_scheduler(speculator=speculation and Speculator(speculation))
+        s = make_scheduler(speculator=Speculator(speculation) if speculation else NoSpeculation())
         for rid, prompt in prompts.items():
             s.add(req(rid, max_new=24, prompt=prompt))
         model = FakeModel(s)
@@ -130,7 +131,7 @@ def test_speculation_stops_above_its_batch_size_and_reads_each_step_while_on():
 
 def test_overlapped_loop_with_speculation_gives_the_same_outputs():
     def run(speculation):
-        s = make_scheduler(speculator=speculation and Speculator(speculation))
+        s = make_scheduler(speculator=Speculator(speculation) if speculation else NoSpeculation())
         for i in range(5):
             s.add(req(f"r{i}", prompt_len=3 + i, max_new=15))
         return outputs(FakeModel(s).run_overlapped())

@@ -23,11 +23,11 @@ import jax
 
 from xlaserve.runtime.engine import startup
 from xlaserve.runtime.engine.live_requests import LiveRequests, live_state
-from xlaserve.runtime.engine.lora_adapters import LoadLora, LoraAdapters, UnloadLora
+from xlaserve.runtime.engine.lora_adapters import LoraAdapters
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
-                                              LiveRequest, OutputDelta, RequestsEnded, Wake)
-from xlaserve.runtime.engine.pooled_outputs import (EMBEDS, GENERATES, WrongKindOfServer,
-                                                    pooled_request)
+                                              LiveRequest, OnLoop, OutputDelta, RequestsEnded,
+                                              Wake)
+from xlaserve.runtime.engine.pooled_outputs import pooled_request
 from xlaserve.runtime.engine.watchdog import Watchdog
 from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
 from xlaserve.runtime.host import malloc_tuning
@@ -85,7 +85,7 @@ class EngineCore:
         self._submitted = self._admitted = 0
         self._submit_lock = threading.Lock()
         self._stopping = False
-        name = "xlaserve-engine" + (f"-dp{dp_rank}" if args.dp_size > 1 else "")
+        name = parts.thread_name
         # The live requests' output; its output thread sends the loop what it ended.
         self._live_requests = LiveRequests(self.scheduler, self._inbox.put,
                                   name.replace("engine", "output"))
@@ -159,27 +159,12 @@ class EngineCore:
         `multimodal`: a vision model's prompt with images (`images.prepare`: `prompt_ids` as it
         expanded them, and its MultimodalPrompt)."""
         prompt_ids = prompt_token_ids(prompt_ids, self.loaded.config.vocab_size)
-        if multimodal is not None and (self.images is None
-                                       or len(multimodal.embed_rows) != len(prompt_ids)):
-            raise ValueError("images need a vision model, and the prompt their placeholders "
-                             "expanded (images.prepare)")
-        if embed != (self.pooling is not None):
-            raise WrongKindOfServer(EMBEDS if self.pooling is not None else GENERATES)
+        self.steps.check_kind(embed, multimodal, len(prompt_ids))
         if embed:
-            self.check_embedding_input(len(prompt_ids))
-        else:
-            self.check_request(len(prompt_ids), params, top_logprobs_num)
-        if not self.is_alive():
-            raise RuntimeError(self.stopped_reason())
-        queued = self.queued_requests()
-        if queued >= self.limits.max_queued_requests:
-            raise QueueFull(f"the server's queue is full ({queued} requests wait, "
-                            f"--max-queued-requests {self.limits.max_queued_requests}): retry later")
+            return self._submit_embedding(prompt_ids, emit, rid, priority, second_segment)
+        self.check_request(len(prompt_ids), params, top_logprobs_num)
+        self._check_room()
         rid = rid or uuid.uuid4().hex
-        if embed:  # CLS and mean pooling read every row: no cached prefix (pooled_outputs.py)
-            self._put_request(LiveRequest(pooled_request(rid, prompt_ids, self.pooling, priority,
-                                                         second_segment), emit, None))
-            return rid
         self.compile_grammar(params)  # a cache hit where the server compiled it already
         stop_ids = stop_token_set(params, self.eos_token_ids)  # checked: only the set here
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
@@ -203,11 +188,30 @@ class EngineCore:
             LoraAdapters.submit(self.lora, lora_path, request, lambda: self._put_request(live))
         return rid
 
+    def _submit_embedding(self, prompt_ids: list[int], emit, rid: str | None, priority: int,
+                          second_segment: int) -> str:
+        """`submit` of an embedding request: CLS and mean pooling read every row, so no cached
+        prefix (pooled_outputs.py)."""
+        self.check_embedding_input(len(prompt_ids))
+        self._check_room()
+        rid = rid or uuid.uuid4().hex
+        self._put_request(LiveRequest(pooled_request(rid, prompt_ids, self.pooling, priority,
+                                                     second_segment), emit, None))
+        return rid
+
+    def _check_room(self) -> None:
+        """RuntimeError once the engine takes no more work, QueueFull while its queue is full."""
+        if not self.is_alive():
+            raise RuntimeError(self.stopped_reason())
+        queued = self.queued_requests()
+        if queued >= self.limits.max_queued_requests:
+            raise QueueFull(f"the server's queue is full ({queued} requests wait, "
+                            f"--max-queued-requests {self.limits.max_queued_requests}): retry later")
+
     def check_embedding_input(self, prompt_len: int) -> None:
         """An embedding input's size: RequestTooLong over the context length (or the KV pool),
         ValueError for an empty one or on a server that generates."""
-        if self.pooling is None:
-            raise WrongKindOfServer(GENERATES)
+        self.steps.check_kind(True)
         self.scheduler.check_fits(prompt_len, 0, pooled=True)
 
     def _put_request(self, live) -> None:
@@ -378,8 +382,7 @@ class EngineCore:
     def _drain_inbox(self, block: bool) -> None:
         """Takes in what other threads sent, in order; consecutive aborts are done together
         (`LiveRequests.abort_many`: linear in their number, however long the queue)."""
-        if self.lora is not None:  # an unload whose requests have ended (lora_adapters.py)
-            self.lora.finish_unloads(self.scheduler)
+        self.steps.between_steps()  # the features' (an unload whose requests have ended)
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -406,8 +409,8 @@ class EngineCore:
                         item.done.set_result(self.scheduler.flush_cache())
                     except Exception as error:  # the caller waits on it: hand it the error
                         item.done.set_exception(error)
-                case LoadLora() | UnloadLora():
-                    self.lora.take(item, self.scheduler)
+                case OnLoop():
+                    item.run()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -10,7 +10,7 @@ loop sees it among the adapter's requests; one submitted after the mark is refus
 
 Unloading waits: the adapter is marked (new requests naming it are refused at once), and the loop
 frees its slot, zeroes it and drops its prefix-cache tree once no waiting or running request
-uses it (`finish_unloads`, every loop turn). A load takes a free slot (--max-loras-per-batch of
+uses it (`between_steps`, every loop turn). A load takes a free slot (--max-loras-per-batch of
 them) and refuses when none is free.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from xlaserve.server_args import lora_paths_of
 from xlaserve.model.lora import LoraSpec, check_model
+from xlaserve.runtime.engine.messages import OnLoop
 from xlaserve.runtime.executor.lora_slots import slots_for
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError, load_adapter
 
@@ -77,10 +78,11 @@ class UnloadLora:
 
 
 class LoraAdapters:
-    def __init__(self, runner, max_loras: int, model_config, wait):
+    def __init__(self, runner, scheduler, max_loras: int, model_config, wait):
         """`wait(message)`: puts an inbox message and returns its `done` future's result
-        (EngineCore._wait)."""
+        (EngineCore._wait): a load's slot write and an unload run on the loop (`take`)."""
         self.runner = runner
+        self.scheduler = scheduler
         self.model_config = model_config
         self._wait = wait
         self.lock = threading.Lock()
@@ -94,7 +96,7 @@ class LoraAdapters:
         """An adapter read at start-up, written into its slot before the loop runs."""
         adapter, slot = self._claim(adapter.name, lambda: adapter)
         done: Future = Future()
-        self.take(LoadLora(adapter.name, adapter, slot, done), None)
+        self.take(LoadLora(adapter.name, adapter, slot, done))
         return done.result()
 
     # --- any thread ------------------------------------------------------------------------
@@ -121,13 +123,17 @@ class LoraAdapters:
         """Reads a PEFT adapter and serves it as `name` once the loop has written its slot
         between two steps; LoraAdapterError naming what cannot load."""
         adapter, slot = self._claim(name, lambda: load_adapter(name, path, self.model_config))
-        return self._wait(LoadLora(name, adapter, slot, Future()))
+        return self._on_loop(LoadLora(name, adapter, slot, Future()))
 
     def unload(self, name: str) -> LoadedAdapter:
         """Refuses new requests for `name` at once; returns once its waiting and running
         requests have ended and its slot is free."""
         self.mark_unloading(name)
-        return self._wait(UnloadLora(name, Future()))
+        return self._on_loop(UnloadLora(name, Future()))
+
+    def _on_loop(self, message: "LoadLora | UnloadLora"):
+        """`take`s the message on the engine loop, between steps; returns its result."""
+        return self._wait(OnLoop(lambda: self.take(message), message.done))
 
     def resolve(self, name: str) -> LoadedAdapter:
         """The adapter a request names (call with `lock` held, and put the request in the inbox
@@ -178,14 +184,14 @@ class LoraAdapters:
     def before_stage(self, batch) -> None:
         """The step hook (steps.py): the adapters of the requests the step admits."""
         if batch.admitted:
-            self.runner.assign_lora([r.slot for r in batch.admitted],
+            self.runner.lora.assign([r.slot for r in batch.admitted],
                                     [r.lora_slot for r in batch.admitted])
 
-    def take(self, message, scheduler) -> None:
-        """A LoadLora or UnloadLora from the inbox."""
+    def take(self, message: "LoadLora | UnloadLora") -> None:
+        """A LoadLora or UnloadLora, on the loop."""
         if isinstance(message, LoadLora):
             try:
-                self.runner.write_lora(message.slot, message.adapter)
+                self.runner.lora.write(message.slot, message.adapter)
             except Exception as error:
                 with self.lock:
                     self._loading.discard(message.name)
@@ -203,12 +209,14 @@ class LoraAdapters:
             message.done.set_result(self.loaded[message.name])
         else:
             self._unloads.append(message)
-            self.finish_unloads(scheduler)
+            self.between_steps()
 
-    def finish_unloads(self, scheduler) -> None:
-        """Frees the slots of adapters being unloaded that no request uses any more."""
+    def between_steps(self) -> None:
+        """The hook the loop calls each turn (steps.py): frees the slots of adapters being
+        unloaded that no request uses any more."""
         if not self._unloads:
             return
+        scheduler = self.scheduler
         busy = {r.lora_key for r in (*scheduler.waiting, *scheduler.running)}
         pending = []
         for message in self._unloads:
@@ -217,7 +225,7 @@ class LoraAdapters:
                 pending.append(message)
                 continue
             try:
-                self.runner.write_lora(adapter.slot, None)
+                self.runner.lora.write(adapter.slot, None)
                 freed = scheduler.cache.drop_namespace(adapter.key)
             except Exception as error:
                 message.done.set_exception(error)

@@ -74,6 +74,15 @@ class FlushCache:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class OnLoop:
+    """Work a feature has the loop do between steps (a LoRA adapter's slot write, the end of an
+    unload: lora_adapters.py): `run()`, which sets `done` (its result or error)."""
+
+    run: Callable[[], None]
+    done: Future
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StopMatched:
     """The output thread found stop string `stop` in the request's text (its final output waits
     for the loop to end the request)."""
@@ -103,7 +112,7 @@ class Wake:
     """Nothing to do: wakes a loop blocked on an empty inbox (to see that it is stopping)."""
 
 
-InboxMessage = AddRequest | Abort | AbortAll | FlushCache | RequestsEnded | Wake
+InboxMessage = AddRequest | Abort | AbortAll | FlushCache | OnLoop | RequestsEnded | Wake
 
 
 # --- a step's sampled tokens: GenerationSteps.read -> LiveRequests.deliver (the loop thread) -------

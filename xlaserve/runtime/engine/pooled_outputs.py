@@ -118,6 +118,16 @@ class PooledSteps:
         self.token_types = token_types
         self.outputs = PooledOutputs(pooling)
 
+    def check_kind(self, embed: bool, multimodal=None, prompt_len: int = 0) -> None:
+        """An embedding request, without images (GenerationSteps.check_kind's counterpart)."""
+        if not embed:
+            raise WrongKindOfServer(EMBEDS)
+        if multimodal is not None:
+            raise ValueError("images need a vision model")
+
+    def between_steps(self) -> None:
+        pass
+
     def stage(self, batch: ScheduledBatch):
         fb = forward_batch_for(batch, self.buckets, self.runner.page_size)
         slots = np.zeros(fb.shape[1], np.int32)

@@ -50,7 +50,7 @@ from xlaserve.runtime.engine.steps import GenerationSteps
 from xlaserve.runtime.engine.lora_adapters import LoraAdapters, lora_setup
 from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
-from xlaserve.runtime.scheduler.scheduler import Scheduler
+from xlaserve.runtime.scheduler.scheduler import NoSpeculation, Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig, Speculator
 from xlaserve.server_args import (Mode, ServerArgs, hf_overrides, images_per_request,
                                   platform_defaults, processor_kwargs, refuse_conflicts,
@@ -76,6 +76,7 @@ class EngineParts:
     eos_token_ids: set[int]
     grammar_backend: GrammarBackend | None  # structured outputs; off without a tokenizer or "none"
     startup_timings: dict[str, float]  # seconds per phase, in order
+    thread_name: str  # the engine loop's: "xlaserve-engine", "-dpN" for a data parallel replica
     # --nnodes > 1: the Leader, whose followers replay the runner's device calls; else OneProcess
     group: Leader | OneProcess = dataclasses.field(default_factory=OneProcess)
     draft: DraftModel | None = None  # --speculative-algorithm STANDALONE: the draft model
@@ -176,7 +177,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          quantized_activations=args.quantized_activations,
                          verify_tokens=(args.speculative_num_draft_tokens
                                         if args.speculative_algorithm else 1),
-                         lora=lora_spec, kv_cache_dtype=args.kv_cache_dtype)
+                         lora=lora_spec, kv_cache_dtype=args.kv_cache_dtype,
+                         # a draft head's steps take the weights in a plain jit's layouts
+                         choose_weight_layouts=False if head is not None else None)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
     images = None
     if config.vision is not None:  # the tower runs apart from the step (vision_encoder.py)
@@ -265,6 +268,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        context_length=context_length, runner=runner, buckets=buckets,
                        scheduler=scheduler, eos_token_ids=eos_token_ids,
                        grammar_backend=grammar_backend, startup_timings=timings,
+                       thread_name=f"xlaserve-engine-dp{dp_rank}" if args.dp_size > 1
+                       else "xlaserve-engine",
                        group=leader or OneProcess(),
                        draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
                        pooling=pooling, score_head=score_head, images=images, host_kv=host_kv)
@@ -330,9 +335,10 @@ def lora_adapters(parts: EngineParts, wait) -> LoraAdapters | None:
     """--enable-lora: the adapters by name (lora_adapters.py), --lora-paths' written into their
     slots; else None. `wait(message)`: EngineCore._wait, for loads and unloads."""
     runner = parts.runner
-    if runner.lora is None:
+    if runner.lora.spec is None:
         return None
-    adapters = LoraAdapters(runner, runner.lora.spec.max_loras, parts.loaded.config, wait)
+    adapters = LoraAdapters(runner, parts.scheduler, runner.lora.spec.max_loras,
+                            parts.loaded.config, wait)
     for adapter in parts.lora_adapters or ():
         adapters.install(adapter)
     return adapters
@@ -349,14 +355,15 @@ def step_pipeline(parts: EngineParts, live_requests,
                                                  parts.scheduler.cache.host.take_copies)
     hooks = [host_tier, lora, parts.images, parts.draft]
     return GenerationSteps(parts.runner, parts.buckets, parts.scheduler, live_requests,
-                           parts.grammar_backend, [h for h in hooks if h is not None])
+                           parts.grammar_backend, [h for h in hooks if h is not None],
+                           images=parts.images)
 
 
-def speculator_for(args: ServerArgs, drafter) -> Speculator | None:
-    """The scheduler's Speculator with --speculative-algorithm (None: none). `drafter`: the
-    draft model or head whose `propose` drafts (None: NGRAM, on the host)."""
+def speculator_for(args: ServerArgs, drafter) -> Speculator | NoSpeculation:
+    """The scheduler's Speculator with --speculative-algorithm, else NoSpeculation. `drafter`:
+    the draft model or head whose `propose` drafts (None: NGRAM, on the host)."""
     config = SpeculativeConfig.from_server_args(args)
-    return None if config is None else Speculator(config, drafter and drafter.propose)
+    return NoSpeculation() if config is None else Speculator(config, drafter and drafter.propose)
 
 
 def _lap(timings: dict[str, float], phase: str, since: float) -> float:

@@ -12,6 +12,8 @@ called here in this order (none on a plain server; each hook defines only the ca
     forward_batch(fb, batch) -> fb            images' rows (image_prompts.ImagePrompts)
     after_stage(staged, fb, sampling, slots)  a draft model stages the same batch
     after_run(staged)                         and catches up (executor/drafts/draft_model.py)
+    between_steps()                           each loop turn: an adapter's unload ends once its
+                                              requests have (lora_adapters.py)
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import operator
 import numpy as np
 
 from xlaserve.runtime.engine.messages import StepResult
+from xlaserve.runtime.engine.pooled_outputs import GENERATES, WrongKindOfServer
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.executor.step_program import StepOutput
 from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
@@ -28,7 +31,7 @@ from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import SampledRow
 from xlaserve.runtime.scheduler.speculation import row_depths
 
-HOOK_CALLS = ("before_stage", "forward_batch", "after_stage", "after_run")
+HOOK_CALLS = ("before_stage", "forward_batch", "after_stage", "after_run", "between_steps")
 
 
 class GenerationSteps:
@@ -36,8 +39,11 @@ class GenerationSteps:
 
     overlaps = True  # a continuation may be dispatched before the last step is read
 
-    def __init__(self, runner, buckets, scheduler, live_requests, grammar_backend, hooks=()):
+    def __init__(self, runner, buckets, scheduler, live_requests, grammar_backend, hooks=(),
+                 images=None):
+        """`images`: a vision model's ImagePrompts (image_prompts.py), else None."""
         self.runner = runner
+        self.images = images
         self.buckets = buckets
         self.scheduler = scheduler
         self.live_requests = live_requests
@@ -49,6 +55,21 @@ class GenerationSteps:
         # (DecodeRows, padded seqs, metadata) of the last step prepared, a decode continuation
         # none of whose rows suppressed stop ids; else None (_step_sampling).
         self._last_decode = None
+
+    def check_kind(self, embed: bool, multimodal=None, prompt_len: int = 0) -> None:
+        """A request this server can take: not an embedding (WrongKindOfServer), and images
+        only on a vision model, with the prompt their placeholders expanded."""
+        if embed:
+            raise WrongKindOfServer(GENERATES)
+        if multimodal is not None and (self.images is None
+                                       or len(multimodal.embed_rows) != prompt_len):
+            raise ValueError("images need a vision model, and the prompt their placeholders "
+                             "expanded (images.prepare)")
+
+    def between_steps(self) -> None:
+        """Each loop turn, with or without a step: the features' (a plain server has none)."""
+        for hook in self.hooks["between_steps"]:
+            hook()
 
     def stage(self, batch):
         """The step's inputs, staged on the device: all but the grammar masks."""

@@ -109,6 +109,20 @@ class DraftHeadPool:
     num_slots: int
 
 
+def draft_head_pool_of(model, num_slots: int) -> DraftHeadPool | None:
+    """The device state of the draft head start-up set on `model` (model/draft_heads.py), or
+    None without one."""
+    head = getattr(model, "draft_head", None)
+    return None if head is None else DraftHeadPool(head.config, num_slots)
+
+
+def draft_head_description(model) -> str:
+    """What a step closes over of `model`'s draft head (its config and captured layers are
+    static, not state): part of the step's executable cache key ("None" without one)."""
+    head = getattr(model, "draft_head", None)
+    return repr(head and (head.config, head.capture_layers))
+
+
 def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh, *,
                  in_background: bool = False, draft_head: DraftHeadPool | None = None):
     """One zeroed `transformer.kv_cache_shape` array per layer, split by kv head.

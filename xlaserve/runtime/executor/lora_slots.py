@@ -9,6 +9,7 @@ unloading zeroes it. Same shapes, same shardings: no step compiles again.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -21,6 +22,7 @@ from xlaserve.server_args import DEFAULT_MAX_RANK, TARGET_MODULES, target_module
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.lora import LoraSpec, module_shapes, slot_shapes
 from xlaserve.native import gemm_cpu
+from xlaserve.runtime.executor.step_program import LoraArgs
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError
 
 
@@ -45,9 +47,45 @@ def abstract_slot_args(spec: LoraSpec, config: ModelConfig, dtype, mesh,
                                  sharding=NamedSharding(mesh, P()))]
 
 
+def lora_slots_for(spec: LoraSpec | None, kernels, config: ModelConfig, dtype, mesh,
+                   num_request_slots: int, num_weight_args: int) -> "LoraSlots | NoLoraSlots":
+    """A runner's LoRA slots (`spec`: their shapes; None: NoLoraSlots), after its
+    `num_weight_args` weight arguments. With the native GEMM (a single CPU device), the grouped
+    form: each row multiplies its own adapter's matrices alone (model/lora.py;
+    docs/performance.md has the figures)."""
+    if spec is None:
+        return NoLoraSlots()
+    if (kernels.packed_grouped_matmul is not None
+            and np.dtype(dtype).name in ("float32", "bfloat16")):  # the GEMM's panels
+        spec = dataclasses.replace(spec, grouped=True)
+    return LoraSlots(spec, config, dtype, mesh, num_request_slots, num_weight_args)
+
+
+class NoLoraSlots:
+    """A runner's LoRA slots without --enable-lora: no arrays, nothing to write or compile."""
+
+    spec = None
+    step_args = None  # make_step's `lora`
+    description = ""  # the runner's program description (its executable cache key)
+
+    def args(self) -> list:
+        return []
+
+    def compile(self) -> None:
+        pass
+
+    def adopt(self, weight_args: list) -> None:
+        pass
+
+
 class LoraSlots:
-    def __init__(self, spec: LoraSpec, config: ModelConfig, dtype, mesh, num_request_slots: int):
+    def __init__(self, spec: LoraSpec, config: ModelConfig, dtype, mesh, num_request_slots: int,
+                 num_weight_args: int):
+        """`num_weight_args`: the model's weight arguments, which the slots' follow."""
         self.spec = spec
+        self.step_args = LoraArgs(spec, config.num_layers, num_weight_args)
+        self.description = f"\n{spec}"
+        self.weights: list = []  # the runner's weight arguments, whose tail these are (`adopt`)
         self.dtype = jnp.dtype(dtype)
         self.shapes = slot_shapes(config, spec)
         self.widths = {module: (k, math.prod(axes)) for module, (k, axes) in
@@ -85,12 +123,13 @@ class LoraSlots:
         """The step's trailing weight arguments: the slot arrays, then slot_adapters."""
         return [*self.arrays, self.slot_adapters]
 
-    def adopt(self, args: list[jax.Array]) -> None:
-        """The step's slot arguments (`args()`'s order) as the runner now holds them: after
-        precompile stored the weights in the layouts XLA chose (TPU; their old buffers freed),
-        these arrays, and the slot write and slot_adapters' puts in the same layouts, so no
-        step relays a slot out."""
-        *self.arrays, self.slot_adapters = args
+    def adopt(self, weight_args: list) -> None:
+        """The runner's weight arguments, whose last ones are the slots' (`args()`'s order), as
+        it now holds them: after precompile stored the weights in the layouts XLA chose (TPU;
+        their old buffers freed), these arrays, and the slot write and slot_adapters' puts in
+        the same layouts, so no step relays a slot out. A write or an assignment updates them."""
+        self.weights = weight_args
+        *self.arrays, self.slot_adapters = weight_args[-len(self.args()):]
         formats = [a.format for a in self.arrays]
         self._adapters_format = self.slot_adapters.format
         self._write = jax.jit(self._write_slot, donate_argnums=(0,),
@@ -103,10 +142,11 @@ class LoraSlots:
                                            self._slot_values(None)).compile()
 
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Adapter slot `slot` holds `adapter` (None: zeros)."""
+        """Adapter slot `slot` holds `adapter` (None: zeros), for the steps dispatched from now."""
         values = self._slot_values(adapter)
         program = self._compiled or self._write
         self.arrays = program(self.arrays, np.int32(slot), values)
+        self.weights[-len(self.args()):] = self.args()
 
     def check(self, adapter: LoraAdapter) -> None:
         """An adapter these slots cannot hold: a LoraAdapterError naming why."""
@@ -146,12 +186,11 @@ class LoraSlots:
             values.append(value.astype(self.dtype))
         return values
 
-    def assign(self, request_slots: list[int], adapter_slots: list[int]) -> bool:
+    def assign(self, request_slots: list[int], adapter_slots: list[int]) -> None:
         """Request slots' adapters (adapter slot + 1; 0: none), as requests start in their
-        slots; the table is sent again only when it changed. Returns whether it did."""
+        slots; the table is sent again only when it changed."""
         before = self._host_adapters.copy()
         self._host_adapters[request_slots] = adapter_slots
-        if np.array_equal(before, self._host_adapters):
-            return False
-        self.slot_adapters = jax.device_put(self._host_adapters, self._adapters_format)
-        return True
+        if not np.array_equal(before, self._host_adapters):
+            self.slot_adapters = self.weights[-1] = jax.device_put(self._host_adapters,
+                                                                   self._adapters_format)

@@ -57,8 +57,9 @@ from xlaserve.runtime.executor.forward_batch import ForwardBatch, sample_rows_fo
 from xlaserve.runtime.host.huge_pages import advise_huge_pages
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
-from xlaserve.runtime.executor.kv_pool import DraftHeadPool, init_kv_pool, kv_pool_specs
-from xlaserve.runtime.executor.lora_slots import LoraSlots
+from xlaserve.runtime.executor.kv_pool import (draft_head_description, draft_head_pool_of,
+                                               init_kv_pool, kv_pool_specs)
+from xlaserve.runtime.executor.lora_slots import lora_slots_for
 from xlaserve.runtime.executor.page_table import DevicePageTable
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.sampling.params import SamplingMetadata
@@ -68,7 +69,7 @@ from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
 from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
 from xlaserve.runtime.executor.step_inputs import NoFollowers, StagedStep, RepeatedInputs
-from xlaserve.runtime.executor.step_program import LoraArgs, StepOutput, make_step
+from xlaserve.runtime.executor.step_program import StepOutput, make_step
 from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable,
                                                    idle_step, step_vectors)
 
@@ -128,8 +129,7 @@ class ModelRunner:
         num_slots = max_running_requests + 1  # + the null slot
         # A speculative draft head (model/draft_heads.py, set on the model by start-up): its
         # state rides at the end of the KV pool's list (kv_pool.DraftHeadPool).
-        head = getattr(loaded.model, "draft_head", None)
-        self.draft_head_pool = None if head is None else DraftHeadPool(head.config, num_slots)
+        self.draft_head_pool = draft_head_pool_of(loaded.model, num_slots)
         self._kv_pool = init_kv_pool(self.config, num_pages, page_size, kv_dtype, self.mesh,
                                      in_background=True, draft_head=self.draft_head_pool)
         self._kv_caches = None
@@ -170,43 +170,34 @@ class ModelRunner:
         self._description = "\n".join([repr(self.config), np.dtype(dtype).name,
                                         f"kv cache {np.dtype(kv_dtype).name}", str(state_treedef),
                                         describe(kernels), f"verify_tokens {verify_tokens}",
-                                        # a head's config and layers are static, not state
-                                        repr(head and (head.config, head.capture_layers))])
+                                        draft_head_description(loaded.model)])
         self._weight_args, weight_layout = weight_args(
             leaves, stack_small=self.mesh.size == 1,
             stack_layers=self.mesh.devices.flat[0].platform == "tpu", names=leaf_names(state))
         del leaves, state
         # LoRA slots after the model's arguments (lora_slots.py): weights the step also takes.
-        # With the native GEMM (a single CPU device), the grouped form: each row multiplies its
-        # own adapter's matrices alone (model/lora.py; docs/performance.md has the figures).
-        if (lora is not None and kernels.packed_grouped_matmul is not None
-                and np.dtype(dtype).name in ("float32", "bfloat16")):  # the GEMM's panels
-            lora = dataclasses.replace(lora, grouped=True)
-        self.lora = None if lora is None else LoraSlots(lora, self.config, dtype, self.mesh,
-                                                        num_slots)
-        lora_args = None
-        if self.lora is not None:
-            lora_args = LoraArgs(lora, self.config.num_layers, len(self._weight_args))
-            self._weight_args += self.lora.args()
-            self._description += f"\n{lora}"
+        self.lora = lora_slots_for(lora, kernels, self.config, dtype, self.mesh, num_slots,
+                                   len(self._weight_args))
+        self._weight_args += self.lora.args()
+        self.lora.weights = self._weight_args  # whose tail a slot write or assignment updates
+        self._description += self.lora.description
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 
         # What the step and a draft head's own programs (drafts/draft_head.py) are made of.
         self.program_parts = (graphdef, state_treedef, weight_layout, kv_sharding)
-        self._lora_args = lora_args
+        self._lora_args = self.lora.step_args
         step = self._make_step()
         if choose_weight_layouts is None:
             # TPU only: there the default layouts had each step relay weights out (64 fused
             # relayouts in v6e's 8B step); XLA's choice on an H100 is the default layouts.
-            # Not with a draft head: its draft steps (drafts/draft_head.py) take the same weights, in
-            # the layouts a plain jit takes. LoRA slots are chosen with the weights and then
+            # (Start-up passes False with a draft head: its draft steps take the same weights
+            # in the layouts a plain jit takes.) LoRA slots are chosen with the weights and then
             # written in their layouts (LoraSlots.adopt): with the default layouts, the v6e
             # step of Llama-3.1-8B's first 8 layers (tp 4, 64 rows) moved 7.10 GB, 5.76 GB with
             # XLA's, the base model's 5.17 (docs/performance.md, "LoRA adapters").
             choose_weight_layouts = (self.mesh.devices.flat[0].platform == "tpu"
-                                     and replicated.is_fully_addressable
-                                     and self.draft_head_pool is None)
+                                     and replicated.is_fully_addressable)
         # The step whose weight layouts XLA chooses, until `precompile` has used it.
         self._choosing_step = (self._make_step(auto_formats(self._weight_args))
                                if choose_weight_layouts else None)
@@ -223,8 +214,8 @@ class ModelRunner:
         self._programs: dict[tuple, object] = {}  # (shape, widths, needs) -> its compiled step
         self._replicated = replicated
         self.bitmask_words = -(-vocab // 32)
-        self.inputs = RepeatedInputs(self._put, replicated, self.bitmask_words, (
-            self.config.vision.levels, self.config.hidden_size, dtype) if self.multimodal else None)
+        self.inputs = RepeatedInputs(self._put, replicated, self.bitmask_words, self.config,
+                                     dtype)
         self.layouts: dict[tuple, object] = {}  # step_inputs.layout_for's, by bucket (multi-host)
 
     def _make_step(self, weight_formats=None):
@@ -272,23 +263,11 @@ class ModelRunner:
             self.output_counts, self.prompt_masks = reset(
                 self.output_counts, self.prompt_masks, slots, counts, masks)
 
-    def write_lora(self, slot: int, adapter) -> None:
-        """LoRA adapter slot `slot` holds `adapter` (weights/lora_adapter.LoraAdapter; None:
-        zeros), for the steps dispatched from now on."""
-        self.lora.write(slot, adapter)
-        self._weight_args[-len(self.lora.args()):] = self.lora.args()
-
-    def assign_lora(self, request_slots: list[int], adapters: list[int]) -> None:
-        """The adapters (adapter slot + 1; 0: none) of requests starting in `request_slots`."""
-        if self.lora.assign(request_slots, adapters):
-            self._weight_args[-1] = self.lora.slot_adapters
-
     def _compile_reset_slots(self) -> None:
         """The two `assign_slots` programs and `write_pages`' (and the LoRA slot write),
         compiled before serving."""
         self.page_table.compile()
-        if self.lora is not None:
-            self.lora.compile()
+        self.lora.compile()
         vocab = self.config.vocab_size
         for rows in (1, ASSIGN_ROWS):
             self._reset_programs[rows] = self._reset_slots.lower(
@@ -339,9 +318,8 @@ class ModelRunner:
         self.sink.step(staged, token_bitmask)  # the followers make the same call first
         args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
-                *staged.tables, self.inputs.bitmask(self.sample_rows(staged.shape), token_bitmask))
-        if self.multimodal:
-            args += (staged.input_embeds,)
+                *staged.tables, self.inputs.bitmask(self.sample_rows(staged.shape), token_bitmask),
+                *staged.image_args)
         needs = self._program_needs(staged.needs, token_bitmask is not None)
         program = self._programs.get((staged.shape, staged.widths, needs, staged.tree_width))
         if program is not None:
@@ -407,8 +385,7 @@ class ModelRunner:
             for (shape, needs, tree), program in compile_steps(self, keys, cache, progress,
                                                                threads).items():
                 self._programs[(shape, self.program_widths, needs, tree)] = program
-            if self.lora is not None:  # the slots as the weights now are (choose_weight_layouts)
-                self.lora.adopt(self._weight_args[-len(self.lora.args()):])
+            self.lora.adopt(self._weight_args)  # as the weights now are (choose_weight_layouts)
             self._compile_reset_slots()
         self._precompiled = True
 
@@ -419,7 +396,5 @@ class ModelRunner:
         staged = self.stage(*idle_step(*shape, rows, tree_width))
         args = (self._weight_args, self.kv_specs, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
-                *staged.tables, self.inputs.bitmask(rows, None))
-        if self.multimodal:
-            args += (staged.input_embeds,)
+                *staged.tables, self.inputs.bitmask(rows, None), *staged.image_args)
         return args, {"layout": staged.layout, "needs": needs}

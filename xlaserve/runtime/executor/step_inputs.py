@@ -241,6 +241,11 @@ class StagedStep:
     # (ForwardBatch.input_embeds, or zeros); None on other servers.
     input_embeds: jax.Array | None = None
 
+    @property
+    def image_args(self) -> tuple:
+        """The step's arguments after the bitmask: a vision model's image rows, else none."""
+        return () if self.input_embeds is None else (self.input_embeds,)
+
 
 class NoFollowers:
     """The command sink of a runner in one process (a multi-host leader's, distributed/leader.py,
@@ -274,11 +279,12 @@ class RepeatedInputs:
     tables, the all-allowed grammar bitmask per sample-row count, and a vision model's zero image
     rows per token bucket. `put(arrays, sharding)`: the runner's device_put."""
 
-    def __init__(self, put, replicated, bitmask_words: int, image_rows: tuple | None = None):
-        """`image_rows`: (levels, hidden size, dtype) of a vision model's rows; None: none."""
+    def __init__(self, put, replicated, bitmask_words: int, config, dtype):
+        """`config`, `dtype`: the model's (a vision model's steps take image rows)."""
         self._put, self._replicated = put, replicated
         self.bitmask_words = bitmask_words
-        self._image_rows = image_rows
+        self._image_rows = None if config.vision is None else (config.vision.levels,
+                                                               config.hidden_size, dtype)
         self._all_allowed: dict[int, jax.Array] = {}
         self._no_embeds: dict[int, jax.Array] = {}
         # The last step's tables: (their numpy arrays, host vectors, device vectors, layout).

@@ -10,7 +10,8 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "SAVE": "host_tier",
     "DecodeRows": "request", "Request": "request", "RequestTooLong": "request",
     "SampledRow": "request", "ScheduledBatch": "request", "SeqChunk": "request",
-    "prefill_budget": "scheduler", "Scheduler": "scheduler", "process_pooled": "pooled",
+    "prefill_budget": "scheduler", "Scheduler": "scheduler", "NoSpeculation": "scheduler",
+    "process_pooled": "pooled",
     "DraftTree": "speculation", "row_depths": "speculation", "SpeculativeConfig": "speculation",
     "Speculator": "speculation",
 }

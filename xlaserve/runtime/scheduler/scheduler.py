@@ -29,7 +29,7 @@ from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse
 from xlaserve.runtime.scheduler.request import (Request, RequestTooLong, SampledRow, ScheduledBatch,
                                                SeqChunk)
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
-from xlaserve.runtime.scheduler.speculation import DraftTree, Speculator
+from xlaserve.runtime.scheduler.speculation import NO_DRAFT, Draft, Speculator
 from xlaserve.runtime.scheduler.continuation import schedule_continuation
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,8 @@ class NoSpeculation:
     verifies = False
     drafter = None
 
-    def drafts(self, scheduler, decoding: list[Request]) -> list[list[int]]:
-        return [[] for _ in decoding]
+    def drafts(self, scheduler, decoding: list[Request]) -> list[Draft]:
+        return [NO_DRAFT] * len(decoding)
 
     def reads_first(self, scheduler, batch) -> bool:
         return False
@@ -64,8 +64,8 @@ class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
                  chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
                  log_interval: int = 40, radix_cache: bool = True,
-                 speculator: Speculator | NoSpeculation | None = None, host_pages: int = 0):
-        """`speculator`: --speculative-algorithm's (speculation.py; None: NoSpeculation).
+                 speculator: Speculator | NoSpeculation = NoSpeculation(), host_pages: int = 0):
+        """`speculator`: --speculative-algorithm's (speculation.py), or NoSpeculation (stateless).
         `host_pages`: the prefix cache's host tier (host_tier.py; 0: none)."""
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
@@ -80,7 +80,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.context_length = context_length
         self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
-        self.speculator = speculator or NoSpeculation()
+        self.speculator = speculator
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
@@ -102,14 +102,14 @@ class Scheduler:
         `add` again for direct callers. Raises RequestTooLong (a ValueError) for a prompt plus
         max_new_tokens over `max_request_tokens`, ValueError for an empty prompt or no tokens.
         `pooled`: an embedding request (no tokens; its whole prompt goes into the KV cache)."""
+        # An embedding input samples nothing and keeps every token's KV until its last chunk.
+        fewest_new, limit = ((0, min(self.context_length, self.allocator.capacity * self.page_size))
+                             if pooled else (1, self.max_request_tokens))
         if prompt_tokens < 1:
             raise ValueError("the prompt is empty")
-        if max_new_tokens < (0 if pooled else 1):
+        if max_new_tokens < fewest_new:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         total = prompt_tokens + max_new_tokens
-        limit = self.max_request_tokens
-        if pooled:  # every token's KV is kept until the last chunk
-            limit = min(self.context_length, self.allocator.capacity * self.page_size)
         if total > limit:
             raise RequestTooLong.over(prompt_tokens, max_new_tokens, limit, self.context_length,
                                       self.allocator.capacity, self.page_size, pooled)
@@ -227,12 +227,10 @@ class Scheduler:
         drafts = self.speculator.drafts(self, decoding)
         rows = []
         for r, draft in zip(decoding, drafts):
-            self.grow(r, r.num_computed + 1 + len(draft))
-            tree = isinstance(draft, DraftTree)
-            rows.append((r, SeqChunk([r.output_ids[-1], *(draft.tokens if tree else draft)],
-                                     r.num_computed, list(r.page_ids), True,
-                                     num_drafts=len(draft),
-                                     tree_parents=[-1, *draft.parents] if tree else None)))
+            self.grow(r, r.num_computed + 1 + len(draft.tokens))
+            rows.append((r, SeqChunk([r.output_ids[-1], *draft.tokens], r.num_computed,
+                                     list(r.page_ids), True, num_drafts=len(draft.tokens),
+                                     tree_parents=draft.row_parents)))
         return rows
 
     def schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,

@@ -28,7 +28,7 @@ prefix by this same rule (runtime/executor/verified_rows.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.scheduler.request import Request, SampledRow, SeqChunk
@@ -135,6 +135,17 @@ def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_draft
     request.spec_draft_limit = min(grown, max_drafts)
 
 
+class Draft(NamedTuple):
+    """A decoding request's drafts for its verified row: a chain of tokens (`row_parents` None:
+    each after the one before) or a tree's (DraftTree, which has the same two fields)."""
+
+    tokens: Sequence[int]
+    row_parents: list[int] | None = None  # SeqChunk.tree_parents of the row
+
+
+NO_DRAFT = Draft(())  # a plain decode row
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """A tree of drafts (--speculative-eagle-topk > 1, executor/drafts/draft_head.py): each node after its
@@ -147,6 +158,12 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def row_parents(self) -> list[int]:
+        """SeqChunk.tree_parents of its verified row: -1 for the root (the request's last
+        token), then each node's parent."""
+        return [-1, *self.parents]
 
     def cut(self, n: int) -> "DraftTree":
         """Its first `n` nodes (a tree: each parent comes before its children)."""
@@ -275,8 +292,8 @@ class Speculator:
             return {"spec_accept_length": 0.0}
         return {"spec_accept_length": 1 + self.accepted_drafts / self.verified_rows}
 
-    def drafts(self, scheduler: _Scheduler, decoding: list[Request]) -> list:
-        """Each decoding request's drafted tokens (a list, or a DraftTree) for a step scheduled
+    def drafts(self, scheduler: _Scheduler, decoding: list[Request]) -> list[Draft | DraftTree]:
+        """Each decoding request's drafted tokens (a Draft chain or a DraftTree) for a step scheduled
         from the last one's results (which ends a run of continuations): none where the request
         cannot draft now (`wants_drafts`) or nothing matches; none at all when speculation is
         paused (`speculating`), the free pages cannot hold every draft (the plain decodes' pages
@@ -289,7 +306,7 @@ class Speculator:
         s = scheduler
         if (not decoding or not self.speculating(len(s.running)) or len(decoding) < len(s.running)
                 or (s.waiting and len(s.running) < s.max_running_requests)):
-            return [[] for _ in decoding]
+            return [NO_DRAFT] * len(decoding)
         spec = self.config
         rooms, room_in_step = [], s.max_running_requests - len(decoding)
         for r in decoding:
@@ -302,7 +319,7 @@ class Speculator:
             rooms.append(room)
         needed = sum(s.new_pages(r, r.num_computed + 1 + room) for r, room in zip(decoding, rooms))
         if not any(rooms) or needed > s.cache.available_pages:
-            return [[] for _ in decoding]
+            return [NO_DRAFT] * len(decoding)
         if self.drafter is None:
             drafts = [_ngram_draft(spec, r, room) if room else []
                       for r, room in zip(decoding, rooms)]
@@ -317,7 +334,7 @@ class Speculator:
         drafts = [constrained(r, draft) or [] for r, draft in zip(decoding, drafts)]
         for r, draft in zip(decoding, drafts):  # pages past the verified row's go back
             _shrink(s, r, r.num_computed + 1 + len(draft))
-        return drafts
+        return [draft if isinstance(draft, DraftTree) else Draft(draft) for draft in drafts]
 
     def reads_first(self, scheduler: _Scheduler, batch) -> bool:
         """Whether the step after `batch` must be scheduled from its results, not as a
