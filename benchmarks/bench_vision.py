@@ -122,13 +122,13 @@ def main() -> None:
                 model.model.visual(out["pixel_values"], grid_thw=out["image_grid_thw"])
             figures["hf_tower"].append(args.images / (time.perf_counter() - start))
             start = time.perf_counter()  # xlaserve's: the images of one request
-            core.images.prepare(placeholders * args.images, images)
+            core.features.images.prepare(placeholders * args.images, images)
             figures["xla_tower"].append(args.images / (time.perf_counter() - start))
 
             images = images_for(args.images, args.image_size, 2 * round_ + 1)
             start = time.perf_counter()  # transformers' prefill of the batch
             out = processor(images=images, return_tensors="pt")
-            expanded = core.images.prepare(prompt, images[:1])[0]  # every prompt's ids alike
+            expanded = core.features.images.prepare(prompt, images[:1])[0]  # every prompt's ids alike
             batch = torch.tensor([expanded] * args.images)
             with torch.no_grad():
                 logits = model(input_ids=batch, attention_mask=torch.ones_like(batch),
@@ -141,7 +141,7 @@ def main() -> None:
             start = time.perf_counter()  # xlaserve's: every request at once
             sinks = [queue.Queue() for _ in images]
             for image, sink in zip(images, sinks):
-                ids_, multimodal = core.images.prepare(prompt, [image])
+                ids_, multimodal = core.features.images.prepare(prompt, [image])
                 core.submit(ids_, SamplingParams(max_new_tokens=1, temperature=0,
                                                  ignore_eos=True), sink.put, multimodal=multimodal)
             first = [sink.get(timeout=3600).token_id for sink in sinks]

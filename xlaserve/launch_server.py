@@ -64,7 +64,7 @@ async def warm_up(ctx) -> None:
 
     started = time.perf_counter()
     prompt = ctx.tokenizer.encode("The capital of France is") if ctx.tokenizer is not None else [1, 2, 3]
-    if ctx.core.pooling is not None:  # an embedding server: one embedding
+    if ctx.core.features.pooling is not None:  # an embedding server: one embedding
         await Generation(ctx, [prompt], SamplingParams(), 1, embed=True).collect()
     else:
         await Generation(ctx, [prompt], SamplingParams(max_new_tokens=4, temperature=0.0),

@@ -113,13 +113,13 @@ class Engine:
         `image_data` (SGLang's): per prompt an image or a list of them (PIL images, bytes, file
         paths, data: URLs), or one image or list for a single prompt; a prompt holds one image
         placeholder (<|image_pad|>) per image, as its chat template writes them."""
-        if image_data is None or self.core.images is None:
+        if image_data is None or self.core.features.images is None:
             if image_data is not None:
                 raise ValueError("image_data needs a vision-language model")
             return [None] * len(id_lists)
         multimodal = []
         for i, images in enumerate(images_per_prompt(image_data, len(id_lists), batched)):
-            id_lists[i], prompt = self.core.images.prepare(id_lists[i],
+            id_lists[i], prompt = self.core.features.images.prepare(id_lists[i],
                                                            [read_image(x) for x in images])
             multimodal.append(prompt)
         return multimodal
@@ -147,7 +147,7 @@ class Engine:
         Texts are tokenized with the model's special tokens (as sentence-transformers does) and
         lowercased first where the checkpoint says so. Needs an embedding model
         (`is_embedding=True`, or a checkpoint with sentence-transformers' modules.json)."""
-        pooling = self.core.pooling
+        pooling = self.core.features.pooling
         id_lists, batched = self._id_lists(prompt, input_ids,
                                            lowercase=pooling is not None and pooling.lowercase)
         sinks = []

@@ -47,13 +47,13 @@ def test_modules_json_makes_an_embedding_server_and_the_other_kind_is_refused(tm
     and --runner generate's encode, are refused in one line, not answered."""
     path, reference = save_decoder_embedding(tmp_path, "lasttoken")
     with Engine(path, **SMALL) as engine:
-        assert engine.core.pooling.mode == "last" and engine.core.pooling.normalize
+        assert engine.core.features.pooling.mode == "last" and engine.core.features.pooling.normalize
         np.testing.assert_allclose(engine.encode("the cat")["embedding"],
                                    reference.encode("the cat"), atol=1e-4)
         with pytest.raises(ValueError, match="generates no text"):
             engine.generate("the cat", {"max_new_tokens": 2})
     with Engine(path, runner="generate", **SMALL) as engine:
-        assert engine.core.pooling is None
+        assert engine.core.features.pooling is None
         with pytest.raises(ValueError, match="embeddings need an embedding model"):
             engine.encode("the cat")
         assert len(engine.generate("the cat", {"max_new_tokens": 2})["output_ids"]) == 2

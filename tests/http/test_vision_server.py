@@ -40,7 +40,7 @@ def _expected(server, model, directory, messages, images,
         [{"role": m["role"], "content": [{"type": "image"} if p["type"] == "image_url" else p
                                           for p in m["content"]]} for m in messages],
         tokenize=False, add_generation_prompt=True)
-    ids, _ = ctx.core.images.prepare(ctx.tokenizer.encode(text, add_special_tokens=False),
+    ids, _ = ctx.core.features.images.prepare(ctx.tokenizer.encode(text, add_special_tokens=False),
                                      images)
     tokens = hf_generate(model, directory, ids, images, NEW_TOKENS)
     end = ctx.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -141,7 +141,7 @@ def test_sglang_generate_takes_image_data(vision):
     server, model, directory = vision
     image = random_image(80, 100, 17)
     text = "<|vision_start|> <|image_pad|> <|vision_end|> describe it"
-    ids, _ = server.ctx.core.images.prepare(server.ctx.tokenizer.encode(text), [image])
+    ids, _ = server.ctx.core.features.images.prepare(server.ctx.tokenizer.encode(text), [image])
     expected = hf_generate(model, directory, ids, [image], NEW_TOKENS)
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     for data in (_data_url(image), _data_url(image).split(",", 1)[1]):

@@ -69,7 +69,7 @@ def test_the_vision_tower_gives_transformers_rows(served):
     # The merged rows, then (Qwen3-VL) each DeepStack layer's.
     expected = np.stack([tower.pooler_output.numpy()] + [
         f.numpy() for f in getattr(tower, "deepstack_features", None) or []])
-    encoder = engine.core.images.encoder
+    encoder = engine.core.features.images.encoder
     grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
     pixels = np.split(out["pixel_values"].numpy(), np.cumsum([np.prod(g) for g in grids])[:-1])
     rows = encoder.embed([(f"key{i}", p, g) for i, (p, g) in enumerate(zip(pixels, grids))])
@@ -88,7 +88,7 @@ def test_prompts_with_zero_one_and_two_images_in_one_batch_give_transformers_tok
              (f"{pad} cat", [tall])]
     prompts, expected, expected_logprobs = [], [], []
     for text, images in cases:
-        ids, multimodal = core.images.prepare(_ids(engine, text), images)
+        ids, multimodal = core.features.images.prepare(_ids(engine, text), images)
         prompts.append((ids, multimodal))
         tokens, chosen = hf_generate(model, directory, ids, images, NEW_TOKENS, logprobs=True)
         expected.append(tokens)
@@ -110,12 +110,12 @@ def test_same_text_with_another_image_shares_no_kv_and_the_same_image_is_encoded
     text = ("what is in this picture and that one describe it " * 2 +
             "<|vision_start|> <|image_pad|> <|vision_end|> red cat")
     first, second = random_image(110, 110, 7), random_image(110, 110, 8)
-    encoder = core.images.encoder
+    encoder = core.features.images.encoder
     runs = encoder.runs
-    ids_a, mm_a = core.images.prepare(_ids(engine, text), [first])
-    ids_a2, mm_a2 = core.images.prepare(_ids(engine, text), [first])
+    ids_a, mm_a = core.features.images.prepare(_ids(engine, text), [first])
+    ids_a2, mm_a2 = core.features.images.prepare(_ids(engine, text), [first])
     assert encoder.runs == runs + 1  # the second preparation found the first's rows
-    ids_b, mm_b = core.images.prepare(_ids(engine, text), [second])
+    ids_b, mm_b = core.features.images.prepare(_ids(engine, text), [second])
     assert ids_a == ids_b and mm_a.cache_key != mm_b.cache_key
     core.flush_cache()
     finishes = []
@@ -144,7 +144,7 @@ for kind in ("qwen2_5_vl", "qwen3_vl"):
     image = random_image(100, 80, 9)
     with Engine(directory, tp_size=2, **json.loads(sys.argv[2])) as engine:
         text = "<|vision_start|> <|image_pad|> <|vision_end|> describe it"
-        ids, multimodal = engine.core.images.prepare(
+        ids, multimodal = engine.core.features.images.prepare(
             engine.tokenizer.encode(text, add_special_tokens=False), [image])
         sink = queue.Queue()
         engine.core.submit(ids, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
@@ -193,7 +193,7 @@ def test_the_offline_engine_takes_image_data(served, tmp_path):
     image.save(buffer, format="PNG")
     data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     text = "<|vision_start|> <|image_pad|> <|vision_end|> describe it"
-    ids, _ = engine.core.images.prepare(_ids(engine, text), [image])
+    ids, _ = engine.core.features.images.prepare(_ids(engine, text), [image])
     expected = hf_generate(model, directory, ids, [image], NEW_TOKENS)
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     one = engine.generate(text, params, image_data=image)

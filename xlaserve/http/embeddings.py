@@ -62,7 +62,7 @@ class EncodeRequest(_Strict):
 
 def embedding_server(ctx: ServingContext):
     """The server's pooling; a generation server's 400."""
-    pooling = ctx.core.pooling
+    pooling = ctx.core.features.pooling
     if pooling is None:
         raise bad_request(GENERATES)
     return pooling
@@ -81,7 +81,7 @@ def input_id_lists(ctx: ServingContext, inputs: Inputs, param: str, add_special_
     if len(inputs) > limit:
         raise bad_request(f"{len(inputs)} inputs; at most {limit} per request "
                           "(--max-sequences-per-request)", param)
-    lowercase = ctx.core.pooling.lowercase
+    lowercase = ctx.core.features.pooling.lowercase
     id_lists = []
     for item in inputs:
         if isinstance(item, str):
@@ -167,7 +167,7 @@ class EmbeddingCall:
     def __init__(self, ctx: ServingContext, req: EmbeddingRequest):
         ctx.adapters_of(req.model, None)  # a model not served: the 404
         self.pooling = embedding_server(ctx)
-        if ctx.core.score_head is not None:
+        if ctx.core.features.score_head is not None:
             raise bad_request("this server runs a reranker: it scores pairs (/v1/rerank, "
                               "/rerank, /score), it gives no embeddings")
         self.ctx, self.req = ctx, req

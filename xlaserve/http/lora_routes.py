@@ -30,7 +30,7 @@ async def _body(request: Request, model):
     """(the context, the parsed body); a 400 where the server serves no adapters."""
     ctx = _ctx(request)
     req = parse_body(await request.body(), model, ctx.request_fields)
-    if ctx.core.lora is None:
+    if ctx.core.features.lora is None:
         raise bad_request(NO_ADAPTERS)
     return ctx, req
 
@@ -60,7 +60,7 @@ async def _unload(request: Request) -> str:
 
 
 def _loaded(ctx: ServingContext) -> dict:
-    return {a.name: a.path for a in ctx.core.lora.cards()}
+    return {a.name: a.path for a in ctx.core.features.lora.cards()}
 
 
 @router.post("/load_lora_adapter")

@@ -203,7 +203,7 @@ async def health_generate(request: Request):
     ctx = _ctx(request)
     if not ctx.ready:
         raise APIError(503, "the server is starting: the model is not ready yet")
-    embeds = ctx.core.pooling is not None
+    embeds = ctx.core.features.pooling is not None
     params = SamplingParams() if embeds else SamplingParams(max_new_tokens=1, temperature=0.0)
     try:
         await Generation(ctx, [[0]], params, 1, priority=1 << 20, embed=embeds).collect()
@@ -217,7 +217,7 @@ async def get_model_info(request: Request):
     ctx = _ctx(request)
     tokenizer_path = public_name(ctx.engine.server_args.tokenizer_path)  # names, not paths
     return {"model_path": ctx.model_name, "tokenizer_path": tokenizer_path or ctx.model_name,
-            "is_generation": ctx.core.pooling is None, "preferred_sampling_params": None,
+            "is_generation": ctx.core.features.pooling is None, "preferred_sampling_params": None,
             "served_model_name": ctx.served_model_name, "context_length": ctx.context_length,
             "vocab_size": ctx.vocab_size}
 
@@ -262,7 +262,7 @@ async def retrieve_model(model: str, request: Request):
 def _adapter_cards(ctx: ServingContext) -> list[dict]:
     """The loaded LoRA adapters as vLLM lists them: their name, their path's public name as
     `root`, the served model as `parent`."""
-    lora = ctx.core.lora
+    lora = ctx.core.features.lora
     return [] if lora is None else [
         {"id": a.name, "object": "model", "created": ctx.created, "owned_by": "xlaserve",
          "root": public_name(a.path), "parent": ctx.served_model_name,

@@ -98,7 +98,7 @@ async def score_pairs(ctx: ServingContext, queries: list[str], documents: list[s
     if len(queries) > limit:
         raise bad_request(f"{len(queries)} pairs; at most {limit} per request "
                           "(--max-sequences-per-request)", param)
-    head = ctx.core.score_head
+    head = ctx.core.features.score_head
     if head is not None:
         id_lists, segments = _pair_inputs(ctx, queries, documents, param, instruct)
         choices = await embed_inputs(ctx, id_lists, priority, segments)
@@ -120,7 +120,7 @@ async def _ranked(request: Request):
     ctx.adapters_of(req.model, None)
     if req.top_n is not None and req.top_n < 1:
         raise bad_request("top_n must be at least 1", "top_n")
-    if req.instruct is not None and ctx.core.score_head is None:
+    if req.instruct is not None and ctx.core.features.score_head is None:
         raise bad_request("instruct is a decoder reranker's; this server's model is not one",
                           "instruct")
     scores, tokens = await score_pairs(ctx, [req.query] * len(req.documents), req.documents,

@@ -110,7 +110,7 @@ class ServingContext:
     @property
     def images(self):
         """A vision model's image preparation (runtime/engine/image_prompts.py), else None."""
-        return getattr(self.core, "images", None)
+        return self.core.features.images
 
     @property
     def vocab_size(self) -> int:
@@ -130,7 +130,7 @@ class ServingContext:
     def check_generates(self) -> None:
         """An embedding server's 400 for a generation route (before a template or a tokenizer
         could refuse it for another reason)."""
-        if self.core.pooling is not None:
+        if self.core.features.pooling is not None:
             raise bad_request(EMBEDS)
 
     def check_model(self, model: str | None) -> None:
@@ -146,7 +146,7 @@ class ServingContext:
         from_model = None
         if not self.serves(model):
             base, _, name = (model or "").rpartition(":")
-            lora = self.core.lora
+            lora = self.core.features.lora
             loaded = set() if lora is None else {a.name for a in lora.cards()}
             if base and self.serves(base) and name in loaded:
                 from_model = name
@@ -168,7 +168,7 @@ class ServingContext:
         return lora_path
 
     def check_adapter(self, name: str) -> None:
-        lora = self.core.lora
+        lora = self.core.features.lora
         if lora is None:
             raise adapter_not_found(f"lora_path {name[:64]!r}: {NO_ADAPTERS}")
         try:

@@ -123,10 +123,10 @@ class BatchRunner:
         if endpoint is None:
             raise bad_request(f"endpoint must be /v1/chat/completions, /v1/completions or "
                               f"/v1/embeddings; got {req.endpoint!r}", "endpoint")
-        if (endpoint == "/v1/embeddings") != (self.ctx.core.pooling is not None):
+        if (endpoint == "/v1/embeddings") != (self.ctx.core.features.pooling is not None):
             # What the server is not (an embedding server's lines would all fail, and so
             # would a generation server's embeddings): refused before any line runs.
-            raise bad_request(GENERATES if self.ctx.core.pooling is None else EMBEDS, "endpoint")
+            raise bad_request(GENERATES if self.ctx.core.features.pooling is None else EMBEDS, "endpoint")
         if req.completion_window != "24h":
             raise bad_request("completion_window must be '24h'", "completion_window")
         if req.output_expires_after is not None:

@@ -64,12 +64,10 @@ class EngineCore:
         self.scheduler = parts.scheduler
         self.eos_token_ids = parts.eos_token_ids
         self.grammar_backend = parts.grammar_backend
-        # An embedding server's pooling (weights/pooling.Pooling; None: a generation server).
-        self.pooling = parts.pooling
-        self.score_head = parts.score_head  # a reranker's (weights/score_head.py), else None
-        self.images = parts.images  # a vision model's (image_prompts.py), else None
-        # --enable-lora: the adapters by name (lora_adapters.py), --lora-paths' installed
-        self.lora = startup.lora_adapters(parts, self._wait)
+        # What it serves beyond generation: pooling, score head, images, adapters (each or None);
+        # --lora-paths' adapters installed.
+        self.features = startup.Features(parts.pooling, parts.score_head, parts.images,
+                                         startup.lora_adapters(parts, self._wait))
         self.limits = RequestLimits.from_server_args(args)
         # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
         self.startup_timings = parts.startup_timings
@@ -90,7 +88,7 @@ class EngineCore:
         self._live_requests = LiveRequests(self.scheduler, self._inbox.put,
                                   name.replace("engine", "output"))
         # The steps the loop stages, sends and reads, with the features' hooks (steps.py).
-        self.steps = startup.step_pipeline(parts, self._live_requests, self.lora)
+        self.steps = startup.step_pipeline(parts, self._live_requests, self.features.lora)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
                                   name.replace("engine", "watchdog"))
@@ -185,7 +183,8 @@ class EngineCore:
         if lora_path is None:
             self._put_request(live)
         else:  # resolved and queued ahead of any unload of it (lora_adapters.py)
-            LoraAdapters.submit(self.lora, lora_path, request, lambda: self._put_request(live))
+            LoraAdapters.submit(self.features.lora, lora_path, request,
+                                lambda: self._put_request(live))
         return rid
 
     def _submit_embedding(self, prompt_ids: list[int], emit, rid: str | None, priority: int,
@@ -195,8 +194,8 @@ class EngineCore:
         self.check_embedding_input(len(prompt_ids))
         self._check_room()
         rid = rid or uuid.uuid4().hex
-        self._put_request(LiveRequest(pooled_request(rid, prompt_ids, self.pooling, priority,
-                                                     second_segment), emit, None))
+        request = pooled_request(rid, prompt_ids, self.features.pooling, priority, second_segment)
+        self._put_request(LiveRequest(request, emit, None))
         return rid
 
     def _check_room(self) -> None:
@@ -221,11 +220,11 @@ class EngineCore:
 
     def load_lora_adapter(self, name: str, path: str):
         """Serves the PEFT adapter at `path` as `name` (lora_adapters.py, `LoraAdapters.load`)."""
-        return LoraAdapters.serving(self.lora).load(name, path)
+        return LoraAdapters.serving(self.features.lora).load(name, path)
 
     def unload_lora_adapter(self, name: str):
         """Stops serving `name` once its requests have ended (`LoraAdapters.unload`)."""
-        return LoraAdapters.serving(self.lora).unload(name)
+        return LoraAdapters.serving(self.features.lora).unload(name)
 
     def queued_requests(self) -> int:
         """Requests submitted that wait for a running slot: those in the scheduler's queue and

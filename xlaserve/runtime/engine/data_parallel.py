@@ -90,11 +90,9 @@ class DataParallelEngineCore:
         self.grammar_backend = first.grammar_backend
         self.context_length = first.context_length
         self.eos_token_ids = first.eos_token_ids
-        self.pooling = first.pooling  # an embedding server's (each replica's is the same)
-        self.score_head = first.score_head
-        # A vision model's: replica 0's tower prepares every request's images (host rows any
-        # replica's step takes).
-        self.images = first.images
+        # The same on every replica; a vision model's images are prepared by replica 0's tower
+        # (host rows any replica's step takes). No adapters: --enable-lora runs one replica.
+        self.features = first.features
         self.runner = _Runners([r.runner for r in self.replicas])
         self.load_balance_method = args.load_balance_method
         self._seeds = random.Random(args.random_seed)

@@ -90,6 +90,18 @@ class EngineParts:
     host_kv: HostKvPool | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What a server serves beyond plain generation, each None where it is off: the one record
+    the single and the data parallel engines share (every replica's is the same) and the HTTP
+    layer and the offline Engine read."""
+
+    pooling: Pooling | None = None  # an embedding server's (--is-embedding)
+    score_head: ScoreHead | None = None  # a reranker's (weights/score_head.py)
+    images: ImagePrompts | None = None  # a vision model's images -> prompts (image_prompts.py)
+    lora: LoraAdapters | None = None  # --enable-lora: the adapters by name (lora_adapters.py)
+
+
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
     """The parts of replica `dp_rank` (EngineCore's arguments). `share_with`: an EngineCore whose
     tokenizer and grammar backend these parts use."""
