@@ -14,6 +14,7 @@ import pytest
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.runtime.engine.data_parallel import DataParallelEngineCore
 from xlaserve.runtime.engine.messages import Finish, OutputDelta
+from xlaserve.runtime.engine.startup import Features
 from xlaserve.runtime.sampling.params import SamplingParams
 from xlaserve.server_args import ServerArgs
 
@@ -29,7 +30,7 @@ class FakeReplica:
         self.rank = rank
         self.args = SimpleNamespace(page_size=4)
         self.loaded = self.tokenizer = self.grammar_backend = None
-        self.pooling = self.score_head = self.images = None  # a text generation server's
+        self.features = Features()  # a text generation server's
         self.context_length = 64
         self.eos_token_ids = {0}
         self.runner = SimpleNamespace(compile_count=lambda: 1 + rank, page_size=4)
@@ -75,6 +76,22 @@ def fake_core(method: str, n: int = 2, random_seed: int | None = 0):
     args = ServerArgs(dp_size=n, load_balance_method=method, random_seed=random_seed)
     replicas = [FakeReplica(i) for i in range(n)]
     return DataParallelEngineCore(args, replicas=replicas), replicas
+
+
+def test_a_lora_path_to_a_data_parallel_server_is_refused_by_name():
+    """--dp-size serves no adapters (--enable-lora runs one replica): a request naming one is the
+    400 a single replica gives (lora_not_found), read from the replicas' one Features record."""
+    from xlaserve.http.errors import APIError
+    from xlaserve.http.serving import ServingContext
+
+    core, _ = fake_core("round_robin")
+    engine = SimpleNamespace(core=core, server_args=ServerArgs(model_path="m"))
+    ctx = ServingContext(engine, "m", "m", None, frozenset(), None, 1, None)
+    assert ctx.adapters_of("m", None) is None
+    with pytest.raises(APIError) as refused:
+        ctx.adapters_of("m", "an-adapter")
+    assert (refused.value.status, refused.value.param, refused.value.code) == (
+        400, "lora_path", "lora_not_found")
 
 
 def submit(core, rid=None, prompt=(1, 2), params=None):
