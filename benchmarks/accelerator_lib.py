@@ -253,7 +253,7 @@ class ModelBench:
         self.config, self.dtype = loaded.config, loaded.dtype
         self.weight_bytes = weight_bytes_read_per_step(loaded)
         lora = self.engine.core.runner.lora
-        if lora is not None:  # every slot's A and B: the masked product reads them all each step
+        if lora.spec is not None:  # every slot's A and B: the masked product reads them all
             self.weight_bytes += lora.nbytes
         self.bad_ids = {loaded.config.bos_token_id, *loaded.config.eos_token_ids}
 

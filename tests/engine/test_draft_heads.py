@@ -81,7 +81,7 @@ def oracle(monkeypatch, eagle):
             replaced.append(good)
         return replaced
 
-    monkeypatch.setattr(eagle.core.scheduler, "drafter", recorded)
+    monkeypatch.setattr(eagle.core.scheduler.speculator, "drafter", recorded)
     return Oracle
 
 

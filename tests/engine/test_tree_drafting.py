@@ -72,7 +72,7 @@ def oracle(monkeypatch, tree):
             replaced.append(oracle_tree(answer[done:], room, len(Oracle.proposals) % 2 == 1))
         return replaced
 
-    monkeypatch.setattr(tree.core.scheduler, "drafter", recorded)
+    monkeypatch.setattr(tree.core.scheduler.speculator, "drafter", recorded)
     return Oracle
 
 
@@ -172,7 +172,7 @@ def test_sampled_tokens_from_tree_rows_follow_the_models_distribution(target, tr
             trees.append(DraftTree([first[0], second[0], after], [0, 0, 1]).cut(room))
         return trees
 
-    monkeypatch.setattr(tree.core.scheduler, "drafter", oracle)
+    monkeypatch.setattr(tree.core.scheduler.speculator, "drafter", oracle)
     counts: dict = {}
     # 4 at a time: all admitted at once, then every decode drafts (a step with drafts holds at
     # most max_running_requests, 16, tokens: 4 rows of 4).

@@ -122,7 +122,7 @@ def test_slots_written_in_the_layouts_the_weights_were_stored_in(config):
     from xlaserve.weights.lora_adapter import LoraAdapter
 
     spec = LoraSpec(SLOTS, RANK, tuple(module_shapes(config)))
-    slots = LoraSlots(spec, config, jnp.float32, serving_mesh(jax.devices()[:1], 1), 5)
+    slots = LoraSlots(spec, config, jnp.float32, serving_mesh(jax.devices()[:1], 1), 5, 0)
     stored = []
     for array in slots.args():  # as weight_args.stored_in does: copy, free the old buffer
         order = tuple(range(array.ndim))  # column-major: the default reversed

@@ -4,10 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.runtime.sampling.sampler import (MASKED, RowSamplingParams, add_sampled,
-                                               count_tokens, first_argmax, penalized_logits,
-                                               processed_logits, sample)
-from xlaserve.runtime.sampling.params import build_sampling_metadata
+from xlaserve.runtime.sampling.params import RowSamplingParams, build_sampling_metadata
+from xlaserve.runtime.sampling.sampler import (MASKED, add_sampled, count_tokens, first_argmax,
+                                               penalized_logits, processed_logits, sample)
 
 S, V = 8, 64  # the shape most tests share, so it compiles once
 
