@@ -13,7 +13,7 @@ to its own) would let a node see its cousins. The attention is therefore split i
   ancestors and itself), a dense [T, width] score matrix in jnp (width <= 32, the mask's bits);
 and `reference.merge_by_lse` joins the two into the softmax over both. A plain decoding row
 (mask 1) and a chain (token j's mask `2^(j+1) - 1`) are trees too, so one step program serves
-every row of such a step; prompt chunks never run in it (speculation.drafts_for drafts only in
+every row of such a step; prompt chunks never run in it (Speculator.drafts drafts only in
 steps without one).
 """
 from __future__ import annotations

@@ -43,7 +43,7 @@ def sample_rows_for(tokens: int, seqs: int, verify_tokens: int = 1, max_seqs: in
     """Sample rows of a step of `tokens` x `seqs` (a bucket): one per sequence, and with
     speculative decoding one per token of a verified row (`verify_tokens` tokens at most: the
     last accepted token and its drafts). A step with verified rows decodes only and holds at
-    most `max_seqs` tokens (the largest sequence bucket; speculation.drafts_for keeps it so), so:
+    most `max_seqs` tokens (the largest sequence bucket; Speculator.drafts keeps it so), so:
     `min(tokens, seqs * verify_tokens, max_seqs)`, and never fewer than `seqs`. By default
     (one sequence bucket per token bucket) that is `seqs` for every bucket: a plain server's
     shapes, and no prompt step runs the LM head on more rows. The LM head and the sampler run
