@@ -210,10 +210,14 @@ with Engine(None, compilation_cache_dir=sys.argv[1], max_running_requests=2, con
 
 def _start(cache_dir) -> tuple[dict, tuple[int, int], str]:
     """(what _START printed, (steps loaded, steps compiled) at start-up, its log)."""
+    # PYTHONFAULTHANDLER: a crash prints every thread's Python stack (a warm start died of a
+    # SIGSEGV at its first step twice, in CI on 2026-11-28 and in a cold make test on
+    # 2026-11-29, and never when run alone: docs/testing.md).
     result = subprocess.run([sys.executable, "-c", _START, str(cache_dir)], capture_output=True,
                             text=True, timeout=600,
-                            env={**os.environ, "XLASERVE_EXECUTABLE_CACHE": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
+                            env={**os.environ, "XLASERVE_EXECUTABLE_CACHE": "1",
+                                 "PYTHONFAULTHANDLER": "1"})
+    assert result.returncode == 0, result.stderr[-6000:]
     counts = re.search(r"Serving steps: (\d+) loaded, (\d+) compiled", result.stderr)
     assert counts, result.stderr[-3000:]
     return (json.loads(result.stdout.splitlines()[-1]), (int(counts[1]), int(counts[2])),
