@@ -33,6 +33,9 @@ class WrongKindOfServer(ValueError):
 GENERATES = ("this server generates text: embeddings need an embedding model served with "
              "--is-embedding")
 EMBEDS = "this server serves an embedding model (--is-embedding): it generates no text"
+# EngineCore.submit's `multimodal` on a server without a vision model, or not from images.prepare.
+IMAGES_NEED_A_VISION_MODEL = ("images need a vision model, and the prompt their placeholders "
+                              "expanded (images.prepare)")
 
 
 def pooled_request(rid: str, prompt_ids: list[int], pooling: Pooling, priority: int = 0,
@@ -120,10 +123,10 @@ class PooledSteps:
 
     def check_kind(self, embed: bool, multimodal=None, prompt_len: int = 0) -> None:
         """An embedding request, without images (GenerationSteps.check_kind's counterpart)."""
+        if multimodal is not None:
+            raise ValueError(IMAGES_NEED_A_VISION_MODEL)
         if not embed:
             raise WrongKindOfServer(EMBEDS)
-        if multimodal is not None:
-            raise ValueError("images need a vision model")
 
     def between_steps(self) -> None:
         pass

@@ -23,7 +23,8 @@ import operator
 import numpy as np
 
 from xlaserve.runtime.engine.messages import StepResult
-from xlaserve.runtime.engine.pooled_outputs import GENERATES, WrongKindOfServer
+from xlaserve.runtime.engine.pooled_outputs import (GENERATES, IMAGES_NEED_A_VISION_MODEL,
+                                                    WrongKindOfServer)
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.executor.step_program import StepOutput
 from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
@@ -57,14 +58,13 @@ class GenerationSteps:
         self._last_decode = None
 
     def check_kind(self, embed: bool, multimodal=None, prompt_len: int = 0) -> None:
-        """A request this server can take: not an embedding (WrongKindOfServer), and images
-        only on a vision model, with the prompt their placeholders expanded."""
-        if embed:
-            raise WrongKindOfServer(GENERATES)
+        """A request this server can take: images only on a vision model, with the prompt their
+        placeholders expanded; not an embedding (WrongKindOfServer)."""
         if multimodal is not None and (self.images is None
                                        or len(multimodal.embed_rows) != prompt_len):
-            raise ValueError("images need a vision model, and the prompt their placeholders "
-                             "expanded (images.prepare)")
+            raise ValueError(IMAGES_NEED_A_VISION_MODEL)
+        if embed:
+            raise WrongKindOfServer(GENERATES)
 
     def between_steps(self) -> None:
         """Each loop turn, with or without a step: the features' (a plain server has none)."""
