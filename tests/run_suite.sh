@@ -14,7 +14,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-results=$(mktemp -d -t xlaserve-test-XXXXXX)
+# The JUnit files of the last run stay in .pytest_cache/make-test/ (ignored by git) for
+# `python tests/slowest.py --files 40 .pytest_cache/make-test/part*.xml`: the minutes by file.
+results=.pytest_cache/make-test
+rm -rf "$results" && mkdir -p "$results"
 
 # Each part: "workers|paths". Two pytest workers (pytest-xdist, a file to a worker, the longest
 # folders first so that the many short files of the last ones fill the end) run a part's files
@@ -60,7 +63,6 @@ done
 
 echo "---------------- the 15 slowest tests (setup + call + teardown) ----------------"
 "$PY" tests/slowest.py 15 "$results"/part*.xml
-rm -rf "$results"
 cpu=$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//')
 versions=$("$PY" -c 'import sys, jax; print(f"Python {sys.version.split()[0]}, JAX {jax.__version__}")')
 printf "%s" "$summary"
