@@ -8,6 +8,7 @@ import shutil
 import tempfile
 
 import pytest
+from jax._src import compiler as jax_compiler
 
 from xlaserve.runtime.executor.aot import use_compile_only_packages
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
@@ -19,6 +20,25 @@ pytest_plugins = ["tests.checkpoint_fixtures"]
 
 # Set before anything compiles; the cache survives across CI runs on the same machine.
 enable_persistent_cache(os.environ.get("XLASERVE_TEST_CACHE_DIR"))
+
+# The CPU programs of this process at LLVM's -O0: the same optimized HLO (XLA's HLO passes do not
+# read the level; test_cpu_programs_at_o0.py checks it on a model's step), only the machine code
+# less optimized. Compiling is most of a cold run: tests/engine/test_tree_drafting.py and
+# test_speculative_decoding.py from an empty cache took 306 s at the default level and 202 s at
+# -O0 (backend compiles 239 -> 133 s), warm 77 -> 70 s (2-core Zen 4, 2026-11-29). Servers and
+# benchmarks a test starts in a process of their own compile as a user's do; so do the TPU and GPU
+# programs compiled here for other targets.
+_get_compile_options = jax_compiler.get_compile_options
+
+
+def _cpu_programs_at_o0(*args, backend=None, **kwargs):
+    options = _get_compile_options(*args, backend=backend, **kwargs)
+    if backend is not None and backend.platform == "cpu":
+        options.executable_build_options.debug_options.xla_backend_optimization_level = 0
+    return options
+
+
+jax_compiler.get_compile_options = _cpu_programs_at_o0
 
 # Converted models (weights/conversion_cache.py), of this process and the servers it starts, go to
 # a folder of this session, never the user's cache (unless XLASERVE_CONVERSION_CACHE_DIR is set).
