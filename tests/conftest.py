@@ -1,6 +1,7 @@
-"""Shared test setup: a persistent XLA compilation cache so reruns skip compiles, --slow, and the
-compile-only TPU/GPU packages (`make test` installs them into .venv/aot, outside the serving
-environment) on the path, with JAX kept on the CPU."""
+"""Shared test setup: a persistent XLA compilation cache so reruns skip compiles, the outcomes of
+TPU and GPU compiles kept likewise (tests/compile_outcomes.py), CPU programs at LLVM -O0, --slow,
+and the compile-only TPU/GPU packages (`make test` installs them into .venv/aot, outside the
+serving environment) on the path, with JAX kept on the CPU."""
 import atexit
 import gc
 import os
@@ -10,10 +11,12 @@ import tempfile
 import pytest
 from jax._src import compiler as jax_compiler
 
+from tests import compile_outcomes
 from xlaserve.runtime.executor.aot import use_compile_only_packages
 from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 
 use_compile_only_packages()  # before any backend starts
+compile_outcomes.install()  # TPU and GPU programs compiled once, read back on warm runs
 
 # Tiny random checkpoints of each family, made once per session for tests/model and tests/weights.
 pytest_plugins = ["tests.checkpoint_fixtures"]
