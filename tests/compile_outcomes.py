@@ -28,6 +28,7 @@ import os
 import pickle
 import tempfile
 import types
+import zlib
 from pathlib import Path
 
 import jax
@@ -160,8 +161,9 @@ def install() -> None:
             return real()
         path = folder / f"{_key(self, compiler_options, device_assignment)}.pkl"
         try:
-            record = pickle.loads(path.read_bytes())
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+            record = pickle.loads(zlib.decompress(path.read_bytes()))
+        except (OSError, zlib.error, pickle.UnpicklingError, EOFError, AttributeError,
+                ImportError):
             record = None
         if record is not None:
             counts["read back"] += 1
@@ -171,7 +173,7 @@ def install() -> None:
         record = _record(self, compiled)
         if _same(ReadBack(self, record, real), compiled):
             with tempfile.NamedTemporaryFile(dir=folder, delete=False) as partial:
-                partial.write(pickle.dumps(record))
+                partial.write(zlib.compress(pickle.dumps(record), 1))  # HLO text: ~10x
             os.replace(partial.name, path)  # whole or not at all, for the other worker
         return compiled
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -83,11 +84,20 @@ class RunningServer(AppServer):
         from xlaserve.launch_server import build_app, make_context
         from xlaserve.server_args import ServerArgs
 
-        # Files and batches in a folder of their own, never the default one.
-        overrides.setdefault("file_storage_path", tempfile.mkdtemp(prefix="xlaserve-storage-"))
+        # Files and batches in a folder of their own, never the default one, removed at close
+        # (26 were left in /tmp by each `make test`).
+        self._storage = None
+        if "file_storage_path" not in overrides:
+            self._storage = overrides["file_storage_path"] = tempfile.mkdtemp(
+                prefix="xlaserve-storage-")
         self.args = ServerArgs(model_path=model_path, **{**SERVER_DEFAULTS, **overrides})
         ctx = make_context(self.args)
         super().__init__(build_app(self.args, ctx), ctx)
+
+    def close(self) -> None:
+        super().close()
+        if self._storage is not None:
+            shutil.rmtree(self._storage, ignore_errors=True)
 
 
 def launch_server_process(flags: list[str], log_path, timeout: float = 600):
