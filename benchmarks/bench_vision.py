@@ -141,9 +141,9 @@ def main() -> None:
             start = time.perf_counter()  # xlaserve's: every request at once
             sinks = [queue.Queue() for _ in images]
             for image, sink in zip(images, sinks):
-                ids_, multimodal = core.features.images.prepare(prompt, [image])
+                ids_, prompt_images = core.features.images.prepare(prompt, [image])
                 core.submit(ids_, SamplingParams(max_new_tokens=1, temperature=0,
-                                                 ignore_eos=True), sink.put, multimodal=multimodal)
+                                                 ignore_eos=True), sink.put, prompt_images=prompt_images)
             first = [sink.get(timeout=3600).token_id for sink in sinks]
             figures["xla_prefill"].append(args.images / (time.perf_counter() - start))
             print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in

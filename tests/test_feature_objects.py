@@ -35,7 +35,7 @@ FEATURE_NAMES = {
     # several processes
     "leader", "_leader", "Leader", "nnodes", "sink", "replays",
     # images
-    "images", "multimodal", "vision",
+    "images", "prompt_images", "takes_images", "multimodal", "vision",
     # embeddings and rerankers
     "pooling", "pooled", "embed", "score_head", "is_embedding",
     # the prefix cache's host tier

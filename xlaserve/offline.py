@@ -88,11 +88,11 @@ class Engine:
 
     def _requests(self, prompt, sampling_params, input_ids, lora_path=None, image_data=None
                   ) -> tuple[list[tuple[list[int], SamplingParams, str | None, object]], bool]:
-        """Flatten prompts x n into (prompt_ids, params, LoRA adapter, multimodal) tuples; also
+        """Flatten prompts x n into (prompt_ids, params, LoRA adapter, prompt_images) tuples; also
         say whether input was a list. `lora_path`: an adapter's name for every prompt, or a list
         (None: the base model). `image_data`: a vision model's images (`_with_images`)."""
         id_lists, batched = self._id_lists(prompt, input_ids)
-        multimodal = self._with_images(id_lists, image_data, batched)
+        prompt_images = self._with_images(id_lists, image_data, batched)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
         if len(params) != len(id_lists):
             raise ValueError(f"{len(params)} sampling_params for {len(id_lists)} prompts")
@@ -100,7 +100,7 @@ class Engine:
         if len(adapters) != len(id_lists):
             raise ValueError(f"{len(adapters)} lora_path entries for {len(id_lists)} prompts")
         requests = []
-        for ids, p, adapter, images in zip(id_lists, params, adapters, multimodal, strict=True):
+        for ids, p, adapter, images in zip(id_lists, params, adapters, prompt_images, strict=True):
             parsed, n = to_sampling_params(p)
             for i in range(n):
                 # Each of n samples needs its own seed, or they would all draw the same tokens.
@@ -109,7 +109,7 @@ class Engine:
         return requests, batched or len(requests) > 1
 
     def _with_images(self, id_lists: list[list[int]], image_data, batched: bool) -> list:
-        """Each prompt's MultimodalPrompt (None without images), its ids expanded in place.
+        """Each prompt's PromptImages (None without images), its ids expanded in place.
         `image_data` (SGLang's): per prompt an image or a list of them (PIL images, bytes, file
         paths, data: URLs), or one image or list for a single prompt; a prompt holds one image
         placeholder (<|image_pad|>) per image, as its chat template writes them."""
@@ -117,12 +117,12 @@ class Engine:
             if image_data is not None:
                 raise ValueError("image_data needs a vision-language model")
             return [None] * len(id_lists)
-        multimodal = []
+        prompt_images = []
         for i, images in enumerate(images_per_prompt(image_data, len(id_lists), batched)):
             id_lists[i], prompt = self.core.features.images.prepare(id_lists[i],
                                                            [read_image(x) for x in images])
-            multimodal.append(prompt)
-        return multimodal
+            prompt_images.append(prompt)
+        return prompt_images
 
     def _id_lists(self, prompt, input_ids, lowercase: bool = False
                   ) -> tuple[list[list[int]], bool]:
@@ -181,11 +181,11 @@ class Engine:
         requests, batched = self._requests(prompt, sampling_params, input_ids, lora_path,
                                            image_data)
         sinks = []
-        for ids, params, adapter, multimodal in requests:
+        for ids, params, adapter, prompt_images in requests:
             sink: queue.Queue[OutputDelta] = queue.Queue()
             self.core.submit(ids, params, sink.put, **logprobs.submit_kwargs(),
                              lora_path=adapter,
-                             **({"multimodal": multimodal} if multimodal else {}))
+                             **({"prompt_images": prompt_images} if prompt_images else {}))
             sinks.append(sink)
         results = [self._collect(self._drain(sink), logprobs) for sink in sinks]
         return results if batched else results[0]
@@ -213,30 +213,30 @@ class Engine:
         if stream:
             if batched:
                 raise ValueError("stream=True takes one prompt")
-            ids, params, adapter, multimodal = requests[0]
-            return self._stream(ids, params, logprobs, adapter, multimodal)
+            ids, params, adapter, prompt_images = requests[0]
+            return self._stream(ids, params, logprobs, adapter, prompt_images)
         results = await asyncio.gather(*[self._collect_async(ids, params, logprobs, adapter,
-                                                             multimodal)
-                                         for ids, params, adapter, multimodal in requests])
+                                                             prompt_images)
+                                         for ids, params, adapter, prompt_images in requests])
         return list(results) if batched else results[0]
 
     async def _outputs(self, ids, params, logprobs, adapter=None,
-                       multimodal=None) -> AsyncIterator[OutputDelta]:
+                       prompt_images=None) -> AsyncIterator[OutputDelta]:
         group = AsyncRequestGroup(self.core)
         group.submit(0, ids, params, **logprobs.submit_kwargs(), lora_path=adapter,
-                     **({"multimodal": multimodal} if multimodal else {}))
+                     **({"prompt_images": prompt_images} if prompt_images else {}))
         try:
             async for _, output in group.outputs():
                 yield output
         finally:
             group.abort()  # a no-op once finished; else the consumer went away: free the slot now
 
-    async def _stream(self, ids, params, logprobs, adapter=None, multimodal=None
+    async def _stream(self, ids, params, logprobs, adapter=None, prompt_images=None
                       ) -> AsyncIterator[dict]:
         """SGLang's stream dicts: each output's text delta, its token ids and `finished`, with the
         final one's `meta_info`; a speculative verified row's tokens (`OutputDelta.more`) in one."""
         text, token_ids = "", []
-        async for output in self._outputs(ids, params, logprobs, adapter, multimodal):
+        async for output in self._outputs(ids, params, logprobs, adapter, prompt_images):
             text += output.text
             token_ids += [] if output.token_id is None else [output.token_id]
             if output.more:
@@ -247,9 +247,9 @@ class Engine:
             yield out
             text, token_ids = "", []
 
-    async def _collect_async(self, ids, params, logprobs, adapter=None, multimodal=None) -> dict:
+    async def _collect_async(self, ids, params, logprobs, adapter=None, prompt_images=None) -> dict:
         return self._collect([c async for c in self._outputs(ids, params, logprobs, adapter,
-                                                             multimodal)], logprobs)
+                                                             prompt_images)], logprobs)
 
     @staticmethod
     def _collect(outputs: Iterable[OutputDelta], logprobs: LogprobOptions) -> dict:

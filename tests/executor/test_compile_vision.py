@@ -50,7 +50,7 @@ def test_vision_step_and_tower_compile(target, tp_size, model, tmp_path):
     config, _ = read_config(path, load_format="dummy")
     assert program.input_embeds[0] == config.vision.levels == (3 if "qwen3" in model else 1)
     # The smallest bucket: a step takes its share of an image's rows, whatever its size
-    # (executor/multimodal_rows.py). Qwen3-VL's step on v6e: 17.2 s at 256 tokens, 4.6 s here.
+    # (executor/image_rows.py). Qwen3-VL's step on v6e: 17.2 s at 256 tokens, 4.6 s here.
     step = program.compile(*shapes[0], PLAIN)
     assert step.memory_analysis().argument_size_in_bytes > 0, description
     mesh = serving_mesh(target_devices, tp_size)

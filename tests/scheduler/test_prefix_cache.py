@@ -11,7 +11,7 @@ from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, req
 from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 from xlaserve.runtime.scheduler.prefix_cache import RadixCache
 from xlaserve.runtime.sampling.params import RowSamplingParams
-from xlaserve.runtime.scheduler.request import Request
+from xlaserve.runtime.scheduler.request import AdapterRef, Request
 
 A = list(range(100, 112))  # three pages of 4 tokens
 
@@ -369,7 +369,7 @@ def test_requests_of_two_adapters_never_share_pages_and_an_unload_drops_its_tree
     model.run_all()
     for i, (namespace, expected) in enumerate([(1, 0), (0, 12), (1, 12)]):
         again = same_prompt(f"n{i}", first.prompt_ids)
-        again.lora_key = namespace
+        again.adapter = AdapterRef(key=namespace)
         s.add(again)
         batch = s.schedule()
         assert batch.chunks[0].num_cached == expected, (namespace, expected)

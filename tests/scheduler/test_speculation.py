@@ -75,7 +75,7 @@ def test_a_verified_row_accepts_the_agreeing_drafts_and_gives_back_the_rest_of_i
     assert r.output_ids == [0, 1, 2, 3, 50]  # 3 drafts accepted, then the model's 50
     assert r.num_computed == 6 + 4  # the last token and the 3 accepted drafts
     assert len(r.page_ids) == pages_for_tokens(r.num_computed + 1, PAGE)
-    assert (r.spec_verify_ct, r.spec_accepted_drafts) == (1, 3)
+    assert (r.speculation.verify_ct, r.speculation.accepted_drafts) == (1, 3)
     model.run_all()
     assert r.output_ids == script["r"] and s.num_pages_in_use == 0
 
@@ -209,8 +209,8 @@ def test_a_row_that_keeps_no_draft_backs_off_and_decodes_overlapped_meanwhile():
     batch = s.schedule()
     assert batch.chunks[0].num_drafts == 4
     s.process_results(batch, model.step(batch))
-    assert r.output_ids == [0, 5] and (r.spec_misses, r.spec_draft_limit) == (1, 1)
-    assert r.spec_next_try == len(r.output_ids) + 2
+    assert r.output_ids == [0, 5] and (r.speculation.misses, r.speculation.draft_limit) == (1, 1)
+    assert r.speculation.next_try == len(r.output_ids) + 2
     batch = s.schedule()  # backing off: a plain decode row, which a continuation may follow
     assert batch.chunks[0].num_drafts == 0
     assert s.schedule_continuation(batch) is not None
@@ -221,13 +221,13 @@ def test_a_row_that_keeps_every_draft_drafts_one_more_next_time():
     script = {"r": [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2]}
     s.add(req("r", max_new=15, prompt=[0, 1, 2, 0, 1, 2]))
     r = s.requests["r"]
-    r.spec_draft_limit = 2
+    r.speculation.draft_limit = 2
     model = FakeModel(s, script)
     model.run_step()
     batch = s.schedule()
     assert batch.chunks[0].num_drafts == 2
     s.process_results(batch, model.step(batch))
-    assert r.spec_draft_limit == 3
+    assert r.speculation.draft_limit == 3
 
 
 def test_no_continuation_follows_a_verified_row_even_when_nothing_drafts_next():
@@ -272,7 +272,7 @@ def test_a_request_backing_off_tries_again_only_when_a_step_is_read_or_after_16_
     model = FakeModel(s)
     model.run_step()
     r = s.requests["r"]
-    r.spec_misses, r.spec_next_try = 1, len(r.output_ids) + 1  # due from the next token on
+    r.speculation.misses, r.speculation.next_try = 1, len(r.output_ids) + 1  # due from the next token on
     batch = s.schedule()
     assert batch.chunks[0].num_drafts == 0
     in_flight, overlapped = (batch, model.step(batch)), 0

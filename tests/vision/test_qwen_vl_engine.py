@@ -31,12 +31,12 @@ def _ids(engine, text: str) -> list[int]:
 
 def _generate_all(core, prompts, finishes: list | None = None,
                   logprobs: list | None = None) -> list[list[int]]:
-    """Greedy tokens of every (ids, multimodal) prompt, all submitted at once; each one's
+    """Greedy tokens of every (ids, prompt_images) prompt, all submitted at once; each one's
     Finish appended to `finishes`, its tokens' logprobs (a list) to `logprobs`."""
     outputs = [queue.Queue() for _ in prompts]
-    for (ids, multimodal), sink in zip(prompts, outputs):
+    for (ids, prompt_images), sink in zip(prompts, outputs):
         core.submit(ids, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
-                                        ignore_eos=True), sink.put, multimodal=multimodal,
+                                        ignore_eos=True), sink.put, prompt_images=prompt_images,
                     return_logprob=logprobs is not None)
     results = []
     for sink in outputs:
@@ -88,8 +88,8 @@ def test_prompts_with_zero_one_and_two_images_in_one_batch_give_transformers_tok
              (f"{pad} cat", [tall])]
     prompts, expected, expected_logprobs = [], [], []
     for text, images in cases:
-        ids, multimodal = core.features.images.prepare(_ids(engine, text), images)
-        prompts.append((ids, multimodal))
+        ids, prompt_images = core.features.images.prepare(_ids(engine, text), images)
+        prompts.append((ids, prompt_images))
         tokens, chosen = hf_generate(model, directory, ids, images, NEW_TOKENS, logprobs=True)
         expected.append(tokens)
         expected_logprobs.append(chosen)
@@ -144,11 +144,11 @@ for kind in ("qwen2_5_vl", "qwen3_vl"):
     image = random_image(100, 80, 9)
     with Engine(directory, tp_size=2, **json.loads(sys.argv[2])) as engine:
         text = "<|vision_start|> <|image_pad|> <|vision_end|> describe it"
-        ids, multimodal = engine.core.features.images.prepare(
+        ids, prompt_images = engine.core.features.images.prepare(
             engine.tokenizer.encode(text, add_special_tokens=False), [image])
         sink = queue.Queue()
         engine.core.submit(ids, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
-                           sink.put, multimodal=multimodal)
+                           sink.put, prompt_images=prompt_images)
         tokens = []
         while not (delta := sink.get(timeout=300)).finished or delta.token_id is not None:
             tokens.append(delta.token_id)

@@ -54,10 +54,10 @@ class ChatCall:
         prompt = render_chat(ctx, req, add_generation_prompt=req.add_generation_prompt,
                              add_special_tokens=req.add_special_tokens)
         self.prompt_text, prompt_ids = prompt.text, prompt.ids
-        self.multimodal = None
+        self.prompt_images = None
         if ctx.images is not None:  # each image's placeholder expanded, its rows computed
             try:
-                prompt_ids, self.multimodal = ctx.images.prepare(prompt_ids, images or [])
+                prompt_ids, self.prompt_images = ctx.images.prepare(prompt_ids, images or [])
             except ValueError as error:
                 raise bad_request(str(error), "messages") from None
         self.functions, self.tool_choice = prompt.functions, prompt.tool_choice
@@ -113,7 +113,7 @@ class ChatCall:
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,
                                      priority=priority + client_priority(ctx, req.priority),
                                      rid=req.rid, lora_path=call.lora,
-                                     multimodal=[call.multimodal])
+                                     prompt_images=[call.prompt_images])
         call.id = f"chatcmpl-{call.generation.id}"
         return call
 

@@ -57,9 +57,9 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
     prompt_param = "text" if req.text is not None else "input_ids"
     if not prompts:
         raise bad_request("no prompt given", prompt_param)
-    multimodal = None
+    prompt_images = None
     if req.image_data is not None:
-        prompts, multimodal = await _with_images(ctx, prompts, req.image_data, batched)
+        prompts, prompt_images = await _with_images(ctx, prompts, req.image_data, batched)
     for ids in prompts:
         check_prompt_ids(ctx, ids, prompt_param)
     lora = ctx.adapters_of(None, req.lora_path, len(prompts))
@@ -94,14 +94,14 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
                             return_logprob=req.return_logprob, rid=rid,
                             return_prompt_logprob=wants_prompt_logprobs,
                             param_prefix="sampling_params.", lora_path=lora,
-                            multimodal=multimodal)
+                            prompt_images=prompt_images)
     return generation, batched or n > 1
 
 
 async def _with_images(ctx: ServingContext, prompts: list[list[int]], image_data,
                        batched: bool) -> tuple[list[list[int]], list]:
     """SGLang's `image_data` read and each prompt's placeholders expanded (its prompt holds one
-    <|image_pad|> per image, as the chat template writes them): (the prompts, a MultimodalPrompt
+    <|image_pad|> per image, as the chat template writes them): (the prompts, a PromptImages
     or None each). URLs, data: URLs or bare base64 (SGLang takes it so)."""
     if ctx.images is None:
         raise bad_request("image_data is not supported: this server's model takes text only",
@@ -110,7 +110,7 @@ async def _with_images(ctx: ServingContext, prompts: list[list[int]], image_data
         per_prompt = images_per_prompt(image_data, len(prompts), batched)
     except ValueError as error:
         raise bad_request(str(error), "image_data") from None
-    expanded, multimodal = [], []
+    expanded, prompt_images = [], []
     for i, (ids, images) in enumerate(zip(prompts, per_prompt)):
         prefix = f"image_data[{i}]" if batched else "image_data"
         parts = [(f"{prefix}[{j}]" if len(images) > 1 or batched else prefix,
@@ -124,8 +124,8 @@ async def _with_images(ctx: ServingContext, prompts: list[list[int]], image_data
         except ValueError as error:
             raise bad_request(str(error), prefix) from None
         expanded.append(ids)
-        multimodal.append(prompt)
-    return expanded, multimodal
+        prompt_images.append(prompt)
+    return expanded, prompt_images
 
 
 @router.post("/generate")

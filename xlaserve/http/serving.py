@@ -303,13 +303,13 @@ class Generation:
                  return_prompt_logprob: bool = False,
                  priority: int = 0, rid: str | None = None, param_prefix: str = "",
                  lora_path: str | list[str | None] | None = None, embed: bool = False,
-                 second_segments: list[int] | None = None, multimodal: list | None = None):
+                 second_segments: list[int] | None = None, prompt_images: list | None = None):
         """`param_prefix`: what the fields of a parameter the engine refuses are under
         ("sampling_params." on /generate). `lora_path`: the LoRA adapter (None: the base
         model), or one per prompt (`ServingContext.adapters_of`). `embed`: embedding requests
         (an embedding server's; each choice's `embedding` once collected), and
         `second_segments` per prompt a cross-encoder pair's document start (token type 1).
-        `multimodal`: per prompt, a vision model's MultimodalPrompt (its images) or None."""
+        `prompt_images`: per prompt, a vision model's PromptImages (its images) or None."""
         if ctx.draining:
             raise shutting_down()
         self.ctx = ctx
@@ -344,8 +344,8 @@ class Generation:
                                   top_logprobs_num=top_logprobs_num, priority=priority,
                                   return_prompt_logprob=return_prompt_logprob,
                                   lora_path=adapters[choice.prompt_index],
-                                  **({"multimodal": multimodal[choice.prompt_index]}
-                                     if multimodal and multimodal[choice.prompt_index] else {}),
+                                  **({"prompt_images": prompt_images[choice.prompt_index]}
+                                     if prompt_images and prompt_images[choice.prompt_index] else {}),
                                   **({"embed": True, "second_segment": second_segments[
                                       choice.prompt_index] if second_segments else 0}
                                      if embed else {}))

@@ -13,7 +13,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "DEFAULT_MAX_RANK": "lora_flags", "TARGET_MODULES": "lora_flags",
     "check_adapter_name": "lora_flags", "lora_paths_of": "lora_flags",
     "target_modules_of": "lora_flags",
-    "images_per_request": "media_flags", "processor_kwargs": "media_flags",
+    "images_per_request": "image_flags", "processor_kwargs": "image_flags",
     "platform_defaults": "platform_defaults", "device_memory": "platform_defaults",
 }
 __all__ = list(_MODULE_OF)

@@ -16,7 +16,7 @@ from xlaserve.server_args.flag import add_to_parser, public_name, serve_value_al
 from xlaserve.server_args.http_flags import HttpFlags
 from xlaserve.server_args.kernel_flags import KernelFlags
 from xlaserve.server_args.lora_flags import LoraFlags, lora_paths_of
-from xlaserve.server_args.media_flags import MediaFlags
+from xlaserve.server_args.image_flags import ImageFlags
 from xlaserve.server_args.model_flags import ModelFlags, reranker_tokens
 from xlaserve.server_args.output_flags import OutputFlags
 from xlaserve.server_args.parallel_flags import ParallelFlags
@@ -26,7 +26,7 @@ from xlaserve.server_args.speculative_flags import SpeculativeFlags
 
 # The areas in --help's order. A dataclass takes the fields of its last base first, so
 # ServerArgs lists them reversed: its fields, and --help, then read in this order.
-AREAS = (ModelFlags, OutputFlags, MediaFlags, KernelFlags, ParallelFlags, DiskCacheFlags,
+AREAS = (ModelFlags, OutputFlags, ImageFlags, KernelFlags, ParallelFlags, DiskCacheFlags,
          SchedulingFlags, LoraFlags, SpeculativeFlags, CacheAndGrammarFlags, RequestFlags,
          HttpFlags, BatchFlags)
 

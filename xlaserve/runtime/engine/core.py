@@ -135,7 +135,7 @@ class EngineCore:
                return_logprob: bool = False, top_logprobs_num: int = 0,
                return_prompt_logprob: bool = False, priority: int = 0,
                lora_path: str | None = None, embed: bool = False,
-               second_segment: int = 0, multimodal=None) -> str:
+               second_segment: int = 0, prompt_images=None) -> str:
         """Queue a request; `emit` is called from the engine's output thread (live_requests.py) with
         each OutputDelta, in order: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
@@ -159,10 +159,10 @@ class EngineCore:
         `embed`: an embedding request, on an embedding server (`pooling`): its one output is
         final and carries the prompt's embedding; `params` and the options are not read;
         `second_segment`: a cross-encoder pair's document starts there (token type 1).
-        `multimodal`: a vision model's prompt with images (`images.prepare`: `prompt_ids` as it
-        expanded them, and its MultimodalPrompt)."""
+        `prompt_images`: a vision model's prompt with images (`images.prepare`: `prompt_ids` as it
+        expanded them, and its PromptImages)."""
         prompt_ids = prompt_token_ids(prompt_ids, self.loaded.config.vocab_size)
-        self.steps.check_kind(embed, multimodal, len(prompt_ids))
+        self.steps.check_kind(embed, prompt_images, len(prompt_ids))
         if embed:
             return self._submit_embedding(prompt_ids, emit, rid, priority, second_segment)
         self.check_request(len(prompt_ids), params, top_logprobs_num)
@@ -182,7 +182,7 @@ class EngineCore:
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
                           min_new_tokens=params.min_new_tokens, priority=priority,
                           no_prefix_reuse=return_prompt_logprob, grammar=grammar,
-                          multimodal=multimodal)
+                          prompt_images=prompt_images)
         live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
                           return_prompt_logprob)
         if lora_path is None:
@@ -195,8 +195,8 @@ class EngineCore:
     def _submit_embedding(self, prompt_ids: list[int], emit, rid: str | None, priority: int,
                           second_segment: int) -> str:
         """`submit` of an embedding request: CLS and mean pooling read every row, so no cached
-        prefix (pooled_outputs.py)."""
-        self.check_embedding_input(len(prompt_ids))
+        prefix (pooled_outputs.py). Its kind was checked in `submit`."""
+        self.scheduler.check_fits(len(prompt_ids), 0, pooled=True)
         self._check_room()
         rid = rid or uuid.uuid4().hex
         request = pooled_request(rid, prompt_ids, self.features.pooling, priority, second_segment)

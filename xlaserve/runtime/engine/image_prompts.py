@@ -1,4 +1,4 @@
-"""A vision model's request images -> its prompt ids and MultimodalPrompt (issue 55).
+"""A vision model's request images -> its prompt ids and PromptImages (issue 55).
 
 The chat template writes one placeholder token (`image_token_id`, `<|image_pad|>`) per image;
 `ImagePrompts.prepare` runs the checkpoint's image processor (transformers' Qwen2-VL processor:
@@ -17,7 +17,7 @@ import numpy as np
 
 from xlaserve.model.vision.vision_inputs import mrope_positions
 from xlaserve.runtime.executor.forward_batch import ForwardBatch
-from xlaserve.runtime.executor.multimodal_rows import MultimodalPrompt, add_multimodal_rows
+from xlaserve.runtime.executor.image_rows import PromptImages, add_image_rows
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
 
 logger = logging.getLogger(__name__)
@@ -41,13 +41,13 @@ class ImagePrompts:
 
     def forward_batch(self, batch: ForwardBatch, scheduled) -> ForwardBatch:
         """The step hook (steps.py): the batch with its images' rows and multimodal RoPE
-        positions (executor/multimodal_rows.py)."""
-        return add_multimodal_rows(batch, [r.multimodal for r in scheduled.requests],
+        positions (executor/image_rows.py)."""
+        return add_image_rows(batch, [r.prompt_images for r in scheduled.requests],
                                    self.hidden_size, self.dtype)
 
     def prepare(self, prompt_ids: list[int], images: list) -> tuple[list[int],
-                                                                  MultimodalPrompt | None]:
-        """(the prompt's ids with each image's placeholder expanded, its MultimodalPrompt) for
+                                                                  PromptImages | None]:
+        """(the prompt's ids with each image's placeholder expanded, its PromptImages) for
         `images` (PIL images, in the prompt's order); (prompt_ids, None) without images.
         ValueError where the placeholders and the images do not match."""
         image_id = self.config.image_token_id
@@ -80,7 +80,7 @@ class ImagePrompts:
         tail = prompt_ids[start:]
         ids, embed_rows, cache_key = ids + tail, embed_rows + [-1] * len(tail), cache_key + tail
         positions, delta = mrope_positions(self.config, ids, grids)
-        return ids, MultimodalPrompt(embeds=np.concatenate(rows, axis=1),
+        return ids, PromptImages(embeds=np.concatenate(rows, axis=1),
                                      embed_rows=np.asarray(embed_rows, np.int32),
                                      positions=positions, rope_delta=delta, cache_key=cache_key)
 
@@ -124,7 +124,7 @@ def image_processor(model_path: str, kwargs: dict | None):
     max_pixels (max_pixels DEFAULT_MAX_PIXELS unless given)."""
     from transformers import Qwen2VLImageProcessorPil
 
-    kwargs = dict(kwargs or {})  # checked: media_flags.processor_kwargs
+    kwargs = dict(kwargs or {})  # checked: image_flags.processor_kwargs
     processor = Qwen2VLImageProcessorPil.from_pretrained(model_path, **kwargs)
     if "max_pixels" not in kwargs and max_pixels(processor) > DEFAULT_MAX_PIXELS:
         logger.info("Images are resized to at most %d pixels (the checkpoint's processor: %d; "

@@ -364,4 +364,4 @@ def _finish(request: Request, live: LiveRequest | None = None, reason: tuple | N
         input_token_logprobs, input_top_logprobs = collector.sglang_lists()
     return Finish(request.rid, kind, matched, len(request.prompt_ids), completion_tokens,
                   request.num_cached_prompt_tokens, input_token_logprobs, input_top_logprobs,
-                  request.spec_verify_ct, request.spec_accepted_drafts)
+                  request.speculation.verify_ct, request.speculation.accepted_drafts)

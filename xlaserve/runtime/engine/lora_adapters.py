@@ -25,6 +25,7 @@ from xlaserve.server_args import lora_paths_of
 from xlaserve.model.lora import LoraSpec, check_model
 from xlaserve.runtime.engine.messages import OnLoop
 from xlaserve.runtime.executor.lora_slots import slots_for
+from xlaserve.runtime.scheduler.request import AdapterRef
 from xlaserve.weights.lora_adapter import LoraAdapter, LoraAdapterError, load_adapter
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class LoraAdapters:
             raise UnknownAdapter(name, f"lora_path {name!r}: {NO_ADAPTERS}")
         with adapters.lock:
             adapter = adapters.resolve(name)
-            request.lora_slot, request.lora_key = adapter.slot + 1, adapter.key
+            request.adapter = AdapterRef(adapter.slot + 1, adapter.key)
             put()
 
     def load(self, name: str, path: str) -> LoadedAdapter:
@@ -185,7 +186,7 @@ class LoraAdapters:
         """The step hook (steps.py): the adapters of the requests the step admits."""
         if batch.admitted:
             self.runner.lora.assign([r.slot for r in batch.admitted],
-                                    [r.lora_slot for r in batch.admitted])
+                                    [r.adapter.slot for r in batch.admitted])
 
     def take(self, message: "LoadLora | UnloadLora") -> None:
         """A LoadLora or UnloadLora, on the loop."""
@@ -217,7 +218,7 @@ class LoraAdapters:
         if not self._unloads:
             return
         scheduler = self.scheduler
-        busy = {r.lora_key for r in (*scheduler.waiting, *scheduler.running)}
+        busy = {r.adapter.key for r in (*scheduler.waiting, *scheduler.running)}
         pending = []
         for message in self._unloads:
             adapter = self.loaded[message.name]

@@ -22,7 +22,7 @@ from xlaserve.runtime.engine.messages import PooledResult
 from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.scheduler.pooled import process_pooled
-from xlaserve.runtime.scheduler.request import Request, ScheduledBatch
+from xlaserve.runtime.scheduler.request import Pooled, Request, ScheduledBatch
 from xlaserve.weights.pooling import Pooling
 
 
@@ -33,7 +33,7 @@ class WrongKindOfServer(ValueError):
 GENERATES = ("this server generates text: embeddings need an embedding model served with "
              "--is-embedding")
 EMBEDS = "this server serves an embedding model (--is-embedding): it generates no text"
-# EngineCore.submit's `multimodal` on a server without a vision model, or not from images.prepare.
+# EngineCore.submit's `prompt_images` on a server without a vision model, or not from images.prepare.
 IMAGES_NEED_A_VISION_MODEL = ("images need a vision model, and the prompt their placeholders "
                               "expanded (images.prepare)")
 
@@ -44,20 +44,20 @@ def pooled_request(rid: str, prompt_ids: list[int], pooling: Pooling, priority: 
     mean pooling read every row, so no cached prefix (module docstring)."""
     return Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=0,
                    sampling=RowSamplingParams(temperature=0.0, seed=0), priority=priority,
-                   pooled=True, second_segment=second_segment,
+                   pooled=Pooled(second_segment),
                    no_prefix_reuse=pooling.mode != "last")
 
 
 def token_types(batch, tokens: int) -> np.ndarray:
     """i32[tokens] of an embedding step: 1 for the tokens of a cross-encoder pair's second text
-    (`Request.second_segment`), else 0."""
+    (`Pooled.second_segment`), else 0."""
     types = np.zeros(tokens, np.int32)
     start = 0
     for request, chunk in zip(batch.requests, batch.chunks):
         n = len(chunk.token_ids)
-        if request.second_segment:
+        if request.pooled.second_segment:
             types[start:start + n] = np.arange(chunk.num_cached, chunk.num_cached + n) >= \
-                request.second_segment
+                request.pooled.second_segment
         start += n
     return types
 
@@ -121,9 +121,9 @@ class PooledSteps:
         self.token_types = token_types
         self.outputs = PooledOutputs(pooling)
 
-    def check_kind(self, embed: bool, multimodal=None, prompt_len: int = 0) -> None:
+    def check_kind(self, embed: bool, prompt_images=None, prompt_len: int = 0) -> None:
         """An embedding request, without images (GenerationSteps.check_kind's counterpart)."""
-        if multimodal is not None:
+        if prompt_images is not None:
             raise ValueError(IMAGES_NEED_A_VISION_MODEL)
         if not embed:
             raise WrongKindOfServer(EMBEDS)

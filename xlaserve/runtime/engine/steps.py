@@ -57,11 +57,11 @@ class GenerationSteps:
         # none of whose rows suppressed stop ids; else None (_step_sampling).
         self._last_decode = None
 
-    def check_kind(self, embed: bool, multimodal=None, prompt_len: int = 0) -> None:
+    def check_kind(self, embed: bool, prompt_images=None, prompt_len: int = 0) -> None:
         """A request this server can take: images only on a vision model, with the prompt their
         placeholders expanded; not an embedding (WrongKindOfServer)."""
-        if multimodal is not None and (self.images is None
-                                       or len(multimodal.embed_rows) != prompt_len):
+        if prompt_images is not None and (self.images is None
+                                       or len(prompt_images.embed_rows) != prompt_len):
             raise ValueError(IMAGES_NEED_A_VISION_MODEL)
         if embed:
             raise WrongKindOfServer(GENERATES)

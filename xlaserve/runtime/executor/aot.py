@@ -46,7 +46,7 @@ from xlaserve.runtime.executor.forward_batch import sample_rows_for
 from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.lora_slots import abstract_slot_args, slots_for
-from xlaserve.runtime.executor.step_program import LoraArgs, make_step
+from xlaserve.runtime.executor.step_program import LoraArgs, make_step, step_args
 from xlaserve.runtime.executor.step_inputs import idle_vectors
 from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, leaf_names,
                                                   weight_args, weight_formats)
@@ -153,12 +153,13 @@ class StepProgram:
         vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size, rows,
                                        self.tree_width if tree else 0)
         vocab = self.args[2].shape[1]
-        inputs = (*(abstract(v.shape, v.dtype, self.mesh) for v in vectors),
-                  abstract((rows, -(-vocab // 32)), jnp.int32, self.mesh))  # the grammar masks
+        masks = abstract((rows, -(-vocab // 32)), jnp.int32, self.mesh)  # the grammar masks
+        embeds = ()
         if self.input_embeds is not None:
             levels, hidden, dtype = self.input_embeds
-            inputs += (abstract((levels, tokens, hidden), dtype, self.mesh),)
-        return (*self.args, *inputs), {"layout": layout, "needs": needs}
+            embeds = (abstract((levels, tokens, hidden), dtype, self.mesh),)
+        vectors = tuple(abstract(v.shape, v.dtype, self.mesh) for v in vectors)
+        return step_args(self.args, vectors, masks, embeds), {"layout": layout, "needs": needs}
 
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING,
                 tree: bool = False):
@@ -222,9 +223,9 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     if lora is not None:  # after the model's weights (as ModelRunner)
         lora_args = LoraArgs(lora, config.num_layers, len(weights))
         weights = weights + abstract_slot_args(lora, config, dtype, mesh, num_slots)
-    multimodal = config.vision is not None
+    takes_images = config.vision is not None
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-                       formats, verify_tokens, lora_args, multimodal=multimodal)
+                       formats, verify_tokens, lora_args, takes_images=takes_images)
              for formats in (None, auto_formats(weights))]
     parts = (graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding, config.num_layers)
     chain = None
@@ -240,7 +241,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     choosing = steps[1] if draft_head is None else None
     return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
                        choosing, verify_tokens, max_seqs, chain, lora, tree_width,
-                       (config.vision.levels, config.hidden_size, dtype) if multimodal else None)
+                       (config.vision.levels, config.hidden_size, dtype) if takes_images else None)
 
 
 def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str, patches: int,

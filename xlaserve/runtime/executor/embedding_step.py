@@ -29,7 +29,6 @@ from xlaserve.runtime.executor.forward_batch import ForwardBatch
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.executor.step_inputs import StagedStep
 from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
-from xlaserve.runtime.executor.precompile import warn_compiled_while_serving
 from xlaserve.runtime.executor.step_program import StaticKeywordsBound
 from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, RopeTable, concat_leaves,
                                                    empty_batch, split_leaves)
@@ -125,16 +124,7 @@ class EmbeddingRunner(ModelRunner):
             self.write_pages(*staged.overflow_writes)
         args = (self._weight_args, self.kv_caches, self.page_table.array, staged.ints,
                 staged.floats)
-        program = self._programs.get((staged.shape, NO_WIDTHS, RUN_TIME, 0))
-        if program is not None:
-            reduced, self.kv_caches, self.page_table.array = program(*args)
-        else:
-            compiled_before = self._step._cache_size()
-            reduced, self.kv_caches, self.page_table.array = self._step(*args,
-                                                                        layout=staged.layout)
-            if self._precompiled and self._step._cache_size() > compiled_before:
-                warn_compiled_while_serving(staged.shape, NO_WIDTHS, RUN_TIME)
-        self.page_table.rows.commit(staged.page_updates)
+        reduced, self.kv_caches, self.page_table.array = self._dispatch(staged, args, RUN_TIME, {})
         return reduced
 
     def _lowering_args(self, shape, needs=RUN_TIME, tree_width: int = 0):

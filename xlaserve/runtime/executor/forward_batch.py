@@ -152,7 +152,7 @@ class ForwardBatch:
     # Each live sequence's pages (host only, not a pytree leaf: ModelRunner writes them into the
     # device's page table). Lists the batch does not own: read, never changed.
     page_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    # A vision model's step (runtime/executor/multimodal_rows.py; host only): each token row's
+    # A vision model's step (runtime/executor/image_rows.py; host only): each token row's
     # (temporal, height, width) RoPE position, i32[3, T], which replaces `positions` for RoPE;
     # and the rows that take an image's embedding (`input_ids` -1 there), [levels, T, hidden]
     # (levels: the embedding, then Qwen3-VL's DeepStack rows).

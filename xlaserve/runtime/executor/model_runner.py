@@ -69,7 +69,7 @@ from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
 from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
 from xlaserve.runtime.executor.step_inputs import NoFollowers, StagedStep, RepeatedInputs
-from xlaserve.runtime.executor.step_program import StepOutput, make_step
+from xlaserve.runtime.executor.step_program import StepOutput, make_step, step_args
 from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable,
                                                    idle_step, step_vectors)
 
@@ -115,9 +115,9 @@ class ModelRunner:
         self.rope = RopeTable(self.config.rope.inv_freq(self.config.head_dim),
                               self.config.rope.attention_factor, self.config.rope.mrope_section,
                               self.config.rope.mrope_interleaved)
-        # A vision model's step takes its image rows (multimodal_rows.py): zeros (one array per
+        # A vision model's step takes its image rows (image_rows.py): zeros (one array per
         # token bucket, kept on the device: RepeatedInputs) in a step without them.
-        self.multimodal = self.config.vision is not None
+        self.takes_images = self.config.vision is not None
         self.num_pages = num_pages
         dtype = self._dtype = loaded.dtype
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
@@ -224,7 +224,7 @@ class ModelRunner:
         graphdef, state_treedef, weight_layout, kv_sharding = self.program_parts
         return make_step(graphdef, state_treedef, weight_layout, self.kernels, self.mesh,
                          kv_sharding, weight_formats, verify_tokens=self.verify_tokens,
-                         lora=self._lora_args, multimodal=self.multimodal)
+                         lora=self._lora_args, takes_images=self.takes_images)
 
     @property
     def kv_caches(self) -> list[jax.Array]:
@@ -316,24 +316,36 @@ class ModelRunner:
         if staged.overflow_writes is not None:
             self.write_pages(*staged.overflow_writes)
         self.sink.step(staged, token_bitmask)  # the followers make the same call first
-        args = (self._weight_args, self.kv_caches, self.output_counts, self.last_tokens,
-                self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
-                *staged.tables, self.inputs.bitmask(self.sample_rows(staged.shape), token_bitmask),
-                *staged.image_args)
+        args = step_args(self._state(self.kv_caches), (staged.ints, staged.floats, *staged.tables),
+                         self.inputs.bitmask(self.sample_rows(staged.shape), token_bitmask),
+                         staged.image_args)
         needs = self._program_needs(staged.needs, token_bitmask is not None)
+        (out, self.kv_caches, self.output_counts, self.last_tokens,
+         self.page_table.array) = self._dispatch(staged, args, needs, {"needs": needs})
+        return self.sink.ran(out)
+
+    def _dispatch(self, staged: "StagedStep", args: tuple, needs, options: dict) -> tuple:
+        """The step's outputs on `args`: the precompiled program of the staged shape and
+        variant, or (none precompiled) the jitted step with `options`, which logs COMPILED
+        WHILE SERVING once `precompile` has run; then the staged page-table rows are the
+        record's. A generation step's `run` and an embedding step's share it."""
         program = self._programs.get((staged.shape, staged.widths, needs, staged.tree_width))
         if program is not None:
-            (out, self.kv_caches, self.output_counts, self.last_tokens,
-             self.page_table.array) = program(*args)
+            outputs = program(*args)
         else:
             compiled_before = self._step._cache_size()
-            (out, self.kv_caches, self.output_counts, self.last_tokens,
-             self.page_table.array) = self._step(*args, layout=staged.layout, needs=needs)
+            outputs = self._step(*args, layout=staged.layout, **options)
             if self._precompiled and self._step._cache_size() > compiled_before:
                 warn_compiled_while_serving(staged.shape, staged.widths, needs,
                                             staged.tree_width)
         self.page_table.rows.commit(staged.page_updates)
-        return self.sink.ran(out)
+        return outputs
+
+    def _state(self, kv) -> tuple:
+        """The step's state arguments (step_program.step_args) over `kv`: the caches, or their
+        shapes for a compile."""
+        return (self._weight_args, kv, self.output_counts, self.last_tokens,
+                self.page_table.array, self.prompt_masks)
 
     def put_replicated(self, arrays):
         """`arrays` on every device of the mesh (over several processes: each process's)."""
@@ -394,7 +406,6 @@ class ModelRunner:
         (it may not be zeroed yet), and its static layout and needs."""
         rows = self.sample_rows(shape)
         staged = self.stage(*idle_step(*shape, rows, tree_width))
-        args = (self._weight_args, self.kv_specs, self.output_counts, self.last_tokens,
-                self.page_table.array, self.prompt_masks, staged.ints, staged.floats,
-                *staged.tables, self.inputs.bitmask(rows, None), *staged.image_args)
+        args = step_args(self._state(self.kv_specs), (staged.ints, staged.floats, *staged.tables),
+                         self.inputs.bitmask(rows, None), staged.image_args)
         return args, {"layout": staged.layout, "needs": needs}

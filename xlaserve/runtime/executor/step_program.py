@@ -52,9 +52,21 @@ class LoraArgs:
     first: int
 
 
+def step_args(state: tuple, vectors: tuple, token_bitmask, input_embeds: tuple = ()) -> tuple:
+    """The step's positional arguments in `make_step`'s order, for each caller: a run
+    (ModelRunner.run), a compile here (ModelRunner._lowering_args) and one for another target
+    (aot.StepProgram.lowering_args). `state`: the weights, KV caches, output counts, last tokens,
+    page table and prompt masks; `vectors`: the step's ints and floats and the sampling tables'
+    ints and floats (step_inputs.py); `input_embeds`: a vision model's image rows, or ()."""
+    if len(state) != 6 or len(vectors) != 4 or len(input_embeds) > 1:
+        raise ValueError(f"a step takes 6 state arrays, 4 vectors and at most one image input, "
+                         f"not {len(state)}, {len(vectors)} and {len(input_embeds)}")
+    return (*state, *vectors, token_bitmask, *input_embeds)
+
+
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
               weight_formats=None, verify_tokens: int = 1, lora: LoraArgs | None = None,
-              multimodal: bool = False):
+              takes_images: bool = False):
     """The jitted serving step: forward, sampling, penalty counts and last tokens, over the
     device's page table with the step's writes (runtime/executor/page_table.py). A pure function of its
     arguments, so that it can also be compiled for hardware that is not here
@@ -62,9 +74,9 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     XLA chooses their layouts); None: the arguments' own (the other arguments' always are).
     `verify_tokens` > 1: speculative decoding's verified rows (verified_rows.py) are counted
     and kept in the step; 1, the program of a server without speculation. `lora`: the LoRA
-    adapter slots among the weight arguments (None: a server without adapters). `multimodal`:
+    adapter slots among the weight arguments (None: a server without adapters). `takes_images`:
     a vision model's step, which also takes `input_embeds` [T, hidden] (the rows of image
-    tokens, runtime/executor/multimodal_rows.py) after the grammar masks."""
+    tokens, runtime/executor/image_rows.py) after the grammar masks."""
     replicated = NamedSharding(mesh, P())
     by_vocab = NamedSharding(mesh, P(None, TP))
     jit_options = {"donate_argnums": (1, 2, 3, 4),
@@ -171,7 +183,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     if weight_formats is None:
         return jax.jit(step, static_argnames=("layout", "needs"), **jit_options)
     # Of the eleven (twelve) positional arguments; None: the argument's own sharding and layout.
-    in_shardings = (list(weight_formats),) + (None,) * (11 if multimodal else 10)
+    in_shardings = (list(weight_formats),) + (None,) * (11 if takes_images else 10)
     return StaticKeywordsBound(step, in_shardings=in_shardings, **jit_options)
 
 

@@ -28,7 +28,7 @@ and are checked when popped; the heap is rebuilt by a walk when stale entries ou
 
 Namespaces. A request of a LoRA adapter computes other KV for the same tokens than the base
 model does, so each adapter (each load of one) has a tree of its own under its own root
-(`root_of`, `Request.lora_key`); unloading the adapter drops its tree (`drop_namespace`).
+(`root_of`, `Request.adapter`); unloading the adapter drops its tree (`drop_namespace`).
 
 Host tier (`host`, host_tier.py; --enable-hierarchical-cache): evicted nodes move their pages
 to host pages instead of being dropped (`on_host`); `match_tiers` finds them past the device

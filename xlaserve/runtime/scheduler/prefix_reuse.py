@@ -14,7 +14,7 @@ admitted with the hit once that page is in the tree; so `n` copies of a prompt c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from xlaserve.runtime.scheduler.prefix_cache import RadixCache, TreeNode
 
@@ -24,7 +24,7 @@ class _Request(Protocol):
     imported here, so that the two files do not import each other)."""
 
     no_prefix_reuse: bool
-    lora_key: int  # the prefix cache's namespace: its LoRA adapter's (0: the base model)
+    adapter: Any  # request.AdapterRef: its `key` is the prefix cache's namespace (0: the base model)
     num_computed: int
     page_ids: list[int]
     cache_node: TreeNode | None
@@ -57,7 +57,7 @@ class PrefixReuse:
         """Starts a waiting request on its longest cached prefix, locked: on the device, and
         the host tier's continuation of it loaded back as far as the device pool has room."""
         pages, node, host_path = self.cache.match_tiers(
-            request.cache_ids()[:self.reusable_tokens(request)], request.lora_key)
+            request.cache_ids()[:self.reusable_tokens(request)], request.adapter.key)
         self.cache.lock(node)
         if host_path and (loaded := self.cache.load(host_path)):
             self.cache.unlock(node)
@@ -89,5 +89,5 @@ class PrefixReuse:
             return False
         head = request.cache_ids()[:end]
         return any(not other.is_decoding and other.num_computed < end <= other.num_tokens
-                   and other.lora_key == request.lora_key and other.cache_ids()[:end] == head
+                   and other.adapter.key == request.adapter.key and other.cache_ids()[:end] == head
                    for other in running)

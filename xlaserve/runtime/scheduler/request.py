@@ -82,6 +82,44 @@ class RequestTooLong(ValueError):
         return cls(message, prompt_tokens, max_new_tokens, limit, where)
 
 
+@dataclass(frozen=True)
+class Pooled:
+    """An embedding request: it samples nothing and ends when the last chunk of its prompt has run
+    (`scheduler/pooled.py`); its max_new_tokens is 0. `second_segment`: a BERT cross-encoder's
+    (query, document) pair, its tokens from this position on of token type 1 (the document's);
+    0: one segment."""
+
+    second_segment: int = 0
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A request's LoRA adapter: its slot + 1 on the device (0: none, the base model), and its
+    load's namespace in the prefix cache (prefix_cache.py; 0: the base model's)."""
+
+    slot: int = 0
+    key: int = 0
+
+
+BASE_MODEL = AdapterRef()
+
+
+@dataclass
+class SpeculationState:
+    """Speculative decoding's state of one request (speculation.py): the drafter's index of its
+    ids, the verified rows it ran and the drafts they accepted (SGLang's meta_info
+    `spec_verify_ct`); the drafting policy's (speculation.next_drafts): the output length from
+    which it drafts again, how many drafts at most, and its verified rows in a row that kept
+    none."""
+
+    ngram: Any = None
+    verify_ct: int = 0
+    accepted_drafts: int = 0
+    next_try: int = 0
+    draft_limit: int | None = None
+    misses: int = 0
+
+
 @dataclass
 class Request:
     rid: str
@@ -93,20 +131,13 @@ class Request:
     priority: int = 0  # larger = more urgent; FCFS within equal priority
     # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
     no_prefix_reuse: bool = False
-    # An embedding request (an embedding server's): it samples nothing and ends when the last
-    # chunk of its prompt has run (`Scheduler.process_pooled`); max_new_tokens is 0.
-    pooled: bool = False
-    # A BERT cross-encoder's (query, document) pair: its tokens from this position on are of
-    # token type 1 (the document's); 0: one segment.
-    second_segment: int = 0
-    # A LoRA adapter: its slot + 1 on the device (0: none, the base model), and its load's
-    # namespace in the prefix cache (prefix_cache.py; 0: the base model's).
-    lora_slot: int = 0
-    lora_key: int = 0
-    # A vision model's prompt with images (runtime/executor/multimodal_rows.MultimodalPrompt):
+    # A request's features, each grouped (None or a do-nothing value when unused):
+    pooled: Pooled | None = None  # an embedding request (an embedding server's)
+    adapter: AdapterRef = BASE_MODEL  # its LoRA adapter
+    # A vision model's prompt with images (runtime/executor/image_rows.PromptImages):
     # the images' embedding rows and multimodal RoPE positions the executor reads, and the
     # prompt's prefix-cache key (`cache_ids`). None: text only.
-    multimodal: Any = None
+    prompt_images: Any = None
     # Structured outputs: the request's grammar state (runtime/sampling/grammar.Grammar), advanced by
     # every sampled token here; it survives retraction, having consumed exactly output_ids.
     grammar: Any = None
@@ -122,27 +153,18 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     cache_node: TreeNode | None = None  # the prefix-cache path this running request locks
     retracted_count: int = 0
-    # Speculative decoding (speculation.py): the drafter's index of this request's ids, the
-    # verified rows it ran and the drafts they accepted (SGLang's meta_info `spec_verify_ct`).
-    ngram: Any = None
-    spec_verify_ct: int = 0
-    spec_accepted_drafts: int = 0
-    # The drafting policy's state (speculation.next_drafts): the output length from which the
-    # request drafts again, how many drafts at most, and its verified rows in a row that kept none.
-    spec_next_try: int = 0
-    spec_draft_limit: int | None = None
-    spec_misses: int = 0
+    speculation: SpeculationState = field(default_factory=SpeculationState)
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     def cache_ids(self) -> list[int]:
         """The ids the prefix cache keys this request's KV by: `all_ids()`, but an image's
-        placeholder tokens are its own key (MultimodalPrompt.cache_key: an image's hash), so
+        placeholder tokens are its own key (PromptImages.cache_key: an image's hash), so
         that prompts alike but for their images share no KV."""
-        if self.multimodal is None:
+        if self.prompt_images is None:
             return self.prompt_ids + self.output_ids
-        return self.multimodal.cache_key + self.output_ids
+        return self.prompt_images.cache_key + self.output_ids
 
     @property
     def num_tokens(self) -> int:

@@ -115,7 +115,8 @@ class Scheduler:
                                       self.allocator.capacity, self.page_size, pooled)
 
     def add(self, request: Request) -> None:
-        self.check_fits(len(request.prompt_ids), request.max_new_tokens, request.pooled)
+        self.check_fits(len(request.prompt_ids), request.max_new_tokens,
+                        request.pooled is not None)
         if request.rid in self.requests:
             raise ValueError(f"request id {request.rid!r} is already in use")
         request.status = "waiting"

@@ -116,7 +116,7 @@ def wants_drafts(request, ahead: int = 0) -> bool:
     """Whether the request drafts for the token it samples `ahead` tokens after its output so far:
     it can speculate, its back-off is over and a draft would fit in max_new_tokens."""
     n = len(request.output_ids) + ahead
-    return n >= request.spec_next_try and request.max_new_tokens - n > 1
+    return n >= request.speculation.next_try and request.max_new_tokens - n > 1
 
 
 def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_drafts: int) -> None:
@@ -126,13 +126,13 @@ def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_draft
     saved, so a request whose text does not repeat soon decodes (overlapped) as without
     speculation; one that starts copying is back at `max_drafts` a few rows later."""
     if accepted_drafts == 0:
-        request.spec_misses += 1
-        request.spec_next_try = len(request.output_ids) + min(2 ** request.spec_misses, MAX_BACKOFF)
-        request.spec_draft_limit = 1
+        request.speculation.misses += 1
+        request.speculation.next_try = len(request.output_ids) + min(2 ** request.speculation.misses, MAX_BACKOFF)
+        request.speculation.draft_limit = 1
         return
-    request.spec_misses = 0
+    request.speculation.misses = 0
     grown = num_drafts + 1 if accepted_drafts == num_drafts else accepted_drafts
-    request.spec_draft_limit = min(grown, max_drafts)
+    request.speculation.draft_limit = min(grown, max_drafts)
 
 
 class Draft(NamedTuple):
@@ -313,7 +313,7 @@ class Speculator:
             room = 0
             if room_in_step > 0 and wants_drafts(r):
                 # The verified row yields its drafts and one more token: within max_new_tokens.
-                room = min(r.spec_draft_limit or spec.max_drafts,
+                room = min(r.speculation.draft_limit or spec.max_drafts,
                            r.max_new_tokens - len(r.output_ids) - 1, room_in_step)
                 room_in_step -= room
             rooms.append(room)
@@ -356,7 +356,7 @@ class Speculator:
         wanting = [r for r in batch.requests
                    if r.status == "running" and wants_drafts(r, batch.ahead + 1)]
         return bool(wanting) and (self._continuations >= PROBE_EVERY
-                                  or any(r.spec_misses == 0 for r in wanting))
+                                  or any(r.speculation.misses == 0 for r in wanting))
 
     def take_verified(self, scheduler: _Scheduler, request: Request, chunk: SeqChunk,
                       tokens: list[int], row: int, finished: list[Request],
@@ -370,8 +370,8 @@ class Speculator:
         path = (list(range(accepted(chunk.token_ids[1:], tokens))) if chunk.tree_parents is None
                 else walk(chunk, tokens))
         keep = len(path)
-        request.spec_verify_ct += 1
-        request.spec_accepted_drafts += keep - 1
+        request.speculation.verify_ct += 1
+        request.speculation.accepted_drafts += keep - 1
         self.verified_rows += 1
         self.accepted_drafts += keep - 1
         s.log.verified(keep - 1)
@@ -392,9 +392,9 @@ class Speculator:
 
 
 def _ngram_draft(spec: SpeculativeConfig, r: Request, room: int) -> list[int]:
-    if r.ngram is None:
-        r.ngram = NgramIndex(spec.min_match, spec.max_match)
-    return r.ngram.draft(r.all_ids(), room)
+    if r.speculation.ngram is None:
+        r.speculation.ngram = NgramIndex(spec.min_match, spec.max_match)
+    return r.speculation.ngram.draft(r.all_ids(), room)
 
 
 def _shrink(scheduler: _Scheduler, request: Request, kv_len: int) -> None:

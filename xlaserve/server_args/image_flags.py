@@ -14,7 +14,7 @@ DEFAULT_IMAGES_PER_REQUEST = 16
 
 
 @dataclasses.dataclass
-class MediaFlags:
+class ImageFlags:
     """Images: their size, how many, where they may come from."""
 
     mm_processor_kwargs: Optional[str] = flag(

@@ -1,9 +1,9 @@
 """A vision model's prompt with images in the step's inputs (issue 55).
 
-`MultimodalPrompt` is what a request with images carries (`Request.multimodal`, built by the
+`PromptImages` is what a request with images carries (`Request.prompt_images`, built by the
 engine from the vision tower's output): each image's rows of decoder embeddings, which prompt
 tokens take them, every prompt token's multimodal RoPE position (model/vision/vision_inputs.py), and
-its prefix-cache key. `add_multimodal_rows` writes a step's share of them into its ForwardBatch:
+its prefix-cache key. `add_image_rows` writes a step's share of them into its ForwardBatch:
 an image token's id becomes -1 and its row of `input_embeds` the image's (the model takes that
 row in place of the token's embedding: CausalLM.hidden_states), and `rope_positions` holds the
 (temporal, height, width) position of every token row, which the host turns into RoPE's cos
@@ -20,7 +20,7 @@ from xlaserve.runtime.executor.forward_batch import ForwardBatch
 
 
 @dataclasses.dataclass(frozen=True)
-class MultimodalPrompt:
+class PromptImages:
     # [levels, image tokens, hidden]: every image's decoder rows, in prompt order: the
     # embeddings, then Qwen3-VL's DeepStack rows (VisionConfig.levels).
     embeds: np.ndarray
@@ -36,18 +36,18 @@ class MultimodalPrompt:
         return int(self.embeds.shape[1])
 
 
-def add_multimodal_rows(batch: ForwardBatch, multimodal: list, hidden_size: int,
+def add_image_rows(batch: ForwardBatch, prompt_images: list, hidden_size: int,
                         dtype) -> ForwardBatch:
-    """`batch` with its multimodal rows: `multimodal[i]` is sequence i's MultimodalPrompt or
+    """`batch` with its image rows: `prompt_images[i]` is sequence i's PromptImages or
     None (a text request: equal positions, which is the plain RoPE). Sets `rope_positions`
     [3, T] and, where a row takes an image's embedding, `input_embeds` [levels, T, hidden]
     (`dtype`)."""
-    if all(prompt is None for prompt in multimodal):  # text only: the plain RoPE, no rows
+    if all(prompt is None for prompt in prompt_images):  # text only: the plain RoPE, no rows
         return batch
     tokens = batch.input_ids.shape[0]
     rope = np.broadcast_to(batch.positions, (3, tokens)).copy()
     embeds = None
-    for i, prompt in enumerate(multimodal):
+    for i, prompt in enumerate(prompt_images):
         if prompt is None:
             continue
         start, end = int(batch.cu_q_lens[i]), int(batch.cu_q_lens[i + 1])
