@@ -31,7 +31,6 @@ def test_a_tpu_compile_is_read_back_the_second_time_and_recompiled_when_anything
                 (mesh, 3.0, None),  # another constant: another program
                 (mesh, 2.0, {"xla_tpu_enable_latency_hiding_scheduler": False}),
                 (reordered, 2.0, None)]  # the same module on other devices
-    # One call site: the key holds the lowering's locations, the callers' lines among them.
     compiled = [_lowered(m, scale).compile(options) for m, scale, options in variants]
     assert [isinstance(c, compile_outcomes.ReadBack) for c in compiled] == [
         False, True, False, False, False]

@@ -46,8 +46,8 @@ from xlaserve.runtime.executor.forward_batch import sample_rows_for
 from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.lora_slots import abstract_slot_args, slots_for
-from xlaserve.runtime.executor.step_program import LoraArgs, make_step, step_args
-from xlaserve.runtime.executor.step_inputs import idle_vectors
+from xlaserve.runtime.executor.step_program import LoraArgs, make_step
+from xlaserve.runtime.executor.step_inputs import idle_vectors, step_args
 from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, leaf_names,
                                                   weight_args, weight_formats)
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens

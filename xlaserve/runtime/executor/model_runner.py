@@ -68,8 +68,8 @@ from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME
 from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
 from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
-from xlaserve.runtime.executor.step_inputs import NoFollowers, StagedStep, RepeatedInputs
-from xlaserve.runtime.executor.step_program import StepOutput, make_step, step_args
+from xlaserve.runtime.executor.step_inputs import NoFollowers, StagedStep, RepeatedInputs, step_args
+from xlaserve.runtime.executor.step_program import StepOutput, make_step
 from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable,
                                                    idle_step, step_vectors)
 

@@ -52,18 +52,6 @@ class LoraArgs:
     first: int
 
 
-def step_args(state: tuple, vectors: tuple, token_bitmask, input_embeds: tuple = ()) -> tuple:
-    """The step's positional arguments in `make_step`'s order, for each caller: a run
-    (ModelRunner.run), a compile here (ModelRunner._lowering_args) and one for another target
-    (aot.StepProgram.lowering_args). `state`: the weights, KV caches, output counts, last tokens,
-    page table and prompt masks; `vectors`: the step's ints and floats and the sampling tables'
-    ints and floats (step_inputs.py); `input_embeds`: a vision model's image rows, or ()."""
-    if len(state) != 6 or len(vectors) != 4 or len(input_embeds) > 1:
-        raise ValueError(f"a step takes 6 state arrays, 4 vectors and at most one image input, "
-                         f"not {len(state)}, {len(vectors)} and {len(input_embeds)}")
-    return (*state, *vectors, token_bitmask, *input_embeds)
-
-
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
               weight_formats=None, verify_tokens: int = 1, lora: LoraArgs | None = None,
               takes_images: bool = False):
