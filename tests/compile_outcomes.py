@@ -54,9 +54,9 @@ counts = {"read back": 0, "compiled": 0}
 @functools.cache
 def _versions() -> str:
     """JAX's, jaxlib's and every installed package that brings a compiler for another target."""
+    prefixes = ("libtpu", "jax-cuda", "jax_cuda", "nvidia-", "jax-rocm")
     names = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
-                   if (d.metadata["Name"] or "").lower().startswith(("libtpu", "jax-cuda", "jax_cuda",
-                                                                    "nvidia-", "jax-rocm")))
+                   if (d.metadata["Name"] or "").lower().startswith(prefixes))
     return "\n".join([jax.__version__, jaxlib.__version__, *names])
 
 
@@ -66,7 +66,8 @@ def _key(lowered, compiler_options, device_assignment) -> str:
     parts = [lowered.as_text(), _versions(), args["backend"].platform_version,
              repr(sorted((compiler_options or {}).items())), repr(device_assignment),
              repr(getattr(lowering, "_device_list", None)), repr(args["in_shardings"]),
-             repr(args["out_shardings"]), repr(args.get("in_layouts")), repr(args.get("out_layouts")),
+             repr(args["out_shardings"]), repr(args.get("in_layouts")),
+             repr(args.get("out_layouts")),
              *(f"{name}={os.environ.get(name)}" for name in _ENVIRONMENT),
              *(f"{name}={getattr(jax.config, name, None)}" for name in _CONFIG)]
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()
@@ -134,13 +135,13 @@ def _record(lowered, compiled) -> dict:
     return record
 
 
-def _same(read_back: ReadBack, compiled) -> bool:
+def _reads_back(data: bytes, record: dict, lowered, compiled) -> bool:
+    """Whether `data` (the stored bytes of `record`) read back give what `compiled` gave: the
+    kept values whole, the input formats rebuilt from the lowering's shardings."""
     try:
-        return (read_back.as_text() == compiled.as_text()
-                and read_back.cost_analysis() == compiled.cost_analysis()
-                and vars(read_back.memory_analysis()) == {
-                    name: getattr(compiled.memory_analysis(), name) for name in _MEMORY_FIELDS}
-                and ("input_shardings" not in read_back._record
+        read_back = ReadBack(lowered, pickle.loads(zlib.decompress(data)), None)
+        return (read_back._record == record
+                and ("input_shardings" not in record
                      or read_back.input_formats == compiled.input_formats))
     except Exception:  # noqa: BLE001 - a record that cannot be read back is not kept
         return False
@@ -174,9 +175,10 @@ def install() -> None:
         compiled = real()
         counts["compiled"] += 1
         record = _record(self, compiled)
-        if _same(ReadBack(self, record, real), compiled):
+        data = zlib.compress(pickle.dumps(record), 1)  # HLO text: ~10x
+        if _reads_back(data, record, self, compiled):
             with tempfile.NamedTemporaryFile(dir=folder, delete=False) as partial:
-                partial.write(zlib.compress(pickle.dumps(record), 1))  # HLO text: ~10x
+                partial.write(data)
             os.replace(partial.name, path)  # whole or not at all, for the other worker
         return compiled
 

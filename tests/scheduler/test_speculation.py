@@ -272,7 +272,8 @@ def test_a_request_backing_off_tries_again_only_when_a_step_is_read_or_after_16_
     model = FakeModel(s)
     model.run_step()
     r = s.requests["r"]
-    r.speculation.misses, r.speculation.next_try = 1, len(r.output_ids) + 1  # due from the next token on
+    # due from the next token on
+    r.speculation.misses, r.speculation.next_try = 1, len(r.output_ids) + 1
     batch = s.schedule()
     assert batch.chunks[0].num_drafts == 0
     in_flight, overlapped = (batch, model.step(batch)), 0

@@ -345,7 +345,8 @@ class Generation:
                                   return_prompt_logprob=return_prompt_logprob,
                                   lora_path=adapters[choice.prompt_index],
                                   **({"prompt_images": prompt_images[choice.prompt_index]}
-                                     if prompt_images and prompt_images[choice.prompt_index] else {}),
+                                     if prompt_images and prompt_images[choice.prompt_index]
+                                     else {}),
                                   **({"embed": True, "second_segment": second_segments[
                                       choice.prompt_index] if second_segments else 0}
                                      if embed else {}))

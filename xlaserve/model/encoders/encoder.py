@@ -12,7 +12,8 @@ attention of pallas_kernels/ragged_paged_attention/new_tokens.py with the causal
 (`Kernels.bidirectional_attention`), sequences kept apart by their segments. The step's KV
 pool is empty for an encoder (transformer.kv_cache_shape), so `hidden_states` takes and
 returns the serving step's arguments unchanged. Token types are 0, or 1 from a cross-encoder
-pair's second text on (`Pooled.second_segment` of runtime/scheduler/request.py); positions are each token's in its input.
+pair's second text on (`Pooled.second_segment` of runtime/scheduler/request.py); positions are
+each token's in its input.
 """
 from __future__ import annotations
 

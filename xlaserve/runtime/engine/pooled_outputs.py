@@ -33,7 +33,8 @@ class WrongKindOfServer(ValueError):
 GENERATES = ("this server generates text: embeddings need an embedding model served with "
              "--is-embedding")
 EMBEDS = "this server serves an embedding model (--is-embedding): it generates no text"
-# EngineCore.submit's `prompt_images` on a server without a vision model, or not from images.prepare.
+# EngineCore.submit's `prompt_images` on a server without a vision model, or not from
+# images.prepare.
 IMAGES_NEED_A_VISION_MODEL = ("images need a vision model, and the prompt their placeholders "
                               "expanded (images.prepare)")
 

@@ -68,10 +68,10 @@ from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME
 from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
 from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
-from xlaserve.runtime.executor.step_inputs import NoFollowers, StagedStep, RepeatedInputs, step_args
 from xlaserve.runtime.executor.step_program import StepOutput, make_step
-from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, RopeTable,
-                                                   idle_step, step_vectors)
+from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, NoFollowers,
+                                                   RepeatedInputs, RopeTable, StagedStep,
+                                                   idle_step, step_args, step_vectors)
 
 logger = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ class ModelRunner:
         return outputs
 
     def _state(self, kv) -> tuple:
-        """The step's state arguments (step_program.step_args) over `kv`: the caches, or their
+        """The step's state arguments (step_inputs.step_args) over `kv`: the caches, or their
         shapes for a compile."""
         return (self._weight_args, kv, self.output_counts, self.last_tokens,
                 self.page_table.array, self.prompt_masks)

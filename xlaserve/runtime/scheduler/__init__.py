@@ -9,7 +9,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "pages_for_tokens": "page_allocator", "HostTier": "host_tier", "LOAD": "host_tier",
     "SAVE": "host_tier",
     "DecodeRows": "request", "Request": "request", "Pooled": "request", "AdapterRef": "request",
-    "SpeculationState": "request", "BASE_MODEL": "request", "RequestTooLong": "request",
+    "RequestTooLong": "request",
     "SampledRow": "request", "ScheduledBatch": "request", "SeqChunk": "request",
     "prefill_budget": "scheduler", "Scheduler": "scheduler", "NoSpeculation": "scheduler",
     "process_pooled": "pooled",

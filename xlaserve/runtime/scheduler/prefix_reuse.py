@@ -24,7 +24,7 @@ class _Request(Protocol):
     imported here, so that the two files do not import each other)."""
 
     no_prefix_reuse: bool
-    adapter: Any  # request.AdapterRef: its `key` is the prefix cache's namespace (0: the base model)
+    adapter: Any  # request.AdapterRef: its `key` is the prefix cache's namespace (0: base model)
     num_computed: int
     page_ids: list[int]
     cache_node: TreeNode | None

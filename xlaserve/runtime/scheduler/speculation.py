@@ -125,14 +125,15 @@ def after_verified_row(request, num_drafts: int, accepted_drafts: int, max_draft
     2, 4, ... MAX_BACKOFF tokens, then one. Plain decoding costs nothing a draft could have
     saved, so a request whose text does not repeat soon decodes (overlapped) as without
     speculation; one that starts copying is back at `max_drafts` a few rows later."""
+    state = request.speculation
     if accepted_drafts == 0:
-        request.speculation.misses += 1
-        request.speculation.next_try = len(request.output_ids) + min(2 ** request.speculation.misses, MAX_BACKOFF)
-        request.speculation.draft_limit = 1
+        state.misses += 1
+        state.next_try = len(request.output_ids) + min(2 ** state.misses, MAX_BACKOFF)
+        state.draft_limit = 1
         return
-    request.speculation.misses = 0
+    state.misses = 0
     grown = num_drafts + 1 if accepted_drafts == num_drafts else accepted_drafts
-    request.speculation.draft_limit = min(grown, max_drafts)
+    state.draft_limit = min(grown, max_drafts)
 
 
 class Draft(NamedTuple):
