@@ -271,3 +271,24 @@ def test_a_structural_tag_constrains_only_the_tagged_segments(backend, tokenizer
     bad = backend.new_grammar("structural_tag", tag)
     feed(tokenizer, bad, "ok <function=get_weather>")
     assert not all(bad.consume(t) for t in tokenizer.encode('{"town": "x"}', add_special_tokens=False))
+
+
+def test_process_exit_waits_for_the_token_table_built_in_background():
+    """A process that exits while llguidance builds the token table (a warm start answered and
+    closed within a second) waits for it and exits cleanly: as a daemon thread it was ended inside
+    llguidance's Rust code during finalization and crashed with SIGSEGV (docs/testing.md). The
+    table is checked at exit, after the interpreter joined its threads."""
+    import subprocess
+    import sys
+    script = (
+        "import atexit\n"
+        "from xlaserve.weights.loader import default_model_file, load_tokenizer\n"
+        "from xlaserve.runtime.sampling.grammar import GrammarBackend\n"
+        f"backend = GrammarBackend(load_tokenizer(default_model_file()), {LOGITS_WIDTH}, [{EOS}])\n"
+        "atexit.register(lambda: print('table built at exit:', backend._token_table is not None))\n"
+        "thread = backend.prepare_in_background()\n"
+        "print('daemon:', thread.daemon)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["daemon: False", "table built at exit: True"]

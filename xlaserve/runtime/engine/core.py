@@ -73,14 +73,7 @@ class EngineCore:
         self.startup_timings = parts.startup_timings
         self._seeds = random.Random(args.random_seed)
         if self.grammar_backend is not None and share_with is None:
-            # The token table (~0.3 s), before a request waits on it. Not a daemon: the
-            # interpreter's exit waits for it. As a daemon, a process that ended while llguidance
-            # built the table (a warm start, answered and closed within a second) died of a
-            # SIGSEGV: the thread, taking the GIL back from llguidance's Rust code during
-            # finalization, was ended by pthread_exit, whose unwinding through those frames
-            # crashed (gdb, 2026-11-29: the warm-restart crash of docs/testing.md, 1 start in 7
-            # with both cores busy).
-            threading.Thread(target=self.grammar_backend.prepare, name="xlaserve-grammar").start()
+            self.grammar_backend.prepare_in_background()
         if jax.default_backend() == "cpu":
             malloc_tuning.keep_freed_memory()
         self._inbox: queue.Queue[InboxMessage] = queue.Queue()

@@ -266,6 +266,17 @@ class GrammarBackend:
         except InvalidGrammar:
             pass
 
+    def prepare_in_background(self) -> threading.Thread:
+        """prepare() in a thread, before a request waits on the table. Not a daemon: the
+        interpreter's exit waits for it (~0.3 s). As a daemon, a process that ended while
+        llguidance built the table (a warm start, answered and closed within a second) died of a
+        SIGSEGV: the thread, taking the GIL back from llguidance's Rust code during finalization,
+        was ended by pthread_exit, whose unwinding through those frames crashed (gdb, 2026-11-29:
+        the warm-restart crash of docs/testing.md, 1 start in 7 with both cores busy)."""
+        thread = threading.Thread(target=self.prepare, name="xlaserve-grammar")
+        thread.start()
+        return thread
+
     def new_grammar(self, kind: str, text: str, stop_token_ids: Iterable[int] = ()) -> Grammar:
         """A fresh matcher for the constraint; raises InvalidGrammar for a bad one."""
         return Grammar(self._compile(kind, text).deep_copy(), stop_token_ids)
