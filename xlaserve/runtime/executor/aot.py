@@ -47,7 +47,8 @@ from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.executor.kernels import kernels_for
 from xlaserve.runtime.executor.lora_slots import abstract_slot_args, slots_for
 from xlaserve.runtime.executor.step_program import LoraArgs, make_step
-from xlaserve.runtime.executor.step_inputs import idle_vectors, step_args
+from xlaserve.runtime.executor.page_table import empty_writes, write_capacity
+from xlaserve.runtime.executor.step_inputs import RopeTable, idle_vectors, step_args
 from xlaserve.runtime.executor.weight_args import (abstract_args, auto_formats, leaf_names,
                                                   weight_args, weight_formats)
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
@@ -150,8 +151,8 @@ class StepProgram:
         """The step's (abstract) arguments and static keyword arguments for one bucket shape and
         variant (`tree`: the tree program's)."""
         rows = sample_rows_for(tokens, seqs, self.verify_tokens, self.max_seqs)
-        vectors, layout = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size, rows,
-                                       self.tree_width if tree else 0)
+        vectors, layout = self._idle_vectors(tokens, seqs, pages, rows,
+                                             self.tree_width if tree else 0)
         vocab = self.args[2].shape[1]
         masks = abstract((rows, -(-vocab // 32)), jnp.int32, self.mesh)  # the grammar masks
         embeds = ()
@@ -160,6 +161,13 @@ class StepProgram:
             embeds = (abstract((levels, tokens, hidden), dtype, self.mesh),)
         vectors = tuple(abstract(v.shape, v.dtype, self.mesh) for v in vectors)
         return step_args(self.args, vectors, masks, embeds), {"layout": layout, "needs": needs}
+
+    def _idle_vectors(self, tokens: int, seqs: int, pages: int, rows: int, tree_width: int = 0):
+        """An idle step's host vectors and layouts (step_inputs.idle_vectors, as a server's
+        runner makes them), with no page table: its writes all unused."""
+        return idle_vectors(RopeTable(self.inv_freq),
+                            empty_writes(write_capacity(tokens, seqs, self.page_size), 0),
+                            tokens, seqs, pages, rows, tree_width)
 
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING,
                 tree: bool = False):
@@ -179,8 +187,7 @@ class StepProgram:
         """A draft head's draft steps for one bucket shape (after `compile`, whose weight
         layouts they take)."""
         rows = sample_rows_for(tokens, seqs, self.verify_tokens, self.max_seqs)
-        vectors, (layout, _) = idle_vectors(self.inv_freq, tokens, seqs, pages, self.page_size,
-                                            rows)
+        vectors, (layout, _) = self._idle_vectors(tokens, seqs, pages, rows)
         ints, floats = (abstract(v.shape, v.dtype, self.mesh) for v in vectors[:2])
         rooms = abstract((seqs,), jnp.int32, self.mesh)
         weights, caches, _, _, page_table, _ = self.args

@@ -75,6 +75,17 @@ def embedding_vectors(rope: RopeTable, batch: ForwardBatch, slots, writes, token
     return concat_leaves(leaves)
 
 
+def idle_embedding_vectors(rope: RopeTable, writes, tokens: int, seqs: int, pages: int,
+                           token_types: bool):
+    """(int32 vector, float32 vector, layout) of an idle embedding step of the bucket shape
+    (`token_types`: an encoder's step, which takes them): the one place they are made, for the
+    runner's precompile and a compile-only target's (`compiled_for_target`). `writes`: the page
+    table's idle writes (`empty_writes` where there is no page table)."""
+    return embedding_vectors(rope, empty_batch(tokens, seqs, pages),
+                             np.full(seqs, NULL_SLOT, np.int32), writes,
+                             np.zeros(tokens, np.int32) if token_types else None)
+
+
 class EmbeddingRunner(ModelRunner):
     """A ModelRunner whose step pools instead of sampling (module docstring): `stage(batch,
     slots)`, then `run(staged)` -> f32[seqs, hidden] on the device."""
@@ -128,11 +139,13 @@ class EmbeddingRunner(ModelRunner):
         return reduced
 
     def _lowering_args(self, shape, needs=RUN_TIME, tree_width: int = 0):
+        """`run`'s arguments for an idle step of the bucket shape, the KV pool as shapes only."""
         tokens, seqs, pages = shape
-        staged = self.stage(empty_batch(tokens, seqs, pages), np.full(seqs, NULL_SLOT, np.int32))
-        args = (self._weight_args, self.kv_specs, self.page_table.array, staged.ints,
-                staged.floats)
-        return args, {"layout": staged.layout}
+        ints, floats, layout = idle_embedding_vectors(
+            self.rope, self.page_table.idle_writes(tokens, seqs), tokens, seqs, pages,
+            self.config.encoder is not None)
+        args = (self._weight_args, self.kv_specs, self.page_table.array, ints, floats)
+        return args, {"layout": layout}
 
 
 def compiled_for_target(target: str, server_args, pooling_mode: str, tokens: int, seqs: int):
@@ -179,9 +192,8 @@ def compiled_for_target(target: str, server_args, pooling_mode: str, tokens: int
                                token_types=config.encoder is not None)
     writes = empty_writes(write_capacity(tokens, seqs, page_size), 0)
     rope = RopeTable(config.rope.inv_freq(config.head_dim), config.rope.attention_factor)
-    ints, floats, layout = embedding_vectors(
-        rope, empty_batch(tokens, seqs, pages), np.zeros(seqs, np.int32), writes,
-        np.zeros(tokens, np.int32) if config.encoder is not None else None)
+    ints, floats, layout = idle_embedding_vectors(rope, writes, tokens, seqs, pages,
+                                                  config.encoder is not None)
     page_table = aot.abstract((server_args.max_running_requests + 1, pages), np.int32, mesh)
     args = (weights, caches, page_table, aot.abstract(ints.shape, ints.dtype, mesh),
             aot.abstract(floats.shape, floats.dtype, mesh))

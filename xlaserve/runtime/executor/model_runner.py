@@ -71,7 +71,8 @@ from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weig
 from xlaserve.runtime.executor.step_program import StepOutput, make_step
 from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, NoFollowers,
                                                    RepeatedInputs, RopeTable, StagedStep,
-                                                   idle_step, step_args, step_vectors)
+                                                   greedy_sampling, idle_vectors, step_args,
+                                                   step_vectors)
 
 logger = logging.getLogger(__name__)
 
@@ -297,8 +298,7 @@ class ModelRunner:
         writes, updates, overflow = self.page_table.step_writes(slots, batch.page_ids, tokens,
                                                                 seqs)
         host = step_vectors(self.rope, batch, sampling, slots, writes)
-        ints, floats = (host[:2] if self._vectors_in_call
-                        else self._put(host[:2], self.output_counts.sharding))
+        ints, floats = self._placed(host[:2])
         _, table_host, tables, table_layout = self.inputs.tables(sampling)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
         # engine can stage a step before it reads the previous one.
@@ -308,7 +308,12 @@ class ModelRunner:
                           (sampling.logit_bias_ids.shape[1], sampling.suppressed_ids.shape[1]),
                           (*host[:2], *table_host), needs,
                           updates, overflow, tree_width=batch.tree_width,
-                          input_embeds=self.inputs.image_rows(batch))
+                          input_embeds=self.inputs.image_rows(batch.input_embeds, tokens))
+
+    def _placed(self, vectors: tuple[np.ndarray, np.ndarray]) -> tuple:
+        """The step's int32 and float32 vectors as its call takes them: numpy arrays, which the
+        call transfers (one process), or global device arrays put by each process."""
+        return vectors if self._vectors_in_call else self._put(vectors, self.output_counts.sharding)
 
     def run(self, staged: "StagedStep", token_bitmask: np.ndarray | None = None) -> StepOutput:
         """Dispatches a staged step with its grammar masks (None: no row has one). Steps run in
@@ -404,8 +409,10 @@ class ModelRunner:
     def _lowering_args(self, shape, needs: StepNeeds | None, tree_width: int = 0):
         """The step's arguments for a bucket shape (and tree width), the KV pool as shapes only
         (it may not be zeroed yet), and its static layout and needs."""
-        rows = self.sample_rows(shape)
-        staged = self.stage(*idle_step(*shape, rows, tree_width))
-        args = step_args(self._state(self.kv_specs), (staged.ints, staged.floats, *staged.tables),
-                         self.inputs.bitmask(rows, None), staged.image_args)
-        return args, {"layout": staged.layout, "needs": needs}
+        rows, (tokens, seqs, pages) = self.sample_rows(shape), shape
+        host, layout = idle_vectors(self.rope, self.page_table.idle_writes(tokens, seqs), tokens,
+                                    seqs, pages, rows, tree_width)
+        tables = self.inputs.tables(greedy_sampling(rows))[2]
+        args = step_args(self._state(self.kv_specs), (*self._placed(host[:2]), *tables),
+                         self.inputs.bitmask(rows, None), self.inputs.idle_image_args(tokens))
+        return args, {"layout": layout, "needs": needs}

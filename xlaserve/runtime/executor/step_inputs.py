@@ -37,7 +37,7 @@ import numpy as np
 
 from xlaserve.model.transformer import rope_cos_sin
 from xlaserve.runtime.executor.forward_batch import ForwardBatch
-from xlaserve.runtime.executor.page_table import PageWrites, empty_writes, write_capacity
+from xlaserve.runtime.executor.page_table import PageWrites
 from xlaserve.runtime.sampling.params import MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, RowSamplingParams
 from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET
 from xlaserve.runtime.sampling.params import SamplingMetadata, build_sampling_metadata
@@ -164,14 +164,18 @@ def table_arrays(sampling: SamplingMetadata) -> tuple:
     return sampling.logit_bias_ids, sampling.logit_bias_values, sampling.suppressed_ids
 
 
-def idle_vectors(inv_freq, tokens: int, seqs: int, pages: int, page_size: int, rows: int,
-                 tree_width: int = 0):
-    """((ints, floats, table ints, table floats), layout) of an idle step of the bucket shape
-    with `rows` sample rows (of the tree program: `tree_width`): the step's transfer arguments,
-    for compiling it ahead of time (runtime/executor/aot.py)."""
-    batch, sampling, slots = idle_step(tokens, seqs, pages, rows, tree_width)
-    writes = empty_writes(write_capacity(tokens, seqs, page_size), 0)
-    ints, floats, layout = step_vectors(RopeTable(inv_freq), batch, sampling, slots, writes)
+def idle_vectors(rope: RopeTable, writes: PageWrites, tokens: int, seqs: int, pages: int,
+                 rows: int, tree_width: int = 0, widths: tuple[int, int] = SAMPLING_WIDTHS):
+    """((ints, floats, table ints, table floats), (layout, table layout)) of an idle step of the
+    bucket shape with `rows` sample rows (of the tree program: `tree_width`) and sampling tables
+    `widths` wide: the one place an idle step's inputs are made, for a runner's precompile
+    (ModelRunner._lowering_args), a compile-only target's (runtime/executor/aot.py) and a
+    follower's layouts (`layout_for`). `writes`: the page table's idle writes (`empty_writes`
+    where there is no page table)."""
+    batch = empty_batch(tokens, seqs, pages, rows, tree_width)
+    sampling = greedy_sampling(rows, widths)
+    ints, floats, layout = step_vectors(rope, batch, sampling, np.full(seqs, NULL_SLOT, np.int32),
+                                        writes)
     table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
     return (ints, floats, table_ints, table_floats), (layout, table_layout)
 
@@ -186,11 +190,11 @@ def idle_step(tokens: int, seqs: int, pages: int, rows: int | None = None, tree_
 
 
 @functools.lru_cache(maxsize=None)
-def greedy_sampling(rows: int) -> SamplingMetadata:
+def greedy_sampling(rows: int, widths: tuple[int, int] = SAMPLING_WIDTHS) -> SamplingMetadata:
     """The sampling metadata of `rows` greedy sample rows (idle steps, a drafter's greedy
-    drafts), made once per row count and shared: its arrays are read, never changed."""
-    return build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], rows,
-                                   SAMPLING_WIDTHS)
+    drafts) with tables `widths` wide, made once per row count and shared: its arrays are read,
+    never changed."""
+    return build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], rows, widths)
 
 
 def empty_batch(tokens: int, seqs: int, pages: int, rows: int | None = None,
@@ -330,14 +334,19 @@ class RepeatedInputs:
                 np.full((rows, self.bitmask_words), -1, np.int32), self._replicated)
         return self._all_allowed[rows]
 
-    def image_rows(self, batch) -> jax.Array | None:
-        """A vision model's step's image rows on the device (the batch's, or the bucket's
-        zeros); None for other models."""
+    def idle_image_args(self, tokens: int) -> tuple:
+        """An idle step's arguments after the bitmask (StagedStep.image_args): a vision model's
+        zero image rows of the `tokens` bucket, else none."""
+        rows = self.image_rows(None, tokens)
+        return () if rows is None else (rows,)
+
+    def image_rows(self, input_embeds: np.ndarray | None, tokens: int) -> jax.Array | None:
+        """A vision model's step's image rows on the device (the batch's `input_embeds`, or the
+        `tokens` bucket's zeros); None for other models."""
         if self._image_rows is None:
             return None
-        if batch.input_embeds is not None:
-            return self._put(batch.input_embeds, self._replicated)
-        tokens = batch.shape[0]
+        if input_embeds is not None:
+            return self._put(input_embeds, self._replicated)
         if tokens not in self._no_embeds:
             levels, hidden, dtype = self._image_rows
             self._no_embeds[tokens] = self._put(np.zeros((levels, tokens, hidden), dtype),
@@ -353,14 +362,9 @@ def layout_for(runner, shape: tuple[int, int, int], widths: tuple[int, int],
     key = (shape, widths, tree_width)
     if key not in runner.layouts:
         tokens, seqs, pages = shape
-        rows = runner.sample_rows(shape)
-        sampling = build_sampling_metadata([RowSamplingParams(temperature=0.0, seed=0)], rows,
-                                           widths)
-        writes = runner.page_table.idle_writes(tokens, seqs)
-        runner.layouts[key] = (
-            step_vectors(runner.rope, empty_batch(tokens, seqs, pages, rows, tree_width),
-                         sampling, np.full(seqs, NULL_SLOT, np.int32), writes)[2],
-            concat_leaves(table_arrays(sampling))[2])
+        runner.layouts[key] = idle_vectors(runner.rope, runner.page_table.idle_writes(tokens, seqs),
+                                           tokens, seqs, pages, runner.sample_rows(shape),
+                                           tree_width, widths)[1]
     return runner.layouts[key]
 
 
