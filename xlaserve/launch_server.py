@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -92,10 +93,17 @@ def log_startup(core, warmup_seconds: float | None) -> None:
 
 def open_storage(args: ServerArgs):
     """The files and batches folder, locked for this process (before the model loads: a folder
-    another server uses is refused at once)."""
-    from xlaserve.http.batches.storage import Storage
+    another server uses is refused at once): --file-storage-path, or by default this port's
+    own under xlaserve_storage/."""
+    from xlaserve.http.batches.storage import DEFAULT_ROOT, Storage, default_folder
 
-    return Storage(args.file_storage_path)
+    if args.file_storage_path is not None:
+        return Storage(args.file_storage_path)
+    if os.path.exists(os.path.join(DEFAULT_ROOT, "metadata.db")):
+        logger.warning("%s/ holds the files and batches of a server before the folder per port; "
+                       "this one keeps its own in %s (--file-storage-path %s serves those)",
+                       DEFAULT_ROOT, default_folder(args.port), DEFAULT_ROOT)
+    return Storage(default_folder(args.port))
 
 
 def build_app(args: ServerArgs, ctx, storage=None):

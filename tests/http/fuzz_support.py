@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, configuration, settings
 from tests.http.fuzz_values import APPEND, NEW
 from xlaserve.http.protocol import (BatchRequest, ChatCompletionRequest, CompletionRequest,
                                     GenerateRequest)
+from xlaserve.http.messages.protocol import MessagesRequest
 from xlaserve.runtime.sampling.params import SamplingParams
 
 REQUEST_TIMEOUT_S = 30.0  # an answer later than this is a hang
@@ -109,6 +110,37 @@ GENERATE_PATHS = fields(GenerateRequest) + [
     ("sampling_params", 1, NEW), ("sampling_params", APPEND), ("text", 0), ("text", APPEND),
     ("input_ids", 0), ("input_ids", 0, 0), ("input_ids", APPEND), ("rid", 0)]
 
+MESSAGE = {"model": "tiny", "messages": USER, "max_tokens": 2}
+ANTHROPIC_TOOL = {"name": "f", "input_schema": PARAMETERS}
+MESSAGES_BASES = [
+    MESSAGE,
+    {**MESSAGE, "stream": True, "system": [{"type": "text", "text": "be brief",
+                                            "cache_control": {"type": "ephemeral"}}]},
+    {**MESSAGE, "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "f"},
+     "stream": True},
+    {**MESSAGE, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stop_sequences": ["x"],
+     "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"}},
+    {**MESSAGE, "tools": [ANTHROPIC_TOOL], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "t", "signature": "s"},
+            {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": "a"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}]}]},
+]
+MESSAGES_PATHS = fields(MessagesRequest) + [
+    ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
+    ("messages", 0, "content", 0), ("messages", 0, "content", 0, "type"),
+    ("messages", 0, "content", 0, "text"), ("messages", 0, "content", 0, NEW),
+    ("messages", 0, NEW), ("messages", APPEND), ("messages", 1, "content", 1, "input"),
+    ("messages", 1, "content", 1, "id"), ("messages", 1, "content", 0, "thinking"),
+    ("messages", 2, "content", 0, "content"), ("messages", 2, "content", 0, "tool_use_id"),
+    ("system", 0, "text"), ("system", 0, NEW), ("tools", 0), ("tools", 0, "name"),
+    ("tools", 0, "input_schema"), ("tools", 0, "type"), ("tools", 0, NEW), ("tools", APPEND),
+    ("tool_choice", "type"), ("tool_choice", "name"), ("tool_choice", NEW),
+    ("thinking", "type"), ("thinking", "budget_tokens"), ("metadata", NEW),
+    ("stop_sequences", 0)]
+
 # The 400s that name no field: the body as a whole is at fault.
 WHOLE_BODY_ERRORS = ("the request body is not valid JSON", "Input should be a valid dictionary",
                      "the request body must be a JSON object", "upload the file as multipart")
@@ -133,6 +165,8 @@ def check_answer(response: httpx.Response, elapsed: float, sent=None) -> None:
            f"{response.status_code} {response.text[:1500]}"
     assert response.status_code < 500, what
     assert elapsed < REQUEST_TIMEOUT_S, f"{elapsed:.1f} s: " + what
+    if response.request.url.path.startswith("/v1/messages"):
+        return check_anthropic_answer(response, what)
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, what
@@ -150,6 +184,19 @@ def check_answer(response: httpx.Response, elapsed: float, sent=None) -> None:
         assert events and events[-1] == "data: [DONE]", what
         for event in events[:-1]:
             assert "error" not in json.loads(event.removeprefix("data: ")), what
+
+
+def check_anthropic_answer(response: httpx.Response, what: str) -> None:
+    """The Messages API's: a 4xx in Anthropic's shape; a 200 stream ends with message_stop and
+    carries no error event."""
+    if response.status_code >= 400:
+        error = response.json()
+        assert set(error) == {"type", "error"} and error["type"] == "error", what
+        assert set(error["error"]) == {"type", "message"} and error["error"]["message"], what
+    elif response.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [e.split("\n")[0] for e in response.text.split("\n\n") if e]
+        assert events and events[-1] == "event: message_stop", what
+        assert "event: error" not in events, what
 
 
 def post_json(client: httpx.Client, path: str, body) -> None:

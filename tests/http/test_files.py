@@ -134,3 +134,25 @@ def test_a_second_server_on_the_same_folder_is_refused(small):
 
     with pytest.raises(StorageBusy, match="in use"):
         Storage(str(small.root))
+
+
+def test_servers_on_other_ports_have_their_own_default_folders(tmp_path, monkeypatch, caplog):
+    """Without --file-storage-path each port has its own folder (a second server on another
+    port starts; issue 73's finding), a restart on a port opens its folder again, and the
+    same port twice is refused; a folder of the one-folder layout before is named at start."""
+    from xlaserve.http.batches.storage import StorageBusy
+    from xlaserve.launch_server import open_storage
+    from xlaserve.server_args import ServerArgs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "xlaserve_storage").mkdir()
+    (tmp_path / "xlaserve_storage" / "metadata.db").write_bytes(b"")
+    first, second = (open_storage(ServerArgs(port=port)) for port in (30000, 30001))
+    assert (first.root, second.root) == (str(tmp_path / "xlaserve_storage" / "port-30000"),
+                                         str(tmp_path / "xlaserve_storage" / "port-30001"))
+    assert "--file-storage-path xlaserve_storage serves those" in caplog.text
+    with pytest.raises(StorageBusy, match="in use"):
+        open_storage(ServerArgs(port=30000))
+    first.close()
+    assert open_storage(ServerArgs(port=30000)).root == first.root
+    second.close()

@@ -1,5 +1,5 @@
-"""Fuzzing every route (issue 29, item 7): random JSON values in every field of every body, and no
-5xx, no hang, no neighbour's abort.
+"""Fuzzing every route (issue 29, item 7; Anthropic's /v1/messages, issue 73): random JSON values
+in every field of every body, and no 5xx, no hang, no neighbour's abort.
 
 Each example starts from a valid body of its route and puts a random JSON value (None, bools,
 ints up to -2**70 and 2**64, floats to 1e308, unicode and long text, lists, objects, or the field
@@ -8,7 +8,8 @@ unknown ones) or nested ones (messages[0].content, response_format.json_schema.s
 tools[0].function.parameters, stream_options, logit_bias keys and values, sampling_params.*).
 Every answer must be < 500; a 4xx has OpenAI's error shape, its `param` one of the body's fields
 (or the route's path and query names); a 200 stream ends with `data: [DONE]` and carries no
-error event. Meanwhile a neighbour thread streams 64-token requests one after another: each must
+error event (on /v1/messages: Anthropic's error shape, a stream ending with message_stop and no
+error event). Meanwhile a neighbour thread streams 64-token requests one after another: each must
 end with finish_reason "length" and 64 tokens, whatever the fuzzed requests did. The same
 fuzzing reaches every tool-call and reasoning parser through apps sharing the engine, the files
 and batches routes (uploads, ids, list queries, batch input files of fuzzed lines), and bodies
@@ -36,8 +37,9 @@ from hypothesis import strategies as st
 from tests.http.conftest import AppServer
 from tests.http.fuzz_support import (CHAT, CHAT_BASES, CHAT_PATHS, COMPLETION_BASES,  # noqa: F401
                                      COMPLETION_PATHS, FUZZ, GENERATE_BASES, GENERATE_PATHS,
-                                     PARAMETERS, check_answer, fields, fresh_connections, http,
-                                     hypothesis_home, neighbour, post_json)
+                                     MESSAGES_BASES, MESSAGES_PATHS, PARAMETERS, check_answer,
+                                     fields, fresh_connections, http, hypothesis_home, neighbour,
+                                     post_json)
 from tests.http.fuzz_values import NEW, PLAIN_EDGE_TEXTS, PLAIN_TEXT, mutated
 from xlaserve.http.batches.files import UPLOAD_PURPOSES
 from xlaserve.http.protocol import BatchRequest
@@ -47,7 +49,8 @@ from xlaserve.http.protocol import BatchRequest
 
 @pytest.mark.parametrize("path,bases", [("/v1/chat/completions", CHAT_BASES),
                                         ("/v1/completions", COMPLETION_BASES),
-                                        ("/generate", GENERATE_BASES)])
+                                        ("/generate", GENERATE_BASES),
+                                        ("/v1/messages", MESSAGES_BASES)])
 def test_the_valid_bodies_fuzzing_starts_from_are_answered(http, path, bases):
     for body in bases:
         response = http.post(path, json=body)
@@ -58,7 +61,8 @@ def test_the_valid_bodies_fuzzing_starts_from_are_answered(http, path, bases):
 @pytest.mark.parametrize("path,bases,paths,examples", [
     ("/v1/chat/completions", CHAT_BASES, CHAT_PATHS, 300),
     ("/v1/completions", COMPLETION_BASES, COMPLETION_PATHS, 200),
-    ("/generate", GENERATE_BASES, GENERATE_PATHS, 300)])
+    ("/generate", GENERATE_BASES, GENERATE_PATHS, 300),
+    ("/v1/messages", MESSAGES_BASES, MESSAGES_PATHS, 200)])
 def test_json_route_fuzz(http, neighbour, path, bases, paths, examples):
     @settings(FUZZ, max_examples=examples)
     @given(mutated(bases, paths))
@@ -115,7 +119,7 @@ RAW_BODIES = [b"", b"{", b"NaN", b'{"max_tokens": NaN}', b'{"max_tokens": Infini
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate",
-                                  "/v1/batches"])
+                                  "/v1/batches", "/v1/messages"])
 def test_bodies_that_are_not_json_objects(http, path):
     for content in RAW_BODIES:
         for content_type in ("application/json", "text/plain"):

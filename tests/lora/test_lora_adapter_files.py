@@ -136,3 +136,16 @@ def test_vllm_flag_names_reach_the_same_fields():
          "--enable-lora"]))
     assert args.lora_paths == ["a=/x", "b=/y"] and args.max_loras_per_batch == 3
     assert args.max_lora_rank == 32 and args.enable_lora
+
+
+@pytest.mark.parametrize("keep", [1 / 3, 0.0])
+def test_a_truncated_weights_file_is_refused_naming_it(tmp_path, keep):
+    """A cut or empty adapter_model.safetensors is the client's error (a 400 on
+    /load_lora_adapter), not a SafetensorError's 500 (issue 73's finding)."""
+    directory = adapter_dir(tmp_path)
+    path = os.path.join(directory, "adapter_model.safetensors")
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:int(len(data) * keep)])
+    with pytest.raises(LoraAdapterError, match="adapter_model.safetensors: not a readable"):
+        load_adapter("x", directory, CONFIG)

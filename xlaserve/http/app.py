@@ -14,11 +14,13 @@ middlewares, outermost first (`add_guards` adds them in that order around the ap
   server's own or one of --allowed-origins.
 - CORS (Starlette's CORSMiddleware), with --allowed-origins only: the headers and the preflight
   answers a browser needs to call the server from those origins.
-- `RequireApiKey`: 'Authorization: Bearer <key>' on every route but the open ones (/health and
-  /metrics, as in SGLang) and OPTIONS. Outside the payload limit, so an unauthenticated upload
-  gets its 401 at once instead of after up to --max-payload-size bytes have been read.
+- `RequireApiKey`: 'Authorization: Bearer <key>' (or Anthropic's 'x-api-key: <key>') on every
+  route but the open ones (/health and /metrics, as in SGLang) and OPTIONS. Outside the payload
+  limit, so an unauthenticated upload gets its 401 at once instead of after up to
+  --max-payload-size bytes have been read.
 
-Refusals are OpenAI-shaped (errors.APIError): 403 "permission_error", 401 "authentication_error".
+Refusals are OpenAI-shaped (errors.APIError): 403 "permission_error", 401 "authentication_error"
+(Anthropic-shaped on the Messages API's routes).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
-from xlaserve.http import embeddings, lora_routes, native, rerank, responses, tokenize
+from xlaserve.http import embeddings, lora_routes, messages, native, rerank, responses, tokenize
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.disconnect import until_disconnect
@@ -70,23 +72,24 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     app.state.responses = responses.ResponseStore(batch_runner.storage) if batch_runner else None
 
     @app.exception_handler(APIError)
-    async def api_error(_, error: APIError):
-        return error.response()
+    async def api_error(request: Request, error: APIError):
+        return error.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, error: RequestValidationError):
+    async def validation_error(request: Request, error: RequestValidationError):
         message, param = validation_message(error.errors())
-        return APIError(400, message, param=param).response()
+        return APIError(400, message, param=param).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, error: StarletteHTTPException):
+    async def http_error(request: Request, error: StarletteHTTPException):
         message = error.detail if isinstance(error.detail, str) else str(error.detail)
-        return APIError(error.status_code, message).response()
+        return APIError(error.status_code, message).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def internal_error(_, error: Exception):
+    async def internal_error(request: Request, error: Exception):
         logger.exception("internal error while serving a request")
-        return APIError(500, f"internal server error ({type(error).__name__})").response()
+        return APIError(500, f"internal server error ({type(error).__name__})").response(
+            request.url.path)
 
     # Starlette runs the middleware added last first: the recorder sees every answer, and the
     # Host, Origin and key checks answer before PayloadLimit reads a body.
@@ -120,6 +123,7 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     app.include_router(lora_routes.router)
     app.include_router(embeddings.router)
     app.include_router(rerank.router)
+    app.include_router(messages.router)
     if batch_runner is not None:
         app.include_router(files.router)
         app.include_router(batches.router)
@@ -213,7 +217,7 @@ class PayloadLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _too_large(self.max_bytes)(scope, receive, send)
+            return await _too_large(self.max_bytes, scope["path"])(scope, receive, send)
         body, more = [], True
         size = 0
         while more:
@@ -224,7 +228,7 @@ class PayloadLimit:
             size += len(body[-1])
             more = message.get("more_body", False)
             if size > self.max_bytes:
-                return await _too_large(self.max_bytes)(scope, receive, send)
+                return await _too_large(self.max_bytes, scope["path"])(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -241,8 +245,8 @@ def _too_large_message(max_bytes: int) -> str:
     return f"Payload Too Large: the request body is over --max-payload-size ({max_bytes} bytes)"
 
 
-def _too_large(max_bytes: int) -> JSONResponse:
-    return APIError(413, _too_large_message(max_bytes), code="payload_too_large").response()
+def _too_large(max_bytes: int, path: str) -> JSONResponse:
+    return APIError(413, _too_large_message(max_bytes), code="payload_too_large").response(path)
 
 
 # --- who may call (module docstring) --------------------------------------------------------
@@ -263,18 +267,25 @@ def add_guards(app, *, api_key: str | None, host: str, allowed_origins: Iterable
 
 
 class RequireApiKey:
+    """The key as OpenAI's clients send it ('Authorization: Bearer <key>') or Anthropic's
+    ('x-api-key: <key>')."""
+
     def __init__(self, app, api_key: str, open_paths: tuple[str, ...]):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
         self.open_paths = open_paths
+
+    def _authorized(self, scope) -> bool:
+        return (hmac.compare_digest(_header(scope, b"authorization"), self.expected)
+                or hmac.compare_digest(_header(scope, b"x-api-key"), self.expected_key))
 
     async def __call__(self, scope, receive, send):
         if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"] not in self.open_paths
-                and not hmac.compare_digest(_header(scope, b"authorization"), self.expected)):
-            refusal = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-            return await refusal.response()(scope, receive, send)
+                and scope["path"] not in self.open_paths and not self._authorized(scope)):
+            refusal = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
+                               "<key>' (or Anthropic's 'x-api-key: <key>')", code="invalid_api_key")
+            return await refusal.response(scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -288,7 +299,7 @@ class HostAndOriginCheck:
         if scope["type"] == "http":
             refusal = self._refusal(scope)
             if refusal is not None:
-                return await refusal.response()(scope, receive, send)
+                return await refusal.response(scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)
 
     def _refusal(self, scope) -> APIError | None:

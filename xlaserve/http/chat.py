@@ -94,15 +94,21 @@ class ChatCall:
         self.generation: Generation | None = None
 
     @classmethod
-    async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
-        """Checks the request (templating and tokenizing a long one off the event loop), builds
-        its grammar off the loop, submits it."""
+    async def checked(cls, ctx: ServingContext, req: ChatCompletionRequest) -> "ChatCall":
+        """The request checked and its prompt made (images read; templating and tokenizing a
+        long one off the event loop), nothing submitted: what `create` submits, and what
+        /v1/messages/count_tokens counts."""
         images = None
         if ctx.images is not None and (parts := image_parts(req.messages)):
             images = await load_images(ctx.core.args, parts, ctx.images.max_images)
         # Images run the vision tower: always off the loop.
-        call = await run_off_loop(LARGE_PROMPT_CHARS if images else message_chars(req),
+        return await run_off_loop(LARGE_PROMPT_CHARS if images else message_chars(req),
                                   LARGE_PROMPT_CHARS, cls, ctx, req, images)
+
+    @classmethod
+    async def create(cls, ctx: ServingContext, req: ChatCompletionRequest, priority: int = 0) -> "ChatCall":
+        """Checks the request (`checked`), builds its grammar off the loop, submits it."""
+        call = await cls.checked(ctx, req)
         if call.functions:
             await check_tool_schemas(ctx, call.functions)
         if has_constraint(call.params):

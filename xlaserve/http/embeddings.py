@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from xlaserve.http.disconnect import until_disconnect
 from xlaserve.http.errors import bad_request
 from xlaserve.http.prompt_bound import check_not_too_long
-from xlaserve.http.protocol import _Strict
+from xlaserve.http.protocol import RequestBody
 from xlaserve.http.request_fields import with_ignored_fields
 from xlaserve.http.serving import (Generation, ServingContext, check_prompt_ids, client_priority,
                                    context_error, parse_off_loop)
@@ -37,7 +37,7 @@ router = APIRouter()
 Inputs = Union[str, list[str], list[int], list[list[int]]]
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(RequestBody):
     """OpenAI's embeddings body, with vLLM's `truncate_prompt_tokens` and `add_special_tokens`
     and SGLang's `priority`."""
 
@@ -51,7 +51,7 @@ class EmbeddingRequest(_Strict):
     priority: Optional[int] = None
 
 
-class EncodeRequest(_Strict):
+class EncodeRequest(RequestBody):
     """SGLang's native /encode body (EmbeddingReqInput): `text` or `input_ids`, one or a list."""
 
     text: Optional[Union[str, list[str]]] = None

@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, whatever went wrong.
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, whatever went wrong
+(on Anthropic's Messages API routes, Anthropic's: `{"type": "error", "error": {"type", "message"}}`).
 
 The official SDK reads `body["error"]` to build its exception, and FastAPI's own `{"detail": ..}`
 would reach users as an unreadable message, so every error path of the app ends here.
@@ -19,6 +20,20 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+# Anthropic's error types by status (its Messages API: /v1/messages...).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"  # the routes whose errors are Anthropic's shape
 
 # The error of every request the stopping server refuses or aborts (the engine's final chunks
 # carry it too, so a cut-off generation is told apart from a failed one).
@@ -44,8 +59,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape, for the Messages API's routes."""
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(
+            self.status, "api_error" if self.status >= 500 else "invalid_request_error"),
+            "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error's response; Anthropic's shape where `path` (the request's) is one of its
+        Messages API's routes."""
+        anthropic = path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(),
+                            status_code=self.status, headers=self.headers)
 
 
 def shutting_down() -> APIError:

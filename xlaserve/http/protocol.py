@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
-class _Strict(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     _ignored: list[str] = PrivateAttr(default_factory=list)
 
@@ -34,7 +34,7 @@ class _Strict(BaseModel):
         return self._ignored
 
 
-class StreamOptions(_Strict):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     # OpenAI pads stream events with random text against length side channels on its shared
@@ -42,7 +42,7 @@ class StreamOptions(_Strict):
     include_obfuscation: Optional[bool] = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(RequestBody):
     """Sampling parameters shared by chat and completions (OpenAI + SGLang extensions)."""
 
     model: Optional[str] = None
@@ -157,7 +157,7 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(RequestBody):
     """SGLang's native `/generate` body."""
 
     text: Optional[Union[str, list[str]]] = None
@@ -175,7 +175,7 @@ class GenerateRequest(_Strict):
     image_data: Optional[Union[str, list[Optional[Union[str, list[str]]]]]] = None
 
 
-class LoadLoraRequest(_Strict):
+class LoadLoraRequest(RequestBody):
     """SGLang's and vLLM's load_lora_adapter body (http/lora_routes.py)."""
 
     lora_name: str = Field(max_length=128)
@@ -184,12 +184,12 @@ class LoadLoraRequest(_Strict):
     load_inplace: Optional[bool] = None  # vLLM's: a name in use is refused either way
 
 
-class UnloadLoraRequest(_Strict):
+class UnloadLoraRequest(RequestBody):
     lora_name: str = Field(max_length=128)
     lora_int_id: Optional[int] = None  # vLLM's: the name decides
 
 
-class BatchRequest(_Strict):
+class BatchRequest(RequestBody):
     """`POST /v1/batches`."""
 
     input_file_id: str

@@ -31,14 +31,14 @@ from pydantic import Field
 from xlaserve.http.embeddings import (check_input_ids, embed_inputs, embedding_server,
                                      input_id_lists)
 from xlaserve.http.errors import bad_request
-from xlaserve.http.protocol import _Strict
+from xlaserve.http.protocol import RequestBody
 from xlaserve.http.request_fields import with_ignored_fields
 from xlaserve.http.serving import ServingContext, client_priority, parse_off_loop
 
 router = APIRouter()
 
 
-class RerankRequest(_Strict):
+class RerankRequest(RequestBody):
     """SGLang's V1RerankReqInput and vLLM's (Jina / Cohere) rerank body, in one."""
 
     query: str
@@ -50,7 +50,7 @@ class RerankRequest(_Strict):
     priority: Optional[int] = None
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(RequestBody):
     """vLLM's score body."""
 
     text_1: Union[str, list[str]]

@@ -30,7 +30,7 @@ from xlaserve.http.chat import message_chars, render_chat
 from xlaserve.http.errors import bad_request, not_supported
 from xlaserve.http.images import image_parts
 from xlaserve.http.prompt_bound import check_not_too_long
-from xlaserve.http.protocol import ChatMessage, _Strict
+from xlaserve.http.protocol import ChatMessage, RequestBody
 from xlaserve.http.request_fields import with_ignored_fields
 from xlaserve.http.serving import (LARGE_PROMPT_CHARS, ServingContext, parse_off_loop,
                                    run_off_loop)
@@ -38,7 +38,7 @@ from xlaserve.http.serving import (LARGE_PROMPT_CHARS, ServingContext, parse_off
 router = APIRouter()
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(RequestBody):
     """vLLM's TokenizeCompletionRequest and TokenizeChatRequest, and SGLang's TokenizeRequest,
     in one body: exactly one of `prompt` and `messages`."""
 
@@ -57,13 +57,13 @@ class TokenizeRequest(_Strict):
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None  # SGLang
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
     tokens: Union[list[int], list[list[int]]]
     skip_special_tokens: bool = False  # SGLang's field; its default there is true
 
 
-async def _parsed(request: Request, model: type[_Strict]):
+async def _parsed(request: Request, model: type[RequestBody]):
     """(the body as `model`, the context) once the server can answer it."""
     ctx: ServingContext = request.app.state.ctx
     req = await parse_off_loop(await request.body(), model, ctx.request_fields)

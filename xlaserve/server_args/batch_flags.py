@@ -11,9 +11,12 @@ from xlaserve.server_args.flag import flag
 class BatchFlags:
     """Files and batches."""
 
-    file_storage_path: str = flag(
-        "xlaserve_storage", "folder of uploaded files, batch results and their metadata "
-                            "(SQLite); unfinished batches resume from it at start", path=True)
+    file_storage_path: Optional[str] = flag(
+        None, "folder of uploaded files, batch results, stored responses and their metadata "
+              "(SQLite); unfinished batches resume from it at start. One server per folder "
+              "(default: xlaserve_storage/port-PORT, this port's own, so servers on other "
+              "ports started from one folder each have theirs and a restart finds its batches)",
+        path=True)
     max_file_size: int = flag(200 * 1024 * 1024, "largest file upload in bytes (413 above)")
     batch_max_lines: int = flag(50000, "most requests in one batch input file")
     batch_concurrency: Optional[int] = flag(

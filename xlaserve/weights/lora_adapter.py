@@ -85,11 +85,16 @@ def load_adapter(name: str, path: str, model_config: ModelConfig) -> LoraAdapter
             raise LoraAdapterError(f"{directory}: adapter_model.bin (a PyTorch pickle) is not "
                                    f"loaded; save the adapter as {WEIGHTS_FILE}")
         raise LoraAdapterError(f"{directory}: no {WEIGHTS_FILE}")
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
     try:
-        tensors = load_file(weights_path)
-    except Exception:  # bfloat16 and other torch dtypes: numpy's reader refuses them
-        tensors = _load_through_torch(weights_path)
+        try:
+            tensors = load_file(weights_path)
+        except Exception:  # bfloat16 and other torch dtypes: numpy's reader refuses them
+            tensors = _load_through_torch(weights_path)
+    except SafetensorError as error:  # a truncated or corrupt file: the client's, not a 500
+        raise LoraAdapterError(f"{weights_path}: not a readable safetensors file ({error})") \
+            from None
     weights = adapter_weights(tensors, config, model_config, weights_path)
     modules = {module for _, module in weights}
     return LoraAdapter(name=name, path=path,

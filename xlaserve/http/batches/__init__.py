@@ -6,7 +6,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "files": "files",
     "routes": "routes",
     "BatchRunner": "runner", "default_concurrency": "runner",
-    "Storage": "storage",
+    "Storage": "storage", "DEFAULT_ROOT": "storage", "default_folder": "storage",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

@@ -1,4 +1,5 @@
-"""Durable state of files and batches under `--file-storage-path` (docs/internals.md, Durable state).
+"""Durable state of files and batches under `--file-storage-path` (default: `default_folder`, the
+port's own under xlaserve_storage/; docs/internals.md, Durable state).
 
     metadata.db    SQLite in WAL mode: files (id, bytes, created_at, filename, purpose) and
                    batches (id, the batch object as JSON), each with an insertion order for lists, and
@@ -52,6 +53,16 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+DEFAULT_ROOT = "xlaserve_storage"  # under the working directory
+
+
+def default_folder(port: int) -> str:
+    """A server's folder without --file-storage-path: its port's own, so servers on other ports
+    started from one working directory each have theirs, and a restart on the port finds its
+    batches again."""
+    return os.path.join(DEFAULT_ROOT, f"port-{port}")
 
 
 class Storage:
