@@ -128,3 +128,31 @@ def test_a_decoder_run_bidirectionally_as_vllms_is_causal_false(tmp_path):
     with Engine(path, hf_overrides='{"is_causal": true}', **SMALL) as engine:
         np.testing.assert_allclose(engine.encode(SENTENCES[2])["embedding"],
                                    reference.encode(SENTENCES[2]), atol=1e-4)
+
+
+def test_a_bare_decoder_pools_its_last_token_normalized_unless_pooler_config_says(tmp_path):
+    """--is-embedding on a decoder checkpoint without sentence-transformers files (issue 73's
+    finding: it stopped start-up) pools its last token, normalized, as SGLang and vLLM do;
+    --pooler-config chooses another pooling (vLLM's flag); a generation server refuses it."""
+    import os
+    import shutil
+
+    path, reference = save_decoder_embedding(tmp_path, "lasttoken")
+    os.remove(os.path.join(path, "modules.json"))
+    for name in os.listdir(path):
+        if name.startswith("1_Pooling") or name.startswith("2_Normalize"):
+            shutil.rmtree(os.path.join(path, name))
+    tokens = reference.encode(SENTENCES[2], output_value="token_embeddings").numpy()
+    with Engine(path, is_embedding=True, **SMALL) as engine:
+        pooling = engine.core.features.pooling
+        assert (pooling.mode, pooling.normalize) == ("last", True)
+        np.testing.assert_allclose(engine.encode(SENTENCES[2])["embedding"],
+                                   reference.encode(SENTENCES[2]), atol=1e-4)
+    with Engine(path, is_embedding=True, pooler_config='{"pooling_type": "MEAN", '
+                '"normalize": false}', **SMALL) as engine:
+        np.testing.assert_allclose(engine.encode(SENTENCES[2])["embedding"], tokens.mean(0),
+                                   atol=1e-4)
+    with pytest.raises(ValueError, match="--pooler-config: this server generates text"):
+        Engine(path, pooler_config='{"pooling_type": "CLS"}', **SMALL)
+    with pytest.raises(ValueError, match="only pooling_type and normalize"):
+        Engine(path, is_embedding=True, pooler_config='{"softmax": true}', **SMALL)

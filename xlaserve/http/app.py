@@ -38,7 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
-from xlaserve.http import embeddings, lora_routes, messages, native, rerank, responses, tokenize
+from xlaserve.http import (embeddings, lora_routes, messages, native, rerank, responses,
+                           tokenize, worker_info)
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.disconnect import until_disconnect
@@ -119,6 +120,7 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(native.router)
+    app.include_router(worker_info.router)
     app.include_router(tokenize.router)
     app.include_router(lora_routes.router)
     app.include_router(embeddings.router)

@@ -1,9 +1,8 @@
-"""SGLang's native routes: /generate, /health, /health_generate, /get_model_info,
-/get_server_info, /flush_cache; and the OpenAI model list."""
+"""SGLang's native routes: /generate, /health, /health_generate, /flush_cache; and the OpenAI
+model list. What a router reads (/server_info, /model_info, the loads): worker_info.py."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import AsyncIterator
 
@@ -11,7 +10,6 @@ from fastapi import APIRouter, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-import xlaserve
 from xlaserve.http.constraints import CONSTRAINTS, compile_constraints
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
 from xlaserve.http.images import load_images
@@ -210,27 +208,6 @@ async def health_generate(request: Request):
     except (APIError, EngineDeadError) as error:
         raise APIError(503, f"the engine cannot generate: {error}") from None
     return Response(status_code=200)
-
-
-@router.get("/get_model_info")
-async def get_model_info(request: Request):
-    ctx = _ctx(request)
-    tokenizer_path = public_name(ctx.engine.server_args.tokenizer_path)  # names, not paths
-    return {"model_path": ctx.model_name, "tokenizer_path": tokenizer_path or ctx.model_name,
-            "is_generation": ctx.core.features.pooling is None, "preferred_sampling_params": None,
-            "served_model_name": ctx.served_model_name, "context_length": ctx.context_length,
-            "vocab_size": ctx.vocab_size}
-
-
-@router.get("/get_server_info")
-async def get_server_info(request: Request):
-    ctx = _ctx(request)
-    core = ctx.core
-    # The API key as "***", each path flag by its last component only.
-    args = dataclasses.asdict(ctx.engine.server_args.served())
-    return {**args, "version": xlaserve.__version__,
-            "max_total_num_tokens": core.max_total_num_tokens,
-            "max_request_tokens": core.max_request_tokens, **core.stats()}
 
 
 @router.post("/flush_cache")

@@ -10,6 +10,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "public_name": "flag",
     "configure_logging": "logs",
     "hf_overrides": "model_flags", "reranker_tokens": "model_flags",
+    "pooler_config": "output_flags",
     "DEFAULT_MAX_RANK": "lora_flags", "TARGET_MODULES": "lora_flags",
     "check_adapter_name": "lora_flags", "lora_paths_of": "lora_flags",
     "target_modules_of": "lora_flags",

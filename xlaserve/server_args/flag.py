@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 
@@ -78,3 +79,11 @@ def public_name(value: str | None) -> str | None:
     if not (os.path.isabs(path) or os.path.exists(path)):
         return value
     return os.path.basename(os.path.abspath(path))  # abspath: no trailing "/", "." named
+
+
+def json_flag(text: str, name: str):
+    """A flag's JSON value (--hf-overrides, --pooler-config), or a ValueError naming the flag."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name} is not JSON: {error}") from None

@@ -4,10 +4,9 @@ quantized, the name it is served under, its chat template, and --hf-overrides, r
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Optional
 
-from xlaserve.server_args.flag import flag
+from xlaserve.server_args.flag import flag, json_flag
 
 
 @dataclasses.dataclass
@@ -79,10 +78,7 @@ def hf_overrides(args) -> dict:
     {} without the flag. What else the overrides could say is refused in one line."""
     if args.hf_overrides is None:
         return {}
-    try:
-        overrides = json.loads(args.hf_overrides)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--hf-overrides is not JSON: {error}") from None
+    overrides = json_flag(args.hf_overrides, "--hf-overrides")
     if not isinstance(overrides, dict) or set(overrides) - _RERANKER - {"is_causal"}:
         raise ValueError(f"--hf-overrides {args.hf_overrides[:120]}: only is_causal and a decoder "
                          f"reranker's {sorted(_RERANKER)} are supported")

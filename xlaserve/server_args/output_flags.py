@@ -1,12 +1,14 @@
 """The flags that say what the server makes of the model: text, its reasoning and tool calls
 parsed out of it (--reasoning-parser, --tool-call-parser), token ids only
-(--skip-tokenizer-init), or embeddings and scores (--is-embedding, --runner)."""
+(--skip-tokenizer-init), or embeddings and scores (--is-embedding, --runner, --pooler-config)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-from xlaserve.server_args.flag import flag
+from xlaserve.server_args.flag import flag, json_flag
+
+_POOLING_TYPES = {"LAST": "last", "MEAN": "mean", "CLS": "cls"}  # vLLM's names -> ours
 
 
 @dataclasses.dataclass
@@ -38,11 +40,38 @@ class OutputFlags:
     skip_tokenizer_init: bool = flag(False, "do not load a tokenizer (token ids in and out)")
     is_embedding: bool = flag(
         False, "serve the model's embeddings (/v1/embeddings, Engine.encode), pooled as its "
-               "sentence-transformers files (modules.json, the Pooling module's config) say; the "
+               "sentence-transformers files (modules.json, the Pooling module's config) say, or, "
+               "for a decoder without them, its last token, normalized (as SGLang and vLLM); the "
                "server then generates no text. Same as --runner pooling")
+    pooler_config: Optional[str] = flag(
+        None, "how an embedding server pools, over what the checkpoint says (vLLM's): JSON "
+              "{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}")
     runner: str = flag(
         "auto", "what the server runs the model for: generate (text), pooling (embeddings, as "
                 "--is-embedding), or auto: pooling where the checkpoint has sentence-transformers' "
                 "modules.json, else generate. vLLM's --task embed is --runner pooling",
         choices=["auto", "generate", "pooling"], aliases=("--task",),
         value_aliases={"embed": "pooling", "embedding": "pooling"})
+
+
+def pooler_config(args) -> dict:
+    """--pooler-config as Pooling's fields ({"mode", "normalize"}, either or both), checked; {}
+    without the flag. vLLM's other keys (softmax, dimensions, ...) are refused in one line."""
+    if args.pooler_config is None:
+        return {}
+    config = json_flag(args.pooler_config, "--pooler-config")
+    if not isinstance(config, dict) or not config or set(config) - {"pooling_type", "normalize"}:
+        raise ValueError(f"--pooler-config {args.pooler_config[:120]}: only pooling_type and "
+                         "normalize are supported")
+    fields = {}
+    if "pooling_type" in config:
+        kind = config["pooling_type"]
+        if not isinstance(kind, str) or kind.upper() not in _POOLING_TYPES:
+            raise ValueError(f"--pooler-config pooling_type {str(kind)[:40]!r}: one of "
+                             f"{', '.join(_POOLING_TYPES)}")
+        fields["mode"] = _POOLING_TYPES[kind.upper()]
+    if "normalize" in config:
+        if not isinstance(config["normalize"], bool):
+            raise ValueError("--pooler-config normalize: true or false")
+        fields["normalize"] = config["normalize"]
+    return fields

@@ -52,7 +52,7 @@ from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor,
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
 from xlaserve.runtime.scheduler.scheduler import NoSpeculation, Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig, Speculator
-from xlaserve.server_args import (Mode, ServerArgs, hf_overrides, images_per_request,
+from xlaserve.server_args import (Mode, ServerArgs, hf_overrides, images_per_request, pooler_config,
                                   platform_defaults, processor_kwargs, refuse_conflicts,
                                   reranker_tokens)
 from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
@@ -135,6 +135,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     if config.bidirectional and not embeds:
         raise ValueError(f"{config.architecture} is an encoder (or runs as one): it serves "
                          "embeddings (--is-embedding), not text")
+    if args.pooler_config is not None and not embeds:
+        raise ValueError("--pooler-config: this server generates text; it pools only as an "
+                         "embedding server (--is-embedding)")
     pooling, score_head = pooling_of(args, loaded) if embeds else (None, None)
     context_length = args.context_length or config.max_position_embeddings
     if pooling is not None and pooling.max_seq_length and not args.context_length:
@@ -289,7 +292,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
 
 def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHead | None]:
     """An embedding server's pooling, read from the checkpoint's sentence-transformers files
-    (weights/pooling.py; PoolingConfigError naming what cannot be applied), and a reranker's
+    (weights/pooling.py; PoolingConfigError naming what cannot be applied; a decoder without
+    them pools its last token, normalized), --pooler-config's choices over it, and a reranker's
     score head (weights/score_head.py): a cross-encoder's reads its first token's row."""
     folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
     if (tokens := reranker_tokens(args)) is not None:  # --hf-overrides: a decoder reranker
@@ -306,9 +310,20 @@ def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHea
         logger.info("Reranker: %s scores (query, document) pairs by its classifier head",
                     loaded.config.architecture)
         return Pooling("cls", normalize=False), cross_encoder_head(folder, loaded.config)
-    pooling = read_pooling(folder, loaded.config.hidden_size)
-    logger.info("Pooling: %s%s%s", pooling.mode, ", normalized" if pooling.normalize else "",
-                ", inputs lowercased" if pooling.lowercase else "")
+    chosen = pooler_config(args)
+    if os.path.isfile(os.path.join(folder, MODULES_FILE)) or (
+            loaded.config.encoder is not None and "mode" not in chosen):
+        # As its sentence-transformers files say (an encoder without them: read_pooling's
+        # refusal, naming them), with --pooler-config's choices over them.
+        pooling = dataclasses.replace(read_pooling(folder, loaded.config.hidden_size), **chosen)
+        source = "the checkpoint's sentence-transformers files"
+    else:  # a decoder without them: its last token, normalized, as SGLang and vLLM pool it
+        pooling = Pooling(**{"mode": "last", "normalize": True, **chosen})
+        source = "a decoder without sentence-transformers files: last token, normalized"
+    logger.info("Pooling: %s%s%s (%s%s)", pooling.mode,
+                ", normalized" if pooling.normalize else "",
+                ", inputs lowercased" if pooling.lowercase else "", source,
+                "; --pooler-config over them" if chosen else "")
     return pooling, None
 
 
