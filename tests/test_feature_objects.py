@@ -127,3 +127,13 @@ def test_the_check_sees_a_feature_test():
     conditions = [n for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.BoolOp))]
     assert {name for c in conditions for name in _names(getattr(c, "test", c))} == {
         "lora", "DraftTree", "pooled"}
+
+
+def test_no_file_over_450_lines_and_no_folder_over_20_modules():
+    """Issue 72's bounds, kept: a central file that grows past 450 lines, or a folder past 20
+    modules (its __init__ aside), is split by concern before it lands."""
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    crowded = {str(d.relative_to(ROOT)): n for d in [ROOT, *ROOT.rglob("*/")]
+               if (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > 20}
+    assert long == {} and crowded == {}, (long, crowded)
