@@ -30,13 +30,15 @@ def make_context(args: ServerArgs):
     """Loads the engine (weights, KV cache, precompile) and everything the routes need."""
     from xlaserve.http.parsing.chat_template import load_chat_template
     from xlaserve.http.parsing.harmony import chat_format
-    from xlaserve.http.metrics import Metrics
+    from xlaserve.http.observability import Metrics
     from xlaserve.http.parsing.reasoning import PARSERS
     from xlaserve.http.request_fields import RequestFields
     from xlaserve.http.serving import ServingContext
+    from xlaserve.http.observability import request_tracing
     from xlaserve.offline import Engine
 
     template = load_chat_template(args.chat_template)  # before loading: fail fast on a bad flag
+    tracing = request_tracing(args)  # likewise
     if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
         raise ValueError(f"unknown --reasoning-parser {args.reasoning_parser!r}")
     fields = {k: v for k, v in dataclasses.asdict(args).items() if k != "model_path"}
@@ -54,7 +56,7 @@ def make_context(args: ServerArgs):
         chat_template=template, template_stop_ids=stop_ids,
         reasoning_parser=args.reasoning_parser, stream_interval=max(1, args.stream_interval),
         metrics=metrics, tool_call_parser=args.tool_call_parser, harmony=harmony,
-        request_fields=RequestFields(strict=args.strict_request_fields))
+        request_fields=RequestFields(strict=args.strict_request_fields), tracing=tracing)
 
 
 async def warm_up(ctx) -> None:
@@ -66,10 +68,11 @@ async def warm_up(ctx) -> None:
     started = time.perf_counter()
     prompt = ctx.tokenizer.encode("The capital of France is") if ctx.tokenizer is not None else [1, 2, 3]
     if ctx.core.features.pooling is not None:  # an embedding server: one embedding
-        await Generation(ctx, [prompt], SamplingParams(), 1, embed=True).collect()
+        await Generation(ctx, [prompt], SamplingParams(), 1, embed=True,
+                         operation="warm_up").collect()
     else:
         await Generation(ctx, [prompt], SamplingParams(max_new_tokens=4, temperature=0.0),
-                         1).collect()
+                         1, operation="warm_up").collect()
     ctx.ready = True
     logger.info(READY_MESSAGE)
     log_startup(ctx.core, time.perf_counter() - started)
@@ -123,6 +126,8 @@ def build_app(args: ServerArgs, ctx, storage=None):
             task.add_done_callback(_log_failed_warm_up)
         yield
         ctx.engine.shutdown()
+        if ctx.tracing is not None:
+            ctx.tracing.shutdown()  # the spans still batched go out
 
     runner = BatchRunner(
         ctx, storage if storage is not None else open_storage(args), max_file_size=args.max_file_size,

@@ -1,7 +1,7 @@
 """--metrics-name-style and the --bucket-* flags: the names SGLang's and vLLM's dashboards query."""
 import pytest
 
-from xlaserve.http.metrics import NAME_STYLES, Metrics
+from xlaserve.http.observability import NAME_STYLES, Metrics
 
 STATS = {"num_running_reqs": 3, "num_queue_reqs": 2, "token_usage": 0.25}
 EXPECTED = {  # a sample line of each family, as each server writes it

@@ -8,7 +8,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "create_app": "app",
     "batches": "batches",
     "messages": "messages",
-    "Metrics": "metrics",
+    "Metrics": "observability", "observability": "observability",
     "parsing": "parsing",
     "RequestFields": "request_fields",
     "responses": "responses",

@@ -119,7 +119,7 @@ class ChatCall:
                                      top_logprobs_num=call.num_top, return_logprob=req.logprobs,
                                      priority=priority + client_priority(ctx, req.priority),
                                      rid=req.rid, lora_path=call.lora,
-                                     prompt_images=[call.prompt_images])
+                                     prompt_images=[call.prompt_images], operation="chat")
         call.id = f"chatcmpl-{call.generation.id}"
         return call
 

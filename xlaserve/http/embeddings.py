@@ -156,7 +156,7 @@ async def embed_inputs(ctx: ServingContext, id_lists: list[list[int]], priority:
     """Each input's Choice, in order, its `embedding` (float32 [hidden]) in;
     `second_segments`: Generation's (a cross-encoder's pairs)."""
     generation = Generation(ctx, id_lists, SamplingParams(), 1, priority=priority, embed=True,
-                            second_segments=second_segments)
+                            second_segments=second_segments, operation="embeddings")
     return await generation.collect()
 
 
@@ -183,7 +183,7 @@ class EmbeddingCall:
         request's own, `client_priority`)."""
         call = cls(ctx, req)
         call.generation = Generation(
-            ctx, call.id_lists, SamplingParams(), 1, embed=True,
+            ctx, call.id_lists, SamplingParams(), 1, embed=True, operation="embeddings",
             priority=client_priority(ctx, req.priority) if priority is None else priority)
         return call
 

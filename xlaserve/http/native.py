@@ -204,7 +204,8 @@ async def health_generate(request: Request):
     embeds = ctx.core.features.pooling is not None
     params = SamplingParams() if embeds else SamplingParams(max_new_tokens=1, temperature=0.0)
     try:
-        await Generation(ctx, [[0]], params, 1, priority=1 << 20, embed=embeds).collect()
+        await Generation(ctx, [[0]], params, 1, priority=1 << 20, embed=embeds,
+                         operation="health_generate").collect()
     except (APIError, EngineDeadError) as error:
         raise APIError(503, f"the engine cannot generate: {error}") from None
     return Response(status_code=200)

@@ -35,7 +35,8 @@ from pydantic import BaseModel
 
 from xlaserve.http.constraints import CONSTRAINT_REQUEST_FIELDS, request_constraint
 from xlaserve.http.errors import APIError, bad_request, generation_error, shutting_down
-from xlaserve.http.metrics import Metrics
+from xlaserve.http.observability.metrics import Metrics
+from xlaserve.http.observability.tracing import OtlpTracing
 from xlaserve.http.parsing.harmony import HarmonyChat
 from xlaserve.http.protocol import SamplingFields
 from xlaserve.http.request_fields import RequestFields, parse_body
@@ -91,6 +92,7 @@ class ServingContext:
     reasoning_parser: str | None
     stream_interval: int
     metrics: Metrics | None
+    tracing: OtlpTracing | None = None  # --otlp-traces-endpoint: a span per request
     tool_call_parser: str | None = None  # --tool-call-parser: calls parsed out of `auto` output
     harmony: HarmonyChat | None = None  # gpt-oss: chat prompts in Harmony format, not a template
     # Unknown request fields: dropped and logged once, or refused (--strict-request-fields).
@@ -303,13 +305,15 @@ class Generation:
                  return_prompt_logprob: bool = False,
                  priority: int = 0, rid: str | None = None, param_prefix: str = "",
                  lora_path: str | list[str | None] | None = None, embed: bool = False,
-                 second_segments: list[int] | None = None, prompt_images: list | None = None):
+                 second_segments: list[int] | None = None, prompt_images: list | None = None,
+                 operation: str = "text_completion"):
         """`param_prefix`: what the fields of a parameter the engine refuses are under
         ("sampling_params." on /generate). `lora_path`: the LoRA adapter (None: the base
         model), or one per prompt (`ServingContext.adapters_of`). `embed`: embedding requests
         (an embedding server's; each choice's `embedding` once collected), and
         `second_segments` per prompt a cross-encoder pair's document start (token type 1).
-        `prompt_images`: per prompt, a vision model's PromptImages (its images) or None."""
+        `prompt_images`: per prompt, a vision model's PromptImages (its images) or None.
+        `operation`: what a trace calls it (OpenTelemetry's gen_ai.operation.name)."""
         if ctx.draining:
             raise shutting_down()
         self.ctx = ctx
@@ -329,6 +333,8 @@ class Generation:
         if ctx.metrics is not None:
             ctx.metrics.request_started(sum(len(p) for p in prompts))
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        self._trace = None if ctx.tracing is None else ctx.tracing.start(
+            operation, ctx.served_model_name, prompts, per_prompt[0], len(self.choices), self.id)
         adapters = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
         engine_rid = uuid.uuid4().hex
         try:
@@ -377,6 +383,8 @@ class Generation:
                 yield choice, output
         finally:
             self.group.abort()
+            if self._trace is not None:
+                self._trace.end()  # a trace still open: the generation was cut short
 
     async def collect(self) -> list[Choice]:
         try:
@@ -390,20 +398,11 @@ class Generation:
         return self.choices
 
     def _observe(self, index: int, output: OutputDelta) -> None:
-        metrics = self.ctx.metrics
-        if metrics is None:
-            return
-        now = time.perf_counter()
-        if output.token_id is not None:
-            last = self._last_token_at.get(index)
-            if last is None:
-                metrics.time_to_first_token.observe(now - self._start)
-            else:
-                metrics.inter_token_latency.observe(now - last)
-            self._last_token_at[index] = now
-        if output.finished:
-            metrics.request_finished(output.finish.reason, output.finish.completion_tokens,
-                                     now - self._start)
+        elapsed = time.perf_counter() - self._start
+        if self._trace is not None:
+            self._trace.observe(index, output, elapsed)
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.observe(self._last_token_at, index, output, elapsed)
 
     def usage(self) -> dict:
         """Prompt tokens counted once per prompt, not per choice; cached tokens are the least

@@ -38,6 +38,14 @@ class HttpFlags:
     bucket_e2e_request_latency: Optional[list[float]] = flag(
         None, "request latency histogram buckets in seconds (default: as above)", nargs="+")
     log_requests: bool = flag(False, "log every HTTP request")
+    otlp_traces_endpoint: Optional[str] = flag(
+        None, "export a trace of each request with OpenTelemetry, over OTLP/HTTP, to this "
+              "collector URL (http://localhost:4318/v1/traces): a span per request with the "
+              "gen_ai attributes (model, input and output tokens) and its queue, prefill and "
+              "decode times; off by default")
+    enable_trace: bool = flag(
+        False, "SGLang's switch for request traces: to --otlp-traces-endpoint, by default "
+               "http://localhost:4318/v1/traces")
     stream_interval: int = flag(1, "tokens per streamed chunk")
     skip_server_warmup: bool = flag(False, "do not run a warm-up generation before ready")
     graceful_shutdown_timeout: float = flag(

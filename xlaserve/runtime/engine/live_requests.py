@@ -364,4 +364,6 @@ def _finish(request: Request, live: LiveRequest | None = None, reason: tuple | N
         input_token_logprobs, input_top_logprobs = collector.sglang_lists()
     return Finish(request.rid, kind, matched, len(request.prompt_ids), completion_tokens,
                   request.num_cached_prompt_tokens, input_token_logprobs, input_top_logprobs,
-                  request.speculation.verify_ct, request.speculation.accepted_drafts)
+                  request.speculation.verify_ct, request.speculation.accepted_drafts,
+                  0.0 if request.admitted_time is None
+                  else request.admitted_time - request.arrival_time)

@@ -152,6 +152,7 @@ class Finish:
     # Speculative decoding: the verified rows the request ran and the drafts they accepted.
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
+    queued_s: float = 0.0  # from arrival to its first step (0: never scheduled)
 
     def meta_info(self) -> dict:
         """SGLang's `meta_info` dict (the offline API and /generate return it)."""

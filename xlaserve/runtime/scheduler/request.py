@@ -142,6 +142,7 @@ class Request:
     # every sampled token here; it survives retraction, having consumed exactly output_ids.
     grammar: Any = None
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # when first scheduled (its queue time: a trace's)
     # --- state, managed by the scheduler ---
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids() whose KV is in the cache

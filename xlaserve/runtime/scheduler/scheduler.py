@@ -269,6 +269,7 @@ class Scheduler:
                 admitted.append(r)
                 if r.retracted_count == 0:
                     r.num_cached_prompt_tokens = r.num_computed
+                    r.admitted_time = time.monotonic()
             self.grow(r, r.num_computed + n)
             ids = r.all_ids()
             token_ids = ids[r.num_computed:r.num_computed + n]

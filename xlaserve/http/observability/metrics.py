@@ -107,6 +107,19 @@ class Metrics:
         self.requests.labels(self.model_name, finish_reason).inc()
         self._e2e.labels(self.model_name).observe(latency_s)
 
+    def observe(self, last_token_at: dict, index: int, output, elapsed_s: float) -> None:
+        """One output of a request's choice `index`, `elapsed_s` after the request started;
+        `last_token_at`: the request's record of each choice's last token (elapsed seconds)."""
+        if output.token_id is not None:
+            last = last_token_at.get(index)
+            if last is None:
+                self.time_to_first_token.observe(elapsed_s)
+            else:
+                self.inter_token_latency.observe(elapsed_s - last)
+            last_token_at[index] = elapsed_s
+        if output.finished:
+            self.request_finished(output.finish.reason, output.finish.completion_tokens, elapsed_s)
+
     def http_request(self, route: str, status: int) -> None:
         """`route`: a route's path template or "unmatched" (app.RecordRequests), never a raw
         path: one series per URL a client makes up would grow without bound."""
