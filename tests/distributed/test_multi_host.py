@@ -139,6 +139,9 @@ def _events(response) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_two_processes_serve_the_one_process_tokens_then_fail_fast_without_the_follower(
         pair, reference):
+    """The pair (--nnodes 2) answers the one-process tokens, then fails fast once its follower
+    is gone. Over 20 s: the first test of the module pays the shared pair's start (two
+    processes join, load the model and precompile)."""
     url = pair.base_url
     results, errors = {}, []
 
@@ -250,6 +253,8 @@ def test_two_processes_serve_the_one_process_tokens_then_fail_fast_without_the_f
 @pytest.mark.timeout(180)
 def test_a_follower_that_stops_answering_turns_the_leader_to_503_within_the_watchdog_timeout(
         model, tmp_path, monkeypatch):
+    """Over 20 s: a pair of its own (the leader's --watchdog-timeout) starts, loads and
+    precompiles, then waits out the 4 s watchdog."""
     # SIGSTOP: the follower's connections stay open and its heartbeats have 100 s to go, so only
     # the leader's --watchdog-timeout notices the step that cannot finish.
     pair = Pair(model, tmp_path, monkeypatch, leader_flags=["--watchdog-timeout", "4"])
@@ -391,7 +396,8 @@ def test_an_eagle3_draft_head_across_two_processes_serves_the_one_process_tokens
     devices, the head's catch-up rides in the replayed steps and the follower replays the
     leader's draft chains or trees (precompiled as idle chains by both; a tree's steps are the
     tree program, its width in the step message); one request at a time, so that its drafts
-    fit the 4-token steps."""
+    fit the 4-token steps. Over 20 s each: a pair of its own (its flags), whose two processes
+    load the model and the head and precompile both."""
     from benchmarks.random_heads import write_random_eagle3_head
 
     head = str(tmp_path / "head")
@@ -412,7 +418,8 @@ def test_a_standalone_draft_model_across_two_processes_serves_the_one_process_to
         model, reference, tmp_path, monkeypatch):
     """--speculative-algorithm STANDALONE with --nnodes 2, the model as its own draft (its greedy
     drafts are the model's tokens, kept): every process builds the draft model's runner beside
-    the model's, and the follower replays the leader's draft steps ("draft_model_" commands)."""
+    the model's, and the follower replays the leader's draft steps ("draft_model_" commands).
+    Over 20 s: a pair of its own, each process precompiling the model's and the draft's steps."""
     running = Pair(model, tmp_path, monkeypatch, flags=[
         "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model,
         "--speculative-num-draft-tokens", "4"])

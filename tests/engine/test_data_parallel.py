@@ -323,6 +323,8 @@ def eight_devices(tmp_path_factory):
 
 
 def test_dp2_tp4_gives_the_tokens_of_tp4_and_of_one_device(eight_devices):
+    """Over 20 s: the first test of the module pays `eight_devices`, one process of 8 CPU
+    devices that builds and runs each engine the module compares (tp1, tp4, dp2, ...)."""
     assert eight_devices["tp4"] == eight_devices["tp1"]
     assert eight_devices["dp2"] == eight_devices["tp1"]
     assert eight_devices["sq"] == eight_devices["tp1"]

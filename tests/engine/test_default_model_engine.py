@@ -37,6 +37,9 @@ def prompts(engine):
 
 
 def test_default_model_batched_staggered_greedy_equals_solo_and_transformers(engine, prompts):
+    """Requests arriving 0.3 s apart, while earlier ones prefill or decode, each give their solo
+    greedy tokens, which are transformers' own. Over 20 s: the module's default-model engine
+    starts here (load, precompile), and transformers decodes each prompt on the CPU."""
     results = [None] * len(prompts)
 
     def run(i):

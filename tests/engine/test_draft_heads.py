@@ -154,7 +154,9 @@ TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
 
 def test_tensor_parallel_heads_drafts_and_outputs_are_one_devices(plain, target, head):
     """--tp-size 2 on two CPU devices: the head's attention, MLP and LM head split as the
-    model's; its drafts are the from-scratch reference's and the output plain decoding's."""
+    model's; its drafts are the from-scratch reference's and the output plain decoding's. Over
+    20 s: a process with two CPU devices starts JAX and precompiles the target's and the head's
+    tensor-parallel steps."""
     result = subprocess.run(
         [sys.executable, "-c", TENSOR_PARALLEL_SCRIPT,
          json.dumps([target[0], head[0], PROMPTS, GREEDY, SMALL])], capture_output=True,

@@ -74,7 +74,8 @@ EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
 
 def test_expert_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     """--tp-size 2 --ep-size 2 on two CPU devices: four experts each, the batched and chunked
-    greedy tokens still transformers' own, and the precompiled steps are the only ones."""
+    greedy tokens still transformers' own, and the precompiled steps are the only ones. Over
+    20 s: a process with two CPU devices starts JAX and precompiles the MoE's sharded steps."""
     result = subprocess.run(
         [sys.executable, "-c", EXPERT_PARALLEL_SCRIPT, checkpoint[0],
          json.dumps([PROMPTS, GREEDY, SMALL])], capture_output=True, text=True, timeout=600,
