@@ -6,6 +6,9 @@ would reach users as an unreadable message, so every error path of the app ends 
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator
+
 from fastapi.responses import JSONResponse
 
 from xlaserve.runtime.sampling.grammar import CONSTRAINT_DEAD_END
@@ -89,6 +92,16 @@ def generation_error(message: str) -> APIError:
     if message.startswith(CONSTRAINT_DEAD_END):
         return APIError(400, message, code="constraint_unsatisfiable")
     return APIError(500, f"generation failed: {message}")
+
+
+@contextlib.contextmanager
+def renamed_errors(rename: Callable[[APIError], APIError]) -> Iterator[None]:
+    """An APIError raised inside re-raised as `rename` makes it: an API run through another's
+    checks (the Responses and Messages APIs through chat's) names its own fields."""
+    try:
+        yield
+    except APIError as error:
+        raise rename(error) from None
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

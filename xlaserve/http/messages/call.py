@@ -6,7 +6,7 @@ chat route's own ChatCall, and its answer as a Messages `message`.
 from __future__ import annotations
 
 from xlaserve.http.chat import ChatCall
-from xlaserve.http.errors import APIError
+from xlaserve.http.errors import APIError, renamed_errors
 from xlaserve.http.messages import convert
 from xlaserve.http.messages.protocol import CountTokensRequest, MessagesRequest
 from xlaserve.http.protocol import ChatCompletionRequest
@@ -24,26 +24,28 @@ class MessageCall:
 
     def __init__(self, ctx: ServingContext, req: MessagesRequest | CountTokensRequest):
         self.ctx, self.req = ctx, req
-        conversion = _renaming(convert.Conversion, req)
+        with renamed_errors(_renamed):
+            conversion = convert.Conversion(req)
+            self.chat_request = validate_body(conversion.chat_body(req), ChatCompletionRequest)
         # What was accepted and does nothing here, for X-Ignored-Fields.
         self.ignored = list(dict.fromkeys([*req.ignored_fields, *conversion.ignored]))
         self.show_thinking = conversion.show_thinking
         # max_tokens 0 (Anthropic's cache pre-warming): the prompt is prefilled, and the one
         # token the engine samples is dropped, as completions' echo with max_tokens 0 does.
         self.prefill_only = isinstance(req, MessagesRequest) and req.max_tokens == 0
-        self.chat_request = _renaming(validate_body, conversion.chat_body(req),
-                                      ChatCompletionRequest)
         self.chat: ChatCall | None = None
 
     async def create(self) -> None:
         """Templates, checks, compiles the grammar and submits (ChatCall.create)."""
-        self.chat = await _renaming_async(ChatCall.create(self.ctx, self.chat_request))
+        with renamed_errors(_renamed):
+            self.chat = await ChatCall.create(self.ctx, self.chat_request)
         self.id = f"msg_{self.chat.generation.id}"
 
     async def input_tokens(self) -> int:
         """The prompt's tokens, as a request would send them (count_tokens): its images'
         included, nothing submitted."""
-        return len((await _renaming_async(ChatCall.checked(self.ctx, self.chat_request))).prompt_ids)
+        with renamed_errors(_renamed):
+            return len((await ChatCall.checked(self.ctx, self.chat_request)).prompt_ids)
 
     def message(self, content: list[dict], stop: tuple[str | None, str | None],
                 usage: dict) -> dict:
@@ -71,21 +73,7 @@ class MessageCall:
         return {**usage, "output_tokens": 0} if self.prefill_only else usage
 
 
-def renamed(error: APIError) -> APIError:
+def _renamed(error: APIError) -> APIError:
     """`error` in this API's names."""
     error.param = _PARAMS.get(error.param, error.param)
     return error
-
-
-def _renaming(function, *args):
-    try:
-        return function(*args)
-    except APIError as error:
-        raise renamed(error) from None
-
-
-async def _renaming_async(awaitable):
-    try:
-        return await awaitable
-    except APIError as error:
-        raise renamed(error) from None

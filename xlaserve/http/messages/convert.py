@@ -35,7 +35,6 @@ import orjson
 from xlaserve.http.errors import bad_request, not_supported
 from xlaserve.http.messages.protocol import CountTokensRequest, MessagesRequest
 
-_TEXT_KEYS = {"type", "text"}
 _IGNORED_KEYS = ("cache_control", "citations", "signature", "is_error", "caller", "toolset_name")
 _BLOCK_KEYS = {
     "text": {"text"}, "image": {"source"}, "tool_result": {"tool_use_id", "content"},

@@ -7,12 +7,13 @@ as a Responses object.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import orjson
 
 from xlaserve.http.chat import ChatCall
-from xlaserve.http.errors import APIError, bad_request, not_supported
+from xlaserve.http.errors import APIError, bad_request, not_supported, renamed_errors
 from xlaserve.http.protocol import ChatCompletionRequest
 from xlaserve.http.request_fields import validate_body
 from xlaserve.http.responses.items import chat_messages, input_items, new_item_id, output_items
@@ -41,17 +42,16 @@ class ResponseCall:
         self.input = history + input_items(req.input, len(history))  # what input_items lists
         if history:
             _check_conversation_size(ctx, self.input)
-        self.chat_request = _with_our_names(validate_body, _chat_body(req, self.input),
-                                            ChatCompletionRequest)
+        with renamed_errors(_renamed):
+            self.chat_request = validate_body(_chat_body(req, self.input), ChatCompletionRequest)
         self.chat: ChatCall | None = None
 
     async def create(self) -> None:
         """Templates, checks, compiles the grammar and submits (ChatCall.create), its 400s in
         this API's names."""
-        try:
+        continued = self.req.previous_response_id is not None
+        with renamed_errors(functools.partial(_renamed, continued=continued)):
             self.chat = await ChatCall.create(self.ctx, self.chat_request)
-        except APIError as error:
-            raise _renamed(error, continued=self.req.previous_response_id is not None) from None
 
     def object(self, status: str, output: list[dict] | None = None, usage: dict | None = None,
                incomplete: bool = False, error: dict | None = None) -> dict:
@@ -201,11 +201,3 @@ def _renamed(error: APIError, continued: bool = False) -> APIError:
                               "previous_response_id: start a new conversation, or send a "
                               "shortened one as input.")
     return error
-
-
-def _with_our_names(function, *args):
-    try:
-        return function(*args)
-    except APIError as error:
-        raise _renamed(error) from None
-

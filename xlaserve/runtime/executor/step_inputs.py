@@ -172,20 +172,19 @@ def idle_vectors(rope: RopeTable, writes: PageWrites, tokens: int, seqs: int, pa
     (ModelRunner._lowering_args), a compile-only target's (runtime/executor/aot.py) and a
     follower's layouts (`layout_for`). `writes`: the page table's idle writes (`empty_writes`
     where there is no page table)."""
-    batch = empty_batch(tokens, seqs, pages, rows, tree_width)
-    sampling = greedy_sampling(rows, widths)
-    ints, floats, layout = step_vectors(rope, batch, sampling, np.full(seqs, NULL_SLOT, np.int32),
-                                        writes)
+    batch, sampling, slots = idle_step(tokens, seqs, pages, rows, tree_width, widths)
+    ints, floats, layout = step_vectors(rope, batch, sampling, slots, writes)
     table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
     return (ints, floats, table_ints, table_floats), (layout, table_layout)
 
 
-def idle_step(tokens: int, seqs: int, pages: int, rows: int | None = None, tree_width: int = 0):
+def idle_step(tokens: int, seqs: int, pages: int, rows: int | None = None, tree_width: int = 0,
+              widths: tuple[int, int] = SAMPLING_WIDTHS):
     """(batch, sampling, slots) of a step of the given bucket shape (and `rows` sample rows,
-    default `seqs`; `tree_width`: of the tree program) with every row padding: nothing is
-    written to a live page (padding tokens write to no page at all)."""
+    default `seqs`; `tree_width`: of the tree program; sampling tables `widths` wide) with every
+    row padding: nothing is written to a live page (padding tokens write to no page at all)."""
     rows = seqs if rows is None else rows
-    return (empty_batch(tokens, seqs, pages, rows, tree_width), greedy_sampling(rows),
+    return (empty_batch(tokens, seqs, pages, rows, tree_width), greedy_sampling(rows, widths),
             np.full(seqs, NULL_SLOT, np.int32))
 
 
