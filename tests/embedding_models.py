@@ -57,10 +57,11 @@ def save_decoder_embedding(directory, mode: str, normalize: bool = True, tied: b
 ENCODER_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + WORDS
 
 
-def make_tiny_encoder(directory, architecture: str = "bert", classifier: bool = False) -> str:
+def make_tiny_encoder(directory, architecture: str = "bert", classifier: bool = False,
+                      labels: int = 1) -> str:
     """A random 2-layer BertModel ("bert") or XLMRobertaModel ("xlm-roberta": positions start
-    past the padding id), with `classifier` its *ForSequenceClassification of one label (a
-    cross-encoder), and a word-level tokenizer that wraps each text in [CLS] ... [SEP] and a
+    past the padding id), with `classifier` its *ForSequenceClassification of `labels` labels
+    (one: a cross-encoder), and a word-level tokenizer that wraps each text in [CLS] ... [SEP] and a
     pair in [CLS] a [SEP] b [SEP], b of token type 1, as BERT's does."""
     import tokenizers
     import torch
@@ -71,12 +72,12 @@ def make_tiny_encoder(directory, architecture: str = "bert", classifier: bool = 
                   max_position_embeddings=40, type_vocab_size=2, hidden_act="gelu")
     torch.manual_seed(1)
     if architecture == "bert":
-        config = transformers.BertConfig(**shapes, num_labels=1)
+        config = transformers.BertConfig(**shapes, num_labels=labels)
         model = (transformers.BertForSequenceClassification(config) if classifier
                  else transformers.BertModel(config, add_pooling_layer=True))
     else:
         config = transformers.XLMRobertaConfig(**shapes, pad_token_id=0, bos_token_id=2,
-                                               eos_token_id=3, num_labels=1)
+                                               eos_token_id=3, num_labels=labels)
         model = (transformers.XLMRobertaForSequenceClassification(config) if classifier
                  else transformers.XLMRobertaModel(config, add_pooling_layer=True))
     if classifier:  # weights large enough that each pair's score differs, so a wrong one shows
@@ -122,6 +123,38 @@ def save_cross_encoder(directory, architecture: str = "xlm-roberta"):
 
     path = make_tiny_encoder(directory, architecture, classifier=True)
     return path, CrossEncoder(path, device="cpu")
+
+
+def save_decoder_classifier(directory, architecture: str, labels: int, **config_fields):
+    """(its folder, the transformers model): a random 2-layer `architecture` (Qwen3 or Llama
+    ForSequenceClassification: a reward model with one label, a classifier with more) over the
+    word-level tokenizer of make_tiny_transformer (its [PAD] the config's pad token), with a
+    chat template that writes each message's words; `config_fields` (id2label, problem_type)
+    into its config."""
+    import json
+    import pathlib
+
+    import torch
+    import transformers
+
+    directory = pathlib.Path(directory)
+    make_tiny_transformer(directory)  # the tokenizer (its random Qwen3Model is replaced)
+    for stale in directory.glob("*.safetensors"):
+        stale.unlink()
+    family = architecture.split("For")[0]  # Qwen3, Llama
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=2, vocab_size=512, num_labels=labels,
+        pad_token_id=len(WORDS) + 1, tie_word_embeddings=False, **config_fields)  # [PAD]
+    torch.manual_seed(3)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():  # logits that differ from input to input
+        model.score.weight.mul_(30.0)
+    model.save_pretrained(directory)
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return str(directory), model.eval()
 
 
 RERANKER_WORDS = WORDS + ["yes", "no", "<|im_start|>", "<|im_end|>", "[UNK]"]

@@ -37,7 +37,7 @@ FEATURE_NAMES = {
     # images
     "images", "prompt_images", "takes_images", "multimodal", "vision",
     # embeddings and rerankers
-    "pooling", "pooled", "embed", "score_head", "is_embedding",
+    "pooling", "pooled", "embed", "classifier_head", "is_embedding",
     # the prefix cache's host tier
     "host_kv", "host_tier", "enable_hierarchical_cache",
     # data parallel replicas

@@ -146,7 +146,8 @@ class Engine:
         a list of them; a dict `{"embedding": [float], "meta_info": {...}}` or a list of them.
         Texts are tokenized with the model's special tokens (as sentence-transformers does) and
         lowercased first where the checkpoint says so. Needs an embedding model
-        (`is_embedding=True`, or a checkpoint with sentence-transformers' modules.json)."""
+        (`is_embedding=True`, or a checkpoint with sentence-transformers' modules.json); a
+        classifier's (a reward model's) `embedding` is its head's logits, as SGLang's."""
         pooling = self.core.features.pooling
         id_lists, batched = self._id_lists(prompt, input_ids,
                                            lowercase=pooling is not None and pooling.lowercase)
@@ -155,14 +156,18 @@ class Engine:
             sink: queue.Queue[OutputDelta] = queue.Queue()
             self.core.submit(ids, SamplingParams(), sink.put, embed=True)
             sinks.append(sink)
+        head = self.core.features.classifier_head
         results = []
         for sink in sinks:
             output = next(iter(self._drain(sink)))  # an embedding request's one output
             meta_info = output.finish.meta_info()
             if output.error is not None:
                 meta_info["error"] = output.error
-            results.append({"embedding": None if output.embedding is None
-                            else output.embedding.tolist(), "meta_info": meta_info})
+            vector = output.embedding
+            if vector is not None and head is not None:
+                vector = head.logits(vector[None])[0]
+            results.append({"embedding": None if vector is None else vector.tolist(),
+                            "meta_info": meta_info})
         return results if batched else results[0]
 
     # --- generation -----------------------------------------------------------------------------

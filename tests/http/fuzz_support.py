@@ -17,6 +17,7 @@ from tests.http.fuzz_values import APPEND, NEW
 from xlaserve.http.protocol import (BatchRequest, ChatCompletionRequest, CompletionRequest,
                                     GenerateRequest)
 from xlaserve.http.messages.protocol import MessagesRequest
+from xlaserve.http.pooling.classify import ClassifyRequest
 from xlaserve.runtime.sampling.params import SamplingParams
 
 REQUEST_TIMEOUT_S = 30.0  # an answer later than this is a hang
@@ -149,7 +150,9 @@ ROUTE_PARAMS = {"file_id", "batch_id", "model", "limit", "order", "after", "purp
 BODY_FIELDS = {"/v1/chat/completions": set(ChatCompletionRequest.model_fields),
                "/v1/completions": set(CompletionRequest.model_fields),
                "/generate": set(GenerateRequest.model_fields),
-               "/v1/batches": set(BatchRequest.model_fields)}
+               "/v1/batches": set(BatchRequest.model_fields),
+               "/classify": set(ClassifyRequest.model_fields),
+               "/pooling": set(ClassifyRequest.model_fields)}
 
 
 # --- the checks ----------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ MODEL_CLASSES = {
     # --is-embedding.
     "BertModel": Encoder,
     "XLMRobertaModel": Encoder,
-    # Cross-encoder rerankers: the encoder, its score head read apart (weights/score_head.py).
+    # Cross-encoder rerankers and encoder classifiers: the encoder, its head read apart
+    # (weights/classifier_head.py).
     "BertForSequenceClassification": Encoder,
     "XLMRobertaForSequenceClassification": Encoder,
     "ModernBertModel": ModernBert,  # model/encoders/modernbert.py: RoPE, local and global layers
@@ -38,6 +39,12 @@ MODEL_CLASSES = {
     "MistralModel": CausalLM,
     "Qwen2Model": CausalLM,
     "Qwen3Model": CausalLM,
+    # Decoder classifiers and reward models (encoder_config.SEQUENCE_CLASSIFIERS): the causal
+    # LM's layers, their score head read apart (weights/classifier_head.py).
+    "LlamaForSequenceClassification": CausalLM,
+    "MistralForSequenceClassification": CausalLM,
+    "Qwen2ForSequenceClassification": CausalLM,
+    "Qwen3ForSequenceClassification": CausalLM,
 }
 # For GGUF metadata, which names only a model_type. The MoE families' GGUF files keep their experts
 # in merged tensors (ffn_gate_exps, ...) that weights/formats/gguf_file.py does not translate: their

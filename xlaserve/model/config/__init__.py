@@ -6,7 +6,7 @@ the loaders' entry for every architecture."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
-    "model_config_from_hf": "encoder_config",
+    "model_config_from_hf": "encoder_config", "SEQUENCE_CLASSIFIERS": "encoder_config",
     "ModelConfig": "model_config",
     "RopeConfig": "rope_config",
     "VisionConfig": "vision_config",

@@ -20,6 +20,13 @@ _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_ta
 # embedding models that ship so): transformers' classes, read as their causal LM's layers.
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
              "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+# Decoder classifiers and reward models (Skywork-Reward's LlamaForSequenceClassification): the
+# causal LM's layers without its LM head; their score head is read apart
+# (weights/classifier_head.py).
+SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                        "MistralForSequenceClassification": "MistralForCausalLM",
+                        "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                        "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 
 
 def model_config_from_hf(hf_config: Any, architecture: str,
@@ -40,6 +47,9 @@ def model_config_from_hf(hf_config: Any, architecture: str,
                              f"{architecture}: say how with --hf-overrides '{{\"is_causal\": "
                              "false}' (bidirectional: gte-Qwen2-7B-instruct) or true (causal)")
         return ModelConfig.from_hf(hf_config, BACKBONES[architecture])
+    if architecture in SEQUENCE_CLASSIFIERS:
+        body = ModelConfig.from_hf(hf_config, SEQUENCE_CLASSIFIERS[architecture])
+        return dataclasses.replace(body, lm_head=False)
     return ModelConfig.from_hf(hf_config, architecture)
 
 

@@ -66,7 +66,7 @@ class EngineCore:
         self.grammar_backend = parts.grammar_backend
         # What it serves beyond generation: pooling, score head, images, adapters (each or None);
         # --lora-paths' adapters installed.
-        self.features = startup.Features(parts.pooling, parts.score_head, parts.images,
+        self.features = startup.Features(parts.pooling, parts.classifier_head, parts.images,
                                          startup.lora_adapters(parts, self._wait))
         self.limits = RequestLimits.from_server_args(args)
         # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).

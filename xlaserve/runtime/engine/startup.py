@@ -56,8 +56,7 @@ from xlaserve.server_args import (Mode, ServerArgs, hf_overrides, images_per_req
                                   platform_defaults, processor_kwargs, refuse_conflicts,
                                   reranker_tokens)
 from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
-from xlaserve.weights.score_head import (CROSS_ENCODERS, ScoreHead, cross_encoder_head,
-                                         token_logit_head)
+from xlaserve.weights.classifier_head import ClassifierHead, checkpoint_head, token_logit_head
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,8 @@ class EngineParts:
     draft_head: DraftHead | None = None  # EAGLE3, NEXTN: the draft head's own steps
     lora_adapters: list | None = None  # --enable-lora: --lora-paths' adapters, read (else None)
     pooling: Pooling | None = None  # an embedding server's (--is-embedding); None: it generates
-    score_head: ScoreHead | None = None  # a reranker's (weights/score_head.py)
+    # A reranker's, classifier's or reward model's (weights/classifier_head.py)
+    classifier_head: ClassifierHead | None = None
     # A vision-language model's images -> prompts (image_prompts.py); None: text only.
     images: ImagePrompts | None = None
     # --enable-hierarchical-cache: the prefix cache's host tier in host memory; else None.
@@ -97,7 +97,7 @@ class Features:
     layer and the offline Engine read."""
 
     pooling: Pooling | None = None  # an embedding server's (--is-embedding)
-    score_head: ScoreHead | None = None  # a reranker's (weights/score_head.py)
+    classifier_head: ClassifierHead | None = None  # a classifier's (weights/classifier_head.py)
     images: ImagePrompts | None = None  # a vision model's images -> prompts (image_prompts.py)
     lora: LoraAdapters | None = None  # --enable-lora: the adapters by name (lora_adapters.py)
 
@@ -114,7 +114,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     embeds = not options["lm_head"]  # an embedding server (loader.serves_embeddings)
     if embeds and args.runner == "auto":
         logger.info("Serving embeddings or scores (--runner auto): the checkpoint is a "
-                    "sentence-transformers model (%s) or a cross-encoder", MODULES_FILE)
+                    "sentence-transformers model (%s) or a classifier", MODULES_FILE)
         refuse_conflicts(args, Mode.EMBEDDINGS)
     loaded = load_model(**options, tokenizer_path=args.tokenizer_path,
                         skip_tokenizer_init=args.skip_tokenizer_init or share_with is not None,
@@ -138,7 +138,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     if args.pooler_config is not None and not embeds:
         raise ValueError("--pooler-config: this server generates text; it pools only as an "
                          "embedding server (--is-embedding)")
-    pooling, score_head = pooling_of(args, loaded) if embeds else (None, None)
+    pooling, classifier_head = pooling_of(args, loaded) if embeds else (None, None)
     context_length = args.context_length or config.max_position_embeddings
     if pooling is not None and pooling.max_seq_length and not args.context_length:
         # sentence-transformers' limit (vLLM's max_model_len for the model too): longer inputs
@@ -287,14 +287,15 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        else "xlaserve-engine",
                        group=leader or OneProcess(),
                        draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
-                       pooling=pooling, score_head=score_head, images=images, host_kv=host_kv)
+                       pooling=pooling, classifier_head=classifier_head, images=images, host_kv=host_kv)
 
 
-def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHead | None]:
+def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ClassifierHead | None]:
     """An embedding server's pooling, read from the checkpoint's sentence-transformers files
     (weights/pooling.py; PoolingConfigError naming what cannot be applied; a decoder without
-    them pools its last token, normalized), --pooler-config's choices over it, and a reranker's
-    score head (weights/score_head.py): a cross-encoder's reads its first token's row."""
+    them pools its last token, normalized), --pooler-config's choices over it; or a
+    classifier's head (weights/classifier_head.py: a cross-encoder or encoder classifier reads
+    its first token's row, a decoder classifier or reward model its last)."""
     folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
     if (tokens := reranker_tokens(args)) is not None:  # --hf-overrides: a decoder reranker
         architecture = hf_overrides(args)["architectures"][0]
@@ -306,10 +307,17 @@ def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ScoreHea
                     architecture, *tokens)
         return (Pooling("last", normalize=False),
                 token_logit_head(folder, loaded.config, loaded.tokenizer, tokens))
-    if loaded.config.architecture in CROSS_ENCODERS:
-        logger.info("Reranker: %s scores (query, document) pairs by its classifier head",
-                    loaded.config.architecture)
-        return Pooling("cls", normalize=False), cross_encoder_head(folder, loaded.config)
+    if (classifier := checkpoint_head(folder, loaded.config)) is not None:
+        mode, head = classifier
+        if pooler_config(args):
+            raise ValueError("--pooler-config: a classifier's head reads the token it was "
+                             f"trained on (its {'first' if mode == 'cls' else 'last'}), pooled "
+                             "no other way")
+        logger.info("Classifier: %d label%s (%s), read from its %s token by its head; "
+                    "/classify's activation: %s", len(head.labels),
+                    "" if len(head.labels) == 1 else "s", ", ".join(head.labels[:8]),
+                    "first" if mode == "cls" else "last", head.activation)
+        return Pooling(mode, normalize=False), head
     chosen = pooler_config(args)
     if os.path.isfile(os.path.join(folder, MODULES_FILE)) or (
             loaded.config.encoder is not None and "mode" not in chosen):

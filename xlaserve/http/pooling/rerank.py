@@ -9,8 +9,9 @@
   -> `{id, object: "list", model, data: [{index, object: "score", score}], usage}` in order.
 
 How a pair is scored depends on the model the server runs:
-- a reranker (a cross-encoder, or a decoder with a yes/no head: weights/score_head.py): the
-  pair tokenized together as the model was trained (`tokenizer(query, document)`: a BERT pair's
+- a reranker (a cross-encoder, or a decoder with a yes/no head or a one-label score head:
+  weights/classifier_head.py; a classifier of several labels answers 400): the pair tokenized
+  together as the model was trained (`tokenizer(query, document)`: a BERT pair's
   document is token type 1), one request per pair, the head on its pooled row;
 - an embedding model (no head): the cosine similarity of the two texts' embeddings, as vLLM
   scores with one.
@@ -28,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from xlaserve.http.embeddings import (check_input_ids, embed_inputs, embedding_server,
+from xlaserve.http.pooling.embeddings import (check_input_ids, embed_inputs, embedding_server,
                                      input_id_lists)
 from xlaserve.http.errors import bad_request
 from xlaserve.http.protocol import RequestBody
@@ -98,7 +99,11 @@ async def score_pairs(ctx: ServingContext, queries: list[str], documents: list[s
     if len(queries) > limit:
         raise bad_request(f"{len(queries)} pairs; at most {limit} per request "
                           "(--max-sequences-per-request)", param)
-    head = ctx.core.features.score_head
+    head = ctx.core.features.classifier_head
+    if head is not None and len(head.labels) != 1:
+        raise bad_request(f"this server's classifier has {len(head.labels)} labels: scoring "
+                          "pairs needs a one-label head (a reranker); /classify answers its "
+                          "labels", param)
     if head is not None:
         id_lists, segments = _pair_inputs(ctx, queries, documents, param, instruct)
         choices = await embed_inputs(ctx, id_lists, priority, segments)
@@ -120,7 +125,7 @@ async def _ranked(request: Request):
     ctx.adapters_of(req.model, None)
     if req.top_n is not None and req.top_n < 1:
         raise bad_request("top_n must be at least 1", "top_n")
-    if req.instruct is not None and ctx.core.features.score_head is None:
+    if req.instruct is not None and ctx.core.features.classifier_head is None:
         raise bad_request("instruct is a decoder reranker's; this server's model is not one",
                           "instruct")
     scores, tokens = await score_pairs(ctx, [req.query] * len(req.documents), req.documents,

@@ -1,5 +1,6 @@
 """POST /v1/embeddings (OpenAI's shape) and SGLang's native /encode, on an embedding server
-(--is-embedding; issue 54).
+(--is-embedding; issue 54); on a classifier, /encode answers its head's logits (SGLang's
+reward models).
 
 `input`: a string, a list of strings, a list of token ids or a list of token-id lists; texts are
 tokenized with the model's special tokens (as sentence-transformers does; vLLM's
@@ -113,7 +114,7 @@ def check_input_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
         raise context_error(error, param) from None
 
 
-def _truncation(ctx: ServingContext, tokens: int | None) -> int | None:
+def truncation(ctx: ServingContext, tokens: int | None) -> int | None:
     """vLLM's truncate_prompt_tokens: -1 is the context length; k keeps an input's last k."""
     if tokens is None:
         return None
@@ -126,7 +127,7 @@ def _truncation(ctx: ServingContext, tokens: int | None) -> int | None:
     return tokens
 
 
-def _width(pooling, hidden: int, dimensions: int | None) -> int | None:
+def matryoshka_width(pooling, hidden: int, dimensions: int | None) -> int | None:
     """The Matryoshka width asked for (None: the whole vector), checked against the model."""
     if dimensions is None or dimensions == hidden:
         return None
@@ -142,7 +143,7 @@ def _width(pooling, hidden: int, dimensions: int | None) -> int | None:
     return dimensions
 
 
-def _vector(embedding: np.ndarray, width: int | None, normalize: bool) -> np.ndarray:
+def output_vector(embedding: np.ndarray, width: int | None, normalize: bool) -> np.ndarray:
     vector = np.asarray(embedding, np.float32)
     if width is not None:
         vector = vector[:width]
@@ -167,13 +168,14 @@ class EmbeddingCall:
     def __init__(self, ctx: ServingContext, req: EmbeddingRequest):
         ctx.adapters_of(req.model, None)  # a model not served: the 404
         self.pooling = embedding_server(ctx)
-        if ctx.core.features.score_head is not None:
-            raise bad_request("this server runs a reranker: it scores pairs (/v1/rerank, "
-                              "/rerank, /score), it gives no embeddings")
+        if ctx.core.features.classifier_head is not None:
+            raise bad_request("this server runs a classifier: it scores (/classify, /v1/rerank, "
+                              "/score), it gives no embeddings")
         self.ctx, self.req = ctx, req
-        self.width = _width(self.pooling, ctx.core.loaded.config.hidden_size, req.dimensions)
+        self.width = matryoshka_width(self.pooling, ctx.core.loaded.config.hidden_size,
+                                      req.dimensions)
         self.id_lists = input_id_lists(ctx, req.input, "input", req.add_special_tokens,
-                                       _truncation(ctx, req.truncate_prompt_tokens))
+                                       truncation(ctx, req.truncate_prompt_tokens))
         self.generation: Generation | None = None
 
     @classmethod
@@ -191,7 +193,7 @@ class EmbeddingCall:
         """OpenAI's embeddings object, once every input is in."""
         data = []
         for index, choice in enumerate(await self.generation.collect()):
-            vector = _vector(choice.embedding, self.width, self.pooling.normalize)
+            vector = output_vector(choice.embedding, self.width, self.pooling.normalize)
             data.append({"object": "embedding", "index": index,
                          "embedding": (base64.b64encode(vector.astype("<f4").tobytes()).decode()
                                        if self.req.encoding_format == "base64"
@@ -215,6 +217,13 @@ async def encode(request: Request):
     """SGLang's /encode: `{"embedding": [float], "meta_info": {...}}`, or a list of them."""
     ctx: ServingContext = request.app.state.ctx
     req = await parse_off_loop(await request.body(), EncodeRequest, ctx.request_fields)
+    return with_ignored_fields(JSONResponse(await encoded(ctx, req)), req.ignored_fields)
+
+
+async def encoded(ctx: ServingContext, req) -> dict | list[dict]:
+    """SGLang's /encode answer to `req` (its `text` or `input_ids`; /classify's SGLang form too):
+    each input's pooled vector, or on a classifier (a reward model) its head's logits, as SGLang
+    returns a reward model's score in `embedding`."""
     ctx.adapters_of(req.model, None)
     embedding_server(ctx)
     if (req.text is None) == (req.input_ids is None):
@@ -223,7 +232,9 @@ async def encode(request: Request):
     batched = not (isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)))
     id_lists = input_id_lists(ctx, inputs, param)
     choices = await embed_inputs(ctx, id_lists, client_priority(ctx, req.priority))
-    outputs = [{"embedding": np.asarray(c.embedding, np.float32).tolist(),
-                "meta_info": c.finish.meta_info()} for c in choices]
-    return with_ignored_fields(JSONResponse(outputs if batched else outputs[0]),
-                               req.ignored_fields)
+    vectors = [np.asarray(c.embedding, np.float32) for c in choices]
+    if (head := ctx.core.features.classifier_head) is not None:
+        vectors = list(head.logits(np.stack(vectors)))
+    outputs = [{"embedding": v.tolist(), "meta_info": c.finish.meta_info()}
+               for v, c in zip(vectors, choices)]
+    return outputs if batched else outputs[0]
