@@ -11,8 +11,8 @@ What counts as asking: a condition (an `if`, a conditional expression, a `while`
 comprehension's `if`, an operand of `and` / `or`, a `match` case, an `isinstance`) that names a
 feature's object or flag (FEATURE_NAMES: the attributes and names that hold LoRA adapters,
 speculative decoding's drafts, the multi-host group, images, embeddings' pooling, the host tier,
-data parallel replicas, and the request fields that ask for one of them). Each place the files
-still ask is listed in ALLOWED with the reason it stays; a new one fails here. Calling a feature's
+data parallel replicas, hidden states, and the request fields that ask for one of them). Each
+place the files still ask is listed in ALLOWED with the reason it stays; a new one fails here. Calling a feature's
 object (`self.lora.compile()`, `self.speculator.drafts(...)`) is not asking.
 """
 from __future__ import annotations
@@ -42,6 +42,8 @@ FEATURE_NAMES = {
     "host_kv", "host_tier", "enable_hierarchical_cache",
     # data parallel replicas
     "dp_size", "dp_rank",
+    # hidden states (--enable-return-hidden-states)
+    "hidden_states", "return_hidden_states", "enable_return_hidden_states", "hidden_rows",
 }
 # (file, function, feature name): why it stays. At most two a file.
 ALLOWED = {

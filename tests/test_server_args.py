@@ -34,3 +34,14 @@ def test_a_mode_known_only_at_start_up_refuses_the_first_flag_it_does_not_run_wi
     with pytest.raises(ValueError, match=message):
         refuse_conflicts(args, mode)
     refuse_conflicts(ServerArgs(), mode)  # nothing given: nothing refused
+
+
+def test_hidden_states_refuse_speculation_multi_host_and_an_embedding_server_as_flags_are_read():
+    for flags, message in [(dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
+                           (dict(nnodes=2, node_rank=0, dist_init_addr="127.0.0.1:5000"),
+                            "--nnodes > 1"),
+                           (dict(is_embedding=True), "--enable-return-hidden-states with an "
+                                                     "embedding model")]:
+        with pytest.raises(ValueError, match=message):
+            ServerArgs(enable_return_hidden_states=True, **flags)
+    assert ServerArgs(enable_return_hidden_states=True).max_hidden_state_values == 1 << 22

@@ -34,11 +34,13 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 @dataclasses.dataclass(frozen=True)
 class LogprobOptions:
     """What logprobs a request returns: SGLang's return_logprob, top_logprobs_num and
-    logprob_start_len (0: every prompt token too; None or -1: the output only)."""
+    logprob_start_len (0: every prompt token too; None or -1: the output only); and whether its
+    hidden states too (return_hidden_states: runtime/engine/hidden_states.py)."""
 
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int | None = None
+    return_hidden_states: bool = False
 
     def __post_init__(self):
         if self.logprob_start_len not in (None, -1, 0):
@@ -51,7 +53,8 @@ class LogprobOptions:
 
     def submit_kwargs(self) -> dict:
         return dict(return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
-                    return_prompt_logprob=self.on and self.logprob_start_len == 0)
+                    return_prompt_logprob=self.on and self.logprob_start_len == 0,
+                    return_hidden_states=self.return_hidden_states)
 
 
 def to_sampling_params(params: dict | SamplingParams | None) -> tuple[SamplingParams, int]:
@@ -173,7 +176,8 @@ class Engine:
     # --- generation -----------------------------------------------------------------------------
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 top_logprobs_num=0, logprob_start_len=None, lora_path=None, image_data=None):
+                 top_logprobs_num=0, logprob_start_len=None, lora_path=None, image_data=None,
+                 return_hidden_states=False):
         """SGLang's `Engine.generate`: one prompt (or token id list) and a dict of sampling
         params, or lists of them; returns a dict or a list of dicts with `text`, `output_ids` and
         `meta_info` (with `return_logprob`: `output_token_logprobs` [(logprob, token_id, None)]
@@ -181,8 +185,13 @@ class Engine:
         `input_token_logprobs` [(logprob | None, token_id, None)] for every prompt token, the
         first None, and with `top_logprobs_num`, `input_top_logprobs`). `lora_path`: a loaded
         LoRA adapter's name, or one per prompt (None: the base model). `image_data`: a vision
-        model's images, per prompt (`_with_images`)."""
-        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
+        model's images, per prompt (`_with_images`). `return_hidden_states` (an engine made with
+        `enable_return_hidden_states=True`): `meta_info["hidden_states"]`, SGLang's list of the
+        last layer's hidden states after the final norm, an entry per output token: the prompt's
+        rows [prompt][hidden] with the first, then the row [hidden] of the token before each
+        later one (runtime/engine/hidden_states.py)."""
+        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len,
+                                  return_hidden_states)
         requests, batched = self._requests(prompt, sampling_params, input_ids, lora_path,
                                            image_data)
         sinks = []
@@ -210,8 +219,10 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob=False, top_logprobs_num=0, stream=False,
-                             logprob_start_len=None, lora_path=None, image_data=None):
-        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
+                             logprob_start_len=None, lora_path=None, image_data=None,
+                             return_hidden_states=False):
+        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len,
+                                  return_hidden_states)
         # A vision model's images run its tower: off the event loop.
         requests, batched = await asyncio.to_thread(self._requests, prompt, sampling_params,
                                                     input_ids, lora_path, image_data)
@@ -239,16 +250,21 @@ class Engine:
     async def _stream(self, ids, params, logprobs, adapter=None, prompt_images=None
                       ) -> AsyncIterator[dict]:
         """SGLang's stream dicts: each output's text delta, its token ids and `finished`, with the
-        final one's `meta_info`; a speculative verified row's tokens (`OutputDelta.more`) in one."""
-        text, token_ids = "", []
+        final one's `meta_info` (with return_hidden_states, all of them: `generate`'s); a
+        speculative verified row's tokens (`OutputDelta.more`) in one."""
+        text, token_ids, hidden = "", [], []
         async for output in self._outputs(ids, params, logprobs, adapter, prompt_images):
             text += output.text
             token_ids += [] if output.token_id is None else [output.token_id]
+            if output.hidden_states is not None:
+                hidden.append(output.hidden_states)
             if output.more:
                 continue
             out = {"text": text, "output_ids": token_ids, "finished": output.finished}
             if output.finished:
                 out["meta_info"] = output.finish.meta_info()
+                if hidden:
+                    out["meta_info"]["hidden_states"] = [entry.tolist() for entry in hidden]
             yield out
             text, token_ids = "", []
 

@@ -86,14 +86,33 @@ async def _generation(ctx: ServingContext, req: GenerateRequest) -> tuple[Genera
                 raise bad_request(f"sampling_params.{name} must be a string"
                                   + (" (the schema as JSON text)" if name == "json_schema" else ""),
                                   f"sampling_params.{name}")
+    if req.return_hidden_states:
+        _check_hidden_states(ctx, prompts, params, n, req.stream)
     await compile_constraints(ctx.core, params, prefix="sampling_params.")
     rid = req.rid if isinstance(req.rid, str) else None
     generation = Generation(ctx, prompts, params, n, top_logprobs_num=req.top_logprobs_num,
                             return_logprob=req.return_logprob, rid=rid,
                             return_prompt_logprob=wants_prompt_logprobs,
                             param_prefix="sampling_params.", lora_path=lora,
-                            prompt_images=prompt_images)
+                            prompt_images=prompt_images,
+                            return_hidden_states=req.return_hidden_states)
     return generation, batched or n > 1
+
+
+def _check_hidden_states(ctx: ServingContext, prompts: list[list[int]],
+                         params: list[SamplingParams], n: int, stream: bool) -> None:
+    """A 400 before anything is submitted where the server does not return hidden states (SGLang's
+    words) or the response would carry more of them than --max-hidden-state-values: a row per
+    token but each sequence's last; a stream (one sequence, an event per token) holds all the
+    rows so far in each event."""
+    rows = sum((len(ids) + max(p.max_new_tokens, 1) - 1) * n for ids, p in zip(prompts, params))
+    if stream:  # event k (from 1) holds prompt + k - 1 rows
+        tokens = max(params[0].max_new_tokens, 1)
+        rows = tokens * len(prompts[0]) + tokens * (tokens - 1) // 2
+    try:
+        ctx.core.features.hidden_states.check_rows(rows)
+    except ValueError as error:
+        raise bad_request(str(error), "return_hidden_states") from None
 
 
 async def _with_images(ctx: ServingContext, prompts: list[list[int]], image_data,
@@ -150,6 +169,7 @@ async def generate(request: Request):
         outputs.append(out)
     entries = sum(len(c.token_ids) + len(generation.prompts[c.prompt_index]) for c in choices) \
         * (2 + req.top_logprobs_num)  # at most: an id, a logprob and the alternatives per token
+    entries += sum(len(c.hidden_states) for c in choices) * LARGE_RESPONSE_ENTRIES  # rows
     response = await run_off_loop(entries, LARGE_RESPONSE_ENTRIES, _json_response,
                                   outputs if batched else outputs[0])
     return with_ignored_fields(response, req.ignored_fields)
@@ -172,14 +192,19 @@ async def _stream(generation: Generation, logprobs) -> AsyncIterator[bytes]:
         async for choice, output in generation.stream():
             if output.more:  # a verified row's tokens go out as one event
                 continue
-            out = sglang_output(choice, *logprobs)
+            # With hidden states, each event holds every row so far: rendered off the loop.
+            event = await run_off_loop(len(choice.hidden_states) * LARGE_RESPONSE_ENTRIES,
+                                       LARGE_RESPONSE_ENTRIES, _event, choice, logprobs)
             if output.error is not None:
                 yield sse_error(generation_error(output.error))
-            yield sse(out)
+            yield event
     except EngineDeadError as error:
         yield sse_error(APIError(503, str(error)))
     yield SSE_DONE
 
+
+def _event(choice, logprobs) -> bytes:
+    return sse(sglang_output(choice, *logprobs))
 
 
 @router.get("/health")

@@ -168,6 +168,8 @@ class GenerateRequest(RequestBody):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    # The last layer's hidden states per token (--enable-return-hidden-states; SGLang's field)
+    return_hidden_states: bool = False
     rid: Optional[Union[str, list[str]]] = None
     lora_path: Optional[Union[str, list[Optional[str]]]] = None  # an adapter, or one per prompt
     # A vision model's images (http/images.py): URLs, data: URLs or bare base64; one prompt's

@@ -306,14 +306,15 @@ class Generation:
                  priority: int = 0, rid: str | None = None, param_prefix: str = "",
                  lora_path: str | list[str | None] | None = None, embed: bool = False,
                  second_segments: list[int] | None = None, prompt_images: list | None = None,
-                 operation: str = "text_completion"):
+                 operation: str = "text_completion", return_hidden_states: bool = False):
         """`param_prefix`: what the fields of a parameter the engine refuses are under
         ("sampling_params." on /generate). `lora_path`: the LoRA adapter (None: the base
         model), or one per prompt (`ServingContext.adapters_of`). `embed`: embedding requests
         (an embedding server's; each choice's `embedding` once collected), and
         `second_segments` per prompt a cross-encoder pair's document start (token type 1).
         `prompt_images`: per prompt, a vision model's PromptImages (its images) or None.
-        `operation`: what a trace calls it (OpenTelemetry's gen_ai.operation.name)."""
+        `operation`: what a trace calls it (OpenTelemetry's gen_ai.operation.name).
+        `return_hidden_states`: each choice gathers its hidden states (Choice.hidden_states)."""
         if ctx.draining:
             raise shutting_down()
         self.ctx = ctx
@@ -355,7 +356,9 @@ class Generation:
                                      else {}),
                                   **({"embed": True, "second_segment": second_segments[
                                       choice.prompt_index] if second_segments else 0}
-                                     if embed else {}))
+                                     if embed else {}),
+                                  **({"return_hidden_states": True}
+                                     if return_hidden_states else {}))
         except (InvalidGrammar, InvalidSamplingParam) as error:  # the routes checked: a miss here
             self.group.abort()
             raise bad_request(str(error), param_prefix + error.param) from None

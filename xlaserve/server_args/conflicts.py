@@ -30,6 +30,7 @@ class Mode(enum.Enum):
     HIERARCHICAL_CACHE = "--enable-hierarchical-cache"
     VISION = "a vision-language model"
     MULTI_HOST = "--nnodes > 1"
+    HIDDEN_STATES = "--enable-return-hidden-states"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,9 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
             LORA,
             MULTI_HOST,
             Refused("--kv-cache-dtype {kv_cache_dtype}",
-                    lambda args: args.kv_cache_dtype != "auto"))),
+                    lambda args: args.kv_cache_dtype != "auto"),
+            Refused("--enable-return-hidden-states",
+                    lambda args: args.enable_return_hidden_states))),
     Mode.HIERARCHICAL_CACHE: ("--enable-hierarchical-cache with {flag}: not supported", (
         Refused("--disable-radix-cache", lambda args: args.disable_radix_cache),
         SPECULATION,
@@ -81,6 +84,9 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
         "group and put a router (sglang_router) in front", (
             # != 1: a size under 1 is refused here too, before the engine would say so
             Refused("--dp-size > 1", lambda args: args.dp_size != 1),)),
+    Mode.HIDDEN_STATES: ("--enable-return-hidden-states with {flag} is not supported", (
+        SPECULATION,
+        MULTI_HOST)),
 }
 
 

@@ -1,6 +1,7 @@
 """The flags that say what the server makes of the model: text, its reasoning and tool calls
 parsed out of it (--reasoning-parser, --tool-call-parser), token ids only
-(--skip-tokenizer-init), or embeddings and scores (--is-embedding, --runner, --pooler-config)."""
+(--skip-tokenizer-init), embeddings and scores (--is-embedding, --runner, --pooler-config), or
+the last layer's hidden states beside the text (--enable-return-hidden-states)."""
 from __future__ import annotations
 
 import dataclasses
@@ -53,6 +54,17 @@ class OutputFlags:
                 "or reward model), else generate. vLLM's --task embed is --runner pooling",
         choices=["auto", "generate", "pooling"], aliases=("--task",),
         value_aliases={"embed": "pooling", "embedding": "pooling"})
+    enable_return_hidden_states: bool = flag(
+        False, "let a request ask for the last layer's hidden states (after the final norm) of "
+               "its prompt and of each token it generates (SGLang's return_hidden_states on "
+               "/generate and Engine.generate); without it such a request is refused with a 400. "
+               "Each step then also returns its rows' hidden states on the device, read only "
+               "in steps where a request asked")
+    max_hidden_state_values: int = flag(
+        1 << 22, "most hidden-state values one response may carry (with "
+                 "--enable-return-hidden-states): (prompt + max_new_tokens) tokens x the hidden "
+                 "size, summed over its sequences, and over the events of a stream (each holds "
+                 "every row so far); 1 << 22 is 1024 tokens of a 4096-wide model")
 
 
 def pooler_config(args) -> dict:

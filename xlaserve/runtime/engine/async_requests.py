@@ -93,10 +93,14 @@ class Choice:
     error: str | None = None  # why it ended early, if it did
     first_output: OutputDelta | None = None  # carries prompt logprobs when asked
     embedding: Any = None  # an embedding request's vector (float32 [hidden]), once in
+    # With return_hidden_states: an entry per token (hidden_states.py), as numpy arrays.
+    hidden_states: list = dataclasses.field(default_factory=list)
 
     def add(self, output: OutputDelta) -> None:
         if self.first_output is None:
             self.first_output = output
+        if output.hidden_states is not None:
+            self.hidden_states.append(output.hidden_states)
         self.text += output.text
         if output.token_id is not None:
             self.token_ids.append(output.token_id)
@@ -119,7 +123,9 @@ def sglang_output(choice: Choice, return_logprob: bool = False, top_logprobs_num
     """SGLang's output dict: `text`, `output_ids`, `meta_info` (with `output_token_logprobs`
     [(logprob, token_id, None)] and `output_top_logprobs` when asked; `input_token_logprobs` and
     `input_top_logprobs` come in the final meta_info when the request asked for prompt logprobs).
-    A choice still running (a /generate stream's event) has a partial meta_info."""
+    A choice still running (a /generate stream's event) has a partial meta_info. With
+    return_hidden_states, `meta_info["hidden_states"]` is SGLang's list so far, as lists of
+    floats: the prompt's rows [prompt][hidden], then a row [hidden] per later token."""
     meta_info = (choice.finish.meta_info() if choice.finish is not None else
                  {"id": None, "finish_reason": None, "completion_tokens": len(choice.token_ids)})
     if choice.error is not None:
@@ -132,6 +138,8 @@ def sglang_output(choice: Choice, return_logprob: bool = False, top_logprobs_num
                                             for alternatives in choice.top_logprobs]
     else:  # SGLang returns top alternatives only when asked for a number of them
         meta_info.pop("input_top_logprobs", None)
+    if choice.hidden_states:
+        meta_info["hidden_states"] = [entry.tolist() for entry in choice.hidden_states]
     return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta_info}
 
 

@@ -67,7 +67,8 @@ class EngineCore:
         # What it serves beyond generation: pooling, score head, images, adapters (each or None);
         # --lora-paths' adapters installed.
         self.features = startup.Features(parts.pooling, parts.classifier_head, parts.images,
-                                         startup.lora_adapters(parts, self._wait))
+                                         startup.lora_adapters(parts, self._wait),
+                                         parts.hidden_states)
         self.limits = RequestLimits.from_server_args(args)
         # Seconds per start-up phase, for the server's "Start-up:" log line (launch_server.py).
         self.startup_timings = parts.startup_timings
@@ -128,7 +129,8 @@ class EngineCore:
                return_logprob: bool = False, top_logprobs_num: int = 0,
                return_prompt_logprob: bool = False, priority: int = 0,
                lora_path: str | None = None, embed: bool = False,
-               second_segment: int = 0, prompt_images=None) -> str:
+               second_segment: int = 0, prompt_images=None,
+               return_hidden_states: bool = False) -> str:
         """Queue a request; `emit` is called from the engine's output thread (live_requests.py) with
         each OutputDelta, in order: the
         token id, its text delta, `finished`, and with `return_logprob` its logprob and
@@ -153,12 +155,17 @@ class EngineCore:
         final and carries the prompt's embedding; `params` and the options are not read;
         `second_segment`: a cross-encoder pair's document starts there (token type 1).
         `prompt_images`: a vision model's prompt with images (`images.prepare`: `prompt_ids` as it
-        expanded them, and its PromptImages)."""
+        expanded them, and its PromptImages). `return_hidden_states`: each output also carries
+        its token's entry of SGLang's hidden states (runtime/engine/hidden_states.py); such a
+        request computes its whole prompt; a server without --enable-return-hidden-states
+        refuses it (HiddenStatesRefused, a ValueError)."""
         prompt_ids = prompt_token_ids(prompt_ids, self.loaded.config.vocab_size)
         self.steps.check_kind(embed, prompt_images, len(prompt_ids))
         if embed:
             return self._submit_embedding(prompt_ids, emit, rid, priority, second_segment)
         self.check_request(len(prompt_ids), params, top_logprobs_num)
+        prompt_rows = self.features.hidden_states.rows_for(len(prompt_ids), params.max_new_tokens,
+                                                           return_hidden_states)
         self._check_room()
         rid = rid or uuid.uuid4().hex
         self.compile_grammar(params)  # a cache hit where the server compiled it already
@@ -174,10 +181,11 @@ class EngineCore:
         request = Request(rid=rid, prompt_ids=prompt_ids, max_new_tokens=params.max_new_tokens,
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
                           min_new_tokens=params.min_new_tokens, priority=priority,
-                          no_prefix_reuse=return_prompt_logprob, grammar=grammar,
+                          no_prefix_reuse=return_prompt_logprob or prompt_rows is not None,
+                          grammar=grammar,
                           prompt_images=prompt_images)
         live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
-                          return_prompt_logprob)
+                          return_prompt_logprob, prompt_rows)
         if lora_path is None:
             self._put_request(live)
         else:  # resolved and queued ahead of any unload of it (lora_adapters.py)

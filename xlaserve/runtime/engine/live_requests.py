@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
+from xlaserve.runtime.engine.hidden_states import PromptRows
 from xlaserve.runtime.engine.messages import (DropRequest, Finish, LiveRequest, OutputDelta,
                                               PooledResult, RequestsEnded, StepResult,
                                               StopMatched)
@@ -70,10 +71,12 @@ class RowSnapshot(NamedTuple):
 
 
 def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputDelta], None],
-               tokenizer, top_logprobs_num: int, return_prompt_logprob: bool) -> LiveRequest:
+               tokenizer, top_logprobs_num: int, return_prompt_logprob: bool,
+               hidden_states: PromptRows | None = None) -> LiveRequest:
     """A submitted request's state for `LiveRequests.add`, built in the submitting thread so that
     anything wrong with it (a stop string, say) is that caller's error, never the loop's.
-    `tokenizer`: None with --skip-tokenizer-init (outputs then carry no text)."""
+    `tokenizer`: None with --skip-tokenizer-init (outputs then carry no text). `hidden_states`:
+    its prompt's rows, where it asked for its hidden states (hidden_states.py)."""
     detok = None
     if tokenizer is not None:
         detok = IncrementalDetokenizer(
@@ -81,7 +84,7 @@ def live_state(request: Request, params: SamplingParams, emit: Callable[[OutputD
             skip_special_tokens=params.skip_special_tokens,
             stop_strings=[params.stop] if isinstance(params.stop, str) else params.stop or (),
             no_stop_trim=params.no_stop_trim)
-    live = LiveRequest(request, emit, detok, top_logprobs_num)
+    live = LiveRequest(request, emit, detok, top_logprobs_num, hidden_states=hidden_states)
     if return_prompt_logprob:
         live.prompt_logprobs = PromptLogprobCollector(request.prompt_ids, top_logprobs_num)
     return live
@@ -100,6 +103,9 @@ class LiveRequests:
         # is not complete is in it (stale ids leave at `with_prompt_targets`), so that a step where
         # none collects does no per-row work for them.
         self._collecting: set[str] = set()
+        # Ids of the live requests that asked for their hidden states (stale ones leave at
+        # `hidden_state_rows`): empty, a step does no per-row work for them.
+        self._hidden: set[str] = set()
         self._notify = notify
         self._closing = threading.Event()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -133,6 +139,8 @@ class LiveRequests:
             self._live[request.rid] = live
             if live.prompt_logprobs is not None:
                 self._collecting.add(request.rid)
+            if live.hidden_states is not None:
+                self._hidden.add(request.rid)
 
     def abort(self, rid: str, message: str | None) -> None:
         """Ends a live request in the scheduler and sends its final output (with `message` as its
@@ -278,7 +286,9 @@ class LiveRequests:
                             input_token_logprobs=input_token_logprobs,
                             input_top_logprobs=input_top_logprobs, finish=finish,
                             error=request.error if finished else None,
-                            more=more and not finished and not stop_found)
+                            more=more and not finished and not stop_found,
+                            hidden_states=None if step.hidden_states is None
+                            else step.hidden_states.get(row))
         if stop_found:  # sent once the loop has ended the request
             finals.append((live, output))
         else:
@@ -342,6 +352,17 @@ class LiveRequests:
             rows = slice(starts[i], starts[i + 1])
             collector.collect(batch.chunks[i].num_cached, logprobs[rows], top_ids[rows],
                               top_logprobs[rows])
+
+
+    def hidden_state_rows(self, batch: ScheduledBatch) -> list:
+        """(row, PromptRows) of each running request of `batch` that asked for its hidden
+        states; [] at once when no live request did (every step of most servers)."""
+        if not self._hidden:
+            return []
+        self._hidden = {rid for rid in self._hidden if rid in self._live}
+        return [(i, live.hidden_states) for i, r in enumerate(batch.requests)
+                if r.status == "running" and (live := self._live.get(r.rid)) is not None
+                and live.hidden_states is not None]
 
 
 def _final_output(request: Request, error: str | None, live: LiveRequest | None = None,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from xlaserve.runtime.engine.detokenizer import IncrementalDetokenizer
+    from xlaserve.runtime.engine.hidden_states import PromptRows
     from xlaserve.runtime.sampling.prompt_logprobs import PromptLogprobCollector
     from xlaserve.runtime.scheduler.request import Request, SampledRow
 
@@ -41,6 +42,7 @@ class LiveRequest:
     top_logprobs_num: int = 0  # alternatives per token in the outputs (needs return_logprob)
     prompt_logprobs: PromptLogprobCollector | None = None  # with return_prompt_logprob
     prompt_logprobs_sent: bool = False  # they go out once, with the first output
+    hidden_states: PromptRows | None = None  # with return_hidden_states (hidden_states.py)
     done: bool = False  # its final output has been handed out (the output thread's flag alone)
 
 
@@ -126,6 +128,9 @@ class StepResult:
     logprobs: Any = None  # f32[rows]: each row's sampled token's logprob
     top_logprobs: Any = None  # f32[rows, k]: each row's best alternatives' logprobs
     top_ids: Any = None  # i32[rows, k]: their token ids
+    # {sample row: its token's hidden-state entry} of the rows whose request asked for them
+    # (hidden_states.py); None when none did.
+    hidden_states: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,7 +192,10 @@ class OutputDelta:
     the final output; `error` on a final output that ended the request
     early with a message. `more`: this request's next output, from the same step, follows at
     once (a speculative verified row's tokens), so a stream sends them as one event. An
-    embedding request (an embedding server's) has one output: final, no token, `embedding`."""
+    embedding request (an embedding server's) has one output: final, no token, `embedding`.
+    `hidden_states`: with return_hidden_states, the token's entry of SGLang's list
+    (hidden_states.py): the prompt's rows f32[prompt, hidden] with the first token, then
+    f32[hidden]."""
 
     token_id: int | None
     text: str
@@ -200,3 +208,4 @@ class OutputDelta:
     error: str | None = None
     more: bool = False
     embedding: Any = None  # an embedding request's vector (float32 [hidden]), on its one output
+    hidden_states: Any = None

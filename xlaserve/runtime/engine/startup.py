@@ -46,7 +46,8 @@ from xlaserve.weights.draft_head import load_server_draft_head
 from xlaserve.runtime.executor.embedding_step import EmbeddingRunner
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.engine.pooled_outputs import PooledSteps
-from xlaserve.runtime.engine.steps import GenerationSteps
+from xlaserve.runtime.engine.steps import NO_HIDDEN_STATES, GenerationSteps
+from xlaserve.runtime.engine.hidden_states import HiddenStates, NoHiddenStates
 from xlaserve.runtime.engine.lora_adapters import LoraAdapters, lora_setup
 from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
@@ -88,6 +89,8 @@ class EngineParts:
     images: ImagePrompts | None = None
     # --enable-hierarchical-cache: the prefix cache's host tier in host memory; else None.
     host_kv: HostKvPool | None = None
+    # --enable-return-hidden-states: the steps' hidden states for the requests that ask.
+    hidden_states: HiddenStates | NoHiddenStates = NO_HIDDEN_STATES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,8 @@ class Features:
     classifier_head: ClassifierHead | None = None  # a classifier's (weights/classifier_head.py)
     images: ImagePrompts | None = None  # a vision model's images -> prompts (image_prompts.py)
     lora: LoraAdapters | None = None  # --enable-lora: the adapters by name (lora_adapters.py)
+    # --enable-return-hidden-states (hidden_states.py); off, a do-nothing one that refuses.
+    hidden_states: HiddenStates | NoHiddenStates = NO_HIDDEN_STATES
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -193,6 +198,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          verify_tokens=(args.speculative_num_draft_tokens
                                         if args.speculative_algorithm else 1),
                          lora=lora_spec, kv_cache_dtype=args.kv_cache_dtype,
+                         hidden_rows=args.enable_return_hidden_states,
                          # a draft head's steps take the weights in a plain jit's layouts
                          choose_weight_layouts=False if head is not None else None)
     _lap(timings, "runner (pack)", clock)  # and the huge pages advice
@@ -287,7 +293,10 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        else "xlaserve-engine",
                        group=leader or OneProcess(),
                        draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
-                       pooling=pooling, classifier_head=classifier_head, images=images, host_kv=host_kv)
+                       pooling=pooling, classifier_head=classifier_head, images=images,
+                       host_kv=host_kv,
+                       hidden_states=HiddenStates(config.hidden_size, args.max_hidden_state_values)
+                       if args.enable_return_hidden_states else NO_HIDDEN_STATES)
 
 
 def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ClassifierHead | None]:
@@ -391,7 +400,7 @@ def step_pipeline(parts: EngineParts, live_requests,
     hooks = [host_tier, lora, parts.images, parts.draft]
     return GenerationSteps(parts.runner, parts.buckets, parts.scheduler, live_requests,
                            parts.grammar_backend, [h for h in hooks if h is not None],
-                           images=parts.images)
+                           images=parts.images, hidden_states=parts.hidden_states)
 
 
 def speculator_for(args: ServerArgs, drafter) -> Speculator | NoSpeculation:

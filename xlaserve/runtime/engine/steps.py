@@ -22,6 +22,7 @@ import operator
 
 import numpy as np
 
+from xlaserve.runtime.engine.hidden_states import NoHiddenStates
 from xlaserve.runtime.engine.messages import StepResult
 from xlaserve.runtime.engine.pooled_outputs import (GENERATES, IMAGES_NEED_A_VISION_MODEL,
                                                     WrongKindOfServer)
@@ -32,6 +33,7 @@ from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import SampledRow
 from xlaserve.runtime.scheduler.speculation import row_depths
 
+NO_HIDDEN_STATES = NoHiddenStates()
 HOOK_CALLS = ("before_stage", "forward_batch", "after_stage", "after_run", "between_steps")
 
 
@@ -41,9 +43,12 @@ class GenerationSteps:
     overlaps = True  # a continuation may be dispatched before the last step is read
 
     def __init__(self, runner, buckets, scheduler, live_requests, grammar_backend, hooks=(),
-                 images=None):
-        """`images`: a vision model's ImagePrompts (image_prompts.py), else None."""
+                 images=None, hidden_states=NO_HIDDEN_STATES):
+        """`images`: a vision model's ImagePrompts (image_prompts.py), else None.
+        `hidden_states`: what reads the steps' hidden states for the requests that ask
+        (hidden_states.py; --enable-return-hidden-states), else a do-nothing one."""
         self.runner = runner
+        self.hidden_states = hidden_states
         self.images = images
         self.buckets = buckets
         self.scheduler = scheduler
@@ -173,7 +178,8 @@ class GenerationSteps:
             logprobs, top_logprobs, top_ids = (np.asarray(a)[:num_rows] for a in (
                 sampled.logprobs, sampled.top_logprobs, sampled.top_ids))
         self.live_requests.collect_prompt_logprobs(batch, out)
+        hidden = self.hidden_states.read(batch, out, self.live_requests.hidden_state_rows(batch))
         # Requests that ended while the step ran (abort, stop string) have no row to advance.
         rows: list[SampledRow] = []
         self.scheduler.process_results(batch, tokens.tolist(), rows)
-        return StepResult(rows, logprobs, top_logprobs, top_ids)
+        return StepResult(rows, logprobs, top_logprobs, top_ids, hidden)

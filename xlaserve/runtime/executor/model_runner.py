@@ -91,7 +91,8 @@ class ModelRunner:
                  static_variants: bool | None = None, choose_weight_layouts: bool | None = None,
                  context_length: int | None = None, mla_expanded_prefill_tokens: int = 0,
                  verify_tokens: int = 1, quantized_activations: str = "float32",
-                 lora: LoraSpec | None = None, kv_cache_dtype: str = "auto"):
+                 lora: LoraSpec | None = None, kv_cache_dtype: str = "auto",
+                 hidden_rows: bool = False):
         """`context_length` (default: the model's) sets the page table's width, the pages of
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
@@ -103,11 +104,14 @@ class ModelRunner:
         rows (forward_batch.sample_rows_for). `quantized_activations`: how --quantization int8's
         rows take x (pack_model's int8_activations; a GGUF's kept blocks were laid out at load).
         `lora`: the LoRA adapter slots' shapes (lora_slots.py; None: no adapters).
-        `kv_cache_dtype`: --kv-cache-dtype, the pool's entries (model/fp8_kv_cache.py)."""
+        `kv_cache_dtype`: --kv-cache-dtype, the pool's entries (model/fp8_kv_cache.py).
+        `hidden_rows`: every program also returns its token rows' hidden states
+        (make_step's; --enable-return-hidden-states)."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
         self.verify_tokens = verify_tokens
+        self.hidden_rows = hidden_rows
         self.max_seqs = max_running_requests  # the largest sequence bucket: startup sets it
         if static_variants is None:
             static_variants = self.mesh.devices.flat[0].platform != "cpu"
@@ -171,7 +175,8 @@ class ModelRunner:
         self._description = "\n".join([repr(self.config), np.dtype(dtype).name,
                                         f"kv cache {np.dtype(kv_dtype).name}", str(state_treedef),
                                         describe(kernels), f"verify_tokens {verify_tokens}",
-                                        draft_head_description(loaded.model)])
+                                        draft_head_description(loaded.model)]
+                                       + ["hidden rows"] * hidden_rows)
         self._weight_args, weight_layout = weight_args(
             leaves, stack_small=self.mesh.size == 1,
             stack_layers=self.mesh.devices.flat[0].platform == "tpu", names=leaf_names(state))
@@ -225,7 +230,8 @@ class ModelRunner:
         graphdef, state_treedef, weight_layout, kv_sharding = self.program_parts
         return make_step(graphdef, state_treedef, weight_layout, self.kernels, self.mesh,
                          kv_sharding, weight_formats, verify_tokens=self.verify_tokens,
-                         lora=self._lora_args, takes_images=self.takes_images)
+                         lora=self._lora_args, takes_images=self.takes_images,
+                         hidden_rows=self.hidden_rows)
 
     @property
     def kv_caches(self) -> list[jax.Array]:

@@ -39,6 +39,10 @@ from xlaserve.runtime.sampling.step_needs import RUN_TIME, StepNeeds, part
 class StepOutput:
     sample: SampleOutput  # one row per sample row (ForwardBatch.logits_indices)
     prompt: PromptLogprobs  # one row per token row; zeros in a step where no row has a target
+    # f32[T, hidden]: every token row's last hidden state after the final norm, in the programs
+    # of a server started with --enable-return-hidden-states (make_step's `hidden_rows`); None
+    # in the others, which return nothing more.
+    hidden: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +58,7 @@ class LoraArgs:
 
 def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
               weight_formats=None, verify_tokens: int = 1, lora: LoraArgs | None = None,
-              takes_images: bool = False):
+              takes_images: bool = False, hidden_rows: bool = False):
     """The jitted serving step: forward, sampling, penalty counts and last tokens, over the
     device's page table with the step's writes (runtime/executor/page_table.py). A pure function of its
     arguments, so that it can also be compiled for hardware that is not here
@@ -64,7 +68,10 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     and kept in the step; 1, the program of a server without speculation. `lora`: the LoRA
     adapter slots among the weight arguments (None: a server without adapters). `takes_images`:
     a vision model's step, which also takes `input_embeds` [T, hidden] (the rows of image
-    tokens, runtime/executor/image_rows.py) after the grammar masks."""
+    tokens, runtime/executor/image_rows.py) after the grammar masks. `hidden_rows`: the step also
+    returns every token row's hidden state after the final norm (`StepOutput.hidden`, what
+    transformers' last `hidden_states` is), for --enable-return-hidden-states: one RMSNorm over
+    the rows and an output buffer the host reads only in steps where a request asked."""
     replicated = NamedSharding(mesh, P())
     by_vocab = NamedSharding(mesh, P(None, TP))
     jit_options = {"donate_argnums": (1, 2, 3, 4),
@@ -166,7 +173,8 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             kv_caches = kv_caches + head_state
         prompt = prompt_logprobs(whole_vocab_logits, hidden, batch.target_ids, MAX_TOP_LOGPROBS,
                                  part(needs, "prompt_logprobs"))
-        return StepOutput(out, prompt), kv_caches, output_counts, last_tokens, page_table
+        rows = model.final_norm(hidden).astype(jnp.float32) if hidden_rows else None
+        return StepOutput(out, prompt, rows), kv_caches, output_counts, last_tokens, page_table
 
     if weight_formats is None:
         return jax.jit(step, static_argnames=("layout", "needs"), **jit_options)
