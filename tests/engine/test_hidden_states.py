@@ -11,7 +11,8 @@ import torch
 
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
-from xlaserve.runtime.engine.hidden_states import NOT_ENABLED, HiddenStates, NoHiddenStates
+from xlaserve.runtime.engine.hidden_states import NOT_ENABLED, HiddenStates
+from xlaserve.runtime.engine.steps import NoHiddenStates
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 # 13 tokens: two chunks of --chunked-prefill-size 8; and a short one beside it.

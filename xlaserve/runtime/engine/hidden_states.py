@@ -15,8 +15,9 @@ nothing).
 
 Start-up (startup.py) builds `HiddenStates` with the flag, and the ModelRunner's programs then
 return every token row's hidden state (step_program.StepOutput.hidden), which `read` copies to
-the host only in a step where a request that asked has a row; without the flag, `NoHiddenStates`
-refuses a request that asks, in SGLang's words, and reads nothing. The bound: at most
+the host only in a step where a request that asked has a row; without the flag, its do-nothing
+form (steps.NoHiddenStates, in a file every request runs through already) refuses a request that
+asks, in SGLang's words, and reads nothing. The bound: at most
 --max-hidden-state-values values per request (`rows_for`), and per response (`check_rows`,
 which the HTTP layer calls).
 """
@@ -102,18 +103,3 @@ class HiddenStates:
             if entry is not None:
                 entries[i] = entry
         return entries
-
-
-class NoHiddenStates:
-    """The feature, off: a request that asks is refused; a step reads nothing."""
-
-    def check_rows(self, rows: int) -> None:
-        raise HiddenStatesRefused(NOT_ENABLED)
-
-    def rows_for(self, prompt_len: int, max_new_tokens: int, asked: bool) -> None:
-        if asked:
-            raise HiddenStatesRefused(NOT_ENABLED)
-        return None
-
-    def read(self, batch, out, collecting) -> None:
-        return None

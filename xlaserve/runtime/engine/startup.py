@@ -46,8 +46,8 @@ from xlaserve.weights.draft_head import load_server_draft_head
 from xlaserve.runtime.executor.embedding_step import EmbeddingRunner
 from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.engine.pooled_outputs import PooledSteps
-from xlaserve.runtime.engine.steps import NO_HIDDEN_STATES, GenerationSteps
-from xlaserve.runtime.engine.hidden_states import HiddenStates, NoHiddenStates
+from xlaserve.runtime.engine.steps import NO_HIDDEN_STATES, GenerationSteps, NoHiddenStates
+from xlaserve.runtime.engine.hidden_states import HiddenStates
 from xlaserve.runtime.engine.lora_adapters import LoraAdapters, lora_setup
 from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder

@@ -22,7 +22,7 @@ import operator
 
 import numpy as np
 
-from xlaserve.runtime.engine.hidden_states import NoHiddenStates
+from xlaserve.runtime.engine.hidden_states import NOT_ENABLED, HiddenStatesRefused
 from xlaserve.runtime.engine.messages import StepResult
 from xlaserve.runtime.engine.pooled_outputs import (GENERATES, IMAGES_NEED_A_VISION_MODEL,
                                                     WrongKindOfServer)
@@ -33,8 +33,26 @@ from xlaserve.runtime.sampling.params import build_sampling_metadata
 from xlaserve.runtime.scheduler.request import SampledRow
 from xlaserve.runtime.scheduler.speculation import row_depths
 
-NO_HIDDEN_STATES = NoHiddenStates()
 HOOK_CALLS = ("before_stage", "forward_batch", "after_stage", "after_run", "between_steps")
+
+
+class NoHiddenStates:
+    """--enable-return-hidden-states off (hidden_states.HiddenStates on): a request that asks
+    is refused, in SGLang's words; a step reads nothing."""
+
+    def check_rows(self, rows: int) -> None:
+        raise HiddenStatesRefused(NOT_ENABLED)
+
+    def rows_for(self, prompt_len: int, max_new_tokens: int, asked: bool) -> None:
+        if asked:
+            raise HiddenStatesRefused(NOT_ENABLED)
+        return None
+
+    def read(self, batch, out, collecting) -> None:
+        return None
+
+
+NO_HIDDEN_STATES = NoHiddenStates()
 
 
 class GenerationSteps:

@@ -23,7 +23,9 @@ step's room go first through a program of their own (`write_pages`).
 
 Prompt logprobs (runtime/sampling/prompt_logprobs.py) ride in the same program: the model returns every
 row's final hidden state, the sampler takes the LM head of the sampled rows only, and the LM head
-over all rows runs only in steps where some row has a target id.
+over all rows runs only in steps where some row has a target id. With
+--enable-return-hidden-states (`hidden_rows`) every program also returns the rows' hidden states
+after the final norm (StepOutput.hidden), which the host reads only when a request asked.
 
 What a step computes beyond a greedy argmax (penalties, grammar mask, random draw, truncation,
 logprobs, prompt logprobs) is a static argument, `needs` (runtime/sampling/step_needs.py), that `stage`

@@ -129,7 +129,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # EOS ids + user stop ids, merged by the engine
     min_new_tokens: int = 0  # stop ids cannot finish the request before this many tokens
     priority: int = 0  # larger = more urgent; FCFS within equal priority
-    # Compute the whole prompt, reusing no cached prefix: prompt logprobs need every prompt row.
+    # Compute the whole prompt, reusing no cached prefix: prompt logprobs and hidden states
+    # (runtime/engine/hidden_states.py) need every prompt row.
     no_prefix_reuse: bool = False
     # A request's features, each grouped (None or a do-nothing value when unused):
     pooled: Pooled | None = None  # an embedding request (an embedding server's)
