@@ -1,9 +1,11 @@
 """SGLang's router (`sglang-router` 0.3.2 from PyPI, a Rust binary: `python -m
-sglang_router.launch_router --policy cache_aware`) in front of two xlaserve servers (two apps
-over the tiny model's one engine, each counting what reaches it): it registers both as SGLang
-workers, answers every route as a server answers it itself, spreads requests over both, and
-routes around one that stopped. And what the newer gateway reads of a worker: /server_info,
-/model_info, /v1/loads, /get_load in SGLang's shapes (http/worker_info.py)."""
+sglang_router.launch_router --policy cache_aware`) and its newer form, the model gateway (`smg`
+1.13.0: `python -m smg.launch_router`), each in front of two xlaserve servers (two apps over the
+tiny model's one engine, each counting what reaches it): it registers both as SGLang workers
+(smg's /workers says runtime_type sglang, with their loads from /v1/loads), answers every route
+as a server answers it itself, spreads requests over both, and routes around one that stopped.
+And what the newer gateway reads of a worker: /server_info, /model_info, /v1/loads, /get_load in
+SGLang's shapes (http/worker_info.py)."""
 import concurrent.futures
 import dataclasses
 import subprocess
@@ -15,7 +17,6 @@ import pytest
 
 from tests.http.conftest import AppServer, _free_port
 
-pytest.importorskip("sglang_router")
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "temperature": 0,
         "max_tokens": 6}
@@ -33,8 +34,15 @@ class Counted:
         await self.app(scope, receive, send)
 
 
+@pytest.fixture(scope="module", params=["sglang_router", "smg"])
+def gateway(request) -> str:
+    """The router's package: SGLang's PyPI release, or its newer form."""
+    pytest.importorskip(request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def workers(server):
+def workers(server, gateway):  # two fresh ones per gateway: a test stops one
     from xlaserve.http.app import create_app
 
     started = []
@@ -48,16 +56,17 @@ def workers(server):
 
 
 @pytest.fixture(scope="module")
-def router(workers, tmp_path_factory):
+def router(gateway, workers, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("router") / "router.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            [sys.executable, "-m", f"{gateway}.launch_router", "--host", "127.0.0.1",
              "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
              "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0",
              "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
              "--cb-failure-threshold", "1",
+             *(["--load-monitor-interval", "1"] if gateway == "smg" else []),
              "--worker-urls", *(running.base_url for running, _ in workers)],
             stdout=out, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
@@ -82,10 +91,22 @@ def _without_ids(body: dict) -> dict:
     return {k: v for k, v in body.items() if k not in ("id", "created")}
 
 
-def test_the_router_registers_both_servers_as_sglang_workers(router, workers):
-    """0.3.2 registers a worker by /health, then /server_info and /model_info (SGLang's names)."""
+def test_the_router_registers_both_servers_as_sglang_workers(router, workers, gateway):
+    """Both register a worker by /health, then /server_info and /model_info (SGLang's names);
+    smg lists them as SGLang workers with the load /v1/loads reports."""
     for _, app in workers:
         assert {"/health", "/server_info", "/model_info"} <= set(app.paths)
+    if gateway == "smg":  # 0.3.2's /workers names no runtime
+        deadline = time.monotonic() + 15
+        while True:  # its load monitor polls each worker's /v1/loads every second here
+            entries = httpx.get(router + "/workers", timeout=10).json()["workers"]
+            if all("engine_load" in e for e in entries) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert sorted(w["url"] for w in entries) == sorted(r.base_url for r, _ in workers)
+        for entry in entries:
+            assert entry["runtime_type"] == "sglang" and entry["is_healthy"], entry
+            assert entry["engine_load"]["loads"][0]["max_total_num_tokens"] > 0, entry
 
 
 def test_every_route_answers_as_a_server_does(router, server):
