@@ -1,7 +1,8 @@
 """LoRA adapters through the server (issue 53): every route picks an adapter by lora_path or
 model BASE:NAME / NAME and answers with transformers + peft's tokens; /v1/models lists them;
 SGLang's and vLLM's load and unload routes work while serving; a name that is not loaded is a
-4xx naming it, never the base model's answer."""
+4xx naming it, never the base model's answer. Two slots and --max-loaded-loras 3 (issue 73): a
+third adapter loads into host memory and its requests wait for a slot."""
 import json
 import time
 
@@ -22,7 +23,8 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 def adapters(tiny_chat_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     specs = {"sql": dict(r=4, targets=["q_proj", "v_proj", "down_proj"], alpha=8, seed=5),
-             "poem": dict(r=8, targets=["k_proj", "o_proj", "up_proj"], alpha=8, seed=6)}
+             "poem": dict(r=8, targets=["k_proj", "o_proj", "up_proj"], alpha=8, seed=6),
+             "chat": dict(r=2, targets=["q_proj", "gate_proj"], alpha=4, seed=7)}
     merged = {n: make_adapter(tiny_chat_model[0], str(root / n), **kw) for n, kw in specs.items()}
     return {n: str(root / n) for n in specs}, merged
 
@@ -32,6 +34,7 @@ def lora_server(tiny_chat_model, adapters, tmp_path_factory):
     paths, _ = adapters
     running = RunningServer(tiny_chat_model[0], served_model_name="tiny",
                             lora_paths=[f"sql={paths['sql']}"], max_loras_per_batch=2,
+                            max_loaded_loras=3,
                             max_lora_rank=8, lora_target_modules=["all"],
                             file_storage_path=str(tmp_path_factory.mktemp("storage")))
     yield running
@@ -132,9 +135,26 @@ def test_load_and_unload_while_serving_with_sglang_and_vllm_routes(lora_server, 
     assert out["success"] and set(out["loaded_adapters"]) == {"sql", "poem"}
     got = _generate(lora_server, input_ids=IDS, sampling_params=GREEDY, lora_path="poem").json()
     assert got["output_ids"] == hf_greedy(merged["poem"], IDS, 8)
-    full = httpx.post(url + "/v1/load_lora_adapter",
+    # both slots hold one: a third is kept in host memory, and listed
+    third = httpx.post(url + "/v1/load_lora_adapter",
+                       json={"lora_name": "chat", "lora_path": paths["chat"]}, timeout=60)
+    assert third.status_code == 200 and "added" in third.text
+    listed = {c["id"] for c in httpx.get(url + "/v1/models").json()["data"]}
+    assert {"sql", "poem", "chat"} <= listed
+    full = httpx.post(url + "/load_lora_adapter",
                       json={"lora_name": "more", "lora_path": paths["poem"]}, timeout=60)
-    assert full.status_code == 400 and "every LoRA slot is taken" in full.json()["error"]["message"]
+    assert full.status_code == 400
+    assert "--max-loaded-loras 3" in full.json()["error"]["message"]
+    # three adapters in one call on two slots: one waits for a slot, none fails
+    rows = ["chat", "sql", "poem", None]
+    got = _generate(lora_server, input_ids=[IDS] * 4, sampling_params=GREEDY, lora_path=rows)
+    assert got.status_code == 200
+    for adapter, out in zip(rows, got.json(), strict=True):
+        oracle = tiny_chat_model[1] if adapter is None else merged[adapter]
+        assert out["output_ids"] == hf_greedy(oracle, IDS, 8), adapter
+    assert lora_server.ctx.core.features.lora.slots.swaps >= 2
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "chat"},
+                      timeout=60).status_code == 200
     gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "poem"}, timeout=60)
     assert gone.status_code == 200 and "removed" in gone.text
     assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "poem"},

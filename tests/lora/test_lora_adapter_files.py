@@ -116,8 +116,14 @@ def test_lora_flags_take_sglang_and_vllm_forms():
     assert args.enable_lora and args.max_loras_per_batch == 8
     with pytest.raises(ValueError, match="speculative"):
         ServerArgs(lora_paths=["a=/x"], speculative_algorithm="NGRAM")
-    with pytest.raises(ValueError, match="--max-loras-per-batch 1"):
+    with pytest.raises(ValueError, match="names 2 adapters; --max-loaded-loras 1"):
         ServerArgs(lora_paths=["a=/x", "b=/y"], max_loras_per_batch=1)
+    # more adapters than slots (issue 73): up to --max-loaded-loras, at least the slots
+    args = ServerArgs(lora_paths=["a=/x", "b=/y"], max_loras_per_batch=1, max_loaded_loras=2)
+    assert args.max_loaded_loras == 2
+    assert ServerArgs(enable_lora=True, max_loras_per_batch=3).max_loaded_loras == 3
+    with pytest.raises(ValueError, match="--max-loaded-loras 2 is under --max-loras-per-batch 4"):
+        ServerArgs(enable_lora=True, max_loras_per_batch=4, max_loaded_loras=2)
 
 
 def test_served_arguments_name_adapters_without_their_paths_on_this_disk():
@@ -133,8 +139,9 @@ def test_vllm_flag_names_reach_the_same_fields():
     ServerArgs.add_cli_args(parser)
     args = ServerArgs.from_cli_args(parser.parse_args(
         ["--lora-modules", "a=/x", "b=/y", "--max-loras", "3", "--max-lora-rank", "32",
-         "--enable-lora"]))
+         "--enable-lora", "--max-cpu-loras", "5"]))
     assert args.lora_paths == ["a=/x", "b=/y"] and args.max_loras_per_batch == 3
+    assert args.max_loaded_loras == 5
     assert args.max_lora_rank == 32 and args.enable_lora
 
 

@@ -1,7 +1,8 @@
 """LoRA adapters through the Engine (issue 53): base and adapter rows in one batch give
 transformers + peft's greedy tokens; adapters load and unload while serving without a compile;
 a name that is not loaded is refused, never answered by the base model; the prefix cache keeps
-adapters apart."""
+adapters apart. The engine has two slots and loads three adapters (issue 73): the third waits in
+host memory and the adapters take turns in the slots as requests need them."""
 import threading
 
 import pytest
@@ -44,7 +45,8 @@ def models(tmp_path_factory):
 def engine(models):
     base_dir, _, paths, _ = models
     with Engine(base_dir, lora_paths=[f"a={paths['a']}", f"b={paths['b']}"],
-                lora_target_modules=["all"], max_loras_per_batch=3, **SMALL) as engine:
+                lora_target_modules=["all"], max_loras_per_batch=2, max_loaded_loras=3,
+                **SMALL) as engine:
         yield engine
 
 
@@ -92,7 +94,7 @@ def test_load_and_unload_while_serving_without_a_compile(engine, models):
     assert out[1]["output_ids"] == hf_greedy(merged["b"], PROMPTS[1], 10)
     expected = hf_greedy(base, PROMPTS[1], 10)
     assert all(r["output_ids"] == expected for r in results["base"])
-    with pytest.raises(LoraAdapterError, match="every LoRA slot is taken"):
+    with pytest.raises(LoraAdapterError, match="3 LoRA adapters are loaded, --max-loaded-loras 3"):
         engine.load_lora_adapter("d", paths["a"])
     engine.unload_lora_adapter("c")
     with pytest.raises(UnknownAdapter):
@@ -136,3 +138,23 @@ def test_adapters_split_over_two_devices_like_their_base_weights(models):
     for prompt, adapter, output in zip(PROMPTS, [None, "a", "b", "b"], outputs, strict=True):
         oracle = base if adapter is None else merged[adapter]
         assert output == hf_greedy(oracle, prompt, 10), adapter
+
+
+def test_three_adapters_take_turns_in_two_slots_without_a_compile(engine, models, caplog):
+    """Rows of three adapters (and the base model) in one call on two slots: each adapter is
+    written into a slot when its requests' turn comes (the others wait, none fails), and every
+    row gives transformers + peft's tokens; the writes compile nothing."""
+    _, base, paths, merged = models
+    engine.load_lora_adapter("c", paths["c"])  # three adapters for two slots
+    runner, slots = engine.core.runner, engine.core.features.lora.slots
+    compiled, swaps = runner.compile_count(), slots.swaps
+    adapters = ["c", "a", "b", None, "c", "b", "a", "c"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(adapters))]
+    with caplog.at_level("WARNING"):
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=adapters)
+    for prompt, adapter, result in zip(prompts, adapters, results, strict=True):
+        oracle = base if adapter is None else merged[adapter]
+        assert result["output_ids"] == hf_greedy(oracle, prompt, 10), adapter
+    assert slots.swaps >= swaps + 2  # c in, then the one it pushed out back
+    assert runner.compile_count() == compiled and "COMPILED WHILE SERVING" not in caplog.text
+    engine.unload_lora_adapter("c")

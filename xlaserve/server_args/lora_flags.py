@@ -33,8 +33,13 @@ class LoraFlags:
               "PATH (named by its last folder; a hub id by itself), or JSON {\"lora_name\": ..., \"lora_path\": ...}",
         nargs="*", aliases=("--lora-modules",))
     max_loras_per_batch: int = flag(
-        8, "adapter slots on the device: the most adapters loaded (and in one batch) at once",
-        aliases=("--max-loras",))
+        8, "adapter slots on the device: the most adapters in one batch (and in the slots) at "
+           "once", aliases=("--max-loras",))
+    max_loaded_loras: Optional[int] = flag(
+        None, "the most adapters loaded at once, kept in host memory: those beyond the slots are "
+              "written into a slot (its least recently used adapter's, once no running request "
+              "uses it) when a request needs them; at least --max-loras-per-batch (default: "
+              "--max-loras-per-batch)", aliases=("--max-cpu-loras",))
     max_lora_rank: Optional[int] = flag(
         None, "every adapter's rank padded to this; a larger one is refused (default: the "
               "largest of --lora-paths, else 16)")
@@ -53,9 +58,16 @@ class LoraFlags:
         if self.max_loras_per_batch < 1:
             raise ValueError(f"--max-loras-per-batch must be 1 or more; got "
                              f"{self.max_loras_per_batch}")
-        if len(paths) > self.max_loras_per_batch:
-            raise ValueError(f"--lora-paths names {len(paths)} adapters; --max-loras-per-batch "
-                             f"{self.max_loras_per_batch} slots hold them")
+        if self.max_loaded_loras is None:
+            self.max_loaded_loras = self.max_loras_per_batch
+        if self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"--max-loaded-loras {self.max_loaded_loras} is under "
+                             f"--max-loras-per-batch {self.max_loras_per_batch}: give at least "
+                             "as many")
+        if len(paths) > self.max_loaded_loras:
+            raise ValueError(f"--lora-paths names {len(paths)} adapters; --max-loaded-loras "
+                             f"{self.max_loaded_loras} (default: --max-loras-per-batch) are "
+                             "loaded at most")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be 1 or more; got {self.max_lora_rank}")
 

@@ -1,5 +1,6 @@
-"""LoRA adapters by name while serving (issue 53): which device slot each holds, loads and
-unloads, and the name a request asks for. The device slots are
+"""LoRA adapters by name while serving (issue 53): loads and unloads, the name a request asks
+for, and the adapters' host copies. Which slot each adapter holds and when it moves into one:
+adapter_slots.py (issue 73: more adapters loaded than slots); the device slots,
 runtime/executor/lora_slots.py; reading an adapter's files, weights/lora_adapter.py.
 
 Threads. Names are resolved in the submitting thread (`EngineCore.submit`) and loads read their
@@ -9,9 +10,10 @@ unload's mark: a request that resolved an adapter is in the inbox ahead of the u
 loop sees it among the adapter's requests; one submitted after the mark is refused.
 
 Unloading waits: the adapter is marked (new requests naming it are refused at once), and the loop
-frees its slot, zeroes it and drops its prefix-cache tree once no waiting or running request
-uses it (`between_steps`, every loop turn). A load takes a free slot (--max-loras-per-batch of
-them) and refuses when none is free.
+frees its slot (zeroed) or host copy and drops its prefix-cache tree once no waiting or running
+request uses it (`between_steps`, every loop turn). A load is written into an empty slot
+(--max-loras-per-batch of them), else kept in host memory until a request needs it; it is
+refused once --max-loaded-loras adapters are loaded.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from xlaserve.server_args import lora_paths_of
 from xlaserve.model.lora import LoraSpec, check_model
+from xlaserve.runtime.engine.adapter_slots import AdapterSlots
 from xlaserve.runtime.engine.messages import OnLoop
 from xlaserve.runtime.executor.lora_slots import slots_for
 from xlaserve.runtime.scheduler.request import AdapterRef
@@ -38,8 +41,9 @@ def lora_setup(args, config) -> tuple[LoraSpec, list[LoraAdapter]]:
                 for name, path in lora_paths_of(args.lora_paths).items()]
     spec = slots_for(args, adapters)
     check_model(config, spec)
-    logger.info("LoRA: %d slots of rank %d on %s; %d adapters at start", spec.max_loras,
-                spec.max_rank, ", ".join(spec.target_modules), len(adapters))
+    logger.info("LoRA: %d slots of rank %d on %s; %d adapters at start, %d at most "
+                "(--max-loaded-loras)", spec.max_loras, spec.max_rank,
+                ", ".join(spec.target_modules), len(adapters), args.max_loaded_loras)
     return spec, adapters
 
 
@@ -55,18 +59,17 @@ class UnknownAdapter(ValueError):
 class LoadedAdapter:
     name: str
     path: str
-    slot: int  # its device slot; requests carry slot + 1
-    key: int  # its prefix-cache namespace, unique per load
+    key: int  # what requests carry: its identity and prefix-cache namespace, unique per load
+    weights: LoraAdapter  # its host copy, written into a slot when a request needs it
     unloading: bool = False
 
 
 @dataclass
 class LoadLora:
-    """Inbox: write `adapter` into `slot` and serve it under `name`."""
+    """Inbox: serve `adapter` under `name` (written into an empty slot, if one is)."""
 
     name: str
     adapter: LoraAdapter
-    slot: int
     done: Future
 
 
@@ -79,25 +82,31 @@ class UnloadLora:
 
 
 class LoraAdapters:
-    def __init__(self, runner, scheduler, max_loras: int, model_config, wait):
-        """`wait(message)`: puts an inbox message and returns its `done` future's result
-        (EngineCore._wait): a load's slot write and an unload run on the loop (`take`)."""
+    def __init__(self, runner, scheduler, slots: AdapterSlots, max_loaded: int, model_config,
+                 wait):
+        """`slots`: the scheduler's admission gate too (`Scheduler.admission`). `max_loaded`:
+        --max-loaded-loras. `wait(message)`: puts an inbox message and returns its `done`
+        future's result (EngineCore._wait): a load's slot write and an unload run on the loop
+        (`take`)."""
         self.runner = runner
         self.scheduler = scheduler
+        self.slots = slots
+        self.max_loaded = max_loaded
         self.model_config = model_config
         self._wait = wait
         self.lock = threading.Lock()
         self.loaded: dict[str, LoadedAdapter] = {}
-        self._free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: 0 first
+        self._by_key: dict[int, LoadedAdapter] = {}  # the loop's
         self._loading: set[str] = set()
         self._keys = itertools.count(1)
         self._unloads: list[UnloadLora] = []  # waiting for their requests (loop thread)
 
     def install(self, adapter: LoraAdapter) -> LoadedAdapter:
-        """An adapter read at start-up, written into its slot before the loop runs."""
-        adapter, slot = self._claim(adapter.name, lambda: adapter)
+        """An adapter read at start-up, written into an empty slot (if one is) before the loop
+        runs."""
+        adapter = self._claim(adapter.name, lambda: adapter)
         done: Future = Future()
-        self.take(LoadLora(adapter.name, adapter, slot, done))
+        self.take(LoadLora(adapter.name, adapter, done))
         return done.result()
 
     # --- any thread ------------------------------------------------------------------------
@@ -117,14 +126,15 @@ class LoraAdapters:
             raise UnknownAdapter(name, f"lora_path {name!r}: {NO_ADAPTERS}")
         with adapters.lock:
             adapter = adapters.resolve(name)
-            request.adapter = AdapterRef(adapter.slot + 1, adapter.key)
+            request.adapter = AdapterRef(adapter.key)
             put()
 
     def load(self, name: str, path: str) -> LoadedAdapter:
-        """Reads a PEFT adapter and serves it as `name` once the loop has written its slot
-        between two steps; LoraAdapterError naming what cannot load."""
-        adapter, slot = self._claim(name, lambda: load_adapter(name, path, self.model_config))
-        return self._on_loop(LoadLora(name, adapter, slot, Future()))
+        """Reads a PEFT adapter and serves it as `name` once the loop has taken it between two
+        steps (written into an empty slot, or kept in host memory); LoraAdapterError naming what
+        cannot load."""
+        adapter = self._claim(name, lambda: load_adapter(name, path, self.model_config))
+        return self._on_loop(LoadLora(name, adapter, Future()))
 
     def unload(self, name: str) -> LoadedAdapter:
         """Refuses new requests for `name` at once; returns once its waiting and running
@@ -147,17 +157,18 @@ class LoraAdapters:
             raise UnknownAdapter(name, f"LoRA adapter {name!r} is being unloaded")
         return adapter
 
-    def _claim(self, name: str, make) -> tuple[LoraAdapter, int]:
-        """Reserves `name`, makes its adapter (`make()`: read from its files, or given) and takes
-        it a free slot: (adapter, slot). Raises LoraAdapterError for a name in use, no free slot
-        or an adapter the slots cannot hold."""
+    def _claim(self, name: str, make) -> LoraAdapter:
+        """Reserves `name` and makes its adapter (`make()`: read from its files, or given).
+        Raises LoraAdapterError for a name in use, --max-loaded-loras adapters loaded already or
+        an adapter the slots cannot hold."""
         with self.lock:
             if name in self.loaded or name in self._loading:
                 raise LoraAdapterError(f"a LoRA adapter named {name!r} is already loaded")
-            if not self._free_slots:
+            if len(self.loaded) + len(self._loading) >= self.max_loaded:
                 raise LoraAdapterError(
-                    f"every LoRA slot is taken ({len(self.loaded)} adapters, "
-                    f"--max-loras-per-batch): unload one first")
+                    f"{self.max_loaded} LoRA adapters are loaded, --max-loaded-loras "
+                    f"{self.max_loaded}: unload one first (or start with a larger "
+                    "--max-loaded-loras)")
             self._loading.add(name)
         try:
             adapter = make()
@@ -166,8 +177,7 @@ class LoraAdapters:
             with self.lock:
                 self._loading.discard(name)
             raise
-        with self.lock:
-            return adapter, self._free_slots.pop()
+        return adapter
 
     def mark_unloading(self, name: str) -> None:
         with self.lock:
@@ -183,41 +193,56 @@ class LoraAdapters:
     # --- the engine loop -------------------------------------------------------------------
 
     def before_stage(self, batch) -> None:
-        """The step hook (steps.py): the adapters of the requests the step admits."""
+        """The step hook (steps.py): the adapters moved into slots for the requests admitted
+        since the last step (adapter_slots.py), then the adapters of the requests this one
+        admits."""
+        for slot, key in self.slots.take_writes():
+            adapter = self._by_key[key]
+            try:
+                self.runner.lora.write(slot, adapter.weights)
+            except BaseException:
+                self.slots.release(key)  # not in the slot: its requests wait for another write
+                raise
+            logger.debug("LoRA adapter %s written into slot %d", adapter.name, slot)
         if batch.admitted:
-            self.runner.lora.assign([r.slot for r in batch.admitted],
-                                    [r.adapter.slot for r in batch.admitted])
+            self.runner.lora.assign([r.slot for r in batch.admitted], self.slots.device_ids(
+                [r.adapter.key for r in batch.admitted]))
 
     def take(self, message: "LoadLora | UnloadLora") -> None:
         """A LoadLora or UnloadLora, on the loop."""
         if isinstance(message, LoadLora):
+            adapter, key = message.adapter, next(self._keys)
+            slot = self.slots.place(key)
             try:
-                self.runner.lora.write(message.slot, message.adapter)
+                if slot is not None:
+                    self.runner.lora.write(slot, adapter)
             except Exception as error:
+                self.slots.release(key)
                 with self.lock:
                     self._loading.discard(message.name)
-                    self._free_slots.append(message.slot)
                 message.done.set_exception(error)
                 return
-            adapter = message.adapter
+            loaded = LoadedAdapter(message.name, adapter.path, key, adapter)
+            self._by_key[key] = loaded
             with self.lock:
                 self._loading.discard(message.name)
-                self.loaded[message.name] = LoadedAdapter(
-                    message.name, adapter.path, message.slot, next(self._keys))
-            logger.info("LoRA adapter %s loaded: slot %d, rank %d, %s (%.1f MB)", message.name,
-                        message.slot, adapter.rank, ", ".join(adapter.target_modules),
-                        adapter.nbytes / 2**20)
-            message.done.set_result(self.loaded[message.name])
+                self.loaded[message.name] = loaded
+            logger.info("LoRA adapter %s loaded: %s, rank %d, %s (%.1f MB)", message.name,
+                        "host memory (no slot empty)" if slot is None else f"slot {slot}",
+                        adapter.rank, ", ".join(adapter.target_modules), adapter.nbytes / 2**20)
+            message.done.set_result(loaded)
         else:
             self._unloads.append(message)
             self.between_steps()
 
     def between_steps(self) -> None:
-        """The hook the loop calls each turn (steps.py): frees the slots of adapters being
-        unloaded that no request uses any more."""
+        """The hook the loop calls each turn (steps.py): the slots' turn (adapter_slots.py);
+        frees the slots and host copies of adapters being unloaded that no request uses any
+        more."""
+        scheduler = self.scheduler
+        self.slots.new_turn(scheduler.waiting)
         if not self._unloads:
             return
-        scheduler = self.scheduler
         busy = {r.adapter.key for r in (*scheduler.waiting, *scheduler.running)}
         pending = []
         for message in self._unloads:
@@ -226,15 +251,17 @@ class LoraAdapters:
                 pending.append(message)
                 continue
             try:
-                self.runner.lora.write(adapter.slot, None)
+                slot = self.slots.release(adapter.key)
+                if slot is not None:
+                    self.runner.lora.write(slot, None)
                 freed = scheduler.cache.drop_namespace(adapter.key)
             except Exception as error:
                 message.done.set_exception(error)
                 continue
+            del self._by_key[adapter.key]
             with self.lock:
                 del self.loaded[message.name]
-                self._free_slots.append(adapter.slot)
-            logger.info("LoRA adapter %s unloaded: slot %d free, %d cached pages freed",
-                        message.name, adapter.slot, freed)
+            logger.info("LoRA adapter %s unloaded: %s free, %d cached pages freed", message.name,
+                        "host memory" if slot is None else f"slot {slot}", freed)
             message.done.set_result(adapter)
         self._unloads = pending

@@ -48,10 +48,11 @@ from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.runtime.engine.pooled_outputs import PooledSteps
 from xlaserve.runtime.engine.steps import NO_HIDDEN_STATES, GenerationSteps, NoHiddenStates
 from xlaserve.runtime.engine.hidden_states import HiddenStates
+from xlaserve.runtime.engine.adapter_slots import AdapterSlots
 from xlaserve.runtime.engine.lora_adapters import LoraAdapters, lora_setup
 from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
-from xlaserve.runtime.scheduler.scheduler import NoSpeculation, Scheduler
+from xlaserve.runtime.scheduler.scheduler import EveryRequest, NoSpeculation, Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig, Speculator
 from xlaserve.server_args import (Mode, ServerArgs, hf_overrides, images_per_request, pooler_config,
                                   platform_defaults, processor_kwargs, refuse_conflicts,
@@ -82,6 +83,8 @@ class EngineParts:
     draft: DraftModel | None = None  # --speculative-algorithm STANDALONE: the draft model
     draft_head: DraftHead | None = None  # EAGLE3, NEXTN: the draft head's own steps
     lora_adapters: list | None = None  # --enable-lora: --lora-paths' adapters, read (else None)
+    # --enable-lora: which adapter each slot holds, the scheduler's admission gate (else None)
+    adapter_slots: AdapterSlots | None = None
     pooling: Pooling | None = None  # an embedding server's (--is-embedding); None: it generates
     # A reranker's, classifier's or reward model's (weights/classifier_head.py)
     classifier_head: ClassifierHead | None = None
@@ -187,6 +190,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                         running, num_pages * page_size, num_pages * page_size // running)
             args = dataclasses.replace(args, max_running_requests=running)
     lora_spec, lora_adapters = lora_setup(args, config) if args.enable_lora else (None, None)
+    adapter_slots = None if lora_spec is None else AdapterSlots(lora_spec.max_loras)
     runner_class, pooled = ((ModelRunner, {}) if pooling is None
                             else (EmbeddingRunner, {"pooling_mode": pooling.mode}))
     runner = runner_class(loaded, num_pages=num_pages, page_size=page_size, **pooled,
@@ -247,7 +251,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         # An encoder's and CLS / mean pooling's pages are never reused (pooled_outputs.py).
         radix_cache=not args.disable_radix_cache and (
             pooling is None or (pooling.mode == "last" and not config.bidirectional)),
-        speculator=speculator_for(args, drafter), host_pages=host_pages)
+        speculator=speculator_for(args, drafter), host_pages=host_pages,
+        admission=EveryRequest() if adapter_slots is None else adapter_slots)
     host_kv = HostKvPool(runner.kv_specs, host_pages) if host_pages else None
     if args.dp_size > 1:
         scheduler.log.prefix = f"[DP{dp_rank}] "
@@ -293,6 +298,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        else "xlaserve-engine",
                        group=leader or OneProcess(),
                        draft=draft, draft_head=draft_head, lora_adapters=lora_adapters,
+                       adapter_slots=adapter_slots,
                        pooling=pooling, classifier_head=classifier_head, images=images,
                        host_kv=host_kv,
                        hidden_states=HiddenStates(config.hidden_size, args.max_hidden_state_values)
@@ -376,13 +382,14 @@ def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,
 
 
 def lora_adapters(parts: EngineParts, wait) -> LoraAdapters | None:
-    """--enable-lora: the adapters by name (lora_adapters.py), --lora-paths' written into their
-    slots; else None. `wait(message)`: EngineCore._wait, for loads and unloads."""
+    """--enable-lora: the adapters by name (lora_adapters.py), --lora-paths' loaded (the first
+    --max-loras-per-batch written into the slots); else None. `wait(message)`: EngineCore._wait,
+    for loads and unloads."""
     runner = parts.runner
-    if runner.lora.spec is None:
+    if parts.adapter_slots is None:
         return None
-    adapters = LoraAdapters(runner, parts.scheduler, runner.lora.spec.max_loras,
-                            parts.loaded.config, wait)
+    adapters = LoraAdapters(runner, parts.scheduler, parts.adapter_slots,
+                            parts.args.max_loaded_loras, parts.loaded.config, wait)
     for adapter in parts.lora_adapters or ():
         adapters.install(adapter)
     return adapters

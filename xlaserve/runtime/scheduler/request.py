@@ -94,10 +94,10 @@ class Pooled:
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """A request's LoRA adapter: its slot + 1 on the device (0: none, the base model), and its
-    load's namespace in the prefix cache (prefix_cache.py; 0: the base model's)."""
+    """A request's LoRA adapter: its load's key (0: none, the base model), which is also its
+    namespace in the prefix cache (prefix_cache.py). Its device slot is bound at admission
+    (runtime/engine/adapter_slots.py), and may differ each time it is admitted."""
 
-    slot: int = 0
     key: int = 0
 
 

@@ -60,13 +60,23 @@ class NoSpeculation:
         return {}
 
 
+class EveryRequest:
+    """The admission gate of a server whose requests need only pages and a slot to start (a LoRA
+    server's also gives each an adapter slot: runtime/engine/adapter_slots.py)."""
+
+    def admits(self, request: Request, running: list[Request]) -> bool:
+        return True
+
+
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
                  chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
                  log_interval: int = 40, radix_cache: bool = True,
-                 speculator: Speculator | NoSpeculation = NoSpeculation(), host_pages: int = 0):
+                 speculator: Speculator | NoSpeculation = NoSpeculation(), host_pages: int = 0,
+                 admission=EveryRequest()):
         """`speculator`: --speculative-algorithm's (speculation.py), or NoSpeculation (stateless).
-        `host_pages`: the prefix cache's host tier (host_tier.py; 0: none)."""
+        `host_pages`: the prefix cache's host tier (host_tier.py; 0: none). `admission`: whether
+        a waiting request may start now, beside pages (`admits(request, running)`)."""
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
@@ -81,6 +91,7 @@ class Scheduler:
         self.context_length = context_length
         self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
         self.speculator = speculator
+        self.admission = admission
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
@@ -239,7 +250,8 @@ class Scheduler:
         """Chunks of unfinished prompts: running ones first (unless `only_waiting`), then new
         admissions in queue order, within `budget` prompt tokens and the free pages. Stops at the
         first request that does not fit, so a big request at the head of the queue is not
-        starved by smaller ones."""
+        starved by smaller ones; passes over one that `admission` holds back (its adapter's
+        slot)."""
         rows = []
         running = [] if only_waiting else [r for r in self.running if not r.is_decoding]
         candidates = running + (list(self.waiting) if admit else [])
@@ -248,6 +260,8 @@ class Scheduler:
             if is_new:
                 if len(self.running) >= self.max_running_requests:
                     break
+                if not self.admission.admits(r, self.running):  # later, in its queue place
+                    continue
                 self.prefix.attach(r)
                 if self.prefix.waits_for_a_running_prefill(r, self.running):
                     self.prefix.detach(r)
