@@ -156,3 +156,21 @@ def test_a_truncated_weights_file_is_refused_naming_it(tmp_path, keep):
         f.write(data[:int(len(data) * keep)])
     with pytest.raises(LoraAdapterError, match="adapter_model.safetensors: not a readable"):
         load_adapter("x", directory, CONFIG)
+
+
+def test_an_adapter_kept_in_host_memory_takes_the_slots_dtype_and_writes_the_same(tmp_path):
+    """Adapters loaded beyond the slots wait in host memory (issue 73), each in the slots' dtype:
+    half of float32's bytes in bfloat16, and bit for bit the slot values of the float32 one."""
+    import jax
+
+    from xlaserve.model.sharding import serving_mesh
+    from xlaserve.runtime.executor.lora_slots import LoraSlots
+    from xlaserve.server_args import TARGET_MODULES
+
+    adapter = load_adapter("x", adapter_dir(tmp_path), CONFIG)
+    slots = LoraSlots(LoraSpec(2, 4, TARGET_MODULES), CONFIG, "bfloat16",
+                      serving_mesh(jax.devices()[:1], 1), 4, 0)
+    kept = slots.host_copy(adapter)
+    assert kept.nbytes * 2 == adapter.nbytes
+    for ours, theirs in zip(slots._slot_values(kept), slots._slot_values(adapter), strict=True):
+        assert ours.dtype == theirs.dtype and ours.tobytes() == theirs.tobytes()

@@ -143,7 +143,8 @@ def test_adapters_split_over_two_devices_like_their_base_weights(models):
 def test_three_adapters_take_turns_in_two_slots_without_a_compile(engine, models, caplog):
     """Rows of three adapters (and the base model) in one call on two slots: each adapter is
     written into a slot when its requests' turn comes (the others wait, none fails), and every
-    row gives transformers + peft's tokens; the writes compile nothing."""
+    row gives transformers + peft's tokens; the writes compile nothing. The one left out of the
+    slots unloads at once."""
     _, base, paths, merged = models
     engine.load_lora_adapter("c", paths["c"])  # three adapters for two slots
     runner, slots = engine.core.runner, engine.core.features.lora.slots
@@ -157,4 +158,10 @@ def test_three_adapters_take_turns_in_two_slots_without_a_compile(engine, models
         assert result["output_ids"] == hf_greedy(oracle, prompt, 10), adapter
     assert slots.swaps >= swaps + 2  # c in, then the one it pushed out back
     assert runner.compile_count() == compiled and "COMPILED WHILE SERVING" not in caplog.text
+    # the adapter in no slot now unloads at once, its host copy dropped; it loads again
+    lora = engine.core.features.lora
+    (waiting,) = [n for n in "abc" if lora.loaded[n].key not in slots.slot_of]
+    engine.unload_lora_adapter(waiting)
+    assert waiting not in {a.name for a in lora.cards()} and len(lora._by_key) == 2
+    engine.load_lora_adapter(waiting, paths[waiting])
     engine.unload_lora_adapter("c")

@@ -173,6 +173,7 @@ class LoraAdapters:
         try:
             adapter = make()
             self.runner.lora.check(adapter)
+            adapter = self.runner.lora.host_copy(adapter)
         except BaseException:
             with self.lock:
                 self._loading.discard(name)

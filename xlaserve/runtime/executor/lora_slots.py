@@ -160,6 +160,16 @@ class LoraSlots:
                 f"LoRA adapter {adapter.name!r} targets {', '.join(missing)}, which the server's "
                 f"--lora-target-modules ({', '.join(self.spec.target_modules)}) leave out")
 
+    def host_copy(self, adapter: LoraAdapter) -> LoraAdapter:
+        """`adapter` as a server keeps it in host memory to write into a slot whenever a request
+        needs it (issue 73): its matrices in the slots' dtype, which a write casts them to anyway
+        (half of float32's bytes in bfloat16; the slot's values the same)."""
+        if self.dtype == np.float32:
+            return adapter
+        return dataclasses.replace(adapter, weights={
+            key: (a.astype(self.dtype), b.astype(self.dtype))
+            for key, (a, b) in adapter.weights.items()})
+
     def _slot_values(self, adapter: LoraAdapter | None) -> list[np.ndarray]:
         """One slot's part of every slot array, on the host: the adapter's matrices with their
         rank padded to max_rank (zeros add nothing), zeros where it has none."""
