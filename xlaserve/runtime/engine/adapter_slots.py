@@ -38,6 +38,9 @@ class AdapterSlots:
         self._wanted: dict[int, int] = {}  # slot -> the waiting adapter it is emptied for
         self._writes: dict[int, int] = {}  # slot -> the adapter to write into it before a step
         self._busy: set[int] | None = None  # running requests' adapters this turn (a superset)
+        # Adapters refused this turn: refused again at once (a long queue of them costs a set
+        # lookup each). A refusal holds for the turn: admissions only make more slots busy.
+        self._refused: set[int] = set()
         self.swaps = 0  # adapters written into a slot for a waiting request
 
     # --- the scheduler's gate ------------------------------------------------------------------
@@ -48,9 +51,12 @@ class AdapterSlots:
         key = request.adapter.key
         if not key:  # the base model
             return True
+        if key in self._refused:
+            return False
         slot = self.slot_of.get(key)
         if slot is not None:
             if slot in self._wanted:  # emptied for a waiting adapter: none of its requests start
+                self._refused.add(key)
                 return False
             self._used[slot] = next(self._ticks)
             return True
@@ -58,12 +64,14 @@ class AdapterSlots:
         reserved = next((s for s, k in self._wanted.items() if k == key), None)
         open_slots = [s for s in range(len(self.keys)) if s not in self._wanted or s == reserved]
         if not open_slots:  # every slot is reserved for another waiting adapter
+            self._refused.add(key)
             return False
         # Empty first, then free of running requests, then the least recently used.
         slot = min(open_slots, key=lambda s: (self.keys[s] != 0, self.keys[s] in busy,
                                               self._used[s]))
         if self.keys[slot] in busy:  # none is free: the reserved one empties for it
             self._wanted[slot if reserved is None else reserved] = key
+            self._refused.add(key)
             return False
         if reserved is not None:  # another slot emptied first
             del self._wanted[reserved]
@@ -91,9 +99,11 @@ class AdapterSlots:
     # --- the LoRA hook (lora_adapters.py) ------------------------------------------------------
 
     def new_turn(self, waiting) -> None:
-        """Each loop turn: the running requests' adapters are counted again when needed, and a
-        reservation for an adapter no waiting request uses any more (aborted) is dropped."""
+        """Each loop turn: the running requests' adapters are counted again when needed, refused
+        adapters are asked again, and a reservation for an adapter no waiting request uses any
+        more (aborted) is dropped."""
         self._busy = None
+        self._refused.clear()
         if self._wanted:
             waiting_keys = {r.adapter.key for r in waiting}
             self._wanted = {s: k for s, k in self._wanted.items() if k in waiting_keys}

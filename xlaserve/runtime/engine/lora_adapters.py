@@ -4,8 +4,9 @@ adapter_slots.py (issue 73: more adapters loaded than slots); the device slots,
 runtime/executor/lora_slots.py; reading an adapter's files, weights/lora_adapter.py.
 
 Threads. Names are resolved in the submitting thread (`EngineCore.submit`) and loads read their
-files there too; the slot writes and the end of an unload run on the engine loop, between steps,
-as inbox messages. One lock orders a request's resolve and its put in the inbox with an
+files there too; the slot writes and the end of an unload run on the engine loop, between steps
+(a load's and an unload's as inbox messages; an adapter moved into a slot, before the step that
+needs it: `before_stage`). One lock orders a request's resolve and its put in the inbox with an
 unload's mark: a request that resolved an adapter is in the inbox ahead of the unload, so the
 loop sees it among the adapter's requests; one submitted after the mark is refused.
 
