@@ -39,6 +39,19 @@ FAMILIES = {
                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                      "original_max_position_embeddings": 16},
                     max_position_embeddings=256),
+    # Gemma 3: a sliding layer (window 4, shorter than the prompts; RoPE theta 10^4) and a full
+    # one (10^6, linear x8), Gemma's norms (1 + weight, q/k, around both sublayers), embeddings
+    # times sqrt(hidden), query_pre_attn_scalar other than head_dim, GeGLU, tied LM head.
+    # Its embeddings 8x smaller, as the model scales them up by sqrt(64): otherwise each row's
+    # own token dominates the tied LM head and greedy decoding repeats the last prompt token.
+    "gemma3": dict(cls="Gemma3TextConfig", architecture="Gemma3ForCausalLM", head_dim=16,
+                   embedding_std=0.0625,
+                   query_pre_attn_scalar=24, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1000000.0}}),
 }
 
 # DeepSeek-V2/V3 (model/mla.py, model/routing.py): multi-head latent attention (V3 with a query
@@ -77,11 +90,13 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
 
     spec = dict(FAMILIES.get(family) or DEEPSEEK[family])
     config_cls = getattr(transformers, spec.pop("cls"))
+    architecture = spec.pop("architecture", config_cls.__name__.replace("Config", "ForCausalLM"))
+    embedding_std = spec.pop("embedding_std", 0.5)
     config = config_cls(**{
         **dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=2, vocab_size=vocab_size, rms_norm_eps=1e-6),
         **spec, **config_overrides})
-    config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [architecture]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
@@ -89,7 +104,7 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
             if "norm" in name:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif "embed" in name:
-                param.copy_(0.5 * torch.randn_like(param))
+                param.copy_(embedding_std * torch.randn_like(param))
             elif name.endswith("sinks"):  # as large as the logits, so that they matter
                 param.copy_(torch.randn_like(param))
             elif name.endswith("mlp.router.weight"):

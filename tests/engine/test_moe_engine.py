@@ -1,15 +1,11 @@
 """Mixture-of-experts models (tiny random Qwen3-MoE and gpt-oss) through the engine: continuous
 batching, chunked prefill and the prefix cache change which rows share a step and how many padding
 rows it has, never a request's tokens; they stay transformers' greedy tokens, and nothing compiles
-after the precompile; with --ep-size, too."""
-import json
-import subprocess
-import sys
-import textwrap
-
+after the precompile; with --ep-size, too (the checks: tests/engine/family_engine.py)."""
 import pytest
 
-from tests.hf_reference import hf_greedy
+from tests.engine.family_engine import (check_batched_equal_solo_and_transformers,
+                                        check_cached_prefix, check_two_devices)
 from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 
@@ -40,47 +36,16 @@ def engine(checkpoint):
 
 
 def test_batched_chunked_greedy_requests_equal_solo_runs_and_transformers(engine, checkpoint):
-    compiles = engine.core.runner.compile_count()
-    together = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    for prompt, result in zip(PROMPTS, together, strict=True):
-        solo = engine.generate(input_ids=prompt, sampling_params=GREEDY)
-        assert result["output_ids"] == solo["output_ids"] == hf_greedy(checkpoint[1], prompt, 10)
-    assert engine.core.runner.compile_count() == compiles
+    check_batched_equal_solo_and_transformers(engine, checkpoint[1], PROMPTS, GREEDY)
 
 
 def test_a_prompt_that_reuses_cached_pages_gives_the_same_tokens(engine, checkpoint):
-    engine.core.flush_cache()
-    system = [5, 17, 300, 42, 9, 77, 120, 3]  # two whole pages of 4
-    first = engine.generate(input_ids=system + [91, 13], sampling_params=GREEDY)
-    second = engine.generate(input_ids=system + [400, 401, 402], sampling_params=GREEDY)
-    assert [first["meta_info"]["cached_tokens"], second["meta_info"]["cached_tokens"]] == [0, 8]
-    assert second["output_ids"] == hf_greedy(checkpoint[1], system + [400, 401, 402], 10)
-
-
-EXPERT_PARALLEL_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax
-    from xlaserve.offline import Engine
-
-    assert len(jax.devices()) == 2, jax.devices()
-    prompts, greedy, small = json.loads(sys.argv[2])
-    with Engine(sys.argv[1], tp_size=2, ep_size=2, **small) as engine:
-        compiles = engine.core.runner.compile_count()
-        out = engine.generate(input_ids=prompts, sampling_params=greedy)
-        assert engine.core.runner.compile_count() == compiles, "compiled while serving"
-    print(json.dumps([o["output_ids"] for o in out]))
-""")
+    check_cached_prefix(engine, checkpoint[1], GREEDY)
 
 
 def test_expert_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     """--tp-size 2 --ep-size 2 on two CPU devices: four experts each, the batched and chunked
     greedy tokens still transformers' own, and the precompiled steps are the only ones. Over
     20 s: a process with two CPU devices starts JAX and precompiles the MoE's sharded steps."""
-    result = subprocess.run(
-        [sys.executable, "-c", EXPERT_PARALLEL_SCRIPT, checkpoint[0],
-         json.dumps([PROMPTS, GREEDY, SMALL])], capture_output=True, text=True, timeout=600,
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-             "PATH": "/usr/bin:/bin", "TRANSFORMERS_VERBOSITY": "error"})
-    assert result.returncode == 0, result.stderr[-4000:]
-    tokens = json.loads(result.stdout.strip().splitlines()[-1])
-    assert tokens == [hf_greedy(checkpoint[1], prompt, 10) for prompt in PROMPTS]
+    check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY,
+                      dict(SMALL, tp_size=2, ep_size=2))

@@ -107,6 +107,13 @@ def test_logits_match_transformers_for_ragged_batch_then_decode(
         assert got[prompt_len - 1:-1].argmax(-1).tolist() == full[prompt_len:]
 
 
+# bfloat16's error as a fraction of the logit scale, 2% unless given (measured: under 1%). The
+# tiny Gemma 3's logits are small (its tied embeddings are, tests/tiny_models.py) and its norms
+# after each sublayer amplify roundings: measured 4.5% at most, where transformers' own bfloat16
+# model is 6.7% from its float32 one.
+BFLOAT16_BOUNDS = {"gemma3": 0.05}
+
+
 @pytest.mark.parametrize("layout,round_projections", [(layout, False) for layout in WEIGHT_LAYOUTS]
                          + [("xla", True)], ids=[*WEIGHT_LAYOUTS, "xla-rounded"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -130,7 +137,7 @@ def test_bfloat16_weights_and_cache_give_logits_within_bfloat16_precision(tiny_c
     for (full, expected), got in zip(references, ours, strict=True):
         rows = _decisive_routing_rows(hf_model, full)
         checked += rows.sum()
-        bound = 0.02 * np.abs(expected).max()  # measured: under 1% of the logit scale
+        bound = BFLOAT16_BOUNDS.get(family, 0.02) * np.abs(expected).max()
         np.testing.assert_allclose(got[rows], expected[rows], atol=bound, rtol=0)
         top2 = np.sort(expected, axis=-1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 2 * bound  # no near-tie: the argmax must agree
@@ -174,9 +181,9 @@ def test_rope_computed_on_the_host_equals_the_traced_rope(tiny_checkpoints, fami
     directory, _ = tiny_checkpoints[family]
     config = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False).config
     positions = np.array([0, 1, 2, 17, 255, 4096, 32767, 131071], np.int32)
-    inv_freq = config.rope.inv_freq(config.head_dim)
+    inv_freq = config.rope_inv_freq()  # every table's (Gemma 3's two side by side)
     traced = jax.jit(lambda p: (jnp.cos(p.astype(jnp.float32)[:, None] * inv_freq[None, :]),
                                 jnp.sin(p.astype(jnp.float32)[:, None] * inv_freq[None, :])))
     for host, device in zip(rope_cos_sin(inv_freq, positions), traced(positions), strict=True):
-        assert host.dtype == np.float32 and host.shape == (len(positions), config.head_dim // 2)
+        assert host.dtype == np.float32 and host.shape == (len(positions), len(inv_freq))
         np.testing.assert_allclose(host, np.asarray(device), rtol=0, atol=2e-6)

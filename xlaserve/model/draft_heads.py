@@ -86,7 +86,7 @@ class Eagle3Head(nnx.Module):
         cos, sin = traced_rope(self.config, positions)
         attn_out, kv_cache = self.attn(x, cos, sin, kv_cache, metadata, kernels)
         norm = self.post_attention_norm
-        x, normed = kernels.add_rms_norm(residual, attn_out, norm.scale[...], norm.eps,
+        x, normed = kernels.add_rms_norm(residual, attn_out, norm.factor(), norm.eps,
                                          self.mlp.input_dtype())
         return x + self.mlp(normed, kernels), kv_cache
 

@@ -217,20 +217,32 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
+    """`offset`: what the weight is added to before it multiplies (Gemma's 1; 0 elsewhere)."""
+
+    def __init__(self, dim: int, eps: float, dtype, offset: float = 0.0):
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.factor(), self.eps)
+
+    def factor(self) -> jax.Array:
+        """What x / rms(x) is multiplied by: the weight as stored, or offset + weight in float32
+        (transformers' Gemma3RMSNorm: `1.0 + weight.float()`)."""
+        if not self.offset:
+            return self.scale[...]
+        return self.scale[...].astype(jnp.float32) + self.offset
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matrix."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matrix; with `activation`
+    "gelu_tanh", GeGLU (Gemma's: GELU's tanh approximation in place of silu)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, rngs: nnx.Rngs,
+                 activation: str = "silu"):
         self.gate_up = nnx.Param(init_weight(rngs, (hidden_size, 2, intermediate_size), dtype))
         self.down = nnx.Param(init_weight(rngs, (intermediate_size, hidden_size), dtype))
+        self.activation = activation
 
     def input_dtype(self) -> jnp.dtype:
         """The dtype x should come in (the norm in front rounds to it)."""
@@ -241,7 +253,10 @@ class MLP(nnx.Module):
         gate_up, down = self.gate_up[...], self.down[...]
         dtype = matmul_input_dtype(down)
         fused = lora is None or "gate_up" not in lora.projections  # the adapters' add comes first
-        if (fused and isinstance(gate_up, PackedMatrix)
+        if self.activation == "gelu_tanh":
+            both = project(x, gate_up, kernels, lora, "gate_up")
+            activation = (jax.nn.gelu(both[:, 0], approximate=True) * both[:, 1]).astype(dtype)
+        elif (fused and isinstance(gate_up, PackedMatrix)
                 and kernels.packed_matmul_swiglu is not None):
             activation = kernels.packed_matmul_swiglu(x, gate_up.panels, gate_up.columns,
                                                       gate_up.layer, gate_up.bf16_pairs, dtype)

@@ -20,6 +20,9 @@ MODEL_CLASSES = {
     # Multi-head latent attention (model/mla.py) and DeepSeek's experts (model/routing.py).
     "DeepseekV2ForCausalLM": CausalLM,
     "DeepseekV3ForCausalLM": CausalLM,
+    # Gemma 3's text model (model/config/gemma_config.py): local and global layers with their own
+    # RoPE, Gemma's norms, GeGLU.
+    "Gemma3ForCausalLM": CausalLM,
     # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
     # a vision tower the engine runs per image.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,

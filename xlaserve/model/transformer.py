@@ -82,8 +82,8 @@ class Attention(nnx.Module):
         if c.attention_sinks:
             self.sinks = nnx.Param(jnp.zeros((c.num_heads,), dtype))
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
 
     def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels,
                  lora=None):
@@ -103,7 +103,7 @@ class Attention(nnx.Module):
             q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, dtype)
         else:
             q, k, v = kernels.qkv_rope(qkv, cos, sin, dtype)
-        sm_scale, (k_scale, v_scale) = c.head_dim**-0.5, self.kv_scales
+        sm_scale, (k_scale, v_scale) = c.softmax_scale, self.kv_scales
         if fp8:  # the scales fold into the softmax scale and the output
             k, v = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
             sm_scale *= k_scale
@@ -114,7 +114,7 @@ class Attention(nnx.Module):
             group = c.queries_per_kv
             out, _ = kernels.bidirectional_attention(
                 q, jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1), metadata.cu_q_lens,
-                metadata.num_seqs, sm_scale=c.head_dim**-0.5)
+                metadata.num_seqs, sm_scale=c.softmax_scale)
             out = out.astype(dtype)
         elif metadata.tree_masks is None:
             out, kv_cache = kernels.attention(*args, sm_scale=sm_scale,
@@ -137,27 +137,38 @@ class Attention(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = (MLAttention(config, layer_index, dtype, rngs) if config.mla is not None
-                     else Attention(config, layer_index, dtype, rngs))
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = (MoE(config, dtype, rngs) if config.moe_layers[layer_index]
-                    else MLP(config.hidden_size, config.intermediate_size, dtype, rngs))
+        c = config
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
+        self.attn = (MLAttention(c, layer_index, dtype, rngs) if c.mla is not None
+                     else Attention(c, layer_index, dtype, rngs))
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
+        self.mlp = (MoE(c, dtype, rngs) if c.moe_layers[layer_index]
+                    else MLP(c.hidden_size, c.intermediate_size, dtype, rngs, c.activation))
+        if c.sandwich_norms:  # Gemma's norms of the sublayers' outputs
+            self.attn_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
+            self.mlp_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
+        self.rope_table = c.rope_table(layer_index)  # which of the step's RoPE tables it reads
 
     def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels, lora=None):
         """`x` is the residual stream and `normed` its input norm (`input_rms_norm`), which the
         caller takes together with the residual add in front of it. Returns x + attention, the
         MLP's output (the caller adds it) and the KV cache. `lora`: the layer's LoRA adapters
         (model/lora.LayerLora; model/lora.check_model keeps them off latent attention and
-        experts), or None."""
+        experts), or None. With sandwich norms (Gemma) attention's and the MLP's outputs are
+        normed before they are added."""
         if lora is None:
             attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels)
         else:
             attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels, lora)
+        sandwich = hasattr(self, "attn_output_norm")
+        if sandwich:
+            attn_out = self.attn_output_norm(attn_out)
         norm = self.post_attention_norm
-        x, normed = kernels.add_rms_norm(x, attn_out, norm.scale[...], norm.eps,
+        x, normed = kernels.add_rms_norm(x, attn_out, norm.factor(), norm.eps,
                                          self.mlp.input_dtype())
         mlp_out = self.mlp(normed, kernels) if lora is None else self.mlp(normed, kernels, lora)
+        if sandwich:
+            mlp_out = self.mlp_output_norm(mlp_out)
         return x, mlp_out, kv_cache
 
     def input_rms_norm(self, x, delta, kernels: Kernels):
@@ -165,8 +176,8 @@ class DecoderLayer(nnx.Module):
         is None."""
         norm, dtype = self.input_norm, matmul_input_dtype(self.attn.input_matrix())
         if delta is None:
-            return x, kernels.rms_norm(x, norm.scale[...], norm.eps, dtype)
-        return kernels.add_rms_norm(x, delta, norm.scale[...], norm.eps, dtype)
+            return x, kernels.rms_norm(x, norm.factor(), norm.eps, dtype)
+        return kernels.add_rms_norm(x, delta, norm.factor(), norm.eps, dtype)
 
 
 class CausalLM(nnx.Module):
@@ -179,7 +190,8 @@ class CausalLM(nnx.Module):
         self.layers = nnx.List(
             [DecoderLayer(config, i, dtype, rngs) for i in range(config.num_layers)]
         )
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                  config.norm_offset)
         if not config.tie_word_embeddings and config.lm_head:
             self.lm_head = nnx.Param(init_weight(rngs, (config.hidden_size, config.vocab_size), dtype))
 
@@ -211,11 +223,12 @@ class CausalLM(nnx.Module):
         their token's embedding; layer i's output adds input_embeds[i + 1] (Qwen3-VL's DeepStack:
         zeros but at image tokens)."""
         if input_embeds is None:
-            x = embed(self.embedding[...], input_ids).astype(jnp.float32)
+            x = self.token_embeddings(input_ids)
         else:
             x = jnp.where((input_ids < 0)[:, None], input_embeds[0].astype(jnp.float32),
-                          embed(self.embedding[...], jnp.maximum(input_ids, 0)).astype(jnp.float32))
-        cos, sin = rope if rope is not None else traced_rope(self.config, positions)
+                          self.token_embeddings(jnp.maximum(input_ids, 0)))
+        tables = rope_tables(*(rope if rope is not None else traced_rope(self.config, positions)),
+                             self.config.local_rope is not None)
         new_caches, mlp_out, captured = [], None, {}
         if self.config.bidirectional:  # no cache (ModelConfig.bidirectional): the pool is empty
             kv_caches = [None] * len(self.layers)
@@ -223,8 +236,8 @@ class CausalLM(nnx.Module):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
             if capture and index in capture:
                 captured[index] = x
-            x, mlp_out, kv_cache = layer(x, normed, cos, sin, kv_cache, metadata, kernels,
-                                         None if lora is None else lora.layer(index))
+            x, mlp_out, kv_cache = layer(x, normed, *tables[layer.rope_table], kv_cache, metadata,
+                                         kernels, None if lora is None else lora.layer(index))
             if input_embeds is not None and index + 1 < input_embeds.shape[0]:
                 mlp_out = mlp_out + input_embeds[index + 1].astype(jnp.float32)
             new_caches.append(kv_cache)
@@ -233,6 +246,15 @@ class CausalLM(nnx.Module):
         if capture is not None:
             return x + mlp_out, new_caches, [captured[i] for i in capture]
         return x + mlp_out, new_caches
+
+    def token_embeddings(self, input_ids: jax.Array) -> jax.Array:
+        """float32[T, hidden]: the tokens' embedding rows, times the config's
+        `embedding_multiplier` in the embedding's dtype where it is not 1 (Gemma's sqrt(hidden),
+        rounded to that dtype as transformers' Gemma3TextScaledWordEmbedding does)."""
+        rows = embed(self.embedding[...], input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            rows = rows * np.float32(self.config.embedding_multiplier).astype(rows.dtype)
+        return rows.astype(jnp.float32)
 
     def embeddings(self, hidden: jax.Array, cu_q_lens: jax.Array, mode: str,
                    normalize: bool) -> jax.Array:
@@ -256,13 +278,22 @@ class CausalLM(nnx.Module):
 
 
 def traced_rope(config: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
-    """RoPE's (cos, sin) [T, head_dim / 2] of `positions` by `config`, computed in the program
-    (YaRN's attention factor applied; 1.0 for the other kinds): where no host table is sent
-    (step_inputs.RopeTable), as for a draft head (draft_heads.py) whose RoPE may differ from
-    its target's."""
-    angles = rope_angles(config.rope.inv_freq(config.head_dim), positions)
+    """RoPE's (cos, sin) [T, tables x head_dim / 2] of `positions` by `config` (its tables side
+    by side, `ModelConfig.rope_inv_freq`), computed in the program (YaRN's attention factor
+    applied; 1.0 for the other kinds): where no host table is sent (step_inputs.RopeTable), as
+    for a draft head (draft_heads.py) whose RoPE may differ from its target's."""
+    angles = rope_angles(config.rope_inv_freq(), positions)
     scale = config.rope.attention_factor
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def rope_tables(cos: jax.Array, sin: jax.Array, two: bool) -> list[tuple[jax.Array, jax.Array]]:
+    """The step's (cos, sin) rows as one (cos, sin) pair per RoPE table (`two`: the config has a
+    local RoPE, `ModelConfig.rope_table`); with one table, the arrays as they are."""
+    if not two:
+        return [(cos, sin)]
+    half = cos.shape[-1] // 2
+    return [(cos[:, :half], sin[:, :half]), (cos[:, half:], sin[:, half:])]
 
 
 def rope_angles(inv_freq: np.ndarray, positions):
@@ -273,7 +304,7 @@ def rope_angles(inv_freq: np.ndarray, positions):
 def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray, attention_factor: float = 1.0
                  ) -> tuple[np.ndarray, np.ndarray]:
     """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions`, on the host, for
-    `inv_freq = config.rope.inv_freq(head_dim)`, both times `config.rope.attention_factor` (YaRN
+    `inv_freq = config.rope_inv_freq()`, both times `config.rope.attention_factor` (YaRN
     scales them, as transformers does). Inside a step, XLA's CPU fusion recomputed cos
     and sin in every layer's RoPE fusion, for every head (~3M sincos per 128-row step of the
     default model, 4% of it); as step inputs they are computed once. The angles are the traced

@@ -163,9 +163,16 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
     if c.qk_norm:
         yield layer + ("attn", "q_norm", "scale"), _fetch(source, attn + "q_norm.weight", (head_dim,))
         yield layer + ("attn", "k_norm", "scale"), _fetch(source, attn + "k_norm.weight", (head_dim,))
-    yield layer + ("post_attention_norm", "scale"), _fetch(
-        source, prefix + "post_attention_layernorm.weight", (hidden,)
-    )
+    if c.sandwich_norms:  # Gemma: post_attention_layernorm norms attention's output
+        yield from (
+            (layer + (ours, "scale"), _fetch(source, f"{prefix}{theirs}_layernorm.weight", (hidden,)))
+            for ours, theirs in (("attn_output_norm", "post_attention"),
+                                 ("post_attention_norm", "pre_feedforward"),
+                                 ("mlp_output_norm", "post_feedforward")))
+    else:
+        yield layer + ("post_attention_norm", "scale"), _fetch(
+            source, prefix + "post_attention_layernorm.weight", (hidden,)
+        )
     if c.architecture == "GptOssForCausalLM":
         yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",), skip)
     elif c.moe_layers[i]:

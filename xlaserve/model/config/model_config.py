@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, gemma3_fields
 from xlaserve.model.config.rope_config import RopeConfig, rope_from_hf, yarn_mscale
 from xlaserve.model.config.vision_config import VisionConfig
 from xlaserve.model.routing import RouterConfig
@@ -146,6 +149,18 @@ class ModelConfig:
     bidirectional: bool = False
     # A vision-language model's vision tower (model/vision/qwen_vision.py); None: text only.
     vision: VisionConfig | None = None
+    # Gemma 3 (model/config/gemma_config.py): the sliding-window layers' own RoPE (None: `rope`
+    # in every layer; `rope_table`), RMSNorms that multiply by `norm_offset` + their weight in
+    # float32 (Gemma's 1 + weight), norms on attention's and the MLP's outputs before each
+    # residual add (`sandwich_norms`), the token embeddings times `embedding_multiplier`
+    # (rounded to the model dtype, as transformers does), the softmax scale (None:
+    # head_dim ** -0.5; `softmax_scale`) and the gated MLP's activation ("silu" or "gelu_tanh").
+    local_rope: RopeConfig | None = None
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embedding_multiplier: float = 1.0
+    attention_scale: float | None = None
+    activation: str = "silu"
     # Per layer, an FP8 KV cache's (k_scale, v_scale) as the checkpoint gives them
     # (model/fp8_kv_cache.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
     # dtype does not read them.
@@ -154,6 +169,21 @@ class ModelConfig:
     @property
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """The per-pair frequencies of every RoPE table the layers read, side by side (a step's
+        cos and sin rows hold them all): `rope`'s, then `local_rope`'s where there is one."""
+        tables = [self.rope] if self.local_rope is None else [self.rope, self.local_rope]
+        return np.concatenate([rope.inv_freq(self.head_dim) for rope in tables])
+
+    def rope_table(self, layer: int) -> int:
+        """Which of `rope_inv_freq`'s tables layer `layer` reads: 1 for a sliding-window layer
+        with a RoPE of its own (Gemma 3's local layers), else 0."""
+        return int(self.local_rope is not None and self.sliding_windows[layer] is not None)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -173,6 +203,10 @@ class ModelConfig:
                              f"({self.num_experts})")
         if self.num_experts:
             self.router  # checks its fields
+        if self.local_rope is not None and \
+                self.local_rope.attention_factor != self.rope.attention_factor:
+            raise ValueError("RoPE scalings whose attention factors differ between sliding and "
+                             "full layers are not supported")
 
     @property
     def router(self) -> RouterConfig:
@@ -188,9 +222,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
         data = dict(data)
-        rope = dict(data["rope"])
-        rope["mrope_section"] = tuple(rope.get("mrope_section", ()))
-        data["rope"] = RopeConfig(**rope)
+        for name in ("rope", "local_rope"):
+            if data.get(name) is not None:
+                rope = dict(data[name])
+                rope["mrope_section"] = tuple(rope.get("mrope_section", ()))
+                data[name] = RopeConfig(**rope)
         data["vision"] = VisionConfig.from_dict(data["vision"]) if data.get("vision") else None
         data["sliding_windows"] = tuple(data["sliding_windows"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
@@ -226,6 +262,7 @@ class ModelConfig:
             mla = mla_from_hf(hf_config, architecture == "DeepseekV3ForCausalLM")
             head_dim = mla.qk_rope_head_dim
         is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        rope, local_rope = rope_from_hf(hf_config), rope_from_hf(hf_config, "sliding_attention")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -239,18 +276,22 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope=rope_from_hf(hf_config),
+            rope=rope,
+            local_rope=None if local_rope == rope else local_rope,
             max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=(is_qwen2 and bool(getattr(hf_config, "qkv_bias", True))) or attention_bias,
             # Qwen2 has q/k/v biases but no output bias; Llama's attention_bias covers o_proj too.
             o_bias=attention_bias and not is_qwen2,
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                     *GEMMA3_ARCHITECTURES),
             sliding_windows=_sliding_windows_from_hf(hf_config, architecture),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_ids=eos_ids,
             mla=mla,
             **_experts_from_hf(hf_config, architecture),
+            **(gemma3_fields(hf_config, architecture)
+               if architecture in GEMMA3_ARCHITECTURES else {}),
         )
 
 

@@ -108,11 +108,15 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_from_hf(hf_config: Any) -> RopeConfig:
-    """The RopeConfig of a `transformers.PretrainedConfig` (ModelConfig.from_hf's `rope`)."""
+def rope_from_hf(hf_config: Any, layer_type: str = "full_attention") -> RopeConfig:
+    """The RopeConfig of a `transformers.PretrainedConfig` (ModelConfig.from_hf's `rope`); where
+    the config gives one RoPE per kind of layer (transformers 5's Gemma 3: `rope_parameters`
+    keyed by "full_attention" and "sliding_attention"), that of `layer_type`."""
     # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`; older configs
     # (and older transformers) keep them apart.
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params.get(layer_type) or params["full_attention"])
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     if not params:
         params = dict(scaling)

@@ -246,7 +246,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     # With a draft head the weights keep their default layouts (ModelRunner: its draft steps
     # take the same weights); LoRA slots are chosen with the weights (LoraSlots.adopt).
     choosing = steps[1] if draft_head is None else None
-    return StepProgram(steps[0], args, config.rope.inv_freq(config.head_dim), mesh, page_size,
+    return StepProgram(steps[0], args, config.rope_inv_freq(), mesh, page_size,
                        choosing, verify_tokens, max_seqs, chain, lora, tree_width,
                        (config.vision.levels, config.hidden_size, dtype) if takes_images else None)
 

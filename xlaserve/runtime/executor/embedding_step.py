@@ -191,7 +191,7 @@ def compiled_for_target(target: str, server_args, pooling_mode: str, tokens: int
                                auto_formats(weights) if platform == "tpu" else None,
                                token_types=config.encoder is not None)
     writes = empty_writes(write_capacity(tokens, seqs, page_size), 0)
-    rope = RopeTable(config.rope.inv_freq(config.head_dim), config.rope.attention_factor)
+    rope = RopeTable(config.rope_inv_freq(), config.rope.attention_factor)
     ints, floats, layout = idle_embedding_vectors(rope, writes, tokens, seqs, pages,
                                                   config.encoder is not None)
     page_table = aot.abstract((server_args.max_running_requests + 1, pages), np.int32, mesh)

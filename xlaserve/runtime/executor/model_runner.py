@@ -119,7 +119,7 @@ class ModelRunner:
             static_variants = self.mesh.devices.flat[0].platform != "cpu"
         self.step_variants = ACCELERATOR_VARIANTS if static_variants else None
         # RoPE's cos/sin by position: the frequencies and YaRN's cos/sin scale (1.0 for others).
-        self.rope = RopeTable(self.config.rope.inv_freq(self.config.head_dim),
+        self.rope = RopeTable(self.config.rope_inv_freq(),
                               self.config.rope.attention_factor, self.config.rope.mrope_section,
                               self.config.rope.mrope_interleaved)
         # A vision model's step takes its image rows (image_rows.py): zeros (one array per
