@@ -77,6 +77,10 @@ DEEPSEEK = {
                         routed_scaling_factor=1.0),
 }
 
+# Every family's decoder shape (make_tiny_checkpoint's, its vocab_size apart).
+TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-6)
+
 
 def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: int = 0,
                          max_shard_size=None, vocab_size: int = 512, **config_overrides):
@@ -92,13 +96,21 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
     config_cls = getattr(transformers, spec.pop("cls"))
     architecture = spec.pop("architecture", config_cls.__name__.replace("Config", "ForCausalLM"))
     embedding_std = spec.pop("embedding_std", 0.5)
-    config = config_cls(**{
-        **dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-               num_hidden_layers=2, vocab_size=vocab_size, rms_norm_eps=1e-6),
-        **spec, **config_overrides})
+    config = config_cls(**{**TINY_DECODER, "vocab_size": vocab_size, **spec, **config_overrides})
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    randomize(model, embedding_std)
+    model = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return model.float().eval()
+
+
+def randomize(model, embedding_std: float = 0.5) -> None:
+    """Every weight, bias and norm scale of `model` drawn at random (make_tiny_checkpoint's)."""
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -119,7 +131,30 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: moves the choice
                 buffer.copy_(0.1 * torch.randn_like(buffer))
-    model = model.to(getattr(torch, dtype))
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(directory, **kwargs)
+
+
+def make_tiny_gemma3_conditional(directory, seed: int = 0):
+    """A tiny random Gemma3ForConditionalGeneration (gemma-3-4b-it's form) saved by transformers
+    5 to `directory` (its tensors `language_model.model.*`, `vision_tower.*`,
+    `multi_modal_projector.*`): FAMILIES["gemma3"]'s text model, a 2-layer SigLIP tower of width
+    32 on 32-pixel images of 8-pixel patches, pooled to 4 image tokens. Returns transformers'
+    model (float32, eval)."""
+    import torch
+    import transformers
+
+    spec = dict(FAMILIES["gemma3"])
+    for name in ("cls", "architecture", "embedding_std"):
+        spec.pop(name)
+    text = dict(TINY_DECODER, vocab_size=512, **spec)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8, vision_use_head=False)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, boi_token_index=497,
+                                       eoi_token_index=498, image_token_index=499,
+                                       eos_token_id=[1, 106])
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    randomize(model, FAMILIES["gemma3"]["embedding_std"])
+    model.save_pretrained(directory)
     return model.float().eval()

@@ -118,7 +118,8 @@ class Engine:
         placeholder (<|image_pad|>) per image, as its chat template writes them."""
         if image_data is None or self.core.features.images is None:
             if image_data is not None:
-                raise ValueError("image_data needs a vision-language model")
+                raise ValueError("image_data needs a vision-language model whose images this "
+                                 "server runs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
             return [None] * len(id_lists)
         prompt_images = []
         for i, images in enumerate(images_per_prompt(image_data, len(id_lists), batched)):

@@ -2,12 +2,14 @@
 of window 4 and a full layer, each with its own RoPE) through the engine: prompts longer than the
 window, prefill chunks that cross the window's edge, continuous batching and the prefix cache
 give transformers' greedy tokens with nothing compiled after the precompile; on two devices
-(--tp-size 2: a kv head each) too (the checks: tests/engine/family_engine.py)."""
+(--tp-size 2: a kv head each) too (the checks: tests/engine/family_engine.py). Its image
+checkpoints' form (Gemma3ForConditionalGeneration) serves text prompts with transformers' own
+tokens, and refuses images by name."""
 import pytest
 
 from tests.engine.family_engine import (check_batched_equal_solo_and_transformers,
                                         check_cached_prefix, check_two_devices)
-from tests.tiny_models import make_tiny_checkpoint
+from tests.tiny_models import make_tiny_checkpoint, make_tiny_gemma3_conditional
 from xlaserve.offline import Engine
 
 PROMPTS = [
@@ -49,3 +51,14 @@ def test_a_prompt_that_reuses_cached_pages_gives_the_same_tokens(engine, checkpo
 def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     """--tp-size 2 on two CPU devices: a kv head and half the MLP and vocabulary each."""
     check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
+
+
+def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):
+    """A Gemma3ForConditionalGeneration (transformers 5's save: `language_model.model.*`) gives
+    transformers' greedy tokens on text prompts, chunked past the window, batched; image_data
+    is refused, as the start-up warning says."""
+    hf_model = make_tiny_gemma3_conditional(str(tmp_path))
+    with Engine(str(tmp_path), **SMALL) as engine:
+        check_batched_equal_solo_and_transformers(engine, hf_model, PROMPTS[:3], GREEDY)
+        with pytest.raises(ValueError, match="whose images this server runs"):
+            engine.generate(input_ids=PROMPTS[1], image_data=b"not read", sampling_params=GREEDY)

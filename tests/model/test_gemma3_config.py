@@ -10,7 +10,6 @@ import pytest
 import transformers
 
 from xlaserve.model.config.model_config import ModelConfig
-from xlaserve.model.registry import UnsupportedArchitectureError, model_class
 
 # google/gemma-3-4b-it's text_config, as its config.json gives it (transformers' older names).
 GEMMA_3_4B_TEXT = dict(
@@ -67,7 +66,3 @@ def test_a_yarn_global_rope_beside_a_plain_local_one_is_refused():
         c = _config()
         dataclasses.replace(c, rope=dataclasses.replace(c.rope, kind="yarn", factor=4.0))
 
-
-def test_the_vision_language_checkpoint_is_refused_by_name():
-    with pytest.raises(UnsupportedArchitectureError, match="Gemma3ForConditionalGeneration"):
-        model_class("Gemma3ForConditionalGeneration")

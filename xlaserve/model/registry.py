@@ -23,6 +23,8 @@ MODEL_CLASSES = {
     # Gemma 3's text model (model/config/gemma_config.py): local and global layers with their own
     # RoPE, Gemma's norms, GeGLU.
     "Gemma3ForCausalLM": CausalLM,
+    # Its image checkpoints, served for text (their SigLIP tower not run: images refused).
+    "Gemma3ForConditionalGeneration": CausalLM,
     # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
     # a vision tower the engine runs per image.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,

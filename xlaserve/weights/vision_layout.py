@@ -5,7 +5,9 @@ the decoder's layouts (qkv [W, heads, 3, D], o_proj [heads, D, W], gate_up [W, 2
 
 Checkpoints name the tower `visual.*` and the decoder `model.*` (as published, and as
 transformers saves them); transformers' own module names (`model.visual.*`,
-`model.language_model.*`) are read too (`with_vision_language_names`).
+`model.language_model.*`) are read too (`with_vision_language_names`), and Gemma 3's decoder as
+its checkpoints name it (`language_model.model.*`: gemma-3-4b-it's files and transformers 5's
+saves; its `vision_tower.*` and `multi_modal_projector.*` are not read: images are refused).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from xlaserve.weights.formats.tensor_source import TensorSource
 class VisionLanguageNames:
     """`source` with transformers' module names read as the published ones."""
 
-    _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+    _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."),
+                ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 
     def __init__(self, source: TensorSource):
         self.source = source
@@ -42,7 +45,8 @@ class VisionLanguageNames:
 
 def with_vision_language_names(source: TensorSource) -> TensorSource:
     names = source.names()
-    if any(n.startswith(("model.visual.", "model.language_model.")) for n in names):
+    if any(n.startswith(("model.visual.", "model.language_model.", "language_model."))
+           for n in names):
         return VisionLanguageNames(source)
     return source
 

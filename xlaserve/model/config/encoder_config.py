@@ -2,12 +2,15 @@
 config as a ModelConfig with its `encoder` fields (model_config.EncoderConfig), what
 model/encoders/encoder.py and model/encoders/modernbert.py do not run refused in one line.
 `model_config_from_hf` is the loaders' entry: an encoder's config here, a vision-language model's
-(`vision_language_config`), a decoder's `ModelConfig.from_hf`."""
+(`vision_language_config`), Gemma 3's with images (its text model), a decoder's
+`ModelConfig.from_hf`."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from xlaserve.model.config.gemma_config import (GEMMA3_ARCHITECTURES, GEMMA3_IMAGE_ARCHITECTURES,
+                                                gemma3_text)
 from xlaserve.model.config.model_config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig
 from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.model.config.vision_config import VISION_LANGUAGE_ARCHITECTURES, vision_from_hf
@@ -39,6 +42,9 @@ def model_config_from_hf(hf_config: Any, architecture: str,
         return encoder_from_hf(hf_config, architecture)
     if architecture in VISION_LANGUAGE_ARCHITECTURES:
         return vision_language_config(hf_config, architecture)
+    if architecture in GEMMA3_IMAGE_ARCHITECTURES:  # its text model (gemma_config.gemma3_text)
+        text, fields = gemma3_text(hf_config, architecture)
+        return dataclasses.replace(ModelConfig.from_hf(text, GEMMA3_ARCHITECTURES[0]), **fields)
     if architecture in BACKBONES:
         custom = (getattr(hf_config, "auto_map", None) or {}).get("AutoModel")
         if custom and not own_code_ok:

@@ -10,12 +10,21 @@ norms, and norms on attention's and the MLP's outputs before each residual add; 
 embeddings times sqrt(hidden_size) in the model dtype; the softmax scaled by
 query_pre_attn_scalar ** -0.5; a GELU (tanh) gated MLP; the LM head tied. The model's part:
 model/transformer.py.
+
+Gemma3ForConditionalGeneration (gemma-3-4b-it, 12b, 27b): that text model in its `text_config`,
+served for text; its images (the SigLIP `vision_config`, the projector to `mm_tokens_per_image`
+tokens) are not run, and a request with images is refused (the text-only model's refusals).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM",)
+# The checkpoints with images: their text model is a Gemma3ForCausalLM's (gemma3_text).
+GEMMA3_IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # transformers' names of the tanh-approximated GELU (ACT2FN: both are the same formula).
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 
@@ -41,3 +50,21 @@ def gemma3_fields(hf_config: Any, architecture: str) -> dict:
                          "(sliding_attention, full_attention)")
     return dict(norm_offset=1.0, sandwich_norms=True, embedding_multiplier=c.hidden_size**0.5,
                 attention_scale=float(c.query_pre_attn_scalar) ** -0.5, activation="gelu_tanh")
+
+
+def gemma3_text(hf_config: Any, architecture: str) -> tuple[Any, dict]:
+    """A Gemma3ForConditionalGeneration config's text config, and the ModelConfig fields its top
+    level sets: the LM head tied or not and the end-of-sequence ids (gemma-3-4b-it's [1, 106])
+    as the checkpoint was saved with them. Its vision fields are not read: images are refused."""
+    text = getattr(hf_config, "text_config", None)
+    if text is None:
+        raise ValueError(f"{architecture}: the config has no text_config")
+    fields = dict(architecture=architecture,
+                  tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)))
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is not None:
+        fields["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    logger.warning("%s: serving its text model; its images (the SigLIP vision tower, the "
+                   "multimodal projector) are not supported: requests with images are refused",
+                   architecture)
+    return text, fields
