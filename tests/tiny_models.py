@@ -52,6 +52,20 @@ FAMILIES = {
                                                           "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                        "rope_theta": 1000000.0}}),
+    # Llama 4's text model: 4 layers, RoPE then NoPE (no_rope_layers), dense then MoE in each
+    # (interleave_moe_layer_step 2: top 1 of 4 experts by sigmoid, a shared expert, the dense
+    # MLPs wider), L2 q/k norms and chunked attention on the RoPE layers, temperature tuning on
+    # the NoPE ones from position 3 (floor_scale 4), interleaved-pair RoPE with llama3 scaling.
+    # Its attention chunk (32) holds every test's context (prompts and continuations within 32
+    # positions, max_position_embeddings 32): there chunked attention is causal, as served.
+    "llama4": dict(cls="Llama4TextConfig", architecture="Llama4ForCausalLM", head_dim=16,
+                   num_hidden_layers=4, intermediate_size=48, intermediate_size_mlp=96,
+                   num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                   no_rope_layers=[1, 1, 0, 0], attention_chunk_size=32, floor_scale=4,
+                   attn_scale=0.1, max_position_embeddings=32,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 16}),
 }
 
 # DeepSeek-V2/V3 (model/mla.py, model/routing.py): multi-head latent attention (V3 with a query
@@ -122,7 +136,7 @@ def randomize(model, embedding_std: float = 0.5) -> None:
             elif name.endswith("mlp.router.weight"):
                 # gpt-oss: twice as decisive (at 0.5, half its positions had a near-tie).
                 param.copy_(torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
                 # Decisive routers (logits ~N(0, 4^2)): bfloat16 then picks the same experts as
                 # float32 at most positions, which the bfloat16 test compares.
                 param.copy_(0.5 * torch.randn_like(param))
@@ -156,5 +170,30 @@ def make_tiny_gemma3_conditional(directory, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(config)
     randomize(model, FAMILIES["gemma3"]["embedding_std"])
+    model.save_pretrained(directory)
+    return model.float().eval()
+
+
+def make_tiny_llama4_conditional(directory, seed: int = 0):
+    """A tiny random Llama4ForConditionalGeneration (Llama-4-Scout's form) saved by transformers 5
+    to `directory` (its tensors `language_model.model.*`, `language_model.lm_head.*`,
+    `vision_model.*`, `multi_modal_projector.*`): FAMILIES["llama4"]'s text model and a 1-layer
+    vision encoder of width 32 on 32-pixel images. Returns transformers' model (float32, eval)."""
+    import torch
+    import transformers
+
+    spec = dict(FAMILIES["llama4"])
+    for name in ("cls", "architecture"):
+        spec.pop(name)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=32, pixel_shuffle_ratio=0.5)
+    config = transformers.Llama4Config(text_config=dict(TINY_DECODER, vocab_size=512, **spec),
+                                       vision_config=vision, boi_token_index=497,
+                                       eoi_token_index=498, image_token_index=499)
+    config.architectures = ["Llama4ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForConditionalGeneration(config)
+    randomize(model)
     model.save_pretrained(directory)
     return model.float().eval()

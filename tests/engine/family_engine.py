@@ -7,7 +7,33 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.hf_reference import hf_greedy
+from tests.tiny_models import make_tiny_checkpoint
+
+# Greedy decoding of 10 tokens, end-of-sequence ignored: the families' requests.
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+def family_fixtures(family: str, options: dict):
+    """A test module's `checkpoint` (the tiny random `family` and transformers' model) and
+    `engine` (an Engine on it with `options`) fixtures, both module-scoped: assign them to
+    module names `checkpoint` and `engine`."""
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory):
+        directory = str(tmp_path_factory.mktemp(family))
+        return directory, make_tiny_checkpoint(directory, family)
+
+    @pytest.fixture(scope="module")
+    def engine(checkpoint):
+        from xlaserve.offline import Engine
+
+        with Engine(checkpoint[0], **options) as engine:
+            yield engine
+
+    return checkpoint, engine
 
 
 def check_batched_equal_solo_and_transformers(engine, hf_model, prompts, greedy):

@@ -7,9 +7,9 @@ checkpoints' form (Gemma3ForConditionalGeneration) serves text prompts with tran
 tokens, and refuses images by name."""
 import pytest
 
-from tests.engine.family_engine import (check_batched_equal_solo_and_transformers,
-                                        check_cached_prefix, check_two_devices)
-from tests.tiny_models import make_tiny_checkpoint, make_tiny_gemma3_conditional
+from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
+                                        check_cached_prefix, check_two_devices, family_fixtures)
+from tests.tiny_models import make_tiny_gemma3_conditional
 from xlaserve.offline import Engine
 
 PROMPTS = [
@@ -18,7 +18,6 @@ PROMPTS = [
     [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412, 413],
     [99, 98, 97, 96, 95],
 ]
-GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 # Prefill chunks of 7 tokens at most on pages of 4: a long prompt's chunks end off the window's
 # edge and off a page's, and each later chunk reads its window partly from the cache.
 SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=4,
@@ -26,16 +25,7 @@ SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running
              max_total_tokens=512)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("gemma3"))
-    return directory, make_tiny_checkpoint(directory, "gemma3")
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    with Engine(checkpoint[0], **SMALL) as engine:
-        yield engine
+checkpoint, engine = family_fixtures("gemma3", SMALL)
 
 
 def test_batched_chunked_greedy_requests_equal_solo_runs_and_transformers(engine, checkpoint):

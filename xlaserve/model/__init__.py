@@ -20,7 +20,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "POOLING_MODES": "pooling",
     "NORMALIZE_EPS": "pooling",
     "swiglu_xla": "layers",
-    "mla_weights": "mla",
+    "mla_weights": "mla", "interleaved_rope_rows": "mla",
     "expert_parallel": "moe",
     "architecture_of": "registry", "model_class": "registry", "model_class_check": "registry",
     "check_expert_parallel": "sharding", "kv_cache_spec": "sharding", "serving_mesh": "sharding",

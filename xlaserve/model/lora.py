@@ -124,6 +124,10 @@ def check_model(config: ModelConfig, spec: LoraSpec) -> None:
     if config.mla is not None and set(spec.target_modules) & set(ATTENTION_MODULES):
         raise ValueError("LoRA on multi-head latent attention (DeepSeek's q/kv projections) is "
                          "not supported: target the MLP modules only")
+    if config.rope_interleaved and set(spec.target_modules) & {"q_proj", "k_proj"}:
+        raise ValueError("LoRA on q_proj or k_proj of a model whose RoPE rotates interleaved "
+                         "pairs (Llama 4: its q and k rows are reordered at load) is not "
+                         "supported: target v_proj and o_proj only")
     if any(config.moe_layers) and set(spec.target_modules) & set(MLP_MODULES):
         raise ValueError("LoRA on a mixture-of-experts model's MLP (its experts) is not "
                          "supported: target the attention modules only "

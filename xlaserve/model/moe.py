@@ -185,6 +185,10 @@ class MoE(nnx.Module):
             router_logits = router_logits + self.router_bias[...].astype(jnp.float32)
         weights, experts = route(router_logits, c.router, self.router_correction_bias[...]
                                  if c.router_correction_bias else None)
+        routed = x
+        if c.expert_input_scaled:  # Llama 4: the (top 1) weight scales the input, not the output
+            routed = (x.astype(jnp.float32) * weights).astype(x.dtype)
+            weights = jnp.ones_like(weights)
         expert_weights = {"experts_gate_up": self.experts_gate_up[...],
                           "experts_down": self.experts_down[...]}
         activation = kernels.swiglu
@@ -193,8 +197,8 @@ class MoE(nnx.Module):
         if c.swiglu_limit is not None:
             activation = functools.partial(clamped_swiglu, limit=c.swiglu_limit,
                                            alpha=c.swiglu_alpha)
-        out = (kernels.run_experts or run_experts)(x, weights, experts, expert_weights, kernels,
-                                                   activation)
+        out = (kernels.run_experts or run_experts)(routed, weights, experts, expert_weights,
+                                                   kernels, activation)
         if c.expert_bias:
             # The down projection's bias, weighted like its expert's output: outside the experts'
             # matmuls, which under --tp-size sum partial products across devices.

@@ -25,6 +25,11 @@ MODEL_CLASSES = {
     "Gemma3ForCausalLM": CausalLM,
     # Its image checkpoints, served for text (their SigLIP tower not run: images refused).
     "Gemma3ForConditionalGeneration": CausalLM,
+    # Llama 4's text model (model/config/llama4_config.py): interleaved experts with a shared
+    # one, NoPE and RoPE layers, the context capped at its attention chunk; its image checkpoints
+    # (Scout, Maverick) served for text.
+    "Llama4ForCausalLM": CausalLM,
+    "Llama4ForConditionalGeneration": CausalLM,
     # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
     # a vision tower the engine runs per image.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,

@@ -37,7 +37,8 @@ from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.weight_types.int8 import check_quantization, quantized_parameters
 from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
 from xlaserve.model.layers import (
-    MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rope_qk, split_qkv)
+    MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rms_norm, rope_qk,
+    split_qkv)
 from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import MoE
 from xlaserve.model.weight_types.packed import embed
@@ -70,6 +71,10 @@ class Attention(nnx.Module):
         c = config
         self.config = c
         self.sliding_window = c.sliding_windows[layer_index]
+        # Llama 4: a NoPE layer (no RoPE; its queries scaled by the attention temperature where
+        # the config tunes it), or a RoPE layer with weightless q and k norms (qk_l2_norm).
+        self.nope = c.nope_layers[layer_index]
+        self.l2_norm = c.qk_l2_norm and not self.nope
         self.kv_scales = c.kv_scales[layer_index] if c.kv_scales else (1.0, 1.0)
         group = c.queries_per_kv
         self.qkv = nnx.Param(init_weight(
@@ -86,8 +91,9 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
 
     def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels,
-                 lora=None):
-        """`lora`: the layer's LoRA adapters (model/lora.LayerLora) or None."""
+                 lora=None, temperature=None):
+        """`lora`: the layer's LoRA adapters (model/lora.LayerLora) or None. `temperature`:
+        float32 [T], the rows' query scale in a NoPE layer (`attention_temperature`), or None."""
         c = self.config
         qkv = project(x, self.qkv[...], kernels, lora, "qkv")
         if c.qkv_bias:
@@ -98,11 +104,20 @@ class Attention(nnx.Module):
         fp8 = kv_cache is not None and is_fp8(kv_cache.dtype)
         dtype = (matmul_input_dtype(self.o_proj[...]) if kv_cache is None or fp8
                  else kv_cache.dtype)
+        if self.nope:  # RoPE the identity: cos 1, sin 0
+            cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
         if c.qk_norm:  # the norms come between the split and RoPE: XLA's path
             q, k, v = split_qkv(qkv)
             q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, dtype)
+        elif self.l2_norm:  # Llama 4 norms after RoPE, which keeps each pair's length: the same
+            q, k, v = split_qkv(qkv)
+            one = jnp.float32(1.0)
+            q, k, v = rope_qk(rms_norm(q, one, c.rms_norm_eps), rms_norm(k, one, c.rms_norm_eps),
+                              v, cos, sin, dtype)
         else:
             q, k, v = kernels.qkv_rope(qkv, cos, sin, dtype)
+        if temperature is not None and self.nope:
+            q = (q.astype(jnp.float32) * temperature[:, None, None]).astype(dtype)
         sm_scale, (k_scale, v_scale) = c.softmax_scale, self.kv_scales
         if fp8:  # the scales fold into the softmax scale and the output
             k, v = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
@@ -149,17 +164,20 @@ class DecoderLayer(nnx.Module):
             self.mlp_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         self.rope_table = c.rope_table(layer_index)  # which of the step's RoPE tables it reads
 
-    def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels, lora=None):
+    def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels, lora=None,
+                 temperature=None):
         """`x` is the residual stream and `normed` its input norm (`input_rms_norm`), which the
         caller takes together with the residual add in front of it. Returns x + attention, the
         MLP's output (the caller adds it) and the KV cache. `lora`: the layer's LoRA adapters
         (model/lora.LayerLora; model/lora.check_model keeps them off latent attention and
         experts), or None. With sandwich norms (Gemma) attention's and the MLP's outputs are
-        normed before they are added."""
+        normed before they are added. `temperature`: Attention's (Llama 4's NoPE layers)."""
+        extra = {} if temperature is None else {"temperature": temperature}
         if lora is None:
-            attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels)
+            attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels, **extra)
         else:
-            attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels, lora)
+            attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels, lora,
+                                           **extra)
         sandwich = hasattr(self, "attn_output_norm")
         if sandwich:
             attn_out = self.attn_output_norm(attn_out)
@@ -230,6 +248,7 @@ class CausalLM(nnx.Module):
         tables = rope_tables(*(rope if rope is not None else traced_rope(self.config, positions)),
                              self.config.local_rope is not None)
         new_caches, mlp_out, captured = [], None, {}
+        temperature = attention_temperature(self.config, positions)
         if self.config.bidirectional:  # no cache (ModelConfig.bidirectional): the pool is empty
             kv_caches = [None] * len(self.layers)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -237,7 +256,8 @@ class CausalLM(nnx.Module):
             if capture and index in capture:
                 captured[index] = x
             x, mlp_out, kv_cache = layer(x, normed, *tables[layer.rope_table], kv_cache, metadata,
-                                         kernels, None if lora is None else lora.layer(index))
+                                         kernels, None if lora is None else lora.layer(index),
+                                         temperature)
             if input_embeds is not None and index + 1 < input_embeds.shape[0]:
                 mlp_out = mlp_out + input_embeds[index + 1].astype(jnp.float32)
             new_caches.append(kv_cache)
@@ -285,6 +305,17 @@ def traced_rope(config: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
     angles = rope_angles(config.rope_inv_freq(), positions)
     scale = config.rope.attention_factor
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def attention_temperature(config: ModelConfig, positions) -> jax.Array | None:
+    """float32 [T]: Llama 4's query scale at `positions` in its NoPE layers,
+    log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1, as transformers computes it; None
+    where the config has none."""
+    if config.attention_temperature is None:
+        return None
+    floor_scale, attn_scale = config.attention_temperature
+    steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)
+    return jnp.log1p(steps) * attn_scale + 1.0
 
 
 def rope_tables(cos: jax.Array, sin: jax.Array, two: bool) -> list[tuple[jax.Array, jax.Array]]:

@@ -16,7 +16,8 @@ import ml_dtypes
 import numpy as np
 
 from xlaserve.model.config.model_config import ModelConfig
-from xlaserve.model.mla import mla_weights
+from xlaserve.model.config.llama4_config import LLAMA4_NAMES
+from xlaserve.model.mla import interleaved_rope_rows, mla_weights
 from xlaserve.weights.formats.mxfp4 import read_expert_weight
 from xlaserve.weights.formats.quantization import check_float_tensor
 from xlaserve.weights.formats.tensor_source import TensorSource
@@ -144,13 +145,13 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
         yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
                                layer + ("attn",))
     elif layer + ("attn", "qkv") not in skip:
-        q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden))
-        k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
+        q = _rope_rows(c, _fetch(source, attn + "q_proj.weight", (q_rows, hidden)))
+        k = _rope_rows(c, _fetch(source, attn + "k_proj.weight", (kv_rows, hidden)))
         v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
         yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
     if c.qkv_bias:
-        qb = _fetch(source, attn + "q_proj.bias", (q_rows,))
-        kb = _fetch(source, attn + "k_proj.bias", (kv_rows,))
+        qb = _rope_rows(c, _fetch(source, attn + "q_proj.bias", (q_rows,)))
+        kb = _rope_rows(c, _fetch(source, attn + "k_proj.bias", (kv_rows,)))
         vb = _fetch(source, attn + "v_proj.bias", (kv_rows,))
         yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
     if layer + ("attn", "o_proj") not in skip and c.mla is None:
@@ -175,6 +176,8 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
         )
     if c.architecture == "GptOssForCausalLM":
         yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",), skip)
+    elif c.architecture in LLAMA4_NAMES:
+        yield from _llama4_feed_forward(source, c, i, prefix + "feed_forward.", layer + ("mlp",))
     elif c.moe_layers[i]:
         yield from _experts(source, c, prefix, layer + ("mlp",))
     else:
@@ -221,6 +224,34 @@ def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
     if c.shared_expert_intermediate_size and c.shared_expert_gate:
         yield path + ("shared_expert_gate",), _fetch(
             source, prefix + "shared_expert_gate.weight", (1, hidden)).T
+
+
+def _rope_rows(c: ModelConfig, rows: np.ndarray) -> np.ndarray:
+    """q's or k's rows [heads * head_dim, ...], each head's de-interleaved (its even rows, then
+    its odd ones) where the checkpoint's RoPE rotates interleaved pairs (Llama 4): rotating
+    halves of those rows is the same, and q . k is unchanged (both permuted alike)."""
+    if not c.rope_interleaved:
+        return rows
+    heads = rows.reshape(-1, c.head_dim, *rows.shape[1:])
+    order = interleaved_rope_rows(c.head_dim, c.head_dim)
+    return np.ascontiguousarray(heads[:, order].reshape(rows.shape))
+
+
+def _llama4_feed_forward(source: TensorSource, c: ModelConfig, i: int, prefix: str, path: tuple):
+    """Llama 4's `feed_forward`: a dense MLP, or the router, the stacked experts (`gate_up_proj`
+    [E, hidden, 2 * inter], gate's columns then up's; `down_proj` [E, inter, hidden]) and the
+    ungated shared expert."""
+    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    if not c.moe_layers[i]:
+        yield from _mlp(source, prefix, c.intermediate_size, hidden, path)
+        return
+    yield path + ("router",), _fetch(source, prefix + "router.weight", (experts, hidden)).T
+    gate_up = _fetch(source, prefix + "experts.gate_up_proj", (experts, hidden, 2 * inter))
+    yield path + ("experts_gate_up",), gate_up.reshape(experts, hidden, 2, inter)
+    yield path + ("experts_down",), _fetch(source, prefix + "experts.down_proj",
+                                           (experts, inter, hidden))
+    yield from _mlp(source, prefix + "shared_expert.", c.shared_expert_intermediate_size, hidden,
+                    path + ("shared_expert",))
 
 
 def _gpt_oss_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple,

@@ -1,13 +1,15 @@
 """What a checkpoint's Hugging Face config becomes: `ModelConfig` (model_config.py: a decoder's
 numbers and switches, with latent attention's and the encoders' own fields), its RoPE
-(`RopeConfig`, rope_config.py), a vision tower's (`VisionConfig`, vision_config.py), and the
+(`RopeConfig`, rope_config.py), a vision tower's (`VisionConfig`, vision_config.py), the
 encoders' and vision-language models' configs (encoder_config.py), whose `model_config_from_hf` is
-the loaders' entry for every architecture."""
+the loaders' entry for every architecture, and the names Llama 4's checkpoints go by
+(`LLAMA4_NAMES`, llama4_config.py)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "model_config_from_hf": "encoder_config", "SEQUENCE_CLASSIFIERS": "encoder_config",
     "ModelConfig": "model_config",
+    "LLAMA4_NAMES": "llama4_config",
     "RopeConfig": "rope_config",
     "VisionConfig": "vision_config",
 }

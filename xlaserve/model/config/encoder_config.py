@@ -9,14 +9,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xlaserve.model.config.gemma_config import (GEMMA3_ARCHITECTURES, GEMMA3_IMAGE_ARCHITECTURES,
-                                                gemma3_text)
+from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, image_checkpoint_text
+from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES
 from xlaserve.model.config.model_config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig
 from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.model.config.vision_config import VISION_LANGUAGE_ARCHITECTURES, vision_from_hf
 
 # What the checkpoints' `hidden_act` / `hidden_activation` names mean here.
 _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+# Image checkpoints served for text: their text model's architecture, and what is not run
+# (images refused per request).
+IMAGE_CHECKPOINTS = {
+    "Gemma3ForConditionalGeneration": (GEMMA3_ARCHITECTURES[0],
+                                       "the SigLIP vision tower, the multimodal projector"),
+    "Llama4ForConditionalGeneration": (LLAMA4_ARCHITECTURES[0],
+                                       "the vision encoder, the multimodal projector"),
+}
 
 
 # Decoder backbones saved without their LM head (sentence-transformers' saves of a decoder, and
@@ -42,9 +52,10 @@ def model_config_from_hf(hf_config: Any, architecture: str,
         return encoder_from_hf(hf_config, architecture)
     if architecture in VISION_LANGUAGE_ARCHITECTURES:
         return vision_language_config(hf_config, architecture)
-    if architecture in GEMMA3_IMAGE_ARCHITECTURES:  # its text model (gemma_config.gemma3_text)
-        text, fields = gemma3_text(hf_config, architecture)
-        return dataclasses.replace(ModelConfig.from_hf(text, GEMMA3_ARCHITECTURES[0]), **fields)
+    if architecture in IMAGE_CHECKPOINTS:  # its text model (gemma_config.image_checkpoint_text)
+        text_architecture, not_run = IMAGE_CHECKPOINTS[architecture]
+        text, fields = image_checkpoint_text(hf_config, architecture, not_run)
+        return dataclasses.replace(ModelConfig.from_hf(text, text_architecture), **fields)
     if architecture in BACKBONES:
         custom = (getattr(hf_config, "auto_map", None) or {}).get("AutoModel")
         if custom and not own_code_ok:

@@ -23,8 +23,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM",)
-# The checkpoints with images: their text model is a Gemma3ForCausalLM's (gemma3_text).
-GEMMA3_IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # transformers' names of the tanh-approximated GELU (ACT2FN: both are the same formula).
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 
@@ -52,10 +50,12 @@ def gemma3_fields(hf_config: Any, architecture: str) -> dict:
                 attention_scale=float(c.query_pre_attn_scalar) ** -0.5, activation="gelu_tanh")
 
 
-def gemma3_text(hf_config: Any, architecture: str) -> tuple[Any, dict]:
-    """A Gemma3ForConditionalGeneration config's text config, and the ModelConfig fields its top
-    level sets: the LM head tied or not and the end-of-sequence ids (gemma-3-4b-it's [1, 106])
-    as the checkpoint was saved with them. Its vision fields are not read: images are refused."""
+def image_checkpoint_text(hf_config: Any, architecture: str, not_run: str) -> tuple[Any, dict]:
+    """An image checkpoint's text config (Gemma3ForConditionalGeneration's,
+    Llama4ForConditionalGeneration's), and the ModelConfig fields its top level sets: the LM head
+    tied or not and the end-of-sequence ids (gemma-3-4b-it's [1, 106]) as the checkpoint was
+    saved with them. Its vision fields (`not_run`, named in the start-up warning) are not read:
+    images are refused."""
     text = getattr(hf_config, "text_config", None)
     if text is None:
         raise ValueError(f"{architecture}: the config has no text_config")
@@ -64,7 +64,6 @@ def gemma3_text(hf_config: Any, architecture: str) -> tuple[Any, dict]:
     eos = getattr(hf_config, "eos_token_id", None)
     if eos is not None:
         fields["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    logger.warning("%s: serving its text model; its images (the SigLIP vision tower, the "
-                   "multimodal projector) are not supported: requests with images are refused",
-                   architecture)
+    logger.warning("%s: serving its text model; its images (%s) are not supported: requests "
+                   "with images are refused", architecture, not_run)
     return text, fields

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, gemma3_fields
+from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES, llama4_fields
 from xlaserve.model.config.rope_config import RopeConfig, rope_from_hf, yarn_mscale
 from xlaserve.model.config.vision_config import VisionConfig
 from xlaserve.model.routing import RouterConfig
@@ -161,6 +162,19 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     attention_scale: float | None = None
     activation: str = "silu"
+    # Llama 4 (model/config/llama4_config.py): the router's weight multiplies the expert's input,
+    # not its output (top 1 only); per layer, no RoPE (NoPE); weightless RMS norms of q and k
+    # in the RoPE layers; the NoPE layers' queries scaled by log1p(floor((pos + 1) / floor_scale))
+    # * attn_scale + 1 (`attention_temperature`: (floor_scale, attn_scale), None: unscaled); q's
+    # and k's rows stored de-interleaved at load (the checkpoint's RoPE rotates interleaved
+    # pairs); the RoPE layers' attention chunk, to which the context is capped
+    # (`check_context_length`) until the kernels mask by chunk.
+    expert_input_scaled: bool = False
+    nope_layers: tuple[bool, ...] = ()
+    qk_l2_norm: bool = False
+    attention_temperature: tuple[float, float] | None = None
+    rope_interleaved: bool = False
+    attention_chunk_size: int | None = None
     # Per layer, an FP8 KV cache's (k_scale, v_scale) as the checkpoint gives them
     # (model/fp8_kv_cache.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
     # dtype does not read them.
@@ -193,6 +207,11 @@ class ModelConfig:
             )
         if len(self.sliding_windows) != self.num_layers:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.nope_layers) != self.num_layers:
+            object.__setattr__(self, "nope_layers", (False,) * self.num_layers)
+        if self.expert_input_scaled and self.num_experts_per_tok != 1:
+            raise ValueError("router weights scaling the experts' inputs need top-1 routing "
+                             f"(num_experts_per_tok is {self.num_experts_per_tok})")
         if len(self.moe_layers) != self.num_layers:
             object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -216,6 +235,17 @@ class ModelConfig:
             topk_groups=self.router_topk_groups, group_score=self.router_group_score,
             correction_bias=self.router_correction_bias, scaling=self.routed_scaling_factor)
 
+    def check_context_length(self, context_length: int) -> None:
+        """Refuse a context past the attention chunk (Llama 4's RoPE layers): within one chunk
+        chunked attention is causal attention, which the kernels run; past it they do not yet
+        mask by chunk."""
+        chunk = self.attention_chunk_size
+        if chunk is not None and context_length > chunk:
+            raise ValueError(
+                f"{self.architecture}: context length {context_length} is past its "
+                f"attention_chunk_size {chunk}, and chunked attention across chunks is not "
+                f"supported yet: serve with --context-length {chunk} or less")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -231,6 +261,9 @@ class ModelConfig:
         data["sliding_windows"] = tuple(data["sliding_windows"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
+        data["nope_layers"] = tuple(data.get("nope_layers", ()))
+        if data.get("attention_temperature") is not None:
+            data["attention_temperature"] = tuple(data["attention_temperature"])
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
         if data.get("encoder"):
             encoder = dict(data["encoder"])
@@ -266,7 +299,7 @@ class ModelConfig:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        return cls(
+        fields = dict(
             architecture=architecture,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -293,6 +326,9 @@ class ModelConfig:
             **(gemma3_fields(hf_config, architecture)
                if architecture in GEMMA3_ARCHITECTURES else {}),
         )
+        if architecture in LLAMA4_ARCHITECTURES:  # its own MLP widths, experts, norms
+            fields.update(llama4_fields(hf_config, architecture))
+        return cls(**fields)
 
 
 def _sliding_windows_from_hf(hf_config: Any, architecture: str) -> tuple[int | None, ...]:

@@ -1,0 +1,72 @@
+"""Llama 4's text model (a tiny random Llama4ForCausalLM, tests/tiny_models.py: RoPE and NoPE
+layers, dense and MoE ones, an attention chunk of 32) through the engine: continuous batching,
+chunked prefill and the prefix cache give transformers' greedy tokens with nothing compiled after
+the precompile; on two devices (--tp-size 2) too (the checks: tests/engine/family_engine.py).
+Every context stays within the attention chunk, where chunked attention is causal: a longer one
+is refused at start-up, asked for or the model's own. Its image checkpoints' form
+(Llama4ForConditionalGeneration) serves text with transformers' tokens and refuses images."""
+import json
+import shutil
+
+import pytest
+
+from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
+                                        check_cached_prefix, check_two_devices, family_fixtures)
+from tests.tiny_models import make_tiny_llama4_conditional
+from xlaserve.offline import Engine
+
+# Prompt and continuation within 32 positions (the chunk); the NoPE layers' temperature grows
+# every 4 positions (floor_scale 4).
+PROMPTS = [
+    [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64, 8, 91, 13, 200, 201, 7, 8],
+    [1, 2],
+    [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412],
+    [99, 98, 97, 96, 95],
+]
+SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=4,
+             chunked_prefill_size=7, max_prefill_tokens=12, context_length=32,
+             max_total_tokens=512)
+
+
+checkpoint, engine = family_fixtures("llama4", SMALL)
+
+
+def test_batched_chunked_greedy_requests_equal_solo_runs_and_transformers(engine, checkpoint):
+    check_batched_equal_solo_and_transformers(engine, checkpoint[1], PROMPTS, GREEDY)
+
+
+def test_a_prompt_that_reuses_cached_pages_gives_the_same_tokens(engine, checkpoint):
+    check_cached_prefix(engine, checkpoint[1], GREEDY)
+
+
+def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
+    """--tp-size 2 on two CPU devices: a kv head, half the experts' and MLPs' width each."""
+    check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
+
+
+def test_a_context_past_the_attention_chunk_is_refused(checkpoint, tmp_path):
+    """Past its chunk, chunked attention is not causal attention, which is all the kernels run:
+    --context-length 64 stops start-up, and so does a model whose own maximum is past the chunk
+    when no --context-length caps it."""
+    with pytest.raises(ValueError, match="past its attention_chunk_size 32"):
+        Engine(checkpoint[0], **dict(SMALL, context_length=64))
+    longer = tmp_path / "longer"
+    shutil.copytree(checkpoint[0], longer)
+    config = json.loads((longer / "config.json").read_text())
+    (longer / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=64)))
+    options = {k: v for k, v in SMALL.items() if k != "context_length"}
+    with pytest.raises(ValueError, match="context length 64 is past its attention_chunk_size 32"):
+        Engine(str(longer), **options)
+
+
+def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):
+    """A Llama4ForConditionalGeneration (transformers 5's save: `language_model.model.*`) gives
+    transformers' greedy tokens on text prompts, batched and chunked; image_data is refused.
+    The oracle is its `language_model` (the Llama4ForCausalLM its forward runs on text):
+    transformers 5.24's Llama4ForConditionalGeneration.forward fails on text alone (it reads
+    `image_outputs` from the text model's output)."""
+    hf_model = make_tiny_llama4_conditional(str(tmp_path)).language_model
+    with Engine(str(tmp_path), **SMALL) as engine:
+        check_batched_equal_solo_and_transformers(engine, hf_model, PROMPTS[:3], GREEDY)
+        with pytest.raises(ValueError, match="whose images this server runs"):
+            engine.generate(input_ids=PROMPTS[1], image_data=b"not read", sampling_params=GREEDY)
