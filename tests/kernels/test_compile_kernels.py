@@ -84,7 +84,8 @@ def one_device_mesh(devices) -> Mesh:
 
 def attention_args(mesh, layout, batch, page_size, dtype, sinks=False, kv_dtype=None):
     """`kv_dtype`: the new rows' and the cache's (an FP8 cache's), else `dtype`."""
-    num_q_heads, num_kv_heads, head_dim = {**HEAD_LAYOUTS, **SINK_LAYOUTS}[layout]
+    num_q_heads, num_kv_heads, head_dim = (layout if isinstance(layout, tuple)  # or the heads
+                                           else {**HEAD_LAYOUTS, **SINK_LAYOUTS}[layout])
     tokens, seqs = BATCHES[batch] if isinstance(batch, str) else batch  # or (tokens, seqs)
     kv_dtype = kv_dtype or dtype
     pages_per_seq = CONTEXT // page_size
@@ -147,6 +148,15 @@ def test_attention_kernel_compiles_for_the_target(target, attention_case):
 def test_attention_kernel_with_sinks_compiles_for_the_target(target, sinks_case):
     *case, window = sinks_case
     check_compiles_in_place(target, case, sinks=True, sliding_window=window)
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "h100"])
+@pytest.mark.parametrize("batch", ["decode", "prefill"])
+def test_attention_chunk_compiles_for_the_target(target, batch):
+    """Llama 4's chunked attention (its RoPE layers): each row's chunk start from scalars and a
+    float floor (no vector integer division on TPU), the blocks before it skipped; Scout's heads
+    at tp 8 (5 query heads, 1 kv head), a chunk of 1000 (not a power of two: a real remainder)."""
+    check_compiles_in_place(target, ((5, 1, 128), batch, 16, "bfloat16"), attention_chunk=1000)
 
 
 @pytest.mark.parametrize("target", ["v6e:2x2", "h100"])

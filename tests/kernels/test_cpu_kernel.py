@@ -11,14 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.test_reference_attention import (BATCHES, DECODE_SHAPES, NUM_Q_HEADS, SM_SCALE, attention,
+from tests.kernels.test_reference_attention import (BATCHES, CHUNKED, DECODE_SHAPES, NUM_Q_HEADS,
+                                                    RAGGED_SHAPES, SM_SCALE, attention,
                                                     expected_result, make_case,
-                                                    random_kernel_case)
+                                                    poisoned_before_chunks, random_kernel_case)
 from xlaserve.pallas_kernels.ragged_paged_attention import api, cases, kernel_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
 kernel = jax.jit(kernel_cpu.ragged_paged_attention,
-                 static_argnames=("sm_scale", "sliding_window", "soft_cap", "bf16_pairs"))
+                 static_argnames=("sm_scale", "sliding_window", "soft_cap", "bf16_pairs",
+                                  "attention_chunk"))
 # The two bfloat16 paths: VDPBF16PS on bfloat16 pairs (CPUs with AVX512_BF16), and float32
 # arithmetic on the widened cache (every CPU).
 BF16_PATHS = [pytest.param(True, id="bf16_pairs", marks=pytest.mark.skipif(
@@ -36,7 +38,8 @@ def check(case, tol=1e-5, bf16_pairs=None, sinks=None, **static):
     as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
     np.testing.assert_allclose(as_f32(out), as_f32(want_out), rtol=tol, atol=tol)
     np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))  # NaN where NaN
-    dense, _ = expected_result(case, static.get("sliding_window"), static.get("soft_cap"), sinks)
+    dense, _ = expected_result(case, static.get("sliding_window"), static.get("soft_cap"), sinks,
+                               static.get("attention_chunk"))
     total = int(case["cu_q_lens"][case["num_seqs"][0]])
     np.testing.assert_allclose(as_f32(out)[:total], dense[:total], rtol=tol, atol=tol)
 
@@ -70,6 +73,35 @@ def test_page_sizes_with_lengths_on_and_one_past_page_boundaries(page_size, page
 def test_sliding_window_and_soft_cap(static):
     shapes, seqs = BATCHES["mixed"]
     check(make_case(np.random.default_rng(3), seqs, num_kv_heads=4, **shapes), **static)
+
+
+@pytest.mark.parametrize("dtype,head_dim,bf16_pairs,static", [
+    pytest.param(np.float32, 32, None, dict(attention_chunk=16), id="float32_one_row_items"),
+    pytest.param(np.float32, 40, None, dict(attention_chunk=12, soft_cap=5.0),
+                 id="float32_d40_blocks_softcap"),
+    pytest.param(jnp.bfloat16, 64, True, dict(attention_chunk=12), id="bfloat16_pairs",
+                 marks=BF16_PATHS[0].marks),
+    pytest.param(jnp.bfloat16, 64, False, dict(attention_chunk=16), id="bfloat16_widened")])
+def test_attention_chunks_on_every_item_kind(dtype, head_dim, bf16_pairs, static):
+    """Llama 4's chunked attention: decodes far past the first chunk, prefill chunks across a
+    chunk boundary (test_reference_attention.CHUNKED), on each of the kernel's item kinds."""
+    case = make_case(np.random.default_rng(14), CHUNKED, num_kv_heads=2, head_dim=head_dim,
+                     dtype=dtype, **RAGGED_SHAPES)
+    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 1e-5, bf16_pairs=bf16_pairs, **static)
+
+
+@pytest.mark.parametrize("head_dim", [32, 40], ids=["one_row_items", "blocks"])
+def test_a_decode_in_a_later_chunk_reads_from_its_chunk_start_alone(head_dim):
+    """Every page before each decode's chunk is NaN: the kernel skips them (and a window's
+    earlier pages likewise), giving the reference's output on the clean cache."""
+    seqs = [(1, 101), (1, 128), (1, 33), (1, 70), (1, 16)]
+    clean = make_case(np.random.default_rng(15), seqs, num_kv_heads=2, head_dim=head_dim,
+                      **DECODE_SHAPES)
+    out, _ = kernel(**{k: jnp.asarray(v) for k, v in poisoned_before_chunks(clean, 16).items()},
+                    sm_scale=SM_SCALE, attention_chunk=16)
+    want, _ = attention(**{k: jnp.asarray(v) for k, v in clean.items()}, sm_scale=SM_SCALE,
+                        attention_chunk=16)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_long_prefill_and_long_decodes():

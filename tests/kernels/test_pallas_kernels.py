@@ -19,13 +19,15 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from tests.kernels.test_reference_attention import (BATCHES, LONG_AND_SHORT, RAGGED_SHAPES,
+from tests.kernels.test_reference_attention import (BATCHES, CHUNK_IDS, CHUNK_STATICS, CHUNKED,
+                                                    DECODE_SHAPES, LONG_AND_SHORT, RAGGED_SHAPES,
                                                     SM_SCALE, attention, make_case,
-                                                    random_kernel_case)
+                                                    poisoned_before_chunks, random_kernel_case)
 from xlaserve.pallas_kernels.ragged_paged_attention import (api, cases, kernel_gpu, kernel_tpu,
                                                          tpu_page_writes)
 
-STATIC = ("sm_scale", "sliding_window", "soft_cap", "interpret", "q_block", "kv_block_pages")
+STATIC = ("sm_scale", "sliding_window", "soft_cap", "interpret", "q_block", "kv_block_pages",
+          "attention_chunk")
 KERNELS = {
     "tpu": (jax.jit(kernel_tpu.ragged_paged_attention, static_argnames=STATIC),
             pltpu.InterpretParams()),
@@ -46,7 +48,8 @@ def check_kernel(name, case, tol=1e-5, sinks=None, **static):
         pltpu.reset_tpu_interpret_mode_state()  # required after an error, harmless otherwise
     assert out.dtype == case["q"].dtype and cache.dtype == case["kv_cache"].dtype
     assert cache.shape == case["kv_cache"].shape  # as it came in, flat or by head
-    spec = {k: v for k, v in static.items() if k in ("sliding_window", "soft_cap")}
+    spec = {k: v for k, v in static.items()
+            if k in ("sliding_window", "soft_cap", "attention_chunk")}
     want_out, want_cache = attention(**args, sm_scale=SM_SCALE, sinks=sinks, **spec)
     as_f32 = lambda x: np.asarray(x.astype(jnp.float32))
     np.testing.assert_array_equal(as_f32(cache), as_f32(want_cache))  # NaN where NaN
@@ -97,6 +100,32 @@ def test_sliding_window_and_soft_cap(kernel, static):
     seqs = [(1, 128), (4, 100), (1, 60), (9, 70), (1, 3)]
     case = make_case(np.random.default_rng(3), seqs, num_kv_heads=2, **RAGGED_SHAPES)
     kernel(case, kv_block_pages=1, **static)
+
+
+@pytest.mark.parametrize("static", CHUNK_STATICS, ids=CHUNK_IDS)
+def test_attention_chunks(kernel, static):
+    """Llama 4's chunked attention: decodes far past the first chunk, prefill items across a
+    chunk boundary (test_reference_attention.CHUNKED), one-page blocks skipped before a chunk."""
+    kernel(make_case(np.random.default_rng(23), CHUNKED, num_kv_heads=2, **RAGGED_SHAPES),
+           **static)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_a_decode_in_a_later_chunk_reads_from_its_chunk_start_alone(name):
+    """One-page KV blocks; every page before each decode's chunk is NaN, which a block read
+    there would carry into the output (p * NaN is NaN at p = 0)."""
+    fn, interpret = KERNELS[name]
+    seqs = [(1, 101), (1, 128), (1, 33), (1, 70), (1, 16)]
+    clean = make_case(np.random.default_rng(24), seqs, num_kv_heads=2, **DECODE_SHAPES)
+    try:
+        out, _ = fn(**{k: jnp.asarray(v) for k, v in poisoned_before_chunks(clean, 16).items()},
+                    sm_scale=SM_SCALE, interpret=interpret, attention_chunk=16, kv_block_pages=1)
+        jax.block_until_ready(out)
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    want, _ = attention(**{k: jnp.asarray(v) for k, v in clean.items()}, sm_scale=SM_SCALE,
+                        attention_chunk=16)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("static", [dict(q_block=4), dict(sliding_window=10, kv_block_pages=1)],
@@ -220,8 +249,9 @@ def test_gpu_split_kv_decode_over_long_contexts_and_empty_splits(num_kv_splits):
     check_kernel("gpu", case, kv_block_pages=1, num_kv_splits=num_kv_splits)
 
 
-@pytest.mark.parametrize("static", [{"q_block": 4}, {"sliding_window": 100, "soft_cap": 3.0}],
-                         ids=["sinks_prefill_items", "sinks_window_soft_cap"])
+@pytest.mark.parametrize("static", [{"q_block": 4}, {"sliding_window": 100, "soft_cap": 3.0},
+                                    {"attention_chunk": 96}],
+                         ids=["sinks_prefill_items", "sinks_window_soft_cap", "sinks_chunk"])
 def test_gpu_split_kv_counts_sinks_once_with_prefill_items_windows_and_soft_cap(static):
     # Prefill items of 4 rows whose early rows see no key in the later splits; a 100-token window
     # that skips most of the 1000-token context's blocks before they are split.
@@ -281,6 +311,7 @@ def test_gpu_decode_items_read_queries_and_write_outputs_in_token_order(num_kv_s
 
 @pytest.mark.parametrize("static", [dict(num_kv_splits=1), dict(num_kv_splits=3),
                                     dict(sliding_window=7, kv_block_pages=1),
+                                    dict(attention_chunk=12, num_kv_splits=3),
                                     dict(num_kv_splits=1, decode_io_in_kernel=False)])
 def test_gpu_one_token_items_write_their_kv_and_attend_the_steps_new_keys(static):
     # One-token items write their own K/V into the cache and attend their sequence's new keys

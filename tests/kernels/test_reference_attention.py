@@ -16,7 +16,7 @@ import pytest
 from xlaserve.pallas_kernels.ragged_paged_attention import cases
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 
-STATIC = ("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_pages")
+STATIC = ("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_pages", "attention_chunk")
 attention = jax.jit(ragged_paged_attention, static_argnames=STATIC)
 
 HEAD_DIM = 32
@@ -28,9 +28,10 @@ def make_case(rng, seqs, *, num_q_heads=NUM_Q_HEADS, head_dim=HEAD_DIM, **shapes
     return cases.make_case(rng, seqs, num_q_heads=num_q_heads, head_dim=head_dim, **shapes)
 
 
-def expected_result(case, sliding_window=None, soft_cap=None, sinks=None):
+def expected_result(case, sliding_window=None, soft_cap=None, sinks=None, attention_chunk=None):
     """Dense attention in float64 over each sequence's full K/V; the cache after the writes.
-    Attention sinks join each head's softmax as one more column, dropped after it (gpt-oss)."""
+    Attention sinks join each head's softmax as one more column, dropped after it (gpt-oss);
+    an attention chunk C keeps the keys with key // C == query // C (Llama 4)."""
     q = case["q"].astype(np.float64)
     num_kv_heads = case["k"].shape[1]
     group = q.shape[1] // num_kv_heads
@@ -56,6 +57,8 @@ def expected_result(case, sliding_window=None, soft_cap=None, sinks=None):
         mask = positions[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= q_pos[:, None] - positions[None, :] < sliding_window
+        if attention_chunk is not None:
+            mask &= positions[None, :] // attention_chunk == q_pos[:, None] // attention_chunk
         scores = np.where(mask, scores, -np.inf)
         if sinks is not None:  # [Hq] -> a column [Hq, q_len, 1]
             sink_column = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None],
@@ -75,7 +78,8 @@ def check(case, tol=1e-5, sinks=None, **static):
     out, new_cache = np.asarray(out.astype(jnp.float32)), np.asarray(new_cache.astype(jnp.float32))
     assert out.dtype == np.float32 and new_cache.shape == case["kv_cache"].shape
     want_out, want_cache = expected_result(case, static.get("sliding_window"),
-                                           static.get("soft_cap"), sinks)
+                                           static.get("soft_cap"), sinks,
+                                           static.get("attention_chunk"))
     total = int(case["cu_q_lens"][case["num_seqs"][0]])
     np.testing.assert_allclose(out[:total], want_out[:total], rtol=tol, atol=tol)
     assert np.all(np.isfinite(out[total:])), "padding rows must be finite"
@@ -117,7 +121,14 @@ def random_kernel_case(rng):
     static = dict(sliding_window=int(rng.integers(1, 300)) if rng.random() < 0.3 else None,
                   soft_cap=float(rng.uniform(1, 30)) if rng.random() < 0.3 else None)
     static["sinks"] = random_sinks(rng, NUM_Q_HEADS)
+    static["attention_chunk"] = random_chunk(rng, static["sliding_window"])
     return case, static, 2e-2 if dtype == jnp.bfloat16 else 2e-5
+
+
+def random_chunk(rng, sliding_window):
+    """An attention chunk of 1 to 600 for a third of the random cases without a window, else None
+    (drawn last, so that the cases without one are those the seeds gave before chunks)."""
+    return int(rng.integers(1, 600)) if sliding_window is None and rng.random() < 0.3 else None
 
 
 def random_sinks(rng, num_q_heads):
@@ -183,6 +194,40 @@ def test_several_kv_chunks_with_online_softmax(seqs, kv_block_pages):
 def test_several_kv_chunks_with_sliding_window_skipping_whole_chunks(seqs):
     case = make_case(np.random.default_rng(4), seqs, num_kv_heads=2, **RAGGED_SHAPES)
     check(case, kv_block_pages=1, sliding_window=10, soft_cap=5.0)
+
+
+# Llama 4's chunked attention: decodes far past the first chunk (positions 100 and 127), one at
+# a chunk's first position (32: itself alone), prefill chunks across a chunk boundary (positions
+# 28..39 across 32, 12..19 across 16; across 24 and 36 for a chunk of 12).
+CHUNKED = [(1, 101), (12, 40), (1, 128), (1, 33), (8, 20), (1, 2)]
+CHUNK_STATICS = [dict(attention_chunk=16), dict(attention_chunk=12, kv_block_pages=1),
+                 dict(attention_chunk=12, q_block=4, soft_cap=5.0)]
+CHUNK_IDS = ["chunk16", "chunk12_skipping_kv_blocks", "chunk12_q_block4_softcap"]
+
+
+@pytest.mark.parametrize("static", CHUNK_STATICS, ids=CHUNK_IDS)
+def test_attention_chunks_see_their_own_chunk_alone(static):
+    check(make_case(np.random.default_rng(13), CHUNKED, num_kv_heads=2, **RAGGED_SHAPES), **static)
+
+
+def test_a_window_and_a_chunk_on_one_layer_are_refused():
+    shapes, seqs = BATCHES["decode"]
+    case = make_case(np.random.default_rng(12), seqs, num_kv_heads=2, **shapes)
+    with pytest.raises(ValueError, match="sliding window .4. and an attention chunk .8."):
+        attention(**{k: jnp.asarray(v) for k, v in case.items()}, sm_scale=SM_SCALE,
+                  sliding_window=4, attention_chunk=8)
+
+
+def poisoned_before_chunks(case, chunk):
+    """`case` with every page before each live sequence's last chunk NaN (`chunk` a multiple of
+    the page size): a kernel that reads only from the chunk start of a decode sees none of it."""
+    case = {k: np.array(v) for k, v in case.items()}
+    page_size = case["kv_cache"].shape[1]
+    for s in range(int(case["num_seqs"][0])):
+        pos = int(case["kv_lens"][s]) - 1
+        for page in case["page_indices"][s, :(pos - pos % chunk) // page_size]:
+            case["kv_cache"][page] = np.nan
+    return case
 
 
 @pytest.mark.parametrize("q_block", [1, 3, 4, 16, 32, None])
@@ -280,5 +325,6 @@ def test_random_batches_match_dense_attention(seed):
         soft_cap=float(rng.uniform(1, 30)) if rng.random() < 0.3 else None,
         q_block=int(rng.choice([1, 2, 8, 32])) if rng.random() < 0.5 else None,
         kv_block_pages=int(rng.integers(1, pages_per_seq + 1)) if rng.random() < 0.5 else None)
-    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 2e-5, sinks=random_sinks(rng, NUM_Q_HEADS),
-          **static)
+    sinks = random_sinks(rng, NUM_Q_HEADS)
+    check(case, tol=2e-2 if dtype == jnp.bfloat16 else 2e-5, sinks=sinks,
+          attention_chunk=random_chunk(rng, static["sliding_window"]), **static)

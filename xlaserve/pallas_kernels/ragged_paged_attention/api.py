@@ -142,7 +142,8 @@ def check_shapes(backend: str, platform: str, *, page_size: int, head_dim: int, 
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, sinks=None, **options):
+                           sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                           attention_chunk=None, **options):
     """`reference.ragged_paged_attention` on the platform's "auto" backend: the Pallas TPU or GPU
     kernel, the CPU kernel (or the reference) on CPU. `options`: the Pallas kernels' block sizes
     (`q_block`, `kv_block_pages`) and `interpret`; the CPU kernel takes none."""
@@ -150,7 +151,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     attention = get_attention_fn("pallas" if interpret else "auto", interpret=bool(interpret))
     return attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                     sinks=sinks, **options)
+                     sinks=sinks, attention_chunk=attention_chunk, **options)
 
 
 def _pallas_kernel(platform: str, interpret: bool, name: str) -> Callable:

@@ -129,8 +129,7 @@ void Attend(const Problem& p, const WorkItem& item, const WorkItem* /*following*
   SeqSpan span = Span(p, item.seq);
   const int64_t first_pos = span.first_pos + (item.first_row - span.first_token);
   const int64_t last_pos = first_pos + item.num_rows - 1;
-  int64_t lowest_key = 0;
-  if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, first_pos - p.sliding_window + 1);
+  const int64_t lowest_key = FirstKey(p, first_pos);  // the item's rows' first keys rise with them
   const bool transposed = item.num_rows * group >= kTransposeRows;
 
   float* qs = scratch.q.data();
@@ -196,8 +195,9 @@ void Attend(const Problem& p, const WorkItem& item, const WorkItem* /*following*
     // Online softmax over this tile, row by row; masked keys get probability exactly 0.
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t pos = first_pos + i / hq_count;
-      int64_t lo = 0, hi = std::min<int64_t>(n, pos - tile_start + 1);  // keys <= pos
-      if (p.sliding_window > 0) lo = std::max<int64_t>(0, pos - p.sliding_window + 1 - tile_start);
+      // keys [FirstKey(pos), pos]: the window's or the chunk's
+      const int64_t lo = std::max<int64_t>(0, FirstKey(p, pos) - tile_start);
+      const int64_t hi = std::min<int64_t>(n, pos - tile_start + 1);
       float* s = scores + i * kKeyTile;
       float live[kKeyTile];
       float tile_max = -INFINITY;

@@ -54,6 +54,7 @@ struct Problem {
   int32_t num_seqs;
   float sm_scale;
   int32_t sliding_window;  // <= 0: none
+  int32_t attention_chunk = 0;  // <= 0: none; else a query at q sees keys from q - q % C on
   float soft_cap;          // <= 0: none
   const float* sinks;      // [num_q_heads] attention sinks (gpt-oss), or nullptr: none
   bool prefix_only = false;  // MLA's expanded form: each row attends to its sequence's keys
@@ -97,16 +98,30 @@ inline int64_t TokenRow(const Problem& p, int64_t s, int64_t pos) {
   return (page * p.page_size + pos % p.page_size) * p.row_size;
 }
 
+// The first key a query at `pos` sees in its attention chunk (Llama 4: the chunk's start, keys
+// before it neither read nor attended), or 0 without one.
+inline int64_t ChunkStart(const Problem& p, int64_t pos) {
+  return p.attention_chunk > 0 ? pos - pos % p.attention_chunk : 0;
+}
+
+// The first key a query at `pos` sees: its sliding window's or attention chunk's start, or 0.
+inline int64_t FirstKey(const Problem& p, int64_t pos) {
+  if (p.sliding_window > 0) return std::max<int64_t>(0, pos - p.sliding_window + 1);
+  return ChunkStart(p, pos);
+}
+
 // A one-row item's last key (its query's position; with prefix_only the last before the step's
-// new tokens, -1 if none) and first key (0, or where the sliding window starts).
+// new tokens, -1 if none) and first key (0, or where the sliding window or the attention chunk
+// starts; a chunk's from the query's own position, with prefix_only too).
 struct RowKeys {
   int64_t last_key, lowest_key = 0;
 
   RowKeys(const Problem& p, const WorkItem& item) {
     const SeqSpan span = Span(p, item.seq);
-    last_key = p.prefix_only ? span.first_pos - 1
-                             : span.first_pos + (item.first_row - span.first_token);
+    const int64_t pos = span.first_pos + (item.first_row - span.first_token);
+    last_key = p.prefix_only ? span.first_pos - 1 : pos;
     if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, last_key - p.sliding_window + 1);
+    else lowest_key = ChunkStart(p, pos);
   }
 };
 

@@ -10,13 +10,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import widened
-from xlaserve.pallas_kernels.ragged_paged_attention.work_items import MASK_VALUE, item_span, lse_of
+from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (MASK_VALUE, chunk_starts,
+                                                                        item_span, lse_of)
 
 
 def attention_program(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
                       page_indices_ref, q_ref, *refs, sm_scale, sliding_window, soft_cap, q_block,
                       group, page_size, kv_block_pages, num_kv_splits, has_sinks, value_dim,
-                      prefix_only, rows, direct, writes_new_kv):
+                      prefix_only, rows, direct, writes_new_kv, attention_chunk=None):
     # MHA (value_dim None): K and V of the program's kv head (one [.., 2, D] operand where the
     # kernel writes the new K/V itself); MLA: the latent cache.
     num_cache_refs = 2 if value_dim is None and not writes_new_kv else 1
@@ -35,7 +36,7 @@ def attention_program(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
     q_len = cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]
     span = item_span(kv_lens_ref[seq], q_len, item_row0_ref[item], q_block=q_block,
                      page_size=page_size, block_tokens=block_tokens,
-                     sliding_window=sliding_window)
+                     sliding_window=sliding_window, attention_chunk=attention_chunk)
     first_pos, num_rows, last_pos, pages_needed, start_block, end_block = span
     if prefix_only or writes_new_kv:  # from the cache, the keys from before this step alone
         last_pos = kv_lens_ref[seq] - q_len - 1
@@ -60,6 +61,9 @@ def attention_program(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
         row_in_item = jnp.arange(rows) // group  # row r * G + g is the item's token r
     row_pos = first_pos + row_in_item
     row_valid = row_in_item < num_rows
+    # Each row's first key in its attention chunk (from its own position, with prefix_only too).
+    row_first_key = (None if attention_chunk is None
+                     else chunk_starts(first_pos, row_in_item, attention_chunk))
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None  # no TF32 for f32
     if value_dim is None:
         query_parts = [q_ref[q_rows]]
@@ -104,6 +108,8 @@ def attention_program(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                 & (key_pos[None, :] <= row_pos[:, None]))
         if sliding_window is not None:
             mask &= row_pos[:, None] - key_pos[None, :] < sliding_window
+        if row_first_key is not None:
+            mask &= key_pos[None, :] >= row_first_key[:, None]
         s = jnp.where(mask, s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=1))
         p = jnp.exp(s - m_next[:, None])

@@ -217,7 +217,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::Result<ffi::AnyBuffer> kv_cache_out,
                                     ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale,
                                     int32_t sliding_window, float soft_cap, bool bf16_pairs,
-                                    bool prefix_only) {
+                                    bool prefix_only, int32_t attention_chunk) {
   auto qd = q.dimensions(), kd = k.dimensions(), cd = kv_cache.dimensions();
   // The cache is [pages, page_size, 2 * Hkv, D] or the same memory flat, [pages, page_size,
   // 2 * Hkv * D] (the runtime's): taking both means no reshape around this call, which XLA's
@@ -247,6 +247,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   p.sinks = sinks ? sinks->typed_data() : nullptr;
   p.sm_scale = sm_scale;
   p.sliding_window = sliding_window;
+  p.attention_chunk = attention_chunk;
   p.soft_cap = soft_cap;
   // prefix_only (speculative tree rows, tree_tokens.py) runs on the one-row items alone.
   if (lse->element_count() != static_cast<size_t>(prefix_only ? qd[0] * qd[1] : 0) ||
@@ -325,7 +326,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveRaggedPagedAttention, RaggedPagedAttention
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<bool>("bf16_pairs")
-                                  .Attr<bool>("prefix_only"));
+                                  .Attr<bool>("prefix_only")
+                                  .Attr<int32_t>("attention_chunk"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMlaRaggedPagedAttention, LatentAttentionImpl,
                               ffi::Ffi::Bind()

@@ -18,7 +18,9 @@ import numpy as np
 # KernelUnavailable: re-exported (api.py catches kernel_cpu.KernelUnavailable)
 from xlaserve.native.build import KernelUnavailable, register  # noqa: F401
 from xlaserve.pallas_kernels.ragged_paged_attention import reference
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import (check_local,
+                                                                       check_mla_shapes,
+                                                                       check_sinks)
 
 TARGET_NAME = "xlaserve_ragged_paged_attention_cpu"
 MLA_TARGET_NAME = "xlaserve_mla_ragged_paged_attention_cpu"
@@ -42,17 +44,19 @@ def bf16_pairs_supported() -> bool:
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           bf16_pairs=None, prefix_only=False):
+                           bf16_pairs=None, prefix_only=False, attention_chunk=None):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache), the cache updated in place
     (the custom call's cache output aliases its input), or with `prefix_only` (out, lse,
     kv_cache) (the one-row items; other head dims take the reference). `bf16_pairs`: bfloat16
     dot products on VDPBF16PS (None: where the CPU has them; False: widen to float32, for
     tests)."""
     bf16_pairs = _checked_bf16_pairs(q, kv_cache, bf16_pairs)
+    sliding_window, attention_chunk = check_local(sliding_window, attention_chunk)
     if prefix_only and q.shape[2] % 8:  # the kernel's block items do not take it: the reference
         return reference.ragged_paged_attention(
             q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, prefix_only=True)
+            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, prefix_only=True,
+            attention_chunk=attention_chunk)
     lse_shape = q.shape[:2] if prefix_only else (0,)  # the custom call always has the output
     call = jax.ffi.ffi_call(
         TARGET_NAME,
@@ -69,7 +73,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         q, k.astype(kv_cache.dtype), v.astype(kv_cache.dtype), kv_cache, as_i32(kv_lens), as_i32(page_indices),
         as_i32(cu_q_lens), as_i32(num_seqs), *optional, sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-        bf16_pairs=bool(bf16_pairs), prefix_only=bool(prefix_only))
+        bf16_pairs=bool(bf16_pairs), prefix_only=bool(prefix_only),
+        attention_chunk=np.int32(attention_chunk or 0))
     return (out, lse, kv_cache) if prefix_only else (out, kv_cache)
 
 

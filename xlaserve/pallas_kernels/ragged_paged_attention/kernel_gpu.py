@@ -48,7 +48,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xlaserve.pallas_kernels.ragged_paged_attention.gpu_program import attention_program
-from xlaserve.pallas_kernels.ragged_paged_attention.reference import check_mla_shapes, check_sinks
+from xlaserve.pallas_kernels.ragged_paged_attention.reference import (check_local,
+                                                                       check_mla_shapes,
+                                                                       check_sinks)
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
     default_q_block, gather_outputs, gather_queries, lse_of, make_work_items, new_token_slots,
     query_group, sanitize_metadata, write_new_kv_with_xla, write_new_rows_with_xla)
@@ -140,7 +142,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
                            interpret=False, q_block=None, kv_block_pages=None, num_kv_splits=None,
                            num_warps=4, num_stages=None, prefix_only=False,
-                           decode_io_in_kernel=True):
+                           decode_io_in_kernel=True, attention_chunk=None):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache), or with `prefix_only`
     (out, lse, kv_cache). `num_kv_splits`: split-KV programs per (work item, kv head), default
     `default_num_kv_splits`. `decode_io_in_kernel=False`: one-token items take the general path
@@ -150,6 +152,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     num_kv_heads, group = k.shape[1], query_group(q, k)
     num_pages, page_size = kv_cache.shape[:2]
     pages_per_seq = page_indices.shape[1]
+    sliding_window, attention_chunk = check_local(sliding_window, attention_chunk)
     if kv_block_pages is None:
         kv_block_pages = default_kv_block_pages(page_size, pages_per_seq)
     block_tokens = kv_block_pages * page_size
@@ -188,7 +191,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         kv_block_pages=kv_block_pages, num_kv_splits=num_kv_splits, out_dim=head_dim,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, new_kv=new_kv,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, value_dim=None,
-        prefix_only=prefix_only, direct_io=decode_io_in_kernel)
+        prefix_only=prefix_only, direct_io=decode_io_in_kernel, attention_chunk=attention_chunk)
     if new_kv is not None:
         result, cache = result
         kv_cache = cache.reshape(kv_cache.shape)
@@ -245,7 +248,7 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
         num_kv_splits=num_kv_splits, out_dim=value_dim, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, new_kv=new_kv, sm_scale=sm_scale,
         sliding_window=None, soft_cap=None, value_dim=value_dim, prefix_only=prefix_only,
-        direct_io=decode_io_in_kernel)
+        direct_io=decode_io_in_kernel, attention_chunk=None)
     if new_kv is not None:
         result, kv_cache = result
     return (*result, kv_cache) if prefix_only else (result, kv_cache)

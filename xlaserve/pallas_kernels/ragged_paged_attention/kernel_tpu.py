@@ -62,13 +62,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import (
-    check_mla_shapes, check_sinks, widened)
+    check_local, check_mla_shapes, check_sinks, widened)
 from xlaserve.pallas_kernels.ragged_paged_attention.tpu_page_writes import (
     gather_new_rows, merge_new_rows, sublanes, written_tiles)
 from xlaserve.pallas_kernels.ragged_paged_attention.tpu_shape_checks import check_shapes
 from xlaserve.pallas_kernels.ragged_paged_attention.work_items import (
-    MASK_VALUE, default_q_block, gather_queries, item_span, lse_of, make_work_items, query_group,
-    round_up, sanitize_metadata, scatter_outputs)
+    MASK_VALUE, chunk_starts, default_q_block, gather_queries, item_span, lse_of, make_work_items,
+    query_group, round_up, sanitize_metadata, scatter_outputs)
 
 LANES = 128
 KV_BUFFER_BYTES = 4 << 20  # one of the two KV blocks in VMEM
@@ -85,7 +85,8 @@ def default_kv_block_pages(page_size, token_bytes, pages_per_seq):
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           interpret=False, q_block=None, kv_block_pages=None, prefix_only=False):
+                           interpret=False, q_block=None, kv_block_pages=None, prefix_only=False,
+                           attention_chunk=None):
     """See `reference.ragged_paged_attention`; returns (out, kv_cache), or with `prefix_only`
     (out, lse, kv_cache)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -93,6 +94,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     num_pages, page_size = kv_cache.shape[:2]
     if sinks is not None:
         sinks = check_sinks(sinks, num_q_heads)
+    sliding_window, attention_chunk = check_local(sliding_window, attention_chunk)
     # Free only when the cache is stored flat (the runtime's layout); a [.., 2*Hkv, D] array is
     # tiled on its last two dims on TPU, and this reshape would copy the whole cache.
     flat_cache = kv_cache.reshape(num_pages, page_size, 2 * num_kv_heads * head_dim)
@@ -101,7 +103,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         q, new_kv, flat_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs,
         num_kv_heads=num_kv_heads, group=group, q_block=q_block, kv_block_pages=kv_block_pages,
         interpret=interpret, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        prefix_only=prefix_only)
+        prefix_only=prefix_only, attention_chunk=attention_chunk)
     return (*out, flat_cache.reshape(kv_cache.shape))
 
 
@@ -120,7 +122,7 @@ def mla_ragged_paged_attention(q, latent, kv_cache, kv_lens, page_indices, cu_q_
         q, latent, kv_cache, None, kv_lens, page_indices, cu_q_lens, num_seqs, num_kv_heads=1,
         group=q.shape[1], q_block=q_block, kv_block_pages=kv_block_pages, interpret=interpret,
         sm_scale=sm_scale, sliding_window=None, soft_cap=None, value_dim=value_dim,
-        prefix_only=prefix_only)
+        prefix_only=prefix_only, attention_chunk=None)
 
 
 def _attend_items(q, new_rows, flat_cache, sinks, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -215,7 +217,7 @@ def _attention(q_items, new_kv_items, flat_cache, sinks, item_seq, item_row0, kv
 def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, num_seqs_ref,
                       page_indices_ref, q_ref, new_kv_ref, _cache_in, *refs, sm_scale,
                       sliding_window, soft_cap, q_block, group, page_size, pages_per_seq,
-                      kv_block_pages, has_sinks, value_dim, prefix_only):
+                      kv_block_pages, has_sinks, value_dim, prefix_only, attention_chunk):
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     lse_ref, refs = (refs[1], refs[:1] + refs[2:]) if prefix_only else (None, refs)
     # The cache is read and written through the output, the same HBM buffer as the input.
@@ -229,7 +231,8 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
     def span_of(w, seq):
         return item_span(kv_lens_ref[seq], cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq],
                          item_row0_ref[w], q_block=q_block, page_size=page_size,
-                         block_tokens=block_tokens, sliding_window=sliding_window)
+                         block_tokens=block_tokens, sliding_window=sliding_window,
+                         attention_chunk=attention_chunk)
 
     def for_each_page(seq, pages_needed, block, slot, action):
         """action(copy) on the page reads of KV block `block` of `seq` into buffer `slot`."""
@@ -346,7 +349,7 @@ def _attention_kernel(item_seq_ref, item_row0_ref, kv_lens_ref, cu_q_lens_ref, n
                 key0=block * block_tokens, first_pos=span.first_pos, last_pos=last_key,
                 num_rows=span.num_rows, group=group, sm_scale=sm_scale,
                 sliding_window=sliding_window, soft_cap=soft_cap, value_dim=value_dim,
-                prefix_only=prefix_only)
+                prefix_only=prefix_only, attention_chunk=attention_chunk)
             if prefix_only:  # a block of new tokens alone is read for its writes, not attended
                 pl.when(block * block_tokens <= last_key)(attend)
             else:
@@ -394,7 +397,8 @@ def _start_at_sinks(sinks_ref, m_ref, l_ref, group):
 
 
 def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, last_pos, num_rows,
-                         group, sm_scale, sliding_window, soft_cap, value_dim, prefix_only=False):
+                         group, sm_scale, sliding_window, soft_cap, value_dim, prefix_only=False,
+                         attention_chunk=None):
     """Folds one KV block (kv: [block_tokens, 2*Hkv*D] in VMEM, keys key0.. ; with value_dim,
     MLA's [block_tokens, Dk]) into the running max / denominator / numerator of every kv head."""
     num_kv_heads, rows, head_dim = q_ref.shape[1:]
@@ -407,6 +411,8 @@ def _online_softmax_step(q_ref, kv, m_ref, l_ref, acc_ref, *, key0, first_pos, l
         mask &= key_pos <= last_pos
     if sliding_window is not None:
         mask &= row_pos - key_pos < sliding_window
+    if attention_chunk is not None:  # from each row's own position, with prefix_only too
+        mask &= key_pos >= chunk_starts(first_pos, row_in_item, attention_chunk)
     key_attended = key0 + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) <= last_pos
 
     for h in range(num_kv_heads):

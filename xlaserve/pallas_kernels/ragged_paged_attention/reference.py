@@ -11,7 +11,12 @@ that straddles a sequence boundary becomes several items, which bounds the item 
 
 Long contexts are read in chunks of `kv_block_pages` pages with an online softmax; the loop runs
 only as many chunks as the longest live sequence needs, so an over-provisioned page table costs
-nothing, and it skips chunks that every query's sliding window has left behind.
+nothing, and it skips chunks that every query's sliding window or attention chunk has left behind.
+
+Local attention, per layer, one kind at most: a sliding window w (a query at position q sees
+keys q - w < k <= q; Gemma 3, Mistral) or an attention chunk C (q sees k <= q with k // C ==
+q // C, i.e. k >= q - q % C: Llama 4's RoPE layers). Both bound a row's keys from below
+(`first_key`), so a decode reads only its window or the start of its chunk on.
 
 Attention sinks (gpt-oss): an optional learned logit per query head, `sinks[h]`, that joins each
 row's softmax denominator with no value vector: out = sum_j e^(s_j - m) v_j / (e^(sinks[h] - m) +
@@ -54,7 +59,8 @@ def default_kv_block_pages(page_size, num_items, q_block, num_q_heads, num_kv_he
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, sinks=None,
-                           q_block=None, kv_block_pages=None, prefix_only=False):
+                           q_block=None, kv_block_pages=None, prefix_only=False,
+                           attention_chunk=None):
     """Attends the new tokens `q` of all sequences to their paged KV; returns (out, kv_cache),
     or with `prefix_only` (out, lse, kv_cache) over each sequence's keys from before this step
     (`attend_paged`; speculative tree rows attend to one another apart: tree_tokens.py).
@@ -64,6 +70,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     layout; the cache comes back in the shape it came in); kv_lens i32[S]; page_indices
     i32[S, P]; cu_q_lens i32[S+1]; num_seqs i32[1].
     sinks: f32[Hq] attention sinks (see the module docstring), or None for none.
+    sliding_window, attention_chunk: the layer's local attention (the module docstring), None
+    (or 0) for none; not both.
     An FP8 cache (model/fp8_kv_cache.py) takes k and v in its dtype, already scaled; its rows
     are widened to q's dtype for the dots (`widened`). New K/V are written at positions [kv_len - q_len, kv_len) before attending. Output rows of
     padding tokens are 0. See docs/internals.md, "The kernel contract".
@@ -86,7 +94,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
         q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
         num_kv_heads=num_kv_heads, value_dim=head_dim, read_chunk=read_chunk, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, q_block=q_block,
-        kv_block_pages=kv_block_pages, prefix_only=prefix_only)
+        kv_block_pages=kv_block_pages, prefix_only=prefix_only, attention_chunk=attention_chunk)
     return (*out, kv_cache.reshape(stored_shape))
 
 
@@ -135,7 +143,7 @@ def merge_by_lse(out_a, lse_a, out_b, lse_b):
 def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                  num_kv_heads: int, value_dim: int, read_chunk, sm_scale, sliding_window=None,
                  soft_cap=None, sinks=None, q_block=None, kv_block_pages=None,
-                 prefix_only=False):
+                 prefix_only=False, attention_chunk=None):
     """The attention both caches share: `new_rows [T, ...]` written at each new token's slot of
     `kv_cache [num_pages, page_size, ...]`, then the work items' online softmax over chunks of
     pages that `read_chunk(kv_cache, pages [W, C]) -> (keys [W, C*page_size, Hkv, Dk], values
@@ -153,6 +161,7 @@ def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     group = num_q_heads // num_kv_heads
     if sinks is not None:
         sinks = check_sinks(sinks, num_q_heads)
+    sliding_window, attention_chunk = check_local(sliding_window, attention_chunk)
 
     # Rows >= num_seqs are padding and may hold garbage. Padding tokens and unused work items all
     # map to the sentinel sequence `max_seqs` (no tokens, kv_len 0, page 0), so no padding row of
@@ -215,6 +224,9 @@ def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     # Broadcast shapes against scores [W, Hkv, G, q_block, chunk_tokens].
     row_pos_b = row_pos[:, None, None, :, None]
     row_valid_b = row_valid[:, None, None, :, None]
+    # A row's first key: its window's or chunk's start, from its own position (with prefix_only
+    # too, where only the last key it sees moves).
+    first_key_b = first_key(row_pos_b, sliding_window, attention_chunk)
     kv_len_b = item_kv_len[:, None, None, None]  # against keys [W, chunk_tokens, Hkv, D]
     if prefix_only:  # keys past the prefix are out of reach, as if not yet written
         kv_len_b = kv_len_b - q_lens[item_seq][:, None, None, None]
@@ -235,9 +247,7 @@ def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
                        preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = row_valid_b & (key_pos <= row_pos_b)
-        if sliding_window is not None:
-            mask &= row_pos_b - key_pos < sliding_window
+        mask = row_valid_b & (key_pos <= row_pos_b) & (key_pos >= first_key_b)
         s = jnp.where(mask, s, MASK_VALUE)
         # A row whose chunk is all masked gets p = 1 junk here; the next real score rescales it by
         # exp(MASK_VALUE - m) = 0, and every valid row has a real score (its own key).
@@ -262,9 +272,9 @@ def attend_paged(q, new_rows, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     else:
         chunks_needed = jnp.minimum(-(-jnp.max(kv_lens) // chunk_tokens), num_chunks)
         first_chunk = 0
-        if sliding_window is not None:  # chunks that every row's window has passed are skipped
+        if sliding_window or attention_chunk:  # chunks every row's window or chunk has passed
             oldest_key = jnp.min(jnp.where(row_valid, row_pos, kv_lens.max()))
-            first_chunk = jnp.maximum(oldest_key - sliding_window + 1, 0) // chunk_tokens
+            first_chunk = first_key(oldest_key, sliding_window, attention_chunk) // chunk_tokens
         m, l, acc, kv_cache = lax.fori_loop(first_chunk, chunks_needed, attend_chunk, carry)
 
     # l >= 1 on live rows: the max (a score or the sink) contributes exp(0). With prefix_only a
@@ -293,6 +303,29 @@ def searchsorted_right(sorted_ends, x):
     len(sorted_ends) comparisons, is loop-free too, but fused into every layer's K/V scatter
     (the H100 step's HLO) it is len(sorted_ends) compares per lookup there.)"""
     return jnp.searchsorted(sorted_ends, x, side="right", method="scan_unrolled")
+
+
+def check_local(sliding_window, attention_chunk):
+    """(sliding_window, attention_chunk), each a positive int or None (0 and None: none);
+    ValueError for both on one layer or a size below 1."""
+    sliding_window, attention_chunk = sliding_window or None, attention_chunk or None
+    if sliding_window is not None and attention_chunk is not None:
+        raise ValueError(f"a sliding window ({sliding_window}) and an attention chunk "
+                         f"({attention_chunk}) on one layer are not supported")
+    for name, size in (("sliding window", sliding_window), ("attention chunk", attention_chunk)):
+        if size is not None and size < 1:
+            raise ValueError(f"a {name} of {size} tokens")
+    return sliding_window, attention_chunk
+
+
+def first_key(pos, sliding_window=None, attention_chunk=None):
+    """The first key a query at `pos` (ints or an array) sees: max(pos - w + 1, 0) in a sliding
+    window w, pos - pos % C in an attention chunk C (the chunk's start), else 0."""
+    if sliding_window:
+        return jnp.maximum(pos - sliding_window + 1, 0)
+    if attention_chunk:
+        return pos - pos % attention_chunk
+    return jnp.zeros_like(pos)
 
 
 def check_mla_shapes(q, latent, kv_cache, value_dim: int) -> None:

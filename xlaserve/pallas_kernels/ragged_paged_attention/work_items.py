@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from xlaserve.pallas_kernels.ragged_paged_attention import reference
 # The reference's: masked scores are finite, exp(MASK_VALUE - m) == 0. Re-exported for the kernels.
@@ -168,19 +169,33 @@ class ItemSpan(NamedTuple):
     num_rows: jax.Array  # real tokens in the item (<= q_block)
     last_pos: jax.Array  # causal: no key after this one is attended
     pages_needed: jax.Array  # the sequence's pages up to last_pos; later slots may be garbage
-    start_block: jax.Array  # first KV block with a key inside some row's sliding window
+    start_block: jax.Array  # first KV block with a key inside some row's window or chunk
     end_block: jax.Array  # one past the KV block holding last_pos
 
 
-def item_span(kv_len, q_len, row0, *, q_block, page_size, block_tokens, sliding_window):
+def item_span(kv_len, q_len, row0, *, q_block, page_size, block_tokens, sliding_window,
+              attention_chunk=None):
     first_pos = kv_len - q_len + row0
     num_rows = jnp.minimum(q_block, q_len - row0)
     last_pos = first_pos + num_rows - 1
     start_block = 0
     if sliding_window is not None:  # blocks every row's window has passed are not read
         start_block = jnp.maximum(first_pos - sliding_window + 1, 0) // block_tokens
+    elif attention_chunk is not None:  # nor those before the first row's chunk
+        start_block = (first_pos - lax.rem(first_pos, attention_chunk)) // block_tokens
     return ItemSpan(first_pos, num_rows, last_pos, last_pos // page_size + 1, start_block,
                     last_pos // block_tokens + 1)
+
+
+def chunk_starts(first_pos, offsets, attention_chunk: int):
+    """The attention chunk's start (the first key seen) of the rows at `first_pos + offsets`
+    (first_pos a scalar, offsets a small non-negative int32 vector): the first row's chunk start,
+    a scalar, plus the whole chunks the others are past it, a float floor as _token_of_row's
+    (vector integer division is not a TPU instruction), exact below 2^22 positions apart."""
+    start = first_pos - lax.rem(first_pos, attention_chunk)
+    past = (first_pos - start + offsets).astype(jnp.float32)
+    chunks = jnp.floor((past + 0.5) * (1.0 / attention_chunk)).astype(jnp.int32)
+    return start + chunks * attention_chunk
 
 
 def default_q_block(num_tokens: int, max_seqs: int, group: int, max_rows: int = 256) -> int:
