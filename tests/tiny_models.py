@@ -56,13 +56,13 @@ FAMILIES = {
     # (interleave_moe_layer_step 2: top 1 of 4 experts by sigmoid, a shared expert, the dense
     # MLPs wider), L2 q/k norms and chunked attention on the RoPE layers, temperature tuning on
     # the NoPE ones from position 3 (floor_scale 4), interleaved-pair RoPE with llama3 scaling.
-    # Its attention chunk (32) holds every test's context (prompts and continuations within 32
-    # positions, max_position_embeddings 32): there chunked attention is causal, as served.
+    # Its attention chunk (32) is crossed by the tests' longer contexts (max_position_embeddings
+    # 128): past position 31 a RoPE layer sees its own chunk alone.
     "llama4": dict(cls="Llama4TextConfig", architecture="Llama4ForCausalLM", head_dim=16,
                    num_hidden_layers=4, intermediate_size=48, intermediate_size_mlp=96,
                    num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
                    no_rope_layers=[1, 1, 0, 0], attention_chunk_size=32, floor_scale=4,
-                   attn_scale=0.1, max_position_embeddings=32,
+                   attn_scale=0.1, max_position_embeddings=128,
                    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 16}),

@@ -2,12 +2,10 @@
 layers, dense and MoE ones, an attention chunk of 32) through the engine: continuous batching,
 chunked prefill and the prefix cache give transformers' greedy tokens with nothing compiled after
 the precompile; on two devices (--tp-size 2) too (the checks: tests/engine/family_engine.py).
-Every context stays within the attention chunk, where chunked attention is causal: a longer one
-is refused at start-up, asked for or the model's own. Its image checkpoints' form
-(Llama4ForConditionalGeneration) serves text with transformers' tokens and refuses images."""
-import json
-import shutil
-
+Contexts cross the attention chunk: prompts past it, prefill chunks of 7 across its edge,
+continuations decoded across it (the RoPE layers then see their own chunk alone). Its image
+checkpoints' form (Llama4ForConditionalGeneration) serves text with transformers' tokens and
+refuses images."""
 import pytest
 
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
@@ -15,16 +13,18 @@ from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_tra
 from tests.tiny_models import make_tiny_llama4_conditional
 from xlaserve.offline import Engine
 
-# Prompt and continuation within 32 positions (the chunk); the NoPE layers' temperature grows
-# every 4 positions (floor_scale 4).
+# Past the chunk of 32: a 40-token prompt (its chunked prefill crosses 32), a 26-token one whose
+# continuation crosses it, a 70-token one into the third chunk; and short ones within the first.
+# The NoPE layers' temperature grows every 4 positions (floor_scale 4).
 PROMPTS = [
-    [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64, 8, 91, 13, 200, 201, 7, 8],
+    [5, 17, 300, 42, 9, 77, 120, 3, 250, 11, 64, 8, 91, 13, 200, 201, 7, 8] * 2 + [1, 2, 3, 4],
     [1, 2],
-    [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412],
+    [(11 * i) % 500 + 1 for i in range(26)],
+    [400 + i for i in range(70)],
     [99, 98, 97, 96, 95],
 ]
 SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=4,
-             chunked_prefill_size=7, max_prefill_tokens=12, context_length=32,
+             chunked_prefill_size=7, max_prefill_tokens=12, context_length=96,
              max_total_tokens=512)
 
 
@@ -42,21 +42,6 @@ def test_a_prompt_that_reuses_cached_pages_gives_the_same_tokens(engine, checkpo
 def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     """--tp-size 2 on two CPU devices: a kv head, half the experts' and MLPs' width each."""
     check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
-
-
-def test_a_context_past_the_attention_chunk_is_refused(checkpoint, tmp_path):
-    """Past its chunk, chunked attention is not causal attention, which is all the kernels run:
-    --context-length 64 stops start-up, and so does a model whose own maximum is past the chunk
-    when no --context-length caps it."""
-    with pytest.raises(ValueError, match="past its attention_chunk_size 32"):
-        Engine(checkpoint[0], **dict(SMALL, context_length=64))
-    longer = tmp_path / "longer"
-    shutil.copytree(checkpoint[0], longer)
-    config = json.loads((longer / "config.json").read_text())
-    (longer / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=64)))
-    options = {k: v for k, v in SMALL.items() if k != "context_length"}
-    with pytest.raises(ValueError, match="context length 64 is past its attention_chunk_size 32"):
-        Engine(str(longer), **options)
 
 
 def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):

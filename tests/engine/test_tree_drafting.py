@@ -136,11 +136,14 @@ def test_no_compile_while_serving_and_pages_come_back(tree, oracle):
     assert np.isfinite(tree.core.runner.kv_caches[0]).all()
 
 
-def test_a_sliding_window_model_with_tree_drafting_stops_start_up(tmp_path, head):
-    """A tree row's attention has no sliding window: such a model drafts chains."""
-    make_tiny_checkpoint(str(tmp_path / "mistral"), "mistral")
-    with pytest.raises(ValueError, match="tree drafting takes no sliding-window"):
-        Engine(str(tmp_path / "mistral"), speculative_algorithm="EAGLE3",
+@pytest.mark.parametrize("family", ["mistral", "llama4"])
+def test_a_sliding_window_or_chunked_model_with_tree_drafting_stops_start_up(tmp_path, head,
+                                                                             family):
+    """A tree row's attention has no sliding window and no attention chunk (Llama 4): such a
+    model drafts chains."""
+    make_tiny_checkpoint(str(tmp_path / family), family)
+    with pytest.raises(ValueError, match="tree drafting takes no sliding-window, chunked"):
+        Engine(str(tmp_path / family), speculative_algorithm="EAGLE3",
                speculative_draft_model_path=head[0], speculative_eagle_topk=2, **SMALL)
 
 

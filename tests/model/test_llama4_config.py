@@ -1,8 +1,10 @@
 """Llama 4's configs read as the decoder's switches (model/config/llama4_config.py): Scout's
 published text config (every layer MoE, every fourth NoPE, L2 q/k norms, llama3 RoPE scaling x16,
-its chunk of 8192 capping the context) through its image checkpoint's top level, and Maverick's
+its chunk of 8192 on the RoPE layers) through its image checkpoint's top level, and Maverick's
 differences (MoE every second layer, no q/k norms, 128 experts); what is not run is refused in one
 line. The logits: tests/model/test_transformer_matches_transformers.py (family "llama4")."""
+import dataclasses
+
 import pytest
 import transformers
 
@@ -30,7 +32,7 @@ def _scout(**text_changes) -> ModelConfig:
     return model_config_from_hf(config, "Llama4ForConditionalGeneration")
 
 
-def test_scout_reads_as_its_text_model_with_the_context_capped_at_its_chunk():
+def test_scout_reads_as_its_text_model_with_chunks_on_its_rope_layers():
     c = _scout()
     assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
         "Llama4ForConditionalGeneration", 48, 40, 8, 128)
@@ -45,10 +47,8 @@ def test_scout_reads_as_its_text_model_with_the_context_capped_at_its_chunk():
     assert (c.rope.kind, c.rope.theta, c.rope.factor, c.rope.original_max_position_embeddings) \
         == ("llama3", 500000.0, 16.0, 8192)
     assert not c.tie_word_embeddings and c.eos_token_ids == (200001, 200007, 200008)
-    c.check_context_length(8192)
-    with pytest.raises(ValueError, match="context length 10485760 is past its "
-                                         "attention_chunk_size 8192"):
-        c.check_context_length(c.max_position_embeddings)
+    # Chunked attention on the RoPE layers (every fourth layer is NoPE and global); no context cap.
+    assert c.attention_chunks == tuple(None if (i + 1) % 4 == 0 else 8192 for i in range(48))
 
 
 def test_maverick_interleaves_dense_layers_and_has_no_qk_norms():
@@ -62,3 +62,5 @@ def test_what_is_not_run_is_refused_in_one_line():
         _scout(num_experts_per_tok=2)
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         _scout(hidden_act="gelu")
+    with pytest.raises(ValueError, match="a sliding window and an attention chunk on one layer"):
+        dataclasses.replace(_scout(), sliding_windows=(4096,) * 48)

@@ -97,14 +97,35 @@ def test_logits_match_transformers_for_ragged_batch_then_decode(
     directory, hf_model = tiny_checkpoints[family]
     loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
     _lay_out(loaded, layout)
-    references = [_hf_reference(hf_model, p) for p in PROMPTS]
-    sequences = [(full, len(p)) for p, (full, _) in zip(PROMPTS, references, strict=True)]
+    _check_float32_logits(loaded, hf_model, PROMPTS, prefill_chunk, page_size)
+
+
+def _check_float32_logits(loaded, hf_model, prompts, prefill_chunk, page_size):
+    """Our logits of `prompts` and transformers' greedy continuations equal its own, and its
+    continuation is our argmax at every step."""
+    references = [_hf_reference(hf_model, p) for p in prompts]
+    sequences = [(full, len(p)) for p, (full, _) in zip(prompts, references, strict=True)]
     ours = _run_ours(loaded, sequences, prefill_chunk, page_size)
     for (full, expected), got in zip(references, ours, strict=True):
         np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
-        # The continuation transformers chose greedily is also our argmax at every step.
         prompt_len = len(full) - NEW_TOKENS
         assert got[prompt_len - 1:-1].argmax(-1).tolist() == full[prompt_len:]
+
+
+# Llama 4's chunked attention (tests/tiny_models.py: chunk 32 on its RoPE layers): prompts past
+# the chunk boundary, continuations decoded across it (positions 28..32, 61..65), ragged prefill
+# chunks of 7 that cross it; transformers' eager attention masks by chunk (masking_utils'
+# chunked_overlay: its logits past position 31 move by ~1.8 with the chunk made 10^6).
+CHUNKED_PROMPTS = [list(range(5, 45)), [(7 * i) % 500 + 1 for i in range(28)],
+                   list(range(300, 361))]
+
+
+@pytest.mark.parametrize("prefill_chunk,page_size", [(7, 4), (64, 16)])
+def test_llama4_logits_across_attention_chunks(tiny_checkpoints, prefill_chunk, page_size):
+    directory, hf_model = tiny_checkpoints["llama4"]
+    loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
+    assert loaded.config.attention_chunks == (32, 32, None, None)
+    _check_float32_logits(loaded, hf_model, CHUNKED_PROMPTS, prefill_chunk, page_size)
 
 
 # bfloat16's error as a fraction of the logit scale, 2% unless given (measured: under 1%). The

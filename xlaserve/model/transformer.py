@@ -71,6 +71,7 @@ class Attention(nnx.Module):
         c = config
         self.config = c
         self.sliding_window = c.sliding_windows[layer_index]
+        self.attention_chunk = c.attention_chunks[layer_index]  # Llama 4's RoPE layers
         # Llama 4: a NoPE layer (no RoPE; its queries scaled by the attention temperature where
         # the config tunes it), or a RoPE layer with weightless q and k norms (qk_l2_norm).
         self.nope = c.nope_layers[layer_index]
@@ -133,8 +134,9 @@ class Attention(nnx.Module):
             out = out.astype(dtype)
         elif metadata.tree_masks is None:
             out, kv_cache = kernels.attention(*args, sm_scale=sm_scale,
-                                              sliding_window=self.sliding_window, sinks=sinks)
-        else:  # no sliding window here (server_args refuses trees for such models)
+                                              sliding_window=self.sliding_window, sinks=sinks,
+                                              attention_chunk=self.attention_chunk)
+        else:  # no sliding window or chunk here (draft_head refuses trees for such models)
             out, kv_cache = tree_attention(kernels.attention, *args, metadata.tree_masks,
                                            sm_scale=sm_scale, width=metadata.tree_width,
                                            sinks=sinks)

@@ -217,10 +217,11 @@ def load_server_draft_head(args, loaded):
     --speculative-draft-model-path, NEXTN's from the model's checkpoint, on the model's mesh
     (the engine's start-up and a multi-host follower call it alike)."""
     c = loaded.config
-    if (args.speculative_eagle_topk or 1) > 1 and (any(c.sliding_windows) or c.attention_sinks):
+    if (args.speculative_eagle_topk or 1) > 1 and (
+            any(c.sliding_windows) or any(c.attention_chunks) or c.attention_sinks):
         raise ValueError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: tree drafting "
-                         "takes no sliding-window or attention-sink model (its tree rows' "
-                         "attention has neither); use --speculative-eagle-topk 1")
+                         "takes no sliding-window, chunked-attention or attention-sink model (its "
+                         "tree rows' attention has none); use --speculative-eagle-topk 1")
     folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
     target_hf = hf_config_of(folder)
     path = args.speculative_draft_model_path

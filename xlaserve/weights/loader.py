@@ -392,7 +392,8 @@ def bidirectional_decoder(config: ModelConfig, lm_head: bool) -> ModelConfig:
     """`config` run with every token attending to its whole input (--hf-overrides is_causal
     false): a dense decoder's, on an embedding server; anything else refused in one line."""
     if lm_head or config.encoder is not None or config.mla is not None or config.num_experts \
-            or any(config.sliding_windows) or config.attention_sinks:
+            or any(config.sliding_windows) or any(config.attention_chunks) \
+            or config.attention_sinks:
         raise ValueError(f"--hf-overrides is_causal false: {config.architecture} is not a dense "
                          "decoder served for embeddings (--is-embedding); not supported")
     return dataclasses.replace(config, bidirectional=True)

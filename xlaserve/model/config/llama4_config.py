@@ -12,15 +12,13 @@ What differs from Llama 3 (transformers' modeling_llama4.py, the tests' oracle):
 - RoPE layers and NoPE layers by `no_rope_layers` (0: no RoPE; `ModelConfig.nope_layers`). The
   RoPE layers L2-normalize q and k after RoPE (`use_qk_norm`: an RMS norm without weights, the
   same before RoPE, which keeps each pair's length) and attend in chunks of
-  `attention_chunk_size` positions; the NoPE layers attend to everything, their queries scaled
-  by log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1 (`attn_temperature_tuning`);
+  `attention_chunk_size` positions (`layer_types` "chunked_attention": a query at q sees the keys
+  k <= q with k // C == q // C; `ModelConfig.attention_chunks`, which the attention kernels mask
+  by and which bounds what a decode reads); the NoPE layers attend to everything, their queries
+  scaled by log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1 (`attn_temperature_tuning`);
 - RoPE rotates interleaved pairs (x0, x1), (x2, x3)... (complex multiplication), where ours
   rotates halves: q's and k's rows are stored de-interleaved at load (`rope_interleaved`, the
   permutation DeepSeek's latent attention uses), which leaves every dot product as it was.
-
-Chunked attention is served by capping the context at `attention_chunk_size` (8192 for Scout and
-Maverick): within one chunk it is causal attention, which the kernels run. A longer context is
-refused at start-up (`ModelConfig.check_context_length`) until the kernels mask by chunk.
 
 Llama4ForConditionalGeneration (Scout, Maverick): that text model in its `text_config`, served
 for text; its vision encoder and projector are not run, and a request with images is refused.
@@ -52,7 +50,7 @@ def llama4_fields(hf_config: Any, architecture: str) -> dict:
     no_rope = list(c.no_rope_layers)  # transformers' __post_init__ fills it: 1 is RoPE, 0 NoPE
     moe = set(c.moe_layers)
     chunk = getattr(c, "attention_chunk_size", None)
-    chunked = any(kind == "chunked_attention" for kind in (c.layer_types or ()))
+    layer_types = list(c.layer_types or ("full_attention",) * layers)
     temperature = (float(c.floor_scale), float(c.attn_scale)) \
         if c.attn_temperature_tuning and not all(no_rope[:layers]) else None
     return dict(
@@ -65,5 +63,6 @@ def llama4_fields(hf_config: Any, architecture: str) -> dict:
         qk_norm=False, qk_l2_norm=bool(c.use_qk_norm),
         nope_layers=tuple(not no_rope[i] for i in range(layers)),
         attention_temperature=temperature, rope_interleaved=True,
-        attention_chunk_size=int(chunk) if chunked and chunk else None)
+        attention_chunks=tuple(int(chunk) if kind == "chunked_attention" and chunk else None
+                               for kind in layer_types[:layers]))
 

@@ -110,6 +110,9 @@ class ModelConfig:
     qk_norm: bool = False
     # One entry per layer: the sliding window size, or None for full attention.
     sliding_windows: tuple[int | None, ...] = ()
+    # One entry per layer: the attention chunk C (Llama 4's RoPE layers: a query at q sees the
+    # keys k <= q with k // C == q // C), or None; never both a window and a chunk on a layer.
+    attention_chunks: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (model/moe.py); num_experts == 0 is a dense model.
@@ -167,14 +170,12 @@ class ModelConfig:
     # in the RoPE layers; the NoPE layers' queries scaled by log1p(floor((pos + 1) / floor_scale))
     # * attn_scale + 1 (`attention_temperature`: (floor_scale, attn_scale), None: unscaled); q's
     # and k's rows stored de-interleaved at load (the checkpoint's RoPE rotates interleaved
-    # pairs); the RoPE layers' attention chunk, to which the context is capped
-    # (`check_context_length`) until the kernels mask by chunk.
+    # pairs); the RoPE layers' attention chunks are `attention_chunks`.
     expert_input_scaled: bool = False
     nope_layers: tuple[bool, ...] = ()
     qk_l2_norm: bool = False
     attention_temperature: tuple[float, float] | None = None
     rope_interleaved: bool = False
-    attention_chunk_size: int | None = None
     # Per layer, an FP8 KV cache's (k_scale, v_scale) as the checkpoint gives them
     # (model/fp8_kv_cache.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
     # dtype does not read them.
@@ -207,6 +208,11 @@ class ModelConfig:
             )
         if len(self.sliding_windows) != self.num_layers:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.attention_chunks) != self.num_layers:
+            object.__setattr__(self, "attention_chunks", (None,) * self.num_layers)
+        if any(w and c for w, c in zip(self.sliding_windows, self.attention_chunks)):
+            raise ValueError("a sliding window and an attention chunk on one layer are not "
+                             "supported")
         if len(self.nope_layers) != self.num_layers:
             object.__setattr__(self, "nope_layers", (False,) * self.num_layers)
         if self.expert_input_scaled and self.num_experts_per_tok != 1:
@@ -235,17 +241,6 @@ class ModelConfig:
             topk_groups=self.router_topk_groups, group_score=self.router_group_score,
             correction_bias=self.router_correction_bias, scaling=self.routed_scaling_factor)
 
-    def check_context_length(self, context_length: int) -> None:
-        """Refuse a context past the attention chunk (Llama 4's RoPE layers): within one chunk
-        chunked attention is causal attention, which the kernels run; past it they do not yet
-        mask by chunk."""
-        chunk = self.attention_chunk_size
-        if chunk is not None and context_length > chunk:
-            raise ValueError(
-                f"{self.architecture}: context length {context_length} is past its "
-                f"attention_chunk_size {chunk}, and chunked attention across chunks is not "
-                f"supported yet: serve with --context-length {chunk} or less")
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -259,6 +254,7 @@ class ModelConfig:
                 data[name] = RopeConfig(**rope)
         data["vision"] = VisionConfig.from_dict(data["vision"]) if data.get("vision") else None
         data["sliding_windows"] = tuple(data["sliding_windows"])
+        data["attention_chunks"] = tuple(data.get("attention_chunks", ()))
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
         data["nope_layers"] = tuple(data.get("nope_layers", ()))

@@ -148,7 +148,6 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                          "embedding server (--is-embedding)")
     pooling, classifier_head = pooling_of(args, loaded) if embeds else (None, None)
     context_length = args.context_length or config.max_position_embeddings
-    config.check_context_length(context_length)  # Llama 4: its attention chunk
     if pooling is not None and pooling.max_seq_length and not args.context_length:
         # sentence-transformers' limit (vLLM's max_model_len for the model too): longer inputs
         # are refused, or cut with truncate_prompt_tokens.

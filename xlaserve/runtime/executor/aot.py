@@ -292,7 +292,6 @@ def server_step(target: str, server_args: ServerArgs,
     dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
     kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype)
     context_length = server_args.context_length or config.max_position_embeddings
-    config.check_context_length(context_length)  # Llama 4: its attention chunk
     server_args = with_page_size(server_args, platform, context_length, kv_dtype)
     page_size = server_args.page_size
     buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform,
