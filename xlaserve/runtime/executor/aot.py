@@ -4,6 +4,8 @@ topologies, NVIDIA H100 through the jax CUDA plugin's deviceless target, from a 
     python -m xlaserve.runtime.executor.aot --target v6e:2x2 --tp-size 4 \
         --model-path benchmarks/configs/llama-3.1-8b
     python -m xlaserve.runtime.executor.aot --target h100 --model-path benchmarks/configs/qwen2.5-7b
+    python -m xlaserve.runtime.executor.aot --target h100x8 --tp-size 4 --variants plain \
+        --model-path benchmarks/configs/gemma-3-27b-text
 
 Nothing is allocated: weights, KV caches and step inputs are ShapeDtypeStructs carrying the
 shardings a server gives them, and the program is `step_program.make_step`, the one a server
@@ -339,8 +341,14 @@ def main(argv=None) -> None:
     parser.add_argument("--target", required=True, choices=TPU_TOPOLOGIES + GPU_TARGETS)
     parser.add_argument("--all-shapes", action="store_true",
                         help="every bucket a server would precompile (default: smallest and largest)")
+    parser.add_argument("--variants", default="plain,sampled,everything",
+                        help="which program variants of each bucket to compile (comma-separated)")
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
+    names = args.variants.split(",")
+    if unknown := set(names) - {VARIANT_NAMES[n] for n in ACCELERATOR_VARIANTS}:
+        parser.error(f"--variants: unknown {sorted(unknown)} (plain, sampled, everything)")
+    variants = [n for n in ACCELERATOR_VARIANTS if VARIANT_NAMES[n] in names]
     use_compile_only_packages()
     server_args = ServerArgs.from_cli_args(args)
     if server_args.model_path is None:
@@ -348,8 +356,12 @@ def main(argv=None) -> None:
     program, shapes, description = server_step(args.target, server_args)
     if not args.all_shapes:
         shapes = sorted({shapes[0], shapes[-1]})
-    print(description)
-    for (tokens, seqs, pages), needs in [(s, n) for s in shapes for n in ACCELERATOR_VARIANTS]:
+    tp_size = server_args.tp_size
+    weights = sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(program.args[0])) / tp_size
+    kv = sum(c.size * c.dtype.itemsize for c in program.args[1]) / tp_size
+    print(f"{description}; per device: weights {weights / 2**30:.2f} GiB, KV cache "
+          f"{kv / 2**30:.2f} GiB (whole / tp)")
+    for (tokens, seqs, pages), needs in [(s, n) for s in shapes for n in variants]:
         start = time.perf_counter()
         compiled = program.compile(tokens, seqs, pages, needs)
         memory = compiled.memory_analysis()
