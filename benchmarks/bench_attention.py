@@ -3,6 +3,7 @@ decode (64 sequences x 1 new token, 1024 keys each) and prefill (8 sequences x 5
 
     python benchmarks/bench_attention.py [--dtype bfloat16 [float32]] [--iters 20]
     python benchmarks/bench_attention.py --mla [--head-dim 576 --value-dim 512]
+    python benchmarks/bench_attention.py --batches decode --kv-len 16384 --sliding-window 0 512
 
 --mla times multi-head latent attention instead (`mla_ragged_paged_attention`, DeepSeek-V3 per
 device by default: 16 query heads, a 576-entry latent row per token of which 512 are the values).
@@ -105,12 +106,16 @@ def read_bandwidth(nbytes: int = 512 << 20) -> float:
     return nbytes / min(device_seconds(lambda: total(x), 1) for _ in range(5))
 
 
-def traffic_and_flops(num_seqs, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, itemsize):
-    """Bytes a call must move at least and the flops of QK^T and PV under the causal mask."""
-    kv_bytes = num_seqs * kv_len * 2 * num_kv_heads * head_dim * itemsize
+def traffic_and_flops(num_seqs, q_len, kv_len, num_q_heads, num_kv_heads, head_dim, itemsize,
+                      window: int = 0):
+    """Bytes a call must move at least and the flops of QK^T and PV under the causal mask (and
+    the sliding `window`'s, > 0: each row's last `window` keys)."""
+    read = kv_len if window <= 0 else min(kv_len, window + q_len - 1)
+    kv_bytes = num_seqs * read * 2 * num_kv_heads * head_dim * itemsize
     q_out_bytes = 2 * num_seqs * q_len * num_q_heads * head_dim * itemsize
     new_kv_bytes = num_seqs * q_len * 2 * num_kv_heads * head_dim * itemsize
-    attended = sum(kv_len - q_len + r + 1 for r in range(q_len))  # keys seen by the q_len rows
+    seen = lambda keys: keys if window <= 0 else min(keys, window)
+    attended = sum(seen(kv_len - q_len + r + 1) for r in range(q_len))  # keys the rows see
     flops = 4 * num_seqs * attended * num_q_heads * head_dim
     return kv_bytes + q_out_bytes + new_kv_bytes, flops
 
@@ -149,24 +154,29 @@ def seconds_per_call(fn, batch, iters: int) -> float:
 
 
 def attention_timings(found: dict, batches: dict, *, dtype, iters: int, page_size: int,
-                      value_dim: int | None = None, **heads):
+                      value_dim: int | None = None, window: int = 0, **heads):
     """Yields one row per (batch, implementation) as it is timed: the batch's label, ms per call,
     GB/s over the bytes it must move, TFLOP/s. `batches`: name -> (seqs, new tokens, kv length);
     `heads`: num_q_heads, num_kv_heads, head_dim; or with `value_dim`, multi-head latent
-    attention's: num_q_heads, head_dim (the latent row)."""
+    attention's: num_q_heads, head_dim (the latent row). `window` > 0: a sliding window's
+    attention (not with `value_dim`)."""
     for name, (num_seqs, q_len, kv_len) in batches.items():
         shape = (num_seqs, q_len, kv_len)
         if value_dim is None:
             batch = make_batch(*shape, page_size=page_size, dtype=dtype, **heads)
-            nbytes, flops = traffic_and_flops(*shape, itemsize=dtype.itemsize, **heads)
+            nbytes, flops = traffic_and_flops(*shape, itemsize=dtype.itemsize, window=window,
+                                              **heads)
         else:
             batch = make_latent_batch(*shape, page_size=page_size, dtype=dtype, **heads)
             nbytes, flops = latent_traffic_and_flops(*shape, value_dim=value_dim,
                                                      itemsize=dtype.itemsize, **heads)
-        label = f"{name} {num_seqs}x{q_len} new, {kv_len} kv"
+        label = f"{name} {num_seqs}x{q_len} new, {kv_len} kv" + (f", window {window}"
+                                                                 if window > 0 else "")
         for impl, fn in found.items():
             if value_dim is not None:
                 fn = functools.partial(fn, value_dim=value_dim)
+            elif window > 0:
+                fn = functools.partial(fn, sliding_window=window)
             s = seconds_per_call(fn, batch, iters)
             yield {"batch": label, "implementation": impl, "ms": s * 1e3,
                    "gb_s": nbytes / s / 1e9, "tflop_s": flops / s / 1e12}
@@ -186,7 +196,15 @@ def main():
     parser.add_argument("--mla", action="store_true",
                         help="multi-head latent attention: --head-dim is the latent row")
     parser.add_argument("--value-dim", type=int, default=512, help="with --mla: the values' width")
+    parser.add_argument("--kv-len", type=int, help="every batch's keys a sequence (default: "
+                        "decode 1024, prefill 512)")
+    parser.add_argument("--sliding-window", type=int, nargs="+", default=[0],
+                        help="sliding windows to time, each in turn (0: none; not with --mla)")
     args = parser.parse_args()
+    if args.mla and any(args.sliding_window):
+        parser.error("--sliding-window: not with --mla")
+    if args.kv_len is not None and args.kv_len < max(BATCHES[b][1] for b in args.batches):
+        parser.error("--kv-len: at least each batch's new tokens (prefill: 512)")
     head_dim = args.head_dim or (576 if args.mla else 128)
     if args.mla:
         heads = dict(num_q_heads=args.num_q_heads, head_dim=head_dim)
@@ -201,14 +219,15 @@ def main():
     if platform == "cpu":
         print(f"memory read bandwidth: {read_bandwidth() / 1e9:.1f} GB/s (a jitted sum over 512 MiB)")
     found = implementations(platform, latent=args.mla)
-    print(f"{'dtype':<9} {'batch':<28} {'implementation':<28} {'ms':>9} {'GB/s':>9} {'TFLOP/s':>9}")
-    batches = {name: BATCHES[name] for name in args.batches}
-    for dtype in map(jnp.dtype, args.dtype):
+    print(f"{'dtype':<9} {'batch':<40} {'implementation':<28} {'ms':>9} {'GB/s':>9} {'TFLOP/s':>9}")
+    batches = {name: BATCHES[name][:2] + (args.kv_len or BATCHES[name][2],)
+               for name in args.batches}
+    for dtype, window in [(d, w) for d in map(jnp.dtype, args.dtype) for w in args.sliding_window]:
         timed = {k: fn for k, fn in found.items() if k != WIDENED or dtype == jnp.bfloat16}
         for row in attention_timings(timed, batches, dtype=dtype, iters=args.iters,
-                                     page_size=args.page_size,
+                                     page_size=args.page_size, window=window,
                                      value_dim=args.value_dim if args.mla else None, **heads):
-            print(f"{dtype.name:<9} {row['batch']:<28} {row['implementation']:<28} "
+            print(f"{dtype.name:<9} {row['batch']:<40} {row['implementation']:<28} "
                   f"{row['ms']:9.3f} {row['gb_s']:9.1f} {row['tflop_s']:9.3f}", flush=True)
 
 

@@ -11,6 +11,9 @@ runs in a process of its own (see peers.py).
     # a real model's shapes with random weights (configs in benchmarks/configs), xlaserve only
     .venv/bin/python benchmarks/offline_throughput.py --model-path benchmarks/configs/qwen2.5-0.5b \\
         --load-format dummy --systems xlaserve-bfloat16 --peers none
+    # ... and transformers on its own random weights of the same config
+    .venv/bin/python benchmarks/offline_throughput.py --model-path benchmarks/configs/gemma-3-1b \\
+        --load-format dummy --systems xlaserve-bfloat16 --peers transformers-bfloat16
     # the working tree against an earlier commit (a git worktree of it), before/after a change
     .venv/bin/python benchmarks/offline_throughput.py --rounds 4 --systems xlaserve-bfloat16 \\
         --peers xlaserve-bfloat16@1febdd7
@@ -85,7 +88,8 @@ def child(kind: str, options: dict) -> dict:
         return run_xlaserve(prompts, output_len, single, args)
     if kind.startswith("transformers-"):
         return peers.run_transformers(prompts[:options["peer_num_prompts"]], output_len,
-                                      kind.split("-", 1)[1], options["peer_batch_sizes"], single)
+                                      kind.split("-", 1)[1], options["peer_batch_sizes"], single,
+                                      options["model_path"], options["load_format"])
     if kind == "llama.cpp":
         return peers.run_llama_cpp(prompts, output_len, single, options.get("threads"))
     raise ValueError(f"unknown system {kind!r}")
@@ -131,16 +135,17 @@ def main(argv=None) -> None:
         engine_args[name] = _parse_value(value)
     options = {"prompts": prompts, "output_len": args.output_len, "single": args.single_stream,
                "engine_args": engine_args, "peer_num_prompts": args.peer_num_prompts,
-               "peer_batch_sizes": [int(b) for b in args.peer_batch_sizes.split(",")]}
+               "peer_batch_sizes": [int(b) for b in args.peer_batch_sizes.split(",")],
+               "model_path": args.model_path, "load_format": args.load_format}
     systems = [s for s in args.systems.split(",") if s]
     peer_names = [p for p in args.peers.split(",") if p and p != "none"]
     for name in systems + peer_names:
         if name.split("@", 1)[0] not in XLASERVE + PEERS or (
                 "@" in name and not name.startswith("xlaserve-")):
             parser.error(f"unknown system {name!r}")
-    if any("@" not in p for p in peer_names) and (args.model_path or args.load_format != "auto"):
-        parser.error("the peers run the embedded model only: add --peers none to --model-path "
-                     "or --load-format dummy")
+    if "llama.cpp" in peer_names and (args.model_path or args.load_format != "auto"):
+        parser.error("llama.cpp runs the embedded model only: leave it out of --peers with "
+                     "--model-path or --load-format dummy")
     results = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                             "output_len": args.output_len, "single_stream": args.single_stream,
                             "max_running_requests": args.max_running_requests,

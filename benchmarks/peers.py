@@ -127,17 +127,26 @@ def throughput(prompts, generated: int, elapsed: float) -> dict:
 
 
 def run_transformers(prompts, output_len: int, dtype: str, batch_sizes: list[int],
-                     single: int) -> dict:
+                     single: int, model_path: str | None = None,
+                     load_format: str = "auto") -> dict:
     """Batched greedy `generate` with left padding; the best of `batch_sizes` (each on every
-    prompt), or `single` requests one at a time."""
+    prompt), or `single` requests one at a time. The embedded model, or `model_path`'s
+    (`load_format` "dummy": transformers' own random weights of its config.json)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from xlaserve.weights.loader import default_model_file
 
-    directory, filename = os.path.split(default_model_file())
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=filename, dtype=torch.float32).to(getattr(torch, dtype)).eval()
+    if model_path is None:
+        directory, filename = os.path.split(default_model_file())
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename,
+                                                     dtype=torch.float32)
+    elif load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path),
+                                                 dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = model.to(getattr(torch, dtype)).eval()
 
     def generate(batch):
         width = max(len(p) for p in batch)
