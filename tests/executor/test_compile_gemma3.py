@@ -32,7 +32,8 @@ def _model_path(layers: int | None, directory) -> str:
 def test_gemma3_27b_serving_step_compiles_for_the_target(target, layers, tmp_path):
     """The largest bucket (512 tokens, 64 sequences), the plain variant (the sampler's parts
     compile in test_compile_step.py): its arguments are the weights and KV caches split 4 ways,
-    every layer's cache donated and written in place (no copy)."""
+    every layer's cache donated and written in place (no copy), every layer through the
+    platform's attention kernel."""
     devices(target)
     tp_size = 4  # 16 kv heads: 4 a device
     args = ServerArgs(model_path=_model_path(layers, tmp_path), tp_size=tp_size,
@@ -54,3 +55,7 @@ def test_gemma3_27b_serving_step_compiles_for_the_target(target, layers, tmp_pat
     num_layers = len(program.args[1])
     assert num_layers == (layers or 62)
     assert hlo.splitlines()[0].count("may-alias") >= num_layers + 2, description
+    # One Pallas attention kernel a layer, local and global alike (no layer falls back to XLA).
+    kernel = ('custom_call_target="tpu_custom_call"' if target.startswith("v")
+              else 'name = "attention_program')
+    assert hlo.count(kernel) == num_layers, description
