@@ -52,6 +52,16 @@ FAMILIES = {
                                                           "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                        "rope_theta": 1000000.0}}),
+    # Gemma 4's dense text model: a sliding layer (window 4, RoPE theta 10^4) and a full one
+    # (transformers' default "proportional" RoPE: a quarter of the pairs rotate at theta 10^6),
+    # the full layer's values its keys' projection (attention_k_eq_v), weightless value norms,
+    # plain-weight norms, layer scalars (randomized), the softmax unscaled, logits soft-capped at
+    # 1.5 (tanh bends the tiny model's logits, up to ~1.5). Refused ones off: no per-layer
+    # embeddings (transformers' default is on), global_head_dim = head_dim.
+    "gemma4": dict(cls="Gemma4TextConfig", architecture="Gemma4ForCausalLM", head_dim=16,
+                   global_head_dim=16, hidden_size_per_layer_input=0, embedding_std=0.0625,
+                   sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                   attention_k_eq_v=True, final_logit_softcapping=1.5),
     # Llama 4's text model: 4 layers, RoPE then NoPE (no_rope_layers), dense then MoE in each
     # (interleave_moe_layer_step 2: top 1 of 4 experts by sigmoid, a shared expert, the dense
     # MLPs wider), L2 q/k norms and chunked attention on the RoPE layers, temperature tuning on
@@ -145,6 +155,8 @@ def randomize(model, embedding_std: float = 0.5) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: moves the choice
                 buffer.copy_(0.1 * torch.randn_like(buffer))
+            elif name.endswith("layer_scalar"):  # Gemma 4's (saved: a persistent buffer)
+                buffer.copy_(1.0 + 0.3 * torch.randn_like(buffer))
 
 
 def make_tiny_gemma3_conditional(directory, seed: int = 0):
@@ -153,7 +165,6 @@ def make_tiny_gemma3_conditional(directory, seed: int = 0):
     `multi_modal_projector.*`): FAMILIES["gemma3"]'s text model, a 2-layer SigLIP tower of width
     32 on 32-pixel images of 8-pixel patches, pooled to 4 image tokens. Returns transformers'
     model (float32, eval)."""
-    import torch
     import transformers
 
     spec = dict(FAMILIES["gemma3"])
@@ -166,12 +177,27 @@ def make_tiny_gemma3_conditional(directory, seed: int = 0):
                                        mm_tokens_per_image=4, boi_token_index=497,
                                        eoi_token_index=498, image_token_index=499,
                                        eos_token_id=[1, 106])
-    config.architectures = ["Gemma3ForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(config)
-    randomize(model, FAMILIES["gemma3"]["embedding_std"])
-    model.save_pretrained(directory)
-    return model.float().eval()
+    return _saved_random(transformers.Gemma3ForConditionalGeneration, config, directory, seed,
+                         FAMILIES["gemma3"]["embedding_std"])
+
+
+def make_tiny_gemma4_conditional(directory, seed: int = 0):
+    """A tiny random Gemma4ForConditionalGeneration (no audio tower) saved by transformers 5 to
+    `directory` (its tensors `model.language_model.*`, `model.vision_tower.*`,
+    `model.embed_vision.*`): FAMILIES["gemma4"]'s text model and a 1-layer vision tower of width
+    32. Returns transformers' model (float32, eval)."""
+    import transformers
+
+    spec = dict(FAMILIES["gemma4"])
+    for name in ("cls", "architecture", "embedding_std"):
+        spec.pop(name)
+    text = transformers.Gemma4TextConfig(**{**TINY_DECODER, "vocab_size": 512, **spec})
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    return _saved_random(transformers.Gemma4ForConditionalGeneration, config, directory, seed,
+                         FAMILIES["gemma4"]["embedding_std"])
 
 
 def make_tiny_llama4_conditional(directory, seed: int = 0):
@@ -179,7 +205,6 @@ def make_tiny_llama4_conditional(directory, seed: int = 0):
     to `directory` (its tensors `language_model.model.*`, `language_model.lm_head.*`,
     `vision_model.*`, `multi_modal_projector.*`): FAMILIES["llama4"]'s text model and a 1-layer
     vision encoder of width 32 on 32-pixel images. Returns transformers' model (float32, eval)."""
-    import torch
     import transformers
 
     spec = dict(FAMILIES["llama4"])
@@ -191,9 +216,17 @@ def make_tiny_llama4_conditional(directory, seed: int = 0):
     config = transformers.Llama4Config(text_config=dict(TINY_DECODER, vocab_size=512, **spec),
                                        vision_config=vision, boi_token_index=497,
                                        eoi_token_index=498, image_token_index=499)
-    config.architectures = ["Llama4ForConditionalGeneration"]
+    return _saved_random(transformers.Llama4ForConditionalGeneration, config, directory, seed)
+
+
+def _saved_random(model_class, config, directory, seed: int, embedding_std: float = 0.5):
+    """`model_class(config)` (its architecture named in the config) with random weights
+    (`randomize`), saved to `directory`; returned float32, eval."""
+    import torch
+
+    config.architectures = [model_class.__name__]
     torch.manual_seed(seed)
-    model = transformers.Llama4ForConditionalGeneration(config)
-    randomize(model)
+    model = model_class(config)
+    randomize(model, embedding_std)
     model.save_pretrained(directory)
     return model.float().eval()

@@ -131,8 +131,9 @@ def test_llama4_logits_across_attention_chunks(tiny_checkpoints, prefill_chunk, 
 # bfloat16's error as a fraction of the logit scale, 2% unless given (measured: under 1%). The
 # tiny Gemma 3's logits are small (its tied embeddings are, tests/tiny_models.py) and its norms
 # after each sublayer amplify roundings: measured 4.5% at most, where transformers' own bfloat16
-# model is 6.7% from its float32 one.
-BFLOAT16_BOUNDS = {"gemma3": 0.05}
+# model is 6.7% from its float32 one. The tiny Gemma 4 likewise: 3.3% measured, transformers' own
+# bfloat16 4.9% from its float32.
+BFLOAT16_BOUNDS = {"gemma3": 0.05, "gemma4": 0.05}
 
 
 @pytest.mark.parametrize("layout,round_projections", [(layout, False) for layout in WEIGHT_LAYOUTS]

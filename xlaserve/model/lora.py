@@ -128,6 +128,10 @@ def check_model(config: ModelConfig, spec: LoraSpec) -> None:
         raise ValueError("LoRA on q_proj or k_proj of a model whose RoPE rotates interleaved "
                          "pairs (Llama 4: its q and k rows are reordered at load) is not "
                          "supported: target v_proj and o_proj only")
+    if any(config.value_is_key) and set(spec.target_modules) & {"k_proj", "v_proj"}:
+        raise ValueError("LoRA on k_proj or v_proj of a model whose values are its keys' "
+                         "projection (Gemma 4's attention_k_eq_v) is not supported: target "
+                         "q_proj, o_proj and the MLP")
     if any(config.moe_layers) and set(spec.target_modules) & set(MLP_MODULES):
         raise ValueError("LoRA on a mixture-of-experts model's MLP (its experts) is not "
                          "supported: target the attention modules only "

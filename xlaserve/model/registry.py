@@ -25,6 +25,10 @@ MODEL_CLASSES = {
     "Gemma3ForCausalLM": CausalLM,
     # Its image checkpoints, served for text (their SigLIP tower not run: images refused).
     "Gemma3ForConditionalGeneration": CausalLM,
+    # Gemma 4's dense text model (model/config/gemma4_config.py): Gemma 3's with plain-weight
+    # norms, value norms, layer scalars, soft-capped logits.
+    "Gemma4ForCausalLM": CausalLM,
+    "Gemma4ForConditionalGeneration": CausalLM,  # served for text: images and audio refused
     # Llama 4's text model (model/config/llama4_config.py): interleaved experts with a shared
     # one, NoPE and RoPE layers, the context capped at its attention chunk; its image checkpoints
     # (Scout, Maverick) served for text.

@@ -34,6 +34,7 @@ PARTITION_SPECS = {
     "down": P(TP, None),
     "lm_head": P(None, TP),
     "scale": P(),
+    "layer_scalar": P(),  # Gemma 4's, one per layer
     # Mixture of experts (moe.py): experts over "expert", each one's intermediate axis over
     # "tensor"; the router is replicated (every device routes every token).
     "router": P(),

@@ -109,6 +109,8 @@ class Attention(nnx.Module):
             cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
         if c.qk_norm:  # the norms come between the split and RoPE: XLA's path
             q, k, v = split_qkv(qkv)
+            if c.value_norm:  # Gemma 4's weightless norm of the values
+                v = rms_norm(v, jnp.float32(1.0), c.rms_norm_eps)
             q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, dtype)
         elif self.l2_norm:  # Llama 4 norms after RoPE, which keeps each pair's length: the same
             q, k, v = split_qkv(qkv)
@@ -165,6 +167,8 @@ class DecoderLayer(nnx.Module):
             self.attn_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
             self.mlp_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         self.rope_table = c.rope_table(layer_index)  # which of the step's RoPE tables it reads
+        if c.layer_scalars:  # Gemma 4: the layer's output, residual included, times this
+            self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
 
     def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels, lora=None,
                  temperature=None):
@@ -189,6 +193,9 @@ class DecoderLayer(nnx.Module):
         mlp_out = self.mlp(normed, kernels) if lora is None else self.mlp(normed, kernels, lora)
         if sandwich:
             mlp_out = self.mlp_output_norm(mlp_out)
+        if hasattr(self, "layer_scalar"):  # (x + mlp_out) * s, the caller adding them
+            scalar = self.layer_scalar[...].astype(jnp.float32)
+            x, mlp_out = x * scalar, mlp_out * scalar
         return x, mlp_out, kv_cache
 
     def input_rms_norm(self, x, delta, kernels: Kernels):
@@ -290,13 +297,17 @@ class CausalLM(nnx.Module):
         return reduce_chunks(self.final_norm(hidden), cu_q_lens, mode)
 
     def logits(self, hidden: jax.Array, kernels: Kernels) -> jax.Array:
-        """float32[R, V]: final norm and LM head (tied to the embedding or not) of `hidden` rows."""
+        """float32[R, V]: final norm and LM head (tied to the embedding or not) of `hidden` rows,
+        soft-capped where the config says (Gemma 4)."""
         x = self.final_norm(hidden)
         if not self.config.lm_head:
             raise ValueError("this model was built without its LM head (an embedding server's)")
         if self.config.tie_word_embeddings:
-            return linear(x, self.embedding[...], kernels, transposed=True)
-        return linear(x, self.lm_head[...], kernels)
+            logits = linear(x, self.embedding[...], kernels, transposed=True)
+        else:
+            logits = linear(x, self.lm_head[...], kernels)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 def traced_rope(config: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:

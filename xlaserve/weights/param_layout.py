@@ -146,8 +146,10 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
                                layer + ("attn",))
     elif layer + ("attn", "qkv") not in skip:
         q = _rope_rows(c, _fetch(source, attn + "q_proj.weight", (q_rows, hidden)))
-        k = _rope_rows(c, _fetch(source, attn + "k_proj.weight", (kv_rows, hidden)))
-        v = _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
+        k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
+        # Gemma 4's attention_k_eq_v layers have no v_proj: their values are k's projection.
+        v = k if c.value_is_key[i] else _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
+        k = _rope_rows(c, k)
         yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
     if c.qkv_bias:
         qb = _rope_rows(c, _fetch(source, attn + "q_proj.bias", (q_rows,)))
@@ -174,6 +176,8 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
         yield layer + ("post_attention_norm", "scale"), _fetch(
             source, prefix + "post_attention_layernorm.weight", (hidden,)
         )
+    if c.layer_scalars:  # Gemma 4
+        yield layer + ("layer_scalar",), _fetch(source, prefix + "layer_scalar", (1,))
     if c.architecture == "GptOssForCausalLM":
         yield from _gpt_oss_experts(source, c, prefix + "mlp.", layer + ("mlp",), skip)
     elif c.architecture in LLAMA4_NAMES:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from xlaserve.model.config.gemma4_config import GEMMA4_ARCHITECTURES
 from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, image_checkpoint_text
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES
 from xlaserve.model.config.model_config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig
@@ -24,6 +25,8 @@ _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_ta
 IMAGE_CHECKPOINTS = {
     "Gemma3ForConditionalGeneration": (GEMMA3_ARCHITECTURES[0],
                                        "the SigLIP vision tower, the multimodal projector"),
+    "Gemma4ForConditionalGeneration": (GEMMA4_ARCHITECTURES[0], "the vision tower, the audio "
+                                       "tower, the multimodal embedders"),
     "Llama4ForConditionalGeneration": (LLAMA4_ARCHITECTURES[0],
                                        "the vision encoder, the multimodal projector"),
 }

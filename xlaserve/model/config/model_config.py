@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from xlaserve.model.config.gemma4_config import GEMMA4_ARCHITECTURES, gemma4_fields
 from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, gemma3_fields
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES, llama4_fields
 from xlaserve.model.config.rope_config import RopeConfig, rope_from_hf, yarn_mscale
@@ -176,6 +177,13 @@ class ModelConfig:
     qk_l2_norm: bool = False
     attention_temperature: tuple[float, float] | None = None
     rope_interleaved: bool = False
+    # Gemma 4 (model/config/gemma4_config.py): a weightless RMS norm of the values; each layer's
+    # output times its `layer_scalar` weight; logits soft-capped, tanh(l / c) * c (None: not);
+    # per layer, values projected by k's weights (attention_k_eq_v; v = k_proj at load).
+    value_norm: bool = False
+    layer_scalars: bool = False
+    final_logit_softcapping: float | None = None
+    value_is_key: tuple[bool, ...] = ()
     # Per layer, an FP8 KV cache's (k_scale, v_scale) as the checkpoint gives them
     # (model/fp8_kv_cache.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
     # dtype does not read them.
@@ -215,6 +223,8 @@ class ModelConfig:
                              "supported")
         if len(self.nope_layers) != self.num_layers:
             object.__setattr__(self, "nope_layers", (False,) * self.num_layers)
+        if len(self.value_is_key) != self.num_layers:
+            object.__setattr__(self, "value_is_key", (False,) * self.num_layers)
         if self.expert_input_scaled and self.num_experts_per_tok != 1:
             raise ValueError("router weights scaling the experts' inputs need top-1 routing "
                              f"(num_experts_per_tok is {self.num_experts_per_tok})")
@@ -258,6 +268,7 @@ class ModelConfig:
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
         data["nope_layers"] = tuple(data.get("nope_layers", ()))
+        data["value_is_key"] = tuple(data.get("value_is_key", ()))
         if data.get("attention_temperature") is not None:
             data["attention_temperature"] = tuple(data["attention_temperature"])
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
@@ -281,6 +292,9 @@ class ModelConfig:
             raise ValueError(f"{architecture} with mlp_bias=True is not supported")
         if getattr(hf_config, "hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
+        # Gemma 4's refusals first: its configs may give head_dim per layer, unread as a whole.
+        gemma4 = (gemma4_fields(hf_config, architecture)
+                  if architecture in GEMMA4_ARCHITECTURES else None)
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -322,6 +336,8 @@ class ModelConfig:
             **(gemma3_fields(hf_config, architecture)
                if architecture in GEMMA3_ARCHITECTURES else {}),
         )
+        if gemma4 is not None:  # Gemma 4's norms, scales, soft cap
+            fields.update(gemma4)
         if architecture in LLAMA4_ARCHITECTURES:  # its own MLP widths, experts, norms
             fields.update(llama4_fields(hf_config, architecture))
         return cls(**fields)

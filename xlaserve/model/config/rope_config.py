@@ -15,7 +15,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3 | yarn
+    kind: str = "default"  # default | linear | llama3 | yarn | proportional
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -37,6 +37,9 @@ class RopeConfig:
     # Qwen3-VL: the pairs' axes interleaved (t, h, w, t, h, w, ...: pair j takes height where
     # j % 3 == 1 and j < 3 x section[1], width likewise, else time) instead of in sections.
     mrope_interleaved: bool = False
+    # "proportional" (Gemma 4's full layers): the first `rotary_fraction` of each head's pairs
+    # rotate at theta ** (-2j / head_dim), the rest not at all (frequency 0); all over `factor`.
+    rotary_fraction: float = 1.0
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Per-pair rotation frequencies, float32, the way transformers computes them."""
@@ -49,6 +52,9 @@ class RopeConfig:
             inv_freq = _llama3_scale(inv_freq, self)
         elif self.kind == "yarn":
             inv_freq = _yarn_blend(pos_freqs, head_dim, self)
+        elif self.kind == "proportional":
+            rotated = int(self.rotary_fraction * head_dim // 2)
+            inv_freq = np.where(np.arange(head_dim // 2) < rotated, inv_freq, 0) / self.factor
         return inv_freq.astype(np.float32)
 
     @property
@@ -125,7 +131,7 @@ def rope_from_hf(hf_config: Any, layer_type: str = "full_attention") -> RopeConf
     if kind == "mrope":  # older Qwen2-VL configs: the default RoPE, split by mrope_section
         kind = "default"
     if (getattr(hf_config, "partial_rotary_factor", None) or 1.0) != 1.0 or \
-            params.get("partial_rotary_factor", 1.0) != 1.0:
+            (params.get("partial_rotary_factor", 1.0) != 1.0 and kind != "proportional"):
         raise ValueError("partial_rotary_factor != 1 is not supported")
     if kind not in _ROPE_KINDS:
         raise ValueError(f"rope type {kind!r} is not supported "
@@ -137,6 +143,8 @@ def rope_from_hf(hf_config: Any, layer_type: str = "full_attention") -> RopeConf
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         mrope_section=tuple(int(n) for n in params.get("mrope_section", ())),
     )
+    if kind == "proportional":
+        fields.update(rotary_fraction=float(params.get("partial_rotary_factor", 1.0)))
     if kind == "yarn":
         fields.update(_yarn_fields(params, hf_config))
     else:
@@ -145,7 +153,7 @@ def rope_from_hf(hf_config: Any, layer_type: str = "full_attention") -> RopeConf
     return RopeConfig(**fields)
 
 
-_ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+_ROPE_KINDS = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 def _yarn_fields(params: dict, hf_config: Any) -> dict:

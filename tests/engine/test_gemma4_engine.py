@@ -1,0 +1,39 @@
+"""Gemma 4's dense text model (a tiny random Gemma4ForCausalLM, tests/tiny_models.py: a sliding
+layer of window 4 and a full one whose values are its keys' projection, soft-capped logits)
+through the engine: prompts longer than the window, prefill chunks across its edge, continuous
+batching and the prefix cache give transformers' greedy tokens with nothing compiled after the
+precompile; on two devices (--tp-size 2: a kv head each) too (the checks:
+tests/engine/family_engine.py). Its image checkpoints' form (Gemma4ForConditionalGeneration)
+serves text prompts with transformers' own tokens, and refuses images by name."""
+import pytest
+
+from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
+                                        check_cached_prefix, check_two_devices, family_fixtures)
+from tests.engine.test_gemma3_engine import PROMPTS, SMALL
+from tests.tiny_models import make_tiny_gemma4_conditional
+from xlaserve.offline import Engine
+
+checkpoint, engine = family_fixtures("gemma4", SMALL)
+
+
+def test_batched_chunked_and_cached_greedy_requests_give_transformers_tokens(engine, checkpoint):
+    """Batched requests equal their solo runs and transformers'; a prompt whose first 8 tokens
+    come from the prefix cache gives transformers' tokens too."""
+    check_batched_equal_solo_and_transformers(engine, checkpoint[1], PROMPTS, GREEDY)
+    check_cached_prefix(engine, checkpoint[1], GREEDY)
+
+
+def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
+    """--tp-size 2 on two CPU devices: a kv head and half the MLP and vocabulary each."""
+    check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
+
+
+def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):
+    """A Gemma4ForConditionalGeneration (transformers 5's save: `model.language_model.*`) gives
+    transformers' greedy tokens on text prompts, chunked past the window, batched; image_data
+    is refused, as the start-up warning says (its vision tower is not read)."""
+    hf_model = make_tiny_gemma4_conditional(str(tmp_path))
+    with Engine(str(tmp_path), **SMALL) as engine:
+        check_batched_equal_solo_and_transformers(engine, hf_model, PROMPTS[:3], GREEDY)
+        with pytest.raises(ValueError, match="whose images this server runs"):
+            engine.generate(input_ids=PROMPTS[1], image_data=b"not read", sampling_params=GREEDY)

@@ -1,0 +1,75 @@
+"""Gemma 4's text model (Gemma4ForCausalLM, transformers' Gemma4TextConfig): the fields
+ModelConfig.from_hf adds to a Llama-style decoder for it, and what model/transformer.py does not
+run refused in one line.
+
+What it shares with Gemma 3 (gemma_config.py): sliding and full layers by `layer_types`, each
+kind with its own RoPE (the full layers' "proportional" RoPE rotating the first
+`partial_rotary_factor` of each head's pairs, rope_config.py), q/k norms, the norms around both
+sublayers, embeddings times sqrt(hidden), GeGLU, the tied head. What differs (transformers'
+modeling_gemma4.py, the tests' oracle): the RMSNorms multiply by their weight as stored (no
+1 + weight); values get a weightless RMS norm (`ModelConfig.value_norm`); the softmax is unscaled
+(scale 1.0: the q/k norms set the logits' size); each layer's output, residual included, is
+multiplied by its `layer_scalar` (a weight, `ModelConfig.layer_scalars`); the logits are
+soft-capped, tanh(l / c) * c (`final_logit_softcapping`); with `attention_k_eq_v` the full layers
+have no v_proj, their values the keys' projection (before k's norm and RoPE), read at load as
+v_proj = k_proj (`ModelConfig.value_is_key`).
+
+Refused in one line, naming the field: per-layer embeddings (hidden_size_per_layer_input), layers
+reading an earlier layer's KV (num_kv_shared_layers), the MoE block (enable_moe_block), a full
+layer's head_dim or KV head count other than the sliding layers' (global_head_dim,
+num_global_key_value_heads: the KV pool holds one shape for every layer,
+runtime/executor/kv_pool.py), bidirectional attention.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+GEMMA4_ARCHITECTURES = ("Gemma4ForCausalLM",)
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
+
+
+def gemma4_fields(hf_config: Any, architecture: str) -> dict:
+    """ModelConfig's Gemma 4 fields of a Gemma 4 text config; what is not run refused."""
+    c = hf_config
+    if getattr(c, "hidden_size_per_layer_input", 0):
+        raise ValueError(f"Gemma 4: hidden_size_per_layer_input={c.hidden_size_per_layer_input} "
+                         "(per-layer embeddings) is not supported yet")
+    if getattr(c, "num_kv_shared_layers", 0):
+        raise ValueError(f"Gemma 4: num_kv_shared_layers={c.num_kv_shared_layers} > 0 (layers "
+                         "reading an earlier layer's KV) is not supported yet")
+    if getattr(c, "enable_moe_block", False):
+        raise ValueError("Gemma 4: enable_moe_block (the MoE block beside the MLP) is not "
+                         "supported yet")
+    if getattr(c, "use_bidirectional_attention", None):
+        raise ValueError(f"Gemma 4: use_bidirectional_attention={c.use_bidirectional_attention!r}"
+                         " is not supported")
+    activation = getattr(c, "hidden_activation", None)
+    if activation not in _GELU_TANH:
+        raise ValueError(f"Gemma 4: hidden_activation {activation!r} is not supported "
+                         f"({', '.join(_GELU_TANH)})")
+    layer_types = list(c.layer_types)[:c.num_hidden_layers]
+    kinds = set(layer_types) - set(_LAYER_TYPES)
+    if kinds:
+        raise ValueError(f"Gemma 4: layer_types {sorted(kinds)} are not supported "
+                         f"({', '.join(_LAYER_TYPES)})")
+    # transformers' per-layer overrides (the full layers' global_head_dim and, with
+    # attention_k_eq_v, num_global_key_value_heads); c.head_dim is unreadable where they differ.
+    for field, name in (("head_dim", "global_head_dim"),
+                        ("num_key_value_heads", "num_global_key_value_heads")):
+        by_kind = {kind: {getattr(c.per_layer_config[i], field)
+                          for i, k in enumerate(layer_types) if k == kind} for kind in _LAYER_TYPES}
+        if len(set().union(*by_kind.values())) > 1:
+            full, sliding = (", ".join(map(str, sorted(by_kind[kind])))
+                             for kind in _LAYER_TYPES[::-1])
+            raise ValueError(f"Gemma 4: {name} {full} other than {field} {sliding} is not "
+                             "supported yet (the KV pool holds one shape for every layer)")
+    cap = getattr(c, "final_logit_softcapping", None)
+    if cap is not None and cap <= 0:
+        raise ValueError(f"Gemma 4: final_logit_softcapping={cap} is not supported (> 0 or None)")
+    k_eq_v = bool(getattr(c, "attention_k_eq_v", False))
+    return dict(
+        qk_norm=True, value_norm=True, norm_offset=0.0, sandwich_norms=True,
+        embedding_multiplier=c.hidden_size**0.5, attention_scale=1.0, activation="gelu_tanh",
+        layer_scalars=True, final_logit_softcapping=None if cap is None else float(cap),
+        value_is_key=tuple(k_eq_v and kind == "full_attention" for kind in layer_types))
