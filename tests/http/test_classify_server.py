@@ -166,7 +166,7 @@ def test_an_embedding_model_has_no_classify_but_pools(tmp_path):
         server.close()
 
 
-def test_a_classifier_refuses_to_generate_and_pooler_config(tmp_path):
+def test_a_classifier_refuses_to_generate_pooler_config_and_a_misshapen_head(tmp_path):
     from xlaserve.launch_server import make_context
     from xlaserve.server_args import ServerArgs
 
@@ -176,6 +176,17 @@ def test_a_classifier_refuses_to_generate_and_pooler_config(tmp_path):
     with pytest.raises(ValueError, match="--pooler-config"):
         make_context(ServerArgs(model_path=path, pooler_config='{"pooling_type": "MEAN"}',
                                 **SMALL))
+    # A score head whose rows are not the model's width stops the load, naming the tensor.
+    import glob
+
+    from safetensors.numpy import load_file, save_file
+
+    (weights,) = glob.glob(path + "/*.safetensors")
+    tensors = load_file(weights)
+    tensors["score.weight"] = tensors["score.weight"][:, :8].copy()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"score.weight has shape \[1, 8\]"):
+        make_context(ServerArgs(model_path=path, **SMALL))
 
 
 def test_classify_and_pooling_fuzz(classifier):

@@ -93,13 +93,7 @@ def checkpoint_head(folder: str, config: ModelConfig) -> tuple[str, ClassifierHe
         return "cls", _cross_encoder_head(folder, config, saved, architecture)
     if architecture in SEQUENCE_CLASSIFIERS:
         source = with_decoder_names(SafetensorsSource(folder))
-        if "score.weight" not in source.names():
-            raise ClassifierHeadError(f"{folder}: a {architecture} without score.weight")
-        out = source.get("score.weight")
-        if out.ndim != 2 or out.shape[1] != config.hidden_size:
-            raise ClassifierHeadError(f"{folder}: score.weight has shape {list(out.shape)}; "
-                                      f"expected [labels, {config.hidden_size}]")
-        out = _fetch(source, "score.weight", tuple(out.shape)).astype(np.float32)
+        out = _label_rows(source, "score.weight", config.hidden_size, folder)
         if "score.bias" in source.names():
             raise ClassifierHeadError(f"{folder}: {architecture}'s score has a bias, which "
                                       "transformers' head does not")
@@ -114,14 +108,23 @@ def _cross_encoder_head(folder: str, config: ModelConfig, saved: dict,
         names = ("classifier.dense", "classifier.out_proj")
     else:
         names = ("bert.pooler.dense", "classifier")
-    if names[1] + ".weight" not in source.names():
-        raise ClassifierHeadError(f"{folder}: checkpoint is missing tensor {names[1]}.weight")
-    labels = source.get(names[1] + ".weight").shape[0]
+    out = _label_rows(source, names[1] + ".weight", hidden, folder)
     dense = (_fetch(source, names[0] + ".weight", (hidden, hidden)).astype(np.float32).T,
              _fetch(source, names[0] + ".bias", (hidden,)).astype(np.float32))
-    out = _fetch(source, names[1] + ".weight", (labels, hidden)).astype(np.float32)
-    bias = _fetch(source, names[1] + ".bias", (labels,)).astype(np.float32)
+    bias = _fetch(source, names[1] + ".bias", (len(out),)).astype(np.float32)
     return _head(dense, out, bias, saved, folder)
+
+
+def _label_rows(source, name: str, hidden: int, folder: str) -> np.ndarray:
+    """float32 [labels, hidden]: a classifier's projection `name`, one row per label (as many
+    labels as it has rows); a missing or misshapen one stops the load, naming it."""
+    if name not in source.names():
+        raise ClassifierHeadError(f"{folder}: checkpoint is missing tensor {name}")
+    shape = source.get(name).shape
+    if len(shape) != 2 or shape[1] != hidden:
+        raise ClassifierHeadError(f"{folder}: {name} has shape {list(shape)}; expected "
+                                  f"[labels, {hidden}]")
+    return _fetch(source, name, tuple(shape)).astype(np.float32)
 
 
 def token_logit_head(folder: str, config: ModelConfig, tokenizer, tokens) -> ClassifierHead:
