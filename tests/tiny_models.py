@@ -56,12 +56,25 @@ FAMILIES = {
     # (transformers' default "proportional" RoPE: a quarter of the pairs rotate at theta 10^6),
     # the full layer's values its keys' projection (attention_k_eq_v), weightless value norms,
     # plain-weight norms, layer scalars (randomized), the softmax unscaled, logits soft-capped at
-    # 1.5 (tanh bends the tiny model's logits, up to ~1.5). Refused ones off: no per-layer
-    # embeddings (transformers' default is on), global_head_dim = head_dim.
+    # 1.5 (tanh bends the tiny model's logits, up to ~1.5). The full layer's heads as the
+    # published checkpoints' are: twice as wide, half as many (global_head_dim 32, 2 KV heads
+    # beside the sliding layer's 4 of 16: each layer's cache its own shape). Refused ones off: no
+    # per-layer embeddings (transformers' default is on).
     "gemma4": dict(cls="Gemma4TextConfig", architecture="Gemma4ForCausalLM", head_dim=16,
-                   global_head_dim=16, hidden_size_per_layer_input=0, embedding_std=0.0625,
+                   num_key_value_heads=4, global_head_dim=32, num_global_key_value_heads=2,
+                   hidden_size_per_layer_input=0, embedding_std=0.0625,
                    sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                    attention_k_eq_v=True, final_logit_softcapping=1.5),
+    # Gemma 4's MoE block (gemma-4-26b-a4b's form): every layer's experts (top 2 of 4, GeGLU,
+    # renormalized, each weight times its per-expert scale) beside its dense MLP, on the
+    # residual stream, with their own norms; the rest as "gemma4".
+    "gemma4_moe": dict(cls="Gemma4TextConfig", architecture="Gemma4ForCausalLM", head_dim=16,
+                       num_key_value_heads=4, global_head_dim=32, num_global_key_value_heads=2,
+                       hidden_size_per_layer_input=0, embedding_std=0.0625, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"],
+                       attention_k_eq_v=True, final_logit_softcapping=1.5,
+                       enable_moe_block=True, num_experts=4, top_k_experts=2,
+                       moe_intermediate_size=32),
     # Llama 4's text model: 4 layers, RoPE then NoPE (no_rope_layers), dense then MoE in each
     # (interleave_moe_layer_step 2: top 1 of 4 experts by sigmoid, a shared expert, the dense
     # MLPs wider), L2 q/k norms and chunked attention on the RoPE layers, temperature tuning on
@@ -146,6 +159,10 @@ def randomize(model, embedding_std: float = 0.5) -> None:
             elif name.endswith("mlp.router.weight"):
                 # gpt-oss: twice as decisive (at 0.5, half its positions had a near-tie).
                 param.copy_(torch.randn_like(param))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith("router.proj.weight"):  # Gemma 4's: its input is / sqrt(hidden)
+                param.copy_(8.0 * torch.randn_like(param))
             elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
                 # Decisive routers (logits ~N(0, 4^2)): bfloat16 then picks the same experts as
                 # float32 at most positions, which the bfloat16 test compares.

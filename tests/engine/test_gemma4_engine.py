@@ -2,7 +2,8 @@
 layer of window 4 and a full one whose values are its keys' projection, soft-capped logits)
 through the engine: prompts longer than the window, prefill chunks across its edge, continuous
 batching and the prefix cache give transformers' greedy tokens with nothing compiled after the
-precompile; on two devices (--tp-size 2: a kv head each) too (the checks:
+precompile; on two devices (--tp-size 2: half of each layer's KV heads, the full layer's wider
+and fewer) too, and its MoE block's form (--ep-size 2) (the checks:
 tests/engine/family_engine.py). Its image checkpoints' form (Gemma4ForConditionalGeneration)
 serves text prompts with transformers' own tokens, and refuses images by name."""
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
                                         check_cached_prefix, check_two_devices, family_fixtures)
 from tests.engine.test_gemma3_engine import PROMPTS, SMALL
-from tests.tiny_models import make_tiny_gemma4_conditional
+from tests.tiny_models import make_tiny_checkpoint, make_tiny_gemma4_conditional
 from xlaserve.offline import Engine
 
 checkpoint, engine = family_fixtures("gemma4", SMALL)
@@ -24,8 +25,17 @@ def test_batched_chunked_and_cached_greedy_requests_give_transformers_tokens(eng
 
 
 def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
-    """--tp-size 2 on two CPU devices: a kv head and half the MLP and vocabulary each."""
+    """--tp-size 2 on two CPU devices: half of each layer's KV heads (the sliding layer's 4 of
+    16 wide, the full layer's 2 of 32), half the MLP and vocabulary each."""
     check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
+
+
+def test_the_moe_block_on_two_devices_gives_transformers_greedy_tokens(tmp_path):
+    """gemma-4-26b-a4b's form (tests/tiny_models.py, "gemma4_moe": every layer's experts beside
+    its dense MLP) on --tp-size 2 --ep-size 2: two experts a device, attention split by KV head;
+    batched, chunked across the window's edge, transformers' greedy tokens."""
+    hf_model = make_tiny_checkpoint(str(tmp_path), "gemma4_moe")
+    check_two_devices(str(tmp_path), hf_model, PROMPTS, GREEDY, dict(SMALL, tp_size=2, ep_size=2))
 
 
 def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):

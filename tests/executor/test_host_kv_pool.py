@@ -15,12 +15,15 @@ from xlaserve.runtime.executor import host_kv_pool
 from xlaserve.runtime.executor.host_kv_pool import HostKvPool
 from xlaserve.runtime.scheduler.host_tier import LOAD, SAVE
 
-SHAPE, DTYPE = (12, 2, 6), jnp.float8_e4m3fn
+# Three layers, the last one's rows twice as wide (a Gemma 4 full layer's: each layer's cache
+# its own shape, ModelConfig.layer).
+SHAPES, DTYPE = [(12, 2, 6), (12, 2, 6), (12, 2, 12)], jnp.float8_e4m3fn
 
 
 def specs_on(device_list):
     mesh = Mesh(np.array(device_list[:1]), ("tensor",))
-    return [jax.ShapeDtypeStruct(SHAPE, DTYPE, sharding=NamedSharding(mesh, P()))] * 3
+    return [jax.ShapeDtypeStruct(shape, DTYPE, sharding=NamedSharding(mesh, P()))
+            for shape in SHAPES]
 
 
 @pytest.fixture(params=[True, False], ids=["pinned", "numpy"])
@@ -28,7 +31,7 @@ def pool_and_caches(request, monkeypatch):
     monkeypatch.setattr(host_kv_pool, "COPY_PAGES", 4)  # pieces of 4 pages: 1, 2, 4
     specs = specs_on(jax.devices())
     rng = np.random.default_rng(0)
-    caches = [jax.device_put(rng.standard_normal(SHAPE).astype(DTYPE), one.sharding)
+    caches = [jax.device_put(rng.standard_normal(one.shape).astype(DTYPE), one.sharding)
               for one in specs]
     pool = HostKvPool(specs, num_pages=10, pinned=request.param)
     pool.precompile()

@@ -29,22 +29,40 @@ def test_the_tiny_config_reads_as_gemma_4():
     assert c.softmax_scale == 1.0 and c.embedding_multiplier == 64**0.5
     assert c.activation == "gelu_tanh" and c.final_logit_softcapping == 1.5
     assert c.value_is_key == (False, True)  # attention_k_eq_v: the full layer's only
+    # the full layer's heads (global_head_dim, num_global_key_value_heads) and the sliding one's
+    assert c.layer_heads == ((4, 16), (2, 32)) and (c.num_kv_heads, c.head_dim) == (4, 16)
+    assert (c.layer(1).num_kv_heads, c.layer(1).head_dim, c.layer(1).queries_per_kv) == (2, 32, 2)
+    assert c.layer(0) is c and c.widest_head_dim == 32
+    assert c.rope_widths() == (16, 8)  # the full layers' table over 32 dims, the sliding's over 16
     assert ModelConfig.from_dict(c.to_dict()) == c
     assert _config(attention_k_eq_v=False).value_is_key == (False, False)
     assert _config(final_logit_softcapping=None).final_logit_softcapping is None
 
 
+def test_the_moe_block_reads_as_experts_beside_the_mlp():
+    """enable_moe_block: every layer keeps its dense MLP (no moe_layers) and runs its experts
+    beside it, top k renormalized (transformers' Gemma4TextRouter)."""
+    c = _config(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    assert c.experts_beside_mlp and c.moe_layers == (False, False)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (4, 2, 32)
+    assert c.router.normalize and c.router.scoring == "softmax"
+    assert not _config().experts_beside_mlp and _config().num_experts == 0
+
+
 def test_the_proportional_rope_equals_transformers():
     """The full layers' RoPE (transformers' default: "proportional", a quarter of the pairs
     rotating at theta 10^6, the rest not) and the sliding layers' (10^4) are transformers'."""
-    hf = _hf(head_dim=32, global_head_dim=32)
+    hf = _hf(head_dim=32, global_head_dim=64)
     c = ModelConfig.from_hf(hf, "Gemma4ForCausalLM")
     assert (c.rope.kind, c.rope.rotary_fraction) == ("proportional", 0.25)
     rotary = transformers.models.gemma4.modeling_gemma4.Gemma4TextRotaryEmbedding(hf)
-    np.testing.assert_array_equal(c.rope.inv_freq(32), rotary.full_attention_inv_freq.numpy())
+    np.testing.assert_array_equal(c.rope.inv_freq(64), rotary.full_attention_inv_freq.numpy())
     np.testing.assert_array_equal(c.local_rope.inv_freq(32),
                                   rotary.sliding_attention_inv_freq.numpy())
-    assert (c.rope.inv_freq(32)[4:] == 0).all() and (c.rope.inv_freq(32)[:4] > 0).all()
+    assert (c.rope.inv_freq(64)[8:] == 0).all() and (c.rope.inv_freq(64)[:8] > 0).all()
+    # the step's rows: the full layers' table (32 pairs), then the sliding layers' (16)
+    np.testing.assert_array_equal(c.rope_inv_freq(), np.concatenate(
+        [rotary.full_attention_inv_freq.numpy(), rotary.sliding_attention_inv_freq.numpy()]))
 
 
 @pytest.mark.parametrize("overrides,named", [
@@ -52,11 +70,8 @@ def test_the_proportional_rope_equals_transformers():
     (dict(num_kv_shared_layers=1, num_hidden_layers=3,
           layer_types=["sliding_attention", "full_attention", "full_attention"]),
      "num_kv_shared_layers=1 > 0"),
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
-     "enable_moe_block"),
-    (dict(global_head_dim=32), "global_head_dim 32 other than head_dim 16"),
-    (dict(num_global_key_value_heads=1),
-     "num_global_key_value_heads 1 other than num_key_value_heads 2"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=32),
+     "enable_moe_block with num_experts=4 and top_k_experts=5"),
     (dict(final_logit_softcapping=0.0), "final_logit_softcapping=0.0"),
     (dict(use_bidirectional_attention="vision"), "use_bidirectional_attention='vision'"),
     (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
@@ -67,13 +82,14 @@ def test_what_the_decoder_does_not_run_is_refused_by_name(overrides, named):
 
 
 def test_transformers_default_config_is_refused_for_its_per_layer_embeddings():
-    """Gemma4TextConfig()'s defaults (gemma-4-e2b's form: per-layer embeddings of 256, a full
-    layer's head_dim 512 beside 256) stop at the first field not run."""
+    """Gemma4TextConfig()'s defaults (gemma-4-e2b's form: per-layer embeddings of 256) stop at
+    the first field not run; without them, its full layers' 512-wide heads read per layer."""
     with pytest.raises(ValueError, match="hidden_size_per_layer_input=256"):
         ModelConfig.from_hf(transformers.Gemma4TextConfig(), "Gemma4ForCausalLM")
-    with pytest.raises(ValueError, match="global_head_dim 512 other than head_dim 256"):
-        ModelConfig.from_hf(transformers.Gemma4TextConfig(hidden_size_per_layer_input=0),
+    c = ModelConfig.from_hf(transformers.Gemma4TextConfig(hidden_size_per_layer_input=0),
                             "Gemma4ForCausalLM")
+    assert [c.layer(i).head_dim for i in range(6)] == [256] * 5 + [512]
+    assert c.rope_widths() == (256, 128)
 
 
 def test_lora_on_the_shared_key_and_value_projection_is_refused():
@@ -83,5 +99,16 @@ def test_lora_on_the_shared_key_and_value_projection_is_refused():
     for modules in (("k_proj",), ("v_proj",)):
         with pytest.raises(ValueError, match="attention_k_eq_v"):
             check_model(_config(), LoraSpec(1, 4, modules))
-    check_model(_config(), LoraSpec(1, 4, ("q_proj", "o_proj")))
-    check_model(_config(attention_k_eq_v=False), LoraSpec(1, 4, ("k_proj", "v_proj")))
+    check_model(_config(global_head_dim=16, num_global_key_value_heads=4),
+                LoraSpec(1, 4, ("q_proj", "o_proj")))
+    check_model(_config(attention_k_eq_v=False, global_head_dim=16,
+                        num_global_key_value_heads=4), LoraSpec(1, 4, ("k_proj", "v_proj")))
+
+
+def test_lora_on_attention_whose_heads_differ_by_layer_is_refused():
+    """The full layer's q/k/v/o differ in shape from the sliding one's: the slots are one shape."""
+    from xlaserve.model.lora import LoraSpec, check_model
+
+    with pytest.raises(ValueError, match="differ in head size or KV heads"):
+        check_model(_config(), LoraSpec(1, 4, ("q_proj", "o_proj")))
+    check_model(_config(), LoraSpec(1, 4, ("gate_proj", "up_proj", "down_proj")))

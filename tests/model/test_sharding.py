@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
-from xlaserve.model.sharding import check_expert_parallel, serving_mesh
+from xlaserve.model.sharding import check_split, serving_mesh
 
 ROOT = Path(__file__).resolve().parents[2]  # the scripts import tests.greedy_driver from there
 
@@ -122,14 +122,39 @@ def test_ep_size_must_divide_tp_size_and_the_experts():
         serving_mesh(jax.devices(), 2, 2)
     mesh = serving_mesh(jax.devices(), 1, 1)
     assert dict(mesh.shape) == {"data": 1, "expert": 1, "tensor": 1}
-    check_expert_parallel(8, mesh)  # one group holds every expert
+    check_split(_config(num_experts=8), mesh)  # one group holds every expert
 
-    class EightDevices:  # only the mesh's shape is read
-        shape = {"data": 1, "expert": 8, "tensor": 1}
-
-    check_expert_parallel(16, EightDevices())
+    check_split(_config(num_experts=16, num_kv_heads=8), EightDevices())
     with pytest.raises(ValueError, match="--ep-size 8 does not divide the model's 60 experts"):
-        check_expert_parallel(60, EightDevices())
+        check_split(_config(num_experts=60, num_kv_heads=8), EightDevices())
+
+
+class EightDevices:  # only the mesh's shape and size are read
+    shape = {"data": 1, "expert": 8, "tensor": 1}
+    size = 8
+
+
+def _config(**fields):
+    from xlaserve.model.config.rope_config import RopeConfig
+    from xlaserve.model.config.model_config import ModelConfig
+
+    base = dict(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64,
+                intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
+                rms_norm_eps=1e-6, rope=RopeConfig(), max_position_embeddings=64)
+    if fields.get("num_experts"):
+        fields.setdefault("num_experts_per_tok", 1)
+    return ModelConfig(**{**base, **fields})
+
+
+def test_tp_size_must_divide_every_layers_kv_heads():
+    """Attention is split by KV head: a layer with fewer KV heads than devices (Gemma 4's full
+    layers have 2 or 4 beside the sliding layers' 8 or 16) stops start-up naming it."""
+    check_split(_config(num_kv_heads=8), EightDevices())
+    with pytest.raises(ValueError, match="--tp-size 8 does not divide layer 0's 2 KV heads"):
+        check_split(_config(), EightDevices())
+    uneven = _config(num_kv_heads=8, layer_heads=((8, 8), (4, 8)))
+    with pytest.raises(ValueError, match="--tp-size 8 does not divide layer 1's 4 KV heads"):
+        check_split(uneven, EightDevices())
 
 
 def test_deepseek_v3_tensor_and_expert_parallel_logits_equal_single_device(tmp_path):

@@ -132,8 +132,9 @@ def test_llama4_logits_across_attention_chunks(tiny_checkpoints, prefill_chunk, 
 # tiny Gemma 3's logits are small (its tied embeddings are, tests/tiny_models.py) and its norms
 # after each sublayer amplify roundings: measured 4.5% at most, where transformers' own bfloat16
 # model is 6.7% from its float32 one. The tiny Gemma 4 likewise: 3.3% measured, transformers' own
-# bfloat16 4.9% from its float32.
-BFLOAT16_BOUNDS = {"gemma3": 0.05, "gemma4": 0.05}
+# bfloat16 4.9% from its float32; with its MoE block 5.0% at most (the projections rounded as
+# on GPU), where transformers' own bfloat16 is 9.5% from its float32.
+BFLOAT16_BOUNDS = {"gemma3": 0.05, "gemma4": 0.05, "gemma4_moe": 0.07}
 
 
 @pytest.mark.parametrize("layout,round_projections", [(layout, False) for layout in WEIGHT_LAYOUTS]
@@ -178,14 +179,19 @@ def _decisive_routing_rows(hf_model, ids) -> np.ndarray:
     position where some layer's router has a near-tie between its k-th and (k+1)-th expert. There
     bfloat16 may pick the other expert, as any bfloat16 implementation may, and through attention
     that changes every later position."""
-    if not getattr(hf_model.config, "num_experts_per_tok", None):
+    config = hf_model.config
+    # Gemma 4 records its routers' probabilities: their logs differ as the logits do.
+    k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None)
+    if not k:
         return np.ones(len(ids), bool)
     with torch.no_grad():
         router_logits = hf_model(torch.tensor([ids]), output_router_logits=True).router_logits
-    k = hf_model.config.num_experts_per_tok
     margins = []
     for logits in router_logits:
-        ranked = np.sort(logits.float().numpy(), axis=-1)[:, ::-1]
+        logits = logits.float().numpy()
+        if getattr(config, "top_k_experts", None):
+            logits = np.log(logits)
+        ranked = np.sort(logits, axis=-1)[:, ::-1]
         margins.append(ranked[:, k - 1] - ranked[:, k])
     decisive = np.min(margins, axis=0) > ROUTING_MARGIN
     return np.cumprod(decisive).astype(bool)

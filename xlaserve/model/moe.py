@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V2/V3.
+"""The mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V2/V3, and
+Gemma 4's MoE block beside its dense MLP (`ExpertsBesideMlp`).
 
 A router scores every expert for each token; the top `num_experts_per_tok` run, and their
 outputs are summed with the router's weights (model/routing.py: softmax over all experts, then
@@ -31,7 +32,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config.model_config import ModelConfig
-from xlaserve.model.layers import MLP, Kernels, init_weight, linear, matmul_input_dtype
+from xlaserve.model.layers import (MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype,
+                                   rms_norm)
 from xlaserve.model.weight_types.mxfp4_experts import Mxfp4Experts
 from xlaserve.model.weight_types.mxfp4_experts import partition_specs as mxfp4_partition_specs
 from xlaserve.model.weight_types.packed import PackedExperts
@@ -210,3 +212,50 @@ class MoE(nnx.Module):
                 shared_out = jax.nn.sigmoid(linear(x, self.shared_expert_gate[...], kernels)) * shared_out
             out = out + shared_out
         return out
+
+
+class ExpertsBesideMlp(nnx.Module):
+    """Gemma 4's MoE block (`enable_moe_block`), run beside the layer's dense MLP: its output
+    is norm_1(the MLP's output) + norm_2(the experts' output), whose sum the layer's own
+    post-MLP norm then takes (transformers' Gemma4TextDecoderLayer). The experts read the
+    residual stream itself, not the MLP's input: the router a weightless RMS norm of it times
+    `router_scale` / sqrt(hidden) (softmax over all experts, the top k renormalized, each times
+    its `per_expert_scale`), the experts their own RMS norm of it (`input_norm`); GeGLU
+    experts, the dense MLP's layout with an expert axis in front."""
+
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        hidden, experts = c.hidden_size, c.num_experts
+        self.router = nnx.Param(init_weight(rngs, (hidden, experts), dtype))
+        self.router_scale = nnx.Param(jnp.ones((hidden,), dtype))
+        self.per_expert_scale = nnx.Param(jnp.ones((experts,), dtype))
+        self.experts_gate_up = nnx.Param(init_weight(
+            rngs, (experts, hidden, 2, c.moe_intermediate_size), dtype))
+        self.experts_down = nnx.Param(init_weight(
+            rngs, (experts, c.moe_intermediate_size, hidden), dtype))
+        self.mlp_norm = RMSNorm(hidden, c.rms_norm_eps, dtype, c.norm_offset)
+        self.input_norm = RMSNorm(hidden, c.rms_norm_eps, dtype, c.norm_offset)
+        self.output_norm = RMSNorm(hidden, c.rms_norm_eps, dtype, c.norm_offset)
+
+    def __call__(self, residual: jax.Array, mlp_out: jax.Array, kernels: Kernels) -> jax.Array:
+        """float32 [T, hidden]: the block's output for the residual stream `residual` [T,
+        hidden] beside the dense MLP's output `mlp_out`."""
+        c = self.config
+        scale = self.router_scale[...].astype(jnp.float32) * c.hidden_size**-0.5
+        router_in = rms_norm(residual, scale, c.rms_norm_eps).astype(matmul_input_dtype(
+            self.router[...]))
+        weights, experts = route(linear(router_in, self.router[...], kernels), c.router)
+        weights = weights * self.per_expert_scale[...].astype(jnp.float32)[experts]
+        dtype = matmul_input_dtype(self.experts_gate_up[...])
+        expert_weights = {"experts_gate_up": self.experts_gate_up[...],
+                          "experts_down": self.experts_down[...]}
+        out = (kernels.run_experts or run_experts)(self.input_norm(residual).astype(dtype),
+                                                   weights, experts, expert_weights, kernels,
+                                                   geglu)
+        return self.mlp_norm(mlp_out) + self.output_norm(out)
+
+
+def geglu(gate_up: jax.Array, out_dtype) -> jax.Array:
+    """Gemma's activation for gate_up [T, 2, I]: gelu_tanh(gate) * up."""
+    return (jax.nn.gelu(gate_up[:, 0], approximate=True) * gate_up[:, 1]).astype(out_dtype)

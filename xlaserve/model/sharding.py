@@ -30,6 +30,8 @@ PARTITION_SPECS = {
     "o_proj": P(TP, None, None),
     "o_bias": P(),
     "sinks": P(TP),  # one per query head
+    "router_scale": P(),  # Gemma 4's MoE block (moe.ExpertsBesideMlp)
+    "per_expert_scale": P(),
     "gate_up": P(None, None, TP),
     "down": P(TP, None),
     "lm_head": P(None, TP),
@@ -111,8 +113,23 @@ def check_parallel_sizes(tp_size: int, ep_size: int) -> None:
                          "split over the tensor-parallel devices")
 
 
-def check_expert_parallel(num_experts: int, mesh: Mesh) -> None:
-    """A model's experts must split evenly over the mesh's expert axis."""
+def check_split(config, mesh: Mesh) -> None:
+    """What the mesh splits of a model (ModelConfig `config`) must split evenly, or start-up
+    stops naming it: its experts over the expert axis; each layer's KV heads (latent attention:
+    its query heads) over all the devices, which attention is split by."""
     ep_size = mesh.shape.get("expert", 1)
-    if ep_size > 1 and num_experts % ep_size:
-        raise ValueError(f"--ep-size {ep_size} does not divide the model's {num_experts} experts")
+    if ep_size > 1 and config.num_experts % ep_size:
+        raise ValueError(f"--ep-size {ep_size} does not divide the model's {config.num_experts} "
+                         "experts")
+    tp_size = mesh.size
+    if config.mla is not None:
+        if config.num_heads % tp_size:
+            raise ValueError(f"--tp-size {tp_size} does not divide the model's "
+                             f"{config.num_heads} attention heads")
+        return
+    for i in range(config.num_layers):
+        kv_heads = config.layer(i).num_kv_heads
+        if kv_heads % tp_size:  # replicating KV heads across devices is not built
+            raise ValueError(f"--tp-size {tp_size} does not divide layer {i}'s {kv_heads} KV "
+                             "heads (attention is split by KV head; a KV head on several "
+                             "devices is not supported)")

@@ -40,7 +40,7 @@ from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rms_norm, rope_qk,
     split_qkv)
 from xlaserve.model.mla import MLAttention
-from xlaserve.model.moe import MoE
+from xlaserve.model.moe import ExpertsBesideMlp, MoE
 from xlaserve.model.weight_types.packed import embed
 from xlaserve.model.pooling import pool_sequences, reduce_chunks
 from xlaserve.model.sharding import partition_spec
@@ -68,7 +68,7 @@ class Attention(nnx.Module):
         """`input_size`: the width q, k and v are projected from (default hidden_size; an
         EAGLE-3 head's attention reads its embedding and hidden state side by side,
         model/draft_heads.py)."""
-        c = config
+        c = config.layer(layer_index)  # its own heads where the model's layers differ
         self.config = c
         self.sliding_window = c.sliding_windows[layer_index]
         self.attention_chunk = c.attention_chunks[layer_index]  # Llama 4's RoPE layers
@@ -169,6 +169,8 @@ class DecoderLayer(nnx.Module):
         self.rope_table = c.rope_table(layer_index)  # which of the step's RoPE tables it reads
         if c.layer_scalars:  # Gemma 4: the layer's output, residual included, times this
             self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
+        if c.experts_beside_mlp:  # Gemma 4's MoE block, on the residual beside the MLP
+            self.experts = ExpertsBesideMlp(c, dtype, rngs)
 
     def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels, lora=None,
                  temperature=None):
@@ -191,6 +193,8 @@ class DecoderLayer(nnx.Module):
         x, normed = kernels.add_rms_norm(x, attn_out, norm.factor(), norm.eps,
                                          self.mlp.input_dtype())
         mlp_out = self.mlp(normed, kernels) if lora is None else self.mlp(normed, kernels, lora)
+        if hasattr(self, "experts"):
+            mlp_out = self.experts(x, mlp_out, kernels)
         if sandwich:
             mlp_out = self.mlp_output_norm(mlp_out)
         if hasattr(self, "layer_scalar"):  # (x + mlp_out) * s, the caller adding them
@@ -255,7 +259,7 @@ class CausalLM(nnx.Module):
             x = jnp.where((input_ids < 0)[:, None], input_embeds[0].astype(jnp.float32),
                           self.token_embeddings(jnp.maximum(input_ids, 0)))
         tables = rope_tables(*(rope if rope is not None else traced_rope(self.config, positions)),
-                             self.config.local_rope is not None)
+                             self.config.rope_widths())
         new_caches, mlp_out, captured = [], None, {}
         temperature = attention_temperature(self.config, positions)
         if self.config.bidirectional:  # no cache (ModelConfig.bidirectional): the pool is empty
@@ -331,13 +335,15 @@ def attention_temperature(config: ModelConfig, positions) -> jax.Array | None:
     return jnp.log1p(steps) * attn_scale + 1.0
 
 
-def rope_tables(cos: jax.Array, sin: jax.Array, two: bool) -> list[tuple[jax.Array, jax.Array]]:
-    """The step's (cos, sin) rows as one (cos, sin) pair per RoPE table (`two`: the config has a
-    local RoPE, `ModelConfig.rope_table`); with one table, the arrays as they are."""
-    if not two:
+def rope_tables(cos: jax.Array, sin: jax.Array, widths: tuple[int, ...]
+                ) -> list[tuple[jax.Array, jax.Array]]:
+    """The step's (cos, sin) rows as one (cos, sin) pair per RoPE table, `widths` pairs each
+    (`ModelConfig.rope_widths`; `ModelConfig.rope_table` says which a layer reads); with one
+    table, the arrays as they are."""
+    if len(widths) == 1:
         return [(cos, sin)]
-    half = cos.shape[-1] // 2
-    return [(cos[:, :half], sin[:, :half]), (cos[:, half:], sin[:, half:])]
+    bounds = np.cumsum((0,) + tuple(widths))
+    return [(cos[:, a:b], sin[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def rope_angles(inv_freq: np.ndarray, positions):
@@ -394,7 +400,7 @@ def abstract_parameters(config: ModelConfig, dtype, mesh, model_class=CausalLM,
 
 def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int,
                    platform: str) -> tuple[int, ...]:
-    """One layer's cache on `platform`: the attention contract's `[pages, page_size, 2*Hkv, D]`
+    """One layer's cache on `platform` (`config`: that layer's, `ModelConfig.layer`): the attention contract's `[pages, page_size, 2*Hkv, D]`
     stored flat, as `[pages, page_size, 2*Hkv*D]`. Every kernel views it as it needs; this is the
     TPU kernel's own layout, where viewing a 4-D array flat would copy it (TPU arrays are tiled by
     their last two dims). On CPU and GPU, layouts are dense and any view is free. Multi-head

@@ -45,7 +45,7 @@ from xlaserve.model.weight_types.int8 import (check_platform, check_quantization
 from xlaserve.weights.placement import build_model, expected_parameters, place_model
 from xlaserve.weights.formats.quantization import check_quantization_config, dequantizing_source
 from xlaserve.model.registry import model_class_check
-from xlaserve.model.sharding import check_expert_parallel, serving_mesh
+from xlaserve.model.sharding import check_split, serving_mesh
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
 from xlaserve.weights.vision_layout import with_vision_language_names
@@ -296,7 +296,7 @@ def load_model(
         raise ValueError(f"{config.architecture}: a vision-language model is served in its "
                          f"checkpoint's precision as a generation model (not "
                          f"{'--quantization ' + quantization if quantization else 'embeddings'})")
-    check_expert_parallel(config.num_experts, mesh)
+    check_split(config, mesh)
     source = None  # a Hugging Face checkpoint's tensors: their headers read once
     if kv_cache_dtype != "auto":
         if not (dummy or checkpoint.is_checkpoint(source_path)):

@@ -137,6 +137,7 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
     """`(param_path, array)` of decoder layer `i` of `c` (its experts or not, its window), read
     from the tensors under `prefix` and placed under `layer` (also DeepSeek's multi-token
     prediction layer, model/draft_heads.py)."""
+    c = c.layer(i)  # its own heads where the model's layers differ (Gemma 4)
     hidden, head_dim = c.hidden_size, c.head_dim
     q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads * head_dim
     attn = prefix + "self_attn."
@@ -187,6 +188,8 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
     else:
         yield from _mlp(source, prefix + "mlp.", c.intermediate_size, hidden, layer + ("mlp",),
                         skip=skip)
+    if c.experts_beside_mlp:
+        yield from _gemma4_experts(source, c, prefix, layer + ("experts",))
 
 
 def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple,
@@ -228,6 +231,26 @@ def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
     if c.shared_expert_intermediate_size and c.shared_expert_gate:
         yield path + ("shared_expert_gate",), _fetch(
             source, prefix + "shared_expert_gate.weight", (1, hidden)).T
+
+
+def _gemma4_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
+    """Gemma 4's MoE block (model/moe.ExpertsBesideMlp): `router.proj` [E, hidden], its `scale`
+    [hidden] and `per_expert_scale` [E]; `experts.gate_up_proj` [E, 2 * inter, hidden] (gate's
+    rows, then up's) and `experts.down_proj` [E, hidden, inter]; the three norms around it."""
+    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    yield path + ("router",), _fetch(source, prefix + "router.proj.weight", (experts, hidden)).T
+    yield path + ("router_scale",), _fetch(source, prefix + "router.scale", (hidden,))
+    yield path + ("per_expert_scale",), _fetch(source, prefix + "router.per_expert_scale",
+                                               (experts,))
+    gate_up = _fetch(source, prefix + "experts.gate_up_proj", (experts, 2 * inter, hidden))
+    yield path + ("experts_gate_up",), np.ascontiguousarray(
+        gate_up.reshape(experts, 2, inter, hidden).transpose(0, 3, 1, 2))
+    down = _fetch(source, prefix + "experts.down_proj", (experts, hidden, inter))
+    yield path + ("experts_down",), np.ascontiguousarray(down.transpose(0, 2, 1))
+    for ours, theirs in (("mlp_norm", "post_feedforward_layernorm_1"),
+                         ("input_norm", "pre_feedforward_layernorm_2"),
+                         ("output_norm", "post_feedforward_layernorm_2")):
+        yield path + (ours, "scale"), _fetch(source, f"{prefix}{theirs}.weight", (hidden,))
 
 
 def _rope_rows(c: ModelConfig, rows: np.ndarray) -> np.ndarray:

@@ -15,10 +15,10 @@ have no v_proj, their values the keys' projection (before k's norm and RoPE), re
 v_proj = k_proj (`ModelConfig.value_is_key`).
 
 Refused in one line, naming the field: per-layer embeddings (hidden_size_per_layer_input), layers
-reading an earlier layer's KV (num_kv_shared_layers), the MoE block (enable_moe_block), a full
-layer's head_dim or KV head count other than the sliding layers' (global_head_dim,
-num_global_key_value_heads: the KV pool holds one shape for every layer,
-runtime/executor/kv_pool.py), bidirectional attention.
+reading an earlier layer's KV (num_kv_shared_layers), bidirectional attention. The MoE block
+(enable_moe_block: every layer's experts beside its dense MLP) is `ModelConfig.experts_beside_mlp`
+(model/moe.ExpertsBesideMlp). The full layers' own head size and KV heads (global_head_dim,
+num_global_key_value_heads) are `ModelConfig.layer_heads`: each layer's cache its own shape.
 """
 from __future__ import annotations
 
@@ -38,9 +38,6 @@ def gemma4_fields(hf_config: Any, architecture: str) -> dict:
     if getattr(c, "num_kv_shared_layers", 0):
         raise ValueError(f"Gemma 4: num_kv_shared_layers={c.num_kv_shared_layers} > 0 (layers "
                          "reading an earlier layer's KV) is not supported yet")
-    if getattr(c, "enable_moe_block", False):
-        raise ValueError("Gemma 4: enable_moe_block (the MoE block beside the MLP) is not "
-                         "supported yet")
     if getattr(c, "use_bidirectional_attention", None):
         raise ValueError(f"Gemma 4: use_bidirectional_attention={c.use_bidirectional_attention!r}"
                          " is not supported")
@@ -54,16 +51,11 @@ def gemma4_fields(hf_config: Any, architecture: str) -> dict:
         raise ValueError(f"Gemma 4: layer_types {sorted(kinds)} are not supported "
                          f"({', '.join(_LAYER_TYPES)})")
     # transformers' per-layer overrides (the full layers' global_head_dim and, with
-    # attention_k_eq_v, num_global_key_value_heads); c.head_dim is unreadable where they differ.
-    for field, name in (("head_dim", "global_head_dim"),
-                        ("num_key_value_heads", "num_global_key_value_heads")):
-        by_kind = {kind: {getattr(c.per_layer_config[i], field)
-                          for i, k in enumerate(layer_types) if k == kind} for kind in _LAYER_TYPES}
-        if len(set().union(*by_kind.values())) > 1:
-            full, sliding = (", ".join(map(str, sorted(by_kind[kind])))
-                             for kind in _LAYER_TYPES[::-1])
-            raise ValueError(f"Gemma 4: {name} {full} other than {field} {sliding} is not "
-                             "supported yet (the KV pool holds one shape for every layer)")
+    # attention_k_eq_v, num_global_key_value_heads): read per layer, as c.head_dim is unreadable
+    # where they differ.
+    layers = c.per_layer_config
+    layer_heads = tuple((layers[i].num_key_value_heads, layers[i].head_dim)
+                        for i in range(c.num_hidden_layers))
     cap = getattr(c, "final_logit_softcapping", None)
     if cap is not None and cap <= 0:
         raise ValueError(f"Gemma 4: final_logit_softcapping={cap} is not supported (> 0 or None)")
@@ -72,4 +64,17 @@ def gemma4_fields(hf_config: Any, architecture: str) -> dict:
         qk_norm=True, value_norm=True, norm_offset=0.0, sandwich_norms=True,
         embedding_multiplier=c.hidden_size**0.5, attention_scale=1.0, activation="gelu_tanh",
         layer_scalars=True, final_logit_softcapping=None if cap is None else float(cap),
-        value_is_key=tuple(k_eq_v and kind == "full_attention" for kind in layer_types))
+        value_is_key=tuple(k_eq_v and kind == "full_attention" for kind in layer_types),
+        layer_heads=layer_heads, **_moe_block(c))
+
+
+def _moe_block(c: Any) -> dict:
+    """The MoE block's fields (enable_moe_block: every layer's experts beside its MLP)."""
+    if not getattr(c, "enable_moe_block", False):
+        return {}
+    if not c.num_experts or not 0 < (c.top_k_experts or 0) <= c.num_experts:
+        raise ValueError(f"Gemma 4: enable_moe_block with num_experts={c.num_experts} and "
+                         f"top_k_experts={c.top_k_experts} is not supported")
+    return dict(num_experts=c.num_experts, num_experts_per_tok=c.top_k_experts,
+                moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True,
+                moe_layers=(False,) * c.num_hidden_layers, experts_beside_mlp=True)

@@ -10,10 +10,12 @@ exactly one place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
 
+from xlaserve.model.config.experts_config import experts_from_hf
 from xlaserve.model.config.gemma4_config import GEMMA4_ARCHITECTURES, gemma4_fields
 from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, gemma3_fields
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES, llama4_fields
@@ -184,6 +186,13 @@ class ModelConfig:
     layer_scalars: bool = False
     final_logit_softcapping: float | None = None
     value_is_key: tuple[bool, ...] = ()
+    # Per layer, (num_kv_heads, head_dim) where layers differ (Gemma 4's full layers: wider heads,
+    # fewer of them); () every layer the fields'. A layer is built from `layer(i)`, its cache too
+    # (runtime/executor/kv_pool.py: one array per layer, each its own shape).
+    layer_heads: tuple[tuple[int, int], ...] = ()
+    # Gemma 4's MoE block: every layer runs its experts beside its dense MLP
+    # (model/moe.ExpertsBesideMlp), moe_layers all False.
+    experts_beside_mlp: bool = False
     # Per layer, an FP8 KV cache's (k_scale, v_scale) as the checkpoint gives them
     # (model/fp8_kv_cache.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
     # dtype does not read them.
@@ -197,11 +206,33 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
 
+    def layer(self, index: int) -> "ModelConfig":
+        """The config layer `index` is built from: this one, with that layer's KV heads and head
+        size where `layer_heads` gives them others."""
+        if not self.layer_heads or self.layer_heads[index] == (self.num_kv_heads, self.head_dim):
+            return self
+        return _with_heads(self, *self.layer_heads[index])
+
+    @property
+    def widest_head_dim(self) -> int:
+        """The largest head size of any layer (what the kernels' shape checks are asked about)."""
+        return max([self.head_dim] + [d for _, d in self.layer_heads])
+
     def rope_inv_freq(self) -> np.ndarray:
         """The per-pair frequencies of every RoPE table the layers read, side by side (a step's
-        cos and sin rows hold them all): `rope`'s, then `local_rope`'s where there is one."""
+        cos and sin rows hold them all): `rope`'s, then `local_rope`'s where there is one, each
+        over the head size of the layers that read it (Gemma 4's differ)."""
+        return np.concatenate(self._rope_tables())
+
+    def rope_widths(self) -> tuple[int, ...]:
+        """The pairs of each table in `rope_inv_freq`, in order (`transformer.rope_tables`)."""
+        return tuple(len(table) for table in self._rope_tables())
+
+    def _rope_tables(self) -> list[np.ndarray]:
         tables = [self.rope] if self.local_rope is None else [self.rope, self.local_rope]
-        return np.concatenate([rope.inv_freq(self.head_dim) for rope in tables])
+        readers = [next((i for i in range(self.num_layers) if self.rope_table(i) == t), 0)
+                   for t in range(len(tables))]
+        return [rope.inv_freq(self.layer(i).head_dim) for rope, i in zip(tables, readers)]
 
     def rope_table(self, layer: int) -> int:
         """Which of `rope_inv_freq`'s tables layer `layer` reads: 1 for a sliding-window layer
@@ -225,6 +256,8 @@ class ModelConfig:
             object.__setattr__(self, "nope_layers", (False,) * self.num_layers)
         if len(self.value_is_key) != self.num_layers:
             object.__setattr__(self, "value_is_key", (False,) * self.num_layers)
+        if self.layer_heads:
+            self._check_layer_heads()
         if self.expert_input_scaled and self.num_experts_per_tok != 1:
             raise ValueError("router weights scaling the experts' inputs need top-1 routing "
                              f"(num_experts_per_tok is {self.num_experts_per_tok})")
@@ -242,6 +275,21 @@ class ModelConfig:
                 self.local_rope.attention_factor != self.rope.attention_factor:
             raise ValueError("RoPE scalings whose attention factors differ between sliding and "
                              "full layers are not supported")
+
+    def _check_layer_heads(self) -> None:
+        if len(self.layer_heads) != self.num_layers:
+            raise ValueError(f"layer_heads has {len(self.layer_heads)} entries for "
+                             f"{self.num_layers} layers")
+        for i, (kv_heads, head_dim) in enumerate(self.layer_heads):
+            if self.num_heads % kv_heads:
+                raise ValueError(f"layer {i}: num_attention_heads ({self.num_heads}) must be a "
+                                 f"multiple of its {kv_heads} KV heads")
+        by_table: dict[int, set[int]] = {}
+        for i, (_, head_dim) in enumerate(self.layer_heads):
+            by_table.setdefault(self.rope_table(i), set()).add(head_dim)
+        if any(len(dims) > 1 for dims in by_table.values()):
+            raise ValueError("layers of one RoPE table with different head sizes are not "
+                             "supported")
 
     @property
     def router(self) -> RouterConfig:
@@ -269,6 +317,7 @@ class ModelConfig:
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
         data["nope_layers"] = tuple(data.get("nope_layers", ()))
         data["value_is_key"] = tuple(data.get("value_is_key", ()))
+        data["layer_heads"] = tuple(tuple(one) for one in data.get("layer_heads", ()))
         if data.get("attention_temperature") is not None:
             data["attention_temperature"] = tuple(data["attention_temperature"])
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
@@ -296,8 +345,11 @@ class ModelConfig:
         gemma4 = (gemma4_fields(hf_config, architecture)
                   if architecture in GEMMA4_ARCHITECTURES else None)
         num_heads = hf_config.num_attention_heads
-        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        if gemma4 is not None:  # per layer (layer_heads), the first layer's as the whole's
+            num_kv_heads, head_dim = gemma4["layer_heads"][0]
+        else:
+            num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+            head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         mla = None
         if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             if getattr(hf_config, "attention_bias", False):
@@ -332,7 +384,7 @@ class ModelConfig:
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_ids=eos_ids,
             mla=mla,
-            **_experts_from_hf(hf_config, architecture),
+            **experts_from_hf(hf_config, architecture),
             **(gemma3_fields(hf_config, architecture)
                if architecture in GEMMA3_ARCHITECTURES else {}),
         )
@@ -363,72 +415,9 @@ _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausa
                        "Qwen3MoeForCausalLM")
 
 
-def _experts_from_hf(hf_config: Any, architecture: str) -> dict:
-    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss or DeepSeek-V2/V3
-    config ({} for others)."""
-    num_layers = hf_config.num_hidden_layers
-    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-        return _deepseek_experts(hf_config, architecture == "DeepseekV3ForCausalLM")
-    if architecture == "MixtralForCausalLM":
-        # Every layer is sparse; the experts' width is `intermediate_size`; the top-k weights are
-        # always renormalized.
-        return dict(num_experts=hf_config.num_local_experts,
-                    num_experts_per_tok=hf_config.num_experts_per_tok,
-                    moe_intermediate_size=hf_config.intermediate_size, norm_topk_prob=True,
-                    moe_layers=(True,) * num_layers)
-    if architecture == "GptOssForCausalLM":
-        # Every layer is sparse; the router's top k logits go through a softmax, which is the
-        # softmax over all experts renormalized over the top k.
-        return dict(num_experts=hf_config.num_local_experts,
-                    num_experts_per_tok=hf_config.num_experts_per_tok,
-                    moe_intermediate_size=hf_config.intermediate_size, norm_topk_prob=True,
-                    moe_layers=(True,) * num_layers, attention_sinks=True, router_bias=True,
-                    expert_bias=True, swiglu_limit=float(hf_config.swiglu_limit),
-                    swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)))
-    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        return {}
-    num_experts = hf_config.num_experts
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    dense_layers = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    # transformers' rule (Qwen2MoeDecoderLayer): a layer is sparse unless listed in
-    # mlp_only_layers, when there are experts and (layer + 1) is a multiple of the step.
-    moe_layers = tuple(i not in dense_layers and num_experts > 0 and (i + 1) % step == 0
-                       for i in range(num_layers))
-    shared = (hf_config.shared_expert_intermediate_size
-              if architecture == "Qwen2MoeForCausalLM" else 0)
-    return dict(num_experts=num_experts, num_experts_per_tok=hf_config.num_experts_per_tok,
-                moe_intermediate_size=hf_config.moe_intermediate_size,
-                norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
-                shared_expert_intermediate_size=shared, moe_layers=moe_layers)
-
-
-def _deepseek_experts(hf_config: Any, v3: bool) -> dict:
-    """DeepSeek-V2/V3's experts (Kimi K2 and Moonlight are V3): the first `first_k_dense_replace`
-    layers dense, then every `moe_layer_freq`-th layer sparse (DeepSeek's own rule; every released
-    checkpoint has 1); shared experts as one ungated MLP; the router (model/routing.py) by
-    `scoring_func` and `topk_method`, refused where it is another than the code implements."""
-    num_layers, num_experts = hf_config.num_hidden_layers, hf_config.n_routed_experts or 0
-    first_sparse = getattr(hf_config, "first_k_dense_replace", 0) or 0
-    every = getattr(hf_config, "moe_layer_freq", None) or 1
-    scoring = getattr(hf_config, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
-    method = getattr(hf_config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
-    methods = {True: {"noaux_tc": "top2_sum"},
-               False: {"greedy": None, "group_limited_greedy": "max"}}[v3]
-    if method not in methods:
-        raise ValueError(f"topk_method {method!r} is not supported for "
-                         f"{'DeepSeek-V3' if v3 else 'DeepSeek-V2'} (supported: {', '.join(methods)})")
-    if scoring != ("sigmoid" if v3 else "softmax"):
-        raise ValueError(f"scoring_func {scoring!r} is not supported with topk_method {method!r}")
-    grouped = methods[method] is not None
-    shared = (hf_config.n_shared_experts or 0) * hf_config.moe_intermediate_size
-    return dict(
-        num_experts=num_experts, num_experts_per_tok=hf_config.num_experts_per_tok or 0,
-        moe_intermediate_size=hf_config.moe_intermediate_size,
-        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
-        shared_expert_intermediate_size=shared, shared_expert_gate=False,
-        moe_layers=tuple(num_experts > 0 and i >= first_sparse and i % every == 0
-                         for i in range(num_layers)),
-        router_scoring=scoring, router_groups=(hf_config.n_group or 1) if grouped else 1,
-        router_topk_groups=(hf_config.topk_group or 1) if grouped else 1,
-        router_group_score=methods[method] or "max", router_correction_bias=v3,
-        routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0))
+@functools.lru_cache(maxsize=None)
+def _with_heads(config: ModelConfig, num_kv_heads: int, head_dim: int) -> ModelConfig:
+    """`config` as one layer of `num_kv_heads` heads of `head_dim` (ModelConfig.layer): the
+    same object for every layer of that shape, as a step's trace asks it once per layer."""
+    return dataclasses.replace(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               layer_heads=())

@@ -103,9 +103,9 @@ def _pack_leaf(name: str, weight: jax.Array) -> PackedMatrix | PackedExperts:
 def pack_model(model: nnx.Module, tie_word_embeddings: bool, int8_as_rows: bool = False,
                int8_activations: str = "float32") -> None:
     """Packs `model`'s matmul and experts' weights in place. The layers' weights of one kind
-    (every layer's qkv, ...) become one stack, each layer's Variable a view of it (the layers of
-    the supported architectures all have the same shapes): a step then takes 4 weight arrays for
-    all layers instead of 4 per layer, and each argument of a jitted call costs host time (with
+    (every layer's qkv, ...) become one stack, each layer's Variable a view of it (one stack per
+    shape where a model's layers differ: Gemma 4's full layers' attention): a step then takes 4
+    weight arrays for all layers instead of 4 per layer, and each argument of a jitted call costs host time (with
     runtime/executor/weight_args.py, 182 weight arguments became 6 and the host dispatch of a one-token
     step went from 3.2 to 2.1 ms on a 2-core CPU). A model already packed is left as it is.
     `int8_as_rows`: `--quantization int8` weights become "i8_row" QuantizedLinears for the native
@@ -123,8 +123,8 @@ def pack_model(model: nnx.Module, tie_word_embeddings: bool, int8_as_rows: bool 
             # quantized weights are not packed in float panels: quantized rows have their own
             # GEMM, and int8 weights without it are XLA's (layers.linear)
             pass
-        elif packs and path[0] == "layers":
-            stacks.setdefault(path[2:], []).append((path, value))
+        elif packs and path[0] == "layers":  # one stack per kind and shape (layers may differ)
+            stacks.setdefault((path[2:], tuple(value.shape)), []).append((path, value))
             continue
         elif packs:
             value = _pack_leaf(name, value)

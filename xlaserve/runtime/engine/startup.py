@@ -223,7 +223,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                         "keeps float32 x)" if args.quantized_activations == "q8" else ""))
                     if native_gemm_available()
                     else "XLA's dots (the native quantized CPU GEMM does not build here)")
-    buckets = serving_buckets(args, context_length, config.head_dim, loaded.dtype, platform,
+    buckets = serving_buckets(args, context_length, config.widest_head_dim, loaded.dtype, platform,
                               native_matmul=runner.kernels.packed_matmul is not None,
                               latent=config.mla.kernel_widths if config.mla else None,
                               kv_dtype=kv_dtype)

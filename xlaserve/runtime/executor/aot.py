@@ -39,7 +39,7 @@ from xlaserve.model.lora import LoraSpec
 from xlaserve.weights.draft_head import draft_head_builder, hf_config_of
 from xlaserve.weights.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
-from xlaserve.model.sharding import check_expert_parallel, serving_mesh
+from xlaserve.model.sharding import check_split, serving_mesh
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.runtime.executor.drafts.draft_head import make_chain
 from xlaserve.runtime.executor.drafts.draft_tree import make_tree_chain
@@ -290,13 +290,13 @@ def server_step(target: str, server_args: ServerArgs,
     config, _ = read_config(server_args.model_path, load_format="dummy",  # reads no weights
                             revision=server_args.revision,
                             trust_remote_code=server_args.trust_remote_code)
-    check_expert_parallel(config.num_experts, mesh)
+    check_split(config, mesh)
     dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
     kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype)
     context_length = server_args.context_length or config.max_position_embeddings
     server_args = with_page_size(server_args, platform, context_length, kv_dtype)
     page_size = server_args.page_size
-    buckets = serving_buckets(server_args, context_length, config.head_dim, dtype, platform,
+    buckets = serving_buckets(server_args, context_length, config.widest_head_dim, dtype, platform,
                               latent=config.mla.kernel_widths if config.mla else None,
                               kv_dtype=kv_dtype)
     num_pages = (server_args.max_total_tokens or DEFAULT_KV_TOKENS) // page_size + 1

@@ -79,16 +79,18 @@ class HostKvPool:
         self._specs = kv_specs
         device = [one.sharding for one in kv_specs]
         self._index = NamedSharding(mesh, P())  # the page indices
-        shape = (num_pages + 1,) + spec.shape[1:]
-        self.host_rows = shape[0]
+        # Per layer: the layers' caches may differ in width (ModelConfig.layer).
+        shapes = [(num_pages + 1,) + one.shape[1:] for one in kv_specs]
+        self.host_rows = num_pages + 1
         if self.pinned:
             host = [NamedSharding(mesh, one.sharding.spec, memory_kind=PINNED) for one in kv_specs]
             self._host_index = NamedSharding(mesh, P(), memory_kind=PINNED)
             self._host_specs = [jax.ShapeDtypeStruct(shape, one.dtype, sharding=sharding)
-                                for one, sharding in zip(kv_specs, host)]
-            self.buffers = [jax.jit(lambda dtype=one.dtype: jnp.zeros(shape, dtype),
+                                for one, shape, sharding in zip(kv_specs, shapes, host)]
+            self.buffers = [jax.jit(lambda dtype=one.dtype, shape=shape: jnp.zeros(shape, dtype),
                                     out_shardings=sharding)()
-                            for one, sharding in zip(kv_specs, host)] if allocate else []
+                            for one, shape, sharding in zip(kv_specs, shapes, host)
+                            ] if allocate else []
             # Save: the device pages' rows into host pages; load: host pages' into device pages.
             self._save_fn = jax.jit(
                 lambda caches, buffers, device_pages, host_pages: _move(
@@ -99,7 +101,8 @@ class HostKvPool:
                     buffers, caches, host_pages, device_pages, device),
                 donate_argnums=0, out_shardings=device)
         else:
-            self.buffers = [np.zeros(shape, one.dtype) for one in kv_specs] if allocate else []
+            self.buffers = ([np.zeros(shape, one.dtype) for one, shape in zip(kv_specs, shapes)]
+                            if allocate else [])
             self._save_fn = jax.jit(lambda caches, index: [cache[index] for cache in caches],
                                     out_shardings=device)
             self._load_fn = jax.jit(

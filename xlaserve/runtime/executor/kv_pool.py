@@ -1,4 +1,5 @@
-"""The paged KV cache on the device: one page pool array per layer, sized from free memory or
+"""The paged KV cache on the device: one page pool array per layer (each layer's own shape where
+the model's layers differ, ModelConfig.layer), sized from free memory or
 `--max-total-tokens` (the pages' allocator is runtime/scheduler/page_allocator.py)."""
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def bytes_per_token(config: ModelConfig, dtype, platform: str,
                     draft_head: ModelConfig | None = None) -> int:
     """K and V (or the latent row, mla.py) of one token across all layers on `platform`, and
     a speculative draft head's one layer (model/draft_heads.py, config `draft_head`)."""
-    width = kv_cache_shape(config, 1, 1, platform)[-1]
+    width = sum(kv_cache_shape(config.layer(i), 1, 1, platform)[-1]
+                for i in range(config.num_layers))
     head = 0 if draft_head is None else kv_cache_shape(draft_head, 1, 1, platform)[-1]
-    return (config.num_layers * width + head) * jnp.dtype(dtype).itemsize
+    return (width + head) * jnp.dtype(dtype).itemsize
 
 
 def host_free_bytes() -> int:
@@ -86,9 +88,9 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
     if config.bidirectional:  # an encoder keeps no cache (model/encoders/encoder.py)
         return []
     platform = mesh.devices.flat[0].platform
-    sharding = NamedSharding(mesh, kv_cache_spec(config))
-    shape = kv_cache_shape(config, num_pages, page_size, platform)
-    specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)] * config.num_layers
+    layers = [config.layer(i) for i in range(config.num_layers)]  # each its own heads
+    specs = [jax.ShapeDtypeStruct(kv_cache_shape(c, num_pages, page_size, platform), dtype,
+                                  sharding=NamedSharding(mesh, kv_cache_spec(c))) for c in layers]
     if draft_head is not None:
         c, replicated = draft_head.config, NamedSharding(mesh, P())
         specs += [jax.ShapeDtypeStruct(kv_cache_shape(c, num_pages, page_size, platform), dtype,
@@ -135,7 +137,6 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
         empty: concurrent.futures.Future = concurrent.futures.Future()
         empty.set_result([])
         return empty if in_background else []
-    spec = specs[0]
     # Compiled here, not on the thread: no compile runs beside another (executable_cache.py
     # turns JAX's persistent cache off around its own).
     makes = {}
@@ -152,7 +153,8 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
 
     # SGLang's line, where SGLang has it in the log (before the programs); with `in_background`
     # the zeroing goes on, and what start-up still waits for it is in the "Start-up:" line.
-    half_gb = math.prod(spec.shape) * spec.dtype.itemsize * config.num_layers / 2 / 1e9
+    half_gb = sum(math.prod(one.shape) * one.dtype.itemsize
+                  for one in specs[:config.num_layers]) / 2 / 1e9
     logger.info("KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB",
                 (num_pages - 1) * page_size, half_gb, half_gb)
     if not in_background:
