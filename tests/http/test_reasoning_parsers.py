@@ -51,6 +51,21 @@ RECORDED = [
       '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')),
     ("kimi_k2", {}, "<think>a</think>b<|tool_calls_section_begin|>c", ("a", "b<|tool_calls_section_begin|>c")),
     ("kimi_k2", {"thinking_in_prompt": True}, "hm</think>ok", ("hm", "ok")),
+    # --- gemma4: <|channel>thought\n ... <channel|> (the channel's name is not reasoning) ---
+    ("gemma4", {}, "<|channel>thought\nThe user asks 2+2. Answer 4.<channel|>2 + 2 = 4.",
+     ("The user asks 2+2. Answer 4.", "2 + 2 = 4.")),
+    ("gemma4", {}, "2 + 2 = 4.", (None, "2 + 2 = 4.")),  # thinking off: no channel
+    ("gemma4", {}, "<|channel>thought\n<channel|>Paris.", ("", "Paris.")),  # an empty channel
+    ("gemma4", {}, "<|channel>thought\nLet me think", ("Let me think", "")),  # cut inside
+    ("gemma4", {}, "<|channel>thoughtful<channel|>x", ("thoughtful", "x")),  # not the label
+    ("gemma4", {}, "<|channel>thought\nNeed the weather.<channel|><|tool_call>call:get_weather{city:"
+     '<|"|>Paris<|"|>}<tool_call|>',
+     ("Need the weather.", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>')),
+    # a call before the channel is closed ends the reasoning; the call stays for the tool parser
+    ("gemma4", {}, "<|channel>thought\nNeed the weather.<|tool_call>call:get_time{}<tool_call|>",
+     ("Need the weather.", "<|tool_call>call:get_time{}<tool_call|>")),
+    ("gemma4", {}, "Hi <|channel>thought\nx<channel|>", (None, "Hi <|channel>thought\nx<channel|>")),
+    ("gemma4", {"thinking_in_prompt": True}, "thought\nhm<channel|>ok", ("hm", "ok")),
     # --- gpt-oss: Harmony channels; analysis is reasoning, final content ---
     ("gpt-oss", {}, ANALYSIS + "User asks 2+2. Answer 4.<|end|>" + FINAL + "2 + 2 = 4.<|return|>",
      ("User asks 2+2. Answer 4.", "2 + 2 = 4.")),
@@ -101,7 +116,7 @@ def _streamed(name: str, kwargs: dict, pieces) -> tuple[str | None, str]:
 
 def _tokens(text: str) -> list[str]:
     """A tokenizer's cut: markers whole, words with their leading space, punctuation alone."""
-    pieces = re.findall(r"<\|[a-z]+\|>|◁/?think▷|</?think>|\s*\w+|\s+|.", text)
+    pieces = re.findall(r"<\|[a-z]+\|>|<\|[a-z_]+>|<[a-z_]+\|>|◁/?think▷|</?think>|\s*\w+|\s+|.", text)
     assert "".join(pieces) == text
     return pieces
 
@@ -163,8 +178,8 @@ def test_for_request_starts_inside_a_block_the_prompt_opened():
         .parse(ANALYSIS + "s<|end|>" + FINAL + "4") == ("s", "4")
 
 
-def test_only_kimi_k2_and_gpt_oss_need_the_special_tokens_kept():
-    assert [name for name in PARSERS if needs_special_tokens(name)] == ["kimi_k2", "gpt-oss"]
+def test_only_kimi_k2_gemma4_and_gpt_oss_need_the_special_tokens_kept():
+    assert [name for name in PARSERS if needs_special_tokens(name)] == ["kimi_k2", "gemma4", "gpt-oss"]
     assert not needs_special_tokens(None)
 
 

@@ -27,8 +27,10 @@ from xlaserve.runtime.engine.async_requests import EngineDeadError, StreamBuffer
 from xlaserve.runtime.sampling.params import has_constraint
 
 # Parsers whose call markers are special tokens of their models (`<|python_tag|>`,
-# `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Harmony's): the text must keep special tokens.
-SPECIAL_TOKEN_MARKERS = ("llama3", "mistral", "deepseekv3", "deepseekv31", "kimi_k2", "gpt-oss")
+# `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Harmony's, Llama 4's `<|python_start|>`,
+# Gemma 4's `<|tool_call>` and `<|"|>`): the text must keep special tokens.
+SPECIAL_TOKEN_MARKERS = ("llama3", "llama4_json", "mistral", "deepseekv3", "deepseekv31", "kimi_k2",
+                         "gpt-oss", "gemma4")
 
 
 class ChatCall:

@@ -20,21 +20,25 @@ class OutputFlags:
         None, "split reasoning from the answer for thinking models (vLLM's names: deepseek_r1 is "
               "deepseek-r1, openai_gptoss gpt-oss)",
         choices=["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "kimi", "kimi_k2",
-                 "gpt-oss"],
+                 "gemma4", "gpt-oss"],
         value_aliases={"deepseek_r1": "deepseek-r1", "openai_gptoss": "gpt-oss"})
     tool_call_parser: Optional[str] = flag(
         None, "parse tool calls out of the model's output (tool_choice auto) in this model "
               "family's format: qwen25 (<tool_call> JSON, Qwen2.5/Qwen3 and Hermes-style), llama3 "
               "(<|python_tag|> or bare JSON), mistral ([TOOL_CALLS]), deepseekv3, pythonic "
-              "([f(a=1)]), kimi_k2 (<|tool_call_begin|>functions.NAME:i, Kimi K2), gpt-oss "
+              "([f(a=1)]; llama4 is the same, Llama 4 prompted for Python-style calls), "
+              "llama4_json (Llama 4's own template: <|python_start|>...<|python_end|> then JSON "
+              "calls), gemma4 (<|tool_call>call:NAME{...}<tool_call|>, Gemma 4), kimi_k2 "
+              "(<|tool_call_begin|>functions.NAME:i, Kimi K2), gpt-oss "
               "(Harmony messages to functions.NAME; with --reasoning-parser "
               "gpt-oss); forced tool_choice (required or a named function) needs none; "
-              "vLLM's names: hermes is qwen25, llama3_json llama3, deepseek_v3 deepseekv3, "
-              "deepseek_v31 deepseekv31, openai gpt-oss",
+              "vLLM's names: hermes is qwen25, llama3_json llama3, llama4_pythonic pythonic, "
+              "deepseek_v3 deepseekv3, deepseek_v31 deepseekv31, openai gpt-oss",
         choices=["qwen25", "qwen", "llama3", "mistral", "deepseekv3", "deepseekv31", "kimi_k2",
-                 "pythonic", "gpt-oss"],
-        value_aliases={"hermes": "qwen25", "llama3_json": "llama3", "deepseek_v3": "deepseekv3",
-                       "deepseek_v31": "deepseekv31", "openai": "gpt-oss"})
+                 "pythonic", "llama4", "llama4_json", "gemma4", "gpt-oss"],
+        value_aliases={"hermes": "qwen25", "llama3_json": "llama3", "llama4_pythonic": "pythonic",
+                       "deepseek_v3": "deepseekv3", "deepseek_v31": "deepseekv31",
+                       "openai": "gpt-oss"})
     enable_auto_tool_choice: bool = flag(
         False, "accepted for vLLM's launch lines: tool_choice auto needs only --tool-call-parser "
                "here (vLLM refuses it without this flag)")

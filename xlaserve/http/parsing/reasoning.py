@@ -14,6 +14,11 @@ tags and in where reasoning starts:
 - `kimi_k2`: Kimi K2's `<think>...</think>`, where the output opens the block; a tool-call
   section (`<|tool_calls_section_begin|>`) also ends the reasoning, and stays in the content for
   the `kimi_k2` tool-call parser (SGLang's KimiK2Detector). Its markers are special tokens;
+- `gemma4`: Gemma 4's thinking channel, `<|channel>thought\n...<channel|>`, where the output opens
+  it (the template asks for thinking with `enable_thinking`); the channel's name, `thought`, is
+  not reasoning. A tool call (`<|tool_call>`) also ends the reasoning and stays in the content
+  for the `gemma4` tool-call parser (the template closes the channel before its calls). Its
+  markers are special tokens;
 - `gpt-oss`: OpenAI's Harmony channels, not tags: see `_HarmonySplitter`. Its markers are special
   tokens, so the output must be detokenized with `skip_special_tokens=False`
   (`needs_special_tokens`).
@@ -31,6 +36,7 @@ from typing import Any, Mapping
 THINK_START, THINK_END = "<think>", "</think>"
 KIMI_START, KIMI_END = "\u25c1think\u25b7", "\u25c1/think\u25b7"  # ◁think▷ ◁/think▷
 KIMI_TOOL_SECTION = "<|tool_calls_section_begin|>"  # Kimi K2's tool calls, a special token
+GEMMA4_START, GEMMA4_END = "<|channel>", "<channel|>"  # Gemma 4's channel, special tokens
 
 # Harmony (gpt-oss) markers: each one special token.
 H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -50,6 +56,7 @@ class ParserSpec:
     # A marker that also ends the reasoning and opens the content, itself included (Kimi K2's
     # tool-call section, which may come before </think>).
     content_marker: str | None = None
+    label: str | None = None  # text right after the start that names the block: not reasoning
 
 
 PARSERS: dict[str, ParserSpec] = {
@@ -60,6 +67,8 @@ PARSERS: dict[str, ParserSpec] = {
     "kimi": ParserSpec(KIMI_START, KIMI_END),
     "kimi_k2": ParserSpec(THINK_START, THINK_END, special_tokens=True,
                           content_marker=KIMI_TOOL_SECTION),
+    "gemma4": ParserSpec(GEMMA4_START, GEMMA4_END, special_tokens=True, content_marker="<|tool_call>",
+                         label="thought\n"),
     "gpt-oss": ParserSpec(HARMONY_ANALYSIS, H_END, harmony=True, special_tokens=True),
 }
 
@@ -140,6 +149,8 @@ class _TagSplitter:
         self.start_tag, self.end_tag = spec.start, spec.end
         self.content_marker = spec.content_marker
         self.forced = forced
+        self._spec_label = spec.label
+        self._label = spec.label if forced else None  # still to drop, right after the start
         self.state = "start"  # -> "reasoning" -> "content", or "start" -> "content"
         self.had_reasoning = False
         self._buffer = ""
@@ -149,6 +160,13 @@ class _TagSplitter:
         self._buffer += text
         reasoning, content = [], []
         while self._buffer:
+            if self._label is not None and self.state == "reasoning":
+                if self._buffer.startswith(self._label):
+                    self._buffer = self._buffer[len(self._label):]
+                elif self._label.startswith(self._buffer):
+                    break  # maybe the label: wait
+                self._label = None
+                continue
             if self._skip_newlines:
                 self._buffer = self._buffer.lstrip("\n")
                 if not self._buffer:
@@ -159,6 +177,7 @@ class _TagSplitter:
                 if stripped.startswith(self.start_tag):  # the model opens the block itself
                     self._buffer = stripped[len(self.start_tag):]
                     self.state, self._skip_newlines = "reasoning", True
+                    self._label = self._spec_label
                 elif self.start_tag.startswith(stripped):
                     break  # only whitespace or a partial start tag so far
                 else:

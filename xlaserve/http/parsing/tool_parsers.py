@@ -1,6 +1,6 @@
 """Tool-call parsers (`--tool-call-parser`): find a model's tool calls in its text output.
 
-The names and formats are SGLang's:
+The names and formats are SGLang's (`llama4_json` is vLLM's; `gemma4` is both servers' name):
 - `qwen25` (alias `qwen`): Hermes style, used by Qwen2.5/Qwen3 and many fine-tunes; one block per
   call, text may come before, between and after the blocks:
   `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`
@@ -20,9 +20,15 @@ The names and formats are SGLang's:
   `<|tool_calls_section_end|>` (special tokens). The model's id (`functions.f:0`) is the call's
   id in the response, as SGLang returns it: Kimi's chat template writes it back into the prompt
   of the next turn.
-- `pythonic`: `[f(a=1), g(b="x")]`, Python call syntax parsed with `ast`: keyword arguments with
-  literal values only (a positional argument or a non-literal makes it not a call).
-  `<|python_start|>`/`<|python_end|>` (Llama 4) are dropped.
+- `pythonic` (also `llama4`, the name SGLang's docs give Llama 4's parser; vLLM's
+  `llama4_pythonic` is an alias of the flag): `[f(a=1), g(b="x")]`, Python call syntax parsed with
+  `ast`: keyword arguments with literal values only (a positional argument or a non-literal makes
+  it not a call). `<|python_start|>`/`<|python_end|>` (Llama 4) are dropped.
+- `llama4_json` (vLLM's name; there its llama3_json parser): `llama3`'s JSON calls as Llama 4's own
+  chat template writes them, `<|python_start|>TEXT<|python_end|>{"name": "f", "parameters":
+  {...}}{"name": ...}`: the two markers dropped, a bare call allowed right after either.
+- `gemma4`: `<|tool_call>call:f{a:<|"|>x<|"|>,n:1}<tool_call|>`, one block per call, Gemma 4's own
+  argument syntax: gemma4_tools.py.
 - `gpt-oss`: OpenAI Harmony messages whose header names a function as recipient, the `to=` after
   the channel or before it:
   `<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>`
@@ -43,6 +49,7 @@ from __future__ import annotations
 import ast
 import re
 
+from xlaserve.http.parsing.gemma4_tools import Gemma4Parser
 from xlaserve.http.parsing.reasoning import (H_CALL, H_CHANNEL, H_END, H_MESSAGE, H_RETURN,
                                             H_START, held_suffix)
 from xlaserve.http.parsing.tool_regions import (EndMarkerParser, RegionParser, ToolCall,
@@ -142,16 +149,26 @@ class Llama3Parser(RegionParser):
     starts = ("<|python_tag|>",)
     _CALL_START = re.compile(r'\{\s*"name"\s*:')
 
+    def _opens_bare(self) -> str:
+        """What opens a call without a marker here: `{` at the very start, `;` or `{` after a
+        call, nothing after text."""
+        return "{" if self._last is None else ";{" if self._last == "call" else ""
+
+    def _bare(self) -> bool:
+        """Whether a `{` here is a bare call (its object must then have name and arguments)."""
+        return self._last is None
+
     def _next_start(self, buf):
         i = super()._next_start(buf)
-        if self._last != "text":  # at the very start: bare JSON; after a call: `;` or the next `{`
+        opens = self._opens_bare()
+        if opens:
             j = skip_ws(buf, 0)
-            if j < len(buf) and buf[j] in ("{" if self._last is None else ";{"):
+            if j < len(buf) and buf[j] in opens:
                 i = j if i is None else min(i, j)
         return i
 
     def _region(self, s, final):
-        bare = s[0] == "{" and self._last is None
+        bare = s[0] == "{" and self._bare()
         p = len(self.starts[0]) if s.startswith(self.starts[0]) else 1 if s[0] == ";" else 0
         q = skip_ws(s, p)
         if q == len(s):
@@ -162,6 +179,39 @@ class Llama3Parser(RegionParser):
         if e is None:
             return cut_region(final, s, clear=not bare or bool(self._CALL_START.match(s, q)))
         return e, json_calls(s[q:e], bare=bare)
+
+
+class Llama4JsonParser(Llama3Parser):
+    """Llama 4's JSON calls as its own chat template writes them (vLLM's llama4_json, which is
+    its llama3_json parser): the assistant's text between `<|python_start|>` and `<|python_end|>`,
+    then the calls, `{"name": "f", "parameters": {...}}` one after the other. The two markers are
+    dropped, and a bare `{` right after either may open a call, as at the very start."""
+    starts = ("<|python_tag|>", "<|python_start|>", "<|python_end|>")
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._after_marker = False  # only whitespace since <|python_start|> or <|python_end|>
+
+    def _opens_bare(self):
+        return super()._opens_bare() or ("{" if self._after_marker else "")
+
+    def _bare(self):
+        return super()._bare() or self._after_marker
+
+    def _text(self, text, out):
+        if text.strip():
+            self._after_marker = False
+        super()._text(text, out)
+
+    def _region(self, s, final):
+        marker = next((m for m in self.starts[1:] if s.startswith(m)), None)
+        if marker is not None:
+            self._after_marker = True
+            return len(marker), []
+        decided = super()._region(s, final)
+        if decided is not None:
+            self._after_marker = False
+        return decided
 
 
 class PythonicParser(RegionParser):
@@ -245,5 +295,8 @@ TOOL_CALL_PARSERS: dict[str, type] = {
     "deepseekv31": DeepSeekV31Parser,
     "kimi_k2": KimiK2Parser,
     "pythonic": PythonicParser,
+    "llama4": PythonicParser,
+    "llama4_json": Llama4JsonParser,
     "gpt-oss": GptOssParser,
+    "gemma4": Gemma4Parser,
 }
