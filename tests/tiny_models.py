@@ -75,6 +75,16 @@ FAMILIES = {
                        attention_k_eq_v=True, final_logit_softcapping=1.5,
                        enable_moe_block=True, num_experts=4, top_k_experts=2,
                        moe_intermediate_size=32),
+    # Gemma 4's small models' form (gemma-4-e2b, e4b): per-layer embeddings of 8 per layer, the
+    # last two of four layers reading the KV caches of the first two (a sliding and a full one:
+    # num_kv_shared_layers), their MLPs twice as wide (use_double_wide_mlp); no attention_k_eq_v.
+    "gemma4_ple": dict(cls="Gemma4TextConfig", architecture="Gemma4ForCausalLM", head_dim=16,
+                       num_hidden_layers=4, num_key_value_heads=4, global_head_dim=32,
+                       num_global_key_value_heads=2, hidden_size_per_layer_input=8,
+                       vocab_size_per_layer_input=512,
+                       num_kv_shared_layers=2, use_double_wide_mlp=True, embedding_std=0.0625,
+                       sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                       final_logit_softcapping=1.5),
     # Llama 4's text model: 4 layers, RoPE then NoPE (no_rope_layers), dense then MoE in each
     # (interleave_moe_layer_step 2: top 1 of 4 experts by sigmoid, a shared expert, the dense
     # MLPs wider), L2 q/k norms and chunked attention on the RoPE layers, temperature tuning on

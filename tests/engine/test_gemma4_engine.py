@@ -38,6 +38,14 @@ def test_the_moe_block_on_two_devices_gives_transformers_greedy_tokens(tmp_path)
     check_two_devices(str(tmp_path), hf_model, PROMPTS, GREEDY, dict(SMALL, tp_size=2, ep_size=2))
 
 
+def test_per_layer_embeddings_and_shared_kv_on_two_devices_give_transformers_tokens(tmp_path):
+    """gemma-4-e2b's form ("gemma4_ple": per-layer embeddings, the last two of four layers
+    reading the first two's KV caches, so the pool holds two layers' pages) on --tp-size 2:
+    batched, chunked across the window's edge, transformers' greedy tokens."""
+    hf_model = make_tiny_checkpoint(str(tmp_path), "gemma4_ple")
+    check_two_devices(str(tmp_path), hf_model, PROMPTS, GREEDY, dict(SMALL, tp_size=2))
+
+
 def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):
     """A Gemma4ForConditionalGeneration (transformers 5's save: `model.language_model.*`) gives
     transformers' greedy tokens on text prompts, chunked past the window, batched; image_data

@@ -3,7 +3,7 @@ rope_cos_sin computes for the same positions, as the table grows."""
 import numpy as np
 
 from xlaserve.runtime.executor.step_inputs import RopeTable
-from xlaserve.model.transformer import rope_cos_sin
+from xlaserve.model.rope import rope_cos_sin
 
 
 def test_the_rope_table_gives_rope_cos_sin_values_as_it_grows():

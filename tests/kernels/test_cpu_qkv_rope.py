@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from xlaserve.model.layers import qkv_rope_xla
-from xlaserve.model.transformer import rope_cos_sin
+from xlaserve.model.rope import rope_cos_sin
 from tests.kernels.rounding import assert_close_to_xla
 from xlaserve.native import KernelUnavailable, qkv_rope_cpu
 

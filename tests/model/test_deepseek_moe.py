@@ -11,7 +11,8 @@ import transformers
 from flax import nnx
 
 from xlaserve.runtime.executor.kernels import kernels_for
-from xlaserve.model.config.model_config import ModelConfig, _deepseek_experts
+from xlaserve.model.config.experts_config import _deepseek_experts
+from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.model.moe import MoE
 

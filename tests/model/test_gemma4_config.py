@@ -66,10 +66,11 @@ def test_the_proportional_rope_equals_transformers():
 
 
 @pytest.mark.parametrize("overrides,named", [
-    (dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input=8"),
-    (dict(num_kv_shared_layers=1, num_hidden_layers=3,
+    (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=1024),
+     "vocab_size_per_layer_input=1024 other than vocab_size=512"),
+    (dict(num_kv_shared_layers=2, num_hidden_layers=3,
           layer_types=["sliding_attention", "full_attention", "full_attention"]),
-     "num_kv_shared_layers=1 > 0"),
+     "leaves no earlier full_attention layer for layer 1"),
     (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=32),
      "enable_moe_block with num_experts=4 and top_k_experts=5"),
     (dict(final_logit_softcapping=0.0), "final_logit_softcapping=0.0"),
@@ -81,13 +82,24 @@ def test_what_the_decoder_does_not_run_is_refused_by_name(overrides, named):
         _config(**overrides)
 
 
-def test_transformers_default_config_is_refused_for_its_per_layer_embeddings():
-    """Gemma4TextConfig()'s defaults (gemma-4-e2b's form: per-layer embeddings of 256) stop at
-    the first field not run; without them, its full layers' 512-wide heads read per layer."""
-    with pytest.raises(ValueError, match="hidden_size_per_layer_input=256"):
-        ModelConfig.from_hf(transformers.Gemma4TextConfig(), "Gemma4ForCausalLM")
-    c = ModelConfig.from_hf(transformers.Gemma4TextConfig(hidden_size_per_layer_input=0),
-                            "Gemma4ForCausalLM")
+def test_per_layer_embeddings_and_shared_kv_read_as_their_fields():
+    """gemma-4-e2b's form: per-layer inputs of 8, the last two of four layers reading the
+    caches of the last earlier layer of their kind (no cache of their own), their MLPs twice as
+    wide (use_double_wide_mlp)."""
+    c = _config(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+                num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=False)
+    assert c.per_layer_input_size == 8 and c.kv_source_layers == (0, 1, 0, 1)
+    assert c.cache_layers == (0, 1) and [c.cache_slot(i) for i in range(4)] == [0, 1, 0, 1]
+    assert [c.layer(i).intermediate_size for i in range(4)] == [128, 128, 256, 256]
+    assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+def test_transformers_default_config_reads():
+    """Gemma4TextConfig()'s defaults (gemma-4-e2b's form: per-layer embeddings of 256, a full
+    layer's head_dim 512 beside 256) read per layer."""
+    c = ModelConfig.from_hf(transformers.Gemma4TextConfig(), "Gemma4ForCausalLM")
+    assert c.per_layer_input_size == 256 and c.cache_layers == tuple(range(30))
     assert [c.layer(i).head_dim for i in range(6)] == [256] * 5 + [512]
     assert c.rope_widths() == (256, 128)
 
@@ -103,6 +115,16 @@ def test_lora_on_the_shared_key_and_value_projection_is_refused():
                 LoraSpec(1, 4, ("q_proj", "o_proj")))
     check_model(_config(attention_k_eq_v=False, global_head_dim=16,
                         num_global_key_value_heads=4), LoraSpec(1, 4, ("k_proj", "v_proj")))
+
+
+def test_lora_on_attention_of_kv_shared_layers_is_refused():
+    from xlaserve.model.lora import LoraSpec, check_model
+
+    shared = _config(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                     num_kv_shared_layers=2, global_head_dim=16, num_global_key_value_heads=4)
+    with pytest.raises(ValueError, match="num_kv_shared_layers"):
+        check_model(shared, LoraSpec(1, 4, ("q_proj",)))
+    check_model(shared, LoraSpec(1, 4, ("down_proj",)))
 
 
 def test_lora_on_attention_whose_heads_differ_by_layer_is_refused():

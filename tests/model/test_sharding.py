@@ -129,9 +129,8 @@ def test_ep_size_must_divide_tp_size_and_the_experts():
         check_split(_config(num_experts=60, num_kv_heads=8), EightDevices())
 
 
-class EightDevices:  # only the mesh's shape and size are read
+class EightDevices:  # only the mesh's shape is read
     shape = {"data": 1, "expert": 8, "tensor": 1}
-    size = 8
 
 
 def _config(**fields):

@@ -133,8 +133,11 @@ def test_llama4_logits_across_attention_chunks(tiny_checkpoints, prefill_chunk, 
 # after each sublayer amplify roundings: measured 4.5% at most, where transformers' own bfloat16
 # model is 6.7% from its float32 one. The tiny Gemma 4 likewise: 3.3% measured, transformers' own
 # bfloat16 4.9% from its float32; with its MoE block 5.0% at most (the projections rounded as
-# on GPU), where transformers' own bfloat16 is 9.5% from its float32.
-BFLOAT16_BOUNDS = {"gemma3": 0.05, "gemma4": 0.05, "gemma4_moe": 0.07}
+# on GPU), where transformers' own bfloat16 is 9.5% from its float32. The tiny Gemma 4 with
+# per-layer embeddings and KV-shared layers is worse conditioned still (each layer adds a normed
+# per-layer delta): 23.4% measured, transformers' own bfloat16 18.4% from its float32 (without
+# the shared layers: ours 11.3%, transformers' 22.5%); its float32 logits agree to 1e-4.
+BFLOAT16_BOUNDS = {"gemma3": 0.05, "gemma4": 0.05, "gemma4_moe": 0.07, "gemma4_ple": 0.25}
 
 
 @pytest.mark.parametrize("layout,round_projections", [(layout, False) for layout in WEIGHT_LAYOUTS]
@@ -204,7 +207,7 @@ def test_rope_computed_on_the_host_equals_the_traced_rope(tiny_checkpoints, fami
     import jax
     import jax.numpy as jnp
 
-    from xlaserve.model.transformer import rope_cos_sin
+    from xlaserve.model.rope import rope_cos_sin
 
     directory, _ = tiny_checkpoints[family]
     config = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False).config

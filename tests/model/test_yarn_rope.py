@@ -14,7 +14,7 @@ from xlaserve.runtime.executor.model_runner import ModelRunner
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.weights.loader import load_model
-from xlaserve.model.transformer import rope_cos_sin
+from xlaserve.model.rope import rope_cos_sin
 
 # (config class, its fields): published shapes with YaRN as their model cards enable it.
 YARN_CONFIGS = {

@@ -27,7 +27,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "partition_spec": "sharding",
     "TP": "sharding",
     "abstract_parameters": "transformer", "AttentionMetadata": "transformer",
-    "kv_cache_shape": "transformer", "rope_cos_sin": "transformer",
+    "kv_cache_shape": "transformer", "rope_cos_sin": "rope",
     "vision": "vision",
     "weight_types": "weight_types",
 }

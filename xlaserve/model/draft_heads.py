@@ -30,7 +30,8 @@ from flax import nnx
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.layers import MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype
 from xlaserve.model.weight_types.packed import embed
-from xlaserve.model.transformer import Attention, DecoderLayer, traced_rope
+from xlaserve.model.rope import traced_rope
+from xlaserve.model.transformer import Attention, DecoderLayer
 
 
 class DraftToTarget(nnx.Variable):

@@ -132,6 +132,11 @@ def check_model(config: ModelConfig, spec: LoraSpec) -> None:
         raise ValueError("LoRA on k_proj or v_proj of a model whose values are its keys' "
                          "projection (Gemma 4's attention_k_eq_v) is not supported: target "
                          "q_proj, o_proj and the MLP")
+    if len(config.cache_layers) < config.num_layers and \
+            set(spec.target_modules) & set(ATTENTION_MODULES):
+        raise ValueError("LoRA on the attention of a model whose later layers read earlier "
+                         "layers' KV caches (Gemma 4's num_kv_shared_layers) is not supported: "
+                         "target the MLP (--lora-target-modules gate_proj up_proj down_proj)")
     if len(set(config.layer_heads)) > 1 and set(spec.target_modules) & set(ATTENTION_MODULES):
         raise ValueError("LoRA on the attention of a model whose layers differ in head size or "
                          "KV heads (Gemma 4's full layers) is not supported: target the MLP "

@@ -31,6 +31,12 @@ PARTITION_SPECS = {
     "o_bias": P(),
     "sinks": P(TP),  # one per query head
     "router_scale": P(),  # Gemma 4's MoE block (moe.ExpertsBesideMlp)
+    # Gemma 4's per-layer embeddings (per_layer_inputs.py): the table split by token as the
+    # embedding is; the rest small, whole on every device.
+    "per_layer_embedding": P(TP, None),
+    "per_layer_model_projection": P(),
+    "per_layer_gate": P(),
+    "per_layer_projection": P(),
     "per_expert_scale": P(),
     "gate_up": P(None, None, TP),
     "down": P(TP, None),
@@ -121,7 +127,7 @@ def check_split(config, mesh: Mesh) -> None:
     if ep_size > 1 and config.num_experts % ep_size:
         raise ValueError(f"--ep-size {ep_size} does not divide the model's {config.num_experts} "
                          "experts")
-    tp_size = mesh.size
+    tp_size = ep_size * mesh.shape.get("tensor", 1)  # TP: attention over both axes
     if config.mla is not None:
         if config.num_heads % tp_size:
             raise ValueError(f"--tp-size {tp_size} does not divide the model's "

@@ -37,10 +37,12 @@ from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.weight_types.int8 import check_quantization, quantized_parameters
 from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
 from xlaserve.model.layers import (
-    MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype, project, rms_norm, rope_qk,
-    split_qkv)
+    MLP, Kernels, RMSNorm, apply_rope, init_weight, linear, matmul_input_dtype, project, rms_norm,
+    rope_qk, split_qkv)
 from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import ExpertsBesideMlp, MoE
+from xlaserve.model.per_layer_inputs import PerLayerEmbeddings, PerLayerInput
+from xlaserve.model.rope import attention_temperature, rope_tables, traced_rope
 from xlaserve.model.weight_types.packed import embed
 from xlaserve.model.pooling import pool_sequences, reduce_chunks
 from xlaserve.model.sharding import partition_spec
@@ -78,8 +80,13 @@ class Attention(nnx.Module):
         self.l2_norm = c.qk_l2_norm and not self.nope
         self.kv_scales = c.kv_scales[layer_index] if c.kv_scales else (1.0, 1.0)
         group = c.queries_per_kv
+        # Gemma 4's KV-shared layers project only their queries: their keys and values are
+        # those the layer whose cache they read wrote this step (`shared_kv`).
+        self.kv_source = c.kv_source_layers[layer_index] if c.kv_source_layers else layer_index
+        self.layer_index = layer_index
         self.qkv = nnx.Param(init_weight(
-            rngs, (input_size or c.hidden_size, c.num_kv_heads, group + 2, c.head_dim), dtype))
+            rngs, (input_size or c.hidden_size, c.num_kv_heads,
+                   group + (2 if self.kv_source == layer_index else 0), c.head_dim), dtype))
         if c.qkv_bias:
             self.qkv_bias = nnx.Param(jnp.zeros((c.num_kv_heads, group + 2, c.head_dim), dtype))
         self.o_proj = nnx.Param(init_weight(rngs, (c.num_heads, c.head_dim, c.hidden_size), dtype))
@@ -89,17 +96,24 @@ class Attention(nnx.Module):
             self.sinks = nnx.Param(jnp.zeros((c.num_heads,), dtype))
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
+        if c.qk_norm and self.kv_source == layer_index:
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
 
     def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels,
-                 lora=None, temperature=None):
+                 lora=None, temperature=None, shared_kv: dict | None = None):
         """`lora`: the layer's LoRA adapters (model/lora.LayerLora) or None. `temperature`:
-        float32 [T], the rows' query scale in a NoPE layer (`attention_temperature`), or None."""
+        float32 [T], the rows' query scale in a NoPE layer (`attention_temperature`), or None.
+        `shared_kv`: with KV-shared layers, the step's new keys and values by the layer that
+        wrote them (a layer whose cache others read puts its own there; one that reads
+        another's takes them, and writes them again, the same values in the same slots, as the
+        kernels write before they read)."""
         c = self.config
+        if self.kv_source != self.layer_index:
+            return self._read_shared(x, cos, sin, kv_cache, metadata, kernels,
+                                     shared_kv[self.kv_source])
         qkv = project(x, self.qkv[...], kernels, lora, "qkv")
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
-        num_tokens = x.shape[0]
         # Attention takes its inputs in the cache's dtype (the model dtype); an FP8 cache takes
         # K and V scaled into FP8 and q in the model dtype (fp8_kv_cache.py).
         fp8 = kv_cache is not None and is_fp8(kv_cache.dtype)
@@ -125,6 +139,26 @@ class Attention(nnx.Module):
         if fp8:  # the scales fold into the softmax scale and the output
             k, v = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
             sm_scale *= k_scale
+        if shared_kv is not None:
+            shared_kv[self.layer_index] = (k, v, sm_scale, v_scale)
+        return self._attend(q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale)
+
+    def _read_shared(self, x, cos, sin, kv_cache, metadata, kernels, shared):
+        """A KV-shared layer: its queries (q norm, RoPE) over the cache another layer wrote,
+        with that layer's keys and values of this step and their scales."""
+        k, v, sm_scale, v_scale = shared
+        q = project(x, self.qkv[...], kernels)  # [T, kv heads, group, D]
+        dtype = matmul_input_dtype(self.o_proj[...]) if is_fp8(k.dtype) else k.dtype
+        q = apply_rope(self.q_norm(q.reshape(q.shape[0], -1, q.shape[-1])), cos, sin)
+        return self._attend(q.astype(dtype), k, v, kv_cache, metadata, kernels, None, sm_scale,
+                            v_scale)
+
+    def _attend(self, q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale):
+        c = self.config
+        num_tokens = q.shape[0]
+        fp8 = kv_cache is not None and is_fp8(kv_cache.dtype)
+        dtype = (matmul_input_dtype(self.o_proj[...]) if kv_cache is None or fp8
+                 else kv_cache.dtype)
         sinks = self.sinks[...].astype(jnp.float32) if c.attention_sinks else None
         args = (q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
                 metadata.num_seqs)
@@ -162,7 +196,8 @@ class DecoderLayer(nnx.Module):
                      else Attention(c, layer_index, dtype, rngs))
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         self.mlp = (MoE(c, dtype, rngs) if c.moe_layers[layer_index]
-                    else MLP(c.hidden_size, c.intermediate_size, dtype, rngs, c.activation))
+                    else MLP(c.hidden_size, c.layer(layer_index).intermediate_size, dtype, rngs,
+                             c.activation))
         if c.sandwich_norms:  # Gemma's norms of the sublayers' outputs
             self.attn_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
             self.mlp_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
@@ -171,16 +206,22 @@ class DecoderLayer(nnx.Module):
             self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
         if c.experts_beside_mlp:  # Gemma 4's MoE block, on the residual beside the MLP
             self.experts = ExpertsBesideMlp(c, dtype, rngs)
+        if c.per_layer_input_size:  # Gemma 4's per-layer embeddings, after the MLP
+            self.per_layer = PerLayerInput(c, dtype, rngs)
 
     def __call__(self, x, normed, cos, sin, kv_cache, metadata, kernels: Kernels, lora=None,
-                 temperature=None):
+                 temperature=None, per_layer_input=None, shared_kv=None):
         """`x` is the residual stream and `normed` its input norm (`input_rms_norm`), which the
         caller takes together with the residual add in front of it. Returns x + attention, the
         MLP's output (the caller adds it) and the KV cache. `lora`: the layer's LoRA adapters
         (model/lora.LayerLora; model/lora.check_model keeps them off latent attention and
         experts), or None. With sandwich norms (Gemma) attention's and the MLP's outputs are
-        normed before they are added. `temperature`: Attention's (Llama 4's NoPE layers)."""
+        normed before they are added. `temperature`: Attention's (Llama 4's NoPE layers).
+        `per_layer_input` float32 [T, P]: this layer's per-layer embedding (Gemma 4), or None.
+        `shared_kv`: Attention's, where layers share KV caches (Gemma 4), else None."""
         extra = {} if temperature is None else {"temperature": temperature}
+        if shared_kv is not None:
+            extra["shared_kv"] = shared_kv
         if lora is None:
             attn_out, kv_cache = self.attn(normed, cos, sin, kv_cache, metadata, kernels, **extra)
         else:
@@ -197,6 +238,9 @@ class DecoderLayer(nnx.Module):
             mlp_out = self.experts(x, mlp_out, kernels)
         if sandwich:
             mlp_out = self.mlp_output_norm(mlp_out)
+        if hasattr(self, "per_layer"):  # after the MLP's residual add, its own delta
+            x = x + mlp_out
+            mlp_out = self.per_layer(x, per_layer_input, kernels)
         if hasattr(self, "layer_scalar"):  # (x + mlp_out) * s, the caller adding them
             scalar = self.layer_scalar[...].astype(jnp.float32)
             x, mlp_out = x * scalar, mlp_out * scalar
@@ -217,6 +261,8 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
+        if config.per_layer_input_size:  # Gemma 4's per-layer embeddings
+            self.per_layer_embeddings = PerLayerEmbeddings(config, dtype, rngs)
         self.embedding = nnx.Param(init_weight(rngs, (config.vocab_size, config.hidden_size), dtype))
         self.layers = nnx.List(
             [DecoderLayer(config, i, dtype, rngs) for i in range(config.num_layers)]
@@ -260,21 +306,28 @@ class CausalLM(nnx.Module):
                           self.token_embeddings(jnp.maximum(input_ids, 0)))
         tables = rope_tables(*(rope if rope is not None else traced_rope(self.config, positions)),
                              self.config.rope_widths())
-        new_caches, mlp_out, captured = [], None, {}
-        temperature = attention_temperature(self.config, positions)
-        if self.config.bidirectional:  # no cache (ModelConfig.bidirectional): the pool is empty
-            kv_caches = [None] * len(self.layers)
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        c, mlp_out, captured = self.config, None, {}
+        temperature = attention_temperature(c, positions)
+        # Gemma 4: per-layer embeddings; layers that read another's cache (their pool arrays
+        # are the cache layers', ModelConfig.cache_slot) and the new keys they take from it.
+        per_layer = (self.per_layer_embeddings(input_ids, x, kernels) if c.per_layer_input_size
+                     else None)
+        shared_kv = {} if len(c.cache_layers) < c.num_layers else None
+        new_caches = [None] * len(self.layers) if c.bidirectional else list(kv_caches)
+        if len(new_caches) != len(c.cache_layers):
+            raise ValueError(f"{len(new_caches)} KV caches for {len(c.cache_layers)} cache layers")
+        for index, layer in enumerate(self.layers):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
             if capture and index in capture:
                 captured[index] = x
-            x, mlp_out, kv_cache = layer(x, normed, *tables[layer.rope_table], kv_cache, metadata,
-                                         kernels, None if lora is None else lora.layer(index),
-                                         temperature)
+            slot = c.cache_slot(index)
+            x, mlp_out, new_caches[slot] = layer(
+                x, normed, *tables[layer.rope_table], new_caches[slot], metadata, kernels,
+                None if lora is None else lora.layer(index), temperature,
+                None if per_layer is None else per_layer[:, index], shared_kv)
             if input_embeds is not None and index + 1 < input_embeds.shape[0]:
                 mlp_out = mlp_out + input_embeds[index + 1].astype(jnp.float32)
-            new_caches.append(kv_cache)
-        if self.config.bidirectional:
+        if c.bidirectional:
             new_caches = []
         if capture is not None:
             return x + mlp_out, new_caches, [captured[i] for i in capture]
@@ -312,60 +365,6 @@ class CausalLM(nnx.Module):
             logits = linear(x, self.lm_head[...], kernels)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else jnp.tanh(logits / cap) * cap
-
-
-def traced_rope(config: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
-    """RoPE's (cos, sin) [T, tables x head_dim / 2] of `positions` by `config` (its tables side
-    by side, `ModelConfig.rope_inv_freq`), computed in the program (YaRN's attention factor
-    applied; 1.0 for the other kinds): where no host table is sent (step_inputs.RopeTable), as
-    for a draft head (draft_heads.py) whose RoPE may differ from its target's."""
-    angles = rope_angles(config.rope_inv_freq(), positions)
-    scale = config.rope.attention_factor
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
-
-
-def attention_temperature(config: ModelConfig, positions) -> jax.Array | None:
-    """float32 [T]: Llama 4's query scale at `positions` in its NoPE layers,
-    log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1, as transformers computes it; None
-    where the config has none."""
-    if config.attention_temperature is None:
-        return None
-    floor_scale, attn_scale = config.attention_temperature
-    steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)
-    return jnp.log1p(steps) * attn_scale + 1.0
-
-
-def rope_tables(cos: jax.Array, sin: jax.Array, widths: tuple[int, ...]
-                ) -> list[tuple[jax.Array, jax.Array]]:
-    """The step's (cos, sin) rows as one (cos, sin) pair per RoPE table, `widths` pairs each
-    (`ModelConfig.rope_widths`; `ModelConfig.rope_table` says which a layer reads); with one
-    table, the arrays as they are."""
-    if len(widths) == 1:
-        return [(cos, sin)]
-    bounds = np.cumsum((0,) + tuple(widths))
-    return [(cos[:, a:b], sin[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def rope_angles(inv_freq: np.ndarray, positions):
-    """float32 [T, head_dim / 2]: position x frequency, traced (jax) or on the host (numpy)."""
-    return positions.astype(np.float32)[:, None] * inv_freq[None, :]
-
-
-def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray, attention_factor: float = 1.0
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions`, on the host, for
-    `inv_freq = config.rope_inv_freq()`, both times `config.rope.attention_factor` (YaRN
-    scales them, as transformers does). Inside a step, XLA's CPU fusion recomputed cos
-    and sin in every layer's RoPE fusion, for every head (~3M sincos per 128-row step of the
-    default model, 4% of it); as step inputs they are computed once. The angles are the traced
-    version's float32 products; cos and sin are taken in float64 and rounded, then scaled in
-    float32 like transformers' `cos() * attention_scaling`."""
-    angles = rope_angles(inv_freq, positions).astype(np.float64)
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    if attention_factor != 1.0:
-        cos *= np.float32(attention_factor)
-        sin *= np.float32(attention_factor)
-    return cos, sin
 
 
 def abstract_model(config: ModelConfig, dtype, model_class=CausalLM) -> CausalLM:

@@ -125,6 +125,14 @@ def convert(config: ModelConfig, source: TensorSource,
     hidden = c.hidden_size
     if ("embedding",) not in skip:
         yield ("embedding",), _fetch(source, "model.embed_tokens.weight", (c.vocab_size, hidden))
+    if c.per_layer_input_size:  # Gemma 4's per-layer embeddings: the model's half
+        width, path = c.num_layers * c.per_layer_input_size, ("per_layer_embeddings",)
+        yield path + ("per_layer_embedding",), _fetch(
+            source, "model.embed_tokens_per_layer.weight", (c.vocab_size, width))
+        yield path + ("per_layer_model_projection",), _fetch(
+            source, "model.per_layer_model_projection.weight", (width, hidden)).T
+        yield path + ("projection_norm", "scale"), _fetch(
+            source, "model.per_layer_projection_norm.weight", (c.per_layer_input_size,))
     for i in range(c.num_layers):
         yield from layer_weights(source, c, i, f"model.layers.{i}.", ("layers", i), skip)
     yield ("final_norm", "scale"), _fetch(source, "model.norm.weight", (hidden,))
@@ -145,6 +153,10 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
     if c.mla is not None:
         yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
                                layer + ("attn",))
+    elif c.kv_source_layers[i] != i:  # Gemma 4's KV-shared layer: queries only
+        q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden)).T
+        yield layer + ("attn", "qkv"), q.reshape(hidden, c.num_kv_heads, c.queries_per_kv,
+                                                 head_dim)
     elif layer + ("attn", "qkv") not in skip:
         q = _rope_rows(c, _fetch(source, attn + "q_proj.weight", (q_rows, hidden)))
         k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
@@ -166,6 +178,7 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
         yield layer + ("attn", "sinks"), _fetch(source, attn + "sinks", (c.num_heads,))
     if c.qk_norm:
         yield layer + ("attn", "q_norm", "scale"), _fetch(source, attn + "q_norm.weight", (head_dim,))
+    if c.qk_norm and c.kv_source_layers[i] == i:
         yield layer + ("attn", "k_norm", "scale"), _fetch(source, attn + "k_norm.weight", (head_dim,))
     if c.sandwich_norms:  # Gemma: post_attention_layernorm norms attention's output
         yield from (
@@ -190,6 +203,14 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
                         skip=skip)
     if c.experts_beside_mlp:
         yield from _gemma4_experts(source, c, prefix, layer + ("experts",))
+    if c.per_layer_input_size:  # Gemma 4's per-layer embeddings: the layer's half
+        size = c.per_layer_input_size
+        yield layer + ("per_layer", "per_layer_gate"), _fetch(
+            source, prefix + "per_layer_input_gate.weight", (size, hidden)).T
+        yield layer + ("per_layer", "per_layer_projection"), _fetch(
+            source, prefix + "per_layer_projection.weight", (hidden, size)).T
+        yield layer + ("per_layer", "per_layer_norm", "scale"), _fetch(
+            source, prefix + "post_per_layer_input_norm.weight", (hidden,))
 
 
 def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple,

@@ -14,10 +14,13 @@ soft-capped, tanh(l / c) * c (`final_logit_softcapping`); with `attention_k_eq_v
 have no v_proj, their values the keys' projection (before k's norm and RoPE), read at load as
 v_proj = k_proj (`ModelConfig.value_is_key`).
 
-Refused in one line, naming the field: per-layer embeddings (hidden_size_per_layer_input), layers
-reading an earlier layer's KV (num_kv_shared_layers), bidirectional attention. The MoE block
+Per-layer embeddings (hidden_size_per_layer_input: `ModelConfig.per_layer_input_size`,
+model/per_layer_inputs.py); the last num_kv_shared_layers layers reading the cache of an earlier
+layer of their kind, with no cache of their own (`ModelConfig.kv_source_layers`), their MLPs twice
+as wide with use_double_wide_mlp (`ModelConfig.layer_intermediate`). The MoE block
 (enable_moe_block: every layer's experts beside its dense MLP) is `ModelConfig.experts_beside_mlp`
-(model/moe.ExpertsBesideMlp). The full layers' own head size and KV heads (global_head_dim,
+(model/moe.ExpertsBesideMlp). Refused in one line, naming the field: bidirectional attention, a
+per-layer-input vocabulary other than the model's. The full layers' own head size and KV heads (global_head_dim,
 num_global_key_value_heads) are `ModelConfig.layer_heads`: each layer's cache its own shape.
 """
 from __future__ import annotations
@@ -32,12 +35,10 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 def gemma4_fields(hf_config: Any, architecture: str) -> dict:
     """ModelConfig's Gemma 4 fields of a Gemma 4 text config; what is not run refused."""
     c = hf_config
-    if getattr(c, "hidden_size_per_layer_input", 0):
-        raise ValueError(f"Gemma 4: hidden_size_per_layer_input={c.hidden_size_per_layer_input} "
-                         "(per-layer embeddings) is not supported yet")
-    if getattr(c, "num_kv_shared_layers", 0):
-        raise ValueError(f"Gemma 4: num_kv_shared_layers={c.num_kv_shared_layers} > 0 (layers "
-                         "reading an earlier layer's KV) is not supported yet")
+    per_layer_input = getattr(c, "hidden_size_per_layer_input", 0) or 0
+    if per_layer_input and c.vocab_size_per_layer_input != c.vocab_size:
+        raise ValueError(f"Gemma 4: vocab_size_per_layer_input={c.vocab_size_per_layer_input} "
+                         f"other than vocab_size={c.vocab_size} is not supported")
     if getattr(c, "use_bidirectional_attention", None):
         raise ValueError(f"Gemma 4: use_bidirectional_attention={c.use_bidirectional_attention!r}"
                          " is not supported")
@@ -65,7 +66,31 @@ def gemma4_fields(hf_config: Any, architecture: str) -> dict:
         embedding_multiplier=c.hidden_size**0.5, attention_scale=1.0, activation="gelu_tanh",
         layer_scalars=True, final_logit_softcapping=None if cap is None else float(cap),
         value_is_key=tuple(k_eq_v and kind == "full_attention" for kind in layer_types),
-        layer_heads=layer_heads, **_moe_block(c))
+        layer_heads=layer_heads, per_layer_input_size=per_layer_input,
+        **_moe_block(c), **_kv_sharing(c, layer_types))
+
+
+def _kv_sharing(c: Any, layer_types: list[str]) -> dict:
+    """The last num_kv_shared_layers layers read the cache of the last earlier layer of their
+    kind (transformers' kv_sharing_modes "reuse" and "store"), and with use_double_wide_mlp
+    have an MLP twice as wide."""
+    shared = getattr(c, "num_kv_shared_layers", 0) or 0
+    if not shared:
+        return {}
+    n = c.num_hidden_layers
+    first = n - shared
+    sources = list(range(first))
+    for i in range(first, n):
+        writers = [j for j in range(first) if layer_types[j] == layer_types[i]]
+        if not writers:
+            raise ValueError(f"Gemma 4: num_kv_shared_layers={shared} leaves no earlier "
+                             f"{layer_types[i]} layer for layer {i} to read")
+        sources.append(writers[-1])
+    fields = dict(kv_source_layers=tuple(sources))
+    if getattr(c, "use_double_wide_mlp", False):
+        fields["layer_intermediate"] = tuple(c.intermediate_size * (2 if i >= first else 1)
+                                             for i in range(n))
+    return fields
 
 
 def _moe_block(c: Any) -> dict:

@@ -10,14 +10,12 @@ exactly one place.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
-
-import numpy as np
 
 from xlaserve.model.config.experts_config import experts_from_hf
 from xlaserve.model.config.gemma4_config import GEMMA4_ARCHITECTURES, gemma4_fields
 from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, gemma3_fields
+from xlaserve.model.config.layer_shapes import PerLayer
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES, llama4_fields
 from xlaserve.model.config.rope_config import RopeConfig, rope_from_hf, yarn_mscale
 from xlaserve.model.config.vision_config import VisionConfig
@@ -92,7 +90,7 @@ ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "BertForSequenceClassif
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(PerLayer):
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -190,6 +188,15 @@ class ModelConfig:
     # fewer of them); () every layer the fields'. A layer is built from `layer(i)`, its cache too
     # (runtime/executor/kv_pool.py: one array per layer, each its own shape).
     layer_heads: tuple[tuple[int, int], ...] = ()
+    # Per layer, its MLP's width where layers differ (Gemma 4's use_double_wide_mlp: the KV-shared
+    # layers' twice intermediate_size); () every layer intermediate_size.
+    layer_intermediate: tuple[int, ...] = ()
+    # Per layer, the layer whose KV cache its attention reads: itself, or for Gemma 4's KV-shared
+    # layers (num_kv_shared_layers) an earlier one's, with no cache of its own (`cache_layers`).
+    kv_source_layers: tuple[int, ...] = ()
+    # Gemma 4's per-layer embeddings (PLE, model/per_layer_inputs.py): each layer's input of this
+    # width, from the token's own table row and a projection of its embedding; 0: none.
+    per_layer_input_size: int = 0
     # Gemma 4's MoE block: every layer runs its experts beside its dense MLP
     # (model/moe.ExpertsBesideMlp), moe_layers all False.
     experts_beside_mlp: bool = False
@@ -205,39 +212,6 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
-
-    def layer(self, index: int) -> "ModelConfig":
-        """The config layer `index` is built from: this one, with that layer's KV heads and head
-        size where `layer_heads` gives them others."""
-        if not self.layer_heads or self.layer_heads[index] == (self.num_kv_heads, self.head_dim):
-            return self
-        return _with_heads(self, *self.layer_heads[index])
-
-    @property
-    def widest_head_dim(self) -> int:
-        """The largest head size of any layer (what the kernels' shape checks are asked about)."""
-        return max([self.head_dim] + [d for _, d in self.layer_heads])
-
-    def rope_inv_freq(self) -> np.ndarray:
-        """The per-pair frequencies of every RoPE table the layers read, side by side (a step's
-        cos and sin rows hold them all): `rope`'s, then `local_rope`'s where there is one, each
-        over the head size of the layers that read it (Gemma 4's differ)."""
-        return np.concatenate(self._rope_tables())
-
-    def rope_widths(self) -> tuple[int, ...]:
-        """The pairs of each table in `rope_inv_freq`, in order (`transformer.rope_tables`)."""
-        return tuple(len(table) for table in self._rope_tables())
-
-    def _rope_tables(self) -> list[np.ndarray]:
-        tables = [self.rope] if self.local_rope is None else [self.rope, self.local_rope]
-        readers = [next((i for i in range(self.num_layers) if self.rope_table(i) == t), 0)
-                   for t in range(len(tables))]
-        return [rope.inv_freq(self.layer(i).head_dim) for rope, i in zip(tables, readers)]
-
-    def rope_table(self, layer: int) -> int:
-        """Which of `rope_inv_freq`'s tables layer `layer` reads: 1 for a sliding-window layer
-        with a RoPE of its own (Gemma 3's local layers), else 0."""
-        return int(self.local_rope is not None and self.sliding_windows[layer] is not None)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -256,8 +230,7 @@ class ModelConfig:
             object.__setattr__(self, "nope_layers", (False,) * self.num_layers)
         if len(self.value_is_key) != self.num_layers:
             object.__setattr__(self, "value_is_key", (False,) * self.num_layers)
-        if self.layer_heads:
-            self._check_layer_heads()
+        self._check_layers()
         if self.expert_input_scaled and self.num_experts_per_tok != 1:
             raise ValueError("router weights scaling the experts' inputs need top-1 routing "
                              f"(num_experts_per_tok is {self.num_experts_per_tok})")
@@ -275,21 +248,6 @@ class ModelConfig:
                 self.local_rope.attention_factor != self.rope.attention_factor:
             raise ValueError("RoPE scalings whose attention factors differ between sliding and "
                              "full layers are not supported")
-
-    def _check_layer_heads(self) -> None:
-        if len(self.layer_heads) != self.num_layers:
-            raise ValueError(f"layer_heads has {len(self.layer_heads)} entries for "
-                             f"{self.num_layers} layers")
-        for i, (kv_heads, head_dim) in enumerate(self.layer_heads):
-            if self.num_heads % kv_heads:
-                raise ValueError(f"layer {i}: num_attention_heads ({self.num_heads}) must be a "
-                                 f"multiple of its {kv_heads} KV heads")
-        by_table: dict[int, set[int]] = {}
-        for i, (_, head_dim) in enumerate(self.layer_heads):
-            by_table.setdefault(self.rope_table(i), set()).add(head_dim)
-        if any(len(dims) > 1 for dims in by_table.values()):
-            raise ValueError("layers of one RoPE table with different head sizes are not "
-                             "supported")
 
     @property
     def router(self) -> RouterConfig:
@@ -318,6 +276,8 @@ class ModelConfig:
         data["nope_layers"] = tuple(data.get("nope_layers", ()))
         data["value_is_key"] = tuple(data.get("value_is_key", ()))
         data["layer_heads"] = tuple(tuple(one) for one in data.get("layer_heads", ()))
+        data["layer_intermediate"] = tuple(data.get("layer_intermediate", ()))
+        data["kv_source_layers"] = tuple(data.get("kv_source_layers", ()))
         if data.get("attention_temperature") is not None:
             data["attention_temperature"] = tuple(data["attention_temperature"])
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
@@ -413,11 +373,3 @@ def _sliding_windows_from_hf(hf_config: Any, architecture: str) -> tuple[int | N
 
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
                        "Qwen3MoeForCausalLM")
-
-
-@functools.lru_cache(maxsize=None)
-def _with_heads(config: ModelConfig, num_kv_heads: int, head_dim: int) -> ModelConfig:
-    """`config` as one layer of `num_kv_heads` heads of `head_dim` (ModelConfig.layer): the
-    same object for every layer of that shape, as a step's trace asks it once per layer."""
-    return dataclasses.replace(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               layer_heads=())

@@ -25,7 +25,7 @@ from xlaserve.model.layers import (Kernels, apply_rope, init_weight, matmul_inpu
                                    split_qkv)
 from xlaserve.model.weight_types.packed import embed
 from xlaserve.model.pooling import pool_sequences, reduce_chunks
-from xlaserve.model.transformer import rope_angles
+from xlaserve.model.rope import rope_angles
 
 
 class ModernBertLayer(nnx.Module):

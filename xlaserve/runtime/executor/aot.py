@@ -236,7 +236,8 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     steps = [make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
                        formats, verify_tokens, lora_args, takes_images=takes_images)
              for formats in (None, auto_formats(weights))]
-    parts = (graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding, config.num_layers)
+    parts = (graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
+             len(config.cache_layers))
     chain = None
     if draft_head is not None:
         chain = (make_tree_chain(*parts, topk, tree_steps) if topk > 1

@@ -31,7 +31,7 @@ def bytes_per_token(config: ModelConfig, dtype, platform: str,
     """K and V (or the latent row, mla.py) of one token across all layers on `platform`, and
     a speculative draft head's one layer (model/draft_heads.py, config `draft_head`)."""
     width = sum(kv_cache_shape(config.layer(i), 1, 1, platform)[-1]
-                for i in range(config.num_layers))
+                for i in config.cache_layers)
     head = 0 if draft_head is None else kv_cache_shape(draft_head, 1, 1, platform)[-1]
     return (width + head) * jnp.dtype(dtype).itemsize
 
@@ -88,7 +88,8 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
     if config.bidirectional:  # an encoder keeps no cache (model/encoders/encoder.py)
         return []
     platform = mesh.devices.flat[0].platform
-    layers = [config.layer(i) for i in range(config.num_layers)]  # each its own heads
+    # each its own heads; Gemma 4's KV-shared layers have none (they read another's)
+    layers = [config.layer(i) for i in config.cache_layers]
     specs = [jax.ShapeDtypeStruct(kv_cache_shape(c, num_pages, page_size, platform), dtype,
                                   sharding=NamedSharding(mesh, kv_cache_spec(c))) for c in layers]
     if draft_head is not None:
@@ -154,7 +155,7 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
     # SGLang's line, where SGLang has it in the log (before the programs); with `in_background`
     # the zeroing goes on, and what start-up still waits for it is in the "Start-up:" line.
     half_gb = sum(math.prod(one.shape) * one.dtype.itemsize
-                  for one in specs[:config.num_layers]) / 2 / 1e9
+                  for one in specs[:len(config.cache_layers)]) / 2 / 1e9
     logger.info("KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB",
                 (num_pages - 1) * page_size, half_gb, half_gb)
     if not in_background:

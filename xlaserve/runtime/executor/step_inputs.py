@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.model.transformer import rope_cos_sin
+from xlaserve.model.rope import rope_cos_sin
 from xlaserve.runtime.executor.forward_batch import ForwardBatch
 from xlaserve.runtime.executor.page_table import PageWrites
 from xlaserve.runtime.sampling.params import MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, RowSamplingParams

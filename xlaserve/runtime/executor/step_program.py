@@ -121,9 +121,10 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                                     metadata, kernels, rope,
                                                     input_embeds=input_embeds)
         else:  # the head's cache and state follow the layers' (kv_pool.DraftHeadPool)
-            head_state = kv_caches[len(model.layers):]
+            layers = len(model.config.cache_layers)  # the pool's arrays before the head's
+            head_state = kv_caches[layers:]
             hidden, kv_caches, captured = model.hidden_states(
-                input_ids, batch.positions, kv_caches[:len(model.layers)], metadata, kernels,
+                input_ids, batch.positions, kv_caches[:layers], metadata, kernels,
                 rope, capture=head.capture_layers)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         # Each sample row's slot (its sequence's; the null slot for padding): without

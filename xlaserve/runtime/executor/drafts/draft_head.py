@@ -47,7 +47,7 @@ class DraftHead:
         self.steps = max_drafts - 1  # head steps after the first draft (its slot's state's)
         graphdef, state_treedef, weight_layout, kv_sharding = runner.program_parts
         parts = (graphdef, state_treedef, weight_layout, runner.kernels, runner.mesh,
-                 kv_sharding, runner.config.num_layers)
+                 kv_sharding, len(runner.config.cache_layers))
         if topk > 1:
             self.steps = tree_steps
             self._chain = make_tree_chain(*parts, topk, tree_steps)
