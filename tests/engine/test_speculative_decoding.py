@@ -169,6 +169,22 @@ def test_rows_whose_drafts_fail_back_off_with_the_same_output(plain, spec):
     assert spec.core.scheduler.speculator.verified_rows > 0
 
 
+@pytest.mark.parametrize("family", ["gemma4_ple", "llama4"])
+def test_this_years_families_with_drafts_give_transformers_greedy_tokens(family, tmp_path):
+    """Verified rows through a sliding window's edge, KV-shared layers and per-layer embeddings
+    (gemma4_ple: window 4), and through Llama 4's attention chunk (32: prompt and drafts cross
+    it) and NoPE layers: transformers' greedy tokens, drafts accepted."""
+    hf_model = make_tiny_checkpoint(str(tmp_path), family)
+    with Engine(str(tmp_path), speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+                **SMALL) as engine:
+        compiles = engine.core.runner.compile_count()
+        results = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert engine.core.runner.compile_count() == compiles
+    for prompt, result in zip(PROMPTS, results):
+        assert result["output_ids"] == hf_greedy(hf_model, prompt, 24)
+    assert max(r["meta_info"].get("spec_accept_length", 0) for r in results) > 1.2
+
+
 # --- structured outputs: drafts the grammar takes, each sample row masked after its drafts ------
 
 @pytest.fixture(scope="module")
