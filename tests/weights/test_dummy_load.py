@@ -29,7 +29,9 @@ PUBLISHED_SIZES = {"smollm2-135m": 0.135, "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.
                    "gemma-3-1b": 1.0,
                    "gemma-3-27b-text": 27.0,  # gemma-3-27b-it (27.4B) less its 0.4B vision tower
                    # the model card's rounded 31B (xlaserve's count of the text decoder: 30.81B)
-                   "gemma-4-31b-text": 31.0}
+                   "gemma-4-31b-text": 31.0,
+                   # Scout's 109B total (its card's figure, the vision encoder included)
+                   "llama-4-scout-text": 109.0}
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 SMALL_ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, page_size=4,
                     max_running_requests=2, max_total_tokens=128, context_length=64,
