@@ -112,7 +112,8 @@ inline int64_t FirstKey(const Problem& p, int64_t pos) {
 
 // A one-row item's last key (its query's position; with prefix_only the last before the step's
 // new tokens, -1 if none) and first key (0, or where the sliding window or the attention chunk
-// starts; a chunk's from the query's own position, with prefix_only too).
+// starts, from the query's own position, with prefix_only too: reference.py's rule, which
+// Gemma 3's image rows take, image_spans.py; past last_key, the row has no key).
 struct RowKeys {
   int64_t last_key, lowest_key = 0;
 
@@ -120,8 +121,7 @@ struct RowKeys {
     const SeqSpan span = Span(p, item.seq);
     const int64_t pos = span.first_pos + (item.first_row - span.first_token);
     last_key = p.prefix_only ? span.first_pos - 1 : pos;
-    if (p.sliding_window > 0) lowest_key = std::max<int64_t>(0, last_key - p.sliding_window + 1);
-    else lowest_key = ChunkStart(p, pos);
+    lowest_key = FirstKey(p, pos);
   }
 };
 
