@@ -186,11 +186,13 @@ def randomize(model, embedding_std: float = 0.5) -> None:
                 buffer.copy_(1.0 + 0.3 * torch.randn_like(buffer))
 
 
-def make_tiny_gemma3_conditional(directory, seed: int = 0):
+def make_tiny_gemma3_conditional(directory, seed: int = 0, vision: dict | None = None,
+                                 **overrides):
     """A tiny random Gemma3ForConditionalGeneration (gemma-3-4b-it's form) saved by transformers
     5 to `directory` (its tensors `language_model.model.*`, `vision_tower.*`,
     `multi_modal_projector.*`): FAMILIES["gemma3"]'s text model, a 2-layer SigLIP tower of width
-    32 on 32-pixel images of 8-pixel patches, pooled to 4 image tokens. Returns transformers'
+    32 on 32-pixel images of 8-pixel patches, pooled to 4 image tokens (`vision`: other tower
+    fields; `overrides`: Gemma3Config's, e.g. mm_tokens_per_image). Returns transformers'
     model (float32, eval)."""
     import transformers
 
@@ -198,12 +200,12 @@ def make_tiny_gemma3_conditional(directory, seed: int = 0):
     for name in ("cls", "architecture", "embedding_std"):
         spec.pop(name)
     text = dict(TINY_DECODER, vocab_size=512, **spec)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=32, patch_size=8, vision_use_head=False)
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
-                                       mm_tokens_per_image=4, boi_token_index=497,
-                                       eoi_token_index=498, image_token_index=499,
-                                       eos_token_id=[1, 106])
+    vision = dict(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, image_size=32, patch_size=8,
+                       vision_use_head=False), **(vision or {}))
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, **{
+        **dict(mm_tokens_per_image=4, boi_token_index=497, eoi_token_index=498,
+               image_token_index=499, eos_token_id=[1, 106]), **overrides})
     return _saved_random(transformers.Gemma3ForConditionalGeneration, config, directory, seed,
                          FAMILIES["gemma3"]["embedding_std"])
 

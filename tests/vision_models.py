@@ -100,7 +100,6 @@ def hf_generate(model, directory, prompt_ids: list[int], images: list, max_new_t
     """transformers' greedy tokens for a prompt whose image placeholders are expanded already
     (`ImagePrompts.prepare`'s ids), its `images` processed by the checkpoint's processor;
     `logprobs`: (tokens, each token's log-probability under its logits)."""
-    import torch
     import transformers
 
     processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(directory)
@@ -109,13 +108,24 @@ def hf_generate(model, directory, prompt_ids: list[int], images: list, max_new_t
         out = processor(images=images, return_tensors="pt")
         kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
     image_id = model.config.image_token_id
+    return hf_greedy_with(model, prompt_ids, max_new_tokens, logprobs, mm_token_type_ids=[
+        int(t == image_id) for t in prompt_ids], **kwargs)
+
+
+def hf_greedy_with(model, prompt_ids: list[int], max_new_tokens: int, logprobs: bool,
+                   **inputs):
+    """transformers' greedy tokens for `prompt_ids` and the model's other `inputs` (lists
+    become a batch of one; tensors pass as they are); `logprobs`: and each token's
+    log-probability under its logits."""
+    import torch
+
+    inputs = {k: torch.tensor([v]) if isinstance(v, list) else v for k, v in inputs.items()}
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
                                                                   dtype=torch.long),
-            mm_token_type_ids=torch.tensor([[int(t == image_id) for t in prompt_ids]]),
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True, **kwargs)
+            output_logits=True, return_dict_in_generate=True, **inputs)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     if not logprobs:
         return tokens

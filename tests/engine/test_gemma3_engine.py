@@ -4,7 +4,7 @@ window, prefill chunks that cross the window's edge, continuous batching and the
 give transformers' greedy tokens with nothing compiled after the precompile; on two devices
 (--tp-size 2: a kv head each) too (the checks: tests/engine/family_engine.py). Its image
 checkpoints' form (Gemma3ForConditionalGeneration) serves text prompts with transformers' own
-tokens, and refuses images by name."""
+tokens; without its tokenizer it refuses images (their prompts: tests/vision/test_gemma3_images.py)."""
 import pytest
 
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
@@ -43,10 +43,11 @@ def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
 
 
-def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):
+def test_an_image_checkpoint_serves_text_and_without_its_tokenizer_refuses_images(tmp_path):
     """A Gemma3ForConditionalGeneration (transformers 5's save: `language_model.model.*`) gives
-    transformers' greedy tokens on text prompts, chunked past the window, batched; image_data
-    is refused, as the start-up warning says."""
+    transformers' greedy tokens on text prompts, chunked past the window, batched; with
+    --skip-tokenizer-init image_data is refused (an image's prompt needs its newline tokens),
+    as the start-up warning says."""
     hf_model = make_tiny_gemma3_conditional(str(tmp_path))
     with Engine(str(tmp_path), **SMALL) as engine:
         check_batched_equal_solo_and_transformers(engine, hf_model, PROMPTS[:3], GREEDY)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.test_tree_attention import PREFIX_KERNELS
+from tests.kernels.test_tree_attention import PREFIX_KERNELS, dense_attention
 from xlaserve.pallas_kernels.ragged_paged_attention import cases, kernel_cpu, reference
 from xlaserve.pallas_kernels.ragged_paged_attention.image_spans import (image_span_attention,
                                                                         image_spans)
@@ -53,34 +53,16 @@ def make_image_case(seed=0):
 
 def expected(case, window):
     """Dense float64 attention: row p sees keys k <= p, or its image's, and k > p - window."""
-    q = case["q"].astype(np.float64)
-    group, page_size = NUM_Q_HEADS // NUM_KV_HEADS, SHAPES["page_size"]
-    cache = case["kv_cache"].astype(np.float32)
-    new_kv = np.stack([case["k"], case["v"]], axis=2).reshape(len(q), 2 * NUM_KV_HEADS, -1)
-    out = np.zeros_like(q)
-    cu, pages = case["cu_q_lens"], case["page_indices"]
-    for s in range(int(case["num_seqs"][0])):
-        q_len, kv_len = int(cu[s + 1] - cu[s]), int(case["kv_lens"][s])
-        prefix = kv_len - q_len
-        for r in range(q_len):
-            pos = prefix + r
-            cache[pages[s, pos // page_size], pos % page_size] = new_kv[cu[s] + r]
-        keys_at = np.arange(kv_len)
-        kv = cache[pages[s, keys_at // page_size], keys_at % page_size].astype(np.float64)
-        keys, values = np.repeat(kv[:, 0::2], group, 1), np.repeat(kv[:, 1::2], group, 1)
-        for r in range(q_len):
-            row, pos = cu[s] + r, prefix + r
-            seen = keys_at <= pos
-            if case["image_of"][row] >= 0:
-                first = prefix + case["image_of"][row] - cu[s]
-                seen |= (keys_at >= first) & (keys_at < first + IMAGE)
-            if window:
-                seen &= keys_at > pos - window
-            scores = np.einsum("hd,khd->hk", q[row], keys) * SM_SCALE
-            scores = np.where(seen[None], scores, -np.inf)
-            probs = np.exp(scores - scores.max(-1, keepdims=True))
-            out[row] = np.einsum("hk,khd->hd", probs / probs.sum(-1, keepdims=True), values)
-    return out, cache
+
+    def seen(row, prefix, keys):
+        pos = case["positions"][row]
+        visible = keys <= pos
+        if case["image_of"][row] >= 0:
+            first = case["positions"][case["image_of"][row]]
+            visible |= (keys >= first) & (keys < first + IMAGE)
+        return visible & (keys > pos - window) if window else visible
+
+    return dense_attention(case, seen, SHAPES["page_size"], SM_SCALE)
 
 
 def run_images(kernel, case, window):

@@ -53,11 +53,23 @@ def make_tree_case(seed=0, dtype=np.float32):
 def expected(case):
     """Dense float64 attention of each token over its prefix and the new tokens its mask names;
     the cache after the writes."""
+
+    def seen(row, prefix, positions):
+        mask = case["tree_masks"][row]
+        return (positions < prefix) | ((mask >> np.maximum(positions - prefix, 0)) & 1).astype(bool)
+
+    return dense_attention(case, seen, SHAPES["page_size"], SM_SCALE)
+
+
+def dense_attention(case, seen, page_size: int, sm_scale: float):
+    """Dense float64 attention of each live token row over the keys `seen(row, prefix,
+    key positions)` names, its sequence's new K/V written first; (out, the cache after the
+    writes)."""
     q = case["q"].astype(np.float64)
-    group = NUM_Q_HEADS // NUM_KV_HEADS
-    page_size = SHAPES["page_size"]
+    num_kv_heads = case["k"].shape[1]
+    group = q.shape[1] // num_kv_heads
     cache = case["kv_cache"].astype(np.float32)
-    new_kv = np.stack([case["k"], case["v"]], axis=2).reshape(len(q), 2 * NUM_KV_HEADS, -1)
+    new_kv = np.stack([case["k"], case["v"]], axis=2).reshape(len(q), 2 * num_kv_heads, -1)
     new_kv = new_kv.astype(case["kv_cache"].dtype).astype(np.float32)
     out = np.zeros_like(q)
     cu, pages = case["cu_q_lens"], case["page_indices"]
@@ -71,10 +83,8 @@ def expected(case):
         kv = cache[pages[s, positions // page_size], positions % page_size].astype(np.float64)
         keys, values = np.repeat(kv[:, 0::2], group, 1), np.repeat(kv[:, 1::2], group, 1)
         for r in range(q_len):
-            mask = case["tree_masks"][cu[s] + r]
-            seen = (positions < prefix) | ((mask >> np.maximum(positions - prefix, 0)) & 1).astype(bool)
-            scores = np.einsum("hd,khd->hk", q[cu[s] + r], keys) * SM_SCALE
-            scores = np.where(seen[None], scores, -np.inf)
+            scores = np.einsum("hd,khd->hk", q[cu[s] + r], keys) * sm_scale
+            scores = np.where(seen(cu[s] + r, prefix, positions)[None], scores, -np.inf)
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             probs /= probs.sum(-1, keepdims=True)
             out[cu[s] + r] = np.einsum("hk,khd->hd", probs, values)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from xlaserve.model.encoders.encoder import Encoder
 from xlaserve.model.encoders.modernbert import ModernBert
 from xlaserve.model.vision.qwen_vision import VisionLanguageLM
+from xlaserve.model.vision.siglip_vision import Gemma3VisionLM
 from xlaserve.model.transformer import CausalLM
 
 # The Llama family and its mixture-of-experts kin differ only in config switches, so one class
@@ -23,8 +24,8 @@ MODEL_CLASSES = {
     # Gemma 3's text model (model/config/gemma_config.py): local and global layers with their own
     # RoPE, Gemma's norms, GeGLU.
     "Gemma3ForCausalLM": CausalLM,
-    # Its image checkpoints, served for text (their SigLIP tower not run: images refused).
-    "Gemma3ForConditionalGeneration": CausalLM,
+    # Its image checkpoints: the SigLIP tower and projector beside it (model/vision/siglip_vision.py).
+    "Gemma3ForConditionalGeneration": Gemma3VisionLM,
     # Gemma 4's dense text model (model/config/gemma4_config.py): Gemma 3's with plain-weight
     # norms, value norms, layer scalars, soft-capped logits.
     "Gemma4ForCausalLM": CausalLM,

@@ -46,6 +46,8 @@ from xlaserve.model.rope import attention_temperature, rope_tables, traced_rope
 from xlaserve.model.weight_types.packed import embed
 from xlaserve.model.pooling import pool_sequences, reduce_chunks
 from xlaserve.model.sharding import partition_spec
+from xlaserve.pallas_kernels.ragged_paged_attention.image_spans import (ImageSpans,
+                                                                         image_span_attention)
 from xlaserve.pallas_kernels.ragged_paged_attention.tree_tokens import tree_attention
 
 
@@ -62,6 +64,9 @@ class AttentionMetadata:
     # of a token's the new tokens of its sequence it sees; None: causal (every other step).
     tree_masks: jax.Array | None = None
     tree_width: int = dataclasses.field(default=0, metadata={"static": True})  # new tokens a row has at most
+    # Gemma 3's images in the step, whose tokens see their whole image (image_spans.py); None:
+    # causal (every other model, and a program shorter than an image).
+    image_spans: ImageSpans | None = None
 
 
 class Attention(nnx.Module):
@@ -172,6 +177,10 @@ class Attention(nnx.Module):
             out, kv_cache = kernels.attention(*args, sm_scale=sm_scale,
                                               sliding_window=self.sliding_window, sinks=sinks,
                                               attention_chunk=self.attention_chunk)
+            if metadata.image_spans is not None:  # Gemma 3's image rows see their whole image
+                out, kv_cache = image_span_attention(
+                    kernels.attention, q, k, v, kv_cache, out, metadata.image_spans,
+                    sm_scale=sm_scale, sliding_window=self.sliding_window, sinks=sinks)
         else:  # no sliding window or chunk here (draft_head refuses trees for such models)
             out, kv_cache = tree_attention(kernels.attention, *args, metadata.tree_masks,
                                            sm_scale=sm_scale, width=metadata.tree_width,

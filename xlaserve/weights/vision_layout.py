@@ -7,7 +7,8 @@ Checkpoints name the tower `visual.*` and the decoder `model.*` (as published, a
 transformers saves them); transformers' own module names (`model.visual.*`,
 `model.language_model.*`) are read too (`with_vision_language_names`), and Gemma 3's decoder as
 its checkpoints name it (`language_model.model.*`: gemma-3-4b-it's files and transformers 5's
-saves; its `vision_tower.*` and `multi_modal_projector.*` are not read: images are refused).
+saves), its SigLIP tower and projector as `vision_tower.*` and `multi_modal_projector.*` however
+they are saved (siglip_layout.py reads them).
 """
 from __future__ import annotations
 
@@ -17,14 +18,22 @@ import numpy as np
 
 from xlaserve.model.config.vision_config import VisionConfig
 from xlaserve.weights.param_layout import _fetch
+from xlaserve.weights.siglip_layout import siglip_weights
 from xlaserve.weights.formats.tensor_source import TensorSource
 
 
 class VisionLanguageNames:
     """`source` with transformers' module names read as the published ones."""
 
+    # The first that fits is taken (the longer of two prefixes first).
     _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."),
-                ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+                ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                # Gemma 3's tower: published inside `vision_model.`, saved by transformers 5
+                # without it (SiglipVisionModel's own prefix dropped), or by module name.
+                ("model.vision_tower.vision_model.", "vision_tower."),
+                ("model.vision_tower.", "vision_tower."),
+                ("vision_tower.vision_model.", "vision_tower."),
+                ("model.multi_modal_projector.", "multi_modal_projector."))
 
     def __init__(self, source: TensorSource):
         self.source = source
@@ -34,6 +43,7 @@ class VisionLanguageNames:
             for old, new in self._RENAMES:
                 if name.startswith(old):
                     published = new + name[len(old):]
+                    break
             self._names[published] = name
 
     def names(self) -> set[str]:
@@ -52,7 +62,11 @@ def with_vision_language_names(source: TensorSource) -> TensorSource:
 
 
 def vision_weights(config: VisionConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
-    """(parameter path, array) for every parameter of the vision tower."""
+    """(parameter path, array) for every parameter of the vision tower (Gemma 3's SigLIP and
+    projector: siglip_layout.py)."""
+    if config.kind == "gemma3":
+        yield from siglip_weights(config, source)
+        return
     c, width = config, config.hidden_size
     heads, d, inter = c.num_heads, c.head_dim, c.intermediate_size
     patch = _fetch(source, "visual.patch_embed.proj.weight",

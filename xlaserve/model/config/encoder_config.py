@@ -2,7 +2,8 @@
 config as a ModelConfig with its `encoder` fields (model_config.EncoderConfig), what
 model/encoders/encoder.py and model/encoders/modernbert.py do not run refused in one line.
 `model_config_from_hf` is the loaders' entry: an encoder's config here, a vision-language model's
-(`vision_language_config`), Gemma 3's with images (its text model), a decoder's
+(`vision_language_config`), Gemma 3's with images (`gemma3_images_config`), Gemma 4's and
+Llama 4's image checkpoints (their text model), a decoder's
 `ModelConfig.from_hf`."""
 from __future__ import annotations
 
@@ -14,17 +15,17 @@ from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, image_check
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES
 from xlaserve.model.config.model_config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig
 from xlaserve.model.config.rope_config import RopeConfig
+from xlaserve.model.config.siglip_config import siglip_from_hf
 from xlaserve.model.config.vision_config import VISION_LANGUAGE_ARCHITECTURES, vision_from_hf
 
 # What the checkpoints' `hidden_act` / `hidden_activation` names mean here.
 _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
+GEMMA3_IMAGES = "Gemma3ForConditionalGeneration"  # its images: siglip_config.py
 # Image checkpoints served for text: their text model's architecture, and what is not run
 # (images refused per request).
 IMAGE_CHECKPOINTS = {
-    "Gemma3ForConditionalGeneration": (GEMMA3_ARCHITECTURES[0],
-                                       "the SigLIP vision tower, the multimodal projector"),
     "Gemma4ForConditionalGeneration": (GEMMA4_ARCHITECTURES[0], "the vision tower, the audio "
                                        "tower, the multimodal embedders"),
     "Llama4ForConditionalGeneration": (LLAMA4_ARCHITECTURES[0],
@@ -55,6 +56,8 @@ def model_config_from_hf(hf_config: Any, architecture: str,
         return encoder_from_hf(hf_config, architecture)
     if architecture in VISION_LANGUAGE_ARCHITECTURES:
         return vision_language_config(hf_config, architecture)
+    if architecture == GEMMA3_IMAGES:
+        return gemma3_images_config(hf_config, architecture)
     if architecture in IMAGE_CHECKPOINTS:  # its text model (gemma_config.image_checkpoint_text)
         text_architecture, not_run = IMAGE_CHECKPOINTS[architecture]
         text, fields = image_checkpoint_text(hf_config, architecture, not_run)
@@ -92,6 +95,16 @@ def vision_language_config(hf_config: Any, architecture: str) -> ModelConfig:
         rope=dataclasses.replace(config.rope, mrope_section=tuple(section),
                                  mrope_interleaved=qwen3),
         vision=vision_from_hf(hf_config, architecture))
+
+
+def gemma3_images_config(hf_config: Any, architecture: str) -> ModelConfig:
+    """Gemma3ForConditionalGeneration: its text config's Gemma 3 decoder (tied or not, its
+    end-of-turn ids, as the top level says) and its SigLIP tower with the projector
+    (siglip_config.py)."""
+    text, fields = image_checkpoint_text(hf_config, architecture)
+    config = dataclasses.replace(ModelConfig.from_hf(text, GEMMA3_ARCHITECTURES[0]), **fields)
+    return dataclasses.replace(config, vision=siglip_from_hf(hf_config, architecture,
+                                                             config.hidden_size))
 
 
 def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:

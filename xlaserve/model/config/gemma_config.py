@@ -11,9 +11,9 @@ embeddings times sqrt(hidden_size) in the model dtype; the softmax scaled by
 query_pre_attn_scalar ** -0.5; a GELU (tanh) gated MLP; the LM head tied. The model's part:
 model/transformer.py.
 
-Gemma3ForConditionalGeneration (gemma-3-4b-it, 12b, 27b): that text model in its `text_config`,
-served for text; its images (the SigLIP `vision_config`, the projector to `mm_tokens_per_image`
-tokens) are not run, and a request with images is refused (the text-only model's refusals).
+Gemma3ForConditionalGeneration (gemma-3-4b-it, 12b, 27b): that text model in its `text_config`
+(`image_checkpoint_text`), beside its SigLIP tower and projector (siglip_config.py), whose image
+tokens attend to their whole image (pallas_kernels/ragged_paged_attention/image_spans.py).
 """
 from __future__ import annotations
 
@@ -50,12 +50,13 @@ def gemma3_fields(hf_config: Any, architecture: str) -> dict:
                 attention_scale=float(c.query_pre_attn_scalar) ** -0.5, activation="gelu_tanh")
 
 
-def image_checkpoint_text(hf_config: Any, architecture: str, not_run: str) -> tuple[Any, dict]:
+def image_checkpoint_text(hf_config: Any, architecture: str,
+                          not_run: str | None = None) -> tuple[Any, dict]:
     """An image checkpoint's text config (Gemma3ForConditionalGeneration's,
     Llama4ForConditionalGeneration's), and the ModelConfig fields its top level sets: the LM head
     tied or not and the end-of-sequence ids (gemma-3-4b-it's [1, 106]) as the checkpoint was
-    saved with them. Its vision fields (`not_run`, named in the start-up warning) are not read:
-    images are refused."""
+    saved with them. `not_run`: its vision fields where they are not read (named in the
+    start-up warning: images are refused); None where its images run (Gemma 3's)."""
     text = getattr(hf_config, "text_config", None)
     if text is None:
         raise ValueError(f"{architecture}: the config has no text_config")
@@ -64,6 +65,7 @@ def image_checkpoint_text(hf_config: Any, architecture: str, not_run: str) -> tu
     eos = getattr(hf_config, "eos_token_id", None)
     if eos is not None:
         fields["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    logger.warning("%s: serving its text model; its images (%s) are not supported: requests "
-                   "with images are refused", architecture, not_run)
+    if not_run is not None:
+        logger.warning("%s: serving its text model; its images (%s) are not supported: requests "
+                       "with images are refused", architecture, not_run)
     return text, fields

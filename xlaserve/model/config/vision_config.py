@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from xlaserve.model.config.siglip_config import SiglipConfig
+
 # architectures[0] -> VisionConfig.kind
 VISION_LANGUAGE_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
                                  "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
@@ -53,6 +55,7 @@ class VisionConfig:
     video_token_id: int = -1
     vision_start_token_id: int = -1
     vision_end_token_id: int = -1
+    norm_eps = 1e-6  # every norm of the three towers (not a field: no config sets it)
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +99,10 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "VisionConfig":
+        """A tower's config from its `to_dict`: this one's, or Gemma 3's SigLIP
+        (siglip_config.SiglipConfig, kind "gemma3"), which ModelConfig.vision holds too."""
+        if data.get("kind") == "gemma3":
+            return SiglipConfig.from_dict(data)
         return cls(**{**data, "fullatt_blocks": tuple(data.get("fullatt_blocks", ())),
                       "deepstack_layers": tuple(data.get("deepstack_layers", ()))})
 

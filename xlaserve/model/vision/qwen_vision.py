@@ -31,11 +31,9 @@ from xlaserve.model.layers import (Kernels, RMSNorm, apply_rope, init_weight, ma
                                    project, split_qkv)
 from xlaserve.model.config.vision_config import VisionConfig
 
-_EPS = 1e-6  # every norm of both towers
-
-
 def _norm(config: VisionConfig, dim: int, dtype):
-    return RMSNorm(dim, _EPS, dtype) if config.rms_norms else LayerNorm(dim, _EPS, dtype)
+    eps = config.norm_eps
+    return RMSNorm(dim, eps, dtype) if config.rms_norms else LayerNorm(dim, eps, dtype)
 
 
 def _bias(param: nnx.Param) -> jax.Array:
@@ -51,6 +49,9 @@ ACTIVATIONS = {"quick_gelu": quick_gelu,
 
 
 class VisionBlock(nnx.Module):
+    """One pre-norm encoder layer: Qwen-VL's (RoPE'd q and k), and SigLIP's (Gemma 3's tower,
+    siglip_vision.py: `cos` None, no RoPE; `config` a siglip_config.SiglipConfig)."""
+
     def __init__(self, config: VisionConfig, dtype, rngs: nnx.Rngs):
         c, width = config, config.hidden_size
         self.config = c
@@ -76,8 +77,9 @@ class VisionBlock(nnx.Module):
         normed = self.norm1(x).astype(matmul_input_dtype(self.qkv[...]))
         qkv = project(normed, self.qkv[...], kernels) + _bias(self.qkv_bias)
         q, k, v = split_qkv(qkv)
-        # transformers rotates q and k in float32, then rounds them to the model dtype
-        q, k = apply_rope(q, cos, sin).astype(dtype), apply_rope(k, cos, sin).astype(dtype)
+        if cos is not None:  # transformers rotates q and k in float32, then rounds them
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = q.astype(dtype), k.astype(dtype)
         out, _ = kernels.bidirectional_attention(q, k, v.astype(dtype), cu_seqs, num_seqs,
                                                  sm_scale=c.head_dim**-0.5)
         out = project(out.reshape(x.shape[0], -1).astype(dtype), self.o_proj[...], kernels)

@@ -45,21 +45,28 @@ class ImagePrompts:
         return add_image_rows(batch, [r.prompt_images for r in scheduled.requests],
                                    self.hidden_size, self.dtype)
 
+    def placeholders(self, prompt_ids: list[int], images: list, placeholder: int,
+                     name: str) -> list[int]:
+        """Where the prompt's image placeholders (`placeholder`, called `name` in a refusal)
+        are; ValueError where they are not one per image or the images are over the limit."""
+        places = [i for i, token in enumerate(prompt_ids) if token == placeholder]
+        if len(places) != len(images):
+            raise ValueError(f"the prompt has {len(places)} image placeholders{name} for "
+                             f"{len(images)} images")
+        if len(images) > self.max_images:
+            raise ValueError(f"{len(images)} images are over the {self.max_images} a request may "
+                             "have (--limit-mm-per-prompt)")
+        return places
+
     def prepare(self, prompt_ids: list[int], images: list) -> tuple[list[int],
                                                                   PromptImages | None]:
         """(the prompt's ids with each image's placeholder expanded, its PromptImages) for
         `images` (PIL images, in the prompt's order); (prompt_ids, None) without images.
         ValueError where the placeholders and the images do not match."""
         image_id = self.config.image_token_id
-        places = [i for i, token in enumerate(prompt_ids) if token == image_id]
-        if len(places) != len(images):
-            raise ValueError(f"the prompt has {len(places)} image placeholders for "
-                             f"{len(images)} images")
+        places = self.placeholders(prompt_ids, images, image_id, "")
         if not images:
             return prompt_ids, None
-        if len(images) > self.max_images:
-            raise ValueError(f"{len(images)} images are over the {self.max_images} a request may "
-                             "have (--limit-mm-per-prompt)")
         processed = self.processor(images=images, return_tensors="np")
         grids = [tuple(int(n) for n in g) for g in processed["image_grid_thw"]]
         sizes = [t * h * w for t, h, w in grids]

@@ -51,6 +51,7 @@ from xlaserve.runtime.engine.hidden_states import HiddenStates
 from xlaserve.runtime.engine.adapter_slots import AdapterSlots
 from xlaserve.runtime.engine.lora_adapters import LoraAdapters, lora_setup
 from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
+from xlaserve.runtime.engine.gemma3_images import gemma3_image_prompts
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
 from xlaserve.runtime.scheduler.scheduler import EveryRequest, NoSpeculation, Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig, Speculator
@@ -209,12 +210,17 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     images = None
     if config.vision is not None:  # the tower runs apart from the step (vision_encoder.py)
         refuse_conflicts(args, Mode.VISION)
-        processor = image_processor(os.path.dirname(loaded.source) if os.path.isfile(
-            loaded.source) else loaded.source, processor_kwargs(args))
-        images = ImagePrompts(config.vision, processor,
-                              VisionEncoder(loaded, runner.kernels,
-                                            max_patches(processor, config.vision)),
-                              images_per_request(args), config.hidden_size, loaded.dtype)
+        model_dir = (os.path.dirname(loaded.source) if os.path.isfile(loaded.source)
+                     else loaded.source)
+        if config.vision.kind == "gemma3":  # SigLIP, images of one size (gemma3_images.py)
+            images = gemma3_image_prompts(args, loaded, runner, tokenizer, model_dir,
+                                          images_per_request(args))
+        else:
+            processor = image_processor(model_dir, processor_kwargs(args))
+            images = ImagePrompts(config.vision, processor,
+                                  VisionEncoder(loaded, runner.kernels,
+                                                max_patches(processor, config.vision)),
+                                  images_per_request(args), config.hidden_size, loaded.dtype)
     if args.quantization == "int8" and runner.kernels.packed_matmul is not None:
         logger.info("--quantization int8: the int8 weights are multiplied by %s; the embedding "
                     "and LM head stay on the float GEMM",

@@ -46,9 +46,7 @@ class VisionEncoder:
 
         self._encode = jax.jit(tower_program(graphdef, kernels))
         self._programs: dict[int, object] = {}
-        self._cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
-        self._cached_tokens = 0
-        self.cache_tokens = cache_tokens
+        self._cache = ImageRowCache(cache_tokens)
         self._lock = threading.Lock()
         self.runs = 0  # tower runs (tests count them: a cached image runs none)
 
@@ -69,9 +67,7 @@ class VisionEncoder:
                 raise ValueError(f"an image of {pixels.shape[0]} patches is over the "
                                  f"{self.max_patches} the vision tower was compiled for")
         with self._lock:
-            found = {key: self._cache[key] for key, _, _ in images if key in self._cache}
-            for key in found:
-                self._cache.move_to_end(key)
+            found = self._cache.found([key for key, _, _ in images])
             todo = list({key: (key, p, g) for key, p, g in images if key not in found}.values())
             while todo:
                 group, patches = [], 0
@@ -80,7 +76,7 @@ class VisionEncoder:
                     group.append(todo.pop(0))
                 for (key, _, _), rows in zip(group, self._run(group, patches)):
                     found[key] = rows
-                    self._remember(key, rows)
+                    self._cache.remember(key, rows)
         return [found[key] for key, _, _ in images]
 
     def _run(self, group, patches: int) -> list[np.ndarray]:
@@ -97,11 +93,30 @@ class VisionEncoder:
         self.runs += 1
         return [rows.astype(self.dtype) for rows in batch.split(merged)]
 
-    def _remember(self, key: str, rows: np.ndarray) -> None:
-        self._cache[key] = rows
+
+
+class ImageRowCache:
+    """Images' decoder rows [levels, tokens, hidden] by the image's hash, the least recently
+    used dropped past `tokens` decoder tokens in all (both encoders': this file's and
+    siglip_encoder.py's). Its caller holds a lock."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self._rows: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self._cached_tokens = 0
+
+    def found(self, keys: list[str]) -> dict[str, np.ndarray]:
+        """The rows of those of `keys` held, each now the most recently used."""
+        found = {key: self._rows[key] for key in keys if key in self._rows}
+        for key in found:
+            self._rows.move_to_end(key)
+        return found
+
+    def remember(self, key: str, rows: np.ndarray) -> None:
+        self._rows[key] = rows
         self._cached_tokens += rows.shape[1]
-        while self._cached_tokens > self.cache_tokens and len(self._cache) > 1:
-            _, dropped = self._cache.popitem(last=False)
+        while self._cached_tokens > self.tokens and len(self._rows) > 1:
+            _, dropped = self._rows.popitem(last=False)
             self._cached_tokens -= dropped.shape[1]
 
 

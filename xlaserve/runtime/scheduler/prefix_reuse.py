@@ -31,6 +31,8 @@ class _Request(Protocol):
 
     def cache_ids(self) -> list[int]: ...
 
+    def whole_span_end(self, start: int, end: int) -> int: ...
+
     @property
     def num_tokens(self) -> int: ...
 
@@ -55,9 +57,16 @@ class PrefixReuse:
 
     def attach(self, request: _Request) -> None:
         """Starts a waiting request on its longest cached prefix, locked: on the device, and
-        the host tier's continuation of it loaded back as far as the device pool has room."""
-        pages, node, host_path = self.cache.match_tiers(
-            request.cache_ids()[:self.reusable_tokens(request)], request.adapter.key)
+        the host tier's continuation of it loaded back as far as the device pool has room.
+        A prefix that would end inside an image whose tokens attend to one another (Gemma 3's)
+        ends at the page before it: the image runs again whole."""
+        key = request.cache_ids()[:self.reusable_tokens(request)]
+        pages, node, host_path = self.cache.match_tiers(key, request.adapter.key)
+        matched = (len(pages) + sum(len(below.pages) for below in host_path)) * self.page_size
+        end = request.whole_span_end(0, matched)
+        if end < matched:
+            pages, node, host_path = self.cache.match_tiers(
+                key[:end // self.page_size * self.page_size], request.adapter.key)
         self.cache.lock(node)
         if host_path and (loaded := self.cache.load(host_path)):
             self.cache.unlock(node)

@@ -168,6 +168,17 @@ class Request:
             return self.prompt_ids + self.output_ids
         return self.prompt_images.cache_key + self.output_ids
 
+    def whole_span_end(self, start: int, end: int) -> int:
+        """`end`, or the start of the whole span it falls inside (Gemma 3's images, whose tokens
+        attend to one another: PromptImages.whole_spans), but not before `start`: where a
+        step's run of tokens from `start`, or a cached prefix from 0, may end."""
+        if self.prompt_images is None:
+            return end
+        for first, last in self.prompt_images.whole_spans:
+            if first < end < last:
+                return max(first, start)
+        return end
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

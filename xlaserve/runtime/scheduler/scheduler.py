@@ -271,6 +271,9 @@ class Scheduler:
             # Without chunking, a prompt over the budget runs alone, in a step of its own.
             alone = n < remaining and self.chunk_size is None
             n = remaining if alone else n
+            # Not inside an image whose tokens attend to one another (Gemma 3's): cut before
+            # it, or wait for a step with room for it all (start-up checked one has).
+            n = r.whole_span_end(r.num_computed, r.num_computed + n) - r.num_computed
             if (alone and rows) or n <= 0 or self.new_pages(r, r.num_computed + n) > self.cache.available_pages:
                 if is_new:
                     self.prefix.detach(r)

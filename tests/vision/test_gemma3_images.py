@@ -1,0 +1,287 @@
+"""Gemma 3 with images (Gemma3ForConditionalGeneration) against transformers on a tiny random
+checkpoint (tests/gemma3_images.py: a SigLIP tower pooled to 16 image tokens, a decoder with a
+sliding window of 4, pages of 4): the tower's rows; prompts expanded as transformers' processor
+expands them; logits with images, chunked, in float32 and bfloat16; greedy tokens of prompts
+with 0, 1 and 2 images batched with text-only ones, an image across a prefill chunk's edge; the
+prefix cache with prompts sharing an image, a cached prefix that would end inside the image
+recomputing it; no compile while serving; tensor parallelism over two devices. The OpenAI SDK:
+tests/http/test_gemma3_vision_server.py."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.gemma3_images import (IMAGE_TOKENS, hf_generate, hf_processor, make_tiny_gemma3_images,
+                                 random_image)
+from xlaserve.offline import Engine
+from xlaserve.runtime.executor.buckets import buckets_for_limits, pow2_buckets
+from xlaserve.runtime.executor.forward_batch import make_forward_batch
+from xlaserve.runtime.executor.image_rows import add_image_rows
+from xlaserve.runtime.executor.kernels import kernels_for
+from xlaserve.runtime.executor.kv_pool import init_kv_pool
+from xlaserve.runtime.scheduler.request import SeqChunk
+from xlaserve.weights.loader import load_model
+
+# Prefill chunks of 20 tokens at most (an image is 16), pages of 4.
+SMALL = dict(dtype="float32", page_size=4, max_running_requests=4, chunked_prefill_size=20,
+             max_prefill_tokens=24, context_length=128, max_total_tokens=1024)
+NEW_TOKENS = 8
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("gemma3_images"))
+    model = make_tiny_gemma3_images(directory)
+    with Engine(directory, **SMALL) as engine:
+        yield engine, model, directory
+
+
+def chat(engine, *parts) -> str:
+    """A user turn of text and images ("<image>") through the chat template."""
+    content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
+               for p in parts]
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                tokenize=False, add_generation_prompt=True)
+
+
+def ids_of(engine, text):
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_the_tower_and_projector_give_transformers_rows(served):
+    import torch
+
+    engine, model, directory = served
+    images = [random_image(50, 70, 1), random_image(64, 64, 2)]
+    pixels = hf_processor(directory).image_processor(images=images,
+                                                     return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixels).pooler_output.numpy()
+    encoder = engine.core.features.images.encoder
+    rows = encoder.embed([(f"key{i}", p) for i, p in enumerate(pixels.numpy())])
+    assert rows[0].shape == (1, IMAGE_TOKENS, 64)
+    np.testing.assert_allclose(np.concatenate(rows), expected, atol=2e-5)
+
+
+def test_prompts_expand_as_transformers_processor_expands_them(served):
+    """`<start_of_image>` -> "\\n\\n" boi, 16 image tokens, eoi "\\n\\n", the newlines merged
+    with the prompt's own as the tokenizer gives them ("user\\n" before: "\\n\\n\\n")."""
+    engine, _, directory = served
+    prepare = engine.core.features.images.prepare
+    processor = hf_processor(directory)
+    image, other = random_image(40, 30, 3), random_image(30, 40, 4)
+    cases = [(chat(engine, "<image>", "describe it"), [image]),
+             (chat(engine, "what is in", "<image>", "and", "<image>"), [image, other]),
+             ("<start_of_image>\n\n\n cat", [other]),
+             (chat(engine, "a red cat"), [])]
+    for text, images in cases:
+        ids, prompt_images = prepare(ids_of(engine, text), images)
+        out = processor(text=[text], images=[images] if images else None, return_tensors="np")
+        assert ids == out["input_ids"][0].tolist()
+        if images:
+            kinds = np.zeros(len(ids), int)
+            for first, last in prompt_images.whole_spans:
+                kinds[first:last] = 1
+            assert kinds.tolist() == out["token_type_ids"][0].tolist()
+            assert prompt_images.positions is None and prompt_images.rope_delta == 0
+        else:
+            assert prompt_images is None
+    with pytest.raises(ValueError, match=r"1 image placeholders \(<start_of_image>\) for 2"):
+        prepare(ids_of(engine, cases[0][0]), [image, other])
+    with pytest.raises(ValueError, match="holds image tokens"):
+        prepare(ids_of(engine, cases[0][0]) + [499], [image])
+
+
+def our_logits(loaded, ids, prompt_images, chunk_ends, page_size=4):
+    """Every position's logits of `ids` (a prompt with images, `prompt_images` its
+    PromptImages), prefilled in the chunks `chunk_ends` cut it into, on one sequence's pages."""
+    model, config = loaded.model, loaded.config
+    pages = -(-len(ids) // page_size)
+    kv_caches = init_kv_pool(config, pages + 1, page_size, loaded.dtype, loaded.mesh)
+    kernels = kernels_for("auto", loaded.mesh)
+    graphdef, state = nnx.split(model)
+    buckets = buckets_for_limits(len(ids), 1, pages, token_paddings=pow2_buckets(1, 128))
+
+    @jax.jit
+    def forward(state, caches, ids, positions, metadata, embeds):
+        lm = nnx.merge(graphdef, state)
+        hidden, caches = lm.hidden_states(ids, positions, caches, metadata, kernels,
+                                          input_embeds=embeds)
+        return lm.logits(hidden, kernels), caches
+
+    logits, start = [], 0
+    for end in chunk_ends:
+        batch = make_forward_batch([SeqChunk(ids[start:end], start, list(range(1, pages + 1)))],
+                                   buckets, page_size)
+        batch = add_image_rows(batch, [prompt_images], config.hidden_size, loaded.dtype)
+        embeds = batch.input_embeds
+        if embeds is None:
+            embeds = np.zeros((1, len(batch.input_ids), config.hidden_size), loaded.dtype)
+        out, kv_caches = forward(state, kv_caches, jnp.asarray(batch.input_ids),
+                                 jnp.asarray(batch.positions), batch.host_metadata(),
+                                 jnp.asarray(embeds))
+        logits.append(np.asarray(out)[:end - start])
+        start = end
+    return np.concatenate(logits)
+
+
+def hf_logits(model, directory, ids, images, bidirectional=True):
+    import torch
+
+    pixels = hf_processor(directory).image_processor(images=images,
+                                                     return_tensors="pt")["pixel_values"]
+    types = torch.tensor([[int(t == model.config.image_token_id) for t in ids]])
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), pixel_values=pixels,
+                    token_type_ids=types if bidirectional else None)
+    return out.logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_with_images_equal_transformers(served, dtype):
+    """Two images, prefilled in chunks that end before each (the scheduler's cuts) and between
+    them; float32 within 1e-4, bfloat16 within 5% of the logit scale (the text model's bound,
+    test_transformer_matches_transformers.BFLOAT16_BOUNDS). The image tokens' attention to
+    their whole image matters: transformers' causal-only logits are far from these."""
+    import copy
+
+    import torch
+
+    engine, model, directory = served
+    images = [random_image(50, 70, 5), random_image(64, 40, 6)]
+    text = chat(engine, "what is in", "<image>", "and", "<image>", "describe it")
+    ids, prompt_images = engine.core.features.images.prepare(ids_of(engine, text), images)
+    (a, b), (c, d) = prompt_images.whole_spans
+    chunk_ends = [a - 3, b + 1, c, d + 2, len(ids)]
+    loaded = load_model(directory, dtype=dtype, progress=False)
+    ours = our_logits(loaded, ids, prompt_images, chunk_ends)
+    reference = model if dtype == "float32" else copy.deepcopy(model).to(torch.bfloat16)
+    expected = hf_logits(reference, directory, ids, images)
+    scale = np.abs(expected).max()
+    bound = 1e-4 if dtype == "float32" else 0.05 * scale
+    np.testing.assert_allclose(ours, expected, atol=bound, rtol=0)
+    causal = hf_logits(model, directory, ids, images, bidirectional=False)
+    assert np.abs(causal - hf_logits(model, directory, ids, images)).max() > 0.1 * scale
+
+
+def generate_all(engine, prompts):
+    """Greedy tokens and logprobs of every (text, images) prompt, submitted together."""
+    results = engine.generate([t for t, _ in prompts], dict(GREEDY),
+                              image_data=[list(i) or None for _, i in prompts],
+                              return_logprob=True)
+    return ([r["output_ids"] for r in results],
+            [[lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]] for r in results])
+
+
+def test_prompts_with_zero_one_and_two_images_batched_give_transformers_tokens(served):
+    """Batched with text-only prompts; the first prompt's image crosses the 20-token edge of its
+    first prefill chunk, which ends before it; nothing compiles while serving (steps, tower)."""
+    engine, model, directory = served
+    core = engine.core
+    big, small = random_image(90, 60, 7), random_image(20, 30, 8)
+    prompts = [(chat(engine, "what is in this picture", "<image>"), [big]),
+               (chat(engine, "describe a red cat"), []),
+               (chat(engine, "<image>", "and", "<image>", "what is in that one"), [small, big]),
+               (chat(engine, "a red cat"), [])]
+    expanded = [core.features.images.prepare(ids_of(engine, t), i)[0] for t, i in prompts]
+    first_image = expanded[0].index(499)
+    assert first_image < SMALL["chunked_prefill_size"] < first_image + IMAGE_TOKENS
+    expected = [hf_generate(model, directory, ids, images, NEW_TOKENS, logprobs=True)
+                for ids, (_, images) in zip(expanded, prompts)]
+    compiled, tower = core.runner.compile_count(), core.features.images.encoder._encode
+    tokens, logprobs = generate_all(engine, prompts)
+    assert tokens == [t for t, _ in expected]
+    np.testing.assert_allclose(logprobs, [lp for _, lp in expected], atol=2e-4)
+    assert core.runner.compile_count() == compiled and tower._cache_size() == 0
+
+
+def test_prompts_sharing_an_image_reuse_its_pages_but_never_a_part_of_it(served):
+    """The same chat twice: the second reuses its whole pages, the image's included. A prompt
+    ending two tokens after the image (its reusable pages ending inside the image) starts at
+    the page before the image and computes the image again, whole."""
+    engine, model, directory = served
+    engine.core.flush_cache()
+    image = random_image(70, 50, 9)
+    runs = engine.core.features.images.encoder.runs
+    text = chat(engine, "what is in this picture a cat", "<image>", "describe it a red cat")
+    ids, prompt_images = engine.core.features.images.prepare(ids_of(engine, text), [image])
+    first, end = prompt_images.whole_spans[0]  # 13, 29
+    short = "<bos><start_of_turn>user\nwhat is in this picture a cat<start_of_image>"
+    short_ids = engine.core.features.images.prepare(ids_of(engine, short), [image])[0]
+    assert short_ids == ids[:end + 2] and first < (len(short_ids) - 1) // 4 * 4 < end
+    outs = [engine.generate(t, dict(GREEDY), image_data=image) for t in (text, text, short)]
+    assert engine.core.features.images.encoder.runs == runs + 1  # one image, encoded once
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    assert cached == [0, (len(ids) - 1) // 4 * 4, first // 4 * 4]
+    for out, prompt in zip(outs, (ids, ids, short_ids)):
+        assert out["output_ids"] == hf_generate(model, directory, prompt, [image], NEW_TOKENS)
+
+
+TENSOR_PARALLEL = """
+import json, sys
+from PIL import Image
+from xlaserve.offline import Engine
+directory, image, options, text = sys.argv[1:]
+with Engine(directory, tp_size=2, **json.loads(options)) as engine:
+    out = engine.generate(text, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+                          image_data=Image.open(image).convert("RGB"))
+print(json.dumps(out["output_ids"]))
+"""
+
+
+def test_tensor_parallel_over_two_devices_gives_transformers_tokens(served, tmp_path):
+    """tp 2 (two CPU devices): the tower's heads and MLP split, the decoder's too, the image
+    tokens' prefix part through the kernel under shard_map by head."""
+    engine, model, directory = served
+    image = random_image(60, 60, 10)
+    image.save(tmp_path / "image.png")
+    text = chat(engine, "what is in this picture", "<image>", "describe it")
+    ids, _ = engine.core.features.images.prepare(ids_of(engine, text), [image])
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    options = dict(SMALL, max_total_tokens=512)
+    done = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL, directory,
+                           str(tmp_path / "image.png"), json.dumps(options), text], env=env,
+                          capture_output=True, text=True, timeout=900,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == hf_generate(
+        model, directory, ids, [image], NEW_TOKENS)
+
+
+def test_what_is_not_built_is_refused_in_one_line(served, tmp_path):
+    """A prompt budget that cannot hold an image's tokens in one step, processor kwargs,
+    pan-and-scan crops (the checkpoint's processor config turning them on)."""
+    import shutil
+
+    from xlaserve.runtime.engine.gemma3_images import gemma3_image_prompts
+
+    engine, _, directory = served
+    core = engine.core
+    args = dataclasses.replace(core.args, chunked_prefill_size=12)
+    with pytest.raises(ValueError, match="^--chunked-prefill-size 12: a Gemma 3 image's 16 "
+                                         "tokens attend to one another and run in one step$"):
+        gemma3_image_prompts(args, core.loaded, core.runner, engine.tokenizer, directory, 4)
+    args = dataclasses.replace(core.args, max_prefill_tokens=20, max_running_requests=8)
+    with pytest.raises(ValueError, match="^--max-prefill-tokens 20 with --max-running-requests 8"
+                                         ": a step beside as many decodes has room for 12 "):
+        gemma3_image_prompts(args, core.loaded, core.runner, engine.tokenizer, directory, 4)
+    args = dataclasses.replace(core.args, mm_processor_kwargs='{"do_pan_and_scan": true}')
+    with pytest.raises(ValueError, match="--mm-processor-kwargs"):
+        gemma3_image_prompts(args, core.loaded, core.runner, engine.tokenizer, directory, 4)
+    shutil.copy(os.path.join(directory, "preprocessor_config.json"), tmp_path)
+    config = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        dict(config, do_pan_and_scan=True)))
+    with pytest.raises(ValueError, match="^do_pan_and_scan: Gemma 3's pan-and-scan crops are "
+                                         "not supported"):
+        gemma3_image_prompts(core.args, core.loaded, core.runner, engine.tokenizer,
+                             str(tmp_path), 4)
