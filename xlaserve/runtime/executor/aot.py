@@ -257,7 +257,9 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
 def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str, patches: int,
                           attention_backend: str = "auto"):
     """A vision model's tower (runtime/executor/vision_encoder.py's program) compiled for
-    `platform`'s devices of `mesh`, over abstract weights, for a run of `patches` patches."""
+    `platform`'s devices of `mesh`, over abstract weights, for a run of `patches` patches
+    (Gemma 3's SigLIP, siglip_encoder.py: one image, whatever `patches`)."""
+    from xlaserve.runtime.executor import siglip_encoder
     from xlaserve.runtime.executor.vision_encoder import device_args, idle_batch, tower_program
 
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
@@ -265,6 +267,11 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
                                                   model_class(config.architecture))
     model = nnx.merge(graphdef, nnx.from_flat_state(parameters))
     tower_graph, tower_state = nnx.split(model.vision)
+    if config.vision.kind == "gemma3":
+        pixels = siglip_encoder.idle_pixels(config.vision)
+        with jax.set_mesh(mesh):
+            return jax.jit(siglip_encoder.tower_program(tower_graph, kernels)).trace(
+                tower_state, abstract(pixels.shape, pixels.dtype, mesh)).lower().compile()
     batch = {k: abstract(v.shape, v.dtype, mesh)
              for k, v in device_args(idle_batch(config.vision, patches)).items()}
 
