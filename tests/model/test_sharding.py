@@ -145,6 +145,42 @@ def _config(**fields):
     return ModelConfig(**{**base, **fields})
 
 
+REPLICATED_SCRIPT = SCRIPT[:SCRIPT.index("# Two data-parallel rows")] + textwrap.dedent("""
+    # tp 4 over 2 KV heads (gemma4: its full layer's 2 beside the sliding layer's 4): each head
+    # on two devices, with half of its query heads each.
+    loaded, caches, split = logits(Mesh(devices[:4].reshape(1, 1, 4), MESH_AXES))
+    np.testing.assert_allclose(split, single, atol=1e-5, rtol=0)
+    c = loaded.config
+    assert c.kv_replicas[-1] == 2 and c.layer(len(c.kv_replicas) - 1).num_kv_heads == 4
+    full = caches[-1]  # [pages, page_size, 2 * 4 * head_dim]: one copy's K|V a device
+    assert {s.data.shape[-1] for s in full.addressable_shards} == {full.shape[-1] // 4}
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma4"])
+def test_more_devices_than_kv_heads_copy_each_head_and_give_one_devices_logits(family, tmp_path):
+    """--tp-size 4 over 2 KV heads (Qwen2's every layer; Gemma 4's full layer beside a sliding
+    layer of 4): each KV head copied onto two devices at load, its query heads split between
+    them, the same logits as one device."""
+    make_tiny_checkpoint(str(tmp_path), family)
+    _run(REPLICATED_SCRIPT, tmp_path)
+
+
+def test_kv_heads_are_copied_only_where_whole_heads_and_query_groups_allow():
+    from xlaserve.model.config.layer_shapes import replicate_kv_heads
+
+    config = _config()  # 8 query heads over 2 KV heads
+    assert replicate_kv_heads(config, 2) is config
+    copied = replicate_kv_heads(config, 8)  # 4 copies of each, one query head a device
+    assert (copied.num_kv_heads, copied.kv_replicas, copied.queries_per_kv) == (8, (4, 4), 1)
+    for tp_size in (3, 16):  # 3: not whole heads; 16: more copies than a head's 4 query heads
+        with pytest.raises(ValueError, match=f"--tp-size {tp_size} does not split layer 0's 2"):
+            replicate_kv_heads(config, tp_size)
+    uneven = replicate_kv_heads(_config(num_kv_heads=8, layer_heads=((8, 8), (2, 8))), 4)
+    assert uneven.layer_heads == ((8, 8), (4, 8)) and uneven.kv_replicas == (1, 2)
+
+
 def test_tp_size_must_divide_every_layers_kv_heads():
     """Attention is split by KV head: a layer with fewer KV heads than devices (Gemma 4's full
     layers have 2 or 4 beside the sliding layers' 8 or 16) stops start-up naming it."""

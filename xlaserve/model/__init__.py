@@ -23,7 +23,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "mla_weights": "mla", "interleaved_rope_rows": "mla",
     "expert_parallel": "moe",
     "architecture_of": "registry", "model_class": "registry", "model_class_check": "registry",
-    "check_split": "sharding", "kv_cache_spec": "sharding", "serving_mesh": "sharding",
+    "check_split": "sharding", "tensor_parallel_size": "sharding", "kv_cache_spec": "sharding", "serving_mesh": "sharding",
     "partition_spec": "sharding",
     "TP": "sharding",
     "abstract_parameters": "transformer", "AttentionMetadata": "transformer",

@@ -132,6 +132,12 @@ def check_model(config: ModelConfig, spec: LoraSpec) -> None:
         raise ValueError("LoRA on k_proj or v_proj of a model whose values are its keys' "
                          "projection (Gemma 4's attention_k_eq_v) is not supported: target "
                          "q_proj, o_proj and the MLP")
+    if any(copies > 1 for copies in config.kv_replicas) and \
+            set(spec.target_modules) & {"k_proj", "v_proj"}:
+        raise ValueError("LoRA on k_proj or v_proj of a model whose KV heads are copied over "
+                         "more devices than it has (--tp-size above its KV heads) is not "
+                         "supported: target q_proj, o_proj and the MLP, or a --tp-size that "
+                         "divides its KV heads")
     if len(config.cache_layers) < config.num_layers and \
             set(spec.target_modules) & set(ATTENTION_MODULES):
         raise ValueError("LoRA on the attention of a model whose later layers read earlier "

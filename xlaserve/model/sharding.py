@@ -120,6 +120,11 @@ def check_parallel_sizes(tp_size: int, ep_size: int) -> None:
                          "split over the tensor-parallel devices")
 
 
+def tensor_parallel_size(mesh: Mesh) -> int:
+    """The devices attention and the dense MLP split over: the expert and tensor axes (TP)."""
+    return mesh.shape.get("expert", 1) * mesh.shape.get("tensor", 1)
+
+
 def check_split(config, mesh: Mesh) -> None:
     """What the mesh splits of a model (ModelConfig `config`) must split evenly, or start-up
     stops naming it: its experts over the expert axis; each layer's KV heads (latent attention:
@@ -128,7 +133,7 @@ def check_split(config, mesh: Mesh) -> None:
     if ep_size > 1 and config.num_experts % ep_size:
         raise ValueError(f"--ep-size {ep_size} does not divide the model's {config.num_experts} "
                          "experts")
-    tp_size = ep_size * mesh.shape.get("tensor", 1)  # TP: attention over both axes
+    tp_size = tensor_parallel_size(mesh)
     if config.mla is not None:
         if config.num_heads % tp_size:
             raise ValueError(f"--tp-size {tp_size} does not divide the model's "
@@ -136,7 +141,6 @@ def check_split(config, mesh: Mesh) -> None:
         return
     for i in range(config.num_layers):
         kv_heads = config.layer(i).num_kv_heads
-        if kv_heads % tp_size:  # replicating KV heads across devices is not built
+        if kv_heads % tp_size:  # config.layer_shapes.replicate_kv_heads copies them where it can
             raise ValueError(f"--tp-size {tp_size} does not divide layer {i}'s {kv_heads} KV "
-                             "heads (attention is split by KV head; a KV head on several "
-                             "devices is not supported)")
+                             "heads (attention is split by KV head)")

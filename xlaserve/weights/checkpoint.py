@@ -28,6 +28,10 @@ def is_checkpoint(path: str) -> bool:
 def save(path: str, config: ModelConfig, model, tokenizer=None) -> None:
     import orbax.checkpoint as ocp
 
+    if any(copies > 1 for copies in config.kv_replicas):
+        raise ValueError("a checkpoint holds the model's own KV heads; this one was loaded with "
+                         "them copied over more devices than it has (--tp-size): save it from a "
+                         "mesh whose size divides them")
     _, state = nnx.split(model)
     # Kept GGUF blocks, int8 weights, packed panels: a checkpoint holds the float model.
     quantized = [(where, type(variable.get_value()).__name__)

@@ -45,7 +45,8 @@ from xlaserve.model.weight_types.int8 import (check_platform, check_quantization
 from xlaserve.weights.placement import build_model, expected_parameters, place_model
 from xlaserve.weights.formats.quantization import check_quantization_config, dequantizing_source
 from xlaserve.model.registry import model_class_check
-from xlaserve.model.sharding import check_split, serving_mesh
+from xlaserve.model.config.layer_shapes import replicate_kv_heads
+from xlaserve.model.sharding import check_split, serving_mesh, tensor_parallel_size
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
 from xlaserve.weights.vision_layout import with_vision_language_names
@@ -296,6 +297,8 @@ def load_model(
         raise ValueError(f"{config.architecture}: a vision-language model is served in its "
                          f"checkpoint's precision as a generation model (not "
                          f"{'--quantization ' + quantization if quantization else 'embeddings'})")
+    if not checkpoint.is_checkpoint(source_path):  # its tensors are as stored, never copied
+        config = replicate_kv_heads(config, tensor_parallel_size(mesh))
     check_split(config, mesh)
     source = None  # a Hugging Face checkpoint's tensors: their headers read once
     if kv_cache_dtype != "auto":

@@ -145,10 +145,17 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
     """`(param_path, array)` of decoder layer `i` of `c` (its experts or not, its window), read
     from the tensors under `prefix` and placed under `layer` (also DeepSeek's multi-token
     prediction layer, model/draft_heads.py)."""
+    copies = c.kv_replicas[i] if c.kv_replicas else 1  # of each stored KV head (more devices)
     c = c.layer(i)  # its own heads where the model's layers differ (Gemma 4)
     hidden, head_dim = c.hidden_size, c.head_dim
-    q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads * head_dim
+    q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads // copies * head_dim
     attn = prefix + "self_attn."
+
+    def kv_fetch(name, shape):  # a K or V projection's rows, each head `copies` times
+        rows = _fetch(source, name, shape)
+        heads = rows.reshape(-1, head_dim, *rows.shape[1:])
+        return np.repeat(heads, copies, axis=0).reshape(-1, *rows.shape[1:])
+
     yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
     if c.mla is not None:
         yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
@@ -159,15 +166,15 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
                                                  head_dim)
     elif layer + ("attn", "qkv") not in skip:
         q = _rope_rows(c, _fetch(source, attn + "q_proj.weight", (q_rows, hidden)))
-        k = _fetch(source, attn + "k_proj.weight", (kv_rows, hidden))
+        k = kv_fetch(attn + "k_proj.weight", (kv_rows, hidden))
         # Gemma 4's attention_k_eq_v layers have no v_proj: their values are k's projection.
-        v = k if c.value_is_key[i] else _fetch(source, attn + "v_proj.weight", (kv_rows, hidden))
+        v = k if c.value_is_key[i] else kv_fetch(attn + "v_proj.weight", (kv_rows, hidden))
         k = _rope_rows(c, k)
         yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
     if c.qkv_bias:
         qb = _rope_rows(c, _fetch(source, attn + "q_proj.bias", (q_rows,)))
-        kb = _rope_rows(c, _fetch(source, attn + "k_proj.bias", (kv_rows,)))
-        vb = _fetch(source, attn + "v_proj.bias", (kv_rows,))
+        kb = _rope_rows(c, kv_fetch(attn + "k_proj.bias", (kv_rows,)))
+        vb = kv_fetch(attn + "v_proj.bias", (kv_rows,))
         yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
     if layer + ("attn", "o_proj") not in skip and c.mla is None:
         o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))

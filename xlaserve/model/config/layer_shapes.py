@@ -89,6 +89,38 @@ class PerLayer:
                              "supported")
 
 
+def replicate_kv_heads(config, tp_size: int):
+    """`config` (a ModelConfig) for attention split over `tp_size` devices by KV head: a layer
+    with fewer KV heads than devices holds `tp_size / kv` copies of each (vLLM's and SGLang's
+    answer; each device its query heads' KV head, its cache that many times larger), the
+    checkpoint's heads repeated at load (weights/param_layout.py, `kv_replicas`). The same config
+    where every layer's heads split already; ValueError where neither divides the other or the
+    copies would split a KV head's group of query heads. Latent attention is left as it is (its
+    cache is whole on every device)."""
+    if config.mla is not None or config.bidirectional:
+        return config
+    heads, replicas = [], []
+    for i in range(config.num_layers):
+        kv_heads, head_dim = config.layer(i).num_kv_heads, config.layer(i).head_dim
+        copies = 1
+        if kv_heads % tp_size:
+            copies = tp_size // kv_heads
+            if tp_size % kv_heads or (config.num_heads // kv_heads) % copies:
+                raise ValueError(
+                    f"--tp-size {tp_size} does not split layer {i}'s {kv_heads} KV heads: "
+                    f"attention is split by KV head, and {kv_heads} heads neither divide over "
+                    f"{tp_size} devices nor copy onto them whole (each head's "
+                    f"{config.num_heads // kv_heads} query heads over {tp_size // kv_heads or 1})")
+        heads.append((kv_heads * copies, head_dim))
+        replicas.append(copies)
+    if all(r == 1 for r in replicas):
+        return config
+    uniform = len(set(heads)) == 1
+    return dataclasses.replace(
+        config, num_kv_heads=heads[0][0] if uniform else config.num_kv_heads,
+        layer_heads=() if uniform else tuple(heads), kv_replicas=tuple(replicas))
+
+
 @functools.lru_cache(maxsize=None)
 def _one_layer(config, num_kv_heads: int, head_dim: int,
                intermediate_size: int) -> PerLayer:

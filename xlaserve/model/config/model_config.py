@@ -194,6 +194,9 @@ class ModelConfig(PerLayer):
     # Per layer, the layer whose KV cache its attention reads: itself, or for Gemma 4's KV-shared
     # layers (num_kv_shared_layers) an earlier one's, with no cache of its own (`cache_layers`).
     kv_source_layers: tuple[int, ...] = ()
+    # Per layer, how many copies of each of the checkpoint's KV heads its attention holds (1: as
+    # stored): more devices than KV heads (`replicate_kv_heads`, layer_shapes.py); () all 1.
+    kv_replicas: tuple[int, ...] = ()
     # Gemma 4's per-layer embeddings (PLE, model/per_layer_inputs.py): each layer's input of this
     # width, from the token's own table row and a projection of its embedding; 0: none.
     per_layer_input_size: int = 0
@@ -278,6 +281,7 @@ class ModelConfig(PerLayer):
         data["layer_heads"] = tuple(tuple(one) for one in data.get("layer_heads", ()))
         data["layer_intermediate"] = tuple(data.get("layer_intermediate", ()))
         data["kv_source_layers"] = tuple(data.get("kv_source_layers", ()))
+        data["kv_replicas"] = tuple(data.get("kv_replicas", ()))
         if data.get("attention_temperature") is not None:
             data["attention_temperature"] = tuple(data["attention_temperature"])
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None

@@ -77,8 +77,12 @@ def _llama3_scale(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     high_freq_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    # Equal factors (Llama 4 Scout's 1.0 and 1.0) leave no band: its blend divides by zero, and
+    # no pair takes it (is_medium only where a wavelength equals old_len exactly, as transformers).
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = ((old_len / wavelen - rope.low_freq_factor)
+                  / (rope.high_freq_factor - rope.low_freq_factor))
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(is_medium, blended, scaled)
 

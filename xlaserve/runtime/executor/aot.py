@@ -39,7 +39,8 @@ from xlaserve.model.lora import LoraSpec
 from xlaserve.weights.draft_head import draft_head_builder, hf_config_of
 from xlaserve.weights.loader import read_config, resolve_dtype
 from xlaserve.model.registry import model_class
-from xlaserve.model.sharding import check_split, serving_mesh
+from xlaserve.model.config.layer_shapes import replicate_kv_heads
+from xlaserve.model.sharding import check_split, serving_mesh, tensor_parallel_size
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.runtime.executor.drafts.draft_head import make_chain
 from xlaserve.runtime.executor.drafts.draft_tree import make_tree_chain
@@ -298,6 +299,7 @@ def server_step(target: str, server_args: ServerArgs,
     config, _ = read_config(server_args.model_path, load_format="dummy",  # reads no weights
                             revision=server_args.revision,
                             trust_remote_code=server_args.trust_remote_code)
+    config = replicate_kv_heads(config, tensor_parallel_size(mesh))  # as load_model does
     check_split(config, mesh)
     dtype = resolve_dtype("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
     kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype)
