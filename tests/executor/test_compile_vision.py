@@ -2,8 +2,10 @@
 tensor parallel over 4 chips) without the hardware (runtime/executor/aot.py): the serving step
 that takes image rows (and Qwen3-VL's DeepStack rows) and the vision tower for a bucket of
 patches (its attention JAX's Pallas flash attention on the GPU, splash on the TPU), at
-Qwen2.5-VL-7B's and Qwen3-VL-8B's widths with a few layers and blocks, with the platform's real
-compilers (Mosaic's layout and memory checks)."""
+Qwen2.5-VL-7B's, Qwen3-VL-8B's and gemma-3-4b's widths with a few layers and blocks, with the
+platform's real compilers (Mosaic's layout and memory checks). Gemma 3's step also holds its
+image tokens' attention within their image (the kernels' prefix_only part over the step's images,
+pallas_kernels/ragged_paged_attention/image_spans.py)."""
 import json
 
 import jax.numpy as jnp
@@ -19,10 +21,32 @@ from xlaserve.weights.loader import read_config
 QWEN3_VL_8B = json.loads((CONFIGS / "qwen3-vl-8b" / "config.json").read_text())
 
 
+# gemma-3-4b-it's config.json as published (its fields that set shapes), cut below: a local and
+# a global text layer, 2 SigLIP layers of 896-pixel images in 14-pixel patches pooled to 256.
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "mm_tokens_per_image": 256, "boi_token_index": 255999, "eoi_token_index": 256000,
+    "image_token_index": 262144,
+    "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                    "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 1024,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "vocab_size": 262208},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                      "image_size": 896, "intermediate_size": 4304, "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
 def _config(model: str, directory) -> str:
     """The model's config.json (and its processor's) cut to 2 decoder layers and 2 vision
-    blocks (Qwen2.5-VL: one windowed, one full; Qwen3-VL: both DeepStack layers)."""
-    if model == "qwen2.5-vl-7b":
+    blocks (Qwen2.5-VL: one windowed, one full; Qwen3-VL: both DeepStack layers; Gemma 3: a
+    local and a global layer)."""
+    if model == "gemma-3-4b":
+        config = json.loads(json.dumps(GEMMA3_4B))
+        config["text_config"].update(num_hidden_layers=2,
+                                     layer_types=["sliding_attention", "full_attention"])
+        config["vision_config"]["num_hidden_layers"] = 2
+    elif model == "qwen2.5-vl-7b":
         config = json.loads((CONFIGS / model / "config.json").read_text())
         config["num_hidden_layers"] = 2
         config["vision_config"].update(depth=2, fullatt_block_indexes=[1])
@@ -37,7 +61,7 @@ def _config(model: str, directory) -> str:
 @pytest.mark.parametrize("target,tp_size", [
     ("h100", 1),
     ("v6e:2x2", 4)])
-@pytest.mark.parametrize("model", ["qwen2.5-vl-7b", "qwen3-vl-8b"])
+@pytest.mark.parametrize("model", ["qwen2.5-vl-7b", "qwen3-vl-8b", "gemma-3-4b"])
 def test_vision_step_and_tower_compile(target, tp_size, model, tmp_path):
     """A vision model's serving step and its tower compiled for the target at the real model's
     shapes: 12-16 s on a 2-core CPU for v6e tp 4 (the tower the most), two programs through XLA's
