@@ -7,7 +7,7 @@ transformers' greedy tokens (and logits) for a prompt and its images."""
 import numpy as np
 
 from tests.tiny_models import make_tiny_gemma3_conditional
-from tests.vision_models import hf_greedy_with
+from tests.vision_models import hf_greedy_with, save_word_tokenizer
 
 IMAGE_TOKENS = 16
 WORDS = ["user", "model", "what", "is", "in", "this", "picture", "and", "that", "one",
@@ -29,28 +29,17 @@ CHAT_TEMPLATE = (
 def make_tiny_gemma3_images(directory, seed: int = 0):
     """Saves the checkpoint, tokenizer and image processor to `directory`; returns
     transformers' model (float32, eval)."""
-    import tokenizers
     import transformers
-    from tokenizers import Regex, pre_tokenizers
 
     model = make_tiny_gemma3_conditional(directory, seed, vision=dict(image_size=64),
                                          mm_tokens_per_image=IMAGE_TOKENS)
     vocabulary = {**SPECIAL, **NEWLINES, **{word: 10 + i for i, word in enumerate(WORDS)}}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
-    # Words between spaces; a run of newlines one token (Gemma's vocabulary has them).
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(" "), "removed"), pre_tokenizers.Split(Regex("\n+"),
-                                                                          "isolated")])
-    tokenizer.decoder = tokenizers.decoders.WordPiece()  # words joined by spaces
-    tokenizer.add_special_tokens([tokenizers.AddedToken(marker, special=True)
-                                  for marker in SPECIAL if marker != "[UNK]"])
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="[UNK]", bos_token="<bos>",
-        eos_token="<eos>", additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
+    save_word_tokenizer(
+        directory, vocabulary, [marker for marker in SPECIAL if marker != "[UNK]"],
+        CHAT_TEMPLATE, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
     transformers.Gemma3ImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(
         directory)
     return model

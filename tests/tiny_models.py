@@ -232,15 +232,17 @@ def make_tiny_gemma4_conditional(directory, seed: int = 0):
 def make_tiny_llama4_conditional(directory, seed: int = 0):
     """A tiny random Llama4ForConditionalGeneration (Llama-4-Scout's form) saved by transformers 5
     to `directory` (its tensors `language_model.model.*`, `language_model.lm_head.*`,
-    `vision_model.*`, `multi_modal_projector.*`): FAMILIES["llama4"]'s text model and a 1-layer
-    vision encoder of width 32 on 32-pixel images. Returns transformers' model (float32, eval)."""
+    `vision_model.*`, `multi_modal_projector.*`): FAMILIES["llama4"]'s text model and a 2-layer
+    vision encoder of width 32 (2 heads) on tiles of 32 pixels cut in 4-pixel patches (8 x 8),
+    shuffled to 16 tokens a tile (Scout's ratio 0.5: its adapter takes 4 x 32 features). Returns
+    transformers' model (float32, eval)."""
     import transformers
 
     spec = dict(FAMILIES["llama4"])
     for name in ("cls", "architecture"):
         spec.pop(name)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=32, patch_size=8, vision_output_dim=32,
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=4, vision_output_dim=32,
                   projector_input_dim=32, projector_output_dim=32, pixel_shuffle_ratio=0.5)
     config = transformers.Llama4Config(text_config=dict(TINY_DECODER, vocab_size=512, **spec),
                                        vision_config=vision, boi_token_index=497,

@@ -17,6 +17,29 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def save_word_tokenizer(directory, vocabulary: dict, special: list, chat_template: str,
+                        **names):
+    """A word-level tokenizer of `vocabulary` (word -> id) saved to `directory`: words between
+    spaces, a run of newlines one token (Gemma's and Llama 4's vocabularies have them), the
+    `special` markers whole, `chat_template`; `names`: PreTrainedTokenizerFast's (bos_token,
+    eos_token, ...). Gemma 3's and Llama 4's image tests' (gemma3_images.py, llama4_images.py)."""
+    import tokenizers
+    import transformers
+    from tokenizers import Regex, pre_tokenizers
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(" "), "removed"), pre_tokenizers.Split(Regex("\n+"),
+                                                                          "isolated")])
+    tokenizer.decoder = tokenizers.decoders.WordPiece()  # words joined by spaces
+    tokenizer.add_special_tokens([tokenizers.AddedToken(marker, special=True)
+                                  for marker in special])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]",
+                                                **names)
+    fast.chat_template = chat_template
+    fast.save_pretrained(directory)
+
+
 def make_tiny_vision_language(directory, kind: str = "qwen2_5_vl", seed: int = 0):
     """Saves the checkpoint, tokenizer and processor to `directory`; returns transformers'
     model (float32, eval). Every weight is random, norms around 1."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from xlaserve.model.encoders.encoder import Encoder
 from xlaserve.model.encoders.modernbert import ModernBert
 from xlaserve.model.vision.qwen_vision import VisionLanguageLM
+from xlaserve.model.vision.llama4_vision import Llama4VisionLM
 from xlaserve.model.vision.siglip_vision import Gemma3VisionLM
 from xlaserve.model.transformer import CausalLM
 
@@ -32,9 +33,9 @@ MODEL_CLASSES = {
     "Gemma4ForConditionalGeneration": CausalLM,  # served for text: images and audio refused
     # Llama 4's text model (model/config/llama4_config.py): interleaved experts with a shared
     # one, NoPE and RoPE layers, the context capped at its attention chunk; its image checkpoints
-    # (Scout, Maverick) served for text.
+    # (Scout, Maverick) with their vision encoder beside it (model/vision/llama4_vision.py).
     "Llama4ForCausalLM": CausalLM,
-    "Llama4ForConditionalGeneration": CausalLM,
+    "Llama4ForConditionalGeneration": Llama4VisionLM,
     # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
     # a vision tower the engine runs per image.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,

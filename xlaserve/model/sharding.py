@@ -84,6 +84,7 @@ PARTITION_SPECS = {
     "pos_embed": P(),  # Qwen3-VL's learned positions, gathered by taps
     "gate_up_bias": P(None, TP),
     "projection": P(),  # Gemma 3's projector (vision/siglip_vision.py): the decoder rows whole
+    "class_embedding": P(),  # Llama 4's encoder (vision/llama4_vision.py)
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.

@@ -8,7 +8,8 @@ transformers saves them); transformers' own module names (`model.visual.*`,
 `model.language_model.*`) are read too (`with_vision_language_names`), and Gemma 3's decoder as
 its checkpoints name it (`language_model.model.*`: gemma-3-4b-it's files and transformers 5's
 saves), its SigLIP tower and projector as `vision_tower.*` and `multi_modal_projector.*` however
-they are saved (siglip_layout.py reads them).
+they are saved (siglip_layout.py reads them); Llama 4's encoder as `vision_model.*`
+(llama4_vision_layout.py reads it).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from xlaserve.model.config.vision_config import VisionConfig
+from xlaserve.weights.llama4_vision_layout import llama4_vision_weights
 from xlaserve.weights.param_layout import _fetch
 from xlaserve.weights.siglip_layout import siglip_weights
 from xlaserve.weights.formats.tensor_source import TensorSource
@@ -33,7 +35,8 @@ class VisionLanguageNames:
                 ("model.vision_tower.vision_model.", "vision_tower."),
                 ("model.vision_tower.", "vision_tower."),
                 ("vision_tower.vision_model.", "vision_tower."),
-                ("model.multi_modal_projector.", "multi_modal_projector."))
+                ("model.multi_modal_projector.", "multi_modal_projector."),
+                ("model.vision_model.", "vision_model."))  # Llama 4's encoder by module name
 
     def __init__(self, source: TensorSource):
         self.source = source
@@ -63,9 +66,12 @@ def with_vision_language_names(source: TensorSource) -> TensorSource:
 
 def vision_weights(config: VisionConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
     """(parameter path, array) for every parameter of the vision tower (Gemma 3's SigLIP and
-    projector: siglip_layout.py)."""
+    projector: siglip_layout.py; Llama 4's encoder and projector: llama4_vision_layout.py)."""
     if config.kind == "gemma3":
         yield from siglip_weights(config, source)
+        return
+    if config.kind == "llama4":
+        yield from llama4_vision_weights(config, source)
         return
     c, width = config, config.hidden_size
     heads, d, inter = c.num_heads, c.head_dim, c.intermediate_size

@@ -2,8 +2,8 @@
 config as a ModelConfig with its `encoder` fields (model_config.EncoderConfig), what
 model/encoders/encoder.py and model/encoders/modernbert.py do not run refused in one line.
 `model_config_from_hf` is the loaders' entry: an encoder's config here, a vision-language model's
-(`vision_language_config`), Gemma 3's with images (`gemma3_images_config`), Gemma 4's and
-Llama 4's image checkpoints (their text model), a decoder's
+(`vision_language_config`), Gemma 3's and Llama 4's with images (`gemma3_images_config`,
+`llama4_images_config`), Gemma 4's image checkpoints (their text model), a decoder's
 `ModelConfig.from_hf`."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from xlaserve.model.config.gemma4_config import GEMMA4_ARCHITECTURES
 from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, image_checkpoint_text
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES
+from xlaserve.model.config.llama4_vision_config import LLAMA4_IMAGES, llama4_vision_from_hf
 from xlaserve.model.config.model_config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig
 from xlaserve.model.config.rope_config import RopeConfig
 from xlaserve.model.config.siglip_config import siglip_from_hf
@@ -28,8 +29,6 @@ GEMMA3_IMAGES = "Gemma3ForConditionalGeneration"  # its images: siglip_config.py
 IMAGE_CHECKPOINTS = {
     "Gemma4ForConditionalGeneration": (GEMMA4_ARCHITECTURES[0], "the vision tower, the audio "
                                        "tower, the multimodal embedders"),
-    "Llama4ForConditionalGeneration": (LLAMA4_ARCHITECTURES[0],
-                                       "the vision encoder, the multimodal projector"),
 }
 
 
@@ -58,6 +57,8 @@ def model_config_from_hf(hf_config: Any, architecture: str,
         return vision_language_config(hf_config, architecture)
     if architecture == GEMMA3_IMAGES:
         return gemma3_images_config(hf_config, architecture)
+    if architecture == LLAMA4_IMAGES:
+        return llama4_images_config(hf_config, architecture)
     if architecture in IMAGE_CHECKPOINTS:  # its text model (gemma_config.image_checkpoint_text)
         text_architecture, not_run = IMAGE_CHECKPOINTS[architecture]
         text, fields = image_checkpoint_text(hf_config, architecture, not_run)
@@ -105,6 +106,16 @@ def gemma3_images_config(hf_config: Any, architecture: str) -> ModelConfig:
     config = dataclasses.replace(ModelConfig.from_hf(text, GEMMA3_ARCHITECTURES[0]), **fields)
     return dataclasses.replace(config, vision=siglip_from_hf(hf_config, architecture,
                                                              config.hidden_size))
+
+
+def llama4_images_config(hf_config: Any, architecture: str) -> ModelConfig:
+    """Llama4ForConditionalGeneration (Scout, Maverick): its text config's Llama 4 decoder (tied
+    or not, its end-of-turn ids, as the top level says) and its vision encoder with the projector
+    (llama4_vision_config.py)."""
+    text, fields = image_checkpoint_text(hf_config, architecture)
+    config = dataclasses.replace(ModelConfig.from_hf(text, LLAMA4_ARCHITECTURES[0]), **fields)
+    return dataclasses.replace(config, vision=llama4_vision_from_hf(hf_config, architecture,
+                                                                    config.hidden_size))
 
 
 def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:

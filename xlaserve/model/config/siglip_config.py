@@ -21,8 +21,32 @@ from typing import Any
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 
 
+class SquarePatchGrid:
+    """The shapes of a tower over square images of `image_size` pixels cut in `patch_size`
+    patches, and of its heads: SiglipConfig's, and Llama 4's encoder's
+    (llama4_vision_config.Llama4VisionConfig)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.patches_per_side ** 2
+
+    @property
+    def patch_dim(self) -> int:
+        """The values of one patch: channels x pixels x pixels (the Conv2d weight's order, and
+        nn.Unfold's)."""
+        return self.in_channels * self.patch_size ** 2
+
+
 @dataclasses.dataclass(frozen=True)
-class SiglipConfig:
+class SiglipConfig(SquarePatchGrid):
     depth: int
     hidden_size: int  # the tower's width
     num_heads: int
@@ -45,23 +69,6 @@ class SiglipConfig:
     rms_norms = False
     activation = "gelu_tanh"
     levels = 1  # rows an image token has for the decoder: its embedding alone
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def num_patches(self) -> int:
-        return self.patches_per_side ** 2
-
-    @property
-    def patch_dim(self) -> int:
-        """The values of one patch: channels x pixels x pixels (the Conv2d weight's order)."""
-        return self.in_channels * self.patch_size ** 2
 
     @property
     def tokens_per_side(self) -> int:

@@ -45,12 +45,14 @@ def quick_gelu(x: jax.Array) -> jax.Array:
 
 
 ACTIVATIONS = {"quick_gelu": quick_gelu,
-               "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+               "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}  # Llama 4's (llama4_vision.py)
 
 
 class VisionBlock(nnx.Module):
-    """One pre-norm encoder layer: Qwen-VL's (RoPE'd q and k), and SigLIP's (Gemma 3's tower,
-    siglip_vision.py: `cos` None, no RoPE; `config` a siglip_config.SiglipConfig)."""
+    """One pre-norm encoder layer: Qwen-VL's (RoPE'd q and k), SigLIP's (Gemma 3's tower,
+    siglip_vision.py: `cos` None, no RoPE; `config` a siglip_config.SiglipConfig) and Llama 4's
+    (llama4_vision.py; `config` a llama4_vision_config.Llama4VisionConfig)."""
 
     def __init__(self, config: VisionConfig, dtype, rngs: nnx.Rngs):
         c, width = config, config.hidden_size

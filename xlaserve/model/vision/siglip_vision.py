@@ -32,6 +32,17 @@ from xlaserve.model.vision.qwen_vision import VisionBlock
 from xlaserve.pallas_kernels.ragged_paged_attention.image_spans import image_spans
 
 
+def embedded_patches(pixels: jax.Array, config, weight: jax.Array) -> jax.Array:
+    """float32 [n * num_patches, width]: the patches of `pixels` [n, channels, S, S] (each
+    patch's pixels in the Conv2d weight's order, channel, row, column, as nn.Unfold's; patches
+    row-major, as the conv's output flattens) times `weight` [patch_dim, width]. SigLIP's and
+    Llama 4's (llama4_vision.py); `config` a SquarePatchGrid."""
+    c, side, size = config, config.patches_per_side, config.patch_size
+    patches = pixels.reshape(pixels.shape[0], c.in_channels, side, size, side, size)
+    patches = patches.transpose(0, 2, 4, 1, 3, 5).reshape(pixels.shape[0] * c.num_patches, -1)
+    return jnp.dot(patches.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
+
+
 class SiglipTower(nnx.Module):
     def __init__(self, config: SiglipConfig, dtype, rngs: nnx.Rngs):
         c = config
@@ -48,13 +59,8 @@ class SiglipTower(nnx.Module):
         """float32 [n, tokens_per_image, out_hidden_size]: the decoder rows of `pixels`
         [n, channels, image_size, image_size] (the processor's, normalized)."""
         c = self.config
-        images, side, size = pixels.shape[0], c.patches_per_side, c.patch_size
-        # Each patch's pixels in the Conv2d weight's order (channel, row, column), patches in
-        # row-major order (the conv output flattened).
-        patches = pixels.reshape(images, c.in_channels, side, size, side, size)
-        patches = patches.transpose(0, 2, 4, 1, 3, 5).reshape(images * c.num_patches, -1)
-        weight = self.patch_embed[...]
-        x = jnp.dot(patches.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
+        images, weight = pixels.shape[0], self.patch_embed[...]
+        x = embedded_patches(pixels, c, weight)
         x = x + self.patch_embed_bias[...].astype(jnp.float32)
         x = x + jnp.tile(self.pos_embed[...].astype(jnp.float32), (images, 1))
         cu_images = (jnp.arange(images + 1) * c.num_patches).astype(jnp.int32)

@@ -2,8 +2,8 @@
 inputs), the buckets a step's inputs are padded to (`serving_buckets`) and the padding
 (`forward_batch_for`), what a step returns (`StepOutput`), speculative decoding's drafters
 (`drafts`: a STANDALONE draft model, an EAGLE3/NEXTN draft head's steps), a vision model's tower
-run per image (`VisionEncoder`; Gemma 3's SigLIP, `SiglipEncoder`) and its images' rows in a
-step (`PromptImages`, `add_image_rows`)."""
+run per image (`VisionEncoder`; Gemma 3's SigLIP, `SiglipEncoder`; Llama 4's encoder,
+`Llama4Encoder`) and its images' rows in a step (`PromptImages`, `add_image_rows`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
@@ -18,6 +18,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "EmbeddingRunner": "embedding_step",
     "SAMPLING_WIDTHS": "step_inputs", "StepOutput": "step_program",
     "VisionEncoder": "vision_encoder", "SiglipEncoder": "siglip_encoder",
+    "Llama4Encoder": "llama4_encoder",
     "PromptImages": "image_rows",
     "add_image_rows": "image_rows",
 }
