@@ -45,6 +45,8 @@ def make_tiny_llama4_images(directory, seed: int = 0):
 
     model = make_tiny_llama4_conditional(directory, seed)
     vocabulary = {**SPECIAL, **NEWLINES, **{word: 10 + i for i, word in enumerate(WORDS)}}
+    # Every id the model may say a word ("w300"): its text is transformers' tokens, word by word.
+    vocabulary.update({f"w{i}": i for i in sorted(set(range(512)) - set(vocabulary.values()))})
     save_word_tokenizer(directory, vocabulary, [m for m in SPECIAL if m != "[UNK]"],
                         CHAT_TEMPLATE, bos_token="<|begin_of_text|>", eos_token="<|eot|>",
                         pad_token="<|finetune_right_pad|>")
@@ -123,40 +125,42 @@ def hf_processor(directory):
         pixel_shuffle_ratio=0.5)
 
 
-def hf_image_embeds(model, ids, images):
+def hf_image_embeds(model, ids, images, pixels=None):
     """transformers' input embeddings of `ids` (expanded already) with `images`' features in
     the <|patch|> rows: what Llama4ForConditionalGeneration.forward hands its language model
     (its own forward then fails in transformers 5.24, reading `image_outputs` from the text
-    model's output)."""
+    model's output). `pixels` [tiles, 3, S, S]: the images' tiles as given (ours), else
+    transformers' processor's."""
     import torch
 
     embeds = model.get_input_embeddings()(torch.tensor([ids]))
     if images:
-        pixels = hf_image_processor()(images=images, return_tensors="pt")["pixel_values"]
-        features = model.vision_model(pixels.float()).last_hidden_state
+        if pixels is None:
+            pixels = hf_image_processor()(images=images, return_tensors="pt")["pixel_values"]
+        features = model.vision_model(pixels.to(model.dtype)).last_hidden_state
         projected = model.multi_modal_projector(features.reshape(-1, features.shape[-1]))
         mask = (torch.tensor([ids]) == model.config.image_token_id)[..., None]
         embeds = embeds.masked_scatter(mask, projected.to(embeds.dtype))
     return embeds
 
 
-def hf_logits(model, ids, images) -> np.ndarray:
+def hf_logits(model, ids, images, pixels=None) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        out = model.language_model(inputs_embeds=hf_image_embeds(model, ids, images))
+        out = model.language_model(inputs_embeds=hf_image_embeds(model, ids, images, pixels))
     return out.logits[0].float().numpy()
 
 
-def hf_generate(model, ids, images, max_new_tokens: int, logprobs: bool = False):
+def hf_generate(model, ids, images, max_new_tokens: int, logprobs: bool = False, pixels=None):
     """transformers' greedy tokens after a prompt whose images are expanded already (each step
     the whole sequence again: no cache to get wrong); `logprobs`: (tokens, each one's
-    log-probability under its logits)."""
+    log-probability under its logits); `pixels`: as hf_image_embeds takes them."""
     import torch
 
     tokens, chosen = [], []
     with torch.no_grad():
-        prompt = hf_image_embeds(model, ids, images)
+        prompt = hf_image_embeds(model, ids, images, pixels)
         for _ in range(max_new_tokens):
             more = model.get_input_embeddings()(torch.tensor([tokens], dtype=torch.long))
             logits = model.language_model(inputs_embeds=torch.cat([prompt, more], 1)).logits

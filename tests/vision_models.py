@@ -135,6 +135,114 @@ def hf_generate(model, directory, prompt_ids: list[int], images: list, max_new_t
         int(t == image_id) for t in prompt_ids], **kwargs)
 
 
+def our_logits(loaded, ids, prompt_images, chunk_ends, page_size=4):
+    """Every position's logits of `ids` (a prompt with images, `prompt_images` its
+    PromptImages), prefilled in the chunks `chunk_ends` cut it into, on one sequence's pages
+    (Gemma 3's and Llama 4's image tests)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from xlaserve.runtime.executor.buckets import buckets_for_limits, pow2_buckets
+    from xlaserve.runtime.executor.forward_batch import make_forward_batch
+    from xlaserve.runtime.executor.image_rows import add_image_rows
+    from xlaserve.runtime.executor.kernels import kernels_for
+    from xlaserve.runtime.executor.kv_pool import init_kv_pool
+    from xlaserve.runtime.scheduler.request import SeqChunk
+
+    model, config = loaded.model, loaded.config
+    pages = -(-len(ids) // page_size)
+    kv_caches = init_kv_pool(config, pages + 1, page_size, loaded.dtype, loaded.mesh)
+    kernels = kernels_for("auto", loaded.mesh)
+    graphdef, state = nnx.split(model)
+    buckets = buckets_for_limits(len(ids), 1, pages, token_paddings=pow2_buckets(1, 128))
+
+    @jax.jit
+    def forward(state, caches, ids, positions, metadata, embeds):
+        lm = nnx.merge(graphdef, state)
+        hidden, caches = lm.hidden_states(ids, positions, caches, metadata, kernels,
+                                          input_embeds=embeds)
+        return lm.logits(hidden, kernels), caches
+
+    logits, start = [], 0
+    for end in chunk_ends:
+        batch = make_forward_batch([SeqChunk(ids[start:end], start, list(range(1, pages + 1)))],
+                                   buckets, page_size)
+        batch = add_image_rows(batch, [prompt_images], config.hidden_size, loaded.dtype)
+        embeds = batch.input_embeds
+        if embeds is None:
+            embeds = np.zeros((1, len(batch.input_ids), config.hidden_size), loaded.dtype)
+        out, kv_caches = forward(state, kv_caches, jnp.asarray(batch.input_ids),
+                                 jnp.asarray(batch.positions), batch.host_metadata(),
+                                 jnp.asarray(embeds))
+        logits.append(np.asarray(out)[:end - start])
+        start = end
+    return np.concatenate(logits)
+
+
+def chat(engine, *parts) -> str:
+    """A user turn of text and images ("<image>") through the engine's chat template."""
+    content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
+               for p in parts]
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                tokenize=False, add_generation_prompt=True)
+
+
+def generate_all(engine, prompts, params: dict):
+    """Tokens and logprobs of every (text, images) prompt, submitted together."""
+    results = engine.generate([t for t, _ in prompts], dict(params),
+                              image_data=[list(i) or None for _, i in prompts],
+                              return_logprob=True)
+    return ([r["output_ids"] for r in results],
+            [[lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]] for r in results])
+
+
+TWO_DEVICES = """
+import json, sys
+from PIL import Image
+from xlaserve.offline import Engine
+directory, image, options, text = sys.argv[1:]
+with Engine(directory, tp_size=2, **json.loads(options)) as engine:
+    out = engine.generate(text, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+                          image_data=Image.open(image).convert("RGB"))
+print(json.dumps(out["output_ids"]))
+"""
+
+
+def two_device_tokens(directory, image, options: dict, text: str, tmp_path) -> list[int]:
+    """8 greedy tokens of `text` with `image` from an Engine of `options` at --tp-size 2 over
+    two CPU devices (a process of its own: the device count is set before JAX starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    image.save(tmp_path / "image.png")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", TWO_DEVICES, directory,
+                           str(tmp_path / "image.png"), json.dumps(options), text], env=env,
+                          capture_output=True, text=True, timeout=900,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def image_chat(image, before: str, after: str) -> tuple[list, list]:
+    """(OpenAI chat messages of one user turn: `before`, `image` as a base64 PNG data: URL,
+    `after`; the same turn's messages as the chat template reads them, the image a part)."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [{"type": "text", "text": before}, {"type": "image_url", "image_url": {"url": url}},
+             {"type": "text", "text": after}]
+    templated = [{"type": "image"} if p["type"] == "image_url" else p for p in parts]
+    return [{"role": "user", "content": parts}], [{"role": "user", "content": templated}]
+
+
 def hf_greedy_with(model, prompt_ids: list[int], max_new_tokens: int, logprobs: bool,
                    **inputs):
     """transformers' greedy tokens for `prompt_ids` and the model's other `inputs` (lists

@@ -4,8 +4,8 @@ chunked prefill and the prefix cache give transformers' greedy tokens with nothi
 the precompile; on two devices (--tp-size 2) too (the checks: tests/engine/family_engine.py).
 Contexts cross the attention chunk: prompts past it, prefill chunks of 7 across its edge,
 continuations decoded across it (the RoPE layers then see their own chunk alone). Its image
-checkpoints' form (Llama4ForConditionalGeneration) serves text with transformers' tokens and
-refuses images."""
+checkpoints' form (Llama4ForConditionalGeneration) serves text with transformers' tokens; its
+images: tests/vision/test_llama4_images.py."""
 import pytest
 
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
@@ -44,9 +44,10 @@ def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
 
 
-def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):
+def test_an_image_checkpoint_serves_text_and_without_a_tokenizer_refuses_images(tmp_path):
     """A Llama4ForConditionalGeneration (transformers 5's save: `language_model.model.*`) gives
-    transformers' greedy tokens on text prompts, batched and chunked; image_data is refused.
+    transformers' greedy tokens on text prompts, batched and chunked; without its tokenizer
+    (--skip-tokenizer-init: an image's prompt needs its marker tokens) image_data is refused.
     The oracle is its `language_model` (the Llama4ForCausalLM its forward runs on text):
     transformers 5.24's Llama4ForConditionalGeneration.forward fails on text alone (it reads
     `image_outputs` from the text model's output)."""

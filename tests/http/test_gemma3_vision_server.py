@@ -2,13 +2,11 @@
 with a base64 image between two text parts answered with transformers' greedy tokens, its image
 tokens counted in usage; the placeholder and expansion as Gemma's chat template and
 transformers' processor make them."""
-import base64
-import io
-
 import pytest
 
 from tests.gemma3_images import IMAGE_TOKENS, hf_generate, make_tiny_gemma3_images, random_image
 from tests.http.conftest import RunningServer
+from tests.vision_models import image_chat
 
 NEW_TOKENS = 8
 
@@ -28,18 +26,9 @@ def gemma3(tmp_path_factory):
 def test_a_base64_image_in_a_chat_is_answered_with_transformers_tokens(gemma3):
     server, model, directory = gemma3
     image = random_image(80, 50, 21)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    messages = [{"role": "user", "content": [
-        {"type": "text", "text": "what is in this picture"},
-        {"type": "image_url", "image_url": {"url": url}},
-        {"type": "text", "text": "describe it"}]}]
+    messages, templated = image_chat(image, "what is in this picture", "describe it")
     tokenizer = server.ctx.tokenizer
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"} if p["type"] == "image_url" else p
-                                      for p in messages[0]["content"]]}],
-        tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(templated, tokenize=False, add_generation_prompt=True)
     ids, _ = server.ctx.core.features.images.prepare(
         tokenizer.encode(text, add_special_tokens=False), [image])
     expected = hf_generate(model, directory, ids, [image], NEW_TOKENS)

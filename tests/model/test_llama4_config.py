@@ -1,8 +1,10 @@
 """Llama 4's configs read as the decoder's switches (model/config/llama4_config.py): Scout's
 published text config (every layer MoE, every fourth NoPE, L2 q/k norms, llama3 RoPE scaling x16,
 its chunk of 8192 on the RoPE layers) through its image checkpoint's top level, and Maverick's
-differences (MoE every second layer, no q/k norms, 128 experts); what is not run is refused in one
-line. The logits: tests/model/test_transformer_matches_transformers.py (family "llama4")."""
+differences (MoE every second layer, no q/k norms, 128 experts); Scout's vision encoder
+(model/config/llama4_vision_config.py: 336-pixel tiles of 144 tokens); what is not run is
+refused in one line. The logits: tests/model/test_transformer_matches_transformers.py (family
+"llama4"), tests/vision/test_llama4_images.py (images)."""
 import dataclasses
 
 import pytest
@@ -23,12 +25,22 @@ SCOUT_TEXT = dict(
     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
                      "high_freq_factor": 1.0, "low_freq_factor": 1.0,
                      "original_max_position_embeddings": 8192})
-SCOUT = dict(text_config=SCOUT_TEXT, boi_token_index=200080, eoi_token_index=200081,
-             image_token_index=200092, tie_word_embeddings=False)
+# Its vision_config, as published.
+SCOUT_VISION = dict(
+    attention_dropout=0.0, hidden_act="gelu", hidden_size=1408, image_size=336,
+    intermediate_size=5632, multi_modal_projector_bias=False, norm_eps=1e-05,
+    num_attention_heads=16, num_channels=3, num_hidden_layers=34, patch_size=14,
+    pixel_shuffle_ratio=0.5, projector_dropout=0.0, projector_input_dim=4096,
+    projector_output_dim=4096, rope_theta=10000, vision_feature_select_strategy="default",
+    vision_output_dim=4096)
+SCOUT = dict(text_config=SCOUT_TEXT, vision_config=SCOUT_VISION, boi_token_index=200080,
+             eoi_token_index=200081, image_token_index=200092, tie_word_embeddings=False)
 
 
-def _scout(**text_changes) -> ModelConfig:
-    config = transformers.Llama4Config(**dict(SCOUT, text_config={**SCOUT_TEXT, **text_changes}))
+def _scout(vision_changes=None, **text_changes) -> ModelConfig:
+    config = transformers.Llama4Config(**dict(
+        SCOUT, text_config={**SCOUT_TEXT, **text_changes},
+        vision_config={**SCOUT_VISION, **(vision_changes or {})}))
     return model_config_from_hf(config, "Llama4ForConditionalGeneration")
 
 
@@ -51,6 +63,17 @@ def test_scout_reads_as_its_text_model_with_chunks_on_its_rope_layers():
     assert c.attention_chunks == tuple(None if (i + 1) % 4 == 0 else 8192 for i in range(48))
 
 
+def test_scout_s_vision_encoder_makes_144_tokens_a_tile():
+    v = _scout().vision
+    assert (v.kind, v.depth, v.hidden_size, v.num_heads, v.head_dim) == ("llama4", 34, 1408, 16, 88)
+    assert (v.image_size, v.patch_size, v.num_patches, v.patch_dim, v.shuffle) == (
+        336, 14, 576, 588, 2)
+    assert (v.tokens_per_tile, v.projector_dim, v.out_hidden_size, v.rope_theta) == (
+        144, 4096, 5120, 10000.0)
+    assert (v.image_token_id, v.boi_token_id, v.eoi_token_id) == (200092, 200080, 200081)
+    assert ModelConfig.from_dict(_scout().to_dict()).vision == v
+
+
 def test_maverick_interleaves_dense_layers_and_has_no_qk_norms():
     c = _scout(interleave_moe_layer_step=2, use_qk_norm=False, num_local_experts=128)
     assert c.moe_layers == tuple(i % 2 == 1 for i in range(48)) and c.num_experts == 128
@@ -64,3 +87,13 @@ def test_what_is_not_run_is_refused_in_one_line():
         _scout(hidden_act="gelu")
     with pytest.raises(ValueError, match="a sliding window and an attention chunk on one layer"):
         dataclasses.replace(_scout(), sliding_windows=(4096,) * 48)
+    for change, message in (
+            ({"pixel_shuffle_ratio": 0.3}, "pixel_shuffle_ratio 0.3 is not 1 / n"),
+            ({"intermediate_size": 4096}, "intermediate_size 4096 is not the shuffled patches' "
+                                          "width 5632"),
+            ({"vision_output_dim": 7680}, "vision_output_dim 7680 differ"),
+            ({"image_size": 330}, "image_size 330 is not a whole number of 14-pixel patches"),
+            ({"num_attention_heads": 64}, "a head must be a multiple of 4 wide")):
+        with pytest.raises(ValueError, match="^Llama4ForConditionalGeneration: vision_config "
+                                             f".*{message}"):
+            _scout(change)

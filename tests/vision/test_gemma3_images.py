@@ -9,24 +9,14 @@ tests/http/test_gemma3_vision_server.py."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from tests.gemma3_images import (IMAGE_TOKENS, hf_generate, hf_processor, make_tiny_gemma3_images,
                                  random_image)
+from tests.vision_models import chat, generate_all, our_logits, two_device_tokens
 from xlaserve.offline import Engine
-from xlaserve.runtime.executor.buckets import buckets_for_limits, pow2_buckets
-from xlaserve.runtime.executor.forward_batch import make_forward_batch
-from xlaserve.runtime.executor.image_rows import add_image_rows
-from xlaserve.runtime.executor.kernels import kernels_for
-from xlaserve.runtime.executor.kv_pool import init_kv_pool
-from xlaserve.runtime.scheduler.request import SeqChunk
 from xlaserve.weights.loader import load_model
 
 # Prefill chunks of 20 tokens at most (an image is 16), pages of 4.
@@ -42,14 +32,6 @@ def served(tmp_path_factory):
     model = make_tiny_gemma3_images(directory)
     with Engine(directory, **SMALL) as engine:
         yield engine, model, directory
-
-
-def chat(engine, *parts) -> str:
-    """A user turn of text and images ("<image>") through the chat template."""
-    content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
-               for p in parts]
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                tokenize=False, add_generation_prompt=True)
 
 
 def ids_of(engine, text):
@@ -100,39 +82,6 @@ def test_prompts_expand_as_transformers_processor_expands_them(served):
         prepare(ids_of(engine, cases[0][0]) + [499], [image])
 
 
-def our_logits(loaded, ids, prompt_images, chunk_ends, page_size=4):
-    """Every position's logits of `ids` (a prompt with images, `prompt_images` its
-    PromptImages), prefilled in the chunks `chunk_ends` cut it into, on one sequence's pages."""
-    model, config = loaded.model, loaded.config
-    pages = -(-len(ids) // page_size)
-    kv_caches = init_kv_pool(config, pages + 1, page_size, loaded.dtype, loaded.mesh)
-    kernels = kernels_for("auto", loaded.mesh)
-    graphdef, state = nnx.split(model)
-    buckets = buckets_for_limits(len(ids), 1, pages, token_paddings=pow2_buckets(1, 128))
-
-    @jax.jit
-    def forward(state, caches, ids, positions, metadata, embeds):
-        lm = nnx.merge(graphdef, state)
-        hidden, caches = lm.hidden_states(ids, positions, caches, metadata, kernels,
-                                          input_embeds=embeds)
-        return lm.logits(hidden, kernels), caches
-
-    logits, start = [], 0
-    for end in chunk_ends:
-        batch = make_forward_batch([SeqChunk(ids[start:end], start, list(range(1, pages + 1)))],
-                                   buckets, page_size)
-        batch = add_image_rows(batch, [prompt_images], config.hidden_size, loaded.dtype)
-        embeds = batch.input_embeds
-        if embeds is None:
-            embeds = np.zeros((1, len(batch.input_ids), config.hidden_size), loaded.dtype)
-        out, kv_caches = forward(state, kv_caches, jnp.asarray(batch.input_ids),
-                                 jnp.asarray(batch.positions), batch.host_metadata(),
-                                 jnp.asarray(embeds))
-        logits.append(np.asarray(out)[:end - start])
-        start = end
-    return np.concatenate(logits)
-
-
 def hf_logits(model, directory, ids, images, bidirectional=True):
     import torch
 
@@ -173,15 +122,6 @@ def test_logits_with_images_equal_transformers(served, dtype):
     assert np.abs(causal - hf_logits(model, directory, ids, images)).max() > 0.1 * scale
 
 
-def generate_all(engine, prompts):
-    """Greedy tokens and logprobs of every (text, images) prompt, submitted together."""
-    results = engine.generate([t for t, _ in prompts], dict(GREEDY),
-                              image_data=[list(i) or None for _, i in prompts],
-                              return_logprob=True)
-    return ([r["output_ids"] for r in results],
-            [[lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]] for r in results])
-
-
 def test_prompts_with_zero_one_and_two_images_batched_give_transformers_tokens(served):
     """Batched with text-only prompts; the first prompt's image crosses the 20-token edge of its
     first prefill chunk, which ends before it; nothing compiles while serving (steps, tower)."""
@@ -198,7 +138,7 @@ def test_prompts_with_zero_one_and_two_images_batched_give_transformers_tokens(s
     expected = [hf_generate(model, directory, ids, images, NEW_TOKENS, logprobs=True)
                 for ids, (_, images) in zip(expanded, prompts)]
     compiled, tower = core.runner.compile_count(), core.features.images.encoder._encode
-    tokens, logprobs = generate_all(engine, prompts)
+    tokens, logprobs = generate_all(engine, prompts, GREEDY)
     assert tokens == [t for t, _ in expected]
     np.testing.assert_allclose(logprobs, [lp for _, lp in expected], atol=2e-4)
     assert core.runner.compile_count() == compiled and tower._cache_size() == 0
@@ -226,36 +166,16 @@ def test_prompts_sharing_an_image_reuse_its_pages_but_never_a_part_of_it(served)
         assert out["output_ids"] == hf_generate(model, directory, prompt, [image], NEW_TOKENS)
 
 
-TENSOR_PARALLEL = """
-import json, sys
-from PIL import Image
-from xlaserve.offline import Engine
-directory, image, options, text = sys.argv[1:]
-with Engine(directory, tp_size=2, **json.loads(options)) as engine:
-    out = engine.generate(text, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
-                          image_data=Image.open(image).convert("RGB"))
-print(json.dumps(out["output_ids"]))
-"""
-
-
 def test_tensor_parallel_over_two_devices_gives_transformers_tokens(served, tmp_path):
     """tp 2 (two CPU devices): the tower's heads and MLP split, the decoder's too, the image
     tokens' prefix part through the kernel under shard_map by head."""
     engine, model, directory = served
     image = random_image(60, 60, 10)
-    image.save(tmp_path / "image.png")
     text = chat(engine, "what is in this picture", "<image>", "describe it")
     ids, _ = engine.core.features.images.prepare(ids_of(engine, text), [image])
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu"}
-    options = dict(SMALL, max_total_tokens=512)
-    done = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL, directory,
-                           str(tmp_path / "image.png"), json.dumps(options), text], env=env,
-                          capture_output=True, text=True, timeout=900,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == hf_generate(
-        model, directory, ids, [image], NEW_TOKENS)
+    tokens = two_device_tokens(directory, image, dict(SMALL, max_total_tokens=512), text,
+                               tmp_path)
+    assert tokens == hf_generate(model, directory, ids, [image], NEW_TOKENS)
 
 
 def test_what_is_not_built_is_refused_in_one_line(served, tmp_path):

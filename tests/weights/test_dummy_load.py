@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.weights.loader import default_mesh, load_model
-from xlaserve.model.registry import architecture_of
+from xlaserve.model.config.encoder_config import model_config_from_hf
+from xlaserve.model.registry import architecture_of, model_class
 from xlaserve.model.sharding import partition_spec
 from xlaserve.weights.tokenizer_files import MissingTokenizerError
 from xlaserve.model.transformer import abstract_model, param_count
@@ -31,7 +32,9 @@ PUBLISHED_SIZES = {"smollm2-135m": 0.135, "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.
                    # the model card's rounded 31B (xlaserve's count of the text decoder: 30.81B)
                    "gemma-4-31b-text": 31.0,
                    # Scout's 109B total (its card's figure, the vision encoder included)
-                   "llama-4-scout-text": 109.0}
+                   "llama-4-scout-text": 109.0,
+                   # its vision encoder and projector too (xlaserve's count: 108.64B)
+                   "llama-4-scout": 109.0}
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 SMALL_ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, page_size=4,
                     max_running_requests=2, max_total_tokens=128, context_length=64,
@@ -203,9 +206,10 @@ def test_benchmark_config_parses_and_has_the_published_parameter_count(name):
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(os.path.join(CONFIGS_DIR, name))
-    config = ModelConfig.from_hf(hf_config, architecture_of(hf_config))
-    # Shapes only (nnx.eval_shape): an 8B model is never allocated.
-    billions = param_count(nnx.state(abstract_model(config, jnp.bfloat16))) / 1e9
+    config = model_config_from_hf(hf_config, architecture_of(hf_config))
+    # Shapes only (nnx.eval_shape): an 8B model is never allocated. A vision model's tower too.
+    model = abstract_model(config, jnp.bfloat16, model_class(config.architecture))
+    billions = param_count(nnx.state(model)) / 1e9
     assert billions == pytest.approx(PUBLISHED_SIZES[name], rel=0.03), billions
 
 

@@ -259,8 +259,9 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
                           attention_backend: str = "auto"):
     """A vision model's tower (runtime/executor/vision_encoder.py's program) compiled for
     `platform`'s devices of `mesh`, over abstract weights, for a run of `patches` patches
-    (Gemma 3's SigLIP, siglip_encoder.py: one image, whatever `patches`)."""
-    from xlaserve.runtime.executor import siglip_encoder
+    (Gemma 3's SigLIP, siglip_encoder.py: one image, whatever `patches`; Llama 4's encoder,
+    llama4_encoder.py: the tiles that hold them, one at least)."""
+    from xlaserve.runtime.executor import llama4_encoder, siglip_encoder
     from xlaserve.runtime.executor.vision_encoder import device_args, idle_batch, tower_program
 
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
@@ -273,6 +274,12 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
         with jax.set_mesh(mesh):
             return jax.jit(siglip_encoder.tower_program(tower_graph, kernels)).trace(
                 tower_state, abstract(pixels.shape, pixels.dtype, mesh)).lower().compile()
+    if config.vision.kind == "llama4":
+        tiles = llama4_encoder.idle_tiles(config.vision,
+                                          max(1, -(-patches // config.vision.num_patches)))
+        with jax.set_mesh(mesh):
+            return jax.jit(llama4_encoder.tower_program(tower_graph, kernels)).trace(
+                tower_state, abstract(tiles.shape, tiles.dtype, mesh)).lower().compile()
     batch = {k: abstract(v.shape, v.dtype, mesh)
              for k, v in device_args(idle_batch(config.vision, patches)).items()}
 
