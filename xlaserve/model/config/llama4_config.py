@@ -20,8 +20,8 @@ What differs from Llama 3 (transformers' modeling_llama4.py, the tests' oracle):
   rotates halves: q's and k's rows are stored de-interleaved at load (`rope_interleaved`, the
   permutation DeepSeek's latent attention uses), which leaves every dot product as it was.
 
-Llama4ForConditionalGeneration (Scout, Maverick): that text model in its `text_config`, served
-for text; its vision encoder and projector are not run, and a request with images is refused.
+Llama4ForConditionalGeneration (Scout, Maverick): that text model in its `text_config`, beside
+its vision encoder and projector (llama4_vision_config.py).
 """
 from __future__ import annotations
 

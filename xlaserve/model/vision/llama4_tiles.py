@@ -18,7 +18,8 @@ torch's uint8 interpolate (tests/vision/test_llama4_images.py), the tiles' value
 Scout's 336-pixel tiles, 12 images of random sizes up to 2016 pixels a side, median 0.02% (smooth
 images) and 0.1% (random noise), at most 0.8% and 3%; 32-pixel tiles from images up to 6 times
 larger, median 0.3%, at most 11% and 23%. (torchvision's float path, which it takes on other
-CPUs, differs from its own uint8 one at 14-22% of the pixels of the same resizes.) Where the
+CPUs, AVX512 ones included, differs from its own uint8 one at 14-22% of the pixels of the same
+resizes: transformers' own tiles differ as much between machines.) Where the
 canvas's size computes in float32 there (the chosen canvas is a tensor), it does here too: 300
 x 200 pixels into a 336-pixel-wide canvas is 503 rows, not the 504 of float64.
 """
