@@ -1,6 +1,7 @@
-"""Gemma 3's image tokens' attention (image_spans.py): a step's images found from their rows'
-negative ids, each image row seeing its whole image and the rest causally, in a sliding window
-from its own position too; every platform's kernel (the CPU's, the TPU and GPU kernels in
+"""Gemma 3's and Gemma 4's image tokens' attention (image_spans.py): a step's images found from
+their rows' negative ids, each image row seeing its whole image and the rest causally, in a
+sliding window from its own position too; images of one length (Gemma 3's) and of several
+(Gemma 4's, `fewest` below `longest`); every platform's kernel (the CPU's, the TPU and GPU kernels in
 interpret mode) as the causal part and the `prefix_only` part equals a dense float64 attention
 over exactly those keys, on NaN-poisoned cases (cases.make_case), and the cache holds the new
 K/V as the causal kernel wrote them. The CPU kernel's `prefix_only` rows take their window from
@@ -19,33 +20,45 @@ from xlaserve.pallas_kernels.ragged_paged_attention.image_spans import (image_sp
 
 HEAD_DIM, NUM_Q_HEADS, NUM_KV_HEADS = 32, 8, 2
 SM_SCALE = 1.0 / math.sqrt(HEAD_DIM)
-IMAGE = 6  # tokens an image
+IMAGE = 6  # tokens an image (Gemma 3's: all one length), or the most (Gemma 4's)
 SHAPES = dict(max_seqs=6, num_tokens=48, page_size=16, pages_per_seq=6, num_pages=40,
               num_kv_heads=NUM_KV_HEADS, num_q_heads=NUM_Q_HEADS, head_dim=HEAD_DIM)
-# Each live sequence: (new tokens, prefix before the step, where its images start among them).
+# Each live sequence: (new tokens, prefix before the step, its images (start among them,
+# length)).
 SEQS = [
-    (12, 13, [2]),  # an image across a page boundary (positions 15..20)
-    (IMAGE, 0, [0]),  # a prompt that is an image alone: no prefix
+    (12, 13, [(2, IMAGE)]),  # an image across a page boundary (positions 15..20)
+    (IMAGE, 0, [(0, IMAGE)]),  # a prompt that is an image alone: no prefix
     (5, 40, []),  # text only
-    (2 * IMAGE + 3, 33, [1, IMAGE + 2]),  # two images, two tokens of text between
+    (2 * IMAGE + 3, 33, [(1, IMAGE), (IMAGE + 2, IMAGE)]),  # two images, two tokens between
     (1, 20, []),  # a decoding row
 ]
+# Gemma 4's: images of 3 to 6 tokens, two of them back to back in the first sequence.
+VARIED = [
+    (12, 13, [(2, 4), (6, 3)]),
+    (5, 0, [(0, 5)]),
+    (5, 40, []),
+    (2 * IMAGE + 3, 33, [(1, IMAGE), (IMAGE + 2, 3)]),
+    (1, 20, []),
+]
+FEWEST = 3
 
 
-def make_image_case(seed=0):
+def make_image_case(seed=0, seqs=SEQS):
     rng = np.random.default_rng(seed)
-    case = cases.make_case(rng, [(n, prefix + n) for n, prefix, _ in SEQS], **SHAPES)
+    case = cases.make_case(rng, [(n, prefix + n) for n, prefix, _ in seqs], **SHAPES)
     ids = np.full(SHAPES["num_tokens"], 0, np.int32)
     positions = np.zeros(SHAPES["num_tokens"], np.int32)
-    image_of = np.full(SHAPES["num_tokens"], -1)  # each row's image (its first row), for the oracle
+    # each row's image as (its first position, its end), for the oracle; (-1, -1) for text
+    image_of = np.full((SHAPES["num_tokens"], 2), -1)
     row, image = 0, 0
-    for n, prefix, starts in SEQS:
+    for n, prefix, images in seqs:
         ids[row:row + n] = 7
         positions[row:row + n] = prefix + np.arange(n)
-        for start in starts:
+        for start, length in images:
             image += 1
-            ids[row + start:row + start + IMAGE] = -image
-            image_of[row + start:row + start + IMAGE] = row + start
+            ids[row + start:row + start + length] = -image
+            image_of[row + start:row + start + length] = (prefix + start,
+                                                          prefix + start + length)
         row += n
     case.update(input_ids=ids, positions=positions, image_of=image_of)
     return case
@@ -57,21 +70,21 @@ def expected(case, window):
     def seen(row, prefix, keys):
         pos = case["positions"][row]
         visible = keys <= pos
-        if case["image_of"][row] >= 0:
-            first = case["positions"][case["image_of"][row]]
-            visible |= (keys >= first) & (keys < first + IMAGE)
+        first, end = case["image_of"][row]
+        if first >= 0:
+            visible |= (keys >= first) & (keys < end)
         return visible & (keys > pos - window) if window else visible
 
     return dense_attention(case, seen, SHAPES["page_size"], SM_SCALE)
 
 
-def run_images(kernel, case, window):
+def run_images(kernel, case, window, fewest=None):
     args = {k: jnp.asarray(v) for k, v in case.items() if k != "image_of"}
 
     def attend(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, ids, positions):
         out, kv_cache = kernel(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                sm_scale=SM_SCALE, sliding_window=window)
-        spans = image_spans(ids, positions, cu_q_lens, page_indices, IMAGE)
+        spans = image_spans(ids, positions, cu_q_lens, page_indices, IMAGE, fewest)
         return image_span_attention(kernel, q, k, v, kv_cache, out, spans, sm_scale=SM_SCALE,
                                     sliding_window=window)
 
@@ -80,11 +93,14 @@ def run_images(kernel, case, window):
     return jax.jit(attend)(*(args[n] for n in names))
 
 
+@pytest.mark.parametrize("seqs", ["one length", "varied"])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("kernel_name", list(PREFIX_KERNELS))
-def test_image_rows_see_their_whole_image_and_the_rest_causally(kernel_name, window):
-    case = make_image_case()
-    out, cache = run_images(PREFIX_KERNELS[kernel_name], case, window)
+def test_image_rows_see_their_whole_image_and_the_rest_causally(kernel_name, window, seqs):
+    varied = seqs == "varied"
+    case = make_image_case(seqs=VARIED if varied else SEQS)
+    out, cache = run_images(PREFIX_KERNELS[kernel_name], case, window,
+                            FEWEST if varied else None)
     want, want_cache = expected(case, window)
     live = int(case["cu_q_lens"][case["num_seqs"][0]])
     np.testing.assert_allclose(np.asarray(out)[:live], want[:live], atol=2e-5, rtol=0)
@@ -96,15 +112,26 @@ def test_the_spans_found_from_the_ids():
     case = make_image_case()
     spans = image_spans(jnp.asarray(case["input_ids"]), jnp.asarray(case["positions"]),
                         jnp.asarray(case["cu_q_lens"]), jnp.asarray(case["page_indices"]), IMAGE)
-    assert spans.rows.shape == (SHAPES["num_tokens"] // IMAGE, IMAGE)
+    assert spans.kv_lens.shape == (SHAPES["num_tokens"] // IMAGE,)
     assert int(spans.num_images[0]) == 4
-    starts = np.asarray(spans.rows)[:4, 0].tolist()
+    cu = np.asarray(spans.cu_q_lens)
+    assert cu[:6].tolist() == [0, IMAGE, 2 * IMAGE, 3 * IMAGE, 4 * IMAGE, 4 * IMAGE]
+    starts = np.asarray(spans.rows)[cu[:4]].tolist()
     assert starts == [2, 12, 23 + 1, 23 + IMAGE + 2]
     # Each image a sequence whose kv_len is the image's end: its sequence's pages.
     assert np.asarray(spans.kv_lens)[:5].tolist() == [13 + 2 + IMAGE, IMAGE, 34 + IMAGE,
                                                       33 + IMAGE + 2 + IMAGE, 0]
     np.testing.assert_array_equal(np.asarray(spans.page_indices)[3], case["page_indices"][3])
-    assert (np.asarray(spans.rows)[4:] == SHAPES["num_tokens"]).all()
+    assert (np.asarray(spans.rows)[4 * IMAGE:] == SHAPES["num_tokens"]).all()
+    # Gemma 4's: images of several lengths, two of them adjacent, told apart by their ids.
+    case = make_image_case(seqs=VARIED)
+    spans = image_spans(jnp.asarray(case["input_ids"]), jnp.asarray(case["positions"]),
+                        jnp.asarray(case["cu_q_lens"]), jnp.asarray(case["page_indices"]), IMAGE,
+                        FEWEST)
+    assert spans.kv_lens.shape == (SHAPES["num_tokens"] // FEWEST,)
+    assert np.diff(np.asarray(spans.cu_q_lens))[:6].tolist() == [4, 3, 5, IMAGE, 3, 0]
+    assert np.asarray(spans.kv_lens)[:5].tolist() == [13 + 6, 13 + 9, 5, 33 + 1 + IMAGE,
+                                                      33 + IMAGE + 5]
     assert image_spans(jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32),
                        jnp.zeros(2, jnp.int32), jnp.zeros((1, 1), jnp.int32), IMAGE) is None
 

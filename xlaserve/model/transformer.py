@@ -64,8 +64,8 @@ class AttentionMetadata:
     # of a token's the new tokens of its sequence it sees; None: causal (every other step).
     tree_masks: jax.Array | None = None
     tree_width: int = dataclasses.field(default=0, metadata={"static": True})  # new tokens a row has at most
-    # Gemma 3's images in the step, whose tokens see their whole image (image_spans.py); None:
-    # causal (every other model, and a program shorter than an image).
+    # Gemma 3's and 4's images in the step, whose tokens see their whole image (image_spans.py);
+    # None: causal (every other model, and a program shorter than an image).
     image_spans: ImageSpans | None = None
 
 
@@ -177,10 +177,11 @@ class Attention(nnx.Module):
             out, kv_cache = kernels.attention(*args, sm_scale=sm_scale,
                                               sliding_window=self.sliding_window, sinks=sinks,
                                               attention_chunk=self.attention_chunk)
-            if metadata.image_spans is not None:  # Gemma 3's image rows see their whole image
+            spans = metadata.image_spans  # Gemma 3's and 4's image rows see their whole image
+            if spans is not None and (self.sliding_window or not spans.sliding_layers_only):
                 out, kv_cache = image_span_attention(
-                    kernels.attention, q, k, v, kv_cache, out, metadata.image_spans,
-                    sm_scale=sm_scale, sliding_window=self.sliding_window, sinks=sinks)
+                    kernels.attention, q, k, v, kv_cache, out, spans, sm_scale=sm_scale,
+                    sliding_window=self.sliding_window, sinks=sinks)
         else:  # no sliding window or chunk here (draft_head refuses trees for such models)
             out, kv_cache = tree_attention(kernels.attention, *args, metadata.tree_masks,
                                            sm_scale=sm_scale, width=metadata.tree_width,
