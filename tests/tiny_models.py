@@ -184,6 +184,17 @@ def randomize(model, embedding_std: float = 0.5) -> None:
                 buffer.copy_(0.1 * torch.randn_like(buffer))
             elif name.endswith("layer_scalar"):  # Gemma 4's (saved: a persistent buffer)
                 buffer.copy_(1.0 + 0.3 * torch.randn_like(buffer))
+            # Gemma 4's vision tower: its standardization (uninitialized until loaded), and
+            # with use_clipped_linears its projections' bounds, tight enough to clip ~15% of
+            # the normed inputs (~N(0, 1)) and of the outputs (~N(0, 0.45^2) at width 32).
+            elif name.endswith("std_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
+            elif name.endswith("std_scale"):
+                buffer.copy_(1.0 + 0.2 * torch.randn_like(buffer))
+            elif name.endswith(("input_min", "input_max")):
+                buffer.copy_(torch.tensor(-1.5 if name.endswith("min") else 1.5))
+            elif name.endswith(("output_min", "output_max")):
+                buffer.copy_(torch.tensor(-0.6 if name.endswith("min") else 0.6))
 
 
 def make_tiny_gemma3_conditional(directory, seed: int = 0, vision: dict | None = None,
@@ -210,23 +221,28 @@ def make_tiny_gemma3_conditional(directory, seed: int = 0, vision: dict | None =
                          FAMILIES["gemma3"]["embedding_std"])
 
 
-def make_tiny_gemma4_conditional(directory, seed: int = 0):
+def make_tiny_gemma4_conditional(directory, seed: int = 0, family: str = "gemma4",
+                                 text: dict | None = None, vision: dict | None = None,
+                                 **overrides):
     """A tiny random Gemma4ForConditionalGeneration (no audio tower) saved by transformers 5 to
     `directory` (its tensors `model.language_model.*`, `model.vision_tower.*`,
-    `model.embed_vision.*`): FAMILIES["gemma4"]'s text model and a 1-layer vision tower of width
-    32. Returns transformers' model (float32, eval)."""
+    `model.embed_vision.*`): FAMILIES[`family`]'s text model (`text`: other fields) and a
+    1-layer vision tower of width 32 (`vision`: other fields; `overrides`: Gemma4Config's).
+    Returns transformers' model (float32, eval)."""
     import transformers
 
-    spec = dict(FAMILIES["gemma4"])
+    spec = dict(FAMILIES[family])
     for name in ("cls", "architecture", "embedding_std"):
         spec.pop(name)
-    text = transformers.Gemma4TextConfig(**{**TINY_DECODER, "vocab_size": 512, **spec})
-    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=2,
-                                             num_key_value_heads=2, head_dim=16)
-    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    text = transformers.Gemma4TextConfig(**{**TINY_DECODER, "vocab_size": 512, **spec,
+                                            **(text or {})})
+    vision = transformers.Gemma4VisionConfig(**{
+        **dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, head_dim=16), **(vision or {})})
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                                       **overrides)
     return _saved_random(transformers.Gemma4ForConditionalGeneration, config, directory, seed,
-                         FAMILIES["gemma4"]["embedding_std"])
+                         FAMILIES[family]["embedding_std"])
 
 
 def make_tiny_llama4_conditional(directory, seed: int = 0):

@@ -5,9 +5,7 @@ batching and the prefix cache give transformers' greedy tokens with nothing comp
 precompile; on two devices (--tp-size 2: half of each layer's KV heads, the full layer's wider
 and fewer) too, and its MoE block's form (--ep-size 2) (the checks:
 tests/engine/family_engine.py). Its image checkpoints' form (Gemma4ForConditionalGeneration)
-serves text prompts with transformers' own tokens, and refuses images by name."""
-import pytest
-
+serves text prompts with transformers' own tokens beside its vision tower."""
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
                                         check_cached_prefix, check_two_devices, family_fixtures)
 from tests.engine.test_gemma3_engine import PROMPTS, SMALL
@@ -46,12 +44,12 @@ def test_per_layer_embeddings_and_shared_kv_on_two_devices_give_transformers_tok
     check_two_devices(str(tmp_path), hf_model, PROMPTS, GREEDY, dict(SMALL, tp_size=2))
 
 
-def test_an_image_checkpoint_serves_text_and_refuses_images(tmp_path):
-    """A Gemma4ForConditionalGeneration (transformers 5's save: `model.language_model.*`) gives
-    transformers' greedy tokens on text prompts, chunked past the window, batched; image_data
-    is refused, as the start-up warning says (its vision tower is not read)."""
+def test_an_image_checkpoint_serves_text_beside_its_vision_tower(tmp_path):
+    """A Gemma4ForConditionalGeneration (transformers 5's save: `model.language_model.*`, its
+    tower `model.vision_tower.*` read too, no processor config: transformers' defaults at 280
+    tokens an image) gives transformers' greedy tokens on text prompts, chunked past the window,
+    batched (its images: tests/vision/test_gemma4_images.py)."""
     hf_model = make_tiny_gemma4_conditional(str(tmp_path))
     with Engine(str(tmp_path), **SMALL) as engine:
+        assert engine.core.features.images.encoder.buckets == (2048, 2520)
         check_batched_equal_solo_and_transformers(engine, hf_model, PROMPTS[:3], GREEDY)
-        with pytest.raises(ValueError, match="whose images this server runs"):
-            engine.generate(input_ids=PROMPTS[1], image_data=b"not read", sampling_params=GREEDY)

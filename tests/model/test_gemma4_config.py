@@ -37,6 +37,8 @@ def test_the_tiny_config_reads_as_gemma_4():
     assert ModelConfig.from_dict(c.to_dict()) == c
     assert _config(attention_k_eq_v=False).value_is_key == (False, False)
     assert _config(final_logit_softcapping=None).final_logit_softcapping is None
+    # "vision" concerns image tokens only (gemma4_vision_config.py): text stays causal
+    assert _config(use_bidirectional_attention="vision") == c
 
 
 def test_the_moe_block_reads_as_experts_beside_the_mlp():
@@ -74,7 +76,7 @@ def test_the_proportional_rope_equals_transformers():
     (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=32),
      "enable_moe_block with num_experts=4 and top_k_experts=5"),
     (dict(final_logit_softcapping=0.0), "final_logit_softcapping=0.0"),
-    (dict(use_bidirectional_attention="vision"), "use_bidirectional_attention='vision'"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
 ])
 def test_what_the_decoder_does_not_run_is_refused_by_name(overrides, named):

@@ -15,15 +15,15 @@ import pytest
 
 from tests.gemma3_images import (IMAGE_TOKENS, hf_generate, hf_processor, make_tiny_gemma3_images,
                                  random_image)
-from tests.vision_models import chat, generate_all, our_logits, two_device_tokens
+from tests.image_checks import (check_batched_with_images, check_shared_image_prefix,
+                                check_two_devices, ids_of)
+from tests.vision_models import chat, our_logits
 from xlaserve.offline import Engine
 from xlaserve.weights.loader import load_model
 
 # Prefill chunks of 20 tokens at most (an image is 16), pages of 4.
 SMALL = dict(dtype="float32", page_size=4, max_running_requests=4, chunked_prefill_size=20,
              max_prefill_tokens=24, context_length=128, max_total_tokens=1024)
-NEW_TOKENS = 8
-GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,6 @@ def served(tmp_path_factory):
     model = make_tiny_gemma3_images(directory)
     with Engine(directory, **SMALL) as engine:
         yield engine, model, directory
-
-
-def ids_of(engine, text):
-    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_the_tower_and_projector_give_transformers_rows(served):
@@ -135,13 +131,7 @@ def test_prompts_with_zero_one_and_two_images_batched_give_transformers_tokens(s
     expanded = [core.features.images.prepare(ids_of(engine, t), i)[0] for t, i in prompts]
     first_image = expanded[0].index(499)
     assert first_image < SMALL["chunked_prefill_size"] < first_image + IMAGE_TOKENS
-    expected = [hf_generate(model, directory, ids, images, NEW_TOKENS, logprobs=True)
-                for ids, (_, images) in zip(expanded, prompts)]
-    compiled, tower = core.runner.compile_count(), core.features.images.encoder._encode
-    tokens, logprobs = generate_all(engine, prompts, GREEDY)
-    assert tokens == [t for t, _ in expected]
-    np.testing.assert_allclose(logprobs, [lp for _, lp in expected], atol=2e-4)
-    assert core.runner.compile_count() == compiled and tower._cache_size() == 0
+    check_batched_with_images(engine, model, directory, hf_generate, prompts)
 
 
 def test_prompts_sharing_an_image_reuse_its_pages_but_never_a_part_of_it(served):
@@ -149,33 +139,18 @@ def test_prompts_sharing_an_image_reuse_its_pages_but_never_a_part_of_it(served)
     ending two tokens after the image (its reusable pages ending inside the image) starts at
     the page before the image and computes the image again, whole."""
     engine, model, directory = served
-    engine.core.flush_cache()
-    image = random_image(70, 50, 9)
-    runs = engine.core.features.images.encoder.runs
     text = chat(engine, "what is in this picture a cat", "<image>", "describe it a red cat")
-    ids, prompt_images = engine.core.features.images.prepare(ids_of(engine, text), [image])
-    first, end = prompt_images.whole_spans[0]  # 13, 29
     short = "<bos><start_of_turn>user\nwhat is in this picture a cat<start_of_image>"
-    short_ids = engine.core.features.images.prepare(ids_of(engine, short), [image])[0]
-    assert short_ids == ids[:end + 2] and first < (len(short_ids) - 1) // 4 * 4 < end
-    outs = [engine.generate(t, dict(GREEDY), image_data=image) for t in (text, text, short)]
-    assert engine.core.features.images.encoder.runs == runs + 1  # one image, encoded once
-    cached = [o["meta_info"]["cached_tokens"] for o in outs]
-    assert cached == [0, (len(ids) - 1) // 4 * 4, first // 4 * 4]
-    for out, prompt in zip(outs, (ids, ids, short_ids)):
-        assert out["output_ids"] == hf_generate(model, directory, prompt, [image], NEW_TOKENS)
+    check_shared_image_prefix(engine, model, directory, hf_generate, random_image(70, 50, 9),
+                              text, short)
 
 
 def test_tensor_parallel_over_two_devices_gives_transformers_tokens(served, tmp_path):
     """tp 2 (two CPU devices): the tower's heads and MLP split, the decoder's too, the image
     tokens' prefix part through the kernel under shard_map by head."""
     engine, model, directory = served
-    image = random_image(60, 60, 10)
-    text = chat(engine, "what is in this picture", "<image>", "describe it")
-    ids, _ = engine.core.features.images.prepare(ids_of(engine, text), [image])
-    tokens = two_device_tokens(directory, image, dict(SMALL, max_total_tokens=512), text,
-                               tmp_path)
-    assert tokens == hf_generate(model, directory, ids, [image], NEW_TOKENS)
+    check_two_devices(engine, model, directory, hf_generate, random_image(60, 60, 10),
+                      dict(SMALL, max_total_tokens=512), tmp_path)
 
 
 def test_what_is_not_built_is_refused_in_one_line(served, tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from xlaserve.model.encoders.encoder import Encoder
 from xlaserve.model.encoders.modernbert import ModernBert
+from xlaserve.model.vision.gemma4_vision import Gemma4VisionLM
 from xlaserve.model.vision.qwen_vision import VisionLanguageLM
 from xlaserve.model.vision.llama4_vision import Llama4VisionLM
 from xlaserve.model.vision.siglip_vision import Gemma3VisionLM
@@ -30,7 +31,9 @@ MODEL_CLASSES = {
     # Gemma 4's dense text model (model/config/gemma4_config.py): Gemma 3's with plain-weight
     # norms, value norms, layer scalars, soft-capped logits.
     "Gemma4ForCausalLM": CausalLM,
-    "Gemma4ForConditionalGeneration": CausalLM,  # served for text: images and audio refused
+    # Its image checkpoints: its vision tower and embedder beside it (model/vision/gemma4_vision.py;
+    # audio refused).
+    "Gemma4ForConditionalGeneration": Gemma4VisionLM,
     # Llama 4's text model (model/config/llama4_config.py): interleaved experts with a shared
     # one, NoPE and RoPE layers, the context capped at its attention chunk; its image checkpoints
     # (Scout, Maverick) with their vision encoder beside it (model/vision/llama4_vision.py).

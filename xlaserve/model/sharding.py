@@ -85,6 +85,7 @@ PARTITION_SPECS = {
     "gate_up_bias": P(None, TP),
     "projection": P(),  # Gemma 3's projector (vision/siglip_vision.py): the decoder rows whole
     "class_embedding": P(),  # Llama 4's encoder (vision/llama4_vision.py)
+    "bounds": P(),  # Gemma 4's clipped projections' bounds (vision/gemma4_vision.py)
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.

@@ -9,7 +9,8 @@ transformers saves them); transformers' own module names (`model.visual.*`,
 its checkpoints name it (`language_model.model.*`: gemma-3-4b-it's files and transformers 5's
 saves), its SigLIP tower and projector as `vision_tower.*` and `multi_modal_projector.*` however
 they are saved (siglip_layout.py reads them); Llama 4's encoder as `vision_model.*`
-(llama4_vision_layout.py reads it).
+(llama4_vision_layout.py reads it); Gemma 4's tower and embedder as `vision_tower.*` and
+`embed_vision.*` (gemma4_vision_layout.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 from xlaserve.model.config.vision_config import VisionConfig
 from xlaserve.weights.llama4_vision_layout import llama4_vision_weights
 from xlaserve.weights.param_layout import _fetch
+from xlaserve.weights.gemma4_vision_layout import gemma4_vision_weights
 from xlaserve.weights.siglip_layout import siglip_weights
 from xlaserve.weights.formats.tensor_source import TensorSource
 
@@ -36,7 +38,9 @@ class VisionLanguageNames:
                 ("model.vision_tower.", "vision_tower."),
                 ("vision_tower.vision_model.", "vision_tower."),
                 ("model.multi_modal_projector.", "multi_modal_projector."),
-                ("model.vision_model.", "vision_model."))  # Llama 4's encoder by module name
+                ("model.vision_model.", "vision_model."),  # Llama 4's encoder by module name
+                # Gemma 4's embedder (gemma4_vision_layout.py), saved by module name.
+                ("model.embed_vision.", "embed_vision."))
 
     def __init__(self, source: TensorSource):
         self.source = source
@@ -66,12 +70,16 @@ def with_vision_language_names(source: TensorSource) -> TensorSource:
 
 def vision_weights(config: VisionConfig, source: TensorSource) -> Iterator[tuple[tuple, np.ndarray]]:
     """(parameter path, array) for every parameter of the vision tower (Gemma 3's SigLIP and
-    projector: siglip_layout.py; Llama 4's encoder and projector: llama4_vision_layout.py)."""
+    projector: siglip_layout.py; Llama 4's encoder and projector: llama4_vision_layout.py; Gemma
+    4's tower and embedder: gemma4_vision_layout.py)."""
     if config.kind == "gemma3":
         yield from siglip_weights(config, source)
         return
     if config.kind == "llama4":
         yield from llama4_vision_weights(config, source)
+        return
+    if config.kind == "gemma4":
+        yield from gemma4_vision_weights(config, source)
         return
     c, width = config, config.hidden_size
     heads, d, inter = c.num_heads, c.head_dim, c.intermediate_size

@@ -2,7 +2,7 @@
 numbers and switches, with latent attention's and the encoders' own fields), its RoPE
 (`RopeConfig`, rope_config.py), a vision tower's (`VisionConfig`, vision_config.py; Gemma 3's
 SigLIP, `SiglipConfig`, siglip_config.py; Llama 4's encoder, `Llama4VisionConfig`,
-llama4_vision_config.py), the
+llama4_vision_config.py; Gemma 4's, `Gemma4VisionConfig`, gemma4_vision_config.py), the
 encoders' and vision-language models' configs (encoder_config.py), whose `model_config_from_hf` is
 the loaders' entry for every architecture, and the names Llama 4's checkpoints go by
 (`LLAMA4_NAMES`, llama4_config.py)."""
@@ -16,6 +16,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "VisionConfig": "vision_config",
     "SiglipConfig": "siglip_config",
     "Llama4VisionConfig": "llama4_vision_config",
+    "Gemma4VisionConfig": "gemma4_vision_config",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

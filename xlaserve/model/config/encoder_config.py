@@ -2,8 +2,8 @@
 config as a ModelConfig with its `encoder` fields (model_config.EncoderConfig), what
 model/encoders/encoder.py and model/encoders/modernbert.py do not run refused in one line.
 `model_config_from_hf` is the loaders' entry: an encoder's config here, a vision-language model's
-(`vision_language_config`), Gemma 3's and Llama 4's with images (`gemma3_images_config`,
-`llama4_images_config`), Gemma 4's image checkpoints (their text model), a decoder's
+(`vision_language_config`), Gemma 3's, Gemma 4's and Llama 4's with images
+(`gemma3_images_config`, `gemma4_images_config`, `llama4_images_config`), a decoder's
 `ModelConfig.from_hf`."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from xlaserve.model.config.gemma4_config import GEMMA4_ARCHITECTURES
+from xlaserve.model.config.gemma4_vision_config import gemma4_vision_from_hf
 from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, image_checkpoint_text
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES
 from xlaserve.model.config.llama4_vision_config import LLAMA4_IMAGES, llama4_vision_from_hf
@@ -24,11 +25,10 @@ _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_ta
 
 
 GEMMA3_IMAGES = "Gemma3ForConditionalGeneration"  # its images: siglip_config.py
+GEMMA4_IMAGES = "Gemma4ForConditionalGeneration"  # its images: gemma4_vision_config.py
 # Image checkpoints served for text: their text model's architecture, and what is not run
 # (images refused per request).
 IMAGE_CHECKPOINTS = {
-    "Gemma4ForConditionalGeneration": (GEMMA4_ARCHITECTURES[0], "the vision tower, the audio "
-                                       "tower, the multimodal embedders"),
 }
 
 
@@ -59,6 +59,8 @@ def model_config_from_hf(hf_config: Any, architecture: str,
         return gemma3_images_config(hf_config, architecture)
     if architecture == LLAMA4_IMAGES:
         return llama4_images_config(hf_config, architecture)
+    if architecture == GEMMA4_IMAGES:
+        return gemma4_images_config(hf_config, architecture)
     if architecture in IMAGE_CHECKPOINTS:  # its text model (gemma_config.image_checkpoint_text)
         text_architecture, not_run = IMAGE_CHECKPOINTS[architecture]
         text, fields = image_checkpoint_text(hf_config, architecture, not_run)
@@ -115,6 +117,16 @@ def llama4_images_config(hf_config: Any, architecture: str) -> ModelConfig:
     text, fields = image_checkpoint_text(hf_config, architecture)
     config = dataclasses.replace(ModelConfig.from_hf(text, LLAMA4_ARCHITECTURES[0]), **fields)
     return dataclasses.replace(config, vision=llama4_vision_from_hf(hf_config, architecture,
+                                                                    config.hidden_size))
+
+
+def gemma4_images_config(hf_config: Any, architecture: str) -> ModelConfig:
+    """Gemma4ForConditionalGeneration: its text config's Gemma 4 decoder (tied or not, its
+    end-of-turn ids, as the top level says) and its vision tower with the embedder
+    (gemma4_vision_config.py); an audio tower is not read (its inputs are refused by name)."""
+    text, fields = image_checkpoint_text(hf_config, architecture)
+    config = dataclasses.replace(ModelConfig.from_hf(text, GEMMA4_ARCHITECTURES[0]), **fields)
+    return dataclasses.replace(config, vision=gemma4_vision_from_hf(hf_config, architecture,
                                                                     config.hidden_size))
 
 

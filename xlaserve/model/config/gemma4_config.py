@@ -19,7 +19,8 @@ model/per_layer_inputs.py); the last num_kv_shared_layers layers reading the cac
 layer of their kind, with no cache of their own (`ModelConfig.kv_source_layers`), their MLPs twice
 as wide with use_double_wide_mlp (`ModelConfig.layer_intermediate`). The MoE block
 (enable_moe_block: every layer's experts beside its dense MLP) is `ModelConfig.experts_beside_mlp`
-(model/moe.ExpertsBesideMlp). Refused in one line, naming the field: bidirectional attention, a
+(model/moe.ExpertsBesideMlp). Refused in one line, naming the field: bidirectional attention
+(use_bidirectional_attention "all"; "vision" only concerns images), a
 per-layer-input vocabulary other than the model's. The full layers' own head size and KV heads (global_head_dim,
 num_global_key_value_heads) are `ModelConfig.layer_heads`: each layer's cache its own shape.
 """
@@ -39,7 +40,8 @@ def gemma4_fields(hf_config: Any, architecture: str) -> dict:
     if per_layer_input and c.vocab_size_per_layer_input != c.vocab_size:
         raise ValueError(f"Gemma 4: vocab_size_per_layer_input={c.vocab_size_per_layer_input} "
                          f"other than vocab_size={c.vocab_size} is not supported")
-    if getattr(c, "use_bidirectional_attention", None):
+    # "vision": image tokens see their whole image (gemma4_vision_config.py); text is causal.
+    if getattr(c, "use_bidirectional_attention", None) not in (None, "vision"):
         raise ValueError(f"Gemma 4: use_bidirectional_attention={c.use_bidirectional_attention!r}"
                          " is not supported")
     activation = getattr(c, "hidden_activation", None)

@@ -69,6 +69,13 @@ class SiglipConfig(SquarePatchGrid):
     rms_norms = False
     activation = "gelu_tanh"
     levels = 1  # rows an image token has for the decoder: its embedding alone
+    # An image's tokens see the whole image in every layer (image_spans.py), all of one length.
+    whole_images = True
+    sliding_layers_only = False
+
+    @property
+    def fewest_tokens(self) -> int:
+        return self.tokens_per_image
 
     @property
     def tokens_per_side(self) -> int:

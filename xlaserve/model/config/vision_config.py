@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from xlaserve.model.config.llama4_vision_config import Llama4VisionConfig
+from xlaserve.model.config.gemma4_vision_config import Gemma4VisionConfig
 from xlaserve.model.config.siglip_config import SiglipConfig
 
 # architectures[0] -> VisionConfig.kind
@@ -101,13 +102,16 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "VisionConfig":
         """A tower's config from its `to_dict`: this one's, Gemma 3's SigLIP
-        (siglip_config.SiglipConfig, kind "gemma3") or Llama 4's encoder
-        (llama4_vision_config.Llama4VisionConfig, kind "llama4"), which ModelConfig.vision holds
+        (siglip_config.SiglipConfig, kind "gemma3"), Llama 4's encoder
+        (llama4_vision_config.Llama4VisionConfig, kind "llama4") or Gemma 4's tower
+        (gemma4_vision_config.Gemma4VisionConfig, kind "gemma4"), which ModelConfig.vision holds
         too."""
         if data.get("kind") == "gemma3":
             return SiglipConfig.from_dict(data)
         if data.get("kind") == "llama4":
             return Llama4VisionConfig.from_dict(data)
+        if data.get("kind") == "gemma4":
+            return Gemma4VisionConfig.from_dict(data)
         return cls(**{**data, "fullatt_blocks": tuple(data.get("fullatt_blocks", ())),
                       "deepstack_layers": tuple(data.get("deepstack_layers", ()))})
 

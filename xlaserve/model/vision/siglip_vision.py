@@ -84,19 +84,24 @@ class Gemma3VisionLM(CausalLM):
     (runtime/executor/siglip_encoder.py) and the step takes its rows in place of the image
     tokens' embeddings (`input_embeds`, unscaled: transformers scales text embeddings by
     sqrt(hidden), not the projector's rows). A step with images has its image tokens attend to
-    their whole image (pallas_kernels/ragged_paged_attention/image_spans.py)."""
+    their whole image (pallas_kernels/ragged_paged_attention/image_spans.py). Gemma 4's
+    (model/vision/gemma4_vision.py) is this with its own tower (`tower`)."""
+
+    tower = SiglipTower  # the vision model beside the decoder, built from config.vision
 
     def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(config, dtype=dtype, rngs=rngs)
-        self.vision = SiglipTower(config.vision, dtype, rngs)
+        self.vision = self.tower(config.vision, dtype, rngs)
 
     def hidden_states(self, input_ids, positions, kv_caches, metadata, kernels: Kernels,
                       rope=None, capture=None, lora=None, input_embeds=None):
         """CausalLM.hidden_states, the step's images (its rows with negative ids) found first
-        where it takes image rows (`input_embeds`)."""
-        if input_embeds is not None:
+        where it takes image rows (`input_embeds`) and its images' tokens see the whole image
+        (`whole_images`: Gemma 3's, and Gemma 4's where its config says)."""
+        v = self.config.vision
+        if input_embeds is not None and v.whole_images:
             metadata = dataclasses.replace(metadata, image_spans=image_spans(
                 input_ids, positions, metadata.cu_q_lens, metadata.page_indices,
-                self.config.vision.tokens_per_image))
+                v.tokens_per_image, v.fewest_tokens, v.sliding_layers_only))
         return super().hidden_states(input_ids, positions, kv_caches, metadata, kernels, rope,
                                      capture, lora, input_embeds)

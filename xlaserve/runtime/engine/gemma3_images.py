@@ -87,6 +87,20 @@ class Gemma3ImagePrompts(ImagePrompts):
         ids += more
 
 
+def refuse_split_images(args, tokens: int, image: str) -> None:
+    """ValueError where a step cannot hold an image of `tokens` tokens whose tokens attend to
+    one another (`image`, naming them: Gemma 3's, Gemma 4's, gemma4_images.py): a prefill chunk
+    or a step's prompt budget beside as many decodes under them."""
+    whole = f"{image} attend to one another and run in one step"
+    if 0 < (args.chunked_prefill_size or tokens) < tokens:
+        raise ValueError(f"--chunked-prefill-size {args.chunked_prefill_size}: {whole}")
+    budget = prefill_budget(args.max_prefill_tokens, args.max_running_requests)
+    if budget < tokens:
+        raise ValueError(f"--max-prefill-tokens {args.max_prefill_tokens} with "
+                         f"--max-running-requests {args.max_running_requests}: a step beside "
+                         f"as many decodes has room for {budget} prompt tokens; {whole}")
+
+
 def gemma3_image_prompts(args, loaded, runner, tokenizer, model_dir: str, max_images: int
                          ) -> Gemma3ImagePrompts | None:
     """The server's Gemma3ImagePrompts, or ValueError naming what it cannot run: a prompt
@@ -100,15 +114,8 @@ def gemma3_image_prompts(args, loaded, runner, tokenizer, model_dir: str, max_im
         logger.warning("Gemma 3 without its tokenizer (--skip-tokenizer-init): requests with "
                        "images are refused (an image's prompt needs its newline tokens)")
         return None
-    tokens = config.tokens_per_image
-    whole = f"a Gemma 3 image's {tokens} tokens attend to one another and run in one step"
-    if 0 < (args.chunked_prefill_size or tokens) < tokens:
-        raise ValueError(f"--chunked-prefill-size {args.chunked_prefill_size}: {whole}")
-    budget = prefill_budget(args.max_prefill_tokens, args.max_running_requests)
-    if budget < tokens:
-        raise ValueError(f"--max-prefill-tokens {args.max_prefill_tokens} with "
-                         f"--max-running-requests {args.max_running_requests}: a step beside "
-                         f"as many decodes has room for {budget} prompt tokens; {whole}")
+    refuse_split_images(args, config.tokens_per_image, f"a Gemma 3 image's "
+                        f"{config.tokens_per_image} tokens")
     if args.mm_processor_kwargs:
         raise ValueError("--mm-processor-kwargs: Gemma 3's images are resized to the tower's "
                          f"{config.image_size} pixels; none are taken")

@@ -53,6 +53,7 @@ from xlaserve.runtime.engine.lora_adapters import LoraAdapters, lora_setup
 from xlaserve.runtime.engine.image_prompts import ImagePrompts, image_processor, max_patches
 from xlaserve.runtime.engine.gemma3_images import gemma3_image_prompts
 from xlaserve.runtime.engine.llama4_images import llama4_image_prompts
+from xlaserve.runtime.engine.gemma4_images import gemma4_image_prompts
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
 from xlaserve.runtime.scheduler.scheduler import EveryRequest, NoSpeculation, Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig, Speculator
@@ -218,6 +219,9 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                                           images_per_request(args))
         elif config.vision.kind == "llama4":  # tiles of one size (llama4_images.py)
             images = llama4_image_prompts(args, loaded, runner, tokenizer, model_dir,
+                                          images_per_request(args))
+        elif config.vision.kind == "gemma4":  # sizes by aspect ratio (gemma4_images.py)
+            images = gemma4_image_prompts(args, loaded, runner, model_dir,
                                           images_per_request(args))
         else:
             processor = image_processor(model_dir, processor_kwargs(args))

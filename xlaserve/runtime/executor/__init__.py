@@ -3,7 +3,8 @@ inputs), the buckets a step's inputs are padded to (`serving_buckets`) and the p
 (`forward_batch_for`), what a step returns (`StepOutput`), speculative decoding's drafters
 (`drafts`: a STANDALONE draft model, an EAGLE3/NEXTN draft head's steps), a vision model's tower
 run per image (`VisionEncoder`; Gemma 3's SigLIP, `SiglipEncoder`; Llama 4's encoder,
-`Llama4Encoder`) and its images' rows in a step (`PromptImages`, `add_image_rows`)."""
+`Llama4Encoder`; Gemma 4's, `Gemma4Encoder`) and its images' rows in a step (`PromptImages`,
+`add_image_rows`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
@@ -19,6 +20,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "SAMPLING_WIDTHS": "step_inputs", "StepOutput": "step_program",
     "VisionEncoder": "vision_encoder", "SiglipEncoder": "siglip_encoder",
     "Llama4Encoder": "llama4_encoder",
+    "Gemma4Encoder": "gemma4_encoder",
     "PromptImages": "image_rows",
     "add_image_rows": "image_rows",
 }

@@ -260,8 +260,9 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
     """A vision model's tower (runtime/executor/vision_encoder.py's program) compiled for
     `platform`'s devices of `mesh`, over abstract weights, for a run of `patches` patches
     (Gemma 3's SigLIP, siglip_encoder.py: one image, whatever `patches`; Llama 4's encoder,
-    llama4_encoder.py: the tiles that hold them, one at least)."""
-    from xlaserve.runtime.executor import llama4_encoder, siglip_encoder
+    llama4_encoder.py: the tiles that hold them, one at least; Gemma 4's, gemma4_encoder.py: one
+    image padded to `patches`)."""
+    from xlaserve.runtime.executor import gemma4_encoder, llama4_encoder, siglip_encoder
     from xlaserve.runtime.executor.vision_encoder import device_args, idle_batch, tower_program
 
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)
@@ -280,6 +281,12 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
         with jax.set_mesh(mesh):
             return jax.jit(llama4_encoder.tower_program(tower_graph, kernels)).trace(
                 tower_state, abstract(tiles.shape, tiles.dtype, mesh)).lower().compile()
+    if config.vision.kind == "gemma4":  # one image padded to a bucket of `patches`
+        args = [abstract(a.shape, a.dtype, mesh)
+                for a in gemma4_encoder.idle_args(config.vision, patches)]
+        with jax.set_mesh(mesh):
+            return jax.jit(gemma4_encoder.tower_program(tower_graph, kernels)).trace(
+                tower_state, *args).lower().compile()
     batch = {k: abstract(v.shape, v.dtype, mesh)
              for k, v in device_args(idle_batch(config.vision, patches)).items()}
 

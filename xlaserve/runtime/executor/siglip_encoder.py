@@ -23,13 +23,15 @@ logger = logging.getLogger(__name__)
 
 
 class SiglipEncoder:
+    """Gemma 4's (gemma4_encoder.py) is this with its own program, checks and runs."""
+
     def __init__(self, loaded, kernels, cache_tokens: int = 16384):
         """`loaded`: the LoadedModel (its `model.vision`, as the runner packed it); `kernels`:
         the runner's."""
         self.config = loaded.config.vision
         self.dtype = loaded.dtype
         graphdef, self._state = nnx.split(loaded.model.vision)
-        self._encode = jax.jit(tower_program(graphdef, kernels))
+        self._encode = jax.jit(self.program(graphdef, kernels))
         self._program = None
         self._cache = ImageRowCache(cache_tokens)
         self._lock = threading.Lock()
@@ -43,11 +45,8 @@ class SiglipEncoder:
     def embed(self, images: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
         """Each image's decoder rows [1, tokens_per_image, hidden] (the model dtype), for
         `images` as (hash, pixel_values [channels, image_size, image_size])."""
-        shape = idle_pixels(self.config).shape[1:]
         for _, pixels in images:
-            if pixels.shape != shape:
-                raise ValueError(f"an image of pixel values {list(pixels.shape)}, not the "
-                                 f"{list(shape)} the vision tower takes")
+            self._check(pixels)
         with self._lock:
             found = self._cache.found([key for key, _ in images])
             for key, pixels in images:
@@ -55,6 +54,16 @@ class SiglipEncoder:
                     found[key] = self._run(pixels)
                     self._cache.remember(key, found[key])
         return [found[key] for key, _ in images]
+
+    def program(self, graphdef, kernels):
+        """The tower's run as a pure function of its state and its inputs."""
+        return tower_program(graphdef, kernels)
+
+    def _check(self, pixels: np.ndarray) -> None:
+        shape = idle_pixels(self.config).shape[1:]
+        if pixels.shape != shape:
+            raise ValueError(f"an image of pixel values {list(pixels.shape)}, not the "
+                             f"{list(shape)} the vision tower takes")
 
     def _run(self, pixels: np.ndarray) -> np.ndarray:
         program = self._program or self._encode  # --disable-precompile: compiled on first use
