@@ -212,7 +212,7 @@ def test_prompts_with_zero_one_and_two_images_batched_give_transformers_tokens(s
 def test_prompts_sharing_an_image_reuse_its_pages_but_never_a_part_of_it(served):
     """The same chat twice: the second reuses its whole pages, the image's included. A prompt
     ending with the image (its reusable pages ending inside it: 72 of its 76 tokens, the image
-    at 11 to 75) starts at the page before the image and computes the image again, whole."""
+    at 12 to 75) starts at the page before the image and computes the image again, whole."""
     engine, model, directory = served
     text = chat(engine, "what is in this picture a cat", "<image>", "describe it a red cat")
     short = "<bos><|turn>user\nwhat is in this picture a cat<|image|>"
