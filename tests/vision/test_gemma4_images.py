@@ -68,7 +68,7 @@ def test_the_tower_and_embedder_give_transformers_rows(served, small_form):
     """gemma-4-31b's form (standardized) through the engine's encoder, each image in its own
     bucket's padding; e2b's (clipped projections, whose bounds matter: unbounded, the rows move
     by over 10x the tolerance) from a loaded model."""
-    from xlaserve.runtime.executor.gemma4_encoder import Gemma4Encoder
+    from xlaserve.runtime.executor.towers.gemma4_encoder import Gemma4Encoder
     from xlaserve.runtime.executor.kernels import kernels_for
 
     engine, model, directory = served
@@ -171,7 +171,7 @@ def test_the_small_forms_logits_with_images_equal_transformers(small_form):
     projections in the tower, the image tokens causal (no whole spans: the chunks cut inside
     the image); float32 within 1e-4."""
     from xlaserve.runtime.engine.gemma4_images import Gemma4ImagePrompts
-    from xlaserve.runtime.executor.gemma4_encoder import Gemma4Encoder
+    from xlaserve.runtime.executor.towers.gemma4_encoder import Gemma4Encoder
     from xlaserve.runtime.executor.kernels import kernels_for
 
     model, directory = small_form

@@ -22,7 +22,9 @@ class ImageFlags:
               "{\"max_pixels\": 1003520}: images are resized to fit; the vision tower is "
               "precompiled up to max_pixels (default: the checkpoint's, at most 1280*28*28)")
     limit_mm_per_prompt: Optional[str] = flag(
-        None, "images a request may carry, as vLLM's JSON {\"image\": N} (default 16)")
+        None, "images a request may carry, as vLLM's JSON {\"image\": N} (default 16); 0 serves "
+              "an image checkpoint's decoder alone (Gemma 3, Gemma 4, Llama 4: the tower not "
+              "read, --quantization, speculation and LoRA open)")
     max_image_bytes: int = flag(
         20 * 2**20, "the largest image a request may send (a data: URL's decoded bytes, or a "
                     "fetched URL's body)")

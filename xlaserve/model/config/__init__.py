@@ -11,6 +11,7 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "model_config_from_hf": "encoder_config", "SEQUENCE_CLASSIFIERS": "encoder_config",
     "ModelConfig": "model_config", "replicate_kv_heads": "layer_shapes",
+    "text_only": "vision_config",
     "LLAMA4_NAMES": "llama4_config",
     "RopeConfig": "rope_config",
     "VisionConfig": "vision_config",

@@ -26,12 +26,6 @@ _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_ta
 
 GEMMA3_IMAGES = "Gemma3ForConditionalGeneration"  # its images: siglip_config.py
 GEMMA4_IMAGES = "Gemma4ForConditionalGeneration"  # its images: gemma4_vision_config.py
-# Image checkpoints served for text: their text model's architecture, and what is not run
-# (images refused per request).
-IMAGE_CHECKPOINTS = {
-}
-
-
 # Decoder backbones saved without their LM head (sentence-transformers' saves of a decoder, and
 # embedding models that ship so): transformers' classes, read as their causal LM's layers.
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -61,10 +55,6 @@ def model_config_from_hf(hf_config: Any, architecture: str,
         return llama4_images_config(hf_config, architecture)
     if architecture == GEMMA4_IMAGES:
         return gemma4_images_config(hf_config, architecture)
-    if architecture in IMAGE_CHECKPOINTS:  # its text model (gemma_config.image_checkpoint_text)
-        text_architecture, not_run = IMAGE_CHECKPOINTS[architecture]
-        text, fields = image_checkpoint_text(hf_config, architecture, not_run)
-        return dataclasses.replace(ModelConfig.from_hf(text, text_architecture), **fields)
     if architecture in BACKBONES:
         custom = (getattr(hf_config, "auto_map", None) or {}).get("AutoModel")
         if custom and not own_code_ok:

@@ -17,10 +17,8 @@ tokens attend to their whole image (pallas_kernels/ragged_paged_attention/image_
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-logger = logging.getLogger(__name__)
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM",)
 # transformers' names of the tanh-approximated GELU (ACT2FN: both are the same formula).
@@ -50,13 +48,11 @@ def gemma3_fields(hf_config: Any, architecture: str) -> dict:
                 attention_scale=float(c.query_pre_attn_scalar) ** -0.5, activation="gelu_tanh")
 
 
-def image_checkpoint_text(hf_config: Any, architecture: str,
-                          not_run: str | None = None) -> tuple[Any, dict]:
+def image_checkpoint_text(hf_config: Any, architecture: str) -> tuple[Any, dict]:
     """An image checkpoint's text config (Gemma3ForConditionalGeneration's,
     Llama4ForConditionalGeneration's), and the ModelConfig fields its top level sets: the LM head
     tied or not and the end-of-sequence ids (gemma-3-4b-it's [1, 106]) as the checkpoint was
-    saved with them. `not_run`: its vision fields where they are not read (named in the
-    start-up warning: images are refused); None where its images run (Gemma 3's)."""
+    saved with them."""
     text = getattr(hf_config, "text_config", None)
     if text is None:
         raise ValueError(f"{architecture}: the config has no text_config")
@@ -65,7 +61,4 @@ def image_checkpoint_text(hf_config: Any, architecture: str,
     eos = getattr(hf_config, "eos_token_id", None)
     if eos is not None:
         fields["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    if not_run is not None:
-        logger.warning("%s: serving its text model; its images (%s) are not supported: requests "
-                       "with images are refused", architecture, not_run)
     return text, fields

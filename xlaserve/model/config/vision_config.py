@@ -159,3 +159,23 @@ def vision_from_hf(hf_config: Any, architecture: str) -> VisionConfig:
         video_token_id=int(getattr(hf_config, "video_token_id", -1) or -1),
         vision_start_token_id=int(hf_config.vision_start_token_id),
         vision_end_token_id=int(getattr(hf_config, "vision_end_token_id", -1) or -1))
+
+
+# Image checkpoints whose decoder serves text without the tower (`text_only`): the vision
+# towers beside a plain CausalLM's layers (Gemma 3's and 4's, Llama 4's). Qwen-VL's decoder
+# takes its multimodal RoPE positions from the tower's code.
+TEXT_SERVABLE_TOWERS = ("gemma3", "gemma4", "llama4")
+
+
+def text_only(config):
+    """`config` (a ModelConfig) without its vision tower, where its decoder serves text alone
+    (--limit-mm-per-prompt '{"image": 0}', vLLM's way of turning a modality off): the tower is
+    neither read nor held, and what a vision model refuses (--quantization, speculation, LoRA,
+    several hosts) is open again. A tower whose decoder needs it is refused by name."""
+    if config.vision is None:
+        return config
+    if config.vision.kind not in TEXT_SERVABLE_TOWERS:
+        raise ValueError(f"--limit-mm-per-prompt '{{\"image\": 0}}': {config.architecture}'s "
+                         "decoder is not served without its vision tower (text-only: "
+                         f"{', '.join(TEXT_SERVABLE_TOWERS)} towers' models)")
+    return dataclasses.replace(config, vision=None)

@@ -11,7 +11,7 @@ Gemma4VisionModel and Gemma4MultimodalEmbedder, and `Gemma4VisionLM`, the decode
        (x - std_bias) * std_scale with `standardize`, a weightless RMS norm, @ projection:
        [tokens_per_image, decoder hidden], the image's tokens first (the rest: padding)
 
-One image a run, its patches padded to the run's bucket (runtime/executor/gemma4_encoder.py):
+One image a run, its patches padded to the run's bucket (runtime/executor/towers/gemma4_encoder.py):
 the attention keeps to the first `count` rows (Kernels.bidirectional_attention over one
 sequence), the padding rows are dropped before the pooling. The 2-D RoPE
 (Gemma4VisionRotaryEmbedding with apply_multidimensional_rope): a head's first half rotated by
@@ -184,7 +184,7 @@ class Gemma4VisionTower(nnx.Module):
 class Gemma4VisionLM(Gemma3VisionLM):
     """Gemma4ForConditionalGeneration: the Gemma 4 decoder (CausalLM: its per-layer embeddings
     read the pad token's for image rows, as transformers does) and its vision tower, run per
-    image by the engine (runtime/executor/gemma4_encoder.py); the step takes the tower's rows
+    image by the engine (runtime/executor/towers/gemma4_encoder.py); the step takes the tower's rows
     in place of the image tokens' embeddings, unscaled, and where the config says
     (`whole_images`) the image tokens see their whole image in the sliding layers
     (Gemma3VisionLM.hidden_states)."""

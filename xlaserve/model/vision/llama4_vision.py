@@ -121,10 +121,11 @@ class Llama4VisionTower(nnx.Module):
 class Llama4VisionLM(CausalLM):
     """Llama4ForConditionalGeneration: the Llama 4 decoder (CausalLM) and its vision encoder,
     which the serving step does not run: the engine runs it per image
-    (runtime/executor/llama4_encoder.py) and the step takes its rows in place of the
+    (runtime/executor/towers/llama4_encoder.py) and the step takes its rows in place of the
     <|patch|> tokens' embeddings (`input_embeds`). The image tokens attend causally, as text
     does (transformers' Llama 4 builds no other mask for them)."""
 
     def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(config, dtype=dtype, rngs=rngs)
-        self.vision = Llama4VisionTower(config.vision, dtype, rngs)
+        if config.vision is not None:  # None: served for text (vision_config.text_only)
+            self.vision = Llama4VisionTower(config.vision, dtype, rngs)

@@ -81,7 +81,7 @@ class SiglipTower(nnx.Module):
 class Gemma3VisionLM(CausalLM):
     """Gemma3ForConditionalGeneration: the Gemma 3 decoder (CausalLM) and its SigLIP tower,
     which the serving step does not run: the engine runs it per image
-    (runtime/executor/siglip_encoder.py) and the step takes its rows in place of the image
+    (runtime/executor/towers/siglip_encoder.py) and the step takes its rows in place of the image
     tokens' embeddings (`input_embeds`, unscaled: transformers scales text embeddings by
     sqrt(hidden), not the projector's rows). A step with images has its image tokens attend to
     their whole image (pallas_kernels/ragged_paged_attention/image_spans.py). Gemma 4's
@@ -91,7 +91,8 @@ class Gemma3VisionLM(CausalLM):
 
     def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(config, dtype=dtype, rngs=rngs)
-        self.vision = self.tower(config.vision, dtype, rngs)
+        if config.vision is not None:  # None: served for text (vision_config.text_only)
+            self.vision = self.tower(config.vision, dtype, rngs)
 
     def hidden_states(self, input_ids, positions, kv_caches, metadata, kernels: Kernels,
                       rope=None, capture=None, lora=None, input_embeds=None):

@@ -23,7 +23,7 @@ import numpy as np
 
 from xlaserve.runtime.engine.image_prompts import ImagePrompts
 from xlaserve.runtime.executor.image_rows import PromptImages
-from xlaserve.runtime.executor.siglip_encoder import SiglipEncoder
+from xlaserve.runtime.executor.towers.siglip_encoder import SiglipEncoder
 from xlaserve.runtime.scheduler.scheduler import prefill_budget
 
 logger = logging.getLogger(__name__)

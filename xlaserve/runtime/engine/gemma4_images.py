@@ -24,7 +24,7 @@ import numpy as np
 
 from xlaserve.runtime.engine.gemma3_images import refuse_split_images
 from xlaserve.runtime.engine.image_prompts import ImagePrompts
-from xlaserve.runtime.executor.gemma4_encoder import Gemma4Encoder
+from xlaserve.runtime.executor.towers.gemma4_encoder import Gemma4Encoder
 from xlaserve.runtime.executor.image_rows import PromptImages
 
 logger = logging.getLogger(__name__)

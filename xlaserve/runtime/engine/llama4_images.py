@@ -11,7 +11,7 @@ Llama4Processor replaces each with the image's tokens before tokenizing (_prompt
 n the tokens a tile becomes (Scout: 144). The prompt here is ids: each `<|image|>` becomes those
 ids, the markers' from the tokenizer, as tokenizing the expanded text gives them. The image
 processor is model/vision/llama4_tiles.TileProcessor as the checkpoint's preprocessor_config.json
-sets it; the encoder's rows (runtime/executor/llama4_encoder.py) take the <|patch|> rows in order,
+sets it; the encoder's rows (runtime/executor/towers/llama4_encoder.py) take the <|patch|> rows in order,
 a tile's rows after another's as the tiles come (the global one last). The image tokens attend
 causally, as text does, so a prefill chunk may end inside an image and the prefix cache may
 reuse part of one (its rows are the same wherever they start).
@@ -29,7 +29,7 @@ import numpy as np
 from xlaserve.model.vision.llama4_tiles import TileProcessor
 from xlaserve.runtime.engine.image_prompts import ImagePrompts
 from xlaserve.runtime.executor.image_rows import PromptImages
-from xlaserve.runtime.executor.llama4_encoder import Llama4Encoder
+from xlaserve.runtime.executor.towers.llama4_encoder import Llama4Encoder
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,8 @@
 inputs), the buckets a step's inputs are padded to (`serving_buckets`) and the padding
 (`forward_batch_for`), what a step returns (`StepOutput`), speculative decoding's drafters
 (`drafts`: a STANDALONE draft model, an EAGLE3/NEXTN draft head's steps), a vision model's tower
-run per image (`VisionEncoder`; Gemma 3's SigLIP, `SiglipEncoder`; Llama 4's encoder,
-`Llama4Encoder`; Gemma 4's, `Gemma4Encoder`) and its images' rows in a step (`PromptImages`,
-`add_image_rows`)."""
+run per image (`VisionEncoder`; this year's families' in `towers`: Gemma 3's SigLIP, Gemma 4's,
+Llama 4's) and its images' rows in a step (`PromptImages`, `add_image_rows`)."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
@@ -18,9 +17,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "layout_for": "step_inputs", "staged_from_host": "step_inputs", "slots_for": "lora_slots",
     "EmbeddingRunner": "embedding_step",
     "SAMPLING_WIDTHS": "step_inputs", "StepOutput": "step_program",
-    "VisionEncoder": "vision_encoder", "SiglipEncoder": "siglip_encoder",
-    "Llama4Encoder": "llama4_encoder",
-    "Gemma4Encoder": "gemma4_encoder",
+    "VisionEncoder": "vision_encoder", "towers": "towers",
     "PromptImages": "image_rows",
     "add_image_rows": "image_rows",
 }

@@ -262,7 +262,7 @@ def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str,
     (Gemma 3's SigLIP, siglip_encoder.py: one image, whatever `patches`; Llama 4's encoder,
     llama4_encoder.py: the tiles that hold them, one at least; Gemma 4's, gemma4_encoder.py: one
     image padded to `patches`)."""
-    from xlaserve.runtime.executor import gemma4_encoder, llama4_encoder, siglip_encoder
+    from xlaserve.runtime.executor.towers import gemma4_encoder, llama4_encoder, siglip_encoder
     from xlaserve.runtime.executor.vision_encoder import device_args, idle_batch, tower_program
 
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform)

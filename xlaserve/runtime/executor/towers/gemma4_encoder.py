@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.runtime.executor.buckets import pow2_buckets
-from xlaserve.runtime.executor.siglip_encoder import SiglipEncoder
+from xlaserve.runtime.executor.towers.siglip_encoder import SiglipEncoder
 
 logger = logging.getLogger(__name__)
 
