@@ -2,9 +2,9 @@
 tensor parallel over 4 chips) without the hardware (runtime/executor/aot.py): the serving step
 that takes image rows (and Qwen3-VL's DeepStack rows) and the vision tower for a bucket of
 patches (its attention JAX's Pallas flash attention on the GPU, splash on the TPU), at
-Qwen2.5-VL-7B's, Qwen3-VL-8B's, gemma-3-4b's and Llama-4-Scout's widths with a few layers and
-blocks, with the platform's real compilers (Mosaic's layout and memory checks). Gemma 3's step also
-holds its image tokens' attention within their image (the kernels' prefix_only part over the
+Qwen2.5-VL-7B's, Qwen3-VL-8B's, gemma-3-4b's, Llama-4-Scout's and gemma-4-31b's widths with a few
+layers and blocks, with the platform's real compilers (Mosaic's layout and memory checks). Gemma
+3's and 4's steps also hold their image tokens' attention within their image (the kernels' prefix_only part over the
 step's images, pallas_kernels/ragged_paged_attention/image_spans.py). Scout's encoder: 2 tiles,
 segments of 577 rows (its largest bucket, 17 tiles, compiled for v6e tp 4 in 38 s with 170 MiB
 of temporaries at 2 layers, measured once)."""
@@ -39,11 +39,31 @@ GEMMA3_4B = {
                       "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
 
 
+def _gemma4_31b_images(layers: int, tower_layers: int) -> dict:
+    """gemma-4-31b-it's form cut to `layers` decoder and `tower_layers` tower layers: its text
+    config (benchmarks/configs/gemma-4-31b-text), its image tokens seeing their whole image in
+    the sliding layers ("vision"), beside transformers' default Gemma 4 vision tower (the
+    published 31B tower's own fields are not copied here)."""
+    import transformers
+
+    text = json.loads((CONFIGS / "gemma-4-31b-text" / "config.json").read_text())
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    text.update(model_type="gemma4_text", use_bidirectional_attention="vision",
+                num_hidden_layers=layers, layer_types=text["layer_types"][:layers])
+    vision = transformers.Gemma4VisionConfig(num_hidden_layers=tower_layers).to_dict()
+    config = transformers.Gemma4Config(text_config=text, audio_config=None,
+                                       vision_config=vision).to_dict()
+    config["architectures"] = ["Gemma4ForConditionalGeneration"]
+    return config
+
+
 def _config(model: str, directory) -> str:
     """The model's config.json (and its processor's) cut to 2 decoder layers and 2 vision
     blocks (Qwen2.5-VL: one windowed, one full; Qwen3-VL: both DeepStack layers; Gemma 3: a
-    local and a global layer)."""
-    if model == "llama-4-scout":
+    local and a global layer; Gemma 4: five sliding layers and a global one)."""
+    if model == "gemma-4-31b":  # five sliding layers and a global one, 2 tower layers
+        config = _gemma4_31b_images(layers=6, tower_layers=2)
+    elif model == "llama-4-scout":
         config = json.loads((CONFIGS / model / "config.json").read_text())
         config["text_config"]["num_hidden_layers"] = 2
         config["vision_config"]["num_hidden_layers"] = 2
@@ -68,7 +88,7 @@ def _config(model: str, directory) -> str:
     ("h100", 1),
     ("v6e:2x2", 4)])
 @pytest.mark.parametrize("model", ["qwen2.5-vl-7b", "qwen3-vl-8b", "gemma-3-4b",
-                                   "llama-4-scout"])
+                                   "llama-4-scout", "gemma-4-31b"])
 def test_vision_step_and_tower_compile(target, tp_size, model, tmp_path):
     """A vision model's serving step and its tower compiled for the target at the real model's
     shapes: 12-16 s on a 2-core CPU for v6e tp 4 (the tower the most), two programs through XLA's

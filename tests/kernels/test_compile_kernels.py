@@ -160,6 +160,14 @@ def test_attention_chunk_compiles_for_the_target(target, batch):
 
 
 @pytest.mark.parametrize("target", ["v6e:2x2", "h100"])
+def test_gemma4_wide_heads_compile_in_a_long_prefill(target):
+    """Gemma 4 31B's full layers (32 query heads over 4 KV heads of 512) in a 2048-token step of
+    64 requests: on the GPU an item holds 32 query rows at that width (query_rows_for), where 128
+    asked Triton for 256 KiB of shared memory, more than an H100 has."""
+    check_compiles_in_place(target, ((32, 4, 512), (2048, 64), 16, "bfloat16"))
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "h100"])
 @pytest.mark.parametrize("layout", ["llama-3.1-8b", "qwen2.5-0.5b"])
 def test_prefix_only_attention_compiles_for_the_target(target, layout):
     """The kernels with `prefix_only` (out and log-sum-exp: speculative tree rows, tree_tokens.py)

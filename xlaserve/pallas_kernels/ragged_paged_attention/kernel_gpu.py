@@ -111,6 +111,14 @@ def kv_block_bytes(block_tokens: int, head_dim: int, itemsize: int) -> int:
     return 2 * block_tokens * head_dim * itemsize  # K and V
 
 
+def query_rows_for(head_dim: int) -> int:
+    """The most query rows an item holds: 128 up to head dim 128 (the queries and scores within
+    SHARED_MEMORY_FOR_KV's allowance), fewer as heads widen so that rows x head dim stays
+    128 x 128: Gemma 4's 512-wide heads at 128 rows asked Triton for 256 KiB of an H100's 227
+    (its 2048-token prefill bucket, compiled deviceless), 32 rows fit."""
+    return min(128, max(16, 128 * 128 // head_dim))
+
+
 def default_num_stages(block_bytes: int) -> int:
     """Triton's software pipeline keeps `num_stages` KV blocks (of `block_bytes`: K and V, or
     MLA's latent rows) in shared memory: two where they fit, else one (float32 128-token pages of
@@ -165,7 +173,8 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, 
     token_page, token_slot = new_token_slots(kv_lens, page_indices, cu_q_lens, num_tokens,
                                              page_size)
     if q_block is None:
-        q_block = default_q_block(num_tokens, page_indices.shape[0], group, max_rows=128)
+        q_block = default_q_block(num_tokens, page_indices.shape[0], group,
+                                  max_rows=query_rows_for(head_dim))
     # The cache as [pages, page_size, Hkv, 2, D]: program (w, h, s) sees K and V of head h.
     by_head = (num_pages, page_size, num_kv_heads, 2, head_dim)
     whole_cache = (num_pages, page_size, None, None, head_dim)
