@@ -38,6 +38,9 @@ FORMS = {
     # gemma-4-e2b / e4b: "gemma4_ple"'s (per-layer embeddings, the last two of four layers
     # reading the first two's caches), images causal, every projection of the tower clipped
     "small": dict(family="gemma4_ple", text={}, vision=dict(VISION, use_clipped_linears=True)),
+    # gemma-4-26b-a4b: "gemma4_moe"'s (experts beside every layer's MLP), images as "large"
+    "moe": dict(family="gemma4_moe", text=dict(use_bidirectional_attention="vision"),
+                vision=dict(VISION, standardize=True)),
 }
 
 

@@ -165,16 +165,20 @@ def test_logits_with_images_equal_transformers(served, dtype):
     assert np.abs(causal - hf_logits(model, directory, ids, images)).max() > 0.1 * scale
 
 
-def test_the_small_forms_logits_with_images_equal_transformers(small_form):
+@pytest.mark.parametrize("form", ["small", "moe"])
+def test_the_small_and_moe_forms_logits_with_images_equal_transformers(form, small_form,
+                                                                       tmp_path):
     """gemma-4-e2b's form: per-layer embeddings (an image token's the pad token's own part and
     its image row's projection), the last two layers reading the first two's caches, clipped
     projections in the tower, the image tokens causal (no whole spans: the chunks cut inside
-    the image); float32 within 1e-4."""
+    the image). gemma-4-26b-a4b's: the experts beside every MLP, its image tokens seeing their
+    whole image (a chunk ends before it). Float32 within 1e-4."""
     from xlaserve.runtime.engine.gemma4_images import Gemma4ImagePrompts
     from xlaserve.runtime.executor.towers.gemma4_encoder import Gemma4Encoder
     from xlaserve.runtime.executor.kernels import kernels_for
 
-    model, directory = small_form
+    model, directory = (small_form if form == "small"
+                        else (make_tiny_gemma4_images(str(tmp_path), "moe"), str(tmp_path)))
     loaded = load_model(directory, dtype="float32", progress=False)
     processor = hf_processor(directory)
     prompts = Gemma4ImagePrompts(loaded.config.vision, processor.image_processor,
@@ -184,9 +188,14 @@ def test_the_small_forms_logits_with_images_equal_transformers(small_form):
     text = "<bos><|turn>user\nwhat is in<|image|>describe it<turn|>\n<|turn>model\n"
     ids, prompt_images = prompts.prepare(processor.tokenizer.encode(
         text, add_special_tokens=False), images)
-    assert prompt_images.whole_spans == ()
     start = ids.index(IMAGE_ID)
-    ours = our_logits(loaded, ids, prompt_images, [start + 9, start + 40, len(ids)])
+    if form == "small":
+        assert prompt_images.whole_spans == ()
+        chunk_ends = [start + 9, start + 40, len(ids)]
+    else:  # a chunk never ends inside an image whose tokens see it whole
+        assert prompt_images.whole_spans
+        chunk_ends = [start - 1, len(ids)]
+    ours = our_logits(loaded, ids, prompt_images, chunk_ends)
     np.testing.assert_allclose(ours, hf_logits(model, directory, ids, images), atol=1e-4,
                                rtol=0)
 
