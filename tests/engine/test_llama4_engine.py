@@ -44,6 +44,13 @@ def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
 
 
+def test_expert_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
+    """--tp-size 2 --ep-size 2: two of the MoE layers' four experts a device (the top-1 router's
+    choice scaling the expert's input, moe.expert_parallel), the shared expert split by width."""
+    check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY,
+                      dict(SMALL, tp_size=2, ep_size=2))
+
+
 def test_an_image_checkpoint_serves_text_and_without_a_tokenizer_refuses_images(tmp_path):
     """A Llama4ForConditionalGeneration (transformers 5's save: `language_model.model.*`) gives
     transformers' greedy tokens on text prompts, batched and chunked; without its tokenizer

@@ -1,7 +1,8 @@
 """The model over an FP8 KV cache (--kv-cache-dtype, model/fp8_kv_cache.py) against the same model
 over a float32 cache, on tiny random checkpoints of every attention kind: GQA (Llama), q/k norms
 (Qwen3), sinks and sliding windows (gpt-oss), the latent cache (DeepSeek-V2, absorbed and
-expanded forms) and Gemma 4's KV-shared layers (gemma4_ple). Ragged prefill chunks, then decodes, all through the platform's kernels.
+expanded forms), Gemma 4's KV-shared layers (gemma4_ple) and Llama 4's chunked and NoPE layers
+(llama4, within the common bounds). Ragged prefill chunks, then decodes, all through the platform's kernels.
 
 What FP8 costs: e4m3 rounds each K and V entry to 3 mantissa bits (relative error up to 2^-4),
 e5m2 to 2 bits (2^-3). On these models (logits of standard deviation 0.64-0.68) the measured
@@ -34,7 +35,7 @@ BOUNDS = {"fp8_e4m3": (0.03, 0.2), "fp8_e5m2": (0.05, 1.5)}
 # 0.28, so the shared layers add nothing. Bounds about twice those; a scale misapplied would move
 # the logits by their own size (0.45).
 FAMILY_BOUNDS = {"gemma4_ple": {"fp8_e4m3": (0.08, 0.7), "fp8_e5m2": (0.16, 2.4)}}
-FAMILIES = ["llama", "qwen3", "gpt_oss", "deepseek_v2", "gemma4_ple"]
+FAMILIES = ["llama", "qwen3", "gpt_oss", "deepseek_v2", "gemma4_ple", "llama4"]
 
 
 @pytest.fixture(scope="module")
