@@ -3,7 +3,7 @@ config as a ModelConfig with its `encoder` fields (model_config.EncoderConfig), 
 model/encoders/encoder.py and model/encoders/modernbert.py do not run refused in one line.
 `model_config_from_hf` is the loaders' entry: an encoder's config here, a vision-language model's
 (`vision_language_config`), Gemma 3's, Gemma 4's and Llama 4's with images
-(`gemma3_images_config`, `gemma4_images_config`, `llama4_images_config`), a decoder's
+(`images_config`, by IMAGE_CHECKPOINTS), a decoder's
 `ModelConfig.from_hf`."""
 from __future__ import annotations
 
@@ -24,8 +24,13 @@ from xlaserve.model.config.vision_config import VISION_LANGUAGE_ARCHITECTURES, v
 _GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-GEMMA3_IMAGES = "Gemma3ForConditionalGeneration"  # its images: siglip_config.py
-GEMMA4_IMAGES = "Gemma4ForConditionalGeneration"  # its images: gemma4_vision_config.py
+# Image checkpoints whose decoder is a text model's beside their tower: the text model's
+# architecture and how its tower's config is read (`images_config`).
+IMAGE_CHECKPOINTS = {
+    "Gemma3ForConditionalGeneration": (GEMMA3_ARCHITECTURES[0], siglip_from_hf),
+    LLAMA4_IMAGES: (LLAMA4_ARCHITECTURES[0], llama4_vision_from_hf),
+    "Gemma4ForConditionalGeneration": (GEMMA4_ARCHITECTURES[0], gemma4_vision_from_hf),
+}
 # Decoder backbones saved without their LM head (sentence-transformers' saves of a decoder, and
 # embedding models that ship so): transformers' classes, read as their causal LM's layers.
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -49,12 +54,8 @@ def model_config_from_hf(hf_config: Any, architecture: str,
         return encoder_from_hf(hf_config, architecture)
     if architecture in VISION_LANGUAGE_ARCHITECTURES:
         return vision_language_config(hf_config, architecture)
-    if architecture == GEMMA3_IMAGES:
-        return gemma3_images_config(hf_config, architecture)
-    if architecture == LLAMA4_IMAGES:
-        return llama4_images_config(hf_config, architecture)
-    if architecture == GEMMA4_IMAGES:
-        return gemma4_images_config(hf_config, architecture)
+    if architecture in IMAGE_CHECKPOINTS:
+        return images_config(hf_config, architecture)
     if architecture in BACKBONES:
         custom = (getattr(hf_config, "auto_map", None) or {}).get("AutoModel")
         if custom and not own_code_ok:
@@ -90,34 +91,16 @@ def vision_language_config(hf_config: Any, architecture: str) -> ModelConfig:
         vision=vision_from_hf(hf_config, architecture))
 
 
-def gemma3_images_config(hf_config: Any, architecture: str) -> ModelConfig:
-    """Gemma3ForConditionalGeneration: its text config's Gemma 3 decoder (tied or not, its
-    end-of-turn ids, as the top level says) and its SigLIP tower with the projector
-    (siglip_config.py)."""
+def images_config(hf_config: Any, architecture: str) -> ModelConfig:
+    """An image checkpoint of IMAGE_CHECKPOINTS: its text config's decoder (tied or not, its
+    end-of-turn ids, as the top level says) and its vision tower with the projector or embedder
+    (Gemma 3's SigLIP, siglip_config.py; Llama 4's encoder, llama4_vision_config.py; Gemma 4's
+    tower, gemma4_vision_config.py, whose audio tower is not read: its inputs are refused)."""
+    text_architecture, tower_from_hf = IMAGE_CHECKPOINTS[architecture]
     text, fields = image_checkpoint_text(hf_config, architecture)
-    config = dataclasses.replace(ModelConfig.from_hf(text, GEMMA3_ARCHITECTURES[0]), **fields)
-    return dataclasses.replace(config, vision=siglip_from_hf(hf_config, architecture,
-                                                             config.hidden_size))
-
-
-def llama4_images_config(hf_config: Any, architecture: str) -> ModelConfig:
-    """Llama4ForConditionalGeneration (Scout, Maverick): its text config's Llama 4 decoder (tied
-    or not, its end-of-turn ids, as the top level says) and its vision encoder with the projector
-    (llama4_vision_config.py)."""
-    text, fields = image_checkpoint_text(hf_config, architecture)
-    config = dataclasses.replace(ModelConfig.from_hf(text, LLAMA4_ARCHITECTURES[0]), **fields)
-    return dataclasses.replace(config, vision=llama4_vision_from_hf(hf_config, architecture,
-                                                                    config.hidden_size))
-
-
-def gemma4_images_config(hf_config: Any, architecture: str) -> ModelConfig:
-    """Gemma4ForConditionalGeneration: its text config's Gemma 4 decoder (tied or not, its
-    end-of-turn ids, as the top level says) and its vision tower with the embedder
-    (gemma4_vision_config.py); an audio tower is not read (its inputs are refused by name)."""
-    text, fields = image_checkpoint_text(hf_config, architecture)
-    config = dataclasses.replace(ModelConfig.from_hf(text, GEMMA4_ARCHITECTURES[0]), **fields)
-    return dataclasses.replace(config, vision=gemma4_vision_from_hf(hf_config, architecture,
-                                                                    config.hidden_size))
+    config = dataclasses.replace(ModelConfig.from_hf(text, text_architecture), **fields)
+    return dataclasses.replace(config, vision=tower_from_hf(hf_config, architecture,
+                                                            config.hidden_size))
 
 
 def encoder_from_hf(hf_config: Any, architecture: str) -> ModelConfig:

@@ -29,7 +29,7 @@ from typing import Any
 
 LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM",)
 # It and its checkpoints with images (Llama-4-Scout-17B-16E, Maverick: their text model is a
-# Llama4ForCausalLM's, encoder_config.llama4_images_config) name their feed-forward blocks
+# Llama4ForCausalLM's, encoder_config.images_config) name their feed-forward blocks
 # `feed_forward.*` (weights/param_layout.py).
 LLAMA4_NAMES = (*LLAMA4_ARCHITECTURES, "Llama4ForConditionalGeneration")
 _LAYER_TYPES = ("chunked_attention", "full_attention")
