@@ -119,11 +119,7 @@ class Attention(nnx.Module):
         qkv = project(x, self.qkv[...], kernels, lora, "qkv")
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(jnp.float32)
-        # Attention takes its inputs in the cache's dtype (the model dtype); an FP8 cache takes
-        # K and V scaled into FP8 and q in the model dtype (fp8_kv_cache.py).
-        fp8 = kv_cache is not None and is_fp8(kv_cache.dtype)
-        dtype = (matmul_input_dtype(self.o_proj[...]) if kv_cache is None or fp8
-                 else kv_cache.dtype)
+        fp8, dtype = self._attention_dtypes(kv_cache)
         if self.nope:  # RoPE the identity: cos 1, sin 0
             cos, sin = jnp.ones_like(cos), jnp.zeros_like(sin)
         if c.qk_norm:  # the norms come between the split and RoPE: XLA's path
@@ -153,17 +149,24 @@ class Attention(nnx.Module):
         with that layer's keys and values of this step and their scales."""
         k, v, sm_scale, v_scale = shared
         q = project(x, self.qkv[...], kernels)  # [T, kv heads, group, D]
-        dtype = matmul_input_dtype(self.o_proj[...]) if is_fp8(k.dtype) else k.dtype
+        _, dtype = self._attention_dtypes(kv_cache)
         q = apply_rope(self.q_norm(q.reshape(q.shape[0], -1, q.shape[-1])), cos, sin)
         return self._attend(q.astype(dtype), k, v, kv_cache, metadata, kernels, None, sm_scale,
                             v_scale)
 
-    def _attend(self, q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale):
-        c = self.config
-        num_tokens = q.shape[0]
+    def _attention_dtypes(self, kv_cache) -> tuple[bool, jnp.dtype]:
+        """(an FP8 cache?, the dtype q, k and v go in): attention takes its inputs in the
+        cache's dtype (the model dtype); an FP8 cache takes K and V scaled into FP8 and q in the
+        model dtype (fp8_kv_cache.py)."""
         fp8 = kv_cache is not None and is_fp8(kv_cache.dtype)
         dtype = (matmul_input_dtype(self.o_proj[...]) if kv_cache is None or fp8
                  else kv_cache.dtype)
+        return fp8, dtype
+
+    def _attend(self, q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale):
+        c = self.config
+        num_tokens = q.shape[0]
+        fp8, dtype = self._attention_dtypes(kv_cache)
         sinks = self.sinks[...].astype(jnp.float32) if c.attention_sinks else None
         args = (q, k, v, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
                 metadata.num_seqs)
