@@ -25,6 +25,7 @@ from xlaserve.runtime.engine.async_requests import (LIVENESS_POLL_S, AsyncReques
 from xlaserve.runtime.engine.data_parallel import make_engine_core
 from xlaserve.runtime.engine.image_prompts import images_per_prompt, read_image
 from xlaserve.runtime.engine.messages import OutputDelta
+from xlaserve.runtime.engine.weight_updates import WeightUpdateError
 from xlaserve.runtime.sampling.params import InvalidSamplingParam, SamplingParams
 from xlaserve.server_args import ServerArgs, platform_defaults
 
@@ -291,6 +292,72 @@ class Engine:
     def unload_lora_adapter(self, lora_name: str) -> None:
         """Stops serving `lora_name` once its requests have ended."""
         self.core.unload_lora_adapter(lora_name)
+
+    # --- RL rollouts (SGLang's Engine methods; runtime/engine/weight_updates.py) -----------------
+
+    def update_weights(self, params, flush_cache: bool = True, abort_all_requests: bool = False,
+                       weight_version: str | None = None) -> None:
+        """Serves a JAX trainer's weights, in process: an NNX state (or module) of xlaserve's
+        model, or {Hugging Face name: array} of every weight. Its arrays are cast, put on the
+        serving shardings (by XLA, on the devices) and swapped in between steps: no compile.
+        Running requests end on the old weights first (`abort_all_requests`: they are aborted).
+        Raises WeightUpdateError (the old weights serve on)."""
+        self._weights().update(params, flush_cache=flush_cache,
+                               abort_all_requests=abort_all_requests,
+                               weight_version=weight_version)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False,
+                                 weight_version: str | None = None,
+                                 flush_cache: bool = True) -> tuple[bool, str, int]:
+        """(success, message, num_paused_requests), as SGLang's."""
+        return self._answer(lambda w: w.update_from_disk(
+            model_path, load_format, abort_all_requests=abort_all_requests,
+            weight_version=weight_version, flush_cache=flush_cache), "from disk")
+
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
+                                   flush_cache: bool = True, abort_all_requests: bool = False,
+                                   weight_version: str | None = None) -> tuple[bool, str]:
+        """SGLang's: `named_tensors` [(Hugging Face name, tensor)] of every weight (torch,
+        NumPy or JAX arrays). (success, message)."""
+        if load_format not in (None, "direct"):
+            return False, f"load_format {load_format!r}: only direct named tensors are read"
+        return self._answer(lambda w: w.update(
+            dict(named_tensors), flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+            weight_version=weight_version), "from tensors")[:2]
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self._weights().weight(name, truncate_size)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._weights().release(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._weights().resume(tags)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._weights().pause(mode)
+
+    def continue_generation(self) -> None:
+        self._weights().resume_generation()
+
+    def flush_cache(self) -> int:
+        """Empties the prefix cache of pages no running request uses; returns how many."""
+        return self.core.flush_cache()
+
+    def _weights(self):
+        weights = getattr(self.core, "weights", None)
+        if weights is None:
+            raise WeightUpdateError("the RL calls are not built with --dp-size > 1")
+        return weights
+
+    def _answer(self, update, what: str) -> tuple:
+        """SGLang's (success, message, num_paused_requests) of an update."""
+        try:
+            paused = update(self._weights())
+        except WeightUpdateError as error:
+            return False, str(error), 0
+        return True, f"Succeeded to update model weights {what}.", paused
 
     # --- lifetime ---------------------------------------------------------------------------------
 

@@ -68,6 +68,14 @@ class ModelFlags:
               "/v1/rerank, /score); and an embedding decoder's attention, {\"is_causal\": false} "
               "(every token sees its whole input: gte-Qwen2-7B-instruct) or true (as transformers' "
               "class, for a backbone whose config names code of its own: gte-Qwen2-1.5B-instruct)")
+    weight_version: str = flag(
+        "default", "the served weights' version, reported in /get_model_info, "
+                   "/get_weight_version and each response's meta_info; an update's "
+                   "weight_version replaces it (RL rollouts: docs/server.md)")
+    enable_weights_cpu_backup: bool = flag(
+        False, "/release_memory_occupation keeps a copy of the weights in host memory, from "
+               "which /resume_memory_occupation restores them; without it they come back "
+               "empty and generation waits for an update of the weights")
 
 
 _RERANKER = {"architectures", "classifier_from_token", "is_original_qwen3_reranker"}

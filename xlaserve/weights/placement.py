@@ -43,6 +43,14 @@ def put_global(host, sharding: Sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _placed(array, dtype, sharding: Sharding) -> jax.Array:
+    """`array` in `dtype` on `sharding`: a host array put there, a jax.Array (a trainer's
+    update, weights/in_memory.py) cast and moved by XLA without leaving the devices."""
+    if isinstance(array, jax.Array):
+        return jax.device_put(array.astype(dtype), sharding)
+    return put(np.asarray(array, dtype=dtype), sharding)
+
+
 def build_model(config: ModelConfig, source, *, dtype, mesh: Mesh, progress: bool = True,
                 quantization: str | None = None):
     """Convert every tensor of `source` (an encoder's: encoder_layout.py) and put it on `mesh`
@@ -88,9 +96,9 @@ def place_model(config: ModelConfig, tensors, *, dtype, mesh: Mesh, progress: bo
                                             array, want)
             elif isinstance(want, QUANTIZED_TYPES):
                 loaded[path] = quantize_placed(
-                    put(np.asarray(array, dtype=np.float32), float_weight(want).sharding), want)
+                    _placed(array, np.float32, float_weight(want).sharding), want)
             else:
-                loaded[path] = put(np.asarray(array, dtype=dtype), want.sharding)
+                loaded[path] = _placed(array, dtype, want.sharding)
             bar.update(1)
     missing = set(expected) - set(loaded)
     if missing:

@@ -13,6 +13,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "GENERATES": "pooled_outputs", "WrongKindOfServer": "pooled_outputs",
     "make_engine_core": "data_parallel",
     "UnknownAdapter": "lora_adapters", "NO_ADAPTERS": "lora_adapters",
+    "WeightUpdateError": "weight_updates",
     "OutputDelta": "messages",
     "read_image": "image_prompts", "images_per_prompt": "image_prompts",
 }

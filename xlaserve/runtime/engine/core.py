@@ -29,6 +29,7 @@ from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, Flush
                                               Wake)
 from xlaserve.runtime.engine.pooled_outputs import pooled_request
 from xlaserve.runtime.engine.watchdog import Watchdog
+from xlaserve.runtime.engine.weight_updates import WeightUpdates
 from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS
 from xlaserve.runtime.host import malloc_tuning
 from xlaserve.runtime.sampling.params import (InvalidGrammar, RequestLimits, RowSamplingParams,
@@ -86,8 +87,13 @@ class EngineCore:
         # The live requests' output; its output thread sends the loop what it ended.
         self._live_requests = LiveRequests(self.scheduler, self._inbox.put,
                                   name.replace("engine", "output"))
+        # An RL trainer's calls: weight updates, memory released, generation paused.
+        self.weights = WeightUpdates(self.runner, self.scheduler, self._live_requests,
+                                     self.loaded, args, self._wait,
+                                     lambda: self._inbox.put(Wake()), parts.pooling is not None)
         # The steps the loop stages, sends and reads, with the features' hooks (steps.py).
-        self.steps = startup.step_pipeline(parts, self._live_requests, self.features.lora)
+        self.steps = startup.step_pipeline(parts, self._live_requests, self.features.lora,
+                                           self.weights)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
                                   name.replace("engine", "watchdog"))
@@ -182,8 +188,8 @@ class EngineCore:
                           sampling=sampling, stop_token_ids=frozenset(stop_ids),
                           min_new_tokens=params.min_new_tokens, priority=priority,
                           no_prefix_reuse=return_prompt_logprob or prompt_rows is not None,
-                          grammar=grammar,
-                          prompt_images=prompt_images)
+                          grammar=grammar, prompt_images=prompt_images,
+                          weight_version=self.weights.version)
         live = live_state(request, params, emit, self.tokenizer, top_logprobs_num,
                           return_prompt_logprob, prompt_rows)
         if lora_path is None:

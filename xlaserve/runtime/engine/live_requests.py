@@ -387,4 +387,4 @@ def _finish(request: Request, live: LiveRequest | None = None, reason: tuple | N
                   request.num_cached_prompt_tokens, input_token_logprobs, input_top_logprobs,
                   request.speculation.verify_ct, request.speculation.accepted_drafts,
                   0.0 if request.admitted_time is None
-                  else request.admitted_time - request.arrival_time)
+                  else request.admitted_time - request.arrival_time, request.weight_version)

@@ -158,6 +158,7 @@ class Finish:
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
     queued_s: float = 0.0  # from arrival to its first step (0: never scheduled)
+    weight_version: str = "default"  # of the weights that sampled its last token
 
     def meta_info(self) -> dict:
         """SGLang's `meta_info` dict (the offline API and /generate return it)."""
@@ -168,7 +169,7 @@ class Finish:
             finish_reason["matched"] = self.matched
         info = {"id": self.rid, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "weight_version": self.weight_version}
         if self.spec_verify_ct:  # SGLang's count, and tokens per verified row
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = round(

@@ -52,8 +52,6 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.lora import LoraSpec
-from xlaserve.model.weight_types.packed import pack_model
-from xlaserve.model.weight_types.quantized_rows import check_quantized_rows, native_gemm_available
 from xlaserve.weights.placement import put
 from xlaserve.runtime.executor.forward_batch import ForwardBatch, sample_rows_for
 from xlaserve.runtime.host.huge_pages import advise_huge_pages
@@ -70,6 +68,7 @@ from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME
 from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
 from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
+from xlaserve.runtime.executor.weight_swap import WeightSwap, prepare_model
 from xlaserve.runtime.executor.step_program import StepOutput, make_step
 from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, NoFollowers,
                                                    RepeatedInputs, RopeTable, StagedStep,
@@ -142,12 +141,7 @@ class ModelRunner:
         self._kv_caches = None
         self.kv_specs = kv_pool_specs(self.config, num_pages, page_size, kv_dtype, self.mesh,
                                        self.draft_head_pool)
-        if kernels.packed_matmul is not None:
-            # An embedding server's model has no LM head: its tied embedding stays as it is.
-            pack_model(loaded.model, self.config.tie_word_embeddings and self.config.lm_head,
-                       int8_as_rows=native_gemm_available(),
-                       int8_activations=quantized_activations)
-        check_quantized_rows(loaded.model, kernels)
+        prepare_model(loaded.model, self.config, kernels, quantized_activations)
         graphdef, state = nnx.split(loaded.model)
         vocab = self.config.vocab_size
         # Every persistent array keeps one explicit sharding in and out of the jitted functions:
@@ -179,10 +173,14 @@ class ModelRunner:
                                         describe(kernels), f"verify_tokens {verify_tokens}",
                                         draft_head_description(loaded.model)]
                                        + ["hidden rows"] * hidden_rows)
+        names = leaf_names(state)
         self._weight_args, weight_layout = weight_args(
             leaves, stack_small=self.mesh.size == 1,
-            stack_layers=self.mesh.devices.flat[0].platform == "tpu", names=leaf_names(state))
+            stack_layers=self.mesh.devices.flat[0].platform == "tpu", names=names)
         del leaves, state
+        # New weights in the place of these, and their memory released (weight_swap.py).
+        self.weights = WeightSwap(self, len(self._weight_args), names, weight_layout,
+                                  quantized_activations)
         # LoRA slots after the model's arguments (lora_slots.py): weights the step also takes.
         self.lora = lora_slots_for(lora, kernels, self.config, dtype, self.mesh, num_slots,
                                    len(self._weight_args))
@@ -246,6 +244,24 @@ class ModelRunner:
     @kv_caches.setter
     def kv_caches(self, caches: list[jax.Array]) -> None:
         self._kv_caches = caches
+
+    def kv_caches_held(self) -> bool:
+        """Whether the KV pool is on the devices (or being zeroed), not released."""
+        return self._kv_caches is not None or self._kv_pool is not None
+
+    def release_kv_caches(self) -> None:
+        """Frees the KV pool's device memory (RL rollouts: nothing runs until `resume`)."""
+        if self.kv_caches_held():
+            for cache in jax.block_until_ready(self.kv_caches):
+                cache.delete()
+        self._kv_caches = self._kv_pool = None
+
+    def resume_kv_caches(self) -> None:
+        """A zeroed KV pool again, of the released one's shapes."""
+        if not self.kv_caches_held():
+            self._kv_caches = init_kv_pool(self.config, self.num_pages, self.page_size,
+                                           self.kv_dtype, self.mesh,
+                                           draft_head=self.draft_head_pool)
 
     def assign_slots(self, assignments) -> None:
         """Start (or, after a retraction, resume) requests in their slots: each (slot, prompt_ids,

@@ -155,6 +155,7 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     cache_node: TreeNode | None = None  # the prefix-cache path this running request locks
     retracted_count: int = 0
+    weight_version: str = "default"  # of the weights that sampled its last token
     speculation: SpeculationState = field(default_factory=SpeculationState)
 
     def all_ids(self) -> list[int]:
