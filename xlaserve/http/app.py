@@ -38,7 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
-from xlaserve.http import lora_routes, messages, native, responses, tokenize, worker_info
+from xlaserve.http import (lora_routes, messages, native, responses, rl_routes, tokenize,
+                           worker_info)
 from xlaserve.http.pooling import classify, embeddings, rerank
 from xlaserve.http.batches import files, routes as batches
 from xlaserve.http.chat import ChatCall
@@ -123,6 +124,7 @@ def create_app(ctx: ServingContext, *, api_key: str | None = None,
     app.include_router(worker_info.router)
     app.include_router(tokenize.router)
     app.include_router(lora_routes.router)
+    app.include_router(rl_routes.router)
     app.include_router(embeddings.router)
     app.include_router(rerank.router)
     app.include_router(classify.router)

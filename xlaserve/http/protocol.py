@@ -199,3 +199,51 @@ class BatchRequest(RequestBody):
     completion_window: str
     metadata: Optional[dict[str, str]] = None
     output_expires_after: Optional[dict[str, Any]] = None  # refused by name
+
+
+# --- RL rollouts' control routes (http/rl_routes.py): SGLang's bodies ------------------------------
+
+class WeightUpdateOptions(RequestBody):
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = Field(None, max_length=256)
+    torch_empty_cache: Optional[bool] = None  # SGLang's: no PyTorch allocator here
+
+
+class UpdateWeightsFromDiskRequest(WeightUpdateOptions):
+    model_path: str = Field(max_length=4096)
+    load_format: Optional[str] = Field(None, max_length=64)
+    is_async: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: Optional[bool] = None  # SGLang's: no CUDA graphs here
+    token_step: Optional[int] = None  # SGLang's trainer step id: not recorded here
+    manifest: Optional[dict[str, Any]] = None  # SGLang's tensor metadata: refused
+
+
+class UpdateWeightsFromTensorRequest(WeightUpdateOptions):
+    # Each entry a base64 safetensors file (SGLang sends pickles, which are refused).
+    serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
+    load_format: Optional[str] = Field(None, max_length=64)
+    disable_draft_model: Optional[bool] = None
+
+
+class GetWeightsByNameRequest(RequestBody):
+    name: str = Field(max_length=1024)
+    truncate_size: int = Field(100, ge=1, le=4096)
+
+
+class MemoryTagsRequest(RequestBody):
+    tags: Optional[list[Literal["weights", "kv_cache"]]] = Field(None, min_length=1, max_length=2)
+
+
+class PauseGenerationRequest(RequestBody):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationRequest(RequestBody):
+    torch_empty_cache: Optional[bool] = None
+
+
+class UpdateWeightVersionRequest(RequestBody):
+    new_version: str = Field(max_length=256)
+    abort_all_requests: bool = True

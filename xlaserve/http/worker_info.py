@@ -45,7 +45,9 @@ async def model_info(request: Request):
             "served_model_name": ctx.served_model_name, "context_length": ctx.context_length,
             "vocab_size": ctx.vocab_size, "architectures": [config.architecture],
             "has_image_understanding": ctx.images is not None,
-            "has_audio_understanding": False}
+            "has_audio_understanding": False,
+            "weight_version": getattr(getattr(ctx.core, "weights", None), "version",
+                                      ctx.engine.server_args.weight_version)}
 
 
 @router.get("/server_info")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import threading
@@ -46,11 +47,18 @@ class WeightUpdateError(ValueError):
 
 def _one_at_a_time(method):
     """Control calls run one after another (an update reads the served weights' specs,
-    which a release changes)."""
+    which a release changes). After each, the garbage collector runs: a model built for an
+    update holds reference cycles (NNX's graph), so its arrays left over (the leaves before
+    packing, a refused model's) would hold device memory until the collector next ran, which
+    Python times by object counts, not bytes (measured: a tiny model's copy stayed until the
+    next update)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self._control:
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                gc.collect()
     return run
 
 
@@ -116,9 +124,11 @@ class WeightUpdates:
             new = load_model(**load, mesh=self._runner.mesh, skip_tokenizer_init=True,
                              progress=False)
         except (OSError, ValueError) as error:
-            raise WeightUpdateError(f"{model_path}: {error}") from None
-        _check_config(new.config, self._loaded.config)
-        return self._swap(new.model, **options)
+            failure = f"{model_path}: {error}"  # raised below: no cycle through this frame
+        else:
+            _check_config(new.config, self._loaded.config)
+            return self._swap(new.model, **options)
+        raise WeightUpdateError(failure)
 
     @_one_at_a_time
     def update(self, params, **options) -> int:
@@ -128,28 +138,45 @@ class WeightUpdates:
         config, served = self._loaded.config, self._loaded
         where = dict(dtype=served.dtype, mesh=self._runner.mesh,
                      quantization=self._args.quantization)
+        if isinstance(params, dict) and all(isinstance(k, str) for k in params):
+            build = model_from_tensors
+        elif isinstance(params, (nnx.State, nnx.Module)):
+            build = model_from_state
+        else:
+            raise WeightUpdateError(f"update weights from an nnx.State or a dict of named "
+                                    f"tensors, not {type(params).__name__}")
         try:
-            if isinstance(params, dict) and all(isinstance(k, str) for k in params):
-                model = model_from_tensors(config, params, **where)
-            elif isinstance(params, (nnx.State, nnx.Module)):
-                model = model_from_state(config, params, **where)
-            else:
-                raise WeightUpdateError(f"update weights from an nnx.State or a dict of "
-                                        f"named tensors, not {type(params).__name__}")
+            model = build(config, params, **where)
         except WeightError as error:
-            raise WeightUpdateError(str(error)) from None
-        return self._swap(model, **options)
+            # Raised outside the handler: a traceback cycle through this frame would keep the
+            # arrays placed so far alive until the garbage collector ran.
+            failure = str(error)
+        else:
+            return self._swap(model, **options)
+        raise WeightUpdateError(failure)
 
     def _swap(self, model, *, abort_all_requests: bool = False, flush_cache: bool = True,
-              weight_version: str | None = None) -> int:
+              weight_version: str | None = None, is_async: bool = False,
+              keep_pause: bool = False) -> int:
+        """Swaps in `model`'s weights once the running requests end (`is_async`: at once,
+        their next tokens from the new weights; `abort_all_requests`: aborted first), then
+        empties the prefix cache (`flush_cache`) and pauses generation (`keep_pause`)."""
         try:
             args = self._runner.weights.arguments_of(model)
         except WeightMismatch as error:
-            raise WeightUpdateError(f"not the served model's weights: {error}") from None
+            failure = f"not the served model's weights: {error}"
+        else:
+            return self._queue_swap(args, abort_all_requests, flush_cache, weight_version,
+                                    is_async, keep_pause)
+        raise WeightUpdateError(failure)
+
+    def _queue_swap(self, args, abort_all_requests, flush_cache, weight_version, is_async,
+                    keep_pause) -> int:
 
         def swap():
             self._runner.weights.replace(args)
             self._weights_missing = False
+            self._paused_by_user |= keep_pause
             if weight_version is not None:
                 self._set_version(weight_version)
             if flush_cache:
@@ -157,7 +184,7 @@ class WeightUpdates:
             return self._scheduler.num_waiting
 
         message = "aborted: the server's weights are being updated (abort_all_requests)"
-        return self._queue(swap, drain=not abort_all_requests,
+        return self._queue(swap, drain=not (abort_all_requests or is_async),
                            abort=message if abort_all_requests else None)
 
     @_one_at_a_time
