@@ -68,7 +68,7 @@ from xlaserve.runtime.sampling.step_needs import (ACCELERATOR_VARIANTS, RUN_TIME
 from xlaserve.runtime.executor.precompile import (compile_steps, run_idle_steps,
                                                   warn_compiled_while_serving)
 from xlaserve.runtime.executor.weight_args import auto_formats, leaf_names, weight_args
-from xlaserve.runtime.executor.weight_swap import WeightSwap, prepare_model
+from xlaserve.runtime.executor.weight_swap import WeightSwap, dotted_names, prepare_model
 from xlaserve.runtime.executor.step_program import StepOutput, make_step
 from xlaserve.runtime.executor.step_inputs import (NULL_SLOT, SAMPLING_WIDTHS, NoFollowers,
                                                    RepeatedInputs, RopeTable, StagedStep,
@@ -177,16 +177,17 @@ class ModelRunner:
         self._weight_args, weight_layout = weight_args(
             leaves, stack_small=self.mesh.size == 1,
             stack_layers=self.mesh.devices.flat[0].platform == "tpu", names=names)
-        del leaves, state
+        del leaves
         # New weights in the place of these, and their memory released (weight_swap.py).
-        self.weights = WeightSwap(self, len(self._weight_args), names, weight_layout,
-                                  quantized_activations)
+        self.weights = WeightSwap(self, len(self._weight_args), dotted_names(state),
+                                  weight_layout, quantized_activations)
         # LoRA slots after the model's arguments (lora_slots.py): weights the step also takes.
         self.lora = lora_slots_for(lora, kernels, self.config, dtype, self.mesh, num_slots,
                                    len(self._weight_args))
         self._weight_args += self.lora.args()
         self.lora.weights = self._weight_args  # whose tail a slot write or assignment updates
         self._description += self.lora.description
+        del state
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
 

@@ -20,6 +20,18 @@ from xlaserve.model.weight_types.quantized_rows import check_quantized_rows, nat
 from xlaserve.runtime.executor.weight_args import WeightLayout, leaf_names, weight_args
 
 
+def dotted_names(tree) -> list[str]:
+    """The paths of `tree`'s leaves (an NNX state), in jax.tree.flatten's order, as dotted
+    names: "layers.0.attn.qkv.panels" (what get_weights_by_name takes and errors name)."""
+    def part(key) -> str:
+        for field in ("key", "idx", "name"):
+            if hasattr(key, field):
+                return str(getattr(key, field))
+        return str(key)
+    return [".".join(p for p in map(part, path) if p != "value")
+            for path, _ in jax.tree.flatten_with_path(tree)[0]]
+
+
 class WeightMismatch(ValueError):
     """New weights that are not the served model's shapes: nothing was replaced."""
 
@@ -74,7 +86,7 @@ class WeightSwap:
         _, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         if treedef != runner.program_parts[1]:
-            raise WeightMismatch(_first_difference(leaf_names(state), self._leaf_names))
+            raise WeightMismatch(_first_difference(dotted_names(state), self._leaf_names))
         platform = runner.mesh.devices.flat[0].platform
         args, _ = weight_args(leaves, stack_small=runner.mesh.size == 1,
                               stack_layers=platform == "tpu", names=leaf_names(state))
