@@ -24,8 +24,7 @@ from xlaserve.http.protocol import (ContinueGenerationRequest, GetWeightsByNameR
 from xlaserve.http.request_fields import parse_body
 from xlaserve.http.serving import ServingContext
 from xlaserve.runtime.engine import WeightUpdateError
-from xlaserve.weights.in_memory import safetensors_tensors
-from xlaserve.weights.param_layout import WeightError
+from xlaserve.weights import WeightError, safetensors_tensors
 
 router = APIRouter()
 _DISTRIBUTED = ("weight updates over a process group (SGLang's NCCL group) are not built: "

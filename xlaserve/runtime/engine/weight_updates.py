@@ -30,10 +30,9 @@ import jax
 from flax import nnx
 
 from xlaserve.runtime.engine.messages import OnLoop
-from xlaserve.runtime.executor.weight_swap import WeightMismatch
-from xlaserve.weights.in_memory import model_from_state, model_from_tensors
-from xlaserve.weights.loader import load_model, server_load_options
-from xlaserve.weights.param_layout import WeightError
+from xlaserve.runtime.executor import WeightMismatch
+from xlaserve.weights import (WeightError, load_model, model_from_state, model_from_tensors,
+                              server_load_options)
 
 logger = logging.getLogger(__name__)
 

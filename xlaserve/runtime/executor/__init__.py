@@ -8,6 +8,7 @@ from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "Buckets": "forward_batch", "forward_batch_for": "forward_batch",
+    "WeightMismatch": "weight_swap",
     "serving_buckets": "buckets", "with_page_size": "buckets",
     "num_pages_for": "kv_pool", "bytes_per_token": "kv_pool",
     "HostKvPool": "host_kv_pool", "HostTierCopies": "host_kv_pool",

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from xlaserve.runtime.scheduler.request import SeqChunk
-    from xlaserve.runtime.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("xlaserve.runtime.scheduler.scheduler")
 
@@ -33,7 +32,7 @@ class StepLog:
         self._accepted_drafts += accepted_drafts
         self._decode_tokens += accepted_drafts
 
-    def step(self, scheduler: "Scheduler", kind: str, num_decodes: int,
+    def step(self, scheduler, kind: str, num_decodes: int,
              prefill_chunks: list[SeqChunk], cached_tokens: int) -> None:
         if prefill_chunks:
             logger.info(
