@@ -123,9 +123,12 @@ def test_released_memory_is_freed_and_resumed_from_the_host_copy(engine, checkpo
     held = (sum(a.nbytes for a in runner._weight_args[:runner.weights._count])
             + sum(c.nbytes for c in runner.kv_caches))
     figures = weights.release(backup=True)
-    # What the weights and the KV pool held is what the devices got back (within 1%: the
-    # small arrays that start-up stacks into one argument keep their originals).
-    assert figures["bytes_before"] - figures["bytes_after"] == pytest.approx(held, rel=0.01)
+    # Their buffers are gone. The figure is the process's live arrays on the CPU device: alone,
+    # the bytes freed equal `held` to 1%; beside other tests' engines in this process, which
+    # allocate between the two readings, only a bound holds.
+    assert all(a is None for a in runner._weight_args[:runner.weights._count])
+    assert not runner.kv_caches_held()
+    assert figures["bytes_before"] - figures["bytes_after"] >= held // 2
     assert figures["bytes_after"] == bytes_in_use(runner.mesh)
     assert weights.sleeping()
     thread, result = _in_thread(engine, GREEDY, "waiting")  # queued while asleep: it waits

@@ -92,8 +92,8 @@ class EngineCore:
                                      self.loaded, args, self._wait,
                                      lambda: self._inbox.put(Wake()), parts.pooling is not None)
         # The steps the loop stages, sends and reads, with the features' hooks (steps.py).
-        self.steps = startup.step_pipeline(parts, self._live_requests, self.features.lora,
-                                           self.weights)
+        self.steps = startup.step_pipeline(parts, self._live_requests, self.features.lora)
+        self.weights.hooks = getattr(self.steps, "hooks", {}).get("between_steps")
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._watchdog = Watchdog(args.watchdog_timeout, self._hung,
                                   name.replace("engine", "watchdog"))

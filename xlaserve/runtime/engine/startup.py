@@ -409,8 +409,8 @@ def lora_adapters(parts: EngineParts, wait) -> LoraAdapters | None:
     return adapters
 
 
-def step_pipeline(parts: EngineParts, live_requests, lora: LoraAdapters | None,
-                  weights) -> GenerationSteps | PooledSteps:
+def step_pipeline(parts: EngineParts, live_requests,
+                  lora: LoraAdapters | None) -> GenerationSteps | PooledSteps:
     """The steps the engine loop stages, sends and reads: an embedding server's, or a generation
     server's with the hooks of the features it was started with, in their order (steps.py)."""
     if parts.pooling is not None:
@@ -418,7 +418,7 @@ def step_pipeline(parts: EngineParts, live_requests, lora: LoraAdapters | None,
                            token_types=parts.loaded.config.encoder is not None)
     host_tier = parts.host_kv and HostTierCopies(parts.host_kv, parts.runner,
                                                  parts.scheduler.cache.host.take_copies)
-    hooks = [host_tier, lora, parts.images, parts.draft, weights]  # weights: between steps
+    hooks = [host_tier, lora, parts.images, parts.draft]
     return GenerationSteps(parts.runner, parts.buckets, parts.scheduler, live_requests,
                            parts.grammar_backend, [h for h in hooks if h is not None],
                            images=parts.images, hidden_states=parts.hidden_states)

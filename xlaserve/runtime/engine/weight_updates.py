@@ -31,6 +31,7 @@ from flax import nnx
 
 from xlaserve.runtime.engine.messages import OnLoop
 from xlaserve.runtime.executor import WeightMismatch
+from xlaserve.runtime.scheduler import retract_running
 from xlaserve.weights import (WeightError, load_model, model_from_state, model_from_tensors,
                               server_load_options)
 
@@ -86,13 +87,16 @@ class WeightUpdates:
         self._released: set[str] = set()
         self._weights_missing = False  # released without a backup, not yet updated
         self._control = threading.Lock()
+        # The step pipeline's between_steps hooks (steps.py; None: an embedding server's):
+        # `between_steps` is one of them only while a job waits, off a plain request's path.
+        self.hooks: list | None = None
 
     # --- any thread ---------------------------------------------------------------------------
 
     def refusal(self, update: bool = True) -> str | None:
         """Why this server's weights cannot be updated (not `update`: its memory released or
         its generation paused), or None."""
-        if self._pooled:
+        if self._pooled or self.hooks is None:
             return "an embedding server's weights and memory are not updated or released"
         if self._runner.sink.replays:
             return "the RL calls over several hosts (--nnodes > 1) are not built"
@@ -198,7 +202,7 @@ class WeightUpdates:
         def paused():
             self._paused_by_user = True
             if mode == "retract":
-                self._scheduler.retract_running()
+                retract_running(self._scheduler)
 
         self._queue(paused, drain=False,
                     abort="aborted: generation was paused (mode abort)" if mode == "abort" else None)
@@ -228,7 +232,7 @@ class WeightUpdates:
         def release():
             before = bytes_in_use(self._runner.mesh)
             if "kv_cache" in tags:
-                self._scheduler.retract_running()
+                retract_running(self._scheduler)
                 self._scheduler.flush_cache()
                 self._runner.release_kv_caches()
             if "weights" in tags:
@@ -300,6 +304,8 @@ class WeightUpdates:
             if abort is not None:
                 self._live.abort_many(self._live.rids(), abort)
             self._jobs.append(job)
+            if self.between_steps not in self.hooks:
+                self.hooks.append(self.between_steps)  # last: it may take itself out
             if drain:
                 self._scheduler.admitting = False
             else:
@@ -326,6 +332,7 @@ class WeightUpdates:
             self._jobs.pop(0)
             _into(job.done, job.run)
             self._settle()
+        self.hooks.remove(self.between_steps)  # the last hook: the loop over them ends here
 
     def _quiet(self, job: _Job) -> None:
         self._scheduler.paused = True

@@ -13,7 +13,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "SampledRow": "request", "ScheduledBatch": "request", "SeqChunk": "request",
     "prefill_budget": "scheduler", "Scheduler": "scheduler", "NoSpeculation": "scheduler",
     "EveryRequest": "scheduler",
-    "process_pooled": "pooled",
+    "process_pooled": "pooled", "retract_running": "retraction",
     "DraftTree": "speculation", "row_depths": "speculation", "SpeculativeConfig": "speculation",
     "Speculator": "speculation",
 }

@@ -69,3 +69,12 @@ def retract_for_prefills(scheduler: _Scheduler,
         rows = scheduler.schedule_prefills(admitted, budget=scheduler.max_prefill_tokens,
                                             admit=False)
     return rows
+
+
+def retract_running(scheduler: _Scheduler) -> int:
+    """Takes every running request back to the queue (pause_generation's retract mode; a
+    release of the KV cache), newest first; returns how many. No step may be in flight."""
+    count = len(scheduler.running)
+    while scheduler.running:
+        retract(scheduler, scheduler.running[-1])
+    return count

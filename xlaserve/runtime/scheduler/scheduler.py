@@ -28,11 +28,9 @@ from xlaserve.runtime.scheduler.prefix_cache import RadixCache
 from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse
 from xlaserve.runtime.scheduler.request import (Request, RequestTooLong, SampledRow, ScheduledBatch,
                                                SeqChunk)
-from xlaserve.runtime.scheduler.retraction import (retract, retract_for_decodes,
-                                                   retract_for_prefills)
+from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
 from xlaserve.runtime.scheduler.speculation import NO_DRAFT, Draft, Speculator
 from xlaserve.runtime.scheduler.continuation import schedule_continuation
-from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +92,8 @@ class Scheduler:
         self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
         self.speculator = speculator
         self.admission = admission
-        # pause_generation and weight updates (runtime/engine/weight_updates.py): `paused`
-        # schedules no step; `admitting` False starts no waiting request (the running go on).
-        self.paused = False
-        self.admitting = True
+        # paused: no step at all; not admitting: no waiting request starts (weight_updates.py)
+        self.paused, self.admitting = False, True
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, by rid
@@ -403,10 +399,52 @@ class Scheduler:
     def has_work(self) -> bool:
         return not self.paused and bool(self.running or self.waiting)
 
-    def retract_running(self) -> int:
-        """Takes every running request back to the queue (pause_generation's retract mode; a
-        release of the KV cache), newest first; returns how many. No step may be in flight."""
-        count = len(self.running)
-        while self.running:
-            retract(self, self.running[-1])
-        return count
+
+class StepLog:
+    """The scheduler's log lines, in SGLang's words (operators and their dashboards read them):
+    `Prefill batch.` for every step that runs prompt tokens, and `Decode batch.` once every
+    `interval` decode steps, with the generation throughput over those steps (and, with
+    speculative decoding, SGLang's `accept len`: tokens a verified row kept on average)."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.prefix = ""  # "[DP1] " for a data parallel replica's lines
+        self._decode_steps = self._decode_tokens = 0
+        self._interval_start = 0.0
+        self._verified_rows = self._accepted_drafts = 0
+
+    def verified(self, accepted_drafts: int) -> None:
+        """A verified row's result: its accepted drafts are tokens of the interval too."""
+        self._verified_rows += 1
+        self._accepted_drafts += accepted_drafts
+        self._decode_tokens += accepted_drafts
+
+    def step(self, scheduler: "Scheduler", kind: str, num_decodes: int,
+             prefill_chunks: list[SeqChunk], cached_tokens: int) -> None:
+        if prefill_chunks:
+            logger.info(
+                "%sPrefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: "
+                "%.2f, #running-req: %d, #queue-req: %d", self.prefix, len(prefill_chunks),
+                sum(len(c.token_ids) for c in prefill_chunks), cached_tokens,
+                scheduler.token_usage(), num_decodes, scheduler.num_waiting)
+        if kind != "decode":
+            return
+        # Throughput over the interval: tokens of steps 2..N over the time from step 1 to step N.
+        now = time.monotonic()
+        if self._decode_steps == 0:
+            self._interval_start = now
+        else:
+            self._decode_tokens += num_decodes
+        self._decode_steps += 1
+        if self._decode_steps >= self.interval:
+            elapsed = now - self._interval_start
+            throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
+            accept = (f"accept len: {1 + self._accepted_drafts / self._verified_rows:.2f}, "
+                      if self._verified_rows else "")
+            logger.info(
+                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
+                "gen throughput (token/s): %.2f, #queue-req: %d", self.prefix,
+                scheduler.num_running, sum(r.num_computed for r in scheduler.running),
+                scheduler.token_usage(), accept, throughput, scheduler.num_waiting)
+            self._decode_steps = self._decode_tokens = 0
+            self._verified_rows = self._accepted_drafts = 0
