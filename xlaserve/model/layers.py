@@ -102,6 +102,9 @@ class Kernels:
     latent_prefix_attention: Callable | None = None
     new_token_attention: Callable | None = None
     packed_matmul: Callable | None = None
+    # --enable-deterministic-inference: each row's result does not depend on the step's other
+    # rows (the packed GEMMs' Invariant tiles; the sampler's reductions row by row).
+    deterministic: bool = False
     # `(x, panels, N, layer, bf16_pairs, out_dtype) -> swiglu(x @ W)` for a packed gate_up
     packed_matmul_swiglu: Callable | None = None
     rms_norm: Callable = rms_norm_xla

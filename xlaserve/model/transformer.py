@@ -369,7 +369,9 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array, kernels: Kernels) -> jax.Array:
         """float32[R, V]: final norm and LM head (tied to the embedding or not) of `hidden` rows,
         soft-capped where the config says (Gemma 4)."""
-        x = self.final_norm(hidden)
+        # The kernels' norm (native on a CPU: its rows independent of one another, where XLA's
+        # fused reduction over [M, hidden] is not: --enable-deterministic-inference).
+        x = kernels.rms_norm(hidden, self.final_norm.factor(), self.final_norm.eps, jnp.float32)
         if not self.config.lm_head:
             raise ValueError("this model was built without its LM head (an embedding server's)")
         if self.config.tie_word_embeddings:

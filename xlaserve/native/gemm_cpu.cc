@@ -59,7 +59,7 @@ void Gemm(ffi::ThreadPool& pool, const typename Mode::X* x, const typename Mode:
 template <int kRows, typename Mode, typename O>
 inline void SwigluTile(const typename Mode::X* x, int64_t ldx, const typename Mode::W* up,
                        int64_t depth, const float* gates, O* out, int64_t ldo) {
-  constexpr int kUnroll = kRows == 1 ? 4 : kRows == 2 ? 2 : 1;
+  constexpr int kUnroll = Mode::kInvariant ? 1 : kRows == 1 ? 4 : kRows == 2 ? 2 : 1;
   Vec u[kRows][2];
   Tile<kRows, kUnroll, Mode>(x, ldx, up, depth, u);
   for (int r = 0; r < kRows; ++r) {
@@ -122,7 +122,8 @@ void GemmSwiglu(ffi::ThreadPool& pool, const typename Mode::X* x, const typename
 
 
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer, bool bf16_pairs) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer, bool bf16_pairs,
+                    bool invariant) {
   auto yd = y->dimensions();
   if (yd.size() != 2) return ffi::Error::InvalidArgument("packed GEMM (CPU): y [M, N]");
   const int64_t n = yd[1];
@@ -135,14 +136,15 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     std::memset(y->typed_data(), 0, ops.m * n * sizeof(float));
     return ffi::Error::Success();
   }
-  WithMode(x, w, ops, bf16_pairs, [&](auto mode, const auto* xs, const auto* ws, int64_t units) {
+  WithMode(x, w, ops, bf16_pairs, invariant, [&](auto mode, const auto* xs, const auto* ws, int64_t units) {
     Gemm<decltype(mode)>(pool, xs, ws, y->typed_data(), ops.m, units, n);
   });
   return ffi::Error::Success();
 }
 
 ffi::Error GemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t layer, bool bf16_pairs) {
+                          ffi::Result<ffi::AnyBuffer> out, int64_t layer, bool bf16_pairs,
+                          bool invariant) {
   auto od = out->dimensions();
   const bool out_bf16 = out->element_type() == ffi::BF16;
   if (od.size() != 2 || (!out_bf16 && out->element_type() != ffi::F32) || od[1] % kPanel != 0)
@@ -155,7 +157,7 @@ ffi::Error GemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       error.failure())
     return error;
   if (ops.m == 0 || width == 0) return ffi::Error::Success();
-  WithMode(x, w, ops, bf16_pairs, [&](auto mode, const auto* xs, const auto* ws, int64_t units) {
+  WithMode(x, w, ops, bf16_pairs, invariant, [&](auto mode, const auto* xs, const auto* ws, int64_t units) {
     using Mode = decltype(mode);
     if (out_bf16) {
       GemmSwiglu<Mode>(pool, xs, ws, static_cast<uint16_t*>(out->untyped_data()), ops.m, units, width);
@@ -178,7 +180,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemm, GemmImpl,
                                   .Arg<ffi::AnyBuffer>()         // W packed, or a stack of them
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("layer")
-                                  .Attr<bool>("bf16_pairs"));
+                                  .Attr<bool>("bf16_pairs")
+                                  .Attr<bool>("invariant"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemmSwiglu, GemmSwigluImpl,
                               ffi::Ffi::Bind()
@@ -187,4 +190,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedGemmSwiglu, GemmSwigluImpl,
                                   .Arg<ffi::AnyBuffer>()  // W [(L,) 2I/kPanel, K, kPanel]
                                   .Ret<ffi::AnyBuffer>()  // out [M, I]: f32 or bf16
                                   .Attr<int64_t>("layer")
-                                  .Attr<bool>("bf16_pairs"));
+                                  .Attr<bool>("bf16_pairs")
+                                  .Attr<bool>("invariant"));

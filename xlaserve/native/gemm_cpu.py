@@ -132,20 +132,22 @@ def packed_rows(packed: jax.Array, ids: jax.Array, bf16_pairs: bool = False) -> 
 
 
 def packed_matmul_swiglu(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
-                         bf16_pairs: bool = False, out_dtype=jnp.float32) -> jax.Array:
+                         bf16_pairs: bool = False, out_dtype=jnp.float32,
+                         invariant: bool = False) -> jax.Array:
     """silu(g) * u for [g | u] = x @ W, W [K, N = 2I] packed as for `packed_matmul` (the gate's
     columns, then the up projection's): [M, I] in `out_dtype` (float32 or bfloat16). Where I is a
     multiple of the panel width the kernel computes it without writing the [M, 2I] product;
     otherwise it is `packed_matmul` and XLA's activation."""
     width = n // 2
     if n % 2 or width % panel_width():
-        y = packed_matmul(x, packed, n, layer, bf16_pairs)
+        y = packed_matmul(x, packed, n, layer, bf16_pairs, invariant)
         return (jax.nn.silu(y[:, :width]) * y[:, width:]).astype(out_dtype)
     _check(x, packed, n, layer, bf16_pairs)
     load()
     call = jax.ffi.ffi_call(SWIGLU_TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], width), out_dtype))
     x = x.astype(jnp.bfloat16 if bf16_pairs else jnp.float32)
-    return call(x, packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs))
+    return call(x, packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs),
+                invariant=bool(invariant))
 
 
 def _check(x: jax.Array, packed: jax.Array, n: int, layer: int, bf16_pairs: bool,
@@ -166,17 +168,19 @@ def _check(x: jax.Array, packed: jax.Array, n: int, layer: int, bf16_pairs: bool
 
 
 def packed_matmul(x: jax.Array, packed: jax.Array, n: int, layer: int = 0,
-                  bf16_pairs: bool = False) -> jax.Array:
+                  bf16_pairs: bool = False, invariant: bool = False) -> jax.Array:
     """x [M, K] @ W [K, N] -> float32 [M, N], W given as `pack_columns(W)` (or `pack_rows(W.T)`),
     float32 or bfloat16, or as a stack of such [L, ...] of which `layer` is used (passing the
     stack costs no copy, where slicing it in XLA would). `bf16_pairs` says the panels are in
-    k-pairs (and x is then rounded to bfloat16)."""
+    k-pairs (and x is then rounded to bfloat16). `invariant`: each row's sums in one order
+    whatever M (--enable-deterministic-inference; gemm_tiles.h, Invariant)."""
     _check(x, packed, n, layer, bf16_pairs)
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     # With pairs, x is rounded here, where XLA fuses the rounding into the op that produces x:
     # a separate pass over x in the kernel cost ~5% of a 128-row decode step.
     x = x.astype(jnp.bfloat16 if bf16_pairs else jnp.float32)
-    return call(x, packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs))
+    return call(x, packed, layer=np.int64(layer), bf16_pairs=bool(bf16_pairs),
+                invariant=bool(invariant))
 
 
 def pack_groups(weights: jax.Array, bf16_pairs: bool | None = None) -> jax.Array:
@@ -186,7 +190,8 @@ def pack_groups(weights: jax.Array, bf16_pairs: bool | None = None) -> jax.Array
 
 
 def packed_grouped_matmul(x: jax.Array, packed: jax.Array, group_sizes: jax.Array, n: int,
-                          layer: int = 0, bf16_pairs: bool = False) -> jax.Array:
+                          layer: int = 0, bf16_pairs: bool = False,
+                          invariant: bool = False) -> jax.Array:
     """model/grouped_matmul.py's contract over packed matrices: x [M, K], its rows sorted by
     group, group g (`group_sizes[g]` rows) times W_g [K, N] -> float32 [M, N], zero past
     sum(group_sizes). `packed` is `pack_groups(W)` [G, ...], or a stack of such [L, G, ...] of
@@ -201,4 +206,4 @@ def packed_grouped_matmul(x: jax.Array, packed: jax.Array, group_sizes: jax.Arra
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     x = x.astype(jnp.bfloat16 if bf16_pairs else jnp.float32)  # as in packed_matmul
     return call(x, group_sizes.astype(jnp.int32), packed, layer=np.int64(layer),
-                bf16_pairs=bool(bf16_pairs))
+                bf16_pairs=bool(bf16_pairs), invariant=bool(invariant))

@@ -64,7 +64,7 @@ void GroupedGemm(ffi::ThreadPool& pool, const typename Mode::X* x, const typenam
 
 ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t layer,
-                           bool bf16_pairs) {
+                           bool bf16_pairs, bool invariant) {
   const std::string what = "grouped packed GEMM (CPU)";
   auto yd = y->dimensions();
   if (yd.size() != 2) return ffi::Error::InvalidArgument(what + ": y [M, N]");
@@ -94,7 +94,7 @@ ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   }
   const std::vector<Item> items = PlanItems(sizes, total, (n + kPanel - 1) / kPanel,
                                             pool.num_threads());
-  WithMode(x, w, ops, bf16_pairs, [&](auto mode, const auto* xs, const auto* ws, int64_t units) {
+  WithMode(x, w, ops, bf16_pairs, invariant, [&](auto mode, const auto* xs, const auto* ws, int64_t units) {
     GroupedGemm<decltype(mode)>(pool, xs, ws, ops.matrix, starts, items, out, units, n);
   });
   return ffi::Error::Success();
@@ -110,4 +110,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGroupedPackedGemm, GroupedGemmImpl,
                                   .Arg<ffi::AnyBuffer>()         // W [(L,) G, panels, K, kPanel]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("layer")
-                                  .Attr<bool>("bf16_pairs"));
+                                  .Attr<bool>("bf16_pairs")
+                                  .Attr<bool>("invariant"));

@@ -48,6 +48,8 @@ class ServerArgs(*reversed(AREAS)):
             refuse_conflicts(self, Mode.EMBEDDINGS)
         if self.enable_return_hidden_states:
             refuse_conflicts(self, Mode.HIDDEN_STATES)
+        if self.enable_deterministic_inference:
+            refuse_conflicts(self, Mode.DETERMINISTIC)
         if self.enable_hierarchical_cache:
             self.check_host_tier()
             refuse_conflicts(self, Mode.HIERARCHICAL_CACHE)

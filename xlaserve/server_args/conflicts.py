@@ -31,6 +31,7 @@ class Mode(enum.Enum):
     VISION = "a vision-language model"
     MULTI_HOST = "--nnodes > 1"
     HIDDEN_STATES = "--enable-return-hidden-states"
+    DETERMINISTIC = "--enable-deterministic-inference"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,15 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
     Mode.HIDDEN_STATES: ("--enable-return-hidden-states with {flag} is not supported", (
         SPECULATION,
         MULTI_HOST)),
+    Mode.DETERMINISTIC: ("--enable-deterministic-inference with {flag} is not built", (
+        SPECULATION,
+        LORA,
+        MULTI_HOST,
+        Refused("--tp-size > 1", lambda args: args.tp_size > 1),
+        Refused("--matmul-backend xla", lambda args: args.matmul_backend == "xla"),
+        Refused("--attention-backend {attention_backend}",
+                lambda args: args.attention_backend in ("reference", "pallas")),
+        Refused("--is-embedding / --runner pooling", lambda args: args.runner == "pooling"))),
 }
 
 

@@ -30,6 +30,13 @@ class KernelFlags:
            "values, the cached prefix in the latent space, merged by log-sum-exp (SGLang's and "
            "vLLM's form for prefills); 0 (default): the absorbed form always (on CPU the "
            "native absorbed kernel was faster below ~1000-token prompts; TPU/GPU untimed)")
+    enable_deterministic_inference: bool = flag(
+        False, "SGLang's: a request's tokens and logprobs are the same bits whatever else shares "
+               "its steps (their number, the chunking of prompts, the prefix cache): every row "
+               "summed in one order by the native GEMM, per-row sampling reductions "
+               "(docs/server.md, RL rollouts, for the cost); a single CPU device with the native "
+               "GEMM and a float or bfloat16 checkpoint; refused with speculative decoding, "
+               "LoRA, mixtures of experts and GGUF blocks kept quantized")
     page_size: Optional[int] = flag(
         None, "tokens per KV cache page (default 16; on TPU the smallest power of two from 16 "
               "whose page table fits the attention kernel's scalar memory)")

@@ -194,7 +194,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
             args = dataclasses.replace(args, max_running_requests=running)
     lora_spec, lora_adapters = lora_setup(args, config) if args.enable_lora else (None, None)
     adapter_slots = None if lora_spec is None else AdapterSlots(lora_spec.max_loras)
-    runner_class, pooled = ((ModelRunner, {}) if pooling is None
+    runner_class, pooled = ((ModelRunner, {"deterministic": args.enable_deterministic_inference})
+                            if pooling is None
                             else (EmbeddingRunner, {"pooling_mode": pooling.mode}))
     runner = runner_class(loaded, num_pages=num_pages, page_size=page_size, **pooled,
                          max_running_requests=args.max_running_requests,

@@ -19,11 +19,14 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
-from xlaserve.model.layers import Kernels, swiglu_xla
+from xlaserve.model.layers import Kernels, rms_norm_xla, swiglu_xla
 from xlaserve.model.moe import expert_parallel
+from xlaserve.model.weight_types.int8 import QUANTIZED_TYPES
+from xlaserve.model.weight_types.quantized_rows import QuantizedLinear
 from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
@@ -40,7 +43,7 @@ MATMUL_BACKENDS = ("auto", "native", "xla")
 
 def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
                 matmul_backend: str = "auto", platform: str | None = None,
-                mla_expanded_prefill_tokens: int = 0) -> Kernels:
+                mla_expanded_prefill_tokens: int = 0, deterministic: bool = False) -> Kernels:
     """`matmul_backend`: `auto` takes the native GEMM where it applies (a single CPU device, a
     compiler), `native` insists on it, `xla` keeps XLA's dots. `platform`: the one the step will
     be compiled for (default: JAX's default backend; "tpu" or "gpu" to compile for hardware that
@@ -109,7 +112,43 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
                                       add_rms_norm=norm_cpu.add_rms_norm,
                                       qkv_rope=qkv_rope_cpu.qkv_rope, swiglu=swiglu_cpu.swiglu,
                                       packed_matmul_swiglu=gemm_cpu.packed_matmul_swiglu)
-    return kernels
+    if deterministic and attention_backend == "reference":  # the jnp form: batched shapes
+        raise ValueError("--enable-deterministic-inference takes the CPU attention kernel, not "
+                         "--attention-backend reference")
+    return deterministic_kernels(kernels) if deterministic else kernels
+
+
+def check_deterministic_model(config, model) -> None:
+    """ValueError for what --enable-deterministic-inference has not been made row-invariant:
+    mixtures of experts (their routing's XLA reductions) and weights kept quantized (the
+    quantized GEMMs' tiles)."""
+    if config.num_experts:
+        raise ValueError("--enable-deterministic-inference with a mixture of experts is not "
+                         "built (its routing is not yet row-invariant)")
+    quantized = (QuantizedLinear, *QUANTIZED_TYPES)
+    leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, quantized))
+    if any(isinstance(leaf, quantized) for leaf in leaves):
+        raise ValueError("--enable-deterministic-inference with quantized weights (a GGUF's "
+                         "blocks, --quantization) is not built: serve a float or bfloat16 "
+                         "checkpoint")
+
+
+def deterministic_kernels(kernels: Kernels) -> Kernels:
+    """`kernels` whose results for a row do not depend on the other rows of its step
+    (--enable-deterministic-inference). XLA's own CPU dots and fused row reductions do depend
+    on them (measured: a [M, 576] RMSNorm's rows differ in the last bits between M = 1 and
+    M = 23, a dot's from M = 2): only the native kernels are used, the GEMMs with Invariant
+    tiles (native/gemm_tiles.h); the CPU attention kernel's rows are independent already (its
+    key tiles sit at fixed positions). ValueError where they do not all apply."""
+    if kernels.packed_matmul is None or kernels.rms_norm is rms_norm_xla:
+        raise ValueError("--enable-deterministic-inference runs on a single CPU device with the "
+                         "native GEMM and kernels (not --matmul-backend xla, a mesh, TPU or GPU)")
+    invariant = dict(invariant=True)
+    return dataclasses.replace(
+        kernels, deterministic=True,
+        packed_matmul=functools.partial(kernels.packed_matmul, **invariant),
+        packed_matmul_swiglu=functools.partial(kernels.packed_matmul_swiglu, **invariant),
+        packed_grouped_matmul=functools.partial(kernels.packed_grouped_matmul, **invariant))
 
 
 def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,

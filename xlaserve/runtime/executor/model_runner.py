@@ -55,7 +55,7 @@ from xlaserve.model.lora import LoraSpec
 from xlaserve.weights.placement import put
 from xlaserve.runtime.executor.forward_batch import ForwardBatch, sample_rows_for
 from xlaserve.runtime.host.huge_pages import advise_huge_pages
-from xlaserve.runtime.executor.kernels import kernels_for
+from xlaserve.runtime.executor.kernels import check_deterministic_model, kernels_for
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
 from xlaserve.runtime.executor.kv_pool import (draft_head_description, draft_head_pool_of,
                                                init_kv_pool, kv_pool_specs)
@@ -93,7 +93,7 @@ class ModelRunner:
                  context_length: int | None = None, mla_expanded_prefill_tokens: int = 0,
                  verify_tokens: int = 1, quantized_activations: str = "float32",
                  lora: LoraSpec | None = None, kv_cache_dtype: str = "auto",
-                 hidden_rows: bool = False):
+                 hidden_rows: bool = False, deterministic: bool = False):
         """`context_length` (default: the model's) sets the page table's width, the pages of
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
@@ -107,7 +107,8 @@ class ModelRunner:
         `lora`: the LoRA adapter slots' shapes (lora_slots.py; None: no adapters).
         `kv_cache_dtype`: --kv-cache-dtype, the pool's entries (model/fp8_kv_cache.py).
         `hidden_rows`: every program also returns its token rows' hidden states
-        (make_step's; --enable-return-hidden-states)."""
+        (make_step's; --enable-return-hidden-states). `deterministic`: kernels whose rows do
+        not depend on one another (kernels.deterministic_kernels)."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
@@ -129,7 +130,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         self.kernels = kernels = kernels_for(
             attention_backend, self.mesh, matmul_backend,
-            mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
+            mla_expanded_prefill_tokens=mla_expanded_prefill_tokens, deterministic=deterministic)
+        if deterministic:
+            check_deterministic_model(self.config, loaded.model)
         # Zeroed on a thread while the weights are packed and the programs loaded (kv_pool.py);
         # the first step that needs the pool waits for it (`kv_caches`).
         num_slots = max_running_requests + 1  # + the null slot

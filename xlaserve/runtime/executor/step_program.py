@@ -140,7 +140,8 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             prior = prior_draft_ids(input_ids, batch.logits_indices, batch.sample_seqs,
                                     verify_tokens - 1)
         out = sample(logits, sampling, output_counts, prompt_masks, sample_slots, token_bitmask,
-                     num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs, prior_ids=prior)
+                     num_top_logprobs=MAX_TOP_LOGPROBS, needs=needs, prior_ids=prior,
+                     invariant=kernels.deterministic)
         last_kept = batch.sample_rows
         if verify_tokens <= 1:
             output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows,

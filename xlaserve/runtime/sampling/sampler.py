@@ -170,18 +170,32 @@ def _inverse_cdf(logits, uniforms):
     return (block * _CDF_BLOCK + jnp.minimum(offset, last_live)).astype(jnp.int32)
 
 
-def _draw(penalized, metadata: SamplingMetadata, num_candidates: int, needs: StepNeeds | None):
-    """Sampled tokens for every row (greedy rows' draws are discarded by the caller)."""
+def _draw(penalized, metadata: SamplingMetadata, num_candidates: int, needs: StepNeeds | None,
+          invariant: bool = False):
+    """Sampled tokens for every row (greedy rows' draws are discarded by the caller).
+    `invariant`: truncation and the draw row by row (`by_row`)."""
     scaled = _scaled(penalized, metadata)
+    cut = functools.partial(truncate, num_candidates=num_candidates,
+                            branch_free=needs is not None)
     processed = only_if_needed(
         part(needs, "truncation"), lambda: jnp.any(truncating_rows(metadata)),
-        lambda: truncate(scaled, metadata.top_k, metadata.top_p, metadata.min_p, num_candidates,
-                         branch_free=needs is not None),
+        lambda: by_row(cut, invariant, scaled, metadata.top_k, metadata.top_p, metadata.min_p),
         lambda: scaled)
     keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(
         metadata.seeds, metadata.sample_index)
     uniforms = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
-    return _inverse_cdf(processed, uniforms)
+    return by_row(_inverse_cdf, invariant, processed, uniforms)
+
+
+def by_row(function, invariant: bool, *rows):
+    """`function(*rows)` over arrays of S rows; with `invariant`, one row at a time (a loop
+    whose body is compiled for one row), so that a row's reductions are summed in the same
+    order whatever S is: XLA's CPU reductions over [S, V] change order with S (measured: a
+    [S, 576] mean's rows differ in the last bits between S = 1 and S = 23). The cost: a loop
+    of S small programs in place of one (--enable-deterministic-inference only)."""
+    if not invariant:
+        return function(*rows)
+    return jax.lax.map(lambda row: function(*(x[None] for x in row))[0], rows)
 
 
 _ARGMAX_BLOCK = 256
@@ -202,18 +216,19 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return (block * _ARGMAX_BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
-def _logprobs(penalized, tokens, num_top_logprobs: int):
-    log_norm = jax.nn.logsumexp(penalized, axis=-1)
+def _logprobs(penalized, tokens, num_top_logprobs: int, invariant: bool = False):
+    log_norm = by_row(functools.partial(jax.nn.logsumexp, axis=-1), invariant, penalized)
     top_logprobs, top_ids = jax.lax.top_k(penalized, num_top_logprobs)
     return (row_take(penalized, tokens) - log_norm, top_ids.astype(jnp.int32),
             top_logprobs - log_norm[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "num_candidates", "needs"))
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "num_candidates", "needs",
+                                             "invariant"))
 def sample(
     logits, metadata: SamplingMetadata, output_counts, prompt_mask, rows=None,
     token_bitmask=None, *, num_top_logprobs: int = 0, num_candidates: int = NUM_CANDIDATES,
-    needs: StepNeeds | None = None, prior_ids=None,
+    needs: StepNeeds | None = None, prior_ids=None, invariant: bool = False,
 ) -> SampleOutput:
     """Picks one token per row from `logits` (f32/bf16[S, V]).
 
@@ -222,7 +237,8 @@ def sample(
     With `rows`, they are per-slot tables indexed by `rows` (see `penalized_logits`).
     `token_bitmask` (i32[S, ceil(V/32)], optional) holds the tokens each row's grammar allows
     (`apply_token_bitmask`); a constrained row never picks another, greedy or sampled.
-    `prior_ids`: see `penalized_logits`.
+    `prior_ids`: see `penalized_logits`. `invariant` (--enable-deterministic-inference): the
+    reductions over the vocabulary row by row (`by_row`).
 
     Work that no row of the batch needs is skipped: penalties, the random draw when every row is
     greedy, truncation when no row truncates, and logprobs when no row asks for them (zeros then;
@@ -242,7 +258,8 @@ def sample(
     is_greedy = greedy_rows(metadata)
     tokens = only_if_needed(
         part(needs, "sampling"), lambda: ~jnp.all(is_greedy),
-        lambda: jnp.where(is_greedy, greedy, _draw(penalized, metadata, num_candidates, needs)),
+        lambda: jnp.where(is_greedy, greedy,
+                          _draw(penalized, metadata, num_candidates, needs, invariant)),
         lambda: greedy)
     num_rows = logits.shape[0]
     skipped = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
@@ -252,7 +269,8 @@ def sample(
     def computed():
         # Zeros where no row asks, as the run-time program returns them ([S, N]: nothing to
         # speak of), so that a program computing logprobs for every step returns the same.
-        return zeros_unless(asked, _logprobs(penalized, tokens, num_top_logprobs), skipped)
+        return zeros_unless(asked, _logprobs(penalized, tokens, num_top_logprobs, invariant),
+                            skipped)
 
     logprobs, top_ids, top_logprobs = only_if_needed(part(needs, "logprobs"), lambda: asked,
                                                      computed, lambda: skipped)
