@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
-from xlaserve.model.layers import Kernels, rms_norm_xla, swiglu_xla
+from xlaserve.model.layers import Kernels, swiglu_xla
 from xlaserve.model.moe import expert_parallel
 from xlaserve.model.weight_types.int8 import QUANTIZED_TYPES
 from xlaserve.model.weight_types.quantized_rows import QuantizedLinear
@@ -140,7 +140,7 @@ def deterministic_kernels(kernels: Kernels) -> Kernels:
     M = 23, a dot's from M = 2): only the native kernels are used, the GEMMs with Invariant
     tiles (native/gemm_tiles.h); the CPU attention kernel's rows are independent already (its
     key tiles sit at fixed positions). ValueError where they do not all apply."""
-    if kernels.packed_matmul is None or kernels.rms_norm is rms_norm_xla:
+    if kernels.packed_matmul is None or kernels.packed_matmul_swiglu is None:  # natives off
         raise ValueError("--enable-deterministic-inference runs on a single CPU device with the "
                          "native GEMM and kernels (not --matmul-backend xla, a mesh, TPU or GPU)")
     invariant = dict(invariant=True)
