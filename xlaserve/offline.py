@@ -318,13 +318,18 @@ class Engine:
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
                                    flush_cache: bool = True, abort_all_requests: bool = False,
                                    weight_version: str | None = None) -> tuple[bool, str]:
-        """SGLang's: `named_tensors` [(Hugging Face name, tensor)] of every weight (torch,
-        NumPy or JAX arrays). (success, message)."""
+        """SGLang's: `named_tensors` [(Hugging Face name, tensor)] (torch, NumPy or JAX
+        arrays), every weight at once or in buckets over several calls (the weights change
+        when the last arrives). (success, message)."""
         if load_format not in (None, "direct"):
             return False, f"load_format {load_format!r}: only direct named tensors are read"
-        return self._answer(lambda w: w.update(
-            dict(named_tensors), flush_cache=flush_cache, abort_all_requests=abort_all_requests,
-            weight_version=weight_version), "from tensors")[:2]
+        try:
+            awaited = self._weights().update_named(
+                dict(named_tensors), flush_cache=flush_cache,
+                abort_all_requests=abort_all_requests, weight_version=weight_version)
+        except WeightUpdateError as error:
+            return False, str(error)
+        return True, awaited or "Succeeded to update model weights from tensors."
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._weights().weight(name, truncate_size)

@@ -90,10 +90,10 @@ async def update_weights_from_tensor(request: Request):
                               "file's bytes, base64")
     try:
         tensors = await asyncio.to_thread(_decoded, req.serialized_named_tensors)
-        await asyncio.to_thread(weights.update, tensors, **_options(req))
+        awaited = await asyncio.to_thread(weights.update_named, tensors, **_options(req))
     except (WeightUpdateError, WeightError) as error:
         return _answer(False, str(error))
-    return _answer(True, "Succeeded to update model weights.")
+    return _answer(True, awaited or "Succeeded to update model weights.")
 
 
 def _decoded(entries: list[str]) -> dict:

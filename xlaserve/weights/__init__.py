@@ -23,6 +23,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "load_adapter": "lora_adapter",
     "model_from_state": "in_memory", "model_from_tensors": "in_memory",
     "safetensors_tensors": "in_memory", "WeightError": "param_layout",
+    "TensorBuckets": "in_memory",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

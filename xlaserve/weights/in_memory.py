@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.model.config.model_config import ModelConfig
-from xlaserve.weights.param_layout import WeightError, convert, with_decoder_names
+from xlaserve.weights.param_layout import SafetensorsSource, WeightError, convert, with_decoder_names
 from xlaserve.weights.placement import expected_parameters, place_model
+from xlaserve.weights.vision_layout import with_vision_language_names
 
 # A safetensors header is JSON of at most this many bytes (the format's own limit is 100 MB;
 # a named-tensor file's header is ~100 bytes a tensor).
@@ -39,6 +40,66 @@ class NamedTensors:
 
     def get(self, name: str) -> np.ndarray:
         return host_array(self._tensors[name])
+
+
+class _Reading:
+    """A TensorSource that notes the names read from it."""
+
+    def __init__(self, source):
+        self.source, self.read = source, set()
+
+    def names(self) -> set[str]:
+        return self.source.names()
+
+    def get(self, name: str) -> np.ndarray:
+        self.read.add(name)
+        return self.source.get(name)
+
+
+class TensorBuckets:
+    """A trainer's named tensors sent over several calls (SGLang's update_weights_from_tensor
+    in buckets: verl sends a model as buckets of a few hundred MB), held on the host until they
+    hold every tensor the served model is built from: then they are one update, so a model of
+    mixed steps is never served. Which tensors those are is read once from the served
+    safetensors checkpoint (a pass of `convert` over it); a model served from elsewhere (GGUF,
+    Orbax, dummy weights) takes every tensor in one call. Names `convert` does not read are
+    dropped, as loading a checkpoint drops them."""
+
+    def __init__(self):
+        self._needed: tuple[str, set[str] | None] | None = None  # (source path, names)
+        self._held: dict = {}
+
+    def add(self, config: ModelConfig, source_path: str, tensors: dict) -> tuple[dict | None, str]:
+        """(every tensor, once they are all here, else None; what is still awaited)."""
+        needed = self._needed_for(config, source_path)
+        if needed is None:
+            return tensors, ""
+        self._held.update({n: host_array(t) for n, t in tensors.items() if n in needed})
+        missing = sorted(needed - set(self._held))
+        if not missing:
+            complete, self._held = self._held, {}
+            return complete, ""
+        return None, (f"held {len(self._held)} of the {len(needed)} tensors: the weights change "
+                      f"once every one has arrived ({missing[0]!r} and {len(missing) - 1} more)")
+
+    def clear(self) -> None:
+        self._held = {}
+
+    def _needed_for(self, config: ModelConfig, source_path: str) -> set[str] | None:
+        if self._needed is None or self._needed[0] != source_path:
+            names = None
+            try:
+                source = with_decoder_names(with_vision_language_names(
+                    SafetensorsSource(source_path)))
+            except (FileNotFoundError, NotADirectoryError, OSError):
+                source = None
+            if source is not None:
+                reading = _Reading(source)
+                for _ in convert(config, reading):
+                    pass
+                names = reading.read
+            self._needed, self._held = (source_path, names), {}
+        return self._needed[1]
 
 
 def host_array(value) -> np.ndarray:

@@ -32,8 +32,8 @@ from flax import nnx
 from xlaserve.runtime.engine.messages import OnLoop
 from xlaserve.runtime.executor import WeightMismatch
 from xlaserve.runtime.scheduler import retract_running
-from xlaserve.weights import (WeightError, load_model, model_from_state, model_from_tensors,
-                              server_load_options)
+from xlaserve.weights import (TensorBuckets, WeightError, load_model, model_from_state,
+                              model_from_tensors, server_load_options)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ class WeightUpdates:
         self._released: set[str] = set()
         self._weights_missing = False  # released without a backup, not yet updated
         self._control = threading.Lock()
+        self._buckets = TensorBuckets()  # named tensors sent in several calls
+        self._served_from = loaded.source  # the checkpoint the served weights came from
         # The step pipeline's between_steps hooks (steps.py; None: an embedding server's):
         # `between_steps` is one of them only while a job waits, off a plain request's path.
         self.hooks: list | None = None
@@ -130,13 +132,36 @@ class WeightUpdates:
             failure = f"{model_path}: {error}"  # raised below: no cycle through this frame
         else:
             _check_config(new.config, self._loaded.config)
-            return self._swap(new.model, **options)
+            paused = self._swap(new.model, **options)
+            self._served_from = new.source  # what later buckets are completed against
+            self._buckets.clear()
+            return paused
+        raise WeightUpdateError(failure)
+
+    @_one_at_a_time
+    def update_named(self, tensors: dict, **options) -> str:
+        """Serves named tensors (Hugging Face names: torch, NumPy or JAX arrays), all at once
+        or in buckets over several calls (held until complete: TensorBuckets); returns what
+        is still awaited ("" once the update is done)."""
+        self._check()
+        try:
+            complete, awaited = self._buckets.add(self._loaded.config, self._served_from,
+                                                  tensors)
+        except WeightError as error:
+            failure = str(error)
+        else:
+            if complete is not None:
+                self._update(complete, **options)
+            return awaited
         raise WeightUpdateError(failure)
 
     @_one_at_a_time
     def update(self, params, **options) -> int:
         """Serves `params`: an NNX state (or module) of xlaserve's model, or {Hugging Face
         name: tensor} of every weight of the checkpoint (torch, NumPy or JAX arrays)."""
+        return self._update(params, **options)
+
+    def _update(self, params, **options) -> int:
         self._check()
         config, served = self._loaded.config, self._loaded
         where = dict(dtype=served.dtype, mesh=self._runner.mesh,
