@@ -3,6 +3,7 @@ tensors and from a JAX trainer's arrays serve transformers' tokens and logprobs 
 weights with no compile; requests in flight end on the old weights (or are aborted, as asked);
 refused updates leave the old weights serving; released memory is freed and comes back;
 generation pauses in each of SGLang's modes."""
+import shutil
 import threading
 import time
 
@@ -13,6 +14,7 @@ import optax
 import pytest
 import torch
 from flax import nnx
+from safetensors.torch import save_file
 
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_checkpoint
@@ -231,3 +233,32 @@ def test_an_nnx_state_of_the_model_updates_the_engine(engine, checkpoints, at_a)
     assert _greedy(engine)["output_ids"] == hf_greedy(hf_b, PROMPT, 8)
     with pytest.raises(WeightUpdateError, match="nnx.State or a dict"):
         engine.update_weights([1, 2])
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(engine, checkpoints, tmp_path,
+                                                           at_a):
+    (_, b, _), (hf_a, hf_b) = checkpoints
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(f"{b}/config.json", broken)
+    tensors = {n: t.contiguous() for n, t in hf_b.state_dict().items()
+               if n != "model.layers.0.self_attn.k_proj.weight"}
+    save_file(tensors, str(broken / "model.safetensors"))
+    ok, message, _ = engine.update_weights_from_disk(str(broken))
+    assert not ok and "model.layers.0.self_attn.k_proj.weight" in message
+    assert _greedy(engine)["output_ids"] == hf_greedy(hf_a, PROMPT, 8)
+
+
+def test_int8_serving_requantizes_updated_weights_on_the_device(checkpoints):
+    """--quantization int8: a float update is quantized where it lands, as loading does: the
+    same tokens and logprobs as an engine started on the new checkpoint."""
+    (a, b, _), (_, hf_b) = checkpoints
+    int8 = dict(SMALL, quantization="int8")
+    with Engine(b, **int8) as fresh:
+        expected = fresh.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+    with Engine(a, **int8) as engine:
+        engine.update_weights({n: t for n, t in hf_b.state_dict().items()})
+        out = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+    assert out["output_ids"] == expected["output_ids"]
+    assert out["meta_info"]["output_token_logprobs"] == expected["meta_info"][
+        "output_token_logprobs"]
