@@ -21,6 +21,7 @@ from tests.tiny_models import make_tiny_checkpoint
 from xlaserve.offline import Engine
 from xlaserve.runtime.engine import WeightUpdateError
 from xlaserve.runtime.engine.weight_updates import bytes_in_use
+from xlaserve.runtime.executor import weight_swap
 from xlaserve.weights.loader import load_model
 
 PROMPT = [5, 17, 300, 42, 9, 77, 120]
@@ -262,3 +263,11 @@ def test_int8_serving_requantizes_updated_weights_on_the_device(checkpoints):
     assert out["output_ids"] == expected["output_ids"]
     assert out["meta_info"]["output_token_logprobs"] == expected["meta_info"][
         "output_token_logprobs"]
+
+
+def test_get_weights_by_name_reads_a_bounded_number_of_values(engine, monkeypatch):
+    name = engine.core.runner.weights.leaf_names()[0]
+    assert len(engine.get_weights_by_name(name, 2)) == 2
+    monkeypatch.setattr(weight_swap, "MAX_VALUES_READ", 10)
+    with pytest.raises(WeightUpdateError, match="ask for fewer"):
+        engine.get_weights_by_name(name, 2)

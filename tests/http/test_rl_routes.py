@@ -90,6 +90,9 @@ def test_refusals_are_sglang_failures_with_a_reason(rl_server):
     example = answer.json()["error"]["message"].split("e.g. ")[1].strip("')")
     rows = _post(rl_server, "/get_weights_by_name", {"name": example, "truncate_size": 3})
     assert rows.status_code == 200 and len(rows.json()) <= 3
+    if example == "embedding":  # [49152, 64]: 4096 rows are 262144 values, under the bound
+        many = _post(rl_server, "/get_weights_by_name", {"name": example, "truncate_size": 4096})
+        assert many.status_code == 200 and len(many.json()) == 4096
     answer = _post(rl_server, "/pause_generation", {"mode": "sideways"})
     assert answer.status_code == 400
 

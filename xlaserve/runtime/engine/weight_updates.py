@@ -310,6 +310,8 @@ class WeightUpdates:
         def read():
             try:
                 return self._runner.weights.named(name, truncate_size).tolist()
+            except ValueError as error:  # too many values asked for
+                raise WeightUpdateError(str(error)) from None
             except KeyError:
                 example = self._runner.weights.leaf_names()[0]
                 raise WeightUpdateError(f"no served weight is named {name!r} (names are the "

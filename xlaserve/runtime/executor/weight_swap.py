@@ -32,6 +32,10 @@ def dotted_names(tree) -> list[str]:
             for path, _ in jax.tree.flatten_with_path(tree)[0]]
 
 
+# The most values get_weights_by_name reads back (a client's request; ~10 MB of JSON).
+MAX_VALUES_READ = 1 << 20
+
+
 class WeightMismatch(ValueError):
     """New weights that are not the served model's shapes: nothing was replaced."""
 
@@ -159,7 +163,11 @@ class WeightSwap:
             raise KeyError(name)
         index, row = self._layout.sources[self._leaf_names.index(name)]
         arg = self._args()[index]
-        return np.asarray((arg if row < 0 else arg[row])[:rows])
+        part = (arg if row < 0 else arg[row])[:rows]
+        if part.size > MAX_VALUES_READ:
+            raise ValueError(f"{name}: {rows} rows are {part.size} values, over "
+                             f"{MAX_VALUES_READ}: ask for fewer (truncate_size)")
+        return np.asarray(part)
 
     def leaf_names(self) -> list[str]:
         return list(self._leaf_names)
