@@ -31,6 +31,7 @@ from flax import nnx
 
 from xlaserve.runtime.engine.messages import OnLoop
 from xlaserve.runtime.executor import WeightMismatch
+from xlaserve.server_args.platform_defaults import device_memory
 from xlaserve.runtime.scheduler import retract_running
 from xlaserve.weights import (TensorBuckets, WeightError, load_model, model_from_state,
                               model_from_tensors, server_load_options)
@@ -411,8 +412,8 @@ def bytes_in_use(mesh) -> int:
     """Bytes in use on `mesh`'s devices: the platform's figure where it has one (TPU, GPU),
     else the live arrays' bytes there (the CPU has no memory statistics)."""
     devices = set(mesh.devices.flat)
-    stats = [d.memory_stats() for d in devices]
-    if all(s and "bytes_in_use" in s for s in stats):
-        return sum(s["bytes_in_use"] for s in stats)
+    memory = [device_memory(d) for d in devices]
+    if all(m is not None for m in memory):
+        return sum(in_use for _, in_use in memory)
     return sum(shard.data.nbytes for array in jax.live_arrays() if not array.is_deleted()
                for shard in array.addressable_shards if shard.device in devices)

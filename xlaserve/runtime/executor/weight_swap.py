@@ -17,7 +17,7 @@ from flax import nnx
 
 from xlaserve.model.weight_types.packed import pack_model
 from xlaserve.model.weight_types.quantized_rows import check_quantized_rows, native_gemm_available
-from xlaserve.runtime.executor.weight_args import WeightLayout, leaf_names, weight_args
+from xlaserve.runtime.executor.weight_args import WeightLayout, leaf_names, stored_in, weight_args
 
 
 def dotted_names(tree) -> list[str]:
@@ -104,14 +104,9 @@ class WeightSwap:
                     f"{self._names[i]}: the new weight is {np.dtype(arg.dtype).name}"
                     f"{list(arg.shape)}, the served one {np.dtype(spec.dtype).name}"
                     f"{list(spec.shape)}")
-        placed = []
-        for arg, (_, target) in zip(args, specs):
-            if arg.format != target:  # another layout (TPU's chosen ones) or sharding
-                copy = jax.device_put(arg, target)
-                arg.delete()
-                arg = copy
-            placed.append(arg)
-        return placed
+        # The served layouts (TPU's, chosen at start-up); the shardings are the served ones
+        # already: the new model was placed on the serving mesh by the same partition specs.
+        return stored_in(args, [target for _, target in specs])
 
     def replace(self, new_args: list[jax.Array]) -> None:
         """Serve `new_args` (`arguments_of`'s), freeing the old ones. Between steps, on the
