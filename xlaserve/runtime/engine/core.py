@@ -90,7 +90,7 @@ class EngineCore:
         # An RL trainer's calls: weight updates, memory released, generation paused.
         self.weights = WeightUpdates(self.runner, self.scheduler, self._live_requests,
                                      self.loaded, args, self._wait,
-                                     lambda: self._inbox.put(Wake()), parts.pooling is not None)
+                                     lambda: self._inbox.put(Wake()))
         # The steps the loop stages, sends and reads, with the features' hooks (steps.py).
         self.steps = startup.step_pipeline(parts, self._live_requests, self.features.lora)
         self.weights.hooks = getattr(self.steps, "hooks", {}).get("between_steps")

@@ -72,12 +72,10 @@ class _Job:
 
 
 class WeightUpdates:
-    def __init__(self, runner, scheduler, live_requests, loaded, args, wait, wake,
-                 pooled: bool = False):
+    def __init__(self, runner, scheduler, live_requests, loaded, args, wait, wake):
         """`wait(message)`: puts an inbox message and waits for its `done` (EngineCore._wait);
-        `wake()`: ends the loop's wait on an empty inbox. `pooled`: an embedding server's
-        (its steps call no hooks: every call is refused)."""
-        self._pooled = pooled
+        `wake()`: ends the loop's wait on an empty inbox. The owner sets `hooks` once the step
+        pipeline is built (an embedding server's has none: every call is refused)."""
         self._runner, self._scheduler, self._live = runner, scheduler, live_requests
         self._loaded, self._args = loaded, args
         self._wait, self._wake = wait, wake
@@ -99,7 +97,7 @@ class WeightUpdates:
     def refusal(self, update: bool = True) -> str | None:
         """Why this server's weights cannot be updated (not `update`: its memory released or
         its generation paused), or None."""
-        if self._pooled or self.hooks is None:
+        if self.hooks is None:  # an embedding server's steps (PooledSteps) take no hooks
             return "an embedding server's weights and memory are not updated or released"
         if self._runner.sink.replays:
             return "the RL calls over several hosts (--nnodes > 1) are not built"
