@@ -26,7 +26,7 @@ from xlaserve.runtime.engine.live_requests import LiveRequests, live_state
 from xlaserve.runtime.engine.lora_adapters import LoraAdapters
 from xlaserve.runtime.engine.messages import (Abort, AbortAll, AddRequest, FlushCache, InboxMessage,
                                               LiveRequest, OnLoop, OutputDelta, RequestsEnded,
-                                              Wake)
+                                              Wake, settle)
 from xlaserve.runtime.engine.pooled_outputs import pooled_request
 from xlaserve.runtime.engine.watchdog import Watchdog
 from xlaserve.runtime.engine.weight_updates import WeightUpdates
@@ -416,10 +416,7 @@ class EngineCore:
                 case AbortAll():
                     self._live_requests.abort_many(self._live_requests.rids(), item.message)
                 case FlushCache():
-                    try:
-                        item.done.set_result(self.scheduler.flush_cache())
-                    except Exception as error:  # the caller waits on it: hand it the error
-                        item.done.set_exception(error)
+                    settle(item.done, self.scheduler.flush_cache)
                 case OnLoop():
                     item.run()
             try:

@@ -75,6 +75,14 @@ class FlushCache:
     done: Future
 
 
+def settle(done: Future, run: Callable[[], Any]) -> None:
+    """`done` gets `run()`'s result, or its error (a caller waits on it: it must hear either)."""
+    try:
+        done.set_result(run())
+    except Exception as error:
+        done.set_exception(error)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class OnLoop:
     """Work a feature has the loop do between steps (a LoRA adapter's slot write, the end of an

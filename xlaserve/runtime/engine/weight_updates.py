@@ -29,7 +29,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from xlaserve.runtime.engine.messages import OnLoop
+from xlaserve.runtime.engine.messages import OnLoop, settle
 from xlaserve.runtime.executor import WeightMismatch
 from xlaserve.server_args.platform_defaults import device_memory
 from xlaserve.runtime.scheduler import retract_running
@@ -241,7 +241,7 @@ class WeightUpdates:
                                         "(--enable-weights-cpu-backup): update them first")
             self._paused_by_user = False
             self._settle()
-        self._wait(OnLoop(lambda: _into(done, go), done := Future()))
+        self._wait(OnLoop(lambda: settle(done, go), done := Future()))
 
     @_one_at_a_time
     def release(self, tags: list[str] | None = None, backup: bool | None = None) -> dict:
@@ -295,7 +295,7 @@ class WeightUpdates:
             if abort_all_requests:
                 self._live.abort_many(self._live.rids(), "aborted: the weight version changed")
             self._set_version(version)
-        self._wait(OnLoop(lambda: _into(done, change), done := Future()))
+        self._wait(OnLoop(lambda: settle(done, change), done := Future()))
 
     def sleeping(self) -> bool:
         """vLLM's is_sleeping: some memory is released."""
@@ -315,7 +315,7 @@ class WeightUpdates:
                 example = self._runner.weights.leaf_names()[0]
                 raise WeightUpdateError(f"no served weight is named {name!r} (names are the "
                                         f"model's parameter paths, e.g. {example!r})") from None
-        return self._wait(OnLoop(lambda: _into(done, read), done := Future()))
+        return self._wait(OnLoop(lambda: settle(done, read), done := Future()))
 
     def _check(self, update: bool = True) -> None:
         if (why := self.refusal(update)) is not None:
@@ -356,7 +356,7 @@ class WeightUpdates:
             if self._turn <= job.quiet_since:
                 return
             self._jobs.pop(0)
-            _into(job.done, job.run)
+            settle(job.done, job.run)
             self._settle()
         self.hooks.remove(self.between_steps)  # the last hook: the loop over them ends here
 
@@ -375,14 +375,6 @@ class WeightUpdates:
         self.version = version
         for request in self._scheduler.requests.values():  # their next tokens are the new one's
             request.weight_version = version
-
-
-def _into(done: Future, run: Callable[[], Any]) -> None:
-    """`done` gets `run()`'s result, or its error."""
-    try:
-        done.set_result(run())
-    except Exception as error:  # the caller waits on it: hand it the error
-        done.set_exception(error)
 
 
 def _tags(tags: list[str] | None) -> list[str]:
