@@ -25,14 +25,16 @@ from xlaserve.runtime.executor.kernels import kernels_for
 
 
 def make_forward(model, attention_backend: str = "auto", mla_expanded_prefill_tokens: int = 0,
-                 round_projections: bool = False, mxfp4_interpreted: bool = False):
+                 round_projections: bool = False, mxfp4_interpreted: bool = False,
+                 kernels=None):
     """A jitted `forward(state, input_ids, positions, kv_caches, metadata, logits_indices)` with
     the KV caches donated (updated in place). `round_projections`: the GPU's precision
     (layers.Kernels.round_projections) on this CPU; `mxfp4_interpreted`: experts kept in MXFP4
-    multiplied by the GPU's kernel, interpreted."""
+    multiplied by the GPU's kernel, interpreted. `kernels`: these (layers.Kernels) in place of
+    the platform's."""
     graphdef, _ = nnx.split(model)
-    kernels = kernels_for(attention_backend, _mesh_of(model),
-                          mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
+    kernels = kernels or kernels_for(attention_backend, _mesh_of(model),
+                                     mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
     kernels = dataclasses.replace(kernels, round_projections=round_projections)
     if mxfp4_interpreted:
         from xlaserve.pallas_kernels.grouped_matmul_mxfp4 import grouped_matmul_mxfp4

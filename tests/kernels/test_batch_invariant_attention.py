@@ -1,25 +1,32 @@
 """Batch invariance of the ragged paged attention kernels (issue 75, deterministic inference): a
 sequence's output rows are the same bits whatever other sequences share the call, whatever the
 bucket's padded shape, and wherever its prompt was cut into chunks: the CPU kernel, and the TPU
-and GPU Pallas kernels in interpret mode. The GPU kernel's split-KV count follows the bucket by
-default (`default_num_kv_splits`), which changes a row's sums: fixed, it is invariant; the
-default's difference is asserted too, so that the property is known to be needed."""
+and GPU Pallas kernels in interpret mode, as --enable-deterministic-inference runs them
+(kernels.fixed_work_items). By default the Pallas kernels' work items follow the step's mean
+tokens per sequence, their KV blocks the page table's width, and the GPU kernel's split-KV count
+the bucket (`default_num_kv_splits`), each of which changes a row's sums: fixed, they are
+invariant; the defaults' differences are asserted too, so that the property is known to be
+needed."""
 import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from xlaserve.model.layers import Kernels
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_gpu, kernel_tpu
+from xlaserve.runtime.executor.kernels import deterministic_kernels
 
 HQ, HKV, D, PAGE, PAGES_PER_SEQ, NUM_PAGES = 4, 2, 64, 16, 8, 64
 KERNELS = {
     "cpu": kernel_cpu.ragged_paged_attention,
-    "tpu": functools.partial(kernel_tpu.ragged_paged_attention, interpret=True),
-    # One KV split and one path for every item (no one-token items' own): what the GPU kernel
-    # takes for rows independent of the bucket.
-    "gpu, fixed": functools.partial(kernel_gpu.ragged_paged_attention, interpret=True,
-                                    num_kv_splits=1, decode_io_in_kernel=False),
+    # What --enable-deterministic-inference runs (kernels.deterministic_kernels): work items and
+    # KV blocks of fixed sizes; on GPU one KV split and one path for every item (no one-token
+    # items' own).
+    "tpu, fixed": deterministic_kernels(Kernels(attention=functools.partial(
+        kernel_tpu.ragged_paged_attention, interpret=True)), "tpu", interpret=True).attention,
+    "gpu, fixed": deterministic_kernels(Kernels(attention=functools.partial(
+        kernel_gpu.ragged_paged_attention, interpret=True)), "gpu", interpret=True).attention,
 }
 
 
@@ -28,15 +35,16 @@ def _rows(n: int, seed: int):
     return [rng.standard_normal((n, h, D)).astype(np.float32) for h in (HQ, HKV, HKV)]
 
 
-def _call(kernel, seqs, cache, tokens: int = 64, max_seqs: int = 8):
+def _call(kernel, seqs, cache, tokens: int = 64, max_seqs: int = 8, width: int = PAGES_PER_SEQ):
     """`seqs`: (kv_len, (q, k, v) rows, first page); the bucket: `tokens` rows, `max_seqs`
-    sequences. Returns (each sequence's output rows, the cache)."""
+    sequences, a page table `width` pages wide. Returns (each sequence's output rows, the
+    cache)."""
     kv_lens = np.zeros(max_seqs, np.int32)
-    pages = np.zeros((max_seqs, PAGES_PER_SEQ), np.int32)
+    pages = np.zeros((max_seqs, width), np.int32)
     cu = np.zeros(max_seqs + 1, np.int32)
     for i, (kv_len, rows, first_page) in enumerate(seqs):
         kv_lens[i] = kv_len
-        pages[i] = np.arange(first_page, first_page + PAGES_PER_SEQ)
+        pages[i] = np.arange(first_page, first_page + width)
         cu[i + 1:] = cu[i] + len(rows[0])
     q, k, v = (np.concatenate([rows[j] for _, rows, _ in seqs]) for j in range(3))
     pad = ((0, tokens - len(q)), (0, 0), (0, 0))
@@ -74,6 +82,32 @@ def test_a_prompt_cut_into_chunks_gives_the_same_rows(name, cache):
         first, filled = _call(kernel, [(cut, [x[:cut] for x in prompt], 0)], cache)
         second = _call(kernel, [(40, [x[cut:] for x in prompt], 0)], filled)[0][0]
         assert np.array_equal(np.concatenate([first[0], second]), whole), cut
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_prompt_rows_are_the_same_in_any_bucket_and_page_table_width(name, cache):
+    """A prompt's rows in steps of other token counts (the default work item follows the mean
+    tokens per sequence) and page tables of other widths (a bucket: the default KV block is
+    capped by it)."""
+    kernel, prompt = KERNELS[name], _rows(21, 40)
+    whole = _call(kernel, [(21, prompt, 0)], cache, 32, 4, width=2)[0][0]
+    for tokens, max_seqs, width in ((64, 8, 8), (256, 64, 4)):
+        assert np.array_equal(_call(kernel, [(21, prompt, 0)], cache, tokens, max_seqs,
+                                    width)[0][0], whole), (tokens, max_seqs, width)
+    first, filled = _call(kernel, [(7, [x[:7] for x in prompt], 0)], cache, 8, 4, width=1)
+    second = _call(kernel, [(21, [x[7:] for x in prompt], 0)], filled, 16, 4, width=2)[0][0]
+    assert np.array_equal(np.concatenate([first[0], second]), whole)
+
+
+def test_the_tpu_kernels_default_blocks_follow_the_bucket(cache):
+    """Interpreted, the TPU kernel's default work items and KV blocks change a prompt's rows
+    between buckets: what `fixed_work_items` is for."""
+    kernel, prompt = functools.partial(kernel_tpu.ragged_paged_attention, interpret=True), \
+        _rows(21, 40)
+    whole = _call(kernel, [(21, prompt, 0)], cache, 32, 4, width=2)[0][0]
+    first, filled = _call(kernel, [(7, [x[:7] for x in prompt], 0)], cache, 8, 4, width=1)
+    second = _call(kernel, [(21, [x[7:] for x in prompt], 0)], filled, 16, 4, width=2)[0][0]
+    assert not np.array_equal(np.concatenate([first[0], second]), whole)
 
 
 def test_the_gpu_kernels_default_splits_follow_the_bucket(cache):

@@ -49,6 +49,14 @@ def add_rms_norm_xla(x: jax.Array, delta: jax.Array, scale: jax.Array, eps: floa
     return total, rms_norm(total, scale, eps).astype(out_dtype)
 
 
+def norm_by_rows(row_norm: Callable, x: jax.Array, scale, eps: float) -> jax.Array:
+    """`rms_norm(x [..., D], scale, eps)` through a kernel of `rms_norm_xla`'s contract over
+    [rows, D] (one whose rows do not depend on one another: --enable-deterministic-inference)."""
+    scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), x.shape[-1:])
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    return row_norm(rows, scale, eps, jnp.float32).reshape(x.shape)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE (the transformers layout); x [T, H, D], cos/sin [T, D/2]."""
     half = x.shape[-1] // 2
@@ -102,6 +110,13 @@ class Kernels:
     latent_prefix_attention: Callable | None = None
     new_token_attention: Callable | None = None
     packed_matmul: Callable | None = None
+    # `(x [T, K], weight [K, N] (or [N, K] with transposed=True)) -> float32 [T, N]` for plain
+    # weights; None: XLA's dot (--enable-deterministic-inference on TPU and GPU: the
+    # batch-invariant Pallas matmul, pallas_kernels/invariant_matmul.py)
+    dense_matmul: Callable | None = None
+    # A module's RMSNorm over its input's last axis, `(x [..., D], scale, eps) -> float32`: the
+    # q and k norms, Gemma's sandwich norms (`RMSNorm.__call__` given the kernels)
+    module_norm: Callable = rms_norm
     # --enable-deterministic-inference: each row's result does not depend on the step's other
     # rows (the packed GEMMs' Invariant tiles; the sampler's reductions row by row).
     deterministic: bool = False
@@ -196,6 +211,11 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
     if isinstance(weight, PackedMatrix):
         y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer, weight.bf16_pairs)
         return y.reshape(rows, *weight.output_axes)
+    if kernels.dense_matmul is not None and not isinstance(weight, (Int8Matrix, *FP8_TYPES)):
+        if transposed:
+            return kernels.dense_matmul(x, weight, transposed=True)
+        axes = output_axes(weight.shape, k)
+        return kernels.dense_matmul(x, weight.reshape(k, -1)).reshape(rows, *axes)
     if transposed:
         # Contracting the weight's last axis directly: with an explicit `.T`, XLA converted the
         # whole bfloat16 tied embedding to float32 on every step (28 ms at 128 rows).
@@ -226,8 +246,10 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,), dtype))
         self.eps, self.offset = eps, offset
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.factor(), self.eps)
+    def __call__(self, x: jax.Array, kernels: Kernels | None = None) -> jax.Array:
+        """float32; through `kernels.module_norm` where they are given."""
+        norm = rms_norm if kernels is None else kernels.module_norm
+        return norm(x, self.factor(), self.eps)
 
     def factor(self) -> jax.Array:
         """What x / rms(x) is multiplied by: the weight as stored, or offset + weight in float32

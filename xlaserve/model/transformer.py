@@ -37,7 +37,7 @@ from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.weight_types.int8 import check_quantization, quantized_parameters
 from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
 from xlaserve.model.layers import (
-    MLP, Kernels, RMSNorm, apply_rope, init_weight, linear, matmul_input_dtype, project, rms_norm,
+    MLP, Kernels, RMSNorm, apply_rope, init_weight, linear, matmul_input_dtype, project,
     rope_qk, split_qkv)
 from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import ExpertsBesideMlp, MoE
@@ -125,12 +125,14 @@ class Attention(nnx.Module):
         if c.qk_norm:  # the norms come between the split and RoPE: XLA's path
             q, k, v = split_qkv(qkv)
             if c.value_norm:  # Gemma 4's weightless norm of the values
-                v = rms_norm(v, jnp.float32(1.0), c.rms_norm_eps)
-            q, k, v = rope_qk(self.q_norm(q), self.k_norm(k), v, cos, sin, dtype)
+                v = kernels.module_norm(v, jnp.float32(1.0), c.rms_norm_eps)
+            q, k, v = rope_qk(self.q_norm(q, kernels), self.k_norm(k, kernels), v, cos, sin,
+                              dtype)
         elif self.l2_norm:  # Llama 4 norms after RoPE, which keeps each pair's length: the same
             q, k, v = split_qkv(qkv)
             one = jnp.float32(1.0)
-            q, k, v = rope_qk(rms_norm(q, one, c.rms_norm_eps), rms_norm(k, one, c.rms_norm_eps),
+            norm = kernels.module_norm
+            q, k, v = rope_qk(norm(q, one, c.rms_norm_eps), norm(k, one, c.rms_norm_eps),
                               v, cos, sin, dtype)
         else:
             q, k, v = kernels.qkv_rope(qkv, cos, sin, dtype)
@@ -150,7 +152,7 @@ class Attention(nnx.Module):
         k, v, sm_scale, v_scale = shared
         q = project(x, self.qkv[...], kernels)  # [T, kv heads, group, D]
         _, dtype = self._attention_dtypes(kv_cache)
-        q = apply_rope(self.q_norm(q.reshape(q.shape[0], -1, q.shape[-1])), cos, sin)
+        q = apply_rope(self.q_norm(q.reshape(q.shape[0], -1, q.shape[-1]), kernels), cos, sin)
         return self._attend(q.astype(dtype), k, v, kv_cache, metadata, kernels, None, sm_scale,
                             v_scale)
 
@@ -242,7 +244,7 @@ class DecoderLayer(nnx.Module):
                                            **extra)
         sandwich = hasattr(self, "attn_output_norm")
         if sandwich:
-            attn_out = self.attn_output_norm(attn_out)
+            attn_out = self.attn_output_norm(attn_out, kernels)
         norm = self.post_attention_norm
         x, normed = kernels.add_rms_norm(x, attn_out, norm.factor(), norm.eps,
                                          self.mlp.input_dtype())
@@ -250,7 +252,7 @@ class DecoderLayer(nnx.Module):
         if hasattr(self, "experts"):
             mlp_out = self.experts(x, mlp_out, kernels)
         if sandwich:
-            mlp_out = self.mlp_output_norm(mlp_out)
+            mlp_out = self.mlp_output_norm(mlp_out, kernels)
         if hasattr(self, "per_layer"):  # after the MLP's residual add, its own delta
             x = x + mlp_out
             mlp_out = self.per_layer(x, per_layer_input, kernels)

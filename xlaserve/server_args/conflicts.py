@@ -94,8 +94,8 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
         MULTI_HOST,
         Refused("--tp-size > 1", lambda args: args.tp_size > 1),
         Refused("--matmul-backend xla", lambda args: args.matmul_backend == "xla"),
-        Refused("--attention-backend {attention_backend}",
-                lambda args: args.attention_backend in ("reference", "pallas")),
+        Refused("--attention-backend reference",
+                lambda args: args.attention_backend == "reference"),
         Refused("--is-embedding / --runner pooling", lambda args: args.runner == "pooling"))),
 }
 

@@ -205,7 +205,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                  mla_expanded_prefill_tokens: int = 0, verify_tokens: int = 1,
                  max_seqs: int = 0, draft_head=None, tree_width: int = 0, topk: int = 1,
                  tree_steps: int = 0, lora: LoraSpec | None = None,
-                 kv_dtype=None) -> StepProgram:
+                 kv_dtype=None, deterministic: bool = False) -> StepProgram:
     """`make_step` over abstract weights and caches sharded on `mesh`, for `platform`, with a
     page table as wide as `context_length`'s pages.
     `quantization`: "int8", "fp8" or an FP8 checkpoint's layout (int8.Fp8Checkpoint).
@@ -214,9 +214,11 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     draft steps (with `topk` > 1 its tree drafting, `tree_steps` deep, and the step's tree
     program verifies rows of `tree_width`). `lora`: the LoRA adapter slots' shapes, whose
     arrays follow the weights (runtime/executor/lora_slots.py). `kv_dtype`: the KV cache's
-    (None: `dtype`; an FP8 one, model/fp8_kv_cache.py)."""
+    (None: `dtype`; an FP8 one, model/fp8_kv_cache.py). `deterministic`: the kernels of
+    --enable-deterministic-inference (kernels.deterministic_kernels)."""
     kernels = kernels_for(attention_backend, mesh, matmul_backend="xla", platform=platform,
-                          mla_expanded_prefill_tokens=mla_expanded_prefill_tokens)
+                          mla_expanded_prefill_tokens=mla_expanded_prefill_tokens,
+                          deterministic=deterministic)
     num_slots, vocab = max_running_requests + 1, config.vocab_size
     graphdef, _, parameters = abstract_parameters(config, dtype, mesh,
                                                   model_class(config.architecture),
@@ -341,7 +343,8 @@ def server_step(target: str, server_args: ServerArgs,
                            draft_head=head, tree_width=buckets.tree_width,
                            topk=server_args.speculative_eagle_topk or 1,
                            tree_steps=server_args.speculative_num_steps or 0,
-                           lora=lora_spec(server_args), kv_dtype=kv_dtype)
+                           lora=lora_spec(server_args), kv_dtype=kv_dtype,
+                           deterministic=server_args.enable_deterministic_inference)
     weights = f", {server_args.quantization} weights" if server_args.quantization else ""
     if fp8_checkpoint is not None:
         weights = (f", FP8 checkpoint weights ({fp8_checkpoint.block_k}-wide K blocks)"
@@ -353,6 +356,8 @@ def server_step(target: str, server_args: ServerArgs,
                     f"{len(program.lora.target_modules)} modules")
     if kv_dtype != dtype:
         weights += f", {np.dtype(kv_dtype).name} KV cache"
+    if server_args.enable_deterministic_inference:
+        weights += ", deterministic inference"
     description = (f"{target} ({devices[0].device_kind}), {config.architecture}, "
                    f"{np.dtype(dtype).name}{weights}, "
                    f"tp {server_args.tp_size}, ep {server_args.ep_size}, "

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,15 +25,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
-from xlaserve.model.layers import Kernels, swiglu_xla
+from xlaserve.model.layers import Kernels, norm_by_rows, swiglu_xla
 from xlaserve.model.moe import expert_parallel
 from xlaserve.model.weight_types.int8 import QUANTIZED_TYPES
 from xlaserve.model.weight_types.quantized_rows import QuantizedLinear
 from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
-from xlaserve.pallas_kernels import grouped_matmul_gpu, grouped_matmul_mxfp4
-from xlaserve.pallas_kernels.ragged_paged_attention import bidirectional_cpu
+from xlaserve.pallas_kernels import (grouped_matmul_gpu, grouped_matmul_mxfp4, invariant_matmul,
+                                     invariant_norm)
+from xlaserve.pallas_kernels.ragged_paged_attention import bidirectional_cpu, kernel_gpu, kernel_tpu
 from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
                                                                 get_expanded_prefill_fns,
                                                                 get_latent_attention_fn)
@@ -113,18 +116,26 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
                                       qkv_rope=qkv_rope_cpu.qkv_rope, swiglu=swiglu_cpu.swiglu,
                                       packed_matmul_swiglu=gemm_cpu.packed_matmul_swiglu)
     if deterministic and attention_backend == "reference":  # the jnp form: batched shapes
-        raise ValueError("--enable-deterministic-inference takes the CPU attention kernel, not "
-                         "--attention-backend reference")
-    return deterministic_kernels(kernels) if deterministic else kernels
+        raise ValueError("--enable-deterministic-inference takes the platform's attention "
+                         "kernel, not --attention-backend reference")
+    if deterministic and mesh is not None and mesh.size > 1:
+        raise ValueError("--enable-deterministic-inference runs on one device (its kernels are "
+                         "custom calls that XLA's partitioner does not split)")
+    return deterministic_kernels(kernels, platform) if deterministic else kernels
 
 
 def check_deterministic_model(config, model) -> None:
     """ValueError for what --enable-deterministic-inference has not been made row-invariant:
-    mixtures of experts (their routing's XLA reductions) and weights kept quantized (the
-    quantized GEMMs' tiles)."""
-    if config.num_experts:
-        raise ValueError("--enable-deterministic-inference with a mixture of experts is not "
-                         "built (its routing is not yet row-invariant)")
+    mixtures of experts (their routing's XLA reductions), weights kept quantized (the quantized
+    GEMMs' tiles), and the parts whose norms and matmuls do not go through the kernels: latent
+    attention's, per-layer inputs' and vision towers'."""
+    for present, what in ((config.num_experts, "a mixture of experts"),
+                          (config.mla, "multi-head latent attention"),
+                          (config.per_layer_input_size, "per-layer inputs (Gemma 4)"),
+                          (config.vision, "a vision tower")):
+        if present:
+            raise ValueError(f"--enable-deterministic-inference with {what} is not built (its "
+                             "norms and matmuls are not yet row-invariant)")
     quantized = (QuantizedLinear, *QUANTIZED_TYPES)
     leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, quantized))
     if any(isinstance(leaf, quantized) for leaf in leaves):
@@ -133,22 +144,68 @@ def check_deterministic_model(config, model) -> None:
                          "checkpoint")
 
 
-def deterministic_kernels(kernels: Kernels) -> Kernels:
+def deterministic_kernels(kernels: Kernels, platform: str = "cpu",
+                          interpret: bool = False) -> Kernels:
     """`kernels` whose results for a row do not depend on the other rows of its step
-    (--enable-deterministic-inference). XLA's own CPU dots and fused row reductions do depend
-    on them (measured: a [M, 576] RMSNorm's rows differ in the last bits between M = 1 and
-    M = 23, a dot's from M = 2): only the native kernels are used, the GEMMs with Invariant
-    tiles (native/gemm_tiles.h); the CPU attention kernel's rows are independent already (its
-    key tiles sit at fixed positions). ValueError where they do not all apply."""
+    (--enable-deterministic-inference). XLA's own dots and fused row reductions do depend on
+    them (measured on the CPU: a [M, 576] RMSNorm's rows differ in the last bits between M = 1
+    and M = 23, a dot's from M = 2, a [M, 16, 128] q norm's at M = 256; on GPU its GEMMs choose
+    tiles and split-K from M): the matmuls and norms go through kernels of fixed tiles. On a
+    single CPU device the native ones, the GEMMs with Invariant tiles (native/gemm_tiles.h);
+    on TPU and GPU (or `interpret`ed here, for tests) the Pallas ones
+    (pallas_kernels/invariant_matmul.py, invariant_norm.py), and the GPU attention kernel with
+    one KV split and one path for every row (its default split count follows the bucket), and
+    both Pallas attention kernels with work items of a fixed size (`fixed_work_items`). The CPU
+    attention kernel's rows are independent already (its key blocks sit at fixed positions:
+    tests/kernels/test_batch_invariant_attention.py). ValueError where they do not all
+    apply."""
+    if platform in ("tpu", "gpu"):
+        norm, add_norm = invariant_norm.for_platform(platform, interpret)
+        fixed = dict(num_kv_splits=1, decode_io_in_kernel=False) if platform == "gpu" else {}
+        attention = functools.partial(fixed_work_items, kernels.attention,
+                                      KV_BLOCK_PAGES[platform], **fixed)
+        return dataclasses.replace(
+            kernels, deterministic=True, attention=attention,
+            dense_matmul=invariant_matmul.for_platform(platform, interpret),
+            rms_norm=norm, add_rms_norm=add_norm,
+            module_norm=functools.partial(norm_by_rows, norm))
     if kernels.packed_matmul is None or kernels.packed_matmul_swiglu is None:  # natives off
         raise ValueError("--enable-deterministic-inference runs on a single CPU device with the "
-                         "native GEMM and kernels (not --matmul-backend xla, a mesh, TPU or GPU)")
+                         "native GEMM and kernels (not --matmul-backend xla) or on one TPU or GPU")
     invariant = dict(invariant=True)
     return dataclasses.replace(
         kernels, deterministic=True,
+        module_norm=functools.partial(norm_by_rows, kernels.rms_norm),
         packed_matmul=functools.partial(kernels.packed_matmul, **invariant),
         packed_matmul_swiglu=functools.partial(kernels.packed_matmul_swiglu, **invariant),
         packed_grouped_matmul=functools.partial(kernels.packed_grouped_matmul, **invariant))
+
+
+# Query rows of a Pallas attention work item in deterministic mode (q_block = this // group): an
+# MXU's and a tensor core's row tile. Decode steps pay for it (an item holds one token);
+# prefill's items are half the default's largest (256 rows, work_items.default_q_block).
+DETERMINISTIC_ITEM_ROWS = 128
+
+
+def fixed_work_items(attention: Callable, kv_block_pages: Callable, q, k, v, kv_cache, *args,
+                     **options):
+    """`attention` (a Pallas kernel) with work items of DETERMINISTIC_ITEM_ROWS query rows and
+    KV blocks of `kv_block_pages(kv_cache)` pages whatever the step's shape. By default an
+    item's tokens follow the bucket's mean new tokens per sequence and a KV block is capped by
+    the page table's width (a bucket too); the kernel's products then have other shapes, and
+    interpreted here the same prompt's rows differed between a 7-token and a 21-token step."""
+    group = q.shape[1] // k.shape[1]
+    return attention(q, k, v, kv_cache, *args, q_block=max(1, DETERMINISTIC_ITEM_ROWS // group),
+                     kv_block_pages=kv_block_pages(kv_cache), **options)
+
+
+# The kernels' default KV blocks for an unbounded page table: `pages_per_seq` only caps them
+# (the GPU kernel pads the table to whole blocks; the TPU one reads only a sequence's pages).
+KV_BLOCK_PAGES = {
+    "gpu": lambda cache: kernel_gpu.default_kv_block_pages(cache.shape[1], 1 << 30),
+    "tpu": lambda cache: kernel_tpu.default_kv_block_pages(
+        cache.shape[1], math.prod(cache.shape[2:]) * cache.dtype.itemsize, 1 << 30),
+}
 
 
 def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
