@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.predict_accelerators import hlo_counts
 from tests.compile_targets import cache_copies, devices, first_layers, weight_bytes
-from xlaserve.pallas_kernels import grouped_matmul_gpu
+from xlaserve.pallas_kernels import grouped_matmul_gpu, invariant_matmul, invariant_norm
 from xlaserve.runtime.executor import aot
 from xlaserve.runtime.sampling.step_needs import PLAIN
 from xlaserve.server_args import ServerArgs
@@ -277,3 +277,26 @@ def test_deepseek_v3_with_its_mtp_layer_as_a_nextn_head_fits_64_v6e_chips():
     total = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     assert total < 31.25 * 2**30, (total / 2**30, description)
     program.compile_chain(*shapes[0])
+
+
+@pytest.mark.parametrize("target", ["v6e:2x2", "h100"])
+def test_a_deterministic_servers_step_has_no_xla_dot(target, tmp_path):
+    """--enable-deterministic-inference on one chip: Qwen3-8B's step (its first 2 layers: q and k
+    norms, an untied LM head) multiplies and normalizes through the batch-invariant Pallas kernels
+    (kernels.deterministic_kernels) and keeps no XLA dot, whose tiling follows the row count."""
+    devices(target)
+    args = ServerArgs(model_path=first_layers("qwen3-8b", 2, tmp_path), tp_size=1,
+                      max_running_requests=64, max_prefill_tokens=512,
+                      enable_deterministic_inference=True)
+    program, shapes, description = aot.server_step(target, args)
+    assert "deterministic inference" in description
+    hlo = program.compile(*shapes[-1]).as_text()
+    dots = [line.strip()[:160] for line in hlo.splitlines()
+            if re.search(r"= \S+ (dot|convolution)\(", line)]
+    assert not dots, dots
+    calls = lambda name: sum(1 for line in hlo.splitlines()
+                             if "custom-call(" in line and f"{name}/pallas_call" in line)
+    # a layer's qkv, o, gate_up and down, then the LM head; a layer's two norms and its q and k
+    # norms, then the final norm
+    assert calls(invariant_matmul.NAME) >= 2 * 4 + 1, description
+    assert calls(invariant_norm.NAME) >= 2 * 4 + 1, description

@@ -1,13 +1,14 @@
 """--enable-deterministic-inference's kernels in a whole forward pass (issue 75): a sequence's
 logits are the same bits alone and beside other sequences, its prompt in one step or cut into
 chunks, with the TPU and GPU forms' Pallas kernels interpreted on this CPU (the batch-invariant
-matmul and RMSNorm, pallas_kernels/invariant_*.py, and each platform's attention kernel) and with
-the CPU's native ones. Qwen3 takes its q and k norms through the kernels (`Kernels.module_norm`:
+matmul and RMSNorm, pallas_kernels/invariant_*.py, and each platform's attention kernel with fixed
+work items) and with this platform's own (the CPU's native kernels; compiled, on a GPU). Qwen3 takes its q and k norms through the kernels (`Kernels.module_norm`:
 XLA's fused norm of [256, 16, 128] rows differed from a row's own), Gemma 3 its sandwich norms,
 tied LM head and GeGLU."""
 import dataclasses
 import functools
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -37,7 +38,8 @@ def _forms() -> dict:
             Kernels(attention=functools.partial(kernel_gpu.ragged_paged_attention,
                                                 interpret=True)), "gpu", interpret=True),
             round_projections=True),
-        "cpu": lambda: kernels_for(deterministic=True),
+        # This machine's own (compiled on a GPU or TPU; the native kernels on a CPU)
+        "this platform": lambda: kernels_for(deterministic=True),
     }
 
 
@@ -89,7 +91,7 @@ def _arrangements():
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 @pytest.mark.parametrize("form", list(_forms()))
 def test_a_sequences_logits_are_the_same_bits_whatever_shares_its_steps(models, family, form):
-    loaded = models[family, form == "cpu"]
+    loaded = models[family, form == "this platform" and jax.default_backend() == "cpu"]
     forward = make_forward(loaded.model, kernels=_forms()[form]())
     alone, beside = _arrangements()
     by_itself = _watched_logits(loaded, forward, alone)

@@ -19,7 +19,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "token_request_slots": "lora",
     "POOLING_MODES": "pooling",
     "NORMALIZE_EPS": "pooling",
-    "swiglu_xla": "layers",
+    "swiglu_xla": "layers", "norm_by_rows": "layers",
     "mla_weights": "mla", "interleaved_rope_rows": "mla",
     "expert_parallel": "moe",
     "architecture_of": "registry", "model_class": "registry", "model_class_check": "registry",

@@ -46,20 +46,28 @@ class Tiles:
     block_m: int
     block_k: tuple[int, ...]
     block_n: tuple[int, ...]
-    # TPU: a dimension no tile divides is taken whole (a block equal to the array's dimension
-    # is always a legal block); GPU: Triton's blocks are powers of two, so it is refused.
-    whole_if_none: bool
+    # TPU: a K no tile divides is taken whole (a block equal to the array's dimension is always
+    # legal), an N the last block overhangs (its columns past N are dropped: a vocabulary of
+    # 32001 taken whole needed 32 MB of VMEM); GPU: Triton's blocks are powers of two, so
+    # either is refused.
+    uneven: bool
 
 
-TILES = {"tpu": Tiles(128, (512, 256, 128), (512, 256, 128), whole_if_none=True),
-         "gpu": Tiles(64, (64, 32, 16), (128, 64, 32, 16), whole_if_none=False)}
+TILES = {"tpu": Tiles(128, (512, 256, 128), (512, 256, 128), uneven=True),
+         "gpu": Tiles(64, (64, 32, 16), (128, 64, 32, 16), uneven=False)}
 
 
-def tile_for(dimension: int, tiles: Tiles, choices: tuple[int, ...]) -> int | None:
+def tile_for(dimension: int, tiles: Tiles, choices: tuple[int, ...],
+             overhang: bool = False) -> int | None:
+    """The first of `choices` that divides `dimension`; where none does, with `tiles.uneven`,
+    the whole dimension if it is smaller than the largest choice, else (`overhang`) the largest
+    choice, else the whole dimension; None otherwise."""
     fitting = [t for t in choices if dimension % t == 0]
     if fitting:
         return fitting[0]
-    return dimension if tiles.whole_if_none else None
+    if not tiles.uneven:
+        return None
+    return choices[0] if overhang and dimension > choices[0] else dimension
 
 
 def supports(k: int, n: int, platform: str) -> str | None:
@@ -87,7 +95,8 @@ def invariant_matmul(x: jax.Array, weight: jax.Array, *, platform: str,
         raise ValueError(problem)
     tiles = TILES[platform]
     block_m = tiles.block_m
-    block_k, block_n = tile_for(k, tiles, tiles.block_k), tile_for(n, tiles, tiles.block_n)
+    block_k = tile_for(k, tiles, tiles.block_k)
+    block_n = tile_for(n, tiles, tiles.block_n, overhang=True)
     padded = -(-rows // block_m) * block_m
     x = jnp.pad(x.astype(weight.dtype), ((0, padded - rows), (0, 0)))
     call = _tpu_call if platform == "tpu" else _gpu_call
@@ -117,7 +126,7 @@ def _tpu_call(x, weight, n, block_m, block_k, block_n, transposed, interpret):
     return pl.pallas_call(
         kernel, name=NAME,
         out_shape=jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-        grid=(x.shape[0] // block_m, n // block_n, k // block_k),
+        grid=(x.shape[0] // block_m, pl.cdiv(n, block_n), k // block_k),
         in_specs=[pl.BlockSpec((block_m, block_k), lambda i, j, kb: (i, kb)), w_spec],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, kb: (i, j)),
         compiler_params=pltpu.CompilerParams(

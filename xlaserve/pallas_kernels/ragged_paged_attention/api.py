@@ -123,6 +123,17 @@ def default_page_size(platform: str, max_seqs: int, context_length: int, dtype=N
     return 16
 
 
+def unbounded_kv_block_pages(platform: str, kv_cache) -> int:
+    """The Pallas kernel's default pages per KV block on `platform` for a page table of any
+    width (the table's width, a bucket, only caps the default; the GPU kernel pads the table to
+    whole blocks, the TPU one reads only a sequence's own pages): a block that does not change
+    with the step's shape (--enable-deterministic-inference)."""
+    if platform == "gpu":
+        return kernel_gpu.default_kv_block_pages(kv_cache.shape[1], 1 << 30)
+    token_bytes = math.prod(kv_cache.shape[2:]) * jnp.dtype(kv_cache.dtype).itemsize
+    return kernel_tpu.default_kv_block_pages(kv_cache.shape[1], token_bytes, 1 << 30)
+
+
 def check_shapes(backend: str, platform: str, *, page_size: int, head_dim: int, dtype,
                  max_seqs: int, pages_per_seq: int, latent: tuple[int, int] | None = None) -> None:
     """Raises ValueError, at start-up, where the kernel `backend` picks on `platform` cannot take

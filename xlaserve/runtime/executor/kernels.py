@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from typing import Callable
 
 import jax
@@ -34,10 +33,11 @@ from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels import (grouped_matmul_gpu, grouped_matmul_mxfp4, invariant_matmul,
                                      invariant_norm)
-from xlaserve.pallas_kernels.ragged_paged_attention import bidirectional_cpu, kernel_gpu, kernel_tpu
+from xlaserve.pallas_kernels.ragged_paged_attention import bidirectional_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
                                                                 get_expanded_prefill_fns,
-                                                                get_latent_attention_fn)
+                                                                get_latent_attention_fn,
+                                                                unbounded_kv_block_pages)
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,8 @@ def deterministic_kernels(kernels: Kernels, platform: str = "cpu",
         norm, add_norm = invariant_norm.for_platform(platform, interpret)
         fixed = dict(num_kv_splits=1, decode_io_in_kernel=False) if platform == "gpu" else {}
         attention = functools.partial(fixed_work_items, kernels.attention,
-                                      KV_BLOCK_PAGES[platform], **fixed)
+                                      functools.partial(unbounded_kv_block_pages, platform),
+                                      **fixed)
         return dataclasses.replace(
             kernels, deterministic=True, attention=attention,
             dense_matmul=invariant_matmul.for_platform(platform, interpret),
@@ -197,15 +198,6 @@ def fixed_work_items(attention: Callable, kv_block_pages: Callable, q, k, v, kv_
     group = q.shape[1] // k.shape[1]
     return attention(q, k, v, kv_cache, *args, q_block=max(1, DETERMINISTIC_ITEM_ROWS // group),
                      kv_block_pages=kv_block_pages(kv_cache), **options)
-
-
-# The kernels' default KV blocks for an unbounded page table: `pages_per_seq` only caps them
-# (the GPU kernel pads the table to whole blocks; the TPU one reads only a sequence's pages).
-KV_BLOCK_PAGES = {
-    "gpu": lambda cache: kernel_gpu.default_kv_block_pages(cache.shape[1], 1 << 30),
-    "tpu": lambda cache: kernel_tpu.default_kv_block_pages(
-        cache.shape[1], math.prod(cache.shape[2:]) * cache.dtype.itemsize, 1 << 30),
-}
 
 
 def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
