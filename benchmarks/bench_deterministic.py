@@ -1,6 +1,7 @@
-"""The cost of --enable-deterministic-inference on the CPU: the same engine with and without it,
-side by side in one process (runs alternate, medians reported), on a model's config with dummy
-weights: time to first token of one long prompt, and decode throughput at 1 and 16 requests.
+"""The cost of --enable-deterministic-inference on this machine (the CPU; a TPU or GPU where one
+runs it): the same engine with and without it, side by side in one process (runs alternate,
+medians reported), on a model's config with dummy weights: time to first token of one long
+prompt, and decode throughput at 1 and 16 requests.
 
     .venv/bin/python benchmarks/bench_deterministic.py --model-path benchmarks/configs/smollm2-135m
 """

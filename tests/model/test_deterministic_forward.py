@@ -2,9 +2,10 @@
 logits are the same bits alone and beside other sequences, its prompt in one step or cut into
 chunks, with the TPU and GPU forms' Pallas kernels interpreted on this CPU (the batch-invariant
 matmul and RMSNorm, pallas_kernels/invariant_*.py, and each platform's attention kernel with fixed
-work items) and with this platform's own (the CPU's native kernels; compiled, on a GPU). Qwen3 takes its q and k norms through the kernels (`Kernels.module_norm`:
-XLA's fused norm of [256, 16, 128] rows differed from a row's own), Gemma 3 its sandwich norms,
-tied LM head and GeGLU."""
+work items) and with this platform's own (the CPU's native kernels; compiled, on a GPU). Qwen3
+takes its q and k norms through the kernels (`Kernels.module_norm`: XLA's fused norm of
+[256, 16, 128] rows differed from a row's own), Gemma 3 its sandwich norms, tied LM head and
+GeGLU."""
 import dataclasses
 import functools
 
