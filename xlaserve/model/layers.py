@@ -211,12 +211,9 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
     if isinstance(weight, PackedMatrix):
         y = kernels.packed_matmul(x, weight.panels, weight.columns, weight.layer, weight.bf16_pairs)
         return y.reshape(rows, *weight.output_axes)
-    if kernels.dense_matmul is not None and not isinstance(weight, (Int8Matrix, *FP8_TYPES)):
-        if transposed:
-            return kernels.dense_matmul(x, weight, transposed=True)
-        axes = output_axes(weight.shape, k)
-        return kernels.dense_matmul(x, weight.reshape(k, -1)).reshape(rows, *axes)
     if transposed:
+        if kernels.dense_matmul is not None:
+            return kernels.dense_matmul(x, weight, transposed=True)
         # Contracting the weight's last axis directly: with an explicit `.T`, XLA converted the
         # whole bfloat16 tied embedding to float32 on every step (28 ms at 128 rows).
         return jax.lax.dot_general(x.astype(weight.dtype), weight, (((1,), (1,)), ((), ())),
@@ -235,6 +232,8 @@ def linear(x: jax.Array, weight, kernels: Kernels, transposed: bool = False) -> 
     if isinstance(weight, FP8_TYPES):
         return fp8_block_linear(x, weight, kernels.fp8_block_matmul)
     axes = output_axes(weight.shape, k)
+    if kernels.dense_matmul is not None:
+        return kernels.dense_matmul(x, weight.reshape(k, -1)).reshape(rows, *axes)
     return jax.lax.dot_general(x.astype(weight.dtype), weight.reshape(k, *axes),
                                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 

@@ -1,0 +1,180 @@
+"""The gated delta rule and its causal short convolution over ragged batches, in jnp: the
+specification the CPU and Pallas kernels of hybrid linear-attention models (Qwen3.5, Qwen3-Next:
+Gated DeltaNet layers) are checked against (issue 76).
+
+A linear layer keeps no KV cache: each running request owns one slot of a state pool, holding per
+value head the matrix state S [Dk, Dv] of the delta rule, and the last K - 1 inputs of the
+convolution. A step's rows are ragged as the attention's are (`cu_q_lens`, `num_seqs`; rows past
+cu_q_lens[num_seqs] are padding); sequence s reads and writes slot `state_slots[s]`, starting
+from zeros where the step holds its first token (`kv_lens[s]` == its new tokens: no prefix) and
+from the slot's state otherwise (a decode step, or a prompt's later chunk).
+
+The recurrence, per value head h (its q and k: head h // (Hv / Hk)), token by token:
+
+    q <- l2norm(q) / sqrt(Dk),  k <- l2norm(k)
+    S <- S * exp(g)                        g <= 0: the decay, in log space
+    S <- S + k (beta (v - k^T S))^T        the delta rule: beta in (0, 1) the write's strength
+    o <- S^T q
+
+transformers' `torch_recurrent_gated_delta_rule` (models/qwen3_next) is the same arithmetic on
+one padded batch; its chunked form (`torch_chunk_gated_delta_rule`, flash-linear-attention's
+algorithm) is `chunked_gated_delta_rule` here, on one sequence: what the kernels compute for a
+prompt, a chunk of C tokens in a few matmuls, the sequence's state carried between chunks.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+L2NORM_EPS = 1e-6  # transformers' and flash-linear-attention's
+
+
+def l2norm(x: jax.Array) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, as transformers' `l2norm`."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def row_sequences(cu_q_lens: jax.Array, num_seqs: jax.Array, num_rows: int) -> jax.Array:
+    """int32 [T]: the sequence each row belongs to, -1 for padding rows."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    return jnp.where(rows < cu_q_lens[num_seqs[0]], seq, -1)
+
+
+def _heads_per_key(q: jax.Array, v: jax.Array) -> int:
+    if v.shape[1] % q.shape[1]:
+        raise ValueError(f"{v.shape[1]} value heads do not share {q.shape[1]} key heads evenly")
+    return v.shape[1] // q.shape[1]
+
+
+def compute_dtype(x: jax.Array) -> jnp.dtype:
+    """float32, or float64 for float64 inputs (the tests' exact reference)."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _prepared(q, k, v, g, beta):
+    """q (normalized, scaled) and k (normalized) repeated to the value heads, v, g, beta, all in
+    the compute dtype."""
+    ratio, dtype = _heads_per_key(q, v), compute_dtype(v)
+    q, k = (jnp.repeat(l2norm(x.astype(dtype)), ratio, axis=1) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v.astype(dtype), g.astype(dtype), beta.astype(dtype)
+
+
+def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs):
+    """The recurrent form over a ragged step, token by token.
+
+    q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state_pool float32 [slots, Hv, Dk, Dv];
+    state_slots, kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 [1].
+    Returns (out [T, Hv, Dv] in v's dtype, padding rows zero; the pool with each sequence's
+    state after its last row)."""
+    num_rows = q.shape[0]
+    state_slots, kv_lens, cu_q_lens, num_seqs = map(jnp.asarray, (state_slots, kv_lens,
+                                                                  cu_q_lens, num_seqs))
+    q, k, v32, g, beta = _prepared(*map(jnp.asarray, (q, k, v, g, beta)))
+    seq_of_row = row_sequences(cu_q_lens, num_seqs, num_rows)
+
+    def token(pool, t):
+        seq = seq_of_row[t]
+        live = seq >= 0
+        s = jnp.maximum(seq, 0)
+        slot = state_slots[s]
+        first_of_prompt = (t == cu_q_lens[s]) & (kv_lens[s] == cu_q_lens[s + 1] - cu_q_lens[s])
+        state = jnp.where(first_of_prompt, 0.0, pool[slot])
+        state = state * jnp.exp(g[t])[:, None, None]
+        remembered = jnp.einsum("hkv,hk->hv", state, k[t])
+        delta = (v32[t] - remembered) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out = jnp.einsum("hkv,hk->hv", state, q[t])
+        pool = pool.at[slot].set(jnp.where(live, state, pool[slot]))
+        return pool, jnp.where(live, out, 0.0)
+
+    pool, out = lax.scan(token, state_pool.astype(v32.dtype), jnp.arange(num_rows))
+    return out.astype(v.dtype), pool.astype(state_pool.dtype)
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = 64):
+    """One sequence in chunks of `chunk_size` tokens: q, k [L, Hk, Dk], v [L, Hv, Dv], g, beta
+    [L, Hv], initial_state [Hv, Dk, Dv] -> (out [L, Hv, Dv], final state), in the compute dtype.
+
+    Within a chunk, with c the cumulative log decay from the chunk's start and S the state it
+    starts from, the chunk's writes are the solution of one unit lower-triangular system (the
+    UT transform, as transformers' and flash-linear-attention's chunked forms):
+        A[i, j] = beta_i k_i . k_j exp(c_i - c_j), j < i
+        u = (I + A)^-1 (beta v),  w = (I + A)^-1 (beta exp(c) k)
+        v' = u - w S                                 (the corrections the writes make)
+        o = exp(c) q S + tril((q . k) exp(c_i - c_j)) v'
+        S <- exp(c_last) S + (exp(c_last - c) k)^T v'"""
+    length = q.shape[0]
+    q, k, v, g, beta = _prepared(q, k, v, g, beta)
+    pad = -length % chunk_size
+    dtype = q.dtype
+    q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    g, beta = (jnp.pad(x, ((0, pad), (0, 0))) for x in (g, beta))
+    chunks = (length + pad) // chunk_size
+    # [chunks, H, C, D]: each head's chunk a matrix
+    as_chunks = lambda x: jnp.moveaxis(x.reshape(chunks, chunk_size, *x.shape[1:]), 1, 2)
+    q, k, v = as_chunks(q), as_chunks(k), as_chunks(v)
+    g, beta = as_chunks(g[..., None])[..., 0], as_chunks(beta[..., None])[..., 0]
+    c = jnp.cumsum(g, axis=-1)  # [chunks, H, C]
+    below = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
+    on_or_below = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    decay = jnp.exp(jnp.where(on_or_below, c[..., :, None] - c[..., None, :], -jnp.inf))
+    k_beta = k * beta[..., None]
+    system = jnp.eye(chunk_size, dtype=dtype) + jnp.where(below, k_beta @ jnp.swapaxes(k, -1, -2) * decay, 0)
+    u = solve_triangular(system, v * beta[..., None], lower=True, unit_diagonal=True)
+    w = solve_triangular(system, k_beta * jnp.exp(c)[..., None], lower=True, unit_diagonal=True)
+    within = (q @ jnp.swapaxes(k, -1, -2)) * decay
+    q_decayed = q * jnp.exp(c)[..., None]
+    last = c[..., -1:]
+    k_decayed = k * jnp.exp(last - c)[..., None]
+
+    def chunk(state, i):
+        corrections = u[i] - w[i] @ state
+        out = q_decayed[i] @ state + within[i] @ corrections
+        state = state * jnp.exp(last[i])[..., None] + jnp.swapaxes(k_decayed[i], -1, -2) @ corrections
+        return state, out
+
+    state, out = lax.scan(chunk, initial_state.astype(dtype), jnp.arange(chunks))
+    out = jnp.moveaxis(out, 2, 1)  # [chunks, C, H, Dv]
+    out = out.reshape(chunks * chunk_size, *out.shape[2:])[:length]
+    return out, state
+
+
+def causal_conv1d(x, weight, bias, conv_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
+                  activation: str | None = "silu"):
+    """The depthwise causal convolution over a ragged step: x [T, C], weight [C, W], bias [C] or
+    None, conv_pool [slots, C, W - 1] (a sequence's last W - 1 inputs, oldest first; zeros before
+    its first token). Row t of sequence s: sum_j weight[:, j] * input[t - (W - 1) + j], the inputs
+    before the step's first row read from the slot. Returns (out [T, C] in x's dtype, padding rows
+    zero; the pool with each sequence's last W - 1 inputs)."""
+    x, weight = jnp.asarray(x), jnp.asarray(weight)
+    state_slots, kv_lens, cu_q_lens, num_seqs = map(jnp.asarray, (state_slots, kv_lens,
+                                                                  cu_q_lens, num_seqs))
+    num_rows = x.shape[0]
+    seq_of_row = row_sequences(cu_q_lens, num_seqs, num_rows)
+    dtype = compute_dtype(x)
+    x32, w32 = x.astype(dtype), weight.astype(dtype)
+
+    def token(pool, t):
+        seq = seq_of_row[t]
+        live = seq >= 0
+        s = jnp.maximum(seq, 0)
+        slot = state_slots[s]
+        first_of_prompt = (t == cu_q_lens[s]) & (kv_lens[s] == cu_q_lens[s + 1] - cu_q_lens[s])
+        window = jnp.where(first_of_prompt, 0.0, pool[slot])  # [C, W - 1]
+        inputs = jnp.concatenate([window, x32[t][:, None]], axis=1)  # [C, W]
+        out = jnp.sum(inputs * w32, axis=1)
+        if bias is not None:
+            out = out + bias.astype(dtype)
+        pool = pool.at[slot].set(jnp.where(live, inputs[:, 1:], pool[slot]))
+        return pool, jnp.where(live, out, 0.0)
+
+    pool, out = lax.scan(token, conv_pool.astype(dtype), jnp.arange(num_rows))
+    if activation == "silu":
+        out = jax.nn.silu(out)
+    elif activation is not None:
+        raise ValueError(f"convolution activation {activation!r} is not built (silu or none)")
+    return out.astype(x.dtype), pool.astype(conv_pool.dtype)
