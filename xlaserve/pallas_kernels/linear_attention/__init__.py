@@ -5,7 +5,7 @@ from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "gated_delta_rule": "reference", "chunked_gated_delta_rule": "reference",
-    "causal_conv1d": "reference",
+    "causal_conv1d": "reference", "scan_rows": "reference",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use

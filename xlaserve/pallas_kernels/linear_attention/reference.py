@@ -70,29 +70,39 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     state_slots, kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 [1].
     Returns (out [T, Hv, Dv] in v's dtype, padding rows zero; the pool with each sequence's
     state after its last row)."""
-    num_rows = q.shape[0]
+    q, k, v32, g, beta = _prepared(*map(jnp.asarray, (q, k, v, g, beta)))
+
+    def token(state, t):
+        state = state * jnp.exp(g[t])[:, None, None]
+        remembered = jnp.einsum("hkv,hk->hv", state, k[t])
+        delta = (v32[t] - remembered) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        return state, jnp.einsum("hkv,hk->hv", state, q[t])
+
+    pool, out = scan_rows(token, state_pool.astype(v32.dtype), q.shape[0], state_slots, kv_lens,
+                          cu_q_lens, num_seqs)
+    return out.astype(v.dtype), pool.astype(state_pool.dtype)
+
+
+def scan_rows(row_step, pool, num_rows: int, state_slots, kv_lens, cu_q_lens, num_seqs):
+    """`row_step(state, t) -> (state, out)` over a ragged step's rows in order, each on its
+    sequence's slot of `pool` (zeros at a prompt's first row: no prefix before the step).
+    Returns (the pool, outs [T, ...] with padding rows zero)."""
     state_slots, kv_lens, cu_q_lens, num_seqs = map(jnp.asarray, (state_slots, kv_lens,
                                                                   cu_q_lens, num_seqs))
-    q, k, v32, g, beta = _prepared(*map(jnp.asarray, (q, k, v, g, beta)))
     seq_of_row = row_sequences(cu_q_lens, num_seqs, num_rows)
 
-    def token(pool, t):
+    def row(pool, t):
         seq = seq_of_row[t]
         live = seq >= 0
         s = jnp.maximum(seq, 0)
         slot = state_slots[s]
         first_of_prompt = (t == cu_q_lens[s]) & (kv_lens[s] == cu_q_lens[s + 1] - cu_q_lens[s])
-        state = jnp.where(first_of_prompt, 0.0, pool[slot])
-        state = state * jnp.exp(g[t])[:, None, None]
-        remembered = jnp.einsum("hkv,hk->hv", state, k[t])
-        delta = (v32[t] - remembered) * beta[t][:, None]
-        state = state + k[t][:, :, None] * delta[:, None, :]
-        out = jnp.einsum("hkv,hk->hv", state, q[t])
+        state, out = row_step(jnp.where(first_of_prompt, 0.0, pool[slot]), t)
         pool = pool.at[slot].set(jnp.where(live, state, pool[slot]))
         return pool, jnp.where(live, out, 0.0)
 
-    pool, out = lax.scan(token, state_pool.astype(v32.dtype), jnp.arange(num_rows))
-    return out.astype(v.dtype), pool.astype(state_pool.dtype)
+    return lax.scan(row, pool, jnp.arange(num_rows))
 
 
 def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = 64):
@@ -151,28 +161,16 @@ def causal_conv1d(x, weight, bias, conv_pool, state_slots, kv_lens, cu_q_lens, n
     before the step's first row read from the slot. Returns (out [T, C] in x's dtype, padding rows
     zero; the pool with each sequence's last W - 1 inputs)."""
     x, weight = jnp.asarray(x), jnp.asarray(weight)
-    state_slots, kv_lens, cu_q_lens, num_seqs = map(jnp.asarray, (state_slots, kv_lens,
-                                                                  cu_q_lens, num_seqs))
-    num_rows = x.shape[0]
-    seq_of_row = row_sequences(cu_q_lens, num_seqs, num_rows)
     dtype = compute_dtype(x)
     x32, w32 = x.astype(dtype), weight.astype(dtype)
 
-    def token(pool, t):
-        seq = seq_of_row[t]
-        live = seq >= 0
-        s = jnp.maximum(seq, 0)
-        slot = state_slots[s]
-        first_of_prompt = (t == cu_q_lens[s]) & (kv_lens[s] == cu_q_lens[s + 1] - cu_q_lens[s])
-        window = jnp.where(first_of_prompt, 0.0, pool[slot])  # [C, W - 1]
+    def token(window, t):  # window [C, W - 1]: the sequence's inputs before row t
         inputs = jnp.concatenate([window, x32[t][:, None]], axis=1)  # [C, W]
         out = jnp.sum(inputs * w32, axis=1)
-        if bias is not None:
-            out = out + bias.astype(dtype)
-        pool = pool.at[slot].set(jnp.where(live, inputs[:, 1:], pool[slot]))
-        return pool, jnp.where(live, out, 0.0)
+        return inputs[:, 1:], out if bias is None else out + bias.astype(dtype)
 
-    pool, out = lax.scan(token, conv_pool.astype(dtype), jnp.arange(num_rows))
+    pool, out = scan_rows(token, conv_pool.astype(dtype), x.shape[0], state_slots, kv_lens,
+                          cu_q_lens, num_seqs)
     if activation == "silu":
         out = jax.nn.silu(out)
     elif activation is not None:
