@@ -1,0 +1,84 @@
+"""Gated DeltaNet (model/linear_attention.py, issue 76), the linear layer of Qwen3-Next and
+Qwen3.5, against transformers' `Qwen3NextGatedDeltaNet` on random weights: its output for whole
+prompts, for two prompts in one ragged step, for a prompt over two steps and a decoded token
+after it (the state carried in the request's slots), with Qwen3-Next's grouped projections
+reordered into the module's layout."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+from xlaserve.model.linear_attention import (GatedDeltaNet, LinearAttentionConfig,
+                                             empty_state, from_grouped_projections)
+
+SHAPES = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+
+
+@pytest.fixture(scope="module")
+def layers():
+    """(transformers' layer, ours with its weights)."""
+    torch.manual_seed(0)
+    hf_config = Qwen3NextConfig(num_hidden_layers=1, layer_types=["linear_attention"],
+                                rms_norm_eps=1e-6, **SHAPES)
+    theirs = Qwen3NextGatedDeltaNet(hf_config, layer_idx=0).eval()
+    with torch.no_grad():
+        for parameter in theirs.parameters():
+            parameter.normal_(0, 0.3)
+        theirs.A_log.uniform_(-1, 1)
+    config = LinearAttentionConfig(
+        hidden_size=32, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=16,
+        conv_width=4, rms_norm_eps=1e-6)
+    ours = GatedDeltaNet(config, jnp.float32, nnx.Rngs(0))
+    weight = lambda p: p.detach().numpy()
+    projections = from_grouped_projections(weight(theirs.in_proj_qkvz.weight),
+                                           weight(theirs.in_proj_ba.weight), config)
+    for name, value in {**projections, "conv_weight": weight(theirs.conv1d.weight)[:, 0],
+                        "A_log": weight(theirs.A_log), "dt_bias": weight(theirs.dt_bias),
+                        "norm": weight(theirs.norm.weight),
+                        "out_proj": weight(theirs.out_proj.weight).T}.items():
+        assert getattr(ours, name)[...].shape == value.shape, name
+        setattr(ours, name, nnx.Param(jnp.asarray(value)))
+    return theirs, ours
+
+
+def _theirs(layer, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return layer(torch.from_numpy(x)[None])[0].numpy()
+
+
+def _step(ours, state, rows, slots, kv_lens, total_rows: int = 32):
+    """One ragged step over `rows` (a list of [n, hidden] arrays, one per sequence)."""
+    cu = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)
+    x = np.zeros((total_rows, SHAPES["hidden_size"]), np.float32)
+    x[:cu[-1]] = np.concatenate(rows)
+    y, state = ours(jnp.asarray(x), state, jnp.asarray(slots, jnp.int32),
+                    jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu),
+                    jnp.asarray([len(rows)], jnp.int32))
+    return [np.asarray(y)[cu[i]:cu[i + 1]] for i in range(len(rows))], state
+
+
+def test_prompts_in_one_ragged_step_give_transformers_outputs(layers):
+    theirs, ours = layers
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((n, 32)).astype(np.float32) for n in (9, 20))
+    state = empty_state(ours.config, 4, jnp.float32)
+    (ya, yb), _ = _step(ours, state, [a, b], [1, 3], [9, 20])
+    np.testing.assert_allclose(ya, _theirs(theirs, a), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(yb, _theirs(theirs, b), rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_over_two_steps_then_a_decoded_token_carry_the_state(layers):
+    theirs, ours = layers
+    prompt = np.random.default_rng(2).standard_normal((14, 32)).astype(np.float32)
+    state = empty_state(ours.config, 2, jnp.float32)
+    (first,), state = _step(ours, state, [prompt[:6]], [1], [6])
+    (second,), state = _step(ours, state, [prompt[6:13]], [1], [13])
+    (decoded,), state = _step(ours, state, [prompt[13:]], [1], [14])
+    expected = _theirs(theirs, prompt)
+    np.testing.assert_allclose(np.concatenate([first, second, decoded]), expected, rtol=1e-4,
+                               atol=1e-4)
+    assert not np.asarray(state.delta[0]).any() and not np.asarray(state.conv[0]).any()
