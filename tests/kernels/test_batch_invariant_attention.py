@@ -2,11 +2,11 @@
 sequence's output rows are the same bits whatever other sequences share the call, whatever the
 bucket's padded shape, and wherever its prompt was cut into chunks: the CPU kernel, and the TPU
 and GPU Pallas kernels in interpret mode, as --enable-deterministic-inference runs them
-(kernels.fixed_work_items). By default the Pallas kernels' work items follow the step's mean
-tokens per sequence, their KV blocks the page table's width, and the GPU kernel's split-KV count
-the bucket (`default_num_kv_splits`), each of which changes a row's sums: fixed, they are
-invariant; the defaults' differences are asserted too, so that the property is known to be
-needed."""
+(ragged_paged_attention/api.py's fixed_work_items). By default the Pallas kernels' work items
+follow the step's mean tokens per sequence, their KV blocks the page table's width, and the GPU
+kernel's split-KV count the bucket (`default_num_kv_splits`), each of which changes a row's
+sums: fixed, they are invariant; the defaults' differences are asserted too, so that the
+property is known to be needed."""
 import functools
 
 import jax.numpy as jnp

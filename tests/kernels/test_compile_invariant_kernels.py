@@ -2,8 +2,8 @@
 hardware (Mosaic for TPU v6e, Triton for an H100): the batch-invariant matmul at a decode step's
 and a prefill's shapes, the LM heads of real vocabularies (tied, transposed; and on TPU one no
 tile divides), the RMSNorms, and the attention kernels with fixed work items and KV blocks
-(kernels.fixed_work_items). What they compute: test_invariant_matmul_and_norm.py and
-test_batch_invariant_attention.py (interpreted)."""
+(ragged_paged_attention/api.py's fixed_work_items). What they compute:
+test_invariant_matmul_and_norm.py and test_batch_invariant_attention.py (interpreted)."""
 import functools
 
 import jax

@@ -9,7 +9,7 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "check_shapes": "api", "default_page_size": "api", "get_attention_fn": "api",
     "get_expanded_prefill_fns": "api", "get_latent_attention_fn": "api",
-    "unbounded_kv_block_pages": "api",
+    "fixed_work_items": "api",
     "merge_by_lse": "reference", "mla_ragged_paged_attention": "reference",
     "reference_new_token_attention": "new_tokens", "bidirectional_cpu": "bidirectional_cpu",
     "tree_attention": "tree_tokens", "tree_token_attention": "tree_tokens",

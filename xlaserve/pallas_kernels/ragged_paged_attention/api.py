@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.pallas_kernels.ragged_paged_attention import kernel_cpu, kernel_gpu, kernel_tpu
 from xlaserve.pallas_kernels.ragged_paged_attention import new_tokens, reference, tpu_shape_checks
 from xlaserve.pallas_kernels.ragged_paged_attention.tpu_page_writes import sublanes
+from xlaserve.pallas_kernels.ragged_paged_attention.work_items import query_group
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +124,32 @@ def default_page_size(platform: str, max_seqs: int, context_length: int, dtype=N
     return 16
 
 
+# Query rows of a work item in deterministic mode (q_block = this // group): an MXU's and a
+# tensor core's row tile. Decode steps pay for it (an item holds one token); prefill's items are
+# half the default's largest (256 rows, work_items.default_q_block).
+DETERMINISTIC_ITEM_ROWS = 128
+
+
+def fixed_work_items(attention: Callable, platform: str, q, k, v, kv_cache, *args, **options):
+    """`attention`, the Pallas kernel of `platform`, in a form whose rows do not depend on the
+    step's shape (--enable-deterministic-inference): work items of DETERMINISTIC_ITEM_ROWS query
+    rows, KV blocks of `unbounded_kv_block_pages`, and on GPU one KV split and one path for
+    every item. By default an item's tokens follow the bucket's mean new tokens per sequence,
+    a KV block is capped by the page table's width (a bucket too) and the GPU's split count
+    follows the bucket; the kernel's products then have other shapes, and interpreted the same
+    prompt's rows differed between a 7-token and a 21-token step."""
+    if platform == "gpu":
+        options.update(num_kv_splits=1, decode_io_in_kernel=False)
+    return attention(q, k, v, kv_cache, *args,
+                     q_block=max(1, DETERMINISTIC_ITEM_ROWS // query_group(q, k)),
+                     kv_block_pages=unbounded_kv_block_pages(platform, kv_cache), **options)
+
+
 def unbounded_kv_block_pages(platform: str, kv_cache) -> int:
     """The Pallas kernel's default pages per KV block on `platform` for a page table of any
     width (the table's width, a bucket, only caps the default; the GPU kernel pads the table to
     whole blocks, the TPU one reads only a sequence's own pages): a block that does not change
-    with the step's shape (--enable-deterministic-inference)."""
+    with the step's shape."""
     if platform == "gpu":
         return kernel_gpu.default_kv_block_pages(kv_cache.shape[1], 1 << 30)
     token_bytes = math.prod(kv_cache.shape[2:]) * jnp.dtype(kv_cache.dtype).itemsize

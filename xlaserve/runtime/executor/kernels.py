@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +33,10 @@ from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels import (grouped_matmul_gpu, grouped_matmul_mxfp4, invariant_matmul,
                                      invariant_norm)
 from xlaserve.pallas_kernels.ragged_paged_attention import bidirectional_cpu
-from xlaserve.pallas_kernels.ragged_paged_attention.api import (get_attention_fn,
+from xlaserve.pallas_kernels.ragged_paged_attention.api import (fixed_work_items,
+                                                                get_attention_fn,
                                                                 get_expanded_prefill_fns,
-                                                                get_latent_attention_fn,
-                                                                unbounded_kv_block_pages)
+                                                                get_latent_attention_fn)
 
 logger = logging.getLogger(__name__)
 
@@ -153,20 +152,16 @@ def deterministic_kernels(kernels: Kernels, platform: str = "cpu",
     tiles and split-K from M): the matmuls and norms go through kernels of fixed tiles. On a
     single CPU device the native ones, the GEMMs with Invariant tiles (native/gemm_tiles.h);
     on TPU and GPU (or `interpret`ed here, for tests) the Pallas ones
-    (pallas_kernels/invariant_matmul.py, invariant_norm.py), and the GPU attention kernel with
-    one KV split and one path for every row (its default split count follows the bucket), and
-    both Pallas attention kernels with work items of a fixed size (`fixed_work_items`). The CPU
+    (pallas_kernels/invariant_matmul.py, invariant_norm.py), and the Pallas attention kernels
+    with work items, KV blocks and (GPU) KV splits of fixed sizes (api.fixed_work_items). The CPU
     attention kernel's rows are independent already (its key blocks sit at fixed positions:
     tests/kernels/test_batch_invariant_attention.py). ValueError where they do not all
     apply."""
     if platform in ("tpu", "gpu"):
         norm, add_norm = invariant_norm.for_platform(platform, interpret)
-        fixed = dict(num_kv_splits=1, decode_io_in_kernel=False) if platform == "gpu" else {}
-        attention = functools.partial(fixed_work_items, kernels.attention,
-                                      functools.partial(unbounded_kv_block_pages, platform),
-                                      **fixed)
         return dataclasses.replace(
-            kernels, deterministic=True, attention=attention,
+            kernels, deterministic=True,
+            attention=functools.partial(fixed_work_items, kernels.attention, platform),
             dense_matmul=invariant_matmul.for_platform(platform, interpret),
             rms_norm=norm, add_rms_norm=add_norm,
             module_norm=functools.partial(norm_by_rows, norm))
@@ -180,24 +175,6 @@ def deterministic_kernels(kernels: Kernels, platform: str = "cpu",
         packed_matmul=functools.partial(kernels.packed_matmul, **invariant),
         packed_matmul_swiglu=functools.partial(kernels.packed_matmul_swiglu, **invariant),
         packed_grouped_matmul=functools.partial(kernels.packed_grouped_matmul, **invariant))
-
-
-# Query rows of a Pallas attention work item in deterministic mode (q_block = this // group): an
-# MXU's and a tensor core's row tile. Decode steps pay for it (an item holds one token);
-# prefill's items are half the default's largest (256 rows, work_items.default_q_block).
-DETERMINISTIC_ITEM_ROWS = 128
-
-
-def fixed_work_items(attention: Callable, kv_block_pages: Callable, q, k, v, kv_cache, *args,
-                     **options):
-    """`attention` (a Pallas kernel) with work items of DETERMINISTIC_ITEM_ROWS query rows and
-    KV blocks of `kv_block_pages(kv_cache)` pages whatever the step's shape. By default an
-    item's tokens follow the bucket's mean new tokens per sequence and a KV block is capped by
-    the page table's width (a bucket too); the kernel's products then have other shapes, and
-    interpreted here the same prompt's rows differed between a 7-token and a 21-token step."""
-    group = q.shape[1] // k.shape[1]
-    return attention(q, k, v, kv_cache, *args, q_block=max(1, DETERMINISTIC_ITEM_ROWS // group),
-                     kv_block_pages=kv_block_pages(kv_cache), **options)
 
 
 def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
