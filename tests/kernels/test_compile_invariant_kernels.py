@@ -1,8 +1,8 @@
 """--enable-deterministic-inference's Pallas kernels compiled for their real targets without the
-hardware (Mosaic for TPU v6e, Triton for an H100): the batch-invariant matmul at a decode step's
-and a prefill's shapes, the LM heads of real vocabularies (tied, transposed; and on TPU one no
-tile divides), the RMSNorms, and the attention kernels with fixed work items and KV blocks
-(ragged_paged_attention/api.py's fixed_work_items). What they compute:
+hardware (Mosaic for TPU v5e and v6e, Triton for an H100): the batch-invariant matmul at a
+decode step's and a prefill's shapes, the LM heads of real vocabularies (tied, transposed; and
+on TPU one no tile divides), the RMSNorms, and the attention kernels with fixed work items and
+KV blocks (ragged_paged_attention/api.py's fixed_work_items). What they compute:
 test_invariant_matmul_and_norm.py and test_batch_invariant_attention.py (interpreted)."""
 import functools
 
@@ -18,7 +18,7 @@ from xlaserve.pallas_kernels import invariant_matmul, invariant_norm
 from xlaserve.runtime.executor import aot
 from xlaserve.runtime.executor.kernels import deterministic_kernels
 
-TARGETS = {"v6e:2x2": "tpu", "h100": "gpu"}
+TARGETS = {"v5e:2x2": "tpu", "v6e:2x2": "tpu", "h100": "gpu"}
 # (rows, K, N, transposed): SmolLM2-135M's decode gate_up, Llama-3.1-8B's prefill gate_up and
 # tied-style LM head, Qwen2.5-0.5B's tied LM head, and a vocabulary of 32001 (TPU only)
 MATMULS = [(1, 576, 3072, False), (512, 4096, 28672, False), (64, 4096, 128256, True),
