@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.tiny_models import DEEPSEEK, FAMILIES, make_tiny_checkpoint
+from tests.tiny_models import DEEPSEEK, FAMILIES, HYBRID, make_tiny_checkpoint
 
 
 def _made(tmp_path_factory, families) -> dict:
@@ -24,6 +24,11 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def deepseek_checkpoints(tmp_path_factory):
     return _made(tmp_path_factory, DEEPSEEK)
+
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoints(tmp_path_factory):
+    return _made(tmp_path_factory, HYBRID)
 
 
 @pytest.fixture(scope="session", autouse=True)

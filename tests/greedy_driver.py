@@ -75,6 +75,11 @@ class PagedBatch:
     def num_pages(self) -> int:
         return self.page_indices.size + 1  # and the null page
 
+    @property
+    def num_slots(self) -> int:
+        """State slots a hybrid model's pool needs: one per sequence and the null slot."""
+        return self.page_indices.shape[0] + 1
+
     def step_inputs(self, chunks: list[list[int]], logits: str = "last"):
         """Inputs for one forward over `chunks[i]` new tokens of sequence i (may be empty).
 
@@ -95,7 +100,11 @@ class PagedBatch:
             self.lengths[i] += n
         logits_indices += [0] * (_pow2(len(logits_indices)) - len(logits_indices))
         device = jax.device_put(batch)
-        return (device.input_ids, device.positions, jax.device_put(batch.host_metadata()),
+        # Sequence i's state slot (a hybrid model's linear layers) is i + 1; padding's the null 0.
+        state_slots = np.zeros(batch.shape[1], np.int32)
+        state_slots[:len(seqs)] = np.asarray(seqs, np.int32) + 1
+        metadata = dataclasses.replace(batch.host_metadata(), state_slots=state_slots)
+        return (device.input_ids, device.positions, jax.device_put(metadata),
                 jnp.asarray(logits_indices, jnp.int32), rows)
 
 
@@ -114,7 +123,8 @@ def greedy_generate(
     batch = PagedBatch(1, -(-total // page_size), page_size)
     dtype = model.final_norm.scale.get_value().dtype  # the model dtype (norms are never quantized)
     mesh = mesh or _mesh_of(model)
-    kv_caches = init_kv_pool(config, batch.num_pages, page_size, dtype, mesh)
+    kv_caches = init_kv_pool(config, batch.num_pages, page_size, dtype, mesh,
+                             state_slots=batch.num_slots)
     forward = make_forward(model, attention_backend)
     _, state = nnx.split(model)
     output: list[int] = []

@@ -124,6 +124,22 @@ DEEPSEEK = {
                         routed_scaling_factor=1.0),
 }
 
+# Hybrid linear-attention models (model/linear_attention.py, issue 76): three Gated DeltaNet
+# layers (2 key heads of 16, 4 value heads of 16, a convolution 4 wide) then a gated full layer
+# (RoPE on a quarter of its 32-row heads), (1 + weight) norms. Qwen3-Next's linear layers group
+# their projections by key head, and its MLPs are experts (top 2 of 4) with a gated shared one.
+# Not in FAMILIES: tests/model/test_hybrid_models.py runs them.
+_HYBRID_LAYERS = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                      layer_types=["linear_attention"] * 3 + ["full_attention"])
+HYBRID = {
+    "qwen3_5": dict(cls="Qwen3_5TextConfig", architecture="Qwen3_5ForCausalLM", **_HYBRID_LAYERS),
+    "qwen3_next": dict(cls="Qwen3NextConfig", num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       **_HYBRID_LAYERS),
+}
+
 # Every family's decoder shape (make_tiny_checkpoint's, its vocab_size apart).
 TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-6)
@@ -139,7 +155,7 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
     import torch
     import transformers
 
-    spec = dict(FAMILIES.get(family) or DEEPSEEK[family])
+    spec = dict(FAMILIES.get(family) or DEEPSEEK.get(family) or HYBRID[family])
     config_cls = getattr(transformers, spec.pop("cls"))
     architecture = spec.pop("architecture", config_cls.__name__.replace("Config", "ForCausalLM"))
     embedding_std = spec.pop("embedding_std", 0.5)

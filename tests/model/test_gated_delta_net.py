@@ -11,8 +11,10 @@ from flax import nnx
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from xlaserve.model.linear_attention import (GatedDeltaNet, LinearAttentionConfig,
-                                             empty_state, from_grouped_projections)
+from xlaserve.model.config.linear_attention_config import LinearAttentionConfig
+from xlaserve.model.layers import Kernels
+from xlaserve.model.linear_attention import GatedDeltaNet, empty_state, from_grouped_projections
+from xlaserve.model.transformer import AttentionMetadata
 
 SHAPES = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4)
@@ -38,7 +40,7 @@ def layers():
                                            weight(theirs.in_proj_ba.weight), config)
     for name, value in {**projections, "conv_weight": weight(theirs.conv1d.weight)[:, 0],
                         "A_log": weight(theirs.A_log), "dt_bias": weight(theirs.dt_bias),
-                        "norm": weight(theirs.norm.weight),
+                        "gated_norm": weight(theirs.norm.weight),
                         "out_proj": weight(theirs.out_proj.weight).T}.items():
         assert getattr(ours, name)[...].shape == value.shape, name
         setattr(ours, name, nnx.Param(jnp.asarray(value)))
@@ -55,9 +57,11 @@ def _step(ours, state, rows, slots, kv_lens, total_rows: int = 32):
     cu = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)
     x = np.zeros((total_rows, SHAPES["hidden_size"]), np.float32)
     x[:cu[-1]] = np.concatenate(rows)
-    y, state = ours(jnp.asarray(x), state, jnp.asarray(slots, jnp.int32),
-                    jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu),
-                    jnp.asarray([len(rows)], jnp.int32))
+    metadata = AttentionMetadata(
+        kv_lens=jnp.asarray(kv_lens, jnp.int32), page_indices=jnp.zeros((len(rows), 1), jnp.int32),
+        cu_q_lens=jnp.asarray(cu), num_seqs=jnp.asarray([len(rows)], jnp.int32),
+        state_slots=jnp.asarray(slots, jnp.int32))
+    y, state = ours(jnp.asarray(x), None, None, state, metadata, Kernels(attention=None))
     return [np.asarray(y)[cu[i]:cu[i + 1]] for i in range(len(rows))], state
 
 

@@ -58,7 +58,8 @@ def _run_ours(loaded, sequences, prefill_chunk, page_size, **forward_options):
     model = loaded.model
     longest = max(len(s) for s, _ in sequences)
     batch = PagedBatch(len(sequences), -(-longest // page_size), page_size)
-    kv_caches = init_kv_pool(loaded.config, batch.num_pages, page_size, loaded.dtype, loaded.mesh)
+    kv_caches = init_kv_pool(loaded.config, batch.num_pages, page_size, loaded.dtype, loaded.mesh,
+                             state_slots=batch.num_slots)
     forward = make_forward(model, **forward_options)
     _, state = nnx.split(model)
     ours = [np.full((len(s), loaded.config.vocab_size), np.nan, np.float32) for s, _ in sequences]

@@ -8,7 +8,11 @@ four layers of those models, the fourth a gated full-attention layer.
     y = (RMSNorm(o) * silu(x W_z)) W_out           the norm per value head, gated
 
 Its state is not a KV cache: per request, a slot of two pools (`LinearState`): the convolution's
-last W - 1 inputs and each value head's [Dk, Dv] matrix. The weights are held in one layout,
+last W - 1 inputs and each value head's [Dk, Dv] matrix. A step's caches hold each linear layer's
+pools after the KV pool's arrays (ModelConfig.cache_slot); sequence s reads and writes the slot
+of its request (`AttentionMetadata.state_slots`), from zeros at a prompt's first token. Under
+tensor parallelism the layer is whole on every device (its weights and state replicated: correct,
+not yet split by head). The weights are held in one layout,
 Qwen3.5's (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, as [in, out] matrices);
 Qwen3-Next's checkpoints group q, k, v and z by key head (`in_proj_qkvz`, `in_proj_ba`), which
 `from_grouped_projections` reorders once at load.
@@ -22,33 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.model.layers import init_weight
+from xlaserve.model.config.linear_attention_config import LinearAttentionConfig
+from xlaserve.model.layers import Kernels, init_weight, linear, matmul_input_dtype, project
 from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d, gated_delta_rule
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearAttentionConfig:
-    """A Gated DeltaNet layer's shapes (transformers' `linear_*` config fields)."""
-
-    hidden_size: int
-    num_key_heads: int  # linear_num_key_heads
-    num_value_heads: int  # linear_num_value_heads
-    key_head_dim: int  # linear_key_head_dim
-    value_head_dim: int  # linear_value_head_dim
-    conv_width: int  # linear_conv_kernel_dim
-    rms_norm_eps: float
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_value_heads * self.value_head_dim
-
-    @property
-    def conv_dim(self) -> int:  # q, k and v go through the convolution together
-        return 2 * self.key_dim + self.value_dim
 
 
 @dataclasses.dataclass
@@ -83,32 +63,38 @@ class GatedDeltaNet(nnx.Module):
         self.conv_weight = nnx.Param(init_weight(rngs, (c.conv_dim, c.conv_width), dtype))
         self.A_log = nnx.Param(jnp.zeros((c.num_value_heads,), jnp.float32))
         self.dt_bias = nnx.Param(jnp.ones((c.num_value_heads,), dtype))
-        self.norm = nnx.Param(jnp.ones((c.value_head_dim,), dtype))
+        self.gated_norm = nnx.Param(jnp.ones((c.value_head_dim,), dtype))  # plain weight
         self.out_proj = nnx.Param(init_weight(rngs, (c.value_dim, c.hidden_size), dtype))
 
-    def __call__(self, x: jax.Array, state: LinearState, state_slots, kv_lens, cu_q_lens,
-                 num_seqs) -> tuple[jax.Array, LinearState]:
-        """x [T, hidden] (a ragged step's rows, as attention's metadata describes them; sequence
-        s reads and writes slot `state_slots[s]`) -> (float32 [T, hidden], the pools updated)."""
-        c = self.config
+    def __call__(self, x, cos, sin, state: LinearState, metadata, kernels: Kernels, lora=None,
+                 **_) -> tuple[jax.Array, LinearState]:
+        """x [T, hidden] (a ragged step's rows, as `metadata` describes them; sequence s reads
+        and writes slot `metadata.state_slots[s]`) -> (float32 [T, hidden], the pools updated).
+        Attention's signature (transformer.DecoderLayer calls either): no RoPE (`cos`, `sin`
+        unused), no LoRA (model/lora.check_model refuses these models)."""
+        c, m = self.config, metadata
         rows = x.shape[0]
-        project = lambda w: jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-        qkv = project(self.in_proj_qkv[...]).astype(x.dtype)
-        mixed, conv = causal_conv1d(qkv, self.conv_weight[...], None, state.conv, state_slots,
-                                    kv_lens, cu_q_lens, num_seqs, activation="silu")
+        qkv = project(x, self.in_proj_qkv[...], kernels).astype(self.conv_weight.get_value().dtype)
+        mixed, conv = causal_conv1d(qkv, self.conv_weight[...], None, state.conv, m.state_slots,
+                                    m.kv_lens, m.cu_q_lens, m.num_seqs, activation="silu")
         q = mixed[:, :c.key_dim].reshape(rows, c.num_key_heads, c.key_head_dim)
         k = mixed[:, c.key_dim:2 * c.key_dim].reshape(rows, c.num_key_heads, c.key_head_dim)
         v = mixed[:, 2 * c.key_dim:].reshape(rows, c.num_value_heads, c.value_head_dim)
-        beta = jax.nn.sigmoid(project(self.in_proj_b[...]))
+        beta = jax.nn.sigmoid(linear(x, self.in_proj_b[...], kernels))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            project(self.in_proj_a[...]) + self.dt_bias[...].astype(jnp.float32))
-        out, delta = gated_delta_rule(q, k, v, g, beta, state.delta, state_slots, kv_lens,
-                                      cu_q_lens, num_seqs)
-        z = project(self.in_proj_z[...]).reshape(rows, c.num_value_heads, c.value_head_dim)
-        gated = gated_rms_norm(out, z, self.norm[...], c.rms_norm_eps)
-        y = jnp.dot(gated.reshape(rows, c.value_dim), self.out_proj[...],
-                    preferred_element_type=jnp.float32)
+            linear(x, self.in_proj_a[...], kernels) + self.dt_bias[...].astype(jnp.float32))
+        out, delta = gated_delta_rule(q, k, v, g, beta, state.delta, m.state_slots, m.kv_lens,
+                                      m.cu_q_lens, m.num_seqs)
+        z = project(x, self.in_proj_z[...], kernels).reshape(rows, c.num_value_heads,
+                                                              c.value_head_dim)
+        gated = gated_rms_norm(out, z, self.gated_norm[...], c.rms_norm_eps)
+        y = project(gated.reshape(rows, c.value_dim).astype(matmul_input_dtype(self.out_proj[...])),
+                    self.out_proj[...], kernels)
         return y, LinearState(conv=conv, delta=delta)
+
+    def input_matrix(self):
+        """The first matrix the layer's input meets (its dtype is the input's)."""
+        return self.in_proj_qkv[...]
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -39,6 +39,10 @@ MODEL_CLASSES = {
     # (Scout, Maverick) with their vision encoder beside it (model/vision/llama4_vision.py).
     "Llama4ForCausalLM": CausalLM,
     "Llama4ForConditionalGeneration": Llama4VisionLM,
+    # Hybrid linear-attention models (model/config/linear_attention_config.py): Gated DeltaNet
+    # layers with a per-request state (model/linear_attention.py) between gated full ones.
+    "Qwen3_5ForCausalLM": CausalLM,
+    "Qwen3NextForCausalLM": CausalLM,
     # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
     # a vision tower the engine runs per image.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,

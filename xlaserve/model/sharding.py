@@ -86,6 +86,18 @@ PARTITION_SPECS = {
     "projection": P(),  # Gemma 3's projector (vision/siglip_vision.py): the decoder rows whole
     "class_embedding": P(),  # Llama 4's encoder (vision/llama4_vision.py)
     "bounds": P(),  # Gemma 4's clipped projections' bounds (vision/gemma4_vision.py)
+    # Hybrid linear-attention models: the full layers' output gate by query head, as q; the
+    # Gated DeltaNet layers (linear_attention.py) whole on every device, their state too.
+    "output_gate": P(None, TP, None),
+    "in_proj_qkv": P(),
+    "in_proj_z": P(),
+    "in_proj_b": P(),
+    "in_proj_a": P(),
+    "conv_weight": P(),
+    "A_log": P(),
+    "dt_bias": P(),
+    "gated_norm": P(),
+    "out_proj": P(),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.

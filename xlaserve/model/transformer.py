@@ -39,6 +39,7 @@ from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, apply_rope, init_weight, linear, matmul_input_dtype, project,
     rope_qk, split_qkv)
+from xlaserve.model.linear_attention import GatedDeltaNet
 from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import ExpertsBesideMlp, MoE
 from xlaserve.model.per_layer_inputs import PerLayerEmbeddings, PerLayerInput
@@ -67,6 +68,9 @@ class AttentionMetadata:
     # Gemma 3's and 4's images in the step, whose tokens see their whole image (image_spans.py);
     # None: causal (every other model, and a program shorter than an image).
     image_spans: ImageSpans | None = None
+    # Hybrid linear-attention models (linear_attention.py): i32[S], the state-pool slot each
+    # sequence reads and writes (its request's); None where the model has no linear layers.
+    state_slots: jax.Array | None = None
 
 
 class Attention(nnx.Module):
@@ -103,6 +107,9 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
         if c.qk_norm and self.kv_source == layer_index:
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
+        if c.attention_output_gate:  # Qwen3.5's, Qwen3-Next's: sigmoid(x W_gate) per query row
+            self.output_gate = nnx.Param(init_weight(
+                rngs, (input_size or c.hidden_size, c.num_heads, c.head_dim), dtype))
 
     def __call__(self, x, cos, sin, kv_cache, metadata: AttentionMetadata, kernels: Kernels,
                  lora=None, temperature=None, shared_kv: dict | None = None):
@@ -144,7 +151,7 @@ class Attention(nnx.Module):
             sm_scale *= k_scale
         if shared_kv is not None:
             shared_kv[self.layer_index] = (k, v, sm_scale, v_scale)
-        return self._attend(q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale)
+        return self._attend(q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale, x)
 
     def _read_shared(self, x, cos, sin, kv_cache, metadata, kernels, shared):
         """A KV-shared layer: its queries (q norm, RoPE) over the cache another layer wrote,
@@ -165,7 +172,9 @@ class Attention(nnx.Module):
                  else kv_cache.dtype)
         return fp8, dtype
 
-    def _attend(self, q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale):
+    def _attend(self, q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale,
+                x_gate=None):
+        """`x_gate`: the layer's input, for the output gate (attention_output_gate)."""
         c = self.config
         num_tokens = q.shape[0]
         fp8, dtype = self._attention_dtypes(kv_cache)
@@ -193,6 +202,9 @@ class Attention(nnx.Module):
                                            sinks=sinks)
         if fp8:
             out = rescaled(out, v_scale)
+        if c.attention_output_gate:
+            gate = jax.nn.sigmoid(project(x_gate, self.output_gate[...], kernels))
+            out = (out.astype(jnp.float32) * gate).astype(dtype)
         out = project(out.reshape(num_tokens, -1), self.o_proj[...], kernels, lora, "o_proj")
         if c.o_bias:
             out = out + self.o_bias[...].astype(jnp.float32)
@@ -207,8 +219,12 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype, rngs: nnx.Rngs):
         c = config
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
-        self.attn = (MLAttention(c, layer_index, dtype, rngs) if c.mla is not None
-                     else Attention(c, layer_index, dtype, rngs))
+        if c.linear_layers[layer_index]:  # its state in the step's caches, not a KV cache
+            self.attn = GatedDeltaNet(c.linear_attention, dtype, rngs)
+        elif c.mla is not None:
+            self.attn = MLAttention(c, layer_index, dtype, rngs)
+        else:
+            self.attn = Attention(c, layer_index, dtype, rngs)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         self.mlp = (MoE(c, dtype, rngs) if c.moe_layers[layer_index]
                     else MLP(c.hidden_size, c.layer(layer_index).intermediate_size, dtype, rngs,
@@ -329,8 +345,9 @@ class CausalLM(nnx.Module):
                      else None)
         shared_kv = {} if len(c.cache_layers) < c.num_layers else None
         new_caches = [None] * len(self.layers) if c.bidirectional else list(kv_caches)
-        if len(new_caches) != len(c.cache_layers):
-            raise ValueError(f"{len(new_caches)} KV caches for {len(c.cache_layers)} cache layers")
+        if len(new_caches) != len(c.cache_layers) + len(c.state_layers):
+            raise ValueError(f"{len(new_caches)} caches for {len(c.cache_layers)} KV cache layers "
+                             f"and {len(c.state_layers)} linear layers' states")
         for index, layer in enumerate(self.layers):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
             if capture and index in capture:

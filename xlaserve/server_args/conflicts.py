@@ -32,6 +32,7 @@ class Mode(enum.Enum):
     MULTI_HOST = "--nnodes > 1"
     HIDDEN_STATES = "--enable-return-hidden-states"
     DETERMINISTIC = "--enable-deterministic-inference"
+    LINEAR_ATTENTION = "a hybrid linear-attention model (Qwen3.5, Qwen3-Next)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,16 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
         Refused("--matmul-backend xla", lambda args: args.matmul_backend == "xla"),
         Refused("--attention-backend reference",
                 lambda args: args.attention_backend == "reference"),
+        Refused("--is-embedding / --runner pooling", lambda args: args.runner == "pooling"))),
+    # Each is a state the linear layers do not keep yet (issue 76): the rolled-back state of a
+    # rejected draft, an adapter's delta in their projections, a state per cached prefix.
+    Mode.LINEAR_ATTENTION: ("{flag} with a hybrid linear-attention model is not built yet", (
+        SPECULATION,
+        LORA,
+        MULTI_HOST,
+        Refused("--enable-hierarchical-cache", lambda args: args.enable_hierarchical_cache),
+        Refused("--enable-deterministic-inference",
+                lambda args: args.enable_deterministic_inference),
         Refused("--is-embedding / --runner pooling", lambda args: args.runner == "pooling"))),
 }
 

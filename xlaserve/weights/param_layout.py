@@ -17,8 +17,10 @@ import numpy as np
 
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.config.llama4_config import LLAMA4_NAMES
+from xlaserve.model.config.rope_config import partial_rope_rows
 from xlaserve.model.mla import interleaved_rope_rows, mla_weights
 from xlaserve.weights.formats.mxfp4 import read_expert_weight
+from xlaserve.weights.linear_attention_layout import gated_delta_net_weights
 from xlaserve.weights.formats.quantization import check_float_tensor
 from xlaserve.weights.formats.tensor_source import TensorSource
 
@@ -148,7 +150,6 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
     copies = c.kv_replicas[i] if c.kv_replicas else 1  # of each stored KV head (more devices)
     c = c.layer(i)  # its own heads where the model's layers differ (Gemma 4)
     hidden, head_dim = c.hidden_size, c.head_dim
-    q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads // copies * head_dim
     attn = prefix + "self_attn."
 
     def kv_fetch(name, shape):  # a K or V projection's rows, each head `copies` times
@@ -157,36 +158,11 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
         return np.repeat(heads, copies, axis=0).reshape(-1, *rows.shape[1:])
 
     yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
-    if c.mla is not None:
-        yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
-                               layer + ("attn",))
-    elif c.kv_source_layers[i] != i:  # Gemma 4's KV-shared layer: queries only
-        q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden)).T
-        yield layer + ("attn", "qkv"), q.reshape(hidden, c.num_kv_heads, c.queries_per_kv,
-                                                 head_dim)
-    elif layer + ("attn", "qkv") not in skip:
-        q = _rope_rows(c, _fetch(source, attn + "q_proj.weight", (q_rows, hidden)))
-        k = kv_fetch(attn + "k_proj.weight", (kv_rows, hidden))
-        # Gemma 4's attention_k_eq_v layers have no v_proj: their values are k's projection.
-        v = k if c.value_is_key[i] else kv_fetch(attn + "v_proj.weight", (kv_rows, hidden))
-        k = _rope_rows(c, k)
-        yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
-    if c.qkv_bias:
-        qb = _rope_rows(c, _fetch(source, attn + "q_proj.bias", (q_rows,)))
-        kb = _rope_rows(c, kv_fetch(attn + "k_proj.bias", (kv_rows,)))
-        vb = kv_fetch(attn + "v_proj.bias", (kv_rows,))
-        yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
-    if layer + ("attn", "o_proj") not in skip and c.mla is None:
-        o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
-        yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
-    if c.o_bias:
-        yield layer + ("attn", "o_bias"), _fetch(source, attn + "o_proj.bias", (hidden,))
-    if c.attention_sinks:
-        yield layer + ("attn", "sinks"), _fetch(source, attn + "sinks", (c.num_heads,))
-    if c.qk_norm:
-        yield layer + ("attn", "q_norm", "scale"), _fetch(source, attn + "q_norm.weight", (head_dim,))
-    if c.qk_norm and c.kv_source_layers[i] == i:
-        yield layer + ("attn", "k_norm", "scale"), _fetch(source, attn + "k_norm.weight", (head_dim,))
+    if c.linear_layers[i]:  # Gated DeltaNet (model/linear_attention.py)
+        yield from gated_delta_net_weights(lambda name, shape: _fetch(source, name, shape), c,
+                                           prefix + "linear_attn.", layer + ("attn",))
+    else:
+        yield from _attention(source, c, i, attn, layer, skip, kv_fetch)
     if c.sandwich_norms:  # Gemma: post_attention_layernorm norms attention's output
         yield from (
             (layer + (ours, "scale"), _fetch(source, f"{prefix}{theirs}_layernorm.weight", (hidden,)))
@@ -218,6 +194,55 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
             source, prefix + "per_layer_projection.weight", (hidden, size)).T
         yield layer + ("per_layer", "per_layer_norm", "scale"), _fetch(
             source, prefix + "post_per_layer_input_norm.weight", (hidden,))
+
+
+def _attention(source: TensorSource, c: ModelConfig, i: int, attn: str, layer: tuple,
+               skip: frozenset, kv_fetch):
+    """Attention's weights of layer `i` (`c` that layer's config) from the tensors under `attn`
+    into `layer`'s "attn": latent attention's, a KV-shared layer's queries, or q, k and v fused
+    (with Qwen3.5's output gate beside them), o_proj, biases, sinks and q/k norms. `kv_fetch`:
+    a K or V projection's rows, each KV head as many times as the layer holds it."""
+    hidden, head_dim = c.hidden_size, c.head_dim
+    copies = c.kv_replicas[i] if c.kv_replicas else 1
+    q_rows, kv_rows = c.num_heads * head_dim, c.num_kv_heads // copies * head_dim
+    if c.mla is not None:
+        yield from mla_weights(lambda name, shape: _fetch(source, name, shape), c, attn,
+                               layer + ("attn",))
+    elif c.kv_source_layers[i] != i:  # Gemma 4's KV-shared layer: queries only
+        q = _fetch(source, attn + "q_proj.weight", (q_rows, hidden)).T
+        yield layer + ("attn", "qkv"), q.reshape(hidden, c.num_kv_heads, c.queries_per_kv,
+                                                 head_dim)
+    elif layer + ("attn", "qkv") not in skip:
+        q = _fetch(source, attn + "q_proj.weight",
+                   (q_rows * (2 if c.attention_output_gate else 1), hidden))
+        if c.attention_output_gate:  # each head's query rows, then its gate's
+            q, gate = np.moveaxis(q.reshape(c.num_heads, 2, head_dim, hidden), 1, 0)
+            yield layer + ("attn", "output_gate"), np.ascontiguousarray(
+                gate.reshape(q_rows, hidden).T).reshape(hidden, c.num_heads, head_dim)
+        q = _rope_rows(c, q.reshape(q_rows, hidden))
+        k = kv_fetch(attn + "k_proj.weight", (kv_rows, hidden))
+        # Gemma 4's attention_k_eq_v layers have no v_proj: their values are k's projection.
+        v = k if c.value_is_key[i] else kv_fetch(attn + "v_proj.weight", (kv_rows, hidden))
+        k = _rope_rows(c, k)
+        yield layer + ("attn", "qkv"), _fuse_qkv(q.T, k.T, v.T, c)
+    if c.qkv_bias:
+        qb = _rope_rows(c, _fetch(source, attn + "q_proj.bias", (q_rows,)))
+        kb = _rope_rows(c, kv_fetch(attn + "k_proj.bias", (kv_rows,)))
+        vb = kv_fetch(attn + "v_proj.bias", (kv_rows,))
+        yield layer + ("attn", "qkv_bias"), _fuse_qkv(qb, kb, vb, c)
+    if layer + ("attn", "o_proj") not in skip and c.mla is None:
+        o = _fetch(source, attn + "o_proj.weight", (hidden, q_rows))
+        yield layer + ("attn", "o_proj"), o.T.reshape(c.num_heads, head_dim, hidden)
+    if c.o_bias:
+        yield layer + ("attn", "o_bias"), _fetch(source, attn + "o_proj.bias", (hidden,))
+    if c.attention_sinks:
+        yield layer + ("attn", "sinks"), _fetch(source, attn + "sinks", (c.num_heads,))
+    if c.qk_norm:  # in the rows' order (partial RoPE reorders them: _rope_rows)
+        yield layer + ("attn", "q_norm", "scale"), _rope_rows(
+            c, _fetch(source, attn + "q_norm.weight", (head_dim,)))
+    if c.qk_norm and c.kv_source_layers[i] == i:
+        yield layer + ("attn", "k_norm", "scale"), _rope_rows(
+            c, _fetch(source, attn + "k_norm.weight", (head_dim,)))
 
 
 def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple,
@@ -282,13 +307,18 @@ def _gemma4_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tup
 
 
 def _rope_rows(c: ModelConfig, rows: np.ndarray) -> np.ndarray:
-    """q's or k's rows [heads * head_dim, ...], each head's de-interleaved (its even rows, then
-    its odd ones) where the checkpoint's RoPE rotates interleaved pairs (Llama 4): rotating
-    halves of those rows is the same, and q . k is unchanged (both permuted alike)."""
-    if not c.rope_interleaved:
+    """q's or k's rows [heads * head_dim, ...] (or a q/k norm's weight), each head's reordered
+    so that rotating its halves is the checkpoint's RoPE, and q . k unchanged (both permuted
+    alike): de-interleaved (its even rows, then its odd ones) where that RoPE rotates
+    interleaved pairs (Llama 4); where it rotates a head's first rows alone (partial RoPE,
+    Qwen3.5), those rows' halves at the head's halves (rope_config.partial_rope_rows)."""
+    if c.rope_interleaved:
+        order = interleaved_rope_rows(c.head_dim, c.head_dim)
+    elif c.rope.partial_rotary != 1.0:
+        order = partial_rope_rows(c.head_dim, c.rope.partial_rotary)
+    else:
         return rows
     heads = rows.reshape(-1, c.head_dim, *rows.shape[1:])
-    order = interleaved_rope_rows(c.head_dim, c.head_dim)
     return np.ascontiguousarray(heads[:, order].reshape(rows.shape))
 
 

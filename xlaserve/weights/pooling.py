@@ -10,7 +10,7 @@ whole input (`include_prompt`), then L2 normalisation when a Normalize module fo
 lowercased first where `do_lower_case` says so. Read as sentence-transformers reads them: a legacy
 config with no mode switched on pools the mean. Refused: no modules.json (the checkpoint does not
 say how to pool; start-up pools a bare decoder's last token, normalized, as SGLang and vLLM, and
---pooler-config may choose: runtime/engine/startup.pooling_of), other modules (Dense, LayerNorm, static or word embeddings, a router, ...),
+--pooler-config may choose: runtime/engine/pooled_outputs.pooling_of), other modules (Dense, LayerNorm, static or word embeddings, a router, ...),
 max / mean-sqrt-len / weighted-mean pooling, several modes at once, `include_prompt: false`, a
 pooled width other than the model's hidden size, the model's weights in a subfolder, a
 Transformer output other than the text's last hidden state, keys these files do not define.

@@ -28,7 +28,7 @@ def experts_from_hf(hf_config: Any, architecture: str) -> dict:
                     moe_layers=(True,) * num_layers, attention_sinks=True, router_bias=True,
                     expert_bias=True, swiglu_limit=float(hf_config.swiglu_limit),
                     swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)))
-    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         return {}
     num_experts = hf_config.num_experts
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
@@ -37,8 +37,9 @@ def experts_from_hf(hf_config: Any, architecture: str) -> dict:
     # mlp_only_layers, when there are experts and (layer + 1) is a multiple of the step.
     moe_layers = tuple(i not in dense_layers and num_experts > 0 and (i + 1) % step == 0
                        for i in range(num_layers))
+    # Qwen2-MoE's and Qwen3-Next's shared expert, gated; Qwen3-MoE has none.
     shared = (hf_config.shared_expert_intermediate_size
-              if architecture == "Qwen2MoeForCausalLM" else 0)
+              if architecture in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0)
     return dict(num_experts=num_experts, num_experts_per_tok=hf_config.num_experts_per_tok,
                 moe_intermediate_size=hf_config.moe_intermediate_size,
                 norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),

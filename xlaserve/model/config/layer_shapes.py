@@ -27,10 +27,21 @@ class PerLayer:
     @property
     def cache_layers(self) -> tuple[int, ...]:
         """The layers with a KV cache of their own, in order: the KV pool's arrays."""
-        return tuple(i for i, source in enumerate(self.kv_source_layers) if source == i)
+        return tuple(i for i, source in enumerate(self.kv_source_layers)
+                     if source == i and not self.linear_layers[i])
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers (linear_attention_config.py), in order: each keeps a
+        per-request state (model/linear_attention.LinearState), after the KV pool's arrays in
+        the list a step carries."""
+        return tuple(i for i, linear in enumerate(self.linear_layers) if linear)
 
     def cache_slot(self, index: int) -> int:
-        """Which of the KV pool's arrays (`cache_layers`) layer `index` reads and writes."""
+        """Which entry of the step's caches layer `index` reads and writes: one of the KV pool's
+        arrays (`cache_layers`), or a linear layer's state after them (`state_layers`)."""
+        if self.linear_layers[index]:
+            return len(self.cache_layers) + self.state_layers.index(index)
         return self.cache_layers.index(self.kv_source_layers[index])
 
     @property

@@ -16,6 +16,8 @@ from xlaserve.model.config.experts_config import experts_from_hf
 from xlaserve.model.config.gemma4_config import GEMMA4_ARCHITECTURES, gemma4_fields
 from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, gemma3_fields
 from xlaserve.model.config.layer_shapes import PerLayer
+from xlaserve.model.config.linear_attention_config import (HYBRID_ARCHITECTURES,
+                                                           LinearAttentionConfig, hybrid_fields)
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES, llama4_fields
 from xlaserve.model.config.rope_config import RopeConfig, rope_from_hf, yarn_mscale
 from xlaserve.model.config.vision_config import VisionConfig
@@ -207,6 +209,13 @@ class ModelConfig(PerLayer):
     # (model/fp8_kv_cache.py, weights/kv_scales.py); None: 1.0 each. A cache in the model's
     # dtype does not read them.
     kv_scales: tuple[tuple[float, float], ...] | None = None
+    # Hybrid linear-attention models (Qwen3.5, Qwen3-Next: linear_attention_config.py): the
+    # Gated DeltaNet layers' shapes (None: every layer attends), which layers they are (a
+    # per-request state each, no KV cache: `state_layers`), and the full layers' sigmoid gate on
+    # attention's output (q_proj's second half of each head).
+    linear_attention: LinearAttentionConfig | None = None
+    linear_layers: tuple[bool, ...] = ()
+    attention_output_gate: bool = False
 
     @property
     def queries_per_kv(self) -> int:
@@ -233,6 +242,12 @@ class ModelConfig(PerLayer):
             object.__setattr__(self, "nope_layers", (False,) * self.num_layers)
         if len(self.value_is_key) != self.num_layers:
             object.__setattr__(self, "value_is_key", (False,) * self.num_layers)
+        if len(self.linear_layers) != self.num_layers:
+            object.__setattr__(self, "linear_layers", (False,) * self.num_layers)
+        if any(self.linear_layers) and self.linear_attention is None:
+            raise ValueError("linear_layers without their linear_attention shapes")
+        if self.rope.partial_rotary != 1.0 and (self.rope_interleaved or self.mla is not None):
+            raise ValueError("partial_rotary_factor with interleaved-pair RoPE is not supported")
         self._check_layers()
         if self.expert_input_scaled and self.num_experts_per_tok != 1:
             raise ValueError("router weights scaling the experts' inputs need top-1 routing "
@@ -285,6 +300,9 @@ class ModelConfig(PerLayer):
         if data.get("attention_temperature") is not None:
             data["attention_temperature"] = tuple(data["attention_temperature"])
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
+        data["linear_layers"] = tuple(data.get("linear_layers", ()))
+        data["linear_attention"] = (LinearAttentionConfig(**data["linear_attention"])
+                                    if data.get("linear_attention") else None)
         if data.get("encoder"):
             encoder = dict(data["encoder"])
             encoder["local_layers"] = tuple(encoder.get("local_layers", ()))
@@ -356,6 +374,8 @@ class ModelConfig(PerLayer):
             fields.update(gemma4)
         if architecture in LLAMA4_ARCHITECTURES:  # its own MLP widths, experts, norms
             fields.update(llama4_fields(hf_config, architecture))
+        if architecture in HYBRID_ARCHITECTURES:  # linear layers, gated attention, 1 + w norms
+            fields.update(hybrid_fields(hf_config, architecture))
         return cls(**fields)
 
 

@@ -40,9 +40,19 @@ class RopeConfig:
     # "proportional" (Gemma 4's full layers): the first `rotary_fraction` of each head's pairs
     # rotate at theta ** (-2j / head_dim), the rest not at all (frequency 0); all over `factor`.
     rotary_fraction: float = 1.0
+    # transformers' partial_rotary_factor of the other kinds (Qwen3.5, Qwen3-Next: 0.25): RoPE
+    # over each head's first `partial_rotary` x head_dim rows alone, at the frequencies of a head
+    # that wide; the rest pass through. The weights' rows are reordered at load so that a whole
+    # head's rotate-half does it (`partial_rope_rows`): the pairs past those rows rotate at
+    # frequency 0 (`inv_freq`'s zeros), which is the identity.
+    partial_rotary: float = 1.0
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Per-pair rotation frequencies, float32, the way transformers computes them."""
+        if self.partial_rotary != 1.0:  # the rotated rows' own frequencies, then zeros
+            rotated = dataclasses.replace(self, partial_rotary=1.0).inv_freq(
+                partial_rotary_dims(head_dim, self.partial_rotary))
+            return np.concatenate([rotated, np.zeros(head_dim // 2 - len(rotated), np.float32)])
         exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
         pos_freqs = self.theta ** exponents
         inv_freq = 1.0 / pos_freqs
@@ -68,6 +78,28 @@ class RopeConfig:
             return float(yarn_mscale(self.factor, self.mscale)
                          / yarn_mscale(self.factor, self.mscale_all_dim))
         return yarn_mscale(self.factor)
+
+
+def partial_rotary_dims(head_dim: int, fraction: float) -> int:
+    """The rows of a head of `head_dim` that RoPE rotates at `partial_rotary_factor` `fraction`
+    (transformers' int(head_dim * fraction)); ValueError where that is odd or none."""
+    dims = int(head_dim * fraction)
+    if dims <= 0 or dims % 2:
+        raise ValueError(f"partial_rotary_factor {fraction} of head_dim {head_dim}: {dims} rows, "
+                         "not an even number of them")
+    return dims
+
+
+def partial_rope_rows(head_dim: int, fraction: float) -> np.ndarray:
+    """The order to store a head's rows in (q's and k's alike, so q . k is unchanged) so that
+    rotating whole-head halves does what transformers' partial RoPE does over the first R rows:
+    its pairs (j, j + R/2) become (j, j + head_dim/2), and the rows it leaves alone fill the
+    pairs whose frequency is 0 (`RopeConfig.inv_freq`)."""
+    rotated = partial_rotary_dims(head_dim, fraction)
+    half, passed = rotated // 2, np.arange(rotated, head_dim)
+    rest = head_dim // 2 - half
+    return np.concatenate([np.arange(half), passed[:rest], np.arange(half, rotated),
+                           passed[rest:]])
 
 
 def _llama3_scale(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
@@ -134,9 +166,11 @@ def rope_from_hf(hf_config: Any, layer_type: str = "full_attention") -> RopeConf
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "mrope":  # older Qwen2-VL configs: the default RoPE, split by mrope_section
         kind = "default"
-    if (getattr(hf_config, "partial_rotary_factor", None) or 1.0) != 1.0 or \
-            (params.get("partial_rotary_factor", 1.0) != 1.0 and kind != "proportional"):
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    partial = float(params.get("partial_rotary_factor")
+                    or getattr(hf_config, "partial_rotary_factor", None) or 1.0)
+    if partial != 1.0 and kind not in ("default", "proportional"):
+        raise ValueError(f"partial_rotary_factor {partial} with rope type {kind!r} is not "
+                         "supported (only with the default RoPE)")
     if kind not in _ROPE_KINDS:
         raise ValueError(f"rope type {kind!r} is not supported "
                          f"(supported: {', '.join(_ROPE_KINDS)})")
@@ -148,7 +182,9 @@ def rope_from_hf(hf_config: Any, layer_type: str = "full_attention") -> RopeConf
         mrope_section=tuple(int(n) for n in params.get("mrope_section", ())),
     )
     if kind == "proportional":
-        fields.update(rotary_fraction=float(params.get("partial_rotary_factor", 1.0)))
+        fields.update(rotary_fraction=partial)
+    elif partial != 1.0:
+        fields.update(partial_rotary=partial)
     if kind == "yarn":
         fields.update(_yarn_fields(params, hf_config))
     else:

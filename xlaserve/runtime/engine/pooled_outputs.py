@@ -15,6 +15,10 @@ their requests reuse no cached prefix (EngineCore.submit); last-token pooling ma
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
+
 import numpy as np
 
 from xlaserve.model.pooling import NORMALIZE_EPS
@@ -23,7 +27,12 @@ from xlaserve.runtime.executor.forward_batch import forward_batch_for
 from xlaserve.runtime.sampling.params import RowSamplingParams
 from xlaserve.runtime.scheduler.pooled import process_pooled
 from xlaserve.runtime.scheduler.request import Pooled, Request, ScheduledBatch
-from xlaserve.weights.pooling import Pooling
+from xlaserve.server_args import ServerArgs, hf_overrides, pooler_config, reranker_tokens
+from xlaserve.weights.classifier_head import ClassifierHead, checkpoint_head, token_logit_head
+from xlaserve.weights.loader import LoadedModel
+from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
+
+logger = logging.getLogger(__name__)
 
 
 class WrongKindOfServer(ValueError):
@@ -148,3 +157,48 @@ class PooledSteps:
         running = [i for i, r in enumerate(batch.requests) if r.status == "running"]
         ended = process_pooled(self.scheduler, batch)
         return PooledResult(self.outputs.take(batch, reduced, running, ended))
+
+
+def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ClassifierHead | None]:
+    """An embedding server's pooling, read from the checkpoint's sentence-transformers files
+    (weights/pooling.py; PoolingConfigError naming what cannot be applied; a decoder without
+    them pools its last token, normalized), --pooler-config's choices over it; or a
+    classifier's head (weights/classifier_head.py: a cross-encoder or encoder classifier reads
+    its first token's row, a decoder classifier or reward model its last)."""
+    folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
+    if (tokens := reranker_tokens(args)) is not None:  # --hf-overrides: a decoder reranker
+        architecture = hf_overrides(args)["architectures"][0]
+        body = architecture.replace("ForSequenceClassification", "ForCausalLM")
+        if body != loaded.config.architecture or loaded.tokenizer is None:
+            raise ValueError(f"--hf-overrides {architecture}: the checkpoint is a "
+                             f"{loaded.config.architecture}, not a {body} (with its tokenizer)")
+        logger.info("Reranker: %s scores pairs by the %s / %s logits of its last token",
+                    architecture, *tokens)
+        return (Pooling("last", normalize=False),
+                token_logit_head(folder, loaded.config, loaded.tokenizer, tokens))
+    if (classifier := checkpoint_head(folder, loaded.config)) is not None:
+        mode, head = classifier
+        if pooler_config(args):
+            raise ValueError("--pooler-config: a classifier's head reads the token it was "
+                             f"trained on (its {'first' if mode == 'cls' else 'last'}), pooled "
+                             "no other way")
+        logger.info("Classifier: %d label%s (%s), read from its %s token by its head; "
+                    "/classify's activation: %s", len(head.labels),
+                    "" if len(head.labels) == 1 else "s", ", ".join(head.labels[:8]),
+                    "first" if mode == "cls" else "last", head.activation)
+        return Pooling(mode, normalize=False), head
+    chosen = pooler_config(args)
+    if os.path.isfile(os.path.join(folder, MODULES_FILE)) or (
+            loaded.config.encoder is not None and "mode" not in chosen):
+        # As its sentence-transformers files say (an encoder without them: read_pooling's
+        # refusal, naming them), with --pooler-config's choices over them.
+        pooling = dataclasses.replace(read_pooling(folder, loaded.config.hidden_size), **chosen)
+        source = "the checkpoint's sentence-transformers files"
+    else:  # a decoder without them: its last token, normalized, as SGLang and vLLM pool it
+        pooling = Pooling(**{"mode": "last", "normalize": True, **chosen})
+        source = "a decoder without sentence-transformers files: last token, normalized"
+    logger.info("Pooling: %s%s%s (%s%s)", pooling.mode,
+                ", normalized" if pooling.normalize else "",
+                ", inputs lowercased" if pooling.lowercase else "", source,
+                "; --pooler-config over them" if chosen else "")
+    return pooling, None

@@ -36,6 +36,7 @@ from xlaserve.runtime.compile.persistent_cache import enable_persistent_cache
 from xlaserve.runtime.compile.executable_cache import ExecutableCache, enabled_by_environment
 from xlaserve.runtime.sampling.grammar import GrammarBackend
 from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
+from xlaserve.runtime.executor.state_pool import state_bytes_per_slot
 from xlaserve.runtime.executor.host_kv_pool import HostKvPool, HostTierCopies, host_tier_pages
 from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
@@ -45,7 +46,7 @@ from xlaserve.runtime.executor.drafts.draft_model import DraftModel
 from xlaserve.weights.draft_head import load_server_draft_head
 from xlaserve.runtime.executor.embedding_step import EmbeddingRunner
 from xlaserve.runtime.executor.model_runner import ModelRunner
-from xlaserve.runtime.engine.pooled_outputs import PooledSteps
+from xlaserve.runtime.engine.pooled_outputs import PooledSteps, pooling_of
 from xlaserve.runtime.engine.steps import NO_HIDDEN_STATES, GenerationSteps, NoHiddenStates
 from xlaserve.runtime.engine.hidden_states import HiddenStates
 from xlaserve.runtime.engine.adapter_slots import AdapterSlots
@@ -57,11 +58,10 @@ from xlaserve.runtime.engine.gemma4_images import gemma4_image_prompts
 from xlaserve.runtime.executor.vision_encoder import VisionEncoder
 from xlaserve.runtime.scheduler.scheduler import EveryRequest, NoSpeculation, Scheduler
 from xlaserve.runtime.scheduler.speculation import SpeculativeConfig, Speculator
-from xlaserve.server_args import (Mode, ServerArgs, hf_overrides, images_per_request, pooler_config,
-                                  platform_defaults, processor_kwargs, refuse_conflicts,
-                                  reranker_tokens)
-from xlaserve.weights.pooling import MODULES_FILE, Pooling, read_pooling
-from xlaserve.weights.classifier_head import ClassifierHead, checkpoint_head, token_logit_head
+from xlaserve.server_args import (Mode, ServerArgs, images_per_request, platform_defaults,
+                                  processor_kwargs, refuse_conflicts)
+from xlaserve.weights.pooling import MODULES_FILE, Pooling
+from xlaserve.weights.classifier_head import ClassifierHead
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,17 @@ class Features:
     hidden_states: HiddenStates | NoHiddenStates = NO_HIDDEN_STATES
 
 
+def prefix_caching(args: ServerArgs, config, pooling: Pooling | None) -> bool:
+    """Whether the scheduler reuses cached prefixes: not with --disable-radix-cache, nor for an
+    encoder's or CLS / mean pooling's pages (pooled_outputs.py), nor for a hybrid model, whose
+    linear layers' state at a prefix's end is not kept (issue 76: snapshots to come)."""
+    if config.state_layers and not args.disable_radix_cache:
+        logger.info("Prefix caching is off for %s: its linear layers keep no state per cached "
+                    "prefix (as --disable-radix-cache)", config.architecture)
+    return not args.disable_radix_cache and not config.state_layers and (
+        pooling is None or (pooling.mode == "last" and not config.bidirectional))
+
+
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
     """The parts of replica `dp_rank` (EngineCore's arguments). `share_with`: an EngineCore whose
     tokenizer and grammar backend these parts use."""
@@ -146,6 +157,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     if config.bidirectional and not embeds:
         raise ValueError(f"{config.architecture} is an encoder (or runs as one): it serves "
                          "embeddings (--is-embedding), not text")
+    if config.state_layers:  # a hybrid model: per-request states (executor/state_pool.py)
+        refuse_conflicts(args, Mode.LINEAR_ATTENTION)
     if args.pooler_config is not None and not embeds:
         raise ValueError("--pooler-config: this server generates text; it pools only as an "
                          "embedding server (--is-embedding)")
@@ -178,7 +191,11 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                               # Each device holds 1/tp of every page; CPU "devices" share
                               # one host's memory, so there the whole page counts.
                               tensor_parallel=args.tp_size if platform != "cpu" else 1,
-                              draft_head=head and head.config)
+                              draft_head=head and head.config,
+                              # the state pool first: a slot per request, whole on each device
+                              state_bytes=state_bytes_per_slot(config) * (
+                                  args.max_running_requests + 1) * (
+                                  args.tp_size if platform == "cpu" else 1))
     if kv_dtype != loaded.dtype:
         per_token = bytes_per_token(config, kv_dtype, platform, head and head.config)
         as_model = bytes_per_token(config, loaded.dtype, platform, head and head.config)
@@ -186,7 +203,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                     "cache would hold %d", np.dtype(kv_dtype).name, args.kv_cache_dtype,
                     (num_pages - 1) * page_size, num_pages * page_size * per_token / 1e9,
                     np.dtype(loaded.dtype).name, (num_pages - 1) * page_size * per_token // as_model)
-    if "max_running_requests" in defaulted and platform != "cpu":
+    # (A hybrid model's state pool was sized for the requests already set.)
+    if "max_running_requests" in defaulted and platform != "cpu" and not config.state_layers:
         running = platform_defaults.running_requests_for_pool(platform, num_pages * page_size)
         if running != args.max_running_requests:
             logger.info("max_running_requests=%d: the KV pool holds %d tokens, %d a request",
@@ -264,8 +282,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
         # An encoder's and CLS / mean pooling's pages are never reused (pooled_outputs.py).
-        radix_cache=not args.disable_radix_cache and (
-            pooling is None or (pooling.mode == "last" and not config.bidirectional)),
+        radix_cache=prefix_caching(args, config, pooling),
         speculator=speculator_for(args, drafter), host_pages=host_pages,
         admission=EveryRequest() if adapter_slots is None else adapter_slots)
     host_kv = HostKvPool(runner.kv_specs, host_pages) if host_pages else None
@@ -318,51 +335,6 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                        host_kv=host_kv,
                        hidden_states=HiddenStates(config.hidden_size, args.max_hidden_state_values)
                        if args.enable_return_hidden_states else NO_HIDDEN_STATES)
-
-
-def pooling_of(args: ServerArgs, loaded: LoadedModel) -> tuple[Pooling, ClassifierHead | None]:
-    """An embedding server's pooling, read from the checkpoint's sentence-transformers files
-    (weights/pooling.py; PoolingConfigError naming what cannot be applied; a decoder without
-    them pools its last token, normalized), --pooler-config's choices over it; or a
-    classifier's head (weights/classifier_head.py: a cross-encoder or encoder classifier reads
-    its first token's row, a decoder classifier or reward model its last)."""
-    folder = loaded.source if os.path.isdir(loaded.source) else os.path.dirname(loaded.source)
-    if (tokens := reranker_tokens(args)) is not None:  # --hf-overrides: a decoder reranker
-        architecture = hf_overrides(args)["architectures"][0]
-        body = architecture.replace("ForSequenceClassification", "ForCausalLM")
-        if body != loaded.config.architecture or loaded.tokenizer is None:
-            raise ValueError(f"--hf-overrides {architecture}: the checkpoint is a "
-                             f"{loaded.config.architecture}, not a {body} (with its tokenizer)")
-        logger.info("Reranker: %s scores pairs by the %s / %s logits of its last token",
-                    architecture, *tokens)
-        return (Pooling("last", normalize=False),
-                token_logit_head(folder, loaded.config, loaded.tokenizer, tokens))
-    if (classifier := checkpoint_head(folder, loaded.config)) is not None:
-        mode, head = classifier
-        if pooler_config(args):
-            raise ValueError("--pooler-config: a classifier's head reads the token it was "
-                             f"trained on (its {'first' if mode == 'cls' else 'last'}), pooled "
-                             "no other way")
-        logger.info("Classifier: %d label%s (%s), read from its %s token by its head; "
-                    "/classify's activation: %s", len(head.labels),
-                    "" if len(head.labels) == 1 else "s", ", ".join(head.labels[:8]),
-                    "first" if mode == "cls" else "last", head.activation)
-        return Pooling(mode, normalize=False), head
-    chosen = pooler_config(args)
-    if os.path.isfile(os.path.join(folder, MODULES_FILE)) or (
-            loaded.config.encoder is not None and "mode" not in chosen):
-        # As its sentence-transformers files say (an encoder without them: read_pooling's
-        # refusal, naming them), with --pooler-config's choices over them.
-        pooling = dataclasses.replace(read_pooling(folder, loaded.config.hidden_size), **chosen)
-        source = "the checkpoint's sentence-transformers files"
-    else:  # a decoder without them: its last token, normalized, as SGLang and vLLM pool it
-        pooling = Pooling(**{"mode": "last", "normalize": True, **chosen})
-        source = "a decoder without sentence-transformers files: last token, normalized"
-    logger.info("Pooling: %s%s%s (%s%s)", pooling.mode,
-                ", normalized" if pooling.normalize else "",
-                ", inputs lowercased" if pooling.lowercase else "", source,
-                "; --pooler-config over them" if chosen else "")
-    return pooling, None
 
 
 def _draft_model(args, loaded, tokenizer, runner: ModelRunner, buckets: Buckets,

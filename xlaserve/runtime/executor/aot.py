@@ -229,8 +229,9 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     leaves, state_treedef = jax.tree.flatten(state)
     weights, weight_layout = weight_args(leaves, stack_small=mesh.size == 1,
                                          stack_layers=platform == "tpu", names=leaf_names(state))
-    caches = kv_pool_specs(config, num_pages, page_size, kv_dtype or dtype, mesh, pool)
-    kv_sharding = [cache.sharding for cache in caches]
+    caches = kv_pool_specs(config, num_pages, page_size, kv_dtype or dtype, mesh, pool,
+                           num_slots)
+    kv_sharding = jax.tree.map(lambda cache: cache.sharding, caches)
     lora_args = None
     if lora is not None:  # after the model's weights (as ModelRunner)
         lora_args = LoraArgs(lora, config.num_layers, len(weights))

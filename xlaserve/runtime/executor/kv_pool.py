@@ -19,6 +19,7 @@ from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.server_args.platform_defaults import device_memory
 from xlaserve.model.sharding import kv_cache_spec
 from xlaserve.model.transformer import kv_cache_shape
+from xlaserve.runtime.executor.state_pool import state_bytes_per_slot, state_pool_specs
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,13 @@ def host_free_bytes() -> int:
 
 def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_tokens: int | None,
                   mem_fraction_static: float, device=None, tensor_parallel: int = 1,
-                  draft_head: ModelConfig | None = None) -> int:
+                  draft_head: ModelConfig | None = None, state_bytes: int = 0) -> int:
     """Pages from `--max-total-tokens`, else from the device's memory.
 
     TPU/GPU, SGLang's meaning: `mem_fraction_static` of the memory XLA may allocate holds the
     weights (already loaded: in use) and the KV pool; the rest is left to the steps' temporaries.
-    CPU: that fraction of the host's free RAM, which other programs share."""
+    CPU: that fraction of the host's free RAM, which other programs share. `state_bytes`: what
+    a hybrid model's state pool takes of it first (state_pool.py; whole on every device)."""
     if max_total_tokens is not None:
         return pages_for_tokens(max_total_tokens, page_size) + 1  # + the null page
     device = device or jax.devices()[0]
@@ -63,6 +65,7 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
     else:
         budget = host_free_bytes() * mem_fraction_static
         significant_bits = 4
+    budget -= state_bytes
     if config.mla is not None:  # the latent cache is whole on every device (kv_cache_spec)
         tensor_parallel = 1
     if config.bidirectional:  # no cache (model/encoders/encoder.py): pages are bookkeeping only,
@@ -81,10 +84,11 @@ def round_down_coarsely(n: int, significant_bits: int = 4) -> int:
 
 
 def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh,
-                  draft_head: "DraftHeadPool | None" = None):
+                  draft_head: "DraftHeadPool | None" = None, state_slots: int = 0):
     """The pool's arrays as jax.ShapeDtypeStruct, with their sharding: what a step is lowered for
-    before the pool exists. With a speculative draft head, two more after the layers'
-    (`DraftHeadPool`)."""
+    before the pool exists. A hybrid model's linear layers' states follow the layers' caches
+    (state_pool.py, `state_slots` slots: the request slots and the null one). With a
+    speculative draft head, two more after those (`DraftHeadPool`)."""
     if config.bidirectional:  # an encoder keeps no cache (model/encoders/encoder.py)
         return []
     platform = mesh.devices.flat[0].platform
@@ -92,6 +96,7 @@ def kv_pool_specs(config: ModelConfig, num_pages: int, page_size: int, dtype, me
     layers = [config.layer(i) for i in config.cache_layers]
     specs = [jax.ShapeDtypeStruct(kv_cache_shape(c, num_pages, page_size, platform), dtype,
                                   sharding=NamedSharding(mesh, kv_cache_spec(c))) for c in layers]
+    specs += state_pool_specs(config, state_slots, mesh)
     if draft_head is not None:
         c, replicated = draft_head.config, NamedSharding(mesh, P())
         specs += [jax.ShapeDtypeStruct(kv_cache_shape(c, num_pages, page_size, platform), dtype,
@@ -127,13 +132,16 @@ def draft_head_description(model) -> str:
 
 
 def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh, *,
-                 in_background: bool = False, draft_head: DraftHeadPool | None = None):
-    """One zeroed `transformer.kv_cache_shape` array per layer, split by kv head.
+                 in_background: bool = False, draft_head: DraftHeadPool | None = None,
+                 state_slots: int = 0):
+    """One zeroed `transformer.kv_cache_shape` array per layer, split by kv head (and a hybrid
+    model's linear layers' state pools, `kv_pool_specs`'s).
 
     `in_background`: a Future of that list, zeroed on a thread. On a CPU the pool's pages fault
     in as they are zeroed, at ~0.8 GB/s (the default model's 2.3 GB: 1.8-2.9 s on a 2-core Zen 4),
     a wait the runner overlaps with packing the weights and loading the programs."""
-    specs = kv_pool_specs(config, num_pages, page_size, dtype, mesh, draft_head)
+    specs, structure = jax.tree.flatten(kv_pool_specs(config, num_pages, page_size, dtype, mesh,
+                                                      draft_head, state_slots))
     if not specs:  # an encoder's
         empty: concurrent.futures.Future = concurrent.futures.Future()
         empty.set_result([])
@@ -150,7 +158,7 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
     def zeroed_pool():
         caches = [makes[(one.shape, one.dtype, one.sharding)]() for one in specs]
         jax.block_until_ready(caches)
-        return caches
+        return jax.tree.unflatten(structure, caches)
 
     # SGLang's line, where SGLang has it in the log (before the programs); with `in_background`
     # the zeroing goes on, and what start-up still waits for it is in the "Start-up:" line.
@@ -158,6 +166,11 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
                   for one in specs[:len(config.cache_layers)]) / 2 / 1e9
     logger.info("KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB",
                 (num_pages - 1) * page_size, half_gb, half_gb)
+    if config.state_layers:
+        per_slot = state_bytes_per_slot(config)
+        logger.info("Linear-attention state is allocated. #requests: %d, %.2f GB (%.1f MB a "
+                    "request in %d layers)", state_slots - 1, per_slot * state_slots / 1e9,
+                    per_slot / 1e6, len(config.state_layers))
     if not in_background:
         return zeroed_pool()
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xlaserve-kv-pool")

@@ -139,11 +139,13 @@ class ModelRunner:
         # A speculative draft head (model/draft_heads.py, set on the model by start-up): its
         # state rides at the end of the KV pool's list (kv_pool.DraftHeadPool).
         self.draft_head_pool = draft_head_pool_of(loaded.model, num_slots)
+        self.num_slots = num_slots  # a hybrid model's state pool has as many (state_pool.py)
         self._kv_pool = init_kv_pool(self.config, num_pages, page_size, kv_dtype, self.mesh,
-                                     in_background=True, draft_head=self.draft_head_pool)
+                                     in_background=True, draft_head=self.draft_head_pool,
+                                     state_slots=num_slots)
         self._kv_caches = None
         self.kv_specs = kv_pool_specs(self.config, num_pages, page_size, kv_dtype, self.mesh,
-                                       self.draft_head_pool)
+                                       self.draft_head_pool, num_slots)
         prepare_model(loaded.model, self.config, kernels, quantized_activations)
         graphdef, state = nnx.split(loaded.model)
         vocab = self.config.vocab_size
@@ -156,7 +158,7 @@ class ModelRunner:
         # Who replays this runner's device calls: the multi-host leader's followers
         # (runtime/distributed/leader.py), or in one process no one.
         self.sink = NoFollowers()
-        kv_sharding = [spec.sharding for spec in self.kv_specs]
+        kv_sharding = jax.tree.map(lambda spec: spec.sharding, self.kv_specs)
         self.output_counts = self._put(np.zeros((num_slots, vocab), np.int32), replicated)
         self.prompt_masks = self._put(np.zeros((num_slots, vocab), np.bool_), replicated)
         self.last_tokens = self._put(np.zeros(num_slots, np.int32), replicated)
@@ -256,7 +258,7 @@ class ModelRunner:
     def release_kv_caches(self) -> None:
         """Frees the KV pool's device memory (RL rollouts: nothing runs until `resume`)."""
         if self.kv_caches_held():
-            for cache in jax.block_until_ready(self.kv_caches):
+            for cache in jax.tree.leaves(jax.block_until_ready(self.kv_caches)):
                 cache.delete()
         self._kv_caches = self._kv_pool = None
 
@@ -265,7 +267,8 @@ class ModelRunner:
         if not self.kv_caches_held():
             self._kv_caches = init_kv_pool(self.config, self.num_pages, self.page_size,
                                            self.kv_dtype, self.mesh,
-                                           draft_head=self.draft_head_pool)
+                                           draft_head=self.draft_head_pool,
+                                           state_slots=self.num_slots)
 
     def assign_slots(self, assignments) -> None:
         """Start (or, after a retraction, resume) requests in their slots: each (slot, prompt_ids,

@@ -104,9 +104,11 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
         # Each sequence's row of the page table by its slot (padding rows: the null slot's).
         page_table = apply_writes(page_table, writes)
         tree = batch.tree_width > 0  # static: the tree program (verified_rows.py)
+        # A hybrid model's linear layers read and write their states by request slot.
         metadata = AttentionMetadata(batch.kv_lens, gather_rows(page_table, slots, batch.pages),
                                      batch.cu_q_lens, batch.num_seqs,
-                                     batch.tree_masks if tree else None, batch.tree_width)
+                                     batch.tree_masks if tree else None, batch.tree_width,
+                                     state_slots=slots)
         head = getattr(model, "draft_head", None)
         if lora is not None:
             *arrays, slot_adapters = weights[lora.first:]
