@@ -1,8 +1,10 @@
 """Gated DeltaNet (model/linear_attention.py, issue 76), the linear layer of Qwen3-Next and
 Qwen3.5, against transformers' `Qwen3NextGatedDeltaNet` on random weights: its output for whole
 prompts, for two prompts in one ragged step, for a prompt over two steps and a decoded token
-after it (the state carried in the request's slots), with Qwen3-Next's grouped projections
-reordered into the module's layout."""
+after it (the state carried in the request's slots), its checkpoint tensors (Qwen3-Next's grouped
+projections) read into the module's layout by weights/linear_attention_layout.py."""
+import types
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 
 from xlaserve.model.config.linear_attention_config import LinearAttentionConfig
 from xlaserve.model.layers import Kernels
-from xlaserve.model.linear_attention import GatedDeltaNet, empty_state, from_grouped_projections
+from xlaserve.model.linear_attention import GatedDeltaNet, empty_state
+from xlaserve.weights.linear_attention_layout import gated_delta_net_weights
 from xlaserve.model.transformer import AttentionMetadata
 
 SHAPES = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -35,13 +38,14 @@ def layers():
         hidden_size=32, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=16,
         conv_width=4, rms_norm_eps=1e-6)
     ours = GatedDeltaNet(config, jnp.float32, nnx.Rngs(0))
-    weight = lambda p: p.detach().numpy()
-    projections = from_grouped_projections(weight(theirs.in_proj_qkvz.weight),
-                                           weight(theirs.in_proj_ba.weight), config)
-    for name, value in {**projections, "conv_weight": weight(theirs.conv1d.weight)[:, 0],
-                        "A_log": weight(theirs.A_log), "dt_bias": weight(theirs.dt_bias),
-                        "gated_norm": weight(theirs.norm.weight),
-                        "out_proj": weight(theirs.out_proj.weight).T}.items():
+    tensors = {name: tensor.detach().numpy() for name, tensor in theirs.state_dict().items()}
+
+    def fetch(name, shape):
+        assert tensors[name].shape == shape, name
+        return tensors[name]
+
+    model = types.SimpleNamespace(architecture="Qwen3NextForCausalLM", linear_attention=config)
+    for (name,), value in gated_delta_net_weights(fetch, model, "", ()):
         assert getattr(ours, name)[...].shape == value.shape, name
         setattr(ours, name, nnx.Param(jnp.asarray(value)))
     return theirs, ours
@@ -69,7 +73,7 @@ def test_prompts_in_one_ragged_step_give_transformers_outputs(layers):
     theirs, ours = layers
     rng = np.random.default_rng(1)
     a, b = (rng.standard_normal((n, 32)).astype(np.float32) for n in (9, 20))
-    state = empty_state(ours.config, 4, jnp.float32)
+    state = empty_state(ours.config, 4)
     (ya, yb), _ = _step(ours, state, [a, b], [1, 3], [9, 20])
     np.testing.assert_allclose(ya, _theirs(theirs, a), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(yb, _theirs(theirs, b), rtol=1e-4, atol=1e-4)
@@ -78,7 +82,7 @@ def test_prompts_in_one_ragged_step_give_transformers_outputs(layers):
 def test_a_prompt_over_two_steps_then_a_decoded_token_carry_the_state(layers):
     theirs, ours = layers
     prompt = np.random.default_rng(2).standard_normal((14, 32)).astype(np.float32)
-    state = empty_state(ours.config, 2, jnp.float32)
+    state = empty_state(ours.config, 2)
     (first,), state = _step(ours, state, [prompt[:6]], [1], [6])
     (second,), state = _step(ours, state, [prompt[6:13]], [1], [13])
     (decoded,), state = _step(ours, state, [prompt[13:]], [1], [14])

@@ -10,12 +10,16 @@ four layers of those models, the fourth a gated full-attention layer.
 Its state is not a KV cache: per request, a slot of two pools (`LinearState`): the convolution's
 last W - 1 inputs and each value head's [Dk, Dv] matrix. A step's caches hold each linear layer's
 pools after the KV pool's arrays (ModelConfig.cache_slot); sequence s reads and writes the slot
-of its request (`AttentionMetadata.state_slots`), from zeros at a prompt's first token. Under
-tensor parallelism the layer is whole on every device (its weights and state replicated: correct,
-not yet split by head). The weights are held in one layout,
-Qwen3.5's (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, as [in, out] matrices);
-Qwen3-Next's checkpoints group q, k, v and z by key head (`in_proj_qkvz`, `in_proj_ba`), which
-`from_grouped_projections` reorders once at load.
+of its request (`AttentionMetadata.state_slots`), from zeros at a prompt's first token.
+
+Layout: everything by key head, so that tensor parallelism splits the layer by head as it splits
+attention (model/sharding.py), with no exchange but out_proj's sum: value head h belongs to key
+head h // (Hv / Hk), so a device's key heads own a contiguous run of value heads. `in_proj_qkv`
+[hidden, Hk, 2 Dk + (Hv / Hk) Dv] holds per key head its q, its k and its value heads' v (the
+convolution's channels in that order, `conv_weight` [Hk, same, W]); `in_proj_z` [hidden, Hv, Dv];
+`in_proj_ba` [hidden, 2, Hv] (b, then a: one matmul); `out_proj` [Hv, Dv, hidden]. Checkpoints
+keep q | k | v whole (Qwen3.5) or grouped with z (Qwen3-Next, `from_grouped_projections`):
+weights/linear_attention_layout.py reorders them once at load.
 """
 from __future__ import annotations
 
@@ -33,9 +37,9 @@ from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d, ga
 
 @dataclasses.dataclass
 class LinearState:
-    """One layer's state pools: `conv` [slots, conv_dim, W - 1] (the inputs before a request's
-    next row, oldest first) and `delta` float32 [slots, Hv, Dk, Dv] (the delta rule's matrices).
-    A request owns one slot of both, in every linear layer."""
+    """One layer's state pools, float32: `conv` [slots, Hk, channels, W - 1] (each key head's
+    convolution inputs before a request's next row, oldest first) and `delta` [slots, Hv, Dk, Dv]
+    (the delta rule's matrices). A request owns one slot of both, in every linear layer."""
 
     conv: jax.Array
     delta: jax.Array
@@ -44,53 +48,68 @@ class LinearState:
 jax.tree_util.register_dataclass(LinearState, data_fields=["conv", "delta"], meta_fields=[])
 
 
-def empty_state(config: LinearAttentionConfig, slots: int, dtype) -> LinearState:
-    """Zeroed pools of `slots` slots; the convolution's window in the model dtype."""
-    return LinearState(
-        conv=jnp.zeros((slots, config.conv_dim, config.conv_width - 1), dtype),
-        delta=jnp.zeros((slots, config.num_value_heads, config.key_head_dim,
-                         config.value_head_dim), jnp.float32))
+def state_shapes(config: LinearAttentionConfig, slots: int) -> LinearState:
+    """The pools' shapes (tuples) for `slots` slots."""
+    c = config
+    return LinearState(conv=(slots, c.num_key_heads, c.channels_per_key_head, c.conv_width - 1),
+                       delta=(slots, c.num_value_heads, c.key_head_dim, c.value_head_dim))
+
+
+def empty_state(config: LinearAttentionConfig, slots: int) -> LinearState:
+    """Zeroed pools of `slots` slots."""
+    return jax.tree.map(lambda shape: jnp.zeros(shape, jnp.float32),
+                        state_shapes(config, slots), is_leaf=lambda x: isinstance(x, tuple))
 
 
 class GatedDeltaNet(nnx.Module):
     def __init__(self, config: LinearAttentionConfig, dtype, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.in_proj_qkv = nnx.Param(init_weight(rngs, (c.hidden_size, c.conv_dim), dtype))
-        self.in_proj_z = nnx.Param(init_weight(rngs, (c.hidden_size, c.value_dim), dtype))
-        self.in_proj_b = nnx.Param(init_weight(rngs, (c.hidden_size, c.num_value_heads), dtype))
-        self.in_proj_a = nnx.Param(init_weight(rngs, (c.hidden_size, c.num_value_heads), dtype))
-        self.conv_weight = nnx.Param(init_weight(rngs, (c.conv_dim, c.conv_width), dtype))
-        self.A_log = nnx.Param(jnp.zeros((c.num_value_heads,), jnp.float32))
-        self.dt_bias = nnx.Param(jnp.ones((c.num_value_heads,), dtype))
+        heads = c.num_value_heads
+        self.in_proj_qkv = nnx.Param(init_weight(
+            rngs, (c.hidden_size, c.num_key_heads, c.channels_per_key_head), dtype))
+        self.in_proj_z = nnx.Param(init_weight(rngs, (c.hidden_size, heads, c.value_head_dim),
+                                               dtype))
+        self.in_proj_ba = nnx.Param(init_weight(rngs, (c.hidden_size, 2, heads), dtype))
+        self.conv_weight = nnx.Param(init_weight(
+            rngs, (c.num_key_heads, c.channels_per_key_head, c.conv_width), dtype))
+        self.A_log = nnx.Param(jnp.zeros((heads,), jnp.float32))
+        self.dt_bias = nnx.Param(jnp.ones((heads,), dtype))
         self.gated_norm = nnx.Param(jnp.ones((c.value_head_dim,), dtype))  # plain weight
-        self.out_proj = nnx.Param(init_weight(rngs, (c.value_dim, c.hidden_size), dtype))
+        self.out_proj = nnx.Param(init_weight(rngs, (heads, c.value_head_dim, c.hidden_size),
+                                              dtype))
 
     def __call__(self, x, cos, sin, state: LinearState, metadata, kernels: Kernels, lora=None,
                  **_) -> tuple[jax.Array, LinearState]:
         """x [T, hidden] (a ragged step's rows, as `metadata` describes them; sequence s reads
         and writes slot `metadata.state_slots[s]`) -> (float32 [T, hidden], the pools updated).
         Attention's signature (transformer.DecoderLayer calls either): no RoPE (`cos`, `sin`
-        unused), no LoRA (model/lora.check_model refuses these models)."""
+        unused), no LoRA (start-up refuses it for these models)."""
         c, m = self.config, metadata
-        rows = x.shape[0]
-        qkv = project(x, self.in_proj_qkv[...], kernels).astype(self.conv_weight.get_value().dtype)
-        mixed, conv = causal_conv1d(qkv, self.conv_weight[...], None, state.conv, m.state_slots,
-                                    m.kv_lens, m.cu_q_lens, m.num_seqs, activation="silu")
-        q = mixed[:, :c.key_dim].reshape(rows, c.num_key_heads, c.key_head_dim)
-        k = mixed[:, c.key_dim:2 * c.key_dim].reshape(rows, c.num_key_heads, c.key_head_dim)
-        v = mixed[:, 2 * c.key_dim:].reshape(rows, c.num_value_heads, c.value_head_dim)
-        beta = jax.nn.sigmoid(linear(x, self.in_proj_b[...], kernels))
+        rows, dk = x.shape[0], c.key_head_dim
+        conv_weight = self.conv_weight[...]
+        # The projection rounded to the model dtype, as transformers' convolution takes it.
+        qkv = project(x, self.in_proj_qkv[...], kernels).astype(conv_weight.dtype)
+        slots = state.conv.shape[0]
+        mixed, conv = causal_conv1d(
+            qkv.reshape(rows, -1), conv_weight.reshape(-1, c.conv_width), None,
+            state.conv.reshape(slots, -1, c.conv_width - 1), m.state_slots, m.kv_lens,
+            m.cu_q_lens, m.num_seqs, activation="silu")
+        mixed = mixed.reshape(rows, c.num_key_heads, c.channels_per_key_head)
+        q, k = mixed[..., :dk], mixed[..., dk:2 * dk]
+        v = mixed[..., 2 * dk:].reshape(rows, c.num_value_heads, c.value_head_dim)
+        ba = linear(x, self.in_proj_ba[...], kernels)  # [T, 2, Hv]
+        beta = jax.nn.sigmoid(ba[:, 0])
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            linear(x, self.in_proj_a[...], kernels) + self.dt_bias[...].astype(jnp.float32))
+            ba[:, 1] + self.dt_bias[...].astype(jnp.float32))
         out, delta = gated_delta_rule(q, k, v, g, beta, state.delta, m.state_slots, m.kv_lens,
                                       m.cu_q_lens, m.num_seqs)
-        z = project(x, self.in_proj_z[...], kernels).reshape(rows, c.num_value_heads,
-                                                              c.value_head_dim)
+        z = project(x, self.in_proj_z[...], kernels)
         gated = gated_rms_norm(out, z, self.gated_norm[...], c.rms_norm_eps)
-        y = project(gated.reshape(rows, c.value_dim).astype(matmul_input_dtype(self.out_proj[...])),
-                    self.out_proj[...], kernels)
-        return y, LinearState(conv=conv, delta=delta)
+        out_proj = self.out_proj[...]
+        y = project(gated.reshape(rows, c.value_dim).astype(matmul_input_dtype(out_proj)),
+                    out_proj, kernels)
+        return y, LinearState(conv=conv.reshape(state.conv.shape), delta=delta)
 
     def input_matrix(self):
         """The first matrix the layer's input meets (its dtype is the input's)."""
@@ -110,13 +129,23 @@ def from_grouped_projections(qkvz: np.ndarray, ba: np.ndarray,
                              config: LinearAttentionConfig) -> dict[str, np.ndarray]:
     """Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` (PyTorch's [out, in]), grouped by key head
     (per key head: its q, its k, then the v and z of its value heads; its b, then its a) ->
-    Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` as [in, out] matrices."""
+    Qwen3.5's `in_proj_qkv` ([q | k | v] rows), `in_proj_z`, `in_proj_b`, `in_proj_a` (PyTorch's
+    [out, in] too)."""
     c = config
     per_key = c.num_value_heads // c.num_key_heads
     grouped = qkvz.reshape(c.num_key_heads, -1, qkvz.shape[-1])
     sizes = np.cumsum([c.key_head_dim, c.key_head_dim, per_key * c.value_head_dim])
     q, k, v, z = np.split(grouped, sizes, axis=1)
     b, a = np.split(ba.reshape(c.num_key_heads, 2 * per_key, -1), [per_key], axis=1)
-    rows = lambda x: x.reshape(-1, x.shape[-1]).T
-    return {"in_proj_qkv": np.concatenate([rows(q), rows(k), rows(v)], axis=1),
+    rows = lambda x: x.reshape(-1, x.shape[-1])
+    return {"in_proj_qkv": np.concatenate([rows(q), rows(k), rows(v)]),
             "in_proj_z": rows(z), "in_proj_b": rows(b), "in_proj_a": rows(a)}
+
+
+def by_key_head(rows: np.ndarray, config: LinearAttentionConfig) -> np.ndarray:
+    """[q | k | v] rows [conv_dim, ...] (Qwen3.5's `in_proj_qkv`, the convolution's channels) ->
+    [Hk, 2 Dk + (Hv / Hk) Dv, ...]: each key head's q, k and its value heads' v together."""
+    c = config
+    q, k, v = np.split(rows, [c.key_dim, 2 * c.key_dim])
+    heads = lambda x: x.reshape(c.num_key_heads, -1, *rows.shape[1:])
+    return np.concatenate([heads(q), heads(k), heads(v)], axis=1)

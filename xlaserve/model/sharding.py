@@ -87,17 +87,17 @@ PARTITION_SPECS = {
     "class_embedding": P(),  # Llama 4's encoder (vision/llama4_vision.py)
     "bounds": P(),  # Gemma 4's clipped projections' bounds (vision/gemma4_vision.py)
     # Hybrid linear-attention models: the full layers' output gate by query head, as q; the
-    # Gated DeltaNet layers (linear_attention.py) whole on every device, their state too.
+    # Gated DeltaNet layers (linear_attention.py) by key head and its value heads, as attention
+    # (their states too: LINEAR_STATE_SPEC), out_proj's partial sums added across devices.
     "output_gate": P(None, TP, None),
-    "in_proj_qkv": P(),
-    "in_proj_z": P(),
-    "in_proj_b": P(),
-    "in_proj_a": P(),
-    "conv_weight": P(),
-    "A_log": P(),
-    "dt_bias": P(),
+    "in_proj_qkv": P(None, TP, None),
+    "in_proj_z": P(None, TP, None),
+    "in_proj_ba": P(None, None, TP),
+    "conv_weight": P(TP, None, None),
+    "A_log": P(TP),
+    "dt_bias": P(TP),
     "gated_norm": P(),
-    "out_proj": P(),
+    "out_proj": P(TP, None, None),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.
@@ -105,6 +105,10 @@ KV_CACHE_SPEC = P(None, None, TP)
 # Multi-head latent attention's cache, [num_pages, page_size, kv_lora + rope]: every head reads
 # every row, so each device holds it whole (SGLang's tensor-parallel MLA does the same).
 LATENT_CACHE_SPEC = P()
+
+
+# A linear layer's state pools (linear_attention.LinearState), [slots, heads, ...]: by head.
+LINEAR_STATE_SPEC = P(None, TP, None, None)
 
 
 def kv_cache_spec(config) -> P:
@@ -142,12 +146,17 @@ def tensor_parallel_size(mesh: Mesh) -> int:
 def check_split(config, mesh: Mesh) -> None:
     """What the mesh splits of a model (ModelConfig `config`) must split evenly, or start-up
     stops naming it: its experts over the expert axis; each layer's KV heads (latent attention:
-    its query heads) over all the devices, which attention is split by."""
+    its query heads; a linear layer: its key heads) over all the devices, which attention is
+    split by."""
     ep_size = mesh.shape.get("expert", 1)
     if ep_size > 1 and config.num_experts % ep_size:
         raise ValueError(f"--ep-size {ep_size} does not divide the model's {config.num_experts} "
                          "experts")
     tp_size = tensor_parallel_size(mesh)
+    linear = config.linear_attention
+    if linear is not None and config.state_layers and linear.num_key_heads % tp_size:
+        raise ValueError(f"--tp-size {tp_size} does not divide the linear layers' "
+                         f"{linear.num_key_heads} key heads (they are split by key head)")
     if config.mla is not None:
         if config.num_heads % tp_size:
             raise ValueError(f"--tp-size {tp_size} does not divide the model's "

@@ -48,11 +48,17 @@ class LinearAttentionConfig:
     def conv_dim(self) -> int:  # q, k and v go through the convolution together
         return 2 * self.key_dim + self.value_dim
 
-    def state_bytes(self, conv_itemsize: int) -> int:
-        """One request's state in one layer: the convolution's window (model dtype) and the
-        delta rule's float32 matrices."""
-        return (self.conv_dim * (self.conv_width - 1) * conv_itemsize
-                + self.num_value_heads * self.key_head_dim * self.value_head_dim * 4)
+    @property
+    def channels_per_key_head(self) -> int:
+        """A key head's convolution channels: its q, its k, its value heads' v."""
+        return self.conv_dim // self.num_key_heads
+
+    @property
+    def state_bytes(self) -> int:
+        """One request's state in one layer, float32 (runtime/executor/state_pool.py): the
+        convolution's window and the delta rule's matrices."""
+        return 4 * (self.conv_dim * (self.conv_width - 1)
+                    + self.num_value_heads * self.key_head_dim * self.value_head_dim)
 
 
 def hybrid_fields(hf_config: Any, architecture: str) -> dict:

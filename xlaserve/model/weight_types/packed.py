@@ -23,7 +23,10 @@ from xlaserve.model.weight_types.whole_weight import ReadWhole
 from xlaserve.native import gemm_cpu, quantized_gemm_cpu
 
 # The leaves that are matmul weights, with how many of their leading axes are contracted.
-MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1, "up": 1}
+MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1, "up": 1,
+                  # a hybrid model's linear layers (model/linear_attention.py) and output gate
+                  "in_proj_qkv": 1, "in_proj_z": 1, "in_proj_ba": 1, "out_proj": 2,
+                  "output_gate": 1}
 # The experts' weights [E, K, N...] (model/moe.py): one contracted axis after the experts'.
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
 

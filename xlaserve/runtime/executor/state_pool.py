@@ -15,10 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config.model_config import ModelConfig
-from xlaserve.model.linear_attention import LinearState
+from xlaserve.model.linear_attention import LinearState, state_shapes
+from xlaserve.model.sharding import LINEAR_STATE_SPEC
 
 STATE_DTYPE = jnp.float32
 
@@ -27,21 +27,19 @@ def state_bytes_per_slot(config: ModelConfig) -> int:
     """One request's state in every linear layer, in bytes (0 without linear layers)."""
     if not config.state_layers:
         return 0
-    return len(config.state_layers) * config.linear_attention.state_bytes(
-        jnp.dtype(STATE_DTYPE).itemsize)
+    return len(config.state_layers) * config.linear_attention.state_bytes
 
 
 def state_pool_specs(config: ModelConfig, num_slots: int, mesh: Mesh) -> list[LinearState]:
-    """Each linear layer's pools as jax.ShapeDtypeStructs, whole on every device (the layer is:
-    model/sharding.py)."""
+    """Each linear layer's pools as jax.ShapeDtypeStructs, split by head as the layer is
+    (model/sharding.py)."""
     if not config.state_layers:
         return []
     if num_slots < 2:
         raise ValueError(f"{config.architecture} keeps a state per request: the state pool needs "
                          f"its request slots (got {num_slots} with the null slot)")
-    c, whole = config.linear_attention, NamedSharding(mesh, P())
-    one = lambda *shape: jax.ShapeDtypeStruct(shape, STATE_DTYPE, sharding=whole)
-    return [LinearState(conv=one(num_slots, c.conv_dim, c.conv_width - 1),
-                        delta=one(num_slots, c.num_value_heads, c.key_head_dim,
-                                  c.value_head_dim))
+    by_head = NamedSharding(mesh, LINEAR_STATE_SPEC)
+    shapes = state_shapes(config.linear_attention, num_slots)
+    return [jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, STATE_DTYPE, sharding=by_head),
+                         shapes, is_leaf=lambda x: isinstance(x, tuple))
             for _ in config.state_layers]
