@@ -9,10 +9,11 @@ import transformers
 
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.config.rope_config import partial_rope_rows
-from xlaserve.model.weight_types.packed import PackedMatrix, pack_model
+from xlaserve.model.weight_types.packed import PackedMatrix
 from xlaserve.weights.loader import load_model
 
-from tests.model.test_transformer_matches_transformers import PROMPTS, _check_float32_logits
+from tests.model.test_transformer_matches_transformers import (PROMPTS, _check_float32_logits,
+                                                               pack_or_skip)
 from tests.tiny_models import HYBRID, TINY_DECODER
 
 
@@ -27,12 +28,7 @@ def test_logits_match_transformers_for_ragged_batch_then_decode(hybrid_checkpoin
     loaded = load_model(directory, dtype="float32", skip_tokenizer_init=True, progress=False)
     assert loaded.config.state_layers == (0, 1, 2) and loaded.config.cache_layers == (3,)
     if layout == "packed":
-        from xlaserve.native import KernelUnavailable, gemm_cpu
-        try:
-            gemm_cpu.load()
-        except KernelUnavailable as error:
-            pytest.skip(f"the native CPU GEMM does not build here: {error}")
-        pack_model(loaded.model, loaded.config.tie_word_embeddings)
+        pack_or_skip(loaded)
         linear, full = loaded.model.layers[0].attn, loaded.model.layers[3].attn
         assert all(isinstance(weight.get_value(), PackedMatrix) for weight in (
             linear.in_proj_qkv, linear.in_proj_z, linear.in_proj_ba, linear.out_proj,

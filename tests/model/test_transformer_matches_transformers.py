@@ -24,14 +24,20 @@ TOLERANCE = 1e-4
 WEIGHT_LAYOUTS = ["xla", "packed"]
 
 
+def pack_or_skip(loaded):
+    """Packs `loaded`'s weights for the native CPU GEMM, or skips the test where it does not
+    build."""
+    from xlaserve.native import KernelUnavailable, gemm_cpu
+    try:
+        gemm_cpu.load()
+    except KernelUnavailable as error:
+        pytest.skip(f"the native CPU GEMM does not build here: {error}")
+    pack_model(loaded.model, loaded.config.tie_word_embeddings)
+
+
 def _lay_out(loaded, layout):
     if layout == "packed":
-        from xlaserve.native import KernelUnavailable, gemm_cpu
-        try:
-            gemm_cpu.load()
-        except KernelUnavailable as error:
-            pytest.skip(f"the native CPU GEMM does not build here: {error}")
-        pack_model(loaded.model, loaded.config.tie_word_embeddings)
+        pack_or_skip(loaded)
         assert isinstance(loaded.model.layers[0].attn.qkv.get_value(), PackedMatrix)
         # Every mixture-of-experts layer's experts packed: only the native grouped GEMM takes them
         experts = [weight.get_value() for layer in loaded.model.layers
