@@ -114,7 +114,7 @@ def test_the_ragged_convolution_is_transformers_with_its_window():
     weight = rng.standard_normal((CONV, WIDTH)).astype(np.float32)
     bias = rng.standard_normal(CONV).astype(np.float32)
     a, b = (rng.standard_normal((n, CONV)).astype(np.float32) for n in (7, 10))
-    pool = jnp.zeros((3, CONV, WIDTH - 1), jnp.float32)
+    pool = jnp.zeros((3, WIDTH - 1, CONV), jnp.float32)
     slots, seqs = jnp.array([2, 0], jnp.int32), jnp.array([2], jnp.int32)
     (x,), cu = _ragged([(a,), (b[:3],)], 12)
     first, pool = reference.causal_conv1d(x, weight, bias, pool, slots, jnp.array([7, 3]), cu,
@@ -129,5 +129,5 @@ def test_the_ragged_convolution_is_transformers_with_its_window():
     np.testing.assert_allclose(np.concatenate([first[7:10], second[:7]]), expected(b),
                                rtol=1e-5, atol=1e-5)
     assert not np.asarray(second[7:]).any()
-    np.testing.assert_array_equal(pool[0], b[-(WIDTH - 1):].T)  # its last inputs, oldest first
-    np.testing.assert_array_equal(pool[2], a[-(WIDTH - 1):].T)
+    np.testing.assert_array_equal(pool[0], b[-(WIDTH - 1):])  # its last inputs, oldest first
+    np.testing.assert_array_equal(pool[2], a[-(WIDTH - 1):])

@@ -37,9 +37,10 @@ from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d, ga
 
 @dataclasses.dataclass
 class LinearState:
-    """One layer's state pools, float32: `conv` [slots, Hk, channels, W - 1] (each key head's
-    convolution inputs before a request's next row, oldest first) and `delta` [slots, Hv, Dk, Dv]
-    (the delta rule's matrices). A request owns one slot of both, in every linear layer."""
+    """One layer's state pools, float32: `conv` [slots, W - 1, Hk, channels] (the convolution's
+    inputs before a request's next row, oldest first, each key head's channels) and `delta`
+    [slots, Hv, Dk, Dv] (the delta rule's matrices). A request owns one slot of both, in every
+    linear layer."""
 
     conv: jax.Array
     delta: jax.Array
@@ -51,7 +52,7 @@ jax.tree_util.register_dataclass(LinearState, data_fields=["conv", "delta"], met
 def state_shapes(config: LinearAttentionConfig, slots: int) -> LinearState:
     """The pools' shapes (tuples) for `slots` slots."""
     c = config
-    return LinearState(conv=(slots, c.num_key_heads, c.channels_per_key_head, c.conv_width - 1),
+    return LinearState(conv=(slots, c.conv_width - 1, c.num_key_heads, c.channels_per_key_head),
                        delta=(slots, c.num_value_heads, c.key_head_dim, c.value_head_dim))
 
 
@@ -93,7 +94,7 @@ class GatedDeltaNet(nnx.Module):
         slots = state.conv.shape[0]
         mixed, conv = causal_conv1d(
             qkv.reshape(rows, -1), conv_weight.reshape(-1, c.conv_width), None,
-            state.conv.reshape(slots, -1, c.conv_width - 1), m.state_slots, m.kv_lens,
+            state.conv.reshape(slots, c.conv_width - 1, -1), m.state_slots, m.kv_lens,
             m.cu_q_lens, m.num_seqs, activation="silu")
         mixed = mixed.reshape(rows, c.num_key_heads, c.channels_per_key_head)
         q, k = mixed[..., :dk], mixed[..., dk:2 * dk]

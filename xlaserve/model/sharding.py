@@ -88,7 +88,7 @@ PARTITION_SPECS = {
     "bounds": P(),  # Gemma 4's clipped projections' bounds (vision/gemma4_vision.py)
     # Hybrid linear-attention models: the full layers' output gate by query head, as q; the
     # Gated DeltaNet layers (linear_attention.py) by key head and its value heads, as attention
-    # (their states too: LINEAR_STATE_SPEC), out_proj's partial sums added across devices.
+    # (their states too: DELTA_STATE_SPEC, CONV_STATE_SPEC), out_proj's partial sums added across devices.
     "output_gate": P(None, TP, None),
     "in_proj_qkv": P(None, TP, None),
     "in_proj_z": P(None, TP, None),
@@ -107,8 +107,10 @@ KV_CACHE_SPEC = P(None, None, TP)
 LATENT_CACHE_SPEC = P()
 
 
-# A linear layer's state pools (linear_attention.LinearState), [slots, heads, ...]: by head.
-LINEAR_STATE_SPEC = P(None, TP, None, None)
+# A linear layer's state pools (linear_attention.LinearState), by head: the delta rule's
+# [slots, Hv, Dk, Dv], the convolution's window [slots, W - 1, Hk, channels].
+DELTA_STATE_SPEC = P(None, TP, None, None)
+CONV_STATE_SPEC = P(None, None, TP, None)
 
 
 def kv_cache_spec(config) -> P:

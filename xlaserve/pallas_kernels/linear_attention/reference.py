@@ -156,18 +156,20 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = 
 def causal_conv1d(x, weight, bias, conv_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
                   activation: str | None = "silu"):
     """The depthwise causal convolution over a ragged step: x [T, C], weight [C, W], bias [C] or
-    None, conv_pool [slots, C, W - 1] (a sequence's last W - 1 inputs, oldest first; zeros before
-    its first token). Row t of sequence s: sum_j weight[:, j] * input[t - (W - 1) + j], the inputs
-    before the step's first row read from the slot. Returns (out [T, C] in x's dtype, padding rows
-    zero; the pool with each sequence's last W - 1 inputs)."""
+    None, conv_pool [slots, W - 1, C] (a sequence's last W - 1 inputs, oldest first; zeros before
+    its first token; the channels last, as x's rows: on TPU a [C, W - 1] window was tiled with 3
+    of 128 lanes used, and relaid out each step). Row t of sequence s: sum_j weight[:, j] *
+    input[t - (W - 1) + j], the inputs before the step's first row read from the slot. Returns
+    (out [T, C] in x's dtype, padding rows zero; the pool with each sequence's last W - 1
+    inputs)."""
     x, weight = jnp.asarray(x), jnp.asarray(weight)
     dtype = compute_dtype(x)
-    x32, w32 = x.astype(dtype), weight.astype(dtype)
+    x32, taps = x.astype(dtype), weight.astype(dtype).T  # [W, C]
 
-    def token(window, t):  # window [C, W - 1]: the sequence's inputs before row t
-        inputs = jnp.concatenate([window, x32[t][:, None]], axis=1)  # [C, W]
-        out = jnp.sum(inputs * w32, axis=1)
-        return inputs[:, 1:], out if bias is None else out + bias.astype(dtype)
+    def token(window, t):  # window [W - 1, C]: the sequence's inputs before row t
+        inputs = jnp.concatenate([window, x32[t][None]], axis=0)  # [W, C]
+        out = jnp.sum(inputs * taps, axis=0)
+        return inputs[1:], out if bias is None else out + bias.astype(dtype)
 
     pool, out = scan_rows(token, conv_pool.astype(dtype), x.shape[0], state_slots, kv_lens,
                           cu_q_lens, num_seqs)

@@ -192,10 +192,10 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                               # one host's memory, so there the whole page counts.
                               tensor_parallel=args.tp_size if platform != "cpu" else 1,
                               draft_head=head and head.config,
-                              # the state pool first: a slot per request, whole on each device
+                              # the state pool first: a slot per request, split by head
                               state_bytes=state_bytes_per_slot(config) * (
-                                  args.max_running_requests + 1) * (
-                                  args.tp_size if platform == "cpu" else 1))
+                                  args.max_running_requests + 1) // (
+                                  args.tp_size if platform != "cpu" else 1))
     if kv_dtype != loaded.dtype:
         per_token = bytes_per_token(config, kv_dtype, platform, head and head.config)
         as_model = bytes_per_token(config, loaded.dtype, platform, head and head.config)

@@ -52,7 +52,7 @@ def num_pages_for(config: ModelConfig, dtype, page_size: int, *, max_total_token
     TPU/GPU, SGLang's meaning: `mem_fraction_static` of the memory XLA may allocate holds the
     weights (already loaded: in use) and the KV pool; the rest is left to the steps' temporaries.
     CPU: that fraction of the host's free RAM, which other programs share. `state_bytes`: what
-    a hybrid model's state pool takes of it first (state_pool.py; whole on every device)."""
+    a hybrid model's state pool takes of it first (state_pool.py), per device."""
     if max_total_tokens is not None:
         return pages_for_tokens(max_total_tokens, page_size) + 1  # + the null page
     device = device or jax.devices()[0]

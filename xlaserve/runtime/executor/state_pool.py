@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.linear_attention import LinearState, state_shapes
-from xlaserve.model.sharding import LINEAR_STATE_SPEC
+from xlaserve.model.sharding import CONV_STATE_SPEC, DELTA_STATE_SPEC
 
 STATE_DTYPE = jnp.float32
 
@@ -38,8 +38,9 @@ def state_pool_specs(config: ModelConfig, num_slots: int, mesh: Mesh) -> list[Li
     if num_slots < 2:
         raise ValueError(f"{config.architecture} keeps a state per request: the state pool needs "
                          f"its request slots (got {num_slots} with the null slot)")
-    by_head = NamedSharding(mesh, LINEAR_STATE_SPEC)
     shapes = state_shapes(config.linear_attention, num_slots)
-    return [jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, STATE_DTYPE, sharding=by_head),
-                         shapes, is_leaf=lambda x: isinstance(x, tuple))
+    one = lambda shape, spec: jax.ShapeDtypeStruct(shape, STATE_DTYPE,
+                                                   sharding=NamedSharding(mesh, spec))
+    return [LinearState(conv=one(shapes.conv, CONV_STATE_SPEC),
+                        delta=one(shapes.delta, DELTA_STATE_SPEC))
             for _ in config.state_layers]
