@@ -1,8 +1,10 @@
-"""Tiny random vision-language checkpoints for the tests of issue 55: Qwen2-VL, Qwen2.5-VL and
-Qwen3-VL (2 decoder layers of width 64, a 2-block vision tower of width 32), a word-level
-tokenizer with Qwen's chat and vision markers, a Qwen-VL-style chat template, and an image
-processor whose max_pixels keeps images to at most 64 patches."""
+"""Tiny random vision-language checkpoints for the tests of issue 55: Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL and Qwen3.5 (2 decoder layers of width 64, Qwen3.5's 4; a 2-block vision tower of width
+32), a word-level tokenizer with Qwen's chat and vision markers, a Qwen-VL-style chat template,
+and an image processor whose max_pixels keeps images to at most 64 patches."""
 import numpy as np
+
+from tests.tiny_models import HYBRID
 
 WORDS = ["what", "is", "in", "this", "picture", "and", "that", "one", "describe", "it",
          "user", "assistant", "system", "a", "red", "cat"]
@@ -77,6 +79,19 @@ def make_tiny_vision_language(directory, kind: str = "qwen2_5_vl", seed: int = 0
             "mrope_interleaved": True})
         config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
         model_class = transformers.Qwen3VLForConditionalGeneration
+    elif kind == "qwen3_5":
+        # Qwen3-VL's tower without DeepStack; the decoder tiny_models.HYBRID["qwen3_5"]'s (three
+        # Gated DeltaNet layers, then a gated full one) with RoPE on a quarter of each head:
+        # 8 of 32 rows, 4 pairs, split [2, 1, 1] and interleaved.
+        vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                      out_hidden_size=64, patch_size=16, num_position_embeddings=16)
+        text.update({k: v for k, v in HYBRID["qwen3_5"].items()
+                     if k not in ("cls", "architecture")})
+        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True})
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen3_5ForConditionalGeneration
     else:
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
@@ -103,8 +118,8 @@ def make_tiny_vision_language(directory, kind: str = "qwen2_5_vl", seed: int = 0
     assert [fast.convert_tokens_to_ids(m) for m in MARKERS] == [ids[m] for m in MARKERS]
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
-    # At most 64 patches (16 tokens) an image: of 14 pixels, or Qwen3-VL's 16.
-    square = 32 if kind == "qwen3_vl" else 28
+    # At most 64 patches (16 tokens) an image: of 14 pixels, or Qwen3-VL's and Qwen3.5's 16.
+    square = 32 if kind in ("qwen3_vl", "qwen3_5") else 28
     transformers.Qwen2VLImageProcessorPil(
         min_pixels=square * square, max_pixels=square * square * 16,
         patch_size=square // 2).save_pretrained(directory)

@@ -12,6 +12,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "encoders": "encoders",
     "grouped_matmul_ragged_dot": "grouped_matmul", "grouped_matmul_tiled": "grouped_matmul",
     "Kernels": "layers",
+    "LinearState": "linear_attention", "from_grouped_projections": "linear_attention",
     "KV_CACHE_DTYPES": "fp8_kv_cache", "is_fp8": "fp8_kv_cache",
     "resolve_kv_cache_dtype": "fp8_kv_cache",
     "LoraSpec": "lora", "TARGET_MODULES": "lora", "check_model": "lora",

@@ -44,10 +44,11 @@ MODEL_CLASSES = {
     "Qwen3_5ForCausalLM": CausalLM,
     "Qwen3NextForCausalLM": CausalLM,
     # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
-    # a vision tower the engine runs per image.
+    # a vision tower the engine runs per image; Qwen3-VL's a Qwen3, Qwen3.5's its hybrid text model.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,
     "Qwen2_5_VLForConditionalGeneration": VisionLanguageLM,
     "Qwen3VLForConditionalGeneration": VisionLanguageLM,
+    "Qwen3_5ForConditionalGeneration": VisionLanguageLM,
     # BERT-family encoders (model/encoders/encoder.py): embedding models, served with
     # --is-embedding.
     "BertModel": Encoder,

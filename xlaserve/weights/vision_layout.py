@@ -1,16 +1,19 @@
-"""A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint's vision tower -> model/vision/qwen_vision.py's
-parameters, in
-the decoder's layouts (qkv [W, heads, 3, D], o_proj [heads, D, W], gate_up [W, 2, I], matrices
-[in, out]). The decoder beside it converts as a Qwen2's (param_layout.convert).
+"""A Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 checkpoint's vision tower ->
+model/vision/qwen_vision.py's parameters, in the decoder's layouts (qkv [W, heads, 3, D], o_proj
+[heads, D, W], gate_up [W, 2, I], matrices [in, out]). The decoder beside it converts as its text
+model's (param_layout.convert: a Qwen2's, a Qwen3's, Qwen3.5's hybrid layers).
 
 Checkpoints name the tower `visual.*` and the decoder `model.*` (as published, and as
 transformers saves them); transformers' own module names (`model.visual.*`,
-`model.language_model.*`) are read too (`with_vision_language_names`), and Gemma 3's decoder as
-its checkpoints name it (`language_model.model.*`: gemma-3-4b-it's files and transformers 5's
-saves), its SigLIP tower and projector as `vision_tower.*` and `multi_modal_projector.*` however
-they are saved (siglip_layout.py reads them); Llama 4's encoder as `vision_model.*`
-(llama4_vision_layout.py reads it); Gemma 4's tower and embedder as `vision_tower.*` and
-`embed_vision.*` (gemma4_vision_layout.py).
+`model.language_model.*`: Qwen3-VL's and Qwen3.5's files) are read too
+(`with_vision_language_names`), and Gemma 3's decoder as its checkpoints name it
+(`language_model.model.*`: gemma-3-4b-it's files and transformers 5's saves), its SigLIP tower
+and projector as `vision_tower.*` and `multi_modal_projector.*` however they are saved
+(siglip_layout.py reads them); Llama 4's encoder as `vision_model.*` (llama4_vision_layout.py
+reads it); Gemma 4's tower and embedder as `vision_tower.*` and `embed_vision.*`
+(gemma4_vision_layout.py). Tensors no parameter asks for are not read, as everywhere: Qwen3.5's
+multi-token-prediction head (`mtp.*`, which transformers does not load either), as DeepSeek's
+past its layers.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from xlaserve.model.config.gemma_config import GEMMA3_ARCHITECTURES, image_check
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES
 from xlaserve.model.config.llama4_vision_config import LLAMA4_IMAGES, llama4_vision_from_hf
 from xlaserve.model.config.model_config import ENCODER_ARCHITECTURES, EncoderConfig, ModelConfig
-from xlaserve.model.config.rope_config import RopeConfig
+from xlaserve.model.config.rope_config import RopeConfig, partial_rotary_dims
 from xlaserve.model.config.siglip_config import siglip_from_hf
 from xlaserve.model.config.vision_config import VISION_LANGUAGE_ARCHITECTURES, vision_from_hf
 
@@ -30,6 +30,16 @@ IMAGE_CHECKPOINTS = {
     "Gemma3ForConditionalGeneration": (GEMMA3_ARCHITECTURES[0], siglip_from_hf),
     LLAMA4_IMAGES: (LLAMA4_ARCHITECTURES[0], llama4_vision_from_hf),
     "Gemma4ForConditionalGeneration": (GEMMA4_ARCHITECTURES[0], gemma4_vision_from_hf),
+}
+# Each Qwen-VL checkpoint's decoder: its text model's architecture and transformers' default
+# mrope_section (vision_language_config).
+VISION_LANGUAGE_DECODERS = {
+    "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", (16, 24, 24)),
+    "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", (16, 24, 24)),
+    "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", (24, 20, 20)),
+    # The hybrid linear-attention text model (linear_attention_config.py), RoPE on a quarter of
+    # each full layer's head.
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", (11, 11, 10)),
 }
 # Decoder backbones saved without their LM head (sentence-transformers' saves of a decoder, and
 # embedding models that ship so): transformers' classes, read as their causal LM's layers.
@@ -71,23 +81,27 @@ def model_config_from_hf(hf_config: Any, architecture: str,
 
 
 def vision_language_config(hf_config: Any, architecture: str) -> ModelConfig:
-    """Qwen2-VL / Qwen2.5-VL (Qwen3-VL): the text config's Qwen2 (Qwen3) decoder with multimodal
-    RoPE (its `mrope_section`, by default transformers' [16, 24, 24] ([24, 20, 20], interleaved))
-    and the vision tower's config."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: the text config's decoder
+    (VISION_LANGUAGE_DECODERS) with multimodal RoPE (its `mrope_section`, else transformers'
+    default; interleaved beside a Qwen3-VL-kind tower) and the vision tower's config."""
     text = getattr(hf_config, "text_config", None) or hf_config
-    qwen3 = VISION_LANGUAGE_ARCHITECTURES[architecture] == "qwen3_vl"
-    config = ModelConfig.from_hf(text, "Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM")
-    section = config.rope.mrope_section or ((24, 20, 20) if qwen3 else (16, 24, 24))
-    if len(section) != 3 or sum(section) != config.head_dim // 2:
+    decoder, default_section = VISION_LANGUAGE_DECODERS[architecture]
+    config = ModelConfig.from_hf(text, decoder)
+    section = config.rope.mrope_section or default_section
+    # The sections split the pairs RoPE turns: a quarter of Qwen3.5's (partial_rotary_factor);
+    # the rest turn at frequency 0 whatever position they take.
+    pairs = partial_rotary_dims(config.head_dim, config.rope.partial_rotary) // 2
+    if len(section) != 3 or sum(section) != pairs:
         raise ValueError(f"{architecture}: mrope_section {list(section)} must be three parts of "
-                         f"head_dim / 2 = {config.head_dim // 2}")
+                         f"the {pairs} rotated pairs (head_dim x partial_rotary_factor / 2)")
     # Tied or not as the checkpoint says: the top-level flag (the text config's default is not
     # what the checkpoint was saved with).
     tied = bool(getattr(hf_config, "tie_word_embeddings", config.tie_word_embeddings))
+    interleaved = VISION_LANGUAGE_ARCHITECTURES[architecture] == "qwen3_vl"  # and Qwen3.5's
     return dataclasses.replace(
         config, architecture=architecture, tie_word_embeddings=tied,
         rope=dataclasses.replace(config.rope, mrope_section=tuple(section),
-                                 mrope_interleaved=qwen3),
+                                 mrope_interleaved=interleaved),
         vision=vision_from_hf(hf_config, architecture))
 
 

@@ -1,6 +1,6 @@
-"""The vision tower of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (issue 55), ported from transformers'
-Qwen2VisionTransformerPretrainedModel / Qwen2_5_VisionTransformerPretrainedModel /
-Qwen3VLVisionModel.
+"""The vision tower of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (issue 55), ported from
+transformers' Qwen2VisionTransformerPretrainedModel / Qwen2_5_VisionTransformerPretrainedModel /
+Qwen3VLVisionModel (Qwen3_5VisionModel: Qwen3-VL's without DeepStack).
 
     x = patches @ patch_embed (+ bias)             (the Conv3d of stride = kernel, as a matmul)
       (+ Qwen3-VL's learned positions, each patch's 4 bilinear taps of the square grid)
@@ -165,10 +165,11 @@ class VisionTower(nnx.Module):
 
 
 class VisionLanguageLM(CausalLM):
-    """Qwen2-VL / Qwen2.5-VL: the decoder (CausalLM, with multimodal RoPE from the host) and its
-    vision tower, which the serving step does not run: the engine runs it per image
-    (runtime/executor/vision_encoder.py) and the step takes its rows in place of the image
-    placeholders' embeddings (`CausalLM.hidden_states`' `input_embeds`)."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: the decoder (CausalLM, with multimodal RoPE
+    from the host; Qwen3.5's with its linear layers' states) and its vision tower, which the
+    serving step does not run: the engine runs it per image (runtime/executor/vision_encoder.py)
+    and the step takes its rows in place of the image placeholders' embeddings
+    (`CausalLM.hidden_states`' `input_embeds`)."""
 
     def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(config, dtype=dtype, rngs=rngs)

@@ -11,6 +11,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "WeightMismatch": "weight_swap",
     "serving_buckets": "buckets", "with_page_size": "buckets",
     "num_pages_for": "kv_pool", "bytes_per_token": "kv_pool",
+    "state_bytes_per_slot": "state_pool",
     "HostKvPool": "host_kv_pool", "HostTierCopies": "host_kv_pool",
     "host_tier_pages": "host_kv_pool", "ForwardBatch": "forward_batch",
     "drafts": "drafts",

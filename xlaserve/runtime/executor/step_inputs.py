@@ -116,15 +116,18 @@ class RopeTable:
         self._cos = self._sin = np.zeros((0, half), np.float32)
         # Multimodal RoPE (RopeConfig.mrope_section): which of a row's three positions each
         # rotation pair takes (transformers' recomposition: the sections in turn, or
-        # interleaved).
+        # interleaved). The sections cover the rotated pairs; those past them (partial RoPE:
+        # frequency 0) take the temporal one, which turns them no more than any other.
         self._axis = None
-        if mrope_section and mrope_interleaved:
-            pairs = np.arange(half)
+        if mrope_section:
             self._axis = np.zeros(half, np.int64)
-            for axis in (1, 2):
-                self._axis[(pairs % 3 == axis) & (pairs < 3 * mrope_section[axis])] = axis
-        elif mrope_section:
-            self._axis = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
+            if mrope_interleaved:
+                pairs = np.arange(half)
+                for axis in (1, 2):
+                    self._axis[(pairs % 3 == axis) & (pairs < 3 * mrope_section[axis])] = axis
+            else:
+                self._axis[:sum(mrope_section)] = np.repeat(np.arange(len(mrope_section)) % 3,
+                                                            mrope_section)
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """float32 (cos, sin) [T, head_dim / 2] of the rows at `positions` (>= 0): i32[T], or
