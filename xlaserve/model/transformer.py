@@ -172,8 +172,7 @@ class Attention(nnx.Module):
                  else kv_cache.dtype)
         return fp8, dtype
 
-    def _attend(self, q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale,
-                x_gate=None):
+    def _attend(self, q, k, v, kv_cache, metadata, kernels, lora, sm_scale, v_scale, x_gate=None):
         """`x_gate`: the layer's input, for the output gate (attention_output_gate)."""
         c = self.config
         num_tokens = q.shape[0]
@@ -221,10 +220,9 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         if c.linear_layers[layer_index]:  # its state in the step's caches, not a KV cache
             self.attn = GatedDeltaNet(c.linear_attention, dtype, rngs)
-        elif c.mla is not None:
-            self.attn = MLAttention(c, layer_index, dtype, rngs)
         else:
-            self.attn = Attention(c, layer_index, dtype, rngs)
+            self.attn = (MLAttention if c.mla is not None else Attention)(c, layer_index, dtype,
+                                                                           rngs)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         self.mlp = (MoE(c, dtype, rngs) if c.moe_layers[layer_index]
                     else MLP(c.hidden_size, c.layer(layer_index).intermediate_size, dtype, rngs,
@@ -346,8 +344,8 @@ class CausalLM(nnx.Module):
         shared_kv = {} if len(c.cache_layers) < c.num_layers else None
         new_caches = [None] * len(self.layers) if c.bidirectional else list(kv_caches)
         if len(new_caches) != len(c.cache_layers) + len(c.state_layers):
-            raise ValueError(f"{len(new_caches)} caches for {len(c.cache_layers)} KV cache layers "
-                             f"and {len(c.state_layers)} linear layers' states")
+            raise ValueError(f"{len(new_caches)} caches for {len(c.cache_layers)} KV, "
+                             f"{len(c.state_layers)} state layers")
         for index, layer in enumerate(self.layers):
             x, normed = layer.input_rms_norm(x, mlp_out, kernels)
             if capture and index in capture:

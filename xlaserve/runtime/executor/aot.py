@@ -388,9 +388,12 @@ def main(argv=None) -> None:
         shapes = sorted({shapes[0], shapes[-1]})
     tp_size = server_args.tp_size
     weights = sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(program.args[0])) / tp_size
-    kv = sum(c.size * c.dtype.itemsize for c in program.args[1]) / tp_size
+    caches = [jax.tree.leaves(c) for c in program.args[1]]  # KV arrays, then linear states
+    kv, states = (sum(leaf.size * leaf.dtype.itemsize for leaves in caches for leaf in leaves
+                      if (len(leaves) > 1) == linear) / tp_size for linear in (False, True))
     print(f"{description}; per device: weights {weights / 2**30:.2f} GiB, KV cache "
-          f"{kv / 2**30:.2f} GiB (whole / tp)")
+          f"{kv / 2**30:.2f} GiB" + (f", linear layers' states {states / 2**30:.2f} GiB"
+                                     if states else "") + " (whole / tp)")
     for (tokens, seqs, pages), needs in [(s, n) for s in shapes for n in variants]:
         start = time.perf_counter()
         compiled = program.compile(tokens, seqs, pages, needs)
