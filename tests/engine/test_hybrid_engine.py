@@ -1,10 +1,11 @@
 """Hybrid linear-attention models through the engine (issue 76: a tiny random Qwen3.5 text model,
 tests/tiny_models.py): continuous batching with chunked prefill gives transformers' greedy tokens
 and each request's solo ones, with nothing compiled after the precompile; more requests than
-running slots, so later ones take the state slots of finished ones while others decode; a
-repeated prefix is run again, not reused (prefix caching is off for these models, said at
-start-up); on two devices (--tp-size 2) too; the flags whose state the linear layers do not keep
-yet are refused by name. The checks: tests/engine/family_engine.py."""
+running slots, so later ones take the state slots of finished ones while others decode; the
+prefix cache reuses prompts from their state snapshots (scheduler/state_reuse.py): a shared
+prefix, a multi-turn chat, snapshots evicted past the pool; on two devices (--tp-size 2) too; the
+flags whose state the linear layers do not keep yet are refused by name. The checks:
+tests/engine/family_engine.py."""
 import pytest
 
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
@@ -32,13 +33,49 @@ def test_batched_chunked_greedy_requests_equal_solo_runs_and_transformers(engine
     check_batched_equal_solo_and_transformers(engine, checkpoint[1], PROMPTS, GREEDY)
 
 
-def test_a_repeated_prefix_runs_again_and_gives_transformers_tokens(engine, checkpoint):
+def test_a_prompt_reuses_a_cached_prefix_from_its_state_snapshot(engine, checkpoint):
+    """Two prompts sharing 8 tokens: the first's state was snapshotted at its last whole page
+    (8 tokens), so the second starts there, its linear layers from the snapshot."""
+    engine.core.flush_cache()
     system = [5, 17, 300, 42, 9, 77, 120, 3]
     first = engine.generate(input_ids=system + [91, 13], sampling_params=GREEDY)
     second = engine.generate(input_ids=system + [400, 401, 402], sampling_params=GREEDY)
-    assert [first["meta_info"]["cached_tokens"], second["meta_info"]["cached_tokens"]] == [0, 0]
+    assert [first["meta_info"]["cached_tokens"], second["meta_info"]["cached_tokens"]] == [0, 8]
     assert second["output_ids"] == hf_greedy(checkpoint[1], system + [400, 401, 402],
                                              GREEDY["max_new_tokens"])
+
+
+def test_a_multi_turn_chat_reuses_each_earlier_turn_with_transformers_tokens(engine, checkpoint):
+    """Each turn's prompt is the last one, its answer and a new message: it starts from the last
+    turn's prompt (its last whole page: the answer's state is not kept) and gives transformers'
+    tokens for the whole conversation. Repeats of a turn reuse all but its last page."""
+    engine.core.flush_cache()
+    prompt, compiles = [(7 * i) % 500 + 1 for i in range(13)], engine.core.runner.compile_count()
+    for turn in range(3):
+        result = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, GREEDY["max_new_tokens"])
+        assert result["meta_info"]["cached_tokens"] == (0 if turn == 0 else reused), turn
+        reused = (len(prompt) - 1) // 4 * 4  # what the next turn starts from
+        again = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert again["output_ids"] == result["output_ids"]
+        assert again["meta_info"]["cached_tokens"] == reused
+        prompt = prompt + result["output_ids"] + [11 * turn + 3, 200, 201]
+    assert engine.core.runner.compile_count() == compiles
+
+
+def test_snapshots_over_the_pool_evict_the_least_recently_used_and_stay_exact(engine, checkpoint):
+    """Six prompts of distinct prefixes on four snapshot slots: the first two prompts' snapshots
+    are evicted (their pages may stay), so a repeat of the first runs from its start; a repeat of
+    the last reuses its snapshot; both give transformers' tokens."""
+    engine.core.flush_cache()
+    prompts = [[100 + 10 * p + i for i in range(9)] for p in range(6)]
+    for prompt in prompts:
+        engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    first = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+    last = engine.generate(input_ids=prompts[-1], sampling_params=GREEDY)
+    assert [first["meta_info"]["cached_tokens"], last["meta_info"]["cached_tokens"]] == [0, 8]
+    for prompt, result in ((prompts[0], first), (prompts[-1], last)):
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, GREEDY["max_new_tokens"])
 
 
 def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):

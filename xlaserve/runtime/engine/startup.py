@@ -18,6 +18,7 @@ seconds go to `startup_timings`, for the server's "Start-up:" log line (launch_s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -39,6 +40,8 @@ from xlaserve.runtime.executor.kv_pool import bytes_per_token, num_pages_for
 from xlaserve.runtime.executor.state_pool import state_bytes_per_slot
 from xlaserve.runtime.executor.host_kv_pool import HostKvPool, HostTierCopies, host_tier_pages
 from xlaserve.runtime.scheduler.page_allocator import PageAllocator
+from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse
+from xlaserve.runtime.scheduler.state_reuse import StatePrefixReuse
 from xlaserve.model.fp8_kv_cache import resolve_kv_cache_dtype
 from xlaserve.model.weight_types.quantized_rows import native_gemm_available
 from xlaserve.runtime.executor.drafts.draft_head import DraftHead
@@ -115,13 +118,17 @@ class Features:
 
 def prefix_caching(args: ServerArgs, config, pooling: Pooling | None) -> bool:
     """Whether the scheduler reuses cached prefixes: not with --disable-radix-cache, nor for an
-    encoder's or CLS / mean pooling's pages (pooled_outputs.py), nor for a hybrid model, whose
-    linear layers' state at a prefix's end is not kept (issue 76: snapshots to come)."""
-    if config.state_layers and not args.disable_radix_cache:
-        logger.info("Prefix caching is off for %s: its linear layers keep no state per cached "
-                    "prefix (as --disable-radix-cache)", config.architecture)
-    return not args.disable_radix_cache and not config.state_layers and (
+    encoder's or CLS / mean pooling's pages (pooled_outputs.py)."""
+    return not args.disable_radix_cache and (
         pooling is None or (pooling.mode == "last" and not config.bidirectional))
+
+
+def state_snapshots(args: ServerArgs, config) -> int:
+    """A hybrid model's state-pool slots for its prefix cache's snapshots
+    (scheduler/state_reuse.py): as many as running requests, a state each; none without linear
+    layers or prefix caching."""
+    return args.max_running_requests if config.state_layers and not args.disable_radix_cache \
+        else 0
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
@@ -194,8 +201,8 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                               draft_head=head and head.config,
                               # the state pool first: a slot per request, split by head
                               state_bytes=state_bytes_per_slot(config) * (
-                                  args.max_running_requests + 1) // (
-                                  args.tp_size if platform != "cpu" else 1))
+                                  args.max_running_requests + 1 + state_snapshots(args, config))
+                              // (args.tp_size if platform != "cpu" else 1))
     if kv_dtype != loaded.dtype:
         per_token = bytes_per_token(config, kv_dtype, platform, head and head.config)
         as_model = bytes_per_token(config, loaded.dtype, platform, head and head.config)
@@ -215,6 +222,12 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     runner_class, pooled = ((ModelRunner, {"deterministic": args.enable_deterministic_inference})
                             if pooling is None
                             else (EmbeddingRunner, {"pooling_mode": pooling.mode}))
+    snapshots = state_snapshots(args, config)  # after the requests' slots in the state pool
+    prefix_reuse = PrefixReuse if not config.state_layers else functools.partial(
+        StatePrefixReuse, snapshot_slots=range(args.max_running_requests + 1,
+                                               args.max_running_requests + 1 + snapshots))
+    if snapshots:
+        pooled["state_snapshots"] = snapshots
     runner = runner_class(loaded, num_pages=num_pages, page_size=page_size, **pooled,
                          max_running_requests=args.max_running_requests,
                          attention_backend=args.attention_backend,
@@ -282,7 +295,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
         PageAllocator(num_pages), page_size, args.max_running_requests,
         args.chunked_prefill_size, args.max_prefill_tokens, context_length,
         # An encoder's and CLS / mean pooling's pages are never reused (pooled_outputs.py).
-        radix_cache=prefix_caching(args, config, pooling),
+        radix_cache=prefix_caching(args, config, pooling), prefix_reuse=prefix_reuse,
         speculator=speculator_for(args, drafter), host_pages=host_pages,
         admission=EveryRequest() if adapter_slots is None else adapter_slots)
     host_kv = HostKvPool(runner.kv_specs, host_pages) if host_pages else None

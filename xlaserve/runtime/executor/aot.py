@@ -45,6 +45,7 @@ from xlaserve.model.transformer import abstract_parameters
 from xlaserve.runtime.executor.drafts.draft_head import make_chain
 from xlaserve.runtime.executor.drafts.draft_tree import make_tree_chain
 from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs
+from xlaserve.runtime.executor.state_pool import StateCopies, copy_capacity
 from xlaserve.runtime.executor.forward_batch import sample_rows_for
 from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
 from xlaserve.runtime.executor.kernels import kernels_for
@@ -148,6 +149,7 @@ class StepProgram:
     tree_width: int = 0  # > 0: the server verifies trees (its tree program, `compile(tree=)`)
     # A vision model's step: it also takes its rows' image embeddings [tokens, hidden].
     input_embeds: tuple[int, int, object] | None = None  # (levels, hidden, dtype)
+    state_copies: int = 0  # a hybrid model's state copies a step (state_pool.copy_capacity)
 
     def lowering_args(self, tokens: int, seqs: int, pages: int,
                       needs: StepNeeds = EVERYTHING, tree: bool = False) -> tuple[tuple, dict]:
@@ -170,7 +172,8 @@ class StepProgram:
         runner makes them), with no page table: its writes all unused."""
         return idle_vectors(RopeTable(self.inv_freq),
                             empty_writes(write_capacity(tokens, seqs, self.page_size), 0),
-                            tokens, seqs, pages, rows, tree_width)
+                            StateCopies.of((), (), self.state_copies), tokens, seqs, pages, rows,
+                            tree_width)
 
     def compile(self, tokens: int, seqs: int, pages: int, needs: StepNeeds = EVERYTHING,
                 tree: bool = False):
@@ -255,7 +258,8 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
     choosing = steps[1] if draft_head is None else None
     return StepProgram(steps[0], args, config.rope_inv_freq(), mesh, page_size,
                        choosing, verify_tokens, max_seqs, chain, lora, tree_width,
-                       (config.vision.levels, config.hidden_size, dtype) if takes_images else None)
+                       (config.vision.levels, config.hidden_size, dtype) if takes_images else None,
+                       copy_capacity(config))
 
 
 def vision_tower_compiled(config: ModelConfig, dtype, mesh: Mesh, platform: str, patches: int,

@@ -116,7 +116,7 @@ _ARRAYS = ("input_ids", "positions", "kv_lens", "cu_q_lens", "num_seqs", "logits
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_ARRAYS,
                    meta_fields=("pages", "tree_width"),
-                   drop_fields=("page_ids", "rope_positions", "input_embeds"))
+                   drop_fields=("page_ids", "rope_positions", "input_embeds", "state_copies"))
 @dataclasses.dataclass
 class ForwardBatch:
     input_ids: np.ndarray  # i32[T]
@@ -158,6 +158,9 @@ class ForwardBatch:
     # (levels: the embedding, then Qwen3-VL's DeepStack rows).
     rope_positions: np.ndarray | None = None
     input_embeds: np.ndarray | None = None
+    # A hybrid model's state copies (host only; the step takes them as state_pool.StateCopies):
+    # the chunks' restores, then their snapshots, each a list of (source, destination) slots.
+    state_copies: tuple[list, list] = ((), ())
 
     @property
     def num_sample_rows(self) -> int:
@@ -274,10 +277,12 @@ def make_forward_batch(chunks: list[SeqChunk], buckets: Buckets, page_size: int)
             target_ids[starts[i]:ends[i]] = chunk.target_ids
     next_ids = np.full(padded_seqs, -1, np.int32)
     next_ids[:n] = np.fromiter((c.next_token for c in chunks), np.int32, n)
+    copies = ([c.restore for c in chunks if c.restore is not None],
+              [c.snapshot for c in chunks if c.snapshot is not None])
     return ForwardBatch(input_ids, positions, kv_lens, cu_q_lens, np.array([n], np.int32),
                         logits_indices, sample_rows, sample_seqs, target_ids, input_slots,
                         next_ids, tree_masks, padded_pages, tree_width,
-                        [c.page_ids for c in chunks])
+                        [c.page_ids for c in chunks], state_copies=copies)
 
 
 def tree_rows(chunks: list[SeqChunk]) -> tuple[np.ndarray, np.ndarray]:

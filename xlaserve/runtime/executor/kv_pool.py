@@ -168,9 +168,10 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, mes
                 (num_pages - 1) * page_size, half_gb, half_gb)
     if config.state_layers:
         per_slot = state_bytes_per_slot(config)
-        logger.info("Linear-attention state is allocated. #requests: %d, %.2f GB (%.2f MB a "
-                    "request in %d layers)", state_slots - 1, per_slot * state_slots / 1e9,
-                    per_slot / 1e6, len(config.state_layers))
+        logger.info("Linear-attention state is allocated. #slots: %d, %.2f GB (%.2f MB a slot "
+                    "in %d layers: the running requests' and the prefix cache's)",
+                    state_slots - 1, per_slot * state_slots / 1e9, per_slot / 1e6,
+                    len(config.state_layers))
     if not in_background:
         return zeroed_pool()
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xlaserve-kv-pool")

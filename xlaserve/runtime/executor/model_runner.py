@@ -60,6 +60,7 @@ from xlaserve.runtime.compile.executable_cache import ExecutableCache, describe
 from xlaserve.runtime.executor.kv_pool import (draft_head_description, draft_head_pool_of,
                                                init_kv_pool, kv_pool_specs)
 from xlaserve.runtime.executor.lora_slots import lora_slots_for
+from xlaserve.runtime.executor.state_pool import no_copies
 from xlaserve.runtime.executor.page_table import DevicePageTable
 from xlaserve.runtime.scheduler.page_allocator import pages_for_tokens
 from xlaserve.runtime.sampling.params import SamplingMetadata
@@ -93,7 +94,7 @@ class ModelRunner:
                  context_length: int | None = None, mla_expanded_prefill_tokens: int = 0,
                  verify_tokens: int = 1, quantized_activations: str = "float32",
                  lora: LoraSpec | None = None, kv_cache_dtype: str = "auto",
-                 hidden_rows: bool = False, deterministic: bool = False):
+                 hidden_rows: bool = False, deterministic: bool = False, state_snapshots: int = 0):
         """`context_length` (default: the model's) sets the page table's width, the pages of
         the longest sequence. `static_variants`: precompile and run ACCELERATOR_VARIANTS, a program per variant and
         bucket with no conditional, rather than one program deciding at run time (RUN_TIME);
@@ -108,7 +109,8 @@ class ModelRunner:
         `kv_cache_dtype`: --kv-cache-dtype, the pool's entries (model/fp8_kv_cache.py).
         `hidden_rows`: every program also returns its token rows' hidden states
         (make_step's; --enable-return-hidden-states). `deterministic`: kernels whose rows do
-        not depend on one another (kernels.deterministic_kernels)."""
+        not depend on one another (kernels.deterministic_kernels). `state_snapshots`: a hybrid
+        model's state-pool slots past the requests', for the prefix cache (state_reuse.py)."""
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.page_size = page_size
@@ -134,18 +136,18 @@ class ModelRunner:
         if deterministic:
             check_deterministic_model(self.config, loaded.model)
         # Zeroed on a thread while the weights are packed and the programs loaded (kv_pool.py);
-        # the first step that needs the pool waits for it (`kv_caches`).
+        # the first step that needs the pool waits for it (`kv_caches`). A speculative draft
+        # head's state rides at the end of the pool's list (kv_pool.DraftHeadPool).
         num_slots = max_running_requests + 1  # + the null slot
-        # A speculative draft head (model/draft_heads.py, set on the model by start-up): its
-        # state rides at the end of the KV pool's list (kv_pool.DraftHeadPool).
         self.draft_head_pool = draft_head_pool_of(loaded.model, num_slots)
-        self.num_slots = num_slots  # a hybrid model's state pool has as many (state_pool.py)
+        self.state_slots = num_slots + state_snapshots  # a hybrid model's pool (state_pool.py)
+        self.no_copies = no_copies(self.config)  # a step's state copies when it has none
         self._kv_pool = init_kv_pool(self.config, num_pages, page_size, kv_dtype, self.mesh,
                                      in_background=True, draft_head=self.draft_head_pool,
-                                     state_slots=num_slots)
+                                     state_slots=self.state_slots)
         self._kv_caches = None
         self.kv_specs = kv_pool_specs(self.config, num_pages, page_size, kv_dtype, self.mesh,
-                                       self.draft_head_pool, num_slots)
+                                       self.draft_head_pool, self.state_slots)
         prepare_model(loaded.model, self.config, kernels, quantized_activations)
         graphdef, state = nnx.split(loaded.model)
         vocab = self.config.vocab_size
@@ -195,7 +197,6 @@ class ModelRunner:
         del state
         if advised := advise_huge_pages(self._weight_args):  # a CPU decode step streams them
             logger.info("Weights on huge pages: %.2f GB", advised / 2**30)
-
         # What the step and a draft head's own programs (drafts/draft_head.py) are made of.
         self.program_parts = (graphdef, state_treedef, weight_layout, kv_sharding)
         self._lora_args = self.lora.step_args
@@ -265,10 +266,9 @@ class ModelRunner:
     def resume_kv_caches(self) -> None:
         """A zeroed KV pool again, of the released one's shapes."""
         if not self.kv_caches_held():
-            self._kv_caches = init_kv_pool(self.config, self.num_pages, self.page_size,
-                                           self.kv_dtype, self.mesh,
-                                           draft_head=self.draft_head_pool,
-                                           state_slots=self.num_slots)
+            self._kv_caches = init_kv_pool(
+                self.config, self.num_pages, self.page_size, self.kv_dtype, self.mesh,
+                draft_head=self.draft_head_pool, state_slots=self.state_slots)
 
     def assign_slots(self, assignments) -> None:
         """Start (or, after a retraction, resume) requests in their slots: each (slot, prompt_ids,
@@ -328,7 +328,8 @@ class ModelRunner:
         tokens, seqs, _ = batch.shape
         writes, updates, overflow = self.page_table.step_writes(slots, batch.page_ids, tokens,
                                                                 seqs)
-        host = step_vectors(self.rope, batch, sampling, slots, writes)
+        host = step_vectors(self.rope, batch, sampling, slots, writes,
+                            self.no_copies.taking(*batch.state_copies))
         ints, floats = self._placed(host[:2])
         _, table_host, tables, table_layout = self.inputs.tables(sampling)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the
@@ -441,8 +442,8 @@ class ModelRunner:
         """The step's arguments for a bucket shape (and tree width), the KV pool as shapes only
         (it may not be zeroed yet), and its static layout and needs."""
         rows, (tokens, seqs, pages) = self.sample_rows(shape), shape
-        host, layout = idle_vectors(self.rope, self.page_table.idle_writes(tokens, seqs), tokens,
-                                    seqs, pages, rows, tree_width)
+        host, layout = idle_vectors(self.rope, self.page_table.idle_writes(tokens, seqs),
+                                    self.no_copies, tokens, seqs, pages, rows, tree_width)
         tables = self.inputs.tables(greedy_sampling(rows))[2]
         args = step_args(self._state(self.kv_specs), (*self._placed(host[:2]), *tables),
                          self.inputs.bitmask(rows, None), self.inputs.idle_image_args(tokens))

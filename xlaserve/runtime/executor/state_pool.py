@@ -12,13 +12,17 @@ window holds projections already rounded to the model dtype, which float32 holds
 window is 1/20 of a slot's bytes in Qwen3.5's layers)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.linear_attention import LinearState, state_shapes
 from xlaserve.model.sharding import CONV_STATE_SPEC, DELTA_STATE_SPEC
+from xlaserve.runtime.scheduler.state_reuse import STATE_COPIES
 
 STATE_DTYPE = jnp.float32
 
@@ -44,3 +48,60 @@ def state_pool_specs(config: ModelConfig, num_slots: int, mesh: Mesh) -> list[Li
     return [LinearState(conv=one(shapes.conv, CONV_STATE_SPEC),
                         delta=one(shapes.delta, DELTA_STATE_SPEC))
             for _ in config.state_layers]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StateCopies:
+    """A step's copies between state-pool slots (the prefix cache's, scheduler/state_reuse.py):
+    `restores` run before the forward (a cached prefix's snapshot into an admitted request's
+    slot), `snapshots` after it (a request's state into a snapshot slot). Each i32[2, capacity],
+    (source, destination) per column, the used columns first, the rest -1."""
+
+    restores: np.ndarray
+    snapshots: np.ndarray
+
+    @staticmethod
+    def of(restores, snapshots, capacity: int) -> "StateCopies":
+        """From lists of (source, destination) pairs, at most `capacity` of each."""
+        if len(restores) > capacity or len(snapshots) > capacity:
+            raise ValueError(f"{len(restores)} restores and {len(snapshots)} snapshots in a step "
+                             f"that takes {capacity} of each")
+        arrays = []
+        for pairs in (restores, snapshots):
+            array = np.full((2, capacity), -1, np.int32)
+            if pairs:
+                array[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+            arrays.append(array)
+        return StateCopies(*arrays)
+
+    def taking(self, restores, snapshots) -> "StateCopies":
+        """These copies in arrays of this one's capacity (this one where there are none)."""
+        if not restores and not snapshots:
+            return self
+        return StateCopies.of(restores, snapshots, self.restores.shape[1])
+
+
+def copy_capacity(config: ModelConfig) -> int:
+    """The state copies of each kind a step of this model takes (0 without linear layers)."""
+    return STATE_COPIES if config.state_layers else 0
+
+
+def no_copies(config: ModelConfig) -> StateCopies:
+    """An idle step's (and any step without copies) StateCopies for this model."""
+    return StateCopies.of((), (), copy_capacity(config))
+
+
+def copy_states(caches: list, copies: jax.Array, first: int) -> list:
+    """`caches` with, in each linear layer's pools (`caches[first:]`, LinearStates), slot
+    `copies[1, i]` set to slot `copies[0, i]` for each used column in order: a loop as long as
+    the copies, nothing done in a step without any (most steps)."""
+    if copies.shape[1] == 0:
+        return caches
+    count = jnp.sum(copies[1] >= 0)
+
+    def one(i, states):
+        source, target = copies[0, i], copies[1, i]
+        return jax.tree.map(lambda pool: pool.at[target].set(pool[source]), states)
+
+    return caches[:first] + list(jax.lax.fori_loop(0, count, one, tuple(caches[first:])))

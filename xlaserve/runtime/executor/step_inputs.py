@@ -38,6 +38,7 @@ import numpy as np
 from xlaserve.model.rope import rope_cos_sin
 from xlaserve.runtime.executor.forward_batch import ForwardBatch
 from xlaserve.runtime.executor.page_table import PageWrites
+from xlaserve.runtime.executor.state_pool import StateCopies
 from xlaserve.runtime.sampling.params import MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS, RowSamplingParams
 from xlaserve.runtime.sampling.prompt_logprobs import NO_TARGET
 from xlaserve.runtime.sampling.params import SamplingMetadata, build_sampling_metadata
@@ -148,9 +149,10 @@ class RopeTable:
 
 
 def step_vectors(rope: RopeTable, batch: ForwardBatch, sampling: SamplingMetadata, slots,
-                 writes: PageWrites):
+                 writes: PageWrites, copies: StateCopies):
     """The step's host arrays but the sampling tables (`table_arrays`, sent apart), with the
-    page table's writes and the rows' RoPE cos/sin (`rope`: the config's frequencies and `rope.attention_factor`), as one
+    page table's writes, a hybrid model's state copies (state_pool.StateCopies; empty arrays
+    for other models) and the rows' RoPE cos/sin (`rope`: the config's frequencies and `rope.attention_factor`), as one
     int32 and one float32 vector (above) and their layout (which the values do not
     change). RoPE stays on the host: computed in the step, XLA's CPU fusion recomputes cos/sin
     in each layer's RoPE fusion (an optimization barrier does not stop it: the CPU compiler
@@ -159,7 +161,7 @@ def step_vectors(rope: RopeTable, batch: ForwardBatch, sampling: SamplingMetadat
                                suppressed_ids=None)
     positions = batch.positions if batch.rope_positions is None else batch.rope_positions
     return concat_leaves((batch, rest, np.asarray(slots, np.int32), rope.cos_sin(positions),
-                          writes))
+                          writes, copies))
 
 
 def table_arrays(sampling: SamplingMetadata) -> tuple:
@@ -167,16 +169,17 @@ def table_arrays(sampling: SamplingMetadata) -> tuple:
     return sampling.logit_bias_ids, sampling.logit_bias_values, sampling.suppressed_ids
 
 
-def idle_vectors(rope: RopeTable, writes: PageWrites, tokens: int, seqs: int, pages: int,
-                 rows: int, tree_width: int = 0, widths: tuple[int, int] = SAMPLING_WIDTHS):
+def idle_vectors(rope: RopeTable, writes: PageWrites, copies: StateCopies, tokens: int,
+                 seqs: int, pages: int, rows: int, tree_width: int = 0,
+                 widths: tuple[int, int] = SAMPLING_WIDTHS):
     """((ints, floats, table ints, table floats), (layout, table layout)) of an idle step of the
     bucket shape with `rows` sample rows (of the tree program: `tree_width`) and sampling tables
     `widths` wide: the one place an idle step's inputs are made, for a runner's precompile
     (ModelRunner._lowering_args), a compile-only target's (runtime/executor/aot.py) and a
     follower's layouts (`layout_for`). `writes`: the page table's idle writes (`empty_writes`
-    where there is no page table)."""
+    where there is no page table); `copies`: no state copies (state_pool.no_copies)."""
     batch, sampling, slots = idle_step(tokens, seqs, pages, rows, tree_width, widths)
-    ints, floats, layout = step_vectors(rope, batch, sampling, slots, writes)
+    ints, floats, layout = step_vectors(rope, batch, sampling, slots, writes, copies)
     table_ints, table_floats, table_layout = concat_leaves(table_arrays(sampling))
     return (ints, floats, table_ints, table_floats), (layout, table_layout)
 
@@ -365,8 +368,8 @@ def layout_for(runner, shape: tuple[int, int, int], widths: tuple[int, int],
     if key not in runner.layouts:
         tokens, seqs, pages = shape
         runner.layouts[key] = idle_vectors(runner.rope, runner.page_table.idle_writes(tokens, seqs),
-                                           tokens, seqs, pages, runner.sample_rows(shape),
-                                           tree_width, widths)[1]
+                                           runner.no_copies, tokens, seqs, pages,
+                                           runner.sample_rows(shape), tree_width, widths)[1]
     return runner.layouts[key]
 
 

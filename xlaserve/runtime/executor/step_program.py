@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
+from xlaserve.runtime.executor.state_pool import copy_states
 from xlaserve.runtime.executor.step_inputs import NULL_SLOT, split_leaves
 from xlaserve.runtime.executor.draft_head_step import catch_up_head
 from xlaserve.runtime.executor.verified_rows import (kept_path_moves, kept_rows,
@@ -80,7 +81,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
     def step(weights, kv_caches, output_counts, last_tokens, page_table, prompt_masks, ints,
              floats, table_ints, table_floats, token_bitmask, input_embeds=None, layout=None,
              needs: StepNeeds | None = RUN_TIME):
-        batch, sampling, slots, rope, writes = split_leaves(ints, floats, layout[0])
+        batch, sampling, slots, rope, writes, copies = split_leaves(ints, floats, layout[0])
         bias_ids, bias_values, suppressed = split_leaves(table_ints, table_floats, layout[1])
         sampling = dataclasses.replace(sampling, logit_bias_ids=bias_ids,
                                        logit_bias_values=bias_values, suppressed_ids=suppressed)
@@ -110,6 +111,10 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                      batch.tree_masks if tree else None, batch.tree_width,
                                      state_slots=slots)
         head = getattr(model, "draft_head", None)
+        # A hybrid model's linear layers: cached prefixes' states into admitted requests' slots
+        # first, prompts' states into snapshot slots after (state_pool.StateCopies).
+        first_state = len(model.config.cache_layers)
+        kv_caches = copy_states(kv_caches, copies.restores, first_state)
         if lora is not None:
             *arrays, slot_adapters = weights[lora.first:]
             adapters = lora_batch(lora.spec, lora.num_layers, arrays, slot_adapters,
@@ -128,6 +133,7 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             hidden, kv_caches, captured = model.hidden_states(
                 input_ids, batch.positions, kv_caches[:layers], metadata, kernels,
                 rope, capture=head.capture_layers)
+        kv_caches = copy_states(kv_caches, copies.snapshots, first_state)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         # Each sample row's slot (its sequence's; the null slot for padding): without
         # speculation, sample row i is sequence i.

@@ -1,6 +1,7 @@
 """Host bookkeeping, standard library only: which requests run which tokens in the next step
 (`Scheduler`), what it keeps per request (`Request`) and hands the executor (`ScheduledBatch`,
-`SeqChunk`, `DecodeRows`), the KV pages' allocator and prefix cache, and speculative decoding's
+`SeqChunk`, `DecodeRows`), the KV pages' allocator and prefix cache (a hybrid model's with its
+state snapshots, `StatePrefixReuse`), and speculative decoding's
 drafts and acceptance (`Speculator`, `SpeculativeConfig`, `DraftTree`)."""
 from xlaserve._lazy import lazy_exports
 
@@ -12,7 +13,8 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "RequestTooLong": "request",
     "SampledRow": "request", "ScheduledBatch": "request", "SeqChunk": "request",
     "prefill_budget": "scheduler", "Scheduler": "scheduler", "NoSpeculation": "scheduler",
-    "EveryRequest": "scheduler",
+    "EveryRequest": "scheduler", "PrefixReuse": "prefix_reuse",
+    "StatePrefixReuse": "state_reuse", "STATE_COPIES": "state_reuse",
     "process_pooled": "pooled", "retract_running": "retraction",
     "DraftTree": "speculation", "row_depths": "speculation", "SpeculativeConfig": "speculation",
     "Speculator": "speculation",

@@ -45,7 +45,7 @@ from xlaserve.runtime.scheduler.page_allocator import PageAllocator
 
 class TreeNode:
     __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "prefix_pages",
-                 "on_host", "pinned")
+                 "on_host", "pinned", "snapshot")
 
     def __init__(self, parent: TreeNode | None, key: list[int], pages: list[int], prefix_pages: int,
                  last_access: int = 0):
@@ -63,6 +63,9 @@ class TreeNode:
         # the top of the tree and the host ones hang below them. `pinned`: being loaded back.
         self.on_host = False
         self.pinned = False
+        # A hybrid model's state-pool slot holding its linear layers' state at this node's end
+        # (state_reuse.py), or None. A split keeps it on the tail, which keeps the end.
+        self.snapshot: int | None = None
 
 
 class RadixCache:
@@ -83,6 +86,8 @@ class RadixCache:
         self._leaf_heap: list[tuple[int, int, TreeNode]] = []
         self._push_order = itertools.count()
         self.num_nodes = 0  # below the roots (the host tier's heap is rebuilt by it too)
+        # A hybrid model's snapshots (state_reuse.StateSnapshots): an evicted node's is freed.
+        self.snapshots = None
 
     @property
     def num_pages(self) -> int:
@@ -313,6 +318,8 @@ class RadixCache:
                 self._push(leaf)
                 continue
             device_pages, parent = leaf.pages, leaf.parent
+            if leaf.snapshot is not None:
+                self.snapshots.release(leaf)
             freed += len(device_pages)
             self.evictable_pages -= len(device_pages)
             if not (to_host and self.host is not None and self.host.take(leaf, self)):

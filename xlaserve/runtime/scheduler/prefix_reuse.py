@@ -40,6 +40,9 @@ class _Request(Protocol):
     def is_decoding(self) -> bool: ...
 
 
+NO_COPIES: dict = {}  # read, never written
+
+
 class PrefixReuse:
     """A request's cached prefix on admission, and its computed pages into the tree."""
 
@@ -55,11 +58,16 @@ class PrefixReuse:
             return 0
         return (request.num_tokens - 1) // self.page_size * self.page_size
 
-    def attach(self, request: _Request) -> None:
+    def new_step(self) -> None:
+        """A step is being scheduled (a hybrid model's reuse counts its state copies a step:
+        state_reuse.py)."""
+
+    def attach(self, request: _Request) -> bool:
         """Starts a waiting request on its longest cached prefix, locked: on the device, and
         the host tier's continuation of it loaded back as far as the device pool has room.
         A prefix that would end inside an image whose tokens attend to one another (Gemma 3's)
-        ends at the page before it: the image runs again whole."""
+        ends at the page before it: the image runs again whole. True: attached (a hybrid
+        model's may have to wait for a step with room for its state's restore)."""
         key = request.cache_ids()[:self.reusable_tokens(request)]
         pages, node, host_path = self.cache.match_tiers(key, request.adapter.key)
         matched = (len(pages) + sum(len(below.pages) for below in host_path)) * self.page_size
@@ -75,10 +83,22 @@ class PrefixReuse:
             self.cache.lock(node)
         request.cache_node, request.page_ids = node, pages
         request.num_computed = len(pages) * self.page_size
+        return True
 
     def detach(self, request: _Request) -> None:  # not admitted after all
         self.cache.unlock(request.cache_node)
         request.cache_node, request.page_ids, request.num_computed = None, [], 0
+
+    def chunk_end(self, request: _Request, start: int, end: int) -> int:
+        """Where a prompt chunk from `start` to `end` ends (a hybrid model's at its snapshot)."""
+        return end
+
+    def state_copies(self, request: _Request, slot: int, end: int) -> dict:
+        """A chunk's state copies (SeqChunk.restore, .snapshot): none but a hybrid model's."""
+        return NO_COPIES
+
+    def release(self, request: _Request) -> None:
+        """The request leaves the running set (ended, aborted, retracted)."""
 
     def share_computed_pages(self, request: _Request) -> None:
         """Puts the request's newly completed whole pages in the tree, so that a later prompt can

@@ -40,6 +40,11 @@ class SeqChunk:
     # row (-1 for the first, the root), each after its parent, siblings' tokens distinct; None:
     # a chain (token j's parent is j - 1).
     tree_parents: list[int] | None = None
+    # A hybrid model's state copies (scheduler/state_reuse.py), (source slot, destination slot):
+    # a cached prefix's snapshot into the request's slot before the chunk runs, and the request's
+    # state into a snapshot slot after.
+    restore: tuple[int, int] | None = None
+    snapshot: tuple[int, int] | None = None
 
 
 FinishReason = tuple[Literal["length", "stop", "abort"], "int | str | None"]

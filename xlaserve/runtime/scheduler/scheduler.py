@@ -31,6 +31,7 @@ from xlaserve.runtime.scheduler.request import (Request, RequestTooLong, Sampled
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
 from xlaserve.runtime.scheduler.speculation import NO_DRAFT, Draft, Speculator
 from xlaserve.runtime.scheduler.continuation import schedule_continuation
+from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +74,19 @@ class Scheduler:
                  chunked_prefill_size: int | None, max_prefill_tokens: int, context_length: int,
                  log_interval: int = 40, radix_cache: bool = True,
                  speculator: Speculator | NoSpeculation = NoSpeculation(), host_pages: int = 0,
-                 admission=EveryRequest()):
+                 admission=EveryRequest(), prefix_reuse=PrefixReuse):
         """`speculator`: --speculative-algorithm's (speculation.py), or NoSpeculation (stateless).
         `host_pages`: the prefix cache's host tier (host_tier.py; 0: none). `admission`: whether
-        a waiting request may start now, beside pages (`admits(request, running)`)."""
+        a waiting request may start now, beside pages (`admits(request, running)`).
+        `prefix_reuse(cache, page_size, enabled)`: the cache's use (prefix_reuse.py; a hybrid
+        model's, state_reuse.py)."""
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be at least 1")
         self.allocator = allocator
         self.page_size = page_size
         self.cache = RadixCache(allocator, page_size,
                                 HostTier(host_pages) if host_pages else None)
-        self.prefix = PrefixReuse(self.cache, page_size, enabled=radix_cache)
+        self.prefix = prefix_reuse(self.cache, page_size, enabled=radix_cache)
         self.max_running_requests = max_running_requests
         # <= 0 or None: no chunking, a prompt runs in one step.
         self.chunk_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
@@ -186,6 +189,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """Its computed whole pages stay cached (unlocked by it); the rest go back to the free list."""
         self.prefix.share_computed_pages(request)
+        self.prefix.release(request)
         self.cache.unlock(request.cache_node)
         self.allocator.free(request.page_ids[request.cache_node.prefix_pages:])
         request.page_ids, request.cache_node = [], None
@@ -216,6 +220,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         if self.paused:
             return None
+        self.prefix.new_step()
         rows = self._schedule_decodes()
         num_decodes = len(rows)
         admitted: list[Request] = []
@@ -266,7 +271,8 @@ class Scheduler:
                     break
                 if not self.admission.admits(r, self.running):  # later, in its queue place
                     continue
-                self.prefix.attach(r)
+                if not self.prefix.attach(r):  # in a later step
+                    continue
                 if self.prefix.waits_for_a_running_prefill(r, self.running):
                     self.prefix.detach(r)
                     continue
@@ -277,7 +283,8 @@ class Scheduler:
             n = remaining if alone else n
             # Not inside an image whose tokens attend to one another (Gemma 3's): cut before
             # it, or wait for a step with room for it all (start-up checked one has).
-            n = r.whole_span_end(r.num_computed, r.num_computed + n) - r.num_computed
+            n = r.whole_span_end(r.num_computed, r.num_computed + n)
+            n = self.prefix.chunk_end(r, r.num_computed, n) - r.num_computed
             if (alone and rows) or n <= 0 or self.new_pages(r, r.num_computed + n) > self.cache.available_pages:
                 if is_new:
                     self.prefix.detach(r)
@@ -295,14 +302,18 @@ class Scheduler:
             ids = r.all_ids()
             token_ids = ids[r.num_computed:r.num_computed + n]
             rows.append((r, SeqChunk(token_ids, r.num_computed, list(r.page_ids), n == remaining,
-                                     next_token=ids[r.num_computed + n] if n < remaining else -1)))
+                                     next_token=ids[r.num_computed + n] if n < remaining else -1,
+                                     **self.prefix.state_copies(r, r.slot, r.num_computed + n))))
             budget -= n
         return rows
 
     def schedule_continuation(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The step after `batch`, scheduled while `batch` still runs (its tokens unread), or
         None where it must wait for the results: continuation.py."""
-        return None if self.paused else schedule_continuation(self, batch)
+        if self.paused:
+            return None
+        self.prefix.new_step()
+        return schedule_continuation(self, batch)
 
     def process_results(self, batch: ScheduledBatch, sampled_tokens: list[int],
                         sampled: list[SampledRow] | None = None) -> list[Request]:
@@ -398,53 +409,3 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return not self.paused and bool(self.running or self.waiting)
-
-
-class StepLog:
-    """The scheduler's log lines, in SGLang's words (operators and their dashboards read them):
-    `Prefill batch.` for every step that runs prompt tokens, and `Decode batch.` once every
-    `interval` decode steps, with the generation throughput over those steps (and, with
-    speculative decoding, SGLang's `accept len`: tokens a verified row kept on average)."""
-
-    def __init__(self, interval: int):
-        self.interval = interval
-        self.prefix = ""  # "[DP1] " for a data parallel replica's lines
-        self._decode_steps = self._decode_tokens = 0
-        self._interval_start = 0.0
-        self._verified_rows = self._accepted_drafts = 0
-
-    def verified(self, accepted_drafts: int) -> None:
-        """A verified row's result: its accepted drafts are tokens of the interval too."""
-        self._verified_rows += 1
-        self._accepted_drafts += accepted_drafts
-        self._decode_tokens += accepted_drafts
-
-    def step(self, scheduler: "Scheduler", kind: str, num_decodes: int,
-             prefill_chunks: list[SeqChunk], cached_tokens: int) -> None:
-        if prefill_chunks:
-            logger.info(
-                "%sPrefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: "
-                "%.2f, #running-req: %d, #queue-req: %d", self.prefix, len(prefill_chunks),
-                sum(len(c.token_ids) for c in prefill_chunks), cached_tokens,
-                scheduler.token_usage(), num_decodes, scheduler.num_waiting)
-        if kind != "decode":
-            return
-        # Throughput over the interval: tokens of steps 2..N over the time from step 1 to step N.
-        now = time.monotonic()
-        if self._decode_steps == 0:
-            self._interval_start = now
-        else:
-            self._decode_tokens += num_decodes
-        self._decode_steps += 1
-        if self._decode_steps >= self.interval:
-            elapsed = now - self._interval_start
-            throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
-            accept = (f"accept len: {1 + self._accepted_drafts / self._verified_rows:.2f}, "
-                      if self._verified_rows else "")
-            logger.info(
-                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
-                "gen throughput (token/s): %.2f, #queue-req: %d", self.prefix,
-                scheduler.num_running, sum(r.num_computed for r in scheduler.running),
-                scheduler.token_usage(), accept, throughput, scheduler.num_waiting)
-            self._decode_steps = self._decode_tokens = 0
-            self._verified_rows = self._accepted_drafts = 0

@@ -100,7 +100,7 @@ def chain_inputs(graphdef, state_treedef, weight_layout, weights, page_table, in
                  layout):
     """What a drafting program (this one, draft_head.make_chain) starts from: (the staged batch,
     its slots, the model, the page table with the batch's writes, each row's pages)."""
-    batch, _, slots, _, writes = split_leaves(ints, floats, layout)
+    batch, _, slots, _, writes, _ = split_leaves(ints, floats, layout)
     state = jax.tree.unflatten(state_treedef, leaves_from_args(weights, weight_layout))
     page_table = apply_writes(page_table, writes)
     return (batch, slots, nnx.merge(graphdef, state), page_table,

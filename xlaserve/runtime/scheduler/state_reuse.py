@@ -1,0 +1,151 @@
+"""The prefix cache of a hybrid model (issue 76): a cached prefix is usable only where a snapshot
+of its linear layers' state exists, since those layers keep no per-token cache to resume from.
+
+SGLang's answer for Mamba models (its MambaRadixCache) is followed: the radix tree stays the
+KV pages' (prefix_cache.py), and a node may also hold a snapshot, a slot of the state pool
+(runtime/executor/state_pool.py) with the state after the node's last token. A prefix match ends
+at the deepest node on the path that has one; that node's pages and snapshot are the request's
+start, the snapshot copied into the request's own slot before its first chunk runs. Snapshots
+are kept apart from pages: a node may lose its snapshot (LRU among unlocked nodes, when a new one
+needs the slot) and keep its pages, which then serve no match until a request passes there again.
+
+Where snapshots are taken: at a prompt's last whole page (`(num_tokens - 1) // page_size` pages,
+what a repeat of the prompt, or a longer one such as the next turn of a chat, can reuse), the
+prefill chunk that crosses it cut there, and the request's state copied into a snapshot slot at
+the end of that step. One a request: a snapshot is its linear layers' whole state (79 MB in
+Qwen3-Next-80B), where its KV grows by 24 KB a token. A chat's next turn thus reuses the turns
+before the last answer (whose state is not kept), and runs that answer and the new message.
+
+The device work: a step carries at most STATE_COPIES restores and as many snapshots (the
+step's `StateCopies`); a request whose restore finds the step full waits for the next one, a
+snapshot that does not fit is not taken.
+"""
+from __future__ import annotations
+
+from xlaserve.runtime.scheduler.prefix_cache import RadixCache, TreeNode
+from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse, _Request
+
+# Restores, and snapshots, a step carries at most (runtime/executor/state_pool.py reads it).
+STATE_COPIES = 8
+
+
+class StateSnapshots:
+    """The state pool's snapshot slots and the tree nodes that hold them."""
+
+    def __init__(self, slots: range):
+        self.free = list(reversed(slots))  # pop() hands out low ids first
+        self.holders: set[TreeNode] = set()
+
+    def take(self) -> int | None:
+        """A free slot, or the least recently used unlocked holder's (its node keeps its pages);
+        None where every holder is locked."""
+        if not self.free:
+            unlocked = [node for node in self.holders if node.lock_ref == 0]
+            if not unlocked:
+                return None
+            self.release(min(unlocked, key=lambda node: node.last_access))
+        return self.free.pop()
+
+    def attach(self, node: TreeNode, slot: int) -> None:
+        """`slot` holds the state at `node`'s end; a node that has one keeps it (the same state:
+        equal prefixes), and `slot` is free again."""
+        if node.snapshot is not None or node.parent is None:
+            self.free.append(slot)
+            return
+        node.snapshot = slot
+        self.holders.add(node)
+
+    def release(self, node: TreeNode) -> None:
+        """`node` loses its snapshot (it is evicted, or its slot is wanted)."""
+        self.free.append(node.snapshot)
+        node.snapshot = None
+        self.holders.discard(node)
+
+
+class StatePrefixReuse(PrefixReuse):
+    """PrefixReuse (prefix_reuse.py) for a hybrid model: matches end at a snapshot, prompts are
+    snapshotted at their last whole page (module docstring)."""
+
+    def __init__(self, cache: RadixCache, page_size: int, enabled: bool, snapshot_slots: range):
+        super().__init__(cache, page_size, enabled)
+        self.snapshots = StateSnapshots(snapshot_slots)
+        cache.snapshots = self.snapshots  # an evicted node's snapshot is freed with its pages
+        self._restores: dict[int, int] = {}  # id(request) -> the snapshot its first chunk restores
+        self._pending: dict[int, tuple[int, int]] = {}  # id(request) -> (tokens, snapshot slot)
+        self._restores_this_step = self._snapshots_this_step = 0
+
+    def new_step(self) -> None:
+        self._restores_this_step = self._snapshots_this_step = 0
+
+    def boundary(self, request: _Request) -> int:
+        """Where the request's state is snapshotted: its tokens' last whole page, before the last
+        token (reusable by a repeat of them)."""
+        return (request.num_tokens - 1) // self.page_size * self.page_size
+
+    def attach(self, request: _Request) -> bool:
+        """PrefixReuse.attach, the match cut to its deepest snapshot; False (nothing attached)
+        where the step has no room left for the snapshot's restore."""
+        if not self.enabled or request.no_prefix_reuse:
+            return super().attach(request)
+        key = request.cache_ids()[:self.reusable_tokens(request)]
+        _, node = self.cache.match(key, request.adapter.key)
+        while node.parent is not None and node.snapshot is None:
+            node = node.parent
+        if node.parent is not None and self._restores_this_step >= STATE_COPIES:
+            return False
+        pages, node = self.cache.match(key[:node.prefix_pages * self.page_size],
+                                       request.adapter.key)
+        self.cache.lock(node)
+        request.cache_node, request.page_ids = node, pages
+        request.num_computed = len(pages) * self.page_size
+        if node.snapshot is not None:
+            self._restores[id(request)] = node.snapshot
+            self._restores_this_step += 1
+        return True
+
+    def detach(self, request: _Request) -> None:
+        if self._restores.pop(id(request), None) is not None:
+            self._restores_this_step -= 1
+        super().detach(request)
+
+    def chunk_end(self, request: _Request, start: int, end: int) -> int:
+        """A chunk from `start` that would cross the request's snapshot boundary ends there."""
+        boundary = self.boundary(request)
+        return boundary if start < boundary < end and self.enabled else end
+
+    def state_copies(self, request: _Request, slot: int, end: int) -> dict:
+        """The chunk's copies (SeqChunk.restore, .snapshot): the cached prefix's state into the
+        request's `slot` before its first chunk; its state into a snapshot slot after the chunk
+        that ends at its boundary, where the step has room and a slot can be had."""
+        copies = {}
+        if (source := self._restores.pop(id(request), None)) is not None:
+            copies["restore"] = (source, slot)
+        if (self.enabled and end == self.boundary(request) > 0
+                and self._snapshots_this_step < STATE_COPIES
+                and id(request) not in self._pending
+                and (target := self.snapshots.take()) is not None):
+            self._pending[id(request)] = (end, target)
+            self._snapshots_this_step += 1
+            copies["snapshot"] = (slot, target)
+        return copies
+
+    def share_computed_pages(self, request: _Request) -> None:
+        """PrefixReuse's, then the pending snapshot on the node that now ends at its tokens."""
+        super().share_computed_pages(request)
+        pending = self._pending.get(id(request))
+        if pending is None or request.num_computed < pending[0]:
+            return
+        del self._pending[id(request)]
+        end, slot = pending
+        node = request.cache_node
+        if node.prefix_pages * self.page_size == end:
+            self.snapshots.attach(node, slot)
+        else:  # its pages were not cached: nothing to hang it on
+            self.snapshots.free.append(slot)
+
+    def release(self, request: _Request) -> None:
+        """A request that ends before its snapshot step is processed frees the slot (a step
+        still running may write it: whoever takes it next writes later, steps run in order)."""
+        self._restores.pop(id(request), None)
+        if (pending := self._pending.pop(id(request), None)) is not None:
+            self.snapshots.free.append(pending[1])
