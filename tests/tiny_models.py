@@ -170,8 +170,8 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
     config_cls = getattr(transformers, spec.pop("cls"))
     architecture = spec.pop("architecture", config_cls.__name__.replace("Config", "ForCausalLM"))
     embedding_std = spec.pop("embedding_std", 0.5)
-    config = config_cls(**{**tiny_decoder(spec), "vocab_size": vocab_size, **spec,
-                           **config_overrides})
+    shape = tiny_decoder(spec)
+    config = config_cls(**{**shape, "vocab_size": vocab_size, **spec, **config_overrides})
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")

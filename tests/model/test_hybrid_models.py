@@ -45,8 +45,8 @@ def _config(family: str, **overrides):
     spec = dict(HYBRID[family])
     config_class = getattr(transformers, spec.pop("cls"))
     architecture = spec.pop("architecture", config_class.__name__.replace("Config", "ForCausalLM"))
-    return config_class(**{**tiny_decoder(spec), "vocab_size": 512, **spec, **overrides}), \
-        architecture
+    shape = tiny_decoder(spec)
+    return config_class(**{**shape, "vocab_size": 512, **spec, **overrides}), architecture
 
 
 def test_qwen3_next_config_reads_its_linear_layers_experts_and_partial_rope():
