@@ -127,8 +127,9 @@ DEEPSEEK = {
 # Hybrid linear-attention models (model/linear_attention.py, issue 76): three Gated DeltaNet
 # layers (2 key heads of 16, 4 value heads of 16, a convolution 4 wide) then a gated full layer
 # (RoPE on a quarter of its 32-row heads), (1 + weight) norms. Qwen3-Next's linear layers group
-# their projections by key head, and its MLPs are experts (top 2 of 4) with a gated shared one.
-# Not in FAMILIES: tests/model/test_hybrid_models.py runs them.
+# their projections by key head, and its MLPs are experts (top 2 of 4) with a gated shared one;
+# Qwen3.5-MoE's are too (renormalized), its config without intermediate_size (`absent`: no dense
+# MLP), as the published ones. Not in FAMILIES: tests/model/test_hybrid_models.py runs them.
 _HYBRID_LAYERS = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
                       linear_num_value_heads=4, linear_key_head_dim=16,
                       linear_value_head_dim=16, linear_conv_kernel_dim=4,
@@ -138,11 +139,21 @@ HYBRID = {
     "qwen3_next": dict(cls="Qwen3NextConfig", num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=48,
                        **_HYBRID_LAYERS),
+    "qwen3_5_moe": dict(cls="Qwen3_5MoeTextConfig", architecture="Qwen3_5MoeForCausalLM",
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, absent=("intermediate_size",),
+                        **_HYBRID_LAYERS),
 }
 
 # Every family's decoder shape (make_tiny_checkpoint's, its vocab_size apart).
 TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-6)
+
+
+def tiny_decoder(spec: dict) -> dict:
+    """TINY_DECODER but the fields the family's config has not (`spec`'s `absent`, popped)."""
+    absent = spec.pop("absent", ())
+    return {name: value for name, value in TINY_DECODER.items() if name not in absent}
 
 
 def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: int = 0,
@@ -159,7 +170,8 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
     config_cls = getattr(transformers, spec.pop("cls"))
     architecture = spec.pop("architecture", config_cls.__name__.replace("Config", "ForCausalLM"))
     embedding_std = spec.pop("embedding_std", 0.5)
-    config = config_cls(**{**TINY_DECODER, "vocab_size": vocab_size, **spec, **config_overrides})
+    shape = tiny_decoder(spec)
+    config = config_cls(**{**shape, "vocab_size": vocab_size, **spec, **config_overrides})
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -168,6 +180,32 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return model.float().eval()
+
+
+def fuse_experts(directory) -> None:
+    """The checkpoint in `directory` (one model.safetensors, saved by transformers: a tensor per
+    expert) rewritten with each layer's experts in two tensors, as Qwen3.5-MoE's published files
+    hold them: `mlp.experts.gate_up_proj` [E, 2 * inter, hidden] (gate's rows, then up's) and
+    `mlp.experts.down_proj` [E, hidden, inter]."""
+    import re
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    path = f"{directory}/model.safetensors"
+    tensors = load_file(path)
+    experts = {}  # "...mlp.experts." -> {expert: {"gate" | "up" | "down": array}}
+    for name in list(tensors):
+        if match := re.fullmatch(r"(.*\.experts\.)(\d+)\.(gate|up|down)_proj\.weight", name):
+            prefix, expert, projection = match.groups()
+            experts.setdefault(prefix, {}).setdefault(int(expert), {})[projection] = \
+                tensors.pop(name)
+    for prefix, by_expert in experts.items():
+        ordered = [by_expert[expert] for expert in sorted(by_expert)]
+        tensors[prefix + "gate_up_proj"] = np.stack([np.concatenate([e["gate"], e["up"]])
+                                                     for e in ordered])
+        tensors[prefix + "down_proj"] = np.stack([e["down"] for e in ordered])
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def randomize(model, embedding_std: float = 0.5) -> None:

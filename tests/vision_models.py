@@ -1,6 +1,6 @@
 """Tiny random vision-language checkpoints for the tests of issue 55: Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL and Qwen3.5 (2 decoder layers of width 64, Qwen3.5's 4; a 2-block vision tower of width
-32), a word-level tokenizer with Qwen's chat and vision markers, a Qwen-VL-style chat template,
+Qwen3-VL and Qwen3.5, dense and MoE (2 decoder layers of width 64, Qwen3.5's 4; a 2-block vision
+tower of width 32), a word-level tokenizer with Qwen's chat and vision markers, a Qwen-VL-style chat template,
 and an image processor whose max_pixels keeps images to at most 64 patches."""
 import numpy as np
 
@@ -79,19 +79,22 @@ def make_tiny_vision_language(directory, kind: str = "qwen2_5_vl", seed: int = 0
             "mrope_interleaved": True})
         config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
         model_class = transformers.Qwen3VLForConditionalGeneration
-    elif kind == "qwen3_5":
-        # Qwen3-VL's tower without DeepStack; the decoder tiny_models.HYBRID["qwen3_5"]'s (three
-        # Gated DeltaNet layers, then a gated full one) with RoPE on a quarter of each head:
-        # 8 of 32 rows, 4 pairs, split [2, 1, 1] and interleaved.
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
+        # Qwen3-VL's tower without DeepStack; the decoder tiny_models.HYBRID[kind]'s (three
+        # Gated DeltaNet layers, then a gated full one; Qwen3.5-MoE's MLPs experts) with RoPE on
+        # a quarter of each head: 8 of 32 rows, 4 pairs, split [2, 1, 1] and interleaved.
         vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
                       out_hidden_size=64, patch_size=16, num_position_embeddings=16)
-        text.update({k: v for k, v in HYBRID["qwen3_5"].items()
-                     if k not in ("cls", "architecture")})
-        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                     "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
-                                     "mrope_interleaved": True})
-        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens)
-        model_class = transformers.Qwen3_5ForConditionalGeneration
+        spec = {k: v for k, v in HYBRID[kind].items() if k not in ("cls", "architecture")}
+        for name in spec.pop("absent", ()):
+            text.pop(name)
+        text.update(spec, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        prefix = "Qwen3_5" if kind == "qwen3_5" else "Qwen3_5Moe"
+        config = getattr(transformers, prefix + "Config")(text_config=text, vision_config=vision,
+                                                          **tokens)
+        model_class = getattr(transformers, prefix + "ForConditionalGeneration")
     else:
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
@@ -119,7 +122,7 @@ def make_tiny_vision_language(directory, kind: str = "qwen2_5_vl", seed: int = 0
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     # At most 64 patches (16 tokens) an image: of 14 pixels, or Qwen3-VL's and Qwen3.5's 16.
-    square = 32 if kind in ("qwen3_vl", "qwen3_5") else 28
+    square = 32 if kind in ("qwen3_vl", "qwen3_5", "qwen3_5_moe") else 28
     transformers.Qwen2VLImageProcessorPil(
         min_pixels=square * square, max_pixels=square * square * 16,
         patch_size=square // 2).save_pretrained(directory)

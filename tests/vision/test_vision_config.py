@@ -1,5 +1,5 @@
-"""A vision-language checkpoint's config (issue 55): the Qwen-VL families and Qwen3.5 read, and
-what the vision tower does not run stops the load with one line naming it."""
+"""A vision-language checkpoint's config (issue 55): the Qwen-VL families and Qwen3.5 (dense and
+MoE) read, and what the vision tower does not run stops the load with one line naming it."""
 import json
 
 import pytest
@@ -44,31 +44,39 @@ def test_a_vision_model_is_not_quantized_at_load_or_served_as_embeddings(tmp_pat
                        skip_tokenizer_init=True, **options)
 
 
-def _qwen3_5_config(tmp_path, rope: dict | None = None, **vision) -> str:
-    """transformers' default Qwen3.5 config (head_dim 256, 32 layers, a 27-block tower), its
-    tower as wide out as the decoder, `rope` and `vision` fields changed."""
+def _qwen3_5_config(tmp_path, rope: dict | None = None, kind: str = "Qwen3_5", **vision) -> str:
+    """transformers' default Qwen3.5 config (`kind` "Qwen3_5": head_dim 256, 32 layers;
+    "Qwen3_5Moe": 40 layers, 256 experts) with a 27-block tower as wide out as the decoder,
+    `rope` and `vision` fields changed."""
     import transformers
 
     text = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
                                 "partial_rotary_factor": 0.25, **(rope or {})}}
-    config = transformers.Qwen3_5Config(text_config=text,
-                                        vision_config={"out_hidden_size": 4096, **vision})
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    config = getattr(transformers, kind + "Config")(text_config=text, vision_config=vision)
+    config.vision_config.out_hidden_size = config.text_config.hidden_size
+    config.architectures = [kind + "ForConditionalGeneration"]
     config.save_pretrained(tmp_path)
     return str(tmp_path)
 
 
-def test_qwen3_5_reads_as_its_hybrid_decoder_beside_a_tower_without_deepstack(tmp_path):
+@pytest.mark.parametrize("kind,layers", [("Qwen3_5", 32), ("Qwen3_5Moe", 40)])
+def test_qwen3_5_reads_as_its_hybrid_decoder_beside_a_tower_without_deepstack(tmp_path, kind,
+                                                                               layers):
     """The default mrope_section [11, 11, 10] splits the 32 pairs RoPE turns (a quarter of each
     256-wide head), interleaved; the tower is Qwen3-VL's without DeepStack, even where its
-    config lists DeepStack blocks (transformers' Qwen3.5 tower has no DeepStack mergers)."""
-    config, _ = read_config(_qwen3_5_config(tmp_path, deepstack_visual_indexes=[8, 16]),
+    config lists DeepStack blocks (transformers' Qwen3.5 tower has no DeepStack mergers).
+    Qwen3.5-MoE's decoder: experts in every layer (top 8 of 256) and no dense MLP."""
+    config, _ = read_config(_qwen3_5_config(tmp_path, kind=kind, deepstack_visual_indexes=[8, 16]),
                             load_format="dummy")
     assert (config.rope.mrope_section, config.rope.mrope_interleaved,
             config.rope.partial_rotary) == ((11, 11, 10), True, 0.25)
     assert (config.vision.kind, config.vision.levels, config.vision.num_position_embeddings,
             config.vision.out_hidden_size) == ("qwen3_vl", 1, 2304, config.hidden_size)
-    assert config.state_layers == tuple(i for i in range(32) if i % 4 != 3)
+    assert config.state_layers == tuple(i for i in range(layers) if i % 4 != 3)
+    if kind == "Qwen3_5Moe":
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_layers,
+                config.shared_expert_intermediate_size, config.intermediate_size) == (
+            256, 8, (True,) * 40, 512, 0)
 
 
 def test_mrope_sections_must_split_the_rotated_pairs_not_the_whole_head(tmp_path):

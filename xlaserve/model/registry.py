@@ -42,6 +42,7 @@ MODEL_CLASSES = {
     # Hybrid linear-attention models (model/config/linear_attention_config.py): Gated DeltaNet
     # layers with a per-request state (model/linear_attention.py) between gated full ones.
     "Qwen3_5ForCausalLM": CausalLM,
+    "Qwen3_5MoeForCausalLM": CausalLM,  # with experts in every layer (model/moe.py)
     "Qwen3NextForCausalLM": CausalLM,
     # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
     # a vision tower the engine runs per image; Qwen3-VL's a Qwen3, Qwen3.5's its hybrid text model.
@@ -49,6 +50,7 @@ MODEL_CLASSES = {
     "Qwen2_5_VLForConditionalGeneration": VisionLanguageLM,
     "Qwen3VLForConditionalGeneration": VisionLanguageLM,
     "Qwen3_5ForConditionalGeneration": VisionLanguageLM,
+    "Qwen3_5MoeForConditionalGeneration": VisionLanguageLM,
     # BERT-family encoders (model/encoders/encoder.py): embedding models, served with
     # --is-embedding.
     "BertModel": Encoder,

@@ -258,9 +258,10 @@ def _mlp(source: TensorSource, prefix: str, inter: int, hidden: int, path: tuple
 
 def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
     """A mixture-of-experts MLP (model/moe.py): the router, every expert stacked, the shared expert
-    and its gate. Checkpoints keep one tensor per expert; Mixtral names them w1 (gate), w3 (up) and
-    w2 (down) under `block_sparse_moe`; DeepSeek's router has V3's `e_score_correction_bias`, and
-    its ungated shared experts are `shared_experts`."""
+    and its gate. Checkpoints keep one tensor per expert (as transformers saves them), or all
+    experts in two (`_fused_experts`: Qwen3.5-MoE's published files); Mixtral names them w1
+    (gate), w3 (up) and w2 (down) under `block_sparse_moe`; DeepSeek's router has V3's
+    `e_score_correction_bias`, and its ungated shared experts are `shared_experts`."""
     hidden, inter = c.hidden_size, c.moe_intermediate_size
     if c.architecture == "MixtralForCausalLM":
         prefix, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
@@ -270,13 +271,20 @@ def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
     if c.router_correction_bias:
         yield path + ("router_correction_bias",), _fetch(
             source, prefix + "gate.e_score_correction_bias", (c.num_experts,))
-    gate_up, down = [], []
-    for expert in range(c.num_experts):
-        tensors = dict(_mlp(source, f"{prefix}experts.{expert}.", inter, hidden, (), names))
-        gate_up.append(tensors[("gate_up",)])
-        down.append(tensors[("down",)])
-    yield path + ("experts_gate_up",), np.stack(gate_up)
-    yield path + ("experts_down",), np.stack(down)
+    fused, first = prefix + "experts.gate_up_proj", f"{prefix}experts.0.{names[0]}.weight"
+    if fused in source.names():
+        yield from _fused_experts(source, c, prefix + "experts.", path)
+    elif first not in source.names():
+        raise WeightError(f"checkpoint has neither {fused!r} (all experts) nor {first!r} (one "
+                          "tensor per expert)")
+    else:
+        gate_up, down = [], []
+        for expert in range(c.num_experts):
+            tensors = dict(_mlp(source, f"{prefix}experts.{expert}.", inter, hidden, (), names))
+            gate_up.append(tensors[("gate_up",)])
+            down.append(tensors[("down",)])
+        yield path + ("experts_gate_up",), np.stack(gate_up)
+        yield path + ("experts_down",), np.stack(down)
     if c.shared_expert_intermediate_size:
         name = "shared_expert." if c.shared_expert_gate else "shared_experts."
         yield from _mlp(source, prefix + name, c.shared_expert_intermediate_size, hidden,
@@ -286,20 +294,28 @@ def _experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
             source, prefix + "shared_expert_gate.weight", (1, hidden)).T
 
 
+def _fused_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
+    """Every expert in two tensors under `prefix`, transformers 5's modules' own layout:
+    `gate_up_proj` [E, 2 * inter, hidden] (gate's rows, then up's) and `down_proj` [E, hidden,
+    inter] (Gemma 4's checkpoints, Qwen3.5-MoE's published ones)."""
+    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    gate_up = _fetch(source, prefix + "gate_up_proj", (experts, 2 * inter, hidden))
+    yield path + ("experts_gate_up",), np.ascontiguousarray(
+        gate_up.reshape(experts, 2, inter, hidden).transpose(0, 3, 1, 2))
+    down = _fetch(source, prefix + "down_proj", (experts, hidden, inter))
+    yield path + ("experts_down",), np.ascontiguousarray(down.transpose(0, 2, 1))
+
+
 def _gemma4_experts(source: TensorSource, c: ModelConfig, prefix: str, path: tuple):
     """Gemma 4's MoE block (model/moe.ExpertsBesideMlp): `router.proj` [E, hidden], its `scale`
-    [hidden] and `per_expert_scale` [E]; `experts.gate_up_proj` [E, 2 * inter, hidden] (gate's
-    rows, then up's) and `experts.down_proj` [E, hidden, inter]; the three norms around it."""
-    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    [hidden] and `per_expert_scale` [E]; its experts fused (`_fused_experts`); the three norms
+    around it."""
+    hidden, experts = c.hidden_size, c.num_experts
     yield path + ("router",), _fetch(source, prefix + "router.proj.weight", (experts, hidden)).T
     yield path + ("router_scale",), _fetch(source, prefix + "router.scale", (hidden,))
     yield path + ("per_expert_scale",), _fetch(source, prefix + "router.per_expert_scale",
                                                (experts,))
-    gate_up = _fetch(source, prefix + "experts.gate_up_proj", (experts, 2 * inter, hidden))
-    yield path + ("experts_gate_up",), np.ascontiguousarray(
-        gate_up.reshape(experts, 2, inter, hidden).transpose(0, 3, 1, 2))
-    down = _fetch(source, prefix + "experts.down_proj", (experts, hidden, inter))
-    yield path + ("experts_down",), np.ascontiguousarray(down.transpose(0, 2, 1))
+    yield from _fused_experts(source, c, prefix + "experts.", path)
     for ours, theirs in (("mlp_norm", "post_feedforward_layernorm_1"),
                          ("input_norm", "pre_feedforward_layernorm_2"),
                          ("output_norm", "post_feedforward_layernorm_2")):

@@ -40,6 +40,7 @@ VISION_LANGUAGE_DECODERS = {
     # The hybrid linear-attention text model (linear_attention_config.py), RoPE on a quarter of
     # each full layer's head.
     "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", (11, 11, 10)),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", (11, 11, 10)),  # its experts
 }
 # Decoder backbones saved without their LM head (sentence-transformers' saves of a decoder, and
 # embedding models that ship so): transformers' classes, read as their causal LM's layers.
@@ -81,7 +82,7 @@ def model_config_from_hf(hf_config: Any, architecture: str,
 
 
 def vision_language_config(hf_config: Any, architecture: str) -> ModelConfig:
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5: the text config's decoder
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 (dense or MoE): the text config's decoder
     (VISION_LANGUAGE_DECODERS) with multimodal RoPE (its `mrope_section`, else transformers'
     default; interleaved beside a Qwen3-VL-kind tower) and the vision tower's config."""
     text = getattr(hf_config, "text_config", None) or hf_config

@@ -1,5 +1,5 @@
 """The mixture-of-experts fields of ModelConfig (model_config.py) from a Hugging Face config:
-Qwen2-MoE's and Qwen3-MoE's, Mixtral's, gpt-oss's and DeepSeek-V2/V3's (Llama 4's are in
+Qwen2-MoE's and Qwen3-MoE's, Qwen3-Next's and Qwen3.5-MoE's, Mixtral's, gpt-oss's and DeepSeek-V2/V3's (Llama 4's are in
 llama4_config.py); a router the code does not run refused in one line."""
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from typing import Any
 
 
 def experts_from_hf(hf_config: Any, architecture: str) -> dict:
-    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss or DeepSeek-V2/V3
-    config ({} for others)."""
+    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral,
+    gpt-oss or DeepSeek-V2/V3 config ({} for others)."""
     num_layers = hf_config.num_hidden_layers
+    if architecture == "Qwen3_5MoeForCausalLM":
+        return _qwen3_5_experts(hf_config)
     if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         return _deepseek_experts(hf_config, architecture == "DeepseekV3ForCausalLM")
     if architecture == "MixtralForCausalLM":
@@ -44,6 +46,27 @@ def experts_from_hf(hf_config: Any, architecture: str) -> dict:
                 moe_intermediate_size=hf_config.moe_intermediate_size,
                 norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
                 shared_expert_intermediate_size=shared, moe_layers=moe_layers)
+
+
+def _qwen3_5_experts(hf_config: Any) -> dict:
+    """Qwen3.5-MoE's experts (transformers' Qwen3_5MoeSparseMoeBlock): every layer's MLP, routed
+    by a softmax over all experts whose top k are always renormalized, beside a shared expert
+    under its sigmoid gate. Its config has no decoder_sparse_step, mlp_only_layers or
+    norm_topk_prob: one that sets them to anything else is refused, as is one without experts."""
+    c, name = hf_config, "Qwen3_5MoeForCausalLM"
+    if not c.num_experts:
+        raise ValueError(f"{name} with num_experts {c.num_experts} is not supported: every "
+                         "layer's MLP is its experts")
+    if getattr(c, "mlp_only_layers", None) or (getattr(c, "decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError(f"{name} with mlp_only_layers or decoder_sparse_step is not supported: "
+                         "every layer's MLP is its experts")
+    if not getattr(c, "norm_topk_prob", True):
+        raise ValueError(f"{name} with norm_topk_prob=False is not supported: its router "
+                         "renormalizes the top k")
+    return dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True,
+                shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+                moe_layers=(True,) * c.num_hidden_layers)
 
 
 def _deepseek_experts(hf_config: Any, v3: bool) -> dict:

@@ -1,5 +1,6 @@
-"""Hybrid linear-attention decoders (issue 76): Qwen3.5's text model (`Qwen3_5ForCausalLM`)
-and Qwen3-Next (`Qwen3NextForCausalLM`). Three of every four layers are Gated DeltaNet
+"""Hybrid linear-attention decoders (issue 76): Qwen3.5's text models (`Qwen3_5ForCausalLM`, and
+`Qwen3_5MoeForCausalLM` with experts in every layer: experts_config.py) and Qwen3-Next
+(`Qwen3NextForCausalLM`). Three of every four layers are Gated DeltaNet
 (model/linear_attention.py), which keeps a per-request state instead of a KV cache; the fourth is
 full attention with Qwen's gate on its output (`attention_output_gate`: q_proj twice as wide, each
 head's queries then its gate), q and k norms, and RoPE on a quarter of each head
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 _LAYER_KINDS = ("linear_attention", "full_attention")
 
 
@@ -62,7 +63,7 @@ class LinearAttentionConfig:
 
 
 def hybrid_fields(hf_config: Any, architecture: str) -> dict:
-    """ModelConfig's fields of a Qwen3.5 or Qwen3-Next text config: which layers are linear, their
+    """ModelConfig's fields of a Qwen3.5 (dense or MoE) or Qwen3-Next text config: which layers are linear, their
     shapes, the gated full attention's switches and the (1 + weight) norms."""
     c = hf_config
     kinds = list(getattr(c, "layer_types", None) or ())

@@ -254,6 +254,8 @@ class ModelConfig(PerLayer):
                              f"(num_experts_per_tok is {self.num_experts_per_tok})")
         if len(self.moe_layers) != self.num_layers:
             object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
+        if self.intermediate_size < 1 and not all(self.moe_layers):
+            raise ValueError("intermediate_size is missing, and not every layer's MLP is experts")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 "
                              f"and num_experts ({self.num_experts})")
@@ -347,7 +349,9 @@ class ModelConfig(PerLayer):
             architecture=architecture,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            # The dense MLPs' width; 0 where there are none (Qwen3.5-MoE's config has no
+            # intermediate_size: every layer's MLP is its experts).
+            intermediate_size=getattr(hf_config, "intermediate_size", 0),
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,

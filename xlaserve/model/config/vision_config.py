@@ -1,16 +1,16 @@
 """VisionConfig: the vision tower of a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint
 (model/vision/qwen_vision.py), read from its Hugging Face `vision_config`; what the tower does not
 run stops the load in one line. The decoder beside it (a Qwen2 decoder, Qwen3's for Qwen3-VL,
-Qwen3.5's hybrid text model for Qwen3.5) has multimodal RoPE (`RopeConfig.mrope_section`), built
-by encoder_config.vision_language_config.
+Qwen3.5's hybrid text model for Qwen3.5, with experts for Qwen3.5-MoE) has multimodal RoPE
+(`RopeConfig.mrope_section`), built by encoder_config.vision_language_config.
 
 Qwen2-VL: LayerNorms, an MLP of fc1 -> quick_gelu -> fc2, full attention in every block.
 Qwen2.5-VL: RMSNorms, a gated SiLU MLP with biases, attention within windows of
 `window_size` pixels but in `fullatt_blocks`. Qwen3-VL: LayerNorms, fc1 -> GELU (tanh) -> fc2,
 full attention, a patch embedding with a bias, learned positions resampled (bilinear) to each
 image's grid, and DeepStack: the outputs of `deepstack_layers` merged too and added to the
-decoder's first layers' outputs at the image's tokens. Qwen3.5: Qwen3-VL's tower without
-DeepStack (kind "qwen3_vl", no `deepstack_layers`). All: patches of `patch_size` pixels over 2
+decoder's first layers' outputs at the image's tokens. Qwen3.5 (and Qwen3.5-MoE): Qwen3-VL's
+tower without DeepStack (kind "qwen3_vl", no `deepstack_layers`). All: patches of `patch_size` pixels over 2
 frames (an image is its frame twice), 2D RoPE, and a merger of each 2x2 patch square into one
 decoder token.
 """
@@ -27,10 +27,11 @@ from xlaserve.model.config.siglip_config import SiglipConfig
 VISION_LANGUAGE_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
                                  "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
                                  "Qwen3VLForConditionalGeneration": "qwen3_vl",
-                                 "Qwen3_5ForConditionalGeneration": "qwen3_vl"}
-# Qwen3-VL-kind towers without DeepStack: transformers' Qwen3_5VisionModel has no DeepStack
-# mergers, whatever `deepstack_visual_indexes` its config may hold.
-NO_DEEPSTACK = ("Qwen3_5ForConditionalGeneration",)
+                                 "Qwen3_5ForConditionalGeneration": "qwen3_vl",
+                                 "Qwen3_5MoeForConditionalGeneration": "qwen3_vl"}
+# Qwen3-VL-kind towers without DeepStack: transformers' Qwen3_5VisionModel (Qwen3_5MoeVisionModel
+# too) has no DeepStack mergers, whatever `deepstack_visual_indexes` its config may hold.
+NO_DEEPSTACK = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # The MLP's activation by kind (a gated SiLU: Qwen2.5-VL's).
 ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu", "qwen3_vl": "gelu_tanh"}
 _HF_ACTIVATIONS = {"qwen2_vl": ("quick_gelu",), "qwen2_5_vl": ("silu",),
