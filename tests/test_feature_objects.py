@@ -56,8 +56,6 @@ ALLOWED = {
     ("runtime/executor/model_runner.py", "precompile", "replays"):
         "over several processes an idle step of each bucket runs on every process (the "
         "followers compile as they replay it) instead of being compiled here",
-    ("runtime/scheduler/scheduler.py", "check_fits", "pooled"):
-        "an embedding input samples nothing and keeps every token's KV: its own bound",
     ("runtime/scheduler/scheduler.py", "process_results", "num_drafts"):
         "a verified row (its drafts are the batch's data) gives its tokens through the "
         "Speculator; a plain row takes its one token here",

@@ -328,8 +328,8 @@ class ModelRunner:
         tokens, seqs, _ = batch.shape
         writes, updates, overflow = self.page_table.step_writes(slots, batch.page_ids, tokens,
                                                                 seqs)
-        host = step_vectors(self.rope, batch, sampling, slots, writes,
-                            self.no_copies.taking(*batch.state_copies))
+        copies = any(batch.state_copies) and self.no_copies.taking(*batch.state_copies)
+        host = step_vectors(self.rope, batch, sampling, slots, writes, copies or self.no_copies)
         ints, floats = self._placed(host[:2])
         _, table_host, tables, table_layout = self.inputs.tables(sampling)
         # ~20 us of numpy over the rows' parameters; the sampled tokens play no part, so the

@@ -66,6 +66,24 @@ class RequestTooLong(ValueError):
         self.where = where
 
     @classmethod
+    def check(cls, prompt_tokens: int, max_new_tokens: int, pooled: bool, context_length: int,
+              pool_pages: int, page_size: int) -> None:
+        """Scheduler.check_fits: raises RequestTooLong (a ValueError) for a prompt plus
+        max_new_tokens over the tokens one request may hold (the context length, or the whole
+        pool's tokens + 1: the last sampled token needs no KV), ValueError for an empty prompt
+        or no tokens. `pooled`: an embedding request (no tokens; its whole prompt, every token's
+        KV, goes into the cache until its last chunk)."""
+        fewest_new, limit = ((0, min(context_length, pool_pages * page_size)) if pooled
+                             else (1, min(context_length, pool_pages * page_size + 1)))
+        if prompt_tokens < 1:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < fewest_new:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if prompt_tokens + max_new_tokens > limit:
+            raise cls.over(prompt_tokens, max_new_tokens, limit, context_length, pool_pages,
+                           page_size, pooled)
+
+    @classmethod
     def over(cls, prompt_tokens: int, max_new_tokens: int, limit: int, context_length: int,
              pool_pages: int, page_size: int, pooled: bool) -> "RequestTooLong":
         """The refusal of a request over `limit` (Scheduler.check_fits), saying which bound:

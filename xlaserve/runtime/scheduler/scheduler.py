@@ -31,7 +31,6 @@ from xlaserve.runtime.scheduler.request import (Request, RequestTooLong, Sampled
 from xlaserve.runtime.scheduler.retraction import retract_for_decodes, retract_for_prefills
 from xlaserve.runtime.scheduler.speculation import NO_DRAFT, Draft, Speculator
 from xlaserve.runtime.scheduler.continuation import schedule_continuation
-from xlaserve.runtime.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -115,20 +114,9 @@ class Scheduler:
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, pooled: bool = False) -> None:
         """The one decision whether a request could ever run, whatever else is going on: the
         engine's admission check (runtime/engine/admission.py) asks it before a request is built, and
-        `add` again for direct callers. Raises RequestTooLong (a ValueError) for a prompt plus
-        max_new_tokens over `max_request_tokens`, ValueError for an empty prompt or no tokens.
-        `pooled`: an embedding request (no tokens; its whole prompt goes into the KV cache)."""
-        # An embedding input samples nothing and keeps every token's KV until its last chunk.
-        fewest_new, limit = ((0, min(self.context_length, self.allocator.capacity * self.page_size))
-                             if pooled else (1, self.max_request_tokens))
-        if prompt_tokens < 1:
-            raise ValueError("the prompt is empty")
-        if max_new_tokens < fewest_new:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        total = prompt_tokens + max_new_tokens
-        if total > limit:
-            raise RequestTooLong.over(prompt_tokens, max_new_tokens, limit, self.context_length,
-                                      self.allocator.capacity, self.page_size, pooled)
+        `add` again for direct callers (RequestTooLong.check: `pooled`, an embedding request)."""
+        RequestTooLong.check(prompt_tokens, max_new_tokens, pooled, self.context_length,
+                             self.allocator.capacity, self.page_size)
 
     def add(self, request: Request) -> None:
         self.check_fits(len(request.prompt_ids), request.max_new_tokens,
@@ -409,3 +397,53 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return not self.paused and bool(self.running or self.waiting)
+
+
+class StepLog:
+    """The scheduler's log lines, in SGLang's words (operators and their dashboards read them):
+    `Prefill batch.` for every step that runs prompt tokens, and `Decode batch.` once every
+    `interval` decode steps, with the generation throughput over those steps (and, with
+    speculative decoding, SGLang's `accept len`: tokens a verified row kept on average)."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.prefix = ""  # "[DP1] " for a data parallel replica's lines
+        self._decode_steps = self._decode_tokens = 0
+        self._interval_start = 0.0
+        self._verified_rows = self._accepted_drafts = 0
+
+    def verified(self, accepted_drafts: int) -> None:
+        """A verified row's result: its accepted drafts are tokens of the interval too."""
+        self._verified_rows += 1
+        self._accepted_drafts += accepted_drafts
+        self._decode_tokens += accepted_drafts
+
+    def step(self, scheduler, kind: str, num_decodes: int,
+             prefill_chunks: list[SeqChunk], cached_tokens: int) -> None:
+        if prefill_chunks:
+            logger.info(
+                "%sPrefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: "
+                "%.2f, #running-req: %d, #queue-req: %d", self.prefix, len(prefill_chunks),
+                sum(len(c.token_ids) for c in prefill_chunks), cached_tokens,
+                scheduler.token_usage(), num_decodes, scheduler.num_waiting)
+        if kind != "decode":
+            return
+        # Throughput over the interval: tokens of steps 2..N over the time from step 1 to step N.
+        now = time.monotonic()
+        if self._decode_steps == 0:
+            self._interval_start = now
+        else:
+            self._decode_tokens += num_decodes
+        self._decode_steps += 1
+        if self._decode_steps >= self.interval:
+            elapsed = now - self._interval_start
+            throughput = self._decode_tokens / elapsed if elapsed > 0 else 0.0
+            accept = (f"accept len: {1 + self._accepted_drafts / self._verified_rows:.2f}, "
+                      if self._verified_rows else "")
+            logger.info(
+                "%sDecode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
+                "gen throughput (token/s): %.2f, #queue-req: %d", self.prefix,
+                scheduler.num_running, sum(r.num_computed for r in scheduler.running),
+                scheduler.token_usage(), accept, throughput, scheduler.num_waiting)
+            self._decode_steps = self._decode_tokens = 0
+            self._verified_rows = self._accepted_drafts = 0
