@@ -12,16 +12,14 @@ at each row. Built on first use by `xlaserve.native`; the reference runs where i
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from xlaserve.native.build import KernelUnavailable, register
+from xlaserve.native.build import builds, register
 from xlaserve.pallas_kernels.linear_attention import reference
 
-logger = logging.getLogger(__name__)
 TARGET_NAME = "xlaserve_gated_delta_rule_cpu"
 _SOURCE = Path(__file__).with_name("kernel_cpu.cc")
 
@@ -33,13 +31,7 @@ def load():
 
 @functools.cache
 def _builds() -> bool:
-    try:
-        load()
-        return True
-    except KernelUnavailable as error:
-        logger.warning("The native CPU gated delta rule is unavailable; the jnp reference runs "
-                       "it: %s", error)
-        return False
+    return builds(load, "The native CPU gated delta rule is unavailable; the jnp reference runs it")
 
 
 def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs):
