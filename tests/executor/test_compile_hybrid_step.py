@@ -3,7 +3,7 @@ benchmarks/configs, its first 4 layers: three Gated DeltaNet layers and a gated 
 one, each with 512 experts) compiled for TPU v6e (tensor parallel over 4 chips) and one H100,
 without the hardware (runtime/executor/aot.py): the linear layers and their state pools split by
 head as attention is, so each device holds a quarter of the weights, KV pool and state pool; no
-weight or state gathered; the delta rule's state pools updated in place."""
+weight or state gathered; the state pools updated in place."""
 import re
 
 import jax
@@ -40,9 +40,9 @@ def test_qwen3_next_step_splits_its_linear_layers_and_states_by_head(target, tp_
     # No weight or state is gathered: the only all-gathers are the logits'.
     gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
     assert len(gathers) <= 2 and all(g.startswith("f32[") for g in gathers), (gathers, description)
-    # The delta rule's pools (34 MB a layer a device at v6e tp 4) are donated and written in
-    # place, never copied whole. (The convolution's window, 1.6 MB, is: on v6e XLA relays it out
-    # into the reference's row loop, a copy a layer a step until the kernels take it.)
-    delta = states[1]
-    local = (delta.shape[0], delta.shape[1] // tp_size, *delta.shape[2:])
-    assert not cache_copies(hlo, local, delta.dtype), description
+    # Both pools (the delta rule's 34 MB a layer a device at v6e tp 4, the convolution's
+    # window) are donated and written in place, never copied whole.
+    for leaf in states[:2]:
+        split = leaf.sharding.spec.index(("expert", "tensor"))  # its heads' axis
+        local = tuple(n // tp_size if i == split else n for i, n in enumerate(leaf.shape))
+        assert not cache_copies(hlo, local, leaf.dtype), description

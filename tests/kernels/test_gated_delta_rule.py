@@ -131,3 +131,34 @@ def test_the_ragged_convolution_is_transformers_with_its_window():
     assert not np.asarray(second[7:]).any()
     np.testing.assert_array_equal(pool[0], b[-(WIDTH - 1):])  # its last inputs, oldest first
     np.testing.assert_array_equal(pool[2], a[-(WIDTH - 1):])
+
+
+def test_the_cpu_kernel_is_the_reference_over_a_ragged_step():
+    """kernel_cpu.py's native rule, jitted, against the float64 reference: a fresh prompt, a
+    decode row and a prompt's later chunk (both from their slots), padding rows and sequences;
+    the other slots untouched."""
+    from xlaserve.native.build import KernelUnavailable
+    from xlaserve.pallas_kernels.linear_attention import kernel_cpu
+
+    try:
+        kernel_cpu.load()
+    except KernelUnavailable as error:
+        pytest.skip(f"the native kernel does not build here: {error}")
+    lengths = (9, 1, 17)
+    sequences = [_inputs(n, seed + 20) for seed, n in enumerate(lengths)]
+    (q, k, v, g, beta), cu = _ragged(sequences, 32)
+    cu = np.concatenate([cu, [cu[-1]] * 2]).astype(np.int32)  # two padding sequences
+    slots = np.array([3, 1, 5, 0, 0], np.int32)
+    kv_lens = np.array([9, 14, 30, 0, 0], np.int32)
+    pool = np.random.default_rng(8).standard_normal((6, HV, DK, DV)).astype(np.float32) * 0.3
+    seqs = np.array([3], np.int32)
+    out, new_pool = jax.jit(kernel_cpu.gated_delta_rule)(q, k, v, g, beta, jnp.asarray(pool),
+                                                         slots, kv_lens, cu, seqs)
+    with jax.enable_x64(True):
+        want, want_pool = reference.gated_delta_rule(
+            *(x.astype(np.float64) for x in (q, k, v, g, beta)), jnp.asarray(pool, jnp.float64),
+            slots, kv_lens, cu, seqs)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(new_pool, want_pool, rtol=2e-5, atol=2e-5)
+    assert not np.asarray(out)[cu[3]:].any()
+    np.testing.assert_array_equal(np.asarray(new_pool)[[0, 2, 4]], pool[[0, 2, 4]])

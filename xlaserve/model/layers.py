@@ -24,6 +24,8 @@ from xlaserve.model.weight_types.packed import PackedExperts, PackedMatrix, outp
 from xlaserve.model.weight_types.quantized_rows import QuantizedLinear, quantized_linear
 from xlaserve.native import quantized_gemm_cpu
 from xlaserve.pallas_kernels.ragged_paged_attention.new_tokens import reference_new_token_attention
+from xlaserve.pallas_kernels.linear_attention.reference import (
+    gated_delta_rule as gated_delta_rule_reference)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
 
 
@@ -168,6 +170,10 @@ class Kernels:
     # one, bidirectional_cpu.py, gives no lse).
     bidirectional_attention: Callable = functools.partial(reference_new_token_attention,
                                                           causal=False)
+    # A hybrid model's Gated DeltaNet layers (model/linear_attention.py): the gated delta rule
+    # over a ragged step and its state pool, pallas_kernels/linear_attention/reference.py's
+    # contract (the CPU's native kernel: kernel_cpu.py)
+    gated_delta_rule: Callable = gated_delta_rule_reference
 
 
 def matmul_input_dtype(weight) -> jnp.dtype:

@@ -4,7 +4,8 @@ four layers of those models, the fourth a gated full-attention layer.
     qkv = conv1d(x W_qkv) (causal, depthwise, W = 4 wide, then SiLU), split into q, k [Hk, Dk]
           and v [Hv, Dv]
     beta = sigmoid(x W_b),  g = -exp(A_log) softplus(x W_a + dt_bias)       per value head
-    o = gated_delta_rule(q, k, v, g, beta)        (pallas_kernels/linear_attention/reference.py)
+    o = gated_delta_rule(q, k, v, g, beta)        (Kernels.gated_delta_rule: pallas_kernels/
+                                                   linear_attention/, its reference and CPU kernel)
     y = (RMSNorm(o) * silu(x W_z)) W_out           the norm per value head, gated
 
 Its state is not a KV cache: per request, a slot of two pools (`LinearState`): the convolution's
@@ -32,7 +33,7 @@ from flax import nnx
 
 from xlaserve.model.config.linear_attention_config import LinearAttentionConfig
 from xlaserve.model.layers import Kernels, init_weight, linear, matmul_input_dtype, project
-from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d, gated_delta_rule
+from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d
 
 
 @dataclasses.dataclass
@@ -103,8 +104,8 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(ba[:, 0])
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             ba[:, 1] + self.dt_bias[...].astype(jnp.float32))
-        out, delta = gated_delta_rule(q, k, v, g, beta, state.delta, m.state_slots, m.kv_lens,
-                                      m.cu_q_lens, m.num_seqs)
+        out, delta = kernels.gated_delta_rule(q, k, v, g, beta, state.delta, m.state_slots,
+                                              m.kv_lens, m.cu_q_lens, m.num_seqs)
         z = project(x, self.in_proj_z[...], kernels)
         gated = gated_rms_norm(out, z, self.gated_norm[...], c.rms_norm_eps)
         out_proj = self.out_proj[...]

@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -38,8 +39,22 @@ _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-e
           "-ffp-contract=fast"]
 
 
+logger = logging.getLogger(__name__)
+
+
 class KernelUnavailable(RuntimeError):
     """A native kernel could not be built or loaded here."""
+
+
+def builds(load, instead: str) -> bool:
+    """Whether `load` (a kernel module's build and registration) succeeds here; where it does
+    not, one warning saying so and what runs `instead`."""
+    try:
+        load()
+        return True
+    except KernelUnavailable as error:
+        logger.warning("%s: %s", instead, error)
+        return False
 
 
 @dataclasses.dataclass(frozen=True)

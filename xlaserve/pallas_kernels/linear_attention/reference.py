@@ -54,9 +54,9 @@ def compute_dtype(x: jax.Array) -> jnp.dtype:
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _prepared(q, k, v, g, beta):
+def prepared_inputs(q, k, v, g, beta):
     """q (normalized, scaled) and k (normalized) repeated to the value heads, v, g, beta, all in
-    the compute dtype."""
+    the compute dtype: what each form of the rule (and the CPU kernel) takes."""
     ratio, dtype = _heads_per_key(q, v), compute_dtype(v)
     q, k = (jnp.repeat(l2norm(x.astype(dtype)), ratio, axis=1) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
@@ -70,7 +70,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     state_slots, kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 [1].
     Returns (out [T, Hv, Dv] in v's dtype, padding rows zero; the pool with each sequence's
     state after its last row)."""
-    q, k, v32, g, beta = _prepared(*map(jnp.asarray, (q, k, v, g, beta)))
+    q, k, v32, g, beta = prepared_inputs(*map(jnp.asarray, (q, k, v, g, beta)))
 
     def token(state, t):
         state = state * jnp.exp(g[t])[:, None, None]
@@ -118,7 +118,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = 
         o = exp(c) q S + tril((q . k) exp(c_i - c_j)) v'
         S <- exp(c_last) S + (exp(c_last - c) k)^T v'"""
     length = q.shape[0]
-    q, k, v, g, beta = _prepared(q, k, v, g, beta)
+    q, k, v, g, beta = prepared_inputs(q, k, v, g, beta)
     pad = -length % chunk_size
     dtype = q.dtype
     q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
@@ -161,20 +161,49 @@ def causal_conv1d(x, weight, bias, conv_pool, state_slots, kv_lens, cu_q_lens, n
     of 128 lanes used, and relaid out each step). Row t of sequence s: sum_j weight[:, j] *
     input[t - (W - 1) + j], the inputs before the step's first row read from the slot. Returns
     (out [T, C] in x's dtype, padding rows zero; the pool with each sequence's last W - 1
-    inputs)."""
+    inputs).
+
+    No loop over the rows: each row's W - 1 earlier inputs are gathered, from the step's rows or
+    from its sequence's window (the row loop was a scan over the step, a window update a row)."""
     x, weight = jnp.asarray(x), jnp.asarray(weight)
-    dtype = compute_dtype(x)
-    x32, taps = x.astype(dtype), weight.astype(dtype).T  # [W, C]
-
-    def token(window, t):  # window [W - 1, C]: the sequence's inputs before row t
-        inputs = jnp.concatenate([window, x32[t][None]], axis=0)  # [W, C]
-        out = jnp.sum(inputs * taps, axis=0)
-        return inputs[1:], out if bias is None else out + bias.astype(dtype)
-
-    pool, out = scan_rows(token, conv_pool.astype(dtype), x.shape[0], state_slots, kv_lens,
-                          cu_q_lens, num_seqs)
+    state_slots, kv_lens, cu_q_lens, num_seqs = map(jnp.asarray, (state_slots, kv_lens,
+                                                                  cu_q_lens, num_seqs))
+    dtype, rows, width = compute_dtype(x), x.shape[0], weight.shape[1]
+    x32, taps = x.astype(dtype), weight.astype(dtype)
+    seq_of_row = row_sequences(cu_q_lens, num_seqs, rows)
+    live = seq_of_row >= 0
+    seq = jnp.maximum(seq_of_row, 0)
+    out = _inputs_before(x32, conv_pool, seq, jnp.arange(rows), state_slots, kv_lens, cu_q_lens,
+                         width, dtype)  # [T, W, C]: row t - (W - 1) + j at j
+    out = jnp.einsum("twc,cw->tc", out, taps)
+    if bias is not None:
+        out = out + bias.astype(dtype)
     if activation == "silu":
         out = jax.nn.silu(out)
     elif activation is not None:
         raise ValueError(f"convolution activation {activation!r} is not built (silu or none)")
-    return out.astype(x.dtype), pool.astype(conv_pool.dtype)
+    out = jnp.where(live[:, None], out, 0.0)
+    # Each sequence's new window: its inputs before the row after its last.
+    seqs = jnp.arange(state_slots.shape[0])
+    windows = _inputs_before(x32, conv_pool, seqs, cu_q_lens[1:], state_slots, kv_lens,
+                             cu_q_lens, width, dtype)[:, :-1]
+    targets = jnp.where(seqs < num_seqs[0], state_slots, conv_pool.shape[0])  # others: dropped
+    pool = conv_pool.at[targets].set(windows.astype(conv_pool.dtype), mode="drop")
+    return out.astype(x.dtype), pool
+
+
+def _inputs_before(x32, conv_pool, seq, row, state_slots, kv_lens, cu_q_lens, width: int, dtype):
+    """[N, W, C]: for each (sequence `seq`, row `row`), the inputs at rows row - (W - 1) ..
+    row (the last is the row's own, or past the sequence's end: only the W - 1 before are
+    read then): the step's rows of the sequence, before them its window (zeros at a prompt's
+    start)."""
+    start = cu_q_lens[seq]
+    fresh = kv_lens[seq] == cu_q_lens[seq + 1] - start
+    window = jnp.where(fresh[:, None, None], 0.0,
+                       conv_pool[state_slots[seq]].astype(dtype))  # [N, W - 1, C]
+    back = jnp.arange(width - 1, -1, -1)  # rows back from `row`, oldest first
+    source = row[:, None] - back[None, :]  # [N, W]
+    from_rows = x32[jnp.clip(source, 0, x32.shape[0] - 1)]
+    before = jnp.clip(width - 1 - (start[:, None] - source), 0, width - 2)
+    from_window = jnp.take_along_axis(window, before[..., None], axis=1)
+    return jnp.where((source >= start[:, None])[..., None], from_rows, from_window)

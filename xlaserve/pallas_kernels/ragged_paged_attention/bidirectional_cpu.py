@@ -7,17 +7,15 @@ machine where it does not build (no compiler: logged once), take the blocked jnp
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.native.build import KernelUnavailable, register
+from xlaserve.native.build import builds, register
 from xlaserve.pallas_kernels.ragged_paged_attention import new_tokens
 
-logger = logging.getLogger(__name__)
 TARGET_NAME = "xlaserve_bidirectional_attention_cpu"
 _SOURCE = Path(__file__).with_name("bidirectional_cpu.cc")
 
@@ -29,13 +27,7 @@ def load():
 
 @functools.cache
 def _builds() -> bool:
-    try:
-        load()
-        return True
-    except KernelUnavailable as error:
-        logger.warning("The native CPU encoder attention is unavailable; XLA's blocked form "
-                       "runs it: %s", error)
-        return False
+    return builds(load, "The native CPU encoder attention is unavailable; XLA's blocked form runs it")
 
 
 def bidirectional_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, causal=False, window=0):

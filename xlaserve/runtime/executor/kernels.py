@@ -29,6 +29,7 @@ from xlaserve.model.weight_types.int8 import QUANTIZED_TYPES
 from xlaserve.model.weight_types.quantized_rows import QuantizedLinear
 from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.native.build import KernelUnavailable
+from xlaserve.pallas_kernels.linear_attention import kernel_cpu as linear_kernel_cpu
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels import (grouped_matmul_gpu, grouped_matmul_mxfp4, invariant_matmul,
                                      invariant_norm)
@@ -77,6 +78,10 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         # when an encoder's step is first traced (a generation server never builds it), the
         # blocked form where it cannot be.
         bidirectional = bidirectional_cpu.bidirectional_attention
+        # A hybrid model's gated delta rule: the native kernel, its state read and written once
+        # a (sequence, head) (the reference's row loop moved the whole pool a row); built when
+        # first traced, the reference where it cannot be.
+        kernels = dataclasses.replace(kernels, gated_delta_rule=linear_kernel_cpu.gated_delta_rule)
     kernels = dataclasses.replace(kernels, latent_prefix_attention=prefix,
                                   bidirectional_attention=bidirectional)
     if mla_expanded_prefill_tokens > 0:
