@@ -4,7 +4,7 @@ packed-weight GEMM, the quantized GEMM, RMSNorm, q/k/v with RoPE, SwiGLU."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
-    "cpu_signature": "build", "KernelUnavailable": "build", "register": "build",
+    "cpu_signature": "build", "KernelUnavailable": "build", "register": "build", "builds": "build",
     "registered": "build", "Registration": "build",
     "gemm_cpu": "gemm_cpu",
     "norm_cpu": "norm_cpu",
