@@ -6,6 +6,8 @@ prefix cache reuses prompts from their state snapshots (scheduler/state_reuse.py
 prefix, a multi-turn chat, snapshots evicted past the pool; on two devices (--tp-size 2) too; the
 flags whose state the linear layers do not keep yet are refused by name. The checks:
 tests/engine/family_engine.py."""
+import logging
+
 import pytest
 
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
@@ -75,6 +77,19 @@ def test_snapshots_over_the_pool_evict_the_least_recently_used_and_stay_exact(en
     last = engine.generate(input_ids=prompts[-1], sampling_params=GREEDY)
     assert [first["meta_info"]["cached_tokens"], last["meta_info"]["cached_tokens"]] == [0, 8]
     for prompt, result in ((prompts[0], first), (prompts[-1], last)):
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, GREEDY["max_new_tokens"])
+
+
+def test_a_tiny_page_pool_retracts_and_every_request_keeps_transformers_tokens(checkpoint,
+                                                                               caplog):
+    """A KV pool of 64 tokens for six requests: the newest are retracted (their states dropped
+    with their slots) and run again from their prompts, or from a snapshot of them."""
+    with Engine(checkpoint[0], **dict(SMALL, max_total_tokens=64),
+                disable_precompile=True) as small:
+        with caplog.at_level(logging.INFO):
+            results = small.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert "Retract requests" in caplog.text
+    for prompt, result in zip(PROMPTS, results, strict=True):
         assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, GREEDY["max_new_tokens"])
 
 

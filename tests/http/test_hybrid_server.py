@@ -1,0 +1,68 @@
+"""A hybrid linear-attention model served through the OpenAI SDK (issue 76): a tiny random
+Qwen3-Next (Gated DeltaNet layers, a gated full-attention layer, experts) with the default model's
+tokenizer and chat template, started as a Qwen3-Next user would (qwen3 reasoning, qwen25 tools):
+its chat answer, plain and streamed, is transformers' greedy tokens; a conversation's second turn
+is served from the first's cached prefix (its linear layers' state snapshot), with transformers'
+tokens; /generate answers by token ids."""
+import httpx
+import pytest
+
+from tests.hf_reference import hf_greedy
+from tests.http.conftest import VOCAB, RunningServer
+from tests.tiny_models import make_tiny_checkpoint
+
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant who answers briefly."},
+            {"role": "user", "content": "List 3 countries and their capitals."}]
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(tmp_path_factory):
+    from xlaserve.weights.formats import gguf_file
+    from xlaserve.weights.loader import default_model_file
+
+    directory = str(tmp_path_factory.mktemp("tiny-chat-qwen3-next"))
+    hf_model = make_tiny_checkpoint(directory, "qwen3_next", vocab_size=VOCAB)
+    gguf_file.load_tokenizer(default_model_file()).save_pretrained(directory)
+    running = RunningServer(directory, served_model_name="tiny-next", reasoning_parser="qwen3",
+                            tool_call_parser="qwen25")
+    yield running, hf_model
+    running.close()
+
+
+def _expected(server, hf_model, messages, new_tokens):
+    prompt_ids = server.ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                          return_dict=False)
+    return prompt_ids, server.ctx.tokenizer.decode(hf_greedy(hf_model, prompt_ids, new_tokens),
+                                                   skip_special_tokens=True)
+
+
+def test_chat_its_stream_and_a_second_turn_are_transformers_greedy(hybrid_server):
+    server, hf_model = hybrid_server
+    client = server.openai()
+    prompt_ids, expected = _expected(server, hf_model, MESSAGES, 16)
+    response = client.chat.completions.create(model="tiny-next", messages=MESSAGES,
+                                              temperature=0, max_tokens=16)
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert response.choices[0].message.content == expected
+    stream = client.chat.completions.create(model="tiny-next", messages=MESSAGES, temperature=0,
+                                            max_tokens=16, stream=True)
+    pieces = [chunk.choices[0].delta.content for chunk in stream
+              if chunk.choices and chunk.choices[0].delta.content]
+    assert "".join(pieces) == expected
+    turn = MESSAGES + [{"role": "assistant", "content": expected},
+                       {"role": "user", "content": "And their populations?"}]
+    _, expected_next = _expected(server, hf_model, turn, 12)
+    second = client.chat.completions.create(model="tiny-next", messages=turn, temperature=0,
+                                            max_tokens=12)
+    assert second.choices[0].message.content == expected_next
+    # From the first turn's prompt, snapshotted at its last whole page.
+    assert second.usage.prompt_tokens_details.cached_tokens > len(prompt_ids) // 2
+
+
+def test_native_generate_by_token_ids(hybrid_server):
+    server, hf_model = hybrid_server
+    ids = [5, 17, 300, 42, 9, 77, 120, 3, 250, 11]
+    reply = httpx.post(f"{server.base_url}/generate", json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                              "ignore_eos": True}}, timeout=60).json()
+    assert reply["output_ids"] == hf_greedy(hf_model, ids, 8)
