@@ -100,6 +100,19 @@ class RunningServer(AppServer):
             shutil.rmtree(self._storage, ignore_errors=True)
 
 
+def tiny_family_server(tmp_path_factory, family: str, **overrides):
+    """(a RunningServer, transformers' model) of a tiny random `family` (tests/tiny_models.py)
+    with the default model's tokenizer and chat template; `overrides`: ServerArgs fields."""
+    from tests.tiny_models import make_tiny_checkpoint
+    from xlaserve.weights.formats import gguf_file
+    from xlaserve.weights.loader import default_model_file
+
+    directory = str(tmp_path_factory.mktemp(f"tiny-chat-{family}"))
+    hf_model = make_tiny_checkpoint(directory, family, vocab_size=VOCAB)
+    gguf_file.load_tokenizer(default_model_file()).save_pretrained(directory)
+    return RunningServer(directory, **overrides), hf_model
+
+
 def launch_server_process(flags: list[str], log_path, timeout: float = 600):
     """`python -m xlaserve.launch_server` in a subprocess on a free port, its output appended
     to `log_path`; -> (process, base URL) once /health answers 200 (the test fails otherwise)."""

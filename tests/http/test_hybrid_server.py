@@ -8,8 +8,7 @@ import httpx
 import pytest
 
 from tests.hf_reference import hf_greedy
-from tests.http.conftest import VOCAB, RunningServer
-from tests.tiny_models import make_tiny_checkpoint
+from tests.http.conftest import tiny_family_server
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant who answers briefly."},
             {"role": "user", "content": "List 3 countries and their capitals."}]
@@ -17,14 +16,9 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant who answe
 
 @pytest.fixture(scope="module")
 def hybrid_server(tmp_path_factory):
-    from xlaserve.weights.formats import gguf_file
-    from xlaserve.weights.loader import default_model_file
-
-    directory = str(tmp_path_factory.mktemp("tiny-chat-qwen3-next"))
-    hf_model = make_tiny_checkpoint(directory, "qwen3_next", vocab_size=VOCAB)
-    gguf_file.load_tokenizer(default_model_file()).save_pretrained(directory)
-    running = RunningServer(directory, served_model_name="tiny-next", reasoning_parser="qwen3",
-                            tool_call_parser="qwen25")
+    running, hf_model = tiny_family_server(tmp_path_factory, "qwen3_next",
+                                           served_model_name="tiny-next", reasoning_parser="qwen3",
+                                           tool_call_parser="qwen25")
     yield running, hf_model
     running.close()
 

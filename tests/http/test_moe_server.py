@@ -5,22 +5,16 @@ would start it."""
 import pytest
 
 from tests.hf_reference import hf_greedy
-from tests.http.conftest import VOCAB, RunningServer
-from tests.tiny_models import make_tiny_checkpoint
+from tests.http.conftest import tiny_family_server
 
 MESSAGES = [{"role": "user", "content": "List 3 countries and their capitals."}]
 
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
-    from xlaserve.weights.formats import gguf_file
-    from xlaserve.weights.loader import default_model_file
-
-    directory = str(tmp_path_factory.mktemp("tiny-chat-qwen3-moe"))
-    hf_model = make_tiny_checkpoint(directory, "qwen3_moe", vocab_size=VOCAB)
-    gguf_file.load_tokenizer(default_model_file()).save_pretrained(directory)
-    running = RunningServer(directory, served_model_name="tiny-moe", reasoning_parser="qwen3",
-                            tool_call_parser="qwen25")
+    running, hf_model = tiny_family_server(tmp_path_factory, "qwen3_moe",
+                                           served_model_name="tiny-moe", reasoning_parser="qwen3",
+                                           tool_call_parser="qwen25")
     yield running, hf_model
     running.close()
 
