@@ -94,6 +94,19 @@ def test_a_tiny_page_pool_retracts_and_every_request_keeps_transformers_tokens(c
         assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, GREEDY["max_new_tokens"])
 
 
+def test_max_mamba_cache_size_bounds_the_snapshots(checkpoint):
+    """--max-mamba-cache-size counts the running requests' state slots and the snapshots':
+    fewer than the running requests is refused; as many leaves no snapshot, so nothing is
+    reused."""
+    with pytest.raises(ValueError, match="must hold the --max-running-requests 4"):
+        Engine(checkpoint[0], **SMALL, max_mamba_cache_size=3)
+    with Engine(checkpoint[0], **SMALL, max_mamba_cache_size=4, disable_precompile=True) as none:
+        prompt = [5, 17, 300, 42, 9, 77, 120, 3, 250, 11]
+        cached = [none.generate(input_ids=prompt, sampling_params=GREEDY)["meta_info"]
+                  ["cached_tokens"] for _ in range(2)]
+        assert cached == [0, 0] and none.core.runner.state_slots == 5
+
+
 def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     """--tp-size 2: the full layer split by KV head, its MLPs by width; the linear layers and
     their states whole on each device."""

@@ -54,6 +54,7 @@ class ServerArgs(*reversed(AREAS)):
             self.check_host_tier()
             refuse_conflicts(self, Mode.HIERARCHICAL_CACHE)
         self.check_mla_expanded_prefill()
+        self.check_mamba_cache()
 
     def _resolve_runner(self) -> None:
         """A decoder reranker (--hf-overrides) and --is-embedding are pooling servers."""

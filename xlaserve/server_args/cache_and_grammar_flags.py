@@ -38,6 +38,11 @@ class CacheAndGrammarFlags:
                 "layer's K and V divided by the checkpoint's k_scale / v_scale (1.0 where it has "
                 "none); fp8 is fp8_e4m3 (vLLM's name)",
         choices=["auto", "fp8_e5m2", "fp8_e4m3"], value_aliases={"fp8": "fp8_e4m3"})
+    max_mamba_cache_size: Optional[int] = flag(
+        None, "a hybrid linear-attention model's (Qwen3.5, Qwen3-Next) state slots in all, each "
+              "one request's linear layers' state: the running requests', and the prefix "
+              "cache's snapshots of cached prompts in the rest (SGLang's name; default twice "
+              "--max-running-requests)")
     enable_cache_report: bool = flag(
         False, "accepted for SGLang's launch lines: usage.prompt_tokens_details.cached_tokens is "
                "always reported, as OpenAI does (SGLang reports it only with this flag)")
@@ -45,6 +50,11 @@ class CacheAndGrammarFlags:
         None, "regex of the whitespace allowed between JSON tokens in JSON-constrained output "
               "(default '[ ]?': one optional space, so a model cannot pad with whitespace until "
               "max_tokens; '[\\n\\t ]*' allows any)")
+
+    def check_mamba_cache(self) -> None:
+        """--max-mamba-cache-size's range (start-up checks it holds the running requests)."""
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 1:
+            raise ValueError("--max-mamba-cache-size must be at least 1")
 
     def check_host_tier(self) -> None:
         """--enable-hierarchical-cache's size, as a ratio of the device pool or in GB."""

@@ -124,11 +124,17 @@ def prefix_caching(args: ServerArgs, config, pooling: Pooling | None) -> bool:
 
 
 def state_snapshots(args: ServerArgs, config) -> int:
-    """A hybrid model's state-pool slots for its prefix cache's snapshots
-    (scheduler/state_reuse.py): as many as running requests, a state each; none without linear
-    layers or prefix caching."""
-    return args.max_running_requests if config.state_layers and not args.disable_radix_cache \
-        else 0
+    """A hybrid model's state slots for its prefix cache's snapshots (scheduler/state_reuse.py):
+    --max-mamba-cache-size's slots past the running requests' (default as many); none without
+    linear layers or prefix caching."""
+    if not config.state_layers or args.disable_radix_cache:
+        return 0
+    running = args.max_running_requests
+    total = args.max_mamba_cache_size or 2 * running
+    if total < running:
+        raise ValueError(f"--max-mamba-cache-size {total}: the state slots must hold the "
+                         f"--max-running-requests {running} running requests' states")
+    return total - running
 
 
 def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineParts:
