@@ -65,7 +65,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
         grid=(metadata[0].shape[0], heads, value_dim // value_block),
         input_output_aliases={9: 0, 10: 1},  # zeros -> out, the pool
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
+        interpret=interpret, name="gated_delta_rule",
     )(*metadata, q, k, v32, jnp.exp(g), beta, jnp.zeros((rows, heads, value_dim), jnp.float32),
       state_pool)
     return out.astype(v.dtype), pool

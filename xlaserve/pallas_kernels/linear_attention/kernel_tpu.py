@@ -121,7 +121,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
                             pltpu.SemaphoreType.DMA(())]),
         input_output_aliases={12: 1},  # the pool: after the 7 scalar arrays and 5 row inputs
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=interpret,
+        interpret=interpret, name="gated_delta_rule",
     )(blocks, starts, jnp.where(seq >= 0, ends, starts), opens, loads, last.astype(jnp.int32),
       slots,
       q, k, v32, jnp.exp(g), beta, state_pool)
