@@ -13,12 +13,13 @@ memory at each row.
 The grid runs work items in order ("arbitrary": the state passes from item to item): an item is
 the rows of one sequence within one block of `ROW_BLOCK` rows, so q, k, v and the outputs move
 in blocks that Pallas pipelines, and a block that two sequences share is visited by consecutive
-items (its output block stays in VMEM, written back once). q and k stay per key head (normalized in
-XLA, not repeated to the value heads: 16 MB less traffic for a 512-row step of Qwen3-Next).
-Items of padding rows zero their output; padding sequences have no items and touch no slot. Per row and value head the rule is
-two matrix-vector products on the MXU (k S and q S, at HIGHEST precision: float32) and the
-outer product k^T delta as a matmul with k transposed; decay exp(g) and beta are per-row
-scalars in SMEM.
+items (its output block stays in VMEM, written back once). Items of padding rows zero their
+output; padding sequences have no items and touch no slot. q and k stay per key head
+(normalized in XLA, not repeated to the value heads: 16 MB less traffic for a 512-row step of
+Qwen3-Next). Per row and value head the rule is two matrix-vector products on the MXU (k S and
+q S, at HIGHEST precision: float32) and the outer product k^T delta as a matmul contracting k's
+row axis; decay exp(g) and beta are per-row scalars in SMEM. The heads are a static loop (32
+unrolled for Qwen3-Next: 1.9 MB of code, 2.8 s to compile for v6e); not yet timed on a TPU.
 """
 from __future__ import annotations
 
