@@ -1,9 +1,13 @@
 """The Pallas gated delta rule (pallas_kernels/linear_attention/kernel_tpu.py, kernel_gpu.py; issue
-76): interpreted on this CPU against the float64 reference over a ragged step, and compiled for
+76): interpreted on this CPU against the float64 reference over a ragged step (on one device,
+and split by head over a mesh of two as kernels_for runs them under tp), and compiled for
 their real targets (Mosaic for TPU v6e, Triton for an H100) at Qwen3-Next's head sizes, the state
 pool updated in place."""
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +34,34 @@ def test_the_pallas_kernel_is_the_reference_over_a_ragged_step(platform):
     rows and two padding sequences, jitted and interpreted, against the float64 reference; the
     other slots untouched."""
     check_a_ragged_step(INTERPRETED[platform], 40)
+
+
+SPLIT_SCRIPT = """
+import functools
+import jax
+from tests.kernels.test_gated_delta_rule import check_a_ragged_step
+from xlaserve.model.sharding import serving_mesh
+from xlaserve.pallas_kernels.linear_attention import kernel_gpu, kernel_tpu
+from xlaserve.runtime.executor.kernels import split_by_value_head
+
+mesh = serving_mesh(jax.devices()[:2], 2)
+for rule in (functools.partial(kernel_tpu.gated_delta_rule, interpret=True, block_rows=8),
+             functools.partial(kernel_gpu.gated_delta_rule, interpret=True)):
+    check_a_ragged_step(split_by_value_head(rule, mesh), 40)
+print("ok")
+"""
+
+
+def test_the_kernels_split_by_head_over_a_mesh_are_the_reference():
+    """kernels_for's shard_map over the heads (tp 2 of 2 key heads, 4 value heads: each device
+    one key head and its two value heads, half the pool) gives the reference's step; in a
+    process of two CPU devices."""
+    result = subprocess.run(
+        [sys.executable, "-c", SPLIT_SCRIPT], capture_output=True, text=True, timeout=600,
+        cwd=Path(__file__).parents[2],
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+             "PATH": "/usr/bin:/bin"})
+    assert result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-4000:]
 
 
 def test_shapes_that_do_not_fit_are_refused_by_name():
