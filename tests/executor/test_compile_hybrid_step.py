@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoConfig
 
 from tests.compile_targets import cache_copies, devices, first_layers, weight_bytes
+from tests.kernels.test_gated_delta_rule_pallas import rule_kernel_calls
 from xlaserve.runtime.executor import aot
 from xlaserve.model.config import model_config_from_hf
 from xlaserve.runtime.sampling.step_needs import PLAIN
@@ -40,6 +41,8 @@ def test_qwen3_next_step_splits_its_linear_layers_and_states_by_head(target, tp_
     # No weight or state is gathered: the only all-gathers are the logits'.
     gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
     assert len(gathers) <= 2 and all(g.startswith("f32[") for g in gathers), (gathers, description)
+    # The Pallas gated delta rule runs each linear layer (per device under shard_map at tp 4).
+    assert len(rule_kernel_calls(hlo)) == 3, description
     # Both pools (the delta rule's 34 MB a layer a device at v6e tp 4, the convolution's
     # window) are donated and written in place, never copied whole.
     for leaf in states[:2]:

@@ -144,16 +144,22 @@ def test_the_cpu_kernel_is_the_reference_over_a_ragged_step():
         kernel_cpu.load()
     except KernelUnavailable as error:
         pytest.skip(f"the native kernel does not build here: {error}")
+    check_a_ragged_step(kernel_cpu.gated_delta_rule, 32)
+
+
+def check_a_ragged_step(rule, rows: int):
+    """`rule` (reference.gated_delta_rule's contract), jitted, against the float64 reference over
+    a step of `rows` rows: a fresh prompt, a decode row and a prompt's later chunk (both from
+    their slots), padding rows and two padding sequences; the other slots untouched."""
     lengths = (9, 1, 17)
     sequences = [_inputs(n, seed + 20) for seed, n in enumerate(lengths)]
-    (q, k, v, g, beta), cu = _ragged(sequences, 32)
+    (q, k, v, g, beta), cu = _ragged(sequences, rows)
     cu = np.concatenate([cu, [cu[-1]] * 2]).astype(np.int32)  # two padding sequences
     slots = np.array([3, 1, 5, 0, 0], np.int32)
     kv_lens = np.array([9, 14, 30, 0, 0], np.int32)
     pool = np.random.default_rng(8).standard_normal((6, HV, DK, DV)).astype(np.float32) * 0.3
     seqs = np.array([3], np.int32)
-    out, new_pool = jax.jit(kernel_cpu.gated_delta_rule)(q, k, v, g, beta, jnp.asarray(pool),
-                                                         slots, kv_lens, cu, seqs)
+    out, new_pool = jax.jit(rule)(q, k, v, g, beta, jnp.asarray(pool), slots, kv_lens, cu, seqs)
     with jax.enable_x64(True):
         want, want_pool = reference.gated_delta_rule(
             *(x.astype(np.float64) for x in (q, k, v, g, beta)), jnp.asarray(pool, jnp.float64),

@@ -54,11 +54,13 @@ def compute_dtype(x: jax.Array) -> jnp.dtype:
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def prepared_inputs(q, k, v, g, beta):
-    """q (normalized, scaled) and k (normalized) repeated to the value heads, v, g, beta, all in
+def prepared_inputs(q, k, v, g, beta, repeat_keys: bool = True):
+    """q (normalized, scaled) and k (normalized) repeated to the value heads (`repeat_keys`;
+    else left per key head, the Pallas kernels reading head h // (Hv / Hk)), v, g, beta, all in
     the compute dtype: what each form of the rule (and the CPU kernel) takes."""
     ratio, dtype = _heads_per_key(q, v), compute_dtype(v)
-    q, k = (jnp.repeat(l2norm(x.astype(dtype)), ratio, axis=1) for x in (q, k))
+    q, k = (jnp.repeat(l2norm(x.astype(dtype)), ratio if repeat_keys else 1, axis=1)
+            for x in (q, k))
     q = q * q.shape[-1] ** -0.5
     return q, k, v.astype(dtype), g.astype(dtype), beta.astype(dtype)
 

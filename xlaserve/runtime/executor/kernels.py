@@ -1,7 +1,8 @@
 """The kernels a forward pass runs with (`layers.Kernels`), picked for the platform: the
 attention backend (see pallas_kernels/ragged_paged_attention/api.py); on a single CPU device, the
 native GEMM over packed weights (xlaserve/native/gemm_cpu.cc), and the experts' grouped GEMM over
-packed experts (native/grouped_gemm_cpu.cc); for experts not packed on the CPU (on a mesh, or with
+packed experts (native/grouped_gemm_cpu.cc); on TPU and GPU the Pallas gated delta rule of hybrid
+models (pallas_kernels/linear_attention/), per device on a mesh; for experts not packed on the CPU (on a mesh, or with
 `matmul_backend="xla"`), the grouped matmul in tiles (model/grouped_matmul.py); on GPU, the experts'
 grouped matmul that multiplies only routed rows, gate_up's with the SwiGLU fused
 (pallas_kernels/grouped_matmul_gpu.py), and on a
@@ -21,15 +22,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.grouped_matmul import grouped_matmul_ragged_dot, grouped_matmul_tiled
 from xlaserve.model.layers import Kernels, norm_by_rows, swiglu_xla
 from xlaserve.model.moe import expert_parallel
+from xlaserve.model.sharding import DELTA_STATE_SPEC
 from xlaserve.model.weight_types.int8 import QUANTIZED_TYPES
 from xlaserve.model.weight_types.quantized_rows import QuantizedLinear
 from xlaserve.native import gemm_cpu, norm_cpu, qkv_rope_cpu, swiglu_cpu
 from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.linear_attention import kernel_cpu as linear_kernel_cpu
+from xlaserve.pallas_kernels.linear_attention import kernel_gpu as linear_kernel_gpu
+from xlaserve.pallas_kernels.linear_attention import kernel_tpu as linear_kernel_tpu
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels import (grouped_matmul_gpu, grouped_matmul_mxfp4, invariant_matmul,
                                      invariant_norm)
@@ -88,6 +93,12 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         kernels = dataclasses.replace(
             kernels, mla_expanded_prefill_tokens=mla_expanded_prefill_tokens,
             new_token_attention=new)
+    if platform in ("tpu", "gpu"):
+        # The gated delta rule's Pallas kernel, each (sequence, heads) state kept on chip over
+        # its rows (the reference's row loop moved the whole pool a row); on a mesh, each device
+        # on its own heads.
+        rule = {"tpu": linear_kernel_tpu, "gpu": linear_kernel_gpu}[platform].gated_delta_rule
+        kernels = dataclasses.replace(kernels, gated_delta_rule=split_by_value_head(rule, mesh))
     if platform == "gpu" and (mesh is None or mesh.size == 1):
         # A custom call is not split by XLA's partitioner: on a mesh, FP8 checkpoints with block
         # scales are dequantized at load (weights/kept_quantized/fp8_kept.py) and this stays None.
@@ -180,6 +191,27 @@ def deterministic_kernels(kernels: Kernels, platform: str = "cpu",
         packed_matmul=functools.partial(kernels.packed_matmul, **invariant),
         packed_matmul_swiglu=functools.partial(kernels.packed_matmul_swiglu, **invariant),
         packed_grouped_matmul=functools.partial(kernels.packed_grouped_matmul, **invariant))
+
+
+def split_by_value_head(rule, mesh: Mesh | None):
+    """A gated delta rule (reference.gated_delta_rule's signature) under shard_map on a mesh:
+    each device runs it on its own heads and their slots' states, split as the layer splits
+    them (model/sharding.py: value heads and the key heads they read contiguous, the pool by
+    DELTA_STATE_SPEC); the step's metadata whole on every device. XLA's partitioner does not
+    split a custom call. `rule` itself on one device."""
+    if mesh is None or mesh.size == 1:
+        return rule
+    heads = DELTA_STATE_SPEC[1]
+    rows, per_head = P(None, heads, None), P(None, heads)
+
+    @functools.wraps(rule)
+    def sharded(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs):
+        return jax.shard_map(rule, mesh=mesh,
+                             in_specs=(rows, rows, rows, per_head, per_head, DELTA_STATE_SPEC)
+                             + (P(),) * 4, out_specs=(rows, DELTA_STATE_SPEC), check_vma=False)(
+            q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs)
+
+    return sharded
 
 
 def gpu_grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
