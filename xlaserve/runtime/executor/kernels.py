@@ -2,8 +2,8 @@
 attention backend (see pallas_kernels/ragged_paged_attention/api.py); on a single CPU device, the
 native GEMM over packed weights (xlaserve/native/gemm_cpu.cc), and the experts' grouped GEMM over
 packed experts (native/grouped_gemm_cpu.cc); on TPU and GPU the Pallas gated delta rule of hybrid
-models (pallas_kernels/linear_attention/), per device on a mesh; for experts not packed on the CPU (on a mesh, or with
-`matmul_backend="xla"`), the grouped matmul in tiles (model/grouped_matmul.py); on GPU, the experts'
+models (pallas_kernels/linear_attention/), per device on a mesh; for experts not packed on the
+CPU (on a mesh, or with `matmul_backend="xla"`), the grouped matmul in tiles (model/grouped_matmul.py); on GPU, the experts'
 grouped matmul that multiplies only routed rows, gate_up's with the SwiGLU fused
 (pallas_kernels/grouped_matmul_gpu.py), and on a
 single GPU the block-scaled FP8 matmul of FP8 checkpoints (pallas_kernels/fp8_block_matmul.py).
