@@ -56,6 +56,10 @@ class PrefixReuse:
         """How much of a waiting request may come from the cache (module docstring, Reuse)."""
         if not self.enabled or request.no_prefix_reuse:
             return 0
+        return self.last_whole_page(request)
+
+    def last_whole_page(self, request: _Request) -> int:
+        """The request's tokens in the whole pages before its last token."""
         return (request.num_tokens - 1) // self.page_size * self.page_size
 
     def new_step(self) -> None:
@@ -71,7 +75,9 @@ class PrefixReuse:
         key = request.cache_ids()[:self.reusable_tokens(request)]
         pages, node, host_path = self.cache.match_tiers(key, request.adapter.key)
         matched = (len(pages) + sum(len(below.pages) for below in host_path)) * self.page_size
-        end = request.whole_span_end(0, matched)
+        end = self.usable_end(request, node, matched)
+        if end is None:
+            return False
         if end < matched:
             pages, node, host_path = self.cache.match_tiers(
                 key[:end // self.page_size * self.page_size], request.adapter.key)
@@ -83,7 +89,18 @@ class PrefixReuse:
             self.cache.lock(node)
         request.cache_node, request.page_ids = node, pages
         request.num_computed = len(pages) * self.page_size
+        self.attached(request)
         return True
+
+    def usable_end(self, request: _Request, node: TreeNode, matched: int) -> int | None:
+        """Where the request's cached prefix may end, of the `matched` tokens (on the device to
+        `node`, the host tier's after it): not inside an image whose tokens attend to one
+        another (Gemma 3's), which runs again whole. None: not in this step (a hybrid model's,
+        state_reuse.py)."""
+        return request.whole_span_end(0, matched)
+
+    def attached(self, request: _Request) -> None:
+        """The request starts at its `cache_node` (a hybrid model's restores its state there)."""
 
     def detach(self, request: _Request) -> None:  # not admitted after all
         self.cache.unlock(request.cache_node)

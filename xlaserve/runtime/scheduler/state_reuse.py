@@ -50,16 +50,21 @@ class StateSnapshots:
         """`slot` holds the state at `node`'s end; a node that has one keeps it (the same state:
         equal prefixes), and `slot` is free again."""
         if node.snapshot is not None or node.parent is None:
-            self.free.append(slot)
+            self.put_back(slot)
             return
         node.snapshot = slot
         self.holders.add(node)
 
     def release(self, node: TreeNode) -> None:
         """`node` loses its snapshot (it is evicted, or its slot is wanted)."""
-        self.free.append(node.snapshot)
+        self.put_back(node.snapshot)
         node.snapshot = None
         self.holders.discard(node)
+
+    def put_back(self, slot: int) -> None:
+        """`slot` is free again (a step still running may write it: whoever takes it next
+        writes later, steps run in order)."""
+        self.free.append(slot)
 
 
 class StatePrefixReuse(PrefixReuse):
@@ -77,31 +82,22 @@ class StatePrefixReuse(PrefixReuse):
     def new_step(self) -> None:
         self._restores_this_step = self._snapshots_this_step = 0
 
-    def boundary(self, request: _Request) -> int:
-        """Where the request's state is snapshotted: its tokens' last whole page, before the last
-        token (reusable by a repeat of them)."""
-        return (request.num_tokens - 1) // self.page_size * self.page_size
-
-    def attach(self, request: _Request) -> bool:
-        """PrefixReuse.attach, the match cut to its deepest snapshot; False (nothing attached)
-        where the step has no room left for the snapshot's restore."""
-        if not self.enabled or request.no_prefix_reuse:
-            return super().attach(request)
-        key = request.cache_ids()[:self.reusable_tokens(request)]
-        _, node = self.cache.match(key, request.adapter.key)
-        while node.parent is not None and node.snapshot is None:
+    def usable_end(self, request: _Request, node: TreeNode, matched: int) -> int | None:
+        """PrefixReuse's end, cut to the deepest snapshot at or above it; None where the step has
+        no room left for that snapshot's restore."""
+        end = super().usable_end(request, node, matched)
+        while node.parent is not None and (node.snapshot is None
+                                           or node.prefix_pages * self.page_size > end):
             node = node.parent
         if node.parent is not None and self._restores_this_step >= STATE_COPIES:
-            return False
-        pages, node = self.cache.match(key[:node.prefix_pages * self.page_size],
-                                       request.adapter.key)
-        self.cache.lock(node)
-        request.cache_node, request.page_ids = node, pages
-        request.num_computed = len(pages) * self.page_size
-        if node.snapshot is not None:
-            self._restores[id(request)] = node.snapshot
+            return None
+        return node.prefix_pages * self.page_size
+
+    def attached(self, request: _Request) -> None:
+        """Its first chunk restores the snapshot it starts at."""
+        if (snapshot := request.cache_node.snapshot) is not None:
+            self._restores[id(request)] = snapshot
             self._restores_this_step += 1
-        return True
 
     def detach(self, request: _Request) -> None:
         if self._restores.pop(id(request), None) is not None:
@@ -109,8 +105,8 @@ class StatePrefixReuse(PrefixReuse):
         super().detach(request)
 
     def chunk_end(self, request: _Request, start: int, end: int) -> int:
-        """A chunk from `start` that would cross the request's snapshot boundary ends there."""
-        boundary = self.boundary(request)
+        """A chunk from `start` that would cross the request's last whole page (its snapshot) ends there."""
+        boundary = self.last_whole_page(request)
         return boundary if start < boundary < end and self.enabled else end
 
     def state_copies(self, request: _Request, slot: int, end: int) -> dict:
@@ -120,7 +116,7 @@ class StatePrefixReuse(PrefixReuse):
         copies = {}
         if (source := self._restores.pop(id(request), None)) is not None:
             copies["restore"] = (source, slot)
-        if (self.enabled and end == self.boundary(request) > 0
+        if (self.enabled and end == self.last_whole_page(request) > 0
                 and self._snapshots_this_step < STATE_COPIES
                 and id(request) not in self._pending
                 and (target := self.snapshots.take()) is not None):
@@ -141,11 +137,11 @@ class StatePrefixReuse(PrefixReuse):
         if node.prefix_pages * self.page_size == end:
             self.snapshots.attach(node, slot)
         else:  # its pages were not cached: nothing to hang it on
-            self.snapshots.free.append(slot)
+            self.snapshots.put_back(slot)
 
     def release(self, request: _Request) -> None:
         """A request that ends before its snapshot step is processed frees the slot (a step
         still running may write it: whoever takes it next writes later, steps run in order)."""
         self._restores.pop(id(request), None)
         if (pending := self._pending.pop(id(request), None)) is not None:
-            self.snapshots.free.append(pending[1])
+            self.snapshots.put_back(pending[1])
