@@ -14,6 +14,7 @@ from tests.compile_targets import cache_copies, devices, first_layers, weight_by
 from tests.kernels.test_gated_delta_rule_pallas import rule_kernel_calls
 from xlaserve.runtime.executor import aot
 from xlaserve.model.config import model_config_from_hf
+from xlaserve.runtime.executor.state_pool import state_bytes_per_slot
 from xlaserve.runtime.sampling.step_needs import PLAIN
 from xlaserve.server_args import ServerArgs
 
@@ -31,9 +32,13 @@ def test_qwen3_next_step_splits_its_linear_layers_and_states_by_head(target, tp_
     states = [leaf for state in caches[1:] for leaf in jax.tree.leaves(state)]
     state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in states)
     assert len(caches) == 4, description  # the full layer's KV cache, then three states
-    linear = model_config_from_hf(AutoConfig.from_pretrained(str(tmp_path)),
-                                  "Qwen3NextForCausalLM").linear_attention
-    assert state_bytes == 3 * 65 * linear.state_bytes  # 64 requests' slots and the null one
+    config = model_config_from_hf(AutoConfig.from_pretrained(str(tmp_path)),
+                                  "Qwen3NextForCausalLM")
+    c = config.linear_attention  # a slot: the conv window and the delta rule's matrices, float32
+    slot_bytes = 4 * (c.conv_dim * (c.conv_width - 1)
+                      + c.num_value_heads * c.key_head_dim * c.value_head_dim)
+    assert state_bytes_per_slot(config) == 3 * slot_bytes
+    assert state_bytes == 3 * 65 * slot_bytes  # 64 requests' slots and the null one
     per_device = (weight_bytes(program) + kv_bytes + state_bytes) / tp_size
     argument_bytes = compiled.memory_analysis().argument_size_in_bytes
     assert 0.95 * per_device < argument_bytes < 1.1 * per_device, description

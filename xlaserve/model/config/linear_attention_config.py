@@ -54,13 +54,6 @@ class LinearAttentionConfig:
         """A key head's convolution channels: its q, its k, its value heads' v."""
         return self.conv_dim // self.num_key_heads
 
-    @property
-    def state_bytes(self) -> int:
-        """One request's state in one layer, float32 (runtime/executor/state_pool.py): the
-        convolution's window and the delta rule's matrices."""
-        return 4 * (self.conv_dim * (self.conv_width - 1)
-                    + self.num_value_heads * self.key_head_dim * self.value_head_dim)
-
 
 def hybrid_fields(hf_config: Any, architecture: str) -> dict:
     """ModelConfig's fields of a Qwen3.5 (dense or MoE) or Qwen3-Next text config: which layers are linear, their

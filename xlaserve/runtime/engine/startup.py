@@ -197,6 +197,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     if args.speculative_algorithm in ("EAGLE3", "NEXTN"):  # the draft head rides on the model
         head = loaded.model.draft_head = load_server_draft_head(args, loaded)
         clock = _lap(timings, "draft head", clock)
+    snapshots = state_snapshots(args, config)  # after the requests' slots in the state pool
     num_pages = num_pages_for(config, kv_dtype, page_size,
                               max_total_tokens=args.max_total_tokens,
                               mem_fraction_static=args.mem_fraction_static,
@@ -207,7 +208,7 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
                               draft_head=head and head.config,
                               # the state pool first: a slot per request, split by head
                               state_bytes=state_bytes_per_slot(config) * (
-                                  args.max_running_requests + 1 + state_snapshots(args, config))
+                                  args.max_running_requests + 1 + snapshots)
                               // (args.tp_size if platform != "cpu" else 1))
     if kv_dtype != loaded.dtype:
         per_token = bytes_per_token(config, kv_dtype, platform, head and head.config)
@@ -228,7 +229,6 @@ def build(server_args: ServerArgs, dp_rank: int = 0, share_with=None) -> EngineP
     runner_class, pooled = ((ModelRunner, {"deterministic": args.enable_deterministic_inference})
                             if pooling is None
                             else (EmbeddingRunner, {"pooling_mode": pooling.mode}))
-    snapshots = state_snapshots(args, config)  # after the requests' slots in the state pool
     prefix_reuse = PrefixReuse if not config.state_layers else functools.partial(
         StatePrefixReuse, snapshot_slots=range(args.max_running_requests + 1,
                                                args.max_running_requests + 1 + snapshots))

@@ -13,6 +13,7 @@ window is 1/20 of a slot's bytes in Qwen3.5's layers)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,10 @@ def state_bytes_per_slot(config: ModelConfig) -> int:
     """One request's state in every linear layer, in bytes (0 without linear layers)."""
     if not config.state_layers:
         return 0
-    return len(config.state_layers) * config.linear_attention.state_bytes
+    shapes = jax.tree.leaves(state_shapes(config.linear_attention, 1),
+                             is_leaf=lambda x: isinstance(x, tuple))
+    return len(config.state_layers) * sum(
+        math.prod(shape) for shape in shapes) * jnp.dtype(STATE_DTYPE).itemsize
 
 
 def state_pool_specs(config: ModelConfig, num_slots: int, mesh: Mesh) -> list[LinearState]:

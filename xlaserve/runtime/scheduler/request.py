@@ -73,8 +73,8 @@ class RequestTooLong(ValueError):
         pool's tokens + 1: the last sampled token needs no KV), ValueError for an empty prompt
         or no tokens. `pooled`: an embedding request (no tokens; its whole prompt, every token's
         KV, goes into the cache until its last chunk)."""
-        fewest_new, limit = ((0, min(context_length, pool_pages * page_size)) if pooled
-                             else (1, min(context_length, pool_pages * page_size + 1)))
+        fewest_new = 0 if pooled else 1  # an embedding input samples nothing
+        limit = cls.token_limit(context_length, pool_pages, page_size, pooled)
         if prompt_tokens < 1:
             raise ValueError("the prompt is empty")
         if max_new_tokens < fewest_new:
@@ -82,6 +82,13 @@ class RequestTooLong(ValueError):
         if prompt_tokens + max_new_tokens > limit:
             raise cls.over(prompt_tokens, max_new_tokens, limit, context_length, pool_pages,
                            page_size, pooled)
+
+    @staticmethod
+    def token_limit(context_length: int, pool_pages: int, page_size: int,
+                    pooled: bool = False) -> int:
+        """The tokens one request may hold: the context length, or the whole pool's tokens (+ 1
+        for a generation: its last sampled token needs no KV) if that is less."""
+        return min(context_length, pool_pages * page_size + (0 if pooled else 1))
 
     @classmethod
     def over(cls, prompt_tokens: int, max_new_tokens: int, limit: int, context_length: int,

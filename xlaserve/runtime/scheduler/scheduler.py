@@ -109,7 +109,8 @@ class Scheduler:
     def max_request_tokens(self) -> int:
         """The longest prompt + output one request may have: the context length, or what the
         whole KV pool holds if that is less (the last sampled token needs no KV)."""
-        return min(self.context_length, self.allocator.capacity * self.page_size + 1)
+        return RequestTooLong.token_limit(self.context_length, self.allocator.capacity,
+                                          self.page_size)
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, pooled: bool = False) -> None:
         """The one decision whether a request could ever run, whatever else is going on: the
