@@ -113,6 +113,37 @@ def tiny_family_server(tmp_path_factory, family: str, **overrides):
     return RunningServer(directory, **overrides), hf_model
 
 
+def greedy_chat(server, hf_model, messages, new_tokens: int) -> tuple[list[int], str]:
+    """(the chat template's prompt ids, transformers' greedy continuation as text) of
+    `messages` on `server`'s tokenizer and `hf_model`."""
+    from tests.hf_reference import hf_greedy
+
+    prompt_ids = server.ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                          return_dict=False)
+    return prompt_ids, server.ctx.tokenizer.decode(hf_greedy(hf_model, prompt_ids, new_tokens),
+                                                   skip_special_tokens=True)
+
+
+def check_chat_and_stream(server, hf_model, model: str, messages, new_tokens: int = 16):
+    """A greedy chat answer of `new_tokens`, plain and streamed, is transformers' (the parsers
+    find no <think> or <tool_call> in random text: it is all content); returns its prompt ids
+    and text."""
+    client = server.openai()
+    prompt_ids, expected = greedy_chat(server, hf_model, messages, new_tokens)
+    response = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                              max_tokens=new_tokens)
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert response.usage.completion_tokens == new_tokens
+    assert response.choices[0].finish_reason == "length"
+    assert response.choices[0].message.content == expected
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                            max_tokens=new_tokens, stream=True)
+    pieces = [chunk.choices[0].delta.content for chunk in stream
+              if chunk.choices and chunk.choices[0].delta.content]
+    assert "".join(pieces) == expected
+    return prompt_ids, expected
+
+
 def launch_server_process(flags: list[str], log_path, timeout: float = 600):
     """`python -m xlaserve.launch_server` in a subprocess on a free port, its output appended
     to `log_path`; -> (process, base URL) once /health answers 200 (the test fails otherwise)."""

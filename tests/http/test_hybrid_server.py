@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.hf_reference import hf_greedy
-from tests.http.conftest import tiny_family_server
+from tests.http.conftest import check_chat_and_stream, greedy_chat, tiny_family_server
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant who answers briefly."},
             {"role": "user", "content": "List 3 countries and their capitals."}]
@@ -23,31 +23,14 @@ def hybrid_server(tmp_path_factory):
     running.close()
 
 
-def _expected(server, hf_model, messages, new_tokens):
-    prompt_ids = server.ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                          return_dict=False)
-    return prompt_ids, server.ctx.tokenizer.decode(hf_greedy(hf_model, prompt_ids, new_tokens),
-                                                   skip_special_tokens=True)
-
-
 def test_chat_its_stream_and_a_second_turn_are_transformers_greedy(hybrid_server):
     server, hf_model = hybrid_server
-    client = server.openai()
-    prompt_ids, expected = _expected(server, hf_model, MESSAGES, 16)
-    response = client.chat.completions.create(model="tiny-next", messages=MESSAGES,
-                                              temperature=0, max_tokens=16)
-    assert response.usage.prompt_tokens == len(prompt_ids)
-    assert response.choices[0].message.content == expected
-    stream = client.chat.completions.create(model="tiny-next", messages=MESSAGES, temperature=0,
-                                            max_tokens=16, stream=True)
-    pieces = [chunk.choices[0].delta.content for chunk in stream
-              if chunk.choices and chunk.choices[0].delta.content]
-    assert "".join(pieces) == expected
+    prompt_ids, expected = check_chat_and_stream(server, hf_model, "tiny-next", MESSAGES)
     turn = MESSAGES + [{"role": "assistant", "content": expected},
                        {"role": "user", "content": "And their populations?"}]
-    _, expected_next = _expected(server, hf_model, turn, 12)
-    second = client.chat.completions.create(model="tiny-next", messages=turn, temperature=0,
-                                            max_tokens=12)
+    _, expected_next = greedy_chat(server, hf_model, turn, 12)
+    second = server.openai().chat.completions.create(model="tiny-next", messages=turn,
+                                                     temperature=0, max_tokens=12)
     assert second.choices[0].message.content == expected_next
     # From the first turn's prompt, snapshotted at its last whole page.
     assert second.usage.prompt_tokens_details.cached_tokens > len(prompt_ids) // 2

@@ -4,8 +4,7 @@ greedy tokens, with the qwen3 reasoning and qwen25 tool-call parsers on as a Qwe
 would start it."""
 import pytest
 
-from tests.hf_reference import hf_greedy
-from tests.http.conftest import tiny_family_server
+from tests.http.conftest import check_chat_and_stream, tiny_family_server
 
 MESSAGES = [{"role": "user", "content": "List 3 countries and their capitals."}]
 
@@ -20,20 +19,4 @@ def moe_server(tmp_path_factory):
 
 
 def test_chat_and_its_stream_are_transformers_greedy(moe_server):
-    server, hf_model = moe_server
-    client = server.openai()
-    prompt_ids = server.ctx.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                                          return_dict=False)
-    expected = server.ctx.tokenizer.decode(hf_greedy(hf_model, prompt_ids, 16),
-                                           skip_special_tokens=True)
-    response = client.chat.completions.create(model="tiny-moe", messages=MESSAGES, temperature=0,
-                                              max_tokens=16)
-    assert response.usage.prompt_tokens == len(prompt_ids)
-    assert response.usage.completion_tokens == 16 and response.choices[0].finish_reason == "length"
-    # The parsers find no <think> or <tool_call> in random text: it is all content.
-    assert response.choices[0].message.content == expected
-    stream = client.chat.completions.create(model="tiny-moe", messages=MESSAGES, temperature=0,
-                                            max_tokens=16, stream=True)
-    pieces = [chunk.choices[0].delta.content for chunk in stream
-              if chunk.choices and chunk.choices[0].delta.content]
-    assert "".join(pieces) == expected
+    check_chat_and_stream(*moe_server, "tiny-moe", MESSAGES)
