@@ -3,8 +3,10 @@ tests/tiny_models.py): continuous batching with chunked prefill gives transforme
 and each request's solo ones, with nothing compiled after the precompile; more requests than
 running slots, so later ones take the state slots of finished ones while others decode; the
 prefix cache reuses prompts from their state snapshots (scheduler/state_reuse.py): a shared
-prefix, a multi-turn chat, snapshots evicted past the pool; on two devices (--tp-size 2) too; the
-flags whose state the linear layers do not keep yet are refused by name. The checks:
+prefix, a multi-turn chat, snapshots evicted past the pool; on two devices (--tp-size 2) too;
+speculative decoding (NGRAM) gives plain decoding's tokens, its verified rows' states rolled back to
+their accepted drafts (executor/verified_rows.StateRollback); the flags whose state the linear layers do not
+keep yet are refused by name. The checks:
 tests/engine/family_engine.py."""
 import logging
 
@@ -108,13 +110,66 @@ def test_max_mamba_cache_size_bounds_the_snapshots(checkpoint):
 
 
 def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
-    """--tp-size 2: the full layer split by KV head, its MLPs by width; the linear layers and
-    their states whole on each device."""
-    check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
+    """--tp-size 2: the full layer split by KV head, its MLPs by width, the linear layers and
+    their states by head; with NGRAM drafts once fewer requests run, the verified rows' states
+    (split by head) rolled back."""
+    check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY,
+                      dict(SMALL, tp_size=2, speculative_algorithm="NGRAM",
+                           speculative_num_draft_tokens=3))
+
+
+# Prompts that repeat themselves: the drafter proposes from the first output token on, and a
+# random model's answers refuse most drafts.
+REPEATING = [
+    [5, 17, 300, 42, 9, 77, 5, 17, 300, 42, 9, 77, 5, 17],
+    [7, 8, 7, 8, 7, 8, 7],
+    [400, 401, 402, 403, 404, 405, 406, 400, 401, 402],
+    [99, 98],
+]
+
+
+def a_prompt_whose_first_draft_hits(hf_model, prompt: list[int], new: int = 40) -> list[int]:
+    """`prompt` and the start of the model's greedy answer, cut where the answer goes on as it
+    did after an earlier occurrence of its token: the NGRAM drafter's first draft there is
+    accepted (a random model's answers rarely repeat by themselves)."""
+    from xlaserve.runtime.scheduler.speculation import NgramIndex
+
+    answer = hf_greedy(hf_model, prompt, new)
+    for cut in range(1, new - 1):
+        ids = prompt + answer[:cut + 1]  # the prompt, then the first token sampled
+        if NgramIndex(1, 12).draft(ids, 3)[:1] == [answer[cut + 1]]:
+            return prompt + answer[:cut]
+    raise AssertionError("no answer token goes on as it did before: pick another prompt")
+
+
+def test_speculative_decoding_rolls_verified_rows_back_to_transformers_tokens(checkpoint):
+    """NGRAM drafts on four requests (a step with drafts holds at most 16 tokens), then on a
+    prompt whose first draft is accepted: verified rows that keep all, some and none of their
+    drafts, each state committed to its accepted tokens; every output is transformers' greedy
+    one, with nothing compiled after the precompile. A chat turn after them reuses its prefix
+    from a snapshot."""
+    greedy = dict(GREEDY, max_new_tokens=16)
+    options = dict(SMALL, max_running_requests=16, speculative_algorithm="NGRAM",
+                   speculative_num_draft_tokens=4)
+    hit = a_prompt_whose_first_draft_hits(checkpoint[1], REPEATING[0])
+    with Engine(checkpoint[0], **options) as spec:
+        compiles = spec.core.runner.compile_count()
+        results = spec.generate(input_ids=REPEATING, sampling_params=greedy)
+        results.append(spec.generate(input_ids=hit, sampling_params=greedy))  # drafts at once
+        speculator = spec.core.scheduler.speculator
+        verified, accepted = speculator.verified_rows, speculator.accepted_drafts
+        again = spec.generate(input_ids=REPEATING[0] + [11, 12], sampling_params=greedy)
+        assert spec.core.runner.compile_count() == compiles
+    for prompt, result in zip(REPEATING + [hit], results, strict=True):
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, 16)
+    assert 0 < accepted < 3 * verified  # drafts accepted, and some refused
+    assert again["meta_info"]["cached_tokens"] == 12
+    assert again["output_ids"] == hf_greedy(checkpoint[1], REPEATING[0] + [11, 12], 16)
 
 
 @pytest.mark.parametrize("flags,named", [
-    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
+    (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="x"),
+     "--speculative-algorithm EAGLE3"),
     (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(enable_deterministic_inference=True), "--enable-deterministic-inference"),
 ])

@@ -13,6 +13,14 @@ last W - 1 inputs and each value head's [Dk, Dv] matrix. A step's caches hold ea
 pools after the KV pool's arrays (ModelConfig.cache_slot); sequence s reads and writes the slot
 of its request (`AttentionMetadata.state_slots`), from zeros at a prompt's first token.
 
+Speculative decoding: a verified row (`[t, d1, ..., dk]`) runs with its slot left as it was
+(`VerifiedRows.writes`), its rows' inputs kept (`PendingRows`); once the step knows how many
+drafts were accepted, `commit_accepted` runs the rule over those tokens alone from the slot's
+state and writes the result (the convolution's window likewise). Recomputing the accepted rows'
+updates from their kept inputs costs the rule's arithmetic of up to k + 1 rows and their inputs'
+bytes (S x (k + 1) rows a layer), where keeping a state after every draft (vLLM's way) would hold
+k more slots a request.
+
 Layout: everything by key head, so that tensor parallelism splits the layer by head as it splits
 attention (model/sharding.py), with no exchange but out_proj's sum: value head h belongs to key
 head h // (Hv / Hk), so a device's key heads own a contiguous run of value heads. `in_proj_qkv`
@@ -33,7 +41,36 @@ from flax import nnx
 
 from xlaserve.model.config.linear_attention_config import LinearAttentionConfig
 from xlaserve.model.layers import Kernels, init_weight, linear, matmul_input_dtype, project
-from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d
+from xlaserve.pallas_kernels.linear_attention.reference import (causal_conv1d,
+                                                                 delta_rule_update,
+                                                                 prepared_inputs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifiedRows:
+    """A speculative step's linear-layer bookkeeping (AttentionMetadata.verified_rows; made by
+    runtime/executor/verified_rows.StateRollback): `writes` i32[S], 1 where a sequence's slot
+    takes its state after the step's rows (a prompt chunk, a plain decode), 0 where the slot
+    keeps the state before them (a verified row); `rows` i32[S, W], each sequence's first W rows
+    (W: a verified row's tokens at most), whose inputs a layer keeps (`PendingRows`)."""
+
+    writes: jax.Array
+    rows: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PendingRows:
+    """A layer's inputs of `VerifiedRows.rows` ([S, W, ...]): the convolution's `raw` inputs
+    (the projection's rows, model dtype) and the rule's k, v (after the convolution), g and
+    beta."""
+
+    raw: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
 
 
 @dataclasses.dataclass
@@ -41,13 +78,16 @@ class LinearState:
     """One layer's state pools, float32: `conv` [slots, W - 1, Hk, channels] (the convolution's
     inputs before a request's next row, oldest first, each key head's channels) and `delta`
     [slots, Hv, Dk, Dv] (the delta rule's matrices). A request owns one slot of both, in every
-    linear layer."""
+    linear layer. `pending`: in a speculative step, between the forward and `commit_accepted`,
+    the verified rows' inputs (else None)."""
 
     conv: jax.Array
     delta: jax.Array
+    pending: PendingRows | None = None
 
 
-jax.tree_util.register_dataclass(LinearState, data_fields=["conv", "delta"], meta_fields=[])
+jax.tree_util.register_dataclass(LinearState, data_fields=["conv", "delta", "pending"],
+                                 meta_fields=[])
 
 
 def state_shapes(config: LinearAttentionConfig, slots: int) -> LinearState:
@@ -92,11 +132,12 @@ class GatedDeltaNet(nnx.Module):
         conv_weight = self.conv_weight[...]
         # The projection rounded to the model dtype, as transformers' convolution takes it.
         qkv = project(x, self.in_proj_qkv[...], kernels).astype(conv_weight.dtype)
-        slots = state.conv.shape[0]
+        slots, verified = state.conv.shape[0], m.verified_rows
+        writes = None if verified is None else verified.writes
         mixed, conv = causal_conv1d(
             qkv.reshape(rows, -1), conv_weight.reshape(-1, c.conv_width), None,
             state.conv.reshape(slots, c.conv_width - 1, -1), m.state_slots, m.kv_lens,
-            m.cu_q_lens, m.num_seqs, activation="silu")
+            m.cu_q_lens, m.num_seqs, activation="silu", writes=writes)
         mixed = mixed.reshape(rows, c.num_key_heads, c.channels_per_key_head)
         q, k = mixed[..., :dk], mixed[..., dk:2 * dk]
         v = mixed[..., 2 * dk:].reshape(rows, c.num_value_heads, c.value_head_dim)
@@ -105,17 +146,46 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             ba[:, 1] + self.dt_bias[...].astype(jnp.float32))
         out, delta = kernels.gated_delta_rule(q, k, v, g, beta, state.delta, m.state_slots,
-                                              m.kv_lens, m.cu_q_lens, m.num_seqs)
+                                              m.kv_lens, m.cu_q_lens, m.num_seqs, writes)
         z = project(x, self.in_proj_z[...], kernels)
         gated = gated_rms_norm(out, z, self.gated_norm[...], c.rms_norm_eps)
         out_proj = self.out_proj[...]
         y = project(gated.reshape(rows, c.value_dim).astype(matmul_input_dtype(out_proj)),
                     out_proj, kernels)
-        return y, LinearState(conv=conv.reshape(state.conv.shape), delta=delta)
+        pending = None if verified is None else PendingRows(
+            *(x[verified.rows] for x in (qkv, k, v, g, beta)))
+        return y, LinearState(conv.reshape(state.conv.shape), delta, pending)
 
     def input_matrix(self):
         """The first matrix the layer's input meets (its dtype is the input's)."""
         return self.in_proj_qkv[...]
+
+
+def commit_accepted(state: LinearState, kept_lens: jax.Array, slots: jax.Array,
+                    verified: jax.Array) -> LinearState:
+    """The pools after a speculative step (`state.pending` set, dropped here): each verified
+    sequence's slot (bool[S] `verified`; `slots` i32[S]) advanced by its row's first
+    `kept_lens[s]` tokens (the last token and its accepted drafts), from the state the step left
+    there: the rule's updates (reference.delta_rule_update, float32), and the window's last
+    W - 1 inputs."""
+    p = state.pending
+    seqs, width = p.k.shape[:2]
+    flat = lambda x: x.reshape(seqs * width, *x.shape[2:])
+    _, k, v, g, beta = (x.reshape(seqs, width, *x.shape[1:]) for x in prepared_inputs(
+        flat(p.k), flat(p.k), flat(p.v), flat(p.g), flat(p.beta)))
+    targets = jnp.where(verified, slots, state.delta.shape[0])  # the others dropped
+
+    def token(i, rule):
+        advanced = delta_rule_update(rule, k[:, i], v[:, i], g[:, i], beta[:, i])
+        return jnp.where((i < kept_lens)[:, None, None, None], advanced, rule)
+
+    rule = jax.lax.fori_loop(0, width, token, state.delta[slots].astype(k.dtype))
+    inputs = jnp.concatenate([state.conv[slots], p.raw.reshape(
+        seqs, width, *state.conv.shape[2:]).astype(state.conv.dtype)], axis=1)
+    last = kept_lens[:, None] + jnp.arange(state.conv.shape[1])  # the W - 1 inputs before the next row
+    window = jnp.take_along_axis(inputs, last[:, :, None, None], axis=1)
+    return LinearState(state.conv.at[targets].set(window, mode="drop"),
+                       state.delta.at[targets].set(rule.astype(state.delta.dtype), mode="drop"))
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

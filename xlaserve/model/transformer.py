@@ -1,6 +1,5 @@
-"""One Flax NNX decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its
-mixture-of-experts kin (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss: moe.py), switched by config. Its building
-blocks (norms, RoPE, `linear`, the MLP, `Kernels`) are in layers.py.
+"""One Flax NNX decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3) and its mixture-of-experts
+kin (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss: moe.py), switched by config; blocks in layers.py.
 
 The forward pass works on a packed ragged batch: the new tokens of every sequence in one array,
 with the attention metadata saying which tokens belong to which sequence and where each
@@ -39,7 +38,7 @@ from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
 from xlaserve.model.layers import (
     MLP, Kernels, RMSNorm, apply_rope, init_weight, linear, matmul_input_dtype, project,
     rope_qk, split_qkv)
-from xlaserve.model.linear_attention import GatedDeltaNet
+from xlaserve.model.linear_attention import GatedDeltaNet, VerifiedRows
 from xlaserve.model.mla import MLAttention
 from xlaserve.model.moe import ExpertsBesideMlp, MoE
 from xlaserve.model.per_layer_inputs import PerLayerEmbeddings, PerLayerInput
@@ -71,6 +70,7 @@ class AttentionMetadata:
     # Hybrid linear-attention models (linear_attention.py): i32[S], the state-pool slot each
     # sequence reads and writes (its request's); None where the model has no linear layers.
     state_slots: jax.Array | None = None
+    verified_rows: VerifiedRows | None = None  # their speculative steps' (linear_attention.py)
 
 
 class Attention(nnx.Module):

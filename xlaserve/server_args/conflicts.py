@@ -98,10 +98,13 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
         Refused("--attention-backend reference",
                 lambda args: args.attention_backend == "reference"),
         Refused("--is-embedding / --runner pooling", lambda args: args.runner == "pooling"))),
-    # Each is a state the linear layers do not keep yet (issue 76): the rolled-back state of a
-    # rejected draft, an adapter's delta in their projections, a state per cached prefix.
+    # Each is a state the linear layers do not keep yet (issue 76): a draft model's or head's
+    # (NGRAM drafts on the host; the target's verified rows roll back: verified_rows.StateRollback), an
+    # adapter's delta in their projections, a state per cached prefix.
     Mode.LINEAR_ATTENTION: ("{flag} with a hybrid linear-attention model is not built yet", (
-        SPECULATION,
+        Refused("--speculative-algorithm {speculative_algorithm}",
+                lambda args: bool(args.speculative_algorithm)
+                and args.speculative_algorithm != "NGRAM"),
         LORA,
         MULTI_HOST,
         Refused("--enable-hierarchical-cache", lambda args: args.enable_hierarchical_cache),

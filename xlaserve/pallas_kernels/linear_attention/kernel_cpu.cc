@@ -4,6 +4,8 @@
 //   per sequence s, value head h, the state S [Dk, Dv] of slot state_slots[s] (zeros where the
 //   step holds the sequence's first token: kv_lens[s] == its new tokens), then per row t:
 //     S <- S * exp(g[t, h]);  r = k^T S;  S <- S + k (beta[t, h] (v - r))^T;  out[t, h] = q^T S
+//   and S back to the slot, but where writes[s] is 0 (a speculative verified row's: the slot
+//   keeps the state before the row, model/linear_attention.py commits the accepted drafts').
 //
 // q and k arrive normalized, q scaled and both repeated to the value heads (the Python side
 // does it: elementwise); everything is float32. The work items are (sequence, value head)
@@ -30,13 +32,14 @@ struct Step {
   const float *q, *k, *v, *g, *beta;  // [T, Hv, Dk], [T, Hv, Dk], [T, Hv, Dv], [T, Hv] x 2
   float* pool;                        // [slots, Hv, Dk, Dv]
   float* out;                         // [T, Hv, Dv]
-  const int32_t *slots, *kv_lens, *cu_q_lens;
+  const int32_t *slots, *kv_lens, *cu_q_lens, *writes;
   int64_t heads, dk, dv, num_slots;
 };
 
-// One (sequence, head): its rows [start, end), its state from `slot` (or zeros), back there.
-void Run(const Step& s, int64_t start, int64_t end, int64_t slot, bool fresh, int64_t h,
-         float* state, float* remembered) {
+// One (sequence, head): its rows [start, end), its state from `slot` (or zeros), back there
+// where `write`.
+void Run(const Step& s, int64_t start, int64_t end, int64_t slot, bool fresh, bool write,
+         int64_t h, float* state, float* remembered) {
   const int64_t dk = s.dk, dv = s.dv, heads = s.heads;
   float* pooled = s.pool + (slot * heads + h) * dk * dv;
   if (fresh) {
@@ -84,14 +87,15 @@ void Run(const Step& s, int64_t start, int64_t end, int64_t slot, bool fresh, in
       }
     }
   }
-  std::memcpy(pooled, state, sizeof(float) * dk * dv);
+  if (write) std::memcpy(pooled, state, sizeof(float) * dk * dv);
 }
 
 ffi::Error GatedDeltaRuleImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                               ffi::AnyBuffer v, ffi::AnyBuffer g, ffi::AnyBuffer beta,
                               ffi::AnyBuffer state_pool, ffi::AnyBuffer state_slots,
                               ffi::AnyBuffer kv_lens, ffi::AnyBuffer cu_q_lens,
-                              ffi::AnyBuffer num_seqs, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::AnyBuffer num_seqs, ffi::AnyBuffer writes,
+                              ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> pool_out) {
   auto qd = q.dimensions(), vd = v.dimensions(), pd = state_pool.dimensions();
   for (const ffi::AnyBuffer* b : {&q, &k, &v, &g, &beta, &state_pool})
@@ -112,6 +116,9 @@ ffi::Error GatedDeltaRuleImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   s.slots = static_cast<const int32_t*>(state_slots.untyped_data());
   s.kv_lens = static_cast<const int32_t*>(kv_lens.untyped_data());
   s.cu_q_lens = static_cast<const int32_t*>(cu_q_lens.untyped_data());
+  s.writes = static_cast<const int32_t*>(writes.untyped_data());
+  if (writes.element_count() != state_slots.element_count())
+    return ffi::Error::InvalidArgument("gated delta rule (CPU): writes i32[S] beside state_slots");
   s.heads = vd[1];
   s.dk = qd[2];
   s.dv = vd[2];
@@ -130,8 +137,8 @@ ffi::Error GatedDeltaRuleImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     const int64_t start = s.cu_q_lens[seq], end = std::min<int64_t>(s.cu_q_lens[seq + 1], rows);
     if (end <= start) return;
     std::vector<float> scratch(s.dk * s.dv + s.dv);
-    Run(s, start, end, s.slots[seq], s.kv_lens[seq] == end - start, h, scratch.data(),
-        scratch.data() + s.dk * s.dv);
+    Run(s, start, end, s.slots[seq], s.kv_lens[seq] == end - start, s.writes[seq] != 0, h,
+        scratch.data(), scratch.data() + s.dk * s.dv);
   });
   return ffi::Error::Success();
 }
@@ -151,5 +158,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGatedDeltaRule, GatedDeltaRuleImpl,
                                   .Arg<ffi::AnyBuffer>()  // kv_lens i32[S]
                                   .Arg<ffi::AnyBuffer>()  // cu_q_lens i32[S + 1]
                                   .Arg<ffi::AnyBuffer>()  // num_seqs i32[1]
+                                  .Arg<ffi::AnyBuffer>()  // writes i32[S]
                                   .Ret<ffi::AnyBuffer>()  // out [T, Hv, Dv]
                                   .Ret<ffi::AnyBuffer>());  // the pool, in place

@@ -2,7 +2,8 @@
 FFI custom call over a ragged step, its state pool updated in place, with reference.py's contract
 and arithmetic (float32):
 
-    out, pool = gated_delta_rule(q, k, v, g, beta, pool, state_slots, kv_lens, cu_q_lens, num_seqs)
+    out, pool = gated_delta_rule(q, k, v, g, beta, pool, state_slots, kv_lens, cu_q_lens, num_seqs,
+                                 writes=None)   # writes: which sequences' slots take their state
 
 q and k are normalized, q scaled and both repeated to the value heads here (elementwise, in
 XLA); the kernel runs each (sequence, value head) over its rows with its state in a private
@@ -34,12 +35,14 @@ def _builds() -> bool:
     return builds(load, "The native CPU gated delta rule is unavailable; the jnp reference runs it")
 
 
-def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs):
+def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
+                     writes=None):
     """reference.gated_delta_rule on the CPU: out [T, Hv, Dv] in v's dtype (padding rows zero),
-    the pool (float32 [slots, Hv, Dk, Dv]) with each sequence's state after its last row."""
+    the pool (float32 [slots, Hv, Dk, Dv]) with each sequence's state after its last row (but
+    where `writes` is 0)."""
     if state_pool.dtype != jnp.float32 or not _builds():
         return reference.gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens,
-                                          cu_q_lens, num_seqs)
+                                          cu_q_lens, num_seqs, writes)
     q, k, v32, g, beta = (x.astype(jnp.float32)
                           for x in reference.prepared_inputs(q, k, v, g, beta))
     call = jax.ffi.ffi_call(
@@ -47,5 +50,5 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
                       jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
         input_output_aliases={5: 1})
     out, pool = call(q, k, v32, g, beta, state_pool, *(jnp.asarray(x, jnp.int32) for x in (
-        state_slots, kv_lens, cu_q_lens, num_seqs)))
+        state_slots, kv_lens, cu_q_lens, num_seqs)), reference.all_writes(writes, state_slots))
     return out.astype(v.dtype), pool

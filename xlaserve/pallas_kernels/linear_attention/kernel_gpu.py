@@ -2,7 +2,7 @@
 reference.py's contract (float32):
 
     out, pool = gated_delta_rule(q, k, v, g, beta, pool, state_slots, kv_lens, cu_q_lens,
-                                 num_seqs, interpret=False)
+                                 num_seqs, writes=None, interpret=False)
 
 q and k stay per key head (normalized in XLA, not repeated to the value heads: 16 MB less
 temporary memory and traffic for a 512-row step of Qwen3-Next, 16 key heads, 32 value heads).
@@ -42,10 +42,10 @@ def check_shapes(key_dim: int, value_dim: int, value_block: int = VALUE_BLOCK) -
 
 
 def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
-                     interpret=False, value_block=VALUE_BLOCK):
+                     writes=None, interpret=False, value_block=VALUE_BLOCK):
     """reference.gated_delta_rule on GPU: out [T, Hv, Dv] in v's dtype (padding rows zero), the
     pool (float32 [slots, Hv, Dk, Dv], updated in place) with each sequence's state after its last
-    row. `interpret`: False on a GPU, True to run it on the CPU (tests); `value_block`: the most
+    row, but where `writes` is 0 (reference.gated_delta_rule). `interpret`: False on a GPU, True to run it on the CPU (tests); `value_block`: the most
     state columns a program holds."""
     if state_pool.dtype != jnp.float32:
         raise ValueError(f"the GPU gated delta rule keeps a float32 state pool, not "
@@ -56,6 +56,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     key_dim = k.shape[-1]
     value_block = check_shapes(key_dim, value_dim, value_block)
     metadata = [jnp.asarray(x, jnp.int32) for x in (state_slots, kv_lens, cu_q_lens, num_seqs)]
+    metadata.append(reference.all_writes(writes, state_slots))
     kernel = functools.partial(_sequence_kernel, value_block=value_block,
                                values_per_key=heads // k.shape[1])
     out, pool = pl.pallas_call(
@@ -63,7 +64,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
         out_shape=(jax.ShapeDtypeStruct((rows, heads, value_dim), jnp.float32),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
         grid=(metadata[0].shape[0], heads, value_dim // value_block),
-        input_output_aliases={9: 0, 10: 1},  # zeros -> out, the pool
+        input_output_aliases={10: 0, 11: 1},  # zeros -> out, the pool
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="gated_delta_rule",
     )(*metadata, q, k, v32, jnp.exp(g), beta, jnp.zeros((rows, heads, value_dim), jnp.float32),
@@ -71,7 +72,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     return out.astype(v.dtype), pool
 
 
-def _sequence_kernel(slots_ref, kv_lens_ref, cu_ref, num_seqs_ref, q_ref, k_ref, v_ref,
+def _sequence_kernel(slots_ref, kv_lens_ref, cu_ref, num_seqs_ref, writes_ref, q_ref, k_ref, v_ref,
                      decay_ref, beta_ref, zeros_ref, pool_in, out_ref, pool_out, *, value_block,
                      values_per_key):
     del zeros_ref  # the output's initial value (aliased)
@@ -95,4 +96,8 @@ def _sequence_kernel(slots_ref, kv_lens_ref, cu_ref, num_seqs_ref, q_ref, k_ref,
             out_ref[t, h, columns] = jnp.sum(q_ref[t, key_head, :][:, None] * state, axis=0)
             return state
 
-        pool_out[slot, h, :, columns] = lax.fori_loop(start, end, row, state)
+        state = lax.fori_loop(start, end, row, state)
+
+        @pl.when(writes_ref[s] != 0)  # a verified row's slot keeps its state (reference.py)
+        def _():
+            pool_out[slot, h, :, columns] = state

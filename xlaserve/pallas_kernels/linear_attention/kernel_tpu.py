@@ -2,7 +2,7 @@
 reference.py's contract (float32):
 
     out, pool = gated_delta_rule(q, k, v, g, beta, pool, state_slots, kv_lens, cu_q_lens,
-                                 num_seqs, interpret=False)
+                                 num_seqs, writes=None, interpret=False)
 
 The recurrent form: each sequence's rows run in order with its state [Hv, Dk, Dv] (all value
 heads: 2 MiB at Qwen3-Next's 32 heads of 128 x 128) in VMEM scratch, DMA'd in from the pool at
@@ -76,10 +76,10 @@ def work_items(cu_q_lens, num_seqs, num_rows: int, block: int):
 
 
 def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
-                     interpret=False, block_rows=ROW_BLOCK):
+                     writes=None, interpret=False, block_rows=ROW_BLOCK):
     """reference.gated_delta_rule on TPU: out [T, Hv, Dv] in v's dtype (padding rows zero), the
     pool (float32 [slots, Hv, Dk, Dv], updated in place) with each sequence's state after its last
-    row. `interpret`: False on a TPU, True to run it on the CPU (tests); `block_rows`: the most
+    row, but where `writes` is 0 (reference.gated_delta_rule). `interpret`: False on a TPU, True to run it on the CPU (tests); `block_rows`: the most
     rows of a block."""
     if state_pool.dtype != jnp.float32:
         raise ValueError(f"the TPU gated delta rule keeps a float32 state pool, not "
@@ -94,10 +94,11 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     check_vmem(block, key_heads, heads, key_dim, value_dim)
     seq, starts, ends, blocks, opens = work_items(cu_q_lens, num_seqs, rows, block)
     s = jnp.maximum(seq, 0)
-    # The state is read at a sequence's first item (zeros for a fresh prompt), written at its last.
+    # The state is read at a sequence's first item (zeros for a fresh prompt), written at its last
+    # (where the sequence writes its slot).
     first = (seq >= 0) & (starts == cu_q_lens[s])
     fresh = first & (kv_lens[s] == cu_q_lens[s + 1] - cu_q_lens[s])
-    last = (seq >= 0) & (ends == cu_q_lens[s + 1])
+    last = (seq >= 0) & (ends == cu_q_lens[s + 1]) & (reference.all_writes(writes, state_slots)[s] != 0)
     loads = jnp.where(fresh, 2, first.astype(jnp.int32))  # 0: carried, 1: from the pool, 2: zeros
     slots = state_slots[s]
 

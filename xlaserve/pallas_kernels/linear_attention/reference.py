@@ -7,7 +7,9 @@ value head the matrix state S [Dk, Dv] of the delta rule, and the last K - 1 inp
 convolution. A step's rows are ragged as the attention's are (`cu_q_lens`, `num_seqs`; rows past
 cu_q_lens[num_seqs] are padding); sequence s reads and writes slot `state_slots[s]`, starting
 from zeros where the step holds its first token (`kv_lens[s]` == its new tokens: no prefix) and
-from the slot's state otherwise (a decode step, or a prompt's later chunk).
+from the slot's state otherwise (a decode step, or a prompt's later chunk). `writes` (i32[S], or
+None: all 1) 0 leaves a sequence's slot as it was: speculative decoding's verified rows, whose
+state is the accepted drafts' (commit_accepted in model/linear_attention.py), not the row's.
 
 The recurrence, per value head h (its q and k: head h // (Hv / Hk)), token by token:
 
@@ -65,46 +67,69 @@ def prepared_inputs(q, k, v, g, beta, repeat_keys: bool = True):
     return q, k, v.astype(dtype), g.astype(dtype), beta.astype(dtype)
 
 
-def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs):
+def delta_rule_update(state, k, v, g, beta):
+    """The state [..., Hv, Dk, Dv] after one token: k [..., Hv, Dk] (normalized, per value
+    head), v [..., Hv, Dv], g and beta [..., Hv]."""
+    state = state * jnp.exp(g)[..., None, None]
+    remembered = jnp.einsum("...hkv,...hk->...hv", state, k)
+    delta = (v - remembered) * beta[..., None]
+    return state + k[..., :, None] * delta[..., None, :]
+
+
+def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
+                     writes=None):
     """The recurrent form over a ragged step, token by token.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state_pool float32 [slots, Hv, Dk, Dv];
-    state_slots, kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 [1].
+    state_slots, kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 [1]; writes int32
+    [S] or None (the module's docstring).
     Returns (out [T, Hv, Dv] in v's dtype, padding rows zero; the pool with each sequence's
     state after its last row)."""
     q, k, v32, g, beta = prepared_inputs(*map(jnp.asarray, (q, k, v, g, beta)))
 
     def token(state, t):
-        state = state * jnp.exp(g[t])[:, None, None]
-        remembered = jnp.einsum("hkv,hk->hv", state, k[t])
-        delta = (v32[t] - remembered) * beta[t][:, None]
-        state = state + k[t][:, :, None] * delta[:, None, :]
+        state = delta_rule_update(state, k[t], v32[t], g[t], beta[t])
         return state, jnp.einsum("hkv,hk->hv", state, q[t])
 
     pool, out = scan_rows(token, state_pool.astype(v32.dtype), q.shape[0], state_slots, kv_lens,
-                          cu_q_lens, num_seqs)
+                          cu_q_lens, num_seqs, writes)
     return out.astype(v.dtype), pool.astype(state_pool.dtype)
 
 
-def scan_rows(row_step, pool, num_rows: int, state_slots, kv_lens, cu_q_lens, num_seqs):
+def all_writes(writes, state_slots) -> jax.Array:
+    """`writes` as int32 [S], all 1 where None."""
+    if writes is None:
+        return jnp.ones(jnp.shape(state_slots), jnp.int32)
+    return jnp.asarray(writes, jnp.int32)
+
+
+def scan_rows(row_step, pool, num_rows: int, state_slots, kv_lens, cu_q_lens, num_seqs,
+              writes=None):
     """`row_step(state, t) -> (state, out)` over a ragged step's rows in order, each on its
     sequence's slot of `pool` (zeros at a prompt's first row: no prefix before the step).
-    Returns (the pool, outs [T, ...] with padding rows zero)."""
+    A sequence whose `writes` is 0 carries its state from row to row outside the pool, which
+    keeps the slot's. Returns (the pool, outs [T, ...] with padding rows zero)."""
     state_slots, kv_lens, cu_q_lens, num_seqs = map(jnp.asarray, (state_slots, kv_lens,
                                                                   cu_q_lens, num_seqs))
+    writes = all_writes(writes, state_slots)
     seq_of_row = row_sequences(cu_q_lens, num_seqs, num_rows)
 
-    def row(pool, t):
+    def row(carry, t):
+        pool, carried = carry  # carried: the state of a sequence that does not write its slot
         seq = seq_of_row[t]
         live = seq >= 0
         s = jnp.maximum(seq, 0)
         slot = state_slots[s]
-        first_of_prompt = (t == cu_q_lens[s]) & (kv_lens[s] == cu_q_lens[s + 1] - cu_q_lens[s])
-        state, out = row_step(jnp.where(first_of_prompt, 0.0, pool[slot]), t)
-        pool = pool.at[slot].set(jnp.where(live, state, pool[slot]))
-        return pool, jnp.where(live, out, 0.0)
+        first_row = t == cu_q_lens[s]
+        first_of_prompt = first_row & (kv_lens[s] == cu_q_lens[s + 1] - cu_q_lens[s])
+        writing = writes[s] != 0
+        before = jnp.where(writing | first_row, pool[slot], carried)
+        state, out = row_step(jnp.where(first_of_prompt, 0.0, before), t)
+        pool = pool.at[slot].set(jnp.where(live & writing, state, pool[slot]))
+        return (pool, state), jnp.where(live, out, 0.0)
 
-    return lax.scan(row, pool, jnp.arange(num_rows))
+    (pool, _), out = lax.scan(row, (pool, jnp.zeros_like(pool[0])), jnp.arange(num_rows))
+    return pool, out
 
 
 def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = 64):
@@ -156,14 +181,14 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = 
 
 
 def causal_conv1d(x, weight, bias, conv_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
-                  activation: str | None = "silu"):
+                  activation: str | None = "silu", writes=None):
     """The depthwise causal convolution over a ragged step: x [T, C], weight [C, W], bias [C] or
     None, conv_pool [slots, W - 1, C] (a sequence's last W - 1 inputs, oldest first; zeros before
     its first token; the channels last, as x's rows: on TPU a [C, W - 1] window was tiled with 3
     of 128 lanes used, and relaid out each step). Row t of sequence s: sum_j weight[:, j] *
     input[t - (W - 1) + j], the inputs before the step's first row read from the slot. Returns
     (out [T, C] in x's dtype, padding rows zero; the pool with each sequence's last W - 1
-    inputs).
+    inputs, but where `writes` (int32 [S] or None) is 0).
 
     No loop over the rows: each row's W - 1 earlier inputs are gathered, from the step's rows or
     from its sequence's window (the row loop was a scan over the step, a window update a row)."""
@@ -189,7 +214,8 @@ def causal_conv1d(x, weight, bias, conv_pool, state_slots, kv_lens, cu_q_lens, n
     seqs = jnp.arange(state_slots.shape[0])
     windows = _inputs_before(x32, conv_pool, seqs, cu_q_lens[1:], state_slots, kv_lens,
                              cu_q_lens, width, dtype)[:, :-1]
-    targets = jnp.where(seqs < num_seqs[0], state_slots, conv_pool.shape[0])  # others: dropped
+    targets = jnp.where((seqs < num_seqs[0]) & (all_writes(writes, state_slots) != 0),
+                        state_slots, conv_pool.shape[0])  # others: dropped
     # The windows whole before the pool is written: fused into the scatter, their reads of the
     # pool made the H100 step copy it (6.4 MB a layer of Qwen3-Next's at tp 1) to write in place.
     windows = jax.lax.optimization_barrier(windows.astype(conv_pool.dtype))

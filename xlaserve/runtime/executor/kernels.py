@@ -35,6 +35,7 @@ from xlaserve.native.build import KernelUnavailable
 from xlaserve.pallas_kernels.linear_attention import kernel_cpu as linear_kernel_cpu
 from xlaserve.pallas_kernels.linear_attention import kernel_gpu as linear_kernel_gpu
 from xlaserve.pallas_kernels.linear_attention import kernel_tpu as linear_kernel_tpu
+from xlaserve.pallas_kernels.linear_attention.reference import all_writes
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels import (grouped_matmul_gpu, grouped_matmul_mxfp4, invariant_matmul,
                                      invariant_norm)
@@ -205,11 +206,13 @@ def split_by_value_head(rule, mesh: Mesh | None):
     rows, per_head = P(None, heads, None), P(None, heads)
 
     @functools.wraps(rule)
-    def sharded(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs):
+    def sharded(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
+                writes=None):
         return jax.shard_map(rule, mesh=mesh,
                              in_specs=(rows, rows, rows, per_head, per_head, DELTA_STATE_SPEC)
-                             + (P(),) * 4, out_specs=(rows, DELTA_STATE_SPEC), check_vma=False)(
-            q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs)
+                             + (P(),) * 5, out_specs=(rows, DELTA_STATE_SPEC), check_vma=False)(
+            q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
+            all_writes(writes, state_slots))
 
     return sharded
 

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
 from xlaserve.runtime.executor.state_pool import copy_states
+from xlaserve.runtime.executor.verified_rows import state_rollback
 from xlaserve.runtime.executor.step_inputs import NULL_SLOT, split_leaves
 from xlaserve.runtime.executor.draft_head_step import catch_up_head
 from xlaserve.runtime.executor.verified_rows import (kept_path_moves, kept_rows,
@@ -112,8 +113,11 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                      state_slots=slots)
         head = getattr(model, "draft_head", None)
         # A hybrid model's linear layers: cached prefixes' states into admitted requests' slots
-        # first, prompts' states into snapshot slots after (state_pool.StateCopies).
+        # first, prompts' states into snapshot slots after (state_pool.StateCopies); a verified
+        # row's state rolled back to its accepted drafts (verified_rows.StateRollback).
         first_state = len(model.config.cache_layers)
+        rollback = state_rollback(model.config, 1 if tree else verify_tokens)
+        metadata = rollback.metadata(metadata, batch.sample_seqs)
         kv_caches = copy_states(kv_caches, copies.restores, first_state)
         if lora is not None:
             *arrays, slot_adapters = weights[lora.first:]
@@ -133,7 +137,6 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             hidden, kv_caches, captured = model.hidden_states(
                 input_ids, batch.positions, kv_caches[:layers], metadata, kernels,
                 rope, capture=head.capture_layers)
-        kv_caches = copy_states(kv_caches, copies.snapshots, first_state)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         # Each sample row's slot (its sequence's; the null slot for padding): without
         # speculation, sample row i is sequence i.
@@ -170,10 +173,12 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             else:
                 kept, last_kept = kept_rows(out.tokens, input_ids, batch.logits_indices,
                                             batch.sample_seqs)
+            kv_caches = rollback.commit(kv_caches, metadata, kept, batch.sample_seqs)
             output_counts = add_sampled(output_counts, out.tokens, batch.sample_rows & kept,
                                         rows=sample_slots)
             write = jnp.where(batch.sample_rows & last_kept, sample_slots, last_tokens.shape[0])
             last_tokens = last_tokens.at[write].set(out.tokens, mode="drop")
+        kv_caches = copy_states(kv_caches, copies.snapshots, first_state)
         if head is not None:
             head_state = catch_up_head(
                 model, head, head_state, hidden, captured, input_ids, batch, metadata,

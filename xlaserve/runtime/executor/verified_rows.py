@@ -10,11 +10,19 @@ which drafts the row keeps:
   draft after it (`kept_rows`, the rule the host applies too: speculation.accepted), so that the
   slot's penalty counts and last token are those of the accepted tokens, written in the step.
 Pure functions of the step's arrays; a plain row is a sequence of one sample row, always kept.
+A hybrid model's linear layers keep a state the step rolls back to the kept tokens
+(`StateRollback`, at the end).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+from xlaserve.model.config.model_config import ModelConfig
+from xlaserve.model.linear_attention import VerifiedRows, commit_accepted
+from xlaserve.model.transformer import AttentionMetadata
 
 
 def _row_offsets(sample_seqs: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -142,3 +150,74 @@ def move_kv_entries(kv_caches, source, target):
         rows = cache.at[src_page, src_slot].get(mode="clip")
         moved.append(cache.at[dst_page, dst_slot].set(rows, mode="drop"))
     return moved
+
+
+# --- a hybrid model's linear-layer states (issue 76) -------------------------------------------
+#
+# A linear layer's state is not a cache of positions the next step can overwrite: after a verified
+# row `[t, d1, ..., dk]` it holds every draft, accepted or not. So in a speculative step (a program
+# with verified rows, `verify_tokens` > 1) a sequence with more than one sample row (a verified
+# row) leaves its slot as it was and its layers keep the inputs of its rows
+# (linear_attention.VerifiedRows, PendingRows); when the step knows which sample rows it keeps
+# (`kept_rows`), each layer advances the slot by the row's first `kept` tokens
+# (linear_attention.commit_accepted). Every other row (a prompt chunk, a plain decode) writes its
+# state as in any step. A model without linear layers, or a server without speculation, gets
+# `NO_ROLLBACK`, which does nothing.
+
+
+def _sample_rows_of(sample_seqs: jax.Array, num_seqs: int, rows: jax.Array) -> jax.Array:
+    """i32[S]: how many of `rows` (bool[R], per sample row) each sequence has."""
+    index = jnp.where((sample_seqs >= 0) & rows, sample_seqs, num_seqs)  # the others dropped
+    return jnp.zeros(num_seqs, jnp.int32).at[index].add(1, mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRollback:
+    """The speculative step's hooks for a model with linear layers (`state_rollback`)."""
+
+    verify_tokens: int  # a verified row's tokens at most
+    first: int  # the first linear layer's pools among the step's caches
+    count: int  # linear layers
+
+    def metadata(self, metadata: AttentionMetadata, sample_seqs: jax.Array) -> AttentionMetadata:
+        """`metadata` with the step's VerifiedRows: a sequence of two or more sample rows is
+        verified (a plain decode and a prompt's last chunk have one, other chunks none)."""
+        seqs = metadata.kv_lens.shape[0]
+        verified = _sample_rows_of(sample_seqs, seqs, jnp.ones_like(sample_seqs, bool)) > 1
+        last_row = metadata.cu_q_lens[-1] - 1  # any row: a padding sequence's are not read
+        rows = metadata.cu_q_lens[:-1, None] + jnp.arange(self.verify_tokens)[None, :]
+        return dataclasses.replace(metadata, verified_rows=VerifiedRows(
+            writes=(~verified).astype(jnp.int32), rows=jnp.clip(rows, 0, jnp.maximum(last_row, 0))))
+
+    def commit(self, caches: list, metadata: AttentionMetadata, kept: jax.Array,
+               sample_seqs: jax.Array) -> list:
+        """`caches` with each verified sequence's slot advanced by its kept tokens (one per kept
+        sample row: its last token and the drafts accepted), the pending rows dropped."""
+        seqs = metadata.kv_lens.shape[0]
+        kept_lens = _sample_rows_of(sample_seqs, seqs, kept)
+        verified = metadata.verified_rows.writes == 0
+        layers = slice(self.first, self.first + self.count)
+        return caches[:self.first] + [
+            commit_accepted(state, kept_lens, metadata.state_slots, verified)
+            for state in caches[layers]] + caches[layers.stop:]
+
+
+class NoStateRollback:
+    """No linear layers, or no verified rows: nothing to keep or commit."""
+
+    def metadata(self, metadata: AttentionMetadata, sample_seqs: jax.Array) -> AttentionMetadata:
+        return metadata
+
+    def commit(self, caches: list, metadata: AttentionMetadata, kept: jax.Array,
+               sample_seqs: jax.Array) -> list:
+        return caches
+
+
+NO_ROLLBACK = NoStateRollback()
+
+
+def state_rollback(config: ModelConfig, verify_tokens: int) -> StateRollback | NoStateRollback:
+    """The rollback of a step program of this model with verified rows of `verify_tokens`."""
+    if verify_tokens <= 1 or not config.state_layers:
+        return NO_ROLLBACK
+    return StateRollback(verify_tokens, len(config.cache_layers), len(config.state_layers))
