@@ -26,6 +26,14 @@ PROMPTS = [
     [400 + i for i in range(17)],
     [99, 98, 97, 96, 95],
 ]
+# Prompts that repeat themselves: the drafter proposes from the first output token on, and a
+# random model's answers refuse most drafts.
+REPEATING = [
+    [5, 17, 300, 42, 9, 77, 5, 17, 300, 42, 9, 77, 5, 17],
+    [7, 8, 7, 8, 7, 8, 7],
+    [400, 401, 402, 403, 404, 405, 406, 400, 401, 402],
+    [99, 98],
+]
 SMALL = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, max_running_requests=4,
              chunked_prefill_size=7, max_prefill_tokens=12, context_length=96,
              max_total_tokens=512)
@@ -111,21 +119,11 @@ def test_max_mamba_cache_size_bounds_the_snapshots(checkpoint):
 
 def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     """--tp-size 2: the full layer split by KV head, its MLPs by width, the linear layers and
-    their states by head; with NGRAM drafts once fewer requests run, the verified rows' states
-    (split by head) rolled back."""
-    check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY,
-                      dict(SMALL, tp_size=2, speculative_algorithm="NGRAM",
-                           speculative_num_draft_tokens=3))
-
-
-# Prompts that repeat themselves: the drafter proposes from the first output token on, and a
-# random model's answers refuse most drafts.
-REPEATING = [
-    [5, 17, 300, 42, 9, 77, 5, 17, 300, 42, 9, 77, 5, 17],
-    [7, 8, 7, 8, 7, 8, 7],
-    [400, 401, 402, 403, 404, 405, 406, 400, 401, 402],
-    [99, 98],
-]
+    their states by head; with NGRAM drafts (all refused on these prompts: 4 verified rows),
+    the verified rows' states, split by head, rolled back."""
+    check_two_devices(checkpoint[0], checkpoint[1], REPEATING, dict(GREEDY, max_new_tokens=16),
+                      dict(SMALL, tp_size=2, max_running_requests=16,
+                           speculative_algorithm="NGRAM", speculative_num_draft_tokens=3))
 
 
 def a_prompt_whose_first_draft_hits(hf_model, prompt: list[int], new: int = 40) -> list[int]:
