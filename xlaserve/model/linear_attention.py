@@ -180,12 +180,18 @@ def commit_accepted(state: LinearState, kept_lens: jax.Array, slots: jax.Array,
         return jnp.where((i < kept_lens)[:, None, None, None], advanced, rule)
 
     rule = jax.lax.fori_loop(0, width, token, state.delta[slots].astype(k.dtype))
-    inputs = jnp.concatenate([state.conv[slots], p.raw.reshape(
-        seqs, width, *state.conv.shape[2:]).astype(state.conv.dtype)], axis=1)
-    last = kept_lens[:, None] + jnp.arange(state.conv.shape[1])  # the W - 1 inputs before the next row
-    window = jnp.take_along_axis(inputs, last[:, :, None, None], axis=1)
-    return LinearState(state.conv.at[targets].set(window, mode="drop"),
-                       state.delta.at[targets].set(rule.astype(state.delta.dtype), mode="drop"))
+    # The window with its channels flat, as the layer's convolution views it: on TPU a view of
+    # [slots, W - 1, Hk, C] beside the [slots, W - 1, Hk * C] one relaid the pool out (a copy).
+    conv = state.conv.reshape(*state.conv.shape[:2], -1)
+    inputs = jnp.concatenate([conv[slots], p.raw.reshape(seqs, width, -1).astype(conv.dtype)],
+                             axis=1)
+    last = kept_lens[:, None] + jnp.arange(conv.shape[1])  # the W - 1 inputs before the next row
+    window = jnp.take_along_axis(inputs, last[:, :, None], axis=1)
+    # Both read whole before the pools are written (as reference.causal_conv1d's windows).
+    window, rule = jax.lax.optimization_barrier((window, rule))
+    conv = conv.at[targets].set(window, mode="drop").reshape(state.conv.shape)
+    return LinearState(conv, state.delta.at[targets].set(rule.astype(state.delta.dtype),
+                                                         mode="drop"))
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
