@@ -145,6 +145,19 @@ HYBRID = {
                         **_HYBRID_LAYERS),
 }
 
+# Nemotron-H (model/mamba2.py, model/config/mamba2_config.py): Mamba-2 mixers (8 heads of 8 in
+# 2 groups, a state of 16, a convolution 4 wide) and a NoPE attention block, most with a ReLU^2
+# MLP block after them, two Mamba-2 blocks back to back (the first a layer without an MLP). Its
+# config has no num_hidden_layers or rms_norm_eps (`absent`). Not in FAMILIES or HYBRID:
+# tests/model/test_nemotron_h.py and tests/engine/test_nemotron_h_engine.py run it.
+NEMOTRON_H = {
+    "nemotron_h": dict(cls="NemotronHConfig", head_dim=16, mamba_num_heads=8, mamba_head_dim=8,
+                       ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+                       layers_block_type=["linear_attention", "mlp", "full_attention", "mlp",
+                                          "linear_attention", "linear_attention", "mlp"],
+                       absent=("num_hidden_layers", "rms_norm_eps")),
+}
+
 # Every family's decoder shape (make_tiny_checkpoint's, its vocab_size apart).
 TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-6)
@@ -166,7 +179,8 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
     import torch
     import transformers
 
-    spec = dict(FAMILIES.get(family) or DEEPSEEK.get(family) or HYBRID[family])
+    spec = dict(FAMILIES.get(family) or DEEPSEEK.get(family) or NEMOTRON_H.get(family)
+                or HYBRID[family])
     config_cls = getattr(transformers, spec.pop("cls"))
     architecture = spec.pop("architecture", config_cls.__name__.replace("Config", "ForCausalLM"))
     embedding_std = spec.pop("embedding_std", 0.5)

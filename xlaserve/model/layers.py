@@ -27,6 +27,7 @@ from xlaserve.pallas_kernels.ragged_paged_attention.new_tokens import reference_
 from xlaserve.pallas_kernels.linear_attention.reference import (
     gated_delta_rule as gated_delta_rule_reference)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
+from xlaserve.pallas_kernels.mamba2.reference import mamba2_ssm as mamba2_ssm_reference
 
 
 def init_weight(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
@@ -174,6 +175,9 @@ class Kernels:
     # over a ragged step and its state pool, pallas_kernels/linear_attention/reference.py's
     # contract (the CPU's native kernel: kernel_cpu.py)
     gated_delta_rule: Callable = gated_delta_rule_reference
+    # Nemotron-H's Mamba-2 layers (model/mamba2.py): the selective scan over a ragged step and
+    # its state pool, pallas_kernels/mamba2/reference.py's (the reference on every platform).
+    mamba2_ssm: Callable = mamba2_ssm_reference
 
 
 def matmul_input_dtype(weight) -> jnp.dtype:

@@ -1,0 +1,74 @@
+"""What a decoder layer holds besides attention (transformer.DecoderLayer builds it from here):
+its linear mixer where the layer keeps a state (Gated DeltaNet, model/linear_attention.py; or
+Nemotron-H's Mamba-2, model/mamba2.py), and its feed-forward with the norm in front of it: the
+experts (model/moe.py), the gated MLP (layers.MLP), Nemotron-H's ReLU^2 MLP, or, for a Nemotron-H
+mixer block with no MLP block after it (model/config/mamba2_config.py), none: `NoMLP`, which adds
+nothing, behind a norm without a weight."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlaserve.model.layers import MLP, Kernels, RMSNorm, init_weight, matmul_input_dtype, project
+from xlaserve.model.linear_attention import GatedDeltaNet
+from xlaserve.model.mamba2 import Mamba2Mixer
+from xlaserve.model.moe import MoE
+
+
+def state_mixer(config, dtype, rngs: nnx.Rngs):
+    """A linear layer's mixer (ModelConfig `config`): Mamba-2's where the config has its shapes,
+    else Gated DeltaNet's."""
+    if config.mamba2 is not None:
+        return Mamba2Mixer(config.mamba2, dtype, rngs)
+    return GatedDeltaNet(config.linear_attention, dtype, rngs)
+
+
+def feed_forward(config, layer_index: int, dtype, rngs: nnx.Rngs):
+    """(post-attention norm, MLP) of layer `layer_index` (ModelConfig `config`)."""
+    c = config
+    if c.nemotron_blocks and c.nemotron_blocks[layer_index][1] < 0:
+        return NoNorm(c.hidden_size, c.rms_norm_eps), NoMLP()
+    norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
+    if c.moe_layers[layer_index]:
+        return norm, MoE(c, dtype, rngs)
+    width = c.layer(layer_index).intermediate_size
+    if c.activation == "relu2":
+        return norm, ReluSquaredMLP(c.hidden_size, width, dtype, rngs)
+    return norm, MLP(c.hidden_size, width, dtype, rngs, c.activation)
+
+
+class ReluSquaredMLP(nnx.Module):
+    """Nemotron-H's MLP: down(relu(up(x))^2), no gate (transformers' NemotronHMLP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, rngs: nnx.Rngs):
+        self.up = nnx.Param(init_weight(rngs, (hidden_size, intermediate_size), dtype))
+        self.down = nnx.Param(init_weight(rngs, (intermediate_size, hidden_size), dtype))
+
+    def input_dtype(self) -> jnp.dtype:
+        return matmul_input_dtype(self.up[...])
+
+    def __call__(self, x: jax.Array, kernels: Kernels, lora=None) -> jax.Array:
+        down = self.down[...]
+        hidden = jnp.square(jax.nn.relu(project(x, self.up[...], kernels).astype(jnp.float32)))
+        return project(hidden.astype(matmul_input_dtype(down)), down, kernels)
+
+
+class NoMLP(nnx.Module):
+    """A layer without a feed-forward: it adds zeros (XLA drops the norm in front of it)."""
+
+    def input_dtype(self) -> jnp.dtype:
+        return jnp.dtype(jnp.float32)
+
+    def __call__(self, x: jax.Array, kernels: Kernels, lora=None) -> jax.Array:
+        return jnp.zeros(x.shape, jnp.float32)
+
+
+class NoNorm(nnx.Module):
+    """The norm in front of `NoMLP`: RMSNorm's interface, a weight of ones and no parameter."""
+
+    def __init__(self, dim: int, eps: float):
+        self.dim, self.eps = dim, eps
+
+    def factor(self) -> jax.Array:
+        return jnp.ones((self.dim,), jnp.float32)
