@@ -19,7 +19,7 @@ out_proj's sum (model/sharding.py). `in_proj_xbc` [hidden, G, (H / G) P + 2 N] h
 its heads' x, its B and its C (the convolution's channels in that order, `conv_weight`
 [G, same, W], `conv_bias` [G, same]); `in_proj_z` [hidden, H, P]; `in_proj_dt` [hidden, H];
 `group_norm` [G, (H / G) P]; `out_proj` [H, P, hidden]. The checkpoint's `in_proj` keeps
-z | x | B | C | dt whole: weights/nemotron_h_layout.py regroups it once at load (`by_group`).
+z | x | B | C | dt whole: weights/linear_attention_layout.py regroups it once at load (`by_group`).
 """
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ from xlaserve.model.config.llama4_config import LLAMA4_NAMES
 from xlaserve.model.config.rope_config import partial_rope_rows
 from xlaserve.model.mla import interleaved_rope_rows, mla_weights
 from xlaserve.weights.formats.mxfp4 import read_expert_weight
-from xlaserve.weights.linear_attention_layout import gated_delta_net_weights
-from xlaserve.weights.nemotron_h_layout import nemotron_h_weights
+from xlaserve.weights.linear_attention_layout import gated_delta_net_weights, nemotron_h_weights
 from xlaserve.weights.formats.quantization import check_float_tensor
 from xlaserve.weights.formats.tensor_source import TensorSource
 

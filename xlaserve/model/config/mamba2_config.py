@@ -7,7 +7,7 @@ decoder layer is a mixer then a feed-forward (model/transformer.DecoderLayer), s
 (M or *) is paired with the MLP block right after it: the layer's input norm is the mixer block's
 norm, its post-attention norm the MLP block's. A mixer block with no MLP after it is a layer
 without one (model/nemotron_h.NoMLP). `blocks` keeps, per layer, the checkpoint's block indices
-(weights/nemotron_h_layout.py reads them). What the code does not run is refused in one line:
+(weights/linear_attention_layout.py reads them). What the code does not run is refused in one line:
 experts (E: non-gated ReLU^2 experts, a latent projection; model/moe.py runs SwiGLU ones),
 biases, sliding windows, an MLP block with no mixer before it.
 """
