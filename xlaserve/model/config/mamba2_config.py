@@ -35,7 +35,10 @@ class Mamba2Config:
     conv_width: int  # conv_kernel
     conv_bias: bool  # use_conv_bias
     chunk_size: int  # chunk_size (what a chunked scan would take; the reference is recurrent)
-    time_step_limit: tuple[float, float]  # dt clamped into it after softplus
+    # dt clamped into it after softplus, at every token (the Mamba-2 reference's dt_limit).
+    # transformers' NemotronH clamps a prompt's dt to (time_step_min, inf) and a decoded
+    # token's not at all; the two differ only where softplus(dt + dt_bias) < time_step_min.
+    time_step_limit: tuple[float, float]
     rms_norm_eps: float  # layer_norm_epsilon (the gated norm's)
 
     def __post_init__(self):

@@ -1,5 +1,5 @@
 """The linear layers' state pool (issue 76): hybrid models' Gated DeltaNet layers
-(model/linear_attention.py) keep no KV cache but a state per request, in one slot of a pool per
+(model/linear_attention.py) and Nemotron-H's Mamba-2 layers (model/mamba2.py) keep no KV cache but a state per request, in one slot of a pool per
 layer, beside the KV pool's pages. A running request's slot is its request slot
 (`Request.slot`, 1..max_running_requests; slot 0 the padding rows' null slot), so the pool has
 max_running_requests + 1 slots, and admission by request slots is admission by this pool. The
