@@ -3,7 +3,7 @@ layers with a state slot per request): batched, chunked greedy requests, more th
 slots (mixed prefill and decode steps, slots handed on), give transformers' tokens and each
 request's solo ones with nothing compiled after the precompile; a prompt reuses a cached prefix
 from its state snapshot (scheduler/state_reuse.py); on two devices (--tp-size 2, the Mamba-2
-layers split by group) too; speculative decoding is refused by name. The checks:
+layers split by group, the experts by width) too; speculative decoding is refused by name. The checks:
 tests/engine/family_engine.py."""
 import pytest
 

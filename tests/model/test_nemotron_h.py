@@ -1,8 +1,9 @@
 """Nemotron-H (issue 76: `NemotronHForCausalLM`, a tiny random one from tests/tiny_models.py:
-Mamba-2 blocks, a NoPE attention block, ReLU^2 MLP blocks, two Mamba-2 blocks back to back) gives
+Mamba-2 blocks, a NoPE attention block, ReLU^2 MLP blocks, an experts block, two Mamba-2 blocks
+back to back) gives
 transformers' logits at every position for prompts in chunks of 3 beside other sequences'
 decoded tokens; its config reads as the checkpoint means it (single-mixer blocks paired into
-mixer + MLP layers), and what the code does not run is refused by name."""
+mixer + feed-forward layers), and what the code does not run is refused by name."""
 import types
 
 import pytest
@@ -45,14 +46,19 @@ def test_config_pairs_blocks_into_layers_and_reads_the_mamba2_shapes():
     assert (m.num_heads, m.head_dim, m.state_size, m.num_groups, m.conv_width) == (8, 8, 16, 2, 4)
     assert m.channels_per_group == 4 * 8 + 2 * 16 and m.conv_dim == 64 + 2 * 2 * 16
     assert m.time_step_limit == (0.0, float("inf")) and m.conv_bias
+    assert config.moe_layers == (True, False, False, False) and config.num_experts == 8
+    router = config.router
+    assert (router.scoring, router.groups, router.topk_groups, router.group_score,
+            router.correction_bias, router.scaling) == ("sigmoid", 2, 1, "top2_sum", True, 2.0)
+    assert config.shared_expert_intermediate_size == 48 and not config.shared_expert_gate
     assert ModelConfig.from_dict(config.to_dict()) == config
     # the legacy pattern string reads the same
-    pattern = _config(layers_block_type=None, hybrid_override_pattern="M-*-MM-")
+    pattern = _config(layers_block_type=None, hybrid_override_pattern="ME*-MM-")
     assert ModelConfig.from_hf(pattern, "NemotronHForCausalLM") == config
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(layers_block_type=["linear_attention", "moe"]), "experts"),
+    (dict(moe_latent_size=16), "moe_latent_size 16"),
     (dict(layers_block_type=["mlp", "linear_attention"]), "block 0 .mlp. has no mixer"),
     (dict(mlp_hidden_act="silu"), "mlp_hidden_act 'silu'"),
     (dict(use_bias=True), "use_bias=True"),

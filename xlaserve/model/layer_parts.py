@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlaserve.model.layers import MLP, Kernels, RMSNorm, init_weight, matmul_input_dtype, project
+from xlaserve.model.layers import MLP, Kernels, ReluSquaredMLP, RMSNorm
 from xlaserve.model.linear_attention import GatedDeltaNet
 from xlaserve.model.mamba2 import Mamba2Mixer
 from xlaserve.model.moe import MoE
@@ -36,22 +36,6 @@ def feed_forward(config, layer_index: int, dtype, rngs: nnx.Rngs):
     if c.activation == "relu2":
         return norm, ReluSquaredMLP(c.hidden_size, width, dtype, rngs)
     return norm, MLP(c.hidden_size, width, dtype, rngs, c.activation)
-
-
-class ReluSquaredMLP(nnx.Module):
-    """Nemotron-H's MLP: down(relu(up(x))^2), no gate (transformers' NemotronHMLP)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype, rngs: nnx.Rngs):
-        self.up = nnx.Param(init_weight(rngs, (hidden_size, intermediate_size), dtype))
-        self.down = nnx.Param(init_weight(rngs, (intermediate_size, hidden_size), dtype))
-
-    def input_dtype(self) -> jnp.dtype:
-        return matmul_input_dtype(self.up[...])
-
-    def __call__(self, x: jax.Array, kernels: Kernels, lora=None) -> jax.Array:
-        down = self.down[...]
-        hidden = jnp.square(jax.nn.relu(project(x, self.up[...], kernels).astype(jnp.float32)))
-        return project(hidden.astype(matmul_input_dtype(down)), down, kernels)
 
 
 class NoMLP(nnx.Module):

@@ -297,3 +297,19 @@ class MLP(nnx.Module):
         else:
             activation = kernels.swiglu(project(x, gate_up, kernels, lora, "gate_up"), dtype)
         return project(activation, down, kernels, lora, "down")
+
+
+class ReluSquaredMLP(nnx.Module):
+    """Nemotron-H's MLP: down(relu(up(x))^2), no gate (transformers' NemotronHMLP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, rngs: nnx.Rngs):
+        self.up = nnx.Param(init_weight(rngs, (hidden_size, intermediate_size), dtype))
+        self.down = nnx.Param(init_weight(rngs, (intermediate_size, hidden_size), dtype))
+
+    def input_dtype(self) -> jnp.dtype:
+        return matmul_input_dtype(self.up[...])
+
+    def __call__(self, x: jax.Array, kernels: Kernels, lora=None) -> jax.Array:
+        down = self.down[...]
+        hidden = jnp.square(jax.nn.relu(project(x, self.up[...], kernels).astype(jnp.float32)))
+        return project(hidden.astype(matmul_input_dtype(down)), down, kernels)

@@ -72,12 +72,38 @@ def nemotron_h_weights(fetch, config, attention, skip: frozenset = frozenset()):
             block, width = f"{NEMOTRON_H_PREFIX}layers.{mlp}.", c.layer(i).intermediate_size
             yield layer + ("post_attention_norm", "scale"), fetch(block + "norm.weight",
                                                                   (hidden,))
-            yield layer + ("mlp", "up"), fetch(block + "mixer.up_proj.weight", (width, hidden)).T
-            yield layer + ("mlp", "down"), fetch(block + "mixer.down_proj.weight",
-                                                 (hidden, width)).T
+            if c.moe_layers[i]:
+                yield from _ungated_experts(fetch, c, block + "mixer.", layer + ("mlp",))
+            else:
+                yield from _relu_squared_mlp(fetch, block + "mixer.", width, hidden,
+                                             layer + ("mlp",))
     yield ("final_norm", "scale"), fetch(NEMOTRON_H_PREFIX + "norm_f.weight", (hidden,))
     if not c.tie_word_embeddings and c.lm_head and ("lm_head",) not in skip:
         yield ("lm_head",), fetch("lm_head.weight", (c.vocab_size, hidden)).T
+
+
+def _relu_squared_mlp(fetch, prefix: str, width: int, hidden: int, path: tuple):
+    yield path + ("up",), fetch(prefix + "up_proj.weight", (width, hidden)).T
+    yield path + ("down",), fetch(prefix + "down_proj.weight", (hidden, width)).T
+
+
+def _ungated_experts(fetch, c, prefix: str, path: tuple):
+    """An E block (model/moe.py): the router and its correction bias, each expert's up
+    [I, hidden] and down [hidden, I] stacked (up as [E, hidden, 1, I]: no gate), the shared
+    expert's up and down."""
+    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    yield path + ("router",), fetch(prefix + "gate.weight", (experts, hidden)).T
+    yield path + ("router_correction_bias",), fetch(prefix + "gate.e_score_correction_bias",
+                                                    (experts,))
+    up = np.stack([fetch(f"{prefix}experts.{e}.up_proj.weight", (inter, hidden)).T
+                   for e in range(experts)])
+    yield path + ("experts_gate_up",), up[:, :, None, :]
+    yield path + ("experts_down",), np.stack([
+        fetch(f"{prefix}experts.{e}.down_proj.weight", (hidden, inter)).T
+        for e in range(experts)])
+    yield from _relu_squared_mlp(fetch, prefix + "shared_experts.",
+                                 c.shared_expert_intermediate_size, hidden,
+                                 path + ("shared_expert",))
 
 
 def mamba2_weights(fetch, c, prefix: str, path: tuple):

@@ -4,12 +4,14 @@
 Its checkpoint is a list of single-mixer blocks, `x = x + mixer(norm(x))`, each one of
 `layers_block_type` (`hybrid_override_pattern`: M Mamba-2, * attention, - MLP, E experts). Our
 decoder layer is a mixer then a feed-forward (model/transformer.DecoderLayer), so each mixer block
-(M or *) is paired with the MLP block right after it: the layer's input norm is the mixer block's
-norm, its post-attention norm the MLP block's. A mixer block with no MLP after it is a layer
-without one (model/nemotron_h.NoMLP). `blocks` keeps, per layer, the checkpoint's block indices
-(weights/linear_attention_layout.py reads them). What the code does not run is refused in one line:
-experts (E: non-gated ReLU^2 experts, a latent projection; model/moe.py runs SwiGLU ones),
-biases, sliding windows, an MLP block with no mixer before it.
+(M or *) is paired with the MLP or experts block right after it: the layer's input norm is the
+mixer block's norm, its post-attention norm the feed-forward block's. A mixer block with no
+feed-forward after it is a layer without one (model/layer_parts.NoMLP). `nemotron_blocks` keeps,
+per layer, the checkpoint's block indices (weights/linear_attention_layout.py reads them). The
+experts (E, model/moe.py) have no gate (ReLU^2 of up), DeepSeek-V3's router (sigmoid scores,
+groups scored by their best two, a correction bias for the choice) and an ungated ReLU^2 shared
+expert. What the code does not run is refused in one line: the experts' latent projection
+(moe_latent_size), biases, sliding windows, a feed-forward block with no mixer before it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 from xlaserve.model.config.rope_config import rope_from_hf
 
 NEMOTRON_H_ARCHITECTURES = ("NemotronHForCausalLM",)
-MIXERS, FEED_FORWARDS = ("linear_attention", "full_attention"), ("mlp",)
+MIXERS, FEED_FORWARDS = ("linear_attention", "full_attention"), ("mlp", "moe")
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
@@ -76,9 +78,9 @@ def nemotron_h_fields(c: Any, architecture: str) -> dict:
                         ("attention_bias", c.attention_bias)):
         if value:
             raise ValueError(f"{architecture} with {flag}=True is not supported")
-    if "moe" in kinds:
-        raise ValueError(f"{architecture} with experts (E / moe blocks) is not supported: their "
-                         "non-gated ReLU^2 experts are not built")
+    if "moe" in kinds and getattr(c, "moe_latent_size", None) is not None:
+        raise ValueError(f"{architecture} with moe_latent_size {c.moe_latent_size} is not "
+                         "supported (the experts' latent projection is not built)")
     if unknown := sorted(set(kinds) - set(MIXERS) - set(FEED_FORWARDS)):
         raise ValueError(f"{architecture} with layers_block_type {unknown} is not supported")
     for name, value, wanted in (("mlp_hidden_act", c.mlp_hidden_act, "relu2"),
@@ -108,7 +110,25 @@ def nemotron_h_fields(c: Any, architecture: str) -> dict:
         (() if eos is None else (eos,)),
         nope_layers=(True,) * layers,  # its attention has no positions
         activation="relu2", mamba2=mamba2, nemotron_blocks=blocks,
-        linear_layers=tuple(kinds[mixer] == "linear_attention" for mixer, _ in blocks))
+        linear_layers=tuple(kinds[mixer] == "linear_attention" for mixer, _ in blocks),
+        **_experts(c, [ffn >= 0 and kinds[ffn] == "moe" for _, ffn in blocks]))
+
+
+def _experts(c: Any, moe_layers: list[bool]) -> dict:
+    """The experts' fields (none without E blocks): transformers' NemotronHTopkRouter is
+    DeepSeek-V3's (the top-2 sum scores each group, whatever n_group), its shared expert one
+    ungated MLP of moe_shared_expert_intermediate_size."""
+    if not any(moe_layers):
+        return {}
+    return dict(num_experts=c.n_routed_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.moe_intermediate_size,
+                norm_topk_prob=bool(c.norm_topk_prob),
+                shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
+                shared_expert_gate=False, router_scoring="sigmoid", router_groups=c.n_group,
+                router_topk_groups=c.topk_group, router_group_score="top2_sum",
+                router_correction_bias=True,
+                routed_scaling_factor=float(c.routed_scaling_factor),
+                moe_layers=tuple(moe_layers))
 
 
 def _paired_blocks(kinds: list[str], architecture: str) -> tuple[tuple[int, int], ...]:
