@@ -32,7 +32,7 @@ class Mode(enum.Enum):
     MULTI_HOST = "--nnodes > 1"
     HIDDEN_STATES = "--enable-return-hidden-states"
     DETERMINISTIC = "--enable-deterministic-inference"
-    LINEAR_ATTENTION = "a hybrid linear-attention model (Qwen3.5, Qwen3-Next)"
+    LINEAR_ATTENTION = "a hybrid linear-attention model (Qwen3.5, Qwen3-Next, Nemotron-H)"
 
 
 @dataclasses.dataclass(frozen=True)
