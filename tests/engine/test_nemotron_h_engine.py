@@ -3,15 +3,13 @@ layers with a state slot per request): batched, chunked greedy requests, more th
 slots (mixed prefill and decode steps, slots handed on), give transformers' tokens and each
 request's solo ones with nothing compiled after the precompile; a prompt reuses a cached prefix
 from its state snapshot (scheduler/state_reuse.py); on two devices (--tp-size 2, the Mamba-2
-layers split by group, the experts by width) too; speculative decoding is refused by name. The checks:
-tests/engine/family_engine.py."""
-import pytest
-
+layers split by group, the experts by width) too; speculative decoding (NGRAM) gives
+transformers' tokens, its verified rows' scans rolled back to their accepted drafts. The checks:
+tests/engine/family_engine.py, tests/engine/test_hybrid_engine.py."""
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
                                         check_two_devices, family_fixtures)
-from tests.engine.test_hybrid_engine import PROMPTS, SMALL
+from tests.engine.test_hybrid_engine import PROMPTS, SMALL, check_speculation_rolls_back
 from tests.hf_reference import hf_greedy
-from xlaserve.offline import Engine
 
 checkpoint, engine = family_fixtures("nemotron_h", SMALL)
 
@@ -38,8 +36,7 @@ def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
     check_two_devices(checkpoint[0], checkpoint[1], PROMPTS, GREEDY, dict(SMALL, tp_size=2))
 
 
-def test_speculative_decoding_is_refused_as_for_the_other_hybrids(checkpoint):
-    """Its layers keep a state per request (Mode.LINEAR_ATTENTION): no rolled-back state for
-    rejected drafts yet."""
-    with pytest.raises(ValueError, match="--speculative-algorithm.* with a hybrid linear-attention"):
-        Engine(checkpoint[0], **SMALL, speculative_algorithm="NGRAM")
+def test_speculative_decoding_rolls_verified_rows_back_to_transformers_tokens(checkpoint):
+    """Mamba2State.commit_accepted: the scan and the window of each verified row's kept
+    tokens."""
+    check_speculation_rolls_back(checkpoint)

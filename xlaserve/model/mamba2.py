@@ -11,7 +11,9 @@ Its state, like Gated DeltaNet's (model/linear_attention.py), is a slot per requ
 float32 pools (`Mamba2State`): the convolution's last W - 1 inputs and each head's [P, N] state,
 after the KV pool's arrays in a step's caches (ModelConfig.cache_slot); sequence s reads and
 writes slot `metadata.state_slots[s]`, from zeros at a prompt's first token. Its call is
-GatedDeltaNet's, so transformer.DecoderLayer runs either.
+GatedDeltaNet's, so transformer.DecoderLayer runs either. In a speculative step it keeps its
+verified rows' inputs (`PendingScan`) and commits their accepted tokens as Gated DeltaNet does
+(linear_attention.commit_rows).
 
 Layout: everything by group, so that tensor parallelism splits the layer by group (its heads
 with it: head h is group h // (H / G)'s) as attention is split by KV head, with no exchange but
@@ -32,7 +34,21 @@ from flax import nnx
 
 from xlaserve.model.config.mamba2_config import Mamba2Config
 from xlaserve.model.layers import Kernels, init_weight, linear, matmul_input_dtype, project
+from xlaserve.model.linear_attention import commit_rows
 from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d
+from xlaserve.pallas_kernels.mamba2.reference import by_head, ssm_update
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PendingScan:
+    """A layer's inputs of a speculative step's VerifiedRows.rows ([S, W, ...]): the
+    convolution's `raw` inputs, and the scan's x, dt (softplus'd, clamped) and B."""
+
+    raw: jax.Array
+    x: jax.Array
+    dt: jax.Array
+    B: jax.Array
 
 
 @dataclasses.dataclass
@@ -40,13 +56,24 @@ class Mamba2State:
     """One layer's state pools, float32: `conv` [slots, W - 1, G, channels] (the convolution's
     inputs before a request's next row, oldest first, each group's channels) and `ssm`
     [slots, H, P, N] (the heads' states). A request owns one slot of both, in every Mamba-2
-    layer."""
+    layer. `pending`: in a speculative step, until `commit_accepted`, the verified rows' inputs
+    and A (else None)."""
 
     conv: jax.Array
     ssm: jax.Array
+    pending: tuple[PendingScan, jax.Array] | None = None
+
+    def commit_accepted(self, kept_lens, slots, verified) -> "Mamba2State":
+        """linear_attention.commit_accepted's, for the scan (reference.ssm_update)."""
+        p, A = self.pending
+        x, dt, B = (a.astype(jnp.float32) for a in (p.x, p.dt, by_head(p.B, p.x.shape[2])))
+        update = lambda ssm, i: ssm_update(ssm, x[:, i], dt[:, i], A, B[:, i])
+        return Mamba2State(*commit_rows(self.conv, p.raw, self.ssm, update, kept_lens, slots,
+                                        verified))
 
 
-jax.tree_util.register_dataclass(Mamba2State, data_fields=["conv", "ssm"], meta_fields=[])
+jax.tree_util.register_dataclass(Mamba2State, data_fields=["conv", "ssm", "pending"],
+                                 meta_fields=[])
 
 
 def state_shapes(config: Mamba2Config, slots: int) -> Mamba2State:
@@ -87,10 +114,12 @@ class Mamba2Mixer(nnx.Module):
         # The projection rounded to the model dtype, as transformers' convolution takes it.
         xbc = project(x, self.in_proj_xbc[...], kernels).astype(conv_weight.dtype)
         bias = self.conv_bias[...].reshape(-1) if c.conv_bias else None
+        verified = m.verified_rows  # a speculative step's (linear_attention.VerifiedRows)
+        writes = None if verified is None else verified.writes
         mixed, conv = causal_conv1d(
             xbc.reshape(rows, -1), conv_weight.reshape(-1, width), bias,
             state.conv.reshape(slots, width - 1, -1), m.state_slots, m.kv_lens, m.cu_q_lens,
-            m.num_seqs, activation="silu")
+            m.num_seqs, activation="silu", writes=writes)
         mixed = mixed.reshape(rows, c.num_groups, c.channels_per_group)
         inner = c.heads_per_group * c.head_dim
         xs = mixed[..., :inner].reshape(rows, c.num_heads, c.head_dim)
@@ -100,7 +129,7 @@ class Mamba2Mixer(nnx.Module):
                                       + self.dt_bias[...].astype(jnp.float32)), low, high)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         y, ssm = kernels.mamba2_ssm(xs, dt, A, B, C, self.D[...], state.ssm, m.state_slots,
-                                    m.kv_lens, m.cu_q_lens, m.num_seqs)
+                                    m.kv_lens, m.cu_q_lens, m.num_seqs, writes)
         z = project(x, self.in_proj_z[...], kernels)
         gated = gated_group_norm(y.reshape(rows, c.num_groups, inner),
                                  z.reshape(rows, c.num_groups, inner), self.group_norm[...],
@@ -108,7 +137,9 @@ class Mamba2Mixer(nnx.Module):
         out_proj = self.out_proj[...]
         out = project(gated.reshape(rows, c.inner_size).astype(matmul_input_dtype(out_proj)),
                       out_proj, kernels)
-        return out, Mamba2State(conv=conv.reshape(state.conv.shape), ssm=ssm)
+        pending = None if verified is None else (
+            PendingScan(*(a[verified.rows] for a in (xbc, xs, dt, B))), A)
+        return out, Mamba2State(conv.reshape(state.conv.shape), ssm, pending)
 
     def input_matrix(self):
         """The first matrix the layer's input meets (its dtype is the input's)."""

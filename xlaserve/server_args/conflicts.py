@@ -99,8 +99,9 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
                 lambda args: args.attention_backend == "reference"),
         Refused("--is-embedding / --runner pooling", lambda args: args.runner == "pooling"))),
     # Each is a state the linear layers do not keep yet (issue 76): a draft model's or head's
-    # (NGRAM drafts on the host; the target's verified rows roll back: verified_rows.StateRollback), an
-    # adapter's delta in their projections, a state per cached prefix.
+    # (NGRAM drafts on the host, and the target's verified rows roll back:
+    # verified_rows.StateRollback), an adapter's delta in their projections, a state per cached
+    # prefix in host memory.
     Mode.LINEAR_ATTENTION: ("{flag} with a hybrid linear-attention model is not built yet", (
         Refused("--speculative-algorithm {speculative_algorithm}",
                 lambda args: bool(args.speculative_algorithm)

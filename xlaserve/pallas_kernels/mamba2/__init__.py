@@ -4,7 +4,7 @@ platform runs for now."""
 from xlaserve._lazy import lazy_exports
 
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
-    "mamba2_ssm": "reference",
+    "mamba2_ssm": "reference", "ssm_update": "reference", "by_head": "reference",
 }
 __all__ = list(_MODULE_OF)
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)  # imported on first use
