@@ -4,22 +4,32 @@ reference.py's contract (float32):
     out, pool = gated_delta_rule(q, k, v, g, beta, pool, state_slots, kv_lens, cu_q_lens,
                                  num_seqs, writes=None, interpret=False)
 
-The recurrent form: each sequence's rows run in order with its state [Hv, Dk, Dv] (all value
-heads: 2 MiB at Qwen3-Next's 32 heads of 128 x 128) in VMEM scratch, DMA'd in from the pool at
-its first row (zeros where the step holds its prompt's first token) and back at its last, the
-pool aliased in -> out and left in HBM. The reference's row loop moved the whole pool through
-memory at each row.
+The chunked form (reference.chunked_gated_delta_rule, transformers' and flash-linear-attention's
+algorithm): a block of `ROW_BLOCK` rows of one sequence is one chunk, its rows' writes solved
+together in matmuls on the MXU, each sequence's state [Hv, Dk, Dv] (2 MiB at Qwen3-Next's 32
+heads of 128 x 128) in VMEM scratch across its chunks, DMA'd in from the pool at its first
+(zeros where the step holds its prompt's first token) and back at its last (where it writes:
+`writes`), the pool aliased in -> out and left in HBM. The recurrent form, a row at a time, did
+per row and head three matrix-vector products on the MXU (1/128 of its rows used): a 512-row
+chunk of a prompt was 512 x 32 x 3 sequential MXU passes a layer.
 
 The grid runs work items in order ("arbitrary": the state passes from item to item): an item is
-the rows of one sequence within one block of `ROW_BLOCK` rows, so q, k, v and the outputs move
-in blocks that Pallas pipelines, and a block that two sequences share is visited by consecutive
-items (its output block stays in VMEM, written back once). Items of padding rows zero their
-output; padding sequences have no items and touch no slot. q and k stay per key head
-(normalized in XLA, not repeated to the value heads: 16 MB less traffic for a 512-row step of
-Qwen3-Next). Per row and value head the rule is two matrix-vector products on the MXU (k S and
-q S, at HIGHEST precision: float32) and the outer product k^T delta as a matmul contracting k's
-row axis; decay exp(g) and beta are per-row scalars in SMEM. The heads are a static loop (32
-unrolled for Qwen3-Next: 1.9 MB of code, 2.8 s to compile for v6e); not yet timed on a TPU.
+the rows of one sequence within one block, so q, k, v and the outputs move in blocks that Pallas
+pipelines, and a block that two sequences share is visited by consecutive items (its output
+block stays in VMEM, written back once). An item's chunk is the whole block with the other rows
+masked (their decay 1, their write strength 0: they change nothing), so every chunk has the
+block's static shape; an item of one row (a decode row) takes the recurrent form's three
+matrix-vector products a head instead (a chunk's ~17 matmuls for one row). Per value head, with
+c the cumulative log decay and D[i, j] = exp(c_i - c_j) (j <= i):
+
+    A = tril(beta k k^T D, -1),  T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...   (A nilpotent)
+    u = T (beta v),  w = T (beta exp(c) k),  v' = u - w S
+    o = exp(c) q S + tril(q k^T D) v',  S <- exp(c_last) S + (exp(c_last - c) k)^T v'
+
+T as a product of log2(block) factors: matmuls, not a row-by-row substitution. q, k, v, g and
+beta go in head-major ([heads, T, ...], transposed in XLA) so that a head's rows are one VMEM
+tile; q and k stay per key head (normalized in XLA, not repeated to the value heads). Every
+matmul at HIGHEST precision (float32). The heads are a static loop; not yet timed on a TPU.
 """
 from __future__ import annotations
 
@@ -48,9 +58,10 @@ def row_block(num_rows: int, most: int = ROW_BLOCK) -> int:
 
 def check_vmem(block: int, key_heads: int, heads: int, key_dim: int, value_dim: int) -> None:
     """ValueError where the state and the double-buffered row blocks exceed VMEM_BUDGET
-    (Qwen3-Next at one device: 2 MiB of state, 3 MiB of blocks)."""
+    (Qwen3-Next at one device: 2 MiB of state, 5 MiB of blocks: g and beta columns take a
+    128-lane tile each)."""
     state = heads * key_dim * value_dim * 4
-    blocks = 2 * block * 4 * (2 * key_heads * key_dim + 2 * heads * value_dim)
+    blocks = 2 * block * 4 * (2 * key_heads * key_dim + 2 * heads * value_dim + 2 * heads * 128)
     if state + blocks > VMEM_BUDGET:
         raise ValueError(f"the TPU gated delta rule's state ({heads} heads of {key_dim} x "
                          f"{value_dim}) and {block}-row blocks take {(state + blocks) >> 20} MiB "
@@ -79,8 +90,8 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
                      writes=None, interpret=False, block_rows=ROW_BLOCK):
     """reference.gated_delta_rule on TPU: out [T, Hv, Dv] in v's dtype (padding rows zero), the
     pool (float32 [slots, Hv, Dk, Dv], updated in place) with each sequence's state after its last
-    row, but where `writes` is 0 (reference.gated_delta_rule). `interpret`: False on a TPU, True to run it on the CPU (tests); `block_rows`: the most
-    rows of a block."""
+    row, but where `writes` is 0 (reference.gated_delta_rule). `interpret`: False on a TPU, True
+    to run it on the CPU (tests); `block_rows`: the most rows of a block (of a chunk)."""
     if state_pool.dtype != jnp.float32:
         raise ValueError(f"the TPU gated delta rule keeps a float32 state pool, not "
                          f"{state_pool.dtype}")
@@ -98,26 +109,26 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     # (where the sequence writes its slot).
     first = (seq >= 0) & (starts == cu_q_lens[s])
     fresh = first & (kv_lens[s] == cu_q_lens[s + 1] - cu_q_lens[s])
-    last = (seq >= 0) & (ends == cu_q_lens[s + 1]) & (reference.all_writes(writes, state_slots)[s] != 0)
+    writing = reference.all_writes(writes, state_slots)[s] != 0
+    last = (seq >= 0) & (ends == cu_q_lens[s + 1]) & writing
     loads = jnp.where(fresh, 2, first.astype(jnp.int32))  # 0: carried, 1: from the pool, 2: zeros
     slots = state_slots[s]
 
-    rows_of = lambda head_count, width: pl.BlockSpec((block, head_count, width),
-                                         lambda i, b, *_: (b[i], 0, 0))
-    scalars_of = pl.BlockSpec((block, heads), lambda i, b, *_: (b[i], 0),
-                              memory_space=pltpu.SMEM)
+    # Head-major: a head's rows of a block are one [block, width] tile.
+    rows_of = lambda head_count, width: pl.BlockSpec((head_count, block, width),
+                                                     lambda i, b, *_: (0, b[i], 0))
+    by_head = lambda x: jnp.swapaxes(x, 0, 1)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_rows_kernel, heads=heads, values_per_key=heads // key_heads,
+    kernel = functools.partial(_chunk_kernel, heads=heads, values_per_key=heads // key_heads,
                                block=block)
     out, pool = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((rows, heads, value_dim), jnp.float32),
+        out_shape=(jax.ShapeDtypeStruct((heads, rows, value_dim), jnp.float32),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7, grid=(seq.shape[0],),
             in_specs=[rows_of(key_heads, key_dim), rows_of(key_heads, key_dim),
-                      rows_of(heads, value_dim), scalars_of,
-                      scalars_of, hbm],
+                      rows_of(heads, value_dim), rows_of(heads, 1), rows_of(heads, 1), hbm],
             out_specs=[rows_of(heads, value_dim), hbm],
             scratch_shapes=[pltpu.VMEM((heads, key_dim, value_dim), jnp.float32),
                             pltpu.SemaphoreType.DMA(())]),
@@ -126,13 +137,30 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
         interpret=interpret, name="gated_delta_rule",
     )(blocks, starts, jnp.where(seq >= 0, ends, starts), opens, loads, last.astype(jnp.int32),
       slots,
-      q, k, v32, jnp.exp(g), beta, state_pool)
-    return out.astype(v.dtype), pool
+      by_head(q), by_head(k), by_head(v32), by_head(g)[..., None], by_head(beta)[..., None],
+      state_pool)
+    return by_head(out).astype(v.dtype), pool
 
 
-def _rows_kernel(blocks, starts, ends, opens, loads, lasts, slots,  # scalar prefetch (SMEM)
-                 q_ref, k_ref, v_ref, decay_ref, beta_ref, pool_in, out_ref, pool_out,
-                 state, sem, *, heads, values_per_key, block):
+def _dot(a, b, contract=((1,), (0,))):
+    return lax.dot_general(a, b, (contract, ((), ())), precision=EXACT,
+                           preferred_element_type=jnp.float32)
+
+
+def _unit_lower_inverse(a, eye, block: int):
+    """(I + a)^-1 for `a` strictly lower triangular [block, block] (a^block = 0): the sum of
+    (-a)^n for n < block as (I - a)(I + a^2)(I + a^4)..., log2(block) factors."""
+    power = -a
+    inverse = eye + power
+    for _ in range(block.bit_length() - 2):  # a^2, a^4, ... a^(block / 2)
+        power = _dot(power, power)
+        inverse = _dot(inverse, eye + power)
+    return inverse
+
+
+def _chunk_kernel(blocks, starts, ends, opens, loads, lasts, slots,  # scalar prefetch (SMEM)
+                  q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in, out_ref, pool_out,
+                  state, sem, *, heads, values_per_key, block):
     i = pl.program_id(0)
 
     @pl.when(opens[i] == 1)
@@ -149,26 +177,62 @@ def _rows_kernel(blocks, starts, ends, opens, loads, lasts, slots,  # scalar pre
     def _():
         state[...] = jnp.zeros_like(state)
 
-    offset = blocks[i] * block
+    @pl.when(ends[i] - starts[i] == 1)
+    def _():  # a decode row: the recurrent form's three matrix-vector products a head
+        _one_row(starts[i] - blocks[i] * block, q_ref, k_ref, v_ref, g_ref, beta_ref, out_ref,
+                 state, heads=heads, values_per_key=values_per_key)
 
-    def row(r, carry):
-        for h in range(heads):  # static: each head's rows of the block are [r, h] slices
-            key = pl.ds(h // values_per_key, 1)  # the value head's key head
-            q_row, k_row = q_ref[r, key, :], k_ref[r, key, :]  # [1, Dk]
-            s = state[h] * decay_ref[r, h]
-            remembered = jnp.dot(k_row, s, precision=EXACT, preferred_element_type=jnp.float32)
-            delta = (v_ref[r, pl.ds(h, 1), :] - remembered) * beta_ref[r, h]  # [1, Dv]
-            s = s + lax.dot_general(k_row, delta, (((0,), (0,)), ((), ())), precision=EXACT,
-                                    preferred_element_type=jnp.float32)  # k^T delta
-            state[h] = s
-            out_ref[r, pl.ds(h, 1), :] = jnp.dot(q_row, s, precision=EXACT,
-                                                 preferred_element_type=jnp.float32)
-        return carry
-
-    lax.fori_loop(starts[i] - offset, ends[i] - offset, row, 0)
+    @pl.when(ends[i] - starts[i] > 1)
+    def _():
+        _chunk(blocks[i] * block, starts[i], ends[i], q_ref, k_ref, v_ref, g_ref, beta_ref,
+               out_ref, state, heads=heads, values_per_key=values_per_key, block=block)
 
     @pl.when(lasts[i] == 1)
     def _():
         copy = pltpu.make_async_copy(state, pool_out.at[slots[i]], sem)
         copy.start()
         copy.wait()
+
+
+def _one_row(r, q_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, state, *, heads,
+             values_per_key):
+    """Row `r` of the block alone: S <- exp(g) S, then the delta rule's write, o = q S."""
+    for h in range(heads):  # static
+        key = h // values_per_key
+        q, k = q_ref[key, pl.ds(r, 1), :], k_ref[key, pl.ds(r, 1), :]  # [1, Dk]
+        s = state[h] * jnp.exp(g_ref[h, pl.ds(r, 1), :])  # [Dk, Dv] x [1, 1]
+        delta = (v_ref[h, pl.ds(r, 1), :] - _dot(k, s)) * beta_ref[h, pl.ds(r, 1), :]  # [1, Dv]
+        s = s + _dot(k, delta, ((0,), (0,)))  # k^T delta
+        state[h] = s
+        out_ref[h, pl.ds(r, 1), :] = _dot(q, s)
+
+
+def _chunk(offset, start, end, q_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, state, *, heads,
+           values_per_key, block):
+    """Rows [start, end) of the block (at row `offset`) as one chunk (the module's docstring)."""
+    row = lax.broadcasted_iota(jnp.int32, (block, block), 0)
+    column = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+    on_or_below, eye = row >= column, (row == column).astype(jnp.float32)
+    lower, ones = on_or_below.astype(jnp.float32), jnp.ones((block, block), jnp.float32)
+    index = lax.broadcasted_iota(jnp.int32, (block, 1), 0) + offset
+    live = (index >= start) & (index < end)  # [block, 1]: the item's rows
+
+    for h in range(heads):  # static
+        q, k = q_ref[h // values_per_key], k_ref[h // values_per_key]  # [block, Dk]
+        v = v_ref[h]  # [block, Dv]
+        g = jnp.where(live, g_ref[h], 0.0)  # [block, 1]: other rows decay by 1, write nothing
+        beta = jnp.where(live, beta_ref[h], 0.0)
+        c = _dot(lower, g)  # the cumulative log decay
+        c_of_column = _dot(ones, eye * c)  # [i, j] = c_j (a transpose, as a matmul)
+        decay = jnp.exp(jnp.where(on_or_below, c - c_of_column, -jnp.inf))
+        a = jnp.where(row > column, beta * _dot(k, k, ((1,), (1,))) * decay, 0.0)
+        inverse = _unit_lower_inverse(a, eye, block)
+        u = _dot(inverse, beta * v)
+        w = _dot(inverse, beta * jnp.exp(c) * k)
+        s = state[h]
+        corrections = u - _dot(w, s)
+        within = jnp.where(on_or_below, _dot(q, k, ((1,), (1,))) * decay, 0.0)
+        out = _dot(q * jnp.exp(c), s) + _dot(within, corrections)
+        last = c[block - 1:, :]  # [1, 1]: c at the block's last row (later rows add nothing)
+        state[h] = s * jnp.exp(last) + _dot(k * jnp.exp(last - c), corrections, ((0,), (0,)))
+        out_ref[h] = jnp.where(live, out, out_ref[h])
