@@ -1,16 +1,22 @@
 """Mamba-2's selective scan over ragged batches and a state pool (pallas_kernels/mamba2/
 reference.py, Nemotron-H's linear layers; issue 76) against a plain float64 NumPy recurrence on
 random inputs: prefill and decode rows of several sequences in one step, each from its slot's
-state (or zeros at a prompt's start) to its slot's new state; a prompt split over steps
+state (or zeros at a prompt's start) to its slot's new state; the scan through each kernel of the
+gated delta rule (form "ssd": the native CPU one, Pallas TPU in chunks and GPU, interpreted) the
+same in float32; a prompt split over steps
 continues from its slot; padding rows and other slots are left alone, and so is the slot of a
 sequence that does not write (`writes` 0: a speculative verified row's)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from xlaserve.pallas_kernels.mamba2.reference import mamba2_ssm
+from xlaserve.pallas_kernels.linear_attention import kernel_cpu, kernel_gpu, kernel_tpu
+from xlaserve.pallas_kernels.mamba2.reference import mamba2_ssm, through_rule
 
-H, P, N, G = 4, 3, 5, 2
+H, P, N, G = 4, 4, 8, 2  # powers of two: the GPU kernel tiles by them
 
 
 def _inputs(length: int, seed: int):
@@ -23,36 +29,43 @@ def _inputs(length: int, seed: int):
 
 
 def _numpy_recurrence(x, dt, A, B, C, D, state):
-    """Token by token, head by head: S <- exp(dt A) S + dt x B^T, y = S C + D x."""
+    """Token by token, head by head (the state [N, P]): S <- exp(dt A) S + dt B x^T,
+    y = S^T C + D x."""
     state, out = state.copy(), np.zeros_like(x)
     for t in range(len(x)):
         for h in range(H):
             g = h // (H // G)
-            state[h] = np.exp(dt[t, h] * A[h]) * state[h] + dt[t, h] * np.outer(x[t, h], B[t, g])
-            out[t, h] = state[h] @ C[t, g] + D[h] * x[t, h]
+            state[h] = np.exp(dt[t, h] * A[h]) * state[h] + dt[t, h] * np.outer(B[t, g], x[t, h])
+            out[t, h] = state[h].T @ C[t, g] + D[h] * x[t, h]
     return out, state
 
 
-def test_prefill_and_decode_rows_match_the_float64_recurrence_state_in_and_out():
+def _ragged_step(rows: int = 20):
+    """A prompt, two decodes and a later chunk in one step of `rows` rows (float64), their
+    slots and a pool of 7."""
     rng = np.random.default_rng(7)
     A, D = -np.exp(rng.standard_normal(H)), rng.standard_normal(H)
     lengths, prefixes = (6, 1, 1, 9), (0, 12, 3, 4)  # a prompt, two decodes, a later chunk
     slots = np.array([2, 5, 1, 3], np.int32)
     sequences = [_inputs(n, seed) for seed, n in enumerate(lengths)]
-    rows = 20
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     x, dt, b, c = (np.concatenate([s[i] for s in sequences]
                                   + [np.zeros((rows - cu[-1],) + sequences[0][i].shape[1:])])
                    for i in range(4))
-    pool = rng.standard_normal((7, H, P, N))
+    pool = rng.standard_normal((7, H, N, P))
     kv_lens = np.array([n + p for n, p in zip(lengths, prefixes)], np.int32)
+    return (x, dt, A, b, c, D, pool, slots, kv_lens, cu), (sequences, prefixes)
+
+
+def test_prefill_and_decode_rows_match_the_float64_recurrence_state_in_and_out():
+    (x, dt, A, b, c, D, pool, slots, kv_lens, cu), (sequences, prefixes) = _ragged_step()
     with jax.enable_x64(True):
         out, new_pool = mamba2_ssm(x, dt, A, b, c, D, jnp.asarray(pool), slots, kv_lens, cu,
                                    np.array([4], np.int32), np.array([1, 0, 1, 1], np.int32))
         out, new_pool = np.asarray(out), np.asarray(new_pool)
     assert out.dtype == np.float64
     for i, (sequence, prefix) in enumerate(zip(sequences, prefixes)):
-        start = pool[slots[i]] if prefix else np.zeros((H, P, N))
+        start = pool[slots[i]] if prefix else np.zeros((H, N, P))
         expected, final = _numpy_recurrence(*sequence[:2], A, *sequence[2:], D, start)
         np.testing.assert_allclose(out[cu[i]:cu[i + 1]], expected, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(new_pool[slots[i]], pool[slots[i]] if i == 1 else final,
@@ -66,7 +79,7 @@ def test_a_prompt_split_over_steps_continues_from_its_slot_in_float32():
     rng = np.random.default_rng(3)
     A, D = -np.exp(rng.standard_normal(H)), rng.standard_normal(H)
     prompt = [a.astype(np.float32) for a in _inputs(11, 4)]
-    pool = jnp.zeros((2, H, P, N), jnp.float32)
+    pool = jnp.zeros((2, H, N, P), jnp.float32)
 
     def step(rows, pool, kv_len):
         x, dt, b, c = rows
@@ -80,3 +93,27 @@ def test_a_prompt_split_over_steps_continues_from_its_slot_in_float32():
     np.testing.assert_allclose(np.concatenate([first, second]), whole, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(pool, whole_pool, rtol=1e-5, atol=1e-5)
     assert whole.dtype == np.float32 and whole_pool.dtype == np.float32
+
+
+KERNELS = {
+    "cpu": kernel_cpu.gated_delta_rule,
+    "tpu": functools.partial(kernel_tpu.gated_delta_rule, interpret=True, block_rows=8),
+    "gpu": functools.partial(kernel_gpu.gated_delta_rule, interpret=True, value_block=2),
+}
+
+
+@pytest.mark.parametrize("platform", sorted(KERNELS))
+def test_each_kernel_of_the_rule_runs_the_scan(platform):
+    """The scan through `platform`'s gated delta rule (form "ssd"), jitted, in float32, against
+    the float64 reference: a 24-row step whose prompt and chunk cross 8-row blocks (the TPU's
+    chunks) beside two decode rows, one of which leaves its slot."""
+    (x, dt, A, b, c, D, pool, slots, kv_lens, cu), _ = _ragged_step(24)
+    writes = np.array([1, 0, 1, 1], np.int32)
+    args = [a.astype(np.float32) for a in (x, dt, A, b, c, D, pool)]
+    out, new_pool = jax.jit(through_rule(KERNELS[platform]))(
+        *args, slots, kv_lens, cu, np.array([4], np.int32), writes)
+    with jax.enable_x64(True):
+        want, want_pool = mamba2_ssm(x, dt, A, b, c, D, jnp.asarray(pool), slots, kv_lens, cu,
+                                     np.array([4], np.int32), writes)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(new_pool, want_pool, rtol=2e-5, atol=2e-5)

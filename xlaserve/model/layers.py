@@ -176,7 +176,8 @@ class Kernels:
     # contract (the CPU's native kernel: kernel_cpu.py)
     gated_delta_rule: Callable = gated_delta_rule_reference
     # Nemotron-H's Mamba-2 layers (model/mamba2.py): the selective scan over a ragged step and
-    # its state pool, pallas_kernels/mamba2/reference.py's (the reference on every platform).
+    # its state pool, pallas_kernels/mamba2/reference.py's (the gated delta rule's kernels run
+    # it without the delta: runtime/executor/kernels.py).
     mamba2_ssm: Callable = mamba2_ssm_reference
 
 

@@ -8,7 +8,7 @@ transformers' `NemotronHMamba2Mixer`:
     out = (grouped_rms_norm(y * silu(z)) * w) W_out    the norm over each group's channels
 
 Its state, like Gated DeltaNet's (model/linear_attention.py), is a slot per request of two
-float32 pools (`Mamba2State`): the convolution's last W - 1 inputs and each head's [P, N] state,
+float32 pools (`Mamba2State`): the convolution's last W - 1 inputs and each head's [N, P] state,
 after the KV pool's arrays in a step's caches (ModelConfig.cache_slot); sequence s reads and
 writes slot `metadata.state_slots[s]`, from zeros at a prompt's first token. Its call is
 GatedDeltaNet's, so transformer.DecoderLayer runs either. In a speculative step it keeps its
@@ -36,7 +36,8 @@ from xlaserve.model.config.mamba2_config import Mamba2Config
 from xlaserve.model.layers import Kernels, init_weight, linear, matmul_input_dtype, project
 from xlaserve.model.linear_attention import commit_rows
 from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d
-from xlaserve.pallas_kernels.mamba2.reference import by_head, ssm_update
+from xlaserve.pallas_kernels.linear_attention.reference import delta_rule_update
+from xlaserve.pallas_kernels.mamba2.reference import by_head
 
 
 @jax.tree_util.register_dataclass
@@ -55,7 +56,7 @@ class PendingScan:
 class Mamba2State:
     """One layer's state pools, float32: `conv` [slots, W - 1, G, channels] (the convolution's
     inputs before a request's next row, oldest first, each group's channels) and `ssm`
-    [slots, H, P, N] (the heads' states). A request owns one slot of both, in every Mamba-2
+    [slots, H, N, P] (the heads' states, the gated delta rule's layout: B and C its k and q). A request owns one slot of both, in every Mamba-2
     layer. `pending`: in a speculative step, until `commit_accepted`, the verified rows' inputs
     and A (else None)."""
 
@@ -64,10 +65,12 @@ class Mamba2State:
     pending: tuple[PendingScan, jax.Array] | None = None
 
     def commit_accepted(self, kept_lens, slots, verified) -> "Mamba2State":
-        """linear_attention.commit_accepted's, for the scan (reference.ssm_update)."""
+        """linear_attention.commit_accepted's, for the scan (the rule's update without the
+        delta: S <- exp(dt A) S + B (dt x)^T)."""
         p, A = self.pending
         x, dt, B = (a.astype(jnp.float32) for a in (p.x, p.dt, by_head(p.B, p.x.shape[2])))
-        update = lambda ssm, i: ssm_update(ssm, x[:, i], dt[:, i], A, B[:, i])
+        update = lambda ssm, i: delta_rule_update(ssm, B[:, i], dt[:, i, :, None] * x[:, i],
+                                                  dt[:, i] * A, jnp.ones_like(dt[:, i]), "ssd")
         return Mamba2State(*commit_rows(self.conv, p.raw, self.ssm, update, kept_lens, slots,
                                         verified))
 
@@ -80,7 +83,7 @@ def state_shapes(config: Mamba2Config, slots: int) -> Mamba2State:
     """The pools' shapes (tuples) for `slots` slots."""
     c = config
     return Mamba2State(conv=(slots, c.conv_width - 1, c.num_groups, c.channels_per_group),
-                       ssm=(slots, c.num_heads, c.head_dim, c.state_size))
+                       ssm=(slots, c.num_heads, c.state_size, c.head_dim))
 
 
 class Mamba2Mixer(nnx.Module):

@@ -117,7 +117,7 @@ LATENT_CACHE_SPEC = P()
 
 # A linear layer's state pools (linear_attention.LinearState), by head: the delta rule's
 # [slots, Hv, Dk, Dv], the convolution's window [slots, W - 1, Hk, channels]; a Mamba-2 layer's
-# (mamba2.Mamba2State) alike: [slots, H, P, N] and [slots, W - 1, G, channels].
+# (mamba2.Mamba2State) alike: [slots, H, N, P] and [slots, W - 1, G, channels].
 DELTA_STATE_SPEC = P(None, TP, None, None)
 CONV_STATE_SPEC = P(None, None, TP, None)
 

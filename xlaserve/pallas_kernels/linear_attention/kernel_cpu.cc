@@ -4,6 +4,7 @@
 //   per sequence s, value head h, the state S [Dk, Dv] of slot state_slots[s] (zeros where the
 //   step holds the sequence's first token: kv_lens[s] == its new tokens), then per row t:
 //     S <- S * exp(g[t, h]);  r = k^T S;  S <- S + k (beta[t, h] (v - r))^T;  out[t, h] = q^T S
+//   (r = 0 without the delta: `delta` false, Mamba-2's scan, reference.py's form "ssd"),
 //   and S back to the slot, but where writes[s] is 0 (a speculative verified row's: the slot
 //   keeps the state before the row, model/linear_attention.py commits the accepted drafts').
 //
@@ -34,6 +35,7 @@ struct Step {
   float* out;                         // [T, Hv, Dv]
   const int32_t *slots, *kv_lens, *cu_q_lens, *writes;
   int64_t heads, dk, dv, num_slots;
+  bool delta;
 };
 
 // One (sequence, head): its rows [start, end), its state from `slot` (or zeros), back there
@@ -69,7 +71,8 @@ void Run(const Step& s, int64_t start, int64_t end, int64_t slot, bool fresh, bo
         remembered[j] += row[j] * ki;
       }
     }
-    for (int64_t j = 0; j < dv; ++j) remembered[j] = beta * (v[j] - remembered[j]);  // delta
+    for (int64_t j = 0; j < dv; ++j)  // the write: beta (v - r), or beta v without the delta
+      remembered[j] = beta * (s.delta ? v[j] - remembered[j] : v[j]);
     float* o = s.out + (t * heads + h) * dv;
     std::fill(o, o + dv, 0.0f);
     for (int64_t i = 0; i < dk; ++i) {  // S_i += k_i delta, o += q_i S_i
@@ -96,7 +99,7 @@ ffi::Error GatedDeltaRuleImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               ffi::AnyBuffer kv_lens, ffi::AnyBuffer cu_q_lens,
                               ffi::AnyBuffer num_seqs, ffi::AnyBuffer writes,
                               ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> pool_out) {
+                              ffi::Result<ffi::AnyBuffer> pool_out, bool delta) {
   auto qd = q.dimensions(), vd = v.dimensions(), pd = state_pool.dimensions();
   for (const ffi::AnyBuffer* b : {&q, &k, &v, &g, &beta, &state_pool})
     if (b->element_type() != ffi::F32)
@@ -117,6 +120,7 @@ ffi::Error GatedDeltaRuleImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   s.kv_lens = static_cast<const int32_t*>(kv_lens.untyped_data());
   s.cu_q_lens = static_cast<const int32_t*>(cu_q_lens.untyped_data());
   s.writes = static_cast<const int32_t*>(writes.untyped_data());
+  s.delta = delta;
   if (writes.element_count() != state_slots.element_count())
     return ffi::Error::InvalidArgument("gated delta rule (CPU): writes i32[S] beside state_slots");
   s.heads = vd[1];
@@ -160,4 +164,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGatedDeltaRule, GatedDeltaRuleImpl,
                                   .Arg<ffi::AnyBuffer>()  // num_seqs i32[1]
                                   .Arg<ffi::AnyBuffer>()  // writes i32[S]
                                   .Ret<ffi::AnyBuffer>()  // out [T, Hv, Dv]
-                                  .Ret<ffi::AnyBuffer>());  // the pool, in place
+                                  .Ret<ffi::AnyBuffer>()  // the pool, in place
+                                  .Attr<bool>("delta"));  // false: Mamba-2's scan

@@ -36,19 +36,20 @@ def _builds() -> bool:
 
 
 def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
-                     writes=None):
+                     writes=None, form: str = "delta"):
     """reference.gated_delta_rule on the CPU: out [T, Hv, Dv] in v's dtype (padding rows zero),
     the pool (float32 [slots, Hv, Dk, Dv]) with each sequence's state after its last row (but
-    where `writes` is 0)."""
+    where `writes` is 0); `form` "ssd": Mamba-2's scan (reference.py)."""
     if state_pool.dtype != jnp.float32 or not _builds():
         return reference.gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens,
-                                          cu_q_lens, num_seqs, writes)
+                                          cu_q_lens, num_seqs, writes, form)
     q, k, v32, g, beta = (x.astype(jnp.float32)
-                          for x in reference.prepared_inputs(q, k, v, g, beta))
+                          for x in reference.prepared_inputs(q, k, v, g, beta, form=form))
     call = jax.ffi.ffi_call(
         TARGET_NAME, (jax.ShapeDtypeStruct(v32.shape, jnp.float32),
                       jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
         input_output_aliases={5: 1})
     out, pool = call(q, k, v32, g, beta, state_pool, *(jnp.asarray(x, jnp.int32) for x in (
-        state_slots, kv_lens, cu_q_lens, num_seqs)), reference.all_writes(writes, state_slots))
+        state_slots, kv_lens, cu_q_lens, num_seqs)), reference.all_writes(writes, state_slots),
+                     delta=form == "delta")
     return out.astype(v.dtype), pool

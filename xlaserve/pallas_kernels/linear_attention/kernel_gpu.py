@@ -42,23 +42,26 @@ def check_shapes(key_dim: int, value_dim: int, value_block: int = VALUE_BLOCK) -
 
 
 def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
-                     writes=None, interpret=False, value_block=VALUE_BLOCK):
+                     writes=None, form: str = "delta", interpret=False,
+                     value_block=VALUE_BLOCK):
     """reference.gated_delta_rule on GPU: out [T, Hv, Dv] in v's dtype (padding rows zero), the
     pool (float32 [slots, Hv, Dk, Dv], updated in place) with each sequence's state after its last
-    row, but where `writes` is 0 (reference.gated_delta_rule). `interpret`: False on a GPU, True to run it on the CPU (tests); `value_block`: the most
+    row, but where `writes` is 0 (reference.gated_delta_rule); `form` "ssd": Mamba-2's scan,
+    without the delta (reference.py). `interpret`: False on a GPU, True to run it on the CPU (tests); `value_block`: the most
     state columns a program holds."""
     if state_pool.dtype != jnp.float32:
         raise ValueError(f"the GPU gated delta rule keeps a float32 state pool, not "
                          f"{state_pool.dtype}")
     q, k, v32, g, beta = (x.astype(jnp.float32)
-                          for x in reference.prepared_inputs(q, k, v, g, beta, repeat_keys=False))
+                          for x in reference.prepared_inputs(q, k, v, g, beta, repeat_keys=False,
+                                                             form=form))
     rows, heads, value_dim = v32.shape
     key_dim = k.shape[-1]
     value_block = check_shapes(key_dim, value_dim, value_block)
     metadata = [jnp.asarray(x, jnp.int32) for x in (state_slots, kv_lens, cu_q_lens, num_seqs)]
     metadata.append(reference.all_writes(writes, state_slots))
     kernel = functools.partial(_sequence_kernel, value_block=value_block,
-                               values_per_key=heads // k.shape[1])
+                               values_per_key=heads // k.shape[1], delta=form == "delta")
     out, pool = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows, heads, value_dim), jnp.float32),
@@ -72,9 +75,9 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     return out.astype(v.dtype), pool
 
 
-def _sequence_kernel(slots_ref, kv_lens_ref, cu_ref, num_seqs_ref, writes_ref, q_ref, k_ref, v_ref,
-                     decay_ref, beta_ref, zeros_ref, pool_in, out_ref, pool_out, *, value_block,
-                     values_per_key):
+def _sequence_kernel(slots_ref, kv_lens_ref, cu_ref, num_seqs_ref, writes_ref, q_ref, k_ref,
+                     v_ref, decay_ref, beta_ref, zeros_ref, pool_in, out_ref, pool_out, *, value_block,
+                     values_per_key, delta):
     del zeros_ref  # the output's initial value (aliased)
     s, h = pl.program_id(0), pl.program_id(1)
     key_head = h // values_per_key
@@ -90,9 +93,10 @@ def _sequence_kernel(slots_ref, kv_lens_ref, cu_ref, num_seqs_ref, writes_ref, q
         def row(t, state):
             k_row = k_ref[t, key_head, :]
             state = state * decay_ref[t, h]
-            remembered = jnp.sum(k_row[:, None] * state, axis=0)
-            delta = (v_ref[t, h, columns] - remembered) * beta_ref[t, h]
-            state = state + k_row[:, None] * delta[None, :]
+            write = v_ref[t, h, columns]
+            if delta:  # what k already reads (not in Mamba-2's scan)
+                write = write - jnp.sum(k_row[:, None] * state, axis=0)
+            state = state + k_row[:, None] * (write * beta_ref[t, h])[None, :]
             out_ref[t, h, columns] = jnp.sum(q_ref[t, key_head, :][:, None] * state, axis=0)
             return state
 

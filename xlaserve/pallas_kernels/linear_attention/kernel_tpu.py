@@ -30,6 +30,8 @@ T as a product of log2(block) factors: matmuls, not a row-by-row substitution. q
 beta go in head-major ([heads, T, ...], transposed in XLA) so that a head's rows are one VMEM
 tile; q and k stay per key head (normalized in XLA, not repeated to the value heads). Every
 matmul at HIGHEST precision (float32). The heads are a static loop; not yet timed on a TPU.
+Form "ssd" (Mamba-2's scan, reference.py) is the same without the delta: A = 0, u = beta v,
+w = 0.
 """
 from __future__ import annotations
 
@@ -87,16 +89,18 @@ def work_items(cu_q_lens, num_seqs, num_rows: int, block: int):
 
 
 def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
-                     writes=None, interpret=False, block_rows=ROW_BLOCK):
+                     writes=None, form: str = "delta", interpret=False, block_rows=ROW_BLOCK):
     """reference.gated_delta_rule on TPU: out [T, Hv, Dv] in v's dtype (padding rows zero), the
     pool (float32 [slots, Hv, Dk, Dv], updated in place) with each sequence's state after its last
     row, but where `writes` is 0 (reference.gated_delta_rule). `interpret`: False on a TPU, True
-    to run it on the CPU (tests); `block_rows`: the most rows of a block (of a chunk)."""
+    to run it on the CPU (tests); `block_rows`: the most rows of a block (of a chunk). `form`
+    "ssd": Mamba-2's scan (reference.py), no delta: u = beta v, w = 0."""
     if state_pool.dtype != jnp.float32:
         raise ValueError(f"the TPU gated delta rule keeps a float32 state pool, not "
                          f"{state_pool.dtype}")
     q, k, v32, g, beta = (x.astype(jnp.float32)
-                          for x in reference.prepared_inputs(q, k, v, g, beta, repeat_keys=False))
+                          for x in reference.prepared_inputs(q, k, v, g, beta, repeat_keys=False,
+                                                             form=form))
     state_slots, kv_lens, cu_q_lens, num_seqs = (jnp.asarray(x, jnp.int32) for x in (
         state_slots, kv_lens, cu_q_lens, num_seqs))
     rows, heads, value_dim = v32.shape
@@ -120,7 +124,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     by_head = lambda x: jnp.swapaxes(x, 0, 1)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_chunk_kernel, heads=heads, values_per_key=heads // key_heads,
-                               block=block)
+                               block=block, delta=form == "delta")
     out, pool = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((heads, rows, value_dim), jnp.float32),
@@ -160,7 +164,7 @@ def _unit_lower_inverse(a, eye, block: int):
 
 def _chunk_kernel(blocks, starts, ends, opens, loads, lasts, slots,  # scalar prefetch (SMEM)
                   q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in, out_ref, pool_out,
-                  state, sem, *, heads, values_per_key, block):
+                  state, sem, *, heads, values_per_key, block, delta):
     i = pl.program_id(0)
 
     @pl.when(opens[i] == 1)
@@ -180,12 +184,13 @@ def _chunk_kernel(blocks, starts, ends, opens, loads, lasts, slots,  # scalar pr
     @pl.when(ends[i] - starts[i] == 1)
     def _():  # a decode row: the recurrent form's three matrix-vector products a head
         _one_row(starts[i] - blocks[i] * block, q_ref, k_ref, v_ref, g_ref, beta_ref, out_ref,
-                 state, heads=heads, values_per_key=values_per_key)
+                 state, heads=heads, values_per_key=values_per_key, delta=delta)
 
     @pl.when(ends[i] - starts[i] > 1)
     def _():
         _chunk(blocks[i] * block, starts[i], ends[i], q_ref, k_ref, v_ref, g_ref, beta_ref,
-               out_ref, state, heads=heads, values_per_key=values_per_key, block=block)
+               out_ref, state, heads=heads, values_per_key=values_per_key, block=block,
+               delta=delta)
 
     @pl.when(lasts[i] == 1)
     def _():
@@ -195,20 +200,23 @@ def _chunk_kernel(blocks, starts, ends, opens, loads, lasts, slots,  # scalar pr
 
 
 def _one_row(r, q_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, state, *, heads,
-             values_per_key):
-    """Row `r` of the block alone: S <- exp(g) S, then the delta rule's write, o = q S."""
+             values_per_key, delta):
+    """Row `r` of the block alone: S <- exp(g) S, then the delta rule's write (`delta`; else
+    beta k v^T), o = q S."""
     for h in range(heads):  # static
         key = h // values_per_key
         q, k = q_ref[key, pl.ds(r, 1), :], k_ref[key, pl.ds(r, 1), :]  # [1, Dk]
         s = state[h] * jnp.exp(g_ref[h, pl.ds(r, 1), :])  # [Dk, Dv] x [1, 1]
-        delta = (v_ref[h, pl.ds(r, 1), :] - _dot(k, s)) * beta_ref[h, pl.ds(r, 1), :]  # [1, Dv]
-        s = s + _dot(k, delta, ((0,), (0,)))  # k^T delta
+        write = v_ref[h, pl.ds(r, 1), :]  # [1, Dv]
+        if delta:
+            write = write - _dot(k, s)
+        s = s + _dot(k, write * beta_ref[h, pl.ds(r, 1), :], ((0,), (0,)))  # k^T write
         state[h] = s
         out_ref[h, pl.ds(r, 1), :] = _dot(q, s)
 
 
 def _chunk(offset, start, end, q_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, state, *, heads,
-           values_per_key, block):
+           values_per_key, block, delta):
     """Rows [start, end) of the block (at row `offset`) as one chunk (the module's docstring)."""
     row = lax.broadcasted_iota(jnp.int32, (block, block), 0)
     column = lax.broadcasted_iota(jnp.int32, (block, block), 1)
@@ -225,12 +233,14 @@ def _chunk(offset, start, end, q_ref, k_ref, v_ref, g_ref, beta_ref, out_ref, st
         c = _dot(lower, g)  # the cumulative log decay
         c_of_column = _dot(ones, eye * c)  # [i, j] = c_j (a transpose, as a matmul)
         decay = jnp.exp(jnp.where(on_or_below, c - c_of_column, -jnp.inf))
-        a = jnp.where(row > column, beta * _dot(k, k, ((1,), (1,))) * decay, 0.0)
-        inverse = _unit_lower_inverse(a, eye, block)
-        u = _dot(inverse, beta * v)
-        w = _dot(inverse, beta * jnp.exp(c) * k)
         s = state[h]
-        corrections = u - _dot(w, s)
+        if delta:
+            a = jnp.where(row > column, beta * _dot(k, k, ((1,), (1,))) * decay, 0.0)
+            inverse = _unit_lower_inverse(a, eye, block)
+            w = _dot(inverse, beta * jnp.exp(c) * k)
+            corrections = _dot(inverse, beta * v) - _dot(w, s)
+        else:  # Mamba-2's scan: each row writes beta v as it is
+            corrections = beta * v
         within = jnp.where(on_or_below, _dot(q, k, ((1,), (1,))) * decay, 0.0)
         out = _dot(q * jnp.exp(c), s) + _dot(within, corrections)
         last = c[block - 1:, :]  # [1, 1]: c at the block's last row (later rows add nothing)

@@ -18,6 +18,13 @@ The recurrence, per value head h (its q and k: head h // (Hv / Hk)), token by to
     S <- S + k (beta (v - k^T S))^T        the delta rule: beta in (0, 1) the write's strength
     o <- S^T q
 
+Mamba-2's scan (Nemotron-H, pallas_kernels/mamba2/) is this rule without the delta, `form`
+"ssd" (state-space duality: gated linear attention), its q and k (C and B) as given:
+
+    S <- S * exp(g);  S <- S + beta k v^T;  o <- S^T q
+
+so every kernel of the rule runs it too.
+
 transformers' `torch_recurrent_gated_delta_rule` (models/qwen3_next) is the same arithmetic on
 one padded batch; its chunked form (`torch_chunk_gated_delta_rule`, flash-linear-attention's
 algorithm) is `chunked_gated_delta_rule` here, on one sequence: what the kernels compute for a
@@ -56,39 +63,46 @@ def compute_dtype(x: jax.Array) -> jnp.dtype:
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def prepared_inputs(q, k, v, g, beta, repeat_keys: bool = True):
-    """q (normalized, scaled) and k (normalized) repeated to the value heads (`repeat_keys`;
-    else left per key head, the Pallas kernels reading head h // (Hv / Hk)), v, g, beta, all in
-    the compute dtype: what each form of the rule (and the CPU kernel) takes."""
+FORMS = ("delta", "ssd")
+
+
+def prepared_inputs(q, k, v, g, beta, repeat_keys: bool = True, form: str = "delta"):
+    """q (normalized, scaled) and k (normalized; both as given in form "ssd") repeated to the
+    value heads (`repeat_keys`; else left per key head, the Pallas kernels reading head
+    h // (Hv / Hk)), v, g, beta, all in the compute dtype: what each form of the rule (and the
+    CPU kernel) takes."""
+    if form not in FORMS:
+        raise ValueError(f"the gated delta rule's form is one of {FORMS}, not {form!r}")
     ratio, dtype = _heads_per_key(q, v), compute_dtype(v)
-    q, k = (jnp.repeat(l2norm(x.astype(dtype)), ratio if repeat_keys else 1, axis=1)
-            for x in (q, k))
-    q = q * q.shape[-1] ** -0.5
+    q, k = (x.astype(dtype) for x in (q, k))
+    if form == "delta":
+        q, k = l2norm(q) * q.shape[-1] ** -0.5, l2norm(k)
+    q, k = (jnp.repeat(x, ratio if repeat_keys else 1, axis=1) for x in (q, k))
     return q, k, v.astype(dtype), g.astype(dtype), beta.astype(dtype)
 
 
-def delta_rule_update(state, k, v, g, beta):
+def delta_rule_update(state, k, v, g, beta, form: str = "delta"):
     """The state [..., Hv, Dk, Dv] after one token: k [..., Hv, Dk] (normalized, per value
-    head), v [..., Hv, Dv], g and beta [..., Hv]."""
+    head), v [..., Hv, Dv], g and beta [..., Hv]; without the delta in form "ssd"."""
     state = state * jnp.exp(g)[..., None, None]
-    remembered = jnp.einsum("...hkv,...hk->...hv", state, k)
-    delta = (v - remembered) * beta[..., None]
-    return state + k[..., :, None] * delta[..., None, :]
+    if form == "delta":
+        v = v - jnp.einsum("...hkv,...hk->...hv", state, k)  # what k already reads
+    return state + k[..., :, None] * (v * beta[..., None])[..., None, :]
 
 
 def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
-                     writes=None):
+                     writes=None, form: str = "delta"):
     """The recurrent form over a ragged step, token by token.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state_pool float32 [slots, Hv, Dk, Dv];
     state_slots, kv_lens int32 [S]; cu_q_lens int32 [S + 1]; num_seqs int32 [1]; writes int32
-    [S] or None (the module's docstring).
+    [S] or None; `form` "delta" or "ssd" (the module's docstring).
     Returns (out [T, Hv, Dv] in v's dtype, padding rows zero; the pool with each sequence's
     state after its last row)."""
-    q, k, v32, g, beta = prepared_inputs(*map(jnp.asarray, (q, k, v, g, beta)))
+    q, k, v32, g, beta = prepared_inputs(*map(jnp.asarray, (q, k, v, g, beta)), form=form)
 
     def token(state, t):
-        state = delta_rule_update(state, k[t], v32[t], g[t], beta[t])
+        state = delta_rule_update(state, k[t], v32[t], g[t], beta[t], form)
         return state, jnp.einsum("hkv,hk->hv", state, q[t])
 
     pool, out = scan_rows(token, state_pool.astype(v32.dtype), q.shape[0], state_slots, kv_lens,

@@ -7,8 +7,8 @@ CPU (on a mesh, or with `matmul_backend="xla"`), the grouped matmul in tiles (mo
 grouped matmul that multiplies only routed rows, gate_up's with the SwiGLU fused
 (pallas_kernels/grouped_matmul_gpu.py), and on a
 single GPU the block-scaled FP8 matmul of FP8 checkpoints (pallas_kernels/fp8_block_matmul.py).
-Nemotron-H's Mamba-2 scan (`Kernels.mamba2_ssm`) is its jnp reference on every platform
-(pallas_kernels/mamba2/reference.py): no native or Pallas kernel yet.
+Nemotron-H's Mamba-2 scan (`Kernels.mamba2_ssm`) runs on the same kernels, the rule without its
+delta (pallas_kernels/mamba2/reference.py).
 
 The native GEMM beat XLA's CPU dot at every row count measured on the default model's shapes
 (AMD EPYC, float32): 2-2.5x for steps of 2-32 rows, where XLA runs at a third of the memory
@@ -38,6 +38,7 @@ from xlaserve.pallas_kernels.linear_attention import kernel_cpu as linear_kernel
 from xlaserve.pallas_kernels.linear_attention import kernel_gpu as linear_kernel_gpu
 from xlaserve.pallas_kernels.linear_attention import kernel_tpu as linear_kernel_tpu
 from xlaserve.pallas_kernels.linear_attention.reference import all_writes
+from xlaserve.pallas_kernels.mamba2.reference import through_rule
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels import (grouped_matmul_gpu, grouped_matmul_mxfp4, invariant_matmul,
                                      invariant_norm)
@@ -89,7 +90,8 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         # A hybrid model's gated delta rule: the native kernel, its state read and written once
         # a (sequence, head) (the reference's row loop moved the whole pool a row); built when
         # first traced, the reference where it cannot be.
-        kernels = dataclasses.replace(kernels, gated_delta_rule=linear_kernel_cpu.gated_delta_rule)
+        kernels = dataclasses.replace(kernels, gated_delta_rule=linear_kernel_cpu.gated_delta_rule,
+                                      mamba2_ssm=through_rule(linear_kernel_cpu.gated_delta_rule))
     kernels = dataclasses.replace(kernels, latent_prefix_attention=prefix,
                                   bidirectional_attention=bidirectional)
     if mla_expanded_prefill_tokens > 0:
@@ -100,8 +102,10 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         # The gated delta rule's Pallas kernel, each (sequence, heads) state kept on chip over
         # its rows (the reference's row loop moved the whole pool a row); on a mesh, each device
         # on its own heads.
-        rule = {"tpu": linear_kernel_tpu, "gpu": linear_kernel_gpu}[platform].gated_delta_rule
-        kernels = dataclasses.replace(kernels, gated_delta_rule=split_by_value_head(rule, mesh))
+        rule = split_by_value_head(
+            {"tpu": linear_kernel_tpu, "gpu": linear_kernel_gpu}[platform].gated_delta_rule, mesh)
+        kernels = dataclasses.replace(kernels, gated_delta_rule=rule,
+                                      mamba2_ssm=through_rule(rule))
     if platform == "gpu" and (mesh is None or mesh.size == 1):
         # A custom call is not split by XLA's partitioner: on a mesh, FP8 checkpoints with block
         # scales are dequantized at load (weights/kept_quantized/fp8_kept.py) and this stays None.
@@ -209,8 +213,8 @@ def split_by_value_head(rule, mesh: Mesh | None):
 
     @functools.wraps(rule)
     def sharded(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,
-                writes=None):
-        return jax.shard_map(rule, mesh=mesh,
+                writes=None, form="delta"):
+        return jax.shard_map(functools.partial(rule, form=form), mesh=mesh,
                              in_specs=(rows, rows, rows, per_head, per_head, DELTA_STATE_SPEC)
                              + (P(),) * 5, out_specs=(rows, DELTA_STATE_SPEC), check_vma=False)(
             q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_lens, num_seqs,

@@ -59,7 +59,7 @@ def state_pool_specs(config: ModelConfig, num_slots: int, mesh: Mesh) -> list:
     shapes = layer_state_shapes(config, num_slots)
     one = lambda shape, spec: jax.ShapeDtypeStruct(shape, STATE_DTYPE,
                                                    sharding=NamedSharding(mesh, spec))
-    if isinstance(shapes, Mamba2State):  # [slots, H, P, N] split by head as the delta's
+    if isinstance(shapes, Mamba2State):  # [slots, H, N, P] split by head as the delta's
         return [Mamba2State(conv=one(shapes.conv, CONV_STATE_SPEC),
                             ssm=one(shapes.ssm, DELTA_STATE_SPEC))
                 for _ in config.state_layers]
