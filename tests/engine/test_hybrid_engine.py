@@ -165,29 +165,43 @@ def test_speculative_decoding_rolls_verified_rows_back_to_transformers_tokens(ch
     assert again["output_ids"] == hf_greedy(checkpoint[1], REPEATING[0] + [11, 12], 16)
 
 
+# The tiny models given an MTP layer: Qwen3-Next's experts with a shared one, and a dense
+# Qwen3.5 whose LM head is its embedding (tied, as the small published ones).
+MTP_FAMILIES = {"qwen3_next": {}, "qwen3_5": {"tie_word_embeddings": True}}
+
+
 @pytest.fixture(scope="module")
-def qwen3_next_mtp(tmp_path_factory):
-    """A tiny Qwen3-Next (experts with a shared one) with its MTP layer (mtp.*: its decoder layer
-    a copy of the last, full-attention, layer's; fc and the norms random)."""
+def mtp_checkpoint(tmp_path_factory):
+    """family -> (directory, transformers' model, the MTP layer's own tensors): a tiny model
+    with its MTP layer (mtp.*: its decoder layer a copy of the last, full-attention, layer's; fc
+    and the norms random), made once per module."""
     from tests.draft_head_models import add_qwen_mtp_layer
     from tests.tiny_models import make_tiny_checkpoint
 
-    directory = str(tmp_path_factory.mktemp("qwen3_next_mtp"))
-    model = make_tiny_checkpoint(directory, "qwen3_next")
-    return directory, model, add_qwen_mtp_layer(directory)
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            directory = str(tmp_path_factory.mktemp(family + "_mtp"))
+            model = make_tiny_checkpoint(directory, family, **MTP_FAMILIES[family])
+            made[family] = directory, model, add_qwen_mtp_layer(directory)
+        return made[family]
+
+    return get
 
 
-def test_nextn_drafts_with_the_mtp_layer_and_rolls_verified_rows_back(qwen3_next_mtp):
-    """--speculative-algorithm NEXTN on Qwen3-Next: every draft is the MTP layer's from scratch
-    (transformers' hidden states and its own full-attention layer, tests/draft_head_models.py),
-    and the output transformers' greedy tokens, batched with chunked prompts, nothing compiled
-    after the precompile. A random MTP layer's drafts are refused, so two proposals in three
-    are replaced by the plain decoding's next tokens (the last one spoiled in every other):
-    verified rows keep all, some and none of their drafts, the linear layers' states rolled
-    back and the head's cache caught up on what each keeps."""
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_nextn_drafts_with_the_mtp_layer_and_rolls_verified_rows_back(mtp_checkpoint, family):
+    """--speculative-algorithm NEXTN on Qwen3-Next and Qwen3.5: every draft is the MTP layer's
+    from scratch (transformers' hidden states and its own full-attention layer,
+    tests/draft_head_models.py), and the output transformers' greedy tokens, batched with chunked
+    prompts, nothing compiled after the precompile. A random MTP layer's drafts are refused, so
+    two proposals in three are replaced by the plain decoding's next tokens (the last one spoiled
+    in every other): verified rows keep all, some and none of their drafts, the linear layers'
+    states rolled back and the head's cache caught up on what each keeps."""
     from tests.draft_head_models import QWEN_MTP, nextn_reference_drafts
 
-    directory, model, own = qwen3_next_mtp
+    directory, model, own = mtp_checkpoint(family)
     prompts, greedy = PROMPTS[:4], dict(GREEDY, max_new_tokens=12)
     answers = {tuple(p): hf_greedy(model, p, 12) for p in prompts}
     options = dict(SMALL, max_running_requests=16, speculative_algorithm="NEXTN",
@@ -220,7 +234,7 @@ def test_nextn_drafts_with_the_mtp_layer_and_rolls_verified_rows_back(qwen3_next
             len(sequence)
 
 
-def test_nextn_needs_one_mtp_layer_in_the_checkpoint(checkpoint, qwen3_next_mtp, tmp_path):
+def test_nextn_needs_one_mtp_layer_in_the_checkpoint(checkpoint, mtp_checkpoint, tmp_path):
     """A checkpoint without mtp.* tensors, or with mtp_num_hidden_layers other than 1, stops
     start-up naming it."""
     import json
@@ -228,7 +242,7 @@ def test_nextn_needs_one_mtp_layer_in_the_checkpoint(checkpoint, qwen3_next_mtp,
 
     with pytest.raises(ValueError, match=r"NEXTN: the checkpoint has no mtp\.\* tensors"):
         Engine(checkpoint[0], **SMALL, speculative_algorithm="NEXTN")
-    shutil.copytree(qwen3_next_mtp[0], tmp_path / "two")
+    shutil.copytree(mtp_checkpoint("qwen3_next")[0], tmp_path / "two")
     config = json.loads((tmp_path / "two" / "config.json").read_text())
     (tmp_path / "two" / "config.json").write_text(json.dumps({**config,
                                                              "mtp_num_hidden_layers": 2}))
