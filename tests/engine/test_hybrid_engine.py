@@ -4,10 +4,10 @@ and each request's solo ones, with nothing compiled after the precompile; more r
 running slots, so later ones take the state slots of finished ones while others decode; the
 prefix cache reuses prompts from their state snapshots (scheduler/state_reuse.py): a shared
 prefix, a multi-turn chat, snapshots evicted past the pool; on two devices (--tp-size 2) too;
-speculative decoding (NGRAM) gives plain decoding's tokens, its verified rows' states rolled back to
-their accepted drafts (executor/verified_rows.StateRollback); the flags whose state the linear layers do not
-keep yet are refused by name. The checks:
-tests/engine/family_engine.py."""
+speculative decoding (NGRAM, and NEXTN with the checkpoint's MTP layer on a tiny Qwen3-Next and
+Qwen3.5) gives plain decoding's tokens, its verified rows' states rolled back to their accepted
+drafts (executor/verified_rows.StateRollback); the flags whose state the linear layers do not
+keep yet are refused by name. The checks: tests/engine/family_engine.py."""
 import logging
 
 import pytest
@@ -232,6 +232,18 @@ def test_nextn_drafts_with_the_mtp_layer_and_rolls_verified_rows_back(mtp_checkp
     for sequence, drafts in proposals:
         assert drafts == nextn_reference_drafts(model, own, sequence, len(drafts), QWEN_MTP), \
             len(sequence)
+
+
+@pytest.mark.slow
+def test_nextn_on_two_devices_gives_transformers_tokens(mtp_checkpoint):
+    """--tp-size 2 with NEXTN on Qwen3-Next: the MTP layer's attention, experts and the model's
+    LM head it drafts through split as the model's, the verified rows' states (split by head)
+    rolled back; only the precompiled programs run. 90 s on 2 shared cores (2026-11-30): a
+    process of its own precompiles the step and the head's draft steps for two devices."""
+    directory, model, _ = mtp_checkpoint("qwen3_next")
+    check_two_devices(directory, model, PROMPTS[:4], dict(GREEDY, max_new_tokens=8),
+                      dict(SMALL, tp_size=2, max_running_requests=16,
+                           speculative_algorithm="NEXTN", speculative_num_draft_tokens=3))
 
 
 def test_nextn_needs_one_mtp_layer_in_the_checkpoint(checkpoint, mtp_checkpoint, tmp_path):
