@@ -145,6 +145,23 @@ HYBRID = {
                         **_HYBRID_LAYERS),
 }
 
+# Nemotron-H (model/mamba2.py, model/config/mamba2_config.py): Mamba-2 mixers (8 heads of 8 in
+# 2 groups, a state of 16, a convolution 4 wide) and a NoPE attention block, each with a ReLU^2
+# MLP block after it, or an experts block (the first: 8 ungated experts, top 2 from the best of
+# 2 groups, weights times 2, a shared expert), two Mamba-2 blocks back to back (the first a layer
+# without an MLP). Its config has no num_hidden_layers or rms_norm_eps (`absent`). Not in FAMILIES or HYBRID:
+# tests/model/test_nemotron_h.py and tests/engine/test_nemotron_h_engine.py run it.
+NEMOTRON_H = {
+    "nemotron_h": dict(cls="NemotronHConfig", head_dim=16, mamba_num_heads=8, mamba_head_dim=8,
+                       ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+                       layers_block_type=["linear_attention", "moe", "full_attention", "mlp",
+                                          "linear_attention", "linear_attention", "mlp"],
+                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+                       routed_scaling_factor=2.0,
+                       absent=("num_hidden_layers", "rms_norm_eps")),
+}
+
 # Every family's decoder shape (make_tiny_checkpoint's, its vocab_size apart).
 TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-6)
@@ -166,7 +183,8 @@ def make_tiny_checkpoint(directory, family: str, dtype: str = "float32", seed: i
     import torch
     import transformers
 
-    spec = dict(FAMILIES.get(family) or DEEPSEEK.get(family) or HYBRID[family])
+    spec = dict(FAMILIES.get(family) or DEEPSEEK.get(family) or NEMOTRON_H.get(family)
+                or HYBRID[family])
     config_cls = getattr(transformers, spec.pop("cls"))
     architecture = spec.pop("architecture", config_cls.__name__.replace("Config", "ForCausalLM"))
     embedding_std = spec.pop("embedding_std", 0.5)
@@ -227,7 +245,8 @@ def randomize(model, embedding_std: float = 0.5) -> None:
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
             elif name.endswith("router.proj.weight"):  # Gemma 4's: its input is / sqrt(hidden)
                 param.copy_(8.0 * torch.randn_like(param))
-            elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
+            elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight",
+                                "mixer.gate.weight")):  # the last Nemotron-H's
                 # Decisive routers (logits ~N(0, 4^2)): bfloat16 then picks the same experts as
                 # float32 at most positions, which the bfloat16 test compares.
                 param.copy_(0.5 * torch.randn_like(param))

@@ -141,6 +141,10 @@ def a_prompt_whose_first_draft_hits(hf_model, prompt: list[int], new: int = 40) 
 
 
 def test_speculative_decoding_rolls_verified_rows_back_to_transformers_tokens(checkpoint):
+    check_speculation_rolls_back(checkpoint)
+
+
+def check_speculation_rolls_back(checkpoint):
     """NGRAM drafts on four requests (a step with drafts holds at most 16 tokens), then on a
     prompt whose first draft is accepted: verified rows that keep all, some and none of their
     drafts, each state committed to its accepted tokens; every output is transformers' greedy

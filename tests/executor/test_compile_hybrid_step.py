@@ -57,6 +57,26 @@ def test_qwen3_next_step_splits_its_linear_layers_and_states_by_head(target, tp_
         assert not cache_copies(hlo, local, leaf.dtype), description
 
 
+@pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), ("h100", 1)])
+def test_a_speculative_step_rolls_its_states_back_without_copying_a_pool(target, tp_size,
+                                                                         tmp_path):
+    """With NGRAM's verified rows (4 tokens), the step keeps its verified rows' states and
+    commits their accepted tokens (executor/verified_rows.StateRollback): in the smallest
+    bucket, both pools are still written in place (the commit's window once read in another
+    view relaid the v6e pool out, and H100 copied it, 6.4 MB a layer, to write in place)."""
+    devices(target)
+    args = ServerArgs(model_path=first_layers("qwen3-next-80b-a3b", 4, tmp_path),
+                      tp_size=tp_size, max_running_requests=64, max_prefill_tokens=512,
+                      speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    program, shapes, description = aot.server_step(target, args)
+    hlo = program.compile(*shapes[0], PLAIN).as_text()
+    assert len(rule_kernel_calls(hlo)) == 3, description
+    for leaf in jax.tree.leaves(program.args[1][1]):  # the first linear layer's two pools
+        split = leaf.sharding.spec.index(("expert", "tensor"))
+        local = tuple(n // tp_size if i == split else n for i, n in enumerate(leaf.shape))
+        assert not cache_copies(hlo, local, leaf.dtype), description
+
+
 def test_qwen3_next_with_its_mtp_layer_as_a_nextn_head_compiles_for_h100(tmp_path):
     """--speculative-algorithm NEXTN on Qwen3-Next (its first 4 layers): the MTP layer (full
     gated attention, 512 experts) rides in the serving step, its cache and state after the

@@ -15,6 +15,8 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "LinearState": "linear_attention", "from_grouped_projections": "linear_attention",
     "by_key_head": "linear_attention", "state_shapes": "linear_attention",
     "VerifiedRows": "linear_attention", "commit_accepted": "linear_attention",
+    "Mamba2State": "mamba2", "Mamba2Mixer": "mamba2", "by_group": "mamba2",
+    "conv_channels_by_group": "mamba2",
     "KV_CACHE_DTYPES": "fp8_kv_cache", "is_fp8": "fp8_kv_cache",
     "resolve_kv_cache_dtype": "fp8_kv_cache",
     "LoraSpec": "lora", "TARGET_MODULES": "lora", "check_model": "lora",

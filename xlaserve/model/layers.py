@@ -27,6 +27,7 @@ from xlaserve.pallas_kernels.ragged_paged_attention.new_tokens import reference_
 from xlaserve.pallas_kernels.linear_attention.reference import (
     gated_delta_rule as gated_delta_rule_reference)
 from xlaserve.pallas_kernels.ragged_paged_attention.reference import mla_ragged_paged_attention
+from xlaserve.pallas_kernels.mamba2.reference import mamba2_ssm as mamba2_ssm_reference
 
 
 def init_weight(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
@@ -174,6 +175,9 @@ class Kernels:
     # over a ragged step and its state pool, pallas_kernels/linear_attention/reference.py's
     # contract (the CPU's native kernel: kernel_cpu.py)
     gated_delta_rule: Callable = gated_delta_rule_reference
+    # Nemotron-H's Mamba-2 layers (model/mamba2.py): the selective scan over a ragged step and
+    # its state pool, pallas_kernels/mamba2/reference.py's (the reference on every platform).
+    mamba2_ssm: Callable = mamba2_ssm_reference
 
 
 def matmul_input_dtype(weight) -> jnp.dtype:
@@ -293,3 +297,19 @@ class MLP(nnx.Module):
         else:
             activation = kernels.swiglu(project(x, gate_up, kernels, lora, "gate_up"), dtype)
         return project(activation, down, kernels, lora, "down")
+
+
+class ReluSquaredMLP(nnx.Module):
+    """Nemotron-H's MLP: down(relu(up(x))^2), no gate (transformers' NemotronHMLP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, rngs: nnx.Rngs):
+        self.up = nnx.Param(init_weight(rngs, (hidden_size, intermediate_size), dtype))
+        self.down = nnx.Param(init_weight(rngs, (intermediate_size, hidden_size), dtype))
+
+    def input_dtype(self) -> jnp.dtype:
+        return matmul_input_dtype(self.up[...])
+
+    def __call__(self, x: jax.Array, kernels: Kernels, lora=None) -> jax.Array:
+        down = self.down[...]
+        hidden = jnp.square(jax.nn.relu(project(x, self.up[...], kernels).astype(jnp.float32)))
+        return project(hidden.astype(matmul_input_dtype(down)), down, kernels)

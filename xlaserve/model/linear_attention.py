@@ -85,6 +85,9 @@ class LinearState:
     delta: jax.Array
     pending: PendingRows | None = None
 
+    def commit_accepted(self, kept_lens, slots, verified) -> "LinearState":
+        return commit_accepted(self, kept_lens, slots, verified)
+
 
 jax.tree_util.register_dataclass(LinearState, data_fields=["conv", "delta", "pending"],
                                  meta_fields=[])
@@ -167,25 +170,42 @@ def commit_accepted(state: LinearState, kept_lens: jax.Array, slots: jax.Array,
     sequence's slot (bool[S] `verified`; `slots` i32[S]) advanced by its row's first
     `kept_lens[s]` tokens (the last token and its accepted drafts), from the state the step left
     there: the rule's updates (reference.delta_rule_update, float32), and the window's last
-    W - 1 inputs."""
+    W - 1 inputs (`commit_rows`)."""
     p = state.pending
     seqs, width = p.k.shape[:2]
     flat = lambda x: x.reshape(seqs * width, *x.shape[2:])
     _, k, v, g, beta = (x.reshape(seqs, width, *x.shape[1:]) for x in prepared_inputs(
         flat(p.k), flat(p.k), flat(p.v), flat(p.g), flat(p.beta)))
-    targets = jnp.where(verified, slots, state.delta.shape[0])  # the others dropped
+    update = lambda rule, i: delta_rule_update(rule, k[:, i], v[:, i], g[:, i], beta[:, i])
+    return LinearState(*commit_rows(state.conv, p.raw, state.delta, update, kept_lens, slots,
+                                    verified))
 
-    def token(i, rule):
-        advanced = delta_rule_update(rule, k[:, i], v[:, i], g[:, i], beta[:, i])
-        return jnp.where((i < kept_lens)[:, None, None, None], advanced, rule)
 
-    rule = jax.lax.fori_loop(0, width, token, state.delta[slots].astype(k.dtype))
-    inputs = jnp.concatenate([state.conv[slots], p.raw.reshape(
-        seqs, width, *state.conv.shape[2:]).astype(state.conv.dtype)], axis=1)
-    last = kept_lens[:, None] + jnp.arange(state.conv.shape[1])  # the W - 1 inputs before the next row
-    window = jnp.take_along_axis(inputs, last[:, :, None, None], axis=1)
-    return LinearState(state.conv.at[targets].set(window, mode="drop"),
-                       state.delta.at[targets].set(rule.astype(state.delta.dtype), mode="drop"))
+def commit_rows(conv_pool, raw, pool, update, kept_lens, slots, verified):
+    """(conv_pool, pool) with each verified sequence's slot advanced by its row's first
+    `kept_lens[s]` tokens: `update(states [S, ...] float32, i)`, the states after row token i
+    (the others' rows ignored), from the slot's state; and its window, the last W - 1 of the
+    slot's window and `raw` [S, W, ...] (the rows' convolution inputs). A linear layer's
+    speculative step (`commit_accepted`, mamba2.py's)."""
+    seqs, width = raw.shape[:2]
+    targets = jnp.where(verified, slots, pool.shape[0])  # the others dropped
+
+    def token(i, states):
+        kept = (i < kept_lens).reshape(-1, *(1,) * (states.ndim - 1))
+        return jnp.where(kept, update(states, i), states)
+
+    states = jax.lax.fori_loop(0, width, token, pool[slots].astype(jnp.float32))
+    # The window with its channels flat, as the layer's convolution views it: on TPU a view of
+    # [slots, W - 1, Hk, C] beside the [slots, W - 1, Hk * C] one relaid the pool out (a copy).
+    conv = conv_pool.reshape(*conv_pool.shape[:2], -1)
+    inputs = jnp.concatenate([conv[slots], raw.reshape(seqs, width, -1).astype(conv.dtype)],
+                             axis=1)
+    last = kept_lens[:, None] + jnp.arange(conv.shape[1])  # the W - 1 inputs before the next row
+    window = jnp.take_along_axis(inputs, last[:, :, None], axis=1)
+    # Both read whole before the pools are written (as reference.causal_conv1d's windows).
+    window, states = jax.lax.optimization_barrier((window, states))
+    conv = conv.at[targets].set(window, mode="drop").reshape(conv_pool.shape)
+    return conv, pool.at[targets].set(states.astype(pool.dtype), mode="drop")
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

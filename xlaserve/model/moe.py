@@ -32,8 +32,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.config.model_config import ModelConfig
-from xlaserve.model.layers import (MLP, Kernels, RMSNorm, init_weight, linear, matmul_input_dtype,
-                                   rms_norm)
+from xlaserve.model.layers import (MLP, Kernels, ReluSquaredMLP, RMSNorm, init_weight, linear,
+                                   matmul_input_dtype, rms_norm)
 from xlaserve.model.weight_types.mxfp4_experts import Mxfp4Experts
 from xlaserve.model.weight_types.mxfp4_experts import partition_specs as mxfp4_partition_specs
 from xlaserve.model.weight_types.packed import PackedExperts
@@ -112,7 +112,7 @@ def run_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
                                            matmul_input_dtype(down))
     else:
         gate_up_out = grouped_matmul(sorted_x, gate_up, group_sizes, kernels)
-        gate_up_out = gate_up_out.reshape(-1, 2, intermediate)
+        gate_up_out = gate_up_out.reshape(-1, gate_up.shape[2], intermediate)  # 1: no gate
         if "experts_gate_up_bias" in expert_weights:  # rows past the groups: dropped below
             bias = expert_weights["experts_gate_up_bias"].astype(jnp.float32)
             gate_up_out = gate_up_out + jnp.take(bias, local[order], axis=0, mode="clip")
@@ -160,8 +160,10 @@ class MoE(nnx.Module):
         c = config
         self.config = c
         self.router = nnx.Param(init_weight(rngs, (c.hidden_size, c.num_experts), dtype))
+        # Nemotron-H's experts have no gate (ReLU^2 of up): [E, hidden, 1, I], `relu_squared`.
         self.experts_gate_up = nnx.Param(init_weight(
-            rngs, (c.num_experts, c.hidden_size, 2, c.moe_intermediate_size), dtype))
+            rngs, (c.num_experts, c.hidden_size, 1 if c.activation == "relu2" else 2,
+                   c.moe_intermediate_size), dtype))
         self.experts_down = nnx.Param(init_weight(
             rngs, (c.num_experts, c.moe_intermediate_size, c.hidden_size), dtype))
         if c.router_bias:
@@ -173,7 +175,8 @@ class MoE(nnx.Module):
                 jnp.zeros((c.num_experts, 2, c.moe_intermediate_size), dtype))
             self.experts_down_bias = nnx.Param(jnp.zeros((c.num_experts, c.hidden_size), dtype))
         if c.shared_expert_intermediate_size:
-            self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, dtype, rngs)
+            self.shared_expert = (ReluSquaredMLP if c.activation == "relu2" else MLP)(
+                c.hidden_size, c.shared_expert_intermediate_size, dtype, rngs)
             if c.shared_expert_gate:
                 self.shared_expert_gate = nnx.Param(init_weight(rngs, (c.hidden_size, 1), dtype))
 
@@ -193,7 +196,7 @@ class MoE(nnx.Module):
             weights = jnp.ones_like(weights)
         expert_weights = {"experts_gate_up": self.experts_gate_up[...],
                           "experts_down": self.experts_down[...]}
-        activation = kernels.swiglu
+        activation = relu_squared if c.activation == "relu2" else kernels.swiglu
         if c.expert_bias:
             expert_weights["experts_gate_up_bias"] = self.experts_gate_up_bias[...]
         if c.swiglu_limit is not None:
@@ -254,6 +257,11 @@ class ExpertsBesideMlp(nnx.Module):
                                                    weights, experts, expert_weights, kernels,
                                                    geglu)
         return self.mlp_norm(mlp_out) + self.output_norm(out)
+
+
+def relu_squared(up: jax.Array, out_dtype) -> jax.Array:
+    """Nemotron-H's experts' activation for their ungated up [T, 1, I]: relu(up)^2."""
+    return jnp.square(jax.nn.relu(up[:, 0])).astype(out_dtype)
 
 
 def geglu(gate_up: jax.Array, out_dtype) -> jax.Array:

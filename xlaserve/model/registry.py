@@ -44,6 +44,9 @@ MODEL_CLASSES = {
     "Qwen3_5ForCausalLM": CausalLM,
     "Qwen3_5MoeForCausalLM": CausalLM,  # with experts in every layer (model/moe.py)
     "Qwen3NextForCausalLM": CausalLM,
+    # Nemotron-H (model/config/mamba2_config.py): Mamba-2 layers (model/mamba2.py), NoPE
+    # attention, ReLU^2 MLPs, its single-mixer blocks paired into our layers.
+    "NemotronHForCausalLM": CausalLM,
     # Vision-language models (model/vision/qwen_vision.py): a Qwen2 decoder with multimodal RoPE and
     # a vision tower the engine runs per image; Qwen3-VL's a Qwen3, Qwen3.5's its hybrid text model.
     "Qwen2VLForConditionalGeneration": VisionLanguageLM,

@@ -98,6 +98,14 @@ PARTITION_SPECS = {
     "dt_bias": P(TP),
     "gated_norm": P(),
     "out_proj": P(TP, None, None),
+    # Nemotron-H's Mamba-2 layers (mamba2.py) by group, as attention by KV head: their heads
+    # with them (conv_weight, A_log, dt_bias, in_proj_z, out_proj above), their states too
+    # (CONV_STATE_SPEC, DELTA_STATE_SPEC); its ReLU^2 MLP's `up` and `down` as the encoders'.
+    "in_proj_xbc": P(None, TP, None),
+    "in_proj_dt": P(None, TP),
+    "conv_bias": P(TP, None),
+    "D": P(TP),
+    "group_norm": P(TP, None),
 }
 # The KV cache of one layer, [num_pages, page_size, 2 * kv_heads * head_dim] (kv_cache_shape),
 # split by kv head: each device holds the K|V pairs of its own heads, contiguous.
@@ -108,7 +116,8 @@ LATENT_CACHE_SPEC = P()
 
 
 # A linear layer's state pools (linear_attention.LinearState), by head: the delta rule's
-# [slots, Hv, Dk, Dv], the convolution's window [slots, W - 1, Hk, channels].
+# [slots, Hv, Dk, Dv], the convolution's window [slots, W - 1, Hk, channels]; a Mamba-2 layer's
+# (mamba2.Mamba2State) alike: [slots, H, P, N] and [slots, W - 1, G, channels].
 DELTA_STATE_SPEC = P(None, TP, None, None)
 CONV_STATE_SPEC = P(None, None, TP, None)
 
@@ -159,6 +168,9 @@ def check_split(config, mesh: Mesh) -> None:
     if linear is not None and config.state_layers and linear.num_key_heads % tp_size:
         raise ValueError(f"--tp-size {tp_size} does not divide the linear layers' "
                          f"{linear.num_key_heads} key heads (they are split by key head)")
+    if config.mamba2 is not None and config.mamba2.num_groups % tp_size:
+        raise ValueError(f"--tp-size {tp_size} does not divide the Mamba-2 layers' "
+                         f"{config.mamba2.num_groups} groups (they are split by group)")
     if config.mla is not None:
         if config.num_heads % tp_size:
             raise ValueError(f"--tp-size {tp_size} does not divide the model's "

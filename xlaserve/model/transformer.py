@@ -35,12 +35,13 @@ from jax.sharding import NamedSharding
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.weight_types.int8 import check_quantization, quantized_parameters
 from xlaserve.model.fp8_kv_cache import is_fp8, quantize, rescaled
+from xlaserve.model.layer_parts import feed_forward, state_mixer
 from xlaserve.model.layers import (
-    MLP, Kernels, RMSNorm, apply_rope, init_weight, linear, matmul_input_dtype, project,
-    rope_qk, split_qkv)
-from xlaserve.model.linear_attention import GatedDeltaNet, VerifiedRows
+    Kernels, RMSNorm, apply_rope, init_weight, linear, matmul_input_dtype, project, rope_qk,
+    split_qkv)
+from xlaserve.model.linear_attention import VerifiedRows
 from xlaserve.model.mla import MLAttention
-from xlaserve.model.moe import ExpertsBesideMlp, MoE
+from xlaserve.model.moe import ExpertsBesideMlp
 from xlaserve.model.per_layer_inputs import PerLayerEmbeddings, PerLayerInput
 from xlaserve.model.rope import attention_temperature, rope_tables, traced_rope
 from xlaserve.model.weight_types.packed import embed
@@ -219,14 +220,11 @@ class DecoderLayer(nnx.Module):
         c = config
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         if c.linear_layers[layer_index]:  # its state in the step's caches, not a KV cache
-            self.attn = GatedDeltaNet(c.linear_attention, dtype, rngs)
+            self.attn = state_mixer(c, dtype, rngs)  # Gated DeltaNet or Mamba-2
         else:
             self.attn = (MLAttention if c.mla is not None else Attention)(c, layer_index, dtype,
                                                                            rngs)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
-        self.mlp = (MoE(c, dtype, rngs) if c.moe_layers[layer_index]
-                    else MLP(c.hidden_size, c.layer(layer_index).intermediate_size, dtype, rngs,
-                             c.activation))
+        self.post_attention_norm, self.mlp = feed_forward(c, layer_index, dtype, rngs)
         if c.sandwich_norms:  # Gemma's norms of the sublayers' outputs
             self.attn_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
             self.mlp_output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)

@@ -32,7 +32,7 @@ class Mode(enum.Enum):
     MULTI_HOST = "--nnodes > 1"
     HIDDEN_STATES = "--enable-return-hidden-states"
     DETERMINISTIC = "--enable-deterministic-inference"
-    LINEAR_ATTENTION = "a hybrid linear-attention model (Qwen3.5, Qwen3-Next)"
+    LINEAR_ATTENTION = "a hybrid linear-attention model (Qwen3.5, Qwen3-Next, Nemotron-H)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
     # EAGLE-3 head's (NGRAM drafts on the host, NEXTN with the checkpoint's MTP layer, a full
     # attention one; the target's verified rows roll back: verified_rows.StateRollback), a tree's
     # (a state follows one path), an adapter's delta in their projections, a state per cached
-    # prefix.
+    # prefix in host memory.
     Mode.LINEAR_ATTENTION: ("{flag} with a hybrid linear-attention model is not built yet", (
         Refused("--speculative-algorithm {speculative_algorithm}",
                 lambda args: bool(args.speculative_algorithm)

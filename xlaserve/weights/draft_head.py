@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from xlaserve.model.config.linear_attention_config import HYBRID_ARCHITECTURES
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.draft_heads import Eagle3Head, NextNHead, eagle3_capture_layers, nextn_config
 from xlaserve.model.sharding import partition_spec
@@ -95,7 +96,7 @@ def draft_head_builder(algorithm: str, path: str | None, target: ModelConfig,
     """(a function making the head for `algorithm` with random weights, its tensors' reader):
     EAGLE3's from the head directory `path`, NEXTN's from the model's config (`target_hf`,
     its checkpoint at `path`). `nnx.eval_shape` of the first is the head's structure."""
-    if algorithm == "NEXTN" and target.state_layers:  # Qwen3-Next's, Qwen3.5's MTP layer
+    if algorithm == "NEXTN" and target.architecture in HYBRID_ARCHITECTURES:  # Qwen's MTP layer
         config = nextn_config(target)
         check_qwen_mtp_config(target_hf)
         return (lambda: NextNHead(config, shared_lm_head=True, dtype=dtype, rngs=nnx.Rngs(0)),

@@ -20,7 +20,7 @@ from xlaserve.model.config.llama4_config import LLAMA4_NAMES
 from xlaserve.model.config.rope_config import partial_rope_rows
 from xlaserve.model.mla import interleaved_rope_rows, mla_weights
 from xlaserve.weights.formats.mxfp4 import read_expert_weight
-from xlaserve.weights.linear_attention_layout import gated_delta_net_weights
+from xlaserve.weights.linear_attention_layout import gated_delta_net_weights, nemotron_h_weights
 from xlaserve.weights.formats.quantization import check_float_tensor
 from xlaserve.weights.formats.tensor_source import TensorSource
 
@@ -125,6 +125,12 @@ def convert(config: ModelConfig, source: TensorSource,
     weights/kept_quantized/gguf_kept.py), whose tensors are not read."""
     c = config
     hidden = c.hidden_size
+    if c.nemotron_blocks:  # its own names, blocks paired into layers, Mamba-2 mixers
+        yield from nemotron_h_weights(
+            lambda name, shape: _fetch(source, name, shape), c,
+            lambda prefix, i, layer: _attention(source, c.layer(i), i, prefix, layer, skip,
+                                                _kv_rows(source, c, i)), skip)
+        return
     if ("embedding",) not in skip:
         yield ("embedding",), _fetch(source, "model.embed_tokens.weight", (c.vocab_size, hidden))
     if c.per_layer_input_size:  # Gemma 4's per-layer embeddings: the model's half
@@ -147,16 +153,10 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
     """`(param_path, array)` of decoder layer `i` of `c` (its experts or not, its window), read
     from the tensors under `prefix` and placed under `layer` (also DeepSeek's multi-token
     prediction layer, model/draft_heads.py)."""
-    copies = c.kv_replicas[i] if c.kv_replicas else 1  # of each stored KV head (more devices)
+    kv_fetch = _kv_rows(source, c, i)
     c = c.layer(i)  # its own heads where the model's layers differ (Gemma 4)
-    hidden, head_dim = c.hidden_size, c.head_dim
+    hidden = c.hidden_size
     attn = prefix + "self_attn."
-
-    def kv_fetch(name, shape):  # a K or V projection's rows, each head `copies` times
-        rows = _fetch(source, name, shape)
-        heads = rows.reshape(-1, head_dim, *rows.shape[1:])
-        return np.repeat(heads, copies, axis=0).reshape(-1, *rows.shape[1:])
-
     yield layer + ("input_norm", "scale"), _fetch(source, prefix + "input_layernorm.weight", (hidden,))
     if c.linear_layers[i]:  # Gated DeltaNet (model/linear_attention.py)
         yield from gated_delta_net_weights(lambda name, shape: _fetch(source, name, shape), c,
@@ -194,6 +194,20 @@ def layer_weights(source: TensorSource, c: ModelConfig, i: int, prefix: str, lay
             source, prefix + "per_layer_projection.weight", (hidden, size)).T
         yield layer + ("per_layer", "per_layer_norm", "scale"), _fetch(
             source, prefix + "post_per_layer_input_norm.weight", (hidden,))
+
+
+def _kv_rows(source: TensorSource, c: ModelConfig, i: int):
+    """Layer `i`'s reader of a K or V projection's rows (name, shape) -> array: each KV head
+    as many times as the layer holds it (`kv_replicas`: more devices than heads)."""
+    copies = c.kv_replicas[i] if c.kv_replicas else 1  # of each stored KV head
+    head_dim = c.layer(i).head_dim
+
+    def kv_fetch(name, shape):
+        rows = _fetch(source, name, shape)
+        heads = rows.reshape(-1, head_dim, *rows.shape[1:])
+        return np.repeat(heads, copies, axis=0).reshape(-1, *rows.shape[1:])
+
+    return kv_fetch
 
 
 def _attention(source: TensorSource, c: ModelConfig, i: int, attn: str, layer: tuple,

@@ -19,6 +19,8 @@ from xlaserve.model.config.layer_shapes import PerLayer
 from xlaserve.model.config.linear_attention_config import (HYBRID_ARCHITECTURES,
                                                            LinearAttentionConfig, hybrid_fields)
 from xlaserve.model.config.llama4_config import LLAMA4_ARCHITECTURES, llama4_fields
+from xlaserve.model.config.mamba2_config import (NEMOTRON_H_ARCHITECTURES, Mamba2Config,
+                                                 nemotron_h_fields)
 from xlaserve.model.config.rope_config import RopeConfig, rope_from_hf, yarn_mscale
 from xlaserve.model.config.vision_config import VisionConfig
 from xlaserve.model.routing import RouterConfig
@@ -216,6 +218,11 @@ class ModelConfig(PerLayer):
     linear_attention: LinearAttentionConfig | None = None
     linear_layers: tuple[bool, ...] = ()
     attention_output_gate: bool = False
+    # Nemotron-H (mamba2_config.py): its linear layers Mamba-2 mixers of these shapes
+    # (model/mamba2.py; None: Gated DeltaNet's), and per layer the checkpoint's (mixer block,
+    # MLP block or -1: a layer without an MLP) of its single-mixer blocks.
+    mamba2: Mamba2Config | None = None
+    nemotron_blocks: tuple[tuple[int, int], ...] = ()
 
     @property
     def queries_per_kv(self) -> int:
@@ -244,8 +251,8 @@ class ModelConfig(PerLayer):
             object.__setattr__(self, "value_is_key", (False,) * self.num_layers)
         if len(self.linear_layers) != self.num_layers:
             object.__setattr__(self, "linear_layers", (False,) * self.num_layers)
-        if any(self.linear_layers) and self.linear_attention is None:
-            raise ValueError("linear_layers without their linear_attention shapes")
+        if any(self.linear_layers) and (self.linear_attention is None) == (self.mamba2 is None):
+            raise ValueError("linear_layers need one of linear_attention's or mamba2's shapes")
         if self.rope.partial_rotary != 1.0 and (self.rope_interleaved or self.mla is not None):
             raise ValueError("partial_rotary_factor with interleaved-pair RoPE is not supported")
         self._check_layers()
@@ -305,6 +312,10 @@ class ModelConfig(PerLayer):
         data["linear_layers"] = tuple(data.get("linear_layers", ()))
         data["linear_attention"] = (LinearAttentionConfig(**data["linear_attention"])
                                     if data.get("linear_attention") else None)
+        if data.get("mamba2"):
+            data["mamba2"] = Mamba2Config(**dict(
+                data["mamba2"], time_step_limit=tuple(data["mamba2"]["time_step_limit"])))
+        data["nemotron_blocks"] = tuple(tuple(b) for b in data.get("nemotron_blocks", ()))
         if data.get("encoder"):
             encoder = dict(data["encoder"])
             encoder["local_layers"] = tuple(encoder.get("local_layers", ()))
@@ -321,6 +332,8 @@ class ModelConfig(PerLayer):
         `registry.py`, which checks that first)."""
         if architecture in ENCODER_ARCHITECTURES:  # model/config/encoder_config.py builds those
             raise ValueError(f"{architecture} is an encoder: model_config_from_hf reads it")
+        if architecture in NEMOTRON_H_ARCHITECTURES:  # its own field names, blocks, Mamba-2
+            return cls(**nemotron_h_fields(hf_config, architecture))
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError(f"{architecture} with mlp_bias=True is not supported")
         if getattr(hf_config, "hidden_act", "silu") not in ("silu", "swish"):

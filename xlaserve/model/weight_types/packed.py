@@ -26,7 +26,8 @@ from xlaserve.native import gemm_cpu, quantized_gemm_cpu
 MATMUL_WEIGHTS = {"qkv": 1, "o_proj": 2, "gate_up": 1, "down": 1, "lm_head": 1, "up": 1,
                   # a hybrid model's linear layers (model/linear_attention.py) and output gate
                   "in_proj_qkv": 1, "in_proj_z": 1, "in_proj_ba": 1, "out_proj": 2,
-                  "output_gate": 1}
+                  "output_gate": 1,
+                  "in_proj_xbc": 1, "in_proj_dt": 1}  # Nemotron-H's Mamba-2 (model/mamba2.py)
 # The experts' weights [E, K, N...] (model/moe.py): one contracted axis after the experts'.
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
 

@@ -42,6 +42,7 @@ from xlaserve.model.registry import model_class
 from xlaserve.model.config.layer_shapes import replicate_kv_heads
 from xlaserve.model.sharding import check_split, serving_mesh, tensor_parallel_size
 from xlaserve.model.linear_attention import LinearState
+from xlaserve.model.mamba2 import Mamba2State
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.runtime.executor.drafts.draft_head import make_chain
 from xlaserve.runtime.executor.drafts.draft_tree import make_tree_chain
@@ -394,7 +395,7 @@ def main(argv=None) -> None:
     tp_size = server_args.tp_size
     weights = sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(program.args[0])) / tp_size
     kv, states = (sum(leaf.size * leaf.dtype.itemsize for cache in program.args[1]
-                      if isinstance(cache, LinearState) == linear
+                      if isinstance(cache, (LinearState, Mamba2State)) == linear
                       for leaf in jax.tree.leaves(cache)) / tp_size for linear in (False, True))
     print(f"{description}; per device: weights {weights / 2**30:.2f} GiB, KV cache "
           f"{kv / 2**30:.2f} GiB" + (f", linear layers' states {states / 2**30:.2f} GiB"

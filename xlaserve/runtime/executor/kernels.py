@@ -7,6 +7,8 @@ CPU (on a mesh, or with `matmul_backend="xla"`), the grouped matmul in tiles (mo
 grouped matmul that multiplies only routed rows, gate_up's with the SwiGLU fused
 (pallas_kernels/grouped_matmul_gpu.py), and on a
 single GPU the block-scaled FP8 matmul of FP8 checkpoints (pallas_kernels/fp8_block_matmul.py).
+Nemotron-H's Mamba-2 scan (`Kernels.mamba2_ssm`) is its jnp reference on every platform
+(pallas_kernels/mamba2/reference.py): no native or Pallas kernel yet.
 
 The native GEMM beat XLA's CPU dot at every row count measured on the default model's shapes
 (AMD EPYC, float32): 2-2.5x for steps of 2-32 rows, where XLA runs at a third of the memory

@@ -1,5 +1,5 @@
 """The linear layers' state pool (issue 76): hybrid models' Gated DeltaNet layers
-(model/linear_attention.py) keep no KV cache but a state per request, in one slot of a pool per
+(model/linear_attention.py) and Nemotron-H's Mamba-2 layers (model/mamba2.py) keep no KV cache but a state per request, in one slot of a pool per
 layer, beside the KV pool's pages. A running request's slot is its request slot
 (`Request.slot`, 1..max_running_requests; slot 0 the padding rows' null slot), so the pool has
 max_running_requests + 1 slots, and admission by request slots is admission by this pool. The
@@ -22,6 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.linear_attention import LinearState, state_shapes
+from xlaserve.model.mamba2 import Mamba2State
+from xlaserve.model.mamba2 import state_shapes as mamba2_state_shapes
 from xlaserve.model.sharding import CONV_STATE_SPEC, DELTA_STATE_SPEC
 from xlaserve.runtime.scheduler.state_reuse import STATE_COPIES
 
@@ -32,13 +34,21 @@ def state_bytes_per_slot(config: ModelConfig) -> int:
     """One request's state in every linear layer, in bytes (0 without linear layers)."""
     if not config.state_layers:
         return 0
-    shapes = jax.tree.leaves(state_shapes(config.linear_attention, 1),
+    shapes = jax.tree.leaves(layer_state_shapes(config, 1),
                              is_leaf=lambda x: isinstance(x, tuple))
     return len(config.state_layers) * sum(
         math.prod(shape) for shape in shapes) * jnp.dtype(STATE_DTYPE).itemsize
 
 
-def state_pool_specs(config: ModelConfig, num_slots: int, mesh: Mesh) -> list[LinearState]:
+def layer_state_shapes(config: ModelConfig, slots: int):
+    """A linear layer's pools' shapes (tuples) for `slots` slots: a LinearState (Gated
+    DeltaNet's) or a Mamba2State (Nemotron-H's, model/mamba2.py)."""
+    if config.mamba2 is not None:
+        return mamba2_state_shapes(config.mamba2, slots)
+    return state_shapes(config.linear_attention, slots)
+
+
+def state_pool_specs(config: ModelConfig, num_slots: int, mesh: Mesh) -> list:
     """Each linear layer's pools as jax.ShapeDtypeStructs, split by head as the layer is
     (model/sharding.py)."""
     if not config.state_layers:
@@ -46,9 +56,13 @@ def state_pool_specs(config: ModelConfig, num_slots: int, mesh: Mesh) -> list[Li
     if num_slots < 2:
         raise ValueError(f"{config.architecture} keeps a state per request: the state pool needs "
                          f"its request slots (got {num_slots} with the null slot)")
-    shapes = state_shapes(config.linear_attention, num_slots)
+    shapes = layer_state_shapes(config, num_slots)
     one = lambda shape, spec: jax.ShapeDtypeStruct(shape, STATE_DTYPE,
                                                    sharding=NamedSharding(mesh, spec))
+    if isinstance(shapes, Mamba2State):  # [slots, H, P, N] split by head as the delta's
+        return [Mamba2State(conv=one(shapes.conv, CONV_STATE_SPEC),
+                            ssm=one(shapes.ssm, DELTA_STATE_SPEC))
+                for _ in config.state_layers]
     return [LinearState(conv=one(shapes.conv, CONV_STATE_SPEC),
                         delta=one(shapes.delta, DELTA_STATE_SPEC))
             for _ in config.state_layers]
@@ -97,9 +111,9 @@ def no_copies(config: ModelConfig) -> StateCopies:
 
 
 def copy_states(caches: list, copies: jax.Array, first: int) -> list:
-    """`caches` with, in each linear layer's pools (`caches[first:]`, LinearStates), slot
-    `copies[1, i]` set to slot `copies[0, i]` for each used column in order: a loop as long as
-    the copies, nothing done in a step without any (most steps)."""
+    """`caches` with, in each linear layer's pools (`caches[first:]`, LinearStates or
+    Mamba2States), slot `copies[1, i]` set to slot `copies[0, i]` for each used column in
+    order: a loop as long as the copies, nothing done in a step without any (most steps)."""
     if copies.shape[1] == 0:
         return caches
     count = jnp.sum(copies[1] >= 0)

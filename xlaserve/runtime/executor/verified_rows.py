@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.model.config.model_config import ModelConfig
-from xlaserve.model.linear_attention import VerifiedRows, commit_accepted
+from xlaserve.model.linear_attention import VerifiedRows
 from xlaserve.model.transformer import AttentionMetadata
 
 
@@ -159,10 +159,10 @@ def move_kv_entries(kv_caches, source, target):
 # with verified rows, `verify_tokens` > 1) a sequence with more than one sample row (a verified
 # row) leaves its slot as it was and its layers keep the inputs of its rows
 # (linear_attention.VerifiedRows, PendingRows); when the step knows which sample rows it keeps
-# (`kept_rows`), each layer advances the slot by the row's first `kept` tokens
-# (linear_attention.commit_accepted). Every other row (a prompt chunk, a plain decode) writes its
-# state as in any step. A model without linear layers, or a server without speculation, gets
-# `NO_ROLLBACK`, which does nothing.
+# (`kept_rows`), each layer advances the slot by the row's first `kept` tokens (its state's
+# `commit_accepted`: Gated DeltaNet's, Mamba-2's). Every other row (a prompt chunk, a plain
+# decode) writes its state as in any step. A model without linear layers, or a server without
+# speculation, gets `NO_ROLLBACK`, which does nothing.
 
 
 def _sample_rows_of(sample_seqs: jax.Array, num_seqs: int, rows: jax.Array) -> jax.Array:
@@ -198,7 +198,7 @@ class StateRollback:
         verified = metadata.verified_rows.writes == 0
         layers = slice(self.first, self.first + self.count)
         return caches[:self.first] + [
-            commit_accepted(state, kept_lens, metadata.state_slots, verified)
+            state.commit_accepted(kept_lens, metadata.state_slots, verified)
             for state in caches[layers]] + caches[layers.stop:]
 
 
