@@ -193,11 +193,25 @@ def nextn_reference_beam(target_model, own: dict, sequence: list[int], topk: int
         return _beam(children, topk, steps)
 
 
-def nextn_reference_drafts(target_model, own: dict, sequence: list[int], count: int) -> list[int]:
+# Each multi-token-prediction layer's own tensors (`add_nextn_layer`'s, `add_qwen_mtp_layer`'s):
+# the embedding's and the hidden state's norms, the projection of both, the final norm, the LM
+# head (None: the model's), and what the norms' weights are added to (Qwen's 1 + weight).
+DEEPSEEK_MTP = dict(enorm="enorm.weight", hnorm="hnorm.weight", proj="eh_proj.weight",
+                    norm="shared_head.norm.weight", head="shared_head.head.weight", offset=0.0)
+QWEN_MTP = dict(enorm="pre_fc_norm_embedding.weight", hnorm="pre_fc_norm_hidden.weight",
+                proj="fc.weight", norm="norm.weight", head=None, offset=1.0)
+
+
+def nextn_reference_drafts(target_model, own: dict, sequence: list[int], count: int,
+                           names: dict = DEEPSEEK_MTP) -> list[int]:
     """What the multi-token-prediction layer drafts after `sequence`, from scratch: transformers'
     final (normed) hidden states, then its last decoder layer (the MTP layer's copy) over the
-    whole sequence, chained greedily on its normed output (SGLang's NEXTN)."""
+    whole sequence, chained greedily on its normed output (SGLang's NEXTN). `names`: which of
+    `own` are its tensors (DEEPSEEK_MTP, QWEN_MTP)."""
     t = {k: torch.from_numpy(v) for k, v in own.items()}
+    offset = names["offset"]
+    lm_head = (t[names["head"]] if names["head"] else
+               target_model.get_output_embeddings().weight)
     inner = target_model.model
     with torch.no_grad():
         states = inner(torch.tensor([sequence[:-1]])).last_hidden_state[0]
@@ -205,15 +219,43 @@ def nextn_reference_drafts(target_model, own: dict, sequence: list[int], count: 
         drafts = []
         for _ in range(count):
             n = len(tokens)
-            e = _rms(inner.embed_tokens.weight[torch.tensor(tokens)], t["enorm.weight"])
-            x = torch.cat([e, _rms(states, t["hnorm.weight"])], -1) @ t["eh_proj.weight"].T
+            e = _rms(inner.embed_tokens.weight[torch.tensor(tokens)], offset + t[names["enorm"]])
+            x = torch.cat([e, _rms(states, offset + t[names["hnorm"]])], -1) @ t[names["proj"]].T
             positions = torch.arange(n)[None]
             mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
             x = inner.layers[-1](x[None], attention_mask=mask, position_ids=positions,
                                  position_embeddings=inner.rotary_emb(x[None], positions))[0]
-            normed = _rms(x[-1], t["shared_head.norm.weight"])
-            token = int(torch.argmax(normed @ t["shared_head.head.weight"].T))
+            normed = _rms(x[-1], offset + t[names["norm"]])
+            token = int(torch.argmax(normed @ lm_head.T))
             drafts.append(token)
             tokens.append(token)
             states = torch.cat([states, normed[None]], 0)
     return drafts
+
+
+def add_qwen_mtp_layer(directory: str, seed: int = 2, layers: int = 1) -> dict:
+    """Give the tiny Qwen3-Next / Qwen3.5 checkpoint in `directory` its multi-token-prediction
+    layer as the published ones hold it (`mtp.*`, config `mtp_num_hidden_layers: layers`): its
+    decoder layer a copy of the last layer's, a full-attention one (so that the reference runs
+    transformers' own layer), `fc` and the norms random. Returns the layer's own tensors."""
+    from safetensors.numpy import load_file
+
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    assert config["layer_types"][-1] == "full_attention"
+    last, hidden = f"model.layers.{config['num_hidden_layers'] - 1}.", config["hidden_size"]
+    for name in [n for n in tensors if n.startswith(last)]:
+        tensors["mtp.layers.0." + name[len(last):]] = tensors[name]
+    rng = np.random.default_rng(seed)
+    own = {"pre_fc_norm_embedding.weight": 0.2 * rng.standard_normal(hidden),
+           "pre_fc_norm_hidden.weight": 0.2 * rng.standard_normal(hidden),
+           "fc.weight": 0.1 * rng.standard_normal((hidden, 2 * hidden)),
+           "norm.weight": 0.2 * rng.standard_normal(hidden)}
+    own = {k: np.asarray(v, np.float32) for k, v in own.items()}
+    tensors.update({"mtp." + k: v for k, v in own.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**config, "mtp_num_hidden_layers": layers}, f)
+    return own

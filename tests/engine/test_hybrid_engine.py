@@ -4,10 +4,10 @@ and each request's solo ones, with nothing compiled after the precompile; more r
 running slots, so later ones take the state slots of finished ones while others decode; the
 prefix cache reuses prompts from their state snapshots (scheduler/state_reuse.py): a shared
 prefix, a multi-turn chat, snapshots evicted past the pool; on two devices (--tp-size 2) too;
-speculative decoding (NGRAM) gives plain decoding's tokens, its verified rows' states rolled back to
-their accepted drafts (executor/verified_rows.StateRollback); the flags whose state the linear layers do not
-keep yet are refused by name. The checks:
-tests/engine/family_engine.py."""
+speculative decoding (NGRAM, and NEXTN with the checkpoint's MTP layer on a tiny Qwen3-Next and
+Qwen3.5) gives plain decoding's tokens, its verified rows' states rolled back to their accepted
+drafts (executor/verified_rows.StateRollback); the flags whose state the linear layers do not
+keep yet are refused by name. The checks: tests/engine/family_engine.py."""
 import logging
 
 import pytest
@@ -169,9 +169,108 @@ def check_speculation_rolls_back(checkpoint):
     assert again["output_ids"] == hf_greedy(checkpoint[1], REPEATING[0] + [11, 12], 16)
 
 
+# The tiny models given an MTP layer: Qwen3-Next's experts with a shared one, and a dense
+# Qwen3.5 whose LM head is its embedding (tied, as the small published ones).
+MTP_FAMILIES = {"qwen3_next": {}, "qwen3_5": {"tie_word_embeddings": True}}
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """family -> (directory, transformers' model, the MTP layer's own tensors): a tiny model
+    with its MTP layer (mtp.*: its decoder layer a copy of the last, full-attention, layer's; fc
+    and the norms random), made once per module."""
+    from tests.draft_head_models import add_qwen_mtp_layer
+    from tests.tiny_models import make_tiny_checkpoint
+
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            directory = str(tmp_path_factory.mktemp(family + "_mtp"))
+            model = make_tiny_checkpoint(directory, family, **MTP_FAMILIES[family])
+            made[family] = directory, model, add_qwen_mtp_layer(directory)
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_nextn_drafts_with_the_mtp_layer_and_rolls_verified_rows_back(mtp_checkpoint, family):
+    """--speculative-algorithm NEXTN on Qwen3-Next and Qwen3.5: every draft is the MTP layer's
+    from scratch (transformers' hidden states and its own full-attention layer,
+    tests/draft_head_models.py), and the output transformers' greedy tokens, batched with chunked
+    prompts, nothing compiled after the precompile. A random MTP layer's drafts are refused, so
+    two proposals in three are replaced by the plain decoding's next tokens (the last one spoiled
+    in every other): verified rows keep all, some and none of their drafts, the linear layers'
+    states rolled back and the head's cache caught up on what each keeps."""
+    from tests.draft_head_models import QWEN_MTP, nextn_reference_drafts
+
+    directory, model, own = mtp_checkpoint(family)
+    prompts, greedy = PROMPTS[:4], dict(GREEDY, max_new_tokens=12)
+    answers = {tuple(p): hf_greedy(model, p, 12) for p in prompts}
+    options = dict(SMALL, max_running_requests=16, speculative_algorithm="NEXTN",
+                   speculative_num_draft_tokens=3)
+    proposals = []
+    with Engine(directory, **options) as spec:
+        compiles = spec.core.runner.compile_count()
+        speculator = spec.core.scheduler.speculator
+        propose = speculator.drafter
+
+        def oracle(requests, rooms):
+            drafts = propose(requests, rooms)
+            out = []
+            for r, draft in zip(requests, drafts):
+                proposals.append((list(r.all_ids()), list(draft)))
+                good = answers[tuple(r.prompt_ids)][len(r.output_ids):][:len(draft)]
+                if len(proposals) % 6 == 1 and len(good) > 1:
+                    good[-1] = (good[-1] + 1) % 512
+                out.append(good if len(proposals) % 3 else draft)
+            return out
+
+        speculator.drafter = oracle
+        results = spec.generate(input_ids=prompts, sampling_params=greedy)
+        assert spec.core.runner.compile_count() == compiles
+        assert speculator.verified_rows > 0 and speculator.accepted_drafts > 0
+    assert [r["output_ids"] for r in results] == [answers[tuple(p)] for p in prompts]
+    assert max(len(d) for _, d in proposals) == 2 and len(proposals) > 10
+    for sequence, drafts in proposals:
+        assert drafts == nextn_reference_drafts(model, own, sequence, len(drafts), QWEN_MTP), \
+            len(sequence)
+
+
+@pytest.mark.slow
+def test_nextn_on_two_devices_gives_transformers_tokens(mtp_checkpoint):
+    """--tp-size 2 with NEXTN on Qwen3-Next: the MTP layer's attention, experts and the model's
+    LM head it drafts through split as the model's, the verified rows' states (split by head)
+    rolled back; only the precompiled programs run. 90 s on 2 shared cores (2026-11-30): a
+    process of its own precompiles the step and the head's draft steps for two devices."""
+    directory, model, _ = mtp_checkpoint("qwen3_next")
+    check_two_devices(directory, model, PROMPTS[:4], dict(GREEDY, max_new_tokens=8),
+                      dict(SMALL, tp_size=2, max_running_requests=16,
+                           speculative_algorithm="NEXTN", speculative_num_draft_tokens=3))
+
+
+def test_nextn_needs_one_mtp_layer_in_the_checkpoint(checkpoint, mtp_checkpoint, tmp_path):
+    """A checkpoint without mtp.* tensors, or with mtp_num_hidden_layers other than 1, stops
+    start-up naming it."""
+    import json
+    import shutil
+
+    with pytest.raises(ValueError, match=r"NEXTN: the checkpoint has no mtp\.\* tensors"):
+        Engine(checkpoint[0], **SMALL, speculative_algorithm="NEXTN")
+    shutil.copytree(mtp_checkpoint("qwen3_next")[0], tmp_path / "two")
+    config = json.loads((tmp_path / "two" / "config.json").read_text())
+    (tmp_path / "two" / "config.json").write_text(json.dumps({**config,
+                                                             "mtp_num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="NEXTN: mtp_num_hidden_layers is 2"):
+        Engine(str(tmp_path / "two"), **SMALL, speculative_algorithm="NEXTN")
+
+
 @pytest.mark.parametrize("flags,named", [
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="x"),
      "--speculative-algorithm EAGLE3"),
+    (dict(speculative_algorithm="NEXTN", speculative_eagle_topk=2),
+     "--speculative-eagle-topk 2"),
     (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(enable_deterministic_inference=True), "--enable-deterministic-inference"),
 ])

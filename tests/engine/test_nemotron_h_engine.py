@@ -40,3 +40,14 @@ def test_speculative_decoding_rolls_verified_rows_back_to_transformers_tokens(ch
     """Mamba2State.commit_accepted: the scan and the window of each verified row's kept
     tokens."""
     check_speculation_rolls_back(checkpoint)
+
+
+def test_nextn_stops_start_up_naming_the_mtp_layer_it_lacks(checkpoint):
+    """Nemotron-H has no multi-token-prediction layer: NEXTN (allowed for hybrids, whose
+    Qwen3-Next and Qwen3.5 have one) is refused in one line."""
+    import pytest
+
+    from xlaserve.offline import Engine
+
+    with pytest.raises(ValueError, match="NEXTN needs a DeepSeek-V3/R1 checkpoint"):
+        Engine(checkpoint[0], **SMALL, speculative_algorithm="NEXTN")

@@ -3,7 +3,8 @@ benchmarks/configs, its first 4 layers: three Gated DeltaNet layers and a gated 
 one, each with 512 experts) compiled for TPU v6e (tensor parallel over 4 chips) and one H100,
 without the hardware (runtime/executor/aot.py): the linear layers and their state pools split by
 head as attention is, so each device holds a quarter of the weights, KV pool and state pool; no
-weight or state gathered; the state pools updated in place."""
+weight or state gathered; the state pools updated in place. With its MTP layer as a NEXTN head,
+the speculative step and the head's draft steps compile for H100."""
 import re
 
 import jax
@@ -74,3 +75,19 @@ def test_a_speculative_step_rolls_its_states_back_without_copying_a_pool(target,
         split = leaf.sharding.spec.index(("expert", "tensor"))
         local = tuple(n // tp_size if i == split else n for i, n in enumerate(leaf.shape))
         assert not cache_copies(hlo, local, leaf.dtype), description
+
+
+def test_qwen3_next_with_its_mtp_layer_as_a_nextn_head_compiles_for_h100(tmp_path):
+    """--speculative-algorithm NEXTN on Qwen3-Next (its first 4 layers): the MTP layer (full
+    gated attention, 512 experts) rides in the serving step, its cache and state after the
+    linear layers' state pools, and its draft steps compile too."""
+    devices("h100")
+    args = ServerArgs(model_path=first_layers("qwen3-next-80b-a3b", 4, tmp_path), tp_size=1,
+                      max_running_requests=64, max_prefill_tokens=512,
+                      speculative_algorithm="NEXTN", speculative_num_steps=2)
+    program, shapes, description = aot.server_step("h100", args)
+    assert "NextNHead draft head" in description, description
+    caches = program.args[1]  # the full layer's KV, three states, the head's KV and state
+    assert len(caches) == 6 and caches[4].shape == caches[0].shape, description
+    program.compile(*shapes[0], PLAIN)
+    program.compile_chain(*shapes[0])

@@ -158,6 +158,9 @@ def test_vllm_speculative_config_and_sglangs_eagle_flags_map_onto_ours_and_bad_o
     assert (eagle.speculative_algorithm, eagle.speculative_num_draft_tokens) == ("EAGLE3", 4)
     mtp = ServerArgs(model_path="m", speculative_config='{"method": "deepseek_mtp"}')
     assert (mtp.speculative_algorithm, mtp.speculative_num_draft_tokens) == ("NEXTN", 5)
+    qwen = ServerArgs(model_path="m", speculative_config=(
+        '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}'))
+    assert (qwen.speculative_algorithm, qwen.speculative_num_draft_tokens) == ("NEXTN", 3)
     tree = ServerArgs(model_path="m", speculative_algorithm="EAGLE3",
                       speculative_draft_model_path="head", speculative_eagle_topk=4)
     assert (tree.speculative_num_steps, tree.speculative_num_draft_tokens) == (3, 13)

@@ -8,10 +8,13 @@ from the target model's hidden states (runtime/executor/drafts/draft_head.py run
   token's embedding (the target's); q, k and v read both side by side (2 x hidden wide). Its LM
   head covers a smaller draft vocabulary, mapped to the target's ids by `draft_to_target`
   (the checkpoint's `d2t` offsets).
-- `NextNHead` (`--speculative-algorithm NEXTN`): DeepSeek-V3/R1's multi-token-prediction layer,
-  `model.layers.<num_hidden_layers>` of the checkpoint: `eh_proj` of the next token's normed
-  embedding beside the target's normed final hidden state, one DeepSeek decoder layer (latent
-  attention, experts) and its `shared_head` (norm, LM head).
+- `NextNHead` (`--speculative-algorithm NEXTN`): a checkpoint's own multi-token-prediction layer:
+  a projection of the next token's normed embedding beside the target's normed final hidden
+  state, one decoder layer of the target's config, a final norm and an LM head. DeepSeek-V3/R1's
+  is `model.layers.<num_hidden_layers>` (`eh_proj`, latent attention and experts, its own
+  `shared_head` norm and LM head); Qwen3-Next's and Qwen3.5's is `mtp.*` (`fc`, a full gated
+  attention layer with the target's MLP or experts, `norm`: (1 + weight) norms, as the target's),
+  drafting through the target's own LM head (`shared_lm_head`: none of its own).
 
 Both run on a packed ragged batch as the target does, and keep a paged KV cache of one layer
 with the target's pages (the same page ids). The head at position t reads the token at t + 1
@@ -94,34 +97,40 @@ class Eagle3Head(nnx.Module):
     def carry(self, x: jax.Array) -> jax.Array:
         return x
 
-    def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
-        """The greedy draft (a target id) of each row of layer outputs `x`."""
-        return self.draft_to_target[...][greedy_ids(self, self.final_norm(x), kernels)]
+    def draft(self, x: jax.Array, kernels: Kernels, target) -> jax.Array:
+        """The greedy draft (a target id) of each row of layer outputs `x`. `target`: the
+        model the head drafts for (a head may draft through its LM head: NextNHead's)."""
+        return self.draft_to_target[...][greedy_ids(self, self.final_norm(x), kernels, target)]
 
-    def draft_of_carry(self, carried: jax.Array, kernels: Kernels) -> jax.Array:
+    def draft_of_carry(self, carried: jax.Array, kernels: Kernels, target) -> jax.Array:
         """`draft` of the outputs whose `carry` this is (what a request's slot keeps)."""
-        return self.draft(carried, kernels)
+        return self.draft(carried, kernels, target)
 
-    def top_drafts_of_carry(self, carried: jax.Array, k: int,
-                            kernels: Kernels) -> tuple[jax.Array, jax.Array]:
+    def top_drafts_of_carry(self, carried: jax.Array, k: int, kernels: Kernels,
+                            target) -> tuple[jax.Array, jax.Array]:
         """(target ids i32[T, k], their log-probabilities f32[T, k]): the `k` likeliest drafts
         of the outputs whose `carry` this is, likeliest first (tree drafting, runtime/executor/drafts/draft_tree.py)."""
-        ids, logprobs = top_logprobs(self, self.final_norm(carried), k, kernels)
+        ids, logprobs = top_logprobs(self, self.final_norm(carried), k, kernels, target)
         return self.draft_to_target[...][ids], logprobs
 
 
 class NextNHead(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        """`config`: the target's, with one layer (`nextn_config`)."""
+    def __init__(self, config: ModelConfig, *, shared_lm_head: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        """`config`: the target's, with one layer (`nextn_config`). `shared_lm_head`: drafts
+        through the target's LM head (Qwen's MTP layer), not one of its own (DeepSeek's)."""
         c = config
         self.config = c
         self.capture_layers = ()
-        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        # enorm, hnorm (Qwen: pre_fc_norm_embedding, pre_fc_norm_hidden), eh_proj (Qwen: fc)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         self.eh_proj = nnx.Param(init_weight(rngs, (2 * c.hidden_size, c.hidden_size), dtype))
         self.layer = DecoderLayer(c, 0, dtype, rngs)
-        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)  # shared_head.norm
-        self.lm_head = nnx.Param(init_weight(rngs, (c.hidden_size, c.vocab_size), dtype))
+        # shared_head.norm (Qwen: mtp.norm)
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
+        if not shared_lm_head:
+            self.lm_head = nnx.Param(init_weight(rngs, (c.hidden_size, c.vocab_size), dtype))
 
     def features(self, target, hidden, captured, kernels: Kernels) -> jax.Array:
         """The target's final hidden state, normed (what SGLang's NEXTN reads)."""
@@ -141,40 +150,51 @@ class NextNHead(nnx.Module):
     def carry(self, x: jax.Array) -> jax.Array:
         return self.final_norm(x)
 
-    def draft(self, x: jax.Array, kernels: Kernels) -> jax.Array:
-        return greedy_ids(self, self.final_norm(x), kernels)
+    def draft(self, x: jax.Array, kernels: Kernels, target) -> jax.Array:
+        return greedy_ids(self, self.final_norm(x), kernels, target)
 
-    def draft_of_carry(self, carried: jax.Array, kernels: Kernels) -> jax.Array:
+    def draft_of_carry(self, carried: jax.Array, kernels: Kernels, target) -> jax.Array:
         """`draft` of the outputs whose `carry` (their final norm) this is."""
-        return greedy_ids(self, carried, kernels)
+        return greedy_ids(self, carried, kernels, target)
 
-    def top_drafts_of_carry(self, carried: jax.Array, k: int,
-                            kernels: Kernels) -> tuple[jax.Array, jax.Array]:
+    def top_drafts_of_carry(self, carried: jax.Array, k: int, kernels: Kernels,
+                            target) -> tuple[jax.Array, jax.Array]:
         """As Eagle3Head's: the `k` likeliest drafts (ids, log-probabilities) of a carry."""
-        return top_logprobs(self, carried, k, kernels)
+        return top_logprobs(self, carried, k, kernels, target)
 
 
 def nextn_config(target: ModelConfig) -> ModelConfig:
-    """The multi-token-prediction layer's config: the target's, one layer, with experts when the
-    target has them (SGLang's is_nextn layer is always sparse)."""
+    """The multi-token-prediction layer's config: the target's, one layer, full attention (a
+    hybrid's MTP layer is a full gated attention one), with experts when the target has them
+    (SGLang's is_nextn layer is always sparse; Qwen's MTP layer is the target's MoE)."""
+    full = target.cache_layers[0]  # a layer that attends: its KV heads' copies (tp)
     return dataclasses.replace(target, num_layers=1, sliding_windows=(None,),
-                               moe_layers=(target.num_experts > 0,))
+                               moe_layers=(target.num_experts > 0,), linear_layers=(False,),
+                               kv_replicas=target.kv_replicas[full:full + 1])
 
 
-def lm_head_logits(head, normed: jax.Array, kernels: Kernels) -> jax.Array:
-    """`head`'s LM head over `normed` rows (its final norm already applied)."""
-    return linear(normed.astype(matmul_input_dtype(head.lm_head[...])), head.lm_head[...], kernels)
+def lm_head_logits(head, normed: jax.Array, kernels: Kernels, target) -> jax.Array:
+    """`head`'s LM head over `normed` rows (its final norm already applied): its own, or where
+    it has none the target's (`target`: the model, its LM head or its tied embedding)."""
+    if hasattr(head, "lm_head"):
+        weight, transposed = head.lm_head[...], False
+    elif target.config.tie_word_embeddings:
+        weight, transposed = target.embedding[...], True
+    else:
+        weight, transposed = target.lm_head[...], False
+    return linear(normed.astype(matmul_input_dtype(weight)), weight, kernels,
+                  transposed=transposed)
 
 
-def top_logprobs(head, normed: jax.Array, k: int, kernels: Kernels):
+def top_logprobs(head, normed: jax.Array, k: int, kernels: Kernels, target):
     """(ids i32[T, k] of the head's vocabulary, log-probabilities f32[T, k]): the `k` likeliest
     of `head`'s LM head over `normed` rows (its final norm already applied)."""
-    logits = lm_head_logits(head, normed, kernels)
+    logits = lm_head_logits(head, normed, kernels, target)
     logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
     return ids.astype(jnp.int32), logprobs
 
 
-def greedy_ids(head, normed: jax.Array, kernels: Kernels) -> jax.Array:
+def greedy_ids(head, normed: jax.Array, kernels: Kernels, target) -> jax.Array:
     """i32: the argmax of `head`'s LM head over each of `normed` rows (its final norm already
     applied; ids of the head's vocabulary)."""
-    return jnp.argmax(lm_head_logits(head, normed, kernels), axis=-1).astype(jnp.int32)
+    return jnp.argmax(lm_head_logits(head, normed, kernels, target), axis=-1).astype(jnp.int32)

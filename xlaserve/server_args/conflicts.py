@@ -98,14 +98,17 @@ CONFLICTS: dict[Mode, tuple[str, tuple[Refused, ...]]] = {
         Refused("--attention-backend reference",
                 lambda args: args.attention_backend == "reference"),
         Refused("--is-embedding / --runner pooling", lambda args: args.runner == "pooling"))),
-    # Each is a state the linear layers do not keep yet (issue 76): a draft model's or head's
-    # (NGRAM drafts on the host, and the target's verified rows roll back:
-    # verified_rows.StateRollback), an adapter's delta in their projections, a state per cached
+    # Each is a state the linear layers do not keep yet (issue 76): a draft model's or an
+    # EAGLE-3 head's (NGRAM drafts on the host, NEXTN with the checkpoint's MTP layer, a full
+    # attention one; the target's verified rows roll back: verified_rows.StateRollback), a tree's
+    # (a state follows one path), an adapter's delta in their projections, a state per cached
     # prefix in host memory.
     Mode.LINEAR_ATTENTION: ("{flag} with a hybrid linear-attention model is not built yet", (
         Refused("--speculative-algorithm {speculative_algorithm}",
                 lambda args: bool(args.speculative_algorithm)
-                and args.speculative_algorithm != "NGRAM"),
+                and args.speculative_algorithm not in ("NGRAM", "NEXTN")),
+        Refused("--speculative-eagle-topk {speculative_eagle_topk} (a tree of drafts)",
+                lambda args: (args.speculative_eagle_topk or 1) > 1),
         LORA,
         MULTI_HOST,
         Refused("--enable-hierarchical-cache", lambda args: args.enable_hierarchical_cache),

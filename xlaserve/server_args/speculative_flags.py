@@ -20,7 +20,8 @@ class SpeculativeFlags:
               "and output (no draft model), STANDALONE with a small draft model of the same "
               "tokenizer (--speculative-draft-model-path), EAGLE3 (or EAGLE) with an EAGLE-3 "
               "head fed the model's hidden states (--speculative-draft-model-path), NEXTN with "
-              "a DeepSeek-V3/R1 checkpoint's own multi-token-prediction layer; the model "
+              "the checkpoint's own multi-token-prediction layer (DeepSeek-V3/R1's, "
+              "Qwen3-Next's, Qwen3.5's); the model "
               "verifies the drafts in one step; greedy output is unchanged and sampled output "
               "keeps the model's distribution",
         choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"],
@@ -146,7 +147,8 @@ class SpeculativeFlags:
         for key, value in config.items():
             if key == "method":
                 value = {"draft_model": "STANDALONE", "deepseek_mtp": "NEXTN",
-                         "mtp": "NEXTN"}.get(value, str(value).upper())
+                         "qwen3_next_mtp": "NEXTN", "mtp": "NEXTN"}.get(value,
+                                                                        str(value).upper())
             elif key == "model":
                 value = str(value)
             elif not isinstance(value, int) or isinstance(value, bool):

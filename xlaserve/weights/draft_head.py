@@ -8,6 +8,9 @@
 - NEXTN: the target's own checkpoint, its `num_nextn_predict_layers` layer
   (`model.layers.<num_hidden_layers>.*`: `enorm`, `hnorm`, `eh_proj`, the decoder layer,
   `shared_head.norm`, `shared_head.head`); FP8 weights are dequantized into the model dtype.
+  Qwen3-Next's and Qwen3.5's (`mtp_num_hidden_layers: 1`) are `mtp.*`, as SGLang and vLLM read
+  them: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, `layers.0.*` (a full-attention
+  decoder layer), `norm`; their LM head and embedding are the model's.
 
 Anything else stops start-up naming it: a head of another architecture, a PyTorch-pickle-only
 checkpoint, a tensor missing or misshapen, a head whose width is not the target's.
@@ -23,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from xlaserve.model.config.linear_attention_config import HYBRID_ARCHITECTURES
 from xlaserve.model.config.model_config import ModelConfig
 from xlaserve.model.draft_heads import Eagle3Head, NextNHead, eagle3_capture_layers, nextn_config
 from xlaserve.model.sharding import partition_spec
@@ -92,11 +96,18 @@ def draft_head_builder(algorithm: str, path: str | None, target: ModelConfig,
     """(a function making the head for `algorithm` with random weights, its tensors' reader):
     EAGLE3's from the head directory `path`, NEXTN's from the model's config (`target_hf`,
     its checkpoint at `path`). `nnx.eval_shape` of the first is the head's structure."""
+    if algorithm == "NEXTN" and target.architecture in HYBRID_ARCHITECTURES:  # Qwen's MTP layer
+        config = nextn_config(target)
+        check_qwen_mtp_config(target_hf)
+        return (lambda: NextNHead(config, shared_lm_head=True, dtype=dtype, rngs=nnx.Rngs(0)),
+                lambda: _qwen_mtp_tensors(dequantizing_source(SafetensorsSource(path), target_hf,
+                                                              dtype), config))
     if algorithm == "NEXTN":
         layers = int(target_hf.get("num_nextn_predict_layers") or 0)
         if target.mla is None or layers < 1:
             raise ValueError("--speculative-algorithm NEXTN needs a DeepSeek-V3/R1 checkpoint with "
-                             "num_nextn_predict_layers >= 1 (its multi-token-prediction layer)")
+                             "num_nextn_predict_layers >= 1 (its multi-token-prediction layer), "
+                             "or a Qwen3-Next / Qwen3.5 one with its mtp.* layer")
         config = nextn_config(target)
         return (lambda: NextNHead(config, dtype=dtype, rngs=nnx.Rngs(0)),
                 lambda: _nextn_tensors(dequantizing_source(SafetensorsSource(path), target_hf,
@@ -209,6 +220,35 @@ def _nextn_tensors(source, target: ModelConfig, c: ModelConfig) -> dict:
         ("lm_head",): fetch("shared_head.head.weight", (c.vocab_size, hidden)).T,
     }
     tensors.update(layer_weights(source, c, 0, prefix, ("layer",)))
+    return tensors
+
+
+def check_qwen_mtp_config(target_hf: dict) -> None:
+    """Refuses a Qwen3-Next / Qwen3.5 config (its text config's) whose MTP layer is not one
+    layer on the model's embedding (SGLang's and vLLM's as well)."""
+    text = target_hf.get("text_config") or target_hf
+    layers = text.get("mtp_num_hidden_layers", 1)
+    if layers != 1:
+        raise ValueError(f"--speculative-algorithm NEXTN: mtp_num_hidden_layers is {layers}; "
+                         "one MTP layer (mtp.layers.0) is built")
+    if text.get("mtp_use_dedicated_embeddings"):
+        raise ValueError("--speculative-algorithm NEXTN: mtp_use_dedicated_embeddings=true (an "
+                         "MTP layer with an embedding of its own) is not supported")
+
+
+def _qwen_mtp_tensors(source, c: ModelConfig) -> dict:
+    """Qwen3-Next's / Qwen3.5's `mtp.*` as NextNHead's parameters (no LM head: the model's)."""
+    if "mtp.fc.weight" not in source.names():
+        raise ValueError("--speculative-algorithm NEXTN: the checkpoint has no mtp.* tensors "
+                         "(mtp.fc.weight: Qwen3-Next's / Qwen3.5's multi-token-prediction layer)")
+    hidden = c.hidden_size
+    tensors = {
+        ("enorm", "scale"): _fetch(source, "mtp.pre_fc_norm_embedding.weight", (hidden,)),
+        ("hnorm", "scale"): _fetch(source, "mtp.pre_fc_norm_hidden.weight", (hidden,)),
+        ("eh_proj",): _fetch(source, "mtp.fc.weight", (hidden, 2 * hidden)).T,
+        ("final_norm", "scale"): _fetch(source, "mtp.norm.weight", (hidden,)),
+    }
+    tensors.update(layer_weights(source, c, 0, "mtp.layers.0.", ("layer",)))
     return tensors
 
 

@@ -16,6 +16,7 @@ _MODULE_OF = {  # public name -> the module of this folder that defines it (or i
     "LLAMA4_NAMES": "llama4_config",
     "RopeConfig": "rope_config", "partial_rope_rows": "rope_config",
     "LinearAttentionConfig": "linear_attention_config",
+    "HYBRID_ARCHITECTURES": "linear_attention_config",
     "Mamba2Config": "mamba2_config", "NEMOTRON_H_ARCHITECTURES": "mamba2_config",
     "VisionConfig": "vision_config",
     "SiglipConfig": "siglip_config",

@@ -46,7 +46,7 @@ from xlaserve.model.mamba2 import Mamba2State
 from xlaserve.model.transformer import abstract_parameters
 from xlaserve.runtime.executor.drafts.draft_head import make_chain
 from xlaserve.runtime.executor.drafts.draft_tree import make_tree_chain
-from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs
+from xlaserve.runtime.executor.kv_pool import DraftHeadPool, kv_pool_specs, layer_pool_arrays
 from xlaserve.runtime.executor.state_pool import StateCopies, copy_capacity
 from xlaserve.runtime.executor.forward_batch import sample_rows_for
 from xlaserve.runtime.executor.buckets import serving_buckets, with_page_size
@@ -246,7 +246,7 @@ def step_program(config: ModelConfig, dtype, mesh: Mesh, platform: str, *, num_p
                        formats, verify_tokens, lora_args, takes_images=takes_images)
              for formats in (None, auto_formats(weights))]
     parts = (graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
-             len(config.cache_layers))
+             layer_pool_arrays(config))
     chain = None
     if draft_head is not None:
         chain = (make_tree_chain(*parts, topk, tree_steps) if topk > 1

@@ -117,6 +117,12 @@ class DraftHeadPool:
     num_slots: int
 
 
+def layer_pool_arrays(config: ModelConfig) -> int:
+    """How many of the pool's arrays come before a draft head's (`DraftHeadPool`): the layers'
+    caches and a hybrid model's linear layers' states."""
+    return len(config.cache_layers) + len(config.state_layers)
+
+
 def draft_head_pool_of(model, num_slots: int) -> DraftHeadPool | None:
     """The device state of the draft head start-up set on `model` (model/draft_heads.py), or
     None without one."""

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.runtime.executor.kv_pool import layer_pool_arrays
 from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
 from xlaserve.runtime.executor.state_pool import copy_states
 from xlaserve.runtime.executor.verified_rows import state_rollback
@@ -112,6 +113,9 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
                                      batch.tree_masks if tree else None, batch.tree_width,
                                      state_slots=slots)
         head = getattr(model, "draft_head", None)
+        if head is not None:  # its cache and state follow the layers' (kv_pool.DraftHeadPool)
+            layers = layer_pool_arrays(model.config)
+            kv_caches, head_state = kv_caches[:layers], kv_caches[layers:]
         # A hybrid model's linear layers: cached prefixes' states into admitted requests' slots
         # first, prompts' states into snapshot slots after (state_pool.StateCopies); a verified
         # row's state rolled back to its accepted drafts (verified_rows.StateRollback).
@@ -131,12 +135,10 @@ def make_step(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding
             hidden, kv_caches = model.hidden_states(input_ids, batch.positions, kv_caches,
                                                     metadata, kernels, rope,
                                                     input_embeds=input_embeds)
-        else:  # the head's cache and state follow the layers' (kv_pool.DraftHeadPool)
-            layers = len(model.config.cache_layers)  # the pool's arrays before the head's
-            head_state = kv_caches[layers:]
+        else:  # the layers the head reads (EAGLE-3's), its cache and state apart
             hidden, kv_caches, captured = model.hidden_states(
-                input_ids, batch.positions, kv_caches[:layers], metadata, kernels,
-                rope, capture=head.capture_layers)
+                input_ids, batch.positions, kv_caches, metadata, kernels, rope,
+                capture=head.capture_layers)
         logits = whole_vocab_logits(hidden[batch.logits_indices])
         # Each sample row's slot (its sequence's; the null slot for padding): without
         # speculation, sample row i is sequence i.

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model.transformer import AttentionMetadata
 from xlaserve.runtime.executor.forward_batch import Buckets, make_forward_batch
+from xlaserve.runtime.executor.kv_pool import layer_pool_arrays
 from xlaserve.runtime.executor.drafts.draft_tree import chain_inputs, make_tree_chain, select_tree
 from xlaserve.runtime.executor.precompile import warn_compiled_while_serving
 from xlaserve.runtime.executor.step_inputs import SAMPLING_WIDTHS, greedy_sampling, idle_step
@@ -47,7 +48,7 @@ class DraftHead:
         self.steps = max_drafts - 1  # head steps after the first draft (its slot's state's)
         graphdef, state_treedef, weight_layout, kv_sharding = runner.program_parts
         parts = (graphdef, state_treedef, weight_layout, runner.kernels, runner.mesh,
-                 kv_sharding, len(runner.config.cache_layers))
+                 kv_sharding, layer_pool_arrays(runner.config))
         if topk > 1:
             self.steps = tree_steps
             self._chain = make_tree_chain(*parts, topk, tree_steps)
@@ -138,7 +139,8 @@ class DraftHead:
 
 def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sharding,
                num_layers: int, steps: int):
-    """The jitted drafting: the first draft from each slot's state, then the head's steps:
+    """The jitted drafting: the first draft from each slot's state, then the head's steps
+    (`num_layers`: the pool's arrays before the head's, kv_pool.layer_pool_arrays):
 
         chain(weights, kv_caches, page_table, ints, floats, rooms, *, layout)
             -> (drafts i32[S, steps + 1], kv_caches, page_table)
@@ -157,7 +159,7 @@ def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_shardin
         tokens, seqs = batch.input_ids.shape[0], slots.shape[0]
         token_slots = jnp.zeros(tokens, jnp.int32).at[:seqs].set(slots)  # tokens >= seqs
         x_state = states[token_slots]
-        ids = head.draft_of_carry(x_state, kernels)
+        ids = head.draft_of_carry(x_state, kernels, model)
         drafts = [ids[:seqs]]
         seq_index = jnp.arange(seqs + 1, dtype=jnp.int32)
         for j in range(steps):
@@ -166,7 +168,7 @@ def make_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_shardin
                                          jnp.minimum(seq_index, live), live[None])
             x, head_kv = head(model.embedding[...], ids, x_state, batch.positions + j, head_kv,
                               metadata, kernels)
-            ids, x_state = head.draft(x, kernels), head.carry(x)
+            ids, x_state = head.draft(x, kernels, model), head.carry(x)
             drafts.append(ids[:seqs])
         kv_caches = list(kv_caches[:num_layers]) + [head_kv, states]
         return jnp.stack(drafts, axis=1), kv_caches, page_table

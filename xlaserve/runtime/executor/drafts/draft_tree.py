@@ -53,7 +53,7 @@ def make_tree_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sh
         head_kv, states = kv_caches[num_layers:]
         seqs = slots.shape[0]
         first = states[slots]  # [S, hidden]: the head's output at the request's last token
-        ids, scores = head.top_drafts_of_carry(first, topk, kernels)  # level 1
+        ids, scores = head.top_drafts_of_carry(first, topk, kernels, model)  # level 1
         beam = jnp.arange(topk, dtype=jnp.int32)
         nodes = {"ids": [ids], "inputs": [jnp.broadcast_to(first[:, None], (seqs, topk) +
                                                           first.shape[1:])],
@@ -74,7 +74,7 @@ def make_tree_chain(graphdef, state_treedef, weight_layout, kernels, mesh, kv_sh
                               kernels)
             newest = head.carry(x).reshape(seqs, n, -1)[:, n - topk:]  # the last level's
             child_ids, child_scores = head.top_drafts_of_carry(
-                newest.reshape(seqs * topk, -1), topk, kernels)
+                newest.reshape(seqs * topk, -1), topk, kernels, model)
             paths = (nodes["scores"][-1][:, :, None]
                      + child_scores.reshape(seqs, topk, topk)).reshape(seqs, topk * topk)
             scores, picked = jax.lax.top_k(paths, topk)  # [S, topk], likeliest first
