@@ -1,7 +1,8 @@
 """Hybrid linear-attention models through the engine (issue 76: a tiny random Qwen3.5 text model,
 tests/tiny_models.py): continuous batching with chunked prefill gives transformers' greedy tokens
 and each request's solo ones, with nothing compiled after the precompile; more requests than
-running slots, so later ones take the state slots of finished ones while others decode; the
+running slots, so later ones take the state slots of finished ones while others decode; 64
+requests running at once; the
 prefix cache reuses prompts from their state snapshots (scheduler/state_reuse.py): a shared
 prefix, a multi-turn chat, snapshots evicted past the pool; on two devices (--tp-size 2) too;
 speculative decoding (NGRAM, and NEXTN with the checkpoint's MTP layer on a tiny Qwen3-Next and
@@ -43,6 +44,21 @@ checkpoint, engine = family_fixtures("qwen3_5", SMALL)
 
 def test_batched_chunked_greedy_requests_equal_solo_runs_and_transformers(engine, checkpoint):
     check_batched_equal_solo_and_transformers(engine, checkpoint[1], PROMPTS, GREEDY)
+
+
+def test_sixty_four_requests_at_once_each_in_its_own_state_slot(checkpoint):
+    """64 running requests (slots 1..64), prompts of 1 to 33 tokens prefilled together in
+    chunks and then decoded side by side, the step's rows padded to its buckets: each request's
+    tokens are transformers' greedy ones."""
+    prompts = [[(37 * i + 11 * j) % 500 + 1 for j in range(1 + i % 33)] for i in range(64)]
+    new = 4
+    with Engine(checkpoint[0], **dict(SMALL, max_running_requests=64, chunked_prefill_size=256,
+                                      max_prefill_tokens=256, max_total_tokens=4096),
+                disable_precompile=True) as wide:
+        results = wide.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=new))
+        assert wide.core.runner.state_slots > 64
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, new)
 
 
 def test_a_prompt_reuses_a_cached_prefix_from_its_state_snapshot(engine, checkpoint):
