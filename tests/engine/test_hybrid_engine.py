@@ -2,9 +2,9 @@
 tests/tiny_models.py): continuous batching with chunked prefill gives transformers' greedy tokens
 and each request's solo ones, with nothing compiled after the precompile; more requests than
 running slots, so later ones take the state slots of finished ones while others decode; 64
-requests running at once; the
-prefix cache reuses prompts from their state snapshots (scheduler/state_reuse.py): a shared
-prefix, a multi-turn chat, snapshots evicted past the pool; on two devices (--tp-size 2) too;
+requests running at once; the prefix cache reuses prompts from their state snapshots
+(scheduler/state_reuse.py): a shared prefix, a multi-turn chat, snapshots evicted past the pool;
+on two devices (--tp-size 2) too;
 speculative decoding (NGRAM, and NEXTN with the checkpoint's MTP layer on a tiny Qwen3-Next and
 Qwen3.5) gives plain decoding's tokens, its verified rows' states rolled back to their accepted
 drafts (executor/verified_rows.StateRollback); the flags whose state the linear layers do not
