@@ -34,7 +34,10 @@ PUBLISHED_SIZES = {"smollm2-135m": 0.135, "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.
                    # Scout's 109B total (its card's figure, the vision encoder included)
                    "llama-4-scout-text": 109.0,
                    # its vision encoder and projector too (xlaserve's count: 108.64B)
-                   "llama-4-scout": 109.0}
+                   "llama-4-scout": 109.0,
+                   # the image checkpoints, vision towers included (MTP layers not built)
+                   "qwen3.5-397b-a17b": 397.0, "qwen3.5-35b-a3b": 35.0, "qwen3.5-27b": 27.0,
+                   "nemotron-3-nano-30b-a3b": 31.6, "nemotron-h-56b-base": 56.0}
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 SMALL_ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, page_size=4,
                     max_running_requests=2, max_total_tokens=128, context_length=64,
