@@ -50,9 +50,10 @@ def engine_model_args(args: argparse.Namespace, vocabulary: Vocabulary) -> dict:
 
 def first_layers_config(config: dict, num_layers: int) -> dict:
     """A config.json's dict cut to its first `num_layers` decoder layers (per-layer lists too:
-    gpt-oss's `layer_types`). Every layer of the benchmarked models has the same shapes, so the
+    gpt-oss's `layer_types`, Nemotron-H's block pattern). Every layer of the benchmarked models has the same shapes, so the
     cut model's step has the whole one's per-layer work."""
     cut = {**config, "num_hidden_layers": num_layers}
-    if "layer_types" in config:
-        cut["layer_types"] = config["layer_types"][:num_layers]
+    for per_layer in ("layer_types", "hybrid_override_pattern", "layers_block_type"):  # Nemotron-H's
+        if per_layer in config:
+            cut[per_layer] = config[per_layer][:num_layers]
     return cut

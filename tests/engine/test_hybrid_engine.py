@@ -3,7 +3,8 @@ tests/tiny_models.py): continuous batching with chunked prefill gives transforme
 and each request's solo ones, with nothing compiled after the precompile; more requests than
 running slots, so later ones take the state slots of finished ones while others decode; 64
 requests running at once; the prefix cache reuses prompts from their state snapshots
-(scheduler/state_reuse.py): a shared prefix, a multi-turn chat, snapshots evicted past the pool;
+(scheduler/state_reuse.py): a shared prefix, a multi-turn chat (from the last answer's
+snapshot), snapshots evicted past the pool;
 on two devices (--tp-size 2) too;
 speculative decoding (NGRAM, and NEXTN with the checkpoint's MTP layer on a tiny Qwen3-Next and
 Qwen3.5) gives plain decoding's tokens, its verified rows' states rolled back to their accepted
@@ -75,36 +76,39 @@ def test_a_prompt_reuses_a_cached_prefix_from_its_state_snapshot(engine, checkpo
 
 def test_a_multi_turn_chat_reuses_each_earlier_turn_with_transformers_tokens(engine, checkpoint):
     """Each turn's prompt is the last one, its answer and a new message: it starts from the last
-    turn's prompt (its last whole page: the answer's state is not kept) and gives transformers'
-    tokens for the whole conversation. Repeats of a turn reuse all but its last page."""
+    answer's last whole page (snapshotted as it decoded: 9 of its 10 tokens computed) and gives
+    transformers' tokens for the whole conversation. Repeats of a turn reuse all but its last
+    page (its own prompt's snapshot)."""
     engine.core.flush_cache()
     prompt, compiles = [(7 * i) % 500 + 1 for i in range(13)], engine.core.runner.compile_count()
-    reused = 0
+    reused, new = 0, GREEDY["max_new_tokens"]
     for turn in range(3):
         result = engine.generate(input_ids=prompt, sampling_params=GREEDY)
-        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, GREEDY["max_new_tokens"])
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, new)
         assert result["meta_info"]["cached_tokens"] == reused, turn
-        reused = (len(prompt) - 1) // 4 * 4  # what the next turn starts from
         again = engine.generate(input_ids=prompt, sampling_params=GREEDY)
         assert again["output_ids"] == result["output_ids"]
-        assert again["meta_info"]["cached_tokens"] == reused
+        assert again["meta_info"]["cached_tokens"] == (len(prompt) - 1) // 4 * 4
+        reused = (len(prompt) + new - 1) // 4 * 4  # the answer's last whole page
         prompt = prompt + result["output_ids"] + [11 * turn + 3, 200, 201]
     assert engine.core.runner.compile_count() == compiles
 
 
 def test_snapshots_over_the_pool_evict_the_least_recently_used_and_stay_exact(engine, checkpoint):
-    """Six prompts of distinct prefixes on four snapshot slots: the first two prompts' snapshots
-    are evicted (their pages may stay), so a repeat of the first runs from its start; a repeat of
-    the last reuses its snapshot; both give transformers' tokens."""
+    """Six prompts of distinct prefixes on four snapshot slots, their answers too short to reach
+    a page boundary (no decode snapshot): the first two prompts' snapshots are evicted (their
+    pages may stay), so a repeat of the first runs from its start; a repeat of the last reuses
+    its snapshot; both give transformers' tokens."""
     engine.core.flush_cache()
     prompts = [[100 + 10 * p + i for i in range(9)] for p in range(6)]
+    short = dict(GREEDY, max_new_tokens=3)  # 11 tokens computed: none past the page at 8
     for prompt in prompts:
-        engine.generate(input_ids=prompt, sampling_params=GREEDY)
-    first = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
-    last = engine.generate(input_ids=prompts[-1], sampling_params=GREEDY)
+        engine.generate(input_ids=prompt, sampling_params=short)
+    first = engine.generate(input_ids=prompts[0], sampling_params=short)
+    last = engine.generate(input_ids=prompts[-1], sampling_params=short)
     assert [first["meta_info"]["cached_tokens"], last["meta_info"]["cached_tokens"]] == [0, 8]
     for prompt, result in ((prompts[0], first), (prompts[-1], last)):
-        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, GREEDY["max_new_tokens"])
+        assert result["output_ids"] == hf_greedy(checkpoint[1], prompt, 3)
 
 
 def test_a_tiny_page_pool_retracts_and_every_request_keeps_transformers_tokens(checkpoint,

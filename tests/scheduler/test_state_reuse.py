@@ -2,7 +2,8 @@
 whose every state-pool slot holds the tokens its linear layers have read: each chunk must find in
 its request's slot exactly the tokens before it (from zeros at a prompt's start, or restored from
 a snapshot), so a missing, stale or misplaced restore or snapshot fails, with the steps in turn
-and overlapped."""
+and overlapped; an answer snapshotted at its last whole page as it decodes, each replacing the
+one before, where the chat's next turn starts."""
 import functools
 
 from tests.scheduler.fake_model import PAGE, FakeModel, make_scheduler, outputs, req
@@ -73,6 +74,25 @@ def test_a_step_restores_at_most_its_copies_and_the_rest_start_next_step():
         restores.append(sum(c.restore is not None for c in batch.chunks))
         scheduler.process_results(batch, model.step(batch))
     assert restores[:2] == [STATE_COPIES, 3]
+
+
+def test_a_chats_next_turn_starts_at_its_answers_last_whole_page():
+    """A 7-token prompt (snapshotted at 4) answered with 12 tokens, decoded in turn and then
+    overlapped: its decode rows snapshot at 8, 12 and 16 (18 tokens computed when it ends), each
+    replacing the one before; the next turn, prompt + answer + 2 tokens, restores the one at 16."""
+    for overlapped in (False, True):
+        scheduler = state_scheduler()
+        model = StateModel(scheduler)
+        prompt = list(range(60, 67))
+        scheduler.add(req("a", prompt=prompt, max_new=12))
+        answer = outputs(model.run_overlapped() if overlapped else model.run_all())["a"][0]
+        held = sorted(node.prefix_pages * PAGE for node in scheduler.prefix.snapshots.holders)
+        assert held == [4, 16], overlapped
+        scheduler.add(req("b", prompt=prompt + answer + [61, 62], max_new=2))
+        batch = scheduler.schedule()
+        assert batch.chunks[0].num_cached == 16 and batch.chunks[0].restore is not None
+        scheduler.process_results(batch, model.step(batch))
+        model.run_all()
 
 
 def test_overlapped_turns_and_evicted_snapshots_keep_every_state_exact():

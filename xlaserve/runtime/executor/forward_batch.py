@@ -335,7 +335,8 @@ def decode_forward_batch(rows: DecodeRows, buckets: Buckets, page_size: int) -> 
         sample_rows=sample_rows, sample_seqs=np.where(sample_rows, row_index, -1).astype(np.int32),
         target_ids=np.full(padded_tokens, -1, np.int32),
         input_slots=input_slots, next_ids=np.full(padded_seqs, -1, np.int32),
-        tree_masks=np.zeros(padded_tokens, np.int32), pages=padded_pages, page_ids=rows.page_ids)
+        tree_masks=np.zeros(padded_tokens, np.int32), pages=padded_pages, page_ids=rows.page_ids,
+        state_copies=((), list(rows.snapshots.values())))
 
 
 def forward_batch_for(batch: ScheduledBatch, buckets: Buckets, page_size: int) -> ForwardBatch:

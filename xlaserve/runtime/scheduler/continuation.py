@@ -67,11 +67,14 @@ def schedule_continuation(scheduler: _Scheduler, batch: ScheduledBatch) -> Sched
     if (not rows and not admissible) or needed > scheduler.cache.available_pages:
         return None
     requests, chunks = [], []
-    for r, num_cached, new in rows:
+    snapshots = scheduler.prefix.decode_snapshots([r for r, *_ in rows],
+                                                  [num_cached + 1 for _, num_cached, _ in rows])
+    for i, (r, num_cached, new) in enumerate(rows):
         if new > 0:
             r.page_ids += scheduler.cache.allocate(new)
         requests.append(r)
-        chunks.append(SeqChunk([0], num_cached, list(r.page_ids), True, input_slot=r.slot))
+        chunks.append(SeqChunk([0], num_cached, list(r.page_ids), True, input_slot=r.slot,
+                               snapshot=snapshots.get(i)))
     admitted: list[Request] = []
     prefills = []
     if admissible:  # every running request is in `batch`: none has a prompt chunk to run
@@ -87,7 +90,7 @@ def schedule_continuation(scheduler: _Scheduler, batch: ScheduledBatch) -> Sched
     slots = [r.slot for r in requests]
     decode = None if prefills else DecodeRows(
         [c.num_cached for c in chunks], slots, [len(r.output_ids) for r in requests],
-        [c.page_ids for c in chunks])
+        [c.page_ids for c in chunks], snapshots=snapshots)
     # `ahead` is the decode rows' (input_slot >= 0); an admitted row has sampled nothing.
     return ScheduledBatch(requests, chunks, slots, kind, admitted, ahead=1, decode=decode)
 
@@ -129,7 +132,8 @@ def _continue_decodes(scheduler: _Scheduler, batch: ScheduledBatch) -> Scheduled
     changed = sorted({*growing, *(i for i, c in enumerate(num_cached) if c % page_size == 1)})
     for i in changed:
         page_ids[i] = list(requests[i].page_ids)
-    rows = DecodeRows(num_cached, slots, output_lens, page_ids, previous, kept)
+    rows = DecodeRows(num_cached, slots, output_lens, page_ids, previous, kept,
+                      scheduler.prefix.decode_snapshots(requests, [n + 1 for n in num_cached]))
     # Rows of a batch with no grammar (or logprobs) have none: `False and None` is False;
     # where the batch had some (or was not asked), the rows left are asked again (None).
     scheduler.log.step(scheduler, "decode", len(requests), [], 0)

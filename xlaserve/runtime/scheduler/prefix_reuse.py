@@ -28,6 +28,7 @@ class _Request(Protocol):
     num_computed: int
     page_ids: list[int]
     cache_node: TreeNode | None
+    slot: int | None  # its state slot (a hybrid model's decode snapshots)
 
     def cache_ids(self) -> list[int]: ...
 
@@ -112,6 +113,12 @@ class PrefixReuse:
 
     def state_copies(self, request: _Request, slot: int, end: int) -> dict:
         """A chunk's state copies (SeqChunk.restore, .snapshot): none but a hybrid model's."""
+        return NO_COPIES
+
+    def decode_snapshots(self, requests: Sequence[_Request], ends: Sequence[int]) -> dict:
+        """{row: (its slot, a snapshot slot)}: the state copies after decode rows, each row's KV
+        ending at `ends[row]` (0: a row that takes none), SeqChunk.snapshot: none but a hybrid
+        model's."""
         return NO_COPIES
 
     def release(self, request: _Request) -> None:

@@ -284,6 +284,9 @@ class DecodeRows:
     page_ids: list[list[int]]
     parent: DecodeRows | None = None
     kept: list[int] | None = None
+    # {row: (its slot, a snapshot slot)}: a hybrid model's state copies after the step
+    # (scheduler/state_reuse.py's decode snapshots); empty for every other model.
+    snapshots: dict = field(default_factory=dict)
 
 
 class DecodeChunks(Sequence):
@@ -303,4 +306,4 @@ class DecodeChunks(Sequence):
             return [self[i] for i in range(*index.indices(len(self)))]
         rows = self.rows
         return SeqChunk([0], rows.num_cached[index], list(rows.page_ids[index]), True,
-                        input_slot=rows.slots[index])
+                        input_slot=rows.slots[index], snapshot=rows.snapshots.get(index))

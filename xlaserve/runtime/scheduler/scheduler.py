@@ -87,8 +87,7 @@ class Scheduler:
                                 HostTier(host_pages) if host_pages else None)
         self.prefix = prefix_reuse(self.cache, page_size, enabled=radix_cache)
         self.max_running_requests = max_running_requests
-        # <= 0 or None: no chunking, a prompt runs in one step.
-        self.chunk_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.chunk_size = chunked_prefill_size if (chunked_prefill_size or 0) > 0 else None
         self.max_prefill_tokens = max_prefill_tokens
         self.context_length = context_length
         self.log = StepLog(log_interval)  # SGLang's Prefill batch / Decode batch lines
@@ -130,8 +129,7 @@ class Scheduler:
         self._enqueue(request)
 
     def _queue_key(self, request: Request):
-        # Priority first; within it, retracted requests go to the front so they resume first,
-        # then first come first served (arrival order breaks equal timestamps).
+        # Priority, then retracted requests first, then arrival (its order breaking ties).
         return (-request.priority, request.retracted_count == 0, request.arrival_time,
                 self._arrival_order[request.rid])
 
@@ -235,12 +233,14 @@ class Scheduler:
         if needed > self.cache.available_pages and len(self.running) > 1:
             decoding = retract_for_decodes(self)
         drafts = self.speculator.drafts(self, decoding)
+        snapshots = self.prefix.decode_snapshots(  # after plain rows at a page's end
+            decoding, [0 if d.tokens else r.num_computed + 1 for r, d in zip(decoding, drafts)])
         rows = []
-        for r, draft in zip(decoding, drafts):
+        for i, (r, draft) in enumerate(zip(decoding, drafts)):
             self.grow(r, r.num_computed + 1 + len(draft.tokens))
             rows.append((r, SeqChunk([r.output_ids[-1], *draft.tokens], r.num_computed,
                                      list(r.page_ids), True, num_drafts=len(draft.tokens),
-                                     tree_parents=draft.row_parents)))
+                                     tree_parents=draft.row_parents, snapshot=snapshots.get(i))))
         return rows
 
     def schedule_prefills(self, admitted: list[Request], budget: int, admit: bool = True,

@@ -12,15 +12,22 @@ needs the slot) and keep its pages, which then serve no match until a request pa
 Where snapshots are taken: at a prompt's last whole page (`(num_tokens - 1) // page_size` pages,
 what a repeat of the prompt, or a longer one such as the next turn of a chat, can reuse), the
 prefill chunk that crosses it cut there, and the request's state copied into a snapshot slot at
-the end of that step. One a request: a snapshot is its linear layers' whole state (79 MB in
-Qwen3-Next-80B), where its KV grows by 24 KB a token. A chat's next turn thus reuses the turns
-before the last answer (whose state is not kept), and runs that answer and the new message.
+the end of that step; and while it decodes, at each page boundary its decode row reaches
+(`decode_snapshot`), each new one replacing the request's last, so that when it ends its answer
+is snapshotted at its last whole page. A snapshot is a request's linear layers' whole state
+(79 MB in Qwen3-Next-80B, where its KV grows by 24 KB a token): a request holds two at most, its
+prompt's and its answer's latest; the copy costs a state's bytes every `page_size` tokens of an
+answer. A chat's next turn thus reuses the turns before it and the last answer up to its last
+whole page (SGLang's MambaRadixCache keeps the state of a finished request's tokens, at any
+length: its pages are of one token), and runs the answer's last page and the new message.
 
 The device work: a step carries at most STATE_COPIES restores and as many snapshots (the
 step's `StateCopies`); a request whose restore finds the step full waits for the next one, a
 snapshot that does not fit is not taken.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from xlaserve.runtime.scheduler.prefix_cache import RadixCache, TreeNode
 from xlaserve.runtime.scheduler.prefix_reuse import PrefixReuse, _Request
@@ -37,23 +44,27 @@ class StateSnapshots:
         self.holders: set[TreeNode] = set()
 
     def take(self) -> int | None:
-        """A free slot, or the least recently used unlocked holder's (its node keeps its pages);
-        None where every holder is locked."""
+        """A free slot, or the least recently used unlocked holder's (its node keeps its pages),
+        or else a locked one's: a running request needs its prefix's snapshot only for its
+        restore, which a step scheduled no later than this copy's reads first (steps run in
+        order; in a step, restores come before the forward and snapshots after). In a chat every
+        earlier turn's snapshot is on the running turn's path, locked. None without holders."""
         if not self.free:
-            unlocked = [node for node in self.holders if node.lock_ref == 0]
-            if not unlocked:
+            if not self.holders:
                 return None
-            self.release(min(unlocked, key=lambda node: node.last_access))
+            unlocked = [node for node in self.holders if node.lock_ref == 0]
+            self.release(min(unlocked or self.holders, key=lambda node: node.last_access))
         return self.free.pop()
 
-    def attach(self, node: TreeNode, slot: int) -> None:
+    def attach(self, node: TreeNode, slot: int) -> bool:
         """`slot` holds the state at `node`'s end; a node that has one keeps it (the same state:
-        equal prefixes), and `slot` is free again."""
+        equal prefixes), and `slot` is free again. Whether `node` took it."""
         if node.snapshot is not None or node.parent is None:
             self.put_back(slot)
-            return
+            return False
         node.snapshot = slot
         self.holders.add(node)
+        return True
 
     def release(self, node: TreeNode) -> None:
         """`node` loses its snapshot (it is evicted, or its slot is wanted)."""
@@ -76,7 +87,9 @@ class StatePrefixReuse(PrefixReuse):
         self.snapshots = StateSnapshots(snapshot_slots)
         cache.snapshots = self.snapshots  # an evicted node's snapshot is freed with its pages
         self._restores: dict[int, int] = {}  # id(request) -> the snapshot its first chunk restores
-        self._pending: dict[int, tuple[int, int]] = {}  # id(request) -> (tokens, snapshot slot)
+        # id(request) -> (tokens, snapshot slot, whether a decode row's)
+        self._pending: dict[int, tuple[int, int, bool]] = {}
+        self._answers: dict[int, tuple[TreeNode, int]] = {}  # id(request) -> its decode snapshot
         self._restores_this_step = self._snapshots_this_step = 0
 
     def new_step(self) -> None:
@@ -116,14 +129,31 @@ class StatePrefixReuse(PrefixReuse):
         copies = {}
         if (source := self._restores.pop(id(request), None)) is not None:
             copies["restore"] = (source, slot)
-        if (self.enabled and end == self.last_whole_page(request) > 0
-                and self._snapshots_this_step < STATE_COPIES
-                and id(request) not in self._pending
-                and (target := self.snapshots.take()) is not None):
-            self._pending[id(request)] = (end, target)
-            self._snapshots_this_step += 1
-            copies["snapshot"] = (slot, target)
+        if end == self.last_whole_page(request) > 0 and (copy := self._snapshot(request, slot,
+                                                                                end, False)):
+            copies["snapshot"] = copy
         return copies
+
+    def decode_snapshots(self, requests: Sequence[_Request], ends: Sequence[int]) -> dict:
+        """The decode rows that end at a page boundary: their states into snapshot slots after
+        the step (the module docstring), where the step has room and a slot can be had."""
+        if not self.enabled:
+            return {}
+        page_size, copies = self.page_size, {}
+        for row, (request, end) in enumerate(zip(requests, ends, strict=True)):
+            if end and end % page_size == 0 and (
+                    copy := self._snapshot(request, request.slot, end, True)):
+                copies[row] = copy
+        return copies
+
+    def _snapshot(self, request: _Request, slot: int, end: int,
+                  decoding: bool) -> tuple[int, int] | None:
+        if (not self.enabled or self._snapshots_this_step >= STATE_COPIES
+                or id(request) in self._pending or (target := self.snapshots.take()) is None):
+            return None
+        self._pending[id(request)] = (end, target, decoding)
+        self._snapshots_this_step += 1
+        return slot, target
 
     def share_computed_pages(self, request: _Request) -> None:
         """PrefixReuse's, then the pending snapshot on the node that now ends at its tokens."""
@@ -132,16 +162,23 @@ class StatePrefixReuse(PrefixReuse):
         if pending is None or request.num_computed < pending[0]:
             return
         del self._pending[id(request)]
-        end, slot = pending
+        end, slot, decoding = pending
         node = request.cache_node
-        if node.prefix_pages * self.page_size == end:
-            self.snapshots.attach(node, slot)
-        else:  # its pages were not cached: nothing to hang it on
+        if node.prefix_pages * self.page_size != end:  # its pages were not cached: nowhere to go
             self.snapshots.put_back(slot)
+            return
+        held = self.snapshots.attach(node, slot)
+        if decoding:  # an answer's latest replaces the one before (still there: its own)
+            previous = self._answers.pop(id(request), None)
+            if previous is not None and previous[0].snapshot == previous[1]:
+                self.snapshots.release(previous[0])
+            if held:
+                self._answers[id(request)] = (node, slot)
 
     def release(self, request: _Request) -> None:
         """A request that ends before its snapshot step is processed frees the slot (a step
         still running may write it: whoever takes it next writes later, steps run in order)."""
         self._restores.pop(id(request), None)
+        self._answers.pop(id(request), None)  # its answer's snapshot stays in the tree
         if (pending := self._pending.pop(id(request), None)) is not None:
             self.snapshots.put_back(pending[1])
