@@ -91,3 +91,23 @@ def test_qwen3_next_with_its_mtp_layer_as_a_nextn_head_compiles_for_h100(tmp_pat
     assert len(caches) == 6 and caches[4].shape == caches[0].shape, description
     program.compile(*shapes[0], PLAIN)
     program.compile_chain(*shapes[0])
+
+
+@pytest.mark.parametrize("target,tp_size", [("v6e:2x2", 4), ("h100", 1)])
+def test_nemotron_h_step_keeps_its_mamba_pools_in_place(target, tp_size, tmp_path):
+    """Nemotron-3-Nano's first 7 blocks (Mamba-2 and experts, one without an FFN, then
+    attention) at ep = tp: neither Mamba-2 pool is copied. Its states are [state 128, head_dim
+    64]; the Pallas rule read such a pool row-major where XLA lays it out 128-minor on TPU, so
+    v6e relaid every layer's pool out (executor/kernels.tpu_mamba2_ssm); on H100 the Pallas
+    scan runs."""
+    devices(target)
+    args = ServerArgs(model_path=first_layers("nemotron-3-nano-30b-a3b", 7, tmp_path),
+                      tp_size=tp_size, ep_size=tp_size, max_running_requests=64,
+                      max_prefill_tokens=512)
+    program, shapes, description = aot.server_step(target, args)
+    hlo = program.compile(*shapes[0], PLAIN).as_text()
+    assert len(rule_kernel_calls(hlo)) == (3 if target == "h100" else 0), description
+    for leaf in jax.tree.leaves(program.args[1][1]):  # the first Mamba-2 layer's two pools
+        split = leaf.sharding.spec.index(("expert", "tensor"))
+        local = tuple(n // tp_size if i == split else n for i, n in enumerate(leaf.shape))
+        assert not cache_copies(hlo, local, leaf.dtype), description

@@ -8,7 +8,8 @@ grouped matmul that multiplies only routed rows, gate_up's with the SwiGLU fused
 (pallas_kernels/grouped_matmul_gpu.py), and on a
 single GPU the block-scaled FP8 matmul of FP8 checkpoints (pallas_kernels/fp8_block_matmul.py).
 Nemotron-H's Mamba-2 scan (`Kernels.mamba2_ssm`) runs on the same kernels, the rule without its
-delta (pallas_kernels/mamba2/reference.py).
+delta (pallas_kernels/mamba2/reference.py); on TPU only where its state's rows are whole lane
+tiles (`tpu_mamba2_ssm`), else the jnp scan.
 
 The native GEMM beat XLA's CPU dot at every row count measured on the default model's shapes
 (AMD EPYC, float32): 2-2.5x for steps of 2-32 rows, where XLA runs at a third of the memory
@@ -38,6 +39,7 @@ from xlaserve.pallas_kernels.linear_attention import kernel_cpu as linear_kernel
 from xlaserve.pallas_kernels.linear_attention import kernel_gpu as linear_kernel_gpu
 from xlaserve.pallas_kernels.linear_attention import kernel_tpu as linear_kernel_tpu
 from xlaserve.pallas_kernels.linear_attention.reference import all_writes
+from xlaserve.pallas_kernels.mamba2.reference import mamba2_ssm as mamba2_ssm_reference
 from xlaserve.pallas_kernels.mamba2.reference import through_rule
 from xlaserve.pallas_kernels.fp8_block_matmul import block_fp8_matmul
 from xlaserve.pallas_kernels import (grouped_matmul_gpu, grouped_matmul_mxfp4, invariant_matmul,
@@ -104,8 +106,8 @@ def kernels_for(attention_backend: str = "auto", mesh: Mesh | None = None,
         # on its own heads.
         rule = split_by_value_head(
             {"tpu": linear_kernel_tpu, "gpu": linear_kernel_gpu}[platform].gated_delta_rule, mesh)
-        kernels = dataclasses.replace(kernels, gated_delta_rule=rule,
-                                      mamba2_ssm=through_rule(rule))
+        scan = through_rule(rule) if platform == "gpu" else tpu_mamba2_ssm(through_rule(rule))
+        kernels = dataclasses.replace(kernels, gated_delta_rule=rule, mamba2_ssm=scan)
     if platform == "gpu" and (mesh is None or mesh.size == 1):
         # A custom call is not split by XLA's partitioner: on a mesh, FP8 checkpoints with block
         # scales are dequantized at load (weights/kept_quantized/fp8_kept.py) and this stays None.
@@ -198,6 +200,21 @@ def deterministic_kernels(kernels: Kernels, platform: str = "cpu",
         packed_matmul=functools.partial(kernels.packed_matmul, **invariant),
         packed_matmul_swiglu=functools.partial(kernels.packed_matmul_swiglu, **invariant),
         packed_grouped_matmul=functools.partial(kernels.packed_grouped_matmul, **invariant))
+
+
+def tpu_mamba2_ssm(pallas_scan):
+    """Mamba-2's scan on TPU: the Pallas rule's where a state's rows are whole lane tiles
+    (head_dim a multiple of 128), else the jnp scan. XLA lays a [state N, head_dim 64] pool out
+    with N minor (no lane padding) where the kernel reads it row-major: every layer's pool was
+    relaid out into the kernel and back each step (Nemotron-3-Nano at v6e tp 8: 1.45 GiB of
+    temporaries against 0.17; Nemotron-H-56B's (512, 64) step out of memory, 34 GiB)."""
+
+    @functools.wraps(pallas_scan)
+    def mamba2_ssm(x, dt, A, B, C, D, state_pool, *rest):
+        scan = pallas_scan if state_pool.shape[-1] % 128 == 0 else mamba2_ssm_reference
+        return scan(x, dt, A, B, C, D, state_pool, *rest)
+
+    return mamba2_ssm
 
 
 def split_by_value_head(rule, mesh: Mesh | None):
