@@ -15,7 +15,7 @@ import logging
 import pytest
 
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
-                                        check_two_devices, family_fixtures)
+                                        check_cached_prefix, check_two_devices, family_fixtures)
 from tests.hf_reference import hf_greedy
 from xlaserve.offline import Engine
 
@@ -65,13 +65,7 @@ def test_sixty_four_requests_at_once_each_in_its_own_state_slot(checkpoint):
 def test_a_prompt_reuses_a_cached_prefix_from_its_state_snapshot(engine, checkpoint):
     """Two prompts sharing 8 tokens: the first's state was snapshotted at its last whole page
     (8 tokens), so the second starts there, its linear layers from the snapshot."""
-    engine.core.flush_cache()
-    system = [5, 17, 300, 42, 9, 77, 120, 3]
-    first = engine.generate(input_ids=system + [91, 13], sampling_params=GREEDY)
-    second = engine.generate(input_ids=system + [400, 401, 402], sampling_params=GREEDY)
-    assert [first["meta_info"]["cached_tokens"], second["meta_info"]["cached_tokens"]] == [0, 8]
-    assert second["output_ids"] == hf_greedy(checkpoint[1], system + [400, 401, 402],
-                                             GREEDY["max_new_tokens"])
+    check_cached_prefix(engine, checkpoint[1], GREEDY)
 
 
 def test_a_multi_turn_chat_reuses_each_earlier_turn_with_transformers_tokens(engine, checkpoint):

@@ -7,9 +7,8 @@ layers split by group, the experts by width) too; speculative decoding (NGRAM) g
 transformers' tokens, its verified rows' scans rolled back to their accepted drafts. The checks:
 tests/engine/family_engine.py, tests/engine/test_hybrid_engine.py."""
 from tests.engine.family_engine import (GREEDY, check_batched_equal_solo_and_transformers,
-                                        check_two_devices, family_fixtures)
+                                        check_cached_prefix, check_two_devices, family_fixtures)
 from tests.engine.test_hybrid_engine import PROMPTS, SMALL, check_speculation_rolls_back
-from tests.hf_reference import hf_greedy
 
 checkpoint, engine = family_fixtures("nemotron_h", SMALL)
 
@@ -21,13 +20,7 @@ def test_batched_chunked_greedy_requests_equal_solo_runs_and_transformers(engine
 def test_a_prompt_reuses_a_cached_prefix_from_its_state_snapshot(engine, checkpoint):
     """Two prompts sharing 8 tokens: the second starts from the first's snapshot at its last
     whole page (8 tokens), its Mamba-2 layers' conv windows and SSM states restored."""
-    engine.core.flush_cache()
-    system = [5, 17, 300, 42, 9, 77, 120, 3]
-    first = engine.generate(input_ids=system + [91, 13], sampling_params=GREEDY)
-    second = engine.generate(input_ids=system + [400, 401, 402], sampling_params=GREEDY)
-    assert [first["meta_info"]["cached_tokens"], second["meta_info"]["cached_tokens"]] == [0, 8]
-    assert second["output_ids"] == hf_greedy(checkpoint[1], system + [400, 401, 402],
-                                             GREEDY["max_new_tokens"])
+    check_cached_prefix(engine, checkpoint[1], GREEDY)
 
 
 def test_tensor_parallel_engine_gives_transformers_greedy_tokens(checkpoint):
