@@ -35,8 +35,7 @@ from flax import nnx
 from xlaserve.model.config.mamba2_config import Mamba2Config
 from xlaserve.model.layers import Kernels, init_weight, linear, matmul_input_dtype, project
 from xlaserve.model.linear_attention import commit_rows
-from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d
-from xlaserve.pallas_kernels.linear_attention.reference import delta_rule_update
+from xlaserve.pallas_kernels.linear_attention.reference import causal_conv1d, delta_rule_update
 from xlaserve.pallas_kernels.mamba2.reference import by_head
 
 
@@ -56,9 +55,9 @@ class PendingScan:
 class Mamba2State:
     """One layer's state pools, float32: `conv` [slots, W - 1, G, channels] (the convolution's
     inputs before a request's next row, oldest first, each group's channels) and `ssm`
-    [slots, H, N, P] (the heads' states, the gated delta rule's layout: B and C its k and q). A request owns one slot of both, in every Mamba-2
-    layer. `pending`: in a speculative step, until `commit_accepted`, the verified rows' inputs
-    and A (else None)."""
+    [slots, H, N, P] (the heads' states, the gated delta rule's layout: B and C its k and q). A
+    request owns one slot of both, in every Mamba-2 layer. `pending`: in a speculative step,
+    until `commit_accepted`, the verified rows' inputs and A (else None)."""
 
     conv: jax.Array
     ssm: jax.Array

@@ -7,7 +7,7 @@ from xlaserve._lazy import lazy_exports
 _MODULE_OF = {  # public name -> the module of this folder that defines it (or is it)
     "gated_delta_rule": "reference", "chunked_gated_delta_rule": "reference",
     "causal_conv1d": "reference", "scan_rows": "reference", "prepared_inputs": "reference",
-    "delta_rule_update": "reference", "all_writes": "reference",
+    "delta_rule_update": "reference", "pallas_inputs": "reference", "all_writes": "reference",
     "kernel_cpu": "kernel_cpu", "kernel_tpu": "kernel_tpu", "kernel_gpu": "kernel_gpu",
 }
 __all__ = list(_MODULE_OF)

@@ -58,12 +58,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     without the delta (reference.py). `interpret`: False on a GPU, True to run it on the CPU
     (tests); `value_block`: the most state columns a program holds; `chunk`: rows of the
     chunked form (a power of two, 16 at least on a GPU)."""
-    if state_pool.dtype != jnp.float32:
-        raise ValueError(f"the GPU gated delta rule keeps a float32 state pool, not "
-                         f"{state_pool.dtype}")
-    q, k, v32, g, beta = (x.astype(jnp.float32)
-                          for x in reference.prepared_inputs(q, k, v, g, beta, repeat_keys=False,
-                                                             form=form))
+    q, k, v32, g, beta = reference.pallas_inputs(q, k, v, g, beta, state_pool, form, "GPU")
     rows, heads, value_dim = v32.shape
     key_dim = k.shape[-1]
     value_block = check_shapes(key_dim, value_dim, value_block)

@@ -95,12 +95,7 @@ def gated_delta_rule(q, k, v, g, beta, state_pool, state_slots, kv_lens, cu_q_le
     row, but where `writes` is 0 (reference.gated_delta_rule). `interpret`: False on a TPU, True
     to run it on the CPU (tests); `block_rows`: the most rows of a block (of a chunk). `form`
     "ssd": Mamba-2's scan (reference.py), no delta: u = beta v, w = 0."""
-    if state_pool.dtype != jnp.float32:
-        raise ValueError(f"the TPU gated delta rule keeps a float32 state pool, not "
-                         f"{state_pool.dtype}")
-    q, k, v32, g, beta = (x.astype(jnp.float32)
-                          for x in reference.prepared_inputs(q, k, v, g, beta, repeat_keys=False,
-                                                             form=form))
+    q, k, v32, g, beta = reference.pallas_inputs(q, k, v, g, beta, state_pool, form, "TPU")
     state_slots, kv_lens, cu_q_lens, num_seqs = (jnp.asarray(x, jnp.int32) for x in (
         state_slots, kv_lens, cu_q_lens, num_seqs))
     rows, heads, value_dim = v32.shape

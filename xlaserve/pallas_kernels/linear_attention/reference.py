@@ -81,6 +81,16 @@ def prepared_inputs(q, k, v, g, beta, repeat_keys: bool = True, form: str = "del
     return q, k, v.astype(dtype), g.astype(dtype), beta.astype(dtype)
 
 
+def pallas_inputs(q, k, v, g, beta, state_pool, form: str, kernel: str):
+    """The Pallas kernels' (`kernel`: "TPU", "GPU") inputs: `prepared_inputs` per key head, in
+    float32; ValueError for a state pool that is not float32."""
+    if state_pool.dtype != jnp.float32:
+        raise ValueError(f"the {kernel} gated delta rule keeps a float32 state pool, not "
+                         f"{state_pool.dtype}")
+    return tuple(x.astype(jnp.float32)
+                 for x in prepared_inputs(q, k, v, g, beta, repeat_keys=False, form=form))
+
+
 def delta_rule_update(state, k, v, g, beta, form: str = "delta"):
     """The state [..., Hv, Dk, Dv] after one token: k [..., Hv, Dk] (normalized, per value
     head), v [..., Hv, Dv], g and beta [..., Hv]; without the delta in form "ssd"."""

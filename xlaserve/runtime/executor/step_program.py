@@ -18,12 +18,12 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.runtime.executor.kv_pool import layer_pool_arrays
 from xlaserve.runtime.executor.page_table import apply_writes, gather_rows
 from xlaserve.runtime.executor.state_pool import copy_states
-from xlaserve.runtime.executor.verified_rows import state_rollback
 from xlaserve.runtime.executor.step_inputs import NULL_SLOT, split_leaves
 from xlaserve.runtime.executor.draft_head_step import catch_up_head
 from xlaserve.runtime.executor.verified_rows import (kept_path_moves, kept_rows,
                                                      move_kv_entries, prior_draft_ids,
-                                                     tree_kept_rows, tree_prior_draft_ids)
+                                                     state_rollback, tree_kept_rows,
+                                                     tree_prior_draft_ids)
 from xlaserve.runtime.executor.weight_args import leaves_from_args
 from xlaserve.model.lora import LoraSpec, lora_batch, token_request_slots
 from xlaserve.model.sharding import TP
